@@ -1,0 +1,126 @@
+"""Module-level functions on a default pool per device (like torch.npu.memory's functions).
+
+The current device is per thread (set_device); each device's default pool is created on first
+use with the knobs of $ASCEND_POOL_CONF and the backend of $ASCEND_POOL_BACKEND.
+"""
+
+import threading
+
+from .errors import InvalidDeviceError
+
+_lock = threading.Lock()
+_pools = {}
+_local = threading.local()
+
+
+def set_device(device):
+    """Makes device (int) the current device of the calling thread for module-level calls."""
+    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+        raise InvalidDeviceError(f"device must be a non-negative int, got {device!r}")
+    _local.device = device
+
+
+def current_device():
+    """The calling thread's current device (default 0)."""
+    return getattr(_local, "device", 0)
+
+
+def push_current(device, pool):
+    """Makes pool current for device on this thread (contexts use it for `with ctx:`); module-level
+    calls and the C ABI then allocate from it. Undo with pop_current(device, token)."""
+    from ._core import _set_thread_current
+
+    stack = _stack(device)
+    token = _set_thread_current(device, pool)
+    stack.append(pool)
+    return token
+
+
+def pop_current(device, token):
+    """Undoes the matching push_current."""
+    from ._core import _restore_thread_current
+
+    _stack(device).pop()
+    _restore_thread_current(device, token)
+
+
+def _stack(device):
+    stacks = getattr(_local, "stacks", None)
+    if stacks is None:
+        stacks = _local.stacks = {}
+    return stacks.setdefault(device, [])
+
+
+def default_pool(device=None):
+    """The pool module-level calls use for device (None: the current device): the thread's
+    current context if one was made current, else the process default, created on first use."""
+    device = current_device() if device is None else device
+    stack = getattr(_local, "stacks", {}).get(device)
+    if stack:
+        return stack[-1]
+    pool = _pools.get(device)
+    if pool is None:
+        with _lock:
+            pool = _pools.get(device)
+            if pool is None:
+                pool = _pools[device] = _create_default(device)
+    return pool
+
+
+def _create_default(device):
+    from ._core import _set_default_pool
+    from .pool import Pool
+
+    pool = Pool(device)
+    _set_default_pool(pool)
+    return pool
+
+
+def malloc(nbytes, stream=None, device=None):
+    """Allocates nbytes on the default pool of device; returns the address (int)."""
+    return default_pool(device).malloc(nbytes, stream)
+
+
+def free(ptr, stream=None, device=None):
+    """Frees ptr (from malloc) on the default pool of device."""
+    default_pool(device).free(ptr, stream)
+
+
+def record_stream(ptr, stream, device=None):
+    """Marks ptr as used by stream (see Pool.record_stream)."""
+    default_pool(device).record_stream(ptr, stream)
+
+
+def empty_cache(device=None):
+    """Returns the default pool's unused segments to the device."""
+    default_pool(device).empty_cache()
+
+
+def memory_stats(device=None):
+    """The default pool's counters in PyTorch's schema (bytes)."""
+    return default_pool(device).memory_stats()
+
+
+def memory_summary(device=None):
+    """A readable summary of the default pool's counters."""
+    return default_pool(device).memory_summary()
+
+
+def reset_peak_stats(device=None):
+    """Resets the default pool's peak counters."""
+    default_pool(device).reset_peak_stats()
+
+
+def snapshot(device=None):
+    """The default pool's snapshot in PyTorch's schema."""
+    return default_pool(device).snapshot()
+
+
+def memory_allocated(device=None):
+    """Bytes currently allocated (rounded block sizes)."""
+    return memory_stats(device)["allocated_bytes.all.current"]
+
+
+def memory_reserved(device=None):
+    """Bytes currently held from the device."""
+    return memory_stats(device)["reserved_bytes.all.current"]

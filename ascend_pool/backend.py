@@ -1,0 +1,115 @@
+"""Which device backend this process uses: a real NPU (acl), the simulated NPU (sim) or CUDA.
+
+    open_backend()              # $ASCEND_POOL_BACKEND, else acl if an NPU is there, else sim
+    open_backend("sim")         # the bundled simulator, through the acl loading code
+    open_backend("acl", "/opt/cann/lib64/libascendcl.so")
+
+One Backend object is kept per (name, path) for the life of the process: the pool and every other
+user of the same device then share one loaded runtime and one set of per-thread device caches.
+"""
+
+import logging
+import os
+import threading
+
+from ascend_pool.errors import BackendUnavailableError, ConfigError
+
+__all__ = ["open_backend", "sim_library_path", "BACKEND_ENV", "BACKEND_NAMES"]
+
+BACKEND_ENV = "ASCEND_POOL_BACKEND"
+BACKEND_NAMES = ("acl", "sim", "cuda")
+
+log = logging.getLogger("ascend_pool")
+
+_lock = threading.Lock()
+_cache = {}  # (name or None, path or None) -> Backend, for every request ever answered
+_logged = False  # the choice is logged once per process
+
+
+def sim_library_path(legacy=False):
+    """Path of the bundled simulator's libascendcl.so. legacy=True gives the build that lacks
+    aclrtMallocAlign32 and aclrtQueryEventStatus (to exercise the acl backend's fallbacks)."""
+    parts = ["_sim", "legacy", "libascendcl.so"] if legacy else ["_sim", "libascendcl.so"]
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), *parts)
+
+
+def _backend_class():
+    # Imported late so that importing ascend_pool.backend (e.g. for sim_library_path, or by the
+    # extension itself) never needs the compiled module.
+    from ascend_pool._core import Backend
+
+    return Backend
+
+
+def _requested_name(name):
+    if name is not None:
+        if name not in BACKEND_NAMES:
+            raise ConfigError(f"unknown backend {name!r}: expected one of {', '.join(BACKEND_NAMES)}")
+        return name
+    value = os.environ.get(BACKEND_ENV, "").strip()
+    if not value:
+        return None  # auto
+    if value not in BACKEND_NAMES:
+        raise ConfigError(
+            f"{BACKEND_ENV}={value!r} is not a backend: expected one of {', '.join(BACKEND_NAMES)}"
+        )
+    return value
+
+
+def _open(name, path):
+    Backend = _backend_class()
+    if name == "sim":
+        return Backend("sim", path if path is not None else sim_library_path())
+    return Backend(name, path)
+
+
+def _open_auto():
+    """acl when libascendcl.so loads and reports a device, else sim. Returns (backend, why)."""
+    try:
+        backend = _cached("acl", None)
+        return backend, f"found {backend.device_count} NPU(s) via {backend.path}"
+    except BackendUnavailableError as exc:
+        reason = str(exc).splitlines()[0]
+        return _cached("sim", None), f"no NPU runtime usable ({reason}); using the simulated NPU"
+
+
+def _cached(name, path):
+    key = (name, path)
+    backend = _cache.get(key)
+    if backend is None:
+        backend = _open(name, path)
+        _cache[key] = backend
+    return backend
+
+
+def open_backend(name=None, path=None):
+    """The process's Backend for `name` ("acl", "sim", "cuda"; None: $ASCEND_POOL_BACKEND, else
+    automatic) loaded from `path` (None: that backend's default search).
+
+    Raises ConfigError for an unknown name or environment value, BackendUnavailableError when the
+    chosen backend cannot be opened (an explicit choice never falls back to another backend).
+    The choice is logged once at INFO on the "ascend_pool" logger.
+    """
+    global _logged
+    name = _requested_name(name)
+    key = (name, path)
+    with _lock:
+        backend = _cache.get(key)
+        if backend is not None:
+            return backend
+        if name is None and path is None:
+            backend, why = _open_auto()
+            chosen = "auto"
+        else:
+            if name is None:
+                name = "acl"  # a bare library path means "load this ACL runtime"
+            backend, why = _cached(name, path), f"as requested, from {path or 'the default search'}"
+            chosen = name
+        _cache[key] = backend
+        if not _logged:
+            _logged = True
+            log.info(
+                "ascend_pool: device backend %s (%s, %d device(s), %s): %s",
+                backend.name, chosen, backend.device_count, backend.path, why,
+            )
+        return backend

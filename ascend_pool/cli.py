@@ -1,0 +1,37 @@
+"""The ascend-pool command line. Each subcommand lives in ascend_pool/commands/NAME.py and
+registers itself with register(subparsers)."""
+
+import argparse
+import importlib
+import sys
+
+from .errors import PoolError
+
+COMMANDS = ("replay", "bench", "serve", "check_config")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="ascend-pool", description="ascend_pool: caching NPU memory pool tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"ascend_pool.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"ascend_pool.commands.{name}":
+                raise
+            continue  # not built yet in this version
+        module.register(sub)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (PoolError, ValueError, OSError) as e:
+        print(f"ascend-pool {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""`ascend-pool replay TRACE.npz [--backend sim] [--mode pool|direct] [--json]`."""
+
+import json
+
+from ..units import format_bytes
+
+REPLAY_KEYS = ("allocs", "frees", "seconds", "ops_per_second", "peak_live_bytes", "peak_reserved_bytes",
+               "fragmentation_ratio", "device_mallocs", "device_frees", "device_calls_steady",
+               "final_allocated_bytes")
+
+
+def _cmd_replay(args):
+    from ..config import parse_conf_string
+    from ..replay import replay
+
+    knobs = parse_conf_string(args.conf, "--conf") if args.conf else None
+    r = replay(args.trace, backend=args.backend, mode=args.mode, device=args.device, pool_knobs=knobs)
+    if args.json:
+        print(json.dumps({k: r[k] for k in REPLAY_KEYS + ("trace", "mode", "backend")}))
+        return 0
+    print(f"{r['trace']}: {r['allocs']} allocs, {r['frees']} frees in {r['seconds']:.3f} s "
+          f"({r['ops_per_second']:,.0f} ops/s), mode {r['mode']} on {r['backend']}")
+    print(f"  peak live {format_bytes(r['peak_live_bytes'])}, peak reserved {format_bytes(r['peak_reserved_bytes'])}"
+          f" (ratio {r['fragmentation_ratio']:.3f})")
+    print(f"  device mallocs {r['device_mallocs']}, frees {r['device_frees']}, in the second half "
+          f"{r['device_calls_steady']}; allocated at the end {r['final_allocated_bytes']}")
+    return 0
+
+
+def register(sub):
+    p = sub.add_parser("replay", help="replay an allocation trace (.npz) and print its figures")
+    p.add_argument("trace", help="trace file (NAME.npz, format in shared/traces/README.md)")
+    p.add_argument("--backend", choices=("acl", "sim", "cuda"), default=None,
+                   help="device backend (default: $ASCEND_POOL_BACKEND, else acl if present, else sim)")
+    p.add_argument("--mode", choices=("pool", "direct"), default="pool",
+                   help="pool: through the caching pool; direct: one device call per allocation and free")
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--conf", default=None, help="allocator knobs, key:value,key:value (as $ASCEND_POOL_CONF)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_replay)

@@ -1,0 +1,124 @@
+"""`ascend-pool serve [--config FILE] [--host 127.0.0.1] [--port 9464] [--backend ...] [--replay [TRACE ...]]`
+
+The node service: exports every ascend_pool process of the node (each publishes its figures to a
+stats file, see ascend_pool.service) on http://HOST:PORT/metrics with a `pid` label plus node
+totals. `--replay` also runs traces in a loop inside the service (the bundled ones when no file
+is named; a directory names all its .npz traces), for each tenant of `--config`, so that one
+command shows the whole system working.
+"""
+
+import logging
+import os
+import signal
+import sys
+import threading
+import tomllib
+from pathlib import Path
+
+log = logging.getLogger("ascend_pool.service")
+
+
+def _trace_paths(names):
+    from ..traces import bundled_traces_dir, list_traces
+
+    if not names:
+        return list_traces(bundled_traces_dir())
+    out = []
+    for n in names:
+        p = Path(n)
+        out.extend(list_traces(p) if p.is_dir() else [p])
+    return out
+
+
+def _tenants(config_path):
+    """[(name, quota, warn)] from the tenants TOML file (format: ASCEND_POOL_CONFIG), or None."""
+    if not config_path:
+        return None
+    from ..errors import ConfigError
+
+    try:
+        with open(config_path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{config_path}: not valid TOML: {e}") from None
+    tenants = data.get("tenants", {})
+    if not isinstance(tenants, dict) or not all(isinstance(v, dict) for v in tenants.values()):
+        raise ConfigError(f"{config_path}: [tenants.NAME] tables expected")
+    return [(name, t.get("quota"), t.get("warn")) for name, t in tenants.items()] or None
+
+
+def _cmd_serve(args):
+    from prometheus_client import CollectorRegistry
+
+    from ..metrics.http import MetricsServer
+    from ..service import paths
+    from ..service.node_collector import NodeCollector
+    from ..service.publisher import ensure_publisher, stop_publisher
+    from ..service.scanner import StatsScanner
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s ascend-pool serve: %(levelname)s %(message)s")
+    if args.stats_dir:
+        os.environ[paths.ENV_DIR] = args.stats_dir  # this process publishes where it reads
+    if args.config:
+        os.environ.setdefault("ASCEND_POOL_CONFIG", str(args.config))  # the tenants code reads it too
+    tenants = _tenants(args.config)
+
+    registry = CollectorRegistry(auto_describe=False)
+    scanner = StatsScanner(allowed_uids=set(args.allow_uid) | {os.geteuid()} if args.allow_uid else None)
+    registry.register(NodeCollector(scanner))
+    loop = None
+    if args.replay is not None:
+        from ..service.replay_loop import ReplayLoop
+
+        loop = ReplayLoop(_trace_paths(args.replay), backend=args.backend, device=args.device,
+                          tenants=tenants, pause_s=args.replay_pause)
+        loop.open_pools()
+        registry.register(loop)
+    server = MetricsServer((args.host, args.port), registry)
+    ensure_publisher()  # this process's own pools (the replay's) are published and read back like any other
+    if loop is not None:
+        loop.start()
+        log.info("replaying %s on %s device %d for %s", ", ".join(t.name for t in loop.traces),
+                 args.backend or "the default backend", args.device,
+                 ", ".join(n for n, _, _ in tenants) if tenants else "tenant default")
+    print(f"ascend-pool serve: http://{args.host}:{server.port}/metrics (stats from {scanner.directory})", flush=True)
+
+    def _terminate(signum, frame):
+        # serve_forever() runs in this thread: shut it down from another one.
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if loop is not None:
+            loop.stop()
+        server.server_close()
+        stop_publisher()
+    return 0
+
+
+def register(sub):
+    p = sub.add_parser("serve", help="export every ascend_pool process of the node to Prometheus",
+                       description=sys.modules[__name__].__doc__.split("\n\n", 1)[1],
+                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=None,
+                   help="tenants TOML file (as $ASCEND_POOL_CONFIG); --replay runs for each of its tenants")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=9464, help="port to listen on (default 9464; 0 picks a free one)")
+    p.add_argument("--backend", choices=("acl", "sim", "cuda"), default=None,
+                   help="device backend of --replay (default: $ASCEND_POOL_BACKEND, else acl if present, else sim)")
+    p.add_argument("--replay", nargs="*", default=None, metavar="TRACE",
+                   help="replay traces (.npz files or directories) in a loop; with no file, the bundled traces")
+    p.add_argument("--device", type=int, default=0, help="device of --replay (default 0)")
+    p.add_argument("--replay-pause", type=float, default=0.1, metavar="SECONDS",
+                   help="pause between two replays (default 0.1)")
+    p.add_argument("--stats-dir", default=None,
+                   help="directory of the processes' stats files (default $ASCEND_POOL_STATS_DIR, else /dev/shm)")
+    p.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
+                   help="also believe stats files of this uid (default: only this service's own uid)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=_cmd_serve)

@@ -1,0 +1,155 @@
+"""Allocator knobs: from $ASCEND_POOL_CONF ("key:value,key:value", like PYTORCH_NPU_ALLOC_CONF)
+and from keyword arguments (which win). Every unknown key or bad value is a ConfigError naming it.
+
+Knobs:
+  max_split_size_mb            blocks this large (MiB) are never split; default unlimited
+  garbage_collection_threshold release idle segments when reserved memory passes this fraction
+                               (0, 1) of the limit (memory_fraction) or of the device
+  reserve                      preallocate at start: bytes ("4GiB") or a fraction of the device's
+                               free memory ("25%" or 0.25); kept until empty_cache()
+  record_history               keep a ring of allocator events for snapshots: true/false or a
+                               number of entries
+  page_size                    large-segment granularity: "2m" (default) or "1g"
+  expandable_segments          false (true is not available yet)
+  release_policy               "under_peak" (default) or "never" (torch_npu's behaviour)
+  memory_fraction              cap on reserved memory, a fraction (0, 1] of the device
+                               (alias: per_process_memory_fraction)
+  sync_timeout_ms              bound on every host wait for the device; -1 waits forever
+  pad_bytes                    bytes added to each request before rounding (acl/sim: 32, cuda: 0)
+"""
+
+import os
+
+from .errors import ConfigError
+from .units import parse_bytes
+
+ENV_VAR = "ASCEND_POOL_CONF"
+DEFAULT_HISTORY = 100_000
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _bool(key, value):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _number(key, value, kind=float):
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+
+
+def _fraction_or_bytes(key, value):
+    """('fraction', f) or ('bytes', n)."""
+    if isinstance(value, float) or (isinstance(value, str) and value.strip().endswith("%")):
+        f = _number(key, value.strip()[:-1], float) / 100 if isinstance(value, str) else value
+        if not 0 < f <= 1:
+            raise ConfigError(f"{key}: a fraction must be in (0, 1] (or 0%..100%), got {value!r}")
+        return ("fraction", f)
+    if isinstance(value, str):
+        try:
+            f = float(value)
+            if 0 < f < 1:
+                return ("fraction", f)
+        except ValueError:
+            pass
+    try:
+        return ("bytes", parse_bytes(value, key))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def parse_conf_string(text, source=ENV_VAR):
+    """{key: value-string} from "key:value,key:value"; ConfigError on malformed items."""
+    out = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if ":" not in item:
+            raise ConfigError(f"{source}: item {item!r} is not key:value")
+        key, value = (s.strip() for s in item.split(":", 1))
+        if not key:
+            raise ConfigError(f"{source}: item {item!r} has no key")
+        out[key] = value
+    return out
+
+
+def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="acl"):
+    """Turns knobs into the compiled pool's config fields (bytes and flags)."""
+    cfg = {"pad_bytes": 32 if backend_kind == "acl" else 0}
+    for key, value in knobs.items():
+        if key == "max_split_size_mb":
+            mb = _number(key, value)
+            if mb <= 20:
+                raise ConfigError(f"max_split_size_mb: must be more than 20 (MiB), got {value!r}")
+            cfg["max_split_size"] = int(mb * 2**20)
+        elif key == "garbage_collection_threshold":
+            t = _number(key, value)
+            if not 0 < t < 1:
+                raise ConfigError(f"garbage_collection_threshold: must be in (0, 1), got {value!r}")
+            cfg["gc_threshold"] = t
+        elif key == "reserve":
+            kind, v = _fraction_or_bytes(key, value)
+            n = int(v * device_free_bytes) if kind == "fraction" else v
+            if n > device_free_bytes:
+                raise ConfigError(f"reserve: {n} bytes is more than the device's {device_free_bytes} free bytes")
+            cfg["reserve_bytes"] = n
+        elif key == "record_history":
+            if isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE):
+                cfg["history_capacity"] = DEFAULT_HISTORY if _bool(key, value) else 0
+            else:
+                n = _number(key, value, int)
+                if n < 0:
+                    raise ConfigError(f"record_history: entries must be >= 0, got {value!r}")
+                cfg["history_capacity"] = n
+        elif key == "page_size":
+            v = str(value).strip().lower()
+            if v in ("2m", "2mb", "2mib", str(2 << 20)):
+                cfg["page_size"] = 2 << 20
+            elif v in ("1g", "1gb", "1gib", str(1 << 30)):
+                cfg["page_size"] = 1 << 30
+            else:
+                raise ConfigError(f"page_size: must be 2m or 1g, got {value!r}")
+        elif key == "expandable_segments":
+            if _bool(key, value):
+                raise ConfigError("expandable_segments: true is not available yet in this version "
+                                  "(only the segment-based pool is); remove the knob or set it to false")
+        elif key == "release_policy":
+            from ._core import RELEASE_POLICIES
+            if value not in RELEASE_POLICIES:
+                raise ConfigError(f"release_policy: must be one of {sorted(RELEASE_POLICIES)}, got {value!r}")
+            cfg["release_policy"] = RELEASE_POLICIES[value]
+        elif key in ("memory_fraction", "per_process_memory_fraction"):
+            f = _number(key, value)
+            if not 0 < f <= 1:
+                raise ConfigError(f"{key}: must be in (0, 1], got {value!r}")
+            cfg["limit_bytes"] = int(f * device_total_bytes)
+        elif key == "sync_timeout_ms":
+            ms = _number(key, value, int)
+            if ms < -1 or ms == 0:
+                raise ConfigError(f"sync_timeout_ms: must be positive or -1 (forever), got {value!r}")
+            cfg["sync_timeout_ms"] = ms
+        elif key == "pad_bytes":
+            n = _number(key, value, int)
+            if not 0 <= n <= 4096:
+                raise ConfigError(f"pad_bytes: must be in [0, 4096], got {value!r}")
+            cfg["pad_bytes"] = n
+        else:
+            raise ConfigError(f"unknown allocator knob {key!r} (known: max_split_size_mb, "
+                              "garbage_collection_threshold, reserve, record_history, page_size, "
+                              "expandable_segments, release_policy, memory_fraction, sync_timeout_ms, pad_bytes)")
+    return cfg
+
+
+def effective_knobs(overrides=None, env=None):
+    """Knobs from the environment string, overridden by keyword arguments."""
+    env = os.environ if env is None else env
+    knobs = parse_conf_string(env.get(ENV_VAR, ""))
+    knobs.update(overrides or {})
+    return knobs

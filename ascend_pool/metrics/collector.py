@@ -1,0 +1,37 @@
+"""PoolCollector: the in-process prometheus_client collector over this process's pools.
+
+    from prometheus_client import CollectorRegistry
+    from ascend_pool.metrics import PoolCollector
+    registry.register(PoolCollector())          # in an application that runs its own registry
+
+Everything is read when Prometheus scrapes: the allocation path does no metrics work.
+"""
+
+from .families import device_families, tenant_families
+from .ledger import ledger_families
+from .sample import PoolAggregator
+
+
+class PoolCollector:
+    """Collects ascend_pool_* families from the live pools of this process (labels device, tenant,
+    pool). pools: a callable returning the pools to read (default: every open pool, from
+    ascend_pool.registry.live_pools). ledger: also export the node quota ledger's state."""
+
+    def __init__(self, pools=None, ledger=True):
+        self._agg = PoolAggregator(pools) if pools is not None else PoolAggregator()
+        self._ledger = ledger
+
+    def collect(self):
+        samples = self._agg.samples()
+        yield from tenant_families(samples)
+        per_device = {}
+        for s in samples:
+            if s.values["device_total_bytes"]:  # a tenant with no live pool has no device reading
+                per_device[s.device] = s.values
+        yield from device_families(per_device)
+        if self._ledger:
+            yield from ledger_families()
+
+    def describe(self):
+        # Returning nothing keeps registration from calling collect() (pools may not exist yet).
+        return []

@@ -1,0 +1,53 @@
+"""prometheus_client metric families from TenantSamples (see schema.py for names and units).
+
+Labels: device and tenant on every per-tenant family, pool (small|large) where the pool splits
+the figure, and pid first when the samples come from several processes (the node service).
+Device-wide figures (free/total device memory) carry only `device`: they are the same for every
+tenant, and repeating them per tenant would invite sums that count a device twice.
+"""
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .schema import DEVICE_FAMILIES, FAMILIES, FRAGMENTATION, NO_QUOTA, POOL_KINDS, QUOTA, fragmentation
+
+_TYPES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+
+
+def tenant_families(samples, with_pid=False):
+    """The per-(device, tenant) families for samples (an iterable of TenantSample)."""
+    base = ["pid"] if with_pid else []
+    tenant_labels = base + ["device", "tenant"]
+    out = []
+    for name, kind, doc, source, split in FAMILIES:
+        fam = _TYPES[kind](name, doc, labels=tenant_labels + (["pool"] if split else []))
+        for s in samples:
+            lv = _labels(s, with_pid)
+            if split:
+                for pool in POOL_KINDS:
+                    fam.add_metric(lv + [pool], s.values[f"{source}.{pool}"])
+            else:
+                fam.add_metric(lv, s.values[source])
+        out.append(fam)
+    frag = GaugeMetricFamily(FRAGMENTATION[0], FRAGMENTATION[1], labels=tenant_labels)
+    quota = GaugeMetricFamily(QUOTA[0], QUOTA[1], labels=tenant_labels)
+    for s in samples:
+        frag.add_metric(_labels(s, with_pid), fragmentation(s.values))
+        if s.values["quota_bytes"] != NO_QUOTA:
+            quota.add_metric(_labels(s, with_pid), s.values["quota_bytes"])
+    return out + [frag, quota]
+
+
+def device_families(per_device):
+    """Device-wide families from {device: values} (values holding the device_* fields)."""
+    out = []
+    for name, doc, source in DEVICE_FAMILIES:
+        fam = GaugeMetricFamily(name, doc, labels=["device"])
+        for device, values in sorted(per_device.items()):
+            fam.add_metric([str(device)], values[source])
+        out.append(fam)
+    return out
+
+
+def _labels(s, with_pid):
+    lv = [str(s.device), s.tenant]
+    return [str(s.pid)] + lv if with_pid else lv

@@ -1,0 +1,134 @@
+"""A small, defensive HTTP endpoint for metrics: GET /metrics (and / with a short page), nothing else.
+
+Used by start_http_server() in-process and by `ascend-pool serve`. Why not prometheus_client's own
+server: we want 405 for every other method (its server answers many), errors logged instead of
+tracebacks on stderr, idle or slow clients timed out so they cannot pin threads, and one
+request body never read as the next request.
+"""
+
+import logging
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_LINE = 8192  # bytes; a scrape's request line is ~30
+INDEX = (b"<!doctype html><html><head><title>ascend_pool</title></head><body>"
+         b"<h1>ascend_pool metrics</h1><p><a href=\"/metrics\">/metrics</a></p></body></html>\n")
+
+
+class MetricsHandler(BaseHTTPRequestHandler):
+    """Serves the registry of its server (server.registry)."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive: Prometheus reuses its connection between scrapes
+    server_version = "ascend-pool"
+    sys_version = ""
+    timeout = 10  # seconds a client may stay silent (socket timeout), then it is dropped
+
+    def handle_one_request(self):
+        # BaseHTTPRequestHandler.handle_one_request, with our own dispatch: every method other than
+        # GET is 405 (the stock one answers 501 for unknown methods and needs a do_X per method).
+        try:
+            self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE + 1)
+            if len(self.raw_requestline) > MAX_REQUEST_LINE:
+                self.requestline, self.request_version, self.command = "", "", ""
+                self.send_error(414)
+                self.close_connection = True
+                return
+            if not self.raw_requestline:
+                self.close_connection = True
+                return
+            if not self.parse_request():  # has answered 400/505 itself
+                self.close_connection = True
+                return
+            if self.command == "GET":
+                self._get()
+            else:
+                # A body we do not read must not be parsed as the next request: close.
+                self.close_connection = True
+                self._reply(405, b"method not allowed: only GET\n", "text/plain; charset=utf-8", [("Allow", "GET")])
+            self.wfile.flush()
+        except (TimeoutError, socket.timeout, ConnectionError):
+            self.close_connection = True
+
+    def _get(self):
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            try:
+                encoder, content_type = choose_encoder(self.headers.get("Accept"))
+                body = encoder(self.server.registry)
+            except Exception:  # a collector failed: say so, keep serving
+                log.exception("collecting metrics failed")
+                self._reply(500, b"collecting metrics failed; see the exporter's log\n", "text/plain; charset=utf-8")
+                return
+            self._reply(200, body, content_type)
+        elif path == "/":
+            self._reply(200, INDEX, "text/html; charset=utf-8")
+        else:
+            self._reply(404, b"not found: try /metrics\n", "text/plain; charset=utf-8")
+
+    def _reply(self, code, body, content_type, headers=()):
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in headers:
+            self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format, *args):  # noqa: A002 (stdlib's name)
+        log.debug("%s - %s", self.address_string(), format % args)
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer serving `registry` on (addr, port). port 0 picks a free port; see .port."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, address, registry):
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self.registry = registry
+        super().__init__(address, MetricsHandler)
+
+    @property
+    def port(self):
+        return self.server_address[1]
+
+    def handle_error(self, request, client_address):
+        # A client that vanished mid-reply is not the server's problem; log, do not print a traceback.
+        log.debug("request from %s failed", client_address, exc_info=True)
+
+    def close(self):
+        """Stops serving and closes the listening socket."""
+        self.shutdown()
+        self.server_close()
+
+
+def serve_in_thread(server):
+    """Runs server.serve_forever() in a daemon thread; returns the thread."""
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                         name=f"ascend-pool-metrics:{server.port}", daemon=True)
+    t.start()
+    return t
+
+
+def start_http_server(port, addr="127.0.0.1", registry=None):
+    """Serves this process's pools (or `registry`) on http://addr:port/metrics from a daemon thread.
+    Returns the MetricsServer (.port is the bound port, useful with port=0; .close() stops it)."""
+    if registry is None:
+        from .collector import PoolCollector
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(PoolCollector())
+    server = MetricsServer((addr, port), registry)
+    serve_in_thread(server)
+    return server

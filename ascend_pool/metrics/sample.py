@@ -1,0 +1,123 @@
+"""Reading the pools of this process into per-(device, tenant) records, at scrape or publish time.
+
+Nothing here runs on the allocation path: a record is built from pool.memory_stats(), which copies
+the C counters under the pool's lock and holds nothing else.
+"""
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+from .. import registry
+from .schema import (
+    COUNTER_FIELDS,
+    DEVICE_GAUGES,
+    FIELDS,
+    NO_QUOTA,
+    PLAIN_COUNTERS,
+    PLAIN_GAUGES,
+    POOL_COUNTERS,
+    POOL_GAUGES,
+    POOL_KINDS,
+)
+
+log = logging.getLogger(__name__)
+
+# How aggregation combines one field across the pools of a (device, tenant).
+_MAX_FIELDS = frozenset(("largest_free_block_bytes", "quota_bytes", "device_free_bytes", "device_total_bytes"))
+
+
+@dataclass
+class TenantSample:
+    """The figures of one (device, tenant) in one process: values[field] for every schema field
+    (int, base units). pid is set by the node service (None in-process)."""
+
+    device: int
+    tenant: str
+    values: dict = field(default_factory=dict)
+    pid: int = None
+
+    @property
+    def key(self):
+        return (self.device, self.tenant)
+
+
+def pool_values(pool):
+    """The schema fields of one pool (dict of int). Raises whatever memory_stats() raises (a pool
+    closed meanwhile)."""
+    s = pool.memory_stats()
+    v = {}
+    for prefix, stem in POOL_GAUGES:
+        for kind in POOL_KINDS:
+            v[f"{prefix}.{kind}"] = int(s[f"{stem}.{kind}_pool.current"])
+    for prefix, stem in POOL_COUNTERS:
+        for kind in POOL_KINDS:
+            v[f"{prefix}.{kind}"] = int(s[f"{stem}.{kind}_pool.allocated"])
+    for name, key in PLAIN_GAUGES + DEVICE_GAUGES + PLAIN_COUNTERS:
+        if key is not None:
+            v[name] = int(s.get(key, 0))
+    quota = getattr(pool, "quota_bytes", None)
+    v["quota_bytes"] = int(quota) if quota is not None else NO_QUOTA
+    return v
+
+
+def _merge(into, v):
+    for f in FIELDS:
+        if f in _MAX_FIELDS:
+            into[f] = max(into.get(f, NO_QUOTA if f == "quota_bytes" else 0), v[f])
+        else:
+            into[f] = into.get(f, 0) + v[f]
+
+
+class PoolAggregator:
+    """Turns the live pools of the process into TenantSamples, one per (device, tenant).
+
+    Keeps the last-seen counters of every pool it has read; when a pool disappears (closed or
+    collected), those are folded into a per-(device, tenant) "retired" sum, so the exported
+    counters never go down while the process lives (a replay loop that opens and closes pools
+    would otherwise look like a counter reset at every pool). Counts made between a pool's last
+    read and its close are not seen: at most one publish interval of a closing pool.
+
+    Thread-safe: the HTTP server may scrape from several threads at once.
+    """
+
+    def __init__(self, pools=registry.live_pools):
+        self._pools = pools
+        self._lock = threading.Lock()
+        self._seen = {}     # id(pool) -> (weakref to pool, (device, tenant), counters dict)
+        self._retired = {}  # (device, tenant) -> counters dict
+
+    def samples(self):
+        """A list of TenantSample, sorted by (device, tenant)."""
+        with self._lock:
+            current = {}
+            out = {}
+            for pool in self._pools():
+                try:
+                    v = pool_values(pool)
+                    key = (int(pool.device), str(getattr(pool, "tenant", "default")))
+                except Exception as e:  # closed meanwhile, or a pool type we cannot read
+                    log.debug("skipping pool %r: %s", pool, e)
+                    continue
+                current[id(pool)] = (weakref.ref(pool), key, {f: v[f] for f in COUNTER_FIELDS})
+                _merge(out.setdefault(key, {}), v)
+            self._retire(current)
+            for key, counters in self._retired.items():
+                vals = out.setdefault(key, None)
+                if vals is None:  # no live pool left: the counters stay, the gauges read zero
+                    vals = out[key] = {f: 0 for f in FIELDS}
+                    vals["quota_bytes"] = NO_QUOTA
+                for f, n in counters.items():
+                    vals[f] += n
+            return [TenantSample(d, t, vals) for (d, t), vals in sorted(out.items())]
+
+    def _retire(self, current):
+        for pid, (ref, key, counters) in self._seen.items():
+            now = current.get(pid)
+            # Same id but another object means the old pool was collected and its id reused.
+            if now is None or now[0]() is not ref() or ref() is None:
+                acc = self._retired.setdefault(key, {f: 0 for f in COUNTER_FIELDS})
+                for f, n in counters.items():
+                    acc[f] += n
+        self._seen = current

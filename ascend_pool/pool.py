@@ -1,0 +1,59 @@
+"""ascend_pool.Pool: the caching pool of one device, with PyTorch-style stats and snapshots."""
+
+from . import registry as _registry
+from . import snapshot as _snapshot
+from . import stats as _stats
+from ._core import PoolBase
+from .backend import open_backend
+from .config import effective_knobs, knobs_to_config
+from .errors import InvalidDeviceError
+
+
+class Pool(PoolBase):
+    """Caching allocator for one device.
+
+    Pool(device=0, backend=None, **knobs): backend is "acl", "sim", "cuda" or None (chosen by
+    $ASCEND_POOL_BACKEND, else acl where an NPU answers, else sim). Knobs (see ascend_pool.config)
+    come from $ASCEND_POOL_CONF, overridden by keyword arguments.
+
+    pool.malloc(nbytes, stream=None) -> int address; pool.free(ptr, stream=None);
+    pool.record_stream(ptr, stream); pool.empty_cache(); pool.memory_stats();
+    pool.memory_summary(); pool.snapshot(); pool.create_stream(); pool.synchronize(stream).
+    """
+
+    def __init__(self, device=0, backend=None, **knobs):
+        be = backend if hasattr(backend, "device_count") else open_backend(backend)
+        if not isinstance(device, int) or isinstance(device, bool) or not 0 <= device < be.device_count:
+            raise InvalidDeviceError(
+                f"device {device!r} does not exist: the {be.name} backend has {be.device_count} device(s)")
+        free_b, total_b = be.mem_info(device)
+        self.knobs = effective_knobs(knobs)
+        self.tenant = "default"  # tenant contexts (pool.context) carry their own name
+        self._open(be, device, knobs_to_config(self.knobs, total_b, free_b, "acl" if be.kind == "acl" else "cuda"))
+        _registry.register(self)
+
+    def context(self, name, quota=None, warn=None):
+        """A tenant context on this pool's device: its own segments and a soft quota (bytes, "8GiB"
+        or "25%" of the device). `with ctx:` makes it current for this thread."""
+        from .tenants.context import make_context
+
+        return make_context(self, name, quota=quota, warn=warn)
+
+    def memory_stats(self):
+        """Counters in PyTorch's memory_stats() schema ("allocated_bytes.all.current", ...) plus
+        fragmentation and stream-order figures; exact at the moment of the call (bytes)."""
+        return _stats.with_derived(self._raw_stats())
+
+    def memory_summary(self):
+        """A readable table of the stats, like torch.cuda.memory_summary()."""
+        return _stats.summary(self.memory_stats(), self.device, self.backend.name)
+
+    def snapshot(self):
+        """The pool's segments, blocks and event history in PyTorch's snapshot schema (readable by
+        `python -m torch.cuda._memory_viz`)."""
+        segments, history = self._raw_snapshot()
+        return _snapshot.build(self.device, segments, history, self.knobs)
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"device={self.device}, backend={self.backend.name!r}"
+        return f"<ascend_pool.Pool {state}>"

@@ -1,0 +1,16 @@
+"""The node service: every process publishes its pools' figures to a small shared-memory stats
+file; `ascend-pool serve` reads them all and exports them to Prometheus.
+
+    publisher.ensure_publisher()   # started by the pool registry when a pool opens
+    NodeCollector()                # the service's collector (pid label + node totals)
+
+Files: layout (the binary format), statsfile (the owner's writer), reader (validation),
+scanner (a whole directory), publisher (the background thread), node_collector, replay_loop
+(the demo workload of `serve --replay`), paths and procinfo.
+"""
+
+from .node_collector import NodeCollector
+from .publisher import ensure_publisher, stop_publisher
+from .scanner import StatsScanner
+
+__all__ = ["NodeCollector", "StatsScanner", "ensure_publisher", "stop_publisher"]

@@ -1,0 +1,91 @@
+"""NodeCollector: the node service's prometheus_client collector over every publishing process.
+
+At each scrape it reads the stats directory (StatsScanner) and exports
+  - the per-tenant families of metrics/schema.py with a `pid` label, one series per process;
+  - node totals per (device, tenant) over the live processes: ascend_pool_node_{reserved,allocated,
+    requested,cached_free}_bytes and ascend_pool_node_processes (separate names, so that a
+    sum() over the per-pid series never counts a total twice);
+  - the device-wide free/total memory (labels: device), from the most recent publish;
+  - the age of each process's last publish, the count of stats files by state, and the quota
+    ledger's state where the quotas work provides one.
+"""
+
+import time
+
+from prometheus_client.core import GaugeMetricFamily
+
+from ..metrics.families import device_families, tenant_families
+from ..metrics.ledger import ledger_families
+from .scanner import StatsScanner
+
+NODE_TOTALS = (
+    ("ascend_pool_node_reserved_bytes", "Device memory the tenant's processes hold on the node (bytes).",
+     ("reserved_bytes.small", "reserved_bytes.large")),
+    ("ascend_pool_node_allocated_bytes", "Bytes the tenant's processes have allocated on the node (bytes).",
+     ("allocated_bytes.small", "allocated_bytes.large")),
+    ("ascend_pool_node_requested_bytes", "Bytes the tenant's processes requested on the node (bytes).",
+     ("requested_bytes.small", "requested_bytes.large")),
+    ("ascend_pool_node_cached_free_bytes", "Bytes cached free in the tenant's processes on the node (bytes).",
+     ("cached_free_bytes",)),
+)
+
+
+class NodeCollector:
+    """Collects every live process's published figures. scanner: a StatsScanner (default: the
+    stats directory of this environment, files of our own uid)."""
+
+    def __init__(self, scanner=None, ledger=True):
+        self.scanner = scanner or StatsScanner()
+        self._ledger = ledger
+
+    def collect(self):
+        procs = self.scanner.scan()
+        samples = [s for p in procs for s in p.samples]
+        yield from tenant_families(samples, with_pid=True)
+        yield from self._totals(samples)
+        latest = {}  # device -> (publish_ns, values): the freshest reading of each device
+        for p in procs:
+            for s in p.samples:
+                if s.values["device_total_bytes"] and p.publish_ns >= latest.get(s.device, (-1,))[0]:
+                    latest[s.device] = (p.publish_ns, s.values)
+        yield from device_families({d: v for d, (_, v) in latest.items()})
+        yield from self._health(procs)
+        if self._ledger:
+            yield from ledger_families()
+
+    def describe(self):
+        return []
+
+    @staticmethod
+    def _totals(samples):
+        sums, procs = {}, {}
+        for s in samples:
+            acc = sums.setdefault(s.key, [0] * len(NODE_TOTALS))
+            for i, (_, _, fields) in enumerate(NODE_TOTALS):
+                acc[i] += sum(s.values[f] for f in fields)
+            procs.setdefault(s.key, set()).add(s.pid)
+        for i, (name, doc, _) in enumerate(NODE_TOTALS):
+            fam = GaugeMetricFamily(name, doc, labels=["device", "tenant"])
+            for (device, tenant), acc in sorted(sums.items()):
+                fam.add_metric([str(device), tenant], acc[i])
+            yield fam
+        fam = GaugeMetricFamily("ascend_pool_node_processes",
+                                "Live processes publishing figures for the tenant on the device.",
+                                labels=["device", "tenant"])
+        for (device, tenant), pids in sorted(procs.items()):
+            fam.add_metric([str(device), tenant], len(pids))
+        yield fam
+
+    def _health(self, procs):
+        now = time.time_ns()
+        age = GaugeMetricFamily("ascend_pool_stats_age_seconds",
+                                "Seconds since the process last published its figures (seconds).", labels=["pid"])
+        for p in procs:
+            age.add_metric([str(p.pid)], max(0.0, (now - p.publish_ns) / 1e9))
+        yield age
+        files = GaugeMetricFamily("ascend_pool_service_stats_files",
+                                  "Stats files seen at the last scrape, by state (live, stale, refused, busy).",
+                                  labels=["state"])
+        for state, n in sorted(self.scanner.counts.items()):
+            files.add_metric([state], n)
+        yield files

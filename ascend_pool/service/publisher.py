@@ -1,0 +1,126 @@
+"""Every process using ascend_pool publishes its pools' figures into its own stats file.
+
+A daemon thread reads the live pools every ASCEND_POOL_STATS_INTERVAL seconds (default 0.25)
+and writes one record per (device, tenant); at exit the file is marked exited and removed. The
+allocation path does nothing for this: the thread reads the same C counters a scrape would.
+ASCEND_POOL_STATS=0 turns publishing off for a process.
+
+ensure_publisher() is cheap and idempotent: the pool registry calls it when a pool opens.
+"""
+
+import atexit
+import logging
+import os
+import threading
+
+from ..metrics.sample import PoolAggregator
+from .statsfile import StatsFile
+
+log = logging.getLogger("ascend_pool.service")
+
+ENV_ENABLE = "ASCEND_POOL_STATS"
+ENV_INTERVAL = "ASCEND_POOL_STATS_INTERVAL"
+DEFAULT_INTERVAL_S = 0.25
+
+_lock = threading.Lock()
+_publisher = None
+_failed = False  # could not create the file once: do not retry (and log) at every new pool
+
+
+class Publisher:
+    """Owns this process's StatsFile and the thread that fills it."""
+
+    def __init__(self, directory=None, interval=None):
+        self.interval = interval if interval is not None else _interval_from_env()
+        self.file = StatsFile(directory)
+        self._agg = PoolAggregator()
+        self._write_lock = threading.Lock()  # the thread and the exit hook both publish
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ascend-pool-stats", daemon=True)
+        self._thread.start()
+
+    @property
+    def path(self):
+        return self.file.path
+
+    def publish_now(self):
+        """Reads the pools and writes the file at once (also done every interval)."""
+        samples = self._agg.samples()
+        with self._write_lock:
+            if self.file._map is not None:
+                self.file.publish(samples)
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self.publish_now()
+            except Exception:  # keep publishing: one bad read must not end the thread
+                log.exception("publishing ascend_pool stats failed")
+            self._stop.wait(self.interval)
+
+    def stop(self, remove=True):
+        """Stops the thread, marks the file exited and removes it (a reader holding it open sees EXITED)."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2 * self.interval + 1)
+        with self._write_lock:
+            self.file.close(remove=remove)
+
+
+def _interval_from_env():
+    try:
+        v = float(os.environ.get(ENV_INTERVAL, DEFAULT_INTERVAL_S))
+        return v if v > 0 else DEFAULT_INTERVAL_S
+    except ValueError:
+        log.warning("%s=%r is not a number of seconds; using %s", ENV_INTERVAL,
+                    os.environ.get(ENV_INTERVAL), DEFAULT_INTERVAL_S)
+        return DEFAULT_INTERVAL_S
+
+
+def enabled():
+    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def ensure_publisher():
+    """Starts this process's publisher if it is not running (and publishing is enabled).
+    Returns the Publisher or None. Never raises: a node without a writable stats directory
+    still allocates, it just is not seen by the node service (logged once)."""
+    global _publisher, _failed
+    if _publisher is not None or _failed or not enabled():
+        return _publisher
+    with _lock:
+        if _publisher is None and not _failed:
+            try:
+                _publisher = Publisher()
+            except Exception as e:
+                _failed = True
+                log.warning("ascend_pool stats not published (the node service will not see pid %d): %s",
+                            os.getpid(), e)
+    return _publisher
+
+
+def current():
+    """The running Publisher, or None."""
+    return _publisher
+
+
+def stop_publisher():
+    """Stops publishing and removes this process's file (also run at exit)."""
+    global _publisher
+    with _lock:
+        p, _publisher = _publisher, None
+    if p is not None:
+        p.stop()
+
+
+def _after_fork_in_child():
+    # The child has the parent's Publisher object but not its thread, and the file is the parent's:
+    # forget it without touching it; the child publishes under its own pid when it opens a pool.
+    global _publisher, _failed, _lock
+    p, _publisher, _failed, _lock = _publisher, None, False, threading.Lock()
+    if p is not None:
+        p.file.abandon()
+
+
+atexit.register(stop_publisher)
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,171 @@
+"""The reader's side of a stats file: validate everything, trust nothing, never block the writer.
+
+A file is read with pread() into private memory, never mapped: a file truncated under a mapping
+would kill the reader with SIGBUS. Before its records are believed, a file must be a regular,
+non-symlink file owned by an allowed uid and by the uid of the process it names, not writable by
+group or others, of exactly the size its header declares, with our magic, version and record
+size, and written by a process that is still running (pid + start time + boot id); its records
+must pass the seqlock and CRC checks and hold sane values. Anything else raises Refused (not
+ours, or damaged: logged, left alone) or Stale (its process is gone: the caller removes it).
+"""
+
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+
+from ..metrics.sample import TenantSample
+from ..metrics.schema import FIELDS, NO_QUOTA
+from . import layout as L
+from . import paths, procinfo
+
+MAX_DEVICE = 1024       # more devices than any node has: a record claiming more is corrupt
+READ_ATTEMPTS = 20      # seqlock retries before giving up on this scrape (the writer takes ~µs)
+RETRY_SLEEP_S = 0.0005
+
+
+class StatsFileError(Exception):
+    """Base: a stats file that is not read this time. .reason is one short line."""
+
+    def __init__(self, path, reason):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class Refused(StatsFileError):
+    """Not a valid stats file of a live process we may trust (foreign, damaged, or unknown format)."""
+
+
+class Stale(StatsFileError):
+    """A well-formed stats file whose process has exited (or whose pid now names another process)."""
+
+
+class Busy(StatsFileError):
+    """The owner was writing during every attempt; try at the next scrape."""
+
+
+@dataclass
+class ProcessStats:
+    """One process's published figures."""
+
+    pid: int
+    uid: int
+    start_time: int
+    publish_ns: int
+    flags: int
+    path: str
+    samples: list = field(default_factory=list)
+
+
+def read_stats_file(path, allowed_uids):
+    """Reads and validates the stats file at path. Returns ProcessStats; raises Refused or Stale."""
+    pid = paths.pid_of(os.path.basename(path))
+    if pid is None:
+        raise Refused(path, "name is not ascend_pool-stats-PID")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise Stale(path, "removed while being read") from None
+    except OSError as e:  # ELOOP for a symlink, EACCES for a file we may not read
+        raise Refused(path, f"cannot open: {e.strerror}" + (" (a symlink?)" if e.errno == 40 else "")) from None
+    try:
+        return _read(fd, path, pid, allowed_uids)
+    finally:
+        os.close(fd)
+
+
+def _read(fd, path, pid, allowed_uids):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise Refused(path, "not a regular file")
+    if st.st_uid not in allowed_uids:
+        raise Refused(path, f"owned by uid {st.st_uid}, not by an allowed uid ({sorted(allowed_uids)})")
+    if st.st_mode & 0o022:
+        raise Refused(path, f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
+    if st.st_size < L.HEADER_SIZE:
+        raise Refused(path, f"truncated: {st.st_size} bytes, a header alone is {L.HEADER_SIZE}")
+    header = os.pread(fd, L.HEADER_SIZE, 0)
+    if len(header) < L.HEADER_SIZE:
+        raise Refused(path, "truncated while being read")
+    magic, version, header_size, record_size, capacity, hpid, uid, start, boot = L.STATIC.unpack_from(header, 0)
+    if magic != L.MAGIC:
+        raise Refused(path, f"bad magic {magic!r}: not an ascend_pool stats file")
+    if version != L.VERSION:
+        raise Refused(path, f"layout version {version}, this reader knows {L.VERSION} (mixed ascend_pool versions?)")
+    if header_size != L.HEADER_SIZE or record_size != L.RECORD_SIZE:
+        raise Refused(path, f"header/record size {header_size}/{record_size}, expected {L.HEADER_SIZE}/{L.RECORD_SIZE}")
+    if not 0 < capacity <= L.MAX_CAPACITY:
+        raise Refused(path, f"capacity {capacity} out of range")
+    if st.st_size != L.file_size(capacity):
+        raise Refused(path, f"size {st.st_size} bytes, the header declares {L.file_size(capacity)} (truncated or corrupted)")
+    if hpid != pid:
+        raise Refused(path, f"header names pid {hpid}, the file name pid {pid}")
+    if uid != st.st_uid:
+        raise Refused(path, f"header names uid {uid}, the file is owned by uid {st.st_uid}")
+    # Liveness before contents: a dead process's file is removed whatever it holds.
+    if not procinfo.is_alive(pid, start, boot):
+        now = procinfo.start_time(pid)
+        raise Stale(path, "process has exited" if now is None else "pid now belongs to another process")
+    owner = procinfo.process_uid(pid)
+    if owner is not None and owner != uid:
+        raise Refused(path, f"claims pid {pid}, which runs as uid {owner}, not {uid}")
+    publish_ns, flags, body = _consistent_body(fd, path, header, capacity)
+    if flags & L.FLAG_EXITED:
+        raise Stale(path, "process marked it exited")
+    out = ProcessStats(pid, uid, start, publish_ns, flags, path)
+    out.samples = _records(path, pid, body)
+    return out
+
+
+def _consistent_body(fd, path, header, capacity):
+    """(publish_ns, flags, records bytes) from one whole publish: seq even and unchanged across the
+    read, CRC matching. A CRC that keeps failing while seq stays put is corruption, not a race."""
+    last_bad_crc_seq = None
+    for attempt in range(READ_ATTEMPTS):
+        if attempt:
+            time.sleep(RETRY_SLEEP_S)
+            header = os.pread(fd, L.HEADER_SIZE, 0)
+        (seq1,) = L.SEQ.unpack_from(header, L.SEQ_OFFSET)
+        if seq1 & 1:
+            continue
+        publish_ns, n, flags = L.DYNAMIC.unpack_from(header, L.DYNAMIC_OFFSET)
+        (crc,) = L.CRC.unpack_from(header, L.CRC_OFFSET)
+        if n > capacity:
+            body = None
+        else:
+            body = os.pread(fd, n * L.RECORD_SIZE, L.HEADER_SIZE)
+        (seq2,) = L.SEQ.unpack_from(os.pread(fd, L.SEQ.size, L.SEQ_OFFSET), 0)
+        if seq2 != seq1:
+            continue
+        dyn = header[L.DYNAMIC_OFFSET:L.DYNAMIC_OFFSET + L.DYNAMIC.size]
+        if body is not None and len(body) == n * L.RECORD_SIZE and L.checksum(dyn, body) == crc:
+            return publish_ns, flags, body
+        if last_bad_crc_seq == seq1:
+            what = f"{n} records for {capacity} slots" if body is None else "checksum mismatch"
+            raise Refused(path, f"corrupted: {what} with no write in progress")
+        last_bad_crc_seq = seq1
+    raise Busy(path, f"the owner was writing during all {READ_ATTEMPTS} attempts")
+
+
+def _records(path, pid, body):
+    samples, seen = [], set()
+    for i in range(len(body) // L.RECORD_SIZE):
+        device, tlen, raw, *values = L.RECORD.unpack_from(body, i * L.RECORD_SIZE)
+        if not 0 <= device < MAX_DEVICE:
+            raise Refused(path, f"record {i}: device {device} out of range")
+        if tlen > L.TENANT_MAX or any(raw[tlen:]):
+            raise Refused(path, f"record {i}: bad tenant name length {tlen}")
+        try:
+            tenant = raw[:tlen].decode("utf-8")
+        except UnicodeDecodeError:
+            raise Refused(path, f"record {i}: tenant name is not UTF-8") from None
+        vals = dict(zip(FIELDS, values))
+        for f, v in vals.items():
+            if v < (NO_QUOTA if f == "quota_bytes" else 0):
+                raise Refused(path, f"record {i}: negative {f} ({v})")
+        if (device, tenant) in seen:
+            raise Refused(path, f"record {i}: device {device} tenant {tenant!r} appears twice")
+        seen.add((device, tenant))
+        samples.append(TenantSample(device, tenant, vals, pid))
+    return samples

@@ -1,0 +1,154 @@
+"""The demo workload of `ascend-pool serve --replay`: traces replayed in a loop, in a background
+thread, on long-lived pools (one per tenant), so that one command shows the pool, the quotas and
+the exporter working together.
+
+The pools live as long as the loop: like a real service's, their caches persist between traces,
+and the figures Prometheus scrapes are those of a warm pool, not of one opened and closed within
+a few milliseconds. Each trace is driven through the public malloc/free API (as an application
+would); a request that fails (out of memory, over quota) ends that run: what it had allocated is
+freed and the loop goes on, so failures show up in the metrics instead of stopping the demo.
+"""
+
+import logging
+import threading
+
+from prometheus_client.core import CounterMetricFamily
+
+from ..errors import OutOfMemoryError, QuotaExceededError
+from ..traces import live_bytes_series, load_trace
+
+log = logging.getLogger("ascend_pool.service")
+
+
+class _Prepared:
+    """A trace as plain Python lists (fast to index from a Python loop)."""
+
+    def __init__(self, trace):
+        self.name = trace.name
+        self.op = trace.op.tolist()
+        self.slot = trace.slot.tolist()
+        self.size = trace.size.tolist()
+        self.stream = trace.stream.tolist()
+        self.n_slots = int(trace.n_slots)
+        self.streams = sorted(set(self.stream))
+        # The event after which the most bytes are live: the loop holds there for a while, so
+        # scrapes see a pool in use (allocated > 0), not only the idle cache between runs.
+        self.peak = int(live_bytes_series(trace).argmax()) if len(self.op) else 0
+
+
+class ReplayLoop:
+    """Replays `traces` (paths or Trace objects) on device `device` of `backend` (None: the
+    environment's choice), for each tenant in `tenants` (a list of (name, quota, warn); None: the
+    plain pool, tenant "default"), pausing `pause_s` seconds between runs, until stop()."""
+
+    def __init__(self, traces, backend=None, device=0, tenants=None, pause_s=0.1):
+        self.traces = [_Prepared(t if hasattr(t, "op") else load_trace(t)) for t in traces]
+        if not self.traces:
+            raise ValueError("no traces to replay")
+        self.backend, self.device, self.tenants, self.pause_s = backend, device, tenants, pause_s
+        self.runs = {}  # (trace, tenant, result) -> count; result: ok | oom | quota | error
+        self._stop = threading.Event()
+        self._thread = None
+        self._pools = []
+
+    def open_pools(self):
+        """Opens the pools (done by start(); separate so that configuration errors surface early)."""
+        from ..pool import Pool
+
+        base = Pool(self.device, backend=self.backend)
+        self._base = base
+        if not self.tenants:
+            self._pools = [base]
+        else:
+            self._pools = [base.context(name, quota=quota, warn=warn) for name, quota, warn in self.tenants]
+        self._streams = [{n: (None if n == 0 else p.create_stream()) for t in self.traces for n in t.streams}
+                         for p in self._pools]
+        return self._pools
+
+    def start(self):
+        if not self._pools:
+            self.open_pools()
+        self._thread = threading.Thread(target=self._run, name="ascend-pool-replay", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout=10):
+        """Stops the loop and closes its pools (tenant contexts before their base pool)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return  # stuck in a device call: leave the pools to process exit
+        for pool in reversed(self._pools):
+            try:
+                pool.close()
+            except Exception as e:
+                log.debug("closing pool %r: %s", pool, e)
+        if self._pools and self._pools[0] is not self._base:
+            self._base.close()
+        self._pools = []
+
+    def _run(self):
+        errors_logged = 0
+        while not self._stop.is_set():
+            for trace in self.traces:
+                for pool, streams in zip(self._pools, self._streams):
+                    if self._stop.is_set():
+                        return
+                    try:
+                        result = replay_once(pool, trace, streams, at_peak=self._hold)
+                    except Exception:
+                        result = "error"
+                        if errors_logged < 5:
+                            errors_logged += 1
+                            log.exception("replaying %s for tenant %s failed", trace.name, pool.tenant)
+                    key = (trace.name, str(pool.tenant), result)
+                    self.runs[key] = self.runs.get(key, 0) + 1
+                    self._stop.wait(self.pause_s / 2)
+
+    def _hold(self):
+        self._stop.wait(self.pause_s / 2)
+
+    def collect(self):
+        """A prometheus_client collector method: the runs so far, by trace, tenant and result."""
+        fam = CounterMetricFamily("ascend_pool_replay_runs", "Trace replays run by `ascend-pool serve --replay`.",
+                                  labels=["trace", "tenant", "result"])
+        for (trace, tenant, result), n in sorted(dict(self.runs).items()):
+            fam.add_metric([trace, tenant, result], n)
+        yield fam
+
+    def describe(self):
+        return []
+
+
+def replay_once(pool, trace, streams, at_peak=None):
+    """Runs trace on pool through malloc/free, calling at_peak() (if given) at its peak of live
+    bytes. Returns "ok", or "oom"/"quota" when a request failed (everything the run allocated is
+    then freed). streams: trace stream number -> stream handle."""
+    ptrs = [0] * trace.n_slots
+    owner = [None] * trace.n_slots
+    malloc, free = pool.malloc, pool.free
+    op, slot, size, stream = trace.op, trace.slot, trace.size, trace.stream
+
+    def run(events):
+        for i in events:
+            s = slot[i]
+            if op[i]:
+                st = streams[stream[i]]
+                ptrs[s] = malloc(size[i], st)
+                owner[s] = st
+            else:
+                free(ptrs[s], owner[s])
+                ptrs[s] = 0
+
+    try:
+        run(range(0, trace.peak + 1))
+        if at_peak is not None:
+            at_peak()
+        run(range(trace.peak + 1, len(op)))
+        return "ok"
+    except OutOfMemoryError as e:
+        for s, p in enumerate(ptrs):
+            if p:
+                free(p, owner[s])
+        return "quota" if isinstance(e, QuotaExceededError) else "oom"
+

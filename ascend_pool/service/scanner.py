@@ -1,0 +1,84 @@
+"""Reading a whole stats directory: every live process's figures, stale files removed, bad ones
+refused with one log line each (repeated only when the reason changes, so a bad file left in
+place does not flood the log at every scrape)."""
+
+import logging
+import os
+import threading
+
+from . import paths
+from .reader import Busy, Refused, Stale, read_stats_file
+
+log = logging.getLogger("ascend_pool.service")
+
+
+class StatsScanner:
+    """Reads the stats files of `directory`. allowed_uids: owners whose files are believed
+    (default: the uid this service runs as; a root service reading other users' processes must
+    name them). remove_stale: unlink files of processes that are gone (where we may)."""
+
+    def __init__(self, directory=None, allowed_uids=None, remove_stale=True):
+        self.directory = directory or paths.stats_dir()
+        self.allowed_uids = frozenset(allowed_uids) if allowed_uids else frozenset({os.geteuid()})
+        self.remove_stale = remove_stale
+        self._lock = threading.Lock()
+        self._reported = {}  # path -> last reason logged
+        self.counts = {"live": 0, "stale": 0, "refused": 0, "busy": 0}
+
+    def scan(self):
+        """A list of reader.ProcessStats, one per live publishing process, sorted by pid."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError as e:
+            self._report(self.directory, f"cannot list the stats directory: {e.strerror}", logging.WARNING)
+            return []
+        out, counts, seen = [], dict.fromkeys(self.counts, 0), set()
+        for name in names:
+            if paths.pid_of(name) is None:
+                continue
+            path = os.path.join(self.directory, name)
+            seen.add(path)
+            try:
+                out.append(read_stats_file(path, self.allowed_uids))
+                counts["live"] += 1
+                self._clear(path)
+            except Stale as e:
+                counts["stale"] += 1
+                self._remove(e)
+            except Busy as e:
+                counts["busy"] += 1
+                log.debug("%s", e)
+            except Refused as e:
+                counts["refused"] += 1
+                self._report(path, f"refused stats file {path}: {e.reason}", logging.WARNING)
+            except OSError as e:  # vanished or unreadable between listing and reading
+                counts["refused"] += 1
+                self._report(path, f"cannot read stats file {path}: {e}", logging.WARNING)
+        with self._lock:
+            self.counts = counts
+            for path in list(self._reported):
+                if path not in seen and path != self.directory:
+                    del self._reported[path]
+        return sorted(out, key=lambda p: p.pid)
+
+    def _remove(self, e):
+        if not self.remove_stale:
+            return
+        try:
+            os.unlink(e.path)
+            log.info("removed stats file %s: %s", e.path, e.reason)
+        except FileNotFoundError:
+            pass  # its owner or another reader was faster
+        except OSError as err:  # someone else's file in a sticky directory
+            self._report(e.path, f"cannot remove stale stats file {e.path} ({e.reason}): {err.strerror}", logging.INFO)
+
+    def _report(self, key, line, level):
+        with self._lock:
+            if self._reported.get(key) == line:
+                return
+            self._reported[key] = line
+        log.log(level, "%s", line)
+
+    def _clear(self, path):
+        with self._lock:
+            self._reported.pop(path, None)

@@ -1,0 +1,107 @@
+"""The owner's side of a stats file: create it, publish records into it with a seqlock, remove it.
+
+Only one thread of the owning process writes (the publisher, under its own lock); readers in
+other processes never lock anything and never make the writer wait, so a slow or stuck reader
+cannot slow an application down. Layout: service/layout.py.
+"""
+
+import mmap
+import os
+import time
+
+from . import layout as L
+from . import paths, procinfo
+
+
+class StatsFile:
+    """This process's stats file in `directory` (default paths.stats_dir()), created owner-only
+    (0600) and complete before it appears under its final name (written under a temporary name,
+    then renamed), so a reader never sees a half-initialised header."""
+
+    def __init__(self, directory=None, capacity=L.DEFAULT_CAPACITY):
+        self.pid = os.getpid()
+        self.directory = directory or paths.stats_dir()
+        self.path = os.path.join(self.directory, paths.file_name(self.pid))
+        self.capacity = capacity
+        self._seq = 0
+        tmp = os.path.join(self.directory, f".{paths.file_name(self.pid)}.tmp")
+        fd = self._create(tmp)
+        try:
+            size = L.file_size(capacity)
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            st = procinfo.start_time(self.pid)
+            self._map[0:L.SEQ_OFFSET] = L.STATIC.pack(L.MAGIC, L.VERSION, L.HEADER_SIZE, L.RECORD_SIZE, capacity,
+                                                      self.pid, os.getuid(), st or 0, procinfo.boot_id())
+            self._write([], 0)
+            os.rename(tmp, self.path)  # atomic; replaces a stale file of an earlier process with our pid
+        except BaseException:
+            os.close(fd)
+            _unlink(tmp)
+            raise
+        self._fd = fd
+
+    @staticmethod
+    def _create(tmp):
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileExistsError:  # left by a crash of an earlier process with our pid
+            os.unlink(tmp)
+            fd = os.open(tmp, flags, 0o600)
+        os.fchmod(fd, 0o600)  # whatever the umask: owner-only
+        return fd
+
+    def publish(self, samples, flags=0):
+        """Writes samples (TenantSample list) as the file's records; more than capacity sets
+        FLAG_OVERFLOW and keeps the first `capacity`."""
+        if len(samples) > self.capacity:
+            samples, flags = samples[:self.capacity], flags | L.FLAG_OVERFLOW
+        self._write([L.pack_record(s.device, s.tenant, s.values) for s in samples], flags)
+
+    def _write(self, records, flags):
+        m = self._map
+        body = b"".join(records)
+        dynamic = L.DYNAMIC.pack(time.time_ns(), len(records), flags)
+        crc = L.checksum(dynamic, body)
+        self._seq += 1  # odd: readers that see this retry
+        L.SEQ.pack_into(m, L.SEQ_OFFSET, self._seq)
+        m[L.HEADER_SIZE:L.HEADER_SIZE + len(body)] = body
+        m[L.DYNAMIC_OFFSET:L.DYNAMIC_OFFSET + L.DYNAMIC.size] = dynamic
+        L.CRC.pack_into(m, L.CRC_OFFSET, crc)
+        self._seq += 1  # even: whole again
+        L.SEQ.pack_into(m, L.SEQ_OFFSET, self._seq)
+
+    def close(self, remove=True):
+        """Marks the file exited and (by default) removes it. Idempotent."""
+        if self._map is None:
+            return
+        try:
+            dyn = L.DYNAMIC.unpack_from(self._map, L.DYNAMIC_OFFSET)
+            self._seq += 1
+            L.SEQ.pack_into(self._map, L.SEQ_OFFSET, self._seq)
+            L.DYNAMIC.pack_into(self._map, L.DYNAMIC_OFFSET, dyn[0], 0, dyn[2] | L.FLAG_EXITED)
+            L.CRC.pack_into(self._map, L.CRC_OFFSET,
+                            L.checksum(self._map[L.DYNAMIC_OFFSET:L.DYNAMIC_OFFSET + L.DYNAMIC.size], b""))
+            self._seq += 1
+            L.SEQ.pack_into(self._map, L.SEQ_OFFSET, self._seq)
+        finally:
+            if remove:
+                _unlink(self.path)
+            self._map.close()
+            self._map = None
+            os.close(self._fd)
+
+    def abandon(self):
+        """Forgets the file without touching it: for a forked child, whose parent still owns it."""
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+            os.close(self._fd)
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

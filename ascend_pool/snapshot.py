@@ -1,0 +1,47 @@
+"""Snapshots in PyTorch's memory-snapshot schema, so that `python -m torch.cuda._memory_viz
+stats|trace FILE.pickle` and the memory_viz web page read them."""
+
+import pickle
+
+_STATES = ("inactive", "active_allocated", "active_pending_free")
+_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot")
+
+
+def build(device, segments, history, knobs):
+    """segments: [(base, size, pool, stream, [(addr, size, requested, state)])];
+    history: [(action, addr, size, stream, time_us)] oldest first."""
+    out_segments = []
+    for base, size, pool, stream, blocks in sorted(segments):
+        out_blocks = [
+            {"address": addr, "size": bsize, "requested_size": req, "state": _STATES[state], "frames": []}
+            for addr, bsize, req, state in blocks
+        ]
+        out_segments.append({
+            "device": device,
+            "address": base,
+            "total_size": size,
+            "allocated_size": sum(b["size"] for b in out_blocks if b["state"] == "active_allocated"),
+            "active_size": sum(b["size"] for b in out_blocks if b["state"] != "inactive"),
+            "requested_size": sum(b["requested_size"] for b in out_blocks if b["state"] != "inactive"),
+            "stream": stream,
+            "segment_type": "small" if pool == 0 else "large",
+            "segment_pool_id": (0, 0),
+            "is_expandable": False,
+            "frames": [],
+            "blocks": out_blocks,
+        })
+    trace = [
+        {"action": _ACTIONS[action], "addr": addr, "size": size, "stream": stream, "time_us": t, "frames": []}
+        for action, addr, size, stream, t in history
+    ]
+    return {
+        "segments": out_segments,
+        "device_traces": [[] for _ in range(device)] + [trace],
+        "allocator_settings": {str(k): str(v) for k, v in knobs.items()},
+    }
+
+
+def dump(snapshot, path):
+    """Writes a snapshot as the pickle file that torch.cuda._memory_viz reads."""
+    with open(path, "wb") as f:
+        pickle.dump(snapshot, f)

@@ -1,0 +1,48 @@
+"""Derived figures and the readable summary of a pool's counters."""
+
+from .units import format_bytes
+
+
+def with_derived(raw):
+    """Adds fragmentation figures to the raw counters (all in bytes or ratios):
+    external_fragmentation = 1 - largest free block / cached free bytes (0 when nothing is cached),
+    internal_waste_bytes = allocated (rounded) - requested bytes."""
+    out = dict(raw)
+    cached = raw["cached_free_bytes"]
+    out["external_fragmentation"] = 1.0 - raw["largest_free_block_bytes"] / cached if cached else 0.0
+    out["internal_waste_bytes"] = raw["allocated_bytes.all.current"] - raw["requested_bytes.all.current"]
+    return out
+
+
+_ROWS = (
+    ("Allocated memory", "allocated_bytes", True),
+    ("Active memory", "active_bytes", True),
+    ("Requested memory", "requested_bytes", True),
+    ("Reserved memory", "reserved_bytes", True),
+    ("Non-releasable memory", "inactive_split_bytes", True),
+    ("Allocations", "allocation", False),
+    ("Active allocs", "active", False),
+    ("Reserved segments", "segment", False),
+    ("Non-releasable allocs", "inactive_split", False),
+)
+
+
+def summary(stats, device, backend_name):
+    """A fixed-width table of current/peak/allocated/freed per pool, then the pool's own figures."""
+    fmt = lambda v, b: format_bytes(v) if b else str(v)  # noqa: E731
+    lines = [f"ascend_pool memory summary, device {device} ({backend_name})",
+             f"{'metric':<24}{'pool':<8}{'current':>14}{'peak':>14}{'allocated':>14}{'freed':>14}"]
+    for title, key, is_bytes in _ROWS:
+        for kind, label in (("all", "all"), ("small_pool", "small"), ("large_pool", "large")):
+            vals = [stats[f"{key}.{kind}.{m}"] for m in ("current", "peak", "allocated", "freed")]
+            lines.append(f"{title if kind == 'all' else '':<24}{label:<8}" + "".join(f"{fmt(v, is_bytes):>14}" for v in vals))
+    lines += [
+        f"cached free {format_bytes(stats['cached_free_bytes'])}, largest free block "
+        f"{format_bytes(stats['largest_free_block_bytes'])}, external fragmentation "
+        f"{stats['external_fragmentation']:.3f}, internal waste {format_bytes(stats['internal_waste_bytes'])}",
+        f"pending frees {stats['pending_free_blocks']} ({format_bytes(stats['pending_free_bytes'])}), "
+        f"device mallocs {stats['num_device_alloc']}, device frees {stats['num_device_free']}, "
+        f"retries {stats['num_alloc_retries']}, OOMs {stats['num_ooms']}",
+        f"device memory: {format_bytes(stats['device_free_bytes'])} free of {format_bytes(stats['device_total_bytes'])}",
+    ]
+    return "\n".join(lines)

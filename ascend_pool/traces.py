@@ -1,0 +1,306 @@
+"""Allocation traces: loading, validation and the trace directories.
+
+A trace is the exact sequence of allocations and frees a program made (format: the README beside the
+shared traces). ``NAME.npz`` holds four equal-length arrays, one entry per event:
+
+    op      int8   1 = allocate, 0 = free
+    id      int64  allocation id; a free names the id of an earlier, still-live allocation
+    size    int64  requested bytes (a free carries the size of what it frees)
+    stream  int32  stream number (a free carries the allocation's stream)
+
+``NAME.json`` beside it (optional) describes the workload; it is loaded into ``Trace.meta``.
+
+:func:`load_trace` checks the whole trace with vectorised numpy (the largest shared trace has 1.2 M
+events) and turns allocation ids into dense *slots* ``0..n_slots-1`` -- one per allocation, in
+allocation order -- so that a replay can keep its pointers in a flat array indexed by slot.
+
+This module is pure Python + numpy; it never imports the compiled extension.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+
+__all__ = [
+    "Trace",
+    "load_trace",
+    "trace_from_arrays",
+    "peak_live_bytes",
+    "bundled_traces_dir",
+    "default_traces_dir",
+    "list_traces",
+    "REQUIRED_ARRAYS",
+]
+
+#: arrays every ``.npz`` trace must hold
+REQUIRED_ARRAYS = ("op", "id", "size", "stream")
+
+OP_FREE = 0
+OP_ALLOC = 1
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(eq=False)
+class Trace:
+    """A validated trace. ``slot[i]`` is the dense index of the allocation event ``i`` creates or frees."""
+
+    op: np.ndarray  # int8, 1 = alloc, 0 = free
+    slot: np.ndarray  # int32, 0..n_slots-1 (one slot per allocation, in allocation order)
+    size: np.ndarray  # int64, requested bytes (a free carries its allocation's size)
+    stream: np.ndarray  # int32
+    n_slots: int
+    name: str = "trace"
+    meta: dict = field(default_factory=dict)
+    path: Optional[str] = None
+
+    @property
+    def n_events(self) -> int:
+        return int(self.op.shape[0])
+
+    @property
+    def n_allocs(self) -> int:
+        return int(self.n_slots)
+
+    @property
+    def n_frees(self) -> int:
+        return self.n_events - self.n_slots
+
+    @property
+    def streams(self) -> list:
+        return [int(s) for s in np.unique(self.stream)]
+
+    def __len__(self) -> int:
+        return self.n_events
+
+    def __repr__(self) -> str:
+        return (f"Trace(name={self.name!r}, events={self.n_events}, allocs={self.n_allocs}, "
+                f"frees={self.n_frees}, streams={self.streams})")
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def trace_from_arrays(op, id, size, stream=None, *, name: str = "trace",
+                      meta: Optional[dict] = None, path: Optional[str] = None) -> Trace:
+    """Validate raw event arrays and build a :class:`Trace`.
+
+    ``stream`` may be omitted here (all events on stream 0); :func:`load_trace` requires it in files.
+    Raises ``ValueError`` naming the first offending event for: arrays that are not 1-D or of unequal
+    length, op values other than 0/1, non-integer arrays, allocation sizes <= 0, a free of an id that
+    is not live (never allocated, or already freed), an allocation of an id that is still live, and a
+    free whose size or stream differs from its allocation's. Ids may be reused once freed.
+    """
+    arrays = {"op": op, "id": id, "size": size}
+    if stream is not None:
+        arrays["stream"] = stream
+    conv = {}
+    for key, val in arrays.items():
+        a = np.asarray(val)
+        if a.ndim != 1:
+            raise ValueError(f"trace {name!r}: array {key!r} must be 1-D, got shape {a.shape}")
+        if a.size and not (np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_):
+            raise ValueError(f"trace {name!r}: array {key!r} must hold integers, got dtype {a.dtype}")
+        conv[key] = a
+    lengths = {k: int(a.shape[0]) for k, a in conv.items()}
+    if len(set(lengths.values())) > 1:
+        desc = ", ".join(f"{k}={n}" for k, n in lengths.items())
+        raise ValueError(f"trace {name!r}: arrays have unequal lengths ({desc})")
+    n = lengths["op"]
+
+    op_raw = conv["op"].astype(np.int64, copy=False)
+    bad = (op_raw != OP_ALLOC) & (op_raw != OP_FREE)
+    if bad.any():
+        i = _first(bad)
+        raise ValueError(f"trace {name!r}: event {i}: op value {int(op_raw[i])} is not 0 (free) or 1 (alloc)")
+    opa = op_raw.astype(np.int8)
+    ids = conv["id"].astype(np.int64, copy=False)
+    sizes = conv["size"].astype(np.int64, copy=False)
+    if stream is None:
+        streams = np.zeros(n, dtype=np.int32)
+    else:
+        s64 = conv["stream"].astype(np.int64, copy=False)
+        if n and (s64.min() < np.iinfo(np.int32).min or s64.max() > np.iinfo(np.int32).max):
+            i = _first((s64 < np.iinfo(np.int32).min) | (s64 > np.iinfo(np.int32).max))
+            raise ValueError(f"trace {name!r}: event {i}: stream {int(s64[i])} does not fit in int32")
+        streams = s64.astype(np.int32)
+
+    is_alloc = opa == OP_ALLOC
+    bad = is_alloc & (sizes <= 0)
+    if bad.any():
+        i = _first(bad)
+        raise ValueError(f"trace {name!r}: event {i}: allocation of id {int(ids[i])} has size {int(sizes[i])} (must be > 0)")
+
+    # Pair every free with its allocation: sort events by (id, position); within one id the events
+    # must alternate alloc, free, alloc, free ... starting with an alloc.
+    order = np.argsort(ids, kind="stable")
+    sid = ids[order]
+    sop = opa[order]
+    group_start = np.ones(n, dtype=bool)
+    if n > 1:
+        group_start[1:] = sid[1:] != sid[:-1]
+    prev_op = np.empty(n, dtype=np.int8)
+    if n:
+        prev_op[0] = -1
+        prev_op[1:] = sop[:-1]
+    # offending positions (in sorted order), reported by their original event index
+    free_first = group_start & (sop == OP_FREE)
+    double_free = (~group_start) & (sop == OP_FREE) & (prev_op == OP_FREE)
+    alloc_live = (~group_start) & (sop == OP_ALLOC) & (prev_op == OP_ALLOC)
+    problems = []
+    if free_first.any():
+        j = np.flatnonzero(free_first)
+        k = j[np.argmin(order[j])]
+        ev = int(order[k])
+        problems.append((ev, f"event {ev}: free of id {int(ids[ev])}, which was never allocated"))
+    if double_free.any():
+        j = np.flatnonzero(double_free)
+        k = j[np.argmin(order[j])]
+        ev = int(order[k])
+        problems.append((ev, f"event {ev}: id {int(ids[ev])} freed twice (already freed at event {int(order[k - 1])})"))
+    if alloc_live.any():
+        j = np.flatnonzero(alloc_live)
+        k = j[np.argmin(order[j])]
+        ev = int(order[k])
+        problems.append((ev, f"event {ev}: allocation of id {int(ids[ev])}, which is still live "
+                             f"(allocated at event {int(order[k - 1])} and not freed)"))
+    if problems:
+        problems.sort()
+        raise ValueError(f"trace {name!r}: {problems[0][1]}")
+
+    # Slots: one per allocation, numbered in allocation order.
+    slot = np.empty(n, dtype=np.int32)
+    n_slots = int(is_alloc.sum())
+    slot[is_alloc] = np.arange(n_slots, dtype=np.int32)
+    free_pos = np.flatnonzero(sop == OP_FREE)  # sorted positions of frees; each follows its alloc
+    if free_pos.size:
+        f_ev = order[free_pos]
+        a_ev = order[free_pos - 1]
+        slot[f_ev] = slot[a_ev]
+        bad = sizes[f_ev] != sizes[a_ev]
+        if bad.any():
+            k = int(np.argmin(np.where(bad, f_ev, n)))
+            fe, ae = int(f_ev[k]), int(a_ev[k])
+            raise ValueError(f"trace {name!r}: event {fe}: free of id {int(ids[fe])} carries size {int(sizes[fe])}, "
+                             f"but its allocation (event {ae}) had size {int(sizes[ae])}")
+        bad = streams[f_ev] != streams[a_ev]
+        if bad.any():
+            k = int(np.argmin(np.where(bad, f_ev, n)))
+            fe, ae = int(f_ev[k]), int(a_ev[k])
+            raise ValueError(f"trace {name!r}: event {fe}: free of id {int(ids[fe])} is on stream {int(streams[fe])}, "
+                             f"but its allocation (event {ae}) was on stream {int(streams[ae])}")
+    return Trace(op=opa, slot=slot, size=sizes.copy() if sizes is conv["size"] else sizes,
+                 stream=streams, n_slots=n_slots, name=name, meta=dict(meta or {}), path=path)
+
+
+def load_trace(path: PathLike) -> Trace:
+    """Load and validate ``NAME.npz`` (and ``NAME.json`` beside it, if present, into ``meta``).
+
+    ``path`` may omit the ``.npz`` suffix. Raises ``FileNotFoundError`` if there is no such file and
+    ``ValueError`` for a malformed trace (see :func:`trace_from_arrays`).
+    """
+    p = Path(path)
+    if not p.exists() and p.suffix != ".npz" and p.with_name(p.name + ".npz").exists():
+        p = p.with_name(p.name + ".npz")
+    if not p.is_file():
+        raise FileNotFoundError(f"no trace file at {str(path)!r}")
+    name = p.name[:-4] if p.name.endswith(".npz") else p.stem
+    if not zipfile.is_zipfile(p):
+        raise ValueError(f"trace {name!r} ({p}): cannot read as .npz: not a zip archive")
+    try:
+        data = np.load(p, allow_pickle=False)
+    except Exception as exc:
+        raise ValueError(f"trace {name!r} ({p}): cannot read as .npz: {exc}") from exc
+    with data:
+        missing = [k for k in REQUIRED_ARRAYS if k not in data.files]
+        if missing:
+            raise ValueError(f"trace {name!r} ({p}): missing array(s) {', '.join(missing)} "
+                             f"(has: {', '.join(sorted(data.files)) or 'none'})")
+        arrays = {}
+        for k in REQUIRED_ARRAYS:
+            try:
+                arrays[k] = data[k]
+            except Exception as exc:  # object arrays, corrupt members
+                raise ValueError(f"trace {name!r} ({p}): cannot read array {k!r}: {exc}") from exc
+    meta: dict[str, Any] = {}
+    side = p.with_suffix(".json")
+    if side.is_file():
+        try:
+            meta = json.loads(side.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"trace {name!r}: sidecar {side} is not valid JSON: {exc}") from exc
+        if not isinstance(meta, dict):
+            raise ValueError(f"trace {name!r}: sidecar {side} must hold a JSON object")
+    return trace_from_arrays(arrays["op"], arrays["id"], arrays["size"], arrays["stream"],
+                             name=name, meta=meta, path=str(p))
+
+
+def live_bytes_series(trace: Trace) -> np.ndarray:
+    """Running sum of requested live bytes after each event (int64)."""
+    delta = np.where(trace.op == OP_ALLOC, trace.size, -trace.size)
+    return np.cumsum(delta, dtype=np.int64)
+
+
+def peak_live_bytes(trace: Trace) -> int:
+    """Peak of the running sum of requested sizes (allocs add, frees subtract); 0 for an empty trace."""
+    if trace.n_events == 0:
+        return 0
+    return max(0, int(live_bytes_series(trace).max()))
+
+
+def final_live_bytes(trace: Trace) -> int:
+    """Requested bytes still live after the last event (0 for a complete trace)."""
+    if trace.n_events == 0:
+        return 0
+    return int(live_bytes_series(trace)[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Where traces live
+# ---------------------------------------------------------------------------------------------
+
+def bundled_traces_dir() -> Path:
+    """The small traces shipped inside the package (``ascend_pool/traces/``)."""
+    return Path(__file__).resolve().parent / "traces"
+
+
+def _has_traces(d: Path) -> bool:
+    return d.is_dir() and any(d.glob("*.npz"))
+
+
+def default_traces_dir() -> Path:
+    """The trace directory to use when none is given.
+
+    In order: ``$ASCEND_POOL_TRACES`` (an error if set to something that is not a directory);
+    ``../shared/traces`` relative to the current directory; ``shared/traces`` two levels up from the
+    package directory (``<repo>/../shared/traces`` in a checkout); else :func:`bundled_traces_dir`.
+    """
+    env = os.environ.get("ASCEND_POOL_TRACES")
+    if env:
+        d = Path(env).expanduser()
+        if not d.is_dir():
+            raise FileNotFoundError(f"ASCEND_POOL_TRACES={env!r} is not a directory")
+        return d
+    candidates = [
+        Path.cwd() / ".." / "shared" / "traces",
+        Path(__file__).resolve().parent.parent.parent / "shared" / "traces",
+    ]
+    for d in candidates:
+        if _has_traces(d):
+            return d.resolve()
+    return bundled_traces_dir()
+
+
+def list_traces(directory: Optional[PathLike] = None) -> list:
+    """Sorted ``.npz`` paths in ``directory`` (default: :func:`default_traces_dir`)."""
+    d = Path(directory) if directory is not None else default_traces_dir()
+    if not d.is_dir():
+        raise FileNotFoundError(f"trace directory {str(d)!r} does not exist")
+    return sorted(d.glob("*.npz"))

@@ -1,0 +1,43 @@
+"""Byte sizes as people write them: 1024, "512MiB", "8GiB", "1.5GB", "64k"."""
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kb": 1000, "kib": 1024,
+    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+}
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value, what="size"):
+    """Bytes (int) from an int or a string with an optional unit (k/M/G/T: binary; KB/MB/GB/TB:
+    decimal; KiB/MiB/GiB/TiB: binary). Raises ValueError naming `what` on anything else."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected bytes, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what}: negative byte count {value}")
+        return value
+    if isinstance(value, float):
+        if value < 0 or value != value or value == float("inf"):
+            raise ValueError(f"{what}: bad byte count {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{what}: expected bytes or a string like '8GiB', got {type(value).__name__}")
+    m = _PATTERN.match(value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{what}: cannot read {value!r} as a byte size (examples: 1048576, '512MiB', '8GiB')")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n):
+    """Human-readable bytes with binary units, e.g. '1.50 GiB'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

@@ -1,0 +1,475 @@
+/* The acl backend: the ACL runtime (libascendcl.so) loaded with dlopen() and resolved with dlsym().
+ *
+ * The simulator ships its own libascendcl.so with the same symbols and codes, and is loaded by
+ * exactly this code (kind "sim" only changes where the library comes from). Nothing here links
+ * against CANN at build time, so one build of ascend_pool runs on machines with and without it.
+ *
+ * Enum values and codes below are from CANN's public acl_rt.h / acl_base_rt.h / rt_error_codes.h.
+ */
+#include "backend_impl.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int aclError;
+
+#define ACL_ERROR_REPEAT_INITIALIZE 100002
+#define ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046
+#define ACL_ERROR_RT_EVENT_SYNC_TIMEOUT 507047
+#define ACL_MEM_MALLOC_HUGE_FIRST 0 /* aclrtMemMallocPolicy: 2 MiB pages above 1 MiB */
+#define ACL_HBM_MEM 1               /* aclrtMemAttr */
+/* Cross-stream sync capability, no timestamps. CANN documents that an event created without
+   ACL_EVENT_SYNC must not be passed to aclrtStreamWaitEvent, which the pool does; TIME_LINE would
+   only slow every record down. */
+#define ACL_EVENT_SYNC 0x1u
+#define ACL_EVENT_RECORDED_STATUS_COMPLETE 1 /* aclrtQueryEventStatus: NOT_READY=0, COMPLETE=1 */
+#define ACL_EVENT_STATUS_COMPLETE 0          /* deprecated aclrtQueryEvent: COMPLETE=0, NOT_READY=1 */
+
+typedef struct acl_impl {
+    ap_impl_base base; /* must stay first */
+    aclError (*aclInit)(const char *config_path);
+    aclError (*aclrtSetDevice)(int32_t device);
+    aclError (*aclrtGetDeviceCount)(uint32_t *count);
+    aclError (*aclrtMalloc)(void **ptr, size_t size, int policy);
+    aclError (*aclrtMallocAlign32)(void **ptr, size_t size, int policy);
+    aclError (*aclrtFree)(void *ptr);
+    aclError (*aclrtGetMemInfo)(int attr, size_t *free_bytes, size_t *total_bytes);
+    aclError (*aclrtCreateEventWithFlag)(void **event, uint32_t flag);
+    aclError (*aclrtCreateEvent)(void **event);
+    aclError (*aclrtRecordEvent)(void *event, void *stream);
+    aclError (*aclrtQueryEventStatus)(void *event, int *status);
+    aclError (*aclrtQueryEvent)(void *event, int *status);
+    aclError (*aclrtSynchronizeEvent)(void *event);
+    aclError (*aclrtSynchronizeEventWithTimeout)(void *event, int32_t timeout_ms);
+    aclError (*aclrtDestroyEvent)(void *event);
+    aclError (*aclrtStreamWaitEvent)(void *stream, void *event);
+    aclError (*aclrtCreateStream)(void **stream);
+    aclError (*aclrtSynchronizeStream)(void *stream);
+    aclError (*aclrtSynchronizeStreamWithTimeout)(void *stream, int32_t timeout_ms);
+    aclError (*aclrtDestroyStream)(void *stream);
+    const char *(*aclGetRecentErrMsg)(void);
+} acl_impl;
+
+#define IMPL(b) ((acl_impl *)(b)->impl)
+
+/* ---- device -------------------------------------------------------------------------------- */
+
+/* The ACL current device is per thread. aclrtSetDevice is not free (it takes runtime locks), and
+   the pool calls set_device before every device call, so remember what this thread last set for
+   which backend. Caveat shared with torch_npu: if other code on this thread switches the device
+   behind our back, the cache is stale until this thread asks for another device. */
+static __thread uint64_t tls_owner;
+static __thread int tls_device;
+
+static int acl_set_device(ap_backend *b, int device)
+{
+    acl_impl *im = IMPL(b);
+    aclError rc;
+
+    if (tls_owner == im->base.id && tls_device == device)
+        return 0;
+    rc = im->aclrtSetDevice(device);
+    if (rc != 0)
+        return rc;
+    tls_owner = im->base.id;
+    tls_device = device;
+    return 0;
+}
+
+/* ---- memory -------------------------------------------------------------------------------- */
+
+static size_t acl_device_size(const ap_backend *b, size_t size)
+{
+    size_t rounded;
+
+    if (size == 0)
+        return 0;
+    if (size > SIZE_MAX - 64)
+        return SIZE_MAX;
+    rounded = (size + 31) & ~(size_t)31;
+    /* aclrtMalloc adds 32 bytes of padding after rounding; aclrtMallocAlign32 does not. */
+    return b->has_malloc_align32 ? rounded : rounded + 32;
+}
+
+static int acl_malloc(ap_backend *b, int device, void **ptr, size_t size)
+{
+    acl_impl *im = IMPL(b);
+    int rc = acl_set_device(b, device);
+
+    if (rc != 0)
+        return rc;
+    if (im->aclrtMallocAlign32)
+        return im->aclrtMallocAlign32(ptr, size, ACL_MEM_MALLOC_HUGE_FIRST);
+    return im->aclrtMalloc(ptr, size, ACL_MEM_MALLOC_HUGE_FIRST);
+}
+
+static int acl_free(ap_backend *b, int device, void *ptr)
+{
+    int rc = acl_set_device(b, device); /* the runtime frees in the current device's context */
+
+    if (rc != 0)
+        return rc;
+    return IMPL(b)->aclrtFree(ptr);
+}
+
+static int acl_mem_info(ap_backend *b, int device, size_t *free_bytes, size_t *total_bytes)
+{
+    int rc = acl_set_device(b, device);
+
+    if (rc != 0)
+        return rc;
+    return IMPL(b)->aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes);
+}
+
+/* ---- events -------------------------------------------------------------------------------- */
+
+/* Creates an event in the current thread's context (no set_device). */
+static int acl_event_create_here(acl_impl *im, void **event)
+{
+    if (im->aclrtCreateEventWithFlag)
+        return im->aclrtCreateEventWithFlag(event, ACL_EVENT_SYNC);
+    return im->aclrtCreateEvent(event);
+}
+
+static int acl_event_create(ap_backend *b, int device, void **event)
+{
+    int rc = acl_set_device(b, device);
+
+    if (rc != 0)
+        return rc;
+    return acl_event_create_here(IMPL(b), event);
+}
+
+static int acl_event_record(ap_backend *b, void *event, void *stream)
+{
+    return IMPL(b)->aclrtRecordEvent(event, stream);
+}
+
+static int acl_event_query(ap_backend *b, void *event, int *complete)
+{
+    acl_impl *im = IMPL(b);
+    int status = -1;
+    aclError rc;
+
+    if (im->aclrtQueryEventStatus) {
+        rc = im->aclrtQueryEventStatus(event, &status);
+        if (rc == 0)
+            *complete = status == ACL_EVENT_RECORDED_STATUS_COMPLETE;
+    } else {
+        /* Older CANN: the deprecated call, whose enum counts the other way round. */
+        rc = im->aclrtQueryEvent(event, &status);
+        if (rc == 0)
+            *complete = status == ACL_EVENT_STATUS_COMPLETE;
+    }
+    return rc;
+}
+
+/* Polls until the event completes or timeout_ms (>= 0) passes; returns timeout_code then. */
+static int acl_poll_event(ap_backend *b, void *event, int timeout_ms, int timeout_code)
+{
+    uint64_t deadline = ap_now_ns() + (uint64_t)timeout_ms * 1000000u;
+    unsigned step = 0;
+    int complete = 0;
+    int rc;
+
+    for (;;) {
+        rc = acl_event_query(b, event, &complete);
+        if (rc != 0 || complete)
+            return rc;
+        if (ap_now_ns() >= deadline) {
+            /* Nothing failed inside the runtime: drop any message left from an earlier failure so
+               that error_message() does not attach it to this timeout. */
+            if (IMPL(b)->aclGetRecentErrMsg)
+                (void)IMPL(b)->aclGetRecentErrMsg();
+            return timeout_code;
+        }
+        ap_poll_sleep(&step);
+    }
+}
+
+static int acl_event_sync(ap_backend *b, void *event, int timeout_ms)
+{
+    acl_impl *im = IMPL(b);
+
+    if (timeout_ms < 0)
+        return im->aclrtSynchronizeEvent(event);
+    /* The runtime's timed wait takes -1 or a positive timeout; 0 means "just look", a query. */
+    if (timeout_ms > 0 && im->aclrtSynchronizeEventWithTimeout)
+        return im->aclrtSynchronizeEventWithTimeout(event, timeout_ms);
+    return acl_poll_event(b, event, timeout_ms, ACL_ERROR_RT_EVENT_SYNC_TIMEOUT);
+}
+
+static int acl_event_destroy(ap_backend *b, void *event)
+{
+    return IMPL(b)->aclrtDestroyEvent(event);
+}
+
+static int acl_stream_wait_event(ap_backend *b, void *stream, void *event)
+{
+    return IMPL(b)->aclrtStreamWaitEvent(stream, event);
+}
+
+/* ---- streams ------------------------------------------------------------------------------- */
+
+static int acl_stream_create(ap_backend *b, int device, void **stream)
+{
+    int rc = acl_set_device(b, device);
+
+    if (rc != 0)
+        return rc;
+    return IMPL(b)->aclrtCreateStream(stream);
+}
+
+static int acl_stream_sync(ap_backend *b, void *stream, int timeout_ms)
+{
+    acl_impl *im = IMPL(b);
+    void *event = NULL;
+    int rc, rc2;
+
+    if (timeout_ms < 0)
+        return im->aclrtSynchronizeStream(stream);
+    if (timeout_ms > 0 && im->aclrtSynchronizeStreamWithTimeout)
+        return im->aclrtSynchronizeStreamWithTimeout(stream, timeout_ms);
+    /* No timed stream wait in this runtime (and no stream query in older CANN): mark the end of
+       the stream's current work with a temporary event and poll that. Rare path, so the event is
+       not pooled. It is created in this thread's current context, which is the stream's when the
+       caller set the device it created the stream on. */
+    rc = acl_event_create_here(im, &event);
+    if (rc != 0)
+        return rc;
+    rc = im->aclrtRecordEvent(event, stream);
+    if (rc == 0)
+        rc = acl_poll_event(b, event, timeout_ms, ACL_ERROR_RT_STREAM_SYNC_TIMEOUT);
+    rc2 = im->aclrtDestroyEvent(event);
+    return rc != 0 ? rc : rc2;
+}
+
+static int acl_stream_destroy(ap_backend *b, void *stream)
+{
+    return IMPL(b)->aclrtDestroyStream(stream);
+}
+
+/* ---- errors -------------------------------------------------------------------------------- */
+
+static const char *acl_code_name(int code)
+{
+    switch (code) {
+    case 100000: return "ACL_ERROR_INVALID_PARAM";
+    case 100001: return "ACL_ERROR_UNINITIALIZE";
+    case 100002: return "ACL_ERROR_REPEAT_INITIALIZE";
+    case 107000: return "ACL_ERROR_RT_PARAM_INVALID";
+    case 107001: return "ACL_ERROR_RT_INVALID_DEVICEID";
+    case 107002: return "ACL_ERROR_RT_CONTEXT_NULL";
+    case 107019: return "ACL_ERROR_RT_WAIT_TIMEOUT";
+    case 200000: return "ACL_ERROR_BAD_ALLOC";
+    case 200002: return "ACL_ERROR_INVALID_DEVICE";
+    case 207000: return "ACL_ERROR_RT_FEATURE_NOT_SUPPORT";
+    case 207001: return "ACL_ERROR_RT_MEMORY_ALLOCATION (out of device memory)";
+    case 207002: return "ACL_ERROR_RT_MEMORY_FREE";
+    case 207007: return "ACL_ERROR_RT_NO_EVENT_RESOURCE";
+    case 207018: return "ACL_ERROR_RT_DEVICE_OOM";
+    case 507046: return "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT";
+    case 507047: return "ACL_ERROR_RT_EVENT_SYNC_TIMEOUT";
+    default: return NULL;
+    }
+}
+
+/* Call on the thread that saw the failure, right after it: aclGetRecentErrMsg is per thread. */
+static void acl_error_message(ap_backend *b, int code, char *buf, size_t len)
+{
+    const char *own = ap_own_error_text(code);
+    const char *name = acl_code_name(code);
+    const char *recent = NULL;
+
+    if (!buf || len == 0)
+        return;
+    if (own) {
+        ap_errf(buf, len, "%s (code %d)", own, code);
+        return;
+    }
+    ap_errf(buf, len, "aclError %d", code);
+    if (name)
+        ap_appendf(buf, len, " (%s)", name);
+    if (b && b->impl && IMPL(b)->aclGetRecentErrMsg)
+        recent = IMPL(b)->aclGetRecentErrMsg();
+    if (recent && *recent)
+        ap_appendf(buf, len, ": %s", recent);
+}
+
+/* ---- loading ------------------------------------------------------------------------------- */
+
+static void *acl_try_load(const char *path, char *err, size_t errlen)
+{
+    /* RTLD_LOCAL: the runtime's symbols must not leak into the global namespace (a framework may
+       load another copy). RTLD_NODELETE: see ap_backend_close(). */
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+
+    if (!lib)
+        ap_append_dlerror(err, errlen, path);
+    return lib;
+}
+
+/* path, else $ASCEND_POOL_ACL_LIB (explicit choices are not second-guessed: a failure there is an
+   error, not a reason to load some other runtime), else CANN's environment variables and
+   standard install locations, else the loader's own search path. */
+static void *acl_load(const char *path, char *found, size_t foundlen, char *err, size_t errlen)
+{
+    static const char *const fixed[] = {
+        "/usr/local/Ascend/ascend-toolkit/latest/lib64/libascendcl.so",
+        "/usr/local/Ascend/latest/lib64/libascendcl.so",
+        "/usr/local/Ascend/nnae/latest/lib64/libascendcl.so",
+        "libascendcl.so",
+    };
+    static const char *const env_homes[] = {"ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"};
+    const char *env = getenv("ASCEND_POOL_ACL_LIB");
+    char candidate[1024];
+    void *lib;
+    size_t i;
+
+    ap_errf(err, errlen, "could not load libascendcl.so; tried:");
+    if (!path && env && *env)
+        path = env;
+    if (path) {
+        lib = acl_try_load(path, err, errlen);
+        if (lib)
+            snprintf(found, foundlen, "%s", path);
+        return lib;
+    }
+    for (i = 0; i < sizeof env_homes / sizeof env_homes[0]; i++) {
+        const char *home = getenv(env_homes[i]);
+        if (!home || !*home)
+            continue;
+        snprintf(candidate, sizeof candidate, "%s/lib64/libascendcl.so", home);
+        lib = acl_try_load(candidate, err, errlen);
+        if (lib) {
+            snprintf(found, foundlen, "%s", candidate);
+            return lib;
+        }
+    }
+    for (i = 0; i < sizeof fixed / sizeof fixed[0]; i++) {
+        lib = acl_try_load(fixed[i], err, errlen);
+        if (lib) {
+            snprintf(found, foundlen, "%s", fixed[i]);
+            return lib;
+        }
+    }
+    return NULL;
+}
+
+/* Resolves every symbol, required or optional, recording which were found. Returns the number of
+   required ones missing and lists them in err. */
+static int acl_resolve_all(acl_impl *im, void *lib, char *err, size_t errlen)
+{
+    int missing = 0;
+
+#define RESOLVE(sym) (im->sym = (__typeof__(im->sym))ap_resolve(lib, &im->base, #sym))
+#define REQUIRE(sym)                                      \
+    do {                                                  \
+        if (!RESOLVE(sym)) {                              \
+            ap_appendf(err, errlen, " %s", #sym);         \
+            missing++;                                    \
+        }                                                 \
+    } while (0)
+
+    ap_errf(err, errlen, "missing required ACL symbol(s):");
+    REQUIRE(aclInit);
+    REQUIRE(aclrtSetDevice);
+    REQUIRE(aclrtGetDeviceCount);
+    /* Newer entry points first; the older ones are only resolved (and recorded) when needed. */
+    if (!RESOLVE(aclrtMallocAlign32))
+        REQUIRE(aclrtMalloc);
+    REQUIRE(aclrtFree);
+    REQUIRE(aclrtGetMemInfo);
+    if (!RESOLVE(aclrtCreateEventWithFlag))
+        REQUIRE(aclrtCreateEvent);
+    REQUIRE(aclrtRecordEvent);
+    if (!RESOLVE(aclrtQueryEventStatus))
+        REQUIRE(aclrtQueryEvent);
+    REQUIRE(aclrtSynchronizeEvent);
+    RESOLVE(aclrtSynchronizeEventWithTimeout);
+    REQUIRE(aclrtDestroyEvent);
+    REQUIRE(aclrtStreamWaitEvent);
+    REQUIRE(aclrtCreateStream);
+    REQUIRE(aclrtSynchronizeStream);
+    RESOLVE(aclrtSynchronizeStreamWithTimeout);
+    REQUIRE(aclrtDestroyStream);
+    RESOLVE(aclGetRecentErrMsg);
+#undef REQUIRE
+#undef RESOLVE
+    return missing;
+}
+
+int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen)
+{
+    char found[sizeof b->path] = "";
+    char why[512];
+    acl_impl *im;
+    uint32_t count = 0;
+    aclError rc;
+    Dl_info info;
+
+    b->kind = AP_BACKEND_ACL;
+    b->lib = acl_load(path, found, sizeof found, err, errlen);
+    if (!b->lib)
+        return AP_ERR_NOT_LOADED;
+
+    im = calloc(1, sizeof *im);
+    if (!im) {
+        ap_errf(err, errlen, "out of host memory opening %s", found);
+        return AP_ERR_NOT_LOADED;
+    }
+    b->impl = im;
+    im->base.id = ap_next_backend_id();
+    if (acl_resolve_all(im, b->lib, why, sizeof why) > 0) {
+        ap_errf(err, errlen, "%s is not a usable ACL runtime: %s", found, why);
+        return AP_ERR_MISSING_SYMBOL;
+    }
+    /* Record the file really loaded (the loader may have found a bare name anywhere). */
+    if (dladdr((void *)im->aclInit, &info) && info.dli_fname && info.dli_fname[0] == '/')
+        snprintf(b->path, sizeof b->path, "%s", info.dli_fname);
+    else
+        snprintf(b->path, sizeof b->path, "%s", found);
+
+    b->has_malloc_align32 = im->aclrtMallocAlign32 != NULL;
+    b->has_query_event_status = im->aclrtQueryEventStatus != NULL;
+    b->has_sync_event_timeout = im->aclrtSynchronizeEventWithTimeout != NULL;
+    b->has_sync_stream_timeout = im->aclrtSynchronizeStreamWithTimeout != NULL;
+    b->device_size = acl_device_size;
+    b->set_device = acl_set_device;
+    b->malloc = acl_malloc;
+    b->free = acl_free;
+    b->mem_info = acl_mem_info;
+    b->event_create = acl_event_create;
+    b->event_record = acl_event_record;
+    b->event_query = acl_event_query;
+    b->event_sync = acl_event_sync;
+    b->event_destroy = acl_event_destroy;
+    b->stream_wait_event = acl_stream_wait_event;
+    b->stream_create = acl_stream_create;
+    b->stream_sync = acl_stream_sync;
+    b->stream_destroy = acl_stream_destroy;
+    b->error_message = acl_error_message;
+
+    /* A framework in this process may have initialised ACL already; that is fine. Never finalise:
+       see ap_backend_close(). */
+    rc = im->aclInit(NULL);
+    if (rc != 0 && rc != ACL_ERROR_REPEAT_INITIALIZE) {
+        acl_error_message(b, rc, why, sizeof why);
+        ap_errf(err, errlen, "aclInit failed in %s: %s", b->path, why);
+        return rc;
+    }
+    rc = im->aclrtGetDeviceCount(&count);
+    if (rc != 0) {
+        acl_error_message(b, rc, why, sizeof why);
+        ap_errf(err, errlen, "%s loaded but aclrtGetDeviceCount failed: %s", b->path, why);
+        return AP_ERR_NO_DEVICE;
+    }
+    if (count == 0) {
+        ap_errf(err, errlen, "%s loaded but reports no NPU device", b->path);
+        return AP_ERR_NO_DEVICE;
+    }
+    b->device_count = (int)count;
+    return 0;
+}

@@ -1,0 +1,161 @@
+/* ap_backend_open/close: picks the implementation by kind; helpers shared by acl.c and cuda.c. */
+#include "backend_impl.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen)
+{
+    int rc;
+
+    if (!b) {
+        ap_errf(err, errlen, "ap_backend_open: no backend struct given");
+        return AP_ERR_NOT_LOADED;
+    }
+    memset(b, 0, sizeof *b);
+    if (path && !*path)
+        path = NULL; /* "" means the default search, as NULL does */
+    if (!kind) {
+        ap_errf(err, errlen, "ap_backend_open: no backend kind given (expected acl, sim or cuda)");
+        return AP_ERR_NOT_LOADED;
+    }
+    if (strcmp(kind, "acl") == 0) {
+        rc = ap_acl_open(b, path, err, errlen);
+    } else if (strcmp(kind, "sim") == 0) {
+        /* The simulator is the acl implementation pointed at its own libascendcl.so. It has no
+           default location at this level: only the Python package knows where it is installed,
+           and silently picking a real NPU runtime instead would defeat the point of asking. */
+        if (!path) {
+            ap_errf(err, errlen, "the sim backend needs the path of the simulator's libascendcl.so");
+            return AP_ERR_NOT_LOADED;
+        }
+        rc = ap_acl_open(b, path, err, errlen);
+    } else if (strcmp(kind, "cuda") == 0) {
+        rc = ap_cuda_open(b, path, err, errlen);
+    } else {
+        ap_errf(err, errlen, "unknown backend kind '%s' (expected acl, sim or cuda)", kind);
+        return AP_ERR_NOT_LOADED;
+    }
+    if (rc != 0) {
+        ap_backend_close(b);
+        return rc;
+    }
+    snprintf(b->name, sizeof b->name, "%s", kind);
+    return 0;
+}
+
+void ap_backend_close(ap_backend *b)
+{
+    if (!b)
+        return;
+    /* No aclFinalize()/cudaDeviceReset(): a framework in the same process may share the runtime.
+       The library is opened with RTLD_NODELETE, so dlclose() only drops our reference and never
+       unmaps code that runtime worker threads may still be executing. */
+    if (b->lib)
+        dlclose(b->lib);
+    free(b->impl);
+    memset(b, 0, sizeof *b);
+}
+
+const char *ap_backend_symbol(const ap_backend *b, int i)
+{
+    const ap_impl_base *base;
+
+    if (!b || !b->impl || i < 0)
+        return NULL;
+    base = (const ap_impl_base *)b->impl;
+    return i < base->n_symbols ? base->symbols[i] : NULL;
+}
+
+uint64_t ap_next_backend_id(void)
+{
+    static uint64_t next_id;
+    return __atomic_add_fetch(&next_id, 1, __ATOMIC_RELAXED);
+}
+
+void *ap_resolve(void *lib, ap_impl_base *base, const char *name)
+{
+    void *sym = dlsym(lib, name);
+
+    if (sym && base->n_symbols < AP_MAX_SYMBOLS)
+        base->symbols[base->n_symbols++] = name;
+    return sym;
+}
+
+void ap_errf(char *err, size_t errlen, const char *fmt, ...)
+{
+    va_list ap;
+
+    if (!err || errlen == 0)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+void ap_appendf(char *buf, size_t len, const char *fmt, ...)
+{
+    va_list ap;
+    size_t used;
+
+    if (!buf || len == 0)
+        return;
+    used = strnlen(buf, len);
+    if (used + 1 >= len)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(buf + used, len - used, fmt, ap);
+    va_end(ap);
+}
+
+void ap_append_dlerror(char *err, size_t errlen, const char *path)
+{
+    const char *why = dlerror();
+
+    if (!why)
+        ap_appendf(err, errlen, "\n  %s: dlopen failed", path);
+    else if (strstr(why, path))
+        ap_appendf(err, errlen, "\n  %s", why);
+    else
+        ap_appendf(err, errlen, "\n  %s: %s", path, why);
+}
+
+const char *ap_own_error_text(int code)
+{
+    switch (code) {
+    case AP_ERR_NOT_LOADED:
+        return "backend library could not be loaded";
+    case AP_ERR_MISSING_SYMBOL:
+        return "backend library lacks a required symbol";
+    case AP_ERR_NO_DEVICE:
+        return "backend library loaded but reports no device";
+    default:
+        return NULL;
+    }
+}
+
+uint64_t ap_now_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+void ap_poll_sleep(unsigned *step_us)
+{
+    struct timespec ts;
+
+    if (*step_us == 0)
+        *step_us = 20;
+    ts.tv_sec = 0;
+    ts.tv_nsec = (long)*step_us * 1000L;
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
+    if (*step_us < 1000)
+        *step_us *= 2;
+}

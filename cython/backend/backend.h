@@ -1,0 +1,87 @@
+/* The device backend: one small table of C functions that the pool calls.
+ *
+ * Three implementations fill it in:
+ *   acl  - dlopen()s libascendcl.so (a real NPU) and resolves the ACL runtime symbols;
+ *   sim  - exactly the acl implementation, pointed at the simulator's libascendcl.so;
+ *   cuda - dlopen()s libcudart.so and maps the same operations onto the CUDA runtime.
+ *
+ * Every operation returns 0 on success or the runtime's own error code (an aclError for acl/sim,
+ * a cudaError_t for cuda), never aborts, and is callable from any thread without the GIL.
+ * Handles (streams, events) are the runtime's own opaque pointers; NULL is the default stream.
+ */
+#ifndef ASCEND_POOL_BACKEND_H
+#define ASCEND_POOL_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define AP_BACKEND_ACL 1   /* also used by the simulator */
+#define AP_BACKEND_CUDA 2
+
+/* Codes of our own (outside the runtimes' ranges) for failures before a runtime is reached. */
+#define AP_ERR_NOT_LOADED 990001     /* library could not be dlopen()ed */
+#define AP_ERR_MISSING_SYMBOL 990002 /* a required symbol is absent */
+#define AP_ERR_NO_DEVICE 990003      /* library loaded but reports no device */
+
+typedef struct ap_backend ap_backend;
+
+struct ap_backend {
+    int kind;          /* AP_BACKEND_ACL or AP_BACKEND_CUDA */
+    char name[16];     /* "acl", "sim" or "cuda" */
+    char path[1024];   /* the library that was loaded */
+    void *lib;         /* dlopen() handle */
+    int has_malloc_align32;        /* acl: aclrtMallocAlign32 resolved (else aclrtMalloc is used) */
+    int has_query_event_status;    /* acl: aclrtQueryEventStatus resolved (else aclrtQueryEvent) */
+    int has_sync_event_timeout;    /* acl: aclrtSynchronizeEventWithTimeout resolved */
+    int has_sync_stream_timeout;   /* acl: aclrtSynchronizeStreamWithTimeout resolved */
+    int device_count;
+
+    /* Bytes the device really reserves for a request of `size` bytes from this backend's
+       malloc (acl: aclrtMallocAlign32 rounds up to 32; aclrtMalloc rounds up to 32 and adds 32). */
+    size_t (*device_size)(const ap_backend *b, size_t size);
+
+    /* Makes `device` current for the calling thread (cached per thread: cheap when unchanged). */
+    int (*set_device)(ap_backend *b, int device);
+    /* Device memory of `size` bytes on `device`, huge pages first (ACL_MEM_MALLOC_HUGE_FIRST). */
+    int (*malloc)(ap_backend *b, int device, void **ptr, size_t size);
+    int (*free)(ap_backend *b, int device, void *ptr);
+    /* Free and total bytes of the device's HBM (aclrtGetMemInfo(ACL_HBM_MEM)). */
+    int (*mem_info)(ap_backend *b, int device, size_t *free_bytes, size_t *total_bytes);
+
+    /* Events without timing or blocking-sync flags: the cheapest kind. */
+    int (*event_create)(ap_backend *b, int device, void **event);
+    int (*event_record)(ap_backend *b, void *event, void *stream);
+    /* *complete = 1 when all work recorded before the event has finished, else 0. */
+    int (*event_query)(ap_backend *b, void *event, int *complete);
+    /* Blocks the host until the event completes or timeout_ms passes (timeout_ms < 0: forever);
+       a timeout returns the runtime's timeout code (ACL_ERROR_RT_EVENT_SYNC_TIMEOUT 507047 /
+       cudaErrorNotReady for cuda, which has no timeout variant: it polls). */
+    int (*event_sync)(ap_backend *b, void *event, int timeout_ms);
+    int (*event_destroy)(ap_backend *b, void *event);
+    /* Work submitted to `stream` after this call waits until `event` completes. No host wait. */
+    int (*stream_wait_event)(ap_backend *b, void *stream, void *event);
+
+    int (*stream_create)(ap_backend *b, int device, void **stream);
+    /* Same timeout rule as event_sync (ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046 on timeout). */
+    int (*stream_sync)(ap_backend *b, void *stream, int timeout_ms);
+    int (*stream_destroy)(ap_backend *b, void *stream);
+
+    /* Writes a readable message for `code` (with aclGetRecentErrMsg / cudaGetErrorString). */
+    void (*error_message)(ap_backend *b, int code, char *buf, size_t len);
+
+    void *impl; /* private: resolved symbols */
+};
+
+/* Opens a backend. kind: "acl", "sim" or "cuda". path: library to dlopen, or NULL for the
+   default search (acl: $ASCEND_POOL_ACL_LIB, standard CANN locations, then the loader path;
+   sim: must be given; cuda: libcudart.so.* by the loader path). On failure returns a nonzero
+   code, writes why into err, and leaves *b closed. */
+int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen);
+void ap_backend_close(ap_backend *b);
+
+/* The i-th runtime symbol (0-based) that this backend resolved with dlsym(), in resolution order,
+   or NULL past the end (or on a closed backend). The strings live as long as the process. Lets
+   tests and diagnostics list exactly which entry points of the loaded library are in use. */
+const char *ap_backend_symbol(const ap_backend *b, int i);
+
+#endif

@@ -1,0 +1,318 @@
+# The device backend as seen from Cython: the C table from backend.h, and `Backend`, a thin Python
+# wrapper that owns one opened table. The pool (core/pool.pxi, included after this file) takes a
+# Backend object, keeps a reference to it, and calls through its `b` pointer without the GIL.
+#
+# Handles (pointers, events, streams) cross into Python as plain ints; 0 / None is the default
+# stream. Every failing call raises ascend_pool.errors.DeviceError (or a subclass) carrying the
+# runtime's own code and a message built on the failing thread, right after the failure, because
+# aclGetRecentErrMsg only remembers the calling thread's latest error.
+
+from libc.stdint cimport uintptr_t
+
+import os as _os
+
+from ascend_pool.errors import DeviceError, BackendUnavailableError, DeviceTimeoutError
+
+cdef extern from "backend.h" nogil:
+    int AP_BACKEND_ACL
+    int AP_BACKEND_CUDA
+    int AP_ERR_NOT_LOADED
+    int AP_ERR_MISSING_SYMBOL
+    int AP_ERR_NO_DEVICE
+
+    cdef struct ap_backend:
+        int kind
+        char name[16]
+        char path[1024]
+        void *lib
+        int has_malloc_align32
+        int has_query_event_status
+        int has_sync_event_timeout
+        int has_sync_stream_timeout
+        int device_count
+        size_t (*device_size)(const ap_backend *b, size_t size) noexcept nogil
+        int (*set_device)(ap_backend *b, int device) noexcept nogil
+        int (*malloc)(ap_backend *b, int device, void **ptr, size_t size) noexcept nogil
+        int (*free)(ap_backend *b, int device, void *ptr) noexcept nogil
+        int (*mem_info)(ap_backend *b, int device, size_t *free_bytes, size_t *total_bytes) noexcept nogil
+        int (*event_create)(ap_backend *b, int device, void **event) noexcept nogil
+        int (*event_record)(ap_backend *b, void *event, void *stream) noexcept nogil
+        int (*event_query)(ap_backend *b, void *event, int *complete) noexcept nogil
+        int (*event_sync)(ap_backend *b, void *event, int timeout_ms) noexcept nogil
+        int (*event_destroy)(ap_backend *b, void *event) noexcept nogil
+        int (*stream_wait_event)(ap_backend *b, void *stream, void *event) noexcept nogil
+        int (*stream_create)(ap_backend *b, int device, void **stream) noexcept nogil
+        int (*stream_sync)(ap_backend *b, void *stream, int timeout_ms) noexcept nogil
+        int (*stream_destroy)(ap_backend *b, void *stream) noexcept nogil
+        void (*error_message)(ap_backend *b, int code, char *buf, size_t len) noexcept nogil
+        void *impl
+
+    int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen)
+    void ap_backend_close(ap_backend *b)
+    const char *ap_backend_symbol(const ap_backend *b, int i)
+
+
+# Timeout codes of the host waits (acl: stream 507046, event 507047; cuda polls and reports
+# cudaErrorNotReady 600), turned into DeviceTimeoutError by the sync methods.
+cdef int _ACL_STREAM_SYNC_TIMEOUT = 507046
+cdef int _ACL_EVENT_SYNC_TIMEOUT = 507047
+cdef int _CUDA_NOT_READY = 600
+
+cdef enum:
+    _ERRLEN = 2048
+
+
+cdef inline void *_handle(object h) except? NULL:
+    """An int handle (or None for the default stream) as a C pointer."""
+    if h is None:
+        return NULL
+    return <void *><uintptr_t>h
+
+
+cdef class Backend:
+    """One opened device backend: ``Backend(kind, path=None)``.
+
+    kind is "acl" (libascendcl.so: `path`, else $ASCEND_POOL_ACL_LIB, else the CANN locations,
+    else the loader path), "sim" (the acl code loading the simulator's libascendcl.so; path
+    defaults to the bundled one) or "cuda" (libcudart). Raises BackendUnavailableError, whose
+    message names the libraries tried, when the library does not load, lacks a required symbol
+    or reports no device. Sizes are in bytes, timeouts in milliseconds (< 0: wait forever).
+    Opening the same library twice is fine (the runtime is shared and initialised once).
+    """
+
+    cdef ap_backend *b       # the C table the pool calls through; valid while this object lives
+    cdef ap_backend _table   # storage for *b (one allocation with the object)
+    cdef bint _opened
+    cdef readonly object kind
+    cdef readonly object name
+
+    def __cinit__(self, kind, path=None):
+        cdef char err[_ERRLEN]
+        cdef int rc
+        cdef bytes bkind, bpath
+        cdef const char *cpath = NULL
+        cdef const char *ckind
+        self.b = NULL
+        self._opened = False
+        kind = str(kind)
+        if kind == "sim" and path is None:
+            from ascend_pool.backend import sim_library_path
+            path = sim_library_path()
+        bkind = kind.encode()
+        ckind = bkind
+        if path is not None:
+            bpath = _os.fsencode(path)
+            cpath = bpath
+        err[0] = 0
+        with nogil:
+            rc = ap_backend_open(&self._table, ckind, cpath, err, _ERRLEN)
+        if rc != 0:
+            raise BackendUnavailableError(rc, err.decode("utf-8", "replace"))
+        self.b = &self._table
+        self._opened = True
+        self.name = self._table.name.decode()
+        self.kind = "cuda" if self._table.kind == AP_BACKEND_CUDA else "acl"
+
+    def __dealloc__(self):
+        if self._opened:
+            ap_backend_close(&self._table)
+            self._opened = False
+            self.b = NULL
+
+    def __repr__(self):
+        return (f"<ascend_pool Backend name={self.name!r} kind={self.kind!r} "
+                f"path={self.path!r} devices={self.device_count}>")
+
+    cdef _fail(self, int code, str what, bint wait=False):
+        """Raises DeviceError for `code` from call `what` (DeviceTimeoutError for a host `wait`
+        that timed out). Call on the failing thread, at once: see the top of this file."""
+        cdef char buf[_ERRLEN]
+        buf[0] = 0
+        with nogil:
+            self.b.error_message(self.b, code, buf, _ERRLEN)
+        msg = f"{self.name}: {what} failed: " + buf.decode("utf-8", "replace")
+        if wait and (code == _ACL_STREAM_SYNC_TIMEOUT or code == _ACL_EVENT_SYNC_TIMEOUT or (
+                code == _CUDA_NOT_READY and self._table.kind == AP_BACKEND_CUDA)):
+            raise DeviceTimeoutError(code, msg)
+        raise DeviceError(code, msg)
+
+    # ---- description ---------------------------------------------------------------------
+
+    @property
+    def path(self):
+        """The library file that was loaded (resolved to an absolute path where possible)."""
+        return _os.fsdecode(<bytes>self._table.path)
+
+    @property
+    def device_count(self):
+        """Devices the runtime reported when the backend was opened (always >= 1)."""
+        return self._table.device_count
+
+    @property
+    def has_malloc_align32(self):
+        """acl: aclrtMallocAlign32 is used (else aclrtMalloc, which pads 32 bytes more)."""
+        return bool(self._table.has_malloc_align32)
+
+    @property
+    def has_query_event_status(self):
+        """acl: aclrtQueryEventStatus is used (else the deprecated aclrtQueryEvent)."""
+        return bool(self._table.has_query_event_status)
+
+    @property
+    def has_sync_event_timeout(self):
+        """acl: aclrtSynchronizeEventWithTimeout is used for timed waits (else polling)."""
+        return bool(self._table.has_sync_event_timeout)
+
+    @property
+    def has_sync_stream_timeout(self):
+        """acl: aclrtSynchronizeStreamWithTimeout is used for timed waits (else polling)."""
+        return bool(self._table.has_sync_stream_timeout)
+
+    @property
+    def resolved_symbols(self):
+        """Names of the runtime functions resolved with dlsym(), in resolution order."""
+        cdef int i = 0
+        cdef const char *s
+        names = []
+        while True:
+            s = ap_backend_symbol(self.b, i)
+            if s == NULL:
+                return names
+            names.append(s.decode())
+            i += 1
+
+    # ---- memory (bytes) ------------------------------------------------------------------
+
+    def device_size(self, size_t size):
+        """Bytes the device really reserves for a malloc of `size` bytes."""
+        cdef size_t n
+        with nogil:
+            n = self.b.device_size(self.b, size)
+        return n
+
+    def set_device(self, int device):
+        """Makes `device` current for the calling thread (cached: repeated calls are free)."""
+        cdef int rc
+        with nogil:
+            rc = self.b.set_device(self.b, device)
+        if rc != 0:
+            self._fail(rc, "set_device")
+
+    def malloc(self, int device, size_t size):
+        """Allocates `size` bytes of device memory on `device`; returns the address as an int."""
+        cdef int rc
+        cdef void *p = NULL
+        with nogil:
+            rc = self.b.malloc(self.b, device, &p, size)
+        if rc != 0:
+            self._fail(rc, f"malloc({size})")
+        return <uintptr_t>p
+
+    def free(self, int device, ptr):
+        """Returns memory from malloc() to the device at once (does not wait for queued work)."""
+        cdef int rc
+        cdef void *p = _handle(ptr)
+        with nogil:
+            rc = self.b.free(self.b, device, p)
+        if rc != 0:
+            self._fail(rc, "free")
+
+    def mem_info(self, int device):
+        """(free, total) bytes of the device's memory, as the runtime reports them now."""
+        cdef int rc
+        cdef size_t free_bytes = 0, total_bytes = 0
+        with nogil:
+            rc = self.b.mem_info(self.b, device, &free_bytes, &total_bytes)
+        if rc != 0:
+            self._fail(rc, "mem_info")
+        return free_bytes, total_bytes
+
+    # ---- events --------------------------------------------------------------------------
+
+    def event_create(self, int device):
+        """A new event on `device` (no timing), as an int handle."""
+        cdef int rc
+        cdef void *ev = NULL
+        with nogil:
+            rc = self.b.event_create(self.b, device, &ev)
+        if rc != 0:
+            self._fail(rc, "event_create")
+        return <uintptr_t>ev
+
+    def event_record(self, ev, stream=None):
+        """Records `ev` at the current end of `stream` (None: the default stream)."""
+        cdef int rc
+        cdef void *e = _handle(ev)
+        cdef void *s = _handle(stream)
+        with nogil:
+            rc = self.b.event_record(self.b, e, s)
+        if rc != 0:
+            self._fail(rc, "event_record")
+
+    def event_query(self, ev):
+        """True when all work recorded before `ev` has finished. Never blocks."""
+        cdef int rc, complete = 0
+        cdef void *e = _handle(ev)
+        with nogil:
+            rc = self.b.event_query(self.b, e, &complete)
+        if rc != 0:
+            self._fail(rc, "event_query")
+        return bool(complete)
+
+    def event_sync(self, ev, int timeout_ms=-1):
+        """Blocks until `ev` completes; DeviceTimeoutError after `timeout_ms` ms (< 0: never)."""
+        cdef int rc
+        cdef void *e = _handle(ev)
+        with nogil:
+            rc = self.b.event_sync(self.b, e, timeout_ms)
+        if rc != 0:
+            self._fail(rc, f"event_sync({timeout_ms} ms)", True)
+
+    def event_destroy(self, ev):
+        """Releases `ev` (an event is a limited device resource)."""
+        cdef int rc
+        cdef void *e = _handle(ev)
+        with nogil:
+            rc = self.b.event_destroy(self.b, e)
+        if rc != 0:
+            self._fail(rc, "event_destroy")
+
+    # ---- streams -------------------------------------------------------------------------
+
+    def stream_create(self, int device):
+        """A new stream on `device`, as an int handle."""
+        cdef int rc
+        cdef void *s = NULL
+        with nogil:
+            rc = self.b.stream_create(self.b, device, &s)
+        if rc != 0:
+            self._fail(rc, "stream_create")
+        return <uintptr_t>s
+
+    def stream_sync(self, stream, int timeout_ms=-1):
+        """Blocks until `stream`'s work is done; DeviceTimeoutError after `timeout_ms` ms."""
+        cdef int rc
+        cdef void *s = _handle(stream)
+        with nogil:
+            rc = self.b.stream_sync(self.b, s, timeout_ms)
+        if rc != 0:
+            self._fail(rc, f"stream_sync({timeout_ms} ms)", True)
+
+    def stream_destroy(self, stream):
+        """Destroys `stream` (the runtime finishes its queued work first)."""
+        cdef int rc
+        cdef void *s = _handle(stream)
+        with nogil:
+            rc = self.b.stream_destroy(self.b, s)
+        if rc != 0:
+            self._fail(rc, "stream_destroy")
+
+    def stream_wait_event(self, stream, ev):
+        """Work queued on `stream` after this call waits for `ev`. The host does not wait."""
+        cdef int rc
+        cdef void *s = _handle(stream)
+        cdef void *e = _handle(ev)
+        with nogil:
+            rc = self.b.stream_wait_event(self.b, s, e)
+        if rc != 0:
+            self._fail(rc, "stream_wait_event")

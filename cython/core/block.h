@@ -1,0 +1,62 @@
+/* Blocks and segments: the pool's view of device memory.
+ *
+ * A segment is one device allocation (aclrtMalloc). It is carved into blocks that tile it exactly,
+ * in address order (prev/next). A block is allocated (handed to a user), pending (freed, but
+ * another stream's work recorded with record_stream may still use it), or free (in a free tree).
+ */
+#ifndef AP_BLOCK_H
+#define AP_BLOCK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define AP_MAX_USES 8 /* distinct extra streams one block may be marked with (record_stream) */
+
+/* CACHED: free, parked in the recent-free cache (free_cache.c), not yet merged or in a tree. */
+enum { AP_BLOCK_FREE = 0, AP_BLOCK_ALLOCATED = 1, AP_BLOCK_PENDING = 2, AP_BLOCK_MOVING = 3, AP_BLOCK_CACHED = 4 };
+enum { AP_POOL_SMALL = 0, AP_POOL_LARGE = 1 };
+
+struct ap_segment;
+
+/* Streams that used a block (record_stream) and, once it is freed, the events it waits on.
+ * Kept apart from the block so that the common block stays small and cheap to recycle. */
+typedef struct ap_block_uses {
+    uint16_t n_uses;
+    uint16_t uses[AP_MAX_USES];     /* extra stream slots */
+    uint16_t n_events;
+    void *events[AP_MAX_USES + 1];  /* pending: events still to complete */
+    struct ap_block_uses *next_spare;
+} ap_block_uses;
+
+typedef struct ap_block {
+    uintptr_t addr;
+    size_t size;      /* bytes the block covers (a multiple of 512) */
+    size_t requested; /* bytes the user asked for, while allocated */
+    struct ap_segment *seg;
+    struct ap_block *prev, *next;   /* address neighbours inside the segment */
+    struct ap_block *left, *right;  /* free-tree links */
+    uint32_t prio;                  /* free-tree (treap) heap priority */
+    uint8_t state;
+    uint8_t counted_split;          /* counted in inactive_split stats while free */
+    uint16_t tag;      /* free: stream slot whose queued work may still use it (0 = none);
+                          allocated: the allocation stream's slot */
+    ap_block_uses *xs; /* NULL unless record_stream marked it */
+    struct ap_block *pending_next;
+} ap_block;
+
+typedef struct ap_segment {
+    uintptr_t base;
+    size_t size;
+    int pool;                 /* AP_POOL_SMALL or AP_POOL_LARGE */
+    int pinned;               /* the preallocated reserve: never released by automatic policies */
+    uint16_t alloc_slot;      /* stream slot of the allocation that created it (for snapshots) */
+    uint64_t last_use;        /* pool tick of the last allocation from it (garbage collection) */
+    struct ap_block *first;
+    struct ap_segment *prev, *next; /* the pool's list of segments */
+} ap_segment;
+
+static inline int ap_segment_is_free(const ap_segment *s) {
+    return s->first->next == NULL && s->first->state == AP_BLOCK_FREE;
+}
+
+#endif

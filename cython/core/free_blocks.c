@@ -1,0 +1,145 @@
+/* Free blocks: insertion with address-ordered coalescing, removal, best fit and splitting.
+ *
+ * A free block carries a tag: the stream slot whose queued work may still touch it (0 = none).
+ * Two neighbours merge only when their tags are compatible (equal, or one of them is 0); the
+ * merged block keeps the stricter tag, so memory is never handed to a stream before it is safe.
+ */
+#include "pool_internal.h"
+
+static inline int is_whole_segment(const ap_block *b) { return !b->prev && !b->next; }
+
+static inline ap_free_tree *tree_of(ap_pool *p, const ap_block *b) {
+    return &p->slots[b->tag].trees[b->seg->pool];
+}
+
+void ap_free_remove(ap_pool *p, ap_block *b) {
+    ap_tree_remove(tree_of(p, b), b);
+    if (b->counted_split) {
+        ap_stat_dec(&p->stats, AP_STAT_INACTIVE_SPLIT, b->seg->pool, 1);
+        ap_stat_dec(&p->stats, AP_STAT_INACTIVE_SPLIT_BYTES, b->seg->pool, (int64_t)b->size);
+        b->counted_split = 0;
+    } else {
+        p->n_free_segments--;
+    }
+}
+
+static inline int mergeable(const ap_block *n, int tag) {
+    return n && n->state == AP_BLOCK_FREE && (n->tag == tag || n->tag == 0 || tag == 0);
+}
+
+ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
+    b->state = AP_BLOCK_FREE;
+    b->requested = 0;
+    if (b->xs) {
+        ap_uses_recycle(p, b->xs);
+        b->xs = NULL;
+    }
+    ap_block *prev = b->prev, *next = b->next;
+    if (mergeable(prev, tag)) {
+        ap_free_remove(p, prev);
+        if (prev->tag) tag = prev->tag;
+        prev->size += b->size;
+        prev->next = next;
+        if (next) next->prev = prev;
+        ap_block_recycle(p, b);
+        b = prev;
+    }
+    next = b->next;
+    if (mergeable(next, tag)) {
+        ap_free_remove(p, next);
+        if (next->tag) tag = next->tag;
+        b->size += next->size;
+        b->next = next->next;
+        if (b->next) b->next->prev = b;
+        ap_block_recycle(p, next);
+    }
+    b->tag = (uint16_t)tag;
+    ap_tree_insert(tree_of(p, b), b);
+    if (is_whole_segment(b)) {
+        p->n_free_segments++;
+    } else {
+        b->counted_split = 1;
+        ap_stat_inc(&p->stats, AP_STAT_INACTIVE_SPLIT, b->seg->pool, 1);
+        ap_stat_inc(&p->stats, AP_STAT_INACTIVE_SPLIT_BYTES, b->seg->pool, (int64_t)b->size);
+    }
+    return b;
+}
+
+void ap_free_retag_slot(ap_pool *p, int from, int to) {
+    ap_cache_flush(p); /* cached blocks of `from` must move too */
+    for (int pool = 0; pool < 2; pool++) {
+        ap_free_tree *t = &p->slots[from].trees[pool];
+        ap_block *moving = NULL;
+        while (t->root) { /* detach all first: they must not merge with each other under the old tag */
+            ap_block *b = t->root;
+            ap_free_remove(p, b);
+            b->state = AP_BLOCK_MOVING;
+            b->pending_next = moving;
+            moving = b;
+        }
+        while (moving) {
+            ap_block *b = moving;
+            moving = b->pending_next;
+            b->pending_next = NULL;
+            ap_free_insert(p, b, to);
+        }
+    }
+}
+
+/* PyTorch's oversize rules: never split a block of max_split_size or more for a smaller request,
+   and do not hand a big request a cached block that is much bigger than it. */
+static inline int fit_allowed(const ap_pool *p, const ap_block *b, size_t rsize) {
+    size_t max_split = p->cfg.max_split_size;
+    if (max_split == AP_NO_LIMIT) return 1;
+    if (rsize < max_split) return b->size < max_split;
+    return b->size < rsize + AP_LARGE_BUFFER;
+}
+
+ap_block *ap_find_fit(ap_pool *p, int slot, int pool, size_t rsize) {
+    ap_block *own = slot ? ap_tree_best_fit(&p->slots[slot].trees[pool], rsize) : NULL;
+    ap_block *any = ap_tree_best_fit(&p->slots[0].trees[pool], rsize);
+    ap_block *best = own;
+    if (any && (!best || any->size < best->size)) best = any;
+    /* Every other candidate is at least as large, so if the best fit is refused, all are. */
+    return best && fit_allowed(p, best, rsize) ? best : NULL;
+}
+
+static inline int should_split(const ap_pool *p, const ap_block *b, size_t rsize) {
+    size_t rest = b->size - rsize;
+    if (b->size >= p->cfg.max_split_size) return 0;
+    if (b->seg->pool == AP_POOL_SMALL) return rest >= p->cfg.min_block;
+    return rest >= p->cfg.large_split_min;
+}
+
+void ap_take_block(ap_pool *p, ap_block *b, size_t rsize, size_t requested, int slot) {
+    ap_free_remove(p, b);
+    b->state = AP_BLOCK_ALLOCATED; /* before the split: the rest must not merge back into it */
+    if (should_split(p, b, rsize)) {
+        ap_block *rest = ap_block_new(p);
+        if (rest) { /* without a struct the block is simply not split */
+            rest->addr = b->addr + rsize;
+            rest->size = b->size - rsize;
+            rest->seg = b->seg;
+            rest->prev = b;
+            rest->next = b->next;
+            if (b->next) b->next->prev = rest;
+            b->next = rest;
+            b->size = rsize;
+            ap_free_insert(p, rest, b->tag);
+        }
+    }
+    ap_mark_allocated(p, b, requested, slot);
+}
+
+void ap_mark_allocated(ap_pool *p, ap_block *b, size_t requested, int slot) {
+    int pool = b->seg->pool;
+    b->state = AP_BLOCK_ALLOCATED;
+    b->requested = requested;
+    b->tag = (uint16_t)slot;
+    b->seg->last_use = ++p->tick;
+    ap_stat_inc(&p->stats, AP_STAT_ALLOCATION, pool, 1);
+    ap_stat_inc(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
+    ap_stat_inc(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)requested);
+    ap_stat_inc(&p->stats, AP_STAT_ACTIVE, pool, 1);
+    ap_stat_inc(&p->stats, AP_STAT_ACTIVE_BYTES, pool, (int64_t)b->size);
+}

@@ -1,0 +1,105 @@
+#include "free_tree.h"
+
+static inline int key_less(const ap_block *a, const ap_block *b) {
+    return a->size < b->size || (a->size == b->size && a->addr < b->addr);
+}
+
+static ap_block *rotate_right(ap_block *n) {
+    ap_block *l = n->left;
+    n->left = l->right;
+    l->right = n;
+    return l;
+}
+
+static ap_block *rotate_left(ap_block *n) {
+    ap_block *r = n->right;
+    n->right = r->left;
+    r->left = n;
+    return r;
+}
+
+static ap_block *insert_at(ap_block *n, ap_block *b) {
+    if (!n) return b;
+    if (key_less(b, n)) {
+        n->left = insert_at(n->left, b);
+        if (n->left->prio > n->prio) n = rotate_right(n);
+    } else {
+        n->right = insert_at(n->right, b);
+        if (n->right->prio > n->prio) n = rotate_left(n);
+    }
+    return n;
+}
+
+/* Joins two treaps where every key of a precedes every key of b. */
+static ap_block *join(ap_block *a, ap_block *b) {
+    if (!a) return b;
+    if (!b) return a;
+    if (a->prio > b->prio) {
+        a->right = join(a->right, b);
+        return a;
+    }
+    b->left = join(a, b->left);
+    return b;
+}
+
+static ap_block *remove_at(ap_block *n, ap_block *b) {
+    if (!n) return NULL;
+    if (n == b) return join(n->left, n->right);
+    if (key_less(b, n)) n->left = remove_at(n->left, b);
+    else n->right = remove_at(n->right, b);
+    return n;
+}
+
+/* The priority is a hash of the address: deterministic runs, balanced in expectation. */
+static inline uint32_t prio_of(uintptr_t addr) {
+    uint64_t x = (uint64_t)addr * 0x9E3779B97F4A7C15ull;
+    return (uint32_t)(x >> 32);
+}
+
+void ap_tree_insert(ap_free_tree *t, ap_block *b) {
+    b->left = b->right = NULL;
+    b->prio = prio_of(b->addr);
+    t->root = insert_at(t->root, b);
+    t->count++;
+    t->bytes += b->size;
+}
+
+void ap_tree_remove(ap_free_tree *t, ap_block *b) {
+    t->root = remove_at(t->root, b);
+    b->left = b->right = NULL;
+    t->count--;
+    t->bytes -= b->size;
+}
+
+ap_block *ap_tree_best_fit(const ap_free_tree *t, size_t size) {
+    ap_block *n = t->root, *best = NULL;
+    while (n) {
+        if (n->size >= size) {
+            best = n;
+            n = n->left;
+        } else {
+            n = n->right;
+        }
+    }
+    return best;
+}
+
+ap_block *ap_tree_largest(const ap_free_tree *t) {
+    ap_block *n = t->root;
+    if (!n) return NULL;
+    while (n->right) n = n->right;
+    return n;
+}
+
+static void visit(ap_block *n, void (*fn)(ap_block *, void *), void *arg) {
+    while (n) {
+        visit(n->left, fn, arg);
+        ap_block *right = n->right;
+        fn(n, arg);
+        n = right;
+    }
+}
+
+void ap_tree_visit(const ap_free_tree *t, void (*fn)(ap_block *, void *), void *arg) {
+    visit(t->root, fn, arg);
+}

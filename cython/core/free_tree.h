@@ -1,0 +1,25 @@
+/* Best-fit index of free blocks: an intrusive treap ordered by (size, address).
+ * O(log n) expected per operation, no allocation (links live in the blocks). Best fit is the
+ * smallest block of at least the wanted size, lowest address first among equals, which keeps
+ * allocations packed towards low addresses and whole segments free for release. */
+#ifndef AP_FREE_TREE_H
+#define AP_FREE_TREE_H
+
+#include "block.h"
+
+typedef struct ap_free_tree {
+    ap_block *root;
+    size_t count;
+    size_t bytes;
+} ap_free_tree;
+
+void ap_tree_insert(ap_free_tree *t, ap_block *b);
+void ap_tree_remove(ap_free_tree *t, ap_block *b);
+/* Smallest block with size >= size, or NULL. */
+ap_block *ap_tree_best_fit(const ap_free_tree *t, size_t size);
+/* Largest block, or NULL. */
+ap_block *ap_tree_largest(const ap_free_tree *t);
+/* Calls fn for every block (in order); fn must not modify the tree. */
+void ap_tree_visit(const ap_free_tree *t, void (*fn)(ap_block *, void *), void *arg);
+
+#endif

@@ -1,0 +1,45 @@
+#include "history.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+int ap_history_init(ap_history *h, size_t capacity) {
+    h->capacity = capacity;
+    h->next = 0;
+    h->ring = NULL;
+    if (capacity == 0) return 0;
+    h->ring = calloc(capacity, sizeof *h->ring);
+    return h->ring ? 0 : -1;
+}
+
+void ap_history_destroy(ap_history *h) {
+    free(h->ring);
+    h->ring = NULL;
+    h->capacity = 0;
+}
+
+void ap_history_add(ap_history *h, int action, uintptr_t addr, size_t size, void *stream) {
+    if (!h->capacity) return;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ap_history_entry *e = &h->ring[h->next % h->capacity];
+    e->action = (uint8_t)action;
+    e->addr = addr;
+    e->size = size;
+    e->stream = stream;
+    e->time_us = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+    h->next++;
+}
+
+size_t ap_history_copy(const ap_history *h, ap_history_entry **out) {
+    *out = NULL;
+    if (!h->capacity || !h->next) return 0;
+    size_t n = h->next < h->capacity ? h->next : h->capacity;
+    ap_history_entry *copy = malloc(n * sizeof *copy);
+    if (!copy) return 0;
+    size_t start = h->next - n;
+    for (size_t i = 0; i < n; i++) copy[i] = h->ring[(start + i) % h->capacity];
+    *out = copy;
+    return n;
+}

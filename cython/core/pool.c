@@ -1,0 +1,436 @@
+/* The pool's public operations: create/destroy, malloc/free (cached and slow paths), record_stream,
+ * empty_cache and stream lifetime. Policies live in segments.c, stream order in stream_order.c. */
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "current.h"
+#include "pool_internal.h"
+
+int ap_set_error(ap_error *err, int status, int device_code, const char *fmt, ...) {
+    if (err) {
+        err->status = status;
+        err->device_code = device_code;
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->message, sizeof err->message, fmt, ap);
+        va_end(ap);
+    }
+    return status;
+}
+
+void ap_config_default(ap_config *c) {
+    memset(c, 0, sizeof *c);
+    c->pad_bytes = 32;
+    c->min_block = 512;
+    c->small_size = 1u << 20;
+    c->small_segment = 2u << 20;
+    c->page_size = 2u << 20;
+    c->min_large_segment = 2u << 20;
+    c->large_split_min = 512;
+    c->max_split_size = AP_NO_LIMIT;
+    c->gc_threshold = 0.0;
+    c->limit_bytes = AP_NO_LIMIT;
+    c->reserve_bytes = 0;
+    c->history_capacity = 0;
+    c->release_policy = AP_RELEASE_UNDER_PEAK;
+    c->sync_timeout_ms = 60000;
+}
+
+size_t ap_pool_round_size(const ap_pool *p, size_t size) {
+    size_t r = ap_round_up(size + p->cfg.pad_bytes, p->cfg.min_block);
+    return r < p->cfg.min_block ? p->cfg.min_block : r;
+}
+
+static inline int pool_of(const ap_pool *p, size_t rsize) {
+    return rsize <= p->cfg.small_size ? AP_POOL_SMALL : AP_POOL_LARGE;
+}
+
+ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, ap_error *err) {
+    ap_pool *p = calloc(1, sizeof *p);
+    if (!p) {
+        ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the pool exhausted");
+        return NULL;
+    }
+    p->backend = backend;
+    p->device = device;
+    p->cfg = *cfg;
+    p->slots_cap = 8;
+    p->slots = calloc((size_t)p->slots_cap, sizeof *p->slots);
+    p->n_slots = 1; /* slot 0: blocks no queued work can touch */
+    if (!p->slots || ap_map_init(&p->live, 1024) != 0 || ap_history_init(&p->history, cfg->history_capacity) != 0) {
+        free(p->slots);
+        ap_map_destroy(&p->live);
+        free(p);
+        ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the pool exhausted");
+        return NULL;
+    }
+    pthread_mutex_init(&p->lock, NULL);
+    size_t free_b = 0, total_b = 0;
+    int rc = backend->mem_info(backend, device, &free_b, &total_b);
+    if (rc != 0) {
+        char msg[200];
+        backend->error_message(backend, rc, msg, sizeof msg);
+        ap_set_error(err, AP_E_DEVICE, rc, "device %d is not usable (%d): %s", device, rc, msg);
+        ap_pool_destroy(p);
+        return NULL;
+    }
+    p->stats.device_total_bytes = (int64_t)total_b;
+    if (cfg->reserve_bytes) {
+        ap_block *b;
+        size_t size = ap_round_up(cfg->reserve_bytes, cfg->page_size);
+        if (ap_segment_alloc(p, AP_POOL_LARGE, size, 0, 1, &b, err) != AP_OK) {
+            ap_pool_destroy(p);
+            return NULL;
+        }
+    }
+    return p;
+}
+
+void ap_pool_destroy(ap_pool *p) {
+    if (!p) return;
+    ap_current_forget(p);
+    ap_error ignore;
+    ap_process_pending(p, 1, &ignore);
+    while (p->pending_head) { /* events that never completed: give their blocks up anyway */
+        ap_block *b = p->pending_head;
+        p->pending_head = b->pending_next;
+        for (int i = 0; b->xs && i < b->xs->n_events; i++) p->backend->event_destroy(p->backend, b->xs->events[i]);
+    }
+    for (ap_segment *s = p->segments; s; s = s->next) p->backend->free(p->backend, p->device, (void *)s->base);
+    ap_events_destroy(p);
+    ap_map_destroy(&p->live);
+    ap_history_destroy(&p->history);
+    ap_arena_destroy(p);
+    free(p->slots);
+    pthread_mutex_destroy(&p->lock);
+    free(p);
+}
+
+static int check_size(ap_pool *p, size_t size, ap_error *err) {
+    if (size == 0) return ap_set_error(err, AP_E_INVALID_SIZE, 0, "size must be positive, got 0 bytes");
+    if ((int64_t)size < 0 || size > (size_t)p->stats.device_total_bytes)
+        return ap_set_error(err, AP_E_OOM, 0,
+                            "cannot allocate %zu bytes on device %d: larger than the device's %lld bytes", size,
+                            p->device, (long long)p->stats.device_total_bytes);
+    return AP_OK;
+}
+
+static void oom_message(ap_pool *p, size_t size, int slot, ap_error *err) {
+    size_t free_b = 0, total_b = 0;
+    p->backend->mem_info(p->backend, p->device, &free_b, &total_b);
+    ap_cache_flush(p);
+    size_t reserved = ap_reserved(p);
+    size_t allocated = (size_t)p->stats.s[AP_STAT_ALLOCATED_BYTES][AP_STAT_ALL].current;
+    size_t active = (size_t)p->stats.s[AP_STAT_ACTIVE_BYTES][AP_STAT_ALL].current;
+    size_t largest = 0;
+    for (int s = 0; s < p->n_slots; s++)
+        for (int k = 0; k < 2; k++) {
+            ap_block *b = ap_tree_largest(&p->slots[s].trees[k]);
+            if (b && b->size > largest) largest = b->size;
+        }
+    size_t cached = reserved - active;
+    double frag = cached ? 1.0 - (double)largest / (double)cached : 0.0;
+    const char *why = err->status == AP_E_LIMIT ? "the pool's limit"
+                      : err->status == AP_E_QUOTA ? "quota" : "device memory";
+    char cause[sizeof err->message];
+    snprintf(cause, sizeof cause, "%s", err->message);
+    ap_set_error(err, err->status == AP_E_LIMIT || err->status == AP_E_QUOTA ? err->status : AP_E_OOM, err->device_code,
+                 "out of %s: tried to allocate %zu bytes on device %d (stream %p). Pool: %zu bytes reserved, "
+                 "%zu allocated, %zu cached free (largest free block %zu, external fragmentation %.2f); "
+                 "device: %zu free of %zu. Cause: %s",
+                 why, size, p->device, slot ? p->slots[slot].stream : NULL, reserved, allocated, cached, largest,
+                 frag, free_b, total_b, cause);
+}
+
+int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err) {
+    if (check_size(p, size, err) != AP_OK) return err ? err->status : AP_E_INVALID_SIZE;
+    size_t rsize = ap_pool_round_size(p, size);
+    int pool = pool_of(p, rsize);
+    pthread_mutex_lock(&p->lock);
+    int slot = ap_slot_of(p, stream, 1);
+    if (slot < 0) {
+        pthread_mutex_unlock(&p->lock);
+        return ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams (limit %d) on device %d",
+                            AP_MAX_STREAMS - 1, p->device);
+    }
+    if (p->pending_head) ap_process_pending(p, 0, NULL);
+    ap_block *b = ap_cache_pop(p, slot, rsize);
+    if (b) {
+        ap_mark_allocated(p, b, size, slot);
+        goto allocated;
+    }
+    b = ap_find_fit(p, slot, pool, rsize);
+    if (!b) {
+        ap_cache_flush(p);
+        b = ap_find_fit(p, slot, pool, rsize);
+    }
+    if (!b) {
+        ap_error local = {0};
+        ap_error *e = err ? err : &local;
+        e->status = AP_OK;
+        b = ap_obtain_block(p, slot, pool, rsize, size, e);
+        if (!b) {
+            if (e->status == AP_E_QUOTA) p->stats.num_quota_exceeded++;
+            else p->stats.num_ooms++;
+            if (e->status == AP_OK || e->status == AP_E_DEVICE) e->status = AP_E_OOM;
+            if (e->status == AP_E_OOM || e->status == AP_E_LIMIT || e->status == AP_E_QUOTA) oom_message(p, size, slot, e);
+            ap_history_add(&p->history, AP_ACT_OOM, 0, size, stream);
+            pthread_mutex_unlock(&p->lock);
+            return e->status;
+        }
+    }
+    ap_take_block(p, b, rsize, size, slot);
+allocated:
+    if (ap_map_put(&p->live, b->addr, b) != 0) {
+        /* Cannot track it: undo, so nothing is lost. */
+        ap_free_insert(p, b, slot);
+        pthread_mutex_unlock(&p->lock);
+        return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
+    }
+    ap_history_add(&p->history, AP_ACT_ALLOC, b->addr, b->size, stream);
+    pthread_mutex_unlock(&p->lock);
+    *out = (void *)b->addr;
+    return AP_OK;
+}
+
+int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
+    if (size == 0 || (int64_t)size < 0) return AP_E_BUSY;
+    size_t rsize = ap_pool_round_size(p, size);
+    if (pthread_mutex_trylock(&p->lock) != 0) return AP_E_BUSY;
+    int slot = p->pending_head || p->history.capacity || p->live.count * 2 + 2 > p->live.mask + 1
+                   ? -1 : ap_slot_of(p, stream, 0);
+    ap_block *b = slot > 0 ? ap_cache_pop(p, slot, rsize) : NULL;
+    if (b) {
+        ap_mark_allocated(p, b, size, slot);
+    } else {
+        b = slot > 0 ? ap_find_fit(p, slot, pool_of(p, rsize), rsize) : NULL;
+        if (!b) {
+            pthread_mutex_unlock(&p->lock);
+            return AP_E_BUSY;
+        }
+        ap_take_block(p, b, rsize, size, slot);
+    }
+    ap_map_put(&p->live, b->addr, b); /* cannot fail: room was checked above */
+    pthread_mutex_unlock(&p->lock);
+    *out = (void *)b->addr;
+    return AP_OK;
+}
+
+/* Describes a pointer that is not a live allocation, for the error message. */
+static int bad_pointer(ap_pool *p, void *ptr, ap_error *err) {
+    uintptr_t a = (uintptr_t)ptr;
+    for (ap_segment *s = p->segments; s; s = s->next) {
+        if (a < s->base || a >= s->base + s->size) continue;
+        for (ap_block *b = s->first; b; b = b->next)
+            if (a >= b->addr && a < b->addr + b->size) {
+                if (a != b->addr)
+                    return ap_set_error(err, AP_E_INVALID_PTR, 0,
+                                        "pointer 0x%lx is inside the block at 0x%lx (%zu bytes) on device %d, "
+                                        "not its start",
+                                        (unsigned long)a, (unsigned long)b->addr, b->size, p->device);
+                return ap_set_error(err, AP_E_INVALID_PTR, 0,
+                                    "pointer 0x%lx on device %d is not allocated (double free?)", (unsigned long)a,
+                                    p->device);
+            }
+    }
+    return ap_set_error(err, AP_E_INVALID_PTR, 0, "pointer 0x%lx was not allocated by this pool (device %d)",
+                        (unsigned long)a, p->device);
+}
+
+static void release_block(ap_pool *p, ap_block *b, int tag) {
+    int pool = b->seg->pool;
+    ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, pool, 1);
+    ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
+    ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
+    if (b->xs && b->xs->n_uses) { /* other streams used it: reusable only after their events complete */
+        ap_free_pending(p, b, tag);
+        return;
+    }
+    ap_stat_dec(&p->stats, AP_STAT_ACTIVE, pool, 1);
+    ap_stat_dec(&p->stats, AP_STAT_ACTIVE_BYTES, pool, (int64_t)b->size);
+    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->size, p->slots[tag].stream);
+    ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->size, p->slots[tag].stream);
+    ap_cache_push(p, b, tag);
+}
+
+int ap_pool_free(ap_pool *p, void *ptr, void *stream, int use_alloc_stream, ap_error *err) {
+    pthread_mutex_lock(&p->lock);
+    int tag = use_alloc_stream ? 0 : ap_slot_of(p, stream, 1);
+    if (tag < 0) {
+        pthread_mutex_unlock(&p->lock);
+        return ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams (limit %d) on device %d",
+                            AP_MAX_STREAMS - 1, p->device);
+    }
+    ap_block *b = ap_map_take(&p->live, (uintptr_t)ptr); /* only allocated blocks are in the map */
+    if (!b) {
+        int rc = bad_pointer(p, ptr, err);
+        pthread_mutex_unlock(&p->lock);
+        return rc;
+    }
+    release_block(p, b, use_alloc_stream ? b->tag : tag);
+    pthread_mutex_unlock(&p->lock);
+    return AP_OK;
+}
+
+int ap_pool_try_free(ap_pool *p, void *ptr) {
+    if (pthread_mutex_trylock(&p->lock) != 0) return AP_E_BUSY;
+    ap_block *b = ap_map_get(&p->live, (uintptr_t)ptr);
+    if (!b || b->xs || p->history.capacity) {
+        pthread_mutex_unlock(&p->lock);
+        return AP_E_BUSY;
+    }
+    ap_map_take(&p->live, (uintptr_t)ptr);
+    release_block(p, b, b->tag);
+    pthread_mutex_unlock(&p->lock);
+    return AP_OK;
+}
+
+int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
+    pthread_mutex_lock(&p->lock);
+    ap_block *b = ap_map_get(&p->live, (uintptr_t)ptr);
+    int rc = AP_OK;
+    if (!b || b->state != AP_BLOCK_ALLOCATED) {
+        rc = bad_pointer(p, ptr, err);
+    } else {
+        int slot = ap_slot_of(p, stream, 1);
+        if (slot < 0) {
+            rc = ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams on device %d", p->device);
+        } else if (slot != b->tag) {
+            if (!b->xs) b->xs = ap_uses_new(p);
+            ap_block_uses *u = b->xs;
+            int seen = 0;
+            for (int i = 0; u && i < u->n_uses; i++) seen |= u->uses[i] == slot;
+            if (!u)
+                rc = ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
+            else if (!seen && u->n_uses == AP_MAX_USES)
+                rc = ap_set_error(err, AP_E_INVALID_STREAM, 0,
+                                  "block 0x%lx is already marked with %d streams (the most one block can be)",
+                                  (unsigned long)b->addr, AP_MAX_USES);
+            else if (!seen)
+                u->uses[u->n_uses++] = (uint16_t)slot;
+        }
+    }
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+int ap_pool_empty_cache(ap_pool *p, ap_error *err) {
+    pthread_mutex_lock(&p->lock);
+    ap_cache_flush(p);
+    int rc = ap_process_pending(p, 1, err);
+    for (int s = 1; s < p->n_slots && rc == AP_OK; s++)
+        if (p->slots[s].live) rc = ap_settle_slot(p, s, err);
+    ap_release_free_segments(p, (size_t)-1, 1, 0, err);
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err) {
+    pthread_mutex_lock(&p->lock);
+    int slot = ap_slot_of(p, stream, 1);
+    int rc = slot < 0 ? ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams") : AP_OK;
+    if (rc == AP_OK) {
+        rc = p->backend->stream_sync(p->backend, stream, p->cfg.sync_timeout_ms);
+        if (rc != 0) {
+            char msg[160];
+            p->backend->error_message(p->backend, rc, msg, sizeof msg);
+            rc = ap_set_error(err, rc == 507046 || rc == 507047 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
+                              "synchronizing stream %p on device %d (limit %d ms): %s", stream, p->device,
+                              p->cfg.sync_timeout_ms, msg);
+        } else {
+            ap_free_retag_slot(p, slot, 0); /* everything it freed is now safe for all */
+            ap_process_pending(p, 0, NULL);
+        }
+    }
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err) {
+    pthread_mutex_lock(&p->lock);
+    int slot = ap_slot_of(p, stream, 0);
+    int rc = AP_OK;
+    if (slot > 0) {
+        rc = ap_settle_slot(p, slot, err);
+        if (rc == AP_OK) {
+            p->slots[slot].live = 0;
+            if (p->last_slot == slot) p->last_slot = 0;
+        }
+    }
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook) {
+    pthread_mutex_lock(&p->lock);
+    if (hook) p->quota = *hook;
+    else p->quota = (ap_quota_hook){0};
+    pthread_mutex_unlock(&p->lock);
+}
+
+size_t ap_pool_trim_to(ap_pool *p, size_t target) {
+    pthread_mutex_lock(&p->lock);
+    size_t reserved = ap_reserved(p), released = 0;
+    if (reserved > target) {
+        ap_process_pending(p, 0, NULL);
+        released = ap_release_free_segments(p, reserved - target, 1, 0, NULL);
+    }
+    pthread_mutex_unlock(&p->lock);
+    return released;
+}
+
+void ap_pool_set_limit(ap_pool *p, size_t limit_bytes) {
+    pthread_mutex_lock(&p->lock);
+    p->cfg.limit_bytes = limit_bytes;
+    size_t reserved = ap_reserved(p);
+    if (limit_bytes != AP_NO_LIMIT && reserved > limit_bytes)
+        ap_release_free_segments(p, reserved - limit_bytes, 1, 0, NULL);
+    pthread_mutex_unlock(&p->lock);
+}
+
+void ap_pool_get_stats(ap_pool *p, ap_stats *out) {
+    pthread_mutex_lock(&p->lock);
+    ap_cache_flush(p); /* figures of the coalesced pool */
+    *out = p->stats;
+    size_t largest = 0, cached = 0;
+    for (int s = 0; s < p->n_slots; s++)
+        for (int k = 0; k < 2; k++) {
+            ap_block *b = ap_tree_largest(&p->slots[s].trees[k]);
+            if (b && b->size > largest) largest = b->size;
+            cached += p->slots[s].trees[k].bytes;
+        }
+    pthread_mutex_unlock(&p->lock);
+    out->largest_free_block = (int64_t)largest;
+    out->cached_free_bytes = (int64_t)cached;
+    size_t free_b = 0, total_b = 0;
+    if (p->backend->mem_info(p->backend, p->device, &free_b, &total_b) == 0) {
+        out->device_free_bytes = (int64_t)free_b;
+        out->device_total_bytes = (int64_t)total_b;
+    }
+}
+
+void ap_pool_reset_peaks(ap_pool *p) {
+    pthread_mutex_lock(&p->lock);
+    ap_stats_reset_peaks(&p->stats);
+    pthread_mutex_unlock(&p->lock);
+}
+
+int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested) {
+    uintptr_t a = (uintptr_t)ptr;
+    int rc = -1;
+    pthread_mutex_lock(&p->lock);
+    for (ap_segment *s = p->segments; s && rc; s = s->next) {
+        if (a < s->base || a >= s->base + s->size) continue;
+        for (ap_block *b = s->first; b; b = b->next)
+            if (a >= b->addr && a < b->addr + b->size && b->state == AP_BLOCK_ALLOCATED) {
+                *base = b->addr;
+                *size = b->size;
+                *requested = b->requested;
+                rc = 0;
+                break;
+            }
+    }
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}

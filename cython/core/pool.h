@@ -1,0 +1,188 @@
+/* The caching pool of one device (and one tenant context): public C interface.
+ *
+ * Thread-safe: one mutex per pool. The cached path (best fit + split, or free + merge) takes the
+ * lock once, touches no Python object and allocates nothing. Device calls happen only on a miss.
+ */
+#ifndef AP_POOL_H
+#define AP_POOL_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "block.h"
+#include "free_tree.h"
+#include "history.h"
+#include "ptr_map.h"
+#include "stats.h"
+
+#define AP_MAX_STREAMS 1024  /* distinct streams one pool tracks (slot 0 is "no stream") */
+#define AP_NO_LIMIT ((size_t)-1)
+#define AP_CACHE_BINS 64   /* recent-free cache: bins by hashed size ... */
+#define AP_CACHE_DEPTH 4   /* ... of this many blocks each */
+
+/* Status codes of pool calls (ap_error.status). */
+enum {
+    AP_OK = 0,
+    AP_E_OOM,            /* device exhausted after trimming, waiting and retrying */
+    AP_E_LIMIT,          /* the pool's byte limit (memory fraction or quota) would be exceeded */
+    AP_E_INVALID_SIZE,   /* size 0, negative or absurd */
+    AP_E_INVALID_PTR,    /* not a live allocation of this pool */
+    AP_E_INVALID_STREAM, /* too many streams, or a stream that was destroyed */
+    AP_E_DEVICE,         /* the runtime returned an error (device_code) */
+    AP_E_TIMEOUT,        /* a device wait passed the configured limit */
+    AP_E_HOST_NOMEM,     /* host malloc for bookkeeping failed */
+    AP_E_BUSY,           /* fast path only: lock contended or a miss; take the slow path */
+    AP_E_QUOTA,          /* the tenant's quota hook refused the growth, even after trimming */
+};
+
+typedef struct ap_error {
+    int status;
+    int device_code;
+    char message[320];
+} ap_error;
+
+/* Release policies on a miss that needs a new segment. */
+enum {
+    AP_RELEASE_NEVER = 0,      /* torch_npu: keep every segment until empty_cache/OOM */
+    AP_RELEASE_UNDER_PEAK = 1, /* release free segments so that reserved stays under its earlier peak */
+};
+
+typedef struct ap_config {
+    size_t pad_bytes;          /* added to each request before rounding (32 on acl: torch_npu's pad) */
+    size_t min_block;          /* rounding granularity, 512 */
+    size_t small_size;         /* requests up to this go to the small pool (1 MiB) */
+    size_t small_segment;      /* small-pool segment size (2 MiB) */
+    size_t page_size;          /* large segments are multiples of this (2 MiB) */
+    size_t min_large_segment;  /* smallest large segment (2 MiB; torch uses 20 MiB below 10 MiB) */
+    size_t large_split_min;    /* split a large block only if the rest is at least this */
+    size_t max_split_size;     /* blocks this big or bigger are never split (AP_NO_LIMIT: off) */
+    double gc_threshold;       /* 0: off; else release idle segments above this fraction of the limit */
+    size_t limit_bytes;        /* reserved bytes may not exceed this (AP_NO_LIMIT: device only) */
+    size_t reserve_bytes;      /* preallocated at creation, kept until empty_cache */
+    size_t history_capacity;   /* trace ring entries (0: off) */
+    int release_policy;
+    int sync_timeout_ms;       /* bound on every host wait for the device (-1: forever) */
+} ap_config;
+
+void ap_config_default(ap_config *c);
+
+/* A tenant's quota, asked before every device allocation of a segment and told of every release.
+ * reserve() returns 0 when the bytes are granted (e.g. booked in a node-wide ledger), else nonzero
+ * and a reason in why. Called under the pool lock: must not call back into the pool. */
+typedef struct ap_quota_hook {
+    void *ctx;
+    int (*reserve)(void *ctx, int device, size_t bytes, char *why, size_t why_len);
+    void (*release)(void *ctx, int device, size_t bytes);
+} ap_quota_hook;
+
+typedef struct ap_stream_slot {
+    void *stream;         /* runtime handle (NULL = default stream) */
+    int live;             /* 0 once destroyed through the pool */
+    ap_free_tree trees[2]; /* free blocks whose last use was ordered on this stream */
+} ap_stream_slot;
+
+typedef struct ap_pool {
+    pthread_mutex_t lock;
+    ap_backend *backend;
+    int device;
+    ap_config cfg;
+
+    ap_stream_slot *slots; /* slots[0]: blocks no queued work can touch ("any stream") */
+    int n_slots;
+    int slots_cap;
+    int last_slot;        /* lookup cache */
+
+    ap_ptr_map live;      /* allocated and pending blocks by address */
+    ap_segment *segments; /* all segments */
+    size_t n_segments;
+    size_t n_free_segments;  /* segments that are one free block (release candidates) */
+    size_t reserved_watermark; /* highest reserved so far (release policy; not reset by reset_peak) */
+    uint64_t tick;
+
+    ap_block *pending_head, *pending_tail; /* frees waiting on events, oldest first */
+    void **event_cache;   /* idle events for reuse */
+    int n_cached_events, event_cache_cap;
+
+    ap_block *spare_blocks;   /* recycled block structs (linked through ->next) */
+    ap_block_uses *spare_uses;
+    ap_segment *spare_segments;
+    void **chunks;            /* host memory for block structs, freed at destroy */
+    size_t n_chunks, chunks_cap;
+
+    ap_block *cache[AP_CACHE_BINS][AP_CACHE_DEPTH]; /* recently freed blocks (free_cache.c) */
+    uint8_t cache_n[AP_CACHE_BINS];
+    int n_cached;
+
+    ap_stats stats;
+    ap_history history;
+    ap_quota_hook quota;  /* reserve == NULL: no quota */
+} ap_pool;
+
+/* Creates a pool on device. Preallocates cfg->reserve_bytes. NULL on failure (err says why). */
+ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, ap_error *err);
+/* Releases every segment (even ones with live blocks: the owner is going away) and the pool. */
+void ap_pool_destroy(ap_pool *p);
+
+/* Allocates size bytes ordered on stream. */
+int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err);
+/* Frees ptr, ordered on stream (use_alloc_stream: the stream it was allocated on). */
+int ap_pool_free(ap_pool *p, void *ptr, void *stream, int use_alloc_stream, ap_error *err);
+/* Cached path only, for callers holding the GIL: never blocks on the lock, never calls the
+   device. Returns AP_E_BUSY when the slow path is needed. */
+int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out);
+int ap_pool_try_free(ap_pool *p, void *ptr);
+/* Marks ptr as used by stream: it is not reused until that stream's work queued before the free
+   has completed. */
+int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err);
+/* Returns every unused segment to the device (waits for pending frees first). */
+int ap_pool_empty_cache(ap_pool *p, ap_error *err);
+/* Waits for the work queued on stream, then lets its cached blocks serve every stream. */
+int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err);
+/* Forgets a stream that is about to be destroyed: waits for it and returns its blocks to all. */
+int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err);
+/* Installs (or with NULL removes) the tenant quota hook. Segments already held stay booked by the
+   caller's own accounting; the hook sees only later reserves and releases. */
+void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook);
+/* Releases cached free segments until reserved <= target bytes (never live blocks). Returns
+   the bytes released. Used when a quota is lowered. */
+size_t ap_pool_trim_to(ap_pool *p, size_t target);
+/* Changes the byte limit; a lower limit trims cache, never live blocks. */
+void ap_pool_set_limit(ap_pool *p, size_t limit_bytes);
+/* Copies the counters (with fragmentation figures and device memory) under the lock. */
+void ap_pool_get_stats(ap_pool *p, ap_stats *out);
+void ap_pool_reset_peaks(ap_pool *p);
+/* Looks up a live block: its base, size and requested bytes. 0 if ptr is inside one. */
+int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested);
+/* Bytes a request of size really occupies (rounding and padding). */
+size_t ap_pool_round_size(const ap_pool *p, size_t size);
+
+/* Snapshot: flat arrays of segments and blocks, malloc()ed; free with ap_snapshot_free. */
+typedef struct ap_snap_block {
+    uintptr_t addr;
+    size_t size, requested;
+    int state;
+} ap_snap_block;
+
+typedef struct ap_snap_segment {
+    uintptr_t base;
+    size_t size;
+    int pool;
+    void *stream;
+    size_t first_block, n_blocks; /* range in the blocks array */
+} ap_snap_segment;
+
+typedef struct ap_snapshot {
+    ap_snap_segment *segments;
+    size_t n_segments;
+    ap_snap_block *blocks;
+    size_t n_blocks;
+    ap_history_entry *history;
+    size_t n_history;
+} ap_snapshot;
+
+int ap_pool_snapshot(ap_pool *p, ap_snapshot *out);
+void ap_snapshot_free(ap_snapshot *s);
+
+#endif

@@ -1,0 +1,472 @@
+# The caching pool's Python face: a thin cdef class over the C pool (cython/core/pool.c).
+# The cached path runs under the GIL with a try-lock (no GIL release/reacquire, ~20 ns saved);
+# everything that may block or call the device releases the GIL.
+
+from libc.stdint cimport uintptr_t, int64_t, int8_t, int32_t, uint8_t
+from libc.stdlib cimport malloc as c_malloc, free as c_free
+from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromVoidPtr
+
+from ascend_pool.errors import (OutOfMemoryError, QuotaExceededError, InvalidSizeError, InvalidPointerError,
+                                InvalidStreamError, DeviceTimeoutError, PoolError)
+
+cdef extern from "pool.h" nogil:
+    enum:
+        AP_OK, AP_E_OOM, AP_E_LIMIT, AP_E_INVALID_SIZE, AP_E_INVALID_PTR, AP_E_INVALID_STREAM,
+        AP_E_DEVICE, AP_E_TIMEOUT, AP_E_HOST_NOMEM, AP_E_BUSY, AP_E_QUOTA
+        AP_RELEASE_NEVER, AP_RELEASE_UNDER_PEAK
+    size_t AP_NO_LIMIT
+    ctypedef struct ap_error:
+        int status
+        int device_code
+        char message[320]
+    ctypedef struct ap_config:
+        size_t pad_bytes, min_block, small_size, small_segment, page_size, min_large_segment
+        size_t large_split_min, max_split_size, limit_bytes, reserve_bytes, history_capacity
+        double gc_threshold
+        int release_policy, sync_timeout_ms
+    ctypedef struct ap_pool:
+        pass
+    void ap_config_default(ap_config *c)
+    ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, ap_error *err)
+    void ap_pool_destroy(ap_pool *p)
+    int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err)
+    int ap_pool_free(ap_pool *p, void *ptr, void *stream, int use_alloc_stream, ap_error *err)
+    int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out)
+    int ap_pool_try_free(ap_pool *p, void *ptr)
+    int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err)
+    int ap_pool_empty_cache(ap_pool *p, ap_error *err)
+    int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err)
+    int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err)
+    void ap_pool_set_limit(ap_pool *p, size_t limit_bytes)
+    void ap_pool_reset_peaks(ap_pool *p)
+    int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested)
+    size_t ap_pool_round_size(const ap_pool *p, size_t size)
+    ctypedef struct ap_snap_block:
+        uintptr_t addr
+        size_t size, requested
+        int state
+    ctypedef struct ap_snap_segment:
+        uintptr_t base
+        size_t size
+        int pool
+        void *stream
+        size_t first_block, n_blocks
+    ctypedef struct ap_history_entry:
+        uint8_t action
+        uintptr_t addr
+        size_t size
+        void *stream
+        int64_t time_us
+    ctypedef struct ap_snapshot:
+        ap_snap_segment *segments
+        size_t n_segments
+        ap_snap_block *blocks
+        size_t n_blocks
+        ap_history_entry *history
+        size_t n_history
+    int ap_pool_snapshot(ap_pool *p, ap_snapshot *out)
+    void ap_snapshot_free(ap_snapshot *s)
+
+cdef extern from "stats.h" nogil:
+    ctypedef struct ap_stat:
+        int64_t current, peak, freed
+    ctypedef struct ap_stats:
+        ap_stat s[9][3]
+        int64_t num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc, num_device_free
+        int64_t num_quota_exceeded, events_created, stream_migrations, pending_free_bytes
+        int64_t pending_free_blocks, largest_free_block, cached_free_bytes
+        int64_t device_free_bytes, device_total_bytes
+    void ap_pool_get_stats(ap_pool *p, ap_stats *out)
+
+cdef extern from "replay.h" nogil:
+    enum:
+        AP_REPLAY_POOL, AP_REPLAY_DIRECT
+    ctypedef struct ap_replay_result:
+        int64_t allocs, frees
+        double seconds
+        int64_t peak_live_bytes, peak_reserved_bytes, device_mallocs, device_frees
+        int64_t device_calls_steady, final_allocated_bytes, failed_index
+        ap_error error
+    int ap_replay(ap_pool *p, ap_backend *b, int device, int mode, const int8_t *op, const int32_t *slot,
+                  const int64_t *size, const int32_t *stream, size_t n, void **streams, void **ptrs,
+                  size_t n_slots, ap_replay_result *r)
+
+_STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+               "active_bytes", "inactive_split_bytes", "requested_bytes")
+_STAT_TYPES = ("all", "small_pool", "large_pool")
+_CONFIG_FIELDS = ("pad_bytes", "min_block", "small_size", "small_segment", "page_size", "min_large_segment",
+                  "large_split_min", "max_split_size", "limit_bytes", "reserve_bytes", "history_capacity",
+                  "gc_threshold", "release_policy", "sync_timeout_ms")
+NO_LIMIT = AP_NO_LIMIT
+RELEASE_POLICIES = {"never": AP_RELEASE_NEVER, "under_peak": AP_RELEASE_UNDER_PEAK}
+BLOCK_STATES = ("inactive", "active_allocated", "active_pending_free")
+HISTORY_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot")
+
+
+cdef object _raise(ap_error *err, int status):
+    """Raises the typed exception for a failed pool call."""
+    msg = err.message.decode("utf-8", "replace")
+    if status == AP_E_QUOTA:
+        raise QuotaExceededError(msg)
+    if status == AP_E_OOM or status == AP_E_LIMIT:
+        raise OutOfMemoryError(msg)
+    if status == AP_E_INVALID_SIZE:
+        raise InvalidSizeError(msg)
+    if status == AP_E_INVALID_PTR:
+        raise InvalidPointerError(msg)
+    if status == AP_E_INVALID_STREAM:
+        raise InvalidStreamError(msg)
+    if status == AP_E_TIMEOUT:
+        raise DeviceTimeoutError(err.device_code, msg)
+    if status == AP_E_DEVICE:
+        raise DeviceError(err.device_code, msg)
+    if status == AP_E_HOST_NOMEM:
+        raise MemoryError(msg)
+    raise PoolError(f"pool call failed with status {status}: {msg}")
+
+
+cdef inline size_t _as_size(object nbytes) except? 0:
+    cdef Py_ssize_t n
+    if type(nbytes) is not int:
+        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+            raise InvalidSizeError(f"size must be an integer number of bytes, got {type(nbytes).__name__} {nbytes!r}")
+        nbytes = nbytes.__index__()
+    try:
+        n = nbytes
+    except OverflowError:
+        raise InvalidSizeError(f"size {nbytes} bytes is larger than any device") from None
+    if n <= 0:
+        raise InvalidSizeError(f"size must be positive, got {n} bytes")
+    return <size_t>n
+
+
+cdef inline void *_as_ptr(object ptr) except? NULL:
+    cdef void *p = NULL
+    if type(ptr) is int:
+        try:
+            p = PyLong_AsVoidPtr(ptr)
+        except OverflowError:
+            p = NULL
+    if p == NULL or <Py_ssize_t>p < 0:
+        raise InvalidPointerError(f"pointer must be a positive integer device address, got {ptr!r}")
+    return p
+
+
+cdef class PoolBase:
+    """The compiled pool of one device. Use ascend_pool.Pool, which adds the Python conveniences."""
+    cdef ap_pool *p
+    cdef readonly Backend backend
+    cdef readonly int device
+    cdef readonly dict config
+    cdef set _streams     # stream handles this pool knows (created here or registered)
+
+    def __cinit__(self, *args, **kwargs):
+        self.p = NULL
+
+    def _open(self, Backend backend, int device, dict config):
+        """Creates the C pool (called once by ascend_pool.Pool.__init__)."""
+        cdef ap_config cfg
+        if self.p != NULL:
+            raise PoolError("pool already open")
+        cdef ap_error err
+        ap_config_default(&cfg)
+        for key, value in config.items():
+            if key not in _CONFIG_FIELDS:
+                raise PoolError(f"internal: unknown pool field {key!r}")
+            if key == "pad_bytes": cfg.pad_bytes = value
+            elif key == "min_block": cfg.min_block = value
+            elif key == "small_size": cfg.small_size = value
+            elif key == "small_segment": cfg.small_segment = value
+            elif key == "page_size": cfg.page_size = value
+            elif key == "min_large_segment": cfg.min_large_segment = value
+            elif key == "large_split_min": cfg.large_split_min = value
+            elif key == "max_split_size": cfg.max_split_size = value
+            elif key == "limit_bytes": cfg.limit_bytes = value
+            elif key == "reserve_bytes": cfg.reserve_bytes = value
+            elif key == "history_capacity": cfg.history_capacity = value
+            elif key == "gc_threshold": cfg.gc_threshold = value
+            elif key == "release_policy": cfg.release_policy = value
+            elif key == "sync_timeout_ms": cfg.sync_timeout_ms = value
+        self.backend = backend
+        self.device = device
+        self.config = dict(config)
+        self._streams = set()
+        with nogil:
+            self.p = ap_pool_create(backend.b, device, &cfg, &err)
+        if self.p == NULL:
+            _raise(&err, err.status)
+
+    def close(self):
+        """Returns all device memory of this pool (live blocks included) and closes it."""
+        if self.p != NULL:
+            with nogil:
+                ap_pool_destroy(self.p)
+            self.p = NULL
+
+    def __dealloc__(self):
+        if self.p != NULL:
+            with nogil:
+                ap_pool_destroy(self.p)
+            self.p = NULL
+
+    @property
+    def closed(self):
+        return self.p == NULL
+
+    cdef inline int _check(self) except -1:
+        if self.p == NULL:
+            raise PoolError("this pool is closed")
+        return 0
+
+    cdef inline void *_stream(self, object stream) except? NULL:
+        if stream is None:
+            return NULL
+        if stream not in self._streams:
+            raise InvalidStreamError(f"stream {stream!r} is not a live stream of this pool (device {self.device}); "
+                                     "use pool.create_stream() or pool.register_stream(handle)")
+        return PyLong_AsVoidPtr(stream)
+
+    def malloc(self, nbytes, stream=None):
+        """Allocates nbytes (int, bytes) of device memory ordered on stream (None: default
+        stream). Returns the device address as an int."""
+        self._check()
+        cdef size_t n = _as_size(nbytes)
+        cdef void *s = self._stream(stream) if stream is not None else NULL
+        cdef void *out = NULL
+        cdef ap_error err
+        cdef int rc
+        if ap_pool_try_malloc(self.p, n, s, &out) == AP_OK:
+            return PyLong_FromVoidPtr(out)
+        with nogil:
+            rc = ap_pool_malloc(self.p, n, s, &out, &err)
+        if rc != AP_OK:
+            _raise(&err, rc)
+        return PyLong_FromVoidPtr(out)
+
+    def free(self, ptr, stream=None):
+        """Frees ptr. Ordered on stream when given (the block is reusable at once by that stream,
+        by others once its queued work is done); else on the stream it was allocated on."""
+        self._check()
+        cdef void *p = _as_ptr(ptr)
+        cdef void *s = NULL
+        cdef ap_error err
+        cdef int rc
+        if stream is None:
+            if ap_pool_try_free(self.p, p) == AP_OK:
+                return
+            with nogil:
+                rc = ap_pool_free(self.p, p, NULL, 1, &err)
+        else:
+            s = self._stream(stream)
+            with nogil:
+                rc = ap_pool_free(self.p, p, s, 0, &err)
+        if rc != AP_OK:
+            _raise(&err, rc)
+
+    def record_stream(self, ptr, stream):
+        """Marks ptr as used by stream: after its free, the block is not reused anywhere until the
+        work queued on stream before the free has completed."""
+        self._check()
+        cdef void *p = _as_ptr(ptr)
+        cdef void *s = self._stream(stream)
+        cdef ap_error err
+        cdef int rc
+        with nogil:
+            rc = ap_pool_record_stream(self.p, p, s, &err)
+        if rc != AP_OK:
+            _raise(&err, rc)
+
+    def empty_cache(self):
+        """Returns every unused cached segment to the device (waits for pending frees first)."""
+        self._check()
+        cdef ap_error err
+        cdef int rc
+        with nogil:
+            rc = ap_pool_empty_cache(self.p, &err)
+        if rc != AP_OK:
+            _raise(&err, rc)
+
+    def create_stream(self):
+        """Creates a device stream on this pool's device; returns its handle (int)."""
+        handle = self.backend.stream_create(self.device)
+        self._streams.add(handle)
+        return handle
+
+    def register_stream(self, handle):
+        """Lets this pool order frees on a stream created elsewhere (int handle)."""
+        if type(handle) is not int or handle <= 0:
+            raise InvalidStreamError(f"stream handle must be a positive int, got {handle!r}")
+        self._streams.add(handle)
+
+    def destroy_stream(self, stream):
+        """Waits for stream, returns its cached blocks to all streams, and destroys it."""
+        self._check()
+        cdef void *s = self._stream(stream)
+        cdef ap_error err
+        cdef int rc
+        with nogil:
+            rc = ap_pool_release_stream(self.p, s, &err)
+        if rc != AP_OK:
+            _raise(&err, rc)
+        self._streams.discard(stream)
+        self.backend.stream_destroy(stream)
+
+    def synchronize(self, stream=None):
+        """Waits (bounded by sync_timeout_ms) for the work queued on stream (None: default)."""
+        self._check()
+        cdef void *s = self._stream(stream)
+        cdef ap_error err
+        cdef int rc
+        with nogil:
+            rc = ap_pool_synchronize(self.p, s, &err)
+        if rc != AP_OK:
+            _raise(&err, rc)
+
+    def set_limit(self, limit_bytes):
+        """Caps reserved bytes (None: no cap). A limit below current use trims cache only."""
+        self._check()
+        cdef size_t limit = AP_NO_LIMIT if limit_bytes is None else <size_t>limit_bytes
+        with nogil:
+            ap_pool_set_limit(self.p, limit)
+
+    def reset_peak_stats(self):
+        """Resets every peak counter to its current value."""
+        self._check()
+        ap_pool_reset_peaks(self.p)
+
+    def round_size(self, nbytes):
+        """Bytes a request of nbytes really occupies in the pool (padding and 512-byte rounding)."""
+        self._check()
+        return ap_pool_round_size(self.p, _as_size(nbytes))
+
+    def block_info(self, ptr):
+        """(base, size, requested) of the live block containing ptr, or None."""
+        self._check()
+        cdef uintptr_t base = 0
+        cdef size_t size = 0, requested = 0
+        if ap_pool_block_info(self.p, _as_ptr(ptr), &base, &size, &requested) != 0:
+            return None
+        return (base, size, requested)
+
+    def _raw_stats(self):
+        """Counters copied under the lock: PyTorch-schema keys plus the pool's own."""
+        self._check()
+        cdef ap_stats st
+        with nogil:
+            ap_pool_get_stats(self.p, &st)
+        out = {}
+        for i, name in enumerate(_STAT_NAMES):
+            for j, kind in enumerate(_STAT_TYPES):
+                out[f"{name}.{kind}.current"] = st.s[i][j].current
+                out[f"{name}.{kind}.peak"] = st.s[i][j].peak
+                out[f"{name}.{kind}.allocated"] = st.s[i][j].current + st.s[i][j].freed
+                out[f"{name}.{kind}.freed"] = st.s[i][j].freed
+        out["num_alloc_retries"] = st.num_alloc_retries
+        out["num_ooms"] = st.num_ooms
+        out["num_sync_all_streams"] = st.num_sync_all_streams
+        out["num_device_alloc"] = st.num_device_alloc
+        out["num_device_free"] = st.num_device_free
+        out["num_quota_exceeded"] = st.num_quota_exceeded
+        out["events_created"] = st.events_created
+        out["stream_migrations"] = st.stream_migrations
+        out["pending_free_bytes"] = st.pending_free_bytes
+        out["pending_free_blocks"] = st.pending_free_blocks
+        out["largest_free_block_bytes"] = st.largest_free_block
+        out["cached_free_bytes"] = st.cached_free_bytes
+        out["device_free_bytes"] = st.device_free_bytes
+        out["device_total_bytes"] = st.device_total_bytes
+        return out
+
+    def _raw_snapshot(self):
+        """(segments, history): segments as tuples (base, size, pool, stream, blocks) with blocks
+        as tuples (addr, size, requested, state); history as (action, addr, size, stream, time_us)."""
+        self._check()
+        cdef ap_snapshot snap
+        cdef int rc
+        cdef size_t i, j
+        with nogil:
+            rc = ap_pool_snapshot(self.p, &snap)
+        if rc != AP_OK:
+            raise MemoryError("host memory for the snapshot exhausted")
+        try:
+            segments = []
+            for i in range(snap.n_segments):
+                seg = snap.segments[i]
+                blocks = []
+                for j in range(seg.first_block, seg.first_block + seg.n_blocks):
+                    blk = snap.blocks[j]
+                    blocks.append((blk.addr, blk.size, blk.requested, blk.state))
+                segments.append((seg.base, seg.size, seg.pool, <uintptr_t>seg.stream, blocks))
+            history = []
+            for i in range(snap.n_history):
+                e = snap.history[i]
+                history.append((e.action, e.addr, e.size, <uintptr_t>e.stream, e.time_us))
+        finally:
+            ap_snapshot_free(&snap)
+        return segments, history
+
+
+def replay_arrays(PoolBase pool, Backend backend, int device, str mode, const int8_t[::1] op,
+                  const int32_t[::1] slot, const int64_t[::1] size, const int32_t[::1] stream,
+                  list streams, Py_ssize_t n_slots):
+    """Replays a trace (arrays from ascend_pool.traces) with the loop in C. mode: "pool" (through
+    pool) or "direct" (one device call per allocation and free). Returns a dict of figures."""
+    cdef ap_replay_result r
+    cdef size_t n = op.shape[0]
+    cdef int m = AP_REPLAY_POOL if mode == "pool" else AP_REPLAY_DIRECT
+    cdef ap_pool *p = pool.p if pool is not None else NULL
+    cdef int rc
+    if m == AP_REPLAY_POOL and p == NULL:
+        raise PoolError("pool mode needs a pool")
+    if not (<size_t>slot.shape[0] == n and <size_t>size.shape[0] == n and <size_t>stream.shape[0] == n):
+        raise ValueError("trace arrays differ in length")
+    cdef void **c_streams = <void **>c_malloc((len(streams) + 1) * sizeof(void *))
+    cdef void **ptrs = <void **>c_malloc((n_slots + 1) * sizeof(void *))
+    if c_streams == NULL or ptrs == NULL:
+        c_free(c_streams); c_free(ptrs)
+        raise MemoryError("host memory for the replay exhausted")
+    for i, s in enumerate(streams):
+        c_streams[i] = NULL if s is None else PyLong_AsVoidPtr(s)
+    try:
+        with nogil:
+            rc = ap_replay(p, backend.b, device, m, &op[0], &slot[0], &size[0], &stream[0], n, c_streams,
+                           ptrs, n_slots, &r)
+    finally:
+        c_free(c_streams)
+        c_free(ptrs)
+    if rc != AP_OK:
+        _raise(&r.error, rc)
+    return {
+        "allocs": r.allocs, "frees": r.frees, "seconds": r.seconds,
+        "peak_live_bytes": r.peak_live_bytes, "peak_reserved_bytes": r.peak_reserved_bytes,
+        "device_mallocs": r.device_mallocs, "device_frees": r.device_frees,
+        "device_calls_steady": r.device_calls_steady, "final_allocated_bytes": r.final_allocated_bytes,
+    }
+
+
+cdef extern from "current.h" nogil:
+    ap_pool *ap_current_set(int device, ap_pool *p)
+    void ap_default_set(int device, ap_pool *p)
+
+
+def _set_default_pool(PoolBase pool):
+    """Makes pool the process default of its device for the C ABI (ascend_pool_malloc ...)."""
+    pool._check()
+    ap_default_set(pool.device, pool.p)
+
+
+def _set_thread_current(int device, PoolBase pool):
+    """Makes pool (None: the default) current for device on this thread, for the C ABI. Returns
+    the previous thread-local pool pointer as an int, for _restore_thread_current."""
+    cdef ap_pool *prev
+    if pool is None:
+        prev = ap_current_set(device, NULL)
+    else:
+        pool._check()
+        prev = ap_current_set(device, pool.p)
+    return <uintptr_t>prev
+
+
+def _restore_thread_current(int device, uintptr_t prev):
+    """Restores what _set_thread_current returned."""
+    ap_current_set(device, <ap_pool *>prev)

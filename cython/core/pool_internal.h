@@ -1,0 +1,72 @@
+/* Helpers shared by the pool's implementation files; not part of the public interface. */
+#ifndef AP_POOL_INTERNAL_H
+#define AP_POOL_INTERNAL_H
+
+#include <stdio.h>
+
+#include "pool.h"
+
+#define AP_LARGE_BUFFER (20u << 20) /* an oversize cached block may exceed the request by this much */
+
+static inline size_t ap_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+/* Writes an error; returns status for `return set_error(...)`. */
+int ap_set_error(ap_error *err, int status, int device_code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* block_arena.c: block and segment structs, recycled, never freed before the pool. */
+ap_block *ap_block_new(ap_pool *p);
+void ap_block_recycle(ap_pool *p, ap_block *b);
+ap_segment *ap_segment_new(ap_pool *p);
+void ap_segment_recycle(ap_pool *p, ap_segment *s);
+void ap_arena_destroy(ap_pool *p);
+ap_block_uses *ap_uses_new(ap_pool *p);
+void ap_uses_recycle(ap_pool *p, ap_block_uses *u);
+
+/* free_blocks.c: moving blocks in and out of the free trees with coalescing and stats. */
+/* Inserts a free block tagged with stream slot `tag`, merging it with free address neighbours
+   whose tag is compatible (equal, or 0 = no stream); returns the merged block. */
+ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag);
+void ap_free_remove(ap_pool *p, ap_block *b);
+/* Moves every free block of slot `from` to tag `to` (0 = any stream), merging as it goes. */
+void ap_free_retag_slot(ap_pool *p, int from, int to);
+/* Best cached block for a request on slot (own stream or any-stream blocks), or NULL. */
+ap_block *ap_find_fit(ap_pool *p, int slot, int pool, size_t rsize);
+/* Takes a free block (already chosen by ap_find_fit) for an allocation, splitting off the rest. */
+void ap_take_block(ap_pool *p, ap_block *b, size_t rsize, size_t requested, int slot);
+/* Marks a block (already out of every free structure) allocated, with the allocation stats. */
+void ap_mark_allocated(ap_pool *p, ap_block *b, size_t requested, int slot);
+
+/* free_cache.c: recently freed blocks by exact size, not yet coalesced. */
+ap_block *ap_cache_pop(ap_pool *p, int slot, size_t rsize);
+void ap_cache_push(ap_pool *p, ap_block *b, int tag);
+/* Coalesces every cached block into the trees; call before anything that needs the full picture. */
+void ap_cache_flush(ap_pool *p);
+
+/* segments.c: device allocations, release policies and the out-of-memory path. */
+/* Returns a free block of at least rsize for slot, from a new segment if needed (the slow path). */
+ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t requested, ap_error *err);
+/* Releases fully free segments (settling streams as needed) until `target` bytes are returned
+   or none remain; include_pinned also returns the preallocated reserve. Returns bytes released. */
+size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, int oldest_first, ap_error *err);
+int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap_block **out, ap_error *err);
+size_t ap_reserved(const ap_pool *p);
+
+/* stream_order.c: stream slots, events, pending frees, cross-stream reuse. */
+/* Slot of a stream (created when create != 0); -1 when none / table full. */
+int ap_slot_of(ap_pool *p, void *stream, int create);
+void *ap_event_get(ap_pool *p);
+void ap_event_put(ap_pool *p, void *event);
+void ap_events_destroy(ap_pool *p);
+/* Frees a block whose uses (record_stream) need events: it waits on the pending list. */
+void ap_free_pending(ap_pool *p, ap_block *b, int tag);
+/* Completes pending frees whose events are done; blocking waits for all (bounded by the timeout).
+   Returns AP_OK or AP_E_TIMEOUT. */
+int ap_process_pending(ap_pool *p, int blocking, ap_error *err);
+/* Waits for the work queued on the slot's stream, then its free blocks serve every stream. */
+int ap_settle_slot(ap_pool *p, int slot, ap_error *err);
+/* Lets `to` reuse the free blocks of every other stream (for a request of rsize in pool): orders
+   to's stream after theirs with an event, no host wait. Returns the number of blocks moved. */
+size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_error *err);
+
+#endif

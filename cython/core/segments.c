@@ -1,0 +1,177 @@
+/* Segments: device allocations, the release policy and the out-of-memory path.
+ *
+ * Segment sizes: small-pool segments are 2 MiB (many small blocks share one huge page); a large
+ * request gets a segment of its own size rounded up to whole 2 MiB pages, so that when it is
+ * freed the whole segment is free and can serve any later request or go back to the device.
+ *
+ * Release policy (AP_RELEASE_UNDER_PEAK): when a miss needs a new segment and reserved memory
+ * would rise above its earlier peak, fully free segments are released first (largest first) so
+ * that the pool trades idle memory for the new shape instead of growing. Steady-state loops never
+ * reach this path (their requests fit the cache), so it costs device calls only when the
+ * workload changes shape.
+ */
+#include "pool_internal.h"
+
+size_t ap_reserved(const ap_pool *p) {
+    return (size_t)p->stats.s[AP_STAT_RESERVED_BYTES][AP_STAT_ALL].current;
+}
+
+static int device_error(ap_pool *p, ap_error *err, int rc, const char *what, size_t size) {
+    char msg[200];
+    p->backend->error_message(p->backend, rc, msg, sizeof msg);
+    return ap_set_error(err, AP_E_DEVICE, rc, "%s of %zu bytes on device %d failed (%d): %s", what, size,
+                        p->device, rc, msg);
+}
+
+int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap_block **out, ap_error *err) {
+    if (p->cfg.limit_bytes != AP_NO_LIMIT && ap_reserved(p) + size > p->cfg.limit_bytes)
+        return ap_set_error(err, AP_E_LIMIT, 0, "limit of %zu bytes reached", p->cfg.limit_bytes);
+    ap_segment *seg = ap_segment_new(p);
+    ap_block *b = seg ? ap_block_new(p) : NULL;
+    if (!b) {
+        if (seg) ap_segment_recycle(p, seg);
+        return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
+    }
+    if (p->quota.reserve) {
+        char why[200] = "";
+        if (p->quota.reserve(p->quota.ctx, p->device, size, why, sizeof why) != 0) {
+            ap_block_recycle(p, b);
+            ap_segment_recycle(p, seg);
+            return ap_set_error(err, AP_E_QUOTA, 0, "%s", why);
+        }
+    }
+    void *ptr = NULL;
+    int rc = p->backend->malloc(p->backend, p->device, &ptr, size);
+    if (rc != 0) {
+        if (p->quota.release) p->quota.release(p->quota.ctx, p->device, size);
+        ap_block_recycle(p, b);
+        ap_segment_recycle(p, seg);
+        return device_error(p, err, rc, "device malloc", size);
+    }
+    seg->base = (uintptr_t)ptr;
+    seg->size = size;
+    seg->pool = pool;
+    seg->pinned = pinned;
+    seg->alloc_slot = (uint16_t)slot;
+    seg->first = b;
+    seg->next = p->segments;
+    if (p->segments) p->segments->prev = seg;
+    p->segments = seg;
+    p->n_segments++;
+    b->addr = seg->base;
+    b->size = size;
+    b->seg = seg;
+    p->stats.num_device_alloc++;
+    ap_stat_inc(&p->stats, AP_STAT_SEGMENT, pool, 1);
+    ap_stat_inc(&p->stats, AP_STAT_RESERVED_BYTES, pool, (int64_t)size);
+    if (ap_reserved(p) > p->reserved_watermark) p->reserved_watermark = ap_reserved(p);
+    ap_history_add(&p->history, AP_ACT_SEGMENT_ALLOC, seg->base, size, slot ? p->slots[slot].stream : NULL);
+    *out = ap_free_insert(p, b, 0);
+    return AP_OK;
+}
+
+/* Returns a fully free segment (its one block is in the any-stream tree) to the device. */
+static int segment_release(ap_pool *p, ap_segment *seg, ap_error *err) {
+    ap_block *b = seg->first;
+    ap_free_remove(p, b);
+    int rc = p->backend->free(p->backend, p->device, (void *)seg->base);
+    if (rc != 0) { /* keep it cached: the pool stays consistent */
+        ap_free_insert(p, b, b->tag);
+        return device_error(p, err, rc, "device free", seg->size);
+    }
+    if (seg->prev) seg->prev->next = seg->next;
+    else p->segments = seg->next;
+    if (seg->next) seg->next->prev = seg->prev;
+    p->n_segments--;
+    if (p->quota.release) p->quota.release(p->quota.ctx, p->device, seg->size);
+    p->stats.num_device_free++;
+    ap_stat_dec(&p->stats, AP_STAT_SEGMENT, seg->pool, 1);
+    ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, seg->pool, (int64_t)seg->size);
+    ap_history_add(&p->history, AP_ACT_SEGMENT_FREE, seg->base, seg->size, NULL);
+    ap_block_recycle(p, b);
+    ap_segment_recycle(p, seg);
+    return AP_OK;
+}
+
+static ap_segment *pick_free_segment(ap_pool *p, int include_pinned, int oldest_first) {
+    ap_segment *pick = NULL;
+    for (ap_segment *s = p->segments; s; s = s->next) {
+        if (!ap_segment_is_free(s) || (s->pinned && !include_pinned)) continue;
+        if (!pick || (oldest_first ? s->last_use < pick->last_use : s->size > pick->size)) pick = s;
+    }
+    return pick;
+}
+
+size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, int oldest_first, ap_error *err) {
+    size_t released = 0;
+    ap_cache_flush(p);
+    while (released < target && p->n_free_segments) {
+        ap_segment *s = pick_free_segment(p, include_pinned, oldest_first);
+        if (!s) break;
+        if (s->first->tag) { /* its stream may still use it: wait for that stream first */
+            if (ap_settle_slot(p, s->first->tag, err) != AP_OK) break;
+            continue; /* settling may have merged blocks: pick again */
+        }
+        size_t size = s->size;
+        if (segment_release(p, s, err) != AP_OK) break;
+        released += size;
+    }
+    return released;
+}
+
+static size_t segment_size_for(const ap_pool *p, int pool, size_t rsize) {
+    if (pool == AP_POOL_SMALL) return p->cfg.small_segment;
+    size_t size = ap_round_up(rsize, p->cfg.page_size);
+    return size < p->cfg.min_large_segment ? p->cfg.min_large_segment : size;
+}
+
+/* Makes room under the policies before growing by `size` bytes. */
+static void trim_before_growth(ap_pool *p, size_t size) {
+    size_t reserved = ap_reserved(p);
+    if (p->cfg.gc_threshold > 0 && p->n_free_segments) {
+        size_t cap = p->cfg.limit_bytes != AP_NO_LIMIT ? p->cfg.limit_bytes : (size_t)p->stats.device_total_bytes;
+        size_t threshold = (size_t)(p->cfg.gc_threshold * (double)cap);
+        if (reserved + size > threshold)
+            reserved -= ap_release_free_segments(p, reserved + size - threshold, 0, 1, NULL);
+    }
+    if (p->cfg.release_policy == AP_RELEASE_UNDER_PEAK && p->n_free_segments &&
+        reserved + size > p->reserved_watermark)
+        ap_release_free_segments(p, reserved + size - p->reserved_watermark, 0, 0, NULL);
+}
+
+ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t requested, ap_error *err) {
+    (void)requested;
+    ap_block *b;
+    ap_cache_flush(p);
+    if (p->pending_head) {
+        ap_process_pending(p, 0, NULL);
+        if ((b = ap_find_fit(p, slot, pool, rsize))) return b;
+    }
+    if (ap_borrow_from_streams(p, slot, pool, rsize, err) && (b = ap_find_fit(p, slot, pool, rsize))) return b;
+
+    size_t size = segment_size_for(p, pool, rsize);
+    trim_before_growth(p, size);
+    int rc = ap_segment_alloc(p, pool, size, slot, 0, &b, err);
+    if (rc == AP_OK) return b;
+    if (rc == AP_E_HOST_NOMEM) return NULL;
+
+    /* Out of device memory (or over the limit): return every idle segment and retry ... */
+    p->stats.num_alloc_retries++;
+    ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
+    if ((b = ap_find_fit(p, slot, pool, rsize))) return b;
+    rc = ap_segment_alloc(p, pool, size, slot, 0, &b, err);
+    if (rc == AP_OK) return b;
+
+    /* ... then wait for every pending free and every stream's queued frees, and retry once more. */
+    p->stats.num_sync_all_streams++;
+    ap_error wait_err = {0};
+    ap_process_pending(p, 1, &wait_err);
+    for (int s = 1; s < p->n_slots; s++)
+        if (p->slots[s].live) ap_settle_slot(p, s, &wait_err);
+    ap_release_free_segments(p, (size_t)-1, 1, 0, NULL);
+    if ((b = ap_find_fit(p, slot, pool, rsize))) return b;
+    rc = ap_segment_alloc(p, pool, size, slot, 0, &b, err);
+    if (rc == AP_OK) return b;
+    if (wait_err.status == AP_E_TIMEOUT) *err = wait_err;
+    return NULL;
+}

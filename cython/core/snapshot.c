@@ -1,0 +1,46 @@
+/* Copies the pool's segments, blocks and history under the lock, so that the Python side can
+ * build PyTorch-schema snapshots without holding it. */
+#include <stdlib.h>
+
+#include "pool_internal.h"
+
+int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
+    *out = (ap_snapshot){0};
+    pthread_mutex_lock(&p->lock);
+    ap_cache_flush(p);
+    size_t n_blocks = 0;
+    for (ap_segment *s = p->segments; s; s = s->next)
+        for (ap_block *b = s->first; b; b = b->next) n_blocks++;
+    out->segments = malloc((p->n_segments ? p->n_segments : 1) * sizeof *out->segments);
+    out->blocks = malloc((n_blocks ? n_blocks : 1) * sizeof *out->blocks);
+    if (!out->segments || !out->blocks) {
+        pthread_mutex_unlock(&p->lock);
+        ap_snapshot_free(out);
+        return AP_E_HOST_NOMEM;
+    }
+    size_t i = 0, j = 0;
+    for (ap_segment *s = p->segments; s; s = s->next, i++) {
+        ap_snap_segment *o = &out->segments[i];
+        o->base = s->base;
+        o->size = s->size;
+        o->pool = s->pool;
+        o->stream = s->alloc_slot ? p->slots[s->alloc_slot].stream : NULL;
+        o->first_block = j;
+        for (ap_block *b = s->first; b; b = b->next, j++)
+            out->blocks[j] = (ap_snap_block){b->addr, b->size, b->requested, b->state};
+        o->n_blocks = j - o->first_block;
+    }
+    out->n_segments = i;
+    out->n_blocks = j;
+    ap_history_add(&p->history, AP_ACT_SNAPSHOT, 0, 0, NULL);
+    out->n_history = ap_history_copy(&p->history, &out->history);
+    pthread_mutex_unlock(&p->lock);
+    return AP_OK;
+}
+
+void ap_snapshot_free(ap_snapshot *s) {
+    free(s->segments);
+    free(s->blocks);
+    free(s->history);
+    *s = (ap_snapshot){0};
+}

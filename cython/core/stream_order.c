@@ -1,0 +1,219 @@
+/* Stream-ordered reuse.
+ *
+ * A block freed on stream S is tagged S: S may reuse it at once (its later work is ordered after
+ * the free). Another stream T may reuse it only once S's queued work is done. When T finds nothing
+ * of its own, it borrows S's free blocks by recording an event on S and making T wait on it
+ * (aclrtStreamWaitEvent): no host wait, and T is ordered after every free S made so far. Blocks
+ * marked with record_stream wait on the pending list until events on every user stream complete.
+ * Events come from a cache, so steady state creates none.
+ */
+#include <stdlib.h>
+
+#include "pool_internal.h"
+
+int ap_slot_of(ap_pool *p, void *stream, int create) {
+    int last = p->last_slot;
+    if (last > 0 && p->slots[last].live && p->slots[last].stream == stream) return last;
+    int dead = -1;
+    for (int i = 1; i < p->n_slots; i++) {
+        if (p->slots[i].live && p->slots[i].stream == stream) {
+            p->last_slot = i;
+            return i;
+        }
+        if (!p->slots[i].live && dead < 0 && !p->slots[i].trees[0].count && !p->slots[i].trees[1].count)
+            dead = i;
+    }
+    if (!create) return -1;
+    int i = dead;
+    if (i < 0) {
+        if (p->n_slots == AP_MAX_STREAMS) return -1;
+        if (p->n_slots == p->slots_cap) {
+            int cap = p->slots_cap * 2;
+            ap_stream_slot *s = realloc(p->slots, (size_t)cap * sizeof *s);
+            if (!s) return -1;
+            p->slots = s;
+            p->slots_cap = cap;
+        }
+        i = p->n_slots++;
+    }
+    ap_stream_slot *s = &p->slots[i];
+    s->stream = stream;
+    s->live = 1;
+    s->trees[0] = (ap_free_tree){0};
+    s->trees[1] = (ap_free_tree){0};
+    p->last_slot = i;
+    return i;
+}
+
+void *ap_event_get(ap_pool *p) {
+    if (p->n_cached_events) return p->event_cache[--p->n_cached_events];
+    void *ev = NULL;
+    if (p->backend->event_create(p->backend, p->device, &ev) != 0) return NULL;
+    p->stats.events_created++;
+    return ev;
+}
+
+void ap_event_put(ap_pool *p, void *event) {
+    if (p->n_cached_events == p->event_cache_cap) {
+        int cap = p->event_cache_cap ? p->event_cache_cap * 2 : 16;
+        void **c = realloc(p->event_cache, (size_t)cap * sizeof *c);
+        if (!c) {
+            p->backend->event_destroy(p->backend, event);
+            return;
+        }
+        p->event_cache = c;
+        p->event_cache_cap = cap;
+    }
+    p->event_cache[p->n_cached_events++] = event;
+}
+
+void ap_events_destroy(ap_pool *p) {
+    for (int i = 0; i < p->n_cached_events; i++) p->backend->event_destroy(p->backend, p->event_cache[i]);
+    free(p->event_cache);
+    p->event_cache = NULL;
+    p->n_cached_events = p->event_cache_cap = 0;
+}
+
+/* Records an event after the work queued on stream so far. NULL if no event could be had: the
+   caller then waits for the stream on the host instead. */
+static void *record_on(ap_pool *p, void *stream) {
+    void *ev = ap_event_get(p);
+    if (!ev) return NULL;
+    if (p->backend->event_record(p->backend, ev, stream) != 0) {
+        ap_event_put(p, ev);
+        return NULL;
+    }
+    return ev;
+}
+
+static int sync_stream(ap_pool *p, void *stream, ap_error *err) {
+    int rc = p->backend->stream_sync(p->backend, stream, p->cfg.sync_timeout_ms);
+    if (rc == 0) return AP_OK;
+    char msg[160];
+    p->backend->error_message(p->backend, rc, msg, sizeof msg);
+    return ap_set_error(err, rc == 507046 || rc == 507047 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
+                        "waiting for stream %p on device %d failed after %d ms: %s", stream, p->device,
+                        p->cfg.sync_timeout_ms, msg);
+}
+
+static void pending_unlink(ap_pool *p, ap_block *prev, ap_block *b) {
+    if (prev) prev->pending_next = b->pending_next;
+    else p->pending_head = b->pending_next;
+    if (p->pending_tail == b) p->pending_tail = prev;
+    b->pending_next = NULL;
+}
+
+void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
+    void *streams[AP_MAX_USES + 1];
+    int n = 0;
+    ap_block_uses *u = b->xs;
+    streams[n++] = p->slots[tag].stream;
+    for (int i = 0; i < u->n_uses; i++)
+        if (u->uses[i] != tag) streams[n++] = p->slots[u->uses[i]].stream;
+    u->n_events = 0;
+    for (int i = 0; i < n; i++) {
+        void *ev = record_on(p, streams[i]);
+        if (ev) u->events[u->n_events++] = ev;
+        else sync_stream(p, streams[i], NULL); /* no event to spare: wait now instead */
+    }
+    b->state = AP_BLOCK_PENDING;
+    u->n_uses = 0;
+    b->pending_next = NULL;
+    if (p->pending_tail) p->pending_tail->pending_next = b;
+    else p->pending_head = b;
+    p->pending_tail = b;
+    p->stats.pending_free_bytes += (int64_t)b->size;
+    p->stats.pending_free_blocks++;
+    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->size, streams[0]);
+}
+
+static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
+    ap_block_uses *u = b->xs;
+    while (u && u->n_events) {
+        void *ev = u->events[u->n_events - 1];
+        int rc;
+        if (blocking) {
+            rc = p->backend->event_sync(p->backend, ev, p->cfg.sync_timeout_ms);
+            if (rc != 0) {
+                char msg[160];
+                p->backend->error_message(p->backend, rc, msg, sizeof msg);
+                return ap_set_error(err, rc == 507047 || rc == 507046 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
+                                    "waiting for the streams that used block 0x%lx on device %d: %s",
+                                    (unsigned long)b->addr, p->device, msg);
+            }
+        } else {
+            int complete = 0;
+            if (p->backend->event_query(p->backend, ev, &complete) != 0 || !complete) return AP_E_BUSY;
+        }
+        ap_event_put(p, ev);
+        u->n_events--;
+    }
+    return AP_OK;
+}
+
+int ap_process_pending(ap_pool *p, int blocking, ap_error *err) {
+    ap_block *prev = NULL, *b = p->pending_head;
+    int status = AP_OK;
+    while (b) {
+        ap_block *next = b->pending_next;
+        int rc = events_done(p, b, blocking, err);
+        if (rc == AP_OK) {
+            pending_unlink(p, prev, b);
+            int pool = b->seg->pool;
+            p->stats.pending_free_bytes -= (int64_t)b->size;
+            p->stats.pending_free_blocks--;
+            ap_stat_dec(&p->stats, AP_STAT_ACTIVE, pool, 1);
+            ap_stat_dec(&p->stats, AP_STAT_ACTIVE_BYTES, pool, (int64_t)b->size);
+            ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->size, NULL);
+            ap_free_insert(p, b, 0);
+        } else {
+            if (rc != AP_E_BUSY) status = rc;
+            prev = b;
+        }
+        b = next;
+    }
+    return status;
+}
+
+int ap_settle_slot(ap_pool *p, int slot, ap_error *err) {
+    if (slot <= 0) return AP_OK;
+    ap_stream_slot *s = &p->slots[slot];
+    ap_cache_flush(p);
+    if (!s->trees[0].count && !s->trees[1].count) return AP_OK;
+    int rc = sync_stream(p, s->stream, err);
+    if (rc != AP_OK) return rc;
+    ap_free_retag_slot(p, slot, 0);
+    return AP_OK;
+}
+
+size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_error *err) {
+    (void)err;
+    size_t moved = 0;
+    ap_cache_flush(p);
+    for (int s = 1; s < p->n_slots; s++) {
+        if (s == to) continue;
+        ap_free_tree *t = &p->slots[s].trees[pool];
+        /* Skip a stream whose blocks could not make a fit even merged with every other free byte. */
+        if (!t->count || t->bytes + p->slots[to].trees[pool].bytes + p->slots[0].trees[pool].bytes < rsize)
+            continue;
+        void *ev = record_on(p, p->slots[s].stream);
+        int target = to;
+        if (ev) {
+            if (p->backend->stream_wait_event(p->backend, p->slots[to].stream, ev) != 0) {
+                /* Could not order the streams on the device: fall back to a host wait below. */
+                ap_event_put(p, ev);
+                ev = NULL;
+            } else {
+                ap_event_put(p, ev); /* the wait captured the event's state: it may be reused now */
+            }
+        }
+        if (!ev) {
+            if (sync_stream(p, p->slots[s].stream, NULL) != AP_OK) continue;
+            target = 0;
+        }
+        moved += t->count;
+        p->stats.stream_migrations++;
+        ap_free_retag_slot(p, s, target);
+    }
+    return moved;
+}

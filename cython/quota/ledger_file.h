@@ -1,0 +1,347 @@
+/* The node-wide quota ledger: opening, creating, validating and locking one ledger file.
+ *
+ * Trust: a ledger decides how much device memory processes may take, so a file that another user
+ * could have written, or that does not look exactly like one this build creates, is refused with a
+ * message naming the file and the reason; it is never repaired or reinterpreted. Checks: regular
+ * file (symbolic links refused), owner = this user (or, when a group is configured, the file's
+ * group = that group), mode exactly 0600 (0660 with a group), exact size, and under the lock the
+ * header (magic, version, layout sizes, owner, group, device, backend, node) and every entry
+ * (states, name characters, byte counts no device could hold, slots pointing at unused tenants).
+ *
+ * Creation: the file is fully initialised under a temporary name and link()ed into place; link()
+ * does not overwrite, so of two processes racing to create the ledger exactly one wins and the
+ * other opens the winner's file. Nobody ever maps a half-written ledger.
+ *
+ * Locking: state changes that touch several fields (claiming a slot, registering a tenant,
+ * reclaiming a dead process's slot) take flock() on the file. The kernel drops that lock when its
+ * holder dies, and it lives outside the shared memory, so a corrupted or malicious file cannot
+ * wedge it. flock() excludes other processes only (threads share the open file), so a process
+ * mutex is taken first. Reserve and release (ledger_reserve.h) take no lock at all.
+ */
+#ifndef AP_LEDGER_FILE_H
+#define AP_LEDGER_FILE_H
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ledger_format.h"
+
+#define APL_LOCK_TIMEOUT_MS 10000 /* a lock held this long means a stopped or wedged peer */
+
+/* Error kinds (the Python layer raises LedgerError with the message either way). */
+enum { APL_OK = 0, APL_E_IO = 1, APL_E_PERM = 2, APL_E_MALFORMED = 3, APL_E_FULL = 4, APL_E_LOCK = 5,
+       APL_E_ARG = 6 };
+
+/* One process's mapping of one ledger file. Shared by every context of the process on the
+   device (reference counted); never unmapped while a context can still reach it. */
+typedef struct apl_ledger {
+    apl_file *f;
+    int fd;                 /* for flock(); reopened in a forked child (flock belongs to the open file) */
+    pid_t fd_pid;
+    dev_t st_dev;
+    ino_t st_ino;
+    pthread_mutex_t mu;     /* threads of this process, before flock() */
+    _Atomic int refs;
+    int device;
+    uint32_t group;
+    char path[PATH_MAX];
+} apl_ledger;
+
+static int apl_fail(char *err, size_t len, int kind, const char *fmt, ...) {
+    if (err && len) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, len, fmt, ap);
+        va_end(ap);
+    }
+    return kind;
+}
+
+/* Tenant names are also file-system and metric-label friendly: 1-63 of [A-Za-z0-9_.-]. */
+static int apl_name_ok(const char *s, size_t cap) {
+    size_t n = strnlen(s, cap);
+    if (n == 0 || n >= cap) return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+              c == '-' || c == '.'))
+            return 0;
+    }
+    return 1;
+}
+
+static void apl_init_file(apl_file *f, int device, const char *backend, const char *node, uint32_t group) {
+    memset(f, 0, sizeof *f);
+    f->h.magic = APL_MAGIC;
+    f->h.version = APL_VERSION;
+    f->h.header_size = sizeof(apl_header);
+    f->h.tenant_size = sizeof(apl_tenant);
+    f->h.slot_size = sizeof(apl_slot);
+    f->h.n_tenants = APL_TENANTS;
+    f->h.n_slots = APL_SLOTS;
+    f->h.file_size = sizeof(apl_file);
+    f->h.owner_uid = (uint32_t)geteuid();
+    f->h.group = group;
+    f->h.device = device;
+    snprintf(f->h.backend, sizeof f->h.backend, "%s", backend);
+    snprintf(f->h.node, sizeof f->h.node, "%s", node);
+}
+
+/* Checks the file behind fd before mapping it: type, owner, group, mode, size. */
+static int apl_check_stat(int fd, const char *path, uint32_t group, struct stat *st, char *err, size_t len) {
+    if (fstat(fd, st) != 0) return apl_fail(err, len, APL_E_IO, "cannot stat ledger %s: %s", path, strerror(errno));
+    if (!S_ISREG(st->st_mode))
+        return apl_fail(err, len, APL_E_PERM, "ledger %s is not a regular file; refusing it", path);
+    unsigned mode = (unsigned)(st->st_mode & 07777);
+    if (group == APL_NO_GROUP) {
+        if (st->st_uid != geteuid())
+            return apl_fail(err, len, APL_E_PERM,
+                            "ledger %s is owned by uid %u, not by this user (uid %u); refusing a ledger "
+                            "another user could write", path, (unsigned)st->st_uid, (unsigned)geteuid());
+        if (mode != 0600)
+            return apl_fail(err, len, APL_E_PERM,
+                            "ledger %s has permissions %04o; a private ledger must be 0600 (owner only), "
+                            "refusing it", path, mode);
+    } else {
+        if ((uint32_t)st->st_gid != group)
+            return apl_fail(err, len, APL_E_PERM,
+                            "ledger %s belongs to group %u, not to the configured group %u; refusing it", path,
+                            (unsigned)st->st_gid, (unsigned)group);
+        if (mode != 0660)
+            return apl_fail(err, len, APL_E_PERM,
+                            "ledger %s has permissions %04o; a group ledger must be 0660 (owner and group), "
+                            "refusing it", path, mode);
+    }
+    if (st->st_size != (off_t)sizeof(apl_file))
+        return apl_fail(err, len, APL_E_MALFORMED,
+                        "ledger %s is %lld bytes, expected %zu: malformed or from another version; refusing "
+                        "it (remove it when no process uses device quotas)", path, (long long)st->st_size,
+                        sizeof(apl_file));
+    return APL_OK;
+}
+
+/* Checks the mapped contents (under the lock: entries are not changing shape meanwhile). */
+static const char *apl_check_contents(const apl_file *f, const struct stat *st, int device, const char *backend,
+                                      const char *node, uint32_t group) {
+    const apl_header *h = &f->h;
+    if (h->magic != APL_MAGIC) return "bad magic number: not a ledger";
+    if (h->version != APL_VERSION) return "unsupported version";
+    if (h->header_size != sizeof(apl_header) || h->tenant_size != sizeof(apl_tenant) ||
+        h->slot_size != sizeof(apl_slot) || h->n_tenants != APL_TENANTS || h->n_slots != APL_SLOTS ||
+        h->file_size != sizeof(apl_file))
+        return "unexpected layout (another version of ascend_pool?)";
+    if (h->owner_uid != (uint32_t)st->st_uid) return "the recorded owner is not the file's owner";
+    if (h->group != group) return "it was created for another sharing group";
+    if (h->device != device) return "it describes another device";
+    if (strncmp(h->backend, backend, sizeof h->backend) != 0 || strncmp(h->node, node, sizeof h->node) != 0)
+        return "it describes another backend or simulated node";
+    for (int i = 0; i < APL_TENANTS; i++) {
+        const apl_tenant *t = &f->tenants[i];
+        uint32_t state = atomic_load(&t->state);
+        if (state > APL_USED) return "a tenant entry has an impossible state";
+        if (state == APL_FREE) continue;
+        if (!apl_name_ok(t->name, sizeof t->name)) return "a tenant name is not a valid name";
+        uint64_t q = atomic_load(&t->quota);
+        if ((q > APL_MAX_BYTES && q != APL_NO_QUOTA) || atomic_load(&t->held) > APL_MAX_BYTES ||
+            atomic_load(&t->peak) > APL_MAX_BYTES || atomic_load(&t->uncertain) > APL_MAX_BYTES)
+            return "a tenant holds an impossible byte count";
+        if (atomic_load(&t->warn_ppm) > 1000000) return "a tenant's warn level is above 100%";
+        for (int j = 0; j < i; j++)
+            if (atomic_load(&f->tenants[j].state) == APL_USED &&
+                strncmp(f->tenants[j].name, t->name, APL_NAME_MAX) == 0)
+                return "a tenant appears twice";
+    }
+    for (int i = 0; i < APL_SLOTS; i++) {
+        const apl_slot *s = &f->slots[i];
+        uint32_t state = atomic_load(&s->state);
+        if (state > APL_USED) return "a process slot has an impossible state";
+        if (state == APL_FREE) continue;
+        int64_t pending = atomic_load(&s->pending);
+        if (s->pid <= 0 || s->tenant >= APL_TENANTS || atomic_load(&f->tenants[s->tenant].state) != APL_USED)
+            return "a process slot names no process or an unused tenant";
+        if (atomic_load(&s->held) > APL_MAX_BYTES || pending > (int64_t)APL_MAX_BYTES ||
+            pending < -(int64_t)APL_MAX_BYTES)
+            return "a process slot holds an impossible byte count";
+    }
+    return NULL;
+}
+
+static int apl_lock(apl_ledger *L, char *err, size_t len);
+static void apl_unlock(apl_ledger *L);
+
+/* Creates the ledger under a temporary name and link()s it into place. APL_OK, EEXIST when another
+   process won the race (the caller then opens theirs), or an APL_E_* kind. */
+static int apl_create(const char *path, int device, const char *backend, const char *node, uint32_t group,
+                      char *err, size_t len) {
+    static _Atomic unsigned seq;
+    char tmp[PATH_MAX + 64];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d.%u", path, (int)getpid(), atomic_fetch_add(&seq, 1));
+    mode_t mode = group == APL_NO_GROUP ? 0600 : 0660;
+    int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) return apl_fail(err, len, APL_E_IO, "cannot create ledger %s: %s", tmp, strerror(errno));
+    int rc = 0;
+    const char *what = "initialise";
+    if (group != APL_NO_GROUP && fchown(fd, (uid_t)-1, (gid_t)group) != 0) {
+        rc = errno;
+        what = "give the configured group";
+    }
+    if (!rc && (fchmod(fd, mode) != 0 || ftruncate(fd, sizeof(apl_file)) != 0)) rc = errno;
+    if (!rc) {
+        apl_file *f = mmap(NULL, sizeof(apl_file), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (f == MAP_FAILED) rc = errno;
+        else {
+            apl_init_file(f, device, backend, node, group);
+            msync(f, sizeof(apl_file), MS_SYNC); /* harmless in tmpfs; a disk directory gets a whole file */
+            munmap(f, sizeof(apl_file));
+        }
+    }
+    if (!rc && link(tmp, path) != 0) {
+        rc = errno;
+        what = "publish";
+    }
+    unlink(tmp);
+    close(fd);
+    if (rc == EEXIST) return EEXIST;
+    if (rc) return apl_fail(err, len, rc == EPERM || rc == EACCES ? APL_E_PERM : APL_E_IO,
+                            "cannot %s ledger %s: %s", what, path, strerror(rc));
+    return APL_OK;
+}
+
+/* Opens (creating if absent) and validates the ledger at path. *out gets a new reference. */
+static int apl_open(const char *path, int device, const char *backend, const char *node, uint32_t group,
+                    apl_ledger **out, char *err, size_t len) {
+    if (strlen(path) >= PATH_MAX - 64) return apl_fail(err, len, APL_E_ARG, "ledger path too long: %s", path);
+    if (strlen(backend) >= sizeof(((apl_header *)0)->backend) || strlen(node) >= sizeof(((apl_header *)0)->node))
+        return apl_fail(err, len, APL_E_ARG, "backend or node name too long for the ledger");
+    int fd = -1;
+    for (int attempt = 0; attempt < 5 && fd < 0; attempt++) {
+        fd = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+        if (fd >= 0) break;
+        if (errno == ELOOP)
+            return apl_fail(err, len, APL_E_PERM, "ledger %s is a symbolic link; refusing it", path);
+        if (errno != ENOENT)
+            return apl_fail(err, len, errno == EACCES ? APL_E_PERM : APL_E_IO, "cannot open ledger %s: %s", path,
+                            strerror(errno));
+        int rc = apl_create(path, device, backend, node, group, err, len);
+        if (rc != APL_OK && rc != EEXIST) return rc;
+    }
+    if (fd < 0) return apl_fail(err, len, APL_E_IO, "ledger %s keeps appearing and vanishing", path);
+    struct stat st;
+    int rc = apl_check_stat(fd, path, group, &st, err, len);
+    if (rc != APL_OK) {
+        close(fd);
+        return rc;
+    }
+    apl_file *f = mmap(NULL, sizeof(apl_file), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (f == MAP_FAILED) {
+        close(fd);
+        return apl_fail(err, len, APL_E_IO, "cannot map ledger %s: %s", path, strerror(errno));
+    }
+    apl_ledger *L = calloc(1, sizeof *L);
+    if (!L) {
+        munmap(f, sizeof(apl_file));
+        close(fd);
+        return apl_fail(err, len, APL_E_IO, "host memory exhausted opening ledger %s", path);
+    }
+    L->f = f;
+    L->fd = fd;
+    L->fd_pid = getpid();
+    L->st_dev = st.st_dev;
+    L->st_ino = st.st_ino;
+    L->device = device;
+    L->group = group;
+    atomic_init(&L->refs, 1);
+    pthread_mutex_init(&L->mu, NULL);
+    snprintf(L->path, sizeof L->path, "%s", path);
+    /* The header is immutable after creation, but entries are checked under the lock so that no
+       entry is seen half-claimed. */
+    if ((rc = apl_lock(L, err, len)) == APL_OK) {
+        const char *bad = apl_check_contents(f, &st, device, backend, node, group);
+        apl_unlock(L);
+        if (bad)
+            rc = apl_fail(err, len, APL_E_MALFORMED,
+                          "ledger %s is malformed (%s); refusing it (remove it when no process uses device "
+                          "quotas)", path, bad);
+    }
+    if (rc != APL_OK) {
+        munmap(f, sizeof(apl_file));
+        close(fd);
+        pthread_mutex_destroy(&L->mu);
+        free(L);
+        return rc;
+    }
+    *out = L;
+    return APL_OK;
+}
+
+static void apl_ref(apl_ledger *L) { atomic_fetch_add(&L->refs, 1); }
+
+static void apl_unref(apl_ledger *L) {
+    if (L && atomic_fetch_sub(&L->refs, 1) == 1) {
+        munmap(L->f, sizeof(apl_file));
+        close(L->fd);
+        pthread_mutex_destroy(&L->mu);
+        free(L);
+    }
+}
+
+/* A forked child inherits the parent's open file, and with it the parent's flock(): it must open
+   its own before locking, or parent and child would not exclude each other. */
+static int apl_reopen_after_fork(apl_ledger *L, char *err, size_t len) {
+    int fd = open(L->path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return apl_fail(err, len, APL_E_IO, "cannot reopen ledger %s: %s", L->path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_dev != L->st_dev || st.st_ino != L->st_ino) {
+        close(fd);
+        return apl_fail(err, len, APL_E_PERM, "ledger %s was replaced by another file; refusing it", L->path);
+    }
+    close(L->fd);
+    L->fd = fd;
+    L->fd_pid = getpid();
+    return APL_OK;
+}
+
+static int apl_lock(apl_ledger *L, char *err, size_t len) {
+    pthread_mutex_lock(&L->mu);
+    if (L->fd_pid != getpid()) {
+        int rc = apl_reopen_after_fork(L, err, len);
+        if (rc != APL_OK) {
+            pthread_mutex_unlock(&L->mu);
+            return rc;
+        }
+    }
+    /* Non-blocking attempts with a bounded wait: a peer stopped (SIGSTOP) inside its critical
+       section must produce an error, not a hang under the pool lock. */
+    for (int waited_us = 0;; waited_us += 200) {
+        if (flock(L->fd, LOCK_EX | LOCK_NB) == 0) return APL_OK;
+        if (errno != EWOULDBLOCK && errno != EINTR) break;
+        if (waited_us >= APL_LOCK_TIMEOUT_MS * 1000) {
+            errno = ETIMEDOUT;
+            break;
+        }
+        struct timespec ts = {0, 200 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    int e = errno;
+    pthread_mutex_unlock(&L->mu);
+    return apl_fail(err, len, APL_E_LOCK, "cannot lock ledger %s: %s", L->path,
+                    e == ETIMEDOUT ? "held for 10 s by another process (stopped or wedged?)" : strerror(e));
+}
+
+static void apl_unlock(apl_ledger *L) {
+    flock(L->fd, LOCK_UN);
+    pthread_mutex_unlock(&L->mu);
+}
+
+#endif

@@ -1,0 +1,91 @@
+/* The node-wide quota ledger: the layout of one ledger file (one per device, per user or group).
+ *
+ * A ledger is a small file in shared memory (/dev/shm, or $ASCEND_POOL_LEDGER_DIR) that every
+ * process using tenant contexts on that device maps MAP_SHARED. It holds:
+ *   - a header naming what the file describes (magic, version, layout sizes, owner, device,
+ *     backend, node) so that a file from another version, user or device is refused;
+ *   - a table of tenants: name, quota (bytes), held (bytes reserved node-wide: the counter that
+ *     reserve() moves with compare-and-swap), peak and counters;
+ *   - a table of slots, one per live tenant context of a process (pid, process start time, tenant,
+ *     bytes held by that context). A slot of a dead process is how its share is found and given back.
+ *
+ * Units: every byte count is bytes (uint64). Fields marked _Atomic are read and written lock-free;
+ * the others change only under the file lock (ledger_file.h), and are read lock-free only where a
+ * stale value is harmless (e.g. a slot's pid is written before its state is published).
+ *
+ * Sizes are fixed so that `sizeof` doubles as a layout check: a file whose recorded sizes differ
+ * from this build's is from another version and is refused, never reinterpreted.
+ */
+#ifndef AP_LEDGER_FORMAT_H
+#define AP_LEDGER_FORMAT_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define APL_MAGIC 0x31524744454c5041ull /* "APLEDGR1" read as a little-endian uint64 */
+#define APL_VERSION 1u
+#define APL_TENANTS 64                  /* tenants per device ledger */
+#define APL_SLOTS 1024                  /* live contexts per device, all processes together */
+#define APL_NAME_MAX 64                 /* tenant name bytes, NUL included (so 63 characters) */
+#define APL_NO_QUOTA UINT64_MAX         /* a tenant tracked but not limited */
+#define APL_NO_GROUP UINT32_MAX         /* the file is private to its owner (mode 0600) */
+#define APL_MAX_BYTES (1ull << 60)      /* no real device holds more: larger values mean corruption */
+
+enum { APL_FREE = 0, APL_USED = 1 };   /* state of a tenant entry or a slot */
+
+typedef struct apl_header {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t header_size, tenant_size, slot_size; /* sizeof each, as built by the creator */
+    uint32_t n_tenants, n_slots;
+    uint64_t file_size;
+    uint32_t owner_uid;                 /* creator's effective uid; must equal the file's owner */
+    uint32_t group;                     /* gid the file is shared with, or APL_NO_GROUP */
+    int32_t device;
+    uint32_t reserved0;
+    char backend[16];                   /* "acl", "sim", "cuda" */
+    char node[64];                      /* simulated node name (sim backend), else "" */
+    _Atomic uint64_t reclaimed_slots;   /* slots of dead processes given back, ever */
+    _Atomic uint64_t reclaimed_bytes;   /* bytes those slots held */
+    _Atomic uint64_t uncertain_bytes;   /* see apl_tenant.uncertain: all tenants, ever */
+    uint8_t pad[256 - 160];
+} apl_header;
+
+typedef struct apl_tenant {
+    _Atomic uint32_t state;             /* APL_FREE / APL_USED; set under the file lock */
+    _Atomic uint32_t warn_ppm;          /* warn level, parts per million of the quota (0: none) */
+    char name[APL_NAME_MAX];            /* NUL-terminated; written before state becomes USED */
+    _Atomic uint64_t quota;             /* bytes, or APL_NO_QUOTA */
+    _Atomic uint64_t held;              /* bytes reserved node-wide: the compare-and-swap target */
+    _Atomic uint64_t peak;              /* highest held since the entry was created */
+    _Atomic uint64_t refusals;          /* reserve() calls refused, node-wide */
+    _Atomic uint64_t uncertain;         /* bytes that a process killed inside reserve/release may
+                                           or may not have moved; counted as held (the safe side)
+                                           until the tenant has no live slot left */
+    uint8_t pad[128 - 112];
+} apl_tenant;
+
+typedef struct apl_slot {
+    _Atomic uint32_t state;             /* APL_FREE / APL_USED; published last when claimed */
+    int32_t pid;
+    uint64_t start_time;                /* /proc/PID/stat field 22: tells a reused pid apart */
+    uint32_t tenant;                    /* index into tenants[] */
+    uint32_t reserved0;
+    _Atomic uint64_t held;              /* bytes this context reserved; written only by its process */
+    _Atomic int64_t pending;            /* +bytes inside reserve, -bytes inside release, else 0 */
+    uint8_t pad[64 - 40];
+} apl_slot;
+
+typedef struct apl_file {
+    apl_header h;
+    apl_tenant tenants[APL_TENANTS];
+    apl_slot slots[APL_SLOTS];
+} apl_file;
+
+_Static_assert(sizeof(apl_header) == 256, "ledger header layout");
+_Static_assert(sizeof(apl_tenant) == 128, "ledger tenant layout");
+_Static_assert(sizeof(apl_slot) == 64, "ledger slot layout");
+_Static_assert(sizeof(_Atomic uint64_t) == 8 && ATOMIC_LLONG_LOCK_FREE == 2,
+               "the ledger needs lock-free 64-bit atomics: they are shared between processes");
+
+#endif

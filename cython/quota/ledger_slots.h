@@ -1,0 +1,211 @@
+/* The node-wide quota ledger: tenants, process slots, and giving back the share of dead processes.
+ *
+ * Everything here runs under the file lock (ledger_file.h): these are the rare, multi-field
+ * changes. The hot pair, reserve/release, is in ledger_reserve.h and takes no lock.
+ *
+ * Lifetime of a tenant entry: it lives as long as some process has a slot for it. The first
+ * process to attach to a tenant that has no live slot starts it afresh (held 0, its own quota), so
+ * a quota from a run long gone never lingers. An entry with no slot is reused when the table fills.
+ *
+ * Reclaiming a dead process's slot (pid gone, a zombie, or reused: start time differs) subtracts
+ * what the slot held from the tenant's counter. The one ambiguity: a process killed between the
+ * two steps of reserve or release (the tenant's compare-and-swap and its own slot update, a few
+ * instructions apart) leaves `pending` set, and nobody can know whether the tenant counter moved.
+ * The reclaimer assumes the move that leaves the counter *higher* (the tenant can only be refused
+ * early, never allowed past its quota) and records the difference in `uncertain`. When the tenant
+ * has no live slot left, nobody can be reserving for it (slots are claimed under this lock), so its
+ * counter is reset to exactly 0 and the uncertainty disappears.
+ */
+#ifndef AP_LEDGER_SLOTS_H
+#define AP_LEDGER_SLOTS_H
+
+#include "ledger_file.h"
+#include "proc_identity.h"
+
+static int apl_find_tenant(const apl_file *f, const char *name) {
+    for (int i = 0; i < APL_TENANTS; i++)
+        if (atomic_load_explicit(&f->tenants[i].state, memory_order_acquire) == APL_USED &&
+            strncmp(f->tenants[i].name, name, APL_NAME_MAX) == 0)
+            return i;
+    return -1;
+}
+
+static int apl_tenant_live_slots(const apl_file *f, int tenant) {
+    int n = 0;
+    for (int i = 0; i < APL_SLOTS; i++)
+        if (atomic_load(&f->slots[i].state) == APL_USED && f->slots[i].tenant == (uint32_t)tenant) n++;
+    return n;
+}
+
+/* Lowers a tenant's held counter by bytes, never below 0 (a lower counter would let it past its
+   quota, so an impossible underflow is clamped and the tenant is marked uncertain instead). */
+static void apl_tenant_sub(apl_file *f, apl_tenant *t, uint64_t bytes) {
+    uint64_t held = atomic_load(&t->held);
+    for (;;) {
+        uint64_t next = held >= bytes ? held - bytes : 0;
+        if (atomic_compare_exchange_weak(&t->held, &held, next)) {
+            if (held < bytes) {
+                atomic_fetch_add(&t->uncertain, bytes - held);
+                atomic_fetch_add(&f->h.uncertain_bytes, bytes - held);
+            }
+            return;
+        }
+    }
+}
+
+/* A tenant with no slot left: nobody can be reserving, so the counter can be made exact. */
+static void apl_tenant_settle_if_idle(apl_file *f, int tenant) {
+    if (apl_tenant_live_slots(f, tenant) == 0) {
+        atomic_store(&f->tenants[tenant].held, 0);
+        atomic_store(&f->tenants[tenant].uncertain, 0);
+    }
+}
+
+/* Empties slot i (under the lock), returning what it held to its tenant. Does not settle. */
+static uint64_t apl_slot_clear(apl_file *f, int i, int dead) {
+    apl_slot *s = &f->slots[i];
+    apl_tenant *t = &f->tenants[s->tenant];
+    uint64_t held = atomic_load(&s->held);
+    int64_t pending = atomic_load(&s->pending);
+    uint64_t give_back = held;
+    if (pending < 0) /* inside release: assume the tenant counter was already lowered */
+        give_back = held >= (uint64_t)-pending ? held - (uint64_t)-pending : 0;
+    apl_tenant_sub(f, t, give_back);
+    if (pending != 0) {
+        uint64_t u = pending > 0 ? (uint64_t)pending : (uint64_t)-pending;
+        atomic_fetch_add(&t->uncertain, u);
+        atomic_fetch_add(&f->h.uncertain_bytes, u);
+    }
+    if (dead) {
+        atomic_fetch_add(&f->h.reclaimed_slots, 1);
+        atomic_fetch_add(&f->h.reclaimed_bytes, held);
+    }
+    atomic_store(&s->held, 0);
+    atomic_store(&s->pending, 0);
+    s->pid = 0;
+    s->start_time = 0;
+    atomic_store_explicit(&s->state, APL_FREE, memory_order_release);
+    return held;
+}
+
+/* Gives back the slots of dead processes (of one tenant, or all when tenant < 0). Under the lock.
+   Returns the number of slots reclaimed; *bytes (optional) gets the bytes they held. */
+static int apl_reclaim_locked(apl_file *f, int tenant, uint64_t *bytes) {
+    int n = 0;
+    uint64_t total = 0;
+    uint64_t touched = 0; /* bit per tenant */
+    pid_t me = getpid();
+    for (int i = 0; i < APL_SLOTS; i++) {
+        apl_slot *s = &f->slots[i];
+        if (atomic_load(&s->state) != APL_USED) continue;
+        if (tenant >= 0 && s->tenant != (uint32_t)tenant) continue;
+        if (s->pid == me) continue; /* ours: alive by definition */
+        if (apl_proc_alive(s->pid, s->start_time) != 0) continue; /* alive, or cannot tell: keep */
+        touched |= 1ull << s->tenant;
+        total += apl_slot_clear(f, i, 1);
+        n++;
+    }
+    for (int t = 0; t < APL_TENANTS; t++)
+        if (touched & (1ull << t)) apl_tenant_settle_if_idle(f, t);
+    if (bytes) *bytes = total;
+    return n;
+}
+
+/* Locks, reclaims dead slots, unlocks. -1 when the lock could not be taken. */
+static int apl_reclaim(apl_ledger *L, int tenant, uint64_t *bytes, char *err, size_t len) {
+    if (apl_lock(L, err, len) != APL_OK) return -1;
+    int n = apl_reclaim_locked(L->f, tenant, bytes);
+    apl_unlock(L);
+    return n;
+}
+
+/* Finds or creates tenant `name` and claims a slot for this process in it.
+ * quota: bytes or APL_NO_QUOTA; set_quota: 0 keeps a live tenant's quota (a context created with
+ * quota=None joins on the node's terms). warn_ppm likewise with set_warn. */
+static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int set_warn,
+                      uint32_t warn_ppm, int *tenant_out, int *slot_out, char *err, size_t len) {
+    if (!apl_name_ok(name, APL_NAME_MAX))
+        return apl_fail(err, len, APL_E_ARG, "tenant name '%.80s' is not 1-63 of A-Z a-z 0-9 _ . -", name);
+    int rc = apl_lock(L, err, len);
+    if (rc != APL_OK) return rc;
+    apl_file *f = L->f;
+    int t = apl_find_tenant(f, name);
+    if (t >= 0) apl_reclaim_locked(f, t, NULL); /* a crashed run's slots must not keep it alive */
+    int fresh = t < 0 || apl_tenant_live_slots(f, t) == 0;
+    if (t < 0) {
+        for (int i = 0; i < APL_TENANTS && t < 0; i++)
+            if (atomic_load(&f->tenants[i].state) == APL_FREE) t = i;
+        if (t < 0) { /* full: reuse an entry nobody holds a slot in, after reclaiming the dead */
+            apl_reclaim_locked(f, -1, NULL);
+            for (int i = 0; i < APL_TENANTS && t < 0; i++)
+                if (apl_tenant_live_slots(f, i) == 0) t = i;
+        }
+        if (t < 0) {
+            apl_unlock(L);
+            return apl_fail(err, len, APL_E_FULL, "ledger %s is full: %d tenants have live processes on device %d",
+                            L->path, APL_TENANTS, L->device);
+        }
+        atomic_store(&f->tenants[t].state, APL_FREE);
+        memset(f->tenants[t].name, 0, APL_NAME_MAX);
+        snprintf(f->tenants[t].name, APL_NAME_MAX, "%s", name);
+    }
+    apl_tenant *T = &f->tenants[t];
+    if (fresh) { /* nobody holds anything under this name: start it afresh */
+        atomic_store(&T->held, 0);
+        atomic_store(&T->peak, 0);
+        atomic_store(&T->refusals, 0);
+        atomic_store(&T->uncertain, 0);
+        atomic_store(&T->quota, set_quota ? quota : APL_NO_QUOTA);
+        atomic_store(&T->warn_ppm, set_warn ? warn_ppm : 0);
+    } else {
+        if (set_quota) atomic_store(&T->quota, quota);
+        if (set_warn) atomic_store(&T->warn_ppm, warn_ppm);
+    }
+    atomic_store_explicit(&T->state, APL_USED, memory_order_release);
+
+    int s = -1;
+    for (int pass = 0; pass < 2 && s < 0; pass++) {
+        if (pass == 1) apl_reclaim_locked(f, -1, NULL);
+        for (int i = 0; i < APL_SLOTS && s < 0; i++)
+            if (atomic_load(&f->slots[i].state) == APL_FREE) s = i;
+    }
+    if (s < 0) {
+        if (fresh) apl_tenant_settle_if_idle(f, t);
+        apl_unlock(L);
+        return apl_fail(err, len, APL_E_FULL, "ledger %s is full: %d contexts are live on device %d", L->path,
+                        APL_SLOTS, L->device);
+    }
+    apl_slot *S = &f->slots[s];
+    S->pid = getpid();
+    S->start_time = apl_proc_start_time(S->pid);
+    S->tenant = (uint32_t)t;
+    atomic_store(&S->held, 0);
+    atomic_store(&S->pending, 0);
+    atomic_store_explicit(&S->state, APL_USED, memory_order_release); /* published last */
+    apl_unlock(L);
+    *tenant_out = t;
+    *slot_out = s;
+    return APL_OK;
+}
+
+/* Gives up this process's slot (its context closed): whatever it still held goes back to the tenant. */
+static int apl_detach(apl_ledger *L, int tenant, int slot, char *err, size_t len) {
+    int rc = apl_lock(L, err, len);
+    if (rc != APL_OK) return rc;
+    apl_slot *S = &L->f->slots[slot];
+    if (atomic_load(&S->state) == APL_USED && S->pid == getpid() && S->tenant == (uint32_t)tenant) {
+        apl_slot_clear(L->f, slot, 0);
+        apl_tenant_settle_if_idle(L->f, tenant);
+    }
+    apl_unlock(L);
+    return APL_OK;
+}
+
+/* Changes a live tenant's quota (bytes or APL_NO_QUOTA) and warn level. Lock-free: one store each;
+   a reserve racing with it sees either value, and both are valid quotas. */
+static void apl_set_quota(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm) {
+    atomic_store(&L->f->tenants[tenant].quota, quota);
+    atomic_store(&L->f->tenants[tenant].warn_ppm, warn_ppm);
+}
+
+#endif

@@ -1,0 +1,340 @@
+# Tenant quotas: the node-wide ledger (C, quota/ledger_*.h) as seen from Python, and the pool
+# subclass whose device segments are booked in it.
+#
+# Ledger: one mapped ledger file of one device (see ledger_format.h for its layout and
+# ledger_reserve.h for why reserve/release need no lock). TenantPoolBase: a PoolBase whose quota
+# hook reserves every new segment in the ledger before the device call; ascend_pool.tenants.Context
+# builds on it. Units are bytes throughout.
+
+from libc.stdint cimport uint64_t, uint32_t, int64_t
+
+cdef extern from "pool.h" nogil:
+    ctypedef struct ap_quota_hook:
+        void *ctx
+        int (*reserve)(void *ctx, int device, size_t bytes, char *why, size_t why_len) noexcept nogil
+        void (*release)(void *ctx, int device, size_t bytes) noexcept nogil
+    void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook)
+    size_t ap_pool_trim_to(ap_pool *p, size_t target)
+
+cdef extern from "stats.h" nogil:
+    enum:
+        AP_STAT_RESERVED_BYTES, AP_STAT_ALL
+
+cdef extern from "quota/ledger_reserve.h" nogil:
+    uint64_t APL_NO_QUOTA
+    uint32_t APL_NO_GROUP
+    int APL_TENANTS, APL_SLOTS, APL_NAME_MAX, APL_USED, APL_VERSION
+    int APL_OK, APL_E_IO, APL_E_PERM, APL_E_MALFORMED, APL_E_FULL, APL_E_LOCK, APL_E_ARG
+    ctypedef struct apl_header:
+        uint32_t version, owner_uid, group
+        int device
+        char backend[16]
+        char node[64]
+        uint64_t reclaimed_slots, reclaimed_bytes, uncertain_bytes
+    ctypedef struct apl_tenant:
+        uint32_t state, warn_ppm
+        char name[64]
+        uint64_t quota, held, peak, refusals, uncertain
+    ctypedef struct apl_slot:
+        uint32_t state
+        int pid
+        uint64_t start_time
+        uint32_t tenant
+        uint64_t held
+        int64_t pending
+    ctypedef struct apl_file:
+        apl_header h
+        apl_tenant tenants[64]
+        apl_slot slots[1024]
+    ctypedef struct apl_ledger:
+        apl_file *f
+        int device
+        char path[4096]
+    ctypedef struct apl_handle:
+        apl_ledger *L
+        int tenant, slot, device
+    ctypedef struct apl_refusal:
+        int valid, forked
+        uint64_t quota, held, bytes
+    apl_refusal apl_last_refusal
+    int apl_open(const char *path, int device, const char *backend, const char *node, uint32_t group,
+                 apl_ledger **out, char *err, size_t len)
+    void apl_unref(apl_ledger *L)
+    int apl_reclaim(apl_ledger *L, int tenant, uint64_t *nbytes, char *err, size_t len)
+    int apl_proc_alive(int pid, uint64_t start_time)
+    apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int set_warn,
+                                uint32_t warn_ppm, char *err, size_t len, int *kind)
+    void apl_handle_close(apl_handle *h)
+    int apl_reserve(apl_handle *h, uint64_t nbytes, char *why, size_t why_len)
+    void apl_set_quota(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm)
+    int apl_hook_reserve(void *ctx, int device, size_t nbytes, char *why, size_t why_len) noexcept
+    void apl_hook_release(void *ctx, int device, size_t nbytes) noexcept
+    int apl_take_warn(apl_handle *h)
+
+LEDGER_TENANTS = APL_TENANTS
+LEDGER_SLOTS = APL_SLOTS
+LEDGER_VERSION = APL_VERSION
+_LEDGER_ERRLEN = 1024
+
+
+cdef object _ledger_error(int kind, char *err):
+    from ascend_pool.tenants.errors import LedgerError
+    names = {APL_E_IO: "io", APL_E_PERM: "permission", APL_E_MALFORMED: "malformed", APL_E_FULL: "full",
+             APL_E_LOCK: "lock", APL_E_ARG: "argument"}
+    return LedgerError(err.decode("utf-8", "replace"), kind=names.get(kind, "io"))
+
+
+cdef uint64_t _quota_arg(object quota) except? 0:
+    if quota is None:
+        return APL_NO_QUOTA
+    if type(quota) is not int or quota <= 0 or quota >= <object>APL_NO_QUOTA:
+        raise ValueError(f"internal: quota must be positive bytes or None, got {quota!r}")
+    return <uint64_t>quota
+
+
+cdef uint32_t _warn_arg(object warn) except? 0:
+    if warn is None:
+        return 0
+    if not 0 < warn <= 1:
+        raise ValueError(f"internal: warn must be in (0, 1] or None, got {warn!r}")
+    return <uint32_t>round(warn * 1000000)
+
+
+cdef class Ledger:
+    """One device's node-wide quota ledger, mapped by this process.
+
+    Ledger(path, device, backend, node="", group=None): opens the file (creating it 0600, or 0660
+    for the group gid `group`), and refuses one that is foreign or malformed (LedgerError). Use
+    ascend_pool.tenants.ledger.open_ledger, which names the file and keeps one per process."""
+    cdef apl_ledger *L
+    cdef readonly str path
+    cdef readonly int device
+    cdef readonly object group
+
+    def __cinit__(self, str path, int device, str backend, str node="", group=None):
+        cdef char err[1024]
+        cdef uint32_t g = APL_NO_GROUP if group is None else <uint32_t>group
+        cdef bytes bpath = path.encode(), bbackend = backend.encode(), bnode = node.encode()
+        cdef const char *cpath = bpath
+        cdef const char *cbackend = bbackend
+        cdef const char *cnode = bnode
+        cdef int rc
+        self.L = NULL
+        err[0] = 0
+        with nogil:
+            rc = apl_open(cpath, device, cbackend, cnode, g, &self.L, err, sizeof(err))
+        if rc != APL_OK:
+            raise _ledger_error(rc, err)
+        self.path = path
+        self.device = device
+        self.group = group
+
+    def __dealloc__(self):
+        if self.L != NULL:
+            apl_unref(self.L)
+            self.L = NULL
+
+    def sweep(self):
+        """Gives back the shares of dead processes (all tenants). Returns (slots, bytes) reclaimed.
+        The node service calls this periodically; reserve() also does it before refusing."""
+        cdef char err[1024]
+        cdef uint64_t nbytes = 0
+        cdef int n
+        with nogil:
+            n = apl_reclaim(self.L, -1, &nbytes, err, sizeof(err))
+        if n < 0:
+            raise _ledger_error(APL_E_LOCK, err)
+        return n, nbytes
+
+    def view(self):
+        """A lock-free reading of the ledger (each number exact, the whole a moment's picture):
+        {"path", "device", "backend", "node", "owner_uid", "group", "reclaimed_slots",
+         "reclaimed_bytes", "uncertain_bytes", "tenants": [...], "slots": [...]}; a tenant is
+        {"name", "quota_bytes" (None: no quota), "held_bytes", "peak_bytes", "refusals",
+         "uncertain_bytes", "warn" (ratio or None)}; a slot is {"pid", "tenant", "held_bytes",
+         "alive" (True, False, or None when it cannot be told)}."""
+        cdef apl_file *f = self.L.f
+        cdef int i
+        tenants = []
+        for i in range(APL_TENANTS):
+            if f.tenants[i].state != APL_USED:
+                continue
+            q = f.tenants[i].quota
+            w = f.tenants[i].warn_ppm
+            tenants.append({
+                "name": f.tenants[i].name.decode("ascii", "replace"),
+                "quota_bytes": None if q == APL_NO_QUOTA else q,
+                "held_bytes": f.tenants[i].held, "peak_bytes": f.tenants[i].peak,
+                "refusals": f.tenants[i].refusals, "uncertain_bytes": f.tenants[i].uncertain,
+                "warn": w / 1e6 if w else None, "index": i,
+            })
+        names = {t["index"]: t["name"] for t in tenants}
+        slots = []
+        for i in range(APL_SLOTS):
+            if f.slots[i].state != APL_USED:
+                continue
+            alive = apl_proc_alive(f.slots[i].pid, f.slots[i].start_time)
+            slots.append({"pid": f.slots[i].pid, "tenant": names.get(f.slots[i].tenant, "?"),
+                          "held_bytes": f.slots[i].held, "pending_bytes": f.slots[i].pending,
+                          "alive": None if alive < 0 else bool(alive), "index": i})
+        return {
+            "path": self.path, "device": f.h.device, "backend": f.h.backend.decode(), "node": f.h.node.decode(),
+            "owner_uid": f.h.owner_uid, "group": None if f.h.group == APL_NO_GROUP else f.h.group,
+            "reclaimed_slots": f.h.reclaimed_slots, "reclaimed_bytes": f.h.reclaimed_bytes,
+            "uncertain_bytes": f.h.uncertain_bytes, "tenants": tenants, "slots": slots,
+        }
+
+    def tenant(self, str name):
+        """The view of one tenant (dict as in view()), or None."""
+        for t in self.view()["tenants"]:
+            if t["name"] == name:
+                return t
+        return None
+
+
+cdef class TenantPoolBase(PoolBase):
+    """A pool whose segments are booked in a tenant's node-wide ledger entry. Use
+    ascend_pool.tenants.Context (pool.context(name, quota)), which builds on this."""
+    cdef apl_handle *qh
+    cdef ap_quota_hook hook
+    cdef readonly Ledger ledger
+
+    def __cinit__(self, *args, **kwargs):
+        self.qh = NULL
+
+    def _attach_ledger(self, Ledger ledger, str tenant, quota, warn, bint set_quota=True):
+        """Joins `tenant` in ledger (claims a slot), books the segments this pool already holds
+        (the `reserve` knob's preallocation) and installs the quota hook. quota: bytes or None
+        (with set_quota False: keep the node's value for a live tenant)."""
+        self._check()
+        if self.qh != NULL:
+            raise PoolError("this pool is already attached to a tenant")
+        cdef char err[1024]
+        cdef int kind = 0
+        cdef bytes bname = tenant.encode()
+        cdef const char *cname = bname
+        cdef uint64_t q = _quota_arg(quota)
+        cdef uint32_t w = _warn_arg(warn)
+        cdef bint sw = set_quota and warn is not None
+        cdef apl_handle *h
+        with nogil:
+            h = apl_handle_open(ledger.L, cname, set_quota, q, sw, w, err, sizeof(err), &kind)
+        if h == NULL:
+            raise _ledger_error(kind, err)
+        cdef ap_stats st
+        cdef uint64_t held
+        cdef int rc = 0
+        with nogil:
+            ap_pool_get_stats(self.p, &st)
+            held = <uint64_t>st.s[AP_STAT_RESERVED_BYTES][AP_STAT_ALL].current
+            if held:
+                rc = apl_reserve(h, held, err, sizeof(err))
+        if rc != 0:
+            with nogil:
+                apl_handle_close(h)
+            raise self._quota_error(held, None, "the preallocated reserve")
+        self.qh = h
+        self.ledger = ledger
+        self.hook.ctx = <void *>h
+        self.hook.reserve = apl_hook_reserve
+        self.hook.release = apl_hook_release
+        ap_pool_set_quota_hook(self.p, &self.hook)
+
+    def _set_ledger_quota(self, quota, warn):
+        """Stores the tenant's quota (bytes or None) and warn ratio (or None) node-wide."""
+        if self.qh == NULL:
+            raise PoolError("this pool is not attached to a tenant")
+        apl_set_quota(self.qh.L, self.qh.tenant, _quota_arg(quota), _warn_arg(warn))
+
+    def _trim_to(self, size_t target):
+        """Releases cached free segments until reserved <= target bytes (never live blocks);
+        returns the bytes released."""
+        self._check()
+        cdef size_t released
+        with nogil:
+            released = ap_pool_trim_to(self.p, target)
+        return released
+
+    def _quota_state(self):
+        """This context's tenant as the ledger sees it now: dict with quota_bytes (None: no
+        quota), held_bytes (node-wide), slot_bytes (booked by this context), peak_bytes,
+        refusals, uncertain_bytes, warn (ratio or None). None when not attached."""
+        if self.qh == NULL:
+            return None
+        cdef apl_file *f = self.qh.L.f
+        cdef int t = self.qh.tenant
+        q = f.tenants[t].quota
+        w = f.tenants[t].warn_ppm
+        return {"quota_bytes": None if q == APL_NO_QUOTA else q, "held_bytes": f.tenants[t].held,
+                "slot_bytes": f.slots[self.qh.slot].held, "peak_bytes": f.tenants[t].peak,
+                "refusals": f.tenants[t].refusals, "uncertain_bytes": f.tenants[t].uncertain,
+                "warn": w / 1e6 if w else None}
+
+    cdef object _quota_error(self, uint64_t requested, object pool_message, str what):
+        """The QuotaExceededError for the refusal the calling thread just saw."""
+        cdef apl_refusal r = apl_last_refusal
+        name = getattr(self, "tenant", "?")
+        if r.valid and r.forked:
+            e = QuotaExceededError(f"tenant {name!r} on device {self.device}: this context belongs to another "
+                                   f"process (created before a fork); create contexts in the child")
+            quota = held = None
+        else:
+            from ascend_pool.units import format_bytes
+            quota = None if r.quota == APL_NO_QUOTA else r.quota
+            held = r.held
+            qtext = "none" if quota is None else f"{quota} bytes ({format_bytes(quota)})"
+            msg = (f"tenant {name!r} is over its quota on device {self.device}: quota {qtext}, held {held} bytes "
+                   f"({format_bytes(held)}) node-wide, requested {requested} bytes ({what}; growing needs "
+                   f"{r.bytes} more bytes of device segments, after releasing the tenant's cached segments)")
+            e = QuotaExceededError(msg + (". " + pool_message if pool_message else ""))
+        e.tenant = name
+        e.device = self.device
+        e.quota = quota
+        e.held = held
+        e.requested = requested
+        e.segment_bytes = r.bytes if r.valid else None
+        return e
+
+    def malloc(self, nbytes, stream=None):
+        """Allocates nbytes (int, bytes) ordered on stream; the tenant's quota applies to the
+        segments it needs. Raises QuotaExceededError (attributes tenant, device, quota, held,
+        requested; bytes) when the tenant's node-wide quota would be exceeded even after this
+        context's cached segments were released."""
+        self._check()
+        cdef size_t n = _as_size(nbytes)
+        cdef void *s = self._stream(stream) if stream is not None else NULL
+        cdef void *out = NULL
+        cdef ap_error err
+        cdef int rc
+        if ap_pool_try_malloc(self.p, n, s, &out) == AP_OK:  # cached: no growth, no quota check
+            return PyLong_FromVoidPtr(out)
+        with nogil:
+            rc = ap_pool_malloc(self.p, n, s, &out, &err)
+        if rc == AP_E_QUOTA:
+            raise self._quota_error(n, err.message.decode("utf-8", "replace"), "this allocation")
+        if rc != AP_OK:
+            _raise(&err, rc)
+        if self.qh != NULL and apl_take_warn(self.qh):
+            self._quota_warn()
+        return PyLong_FromVoidPtr(out)
+
+    def _quota_warn(self):
+        """Called once each time this context's growth takes the tenant past its warn level."""
+
+    cdef void _detach(self) noexcept nogil:
+        if self.p != NULL:
+            ap_pool_set_quota_hook(self.p, NULL)
+            ap_pool_destroy(self.p)  # returns every segment to the device
+            self.p = NULL
+        if self.qh != NULL:
+            apl_handle_close(self.qh)  # and the slot's bytes to the tenant
+            self.qh = NULL
+
+    def close(self):
+        """Returns all device memory of this context (live blocks included) and its share of the
+        tenant's quota, and closes it."""
+        with nogil:
+            self._detach()
+
+    def __dealloc__(self):
+        self._detach()

@@ -1,0 +1,153 @@
+/* The simulated node's configuration, read from the environment at aclInit.
+ *
+ *   ASCEND_SIM_DEVICES            number of devices, 1..64                      (default 8)
+ *   ASCEND_SIM_HBM                bytes of HBM per device, e.g. 64GiB           (default 64GiB)
+ *   ASCEND_SIM_MALLOC_LATENCY_US  microseconds added to each aclrtMalloc       (default 0)
+ *   ASCEND_SIM_FREE_LATENCY_US    microseconds added to each aclrtFree         (default 0)
+ *   ASCEND_SIM_FAIL_MALLOC_NTH    the Nth device malloc after aclInit fails once (default off)
+ *   ASCEND_SIM_FAIL_AFTER_BYTES   mallocs taking this process above this many bytes fail
+ *   ASCEND_SIM_NODE               name of the simulated node sharing device capacity ("default")
+ *   ASCEND_SIM_SHM_DIR            directory of the node's shared records     (default /dev/shm)
+ *
+ * An empty variable counts as unset. A bad value fails aclInit with ACL_ERROR_INVALID_PARAM and
+ * a message naming the variable and the value: a typo must not silently give a default device.
+ */
+#include <ctype.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "sim_internal.h"
+
+#define MAX_LATENCY_US 10000000ull  /* 10 s: more is certainly a typo */
+#define MAX_HBM ((uint64_t)1 << 50) /* 1 PiB keeps every sum far from overflow */
+
+static const char *env(const char *name)
+{
+    const char *v = getenv(name);
+    return (v && *v) ? v : NULL;
+}
+
+/* Strict unsigned integer: digits only (surrounding blanks allowed), no sign, no overflow. */
+static int parse_uint(const char *s, uint64_t *out)
+{
+    while (isspace((unsigned char)*s))
+        s++;
+    if (!isdigit((unsigned char)*s))
+        return -1;
+    uint64_t v = 0;
+    while (isdigit((unsigned char)*s)) {
+        unsigned d = (unsigned)(*s++ - '0');
+        if (v > (UINT64_MAX - d) / 10)
+            return -1;
+        v = v * 10 + d;
+    }
+    while (isspace((unsigned char)*s))
+        s++;
+    if (*s)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int get_uint(const char *name, uint64_t lo, uint64_t hi, uint64_t *out, const char *call)
+{
+    const char *v = env(name);
+    if (!v)
+        return 0;
+    uint64_t x;
+    if (parse_uint(v, &x) != 0 || x < lo || x > hi)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call,
+                        "%s='%s' is not a whole number from %llu to %llu", name, v,
+                        (unsigned long long)lo, (unsigned long long)hi);
+    *out = x;
+    return 0;
+}
+
+static int get_size(const char *name, uint64_t lo, uint64_t hi, uint64_t *out, const char *call)
+{
+    const char *v = env(name);
+    if (!v)
+        return 0;
+    uint64_t x;
+    if (sim_parse_size(v, &x) != 0 || x < lo || x > hi)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call,
+                        "%s='%s' is not a byte size from %llu to %llu bytes "
+                        "(write plain bytes or a unit: 64GiB, 512MiB, 1.5GB)",
+                        name, v, (unsigned long long)lo, (unsigned long long)hi);
+    *out = x;
+    return 0;
+}
+
+int sim_config_devices(int *devices, const char *call)
+{
+    uint64_t n = SIM_DEFAULT_DEVICES;
+    int rc = get_uint("ASCEND_SIM_DEVICES", 1, SIM_MAX_DEVICES, &n, call);
+    if (rc)
+        return rc;
+    if (g_sim.override_devices > 0)
+        n = (uint64_t)g_sim.override_devices;
+    *devices = (int)n;
+    return 0;
+}
+
+static int node_name_ok(const char *s)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > SIM_NODE_NAME_MAX || s[0] == '.')
+        return 0;
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)s[i]) && s[i] != '_' && s[i] != '-' && s[i] != '.')
+            return 0;
+    return 1;
+}
+
+int sim_config_load(struct sim_config *cfg, const char *call)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->hbm = SIM_DEFAULT_HBM;
+    cfg->fail_after_bytes = -1;
+    int rc = sim_config_devices(&cfg->devices, call);
+    if (!rc)
+        rc = get_size("ASCEND_SIM_HBM", 1, MAX_HBM, &cfg->hbm, call);
+    if (!rc)
+        rc = get_uint("ASCEND_SIM_MALLOC_LATENCY_US", 0, MAX_LATENCY_US, &cfg->malloc_latency_us, call);
+    if (!rc)
+        rc = get_uint("ASCEND_SIM_FREE_LATENCY_US", 0, MAX_LATENCY_US, &cfg->free_latency_us, call);
+    if (!rc)
+        rc = get_uint("ASCEND_SIM_FAIL_MALLOC_NTH", 0, UINT64_MAX, &cfg->fail_malloc_nth, call);
+    if (!rc && env("ASCEND_SIM_FAIL_AFTER_BYTES")) {
+        uint64_t b = 0;
+        rc = get_size("ASCEND_SIM_FAIL_AFTER_BYTES", 0, INT64_MAX, &b, call);
+        cfg->fail_after_bytes = (int64_t)b;
+    }
+    if (rc)
+        return rc;
+    if (g_sim.override_hbm)
+        cfg->hbm = g_sim.override_hbm;
+
+    const char *node = env("ASCEND_SIM_NODE");
+    if (!node)
+        node = "default";
+    if (!node_name_ok(node))
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call,
+                        "ASCEND_SIM_NODE='%s' is not a node name (1-%d of A-Z a-z 0-9 _ - ., "
+                        "not starting with '.')", node, SIM_NODE_NAME_MAX);
+    strcpy(cfg->node, node);
+
+    const char *dir = env("ASCEND_SIM_SHM_DIR");
+    if (!dir)
+        dir = "/dev/shm";
+    struct stat st;
+    if (dir[0] != '/' || strlen(dir) >= sizeof cfg->shm_dir - 128)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call,
+                        "ASCEND_SIM_SHM_DIR='%s' is not an absolute directory path", dir);
+    int err = stat(dir, &st) != 0 ? errno : (S_ISDIR(st.st_mode) ? 0 : ENOTDIR);
+    if (err)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call,
+                        "ASCEND_SIM_SHM_DIR='%s' is not a directory (%s); the simulated node keeps "
+                        "its shared device records there", dir, strerror(err));
+    strcpy(cfg->shm_dir, dir);
+    return 0;
+}

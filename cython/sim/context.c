@@ -1,0 +1,156 @@
+/* Contexts and the calling thread's current device.
+ *
+ * As in ACL, the current device is per thread: aclrtSetDevice makes the device's default context
+ * current, aclrtCreateContext makes the new context current, aclrtSetCurrentContext switches the
+ * thread to the context's device. Calls that need a device (malloc, streams, events) fail with
+ * ACL_ERROR_RT_CONTEXT_NULL on a thread that has none, as the real runtime does.
+ *
+ * Contexts are tiny and created rarely, so they are never freed: a thread may still name a
+ * destroyed context as current, and checking a flag on it is cheaper than a registry lookup on
+ * every malloc. aclInit/aclFinalize bump a generation that makes every thread's choice stale.
+ */
+#include <stdlib.h>
+
+#include "sim_internal.h"
+
+static __thread int t_device = -1;
+static __thread struct sim_context *t_ctx;
+static __thread uint64_t t_gen;
+
+static void context_destroy(struct sim_obj *o) { (void)o; /* never freed, see above */ }
+
+int sim_current_device(const char *call, int *dev)
+{
+    if (t_gen != atomic_load(&g_sim.generation) || t_device < 0)
+        return sim_fail(ACL_ERROR_RT_CONTEXT_NULL, call,
+                        "this thread has no current device: call aclrtSetDevice or "
+                        "aclrtSetCurrentContext first");
+    if (t_ctx && atomic_load(&t_ctx->dead))
+        return sim_fail(ACL_ERROR_RT_CONTEXT_NULL, call,
+                        "this thread's current context %p was destroyed", SIM_HANDLE(&t_ctx->obj));
+    *dev = t_device;
+    return 0;
+}
+
+void sim_thread_set_device(int dev, struct sim_context *ctx)
+{
+    t_device = dev;
+    t_ctx = ctx;
+    t_gen = atomic_load(&g_sim.generation);
+}
+
+void sim_thread_clear_device(int dev)
+{
+    if (t_device == dev) {
+        t_device = -1;
+        t_ctx = NULL;
+    }
+}
+
+static struct sim_context *context_new(int dev, int is_default)
+{
+    struct sim_context *c = calloc(1, sizeof *c);
+    if (!c)
+        return NULL;
+    sim_obj_init(&c->obj, SIM_H_CONTEXT, context_destroy);
+    c->device = dev;
+    c->is_default = is_default;
+    if (sim_reg_add(&c->obj) != 0) {
+        free(c);
+        return NULL;
+    }
+    return c;
+}
+
+struct sim_context *sim_default_context(int dev)
+{
+    struct sim_device *d = &g_sim.dev[dev];
+    pthread_mutex_lock(&d->lock);
+    if (!d->default_ctx)
+        d->default_ctx = context_new(dev, 1);
+    struct sim_context *c = d->default_ctx;
+    pthread_mutex_unlock(&d->lock);
+    return c;
+}
+
+SIM_EXPORT aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
+{
+    static const char call[] = "aclrtCreateContext";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!context)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "context is NULL");
+    if (!sim_valid_device(deviceId))
+        return sim_fail(ACL_ERROR_RT_INVALID_DEVICEID, call, "device id %d is out of range (0..%d)",
+                        (int)deviceId, g_sim.cfg.devices - 1);
+    struct sim_context *c = context_new(deviceId, 0);
+    if (!c)
+        return sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call, "out of host memory");
+    sim_thread_set_device(deviceId, c);
+    *context = SIM_HANDLE(&c->obj);
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError aclrtSetCurrentContext(aclrtContext context)
+{
+    static const char call[] = "aclrtSetCurrentContext";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!context)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "context is NULL");
+    struct sim_obj *o = sim_reg_get(context, SIM_H_CONTEXT);
+    if (!o)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "%p is not a live context (never created, or destroyed)", context);
+    struct sim_context *c = (struct sim_context *)o;
+    sim_thread_set_device(c->device, c);
+    sim_obj_unref(o);
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError aclrtGetCurrentContext(aclrtContext *context)
+{
+    static const char call[] = "aclrtGetCurrentContext";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!context)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "context is NULL");
+    int dev;
+    if ((rc = sim_current_device(call, &dev)) != 0)
+        return rc;
+    *context = t_ctx ? SIM_HANDLE(&t_ctx->obj) : NULL;
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError aclrtDestroyContext(aclrtContext context)
+{
+    static const char call[] = "aclrtDestroyContext";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!context)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "context is NULL");
+    struct sim_obj *o = sim_reg_get(context, SIM_H_CONTEXT);
+    if (!o)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "%p is not a live context (never created, or already destroyed)", context);
+    struct sim_context *c = (struct sim_context *)o;
+    int is_default = c->is_default;
+    sim_obj_unref(o);
+    if (is_default)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "%p is device %d's default context: it goes with aclrtResetDevice, not "
+                        "aclrtDestroyContext", context, c->device);
+    if (!sim_reg_take(context, SIM_H_CONTEXT))
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "%p was destroyed concurrently", context);
+    atomic_store(&c->dead, 1);
+    if (t_ctx == c) {
+        t_device = -1;
+        t_ctx = NULL;
+    }
+    sim_obj_unref(&c->obj);
+    return ACL_SUCCESS;
+}

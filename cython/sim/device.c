@@ -1,0 +1,241 @@
+/* Runtime lifecycle (aclInit/aclFinalize) and the device calls.
+ *
+ * aclInit reads the configuration from the environment (config.c), attaches every simulated
+ * device to its node-wide record (node.c) and arms the configured faults. aclFinalize drains and
+ * joins every stream, drops events and contexts, unmaps all memory and gives the node back this
+ * process's share. A process may aclInit again after aclFinalize (with a new configuration).
+ *
+ * Calls racing aclFinalize from other threads are outside the contract, as with the real
+ * runtime; they may fail but do not crash (objects are reference counted, mappings of pinned
+ * memory and node records outlive the call).
+ *
+ * After fork() the child has no runtime: the parent's streams have no threads there and its
+ * device memory is the parent's. The child starts uninitialised and may call aclInit itself.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "sim_internal.h"
+
+struct sim_global g_sim = {.life_lock = PTHREAD_MUTEX_INITIALIZER};
+static int ever_initialised;
+
+int sim_require_init(const char *call)
+{
+    if (sim_ready())
+        return 0;
+    return sim_fail(ACL_ERROR_UNINITIALIZE, call, "the runtime is not initialised: call aclInit first");
+}
+
+int sim_valid_device(int dev)
+{
+    return dev >= 0 && dev < g_sim.cfg.devices;
+}
+
+static void reset_devices(void)
+{
+    for (int i = 0; i < SIM_MAX_DEVICES; i++) {
+        struct sim_device *d = &g_sim.dev[i];
+        pthread_mutex_init(&d->lock, NULL);
+        d->default_stream = NULL;
+        d->default_ctx = NULL;
+        atomic_store(&d->mallocs, 0);
+        atomic_store(&d->frees, 0);
+        atomic_store(&d->held, 0);
+        atomic_store(&d->live_events, 0);
+        atomic_store(&d->events_created, 0);
+        atomic_store(&d->live_streams, 0);
+        atomic_store(&d->dropped_fills, 0);
+        atomic_store(&d->poisoned_bytes, 0);
+    }
+}
+
+static void after_fork_in_child(void)
+{
+    pthread_mutex_init(&g_sim.life_lock, NULL);
+    reset_devices();
+    sim_reg_reset();
+    sim_alloc_reset();
+    sim_node_reset();
+    sim_faults_reset();
+    atomic_store(&g_sim.held_total, 0);
+    atomic_fetch_add(&g_sim.generation, 1);
+    atomic_store(&g_sim.state, SIM_UNINIT);
+}
+
+__attribute__((constructor)) static void sim_boot(void)
+{
+    reset_devices();
+    pthread_atfork(NULL, NULL, after_fork_in_child);
+}
+
+SIM_EXPORT aclError aclInit(const char *configPath)
+{
+    static const char call[] = "aclInit";
+    pthread_mutex_lock(&g_sim.life_lock);
+    int rc = 0;
+    if (atomic_load(&g_sim.state) == SIM_READY) {
+        rc = sim_fail(ACL_ERROR_REPEAT_INITIALIZE, call, "the runtime is already initialised");
+        goto out;
+    }
+    if (configPath && *configPath && access(configPath, R_OK) != 0) {
+        rc = sim_fail(ACL_ERROR_INVALID_FILE, call, "cannot read the configuration file '%s'", configPath);
+        goto out;
+    }
+    struct sim_config cfg;
+    if ((rc = sim_config_load(&cfg, call)) != 0)
+        goto out;
+    reset_devices();
+    for (int d = 0; d < cfg.devices; d++) {
+        if ((rc = sim_node_attach(d, &cfg, call)) != 0) {
+            while (--d >= 0)
+                sim_node_detach(d);
+            goto out;
+        }
+    }
+    g_sim.cfg = cfg;
+    sim_faults_from_config(&cfg);
+    atomic_store(&g_sim.held_total, 0);
+    atomic_store(&g_sim.poison, 0);
+    atomic_fetch_add(&g_sim.generation, 1);
+    ever_initialised = 1;
+    atomic_store_explicit(&g_sim.state, SIM_READY, memory_order_release);
+out:
+    pthread_mutex_unlock(&g_sim.life_lock);
+    return rc;
+}
+
+static void finalize_stream(struct sim_stream *s)
+{
+    sim_stream_release_hangs(s); /* a hung stream must not wedge aclFinalize */
+    sim_stream_shutdown(s);
+    sim_stream_put(s);
+}
+
+SIM_EXPORT aclError aclFinalize(void)
+{
+    static const char call[] = "aclFinalize";
+    pthread_mutex_lock(&g_sim.life_lock);
+    if (atomic_load(&g_sim.state) != SIM_READY) {
+        int rc = ever_initialised
+                     ? sim_fail(ACL_ERROR_REPEAT_FINALIZE, call, "the runtime is already finalised")
+                     : sim_fail(ACL_ERROR_UNINITIALIZE, call, "the runtime was never initialised");
+        pthread_mutex_unlock(&g_sim.life_lock);
+        return rc;
+    }
+    atomic_store(&g_sim.state, SIM_FINALIZING);
+    atomic_fetch_add(&g_sim.generation, 1);
+
+    struct sim_obj **objs;
+    size_t n = sim_reg_take_all(&objs);
+    for (size_t i = 0; i < n; i++) { /* streams first: their workers may still touch memory */
+        if (objs[i]->type == SIM_H_STREAM) {
+            finalize_stream((struct sim_stream *)objs[i]);
+            objs[i] = NULL;
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (!objs[i])
+            continue;
+        if (objs[i]->type == SIM_H_CONTEXT)
+            atomic_store(&((struct sim_context *)objs[i])->dead, 1);
+        sim_obj_unref(objs[i]);
+    }
+    free(objs);
+    for (int d = 0; d < g_sim.cfg.devices; d++) {
+        struct sim_device *dv = &g_sim.dev[d];
+        pthread_mutex_lock(&dv->lock);
+        struct sim_stream *s = dv->default_stream;
+        dv->default_stream = NULL;
+        dv->default_ctx = NULL;
+        pthread_mutex_unlock(&dv->lock);
+        if (s)
+            finalize_stream(s);
+    }
+    for (int which = SIM_TREE_DEVICE; which <= SIM_TREE_HOST; which++) {
+        struct sim_alloc **all;
+        size_t m = sim_alloc_take_all(which, &all);
+        for (size_t i = 0; i < m; i++)
+            sim_alloc_release(which, all[i]);
+        free(all);
+    }
+    for (int d = 0; d < g_sim.cfg.devices; d++)
+        sim_node_detach(d); /* gives back this process's whole share at once */
+    sim_faults_reset();
+    atomic_store(&g_sim.held_total, 0);
+    atomic_store(&g_sim.state, SIM_UNINIT);
+    pthread_mutex_unlock(&g_sim.life_lock);
+    return ACL_SUCCESS;
+}
+
+static int bad_device(const char *call, int32_t dev)
+{
+    return sim_fail(ACL_ERROR_RT_INVALID_DEVICEID, call,
+                    "device id %d is out of range: this node has %d devices (0..%d)", (int)dev,
+                    g_sim.cfg.devices, g_sim.cfg.devices - 1);
+}
+
+SIM_EXPORT aclError aclrtSetDevice(int32_t deviceId)
+{
+    static const char call[] = "aclrtSetDevice";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!sim_valid_device(deviceId))
+        return bad_device(call, deviceId);
+    struct sim_context *c = sim_default_context(deviceId);
+    if (!c)
+        return sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call, "out of host memory");
+    sim_thread_set_device(deviceId, c);
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError aclrtGetDevice(int32_t *deviceId)
+{
+    static const char call[] = "aclrtGetDevice";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!deviceId)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "deviceId is NULL");
+    int dev;
+    if ((rc = sim_current_device(call, &dev)) != 0)
+        return rc;
+    *deviceId = dev;
+    return ACL_SUCCESS;
+}
+
+/* Works before aclInit, like the real one (frameworks count devices without initialising). */
+SIM_EXPORT aclError aclrtGetDeviceCount(uint32_t *count)
+{
+    static const char call[] = "aclrtGetDeviceCount";
+    if (!count)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "count is NULL");
+    if (sim_ready()) {
+        *count = (uint32_t)g_sim.cfg.devices;
+        return ACL_SUCCESS;
+    }
+    int n;
+    pthread_mutex_lock(&g_sim.life_lock);
+    int rc = sim_config_devices(&n, call);
+    pthread_mutex_unlock(&g_sim.life_lock);
+    if (rc)
+        return rc;
+    *count = (uint32_t)n;
+    return ACL_SUCCESS;
+}
+
+/* Leaves the device for this thread. Streams, events and memory stay until destroyed or until
+   aclFinalize: the pool and other threads may still use them. */
+SIM_EXPORT aclError aclrtResetDevice(int32_t deviceId)
+{
+    static const char call[] = "aclrtResetDevice";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!sim_valid_device(deviceId))
+        return bad_device(call, deviceId);
+    sim_thread_clear_device(deviceId);
+    return ACL_SUCCESS;
+}

@@ -1,0 +1,204 @@
+/* Mapped allocations (device and host), found by address range.
+ *
+ * Each allocation is its own anonymous mapping with MAP_NORESERVE, so a simulated 64 GiB HBM
+ * costs nothing until its pages are touched, and freed memory really goes back to the kernel.
+ * Allocations of 2 MiB and more are placed on a 2 MiB boundary and advised MADV_HUGEPAGE: with
+ * transparent huge pages in "madvise" mode that is what makes touching them cheap. Failure of the
+ * advice is ignored (hugetlbfs pages are not assumed to exist; MAP_HUGETLB is never used).
+ * Limit: the kernel's vm.max_map_count (65530 by default) bounds the number of live mappings.
+ *
+ * The live allocations sit in a balanced tree (glibc tsearch) ordered by address, so that the
+ * simulator can check in O(log n) that [ptr, ptr+n) lies inside one live allocation before it
+ * touches a byte: a garbage pointer is refused, never dereferenced. Work in flight (a read, a
+ * fill) pins its allocation; an aclrtFree meanwhile unregisters it at once (the real runtime does
+ * not wait for work either) but the unmapping waits for the last pin, so the worker never
+ * faults on memory unmapped under it.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* tdestroy */
+#endif
+#include <search.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "sim_internal.h"
+
+struct tree {
+    pthread_mutex_t mu;
+    void *root;
+    size_t count;
+};
+
+static struct tree trees[2] = {{PTHREAD_MUTEX_INITIALIZER, NULL, 0}, {PTHREAD_MUTEX_INITIALIZER, NULL, 0}};
+
+/* Orders non-overlapping ranges; an overlapping pair compares equal, which is how a lookup of
+   [ptr, ptr+n) finds the allocation it falls into. */
+static int cmp_range(const void *x, const void *y)
+{
+    const struct sim_alloc *a = x, *b = y;
+    if (a->base + a->size <= b->base)
+        return -1;
+    if (b->base + b->size <= a->base)
+        return 1;
+    return 0;
+}
+
+static size_t page_size(void)
+{
+    static size_t ps;
+    if (!ps)
+        ps = (size_t)sysconf(_SC_PAGESIZE);
+    return ps;
+}
+
+struct sim_alloc *sim_alloc_map(size_t size, size_t align, int huge)
+{
+    size_t ps = page_size();
+    if (size == 0 || size > SIZE_MAX / 2)
+        return NULL;
+    size_t len = (size + ps - 1) & ~(ps - 1);
+    size_t boundary = huge ? SIM_HUGE_PAGE : (align > ps ? align : ps);
+    size_t extra = boundary > ps ? boundary : 0;
+    int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+    char *raw = mmap(NULL, len + extra, PROT_READ | PROT_WRITE, flags, -1, 0);
+    if (raw == MAP_FAILED)
+        return NULL;
+    char *start = raw;
+    if (extra) {
+        /* Over-map, then trim both ends so the mapping starts on the boundary. */
+        start = (char *)(((uintptr_t)raw + boundary - 1) & ~(uintptr_t)(boundary - 1));
+        if (start > raw)
+            munmap(raw, (size_t)(start - raw));
+        size_t tail = (size_t)(raw + len + extra - (start + len));
+        if (tail)
+            munmap(start + len, tail);
+    }
+    if (huge)
+        (void)madvise(start, len, MADV_HUGEPAGE); /* only advice: THP may be off */
+    struct sim_alloc *a = calloc(1, sizeof *a);
+    if (!a) {
+        munmap(start, len);
+        return NULL;
+    }
+    a->base = (uintptr_t)start;
+    a->size = size;
+    a->map = start;
+    a->map_len = len;
+    return a;
+}
+
+void sim_alloc_unmap(struct sim_alloc *a)
+{
+    if (a->poison)
+        memset(a->map, 0xDD, a->size); /* what a use-after-free would read, were it still mapped */
+    munmap(a->map, a->map_len);
+    free(a);
+}
+
+void sim_alloc_insert(int which, struct sim_alloc *a)
+{
+    struct tree *t = &trees[which];
+    pthread_mutex_lock(&t->mu);
+    if (tsearch(a, &t->root, cmp_range))
+        t->count++;
+    pthread_mutex_unlock(&t->mu);
+}
+
+struct sim_alloc *sim_alloc_remove(int which, const void *base)
+{
+    struct tree *t = &trees[which];
+    struct sim_alloc key = {.base = (uintptr_t)base, .size = 1};
+    pthread_mutex_lock(&t->mu);
+    void **node = tfind(&key, &t->root, cmp_range);
+    struct sim_alloc *a = node ? *node : NULL;
+    if (a && a->base == (uintptr_t)base) { /* an interior pointer is not an allocation */
+        tdelete(&key, &t->root, cmp_range);
+        t->count--;
+    } else {
+        a = NULL;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return a;
+}
+
+struct sim_alloc *sim_alloc_pin(int which, const void *ptr, size_t n)
+{
+    uintptr_t p = (uintptr_t)ptr;
+    if (!ptr || p + n < p)
+        return NULL;
+    struct tree *t = &trees[which];
+    struct sim_alloc key = {.base = p, .size = n ? n : 1};
+    pthread_mutex_lock(&t->mu);
+    void **node = tfind(&key, &t->root, cmp_range);
+    struct sim_alloc *a = node ? *node : NULL;
+    if (a && p >= a->base && p + n <= a->base + a->size)
+        a->pins++;
+    else
+        a = NULL;
+    pthread_mutex_unlock(&t->mu);
+    return a;
+}
+
+void sim_alloc_unpin(int which, struct sim_alloc *a)
+{
+    struct tree *t = &trees[which];
+    pthread_mutex_lock(&t->mu);
+    int unmap = --a->pins == 0 && a->freed;
+    pthread_mutex_unlock(&t->mu);
+    if (unmap)
+        sim_alloc_unmap(a);
+}
+
+void sim_alloc_release(int which, struct sim_alloc *a)
+{
+    struct tree *t = &trees[which];
+    pthread_mutex_lock(&t->mu);
+    int now = a->pins == 0;
+    if (!now)
+        a->freed = 1; /* the last unpin unmaps */
+    pthread_mutex_unlock(&t->mu);
+    if (now)
+        sim_alloc_unmap(a);
+}
+
+/* twalk() takes no user argument: the collector runs under the tree's lock. */
+static struct sim_alloc **walk_out;
+static size_t walk_n;
+
+static void collect(const void *node, VISIT v, int depth)
+{
+    (void)depth;
+    if (v == postorder || v == leaf)
+        walk_out[walk_n++] = *(struct sim_alloc *const *)node;
+}
+
+static void no_free(void *p) { (void)p; }
+
+size_t sim_alloc_take_all(int which, struct sim_alloc ***out)
+{
+    struct tree *t = &trees[which];
+    pthread_mutex_lock(&t->mu);
+    walk_out = malloc((t->count ? t->count : 1) * sizeof *walk_out);
+    walk_n = 0;
+    if (walk_out) {
+        twalk(t->root, collect);
+        tdestroy(t->root, no_free);
+        t->root = NULL;
+        t->count = 0;
+    }
+    *out = walk_out;
+    size_t n = walk_n;
+    pthread_mutex_unlock(&t->mu);
+    return n;
+}
+
+void sim_alloc_reset(void)
+{
+    for (int i = 0; i < 2; i++) {
+        pthread_mutex_init(&trees[i].mu, NULL);
+        trees[i].root = NULL; /* the parent's mappings stay in the child, unregistered */
+        trees[i].count = 0;
+    }
+}

@@ -1,0 +1,262 @@
+/* Events: markers recorded on a stream.
+ *
+ * An event holds (stream, position) from its latest aclrtRecordEvent; it is complete once that
+ * stream's worker has completed `position` items, i.e. has passed the record. An event never
+ * recorded counts as complete (as in CUDA), so waiting on it is a no-op. aclrtStreamWaitEvent
+ * captures the (stream, position) pair at call time, as CUDA does: recording the event again
+ * later does not change what the waiting stream waits for.
+ *
+ * At most 65,536 events may be live per device (the real runtime's order of magnitude); past
+ * that aclrtCreateEvent fails with ACL_ERROR_RT_NO_EVENT_RESOURCE.
+ */
+#include <errno.h>
+#include <stdlib.h>
+
+#include "sim_internal.h"
+
+struct sim_event {
+    struct sim_obj obj;
+    int device;
+    uint32_t flags;            /* accepted and ignored: no timing, no blocking-sync distinction */
+    pthread_mutex_t mu;
+    struct sim_stream *stream; /* latest record (a reference), NULL if never recorded */
+    uint64_t pos;
+};
+
+static void event_destroy(struct sim_obj *o)
+{
+    struct sim_event *e = (struct sim_event *)o;
+    sim_stream_put(e->stream);
+    pthread_mutex_destroy(&e->mu);
+    free(e);
+}
+
+static int get_event(aclrtEvent handle, const char *call, struct sim_event **out)
+{
+    struct sim_obj *o = sim_reg_get(handle, SIM_H_EVENT);
+    if (!o)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "%p is not a live event (never created, or already destroyed)", handle);
+    *out = (struct sim_event *)o;
+    return 0;
+}
+
+/* The latest record: a referenced stream (or NULL: never recorded) and its position. */
+static struct sim_stream *snapshot(struct sim_event *e, uint64_t *pos)
+{
+    pthread_mutex_lock(&e->mu);
+    struct sim_stream *s = e->stream;
+    if (s)
+        sim_obj_ref(&s->obj);
+    *pos = e->pos;
+    pthread_mutex_unlock(&e->mu);
+    return s;
+}
+
+static aclError create_event(aclrtEvent *event, uint32_t flags, const char *call)
+{
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!event)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "event is NULL");
+    if (flags & ~ACL_EVENT_FLAGS_KNOWN)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "flag 0x%x has unknown bits (known: 0x%x)",
+                        flags, ACL_EVENT_FLAGS_KNOWN);
+    int dev;
+    if ((rc = sim_current_device(call, &dev)) != 0)
+        return rc;
+    if (sim_fault_event_create_nth())
+        return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call,
+                        "injected fault: this event creation was chosen to fail");
+    struct sim_device *d = &g_sim.dev[dev];
+    if (atomic_fetch_add(&d->live_events, 1) >= SIM_MAX_EVENTS_PER_DEVICE) {
+        atomic_fetch_sub(&d->live_events, 1);
+        return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call,
+                        "device %d already has %d live events: destroy or reuse events", dev,
+                        SIM_MAX_EVENTS_PER_DEVICE);
+    }
+    struct sim_event *e = calloc(1, sizeof *e);
+    if (e) {
+        sim_obj_init(&e->obj, SIM_H_EVENT, event_destroy);
+        e->device = dev;
+        e->flags = flags;
+        pthread_mutex_init(&e->mu, NULL);
+        if (sim_reg_add(&e->obj) != 0) {
+            event_destroy(&e->obj);
+            e = NULL;
+        }
+    }
+    if (!e) {
+        atomic_fetch_sub(&d->live_events, 1);
+        return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call, "out of host memory");
+    }
+    atomic_fetch_add(&d->events_created, 1);
+    *event = SIM_HANDLE(&e->obj);
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError aclrtCreateEvent(aclrtEvent *event)
+{
+    return create_event(event, 0, "aclrtCreateEvent");
+}
+
+SIM_EXPORT aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag)
+{
+    return create_event(event, flag, "aclrtCreateEventWithFlag");
+}
+
+SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
+{
+    static const char call[] = "aclrtRecordEvent";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    struct sim_event *e = NULL;
+    struct sim_stream *s;
+    if ((rc = get_event(event, call, &e)) != 0)
+        return rc;
+    if ((rc = sim_stream_get(stream, call, &s)) != 0) {
+        sim_obj_unref(&e->obj);
+        return rc;
+    }
+    uint64_t pos;
+    if ((rc = sim_stream_mark(s, &pos, call)) != 0) {
+        sim_stream_put(s);
+        sim_obj_unref(&e->obj);
+        return rc;
+    }
+    pthread_mutex_lock(&e->mu);
+    struct sim_stream *old = e->stream;
+    e->stream = s; /* our reference moves into the event */
+    e->pos = pos;
+    pthread_mutex_unlock(&e->mu);
+    sim_stream_put(old);
+    sim_obj_unref(&e->obj);
+    return ACL_SUCCESS;
+}
+
+/* 1 complete, 0 not yet; or an aclError (negated to tell it apart). */
+static int query(aclrtEvent event, int *status, const char *call)
+{
+    int rc = sim_require_init(call);
+    if (rc)
+        return -rc;
+    if (!status)
+        return -sim_fail(ACL_ERROR_INVALID_PARAM, call, "status is NULL");
+    struct sim_event *e = NULL;
+    if ((rc = get_event(event, call, &e)) != 0)
+        return -rc;
+    if (sim_fault_event_query_nth()) {
+        sim_obj_unref(&e->obj);
+        return -sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "injected fault: this event query was chosen to fail");
+    }
+    uint64_t pos;
+    struct sim_stream *s = snapshot(e, &pos);
+    int done = !s || sim_stream_is_done(s, pos);
+    sim_stream_put(s);
+    sim_obj_unref(&e->obj);
+    return done;
+}
+
+#if !ASCEND_SIM_LEGACY
+SIM_EXPORT aclError aclrtQueryEventStatus(aclrtEvent event, int *status)
+{
+    int r = query(event, status, "aclrtQueryEventStatus");
+    if (r < 0)
+        return -r;
+    *status = r ? ACL_EVENT_RECORDED_STATUS_COMPLETE : ACL_EVENT_RECORDED_STATUS_NOT_READY;
+    return ACL_SUCCESS;
+}
+#endif
+
+/* Deprecated in CANN, with the opposite numbering: COMPLETE = 0, NOT_READY = 1. */
+SIM_EXPORT aclError aclrtQueryEvent(aclrtEvent event, int *status)
+{
+    int r = query(event, status, "aclrtQueryEvent");
+    if (r < 0)
+        return -r;
+    *status = r ? ACL_EVENT_STATUS_COMPLETE : ACL_EVENT_STATUS_NOT_READY;
+    return ACL_SUCCESS;
+}
+
+static aclError sync_event(aclrtEvent event, int32_t timeout, const char *call)
+{
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (timeout < -1)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "timeout %d ms is invalid (-1 waits forever)", (int)timeout);
+    struct sim_event *e = NULL;
+    if ((rc = get_event(event, call, &e)) != 0)
+        return rc;
+    uint64_t pos;
+    struct sim_stream *s = snapshot(e, &pos);
+    if (s && sim_stream_wait_pos(s, pos, timeout) == ETIMEDOUT)
+        rc = sim_fail(ACL_ERROR_RT_EVENT_SYNC_TIMEOUT, call,
+                      "event %p did not complete within %d ms", event, (int)timeout);
+    sim_stream_put(s);
+    sim_obj_unref(&e->obj);
+    return rc;
+}
+
+SIM_EXPORT aclError aclrtSynchronizeEvent(aclrtEvent event)
+{
+    return sync_event(event, -1, "aclrtSynchronizeEvent");
+}
+
+SIM_EXPORT aclError aclrtSynchronizeEventWithTimeout(aclrtEvent event, int32_t timeout)
+{
+    return sync_event(event, timeout, "aclrtSynchronizeEventWithTimeout");
+}
+
+SIM_EXPORT aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
+{
+    static const char call[] = "aclrtStreamWaitEvent";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    struct sim_event *e = NULL;
+    if ((rc = get_event(event, call, &e)) != 0)
+        return rc;
+    struct sim_stream *target;
+    if ((rc = sim_stream_get(stream, call, &target)) != 0) {
+        sim_obj_unref(&e->obj);
+        return rc;
+    }
+    uint64_t pos;
+    struct sim_stream *src = snapshot(e, &pos);
+    sim_obj_unref(&e->obj);
+    if (src) { /* never recorded: nothing to wait for */
+        struct sim_work *w = calloc(1, sizeof *w);
+        if (!w) {
+            sim_stream_put(src);
+            rc = sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call, "out of host memory");
+        } else {
+            w->kind = SIM_W_WAIT;
+            w->wait_on = src; /* the item owns this reference */
+            w->wait_pos = pos;
+            rc = sim_stream_submit(target, w, call);
+        }
+    }
+    sim_stream_put(target);
+    return rc;
+}
+
+SIM_EXPORT aclError aclrtDestroyEvent(aclrtEvent event)
+{
+    static const char call[] = "aclrtDestroyEvent";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!event)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "event is NULL");
+    struct sim_obj *o = sim_reg_take(event, SIM_H_EVENT);
+    if (!o)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "%p is not a live event (never created, or already destroyed)", event);
+    struct sim_event *e = (struct sim_event *)o;
+    atomic_fetch_sub(&g_sim.dev[e->device].live_events, 1);
+    sim_obj_unref(o); /* recorded work still pending is not waited for, as in the real runtime */
+    return ACL_SUCCESS;
+}

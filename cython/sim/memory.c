@@ -1,0 +1,147 @@
+/* Device memory: aclrtMalloc, aclrtMallocAlign32, aclrtFree, aclrtGetMemInfo.
+ *
+ * Sizes follow the real runtime: aclrtMalloc rounds up to a multiple of 32 bytes and adds 32
+ * bytes of padding, aclrtMallocAlign32 only rounds. That rounded size is what an allocation
+ * takes from the device's capacity, what aclrtGetMemInfo counts as used (summed over every
+ * process of the node), and the extent that ascendsim_read/launch_fill may touch. Bases are
+ * 64-byte aligned (page aligned in fact: each allocation is its own mapping, see dmem.c).
+ *
+ * Failure order for a valid call: injected latency, then "fail the Nth malloc", then
+ * "fail after bytes" (this process's total across devices), then the node-wide capacity; every
+ * one of them answers ACL_ERROR_RT_MEMORY_ALLOCATION (207001) as a full device does.
+ */
+#include <errno.h>
+#include <string.h>
+
+#include "sim_internal.h"
+
+static aclError do_malloc(void **devPtr, size_t size, int policy, int pad, const char *call)
+{
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!devPtr)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "devPtr is NULL");
+    if (size == 0)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "size is 0");
+    if (policy < ACL_MEM_MALLOC_HUGE_FIRST || policy > ACL_MEM_MALLOC_HUGE1G_ONLY_P2P)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call,
+                        "policy %d is not an aclrtMemMallocPolicy (0..7)", policy);
+    int dev;
+    if ((rc = sim_current_device(call, &dev)) != 0)
+        return rc;
+    uint64_t total = g_sim.cfg.hbm;
+    if (size > total)
+        return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
+                        "%zu bytes requested, more than device %d's %llu bytes of HBM", size, dev,
+                        (unsigned long long)total);
+    size_t bytes = ((size + 31) & ~(size_t)31) + (pad ? 32 : 0);
+
+    sim_fault_malloc_latency();
+    if (sim_fault_malloc_nth())
+        return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
+                        "injected fault: this malloc was chosen to fail (fail_malloc_nth)");
+    int64_t cap = sim_fault_after_bytes();
+    uint64_t before = atomic_fetch_add(&g_sim.held_total, bytes);
+    if (cap >= 0 && before + bytes > (uint64_t)cap) {
+        atomic_fetch_sub(&g_sim.held_total, bytes);
+        return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
+                        "injected fault: %zu more bytes would take this process to %llu device "
+                        "bytes, above fail_after_bytes=%lld", bytes,
+                        (unsigned long long)(before + bytes), (long long)cap);
+    }
+    int r = sim_node_reserve(dev, bytes);
+    if (r != 0) {
+        atomic_fetch_sub(&g_sim.held_total, bytes);
+        if (r < 0)
+            return sim_fail(ACL_ERROR_RT_INTERNAL_ERROR, call, "device %d's node record is unusable", dev);
+        uint64_t used = sim_node_used(dev);
+        return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
+                        "out of device memory: device %d has %llu of %llu bytes in use on node '%s' "
+                        "(all processes), %zu more requested", dev, (unsigned long long)used,
+                        (unsigned long long)total, g_sim.cfg.node, bytes);
+    }
+    int normal_only = policy == ACL_MEM_MALLOC_NORMAL_ONLY || policy == ACL_MEM_MALLOC_NORMAL_ONLY_P2P;
+    struct sim_alloc *a = sim_alloc_map(bytes, SIM_BASE_ALIGN, !normal_only && bytes >= SIM_HUGE_PAGE);
+    if (!a) {
+        int err = errno;
+        sim_node_release(dev, bytes);
+        atomic_fetch_sub(&g_sim.held_total, bytes);
+        return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
+                        "the host could not map %zu bytes (%s; vm.max_map_count bounds the number "
+                        "of live allocations)", bytes, strerror(err));
+    }
+    a->device = dev;
+    sim_alloc_insert(SIM_TREE_DEVICE, a);
+    struct sim_device *d = &g_sim.dev[dev];
+    atomic_fetch_add(&d->held, bytes);
+    atomic_fetch_add(&d->mallocs, 1);
+    *devPtr = (void *)a->base;
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError aclrtMalloc(void **devPtr, size_t size, int policy)
+{
+    return do_malloc(devPtr, size, policy, 1, "aclrtMalloc");
+}
+
+#if !ASCEND_SIM_LEGACY
+SIM_EXPORT aclError aclrtMallocAlign32(void **devPtr, size_t size, int policy)
+{
+    return do_malloc(devPtr, size, policy, 0, "aclrtMallocAlign32");
+}
+#endif
+
+/* Does not wait for work still using the memory (nor does the real one): fills that arrive
+   later are dropped, see stream.c. Works from any thread, with or without a current device. */
+SIM_EXPORT aclError aclrtFree(void *devPtr)
+{
+    static const char call[] = "aclrtFree";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!devPtr)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "devPtr is NULL");
+    sim_fault_free_latency();
+    struct sim_alloc *a = sim_alloc_remove(SIM_TREE_DEVICE, devPtr);
+    if (!a)
+        return sim_fail(ACL_ERROR_RT_MEMORY_FREE, call,
+                        "%p is not the base of a live device allocation (never allocated, already "
+                        "freed, or inside another allocation)", devPtr);
+    struct sim_device *d = &g_sim.dev[a->device];
+    sim_node_release(a->device, a->size);
+    atomic_fetch_sub(&g_sim.held_total, a->size);
+    atomic_fetch_sub(&d->held, a->size);
+    atomic_fetch_add(&d->frees, 1);
+    a->poison = atomic_load(&g_sim.poison);
+    if (a->poison)
+        atomic_fetch_add(&d->poisoned_bytes, a->size);
+    sim_alloc_release(SIM_TREE_DEVICE, a);
+    return ACL_SUCCESS;
+}
+
+/* The current device's HBM, node-wide: free = total - (rounded bytes held by every live process
+   of the node). The simulated device has HBM only, so the DDR attributes report 0 of 0. */
+SIM_EXPORT aclError aclrtGetMemInfo(int attr, size_t *free, size_t *total)
+{
+    static const char call[] = "aclrtGetMemInfo";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!free || !total)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "free or total is NULL");
+    if (attr < ACL_DDR_MEM || attr > ACL_MEM_P2P_HUGE1G)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "attr %d is not an aclrtMemAttr", attr);
+    int dev;
+    if ((rc = sim_current_device(call, &dev)) != 0)
+        return rc;
+    if (attr == ACL_DDR_MEM || attr == ACL_DDR_MEM_HUGE || attr == ACL_DDR_MEM_NORMAL ||
+        attr == ACL_DDR_MEM_P2P_HUGE || attr == ACL_DDR_MEM_P2P_NORMAL) {
+        *free = *total = 0;
+        return ACL_SUCCESS;
+    }
+    uint64_t cap = g_sim.cfg.hbm, used = sim_node_used(dev);
+    *total = (size_t)cap;
+    *free = (size_t)(used >= cap ? 0 : cap - used);
+    return ACL_SUCCESS;
+}

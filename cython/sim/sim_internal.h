@@ -1,0 +1,229 @@
+/* Internal types and functions shared by the simulator's source files. Nothing here is exported.
+ *
+ * Layout (one concept per file):
+ *   errmsg.c   per-thread error message (aclGetRecentErrMsg)     clock.c    time, sleeps, deadlines
+ *   units.c    byte-size parsing ("64GiB")                      config.c   environment -> sim_config
+ *   registry.c live handles (streams, events, contexts)         proc.c     process identity/liveness
+ *   node.c     node-wide capacity in shared memory              dmem.c     mapped allocations
+ *   memory.c   aclrtMalloc/Free/GetMemInfo                      host.c     aclrtMallocHost/FreeHost
+ *   stream.c   streams and their FIFO workers                   event.c    events
+ *   context.c  contexts, the thread's current device            device.c   aclInit/Finalize, devices
+ *   faults.c   fault injection and latency                      control.c  ascendsim_* API
+ */
+#ifndef ASCEND_SIM_INTERNAL_H
+#define ASCEND_SIM_INTERNAL_H
+
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "acl_api.h"
+
+#define SIM_MAX_DEVICES 64
+#define SIM_MAX_EVENTS_PER_DEVICE 65536
+#define SIM_BASE_ALIGN 64                      /* device allocation bases, like the real runtime */
+#define SIM_HUGE_PAGE ((size_t)2 << 20)        /* madvise(MADV_HUGEPAGE) from this size up */
+#define SIM_DEFAULT_DEVICES 8
+#define SIM_DEFAULT_HBM ((uint64_t)64 << 30)   /* an Atlas 800T A2 device */
+#define SIM_NODE_NAME_MAX 64
+
+/* ---- errmsg.c ---- */
+/* Records "<call>: <message> (aclError <code>)" as the calling thread's recent error; returns code. */
+int sim_fail(int code, const char *call, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* ---- clock.c ---- */
+uint64_t sim_now_ns(void); /* CLOCK_MONOTONIC */
+/* Waits `us` microseconds: spinning below 100 us (sleeps are too coarse there), sleeping above. */
+void sim_delay_us(uint64_t us);
+void sim_sleep_ns(uint64_t ns);
+/* Absolute CLOCK_MONOTONIC deadline `ms` milliseconds from now, for pthread_cond_timedwait. */
+void sim_deadline_ms(struct timespec *ts, int64_t ms);
+/* Initialises a condition variable that waits on CLOCK_MONOTONIC (immune to clock changes). */
+int sim_cond_init(pthread_cond_t *cv);
+
+/* ---- units.c ---- */
+int sim_parse_size(const char *text, uint64_t *bytes); /* 0 ok, -1 malformed/overflow */
+
+/* ---- config.c ---- */
+struct sim_config {
+    int devices;
+    uint64_t hbm;                /* bytes per device */
+    uint64_t malloc_latency_us;
+    uint64_t free_latency_us;
+    uint64_t fail_malloc_nth;    /* 0: off */
+    int64_t fail_after_bytes;    /* < 0: off */
+    char node[SIM_NODE_NAME_MAX + 1];
+    char shm_dir[PATH_MAX];
+};
+/* Fills cfg from the environment (and the ascendsim_configure overrides). On a bad value returns
+   ACL_ERROR_INVALID_PARAM with the message naming the variable, for `call`. */
+int sim_config_load(struct sim_config *cfg, const char *call);
+/* Devices only (aclrtGetDeviceCount works before aclInit, as the real one does). */
+int sim_config_devices(int *devices, const char *call);
+
+/* ---- registry.c: every live handle, so a garbage pointer is never dereferenced ---- */
+enum { SIM_H_STREAM = 1, SIM_H_EVENT = 2, SIM_H_CONTEXT = 3 };
+struct sim_obj {
+    uint32_t type;
+    _Atomic uint32_t refs;       /* the registry's reference + one per user in flight */
+    uintptr_t handle;            /* what users hold: never reused, never a valid address */
+    struct sim_obj *hnext;       /* hash chain */
+    void (*destroy)(struct sim_obj *);
+};
+#define SIM_HANDLE(o) ((void *)(o)->handle)
+void sim_obj_init(struct sim_obj *o, uint32_t type, void (*destroy)(struct sim_obj *));
+void sim_obj_ref(struct sim_obj *o);
+void sim_obj_unref(struct sim_obj *o);
+int sim_reg_add(struct sim_obj *o);                              /* assigns o->handle; 0, or -1 */
+struct sim_obj *sim_reg_get(const void *handle, uint32_t type);  /* +1 ref, or NULL */
+struct sim_obj *sim_reg_take(const void *handle, uint32_t type); /* unregisters; caller owns ref */
+/* Unregisters every object (for aclFinalize); *out gets a malloc'ed array the caller owns. */
+size_t sim_reg_take_all(struct sim_obj ***out);
+void sim_reg_reset(void); /* fork child: forget everything (the parent's objects leak) */
+
+/* ---- proc.c ---- */
+uint64_t sim_proc_start_time(int pid); /* /proc/PID/stat field 22; 0 if unknown */
+/* 1 alive, 0 dead (gone, zombie, or pid reused: start time differs), -1 cannot tell. */
+int sim_proc_alive(int pid, uint64_t start_time);
+
+/* ---- node.c: capacity shared by the processes of a simulated node ---- */
+int sim_node_attach(int dev, const struct sim_config *cfg, const char *call);
+void sim_node_detach(int dev);
+/* Takes bytes from the device's node-wide capacity for this process: 0, or 1 when it would
+   exceed the total (after reclaiming dead processes' bytes), or -1 on an internal error. */
+int sim_node_reserve(int dev, uint64_t bytes);
+void sim_node_release(int dev, uint64_t bytes);
+/* Bytes held on the device by every live process of the node (dead ones are reclaimed first). */
+uint64_t sim_node_used(int dev);
+void sim_node_reset(void); /* fork child */
+
+/* ---- dmem.c: mapped allocations, looked up by address range ---- */
+struct sim_alloc {
+    uintptr_t base;
+    size_t size;         /* bytes accounted (the rounded size): the extent reads/fills may touch */
+    void *map;
+    size_t map_len;
+    int device;          /* -1 for host memory */
+    uint32_t pins;       /* in-flight reads/fills; guarded by the tree's lock */
+    int freed;           /* unmapped by the last unpin */
+    int poison;          /* fill with 0xDD before unmapping */
+};
+enum { SIM_TREE_DEVICE = 0, SIM_TREE_HOST = 1 };
+/* Maps `size` bytes (alignment `align`, huge pages advised when huge != 0). NULL on failure. */
+struct sim_alloc *sim_alloc_map(size_t size, size_t align, int huge);
+void sim_alloc_unmap(struct sim_alloc *a);
+void sim_alloc_insert(int tree, struct sim_alloc *a);
+struct sim_alloc *sim_alloc_remove(int tree, const void *base); /* exact base, or NULL */
+/* Pins the allocation containing [ptr, ptr+n) so it stays mapped; NULL if no live one does. */
+struct sim_alloc *sim_alloc_pin(int tree, const void *ptr, size_t n);
+void sim_alloc_unpin(int tree, struct sim_alloc *a);
+/* Unmaps now, or when the last pin goes. */
+void sim_alloc_release(int tree, struct sim_alloc *a);
+size_t sim_alloc_take_all(int tree, struct sim_alloc ***out);
+void sim_alloc_reset(void); /* fork child */
+
+/* ---- faults.c ---- */
+void sim_faults_from_config(const struct sim_config *cfg);
+void sim_faults_reset(void);
+int sim_fault_malloc_nth(void);        /* 1: this malloc must fail */
+int sim_fault_event_create_nth(void);
+int sim_fault_event_query_nth(void);
+int64_t sim_fault_after_bytes(void);   /* < 0: off */
+void sim_fault_malloc_latency(void);
+void sim_fault_free_latency(void);
+void sim_faults_set_malloc_nth(uint64_t n);
+void sim_faults_set_event_create_nth(uint64_t n);
+void sim_faults_set_event_query_nth(uint64_t n);
+void sim_faults_set_after_bytes(int64_t bytes);
+void sim_faults_set_malloc_latency(uint64_t us);
+void sim_faults_set_free_latency(uint64_t us);
+
+/* ---- stream.c ---- */
+enum { SIM_W_FILL = 1, SIM_W_WAIT = 2, SIM_W_HANG = 3 };
+struct sim_stream;
+struct sim_work {
+    struct sim_work *next;
+    int kind;
+    void *ptr;                 /* fill */
+    size_t n;
+    int value;
+    uint64_t delay_us;
+    struct sim_stream *wait_on; /* wait: a reference, dropped when the item is done */
+    uint64_t wait_pos;          /* wait: until wait_on has completed this many items */
+    uint64_t hang_id;           /* hang: until the stream's released hang id reaches it */
+};
+struct sim_stream {
+    struct sim_obj obj;
+    int device;
+    int is_default;
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv;     /* worker: new work, release, exit */
+    pthread_cond_t done_cv;     /* waiters: `completed` moved */
+    struct sim_work *head, *tail;
+    uint64_t submitted, completed; /* item counts: an item's position is submitted after it */
+    uint64_t hangs_requested, hangs_released;
+    int closed;                 /* destroy started: no new work */
+    int exit;
+    int has_thread;
+    pthread_t thread;
+};
+/* Resolves a user handle (NULL: the current device's default stream) to a referenced stream. */
+int sim_stream_get(aclrtStream handle, const char *call, struct sim_stream **out);
+void sim_stream_put(struct sim_stream *s);
+/* Enqueues w (taking ownership); 107000 if the stream is being destroyed. */
+int sim_stream_submit(struct sim_stream *s, struct sim_work *w, const char *call);
+/* The position an event recorded now would complete at; 107000 if the stream is closing. */
+int sim_stream_mark(struct sim_stream *s, uint64_t *pos, const char *call);
+/* Waits until the stream has completed `pos` items: 0, or ETIMEDOUT (timeout_ms < 0: forever). */
+int sim_stream_wait_pos(struct sim_stream *s, uint64_t pos, int64_t timeout_ms);
+int sim_stream_is_done(struct sim_stream *s, uint64_t pos);
+/* Enqueues a hang: the worker stops at it until sim_stream_release_hangs. */
+int sim_stream_hang(struct sim_stream *s, const char *call);
+void sim_stream_release_hangs(struct sim_stream *s);
+/* Closes to new work, drains, joins the worker; the caller still owns its reference. */
+void sim_stream_shutdown(struct sim_stream *s);
+
+/* ---- context.c ---- */
+struct sim_context {
+    struct sim_obj obj;
+    int device;
+    int is_default;
+    _Atomic int dead;          /* contexts are never freed: threads may still name them */
+};
+/* The calling thread's current device, or 107002 (recorded for `call`) when it has none. */
+int sim_current_device(const char *call, int *dev);
+void sim_thread_set_device(int dev, struct sim_context *ctx);
+struct sim_context *sim_default_context(int dev); /* created on first use; NULL out of memory */
+void sim_thread_clear_device(int dev);           /* if the thread's current device is dev */
+
+/* ---- device.c: global state ---- */
+enum { SIM_UNINIT = 0, SIM_READY = 1, SIM_FINALIZING = 2 };
+struct sim_device {
+    pthread_mutex_t lock;          /* guards default_stream / default_ctx creation */
+    struct sim_stream *default_stream;
+    struct sim_context *default_ctx;
+    _Atomic uint64_t mallocs, frees, held, live_events, events_created, live_streams, dropped_fills;
+    _Atomic uint64_t poisoned_bytes;
+};
+struct sim_global {
+    _Atomic int state;
+    _Atomic uint64_t generation;   /* bumped by aclInit/aclFinalize/fork: stale thread state */
+    pthread_mutex_t life_lock;     /* serialises aclInit, aclFinalize, ascendsim_configure */
+    struct sim_config cfg;         /* valid while READY */
+    int override_devices;          /* ascendsim_configure; 0: none */
+    uint64_t override_hbm;
+    _Atomic uint64_t held_total;   /* this process's device bytes, all devices */
+    _Atomic int poison;
+    struct sim_device dev[SIM_MAX_DEVICES];
+};
+extern struct sim_global g_sim;
+
+static inline int sim_ready(void) { return atomic_load_explicit(&g_sim.state, memory_order_acquire) == SIM_READY; }
+/* 0 when initialised, else records ACL_ERROR_UNINITIALIZE for `call` and returns it. */
+int sim_require_init(const char *call);
+int sim_valid_device(int dev);
+
+#endif

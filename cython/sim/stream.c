@@ -1,0 +1,317 @@
+/* Streams: a FIFO of work run by one worker thread per stream, asynchronously to the host.
+ *
+ * Work items: a fill (a delay, then a memset: what makes a block reused too early visibly
+ * corrupt), a wait for another stream's progress (aclrtStreamWaitEvent), and a hang (blocks until
+ * released, for timeout tests). Progress is counted: `submitted` items were enqueued, `completed`
+ * have finished, in order. An event recorded on a stream is just a position in that count
+ * ("complete once `completed` reaches it"), which is exactly "the worker has passed the record".
+ *
+ * Each device has a default stream (the NULL handle), created on first use. aclrtDestroyStream
+ * refuses new work, drains what was submitted, then joins the worker; the object itself lives on
+ * while events or other streams' waits still refer to it (reference counts).
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sim_internal.h"
+
+#define WORKER_STACK (256u << 10) /* the worker only sleeps and memsets: keep many streams cheap */
+
+static void free_work(struct sim_work *w)
+{
+    if (w->wait_on)
+        sim_stream_put(w->wait_on);
+    free(w);
+}
+
+static void run_fill(struct sim_stream *s, struct sim_work *w)
+{
+    if (w->delay_us)
+        sim_sleep_ns(w->delay_us * 1000ull);
+    /* Freed meanwhile? Then drop the fill rather than write to unmapped memory. */
+    struct sim_alloc *a = sim_alloc_pin(SIM_TREE_DEVICE, w->ptr, w->n);
+    if (!a) {
+        atomic_fetch_add(&g_sim.dev[s->device].dropped_fills, 1);
+        return;
+    }
+    memset(w->ptr, w->value & 0xff, w->n);
+    sim_alloc_unpin(SIM_TREE_DEVICE, a);
+}
+
+static void *worker(void *arg)
+{
+    struct sim_stream *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->head && !s->exit)
+            pthread_cond_wait(&s->work_cv, &s->mu);
+        struct sim_work *w = s->head;
+        if (!w)
+            break; /* exit requested and nothing left */
+        s->head = w->next;
+        if (!s->head)
+            s->tail = NULL;
+        if (w->kind == SIM_W_HANG) {
+            while (s->hangs_released < w->hang_id)
+                pthread_cond_wait(&s->work_cv, &s->mu);
+        } else {
+            pthread_mutex_unlock(&s->mu);
+            if (w->kind == SIM_W_FILL)
+                run_fill(s, w);
+            else if (w->kind == SIM_W_WAIT)
+                sim_stream_wait_pos(w->wait_on, w->wait_pos, -1);
+            pthread_mutex_lock(&s->mu);
+        }
+        s->completed++;
+        pthread_cond_broadcast(&s->done_cv);
+        pthread_mutex_unlock(&s->mu);
+        free_work(w); /* may drop the last reference to another stream: not under our lock */
+        pthread_mutex_lock(&s->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+static void stream_destroy(struct sim_obj *o)
+{
+    struct sim_stream *s = (struct sim_stream *)o;
+    /* shutdown joined the worker before the last reference could go */
+    while (s->head) {
+        struct sim_work *w = s->head;
+        s->head = w->next;
+        free_work(w);
+    }
+    pthread_cond_destroy(&s->work_cv);
+    pthread_cond_destroy(&s->done_cv);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+static struct sim_stream *stream_new(int dev, int is_default)
+{
+    struct sim_stream *s = calloc(1, sizeof *s);
+    if (!s)
+        return NULL;
+    sim_obj_init(&s->obj, SIM_H_STREAM, stream_destroy);
+    s->device = dev;
+    s->is_default = is_default;
+    pthread_mutex_init(&s->mu, NULL);
+    sim_cond_init(&s->work_cv);
+    sim_cond_init(&s->done_cv);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, WORKER_STACK);
+    int rc = pthread_create(&s->thread, &attr, worker, s);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        stream_destroy(&s->obj);
+        return NULL;
+    }
+    s->has_thread = 1;
+    atomic_fetch_add(&g_sim.dev[dev].live_streams, 1);
+    return s;
+}
+
+int sim_stream_get(aclrtStream handle, const char *call, struct sim_stream **out)
+{
+    if (handle) {
+        struct sim_obj *o = sim_reg_get(handle, SIM_H_STREAM);
+        if (!o)
+            return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                            "%p is not a live stream (never created, or already destroyed)", handle);
+        *out = (struct sim_stream *)o;
+        return 0;
+    }
+    int dev, rc = sim_current_device(call, &dev);
+    if (rc)
+        return rc;
+    struct sim_device *d = &g_sim.dev[dev];
+    pthread_mutex_lock(&d->lock);
+    if (!d->default_stream)
+        d->default_stream = stream_new(dev, 1);
+    struct sim_stream *s = d->default_stream;
+    if (s)
+        sim_obj_ref(&s->obj);
+    pthread_mutex_unlock(&d->lock);
+    if (!s)
+        return sim_fail(ACL_ERROR_RT_NO_STREAM_RESOURCE, call,
+                        "cannot start the default stream of device %d (no thread)", dev);
+    *out = s;
+    return 0;
+}
+
+void sim_stream_put(struct sim_stream *s)
+{
+    if (s)
+        sim_obj_unref(&s->obj);
+}
+
+int sim_stream_submit(struct sim_stream *s, struct sim_work *w, const char *call)
+{
+    pthread_mutex_lock(&s->mu);
+    if (s->closed) {
+        pthread_mutex_unlock(&s->mu);
+        free_work(w);
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "stream %p is being destroyed", SIM_HANDLE(&s->obj));
+    }
+    w->next = NULL;
+    if (s->tail)
+        s->tail->next = w;
+    else
+        s->head = w;
+    s->tail = w;
+    s->submitted++;
+    pthread_cond_signal(&s->work_cv);
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+int sim_stream_mark(struct sim_stream *s, uint64_t *pos, const char *call)
+{
+    pthread_mutex_lock(&s->mu);
+    int closed = s->closed;
+    *pos = s->submitted;
+    pthread_mutex_unlock(&s->mu);
+    if (closed)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "stream %p is being destroyed", SIM_HANDLE(&s->obj));
+    return 0;
+}
+
+int sim_stream_hang(struct sim_stream *s, const char *call)
+{
+    struct sim_work *w = calloc(1, sizeof *w);
+    if (!w)
+        return sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call, "out of host memory");
+    w->kind = SIM_W_HANG;
+    pthread_mutex_lock(&s->mu);
+    w->hang_id = ++s->hangs_requested;
+    pthread_mutex_unlock(&s->mu);
+    return sim_stream_submit(s, w, call);
+}
+
+int sim_stream_wait_pos(struct sim_stream *s, uint64_t pos, int64_t timeout_ms)
+{
+    struct timespec deadline;
+    if (timeout_ms >= 0)
+        sim_deadline_ms(&deadline, timeout_ms);
+    int rc = 0;
+    pthread_mutex_lock(&s->mu);
+    while (s->completed < pos) {
+        if (timeout_ms < 0) {
+            pthread_cond_wait(&s->done_cv, &s->mu);
+        } else if (pthread_cond_timedwait(&s->done_cv, &s->mu, &deadline) == ETIMEDOUT) {
+            rc = s->completed < pos ? ETIMEDOUT : 0;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int sim_stream_is_done(struct sim_stream *s, uint64_t pos)
+{
+    pthread_mutex_lock(&s->mu);
+    int done = s->completed >= pos;
+    pthread_mutex_unlock(&s->mu);
+    return done;
+}
+
+void sim_stream_release_hangs(struct sim_stream *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->hangs_released = s->hangs_requested;
+    pthread_cond_broadcast(&s->work_cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+void sim_stream_shutdown(struct sim_stream *s)
+{
+    pthread_mutex_lock(&s->mu);
+    if (s->closed) { /* someone else is shutting it down */
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    s->closed = 1;
+    while (s->completed < s->submitted)
+        pthread_cond_wait(&s->done_cv, &s->mu);
+    s->exit = 1;
+    pthread_cond_broadcast(&s->work_cv);
+    pthread_mutex_unlock(&s->mu);
+    if (s->has_thread) {
+        pthread_join(s->thread, NULL);
+        s->has_thread = 0;
+    }
+    atomic_fetch_sub(&g_sim.dev[s->device].live_streams, 1);
+}
+
+SIM_EXPORT aclError aclrtCreateStream(aclrtStream *stream)
+{
+    static const char call[] = "aclrtCreateStream";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!stream)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "stream is NULL");
+    int dev;
+    if ((rc = sim_current_device(call, &dev)) != 0)
+        return rc;
+    struct sim_stream *s = stream_new(dev, 0);
+    if (!s)
+        return sim_fail(ACL_ERROR_RT_NO_STREAM_RESOURCE, call, "cannot start a stream worker thread");
+    if (sim_reg_add(&s->obj) != 0) {
+        sim_stream_shutdown(s);
+        sim_stream_put(s);
+        return sim_fail(ACL_ERROR_RT_NO_STREAM_RESOURCE, call, "out of host memory");
+    }
+    *stream = SIM_HANDLE(&s->obj);
+    return ACL_SUCCESS;
+}
+
+static aclError sync_stream(aclrtStream stream, int32_t timeout, const char *call)
+{
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (timeout < -1)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "timeout %d ms is invalid (-1 waits forever)", (int)timeout);
+    struct sim_stream *s;
+    if ((rc = sim_stream_get(stream, call, &s)) != 0)
+        return rc;
+    pthread_mutex_lock(&s->mu);
+    uint64_t pos = s->submitted;
+    pthread_mutex_unlock(&s->mu);
+    if (sim_stream_wait_pos(s, pos, timeout) == ETIMEDOUT)
+        rc = sim_fail(ACL_ERROR_RT_STREAM_SYNC_TIMEOUT, call,
+                      "stream %p did not finish its work within %d ms", stream, (int)timeout);
+    sim_stream_put(s);
+    return rc;
+}
+
+SIM_EXPORT aclError aclrtSynchronizeStream(aclrtStream stream)
+{
+    return sync_stream(stream, -1, "aclrtSynchronizeStream");
+}
+
+SIM_EXPORT aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout)
+{
+    return sync_stream(stream, timeout, "aclrtSynchronizeStreamWithTimeout");
+}
+
+SIM_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
+{
+    static const char call[] = "aclrtDestroyStream";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!stream)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "stream is NULL (the default stream cannot be destroyed)");
+    struct sim_obj *o = sim_reg_take(stream, SIM_H_STREAM);
+    if (!o)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "%p is not a live stream (never created, or already destroyed)", stream);
+    struct sim_stream *s = (struct sim_stream *)o;
+    sim_stream_shutdown(s);
+    sim_stream_put(s);
+    return ACL_SUCCESS;
+}

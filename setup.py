@@ -1,0 +1,76 @@
+"""Builds the pool extension (Cython + C) and the simulated NPU (a plain C shared library).
+
+The simulator is built as its own `libascendcl.so` so that the acl backend loads it exactly as it
+loads the real runtime: dlopen() by path, dlsym() by name. A second build of the same sources,
+`_sim/legacy/libascendcl.so`, lacks the newer ACL symbols to exercise the backend's fallbacks.
+"""
+import glob
+import os
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SANITIZE = os.environ.get("ASCEND_POOL_SANITIZE", "")  # e.g. "address" for the ASan build
+C_FLAGS = ["-O3", "-g", "-std=gnu11", "-D_GNU_SOURCE", "-Wall", "-Wno-unused-function"]
+LINK_FLAGS = []
+if SANITIZE:
+    C_FLAGS += [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-DASCEND_POOL_SANITIZE=1"]
+    LINK_FLAGS += [f"-fsanitize={SANITIZE}"]
+
+# Plain C shared objects (no Python module init): their file names are exactly these.
+PLAIN_LIBS = {
+    "ascend_pool._sim.libascendcl": "ascend_pool/_sim/libascendcl.so",
+    "ascend_pool._sim.legacy.libascendcl": "ascend_pool/_sim/legacy/libascendcl.so",
+}
+
+
+class BuildExt(build_ext):
+    def get_ext_filename(self, fullname):
+        if fullname in PLAIN_LIBS:
+            return PLAIN_LIBS[fullname]
+        return super().get_ext_filename(fullname)
+
+    def get_ext_fullpath(self, ext_name):
+        if ext_name in PLAIN_LIBS:
+            return os.path.join(self.build_lib, PLAIN_LIBS[ext_name])
+        return super().get_ext_fullpath(ext_name)
+
+
+def rel(pattern):
+    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
+
+
+sim_sources = rel("cython/sim/*.c")
+sim_ext = [
+    Extension(
+        name,
+        sources=sim_sources,
+        include_dirs=["cython/sim"],
+        extra_compile_args=C_FLAGS + ["-fvisibility=hidden"] + (["-DASCEND_SIM_LEGACY=1"] if "legacy" in name else []),
+        extra_link_args=LINK_FLAGS,
+        libraries=["pthread", "rt"],
+    )
+    for name in PLAIN_LIBS
+    if sim_sources  # absent only in a tree that is mid-edit
+]
+
+core_ext = Extension(
+    "ascend_pool._core",
+    sources=["cython/_core.pyx"] + rel("cython/core/*.c") + rel("cython/backend/*.c"),
+    include_dirs=["cython", "cython/core", "cython/backend", "ascend_pool/include"],
+    extra_compile_args=C_FLAGS,
+    extra_link_args=LINK_FLAGS,
+    libraries=["dl", "pthread", "rt"],
+)
+
+setup(
+    ext_modules=sim_ext
+    + cythonize(
+        [core_ext],
+        compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False},
+        include_path=["cython"],
+    ),
+    cmdclass={"build_ext": BuildExt},
+)

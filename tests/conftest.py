@@ -1,0 +1,28 @@
+"""Shared test setup: every test session gets its own simulated node (isolated shared-memory
+records), so runs never see each other's simulated devices."""
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+_SHM_DIR = tempfile.mkdtemp(prefix="ascend-sim-test-")
+os.environ.setdefault("ASCEND_SIM_NODE", f"test{os.getpid()}")
+os.environ.setdefault("ASCEND_SIM_SHM_DIR", _SHM_DIR)
+os.environ.setdefault("ASCEND_POOL_BACKEND", "sim")
+os.environ.pop("ASCEND_POOL_CONF", None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_SHM_DIR, ignore_errors=True)
+
+
+@pytest.fixture
+def pool():
+    """A fresh pool on simulated device 0, closed (all device memory returned) after the test."""
+    import ascend_pool as ap
+
+    p = ap.Pool(0, backend="sim")
+    yield p
+    p.close()

@@ -1,0 +1,213 @@
+"""The `ascend-pool bench` command: schema of its JSON and markdown, ratio consistency, the
+microbenchmarks against their floors, skipped peers reported with a reason.
+
+One bench run on the bundled (small) traces, shared by the tests of this module; micro runs are
+short (--quick) and the simulated device latency is lowered so that direct-mode replays stay fast.
+"""
+import json
+import math
+import re
+
+import pytest
+
+from ascend_pool import cli
+from ascend_pool.bench import peers
+from ascend_pool.bench.table import RATIO_FIELDS, TARGETS, add_ratios, evaluate_targets
+from ascend_pool.traces import bundled_traces_dir, list_traces, load_trace, peak_live_bytes
+
+ROW_KEYS = ("trace", "allocator", "ops_per_second", "peak_live_bytes", "peak_reserved_bytes", "fragmentation_ratio",
+            "device_mallocs", "waste_bytes", "device_calls", "device_calls_steady")
+SIM_ALLOCATORS = ("ascend_pool", "direct", "torch_npu_policy")
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    js, md = d / "b.json", d / "b.md"
+    rc = cli.main(["bench", "--traces", str(bundled_traces_dir()), "--backend", "sim", "--quick",
+                   "--malloc-latency-us", "5", "--free-latency-us", "2", "--json", str(js), "--markdown", str(md)])
+    return rc, json.loads(js.read_text()), md.read_text()
+
+
+def test_exit_status_and_no_errors(bench_run):
+    rc, res, _ = bench_run
+    assert res["errors"] == []
+    assert rc == 0
+
+
+def test_json_schema(bench_run):
+    _, res, _ = bench_run
+    assert isinstance(res["rows"], list) and isinstance(res["micro"], dict)
+    names = sorted(p.name[:-4] for p in list_traces(bundled_traces_dir()))
+    assert res["meta"]["traces"] == names
+    pairs = [(r["trace"], r["allocator"]) for r in res["rows"]]
+    assert sorted(pairs) == sorted((t, a) for t in names for a in SIM_ALLOCATORS)
+    for r in res["rows"]:
+        for k in ROW_KEYS + tuple(RATIO_FIELDS.values()):
+            assert k in r, (k, r["allocator"])
+        assert r["ops_per_second"] > 0
+        assert r["peak_reserved_bytes"] >= r["peak_live_bytes"] > 0
+
+
+def test_rows_agree_with_the_traces(bench_run):
+    _, res, _ = bench_run
+    for r in res["rows"]:
+        tr = load_trace(bundled_traces_dir() / f"{r['trace']}.npz")
+        assert r["peak_live_bytes"] == peak_live_bytes(tr)
+        assert r["allocs"] == tr.n_allocs and r["frees"] == tr.n_frees
+        assert r["waste_bytes"] == r["peak_reserved_bytes"] - r["peak_live_bytes"]
+        assert math.isclose(r["fragmentation_ratio"], r["peak_reserved_bytes"] / r["peak_live_bytes"])
+        assert r["device_calls"] == r["device_mallocs"] + r["device_frees"]
+        assert r["device_calls_steady"] <= r["device_calls"]
+        if r["allocator"] == "direct":  # one device call per allocation and per free
+            assert r["device_mallocs"] == tr.n_allocs and r["device_calls"] == tr.n_events
+        if r["allocator"] in ("ascend_pool", "direct"):
+            assert r["final_allocated_bytes"] == 0
+
+
+def test_ratio_columns_are_consistent(bench_run):
+    _, res, _ = bench_run
+    ap = {r["trace"]: r for r in res["rows"] if r["allocator"] == "ascend_pool"}
+    for r in res["rows"]:
+        base = ap[r["trace"]]
+        for field, rf in RATIO_FIELDS.items():
+            if base[field]:
+                assert math.isclose(r[rf], r[field] / base[field], rel_tol=1e-9), (r["allocator"], rf)
+            else:
+                assert r[rf] is None
+        if r["allocator"] == "ascend_pool":
+            assert r["ops_per_second_vs_ascend_pool"] == 1.0
+
+
+def _md_table(md):
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| trace | allocator |"))
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
+    return rows
+
+
+def test_markdown_one_row_per_trace_and_allocator(bench_run):
+    _, res, md = bench_run
+    rows = _md_table(md)
+    assert len(rows) == len(res["rows"])
+    assert {(r["trace"], r["allocator"]) for r in rows} == {(r["trace"], r["allocator"]) for r in res["rows"]}
+    by = {(r["trace"], r["allocator"]): r for r in res["rows"]}
+    for m in rows:
+        r = by[(m["trace"], m["allocator"])]
+        assert float(m["ops/s × ap"]) == pytest.approx(r["ops_per_second_vs_ascend_pool"], rel=5e-3)
+        assert float(m["reserved × ap"]) == pytest.approx(r["peak_reserved_vs_ascend_pool"], abs=6e-4)
+        assert float(m["peak reserved MiB"].replace(",", "")) == pytest.approx(r["peak_reserved_bytes"] / 2**20, abs=0.06)
+        assert int(m["device mallocs"].replace(",", "")) == r["device_mallocs"]
+    assert "re-implementation" in md and "not torch_npu itself" in md
+    assert "## Targets" in md and "## Microbenchmarks" in md
+
+
+def test_micro_figures_positive_and_floors_below(bench_run):
+    _, res, md = bench_run
+    micro = res["micro"]
+    assert set(micro["figures"]) == {"c_pair", "c_pair_2threads", "py_pair", "py_pair_2threads"}
+    for name, f in micro["figures"].items():
+        assert f["ns"] > 0 and f["floor_ns"] > 0, name
+        assert f["floor_ns"] == micro["floors"][f["floor"]]["ns"]
+        assert f["vs_floor"] == pytest.approx(f["ns"] / f["floor_ns"])
+        assert f["floor_ns"] < f["ns"], f"floor {f['floor']} ({f['floor_ns']:.1f} ns) not below {name} ({f['ns']:.1f} ns)"
+        assert len(f["samples_ns"]) == micro["config"]["runs"]
+    assert micro["config"]["device_calls_during_timed_loops"] == 0
+    for name in micro["figures"]:
+        assert f"{micro['figures'][name]['ns']:.1f}" in md
+
+
+def test_unavailable_peers_are_reported_as_skipped(bench_run):
+    _, res, md = bench_run
+    skipped = {s["allocator"]: s["reason"] for s in res["skipped"]}
+    for a in peers.GPU_ALLOCATORS:
+        assert a in skipped and skipped[a], a
+        assert f"`{a}`" in md
+        assert not any(r["allocator"] == a for r in res["rows"])
+
+
+def test_targets_all_listed_with_verdicts(bench_run):
+    _, res, md = bench_run
+    ids = [t["id"] for t in res["targets"]]
+    assert sorted(ids) == sorted(TARGETS)
+    for t in res["targets"]:
+        assert t["passed"] in (True, False, None)
+        verdict = {True: "PASS", False: "FAIL", None: "n/a"}[t["passed"]]
+        assert any(line.startswith(f"- {verdict}") and t["target"] in line for line in md.splitlines())
+    # the bundled traces have no published torch_npu figure
+    ref = next(t for t in res["targets"] if t["id"] == "reference_published")
+    assert ref["passed"] is None
+
+
+def test_gpu_peer_probes_give_reasons_without_a_gpu():
+    for a in peers.GPU_ALLOCATORS:
+        assert "--backend cuda" in peers.probe(a, "sim")
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if not has_cuda:
+        why = peers.probe("torch_caching", "cuda")
+        assert why and ("torch" in why)
+        with pytest.raises(peers.PeerSkipped):
+            peers.run_peer("torch_caching", load_trace(bundled_traces_dir() / "resnet18_train_prefix.npz"), "cuda")
+    for a in ("cupy_pool", "rmm_pool"):
+        why = peers.probe(a, "cuda")
+        mod = a.split("_")[0]
+        try:
+            __import__(mod)
+        except Exception:
+            assert why and mod in why
+
+
+def test_targets_logic_on_synthetic_rows():
+    def row(trace, alloc, reserved, live=100, ops=1000.0, calls=1, steady=0, allocs=1000, half=500):
+        return {"trace": trace, "allocator": alloc, "peak_reserved_bytes": reserved, "peak_live_bytes": live,
+                "waste_bytes": reserved - live, "ops_per_second": ops, "fragmentation_ratio": reserved / live,
+                "device_calls": calls, "device_calls_steady": steady, "allocs": allocs, "allocs_second_half": half,
+                "device_calls_pct_of_allocs": 100 * calls / allocs, "device_calls_steady_pct_of_allocs": 100 * steady / half}
+
+    rows = [row("a", "ascend_pool", 140, ops=1000), row("a", "torch_npu_policy", 200), row("a", "direct", 100, ops=50),
+            row("b", "ascend_pool", 190, ops=1000, calls=40, steady=6), row("b", "torch_npu_policy", 180),
+            row("b", "direct", 100, ops=200)]
+    add_ratios(rows)
+    t = {x["id"]: x for x in evaluate_targets(rows, None, {"a": 200 / 2**20})}
+    assert t["waste_every_trace"]["passed"] is False and "b" in t["waste_every_trace"]["detail"]
+    # reductions: a 1 - 40/100 = 60 %, b 1 - 90/80 = -12.5 %: mean 23.75 %
+    assert t["waste_average"]["passed"] is False and "23.8 %" in t["waste_average"]["detail"]
+    assert t["device_calls_steady"]["passed"] is False   # b: 6 / 500 = 1.2 %
+    assert t["device_calls_overall"]["passed"] is False  # b: 40 / 1000 = 4 %
+    assert t["ops_vs_direct"]["passed"] is False          # b: 5x
+    assert t["ops_vs_direct"]["per_trace"]["a"]["speedup"] == pytest.approx(20.0)
+    assert t["c_pair_40ns"]["passed"] is None
+    assert t["reference_published"]["passed"] is True
+    b = next(r for r in rows if r["trace"] == "b" and r["allocator"] == "torch_npu_policy")
+    assert b["waste_vs_ascend_pool"] == pytest.approx(80 / 90)
+
+
+def test_json_to_stdout_is_quiet(tmp_path, capsys):
+    rc = cli.main(["bench", "--traces", str(bundled_traces_dir()), "--backend", "sim", "--no-micro",
+                   "--trace", "resnet18_train_prefetch_2stream_prefix", "--allocators", "ascend_pool,torch_npu_policy",
+                   "--json", "-"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    res = json.loads(out)
+    assert [(r["trace"], r["allocator"]) for r in res["rows"]] == [
+        ("resnet18_train_prefetch_2stream_prefix", "ascend_pool"),
+        ("resnet18_train_prefetch_2stream_prefix", "torch_npu_policy")]
+    assert res["micro"] is None
+    assert "\r" not in err  # no progress line with --json
+    assert re.search(r"^(PASS|FAIL|n/a)", err, re.M)
+
+
+def test_unknown_trace_or_allocator_is_an_error(capsys):
+    assert cli.main(["bench", "--traces", str(bundled_traces_dir()), "--no-micro", "--trace", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert cli.main(["bench", "--traces", str(bundled_traces_dir()), "--no-micro", "--allocators", "jemalloc"]) == 2
+    assert "jemalloc" in capsys.readouterr().err

@@ -1,0 +1,131 @@
+"""The caching pool's core behaviour on the simulated NPU: rounding, pools, caching, stats."""
+
+import ascend_pool as ap
+from ascend_pool import sim
+
+MiB = 1 << 20
+
+
+def test_rounding_adds_the_acl_pad_then_512_bytes(pool):
+    # torch_npu's rule on acl/sim: 32-byte pad, then 512-byte granularity, at least 512.
+    assert pool.round_size(1) == 512
+    assert pool.round_size(480) == 512
+    assert pool.round_size(481) == 1024
+    assert pool.round_size(2048) == 2560
+    ptr = pool.malloc(2048)
+    assert pool.block_info(ptr) == (ptr, 2560, 2048)
+    pool.free(ptr)
+
+
+def test_small_requests_share_a_2mib_segment(pool):
+    ptrs = [pool.malloc(1000) for _ in range(100)]
+    st = pool.memory_stats()
+    assert st["segment.small_pool.current"] == 1
+    assert st["reserved_bytes.small_pool.current"] == 2 * MiB
+    assert st["allocated_bytes.small_pool.current"] == 100 * 1536
+    assert st["requested_bytes.all.current"] == 100 * 1000
+    assert len(set(ptrs)) == 100
+    for p in ptrs:
+        pool.free(p)
+
+
+def test_large_segment_is_the_request_in_whole_2mib_pages(pool):
+    ptr = pool.malloc(3 * MiB)
+    st = pool.memory_stats()
+    assert st["reserved_bytes.large_pool.current"] == 4 * MiB
+    assert st["segment.large_pool.current"] == 1
+    pool.free(ptr)
+
+
+def test_freed_block_is_reused_without_a_device_call(pool):
+    before = sim.stats(0)["mallocs"]
+    for _ in range(1000):
+        pool.free(pool.malloc(5 * MiB))
+    for _ in range(1000):
+        pool.free(pool.malloc(700))
+    assert sim.stats(0)["mallocs"] - before == 2
+    st = pool.memory_stats()
+    assert st["num_device_alloc"] == 2
+    assert st["allocation.all.allocated"] == 2000
+    assert st["allocation.all.freed"] == 2000
+
+
+def test_split_block_is_merged_back_on_free(pool):
+    a = pool.malloc(6 * MiB)
+    pool.free(a)
+    b, c = pool.malloc(2 * MiB), pool.malloc(3 * MiB)  # carved from the cached 6 MiB segment
+    assert pool.memory_stats()["segment.all.current"] == 1
+    pool.free(b)
+    pool.free(c)
+    st = pool.memory_stats()
+    assert st["largest_free_block_bytes"] == st["reserved_bytes.all.current"] == 8 * MiB  # 6 MiB + pad
+    assert st["inactive_split_bytes.all.current"] == 0
+    assert st["external_fragmentation"] == 0.0
+
+
+def test_empty_cache_returns_every_unused_segment_to_the_device(pool):
+    held_before = sim.stats(0)["bytes_held"]
+    keep = pool.malloc(1 * MiB + 1)
+    for size in (100, 5 * MiB, 40 * MiB):
+        pool.free(pool.malloc(size))
+    pool.empty_cache()
+    st = pool.memory_stats()
+    assert st["segment.all.current"] == 1
+    assert st["reserved_bytes.all.current"] == 2 * MiB
+    assert sim.stats(0)["bytes_held"] - held_before == 2 * MiB
+    pool.free(keep)
+    pool.empty_cache()
+    assert sim.stats(0)["bytes_held"] == held_before
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_stats_have_pytorch_keys_and_are_consistent(pool):
+    ptrs = [pool.malloc(s) for s in (10, 600_000, 3 * MiB, 25 * MiB)]
+    st = pool.memory_stats()
+    for name in ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+                 "active_bytes", "inactive_split_bytes", "requested_bytes"):
+        for kind in ("all", "small_pool", "large_pool"):
+            for metric in ("current", "peak", "allocated", "freed"):
+                assert f"{name}.{kind}.{metric}" in st
+            assert st[f"{name}.all.current"] == st[f"{name}.small_pool.current"] + st[f"{name}.large_pool.current"]
+    for key in ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free"):
+        assert key in st
+    assert st["allocation.all.current"] == 4
+    assert st["requested_bytes.all.current"] == 10 + 600_000 + 3 * MiB + 25 * MiB
+    assert st["internal_waste_bytes"] == st["allocated_bytes.all.current"] - st["requested_bytes.all.current"]
+    cached = st["reserved_bytes.all.current"] - st["active_bytes.all.current"]
+    assert st["cached_free_bytes"] == cached
+    assert 0 <= st["external_fragmentation"] <= 1
+    assert abs(st["external_fragmentation"] - (1 - st["largest_free_block_bytes"] / cached)) < 1e-12
+    for p in ptrs:
+        pool.free(p)
+    st = pool.memory_stats()
+    assert st["allocated_bytes.all.current"] == 0
+    assert st["allocated_bytes.all.peak"] >= 28 * MiB
+
+
+def test_reset_peak_stats(pool):
+    pool.free(pool.malloc(8 * MiB))
+    assert pool.memory_stats()["allocated_bytes.all.peak"] > 0
+    pool.reset_peak_stats()
+    st = pool.memory_stats()
+    assert st["allocated_bytes.all.peak"] == 0
+    assert st["reserved_bytes.all.peak"] == st["reserved_bytes.all.current"]
+
+
+def test_memory_summary_is_readable(pool):
+    ptr = pool.malloc(3 * MiB)
+    text = pool.memory_summary()
+    assert "Reserved memory" in text and "Allocated memory" in text
+    assert "4.00 MiB" in text  # the reserved large segment
+    assert "external fragmentation" in text
+    pool.free(ptr)
+
+
+def test_module_level_functions_use_a_default_pool():
+    ptr = ap.malloc(4096)
+    assert ap.memory_stats()["allocation.all.current"] >= 1
+    assert ap.memory_allocated() >= 4096
+    ap.free(ptr)
+    ap.empty_cache()
+    assert ap.default_pool() is ap.default_pool(0)

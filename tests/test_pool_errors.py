@@ -1,0 +1,111 @@
+"""Every bad input gets a typed error naming the problem, and the pool keeps serving."""
+
+import pytest
+
+import ascend_pool as ap
+
+MiB = 1 << 20
+
+
+def assert_consistent(pool, live):
+    st = pool.memory_stats()
+    assert st["allocation.all.current"] == len(live)
+    # the pool still serves
+    ptr = pool.malloc(1234)
+    pool.free(ptr)
+
+
+@pytest.mark.parametrize("size, match", [
+    (0, "positive"), (-1, "positive"), (-(2**63), "positive"),
+    (1.5, "integer"), ("100", "integer"), (None, "integer"), (True, "integer"),
+    (2**70, "larger than any device"),
+])
+def test_bad_sizes_raise_invalid_size(pool, size, match):
+    live = [pool.malloc(100)]
+    with pytest.raises(ap.InvalidSizeError, match=match):
+        pool.malloc(size)
+    assert_consistent(pool, live)
+
+
+def test_larger_than_the_device_is_out_of_memory_without_trimming(pool):
+    live = [pool.malloc(100)]
+    total = pool.memory_stats()["device_total_bytes"]
+    with pytest.raises(ap.OutOfMemoryError, match="larger than the device"):
+        pool.malloc(total + 1)
+    assert isinstance(ap.OutOfMemoryError("x"), MemoryError)
+    assert_consistent(pool, live)
+
+
+def test_double_free_is_named(pool):
+    a = pool.malloc(4096)
+    pool.free(a)
+    with pytest.raises(ap.InvalidPointerError, match="not allocated"):
+        pool.free(a)
+    assert_consistent(pool, [])
+
+
+def test_unknown_pointer(pool):
+    with pytest.raises(ap.InvalidPointerError, match="not allocated by this pool"):
+        pool.free(0xDEAD000)
+    assert_consistent(pool, [])
+
+
+@pytest.mark.parametrize("ptr", [0, -4096, 2**80, 1.0, "0x1000", None])
+def test_malformed_pointer(pool, ptr):
+    with pytest.raises(ap.InvalidPointerError):
+        pool.free(ptr)
+    assert_consistent(pool, [])
+
+
+def test_interior_pointer_is_named(pool):
+    a = pool.malloc(8192)
+    with pytest.raises(ap.InvalidPointerError, match="inside the block"):
+        pool.free(a + 512)
+    assert_consistent(pool, [a])
+    pool.free(a)
+
+
+def test_pointer_of_another_device(pool):
+    other = ap.Pool(1, backend="sim")
+    try:
+        a = other.malloc(4096)
+        with pytest.raises(ap.InvalidPointerError):
+            pool.free(a)
+        other.free(a)
+    finally:
+        other.close()
+    assert_consistent(pool, [])
+
+
+@pytest.mark.parametrize("device", [-1, 99, "0", 1.0, None])
+def test_bad_device(device):
+    with pytest.raises(ap.InvalidDeviceError, match="does not exist"):
+        ap.Pool(device, backend="sim")
+
+
+def test_unknown_stream(pool):
+    with pytest.raises(ap.InvalidStreamError, match="not a live stream"):
+        pool.malloc(100, stream=12345)
+    a = pool.malloc(100)
+    with pytest.raises(ap.InvalidStreamError):
+        pool.free(a, stream=12345)
+    with pytest.raises(ap.InvalidStreamError):
+        pool.record_stream(a, 12345)
+    pool.free(a)
+    assert_consistent(pool, [])
+
+
+def test_closed_pool_raises(pool):
+    p = ap.Pool(0, backend="sim")
+    a = p.malloc(100)
+    p.close()
+    with pytest.raises(ap.PoolError, match="closed"):
+        p.malloc(100)
+    with pytest.raises(ap.PoolError, match="closed"):
+        p.free(a)
+
+
+def test_errors_share_one_base():
+    for cls in (ap.OutOfMemoryError, ap.QuotaExceededError, ap.InvalidSizeError, ap.InvalidPointerError,
+                ap.InvalidStreamError, ap.InvalidDeviceError, ap.ConfigError, ap.DeviceError):
+        assert issubclass(cls, ap.PoolError)

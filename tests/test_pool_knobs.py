@@ -1,0 +1,131 @@
+"""Allocator knobs from $ASCEND_POOL_CONF and keyword arguments."""
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool import sim
+from ascend_pool.config import parse_conf_string
+
+MiB = 1 << 20
+
+
+def test_conf_string_parsing():
+    assert parse_conf_string("max_split_size_mb:128, record_history:true,") == {
+        "max_split_size_mb": "128", "record_history": "true"}
+    with pytest.raises(ap.ConfigError, match="not key:value"):
+        parse_conf_string("max_split_size_mb=128")
+
+
+@pytest.mark.parametrize("conf, match", [
+    ("bogus:1", "unknown allocator knob 'bogus'"),
+    ("max_split_size_mb:abc", "max_split_size_mb"),
+    ("max_split_size_mb:10", "more than 20"),
+    ("garbage_collection_threshold:1.5", "garbage_collection_threshold"),
+    ("reserve:lots", "reserve"),
+    ("reserve:200%", "reserve"),
+    ("record_history:maybe", "record_history"),
+    ("page_size:4k", "page_size"),
+    ("expandable_segments:true", "not available yet"),
+    ("release_policy:sometimes", "release_policy"),
+    ("memory_fraction:0", "memory_fraction"),
+    ("sync_timeout_ms:0", "sync_timeout_ms"),
+])
+def test_bad_knobs_are_named(monkeypatch, conf, match):
+    monkeypatch.setenv("ASCEND_POOL_CONF", conf)
+    with pytest.raises(ap.ConfigError, match=match):
+        ap.Pool(0, backend="sim")
+
+
+def test_keyword_overrides_environment(monkeypatch):
+    monkeypatch.setenv("ASCEND_POOL_CONF", "max_split_size_mb:bad")
+    p = ap.Pool(0, backend="sim", max_split_size_mb=64)
+    assert p.knobs["max_split_size_mb"] == 64
+    p.close()
+
+
+def test_reserve_preallocates_and_serves_without_device_calls():
+    before = sim.stats(0)["mallocs"]
+    p = ap.Pool(0, backend="sim", reserve="64MiB")
+    try:
+        assert sim.stats(0)["mallocs"] - before == 1
+        ptrs = [p.malloc(8 * MiB) for _ in range(6)]
+        for x in ptrs:
+            p.free(x)
+        assert sim.stats(0)["mallocs"] - before == 1
+        st = p.memory_stats()
+        assert st["reserved_bytes.all.current"] == 64 * MiB
+        p.empty_cache()
+        assert p.memory_stats()["reserved_bytes.all.current"] == 0
+    finally:
+        p.close()
+
+
+def test_reserve_as_a_fraction_of_free_memory():
+    p = ap.Pool(0, backend="sim", reserve="0.1%")
+    try:
+        free_b = sim.stats(0)["total_bytes"]
+        reserved = p.memory_stats()["reserved_bytes.all.current"]
+        assert 0.0009 * free_b <= reserved <= 0.0011 * free_b + 2 * MiB
+    finally:
+        p.close()
+
+
+def test_max_split_size_keeps_big_blocks_whole():
+    p = ap.Pool(0, backend="sim", max_split_size_mb=32)
+    try:
+        big = p.malloc(40 * MiB)
+        p.free(big)
+        small = p.malloc(8 * MiB)     # must not split the cached 40 MiB block: a new segment
+        assert p.memory_stats()["num_device_alloc"] == 2
+
+        p.free(small)
+    finally:
+        p.close()
+
+
+def test_record_history_feeds_the_snapshot_trace():
+    p = ap.Pool(0, backend="sim", record_history=100)
+    try:
+        a = p.malloc(4096)
+        p.free(a)
+        actions = [e["action"] for e in p.snapshot()["device_traces"][0]]
+        assert actions[:4] == ["segment_alloc", "alloc", "free_requested", "free_completed"]
+    finally:
+        p.close()
+
+
+def test_history_is_off_by_default(pool):
+    pool.free(pool.malloc(4096))
+    assert [e["action"] for e in pool.snapshot()["device_traces"][0]] == []
+
+
+def test_release_policy_never_keeps_segments(pool):
+    p = ap.Pool(0, backend="sim", release_policy="never")
+    try:
+        for size in (10, 20, 30, 40):
+            p.free(p.malloc(size * MiB))
+        assert p.memory_stats()["num_device_free"] == 0
+    finally:
+        p.close()
+    # the default releases idle segments rather than grow past its earlier peak
+    for size in (10, 20, 30, 40):
+        pool.free(pool.malloc(size * MiB))
+    st = pool.memory_stats()
+    assert st["num_device_free"] == 3
+    assert st["reserved_bytes.all.peak"] == 42 * MiB
+
+
+def test_garbage_collection_threshold_releases_idle_segments():
+    total = sim.stats(0)["total_bytes"]
+    p = ap.Pool(0, backend="sim", memory_fraction=0.002, garbage_collection_threshold=0.5,
+                release_policy="never")
+    try:
+        limit = int(total * 0.002)
+        a = p.malloc(limit // 4)
+        p.free(a)
+        b = p.malloc(limit // 3)     # over half the limit: the idle segment goes first
+        st = p.memory_stats()
+        assert st["num_device_free"] == 1
+        p.free(b)
+    finally:
+        p.close()

@@ -1,0 +1,80 @@
+"""The out-of-memory path: trim the cache, wait, retry; only then a typed error. The pool keeps
+serving afterwards."""
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool import sim
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def no_faults():
+    sim.reset_faults()
+    yield
+    sim.reset_faults()
+
+
+def test_failed_device_malloc_is_retried_after_releasing_the_cache(pool):
+    pool.free(pool.malloc(20 * MiB))          # 20 MiB cached, too small for what follows
+    sim.set_faults(fail_malloc_nth=1)         # the next device malloc fails once
+    ptr = pool.malloc(30 * MiB)
+    st = pool.memory_stats()
+    assert st["num_alloc_retries"] == 1
+    assert st["num_ooms"] == 0
+    assert st["num_device_free"] == 1         # the cached 20 MiB went back first
+    assert st["reserved_bytes.all.current"] == 32 * MiB
+    pool.free(ptr)
+
+
+def test_out_of_memory_error_explains_the_pool_and_device(pool):
+    keep = pool.malloc(64 * MiB)
+    held = sim.stats(0)["bytes_held"]
+    sim.set_faults(fail_after_bytes=held + 10 * MiB)
+    with pytest.raises(ap.OutOfMemoryError) as info:
+        pool.malloc(100 * MiB)
+    msg = str(info.value)
+    for part in ("tried to allocate 104857600 bytes", "device 0", "reserved", "allocated",
+                 "cached free", "largest free block", "external fragmentation", "free of"):
+        assert part in msg, part
+    st = pool.memory_stats()
+    assert st["num_ooms"] == 1
+    assert st["num_alloc_retries"] == 1
+    assert st["num_sync_all_streams"] == 1
+    # keeps serving: a request that fits still works, and after the fault is gone so do big ones
+    small = pool.malloc(4 * MiB)
+    sim.reset_faults()
+    big = pool.malloc(100 * MiB)
+    for p in (keep, small, big):
+        pool.free(p)
+    assert pool.memory_stats()["allocation.all.current"] == 0
+
+
+def test_memory_fraction_limit_is_an_out_of_memory_error():
+    total = sim.stats(0)["total_bytes"]
+    p = ap.Pool(0, backend="sim", memory_fraction=0.001)   # ~64 MiB of a 64 GiB device
+    try:
+        a = p.malloc(int(total * 0.0005))
+        with pytest.raises(ap.OutOfMemoryError, match="limit"):
+            p.malloc(int(total * 0.0008))
+        p.free(a)
+        b = p.malloc(int(total * 0.0008))    # fits once the first is freed (cache trimmed)
+        p.free(b)
+    finally:
+        p.close()
+
+
+def test_device_exhaustion_across_pools_on_one_device():
+    total = sim.stats(1)["total_bytes"]
+    a, b = ap.Pool(1, backend="sim"), ap.Pool(1, backend="sim")
+    try:
+        big = a.malloc(total // 2 + 4 * MiB)
+        with pytest.raises(ap.OutOfMemoryError):
+            b.malloc(total // 2)
+        a.free(big)
+        a.empty_cache()
+        b.free(b.malloc(total // 2))
+    finally:
+        a.close()
+        b.close()

@@ -1,0 +1,226 @@
+"""The simulated devices are shared by the processes of a node, as real ones are: capacity is
+accounted node-wide in owner-only shared records, a dead process's bytes come back, and a record
+that is malformed or not safely owned is refused with a clear message."""
+import os
+import signal
+import struct
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
+
+SLOTS, SLOT_SIZE = 256, 24  # node.c: struct node_slot {int32 pid; u32; u64 start_time; u64 bytes}
+
+HOLDER = """
+    init()
+    p = malloc(int(sys.argv[1]) if len(sys.argv) > 1 else {n}, align32=True)
+    print("ready", flush=True)
+    sys.stdin.readline()          # hold the memory until told to go
+"""
+
+
+def start_holder(node, nbytes, **env):
+    proc = node.spawn(HOLDER.format(n=nbytes), **env)
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", (line, proc.stderr.read() if proc.poll() is not None else "")
+    return proc
+
+
+def test_a_second_process_sees_the_first_and_shares_the_capacity(sim_node):
+    a = start_holder(sim_node, 600 << 10, ASCEND_SIM_HBM="1MiB")
+    try:
+        sim_node.run("""
+            init()
+            f, t = meminfo()
+            assert t - f == 600 << 10, (f, t)              # A's allocation, seen from B
+            assert sim.stats(0)["node_bytes_used"] == 600 << 10
+            assert sim.stats(0)["bytes_held"] == 0          # ...and it is not B's
+            p = C.c_void_p()
+            assert code("aclrtMallocAlign32", C.byref(p), 500 << 10, 0) == 207001
+            q = malloc(424 << 10, align32=True)             # exactly what is left
+            assert meminfo()[0] == 0
+            assert code("aclrtMallocAlign32", C.byref(p), 32, 0) == 207001
+            free(q)
+            ok("aclrtSetDevice", 1)
+            assert meminfo() == (1 << 20, 1 << 20)          # other devices are untouched
+        """, ASCEND_SIM_HBM="1MiB")
+    finally:
+        a.communicate("go\n", timeout=10)
+    assert a.returncode == 0
+    sim_node.run("""
+        init()
+        assert meminfo() == (1 << 20, 1 << 20)              # A exited: its bytes are back
+    """, ASCEND_SIM_HBM="1MiB")
+
+
+def test_a_killed_process_bytes_return(sim_node):
+    a = start_holder(sim_node, 700 << 10, ASCEND_SIM_HBM="1MiB")
+    sim_node.run("""
+        init()
+        assert used() == 700 << 10
+    """, ASCEND_SIM_HBM="1MiB")
+    a.send_signal(signal.SIGKILL)   # not reaped yet: a zombie holds no memory either
+    try:
+        sim_node.run("""
+            init()
+            deadline = time.monotonic() + 5
+            while used() and time.monotonic() < deadline:   # the kill lands asynchronously
+                time.sleep(0.01)
+            assert meminfo() == (1 << 20, 1 << 20)
+            free(malloc(1 << 20, align32=True))              # the whole device is usable again
+        """, ASCEND_SIM_HBM="1MiB")
+    finally:
+        a.wait(10)
+        a.stdin.close(); a.stdout.close(); a.stderr.close()
+
+
+def test_a_slot_whose_pid_was_reused_is_reclaimed(sim_node):
+    """A slot names its process by pid and start time: a live pid with another start time is a
+    different process (the pid was reused), so the slot's bytes are reclaimed."""
+    a = start_holder(sim_node, 300 << 10, ASCEND_SIM_HBM="1MiB")
+    try:
+        path = sim_node.record_path(0)
+        with open(path, "r+b") as f:
+            data = bytearray(f.read())
+            base = len(data) - SLOTS * SLOT_SIZE
+            for i in range(SLOTS):
+                off = base + i * SLOT_SIZE
+                pid, _, start, nbytes = struct.unpack_from("<iIQQ", data, off)
+                if pid == a.pid:
+                    assert nbytes == 300 << 10
+                    struct.pack_into("<Q", data, off + 8, start + 12345)  # "born" at another time
+                    break
+            else:
+                pytest.fail("the holder's slot is not in the record")
+            f.seek(0)
+            f.write(data)
+        sim_node.run("""
+            init()
+            assert used() == 0
+        """, ASCEND_SIM_HBM="1MiB")
+    finally:
+        a.kill()
+        a.communicate(timeout=10)
+
+
+def test_processes_racing_for_a_device_never_exceed_it(sim_node):
+    worker = """
+        init()
+        print("ready", flush=True)
+        sys.stdin.readline()                       # start together
+        held, ok_n, fail_n, over = [], 0, 0, 0
+        for i in range(1500):
+            if len(held) < 6 and i % 7 != 6:
+                p = C.c_void_p()
+                rc = code("aclrtMallocAlign32", C.byref(p), 64 << 10, 0)
+                if rc == 0:
+                    held.append(p.value); ok_n += 1
+                else:
+                    assert rc == 207001, rc
+                    fail_n += 1
+                st = sim.stats(0)
+                if st["node_bytes_used"] > st["total_bytes"]:
+                    over += 1
+            else:
+                while held:
+                    free(held.pop())
+        for p in held: free(p)
+        print(json.dumps([ok_n, fail_n, over]))
+    """
+    procs = [sim_node.spawn(worker, ASCEND_SIM_HBM="1MiB") for _ in range(4)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        results.append(eval(out.strip().splitlines()[-1]))
+    assert all(over == 0 for _, _, over in results), results
+    assert sum(s for s, _, _ in results) > 0
+    assert sum(f for _, f, _ in results) > 0, "no contention: the test proves nothing"
+    sim_node.run("""
+        init()
+        assert used() == 0
+    """, ASCEND_SIM_HBM="1MiB")
+
+
+def refused(node, expect_code, *needles, **env):
+    node.run(f"""
+        rc = code("aclInit", None)
+        msg = errmsg()
+        assert rc == {expect_code}, (rc, msg)
+        for needle in {list(needles)!r}:
+            assert needle in msg, (needle, msg)
+        print(msg)
+    """, **env)
+
+
+def test_malformed_or_unsafe_records_are_refused_with_a_clear_message(sim_node):
+    path = sim_node.record_path(0)
+    sim_node.run("init()")                      # a valid record...
+    size = os.path.getsize(path)
+    good = open(path, "rb").read()
+
+    os.chmod(path, 0o644)                       # ...others may read it: refused
+    refused(sim_node, 207006, path, "permissions 644")
+    os.chmod(path, 0o600)
+
+    refused(sim_node, 100003, path, "ASCEND_SIM_HBM", ASCEND_SIM_HBM="2GiB")  # other HBM
+
+    with open(path, "wb") as f:                 # right size, garbage inside
+        f.write(os.urandom(size))
+    refused(sim_node, 100003, path, "malformed")
+
+    with open(path, "wb") as f:                 # truncated
+        f.write(good[:100])
+    refused(sim_node, 100003, path, f"expected {size}")
+
+    with open(path, "wb") as f:                 # valid header, impossible slot contents
+        f.write(good[:-8] + struct.pack("<Q", 1 << 62))
+    refused(sim_node, 100003, path, "impossible")
+
+    os.unlink(path)
+    os.symlink("/dev/null", path)               # a symbolic link planted at the name
+    refused(sim_node, 207006, path, "symbolic link")
+    os.unlink(path)
+
+    os.mkdir(path)
+    refused(sim_node, 100003, path, "cannot open")
+    os.rmdir(path)
+
+    if os.geteuid() == 0:                       # root can give the file away
+        with open(path, "wb") as f:
+            f.write(good)
+        os.chmod(path, 0o600)
+        os.chown(path, 4242, 4242)
+        refused(sim_node, 207006, path, "owned by uid 4242")
+        os.unlink(path)
+
+    sim_node.run("""
+        init()                                  # with the bad file gone, a fresh one is made
+        free(malloc(64))
+    """)
+    st = os.stat(path)
+    assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
+
+
+def test_records_live_in_dev_shm_by_default_named_by_uid_and_node(sim_node):
+    paths = [f"/dev/shm/ascendsim-{os.geteuid()}-{sim_node.name}-dev{d}" for d in (0, 1)]
+    try:
+        sim_node.run("""
+            init()
+            free(malloc(64))
+        """, ASCEND_SIM_SHM_DIR=None)
+        for p in paths:
+            st = os.stat(p)
+            assert st.st_mode & 0o777 == 0o600
+        assert not os.path.exists(sim_node.record_path(0))   # not in the test's directory
+    finally:
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)

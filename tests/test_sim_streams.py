@@ -1,0 +1,267 @@
+"""Streams and events of the simulated NPU: asynchronous FIFO workers, events that complete when
+the worker passes them, cross-stream ordering, both query enums, timeouts, handle validation
+and thread safety. Each test runs in a child process on its own simulated node."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
+
+
+def test_event_after_delayed_fill_completes_only_when_the_fill_is_done(sim_node):
+    sim_node.run("""
+        init()
+        p = malloc(4096)
+        s = stream(); e = event()
+        never = event()   # never recorded: complete, under both numberings
+        assert query_status(never) == 1 and query_old(never) == 0
+        ok("aclrtSynchronizeEvent", never)
+        t0 = time.monotonic()
+        sim.launch_fill(s, p, 4096, 0xAB, delay_s=0.3)
+        ok("aclrtRecordEvent", e, s)
+        assert time.monotonic() - t0 < 0.1          # launching does not wait
+        # aclrtQueryEventStatus: NOT_READY=0, COMPLETE=1; deprecated aclrtQueryEvent: inverted
+        assert query_status(e) == 0 and query_old(e) == 1
+        assert sim.read(p, 4096) == bytes(4096)    # the fill has not happened yet
+        ok("aclrtSynchronizeEvent", e)
+        assert time.monotonic() - t0 >= 0.29
+        assert query_status(e) == 1 and query_old(e) == 0
+        assert sim.read(p, 4096) == b"\\xab" * 4096
+        # the default stream (NULL) works the same way
+        sim.launch_fill(None, p, 16, 0x01, delay_s=0.05)
+        ok("aclrtRecordEvent", e, None)
+        assert query_status(e) == 0
+        ok("aclrtSynchronizeStream", None)
+        assert query_status(e) == 1 and sim.read(p, 17) == b"\\x01" * 16 + b"\\xab"
+    """)
+
+
+def test_stream_wait_event_orders_two_streams(sim_node):
+    sim_node.run("""
+        init()
+        p = malloc(1024)
+        a, b, c = stream(), stream(), stream()
+        ev = event()
+
+        # Without the wait, B's quick fill lands first and A's slow one overwrites it.
+        sim.launch_fill(a, p, 1024, 0xAA, delay_s=0.2)
+        sim.launch_fill(b, p, 1024, 0xBB)
+        ok("aclrtSynchronizeStream", a); ok("aclrtSynchronizeStream", b)
+        assert sim.read(p, 1024) == b"\\xaa" * 1024
+
+        # With it, B waits for A's event: B's value is the last one written.
+        sim.launch_fill(a, p, 1024, 0xAA, delay_s=0.2)
+        ok("aclrtRecordEvent", ev, a)
+        ok("aclrtStreamWaitEvent", b, ev)
+        sim.launch_fill(b, p, 1024, 0xBB)
+        # Re-recording the event on a hung stream does not change what B already waits for.
+        sim.hang_stream(c)
+        ok("aclrtRecordEvent", ev, c)
+        ok("aclrtSynchronizeStreamWithTimeout", b, 5000)
+        ok("aclrtSynchronizeStream", a)              # A's slow fill has landed too, before B's
+        assert sim.read(p, 1024) == b"\\xbb" * 1024
+        assert query_status(ev) == 0                 # the event now tracks the hung stream
+        sim.release_stream(c)
+        ok("aclrtSynchronizeEvent", ev)
+        # waiting on a never-recorded event is a no-op
+        fresh = event()
+        ok("aclrtStreamWaitEvent", b, fresh)
+        ok("aclrtSynchronizeStreamWithTimeout", b, 1000)
+    """)
+
+
+def test_timeouts_on_a_hung_stream_then_it_works_after_release(sim_node):
+    sim_node.run("""
+        init()
+        p = malloc(64)
+        s = stream(); e = event()
+        sim.hang_stream(s)
+        sim.launch_fill(s, p, 64, 0x77)
+        ok("aclrtRecordEvent", e, s)
+        t0 = time.monotonic()
+        assert code("aclrtSynchronizeStreamWithTimeout", s, 100) == 507046
+        dt = time.monotonic() - t0
+        assert 0.09 <= dt < 1.0, dt
+        assert "aclrtSynchronizeStreamWithTimeout" in errmsg()
+        t0 = time.monotonic()
+        assert code("aclrtSynchronizeEventWithTimeout", e, 100) == 507047
+        assert 0.09 <= time.monotonic() - t0 < 1.0
+        assert code("aclrtSynchronizeStreamWithTimeout", s, 0) == 507046   # 0: just look
+        assert code("aclrtSynchronizeStreamWithTimeout", s, -2) == 100000
+        assert query_status(e) == 0 and sim.read(p, 4) == bytes(4)
+        # a host thread blocked in an untimed sync is released with the stream
+        done = []
+        t = threading.Thread(target=lambda: done.append(code("aclrtSynchronizeStream", s)))
+        t.start(); time.sleep(0.05)
+        assert not done
+        sim.release_stream(s)
+        t.join(5)
+        assert done == [0]
+        ok("aclrtSynchronizeEventWithTimeout", e, -1)
+        assert sim.read(p, 64) == b"\\x77" * 64
+        sim.launch_fill(s, p, 64, 0x78)
+        ok("aclrtSynchronizeStreamWithTimeout", s, 1000)
+        assert sim.read(p, 64) == b"\\x78" * 64
+    """)
+
+
+def test_destroyed_and_garbage_handles_get_107000(sim_node):
+    sim_node.run("""
+        init()
+        s, e = stream(), event()
+        ok("aclrtDestroyStream", s)
+        ok("aclrtDestroyEvent", e)
+        buf = C.create_string_buffer(256)      # a real, readable address that is no handle
+        st = C.c_int()
+        for h in [s, 0xdeadbeef, 0x10, C.addressof(buf)]:
+            assert code("aclrtDestroyStream", h) == 107000
+            assert code("aclrtSynchronizeStream", h) == 107000
+            assert code("aclrtDestroyEvent", h) == 107000
+            assert code("aclrtQueryEventStatus", h, C.byref(st)) == 107000
+            assert code("aclrtQueryEvent", h, C.byref(st)) == 107000
+            assert code("aclrtSynchronizeEvent", h) == 107000
+            assert code("aclrtSetCurrentContext", h) == 107000
+            assert code("aclrtDestroyContext", h) == 107000
+        assert "not a live event" in (code("aclrtSynchronizeEvent", e), errmsg())[1]
+        live_e, live_s = event(), stream()
+        assert code("aclrtRecordEvent", e, live_s) == 107000
+        assert code("aclrtRecordEvent", live_e, s) == 107000
+        assert code("aclrtStreamWaitEvent", live_s, e) == 107000
+        assert code("aclrtStreamWaitEvent", s, live_e) == 107000
+        assert code("aclrtRecordEvent", live_s, live_e) == 107000   # types are checked too
+        for fn in (sim.hang_stream, sim.release_stream):
+            try:
+                fn(0xdeadbeef)
+            except sim.SimError as err:
+                assert err.code == 107000
+            else:
+                raise AssertionError("bad stream accepted")
+        assert code("aclrtDestroyStream", None) == 100000
+        assert code("aclrtDestroyEvent", None) == 100000
+        assert code("aclrtQueryEventStatus", live_e, None) == 100000
+        assert code("aclrtCreateEventWithFlag", C.byref(C.c_void_p()), 0x100) == 100000
+        for flag in (0, 1, 8, 9):
+            ok("aclrtDestroyEvent", event(flag))
+        st = sim.stats(0)
+        assert st["live_events"] == 1 and st["events_created"] == 6, st
+        assert st["live_streams"] == 1, st
+        print("alive")
+    """)
+
+
+def test_contexts_switch_the_threads_device(sim_node):
+    sim_node.run("""
+        init(0)
+        dev = C.c_int32(); cur = C.c_void_p()
+        ok("aclrtGetCurrentContext", C.byref(cur)); default0 = cur.value
+        assert default0
+        ctx = C.c_void_p()
+        ok("aclrtCreateContext", C.byref(ctx), 1)        # becomes current
+        ok("aclrtGetDevice", C.byref(dev)); assert dev.value == 1
+        ok("aclrtGetCurrentContext", C.byref(cur)); assert cur.value == ctx.value
+        p = malloc(1000)
+        assert sim.stats(1)["bytes_held"] == 1056 and sim.stats(0)["bytes_held"] == 0
+        ok("aclrtSetCurrentContext", default0)
+        ok("aclrtGetDevice", C.byref(dev)); assert dev.value == 0
+        assert code("aclrtDestroyContext", default0) == 107000   # default contexts go with reset
+        ok("aclrtSetCurrentContext", ctx)
+        ok("aclrtDestroyContext", ctx)                          # destroying the current one clears it
+        assert code("aclrtGetDevice", C.byref(dev)) == 107002
+        assert code("aclrtGetCurrentContext", C.byref(cur)) == 107002
+        assert code("aclrtDestroyContext", ctx) == 107000
+        assert code("aclrtSetCurrentContext", ctx) == 107000
+        free(p)                                                 # frees need no current device
+        ok("aclrtSetDevice", 1)
+        ok("aclrtResetDevice", 1)
+        assert code("aclrtGetDevice", C.byref(dev)) == 107002
+        # the current device is per thread
+        ok("aclrtSetDevice", 1)
+        seen = []
+        def other():
+            seen.append(code("aclrtGetDevice", C.byref(C.c_int32())))
+            ok("aclrtSetDevice", 0)
+            d = C.c_int32(); ok("aclrtGetDevice", C.byref(d)); seen.append(d.value)
+        t = threading.Thread(target=other); t.start(); t.join()
+        ok("aclrtGetDevice", C.byref(dev))
+        assert seen == [107002, 0] and dev.value == 1, (seen, dev.value)
+    """)
+
+
+def test_event_limit_is_65536_live_events_per_device(sim_node):
+    sim_node.run("""
+        init()
+        evs = [event() for _ in range(65536)]
+        e = C.c_void_p()
+        assert code("aclrtCreateEvent", C.byref(e)) == 207007 and "65536" in errmsg()
+        ok("aclrtSetDevice", 1)
+        other = event()                     # the limit is per device
+        ok("aclrtSetDevice", 0)
+        ok("aclrtDestroyEvent", evs.pop())
+        evs.append(event())
+        assert sim.stats(0)["live_events"] == 65536
+        for x in evs: ok("aclrtDestroyEvent", x)
+        assert sim.stats(0)["live_events"] == 0
+    """, timeout=60)
+
+
+def test_many_threads_use_memory_events_and_streams_at_once(sim_node):
+    sim_node.run("""
+        init()
+        errors = []
+        def worker(k):
+            try:
+                ok("aclrtSetDevice", k % 2)
+                s = stream()
+                held = []
+                for i in range(150):
+                    p = malloc(64 + 32 * (i % 50))
+                    e = event()
+                    sim.launch_fill(s, p, 64, k)
+                    ok("aclrtRecordEvent", e, s)
+                    ok("aclrtStreamWaitEvent", None, e)
+                    query_status(e)
+                    if i % 10 == 0:
+                        ok("aclrtSynchronizeEvent", e)
+                        assert sim.read(p, 64) == bytes([k]) * 64, (k, sim.read(p, 64))
+                    ok("aclrtDestroyEvent", e)
+                    if i % 3 == 0:
+                        free(malloc(4096))
+                    held.append(p)
+                # Free only once the stream is done with the memory: a free while a fill is
+                # queued lets another thread get the address and the late fill corrupt it.
+                ok("aclrtSynchronizeStream", s)
+                for p in held:
+                    free(p)
+                ok("aclrtDestroyStream", s)
+            except BaseException as exc:
+                errors.append(repr(exc))
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        assert not errors, errors
+        for d in (0, 1):
+            st = sim.stats(d)
+            assert st["mallocs"] == st["frees"] == 800 and st["bytes_held"] == 0, st
+            assert st["live_events"] == 0 and st["events_created"] == 600, st
+            assert st["node_bytes_used"] == 0, st
+    """, timeout=60)
+
+
+def test_destroying_a_stream_drains_it_and_frees_during_fills_are_safe(sim_node):
+    sim_node.run("""
+        init()
+        p, q = malloc(1 << 20), malloc(1 << 20)
+        s = stream()
+        sim.launch_fill(s, p, 1 << 20, 9, delay_s=0.1)
+        t0 = time.monotonic()
+        ok("aclrtDestroyStream", s)               # drains: the fill has run
+        assert time.monotonic() - t0 >= 0.09
+        assert sim.read(p, 8) == b"\\x09" * 8
+        # aclrtFree does not wait for work: a fill whose memory is gone is dropped, not a crash
+        s = stream()
+        sim.launch_fill(s, q, 1 << 20, 5, delay_s=0.1)
+        free(q)
+        ok("aclrtSynchronizeStream", s)
+        assert sim.stats(0)["dropped_fills"] == 1
+        free(p)
+    """)
