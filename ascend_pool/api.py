@@ -70,8 +70,11 @@ def default_pool(device=None):
 def _create_default(device):
     from ._core import _set_default_pool
     from .pool import Pool
+    from .tenants.default import default_tenant_pool
 
-    pool = Pool(device)
+    # With $ASCEND_POOL_TENANT set, the default pool is that tenant's context (its quota from
+    # $ASCEND_POOL_CONFIG), so module-level calls and the C ABI allocate under the quota.
+    pool = default_tenant_pool(device) or Pool(device)
     _set_default_pool(pool)
     return pool
 

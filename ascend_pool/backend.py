@@ -18,6 +18,7 @@ __all__ = ["open_backend", "sim_library_path", "BACKEND_ENV", "BACKEND_NAMES"]
 
 BACKEND_ENV = "ASCEND_POOL_BACKEND"
 BACKEND_NAMES = ("acl", "sim", "cuda")
+_NOT_LOADED = 990001  # AP_ERR_NOT_LOADED in backend.h
 
 log = logging.getLogger("ascend_pool")
 
@@ -42,18 +43,19 @@ def _backend_class():
 
 
 def _requested_name(name):
+    """(name or None for automatic, where the choice came from)."""
     if name is not None:
         if name not in BACKEND_NAMES:
             raise ConfigError(f"unknown backend {name!r}: expected one of {', '.join(BACKEND_NAMES)}")
-        return name
+        return name, "argument"
     value = os.environ.get(BACKEND_ENV, "").strip()
     if not value:
-        return None  # auto
+        return None, "auto"
     if value not in BACKEND_NAMES:
         raise ConfigError(
             f"{BACKEND_ENV}={value!r} is not a backend: expected one of {', '.join(BACKEND_NAMES)}"
         )
-    return value
+    return value, f"${BACKEND_ENV}"
 
 
 def _open(name, path):
@@ -69,8 +71,15 @@ def _open_auto():
         backend = _cached("acl", None)
         return backend, f"found {backend.device_count} NPU(s) via {backend.path}"
     except BackendUnavailableError as exc:
-        reason = str(exc).splitlines()[0]
-        return _cached("sim", None), f"no NPU runtime usable ({reason}); using the simulated NPU"
+        if os.environ.get("ASCEND_POOL_ACL_LIB"):
+            # The user named a runtime and it failed: still run (on the simulator), but loudly.
+            log.warning("$ASCEND_POOL_ACL_LIB is set but unusable: %s", exc)
+        if exc.code == _NOT_LOADED:
+            reason = "no libascendcl.so found in $ASCEND_POOL_ACL_LIB, the CANN locations or the loader path"
+        else:
+            reason = str(exc).splitlines()[0]
+        log.debug("acl backend unavailable: %s", exc)
+        return _cached("sim", None), f"{reason}; using the simulated NPU"
 
 
 def _cached(name, path):
@@ -91,7 +100,7 @@ def open_backend(name=None, path=None):
     The choice is logged once at INFO on the "ascend_pool" logger.
     """
     global _logged
-    name = _requested_name(name)
+    name, source = _requested_name(name)
     key = (name, path)
     with _lock:
         backend = _cache.get(key)
@@ -99,17 +108,16 @@ def open_backend(name=None, path=None):
             return backend
         if name is None and path is None:
             backend, why = _open_auto()
-            chosen = "auto"
         else:
             if name is None:
-                name = "acl"  # a bare library path means "load this ACL runtime"
-            backend, why = _cached(name, path), f"as requested, from {path or 'the default search'}"
-            chosen = name
+                name, source = "acl", "library path"  # a bare path means "load this ACL runtime"
+            backend, why = _cached(name, path), f"selected by {source}"
         _cache[key] = backend
         if not _logged:
             _logged = True
             log.info(
-                "ascend_pool: device backend %s (%s, %d device(s), %s): %s",
-                backend.name, chosen, backend.device_count, backend.path, why,
+                "device backend %s (%d device(s), %s): %s",
+                backend.name, backend.device_count, backend.path, why,
             )
         return backend
+

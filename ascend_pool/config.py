@@ -12,6 +12,9 @@ Knobs:
   page_size                    large-segment granularity: "2m" (default) or "1g"
   expandable_segments          false (true is not available yet)
   release_policy               "under_peak" (default) or "never" (torch_npu's behaviour)
+  stream_reuse                 "borrow" (default: a stream reuses blocks freed on another stream
+                               once ordered after them by an event wait on the device) or
+                               "tied" (a block serves only its own stream, PyTorch's policy)
   memory_fraction              cap on reserved memory, a fraction (0, 1] of the device
                                (alias: per_process_memory_fraction)
   sync_timeout_ms              bound on every host wait for the device; -1 waits forever
@@ -125,6 +128,11 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
             if value not in RELEASE_POLICIES:
                 raise ConfigError(f"release_policy: must be one of {sorted(RELEASE_POLICIES)}, got {value!r}")
             cfg["release_policy"] = RELEASE_POLICIES[value]
+        elif key == "stream_reuse":
+            from ._core import STREAM_REUSE
+            if value not in STREAM_REUSE:
+                raise ConfigError(f"stream_reuse: must be one of {sorted(STREAM_REUSE)}, got {value!r}")
+            cfg["stream_reuse"] = STREAM_REUSE[value]
         elif key in ("memory_fraction", "per_process_memory_fraction"):
             f = _number(key, value)
             if not 0 < f <= 1:
@@ -143,7 +151,7 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
         else:
             raise ConfigError(f"unknown allocator knob {key!r} (known: max_split_size_mb, "
                               "garbage_collection_threshold, reserve, record_history, page_size, "
-                              "expandable_segments, release_policy, memory_fraction, sync_timeout_ms, pad_bytes)")
+                              "expandable_segments, release_policy, stream_reuse, memory_fraction, sync_timeout_ms, pad_bytes)")
     return cfg
 
 

@@ -1,6 +1,7 @@
 """The live pools of this process (default pools and tenant contexts), for metrics and tools.
 Weak references: a pool that is dropped disappears from here by itself."""
 
+import logging
 import threading
 import weakref
 
@@ -9,9 +10,16 @@ _pools = weakref.WeakSet()
 
 
 def register(pool):
-    """Adds a pool (called by Pool.__init__)."""
+    """Adds a pool (called by Pool.__init__) and makes sure this process publishes its pools'
+    counters for the node service (ascend_pool.service.publisher)."""
     with _lock:
         _pools.add(pool)
+    try:
+        from .service.publisher import ensure_publisher
+
+        ensure_publisher()
+    except Exception as e:  # publishing is best effort: a pool must open even where /dev/shm is not usable
+        logging.getLogger("ascend_pool").warning("stats publisher not started: %s", e)
 
 
 def live_pools():

@@ -70,6 +70,15 @@ def test_auto_prefers_acl_when_a_runtime_with_devices_loads():
     assert len(got["logs"]) == 1 and "acl" in got["logs"][0]
 
 
+def test_auto_with_a_broken_acl_lib_warns_and_uses_sim():
+    rc, out, err = run_py(AUTO_SCRIPT,
+                          ASCEND_POOL_BACKEND=None, ASCEND_POOL_ACL_LIB="/broken/libascendcl.so")
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["name"] == "sim"
+    assert len(got["logs"]) == 2 and "/broken/libascendcl.so" in got["logs"][0]
+
+
 def test_env_selects_sim():
     rc, out, err = run_py("""
         from ascend_pool.backend import open_backend

@@ -211,3 +211,51 @@ def test_unknown_trace_or_allocator_is_an_error(capsys):
     assert "nope" in capsys.readouterr().err
     assert cli.main(["bench", "--traces", str(bundled_traces_dir()), "--no-micro", "--allocators", "jemalloc"]) == 2
     assert "jemalloc" in capsys.readouterr().err
+
+
+def test_python_replay_loop_drives_a_peer_exactly():
+    """The loop the GPU peers run in: every allocation gets its own handle, every free gets the
+    handle, size and stream of its allocation, and the device-call counters split at the half."""
+    tr = load_trace(bundled_traces_dir() / "resnet18_train_prefetch_2stream_prefix.npz")
+    live, seen, calls = {}, [], [0]
+    nxt = [0]
+
+    def alloc(size, s):
+        nxt[0] += 1
+        live[nxt[0]] = (size, s)
+        if nxt[0] % 100 == 1:
+            calls[0] += 1
+        return nxt[0]
+
+    def free(h, size, s):
+        assert live.pop(h) == (size, s)
+        seen.append(h)
+
+    r = peers.python_replay(tr, alloc, free, counters=lambda: calls[0])
+    assert not live and len(seen) == tr.n_frees and nxt[0] == tr.n_allocs
+    assert r["device_calls"] == calls[0] == -(-tr.n_allocs // 100)
+    first_half_allocs = tr.n_allocs - peers.second_half_allocs(tr)
+    assert r["device_calls_steady"] == calls[0] - (-(-first_half_allocs // 100))
+    row = peers.make_row(tr, "rmm_pool", dict(r, peak_reserved_bytes=peak_live_bytes(tr) + 512,
+                                                device_mallocs=calls[0], device_frees=0))
+    assert row["waste_bytes"] == 512 and row["device_calls"] == calls[0] + 0
+    assert row["ops_per_second"] == pytest.approx(tr.n_events / r["seconds"])
+
+
+@pytest.mark.parametrize("name", sorted(p.name[:-4] for p in list_traces(bundled_traces_dir())))
+def test_ascend_pool_in_the_python_loop_matches_the_c_loop(name):
+    """ascend_pool_pyloop (the GPU table's equal-terms row: pool.malloc/pool.free from the peers'
+    Python loop) runs here on the simulator too. The same trace through the same pool must give the
+    same memory figures whichever loop drives it: the C replay's figures stand for what a user of
+    the Python API gets."""
+    from ascend_pool.backend import open_backend
+
+    tr = load_trace(bundled_traces_dir() / f"{name}.npz")
+    be = open_backend("sim")
+    py = peers.make_row(tr, "ascend_pool_pyloop", peers._replay_pyloop(tr, be, 0))
+    c = peers.run_peer("ascend_pool", tr, be)
+    assert py["loop"] == "Python" and c["loop"] == "C"
+    assert py["final_allocated_bytes"] == c["final_allocated_bytes"] == 0
+    diff = {k: (c[k], py[k]) for k in ("peak_reserved_bytes", "device_mallocs", "device_calls", "device_calls_steady")
+            if py[k] != c[k]}
+    assert not diff, f"C replay loop vs pool.malloc/pool.free on {name} (C, Python): {diff}"

@@ -1,6 +1,7 @@
 """The simulated devices are shared by the processes of a node, as real ones are: capacity is
 accounted node-wide in owner-only shared records, a dead process's bytes come back, and a record
 that is malformed or not safely owned is refused with a clear message."""
+import json
 import os
 import signal
 import struct
@@ -139,7 +140,7 @@ def test_processes_racing_for_a_device_never_exceed_it(sim_node):
     for p in procs:
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
-        results.append(eval(out.strip().splitlines()[-1]))
+        results.append(json.loads(out.strip().splitlines()[-1]))
     assert all(over == 0 for _, _, over in results), results
     assert sum(s for s, _, _ in results) > 0
     assert sum(f for _, f, _ in results) > 0, "no contention: the test proves nothing"
@@ -224,3 +225,30 @@ def test_records_live_in_dev_shm_by_default_named_by_uid_and_node(sim_node):
         for p in paths:
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_a_forked_child_starts_without_a_runtime_and_gets_its_own_share(sim_node):
+    sim_node.run("""
+        init()
+        p = malloc(100 << 10, align32=True)
+        sim.launch_fill(None, p, 16, 0x42)
+        ok("aclrtSynchronizeStream", None)
+        pid = os.fork()
+        if pid == 0:
+            rc = 1
+            try:
+                assert code("aclrtMalloc", C.byref(C.c_void_p()), 64, 0) == 100001
+                init()                                   # a fresh runtime, its own node slot
+                assert used() == 100 << 10               # the parent's bytes, seen node-wide
+                q = malloc(200 << 10, align32=True)
+                assert sim.stats(0)["bytes_held"] == 200 << 10
+                rc = 0
+            finally:
+                os._exit(rc)                             # exits holding q: reclaimed as dead
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert used() == 100 << 10                       # the child's share came back
+        assert sim.read(p, 16) == b"\\x42" * 16           # the parent's runtime is intact
+        assert sim.stats(0)["bytes_held"] == 100 << 10
+        free(p)
+    """)

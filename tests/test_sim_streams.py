@@ -265,3 +265,19 @@ def test_destroying_a_stream_drains_it_and_frees_during_fills_are_safe(sim_node)
         assert sim.stats(0)["dropped_fills"] == 1
         free(p)
     """)
+
+
+def test_legacy_build_runs_the_same_runtime_through_the_old_calls(sim_node):
+    import ascend_pool.sim as sim
+    sim_node.run("""
+        assert not HAS_NEW and not hasattr(lib, "aclrtQueryEventStatus")
+        init()
+        p = malloc(100)
+        assert used() == 160
+        s, e = stream(), event()
+        sim.launch_fill(s, p, 100, 0x3C, delay_s=0.1)
+        ok("aclrtRecordEvent", e, s)
+        assert query_old(e) == 1                  # NOT_READY in the deprecated numbering
+        ok("aclrtSynchronizeEvent", e)
+        assert query_old(e) == 0 and sim.read(p, 100) == b"\\x3c" * 100
+    """, SIM_LIB=sim.library_path(legacy=True))

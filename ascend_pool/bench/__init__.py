@@ -1,0 +1,1 @@
+"""Benchmarks: microbenchmarks with their floors (micro), the peers (peers), the table and targets (table), one run (run), progress (progress), and the torch_npu-policy re-implementation (torch_npu_policy)."""

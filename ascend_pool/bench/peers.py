@@ -312,7 +312,12 @@ def torch_replay(trace: Trace, device: int = 0) -> dict:
     def release(ptr, size, s):
         delete_fn(ptr)
 
+    backend = torch.cuda.get_allocator_backend() if hasattr(torch.cuda, "get_allocator_backend") else "native"
+    counts_calls = backend != "cudaMallocAsync"  # that backend reports no device-call counters
+
     def counters():
+        if not counts_calls:
+            return None
         st = torch.cuda.memory_stats(device)
         if "num_device_alloc" in st:
             return int(st["num_device_alloc"]) + int(st.get("num_device_free", 0))
@@ -322,9 +327,11 @@ def torch_replay(trace: Trace, device: int = 0) -> dict:
 
     r = python_replay(trace, alloc, release, counters, after=torch.cuda.synchronize)
     st = torch.cuda.memory_stats(device)
-    backend = (torch.cuda.get_allocator_backend() if hasattr(torch.cuda, "get_allocator_backend") else "native")
     r["peak_reserved_bytes"] = int(st.get("reserved_bytes.all.peak", 0)) or None
-    if "num_device_alloc" in st:
+    if not counts_calls:
+        r["device_mallocs"] = r["device_frees"] = None
+        r["note"] = "the cudaMallocAsync backend does not count device calls"
+    elif "num_device_alloc" in st:
         r["device_mallocs"], r["device_frees"] = int(st["num_device_alloc"]), int(st.get("num_device_free", 0))
     elif "segment.all.allocated" in st:
         r["device_mallocs"], r["device_frees"] = int(st["segment.all.allocated"]), int(st.get("segment.all.freed", 0))
@@ -437,12 +444,25 @@ def _replay_rmm(trace: Trace, device: int) -> dict:
             streams.append(DEFAULT_STREAM)
             note = f"stream {n} replayed on the default stream (no cupy stream to wrap: {type(e).__name__})"
     allocate, deallocate = pool.allocate, pool.deallocate
+    try:  # rmm >= 24: allocate(nbytes, stream); older: allocate(nbytes). Tried outside the pool.
+        plain = rmm.mr.CudaMemoryResource()
+        plain.deallocate(plain.allocate(256, streams[0]), 256, streams[0])
+        with_stream = True
+    except TypeError:
+        with_stream = False
+        note = "this rmm's allocate() takes no stream: every event on the default stream"
+    if not with_stream:
+        def alloc(size, s):
+            return allocate(size)
 
-    def alloc(size, s):
-        return allocate(size, streams[s])
+        def release(ptr, size, s):
+            deallocate(ptr, size)
+    else:
+        def alloc(size, s):
+            return allocate(size, streams[s])
 
-    def release(ptr, size, s):
-        deallocate(ptr, size, streams[s])
+        def release(ptr, size, s):
+            deallocate(ptr, size, streams[s])
 
     def counters():
         st = _rmm_stats(upstream)

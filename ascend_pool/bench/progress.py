@@ -46,7 +46,7 @@ class Progress:
             bar = "#" * filled + "-" * (bar_w - filled)
             text = (f"[{bar}] {self.index}/{self.total} {self.label}"
                     f"{' ' + self.detail if self.detail else ''}  {now - self.t_step:5.1f} s"
-                    f" (total {now - self.t_start:5.0f} s)")
+                    f" (total {now - self.t_start:.0f} s)")
             pad = max(self._width - len(text), 0)
             self._width = len(text)
             try:

@@ -7,12 +7,12 @@ is named; a directory names all its .npz traces), for each tenant of `--config`,
 command shows the whole system working.
 """
 
+import argparse
 import logging
 import os
 import signal
 import sys
 import threading
-import tomllib
 from pathlib import Path
 
 log = logging.getLogger("ascend_pool.service")
@@ -30,21 +30,28 @@ def _trace_paths(names):
     return out
 
 
-def _tenants(config_path):
-    """[(name, quota, warn)] from the tenants TOML file (format: ASCEND_POOL_CONFIG), or None."""
+def _tenants(config_path, device):
+    """[(name, quota, warn)] of the tenants file's tenants that apply on device, or None.
+    Validation is the tenants package's own (one error line per mistake)."""
     if not config_path:
         return None
-    from ..errors import ConfigError
+    from ..tenants import load_config
 
-    try:
-        with open(config_path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{config_path}: not valid TOML: {e}") from None
-    tenants = data.get("tenants", {})
-    if not isinstance(tenants, dict) or not all(isinstance(v, dict) for v in tenants.values()):
-        raise ConfigError(f"{config_path}: [tenants.NAME] tables expected")
-    return [(name, t.get("quota"), t.get("warn")) for name, t in tenants.items()] or None
+    cfg = load_config(str(config_path))
+    return [(t.name, t.quota.text if t.quota is not None else None, t.warn)
+            for t in cfg.tenants.values() if t.applies_to(device)] or None
+
+
+def _sweep_ledgers(stop, interval):
+    """Gives back the quota-ledger shares of dead processes every `interval` seconds (the ledger
+    also does it before refusing a request; this keeps the exported figures true meanwhile)."""
+    from ..metrics.ledger import sweep_dead_processes
+
+    while not stop.wait(interval):
+        try:
+            sweep_dead_processes()
+        except Exception:
+            log.exception("sweeping the quota ledgers failed")
 
 
 def _cmd_serve(args):
@@ -62,7 +69,7 @@ def _cmd_serve(args):
         os.environ[paths.ENV_DIR] = args.stats_dir  # this process publishes where it reads
     if args.config:
         os.environ.setdefault("ASCEND_POOL_CONFIG", str(args.config))  # the tenants code reads it too
-    tenants = _tenants(args.config)
+    tenants = _tenants(args.config, args.device)
 
     registry = CollectorRegistry(auto_describe=False)
     scanner = StatsScanner(allowed_uids=set(args.allow_uid) | {os.geteuid()} if args.allow_uid else None)
@@ -76,35 +83,40 @@ def _cmd_serve(args):
         loop.open_pools()
         registry.register(loop)
     server = MetricsServer((args.host, args.port), registry)
-    ensure_publisher()  # this process's own pools (the replay's) are published and read back like any other
+    stop = threading.Event()
+    threading.Thread(target=_sweep_ledgers, args=(stop, args.sweep_interval), name="ascend-pool-sweep",
+                     daemon=True).start()
     if loop is not None:
+        ensure_publisher()  # the replay's pools are published and read back like any other process's
         loop.start()
         log.info("replaying %s on %s device %d for %s", ", ".join(t.name for t in loop.traces),
                  args.backend or "the default backend", args.device,
                  ", ".join(n for n, _, _ in tenants) if tenants else "tenant default")
-    print(f"ascend-pool serve: http://{args.host}:{server.port}/metrics (stats from {scanner.directory})", flush=True)
-
     def _terminate(signum, frame):
         # serve_forever() runs in this thread: shut it down from another one.
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, _terminate)
+    print(f"ascend-pool serve: http://{args.host}:{server.port}/metrics (stats from {scanner.directory})", flush=True)
+
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:
         pass
     finally:
+        stop.set()
+        # The publisher first: it must not be reading a pool while the loop closes it.
+        stop_publisher()
         if loop is not None:
             loop.stop()
         server.server_close()
-        stop_publisher()
     return 0
 
 
 def register(sub):
     p = sub.add_parser("serve", help="export every ascend_pool process of the node to Prometheus",
                        description=sys.modules[__name__].__doc__.split("\n\n", 1)[1],
-                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=None,
                    help="tenants TOML file (as $ASCEND_POOL_CONFIG); --replay runs for each of its tenants")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -115,10 +127,12 @@ def register(sub):
                    help="replay traces (.npz files or directories) in a loop; with no file, the bundled traces")
     p.add_argument("--device", type=int, default=0, help="device of --replay (default 0)")
     p.add_argument("--replay-pause", type=float, default=0.1, metavar="SECONDS",
-                   help="pause between two replays (default 0.1)")
+                   help="seconds each replay holds at its peak of live memory, a quarter of that between replays (default 0.1)")
     p.add_argument("--stats-dir", default=None,
                    help="directory of the processes' stats files (default $ASCEND_POOL_STATS_DIR, else /dev/shm)")
     p.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                    help="also believe stats files of this uid (default: only this service's own uid)")
+    p.add_argument("--sweep-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="how often dead processes' quota shares are given back (default 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_cmd_serve)

@@ -8,7 +8,18 @@ Names, labels and units: ascend_pool.metrics.schema. Node-wide export of every p
 `ascend-pool serve` (ascend_pool.service).
 """
 
-from .collector import PoolCollector
-from .http import MetricsServer, start_http_server
-
 __all__ = ["PoolCollector", "MetricsServer", "start_http_server"]
+
+
+def __getattr__(name):
+    # Lazy: every process that opens a pool imports ascend_pool.metrics.sample (its stats publisher
+    # reads pools through it); only exporters need prometheus_client and http.server.
+    if name == "PoolCollector":
+        from .collector import PoolCollector
+
+        return PoolCollector
+    if name in ("MetricsServer", "start_http_server"):
+        from . import http
+
+        return getattr(http, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

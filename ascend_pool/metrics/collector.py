@@ -15,9 +15,10 @@ from .sample import PoolAggregator
 class PoolCollector:
     """Collects ascend_pool_* families from the live pools of this process (labels device, tenant,
     pool). pools: a callable returning the pools to read (default: every open pool, from
-    ascend_pool.registry.live_pools). ledger: also export the node quota ledger's state."""
+    ascend_pool.registry.live_pools). ledger: also export the node quota ledgers' state (off by
+    default: it is the node's view, which `ascend-pool serve` exports; one process need not)."""
 
-    def __init__(self, pools=None, ledger=True):
+    def __init__(self, pools=None, ledger=False):
         self._agg = PoolAggregator(pools) if pools is not None else PoolAggregator()
         self._ledger = ledger
 

@@ -1,59 +1,103 @@
-"""The node quota ledger's state as metrics (tenants' held bytes and quotas across processes).
+"""The node quota ledgers' state as metrics: each tenant's node-wide held bytes, quota, peak,
+refusals and live processes per device, as the ledger (ascend_pool.tenants.ledger) enforces them.
 
-The ledger belongs to the quotas work (ascend_pool.tenants). This module only reads it, and only
-if it is there: it expects ``ascend_pool.tenants.ledger.snapshot()`` to return an iterable of
-mappings with ``device`` (int), ``tenant`` (str), ``held_bytes`` (int), ``quota_bytes`` (int or
-None) and optionally ``processes`` (int). Anything else (module missing, an error while reading)
-exports nothing and logs once: the exporter must never fail a scrape over an optional part.
+The ledger is the authority on quotas across processes; the per-process figures only show each
+process's share. Read lock-free (Ledger.view()); a ledger that cannot be read is skipped with one
+log line: the exporter never fails a scrape over it. Only this user's (or group's) ledgers of the
+current node are read: for the simulator, the node of $ASCEND_SIM_NODE.
 """
 
-import importlib
 import logging
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 _warned = set()
 
 
-def _snapshot():
+def _views():
     try:
-        mod = importlib.import_module("ascend_pool.tenants.ledger")
+        from ..tenants import ledger as L
     except ImportError:
-        return None
-    fn = getattr(mod, "snapshot", None)
-    return list(fn()) if callable(fn) else None
+        return []
+    out = []
+    try:
+        files = L.ledger_files()
+    except Exception as e:  # no ledger directory yet, or a bad $ASCEND_POOL_LEDGER_GROUP
+        _warn_once(("dir", str(e)), "cannot list the quota ledgers: %s", e)
+        return []
+    for path, device, backend, node, group in files:
+        if backend == "sim" and node != L.node_name("sim"):
+            continue  # another simulated node (another test run, another demo)
+        try:
+            out.append((backend, L._open_file(path, device, backend, node, group).view()))
+        except Exception as e:  # foreign, malformed, or of another version: refused by the ledger code
+            _warn_once((path, str(e)), "cannot read the quota ledger %s: %s", path, e)
+    return out
+
+
+def _warn_once(key, fmt, *args):
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(fmt, *args)
 
 
 def ledger_families():
-    """ascend_pool_ledger_{held,quota}_bytes and ascend_pool_ledger_processes, labels device and
-    tenant; an empty list when no ledger is readable."""
-    try:
-        entries = _snapshot()
-    except Exception as e:  # a ledger mid-update or of another version: skip this scrape
-        if type(e) not in _warned:
-            _warned.add(type(e))
-            log.warning("cannot read the quota ledger: %s: %s", type(e).__name__, e)
+    """ascend_pool_ledger_* families (labels backend, device, tenant); empty without ledgers."""
+    views = _views()
+    if not views:
         return []
-    if not entries:
-        return []
+    labels = ["backend", "device", "tenant"]
     held = GaugeMetricFamily("ascend_pool_ledger_held_bytes",
-                             "Bytes the tenant holds on the device across the node's processes (quota ledger, bytes).",
-                             labels=["device", "tenant"])
+                             "Bytes the tenant holds on the device across all its processes on the node (quota ledger, bytes).",
+                             labels=labels)
     quota = GaugeMetricFamily("ascend_pool_ledger_quota_bytes",
-                              "The tenant's node-wide quota on the device, as the ledger enforces it (bytes).",
-                              labels=["device", "tenant"])
+                              "The tenant's node-wide quota on the device as the ledger enforces it (bytes).", labels=labels)
+    peak = GaugeMetricFamily("ascend_pool_ledger_peak_bytes",
+                             "The most the tenant has held on the device node-wide (bytes).", labels=labels)
+    refusals = CounterMetricFamily("ascend_pool_ledger_refusals",
+                                   "Segment reservations the ledger refused for the tenant (over quota), node-wide.",
+                                   labels=labels)
     procs = GaugeMetricFamily("ascend_pool_ledger_processes",
-                              "Live processes the ledger counts for the tenant on the device.",
-                              labels=["device", "tenant"])
-    for e in entries:
-        try:
-            lv = [str(int(e["device"])), str(e["tenant"])]
-            held.add_metric(lv, int(e["held_bytes"]))
-            if e.get("quota_bytes") is not None:
-                quota.add_metric(lv, int(e["quota_bytes"]))
-            if e.get("processes") is not None:
-                procs.add_metric(lv, int(e["processes"]))
-        except (KeyError, TypeError, ValueError) as err:
-            log.debug("skipping ledger entry %r: %s", e, err)
-    return [held, quota, procs]
+                              "Live processes holding a share of the tenant's quota on the device.", labels=labels)
+    reclaimed = CounterMetricFamily("ascend_pool_ledger_reclaimed_bytes",
+                                    "Bytes given back from processes that died holding them (bytes).",
+                                    labels=["backend", "device"])
+    seen = set()
+    for backend, v in views:
+        dev = str(v["device"])
+        if (backend, dev) in seen:
+            continue
+        seen.add((backend, dev))
+        alive = {}
+        for s in v["slots"]:
+            if s.get("alive") is not False:
+                alive[s["tenant"]] = alive.get(s["tenant"], 0) + 1
+        for t in v["tenants"]:
+            lv = [backend, dev, t["name"]]
+            held.add_metric(lv, t["held_bytes"])
+            peak.add_metric(lv, t["peak_bytes"])
+            refusals.add_metric(lv, t["refusals"])
+            procs.add_metric(lv, alive.get(t["name"], 0))
+            if t["quota_bytes"] is not None:
+                quota.add_metric(lv, t["quota_bytes"])
+        reclaimed.add_metric([backend, dev], v["reclaimed_bytes"])
+    return [held, quota, peak, refusals, procs, reclaimed]
+
+
+def sweep_dead_processes():
+    """Gives back the ledger shares of processes that died (the node service runs this
+    periodically). Returns the bytes reclaimed; 0 when there is no ledger support."""
+    try:
+        from ..tenants import ledger as L
+    except ImportError:
+        return 0
+    total = 0
+    for r in L.sweep():
+        if "error" in r:
+            _warn_once((r["path"], r["error"]), "cannot sweep the quota ledger %s: %s", r["path"], r["error"])
+        elif r["bytes"]:
+            log.info("reclaimed %d bytes of %d dead process(es) in %s", r["bytes"], r["slots"], r["path"])
+            total += r["bytes"]
+    return total
+

@@ -57,9 +57,18 @@ def pool_values(pool):
     for name, key in PLAIN_GAUGES + DEVICE_GAUGES + PLAIN_COUNTERS:
         if key is not None:
             v[name] = int(s.get(key, 0))
-    quota = getattr(pool, "quota_bytes", None)
-    v["quota_bytes"] = int(quota) if quota is not None else NO_QUOTA
+    v["quota_bytes"] = pool_quota(pool)
     return v
+
+
+def pool_quota(pool):
+    """The pool's tenant quota in bytes, or NO_QUOTA. Tenant contexts tell it as `quota` (read
+    live from the node ledger); `quota_bytes` is accepted too."""
+    for attr in ("quota_bytes", "quota"):
+        q = getattr(pool, attr, None)
+        if isinstance(q, int) and not isinstance(q, bool):
+            return q
+    return NO_QUOTA
 
 
 def _merge(into, v):

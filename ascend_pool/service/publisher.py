@@ -47,8 +47,15 @@ class Publisher:
         """Reads the pools and writes the file at once (also done every interval)."""
         samples = self._agg.samples()
         with self._write_lock:
-            if self.file._map is not None:
-                self.file.publish(samples)
+            if self._stop.is_set() and self.file._map is None:
+                return  # stopped: the file is gone on purpose
+            if not self.file.intact():
+                # Truncated or removed by someone with our uid: start a fresh file rather than
+                # write into a mapping that would fault.
+                log.warning("stats file %s was damaged; recreating it", self.file.path)
+                self.file.abandon()
+                self.file = StatsFile(self.file.directory)
+            self.file.publish(samples)
 
     def _run(self):
         while not self._stop.is_set():

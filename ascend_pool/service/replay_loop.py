@@ -39,7 +39,8 @@ class _Prepared:
 class ReplayLoop:
     """Replays `traces` (paths or Trace objects) on device `device` of `backend` (None: the
     environment's choice), for each tenant in `tenants` (a list of (name, quota, warn); None: the
-    plain pool, tenant "default"), pausing `pause_s` seconds between runs, until stop()."""
+    plain pool, tenant "default") in a thread of its own, holding `pause_s` seconds at each
+    trace's peak and a quarter of that between runs, until stop()."""
 
     def __init__(self, traces, backend=None, device=0, tenants=None, pause_s=0.1):
         self.traces = [_Prepared(t if hasattr(t, "op") else load_trace(t)) for t in traces]
@@ -48,71 +49,81 @@ class ReplayLoop:
         self.backend, self.device, self.tenants, self.pause_s = backend, device, tenants, pause_s
         self.runs = {}  # (trace, tenant, result) -> count; result: ok | oom | quota | error
         self._stop = threading.Event()
-        self._thread = None
+        self._lock = threading.Lock()
+        self._threads = []
         self._pools = []
 
     def open_pools(self):
         """Opens the pools (done by start(); separate so that configuration errors surface early)."""
+        from ..backend import open_backend
         from ..pool import Pool
 
-        base = Pool(self.device, backend=self.backend)
-        self._base = base
+        be = self.backend if hasattr(self.backend, "device_count") else open_backend(self.backend)
         if not self.tenants:
-            self._pools = [base]
+            self._pools = [Pool(self.device, backend=be)]
         else:
-            self._pools = [base.context(name, quota=quota, warn=warn) for name, quota, warn in self.tenants]
+            from ..tenants import Context
+
+            self._pools = []
+            for name, quota, warn in self.tenants:
+                self._pools.append(Context(name, device=self.device, backend=be, quota=quota, warn=warn))
         self._streams = [{n: (None if n == 0 else p.create_stream()) for t in self.traces for n in t.streams}
                          for p in self._pools]
         return self._pools
 
     def start(self):
+        """Starts one thread per tenant: tenants are separate services, running at the same time."""
         if not self._pools:
             self.open_pools()
-        self._thread = threading.Thread(target=self._run, name="ascend-pool-replay", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, args=(pool, streams), daemon=True,
+                                          name=f"ascend-pool-replay:{pool.tenant}")
+                         for pool, streams in zip(self._pools, self._streams)]
+        for t in self._threads:
+            t.start()
 
     def stop(self, timeout=10):
-        """Stops the loop and closes its pools (tenant contexts before their base pool)."""
+        """Stops the loop and closes its pools."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
+        for t in self._threads:
+            t.join(timeout)
+            if t.is_alive():
                 return  # stuck in a device call: leave the pools to process exit
-        for pool in reversed(self._pools):
+        for pool in self._pools:
             try:
                 pool.close()
             except Exception as e:
                 log.debug("closing pool %r: %s", pool, e)
-        if self._pools and self._pools[0] is not self._base:
-            self._base.close()
         self._pools = []
 
-    def _run(self):
+    def _run(self, pool, streams):
         errors_logged = 0
         while not self._stop.is_set():
             for trace in self.traces:
-                for pool, streams in zip(self._pools, self._streams):
-                    if self._stop.is_set():
-                        return
-                    try:
-                        result = replay_once(pool, trace, streams, at_peak=self._hold)
-                    except Exception:
-                        result = "error"
-                        if errors_logged < 5:
-                            errors_logged += 1
-                            log.exception("replaying %s for tenant %s failed", trace.name, pool.tenant)
-                    key = (trace.name, str(pool.tenant), result)
+                if self._stop.is_set():
+                    return
+                try:
+                    result = replay_once(pool, trace, streams, at_peak=self._hold)
+                except Exception:
+                    result = "error"
+                    if errors_logged < 5:
+                        errors_logged += 1
+                        log.exception("replaying %s for tenant %s failed", trace.name, pool.tenant)
+                key = (trace.name, str(pool.tenant), result)
+                with self._lock:
                     self.runs[key] = self.runs.get(key, 0) + 1
-                    self._stop.wait(self.pause_s / 2)
+                self._stop.wait(self.pause_s / 4)
 
     def _hold(self):
-        self._stop.wait(self.pause_s / 2)
+        # At the trace's peak: what a scrape sees most of the time is a pool in use.
+        self._stop.wait(self.pause_s)
 
     def collect(self):
         """A prometheus_client collector method: the runs so far, by trace, tenant and result."""
         fam = CounterMetricFamily("ascend_pool_replay_runs", "Trace replays run by `ascend-pool serve --replay`.",
                                   labels=["trace", "tenant", "result"])
-        for (trace, tenant, result), n in sorted(dict(self.runs).items()):
+        with self._lock:
+            runs = sorted(self.runs.items())
+        for (trace, tenant, result), n in runs:
             fam.add_metric([trace, tenant, result], n)
         yield fam
 

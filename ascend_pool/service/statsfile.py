@@ -32,7 +32,7 @@ class StatsFile:
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             st = procinfo.start_time(self.pid)
             self._map[0:L.SEQ_OFFSET] = L.STATIC.pack(L.MAGIC, L.VERSION, L.HEADER_SIZE, L.RECORD_SIZE, capacity,
-                                                      self.pid, os.getuid(), st or 0, procinfo.boot_id())
+                                                      self.pid, os.geteuid(), st or 0, procinfo.boot_id())
             self._write([], 0)
             os.rename(tmp, self.path)  # atomic; replaces a stale file of an earlier process with our pid
         except BaseException:
@@ -52,9 +52,20 @@ class StatsFile:
         os.fchmod(fd, 0o600)  # whatever the umask: owner-only
         return fd
 
+    def intact(self):
+        """False if the file was truncated under us (writing into the mapping would then raise
+        SIGBUS and kill the process) or removed (readers no longer see it). Only our uid or root
+        can do either."""
+        if self._map is None:
+            return False
+        st = os.fstat(self._fd)
+        return st.st_size == L.file_size(self.capacity) and st.st_nlink > 0
+
     def publish(self, samples, flags=0):
         """Writes samples (TenantSample list) as the file's records; more than capacity sets
-        FLAG_OVERFLOW and keeps the first `capacity`."""
+        FLAG_OVERFLOW and keeps the first `capacity`. Raises OSError if the file was damaged."""
+        if not self.intact():
+            raise OSError(f"stats file {self.path} was truncated or closed; not writing into it")
         if len(samples) > self.capacity:
             samples, flags = samples[:self.capacity], flags | L.FLAG_OVERFLOW
         self._write([L.pack_record(s.device, s.tenant, s.values) for s in samples], flags)
@@ -77,6 +88,8 @@ class StatsFile:
         if self._map is None:
             return
         try:
+            if os.fstat(self._fd).st_size != L.file_size(self.capacity):
+                return
             dyn = L.DYNAMIC.unpack_from(self._map, L.DYNAMIC_OFFSET)
             self._seq += 1
             L.SEQ.pack_into(self._map, L.SEQ_OFFSET, self._seq)

@@ -9,6 +9,7 @@
 #include "backend_impl.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,6 +51,10 @@ typedef struct acl_impl {
     aclError (*aclrtSynchronizeStreamWithTimeout)(void *stream, int32_t timeout_ms);
     aclError (*aclrtDestroyStream)(void *stream);
     const char *(*aclGetRecentErrMsg)(void);
+    /* Pinned host memory, resolved on first use (see acl_host_resolve). */
+    int host_state; /* 0: not yet looked up; 1: resolved; 2: absent (atomic) */
+    aclError (*aclrtMallocHost)(void **ptr, size_t size);
+    aclError (*aclrtFreeHost)(void *ptr);
 } acl_impl;
 
 #define IMPL(b) ((acl_impl *)(b)->impl)
@@ -121,6 +126,51 @@ static int acl_mem_info(ap_backend *b, int device, size_t *free_bytes, size_t *t
     if (rc != 0)
         return rc;
     return IMPL(b)->aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes);
+}
+
+/* ---- pinned host memory -------------------------------------------------------------------- */
+
+/* Resolved on first use rather than at open: most processes never pin host memory, and
+   resolved_symbols should list only the entry points in use. One lock for all backends: this runs
+   once per backend. */
+static pthread_mutex_t host_resolve_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int acl_host_resolve(ap_backend *b)
+{
+    acl_impl *im = IMPL(b);
+    int state = __atomic_load_n(&im->host_state, __ATOMIC_ACQUIRE);
+
+    if (state == 0) {
+        pthread_mutex_lock(&host_resolve_lock);
+        state = im->host_state;
+        if (state == 0) {
+            im->aclrtMallocHost = (__typeof__(im->aclrtMallocHost))ap_resolve(b->lib, &im->base, "aclrtMallocHost");
+            im->aclrtFreeHost = (__typeof__(im->aclrtFreeHost))ap_resolve(b->lib, &im->base, "aclrtFreeHost");
+            state = im->aclrtMallocHost && im->aclrtFreeHost ? 1 : 2;
+            __atomic_store_n(&im->host_state, state, __ATOMIC_RELEASE);
+        }
+        pthread_mutex_unlock(&host_resolve_lock);
+    }
+    return state == 1 ? 0 : AP_ERR_MISSING_SYMBOL;
+}
+
+/* aclrtMallocHost needs a current context (CANN: after aclrtSetDevice or aclrtCreateContext). */
+static int acl_host_malloc(ap_backend *b, int device, void **ptr, size_t size)
+{
+    int rc = acl_host_resolve(b);
+
+    if (rc == 0)
+        rc = acl_set_device(b, device);
+    return rc != 0 ? rc : IMPL(b)->aclrtMallocHost(ptr, size);
+}
+
+static int acl_host_free(ap_backend *b, int device, void *ptr)
+{
+    int rc = acl_host_resolve(b);
+
+    if (rc == 0)
+        rc = acl_set_device(b, device);
+    return rc != 0 ? rc : IMPL(b)->aclrtFreeHost(ptr);
 }
 
 /* ---- events -------------------------------------------------------------------------------- */
@@ -451,6 +501,8 @@ int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen)
     b->stream_sync = acl_stream_sync;
     b->stream_destroy = acl_stream_destroy;
     b->error_message = acl_error_message;
+    b->host_malloc = acl_host_malloc;
+    b->host_free = acl_host_free;
 
     /* A framework in this process may have initialised ACL already; that is fine. Never finalise:
        see ap_backend_close(). */

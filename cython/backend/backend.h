@@ -48,7 +48,9 @@ struct ap_backend {
     /* Free and total bytes of the device's HBM (aclrtGetMemInfo(ACL_HBM_MEM)). */
     int (*mem_info)(ap_backend *b, int device, size_t *free_bytes, size_t *total_bytes);
 
-    /* Events without timing or blocking-sync flags: the cheapest kind. */
+    /* Events without timestamps or blocking host sync: the cheapest kind that can still order
+       streams (acl: aclrtCreateEventWithFlag(ACL_EVENT_SYNC), which CANN requires for
+       aclrtStreamWaitEvent, else aclrtCreateEvent; cuda: cudaEventDisableTiming). */
     int (*event_create)(ap_backend *b, int device, void **event);
     int (*event_record)(ap_backend *b, void *event, void *stream);
     /* *complete = 1 when all work recorded before the event has finished, else 0. */
@@ -68,6 +70,25 @@ struct ap_backend {
 
     /* Writes a readable message for `code` (with aclGetRecentErrMsg / cudaGetErrorString). */
     void (*error_message)(ap_backend *b, int code, char *buf, size_t len);
+
+    /* Pinned (page-locked) host memory for staging copies and the host pool (acl: aclrtMallocHost /
+       aclrtFreeHost; cuda: cudaHostAlloc(cudaHostAllocDefault) / cudaFreeHost). Pinned memory
+       belongs to the process; `device` only makes a runtime context current, which the runtimes
+       require. The two symbols are resolved on first use (so resolved_symbols lists them once
+       used); a runtime without them answers AP_ERR_MISSING_SYMBOL. */
+    int (*host_malloc)(ap_backend *b, int device, void **ptr, size_t size);
+    int (*host_free)(ap_backend *b, int device, void *ptr);
+
+    /* Virtual memory (expandable segments): all 0 = ok or the runtime's code; usable only when
+       has_vmm. acl: aclrtReserveMemAddress / aclrtMallocPhysical / aclrtMapMem ...; cuda: cuMem*. */
+    int has_vmm;
+    int (*vmm_granularity)(ap_backend *b, int device, size_t *granularity);        /* huge page, 2 MiB */
+    int (*vmm_reserve)(ap_backend *b, int device, size_t size, void **va);          /* inaccessible VA range */
+    int (*vmm_release)(ap_backend *b, int device, void *va, size_t size);
+    int (*vmm_create)(ap_backend *b, int device, size_t size, void **handle);       /* physical memory */
+    int (*vmm_free)(ap_backend *b, int device, void *handle);
+    int (*vmm_map)(ap_backend *b, int device, void *va, size_t size, void *handle); /* map + read-write */
+    int (*vmm_unmap)(ap_backend *b, int device, void *va, size_t size);
 
     void *impl; /* private: resolved symbols */
 };

@@ -45,6 +45,8 @@ cdef extern from "backend.h" nogil:
         int (*stream_sync)(ap_backend *b, void *stream, int timeout_ms) noexcept nogil
         int (*stream_destroy)(ap_backend *b, void *stream) noexcept nogil
         void (*error_message)(ap_backend *b, int code, char *buf, size_t len) noexcept nogil
+        int (*host_malloc)(ap_backend *b, int device, void **ptr, size_t size) noexcept nogil
+        int (*host_free)(ap_backend *b, int device, void *ptr) noexcept nogil
         void *impl
 
     int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen)
@@ -226,6 +228,28 @@ cdef class Backend:
         if rc != 0:
             self._fail(rc, "mem_info")
         return free_bytes, total_bytes
+
+    # ---- pinned host memory (bytes) ------------------------------------------------------
+
+    def host_malloc(self, int device, size_t size):
+        """Allocates `size` bytes of pinned (page-locked) host memory in `device`'s runtime
+        context (aclrtMallocHost / cudaHostAlloc); returns the host address as an int."""
+        cdef int rc
+        cdef void *p = NULL
+        with nogil:
+            rc = self.b.host_malloc(self.b, device, &p, size)
+        if rc != 0:
+            self._fail(rc, f"host_malloc({size})")
+        return <uintptr_t>p
+
+    def host_free(self, int device, ptr):
+        """Returns pinned host memory from host_malloc() to the runtime at once."""
+        cdef int rc
+        cdef void *p = _handle(ptr)
+        with nogil:
+            rc = self.b.host_free(self.b, device, p)
+        if rc != 0:
+            self._fail(rc, "host_free")
 
     # ---- events --------------------------------------------------------------------------
 

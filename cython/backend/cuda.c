@@ -5,6 +5,7 @@
 #include "backend_impl.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +14,7 @@ typedef int cudaError_t;
 
 #define cudaErrorNotReady 600           /* queries: work still pending; also our timeout code */
 #define cudaEventDisableTiming 0x02u    /* the cheapest event: no timestamps, spin-wait sync */
+#define cudaHostAllocDefault 0x00u      /* pinned, portable to the allocating context only */
 
 typedef struct cuda_impl {
     ap_impl_base base; /* must stay first */
@@ -33,6 +35,10 @@ typedef struct cuda_impl {
     cudaError_t (*cudaStreamDestroy)(void *stream);
     const char *(*cudaGetErrorString)(cudaError_t code);
     const char *(*cudaGetErrorName)(cudaError_t code);
+    /* Pinned host memory, resolved on first use (see cuda_host_resolve). */
+    int host_state; /* 0: not yet looked up; 1: resolved; 2: absent (atomic) */
+    cudaError_t (*cudaHostAlloc)(void **ptr, size_t size, unsigned flags);
+    cudaError_t (*cudaFreeHost)(void *ptr);
 } cuda_impl;
 
 #define IMPL(b) ((cuda_impl *)(b)->impl)
@@ -82,6 +88,47 @@ static int cuda_mem_info(ap_backend *b, int device, size_t *free_bytes, size_t *
     int rc = cuda_set_device(b, device);
 
     return rc != 0 ? rc : IMPL(b)->cudaMemGetInfo(free_bytes, total_bytes);
+}
+
+/* Resolved on first use, as in acl.c: only processes that pin host memory list these symbols. */
+static pthread_mutex_t host_resolve_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int cuda_host_resolve(ap_backend *b)
+{
+    cuda_impl *im = IMPL(b);
+    int state = __atomic_load_n(&im->host_state, __ATOMIC_ACQUIRE);
+
+    if (state == 0) {
+        pthread_mutex_lock(&host_resolve_lock);
+        state = im->host_state;
+        if (state == 0) {
+            im->cudaHostAlloc = (__typeof__(im->cudaHostAlloc))ap_resolve(b->lib, &im->base, "cudaHostAlloc");
+            im->cudaFreeHost = (__typeof__(im->cudaFreeHost))ap_resolve(b->lib, &im->base, "cudaFreeHost");
+            state = im->cudaHostAlloc && im->cudaFreeHost ? 1 : 2;
+            __atomic_store_n(&im->host_state, state, __ATOMIC_RELEASE);
+        }
+        pthread_mutex_unlock(&host_resolve_lock);
+    }
+    return state == 1 ? 0 : AP_ERR_MISSING_SYMBOL;
+}
+
+/* cudaHostAlloc pins in the current device's context: make `device` current first. */
+static int cuda_host_malloc(ap_backend *b, int device, void **ptr, size_t size)
+{
+    int rc = cuda_host_resolve(b);
+
+    if (rc == 0)
+        rc = cuda_set_device(b, device);
+    return rc != 0 ? rc : IMPL(b)->cudaHostAlloc(ptr, size, cudaHostAllocDefault);
+}
+
+static int cuda_host_free(ap_backend *b, int device, void *ptr)
+{
+    int rc = cuda_host_resolve(b);
+
+    if (rc == 0)
+        rc = cuda_set_device(b, device);
+    return rc != 0 ? rc : IMPL(b)->cudaFreeHost(ptr);
 }
 
 static int cuda_event_create(ap_backend *b, int device, void **event)
@@ -281,6 +328,8 @@ int ap_cuda_open(ap_backend *b, const char *path, char *err, size_t errlen)
     b->stream_sync = cuda_stream_sync;
     b->stream_destroy = cuda_stream_destroy;
     b->error_message = cuda_error_message;
+    b->host_malloc = cuda_host_malloc;
+    b->host_free = cuda_host_free;
 
     /* Without a driver the runtime loads fine and fails here (cudaErrorInsufficientDriver 35 or
        cudaErrorNoDevice 100): report that as "no device", with the runtime's own words. */

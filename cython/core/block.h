@@ -36,6 +36,7 @@ typedef struct ap_block {
     struct ap_block *prev, *next;   /* address neighbours inside the segment */
     struct ap_block *left, *right;  /* free-tree links */
     uint32_t prio;                  /* free-tree (treap) heap priority */
+    uint64_t order;                 /* tie-break among equal sizes: segment age, then offset */
     uint8_t state;
     uint8_t counted_split;          /* counted in inactive_split stats while free */
     uint16_t tag;      /* free: stream slot whose queued work may still use it (0 = none);
@@ -49,8 +50,10 @@ typedef struct ap_segment {
     size_t size;
     int pool;                 /* AP_POOL_SMALL or AP_POOL_LARGE */
     int pinned;               /* the preallocated reserve: never released by automatic policies */
+    int expandable;           /* a run of mapped chunks in reserved address space */
     uint16_t alloc_slot;      /* stream slot of the allocation that created it (for snapshots) */
     uint64_t last_use;        /* pool tick of the last allocation from it (garbage collection) */
+    uint64_t seq;             /* creation order in its pool */
     struct ap_block *first;
     struct ap_segment *prev, *next; /* the pool's list of segments */
 } ap_segment;

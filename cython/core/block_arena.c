@@ -52,6 +52,7 @@ ap_segment *ap_segment_new(ap_pool *p) {
     ap_segment *s = p->spare_segments;
     p->spare_segments = s->next;
     memset(s, 0, sizeof *s);
+    s->seq = ++p->segment_seq;
     return s;
 }
 

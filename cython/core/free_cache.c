@@ -1,6 +1,11 @@
-/* A small cache of recently freed blocks, by exact size and stream, so that the common
+/* A small cache of recently freed small-pool blocks, by exact size and stream, so that the common
  * free-then-malloc of the same size (a training step, a decode loop) skips coalescing and the
  * best-fit tree entirely: one hash, one compare, a few counter updates.
+ *
+ * Only small-pool blocks (<= 1 MiB) are cached: large blocks left unmerged keep their neighbours'
+ * free space fragmented, so later requests split other blocks instead and fewer segments become
+ * wholly free for release (measured on the shared traces: mean waste reduction vs torch_npu fell
+ * from 65 % to 25 % with every block cached, and rose to 68 % with small blocks only).
  *
  * Cached blocks are free (inactive) in every statistic and snapshot, just not merged with their
  * neighbours yet. Anything that needs the coalesced picture — a miss, a release, empty_cache,
@@ -46,6 +51,10 @@ ap_block *ap_cache_pop(ap_pool *p, int slot, size_t rsize) {
 }
 
 void ap_cache_push(ap_pool *p, ap_block *b, int tag) {
+    if (b->seg->pool != AP_POOL_SMALL) { /* see above: large blocks are merged at once */
+        ap_free_insert(p, b, tag);
+        return;
+    }
     unsigned bin = bin_of(b->size);
     if (p->cache_n[bin] == AP_CACHE_DEPTH) { /* full: the oldest goes to the tree, merged */
         ap_block *old = p->cache[bin][0];
@@ -74,4 +83,19 @@ void ap_cache_flush(ap_pool *p) {
         }
     }
     p->n_cached = 0;
+}
+
+size_t ap_cache_bytes(const ap_pool *p) {
+    size_t bytes = 0;
+    for (int bin = 0; bin < AP_CACHE_BINS; bin++)
+        for (int i = 0; i < p->cache_n[bin]; i++) bytes += p->cache[bin][i]->size;
+    return bytes;
+}
+
+size_t ap_cache_largest(const ap_pool *p) {
+    size_t largest = 0;
+    for (int bin = 0; bin < AP_CACHE_BINS; bin++)
+        for (int i = 0; i < p->cache_n[bin]; i++)
+            if (p->cache[bin][i]->size > largest) largest = p->cache[bin][i]->size;
+    return largest;
 }

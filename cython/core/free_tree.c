@@ -1,7 +1,9 @@
 #include "free_tree.h"
 
+/* Equal sizes are ordered by (segment age, offset), not by raw address, so that placement — and
+   every figure of a replay — does not depend on where the device happened to map segments. */
 static inline int key_less(const ap_block *a, const ap_block *b) {
-    return a->size < b->size || (a->size == b->size && a->addr < b->addr);
+    return a->size < b->size || (a->size == b->size && a->order < b->order);
 }
 
 static ap_block *rotate_right(ap_block *n) {
@@ -58,7 +60,8 @@ static inline uint32_t prio_of(uintptr_t addr) {
 
 void ap_tree_insert(ap_free_tree *t, ap_block *b) {
     b->left = b->right = NULL;
-    b->prio = prio_of(b->addr);
+    b->order = (b->seg->seq << 40) | (uint64_t)(b->addr - b->seg->base);
+    b->prio = prio_of(b->order);
     t->root = insert_at(t->root, b);
     t->count++;
     t->bytes += b->size;

@@ -1,7 +1,7 @@
-/* Best-fit index of free blocks: an intrusive treap ordered by (size, address).
+/* Best-fit index of free blocks: an intrusive treap ordered by (size, segment age, offset).
  * O(log n) expected per operation, no allocation (links live in the blocks). Best fit is the
- * smallest block of at least the wanted size, lowest address first among equals, which keeps
- * allocations packed towards low addresses and whole segments free for release. */
+ * smallest block of at least the wanted size, oldest segment and lowest offset first among equals,
+ * which keeps allocations packed into old segments and young ones free for release. */
 #ifndef AP_FREE_TREE_H
 #define AP_FREE_TREE_H
 

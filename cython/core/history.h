@@ -14,6 +14,8 @@ enum {
     AP_ACT_SEGMENT_FREE,
     AP_ACT_OOM,
     AP_ACT_SNAPSHOT,
+    AP_ACT_SEGMENT_MAP,
+    AP_ACT_SEGMENT_UNMAP,
 };
 
 typedef struct ap_history_entry {

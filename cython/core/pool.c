@@ -76,10 +76,22 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
         return NULL;
     }
     p->stats.device_total_bytes = (int64_t)total_b;
+    if (cfg->expandable && ap_vmm_init(p, err) != AP_OK) {
+        ap_pool_destroy(p);
+        return NULL;
+    }
     if (cfg->reserve_bytes) {
         ap_block *b;
         size_t size = ap_round_up(cfg->reserve_bytes, cfg->page_size);
-        if (ap_segment_alloc(p, AP_POOL_LARGE, size, 0, 1, &b, err) != AP_OK) {
+        int rc = AP_OK;
+        if (cfg->expandable) {
+            int slot = ap_slot_of(p, NULL, 1);
+            err->status = AP_OK;
+            if (slot < 0 || !ap_vmm_grow(p, slot, AP_POOL_LARGE, size, err)) rc = err->status ? err->status : AP_E_HOST_NOMEM;
+        } else {
+            rc = ap_segment_alloc(p, AP_POOL_LARGE, size, 0, 1, &b, err);
+        }
+        if (rc != AP_OK) {
             ap_pool_destroy(p);
             return NULL;
         }
@@ -97,7 +109,9 @@ void ap_pool_destroy(ap_pool *p) {
         p->pending_head = b->pending_next;
         for (int i = 0; b->xs && i < b->xs->n_events; i++) p->backend->event_destroy(p->backend, b->xs->events[i]);
     }
-    for (ap_segment *s = p->segments; s; s = s->next) p->backend->free(p->backend, p->device, (void *)s->base);
+    for (ap_segment *s = p->segments; s; s = s->next)
+        if (!s->expandable) p->backend->free(p->backend, p->device, (void *)s->base);
+    ap_vmm_destroy(p);
     ap_events_destroy(p);
     ap_map_destroy(&p->live);
     ap_history_destroy(&p->history);
@@ -390,16 +404,17 @@ void ap_pool_set_limit(ap_pool *p, size_t limit_bytes) {
 }
 
 void ap_pool_get_stats(ap_pool *p, ap_stats *out) {
+    /* Reading must never change what the pool does next: no flushing here, only copies. */
     pthread_mutex_lock(&p->lock);
-    ap_cache_flush(p); /* figures of the coalesced pool */
     *out = p->stats;
-    size_t largest = 0, cached = 0;
+    size_t largest = ap_cache_largest(p), cached = 0;
     for (int s = 0; s < p->n_slots; s++)
         for (int k = 0; k < 2; k++) {
             ap_block *b = ap_tree_largest(&p->slots[s].trees[k]);
             if (b && b->size > largest) largest = b->size;
             cached += p->slots[s].trees[k].bytes;
         }
+    cached += ap_cache_bytes(p);
     pthread_mutex_unlock(&p->lock);
     out->largest_free_block = (int64_t)largest;
     out->cached_free_bytes = (int64_t)cached;

@@ -19,6 +19,7 @@
 
 #define AP_MAX_STREAMS 1024  /* distinct streams one pool tracks (slot 0 is "no stream") */
 #define AP_NO_LIMIT ((size_t)-1)
+#define AP_VMM_SPACE_MIN ((size_t)64 << 30) /* smallest address-space reservation (expandable) */
 #define AP_CACHE_BINS 64   /* recent-free cache: bins by hashed size ... */
 #define AP_CACHE_DEPTH 4   /* ... of this many blocks each */
 
@@ -43,6 +44,14 @@ typedef struct ap_error {
     char message[320];
 } ap_error;
 
+/* Cross-stream reuse. */
+enum {
+    AP_REUSE_BORROW = 0, /* a stream with nothing cached borrows other streams' free blocks by
+                            waiting on their events on the device (CUDA's stream-ordered pools) */
+    AP_REUSE_TIED = 1,   /* a block serves only the stream it was cached for (PyTorch's policy):
+                            kept as a baseline for benchmarks */
+};
+
 /* Release policies on a miss that needs a new segment. */
 enum {
     AP_RELEASE_NEVER = 0,      /* torch_npu: keep every segment until empty_cache/OOM */
@@ -63,6 +72,8 @@ typedef struct ap_config {
     size_t reserve_bytes;      /* preallocated at creation, kept until empty_cache */
     size_t history_capacity;   /* trace ring entries (0: off) */
     int release_policy;
+    int expandable;            /* segments grow in place in reserved address space (VMM) */
+    int stream_reuse;          /* AP_REUSE_BORROW or AP_REUSE_TIED */
     int sync_timeout_ms;       /* bound on every host wait for the device (-1: forever) */
 } ap_config;
 
@@ -76,6 +87,25 @@ typedef struct ap_quota_hook {
     int (*reserve)(void *ctx, int device, size_t bytes, char *why, size_t why_len);
     void (*release)(void *ctx, int device, size_t bytes);
 } ap_quota_hook;
+
+/* Expandable segments: physical memory mapped into reserved address space. A segment is a run
+ * of contiguous mapped chunks; growing maps a chunk after a segment's last block (or into a hole,
+ * joining segments); shrinking unmaps a free chunk (splitting its segment). */
+typedef struct ap_vmm_chunk {
+    uintptr_t va;
+    size_t size;
+    void *handle;               /* the runtime's physical allocation, mapped at va */
+    struct ap_segment *seg;
+    struct ap_vmm_chunk *prev, *next; /* address order in its space */
+} ap_vmm_chunk;
+
+typedef struct ap_vmm_space {
+    uintptr_t base;
+    size_t size;
+    int pool;                   /* AP_POOL_SMALL or AP_POOL_LARGE: one kind per space */
+    ap_vmm_chunk *chunks;       /* address order */
+    struct ap_vmm_space *next;
+} ap_vmm_space;
 
 typedef struct ap_stream_slot {
     void *stream;         /* runtime handle (NULL = default stream) */
@@ -97,9 +127,13 @@ typedef struct ap_pool {
     ap_ptr_map live;      /* allocated and pending blocks by address */
     ap_segment *segments; /* all segments */
     size_t n_segments;
+    uint64_t segment_seq;  /* creation counter for ap_segment.seq */
     size_t n_free_segments;  /* segments that are one free block (release candidates) */
     size_t reserved_watermark; /* highest reserved so far (release policy; not reset by reset_peak) */
     uint64_t tick;
+
+    ap_vmm_space *spaces;      /* expandable mode: reserved address ranges */
+    size_t vmm_granularity;
 
     ap_block *pending_head, *pending_tail; /* frees waiting on events, oldest first */
     void **event_cache;   /* idle events for reuse */
@@ -169,6 +203,7 @@ typedef struct ap_snap_segment {
     uintptr_t base;
     size_t size;
     int pool;
+    int expandable;
     void *stream;
     size_t first_block, n_blocks; /* range in the blocks array */
 } ap_snap_segment;

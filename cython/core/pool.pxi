@@ -5,6 +5,7 @@
 from libc.stdint cimport uintptr_t, int64_t, int8_t, int32_t, uint8_t
 from libc.stdlib cimport malloc as c_malloc, free as c_free
 from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromVoidPtr
+from cpython.exc cimport PyErr_Occurred, PyErr_Clear
 
 from ascend_pool.errors import (OutOfMemoryError, QuotaExceededError, InvalidSizeError, InvalidPointerError,
                                 InvalidStreamError, DeviceTimeoutError, PoolError)
@@ -13,7 +14,7 @@ cdef extern from "pool.h" nogil:
     enum:
         AP_OK, AP_E_OOM, AP_E_LIMIT, AP_E_INVALID_SIZE, AP_E_INVALID_PTR, AP_E_INVALID_STREAM,
         AP_E_DEVICE, AP_E_TIMEOUT, AP_E_HOST_NOMEM, AP_E_BUSY, AP_E_QUOTA
-        AP_RELEASE_NEVER, AP_RELEASE_UNDER_PEAK
+        AP_RELEASE_NEVER, AP_RELEASE_UNDER_PEAK, AP_REUSE_BORROW, AP_REUSE_TIED
     size_t AP_NO_LIMIT
     ctypedef struct ap_error:
         int status
@@ -23,7 +24,7 @@ cdef extern from "pool.h" nogil:
         size_t pad_bytes, min_block, small_size, small_segment, page_size, min_large_segment
         size_t large_split_min, max_split_size, limit_bytes, reserve_bytes, history_capacity
         double gc_threshold
-        int release_policy, sync_timeout_ms
+        int release_policy, stream_reuse, sync_timeout_ms
     ctypedef struct ap_pool:
         pass
     void ap_config_default(ap_config *c)
@@ -96,9 +97,10 @@ _STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_b
 _STAT_TYPES = ("all", "small_pool", "large_pool")
 _CONFIG_FIELDS = ("pad_bytes", "min_block", "small_size", "small_segment", "page_size", "min_large_segment",
                   "large_split_min", "max_split_size", "limit_bytes", "reserve_bytes", "history_capacity",
-                  "gc_threshold", "release_policy", "sync_timeout_ms")
+                  "gc_threshold", "release_policy", "stream_reuse", "sync_timeout_ms")
 NO_LIMIT = AP_NO_LIMIT
 RELEASE_POLICIES = {"never": AP_RELEASE_NEVER, "under_peak": AP_RELEASE_UNDER_PEAK}
+STREAM_REUSE = {"borrow": AP_REUSE_BORROW, "tied": AP_REUSE_TIED}
 BLOCK_STATES = ("inactive", "active_allocated", "active_pending_free")
 HISTORY_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot")
 
@@ -140,14 +142,17 @@ cdef inline size_t _as_size(object nbytes) except? 0:
     return <size_t>n
 
 
+cdef inline void *_long_to_ptr(object ptr) noexcept:
+    """The address in an int, or NULL (error cleared) when it does not fit."""
+    cdef void *p = PyLong_AsVoidPtr(ptr)
+    if p == NULL and PyErr_Occurred():
+        PyErr_Clear()
+    return p
+
+
 cdef inline void *_as_ptr(object ptr) except? NULL:
-    cdef void *p = NULL
-    if type(ptr) is int:
-        try:
-            p = PyLong_AsVoidPtr(ptr)
-        except OverflowError:
-            p = NULL
-    if p == NULL or <Py_ssize_t>p < 0:
+    cdef void *p = _long_to_ptr(ptr) if type(ptr) is int else NULL
+    if p == NULL or <Py_ssize_t>p < 0:  # PyLong_AsVoidPtr maps negatives onto high addresses
         raise InvalidPointerError(f"pointer must be a positive integer device address, got {ptr!r}")
     return p
 
@@ -186,6 +191,7 @@ cdef class PoolBase:
             elif key == "history_capacity": cfg.history_capacity = value
             elif key == "gc_threshold": cfg.gc_threshold = value
             elif key == "release_policy": cfg.release_policy = value
+            elif key == "stream_reuse": cfg.stream_reuse = value
             elif key == "sync_timeout_ms": cfg.sync_timeout_ms = value
         self.backend = backend
         self.device = device

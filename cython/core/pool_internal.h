@@ -42,6 +42,10 @@ ap_block *ap_cache_pop(ap_pool *p, int slot, size_t rsize);
 void ap_cache_push(ap_pool *p, ap_block *b, int tag);
 /* Coalesces every cached block into the trees; call before anything that needs the full picture. */
 void ap_cache_flush(ap_pool *p);
+/* For stats without flushing: the blocks as they are (cached ones are separate free blocks until
+   the next miss merges them; snapshots show the same). */
+size_t ap_cache_bytes(const ap_pool *p);
+size_t ap_cache_largest(const ap_pool *p);
 
 /* segments.c: device allocations, release policies and the out-of-memory path. */
 /* Returns a free block of at least rsize for slot, from a new segment if needed (the slow path). */
@@ -51,6 +55,14 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
 size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, int oldest_first, ap_error *err);
 int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap_block **out, ap_error *err);
 size_t ap_reserved(const ap_pool *p);
+
+/* expandable.c: segments that grow and shrink in reserved address space. */
+int ap_vmm_init(ap_pool *p, ap_error *err);
+/* Maps memory so that a free block of at least rsize exists for slot; returns it (in its tree). */
+ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *err);
+/* Unmaps free chunks (largest first, settling streams as needed) until target bytes are returned. */
+size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err);
+void ap_vmm_destroy(ap_pool *p);
 
 /* stream_order.c: stream slots, events, pending frees, cross-stream reuse. */
 /* Slot of a stream (created when create != 0); -1 when none / table full. */

@@ -13,7 +13,7 @@ static double now_s(void) {
 
 static int64_t device_calls(ap_pool *p, int mode, const ap_replay_result *r) {
     if (mode == AP_REPLAY_DIRECT) return r->device_mallocs + r->device_frees;
-    return p->stats.num_device_alloc + p->stats.num_device_free;
+    return p->stats.num_device_alloc + p->stats.num_device_free + p->stats.num_device_map + p->stats.num_device_unmap;
 }
 
 static void cleanup(ap_pool *p, ap_backend *b, int device, int mode, void **ptrs, size_t n_slots) {

@@ -66,7 +66,8 @@ int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap
     ap_stat_inc(&p->stats, AP_STAT_RESERVED_BYTES, pool, (int64_t)size);
     if (ap_reserved(p) > p->reserved_watermark) p->reserved_watermark = ap_reserved(p);
     ap_history_add(&p->history, AP_ACT_SEGMENT_ALLOC, seg->base, size, slot ? p->slots[slot].stream : NULL);
-    *out = ap_free_insert(p, b, 0);
+    /* A fresh segment serves any stream, except in the tied baseline where it is its stream's. */
+    *out = ap_free_insert(p, b, p->cfg.stream_reuse == AP_REUSE_TIED ? slot : 0);
     return AP_OK;
 }
 
@@ -103,6 +104,7 @@ static ap_segment *pick_free_segment(ap_pool *p, int include_pinned, int oldest_
 }
 
 size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, int oldest_first, ap_error *err) {
+    if (p->cfg.expandable) return ap_vmm_release(p, target, err);
     size_t released = 0;
     ap_cache_flush(p);
     while (released < target && p->n_free_segments) {
@@ -128,15 +130,24 @@ static size_t segment_size_for(const ap_pool *p, int pool, size_t rsize) {
 /* Makes room under the policies before growing by `size` bytes. */
 static void trim_before_growth(ap_pool *p, size_t size) {
     size_t reserved = ap_reserved(p);
-    if (p->cfg.gc_threshold > 0 && p->n_free_segments) {
+    int idle = p->cfg.expandable || p->n_free_segments; /* anything that could be released? */
+    if (p->cfg.gc_threshold > 0 && idle) {
         size_t cap = p->cfg.limit_bytes != AP_NO_LIMIT ? p->cfg.limit_bytes : (size_t)p->stats.device_total_bytes;
         size_t threshold = (size_t)(p->cfg.gc_threshold * (double)cap);
         if (reserved + size > threshold)
             reserved -= ap_release_free_segments(p, reserved + size - threshold, 0, 1, NULL);
     }
-    if (p->cfg.release_policy == AP_RELEASE_UNDER_PEAK && p->n_free_segments &&
-        reserved + size > p->reserved_watermark)
+    if (p->cfg.release_policy == AP_RELEASE_UNDER_PEAK && idle && reserved + size > p->reserved_watermark)
         ap_release_free_segments(p, reserved + size - p->reserved_watermark, 0, 0, NULL);
+}
+
+/* One attempt to get new device memory holding rsize: a segment of `size` bytes, or (expandable)
+   a mapping that extends a segment in place. */
+static int grow(ap_pool *p, int slot, int pool, size_t rsize, size_t size, ap_block **out, ap_error *err) {
+    if (!p->cfg.expandable) return ap_segment_alloc(p, pool, size, slot, 0, out, err);
+    err->status = AP_OK;
+    *out = ap_vmm_grow(p, slot, pool, rsize, err);
+    return *out ? AP_OK : err->status;
 }
 
 ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t requested, ap_error *err) {
@@ -147,11 +158,13 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
         ap_process_pending(p, 0, NULL);
         if ((b = ap_find_fit(p, slot, pool, rsize))) return b;
     }
-    if (ap_borrow_from_streams(p, slot, pool, rsize, err) && (b = ap_find_fit(p, slot, pool, rsize))) return b;
+    if (p->cfg.stream_reuse == AP_REUSE_BORROW && ap_borrow_from_streams(p, slot, pool, rsize, err) &&
+        (b = ap_find_fit(p, slot, pool, rsize)))
+        return b;
 
-    size_t size = segment_size_for(p, pool, rsize);
+    size_t size = p->cfg.expandable ? ap_round_up(rsize, p->vmm_granularity) : segment_size_for(p, pool, rsize);
     trim_before_growth(p, size);
-    int rc = ap_segment_alloc(p, pool, size, slot, 0, &b, err);
+    int rc = grow(p, slot, pool, rsize, size, &b, err);
     if (rc == AP_OK) return b;
     if (rc == AP_E_HOST_NOMEM) return NULL;
 
@@ -159,7 +172,7 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
     p->stats.num_alloc_retries++;
     ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
     if ((b = ap_find_fit(p, slot, pool, rsize))) return b;
-    rc = ap_segment_alloc(p, pool, size, slot, 0, &b, err);
+    rc = grow(p, slot, pool, rsize, size, &b, err);
     if (rc == AP_OK) return b;
 
     /* ... then wait for every pending free and every stream's queued frees, and retry once more. */
@@ -170,7 +183,7 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
         if (p->slots[s].live) ap_settle_slot(p, s, &wait_err);
     ap_release_free_segments(p, (size_t)-1, 1, 0, NULL);
     if ((b = ap_find_fit(p, slot, pool, rsize))) return b;
-    rc = ap_segment_alloc(p, pool, size, slot, 0, &b, err);
+    rc = grow(p, slot, pool, rsize, size, &b, err);
     if (rc == AP_OK) return b;
     if (wait_err.status == AP_E_TIMEOUT) *err = wait_err;
     return NULL;

@@ -6,8 +6,7 @@
 
 int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
     *out = (ap_snapshot){0};
-    pthread_mutex_lock(&p->lock);
-    ap_cache_flush(p);
+    pthread_mutex_lock(&p->lock); /* cached blocks show as inactive: no flush, state unchanged */
     size_t n_blocks = 0;
     for (ap_segment *s = p->segments; s; s = s->next)
         for (ap_block *b = s->first; b; b = b->next) n_blocks++;
@@ -24,10 +23,12 @@ int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
         o->base = s->base;
         o->size = s->size;
         o->pool = s->pool;
+        o->expandable = s->expandable;
         o->stream = s->alloc_slot ? p->slots[s->alloc_slot].stream : NULL;
         o->first_block = j;
         for (ap_block *b = s->first; b; b = b->next, j++)
-            out->blocks[j] = (ap_snap_block){b->addr, b->size, b->requested, b->state};
+            out->blocks[j] = (ap_snap_block){b->addr, b->size, b->requested,
+                                             b->state == AP_BLOCK_CACHED ? AP_BLOCK_FREE : b->state};
         o->n_blocks = j - o->first_block;
     }
     out->n_segments = i;

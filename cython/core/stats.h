@@ -32,6 +32,8 @@ typedef struct ap_stats {
     int64_t num_sync_all_streams;
     int64_t num_device_alloc;
     int64_t num_device_free;
+    int64_t num_device_map;      /* expandable segments: chunks mapped / unmapped */
+    int64_t num_device_unmap;
     int64_t num_quota_exceeded;
     int64_t events_created;      /* events ever created by the pool's event cache */
     int64_t stream_migrations;   /* times a stream was ordered after another to reuse its blocks */

@@ -98,9 +98,12 @@ static int apl_reclaim_locked(apl_file *f, int tenant, uint64_t *bytes) {
     for (int i = 0; i < APL_SLOTS; i++) {
         apl_slot *s = &f->slots[i];
         if (atomic_load(&s->state) != APL_USED) continue;
+        if (s->tenant >= APL_TENANTS) continue; /* validated at open; never index with a bad value */
         if (tenant >= 0 && s->tenant != (uint32_t)tenant) continue;
-        if (s->pid == me) continue; /* ours: alive by definition */
-        if (apl_proc_alive(s->pid, s->start_time) != 0) continue; /* alive, or cannot tell: keep */
+        /* Ours (same pid and start time) is alive by definition; a slot with our pid but another
+           start time was left by a dead process whose pid we reuse. */
+        if (s->pid == me ? s->start_time == apl_proc_start_time(me) : apl_proc_alive(s->pid, s->start_time) != 0)
+            continue; /* alive, or cannot tell: keep */
         touched |= 1ull << s->tenant;
         total += apl_slot_clear(f, i, 1);
         n++;

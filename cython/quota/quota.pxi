@@ -150,7 +150,9 @@ cdef class Ledger:
         """A lock-free reading of the ledger (each number exact, the whole a moment's picture):
         {"path", "device", "backend", "node", "owner_uid", "group", "reclaimed_slots",
          "reclaimed_bytes", "uncertain_bytes", "tenants": [...], "slots": [...]}; a tenant is
-        {"name", "quota_bytes" (None: no quota), "held_bytes", "peak_bytes", "refusals",
+        {"name", "quota_bytes" (None: no quota), "held_bytes", "peak_bytes", "refusals" (segment
+         reservations refused, node-wide: one malloc may be refused up to three times as the pool
+         trims its cache and retries),
          "uncertain_bytes", "warn" (ratio or None)}; a slot is {"pid", "tenant", "held_bytes",
          "alive" (True, False, or None when it cannot be told)}."""
         cdef apl_file *f = self.L.f
@@ -285,8 +287,10 @@ cdef class TenantPoolBase(PoolBase):
             qtext = "none" if quota is None else f"{quota} bytes ({format_bytes(quota)})"
             msg = (f"tenant {name!r} is over its quota on device {self.device}: quota {qtext}, held {held} bytes "
                    f"({format_bytes(held)}) node-wide, requested {requested} bytes ({what}; growing needs "
-                   f"{r.bytes} more bytes of device segments, after releasing the tenant's cached segments)")
-            e = QuotaExceededError(msg + (". " + pool_message if pool_message else ""))
+                   f"{r.bytes} more bytes of device segments, after releasing this context's cached segments)")
+            if pool_message:  # the pool's own figures; its "Cause:" repeats what msg says
+                msg += ". " + pool_message.split(" Cause: ")[0]
+            e = QuotaExceededError(msg)
         e.tenant = name
         e.device = self.device
         e.quota = quota

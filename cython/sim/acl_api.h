@@ -5,6 +5,47 @@
  *
  * The legacy build (-DASCEND_SIM_LEGACY=1) stands for an old CANN: it lacks aclrtMallocAlign32
  * and aclrtQueryEventStatus, so that the backend's fallbacks are exercised.
+ *
+ * Error codes where the runtime leaves a choice (kept consistent across calls):
+ *   bad argument values (NULL out-pointer, size 0, unknown policy/attr/flag, timeout < -1)
+ *                                                     ACL_ERROR_INVALID_PARAM        100000
+ *   any call before aclInit                           ACL_ERROR_UNINITIALIZE         100001
+ *   aclInit twice; ascendsim_configure after aclInit  ACL_ERROR_REPEAT_INITIALIZE    100002
+ *   aclFinalize twice                                 ACL_ERROR_REPEAT_FINALIZE      100037
+ *   unreadable aclInit config file; node record malformed, of another HBM size, unopenable
+ *                                                     ACL_ERROR_INVALID_FILE         100003
+ *   node record owned by another user, mode not 0600, or a symlink
+ *                                                     ACL_ERROR_RT_NO_PERMISSION     207006
+ *   device id out of range (SetDevice, ResetDevice, CreateContext)
+ *                                                     ACL_ERROR_RT_INVALID_DEVICEID  107001
+ *   device id out of range in ascendsim_get_stats     ACL_ERROR_INVALID_DEVICE       200002
+ *   no current device on the thread (malloc, streams, events, GetDevice, GetMemInfo)
+ *                                                     ACL_ERROR_RT_CONTEXT_NULL      107002
+ *   unknown/destroyed stream, event, context handle; address outside live device memory
+ *   (ascendsim_read/launch_fill); injected event-query fault
+ *                                                     ACL_ERROR_RT_PARAM_INVALID     107000
+ *   destroying a default context                      ACL_ERROR_RT_PARAM_INVALID     107000
+ *   out of device memory, injected malloc faults      ACL_ERROR_RT_MEMORY_ALLOCATION 207001
+ *   free of an unknown, interior or freed pointer     ACL_ERROR_RT_MEMORY_FREE       207002
+ *   65,536 live events on the device; injected create fault
+ *                                                     ACL_ERROR_RT_NO_EVENT_RESOURCE 207007
+ *   no thread for a new stream                        ACL_ERROR_RT_NO_STREAM_RESOURCE 207008
+ *   node record full (256 processes), host out of memory
+ *                                                     ACL_ERROR_RT_RESOURCE_ALLOC_FAIL 207005
+ *   stream / event sync timeout                       507046 / 507047
+ * Virtual memory (vmm.c), following the split in CANN's acl layer and runtime:
+ *   NULL out-pointer/handle/address, size 0, flags != 0 (reserve: 0 or 1), unsupported prop
+ *   (handle/allocation/location type, memAttr), unknown granularity option
+ *                                                     ACL_ERROR_INVALID_PARAM        100000
+ *   prop->location.id not a device                    ACL_ERROR_RT_INVALID_DEVICEID  107001
+ *   host physical memory (location HOST / HOST_NUMA)  ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
+ *   alignment != 0, expectPtr != NULL, reserve size not a granule multiple, offset != 0, map size
+ *   != the handle's size or not a granule multiple, misaligned or out-of-reservation or overlapping
+ *   map, unmap of a non-start, unknown/freed physical handle, release of a non-base; and the busy
+ *   cases: aclrtFreePhysical of a mapped handle, aclrtReleaseMemAddress with mappings inside
+ *                                                     ACL_ERROR_RT_PARAM_INVALID     107000
+ *   physical memory past capacity, injected malloc faults, host out of address space
+ *                                                     ACL_ERROR_RT_MEMORY_ALLOCATION 207001
  */
 #ifndef ASCEND_SIM_ACL_API_H
 #define ASCEND_SIM_ACL_API_H
@@ -68,7 +109,35 @@ typedef void *aclrtContext;
 #define ACL_HBM_MEM_P2P_NORMAL 9
 #define ACL_HBM_MEM_HUGE1G 10
 #define ACL_HBM_MEM_P2P_HUGE1G 11
+#define ACL_MEM_NORMAL 12
+#define ACL_MEM_HUGE 13
+#define ACL_MEM_HUGE1G 14
+#define ACL_MEM_P2P_NORMAL 15
+#define ACL_MEM_P2P_HUGE 16
 #define ACL_MEM_P2P_HUGE1G 17
+
+/* Virtual memory (acl_rt.h): physical memory handles and their properties. The enums are int-sized
+   as in CANN (aclrtMemHandleType, aclrtMemAllocationType, aclrtMemLocationType, aclrtMemAttr). */
+typedef void *aclrtDrvMemHandle;
+#define ACL_MEM_HANDLE_TYPE_NONE 0
+#define ACL_MEM_ALLOCATION_TYPE_PINNED 0
+#define ACL_MEM_LOCATION_TYPE_HOST 0
+#define ACL_MEM_LOCATION_TYPE_DEVICE 1
+#define ACL_MEM_LOCATION_TYPE_UNREGISTERED 2
+#define ACL_MEM_LOCATION_TYPE_HOST_NUMA 4
+#define ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM 0     /* aclrtMemGranularityOptions */
+#define ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED 1
+typedef struct aclrtMemLocation {
+    uint32_t id;   /* device id for ACL_MEM_LOCATION_TYPE_DEVICE */
+    int type;      /* aclrtMemLocationType */
+} aclrtMemLocation;
+typedef struct aclrtPhysicalMemProp {
+    int handleType;       /* aclrtMemHandleType: ACL_MEM_HANDLE_TYPE_NONE */
+    int allocationType;   /* aclrtMemAllocationType: ACL_MEM_ALLOCATION_TYPE_PINNED */
+    int memAttr;          /* aclrtMemAttr, e.g. ACL_HBM_MEM_HUGE (2 MiB pages) */
+    aclrtMemLocation location;
+    uint64_t reserve;
+} aclrtPhysicalMemProp;
 
 /* aclrtEventRecordedStatus (aclrtQueryEventStatus) and the deprecated, inverted aclrtEventStatus
    (aclrtQueryEvent). */
@@ -104,6 +173,20 @@ SIM_EXPORT aclError aclrtFree(void *devPtr);
 SIM_EXPORT aclError aclrtGetMemInfo(int attr, size_t *free, size_t *total);
 SIM_EXPORT aclError aclrtMallocHost(void **hostPtr, size_t size);
 SIM_EXPORT aclError aclrtFreeHost(void *hostPtr);
+
+/* Virtual memory (vmm.c). In both builds: nothing shows these to be newer than the two symbols the
+   legacy build lacks (torch_npu resolves all of them as optional alike). */
+SIM_EXPORT aclError aclrtMemGetAllocationGranularity(aclrtPhysicalMemProp *prop, int option,
+                                                     size_t *granularity);
+SIM_EXPORT aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment,
+                                           void *expectPtr, uint64_t flags);
+SIM_EXPORT aclError aclrtReleaseMemAddress(void *virPtr);
+SIM_EXPORT aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size,
+                                        const aclrtPhysicalMemProp *prop, uint64_t flags);
+SIM_EXPORT aclError aclrtFreePhysical(aclrtDrvMemHandle handle);
+SIM_EXPORT aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle handle,
+                                uint64_t flags);
+SIM_EXPORT aclError aclrtUnmapMem(void *virPtr);
 
 SIM_EXPORT aclError aclrtCreateEvent(aclrtEvent *event);
 SIM_EXPORT aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag);

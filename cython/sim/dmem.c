@@ -13,6 +13,12 @@
  * fill) pins its allocation; an aclrtFree meanwhile unregisters it at once (the real runtime does
  * not wait for work either) but the unmapping waits for the last pin, so the worker never
  * faults on memory unmapped under it.
+ *
+ * A third tree holds the virtual-memory reservations of vmm.c. A device pin that finds no
+ * aclrtMalloc allocation looks there: the range must lie in one reservation with every page of it
+ * mapped (a block may span several physical handles mapped side by side), and the pin is taken on
+ * the reservation, so that aclrtUnmapMem can wait for reads and fills in flight before it makes
+ * the pages inaccessible again.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* tdestroy */
@@ -31,7 +37,9 @@ struct tree {
     size_t count;
 };
 
-static struct tree trees[2] = {{PTHREAD_MUTEX_INITIALIZER, NULL, 0}, {PTHREAD_MUTEX_INITIALIZER, NULL, 0}};
+static struct tree trees[SIM_TREE_COUNT] = {{PTHREAD_MUTEX_INITIALIZER, NULL, 0},
+                                            {PTHREAD_MUTEX_INITIALIZER, NULL, 0},
+                                            {PTHREAD_MUTEX_INITIALIZER, NULL, 0}};
 
 /* Orders non-overlapping ranges; an overlapping pair compares equal, which is how a lookup of
    [ptr, ptr+n) finds the allocation it falls into. */
@@ -100,6 +108,7 @@ void sim_alloc_unmap(struct sim_alloc *a)
 void sim_alloc_insert(int which, struct sim_alloc *a)
 {
     struct tree *t = &trees[which];
+    a->tree = which;
     pthread_mutex_lock(&t->mu);
     if (tsearch(a, &t->root, cmp_range))
         t->count++;
@@ -138,12 +147,25 @@ struct sim_alloc *sim_alloc_pin(int which, const void *ptr, size_t n)
     else
         a = NULL;
     pthread_mutex_unlock(&t->mu);
+    if (a || which != SIM_TREE_DEVICE)
+        return a;
+    /* Not an aclrtMalloc allocation: mapped virtual memory (vmm.c)? */
+    t = &trees[SIM_TREE_VMM];
+    pthread_mutex_lock(&t->mu);
+    node = tfind(&key, &t->root, cmp_range);
+    a = node ? *node : NULL;
+    if (a && p >= a->base && p + n <= a->base + a->size && sim_vmm_covered(a, p, n))
+        a->pins++;
+    else
+        a = NULL;
+    pthread_mutex_unlock(&t->mu);
     return a;
 }
 
 void sim_alloc_unpin(int which, struct sim_alloc *a)
 {
-    struct tree *t = &trees[which];
+    (void)which; /* a VMM reservation pinned through the device tree: its own tree's lock */
+    struct tree *t = &trees[a->tree];
     pthread_mutex_lock(&t->mu);
     int unmap = --a->pins == 0 && a->freed;
     pthread_mutex_unlock(&t->mu);
@@ -162,6 +184,38 @@ void sim_alloc_release(int which, struct sim_alloc *a)
     if (now)
         sim_alloc_unmap(a);
 }
+
+struct sim_alloc *sim_alloc_lookup(int which, const void *ptr, size_t n)
+{
+    uintptr_t p = (uintptr_t)ptr;
+    if (!ptr || p + n < p)
+        return NULL;
+    struct tree *t = &trees[which];
+    struct sim_alloc key = {.base = p, .size = n ? n : 1};
+    pthread_mutex_lock(&t->mu);
+    void **node = tfind(&key, &t->root, cmp_range);
+    struct sim_alloc *a = node ? *node : NULL;
+    if (a && !(p >= a->base && p + key.size <= a->base + a->size))
+        a = NULL;
+    pthread_mutex_unlock(&t->mu);
+    return a;
+}
+
+void sim_alloc_wait_unpinned(struct sim_alloc *a)
+{
+    struct tree *t = &trees[a->tree];
+    for (;;) {
+        pthread_mutex_lock(&t->mu);
+        uint32_t pins = a->pins;
+        pthread_mutex_unlock(&t->mu);
+        if (pins == 0)
+            return;
+        sim_sleep_ns(20000); /* pins last one memcpy/memset */
+    }
+}
+
+void sim_alloc_lock(int which) { pthread_mutex_lock(&trees[which].mu); }
+void sim_alloc_unlock(int which) { pthread_mutex_unlock(&trees[which].mu); }
 
 /* twalk() takes no user argument: the collector runs under the tree's lock. */
 static struct sim_alloc **walk_out;
@@ -196,7 +250,7 @@ size_t sim_alloc_take_all(int which, struct sim_alloc ***out)
 
 void sim_alloc_reset(void)
 {
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < SIM_TREE_COUNT; i++) {
         pthread_mutex_init(&trees[i].mu, NULL);
         trees[i].root = NULL; /* the parent's mappings stay in the child, unregistered */
         trees[i].count = 0;

@@ -9,6 +9,7 @@
  *   stream.c   streams and their FIFO workers                   event.c    events
  *   context.c  contexts, the thread's current device            device.c   aclInit/Finalize, devices
  *   faults.c   fault injection and latency                      control.c  ascendsim_* API
+ *   vmm.c      virtual memory: reservations, physical handles, maps
  */
 #ifndef ASCEND_SIM_INTERNAL_H
 #define ASCEND_SIM_INTERNAL_H
@@ -65,7 +66,7 @@ int sim_config_load(struct sim_config *cfg, const char *call);
 int sim_config_devices(int *devices, const char *call);
 
 /* ---- registry.c: every live handle, so a garbage pointer is never dereferenced ---- */
-enum { SIM_H_STREAM = 1, SIM_H_EVENT = 2, SIM_H_CONTEXT = 3 };
+enum { SIM_H_STREAM = 1, SIM_H_EVENT = 2, SIM_H_CONTEXT = 3, SIM_H_PHYS = 4 };
 struct sim_obj {
     uint32_t type;
     _Atomic uint32_t refs;       /* the registry's reference + one per user in flight */
@@ -110,8 +111,12 @@ struct sim_alloc {
     uint32_t pins;       /* in-flight reads/fills; guarded by the tree's lock */
     int freed;           /* unmapped by the last unpin */
     int poison;          /* fill with 0xDD before unmapping */
+    int tree;            /* the tree it was inserted in (whose lock guards pins) */
 };
-enum { SIM_TREE_DEVICE = 0, SIM_TREE_HOST = 1 };
+/* SIM_TREE_VMM holds the VMM reservations (vmm.c): a pin of device memory that is not an
+   aclrtMalloc allocation succeeds when the range lies in one reservation and every page of it is
+   mapped (sim_vmm_covered); the pin is then on the reservation. */
+enum { SIM_TREE_DEVICE = 0, SIM_TREE_HOST = 1, SIM_TREE_VMM = 2, SIM_TREE_COUNT = 3 };
 /* Maps `size` bytes (alignment `align`, huge pages advised when huge != 0). NULL on failure. */
 struct sim_alloc *sim_alloc_map(size_t size, size_t align, int huge);
 void sim_alloc_unmap(struct sim_alloc *a);
@@ -122,6 +127,16 @@ struct sim_alloc *sim_alloc_pin(int tree, const void *ptr, size_t n);
 void sim_alloc_unpin(int tree, struct sim_alloc *a);
 /* Unmaps now, or when the last pin goes. */
 void sim_alloc_release(int tree, struct sim_alloc *a);
+/* The entry containing [ptr, ptr+n) (n 0 counts as 1), without pinning it: the caller must keep it
+   alive otherwise (vmm.c: its own lock serialises every insert and remove of SIM_TREE_VMM). */
+struct sim_alloc *sim_alloc_lookup(int tree, const void *ptr, size_t n);
+/* Waits (polling) until no read or fill holds a pin on `a`. The caller first makes new pins of the
+   memory in question fail: removes `a` from its tree, or (a reservation) clears those pages under
+   the tree's lock; pins elsewhere in the reservation only make the wait longer. */
+void sim_alloc_wait_unpinned(struct sim_alloc *a);
+/* The lock that guards a tree and its entries' pins (vmm.c changes what pins check under it). */
+void sim_alloc_lock(int tree);
+void sim_alloc_unlock(int tree);
 size_t sim_alloc_take_all(int tree, struct sim_alloc ***out);
 void sim_alloc_reset(void); /* fork child */
 
@@ -140,6 +155,16 @@ void sim_faults_set_event_query_nth(uint64_t n);
 void sim_faults_set_after_bytes(int64_t bytes);
 void sim_faults_set_malloc_latency(uint64_t us);
 void sim_faults_set_free_latency(uint64_t us);
+
+/* ---- vmm.c ---- */
+/* 1 when every page of [p, p+n) in reservation `resv` (a SIM_TREE_VMM entry) is mapped. Called by
+   dmem.c with SIM_TREE_VMM's lock held. */
+int sim_vmm_covered(const struct sim_alloc *resv, uintptr_t p, size_t n);
+/* aclFinalize, after the streams are gone: unmaps and frees everything, closes the backing files. */
+void sim_vmm_finalize(void);
+/* Per-device counters, in the order of the last SIM_VMM_NSTATS fields of ascendsim_stats_fields. */
+#define SIM_VMM_NSTATS 6
+void sim_vmm_stats(int dev, uint64_t out[SIM_VMM_NSTATS]);
 
 /* ---- stream.c ---- */
 enum { SIM_W_FILL = 1, SIM_W_WAIT = 2, SIM_W_HANG = 3 };

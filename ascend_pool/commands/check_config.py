@@ -1,0 +1,51 @@
+"""`ascend-pool check-config FILE`: validates a tenants file.
+
+Exit 0: the file is valid; prints what was understood (tenants, quotas, warn levels, devices) and
+any overcommit warnings (to stderr). Exit 2: one line per mistake on stderr, each naming the file,
+the line or key, and the problem.
+"""
+
+import json
+import sys
+
+from ..units import parse_bytes
+
+
+def _cmd_check_config(args):
+    from ..tenants.config import ConfigErrors, load
+
+    device_bytes = None
+    if args.device_bytes:
+        try:
+            device_bytes = parse_bytes(args.device_bytes, "--device-bytes")
+        except ValueError as e:
+            print(f"ascend-pool check-config: {e}", file=sys.stderr)
+            return 2
+    try:
+        cfg = load(args.file)
+    except ConfigErrors as e:
+        for line in e.errors:
+            print(line, file=sys.stderr)
+        return 2
+    warnings = cfg.overcommit_warnings(device_bytes)
+    if args.json:
+        out = cfg.as_dict()
+        out["warnings"] = warnings
+        print(json.dumps(out, indent=2))
+    else:
+        for line in cfg.describe(device_bytes):
+            print(line)
+        print(f"{args.file}: ok")
+    for line in warnings:
+        print(line, file=sys.stderr)
+    return 0
+
+
+def register(sub):
+    p = sub.add_parser("check-config", help="validate a tenants file (TOML): exit 0 valid, 2 with one line per mistake")
+    p.add_argument("file", help="the tenants file (as $ASCEND_POOL_CONFIG names it)")
+    p.add_argument("--device-bytes", default=None,
+                   help="device memory size (e.g. 64GiB) to check byte quotas for overcommit and show what "
+                        "percentages mean; percentages are always checked")
+    p.add_argument("--json", action="store_true", help="print what was understood as one JSON object")
+    p.set_defaults(func=_cmd_check_config)

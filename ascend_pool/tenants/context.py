@@ -1,0 +1,200 @@
+"""Tenant contexts: a pool of one tenant on one device, with a soft quota shared node-wide.
+
+    ctx = pool.context("online", quota="8GiB", warn=0.9)   # or Context("online", device=0, ...)
+    ptr = ctx.malloc(1 << 20)          # QuotaExceededError past the quota; the tenant keeps working
+    with ctx:                          # module-level ascend_pool.malloc and the C ABI use ctx
+        ...
+    ctx.set_quota("4GiB")              # applies at once; never frees live blocks
+
+A context is a Pool of its own (its own segments, so one tenant's fragmentation never blocks
+another's) on the same backend, device and knobs as the pool it came from. Every segment it takes
+from the device is booked in the tenant's entry of the device's node-wide ledger first (a
+compare-and-swap, see cython/quota/ledger_reserve.h), so the quota holds across all processes of
+the tenant on the node. Over quota, the context releases its own cached segments and retries
+before it refuses.
+
+On the acl and sim backends a context shares the device's default runtime context
+(aclrtContext): device memory on Ascend belongs to the device, not to an aclrtContext, so a
+separate runtime context would add a context switch per call and change nothing the quota needs.
+"""
+
+import logging
+import threading
+
+from .. import api as _api
+from .. import registry as _registry
+from .._core import TenantPoolBase
+from ..errors import ConfigError
+from ..pool import Pool
+from ..units import format_bytes
+from .ledger import open_ledger
+from .quota_spec import check_tenant_name, parse_quota, parse_warn
+
+log = logging.getLogger("ascend_pool.tenants")
+_KEEP = object()
+
+
+class Context(Pool, TenantPoolBase):
+    """The pool of tenant `name` on one device, with a soft quota.
+
+    Context(name, device=0, backend=None, quota=None, warn=None, **knobs). quota: int bytes, a size
+    string ("8GiB", "512MiB") or a percentage of the device ("25%"); None joins the tenant on the
+    node's current terms (no quota for a tenant nobody on the node has limited). warn: a ratio in
+    (0, 1]; growth past warn * quota logs a warning once per crossing.
+
+    Attributes: tenant (str), device (int), quota (bytes or None, node-wide, read live from the
+    ledger), warn (ratio or None), held (bytes the tenant holds on the device node-wide).
+    """
+
+    def __init__(self, name, device=0, backend=None, quota=None, warn=None, **knobs):
+        check_tenant_name(name)
+        spec = parse_quota(quota) if quota is not None else None
+        warn = parse_warn(warn)
+        super().__init__(device, backend, **knobs)
+        self.tenant = name
+        self.quota_spec = spec
+        self._local = threading.local()
+        self.warn_events = 0
+        try:
+            quota_bytes = spec.resolve(self.device_total_bytes) if spec is not None else None
+            self._attach_ledger(open_ledger(self.device, self.backend), name, quota_bytes, warn,
+                                set_quota=spec is not None)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def device_total_bytes(self):
+        """The device's total memory in bytes (what "25%" is a percentage of)."""
+        return self.backend.mem_info(self.device)[1]
+
+    # -- the quota -----------------------------------------------------------------------------
+
+    @property
+    def quota(self):
+        """The tenant's quota on this device in bytes (node-wide; None: no quota)."""
+        state = self._quota_state()
+        return state["quota_bytes"] if state else None
+
+    @property
+    def warn(self):
+        """The tenant's warn ratio (None: no warning)."""
+        state = self._quota_state()
+        return state["warn"] if state else None
+
+    @property
+    def held(self):
+        """Bytes the tenant holds on this device, all its processes together."""
+        state = self._quota_state()
+        return state["held_bytes"] if state else 0
+
+    def set_quota(self, quota, warn=_KEEP):
+        """Changes the tenant's quota on this device, node-wide and at once: bytes, "8GiB", "25%",
+        or None (no quota). warn: a new ratio, None to turn warnings off, or left out to keep it.
+        A quota below what the tenant holds stops its growth and releases cached segments of this
+        process's contexts of the tenant; live blocks are never freed."""
+        spec = parse_quota(quota) if quota is not None else None
+        warn = self.warn if warn is _KEEP else parse_warn(warn)
+        quota_bytes = spec.resolve(self.device_total_bytes) if spec is not None else None
+        self._set_ledger_quota(quota_bytes, warn)
+        self.quota_spec = spec
+        trim_tenant(self.tenant, self.device, self.ledger)
+
+    def _trim_over_quota(self):
+        """Releases cached segments while the tenant is over its quota. Returns bytes released."""
+        state = self._quota_state()
+        if self.closed or not state or state["quota_bytes"] is None:
+            return 0
+        excess = state["held_bytes"] - state["quota_bytes"]
+        if excess <= 0:
+            return 0
+        reserved = self._raw_stats()["reserved_bytes.all.current"]
+        return self._trim_to(max(0, reserved - excess))
+
+    def _quota_warn(self):
+        # Called by malloc (outside the pool lock) when this context's growth crossed the level.
+        self.warn_events += 1
+        state = self._quota_state() or {}
+        quota, held, warn = state.get("quota_bytes"), state.get("held_bytes", 0), state.get("warn")
+        if quota is not None and warn is not None:
+            log.warning("tenant %r on device %d holds %s node-wide, past its warn level %.0f%% of its quota %s",
+                        self.tenant, self.device, format_bytes(held), warn * 100, format_bytes(quota))
+
+    # -- stats ---------------------------------------------------------------------------------
+
+    def memory_stats(self):
+        """Pool.memory_stats() plus the quota (bytes; 0 means no quota): quota_bytes,
+        quota_held_bytes (the tenant, node-wide), quota_context_bytes (booked by this context),
+        quota_peak_bytes, quota_warn (ratio; 0.0: none), quota_refusals (node-wide),
+        quota_uncertain_bytes (see the ledger notes), quota_warn_events (this context)."""
+        out = super().memory_stats()
+        state = self._quota_state() or {}
+        out["quota_bytes"] = state.get("quota_bytes") or 0
+        out["quota_held_bytes"] = state.get("held_bytes", 0)
+        out["quota_context_bytes"] = state.get("slot_bytes", 0)
+        out["quota_peak_bytes"] = state.get("peak_bytes", 0)
+        out["quota_warn"] = state.get("warn") or 0.0
+        out["quota_refusals"] = state.get("refusals", 0)
+        out["quota_uncertain_bytes"] = state.get("uncertain_bytes", 0)
+        out["quota_warn_events"] = self.warn_events
+        return out
+
+    def memory_summary(self):
+        """Pool.memory_summary() with the tenant's quota line."""
+        state = self._quota_state() or {}
+        q = state.get("quota_bytes")
+        line = (f"tenant {self.tenant}: quota {'none' if q is None else format_bytes(q)}, held "
+                f"{format_bytes(state.get('held_bytes', 0))} node-wide ({format_bytes(state.get('slot_bytes', 0))} by "
+                f"this context), peak {format_bytes(state.get('peak_bytes', 0))}, {state.get('refusals', 0)} refusals")
+        return super().memory_summary() + "\n" + line
+
+    # -- current context -------------------------------------------------------------------------
+
+    def __enter__(self):
+        """Makes this context current for the calling thread: module-level ascend_pool.malloc
+        and the C ABI (ascend_pool_malloc) on this device allocate from it. Nests."""
+        self._check_open()
+        tokens = self._local.__dict__.setdefault("tokens", [])
+        tokens.append(_api.push_current(self.device, self))
+        return self
+
+    def __exit__(self, *exc):
+        _api.pop_current(self.device, self._local.tokens.pop())
+        return False
+
+    def _check_open(self):
+        if self.closed:
+            from ..errors import PoolError
+
+            raise PoolError(f"tenant context {self.tenant!r} on device {self.device} is closed")
+
+    def __repr__(self):
+        if self.closed:
+            return f"<ascend_pool.Context {self.tenant!r} closed>"
+        q = self.quota
+        return (f"<ascend_pool.Context {self.tenant!r} device={self.device} backend={self.backend.name!r} "
+                f"quota={'none' if q is None else format_bytes(q)} held={format_bytes(self.held)}>")
+
+
+def make_context(pool, name, quota=None, warn=None):
+    """A Context of tenant `name` on pool's backend and device, with pool's knobs (what
+    Pool.context calls)."""
+    if pool.closed:
+        raise ConfigError(f"cannot create tenant context {name!r}: the pool is closed")
+    return Context(name, pool.device, pool.backend, quota=quota, warn=warn, **pool.knobs)
+
+
+def live_contexts(tenant=None, device=None):
+    """This process's open contexts (of one tenant and/or device when given)."""
+    return [p for p in _registry.live_pools() if isinstance(p, Context) and not p.closed
+            and (tenant is None or p.tenant == tenant) and (device is None or p.device == device)]
+
+
+def trim_tenant(tenant, device, ledger=None):
+    """Releases cached segments of this process's contexts of tenant on device while the tenant
+    is over its quota (after a quota was lowered). Returns the bytes released."""
+    released = 0
+    for ctx in live_contexts(tenant, device):
+        if ledger is None or ctx.ledger is ledger:
+            released += ctx._trim_over_quota()
+    return released

@@ -1,0 +1,146 @@
+"""Where the node-wide quota ledgers live, and this process's handle on each.
+
+One ledger file per device (and per user, or per group when $ASCEND_POOL_LEDGER_GROUP is set),
+in $ASCEND_POOL_LEDGER_DIR or /dev/shm:
+
+    ascend_pool-ledger-u<uid>-<backend>[-<sim node>]-dev<N>     private: mode 0600
+    ascend_pool-ledger-g<gid>-<backend>[-<sim node>]-dev<N>     shared with a group: mode 0660
+
+The simulated backend adds its node name ($ASCEND_SIM_NODE) because each simulated node is a
+separate machine. The file layout and its concurrency rules are described in
+cython/quota/ledger_format.h, ledger_slots.h and ledger_reserve.h; this module only names files,
+opens them once per process (ascend_pool._core.Ledger validates them) and offers the sweep the
+node service runs.
+"""
+
+import grp
+import os
+import re
+import threading
+
+from .errors import LedgerError
+
+DIR_ENV = "ASCEND_POOL_LEDGER_DIR"
+GROUP_ENV = "ASCEND_POOL_LEDGER_GROUP"
+DEFAULT_DIR = "/dev/shm"
+_NAME = re.compile(r"^ascend_pool-ledger-(u|g)(\d+)-(acl|sim|cuda)(?:-(.+))?-dev(\d+)$")
+
+_lock = threading.Lock()
+_cache = {}  # path -> Ledger, for the life of the process (a mapping costs ~80 KiB)
+
+
+def _forget_after_fork():
+    # The child must not share the parent's open file (its flock would be the parent's).
+    global _lock
+    _lock = threading.Lock()
+    _cache.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def ledger_dir(directory=None):
+    """The directory of ledger files: `directory`, else $ASCEND_POOL_LEDGER_DIR, else /dev/shm."""
+    d = directory or os.environ.get(DIR_ENV) or DEFAULT_DIR
+    if not os.path.isdir(d):
+        raise LedgerError(f"ledger directory {d!r} does not exist or is not a directory (set {DIR_ENV} to a "
+                          "directory on tmpfs, shared by the processes of a node)", kind="io")
+    return d
+
+
+def ledger_group(value=None):
+    """The gid ledgers are shared with (from `value` or $ASCEND_POOL_LEDGER_GROUP: a group name or
+    number), or None for private ledgers."""
+    value = value if value is not None else os.environ.get(GROUP_ENV, "").strip()
+    if value in ("", None):
+        return None
+    if isinstance(value, int) or str(value).isdigit():
+        return int(value)
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise LedgerError(f"{GROUP_ENV}={value!r} is not a group on this system", kind="argument") from None
+
+
+def node_name(backend_name):
+    """The simulated node's name for the sim backend ($ASCEND_SIM_NODE, default "default"); "" else."""
+    return os.environ.get("ASCEND_SIM_NODE", "default") if backend_name == "sim" else ""
+
+
+def ledger_path(device, backend_name, node="", group=None, directory=None):
+    """The ledger file of device on backend_name (see the module docstring)."""
+    who = f"g{group}" if group is not None else f"u{os.geteuid()}"
+    suffix = f"-{node}" if node else ""
+    return os.path.join(ledger_dir(directory), f"ascend_pool-ledger-{who}-{backend_name}{suffix}-dev{int(device)}")
+
+
+def _backend_name(backend):
+    return backend if isinstance(backend, str) else backend.name
+
+
+def open_ledger(device, backend, directory=None, group=None):
+    """This process's Ledger of device (created on first use, validated, then kept). backend: a
+    Backend object or its name ("acl", "sim", "cuda"). Raises LedgerError on a foreign or
+    malformed file."""
+    from .._core import Ledger
+
+    name = _backend_name(backend)
+    gid = ledger_group(group)
+    node = node_name(name)
+    path = ledger_path(device, name, node, gid, directory)
+    with _lock:
+        led = _cache.get(path)
+        if led is None:
+            led = _cache[path] = Ledger(path, int(device), name, node, gid)
+    return led
+
+
+def ledger_files(directory=None):
+    """[(path, device, backend, node, group)] of this user's (or group's) ledger files in the
+    directory."""
+    d = ledger_dir(directory)
+    gid = ledger_group()
+    out = []
+    for entry in sorted(os.listdir(d)):
+        m = _NAME.match(entry)
+        if not m:
+            continue
+        kind, num, backend, node, dev = m.groups()
+        if (kind == "u" and (gid is not None or int(num) != os.geteuid())) or (kind == "g" and int(num) != gid):
+            continue
+        out.append((os.path.join(d, entry), int(dev), backend, node or "", int(num) if kind == "g" else None))
+    return out
+
+
+def _open_file(path, device, backend, node, group):
+    from .._core import Ledger
+
+    with _lock:
+        led = _cache.get(path)
+        if led is None:
+            led = _cache[path] = Ledger(path, device, backend, node, group)
+    return led
+
+
+def sweep(directory=None):
+    """Gives back the shares of dead processes in every ledger of this user (or group) in the
+    directory: what the node service runs periodically. Returns a list of dicts
+    {"path", "device", "slots", "bytes"}; a file that is refused is reported with "error"."""
+    out = []
+    for path, device, backend, node, group in ledger_files(directory):
+        try:
+            slots, nbytes = _open_file(path, device, backend, node, group).sweep()
+            out.append({"path": path, "device": device, "slots": slots, "bytes": nbytes})
+        except LedgerError as e:
+            out.append({"path": path, "device": device, "slots": 0, "bytes": 0, "error": str(e)})
+    return out
+
+
+def view(device=0, backend=None, directory=None):
+    """The ledger of device as a dict (see ascend_pool._core.Ledger.view): tenants with quota and
+    held bytes node-wide, and process slots. backend: name or object (default: this process's)."""
+    if backend is None:
+        from ..backend import open_backend
+
+        backend = open_backend()
+    return open_ledger(device, backend, directory).view()

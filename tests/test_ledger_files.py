@@ -1,0 +1,180 @@
+"""The ledger file: created with the owner's permissions (or a group's), and a foreign, corrupted
+or malformed file refused with a clear error, never trusted."""
+
+import os
+import stat
+import struct
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool._core import Ledger
+from ascend_pool.errors import PoolError
+from ascend_pool.tenants.errors import LedgerError
+from ascend_pool.tenants.ledger import ledger_path, node_name
+
+MiB = 1 << 20
+# Layout (cython/quota/ledger_format.h): a 256-byte header, 64 tenants of 128 bytes, 1024 slots of 64.
+TENANTS_AT, TENANT_SIZE, SLOTS_AT, SLOT_SIZE = 256, 128, 256 + 64 * 128, 64
+FILE_SIZE = SLOTS_AT + 1024 * SLOT_SIZE
+
+
+@pytest.fixture(autouse=True)
+def ledger_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))
+    monkeypatch.delenv("ASCEND_POOL_LEDGER_GROUP", raising=False)
+    return tmp_path
+
+
+def fresh(tmp_path, name="led", device=0):
+    """A valid ledger file at a new path (created by opening it), and the path."""
+    path = str(tmp_path / name)
+    Ledger(path, device, "sim", "n1")
+    return path
+
+
+def reopen(path, device=0):
+    return Ledger(path, device, "sim", "n1")
+
+
+def poke(path, offset, fmt, *values):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(struct.pack(fmt, *values))
+
+
+def test_private_ledger_is_owner_only(tmp_path):
+    pool = ap.Pool(0, backend="sim")
+    ctx = pool.context("private", quota=8 * MiB)
+    try:
+        path = ledger_path(0, "sim", node_name("sim"))
+        assert os.path.basename(path) == f"ascend_pool-ledger-u{os.geteuid()}-sim-{node_name('sim')}-dev0"
+        assert os.path.dirname(path) == str(tmp_path)
+        st = os.stat(path)
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+        assert st.st_size == FILE_SIZE
+        assert not [f for f in os.listdir(tmp_path) if ".tmp." in f]  # the temporary name is gone
+        view = ctx.ledger.view()
+        assert view["owner_uid"] == os.geteuid() and view["group"] is None
+        assert [t["name"] for t in view["tenants"]] == ["private"]
+    finally:
+        ctx.close()
+        pool.close()
+
+
+def test_group_ledger_is_group_shared(tmp_path, monkeypatch):
+    gid = os.getgid()
+    monkeypatch.setenv("ASCEND_POOL_LEDGER_GROUP", str(gid))
+    pool = ap.Pool(0, backend="sim")
+    ctx = pool.context("shared", quota=8 * MiB)
+    try:
+        path = ledger_path(0, "sim", node_name("sim"), group=gid)
+        assert os.path.basename(path).startswith(f"ascend_pool-ledger-g{gid}-sim-")
+        st = os.stat(path)
+        assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == gid
+        assert ctx.ledger.view()["group"] == gid
+    finally:
+        ctx.close()
+        pool.close()
+    # The same file is not accepted as a private ledger, nor a private one as a group ledger.
+    with pytest.raises(LedgerError, match="a private ledger must be 0600"):
+        Ledger(path, 0, "sim", node_name("sim"), None)
+    private = fresh(tmp_path, "private")
+    with pytest.raises(LedgerError, match="a group ledger must be 0660"):
+        Ledger(private, 0, "sim", "n1", gid)
+
+
+def test_wrong_permissions_refused(tmp_path):
+    path = fresh(tmp_path)
+    os.chmod(path, 0o644)
+    with pytest.raises(LedgerError) as info:
+        reopen(path)
+    assert info.value.kind == "permission"
+    assert str(info.value) == (f"ledger {path} has permissions 0644; a private ledger must be 0600 (owner only), "
+                               "refusing it")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the file to another user")
+def test_foreign_owner_refused(tmp_path):
+    path = fresh(tmp_path)
+    os.chown(path, 54321, -1)
+    with pytest.raises(LedgerError, match=rf"ledger {path} is owned by uid 54321, not by this user"):
+        reopen(path)
+
+
+def test_symlink_and_directory_refused(tmp_path):
+    target = fresh(tmp_path, "target")
+    link = str(tmp_path / "link")
+    os.symlink(target, link)
+    with pytest.raises(LedgerError, match="is a symbolic link; refusing it"):
+        reopen(link)
+    os.mkdir(tmp_path / "dir")
+    with pytest.raises(LedgerError):
+        reopen(str(tmp_path / "dir"))
+
+
+CORRUPTIONS = [
+    # (what, offset, struct format, value, expected reason)
+    ("magic", 0, "<Q", 0x1234, "bad magic number: not a ledger"),
+    ("version", 8, "<I", 99, "unsupported version"),
+    ("slot size", 20, "<I", 32, "unexpected layout (another version of ascend_pool?)"),
+    ("owner", 40, "<I", 4242, "the recorded owner is not the file's owner"),
+    ("group", 44, "<I", 7, "it was created for another sharing group"),
+    ("device", 48, "<i", 3, "it describes another device"),
+    ("backend", 56, "4s", b"acl\0", "it describes another backend or simulated node"),
+    ("tenant state", TENANTS_AT, "<I", 7, "a tenant entry has an impossible state"),
+    ("slot state", SLOTS_AT + 5 * SLOT_SIZE, "<I", 9, "a process slot has an impossible state"),
+]
+
+
+@pytest.mark.parametrize("what,offset,fmt,value,reason", CORRUPTIONS, ids=[c[0] for c in CORRUPTIONS])
+def test_corrupted_header_or_entries_refused(tmp_path, what, offset, fmt, value, reason):
+    path = fresh(tmp_path)
+    poke(path, offset, fmt, value)
+    with pytest.raises(LedgerError) as info:
+        reopen(path)
+    assert info.value.kind == "malformed"
+    assert str(info.value) == (f"ledger {path} is malformed ({reason}); refusing it (remove it when no process "
+                               "uses device quotas)")
+
+
+def test_impossible_contents_refused(tmp_path):
+    path = fresh(tmp_path)
+    # A used tenant entry named "t" holding more than any device.
+    poke(path, TENANTS_AT, "<II64sQQ", 1, 0, b"t", 2**40, 2**62)
+    with pytest.raises(LedgerError, match=r"malformed \(a tenant holds an impossible byte count\)"):
+        reopen(path)
+    path = fresh(tmp_path, "led2")
+    poke(path, TENANTS_AT, "<II64s", 1, 0, b"bad name!")
+    with pytest.raises(LedgerError, match=r"a tenant name is not a valid name"):
+        reopen(path)
+    path = fresh(tmp_path, "led3")
+    poke(path, TENANTS_AT, "<II64s", 1, 0, b"twin")
+    poke(path, TENANTS_AT + TENANT_SIZE, "<II64s", 1, 0, b"twin")
+    with pytest.raises(LedgerError, match=r"a tenant appears twice"):
+        reopen(path)
+    path = fresh(tmp_path, "led4")
+    poke(path, SLOTS_AT, "<IiQI", 1, os.getpid(), 1, 17)  # a slot of an unused tenant
+    with pytest.raises(LedgerError, match=r"a process slot names no process or an unused tenant"):
+        reopen(path)
+
+
+def test_wrong_size_refused(tmp_path):
+    path = fresh(tmp_path)
+    os.truncate(path, 100)
+    with pytest.raises(LedgerError, match=rf"ledger {path} is 100 bytes, expected {FILE_SIZE}: malformed or from "
+                                          "another version; refusing it"):
+        reopen(path)
+
+
+def test_context_on_a_refused_ledger_fails_cleanly(tmp_path):
+    pool = ap.Pool(0, backend="sim")
+    path = ledger_path(0, "sim", node_name("sim"))
+    with open(path, "wb") as f:
+        f.write(b"\0" * FILE_SIZE)
+    os.chmod(path, 0o600)
+    with pytest.raises(LedgerError, match="bad magic number") as info:
+        pool.context("victim", quota=MiB)
+    assert isinstance(info.value, PoolError)
+    assert pool.malloc(MiB)  # the pool itself is unaffected
+    pool.close()

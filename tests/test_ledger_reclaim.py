@@ -1,0 +1,211 @@
+"""Shares of dead processes: reclaimed by the next reserve that needs the room, or by the sweep the
+node service runs; a process is identified by pid *and* start time; a process killed inside a
+reserve leaves bytes counted (never given away) until the tenant has no live process."""
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool.tenants import sweep
+
+MiB = 1 << 20
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
+TENANTS_AT, TENANT_SIZE, SLOTS_AT, SLOT_SIZE = 256, 128, 256 + 64 * 128, 64
+
+HOLDER = """
+    import sys, time
+    import ascend_pool as ap
+    ctx = ap.Pool(0).context(sys.argv[1], quota=int(sys.argv[2]))
+    p = ctx.malloc(int(sys.argv[3]))
+    print("ready", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture(autouse=True)
+def ledger_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))  # children inherit it
+    return tmp_path
+
+
+@pytest.fixture
+def base():
+    p = ap.Pool(0, backend="sim", release_policy="never")
+    yield p
+    p.close()
+
+
+def start_holder(tenant, quota, nbytes):
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT)
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), tenant, str(quota), str(nbytes)],
+                         stdout=subprocess.PIPE, text=True, env=env)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def proc_state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def start_time(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
+def test_killed_process_share_is_reclaimed_on_next_attempt(base):
+    child = start_holder("shared", 8 * MiB, 6 * MiB - 1024)
+    ctx = base.context("shared")  # joins the tenant on the node's terms: 8 MiB
+    try:
+        assert ctx.quota == 8 * MiB and ctx.held == 6 * MiB
+        with pytest.raises(ap.QuotaExceededError) as info:
+            ctx.malloc(4 * MiB - 1024)  # the live child's 6 MiB count
+        assert info.value.held == 6 * MiB
+        child.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while proc_state(child.pid) not in ("Z", None) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert proc_state(child.pid) == "Z"  # not reaped yet: a zombie holds nothing
+        t0 = time.monotonic()
+        p = ctx.malloc(8 * MiB - 1024)  # the whole quota: only possible once the dead share is back
+        assert time.monotonic() - t0 < 1.0
+        view = ctx.ledger.view()
+        assert view["reclaimed_slots"] == 1 and view["reclaimed_bytes"] == 6 * MiB
+        assert [s["pid"] for s in view["slots"]] == [os.getpid()]
+        assert ctx.held == 8 * MiB
+        ctx.free(p)
+    finally:
+        child.kill()
+        child.wait()
+        ctx.close()
+
+
+def test_sweep_reclaims_for_the_node_service(base):
+    ctx = base.context("swept", quota=16 * MiB)
+    child = start_holder("swept", 16 * MiB, 4 * MiB - 1024)
+    try:
+        assert ctx.held == 4 * MiB
+        child.kill()
+        child.wait()
+        (report,) = [r for r in sweep() if r["path"] == ctx.ledger.path]
+        assert (report["slots"], report["bytes"]) == (1, 4 * MiB)
+        assert ctx.held == 0
+        assert [r["slots"] for r in sweep()] == [0]  # nothing left to reclaim
+    finally:
+        ctx.close()
+
+
+def forge_slot(path, index, tenant, pid, start, held, pending=0):
+    """Writes a used slot into the ledger file (the mapping sees it: MAP_SHARED)."""
+    with open(path, "r+b") as f:
+        f.seek(SLOTS_AT + index * SLOT_SIZE + 4)
+        f.write(struct.pack("<iQIIQq", pid, start, tenant, 0, held, pending))
+        f.seek(SLOTS_AT + index * SLOT_SIZE)
+        f.write(struct.pack("<I", 1))  # published last, like the real claim
+
+
+def add_tenant_held(path, tenant, delta):
+    with open(path, "r+b") as f:
+        f.seek(TENANTS_AT + tenant * TENANT_SIZE + 80)
+        held = struct.unpack("<Q", f.read(8))[0]
+        f.seek(TENANTS_AT + tenant * TENANT_SIZE + 80)
+        f.write(struct.pack("<Q", held + delta))
+
+
+def test_pid_reused_by_another_process_is_dead(base):
+    ctx = base.context("reuse", quota=16 * MiB)
+    try:
+        p = ctx.malloc(2 * MiB - 1024)
+        path = ctx.ledger.path
+        t = ctx.ledger.tenant("reuse")["index"]
+        me, mine = os.getpid(), start_time(os.getpid())
+        # Two slots left by "dead processes" whose pids are alive now, but started at another time:
+        # ours, and a live sleeper's.
+        sleeper = subprocess.Popen(["sleep", "30"])
+        forge_slot(path, 1000, t, me, mine - 1, 3 * MiB)
+        forge_slot(path, 1001, t, sleeper.pid, start_time(sleeper.pid) + 5, 1 * MiB)
+        forge_slot(path, 1002, t, sleeper.pid, start_time(sleeper.pid), 1 * MiB)  # really the sleeper's
+        add_tenant_held(path, t, 5 * MiB)
+        assert ctx.held == 7 * MiB
+        (report,) = sweep()
+        assert (report["slots"], report["bytes"]) == (2, 4 * MiB)
+        assert ctx.held == 3 * MiB  # ours (2) and the live sleeper's (1) remain
+        alive = sorted((s["pid"], s["held_bytes"]) for s in ctx.ledger.view()["slots"])
+        assert alive == sorted([(me, 2 * MiB), (sleeper.pid, 1 * MiB)])
+        sleeper.kill()
+        sleeper.wait()
+        assert sweep()[0]["slots"] == 1
+        ctx.free(p)
+    finally:
+        ctx.close()
+
+
+def test_death_inside_reserve_is_counted_safely_then_settled(base):
+    ctx = base.context("crash", quota=16 * MiB)
+    path, t = ctx.ledger.path, ctx.ledger.tenant("crash")["index"]
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    # A process died between its compare-and-swap (tenant += 2 MiB) and its slot update: its slot
+    # says 4 MiB held and 2 MiB pending. Nobody can know whether the CAS happened.
+    forge_slot(path, 900, t, gone.pid, 12345, 4 * MiB, pending=2 * MiB)
+    add_tenant_held(path, t, 6 * MiB)
+    (report,) = sweep()
+    assert (report["slots"], report["bytes"]) == (1, 4 * MiB)
+    state = ctx.ledger.tenant("crash")
+    assert state["held_bytes"] == 2 * MiB and state["uncertain_bytes"] == 2 * MiB  # counted, never given away
+    assert ctx.ledger.view()["uncertain_bytes"] == 2 * MiB
+    ctx.close()  # the tenant's last live slot: nobody can be reserving, so it settles exactly
+    from ascend_pool.tenants.ledger import open_ledger
+
+    state = open_ledger(0, "sim").tenant("crash")
+    assert state["held_bytes"] == 0 and state["uncertain_bytes"] == 0
+
+
+def test_fresh_tenant_does_not_inherit_a_dead_runs_quota(base):
+    child = start_holder("stale", 4 * MiB, 2 * MiB - 1024)
+    child.kill()
+    child.wait()
+    ctx = base.context("stale")  # nobody alive holds "stale": it starts afresh, without the old quota
+    try:
+        assert ctx.quota is None and ctx.held == 0
+        p = ctx.malloc(8 * MiB)
+        ctx.free(p)
+    finally:
+        ctx.close()
+
+
+def test_forked_child_cannot_use_the_parents_context(base):
+    ctx = base.context("forky", quota=64 * MiB)
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: the inherited context must refuse to grow under the parent's slot
+            code = 1
+            try:
+                ctx.malloc(8 * MiB)
+            except ap.QuotaExceededError as e:
+                code = 0 if "another process (created before a fork)" in str(e) else 2
+            except BaseException:
+                code = 3
+            os.write(w, bytes([code]))
+            os._exit(0)
+        os.close(w)
+        result = os.read(r, 1)
+        os.waitpid(pid, 0)
+        os.close(r)
+        assert result == b"\0"
+        assert ctx.held == 0
+        p = ctx.malloc(8 * MiB)  # the parent is unaffected
+        ctx.free(p)
+    finally:
+        ctx.close()

@@ -1,0 +1,130 @@
+"""The in-process collector: figures equal memory_stats(), labels and units as CONTRACT.md names
+them, counters that survive a pool's close, pools of one tenant summed, quota exported only when
+set, and an exposition that an application's own registry accepts."""
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import ascend_pool as ap
+from ascend_pool.metrics import PoolCollector
+from ascend_pool.metrics.schema import FIELDS
+
+CONTRACT_NAMES = {
+    "ascend_pool_reserved_bytes", "ascend_pool_allocated_bytes", "ascend_pool_requested_bytes",
+    "ascend_pool_cached_free_bytes", "ascend_pool_largest_free_block_bytes", "ascend_pool_fragmentation_ratio",
+    "ascend_pool_segments", "ascend_pool_pending_free_bytes", "ascend_pool_quota_bytes",
+    "ascend_pool_allocations_total", "ascend_pool_device_mallocs_total", "ascend_pool_device_frees_total",
+    "ascend_pool_ooms_total", "ascend_pool_quota_exceeded_total", "ascend_pool_alloc_retries_total",
+    "ascend_pool_device_free_bytes", "ascend_pool_device_total_bytes",
+}
+
+
+def scrape(collector):
+    """{(sample name, frozenset(labels)): value} and the exposition text."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = (s.name, frozenset(s.labels.items()))
+            assert key not in out, f"duplicate series {key}"
+            out[key] = s.value
+    return out, text
+
+
+def val(samples, name, **labels):
+    return samples[(name, frozenset({k: str(v) for k, v in labels.items()}.items()))]
+
+
+def test_every_contract_name_is_exported(pool):
+    pool.quota_bytes = 1 << 30  # as a tenant context with a quota has it
+    pool.malloc(4096)
+    samples, text = scrape(PoolCollector(pools=lambda: [pool]))
+    assert {name for name, _ in samples} == CONTRACT_NAMES
+    assert "# TYPE ascend_pool_ooms_total counter" in text
+    assert "# TYPE ascend_pool_reserved_bytes gauge" in text
+
+
+def test_figures_equal_memory_stats(pool):
+    ptrs = [pool.malloc(1000) for _ in range(5)] + [pool.malloc(4 << 20) for _ in range(3)]
+    pool.free(ptrs.pop(0))
+    st = pool.memory_stats()
+    samples, _ = scrape(PoolCollector(pools=lambda: [pool]))
+    lab = dict(device=0, tenant="default")
+    for kind in ("small", "large"):
+        for metric, key in (("reserved_bytes", "reserved_bytes"), ("allocated_bytes", "allocated_bytes"),
+                            ("requested_bytes", "requested_bytes"), ("segments", "segment")):
+            assert val(samples, f"ascend_pool_{metric}", pool=kind, **lab) == st[f"{key}.{kind}_pool.current"]
+        assert val(samples, "ascend_pool_allocations_total", pool=kind, **lab) == st[f"allocation.{kind}_pool.allocated"]
+    assert val(samples, "ascend_pool_requested_bytes", pool="small", **lab) == 4000
+    assert val(samples, "ascend_pool_requested_bytes", pool="large", **lab) == 3 * (4 << 20)
+    assert val(samples, "ascend_pool_allocations_total", pool="small", **lab) == 5
+    assert val(samples, "ascend_pool_device_mallocs_total", **lab) == st["num_device_alloc"]
+    assert val(samples, "ascend_pool_cached_free_bytes", **lab) == st["cached_free_bytes"]
+    assert val(samples, "ascend_pool_largest_free_block_bytes", **lab) == st["largest_free_block_bytes"]
+    assert val(samples, "ascend_pool_fragmentation_ratio", **lab) == pytest.approx(st["external_fragmentation"])
+    assert 0 <= val(samples, "ascend_pool_fragmentation_ratio", **lab) <= 1
+    assert val(samples, "ascend_pool_device_total_bytes", device=0) == st["device_total_bytes"]
+    assert 0 < val(samples, "ascend_pool_device_free_bytes", device=0) <= st["device_total_bytes"]
+    assert ("ascend_pool_quota_bytes", frozenset({"device": "0", "tenant": "default"}.items())) not in samples
+
+
+def test_failures_are_counted(pool):
+    total = pool.memory_stats()["device_total_bytes"]
+    pool.malloc(total // 10 * 6)
+    with pytest.raises(ap.OutOfMemoryError):
+        pool.malloc(total // 10 * 6)
+    samples, _ = scrape(PoolCollector(pools=lambda: [pool]))
+    assert val(samples, "ascend_pool_ooms_total", device=0, tenant="default") == pool.memory_stats()["num_ooms"] >= 1
+
+
+def test_counters_survive_a_pool_close_and_gauges_follow_it():
+    pools = [ap.Pool(0, backend="sim")]
+    collector = PoolCollector(pools=lambda: [p for p in pools if not p.closed])
+    for _ in range(4):
+        pools[0].free(pools[0].malloc(1000))
+    before, _ = scrape(collector)
+    assert val(before, "ascend_pool_allocations_total", pool="small", device=0, tenant="default") == 4
+    pools[0].close()
+    pools.append(ap.Pool(0, backend="sim"))
+    pools[1].malloc(1000)
+    after, _ = scrape(collector)
+    assert val(after, "ascend_pool_allocations_total", pool="small", device=0, tenant="default") == 5
+    assert val(after, "ascend_pool_device_mallocs_total", device=0, tenant="default") >= 2
+    assert val(after, "ascend_pool_requested_bytes", pool="small", device=0, tenant="default") == 1000
+    pools[1].close()
+    gone, _ = scrape(collector)
+    assert val(gone, "ascend_pool_allocations_total", pool="small", device=0, tenant="default") == 5
+    assert val(gone, "ascend_pool_reserved_bytes", pool="small", device=0, tenant="default") == 0
+
+
+def test_pools_of_one_tenant_are_summed_and_tenants_kept_apart():
+    a, b, c = (ap.Pool(0, backend="sim") for _ in range(3))
+    try:
+        c.tenant = "batch"
+        c.quota_bytes = 256 << 20
+        a.malloc(3 << 20)
+        b.malloc(5 << 20)
+        c.malloc(1 << 20)
+        samples, _ = scrape(PoolCollector(pools=lambda: [a, b, c]))
+        assert val(samples, "ascend_pool_requested_bytes", pool="large", device=0, tenant="default") == 8 << 20
+        assert val(samples, "ascend_pool_requested_bytes", pool="large", device=0, tenant="batch") == 1 << 20
+        assert val(samples, "ascend_pool_quota_bytes", device=0, tenant="batch") == 256 << 20
+        largest = max(p.memory_stats()["largest_free_block_bytes"] for p in (a, b))
+        assert val(samples, "ascend_pool_largest_free_block_bytes", device=0, tenant="default") == largest
+    finally:
+        for p in (a, b, c):
+            p.close()
+
+
+def test_default_collector_reads_the_registry_of_live_pools(pool):
+    pool.malloc(12345)
+    samples, _ = scrape(PoolCollector())
+    assert val(samples, "ascend_pool_requested_bytes", pool="small", device=0, tenant="default") >= 12345
+
+
+def test_record_fields_cover_every_family():
+    assert len(FIELDS) == len(set(FIELDS))
+    assert "quota_bytes" in FIELDS and "device_total_bytes" in FIELDS

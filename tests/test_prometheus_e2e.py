@@ -1,0 +1,208 @@
+"""End to end with the real Prometheus (Debian's package; .ci/install_prometheus.sh installs it):
+`ascend-pool serve --replay` on 127.0.0.1 with three tenants on a small simulated device,
+Prometheus scraping it every second and loading grafana/alerts.yml. Every PromQL expression of
+the Grafana dashboard (variables substituted) and every alert rule must return a non-empty
+result, which for the alerts means the demo workload really drives a tenant near its quota, over
+it, out of memory and into a fragmented cache. Also `promtool check metrics` on the exposition
+and `promtool test rules` on the rules' unit tests."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GRAFANA = ROOT / "grafana"
+DASHBOARD = GRAFANA / "ascend_pool_dashboard.json"
+ALERTS = GRAFANA / "alerts.yml"
+QUERY_DEADLINE_S = 20
+
+# A small device and tight quotas, so the alerts have something to say: "online" fits the BERT
+# trace but not the ResNet ones (near quota, over quota), "batch" fits none, "bulk" has no quota
+# and runs the device out of memory next to the other two.
+TENANTS = """
+[tenants.online]
+quota = "430MiB"
+warn = 0.9
+[tenants.batch]
+quota = "256MiB"
+[tenants.bulk]
+"""
+SIM_HBM = "1536MiB"
+
+VARIABLES = {"$__rate_interval": "15s", "${__rate_interval}": "15s", "$__interval": "5s", "$__range": "1m",
+             "$device": ".*", "${device}": ".*", "$tenant": ".*", "${tenant}": ".*"}
+
+
+def need(tool):
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"{tool} is not installed: run .ci/install_prometheus.sh (Debian's prometheus package)")
+    return path
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def substitute(expr):
+    for k in sorted(VARIABLES, key=len, reverse=True):
+        expr = expr.replace(k, VARIABLES[k])
+    assert "$" not in expr, f"unsubstituted variable in {expr}"
+    return expr
+
+
+def dashboard_expressions():
+    """[(where, PromQL)] of the dashboard: every panel target, and the variables' label_values()
+    queries as the PromQL Grafana runs for them."""
+    dash = json.loads(DASHBOARD.read_text())
+    out = []
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            out.append((f"panel {p['title']!r} {t['refId']}", substitute(t["expr"])))
+    for v in dash["templating"]["list"]:
+        if v["type"] != "query":
+            continue
+        q = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+        m = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", q.strip())
+        assert m, f"variable {v['name']}: unexpected query {q}"
+        out.append((f"variable {v['name']}", f"count by ({m.group(2)}) ({substitute(m.group(1))})"))
+    return out
+
+
+def alert_expressions(port):
+    """[(where, PromQL)] of grafana/alerts.yml as the Prometheus under test parsed it."""
+    groups = api(port, "/api/v1/rules")["data"]["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    names = re.findall(r"^\s*- alert:\s*(\S+)", ALERTS.read_text(), re.M)
+    assert sorted(r["name"] for r in rules) == sorted(names), "Prometheus did not load every rule"
+    return [(f"alert {r['name']}", r["query"]) for r in rules]
+
+
+def api(port, path, **params):
+    url = f"http://127.0.0.1:{port}{path}"
+    if params:
+        url += "?" + urllib.parse.urlencode(params)
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    prometheus = need("prometheus")
+    need("promtool")
+    tmp = tmp_path_factory.mktemp("e2e")
+    for d in ("stats", "ledger", "tsdb"):
+        (tmp / d).mkdir()
+    (tmp / "tenants.toml").write_text(TENANTS)
+    env = dict(os.environ)
+    env.update(ASCEND_POOL_STATS_DIR=str(tmp / "stats"), ASCEND_POOL_LEDGER_DIR=str(tmp / "ledger"),
+               ASCEND_SIM_NODE=f"e2e{uuid.uuid4().hex[:10]}", ASCEND_SIM_HBM=SIM_HBM, ASCEND_POOL_BACKEND="sim",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env.pop("ASCEND_POOL_CONFIG", None)
+    env.pop("ASCEND_POOL_TENANT", None)
+    serve_log = open(tmp / "serve.log", "w")
+    serve = subprocess.Popen([sys.executable, "-m", "ascend_pool.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                              "--replay", "--config", str(tmp / "tenants.toml"), "--replay-pause", "0.2"],
+                             stdout=subprocess.PIPE, stderr=serve_log, text=True, env=env)
+    procs = [serve]
+    try:
+        line = serve.stdout.readline()
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
+        assert m, f"serve did not start: {line}{(tmp / 'serve.log').read_text()}"
+        serve_port = int(m.group(1))
+        prom_port = free_port()
+        (tmp / "prometheus.yml").write_text(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            f"rule_files:\n  - {ALERTS}\n"
+            "scrape_configs:\n  - job_name: ascend_pool\n    static_configs:\n"
+            f"      - targets: ['127.0.0.1:{serve_port}']\n")
+        prom_log = open(tmp / "prometheus.log", "w")
+        prom = subprocess.Popen([prometheus, f"--config.file={tmp / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}",
+                                 "--log.level=warn"], stdout=prom_log, stderr=subprocess.STDOUT)
+        procs.append(prom)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/-/ready", timeout=2).read()
+                break
+            except OSError:
+                assert prom.poll() is None, (tmp / "prometheus.log").read_text()
+                assert time.monotonic() < deadline, "prometheus not ready in 15 s"
+                time.sleep(0.2)
+        yield {"serve_port": serve_port, "prom_port": prom_port, "tmp": tmp}
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        serve_log.close()
+
+
+def test_every_dashboard_and_alert_expression_returns_data(stack):
+    port = stack["prom_port"]
+    exprs = dashboard_expressions() + alert_expressions(port)
+    assert len(exprs) >= 20
+    pending = dict(exprs)
+    last = {}
+    deadline = time.monotonic() + QUERY_DEADLINE_S
+    while pending and time.monotonic() < deadline:
+        for where, expr in list(pending.items()):
+            r = api(port, "/api/v1/query", query=expr)
+            assert r["status"] == "success", f"{where}: {r}"
+            last[where] = r["data"]["result"]
+            if r["data"]["result"]:
+                del pending[where]
+        if pending:
+            time.sleep(1)
+    assert not pending, "empty results:\n" + "\n".join(f"  {w}: {e}" for w, e in pending.items())
+    up = api(port, "/api/v1/query", query='up{job="ascend_pool"}')["data"]["result"]
+    assert up and up[0]["value"][1] == "1"
+    # Prometheus evaluated the rules itself without errors, and the demo made them fire.
+    groups = api(port, "/api/v1/rules")["data"]["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert len(rules) == 4 and all(r["health"] == "ok" for r in rules), rules
+    # Its own evaluations (every second) raise each alert too: pending (those with `for:`) or firing.
+    want = {r["name"] for r in rules}
+    deadline = time.monotonic() + 10
+    while True:
+        active = {a["labels"]["alertname"] for a in api(port, "/api/v1/alerts")["data"]["alerts"]}
+        if want <= active or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert want <= active, f"alerts never raised by Prometheus: {sorted(want - active)}"
+
+
+def test_promtool_check_metrics_on_the_exposition(stack):
+    body = urllib.request.urlopen(f"http://127.0.0.1:{stack['serve_port']}/metrics", timeout=10).read()
+    assert b'ascend_pool_reserved_bytes{device="0"' in body
+    r = subprocess.run([need("promtool"), "check", "metrics"], input=body, capture_output=True, timeout=30)
+    assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+
+
+def test_promtool_check_and_test_rules():
+    promtool = need("promtool")
+    r = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([promtool, "test", "rules", "alerts_test.yml"], cwd=GRAFANA, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout

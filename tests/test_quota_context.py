@@ -1,0 +1,215 @@
+"""Tenant contexts in one process: quotas, QuotaExceededError, trimming before refusing,
+quota changes with live blocks, `with ctx:`, stats. Sizes are bytes; MiB = 1 << 20."""
+
+import logging
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool.errors import ConfigError
+from ascend_pool.tenants import Context
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def ledger_dir(tmp_path, monkeypatch):
+    """Every test gets its own ledger directory (so its own ledger files)."""
+    monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def base():
+    p = ap.Pool(0, backend="sim", release_policy="never")
+    yield p
+    p.close()
+
+
+def large(nbytes_mib):
+    """A request that takes exactly a segment of nbytes_mib MiB (the pool pads by 32 bytes and
+    rounds large segments to 2 MiB pages)."""
+    return nbytes_mib * MiB - 1024
+
+
+def test_two_tenants_one_hits_its_quota_other_unaffected(base):
+    a = base.context("alpha", quota="8MiB")
+    b = base.context("beta", quota=8 * MiB)
+    try:
+        pa = [a.malloc(large(4)), a.malloc(large(4))]
+        pb = b.malloc(large(4))
+        b_before = b.memory_stats()
+        with pytest.raises(ap.QuotaExceededError) as info:
+            a.malloc(large(2))
+        e = info.value
+        assert isinstance(e, ap.OutOfMemoryError) and isinstance(e, MemoryError)
+        assert (e.tenant, e.device, e.quota, e.held, e.requested) == ("alpha", 0, 8 * MiB, 8 * MiB, large(2))
+        msg = str(e)
+        for piece in ("'alpha'", "device 0", f"quota {8 * MiB} bytes", f"held {8 * MiB} bytes",
+                      f"requested {large(2)} bytes"):
+            assert piece in msg, (piece, msg)
+        # alpha keeps working: its blocks are intact, and after a free it allocates again.
+        a.free(pa.pop())
+        pa.append(a.malloc(large(4)))
+        assert a.held == 8 * MiB
+        # beta was untouched by all this, and still has its own room.
+        b_after = b.memory_stats()
+        assert b_after["allocated_bytes.all.current"] == b_before["allocated_bytes.all.current"]
+        assert b_after["num_quota_exceeded"] == 0
+        pb2 = b.malloc(large(4))
+        assert b.held == 8 * MiB
+        assert a.memory_stats()["num_quota_exceeded"] == 1
+        for p in pa:
+            a.free(p)
+        b.free(pb)
+        b.free(pb2)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_cached_segments_are_trimmed_before_refusing(base):
+    ctx = base.context("trim", quota=10 * MiB)
+    try:
+        keep = ctx.malloc(large(4))
+        cached = ctx.malloc(large(4))
+        ctx.free(cached)  # its 4 MiB segment stays cached (release_policy=never)
+        st = ctx.memory_stats()
+        assert st["reserved_bytes.all.current"] == 8 * MiB and st["cached_free_bytes"] >= 4 * MiB - 1024
+        frees_before = st["num_device_free"]
+        # 6 MiB more would make 14 > 10: the cached 4 MiB segment is released, then 4 + 6 = 10 fits.
+        big = ctx.malloc(large(6))
+        st = ctx.memory_stats()
+        assert st["num_device_free"] == frees_before + 1
+        assert st["reserved_bytes.all.current"] == 10 * MiB
+        assert ctx.held == 10 * MiB
+        assert st["num_quota_exceeded"] == 0
+        ctx.free(big)
+        # When even a trimmed cache is not enough, the cache is still given back, then it refuses.
+        with pytest.raises(ap.QuotaExceededError) as info:
+            ctx.malloc(large(8))
+        assert info.value.held == 4 * MiB  # only the live block's segment remains booked
+        assert ctx.memory_stats()["reserved_bytes.all.current"] == 4 * MiB
+        ctx.free(keep)
+    finally:
+        ctx.close()
+
+
+def test_quota_down_and_up_with_live_blocks(base):
+    ctx = base.context("elastic", quota=16 * MiB)
+    try:
+        live = [ctx.malloc(large(4)) for _ in range(3)]
+        spare = ctx.malloc(large(4))
+        ctx.free(spare)  # cached
+        allocated = ctx.memory_stats()["allocated_bytes.all.current"]
+        assert ctx.held == 16 * MiB
+        ctx.set_quota("6MiB")  # below what the live blocks hold
+        assert ctx.quota == 6 * MiB
+        st = ctx.memory_stats()
+        assert st["allocated_bytes.all.current"] == allocated  # no live block freed
+        assert st["reserved_bytes.all.current"] == 12 * MiB  # the cached segment was trimmed
+        assert ctx.held == 12 * MiB
+        for p in live:
+            assert ctx.block_info(p) is not None
+        with pytest.raises(ap.QuotaExceededError):
+            ctx.malloc(large(2))  # growth stopped
+        ctx.free(live.pop())
+        ctx.empty_cache()
+        with pytest.raises(ap.QuotaExceededError):
+            ctx.malloc(large(2))  # 8 MiB held, still over 6
+        ctx.set_quota(32 * MiB)
+        live += [ctx.malloc(large(4)) for _ in range(5)]
+        assert ctx.held == 28 * MiB
+        assert ctx.memory_stats()["quota_bytes"] == 32 * MiB
+        for p in live:
+            ctx.free(p)
+    finally:
+        ctx.close()
+
+
+def test_quota_forms(base):
+    total = base.backend.mem_info(0)[1]
+    for quota, expect in ((3 * MiB, 3 * MiB), ("512MiB", 512 * MiB), ("1.5GiB", 3 * 512 * MiB),
+                          ("25%", total // 4), ("100%", total)):
+        ctx = base.context("forms", quota=quota)
+        assert ctx.quota == expect, quota
+        ctx.close()
+    for bad, text in ((0, "zero quota"), (-1, "negative quota"), ("-3GiB", "negative quota"),
+                      ("8XB", "bad unit 'XB'"), ("0%", "zero quota"), ("150%", "more than the whole device"),
+                      (0.25, "percentage"), (True, "expected bytes"), ("lots", "cannot read 'lots'")):
+        with pytest.raises(ConfigError) as info:
+            base.context("forms", quota=bad)
+        assert text in str(info.value), (bad, str(info.value))
+    with pytest.raises(ConfigError, match="not valid"):
+        base.context("bad name", quota=MiB)
+    with pytest.raises(ConfigError, match=r"outside \(0, 1\]"):
+        base.context("w", quota=MiB, warn=1.5)
+
+
+def test_context_is_its_own_pool_on_the_same_device(base):
+    ctx = base.context("own", quota=64 * MiB)
+    try:
+        assert isinstance(ctx, ap.Pool) and isinstance(ctx, Context)
+        assert ctx.device == base.device and ctx.backend is base.backend
+        assert ctx.knobs == base.knobs
+        p = ctx.malloc(MiB)
+        assert base.block_info(p) is None  # not a block of the parent pool
+        assert base.memory_stats()["reserved_bytes.all.current"] == 0
+        s = ctx.create_stream()
+        ctx.record_stream(p, s)
+        ctx.free(p, s)
+        ctx.synchronize(s)
+        ctx.empty_cache()
+        assert ctx.memory_stats()["reserved_bytes.all.current"] == 0 and ctx.held == 0
+    finally:
+        ctx.close()
+
+
+def test_with_ctx_routes_module_level_calls(base):
+    ctx = base.context("current", quota=4 * MiB)
+    try:
+        with ctx:
+            assert ap.default_pool(0) is ctx
+            p = ap.malloc(large(4))
+            assert ctx.block_info(p) is not None
+            with pytest.raises(ap.QuotaExceededError) as info:
+                ap.malloc(large(2))
+            assert info.value.tenant == "current"
+            ap.free(p)
+        assert ap.default_pool(0) is not ctx
+    finally:
+        ctx.close()
+
+
+def test_stats_warn_and_close_return_the_share(base, caplog):
+    ctx = base.context("watched", quota=10 * MiB, warn=0.5)
+    other = base.context("watched")  # joins on the node's terms: same quota
+    assert other.quota == 10 * MiB and other.warn == 0.5
+    with caplog.at_level(logging.WARNING, logger="ascend_pool.tenants"):
+        p1 = ctx.malloc(large(4))
+        assert not caplog.records
+        p2 = other.malloc(large(2))  # 6 MiB >= 5 MiB: crosses the warn level
+    assert any("past its warn level 50%" in r.getMessage() for r in caplog.records)
+    st = ctx.memory_stats()
+    assert st["quota_bytes"] == 10 * MiB and st["quota_held_bytes"] == 6 * MiB
+    assert st["quota_context_bytes"] == 4 * MiB and st["quota_warn"] == 0.5
+    assert other.memory_stats()["quota_warn_events"] == 1
+    other.close()  # its 2 MiB go back to the tenant
+    assert ctx.held == 4 * MiB
+    ctx.free(p1)
+    ctx.close()
+    assert "closed" in repr(ctx)
+    del p2
+
+
+def test_preallocated_reserve_is_booked_or_refused():
+    fits = Context("prealloc", 0, "sim", quota=16 * MiB, reserve="8MiB")
+    try:
+        assert fits.held == 8 * MiB and fits.memory_stats()["reserved_bytes.all.current"] == 8 * MiB
+        assert "tenant prealloc: quota 16.00 MiB, held 8.00 MiB node-wide" in fits.memory_summary()
+    finally:
+        fits.close()
+    with pytest.raises(ap.QuotaExceededError) as info:
+        Context("prealloc", 0, "sim", quota=4 * MiB, reserve="8MiB")
+    assert (info.value.quota, info.value.held, info.value.requested) == (4 * MiB, 0, 8 * MiB)
+    assert "the preallocated reserve" in str(info.value)

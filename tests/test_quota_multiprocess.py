@@ -1,0 +1,134 @@
+"""Four processes of one tenant share its quota Q through the node ledger: allocating as hard as
+they can, together they never hold more than Q (by the ledger and by the simulator's own
+accounting of the node's device memory); one of them is killed with SIGKILL while holding memory
+and its share goes to the others at their next attempt (well within one second)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool._core import Ledger
+from ascend_pool.tenants.ledger import ledger_path
+
+MiB = 1 << 20
+Q = 48 * MiB
+HAMMER_S = 1.0     # all four compete
+AFTER_KILL_S = 1.5  # the three survivors go on
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
+
+WORKER = """
+    import json, os, random, sys, time
+    import ascend_pool as ap
+    from ascend_pool import sim
+    MiB = 1 << 20
+    role, quota, hammer_s, total_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+    ctx = ap.Pool(0).context("crowd", quota=quota)
+    rng = random.Random(os.getpid())
+    held = []
+    out = {"ok": 0, "refused": 0, "max_node_used": 0, "max_tenant_held": 0, "bad": []}
+    print("ready", flush=True)
+    sys.stdin.readline()  # go
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < total_s:
+        if role == "victim" and time.monotonic() - t0 >= hammer_s and ctx.memory_stats()["quota_context_bytes"] >= 4 * MiB:
+            print(json.dumps({"holding": ctx.memory_stats()["quota_context_bytes"]}), flush=True)
+            time.sleep(60)  # holds its blocks until it is killed
+        try:
+            held.append(ctx.malloc(rng.choice((1, 2, 3, 4)) * MiB - 1024))
+            out["ok"] += 1
+        except ap.QuotaExceededError as e:
+            out["refused"] += 1
+            if e.held > quota or e.tenant != "crowd":
+                out["bad"].append(str(e))
+            for _ in range(min(len(held), rng.randint(1, 3))):  # make room, then try again at once
+                ctx.free(held.pop(rng.randrange(len(held))))
+        except Exception as e:
+            out["bad"].append(repr(e))
+        out["max_node_used"] = max(out["max_node_used"], sim.stats(0)["node_bytes_used"])
+        out["max_tenant_held"] = max(out["max_tenant_held"], ctx.held)
+    print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.fixture
+def node_env(tmp_path):
+    """A simulated node and a ledger directory of this test's own."""
+    node = f"quota-mp-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT, ASCEND_SIM_NODE=node, ASCEND_POOL_LEDGER_DIR=str(tmp_path),
+               ASCEND_POOL_BACKEND="sim")
+    env.pop("ASCEND_POOL_CONF", None)
+    return node, env, tmp_path
+
+
+def test_four_processes_share_one_quota_and_a_killed_ones_share_returns(node_env):
+    node, env, ledger_dir = node_env
+    total_s = HAMMER_S + AFTER_KILL_S
+    roles = ["victim", "worker", "worker", "worker"]
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), role, str(Q), str(HAMMER_S),
+                               str(total_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+             for role in roles]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        ledger = Ledger(ledger_path(0, "sim", node, None, str(ledger_dir)), 0, "sim", node)
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+
+        def look():
+            v = ledger.view()
+            (t,) = v["tenants"]
+            slots = sum(s["held_bytes"] for s in v["slots"])
+            assert t["held_bytes"] <= Q and slots <= Q, (t, v["slots"])
+            return v, t
+
+        victim = procs[0]
+        holding = json.loads(victim.stdout.readline())["holding"]  # the victim stops, holding memory
+        assert holding >= 4 * MiB
+        while True:  # the victim's share is in the ledger
+            v, t = look()
+            if any(s["pid"] == victim.pid and s["held_bytes"] == holding for s in v["slots"]):
+                break
+        victim.send_signal(signal.SIGKILL)
+        t_kill = time.monotonic()
+        t_reclaimed = None
+        survivors_max = 0
+        while time.monotonic() - t_kill < AFTER_KILL_S - 0.2:
+            v, t = look()
+            if t_reclaimed is None and all(s["pid"] != victim.pid for s in v["slots"]):
+                t_reclaimed = time.monotonic()
+            if t_reclaimed is not None:
+                survivors_max = max(survivors_max, sum(s["held_bytes"] for s in v["slots"]))
+            time.sleep(0.002)
+        results = [json.loads(p.stdout.readline()) for p in procs[1:]]
+        for p in procs[1:]:
+            assert p.wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+    print(f"reclaimed {t_reclaimed - t_kill if t_reclaimed else None:.4f} s after the kill; victim held {holding}; "
+          f"survivors then held up to {survivors_max} of {Q}; workers: {results}")
+    # Never more than Q held: by the ledger (polled above and seen by each worker), and by the
+    # simulator's accounting of device memory used on the node.
+    for r in results:
+        assert r["bad"] == [], r["bad"]
+        assert r["ok"] > 0 and r["refused"] > 0, r  # they really competed at the quota
+        assert r["max_tenant_held"] <= Q, r
+        assert r["max_node_used"] <= Q, r
+    # The killed process's share came back at the survivors' next attempt, well within 1 s...
+    assert t_reclaimed is not None and t_reclaimed - t_kill < 1.0, t_reclaimed and t_reclaimed - t_kill
+    view = ledger.view()
+    assert view["reclaimed_slots"] == 1 and view["reclaimed_bytes"] == holding
+    # ...and they used it: together they held more than they could while the victim was alive.
+    assert survivors_max > Q - holding, (survivors_max, Q - holding)

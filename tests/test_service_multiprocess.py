@@ -1,0 +1,167 @@
+"""The node service across processes: two tenant processes that only open pools and allocate
+appear in `ascend-pool serve`'s /metrics with their pids and exact figures, the quota ledger shows
+their tenants, and a process that exits or is SIGKILLed disappears (its stats file removed, its
+ledger share given back)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+MiB = 1 << 20
+
+TENANT_PROCESS = r"""
+import os, sys
+import ascend_pool as ap
+from ascend_pool.service import publisher
+
+tenant, quota, large, n_large, small, n_small = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+pool = ap.Pool(0, backend="sim")
+ctx = pool.context(tenant, quota=quota)
+ptrs = [ctx.malloc(large) for _ in range(n_large)] + [ctx.malloc(small) for _ in range(n_small)]
+p = publisher.current()
+if p is None:
+    print("NO-PUBLISHER: opening a pool did not start the stats publisher", flush=True)
+    sys.exit(3)
+p.publish_now()
+print("READY", os.getpid(), flush=True)
+sys.stdin.readline()  # until the test says so
+"""
+
+
+def env_for(tmp_path):
+    env = dict(os.environ)
+    env.update(ASCEND_POOL_STATS_DIR=str(tmp_path / "stats"), ASCEND_POOL_LEDGER_DIR=str(tmp_path / "ledger"),
+               ASCEND_SIM_NODE=f"mp{uuid.uuid4().hex[:10]}", ASCEND_POOL_BACKEND="sim",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])))
+    env.pop("ASCEND_POOL_TENANT", None)
+    env.pop("ASCEND_POOL_CONFIG", None)
+    (tmp_path / "stats").mkdir()
+    (tmp_path / "ledger").mkdir()
+    return env
+
+
+def start_serve(env, log_path, *args):
+    """Starts the service on a free port (it prints its URL on stdout; logs go to log_path)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ascend_pool.cli", "serve", "--port", "0", *args],
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    line = proc.stdout.readline()
+    m = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
+    if not m:
+        proc.kill()
+        raise AssertionError(f"serve did not start: {line}{open(log_path).read()}")
+    return proc, int(m.group(1))
+
+
+def scrape(port):
+    """{(name, frozenset(labels)): value} of the service's /metrics."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(body) for s in fam.samples}
+
+
+def series(samples, name, **labels):
+    want = {k: str(v) for k, v in labels.items()}.items()
+    return {lab: v for (n, lab), v in samples.items() if n == name and want <= lab}
+
+
+def one(samples, name, **labels):
+    found = series(samples, name, **labels)
+    assert len(found) == 1, f"{name}{labels}: {found}"
+    return next(iter(found.values()))
+
+
+def wait_for(predicate, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def start_tenant(env, tenant, quota, large, n_large, small, n_small):
+    proc = subprocess.Popen([sys.executable, "-c", TENANT_PROCESS, tenant, quota, str(large), str(n_large),
+                             str(small), str(n_small)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    line = proc.stdout.readline()
+    if not line.startswith("READY"):
+        proc.kill()
+        raise AssertionError(f"tenant process {tenant} failed: {line}{proc.stdout.read()}")
+    return proc
+
+
+@pytest.fixture
+def node(tmp_path):
+    env = env_for(tmp_path)
+    serve, port = start_serve(env, tmp_path / "serve.log", "--sweep-interval", "0.3")
+    procs = []
+    yield env, port, procs, tmp_path / "stats"
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    serve.send_signal(signal.SIGTERM)
+    serve.wait(timeout=10)
+
+
+def test_two_tenant_processes_then_exit_and_kill(node):
+    env, port, procs, stats = node
+    a = start_tenant(env, "online", "1GiB", 4 * MiB, 3, 1000, 5)
+    b = start_tenant(env, "batch", "512MiB", 8 * MiB, 2, 100, 7)
+    procs += [a, b]
+
+    s = wait_for(lambda: (lambda m: m if series(m, "ascend_pool_requested_bytes", pid=a.pid)
+                          and series(m, "ascend_pool_requested_bytes", pid=b.pid) else None)(scrape(port)),
+                 "both tenant processes in /metrics")
+    for proc, tenant, quota, large, n_large, small, n_small in ((a, "online", 1 << 30, 4 * MiB, 3, 1000, 5),
+                                                                 (b, "batch", 512 * MiB, 8 * MiB, 2, 100, 7)):
+        lab = dict(pid=proc.pid, device=0, tenant=tenant)
+        assert one(s, "ascend_pool_requested_bytes", pool="large", **lab) == large * n_large
+        assert one(s, "ascend_pool_requested_bytes", pool="small", **lab) == small * n_small
+        assert one(s, "ascend_pool_allocations_total", pool="large", **lab) == n_large
+        assert one(s, "ascend_pool_allocations_total", pool="small", **lab) == n_small
+        allocated = sum(series(s, "ascend_pool_allocated_bytes", **lab).values())
+        reserved = sum(series(s, "ascend_pool_reserved_bytes", **lab).values())
+        assert large * n_large + small * n_small <= allocated <= reserved
+        assert one(s, "ascend_pool_quota_bytes", **lab) == quota
+        assert one(s, "ascend_pool_device_mallocs_total", **lab) >= 1
+        assert one(s, "ascend_pool_node_processes", device=0, tenant=tenant) == 1
+        assert one(s, "ascend_pool_node_requested_bytes", device=0, tenant=tenant) == large * n_large + small * n_small
+        assert one(s, "ascend_pool_ledger_held_bytes", device=0, tenant=tenant) == reserved
+        assert one(s, "ascend_pool_ledger_quota_bytes", device=0, tenant=tenant) == quota
+        assert one(s, "ascend_pool_ledger_processes", device=0, tenant=tenant) == 1
+        assert 0 <= one(s, "ascend_pool_stats_age_seconds", pid=proc.pid) < 5
+    assert one(s, "ascend_pool_device_total_bytes", device=0) > 0
+    assert one(s, "ascend_pool_service_stats_files", state="live") == 2
+
+    # A exits normally: its file goes with it and its series vanish.
+    a.stdin.write("\n")
+    a.stdin.flush()
+    assert a.wait(timeout=10) == 0
+    assert not (stats / f"ascend_pool-stats-{a.pid}").exists()
+    wait_for(lambda: not series(scrape(port), "ascend_pool_reserved_bytes", pid=a.pid), "exited process gone")
+
+    # B is killed: its file stays behind until the service notices the process is gone.
+    assert (stats / f"ascend_pool-stats-{b.pid}").exists()
+    b.send_signal(signal.SIGKILL)
+    b.wait(timeout=10)
+    wait_for(lambda: not series(scrape(port), "ascend_pool_reserved_bytes", pid=b.pid), "killed process gone")
+    assert not (stats / f"ascend_pool-stats-{b.pid}").exists()
+    # And its share of the quota ledger is given back by the service's sweep.
+    wait_for(lambda: one(scrape(port), "ascend_pool_ledger_held_bytes", device=0, tenant="batch") == 0,
+             "the killed process's ledger share reclaimed")
+    s = scrape(port)
+    assert one(s, "ascend_pool_ledger_processes", device=0, tenant="batch") == 0
+    assert not series(s, "ascend_pool_node_processes")
+    assert one(s, "ascend_pool_service_stats_files", state="live") == 0

@@ -1,0 +1,114 @@
+"""The per-process publisher: opening a pool starts it, it keeps the stats file current from a
+background thread, recovers a damaged file, is off with ASCEND_POOL_STATS=0, and a forked child
+neither writes nor removes its parent's file."""
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import ascend_pool as ap
+from ascend_pool.service.publisher import Publisher
+from ascend_pool.service.reader import read_stats_file
+
+ME = {os.geteuid()}
+
+
+def _tenant_values(path, tenant):
+    for s in read_stats_file(path, ME).samples:
+        if s.tenant == tenant:
+            return s.values
+    return None
+
+
+def _wait(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_publishes_the_pools_and_keeps_up(tmp_path):
+    pool = ap.Pool(0, backend="sim")
+    pool.tenant = f"pub-{uuid.uuid4().hex[:8]}"  # this test's own label among the process's pools
+    pub = Publisher(str(tmp_path), interval=0.05)
+    try:
+        a = pool.malloc(3 << 20)
+        _wait(lambda: (_tenant_values(pub.path, pool.tenant) or {}).get("requested_bytes.large") == 3 << 20)
+        pool.malloc(1000)
+        _wait(lambda: _tenant_values(pub.path, pool.tenant)["requested_bytes.small"] == 1000)
+        pool.free(a)
+        _wait(lambda: _tenant_values(pub.path, pool.tenant)["requested_bytes.large"] == 0)
+        v = _tenant_values(pub.path, pool.tenant)
+        assert v["allocations.large"] == 1 and v["allocations.small"] == 1
+        assert v["device_total_bytes"] == pool.memory_stats()["device_total_bytes"]
+
+        os.truncate(pub.path, 10)  # damaged under the publisher: it starts a fresh file
+        _wait(lambda: os.path.getsize(pub.path) > 10 and _tenant_values(pub.path, pool.tenant) is not None)
+    finally:
+        path = pub.path
+        pub.stop()
+        pool.close()
+    assert not os.path.exists(path)
+
+
+def _env(tmp_path, **extra):
+    env = dict(os.environ, ASCEND_POOL_STATS_DIR=str(tmp_path), ASCEND_POOL_BACKEND="sim",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    env.pop("ASCEND_POOL_TENANT", None)
+    env.update(extra)
+    return env
+
+
+_OPEN_POOL = """
+import os, sys, time
+import ascend_pool as ap
+p = ap.Pool(0, backend="sim")
+p.malloc(5000)
+path = os.path.join(os.environ["ASCEND_POOL_STATS_DIR"], f"ascend_pool-stats-{os.getpid()}")
+deadline = time.monotonic() + 5
+while not os.path.exists(path) and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("published" if os.path.exists(path) else "not published", flush=True)
+"""
+
+
+def test_opening_a_pool_starts_publishing_and_exit_removes_it(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _OPEN_POOL], capture_output=True, text=True, timeout=60,
+                       env=_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "published", "opening a pool must start the stats publisher (registry hook)"
+    assert os.listdir(tmp_path) == []  # removed at exit
+
+
+def test_publishing_can_be_turned_off(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _OPEN_POOL.replace("deadline = time.monotonic() + 5",
+                                                                 "deadline = time.monotonic() + 0.5")],
+                       capture_output=True, text=True, timeout=60, env=_env(tmp_path, ASCEND_POOL_STATS="0"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "not published"
+
+
+_FORK = """
+import os, sys
+from ascend_pool.service.publisher import ensure_publisher
+pub = ensure_publisher()
+path = pub.path
+pid = os.fork()
+if pid == 0:
+    from ascend_pool.service import publisher
+    ok = publisher.current() is None
+    sys.stdout.write("child-clean\\n" if ok else "child-inherited\\n")
+    sys.stdout.flush()
+    sys.exit(0)  # runs the child's exit hooks: they must leave the parent's file alone
+os.waitpid(pid, 0)
+print("parent-file-kept" if os.path.exists(path) else "parent-file-gone", flush=True)
+"""
+
+
+def test_fork_child_leaves_the_parent_file_alone(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _FORK], capture_output=True, text=True, timeout=60, env=_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["child-clean", "parent-file-kept"]
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,101 @@
+"""`ascend-pool serve`: --replay runs the bundled traces inside the service and its own pools show
+up like any process's; bad arguments fail with exit 2 and one clear line; SIGTERM ends it cleanly
+(its stats file removed); the endpoint refuses other methods."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def env_for(tmp_path):
+    env = dict(os.environ)
+    for d in ("stats", "ledger"):
+        (tmp_path / d).mkdir(exist_ok=True)
+    env.update(ASCEND_POOL_STATS_DIR=str(tmp_path / "stats"), ASCEND_POOL_LEDGER_DIR=str(tmp_path / "ledger"),
+               ASCEND_SIM_NODE=f"sv{uuid.uuid4().hex[:10]}", ASCEND_POOL_BACKEND="sim",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])))
+    env.pop("ASCEND_POOL_CONFIG", None)
+    env.pop("ASCEND_POOL_TENANT", None)
+    return env
+
+
+def run_serve(env, *args, timeout=30):
+    return subprocess.run([sys.executable, "-m", "ascend_pool.cli", "serve", "--port", "0", *args],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def metrics(port):
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(body) for s in fam.samples}
+
+
+def test_replay_shows_the_service_working_and_sigterm_cleans_up(tmp_path):
+    env = env_for(tmp_path)
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "ascend_pool.cli", "serve", "--port", "0", "--replay",
+                             "--replay-pause", "0.05"],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        port = int(re.search(r":(\d+)/metrics", line).group(1))
+        deadline = time.monotonic() + 15
+        while True:
+            m = metrics(port)
+            runs = {dict(lab)["trace"]: v for (n, lab), v in m.items()
+                    if n == "ascend_pool_replay_runs_total" and dict(lab)["result"] == "ok"}
+            mine = [v for (n, lab), v in m.items()
+                    if n == "ascend_pool_allocations_total" and dict(lab).get("pid") == str(proc.pid)]
+            if len(runs) == 3 and sum(mine) > 0:
+                break
+            assert time.monotonic() < deadline, f"replay not seen: {runs}, {mine}"
+            time.sleep(0.2)
+        assert set(runs) == {"bert_serving_varlen_prefix", "resnet18_train_prefix",
+                             "resnet18_train_prefetch_2stream_prefix"}
+        assert (tmp_path / "stats" / f"ascend_pool-stats-{proc.pid}").exists()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", data=b"x", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 405
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=15)
+        log.close()
+    assert rc == 0, (tmp_path / "serve.log").read_text()
+    assert os.listdir(tmp_path / "stats") == []
+
+
+def test_replay_of_a_missing_trace_fails_cleanly(tmp_path):
+    r = run_serve(env_for(tmp_path), "--replay", str(tmp_path / "nope.npz"))
+    assert r.returncode == 2
+    assert "nope.npz" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_tenants_file_fails_with_its_errors(tmp_path):
+    cfg = tmp_path / "tenants.toml"
+    cfg.write_text('[tenants.online]\nquota = "lots"\n')
+    r = run_serve(env_for(tmp_path), "--config", str(cfg), "--replay")
+    assert r.returncode == 2
+    assert "quota" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_port_in_use_fails_cleanly(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "ascend_pool.cli", "serve", "--port", str(port)],
+                           capture_output=True, text=True, env=env_for(tmp_path), timeout=30)
+    assert r.returncode == 2
+    assert "Address already in use" in r.stderr and "Traceback" not in r.stderr

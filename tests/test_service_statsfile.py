@@ -1,0 +1,258 @@
+"""The shared-memory stats file: owner-only creation, a seqlock a concurrent reader can trust,
+and a reader that refuses truncated, corrupted, foreign or stale files with a clear reason
+instead of believing or crashing on them."""
+
+import logging
+import os
+import struct
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from ascend_pool.metrics.sample import TenantSample
+from ascend_pool.metrics.schema import FIELDS, NO_QUOTA
+from ascend_pool.service import layout as L
+from ascend_pool.service.reader import Busy, Refused, Stale, read_stats_file
+from ascend_pool.service.scanner import StatsScanner
+from ascend_pool.service.statsfile import StatsFile
+
+ME = {os.geteuid()}
+
+
+def values(n=0, **over):
+    v = {f: n for f in FIELDS}
+    v["quota_bytes"] = NO_QUOTA
+    v.update(over)
+    return v
+
+
+@pytest.fixture
+def sf(tmp_path):
+    f = StatsFile(str(tmp_path))
+    yield f
+    f.close()
+
+
+def test_round_trip_and_owner_only(sf, tmp_path):
+    old = os.umask(0)
+    try:
+        f2_dir = tmp_path / "umask0"
+        f2_dir.mkdir()
+        f2 = StatsFile(str(f2_dir))
+        assert os.stat(f2.path).st_mode & 0o777 == 0o600  # whatever the umask
+        f2.close()
+    finally:
+        os.umask(old)
+    sf.publish([TenantSample(0, "default", values(7, quota_bytes=1 << 30)),
+                TenantSample(3, "batch", values(9))])
+    assert os.path.basename(sf.path) == f"ascend_pool-stats-{os.getpid()}"
+    assert os.stat(sf.path).st_mode & 0o777 == 0o600
+    assert os.stat(sf.path).st_size == L.file_size(L.DEFAULT_CAPACITY)
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    ps = read_stats_file(sf.path, ME)
+    assert ps.pid == os.getpid() and ps.uid == os.geteuid() and ps.flags == 0
+    assert [(s.device, s.tenant, s.pid) for s in ps.samples] == [(0, "default", os.getpid()), (3, "batch", os.getpid())]
+    assert ps.samples[0].values == values(7, quota_bytes=1 << 30)
+    assert ps.samples[1].values["device_mallocs"] == 9
+
+
+def test_close_removes_the_file(sf):
+    path = sf.path
+    sf.close()
+    assert not os.path.exists(path)
+    sf.close()  # idempotent
+
+
+def test_long_and_unicode_tenant_names_are_cut_at_a_character(sf):
+    name = "é" * 40  # 80 bytes of UTF-8
+    sf.publish([TenantSample(0, name, values())])
+    (s,) = read_stats_file(sf.path, ME).samples
+    assert s.tenant == "é" * 32 and len(s.tenant.encode()) == 64
+
+
+def test_overflow_keeps_capacity_and_flags_it(tmp_path):
+    f = StatsFile(str(tmp_path), capacity=2)
+    try:
+        f.publish([TenantSample(d, "t", values()) for d in range(5)])
+        ps = read_stats_file(f.path, ME)
+        assert len(ps.samples) == 2 and ps.flags & L.FLAG_OVERFLOW
+    finally:
+        f.close()
+
+
+def _patch(path, offset, data):
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(data)
+
+
+@pytest.mark.parametrize("size, reason", [(0, "truncated"), (100, "truncated"), (L.HEADER_SIZE + 10, "size")])
+def test_truncated_file_is_refused(sf, size, reason):
+    sf.publish([TenantSample(0, "default", values(1))])
+    os.truncate(sf.path, size)
+    with pytest.raises(Refused, match=reason):
+        read_stats_file(sf.path, ME)
+
+
+@pytest.mark.parametrize("offset, data, reason", [
+    (0, b"NOTOURS!", "bad magic"),
+    (8, struct.pack("<I", 99), "layout version 99"),
+    (16, struct.pack("<I", 12), "record size"),
+    (20, struct.pack("<I", 10**6), "capacity"),
+    (24, struct.pack("<i", 1), "header names pid 1"),
+    (28, struct.pack("<I", 4242), "header names uid 4242"),
+])
+def test_corrupted_header_is_refused(sf, offset, data, reason):
+    _patch(sf.path, offset, data)
+    with pytest.raises(Refused, match=reason):
+        read_stats_file(sf.path, ME)
+
+
+def test_corrupted_records_fail_the_checksum(sf):
+    sf.publish([TenantSample(0, "default", values(5))])
+    _patch(sf.path, L.HEADER_SIZE + 80, b"\xff\xff")
+    with pytest.raises(Refused, match="checksum"):
+        read_stats_file(sf.path, ME)
+
+
+def test_record_count_beyond_capacity_is_refused(sf):
+    _patch(sf.path, 72, struct.pack("<I", 10**6))
+    with pytest.raises(Refused, match="records for"):
+        read_stats_file(sf.path, ME)
+
+
+@pytest.mark.parametrize("device, tenant, vals, reason", [
+    (-1, "t", values(), "device -1"),
+    (5000, "t", values(), "device 5000"),
+    (0, "t", values(quota_bytes=-2), "negative quota_bytes"),
+    (0, "t", values(**{"reserved_bytes.large": -5}), "negative reserved_bytes.large"),
+])
+def test_insane_records_are_refused(sf, device, tenant, vals, reason):
+    sf._write([L.pack_record(device, tenant, vals)], 0)  # well-formed file, bad contents
+    with pytest.raises(Refused, match=reason):
+        read_stats_file(sf.path, ME)
+
+
+def test_bad_tenant_bytes_and_duplicates_are_refused(sf):
+    raw = L.RECORD.pack(0, 2, b"\xff\xfe".ljust(L.TENANT_MAX, b"\0"), *(0 for _ in FIELDS))
+    sf._write([raw], 0)
+    with pytest.raises(Refused, match="not UTF-8"):
+        read_stats_file(sf.path, ME)
+    rec = L.pack_record(0, "t", values())
+    sf._write([rec, rec], 0)
+    with pytest.raises(Refused, match="appears twice"):
+        read_stats_file(sf.path, ME)
+
+
+def test_foreign_owned_file_is_refused(sf):
+    if os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    os.chown(sf.path, 65534, -1)
+    with pytest.raises(Refused, match="owned by uid 65534"):
+        read_stats_file(sf.path, ME)
+    # Even a service that believes uid 65534 refuses it: the header and the pid say another owner.
+    with pytest.raises(Refused, match="uid"):
+        read_stats_file(sf.path, ME | {65534})
+
+
+def test_writable_by_others_symlink_and_non_file_are_refused(sf, tmp_path):
+    os.chmod(sf.path, 0o622)
+    with pytest.raises(Refused, match="writable by group or others"):
+        read_stats_file(sf.path, ME)
+    os.chmod(sf.path, 0o600)
+    link = tmp_path / "ascend_pool-stats-1"
+    link.symlink_to(sf.path)
+    with pytest.raises(Refused, match="symlink"):
+        read_stats_file(str(link), ME)
+    fifo = tmp_path / "ascend_pool-stats-2"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(Refused, match="not a regular file"):
+        read_stats_file(str(fifo), ME)
+
+
+def test_pid_reuse_is_stale(sf):
+    _patch(sf.path, 32, struct.pack("<Q", 1))  # another start time: another process with our pid
+    with pytest.raises(Stale, match="another process"):
+        read_stats_file(sf.path, ME)
+
+
+def test_write_in_progress_is_busy_not_refused(sf):
+    _patch(sf.path, L.SEQ_OFFSET, struct.pack("<Q", 3))  # odd: the owner is mid-write
+    with pytest.raises(Busy):
+        read_stats_file(sf.path, ME)
+
+
+def test_exited_flag_is_stale(sf):
+    path = sf.path
+    sf.close(remove=False)
+    with pytest.raises(Stale, match="exited"):
+        read_stats_file(path, ME)
+    os.unlink(path)
+
+
+def test_concurrent_reader_never_sees_a_torn_publish(sf):
+    """The writer publishes records whose fields all equal one counter; every read the reader
+    accepts must hold one counter throughout."""
+    stop = threading.Event()
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            sf.publish([TenantSample(d, f"t{d}", values(i, quota_bytes=i)) for d in range(8)])
+
+    t = threading.Thread(target=writer)
+    t.start()
+    accepted = busy = 0
+    try:
+        for _ in range(1500):
+            try:
+                ps = read_stats_file(sf.path, ME)
+            except Busy:
+                busy += 1
+                continue
+            nums = {v for s in ps.samples for v in s.values.values()}
+            assert len(nums) <= 1, f"torn read: {nums}"
+            accepted += 1
+    finally:
+        stop.set()
+        t.join()
+    assert accepted > 1000
+
+
+_EXIT_WITHOUT_CLEANUP = """
+import os, sys
+from ascend_pool.service.statsfile import StatsFile
+f = StatsFile(sys.argv[1])
+print(f.path, flush=True)
+os._exit(0)  # no atexit, no close: as if killed
+"""
+
+
+def test_scanner_removes_stale_and_logs_refusals_once(tmp_path, caplog):
+    out = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLEANUP, str(tmp_path)],
+                         capture_output=True, text=True, check=True, timeout=60)
+    dead = out.stdout.strip()
+    assert os.path.exists(dead)
+    live = StatsFile(str(tmp_path))
+    live.publish([TenantSample(0, "default", values(1))])
+    bad = tmp_path / "ascend_pool-stats-999999"
+    bad.write_bytes(b"\0" * 50)
+    bad.chmod(0o600)
+    (tmp_path / "unrelated-file").write_text("not ours")
+    scanner = StatsScanner(str(tmp_path))
+    try:
+        with caplog.at_level(logging.INFO, logger="ascend_pool.service"):
+            procs = scanner.scan()
+            assert [p.pid for p in procs] == [os.getpid()]
+            assert not os.path.exists(dead)
+            assert scanner.counts == {"live": 1, "stale": 1, "refused": 1, "busy": 0}
+            refusals = [r for r in caplog.records if "refused stats file" in r.getMessage()]
+            assert len(refusals) == 1 and "truncated" in refusals[0].getMessage()
+            assert any("removed stats file" in r.getMessage() and "exited" in r.getMessage() for r in caplog.records)
+            scanner.scan()
+            assert len([r for r in caplog.records if "refused stats file" in r.getMessage()]) == 1
+    finally:
+        live.close()

@@ -1,0 +1,188 @@
+"""Stream-ordered frees on the simulator's real asynchronous streams: a block freed on one stream
+is never touched by another stream's work before the first stream's queued work is done."""
+
+import random
+import time
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool import sim
+
+N = 64 << 10  # bytes per buffer
+
+
+def filled_with(ptr, value, n=N):
+    data = sim.read(ptr, n)
+    return data == bytes([value]) * n
+
+
+@pytest.fixture
+def streams(pool):
+    a, b, c = pool.create_stream(), pool.create_stream(), pool.create_stream()
+    yield a, b, c
+    for s in (a, b, c):
+        pool.destroy_stream(s)
+
+
+def test_free_on_a_then_malloc_on_b_waits_for_a(pool, streams):
+    a, b, _ = streams
+    n = 4 << 20  # a large block: its segment has no free room left for B, so B must reuse A's
+    ptr = pool.malloc(n, stream=a)
+    sim.launch_fill(a, ptr, n, 0xAA, delay_s=0.2)     # A still writes for 0.2 s
+    pool.free(ptr, stream=a)
+    other = pool.malloc(n, stream=b)                   # reuses ptr, ordered after A's fill
+    assert other == ptr
+    sim.launch_fill(b, other, n, 0xBB)
+    pool.synchronize(a)
+    pool.synchronize(b)
+    assert filled_with(other, 0xBB, n), "stream B's data was overwritten by A's earlier work"
+    st = pool.memory_stats()
+    assert st["num_device_alloc"] == 1, "the block cached for A must serve B (never stranded)"
+    assert st["stream_migrations"] >= 1
+    pool.free(other, stream=b)
+
+
+def test_record_stream_holds_the_block_until_the_other_stream_is_done(pool, streams):
+    a, b, _ = streams
+    ptr = pool.malloc(N, stream=a)
+    sim.launch_fill(b, ptr, N, 0xBB, delay_s=0.2)     # B uses A's block
+    pool.record_stream(ptr, b)
+    pool.free(ptr)                                     # ordered on A, but B still writes
+    st = pool.memory_stats()
+    assert st["pending_free_bytes"] == pool.round_size(N)
+    assert any(blk["state"] == "active_pending_free" for seg in pool.snapshot()["segments"] for blk in seg["blocks"])
+    again = pool.malloc(N, stream=a)
+    sim.launch_fill(a, again, N, 0xAA)
+    pool.synchronize(a)
+    pool.synchronize(b)
+    assert filled_with(again, 0xAA), "a block marked with record_stream was reused too early"
+    pool.free(again)
+    pool.synchronize(a)
+    assert pool.memory_stats()["pending_free_bytes"] == 0
+
+
+def test_same_stream_reuse_is_immediate(pool, streams):
+    a, _, _ = streams
+    ptr = pool.malloc(N, stream=a)
+    sim.launch_fill(a, ptr, N, 0xAA, delay_s=0.5)
+    t0 = time.monotonic()
+    pool.free(ptr, stream=a)
+    again = pool.malloc(N, stream=a)
+    assert time.monotonic() - t0 < 0.1
+    assert again == ptr
+    created = pool.memory_stats()["events_created"]
+    assert created == 0, "same-stream reuse needs no event"
+    pool.free(again, stream=a)
+    pool.synchronize(a)
+
+
+def test_blocks_of_a_destroyed_stream_return_to_all(pool):
+    s = pool.create_stream()
+    ptrs = [pool.malloc(N, stream=s) for _ in range(8)]
+    for p in ptrs:
+        pool.free(p, stream=s)
+    pool.destroy_stream(s)
+    before = pool.memory_stats()["num_device_alloc"]
+    again = [pool.malloc(N) for _ in range(8)]         # default stream, no new device memory
+    assert pool.memory_stats()["num_device_alloc"] == before
+    assert pool.memory_stats()["stream_migrations"] == 0   # they were already safe for all
+    for p in again:
+        pool.free(p)
+
+
+def test_events_are_pooled(pool, streams):
+    a, b, _ = streams
+    for i in range(300):
+        ptr = pool.malloc(N, stream=a if i % 2 else b)
+        pool.record_stream(ptr, b if i % 2 else a)
+        pool.free(ptr)
+    pool.synchronize(a)
+    pool.synchronize(b)
+    first = pool.memory_stats()["events_created"]
+    for i in range(300):
+        ptr = pool.malloc(N, stream=a if i % 2 else b)
+        pool.record_stream(ptr, b if i % 2 else a)
+        pool.free(ptr)
+    pool.synchronize(a)
+    pool.synchronize(b)
+    assert pool.memory_stats()["events_created"] == first, "steady state must not create events"
+    assert first < 50
+
+
+def test_out_of_memory_waits_for_pending_frees():
+    total = sim.stats(2)["total_bytes"]
+    pool = ap.Pool(2, backend="sim")
+    a, b = pool.create_stream(), pool.create_stream()
+    try:
+        big = pool.malloc(int(total * 0.6), stream=a)
+        sim.launch_fill(b, big, 4096, 1, delay_s=0.2)
+        pool.record_stream(big, b)
+        pool.free(big)                                  # pending until B is done
+        again = pool.malloc(int(total * 0.6), stream=a)  # only fits once the pending free completes
+        st = pool.memory_stats()
+        assert st["num_sync_all_streams"] >= 1 or st["pending_free_bytes"] == 0
+        pool.free(again)
+    finally:
+        pool.destroy_stream(a)
+        pool.destroy_stream(b)
+        pool.close()
+
+
+def test_hung_stream_gives_a_timeout_error_and_others_keep_working():
+    pool = ap.Pool(0, backend="sim", sync_timeout_ms=200)
+    hung, fine = pool.create_stream(), pool.create_stream()
+    try:
+        sim.hang_stream(hung)
+        t0 = time.monotonic()
+        with pytest.raises(ap.DeviceTimeoutError, match="stream") as info:
+            pool.synchronize(hung)
+        assert time.monotonic() - t0 < 2.0
+        assert info.value.code in (507046, 507047)
+        ptr = pool.malloc(N, stream=fine)
+        sim.launch_fill(fine, ptr, N, 7)
+        pool.synchronize(fine)
+        assert filled_with(ptr, 7)
+        pool.free(ptr, stream=fine)
+    finally:
+        sim.release_stream(hung)
+        pool.synchronize(hung)
+        pool.destroy_stream(hung)
+        pool.destroy_stream(fine)
+        pool.close()
+
+
+def test_randomized_streams_never_corrupt(pool):
+    rng = random.Random(1234)
+    streams = [pool.create_stream() for _ in range(4)]
+    live = {}  # ptr -> (stream, value, nbytes): each live buffer must hold what its writer wrote
+    fills = 0
+    try:
+        for step in range(400):
+            if live and rng.random() < 0.45:
+                ptr = rng.choice(list(live))
+                s, value, n = live.pop(ptr)
+                other = rng.choice(streams)
+                if other != s and rng.random() < 0.3:   # another stream still uses it when freed
+                    sim.launch_fill(other, ptr, n, (value + 1) % 256, delay_s=rng.random() * 0.002)
+                    pool.record_stream(ptr, other)
+                    fills += 1
+                pool.free(ptr, stream=s if rng.random() < 0.5 else None)
+            else:
+                s = rng.choice(streams)
+                n = rng.choice((N, N // 2, 3 * N))
+                ptr = pool.malloc(n, stream=s)
+                value = step % 251
+                sim.launch_fill(s, ptr, n, value, delay_s=rng.random() * 0.002)
+                fills += 1
+                live[ptr] = (s, value, n)
+        for s in streams:
+            pool.synchronize(s)
+        assert fills > 200
+        for ptr, (s, value, n) in live.items():
+            assert filled_with(ptr, value, n), "a live buffer was overwritten by another stream"
+    finally:
+        for ptr in live:
+            pool.free(ptr)
+        for s in streams:
+            pool.destroy_stream(s)
