@@ -37,4 +37,6 @@ from .api import (
     snapshot,
 )
 
+from .capi import library_path
+
 __version__ = "0.1.0"

@@ -10,7 +10,8 @@ Knobs:
   record_history               keep a ring of allocator events for snapshots: true/false or a
                                number of entries
   page_size                    large-segment granularity: "2m" (default) or "1g"
-  expandable_segments          false (true is not available yet)
+  expandable_segments          true: segments grow and shrink in place through the runtime's
+                               virtual-memory calls (needs a backend with them); default false
   release_policy               "under_peak" (default) or "never" (torch_npu's behaviour)
   stream_reuse                 "borrow" (default: a stream reuses blocks freed on another stream
                                once ordered after them by an event wait on the device) or
@@ -120,9 +121,7 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
             else:
                 raise ConfigError(f"page_size: must be 2m or 1g, got {value!r}")
         elif key == "expandable_segments":
-            if _bool(key, value):
-                raise ConfigError("expandable_segments: true is not available yet in this version "
-                                  "(only the segment-based pool is); remove the knob or set it to false")
+            cfg["expandable"] = 1 if _bool(key, value) else 0
         elif key == "release_policy":
             from ._core import RELEASE_POLICIES
             if value not in RELEASE_POLICIES:

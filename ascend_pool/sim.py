@@ -135,8 +135,9 @@ def parse_size(value: int | str) -> int:
 def launch_fill(stream, ptr: int, nbytes: int, value: int, delay_s: float = 0.0) -> None:
     """Enqueues on ``stream`` a wait of ``delay_s`` seconds, then a memset of ``nbytes`` bytes at
     device address ``ptr`` to ``value`` (0..255). Returns at once; the stream's worker does the
-    work. ``[ptr, ptr+nbytes)`` must lie in one live device allocation (SimError 107000 otherwise);
-    if it is freed before the fill runs, the fill is dropped and counted in
+    work. ``[ptr, ptr+nbytes)`` must lie in one live device allocation, or in one virtual-memory
+    reservation with every page of it mapped (SimError 107000 otherwise); if it is freed or
+    unmapped before the fill runs, the fill is dropped and counted in
     ``stats()["dropped_fills"]``."""
     if not 0 <= value <= 255:
         raise ValueError(f"fill value {value} is not a byte (0..255)")
@@ -149,7 +150,8 @@ def launch_fill(stream, ptr: int, nbytes: int, value: int, delay_s: float = 0.0)
 def read(ptr: int, nbytes: int) -> bytes:
     """Copies ``nbytes`` bytes of device memory at ``ptr`` to the host, now: it does not wait for
     streams (synchronize first to see their effect). ``[ptr, ptr+nbytes)`` must lie in one live
-    device allocation, else SimError 107000 (a bad address is refused, never dereferenced)."""
+    device allocation or mapped virtual-memory range, else SimError 107000 (a bad or unmapped
+    address is refused, never dereferenced)."""
     buf = ctypes.create_string_buffer(max(nbytes, 1))
     _check(_l().ascendsim_read(ptr, buf, nbytes), "ascendsim_read")
     return buf.raw[:nbytes]
@@ -172,12 +174,13 @@ def set_faults(fail_malloc_nth: int | None = None, fail_after_bytes: int | str |
                fail_event_query_nth: int | None = None) -> None:
     """Arms fault injection; arguments left at None keep their current setting.
 
-    - ``fail_malloc_nth=N``: the Nth device malloc from now fails once with 207001 (0 disarms).
+    - ``fail_malloc_nth=N``: the Nth device malloc (aclrtMalloc[Align32] or aclrtMallocPhysical)
+      from now fails once with 207001 (0 disarms).
     - ``fail_after_bytes=B`` (bytes, int or size text): a device malloc that would take this
-      process's held device bytes (rounded sizes, all devices) above B fails with 207001;
-      a negative int disarms.
+      process's held device bytes (rounded sizes, all devices, physical memory included) above B
+      fails with 207001; a negative int disarms.
     - ``malloc_latency_us`` / ``free_latency_us``: microseconds added to every aclrtMalloc /
-      aclrtFree (0: none).
+      aclrtFree (and aclrtMallocPhysical / aclrtFreePhysical) (0: none).
     - ``fail_event_create_nth=N``: the Nth event creation from now fails once with 207007.
     - ``fail_event_query_nth=N``: the Nth event query from now fails once with 107000.
     """
@@ -231,14 +234,21 @@ def configure(devices: int | None = None, hbm: int | str | None = None) -> None:
 def stats(device: int = 0) -> dict:
     """Counters of one device, as a dict of ints:
 
-    - ``mallocs``, ``frees``: successful device mallocs/frees by this process;
-    - ``bytes_held``: device bytes this process holds (rounded sizes);
+    - ``mallocs``, ``frees``: successful device mallocs/frees (aclrtMalloc) by this process;
+    - ``bytes_held``: device bytes this process holds (rounded sizes; physical memory included);
     - ``node_bytes_used``: bytes held on the device by every live process of the simulated node;
     - ``total_bytes``: the device's HBM;
     - ``live_events``, ``events_created``: events alive now / ever created by this process;
     - ``live_streams``: streams alive now (the default stream counts once it is created);
     - ``dropped_fills``: fills whose memory was freed before they ran;
-    - ``poisoned_bytes``: bytes filled with 0xDD by aclrtFree while ``set_poison`` was on.
+    - ``poisoned_bytes``: bytes filled with 0xDD by aclrtFree while ``set_poison`` was on;
+    - ``phys_mallocs``, ``phys_frees``: successful aclrtMallocPhysical / physical frees;
+    - ``phys_bytes``: physical memory this process holds on the device (rounded up to the
+      granularity; also counted in ``bytes_held``);
+    - ``maps``, ``unmaps``: successful aclrtMapMem / aclrtUnmapMem;
+    - ``mapped_bytes``: bytes mapped now (a handle mapped twice counts twice).
+
+    Fields are only ever appended, so positions of existing ones never change.
     """
     lib = _l()
     names = lib.ascendsim_stats_fields().decode().split(",")

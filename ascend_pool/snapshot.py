@@ -4,14 +4,15 @@ stats|trace FILE.pickle` and the memory_viz web page read them."""
 import pickle
 
 _STATES = ("inactive", "active_allocated", "active_pending_free")
-_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot")
+_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot",
+            "segment_map", "segment_unmap")
 
 
 def build(device, segments, history, knobs):
-    """segments: [(base, size, pool, stream, [(addr, size, requested, state)])];
+    """segments: [(base, size, pool, stream, [(addr, size, requested, state)], expandable)];
     history: [(action, addr, size, stream, time_us)] oldest first."""
     out_segments = []
-    for base, size, pool, stream, blocks in sorted(segments):
+    for base, size, pool, stream, blocks, expandable in sorted(segments):
         out_blocks = [
             {"address": addr, "size": bsize, "requested_size": req, "state": _STATES[state], "frames": []}
             for addr, bsize, req, state in blocks
@@ -26,7 +27,7 @@ def build(device, segments, history, knobs):
             "stream": stream,
             "segment_type": "small" if pool == 0 else "large",
             "segment_pool_id": (0, 0),
-            "is_expandable": False,
+            "is_expandable": expandable,
             "frames": [],
             "blocks": out_blocks,
         })

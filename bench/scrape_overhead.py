@@ -110,6 +110,35 @@ def report(name, without, with_, scrapes, errors, seconds):
     return (b - a) / a * 100
 
 
+def cost_line(pool, hz):
+    """The deterministic side: CPU time one in-process scrape and one publish take (median of many),
+    as a share of one core at the scrape rate and at the publish rate. The scrape's share is the
+    most the workload can lose to it for the GIL; the throughput figures below are that plus noise."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ascend_pool.metrics import PoolCollector
+    from ascend_pool.service.publisher import current
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(PoolCollector())
+    pub = current()
+
+    def median_cpu(fn, n=300):
+        out = []
+        for _ in range(n):
+            t0 = time.thread_time()
+            fn()
+            out.append(time.thread_time() - t0)
+        return statistics.median(out)
+
+    scrape = median_cpu(lambda: generate_latest(registry))
+    line = f"cost: {scrape * 1e3:.3f} ms CPU per in-process scrape ({scrape * hz * 100:.2f} % of a core at {hz:g} Hz)"
+    if pub is not None:
+        publish = median_cpu(pub.publish_now)
+        line += f"; {publish * 1e3:.3f} ms per publish ({publish / pub.interval * 100:.3f} % at {1 / pub.interval:g} Hz)"
+    print(line)
+
+
 def main():
     ap_ = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap_.add_argument("--runs", type=int, default=15, help="runs with and without the scraper (each)")
@@ -133,6 +162,7 @@ def main():
     print(f"{args.runs} runs x {args.pairs} cached malloc/free pairs of {args.size} B each arm, "
           f"scraper at {args.hz:g} Hz; python {sys.version.split()[0]}")
     results = {}
+    cost_line(pool, args.hz)
     try:
         if args.mode in ("both", "in-process"):
             server = start_http_server(0)

@@ -26,3 +26,16 @@ def pool():
     p = ap.Pool(0, backend="sim")
     yield p
     p.close()
+
+
+@pytest.fixture
+def clean_faults():
+    """Simulator fault injection disarmed before and after the test (the runtime is started first:
+    fault setters need an initialised runtime)."""
+    from ascend_pool import sim
+    from ascend_pool.backend import open_backend
+
+    open_backend("sim")
+    sim.reset_faults()
+    yield sim
+    sim.reset_faults()

@@ -25,7 +25,7 @@ def test_conf_string_parsing():
     ("reserve:200%", "reserve"),
     ("record_history:maybe", "record_history"),
     ("page_size:4k", "page_size"),
-    ("expandable_segments:true", "not available yet"),
+    ("expandable_segments:maybe", "expandable_segments"),
     ("release_policy:sometimes", "release_policy"),
     ("memory_fraction:0", "memory_fraction"),
     ("sync_timeout_ms:0", "sync_timeout_ms"),

@@ -10,10 +10,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture(autouse=True)
-def no_faults():
-    sim.reset_faults()
+def no_faults(clean_faults):
     yield
-    sim.reset_faults()
 
 
 def test_failed_device_malloc_is_retried_after_releasing_the_cache(pool):

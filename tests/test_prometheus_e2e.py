@@ -109,7 +109,7 @@ def stack(tmp_path_factory):
         (tmp / d).mkdir()
     (tmp / "tenants.toml").write_text(TENANTS)
     env = dict(os.environ)
-    env.update(ASCEND_POOL_STATS_DIR=str(tmp / "stats"), ASCEND_POOL_LEDGER_DIR=str(tmp / "ledger"),
+    env.update(ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_DIR=str(tmp / "stats"), ASCEND_POOL_LEDGER_DIR=str(tmp / "ledger"),
                ASCEND_SIM_NODE=f"e2e{uuid.uuid4().hex[:10]}", ASCEND_SIM_HBM=SIM_HBM, ASCEND_POOL_BACKEND="sim",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     env.pop("ASCEND_POOL_CONFIG", None)

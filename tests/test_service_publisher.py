@@ -54,7 +54,7 @@ def test_publishes_the_pools_and_keeps_up(tmp_path):
 
 
 def _env(tmp_path, **extra):
-    env = dict(os.environ, ASCEND_POOL_STATS_DIR=str(tmp_path), ASCEND_POOL_BACKEND="sim",
+    env = dict(os.environ, ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_DIR=str(tmp_path), ASCEND_POOL_BACKEND="sim",
                PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     env.pop("ASCEND_POOL_TENANT", None)
     env.update(extra)
@@ -112,3 +112,22 @@ def test_fork_child_leaves_the_parent_file_alone(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["child-clean", "parent-file-kept"]
     assert os.listdir(tmp_path) == []
+
+
+_DIE = """
+import os, sys
+from ascend_pool.service.statsfile import StatsFile
+print(StatsFile(sys.argv[1]).path, flush=True)
+os._exit(0)  # as if killed: the file stays
+"""
+
+
+def test_a_new_publisher_clears_files_of_dead_processes(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", _DIE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, env=_env(tmp_path), check=True).stdout.strip()
+    assert os.path.exists(dead)
+    pub = Publisher(str(tmp_path), interval=0.05)
+    try:
+        assert not os.path.exists(dead) and os.path.exists(pub.path)
+    finally:
+        pub.stop()

@@ -20,7 +20,7 @@ def env_for(tmp_path):
     env = dict(os.environ)
     for d in ("stats", "ledger"):
         (tmp_path / d).mkdir(exist_ok=True)
-    env.update(ASCEND_POOL_STATS_DIR=str(tmp_path / "stats"), ASCEND_POOL_LEDGER_DIR=str(tmp_path / "ledger"),
+    env.update(ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_DIR=str(tmp_path / "stats"), ASCEND_POOL_LEDGER_DIR=str(tmp_path / "ledger"),
                ASCEND_SIM_NODE=f"sv{uuid.uuid4().hex[:10]}", ASCEND_POOL_BACKEND="sim",
                PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])))
     env.pop("ASCEND_POOL_CONFIG", None)

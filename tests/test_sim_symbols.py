@@ -21,6 +21,9 @@ ACL = [
     "aclrtSynchronizeEventWithTimeout", "aclrtStreamWaitEvent", "aclrtDestroyEvent",
     "aclrtCreateStream", "aclrtSynchronizeStream", "aclrtSynchronizeStreamWithTimeout",
     "aclrtDestroyStream", "aclGetRecentErrMsg",
+    # virtual memory (vmm.c), in both builds
+    "aclrtMemGetAllocationGranularity", "aclrtReserveMemAddress", "aclrtReleaseMemAddress",
+    "aclrtMallocPhysical", "aclrtFreePhysical", "aclrtMapMem", "aclrtUnmapMem",
 ]
 NEWER = {"aclrtMallocAlign32", "aclrtQueryEventStatus"}
 CONTROL = [

@@ -9,8 +9,20 @@ scanner (a whole directory), publisher (the background thread), node_collector, 
 (the demo workload of `serve --replay`), paths and procinfo.
 """
 
-from .node_collector import NodeCollector
 from .publisher import ensure_publisher, stop_publisher
-from .scanner import StatsScanner
 
 __all__ = ["NodeCollector", "StatsScanner", "ensure_publisher", "stop_publisher"]
+
+
+def __getattr__(name):
+    # Lazy: every process publishes (publisher), only the service reads and exports, and only it
+    # needs prometheus_client.
+    if name == "NodeCollector":
+        from .node_collector import NodeCollector
+
+        return NodeCollector
+    if name == "StatsScanner":
+        from .scanner import StatsScanner
+
+        return StatsScanner
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,6 +33,7 @@ class Publisher:
     def __init__(self, directory=None, interval=None):
         self.interval = interval if interval is not None else _interval_from_env()
         self.file = StatsFile(directory)
+        _remove_stale(self.file.directory)
         self._agg = PoolAggregator()
         self._write_lock = threading.Lock()  # the thread and the exit hook both publish
         self._stop = threading.Event()
@@ -58,11 +59,15 @@ class Publisher:
             self.file.publish(samples)
 
     def _run(self):
+        failures = 0
         while not self._stop.is_set():
             try:
                 self.publish_now()
+                failures = 0
             except Exception:  # keep publishing: one bad read must not end the thread
-                log.exception("publishing ascend_pool stats failed")
+                failures += 1
+                if failures <= 3:  # a lasting problem is logged a few times, not 4 times a second
+                    log.exception("publishing ascend_pool stats failed")
             self._stop.wait(self.interval)
 
     def stop(self, remove=True):
@@ -72,6 +77,17 @@ class Publisher:
             self._thread.join(timeout=2 * self.interval + 1)
         with self._write_lock:
             self.file.close(remove=remove)
+
+
+def _remove_stale(directory):
+    # Files of our uid's processes that died without cleaning up (killed, crashed) would pile up
+    # on a node where no service runs: each new publisher clears them, once, at start.
+    from .scanner import StatsScanner
+
+    try:
+        StatsScanner(directory, refusal_level=logging.DEBUG).scan()
+    except Exception as e:
+        log.debug("clearing stale stats files in %s: %s", directory, e)
 
 
 def _interval_from_env():

@@ -15,12 +15,15 @@ log = logging.getLogger("ascend_pool.service")
 class StatsScanner:
     """Reads the stats files of `directory`. allowed_uids: owners whose files are believed
     (default: the uid this service runs as; a root service reading other users' processes must
-    name them). remove_stale: unlink files of processes that are gone (where we may)."""
+    name them). remove_stale: unlink files of processes that are gone (where we may).
+    refusal_level: the log level of "refused" lines (an application clearing stale files at start
+    passes DEBUG: reporting other files' problems is the service's job)."""
 
-    def __init__(self, directory=None, allowed_uids=None, remove_stale=True):
+    def __init__(self, directory=None, allowed_uids=None, remove_stale=True, refusal_level=logging.WARNING):
         self.directory = directory or paths.stats_dir()
         self.allowed_uids = frozenset(allowed_uids) if allowed_uids else frozenset({os.geteuid()})
         self.remove_stale = remove_stale
+        self.refusal_level = refusal_level
         self._lock = threading.Lock()
         self._reported = {}  # path -> last reason logged
         self.counts = {"live": 0, "stale": 0, "refused": 0, "busy": 0}
@@ -50,10 +53,10 @@ class StatsScanner:
                 log.debug("%s", e)
             except Refused as e:
                 counts["refused"] += 1
-                self._report(path, f"refused stats file {path}: {e.reason}", logging.WARNING)
+                self._report(path, f"refused stats file {path}: {e.reason}", self.refusal_level)
             except OSError as e:  # vanished or unreadable between listing and reading
                 counts["refused"] += 1
-                self._report(path, f"cannot read stats file {path}: {e}", logging.WARNING)
+                self._report(path, f"cannot read stats file {path}: {e}", self.refusal_level)
         with self._lock:
             self.counts = counts
             for path in list(self._reported):

@@ -27,6 +27,25 @@ typedef int aclError;
 #define ACL_EVENT_SYNC 0x1u
 #define ACL_EVENT_RECORDED_STATUS_COMPLETE 1 /* aclrtQueryEventStatus: NOT_READY=0, COMPLETE=1 */
 #define ACL_EVENT_STATUS_COMPLETE 0          /* deprecated aclrtQueryEvent: COMPLETE=0, NOT_READY=1 */
+/* Virtual memory (acl_rt.h): physical memory on the device's HBM in 2 MiB huge pages. */
+#define ACL_HBM_MEM_HUGE 4                   /* aclrtMemAttr */
+#define ACL_MEM_HANDLE_TYPE_NONE 0
+#define ACL_MEM_ALLOCATION_TYPE_PINNED 0
+#define ACL_MEM_LOCATION_TYPE_DEVICE 1
+#define ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM 0
+
+typedef struct acl_mem_location {
+    uint32_t id;
+    int type;                                /* aclrtMemLocationType */
+} acl_mem_location;
+
+typedef struct acl_physical_mem_prop {       /* aclrtPhysicalMemProp, field for field */
+    int handleType;                          /* aclrtMemHandleType */
+    int allocationType;                      /* aclrtMemAllocationType */
+    int memAttr;                             /* aclrtMemAttr */
+    acl_mem_location location;
+    uint64_t reserve;
+} acl_physical_mem_prop;
 
 typedef struct acl_impl {
     ap_impl_base base; /* must stay first */
@@ -55,6 +74,15 @@ typedef struct acl_impl {
     int host_state; /* 0: not yet looked up; 1: resolved; 2: absent (atomic) */
     aclError (*aclrtMallocHost)(void **ptr, size_t size);
     aclError (*aclrtFreeHost)(void *ptr);
+    /* Virtual memory: looked up at open (has_vmm), recorded in base.symbols on first use. */
+    int vmm_recorded; /* atomic */
+    aclError (*aclrtMemGetAllocationGranularity)(acl_physical_mem_prop *prop, int option, size_t *granularity);
+    aclError (*aclrtReserveMemAddress)(void **va, size_t size, size_t alignment, void *expect, uint64_t flags);
+    aclError (*aclrtReleaseMemAddress)(void *va);
+    aclError (*aclrtMallocPhysical)(void **handle, size_t size, const acl_physical_mem_prop *prop, uint64_t flags);
+    aclError (*aclrtFreePhysical)(void *handle);
+    aclError (*aclrtMapMem)(void *va, size_t size, size_t offset, void *handle, uint64_t flags);
+    aclError (*aclrtUnmapMem)(void *va);
 } acl_impl;
 
 #define IMPL(b) ((acl_impl *)(b)->impl)
@@ -172,6 +200,138 @@ static int acl_host_free(ap_backend *b, int device, void *ptr)
         rc = acl_set_device(b, device);
     return rc != 0 ? rc : IMPL(b)->aclrtFreeHost(ptr);
 }
+
+/* ---- virtual memory ------------------------------------------------------------------------ */
+
+/* The seven calls of CANN's virtual-memory API, all or none (has_vmm). Looked up at open, so that
+   the pool knows before it starts whether expandable segments are possible; recorded in
+   resolved_symbols when first used, like the host-memory calls, since most processes never use
+   them. */
+static const char *const acl_vmm_names[] = {
+    "aclrtMemGetAllocationGranularity", "aclrtReserveMemAddress", "aclrtReleaseMemAddress",
+    "aclrtMallocPhysical", "aclrtFreePhysical", "aclrtMapMem", "aclrtUnmapMem",
+};
+#define ACL_VMM_NAMES (int)(sizeof acl_vmm_names / sizeof acl_vmm_names[0])
+
+static int acl_vmm_lookup(acl_impl *im, void *lib)
+{
+    void *f[ACL_VMM_NAMES];
+    int i;
+
+    for (i = 0; i < ACL_VMM_NAMES; i++)
+        if (!(f[i] = dlsym(lib, acl_vmm_names[i])))
+            return 0;
+    im->aclrtMemGetAllocationGranularity = (__typeof__(im->aclrtMemGetAllocationGranularity))f[0];
+    im->aclrtReserveMemAddress = (__typeof__(im->aclrtReserveMemAddress))f[1];
+    im->aclrtReleaseMemAddress = (__typeof__(im->aclrtReleaseMemAddress))f[2];
+    im->aclrtMallocPhysical = (__typeof__(im->aclrtMallocPhysical))f[3];
+    im->aclrtFreePhysical = (__typeof__(im->aclrtFreePhysical))f[4];
+    im->aclrtMapMem = (__typeof__(im->aclrtMapMem))f[5];
+    im->aclrtUnmapMem = (__typeof__(im->aclrtUnmapMem))f[6];
+    return 1;
+}
+
+static pthread_mutex_t vmm_record_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Makes `device` current (the runtime needs a context), recording the names on first use. */
+static int acl_vmm_enter(ap_backend *b, int device)
+{
+    acl_impl *im = IMPL(b);
+    int i;
+
+    if (!__atomic_load_n(&im->vmm_recorded, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_lock(&vmm_record_lock);
+        if (!im->vmm_recorded) {
+            for (i = 0; i < ACL_VMM_NAMES; i++)
+                (void)ap_resolve(b->lib, &im->base, acl_vmm_names[i]);
+            __atomic_store_n(&im->vmm_recorded, 1, __ATOMIC_RELEASE);
+        }
+        pthread_mutex_unlock(&vmm_record_lock);
+    }
+    return acl_set_device(b, device);
+}
+
+/* Device HBM in 2 MiB huge pages: what torch_npu's expandable segments ask for too. */
+static void acl_vmm_prop(acl_physical_mem_prop *prop, int device)
+{
+    memset(prop, 0, sizeof *prop);
+    prop->handleType = ACL_MEM_HANDLE_TYPE_NONE;
+    prop->allocationType = ACL_MEM_ALLOCATION_TYPE_PINNED;
+    prop->memAttr = ACL_HBM_MEM_HUGE;
+    prop->location.id = (uint32_t)device;
+    prop->location.type = ACL_MEM_LOCATION_TYPE_DEVICE;
+}
+
+/* MINIMUM: the granularity aclrtMapMem sizes must be multiples of. */
+static int acl_vmm_granularity(ap_backend *b, int device, size_t *granularity)
+{
+    acl_physical_mem_prop prop;
+    int rc = acl_vmm_enter(b, device);
+
+    if (rc != 0)
+        return rc;
+    acl_vmm_prop(&prop, device);
+    return IMPL(b)->aclrtMemGetAllocationGranularity(&prop, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM,
+                                                     granularity);
+}
+
+/* alignment, expected address and flags are reserved in CANN: 0, NULL, 0. */
+static int acl_vmm_reserve(ap_backend *b, int device, size_t size, void **va)
+{
+    int rc = acl_vmm_enter(b, device);
+
+    return rc != 0 ? rc : IMPL(b)->aclrtReserveMemAddress(va, size, 0, NULL, 0);
+}
+
+static int acl_vmm_release(ap_backend *b, int device, void *va, size_t size)
+{
+    int rc = acl_vmm_enter(b, device);
+
+    (void)size; /* the runtime knows the reservation by its base */
+    return rc != 0 ? rc : IMPL(b)->aclrtReleaseMemAddress(va);
+}
+
+static int acl_vmm_create(ap_backend *b, int device, size_t size, void **handle)
+{
+    acl_physical_mem_prop prop;
+    int rc = acl_vmm_enter(b, device);
+
+    if (rc != 0)
+        return rc;
+    acl_vmm_prop(&prop, device);
+    return IMPL(b)->aclrtMallocPhysical(handle, size, &prop, 0);
+}
+
+static int acl_vmm_free(ap_backend *b, int device, void *handle)
+{
+    int rc = acl_vmm_enter(b, device);
+
+    return rc != 0 ? rc : IMPL(b)->aclrtFreePhysical(handle);
+}
+
+/* The whole handle (offset 0); mapped memory is read-write for the device at once. */
+static int acl_vmm_map(ap_backend *b, int device, void *va, size_t size, void *handle)
+{
+    int rc = acl_vmm_enter(b, device);
+
+    return rc != 0 ? rc : IMPL(b)->aclrtMapMem(va, size, 0, handle, 0);
+}
+
+static int acl_vmm_unmap(ap_backend *b, int device, void *va, size_t size)
+{
+    int rc = acl_vmm_enter(b, device);
+
+    (void)size; /* the runtime knows the mapping by its start */
+    return rc != 0 ? rc : IMPL(b)->aclrtUnmapMem(va);
+}
+
+/* has_vmm == 0: the table still holds callable entries, which refuse. */
+static int acl_vmm_absent_granularity(ap_backend *b, int d, size_t *g) { (void)b; (void)d; (void)g; return AP_ERR_MISSING_SYMBOL; }
+static int acl_vmm_absent_reserve(ap_backend *b, int d, size_t s, void **v) { (void)b; (void)d; (void)s; (void)v; return AP_ERR_MISSING_SYMBOL; }
+static int acl_vmm_absent_range(ap_backend *b, int d, void *v, size_t s) { (void)b; (void)d; (void)v; (void)s; return AP_ERR_MISSING_SYMBOL; }
+static int acl_vmm_absent_create(ap_backend *b, int d, size_t s, void **h) { (void)b; (void)d; (void)s; (void)h; return AP_ERR_MISSING_SYMBOL; }
+static int acl_vmm_absent_free(ap_backend *b, int d, void *h) { (void)b; (void)d; (void)h; return AP_ERR_MISSING_SYMBOL; }
+static int acl_vmm_absent_map(ap_backend *b, int d, void *v, size_t s, void *h) { (void)b; (void)d; (void)v; (void)s; (void)h; return AP_ERR_MISSING_SYMBOL; }
 
 /* ---- events -------------------------------------------------------------------------------- */
 
@@ -503,6 +663,14 @@ int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen)
     b->error_message = acl_error_message;
     b->host_malloc = acl_host_malloc;
     b->host_free = acl_host_free;
+    b->has_vmm = acl_vmm_lookup(im, b->lib);
+    b->vmm_granularity = b->has_vmm ? acl_vmm_granularity : acl_vmm_absent_granularity;
+    b->vmm_reserve = b->has_vmm ? acl_vmm_reserve : acl_vmm_absent_reserve;
+    b->vmm_release = b->has_vmm ? acl_vmm_release : acl_vmm_absent_range;
+    b->vmm_create = b->has_vmm ? acl_vmm_create : acl_vmm_absent_create;
+    b->vmm_free = b->has_vmm ? acl_vmm_free : acl_vmm_absent_free;
+    b->vmm_map = b->has_vmm ? acl_vmm_map : acl_vmm_absent_map;
+    b->vmm_unmap = b->has_vmm ? acl_vmm_unmap : acl_vmm_absent_range;
 
     /* A framework in this process may have initialised ACL already; that is fine. Never finalise:
        see ap_backend_close(). */

@@ -47,6 +47,14 @@ cdef extern from "backend.h" nogil:
         void (*error_message)(ap_backend *b, int code, char *buf, size_t len) noexcept nogil
         int (*host_malloc)(ap_backend *b, int device, void **ptr, size_t size) noexcept nogil
         int (*host_free)(ap_backend *b, int device, void *ptr) noexcept nogil
+        int has_vmm
+        int (*vmm_granularity)(ap_backend *b, int device, size_t *granularity) noexcept nogil
+        int (*vmm_reserve)(ap_backend *b, int device, size_t size, void **va) noexcept nogil
+        int (*vmm_release)(ap_backend *b, int device, void *va, size_t size) noexcept nogil
+        int (*vmm_create)(ap_backend *b, int device, size_t size, void **handle) noexcept nogil
+        int (*vmm_free)(ap_backend *b, int device, void *handle) noexcept nogil
+        int (*vmm_map)(ap_backend *b, int device, void *va, size_t size, void *handle) noexcept nogil
+        int (*vmm_unmap)(ap_backend *b, int device, void *va, size_t size) noexcept nogil
         void *impl
 
     int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen)
@@ -250,6 +258,88 @@ cdef class Backend:
             rc = self.b.host_free(self.b, device, p)
         if rc != 0:
             self._fail(rc, "host_free")
+
+    # ---- virtual memory (bytes; addresses and handles as ints) -----------------------------
+
+    @property
+    def has_vmm(self):
+        """The runtime has the virtual-memory calls (acl: aclrtReserveMemAddress and the six
+        others; cuda: the driver's cuMem* calls from libcuda.so.1). Without them every vmm_*
+        method raises DeviceError with code AP_ERR_MISSING_SYMBOL (990002)."""
+        return bool(self._table.has_vmm)
+
+    def vmm_granularity(self, int device):
+        """Bytes that physical allocations, mappings and reservations are multiples of (the
+        2 MiB huge page on an NPU)."""
+        cdef int rc
+        cdef size_t g = 0
+        with nogil:
+            rc = self.b.vmm_granularity(self.b, device, &g)
+        if rc != 0:
+            self._fail(rc, "vmm_granularity")
+        return g
+
+    def vmm_reserve(self, int device, size_t size):
+        """Reserves `size` bytes of inaccessible address space; returns its base as an int. Costs
+        no device memory."""
+        cdef int rc
+        cdef void *va = NULL
+        with nogil:
+            rc = self.b.vmm_reserve(self.b, device, size, &va)
+        if rc != 0:
+            self._fail(rc, f"vmm_reserve({size})")
+        return <uintptr_t>va
+
+    def vmm_release(self, int device, va, size_t size):
+        """Gives back a whole reservation (base and size from vmm_reserve); nothing may be
+        mapped in it."""
+        cdef int rc
+        cdef void *v = _handle(va)
+        with nogil:
+            rc = self.b.vmm_release(self.b, device, v, size)
+        if rc != 0:
+            self._fail(rc, "vmm_release")
+
+    def vmm_create(self, int device, size_t size):
+        """Allocates `size` bytes of physical device memory (a multiple of the granularity);
+        returns the runtime's handle as an int. Counts against the device's capacity."""
+        cdef int rc
+        cdef void *h = NULL
+        with nogil:
+            rc = self.b.vmm_create(self.b, device, size, &h)
+        if rc != 0:
+            self._fail(rc, f"vmm_create({size})")
+        return <uintptr_t>h
+
+    def vmm_free(self, int device, handle):
+        """Frees physical memory from vmm_create(); it must not be mapped anywhere."""
+        cdef int rc
+        cdef void *h = _handle(handle)
+        with nogil:
+            rc = self.b.vmm_free(self.b, device, h)
+        if rc != 0:
+            self._fail(rc, "vmm_free")
+
+    def vmm_map(self, int device, va, size_t size, handle):
+        """Maps the whole of `handle` (`size` = its size) at `va` inside a reservation and
+        makes it read-write for the device."""
+        cdef int rc
+        cdef void *v = _handle(va)
+        cdef void *h = _handle(handle)
+        with nogil:
+            rc = self.b.vmm_map(self.b, device, v, size, h)
+        if rc != 0:
+            self._fail(rc, f"vmm_map({size})")
+
+    def vmm_unmap(self, int device, va, size_t size):
+        """Unmaps the mapping that starts at `va` (`size` bytes); the range is inaccessible
+        again, the physical memory stays allocated."""
+        cdef int rc
+        cdef void *v = _handle(va)
+        with nogil:
+            rc = self.b.vmm_unmap(self.b, device, v, size)
+        if rc != 0:
+            self._fail(rc, "vmm_unmap")
 
     # ---- events --------------------------------------------------------------------------
 

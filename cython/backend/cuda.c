@@ -1,6 +1,9 @@
 /* The cuda backend: the CUDA runtime (libcudart) loaded with dlopen(), so that the same pool and
  * its peers (PyTorch, CuPy, RMM) can be compared on an NVIDIA GPU. Nothing links against CUDA at
- * build time. Codes returned are cudaError_t values (0 = cudaSuccess).
+ * build time. Codes returned are cudaError_t values (0 = cudaSuccess), except the virtual-memory
+ * calls, which only the driver API has (libcuda.so.1, cuMem*): they return CUresult values, whose
+ * numbers agree with cudaError_t for what they report (1 invalid value, 2 out of memory, 801 not
+ * supported...), so error_message words them correctly.
  */
 #include "backend_impl.h"
 
@@ -15,6 +18,39 @@ typedef int cudaError_t;
 #define cudaErrorNotReady 600           /* queries: work still pending; also our timeout code */
 #define cudaEventDisableTiming 0x02u    /* the cheapest event: no timestamps, spin-wait sync */
 #define cudaHostAllocDefault 0x00u      /* pinned, portable to the allocating context only */
+
+/* Driver API virtual memory (cuda.h, CUDA 10.2+). */
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+#define CU_MEM_ALLOCATION_TYPE_PINNED 0x1
+#define CU_MEM_HANDLE_TYPE_NONE 0x0
+#define CU_MEM_LOCATION_TYPE_DEVICE 0x1
+#define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 0x3
+#define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0x0
+
+typedef struct cu_mem_location {          /* CUmemLocation */
+    int type;
+    int id;
+} cu_mem_location;
+
+typedef struct cu_mem_allocation_prop {   /* CUmemAllocationProp */
+    int type;                             /* CUmemAllocationType */
+    int requestedHandleTypes;             /* CUmemAllocationHandleType */
+    cu_mem_location location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} cu_mem_allocation_prop;
+
+typedef struct cu_mem_access_desc {       /* CUmemAccessDesc */
+    cu_mem_location location;
+    int flags;                            /* CUmemAccess_flags */
+} cu_mem_access_desc;
 
 typedef struct cuda_impl {
     ap_impl_base base; /* must stay first */
@@ -39,6 +75,21 @@ typedef struct cuda_impl {
     int host_state; /* 0: not yet looked up; 1: resolved; 2: absent (atomic) */
     cudaError_t (*cudaHostAlloc)(void **ptr, size_t size, unsigned flags);
     cudaError_t (*cudaFreeHost)(void *ptr);
+    /* Virtual memory from the driver library: looked up at open (has_vmm), recorded in
+       base.symbols on first use. */
+    void *driver;     /* dlopen("libcuda.so.1"), never closed (RTLD_NODELETE; loaded by the runtime anyway) */
+    int vmm_recorded; /* atomic */
+    CUresult (*cuMemGetAllocationGranularity)(size_t *granularity, const cu_mem_allocation_prop *prop, int option);
+    CUresult (*cuMemAddressReserve)(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                    unsigned long long flags);
+    CUresult (*cuMemAddressFree)(CUdeviceptr ptr, size_t size);
+    CUresult (*cuMemCreate)(CUmemGenericAllocationHandle *handle, size_t size, const cu_mem_allocation_prop *prop,
+                            unsigned long long flags);
+    CUresult (*cuMemRelease)(CUmemGenericAllocationHandle handle);
+    CUresult (*cuMemMap)(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                         unsigned long long flags);
+    CUresult (*cuMemSetAccess)(CUdeviceptr ptr, size_t size, const cu_mem_access_desc *desc, size_t count);
+    CUresult (*cuMemUnmap)(CUdeviceptr ptr, size_t size);
 } cuda_impl;
 
 #define IMPL(b) ((cuda_impl *)(b)->impl)
@@ -130,6 +181,158 @@ static int cuda_host_free(ap_backend *b, int device, void *ptr)
         rc = cuda_set_device(b, device);
     return rc != 0 ? rc : IMPL(b)->cudaFreeHost(ptr);
 }
+
+/* ---- virtual memory (driver API) ---------------------------------------------------------- */
+
+static const char *const cuda_vmm_names[] = {
+    "cuMemGetAllocationGranularity", "cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate",
+    "cuMemRelease", "cuMemMap", "cuMemSetAccess", "cuMemUnmap",
+};
+#define CUDA_VMM_NAMES (int)(sizeof cuda_vmm_names / sizeof cuda_vmm_names[0])
+
+/* All eight calls or none. No libcuda (a toolkit without a driver): has_vmm stays 0. */
+static int cuda_vmm_lookup(cuda_impl *im)
+{
+    void *f[CUDA_VMM_NAMES];
+    int i;
+
+    im->driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+    if (!im->driver)
+        return 0;
+    for (i = 0; i < CUDA_VMM_NAMES; i++)
+        if (!(f[i] = dlsym(im->driver, cuda_vmm_names[i])))
+            return 0;
+    im->cuMemGetAllocationGranularity = (__typeof__(im->cuMemGetAllocationGranularity))f[0];
+    im->cuMemAddressReserve = (__typeof__(im->cuMemAddressReserve))f[1];
+    im->cuMemAddressFree = (__typeof__(im->cuMemAddressFree))f[2];
+    im->cuMemCreate = (__typeof__(im->cuMemCreate))f[3];
+    im->cuMemRelease = (__typeof__(im->cuMemRelease))f[4];
+    im->cuMemMap = (__typeof__(im->cuMemMap))f[5];
+    im->cuMemSetAccess = (__typeof__(im->cuMemSetAccess))f[6];
+    im->cuMemUnmap = (__typeof__(im->cuMemUnmap))f[7];
+    return 1;
+}
+
+static pthread_mutex_t vmm_record_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Makes `device` current (this also initialises the driver and its primary context), recording
+   the driver names on first use. */
+static int cuda_vmm_enter(ap_backend *b, int device)
+{
+    cuda_impl *im = IMPL(b);
+    int i;
+
+    if (!__atomic_load_n(&im->vmm_recorded, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_lock(&vmm_record_lock);
+        if (!im->vmm_recorded) {
+            for (i = 0; i < CUDA_VMM_NAMES; i++)
+                (void)ap_resolve(im->driver, &im->base, cuda_vmm_names[i]);
+            __atomic_store_n(&im->vmm_recorded, 1, __ATOMIC_RELEASE);
+        }
+        pthread_mutex_unlock(&vmm_record_lock);
+    }
+    return cuda_set_device(b, device);
+}
+
+/* Pinned device memory on `device`, not exportable. */
+static void cuda_vmm_prop(cu_mem_allocation_prop *prop, int device)
+{
+    memset(prop, 0, sizeof *prop);
+    prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop->location.id = device;
+}
+
+static int cuda_vmm_granularity(ap_backend *b, int device, size_t *granularity)
+{
+    cu_mem_allocation_prop prop;
+    int rc = cuda_vmm_enter(b, device);
+
+    if (rc != 0)
+        return rc;
+    cuda_vmm_prop(&prop, device);
+    return IMPL(b)->cuMemGetAllocationGranularity(granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+}
+
+static int cuda_vmm_reserve(ap_backend *b, int device, size_t size, void **va)
+{
+    CUdeviceptr ptr = 0;
+    int rc = cuda_vmm_enter(b, device);
+
+    if (rc == 0)
+        rc = IMPL(b)->cuMemAddressReserve(&ptr, size, 0, 0, 0);
+    if (rc == 0)
+        *va = (void *)(uintptr_t)ptr;
+    return rc;
+}
+
+static int cuda_vmm_release(ap_backend *b, int device, void *va, size_t size)
+{
+    int rc = cuda_vmm_enter(b, device);
+
+    return rc != 0 ? rc : IMPL(b)->cuMemAddressFree((CUdeviceptr)(uintptr_t)va, size);
+}
+
+static int cuda_vmm_create(ap_backend *b, int device, size_t size, void **handle)
+{
+    cu_mem_allocation_prop prop;
+    CUmemGenericAllocationHandle h = 0;
+    int rc = cuda_vmm_enter(b, device);
+
+    if (rc != 0)
+        return rc;
+    cuda_vmm_prop(&prop, device);
+    rc = IMPL(b)->cuMemCreate(&h, size, &prop, 0);
+    if (rc == 0)
+        *handle = (void *)(uintptr_t)h;
+    return rc;
+}
+
+static int cuda_vmm_free(ap_backend *b, int device, void *handle)
+{
+    int rc = cuda_vmm_enter(b, device);
+
+    return rc != 0 ? rc : IMPL(b)->cuMemRelease((CUmemGenericAllocationHandle)(uintptr_t)handle);
+}
+
+/* cuMemMap leaves the range inaccessible until cuMemSetAccess: grant the device read-write, and
+   undo the map when that fails so that the caller sees one operation. */
+static int cuda_vmm_map(ap_backend *b, int device, void *va, size_t size, void *handle)
+{
+    cuda_impl *im = IMPL(b);
+    CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)va;
+    cu_mem_access_desc access;
+    int rc = cuda_vmm_enter(b, device);
+
+    if (rc == 0)
+        rc = im->cuMemMap(ptr, size, 0, (CUmemGenericAllocationHandle)(uintptr_t)handle, 0);
+    if (rc != 0)
+        return rc;
+    memset(&access, 0, sizeof access);
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    rc = im->cuMemSetAccess(ptr, size, &access, 1);
+    if (rc != 0)
+        (void)im->cuMemUnmap(ptr, size);
+    return rc;
+}
+
+static int cuda_vmm_unmap(ap_backend *b, int device, void *va, size_t size)
+{
+    int rc = cuda_vmm_enter(b, device);
+
+    return rc != 0 ? rc : IMPL(b)->cuMemUnmap((CUdeviceptr)(uintptr_t)va, size);
+}
+
+/* has_vmm == 0: the table still holds callable entries, which refuse. */
+static int cuda_vmm_absent_granularity(ap_backend *b, int d, size_t *g) { (void)b; (void)d; (void)g; return AP_ERR_MISSING_SYMBOL; }
+static int cuda_vmm_absent_reserve(ap_backend *b, int d, size_t s, void **v) { (void)b; (void)d; (void)s; (void)v; return AP_ERR_MISSING_SYMBOL; }
+static int cuda_vmm_absent_range(ap_backend *b, int d, void *v, size_t s) { (void)b; (void)d; (void)v; (void)s; return AP_ERR_MISSING_SYMBOL; }
+static int cuda_vmm_absent_create(ap_backend *b, int d, size_t s, void **h) { (void)b; (void)d; (void)s; (void)h; return AP_ERR_MISSING_SYMBOL; }
+static int cuda_vmm_absent_free(ap_backend *b, int d, void *h) { (void)b; (void)d; (void)h; return AP_ERR_MISSING_SYMBOL; }
+static int cuda_vmm_absent_map(ap_backend *b, int d, void *v, size_t s, void *h) { (void)b; (void)d; (void)v; (void)s; (void)h; return AP_ERR_MISSING_SYMBOL; }
 
 static int cuda_event_create(ap_backend *b, int device, void **event)
 {
@@ -330,6 +533,14 @@ int ap_cuda_open(ap_backend *b, const char *path, char *err, size_t errlen)
     b->error_message = cuda_error_message;
     b->host_malloc = cuda_host_malloc;
     b->host_free = cuda_host_free;
+    b->has_vmm = 0; /* set below once a device is known to work */
+    b->vmm_granularity = cuda_vmm_absent_granularity;
+    b->vmm_reserve = cuda_vmm_absent_reserve;
+    b->vmm_release = cuda_vmm_absent_range;
+    b->vmm_create = cuda_vmm_absent_create;
+    b->vmm_free = cuda_vmm_absent_free;
+    b->vmm_map = cuda_vmm_absent_map;
+    b->vmm_unmap = cuda_vmm_absent_range;
 
     /* Without a driver the runtime loads fine and fails here (cudaErrorInsufficientDriver 35 or
        cudaErrorNoDevice 100): report that as "no device", with the runtime's own words. */
@@ -344,5 +555,15 @@ int ap_cuda_open(ap_backend *b, const char *path, char *err, size_t errlen)
         return AP_ERR_NO_DEVICE;
     }
     b->device_count = count;
+    if (cuda_vmm_lookup(im)) {
+        b->has_vmm = 1;
+        b->vmm_granularity = cuda_vmm_granularity;
+        b->vmm_reserve = cuda_vmm_reserve;
+        b->vmm_release = cuda_vmm_release;
+        b->vmm_create = cuda_vmm_create;
+        b->vmm_free = cuda_vmm_free;
+        b->vmm_map = cuda_vmm_map;
+        b->vmm_unmap = cuda_vmm_unmap;
+    }
     return 0;
 }

@@ -1,1 +1,181 @@
-# (filled in by its own issue)
+# The drop-in layer: the exported C ABI that frameworks load by name (capi/exports.h, declared for
+# users in ascend_pool/include/ascend_pool.h), the registry of live pools it looks pointers up in,
+# the module's side of its lazy default-pool creation, and the pinned host pool with the numpy
+# handler on top of it.
+#
+# The exported functions are plain C with default visibility, so `ctypes.CDLL(library_path())`
+# and torch's dlsym() find them by name. This file only connects them to Python:
+#   - every PoolBase registers here when it opens and unregisters before it is destroyed;
+#   - at import, a callback is installed that the C ABI calls (under the GIL, once per device)
+#     to create a device's default pool when a framework allocates before Python did;
+#   - thin Python wrappers (capi_malloc / capi_free / capi_last_error) for the CuPy integration
+#     and for tests that want the C path without ctypes.
+
+from libc.string cimport memcpy
+
+import atexit as _atexit
+
+from ascend_pool.errors import InvalidDeviceError
+
+include "capi/hostpool.pxi"
+include "capi/numpy_handler.pxi"
+
+cdef extern from "capi/last_error.h" nogil:
+    int ASCEND_POOL_OK, ASCEND_POOL_E_OOM, ASCEND_POOL_E_LIMIT, ASCEND_POOL_E_INVALID_SIZE
+    int ASCEND_POOL_E_INVALID_PTR, ASCEND_POOL_E_INVALID_STREAM, ASCEND_POOL_E_DEVICE
+    int ASCEND_POOL_E_TIMEOUT, ASCEND_POOL_E_HOST_NOMEM, ASCEND_POOL_E_QUOTA
+    int ASCEND_POOL_E_INVALID_DEVICE, ASCEND_POOL_E_NOT_READY, ASCEND_POOL_E_INVALID_ARG
+    int ascend_pool_last_error_code()
+    const char *ascend_pool_last_error()
+    void ascend_pool_clear_last_error()
+
+cdef extern from "capi/registry.h" nogil:
+    int apc_register(ap_pool *p, int device, int device_count)
+    void apc_unregister(ap_pool *p)
+    void apc_learn_device_count(int device_count)
+
+cdef extern from "capi/exports.h":
+    # Not nogil: the callback runs Python code (exports.h holds the GIL around the call).
+    ctypedef int (*apc_create_fn)(int device, int strict, char *msg, size_t len) noexcept
+    void apc_set_hooks(apc_create_fn create)
+
+cdef extern from "capi/exports.h" nogil:
+    const char *apc_default_backend_name(int device)
+    void *ascend_pool_malloc(Py_ssize_t size, int device, void *stream)
+    void ascend_pool_free(void *ptr, Py_ssize_t size, int device, void *stream)
+    void ascend_pool_init(int device)
+
+# Public names of the last-error codes (ascend_pool.h), for Python callers of the C ABI.
+CAPI_ERRORS = {
+    ASCEND_POOL_OK: "OK", ASCEND_POOL_E_OOM: "OOM", ASCEND_POOL_E_LIMIT: "LIMIT",
+    ASCEND_POOL_E_INVALID_SIZE: "INVALID_SIZE", ASCEND_POOL_E_INVALID_PTR: "INVALID_PTR",
+    ASCEND_POOL_E_INVALID_STREAM: "INVALID_STREAM", ASCEND_POOL_E_DEVICE: "DEVICE",
+    ASCEND_POOL_E_TIMEOUT: "TIMEOUT", ASCEND_POOL_E_HOST_NOMEM: "HOST_NOMEM", ASCEND_POOL_E_QUOTA: "QUOTA",
+    ASCEND_POOL_E_INVALID_DEVICE: "INVALID_DEVICE", ASCEND_POOL_E_NOT_READY: "NOT_READY",
+    ASCEND_POOL_E_INVALID_ARG: "INVALID_ARG",
+}
+
+
+# ---- the registry of live pools (called from PoolBase._open / close / __dealloc__) ----------------
+
+cdef int _capi_register(PoolBase pool) except -1:
+    if apc_register(pool.p, pool.device, pool.backend.device_count) != 0:
+        raise MemoryError("host memory for the C ABI's pool registry exhausted")
+    return 0
+
+
+cdef void _capi_unregister(ap_pool *p) noexcept nogil:
+    # Takes a pointer, not the object: __dealloc__ calls it, when self may no longer be touched.
+    apc_unregister(p)
+
+
+# ---- lazy default pools ----------------------------------------------------------------------------
+
+cdef int _capi_create_default(int device, int strict, char *msg, size_t msglen) noexcept:
+    """Called by exports.h with the GIL held: creates the process default pool of `device` (with
+    the backend and knobs a Python user would get), so that a framework that only loaded the
+    library can allocate. strict == 0: a device that does not exist is skipped, not an error."""
+    cdef bytes text
+    cdef size_t n
+    try:
+        from ascend_pool.api import default_pool
+        from ascend_pool.backend import open_backend
+
+        backend = open_backend()
+        apc_learn_device_count(backend.device_count)
+        if not 0 <= device < backend.device_count:
+            if not strict:
+                return ASCEND_POOL_OK
+            raise InvalidDeviceError(
+                f"device {device} does not exist: the {backend.name} backend has {backend.device_count} device(s)")
+        default_pool(device)
+        return ASCEND_POOL_OK
+    except BaseException as exc:
+        text = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
+        n = min(<size_t>len(text), msglen - 1)
+        memcpy(msg, <const char *>text, n)
+        msg[n] = 0
+        return ASCEND_POOL_E_INVALID_DEVICE if isinstance(exc, InvalidDeviceError) else ASCEND_POOL_E_NOT_READY
+
+
+def _capi_shutdown():
+    """At interpreter exit: no more Python callbacks from the C ABI (a C thread still allocating on a
+    device without a pool then gets ASCEND_POOL_E_NOT_READY instead of waiting on a dying GIL)."""
+    apc_set_hooks(NULL)
+
+
+apc_set_hooks(_capi_create_default)
+_atexit.register(_capi_shutdown)
+
+
+# ---- Python face of the C ABI ----------------------------------------------------------------------
+
+cdef object _capi_error():
+    """The exception for the calling thread's last C-ABI error."""
+    cdef int code = ascend_pool_last_error_code()
+    msg = ascend_pool_last_error().decode("utf-8", "replace")
+    if code == ASCEND_POOL_E_QUOTA:
+        return QuotaExceededError(msg)
+    if code == ASCEND_POOL_E_OOM or code == ASCEND_POOL_E_LIMIT:
+        return OutOfMemoryError(msg)
+    if code == ASCEND_POOL_E_INVALID_SIZE:
+        return InvalidSizeError(msg)
+    if code == ASCEND_POOL_E_INVALID_PTR:
+        return InvalidPointerError(msg)
+    if code == ASCEND_POOL_E_INVALID_STREAM:
+        return InvalidStreamError(msg)
+    if code == ASCEND_POOL_E_INVALID_DEVICE:
+        return InvalidDeviceError(msg)
+    if code == ASCEND_POOL_E_TIMEOUT:
+        return DeviceTimeoutError(code, msg)
+    if code == ASCEND_POOL_E_DEVICE:
+        return DeviceError(code, msg)
+    if code == ASCEND_POOL_E_HOST_NOMEM:
+        return MemoryError(msg)
+    return PoolError(f"C ABI call failed ({CAPI_ERRORS.get(code, code)}): {msg}")
+
+
+def capi_malloc(Py_ssize_t nbytes, int device=0, stream=None):
+    """ascend_pool_malloc from Python (the GIL released, as a framework would call it): nbytes on
+    device ordered on stream (an int handle; None: the default stream). Returns the address."""
+    cdef void *s = _handle(stream)
+    cdef void *p
+    ascend_pool_clear_last_error()
+    with nogil:
+        p = ascend_pool_malloc(nbytes, device, s)
+    if p == NULL:
+        raise _capi_error()
+    return <uintptr_t>p
+
+
+def capi_free(ptr, Py_ssize_t nbytes=0, int device=0, stream=None):
+    """ascend_pool_free from Python: frees ptr ordered on stream (None: its allocation stream).
+    Raises the error the C ABI would only record."""
+    cdef void *p = _handle(ptr)
+    cdef void *s = _handle(stream)
+    ascend_pool_clear_last_error()
+    with nogil:
+        ascend_pool_free(p, nbytes, device, s)
+    if ascend_pool_last_error_code() != ASCEND_POOL_OK:
+        raise _capi_error()
+
+
+def capi_init(int device):
+    """ascend_pool_init(device): creates device's default pool now if the device exists."""
+    ascend_pool_clear_last_error()
+    with nogil:
+        ascend_pool_init(device)
+    if ascend_pool_last_error_code() != ASCEND_POOL_OK:
+        raise _capi_error()
+
+
+def capi_last_error():
+    """(code, name, message) of the calling thread's last C-ABI error; code 0 when none."""
+    cdef int code = ascend_pool_last_error_code()
+    return code, CAPI_ERRORS.get(code, str(code)), ascend_pool_last_error().decode("utf-8", "replace")
+
+
+def capi_default_backend(int device):
+    """The backend name of device's process default pool, or None when it has none yet."""
+    cdef const char *name = apc_default_backend_name(device)
+    return None if name == NULL else name.decode()

@@ -37,6 +37,7 @@ typedef struct ap_block {
     struct ap_block *left, *right;  /* free-tree links */
     uint32_t prio;                  /* free-tree (treap) heap priority */
     uint64_t order;                 /* tie-break among equal sizes: segment age, then offset */
+    uint64_t free_tick;             /* pool tick when it last became (or grew as) a free block */
     uint8_t state;
     uint8_t counted_split;          /* counted in inactive_split stats while free */
     uint16_t tag;      /* free: stream slot whose queued work may still use it (0 = none);

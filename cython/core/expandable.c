@@ -3,8 +3,8 @@
  * Why: in the classic pool, free space split across separate device allocations can never merge.
  * Here a miss first tries to map just enough new memory right after a segment whose last block is
  * free, so the new pages extend that block in place; mapping into a hole between two segments
- * joins them. Idle memory goes back to the device a chunk at a time: unmapping a chunk inside a
- * segment splits it. Blocks never straddle unmapped memory because a segment is, by definition,
+ * joins them. Each page (2 MiB) is its own physical allocation, so idle memory goes back to the
+ * device a page at a time, from inside any free block: unmapping pages inside a segment splits it. Blocks never straddle unmapped memory because a segment is, by definition,
  * a run of contiguous mapped chunks.
  *
  * Device calls: one physical allocation + one map per growth, one unmap + one free per release;
@@ -94,6 +94,13 @@ static ap_vmm_space *reserve_space(ap_pool *p, int pool, size_t size, ap_error *
         vmm_error(p, err, rc, "address reservation", want);
         return NULL;
     }
+    if ((uintptr_t)va % p->vmm_granularity) { /* pages must start on page boundaries */
+        p->backend->vmm_release(p->backend, p->device, va, want);
+        free(sp);
+        ap_set_error(err, AP_E_DEVICE, 0, "address reservation at %p is not aligned to %zu bytes", va,
+                     p->vmm_granularity);
+        return NULL;
+    }
     sp->base = (uintptr_t)va;
     sp->size = want;
     sp->pool = pool;
@@ -128,8 +135,10 @@ static ap_segment *segment_ending_at(ap_vmm_space *sp, ap_vmm_chunk *c, uintptr_
 ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *err) {
     size_t g = p->vmm_granularity;
     /* 1. Extend the segment whose tail needs the fewest new pages to hold the request. */
+    /* Ties go to the tightest room, so that holes between segments are filled (joining them)
+       before a segment grows into open address space. */
     ap_segment *target = NULL;
-    size_t need = (size_t)-1;
+    size_t need = (size_t)-1, target_room = (size_t)-1;
     for (ap_segment *s = p->segments; s; s = s->next) {
         if (s->pool != pool || !s->expandable) continue;
         ap_block *last = last_block(s);
@@ -137,10 +146,11 @@ ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *er
         if (have >= rsize) continue; /* refused by the fit rules: do not grow it further */
         size_t n = ap_round_up(rsize - have, g);
         uintptr_t end = s->base + s->size;
-        ap_vmm_space *sp = space_of(p, s->base);
-        if (n < need && room_until(sp, end) - end >= n) {
+        size_t room = room_until(space_of(p, s->base), end) - end;
+        if (room >= n && (n < need || (n == need && room < target_room))) {
             need = n;
             target = s;
+            target_room = room;
         }
     }
     uintptr_t va;
@@ -168,39 +178,48 @@ ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *er
             return NULL;
         }
     }
-    ap_vmm_chunk *chunk = calloc(1, sizeof *chunk);
-    ap_block *nb = chunk ? ap_block_new(p) : NULL;
-    ap_segment *fresh = NULL;
-    void *handle = NULL;
+    /* One physical handle per page, so that any idle page can later be given back on its own. */
+    ap_block *nb = ap_block_new(p);
+    ap_vmm_chunk *first = NULL, *last = NULL;
+    size_t pages = need / g, done = 0;
     int rc = 0;
     if (!nb) {
         ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
         goto rollback;
     }
-    rc = p->backend->vmm_create(p->backend, p->device, need, &handle);
-    if (rc != 0) {
-        vmm_error(p, err, rc, "physical allocation", need);
-        goto rollback;
+    for (; done < pages; done++) {
+        ap_vmm_chunk *c = calloc(1, sizeof *c);
+        if (!c) {
+            ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
+            goto rollback;
+        }
+        c->va = va + done * g;
+        c->size = g;
+        rc = p->backend->vmm_create(p->backend, p->device, g, &c->handle);
+        if (rc == 0) {
+            rc = p->backend->vmm_map(p->backend, p->device, (void *)c->va, g, c->handle);
+            if (rc != 0) p->backend->vmm_free(p->backend, p->device, c->handle);
+            else p->stats.num_device_map++;
+        }
+        if (rc != 0) {
+            free(c);
+            vmm_error(p, err, rc, "mapping device memory", need);
+            goto rollback;
+        }
+        p->stats.num_device_alloc++;
+        c->prev = last;
+        if (last) last->next = c;
+        else first = c;
+        last = c;
     }
-    rc = p->backend->vmm_map(p->backend, p->device, (void *)va, need, handle);
-    if (rc != 0) {
-        p->backend->vmm_free(p->backend, p->device, handle);
-        vmm_error(p, err, rc, "mapping", need);
-        goto rollback;
-    }
-    /* Record the chunk in address order. */
-    chunk->va = va;
-    chunk->size = need;
-    chunk->handle = handle;
+    /* Splice the new run of chunks into the space's address-ordered list. */
     ap_vmm_chunk *before = NULL;
     for (ap_vmm_chunk *c = sp->chunks; c && c->va < va; c = c->next) before = c;
-    chunk->prev = before;
-    chunk->next = before ? before->next : sp->chunks;
-    if (chunk->next) chunk->next->prev = chunk;
-    if (before) before->next = chunk;
-    else sp->chunks = chunk;
-    p->stats.num_device_alloc++;
-    p->stats.num_device_map++;
+    first->prev = before;
+    last->next = before ? before->next : sp->chunks;
+    if (last->next) last->next->prev = last;
+    if (before) before->next = first;
+    else sp->chunks = first;
     ap_stat_inc(&p->stats, AP_STAT_RESERVED_BYTES, pool, (int64_t)need);
     if (ap_reserved(p) > p->reserved_watermark) p->reserved_watermark = ap_reserved(p);
     ap_history_add(&p->history, AP_ACT_SEGMENT_MAP, va, need, p->slots[slot].stream);
@@ -208,128 +227,157 @@ ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *er
     /* Attach the new memory to the segment on its left, else start a segment; join on the right. */
     nb->addr = va;
     nb->size = need;
-    ap_segment *left = segment_ending_at(sp, chunk->prev, va);
+    ap_segment *left = segment_ending_at(sp, first->prev, va);
     if (left) {
         ap_block *tail = last_block(left);
         tail->next = nb;
         nb->prev = tail;
         left->size += need;
     } else {
-        fresh = ap_segment_new(p);
-        if (!fresh) { /* cannot track it: give it back */
+        left = ap_segment_new(p);
+        if (!left) { /* cannot track it: give the pages back */
             ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
-            p->backend->vmm_unmap(p->backend, p->device, (void *)va, need);
-            p->backend->vmm_free(p->backend, p->device, handle);
-            if (chunk->prev) chunk->prev->next = chunk->next;
-            else sp->chunks = chunk->next;
-            if (chunk->next) chunk->next->prev = chunk->prev;
+            for (ap_vmm_chunk *c = first, *stop = last->next; c != stop;) {
+                ap_vmm_chunk *next = c->next;
+                p->backend->vmm_unmap(p->backend, p->device, (void *)c->va, c->size);
+                p->backend->vmm_free(p->backend, p->device, c->handle);
+                free(c);
+                c = next;
+            }
+            if (first->prev) first->prev->next = last->next;
+            else sp->chunks = last->next;
+            if (last->next) last->next->prev = first->prev;
             ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, pool, (int64_t)need);
+            first = last = NULL;
+            done = 0;
             goto rollback;
         }
-        fresh->base = va;
-        fresh->size = need;
-        fresh->pool = pool;
-        fresh->expandable = 1;
-        fresh->alloc_slot = (uint16_t)slot;
-        fresh->first = nb;
-        fresh->next = p->segments;
-        if (p->segments) p->segments->prev = fresh;
-        p->segments = fresh;
+        left->base = va;
+        left->size = need;
+        left->pool = pool;
+        left->expandable = 1;
+        left->alloc_slot = (uint16_t)slot;
+        left->first = nb;
+        left->next = p->segments;
+        if (p->segments) p->segments->prev = left;
+        p->segments = left;
         p->n_segments++;
         ap_stat_inc(&p->stats, AP_STAT_SEGMENT, pool, 1);
-        left = fresh;
     }
     nb->seg = left;
-    chunk->seg = left;
-    if (chunk->next && chunk->next->va == va + need) join_segments(p, left, chunk->next->seg, sp);
+    for (ap_vmm_chunk *c = first; c != last->next; c = c->next) c->seg = left;
+    if (last->next && last->next->va == va + need) join_segments(p, left, last->next->seg, sp);
     /* Tagged with the requesting stream so that it never merges into another stream's block. */
     return ap_free_insert(p, nb, slot);
 
-rollback:
+rollback: /* pages mapped so far (a partial growth) go back; the pool is as before */
+    for (ap_vmm_chunk *c = first; c;) {
+        ap_vmm_chunk *next = c->next;
+        p->backend->vmm_unmap(p->backend, p->device, (void *)c->va, c->size);
+        p->backend->vmm_free(p->backend, p->device, c->handle);
+        p->stats.num_device_free++;
+        p->stats.num_device_unmap++;
+        free(c);
+        c = next;
+    }
     if (p->quota.release) p->quota.release(p->quota.ctx, p->device, need);
     if (nb) ap_block_recycle(p, nb);
-    free(chunk);
     return NULL;
 }
 
-/* The free block that covers chunk c entirely, or NULL. */
-static ap_block *covering_free_block(ap_vmm_chunk *c) {
-    for (ap_block *b = c->seg->first; b; b = b->next) {
-        if (b->addr + b->size <= c->va) continue;
-        if (b->addr <= c->va && b->addr + b->size >= c->va + c->size && b->state == AP_BLOCK_FREE) return b;
-        return NULL;
-    }
-    return NULL;
-}
-
-static ap_block *new_free_piece(ap_pool *p, uintptr_t addr, size_t size, ap_segment *seg) {
-    ap_block *b = ap_block_new(p);
-    if (!b) return NULL;
-    b->addr = addr;
-    b->size = size;
-    b->seg = seg;
-    return b;
-}
-
-/* Unmaps chunk c, which the free block b (tag 0, out of its tree) covers; splits its segment. */
-static int release_chunk(ap_pool *p, ap_vmm_space *sp, ap_vmm_chunk *c, ap_block *b, ap_error *err) {
-    ap_segment *seg = c->seg;
-    uintptr_t cend = c->va + c->size, bend = b->addr + b->size, send = seg->base + seg->size;
-    ap_block *left = b->addr < c->va ? new_free_piece(p, b->addr, c->va - b->addr, seg) : NULL;
-    ap_block *right = bend > cend ? ap_block_new(p) : NULL;
-    ap_segment *rseg = cend < send ? ap_segment_new(p) : NULL;
-    if ((b->addr < c->va && !left) || (bend > cend && !right) || (cend < send && !rseg)) {
+/* Unmaps the pages [lo, hi) inside the free block b (tag 0, in its tree) and splits its segment
+   around the hole. Returns the bytes released (a prefix of the range if the runtime refused a
+   page midway: those pages stay mapped and the pool stays consistent). */
+static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t lo, uintptr_t hi, ap_error *err) {
+    ap_segment *seg = b->seg;
+    ap_block *left = b->addr < lo ? ap_block_new(p) : NULL;
+    ap_block *right = b->addr + b->size > hi ? ap_block_new(p) : NULL;
+    ap_segment *rseg = ap_segment_new(p);
+    if ((b->addr < lo && !left) || (b->addr + b->size > hi && !right) || !rseg) {
         if (left) ap_block_recycle(p, left);
         if (right) ap_block_recycle(p, right);
         if (rseg) ap_segment_recycle(p, rseg);
-        return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
+        ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
+        return 0;
     }
-    int rc = p->backend->vmm_unmap(p->backend, p->device, (void *)c->va, c->size);
-    if (rc == 0) rc = p->backend->vmm_free(p->backend, p->device, c->handle);
-    if (rc != 0) {
+    ap_vmm_chunk *c = sp->chunks;
+    while (c && c->va < lo) c = c->next;
+    ap_vmm_chunk *before = c ? c->prev : NULL;
+    uintptr_t end = lo;
+    while (c && c->va < hi) {
+        int rc = p->backend->vmm_unmap(p->backend, p->device, (void *)c->va, c->size);
+        if (rc == 0) rc = p->backend->vmm_free(p->backend, p->device, c->handle);
+        if (rc != 0) {
+            vmm_error(p, err, rc, "unmapping device memory", c->size);
+            break;
+        }
+        p->stats.num_device_unmap++;
+        p->stats.num_device_free++;
+        if (p->quota.release) p->quota.release(p->quota.ctx, p->device, c->size);
+        end = c->va + c->size;
+        ap_vmm_chunk *next = c->next;
+        free(c);
+        c = next;
+    }
+    if (before) before->next = c;
+    else sp->chunks = c;
+    if (c) c->prev = before;
+    hi = end;
+    if (hi == lo) {
         if (left) ap_block_recycle(p, left);
         if (right) ap_block_recycle(p, right);
-        if (rseg) ap_segment_recycle(p, rseg);
-        return vmm_error(p, err, rc, "unmapping", c->size);
+        ap_segment_recycle(p, rseg);
+        return 0;
     }
+    if (right && b->addr + b->size <= hi) { /* a partial release leaves more of b on the right */
+        ap_block_recycle(p, right);
+        right = NULL;
+    } else if (!right && b->addr + b->size > hi) {
+        right = ap_block_new(p); /* cannot fail in practice: a struct was just recycled above */
+    }
+    uintptr_t bend = b->addr + b->size, send = seg->base + seg->size;
     ap_free_remove(p, b);
-    ap_block *before = b->prev, *after = b->next;
-    /* Left part: the segment keeps [base, c->va). */
+    ap_block *prev = b->prev, *after = b->next;
     if (left) {
-        left->prev = before;
-        if (before) before->next = left;
+        left->addr = b->addr;
+        left->size = lo - b->addr;
+        left->seg = seg;
+        left->prev = prev;
+        left->next = NULL;
+        if (prev) prev->next = left;
         else seg->first = left;
-    } else if (before) {
-        before->next = NULL;
+    } else if (prev) {
+        prev->next = NULL;
     }
-    /* Right part: a new segment [cend, send). */
-    if (rseg) {
-        rseg->base = cend;
-        rseg->size = send - cend;
+    if (hi < send) { /* what lies above the hole becomes a segment of its own */
+        rseg->base = hi;
+        rseg->size = send - hi;
         rseg->pool = seg->pool;
         rseg->expandable = 1;
         rseg->alloc_slot = seg->alloc_slot;
         rseg->last_use = seg->last_use;
-        ap_block *first = right ? right : after;
+        ap_block *firstb = after;
         if (right) {
-            right->addr = cend;
-            right->size = bend - cend;
-            right->seg = rseg;
+            right->addr = hi;
+            right->size = bend - hi;
             right->next = after;
             if (after) after->prev = right;
+            firstb = right;
         }
-        first->prev = NULL;
-        rseg->first = first;
-        for (ap_block *x = first; x; x = x->next) x->seg = rseg;
-        for (ap_vmm_chunk *x = c->next; x && x->seg == seg; x = x->next) x->seg = rseg;
+        firstb->prev = NULL;
+        rseg->first = firstb;
+        for (ap_block *x = firstb; x; x = x->next) x->seg = rseg;
+        for (ap_vmm_chunk *x = c; x && x->seg == seg; x = x->next) x->seg = rseg;
         rseg->next = p->segments;
         if (p->segments) p->segments->prev = rseg;
         p->segments = rseg;
         p->n_segments++;
         ap_stat_inc(&p->stats, AP_STAT_SEGMENT, seg->pool, 1);
+    } else {
+        ap_segment_recycle(p, rseg);
     }
     int pool = seg->pool;
-    if (c->va == seg->base) { /* nothing left of the segment on the left */
+    if (lo == seg->base) { /* nothing of the segment is left below the hole */
         if (seg->prev) seg->prev->next = seg->next;
         else p->segments = seg->next;
         if (seg->next) seg->next->prev = seg->prev;
@@ -337,48 +385,51 @@ static int release_chunk(ap_pool *p, ap_vmm_space *sp, ap_vmm_chunk *c, ap_block
         ap_stat_dec(&p->stats, AP_STAT_SEGMENT, pool, 1);
         ap_segment_recycle(p, seg);
     } else {
-        seg->size = c->va - seg->base;
+        seg->size = lo - seg->base;
     }
     if (left) ap_free_insert(p, left, 0);
     if (right) ap_free_insert(p, right, 0);
     ap_block_recycle(p, b);
-    if (c->prev) c->prev->next = c->next;
-    else sp->chunks = c->next;
-    if (c->next) c->next->prev = c->prev;
-    p->stats.num_device_free++;
-    p->stats.num_device_unmap++;
-    ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, pool, (int64_t)c->size);
-    if (p->quota.release) p->quota.release(p->quota.ctx, p->device, c->size);
-    ap_history_add(&p->history, AP_ACT_SEGMENT_UNMAP, c->va, c->size, NULL);
-    free(c);
-    return AP_OK;
+    ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, pool, (int64_t)(hi - lo));
+    ap_history_add(&p->history, AP_ACT_SEGMENT_UNMAP, lo, hi - lo, NULL);
+    return hi - lo;
 }
 
-size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err) {
-    size_t released = 0;
+static size_t release(ap_pool *p, size_t target, uint64_t min_idle, ap_error *err);
+
+size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err) { return release(p, target, 0, err); }
+
+size_t ap_vmm_release_idle(ap_pool *p, size_t target, uint64_t min_idle) { return release(p, target, min_idle, NULL); }
+
+static size_t release(ap_pool *p, size_t target, uint64_t min_idle, ap_error *err) {
+    size_t released = 0, g = p->vmm_granularity;
     ap_cache_flush(p);
     while (released < target) {
-        ap_vmm_chunk *pick = NULL;
-        ap_vmm_space *pick_sp = NULL;
-        ap_block *pick_b = NULL;
-        for (ap_vmm_space *sp = p->spaces; sp; sp = sp->next)
-            for (ap_vmm_chunk *c = sp->chunks; c; c = c->next) {
-                if (pick && c->size <= pick->size) continue;
-                ap_block *b = covering_free_block(c);
-                if (b) {
-                    pick = c;
-                    pick_sp = sp;
-                    pick_b = b;
+        /* The free block with the most whole pages inside it; its top pages go first. */
+        ap_block *best = NULL;
+        size_t best_len = 0;
+        for (ap_segment *s = p->segments; s; s = s->next) {
+            if (!s->expandable) continue;
+            for (ap_block *b = s->first; b; b = b->next) {
+                if (b->state != AP_BLOCK_FREE || p->tick - b->free_tick < min_idle) continue;
+                uintptr_t lo = ap_round_up(b->addr, g), hi = (b->addr + b->size) / g * g;
+                if (hi > lo && hi - lo > best_len) {
+                    best = b;
+                    best_len = hi - lo;
                 }
             }
-        if (!pick) break;
-        if (pick_b->tag) { /* its stream may still use it: wait for that stream, then pick again */
-            if (ap_settle_slot(p, pick_b->tag, err) != AP_OK) break;
+        }
+        if (!best) break;
+        if (best->tag) { /* its stream may still use it: wait for that stream, then pick again */
+            if (ap_settle_slot(p, best->tag, err) != AP_OK) break;
             continue;
         }
-        size_t size = pick->size;
-        if (release_chunk(p, pick_sp, pick, pick_b, err) != AP_OK) break;
-        released += size;
+        uintptr_t hi = (best->addr + best->size) / g * g;
+        size_t want = target - released;
+        size_t take = want >= best_len ? best_len : ap_round_up(want, g);
+        size_t got = release_range(p, space_of(p, best->addr), best, hi - take, hi, err);
+        if (!got) break;
+        released += got;
     }
     return released;
 }

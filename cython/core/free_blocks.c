@@ -28,6 +28,8 @@ static inline int mergeable(const ap_block *n, int tag) {
 }
 
 ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
+    /* A merged block is as idle as its longest-idle part; a retagged block keeps its age. */
+    uint64_t idle_since = b->state == AP_BLOCK_MOVING ? b->free_tick : p->tick;
     b->state = AP_BLOCK_FREE;
     b->requested = 0;
     if (b->xs) {
@@ -37,6 +39,7 @@ ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
     ap_block *prev = b->prev, *next = b->next;
     if (mergeable(prev, tag)) {
         ap_free_remove(p, prev);
+        if (prev->free_tick < idle_since) idle_since = prev->free_tick;
         if (prev->tag) tag = prev->tag;
         prev->size += b->size;
         prev->next = next;
@@ -47,6 +50,7 @@ ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
     next = b->next;
     if (mergeable(next, tag)) {
         ap_free_remove(p, next);
+        if (next->free_tick < idle_since) idle_since = next->free_tick;
         if (next->tag) tag = next->tag;
         b->size += next->size;
         b->next = next->next;
@@ -54,6 +58,7 @@ ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
         ap_block_recycle(p, next);
     }
     b->tag = (uint16_t)tag;
+    b->free_tick = idle_since;
     ap_tree_insert(tree_of(p, b), b);
     if (is_whole_segment(b)) {
         p->n_free_segments++;

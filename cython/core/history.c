@@ -19,8 +19,7 @@ void ap_history_destroy(ap_history *h) {
     h->capacity = 0;
 }
 
-void ap_history_add(ap_history *h, int action, uintptr_t addr, size_t size, void *stream) {
-    if (!h->capacity) return;
+void ap_history_record(ap_history *h, int action, uintptr_t addr, size_t size, void *stream) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     ap_history_entry *e = &h->ring[h->next % h->capacity];

@@ -34,7 +34,11 @@ typedef struct ap_history {
 
 int ap_history_init(ap_history *h, size_t capacity);
 void ap_history_destroy(ap_history *h);
-void ap_history_add(ap_history *h, int action, uintptr_t addr, size_t size, void *stream);
+void ap_history_record(ap_history *h, int action, uintptr_t addr, size_t size, void *stream);
+/* Inline so that the hot path pays one branch when history is off. */
+static inline void ap_history_add(ap_history *h, int action, uintptr_t addr, size_t size, void *stream) {
+    if (h->capacity) ap_history_record(h, action, addr, size, stream);
+}
 /* Copies the entries oldest first into a malloc()ed array. */
 size_t ap_history_copy(const ap_history *h, ap_history_entry **out);
 

@@ -34,6 +34,7 @@ void ap_config_default(ap_config *c) {
     c->reserve_bytes = 0;
     c->history_capacity = 0;
     c->release_policy = AP_RELEASE_UNDER_PEAK;
+    c->vmm_idle_ticks = 1000;
     c->sync_timeout_ms = 60000;
 }
 
@@ -65,7 +66,12 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
         ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the pool exhausted");
         return NULL;
     }
-    pthread_mutex_init(&p->lock, NULL);
+    /* Adaptive: spin briefly before sleeping, since the critical sections are tens of ns. */
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
+    pthread_mutex_init(&p->lock, &attr);
+    pthread_mutexattr_destroy(&attr);
     size_t free_b = 0, total_b = 0;
     int rc = backend->mem_info(backend, device, &free_b, &total_b);
     if (rc != 0) {

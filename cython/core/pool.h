@@ -73,6 +73,8 @@ typedef struct ap_config {
     size_t history_capacity;   /* trace ring entries (0: off) */
     int release_policy;
     int expandable;            /* segments grow in place in reserved address space (VMM) */
+    uint64_t vmm_idle_ticks;   /* expandable: the release policy trades only pages free for this
+                                  many allocations */
     int stream_reuse;          /* AP_REUSE_BORROW or AP_REUSE_TIED */
     int sync_timeout_ms;       /* bound on every host wait for the device (-1: forever) */
 } ap_config;

@@ -7,6 +7,8 @@ from libc.stdlib cimport malloc as c_malloc, free as c_free
 from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromVoidPtr
 from cpython.exc cimport PyErr_Occurred, PyErr_Clear
 
+import time as _time
+
 from ascend_pool.errors import (OutOfMemoryError, QuotaExceededError, InvalidSizeError, InvalidPointerError,
                                 InvalidStreamError, DeviceTimeoutError, PoolError)
 
@@ -24,7 +26,8 @@ cdef extern from "pool.h" nogil:
         size_t pad_bytes, min_block, small_size, small_segment, page_size, min_large_segment
         size_t large_split_min, max_split_size, limit_bytes, reserve_bytes, history_capacity
         double gc_threshold
-        int release_policy, stream_reuse, sync_timeout_ms
+        int release_policy, expandable, stream_reuse, sync_timeout_ms
+        unsigned long long vmm_idle_ticks
     ctypedef struct ap_pool:
         pass
     void ap_config_default(ap_config *c)
@@ -50,6 +53,7 @@ cdef extern from "pool.h" nogil:
         uintptr_t base
         size_t size
         int pool
+        int expandable
         void *stream
         size_t first_block, n_blocks
     ctypedef struct ap_history_entry:
@@ -74,6 +78,7 @@ cdef extern from "stats.h" nogil:
     ctypedef struct ap_stats:
         ap_stat s[9][3]
         int64_t num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc, num_device_free
+        int64_t num_device_map, num_device_unmap
         int64_t num_quota_exceeded, events_created, stream_migrations, pending_free_bytes
         int64_t pending_free_blocks, largest_free_block, cached_free_bytes
         int64_t device_free_bytes, device_total_bytes
@@ -97,12 +102,14 @@ _STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_b
 _STAT_TYPES = ("all", "small_pool", "large_pool")
 _CONFIG_FIELDS = ("pad_bytes", "min_block", "small_size", "small_segment", "page_size", "min_large_segment",
                   "large_split_min", "max_split_size", "limit_bytes", "reserve_bytes", "history_capacity",
-                  "gc_threshold", "release_policy", "stream_reuse", "sync_timeout_ms")
+                  "gc_threshold", "release_policy", "expandable", "vmm_idle_ticks", "stream_reuse",
+                  "sync_timeout_ms")
 NO_LIMIT = AP_NO_LIMIT
 RELEASE_POLICIES = {"never": AP_RELEASE_NEVER, "under_peak": AP_RELEASE_UNDER_PEAK}
 STREAM_REUSE = {"borrow": AP_REUSE_BORROW, "tied": AP_REUSE_TIED}
 BLOCK_STATES = ("inactive", "active_allocated", "active_pending_free")
-HISTORY_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot")
+HISTORY_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot",
+                   "segment_map", "segment_unmap")
 
 
 cdef object _raise(ap_error *err, int status):
@@ -164,6 +171,7 @@ cdef class PoolBase:
     cdef readonly int device
     cdef readonly dict config
     cdef set _streams     # stream handles this pool knows (created here or registered)
+    cdef int _busy        # calls running with the GIL released (close() waits for them)
 
     def __cinit__(self, *args, **kwargs):
         self.p = NULL
@@ -192,6 +200,8 @@ cdef class PoolBase:
             elif key == "gc_threshold": cfg.gc_threshold = value
             elif key == "release_policy": cfg.release_policy = value
             elif key == "stream_reuse": cfg.stream_reuse = value
+            elif key == "expandable": cfg.expandable = value
+            elif key == "vmm_idle_ticks": cfg.vmm_idle_ticks = value
             elif key == "sync_timeout_ms": cfg.sync_timeout_ms = value
         self.backend = backend
         self.device = device
@@ -201,16 +211,19 @@ cdef class PoolBase:
             self.p = ap_pool_create(backend.b, device, &cfg, &err)
         if self.p == NULL:
             _raise(&err, err.status)
+        _capi_register(self)  # the C ABI finds pointers of every live pool (capi/capi.pxi)
 
     def close(self):
         """Returns all device memory of this pool (live blocks included) and closes it."""
         if self.p != NULL:
+            _capi_unregister(self.p)
             with nogil:
                 ap_pool_destroy(self.p)
             self.p = NULL
 
     def __dealloc__(self):
         if self.p != NULL:
+            _capi_unregister(self.p)
             with nogil:
                 ap_pool_destroy(self.p)
             self.p = NULL
@@ -224,6 +237,17 @@ cdef class PoolBase:
             raise PoolError("this pool is closed")
         return 0
 
+    cdef inline ap_pool *_enter(self) except NULL:
+        # Counted under the GIL, so that close() (which also holds it) never frees the pool
+        # while another thread is inside a call that released the GIL.
+        if self.p == NULL:
+            raise PoolError("this pool is closed")
+        self._busy += 1
+        return self.p
+
+    cdef inline void _leave(self) noexcept:
+        self._busy -= 1
+
     cdef inline void *_stream(self, object stream) except? NULL:
         if stream is None:
             return NULL
@@ -236,6 +260,7 @@ cdef class PoolBase:
         """Allocates nbytes (int, bytes) of device memory ordered on stream (None: default
         stream). Returns the device address as an int."""
         self._check()
+        cdef ap_pool *_p
         cdef size_t n = _as_size(nbytes)
         cdef void *s = self._stream(stream) if stream is not None else NULL
         cdef void *out = NULL
@@ -243,8 +268,10 @@ cdef class PoolBase:
         cdef int rc
         if ap_pool_try_malloc(self.p, n, s, &out) == AP_OK:
             return PyLong_FromVoidPtr(out)
+        _p = self._enter()
         with nogil:
-            rc = ap_pool_malloc(self.p, n, s, &out, &err)
+            rc = ap_pool_malloc(_p, n, s, &out, &err)
+        self._leave()
         if rc != AP_OK:
             _raise(&err, rc)
         return PyLong_FromVoidPtr(out)
@@ -253,6 +280,7 @@ cdef class PoolBase:
         """Frees ptr. Ordered on stream when given (the block is reusable at once by that stream,
         by others once its queued work is done); else on the stream it was allocated on."""
         self._check()
+        cdef ap_pool *_p
         cdef void *p = _as_ptr(ptr)
         cdef void *s = NULL
         cdef ap_error err
@@ -260,12 +288,16 @@ cdef class PoolBase:
         if stream is None:
             if ap_pool_try_free(self.p, p) == AP_OK:
                 return
+            _p = self._enter()
             with nogil:
-                rc = ap_pool_free(self.p, p, NULL, 1, &err)
+                rc = ap_pool_free(_p, p, NULL, 1, &err)
+            self._leave()
         else:
             s = self._stream(stream)
+            _p = self._enter()
             with nogil:
-                rc = ap_pool_free(self.p, p, s, 0, &err)
+                rc = ap_pool_free(_p, p, s, 0, &err)
+            self._leave()
         if rc != AP_OK:
             _raise(&err, rc)
 
@@ -273,22 +305,28 @@ cdef class PoolBase:
         """Marks ptr as used by stream: after its free, the block is not reused anywhere until the
         work queued on stream before the free has completed."""
         self._check()
+        cdef ap_pool *_p
         cdef void *p = _as_ptr(ptr)
         cdef void *s = self._stream(stream)
         cdef ap_error err
         cdef int rc
+        _p = self._enter()
         with nogil:
-            rc = ap_pool_record_stream(self.p, p, s, &err)
+            rc = ap_pool_record_stream(_p, p, s, &err)
+        self._leave()
         if rc != AP_OK:
             _raise(&err, rc)
 
     def empty_cache(self):
         """Returns every unused cached segment to the device (waits for pending frees first)."""
         self._check()
+        cdef ap_pool *_p
         cdef ap_error err
         cdef int rc
+        _p = self._enter()
         with nogil:
-            rc = ap_pool_empty_cache(self.p, &err)
+            rc = ap_pool_empty_cache(_p, &err)
+        self._leave()
         if rc != AP_OK:
             _raise(&err, rc)
 
@@ -307,11 +345,14 @@ cdef class PoolBase:
     def destroy_stream(self, stream):
         """Waits for stream, returns its cached blocks to all streams, and destroys it."""
         self._check()
+        cdef ap_pool *_p
         cdef void *s = self._stream(stream)
         cdef ap_error err
         cdef int rc
+        _p = self._enter()
         with nogil:
-            rc = ap_pool_release_stream(self.p, s, &err)
+            rc = ap_pool_release_stream(_p, s, &err)
+        self._leave()
         if rc != AP_OK:
             _raise(&err, rc)
         self._streams.discard(stream)
@@ -320,20 +361,26 @@ cdef class PoolBase:
     def synchronize(self, stream=None):
         """Waits (bounded by sync_timeout_ms) for the work queued on stream (None: default)."""
         self._check()
+        cdef ap_pool *_p
         cdef void *s = self._stream(stream)
         cdef ap_error err
         cdef int rc
+        _p = self._enter()
         with nogil:
-            rc = ap_pool_synchronize(self.p, s, &err)
+            rc = ap_pool_synchronize(_p, s, &err)
+        self._leave()
         if rc != AP_OK:
             _raise(&err, rc)
 
     def set_limit(self, limit_bytes):
         """Caps reserved bytes (None: no cap). A limit below current use trims cache only."""
         self._check()
+        cdef ap_pool *_p
         cdef size_t limit = AP_NO_LIMIT if limit_bytes is None else <size_t>limit_bytes
+        _p = self._enter()
         with nogil:
-            ap_pool_set_limit(self.p, limit)
+            ap_pool_set_limit(_p, limit)
+        self._leave()
 
     def reset_peak_stats(self):
         """Resets every peak counter to its current value."""
@@ -357,9 +404,12 @@ cdef class PoolBase:
     def _raw_stats(self):
         """Counters copied under the lock: PyTorch-schema keys plus the pool's own."""
         self._check()
+        cdef ap_pool *_p
         cdef ap_stats st
+        _p = self._enter()
         with nogil:
-            ap_pool_get_stats(self.p, &st)
+            ap_pool_get_stats(_p, &st)
+        self._leave()
         out = {}
         for i, name in enumerate(_STAT_NAMES):
             for j, kind in enumerate(_STAT_TYPES):
@@ -372,6 +422,8 @@ cdef class PoolBase:
         out["num_sync_all_streams"] = st.num_sync_all_streams
         out["num_device_alloc"] = st.num_device_alloc
         out["num_device_free"] = st.num_device_free
+        out["num_device_map"] = st.num_device_map
+        out["num_device_unmap"] = st.num_device_unmap
         out["num_quota_exceeded"] = st.num_quota_exceeded
         out["events_created"] = st.events_created
         out["stream_migrations"] = st.stream_migrations
@@ -384,14 +436,17 @@ cdef class PoolBase:
         return out
 
     def _raw_snapshot(self):
-        """(segments, history): segments as tuples (base, size, pool, stream, blocks) with blocks
+        """(segments, history): segments as tuples (base, size, pool, stream, blocks, expandable) with blocks
         as tuples (addr, size, requested, state); history as (action, addr, size, stream, time_us)."""
         self._check()
+        cdef ap_pool *_p
         cdef ap_snapshot snap
         cdef int rc
         cdef size_t i, j
+        _p = self._enter()
         with nogil:
-            rc = ap_pool_snapshot(self.p, &snap)
+            rc = ap_pool_snapshot(_p, &snap)
+        self._leave()
         if rc != AP_OK:
             raise MemoryError("host memory for the snapshot exhausted")
         try:
@@ -402,7 +457,7 @@ cdef class PoolBase:
                 for j in range(seg.first_block, seg.first_block + seg.n_blocks):
                     blk = snap.blocks[j]
                     blocks.append((blk.addr, blk.size, blk.requested, blk.state))
-                segments.append((seg.base, seg.size, seg.pool, <uintptr_t>seg.stream, blocks))
+                segments.append((seg.base, seg.size, seg.pool, <uintptr_t>seg.stream, blocks, bool(seg.expandable)))
             history = []
             for i in range(snap.n_history):
                 e = snap.history[i]
@@ -433,11 +488,15 @@ def replay_arrays(PoolBase pool, Backend backend, int device, str mode, const in
         raise MemoryError("host memory for the replay exhausted")
     for i, s in enumerate(streams):
         c_streams[i] = NULL if s is None else PyLong_AsVoidPtr(s)
+    if pool is not None:
+        p = pool._enter()
     try:
         with nogil:
             rc = ap_replay(p, backend.b, device, m, &op[0], &slot[0], &size[0], &stream[0], n, c_streams,
                            ptrs, n_slots, &r)
     finally:
+        if pool is not None:
+            pool._leave()
         c_free(c_streams)
         c_free(ptrs)
     if rc != AP_OK:

@@ -62,6 +62,8 @@ int ap_vmm_init(ap_pool *p, ap_error *err);
 ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *err);
 /* Unmaps free chunks (largest first, settling streams as needed) until target bytes are returned. */
 size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err);
+/* The same, only from free blocks idle for at least min_idle allocations (the release policy). */
+size_t ap_vmm_release_idle(ap_pool *p, size_t target, uint64_t min_idle);
 void ap_vmm_destroy(ap_pool *p);
 
 /* stream_order.c: stream slots, events, pending frees, cross-stream reuse. */

@@ -137,8 +137,17 @@ static void trim_before_growth(ap_pool *p, size_t size) {
         if (reserved + size > threshold)
             reserved -= ap_release_free_segments(p, reserved + size - threshold, 0, 1, NULL);
     }
-    if (p->cfg.release_policy == AP_RELEASE_UNDER_PEAK && idle && reserved + size > p->reserved_watermark)
-        ap_release_free_segments(p, reserved + size - p->reserved_watermark, 0, 0, NULL);
+    if (p->cfg.release_policy == AP_RELEASE_UNDER_PEAK && idle && reserved + size > p->reserved_watermark) {
+        size_t over = reserved + size - p->reserved_watermark;
+        if (p->cfg.expandable) {
+            /* Trading idle pages for new ones costs four device calls a page, and pages free for
+               only a short while are likely needed again soon (the same peak recurs every step of
+               a loop): only pages idle for vmm_idle_ticks allocations are traded. */
+            ap_vmm_release_idle(p, over, p->cfg.vmm_idle_ticks);
+        } else {
+            ap_release_free_segments(p, over, 0, 0, NULL);
+        }
+    }
 }
 
 /* One attempt to get new device memory holding rsize: a segment of `size` bytes, or (expandable)

@@ -253,8 +253,10 @@ cdef class TenantPoolBase(PoolBase):
         returns the bytes released."""
         self._check()
         cdef size_t released
+        cdef ap_pool *_p = self._enter()
         with nogil:
-            released = ap_pool_trim_to(self.p, target)
+            released = ap_pool_trim_to(_p, target)
+        self._leave()
         return released
 
     def _quota_state(self):
@@ -312,8 +314,10 @@ cdef class TenantPoolBase(PoolBase):
         cdef int rc
         if ap_pool_try_malloc(self.p, n, s, &out) == AP_OK:  # cached: no growth, no quota check
             return PyLong_FromVoidPtr(out)
+        cdef ap_pool *_p = self._enter()
         with nogil:
-            rc = ap_pool_malloc(self.p, n, s, &out, &err)
+            rc = ap_pool_malloc(_p, n, s, &out, &err)
+        self._leave()
         if rc == AP_E_QUOTA:
             raise self._quota_error(n, err.message.decode("utf-8", "replace"), "this allocation")
         if rc != AP_OK:
@@ -325,20 +329,25 @@ cdef class TenantPoolBase(PoolBase):
     def _quota_warn(self):
         """Called once each time this context's growth takes the tenant past its warn level."""
 
-    cdef void _detach(self) noexcept nogil:
-        if self.p != NULL:
-            ap_pool_set_quota_hook(self.p, NULL)
-            ap_pool_destroy(self.p)  # returns every segment to the device
-            self.p = NULL
+    cdef void _detach(self, ap_pool *p) noexcept nogil:
+        if p != NULL:
+            ap_pool_set_quota_hook(p, NULL)
+            ap_pool_destroy(p)  # returns every segment to the device
         if self.qh != NULL:
             apl_handle_close(self.qh)  # and the slot's bytes to the tenant
             self.qh = NULL
 
     def close(self):
         """Returns all device memory of this context (live blocks included) and its share of the
-        tenant's quota, and closes it."""
+        tenant's quota, and closes it. Waits for calls other threads are making on it."""
+        cdef ap_pool *p = self.p
+        self.p = NULL  # later calls raise PoolError
+        while self._busy:
+            _time.sleep(0.0005)  # releases the GIL so those calls can finish
         with nogil:
-            self._detach()
+            self._detach(p)
 
     def __dealloc__(self):
-        self._detach()
+        cdef ap_pool *p = self.p
+        self.p = NULL
+        self._detach(p)

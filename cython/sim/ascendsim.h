@@ -16,13 +16,15 @@
 
 /* Enqueues on `stream` (NULL: the calling thread's current device's default stream) a wait of
    `delay_us` microseconds followed by memset(ptr, value & 0xff, nbytes). [ptr, ptr+nbytes) must lie
-   inside one live device allocation (its reserved, rounded extent) at enqueue time, else 107000.
-   If that memory is freed before the fill runs, the fill is dropped (counted in stats
-   "dropped_fills") instead of writing to unmapped memory. */
+   inside one live device allocation (its reserved, rounded extent), or inside one VMM reservation
+   with every page of it mapped (aclrtMapMem), at enqueue time, else 107000. If that memory is
+   freed or unmapped before the fill runs, the fill is dropped (counted in stats "dropped_fills")
+   instead of writing to unmapped memory. */
 SIM_EXPORT aclError ascendsim_launch_fill(aclrtStream stream, void *ptr, size_t nbytes, int value,
                                           uint64_t delay_us);
 /* Copies nbytes of device memory at ptr to host memory at dst, now, without waiting for streams.
-   [ptr, ptr+nbytes) must lie inside one live device allocation, else 107000. */
+   [ptr, ptr+nbytes) must lie inside one live device allocation or mapped VMM range (as for
+   ascendsim_launch_fill), else 107000. */
 SIM_EXPORT aclError ascendsim_read(const void *ptr, void *dst, size_t nbytes);
 /* Enqueues on `stream` an item that blocks its worker until ascendsim_release_stream(stream). */
 SIM_EXPORT aclError ascendsim_hang_stream(aclrtStream stream);
@@ -30,14 +32,16 @@ SIM_EXPORT aclError ascendsim_hang_stream(aclrtStream stream);
 SIM_EXPORT aclError ascendsim_release_stream(aclrtStream stream);
 
 /* Fault injection. The counts are "the Nth call from now" (from aclInit for the environment
-   variables), fire once, then disarm; 0 disarms. */
+   variables), fire once, then disarm; 0 disarms. "Device malloc" is aclrtMalloc[Align32] and
+   aclrtMallocPhysical alike (one count, one byte total). */
 SIM_EXPORT aclError ascendsim_set_fail_malloc_nth(uint64_t n);      /* -> 207001 */
 SIM_EXPORT aclError ascendsim_set_fail_event_create_nth(uint64_t n); /* -> 207007 */
 SIM_EXPORT aclError ascendsim_set_fail_event_query_nth(uint64_t n);  /* -> 107000 */
 /* A device malloc that would take this process's held device bytes (all devices together, the
    rounded sizes) above `bytes` fails with 207001. bytes < 0 disarms. */
 SIM_EXPORT aclError ascendsim_set_fail_after_bytes(int64_t bytes);
-/* Microseconds added to every aclrtMalloc[Align32] / aclrtFree call (0: none). */
+/* Microseconds added to every aclrtMalloc[Align32] / aclrtMallocPhysical and aclrtFree /
+   aclrtFreePhysical call (0: none). */
 SIM_EXPORT aclError ascendsim_set_malloc_latency_us(uint64_t us);
 SIM_EXPORT aclError ascendsim_set_free_latency_us(uint64_t us);
 /* Disarms every fault, including those set from the environment. */
@@ -55,7 +59,8 @@ SIM_EXPORT aclError ascendsim_configure(int32_t devices, uint64_t hbm_bytes);
 SIM_EXPORT aclError ascendsim_parse_size(const char *text, uint64_t *bytes);
 
 /* Counters of one device, written as n uint64 values in the order named by
-   ascendsim_stats_fields() (a comma-separated list). Bad device id -> ACL_ERROR_INVALID_DEVICE. */
+   ascendsim_stats_fields() (a comma-separated list; new fields are only ever appended). Bad device
+   id -> ACL_ERROR_INVALID_DEVICE. */
 SIM_EXPORT aclError ascendsim_get_stats(int32_t device, uint64_t *out, uint32_t n);
 SIM_EXPORT const char *ascendsim_stats_fields(void);
 

@@ -22,7 +22,8 @@ SIM_EXPORT aclError ascendsim_launch_fill(aclrtStream stream, void *ptr, size_t 
     struct sim_alloc *a = sim_alloc_pin(SIM_TREE_DEVICE, ptr, nbytes);
     if (!a)
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
-                        "[%p, +%zu bytes) is not inside one live device allocation", ptr, nbytes);
+                        "[%p, +%zu bytes) is not inside one live device allocation or mapped "
+                        "virtual memory", ptr, nbytes);
     sim_alloc_unpin(SIM_TREE_DEVICE, a); /* checked again when the fill runs */
     struct sim_stream *s;
     if ((rc = sim_stream_get(stream, call, &s)) != 0)
@@ -53,7 +54,8 @@ SIM_EXPORT aclError ascendsim_read(const void *ptr, void *dst, size_t nbytes)
     struct sim_alloc *a = sim_alloc_pin(SIM_TREE_DEVICE, ptr, nbytes);
     if (!a)
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
-                        "[%p, +%zu bytes) is not inside one live device allocation", ptr, nbytes);
+                        "[%p, +%zu bytes) is not inside one live device allocation or mapped "
+                        "virtual memory", ptr, nbytes);
     if (nbytes)
         memcpy(dst, ptr, nbytes);
     sim_alloc_unpin(SIM_TREE_DEVICE, a);
@@ -159,7 +161,8 @@ SIM_EXPORT aclError ascendsim_parse_size(const char *text, uint64_t *bytes)
 }
 
 static const char STATS_FIELDS[] =
-    "mallocs,frees,bytes_held,node_bytes_used,total_bytes,live_events,events_created,live_streams,dropped_fills,poisoned_bytes";
+    "mallocs,frees,bytes_held,node_bytes_used,total_bytes,live_events,events_created,live_streams,dropped_fills,poisoned_bytes,"
+    "phys_mallocs,phys_frees,phys_bytes,maps,unmaps,mapped_bytes";
 
 SIM_EXPORT const char *ascendsim_stats_fields(void) { return STATS_FIELDS; }
 
@@ -175,11 +178,14 @@ SIM_EXPORT aclError ascendsim_get_stats(int32_t device, uint64_t *out, uint32_t 
     if (!out && n)
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "out is NULL");
     struct sim_device *d = &g_sim.dev[device];
+    uint64_t vm[SIM_VMM_NSTATS];
+    sim_vmm_stats(device, vm);
     uint64_t v[] = {
         atomic_load(&d->mallocs),      atomic_load(&d->frees),          atomic_load(&d->held),
         sim_node_used(device),         g_sim.cfg.hbm,                   atomic_load(&d->live_events),
         atomic_load(&d->events_created), atomic_load(&d->live_streams), atomic_load(&d->dropped_fills),
         atomic_load(&d->poisoned_bytes),
+        vm[0], vm[1], vm[2], vm[3], vm[4], vm[5], /* appended: existing positions never move */
     };
     for (uint32_t i = 0; i < n && i < sizeof v / sizeof v[0]; i++)
         out[i] = v[i];

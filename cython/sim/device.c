@@ -2,8 +2,9 @@
  *
  * aclInit reads the configuration from the environment (config.c), attaches every simulated
  * device to its node-wide record (node.c) and arms the configured faults. aclFinalize drains and
- * joins every stream, drops events and contexts, unmaps all memory and gives the node back this
- * process's share. A process may aclInit again after aclFinalize (with a new configuration).
+ * joins every stream, drops events and contexts, unmaps all memory (virtual memory too: vmm.c)
+ * and gives the node back this process's share. A process may aclInit again after aclFinalize
+ * (with a new configuration).
  *
  * Calls racing aclFinalize from other threads are outside the contract, as with the real
  * runtime; they may fail but do not crash (objects are reference counted, mappings of pinned
@@ -153,6 +154,7 @@ SIM_EXPORT aclError aclFinalize(void)
         if (s)
             finalize_stream(s);
     }
+    sim_vmm_finalize(); /* after the streams, whose fills may touch mapped memory */
     for (int which = SIM_TREE_DEVICE; which <= SIM_TREE_HOST; which++) {
         struct sim_alloc **all;
         size_t m = sim_alloc_take_all(which, &all);

@@ -1,0 +1,228 @@
+/* The exported C ABI (declared in ascend_pool/include/ascend_pool.h, which documents each call).
+ *
+ * Hot path: ascend_pool_malloc / ascend_pool_free find the calling thread's current pool with
+ * ap_current_get (a thread-local read, else an atomic load of the default) and call the pool,
+ * which takes only its own mutex. No GIL, no Python object, no registry.
+ *
+ * The one place that takes the GIL: apc_create_default(), when a device has no pool yet. The pool
+ * object (its config, its backend) is Python's, so the module installs a callback at import
+ * (apc_set_hooks) and this code calls it between PyGILState_Ensure and PyGILState_Release. Nothing
+ * of ours is locked while it waits for the GIL, so a thread holding the GIL while waiting for a C
+ * thread cannot deadlock with it on our locks; it can only delay that thread's first call on a
+ * device. ascend_pool_init(device) pays this cost up front.
+ */
+#ifndef APC_EXPORTS_H
+#define APC_EXPORTS_H
+
+#include <Python.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <string.h>
+#include <sys/types.h>
+
+#include "ascend_pool.h"
+#include "capi/last_error.h"
+#include "capi/registry.h"
+#include "current.h"
+#include "pool.h"
+
+/* Creates the default pool of device (strict: a device that does not exist is an error; else it
+   is quietly skipped). Returns ASCEND_POOL_OK or a code with a message in msg. Called with the GIL
+   held; must not raise. */
+typedef int (*apc_create_fn)(int device, int strict, char *msg, size_t len);
+
+static _Atomic(apc_create_fn) apc_create_hook; /* NULL before import and from interpreter exit on */
+
+/* Installed by capi.pxi at import; NULL at exit (after that, no Python code may run for us). */
+static void apc_set_hooks(apc_create_fn create) { atomic_store(&apc_create_hook, create); }
+
+static int apc_python_usable(void) {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+    return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+/* The backend name ("acl", "sim", "cuda") of device's process default pool, or NULL if none. */
+static const char *apc_default_backend_name(int device) {
+    ap_pool *p = ap_default_get(device);
+    return p ? p->backend->name : NULL;
+}
+
+/* 0 when device may exist, else sets the error. */
+static int apc_check_device(int device, const char *call) {
+    int count = atomic_load_explicit(&apc_device_count, memory_order_relaxed);
+    if (device < 0 || device >= AP_MAX_DEVICES || (count > 0 && device >= count)) {
+        if (count > 0)
+            apc_fail(ASCEND_POOL_E_INVALID_DEVICE, "%s: device %d does not exist (devices 0..%d)", call, device,
+                     count - 1);
+        else
+            apc_fail(ASCEND_POOL_E_INVALID_DEVICE, "%s: device %d does not exist", call, device);
+        return -1;
+    }
+    return 0;
+}
+
+/* Runs the module's callback under the GIL. The rare path: once per device per process. */
+static int apc_create_default(int device, int strict, const char *call) {
+    apc_create_fn create = atomic_load(&apc_create_hook);
+    char msg[400] = "";
+    int rc;
+    if (!create || !apc_python_usable()) {
+        apc_fail(ASCEND_POOL_E_NOT_READY,
+                 "%s: no pool for device %d, and none can be made: the ascend_pool Python module is not imported "
+                 "in this process, or Python is shutting down (import ascend_pool first)",
+                 call, device);
+        return ASCEND_POOL_E_NOT_READY;
+    }
+    PyGILState_STATE gil = PyGILState_Ensure();
+    rc = create(device, strict, msg, sizeof msg);
+    PyGILState_Release(gil);
+    if (rc != ASCEND_POOL_OK) apc_fail(rc, "%s: creating the default pool of device %d failed: %s", call, device, msg);
+    return rc;
+}
+
+/* The calling thread's pool for device, created (as the process default) when there is none.
+   NULL with the error set on failure. */
+static inline ap_pool *apc_pool_for(int device, const char *call) {
+    ap_pool *p = ap_current_get(device);
+    if (__builtin_expect(p != NULL, 1)) return p;
+    if (apc_check_device(device, call) != 0 || apc_create_default(device, 1, call) != ASCEND_POOL_OK) return NULL;
+    p = ap_current_get(device);
+    if (!p) apc_fail(ASCEND_POOL_E_NOT_READY, "%s: the default pool of device %d was closed", call, device);
+    return p;
+}
+
+APC_EXPORT void *ascend_pool_malloc(ssize_t size, int device, void *stream) {
+    ap_error err;
+    void *out = NULL;
+    if (__builtin_expect(size <= 0, 0)) {
+        apc_fail(ASCEND_POOL_E_INVALID_SIZE, "ascend_pool_malloc: size must be positive, got %zd bytes", size);
+        return NULL;
+    }
+    ap_pool *p = apc_pool_for(device, "ascend_pool_malloc");
+    if (!p) return NULL;
+    err.message[0] = 0;
+    int rc = ap_pool_malloc(p, (size_t)size, stream, &out, &err);
+    if (__builtin_expect(rc != AP_OK, 0)) {
+        apc_fail(rc, "ascend_pool_malloc(%zd bytes, device %d, stream %p): %s", size, device, stream, err.message);
+        return NULL;
+    }
+    return out;
+}
+
+/* stream == NULL frees on the allocation stream (use_alloc_stream): see ascend_pool.h. */
+APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stream) {
+    ap_error err;
+    int use_alloc_stream = stream == NULL, rc = AP_E_INVALID_PTR;
+    (void)size; /* the pool knows each block's size */
+    if (!ptr) return;
+    ap_pool *p = device >= 0 && device < AP_MAX_DEVICES ? ap_current_get(device) : NULL;
+    err.message[0] = 0;
+    if (__builtin_expect(p != NULL, 1)) {
+        rc = ap_pool_free(p, ptr, stream, use_alloc_stream, &err);
+        if (__builtin_expect(rc == AP_OK, 1)) return;
+        if (rc != AP_E_INVALID_PTR) {
+            apc_fail(rc, "ascend_pool_free(%p, device %d): %s", ptr, device, err.message);
+            return;
+        }
+    } else if (apc_check_device(device, "ascend_pool_free") != 0) {
+        return;
+    }
+    /* Not the current pool's: a block allocated while another context of this device was current. */
+    pthread_mutex_lock(&apc_reg_lock);
+    ap_pool *owner = apc_find_locked(device, ptr, 0, p);
+    if (owner) rc = ap_pool_free(owner, ptr, stream, use_alloc_stream, &err);
+    pthread_mutex_unlock(&apc_reg_lock);
+    if (owner && rc == AP_OK) return;
+    if (owner || p)
+        apc_fail(rc, "ascend_pool_free(%p, device %d): %s", ptr, device, err.message);
+    else
+        apc_fail(AP_E_INVALID_PTR, "ascend_pool_free(%p, device %d): no live pool of device %d allocated it", ptr,
+                 device, device);
+}
+
+APC_EXPORT void ascend_pool_init(int device) {
+    if (device >= 0 && device < AP_MAX_DEVICES && ap_current_get(device)) return;
+    apc_create_default(device, 0, "ascend_pool_init");
+}
+
+APC_EXPORT void ascend_pool_empty_cache(void) {
+    ap_error err;
+    int failed = 0;
+    pthread_mutex_lock(&apc_reg_lock);
+    for (size_t i = 0; i < apc_reg_n; i++) {
+        int rc = ap_pool_empty_cache(apc_reg[i].pool, &err);
+        if (rc != AP_OK && !failed) {
+            failed = 1;
+            apc_fail(rc, "ascend_pool_empty_cache: device %d: %s", apc_reg[i].device, err.message);
+        }
+    }
+    pthread_mutex_unlock(&apc_reg_lock);
+}
+
+APC_EXPORT void ascend_pool_reset(bool check_error) {
+    (void)check_error; /* torch_npu's flag; failures go to the last error either way */
+    ascend_pool_empty_cache();
+}
+
+APC_EXPORT void ascend_pool_set_memory_fraction(double fraction, int device) {
+    ap_stats st;
+    if (!(fraction >= 0.0 && fraction <= 1.0)) { /* also refuses NaN */
+        apc_fail(ASCEND_POOL_E_INVALID_ARG, "ascend_pool_set_memory_fraction: fraction must be in [0, 1], got %g",
+                 fraction);
+        return;
+    }
+    ap_pool *p = apc_pool_for(device, "ascend_pool_set_memory_fraction");
+    if (!p) return;
+    ap_pool_get_stats(p, &st);
+    ap_pool_set_limit(p, (size_t)floor(fraction * (double)st.device_total_bytes));
+}
+
+APC_EXPORT void ascend_pool_record_stream(void *ptr, void *stream) {
+    ap_error err;
+    int rc = AP_E_INVALID_PTR;
+    err.message[0] = 0;
+    pthread_mutex_lock(&apc_reg_lock);
+    ap_pool *owner = ptr ? apc_find_locked(-1, ptr, 0, NULL) : NULL;
+    if (owner) rc = ap_pool_record_stream(owner, ptr, stream, &err);
+    pthread_mutex_unlock(&apc_reg_lock);
+    if (!owner)
+        apc_fail(AP_E_INVALID_PTR, "ascend_pool_record_stream(%p): not a live block of any pool", ptr);
+    else if (rc != AP_OK)
+        apc_fail(rc, "ascend_pool_record_stream(%p, stream %p): %s", ptr, stream, err.message);
+}
+
+APC_EXPORT void *ascend_pool_base_alloc(void *ptr, size_t *size) {
+    uintptr_t a = (uintptr_t)ptr, base = 0;
+    size_t seg_size = 0;
+    if (!size) {
+        apc_fail(ASCEND_POOL_E_INVALID_ARG, "ascend_pool_base_alloc: size must point to a size_t");
+        return NULL;
+    }
+    *size = 0;
+    pthread_mutex_lock(&apc_reg_lock);
+    ap_pool *owner = ptr ? apc_find_locked(-1, ptr, 1, NULL) : NULL;
+    if (owner) {
+        /* The segment (one device allocation) holding the block: what an IPC handle is made of. */
+        pthread_mutex_lock(&owner->lock);
+        for (ap_segment *s = owner->segments; s; s = s->next)
+            if (a >= s->base && a < s->base + s->size) {
+                base = s->base;
+                seg_size = s->size;
+                break;
+            }
+        pthread_mutex_unlock(&owner->lock);
+    }
+    pthread_mutex_unlock(&apc_reg_lock);
+    if (!base) {
+        apc_fail(AP_E_INVALID_PTR, "ascend_pool_base_alloc(%p): not inside a live block of any pool", ptr);
+        return NULL;
+    }
+    *size = seg_size;
+    return (void *)base;
+}
+
+#endif

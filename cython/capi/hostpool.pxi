@@ -1,0 +1,202 @@
+# The pinned host pool (core/hostpool.c, policy in capi/hostpool.h) as a Python object. Backs the
+# numpy handler and serves staging buffers for host<->device copies. Addresses are ints, sizes
+# bytes, streams the runtime's int handles.
+
+from libc.stdint cimport int64_t
+from cpython.ref cimport Py_INCREF
+
+cdef extern from "capi/hostpool.h" nogil:
+    ctypedef struct ap_host_pool:
+        pass
+    ctypedef struct ap_host_stats:
+        int64_t allocated_bytes, allocated_bytes_peak, requested_bytes, requested_bytes_peak
+        int64_t allocations, allocations_peak, reserved_bytes, reserved_bytes_peak, segments
+        int64_t cached_free_bytes, pending_free_bytes, pending_free_blocks, num_allocs, num_frees
+        int64_t num_host_alloc, num_host_free, events_created, num_invalid_frees
+    ap_host_pool *ap_host_pool_create(ap_backend *backend, int device, ap_error *err)
+    void ap_host_pool_destroy(ap_host_pool *hp)
+    size_t ap_host_class_size(size_t size)
+    int ap_host_malloc(ap_host_pool *hp, size_t size, void **out, ap_error *err)
+    int ap_host_free(ap_host_pool *hp, void *ptr, ap_error *err)
+    int ap_host_realloc(ap_host_pool *hp, void *ptr, size_t new_size, void **out, ap_error *err)
+    int ap_host_record_stream(ap_host_pool *hp, void *ptr, void *stream, int device, ap_error *err)
+    int ap_host_block_info(ap_host_pool *hp, void *ptr, uintptr_t *base, size_t *capacity, size_t *requested)
+    int ap_host_empty_cache(ap_host_pool *hp, ap_error *err)
+    void ap_host_get_stats(ap_host_pool *hp, ap_host_stats *out)
+    void ap_host_reset_peaks(ap_host_pool *hp)
+
+
+cdef class HostPool:
+    """Pinned (page-locked) host memory, cached: ``HostPool(backend, device=0)``.
+
+    Buffers come from the runtime's pinned allocator (aclrtMallocHost on acl/sim, cudaHostAlloc on
+    cuda) in `device`'s context, in power-of-two classes of at least 512 bytes, and are reused
+    from free lists. A buffer used by queued device work (an async copy) is marked with
+    record_stream(ptr, stream) before its free: it is then reused only once that stream's work
+    queued before the free has completed (an event is recorded at free time and polled).
+
+    malloc(nbytes) -> int; free(ptr); realloc(ptr, nbytes) -> int; record_stream(ptr, stream);
+    block_info(ptr); empty_cache(); memory_stats(); close().
+    """
+
+    cdef ap_host_pool *hp
+    cdef readonly Backend backend
+    cdef readonly int device
+    cdef bint _immortal
+
+    def __cinit__(self, Backend backend not None, int device=0):
+        cdef ap_error err
+        self.hp = NULL
+        if not 0 <= device < backend.device_count:
+            raise InvalidDeviceError(
+                f"device {device} does not exist: the {backend.name} backend has {backend.device_count} device(s)")
+        self.hp = ap_host_pool_create(backend.b, device, &err)
+        if self.hp == NULL:
+            _raise(&err, err.status)
+        self.backend = backend
+        self.device = device
+
+    def __dealloc__(self):
+        if self.hp != NULL:
+            ap_host_pool_destroy(self.hp)
+            self.hp = NULL
+
+    def __repr__(self):
+        state = "closed" if self.hp == NULL else f"device={self.device}, backend={self.backend.name!r}"
+        return f"<ascend_pool HostPool {state}>"
+
+    cdef inline int _check(self) except -1:
+        if self.hp == NULL:
+            raise PoolError("this host pool is closed")
+        return 0
+
+    def _make_immortal(self):
+        """Keeps this pool (and its backend) alive until the process ends. For the pool behind
+        the numpy handler: arrays may be freed during interpreter teardown, after every module
+        global is gone, and their frees must still find the pool."""
+        if not self._immortal:
+            self._immortal = True
+            Py_INCREF(self)
+
+    @property
+    def closed(self):
+        return self.hp == NULL
+
+    def close(self):
+        """Returns every buffer, handed out or not, to the runtime. Refused for the process's
+        numpy pool (arrays may still live in it)."""
+        if self._immortal:
+            raise PoolError("the host pool behind the numpy handler lives until the process exits")
+        if self.hp != NULL:
+            with nogil:
+                ap_host_pool_destroy(self.hp)
+            self.hp = NULL
+
+    def class_size(self, size_t nbytes):
+        """Bytes a request of nbytes occupies (its power-of-two class; 0 if none fits)."""
+        return ap_host_class_size(nbytes)
+
+    def malloc(self, nbytes):
+        """nbytes of pinned host memory; returns its address (int)."""
+        self._check()
+        cdef size_t n = _as_size(nbytes)
+        cdef void *out = NULL
+        cdef ap_error err
+        cdef int rc
+        with nogil:
+            rc = ap_host_malloc(self.hp, n, &out, &err)
+        if rc != AP_OK:
+            _raise(&err, rc)
+        return <uintptr_t>out
+
+    def free(self, ptr):
+        """Frees a buffer: reusable at once, or after the work of the streams it was marked with."""
+        self._check()
+        cdef void *p = _as_ptr(ptr)
+        cdef ap_error err
+        cdef int rc
+        with nogil:
+            rc = ap_host_free(self.hp, p, &err)
+        if rc != AP_OK:
+            _raise(&err, rc)
+
+    def realloc(self, ptr, nbytes):
+        """Resizes a buffer, keeping its first min(old, new) bytes; returns its (maybe new) address."""
+        self._check()
+        cdef void *p = _as_ptr(ptr)
+        cdef size_t n = _as_size(nbytes)
+        cdef void *out = NULL
+        cdef ap_error err
+        cdef int rc
+        with nogil:
+            rc = ap_host_realloc(self.hp, p, n, &out, &err)
+        if rc != AP_OK:
+            _raise(&err, rc)
+        return <uintptr_t>out
+
+    def record_stream(self, ptr, stream, device=None):
+        """Marks a buffer as used by work queued on stream (an int handle; None: the default
+        stream) of device (None: this pool's): after its free, it is not reused until that work
+        has completed."""
+        self._check()
+        cdef void *p = _as_ptr(ptr)
+        cdef void *s = _handle(stream)
+        cdef int dev = self.device if device is None else device
+        cdef ap_error err
+        cdef int rc
+        with nogil:
+            rc = ap_host_record_stream(self.hp, p, s, dev, &err)
+        if rc != AP_OK:
+            _raise(&err, rc)
+
+    def block_info(self, ptr):
+        """(base, capacity, requested) bytes of the handed-out buffer starting at ptr, or None."""
+        self._check()
+        cdef uintptr_t base = 0
+        cdef size_t capacity = 0, requested = 0
+        if ap_host_block_info(self.hp, _as_ptr(ptr), &base, &capacity, &requested) != 0:
+            return None
+        return (base, capacity, requested)
+
+    def empty_cache(self):
+        """Waits for parked buffers' events, then returns every unused buffer and idle slab."""
+        self._check()
+        cdef ap_error err
+        cdef int rc
+        with nogil:
+            rc = ap_host_empty_cache(self.hp, &err)
+        if rc != AP_OK:
+            _raise(&err, rc)
+
+    def reset_peak_stats(self):
+        self._check()
+        ap_host_reset_peaks(self.hp)
+
+    def memory_stats(self):
+        """Counters in the style of PyTorch's memory_stats() (bytes and counts): allocated_bytes,
+        requested_bytes, allocation, reserved_bytes (pinned from the runtime) .all.{current,peak},
+        segment.all.current, and cached_free_bytes, pending_free_bytes, pending_free_blocks,
+        num_allocs, num_frees, num_host_alloc, num_host_free, events_created, num_invalid_frees."""
+        self._check()
+        cdef ap_host_stats st
+        ap_host_get_stats(self.hp, &st)
+        return {
+            "allocated_bytes.all.current": st.allocated_bytes,
+            "allocated_bytes.all.peak": st.allocated_bytes_peak,
+            "requested_bytes.all.current": st.requested_bytes,
+            "requested_bytes.all.peak": st.requested_bytes_peak,
+            "allocation.all.current": st.allocations,
+            "allocation.all.peak": st.allocations_peak,
+            "reserved_bytes.all.current": st.reserved_bytes,
+            "reserved_bytes.all.peak": st.reserved_bytes_peak,
+            "segment.all.current": st.segments,
+            "cached_free_bytes": st.cached_free_bytes,
+            "pending_free_bytes": st.pending_free_bytes,
+            "pending_free_blocks": st.pending_free_blocks,
+            "num_allocs": st.num_allocs,
+            "num_frees": st.num_frees,
+            "num_host_alloc": st.num_host_alloc,
+            "num_host_free": st.num_host_free,
+            "events_created": st.events_created,
+            "num_invalid_frees": st.num_invalid_frees,
+        }

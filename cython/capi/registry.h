@@ -1,0 +1,80 @@
+/* The live pools of this process (default pools and tenant contexts), as the C ABI sees them.
+ *
+ * A framework frees a pointer on whatever thread drops the tensor, whose current context may not
+ * be the one that allocated it; record_stream and base_alloc are not even told the device. So the
+ * C ABI looks pointers up here when the calling thread's current pool does not own them.
+ *
+ * PoolBase registers a pool when it opens and unregisters it before it is destroyed
+ * (_capi_register / _capi_unregister in capi.pxi). Every pool call made through the registry
+ * happens with the registry lock held, so a pool found here cannot be destroyed under the caller.
+ * Lock order: registry, then a pool's own lock (nothing takes them the other way round).
+ * Not on the hot path: a malloc or free served by the current pool never touches it.
+ */
+#ifndef APC_REGISTRY_H
+#define APC_REGISTRY_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "pool.h"
+
+typedef struct apc_entry {
+    ap_pool *pool;
+    int device;
+} apc_entry;
+
+static pthread_mutex_t apc_reg_lock = PTHREAD_MUTEX_INITIALIZER;
+static apc_entry *apc_reg;
+static size_t apc_reg_n, apc_reg_cap;
+/* Devices of the backend that created pools (0: not known yet), for rejecting bad device
+   numbers without a trip to Python. */
+static atomic_int apc_device_count;
+
+static void apc_learn_device_count(int device_count) {
+    if (device_count > atomic_load(&apc_device_count)) atomic_store(&apc_device_count, device_count);
+}
+
+/* 0, or -1 when host memory for the table ran out. */
+static int apc_register(ap_pool *p, int device, int device_count) {
+    int rc = 0;
+    pthread_mutex_lock(&apc_reg_lock);
+    if (apc_reg_n == apc_reg_cap) {
+        size_t cap = apc_reg_cap ? apc_reg_cap * 2 : 16;
+        apc_entry *grown = realloc(apc_reg, cap * sizeof *grown);
+        if (grown) {
+            apc_reg = grown;
+            apc_reg_cap = cap;
+        }
+    }
+    if (apc_reg_n < apc_reg_cap) apc_reg[apc_reg_n++] = (apc_entry){p, device};
+    else rc = -1;
+    pthread_mutex_unlock(&apc_reg_lock);
+    apc_learn_device_count(device_count);
+    return rc;
+}
+
+static void apc_unregister(ap_pool *p) {
+    pthread_mutex_lock(&apc_reg_lock);
+    for (size_t i = 0; i < apc_reg_n; i++)
+        if (apc_reg[i].pool == p) {
+            apc_reg[i] = apc_reg[--apc_reg_n];
+            break;
+        }
+    pthread_mutex_unlock(&apc_reg_lock);
+}
+
+/* With apc_reg_lock held: the live pool of device (-1: any device) holding a live block that
+   starts at ptr (inside: any address in the block), skipping `skip`; NULL if none. */
+static ap_pool *apc_find_locked(int device, void *ptr, int inside, ap_pool *skip) {
+    for (size_t i = 0; i < apc_reg_n; i++) {
+        uintptr_t base = 0;
+        size_t size = 0, requested = 0;
+        ap_pool *q = apc_reg[i].pool;
+        if (q == skip || (device >= 0 && apc_reg[i].device != device)) continue;
+        if (ap_pool_block_info(q, ptr, &base, &size, &requested) == 0 && (inside || base == (uintptr_t)ptr)) return q;
+    }
+    return NULL;
+}
+
+#endif

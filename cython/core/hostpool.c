@@ -1,0 +1,601 @@
+/* The pinned host-memory pool: size classes with free lists, slabs for the small classes, and
+ * event-guarded reuse. The policy and the interface are described in capi/hostpool.h.
+ *
+ * Every buffer (free, handed out or parked) has a small out-of-band record in an address map, so
+ * pinned memory holds only user data and a free of any pointer is checked, never trusted.
+ */
+#include "capi/hostpool.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool_internal.h" /* ap_set_error */
+
+enum { HB_FREE = 0, HB_ALLOCATED = 1, HB_PENDING = 2, HB_LOST = 3 };
+
+#define SLAB_MAX_BLOCKS 64               /* a slab of tiny buffers stays small (512 B: 32 KiB) */
+#define SLAB_MAX_BYTES ((size_t)2 << 20) /* ... and no slab passes 2 MiB */
+#define EVENT_CACHE 64
+#define STREAM_SYNC_MS 60000             /* bound on the fallback wait when no event can be made */
+
+typedef struct host_uses { /* only for buffers marked with record_stream */
+    int n_uses, n_events;
+    void *streams[AP_HOST_MAX_USES];
+    int devices[AP_HOST_MAX_USES];
+    void *events[AP_HOST_MAX_USES];
+    int event_devices[AP_HOST_MAX_USES];
+} host_uses;
+
+struct host_slab;
+
+typedef struct host_block {
+    uintptr_t addr;
+    size_t requested;
+    struct host_slab *slab;         /* NULL: a runtime allocation of its own */
+    struct host_block *prev, *next; /* the class free list, or the pending list */
+    host_uses *uses;
+    uint8_t cls, state;
+} host_block;
+
+typedef struct host_slab {
+    uintptr_t base;
+    size_t size;
+    size_t n_blocks, n_busy; /* busy: handed out, parked or lost */
+    host_block *blocks;
+    struct host_slab *prev, *next;
+} host_slab;
+
+typedef struct host_map { /* buffer start -> record; linear probing, backward-shift deletion */
+    uintptr_t *keys;      /* 0: empty */
+    host_block **vals;
+    size_t mask, count;
+} host_map;
+
+struct ap_host_pool {
+    pthread_mutex_t lock;
+    ap_backend *backend;
+    int device;
+    host_block *free_lists[AP_HOST_N_CLASSES];
+    host_block *pending_head, *pending_tail;
+    host_slab *slabs;
+    host_map map;
+    void *events[EVENT_CACHE]; /* idle events for reuse, with the device each was made on */
+    int event_devices[EVENT_CACHE];
+    int n_events;
+    ap_host_stats stats;
+};
+
+/* ---- sizes ------------------------------------------------------------------------------------ */
+
+static inline size_t class_bytes(int cls) { return (size_t)1 << (cls + AP_HOST_MIN_SHIFT); }
+
+static inline int class_of(size_t size) {
+    int log2 = size <= 1 ? 0 : 64 - __builtin_clzll((unsigned long long)(size - 1));
+    return log2 <= AP_HOST_MIN_SHIFT ? 0 : log2 - AP_HOST_MIN_SHIFT;
+}
+
+size_t ap_host_class_size(size_t size) {
+    if (size == 0 || size > ((size_t)1 << AP_HOST_MAX_SHIFT)) return 0;
+    return class_bytes(class_of(size));
+}
+
+static inline int in_slabs(int cls) { return cls + AP_HOST_MIN_SHIFT <= AP_HOST_SLAB_SHIFT; }
+
+static size_t slab_blocks(int cls) {
+    size_t n = SLAB_MAX_BYTES / class_bytes(cls);
+    return n > SLAB_MAX_BLOCKS ? SLAB_MAX_BLOCKS : n;
+}
+
+static inline void peak(int64_t *current, int64_t *peak_value, int64_t delta) {
+    *current += delta;
+    if (*current > *peak_value) *peak_value = *current;
+}
+
+/* ---- the address map --------------------------------------------------------------------------- */
+
+static inline size_t map_slot(const host_map *m, uintptr_t key) {
+    return (size_t)((((uint64_t)key >> AP_HOST_MIN_SHIFT) * 0x9E3779B97F4A7C15ull) >> 32) & m->mask;
+}
+
+static int map_init(host_map *m, size_t cap) {
+    m->keys = calloc(cap, sizeof *m->keys);
+    m->vals = calloc(cap, sizeof *m->vals);
+    m->mask = cap - 1;
+    m->count = 0;
+    if (m->keys && m->vals) return 0;
+    free(m->keys);
+    free(m->vals);
+    return -1;
+}
+
+static void map_place(host_map *m, uintptr_t key, host_block *val) {
+    size_t i = map_slot(m, key);
+    while (m->keys[i]) i = (i + 1) & m->mask;
+    m->keys[i] = key;
+    m->vals[i] = val;
+    m->count++;
+}
+
+static int map_put(host_map *m, uintptr_t key, host_block *val) {
+    if ((m->count + 1) * 2 > m->mask + 1) { /* keep the load at or below 1/2 */
+        host_map bigger;
+        if (map_init(&bigger, (m->mask + 1) * 2) != 0) return -1;
+        for (size_t i = 0; i <= m->mask; i++)
+            if (m->keys[i]) map_place(&bigger, m->keys[i], m->vals[i]);
+        free(m->keys);
+        free(m->vals);
+        *m = bigger;
+    }
+    map_place(m, key, val);
+    return 0;
+}
+
+static host_block *map_get(const host_map *m, uintptr_t key) {
+    for (size_t i = map_slot(m, key); m->keys[i]; i = (i + 1) & m->mask)
+        if (m->keys[i] == key) return m->vals[i];
+    return NULL;
+}
+
+static void map_del(host_map *m, uintptr_t key) {
+    size_t i = map_slot(m, key);
+    while (m->keys[i] && m->keys[i] != key) i = (i + 1) & m->mask;
+    if (!m->keys[i]) return;
+    /* Backward shift: move later members of the probe run into the hole when their home slot
+       does not lie cyclically in (hole, their slot]. */
+    for (size_t j = i;;) {
+        j = (j + 1) & m->mask;
+        if (!m->keys[j]) break;
+        size_t home = map_slot(m, m->keys[j]);
+        int stays = i < j ? (home > i && home <= j) : (home > i || home <= j);
+        if (!stays) {
+            m->keys[i] = m->keys[j];
+            m->vals[i] = m->vals[j];
+            i = j;
+        }
+    }
+    m->keys[i] = 0;
+    m->vals[i] = NULL;
+    m->count--;
+}
+
+/* ---- lists --------------------------------------------------------------------------------------- */
+
+static void push_free(ap_host_pool *hp, host_block *b) {
+    host_block **head = &hp->free_lists[b->cls];
+    b->state = HB_FREE;
+    b->prev = NULL;
+    b->next = *head;
+    if (*head) (*head)->prev = b;
+    *head = b;
+    hp->stats.cached_free_bytes += (int64_t)class_bytes(b->cls);
+}
+
+static void unlink_free(ap_host_pool *hp, host_block *b) {
+    if (b->prev) b->prev->next = b->next;
+    else hp->free_lists[b->cls] = b->next;
+    if (b->next) b->next->prev = b->prev;
+    b->prev = b->next = NULL;
+    hp->stats.cached_free_bytes -= (int64_t)class_bytes(b->cls);
+}
+
+/* ---- runtime calls ------------------------------------------------------------------------------- */
+
+static void release_cached(ap_host_pool *hp);
+
+static int runtime_alloc(ap_host_pool *hp, size_t size, void **out, ap_error *err) {
+    ap_backend *be = hp->backend;
+    int rc = be->host_malloc(be, hp->device, out, size);
+    if (rc != 0 && rc != AP_ERR_MISSING_SYMBOL) { /* pinned memory is scarce: give back the cache, retry */
+        release_cached(hp);
+        rc = be->host_malloc(be, hp->device, out, size);
+    }
+    if (rc != 0) {
+        char msg[200];
+        be->error_message(be, rc, msg, sizeof msg);
+        return ap_set_error(err, rc == AP_ERR_MISSING_SYMBOL ? AP_E_DEVICE : AP_E_OOM, rc,
+                            "pinning %zu bytes of host memory failed on the %s backend: %s (the host pool "
+                            "holds %lld bytes, %lld handed out)",
+                            size, be->name, msg, (long long)hp->stats.reserved_bytes,
+                            (long long)hp->stats.allocated_bytes);
+    }
+    hp->stats.num_host_alloc++;
+    hp->stats.segments++;
+    peak(&hp->stats.reserved_bytes, &hp->stats.reserved_bytes_peak, (int64_t)size);
+    return AP_OK;
+}
+
+static void runtime_free(ap_host_pool *hp, uintptr_t addr, size_t size) {
+    /* A failing free cannot be retried usefully: the bytes are forgotten either way. */
+    hp->backend->host_free(hp->backend, hp->device, (void *)addr);
+    hp->stats.num_host_free++;
+    hp->stats.segments--;
+    hp->stats.reserved_bytes -= (int64_t)size;
+}
+
+/* ---- growing and shrinking ----------------------------------------------------------------------- */
+
+static int grow_slab(ap_host_pool *hp, int cls, ap_error *err) {
+    size_t n = slab_blocks(cls), size = n * class_bytes(cls);
+    host_slab *s = calloc(1, sizeof *s);
+    host_block *blocks = calloc(n, sizeof *blocks);
+    void *base = NULL;
+    int rc;
+    if (!s || !blocks) {
+        free(s);
+        free(blocks);
+        return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the host pool's bookkeeping exhausted");
+    }
+    rc = runtime_alloc(hp, size, &base, err);
+    if (rc != AP_OK) {
+        free(s);
+        free(blocks);
+        return rc;
+    }
+    s->base = (uintptr_t)base;
+    s->size = size;
+    s->n_blocks = n;
+    s->blocks = blocks;
+    for (size_t i = 0; i < n; i++) {
+        blocks[i].addr = s->base + i * class_bytes(cls);
+        blocks[i].cls = (uint8_t)cls;
+        blocks[i].slab = s;
+        if (map_put(&hp->map, blocks[i].addr, &blocks[i]) != 0) {
+            while (i-- > 0) map_del(&hp->map, blocks[i].addr);
+            runtime_free(hp, s->base, size);
+            free(s);
+            free(blocks);
+            return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the host pool's bookkeeping exhausted");
+        }
+    }
+    for (size_t i = n; i-- > 0;) push_free(hp, &blocks[i]); /* lowest address handed out first */
+    s->next = hp->slabs;
+    if (hp->slabs) hp->slabs->prev = s;
+    hp->slabs = s;
+    return AP_OK;
+}
+
+static int grow_single(ap_host_pool *hp, int cls, ap_error *err) {
+    host_block *b = calloc(1, sizeof *b);
+    void *base = NULL;
+    int rc;
+    if (!b) return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the host pool's bookkeeping exhausted");
+    rc = runtime_alloc(hp, class_bytes(cls), &base, err);
+    if (rc != AP_OK) {
+        free(b);
+        return rc;
+    }
+    b->addr = (uintptr_t)base;
+    b->cls = (uint8_t)cls;
+    if (map_put(&hp->map, b->addr, b) != 0) {
+        runtime_free(hp, b->addr, class_bytes(cls));
+        free(b);
+        return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the host pool's bookkeeping exhausted");
+    }
+    push_free(hp, b);
+    return AP_OK;
+}
+
+static void release_slab(ap_host_pool *hp, host_slab *s) {
+    for (size_t i = 0; i < s->n_blocks; i++) {
+        host_block *b = &s->blocks[i];
+        if (b->state == HB_FREE) unlink_free(hp, b);
+        map_del(&hp->map, b->addr);
+        free(b->uses);
+    }
+    if (s->prev) s->prev->next = s->next;
+    else hp->slabs = s->next;
+    if (s->next) s->next->prev = s->prev;
+    runtime_free(hp, s->base, s->size);
+    free(s->blocks);
+    free(s);
+}
+
+/* Gives every idle slab and every free big buffer back to the runtime. */
+static void release_cached(ap_host_pool *hp) {
+    for (int c = 0; c < AP_HOST_N_CLASSES; c++) {
+        if (in_slabs(c)) continue;
+        while (hp->free_lists[c]) {
+            host_block *b = hp->free_lists[c];
+            unlink_free(hp, b);
+            map_del(&hp->map, b->addr);
+            runtime_free(hp, b->addr, class_bytes(c));
+            free(b->uses);
+            free(b);
+        }
+    }
+    for (host_slab *s = hp->slabs, *next; s; s = next) {
+        next = s->next;
+        if (s->n_busy == 0) release_slab(hp, s);
+    }
+}
+
+/* ---- events ----------------------------------------------------------------------------------------- */
+
+static int take_event(ap_host_pool *hp, int device, void **event) {
+    for (int i = hp->n_events; i-- > 0;)
+        if (hp->event_devices[i] == device) {
+            *event = hp->events[i];
+            hp->n_events--;
+            hp->events[i] = hp->events[hp->n_events];
+            hp->event_devices[i] = hp->event_devices[hp->n_events];
+            return 0;
+        }
+    int rc = hp->backend->event_create(hp->backend, device, event);
+    if (rc == 0) hp->stats.events_created++;
+    return rc;
+}
+
+static void give_event(ap_host_pool *hp, void *event, int device) {
+    if (hp->n_events < EVENT_CACHE) {
+        hp->events[hp->n_events] = event;
+        hp->event_devices[hp->n_events++] = device;
+    } else {
+        hp->backend->event_destroy(hp->backend, event);
+    }
+}
+
+static void unlink_pending(ap_host_pool *hp, host_block *b) {
+    if (b->prev) b->prev->next = b->next;
+    else hp->pending_head = b->next;
+    if (b->next) b->next->prev = b->prev;
+    else hp->pending_tail = b->prev;
+    b->prev = b->next = NULL;
+    hp->stats.pending_free_bytes -= (int64_t)class_bytes(b->cls);
+    hp->stats.pending_free_blocks--;
+}
+
+/* Moves parked buffers whose events have all completed to their free lists. wait: block on each
+   event (bounded) instead of only asking. Never calls the runtime when nothing is parked. */
+static void settle_pending(ap_host_pool *hp, int wait) {
+    ap_backend *be = hp->backend;
+    for (host_block *b = hp->pending_head, *next; b; b = next) {
+        host_uses *u = b->uses;
+        int done = 1;
+        next = b->next;
+        for (int i = 0; i < u->n_events && done; i++) {
+            int complete = 0;
+            if (wait) complete = be->event_sync(be, u->events[i], STREAM_SYNC_MS) == 0;
+            else if (be->event_query(be, u->events[i], &complete) != 0) complete = 0;
+            done = complete;
+        }
+        if (!done) continue;
+        for (int i = 0; i < u->n_events; i++) give_event(hp, u->events[i], u->event_devices[i]);
+        u->n_events = u->n_uses = 0;
+        unlink_pending(hp, b);
+        push_free(hp, b);
+        if (b->slab) b->slab->n_busy--;
+    }
+}
+
+/* Records an event on every stream that used b, and parks it until they complete. Returns 1 when
+   parked, 0 when b may be reused at once (the streams were waited for because no event could be
+   made), or a negative status when even that failed: b is then kept out of use for good. */
+static int park(ap_host_pool *hp, host_block *b, ap_error *err) {
+    ap_backend *be = hp->backend;
+    host_uses *u = b->uses;
+    int rc = 0;
+    u->n_events = 0;
+    for (int i = 0; i < u->n_uses && rc == 0; i++) {
+        void *ev = NULL;
+        rc = take_event(hp, u->devices[i], &ev);
+        if (rc != 0) break;
+        rc = be->event_record(be, ev, u->streams[i]);
+        if (rc != 0) {
+            give_event(hp, ev, u->devices[i]);
+            break;
+        }
+        u->events[u->n_events] = ev;
+        u->event_devices[u->n_events++] = u->devices[i];
+    }
+    if (rc == 0) {
+        b->state = HB_PENDING;
+        b->prev = hp->pending_tail;
+        b->next = NULL;
+        if (hp->pending_tail) hp->pending_tail->next = b;
+        else hp->pending_head = b;
+        hp->pending_tail = b;
+        hp->stats.pending_free_bytes += (int64_t)class_bytes(b->cls);
+        hp->stats.pending_free_blocks++;
+        return 1;
+    }
+    /* No event: wait for the streams themselves, so that the buffer is still never reused early. */
+    for (int i = 0; i < u->n_events; i++) give_event(hp, u->events[i], u->event_devices[i]);
+    u->n_events = 0;
+    for (int i = 0; i < u->n_uses; i++) {
+        int src = be->stream_sync(be, u->streams[i], STREAM_SYNC_MS);
+        if (src != 0) {
+            b->state = HB_LOST;
+            return -ap_set_error(err, AP_E_DEVICE, src,
+                                 "host buffer %p: no event could be recorded (code %d) and stream %p could not "
+                                 "be waited for (code %d); the buffer is kept out of use",
+                                 (void *)b->addr, rc, u->streams[i], src);
+        }
+    }
+    u->n_uses = 0;
+    return 0;
+}
+
+/* ---- the interface ---------------------------------------------------------------------------------- */
+
+ap_host_pool *ap_host_pool_create(ap_backend *backend, int device, ap_error *err) {
+    ap_host_pool *hp = calloc(1, sizeof *hp);
+    if (!hp || map_init(&hp->map, 256) != 0) {
+        free(hp);
+        ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the host pool exhausted");
+        return NULL;
+    }
+    pthread_mutex_init(&hp->lock, NULL);
+    hp->backend = backend;
+    hp->device = device;
+    return hp;
+}
+
+void ap_host_pool_destroy(ap_host_pool *hp) {
+    if (!hp) return;
+    for (host_block *b = hp->pending_head; b; b = b->next)
+        for (int i = 0; i < b->uses->n_events; i++) hp->backend->event_destroy(hp->backend, b->uses->events[i]);
+    for (size_t i = 0; i <= hp->map.mask; i++) { /* buffers of their own */
+        host_block *b = hp->map.vals[i];
+        if (!b || b->slab) continue;
+        hp->backend->host_free(hp->backend, hp->device, (void *)b->addr);
+        free(b->uses);
+        free(b);
+    }
+    for (host_slab *s = hp->slabs, *next; s; s = next) {
+        next = s->next;
+        hp->backend->host_free(hp->backend, hp->device, (void *)s->base);
+        for (size_t i = 0; i < s->n_blocks; i++) free(s->blocks[i].uses);
+        free(s->blocks);
+        free(s);
+    }
+    for (int i = 0; i < hp->n_events; i++) hp->backend->event_destroy(hp->backend, hp->events[i]);
+    free(hp->map.keys);
+    free(hp->map.vals);
+    pthread_mutex_destroy(&hp->lock);
+    free(hp);
+}
+
+int ap_host_malloc(ap_host_pool *hp, size_t size, void **out, ap_error *err) {
+    size_t cs = ap_host_class_size(size);
+    if (cs == 0)
+        return ap_set_error(err, AP_E_INVALID_SIZE, 0,
+                            size == 0 ? "size must be positive, got 0 bytes"
+                                      : "cannot pin %zu bytes: more than the largest class (1 TiB)",
+                            size);
+    int cls = class_of(cs), rc = AP_OK;
+    pthread_mutex_lock(&hp->lock);
+    if (hp->pending_head) settle_pending(hp, 0);
+    if (!hp->free_lists[cls]) rc = in_slabs(cls) ? grow_slab(hp, cls, err) : grow_single(hp, cls, err);
+    if (rc != AP_OK) {
+        pthread_mutex_unlock(&hp->lock);
+        return rc;
+    }
+    host_block *b = hp->free_lists[cls];
+    unlink_free(hp, b);
+    b->state = HB_ALLOCATED;
+    b->requested = size;
+    if (b->slab) b->slab->n_busy++;
+    peak(&hp->stats.allocated_bytes, &hp->stats.allocated_bytes_peak, (int64_t)cs);
+    peak(&hp->stats.requested_bytes, &hp->stats.requested_bytes_peak, (int64_t)size);
+    peak(&hp->stats.allocations, &hp->stats.allocations_peak, 1);
+    hp->stats.num_allocs++;
+    pthread_mutex_unlock(&hp->lock);
+    *out = (void *)b->addr;
+    return AP_OK;
+}
+
+int ap_host_free(ap_host_pool *hp, void *ptr, ap_error *err) {
+    pthread_mutex_lock(&hp->lock);
+    host_block *b = map_get(&hp->map, (uintptr_t)ptr);
+    if (!b || b->state != HB_ALLOCATED) {
+        hp->stats.num_invalid_frees++;
+        pthread_mutex_unlock(&hp->lock);
+        return ap_set_error(err, AP_E_INVALID_PTR, 0,
+                            "%p is not a pinned host buffer handed out by this pool (never allocated, or freed twice)",
+                            ptr);
+    }
+    hp->stats.allocated_bytes -= (int64_t)class_bytes(b->cls);
+    hp->stats.requested_bytes -= (int64_t)b->requested;
+    hp->stats.allocations--;
+    hp->stats.num_frees++;
+    b->requested = 0;
+    /* 1: parked (its slab stays busy until the events complete); < 0: lost for good. */
+    int rc = b->uses && b->uses->n_uses ? park(hp, b, err) : 0;
+    if (rc == 0) {
+        push_free(hp, b);
+        if (b->slab) b->slab->n_busy--;
+    }
+    pthread_mutex_unlock(&hp->lock);
+    return rc < 0 ? -rc : AP_OK;
+}
+
+int ap_host_realloc(ap_host_pool *hp, void *ptr, size_t new_size, void **out, ap_error *err) {
+    if (!ptr) return ap_host_malloc(hp, new_size, out, err);
+    size_t cs = ap_host_class_size(new_size);
+    if (cs == 0) return ap_set_error(err, AP_E_INVALID_SIZE, 0, "cannot resize a host buffer to %zu bytes", new_size);
+    pthread_mutex_lock(&hp->lock);
+    host_block *b = map_get(&hp->map, (uintptr_t)ptr);
+    if (!b || b->state != HB_ALLOCATED) {
+        pthread_mutex_unlock(&hp->lock);
+        return ap_set_error(err, AP_E_INVALID_PTR, 0, "%p is not a pinned host buffer handed out by this pool", ptr);
+    }
+    if (b->cls == class_of(cs)) { /* same class: the buffer already has room */
+        peak(&hp->stats.requested_bytes, &hp->stats.requested_bytes_peak, (int64_t)new_size - (int64_t)b->requested);
+        b->requested = new_size;
+        pthread_mutex_unlock(&hp->lock);
+        *out = ptr;
+        return AP_OK;
+    }
+    size_t keep = b->requested < new_size ? b->requested : new_size;
+    pthread_mutex_unlock(&hp->lock);
+    void *moved = NULL;
+    int rc = ap_host_malloc(hp, new_size, &moved, err);
+    if (rc != AP_OK) return rc; /* realloc semantics: the old buffer stays valid */
+    memcpy(moved, ptr, keep);
+    ap_host_free(hp, ptr, NULL);
+    *out = moved;
+    return AP_OK;
+}
+
+int ap_host_record_stream(ap_host_pool *hp, void *ptr, void *stream, int device, ap_error *err) {
+    int rc = AP_OK;
+    pthread_mutex_lock(&hp->lock);
+    host_block *b = map_get(&hp->map, (uintptr_t)ptr);
+    if (!b || b->state != HB_ALLOCATED) {
+        rc = ap_set_error(err, AP_E_INVALID_PTR, 0, "%p is not a pinned host buffer handed out by this pool", ptr);
+    } else if (!b->uses && !(b->uses = calloc(1, sizeof *b->uses))) {
+        rc = ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the host pool's bookkeeping exhausted");
+    } else {
+        host_uses *u = b->uses;
+        int seen = 0;
+        for (int i = 0; i < u->n_uses; i++) seen |= u->streams[i] == stream && u->devices[i] == device;
+        if (!seen && u->n_uses == AP_HOST_MAX_USES)
+            rc = ap_set_error(err, AP_E_INVALID_STREAM, 0, "host buffer %p is already marked with %d streams (the most)",
+                              ptr, AP_HOST_MAX_USES);
+        else if (!seen) {
+            u->streams[u->n_uses] = stream;
+            u->devices[u->n_uses++] = device;
+        }
+    }
+    pthread_mutex_unlock(&hp->lock);
+    return rc;
+}
+
+int ap_host_block_info(ap_host_pool *hp, void *ptr, uintptr_t *base, size_t *capacity, size_t *requested) {
+    int rc = -1;
+    pthread_mutex_lock(&hp->lock);
+    host_block *b = map_get(&hp->map, (uintptr_t)ptr);
+    if (b && b->state == HB_ALLOCATED) {
+        *base = b->addr;
+        *capacity = class_bytes(b->cls);
+        *requested = b->requested;
+        rc = 0;
+    }
+    pthread_mutex_unlock(&hp->lock);
+    return rc;
+}
+
+int ap_host_empty_cache(ap_host_pool *hp, ap_error *err) {
+    (void)err;
+    pthread_mutex_lock(&hp->lock);
+    if (hp->pending_head) settle_pending(hp, 1);
+    release_cached(hp);
+    pthread_mutex_unlock(&hp->lock);
+    return AP_OK;
+}
+
+void ap_host_get_stats(ap_host_pool *hp, ap_host_stats *out) {
+    pthread_mutex_lock(&hp->lock);
+    *out = hp->stats;
+    pthread_mutex_unlock(&hp->lock);
+}
+
+void ap_host_reset_peaks(ap_host_pool *hp) {
+    pthread_mutex_lock(&hp->lock);
+    hp->stats.allocated_bytes_peak = hp->stats.allocated_bytes;
+    hp->stats.requested_bytes_peak = hp->stats.requested_bytes;
+    hp->stats.allocations_peak = hp->stats.allocations;
+    hp->stats.reserved_bytes_peak = hp->stats.reserved_bytes;
+    pthread_mutex_unlock(&hp->lock);
+}
