@@ -11,6 +11,8 @@ _SHM_DIR = tempfile.mkdtemp(prefix="ascend-sim-test-")
 os.environ.setdefault("ASCEND_SIM_NODE", f"test{os.getpid()}")
 os.environ.setdefault("ASCEND_SIM_SHM_DIR", _SHM_DIR)
 os.environ.setdefault("ASCEND_POOL_BACKEND", "sim")
+os.environ.setdefault("ASCEND_POOL_STATS_DIR", _SHM_DIR)    # per-process stats files of the node service
+os.environ.setdefault("ASCEND_POOL_LEDGER_DIR", _SHM_DIR)   # tenants' quota ledgers
 os.environ.pop("ASCEND_POOL_CONF", None)
 
 

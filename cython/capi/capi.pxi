@@ -30,8 +30,8 @@ cdef extern from "capi/last_error.h" nogil:
     void ascend_pool_clear_last_error()
 
 cdef extern from "capi/registry.h" nogil:
-    int apc_register(ap_pool *p, int device, int device_count)
-    void apc_unregister(ap_pool *p)
+    int apc_register(ap_pool **slot, int device, int device_count)
+    void apc_unregister(ap_pool **slot)
     void apc_learn_device_count(int device_count)
 
 cdef extern from "capi/exports.h":
@@ -59,14 +59,17 @@ CAPI_ERRORS = {
 # ---- the registry of live pools (called from PoolBase._open / close / __dealloc__) ----------------
 
 cdef int _capi_register(PoolBase pool) except -1:
-    if apc_register(pool.p, pool.device, pool.backend.device_count) != 0:
+    # The registry keeps the address of pool.p (see capi/registry.h): a close by any code path
+    # that NULLs the field hides the pool from the C ABI at once.
+    if apc_register(&pool.p, pool.device, pool.backend.device_count) != 0:
         raise MemoryError("host memory for the C ABI's pool registry exhausted")
     return 0
 
 
-cdef void _capi_unregister(ap_pool *p) noexcept nogil:
-    # Takes a pointer, not the object: __dealloc__ calls it, when self may no longer be touched.
-    apc_unregister(p)
+cdef void _capi_unregister(ap_pool **slot) noexcept nogil:
+    # Takes the field's address, not the object: __dealloc__ calls it, when self may no longer be
+    # handed to Python code.
+    apc_unregister(slot)
 
 
 # ---- lazy default pools ----------------------------------------------------------------------------

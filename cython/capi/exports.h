@@ -154,7 +154,8 @@ APC_EXPORT void ascend_pool_empty_cache(void) {
     int failed = 0;
     pthread_mutex_lock(&apc_reg_lock);
     for (size_t i = 0; i < apc_reg_n; i++) {
-        int rc = ap_pool_empty_cache(apc_reg[i].pool, &err);
+        ap_pool *p = apc_entry_pool(&apc_reg[i]);
+        int rc = p ? ap_pool_empty_cache(p, &err) : AP_OK;
         if (rc != AP_OK && !failed) {
             failed = 1;
             apc_fail(rc, "ascend_pool_empty_cache: device %d: %s", apc_reg[i].device, err.message);

@@ -4,10 +4,14 @@
  * be the one that allocated it; record_stream and base_alloc are not even told the device. So the
  * C ABI looks pointers up here when the calling thread's current pool does not own them.
  *
- * PoolBase registers a pool when it opens and unregisters it before it is destroyed
- * (_capi_register / _capi_unregister in capi.pxi). Every pool call made through the registry
- * happens with the registry lock held, so a pool found here cannot be destroyed under the caller.
- * Lock order: registry, then a pool's own lock (nothing takes them the other way round).
+ * An entry is the address of a PoolBase's `p` field, not the pool pointer itself: every way a
+ * pool object closes (PoolBase.close, a subclass's own close, __dealloc__) sets that field to NULL
+ * before or while destroying the pool, so a lookup never reaches a closed pool even when the
+ * closing code does not know about this registry. PoolBase registers the field when it opens and
+ * unregisters it when it closes and when the object dies (_capi_register / _capi_unregister in
+ * capi.pxi). Lookups run with the registry lock held; lock order: registry, then a pool's own lock
+ * (nothing takes them the other way round). As everywhere in the pool, closing a pool while other
+ * threads still use its memory is the caller's error.
  * Not on the hot path: a malloc or free served by the current pool never touches it.
  */
 #ifndef APC_REGISTRY_H
@@ -20,9 +24,13 @@
 #include "pool.h"
 
 typedef struct apc_entry {
-    ap_pool *pool;
+    ap_pool **slot; /* &PoolBase.p: NULL once the pool is closed */
     int device;
 } apc_entry;
+
+/* The pool of an entry, or NULL once closed. The field is written by Python code under the GIL,
+   read here without it: an atomic pointer load. */
+static inline ap_pool *apc_entry_pool(const apc_entry *e) { return __atomic_load_n(e->slot, __ATOMIC_ACQUIRE); }
 
 static pthread_mutex_t apc_reg_lock = PTHREAD_MUTEX_INITIALIZER;
 static apc_entry *apc_reg;
@@ -36,7 +44,7 @@ static void apc_learn_device_count(int device_count) {
 }
 
 /* 0, or -1 when host memory for the table ran out. */
-static int apc_register(ap_pool *p, int device, int device_count) {
+static int apc_register(ap_pool **slot, int device, int device_count) {
     int rc = 0;
     pthread_mutex_lock(&apc_reg_lock);
     if (apc_reg_n == apc_reg_cap) {
@@ -47,17 +55,17 @@ static int apc_register(ap_pool *p, int device, int device_count) {
             apc_reg_cap = cap;
         }
     }
-    if (apc_reg_n < apc_reg_cap) apc_reg[apc_reg_n++] = (apc_entry){p, device};
+    if (apc_reg_n < apc_reg_cap) apc_reg[apc_reg_n++] = (apc_entry){slot, device};
     else rc = -1;
     pthread_mutex_unlock(&apc_reg_lock);
     apc_learn_device_count(device_count);
     return rc;
 }
 
-static void apc_unregister(ap_pool *p) {
+static void apc_unregister(ap_pool **slot) {
     pthread_mutex_lock(&apc_reg_lock);
     for (size_t i = 0; i < apc_reg_n; i++)
-        if (apc_reg[i].pool == p) {
+        if (apc_reg[i].slot == slot) {
             apc_reg[i] = apc_reg[--apc_reg_n];
             break;
         }
@@ -70,8 +78,8 @@ static ap_pool *apc_find_locked(int device, void *ptr, int inside, ap_pool *skip
     for (size_t i = 0; i < apc_reg_n; i++) {
         uintptr_t base = 0;
         size_t size = 0, requested = 0;
-        ap_pool *q = apc_reg[i].pool;
-        if (q == skip || (device >= 0 && apc_reg[i].device != device)) continue;
+        ap_pool *q = apc_entry_pool(&apc_reg[i]);
+        if (!q || q == skip || (device >= 0 && apc_reg[i].device != device)) continue;
         if (ap_pool_block_info(q, ptr, &base, &size, &requested) == 0 && (inside || base == (uintptr_t)ptr)) return q;
     }
     return NULL;

@@ -214,16 +214,21 @@ cdef class PoolBase:
         _capi_register(self)  # the C ABI finds pointers of every live pool (capi/capi.pxi)
 
     def close(self):
-        """Returns all device memory of this pool (live blocks included) and closes it."""
-        if self.p != NULL:
-            _capi_unregister(self.p)
-            with nogil:
-                ap_pool_destroy(self.p)
-            self.p = NULL
+        """Returns all device memory of this pool (live blocks included) and closes it. Waits for
+        calls other Python threads are making on it; later calls raise PoolError."""
+        cdef ap_pool *p = self.p
+        if p == NULL:
+            return
+        self.p = NULL                # new calls, and the C ABI's lookups, no longer see it
+        _capi_unregister(&self.p)
+        while self._busy:
+            _time.sleep(0.0005)      # releases the GIL so that those calls can finish
+        with nogil:
+            ap_pool_destroy(p)
 
     def __dealloc__(self):
+        _capi_unregister(&self.p)  # always: a subclass may have closed the pool itself
         if self.p != NULL:
-            _capi_unregister(self.p)
             with nogil:
                 ap_pool_destroy(self.p)
             self.p = NULL

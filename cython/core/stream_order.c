@@ -211,9 +211,20 @@ size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_err
             if (sync_stream(p, p->slots[s].stream, NULL) != AP_OK) continue;
             target = 0;
         }
-        moved += t->count;
         p->stats.stream_migrations++;
-        ap_free_retag_slot(p, s, target);
+        /* Take just the best fit when one block is enough, so that the other stream keeps the
+           rest of its cache (two streams that alternate would otherwise pull every block back
+           and forth); else everything, so that neighbours can merge into a fit. */
+        ap_block *fit = ap_tree_best_fit(t, rsize);
+        if (fit && target == to) {
+            ap_free_remove(p, fit);
+            fit->state = AP_BLOCK_MOVING;
+            ap_free_insert(p, fit, target);
+            moved += 1;
+        } else {
+            moved += t->count;
+            ap_free_retag_slot(p, s, target);
+        }
     }
     return moved;
 }

@@ -1,0 +1,152 @@
+"""The pinned host pool behind the numpy handler and staging copies: power-of-two classes, slabs
+for small buffers, reuse without runtime calls, realloc, and event-guarded reuse of buffers that
+queued device work still uses."""
+
+import bisect
+import ctypes
+import threading
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool import sim
+from ascend_pool._core import HostPool
+
+
+@pytest.fixture
+def hp():
+    pool = HostPool(ap.default_pool(0).backend, 0)
+    yield pool
+    pool.close()
+
+
+def test_classes_are_powers_of_two_from_512_bytes(hp):
+    assert [hp.class_size(n) for n in (1, 512, 513, 4096, 4097, 1 << 20, (1 << 20) + 1)] == [
+        512, 512, 1024, 4096, 8192, 1 << 20, 2 << 20]
+    assert hp.class_size(0) == 0 and hp.class_size(1 << 41) == 0
+
+
+def test_small_buffers_share_slabs_and_are_reused(hp):
+    ptrs = [hp.malloc(100) for _ in range(64)]
+    st = hp.memory_stats()
+    assert st["num_host_alloc"] == 1 and st["reserved_bytes.all.current"] == 64 * 512  # one slab
+    assert len(set(ptrs)) == 64 and all(b - a == 512 for a, b in zip(sorted(ptrs), sorted(ptrs)[1:]))
+    extra = hp.malloc(1)
+    assert hp.memory_stats()["num_host_alloc"] == 2  # the 65th opens a second slab
+    hp.free(ptrs[10])
+    assert hp.malloc(300) == ptrs[10]  # reused at once, no runtime call
+    assert hp.memory_stats()["num_host_alloc"] == 2
+    for p in ptrs + [extra]:
+        hp.free(p)
+    st = hp.memory_stats()
+    assert st["allocated_bytes.all.current"] == st["requested_bytes.all.current"] == 0
+    assert st["cached_free_bytes"] == st["reserved_bytes.all.current"] == 2 * 64 * 512
+    hp.empty_cache()
+    st = hp.memory_stats()
+    assert st["reserved_bytes.all.current"] == st["segment.all.current"] == 0 and st["num_host_free"] == 2
+
+
+def test_big_buffers_are_runtime_allocations_of_their_own(hp):
+    p = hp.malloc(3 << 20)
+    assert hp.block_info(p) == (p, 4 << 20, 3 << 20)
+    ctypes.memset(p, 0xEE, 3 << 20)
+    hp.free(p)
+    q = hp.malloc(4 << 20)
+    assert q == p and hp.memory_stats()["num_host_alloc"] == 1
+    hp.free(q)
+    hp.empty_cache()
+    assert hp.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_realloc_in_place_within_a_class_else_moved_with_data(hp):
+    p = hp.malloc(1000)
+    ctypes.memmove(p, bytes(range(256)) * 4, 1000)
+    assert hp.realloc(p, 1024) == p
+    q = hp.realloc(p, 100_000)
+    assert q != p and ctypes.string_at(q, 1000) == (bytes(range(256)) * 4)[:1000]
+    assert hp.block_info(p) is None and hp.block_info(q) == (q, 128 << 10, 100_000)
+    r = hp.realloc(q, 10)
+    assert ctypes.string_at(r, 10) == bytes(range(10))
+    hp.free(r)
+    assert hp.memory_stats()["allocation.all.current"] == 0
+
+
+def test_unknown_and_double_frees_are_refused(hp):
+    p = hp.malloc(100)
+    with pytest.raises(ap.InvalidPointerError):
+        hp.free(p + 8)
+    hp.free(p)
+    with pytest.raises(ap.InvalidPointerError, match="freed twice"):
+        hp.free(p)
+    with pytest.raises(ap.InvalidSizeError):
+        hp.malloc(0)
+    assert hp.memory_stats()["num_invalid_frees"] == 2
+
+
+def test_a_buffer_used_by_queued_work_waits_for_it(hp):
+    pool = ap.default_pool(0)
+    stream = pool.create_stream()
+    dev = pool.malloc(1 << 16)
+    try:
+        buf = hp.malloc(1 << 16)
+        sim.launch_fill(stream, dev, 1 << 16, 0x42, delay_s=0.3)  # stands for a copy from buf
+        hp.record_stream(buf, stream)
+        hp.free(buf)
+        st = hp.memory_stats()
+        assert st["pending_free_blocks"] == 1 and st["pending_free_bytes"] == 1 << 16
+        other = hp.malloc(1 << 16)
+        assert other != buf  # the stream may still be reading buf
+        pool.synchronize(stream)
+        again = hp.malloc(1 << 16)
+        assert again == buf  # its event completed: reusable
+        assert hp.memory_stats()["pending_free_blocks"] == 0 and hp.memory_stats()["events_created"] == 1
+        hp.free(other)
+        hp.free(again)
+        # A second round reuses the cached event.
+        b2 = hp.malloc(1 << 16)
+        hp.record_stream(b2, stream)
+        hp.free(b2)
+        hp.empty_cache()  # waits for parked buffers first
+        st = hp.memory_stats()
+        assert st["events_created"] == 1 and st["pending_free_blocks"] == 0
+        assert st["reserved_bytes.all.current"] == 0
+    finally:
+        pool.free(dev)
+        pool.destroy_stream(stream)
+
+
+def test_threads_share_a_pool_without_overlap(hp):
+    live, guard, errors = [], threading.Lock(), []
+
+    def worker(seed):
+        import random
+
+        rnd = random.Random(seed)
+        held = []
+        for _ in range(500):
+            if held and rnd.random() < 0.5:
+                p, n = held.pop()
+                with guard:
+                    live.remove((p, p + n))
+                hp.free(p)
+            else:
+                n = rnd.choice([8, 600, 5000, 70_000, 1 << 20])
+                p = hp.malloc(n)
+                with guard:
+                    i = bisect.bisect(live, (p, p + n))
+                    if (i and live[i - 1][1] > p) or (i < len(live) and live[i][0] < p + n):
+                        errors.append(hex(p))
+                    live.insert(i, (p, p + n))
+                held.append((p, n))
+        for p, n in held:
+            with guard:
+                live.remove((p, p + n))
+            hp.free(p)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert hp.memory_stats()["allocated_bytes.all.current"] == 0

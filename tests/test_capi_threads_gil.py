@@ -1,0 +1,59 @@
+"""The C ABI from C threads, compiled during the test with gcc:
+
+- tests/c/capi_threads.c, a program that embeds Python, imports ascend_pool, dlopen()s
+  library_path() and runs malloc/free loops on several pthreads (first with the GIL free, a
+  pthread creating a device's default pool; then with its main thread holding the GIL);
+- tests/c/capi_hammer.c, the same workload loaded into this process with ctypes.PyDLL, which keeps
+  the GIL held for the whole call: the pthreads must progress without it.
+
+Both check that no two live blocks overlap and that every byte is returned.
+"""
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+
+import ascend_pool as ap
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "c"))
+from build import compile_c, gcc  # noqa: E402
+
+pytestmark = pytest.mark.skipif(gcc() is None, reason="gcc is needed to build the C test programs")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("capi_c")
+    return {
+        "program": compile_c("capi_threads.c", str(out / "capi_threads"), embed=True),
+        "hammer": compile_c("capi_hammer.c", str(out / "libcapi_hammer.so"), shared=True),
+    }
+
+
+def test_c_program_with_pthreads_and_embedded_python(built):
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([built["program"], sys.executable, "8", "20000"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ok threads=8 allocs=160000"), proc.stdout
+
+
+def test_pthreads_allocate_while_this_thread_holds_the_gil(built):
+    ap.default_pool(0)  # the hot path only: the pool exists before the workers start
+    before = ap.memory_stats(0)["allocated_bytes.all.current"]
+    abi = ctypes.CDLL(ap.library_path())
+    hammer = ctypes.PyDLL(built["hammer"]).capi_hammer  # PyDLL: the GIL stays held during the call
+    hammer.restype = ctypes.c_int
+    hammer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.POINTER(ctypes.c_long), ctypes.c_char_p, ctypes.c_size_t]
+    allocs, why = ctypes.c_long(), ctypes.create_string_buffer(256)
+    rc = hammer(ctypes.cast(abi.ascend_pool_malloc, ctypes.c_void_p), ctypes.cast(abi.ascend_pool_free, ctypes.c_void_p),
+                0, 8, 20000, 20, ctypes.byref(allocs), why, len(why))
+    assert rc == 0, why.value.decode()
+    assert allocs.value == 8 * 20000
+    assert ap.memory_stats(0)["allocated_bytes.all.current"] == before

@@ -1,0 +1,155 @@
+"""The framework integrations: clear failures where a framework is missing, and the wiring each
+install() does, checked against stand-ins with the frameworks' own interfaces where the real
+framework cannot run here (torch_npu needs an NPU, CuPy and CUDA PyTorch a GPU)."""
+
+import ctypes
+import importlib.util
+import sys
+import types
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool.errors import ConfigError
+from ascend_pool.integrations import FrameworkMissingError
+
+
+def address(name):
+    return ctypes.cast(getattr(ctypes.CDLL(ap.library_path()), name), ctypes.c_void_p).value
+
+
+def absent(module):
+    return importlib.util.find_spec(module) is None
+
+
+@pytest.mark.skipif(not absent("cupy"), reason="CuPy is installed here")
+def test_cupy_missing_fails_clearly():
+    from ascend_pool.integrations import cupy as ap_cupy
+
+    with pytest.raises(FrameworkMissingError, match=r"needs 'cupy'.*pip install cupy") as e:
+        ap_cupy.install()
+    assert isinstance(e.value, ImportError)
+
+
+@pytest.mark.skipif(not absent("torch_npu"), reason="torch_npu is installed here")
+def test_torch_npu_missing_fails_clearly():
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    with pytest.raises(FrameworkMissingError, match=r"needs 'torch(_npu)?'.*torch-npu"):
+        ap_npu.install()
+
+
+def test_torch_cuda_without_cuda_fails_clearly():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is usable here: see bench/gpu_integrations_check.py")
+    from ascend_pool.integrations import torch_cuda as ap_cuda
+
+    with pytest.raises(FrameworkMissingError, match="without CUDA|no CUDA device"):
+        ap_cuda.install()
+
+
+class FakePluggable:
+    """torch_npu.npu.memory.NPUPluggableAllocator as torch_npu writes it: dlopen + dlsym by
+    name through ctypes, and an allocator object with the hook setters."""
+
+    def __init__(self, path, alloc_fn_name, free_fn_name):
+        lib = ctypes.CDLL(path)
+        self.alloc_fn = ctypes.cast(getattr(lib, alloc_fn_name), ctypes.c_void_p).value
+        self.free_fn = ctypes.cast(getattr(lib, free_fn_name), ctypes.c_void_p).value
+        self.hooks = {}
+        hooks = self.hooks
+
+        class Allocator:
+            def __getattr__(self, setter):
+                if setter in ("set_init_fn", "set_reset_fn", "set_memory_fraction_fn", "set_base_alloc_fn",
+                              "set_record_stream_fn"):
+                    return lambda fn: hooks.__setitem__(setter, fn)
+                raise AttributeError(setter)
+
+        self._allocator = Allocator()
+
+    def allocator(self):
+        return self._allocator
+
+
+@pytest.fixture
+def fake_torch_npu(monkeypatch):
+    memory = types.SimpleNamespace(NPUPluggableAllocator=FakePluggable, changed=[])
+    memory.change_current_allocator = memory.changed.append
+    for name, mod in (("torch_npu", types.ModuleType("torch_npu")), ("torch_npu.npu", types.ModuleType("torch_npu.npu")),
+                      ("torch_npu.npu.memory", memory)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    if absent("torch"):
+        monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    return memory
+
+
+def test_torch_npu_allocator_gets_our_symbols_and_hooks(fake_torch_npu):
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    alloc, hooks = ap_npu.build_allocator(fake_torch_npu)
+    assert (alloc.alloc_fn, alloc.free_fn) == (address("ascend_pool_malloc"), address("ascend_pool_free"))
+    assert hooks == ["ascend_pool_init", "ascend_pool_reset", "ascend_pool_set_memory_fraction",
+                     "ascend_pool_base_alloc"]
+    assert alloc.hooks == {"set_init_fn": address("ascend_pool_init"), "set_reset_fn": address("ascend_pool_reset"),
+                           "set_memory_fraction_fn": address("ascend_pool_set_memory_fraction"),
+                           "set_base_alloc_fn": address("ascend_pool_base_alloc")}
+
+
+def test_torch_npu_install_refuses_a_non_acl_backend(fake_torch_npu):
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    with pytest.raises(ConfigError, match=r"torch_npu needs the acl backend, but \$ASCEND_POOL_BACKEND='sim'"):
+        ap_npu.install()
+    assert fake_torch_npu.changed == []  # nothing swapped
+
+
+class FakeCupy(types.ModuleType):
+    """The slice of CuPy's interface the allocator hook uses."""
+
+    def __init__(self):
+        super().__init__("cupy")
+
+        class UnownedMemory:
+            def __init__(self, ptr, size, owner, device_id):
+                self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+        class Memory:
+            def __init__(self, size):
+                self.ptr, self.size = 0, size
+
+        class MemoryPointer:
+            def __init__(self, mem, offset):
+                self.mem, self.ptr = mem, mem.ptr + offset
+
+        stream = types.SimpleNamespace(ptr=0)
+        self.cuda = types.SimpleNamespace(
+            UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer, memory=types.SimpleNamespace(Memory=Memory),
+            runtime=types.SimpleNamespace(getDevice=lambda: 0), get_current_stream=lambda: stream,
+            set_allocator=lambda fn: setattr(self, "allocator", fn))
+
+
+def test_cupy_memory_returns_to_the_pool_when_cupy_drops_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", FakeCupy())
+    from ascend_pool.integrations import cupy as ap_cupy
+
+    before = ap.memory_stats(0)["allocated_bytes.all.current"]
+    mp = ap_cupy.malloc(1 << 20)
+    assert mp.ptr and mp.mem.size == 1 << 20 and mp.mem.device_id == 0
+    assert ap.default_pool(0).block_info(mp.ptr)[0] == mp.ptr
+    assert ap.memory_stats(0)["allocated_bytes.all.current"] >= before + (1 << 20)
+    del mp  # CuPy lets go of the memory: the owner frees the block
+    assert ap.memory_stats(0)["allocated_bytes.all.current"] == before
+    empty = ap_cupy.malloc(0)
+    assert empty.ptr == 0 and empty.mem.size == 0
+
+
+def test_cupy_install_needs_the_cuda_backend(monkeypatch):
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from ascend_pool.integrations import cupy as ap_cupy
+
+    with pytest.raises(ConfigError, match="CuPy needs the cuda backend"):
+        ap_cupy.install()
+    assert not hasattr(fake, "allocator")

@@ -1,0 +1,106 @@
+"""numpy arrays under ascend_pool's NEP 49 handler: their data comes from the pinned host pool (the
+handler's name and the pool's stats show it), survives resize (realloc without the old size), goes
+back to the pool when the array dies, and the handler's scope is the calling context only."""
+
+import threading
+
+import pytest
+
+np = pytest.importorskip("numpy")
+
+import ascend_pool.integrations.numpy as ap_np  # noqa: E402
+from ascend_pool._core import NUMPY_HANDLER_NAME  # noqa: E402
+
+
+def handler_name(*arr):
+    """numpy's name for the handler that allocated arr (none given: the current handler)."""
+    return ap_np._numpy_module("multiarray").get_handler_name(*arr)
+
+
+@pytest.fixture
+def handler():
+    """The handler installed in this test's context; numpy's default restored afterwards."""
+    with ap_np.installed() as pool:
+        yield pool
+    assert handler_name() == "default_allocator"
+
+
+def allocated():
+    return ap_np.stats()["allocated_bytes.all.current"]
+
+
+def test_handler_name_is_ascend_pools():
+    assert ap_np.HANDLER_NAME == NUMPY_HANDLER_NAME == "ascend_pool_pinned_host"
+
+
+def test_arrays_come_from_the_pool_and_go_back(handler):
+    assert ap_np.is_installed() and handler_name() == ap_np.HANDLER_NAME
+    before, allocs = allocated(), ap_np.stats()["num_allocs"]
+    a = np.arange(100_000, dtype=np.float64)  # 800 kB
+    assert handler_name(a) == ap_np.HANDLER_NAME
+    base, capacity, requested = handler.block_info(a.ctypes.data)
+    assert base == a.ctypes.data and requested == a.nbytes and capacity >= a.nbytes
+    assert allocated() - before == capacity
+    assert ap_np.stats()["num_allocs"] > allocs
+    assert ap_np.stats()["reserved_bytes.all.current"] >= allocated()
+    del a
+    assert allocated() == before
+
+
+def test_zeros_are_zero_even_in_a_reused_buffer(handler):
+    a = np.full(50_000, 7.0)
+    address = a.ctypes.data
+    del a
+    z = np.zeros(50_000)  # numpy's calloc: the same class, most likely the same buffer
+    assert z.ctypes.data == address and not z.any()
+
+
+def test_resize_keeps_data_and_moves_between_classes(handler):
+    before = allocated()
+    a = np.arange(1000, dtype=np.int64)  # 8000 bytes: the 8 KiB class
+    a.resize(1020, refcheck=False)  # same class: grown in place
+    assert handler.block_info(a.ctypes.data)[2] == 1020 * 8
+    a.resize(200_000, refcheck=False)  # 1.6 MB: moved to a bigger buffer, data copied
+    assert handler_name(a) == ap_np.HANDLER_NAME
+    assert (a[:1000] == np.arange(1000)).all() and not a[1020:].any()
+    assert handler.block_info(a.ctypes.data)[1:] == (2 << 20, 200_000 * 8)
+    assert allocated() - before == 2 << 20
+    a.resize(10, refcheck=False)  # shrunk into a small class again
+    assert (a == np.arange(10)).all()
+    assert allocated() - before == 512
+    del a
+    assert allocated() == before
+
+
+def test_arrays_free_into_the_pool_after_uninstall(handler):
+    before = allocated()
+    a = np.ones(4096)
+    ap_np.uninstall()  # numpy's default handler for new arrays ...
+    b = np.ones(4096)
+    assert handler_name(b) == "default_allocator" and handler_name(a) == ap_np.HANDLER_NAME
+    del a  # ... but a still frees through the handler that allocated it
+    assert allocated() == before
+    ap_np.install()
+
+
+def test_scope_is_the_calling_context():
+    seen = {}
+    with ap_np.installed():
+        t = threading.Thread(target=lambda: seen.update(other=handler_name(np.ones(10))))
+        t.start()
+        t.join()
+        seen["here"] = handler_name(np.ones(10))
+    assert seen == {"here": ap_np.HANDLER_NAME, "other": "default_allocator"}
+    assert handler_name(np.ones(10)) == "default_allocator"
+
+
+def test_many_arrays_of_many_sizes_balance(handler):
+    before = dict(ap_np.stats())
+    arrays = [np.full(n, n % 251, dtype=np.uint8) for n in range(0, 300_000, 997)]
+    for n, a in zip(range(0, 300_000, 997), arrays):
+        assert a.nbytes == n and (a == n % 251).all()
+    del arrays, a
+    after = ap_np.stats()
+    assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    assert after["num_frees"] - before["num_frees"] == after["num_allocs"] - before["num_allocs"]
+    assert after["num_invalid_frees"] == 0
