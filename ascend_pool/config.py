@@ -22,6 +22,7 @@ Knobs:
   pad_bytes                    bytes added to each request before rounding (acl/sim: 32, cuda: 0)
 """
 
+import math
 import os
 
 from .errors import ConfigError
@@ -43,9 +44,12 @@ def _bool(key, value):
 
 def _number(key, value, kind=float):
     try:
-        return kind(value)
-    except (TypeError, ValueError):
+        n = kind(value)
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if kind is float and not math.isfinite(n):  # nan/inf would reach the C config as garbage
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+    return n
 
 
 def _fraction_or_bytes(key, value):
@@ -92,6 +96,8 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
             mb = _number(key, value)
             if mb <= 20:
                 raise ConfigError(f"max_split_size_mb: must be more than 20 (MiB), got {value!r}")
+            if mb * 2**20 >= 2**63:
+                raise ConfigError(f"max_split_size_mb: {value!r} MiB is larger than any device")
             cfg["max_split_size"] = int(mb * 2**20)
         elif key == "garbage_collection_threshold":
             t = _number(key, value)
@@ -109,8 +115,8 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
                 cfg["history_capacity"] = DEFAULT_HISTORY if _bool(key, value) else 0
             else:
                 n = _number(key, value, int)
-                if n < 0:
-                    raise ConfigError(f"record_history: entries must be >= 0, got {value!r}")
+                if not 0 <= n < 2**63:
+                    raise ConfigError(f"record_history: entries must be in [0, 2**63), got {value!r}")
                 cfg["history_capacity"] = n
         elif key == "page_size":
             v = str(value).strip().lower()
@@ -139,8 +145,8 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
             cfg["limit_bytes"] = int(f * device_total_bytes)
         elif key == "sync_timeout_ms":
             ms = _number(key, value, int)
-            if ms < -1 or ms == 0:
-                raise ConfigError(f"sync_timeout_ms: must be positive or -1 (forever), got {value!r}")
+            if ms < -1 or ms == 0 or ms >= 2**31:
+                raise ConfigError(f"sync_timeout_ms: must be positive (below 2**31) or -1 (forever), got {value!r}")
             cfg["sync_timeout_ms"] = ms
         elif key == "pad_bytes":
             n = _number(key, value, int)

@@ -1,6 +1,7 @@
 """ascend_pool.Pool: the caching pool of one device, with PyTorch-style stats and snapshots."""
 
 from . import registry as _registry
+from . import sharing as _sharing
 from . import snapshot as _snapshot
 from . import stats as _stats
 from ._core import PoolBase
@@ -41,8 +42,32 @@ class Pool(PoolBase):
 
     def memory_stats(self):
         """Counters in PyTorch's memory_stats() schema ("allocated_bytes.all.current", ...) plus
-        fragmentation and stream-order figures; exact at the moment of the call (bytes)."""
-        return _stats.with_derived(self._raw_stats())
+        fragmentation and stream-order figures and the shared_* figures of ascend_pool.sharing;
+        exact at the moment of the call (bytes)."""
+        out = _stats.with_derived(self._raw_stats())
+        out.update(_sharing.pool_stats(self))
+        return out
+
+    # -- sharing with other processes (ascend_pool.sharing) --------------------------------------
+
+    def share_malloc(self, nbytes):
+        """A block of nbytes in a segment of its own, for share(); returns its address (int)."""
+        return _sharing.share_malloc(self, nbytes)
+
+    def share(self, ptr, read_only=False, pids=(), any_process=False):
+        """Exports the share_malloc'ed block at ptr to other processes; returns a SharedHandle."""
+        return _sharing.share(self, ptr, read_only=read_only, pids=pids, any_process=any_process)
+
+    def share_free(self, ptr):
+        """Gives back a share_malloc'ed block: True if freed now, False if deferred until its
+        importers close."""
+        return _sharing.share_free(self, ptr)
+
+    def close(self):
+        """Returns all device memory of this pool and closes it (shared blocks still imported by
+        other processes are handed to ascend_pool.sharing, which frees them once they close)."""
+        _sharing._before_pool_close(self)
+        super().close()
 
     def memory_summary(self):
         """A readable table of the stats, like torch.cuda.memory_summary()."""

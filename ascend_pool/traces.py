@@ -40,6 +40,11 @@ __all__ = [
 
 #: arrays every ``.npz`` trace must hold
 REQUIRED_ARRAYS = ("op", "id", "size", "stream")
+#: the most events a trace file may declare (the largest shared trace has 1.2 M); refused before
+#: reading, so a hostile file cannot make the loader take the host's memory
+MAX_EVENTS = 1 << 26
+#: the largest sidecar ``NAME.json`` read
+MAX_SIDECAR_BYTES = 16 << 20
 
 OP_FREE = 0
 OP_ALLOC = 1
@@ -225,6 +230,10 @@ def load_trace(path: PathLike) -> Trace:
                              f"(has: {', '.join(sorted(data.files)) or 'none'})")
         arrays = {}
         for k in REQUIRED_ARRAYS:
+            events = _declared_length(data, k)
+            if events is not None and events > MAX_EVENTS:
+                raise ValueError(f"trace {name!r} ({p}): array {k!r} declares {events} events, more than the "
+                                 f"{MAX_EVENTS} a trace may hold (ascend_pool.traces.MAX_EVENTS)")
             try:
                 arrays[k] = data[k]
             except Exception as exc:  # object arrays, corrupt members
@@ -232,14 +241,35 @@ def load_trace(path: PathLike) -> Trace:
     meta: dict[str, Any] = {}
     side = p.with_suffix(".json")
     if side.is_file():
+        if side.stat().st_size > MAX_SIDECAR_BYTES:
+            raise ValueError(f"trace {name!r}: sidecar {side} is larger than {MAX_SIDECAR_BYTES} bytes")
         try:
-            meta = json.loads(side.read_text())
-        except json.JSONDecodeError as exc:
+            meta = json.loads(side.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"trace {name!r}: sidecar {side} is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise ValueError(f"trace {name!r}: sidecar {side} is not valid JSON: nested too deeply") from None
         if not isinstance(meta, dict):
             raise ValueError(f"trace {name!r}: sidecar {side} must hold a JSON object")
     return trace_from_arrays(arrays["op"], arrays["id"], arrays["size"], arrays["stream"],
                              name=name, meta=meta, path=str(p))
+
+
+def _declared_length(data, key) -> Optional[int]:
+    """The element count an .npz member's header declares, read before its data: a few bytes
+    of header can claim (or a few KiB of compressed zeros can expand to) more than the host's
+    memory. None when the header cannot be read here (np.load then reports the problem)."""
+    try:
+        with data.zip.open(key + ".npy") as f:
+            version = np.lib.format.read_magic(f)
+            read = {(1, 0): np.lib.format.read_array_header_1_0,
+                    (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read is None:
+                return None
+            shape, _, _ = read(f)
+        return int(np.prod(shape, dtype=object)) if shape else 1
+    except Exception:  # noqa: BLE001 - any unreadable header is np.load's to report
+        return None
 
 
 def live_bytes_series(trace: Trace) -> np.ndarray:

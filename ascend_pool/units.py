@@ -30,7 +30,13 @@ def parse_bytes(value, what="size"):
     m = _PATTERN.match(value)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"{what}: cannot read {value!r} as a byte size (examples: 1048576, '512MiB', '8GiB')")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    number, unit = m.group(1), _UNITS[m.group(2).lower()]
+    if "." not in number:
+        return int(number) * unit  # exact, however many digits
+    f = float(number) * unit
+    if f == float("inf"):  # hundreds of digits before the point
+        raise ValueError(f"{what}: {value!r} is larger than any byte count")
+    return int(f)
 
 
 def format_bytes(n):

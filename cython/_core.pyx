@@ -7,6 +7,7 @@ include file, in data-path order.
 """
 include "backend/backend.pxi"
 include "core/pool.pxi"
+include "core/share.pxi"
 include "quota/quota.pxi"
 include "capi/capi.pxi"
 include "bench/floor.pxi"

@@ -1,6 +1,7 @@
 """Shared test setup: every test session gets its own simulated node (isolated shared-memory
 records), so runs never see each other's simulated devices."""
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -8,6 +9,10 @@ import tempfile
 import pytest
 
 _SHM_DIR = tempfile.mkdtemp(prefix="ascend-sim-test-")
+# Child processes must import the installed package (pip install .), not the source folder that
+# `python -m`/`-c` would otherwise find first in the current directory (it has no compiled
+# extension). A developer testing an in-place build sets PYTHONPATH=. explicitly.
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 os.environ.setdefault("ASCEND_SIM_NODE", f"test{os.getpid()}")
 os.environ.setdefault("ASCEND_SIM_SHM_DIR", _SHM_DIR)
 os.environ.setdefault("ASCEND_POOL_BACKEND", "sim")
@@ -16,8 +21,9 @@ os.environ.setdefault("ASCEND_POOL_LEDGER_DIR", _SHM_DIR)   # tenants' quota led
 os.environ.pop("ASCEND_POOL_CONF", None)
 
 
-def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_SHM_DIR, ignore_errors=True)
+# Removed at interpreter exit, after the stats publisher's own exit handler (atexit runs the
+# handlers registered later first), so that its last write does not find the folder gone.
+atexit.register(shutil.rmtree, _SHM_DIR, ignore_errors=True)
 
 
 @pytest.fixture

@@ -16,8 +16,12 @@ import uuid
 
 import pytest
 
+import ascend_pool
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(TESTS)
+# Where the imported ascend_pool lives (site-packages after `pip install .`, the tree for an
+# in-place build): children must import the same build.
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ascend_pool.__file__)))
 PRELUDE = "import json, os, sys, threading, time\nimport ctypes as C\nfrom sim_child import *\n"
 
 
@@ -31,7 +35,7 @@ class SimNode:
     def env(self, **overrides):
         """Child environment: 2 devices x 1 GiB on this node; overrides set (None unsets)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_SIM_")}
-        env["PYTHONPATH"] = os.pathsep.join([REPO, TESTS])
+        env["PYTHONPATH"] = os.pathsep.join([PKG_PARENT, TESTS])
         env.update(ASCEND_SIM_NODE=self.name, ASCEND_SIM_SHM_DIR=self.shm_dir,
                    ASCEND_SIM_DEVICES="2", ASCEND_SIM_HBM="1GiB")
         for k, v in overrides.items():

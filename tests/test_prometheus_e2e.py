@@ -22,6 +22,11 @@ from pathlib import Path
 
 import pytest
 
+import ascend_pool as _ap
+
+# children import the same build as this process (installed package or in-place tree)
+_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(_ap.__file__)))
+
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "grafana"
 DASHBOARD = GRAFANA / "ascend_pool_dashboard.json"
@@ -111,7 +116,7 @@ def stack(tmp_path_factory):
     env = dict(os.environ)
     env.update(ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_DIR=str(tmp / "stats"), ASCEND_POOL_LEDGER_DIR=str(tmp / "ledger"),
                ASCEND_SIM_NODE=f"e2e{uuid.uuid4().hex[:10]}", ASCEND_SIM_HBM=SIM_HBM, ASCEND_POOL_BACKEND="sim",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [_PKG_PARENT, env.get("PYTHONPATH")])))
     env.pop("ASCEND_POOL_CONFIG", None)
     env.pop("ASCEND_POOL_TENANT", None)
     serve_log = open(tmp / "serve.log", "w")

@@ -55,8 +55,9 @@ def own_ledger_dir(tmp_path_factory):
         os.environ["ASCEND_POOL_LEDGER_DIR"] = old
 
 
+FAULT_OOMS = []
 COUNTS = {"examples": 0, "steps": 0, "mallocs": 0, "frees": 0, "quota_refusals": 0, "faults_armed": 0,
-          "record_streams": 0, "quota_changes": 0, "empty_caches": 0}
+          "record_streams": 0, "quota_changes": 0, "empty_caches": 0, "fault_ooms": 0}
 
 
 def growth_bound(pool, nbytes):
@@ -88,6 +89,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.streams = [None, s1, s2]
         self.live = {}          # ptr -> (pool index, requested bytes, pattern byte)
         self.counter = 0
+        self.fault_armed = False
         self.held_before = 0    # the tenant's bytes before the step being checked
         self.step_grows = True  # whether the step may legitimately grow past the quota (never)
 
@@ -151,6 +153,17 @@ class PoolMachine(RuleBasedStateMachine):
                 f"needing at most {growth_bound(pool, size)}: {e}")
             COUNTS["quota_refusals"] += 1
             return
+        except ap.OutOfMemoryError as e:
+            # Only an injected device failure may end in a (typed) out-of-memory error: the device
+            # itself has gigabytes free. (A one-shot failure is normally retried; a tenant under
+            # quota pressure can use up its retries on quota refusals first, see
+            # test_reliability_found_bugs.py.) The state must be unchanged: the invariants check it.
+            assert self.fault_armed, f"out of memory without an injected fault: {e}"
+            sim.reset_faults()
+            self.fault_armed = False
+            COUNTS["fault_ooms"] += 1
+            FAULT_OOMS.append(('expandable' if self.expandable else 'classic', 'context' if which else 'pool'))
+            return
         assert ptr not in self.live, f"{ptr:#x} handed out twice"
         self.counter += 1
         pattern = self.counter % 200 + 1  # never 0 or 0xDD
@@ -177,6 +190,11 @@ class PoolMachine(RuleBasedStateMachine):
             if seg["address"] <= ptr and ptr + size <= seg["address"] + seg["total_size"]:
                 self.fill(ptr, size, POISON)
                 break
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 1 << 30), si=st.integers(0, 2))
+    def free_again(self, pick, si):
+        self.free(pick, si)
 
     @precondition(lambda self: self.live)
     @rule(pick=st.integers(0, 1 << 30), si=st.integers(0, 2))
@@ -212,6 +230,7 @@ class PoolMachine(RuleBasedStateMachine):
         elif what == "fault":
             # The Nth device malloc from now fails once: the pool must retry (or raise a typed error).
             sim.set_faults(fail_malloc_nth=n)
+            self.fault_armed = True
             COUNTS["faults_armed"] += 1
 
     # -- invariants -------------------------------------------------------------------------------
@@ -287,5 +306,10 @@ TestExpandablePool.settings = _settings
 def test_counts_report():
     """Prints what the machines above did (run with -s to see it); runs last in this file."""
     print("\nproperty test counts:", COUNTS)
+    if FAULT_OOMS:
+        import collections
+
+        print("typed out-of-memory errors after an injected one-shot fault (mode, pool):",
+              dict(collections.Counter(FAULT_OOMS)))
     if COUNTS["examples"]:
         assert COUNTS["steps"] >= COUNTS["examples"]

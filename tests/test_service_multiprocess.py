@@ -15,12 +15,18 @@ import uuid
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import ascend_pool as _ap
+
+# children import the same build as this process (installed package or in-place tree)
+_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(_ap.__file__)))
+
 MiB = 1 << 20
 
 TENANT_PROCESS = r"""
 import os, sys
 import ascend_pool as ap
 from ascend_pool.service import publisher
+
 
 tenant, quota, large, n_large, small, n_small = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 pool = ap.Pool(0, backend="sim")
@@ -40,7 +46,7 @@ def env_for(tmp_path):
     env = dict(os.environ)
     env.update(ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_DIR=str(tmp_path / "stats"), ASCEND_POOL_LEDGER_DIR=str(tmp_path / "ledger"),
                ASCEND_SIM_NODE=f"mp{uuid.uuid4().hex[:10]}", ASCEND_POOL_BACKEND="sim",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [_PKG_PARENT, env.get("PYTHONPATH")])))
     env.pop("ASCEND_POOL_TENANT", None)
     env.pop("ASCEND_POOL_CONFIG", None)
     (tmp_path / "stats").mkdir()

@@ -12,6 +12,11 @@ import ascend_pool as ap
 from ascend_pool.service.publisher import Publisher
 from ascend_pool.service.reader import read_stats_file
 
+import ascend_pool as _ap
+
+# children import the same build as this process (installed package or in-place tree)
+_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(_ap.__file__)))
+
 ME = {os.geteuid()}
 
 
@@ -55,7 +60,7 @@ def test_publishes_the_pools_and_keeps_up(tmp_path):
 
 def _env(tmp_path, **extra):
     env = dict(os.environ, ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_DIR=str(tmp_path), ASCEND_POOL_BACKEND="sim",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [_PKG_PARENT, os.environ.get("PYTHONPATH")])))
     env.pop("ASCEND_POOL_TENANT", None)
     env.update(extra)
     return env

@@ -15,6 +15,11 @@ import uuid
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import ascend_pool as _ap
+
+# children import the same build as this process (installed package or in-place tree)
+_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(_ap.__file__)))
+
 
 def env_for(tmp_path):
     env = dict(os.environ)
@@ -22,7 +27,7 @@ def env_for(tmp_path):
         (tmp_path / d).mkdir(exist_ok=True)
     env.update(ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_DIR=str(tmp_path / "stats"), ASCEND_POOL_LEDGER_DIR=str(tmp_path / "ledger"),
                ASCEND_SIM_NODE=f"sv{uuid.uuid4().hex[:10]}", ASCEND_POOL_BACKEND="sim",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [_PKG_PARENT, env.get("PYTHONPATH")])))
     env.pop("ASCEND_POOL_CONFIG", None)
     env.pop("ASCEND_POOL_TENANT", None)
     return env

@@ -24,6 +24,8 @@ ACL = [
     # virtual memory (vmm.c), in both builds
     "aclrtMemGetAllocationGranularity", "aclrtReserveMemAddress", "aclrtReleaseMemAddress",
     "aclrtMallocPhysical", "aclrtFreePhysical", "aclrtMapMem", "aclrtUnmapMem",
+    # sharing between processes (ipc.c), in both builds
+    "aclrtIpcMemGetExportKey", "aclrtIpcMemSetImportPid", "aclrtIpcMemImportByKey", "aclrtIpcMemClose",
 ]
 NEWER = {"aclrtMallocAlign32", "aclrtQueryEventStatus"}
 CONTROL = [
@@ -33,6 +35,7 @@ CONTROL = [
     "ascendsim_set_fail_event_create_nth", "ascendsim_set_fail_event_query_nth",
     "ascendsim_reset_faults", "ascendsim_set_poison", "ascendsim_configure",
     "ascendsim_parse_size", "ascendsim_get_stats", "ascendsim_stats_fields",
+    "ascendsim_get_ipc_stats",
 ]
 
 

@@ -110,7 +110,7 @@ def test_events_are_pooled(pool, streams):
     assert first < 50
 
 
-def test_out_of_memory_waits_for_pending_frees():
+def test_out_of_memory_waits_for_pending_frees(clean_faults):
     total = sim.stats(2)["total_bytes"]
     pool = ap.Pool(2, backend="sim")
     a, b = pool.create_stream(), pool.create_stream()

@@ -53,7 +53,7 @@ extern "C" {
 /* Allocates `size` bytes on `device`, ordered on `stream`, from the calling thread's current pool
  * of that device: the tenant context made current with `with ctx:` on this thread, else the
  * process's default pool (created on first use). NULL on failure (size <= 0, bad device, out of
- * memory, quota). Blocks are at least 512-byte aligned. */
+ * memory, quota). Blocks keep the runtime's alignment (at least 64 bytes on Ascend, 256 on CUDA). */
 void *ascend_pool_malloc(ssize_t size, int device, void *stream);
 
 /* Frees `ptr` ordered on `stream`: the block is reusable at once by later work on `stream`, and by

@@ -22,6 +22,7 @@ may overcommit) and reported as warnings.
 
 import os
 import re
+import stat
 import tomllib
 
 from ..errors import ConfigError
@@ -173,6 +174,9 @@ def parse_text(text, path="<string>"):
         try:
             data = tomllib.loads(text)
             break
+        except RecursionError:  # tomllib parses nested arrays/tables recursively
+            errors.append((None, f"{path}: not valid TOML: values nested too deeply"))
+            break
         except tomllib.TOMLDecodeError as e:
             m = _AT.search(str(e))
             line = int(m.group(1)) if m and m.group(1) else None
@@ -264,8 +268,12 @@ def _parse_devices(value):
 def read_text(path):
     """The file's text; ConfigErrors (one line) when it is missing, too large or not UTF-8."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # O_NONBLOCK: a FIFO at the path must be refused, not waited on (it is ignored for files)
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigErrors([f"{path}: cannot read the tenants file: not a regular file"])
+            size = st.st_size
             if size > MAX_FILE_BYTES:
                 raise ConfigErrors([f"{path}: file is {size} bytes, larger than the {MAX_FILE_BYTES} byte (1 MiB) "
                                     "limit for a tenants file"])

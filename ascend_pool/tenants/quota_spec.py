@@ -17,6 +17,7 @@ from ..units import _UNITS
 _SIZE = re.compile(r"^\s*([+-]?)\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 _PERCENT = re.compile(r"^\s*([+-]?[0-9]+(?:\.[0-9]*)?|[+-]?\.[0-9]+)\s*%\s*$")
 KNOWN_UNITS = "B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, k, M, G, T"
+MAX_QUOTA_BYTES = 2**63  # quotas are stored as 64-bit counts in the node ledger; no device is near this
 
 
 class QuotaSpec:
@@ -57,6 +58,8 @@ def parse_quota(value, what="quota"):
             raise ConfigError(f"{what}: negative quota {value} bytes")
         if value == 0:
             raise ConfigError(f"{what}: zero quota (a quota must be positive; omit it for no quota)")
+        if value >= MAX_QUOTA_BYTES:
+            raise ConfigError(f"{what}: quota {value} bytes is larger than any device (at most {MAX_QUOTA_BYTES - 1})")
         return QuotaSpec(nbytes=value, text=str(value))
     m = _PERCENT.match(value)
     if m:
@@ -78,9 +81,14 @@ def parse_quota(value, what="quota"):
                           f"percentage like \"25%\")")
     if sign == "-":
         raise ConfigError(f"{what}: negative quota {value!r}")
-    n = int(float(number) * _UNITS[unit.lower()])
+    f = float(number) * _UNITS[unit.lower()]
+    if f >= MAX_QUOTA_BYTES:  # also inf, from hundreds of digits
+        raise ConfigError(f"{what}: quota {value!r} is larger than any device (at most {MAX_QUOTA_BYTES - 1} bytes)")
+    n = int(f)
     if n <= 0:
         raise ConfigError(f"{what}: zero quota {value!r} (a quota must be positive; omit it for no quota)")
+    if n >= MAX_QUOTA_BYTES:
+        raise ConfigError(f"{what}: quota {value!r} is larger than any device (at most {MAX_QUOTA_BYTES - 1} bytes)")
     return QuotaSpec(nbytes=n, text=value.strip())
 
 

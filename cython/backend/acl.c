@@ -33,6 +33,11 @@ typedef int aclError;
 #define ACL_MEM_ALLOCATION_TYPE_PINNED 0
 #define ACL_MEM_LOCATION_TYPE_DEVICE 1
 #define ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM 0
+/* IPC (acl_rt.h): the key buffer holds 64 characters and NUL; export flags. */
+#define ACL_IPC_KEY_LEN 65
+#define ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT 0x0UL
+#define ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION 0x1UL
+#define ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT 0x0UL
 
 typedef struct acl_mem_location {
     uint32_t id;
@@ -83,6 +88,12 @@ typedef struct acl_impl {
     aclError (*aclrtFreePhysical)(void *handle);
     aclError (*aclrtMapMem)(void *va, size_t size, size_t offset, void *handle, uint64_t flags);
     aclError (*aclrtUnmapMem)(void *va);
+    /* Sharing between processes: looked up at open (has_ipc), recorded on first use. */
+    int ipc_recorded; /* atomic */
+    aclError (*aclrtIpcMemGetExportKey)(void *devPtr, size_t size, char *key, size_t len, uint64_t flags);
+    aclError (*aclrtIpcMemSetImportPid)(const char *key, int32_t *pid, size_t num);
+    aclError (*aclrtIpcMemImportByKey)(void **devPtr, const char *key, uint64_t flags);
+    aclError (*aclrtIpcMemClose)(const char *key);
 } acl_impl;
 
 #define IMPL(b) ((acl_impl *)(b)->impl)
@@ -333,6 +344,98 @@ static int acl_vmm_absent_create(ap_backend *b, int d, size_t s, void **h) { (vo
 static int acl_vmm_absent_free(ap_backend *b, int d, void *h) { (void)b; (void)d; (void)h; return AP_ERR_MISSING_SYMBOL; }
 static int acl_vmm_absent_map(ap_backend *b, int d, void *v, size_t s, void *h) { (void)b; (void)d; (void)v; (void)s; (void)h; return AP_ERR_MISSING_SYMBOL; }
 
+/* ---- sharing between processes (IPC) ------------------------------------------------------ */
+
+/* The four calls of CANN's IPC memory API (CANN 8.x), all or none (has_ipc): looked up at open,
+   recorded in resolved_symbols on first use, as the virtual-memory calls are. */
+static const char *const acl_ipc_names[] = {
+    "aclrtIpcMemGetExportKey", "aclrtIpcMemSetImportPid", "aclrtIpcMemImportByKey", "aclrtIpcMemClose",
+};
+#define ACL_IPC_NAMES (int)(sizeof acl_ipc_names / sizeof acl_ipc_names[0])
+
+static int acl_ipc_lookup(acl_impl *im, void *lib)
+{
+    void *f[ACL_IPC_NAMES];
+    int i;
+
+    for (i = 0; i < ACL_IPC_NAMES; i++)
+        if (!(f[i] = dlsym(lib, acl_ipc_names[i])))
+            return 0;
+    im->aclrtIpcMemGetExportKey = (__typeof__(im->aclrtIpcMemGetExportKey))f[0];
+    im->aclrtIpcMemSetImportPid = (__typeof__(im->aclrtIpcMemSetImportPid))f[1];
+    im->aclrtIpcMemImportByKey = (__typeof__(im->aclrtIpcMemImportByKey))f[2];
+    im->aclrtIpcMemClose = (__typeof__(im->aclrtIpcMemClose))f[3];
+    return 1;
+}
+
+static pthread_mutex_t ipc_record_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void acl_ipc_record(ap_backend *b)
+{
+    acl_impl *im = IMPL(b);
+    int i;
+
+    if (__atomic_load_n(&im->ipc_recorded, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&ipc_record_lock);
+    if (!im->ipc_recorded) {
+        for (i = 0; i < ACL_IPC_NAMES; i++)
+            (void)ap_resolve(b->lib, &im->base, acl_ipc_names[i]);
+        __atomic_store_n(&im->ipc_recorded, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&ipc_record_lock);
+}
+
+/* The runtime exports in (and imports into) the current context: make `device` current. */
+static int acl_ipc_export(ap_backend *b, int device, void *ptr, size_t size, char *key, size_t keylen,
+                          unsigned flags)
+{
+    int rc;
+
+    acl_ipc_record(b);
+    if (!key || keylen < ACL_IPC_KEY_LEN)
+        return 100000; /* ACL_ERROR_INVALID_PARAM: the runtime writes 65 bytes */
+    if ((rc = acl_set_device(b, device)) != 0)
+        return rc;
+    return IMPL(b)->aclrtIpcMemGetExportKey(ptr, size, key, ACL_IPC_KEY_LEN,
+                                            (flags & AP_IPC_ANY_PROCESS)
+                                                ? ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION
+                                                : ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT);
+}
+
+static int acl_ipc_set_pids(ap_backend *b, const char *key, const int32_t *pids, size_t n)
+{
+    acl_ipc_record(b);
+    return IMPL(b)->aclrtIpcMemSetImportPid(key, (int32_t *)pids, n); /* CANN's prototype lacks const */
+}
+
+static int acl_ipc_import(ap_backend *b, int device, const char *key, void **ptr, size_t *size)
+{
+    int rc;
+
+    acl_ipc_record(b);
+    if (size)
+        *size = 0; /* aclrtIpcMemImportByKey does not say */
+    if ((rc = acl_set_device(b, device)) != 0)
+        return rc;
+    return IMPL(b)->aclrtIpcMemImportByKey(ptr, key, ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT);
+}
+
+static int acl_ipc_close(ap_backend *b, int device, const char *key)
+{
+    int rc;
+
+    acl_ipc_record(b);
+    if ((rc = acl_set_device(b, device)) != 0)
+        return rc;
+    return IMPL(b)->aclrtIpcMemClose(key);
+}
+
+static int acl_ipc_absent_export(ap_backend *b, int d, void *p, size_t s, char *k, size_t l, unsigned f) { (void)b; (void)d; (void)p; (void)s; (void)k; (void)l; (void)f; return AP_ERR_MISSING_SYMBOL; }
+static int acl_ipc_absent_set_pids(ap_backend *b, const char *k, const int32_t *p, size_t n) { (void)b; (void)k; (void)p; (void)n; return AP_ERR_MISSING_SYMBOL; }
+static int acl_ipc_absent_import(ap_backend *b, int d, const char *k, void **p, size_t *s) { (void)b; (void)d; (void)k; (void)p; (void)s; return AP_ERR_MISSING_SYMBOL; }
+static int acl_ipc_absent_close(ap_backend *b, int d, const char *k) { (void)b; (void)d; (void)k; return AP_ERR_MISSING_SYMBOL; }
+
 /* ---- events -------------------------------------------------------------------------------- */
 
 /* Creates an event in the current thread's context (no set_device). */
@@ -472,14 +575,18 @@ static const char *acl_code_name(int code)
     case 107000: return "ACL_ERROR_RT_PARAM_INVALID";
     case 107001: return "ACL_ERROR_RT_INVALID_DEVICEID";
     case 107002: return "ACL_ERROR_RT_CONTEXT_NULL";
+    case 107008: return "ACL_ERROR_RT_ADDR_UNALIGNED";
     case 107019: return "ACL_ERROR_RT_WAIT_TIMEOUT";
     case 200000: return "ACL_ERROR_BAD_ALLOC";
     case 200002: return "ACL_ERROR_INVALID_DEVICE";
     case 207000: return "ACL_ERROR_RT_FEATURE_NOT_SUPPORT";
     case 207001: return "ACL_ERROR_RT_MEMORY_ALLOCATION (out of device memory)";
     case 207002: return "ACL_ERROR_RT_MEMORY_FREE";
+    case 207006: return "ACL_ERROR_RT_NO_PERMISSION";
     case 207007: return "ACL_ERROR_RT_NO_EVENT_RESOURCE";
+    case 207012: return "ACL_ERROR_RT_OVER_LIMIT";
     case 207018: return "ACL_ERROR_RT_DEVICE_OOM";
+    case 507022: return "ACL_ERROR_RT_IPC_ERROR";
     case 507046: return "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT";
     case 507047: return "ACL_ERROR_RT_EVENT_SYNC_TIMEOUT";
     default: return NULL;
@@ -671,6 +778,11 @@ int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen)
     b->vmm_free = b->has_vmm ? acl_vmm_free : acl_vmm_absent_free;
     b->vmm_map = b->has_vmm ? acl_vmm_map : acl_vmm_absent_map;
     b->vmm_unmap = b->has_vmm ? acl_vmm_unmap : acl_vmm_absent_range;
+    b->has_ipc = acl_ipc_lookup(im, b->lib);
+    b->ipc_export = b->has_ipc ? acl_ipc_export : acl_ipc_absent_export;
+    b->ipc_set_pids = b->has_ipc ? acl_ipc_set_pids : acl_ipc_absent_set_pids;
+    b->ipc_import = b->has_ipc ? acl_ipc_import : acl_ipc_absent_import;
+    b->ipc_close = b->has_ipc ? acl_ipc_close : acl_ipc_absent_close;
 
     /* A framework in this process may have initialised ACL already; that is fine. Never finalise:
        see ap_backend_close(). */

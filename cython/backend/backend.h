@@ -23,6 +23,10 @@
 #define AP_ERR_MISSING_SYMBOL 990002 /* a required symbol is absent */
 #define AP_ERR_NO_DEVICE 990003      /* library loaded but reports no device */
 
+/* Sharing device memory between processes (ipc_* below). */
+#define AP_IPC_KEY_MAX 160           /* key buffers: acl keys are <= 64 chars, cuda's 128 hex digits */
+#define AP_IPC_ANY_PROCESS 0x1u      /* ipc_export flag: no pid check (any process of the user) */
+
 typedef struct ap_backend ap_backend;
 
 struct ap_backend {
@@ -89,6 +93,27 @@ struct ap_backend {
     int (*vmm_free)(ap_backend *b, int device, void *handle);
     int (*vmm_map)(ap_backend *b, int device, void *va, size_t size, void *handle); /* map + read-write */
     int (*vmm_unmap)(ap_backend *b, int device, void *va, size_t size);
+
+    /* Sharing device memory with other processes of the node (IPC); usable only when has_ipc,
+       else every entry answers AP_ERR_MISSING_SYMBOL. Keys are NUL-terminated text in buffers of
+       keylen >= AP_IPC_KEY_MAX bytes; 0 = ok or the runtime's code.
+       acl: aclrtIpcMemGetExportKey / SetImportPid / ImportByKey / Close (CANN 8.x; optional
+       symbols). cuda: cudaIpcGetMemHandle / cudaIpcOpenMemHandle / cudaIpcCloseMemHandle. */
+    int has_ipc;
+    /* Exports [ptr, ptr+size) of `device` and writes its key. acl: ptr and size must be page
+       aligned (2 MiB); only pids listed with ipc_set_pids may import it, unless flags has
+       AP_IPC_ANY_PROCESS (ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION). cuda: the whole
+       cudaMalloc allocation containing ptr is exported, and CUDA checks no pids. */
+    int (*ipc_export)(ap_backend *b, int device, void *ptr, size_t size, char *key, size_t keylen,
+                      unsigned flags);
+    /* Exporter: lets these processes import `key` (cuda: nothing to do, 0). */
+    int (*ipc_set_pids)(ap_backend *b, const char *key, const int32_t *pids, size_t n);
+    /* Maps the memory of `key` into this process for `device`; *size gets its bytes where the
+       runtime tells them, else 0 (acl tells nothing: the exporter's handle carries the size). */
+    int (*ipc_import)(ap_backend *b, int device, const char *key, void **ptr, size_t *size);
+    /* Importer: unmaps its import of `key`. Exporter: withdraws the key (acl: importers must have
+       closed first; the simulator refuses with ACL_ERROR_RT_IPC_ERROR 507022 otherwise; cuda: 0). */
+    int (*ipc_close)(ap_backend *b, int device, const char *key);
 
     void *impl; /* private: resolved symbols */
 };

@@ -7,7 +7,8 @@
 # runtime's own code and a message built on the failing thread, right after the failure, because
 # aclGetRecentErrMsg only remembers the calling thread's latest error.
 
-from libc.stdint cimport uintptr_t
+from libc.stdint cimport uintptr_t, int32_t
+from libc.stdlib cimport malloc as _c_malloc, free as _c_free
 
 import os as _os
 
@@ -19,6 +20,8 @@ cdef extern from "backend.h" nogil:
     int AP_ERR_NOT_LOADED
     int AP_ERR_MISSING_SYMBOL
     int AP_ERR_NO_DEVICE
+    int AP_IPC_KEY_MAX
+    unsigned AP_IPC_ANY_PROCESS
 
     cdef struct ap_backend:
         int kind
@@ -55,6 +58,12 @@ cdef extern from "backend.h" nogil:
         int (*vmm_free)(ap_backend *b, int device, void *handle) noexcept nogil
         int (*vmm_map)(ap_backend *b, int device, void *va, size_t size, void *handle) noexcept nogil
         int (*vmm_unmap)(ap_backend *b, int device, void *va, size_t size) noexcept nogil
+        int has_ipc
+        int (*ipc_export)(ap_backend *b, int device, void *ptr, size_t size, char *key, size_t keylen,
+                          unsigned flags) noexcept nogil
+        int (*ipc_set_pids)(ap_backend *b, const char *key, const int32_t *pids, size_t n) noexcept nogil
+        int (*ipc_import)(ap_backend *b, int device, const char *key, void **ptr, size_t *size) noexcept nogil
+        int (*ipc_close)(ap_backend *b, int device, const char *key) noexcept nogil
         void *impl
 
     int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen)
@@ -340,6 +349,75 @@ cdef class Backend:
             rc = self.b.vmm_unmap(self.b, device, v, size)
         if rc != 0:
             self._fail(rc, "vmm_unmap")
+
+    # ---- sharing between processes (keys as str) -------------------------------------------
+
+    @property
+    def has_ipc(self):
+        """The runtime can share device memory with other processes (acl: the four
+        aclrtIpcMem* calls of CANN 8.x; cuda: cudaIpcGetMemHandle and its two peers). Without
+        them every ipc_* method raises DeviceError with code AP_ERR_MISSING_SYMBOL (990002)."""
+        return bool(self._table.has_ipc)
+
+    def ipc_export(self, int device, ptr, size_t size, bint any_process=False):
+        """Exports `size` bytes at device address `ptr` (acl: both multiples of the 2 MiB page)
+        and returns the key (str) that other processes import it by. Only processes listed with
+        ipc_set_pids may import it, unless any_process (acl:
+        ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION; cuda checks no pids anyway)."""
+        cdef int rc
+        cdef char key[256]
+        cdef void *p = _handle(ptr)
+        cdef unsigned flags = AP_IPC_ANY_PROCESS if any_process else 0
+        key[0] = 0
+        with nogil:
+            rc = self.b.ipc_export(self.b, device, p, size, key, sizeof(key), flags)
+        if rc != 0:
+            self._fail(rc, f"ipc_export({size})")
+        return key.decode("ascii")
+
+    def ipc_set_pids(self, key, pids):
+        """Exporter: lets the processes `pids` (ints) import `key`."""
+        cdef int rc
+        cdef bytes bkey = str(key).encode("ascii")
+        cdef const char *ckey = bkey
+        cdef size_t n = len(pids), i
+        cdef int32_t *arr = <int32_t *>_c_malloc((n if n > 0 else 1) * sizeof(int32_t))
+        if arr == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                arr[i] = <int32_t>int(pids[i])
+            with nogil:
+                rc = self.b.ipc_set_pids(self.b, ckey, arr, n)
+        finally:
+            _c_free(arr)
+        if rc != 0:
+            self._fail(rc, "ipc_set_pids")
+
+    def ipc_import(self, int device, key):
+        """Maps the memory exported as `key` into this process for `device`. Returns
+        (address, size); size is 0 where the runtime does not tell it (acl)."""
+        cdef int rc
+        cdef bytes bkey = str(key).encode("ascii")
+        cdef const char *ckey = bkey
+        cdef void *p = NULL
+        cdef size_t size = 0
+        with nogil:
+            rc = self.b.ipc_import(self.b, device, ckey, &p, &size)
+        if rc != 0:
+            self._fail(rc, "ipc_import")
+        return <uintptr_t>p, size
+
+    def ipc_close(self, int device, key):
+        """Importer: unmaps its import of `key`. Exporter: withdraws `key` (acl: after every
+        importer closed; the simulator refuses with 507022 before)."""
+        cdef int rc
+        cdef bytes bkey = str(key).encode("ascii")
+        cdef const char *ckey = bkey
+        with nogil:
+            rc = self.b.ipc_close(self.b, device, ckey)
+        if rc != 0:
+            self._fail(rc, "ipc_close")
 
     # ---- events --------------------------------------------------------------------------
 

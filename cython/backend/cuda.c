@@ -18,6 +18,20 @@ typedef int cudaError_t;
 #define cudaErrorNotReady 600           /* queries: work still pending; also our timeout code */
 #define cudaEventDisableTiming 0x02u    /* the cheapest event: no timestamps, spin-wait sync */
 #define cudaHostAllocDefault 0x00u      /* pinned, portable to the allocating context only */
+#define cudaIpcMemLazyEnablePeerAccess 0x01u
+
+/* cudaIpcMemHandle_t: 64 opaque bytes, passed by value. Keys are its 128 hex digits. */
+typedef struct cuda_ipc_handle {
+    char reserved[64];
+} cuda_ipc_handle;
+
+/* This process's imports, by key: cudaIpcCloseMemHandle takes the pointer, the backend the key. */
+typedef struct cuda_ipc_entry {
+    struct cuda_ipc_entry *next;
+    char key[129];
+    void *ptr;
+    unsigned count;
+} cuda_ipc_entry;
 
 /* Driver API virtual memory (cuda.h, CUDA 10.2+). */
 typedef int CUresult;
@@ -90,6 +104,13 @@ typedef struct cuda_impl {
                          unsigned long long flags);
     CUresult (*cuMemSetAccess)(CUdeviceptr ptr, size_t size, const cu_mem_access_desc *desc, size_t count);
     CUresult (*cuMemUnmap)(CUdeviceptr ptr, size_t size);
+    /* Sharing between processes: looked up at open (has_ipc), recorded on first use. */
+    int ipc_recorded; /* atomic */
+    cudaError_t (*cudaIpcGetMemHandle)(cuda_ipc_handle *handle, void *devPtr);
+    cudaError_t (*cudaIpcOpenMemHandle)(void **devPtr, cuda_ipc_handle handle, unsigned flags);
+    cudaError_t (*cudaIpcCloseMemHandle)(void *devPtr);
+    pthread_mutex_t ipc_lock;         /* guards imports */
+    cuda_ipc_entry *imports;
 } cuda_impl;
 
 #define IMPL(b) ((cuda_impl *)(b)->impl)
@@ -334,6 +355,168 @@ static int cuda_vmm_absent_create(ap_backend *b, int d, size_t s, void **h) { (v
 static int cuda_vmm_absent_free(ap_backend *b, int d, void *h) { (void)b; (void)d; (void)h; return AP_ERR_MISSING_SYMBOL; }
 static int cuda_vmm_absent_map(ap_backend *b, int d, void *v, size_t s, void *h) { (void)b; (void)d; (void)v; (void)s; (void)h; return AP_ERR_MISSING_SYMBOL; }
 
+/* ---- sharing between processes (IPC) ------------------------------------------------------ */
+
+static const char *const cuda_ipc_names[] = {"cudaIpcGetMemHandle", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle"};
+#define CUDA_IPC_NAMES (int)(sizeof cuda_ipc_names / sizeof cuda_ipc_names[0])
+
+static int cuda_ipc_lookup(cuda_impl *im, void *lib)
+{
+    void *f[CUDA_IPC_NAMES];
+    int i;
+
+    for (i = 0; i < CUDA_IPC_NAMES; i++)
+        if (!(f[i] = dlsym(lib, cuda_ipc_names[i])))
+            return 0;
+    im->cudaIpcGetMemHandle = (__typeof__(im->cudaIpcGetMemHandle))f[0];
+    im->cudaIpcOpenMemHandle = (__typeof__(im->cudaIpcOpenMemHandle))f[1];
+    im->cudaIpcCloseMemHandle = (__typeof__(im->cudaIpcCloseMemHandle))f[2];
+    pthread_mutex_init(&im->ipc_lock, NULL);
+    return 1;
+}
+
+static pthread_mutex_t ipc_record_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void cuda_ipc_record(ap_backend *b)
+{
+    cuda_impl *im = IMPL(b);
+    int i;
+
+    if (__atomic_load_n(&im->ipc_recorded, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&ipc_record_lock);
+    if (!im->ipc_recorded) {
+        for (i = 0; i < CUDA_IPC_NAMES; i++)
+            (void)ap_resolve(b->lib, &im->base, cuda_ipc_names[i]);
+        __atomic_store_n(&im->ipc_recorded, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&ipc_record_lock);
+}
+
+#define cudaErrorInvalidValue 1
+
+/* CUDA exports the whole allocation containing ptr (size is not the runtime's business); any
+   process that has the handle may open it: flags and pids have nothing to act on. */
+static int cuda_ipc_export(ap_backend *b, int device, void *ptr, size_t size, char *key, size_t keylen,
+                           unsigned flags)
+{
+    static const char hex[] = "0123456789abcdef";
+    cuda_ipc_handle h;
+    int rc, i;
+
+    (void)size;
+    (void)flags;
+    cuda_ipc_record(b);
+    if (!key || keylen < 2 * sizeof h.reserved + 1)
+        return cudaErrorInvalidValue;
+    if ((rc = cuda_set_device(b, device)) != 0)
+        return rc;
+    memset(&h, 0, sizeof h);
+    if ((rc = IMPL(b)->cudaIpcGetMemHandle(&h, ptr)) != 0)
+        return rc;
+    for (i = 0; i < (int)sizeof h.reserved; i++) {
+        key[2 * i] = hex[(unsigned char)h.reserved[i] >> 4];
+        key[2 * i + 1] = hex[(unsigned char)h.reserved[i] & 15];
+    }
+    key[2 * sizeof h.reserved] = '\0';
+    return 0;
+}
+
+static int cuda_ipc_set_pids(ap_backend *b, const char *key, const int32_t *pids, size_t n)
+{
+    (void)b;
+    (void)key;
+    (void)pids;
+    (void)n;
+    return 0;
+}
+
+static int hex_value(char c)
+{
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+static int cuda_ipc_import(ap_backend *b, int device, const char *key, void **ptr, size_t *size)
+{
+    cuda_impl *im = IMPL(b);
+    cuda_ipc_handle h;
+    cuda_ipc_entry *m;
+    int rc, i;
+
+    cuda_ipc_record(b);
+    if (size)
+        *size = 0;
+    if (!key || strlen(key) != 2 * sizeof h.reserved)
+        return cudaErrorInvalidValue;
+    for (i = 0; i < (int)sizeof h.reserved; i++) {
+        int hi = hex_value(key[2 * i]), lo = hex_value(key[2 * i + 1]);
+        if (hi < 0 || lo < 0)
+            return cudaErrorInvalidValue;
+        h.reserved[i] = (char)(hi << 4 | lo);
+    }
+    if ((rc = cuda_set_device(b, device)) != 0)
+        return rc;
+    pthread_mutex_lock(&im->ipc_lock);
+    for (m = im->imports; m; m = m->next)
+        if (strcmp(m->key, key) == 0)
+            break;
+    if (m) { /* CUDA refuses to open a handle twice in one process: share the mapping */
+        m->count++;
+        *ptr = m->ptr;
+        pthread_mutex_unlock(&im->ipc_lock);
+        return 0;
+    }
+    m = calloc(1, sizeof *m);
+    rc = m ? im->cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess) : 2 /* cudaErrorMemoryAllocation */;
+    if (rc == 0) {
+        snprintf(m->key, sizeof m->key, "%s", key);
+        m->ptr = *ptr;
+        m->count = 1;
+        m->next = im->imports;
+        im->imports = m;
+    } else {
+        free(m);
+    }
+    pthread_mutex_unlock(&im->ipc_lock);
+    return rc;
+}
+
+/* Importer: the last close unmaps. Exporter: CUDA has nothing to withdraw (cudaFree of the
+   allocation is the end of the export; CUDA keeps it alive for importers that still map it). */
+static int cuda_ipc_close(ap_backend *b, int device, const char *key)
+{
+    cuda_impl *im = IMPL(b);
+    cuda_ipc_entry **pp, *m = NULL;
+    int rc = 0;
+
+    cuda_ipc_record(b);
+    if (!key)
+        return cudaErrorInvalidValue;
+    pthread_mutex_lock(&im->ipc_lock);
+    for (pp = &im->imports; *pp; pp = &(*pp)->next)
+        if (strcmp((*pp)->key, key) == 0) {
+            m = *pp;
+            break;
+        }
+    if (m && --m->count == 0) {
+        *pp = m->next;
+        rc = cuda_set_device(b, device);
+        if (rc == 0)
+            rc = im->cudaIpcCloseMemHandle(m->ptr);
+        free(m);
+    }
+    pthread_mutex_unlock(&im->ipc_lock);
+    return rc;
+}
+
+static int cuda_ipc_absent_export(ap_backend *b, int d, void *p, size_t s, char *k, size_t l, unsigned f) { (void)b; (void)d; (void)p; (void)s; (void)k; (void)l; (void)f; return AP_ERR_MISSING_SYMBOL; }
+static int cuda_ipc_absent_set_pids(ap_backend *b, const char *k, const int32_t *p, size_t n) { (void)b; (void)k; (void)p; (void)n; return AP_ERR_MISSING_SYMBOL; }
+static int cuda_ipc_absent_import(ap_backend *b, int d, const char *k, void **p, size_t *s) { (void)b; (void)d; (void)k; (void)p; (void)s; return AP_ERR_MISSING_SYMBOL; }
+static int cuda_ipc_absent_close(ap_backend *b, int d, const char *k) { (void)b; (void)d; (void)k; return AP_ERR_MISSING_SYMBOL; }
+
 static int cuda_event_create(ap_backend *b, int device, void **event)
 {
     int rc = cuda_set_device(b, device);
@@ -541,6 +724,11 @@ int ap_cuda_open(ap_backend *b, const char *path, char *err, size_t errlen)
     b->vmm_free = cuda_vmm_absent_free;
     b->vmm_map = cuda_vmm_absent_map;
     b->vmm_unmap = cuda_vmm_absent_range;
+    b->has_ipc = cuda_ipc_lookup(im, b->lib);
+    b->ipc_export = b->has_ipc ? cuda_ipc_export : cuda_ipc_absent_export;
+    b->ipc_set_pids = b->has_ipc ? cuda_ipc_set_pids : cuda_ipc_absent_set_pids;
+    b->ipc_import = b->has_ipc ? cuda_ipc_import : cuda_ipc_absent_import;
+    b->ipc_close = b->has_ipc ? cuda_ipc_close : cuda_ipc_absent_close;
 
     /* Without a driver the runtime loads fine and fails here (cudaErrorInsufficientDriver 35 or
        cudaErrorNoDevice 100): report that as "no device", with the runtime's own words. */

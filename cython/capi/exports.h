@@ -6,10 +6,11 @@
  *
  * The one place that takes the GIL: apc_create_default(), when a device has no pool yet. The pool
  * object (its config, its backend) is Python's, so the module installs a callback at import
- * (apc_set_hooks) and this code calls it between PyGILState_Ensure and PyGILState_Release. Nothing
- * of ours is locked while it waits for the GIL, so a thread holding the GIL while waiting for a C
- * thread cannot deadlock with it on our locks; it can only delay that thread's first call on a
- * device. ascend_pool_init(device) pays this cost up front.
+ * (apc_set_hooks) and this code calls it between PyGILState_Ensure and PyGILState_Release. No lock
+ * of ours is held while it waits for the GIL. Like any code that needs the GIL, that first call
+ * waits while another thread holds it: a thread that holds the GIL and waits for such a C thread
+ * would deadlock with it. ascend_pool_init(device), or any Python use of the device before the C
+ * threads start, creates the pool up front so that they never need Python.
  */
 #ifndef APC_EXPORTS_H
 #define APC_EXPORTS_H

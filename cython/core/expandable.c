@@ -267,8 +267,11 @@ ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *er
     nb->seg = left;
     for (ap_vmm_chunk *c = first; c != last->next; c = c->next) c->seg = left;
     if (last->next && last->next->va == va + need) join_segments(p, left, last->next->seg, sp);
-    /* Tagged with the requesting stream so that it never merges into another stream's block. */
-    return ap_free_insert(p, nb, slot);
+    /* Fresh memory is safe for every stream (tag 0), except where it would merge into another
+       stream's free tail block: then it is the requester's, so the merged block still fits it. */
+    ap_block *tail = nb->prev;
+    int tag = tail && tail->state == AP_BLOCK_FREE && tail->tag && tail->tag != slot ? slot : 0;
+    return ap_free_insert(p, nb, tag);
 
 rollback: /* pages mapped so far (a partial growth) go back; the pool is as before */
     for (ap_vmm_chunk *c = first; c;) {
@@ -403,6 +406,7 @@ size_t ap_vmm_release_idle(ap_pool *p, size_t target, uint64_t min_idle) { retur
 
 static size_t release(ap_pool *p, size_t target, uint64_t min_idle, ap_error *err) {
     size_t released = 0, g = p->vmm_granularity;
+    int settled = min_idle > 0; /* the idle-page policy never waits for streams */
     ap_cache_flush(p);
     while (released < target) {
         /* The free block with the most whole pages inside it; its top pages go first. */
@@ -418,6 +422,18 @@ static size_t release(ap_pool *p, size_t target, uint64_t min_idle, ap_error *er
                     best_len = hi - lo;
                 }
             }
+        }
+        if (!best && !settled) {
+            /* Free pages may be split across blocks of different streams: once those streams are
+               waited for, the blocks merge into whole free pages. */
+            settled = 1;
+            int any = 0;
+            for (int slot = 1; slot < p->n_slots; slot++)
+                if (p->slots[slot].trees[0].count || p->slots[slot].trees[1].count) {
+                    any = 1;
+                    if (ap_settle_slot(p, slot, err) != AP_OK) return released;
+                }
+            if (any) continue;
         }
         if (!best) break;
         if (best->tag) { /* its stream may still use it: wait for that stream, then pick again */

@@ -351,6 +351,7 @@ int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err) {
     int slot = ap_slot_of(p, stream, 1);
     int rc = slot < 0 ? ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams") : AP_OK;
     if (rc == AP_OK) {
+        ap_on_device(p);
         rc = p->backend->stream_sync(p->backend, stream, p->cfg.sync_timeout_ms);
         if (rc != 0) {
             char msg[160];

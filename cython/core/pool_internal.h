@@ -10,6 +10,11 @@
 
 static inline size_t ap_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
+/* Makes the pool's device current on the calling thread before a stream or event call: the
+   runtime's current device is per thread, and NULL means that device's default stream. Cached by
+   the backend per thread, so it costs a compare when nothing changes. */
+static inline void ap_on_device(ap_pool *p) { p->backend->set_device(p->backend, p->device); }
+
 /* Writes an error; returns status for `return set_error(...)`. */
 int ap_set_error(ap_error *err, int status, int device_code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));

@@ -77,6 +77,7 @@ void ap_events_destroy(ap_pool *p) {
 /* Records an event after the work queued on stream so far. NULL if no event could be had: the
    caller then waits for the stream on the host instead. */
 static void *record_on(ap_pool *p, void *stream) {
+    ap_on_device(p);
     void *ev = ap_event_get(p);
     if (!ev) return NULL;
     if (p->backend->event_record(p->backend, ev, stream) != 0) {
@@ -87,6 +88,7 @@ static void *record_on(ap_pool *p, void *stream) {
 }
 
 static int sync_stream(ap_pool *p, void *stream, ap_error *err) {
+    ap_on_device(p);
     int rc = p->backend->stream_sync(p->backend, stream, p->cfg.sync_timeout_ms);
     if (rc == 0) return AP_OK;
     char msg[160];
@@ -129,6 +131,7 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
 
 static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
     ap_block_uses *u = b->xs;
+    if (u && u->n_events) ap_on_device(p);
     while (u && u->n_events) {
         void *ev = u->events[u->n_events - 1];
         int rc;

@@ -46,6 +46,21 @@
  *                                                     ACL_ERROR_RT_PARAM_INVALID     107000
  *   physical memory past capacity, injected malloc faults, host out of address space
  *                                                     ACL_ERROR_RT_MEMORY_ALLOCATION 207001
+ * Sharing between processes (ipc.c; CANN's acl layer checks arguments, the runtime the rest):
+ *   NULL devPtr/key/pid, size 0, len < 65, num 0      ACL_ERROR_INVALID_PARAM        100000
+ *   flags out of range, pid <= 0, address not in one live aclrtMalloc allocation, range already
+ *   exported, malformed key, unknown key (never exported, closed, or another node's), key not
+ *   exported (SetImportPid) / neither exported nor imported (Close) by this process
+ *                                                     ACL_ERROR_RT_PARAM_INVALID     107000
+ *   no current device (export, import)                ACL_ERROR_RT_CONTEXT_NULL      107002
+ *   export of an address or size that is not a multiple of the 2 MiB page
+ *                                                     ACL_ERROR_RT_ADDR_UNALIGNED    107008
+ *   import by a pid the exporter did not allow; record of another user or not 0600
+ *                                                     ACL_ERROR_RT_NO_PERMISSION     207006
+ *   256 allowed pids or 256 importing processes      ACL_ERROR_RT_OVER_LIMIT        207012
+ *   the order of closing: aclrtIpcMemClose or aclrtFree by the exporter while a live process
+ *   still imports; import, read or fill after the exporter exited or closed the key
+ *                                                     ACL_ERROR_RT_IPC_ERROR         507022
  */
 #ifndef ASCEND_SIM_ACL_API_H
 #define ASCEND_SIM_ACL_API_H
@@ -73,6 +88,7 @@ typedef void *aclrtContext;
 #define ACL_ERROR_RT_PARAM_INVALID 107000
 #define ACL_ERROR_RT_INVALID_DEVICEID 107001
 #define ACL_ERROR_RT_CONTEXT_NULL 107002
+#define ACL_ERROR_RT_ADDR_UNALIGNED 107008
 #define ACL_ERROR_RT_WAIT_TIMEOUT 107019
 #define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
 #define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
@@ -81,8 +97,10 @@ typedef void *aclrtContext;
 #define ACL_ERROR_RT_NO_PERMISSION 207006
 #define ACL_ERROR_RT_NO_EVENT_RESOURCE 207007
 #define ACL_ERROR_RT_NO_STREAM_RESOURCE 207008
+#define ACL_ERROR_RT_OVER_LIMIT 207012
 #define ACL_ERROR_RT_DEVICE_OOM 207018
 #define ACL_ERROR_RT_INTERNAL_ERROR 507000
+#define ACL_ERROR_RT_IPC_ERROR 507022
 #define ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046
 #define ACL_ERROR_RT_EVENT_SYNC_TIMEOUT 507047
 
@@ -187,6 +205,16 @@ SIM_EXPORT aclError aclrtFreePhysical(aclrtDrvMemHandle handle);
 SIM_EXPORT aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle handle,
                                 uint64_t flags);
 SIM_EXPORT aclError aclrtUnmapMem(void *virPtr);
+
+/* Sharing device memory between processes (ipc.c). In both builds, like the VMM calls. */
+#define ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT 0x0UL                /* importers' pids are checked */
+#define ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION 0x1UL
+#define ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT 0x0UL
+#define ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS 0x1UL
+SIM_EXPORT aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *key, size_t len, uint64_t flags);
+SIM_EXPORT aclError aclrtIpcMemSetImportPid(const char *key, int32_t *pid, size_t num);
+SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint64_t flags);
+SIM_EXPORT aclError aclrtIpcMemClose(const char *key);
 
 SIM_EXPORT aclError aclrtCreateEvent(aclrtEvent *event);
 SIM_EXPORT aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag);

@@ -17,14 +17,16 @@
 /* Enqueues on `stream` (NULL: the calling thread's current device's default stream) a wait of
    `delay_us` microseconds followed by memset(ptr, value & 0xff, nbytes). [ptr, ptr+nbytes) must lie
    inside one live device allocation (its reserved, rounded extent), or inside one VMM reservation
-   with every page of it mapped (aclrtMapMem), at enqueue time, else 107000. If that memory is
-   freed or unmapped before the fill runs, the fill is dropped (counted in stats "dropped_fills")
-   instead of writing to unmapped memory. */
+   with every page of it mapped (aclrtMapMem), or inside memory imported with
+   aclrtIpcMemImportByKey, at enqueue time, else 107000 (507022 ACL_ERROR_RT_IPC_ERROR for imported
+   memory whose exporter has exited or closed the key). If that memory is freed or unmapped before
+   the fill runs, the fill is dropped (counted in stats "dropped_fills") instead of writing to
+   unmapped memory. */
 SIM_EXPORT aclError ascendsim_launch_fill(aclrtStream stream, void *ptr, size_t nbytes, int value,
                                           uint64_t delay_us);
 /* Copies nbytes of device memory at ptr to host memory at dst, now, without waiting for streams.
-   [ptr, ptr+nbytes) must lie inside one live device allocation or mapped VMM range (as for
-   ascendsim_launch_fill), else 107000. */
+   [ptr, ptr+nbytes) must lie inside one live device allocation, mapped VMM range or imported
+   range (as for ascendsim_launch_fill), else 107000 (or 507022, as there). */
 SIM_EXPORT aclError ascendsim_read(const void *ptr, void *dst, size_t nbytes);
 /* Enqueues on `stream` an item that blocks its worker until ascendsim_release_stream(stream). */
 SIM_EXPORT aclError ascendsim_hang_stream(aclrtStream stream);
@@ -63,5 +65,10 @@ SIM_EXPORT aclError ascendsim_parse_size(const char *text, uint64_t *bytes);
    id -> ACL_ERROR_INVALID_DEVICE. */
 SIM_EXPORT aclError ascendsim_get_stats(int32_t device, uint64_t *out, uint32_t n);
 SIM_EXPORT const char *ascendsim_stats_fields(void);
+/* This process's sharing of one device (ipc.c), as n uint64 values in this order: live exports,
+   bytes exported, live imports (a key imported twice counts once), bytes imported. Imported bytes
+   are not part of any node usage: the exporter's aclrtMalloc holds them. Bad device id ->
+   ACL_ERROR_INVALID_DEVICE. */
+SIM_EXPORT aclError ascendsim_get_ipc_stats(int32_t device, uint64_t *out, uint32_t n);
 
 #endif

@@ -20,6 +20,8 @@ SIM_EXPORT aclError ascendsim_launch_fill(aclrtStream stream, void *ptr, size_t 
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "delay of %llu us is over an hour",
                         (unsigned long long)delay_us);
     struct sim_alloc *a = sim_alloc_pin(SIM_TREE_DEVICE, ptr, nbytes);
+    if (!a && (rc = sim_ipc_explain(ptr, nbytes, call)) != 0)
+        return rc; /* imported memory whose exporter exited or closed it */
     if (!a)
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "[%p, +%zu bytes) is not inside one live device allocation or mapped "
@@ -52,6 +54,8 @@ SIM_EXPORT aclError ascendsim_read(const void *ptr, void *dst, size_t nbytes)
     if (!dst && nbytes)
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "dst is NULL");
     struct sim_alloc *a = sim_alloc_pin(SIM_TREE_DEVICE, ptr, nbytes);
+    if (!a && (rc = sim_ipc_explain(ptr, nbytes, call)) != 0)
+        return rc; /* imported memory whose exporter exited or closed it */
     if (!a)
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "[%p, +%zu bytes) is not inside one live device allocation or mapped "

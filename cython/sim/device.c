@@ -155,6 +155,7 @@ SIM_EXPORT aclError aclFinalize(void)
             finalize_stream(s);
     }
     sim_vmm_finalize(); /* after the streams, whose fills may touch mapped memory */
+    sim_ipc_finalize(); /* imports unmapped, exports closed; the exported memory goes below */
     for (int which = SIM_TREE_DEVICE; which <= SIM_TREE_HOST; which++) {
         struct sim_alloc **all;
         size_t m = sim_alloc_take_all(which, &all);

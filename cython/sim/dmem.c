@@ -19,6 +19,9 @@
  * mapped (a block may span several physical handles mapped side by side), and the pin is taken on
  * the reservation, so that aclrtUnmapMem can wait for reads and fills in flight before it makes
  * the pages inaccessible again.
+ *
+ * A fourth tree holds the memory this process imported from other processes (ipc.c); a device pin
+ * that finds nothing else looks there last, and succeeds only while the exporter still shares it.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* tdestroy */
@@ -38,6 +41,7 @@ struct tree {
 };
 
 static struct tree trees[SIM_TREE_COUNT] = {{PTHREAD_MUTEX_INITIALIZER, NULL, 0},
+                                            {PTHREAD_MUTEX_INITIALIZER, NULL, 0},
                                             {PTHREAD_MUTEX_INITIALIZER, NULL, 0},
                                             {PTHREAD_MUTEX_INITIALIZER, NULL, 0}};
 
@@ -159,6 +163,22 @@ struct sim_alloc *sim_alloc_pin(int which, const void *ptr, size_t n)
     else
         a = NULL;
     pthread_mutex_unlock(&t->mu);
+    if (a)
+        return a;
+    /* Memory imported from another process (ipc.c), while its exporter still shares it. */
+    t = &trees[SIM_TREE_IPC];
+    pthread_mutex_lock(&t->mu);
+    node = tfind(&key, &t->root, cmp_range);
+    a = node ? *node : NULL;
+    if (a && p >= a->base && p + n <= a->base + a->size)
+        a->pins++;
+    else
+        a = NULL;
+    pthread_mutex_unlock(&t->mu);
+    if (a && !sim_ipc_usable(a)) { /* checked outside the lock: it reads /proc */
+        sim_alloc_unpin(SIM_TREE_IPC, a);
+        a = NULL;
+    }
     return a;
 }
 

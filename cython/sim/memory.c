@@ -103,7 +103,14 @@ SIM_EXPORT aclError aclrtFree(void *devPtr)
     if (!devPtr)
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "devPtr is NULL");
     sim_fault_free_latency();
-    struct sim_alloc *a = sim_alloc_remove(SIM_TREE_DEVICE, devPtr);
+    /* Exported memory (ipc.c) is freed only once no live process imports it: checked and removed
+       under the IPC lock, so that no import can start in between. */
+    sim_ipc_lock();
+    int busy = sim_ipc_free_check(devPtr, call);
+    struct sim_alloc *a = busy ? NULL : sim_alloc_remove(SIM_TREE_DEVICE, devPtr);
+    sim_ipc_unlock();
+    if (busy)
+        return busy;
     if (!a)
         return sim_fail(ACL_ERROR_RT_MEMORY_FREE, call,
                         "%p is not the base of a live device allocation (never allocated, already "

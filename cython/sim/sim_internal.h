@@ -10,6 +10,7 @@
  *   context.c  contexts, the thread's current device            device.c   aclInit/Finalize, devices
  *   faults.c   fault injection and latency                      control.c  ascendsim_* API
  *   vmm.c      virtual memory: reservations, physical handles, maps
+ *   ipc.c      sharing device memory between processes (aclrtIpcMem*)
  */
 #ifndef ASCEND_SIM_INTERNAL_H
 #define ASCEND_SIM_INTERNAL_H
@@ -115,8 +116,11 @@ struct sim_alloc {
 };
 /* SIM_TREE_VMM holds the VMM reservations (vmm.c): a pin of device memory that is not an
    aclrtMalloc allocation succeeds when the range lies in one reservation and every page of it is
-   mapped (sim_vmm_covered); the pin is then on the reservation. */
-enum { SIM_TREE_DEVICE = 0, SIM_TREE_HOST = 1, SIM_TREE_VMM = 2, SIM_TREE_COUNT = 3 };
+   mapped (sim_vmm_covered); the pin is then on the reservation.
+   SIM_TREE_IPC holds the memory this process imported from another one (ipc.c): a device pin
+   that finds neither of the above looks there, and succeeds while the exporter still shares the
+   memory (sim_ipc_usable). */
+enum { SIM_TREE_DEVICE = 0, SIM_TREE_HOST = 1, SIM_TREE_VMM = 2, SIM_TREE_IPC = 3, SIM_TREE_COUNT = 4 };
 /* Maps `size` bytes (alignment `align`, huge pages advised when huge != 0). NULL on failure. */
 struct sim_alloc *sim_alloc_map(size_t size, size_t align, int huge);
 void sim_alloc_unmap(struct sim_alloc *a);
@@ -165,6 +169,22 @@ void sim_vmm_finalize(void);
 /* Per-device counters, in the order of the last SIM_VMM_NSTATS fields of ascendsim_stats_fields. */
 #define SIM_VMM_NSTATS 6
 void sim_vmm_stats(int dev, uint64_t out[SIM_VMM_NSTATS]);
+
+/* ---- ipc.c ---- */
+/* aclrtFree's hook. Call with sim_ipc_lock() held, before removing the allocation at devPtr:
+   returns 0 when it may be freed (closing its exports when no live process imports them), or
+   ACL_ERROR_RT_IPC_ERROR (recorded for `call`) when another process still imports part of it. */
+void sim_ipc_lock(void);
+void sim_ipc_unlock(void);
+int sim_ipc_free_check(const void *devPtr, const char *call);
+/* 1 when an entry of SIM_TREE_IPC may be read or filled: its exporter is alive and still shares
+   it. Called by dmem.c on a pinned entry. */
+int sim_ipc_usable(const struct sim_alloc *a);
+/* For ascendsim_read/launch_fill after a failed pin: when [ptr, ptr+n) is imported memory that is
+   no longer usable, records why and returns ACL_ERROR_RT_IPC_ERROR; else 0. */
+int sim_ipc_explain(const void *ptr, size_t n, const char *call);
+/* aclFinalize, after the streams are gone: closes this process's imports and exports. */
+void sim_ipc_finalize(void);
 
 /* ---- stream.c ---- */
 enum { SIM_W_FILL = 1, SIM_W_WAIT = 2, SIM_W_HANG = 3 };

@@ -1,0 +1,619 @@
+"""Sharing device memory between the processes of a node: load model weights once, serve them
+from many workers.
+
+Exporter (the process that owns the memory):
+
+    ptr = pool.share_malloc(nbytes)            # a block in a segment of its own (whole 2 MiB pages)
+    ...  fill it ...
+    handle = pool.share(ptr, pids=[w1, w2])    # or any_process=True; picklable SharedHandle
+    ...  send `handle` to the workers (pipe, queue, pickle) ...
+    pool.share_free(ptr)                       # True: freed; False: freed once importers close
+
+Importer (any process of the same user on the node, allowed by the exporter):
+
+    with ascend_pool.open_shared(handle) as block:   # SharedBlock: block.ptr, block.size
+        ...  use block.ptr on handle.device ...
+
+Accounting: the shared block is counted once, in the exporting pool's reserved bytes, its limit and
+its tenant's quota (a tenant Context that shares 8 GiB holds 8 GiB, however many workers map it).
+Importers add nothing to their pool's reservation or quota: their memory_stats() show it as
+"shared_imported_bytes". Device memory use stays that of one copy.
+
+Order of closing: importers close before the exporter frees (the runtime's rule). share_free() never
+breaks it: while importers still map the block, the release is deferred (share_free returns False)
+and completed in the background once they have all closed - or have died: importers are recorded
+by pid and process start time, so a killed importer never pins a block. If the exporter dies, the
+importers' next use of the memory fails with the runtime's error (ACL_ERROR_RT_IPC_ERROR 507022 on
+the simulator), never a crash; they should close their blocks.
+
+Each shared block has a small record, readable by the node's processes of the same user:
+    $ASCEND_POOL_LEDGER_DIR (default /dev/shm) / ascend_pool-share-u<uid>-<backend>[-<node>]-<key>
+naming the exporter (pid, start time, tenant), the size, and the importing processes. It is how
+the pool knows importers on every backend (CANN's runtime does not report them), and what
+shares() lists ("who shares what" on this node).
+
+read_only is the exporter's statement of intent, carried in the handle and on SharedBlock; neither
+CANN nor CUDA can map IPC memory read-only, so the device does not enforce it.
+"""
+
+import atexit
+import dataclasses
+import errno
+import fcntl
+import os
+import socket
+import struct
+import threading
+import time
+import weakref
+
+from .errors import InvalidDeviceError, InvalidPointerError, PoolError
+
+__all__ = ["SharedHandle", "SharedBlock", "SharingError", "open_shared", "share_malloc", "share", "share_free",
+           "allow", "collect", "shares", "pool_stats"]
+
+
+class SharingError(PoolError, RuntimeError):
+    """A sharing request cannot be served: the block is not shareable, the handle is no longer
+    shared (its exporter released it, closed its pool, or exited), or it belongs to another node or
+    backend. Runtime refusals (e.g. a pid the exporter did not allow: 207006) are DeviceErrors."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedHandle:
+    """What an importer needs to map a shared block: picklable, safe to send to any process of the
+    node (the key is a capability only for processes of the same user the exporter allowed)."""
+
+    device: int         # the device the memory is on
+    size: int           # bytes the exporter asked for
+    key: str            # the runtime's key (acl: <= 64 characters)
+    read_only: bool     # the exporter's intent (not enforced by the device)
+    exporter_pid: int
+    nbytes: int         # bytes mapped: whole 2 MiB pages
+    backend: str        # "acl", "sim" or "cuda": importers must use the same
+    node: str           # the simulated node, or the host name: keys are valid on one node only
+
+
+# ---- the node-wide record of one shared block --------------------------------------------------
+
+_MAGIC = b"APSHARE1"
+_VERSION = 1
+_OPEN, _CLOSING = 1, 2
+# magic version state device exporter_pid exporter_start size nbytes read_only tenant node key
+_HDR = struct.Struct("<8sIIiiQQQB7x64s64s160s")
+_SLOT = struct.Struct("<iIQ")             # pid, imports in that process, start time
+_NSLOTS = 256
+_REC_SIZE = _HDR.size + _NSLOTS * _SLOT.size
+_PREFIX = "ascend_pool-share-"
+
+
+def _proc_start(pid):
+    """Start time of pid (clock ticks since boot, /proc/PID/stat field 22), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None  # a zombie holds no memory
+    return int(fields[19])
+
+
+def _alive(pid, start):
+    s = _proc_start(pid)
+    return s is not None and (start == 0 or s == start)
+
+
+def _node(backend_name):
+    return os.environ.get("ASCEND_SIM_NODE", "default") if backend_name == "sim" else socket.gethostname()
+
+
+def _record_dir():
+    from .tenants.ledger import ledger_dir
+
+    return ledger_dir()
+
+
+def _record_path(backend_name, key, node=None):
+    node = _node(backend_name) if node is None else node
+    suffix = f"-{node}" if backend_name == "sim" else ""
+    return os.path.join(_record_dir(), f"{_PREFIX}u{os.geteuid()}-{backend_name}{suffix}-{key}")
+
+
+class _Record:
+    """One record file, opened; every access under flock (released by the kernel if we die)."""
+
+    def __init__(self, path, create=None):
+        self.path = path
+        if create is None:
+            self.fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            st = os.fstat(self.fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_size != _REC_SIZE:
+                os.close(self.fd)
+                raise SharingError(f"{path} is not a share record of this user (mode 0600, {_REC_SIZE} bytes); "
+                                   "refusing it")
+            return
+        tmp = f"{path}.tmp.{os.getpid()}"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.pwrite(fd, _HDR.pack(*create) + bytes(_NSLOTS * _SLOT.size), 0)
+            os.link(tmp, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            os.unlink(tmp)
+        self.fd = fd
+
+    def close(self):
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        data = os.pread(self.fd, _REC_SIZE, 0)
+        h = _HDR.unpack_from(data)
+        if h[0] != _MAGIC or h[1] != _VERSION:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            raise SharingError(f"{self.path} is a malformed share record")
+        self.header = {"state": h[2], "device": h[3], "exporter_pid": h[4], "exporter_start": h[5],
+                       "size": h[6], "nbytes": h[7], "read_only": bool(h[8]),
+                       "tenant": h[9].rstrip(b"\0").decode("utf-8", "replace"),
+                       "node": h[10].rstrip(b"\0").decode("utf-8", "replace"),
+                       "key": h[11].rstrip(b"\0").decode("ascii", "replace")}
+        self.slots = [list(_SLOT.unpack_from(data, _HDR.size + i * _SLOT.size)) for i in range(_NSLOTS)]
+        self._orig_state = h[2]
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if exc[0] is None:
+                out = bytearray()
+                for s in self.slots:
+                    out += _SLOT.pack(*s)
+                os.pwrite(self.fd, out, _HDR.size)
+                if self.header["state"] != self._orig_state:
+                    os.pwrite(self.fd, struct.pack("<I", self.header["state"]), 12)
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return False
+
+    def live_importers(self):
+        """Pids of importers still alive (dead ones are dropped). Call inside `with`."""
+        live = []
+        for s in self.slots:
+            if s[0] and not _alive(s[0], s[2]):
+                s[:] = [0, 0, 0]
+            elif s[0]:
+                live.append(s[0])
+        return live
+
+    def exporter_alive(self):
+        return _alive(self.header["exporter_pid"], self.header["exporter_start"])
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# ---- this process's state ----------------------------------------------------------------------
+
+_lock = threading.RLock()
+_exports = {}     # ptr -> _Export, every share_malloc'ed block not yet released
+_deferred = []    # _Export released by their owner, waiting for importers
+_imports = weakref.WeakSet()  # open SharedBlocks
+_collector = None
+_COLLECT_PERIOD_S = 0.2
+
+
+class _Export:
+    def __init__(self, seg):
+        self.seg = seg                 # _core.SharedSegment
+        self.pool_ref = weakref.ref(seg.pool)
+        self.handle = None
+        self.record = None             # _Record once exported
+        self.deferred = False
+        self.busy = None               # why the last release attempt waited
+
+
+def _forget_after_fork():
+    # The child owns none of the parent's exports or imports: it must neither free nor close them.
+    global _lock, _collector
+    _lock = threading.RLock()
+    _exports.clear()
+    _deferred.clear()
+    for b in list(_imports):
+        b._forget()
+    _collector = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _check_pool(pool):
+    if pool.closed:
+        raise SharingError("this pool is closed")
+
+
+def _export_of(pool, ptr):
+    ex = _exports.get(ptr) if isinstance(ptr, int) else None
+    if ex is None or ex.deferred or ex.pool_ref() is not pool:
+        raise InvalidPointerError(
+            f"{ptr!r} is not a shareable block of this pool: share only blocks from pool.share_malloc(), which "
+            "gives each a segment of its own (sharing an ordinary block would expose its neighbours' memory)")
+    return ex
+
+
+# ---- exporter ----------------------------------------------------------------------------------
+
+def share_malloc(pool, nbytes):
+    """A block of nbytes in a device segment of its own (whole 2 MiB pages), counted in the pool's
+    reserved bytes and its tenant's quota; returns its device address. Share it with share(), give
+    it back with share_free() (pool.free refuses it)."""
+    from ._core import _share_alloc
+
+    _check_pool(pool)
+    seg = _share_alloc(pool, nbytes)
+    with _lock:
+        _exports[seg.ptr] = _Export(seg)
+    return seg.ptr
+
+
+def share(pool, ptr, read_only=False, pids=(), any_process=False):
+    """Exports the share_malloc'ed block at ptr; returns its SharedHandle. Importers must be listed
+    (pids, or allow() later) unless any_process=True (then any process of this user on the node
+    that has the handle may map it). Sharing a block twice returns the same handle."""
+    _check_pool(pool)
+    with _lock:
+        ex = _export_of(pool, ptr)
+        if ex.handle is None:
+            be = pool.backend
+            if not be.has_ipc:
+                raise SharingError(f"the {be.name} backend cannot share device memory between processes: its runtime "
+                                   f"({be.path}) lacks the IPC calls")
+            key = ex.seg.export(any_process)
+            node = _node(be.name)
+            path = _record_path(be.name, key, node)
+            tenant = getattr(pool, "tenant", "default") or "default"
+            try:
+                ex.record = _Record(path, create=(_MAGIC, _VERSION, _OPEN, pool.device, os.getpid(),
+                                                  _proc_start(os.getpid()) or 0, ex.seg.size, ex.seg.segment_bytes,
+                                                  int(bool(read_only)), tenant.encode()[:64], node.encode()[:64],
+                                                  key.encode()))
+            except BaseException:
+                ex.seg.unexport()  # withdraw the key (nobody can know it yet); the block stays the caller's
+                raise
+            ex.handle = SharedHandle(device=pool.device, size=ex.seg.size, key=key, read_only=bool(read_only),
+                                     exporter_pid=os.getpid(), nbytes=ex.seg.segment_bytes, backend=be.name,
+                                     node=node)
+        if pids:
+            ex.seg.set_pids(list(pids))
+        return ex.handle
+
+
+def allow(handle, pids):
+    """Exporter: lets the processes `pids` import the block of `handle` (ACL checks importers'
+    pids unless the block was shared with any_process=True)."""
+    with _lock:
+        for ex in _exports.values():
+            if ex.handle == handle and not ex.deferred:
+                ex.seg.set_pids(list(pids))
+                return
+    raise SharingError(f"key {handle.key!r} is not shared by this process (pid {os.getpid()})")
+
+
+def _try_release(ex):
+    """One attempt to free an export: True when done. Lock held."""
+    rec = ex.record
+    if rec is not None and ex.seg.state == "exported":
+        with rec:
+            live = rec.live_importers()
+            if live:
+                ex.busy = f"still imported by pid(s) {', '.join(map(str, live[:8]))}"
+                return False
+            rec.header["state"] = _CLOSING  # no new import through the pool from here on
+    if not ex.seg.release():  # the runtime itself says importers remain (e.g. raw ACL imports)
+        ex.busy = ex.seg._last_busy
+        return False
+    if rec is not None:
+        _unlink(rec.path)
+        rec.close()
+        ex.record = None
+    return True
+
+
+def share_free(pool, ptr):
+    """Gives back the share_malloc'ed block at ptr. Returns True when its segment was freed now,
+    False when other processes still import it: the key stays valid for them and the segment is
+    freed (in the background) once every importer has closed it or died. Either way the block is
+    no longer the caller's."""
+    _check_pool(pool)
+    with _lock:
+        ex = _export_of(pool, ptr)
+        if _try_release(ex):
+            _exports.pop(ptr, None)
+            return True
+        ex.deferred = True
+        _deferred.append(ex)
+        _start_collector()
+        return False
+
+
+def collect():
+    """Completes deferred releases whose importers have all closed; returns how many were freed.
+    Runs by itself in the background while any are waiting."""
+    freed = 0
+    with _lock:
+        for ex in list(_deferred):
+            try:
+                done = _try_release(ex)
+            except PoolError as e:  # keep trying the others; this one stays deferred
+                ex.busy = str(e)
+                done = False
+            if done:
+                _deferred.remove(ex)
+                if _exports.get(ex.seg.ptr) is ex:
+                    del _exports[ex.seg.ptr]
+                freed += 1
+    return freed
+
+
+def _collector_loop():
+    global _collector
+    while True:
+        time.sleep(_COLLECT_PERIOD_S)
+        collect()
+        with _lock:
+            if not _deferred:
+                _collector = None
+                return
+
+
+def _start_collector():
+    global _collector
+    if _collector is None:
+        _collector = threading.Thread(target=_collector_loop, name="ascend_pool-share-collector", daemon=True)
+        _collector.start()
+
+
+def _before_pool_close(pool):
+    """Pool.close() calls this first: frees the pool's shared blocks that nobody imports, and
+    detaches the others from the pool (they leave its accounting and are freed once their
+    importers close)."""
+    with _lock:
+        for ptr, ex in list(_exports.items()):
+            if ex.pool_ref() is not pool or ex.seg.detached:
+                continue
+            try:
+                done = _try_release(ex)
+            except PoolError as e:
+                ex.busy = str(e)
+                done = False
+            if done:
+                del _exports[ptr]
+                if ex in _deferred:
+                    _deferred.remove(ex)
+                continue
+            ex.seg.detach()
+            if not ex.deferred:
+                ex.deferred = True
+                _deferred.append(ex)
+        if _deferred:
+            _start_collector()
+
+
+@atexit.register
+def _at_exit():
+    try:
+        collect()
+    except Exception:
+        pass
+
+
+# ---- importer ----------------------------------------------------------------------------------
+
+class SharedBlock:
+    """Another process's shared block, mapped into this one: ptr (device address on handle.device),
+    size, nbytes, read_only, handle. close() unmaps it (also on `with` exit); the exporter can only
+    free the block once every importer has closed it."""
+
+    def __init__(self, handle, ptr, pool, backend, record):
+        self.handle = handle
+        self.ptr = ptr
+        self.size = handle.size
+        self.nbytes = handle.nbytes
+        self.read_only = handle.read_only
+        self.device = handle.device
+        self._pool_ref = weakref.ref(pool) if pool is not None else (lambda: None)
+        self._backend = backend
+        self._record = record
+        self.closed = False
+
+    @property
+    def exporter_alive(self):
+        """False once the exporting process has exited (then every use of the memory fails)."""
+        return _alive(self.handle.exporter_pid, self._record_start())
+
+    def _record_start(self):
+        try:
+            with self._record as rec:
+                return rec.header["exporter_start"]
+        except (OSError, SharingError, ValueError):
+            return 0
+
+    def close(self):
+        """Unmaps the block from this process (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        _imports.discard(self)
+        try:
+            self._backend.ipc_close(self.device, self.handle.key)
+        finally:
+            rec = self._record
+            self._record = None
+            try:
+                with rec:
+                    me = os.getpid()
+                    for s in rec.slots:
+                        if s[0] == me:
+                            s[1] -= 1
+                            if s[1] <= 0:
+                                s[:] = [0, 0, 0]
+                    last = not rec.exporter_alive() and not rec.live_importers()
+                if last:  # the exporter is gone and nobody else maps it: nobody will remove it
+                    _unlink(rec.path)
+            except (OSError, SharingError):
+                pass
+            finally:
+                rec.close()
+
+    def _forget(self):
+        # fork child: the parent's import is not ours to close
+        self.closed = True
+        if self._record is not None:
+            self._record.close()
+            self._record = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"ptr=0x{self.ptr:x}"
+        return f"<SharedBlock key={self.handle.key!r} device={self.device} size={self.size} {state}>"
+
+
+def open_shared(handle, pool=None):
+    """Maps the shared block of `handle` into this process: a SharedBlock (use `with`, or close()).
+    pool: the pool whose stats show the import as shared (default: the device's default pool); its
+    reservation and quota are not charged. Raises SharingError when the block is no longer shared or
+    belongs to another node/backend, DeviceError with the runtime's code when the runtime refuses
+    (e.g. 207006: this pid was not allowed by the exporter)."""
+    if not isinstance(handle, SharedHandle):
+        raise TypeError(f"open_shared needs a SharedHandle from Pool.share(), got {type(handle).__name__}")
+    if pool is None:
+        from .api import default_pool
+
+        pool = default_pool(handle.device)
+    if pool.device != handle.device:
+        raise InvalidDeviceError(f"the shared block is on device {handle.device}, the pool on device {pool.device}")
+    be = pool.backend
+    if be.name != handle.backend:
+        raise SharingError(f"the block was shared by the {handle.backend} backend; this pool uses {be.name}")
+    if handle.node != _node(be.name):
+        raise SharingError(f"the block was shared on node {handle.node!r}; this process is on {_node(be.name)!r}: "
+                           "keys are valid on one node only")
+    path = _record_path(be.name, handle.key, handle.node)
+    try:
+        rec = _Record(path)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise SharingError(f"key {handle.key!r} is no longer shared: its exporter (pid {handle.exporter_pid}) "
+                               "released it, closed its pool, or exited") from None
+        raise
+    me = os.getpid()
+    try:
+        with rec:
+            if rec.header["state"] != _OPEN:
+                raise SharingError(f"key {handle.key!r} is being released by its exporter (pid {handle.exporter_pid})")
+            if not rec.exporter_alive():
+                raise SharingError(f"the exporter of key {handle.key!r} (pid {handle.exporter_pid}) has exited")
+            rec.live_importers()
+            slot = next((s for s in rec.slots if s[0] == me), None) or next((s for s in rec.slots if not s[0]), None)
+            if slot is None:
+                raise SharingError(f"key {handle.key!r} already has {_NSLOTS} importing processes")
+            if slot[0] != me:
+                slot[:] = [me, 0, _proc_start(me) or 0]
+            slot[1] += 1
+        try:
+            ptr, _ = be.ipc_import(handle.device, handle.key)
+        except BaseException:
+            with rec:
+                for s in rec.slots:
+                    if s[0] == me:
+                        s[1] -= 1
+                        if s[1] <= 0:
+                            s[:] = [0, 0, 0]
+            raise
+    except BaseException:
+        rec.close()
+        raise
+    block = SharedBlock(handle, ptr, pool, be, rec)
+    _imports.add(block)
+    return block
+
+
+# ---- accounting and the node view --------------------------------------------------------------
+
+def pool_stats(pool):
+    """Sharing figures of one pool, in bytes (merged into Pool.memory_stats()):
+    shared_allocated_bytes (share_malloc'ed blocks, included in reserved_bytes),
+    shared_exported_bytes / shared_exported_blocks (of those, exported now),
+    shared_deferred_bytes (given back by their owner, waiting for importers to close),
+    shared_imported_bytes / shared_imported_blocks (other processes' blocks mapped here: not part
+    of this pool's reservation or quota)."""
+    alloc = exported = nexported = deferred = imported = nimported = 0
+    with _lock:
+        for ex in _exports.values():
+            if ex.pool_ref() is not pool:
+                continue
+            if ex.deferred:
+                deferred += ex.seg.segment_bytes
+                continue
+            alloc += ex.seg.segment_bytes
+            if ex.seg.state == "exported":
+                exported += ex.seg.segment_bytes
+                nexported += 1
+        for b in list(_imports):
+            if not b.closed and b._pool_ref() is pool:
+                imported += b.nbytes
+                nimported += 1
+    return {"shared_allocated_bytes": alloc, "shared_exported_bytes": exported, "shared_exported_blocks": nexported,
+            "shared_deferred_bytes": deferred, "shared_imported_bytes": imported,
+            "shared_imported_blocks": nimported}
+
+
+def shares(directory=None):
+    """Who shares what on this node (this user's share records): a list of dicts with key, backend,
+    node, device, size, nbytes, read_only, tenant, exporter_pid, exporter_alive, state ("open" or
+    "closing") and importers (live pids)."""
+    d = directory or _record_dir()
+    out = []
+    prefix = f"{_PREFIX}u{os.geteuid()}-"
+    for name in sorted(os.listdir(d)):
+        if not name.startswith(prefix) or ".tmp." in name:
+            continue
+        try:
+            rec = _Record(os.path.join(d, name))
+        except (OSError, SharingError):
+            continue
+        try:
+            with rec:
+                h = rec.header
+                importers = rec.live_importers()
+                alive = rec.exporter_alive()
+        except (OSError, SharingError):
+            continue
+        finally:
+            rec.close()
+        backend = name[len(prefix):].partition("-")[0]
+        out.append({"key": h["key"], "backend": backend, "node": h["node"], "device": h["device"], "size": h["size"], "nbytes": h["nbytes"], "read_only": h["read_only"],
+                    "tenant": h["tenant"], "exporter_pid": h["exporter_pid"], "exporter_alive": alive,
+                    "state": "open" if h["state"] == _OPEN else "closing", "importers": importers})
+    return out

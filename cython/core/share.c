@@ -1,0 +1,143 @@
+/* Shared blocks: dedicated segments that other processes import (see share.h). */
+#include <string.h>
+
+#include "share.h"
+#include "pool_internal.h"
+
+#define ACL_ERROR_RT_IPC_ERROR 507022 /* the runtime refuses: importers still map the memory */
+
+static int device_error(ap_backend *b, int device, ap_error *err, int rc, const char *what) {
+    char msg[240];
+    b->error_message(b, rc, msg, sizeof msg);
+    int status = b->kind == AP_BACKEND_ACL && rc == ACL_ERROR_RT_IPC_ERROR ? AP_E_BUSY : AP_E_DEVICE;
+    return ap_set_error(err, status, rc, "%s on device %d failed (%d): %s", what, device, rc, msg);
+}
+
+int ap_share_alloc(ap_pool *p, size_t size, ap_share *s, ap_error *err) {
+    memset(s, 0, sizeof *s);
+    if (size == 0) return ap_set_error(err, AP_E_INVALID_SIZE, 0, "size must be positive, got 0 bytes");
+    if ((int64_t)size < 0 || size > (size_t)p->stats.device_total_bytes)
+        return ap_set_error(err, AP_E_OOM, 0, "cannot share %zu bytes on device %d: larger than the device's %lld bytes",
+                            size, p->device, (long long)p->stats.device_total_bytes);
+    size_t bytes = ap_round_up(size, AP_SHARE_PAGE);
+    ap_block *b = NULL;
+    pthread_mutex_lock(&p->lock);
+    int rc = ap_segment_alloc(p, AP_POOL_LARGE, bytes, 0, 1, &b, err);
+    if (rc != AP_OK && rc != AP_E_HOST_NOMEM && rc != AP_E_QUOTA) {
+        /* Out of device memory or over the limit: give the device this pool's idle segments. */
+        p->stats.num_alloc_retries++;
+        ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
+        rc = ap_segment_alloc(p, AP_POOL_LARGE, bytes, 0, 1, &b, err);
+    }
+    if (rc == AP_E_QUOTA) { /* the tenant's own cache first, as a pool malloc does */
+        ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
+        rc = ap_segment_alloc(p, AP_POOL_LARGE, bytes, 0, 1, &b, err);
+    }
+    if (rc != AP_OK) {
+        if (rc == AP_E_QUOTA) p->stats.num_quota_exceeded++;
+        else p->stats.num_ooms++;
+        if (rc == AP_E_DEVICE) err->status = rc = AP_E_OOM;
+        pthread_mutex_unlock(&p->lock);
+        return rc;
+    }
+    ap_free_remove(p, b); /* never in a free tree or the live map: malloc cannot hand it out */
+    ap_mark_allocated(p, b, size, 0);
+    ap_history_add(&p->history, AP_ACT_ALLOC, b->addr, b->size, NULL);
+    s->backend = p->backend;
+    s->seg = b->seg;
+    s->base = b->addr;
+    s->size = bytes;
+    s->requested = size;
+    s->device = p->device;
+    s->state = AP_SHARE_ALLOCATED;
+    pthread_mutex_unlock(&p->lock);
+    return AP_OK;
+}
+
+int ap_share_export(ap_share *s, unsigned flags, ap_error *err) {
+    if (s->state != AP_SHARE_ALLOCATED)
+        return ap_set_error(err, AP_E_INVALID_PTR, 0, "block 0x%lx is %s", (unsigned long)s->base,
+                            s->state == AP_SHARE_EXPORTED ? "exported already" : "released");
+    if (!s->backend->has_ipc)
+        return ap_set_error(err, AP_E_DEVICE, AP_ERR_MISSING_SYMBOL,
+                            "the %s backend (%s) cannot share device memory between processes: the runtime lacks "
+                            "its IPC calls", s->backend->name, s->backend->path);
+    char key[AP_IPC_KEY_MAX] = "";
+    int rc = s->backend->ipc_export(s->backend, s->device, (void *)s->base, s->size, key, sizeof key, flags);
+    if (rc != 0) return device_error(s->backend, s->device, err, rc, "exporting the shared block");
+    memcpy(s->key, key, sizeof key);
+    s->state = AP_SHARE_EXPORTED;
+    return AP_OK;
+}
+
+int ap_share_set_pids(ap_share *s, const int32_t *pids, size_t n, ap_error *err) {
+    if (s->state != AP_SHARE_EXPORTED)
+        return ap_set_error(err, AP_E_INVALID_PTR, 0, "block 0x%lx is not exported", (unsigned long)s->base);
+    int rc = s->backend->ipc_set_pids(s->backend, s->key, pids, n);
+    return rc ? device_error(s->backend, s->device, err, rc, "allowing importers") : AP_OK;
+}
+
+int ap_share_unexport(ap_share *s, ap_error *err) {
+    if (s->state != AP_SHARE_EXPORTED) return AP_OK;
+    int rc = s->backend->ipc_close(s->backend, s->device, s->key);
+    if (rc != 0) return device_error(s->backend, s->device, err, rc, "withdrawing the shared block's key");
+    s->state = AP_SHARE_ALLOCATED;
+    return AP_OK;
+}
+
+/* Removes the segment from the pool's list, stats and quota. Lock held. */
+static void unaccount(ap_pool *p, ap_share *s) {
+    ap_segment *seg = s->seg;
+    ap_block *b = seg->first;
+    if (seg->prev) seg->prev->next = seg->next;
+    else p->segments = seg->next;
+    if (seg->next) seg->next->prev = seg->prev;
+    p->n_segments--;
+    ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, AP_POOL_LARGE, 1);
+    ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, AP_POOL_LARGE, (int64_t)b->size);
+    ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, AP_POOL_LARGE, (int64_t)b->requested);
+    ap_stat_dec(&p->stats, AP_STAT_ACTIVE, AP_POOL_LARGE, 1);
+    ap_stat_dec(&p->stats, AP_STAT_ACTIVE_BYTES, AP_POOL_LARGE, (int64_t)b->size);
+    ap_stat_dec(&p->stats, AP_STAT_SEGMENT, AP_POOL_LARGE, 1);
+    ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, AP_POOL_LARGE, (int64_t)seg->size);
+    if (p->quota.release) p->quota.release(p->quota.ctx, p->device, seg->size);
+    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->size, NULL);
+    ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->size, NULL);
+    ap_history_add(&p->history, AP_ACT_SEGMENT_FREE, seg->base, seg->size, NULL);
+    b->state = AP_BLOCK_FREE;
+    ap_block_recycle(p, b);
+    ap_segment_recycle(p, seg);
+    s->seg = NULL;
+}
+
+int ap_share_release(ap_pool *p, ap_share *s, ap_error *err) {
+    if (s->state == AP_SHARE_RELEASED) return AP_OK;
+    if (p) pthread_mutex_lock(&p->lock);
+    int rc = AP_OK;
+    if (s->state == AP_SHARE_EXPORTED) { /* the key first: the runtime refuses while imported */
+        int code = s->backend->ipc_close(s->backend, s->device, s->key);
+        if (code != 0) rc = device_error(s->backend, s->device, err, code, "withdrawing the shared block's key");
+        else s->state = AP_SHARE_ALLOCATED;
+    }
+    if (rc == AP_OK) {
+        int code = s->backend->free(s->backend, s->device, (void *)s->base);
+        if (code != 0) {
+            rc = device_error(s->backend, s->device, err, code, "freeing the shared block");
+        } else {
+            if (p && s->seg) {
+                p->stats.num_device_free++;
+                unaccount(p, s);
+            }
+            s->seg = NULL;
+            s->state = AP_SHARE_RELEASED;
+        }
+    }
+    if (p) pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+void ap_share_detach(ap_pool *p, ap_share *s) {
+    pthread_mutex_lock(&p->lock);
+    if (s->seg) unaccount(p, s);
+    pthread_mutex_unlock(&p->lock);
+}

@@ -1,0 +1,282 @@
+"""Sharing pool blocks between processes (ascend_pool.sharing, Pool.share, open_shared) on the
+simulated NPU: every importer is a separate process of one simulated node.
+
+The processes are driven step by step through tests/ipc_harness.py; handles travel between them
+pickled, as they would through a pipe or a queue.
+"""
+import multiprocessing
+import os
+import pickle
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ipc_harness import Peer  # noqa: E402
+from sim_fixtures import sim_node  # noqa: E402,F401
+
+import ascend_pool as ap  # noqa: E402
+from ascend_pool import sharing  # noqa: E402
+
+MiB = 1 << 20
+POOL = """
+import base64, pickle
+import ascend_pool as ap
+from ascend_pool import sharing
+from ascend_pool.errors import DeviceError
+pool = ap.Pool(0, backend="sim")
+def dump(h): return base64.b64encode(pickle.dumps(h)).decode()
+def load(s): return pickle.loads(base64.b64decode(s))
+def node_used(): return sim.stats(0)["node_bytes_used"]
+"""
+
+
+def wait_for(peer, code, timeout=5.0):
+    """Runs `code` (setting out) in peer until out is truthy; fails after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = peer(code)
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def test_exporter_writes_are_seen_by_two_importers_and_memory_counts_once(sim_node):
+    with Peer(sim_node, POOL) as ex, Peer(sim_node, POOL) as a, Peer(sim_node, POOL) as b:
+        start = ex("out = node_used()")
+        h = ex("""
+            ptr = pool.share_malloc(5 * MiB)            # 3 pages of 2 MiB
+            sim.launch_fill(None, ptr, 5 * MiB, 0x5A)
+            pool.synchronize()
+            h = pool.share(ptr, read_only=True, pids=[%d, %d])
+            out = dump(h)
+        """ % (a.pid, b.pid))
+        handle = pickle.loads(__import__("base64").b64decode(h))
+        assert (handle.size, handle.nbytes, handle.device, handle.read_only) == (5 * MiB, 6 * MiB, 0, True)
+        for peer in (a, b):
+            got = peer(f"""
+                blk = ap.open_shared(load({h!r}), pool=pool)
+                st = pool.memory_stats()
+                out = [sim.read(blk.ptr, 5 * MiB) == b"\\x5a" * (5 * MiB), blk.read_only,
+                       st["reserved_bytes.all.current"], st["shared_imported_bytes"], st["shared_imported_blocks"]]
+            """)
+            assert got == [True, True, 0, 6 * MiB, 1], got
+        ex("sim.launch_fill(None, ptr, 5 * MiB, 0x77); pool.synchronize()")   # the exporter writes
+        for peer in (a, b):
+            assert peer("out = sim.read(blk.ptr, 5 * MiB) == b'\\x77' * (5 * MiB)")
+        st = ex("out = pool.memory_stats()")
+        assert st["reserved_bytes.all.current"] == 6 * MiB and st["shared_exported_bytes"] == 6 * MiB, st
+        assert st["allocated_bytes.all.current"] == 6 * MiB and st["shared_exported_blocks"] == 1, st
+        assert ex("out = node_used()") == start + 6 * MiB             # one copy, however many importers
+        view = [v for v in ex("out = sharing.shares()") if v["key"] == handle.key]
+        assert len(view) == 1 and sorted(view[0]["importers"]) == sorted([a.pid, b.pid]), view
+        assert view[0]["exporter_pid"] == ex.pid and view[0]["tenant"] == "default" and view[0]["read_only"], view
+        a("blk.close()")
+        b("blk.close()")
+        assert ex("out = pool.share_free(ptr)") is True
+        assert ex("out = [node_used(), pool.memory_stats()['reserved_bytes.all.current']]") == [start, 0]
+        assert ex("out = sharing.shares()") == []
+
+
+def test_a_pid_the_exporter_did_not_allow_gets_the_runtimes_code(sim_node):
+    with Peer(sim_node, POOL) as ex, Peer(sim_node, POOL) as im:
+        h = ex("ptr = pool.share_malloc(2 * MiB); h = pool.share(ptr); out = dump(h)")
+        got = im(f"""
+            try:
+                ap.open_shared(load({h!r}), pool=pool)
+                out = "imported"
+            except DeviceError as e:
+                out = [e.code, str(e)]
+        """)
+        assert got[0] == 207006 and "may not import" in got[1], got
+        ex(f"sharing.allow(h, [{im.pid}])")
+        assert im(f"blk = ap.open_shared(load({h!r}), pool=pool); out = blk.size") == 2 * MiB
+        im("blk.close()")
+        assert ex("out = pool.share_free(ptr)") is True
+
+
+def test_a_killed_importer_does_not_leak_the_block(sim_node):
+    with Peer(sim_node, POOL) as ex:
+        start = ex("out = node_used()")
+        h = ex("ptr = pool.share_malloc(8 * MiB); h = pool.share(ptr, any_process=True); out = dump(h)")
+        victim = Peer(sim_node, POOL)
+        victim(f"blk = ap.open_shared(load({h!r}), pool=pool)")
+        victim.kill()
+        victim.close()
+        assert ex("out = pool.share_free(ptr)") is True                # the dead importer does not count
+        assert ex("out = [node_used(), pool.memory_stats()['reserved_bytes.all.current']]") == [start, 0]
+
+
+def test_a_killed_exporter_leaves_importers_a_clear_error(sim_node):
+    with Peer(sim_node, POOL) as im:
+        ex = Peer(sim_node, POOL)
+        h = ex("""
+            ptr = pool.share_malloc(2 * MiB)
+            sim.launch_fill(None, ptr, 2 * MiB, 9); pool.synchronize()
+            out = dump(pool.share(ptr, any_process=True))
+        """)
+        im(f"blk = ap.open_shared(load({h!r}), pool=pool); assert sim.read(blk.ptr, 16) == bytes([9]) * 16")
+        ex.kill()
+        ex.close()
+        got = im(f"""
+            out = {{"alive": blk.exporter_alive}}
+            try:
+                sim.read(blk.ptr, 16)
+            except sim.SimError as e:
+                out["read"] = [e.code, str(e)]
+            try:
+                sim.launch_fill(None, blk.ptr, 16, 1)
+            except sim.SimError as e:
+                out["fill"] = e.code
+            try:
+                ap.open_shared(load({h!r}), pool=pool)
+            except sharing.SharingError as e:
+                out["reopen"] = str(e)
+            blk.close()
+            out["shares"] = sharing.shares()
+        """)
+        assert got["alive"] is False, got
+        assert got["read"][0] == 507022 and "has exited" in got["read"][1], got
+        assert got["fill"] == 507022, got
+        assert "exited" in got["reopen"], got
+        assert got["shares"] == [], got                                  # the last one out removed it
+    assert [f for f in os.listdir(sim_node.shm_dir) if "-ipc-" in f] == []
+
+
+def test_quota_counts_the_shared_block_once(sim_node):
+    q = POOL + """
+from ascend_pool.tenants import Context
+"""
+    with Peer(sim_node, q) as ex, Peer(sim_node, q) as same_tenant, Peer(sim_node, q) as other:
+        h = ex("""
+            ctx = Context("svc", device=0, backend="sim", quota="48MiB")
+            ptr = ctx.share_malloc(30 * MiB)
+            h = ctx.share(ptr, any_process=True)
+            st = ctx.memory_stats()
+            assert st["reserved_bytes.all.current"] == 30 * MiB and st["quota_held_bytes"] == 30 * MiB, st
+            assert st["shared_exported_bytes"] == 30 * MiB, st
+            try:
+                ctx.share_malloc(20 * MiB)           # 30 + 20 > 48: refused, as any growth would be
+                raise AssertionError("not refused")
+            except ap.QuotaExceededError:
+                pass
+            out = dump(h)
+        """)
+        for peer, tenant, quota in ((same_tenant, "svc", None), (other, "small", '"8MiB"')):
+            got = peer(f"""
+                ctx = Context({tenant!r}, device=0, backend="sim", quota={quota})
+                blk = ap.open_shared(load({h!r}), pool=ctx)   # 30 MiB, into a context with 8 MiB of quota
+                p2 = ctx.malloc(4 * MiB)                       # its own memory still fits its quota
+                st = ctx.memory_stats()
+                out = [st["reserved_bytes.all.current"], st["shared_imported_bytes"], st["quota_held_bytes"],
+                       st["quota_context_bytes"]]
+                ctx.free(p2)
+            """)
+            reserved, imported, held, mine = got
+            # the importer's context books its own segment only (4 MiB rounded up to whole pages)
+            assert imported == 30 * MiB and reserved == mine and 4 * MiB <= mine <= 8 * MiB, got
+            # the tenant's node-wide total: the exporter's 30 MiB counted once (same tenant), not at all (other)
+            assert held == mine + (30 * MiB if tenant == "svc" else 0), got
+        same_tenant("blk.close(); ctx.close()")
+        other("blk.close(); ctx.close()")
+        assert ex("out = [ctx.share_free(ptr), ctx.memory_stats()['quota_held_bytes']]") == [True, 0]
+        ex("ctx.close()")
+
+
+def test_release_is_deferred_until_importers_close(sim_node):
+    with Peer(sim_node, POOL) as ex, Peer(sim_node, POOL) as im:
+        start = ex("out = node_used()")
+        h = ex("ptr = pool.share_malloc(4 * MiB); out = dump(pool.share(ptr, any_process=True))")
+        im(f"blk = ap.open_shared(load({h!r}), pool=pool)")
+        got = ex("""
+            out = [pool.share_free(ptr), pool.memory_stats()["shared_deferred_bytes"]]
+            try:
+                pool.share_free(ptr)
+            except ap.InvalidPointerError:
+                out.append("no longer the caller's")
+        """)
+        assert got == [False, 4 * MiB, "no longer the caller's"], got
+        # the importer's block stays fully usable while the release waits
+        assert im("sim.launch_fill(None, blk.ptr, 4 * MiB, 3); pool.synchronize(); "
+                  "out = sim.read(blk.ptr, 4 * MiB) == bytes([3]) * (4 * MiB)")
+        im("blk.close()")
+        assert wait_for(ex, "out = node_used() == %d and pool.memory_stats()['shared_deferred_bytes'] == 0" % start)
+
+
+def test_closing_the_exporting_pool_while_imported_detaches_the_block(sim_node):
+    with Peer(sim_node, POOL) as ex, Peer(sim_node, POOL) as im:
+        start = ex("out = node_used()")
+        h = ex("""
+            ptr = pool.share_malloc(2 * MiB)
+            sim.launch_fill(None, ptr, 2 * MiB, 4); pool.synchronize()
+            out = dump(pool.share(ptr, any_process=True))
+        """)
+        im(f"blk = ap.open_shared(load({h!r}), pool=pool)")
+        ex("pool.close()")
+        assert im("out = sim.read(blk.ptr, 2 * MiB) == bytes([4]) * (2 * MiB)")   # still valid
+        assert ex("out = node_used()") == start + 2 * MiB
+        im("blk.close()")
+        assert wait_for(ex, f"out = node_used() == {start}")
+
+
+def test_only_share_malloc_blocks_can_be_shared(pool):
+    ptr = pool.malloc(4 * MiB)
+    with pytest.raises(ap.InvalidPointerError, match="share_malloc"):
+        pool.share(ptr)
+    pool.free(ptr)
+    before = pool.memory_stats()
+    sp = pool.share_malloc(1)
+    assert sp % (2 * MiB) == 0
+    st = pool.memory_stats()
+    for k in ("reserved_bytes.all.current", "allocated_bytes.all.current", "segment.all.current"):
+        assert st[k] - before[k] == (1 if k.startswith("segment") else 2 * MiB), k
+    assert st["shared_allocated_bytes"] == 2 * MiB and st["num_device_alloc"] == before["num_device_alloc"] + 1
+    assert pool.block_info(sp) == (sp, 2 * MiB, 1)
+    seg = [s for s in pool.snapshot()["segments"] if s["address"] == sp]
+    assert len(seg) == 1 and seg[0]["blocks"][0]["state"] == "active_allocated"
+    with pytest.raises(ap.InvalidPointerError):
+        pool.free(sp)                                  # pool.free never takes a shared block
+    with pytest.raises(ap.InvalidSizeError):
+        pool.share_malloc(0)
+    assert pool.share_free(sp) is True
+    st = pool.memory_stats()
+    assert st["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
+    assert st["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+
+
+def test_handle_pickles_and_names_what_importers_need(pool):
+    ptr = pool.share_malloc(3 * MiB)
+    h = pool.share(ptr, any_process=True)
+    assert pool.share(ptr) is h                        # sharing twice: the same handle
+    h2 = pickle.loads(pickle.dumps(h))
+    assert h2 == h and isinstance(h2, ap.SharedHandle)
+    assert (h.device, h.size, h.nbytes, h.exporter_pid, h.backend) == (0, 3 * MiB, 4 * MiB, os.getpid(), "sim")
+    assert len(h.key) <= 64
+    assert pool.share_free(ptr) is True
+    with pytest.raises(sharing.SharingError, match="no longer shared"):
+        ap.open_shared(h, pool=pool)
+
+
+def test_spawned_workers_verify_the_weights(pool):
+    """The README flow with multiprocessing's spawn: the parent loads a pattern once, spawned
+    workers open the handle and check it; their pools reserve nothing."""
+    from ascend_pool import sim
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import sharing_workers
+
+    ptr = pool.share_malloc(16 * MiB)
+    sim.launch_fill(None, ptr, 16 * MiB, 0xA5)
+    pool.synchronize()
+    h = pool.share(ptr, read_only=True, any_process=True)
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=sharing_workers.verify_pattern, args=(h, 0xA5, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert all(r[1] is True and r[2] == 0 and r[3] == 16 * MiB for r in results), results
+    assert pool.share_free(ptr) is True

@@ -1,0 +1,240 @@
+"""The simulator's IPC calls (cython/sim/ipc.c): aclrtIpcMemGetExportKey, aclrtIpcMemSetImportPid,
+aclrtIpcMemImportByKey and aclrtIpcMemClose, for real between processes of one simulated node.
+
+Every test runs its processes on a node of its own (sim_fixtures.sim_node); tests/ipc_harness.py
+drives them step by step. Codes are those listed in cython/sim/acl_api.h.
+"""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ipc_harness import Peer  # noqa: E402
+from sim_fixtures import sim_node  # noqa: E402,F401
+
+MiB = 1 << 20
+INIT = "init(0)\n"
+
+
+def ipc_files(node):
+    return sorted(f for f in os.listdir(node.shm_dir) if "-ipc-" in f)
+
+
+def test_export_import_in_two_processes_sees_the_exporters_writes(sim_node):
+    """Data written before the export survives it; a write by the exporter after a stream sync is
+    seen by two importers; an importer's write is seen by the exporter; capacity counts once."""
+    with Peer(sim_node, INIT) as ex, Peer(sim_node, INIT) as a, Peer(sim_node, INIT) as b:
+        key = ex("""
+            ptr = malloc(8 * MiB)
+            assert fill(ptr, 8 * MiB, 0x5A) == 0          # written before the export
+            rc, key = export(ptr, 8 * MiB, 1)             # 1: no pid validation
+            assert rc == 0, (rc, errmsg())
+            assert len(key) <= 64 and key.isascii()
+            out = key
+        """)
+        used_before = ex("out = sim.stats(0)['node_bytes_used']")
+        for peer in (a, b):
+            got = peer(f"""
+                rc, p = imp({key!r})
+                assert rc == 0, (rc, errmsg())
+                assert p % (2 * MiB) == 0
+                out = [same(p, 8 * MiB, 0x5A), ipc_stats(0)]
+            """)
+            assert got[0], "importer does not see the data written before the export"
+            st = got[1]
+            assert st["bytes_held"] == 0 and st["ipc_imports"] == 1 and st["ipc_imported_bytes"] == 8 * MiB, st
+            assert st["node_bytes_used"] == used_before, "an import added to the node's usage"
+        ex("assert fill(ptr, 8 * MiB, 0x77) == 0")       # launch_fill + stream sync
+        for peer in (a, b):
+            assert peer("out = same(p, 8 * MiB, 0x77)")
+        a("assert fill(p + MiB, MiB, 0x11) == 0")        # an importer writes one MiB
+        assert ex("out = same(ptr + MiB, MiB, 0x11) and same(ptr, MiB, 0x77)")
+        st = ex("out = ipc_stats(0)")
+        assert st["ipc_exports"] == 1 and st["ipc_exported_bytes"] == 8 * MiB, st
+        a(f"assert close({key!r}) == 0")
+        b(f"assert close({key!r}) == 0")
+        ex(f"assert close({key!r}) == 0 and free(ptr) == 0 and sim.stats(0)['node_bytes_used'] == 0")
+    assert ipc_files(sim_node) == []
+
+
+def test_import_needs_an_allowed_pid(sim_node):
+    with Peer(sim_node, INIT) as ex, Peer(sim_node, INIT) as imp, Peer(sim_node, INIT) as other:
+        key = ex("""
+            ptr = malloc(4 * MiB)
+            rc, key = export(ptr, 4 * MiB)                 # default: pids are checked
+            assert rc == 0, errmsg()
+            out = key
+        """)
+        got = imp(f"rc, p = imp({key!r}); out = [rc, errmsg()]")
+        assert got[0] == 207006, got                     # ACL_ERROR_RT_NO_PERMISSION
+        assert "may not import" in got[1] and "aclrtIpcMemSetImportPid" in got[1]
+        ex(f"assert set_pids(key, [{imp.pid}]) == 0, errmsg()")
+        assert imp(f"rc, p = imp({key!r}); out = rc") == 0
+        assert other(f"out = imp({key!r})[0]") == 207006  # still refused: not listed
+        assert ex(f"out = imp(key)[0]") == 0              # the exporter itself may import
+        ex("assert close(key) == 0")                      # ... and closes that import
+        imp(f"assert close({key!r}) == 0")
+        ex("assert close(key) == 0 and free(ptr) == 0")
+
+
+def test_unknown_and_malformed_keys(sim_node):
+    with Peer(sim_node, INIT) as p:
+        got = p("""
+            out = {}
+            out["unknown"] = [imp("simipc-1-1-0000000000000000")[0], errmsg()]
+            out["malformed"] = imp("../etc/passwd")[0]
+            out["too_long"] = imp("k" * 65)[0]
+            out["close_unknown"] = close("simipc-1-1-0000000000000000")
+            out["set_pids_unknown"] = set_pids("simipc-1-1-0000000000000000", [os.getpid()])
+        """)
+    assert got["unknown"][0] == 107000 and "no memory is exported with key" in got["unknown"][1]
+    assert got["malformed"] == got["too_long"] == got["close_unknown"] == got["set_pids_unknown"] == 107000
+
+
+def test_argument_codes(sim_node):
+    with Peer(sim_node) as p:
+        got = p("""
+            out = {}
+            out["uninit_export"] = export(1 << 30, 2 * MiB)[0]
+            out["uninit_import"] = imp("k")[0]
+            out["uninit_close"] = close("k")
+            ok("aclInit", None)
+            out["no_device_export"] = export(1 << 30, 2 * MiB)[0]
+            out["no_device_import"] = imp("k")[0]
+            ok("aclrtSetDevice", 0)
+            ptr = malloc(4 * MiB)
+            small = malloc(64 << 10)
+            out["null_ptr"] = export(None, 2 * MiB)[0]
+            out["size0"] = export(ptr, 0)[0]
+            out["short_len"] = export(ptr, 2 * MiB, 0, 64)[0]
+            out["flags"] = export(ptr, 2 * MiB, 2)[0]
+            out["unaligned_ptr"] = export(ptr + 4096, 2 * MiB)[0]
+            out["unaligned_size"] = export(ptr, MiB)[0]
+            out["small_alloc"] = export(small, 2 * MiB)[0]
+            out["outside"] = export(ptr + 4 * MiB, 2 * MiB)[0]
+            out["not_allocated"] = export(1 << 44, 2 * MiB)[0]
+            rc, key = export(ptr + 2 * MiB, 2 * MiB)       # the second page of the allocation
+            out["interior"] = rc
+            out["overlap"] = export(ptr, 4 * MiB)[0]
+            rc2, key2 = export(ptr, 2 * MiB)               # the first page: no overlap
+            out["neighbour"] = rc2
+            out["pids_null_key"] = set_pids(None, [1])
+            out["pids_zero"] = set_pids(key, [0])
+            out["pids_none"] = set_pids(key, [])
+            out["pids_ok"] = set_pids(key, [os.getpid(), 1])
+            out["import_flags"] = imp(key, 2)[0]
+            out["import_null"] = imp(None)[0]
+            out["close_null"] = close(None)
+            out["free_closes"] = free(ptr)                 # no importer: its keys close with it
+            out["key_gone"] = imp(key)[0]
+            out["key2_gone"] = close(key2)
+        """)
+    assert got["uninit_export"] == got["uninit_import"] == got["uninit_close"] == 100001
+    assert got["no_device_export"] == got["no_device_import"] == 107002
+    for k in ("null_ptr", "size0", "short_len", "pids_null_key", "pids_none", "import_null", "close_null"):
+        assert got[k] == 100000, (k, got)
+    for k in ("flags", "outside", "not_allocated", "overlap", "pids_zero", "import_flags", "key_gone",
+              "key2_gone"):
+        assert got[k] == 107000, (k, got)
+    # a 64 KiB allocation is page aligned (4 KiB) but not on a 2 MiB boundary in general
+    assert got["small_alloc"] in (107008, 107000), got
+    assert got["unaligned_ptr"] == got["unaligned_size"] == 107008, got
+    assert got["interior"] == got["neighbour"] == got["pids_ok"] == got["free_closes"] == 0, got
+    assert ipc_files(sim_node) == []
+
+
+def test_close_order_is_enforced(sim_node):
+    """The exporter can neither close the key nor free the memory while a live process imports it
+    (507022, naming the importer); once the importer closed, both work."""
+    with Peer(sim_node, INIT) as ex, Peer(sim_node, INIT) as im:
+        key = ex("ptr = malloc(4 * MiB); rc, key = export(ptr, 4 * MiB, 1); out = key")
+        im(f"assert imp({key!r})[0] == 0")
+        got = ex("out = [close(key), errmsg(), free(ptr), errmsg()]")
+        assert got[0] == 507022 and "still imported" in got[1] and str(im.pid) in got[1], got
+        assert got[2] == 507022 and "still imported" in got[3], got
+        assert im(f"out = imp({key!r})[0]") == 0             # a second import: the same mapping
+        im(f"assert close({key!r}) == 0")
+        assert ex("out = close(key)") == 507022             # one import is still open
+        im(f"assert close({key!r}) == 0")
+        assert im(f"out = close({key!r})") == 107000        # nothing left to close
+        ex("assert close(key) == 0, errmsg(); assert free(ptr) == 0")
+        assert im(f"out = imp({key!r})[0]") == 107000       # closed: the key is unknown now
+    assert ipc_files(sim_node) == []
+
+
+def test_killed_importer_does_not_leak_the_block(sim_node):
+    with Peer(sim_node, INIT) as ex:
+        start = ex("out = sim.stats(0)['node_bytes_used']")
+        key = ex("ptr = malloc(16 * MiB); rc, key = export(ptr, 16 * MiB, 1); out = key")
+        victim = Peer(sim_node, INIT)
+        victim(f"rc, p = imp({key!r}); assert rc == 0 and fill(p, 16 * MiB, 3) == 0")
+        assert ex("out = free(ptr)") == 507022                 # alive: refused
+        victim.kill()
+        victim.close()
+        assert ex("out = [free(ptr), errmsg()]")[0] == 0       # dead: the exporter frees
+        assert ex("out = sim.stats(0)['node_bytes_used']") == start
+    assert ipc_files(sim_node) == []
+
+
+def test_killed_exporter_gives_importers_a_clear_error(sim_node):
+    with Peer(sim_node, INIT) as im:
+        ex = Peer(sim_node, INIT)
+        key = ex("ptr = malloc(4 * MiB); assert fill(ptr, 4 * MiB, 9) == 0; out = export(ptr, 4 * MiB, 1)[1]")
+        im(f"rc, p = imp({key!r}); assert rc == 0 and same(p, 4 * MiB, 9)")
+        ex.kill()
+        ex.close()
+        got = im(f"""
+            rc, data = read(p, 4096)
+            out = {{"read": [rc, errmsg()], "fill": lib.ascendsim_launch_fill(None, p, 4096, 1, 0),
+                   "again": imp({key!r})[0], "node": sim.stats(0)["node_bytes_used"]}}
+            out["raw_ok"] = C.string_at(p, 16) == bytes([9]) * 16  # the mapping itself stays valid
+            out["close"] = close({key!r})
+        """)
+        assert got["read"][0] == 507022 and "has exited" in got["read"][1], got
+        assert got["fill"] == got["again"] == 507022, got
+        assert got["node"] == 0, "the dead exporter's bytes were not reclaimed"
+        assert got["raw_ok"] and got["close"] == 0, got
+    assert ipc_files(sim_node) == []                          # the last importer removed the file
+
+
+def test_exporter_finalize_closes_its_keys(sim_node):
+    with Peer(sim_node, INIT) as ex, Peer(sim_node, INIT) as im:
+        key = ex("ptr = malloc(2 * MiB); out = export(ptr, 2 * MiB, 1)[1]")
+        im(f"rc, p = imp({key!r}); assert rc == 0")
+        ex("ok('aclFinalize')")
+        got = im("rc, _ = read(p, 64); out = [rc, errmsg()]")
+        assert got[0] == 507022 and "closed" in got[1], got
+        im(f"assert close({key!r}) == 0")
+    assert ipc_files(sim_node) == []
+
+
+def test_forked_child_imports_like_any_process(sim_node):
+    """A fork of the exporter has no runtime: it initialises and imports by key, once listed."""
+    with Peer(sim_node, INIT) as ex:
+        got = ex("""
+            ptr = malloc(4 * MiB)
+            assert fill(ptr, 4 * MiB, 0x42) == 0
+            rc, key = export(ptr, 4 * MiB)
+            r, w = os.pipe()
+            go_r, go_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(r); os.close(go_w)
+                ok("aclInit", None); ok("aclrtSetDevice", 0)
+                first = imp(key)[0]                       # not listed yet
+                os.write(w, str(first).encode().ljust(8))
+                os.read(go_r, 1)
+                rc, p = imp(key)
+                good = rc == 0 and same(p, 4 * MiB, 0x42) and close(key) == 0
+                os.write(w, b"ok" if good else str(rc).encode())
+                os._exit(0)
+            os.close(w); os.close(go_r)
+            first = os.read(r, 8).decode().strip()
+            assert set_pids(key, [pid]) == 0
+            os.write(go_w, b"g")
+            second = os.read(r, 16).decode()
+            os.waitpid(pid, 0)
+            out = [first, second, close(key), free(ptr)]
+        """)
+        assert got == ["207006", "ok", 0, 0], got
