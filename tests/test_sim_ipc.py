@@ -238,3 +238,38 @@ def test_forked_child_imports_like_any_process(sim_node):
             out = [first, second, close(key), free(ptr)]
         """)
         assert got == ["207006", "ok", 0, 0], got
+
+
+IPC_SYMBOLS = ["aclrtIpcMemGetExportKey", "aclrtIpcMemSetImportPid", "aclrtIpcMemImportByKey", "aclrtIpcMemClose"]
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["sim", "sim-legacy"])
+def test_backend_ipc_entries_through_the_acl_loading_code(legacy):
+    """The acl backend resolves the four calls as optional symbols (recorded on first use) and
+    passes the runtime's codes through."""
+    from ascend_pool._core import Backend
+    from ascend_pool.backend import sim_library_path
+    from ascend_pool.errors import DeviceError
+
+    b = Backend("sim", sim_library_path(legacy))
+    assert b.has_ipc
+    assert not set(IPC_SYMBOLS) & set(b.resolved_symbols)
+    ptr = b.malloc(0, 4 * MiB)
+    with pytest.raises(DeviceError) as e:
+        b.ipc_export(0, ptr + 4096, 2 * MiB)
+    assert e.value.code == 107008 and "ACL_ERROR_RT_ADDR_UNALIGNED" in str(e.value)
+    assert b.resolved_symbols[-4:] == IPC_SYMBOLS
+    key = b.ipc_export(0, ptr, 4 * MiB)
+    b.ipc_set_pids(key, [os.getpid()])
+    p2, size = b.ipc_import(0, key)                   # the exporter may import its own key
+    assert size == 0 and p2 != ptr and p2 % (2 * MiB) == 0
+    with pytest.raises(DeviceError) as e:
+        b.free(0, ptr)
+    assert e.value.code == 507022 and "still imported" in str(e.value)
+    b.ipc_close(0, key)                               # the import ...
+    b.ipc_close(0, key)                               # ... then the export
+    with pytest.raises(DeviceError) as e:
+        b.ipc_close(0, key)
+    assert e.value.code == 107000
+    b.free(0, ptr)
+    assert b.resolved_symbols.count("aclrtIpcMemClose") == 1

@@ -106,9 +106,23 @@ static ap_segment *pick_free_segment(ap_pool *p, int include_pinned, int oldest_
 size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, int oldest_first, ap_error *err) {
     if (p->cfg.expandable) return ap_vmm_release(p, target, err);
     size_t released = 0;
+    /* Explicit trims (empty_cache, a lowered quota or limit, the out-of-memory path) may wait for
+       streams: a free segment split into blocks of different streams becomes whole once they are
+       settled. The release policies on the allocation path never wait. */
+    int may_settle = include_pinned || target == (size_t)-1;
     ap_cache_flush(p);
-    while (released < target && p->n_free_segments) {
-        ap_segment *s = pick_free_segment(p, include_pinned, oldest_first);
+    while (released < target) {
+        ap_segment *s = p->n_free_segments ? pick_free_segment(p, include_pinned, oldest_first) : NULL;
+        if (!s && may_settle) {
+            may_settle = 0;
+            int any = 0;
+            for (int slot = 1; slot < p->n_slots; slot++)
+                if (p->slots[slot].trees[0].count || p->slots[slot].trees[1].count) {
+                    any = 1;
+                    if (ap_settle_slot(p, slot, err) != AP_OK) return released;
+                }
+            if (any) continue;
+        }
         if (!s) break;
         if (s->first->tag) { /* its stream may still use it: wait for that stream first */
             if (ap_settle_slot(p, s->first->tag, err) != AP_OK) break;

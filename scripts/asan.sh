@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# AddressSanitizer run: builds the pool extension and the simulated NPU with -fsanitize=address
+# (setup.py honours ASCEND_POOL_SANITIZE=address) in a copy of the tree, so the normal in-place
+# build is untouched, then runs the core tests under it with the simulator's poisoning on (freed
+# device memory is filled with 0xDD, so a block the pool hands out after returning it reads as
+# garbage in the tests' pattern checks), and prints a summary.
+#
+#   scripts/asan.sh                      # the core tests (list below)
+#   scripts/asan.sh tests/test_pool_basic.py -k malloc   # any pytest arguments instead
+#
+# Environment: ASAN_DIR (default /tmp/ascend-pool-asan-$UID) holds the copy, the build and the
+# ASan logs; ASAN_JOBS (default: nproc) compile jobs; ASAN_REBUILD=0 skips the build when the
+# copy already has one (sources are still re-copied: the build notices changed files).
+# Exit status: 0 when the tests pass and ASan reported nothing, 1 otherwise.
+set -u -o pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DIR="${ASAN_DIR:-/tmp/ascend-pool-asan-$(id -u)}"
+SRC="$DIR/src"
+LOGS="$DIR/logs"
+PY="${PYTHON:-python3}"
+CORE_TESTS=(
+    tests/test_pool_basic.py tests/test_pool_errors.py tests/test_pool_knobs.py tests/test_pool_oom.py
+    tests/test_pool_property.py tests/test_stream_order.py tests/test_expandable.py
+    tests/test_quota_context.py tests/test_ledger_files.py tests/test_ledger_reclaim.py
+    tests/test_capi_errors.py tests/test_capi_symbols.py tests/test_replay.py tests/test_snapshot_torch.py
+    tests/test_backend_acl.py tests/test_backend_vmm.py tests/test_sim_memory.py tests/test_sim_streams.py
+    tests/test_reliability_property.py tests/test_reliability_stress.py tests/test_reliability_faults.py
+    tests/test_reliability_found_bugs.py
+)
+
+start=$(date +%s)
+LIBASAN="$(gcc -print-file-name=libasan.so)"
+if [ ! -e "$LIBASAN" ]; then
+    echo "asan.sh: gcc has no libasan.so ($LIBASAN); install libasan (e.g. apt-get install libasan8)" >&2
+    exit 1
+fi
+
+# 1. A copy of the working tree (tracked and untracked, not ignored) -- never the in-place build.
+mkdir -p "$SRC" "$LOGS"
+rm -f "$LOGS"/asan.*
+(cd "$REPO" && git ls-files -z --cached --others --exclude-standard) |
+    (cd "$REPO" && while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done) |
+    (cd "$REPO" && tar --null -T - -cf -) | tar -xf - -C "$SRC"
+
+# 2. The sanitized build.
+if [ "${ASAN_REBUILD:-1}" != 0 ] || [ ! -e "$SRC/ascend_pool/_sim/libascendcl.so" ]; then
+    echo "asan.sh: building with -fsanitize=address in $SRC ..."
+    if ! (cd "$SRC" && ASCEND_POOL_SANITIZE=address "$PY" setup.py build_ext --inplace \
+            --build-temp "$DIR/build" -j "${ASAN_JOBS:-$(nproc)}" >"$LOGS/build.log" 2>&1); then
+        tail -30 "$LOGS/build.log" >&2
+        echo "asan.sh: build failed (log: $LOGS/build.log)" >&2
+        exit 1
+    fi
+fi
+if ! nm -D "$SRC"/ascend_pool/_core*.so "$SRC"/ascend_pool/_sim/libascendcl.so | grep __asan_init >/dev/null; then
+    echo "asan.sh: the built extension is not instrumented" >&2
+    exit 1
+fi
+built=$(date +%s)
+
+# 3. The simulator's poisoning, on for every test: a pytest plugin in the copy that turns it on
+#    whenever the simulated runtime is (re)initialised and before each test body.
+cat >"$SRC/tests/_asan_poison.py" <<'EOF'
+"""Loaded by scripts/asan.sh: keeps the simulator's poisoning of freed device memory on."""
+import pytest
+
+
+def _poison():
+    try:
+        from ascend_pool import sim
+
+        sim.set_poison(True)
+    except Exception:  # runtime not initialised yet: the backend hook below catches that moment
+        pass
+
+
+def pytest_configure(config):
+    import ascend_pool.backend as backend
+
+    opened = backend._open
+
+    def _open(name, path):
+        b = opened(name, path)
+        if name == "sim":
+            _poison()
+        return b
+
+    backend._open = _open
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    _poison()
+
+
+def pytest_terminal_summary(terminalreporter):
+    from ascend_pool import sim
+
+    try:
+        terminalreporter.write_line(f"asan.sh: simulator poisoned {sim.stats(0)['poisoned_bytes']} freed bytes "
+                                    "on device 0 in this process")
+    except Exception:
+        pass
+EOF
+
+# 4. The tests, under ASan (reports go to $LOGS/asan.PID, children included).
+if [ $# -gt 0 ]; then TESTS=("$@"); else TESTS=("${CORE_TESTS[@]}"); fi
+echo "asan.sh: running ${#TESTS[@]} test path(s) under AddressSanitizer ..."
+(cd "$SRC" && env LD_PRELOAD="$LIBASAN" \
+    ASAN_OPTIONS="detect_leaks=0:log_path=$LOGS/asan:halt_on_error=1:abort_on_error=0" \
+    PYTHONPATH="$SRC:$SRC/tests" PYTHONMALLOC=malloc \
+    "$PY" -m pytest -q -p no:cacheprovider -p _asan_poison "${TESTS[@]}") >"$LOGS/pytest.log" 2>&1
+rc=$?
+end=$(date +%s)
+
+# 5. Summary.
+reports=$(cat "$LOGS"/asan.* 2>/dev/null | grep -c "ERROR: AddressSanitizer" || true)
+echo "----------------------------------------------------------------------------"
+echo "asan.sh summary"
+echo "  build:  $((built - start)) s   tests: $((end - built)) s   total: $((end - start)) s"
+echo "  pytest: $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$LOGS/pytest.log" | tail -1)"
+grep -E "^asan.sh: simulator poisoned" "$LOGS/pytest.log" | sed 's/^/  /'
+echo "  AddressSanitizer reports: $reports  (logs: $LOGS/asan.*; pytest output: $LOGS/pytest.log)"
+if [ "$reports" -gt 0 ]; then
+    for f in "$LOGS"/asan.*; do
+        echo "--- $f"
+        grep -A25 "ERROR: AddressSanitizer" "$f" | head -40
+    done
+fi
+if [ "$rc" -ne 0 ]; then
+    grep -E "^(FAILED|ERROR) " "$LOGS/pytest.log" | head -20 | sed 's/^/  /'
+fi
+[ "$rc" -eq 0 ] && [ "$reports" -eq 0 ]
