@@ -3,7 +3,7 @@ weights ("copy") or all mapping one copy that the parent loaded and shared ("sha
 simulated NPU.
 
 copy:  each worker (a spawned process) creates a pool, allocates the weights and loads them.
-share: the parent loads the weights once into pool.share_malloc() memory and shares them; each
+share: the parent shares pool.share_malloc() memory and loads the weights into it once; each
        worker creates a pool and opens the handle (ascend_pool.open_shared).
 Every worker then checks three 1 MiB samples of the pattern and reports ready; the parent reads the
 node's device usage (the simulator's node-wide accounting, all processes) while all N are ready.
@@ -82,13 +82,14 @@ def run(mode, n, size, load_s, parent_pool):
     parent_load = 0.0
     ptr = None
     if mode == "share":
+        # Shared before it is loaded: the simulator then has no pages to copy into the shared file
+        # (exporting loaded memory copies its present pages once; a real NPU exports in place).
         ptr = parent_pool.share_malloc(size)
+        handle = parent_pool.share(ptr, read_only=True, any_process=True)
+        share_s = time.time() - t0
         sim.launch_fill(None, ptr, size, PATTERN, delay_s=load_s)
         parent_pool.synchronize()
-        t_loaded = time.time()
-        handle = parent_pool.share(ptr, read_only=True, any_process=True)
-        parent_load = t_loaded - t0
-        share_s = time.time() - t_loaded
+        parent_load = time.time() - t0 - share_s
         arg = handle
     else:
         share_s = 0.0
@@ -121,23 +122,26 @@ def run(mode, n, size, load_s, parent_pool):
 
 
 def median_row(runs):
-    """Field by field median of repeated runs of one configuration."""
+    """Field by field median of repeated runs of one configuration (with the spread of total_s)."""
     out = dict(runs[0])
     for k, v in runs[0].items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("workers", "size_bytes"):
             out[k] = statistics.median(r[k] for r in runs)
     out["runs"] = len(runs)
+    out["total_min_s"] = min(r["total_s"] for r in runs)
+    out["total_max_s"] = max(r["total_s"] for r in runs)
     return out
 
 
 def table(rows):
-    head = ("| mode | N | device memory (GiB) | parent load (s) | export (s) | worker start-up mean / max (s) "
-            "| worker load (s) | all ready (s) |")
-    out = [head, "|" + "---|" * 8]
+    """The markdown table of docs/sharing.md."""
+    out = ["| mode | N | device memory, node-wide (GiB) | parent: share + load (s) | worker start-up (s) "
+           "| worker load (s) | all N ready (s), median (min–max) |", "|" + "---|" * 7]
     for r in rows:
-        out.append(f"| {r['mode']} | {r['workers']} | {r['device_gib']:.3f} | {r['parent_load_s']:.3f} | "
-                   f"{r['export_s']:.3f} | {r['worker_ready_mean_s']:.3f} / {r['worker_ready_max_s']:.3f} | "
-                   f"{r['worker_load_mean_s']:.4f} | {r['total_s']:.3f} |")
+        parent = "—" if r["mode"] == "copy" else f"{r['export_s'] + r['parent_load_s']:.2f}"
+        out.append(f"| {r['mode']} | {r['workers']} | {r['device_gib']:.3f} | {parent} | "
+                   f"{r['worker_ready_mean_s']:.2f} | {r['worker_load_mean_s']:.3f} | "
+                   f"{r['total_s']:.2f} ({r['total_min_s']:.2f}–{r['total_max_s']:.2f}) |")
     return "\n".join(out)
 
 

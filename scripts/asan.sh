@@ -9,8 +9,7 @@
 #   scripts/asan.sh tests/test_pool_basic.py -k malloc   # any pytest arguments instead
 #
 # Environment: ASAN_DIR (default /tmp/ascend-pool-asan-$UID) holds the copy, the build and the
-# ASan logs; ASAN_JOBS (default: nproc) compile jobs; ASAN_REBUILD=0 skips the build when the
-# copy already has one (sources are still re-copied: the build notices changed files).
+# ASan logs; ASAN_REBUILD=0 skips the build when the copy already has one.
 # Exit status: 0 when the tests pass and ASan reported nothing, 1 otherwise.
 set -u -o pipefail
 
@@ -19,14 +18,16 @@ DIR="${ASAN_DIR:-/tmp/ascend-pool-asan-$(id -u)}"
 SRC="$DIR/src"
 LOGS="$DIR/logs"
 PY="${PYTHON:-python3}"
+# In the suite's own (alphabetical) order: test_backend_acl.py opens a second simulator instance,
+# which must happen before the process holds device memory (see
+# test_reliability_found_bugs.py::test_second_simulator_instance_in_a_process_keeps_the_node_accounting).
 CORE_TESTS=(
+    tests/test_backend_acl.py tests/test_backend_vmm.py tests/test_capi_errors.py tests/test_capi_symbols.py
+    tests/test_expandable.py tests/test_ledger_files.py tests/test_ledger_reclaim.py
     tests/test_pool_basic.py tests/test_pool_errors.py tests/test_pool_knobs.py tests/test_pool_oom.py
-    tests/test_pool_property.py tests/test_stream_order.py tests/test_expandable.py
-    tests/test_quota_context.py tests/test_ledger_files.py tests/test_ledger_reclaim.py
-    tests/test_capi_errors.py tests/test_capi_symbols.py tests/test_replay.py tests/test_snapshot_torch.py
-    tests/test_backend_acl.py tests/test_backend_vmm.py tests/test_sim_memory.py tests/test_sim_streams.py
-    tests/test_reliability_property.py tests/test_reliability_stress.py tests/test_reliability_faults.py
-    tests/test_reliability_found_bugs.py
+    tests/test_pool_property.py tests/test_quota_context.py tests/test_reliability_faults.py
+    tests/test_reliability_property.py tests/test_reliability_stress.py tests/test_replay.py
+    tests/test_sim_memory.py tests/test_sim_streams.py tests/test_snapshot_torch.py tests/test_stream_order.py
 )
 
 start=$(date +%s)
@@ -37,8 +38,13 @@ if [ ! -e "$LIBASAN" ]; then
 fi
 
 # 1. A copy of the working tree (tracked and untracked, not ignored) -- never the in-place build.
+#    A rebuild starts from scratch: setup.py does not track headers, so an incremental build
+#    could keep objects compiled against old ones.
+if [ "${ASAN_REBUILD:-1}" != 0 ]; then
+    rm -rf "$SRC" "$DIR/build"
+fi
 mkdir -p "$SRC" "$LOGS"
-rm -f "$LOGS"/asan.*
+rm -f "$LOGS"/asan.* "$LOGS"/selfcheck.*
 (cd "$REPO" && git ls-files -z --cached --others --exclude-standard) |
     (cd "$REPO" && while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done) |
     (cd "$REPO" && tar --null -T - -cf -) | tar -xf - -C "$SRC"
@@ -46,8 +52,10 @@ rm -f "$LOGS"/asan.*
 # 2. The sanitized build.
 if [ "${ASAN_REBUILD:-1}" != 0 ] || [ ! -e "$SRC/ascend_pool/_sim/libascendcl.so" ]; then
     echo "asan.sh: building with -fsanitize=address in $SRC ..."
+    # (no -j: setup.py builds the simulator twice from the same sources into the same objects, the
+    # second time as the legacy runtime; in parallel the two builds would mix their objects)
     if ! (cd "$SRC" && ASCEND_POOL_SANITIZE=address "$PY" setup.py build_ext --inplace \
-            --build-temp "$DIR/build" -j "${ASAN_JOBS:-$(nproc)}" >"$LOGS/build.log" 2>&1); then
+            --build-temp "$DIR/build" >"$LOGS/build.log" 2>&1); then
         tail -30 "$LOGS/build.log" >&2
         echo "asan.sh: build failed (log: $LOGS/build.log)" >&2
         exit 1
@@ -65,12 +73,11 @@ cat >"$SRC/tests/_asan_poison.py" <<'EOF'
 """Loaded by scripts/asan.sh: keeps the simulator's poisoning of freed device memory on."""
 import pytest
 
-
-def _poison():
+def _poison(on=True):
     try:
         from ascend_pool import sim
 
-        sim.set_poison(True)
+        sim.set_poison(on)
     except Exception:  # runtime not initialised yet: the backend hook below catches that moment
         pass
 
@@ -104,7 +111,26 @@ def pytest_terminal_summary(terminalreporter):
         pass
 EOF
 
-# 4. The tests, under ASan (reports go to $LOGS/asan.PID, children included).
+# 4. Self-check: an intentional heap overflow (the simulator copying 4096 bytes into a 64-byte
+#    host buffer) must be reported, or this setup would prove nothing.
+(cd "$SRC" && env LD_PRELOAD="$LIBASAN" ASAN_OPTIONS="detect_leaks=0:log_path=$LOGS/selfcheck" \
+    PYTHONMALLOC=malloc PYTHONPATH="$SRC" ASCEND_SIM_NODE="asanself$$" ASCEND_SIM_SHM_DIR="$LOGS" \
+    "$PY" -c "
+import ctypes, ascend_pool as ap
+from ascend_pool import sim
+pool = ap.Pool(0, backend='sim')
+x = pool.malloc(4096)
+sim.attach().ascendsim_read(x, ctypes.create_string_buffer(64), 4096)
+") >/dev/null 2>&1
+if cat "$LOGS"/selfcheck.* 2>/dev/null | grep "ERROR: AddressSanitizer: heap-buffer-overflow" >/dev/null; then
+    selfcheck="caught (heap-buffer-overflow in ascendsim_read)"
+else
+    echo "asan.sh: self-check failed: an intentional overflow was not reported" >&2
+    exit 1
+fi
+rm -f "$LOGS"/selfcheck.* "$LOGS"/ascendsim-*-asanself*
+
+# 5. The tests, under ASan (reports go to $LOGS/asan.PID, children included).
 if [ $# -gt 0 ]; then TESTS=("$@"); else TESTS=("${CORE_TESTS[@]}"); fi
 echo "asan.sh: running ${#TESTS[@]} test path(s) under AddressSanitizer ..."
 (cd "$SRC" && env LD_PRELOAD="$LIBASAN" \
@@ -114,11 +140,12 @@ echo "asan.sh: running ${#TESTS[@]} test path(s) under AddressSanitizer ..."
 rc=$?
 end=$(date +%s)
 
-# 5. Summary.
+# 6. Summary.
 reports=$(cat "$LOGS"/asan.* 2>/dev/null | grep -c "ERROR: AddressSanitizer" || true)
 echo "----------------------------------------------------------------------------"
 echo "asan.sh summary"
 echo "  build:  $((built - start)) s   tests: $((end - built)) s   total: $((end - start)) s"
+echo "  self-check: an intentional overflow was $selfcheck"
 echo "  pytest: $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$LOGS/pytest.log" | tail -1)"
 grep -E "^asan.sh: simulator poisoned" "$LOGS/pytest.log" | sed 's/^/  /'
 echo "  AddressSanitizer reports: $reports  (logs: $LOGS/asan.*; pytest output: $LOGS/pytest.log)"

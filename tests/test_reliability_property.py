@@ -34,7 +34,7 @@ EDGE = 256  # bytes of pattern written at each end of an allocation (a full fill
 # Examples per mode (two modes: a few hundred in all), steps per example.
 EXAMPLES = 150
 STEPS = 50
-STRICT_TRIM = False  # True once test_reliability_found_bugs.py::test_lowered_quota_releases_... passes
+STRICT_TRIM = True  # (False tolerated a free segment split across stream tags: fixed in 1199333)
 
 sizes = st.one_of(
     st.integers(1, 4096),                 # small pool, one min block
@@ -214,9 +214,9 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.ctx.quota == quota
         assert self.ctx.held <= held, "changing a quota must never grow the tenant"
         if quota is not None and self.ctx.held > quota and not self.expandable:
-            # Over the new quota only because of live blocks: no wholly free segment is kept. A
-            # free segment split across stream tags is still kept (an open core bug, pinned by
-            # test_reliability_found_bugs.py): counted here; set STRICT_TRIM once it is fixed.
+            # Over the new quota only because of live blocks: no wholly free segment is kept (with
+            # STRICT_TRIM off, one split across stream tags is only counted: see
+            # test_reliability_found_bugs.py::test_lowered_quota_releases_a_free_segment_split_across_streams).
             for seg in self.segments_of(self.ctx):
                 if all(b["state"] == "inactive" for b in seg["blocks"]):
                     assert not STRICT_TRIM and len(seg["blocks"]) > 1, \

@@ -106,9 +106,12 @@ static void apl_release(apl_handle *h, uint64_t bytes) {
     apl_slot *s = &f->slots[h->slot];
     uint64_t mine = atomic_load(&s->held);
     if (bytes > mine) bytes = mine; /* never give back more than this context booked */
+    /* The slot goes down before the tenant (and in apl_reserve the tenant goes up before the
+       slot), so the slots of a tenant never add up to more than its counter, which never exceeds
+       the quota: a reader of the ledger never sees a tenant over its quota. */
     atomic_store(&s->pending, -(int64_t)bytes);
-    apl_tenant_sub(f, &f->tenants[h->tenant], bytes);
     atomic_store(&s->held, mine - bytes);
+    apl_tenant_sub(f, &f->tenants[h->tenant], bytes);
     atomic_store(&s->pending, 0);
 }
 

@@ -67,9 +67,10 @@ static uint64_t apl_slot_clear(apl_file *f, int i, int dead) {
     apl_tenant *t = &f->tenants[s->tenant];
     uint64_t held = atomic_load(&s->held);
     int64_t pending = atomic_load(&s->pending);
+    /* Inside a release (pending < 0) the slot was already lowered; whether the tenant was too is
+       unknown, so only what the slot still holds goes back (at worst the tenant stays counted
+       too high by the pending bytes, recorded as uncertain: early refusals, never an overrun). */
     uint64_t give_back = held;
-    if (pending < 0) /* inside release: assume the tenant counter was already lowered */
-        give_back = held >= (uint64_t)-pending ? held - (uint64_t)-pending : 0;
     apl_tenant_sub(f, t, give_back);
     if (pending != 0) {
         uint64_t u = pending > 0 ? (uint64_t)pending : (uint64_t)-pending;

@@ -27,6 +27,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <time.h>
+
 #include "sim_internal.h"
 
 #define NODE_MAGIC 0x314d495344435341ull /* "ASCDSIM1" */
@@ -36,7 +38,7 @@
 
 struct node_slot {
     _Atomic int32_t pid;                 /* 0: free */
-    uint32_t reserved;
+    _Atomic uint32_t instance;           /* which loaded copy of the simulator in that process */
     _Atomic uint64_t start_time;
     _Atomic uint64_t bytes;
 };
@@ -242,6 +244,24 @@ static int open_record(const char *path, int dev, const struct sim_config *cfg,
     return sim_fail(ACL_ERROR_INVALID_FILE, call, "node record %s keeps appearing and vanishing", path);
 }
 
+/* A random nonzero id for this loaded copy of the simulator. */
+static uint32_t instance_id(void)
+{
+    static _Atomic uint32_t id;
+    uint32_t v = atomic_load(&id);
+    while (!v) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t x = ((uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 20) ^ (uint64_t)(uintptr_t)&id) *
+                     0x9E3779B97F4A7C15ull;
+        uint32_t want = (uint32_t)(x >> 32) | 1u;
+        uint32_t expected = 0;
+        atomic_compare_exchange_strong(&id, &expected, want);
+        v = atomic_load(&id);
+    }
+    return v;
+}
+
 int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
 {
     struct node_local *l = &local[dev];
@@ -252,15 +272,18 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
     if (rc)
         return rc;
     int32_t me = (int32_t)getpid();
+    uint32_t inst = instance_id();
     uint64_t start = sim_proc_start_time(me);
     if ((rc = lock_record(r)) != 0)
         return sim_fail(ACL_ERROR_RT_INTERNAL_ERROR, call, "cannot lock node record %s: %s", l->path, strerror(rc));
     reclaim_dead(r, -1);
     int slot = -1;
     for (int i = 0; i < NODE_SLOTS; i++) {
-        if (atomic_load(&r->slots[i].pid) == me) {
-            /* Ours from an earlier aclInit, or left by a dead process that had our pid
-               (reclaim_dead cleared that one already). Either way we hold nothing yet. */
+        /* A process may load two copies of the simulator (e.g. the legacy build beside the
+           normal one): each has its own slot, told apart by the instance id. */
+        if (atomic_load(&r->slots[i].pid) == me && atomic_load(&r->slots[i].instance) == inst) {
+            /* Ours from an earlier aclInit (a dead process that had our pid was reclaimed above
+               by its start time). Either way we hold nothing yet. */
             atomic_store(&r->slots[i].bytes, 0);
             slot = i;
             break;
@@ -272,6 +295,7 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
     if (slot >= 0) {
         atomic_store(&r->slots[slot].bytes, 0);
         atomic_store(&r->slots[slot].start_time, start);
+        atomic_store(&r->slots[slot].instance, inst);
         atomic_store(&r->slots[slot].pid, me);
     }
     pthread_mutex_unlock(&r->lock);
@@ -327,8 +351,13 @@ void sim_node_release(int dev, uint64_t bytes)
     /* Only this process writes its slot, and releases only lower the sum: no lock needed. */
     struct node_local *l = &local[dev];
     struct node_record *r = atomic_load(&l->rec);
-    if (r)
-        atomic_fetch_sub(&r->slots[l->slot].bytes, bytes);
+    if (!r)
+        return;
+    /* Never below zero: a wrapped counter would make the device look full to everyone. */
+    _Atomic uint64_t *held = &r->slots[l->slot].bytes;
+    uint64_t cur = atomic_load(held);
+    while (!atomic_compare_exchange_weak(held, &cur, cur >= bytes ? cur - bytes : 0)) {
+    }
 }
 
 uint64_t sim_node_used(int dev)
