@@ -280,3 +280,22 @@ def test_spawned_workers_verify_the_weights(pool):
         p.join(timeout=30)
     assert all(r[1] is True and r[2] == 0 and r[3] == 16 * MiB for r in results), results
     assert pool.share_free(ptr) is True
+
+
+def test_node_service_shows_who_shares_what(pool):
+    from ascend_pool.service.node_collector import NodeCollector
+
+    ptr = pool.share_malloc(3 * MiB)
+    pool.share(ptr, any_process=True)
+    try:
+        families = {f.name: f for f in NodeCollector(ledger=False)._shares()}
+        mine = [s for s in families["ascend_pool_shared_bytes"].samples
+                if s.labels["exporter_pid"] == str(os.getpid())]
+        assert [(s.labels["device"], s.labels["state"], s.value) for s in mine] == [("0", "open", 4 * MiB)]
+        importers = [s for s in families["ascend_pool_shared_importers"].samples
+                     if s.labels["exporter_pid"] == str(os.getpid())]
+        assert [s.value for s in importers] == [0]
+    finally:
+        assert pool.share_free(ptr) is True
+    families = {f.name: f for f in NodeCollector(ledger=False)._shares()}
+    assert not [s for s in families["ascend_pool_shared_bytes"].samples if s.labels["exporter_pid"] == str(os.getpid())]

@@ -6,8 +6,8 @@ At each scrape it reads the stats directory (StatsScanner) and exports
     requested,cached_free}_bytes and ascend_pool_node_processes (separate names, so that a
     sum() over the per-pid series never counts a total twice);
   - the device-wide free/total memory (labels: device), from the most recent publish;
-  - the age of each process's last publish, the count of stats files by state, and the quota
-    ledger's state where the quotas work provides one.
+  - the age of each process's last publish, the count of stats files by state, who shares what
+    (ascend_pool_shared_bytes, ascend_pool_shared_importers), and the quota ledger's state.
 """
 
 import time
@@ -50,6 +50,7 @@ class NodeCollector:
                     latest[s.device] = (p.publish_ns, s.values)
         yield from device_families({d: v for d, (_, v) in latest.items()})
         yield from self._health(procs)
+        yield from self._shares()
         if self._ledger:
             yield from ledger_families()
 
@@ -75,6 +76,28 @@ class NodeCollector:
         for (device, tenant), pids in sorted(procs.items()):
             fam.add_metric([str(device), tenant], len(pids))
         yield fam
+
+    @staticmethod
+    def _shares():
+        """Who shares what (ascend_pool.sharing's records): bytes exported and live importers."""
+        from ..sharing import shares
+
+        shared = GaugeMetricFamily("ascend_pool_shared_bytes",
+                                   "Device memory exported for other processes, counted once against the "
+                                   "exporting tenant (bytes).", labels=["device", "tenant", "exporter_pid", "state"])
+        importers = GaugeMetricFamily("ascend_pool_shared_importers",
+                                      "Live processes that have a shared block open.",
+                                      labels=["device", "tenant", "exporter_pid"])
+        try:
+            records = shares()
+        except OSError:  # no record directory yet: nothing is shared
+            records = []
+        for r in records:
+            labels = [str(r["device"]), r["tenant"] or "default", str(r["exporter_pid"])]
+            shared.add_metric(labels + [r["state"]], r["nbytes"])
+            importers.add_metric(labels, len(r["importers"]))
+        yield shared
+        yield importers
 
     def _health(self, procs):
         now = time.time_ns()
