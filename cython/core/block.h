@@ -25,7 +25,6 @@ typedef struct ap_block_uses {
     uint16_t uses[AP_MAX_USES];     /* extra stream slots */
     uint16_t n_events;
     void *events[AP_MAX_USES + 1];  /* pending: events still to complete */
-    struct ap_block_uses *next_spare;
 } ap_block_uses;
 
 typedef struct ap_block {

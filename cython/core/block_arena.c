@@ -1,11 +1,11 @@
-/* Block and segment structs come from chunks that are recycled, so the cached path never calls
- * malloc (a split needs a new block struct, a merge returns one). */
+/* Block, segment and record_stream structs come from chunks and are recycled, so the cached path
+ * never calls malloc (a split needs a new block struct, a merge returns one). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "pool_internal.h"
 
-#define CHUNK_BLOCKS 256
+#define CHUNK_STRUCTS 256
 
 static void *new_chunk(ap_pool *p, size_t bytes) {
     if (p->n_chunks == p->chunks_cap) {
@@ -20,66 +20,43 @@ static void *new_chunk(ap_pool *p, size_t bytes) {
     return chunk;
 }
 
-ap_block *ap_block_new(ap_pool *p) {
-    if (!p->spare_blocks) {
-        ap_block *chunk = new_chunk(p, CHUNK_BLOCKS * sizeof(ap_block));
+/* A zeroed struct of `size` bytes from the spare list, carving a new chunk when it is empty. A
+   spare struct holds nothing else, so its first word links it (copied with memcpy: no aliasing). */
+static void *take(ap_pool *p, void **spare, size_t size) {
+    if (!*spare) {
+        char *chunk = new_chunk(p, CHUNK_STRUCTS * size);
         if (!chunk) return NULL;
-        for (int i = 0; i < CHUNK_BLOCKS; i++) {
-            chunk[i].next = p->spare_blocks;
-            p->spare_blocks = &chunk[i];
+        for (int i = CHUNK_STRUCTS - 1; i >= 0; i--) {
+            memcpy(chunk + (size_t)i * size, spare, sizeof(void *));
+            *spare = chunk + (size_t)i * size;
         }
     }
-    ap_block *b = p->spare_blocks;
-    p->spare_blocks = b->next;
-    memset(b, 0, sizeof *b);
-    return b;
+    void *x = *spare;
+    memcpy(spare, x, sizeof(void *));
+    memset(x, 0, size);
+    return x;
 }
 
-void ap_block_recycle(ap_pool *p, ap_block *b) {
-    b->next = p->spare_blocks;
-    p->spare_blocks = b;
+static void give(void **spare, void *x) {
+    memcpy(x, spare, sizeof(void *));
+    *spare = x;
 }
+
+ap_block *ap_block_new(ap_pool *p) { return take(p, &p->spare_blocks, sizeof(ap_block)); }
+
+void ap_block_recycle(ap_pool *p, ap_block *b) { give(&p->spare_blocks, b); }
 
 ap_segment *ap_segment_new(ap_pool *p) {
-    if (!p->spare_segments) {
-        ap_segment *chunk = new_chunk(p, CHUNK_BLOCKS * sizeof(ap_segment));
-        if (!chunk) return NULL;
-        for (int i = 0; i < CHUNK_BLOCKS; i++) {
-            chunk[i].next = p->spare_segments;
-            p->spare_segments = &chunk[i];
-        }
-    }
-    ap_segment *s = p->spare_segments;
-    p->spare_segments = s->next;
-    memset(s, 0, sizeof *s);
-    s->seq = ++p->segment_seq;
+    ap_segment *s = take(p, &p->spare_segments, sizeof(ap_segment));
+    if (s) s->seq = ++p->segment_seq;
     return s;
 }
 
-void ap_segment_recycle(ap_pool *p, ap_segment *s) {
-    s->next = p->spare_segments;
-    p->spare_segments = s;
-}
+void ap_segment_recycle(ap_pool *p, ap_segment *s) { give(&p->spare_segments, s); }
 
-ap_block_uses *ap_uses_new(ap_pool *p) {
-    if (!p->spare_uses) {
-        ap_block_uses *chunk = new_chunk(p, CHUNK_BLOCKS * sizeof(ap_block_uses));
-        if (!chunk) return NULL;
-        for (int i = 0; i < CHUNK_BLOCKS; i++) {
-            chunk[i].next_spare = p->spare_uses;
-            p->spare_uses = &chunk[i];
-        }
-    }
-    ap_block_uses *u = p->spare_uses;
-    p->spare_uses = u->next_spare;
-    memset(u, 0, sizeof *u);
-    return u;
-}
+ap_block_uses *ap_uses_new(ap_pool *p) { return take(p, &p->spare_uses, sizeof(ap_block_uses)); }
 
-void ap_uses_recycle(ap_pool *p, ap_block_uses *u) {
-    u->next_spare = p->spare_uses;
-    p->spare_uses = u;
-}
+void ap_uses_recycle(ap_pool *p, ap_block_uses *u) { give(&p->spare_uses, u); }
 
 void ap_arena_destroy(ap_pool *p) {
     for (size_t i = 0; i < p->n_chunks; i++) free(p->chunks[i]);

@@ -141,9 +141,9 @@ typedef struct ap_pool {
     void **event_cache;   /* idle events for reuse */
     int n_cached_events, event_cache_cap;
 
-    ap_block *spare_blocks;   /* recycled block structs (linked through ->next) */
-    ap_block_uses *spare_uses;
-    ap_segment *spare_segments;
+    void *spare_blocks;       /* recycled structs, linked through their first word (block_arena.c) */
+    void *spare_uses;
+    void *spare_segments;
     void **chunks;            /* host memory for block structs, freed at destroy */
     size_t n_chunks, chunks_cap;
 
