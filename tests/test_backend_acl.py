@@ -332,7 +332,7 @@ def test_set_device_per_thread(sim):
     # each allocate on their own device (the simulator's per-device held bytes say where).
     b, ctl = sim
     if b.device_count < 2:
-        pytest.skip("needs two simulated devices")
+        pytest.skip(reason="needs two simulated devices")
     before = [ctl.held(0), ctl.held(1)]
     sizes = {0: 4096, 1: 8192}
     got = {}

@@ -64,7 +64,7 @@ def test_cuda_library_without_symbols():
 def cuda():
     backend, exc = open_cuda()
     if backend is None:
-        pytest.skip(f"no usable CUDA device here: {str(exc).splitlines()[0]}")
+        pytest.skip(reason=f"no usable CUDA device here: {str(exc).splitlines()[0]}")
     return backend
 
 

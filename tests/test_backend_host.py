@@ -49,7 +49,7 @@ def test_cuda_host_memory_where_a_gpu_exists():
     try:
         b = Backend("cuda")
     except BackendUnavailableError as exc:
-        pytest.skip(f"no usable CUDA runtime here: {str(exc).splitlines()[0]}")
+        pytest.skip(reason=f"no usable CUDA runtime here: {str(exc).splitlines()[0]}")
     p = b.host_malloc(0, 1 << 20)
     ctypes.memset(p, 1, 1 << 20)
     b.host_free(0, p)

@@ -163,9 +163,9 @@ def cuda():
     try:
         backend = Backend("cuda")
     except BackendUnavailableError as exc:
-        pytest.skip(f"no usable CUDA device here: {str(exc).splitlines()[0]}")
+        pytest.skip(reason=f"no usable CUDA device here: {str(exc).splitlines()[0]}")
     if not backend.has_vmm:
-        pytest.skip("libcuda.so.1 without the virtual-memory calls")
+        pytest.skip(reason="libcuda.so.1 without the virtual-memory calls")
     return backend
 
 

@@ -42,7 +42,7 @@ def test_torch_npu_missing_fails_clearly():
 def test_torch_cuda_without_cuda_fails_clearly():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
-        pytest.skip("a CUDA device is usable here: see bench/gpu_integrations_check.py")
+        pytest.skip(reason="a CUDA device is usable here: see bench/gpu_integrations_check.py")
     from ascend_pool.integrations import torch_cuda as ap_cuda
 
     with pytest.raises(FrameworkMissingError, match="without CUDA|no CUDA device"):

@@ -149,7 +149,7 @@ def test_bad_tenant_bytes_and_duplicates_are_refused(sf):
 
 def test_foreign_owned_file_is_refused(sf):
     if os.geteuid() != 0:
-        pytest.skip("chown to another uid needs root")
+        pytest.skip(reason="chown to another uid needs root")
     os.chown(sf.path, 65534, -1)
     with pytest.raises(Refused, match="owned by uid 65534"):
         read_stats_file(sf.path, ME)

@@ -383,7 +383,7 @@ def test_bundled_resnet_prefix_reproduces_published_figure():
 def test_bundled_two_stream_prefix_reproduces_published_figure():
     p = bundled_traces_dir() / "resnet18_train_prefetch_2stream_prefix.npz"
     if not p.exists():
-        pytest.skip("two-stream prefix not bundled")
+        pytest.skip(reason="two-stream prefix not bundled")
     tr = load_trace(p)
     assert tr.streams == [0, 1]
     r = replay(tr)

@@ -427,12 +427,8 @@ static size_t release(ap_pool *p, size_t target, uint64_t min_idle, ap_error *er
             /* Free pages may be split across blocks of different streams: once those streams are
                waited for, the blocks merge into whole free pages. */
             settled = 1;
-            int any = 0;
-            for (int slot = 1; slot < p->n_slots; slot++)
-                if (p->slots[slot].trees[0].count || p->slots[slot].trees[1].count) {
-                    any = 1;
-                    if (ap_settle_slot(p, slot, err) != AP_OK) return released;
-                }
+            int any = ap_settle_free_slots(p, err);
+            if (any < 0) return released;
             if (any) continue;
         }
         if (!best) break;

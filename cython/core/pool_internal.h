@@ -84,6 +84,9 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag);
 int ap_process_pending(ap_pool *p, int blocking, ap_error *err);
 /* Waits for the work queued on the slot's stream, then its free blocks serve every stream. */
 int ap_settle_slot(ap_pool *p, int slot, ap_error *err);
+/* Settles every stream that holds free blocks, so that free space split across streams merges.
+   Returns 1 if any was settled, 0 if none held free blocks, -1 on a failed wait. */
+int ap_settle_free_slots(ap_pool *p, ap_error *err);
 /* Lets `to` reuse the free blocks of every other stream (for a request of rsize in pool): orders
    to's stream after theirs with an event, no host wait. Returns the number of blocks moved. */
 size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_error *err);

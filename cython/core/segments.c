@@ -115,12 +115,8 @@ size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, i
         ap_segment *s = p->n_free_segments ? pick_free_segment(p, include_pinned, oldest_first) : NULL;
         if (!s && may_settle) {
             may_settle = 0;
-            int any = 0;
-            for (int slot = 1; slot < p->n_slots; slot++)
-                if (p->slots[slot].trees[0].count || p->slots[slot].trees[1].count) {
-                    any = 1;
-                    if (ap_settle_slot(p, slot, err) != AP_OK) return released;
-                }
+            int any = ap_settle_free_slots(p, err);
+            if (any < 0) return released;
             if (any) continue;
         }
         if (!s) break;

@@ -189,6 +189,16 @@ int ap_settle_slot(ap_pool *p, int slot, ap_error *err) {
     return AP_OK;
 }
 
+int ap_settle_free_slots(ap_pool *p, ap_error *err) {
+    int any = 0;
+    for (int slot = 1; slot < p->n_slots; slot++)
+        if (p->slots[slot].trees[0].count || p->slots[slot].trees[1].count) {
+            any = 1;
+            if (ap_settle_slot(p, slot, err) != AP_OK) return -1;
+        }
+    return any;
+}
+
 size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_error *err) {
     (void)err;
     size_t moved = 0;
