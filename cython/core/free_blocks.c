@@ -135,16 +135,3 @@ void ap_take_block(ap_pool *p, ap_block *b, size_t rsize, size_t requested, int 
     }
     ap_mark_allocated(p, b, requested, slot);
 }
-
-void ap_mark_allocated(ap_pool *p, ap_block *b, size_t requested, int slot) {
-    int pool = b->seg->pool;
-    b->state = AP_BLOCK_ALLOCATED;
-    b->requested = requested;
-    b->tag = (uint16_t)slot;
-    b->seg->last_use = ++p->tick;
-    ap_stat_inc(&p->stats, AP_STAT_ALLOCATION, pool, 1);
-    ap_stat_inc(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
-    ap_stat_inc(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)requested);
-    ap_stat_inc(&p->stats, AP_STAT_ACTIVE, pool, 1);
-    ap_stat_inc(&p->stats, AP_STAT_ACTIVE_BYTES, pool, (int64_t)b->size);
-}

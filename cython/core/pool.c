@@ -39,7 +39,7 @@ void ap_config_default(ap_config *c) {
 }
 
 size_t ap_pool_round_size(const ap_pool *p, size_t size) {
-    size_t r = ap_round_up(size + p->cfg.pad_bytes, p->cfg.min_block);
+    size_t r = ap_round_request(p, size);
     return r < p->cfg.min_block ? p->cfg.min_block : r;
 }
 
@@ -48,6 +48,10 @@ static inline int pool_of(const ap_pool *p, size_t rsize) {
 }
 
 ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, ap_error *err) {
+    if (!cfg->min_block || (cfg->min_block & (cfg->min_block - 1))) {
+        ap_set_error(err, AP_E_INVALID_SIZE, 0, "min_block must be a power of two, got %zu", cfg->min_block);
+        return NULL;
+    }
     ap_pool *p = calloc(1, sizeof *p);
     if (!p) {
         ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the pool exhausted");
@@ -142,7 +146,7 @@ static void oom_message(ap_pool *p, size_t size, int slot, ap_error *err) {
     ap_cache_flush(p);
     size_t reserved = ap_reserved(p);
     size_t allocated = (size_t)p->stats.s[AP_STAT_ALLOCATED_BYTES][AP_STAT_ALL].current;
-    size_t active = (size_t)p->stats.s[AP_STAT_ACTIVE_BYTES][AP_STAT_ALL].current;
+    size_t active = allocated + (size_t)p->stats.pending_free_bytes;
     size_t largest = 0;
     for (int s = 0; s < p->n_slots; s++)
         for (int k = 0; k < 2; k++) {
@@ -165,10 +169,10 @@ static void oom_message(ap_pool *p, size_t size, int slot, ap_error *err) {
 
 int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err) {
     if (check_size(p, size, err) != AP_OK) return err ? err->status : AP_E_INVALID_SIZE;
-    size_t rsize = ap_pool_round_size(p, size);
+    size_t rsize = ap_round_request(p, size);
     int pool = pool_of(p, rsize);
     pthread_mutex_lock(&p->lock);
-    int slot = ap_slot_of(p, stream, 1);
+    int slot = ap_slot_of_fast(p, stream, 1);
     if (slot < 0) {
         pthread_mutex_unlock(&p->lock);
         return ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams (limit %d) on device %d",
@@ -177,7 +181,7 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
     if (p->pending_head) ap_process_pending(p, 0, NULL);
     ap_block *b = ap_cache_pop(p, slot, rsize);
     if (b) {
-        ap_mark_allocated(p, b, size, slot);
+        ap_mark_allocated_in(p, b, size, slot, AP_POOL_SMALL); /* the cache holds small blocks only */
         goto allocated;
     }
     b = ap_find_fit(p, slot, pool, rsize);
@@ -216,13 +220,13 @@ allocated:
 
 int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
     if (size == 0 || (int64_t)size < 0) return AP_E_BUSY;
-    size_t rsize = ap_pool_round_size(p, size);
+    size_t rsize = ap_round_request(p, size);
     if (pthread_mutex_trylock(&p->lock) != 0) return AP_E_BUSY;
     int slot = p->pending_head || p->history.capacity || p->live.count * 2 + 2 > p->live.mask + 1
-                   ? -1 : ap_slot_of(p, stream, 0);
+                   ? -1 : ap_slot_of_fast(p, stream, 0);
     ap_block *b = slot > 0 ? ap_cache_pop(p, slot, rsize) : NULL;
     if (b) {
-        ap_mark_allocated(p, b, size, slot);
+        ap_mark_allocated_in(p, b, size, slot, AP_POOL_SMALL);
     } else {
         b = slot > 0 ? ap_find_fit(p, slot, pool_of(p, rsize), rsize) : NULL;
         if (!b) {
@@ -267,16 +271,15 @@ static void release_block(ap_pool *p, ap_block *b, int tag) {
         ap_free_pending(p, b, tag);
         return;
     }
-    ap_stat_dec(&p->stats, AP_STAT_ACTIVE, pool, 1);
-    ap_stat_dec(&p->stats, AP_STAT_ACTIVE_BYTES, pool, (int64_t)b->size);
     ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->size, p->slots[tag].stream);
     ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->size, p->slots[tag].stream);
-    ap_cache_push(p, b, tag);
+    if (pool == AP_POOL_SMALL) ap_cache_push_small(p, b, tag);
+    else ap_free_insert(p, b, tag); /* large blocks merge at once (free_cache.h says why) */
 }
 
 int ap_pool_free(ap_pool *p, void *ptr, void *stream, int use_alloc_stream, ap_error *err) {
     pthread_mutex_lock(&p->lock);
-    int tag = use_alloc_stream ? 0 : ap_slot_of(p, stream, 1);
+    int tag = use_alloc_stream ? 0 : ap_slot_of_fast(p, stream, 1);
     if (tag < 0) {
         pthread_mutex_unlock(&p->lock);
         return ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams (limit %d) on device %d",
@@ -413,7 +416,7 @@ void ap_pool_set_limit(ap_pool *p, size_t limit_bytes) {
 void ap_pool_get_stats(ap_pool *p, ap_stats *out) {
     /* Reading must never change what the pool does next: no flushing here, only copies. */
     pthread_mutex_lock(&p->lock);
-    *out = p->stats;
+    ap_stats_export(&p->stats, out);
     size_t largest = ap_cache_largest(p), cached = 0;
     for (int s = 0; s < p->n_slots; s++)
         for (int k = 0; k < 2; k++) {

@@ -147,7 +147,9 @@ typedef struct ap_pool {
     void **chunks;            /* host memory for block structs, freed at destroy */
     size_t n_chunks, chunks_cap;
 
-    ap_block *cache[AP_CACHE_BINS][AP_CACHE_DEPTH]; /* recently freed blocks (free_cache.c) */
+    uint64_t cache_key[AP_CACHE_BINS][AP_CACHE_DEPTH]; /* size and stream of each cached block, so a
+                                                          lookup reads no block struct */
+    ap_block *cache[AP_CACHE_BINS][AP_CACHE_DEPTH]; /* recently freed blocks (free_cache.h) */
     uint8_t cache_n[AP_CACHE_BINS];
     int n_cached;
 

@@ -10,6 +10,12 @@
 
 static inline size_t ap_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
+/* Bytes a request of size (1 .. device size) occupies: padded, then rounded to min_block, a power
+   of two (checked at creation), so the hot path rounds with a mask instead of a division. */
+static inline size_t ap_round_request(const ap_pool *p, size_t size) {
+    return (size + p->cfg.pad_bytes + p->cfg.min_block - 1) & ~(p->cfg.min_block - 1);
+}
+
 /* Makes the pool's device current on the calling thread before a stream or event call: the
    runtime's current device is per thread, and NULL means that device's default stream. Cached by
    the backend per thread, so it costs a compare when nothing changes. */
@@ -39,18 +45,24 @@ void ap_free_retag_slot(ap_pool *p, int from, int to);
 ap_block *ap_find_fit(ap_pool *p, int slot, int pool, size_t rsize);
 /* Takes a free block (already chosen by ap_find_fit) for an allocation, splitting off the rest. */
 void ap_take_block(ap_pool *p, ap_block *b, size_t rsize, size_t requested, int slot);
-/* Marks a block (already out of every free structure) allocated, with the allocation stats. */
-void ap_mark_allocated(ap_pool *p, ap_block *b, size_t requested, int slot);
 
-/* free_cache.c: recently freed blocks by exact size, not yet coalesced. */
-ap_block *ap_cache_pop(ap_pool *p, int slot, size_t rsize);
-void ap_cache_push(ap_pool *p, ap_block *b, int tag);
-/* Coalesces every cached block into the trees; call before anything that needs the full picture. */
-void ap_cache_flush(ap_pool *p);
-/* For stats without flushing: the blocks as they are (cached ones are separate free blocks until
-   the next miss merges them; snapshots show the same). */
-size_t ap_cache_bytes(const ap_pool *p);
-size_t ap_cache_largest(const ap_pool *p);
+/* Marks a block (already out of every free structure) of pool kind `pool` allocated, with the
+   allocation stats. Inline: the cached path passes a constant kind. */
+static inline void ap_mark_allocated_in(ap_pool *p, ap_block *b, size_t requested, int slot, int pool) {
+    b->state = AP_BLOCK_ALLOCATED;
+    b->requested = requested;
+    b->tag = (uint16_t)slot;
+    b->seg->last_use = ++p->tick;
+    ap_stat_inc(&p->stats, AP_STAT_ALLOCATION, pool, 1);
+    ap_stat_inc(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
+    ap_stat_inc(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)requested);
+    /* active = allocated + pending (stats.h): its peak needs a look only while blocks wait */
+    if (__builtin_expect(p->stats.pending_free_blocks != 0, 0)) ap_stats_note_active(&p->stats, pool);
+}
+
+static inline void ap_mark_allocated(ap_pool *p, ap_block *b, size_t requested, int slot) {
+    ap_mark_allocated_in(p, b, requested, slot, b->seg->pool);
+}
 
 /* segments.c: device allocations, release policies and the out-of-memory path. */
 /* Returns a free block of at least rsize for slot, from a new segment if needed (the slow path). */
@@ -74,6 +86,12 @@ void ap_vmm_destroy(ap_pool *p);
 /* stream_order.c: stream slots, events, pending frees, cross-stream reuse. */
 /* Slot of a stream (created when create != 0); -1 when none / table full. */
 int ap_slot_of(ap_pool *p, void *stream, int create);
+/* The same, answered inline when the stream is the last one looked up (the usual case). */
+static inline int ap_slot_of_fast(ap_pool *p, void *stream, int create) {
+    int last = p->last_slot;
+    if (last > 0 && p->slots[last].stream == stream && p->slots[last].live) return last;
+    return ap_slot_of(p, stream, create);
+}
 void *ap_event_get(ap_pool *p);
 void ap_event_put(ap_pool *p, void *event);
 void ap_events_destroy(ap_pool *p);
@@ -90,5 +108,8 @@ int ap_settle_free_slots(ap_pool *p, ap_error *err);
 /* Lets `to` reuse the free blocks of every other stream (for a request of rsize in pool): orders
    to's stream after theirs with an event, no host wait. Returns the number of blocks moved. */
 size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_error *err);
+
+/* free_cache.h: recently freed blocks by exact size, not yet coalesced (inline hits). */
+#include "free_cache.h"
 
 #endif

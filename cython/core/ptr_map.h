@@ -1,5 +1,6 @@
 /* Live allocations by address: open addressing with linear probing and backward-shift deletion.
- * One probe on average at load <= 1/2; grows by doubling, so steady state never allocates. */
+ * One probe on average at load <= 1/2; grows by doubling, so steady state never allocates.
+ * The lookups are inline: every malloc puts and every free takes. */
 #ifndef AP_PTR_MAP_H
 #define AP_PTR_MAP_H
 
@@ -14,10 +15,62 @@ typedef struct ap_ptr_map {
 
 int ap_map_init(ap_ptr_map *m, size_t capacity);
 void ap_map_destroy(ap_ptr_map *m);
+/* Doubles the table; 0, or -1 when host memory ran out (the table is unchanged). */
+int ap_map_grow(ap_ptr_map *m);
+
+static inline size_t ap_map_home(const ap_ptr_map *m, uintptr_t key) {
+    /* Addresses are multiples of 512: drop those bits, then mix. */
+    return (size_t)(((uint64_t)(key >> 9) * 0x9E3779B97F4A7C15ull) >> 20) & m->mask;
+}
+
+static inline void ap_map_place(ap_ptr_map *m, uintptr_t key, ap_block *val) {
+    size_t i = ap_map_home(m, key);
+    while (m->keys[i]) i = (i + 1) & m->mask;
+    m->keys[i] = key;
+    m->vals[i] = val;
+}
+
 /* 0 on success, -1 when growing the table failed (host out of memory). */
-int ap_map_put(ap_ptr_map *m, uintptr_t key, ap_block *val);
-ap_block *ap_map_get(const ap_ptr_map *m, uintptr_t key);
+static inline int ap_map_put(ap_ptr_map *m, uintptr_t key, ap_block *val) {
+    if (__builtin_expect((m->count + 1) * 2 > m->mask + 1, 0) && ap_map_grow(m) != 0) return -1;
+    ap_map_place(m, key, val);
+    m->count++;
+    return 0;
+}
+
+static inline ap_block *ap_map_get(const ap_ptr_map *m, uintptr_t key) {
+    size_t i = ap_map_home(m, key);
+    while (m->keys[i]) {
+        if (m->keys[i] == key) return m->vals[i];
+        i = (i + 1) & m->mask;
+    }
+    return NULL;
+}
+
 /* Removes and returns the block at key, or NULL. */
-ap_block *ap_map_take(ap_ptr_map *m, uintptr_t key);
+static inline ap_block *ap_map_take(ap_ptr_map *m, uintptr_t key) {
+    size_t i = ap_map_home(m, key);
+    while (m->keys[i] && m->keys[i] != key) i = (i + 1) & m->mask;
+    if (!m->keys[i]) return NULL;
+    ap_block *val = m->vals[i];
+    /* Backward-shift: pull later entries of the probe run into the hole so no tombstones are needed. */
+    size_t hole = i, j = i;
+    for (;;) {
+        j = (j + 1) & m->mask;
+        if (!m->keys[j]) break;
+        size_t home = ap_map_home(m, m->keys[j]);
+        /* Entry j may move to the hole if its home is not cyclically in (hole, j]. */
+        int home_in_range = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
+        if (!home_in_range) {
+            m->keys[hole] = m->keys[j];
+            m->vals[hole] = m->vals[j];
+            hole = j;
+        }
+    }
+    m->keys[hole] = 0;
+    m->vals[hole] = NULL;
+    m->count--;
+    return val;
+}
 
 #endif

@@ -96,8 +96,6 @@ static void unaccount(ap_pool *p, ap_share *s) {
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, AP_POOL_LARGE, 1);
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, AP_POOL_LARGE, (int64_t)b->size);
     ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, AP_POOL_LARGE, (int64_t)b->requested);
-    ap_stat_dec(&p->stats, AP_STAT_ACTIVE, AP_POOL_LARGE, 1);
-    ap_stat_dec(&p->stats, AP_STAT_ACTIVE_BYTES, AP_POOL_LARGE, (int64_t)b->size);
     ap_stat_dec(&p->stats, AP_STAT_SEGMENT, AP_POOL_LARGE, 1);
     ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, AP_POOL_LARGE, (int64_t)seg->size);
     if (p->quota.release) p->quota.release(p->quota.ctx, p->device, seg->size);

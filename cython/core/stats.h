@@ -27,6 +27,11 @@ enum { AP_STAT_ALL = 0, AP_STAT_SMALL = 1, AP_STAT_LARGE = 2, AP_N_STAT_TYPES };
 
 typedef struct ap_stats {
     ap_stat s[AP_N_STATS][AP_N_STAT_TYPES];
+    /* Inside the pool, active = allocated + pending (freed blocks that wait for other streams'
+       events, record_stream), so allocations and frees update no active counters:
+       pending[0] counts blocks and pending[1] bytes, their `current` what waits now and their
+       `peak` the active peak reached while something waited. ap_stats_export fills s[ACTIVE*]. */
+    ap_stat pending[2][AP_N_STAT_TYPES];
     int64_t num_alloc_retries;
     int64_t num_ooms;
     int64_t num_sync_all_streams;
@@ -62,13 +67,14 @@ static inline void ap_stat_add(ap_stats *st, int stat, int pool, int64_t delta) 
     ap_stat_add_one(&st->s[stat][1 + pool], delta);
 }
 
-/* The same for a known sign (no branch on it): the cached path's updates. */
+/* The same for a known sign: the cached path's updates. A peak is written only when passed, so
+   the usual update is two stores (the atomic unlock that follows waits for every store). */
 static inline void ap_stat_inc(ap_stats *st, int stat, int pool, int64_t n) {
     ap_stat *a = &st->s[stat][AP_STAT_ALL], *b = &st->s[stat][1 + pool];
     a->current += n;
-    a->peak = a->current > a->peak ? a->current : a->peak;
+    if (__builtin_expect(a->current > a->peak, 0)) a->peak = a->current;
     b->current += n;
-    b->peak = b->current > b->peak ? b->current : b->peak;
+    if (__builtin_expect(b->current > b->peak, 0)) b->peak = b->current;
 }
 
 static inline void ap_stat_dec(ap_stats *st, int stat, int pool, int64_t n) {
@@ -78,7 +84,22 @@ static inline void ap_stat_dec(ap_stats *st, int stat, int pool, int64_t n) {
     b->current -= n;
     b->freed += n;
 }
+/* A block of pool kind `pool` and `bytes` starts (+1) or stops (-1) waiting for events. */
+static inline void ap_stats_pending(ap_stats *st, int pool, int64_t bytes, int sign) {
+    int types[2] = {AP_STAT_ALL, 1 + pool};
+    for (int t = 0; t < 2; t++) {
+        st->pending[0][types[t]].current += sign;
+        st->pending[1][types[t]].current += sign * bytes;
+    }
+    st->pending_free_blocks += sign;
+    st->pending_free_bytes += sign * bytes;
+}
+
+/* Records the active peak after an allocation of kind `pool` made while blocks are pending. */
+void ap_stats_note_active(ap_stats *st, int pool);
 /* Resets every peak to its current value. */
 void ap_stats_reset_peaks(ap_stats *st);
+/* Copies st into out with the active stats derived (the form readers see). */
+void ap_stats_export(const ap_stats *st, ap_stats *out);
 
 #endif

@@ -124,8 +124,7 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
     if (p->pending_tail) p->pending_tail->pending_next = b;
     else p->pending_head = b;
     p->pending_tail = b;
-    p->stats.pending_free_bytes += (int64_t)b->size;
-    p->stats.pending_free_blocks++;
+    ap_stats_pending(&p->stats, b->seg->pool, (int64_t)b->size, +1);
     ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->size, streams[0]);
 }
 
@@ -162,11 +161,7 @@ int ap_process_pending(ap_pool *p, int blocking, ap_error *err) {
         int rc = events_done(p, b, blocking, err);
         if (rc == AP_OK) {
             pending_unlink(p, prev, b);
-            int pool = b->seg->pool;
-            p->stats.pending_free_bytes -= (int64_t)b->size;
-            p->stats.pending_free_blocks--;
-            ap_stat_dec(&p->stats, AP_STAT_ACTIVE, pool, 1);
-            ap_stat_dec(&p->stats, AP_STAT_ACTIVE_BYTES, pool, (int64_t)b->size);
+            ap_stats_pending(&p->stats, b->seg->pool, (int64_t)b->size, -1);
             ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->size, NULL);
             ap_free_insert(p, b, 0);
         } else {

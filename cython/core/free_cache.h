@@ -1,0 +1,86 @@
+/* A small cache of recently freed small-pool blocks, by exact size and stream, so that the common
+ * free-then-malloc of the same size (a training step, a decode loop) skips coalescing and the
+ * best-fit tree entirely: one hash, one compare, a few counter updates.
+ *
+ * Only small-pool blocks (<= 1 MiB) are cached: large blocks left unmerged keep their neighbours'
+ * free space fragmented, so later requests split other blocks instead and fewer segments become
+ * wholly free for release (measured on the shared traces: mean waste reduction vs torch_npu fell
+ * from 65 % to 25 % with every block cached, and rose to 68 % with small blocks only).
+ *
+ * Cached blocks are free (inactive) in every statistic and snapshot, just not merged with their
+ * neighbours yet. Anything that needs the coalesced picture — a miss, a release, empty_cache,
+ * stream settling, stats and snapshots — flushes the cache first, so policies and figures see
+ * exactly what an eager-coalescing pool would see.
+ *
+ * The hits are inline here, on the cached path of ap_pool_malloc/ap_pool_free; the cache holds
+ * small-pool blocks only, so their statistics use constant indices. Keys (size, stream) sit
+ * beside the pointers so a lookup reads no block struct.
+ */
+#ifndef AP_FREE_CACHE_H
+#define AP_FREE_CACHE_H
+
+#include "pool.h"
+
+/* free_cache.c: the cold paths. */
+void ap_cache_evict_oldest(ap_pool *p, unsigned bin);
+/* Coalesces every cached block into the trees; call before anything that needs the full picture. */
+void ap_cache_flush(ap_pool *p);
+/* For stats without flushing: the blocks as they are (cached ones are separate free blocks until
+   the next miss merges them; snapshots show the same). */
+size_t ap_cache_bytes(const ap_pool *p);
+size_t ap_cache_largest(const ap_pool *p);
+
+static inline unsigned ap_cache_bin(size_t rsize) {
+    return (unsigned)(((uint64_t)(rsize >> 9) * 0x9E3779B97F4A7C15ull) >> 58) & (AP_CACHE_BINS - 1);
+}
+
+static inline uint64_t ap_cache_key(size_t rsize, int slot) { return (uint64_t)rsize << 16 | (uint16_t)slot; }
+
+static inline void ap_cache_uncount(ap_pool *p, ap_block *b) {
+    if (b->counted_split) {
+        b->counted_split = 0;
+        ap_stat_dec(&p->stats, AP_STAT_INACTIVE_SPLIT, AP_POOL_SMALL, 1);
+        ap_stat_dec(&p->stats, AP_STAT_INACTIVE_SPLIT_BYTES, AP_POOL_SMALL, (int64_t)b->size);
+    }
+}
+
+/* A cached block of exactly rsize freed on slot, taken out of the cache (state FREE), or NULL. */
+static inline ap_block *ap_cache_pop(ap_pool *p, int slot, size_t rsize) {
+    unsigned bin = ap_cache_bin(rsize);
+    uint64_t key = ap_cache_key(rsize, slot);
+    int n = p->cache_n[bin];
+    for (int i = n - 1; i >= 0; i--) {
+        if (p->cache_key[bin][i] != key) continue;
+        ap_block *b = p->cache[bin][i];
+        for (int j = i; j < n - 1; j++) {
+            p->cache[bin][j] = p->cache[bin][j + 1];
+            p->cache_key[bin][j] = p->cache_key[bin][j + 1];
+        }
+        p->cache_n[bin] = (uint8_t)(n - 1);
+        p->n_cached--;
+        ap_cache_uncount(p, b);
+        b->state = AP_BLOCK_FREE;
+        return b;
+    }
+    return NULL;
+}
+
+/* Parks a freed small-pool block (no record_stream uses) for reuse on stream slot tag. */
+static inline void ap_cache_push_small(ap_pool *p, ap_block *b, int tag) {
+    unsigned bin = ap_cache_bin(b->size);
+    if (p->cache_n[bin] == AP_CACHE_DEPTH) ap_cache_evict_oldest(p, bin); /* it goes to the tree, merged */
+    b->state = AP_BLOCK_CACHED;
+    b->tag = (uint16_t)tag;
+    b->requested = 0;
+    if (b->prev || b->next) {
+        b->counted_split = 1;
+        ap_stat_inc(&p->stats, AP_STAT_INACTIVE_SPLIT, AP_POOL_SMALL, 1);
+        ap_stat_inc(&p->stats, AP_STAT_INACTIVE_SPLIT_BYTES, AP_POOL_SMALL, (int64_t)b->size);
+    }
+    int n = p->cache_n[bin]++;
+    p->cache[bin][n] = b;
+    p->cache_key[bin][n] = ap_cache_key(b->size, tag);
+    p->n_cached++;
+}
+
+#endif
