@@ -7,6 +7,7 @@
 # builds on it. Units are bytes throughout.
 
 from libc.stdint cimport uint64_t, uint32_t, int64_t
+from libc.stdlib cimport malloc, free
 
 cdef extern from "pool.h" nogil:
     ctypedef struct ap_quota_hook:
@@ -70,6 +71,12 @@ cdef extern from "quota/ledger_reserve.h" nogil:
     int apl_hook_reserve(void *ctx, int device, size_t nbytes, char *why, size_t why_len) noexcept
     void apl_hook_release(void *ctx, int device, size_t nbytes) noexcept
     int apl_take_warn(apl_handle *h)
+
+cdef extern from "quota/ledger_view.h" nogil:
+    ctypedef struct apl_tables:
+        apl_tenant tenants[64]
+        apl_slot slots[1024]
+    int apl_copy_tables(const apl_file *f, apl_tables *out, apl_tables *scratch)
 
 LEDGER_TENANTS = APL_TENANTS
 LEDGER_SLOTS = APL_SLOTS
@@ -156,29 +163,37 @@ cdef class Ledger:
          "uncertain_bytes", "warn" (ratio or None)}; a slot is {"pid", "tenant", "held_bytes",
          "alive" (True, False, or None when it cannot be told)}."""
         cdef apl_file *f = self.L.f
+        cdef apl_tables *t = <apl_tables *>malloc(2 * sizeof(apl_tables))
         cdef int i
-        tenants = []
-        for i in range(APL_TENANTS):
-            if f.tenants[i].state != APL_USED:
-                continue
-            q = f.tenants[i].quota
-            w = f.tenants[i].warn_ppm
-            tenants.append({
-                "name": f.tenants[i].name.decode("ascii", "replace"),
-                "quota_bytes": None if q == APL_NO_QUOTA else q,
-                "held_bytes": f.tenants[i].held, "peak_bytes": f.tenants[i].peak,
-                "refusals": f.tenants[i].refusals, "uncertain_bytes": f.tenants[i].uncertain,
-                "warn": w / 1e6 if w else None, "index": i,
-            })
-        names = {t["index"]: t["name"] for t in tenants}
-        slots = []
-        for i in range(APL_SLOTS):
-            if f.slots[i].state != APL_USED:
-                continue
-            alive = apl_proc_alive(f.slots[i].pid, f.slots[i].start_time)
-            slots.append({"pid": f.slots[i].pid, "tenant": names.get(f.slots[i].tenant, "?"),
-                          "held_bytes": f.slots[i].held, "pending_bytes": f.slots[i].pending,
-                          "alive": None if alive < 0 else bool(alive), "index": i})
+        if t == NULL:
+            raise MemoryError("host memory for a ledger view")
+        try:
+            with nogil:
+                apl_copy_tables(f, &t[0], &t[1])  # one moment's picture (ledger_view.h)
+            tenants = []
+            for i in range(APL_TENANTS):
+                if t[0].tenants[i].state != APL_USED:
+                    continue
+                q = t[0].tenants[i].quota
+                w = t[0].tenants[i].warn_ppm
+                tenants.append({
+                    "name": t[0].tenants[i].name.decode("ascii", "replace"),
+                    "quota_bytes": None if q == APL_NO_QUOTA else q,
+                    "held_bytes": t[0].tenants[i].held, "peak_bytes": t[0].tenants[i].peak,
+                    "refusals": t[0].tenants[i].refusals, "uncertain_bytes": t[0].tenants[i].uncertain,
+                    "warn": w / 1e6 if w else None, "index": i,
+                })
+            names = {x["index"]: x["name"] for x in tenants}
+            slots = []
+            for i in range(APL_SLOTS):
+                if t[0].slots[i].state != APL_USED:
+                    continue
+                alive = apl_proc_alive(t[0].slots[i].pid, t[0].slots[i].start_time)
+                slots.append({"pid": t[0].slots[i].pid, "tenant": names.get(t[0].slots[i].tenant, "?"),
+                              "held_bytes": t[0].slots[i].held, "pending_bytes": t[0].slots[i].pending,
+                              "alive": None if alive < 0 else bool(alive), "index": i})
+        finally:
+            free(t)
         return {
             "path": self.path, "device": f.h.device, "backend": f.h.backend.decode(), "node": f.h.node.decode(),
             "owner_uid": f.h.owner_uid, "group": None if f.h.group == APL_NO_GROUP else f.h.group,
