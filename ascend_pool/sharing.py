@@ -32,8 +32,13 @@ naming the exporter (pid, start time, tenant), the size, and the importing proce
 the pool knows importers on every backend (CANN's runtime does not report them), and what
 shares() lists ("who shares what" on this node).
 
-read_only is the exporter's statement of intent, carried in the handle and on SharedBlock; neither
-CANN nor CUDA can map IPC memory read-only, so the device does not enforce it.
+read_only=True makes the importers' mappings read-only where the runtime can: the simulator maps
+them PROT_READ and refuses device writes there (sim.launch_fill: SimError 207006,
+ACL_ERROR_RT_NO_PERMISSION, naming the key), while the exporter keeps writing and the importers
+read its writes. CANN's and CUDA's IPC calls have no read-only mode (aclrtIpcMemImportByKey and
+cudaIpcOpenMemHandle map read-write), so on a real device read_only is the exporter's statement of
+intent, carried in the handle and on SharedBlock, and not enforced: SharedBlock.read_only_enforced
+says which holds (Backend.has_ipc_read_only).
 """
 
 import atexit
@@ -67,7 +72,7 @@ class SharedHandle:
     device: int         # the device the memory is on
     size: int           # bytes the exporter asked for
     key: str            # the runtime's key (acl: <= 64 characters)
-    read_only: bool     # the exporter's intent (not enforced by the device)
+    read_only: bool     # importers may only read (enforced where Backend.has_ipc_read_only)
     exporter_pid: int
     nbytes: int         # bytes mapped: whole 2 MiB pages
     backend: str        # "acl", "sim" or "cuda": importers must use the same
@@ -268,16 +273,22 @@ def share_malloc(pool, nbytes):
 def share(pool, ptr, read_only=False, pids=(), any_process=False):
     """Exports the share_malloc'ed block at ptr; returns its SharedHandle. Importers must be listed
     (pids, or allow() later) unless any_process=True (then any process of this user on the node
-    that has the handle may map it). Sharing a block twice returns the same handle."""
+    that has the handle may map it). read_only=True: importers map it read-only (enforced where
+    the runtime can: the simulator; see the module doc). Sharing a block twice returns the same
+    handle; asking for the other read_only the second time raises SharingError."""
     _check_pool(pool)
     with _lock:
         ex = _export_of(pool, ptr)
+        if ex.handle is not None and ex.handle.read_only != bool(read_only):
+            mode = "read-only" if ex.handle.read_only else "read-write"
+            raise SharingError(f"block 0x{ptr:x} is already shared {mode} (key {ex.handle.key!r}); importers may "
+                               "hold it: share_free it and share a new block to change the mode")
         if ex.handle is None:
             be = pool.backend
             if not be.has_ipc:
                 raise SharingError(f"the {be.name} backend cannot share device memory between processes: its runtime "
                                    f"({be.path}) lacks the IPC calls")
-            key = ex.seg.export(any_process)
+            key = ex.seg.export(any_process, bool(read_only))
             node = _node(be.name)
             path = _record_path(be.name, key, node)
             tenant = getattr(pool, "tenant", "default") or "default"
@@ -420,8 +431,9 @@ def _at_exit():
 
 class SharedBlock:
     """Another process's shared block, mapped into this one: ptr (device address on handle.device),
-    size, nbytes, read_only, handle. close() unmaps it (also on `with` exit); the exporter can only
-    free the block once every importer has closed it."""
+    size and nbytes (bytes), read_only (the exporter's choice), read_only_enforced (the runtime
+    refuses writes to it: the simulator; CANN and CUDA cannot), handle. close() unmaps it (also
+    on `with` exit); the exporter can only free the block once every importer has closed it."""
 
     def __init__(self, handle, ptr, pool, backend, record):
         self.handle = handle
@@ -429,6 +441,7 @@ class SharedBlock:
         self.size = handle.size
         self.nbytes = handle.nbytes
         self.read_only = handle.read_only
+        self.read_only_enforced = handle.read_only and backend.has_ipc_read_only
         self.device = handle.device
         self._pool_ref = weakref.ref(pool) if pool is not None else (lambda: None)
         self._backend = backend
