@@ -242,6 +242,9 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _check_pool(pool):
+    from ._core import check_not_forked
+
+    check_not_forked()  # a forked child's pools are its parent's (BackendUnavailableError)
     if pool.closed:
         raise SharingError("this pool is closed")
 
@@ -517,13 +520,15 @@ def open_shared(handle, pool=None):
     pool: the pool whose stats show the import as shared (default: the device's default pool); its
     reservation and quota are not charged. Raises SharingError when the block is no longer shared or
     belongs to another node/backend, DeviceError with the runtime's code when the runtime refuses
-    (e.g. 207006: this pid was not allowed by the exporter)."""
+    (e.g. 207006: this pid was not allowed by the exporter), BackendUnavailableError (990004) in a
+    process forked after its parent opened the runtime (start workers with 'spawn')."""
     if not isinstance(handle, SharedHandle):
         raise TypeError(f"open_shared needs a SharedHandle from Pool.share(), got {type(handle).__name__}")
     if pool is None:
         from .api import default_pool
 
         pool = default_pool(handle.device)
+    _check_pool(pool)
     if pool.device != handle.device:
         raise InvalidDeviceError(f"the shared block is on device {handle.device}, the pool on device {pool.device}")
     be = pool.backend

@@ -22,6 +22,7 @@
 #define AP_ERR_NOT_LOADED 990001     /* library could not be dlopen()ed */
 #define AP_ERR_MISSING_SYMBOL 990002 /* a required symbol is absent */
 #define AP_ERR_NO_DEVICE 990003      /* library loaded but reports no device */
+#define AP_ERR_FORKED 990004         /* forked after the parent opened a runtime (fork.c) */
 
 /* Sharing device memory between processes (ipc_* below). */
 #define AP_IPC_KEY_MAX 160           /* key buffers: acl keys are <= 64 chars, cuda's 128 hex digits */
@@ -29,6 +30,13 @@
 #define AP_IPC_READ_ONLY 0x2u        /* ipc_export flag: importers may only read (has_ipc_read_only) */
 
 typedef struct ap_backend ap_backend;
+
+/* fork.c: the parent's pid when this process was forked after it had opened a backend (then no
+   runtime may be used here: callers refuse with AP_ERR_FORKED), else 0. Read it with a relaxed
+   atomic load; it is set once, in the child, before any of the child's code runs. */
+extern _Atomic int ap_forked_from;
+/* The message for AP_ERR_FORKED: what happened, and to start workers with 'spawn'. */
+void ap_backend_forked_message(char *buf, size_t len);
 
 struct ap_backend {
     int kind;          /* AP_BACKEND_ACL or AP_BACKEND_CUDA */

@@ -148,6 +148,8 @@ cdef class Backend:
         """Raises DeviceError for `code` from call `what` (DeviceTimeoutError for a host `wait`
         that timed out). Call on the failing thread, at once: see the top of this file."""
         cdef char buf[_ERRLEN]
+        if ap_forked_from:  # the runtime's own code would not say why (sim: 100001)
+            _raise_forked()
         buf[0] = 0
         with nogil:
             self.b.error_message(self.b, code, buf, _ERRLEN)

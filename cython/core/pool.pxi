@@ -221,6 +221,8 @@ cdef class PoolBase:
             return
         self.p = NULL                # new calls, and the C ABI's lookups, no longer see it
         _capi_unregister(&self.p)
+        if ap_forked_from:
+            return                   # the parent's pool: its memory is not this child's to free
         while self._busy:
             _time.sleep(0.0005)      # releases the GIL so that those calls can finish
         with nogil:
@@ -228,7 +230,7 @@ cdef class PoolBase:
 
     def __dealloc__(self):
         _capi_unregister(&self.p)  # always: a subclass may have closed the pool itself
-        if self.p != NULL:
+        if self.p != NULL and not ap_forked_from:  # a forked child leaves the parent's pool alone
             with nogil:
                 ap_pool_destroy(self.p)
             self.p = NULL
@@ -240,6 +242,8 @@ cdef class PoolBase:
     cdef inline int _check(self) except -1:
         if self.p == NULL:
             raise PoolError("this pool is closed")
+        if ap_forked_from:  # inherited from the parent: its runtime is not this process's
+            _raise_forked()
         return 0
 
     cdef inline ap_pool *_enter(self) except NULL:
@@ -247,6 +251,8 @@ cdef class PoolBase:
         # while another thread is inside a call that released the GIL.
         if self.p == NULL:
             raise PoolError("this pool is closed")
+        if ap_forked_from:
+            _raise_forked()
         self._busy += 1
         return self.p
 
