@@ -54,14 +54,20 @@ import weakref
 
 from .errors import InvalidDeviceError, InvalidPointerError, PoolError
 
-__all__ = ["SharedHandle", "SharedBlock", "SharingError", "open_shared", "share_malloc", "share", "share_free",
-           "allow", "collect", "shares", "pool_stats"]
+__all__ = ["SharedHandle", "SharedBlock", "SharingError", "NotShareableError", "open_shared", "share_malloc",
+           "share", "share_free", "allow", "collect", "shares", "pool_stats"]
 
 
 class SharingError(PoolError, RuntimeError):
     """A sharing request cannot be served: the block is not shareable, the handle is no longer
     shared (its exporter released it, closed its pool, or exited), or it belongs to another node or
     backend. Runtime refusals (e.g. a pid the exporter did not allow: 207006) are DeviceErrors."""
+
+
+class NotShareableError(SharingError, InvalidPointerError):
+    """pool.share(ptr) of a block that cannot be exported: not from pool.share_malloc (exporting
+    its segment would expose its neighbours), or inside an expandable (virtual-memory) segment,
+    which the runtime's IPC key calls cannot export. The message says which, and what to do."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +258,13 @@ def _check_pool(pool):
 def _export_of(pool, ptr):
     ex = _exports.get(ptr) if isinstance(ptr, int) else None
     if ex is None or ex.deferred or ex.pool_ref() is not pool:
-        raise InvalidPointerError(
+        if isinstance(ptr, int) and ptr > 0 and pool.segment_kind(ptr) == "expandable":
+            raise NotShareableError(
+                f"0x{ptr:x} lies in an expandable segment (expandable_segments:true): virtual memory mapped in "
+                "chunks, which the runtime's IPC keys cannot export (aclrtIpcMemGetExportKey takes aclrtMalloc "
+                "memory only), and whose pages may hold other blocks. Use pool.share_malloc(nbytes): it allocates a "
+                "dedicated, page-aligned device segment even in an expandable pool")
+        raise NotShareableError(
             f"{ptr!r} is not a shareable block of this pool: share only blocks from pool.share_malloc(), which "
             "gives each a segment of its own (sharing an ordinary block would expose its neighbours' memory)")
     return ex

@@ -44,6 +44,7 @@ cdef extern from "pool.h" nogil:
     void ap_pool_set_limit(ap_pool *p, size_t limit_bytes)
     void ap_pool_reset_peaks(ap_pool *p)
     int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested)
+    int ap_pool_segment_expandable(ap_pool *p, void *ptr)
     size_t ap_pool_round_size(const ap_pool *p, size_t size)
     ctypedef struct ap_snap_block:
         uintptr_t addr
@@ -411,6 +412,13 @@ cdef class PoolBase:
         if ap_pool_block_info(self.p, _as_ptr(ptr), &base, &size, &requested) != 0:
             return None
         return (base, size, requested)
+
+    def segment_kind(self, ptr):
+        """Kind of the pool segment containing address ptr: "expandable" (virtual memory mapped
+        in chunks, expandable_segments:true), "device" (one device allocation), or None."""
+        self._check()
+        cdef int rc = ap_pool_segment_expandable(self.p, _as_ptr(ptr))
+        return None if rc < 0 else ("expandable" if rc else "device")
 
     def _raw_stats(self):
         """Counters copied under the lock: PyTorch-schema keys plus the pool's own."""
