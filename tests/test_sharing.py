@@ -204,6 +204,19 @@ def test_release_is_deferred_until_importers_close(sim_node):
         assert wait_for(ex, "out = node_used() == %d and pool.memory_stats()['shared_deferred_bytes'] == 0" % start)
 
 
+def test_an_importer_killed_while_the_release_waits_for_it_does_not_pin_the_block(sim_node):
+    with Peer(sim_node, POOL) as ex:
+        start = ex("out = node_used()")
+        h = ex("ptr = pool.share_malloc(4 * MiB); out = dump(pool.share(ptr, any_process=True))")
+        victim = Peer(sim_node, POOL)
+        victim(f"blk = ap.open_shared(load({h!r}), pool=pool)")
+        assert ex("out = pool.share_free(ptr)") is False             # deferred: the importer is alive
+        victim.kill()
+        victim.close()
+        assert wait_for(ex, "out = node_used() == %d and pool.memory_stats()['shared_deferred_bytes'] == 0" % start)
+        assert ex("out = sharing.shares()") == []
+
+
 def test_closing_the_exporting_pool_while_imported_detaches_the_block(sim_node):
     with Peer(sim_node, POOL) as ex, Peer(sim_node, POOL) as im:
         start = ex("out = node_used()")
