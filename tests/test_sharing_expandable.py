@@ -9,7 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ipc_harness import Peer  # noqa: E402
+from ipc_harness import Peer, pool_prelude  # noqa: E402
 from sim_fixtures import sim_node  # noqa: E402,F401
 
 import ascend_pool as ap  # noqa: E402
@@ -42,11 +42,7 @@ def test_share_of_a_block_in_an_expandable_segment_is_refused(xpool):
 
 
 def test_share_malloc_in_an_expandable_pool_gives_a_dedicated_segment(sim_node):
-    prelude = """
-import base64, pickle
-import ascend_pool as ap
-pool = ap.Pool(0, backend="sim", expandable_segments=True)
-"""
+    prelude = pool_prelude(expandable_segments=True)
     with Peer(sim_node, prelude) as ex, Peer(sim_node, prelude) as im:
         h = ex("""
             small = pool.malloc(3 * MiB)                       # an expandable segment beside it
@@ -57,10 +53,10 @@ pool = ap.Pool(0, backend="sim", expandable_segments=True)
             st = pool.memory_stats()
             assert st["shared_allocated_bytes"] == 6 * MiB, st
             assert st["reserved_bytes.all.current"] == 6 * MiB + 4 * MiB, st   # 3 MiB: 2 chunks of 2 MiB
-            out = base64.b64encode(pickle.dumps(pool.share(ptr, any_process=True))).decode()
+            out = dump(pool.share(ptr, any_process=True))
         """)
         assert im(f"""
-            blk = ap.open_shared(pickle.loads(base64.b64decode({h!r})), pool=pool)
+            blk = ap.open_shared(load({h!r}), pool=pool)
             out = sim.read(blk.ptr, 5 * MiB) == bytes([0x3C]) * (5 * MiB)
         """)
         # trimming the expandable pool never touches the shared segment

@@ -13,20 +13,14 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ipc_harness import Peer  # noqa: E402
+from ipc_harness import Peer, pool_prelude  # noqa: E402
 from sim_fixtures import sim_node  # noqa: E402,F401
 
 import ascend_pool as ap  # noqa: E402
 from ascend_pool import sharing, sim  # noqa: E402
 
 MiB = 1 << 20
-POOL = """
-import base64, pickle
-import ascend_pool as ap
-pool = ap.Pool(0, backend="sim")
-def dump(h): return base64.b64encode(pickle.dumps(h)).decode()
-def load(s): return pickle.loads(base64.b64decode(s))
-"""
+POOL = pool_prelude()
 # The simulator's read-only export bit (ascendsim.h), for the raw ACL-level test.
 RAW = "init(0)\nRO = lib.ascendsim_ipc_export_flag_read_only\nRO.restype = C.c_uint64\n"
 
