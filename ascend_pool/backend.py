@@ -6,6 +6,10 @@
 
 One Backend object is kept per (name, path) for the life of the process: the pool and every other
 user of the same device then share one loaded runtime and one set of per-thread device caches.
+
+A process forked after its parent opened a backend cannot use a device runtime (CANN and CUDA
+cannot; the simulator behaves alike): open_backend, Pool() and every call on an inherited pool
+raise BackendUnavailableError (code 990004) saying to start workers with the 'spawn' method.
 """
 
 import logging
@@ -96,10 +100,15 @@ def open_backend(name=None, path=None):
     automatic) loaded from `path` (None: that backend's default search).
 
     Raises ConfigError for an unknown name or environment value, BackendUnavailableError when the
-    chosen backend cannot be opened (an explicit choice never falls back to another backend).
+    chosen backend cannot be opened (an explicit choice never falls back to another backend), or
+    when this process was forked after its parent had opened one (code 990004: use 'spawn').
     The choice is logged once at INFO on the "ascend_pool" logger.
     """
     global _logged
+    _backend_class()  # the compiled module, whose fork hook records a fork after a runtime opened
+    from ascend_pool._core import check_not_forked
+
+    check_not_forked()  # the cached backends below are the parent's
     name, source = _requested_name(name)
     key = (name, path)
     with _lock:

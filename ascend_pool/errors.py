@@ -29,7 +29,7 @@ class DeviceError(PoolError, RuntimeError):
     """A device runtime call failed (aclrtMalloc, aclrtRecordEvent, cudaEventQuery, ...).
 
     ``code`` is the runtime's own error code (an ``aclError`` such as 207001 for the acl and sim
-    backends, a ``cudaError_t`` for cuda) or one of the backend's own codes 990001-990003 for
+    backends, a ``cudaError_t`` for cuda) or one of the backend's own codes 990001-990004 for
     failures before the runtime is reached. ``message`` is the readable text, including the
     runtime's recent error message when it gives one.
     """
@@ -51,6 +51,10 @@ class BackendUnavailableError(DeviceError):
     """A device backend could not be opened: its library did not load (``dlopen`` failed; code
     990001), a required symbol is missing (990002), the runtime reports no device (990003), or the
     runtime's initialisation failed (its own code). The message names the library path(s) tried.
+
+    Code 990004: this process was forked after its parent had opened a device runtime, which no
+    runtime supports (CANN, CUDA; the simulator alike). Every use of a backend or pool in the
+    child raises it; start worker processes with ``multiprocessing.get_context("spawn")``.
     """
 
 

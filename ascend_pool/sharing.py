@@ -32,8 +32,13 @@ naming the exporter (pid, start time, tenant), the size, and the importing proce
 the pool knows importers on every backend (CANN's runtime does not report them), and what
 shares() lists ("who shares what" on this node).
 
-read_only is the exporter's statement of intent, carried in the handle and on SharedBlock; neither
-CANN nor CUDA can map IPC memory read-only, so the device does not enforce it.
+read_only=True makes the importers' mappings read-only where the runtime can: the simulator maps
+them PROT_READ and refuses device writes there (sim.launch_fill: SimError 207006,
+ACL_ERROR_RT_NO_PERMISSION, naming the key), while the exporter keeps writing and the importers
+read its writes. CANN's and CUDA's IPC calls have no read-only mode (aclrtIpcMemImportByKey and
+cudaIpcOpenMemHandle map read-write), so on a real device read_only is the exporter's statement of
+intent, carried in the handle and on SharedBlock, and not enforced: SharedBlock.read_only_enforced
+says which holds (Backend.has_ipc_read_only).
 """
 
 import atexit
@@ -49,14 +54,20 @@ import weakref
 
 from .errors import InvalidDeviceError, InvalidPointerError, PoolError
 
-__all__ = ["SharedHandle", "SharedBlock", "SharingError", "open_shared", "share_malloc", "share", "share_free",
-           "allow", "collect", "shares", "pool_stats"]
+__all__ = ["SharedHandle", "SharedBlock", "SharingError", "NotShareableError", "open_shared", "share_malloc",
+           "share", "share_free", "allow", "collect", "shares", "pool_stats"]
 
 
 class SharingError(PoolError, RuntimeError):
     """A sharing request cannot be served: the block is not shareable, the handle is no longer
     shared (its exporter released it, closed its pool, or exited), or it belongs to another node or
     backend. Runtime refusals (e.g. a pid the exporter did not allow: 207006) are DeviceErrors."""
+
+
+class NotShareableError(SharingError, InvalidPointerError):
+    """pool.share(ptr) of a block that cannot be exported: not from pool.share_malloc (exporting
+    its segment would expose its neighbours), or inside an expandable (virtual-memory) segment,
+    which the runtime's IPC key calls cannot export. The message says which, and what to do."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +78,7 @@ class SharedHandle:
     device: int         # the device the memory is on
     size: int           # bytes the exporter asked for
     key: str            # the runtime's key (acl: <= 64 characters)
-    read_only: bool     # the exporter's intent (not enforced by the device)
+    read_only: bool     # importers may only read (enforced where Backend.has_ipc_read_only)
     exporter_pid: int
     nbytes: int         # bytes mapped: whole 2 MiB pages
     backend: str        # "acl", "sim" or "cuda": importers must use the same
@@ -237,6 +248,9 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _check_pool(pool):
+    from ._core import check_not_forked
+
+    check_not_forked()  # a forked child's pools are its parent's (BackendUnavailableError)
     if pool.closed:
         raise SharingError("this pool is closed")
 
@@ -244,7 +258,13 @@ def _check_pool(pool):
 def _export_of(pool, ptr):
     ex = _exports.get(ptr) if isinstance(ptr, int) else None
     if ex is None or ex.deferred or ex.pool_ref() is not pool:
-        raise InvalidPointerError(
+        if isinstance(ptr, int) and ptr > 0 and pool.segment_kind(ptr) == "expandable":
+            raise NotShareableError(
+                f"0x{ptr:x} lies in an expandable segment (expandable_segments:true): virtual memory mapped in "
+                "chunks, which the runtime's IPC keys cannot export (aclrtIpcMemGetExportKey takes aclrtMalloc "
+                "memory only), and whose pages may hold other blocks. Use pool.share_malloc(nbytes): it allocates a "
+                "dedicated, page-aligned device segment even in an expandable pool")
+        raise NotShareableError(
             f"{ptr!r} is not a shareable block of this pool: share only blocks from pool.share_malloc(), which "
             "gives each a segment of its own (sharing an ordinary block would expose its neighbours' memory)")
     return ex
@@ -268,16 +288,22 @@ def share_malloc(pool, nbytes):
 def share(pool, ptr, read_only=False, pids=(), any_process=False):
     """Exports the share_malloc'ed block at ptr; returns its SharedHandle. Importers must be listed
     (pids, or allow() later) unless any_process=True (then any process of this user on the node
-    that has the handle may map it). Sharing a block twice returns the same handle."""
+    that has the handle may map it). read_only=True: importers map it read-only (enforced where
+    the runtime can: the simulator; see the module doc). Sharing a block twice returns the same
+    handle; asking for the other read_only the second time raises SharingError."""
     _check_pool(pool)
     with _lock:
         ex = _export_of(pool, ptr)
+        if ex.handle is not None and ex.handle.read_only != bool(read_only):
+            mode = "read-only" if ex.handle.read_only else "read-write"
+            raise SharingError(f"block 0x{ptr:x} is already shared {mode} (key {ex.handle.key!r}); importers may "
+                               "hold it: share_free it and share a new block to change the mode")
         if ex.handle is None:
             be = pool.backend
             if not be.has_ipc:
                 raise SharingError(f"the {be.name} backend cannot share device memory between processes: its runtime "
                                    f"({be.path}) lacks the IPC calls")
-            key = ex.seg.export(any_process)
+            key = ex.seg.export(any_process, bool(read_only))
             node = _node(be.name)
             path = _record_path(be.name, key, node)
             tenant = getattr(pool, "tenant", "default") or "default"
@@ -420,8 +446,9 @@ def _at_exit():
 
 class SharedBlock:
     """Another process's shared block, mapped into this one: ptr (device address on handle.device),
-    size, nbytes, read_only, handle. close() unmaps it (also on `with` exit); the exporter can only
-    free the block once every importer has closed it."""
+    size and nbytes (bytes), read_only (the exporter's choice), read_only_enforced (the runtime
+    refuses writes to it: the simulator; CANN and CUDA cannot), handle. close() unmaps it (also
+    on `with` exit); the exporter can only free the block once every importer has closed it."""
 
     def __init__(self, handle, ptr, pool, backend, record):
         self.handle = handle
@@ -429,6 +456,7 @@ class SharedBlock:
         self.size = handle.size
         self.nbytes = handle.nbytes
         self.read_only = handle.read_only
+        self.read_only_enforced = handle.read_only and backend.has_ipc_read_only
         self.device = handle.device
         self._pool_ref = weakref.ref(pool) if pool is not None else (lambda: None)
         self._backend = backend
@@ -504,13 +532,15 @@ def open_shared(handle, pool=None):
     pool: the pool whose stats show the import as shared (default: the device's default pool); its
     reservation and quota are not charged. Raises SharingError when the block is no longer shared or
     belongs to another node/backend, DeviceError with the runtime's code when the runtime refuses
-    (e.g. 207006: this pid was not allowed by the exporter)."""
+    (e.g. 207006: this pid was not allowed by the exporter), BackendUnavailableError (990004) in a
+    process forked after its parent opened the runtime (start workers with 'spawn')."""
     if not isinstance(handle, SharedHandle):
         raise TypeError(f"open_shared needs a SharedHandle from Pool.share(), got {type(handle).__name__}")
     if pool is None:
         from .api import default_pool
 
         pool = default_pool(handle.device)
+    _check_pool(pool)
     if pool.device != handle.device:
         raise InvalidDeviceError(f"the shared block is on device {handle.device}, the pool on device {pool.device}")
     be = pool.backend

@@ -85,6 +85,23 @@ def same(ptr, n, value):
     return rc == 0 and data == bytes([value]) * n
 '''
 
+def pool_prelude(**knobs):
+    """Prelude for a Peer that drives an ascend_pool Pool on device 0 of the sim (knobs passed on):
+    `pool`, `ap`, `sharing`, `DeviceError`, dump(handle)/load(text) to pass SharedHandles between
+    processes as text, node_used() (the node's device bytes in use)."""
+    args = "".join(f", {k}={v!r}" for k, v in knobs.items())
+    return f"""
+import base64, pickle
+import ascend_pool as ap
+from ascend_pool import sharing
+from ascend_pool.errors import DeviceError
+pool = ap.Pool(0, backend="sim"{args})
+def dump(h): return base64.b64encode(pickle.dumps(h)).decode()
+def load(s): return pickle.loads(base64.b64decode(s))
+def node_used(): return sim.stats(0)["node_bytes_used"]
+"""
+
+
 REPL = r'''
 import json as _json, sys as _sys
 _ns = dict(globals())

@@ -20,3 +20,15 @@ def verify_pattern(handle, value, results):
         results.put((os.getpid(), repr(e), None, None))
     finally:
         pool.close()
+
+
+def open_and_report(handle, results):
+    """Opens the shared block on this process's default pool; reports (pid, None) or
+    (pid, "ExceptionClass: message") - e.g. what a forked worker is told."""
+    import ascend_pool as ap
+
+    try:
+        with ap.open_shared(handle):
+            results.put((os.getpid(), None))
+    except Exception as e:
+        results.put((os.getpid(), f"{type(e).__name__}: {e}"))

@@ -13,23 +13,14 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ipc_harness import Peer  # noqa: E402
+from ipc_harness import Peer, pool_prelude  # noqa: E402
 from sim_fixtures import sim_node  # noqa: E402,F401
 
 import ascend_pool as ap  # noqa: E402
 from ascend_pool import sharing  # noqa: E402
 
 MiB = 1 << 20
-POOL = """
-import base64, pickle
-import ascend_pool as ap
-from ascend_pool import sharing
-from ascend_pool.errors import DeviceError
-pool = ap.Pool(0, backend="sim")
-def dump(h): return base64.b64encode(pickle.dumps(h)).decode()
-def load(s): return pickle.loads(base64.b64decode(s))
-def node_used(): return sim.stats(0)["node_bytes_used"]
-"""
+POOL = pool_prelude()
 
 
 def wait_for(peer, code, timeout=5.0):
@@ -96,16 +87,25 @@ def test_a_pid_the_exporter_did_not_allow_gets_the_runtimes_code(sim_node):
         assert ex("out = pool.share_free(ptr)") is True
 
 
-def test_a_killed_importer_does_not_leak_the_block(sim_node):
+@pytest.mark.parametrize("free_first", [False, True], ids=["freed-after-the-kill", "release-waiting"])
+def test_a_killed_importer_does_not_leak_the_block(sim_node, free_first):
+    """Freed after the importer was killed: at once. Freed while it lived (deferred), then killed:
+    the background collector frees it."""
     with Peer(sim_node, POOL) as ex:
         start = ex("out = node_used()")
         h = ex("ptr = pool.share_malloc(8 * MiB); h = pool.share(ptr, any_process=True); out = dump(h)")
         victim = Peer(sim_node, POOL)
         victim(f"blk = ap.open_shared(load({h!r}), pool=pool)")
+        if free_first:
+            assert ex("out = pool.share_free(ptr)") is False         # deferred: the importer is alive
         victim.kill()
         victim.close()
-        assert ex("out = pool.share_free(ptr)") is True                # the dead importer does not count
+        if free_first:
+            assert wait_for(ex, f"out = node_used() == {start} and pool.memory_stats()['shared_deferred_bytes'] == 0")
+        else:
+            assert ex("out = pool.share_free(ptr)") is True            # the dead importer does not count
         assert ex("out = [node_used(), pool.memory_stats()['reserved_bytes.all.current']]") == [start, 0]
+        assert ex("out = sharing.shares()") == []
 
 
 def test_a_killed_exporter_leaves_importers_a_clear_error(sim_node):

@@ -35,7 +35,7 @@ CONTROL = [
     "ascendsim_set_fail_event_create_nth", "ascendsim_set_fail_event_query_nth",
     "ascendsim_reset_faults", "ascendsim_set_poison", "ascendsim_configure",
     "ascendsim_parse_size", "ascendsim_get_stats", "ascendsim_stats_fields",
-    "ascendsim_get_ipc_stats",
+    "ascendsim_get_ipc_stats", "ascendsim_ipc_export_flag_read_only",
 ]
 
 

@@ -94,6 +94,7 @@ typedef struct acl_impl {
     aclError (*aclrtIpcMemSetImportPid)(const char *key, int32_t *pid, size_t num);
     aclError (*aclrtIpcMemImportByKey)(void **devPtr, const char *key, uint64_t flags);
     aclError (*aclrtIpcMemClose)(const char *key);
+    uint64_t ipc_read_only_flag; /* the simulator's read-only export bit; 0 on CANN */
 } acl_impl;
 
 #define IMPL(b) ((acl_impl *)(b)->impl)
@@ -365,6 +366,10 @@ static int acl_ipc_lookup(acl_impl *im, void *lib)
     im->aclrtIpcMemSetImportPid = (__typeof__(im->aclrtIpcMemSetImportPid))f[1];
     im->aclrtIpcMemImportByKey = (__typeof__(im->aclrtIpcMemImportByKey))f[2];
     im->aclrtIpcMemClose = (__typeof__(im->aclrtIpcMemClose))f[3];
+    /* The simulator's read-only extension: probed, not recorded in resolved_symbols (it is no
+       ACL entry point), and never passed to a runtime that lacks it. */
+    uint64_t (*ro)(void) = (uint64_t(*)(void))dlsym(lib, "ascendsim_ipc_export_flag_read_only");
+    im->ipc_read_only_flag = ro ? ro() : 0;
     return 1;
 }
 
@@ -397,10 +402,11 @@ static int acl_ipc_export(ap_backend *b, int device, void *ptr, size_t size, cha
         return 100000; /* ACL_ERROR_INVALID_PARAM: the runtime writes 65 bytes */
     if ((rc = acl_set_device(b, device)) != 0)
         return rc;
-    return IMPL(b)->aclrtIpcMemGetExportKey(ptr, size, key, ACL_IPC_KEY_LEN,
-                                            (flags & AP_IPC_ANY_PROCESS)
-                                                ? ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION
-                                                : ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT);
+    uint64_t aflags = (flags & AP_IPC_ANY_PROCESS) ? ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION
+                                                   : ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT;
+    if (flags & AP_IPC_READ_ONLY)
+        aflags |= IMPL(b)->ipc_read_only_flag; /* 0 on CANN: no read-only IPC there */
+    return IMPL(b)->aclrtIpcMemGetExportKey(ptr, size, key, ACL_IPC_KEY_LEN, aflags);
 }
 
 static int acl_ipc_set_pids(ap_backend *b, const char *key, const int32_t *pids, size_t n)
@@ -783,6 +789,7 @@ int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen)
     b->ipc_set_pids = b->has_ipc ? acl_ipc_set_pids : acl_ipc_absent_set_pids;
     b->ipc_import = b->has_ipc ? acl_ipc_import : acl_ipc_absent_import;
     b->ipc_close = b->has_ipc ? acl_ipc_close : acl_ipc_absent_close;
+    b->has_ipc_read_only = b->has_ipc && im->ipc_read_only_flag != 0;
 
     /* A framework in this process may have initialised ACL already; that is fine. Never finalise:
        see ap_backend_close(). */

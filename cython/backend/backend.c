@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,10 @@ int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err
         return AP_ERR_NOT_LOADED;
     }
     memset(b, 0, sizeof *b);
+    if (atomic_load_explicit(&ap_forked_from, memory_order_relaxed)) {
+        ap_backend_forked_message(err, errlen);
+        return AP_ERR_FORKED;
+    }
     if (path && !*path)
         path = NULL; /* "" means the default search, as NULL does */
     if (!kind) {
@@ -45,6 +50,7 @@ int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err
         return rc;
     }
     snprintf(b->name, sizeof b->name, "%s", kind);
+    ap_backend_count_open(1);
     return 0;
 }
 
@@ -55,6 +61,8 @@ void ap_backend_close(ap_backend *b)
     /* No aclFinalize()/cudaDeviceReset(): a framework in the same process may share the runtime.
        The library is opened with RTLD_NODELETE, so dlclose() only drops our reference and never
        unmaps code that runtime worker threads may still be executing. */
+    if (b->name[0]) /* opened (ap_backend_open names it last) */
+        ap_backend_count_open(-1);
     if (b->lib)
         dlclose(b->lib);
     free(b->impl);
@@ -133,6 +141,8 @@ const char *ap_own_error_text(int code)
         return "backend library lacks a required symbol";
     case AP_ERR_NO_DEVICE:
         return "backend library loaded but reports no device";
+    case AP_ERR_FORKED:
+        return "forked after the parent opened the device runtime: start workers with 'spawn'";
     default:
         return NULL;
     }

@@ -22,12 +22,21 @@
 #define AP_ERR_NOT_LOADED 990001     /* library could not be dlopen()ed */
 #define AP_ERR_MISSING_SYMBOL 990002 /* a required symbol is absent */
 #define AP_ERR_NO_DEVICE 990003      /* library loaded but reports no device */
+#define AP_ERR_FORKED 990004         /* forked after the parent opened a runtime (fork.c) */
 
 /* Sharing device memory between processes (ipc_* below). */
 #define AP_IPC_KEY_MAX 160           /* key buffers: acl keys are <= 64 chars, cuda's 128 hex digits */
 #define AP_IPC_ANY_PROCESS 0x1u      /* ipc_export flag: no pid check (any process of the user) */
+#define AP_IPC_READ_ONLY 0x2u        /* ipc_export flag: importers may only read (has_ipc_read_only) */
 
 typedef struct ap_backend ap_backend;
+
+/* fork.c: the parent's pid when this process was forked after it had opened a backend (then no
+   runtime may be used here: callers refuse with AP_ERR_FORKED), else 0. Read it with a relaxed
+   atomic load; it is set once, in the child, before any of the child's code runs. */
+extern _Atomic int ap_forked_from;
+/* The message for AP_ERR_FORKED: what happened, and to start workers with 'spawn'. */
+void ap_backend_forked_message(char *buf, size_t len);
 
 struct ap_backend {
     int kind;          /* AP_BACKEND_ACL or AP_BACKEND_CUDA */
@@ -100,10 +109,15 @@ struct ap_backend {
        acl: aclrtIpcMemGetExportKey / SetImportPid / ImportByKey / Close (CANN 8.x; optional
        symbols). cuda: cudaIpcGetMemHandle / cudaIpcOpenMemHandle / cudaIpcCloseMemHandle. */
     int has_ipc;
+    /* 1 when the runtime maps imports of an AP_IPC_READ_ONLY export read-only: only the
+       simulator (its ascendsim_ipc_export_flag_read_only extension). CANN's and CUDA's IPC calls
+       have no read-only mode: there AP_IPC_READ_ONLY is accepted and has no effect. */
+    int has_ipc_read_only;
     /* Exports [ptr, ptr+size) of `device` and writes its key. acl: ptr and size must be page
        aligned (2 MiB); only pids listed with ipc_set_pids may import it, unless flags has
-       AP_IPC_ANY_PROCESS (ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION). cuda: the whole
-       cudaMalloc allocation containing ptr is exported, and CUDA checks no pids. */
+       AP_IPC_ANY_PROCESS (ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION); AP_IPC_READ_ONLY
+       as has_ipc_read_only says. cuda: the whole cudaMalloc allocation containing ptr is
+       exported, and CUDA checks no pids. */
     int (*ipc_export)(ap_backend *b, int device, void *ptr, size_t size, char *key, size_t keylen,
                       unsigned flags);
     /* Exporter: lets these processes import `key` (cuda: nothing to do, 0). */

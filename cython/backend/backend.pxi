@@ -22,6 +22,7 @@ cdef extern from "backend.h" nogil:
     int AP_ERR_NO_DEVICE
     int AP_IPC_KEY_MAX
     unsigned AP_IPC_ANY_PROCESS
+    unsigned AP_IPC_READ_ONLY
 
     cdef struct ap_backend:
         int kind
@@ -59,6 +60,7 @@ cdef extern from "backend.h" nogil:
         int (*vmm_map)(ap_backend *b, int device, void *va, size_t size, void *handle) noexcept nogil
         int (*vmm_unmap)(ap_backend *b, int device, void *va, size_t size) noexcept nogil
         int has_ipc
+        int has_ipc_read_only
         int (*ipc_export)(ap_backend *b, int device, void *ptr, size_t size, char *key, size_t keylen,
                           unsigned flags) noexcept nogil
         int (*ipc_set_pids)(ap_backend *b, const char *key, const int32_t *pids, size_t n) noexcept nogil
@@ -146,6 +148,8 @@ cdef class Backend:
         """Raises DeviceError for `code` from call `what` (DeviceTimeoutError for a host `wait`
         that timed out). Call on the failing thread, at once: see the top of this file."""
         cdef char buf[_ERRLEN]
+        if ap_forked_from:  # the runtime's own code would not say why (sim: 100001)
+            _raise_forked()
         buf[0] = 0
         with nogil:
             self.b.error_message(self.b, code, buf, _ERRLEN)
@@ -359,15 +363,22 @@ cdef class Backend:
         them every ipc_* method raises DeviceError with code AP_ERR_MISSING_SYMBOL (990002)."""
         return bool(self._table.has_ipc)
 
-    def ipc_export(self, int device, ptr, size_t size, bint any_process=False):
+    @property
+    def has_ipc_read_only(self):
+        """The runtime maps imports of a read_only export read-only, refusing writes: only the
+        simulator (a simulator extension). CANN's and CUDA's IPC calls have no read-only mode."""
+        return bool(self._table.has_ipc_read_only)
+
+    def ipc_export(self, int device, ptr, size_t size, bint any_process=False, bint read_only=False):
         """Exports `size` bytes at device address `ptr` (acl: both multiples of the 2 MiB page)
         and returns the key (str) that other processes import it by. Only processes listed with
         ipc_set_pids may import it, unless any_process (acl:
-        ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION; cuda checks no pids anyway)."""
+        ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION; cuda checks no pids anyway).
+        read_only: importers map it read-only where has_ipc_read_only, else no effect."""
         cdef int rc
         cdef char key[256]
         cdef void *p = _handle(ptr)
-        cdef unsigned flags = AP_IPC_ANY_PROCESS if any_process else 0
+        cdef unsigned flags = (AP_IPC_ANY_PROCESS if any_process else 0) | (AP_IPC_READ_ONLY if read_only else 0)
         key[0] = 0
         with nogil:
             rc = self.b.ipc_export(self.b, device, p, size, key, sizeof(key), flags)

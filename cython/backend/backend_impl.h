@@ -21,6 +21,9 @@ typedef struct ap_impl_base {
 int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen);
 int ap_cuda_open(ap_backend *b, const char *path, char *err, size_t errlen);
 
+/* fork.c: +1 when a backend opens, -1 when it closes (a fork with any open is refused). */
+void ap_backend_count_open(int delta);
+
 /* A fresh id for ap_impl_base.id (never 0, so a zeroed thread-local cache never matches). */
 uint64_t ap_next_backend_id(void);
 

@@ -88,6 +88,12 @@ static int apc_create_default(int device, int strict, const char *call) {
 /* The calling thread's pool for device, created (as the process default) when there is none.
    NULL with the error set on failure. */
 static inline ap_pool *apc_pool_for(int device, const char *call) {
+    if (__builtin_expect(atomic_load_explicit(&ap_forked_from, memory_order_relaxed) != 0, 0)) {
+        char why[512];
+        ap_backend_forked_message(why, sizeof why);
+        apc_fail(ASCEND_POOL_E_DEVICE, "%s: %s", call, why);
+        return NULL;
+    }
     ap_pool *p = ap_current_get(device);
     if (__builtin_expect(p != NULL, 1)) return p;
     if (apc_check_device(device, call) != 0 || apc_create_default(device, 1, call) != ASCEND_POOL_OK) return NULL;

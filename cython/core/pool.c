@@ -441,6 +441,16 @@ void ap_pool_reset_peaks(ap_pool *p) {
     pthread_mutex_unlock(&p->lock);
 }
 
+int ap_pool_segment_expandable(ap_pool *p, void *ptr) {
+    uintptr_t a = (uintptr_t)ptr;
+    int rc = -1;
+    pthread_mutex_lock(&p->lock);
+    for (ap_segment *s = p->segments; s && rc < 0; s = s->next)
+        if (a >= s->base && a < s->base + s->size) rc = s->expandable ? 1 : 0;
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
 int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested) {
     uintptr_t a = (uintptr_t)ptr;
     int rc = -1;

@@ -193,6 +193,9 @@ void ap_pool_get_stats(ap_pool *p, ap_stats *out);
 void ap_pool_reset_peaks(ap_pool *p);
 /* Looks up a live block: its base, size and requested bytes. 0 if ptr is inside one. */
 int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested);
+/* 1 when ptr lies in one of the pool's expandable (virtual-memory) segments, 0 when in another of
+   its segments, -1 when in none. */
+int ap_pool_segment_expandable(ap_pool *p, void *ptr);
 /* Bytes a request of size really occupies (rounding and padding). */
 size_t ap_pool_round_size(const ap_pool *p, size_t size);
 

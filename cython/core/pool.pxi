@@ -44,6 +44,7 @@ cdef extern from "pool.h" nogil:
     void ap_pool_set_limit(ap_pool *p, size_t limit_bytes)
     void ap_pool_reset_peaks(ap_pool *p)
     int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested)
+    int ap_pool_segment_expandable(ap_pool *p, void *ptr)
     size_t ap_pool_round_size(const ap_pool *p, size_t size)
     ctypedef struct ap_snap_block:
         uintptr_t addr
@@ -221,6 +222,8 @@ cdef class PoolBase:
             return
         self.p = NULL                # new calls, and the C ABI's lookups, no longer see it
         _capi_unregister(&self.p)
+        if ap_forked_from:
+            return                   # the parent's pool: its memory is not this child's to free
         while self._busy:
             _time.sleep(0.0005)      # releases the GIL so that those calls can finish
         with nogil:
@@ -228,7 +231,7 @@ cdef class PoolBase:
 
     def __dealloc__(self):
         _capi_unregister(&self.p)  # always: a subclass may have closed the pool itself
-        if self.p != NULL:
+        if self.p != NULL and not ap_forked_from:  # a forked child leaves the parent's pool alone
             with nogil:
                 ap_pool_destroy(self.p)
             self.p = NULL
@@ -240,6 +243,8 @@ cdef class PoolBase:
     cdef inline int _check(self) except -1:
         if self.p == NULL:
             raise PoolError("this pool is closed")
+        if ap_forked_from:  # inherited from the parent: its runtime is not this process's
+            _raise_forked()
         return 0
 
     cdef inline ap_pool *_enter(self) except NULL:
@@ -247,6 +252,8 @@ cdef class PoolBase:
         # while another thread is inside a call that released the GIL.
         if self.p == NULL:
             raise PoolError("this pool is closed")
+        if ap_forked_from:
+            _raise_forked()
         self._busy += 1
         return self.p
 
@@ -405,6 +412,13 @@ cdef class PoolBase:
         if ap_pool_block_info(self.p, _as_ptr(ptr), &base, &size, &requested) != 0:
             return None
         return (base, size, requested)
+
+    def segment_kind(self, ptr):
+        """Kind of the pool segment containing address ptr: "expandable" (virtual memory mapped
+        in chunks, expandable_segments:true), "device" (one device allocation), or None."""
+        self._check()
+        cdef int rc = ap_pool_segment_expandable(self.p, _as_ptr(ptr))
+        return None if rc < 0 else ("expandable" if rc else "device")
 
     def _raw_stats(self):
         """Counters copied under the lock: PyTorch-schema keys plus the pool's own."""

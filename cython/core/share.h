@@ -40,7 +40,8 @@ typedef struct ap_share {
 /* A dedicated segment for `size` bytes, its one block allocated. Fails like a pool malloc
    (AP_E_LIMIT, AP_E_QUOTA, AP_E_OOM after releasing cached segments once, AP_E_INVALID_SIZE). */
 int ap_share_alloc(ap_pool *p, size_t size, ap_share *s, ap_error *err);
-/* Exports the whole segment; flags: AP_IPC_ANY_PROCESS or 0 (see backend.h). Writes s->key. */
+/* Exports the whole segment; flags: AP_IPC_ANY_PROCESS | AP_IPC_READ_ONLY, or 0 (see backend.h).
+   Writes s->key. */
 int ap_share_export(ap_share *s, unsigned flags, ap_error *err);
 int ap_share_set_pids(ap_share *s, const int32_t *pids, size_t n, ap_error *err);
 /* Withdraws the key (the runtime refuses while imported: AP_E_BUSY); the block stays allocated. */

@@ -76,12 +76,13 @@ cdef class SharedSegment:
     cdef ap_pool *_pool_or_null(self):
         return NULL if self.detached or self.pool is None else self.pool.p
 
-    def export(self, bint any_process=False):
+    def export(self, bint any_process=False, bint read_only=False):
         """Exports the whole segment; returns the key. Only pids allowed with set_pids may import
-        it unless any_process."""
+        it unless any_process; read_only: importers map it read-only where the runtime can
+        (Backend.has_ipc_read_only)."""
         cdef ap_error err
         cdef int rc
-        cdef unsigned flags = AP_IPC_ANY_PROCESS if any_process else 0
+        cdef unsigned flags = (AP_IPC_ANY_PROCESS if any_process else 0) | (AP_IPC_READ_ONLY if read_only else 0)
         with nogil:
             rc = ap_share_export(&self.s, flags, &err)
         if rc != AP_OK:

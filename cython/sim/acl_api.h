@@ -55,7 +55,8 @@
  *   no current device (export, import)                ACL_ERROR_RT_CONTEXT_NULL      107002
  *   export of an address or size that is not a multiple of the 2 MiB page
  *                                                     ACL_ERROR_RT_ADDR_UNALIGNED    107008
- *   import by a pid the exporter did not allow; record of another user or not 0600
+ *   import by a pid the exporter did not allow; record of another user or not 0600; a fill of
+ *   memory imported from a read-only export (a simulator extension: ascendsim.h)
  *                                                     ACL_ERROR_RT_NO_PERMISSION     207006
  *   256 allowed pids or 256 importing processes      ACL_ERROR_RT_OVER_LIMIT        207012
  *   the order of closing: aclrtIpcMemClose or aclrtFree by the exporter while a live process

@@ -71,4 +71,14 @@ SIM_EXPORT const char *ascendsim_stats_fields(void);
    ACL_ERROR_INVALID_DEVICE. */
 SIM_EXPORT aclError ascendsim_get_ipc_stats(int32_t device, uint64_t *out, uint32_t n);
 
+/* Read-only sharing, a simulator extension: CANN's aclrtIpcMemGetExportKey (like CUDA's
+   cudaIpcGetMemHandle) has no such flag, so a real runtime maps every import read-write. Or'ed
+   into aclrtIpcMemGetExportKey's flags, this bit makes every import of the key a read-only
+   mapping (PROT_READ): ascendsim_read works, ascendsim_launch_fill answers
+   ACL_ERROR_RT_NO_PERMISSION (207006) naming the key. The exporter's own memory stays writable.
+   The acl backend looks up ascendsim_ipc_export_flag_read_only() and passes the bit only to a
+   runtime that exports it, so the same backend code runs unchanged on CANN. */
+#define ASCENDSIM_IPC_EXPORT_FLAG_READ_ONLY 0x100000000ULL
+SIM_EXPORT uint64_t ascendsim_ipc_export_flag_read_only(void);
+
 #endif

@@ -26,6 +26,11 @@ SIM_EXPORT aclError ascendsim_launch_fill(aclrtStream stream, void *ptr, size_t 
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "[%p, +%zu bytes) is not inside one live device allocation or mapped "
                         "virtual memory", ptr, nbytes);
+    if (a->read_only) { /* an import of a read-only export: PROT_READ, a write would fault */
+        rc = sim_ipc_refuse_write(a, ptr, nbytes, call);
+        sim_alloc_unpin(SIM_TREE_DEVICE, a);
+        return rc;
+    }
     sim_alloc_unpin(SIM_TREE_DEVICE, a); /* checked again when the fill runs */
     struct sim_stream *s;
     if ((rc = sim_stream_get(stream, call, &s)) != 0)

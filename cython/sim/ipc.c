@@ -37,7 +37,11 @@
  *    last importer to close a dead exporter's key removes its file; files nobody can close any
  *    more (exporter and importers all dead) are swept at the next export on the node;
  *  - importing a key this process already imported returns the same address and counts one more
- *    import; each aclrtIpcMemClose undoes one.
+ *    import; each aclrtIpcMemClose undoes one;
+ *  - read-only sharing (simulator extension, ASCENDSIM_IPC_EXPORT_FLAG_READ_ONLY in ascendsim.h):
+ *    importers map the file PROT_READ and ascendsim_launch_fill refuses to write there
+ *    (ACL_ERROR_RT_NO_PERMISSION); the exporter's range stays read-write, and its writes are seen
+ *    by the importers as any other.
  *
  * The record at the head of each file (the data starts at 2 MiB) holds the exporter's identity,
  * the allowed pids and the importers, under a process-shared robust mutex, as node.c's records do;
@@ -473,10 +477,11 @@ SIM_EXPORT aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *key
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "size is 0");
     if (len < IPC_KEY_LEN)
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "len %zu: the key buffer must hold %d bytes", len, IPC_KEY_LEN);
-    if (flags > ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
+    if ((flags & ~ASCENDSIM_IPC_EXPORT_FLAG_READ_ONLY) > ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "flags %llu is not ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT (0) or "
-                        "ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION (1)", (unsigned long long)flags);
+                        "ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION (1), optionally with the simulator's "
+                        "ASCENDSIM_IPC_EXPORT_FLAG_READ_ONLY", (unsigned long long)flags);
     int dev;
     if ((rc = sim_current_device(call, &dev)) != 0)
         return rc;
@@ -719,6 +724,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
         pthread_mutex_unlock(&r->lock);
     }
     size_t size = (size_t)r->size;
+    int read_only = (r->flags & ASCENDSIM_IPC_EXPORT_FLAG_READ_ONLY) != 0;
     char *start = NULL;
     if (rc == 0) {
         /* 2 MiB-aligned address: over-reserve, trim, then map the file over the aligned part. */
@@ -731,7 +737,8 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
             size_t tail = (size_t)(raw + size + SIM_HUGE_PAGE - (start + size));
             if (tail)
                 munmap(start + size, tail);
-            if (mmap(start, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, (off_t)IPC_DATA_OFF) == MAP_FAILED) {
+            int prot = read_only ? PROT_READ : PROT_READ | PROT_WRITE; /* the exporter's choice */
+            if (mmap(start, size, prot, MAP_SHARED | MAP_FIXED, fd, (off_t)IPC_DATA_OFF) == MAP_FAILED) {
                 err = errno;
                 munmap(start, size);
             }
@@ -759,6 +766,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
     m->a.map = start;
     m->a.map_len = size;
     m->a.device = r->device;
+    m->a.read_only = read_only;
     m->count = 1;
     sim_alloc_insert(SIM_TREE_IPC, &m->a);
     m->next = imports;
@@ -913,6 +921,20 @@ int sim_ipc_explain(const void *ptr, size_t n, const char *call)
     }
     pthread_mutex_unlock(&ipc_mu);
     return rc;
+}
+
+SIM_EXPORT uint64_t ascendsim_ipc_export_flag_read_only(void)
+{
+    return ASCENDSIM_IPC_EXPORT_FLAG_READ_ONLY;
+}
+
+int sim_ipc_refuse_write(const struct sim_alloc *a, const void *ptr, size_t n, const char *call)
+{
+    const struct ipc_import *m = (const struct ipc_import *)a; /* a read-only entry is an import */
+    return sim_fail(ACL_ERROR_RT_NO_PERMISSION, call,
+                    "[%p, +%zu bytes) is memory imported with key '%s', which its exporter (pid %d) shared "
+                    "read-only: this process may read it but not write it", ptr, n, m->key,
+                    (int)m->rec->exporter_pid);
 }
 
 void sim_ipc_finalize(void)

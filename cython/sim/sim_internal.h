@@ -113,6 +113,7 @@ struct sim_alloc {
     int freed;           /* unmapped by the last unpin */
     int poison;          /* fill with 0xDD before unmapping */
     int tree;            /* the tree it was inserted in (whose lock guards pins) */
+    int read_only;       /* mapped PROT_READ (an import of a read-only export): fills are refused */
 };
 /* SIM_TREE_VMM holds the VMM reservations (vmm.c): a pin of device memory that is not an
    aclrtMalloc allocation succeeds when the range lies in one reservation and every page of it is
@@ -183,6 +184,9 @@ int sim_ipc_usable(const struct sim_alloc *a);
 /* For ascendsim_read/launch_fill after a failed pin: when [ptr, ptr+n) is imported memory that is
    no longer usable, records why and returns ACL_ERROR_RT_IPC_ERROR; else 0. */
 int sim_ipc_explain(const void *ptr, size_t n, const char *call);
+/* For ascendsim_launch_fill on a pinned entry `a` with a->read_only: records why the write is
+   refused (naming the key and its exporter) and returns ACL_ERROR_RT_NO_PERMISSION. */
+int sim_ipc_refuse_write(const struct sim_alloc *a, const void *ptr, size_t n, const char *call);
 /* aclFinalize, after the streams are gone: closes this process's imports and exports. */
 void sim_ipc_finalize(void);
 

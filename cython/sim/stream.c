@@ -31,7 +31,9 @@ static void run_fill(struct sim_stream *s, struct sim_work *w)
         sim_sleep_ns(w->delay_us * 1000ull);
     /* Freed meanwhile? Then drop the fill rather than write to unmapped memory. */
     struct sim_alloc *a = sim_alloc_pin(SIM_TREE_DEVICE, w->ptr, w->n);
-    if (!a) {
+    if (!a || a->read_only) { /* read-only: refused at launch; re-imported read-only since */
+        if (a)
+            sim_alloc_unpin(SIM_TREE_DEVICE, a);
         atomic_fetch_add(&g_sim.dev[s->device].dropped_fills, 1);
         return;
     }

@@ -1,0 +1,47 @@
+/* A child forked after its parent opened a device runtime cannot use that runtime.
+ *
+ * Why: CANN and CUDA keep device contexts, driver handles and worker threads that a fork does not
+ * copy into the child (PyTorch: "Cannot re-initialize CUDA in forked subprocess"); the simulator
+ * mirrors this by resetting its runtime in the child (every call: ACL_ERROR_UNINITIALIZE). The
+ * child would otherwise reuse the parent's opened backend and pools and get baffling codes, or a
+ * cached block whose address means nothing in its own runtime. So the fork is noted here, once,
+ * and every entry point (ap_backend_open, the Python pool and sharing calls, the C ABI) refuses
+ * with AP_ERR_FORKED and a message that says to start workers with 'spawn'.
+ *
+ * A fork before any backend was opened is fine: the child opens its own runtime as any process.
+ */
+#include "backend_impl.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <unistd.h>
+
+static atomic_int open_backends;
+atomic_int ap_forked_from; /* backend.h */
+
+static void after_fork_in_child(void)
+{
+    /* Only async-signal-safe work here: two atomic accesses and getppid(). A grandchild keeps
+       the first pid: its runtime is as unusable as its parent's. */
+    if (atomic_load(&open_backends) > 0 && atomic_load(&ap_forked_from) == 0)
+        atomic_store(&ap_forked_from, (int)getppid());
+}
+
+__attribute__((constructor)) static void fork_boot(void)
+{
+    pthread_atfork(NULL, NULL, after_fork_in_child);
+}
+
+void ap_backend_count_open(int delta)
+{
+    atomic_fetch_add(&open_backends, delta);
+}
+
+void ap_backend_forked_message(char *buf, size_t len)
+{
+    ap_errf(buf, len,
+            "this process (pid %d) was forked from pid %d after that process had opened the device runtime; "
+            "a runtime (CANN, CUDA, the simulated NPU) cannot be used in a forked child. Start worker processes "
+            "with the 'spawn' start method (multiprocessing.get_context('spawn'), or 'forkserver'), or fork before "
+            "opening any pool", (int)getpid(), (int)atomic_load(&ap_forked_from));
+}
