@@ -150,11 +150,18 @@ cdef inline size_t _as_size(object nbytes) except? 0:
     return <size_t>n
 
 
+cdef extern from "Python.h":
+    # Declared here without an exception value, so that the error of an int too large is ours
+    # to clear (cpython.long's declaration would report it as unraisable in a noexcept function).
+    void *_long_as_void_ptr "PyLong_AsVoidPtr"(object v)
+
+
 cdef inline void *_long_to_ptr(object ptr) noexcept:
     """The address in an int, or NULL (error cleared) when it does not fit."""
-    cdef void *p = PyLong_AsVoidPtr(ptr)
-    if p == NULL and PyErr_Occurred():
+    cdef void *p = _long_as_void_ptr(ptr)
+    if PyErr_Occurred():
         PyErr_Clear()
+        return NULL
     return p
 
 
