@@ -1,5 +1,6 @@
 """Stream-ordered frees on the simulator's real asynchronous streams: a block freed on one stream
-is never touched by another stream's work before the first stream's queued work is done."""
+is never touched by another stream's work before the first stream's queued work is done. Every
+test runs on the classic pool and with expandable segments (virtual memory)."""
 
 import random
 import time
@@ -10,6 +11,18 @@ import ascend_pool as ap
 from ascend_pool import sim
 
 N = 64 << 10  # bytes per buffer
+
+
+@pytest.fixture(params=[False, True], ids=["classic", "expandable"])
+def knobs(request):
+    return {"expandable_segments": True} if request.param else {}
+
+
+@pytest.fixture
+def pool(knobs):
+    p = ap.Pool(0, backend="sim", **knobs)
+    yield p
+    p.close()
 
 
 def filled_with(ptr, value, n=N):
@@ -110,9 +123,9 @@ def test_events_are_pooled(pool, streams):
     assert first < 50
 
 
-def test_out_of_memory_waits_for_pending_frees(clean_faults):
+def test_out_of_memory_waits_for_pending_frees(clean_faults, knobs):
     total = sim.stats(2)["total_bytes"]
-    pool = ap.Pool(2, backend="sim")
+    pool = ap.Pool(2, backend="sim", **knobs)
     a, b = pool.create_stream(), pool.create_stream()
     try:
         big = pool.malloc(int(total * 0.6), stream=a)
@@ -129,8 +142,8 @@ def test_out_of_memory_waits_for_pending_frees(clean_faults):
         pool.close()
 
 
-def test_hung_stream_gives_a_timeout_error_and_others_keep_working():
-    pool = ap.Pool(0, backend="sim", sync_timeout_ms=200)
+def test_hung_stream_gives_a_timeout_error_and_others_keep_working(knobs):
+    pool = ap.Pool(0, backend="sim", sync_timeout_ms=200, **knobs)
     hung, fine = pool.create_stream(), pool.create_stream()
     try:
         sim.hang_stream(hung)

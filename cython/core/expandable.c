@@ -3,16 +3,30 @@
  * Why: in the classic pool, free space split across separate device allocations can never merge.
  * Here a miss first tries to map just enough new memory right after a segment whose last block is
  * free, so the new pages extend that block in place; mapping into a hole between two segments
- * joins them. Each page (2 MiB) is its own physical allocation, so idle memory goes back to the
- * device a page at a time, from inside any free block: unmapping pages inside a segment splits it. Blocks never straddle unmapped memory because a segment is, by definition,
- * a run of contiguous mapped chunks.
+ * joins them. Blocks never straddle unmapped memory because a segment is, by definition, a run of
+ * contiguous mapped chunks.
  *
- * Device calls: one physical allocation + one map per growth, one unmap + one free per release;
- * steady-state loops never grow, so they make none.
+ * Chunks: one physical allocation per chunk of at most AP_VMM_CHUNK_MAX (20 MiB, PyTorch's
+ * large-pool granule), mapped and unmapped whole, as the runtime requires. A growth costs two
+ * calls (allocate + map) per chunk and a release two (unmap + free): 2 MiB pages cost ten times
+ * more calls for the same bytes, while a chunk as large as its whole growth is pinned by any block
+ * later carved from it (gpt2 trace: 444 MiB of waste, against 86 with 20 MiB chunks). A chunk is
+ * unmapped only when it lies wholly inside one free block; unmapping it splits its segment.
+ *
+ * Trades: the release policy (vmm_policy.c, which decides when) unmaps idle chunks but keeps their
+ * physical memory in p->vmm_spares; the growth that follows maps it again where it is needed. A
+ * traded chunk thus costs an unmap and a map, not also a free and an allocation.
  */
 #include <stdlib.h>
 
 #include "pool_internal.h"
+
+/* Bytes of the next chunk of a growth that still has `rest` bytes to map. */
+static size_t chunk_size_for(const ap_pool *p, size_t rest) {
+    size_t max = AP_VMM_CHUNK_MAX < p->vmm_granularity ? p->vmm_granularity
+                                                       : AP_VMM_CHUNK_MAX / p->vmm_granularity * p->vmm_granularity;
+    return rest < max ? rest : max;
+}
 
 static int vmm_error(ap_pool *p, ap_error *err, int rc, const char *what, size_t size) {
     char msg[200];
@@ -34,6 +48,7 @@ int ap_vmm_init(ap_pool *p, ap_error *err) {
         return ap_set_error(err, AP_E_DEVICE, 0, "device granularity %zu does not divide page_size %zu", g,
                             p->cfg.page_size);
     p->vmm_granularity = p->cfg.page_size;
+    ap_vmm_policy_init(p);
     return AP_OK;
 }
 
@@ -132,13 +147,13 @@ static ap_segment *segment_ending_at(ap_vmm_space *sp, ap_vmm_chunk *c, uintptr_
     return c && c->va + c->size == va ? c->seg : NULL;
 }
 
-ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *err) {
+/* Where a growth for rsize goes: the segment whose free tail needs the fewest new pages (ties to
+   the tightest room, so that holes between segments are filled, joining them, before a segment
+   grows into open address space), or NULL for a hole of its own. *need: bytes to map. */
+static ap_segment *plan_growth(ap_pool *p, int slot, int pool, size_t rsize, size_t *need) {
     size_t g = p->vmm_granularity;
-    /* 1. Extend the segment whose tail needs the fewest new pages to hold the request. */
-    /* Ties go to the tightest room, so that holes between segments are filled (joining them)
-       before a segment grows into open address space. */
     ap_segment *target = NULL;
-    size_t need = (size_t)-1, target_room = (size_t)-1;
+    size_t best = (size_t)-1, target_room = (size_t)-1;
     for (ap_segment *s = p->segments; s; s = s->next) {
         if (s->pool != pool || !s->expandable) continue;
         ap_block *last = last_block(s);
@@ -147,70 +162,129 @@ ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *er
         size_t n = ap_round_up(rsize - have, g);
         uintptr_t end = s->base + s->size;
         size_t room = room_until(space_of(p, s->base), end) - end;
-        if (room >= n && (n < need || (n == need && room < target_room))) {
-            need = n;
+        if (room >= n && (n < best || (n == best && room < target_room))) {
+            best = n;
             target = s;
             target_room = room;
         }
     }
+    *need = target ? best : ap_round_up(rsize, g);
+    return target;
+}
+
+size_t ap_vmm_plan(ap_pool *p, int slot, int pool, size_t rsize, const ap_block **keep) {
+    size_t need;
+    ap_segment *target = plan_growth(p, slot, pool, rsize, &need);
+    *keep = target ? last_block(target) : NULL;
+    return need;
+}
+
+/* Gives a list of unmapped chunks' physical memory back to the device (release_quota: and to the
+   quota; else the caller releases their bytes with others). */
+static void free_unmapped(ap_pool *p, ap_vmm_chunk *c, int release_quota) {
+    while (c) {
+        ap_vmm_chunk *next = c->next;
+        p->backend->vmm_free(p->backend, p->device, c->handle);
+        p->stats.num_device_free++;
+        if (release_quota && p->quota.release) p->quota.release(p->quota.ctx, p->device, c->size);
+        free(c);
+        c = next;
+    }
+}
+
+ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *err) {
+    size_t need;
+    ap_segment *target = plan_growth(p, slot, pool, rsize, &need);
+    /* Chunks the release policy unmapped for this growth are mapped here again (one call each,
+       instead of free + allocate + map); those that do not fit in it go back to the device first,
+       so that physical memory never exceeds what the growth leaves. */
+    ap_vmm_chunk *reuse = NULL, **reuse_end = &reuse, *unfit = NULL;
+    size_t reused = 0;
+    for (ap_vmm_chunk *c = p->vmm_spares, *next; c; c = next) {
+        next = c->next;
+        c->next = NULL;
+        if (reused + c->size <= need) {
+            reused += c->size;
+            *reuse_end = c;
+            reuse_end = &c->next;
+        } else {
+            c->next = unfit;
+            unfit = c;
+        }
+    }
+    p->vmm_spares = NULL;
+    free_unmapped(p, unfit, 1);
     uintptr_t va;
     ap_vmm_space *sp = NULL;
     if (target) {
         va = target->base + target->size;
         sp = space_of(p, target->base);
-    } else { /* 2. A hole (or new address space) of its own. */
-        need = ap_round_up(rsize, g);
+    } else { /* a hole (or new address space) of its own */
         va = find_hole(p, pool, need, &sp);
         if (!va) {
             sp = reserve_space(p, pool, need, err);
-            if (!sp) return NULL;
+            if (!sp) {
+                free_unmapped(p, reuse, 1);
+                return NULL;
+            }
             va = sp->base;
         }
     }
     if (p->cfg.limit_bytes != AP_NO_LIMIT && ap_reserved(p) + need > p->cfg.limit_bytes) {
+        free_unmapped(p, reuse, 1);
         ap_set_error(err, AP_E_LIMIT, 0, "limit of %zu bytes reached", p->cfg.limit_bytes);
         return NULL;
     }
-    if (p->quota.reserve) {
+    if (p->quota.reserve && need > reused) { /* reused chunks are booked already */
         char why[200] = "";
-        if (p->quota.reserve(p->quota.ctx, p->device, need, why, sizeof why) != 0) {
+        if (p->quota.reserve(p->quota.ctx, p->device, need - reused, why, sizeof why) != 0) {
+            free_unmapped(p, reuse, 1);
             ap_set_error(err, AP_E_QUOTA, 0, "%s", why);
             return NULL;
         }
     }
-    /* One physical handle per page, so that any idle page can later be given back on its own. */
+    /* Reused chunks first, then new ones: see chunk_size_for. */
     ap_block *nb = ap_block_new(p);
     ap_vmm_chunk *first = NULL, *last = NULL;
-    size_t pages = need / g, done = 0;
+    size_t done = 0;
     int rc = 0;
     if (!nb) {
         ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
         goto rollback;
     }
-    for (; done < pages; done++) {
-        ap_vmm_chunk *c = calloc(1, sizeof *c);
-        if (!c) {
-            ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
-            goto rollback;
+    while (done < need) {
+        ap_vmm_chunk *c = reuse;
+        if (c) {
+            reuse = c->next;
+            c->next = NULL;
+        } else {
+            c = calloc(1, sizeof *c);
+            if (!c) {
+                ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
+                goto rollback;
+            }
+            c->size = chunk_size_for(p, need - done);
+            rc = p->backend->vmm_create(p->backend, p->device, c->size, &c->handle);
+            if (rc != 0) {
+                free(c);
+                vmm_error(p, err, rc, "mapping device memory", need);
+                goto rollback;
+            }
+            p->stats.num_device_alloc++;
         }
-        c->va = va + done * g;
-        c->size = g;
-        rc = p->backend->vmm_create(p->backend, p->device, g, &c->handle);
-        if (rc == 0) {
-            rc = p->backend->vmm_map(p->backend, p->device, (void *)c->va, g, c->handle);
-            if (rc != 0) p->backend->vmm_free(p->backend, p->device, c->handle);
-            else p->stats.num_device_map++;
-        }
+        c->va = va + done;
+        rc = p->backend->vmm_map(p->backend, p->device, (void *)c->va, c->size, c->handle);
         if (rc != 0) {
-            free(c);
+            free_unmapped(p, c, 0);
             vmm_error(p, err, rc, "mapping device memory", need);
             goto rollback;
         }
-        p->stats.num_device_alloc++;
+        p->stats.num_device_map++;
         c->prev = last;
         if (last) last->next = c;
         else first = c;
         last = c;
+        done += c->size;
     }
     /* Splice the new run of chunks into the space's address-ordered list. */
     ap_vmm_chunk *before = NULL;
@@ -273,25 +347,26 @@ ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *er
     int tag = tail && tail->state == AP_BLOCK_FREE && tail->tag && tail->tag != slot ? slot : 0;
     return ap_free_insert(p, nb, tag);
 
-rollback: /* pages mapped so far (a partial growth) go back; the pool is as before */
-    for (ap_vmm_chunk *c = first; c;) {
-        ap_vmm_chunk *next = c->next;
+rollback: /* chunks mapped so far (a partial growth) go back; the pool is as before, less the
+             reused chunks, which are freed too */
+    for (ap_vmm_chunk *c = first; c; c = c->next) {
         p->backend->vmm_unmap(p->backend, p->device, (void *)c->va, c->size);
-        p->backend->vmm_free(p->backend, p->device, c->handle);
-        p->stats.num_device_free++;
         p->stats.num_device_unmap++;
-        free(c);
-        c = next;
     }
+    free_unmapped(p, first, 0);
+    free_unmapped(p, reuse, 0);
     if (p->quota.release) p->quota.release(p->quota.ctx, p->device, need);
     if (nb) ap_block_recycle(p, nb);
     return NULL;
 }
 
-/* Unmaps the pages [lo, hi) inside the free block b (tag 0, in its tree) and splits its segment
-   around the hole. Returns the bytes released (a prefix of the range if the runtime refused a
-   page midway: those pages stay mapped and the pool stays consistent). */
-static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t lo, uintptr_t hi, ap_error *err) {
+/* Unmaps the chunks [lo, hi) inside the free block b (tag 0, in its tree) and splits its segment
+   around the hole. Their physical memory goes back to the device, or with `spare` stays allocated
+   in p->vmm_spares for the growth that follows (vmm_policy.c). Returns the bytes unmapped (a
+   prefix of the range if the runtime refused a chunk midway: the rest stays mapped and the pool
+   consistent). */
+static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t lo, uintptr_t hi, int spare,
+                            ap_error *err) {
     ap_segment *seg = b->seg;
     ap_block *left = b->addr < lo ? ap_block_new(p) : NULL;
     ap_block *right = b->addr + b->size > hi ? ap_block_new(p) : NULL;
@@ -309,17 +384,20 @@ static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t
     uintptr_t end = lo;
     while (c && c->va < hi) {
         int rc = p->backend->vmm_unmap(p->backend, p->device, (void *)c->va, c->size);
-        if (rc == 0) rc = p->backend->vmm_free(p->backend, p->device, c->handle);
         if (rc != 0) {
             vmm_error(p, err, rc, "unmapping device memory", c->size);
             break;
         }
         p->stats.num_device_unmap++;
-        p->stats.num_device_free++;
-        if (p->quota.release) p->quota.release(p->quota.ctx, p->device, c->size);
         end = c->va + c->size;
         ap_vmm_chunk *next = c->next;
-        free(c);
+        c->next = NULL;
+        if (spare) {
+            c->next = p->vmm_spares;
+            p->vmm_spares = c;
+        } else {
+            free_unmapped(p, c, 1); /* a failed free leaks the handle, not the pool's consistency */
+        }
         c = next;
     }
     if (before) before->next = c;
@@ -398,34 +476,50 @@ static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t
     return hi - lo;
 }
 
-static size_t release(ap_pool *p, size_t target, uint64_t min_idle, ap_error *err);
+/* First chunk of sp at or above va. */
+static ap_vmm_chunk *chunk_at(ap_vmm_space *sp, uintptr_t va) {
+    ap_vmm_chunk *c = sp->chunks;
+    while (c && c->va < va) c = c->next;
+    return c;
+}
 
-size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err) { return release(p, target, 0, err); }
+/* Bytes of the whole chunks inside free block b; *c walks up the chunk list with the blocks of
+   one segment (both in address order), so a scan costs one pass over each. */
+static size_t chunks_inside(ap_vmm_chunk **c, const ap_block *b) {
+    while (*c && (*c)->va < b->addr) *c = (*c)->next;
+    size_t bytes = 0;
+    for (ap_vmm_chunk *x = *c; x && x->va + x->size <= b->addr + b->size; x = x->next) bytes += x->size;
+    return bytes;
+}
 
-size_t ap_vmm_release_idle(ap_pool *p, size_t target, uint64_t min_idle) { return release(p, target, min_idle, NULL); }
-
-static size_t release(ap_pool *p, size_t target, uint64_t min_idle, ap_error *err) {
-    size_t released = 0, g = p->vmm_granularity;
-    int settled = min_idle > 0; /* the idle-page policy never waits for streams */
+/* Unmaps whole free chunks until target bytes are returned or none is left. Memory whose stream
+   may still use it is unmapped only after a wait for that stream (as cudaFree or PyTorch's unmap
+   do). Explicit trims take the largest free run first, also wait for every stream whose free
+   blocks split a chunk, and free the physical memory; for the release policy (`policy`) the
+   longest-idle block goes first, `keep` (the free block the growth will extend) stays, only the
+   picked block's stream is waited for, and the physical memory is kept for the growth. */
+static size_t release(ap_pool *p, size_t target, const ap_block *keep, int policy, ap_error *err) {
+    size_t released = 0;
+    int settled = policy;
     ap_cache_flush(p);
     while (released < target) {
-        /* The free block with the most whole pages inside it; its top pages go first. */
         ap_block *best = NULL;
         size_t best_len = 0;
         for (ap_segment *s = p->segments; s; s = s->next) {
             if (!s->expandable) continue;
+            ap_vmm_chunk *c = chunk_at(space_of(p, s->base), s->base);
             for (ap_block *b = s->first; b; b = b->next) {
-                if (b->state != AP_BLOCK_FREE || p->tick - b->free_tick < min_idle) continue;
-                uintptr_t lo = ap_round_up(b->addr, g), hi = (b->addr + b->size) / g * g;
-                if (hi > lo && hi - lo > best_len) {
+                if (b == keep || b->state != AP_BLOCK_FREE) continue;
+                size_t len = chunks_inside(&c, b);
+                if (len && (policy ? !best || b->free_tick < best->free_tick : len > best_len)) {
                     best = b;
-                    best_len = hi - lo;
+                    best_len = len;
                 }
             }
         }
         if (!best && !settled) {
-            /* Free pages may be split across blocks of different streams: once those streams are
-               waited for, the blocks merge into whole free pages. */
+            /* Free chunks may be split across blocks of different streams: once those streams are
+               waited for, the blocks merge into whole free chunks. */
             settled = 1;
             int any = ap_settle_free_slots(p, err);
             if (any < 0) return released;
@@ -436,17 +530,31 @@ static size_t release(ap_pool *p, size_t target, uint64_t min_idle, ap_error *er
             if (ap_settle_slot(p, best->tag, err) != AP_OK) break;
             continue;
         }
-        uintptr_t hi = (best->addr + best->size) / g * g;
+        /* Whole chunks from the top of the block down, until the target is met. */
+        ap_vmm_space *sp = space_of(p, best->addr);
+        uintptr_t bend = best->addr + best->size;
+        ap_vmm_chunk *top = chunk_at(sp, best->addr);
+        while (top->next && top->next->va + top->next->size <= bend) top = top->next;
+        uintptr_t hi = top->va + top->size, lo = top->va;
         size_t want = target - released;
-        size_t take = want >= best_len ? best_len : ap_round_up(want, g);
-        size_t got = release_range(p, space_of(p, best->addr), best, hi - take, hi, err);
+        for (ap_vmm_chunk *x = top; hi - lo < want && x->prev && x->prev->va >= best->addr; x = x->prev)
+            lo = x->prev->va;
+        size_t got = release_range(p, sp, best, lo, hi, policy, err);
         if (!got) break;
         released += got;
     }
     return released;
 }
 
+size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err) { return release(p, target, NULL, 0, err); }
+
+size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep) {
+    return release(p, target, keep, 1, NULL);
+}
+
 void ap_vmm_destroy(ap_pool *p) {
+    free_unmapped(p, p->vmm_spares, 1);
+    p->vmm_spares = NULL;
     while (p->spaces) {
         ap_vmm_space *sp = p->spaces;
         p->spaces = sp->next;

@@ -34,7 +34,6 @@ void ap_config_default(ap_config *c) {
     c->reserve_bytes = 0;
     c->history_capacity = 0;
     c->release_policy = AP_RELEASE_UNDER_PEAK;
-    c->vmm_idle_ticks = 1000;
     c->sync_timeout_ms = 60000;
 }
 

@@ -20,6 +20,7 @@
 #define AP_MAX_STREAMS 1024  /* distinct streams one pool tracks (slot 0 is "no stream") */
 #define AP_NO_LIMIT ((size_t)-1)
 #define AP_VMM_SPACE_MIN ((size_t)64 << 30) /* smallest address-space reservation (expandable) */
+#define AP_VMM_CHUNK_MAX ((size_t)20 << 20)  /* largest physical allocation of a growth (expandable.c) */
 #define AP_CACHE_BINS 64   /* recent-free cache: bins by hashed size ... */
 #define AP_CACHE_DEPTH 4   /* ... of this many blocks each */
 
@@ -73,8 +74,6 @@ typedef struct ap_config {
     size_t history_capacity;   /* trace ring entries (0: off) */
     int release_policy;
     int expandable;            /* segments grow in place in reserved address space (VMM) */
-    uint64_t vmm_idle_ticks;   /* expandable: the release policy trades only pages free for this
-                                  many allocations */
     int stream_reuse;          /* AP_REUSE_BORROW or AP_REUSE_TIED */
     int sync_timeout_ms;       /* bound on every host wait for the device (-1: forever) */
 } ap_config;
@@ -136,6 +135,10 @@ typedef struct ap_pool {
 
     ap_vmm_space *spaces;      /* expandable mode: reserved address ranges */
     size_t vmm_granularity;
+    ap_vmm_chunk *vmm_spares;  /* unmapped by the release policy for the growth that follows */
+    int64_t vmm_credit;        /* release policy (vmm_policy.c): calls it may spend, in 1/1000 call */
+    uint64_t vmm_credit_tick;  /* p->tick when the credit was last topped up */
+    int64_t vmm_live_high;     /* highest allocated bytes the policy has seen */
 
     ap_block *pending_head, *pending_tail; /* frees waiting on events, oldest first */
     void **event_cache;   /* idle events for reuse */

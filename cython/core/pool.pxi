@@ -27,7 +27,6 @@ cdef extern from "pool.h" nogil:
         size_t large_split_min, max_split_size, limit_bytes, reserve_bytes, history_capacity
         double gc_threshold
         int release_policy, expandable, stream_reuse, sync_timeout_ms
-        unsigned long long vmm_idle_ticks
     ctypedef struct ap_pool:
         pass
     void ap_config_default(ap_config *c)
@@ -103,7 +102,7 @@ _STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_b
 _STAT_TYPES = ("all", "small_pool", "large_pool")
 _CONFIG_FIELDS = ("pad_bytes", "min_block", "small_size", "small_segment", "page_size", "min_large_segment",
                   "large_split_min", "max_split_size", "limit_bytes", "reserve_bytes", "history_capacity",
-                  "gc_threshold", "release_policy", "expandable", "vmm_idle_ticks", "stream_reuse",
+                  "gc_threshold", "release_policy", "expandable", "stream_reuse",
                   "sync_timeout_ms")
 NO_LIMIT = AP_NO_LIMIT
 RELEASE_POLICIES = {"never": AP_RELEASE_NEVER, "under_peak": AP_RELEASE_UNDER_PEAK}
@@ -209,7 +208,6 @@ cdef class PoolBase:
             elif key == "release_policy": cfg.release_policy = value
             elif key == "stream_reuse": cfg.stream_reuse = value
             elif key == "expandable": cfg.expandable = value
-            elif key == "vmm_idle_ticks": cfg.vmm_idle_ticks = value
             elif key == "sync_timeout_ms": cfg.sync_timeout_ms = value
         self.backend = backend
         self.device = device

@@ -77,10 +77,20 @@ size_t ap_reserved(const ap_pool *p);
 int ap_vmm_init(ap_pool *p, ap_error *err);
 /* Maps memory so that a free block of at least rsize exists for slot; returns it (in its tree). */
 ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *err);
-/* Unmaps free chunks (largest first, settling streams as needed) until target bytes are returned. */
+/* Bytes a growth for rsize would map now, and the free block it would extend (*keep, or NULL). */
+size_t ap_vmm_plan(ap_pool *p, int slot, int pool, size_t rsize, const ap_block **keep);
+
+/* vmm_policy.c: before a growth of `need` bytes for a request of rsize, trades idle chunks so that
+   reserved memory stays under its earlier peak, within the device-call budget. */
+void ap_vmm_make_room(ap_pool *p, size_t rsize, size_t need, const ap_block *keep);
+void ap_vmm_policy_init(ap_pool *p);
+/* Unmaps whole free chunks (largest free run first, settling streams as needed) until target bytes
+   are returned; returns the bytes released. */
 size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err);
-/* The same, only from free blocks idle for at least min_idle allocations (the release policy). */
-size_t ap_vmm_release_idle(ap_pool *p, size_t target, uint64_t min_idle);
+/* The release policy's variant, for the growth that follows: takes the longest-idle free block
+   first, leaves `keep` alone, never waits for all streams, and keeps the physical memory of what
+   it unmaps for that growth (p->vmm_spares). */
+size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep);
 void ap_vmm_destroy(ap_pool *p);
 
 /* stream_order.c: stream slots, events, pending frees, cross-stream reuse. */

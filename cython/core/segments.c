@@ -8,7 +8,8 @@
  * would rise above its earlier peak, fully free segments are released first (largest first) so
  * that the pool trades idle memory for the new shape instead of growing. Steady-state loops never
  * reach this path (their requests fit the cache), so it costs device calls only when the
- * workload changes shape.
+ * workload changes shape. Expandable segments trade single chunks instead, under a call budget
+ * (vmm_policy.c).
  */
 #include "pool_internal.h"
 
@@ -137,8 +138,9 @@ static size_t segment_size_for(const ap_pool *p, int pool, size_t rsize) {
     return size < p->cfg.min_large_segment ? p->cfg.min_large_segment : size;
 }
 
-/* Makes room under the policies before growing by `size` bytes. */
-static void trim_before_growth(ap_pool *p, size_t size) {
+/* Makes room under the policies before growing by `size` bytes (expandable: at most `size`; the
+   policy asks how much a growth for rsize would really map). */
+static void trim_before_growth(ap_pool *p, int slot, int pool, size_t rsize, size_t size) {
     size_t reserved = ap_reserved(p);
     int idle = p->cfg.expandable || p->n_free_segments; /* anything that could be released? */
     if (p->cfg.gc_threshold > 0 && idle) {
@@ -147,16 +149,13 @@ static void trim_before_growth(ap_pool *p, size_t size) {
         if (reserved + size > threshold)
             reserved -= ap_release_free_segments(p, reserved + size - threshold, 0, 1, NULL);
     }
-    if (p->cfg.release_policy == AP_RELEASE_UNDER_PEAK && idle && reserved + size > p->reserved_watermark) {
-        size_t over = reserved + size - p->reserved_watermark;
-        if (p->cfg.expandable) {
-            /* Trading idle pages for new ones costs four device calls a page, and pages free for
-               only a short while are likely needed again soon (the same peak recurs every step of
-               a loop): only pages idle for vmm_idle_ticks allocations are traded. */
-            ap_vmm_release_idle(p, over, p->cfg.vmm_idle_ticks);
-        } else {
-            ap_release_free_segments(p, over, 0, 0, NULL);
-        }
+    if (p->cfg.release_policy != AP_RELEASE_UNDER_PEAK || !idle) return;
+    if (p->cfg.expandable) {
+        const ap_block *keep; /* planned again: the trim above may have changed the picture */
+        size_t need = ap_vmm_plan(p, slot, pool, rsize, &keep);
+        ap_vmm_make_room(p, rsize, need, keep);
+    } else if (reserved + size > p->reserved_watermark) {
+        ap_release_free_segments(p, reserved + size - p->reserved_watermark, 0, 0, NULL);
     }
 }
 
@@ -182,7 +181,7 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
         return b;
 
     size_t size = p->cfg.expandable ? ap_round_up(rsize, p->vmm_granularity) : segment_size_for(p, pool, rsize);
-    trim_before_growth(p, size);
+    trim_before_growth(p, slot, pool, rsize, size);
     int rc = grow(p, slot, pool, rsize, size, &b, err);
     if (rc == AP_OK) return b;
     if (rc == AP_E_HOST_NOMEM) return NULL;
