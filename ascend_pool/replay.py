@@ -13,9 +13,10 @@ def replay(trace, backend=None, mode="pool", device=0, pool_knobs=None):
     """Replays trace (a Trace or a path to NAME.npz) on a fresh pool (mode "pool") or with one
     device call per allocation and free (mode "direct"). Returns a dict: allocs, frees, seconds,
     ops_per_second, peak_live_bytes, peak_reserved_bytes, fragmentation_ratio (= peak reserved /
-    peak live), device_mallocs, device_frees, device_calls_steady (device calls during the second
-    half of the events), final_allocated_bytes (0 after a complete trace), plus trace, mode and
-    backend. Streams other than 0 get streams of their own; stream 0 is the default stream."""
+    peak live), device_mallocs, device_frees, device_calls (mallocs and frees, plus maps and
+    unmaps of expandable segments), device_calls_steady (the same, during the second half of the
+    events), final_allocated_bytes (0 after a complete trace), plus trace, mode and backend.
+    Streams other than 0 get streams of their own; stream 0 is the default stream."""
     if mode not in ("pool", "direct"):
         raise ValueError(f"mode must be 'pool' or 'direct', got {mode!r}")
     if not isinstance(trace, Trace):
@@ -48,5 +49,6 @@ def replay(trace, backend=None, mode="pool", device=0, pool_knobs=None):
     ops = r["allocs"] + r["frees"]
     r["ops_per_second"] = ops / r["seconds"] if r["seconds"] > 0 else float("inf")
     r["fragmentation_ratio"] = r["peak_reserved_bytes"] / r["peak_live_bytes"] if r["peak_live_bytes"] else 0.0
-    r.update(trace=trace.name, mode=mode, backend=be.name, device_calls=r["device_mallocs"] + r["device_frees"])
+    maps = r["pool_stats"]["num_device_map"] + r["pool_stats"]["num_device_unmap"] if pool is not None else 0
+    r.update(trace=trace.name, mode=mode, backend=be.name, device_calls=r["device_mallocs"] + r["device_frees"] + maps)
     return r

@@ -241,7 +241,7 @@ def _replay_ascend(trace, backend, device, mode, pool_knobs=None):
 
     r = replay(trace, backend=backend, mode=mode, device=device, pool_knobs=pool_knobs)
     return {k: r[k] for k in ("allocs", "frees", "seconds", "peak_live_bytes", "peak_reserved_bytes",
-                              "device_mallocs", "device_frees", "device_calls_steady",
+                              "device_mallocs", "device_frees", "device_calls", "device_calls_steady",
                               "final_allocated_bytes")}
 
 
