@@ -46,12 +46,6 @@ typedef struct host_slab {
     struct host_slab *prev, *next;
 } host_slab;
 
-typedef struct host_map { /* buffer start -> record; linear probing, backward-shift deletion */
-    uintptr_t *keys;      /* 0: empty */
-    host_block **vals;
-    size_t mask, count;
-} host_map;
-
 struct ap_host_pool {
     pthread_mutex_t lock;
     ap_backend *backend;
@@ -59,7 +53,7 @@ struct ap_host_pool {
     host_block *free_lists[AP_HOST_N_CLASSES];
     host_block *pending_head, *pending_tail;
     host_slab *slabs;
-    host_map map;
+    ap_ptr_map map;       /* buffer start -> record */
     void *events[EVENT_CACHE]; /* idle events for reuse, with the device each was made on */
     int event_devices[EVENT_CACHE];
     int n_events;
@@ -90,73 +84,6 @@ static size_t slab_blocks(int cls) {
 static inline void peak(int64_t *current, int64_t *peak_value, int64_t delta) {
     *current += delta;
     if (*current > *peak_value) *peak_value = *current;
-}
-
-/* ---- the address map --------------------------------------------------------------------------- */
-
-static inline size_t map_slot(const host_map *m, uintptr_t key) {
-    return (size_t)((((uint64_t)key >> AP_HOST_MIN_SHIFT) * 0x9E3779B97F4A7C15ull) >> 32) & m->mask;
-}
-
-static int map_init(host_map *m, size_t cap) {
-    m->keys = calloc(cap, sizeof *m->keys);
-    m->vals = calloc(cap, sizeof *m->vals);
-    m->mask = cap - 1;
-    m->count = 0;
-    if (m->keys && m->vals) return 0;
-    free(m->keys);
-    free(m->vals);
-    return -1;
-}
-
-static void map_place(host_map *m, uintptr_t key, host_block *val) {
-    size_t i = map_slot(m, key);
-    while (m->keys[i]) i = (i + 1) & m->mask;
-    m->keys[i] = key;
-    m->vals[i] = val;
-    m->count++;
-}
-
-static int map_put(host_map *m, uintptr_t key, host_block *val) {
-    if ((m->count + 1) * 2 > m->mask + 1) { /* keep the load at or below 1/2 */
-        host_map bigger;
-        if (map_init(&bigger, (m->mask + 1) * 2) != 0) return -1;
-        for (size_t i = 0; i <= m->mask; i++)
-            if (m->keys[i]) map_place(&bigger, m->keys[i], m->vals[i]);
-        free(m->keys);
-        free(m->vals);
-        *m = bigger;
-    }
-    map_place(m, key, val);
-    return 0;
-}
-
-static host_block *map_get(const host_map *m, uintptr_t key) {
-    for (size_t i = map_slot(m, key); m->keys[i]; i = (i + 1) & m->mask)
-        if (m->keys[i] == key) return m->vals[i];
-    return NULL;
-}
-
-static void map_del(host_map *m, uintptr_t key) {
-    size_t i = map_slot(m, key);
-    while (m->keys[i] && m->keys[i] != key) i = (i + 1) & m->mask;
-    if (!m->keys[i]) return;
-    /* Backward shift: move later members of the probe run into the hole when their home slot
-       does not lie cyclically in (hole, their slot]. */
-    for (size_t j = i;;) {
-        j = (j + 1) & m->mask;
-        if (!m->keys[j]) break;
-        size_t home = map_slot(m, m->keys[j]);
-        int stays = i < j ? (home > i && home <= j) : (home > i || home <= j);
-        if (!stays) {
-            m->keys[i] = m->keys[j];
-            m->vals[i] = m->vals[j];
-            i = j;
-        }
-    }
-    m->keys[i] = 0;
-    m->vals[i] = NULL;
-    m->count--;
 }
 
 /* ---- lists --------------------------------------------------------------------------------------- */
@@ -240,8 +167,8 @@ static int grow_slab(ap_host_pool *hp, int cls, ap_error *err) {
         blocks[i].addr = s->base + i * class_bytes(cls);
         blocks[i].cls = (uint8_t)cls;
         blocks[i].slab = s;
-        if (map_put(&hp->map, blocks[i].addr, &blocks[i]) != 0) {
-            while (i-- > 0) map_del(&hp->map, blocks[i].addr);
+        if (ap_map_put(&hp->map, blocks[i].addr, &blocks[i]) != 0) {
+            while (i-- > 0) ap_map_take(&hp->map, blocks[i].addr);
             runtime_free(hp, s->base, size);
             free(s);
             free(blocks);
@@ -267,7 +194,7 @@ static int grow_single(ap_host_pool *hp, int cls, ap_error *err) {
     }
     b->addr = (uintptr_t)base;
     b->cls = (uint8_t)cls;
-    if (map_put(&hp->map, b->addr, b) != 0) {
+    if (ap_map_put(&hp->map, b->addr, b) != 0) {
         runtime_free(hp, b->addr, class_bytes(cls));
         free(b);
         return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the host pool's bookkeeping exhausted");
@@ -280,7 +207,7 @@ static void release_slab(ap_host_pool *hp, host_slab *s) {
     for (size_t i = 0; i < s->n_blocks; i++) {
         host_block *b = &s->blocks[i];
         if (b->state == HB_FREE) unlink_free(hp, b);
-        map_del(&hp->map, b->addr);
+        ap_map_take(&hp->map, b->addr);
         free(b->uses);
     }
     if (s->prev) s->prev->next = s->next;
@@ -298,7 +225,7 @@ static void release_cached(ap_host_pool *hp) {
         while (hp->free_lists[c]) {
             host_block *b = hp->free_lists[c];
             unlink_free(hp, b);
-            map_del(&hp->map, b->addr);
+            ap_map_take(&hp->map, b->addr);
             runtime_free(hp, b->addr, class_bytes(c));
             free(b->uses);
             free(b);
@@ -420,7 +347,7 @@ static int park(ap_host_pool *hp, host_block *b, ap_error *err) {
 
 ap_host_pool *ap_host_pool_create(ap_backend *backend, int device, ap_error *err) {
     ap_host_pool *hp = calloc(1, sizeof *hp);
-    if (!hp || map_init(&hp->map, 256) != 0) {
+    if (!hp || ap_map_init(&hp->map, 256) != 0) {
         free(hp);
         ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the host pool exhausted");
         return NULL;
@@ -450,8 +377,7 @@ void ap_host_pool_destroy(ap_host_pool *hp) {
         free(s);
     }
     for (int i = 0; i < hp->n_events; i++) hp->backend->event_destroy(hp->backend, hp->events[i]);
-    free(hp->map.keys);
-    free(hp->map.vals);
+    ap_map_destroy(&hp->map);
     pthread_mutex_destroy(&hp->lock);
     free(hp);
 }
@@ -487,7 +413,7 @@ int ap_host_malloc(ap_host_pool *hp, size_t size, void **out, ap_error *err) {
 
 int ap_host_free(ap_host_pool *hp, void *ptr, ap_error *err) {
     pthread_mutex_lock(&hp->lock);
-    host_block *b = map_get(&hp->map, (uintptr_t)ptr);
+    host_block *b = ap_map_get(&hp->map, (uintptr_t)ptr);
     if (!b || b->state != HB_ALLOCATED) {
         hp->stats.num_invalid_frees++;
         pthread_mutex_unlock(&hp->lock);
@@ -515,7 +441,7 @@ int ap_host_realloc(ap_host_pool *hp, void *ptr, size_t new_size, void **out, ap
     size_t cs = ap_host_class_size(new_size);
     if (cs == 0) return ap_set_error(err, AP_E_INVALID_SIZE, 0, "cannot resize a host buffer to %zu bytes", new_size);
     pthread_mutex_lock(&hp->lock);
-    host_block *b = map_get(&hp->map, (uintptr_t)ptr);
+    host_block *b = ap_map_get(&hp->map, (uintptr_t)ptr);
     if (!b || b->state != HB_ALLOCATED) {
         pthread_mutex_unlock(&hp->lock);
         return ap_set_error(err, AP_E_INVALID_PTR, 0, "%p is not a pinned host buffer handed out by this pool", ptr);
@@ -541,7 +467,7 @@ int ap_host_realloc(ap_host_pool *hp, void *ptr, size_t new_size, void **out, ap
 int ap_host_record_stream(ap_host_pool *hp, void *ptr, void *stream, int device, ap_error *err) {
     int rc = AP_OK;
     pthread_mutex_lock(&hp->lock);
-    host_block *b = map_get(&hp->map, (uintptr_t)ptr);
+    host_block *b = ap_map_get(&hp->map, (uintptr_t)ptr);
     if (!b || b->state != HB_ALLOCATED) {
         rc = ap_set_error(err, AP_E_INVALID_PTR, 0, "%p is not a pinned host buffer handed out by this pool", ptr);
     } else if (!b->uses && !(b->uses = calloc(1, sizeof *b->uses))) {
@@ -565,7 +491,7 @@ int ap_host_record_stream(ap_host_pool *hp, void *ptr, void *stream, int device,
 int ap_host_block_info(ap_host_pool *hp, void *ptr, uintptr_t *base, size_t *capacity, size_t *requested) {
     int rc = -1;
     pthread_mutex_lock(&hp->lock);
-    host_block *b = map_get(&hp->map, (uintptr_t)ptr);
+    host_block *b = ap_map_get(&hp->map, (uintptr_t)ptr);
     if (b && b->state == HB_ALLOCATED) {
         *base = b->addr;
         *capacity = class_bytes(b->cls);

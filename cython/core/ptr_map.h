@@ -1,14 +1,16 @@
-/* Live allocations by address: open addressing with linear probing and backward-shift deletion.
- * One probe on average at load <= 1/2; grows by doubling, so steady state never allocates.
- * The lookups are inline: every malloc puts and every free takes. */
+/* Records by address (the pool's live blocks, the host pool's buffers): open addressing with
+ * linear probing and backward-shift deletion. One probe on average at load <= 1/2; grows by
+ * doubling, so steady state never allocates. Keys are multiples of 512. The lookups are inline:
+ * every malloc puts and every free takes. */
 #ifndef AP_PTR_MAP_H
 #define AP_PTR_MAP_H
 
-#include "block.h"
+#include <stddef.h>
+#include <stdint.h>
 
 typedef struct ap_ptr_map {
     uintptr_t *keys; /* 0 = empty slot (no block lives at address 0) */
-    ap_block **vals;
+    void **vals;
     size_t mask;     /* capacity - 1, capacity a power of two */
     size_t count;
 } ap_ptr_map;
@@ -23,7 +25,7 @@ static inline size_t ap_map_home(const ap_ptr_map *m, uintptr_t key) {
     return (size_t)(((uint64_t)(key >> 9) * 0x9E3779B97F4A7C15ull) >> 20) & m->mask;
 }
 
-static inline void ap_map_place(ap_ptr_map *m, uintptr_t key, ap_block *val) {
+static inline void ap_map_place(ap_ptr_map *m, uintptr_t key, void *val) {
     size_t i = ap_map_home(m, key);
     while (m->keys[i]) i = (i + 1) & m->mask;
     m->keys[i] = key;
@@ -31,14 +33,14 @@ static inline void ap_map_place(ap_ptr_map *m, uintptr_t key, ap_block *val) {
 }
 
 /* 0 on success, -1 when growing the table failed (host out of memory). */
-static inline int ap_map_put(ap_ptr_map *m, uintptr_t key, ap_block *val) {
+static inline int ap_map_put(ap_ptr_map *m, uintptr_t key, void *val) {
     if (__builtin_expect((m->count + 1) * 2 > m->mask + 1, 0) && ap_map_grow(m) != 0) return -1;
     ap_map_place(m, key, val);
     m->count++;
     return 0;
 }
 
-static inline ap_block *ap_map_get(const ap_ptr_map *m, uintptr_t key) {
+static inline void *ap_map_get(const ap_ptr_map *m, uintptr_t key) {
     size_t i = ap_map_home(m, key);
     while (m->keys[i]) {
         if (m->keys[i] == key) return m->vals[i];
@@ -47,12 +49,12 @@ static inline ap_block *ap_map_get(const ap_ptr_map *m, uintptr_t key) {
     return NULL;
 }
 
-/* Removes and returns the block at key, or NULL. */
-static inline ap_block *ap_map_take(ap_ptr_map *m, uintptr_t key) {
+/* Removes and returns the record at key, or NULL. */
+static inline void *ap_map_take(ap_ptr_map *m, uintptr_t key) {
     size_t i = ap_map_home(m, key);
     while (m->keys[i] && m->keys[i] != key) i = (i + 1) & m->mask;
     if (!m->keys[i]) return NULL;
-    ap_block *val = m->vals[i];
+    void *val = m->vals[i];
     /* Backward-shift: pull later entries of the probe run into the hole so no tombstones are needed. */
     size_t hole = i, j = i;
     for (;;) {
