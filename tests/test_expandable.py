@@ -83,6 +83,27 @@ def test_holes_are_unmapped_and_filled_again(xpool):
     assert xpool.memory_stats()["reserved_bytes.all.current"] == 0
 
 
+def test_small_blocks_go_to_pages_that_hold_live_blocks(xpool):
+    # Five 2 MiB pages of small blocks (at most 1 MiB each; -32: the pad), in address order.
+    K = 1024
+    sizes = [1 * MiB, 512 * K, 512 * K,   1 * MiB, 1 * MiB,   1 * MiB, 512 * K, 512 * K,
+             768 * K, 768 * K, 512 * K,   1 * MiB, 1 * MiB]
+    ptrs = [xpool.malloc(n - 32) for n in sizes]
+    assert ptrs == [ptrs[0] + sum(sizes[:i]) for i in range(len(sizes))]
+    for i in (2, 3, 4, 5):      # a 3.5 MiB hole that starts in page 0, beside live blocks
+        xpool.free(ptrs[i])
+    for i in (8, 9, 10):        # page 3 wholly free: a 2 MiB hole, the best fit
+        xpool.free(ptrs[i])
+    p = xpool.malloc(384 * K - 32)  # a miss: the recently freed blocks merge first
+    assert p == ptrs[2], "placed beside live blocks, not into the page that has none"
+    assert xpool.memory_stats()["reserved_bytes.all.current"] == 10 * MiB
+    xpool.empty_cache()         # pages 1 and 3, with no live block, go back to the device
+    assert xpool.memory_stats()["reserved_bytes.all.current"] == 6 * MiB
+    for i in (0, 1, 6, 7, 11, 12):
+        xpool.free(ptrs[i])
+    xpool.free(p)
+
+
 def test_failure_in_the_middle_of_growing_is_rolled_back(xpool):
     held0 = sim.stats(0)["bytes_held"]
     sim.set_faults(fail_after_bytes=held0 + 30 * MiB)  # the 2nd chunk of a 20+20+10 MiB growth fails

@@ -94,6 +94,16 @@ ap_block *ap_tree_largest(const ap_free_tree *t) {
     return n;
 }
 
+static int walk_from(ap_block *n, size_t size, int (*fn)(ap_block *, void *), void *arg) {
+    for (; n; n = n->right) /* a node below size has only smaller keys on its left */
+        if (n->size >= size && (walk_from(n->left, size, fn, arg) || fn(n, arg))) return 1;
+    return 0;
+}
+
+void ap_tree_walk_from(const ap_free_tree *t, size_t size, int (*fn)(ap_block *, void *), void *arg) {
+    walk_from(t->root, size, fn, arg);
+}
+
 static void visit(ap_block *n, void (*fn)(ap_block *, void *), void *arg) {
     while (n) {
         visit(n->left, fn, arg);

@@ -19,6 +19,9 @@ void ap_tree_remove(ap_free_tree *t, ap_block *b);
 ap_block *ap_tree_best_fit(const ap_free_tree *t, size_t size);
 /* Largest block, or NULL. */
 ap_block *ap_tree_largest(const ap_free_tree *t);
+/* Calls fn on the blocks of at least size bytes, in tree order, until fn returns nonzero; fn must
+   not modify the tree. */
+void ap_tree_walk_from(const ap_free_tree *t, size_t size, int (*fn)(ap_block *, void *), void *arg);
 /* Calls fn for every block (in order); fn must not modify the tree. */
 void ap_tree_visit(const ap_free_tree *t, void (*fn)(ap_block *, void *), void *arg);
 
