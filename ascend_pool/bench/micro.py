@@ -43,7 +43,7 @@ DESCRIPTIONS = {
     "py_pair": "warm cached pair from Python (pool.malloc/pool.free in a loop)",
     "py_pair_2threads": "the same, 2 Python threads on one pool (per-thread ns per pair)",
     "c_floor": "trivial free-list pair in C (mutex lock/unlock in malloc and in free)",
-    "c_floor_2threads": "the same, 2 threads contending on one free list",
+    "c_floor_2threads": "the same, 2 threads contending on one free list (the pool's adaptive mutex kind)",
     "py_floor": "no-op Cython def call in the same Python loop",
     "py_floor_2threads": "the same, 2 Python threads",
     "c_floor_nolock": "trivial free-list pair in C without the mutex (information only)",

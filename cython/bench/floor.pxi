@@ -37,10 +37,12 @@ cdef list _thread_results(int kind, void *obj, size_t size, int64_t n, int threa
 
 def bench_c_freelist_pairs(int64_t n, size_t size=4096, bint locked=True, int threads=1):
     """The C floor: n malloc+free pairs on a trivial free list (mutex-guarded when locked) in each
-    of `threads` threads at once, GIL released. Returns each thread's ns per pair (a list)."""
+    of `threads` threads at once, GIL released. Returns each thread's ns per pair (a list). One
+    thread takes a plain mutex, several the pool's adaptive kind (bench_floor.h says why)."""
     if n <= 0:
         raise ValueError(f"n must be positive, got {n}")
-    cdef apb_freelist *fl = apb_freelist_create(locked, <size_t>(threads if threads > 0 else 1))
+    cdef int kind = 0 if not locked else (2 if threads > 1 else 1)
+    cdef apb_freelist *fl = apb_freelist_create(kind, <size_t>(threads if threads > 0 else 1))
     if fl == NULL:
         raise MemoryError("host memory for the free list exhausted")
     try:
