@@ -7,7 +7,6 @@ import os
 import struct
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -193,37 +192,51 @@ def test_exited_flag_is_stale(sf):
     os.unlink(path)
 
 
-def test_concurrent_reader_never_sees_a_torn_publish(sf):
-    """The writer publishes records whose fields all equal one counter; every read the reader
-    accepts must hold one counter throughout."""
-    stop = threading.Event()
+_TIGHT_WRITER = """
+import sys
+from ascend_pool.metrics.sample import TenantSample
+from ascend_pool.metrics.schema import FIELDS
+from ascend_pool.service.statsfile import StatsFile
+f = StatsFile(sys.argv[1])
+print(f.path, flush=True)
+i = 0
+while True:  # publishes as fast as it can until killed: every field of every record equals i
+    i += 1
+    f.publish([TenantSample(d, f"t{d}", {k: i for k in FIELDS}) for d in range(8)])
+"""
 
-    def writer():
-        i = 0
-        while not stop.is_set():
-            i += 1
-            sf.publish([TenantSample(d, f"t{d}", values(i, quota_bytes=i)) for d in range(8)])
 
-    t = threading.Thread(target=writer)
-    t.start()
-    accepted = busy = 0
-    deadline = time.monotonic() + 5.0  # bounded: the writer competes for the GIL on a loaded machine
+def test_concurrent_reader_never_sees_a_torn_publish(tmp_path):
+    """A writer process publishes back to back (records whose fields all equal one counter)
+    while this process reads: on two cores the reads really overlap the writes, as a scrape
+    overlaps a pool's publish. Every read accepted must hold one counter throughout."""
+    import ascend_pool
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(ascend_pool.__file__))))
+    writer = subprocess.Popen([sys.executable, "-c", _TIGHT_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True, env=env)
     try:
-        for _ in range(1500):
-            if time.monotonic() > deadline and accepted >= 100:
-                break
+        path = writer.stdout.readline().strip()
+        accepted = busy = 0
+        counters = set()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20.0 and (accepted < 300 or time.monotonic() - t0 < 1.0):
             try:
-                ps = read_stats_file(sf.path, ME)
+                ps = read_stats_file(path, ME)
             except Busy:
                 busy += 1
                 continue
             nums = {v for s in ps.samples for v in s.values.values()}
             assert len(nums) <= 1, f"torn read: {nums}"
+            counters |= nums
             accepted += 1
+        assert writer.poll() is None, "the writer died"
     finally:
-        stop.set()
-        t.join()
-    assert accepted >= 100
+        writer.kill()
+        writer.wait()
+    print(f"{accepted} reads accepted, {busy} busy, {len(counters)} distinct publishes seen")
+    assert accepted >= 100, (accepted, busy)
+    assert len(counters) >= 50, "the reads did not run while the writer was publishing"
 
 
 _EXIT_WITHOUT_CLEANUP = """
