@@ -15,28 +15,8 @@
 
 #include "sim_internal.h"
 
-static aclError do_malloc(void **devPtr, size_t size, int policy, int pad, const char *call)
+int sim_charge(int dev, size_t bytes, const char *call)
 {
-    int rc = sim_require_init(call);
-    if (rc)
-        return rc;
-    if (!devPtr)
-        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "devPtr is NULL");
-    if (size == 0)
-        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "size is 0");
-    if (policy < ACL_MEM_MALLOC_HUGE_FIRST || policy > ACL_MEM_MALLOC_HUGE1G_ONLY_P2P)
-        return sim_fail(ACL_ERROR_INVALID_PARAM, call,
-                        "policy %d is not an aclrtMemMallocPolicy (0..7)", policy);
-    int dev;
-    if ((rc = sim_current_device(call, &dev)) != 0)
-        return rc;
-    uint64_t total = g_sim.cfg.hbm;
-    if (size > total)
-        return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
-                        "%zu bytes requested, more than device %d's %llu bytes of HBM", size, dev,
-                        (unsigned long long)total);
-    size_t bytes = ((size + 31) & ~(size_t)31) + (pad ? 32 : 0);
-
     sim_fault_malloc_latency();
     if (sim_fault_malloc_nth())
         return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
@@ -59,14 +39,46 @@ static aclError do_malloc(void **devPtr, size_t size, int policy, int pad, const
         return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
                         "out of device memory: device %d has %llu of %llu bytes in use on node '%s' "
                         "(all processes), %zu more requested", dev, (unsigned long long)used,
-                        (unsigned long long)total, g_sim.cfg.node, bytes);
+                        (unsigned long long)g_sim.cfg.hbm, g_sim.cfg.node, bytes);
     }
+    return 0;
+}
+
+void sim_uncharge(int dev, size_t bytes)
+{
+    sim_node_release(dev, bytes);
+    atomic_fetch_sub(&g_sim.held_total, bytes);
+}
+
+static aclError do_malloc(void **devPtr, size_t size, int policy, int pad, const char *call)
+{
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!devPtr)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "devPtr is NULL");
+    if (size == 0)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "size is 0");
+    if (policy < ACL_MEM_MALLOC_HUGE_FIRST || policy > ACL_MEM_MALLOC_HUGE1G_ONLY_P2P)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call,
+                        "policy %d is not an aclrtMemMallocPolicy (0..7)", policy);
+    int dev;
+    if ((rc = sim_current_device(call, &dev)) != 0)
+        return rc;
+    uint64_t total = g_sim.cfg.hbm;
+    if (size > total)
+        return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
+                        "%zu bytes requested, more than device %d's %llu bytes of HBM", size, dev,
+                        (unsigned long long)total);
+    size_t bytes = ((size + 31) & ~(size_t)31) + (pad ? 32 : 0);
+
+    if ((rc = sim_charge(dev, bytes, call)) != 0)
+        return rc;
     int normal_only = policy == ACL_MEM_MALLOC_NORMAL_ONLY || policy == ACL_MEM_MALLOC_NORMAL_ONLY_P2P;
     struct sim_alloc *a = sim_alloc_map(bytes, SIM_BASE_ALIGN, !normal_only && bytes >= SIM_HUGE_PAGE);
     if (!a) {
         int err = errno;
-        sim_node_release(dev, bytes);
-        atomic_fetch_sub(&g_sim.held_total, bytes);
+        sim_uncharge(dev, bytes);
         return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
                         "the host could not map %zu bytes (%s; vm.max_map_count bounds the number "
                         "of live allocations)", bytes, strerror(err));
@@ -116,8 +128,7 @@ SIM_EXPORT aclError aclrtFree(void *devPtr)
                         "%p is not the base of a live device allocation (never allocated, already "
                         "freed, or inside another allocation)", devPtr);
     struct sim_device *d = &g_sim.dev[a->device];
-    sim_node_release(a->device, a->size);
-    atomic_fetch_sub(&g_sim.held_total, a->size);
+    sim_uncharge(a->device, a->size);
     atomic_fetch_sub(&d->held, a->size);
     atomic_fetch_add(&d->frees, 1);
     a->poison = atomic_load(&g_sim.poison);

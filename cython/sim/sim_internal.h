@@ -98,6 +98,11 @@ void sim_node_detach(int dev);
    exceed the total (after reclaiming dead processes' bytes), or -1 on an internal error. */
 int sim_node_reserve(int dev, uint64_t bytes);
 void sim_node_release(int dev, uint64_t bytes);
+/* Charges a device allocation of bytes (aclrtMalloc, aclrtMallocPhysical) to this process and
+   the node, after the injected faults (latency, nth malloc, byte cap): 0, or the runtime's code
+   with the error set. sim_uncharge gives the bytes back. (memory.c) */
+int sim_charge(int dev, size_t bytes, const char *call);
+void sim_uncharge(int dev, size_t bytes);
 /* Bytes held on the device by every live process of the node (dead ones are reclaimed first). */
 uint64_t sim_node_used(int dev);
 void sim_node_reset(void); /* fork child */

@@ -230,8 +230,7 @@ static void give_back(int dev, uint64_t off, size_t bytes)
     struct backing *bk = &backing[dev];
     if (bk->has_fd)
         (void)fallocate(bk->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)off, (off_t)bytes);
-    sim_node_release(dev, bytes);
-    atomic_fetch_sub(&g_sim.held_total, bytes);
+    sim_uncharge(dev, bytes);
 }
 
 /* The last reference to a handle went: aclrtFreePhysical, or aclFinalize. */
@@ -405,30 +404,8 @@ SIM_EXPORT aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size,
                         (unsigned long long)total);
     size_t bytes = (size + gran - 1) / gran * gran;
 
-    sim_fault_malloc_latency();
-    if (sim_fault_malloc_nth())
-        return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
-                        "injected fault: this malloc was chosen to fail (fail_malloc_nth)");
-    int64_t cap = sim_fault_after_bytes();
-    uint64_t before = atomic_fetch_add(&g_sim.held_total, bytes);
-    if (cap >= 0 && before + bytes > (uint64_t)cap) {
-        atomic_fetch_sub(&g_sim.held_total, bytes);
-        return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
-                        "injected fault: %zu more bytes would take this process to %llu device "
-                        "bytes, above fail_after_bytes=%lld", bytes,
-                        (unsigned long long)(before + bytes), (long long)cap);
-    }
-    int r = sim_node_reserve(dev, bytes);
-    if (r != 0) {
-        atomic_fetch_sub(&g_sim.held_total, bytes);
-        if (r < 0)
-            return sim_fail(ACL_ERROR_RT_INTERNAL_ERROR, call, "device %d's node record is unusable", dev);
-        uint64_t used = sim_node_used(dev);
-        return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
-                        "out of device memory: device %d has %llu of %llu bytes in use on node '%s' "
-                        "(all processes), %zu more requested", dev, (unsigned long long)used,
-                        (unsigned long long)total, g_sim.cfg.node, bytes);
-    }
+    if ((rc = sim_charge(dev, bytes, call)) != 0)
+        return rc;
     struct phys *p = calloc(1, sizeof *p);
     int err = p ? 0 : ENOMEM;
     if (p) {
@@ -438,8 +415,7 @@ SIM_EXPORT aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size,
     }
     if (err) {
         free(p);
-        sim_node_release(dev, bytes);
-        atomic_fetch_sub(&g_sim.held_total, bytes); /* nothing of the file was taken */
+        sim_uncharge(dev, bytes); /* nothing of the file was taken */
         return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
                         "the host could not back %zu bytes of physical memory (%s)", bytes, strerror(err));
     }
