@@ -312,6 +312,20 @@ static void sweep_stale(void)
     closedir(d);
 }
 
+/* Writes the run [*start, *start + *len) of src to fd at off + *start; empties the run.
+   0 or an errno. */
+static int write_run(const char *src, int fd, off_t off, size_t *start, size_t *len)
+{
+    while (*len) {
+        ssize_t w = pwrite(fd, src + *start, *len, off + (off_t)*start);
+        if (w <= 0)
+            return w < 0 ? errno : EIO;
+        *start += (size_t)w;
+        *len -= (size_t)w;
+    }
+    return 0;
+}
+
 /* Copies the pages of [src, src+len) that exist (present or swapped, per /proc/self/pagemap) to fd
    at off; untouched pages stay holes of the file, which read as zeros as they did. Without a
    readable pagemap, copies everything. 0 or an errno. */
@@ -338,31 +352,18 @@ static int copy_pages(const char *src, size_t len, int fd, off_t off)
                 run_len += ps;
                 continue;
             }
-            while (run_len) {
-                ssize_t w = pwrite(fd, src + run_start, run_len, off + (off_t)run_start);
-                if (w <= 0) {
-                    if (pm >= 0)
-                        close(pm);
-                    return w < 0 ? errno : EIO;
-                }
-                run_start += (size_t)w;
-                run_len -= (size_t)w;
+            int err = write_run(src, fd, off, &run_start, &run_len);
+            if (err) {
+                if (pm >= 0)
+                    close(pm);
+                return err;
             }
         }
     }
-    while (run_len) {
-        ssize_t w = pwrite(fd, src + run_start, run_len, off + (off_t)run_start);
-        if (w <= 0) {
-            if (pm >= 0)
-                close(pm);
-            return w < 0 ? errno : EIO;
-        }
-        run_start += (size_t)w;
-        run_len -= (size_t)w;
-    }
+    int err = write_run(src, fd, off, &run_start, &run_len);
     if (pm >= 0)
         close(pm);
-    return 0;
+    return err;
 }
 
 static void new_key(char *key)
