@@ -16,7 +16,9 @@ import ascend_pool as ap
 from ascend_pool.tenants import sweep
 from ascend_pool.errors import BackendUnavailableError
 
-MiB = 1 << 20
+sys.path.insert(0, os.path.dirname(__file__))
+from quota_fixtures import MiB, base, ledger_dir  # noqa: E402,F401  (pytest fixtures)
+
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
 TENANTS_AT, TENANT_SIZE, SLOTS_AT, SLOT_SIZE = 256, 128, 256 + 64 * 128, 64
 
@@ -28,19 +30,6 @@ HOLDER = """
     print("ready", flush=True)
     time.sleep(60)
 """
-
-
-@pytest.fixture(autouse=True)
-def ledger_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))  # children inherit it
-    return tmp_path
-
-
-@pytest.fixture
-def base():
-    p = ap.Pool(0, backend="sim", release_policy="never")
-    yield p
-    p.close()
 
 
 def start_holder(tenant, quota, nbytes):

@@ -2,6 +2,8 @@
 quota changes with live blocks, `with ctx:`, stats. Sizes are bytes; MiB = 1 << 20."""
 
 import logging
+import os
+import sys
 
 import pytest
 
@@ -9,27 +11,9 @@ import ascend_pool as ap
 from ascend_pool.errors import ConfigError
 from ascend_pool.tenants import Context
 
-MiB = 1 << 20
+sys.path.insert(0, os.path.dirname(__file__))
+from quota_fixtures import MiB, base, large, ledger_dir  # noqa: E402,F401  (pytest fixtures)
 
-
-@pytest.fixture(autouse=True)
-def ledger_dir(tmp_path, monkeypatch):
-    """Every test gets its own ledger directory (so its own ledger files)."""
-    monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))
-    return tmp_path
-
-
-@pytest.fixture
-def base():
-    p = ap.Pool(0, backend="sim", release_policy="never")
-    yield p
-    p.close()
-
-
-def large(nbytes_mib):
-    """A request that takes exactly a segment of nbytes_mib MiB (the pool pads by 32 bytes and
-    rounds large segments to 2 MiB pages)."""
-    return nbytes_mib * MiB - 1024
 
 
 def test_two_tenants_one_hits_its_quota_other_unaffected(base):

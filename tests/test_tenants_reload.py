@@ -16,25 +16,10 @@ import ascend_pool as ap
 from ascend_pool.errors import ConfigError
 from ascend_pool.tenants import install_sighup_reload, reload_config, watch_config
 
-MiB = 1 << 20
+sys.path.insert(0, os.path.dirname(__file__))
+from quota_fixtures import MiB, base, large, ledger_dir  # noqa: E402,F401  (pytest fixtures)
+
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
-
-
-@pytest.fixture(autouse=True)
-def ledger_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))
-    return tmp_path
-
-
-@pytest.fixture
-def base():
-    p = ap.Pool(0, backend="sim", release_policy="never")
-    yield p
-    p.close()
-
-
-def large(n_mib):
-    return n_mib * MiB - 1024
 
 
 def write_config(path, **quotas):
