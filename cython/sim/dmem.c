@@ -153,29 +153,33 @@ struct sim_alloc *sim_alloc_remove(int which, const void *base)
     return a;
 }
 
-struct sim_alloc *sim_alloc_pin(int which, const void *ptr, size_t n)
+/* The allocation holding all of [ptr, ptr+n) (n 0: the byte at ptr), or NULL. t->mu held. */
+static struct sim_alloc *find_locked(struct tree *t, const void *ptr, size_t n)
 {
     uintptr_t p = (uintptr_t)ptr;
     if (!ptr || p + n < p)
         return NULL;
-    struct tree *t = &trees[which];
     struct sim_alloc key = {.base = p, .size = n ? n : 1};
-    pthread_mutex_lock(&t->mu);
     void **node = tfind(&key, &t->root, cmp_range);
     struct sim_alloc *a = node ? *node : NULL;
-    if (a && p >= a->base && p + n <= a->base + a->size)
+    return a && p >= a->base && p + key.size <= a->base + a->size ? a : NULL;
+}
+
+struct sim_alloc *sim_alloc_pin(int which, const void *ptr, size_t n)
+{
+    struct tree *t = &trees[which];
+    pthread_mutex_lock(&t->mu);
+    struct sim_alloc *a = find_locked(t, ptr, n);
+    if (a)
         a->pins++;
-    else
-        a = NULL;
     pthread_mutex_unlock(&t->mu);
     if (a || which != SIM_TREE_DEVICE)
         return a;
     /* Not an aclrtMalloc allocation: mapped virtual memory (vmm.c)? */
     t = &trees[SIM_TREE_VMM];
     pthread_mutex_lock(&t->mu);
-    node = tfind(&key, &t->root, cmp_range);
-    a = node ? *node : NULL;
-    if (a && p >= a->base && p + n <= a->base + a->size && sim_vmm_covered(a, p, n))
+    a = find_locked(t, ptr, n);
+    if (a && sim_vmm_covered(a, (uintptr_t)ptr, n))
         a->pins++;
     else
         a = NULL;
@@ -185,12 +189,9 @@ struct sim_alloc *sim_alloc_pin(int which, const void *ptr, size_t n)
     /* Memory imported from another process (ipc.c), while its exporter still shares it. */
     t = &trees[SIM_TREE_IPC];
     pthread_mutex_lock(&t->mu);
-    node = tfind(&key, &t->root, cmp_range);
-    a = node ? *node : NULL;
-    if (a && p >= a->base && p + n <= a->base + a->size)
+    a = find_locked(t, ptr, n);
+    if (a)
         a->pins++;
-    else
-        a = NULL;
     pthread_mutex_unlock(&t->mu);
     if (a && !sim_ipc_usable(a)) { /* checked outside the lock: it reads /proc */
         sim_alloc_unpin(SIM_TREE_IPC, a);
@@ -224,16 +225,9 @@ void sim_alloc_release(int which, struct sim_alloc *a)
 
 struct sim_alloc *sim_alloc_lookup(int which, const void *ptr, size_t n)
 {
-    uintptr_t p = (uintptr_t)ptr;
-    if (!ptr || p + n < p)
-        return NULL;
     struct tree *t = &trees[which];
-    struct sim_alloc key = {.base = p, .size = n ? n : 1};
     pthread_mutex_lock(&t->mu);
-    void **node = tfind(&key, &t->root, cmp_range);
-    struct sim_alloc *a = node ? *node : NULL;
-    if (a && !(p >= a->base && p + key.size <= a->base + a->size))
-        a = NULL;
+    struct sim_alloc *a = find_locked(t, ptr, n);
     pthread_mutex_unlock(&t->mu);
     return a;
 }
