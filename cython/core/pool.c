@@ -145,7 +145,7 @@ static void oom_message(ap_pool *p, size_t size, int slot, ap_error *err) {
     ap_cache_flush(p);
     size_t reserved = ap_reserved(p);
     size_t allocated = (size_t)p->stats.s[AP_STAT_ALLOCATED_BYTES][AP_STAT_ALL].current;
-    size_t active = allocated + (size_t)p->stats.pending_free_bytes;
+    size_t active = allocated + (size_t)p->stats.pending[1][AP_STAT_ALL].current;
     size_t largest = 0;
     for (int s = 0; s < p->n_slots; s++)
         for (int k = 0; k < 2; k++) {

@@ -57,7 +57,7 @@ static inline void ap_mark_allocated_in(ap_pool *p, ap_block *b, size_t requeste
     ap_stat_inc(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
     ap_stat_inc(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)requested);
     /* active = allocated + pending (stats.h): its peak needs a look only while blocks wait */
-    if (__builtin_expect(p->stats.pending_free_blocks != 0, 0)) ap_stats_note_active(&p->stats, pool);
+    if (__builtin_expect(p->stats.pending[0][AP_STAT_ALL].current != 0, 0)) ap_stats_note_active(&p->stats, pool);
 }
 
 static inline void ap_mark_allocated(ap_pool *p, ap_block *b, size_t requested, int slot) {

@@ -24,6 +24,8 @@ void ap_stats_reset_peaks(ap_stats *st) {
 
 void ap_stats_export(const ap_stats *st, ap_stats *out) {
     *out = *st;
+    out->pending_free_blocks = st->pending[0][AP_STAT_ALL].current;
+    out->pending_free_bytes = st->pending[1][AP_STAT_ALL].current;
     for (int k = 0; k < 2; k++)
         for (int j = 0; j < AP_N_STAT_TYPES; j++) {
             const ap_stat *alloc = &st->s[allocated_of[k]][j], *pend = &st->pending[k][j];

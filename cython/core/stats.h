@@ -42,8 +42,8 @@ typedef struct ap_stats {
     int64_t num_quota_exceeded;
     int64_t events_created;      /* events ever created by the pool's event cache */
     int64_t stream_migrations;   /* times a stream was ordered after another to reuse its blocks */
-    int64_t pending_free_bytes;  /* bytes of blocks waiting for events before reuse */
-    int64_t pending_free_blocks;
+    int64_t pending_free_bytes;  /* bytes of blocks waiting for events before reuse (filled in by */
+    int64_t pending_free_blocks; /* ap_stats_export from pending[][AP_STAT_ALL]) */
     /* Filled in when a snapshot of the stats is taken (not maintained incrementally). */
     int64_t largest_free_block;
     int64_t cached_free_bytes;
@@ -91,8 +91,6 @@ static inline void ap_stats_pending(ap_stats *st, int pool, int64_t bytes, int s
         st->pending[0][types[t]].current += sign;
         st->pending[1][types[t]].current += sign * bytes;
     }
-    st->pending_free_blocks += sign;
-    st->pending_free_bytes += sign * bytes;
 }
 
 /* Records the active peak after an allocation of kind `pool` made while blocks are pending. */
