@@ -10,8 +10,21 @@ from .errors import PoolError
 COMMANDS = ("replay", "bench", "serve", "check_config")
 
 
+def _version():
+    """The installed distribution's version (the package's own where it is run from a source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ascend_pool")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="ascend-pool", description="ascend_pool: caching NPU memory pool tools")
+    parser.add_argument("--version", action="version", version=f"ascend-pool {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         try:
