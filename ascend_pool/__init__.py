@@ -7,6 +7,17 @@
     ap.malloc / ap.free / ap.memory_stats ...   # on a default pool per device
 """
 
+import importlib.util as _util
+import os as _os
+
+if _util.find_spec(f"{__name__}._core") is None:
+    # Run from a source checkout without an in-place build, the current directory (first on
+    # sys.path) shadows the installed package, whose compiled extension is then never found.
+    raise ImportError(
+        f"ascend_pool at {_os.path.dirname(__file__)} has no compiled extension (_core): this is a source "
+        "tree that was not built in place. Run from another directory to use the installed package "
+        "(pip install .), or build here with `python setup.py build_ext --inplace`.")
+
 from .errors import (
     BackendUnavailableError,
     ConfigError,
