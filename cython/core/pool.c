@@ -218,7 +218,9 @@ allocated:
 }
 
 int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
-    if (size == 0 || (int64_t)size < 0) return AP_E_BUSY;
+    /* Sizes first: beyond the device, the rounding and the cache key (rsize << 16) would wrap
+       onto a small cached block. size 0 wraps to SIZE_MAX here, so one compare refuses both. */
+    if (size - 1 >= (size_t)p->stats.device_total_bytes) return AP_E_BUSY;
     size_t rsize = ap_round_request(p, size);
     if (pthread_mutex_trylock(&p->lock) != 0) return AP_E_BUSY;
     int slot = p->pending_head || p->history.capacity || p->live.count * 2 + 2 > p->live.mask + 1

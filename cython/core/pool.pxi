@@ -10,7 +10,7 @@ from cpython.exc cimport PyErr_Occurred, PyErr_Clear
 import time as _time
 
 from ascend_pool.errors import (OutOfMemoryError, QuotaExceededError, InvalidSizeError, InvalidPointerError,
-                                InvalidStreamError, DeviceTimeoutError, PoolError)
+                                InvalidStreamError, DeviceTimeoutError, PoolError, ConfigError)
 
 cdef extern from "pool.h" nogil:
     enum:
@@ -354,9 +354,9 @@ cdef class PoolBase:
         return handle
 
     def register_stream(self, handle):
-        """Lets this pool order frees on a stream created elsewhere (int handle)."""
-        if type(handle) is not int or handle <= 0:
-            raise InvalidStreamError(f"stream handle must be a positive int, got {handle!r}")
+        """Lets this pool order frees on a stream created elsewhere (int handle: a pointer)."""
+        if type(handle) is not int or not 0 < handle <= <uintptr_t>-1:
+            raise InvalidStreamError(f"stream handle must be a positive int that fits a pointer, got {handle!r}")
         self._streams.add(handle)
 
     def destroy_stream(self, stream):
@@ -393,7 +393,12 @@ cdef class PoolBase:
         """Caps reserved bytes (None: no cap). A limit below current use trims cache only."""
         self._check()
         cdef ap_pool *_p
-        cdef size_t limit = AP_NO_LIMIT if limit_bytes is None else <size_t>limit_bytes
+        cdef size_t limit = AP_NO_LIMIT
+        if limit_bytes is not None:
+            # bool is an int, but True bytes is a mistake; AP_NO_LIMIT itself is reserved for None
+            if type(limit_bytes) is not int or not 0 <= limit_bytes < <size_t>AP_NO_LIMIT:
+                raise ConfigError(f"limit must be None or a byte count from 0 to 2**64-2, got {limit_bytes!r}")
+            limit = <size_t>limit_bytes
         _p = self._enter()
         with nogil:
             ap_pool_set_limit(_p, limit)
