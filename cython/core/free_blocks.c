@@ -58,6 +58,7 @@ ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
         ap_block_recycle(p, next);
     }
     b->tag = (uint16_t)tag;
+    if (tag) p->slots[tag].epoch++; /* a wait begun before this free does not cover it (waits.c) */
     b->free_tick = idle_since;
     ap_tree_insert(tree_of(p, b), b);
     if (is_whole_segment(b)) {

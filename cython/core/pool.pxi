@@ -42,6 +42,8 @@ cdef extern from "pool.h" nogil:
     int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err)
     void ap_pool_set_limit(ap_pool *p, size_t limit_bytes)
     void ap_pool_reset_peaks(ap_pool *p)
+    void ap_pool_hold_lock(ap_pool *p, double seconds)
+    int ap_pool_check(ap_pool *p, char *msg, size_t len)
     int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested)
     int ap_pool_segment_expandable(ap_pool *p, void *ptr)
     size_t ap_pool_round_size(const ap_pool *p, size_t size)
@@ -407,7 +409,19 @@ cdef class PoolBase:
     def reset_peak_stats(self):
         """Resets every peak counter to its current value."""
         self._check()
-        ap_pool_reset_peaks(self.p)
+        cdef ap_pool *_p = self._enter()
+        with nogil:  # takes the pool mutex: never while holding the GIL (pool.h)
+            ap_pool_reset_peaks(_p)
+        self._leave()
+
+    def _hold_lock_for_test(self, double seconds):
+        """Test hook: holds the pool mutex for `seconds` with the GIL released (to prove that
+        no method waits for the mutex while holding the GIL)."""
+        self._check()
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            ap_pool_hold_lock(_p, seconds)
+        self._leave()
 
     def round_size(self, nbytes):
         """Bytes a request of nbytes really occupies in the pool (padding and 512-byte rounding)."""
@@ -419,7 +433,13 @@ cdef class PoolBase:
         self._check()
         cdef uintptr_t base = 0
         cdef size_t size = 0, requested = 0
-        if ap_pool_block_info(self.p, _as_ptr(ptr), &base, &size, &requested) != 0:
+        cdef void *a = _as_ptr(ptr)
+        cdef int rc
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            rc = ap_pool_block_info(_p, a, &base, &size, &requested)
+        self._leave()
+        if rc != 0:
             return None
         return (base, size, requested)
 
@@ -427,7 +447,12 @@ cdef class PoolBase:
         """Kind of the pool segment containing address ptr: "expandable" (virtual memory mapped
         in chunks, expandable_segments:true), "device" (one device allocation), or None."""
         self._check()
-        cdef int rc = ap_pool_segment_expandable(self.p, _as_ptr(ptr))
+        cdef void *a = _as_ptr(ptr)
+        cdef int rc
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            rc = ap_pool_segment_expandable(_p, a)
+        self._leave()
         return None if rc < 0 else ("expandable" if rc else "device")
 
     def _raw_stats(self):
