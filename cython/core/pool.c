@@ -296,6 +296,7 @@ static int bad_pointer(ap_pool *p, void *ptr, ap_error *err) {
 
 static void release_block(ap_pool *p, ap_block *b, int tag) {
     int pool = b->seg->pool;
+    AP_ASSERT(b->state == AP_BLOCK_ALLOCATED && tag >= 0 && tag < p->n_slots);
     if (__builtin_expect(!p->slots[tag].live, 0)) tag = 0; /* retired stream: its work is over */
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, pool, 1);
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);

@@ -414,6 +414,19 @@ cdef class PoolBase:
             ap_pool_reset_peaks(_p)
         self._leave()
 
+    def _check_invariants(self):
+        """Checks the pool's internal invariants (free trees, block tiling, cache, pending list,
+        stats against a recount); raises AssertionError naming the first violation."""
+        self._check()
+        cdef char msg[400]
+        cdef int rc
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            rc = ap_pool_check(_p, msg, sizeof(msg))
+        self._leave()
+        if rc != 0:
+            raise AssertionError(f"pool invariant violated (device {self.device}): " + msg.decode("utf-8", "replace"))
+
     def _hold_lock_for_test(self, double seconds):
         """Test hook: holds the pool mutex for `seconds` with the GIL released (to prove that
         no method waits for the mutex while holding the GIL)."""

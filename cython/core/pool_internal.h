@@ -6,6 +6,21 @@
 
 #include "pool.h"
 
+/* Invariants that comments state, checked in debug and ASan builds (ASCEND_POOL_SANITIZE=1);
+   compiled out otherwise, so the hot path pays nothing. */
+#if defined(ASCEND_POOL_SANITIZE) || defined(AP_DEBUG)
+#include <stdlib.h>
+#define AP_ASSERT(cond)                                                                            \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "ascend_pool: invariant failed at %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+            abort();                                                                               \
+        }                                                                                          \
+    } while (0)
+#else
+#define AP_ASSERT(cond) ((void)0)
+#endif
+
 #define AP_LARGE_BUFFER (20u << 20) /* an oversize cached block may exceed the request by this much */
 
 static inline size_t ap_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }

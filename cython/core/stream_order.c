@@ -157,6 +157,7 @@ static int sync_stream(ap_pool *p, void *stream, ap_error *err) {
 }
 
 static void pending_unlink(ap_pool *p, ap_block *prev, ap_block *b) {
+    AP_ASSERT(b->state == AP_BLOCK_PENDING && (prev ? prev->pending_next : p->pending_head) == b);
     if (prev) prev->pending_next = b->pending_next;
     else p->pending_head = b->pending_next;
     if (p->pending_tail == b) p->pending_tail = prev;

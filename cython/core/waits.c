@@ -54,6 +54,7 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
     }
 
     pthread_mutex_lock(&p->lock);
+    AP_ASSERT(p->event_pins > 0);
     p->event_pins--;
     ap_cache_flush(p); /* blocks cached meanwhile enter the trees (and bump their slot's epoch) */
     for (int i = 0; i < n; i++) {
