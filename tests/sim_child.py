@@ -35,6 +35,7 @@ for _name, _args in {
     "aclrtSynchronizeEvent": [_VP],
     "aclrtSynchronizeEventWithTimeout": [_VP, C.c_int32],
     "aclrtStreamWaitEvent": [_VP, _VP],
+    "aclrtResetEvent": [_VP, _VP],
     "aclrtDestroyEvent": [_VP],
     "aclrtCreateStream": [C.POINTER(_VP)],
     "aclrtSynchronizeStream": [_VP],

@@ -35,7 +35,7 @@ SYMBOLS = [
     "aclInit", "aclrtSetDevice", "aclrtGetDeviceCount", "aclrtMallocAlign32", "aclrtFree",
     "aclrtGetMemInfo", "aclrtCreateEventWithFlag", "aclrtRecordEvent", "aclrtQueryEventStatus",
     "aclrtSynchronizeEvent", "aclrtSynchronizeEventWithTimeout", "aclrtDestroyEvent",
-    "aclrtStreamWaitEvent", "aclrtCreateStream", "aclrtSynchronizeStream",
+    "aclrtStreamWaitEvent", "aclrtResetEvent", "aclrtCreateStream", "aclrtSynchronizeStream",
     "aclrtSynchronizeStreamWithTimeout", "aclrtDestroyStream", "aclGetRecentErrMsg",
 ]
 LEGACY_SYMBOLS = [{"aclrtMallocAlign32": "aclrtMalloc",

@@ -17,6 +17,7 @@ ops = st.lists(st.tuples(st.booleans(), sizes, st.integers(0, 1 << 30)), min_siz
 
 
 def check(pool, live):
+    pool._check_invariants()  # the C-side invariants (cython/core/check.c)
     snap = pool.snapshot()
     stats = pool.memory_stats()
     spans = []

@@ -336,10 +336,10 @@ def test_replay_conf_option_with_an_impossible_knob_is_exit_2(tmp_path):
 # -- the C ABI: garbage stream handles, stream-slot exhaustion ------------------------------------------
 
 def test_c_abi_garbage_streams_and_too_many_streams(tmp_path):
-    """Stream handles the pool never saw are taken as the runtime's (it validates them; the
-    simulator refuses unknown handles with an error code); more distinct streams than a pool
-    tracks give error 5 (INVALID_STREAM), and the pool keeps serving. In a child: the exhausted
-    stream table must not leak into this test run's default pool."""
+    """Stream handles the pool never saw are asked about once (the simulator refuses unknown
+    handles with an error code): garbage handles give error 5 (INVALID_STREAM) naming the stream,
+    frees with them still free the block, and the pool keeps serving. In a child: the refused
+    handles must not leak into this test run's default pool."""
     (r,) = run_child(tmp_path, """
         import ctypes, json
         import ascend_pool as ap
@@ -379,7 +379,7 @@ def test_c_abi_garbage_streams_and_too_many_streams(tmp_path):
         print(json.dumps(out))
     """)
     assert r["garbage"] == 4 and r["still_serves"] and r["allocations"] == 0
-    assert r["code"] == 5 and "too many streams" in r["message"], r
+    assert r["refused_at"] == 0 and r["code"] == 5 and "not a stream the runtime knows" in r["message"], r
     tried("C ABI calls", 4 * 5 + r["refused_at"] + 1)
 
 

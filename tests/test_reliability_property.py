@@ -249,6 +249,7 @@ class PoolMachine(RuleBasedStateMachine):
         seg_spans, live_spans = [], []
         reserved_total = 0
         for pi, pool in enumerate(self.pools):
+            pool._check_invariants()  # the C-side invariants (cython/core/check.c)
             snap = pool.snapshot()
             stats = pool.memory_stats()
             mine = {p: v for p, v in self.live.items() if v[0] == pi}

@@ -41,7 +41,7 @@ def test_stream_wait_event_orders_two_streams(sim_node):
         init()
         p = malloc(1024)
         a, b, c = stream(), stream(), stream()
-        ev = event()
+        ev = event(flags=1)  # ACL_EVENT_SYNC: what aclrtResetEvent needs
 
         # Without the wait, B's quick fill lands first and A's slow one overwrites it.
         sim.launch_fill(a, p, 1024, 0xAA, delay_s=0.2)
@@ -54,8 +54,10 @@ def test_stream_wait_event_orders_two_streams(sim_node):
         ok("aclrtRecordEvent", ev, a)
         ok("aclrtStreamWaitEvent", b, ev)
         sim.launch_fill(b, p, 1024, 0xBB)
-        # Re-recording the event on a hung stream does not change what B already waits for.
+        # Re-recording the event (after the reset CANN requires once a stream waited on it) on a
+        # hung stream does not change what B already waits for.
         sim.hang_stream(c)
+        ok("aclrtResetEvent", ev, b)
         ok("aclrtRecordEvent", ev, c)
         ok("aclrtSynchronizeStreamWithTimeout", b, 5000)
         ok("aclrtSynchronizeStream", a)              # A's slow fill has landed too, before B's

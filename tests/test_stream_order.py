@@ -78,14 +78,15 @@ def test_record_stream_holds_the_block_until_the_other_stream_is_done(pool, stre
 def test_same_stream_reuse_is_immediate(pool, streams):
     a, _, _ = streams
     ptr = pool.malloc(N, stream=a)
+    # (the pool asks the runtime once about a stream it has not seen: that may take an event)
+    created = pool.memory_stats()["events_created"]
     sim.launch_fill(a, ptr, N, 0xAA, delay_s=0.5)
     t0 = time.monotonic()
     pool.free(ptr, stream=a)
     again = pool.malloc(N, stream=a)
     assert time.monotonic() - t0 < 0.1
     assert again == ptr
-    created = pool.memory_stats()["events_created"]
-    assert created == 0, "same-stream reuse needs no event"
+    assert pool.memory_stats()["events_created"] == created, "same-stream reuse needs no event"
     pool.free(again, stream=a)
     pool.synchronize(a)
 

@@ -15,6 +15,14 @@ Four figures, each the median over ``runs`` repetitions, in nanoseconds per mall
 * ``py_pair_2threads``: two Python threads each running that loop on one pool (the GIL
   serialises them: this is the latency each thread sees); floor ``py_floor_2threads``.
 
+* ``tail_under_maintenance``: percentiles (``p50_ns``, ``p99_ns``, ``p999_ns``) of single warm
+  ``ascend_pool_malloc``/``ascend_pool_free`` pairs through the C ABI, timed one by one on a C
+  thread that never holds the GIL, while a Python thread keeps calling ``synchronize()`` on a busy
+  stream, ``empty_cache()``, ``snapshot()`` and a metrics scrape on the same pool (the device's
+  default pool); ``baseline_p50_ns`` is the median of the same pair without that maintenance, in
+  the same run. Target: p99.9 at most 100x the baseline (no maintenance call holds the pool mutex
+  across a device wait).
+
 Every figure is also given as a ratio to its floor. The repetitions are interleaved (run 1 of
 every figure, then run 2, ...) so that floors and figures see the same machine conditions.
 """
@@ -107,11 +115,61 @@ def _calibrate(fn, target_ms: float, lo: int = 10_000, hi: int = 20_000_000) -> 
     return int(min(max(target_ms * 1e6 / ns, lo), hi))
 
 
+def _maintain(pool, run, rounds, counts, busy_stream, buf, sim):
+    """Maintains pool for `rounds` rounds (or until the timed run is done), then stops the run:
+    a busy stream synchronized, empty_cache, a snapshot and a metrics scrape each round."""
+    from ..metrics import PoolCollector
+
+    collector = PoolCollector(pools=lambda: [pool])
+    while counts["rounds"] < rounds and not run.done():
+        if sim is not None:
+            sim.launch_fill(busy_stream, buf, 1 << 20, 7, delay_s=0.002)  # 2 ms of device work
+        pool.synchronize(busy_stream)
+        pool.empty_cache()
+        pool.snapshot()
+        for _ in collector.collect():
+            pass
+        counts["rounds"] += 1
+    run.stop()
+
+
+def run_tail(device: int = 0, pairs: int = 4_000_000, size: int = 4096, rounds: int = 40) -> dict:
+    """tail_under_maintenance (see the module docstring): the C-ABI pair's percentiles on a C
+    thread under maintenance, and its uncontended median measured the same way just before."""
+    from .. import _core
+    from ..api import default_pool
+
+    pool = default_pool(device)
+    sim = None
+    if pool.backend.name == "sim":
+        from .. import sim
+    base = _core.TailRun(device, size, min(pairs, 200_000)).finish()
+    busy = pool.create_stream()
+    buf = pool.malloc(1 << 20, stream=busy)
+    counts = {"rounds": 0}
+    run = _core.TailRun(device, size, pairs)
+    try:
+        _maintain(pool, run, rounds, counts, busy, buf, sim)  # this (Python) thread maintains
+    finally:
+        run.stop()
+        res = run.finish()
+        pool.free(buf, stream=busy)
+        pool.destroy_stream(busy)
+    out = {"p50_ns": res["p50_ns"], "p99_ns": res["p99_ns"], "p999_ns": res["p999_ns"],
+           "baseline_p50_ns": base["p50_ns"], "pairs": res["pairs"], "maintenance_rounds": counts["rounds"],
+           "size_bytes": size, "description": "C-ABI cached pair on a C thread while another thread runs "
+           "synchronize(busy stream), empty_cache, snapshot and a metrics scrape on the same pool"}
+    out["p999_vs_baseline_p50"] = out["p999_ns"] / out["baseline_p50_ns"] if out["baseline_p50_ns"] else None
+    return out
+
+
 def run_micro(backend, device: int = 0, runs: int = 7, target_ms: float = 20.0, c_pairs: Optional[int] = None,
-              py_pairs: Optional[int] = None, size: int = 4096, threads: int = 2, progress=None) -> dict:
+              py_pairs: Optional[int] = None, size: int = 4096, threads: int = 2, progress=None,
+              tail_pairs: int = 4_000_000) -> dict:
     """Measures the micro figures on a fresh pool of `backend` (a Backend or a name). Each loop
     runs about target_ms (pairs per run calibrated per figure) unless c_pairs / py_pairs fix the
-    count; contended loops run that many pairs in each thread. Returns
+    count; contended loops run that many pairs in each thread; tail_pairs pairs are timed for
+    tail_under_maintenance (0: not measured). Returns
     ``{"figures": {name: {...}}, "floors": {name: {...}}, "info": {...}, "config": {...}}`` plus
     flat ``NAME_ns`` and ``NAME_vs_floor`` keys for every figure and floor."""
     from .. import _core
@@ -187,6 +245,10 @@ def run_micro(backend, device: int = 0, runs: int = 7, target_ms: float = 20.0, 
     for name, e in figures.items():
         out[f"{name}_ns"] = e["ns"]
         out[f"{name}_vs_floor"] = e["vs_floor"]
+    if tail_pairs:
+        if progress is not None:
+            progress.note("tail under maintenance")
+        figures["tail_under_maintenance"] = run_tail(device, pairs=tail_pairs, size=size)
     for name, e in floors.items():
         out[f"{name}_ns"] = e["ns"]
     return out

@@ -202,9 +202,17 @@ def micro_markdown(micro: dict) -> list:
              f"device calls during the timed loops: {cfg['device_calls_during_timed_loops']}.", "",
              "| figure | ns | floor | floor ns | × floor |", "|---|---:|---|---:|---:|"]
     for name, e in micro["figures"].items():
+        if "floor" not in e:  # tail_under_maintenance: percentiles, below
+            continue
         fl = micro["floors"][e["floor"]]
         lines.append(f"| {e['description']} | {e['ns']:.1f} | {fl['description']} | {e['floor_ns']:.1f} | "
                      f"{_fmt(e['vs_floor'], '.2f')} |")
+    tail = micro["figures"].get("tail_under_maintenance")
+    if tail:
+        lines += ["", f"Tail under maintenance ({tail['description']}; {tail['pairs']:,} pairs, "
+                      f"{tail['maintenance_rounds']} maintenance rounds): p50 {tail['p50_ns']:.0f} ns, "
+                      f"p99 {tail['p99_ns']:.0f} ns, p99.9 {tail['p999_ns']:.0f} ns; uncontended p50 "
+                      f"{tail['baseline_p50_ns']:.0f} ns (p99.9 = {_fmt(tail['p999_vs_baseline_p50'], '.1f')}x)."]
     info = micro.get("info", {})
     if info:
         extra = "; ".join(f"{v['description']}: {v['ns']:.1f} ns" for v in info.values())

@@ -70,6 +70,7 @@ typedef struct acl_impl {
     aclError (*aclrtSynchronizeEventWithTimeout)(void *event, int32_t timeout_ms);
     aclError (*aclrtDestroyEvent)(void *event);
     aclError (*aclrtStreamWaitEvent)(void *stream, void *event);
+    aclError (*aclrtResetEvent)(void *event, void *stream);
     aclError (*aclrtCreateStream)(void **stream);
     aclError (*aclrtSynchronizeStream)(void *stream);
     aclError (*aclrtSynchronizeStreamWithTimeout)(void *stream, int32_t timeout_ms);
@@ -530,6 +531,11 @@ static int acl_stream_wait_event(ap_backend *b, void *stream, void *event)
     return IMPL(b)->aclrtStreamWaitEvent(stream, event);
 }
 
+static int acl_event_reset(ap_backend *b, void *event, void *stream)
+{
+    return IMPL(b)->aclrtResetEvent(event, stream);
+}
+
 /* ---- streams ------------------------------------------------------------------------------- */
 
 static int acl_stream_create(ap_backend *b, int device, void **stream)
@@ -714,6 +720,7 @@ static int acl_resolve_all(acl_impl *im, void *lib, char *err, size_t errlen)
     RESOLVE(aclrtSynchronizeEventWithTimeout);
     REQUIRE(aclrtDestroyEvent);
     REQUIRE(aclrtStreamWaitEvent);
+    RESOLVE(aclrtResetEvent);
     REQUIRE(aclrtCreateStream);
     REQUIRE(aclrtSynchronizeStream);
     RESOLVE(aclrtSynchronizeStreamWithTimeout);
@@ -770,6 +777,7 @@ int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen)
     b->event_sync = acl_event_sync;
     b->event_destroy = acl_event_destroy;
     b->stream_wait_event = acl_stream_wait_event;
+    b->event_reset = im->aclrtResetEvent ? acl_event_reset : NULL;
     b->stream_create = acl_stream_create;
     b->stream_sync = acl_stream_sync;
     b->stream_destroy = acl_stream_destroy;

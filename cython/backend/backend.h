@@ -75,6 +75,11 @@ struct ap_backend {
     int (*event_destroy)(ap_backend *b, void *event);
     /* Work submitted to `stream` after this call waits until `event` completes. No host wait. */
     int (*stream_wait_event)(ap_backend *b, void *stream, void *event);
+    /* Returns an event that a stream waited on to its initial state, ordered on that (waiting)
+       stream, so that it may be recorded again. CANN requires it (aclrtResetEvent: "usually
+       called after aclrtStreamWaitEvent"; docs/cann-rules-events.md); NULL where the runtime has
+       no such rule (cuda) or lacks the symbol: the event is then reused as it is. */
+    int (*event_reset)(ap_backend *b, void *event, void *stream);
 
     int (*stream_create)(ap_backend *b, int device, void **stream);
     /* Same timeout rule as event_sync (ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046 on timeout). */

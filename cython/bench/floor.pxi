@@ -67,3 +67,60 @@ def bench_c_pool_pairs(PoolBase pool, int64_t n, size_t size=4096, int threads=1
             raise PoolError(f"pool call failed in the benchmark loop (status {status})")
         return [ns]
     return _thread_results(APB_KIND_POOL, <void *>pool.p, size, n, threads)
+
+
+cdef extern from "bench/bench_tail.h" nogil:
+    ctypedef struct apb_tail:
+        pass
+    apb_tail *apb_tail_start(int device, size_t size, int64_t n)
+    int apb_tail_done(apb_tail *t)
+    void apb_tail_stop(apb_tail *t)
+    int64_t apb_tail_finish(apb_tail *t, const double *q, int nq, double *out, int *status)
+
+
+cdef class TailRun:
+    """A C thread (never holding the GIL) timing up to n warm ascend_pool_malloc/ascend_pool_free
+    pairs of `size` bytes on `device`'s current pool (bench_tail.h). done() polls, stop() ends the
+    loop early; finish() joins it and returns {"pairs", "p50_ns", "p99_ns", "p999_ns"}."""
+    cdef apb_tail *t
+
+    def __cinit__(self, int device, size_t size, int64_t n):
+        if n <= 0:
+            raise ValueError(f"n must be positive, got {n}")
+        with nogil:
+            self.t = apb_tail_start(device, size, n)
+        if self.t == NULL:
+            raise MemoryError("cannot start the tail-latency thread")
+
+    def done(self):
+        return self.t == NULL or apb_tail_done(self.t) != 0
+
+    def stop(self):
+        if self.t != NULL:
+            apb_tail_stop(self.t)
+
+    def finish(self):
+        cdef double q[3]
+        cdef double out[3]
+        cdef int status = 0
+        cdef int64_t n
+        if self.t == NULL:
+            raise RuntimeError("already finished")
+        q[0] = 0.5; q[1] = 0.99; q[2] = 0.999
+        with nogil:
+            n = apb_tail_finish(self.t, q, 3, out, &status)
+        self.t = NULL
+        if status != 0:
+            raise PoolError("ascend_pool_malloc failed in the tail-latency loop (its last error is the C "
+                            "thread's own; is the device's current pool open?)")
+        return {"pairs": n, "p50_ns": out[0], "p99_ns": out[1], "p999_ns": out[2]}
+
+    def __dealloc__(self):
+        cdef double q[1]
+        cdef double out[1]
+        cdef int status = 0
+        q[0] = 0.5
+        if self.t != NULL:
+            with nogil:
+                apb_tail_finish(self.t, q, 1, out, &status)
+            self.t = NULL

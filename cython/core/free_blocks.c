@@ -57,7 +57,9 @@ ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
         if (b->next) b->next->prev = b;
         ap_block_recycle(p, next);
     }
+    AP_ASSERT(tag >= 0 && tag < p->n_slots && (tag == 0 || p->slots[tag].live));
     b->tag = (uint16_t)tag;
+    if (tag) p->slots[tag].epoch++; /* a wait begun before this free does not cover it (waits.c) */
     b->free_tick = idle_since;
     ap_tree_insert(tree_of(p, b), b);
     if (is_whole_segment(b)) {
@@ -179,6 +181,7 @@ static inline int should_split(const ap_pool *p, const ap_block *b, size_t rsize
 }
 
 void ap_take_block(ap_pool *p, ap_block *b, size_t rsize, size_t requested, int slot) {
+    AP_ASSERT(b->state == AP_BLOCK_FREE && b->size >= rsize && (b->tag == 0 || b->tag == slot));
     ap_free_remove(p, b);
     b->state = AP_BLOCK_ALLOCATED; /* before the split: the rest must not merge back into it */
     if (should_split(p, b, rsize)) {

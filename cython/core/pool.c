@@ -3,6 +3,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "current.h"
 #include "pool_internal.h"
@@ -59,6 +60,7 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
     p->backend = backend;
     p->device = device;
     p->cfg = *cfg;
+    p->event_cache_max = AP_EVENT_CACHE_MAX;
     p->slots_cap = 8;
     p->slots = calloc((size_t)p->slots_cap, sizeof *p->slots);
     p->n_slots = 1; /* slot 0: blocks no queued work can touch */
@@ -139,6 +141,16 @@ static int check_size(ap_pool *p, size_t size, ap_error *err) {
     return AP_OK;
 }
 
+/* The error for a slot lookup that failed: -1 table full, -2 a stream the runtime refuses. */
+static int slot_error(ap_pool *p, int slot, void *stream, ap_error *err) {
+    if (slot == -2)
+        return ap_set_error(err, AP_E_INVALID_STREAM, 0,
+                            "stream %p is not a stream the runtime knows on device %d (destroyed, or not a "
+                            "stream handle)", stream, p->device);
+    return ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams (limit %d) on device %d", AP_MAX_STREAMS - 1,
+                        p->device);
+}
+
 static void oom_message(ap_pool *p, size_t size, int slot, ap_error *err) {
     size_t free_b = 0, total_b = 0;
     p->backend->mem_info(p->backend, p->device, &free_b, &total_b);
@@ -166,6 +178,14 @@ static void oom_message(ap_pool *p, size_t size, int slot, ap_error *err) {
                  frag, free_b, total_b, cause);
 }
 
+/* 1 when frees wait on queued work: pending frees, or free blocks tagged with a stream. */
+static int queued_frees(const ap_pool *p) {
+    if (p->pending_head) return 1;
+    for (int s = 1; s < p->n_slots; s++)
+        if (p->slots[s].trees[0].count || p->slots[s].trees[1].count) return 1;
+    return 0;
+}
+
 int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err) {
     if (check_size(p, size, err) != AP_OK) return err ? err->status : AP_E_INVALID_SIZE;
     size_t rsize = ap_round_request(p, size);
@@ -174,8 +194,7 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
     int slot = ap_slot_of_fast(p, stream, 1);
     if (slot < 0) {
         pthread_mutex_unlock(&p->lock);
-        return ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams (limit %d) on device %d",
-                            AP_MAX_STREAMS - 1, p->device);
+        return slot_error(p, slot, stream, err);
     }
     if (p->pending_head) ap_process_pending(p, 0, NULL);
     ap_block *b = ap_cache_pop(p, slot, rsize);
@@ -193,6 +212,18 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
         ap_error *e = err ? err : &local;
         e->status = AP_OK;
         b = ap_obtain_block(p, slot, pool, rsize, size, e);
+        if (!b && e->status != AP_E_HOST_NOMEM && (p->stats.num_sync_all_streams++, queued_frees(p))) {
+            /* Last resort: wait (lock dropped) for every stream and pending free, then retry. */
+            ap_error wait_err = {0};
+            int wrc = ap_wait_unlocked(p, -1, 1, &wait_err);
+            slot = ap_slot_of_fast(p, stream, 1); /* the slot table may have changed meanwhile */
+            if (slot >= 0) {
+                e->status = AP_OK;
+                ap_release_free_segments(p, (size_t)-1, 1, 0, NULL);
+                b = ap_obtain_block(p, slot, pool, rsize, size, e);
+                if (!b && wrc == AP_E_TIMEOUT) *e = wait_err;
+            }
+        }
         if (!b) {
             if (e->status == AP_E_QUOTA) p->stats.num_quota_exceeded++;
             else p->stats.num_ooms++;
@@ -218,7 +249,9 @@ allocated:
 }
 
 int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
-    if (size == 0 || (int64_t)size < 0) return AP_E_BUSY;
+    /* Sizes first: beyond the device, the rounding and the cache key (rsize << 16) would wrap
+       onto a small cached block. size 0 wraps to SIZE_MAX here, so one compare refuses both. */
+    if (size - 1 >= (size_t)p->stats.device_total_bytes) return AP_E_BUSY;
     size_t rsize = ap_round_request(p, size);
     if (pthread_mutex_trylock(&p->lock) != 0) return AP_E_BUSY;
     int slot = p->pending_head || p->history.capacity || p->live.count * 2 + 2 > p->live.mask + 1
@@ -263,6 +296,8 @@ static int bad_pointer(ap_pool *p, void *ptr, ap_error *err) {
 
 static void release_block(ap_pool *p, ap_block *b, int tag) {
     int pool = b->seg->pool;
+    AP_ASSERT(b->state == AP_BLOCK_ALLOCATED && tag >= 0 && tag < p->n_slots);
+    if (__builtin_expect(!p->slots[tag].live, 0)) tag = 0; /* retired stream: its work is over */
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, pool, 1);
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
     ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
@@ -279,20 +314,18 @@ static void release_block(ap_pool *p, ap_block *b, int tag) {
 int ap_pool_free(ap_pool *p, void *ptr, void *stream, int use_alloc_stream, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     int tag = use_alloc_stream ? 0 : ap_slot_of_fast(p, stream, 1);
-    if (tag < 0) {
-        pthread_mutex_unlock(&p->lock);
-        return ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams (limit %d) on device %d",
-                            AP_MAX_STREAMS - 1, p->device);
-    }
     ap_block *b = ap_map_take(&p->live, (uintptr_t)ptr); /* only allocated blocks are in the map */
     if (!b) {
         int rc = bad_pointer(p, ptr, err);
         pthread_mutex_unlock(&p->lock);
         return rc;
     }
-    release_block(p, b, use_alloc_stream ? b->tag : tag);
+    /* A stream the pool cannot order on: the block is still freed, on the stream it was
+       allocated on, and the caller learns why. */
+    int rc = tag < 0 ? slot_error(p, tag, stream, err) : AP_OK;
+    release_block(p, b, use_alloc_stream || tag < 0 ? b->tag : tag);
     pthread_mutex_unlock(&p->lock);
-    return AP_OK;
+    return rc;
 }
 
 int ap_pool_try_free(ap_pool *p, void *ptr) {
@@ -317,7 +350,7 @@ int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
     } else {
         int slot = ap_slot_of(p, stream, 1);
         if (slot < 0) {
-            rc = ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams on device %d", p->device);
+            rc = slot_error(p, slot, stream, err);
         } else if (slot != b->tag) {
             if (!b->xs) b->xs = ap_uses_new(p);
             ap_block_uses *u = b->xs;
@@ -339,11 +372,22 @@ int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
 
 int ap_pool_empty_cache(ap_pool *p, ap_error *err) {
     pthread_mutex_lock(&p->lock);
-    ap_cache_flush(p);
-    int rc = ap_process_pending(p, 1, err);
-    for (int s = 1; s < p->n_slots && rc == AP_OK; s++)
-        if (p->slots[s].live) rc = ap_settle_slot(p, s, err);
-    ap_release_free_segments(p, (size_t)-1, 1, 0, err);
+    /* Waits with the lock dropped, a few rounds: other threads may free more meanwhile. */
+    int rc = AP_OK;
+    for (int round = 0; round < 4; round++) {
+        ap_error e = {0};
+        int r = ap_wait_unlocked(p, -1, 1, &e);
+        if (r != AP_OK && rc == AP_OK) {
+            rc = r;
+            if (err) *err = e;
+        }
+        if (r == AP_E_TIMEOUT || r == AP_E_DEVICE) break;
+        int busy = p->pending_head != NULL;
+        for (int s = 1; s < p->n_slots && !busy; s++)
+            busy = p->slots[s].trees[0].count || p->slots[s].trees[1].count;
+        if (!busy) break;
+    }
+    ap_release_free_segments(p, (size_t)-1, 1, 0, rc == AP_OK ? err : NULL);
     pthread_mutex_unlock(&p->lock);
     return rc;
 }
@@ -351,21 +395,7 @@ int ap_pool_empty_cache(ap_pool *p, ap_error *err) {
 int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     int slot = ap_slot_of(p, stream, 1);
-    int rc = slot < 0 ? ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams") : AP_OK;
-    if (rc == AP_OK) {
-        ap_on_device(p);
-        rc = p->backend->stream_sync(p->backend, stream, p->cfg.sync_timeout_ms);
-        if (rc != 0) {
-            char msg[160];
-            p->backend->error_message(p->backend, rc, msg, sizeof msg);
-            rc = ap_set_error(err, rc == 507046 || rc == 507047 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
-                              "synchronizing stream %p on device %d (limit %d ms): %s", stream, p->device,
-                              p->cfg.sync_timeout_ms, msg);
-        } else {
-            ap_free_retag_slot(p, slot, 0); /* everything it freed is now safe for all */
-            ap_process_pending(p, 0, NULL);
-        }
-    }
+    int rc = slot < 0 ? slot_error(p, slot, stream, err) : ap_wait_unlocked(p, slot, 0, err);
     pthread_mutex_unlock(&p->lock);
     return rc;
 }
@@ -375,11 +405,10 @@ int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err) {
     int slot = ap_slot_of(p, stream, 0);
     int rc = AP_OK;
     if (slot > 0) {
-        rc = ap_settle_slot(p, slot, err);
-        if (rc == AP_OK) {
-            p->slots[slot].live = 0;
-            if (p->last_slot == slot) p->last_slot = 0;
-        }
+        /* What is pending on it is settled first: its frees' events are waited for too. */
+        rc = ap_wait_unlocked(p, slot, 1, err);
+        slot = ap_slot_of(p, stream, 0); /* retired meanwhile (unusable) or by another caller */
+        if (slot > 0 && rc == AP_OK) ap_slot_retire(p, slot);
     }
     pthread_mutex_unlock(&p->lock);
     return rc;
@@ -398,6 +427,8 @@ size_t ap_pool_trim_to(ap_pool *p, size_t target) {
     if (reserved > target) {
         ap_process_pending(p, 0, NULL);
         released = ap_release_free_segments(p, reserved - target, 1, 0, NULL);
+        if (ap_reserved(p) > target && ap_wait_unlocked(p, -1, 0, NULL) == AP_OK && ap_reserved(p) > target)
+            released += ap_release_free_segments(p, ap_reserved(p) - target, 1, 0, NULL);
     }
     pthread_mutex_unlock(&p->lock);
     return released;
@@ -467,4 +498,11 @@ int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, siz
     }
     pthread_mutex_unlock(&p->lock);
     return rc;
+}
+
+void ap_pool_hold_lock(ap_pool *p, double seconds) {
+    struct timespec ts = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    pthread_mutex_lock(&p->lock);
+    nanosleep(&ts, NULL);
+    pthread_mutex_unlock(&p->lock);
 }

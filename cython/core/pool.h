@@ -2,6 +2,21 @@
  *
  * Thread-safe: one mutex per pool. The cached path (best fit + split, or free + merge) takes the
  * lock once, touches no Python object and allocates nothing. Device calls happen only on a miss.
+ *
+ * Locks (who protects what):
+ *   ap_pool.lock     every field of ap_pool and of its blocks, segments, slots, events and stats.
+ *   backend          its own locking (the runtime is thread-safe); per-thread current device.
+ *   the GIL          never taken by C code; every Python method that takes ap_pool.lock releases
+ *                    the GIL first (pool.pxi), so a waiter on the mutex never stops the interpreter.
+ * Never done while holding ap_pool.lock:
+ *   - a device or event wait (stream_sync, event_sync) or any runtime call that can block on
+ *     queued work: waits run in waits.c with the lock dropped (take the work out, wait, retake
+ *     the lock, then apply the result only if nothing changed meanwhile);
+ *   - GIL acquisition or any call back into Python.
+ * Allowed under the lock: non-blocking runtime calls (malloc/free/map of device memory, event
+ * create/record/query/reset, aclrtStreamWaitEvent), the quota hook (no pool calls).
+ * Exception, rare: ap_free_pending waits for a stream when no event can be had at all (the device's
+ * event limit reached with every cached event in use).
  */
 #ifndef AP_POOL_H
 #define AP_POOL_H
@@ -23,6 +38,7 @@
 #define AP_VMM_CHUNK_MAX ((size_t)20 << 20)  /* largest physical allocation of a growth (expandable.c) */
 #define AP_CACHE_BINS 64   /* recent-free cache: bins by hashed size ... */
 #define AP_CACHE_DEPTH 4   /* ... of this many blocks each */
+#define AP_EVENT_CACHE_MAX 64 /* idle events kept per pool: far below any device's limit (1,023) */
 
 /* Status codes of pool calls (ap_error.status). */
 enum {
@@ -110,7 +126,10 @@ typedef struct ap_vmm_space {
 
 typedef struct ap_stream_slot {
     void *stream;         /* runtime handle (NULL = default stream) */
-    int live;             /* 0 once destroyed through the pool */
+    int live;             /* 0 once retired (destroyed through the pool, or unusable): no work is
+                             ordered on it any more and frees tagged with it go to slot 0 */
+    uint32_t epoch;       /* bumped whenever a block enters its trees: a wait outside the lock
+                             retags them only if none entered meanwhile (waits.c) */
     ap_free_tree trees[2]; /* free blocks whose last use was ordered on this stream */
 } ap_stream_slot;
 
@@ -141,8 +160,11 @@ typedef struct ap_pool {
     int64_t vmm_live_high;     /* highest allocated bytes the policy has seen */
 
     ap_block *pending_head, *pending_tail; /* frees waiting on events, oldest first */
-    void **event_cache;   /* idle events for reuse */
+    void **event_cache;   /* idle events for reuse (at most event_cache_max; more are destroyed) */
     int n_cached_events, event_cache_cap;
+    int event_cache_max;  /* bound below the device's event limit (stream_order.c) */
+    int event_pins;       /* waits outside the lock hold event handles: destroy none meanwhile */
+    int64_t live_events;  /* events this pool created and has not destroyed */
 
     void *spare_blocks;       /* recycled structs, linked through their first word (block_arena.c) */
     void *spare_uses;
@@ -194,6 +216,11 @@ void ap_pool_set_limit(ap_pool *p, size_t limit_bytes);
 /* Copies the counters (with fragmentation figures and device memory) under the lock. */
 void ap_pool_get_stats(ap_pool *p, ap_stats *out);
 void ap_pool_reset_peaks(ap_pool *p);
+/* Checks the pool's invariants (check.c): free-tree order and sizes, block adjacency, stats equal
+   to a recount, cache and pending lists. 0 when all hold, else -1 with the violation in msg. */
+int ap_pool_check(ap_pool *p, char *msg, size_t len);
+/* Test hook: holds the pool mutex for `seconds` (tests prove waiters never hold the GIL). */
+void ap_pool_hold_lock(ap_pool *p, double seconds);
 /* Looks up a live block: its base, size and requested bytes. 0 if ptr is inside one. */
 int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested);
 /* 1 when ptr lies in one of the pool's expandable (virtual-memory) segments, 0 when in another of

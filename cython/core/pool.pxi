@@ -10,7 +10,7 @@ from cpython.exc cimport PyErr_Occurred, PyErr_Clear
 import time as _time
 
 from ascend_pool.errors import (OutOfMemoryError, QuotaExceededError, InvalidSizeError, InvalidPointerError,
-                                InvalidStreamError, DeviceTimeoutError, PoolError)
+                                InvalidStreamError, DeviceTimeoutError, PoolError, ConfigError)
 
 cdef extern from "pool.h" nogil:
     enum:
@@ -42,6 +42,8 @@ cdef extern from "pool.h" nogil:
     int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err)
     void ap_pool_set_limit(ap_pool *p, size_t limit_bytes)
     void ap_pool_reset_peaks(ap_pool *p)
+    void ap_pool_hold_lock(ap_pool *p, double seconds)
+    int ap_pool_check(ap_pool *p, char *msg, size_t len)
     int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested)
     int ap_pool_segment_expandable(ap_pool *p, void *ptr)
     size_t ap_pool_round_size(const ap_pool *p, size_t size)
@@ -354,9 +356,9 @@ cdef class PoolBase:
         return handle
 
     def register_stream(self, handle):
-        """Lets this pool order frees on a stream created elsewhere (int handle)."""
-        if type(handle) is not int or handle <= 0:
-            raise InvalidStreamError(f"stream handle must be a positive int, got {handle!r}")
+        """Lets this pool order frees on a stream created elsewhere (int handle: a pointer)."""
+        if type(handle) is not int or not 0 < handle <= <uintptr_t>-1:
+            raise InvalidStreamError(f"stream handle must be a positive int that fits a pointer, got {handle!r}")
         self._streams.add(handle)
 
     def destroy_stream(self, stream):
@@ -393,7 +395,12 @@ cdef class PoolBase:
         """Caps reserved bytes (None: no cap). A limit below current use trims cache only."""
         self._check()
         cdef ap_pool *_p
-        cdef size_t limit = AP_NO_LIMIT if limit_bytes is None else <size_t>limit_bytes
+        cdef size_t limit = AP_NO_LIMIT
+        if limit_bytes is not None:
+            # bool is an int, but True bytes is a mistake; AP_NO_LIMIT itself is reserved for None
+            if type(limit_bytes) is not int or not 0 <= limit_bytes < <size_t>AP_NO_LIMIT:
+                raise ConfigError(f"limit must be None or a byte count from 0 to 2**64-2, got {limit_bytes!r}")
+            limit = <size_t>limit_bytes
         _p = self._enter()
         with nogil:
             ap_pool_set_limit(_p, limit)
@@ -402,7 +409,32 @@ cdef class PoolBase:
     def reset_peak_stats(self):
         """Resets every peak counter to its current value."""
         self._check()
-        ap_pool_reset_peaks(self.p)
+        cdef ap_pool *_p = self._enter()
+        with nogil:  # takes the pool mutex: never while holding the GIL (pool.h)
+            ap_pool_reset_peaks(_p)
+        self._leave()
+
+    def _check_invariants(self):
+        """Checks the pool's internal invariants (free trees, block tiling, cache, pending list,
+        stats against a recount); raises AssertionError naming the first violation."""
+        self._check()
+        cdef char msg[400]
+        cdef int rc
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            rc = ap_pool_check(_p, msg, sizeof(msg))
+        self._leave()
+        if rc != 0:
+            raise AssertionError(f"pool invariant violated (device {self.device}): " + msg.decode("utf-8", "replace"))
+
+    def _hold_lock_for_test(self, double seconds):
+        """Test hook: holds the pool mutex for `seconds` with the GIL released (to prove that
+        no method waits for the mutex while holding the GIL)."""
+        self._check()
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            ap_pool_hold_lock(_p, seconds)
+        self._leave()
 
     def round_size(self, nbytes):
         """Bytes a request of nbytes really occupies in the pool (padding and 512-byte rounding)."""
@@ -414,7 +446,13 @@ cdef class PoolBase:
         self._check()
         cdef uintptr_t base = 0
         cdef size_t size = 0, requested = 0
-        if ap_pool_block_info(self.p, _as_ptr(ptr), &base, &size, &requested) != 0:
+        cdef void *a = _as_ptr(ptr)
+        cdef int rc
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            rc = ap_pool_block_info(_p, a, &base, &size, &requested)
+        self._leave()
+        if rc != 0:
             return None
         return (base, size, requested)
 
@@ -422,7 +460,12 @@ cdef class PoolBase:
         """Kind of the pool segment containing address ptr: "expandable" (virtual memory mapped
         in chunks, expandable_segments:true), "device" (one device allocation), or None."""
         self._check()
-        cdef int rc = ap_pool_segment_expandable(self.p, _as_ptr(ptr))
+        cdef void *a = _as_ptr(ptr)
+        cdef int rc
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            rc = ap_pool_segment_expandable(_p, a)
+        self._leave()
         return None if rc < 0 else ("expandable" if rc else "device")
 
     def _raw_stats(self):

@@ -6,6 +6,21 @@
 
 #include "pool.h"
 
+/* Invariants that comments state, checked in debug and ASan builds (ASCEND_POOL_SANITIZE=1);
+   compiled out otherwise, so the hot path pays nothing. */
+#if defined(ASCEND_POOL_SANITIZE) || defined(AP_DEBUG)
+#include <stdlib.h>
+#define AP_ASSERT(cond)                                                                            \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "ascend_pool: invariant failed at %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+            abort();                                                                               \
+        }                                                                                          \
+    } while (0)
+#else
+#define AP_ASSERT(cond) ((void)0)
+#endif
+
 #define AP_LARGE_BUFFER (20u << 20) /* an oversize cached block may exceed the request by this much */
 
 static inline size_t ap_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
@@ -94,7 +109,8 @@ size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep
 void ap_vmm_destroy(ap_pool *p);
 
 /* stream_order.c: stream slots, events, pending frees, cross-stream reuse. */
-/* Slot of a stream (created when create != 0); -1 when none / table full. */
+/* Slot of a stream (created when create != 0); -1 when none / table full, -2 when the runtime
+   refuses the stream (unusable: checked once, when its slot is created). */
 int ap_slot_of(ap_pool *p, void *stream, int create);
 /* The same, answered inline when the stream is the last one looked up (the usual case). */
 static inline int ap_slot_of_fast(ap_pool *p, void *stream, int create) {
@@ -103,10 +119,25 @@ static inline int ap_slot_of_fast(ap_pool *p, void *stream, int create) {
     return ap_slot_of(p, stream, create);
 }
 void *ap_event_get(ap_pool *p);
+/* Returns an event to the cache (destroyed when the cache is full). */
 void ap_event_put(ap_pool *p, void *event);
+/* The same for an event that waiting_stream waited on: reset first (CANN's rule). */
+void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream);
 void ap_events_destroy(ap_pool *p);
+/* 1 when code (from a stream call) says the runtime does not know the stream: destroyed behind
+   the pool's back, garbage, or of another context. */
+int ap_stream_unusable(const ap_pool *p, int code);
+/* Retires a slot whose stream is gone or unusable: its free blocks serve every stream, and blocks
+   later freed with its tag go to slot 0 (its work is over). */
+void ap_slot_retire(ap_pool *p, int slot);
 /* Frees a block whose uses (record_stream) need events: it waits on the pending list. */
 void ap_free_pending(ap_pool *p, ap_block *b, int tag);
+/* waits.c: device waits with the pool mutex dropped. Called with p->lock held; returns with it
+   held. Waits for the streams of `slot` (> 0), or of every slot holding free blocks (slot < 0),
+   and with `pending` for the events of pending frees; then retags what the waits covered and
+   completes pending frees. AP_OK, AP_E_TIMEOUT, AP_E_DEVICE, or AP_E_INVALID_STREAM (the stream
+   was retired: the runtime does not know it). */
+int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err);
 /* Completes pending frees whose events are done; blocking waits for all (bounded by the timeout).
    Returns AP_OK or AP_E_TIMEOUT. */
 int ap_process_pending(ap_pool *p, int blocking, ap_error *err);

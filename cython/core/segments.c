@@ -95,10 +95,10 @@ static int segment_release(ap_pool *p, ap_segment *seg, ap_error *err) {
     return AP_OK;
 }
 
-static ap_segment *pick_free_segment(ap_pool *p, int include_pinned, int oldest_first) {
+static ap_segment *pick_free_segment(ap_pool *p, int include_pinned, int oldest_first, int skip_tagged) {
     ap_segment *pick = NULL;
     for (ap_segment *s = p->segments; s; s = s->next) {
-        if (!ap_segment_is_free(s) || (s->pinned && !include_pinned)) continue;
+        if (!ap_segment_is_free(s) || (s->pinned && !include_pinned) || (skip_tagged && s->first->tag)) continue;
         if (!pick || (oldest_first ? s->last_use < pick->last_use : s->size > pick->size)) pick = s;
     }
     return pick;
@@ -111,18 +111,17 @@ size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, i
        streams: a free segment split into blocks of different streams becomes whole once they are
        settled. The release policies on the allocation path never wait. */
     int may_settle = include_pinned || target == (size_t)-1;
+    int skip_tagged = 0; /* set once a stream-tagged segment's stream was found busy */
     ap_cache_flush(p);
     while (released < target) {
-        ap_segment *s = p->n_free_segments ? pick_free_segment(p, include_pinned, oldest_first) : NULL;
+        ap_segment *s = p->n_free_segments ? pick_free_segment(p, include_pinned, oldest_first, skip_tagged) : NULL;
         if (!s && may_settle) {
             may_settle = 0;
-            int any = ap_settle_free_slots(p, err);
-            if (any < 0) return released;
-            if (any) continue;
+            if (ap_settle_free_slots(p, err) > 0) continue; /* idle streams only: no wait */
         }
         if (!s) break;
-        if (s->first->tag) { /* its stream may still use it: wait for that stream first */
-            if (ap_settle_slot(p, s->first->tag, err) != AP_OK) break;
+        if (s->first->tag) { /* its stream may still use it: released only once that stream is idle */
+            if (ap_settle_slot(p, s->first->tag, err) != AP_OK) skip_tagged = 1; /* busy: never wait here */
             continue; /* settling may have merged blocks: pick again */
         }
         size_t size = s->size;
@@ -193,16 +192,7 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
     rc = grow(p, slot, pool, rsize, size, &b, err);
     if (rc == AP_OK) return b;
 
-    /* ... then wait for every pending free and every stream's queued frees, and retry once more. */
-    p->stats.num_sync_all_streams++;
-    ap_error wait_err = {0};
-    ap_process_pending(p, 1, &wait_err);
-    for (int s = 1; s < p->n_slots; s++)
-        if (p->slots[s].live) ap_settle_slot(p, s, &wait_err);
-    ap_release_free_segments(p, (size_t)-1, 1, 0, NULL);
-    if ((b = ap_find_fit(p, slot, pool, rsize))) return b;
-    rc = grow(p, slot, pool, rsize, size, &b, err);
-    if (rc == AP_OK) return b;
-    if (wait_err.status == AP_E_TIMEOUT) *err = wait_err;
+    /* ... the caller (ap_pool_malloc) then waits for every stream with the lock dropped and
+       retries once more. */
     return NULL;
 }

@@ -11,6 +11,37 @@
 
 #include "pool_internal.h"
 
+int ap_stream_unusable(const ap_pool *p, int code) {
+    if (p->backend->kind == AP_BACKEND_CUDA) return code == 400 || code == 709; /* invalid handle, context destroyed */
+    /* ACL (rt_error_codes.h): param invalid (a handle the runtime does not know: destroyed or
+       garbage), stream not in current context, invalid handle. */
+    return code == 107000 || code == 107003 || code == 107017;
+}
+
+/* Asks, without waiting, whether the work queued on stream so far is done: an event recorded now
+   and queried at once. 1 done, 0 not yet (or no event to ask with), -1 the runtime refuses the
+   stream (unusable: destroyed elsewhere, garbage). */
+static int stream_idle(ap_pool *p, void *stream) {
+    ap_on_device(p);
+    void *ev = ap_event_get(p);
+    if (!ev) return 0;
+    int rc = p->backend->event_record(p->backend, ev, stream), complete = 0;
+    if (rc != 0) { /* only the record speaks for the stream; a failed query is the event's */
+        ap_event_put(p, ev);
+        return ap_stream_unusable(p, rc) ? -1 : 0;
+    }
+    rc = p->backend->event_query(p->backend, ev, &complete);
+    ap_event_put(p, ev); /* recorded, never waited on: reusable as is */
+    return rc == 0 && complete;
+}
+
+void ap_slot_retire(ap_pool *p, int slot) {
+    if (slot <= 0 || !p->slots[slot].live) return;
+    ap_free_retag_slot(p, slot, 0);
+    p->slots[slot].live = 0;
+    if (p->last_slot == slot) p->last_slot = 0;
+}
+
 int ap_slot_of(ap_pool *p, void *stream, int create) {
     int last = p->last_slot;
     if (last > 0 && p->slots[last].live && p->slots[last].stream == stream) return last;
@@ -24,6 +55,9 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
             dead = i;
     }
     if (!create) return -1;
+    /* A stream seen for the first time: one question to the runtime, so that a handle it does not
+       know never gets a slot (no event is ever recorded on it later). */
+    if (stream && stream_idle(p, stream) < 0) return -2;
     int i = dead;
     if (i < 0) {
         if (p->n_slots == AP_MAX_STREAMS) return -1;
@@ -39,6 +73,7 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
     ap_stream_slot *s = &p->slots[i];
     s->stream = stream;
     s->live = 1;
+    s->epoch = 0;
     s->trees[0] = (ap_free_tree){0};
     s->trees[1] = (ap_free_tree){0};
     p->last_slot = i;
@@ -50,15 +85,28 @@ void *ap_event_get(ap_pool *p) {
     void *ev = NULL;
     if (p->backend->event_create(p->backend, p->device, &ev) != 0) return NULL;
     p->stats.events_created++;
+    p->live_events++;
     return ev;
 }
 
+static void event_destroy(ap_pool *p, void *event) {
+    p->backend->event_destroy(p->backend, event);
+    p->live_events--;
+}
+
+/* Back into the cache, which holds at most event_cache_max idle events: the device's events are
+   few (1,023 on Atlas inference cards), so a burst of cross-stream frees must not keep them all.
+   While a wait outside the lock holds handles (event_pins), none is destroyed. */
 void ap_event_put(ap_pool *p, void *event) {
+    if (p->n_cached_events >= p->event_cache_max && !p->event_pins) {
+        event_destroy(p, event);
+        return;
+    }
     if (p->n_cached_events == p->event_cache_cap) {
         int cap = p->event_cache_cap ? p->event_cache_cap * 2 : 16;
         void **c = realloc(p->event_cache, (size_t)cap * sizeof *c);
         if (!c) {
-            p->backend->event_destroy(p->backend, event);
+            event_destroy(p, event);
             return;
         }
         p->event_cache = c;
@@ -67,8 +115,18 @@ void ap_event_put(ap_pool *p, void *event) {
     p->event_cache[p->n_cached_events++] = event;
 }
 
+void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
+    /* CANN: reset after aclrtStreamWaitEvent, on the waiting stream, before any new record
+       (docs/cann-rules-events.md). An event that cannot be reset is not reused. */
+    if (p->backend->event_reset && p->backend->event_reset(p->backend, event, waiting_stream) != 0 && !p->event_pins) {
+        event_destroy(p, event);
+        return;
+    }
+    ap_event_put(p, event);
+}
+
 void ap_events_destroy(ap_pool *p) {
-    for (int i = 0; i < p->n_cached_events; i++) p->backend->event_destroy(p->backend, p->event_cache[i]);
+    for (int i = 0; i < p->n_cached_events; i++) event_destroy(p, p->event_cache[i]);
     free(p->event_cache);
     p->event_cache = NULL;
     p->n_cached_events = p->event_cache_cap = 0;
@@ -99,6 +157,7 @@ static int sync_stream(ap_pool *p, void *stream, ap_error *err) {
 }
 
 static void pending_unlink(ap_pool *p, ap_block *prev, ap_block *b) {
+    AP_ASSERT(b->state == AP_BLOCK_PENDING && (prev ? prev->pending_next : p->pending_head) == b);
     if (prev) prev->pending_next = b->pending_next;
     else p->pending_head = b->pending_next;
     if (p->pending_tail == b) p->pending_tail = prev;
@@ -109,14 +168,17 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
     void *streams[AP_MAX_USES + 1];
     int n = 0;
     ap_block_uses *u = b->xs;
-    streams[n++] = p->slots[tag].stream;
+    /* Retired slots have no queued work left (settled, or the runtime dropped the stream): no
+       event on them, ever. */
+    if (p->slots[tag].live || tag == 0) streams[n++] = p->slots[tag].stream;
     for (int i = 0; i < u->n_uses; i++)
-        if (u->uses[i] != tag) streams[n++] = p->slots[u->uses[i]].stream;
+        if (u->uses[i] != tag && p->slots[u->uses[i]].live) streams[n++] = p->slots[u->uses[i]].stream;
     u->n_events = 0;
     for (int i = 0; i < n; i++) {
         void *ev = record_on(p, streams[i]);
         if (ev) u->events[u->n_events++] = ev;
-        else sync_stream(p, streams[i], NULL); /* no event to spare: wait now instead */
+        else sync_stream(p, streams[i], NULL); /* no event to spare: wait now instead (pool.h: the
+                                                  one wait under the lock, rare) */
     }
     b->state = AP_BLOCK_PENDING;
     u->n_uses = 0;
@@ -174,12 +236,19 @@ int ap_process_pending(ap_pool *p, int blocking, ap_error *err) {
 }
 
 int ap_settle_slot(ap_pool *p, int slot, ap_error *err) {
+    (void)err;
     if (slot <= 0) return AP_OK;
     ap_stream_slot *s = &p->slots[slot];
     ap_cache_flush(p);
     if (!s->trees[0].count && !s->trees[1].count) return AP_OK;
-    int rc = sync_stream(p, s->stream, err);
-    if (rc != AP_OK) return rc;
+    /* Under the lock: ask, never wait (pool.h). A busy stream stays as it is; waits.c waits for it
+       with the lock dropped when a caller really needs it. */
+    int idle = stream_idle(p, s->stream);
+    if (idle < 0) {
+        ap_slot_retire(p, slot);
+        return AP_OK;
+    }
+    if (!idle) return AP_E_BUSY;
     ap_free_retag_slot(p, slot, 0);
     return AP_OK;
 }
@@ -187,10 +256,8 @@ int ap_settle_slot(ap_pool *p, int slot, ap_error *err) {
 int ap_settle_free_slots(ap_pool *p, ap_error *err) {
     int any = 0;
     for (int slot = 1; slot < p->n_slots; slot++)
-        if (p->slots[slot].trees[0].count || p->slots[slot].trees[1].count) {
+        if ((p->slots[slot].trees[0].count || p->slots[slot].trees[1].count) && ap_settle_slot(p, slot, err) == AP_OK)
             any = 1;
-            if (ap_settle_slot(p, slot, err) != AP_OK) return -1;
-        }
     return any;
 }
 
@@ -206,19 +273,12 @@ size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_err
             continue;
         void *ev = record_on(p, p->slots[s].stream);
         int target = to;
-        if (ev) {
-            if (p->backend->stream_wait_event(p->backend, p->slots[to].stream, ev) != 0) {
-                /* Could not order the streams on the device: fall back to a host wait below. */
-                ap_event_put(p, ev);
-                ev = NULL;
-            } else {
-                ap_event_put(p, ev); /* the wait captured the event's state: it may be reused now */
-            }
+        if (!ev) continue; /* no event: leave its blocks alone (never a host wait under the lock) */
+        if (p->backend->stream_wait_event(p->backend, p->slots[to].stream, ev) != 0) {
+            ap_event_put(p, ev); /* recorded, not waited on: reusable as is */
+            continue;
         }
-        if (!ev) {
-            if (sync_stream(p, p->slots[s].stream, NULL) != AP_OK) continue;
-            target = 0;
-        }
+        ap_event_put_waited(p, ev, p->slots[to].stream);
         p->stats.stream_migrations++;
         /* Take just the best fit when one block is enough, so that the other stream keeps the
            rest of its cache (two streams that alternate would otherwise pull every block back

@@ -228,6 +228,7 @@ SIM_EXPORT aclError aclrtSynchronizeEvent(aclrtEvent event);
 SIM_EXPORT aclError aclrtSynchronizeEventWithTimeout(aclrtEvent event, int32_t timeout);
 SIM_EXPORT aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event);
 SIM_EXPORT aclError aclrtDestroyEvent(aclrtEvent event);
+SIM_EXPORT aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream);
 
 SIM_EXPORT aclError aclrtCreateStream(aclrtStream *stream);
 SIM_EXPORT aclError aclrtSynchronizeStream(aclrtStream stream);

@@ -151,3 +151,16 @@ int sim_config_load(struct sim_config *cfg, const char *call)
     strcpy(cfg->shm_dir, dir);
     return 0;
 }
+
+/* Live events allowed per device (aclrtCreateEvent pages: 65,536; 1,023 on Atlas inference
+   cards). ASCEND_SIM_EVENT_LIMIT overrides it (1..65536), read at each call so that a test can
+   set it; a bad value keeps the default. The simulator's profiles make this per SoC. */
+int sim_event_limit(int device)
+{
+    (void)device;
+    const char *v = env("ASCEND_SIM_EVENT_LIMIT");
+    uint64_t x;
+    if (v && parse_uint(v, &x) == 0 && x >= 1 && x <= SIM_MAX_EVENTS_PER_DEVICE)
+        return (int)x;
+    return SIM_MAX_EVENTS_PER_DEVICE;
+}

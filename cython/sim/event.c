@@ -6,8 +6,15 @@
  * captures the (stream, position) pair at call time, as CUDA does: recording the event again
  * later does not change what the waiting stream waits for.
  *
- * At most 65,536 events may be live per device (the real runtime's order of magnitude); past
- * that aclrtCreateEvent fails with ACL_ERROR_RT_NO_EVENT_RESOURCE.
+ * At most sim_event_limit(device) events may be live per device (65,536; 1,023 on Atlas
+ * inference cards, per CANN's event pages); past that aclrtCreateEvent fails with
+ * ACL_ERROR_RT_NO_EVENT_RESOURCE (207007).
+ *
+ * CANN's reuse rule (docs/cann-rules-events.md): an event that a stream waited on
+ * (aclrtStreamWaitEvent) is reset with aclrtResetEvent before it is recorded again. The
+ * simulator refuses such a record with ACL_ERROR_RT_PARAM_INVALID: the documentation states the
+ * rule, not the code, so the code is the simulator's choice, made so that a test fails when the
+ * pool breaks the rule. CUDA has no such rule.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -21,6 +28,7 @@ struct sim_event {
     pthread_mutex_t mu;
     struct sim_stream *stream; /* latest record (a reference), NULL if never recorded */
     uint64_t pos;
+    int waited;                /* a stream waited on it since the last record or reset */
 };
 
 static void event_destroy(struct sim_obj *o)
@@ -70,11 +78,11 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, const char *call
         return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call,
                         "injected fault: this event creation was chosen to fail");
     struct sim_device *d = &g_sim.dev[dev];
-    if (atomic_fetch_add(&d->live_events, 1) >= SIM_MAX_EVENTS_PER_DEVICE) {
+    int limit = sim_event_limit(dev);
+    if (atomic_fetch_add(&d->live_events, 1) >= (uint64_t)limit) {
         atomic_fetch_sub(&d->live_events, 1);
         return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call,
-                        "device %d already has %d live events: destroy or reuse events", dev,
-                        SIM_MAX_EVENTS_PER_DEVICE);
+                        "device %d already has %d live events (its limit): destroy or reuse events", dev, limit);
     }
     struct sim_event *e = calloc(1, sizeof *e);
     if (e) {
@@ -127,6 +135,14 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
         return rc;
     }
     pthread_mutex_lock(&e->mu);
+    if (e->waited) {
+        pthread_mutex_unlock(&e->mu);
+        sim_stream_put(s);
+        sim_obj_unref(&e->obj);
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "event %p was waited on (aclrtStreamWaitEvent) and not reset: call "
+                        "aclrtResetEvent before recording it again", event);
+    }
     struct sim_stream *old = e->stream;
     e->stream = s; /* our reference moves into the event */
     e->pos = pos;
@@ -226,7 +242,17 @@ SIM_EXPORT aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
     }
     uint64_t pos;
     struct sim_stream *src = snapshot(e, &pos);
+    if (src) { /* a wait on a recorded event: it needs a reset before its next record */
+        pthread_mutex_lock(&e->mu);
+        e->waited = 1;
+        pthread_mutex_unlock(&e->mu);
+    }
     sim_obj_unref(&e->obj);
+    if (src && sim_stream_is_done(src, pos)) { /* already complete: the wait would be a no-op item
+                                                  (skipping it keeps idle streams idle) */
+        sim_stream_put(src);
+        src = NULL;
+    }
     if (src) { /* never recorded: nothing to wait for */
         struct sim_work *w = calloc(1, sizeof *w);
         if (!w) {
@@ -258,5 +284,40 @@ SIM_EXPORT aclError aclrtDestroyEvent(aclrtEvent event)
     struct sim_event *e = (struct sim_event *)o;
     atomic_fetch_sub(&g_sim.dev[e->device].live_events, 1);
     sim_obj_unref(o); /* recorded work still pending is not waited for, as in the real runtime */
+    return ACL_SUCCESS;
+}
+
+/* Returns the event to its initial state (never recorded) so that it may be recorded again. The
+   runtime orders the reset on `stream` (the waiting one, after its wait); a wait already enqueued
+   captured its position, so resetting at once is the same as resetting in stream order here. */
+SIM_EXPORT aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
+{
+    static const char call[] = "aclrtResetEvent";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    struct sim_event *e = NULL;
+    struct sim_stream *s;
+    if ((rc = get_event(event, call, &e)) != 0)
+        return rc;
+    if ((rc = sim_stream_get(stream, call, &s)) != 0) {
+        sim_obj_unref(&e->obj);
+        return rc;
+    }
+    sim_stream_put(s);
+    if (!(e->flags & ACL_EVENT_SYNC)) {
+        sim_obj_unref(&e->obj);
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "event %p was not created with ACL_EVENT_SYNC (aclrtCreateEventWithFlag): "
+                        "CANN supports aclrtResetEvent only on those", event);
+    }
+    pthread_mutex_lock(&e->mu);
+    struct sim_stream *old = e->stream;
+    e->stream = NULL;
+    e->pos = 0;
+    e->waited = 0;
+    pthread_mutex_unlock(&e->mu);
+    sim_stream_put(old);
+    sim_obj_unref(&e->obj);
     return ACL_SUCCESS;
 }

@@ -32,6 +32,10 @@
 #define SIM_DEFAULT_HBM ((uint64_t)64 << 30)   /* an Atlas 800T A2 device */
 #define SIM_NODE_NAME_MAX 64
 
+/* ---- config.c ---- */
+/* Live events allowed on device (default SIM_MAX_EVENTS_PER_DEVICE; profiles lower it). */
+int sim_event_limit(int device);
+
 /* ---- errmsg.c ---- */
 /* Records "<call>: <message> (aclError <code>)" as the calling thread's recent error; returns code. */
 int sim_fail(int code, const char *call, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

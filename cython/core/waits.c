@@ -1,0 +1,74 @@
+/* Device waits with the pool mutex dropped (the lock table is in pool.h).
+ *
+ * Under the lock, the work is taken out: the streams to wait for (with each slot's epoch) and the
+ * event handles of pending frees (pinned: no event is destroyed while a wait may hold it). The
+ * lock is dropped, the waits run, the lock is retaken, and a stream's free blocks serve every
+ * stream only if no block entered its trees meanwhile (a free after the wait began is not covered
+ * by it). Pending frees are then completed by a query, which now finds their events done.
+ */
+#include "pool_internal.h"
+
+#define WAIT_BATCH 64 /* streams and events per round; a caller with more runs more rounds */
+
+typedef struct {
+    void *stream;
+    int slot;
+    uint32_t epoch;
+    int rc;
+} wait_item;
+
+static int wait_error(ap_pool *p, ap_error *err, int rc, const char *what, void *handle) {
+    char msg[160];
+    p->backend->error_message(p->backend, rc, msg, sizeof msg);
+    if (ap_stream_unusable(p, rc))
+        return ap_set_error(err, AP_E_INVALID_STREAM, rc,
+                            "stream %p on device %d is not usable (%d): %s; the pool no longer orders work "
+                            "on it", handle, p->device, rc, msg);
+    return ap_set_error(err, rc == 507046 || rc == 507047 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
+                        "waiting for %s %p on device %d failed (limit %d ms): %s", what, handle, p->device,
+                        p->cfg.sync_timeout_ms, msg);
+}
+
+int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
+    wait_item items[WAIT_BATCH];
+    void *events[WAIT_BATCH];
+    int n = 0, ne = 0, status = AP_OK;
+    ap_cache_flush(p);
+    for (int s = 1; s < p->n_slots && n < WAIT_BATCH; s++) {
+        ap_stream_slot *sl = &p->slots[s];
+        if (!sl->live || (slot > 0 ? s != slot : !sl->trees[0].count && !sl->trees[1].count)) continue;
+        items[n++] = (wait_item){sl->stream, s, sl->epoch, 0};
+    }
+    for (ap_block *b = pending ? p->pending_head : NULL; b && ne < WAIT_BATCH; b = b->pending_next)
+        for (int i = 0; b->xs && i < b->xs->n_events && ne < WAIT_BATCH; i++) events[ne++] = b->xs->events[i];
+    if (!n && !ne) return AP_OK;
+    p->event_pins++;
+    pthread_mutex_unlock(&p->lock);
+
+    ap_on_device(p);
+    for (int i = 0; i < n; i++) items[i].rc = p->backend->stream_sync(p->backend, items[i].stream, p->cfg.sync_timeout_ms);
+    ap_error local = {0};
+    for (int i = 0; i < ne; i++) {
+        int rc = p->backend->event_sync(p->backend, events[i], p->cfg.sync_timeout_ms);
+        if (rc != 0 && status == AP_OK) status = wait_error(p, &local, rc, "event", events[i]);
+    }
+
+    pthread_mutex_lock(&p->lock);
+    AP_ASSERT(p->event_pins > 0);
+    p->event_pins--;
+    ap_cache_flush(p); /* blocks cached meanwhile enter the trees (and bump their slot's epoch) */
+    for (int i = 0; i < n; i++) {
+        ap_stream_slot *sl = &p->slots[items[i].slot];
+        if (!sl->live || sl->stream != items[i].stream) continue; /* retired meanwhile */
+        int rc = items[i].rc;
+        if (rc == 0) {
+            if (sl->epoch == items[i].epoch) ap_free_retag_slot(p, items[i].slot, 0);
+            continue;
+        }
+        if (ap_stream_unusable(p, rc)) ap_slot_retire(p, items[i].slot); /* degrade: never wedge */
+        if (status == AP_OK) status = wait_error(p, &local, rc, "stream", items[i].stream);
+    }
+    ap_process_pending(p, 0, NULL);
+    if (status != AP_OK && err) *err = local;
+    return status;
+}

@@ -1,0 +1,106 @@
+"""Events on CANN (issue 15 point 7, issue 17's event limit).
+
+CANN documents (hicann/runtime docs/zh/api_ref/07_event_management.md, aclrtResetEvent): an
+event is reset "usually after aclrtStreamWaitEvent" so that it can be used again, on the waiting
+stream, and only events created with ACL_EVENT_SYNC may be reset. CUDA reuses an event right
+after cudaStreamWaitEvent; on CANN the pool must reset it first. The simulator enforces the rule
+(a record of a waited, unreset event fails), so these tests fail when the pool breaks it.
+
+Devices hold few events (65,536; 1,023 on Atlas inference cards): the pool's idle-event cache is
+bounded, and a workload freeing across streams far more often than the limit keeps working.
+"""
+import ctypes
+import os
+import sys
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool import sim
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401
+
+MiB = 1 << 20
+PARAM_INVALID = 107000
+
+
+def test_simulator_refuses_a_record_after_a_wait_without_reset(sim_node):
+    sim_node.run("""
+        init()
+        a, b = stream(), stream()
+        ev = event(flags=1)                     # ACL_EVENT_SYNC
+        ok("aclrtRecordEvent", ev, a)
+        ok("aclrtStreamWaitEvent", b, ev)
+        assert code("aclrtRecordEvent", ev, a) == 107000
+        assert "aclrtResetEvent" in errmsg()
+        ok("aclrtResetEvent", ev, b)            # on the waiting stream, after its wait
+        ok("aclrtRecordEvent", ev, a)           # usable again
+        ok("aclrtStreamWaitEvent", b, ev)
+        ok("aclrtSynchronizeStream", b)
+        plain = event()                         # aclrtCreateEvent: CANN allows no reset on it
+        assert code("aclrtResetEvent", plain, b) == 107000
+        # recording again without any wait in between stays allowed
+        ok("aclrtResetEvent", ev, b)
+        ok("aclrtRecordEvent", ev, a)
+        ok("aclrtRecordEvent", ev, a)
+    """)
+
+
+def _recent_error():
+    lib = ctypes.CDLL(sim.library_path())
+    lib.aclGetRecentErrMsg.restype = ctypes.c_char_p
+    return (lib.aclGetRecentErrMsg() or b"").decode()
+
+
+def test_borrowing_across_streams_resets_each_event_after_the_wait(pool):
+    a, b = pool.create_stream(), pool.create_stream()
+    _recent_error()                             # clears this thread's message
+    for _ in range(20):
+        # each malloc finds nothing cached on its own stream and borrows the other's block by
+        # an event wait; the cached event is reused every time
+        p = pool.malloc(2 * MiB, stream=a)
+        pool.free(p, stream=a)
+        q = pool.malloc(2 * MiB, stream=b)
+        pool.free(q, stream=b)
+    assert "not reset" not in _recent_error(), "the pool recorded an event it had not reset"
+    st = pool.memory_stats()
+    assert st["stream_migrations"] >= 39
+    assert st["events_created"] <= 4, "events were not reused"
+    for s in (a, b):
+        pool.destroy_stream(s)
+
+
+def test_over_the_310p_event_limit_cross_stream_frees_keep_working(sim_node):
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        pool = ap.Pool(0, backend="sim")
+        streams = [pool.create_stream() for _ in range(24)]
+        peak = 0
+        frees = 0
+        for i in range(1500):
+            s, t = streams[i % 24], streams[(i * 7 + 3) % 24]
+            p = pool.malloc(64 << 10, stream=s)
+            sim.launch_fill(t, p, 64 << 10, i % 250 + 1, delay_s=0.002 if i % 3 == 0 else 0.0)
+            pool.record_stream(p, t)
+            pool.free(p, stream=s if i % 2 else t)
+            frees += 1
+            if i % 50 == 0:
+                peak = max(peak, sim.stats(0)["live_events"])
+        for s in streams:
+            pool.synchronize(s)
+        pool.empty_cache()
+        st = pool.memory_stats()
+        live_after = sim.stats(0)["live_events"]
+        for s in streams:
+            pool.destroy_stream(s)
+        pool.close()
+        print(json.dumps({"peak": peak, "frees": frees, "live_after": live_after,
+                          "allocated": st["allocated_bytes.all.current"], "created": st["events_created"],
+                          "closed": sim.stats(0)["live_events"]}))
+    """, ASCEND_SIM_EVENT_LIMIT="1023", timeout=120)
+    assert out["frees"] == 1500 and out["allocated"] == 0
+    assert out["peak"] <= 1023
+    assert out["live_after"] <= 64 + 1, out     # idle events cached: bounded, not the peak
+    assert out["closed"] == 0, out

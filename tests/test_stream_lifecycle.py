@@ -1,0 +1,101 @@
+"""Streams that die (issue 15, point 2): destroy_stream retires the slot, frees made later go to
+the "any stream" state, and a stream the runtime no longer knows (destroyed behind the pool's
+back, or a garbage handle) degrades safely: typed errors, nothing pinned, empty_cache never
+wedged. The simulator refuses such handles with ACL_ERROR_RT_PARAM_INVALID (107000), as CANN's
+rt_error_codes.h names a handle the runtime does not know ("param invalid")."""
+import ctypes
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool import sim
+
+MiB = 1 << 20
+INVALID_STREAM = 5  # the C ABI's code (ascend_pool_last_error_code)
+
+
+def test_blocks_freed_after_destroy_stream_go_back_to_the_device(pool):
+    s = pool.create_stream()
+    ptrs = [pool.malloc(10 * MiB, stream=s) for _ in range(4)]
+    pool.destroy_stream(s)
+    for p in ptrs:
+        pool.free(p)                  # on the stream they were allocated on: destroyed
+    pool.empty_cache()
+    st = pool.memory_stats()
+    assert st["reserved_bytes.all.current"] == 0, "blocks of a destroyed stream stayed pinned"
+
+
+def test_destroy_stream_settles_what_is_pending_on_it(pool):
+    s = pool.create_stream()
+    y = pool.malloc(2 * MiB)
+    sim.launch_fill(s, y, 2 * MiB, 0x5A, delay_s=0.2)
+    pool.record_stream(y, s)
+    pool.free(y)                      # pending on an event of s
+    assert pool.memory_stats()["pending_free_bytes"] > 0
+    pool.destroy_stream(s)
+    st = pool.memory_stats()
+    assert st["pending_free_bytes"] == 0 and st["pending_free_blocks"] == 0
+    pool.empty_cache()
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_a_stream_destroyed_behind_the_pools_back_never_wedges_empty_cache(pool):
+    s = pool.create_stream()
+    ptrs = [pool.malloc(10 * MiB, stream=s) for _ in range(4)]
+    for p in ptrs:
+        pool.free(p, stream=s)        # free blocks tagged with s
+    pool.backend.stream_destroy(s)    # the framework destroys it; the pool is not told
+    try:
+        pool.empty_cache()            # finds out: may say so once ...
+    except ap.InvalidStreamError:
+        pass
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0, "memory pinned by a dead stream"
+    pool.empty_cache()                # ... and later calls work
+    pool.free(pool.malloc(MiB))
+
+
+def test_synchronize_on_a_stream_destroyed_elsewhere_is_an_invalid_stream_error(pool):
+    s = pool.create_stream()
+    p = pool.malloc(MiB, stream=s)
+    pool.free(p, stream=s)
+    pool.backend.stream_destroy(s)
+    with pytest.raises(ap.InvalidStreamError):
+        pool.synchronize(s)
+    pool.empty_cache()
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_c_abi_free_with_a_garbage_stream_sets_the_error_and_still_frees():
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_last_error.restype = ctypes.c_char_p
+    pool = ap.default_pool(0)
+    before = pool.memory_stats()["allocation.all.current"]
+    lib.ascend_pool_clear_last_error()
+    p = lib.ascend_pool_malloc(3 * MiB, 0, None)
+    assert p
+    lib.ascend_pool_free(p, 3 * MiB, 0, 0xDEAD0000)   # not a stream
+    assert lib.ascend_pool_last_error_code() == INVALID_STREAM, lib.ascend_pool_last_error()
+    assert b"0xdead0000" in lib.ascend_pool_last_error()
+    assert pool.memory_stats()["allocation.all.current"] == before, "the block was not freed"
+    lib.ascend_pool_clear_last_error()
+    pool.empty_cache()
+    q = lib.ascend_pool_malloc(3 * MiB, 0, None)
+    assert q
+    lib.ascend_pool_free(q, 3 * MiB, 0, None)
+    assert lib.ascend_pool_last_error_code() == 0
+
+
+def test_free_on_a_destroyed_stream_through_python_raises_but_frees(pool):
+    s = pool.create_stream()
+    t = pool.create_stream()
+    p = pool.malloc(MiB, stream=t)
+    pool.backend.stream_destroy(s)     # destroyed before the pool ever saw it
+    with pytest.raises(ap.InvalidStreamError):
+        pool.free(p, stream=s)
+    assert pool.memory_stats()["allocation.all.current"] == 0
+    pool.destroy_stream(t)
+    pool.empty_cache()
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0
