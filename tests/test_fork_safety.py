@@ -44,6 +44,8 @@ warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12: fork() with 
 HOLD = %(hold)r
 pool = ap.Pool(0, backend="sim")
 ctx = pool.context("forktenant", quota="64MiB")
+hp = _core.HostPool(pool.backend, 0)
+hptr = hp.malloc(4096)
 s = pool.create_stream()
 ptr = pool.malloc(4096)
 cptr = ctx.malloc(1 << 20)
@@ -103,6 +105,11 @@ CHILD_CALLS = [
     ("ctx.set_quota", lambda: ctx.set_quota("32MiB")),
     ("with ctx", lambda: ctx.__enter__()),
     ("ap.malloc", lambda: ap.malloc(4096)),
+    ("host pool malloc", lambda: hp.malloc(4096)),
+    ("host pool free", lambda: hp.free(hptr)),
+    ("host pool memory_stats", lambda: hp.memory_stats()),
+    ("host pool empty_cache", lambda: hp.empty_cache()),
+    ("host pool close", lambda: hp.close()),
     ("ctx.close", lambda: ctx.close()),
     ("pool.close", lambda: pool.close()),
     ("closed", lambda: [pool.closed, ctx.closed]),
@@ -147,6 +154,9 @@ _core.capi_free(cabi_ptr, 0, 0)
 _core.capi_free(cabi_ctx_ptr, 0, 0)
 pool.free(ptr)
 ctx.free(cptr)
+parent["host_block"] = hp.block_info(hptr) is not None
+hp.free(hptr)
+hp.close()
 ctx.close()
 pool.close()
 print(json.dumps({"lines": [json.loads(x) for x in data.decode().splitlines()], "end": end, "parent": parent,
@@ -170,7 +180,7 @@ def _check_report(rep):
             _returned, (_c, code, msg, _out) = result
             if not (code == 6 and "forked" in msg and "spawn" in msg):  # ASCEND_POOL_E_DEVICE, message why
                 wrong[name] = result
-        elif name in ("ctx.close", "pool.close", "objects die"):
+        elif name in ("ctx.close", "pool.close", "host pool close", "objects die"):
             if result != ["returned", None]:
                 wrong[name] = result
         elif name == "closed":
@@ -183,7 +193,7 @@ def _check_report(rep):
                   and f"forked from pid {rep['parent_pid']}" in result[2]):
             wrong[name] = result
     assert not wrong, "\n".join(f"{k}: {v}" for k, v in wrong.items())
-    assert rep["parent"] == {"held_same": True, "block": True, "ctx_block": True}, rep["parent"]
+    assert rep["parent"] == {"held_same": True, "block": True, "ctx_block": True, "host_block": True}, rep["parent"]
 
 
 def test_every_entry_point_refuses_in_a_forked_child(sim_node):
