@@ -310,19 +310,18 @@ cdef class PoolBase:
         return self.p == NULL
 
     cdef inline int _check(self) except -1:
+        # The guard of every call: closed, or inherited by a forked child (whose runtime is not
+        # this process's, and whose locks may be held forever): refused before touching the pool.
         if self.p == NULL:
             raise PoolError("this pool is closed")
-        if ap_forked_from:  # inherited from the parent: its runtime is not this process's
+        if ap_forked_from:
             _raise_forked()
         return 0
 
     cdef inline ap_pool *_enter(self) except NULL:
         # Counted under the GIL, so that close() (which also holds it) never frees the pool
         # while another thread is inside a call that released the GIL.
-        if self.p == NULL:
-            raise PoolError("this pool is closed")
-        if ap_forked_from:
-            _raise_forked()
+        self._check()
         self._busy += 1
         return self.p
 
