@@ -59,10 +59,10 @@ def default_pool(device=None):
     if stack:
         return stack[-1]
     pool = _pools.get(device)
-    if pool is None:
+    if pool is None or pool.closed:  # a closed default is replaced, for Python and the C ABI alike
         with _lock:
             pool = _pools.get(device)
-            if pool is None:
+            if pool is None or pool.closed:
                 pool = _pools[device] = _create_default(device)
     return pool
 

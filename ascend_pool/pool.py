@@ -4,7 +4,7 @@ from . import registry as _registry
 from . import sharing as _sharing
 from . import snapshot as _snapshot
 from . import stats as _stats
-from ._core import PoolBase
+from ._core import PoolBase, forked_from
 from .backend import open_backend
 from .config import effective_knobs, knobs_to_config
 from .errors import InvalidDeviceError
@@ -29,9 +29,14 @@ class Pool(PoolBase):
                 f"device {device!r} does not exist: the {be.name} backend has {be.device_count} device(s)")
         free_b, total_b = be.mem_info(device)
         self.knobs = effective_knobs(knobs)
-        self.tenant = "default"  # tenant contexts (pool.context) carry their own name
-        self._open(be, device, knobs_to_config(self.knobs, total_b, free_b, "acl" if be.kind == "acl" else "cuda"))
+        self.__dict__.setdefault("tenant", "default")  # tenant contexts (pool.context) carry their own name
+        self._open(be, device, knobs_to_config(self.knobs, total_b, free_b, "acl" if be.kind == "acl" else "cuda"),
+                   self._describe())
         _registry.register(self)
+
+    def _describe(self):
+        """What the C ABI's messages call this pool."""
+        return "pool"
 
     def context(self, name, quota=None, warn=None):
         """A tenant context on this pool's device: its own segments and a soft quota (bytes, "8GiB"
@@ -66,7 +71,8 @@ class Pool(PoolBase):
     def close(self):
         """Returns all device memory of this pool and closes it (shared blocks still imported by
         other processes are handed to ascend_pool.sharing, which frees them once they close)."""
-        _sharing._before_pool_close(self)
+        if not forked_from():  # in a forked child the pool and its exports are the parent's
+            _sharing._before_pool_close(self)
         super().close()
 
     def memory_summary(self):

@@ -46,8 +46,9 @@ extern "C" {
 #define ASCEND_POOL_E_HOST_NOMEM 8      /* host memory for bookkeeping ran out */
 #define ASCEND_POOL_E_QUOTA 10          /* the current tenant's quota would be exceeded */
 #define ASCEND_POOL_E_INVALID_DEVICE 100 /* no such device */
-#define ASCEND_POOL_E_NOT_READY 101     /* ascend_pool not imported, Python finalizing, or the
-                                           default pool could not be created (message says why) */
+#define ASCEND_POOL_E_NOT_READY 101     /* ascend_pool not imported, Python finalizing, the
+                                           default pool could not be created, or the tenant context
+                                           current on this thread was closed (message says why) */
 #define ASCEND_POOL_E_INVALID_ARG 102   /* another argument out of range (fraction, NULL out-pointer) */
 
 /* Allocates `size` bytes on `device`, ordered on `stream`, from the calling thread's current pool

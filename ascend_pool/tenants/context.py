@@ -23,7 +23,7 @@ import threading
 
 from .. import api as _api
 from .. import registry as _registry
-from .._core import TenantPoolBase
+from .._core import attach_ledger, pool_trim_to
 from ..errors import ConfigError
 from ..pool import Pool
 from ..units import format_bytes
@@ -34,7 +34,7 @@ log = logging.getLogger("ascend_pool.tenants")
 _KEEP = object()
 
 
-class Context(Pool, TenantPoolBase):
+class Context(Pool):
     """The pool of tenant `name` on one device, with a soft quota.
 
     Context(name, device=0, backend=None, quota=None, warn=None, **knobs). quota: int bytes, a size
@@ -50,18 +50,36 @@ class Context(Pool, TenantPoolBase):
         check_tenant_name(name)
         spec = parse_quota(quota) if quota is not None else None
         warn = parse_warn(warn)
-        super().__init__(device, backend, **knobs)
         self.tenant = name
+        super().__init__(device, backend, **knobs)
         self.quota_spec = spec
         self._local = threading.local()
         self.warn_events = 0
         try:
             quota_bytes = spec.resolve(self.device_total_bytes) if spec is not None else None
-            self._attach_ledger(open_ledger(self.device, self.backend), name, quota_bytes, warn,
-                                set_quota=spec is not None)
+            # The quota is a hook on the pool (cython/quota/quota.pxi): the pool's own close
+            # path gives the booking back, as it does for every pool.
+            attach_ledger(self, open_ledger(self.device, self.backend), name, quota_bytes, warn,
+                          set_quota=spec is not None)
         except BaseException:
             self.close()
             raise
+
+    def _describe(self):
+        return f"tenant context {self.tenant!r}"
+
+    @property
+    def ledger(self):
+        """The node-wide ledger (ascend_pool._core.Ledger) the tenant's bookings are in."""
+        return self.quota_hook.ledger if self.quota_hook is not None else None
+
+    def _quota_state(self):
+        """The tenant as the ledger sees it now (LedgerQuota.state), None once closed."""
+        return self.quota_hook.state(self) if self.quota_hook is not None else None
+
+    def _trim_to(self, target):
+        """Releases cached segments until reserved <= target bytes; returns the bytes released."""
+        return pool_trim_to(self, target)
 
     @property
     def device_total_bytes(self):
@@ -96,7 +114,7 @@ class Context(Pool, TenantPoolBase):
         spec = parse_quota(quota) if quota is not None else None
         warn = self.warn if warn is _KEEP else parse_warn(warn)
         quota_bytes = spec.resolve(self.device_total_bytes) if spec is not None else None
-        self._set_ledger_quota(quota_bytes, warn)
+        self.quota_hook.set_quota(self, quota_bytes, warn)
         self.quota_spec = spec
         trim_tenant(self.tenant, self.device, self.ledger)
 

@@ -33,6 +33,8 @@ cdef extern from "capi/registry.h" nogil:
     int apc_register(ap_pool **slot, int device, int device_count)
     void apc_unregister(ap_pool **slot)
     void apc_learn_device_count(int device_count)
+    int apc_test_locks_held
+    void apc_test_hold_locks(ap_pool **pools, int n, unsigned ms)
 
 cdef extern from "capi/exports.h":
     # Not nogil: the callback runs Python code (exports.h holds the GIL around the call).
@@ -182,3 +184,30 @@ def capi_default_backend(int device):
     """The backend name of device's process default pool, or None when it has none yet."""
     cdef const char *name = apc_default_backend_name(device)
     return None if name == NULL else name.decode()
+
+
+def _test_hold_locks(double seconds, *pools):
+    """Test-only: holds the C ABI's registry lock and the mutexes of pools (PoolBase objects, at
+    most 4) for `seconds` with the GIL released, as framework threads inside C-ABI calls would,
+    each pool counted busy meanwhile; _test_locks_held() is True while they are held. Lets a test
+    fork at that moment (tests/test_fork_safety.py)."""
+    cdef ap_pool *ps[4]
+    cdef unsigned ms = <unsigned>(seconds * 1000)
+    cdef int n = 0
+    cdef PoolBase pool
+    if len(pools) > 4:
+        raise ValueError("at most 4 pools")
+    try:
+        for pool in pools:
+            ps[n] = pool._enter()  # counted busy: close() waits for it
+            n += 1
+        with nogil:
+            apc_test_hold_locks(ps, n, ms)
+    finally:
+        for pool in pools[:n]:
+            pool._leave()
+
+
+def _test_locks_held():
+    """True while _test_hold_locks holds its locks."""
+    return apc_test_locks_held != 0

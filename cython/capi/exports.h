@@ -1,8 +1,13 @@
 /* The exported C ABI (declared in ascend_pool/include/ascend_pool.h, which documents each call).
  *
  * Hot path: ascend_pool_malloc / ascend_pool_free find the calling thread's current pool with
- * ap_current_get (a thread-local read, else an atomic load of the default) and call the pool,
- * which takes only its own mutex. No GIL, no Python object, no registry.
+ * ap_current_get (a thread-local read checked against its pool's ticket, else an atomic load of
+ * the default; core/current.h) and call the pool, which takes only its own mutex. No GIL, no
+ * Python object, no registry. A context closed while current on this thread is never reached: the
+ * call fails with NOT_READY (free still finds live pools' blocks through the registry).
+ *
+ * In a child forked after the runtime was opened, every entry point refuses first (apc_forked),
+ * before any lock or pool: those are the parent's, and may be locked forever.
  *
  * The one place that takes the GIL: apc_create_default(), when a device has no pool yet. The pool
  * object (its config, its backend) is Python's, so the module installs a callback at import
@@ -85,18 +90,38 @@ static int apc_create_default(int device, int strict, const char *call) {
     return rc;
 }
 
+/* 1 (error set) in a child forked after this process had opened the runtime: there, every entry
+   point refuses before touching anything, since the pools and locks it would reach are copies of
+   the parent's, possibly locked forever by a parent thread that was inside a call at the fork. */
+static inline int apc_forked(const char *call) {
+    if (__builtin_expect(atomic_load_explicit(&ap_forked_from, memory_order_relaxed) == 0, 1)) return 0;
+    char why[512];
+    ap_backend_forked_message(why, sizeof why);
+    apc_fail(ASCEND_POOL_E_DEVICE, "%s: %s", call, why);
+    return 1;
+}
+
+/* 1 (error set) when the calling thread's current context for device was closed: it must leave
+   that context's `with` block (or make another current) rather than silently use the default. */
+static int apc_current_closed(int device, const char *call) {
+    char label[64];
+    if (!ap_current_closed(device, label, sizeof label)) return 0;
+    apc_fail(ASCEND_POOL_E_NOT_READY,
+             "%s: %s, current on this thread for device %d, was closed; leave its `with` block (the default "
+             "pool serves again) or make an open context current",
+             call, label, device);
+    return 1;
+}
+
 /* The calling thread's pool for device, created (as the process default) when there is none.
    NULL with the error set on failure. */
 static inline ap_pool *apc_pool_for(int device, const char *call) {
-    if (__builtin_expect(atomic_load_explicit(&ap_forked_from, memory_order_relaxed) != 0, 0)) {
-        char why[512];
-        ap_backend_forked_message(why, sizeof why);
-        apc_fail(ASCEND_POOL_E_DEVICE, "%s: %s", call, why);
-        return NULL;
-    }
+    if (apc_forked(call)) return NULL;
     ap_pool *p = ap_current_get(device);
     if (__builtin_expect(p != NULL, 1)) return p;
-    if (apc_check_device(device, call) != 0 || apc_create_default(device, 1, call) != ASCEND_POOL_OK) return NULL;
+    if (apc_check_device(device, call) != 0 || apc_current_closed(device, call) ||
+        apc_create_default(device, 1, call) != ASCEND_POOL_OK)
+        return NULL;
     p = ap_current_get(device);
     if (!p) apc_fail(ASCEND_POOL_E_NOT_READY, "%s: the default pool of device %d was closed", call, device);
     return p;
@@ -125,7 +150,7 @@ APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stre
     ap_error err;
     int use_alloc_stream = stream == NULL, rc = AP_E_INVALID_PTR;
     (void)size; /* the pool knows each block's size */
-    if (!ptr) return;
+    if (!ptr || apc_forked("ascend_pool_free")) return;
     ap_pool *p = device >= 0 && device < AP_MAX_DEVICES ? ap_current_get(device) : NULL;
     err.message[0] = 0;
     if (__builtin_expect(p != NULL, 1)) {
@@ -152,6 +177,7 @@ APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stre
 }
 
 APC_EXPORT void ascend_pool_init(int device) {
+    if (apc_forked("ascend_pool_init")) return;
     if (device >= 0 && device < AP_MAX_DEVICES && ap_current_get(device)) return;
     apc_create_default(device, 0, "ascend_pool_init");
 }
@@ -159,6 +185,7 @@ APC_EXPORT void ascend_pool_init(int device) {
 APC_EXPORT void ascend_pool_empty_cache(void) {
     ap_error err;
     int failed = 0;
+    if (apc_forked("ascend_pool_empty_cache")) return;
     pthread_mutex_lock(&apc_reg_lock);
     for (size_t i = 0; i < apc_reg_n; i++) {
         ap_pool *p = apc_entry_pool(&apc_reg[i]);
@@ -173,6 +200,7 @@ APC_EXPORT void ascend_pool_empty_cache(void) {
 
 APC_EXPORT void ascend_pool_reset(bool check_error) {
     (void)check_error; /* torch_npu's flag; failures go to the last error either way */
+    if (apc_forked("ascend_pool_reset")) return;
     ascend_pool_empty_cache();
 }
 
@@ -193,6 +221,7 @@ APC_EXPORT void ascend_pool_record_stream(void *ptr, void *stream) {
     ap_error err;
     int rc = AP_E_INVALID_PTR;
     err.message[0] = 0;
+    if (apc_forked("ascend_pool_record_stream")) return;
     pthread_mutex_lock(&apc_reg_lock);
     ap_pool *owner = ptr ? apc_find_locked(-1, ptr, 0, NULL) : NULL;
     if (owner) rc = ap_pool_record_stream(owner, ptr, stream, &err);
@@ -211,6 +240,7 @@ APC_EXPORT void *ascend_pool_base_alloc(void *ptr, size_t *size) {
         return NULL;
     }
     *size = 0;
+    if (apc_forked("ascend_pool_base_alloc")) return NULL;
     pthread_mutex_lock(&apc_reg_lock);
     ap_pool *owner = ptr ? apc_find_locked(-1, ptr, 1, NULL) : NULL;
     if (owner) {

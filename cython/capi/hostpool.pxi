@@ -57,9 +57,7 @@ cdef class HostPool:
         self.device = device
 
     def __dealloc__(self):
-        if self.hp != NULL:
-            ap_host_pool_destroy(self.hp)
-            self.hp = NULL
+        self._shut()
 
     def __repr__(self):
         state = "closed" if self.hp == NULL else f"device={self.device}, backend={self.backend.name!r}"
@@ -68,6 +66,8 @@ cdef class HostPool:
     cdef inline int _check(self) except -1:
         if self.hp == NULL:
             raise PoolError("this host pool is closed")
+        if ap_forked_from:  # inherited from the parent: its runtime is not this process's
+            _raise_forked()
         return 0
 
     def _make_immortal(self):
@@ -87,10 +87,16 @@ cdef class HostPool:
         numpy pool (arrays may still live in it)."""
         if self._immortal:
             raise PoolError("the host pool behind the numpy handler lives until the process exits")
-        if self.hp != NULL:
+        self._shut()
+
+    cdef void _shut(self) noexcept:
+        # As PoolBase._shut: in a forked child the pool is the parent's (its lock may be held
+        # forever, its buffers belong to the parent's runtime): forgotten, never touched.
+        cdef ap_host_pool *hp = self.hp
+        self.hp = NULL
+        if hp != NULL and not ap_forked_from:
             with nogil:
-                ap_host_pool_destroy(self.hp)
-            self.hp = NULL
+                ap_host_pool_destroy(hp)
 
     def class_size(self, size_t nbytes):
         """Bytes a request of nbytes occupies (its power-of-two class; 0 if none fits)."""

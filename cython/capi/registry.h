@@ -4,14 +4,14 @@
  * be the one that allocated it; record_stream and base_alloc are not even told the device. So the
  * C ABI looks pointers up here when the calling thread's current pool does not own them.
  *
- * An entry is the address of a PoolBase's `p` field, not the pool pointer itself: every way a
- * pool object closes (PoolBase.close, a subclass's own close, __dealloc__) sets that field to NULL
- * before or while destroying the pool, so a lookup never reaches a closed pool even when the
- * closing code does not know about this registry. PoolBase registers the field when it opens and
- * unregisters it when it closes and when the object dies (_capi_register / _capi_unregister in
- * capi.pxi). Lookups run with the registry lock held; lock order: registry, then a pool's own lock
- * (nothing takes them the other way round). As everywhere in the pool, closing a pool while other
- * threads still use its memory is the caller's error.
+ * An entry is the address of a PoolBase's `p` field, not the pool pointer itself: the one close
+ * path of every pool (PoolBase._shut, for close() and __dealloc__ alike) sets that field to NULL,
+ * then unregisters it, and only then destroys the pool, so a lookup never reaches a closed pool.
+ * Lookups run with the registry lock held; lock order: registry, then a pool's own lock (nothing
+ * takes them the other way round). As everywhere in the pool, closing a pool while other threads
+ * still use its memory is the caller's error. In a child forked after the runtime was opened the
+ * registry is dead: the C ABI refuses before any lookup, and closing pools there skips it (its
+ * lock may have been held at the fork).
  * Not on the hot path: a malloc or free served by the current pool never touches it.
  */
 #ifndef APC_REGISTRY_H
@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "pool.h"
 
@@ -83,6 +84,24 @@ static ap_pool *apc_find_locked(int device, void *ptr, int inside, ap_pool *skip
         if (ap_pool_block_info(q, ptr, &base, &size, &requested) == 0 && (inside || base == (uintptr_t)ptr)) return q;
     }
     return NULL;
+}
+
+/* Test-only: holds the registry lock and the mutexes of pools[0..n) for ms milliseconds, as
+   framework threads inside C-ABI calls hold them, so that a test can fork at that moment
+   (tests/test_fork_safety.py). apc_test_locks_held is 1 while they are held. Lock order as
+   everywhere: registry, then pools. */
+static atomic_int apc_test_locks_held;
+
+static void apc_test_hold_locks(ap_pool **pools, int n, unsigned ms) {
+    pthread_mutex_lock(&apc_reg_lock);
+    for (int i = 0; i < n; i++) pthread_mutex_lock(&pools[i]->lock);
+    atomic_store(&apc_test_locks_held, 1);
+    struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&t, &t) != 0) {
+    }
+    atomic_store(&apc_test_locks_held, 0);
+    for (int i = n - 1; i >= 0; i--) pthread_mutex_unlock(&pools[i]->lock);
+    pthread_mutex_unlock(&apc_reg_lock);
 }
 
 #endif

@@ -2,7 +2,7 @@
 # The cached path runs under the GIL with a try-lock (no GIL release/reacquire, ~20 ns saved);
 # everything that may block or call the device releases the GIL.
 
-from libc.stdint cimport uintptr_t, int64_t, int8_t, int32_t, uint8_t
+from libc.stdint cimport uintptr_t, int64_t, int8_t, int32_t, uint8_t, uint64_t
 from libc.stdlib cimport malloc as c_malloc, free as c_free
 from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromVoidPtr
 from cpython.exc cimport PyErr_Occurred, PyErr_Clear
@@ -29,6 +29,11 @@ cdef extern from "pool.h" nogil:
         int release_policy, expandable, stream_reuse, sync_timeout_ms
     ctypedef struct ap_pool:
         pass
+    ctypedef struct ap_quota_hook:
+        void *ctx
+        int (*reserve)(void *ctx, int device, size_t bytes, char *why, size_t why_len) noexcept nogil
+        void (*release)(void *ctx, int device, size_t bytes) noexcept nogil
+    void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook)
     void ap_config_default(ap_config *c)
     ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, ap_error *err)
     void ap_pool_destroy(ap_pool *p)
@@ -173,20 +178,45 @@ cdef inline void *_as_ptr(object ptr) except? NULL:
     return p
 
 
+cdef extern from "current.h" nogil:
+    uint64_t AP_NO_TICKET
+    int AP_TICKETS
+    uint64_t ap_ticket_open(const char *label)
+    void ap_ticket_close(uint64_t ticket)
+    void ap_current_set(int device, ap_pool *p, uint64_t ticket, ap_pool **prev_pool, uint64_t *prev_ticket)
+    void ap_default_set(int device, ap_pool *p)
+    void ap_current_forget(ap_pool *p)
+
+
+# Gives a quota hook's ctx back once its pool is destroyed (PoolBase._attach_quota).
+ctypedef void (*ap_quota_close_fn)(void *ctx) noexcept nogil
+
+
 cdef class PoolBase:
-    """The compiled pool of one device. Use ascend_pool.Pool, which adds the Python conveniences."""
+    """The compiled pool of one device. Use ascend_pool.Pool, which adds the Python conveniences.
+
+    Lifecycle, one path for every kind of pool (Pool, tenant contexts): _open creates the C pool,
+    takes a ticket (core/current.h) and registers it with the C ABI; close() and __dealloc__ both
+    end in _shut, which hides the pool from every thread first and then destroys it. A tenant's
+    quota is not a subclass but a hook attached with _attach_quota (quota/quota.pxi)."""
     cdef ap_pool *p
     cdef readonly Backend backend
     cdef readonly int device
     cdef readonly dict config
     cdef set _streams     # stream handles this pool knows (created here or registered)
     cdef int _busy        # calls running with the GIL released (close() waits for them)
+    cdef uint64_t _ticket  # liveness seen by threads that made this pool current (core/current.h)
+    cdef ap_quota_hook _quota  # the quota hook installed on the C pool (all NULL: none)
+    cdef ap_quota_close_fn _quota_close  # gives _quota.ctx back once the pool is gone
+    cdef readonly object quota_hook  # the hook's Python side (messages, state); None without a quota
 
     def __cinit__(self, *args, **kwargs):
         self.p = NULL
+        self._ticket = AP_NO_TICKET
 
-    def _open(self, Backend backend, int device, dict config):
-        """Creates the C pool (called once by ascend_pool.Pool.__init__)."""
+    def _open(self, Backend backend, int device, dict config, str label="pool"):
+        """Creates the C pool (called once by ascend_pool.Pool.__init__). label names it in the
+        C ABI's messages (e.g. "tenant context 'online'")."""
         cdef ap_config cfg
         if self.p != NULL:
             raise PoolError("pool already open")
@@ -219,48 +249,81 @@ cdef class PoolBase:
             self.p = ap_pool_create(backend.b, device, &cfg, &err)
         if self.p == NULL:
             _raise(&err, err.status)
+        self._ticket = ap_ticket_open(label.encode("utf-8", "replace"))
+        if self._ticket == AP_NO_TICKET:
+            self._shut(False)
+            raise PoolError(f"too many pools open in this process (at most {AP_TICKETS}); close some first")
         _capi_register(self)  # the C ABI finds pointers of every live pool (capi/capi.pxi)
+
+    cdef int _attach_quota(self, const ap_quota_hook *hook, ap_quota_close_fn close, object owner) except -1:
+        """Installs a quota hook on the C pool (quota/quota.pxi attaches a tenant's ledger
+        booking this way). close(hook.ctx) runs once the pool is destroyed; owner is the hook's
+        Python side (pool.quota_hook)."""
+        self._check()
+        if self._quota_close != NULL:
+            raise PoolError("this pool already has a quota hook")
+        self._quota = hook[0]
+        self._quota_close = close
+        self.quota_hook = owner
+        with nogil:
+            ap_pool_set_quota_hook(self.p, hook)
+        return 0
+
+    cdef void _shut(self, bint wait) noexcept:
+        """The one way a pool closes (close() with wait, __dealloc__ without): first hidden from
+        every thread (its ticket, the default slot, the C ABI's registry), then, once the calls
+        in flight are done, destroyed, and its quota hook's booking given back. In a child forked
+        from the process that opened it, the pool is the parent's: forgotten, never touched (its
+        locks may be held forever, its memory and quota booking are not this process's)."""
+        cdef ap_pool *p = self.p
+        cdef void *qctx = self._quota.ctx
+        cdef ap_quota_close_fn qclose = self._quota_close
+        self.p = NULL                  # new Python calls, and the C ABI's lookups, no longer see it
+        self._quota_close = NULL
+        self._quota.ctx = NULL
+        if ap_forked_from:
+            return
+        ap_ticket_close(self._ticket)  # every thread's `with` entry for it is stale from now on
+        if p != NULL:
+            ap_current_forget(p)       # nor is it a default any more
+        _capi_unregister(&self.p)      # waits for registry lookups in flight (they hold its lock)
+        if wait:
+            while self._busy:
+                _time.sleep(0.0005)    # releases the GIL so that those calls can finish
+        with nogil:
+            if p != NULL:
+                if qclose != NULL:
+                    ap_pool_set_quota_hook(p, NULL)  # the booking goes back whole, below
+                ap_pool_destroy(p)     # every segment back to the device
+            if qclose != NULL:
+                qclose(qctx)
 
     def close(self):
         """Returns all device memory of this pool (live blocks included) and closes it. Waits for
-        calls other Python threads are making on it; later calls raise PoolError."""
-        cdef ap_pool *p = self.p
-        if p == NULL:
-            return
-        self.p = NULL                # new calls, and the C ABI's lookups, no longer see it
-        _capi_unregister(&self.p)
-        if ap_forked_from:
-            return                   # the parent's pool: its memory is not this child's to free
-        while self._busy:
-            _time.sleep(0.0005)      # releases the GIL so that those calls can finish
-        with nogil:
-            ap_pool_destroy(p)
+        calls other Python threads are making on it; later calls raise PoolError. In a forked
+        child, only forgets the parent's pool."""
+        self._shut(True)
 
     def __dealloc__(self):
-        _capi_unregister(&self.p)  # always: a subclass may have closed the pool itself
-        if self.p != NULL and not ap_forked_from:  # a forked child leaves the parent's pool alone
-            with nogil:
-                ap_pool_destroy(self.p)
-            self.p = NULL
+        self._shut(False)
 
     @property
     def closed(self):
         return self.p == NULL
 
     cdef inline int _check(self) except -1:
+        # The guard of every call: closed, or inherited by a forked child (whose runtime is not
+        # this process's, and whose locks may be held forever): refused before touching the pool.
         if self.p == NULL:
             raise PoolError("this pool is closed")
-        if ap_forked_from:  # inherited from the parent: its runtime is not this process's
+        if ap_forked_from:
             _raise_forked()
         return 0
 
     cdef inline ap_pool *_enter(self) except NULL:
         # Counted under the GIL, so that close() (which also holds it) never frees the pool
         # while another thread is inside a call that released the GIL.
-        if self.p == NULL:
-            raise PoolError("this pool is closed")
-        if ap_forked_from:
-            _raise_forked()
+        self._check()
         self._busy += 1
         return self.p
 
@@ -291,8 +354,12 @@ cdef class PoolBase:
         with nogil:
             rc = ap_pool_malloc(_p, n, s, &out, &err)
         self._leave()
+        if rc == AP_E_QUOTA and self.quota_hook is not None:  # the hook's own, richer error
+            raise self.quota_hook.refusal(self, n, err.message.decode("utf-8", "replace"), "this allocation")
         if rc != AP_OK:
             _raise(&err, rc)
+        if self.quota_hook is not None:  # a miss may have grown the pool: the hook may warn
+            self.quota_hook.after_growth(self)
         return PyLong_FromVoidPtr(out)
 
     def free(self, ptr, stream=None):
@@ -351,12 +418,14 @@ cdef class PoolBase:
 
     def create_stream(self):
         """Creates a device stream on this pool's device; returns its handle (int)."""
+        self._check()
         handle = self.backend.stream_create(self.device)
         self._streams.add(handle)
         return handle
 
     def register_stream(self, handle):
         """Lets this pool order frees on a stream created elsewhere (int handle: a pointer)."""
+        self._check()
         if type(handle) is not int or not 0 < handle <= <uintptr_t>-1:
             raise InvalidStreamError(f"stream handle must be a positive int that fits a pointer, got {handle!r}")
         self._streams.add(handle)
@@ -576,11 +645,6 @@ def replay_arrays(PoolBase pool, Backend backend, int device, str mode, const in
     }
 
 
-cdef extern from "current.h" nogil:
-    ap_pool *ap_current_set(int device, ap_pool *p)
-    void ap_default_set(int device, ap_pool *p)
-
-
 def _set_default_pool(PoolBase pool):
     """Makes pool the process default of its device for the C ABI (ascend_pool_malloc ...)."""
     pool._check()
@@ -589,16 +653,20 @@ def _set_default_pool(PoolBase pool):
 
 def _set_thread_current(int device, PoolBase pool):
     """Makes pool (None: the default) current for device on this thread, for the C ABI. Returns
-    the previous thread-local pool pointer as an int, for _restore_thread_current."""
-    cdef ap_pool *prev
+    the previous thread-local entry (an opaque token) for _restore_thread_current."""
+    cdef ap_pool *prev = NULL
+    cdef uint64_t prev_ticket = AP_NO_TICKET
     if pool is None:
-        prev = ap_current_set(device, NULL)
+        ap_current_set(device, NULL, AP_NO_TICKET, &prev, &prev_ticket)
     else:
         pool._check()
-        prev = ap_current_set(device, pool.p)
-    return <uintptr_t>prev
+        ap_current_set(device, pool.p, pool._ticket, &prev, &prev_ticket)
+    return (<uintptr_t>prev, prev_ticket)
 
 
-def _restore_thread_current(int device, uintptr_t prev):
-    """Restores what _set_thread_current returned."""
-    ap_current_set(device, <ap_pool *>prev)
+def _restore_thread_current(int device, tuple token):
+    """Restores what _set_thread_current returned. A pool closed meanwhile comes back stale: the
+    C ABI then reports it closed instead of using it (core/current.h)."""
+    cdef uintptr_t prev = token[0]
+    cdef uint64_t ticket = token[1]
+    ap_current_set(device, <ap_pool *>prev, ticket, NULL, NULL)

@@ -1,20 +1,17 @@
-# Tenant quotas: the node-wide ledger (C, quota/ledger_*.h) as seen from Python, and the pool
-# subclass whose device segments are booked in it.
+# Tenant quotas: the node-wide ledger (C, quota/ledger_*.h) as seen from Python, and the quota
+# hook that books a pool's device segments in it.
 #
 # Ledger: one mapped ledger file of one device (see ledger_format.h for its layout and
-# ledger_reserve.h for why reserve/release need no lock). TenantPoolBase: a PoolBase whose quota
-# hook reserves every new segment in the ledger before the device call; ascend_pool.tenants.Context
-# builds on it. Units are bytes throughout.
+# ledger_reserve.h for why reserve/release need no lock). attach_ledger(pool, ...): installs on any
+# PoolBase the quota hook (pool.h's ap_quota_hook) that reserves every new segment in the ledger
+# before the device call; its Python side is a LedgerQuota (pool.quota_hook). The pool's own close
+# path gives the booking back (PoolBase._shut). ascend_pool.tenants.Context uses it. Units are
+# bytes throughout.
 
 from libc.stdint cimport uint64_t, uint32_t, int64_t
 from libc.stdlib cimport malloc, free
 
 cdef extern from "pool.h" nogil:
-    ctypedef struct ap_quota_hook:
-        void *ctx
-        int (*reserve)(void *ctx, int device, size_t bytes, char *why, size_t why_len) noexcept nogil
-        void (*release)(void *ctx, int device, size_t bytes) noexcept nogil
-    void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook)
     size_t ap_pool_trim_to(ap_pool *p, size_t target)
 
 cdef extern from "stats.h" nogil:
@@ -209,92 +206,120 @@ cdef class Ledger:
         return None
 
 
-cdef class TenantPoolBase(PoolBase):
-    """A pool whose segments are booked in a tenant's node-wide ledger entry. Use
-    ascend_pool.tenants.Context (pool.context(name, quota)), which builds on this."""
-    cdef apl_handle *qh
+cdef void _close_ledger_handle(void *ctx) noexcept nogil:
+    # The hook's close (PoolBase._shut calls it after destroying the pool): gives the slot back.
+    apl_handle_close(<apl_handle *>ctx)
+
+
+cdef inline apl_handle *_handle_of(PoolBase pool):
+    """The pool's ledger handle, NULL when it has none or is closed."""
+    return <apl_handle *>pool._quota.ctx if pool.quota_hook is not None else NULL
+
+
+def attach_ledger(PoolBase pool, Ledger ledger, str tenant, quota, warn, bint set_quota=True):
+    """Joins `tenant` in ledger (claims a slot), books the segments pool already holds (the
+    `reserve` knob's preallocation) and installs the quota hook on pool. quota: bytes or None
+    (with set_quota False: keep the node's value for a live tenant)."""
+    pool._check()
+    if pool.quota_hook is not None:
+        raise PoolError("this pool is already attached to a tenant")
+    cdef char err[1024]
+    cdef int kind = 0
+    cdef bytes bname = tenant.encode()
+    cdef const char *cname = bname
+    cdef uint64_t q = _quota_arg(quota)
+    cdef uint32_t w = _warn_arg(warn)
+    cdef bint sw = set_quota and warn is not None
+    cdef apl_handle *h
+    with nogil:
+        h = apl_handle_open(ledger.L, cname, set_quota, q, sw, w, err, sizeof(err), &kind)
+    if h == NULL:
+        raise _ledger_error(kind, err)
+    owner = LedgerQuota(ledger, tenant)
+    cdef ap_stats st
+    cdef uint64_t held
+    cdef int rc = 0
+    with nogil:
+        ap_pool_get_stats(pool.p, &st)
+        held = <uint64_t>st.s[AP_STAT_RESERVED_BYTES][AP_STAT_ALL].current
+        if held:
+            rc = apl_reserve(h, held, err, sizeof(err))
+    if rc != 0:
+        with nogil:
+            apl_handle_close(h)
+        raise owner.refusal(pool, held, None, "the preallocated reserve")
     cdef ap_quota_hook hook
+    hook.ctx = <void *>h
+    hook.reserve = apl_hook_reserve
+    hook.release = apl_hook_release
+    try:
+        pool._attach_quota(&hook, _close_ledger_handle, owner)
+    except BaseException:
+        with nogil:
+            apl_handle_close(h)
+        raise
+
+
+def pool_trim_to(PoolBase pool, size_t target):
+    """Releases pool's cached free segments until reserved <= target bytes (never live blocks);
+    returns the bytes released."""
+    pool._check()
+    cdef size_t released
+    cdef ap_pool *_p = pool._enter()
+    with nogil:
+        released = ap_pool_trim_to(_p, target)
+    pool._leave()
+    return released
+
+
+cdef class LedgerQuota:
+    """The Python side of a pool's quota hook booked in a tenant's node-wide ledger entry
+    (pool.quota_hook after attach_ledger): its state, quota changes and error messages. The C
+    side (the ledger handle) belongs to the pool, which gives it back when it closes."""
     cdef readonly Ledger ledger
+    cdef readonly str tenant
 
-    def __cinit__(self, *args, **kwargs):
-        self.qh = NULL
-
-    def _attach_ledger(self, Ledger ledger, str tenant, quota, warn, bint set_quota=True):
-        """Joins `tenant` in ledger (claims a slot), books the segments this pool already holds
-        (the `reserve` knob's preallocation) and installs the quota hook. quota: bytes or None
-        (with set_quota False: keep the node's value for a live tenant)."""
-        self._check()
-        if self.qh != NULL:
-            raise PoolError("this pool is already attached to a tenant")
-        cdef char err[1024]
-        cdef int kind = 0
-        cdef bytes bname = tenant.encode()
-        cdef const char *cname = bname
-        cdef uint64_t q = _quota_arg(quota)
-        cdef uint32_t w = _warn_arg(warn)
-        cdef bint sw = set_quota and warn is not None
-        cdef apl_handle *h
-        with nogil:
-            h = apl_handle_open(ledger.L, cname, set_quota, q, sw, w, err, sizeof(err), &kind)
-        if h == NULL:
-            raise _ledger_error(kind, err)
-        cdef ap_stats st
-        cdef uint64_t held
-        cdef int rc = 0
-        with nogil:
-            ap_pool_get_stats(self.p, &st)
-            held = <uint64_t>st.s[AP_STAT_RESERVED_BYTES][AP_STAT_ALL].current
-            if held:
-                rc = apl_reserve(h, held, err, sizeof(err))
-        if rc != 0:
-            with nogil:
-                apl_handle_close(h)
-            raise self._quota_error(held, None, "the preallocated reserve")
-        self.qh = h
+    def __cinit__(self, Ledger ledger, str tenant):
         self.ledger = ledger
-        self.hook.ctx = <void *>h
-        self.hook.reserve = apl_hook_reserve
-        self.hook.release = apl_hook_release
-        ap_pool_set_quota_hook(self.p, &self.hook)
+        self.tenant = tenant
 
-    def _set_ledger_quota(self, quota, warn):
+    def set_quota(self, PoolBase pool, quota, warn):
         """Stores the tenant's quota (bytes or None) and warn ratio (or None) node-wide."""
-        if self.qh == NULL:
+        pool._check()
+        cdef apl_handle *h = _handle_of(pool)
+        if h == NULL:
             raise PoolError("this pool is not attached to a tenant")
-        apl_set_quota(self.qh.L, self.qh.tenant, _quota_arg(quota), _warn_arg(warn))
+        apl_set_quota(h.L, h.tenant, _quota_arg(quota), _warn_arg(warn))
 
-    def _trim_to(self, size_t target):
-        """Releases cached free segments until reserved <= target bytes (never live blocks);
-        returns the bytes released."""
-        self._check()
-        cdef size_t released
-        cdef ap_pool *_p = self._enter()
-        with nogil:
-            released = ap_pool_trim_to(_p, target)
-        self._leave()
-        return released
-
-    def _quota_state(self):
-        """This context's tenant as the ledger sees it now: dict with quota_bytes (None: no
-        quota), held_bytes (node-wide), slot_bytes (booked by this context), peak_bytes,
-        refusals, uncertain_bytes, warn (ratio or None). None when not attached."""
-        if self.qh == NULL:
+    def state(self, PoolBase pool):
+        """pool's tenant as the ledger sees it now: dict with quota_bytes (None: no quota),
+        held_bytes (node-wide), slot_bytes (booked by this pool), peak_bytes, refusals,
+        uncertain_bytes, warn (ratio or None). None once the pool is closed."""
+        cdef apl_handle *h = _handle_of(pool)
+        if h == NULL:
             return None
-        cdef apl_file *f = self.qh.L.f
-        cdef int t = self.qh.tenant
+        cdef apl_file *f = h.L.f
+        cdef int t = h.tenant
         q = f.tenants[t].quota
         w = f.tenants[t].warn_ppm
         return {"quota_bytes": None if q == APL_NO_QUOTA else q, "held_bytes": f.tenants[t].held,
-                "slot_bytes": f.slots[self.qh.slot].held, "peak_bytes": f.tenants[t].peak,
+                "slot_bytes": f.slots[h.slot].held, "peak_bytes": f.tenants[t].peak,
                 "refusals": f.tenants[t].refusals, "uncertain_bytes": f.tenants[t].uncertain,
                 "warn": w / 1e6 if w else None}
 
-    cdef object _quota_error(self, uint64_t requested, object pool_message, str what):
+    def after_growth(self, PoolBase pool):
+        """Called by pool.malloc after a miss: runs pool._quota_warn() once each time the pool's
+        growth took the tenant past its warn level."""
+        cdef apl_handle *h = _handle_of(pool)
+        if h != NULL and apl_take_warn(h):
+            pool._quota_warn()
+
+    def refusal(self, PoolBase pool, uint64_t requested, object pool_message, str what):
         """The QuotaExceededError for the refusal the calling thread just saw."""
         cdef apl_refusal r = apl_last_refusal
-        name = getattr(self, "tenant", "?")
+        name = self.tenant
         if r.valid and r.forked:
-            e = QuotaExceededError(f"tenant {name!r} on device {self.device}: this context belongs to another "
+            e = QuotaExceededError(f"tenant {name!r} on device {pool.device}: this context belongs to another "
                                    f"process (created before a fork); create contexts in the child")
             quota = held = None
         else:
@@ -302,67 +327,16 @@ cdef class TenantPoolBase(PoolBase):
             quota = None if r.quota == APL_NO_QUOTA else r.quota
             held = r.held
             qtext = "none" if quota is None else f"{quota} bytes ({format_bytes(quota)})"
-            msg = (f"tenant {name!r} is over its quota on device {self.device}: quota {qtext}, held {held} bytes "
+            msg = (f"tenant {name!r} is over its quota on device {pool.device}: quota {qtext}, held {held} bytes "
                    f"({format_bytes(held)}) node-wide, requested {requested} bytes ({what}; growing needs "
                    f"{r.bytes} more bytes of device segments, after releasing this context's cached segments)")
             if pool_message:  # the pool's own figures; its "Cause:" repeats what msg says
                 msg += ". " + pool_message.split(" Cause: ")[0]
             e = QuotaExceededError(msg)
         e.tenant = name
-        e.device = self.device
+        e.device = pool.device
         e.quota = quota
         e.held = held
         e.requested = requested
         e.segment_bytes = r.bytes if r.valid else None
         return e
-
-    def malloc(self, nbytes, stream=None):
-        """Allocates nbytes (int, bytes) ordered on stream; the tenant's quota applies to the
-        segments it needs. Raises QuotaExceededError (attributes tenant, device, quota, held,
-        requested; bytes) when the tenant's node-wide quota would be exceeded even after this
-        context's cached segments were released."""
-        self._check()
-        cdef size_t n = _as_size(nbytes)
-        cdef void *s = self._stream(stream) if stream is not None else NULL
-        cdef void *out = NULL
-        cdef ap_error err
-        cdef int rc
-        if ap_pool_try_malloc(self.p, n, s, &out) == AP_OK:  # cached: no growth, no quota check
-            return PyLong_FromVoidPtr(out)
-        cdef ap_pool *_p = self._enter()
-        with nogil:
-            rc = ap_pool_malloc(_p, n, s, &out, &err)
-        self._leave()
-        if rc == AP_E_QUOTA:
-            raise self._quota_error(n, err.message.decode("utf-8", "replace"), "this allocation")
-        if rc != AP_OK:
-            _raise(&err, rc)
-        if self.qh != NULL and apl_take_warn(self.qh):
-            self._quota_warn()
-        return PyLong_FromVoidPtr(out)
-
-    def _quota_warn(self):
-        """Called once each time this context's growth takes the tenant past its warn level."""
-
-    cdef void _detach(self, ap_pool *p) noexcept nogil:
-        if p != NULL:
-            ap_pool_set_quota_hook(p, NULL)
-            ap_pool_destroy(p)  # returns every segment to the device
-        if self.qh != NULL:
-            apl_handle_close(self.qh)  # and the slot's bytes to the tenant
-            self.qh = NULL
-
-    def close(self):
-        """Returns all device memory of this context (live blocks included) and its share of the
-        tenant's quota, and closes it. Waits for calls other threads are making on it."""
-        cdef ap_pool *p = self.p
-        self.p = NULL  # later calls raise PoolError
-        while self._busy:
-            _time.sleep(0.0005)  # releases the GIL so those calls can finish
-        with nogil:
-            self._detach(p)
-
-    def __dealloc__(self):
-        cdef ap_pool *p = self.p
-        self.p = NULL
-        self._detach(p)

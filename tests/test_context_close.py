@@ -1,0 +1,119 @@
+"""Closing a pool or tenant context that is current somewhere leaves nothing dangling behind the
+C ABI: a thread whose current context was closed (nested `with`, another thread, a new context
+opened since at the same place in memory) gets a clear last error (NOT_READY, "closed") from
+ascend_pool_malloc until it leaves the context's `with` block, then allocates from the default
+pool again; frees of blocks of live pools keep working.
+
+Each test runs in a fresh process (sim_node): a use of a freed pool is a crash (exit 139) or a
+silent allocation from the wrong pool there, and fails the test instead of killing pytest.
+"""
+import os
+import sys
+import textwrap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401
+
+PRELUDE = """
+import ascend_pool as ap
+from ascend_pool import _core
+
+def capi_malloc_error(nbytes=4096, device=0):
+    try:
+        p = _core.capi_malloc(nbytes, device)
+    except ap.PoolError as e:
+        return _core.capi_last_error()
+    _core.capi_free(p, 0, device)
+    return "allocated"
+"""
+
+
+def _run(sim_node, body):
+    return sim_node.run_json(PRELUDE + textwrap.dedent(body))
+
+
+def test_closing_the_outer_of_two_nested_contexts(sim_node):
+    out = _run(sim_node, """
+        pool = ap.Pool(0, backend="sim")
+        a, b = pool.context("outer"), pool.context("inner")
+        with a:
+            with b:
+                a.close()
+                p = _core.capi_malloc(4096, 0)          # b is current: it serves
+                in_b = b.block_info(p) is not None
+                _core.capi_free(p, 0, 0)
+            # back in a's block, and a is closed
+            closed_err = capi_malloc_error()
+            try:
+                ap.malloc(4096)
+                py_err = None
+            except ap.PoolError as e:
+                py_err = str(e)
+        p = _core.capi_malloc(4096, 0)                  # out of every block: the default pool
+        default_serves = ap.default_pool(0).block_info(p) is not None
+        _core.capi_free(p, 0, 0)
+        b.close()
+        print(json.dumps({"in_b": in_b, "closed_err": closed_err, "py_err": py_err,
+                          "default_serves": default_serves}))
+    """)
+    assert out["in_b"] and out["default_serves"], out
+    code, name, msg = out["closed_err"]
+    assert name == "NOT_READY" and "outer" in msg and "closed" in msg, out
+    assert "closed" in out["py_err"], out
+
+
+def test_a_context_closed_while_another_thread_has_it_current(sim_node):
+    """The other thread's next ascend_pool_malloc refuses (it used to use the freed pool), even
+    when a new context has been opened since (its pool may sit where the closed one was)."""
+    out = _run(sim_node, """
+        pool = ap.Pool(0, backend="sim")
+        ctx = pool.context("leaving")
+        ready, go = threading.Event(), threading.Event()
+        res = {}
+        def worker():
+            with ctx:
+                p = _core.capi_malloc(4096, 0)
+                res["before"] = ctx.block_info(p) is not None
+                _core.capi_free(p, 0, 0)
+                ready.set()
+                go.wait()
+                res["after_close"] = capi_malloc_error()
+                _core.capi_free(kept, 0, 0)            # blocks of live pools still free from here
+                res["kept_freed"] = default.block_info(kept) is None
+            p = _core.capi_malloc(4096, 0)
+            res["default_after"] = default.block_info(p) is not None
+            _core.capi_free(p, 0, 0)
+        default = ap.default_pool(0)
+        kept = default.malloc(1 << 20)
+        t = threading.Thread(target=worker)
+        t.start()
+        ready.wait()
+        ctx.close()
+        others = [pool.context(f"newcomer{i}") for i in range(8)]  # reuse the freed memory
+        go.set()
+        t.join()
+        res["newcomers_untouched"] = all(c.memory_stats()["allocation.all.allocated"] == 0 for c in others)
+        print(json.dumps(res))
+    """)
+    code, name, msg = out["after_close"]
+    assert name == "NOT_READY" and "leaving" in msg and "closed" in msg, out
+    assert out["before"] and out["kept_freed"] and out["default_after"] and out["newcomers_untouched"], out
+
+
+def test_a_closed_default_pool_is_replaced(sim_node):
+    """Closing the process default pool: the C ABI and module-level calls get a new default."""
+    out = _run(sim_node, """
+        first = ap.default_pool(0)
+        p = _core.capi_malloc(4096, 0)
+        _core.capi_free(p, 0, 0)
+        first.close()
+        p = _core.capi_malloc(4096, 0)
+        second = ap.default_pool(0)
+        res = {"new": second is not first and not second.closed,
+               "serves": second.block_info(p) is not None}
+        _core.capi_free(p, 0, 0)
+        q = ap.malloc(4096)
+        ap.free(q)
+        print(json.dumps(res))
+    """)
+    assert out == {"new": True, "serves": True}, out

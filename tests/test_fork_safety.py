@@ -1,0 +1,254 @@
+"""A forked child of a process that uses the pool: every entry point behaves defined there.
+
+A child forked after its parent opened the runtime cannot use it (cython/backend/fork.c), and the
+pools it inherits are copies of the parent's: their mutexes may have been held by a parent thread
+at the moment of the fork (then nobody in the child will ever release them). So each C-ABI entry
+point sets its last error (DEVICE, a message saying the process was forked) and each Python pool
+method raises BackendUnavailableError (990004) without touching the pool; close() and the object's
+death only forget it. Nothing may hang, crash or "succeed" on the parent's pool.
+
+Each test runs in a fresh process (sim_node), which forks a grandchild with a deadline: a hang is
+reported as one (and the grandchild killed), a crash by its signal, and pytest never gets stuck.
+"""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401
+
+FORKED = 990004
+
+# Runs in the test's child process. Sets up pools, optionally holds the C ABI's registry lock and
+# the pools' mutexes on another thread (inside a call: the pools count it busy), forks, runs CHILD_CALLS in the grandchild (one JSON line per
+# call, written as it goes, so a hang shows which call hung) and prints the report as JSON.
+WAIT_CHILD = """def wait_child(pid, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return "exit %d" % os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung (killed)"
+"""
+
+SCRIPT = WAIT_CHILD.replace("%", "%%") + r"""
+import ctypes as C, gc, json, os, select, signal, threading, time, warnings, weakref
+import ascend_pool as ap
+from ascend_pool import _core
+
+warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12: fork() with threads running
+HOLD = %(hold)r
+pool = ap.Pool(0, backend="sim")
+ctx = pool.context("forktenant", quota="64MiB")
+hp = _core.HostPool(pool.backend, 0)
+hptr = hp.malloc(4096)
+s = pool.create_stream()
+ptr = pool.malloc(4096)
+cptr = ctx.malloc(1 << 20)
+with ctx:
+    cabi_ctx_ptr = _core.capi_malloc(4096, 0)
+cabi_ptr = _core.capi_malloc(4096, 0)
+held_before = ctx.held
+lib = C.CDLL(ap.library_path())
+lib.ascend_pool_malloc.restype = C.c_void_p
+lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, C.c_void_p]
+lib.ascend_pool_free.argtypes = [C.c_void_p, C.c_ssize_t, C.c_int, C.c_void_p]
+lib.ascend_pool_record_stream.argtypes = [C.c_void_p, C.c_void_p]
+lib.ascend_pool_base_alloc.restype = C.c_void_p
+lib.ascend_pool_base_alloc.argtypes = [C.c_void_p, C.POINTER(C.c_size_t)]
+lib.ascend_pool_set_memory_fraction.argtypes = [C.c_double, C.c_int]
+lib.ascend_pool_reset.argtypes = [C.c_bool]
+lib.ascend_pool_last_error.restype = C.c_char_p
+
+def cabi(call):
+    lib.ascend_pool_clear_last_error()
+    out = call()
+    return ["C", lib.ascend_pool_last_error_code(), lib.ascend_pool_last_error().decode(), out]
+
+def objects_die():
+    # The inherited pools' __dealloc__ runs in the child: it must forget them as close() does,
+    # without touching them.
+    refs = [weakref.ref(pool), weakref.ref(ctx)]
+    for name in ("pool", "ctx", "holder"):
+        globals().pop(name, None)
+    gc.collect()
+    return [r() is None for r in refs]
+
+size = C.c_size_t(0)
+CHILD_CALLS = [
+    ("C ascend_pool_malloc", lambda: cabi(lambda: lib.ascend_pool_malloc(4096, 0, None))),
+    ("C ascend_pool_free", lambda: cabi(lambda: lib.ascend_pool_free(cabi_ptr, 4096, 0, None))),
+    ("C ascend_pool_free (context's block)", lambda: cabi(lambda: lib.ascend_pool_free(cabi_ctx_ptr, 4096, 0, None))),
+    ("C ascend_pool_record_stream", lambda: cabi(lambda: lib.ascend_pool_record_stream(cabi_ptr, s))),
+    ("C ascend_pool_base_alloc", lambda: cabi(lambda: lib.ascend_pool_base_alloc(cabi_ptr, C.byref(size)))),
+    ("C ascend_pool_set_memory_fraction", lambda: cabi(lambda: lib.ascend_pool_set_memory_fraction(0.5, 0))),
+    ("C ascend_pool_init", lambda: cabi(lambda: lib.ascend_pool_init(0))),
+    ("C ascend_pool_empty_cache", lambda: cabi(lambda: lib.ascend_pool_empty_cache())),
+    ("C ascend_pool_reset", lambda: cabi(lambda: lib.ascend_pool_reset(False))),
+    ("pool.malloc", lambda: pool.malloc(4096)),
+    ("pool.free", lambda: pool.free(ptr)),
+    ("pool.free(stream)", lambda: pool.free(ptr, s)),
+    ("pool.record_stream", lambda: pool.record_stream(ptr, s)),
+    ("pool.empty_cache", lambda: pool.empty_cache()),
+    ("pool.synchronize", lambda: pool.synchronize(s)),
+    ("pool.create_stream", lambda: pool.create_stream()),
+    ("pool.register_stream", lambda: pool.register_stream(s + 4096)),
+    ("pool.destroy_stream", lambda: pool.destroy_stream(s)),
+    ("pool.set_limit", lambda: pool.set_limit(1 << 30)),
+    ("pool.reset_peak_stats", lambda: pool.reset_peak_stats()),
+    ("pool.round_size", lambda: pool.round_size(100)),
+    ("pool.block_info", lambda: pool.block_info(ptr)),
+    ("pool.segment_kind", lambda: pool.segment_kind(ptr)),
+    ("pool.memory_stats", lambda: pool.memory_stats()),
+    ("pool.memory_summary", lambda: pool.memory_summary()),
+    ("pool.snapshot", lambda: pool.snapshot()),
+    ("pool.context", lambda: pool.context("another")),
+    ("ctx.malloc", lambda: ctx.malloc(4096)),
+    ("ctx.free", lambda: ctx.free(cptr)),
+    ("ctx.empty_cache", lambda: ctx.empty_cache()),
+    ("ctx.memory_stats", lambda: ctx.memory_stats()),
+    ("ctx.set_quota", lambda: ctx.set_quota("32MiB")),
+    ("with ctx", lambda: ctx.__enter__()),
+    ("ap.malloc", lambda: ap.malloc(4096)),
+    ("host pool malloc", lambda: hp.malloc(4096)),
+    ("host pool free", lambda: hp.free(hptr)),
+    ("host pool memory_stats", lambda: hp.memory_stats()),
+    ("host pool empty_cache", lambda: hp.empty_cache()),
+    ("host pool close", lambda: hp.close()),
+    ("ctx.close", lambda: ctx.close()),
+    ("pool.close", lambda: pool.close()),
+    ("closed", lambda: [pool.closed, ctx.closed]),
+    ("pool.malloc after close", lambda: pool.malloc(4096)),
+    ("objects die", lambda: objects_die()),
+]
+
+holder = None
+if HOLD:
+    holder = threading.Thread(target=_core._test_hold_locks, args=(4.0, pool, ctx))
+    holder.start()
+    while not _core._test_locks_held():
+        time.sleep(0.001)
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    for name, call in CHILD_CALLS:
+        try:
+            out = call()
+            line = [name, "returned", out if isinstance(out, (list, int, bool, type(None))) else type(out).__name__]
+        except Exception as e:
+            line = [name, type(e).__name__, getattr(e, "code", None), str(e)]
+        os.write(w, (json.dumps(line) + "\n").encode())
+    os._exit(0)
+os.close(w)
+data, deadline = b"", time.monotonic() + 30
+while time.monotonic() < deadline:
+    ready, _, _ = select.select([r], [], [], 0.2)
+    if ready:
+        chunk = os.read(r, 65536)
+        if not chunk:
+            break
+        data += chunk
+end = wait_child(pid, 2)
+if holder is not None:
+    holder.join()
+# The parent's pools are untouched: its blocks are live and free normally, its quota booking is whole.
+parent = {"held_same": ctx.held == held_before, "block": pool.block_info(ptr) is not None,
+          "ctx_block": ctx.block_info(cptr) is not None}
+_core.capi_free(cabi_ptr, 0, 0)
+_core.capi_free(cabi_ctx_ptr, 0, 0)
+pool.free(ptr)
+ctx.free(cptr)
+parent["host_block"] = hp.block_info(hptr) is not None
+hp.free(hptr)
+hp.close()
+ctx.close()
+pool.close()
+print(json.dumps({"lines": [json.loads(x) for x in data.decode().splitlines()], "end": end, "parent": parent,
+                  "parent_pid": os.getpid()}))
+"""
+
+
+def _run(sim_node, hold):
+    return sim_node.run_json(SCRIPT % {"hold": hold}, timeout=90)
+
+
+def _check_report(rep, held):
+    got = {line[0]: line[1:] for line in rep["lines"]}
+    missing = [name for name in ("C ascend_pool_malloc", "ctx.close", "pool.close", "objects die") if name not in got]
+    assert rep["end"] == "exit 0" and not missing, (
+        f"forked child {rep['end']}; last call answered: {rep['lines'][-1][0] if rep['lines'] else None}; "
+        f"never answered: {missing}")
+    wrong = {}
+    for name, result in got.items():
+        if name.startswith("C "):
+            _returned, (_c, code, msg, _out) = result
+            if not (code == 6 and "forked" in msg and "spawn" in msg):  # ASCEND_POOL_E_DEVICE, message why
+                wrong[name] = result
+        elif name in ("ctx.close", "pool.close", "host pool close"):
+            if result != ["returned", None]:
+                wrong[name] = result
+        elif name == "objects die":
+            # With a holder thread, CPython leaks that thread's frame (and its references to the
+            # pools) into the child: then only "no hang, no crash" can be checked.
+            if result[0] != "returned" or (not held and result[1] != [True, True]):
+                wrong[name] = result
+        elif name == "closed":
+            if result != ["returned", [True, True]]:
+                wrong[name] = result
+        elif name == "pool.malloc after close":
+            if result[0] != "PoolError" or "closed" not in result[2]:
+                wrong[name] = result
+        elif not (result[0] == "BackendUnavailableError" and result[1] == FORKED
+                  and f"forked from pid {rep['parent_pid']}" in result[2]):
+            wrong[name] = result
+    assert not wrong, "\n".join(f"{k}: {v}" for k, v in wrong.items())
+    assert rep["parent"] == {"held_same": True, "block": True, "ctx_block": True, "host_block": True}, rep["parent"]
+
+
+def test_every_entry_point_refuses_in_a_forked_child(sim_node):
+    """No lock held at the fork: each call refuses (the C ABI's free used to 'succeed' on the
+    inherited pool, and a context's close() used to hang)."""
+    _check_report(_run(sim_node, hold=False), held=False)
+
+
+def test_nothing_hangs_when_the_fork_happens_while_a_thread_holds_the_pool_locks(sim_node):
+    """A parent thread is inside calls on both pools at the moment of the fork, holding the C ABI's
+    registry lock and the pools' mutexes: in the child those locks stay held and the pools busy
+    forever, so no call may take them or wait for the calls to end."""
+    _check_report(_run(sim_node, hold=True), held=True)
+
+
+@pytest.mark.parametrize("how", ["close", "del"])
+def test_a_context_closed_in_a_forked_child_leaves_the_parents_quota_booking(sim_node, how):
+    """The child's close (or the object's death) of an inherited context returns nothing to the
+    tenant's node-wide ledger: the bytes are the parent's."""
+    rep = sim_node.run_json(r"""
+        import gc, json
+        import ascend_pool as ap
+        WAIT_CHILD
+        pool = ap.Pool(0, backend="sim")
+        ctx = pool.context("forkbooking", quota="64MiB")
+        p = ctx.malloc(8 << 20)
+        held = ctx.held
+        pid = os.fork()
+        if pid == 0:
+            rc = 1
+            try:
+                if %r == "close":
+                    ctx.close()
+                else:
+                    del ctx
+                    gc.collect()
+                rc = 0
+            finally:
+                os._exit(rc)
+        end = wait_child(pid, 20)
+        print(json.dumps({"end": end, "held_before": held, "held_after": ctx.held}))
+    """.replace("%r", repr(how)).replace("WAIT_CHILD", WAIT_CHILD.replace("\n", "\n        ")), timeout=60)
+    assert rep["end"] == "exit 0", rep
+    assert rep["held_after"] == rep["held_before"] > 0, rep
