@@ -17,6 +17,8 @@ from prometheus_client.exposition import choose_encoder
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_LINE = 8192  # bytes; a scrape's request line is ~30
+LINGER_BYTES = 1 << 20  # what a refused client may still send before its connection is dropped
+LINGER_S = 2.0          # seconds of silence after which it is dropped anyway
 INDEX = (b"<!doctype html><html><head><title>ascend_pool</title></head><body>"
          b"<h1>ascend_pool metrics</h1><p><a href=\"/metrics\">/metrics</a></p></body></html>\n")
 
@@ -38,6 +40,7 @@ class MetricsHandler(BaseHTTPRequestHandler):
                 self.requestline, self.request_version, self.command = "", "", ""
                 self.send_error(414)
                 self.close_connection = True
+                self._lingering_close()
                 return
             if not self.raw_requestline:
                 self.close_connection = True
@@ -54,6 +57,23 @@ class MetricsHandler(BaseHTTPRequestHandler):
             self.wfile.flush()
         except (TimeoutError, socket.timeout, ConnectionError):
             self.close_connection = True
+
+    def _lingering_close(self):
+        """Closing a socket with unread input makes the kernel send a reset, which can destroy the
+        answer just written before the client reads it. So: flush, stop writing, and discard what
+        the client still sends (bounded in bytes and time) until it closes its side."""
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(LINGER_S)
+            left = LINGER_BYTES
+            while left > 0:
+                chunk = self.connection.recv(min(left, 65536))
+                if not chunk:
+                    break
+                left -= len(chunk)
+        except OSError:
+            pass
 
     def _get(self):
         path = self.path.split("?", 1)[0]
