@@ -69,6 +69,7 @@ typedef struct cu_mem_access_desc {       /* CUmemAccessDesc */
 typedef struct cuda_impl {
     ap_impl_base base; /* must stay first */
     cudaError_t (*cudaSetDevice)(int device);
+    cudaError_t (*cudaGetDevice)(int *device);
     cudaError_t (*cudaGetDeviceCount)(int *count);
     cudaError_t (*cudaMalloc)(void **ptr, size_t size);
     cudaError_t (*cudaFree)(void *ptr);
@@ -115,23 +116,35 @@ typedef struct cuda_impl {
 
 #define IMPL(b) ((cuda_impl *)(b)->impl)
 
-/* Same per-thread cache as acl.c: the CUDA current device is per thread too. */
-static __thread uint64_t tls_owner;
-static __thread int tls_device;
-
+/* The CUDA current device is per thread, and a framework switches it itself: never trust a
+   cached one. Ask the runtime (cudaGetDevice is a thread-local read) and switch only when it
+   differs. TODO(sim, issue 15 point 4): switch back after each call as acl.c does; today a
+   thread may be left on the pool's device after a call that had to switch. */
 static int cuda_set_device(ap_backend *b, int device)
 {
     cuda_impl *im = IMPL(b);
-    cudaError_t rc;
+    int cur = -1;
 
-    if (tls_owner == im->base.id && tls_device == device)
+    if (im->cudaGetDevice && im->cudaGetDevice(&cur) == 0 && cur == device)
         return 0;
-    rc = im->cudaSetDevice(device);
-    if (rc != 0)
-        return rc;
-    tls_owner = im->base.id;
-    tls_device = device;
+    return im->cudaSetDevice(device);
+}
+
+/* CUDA counts no device references (cudaSetDevice makes the primary context current only). */
+static int cuda_device_retain(ap_backend *b, int device)
+{
+    (void)b;
+    (void)device;
     return 0;
+}
+
+/* cudaStreamGetDevice exists from CUDA 12.8 only; not relied on here. */
+static int cuda_stream_device(ap_backend *b, void *stream, int *device)
+{
+    (void)b;
+    (void)stream;
+    (void)device;
+    return AP_ERR_UNKNOWN_STREAM;
 }
 
 /* cudaMalloc reserves whole pages internally, but it reports and accounts the size asked for. */
@@ -615,12 +628,18 @@ static void cuda_error_message(ap_backend *b, int code, char *buf, size_t len)
 
 /* The runtime's unversioned development link first (what a CUDA toolkit install provides), then
    the sonames of the CUDA 12, 13 and 11 runtimes (what pip wheels and driver-only images have). */
+/* Unless a path is given, a libcudart already loaded in the process comes first: torch loads the
+   one of its wheel (libcudart.so.12) while the machine may have CUDA 13 on the loader path, and
+   two runtimes in one process do not share contexts, streams or events. */
 static void *cuda_load(const char *path, char *found, size_t foundlen, char *err, size_t errlen)
 {
     static const char *const names[] = {"libcudart.so", "libcudart.so.12", "libcudart.so.13",
                                         "libcudart.so.11.0"};
     size_t i, n = path ? 1 : sizeof names / sizeof names[0];
+    void *loaded = path ? NULL : ap_find_loaded("libcudart.so", NULL, 0, found, foundlen);
 
+    if (loaded)
+        return loaded;
     ap_errf(err, errlen, "could not load the CUDA runtime (no CUDA installed?); tried:");
     for (i = 0; i < n; i++) {
         const char *name = path ? path : names[i];
@@ -650,6 +669,7 @@ static int cuda_resolve_all(cuda_impl *im, void *lib, char *err, size_t errlen)
     ap_errf(err, errlen, "missing required CUDA runtime symbol(s):");
     REQUIRE(cudaSetDevice);
     REQUIRE(cudaGetDeviceCount);
+    RESOLVE(cudaGetDevice);
     REQUIRE(cudaMalloc);
     REQUIRE(cudaFree);
     REQUIRE(cudaMemGetInfo);
@@ -701,6 +721,9 @@ int ap_cuda_open(ap_backend *b, const char *path, char *err, size_t errlen)
 
     b->device_size = cuda_device_size;
     b->set_device = cuda_set_device;
+    b->device_retain = cuda_device_retain;
+    b->device_release = cuda_device_retain;
+    b->stream_device = cuda_stream_device;
     b->malloc = cuda_malloc;
     b->free = cuda_free;
     b->mem_info = cuda_mem_info;

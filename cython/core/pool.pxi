@@ -357,6 +357,10 @@ cdef class PoolBase:
         """Lets this pool order frees on a stream created elsewhere (int handle)."""
         if type(handle) is not int or handle <= 0:
             raise InvalidStreamError(f"stream handle must be a positive int, got {handle!r}")
+        dev = self.backend.stream_device(handle)  # None: the runtime cannot tell
+        if dev is not None and dev != self.device:
+            raise InvalidStreamError(f"stream {handle:#x} belongs to device {dev}, not to this pool's "
+                                     f"device {self.device}")
         self._streams.add(handle)
 
     def destroy_stream(self, stream):
