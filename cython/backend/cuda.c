@@ -118,8 +118,8 @@ typedef struct cuda_impl {
 
 /* The CUDA current device is per thread, and a framework switches it itself: never trust a
    cached one. Ask the runtime (cudaGetDevice is a thread-local read) and switch only when it
-   differs. TODO(sim, issue 15 point 4): switch back after each call as acl.c does; today a
-   thread may be left on the pool's device after a call that had to switch. */
+   differs. The memory, event and stream calls switch back after (CUDA_ON_DEVICE);
+   TODO(sim): the pinned-host, VMM and IPC calls still leave the thread on their device. */
 static int cuda_set_device(ap_backend *b, int device)
 {
     cuda_impl *im = IMPL(b);
@@ -129,6 +129,21 @@ static int cuda_set_device(ap_backend *b, int device)
         return 0;
     return im->cudaSetDevice(device);
 }
+
+/* Runs `expr` with `device` current and the caller's device restored after. */
+#define CUDA_ON_DEVICE(b, device, expr)                                            \
+    do {                                                                           \
+        cuda_impl *im_ = IMPL(b);                                                  \
+        int prev_ = -1, rc_;                                                       \
+        if (!im_->cudaGetDevice || im_->cudaGetDevice(&prev_) != 0)                \
+            prev_ = -1;                                                            \
+        rc_ = prev_ == (device) ? 0 : im_->cudaSetDevice(device);                  \
+        if (rc_ == 0)                                                              \
+            rc_ = (expr);                                                          \
+        if (prev_ >= 0 && prev_ != (device))                                       \
+            (void)im_->cudaSetDevice(prev_);                                       \
+        return rc_;                                                                \
+    } while (0)
 
 /* CUDA counts no device references (cudaSetDevice makes the primary context current only). */
 static int cuda_device_retain(ap_backend *b, int device)
@@ -156,23 +171,17 @@ static size_t cuda_device_size(const ap_backend *b, size_t size)
 
 static int cuda_malloc(ap_backend *b, int device, void **ptr, size_t size)
 {
-    int rc = cuda_set_device(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cudaMalloc(ptr, size);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaMalloc(ptr, size));
 }
 
 static int cuda_free(ap_backend *b, int device, void *ptr)
 {
-    int rc = cuda_set_device(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cudaFree(ptr);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaFree(ptr));
 }
 
 static int cuda_mem_info(ap_backend *b, int device, size_t *free_bytes, size_t *total_bytes)
 {
-    int rc = cuda_set_device(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cudaMemGetInfo(free_bytes, total_bytes);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaMemGetInfo(free_bytes, total_bytes));
 }
 
 /* Resolved on first use, as in acl.c: only processes that pin host memory list these symbols. */
@@ -532,9 +541,7 @@ static int cuda_ipc_absent_close(ap_backend *b, int d, const char *k) { (void)b;
 
 static int cuda_event_create(ap_backend *b, int device, void **event)
 {
-    int rc = cuda_set_device(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cudaEventCreateWithFlags(event, cudaEventDisableTiming);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaEventCreateWithFlags(event, cudaEventDisableTiming));
 }
 
 static int cuda_event_record(ap_backend *b, void *event, void *stream)
@@ -589,9 +596,7 @@ static int cuda_stream_wait_event(ap_backend *b, void *stream, void *event)
 
 static int cuda_stream_create(ap_backend *b, int device, void **stream)
 {
-    int rc = cuda_set_device(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cudaStreamCreate(stream);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaStreamCreate(stream));
 }
 
 static int cuda_stream_sync(ap_backend *b, void *stream, int timeout_ms)
