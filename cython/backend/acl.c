@@ -211,7 +211,9 @@ static int acl_ctx_get(ap_backend *b, int device, void **ctx, int *temp)
     if (rc != 0)
         return rc;
     *ctx = __atomic_load_n(&im->dev[device].ctx, __ATOMIC_ACQUIRE);
-    if (*ctx && im->dev[device].pool_refs > 0)
+    /* A pool's reference keeps the context alive (a call racing the close of the device's last
+       pool may still find it released: the runtime then refuses with its own code). */
+    if (*ctx && __atomic_load_n(&im->dev[device].pool_refs, __ATOMIC_ACQUIRE) > 0)
         return 0;
     pthread_mutex_lock(&im->dev_lock);
     if (im->dev[device].pool_refs == 0 && (rc = acl_take_ref_locked(im, device)) == 0) {
@@ -338,7 +340,7 @@ static int acl_device_retain(ap_backend *b, int device)
     pthread_mutex_lock(&im->dev_lock);
     rc = acl_take_ref_locked(im, device);
     if (rc == 0)
-        im->dev[device].pool_refs++;
+        __atomic_store_n(&im->dev[device].pool_refs, im->dev[device].pool_refs + 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&im->dev_lock);
     return rc;
 }
@@ -352,7 +354,7 @@ static int acl_device_release(ap_backend *b, int device)
         return rc;
     pthread_mutex_lock(&im->dev_lock);
     if (im->dev[device].pool_refs > 0) {
-        im->dev[device].pool_refs--;
+        __atomic_store_n(&im->dev[device].pool_refs, im->dev[device].pool_refs - 1, __ATOMIC_RELEASE);
         rc = acl_drop_ref_locked(im, device);
         /* Our last reference gone: the runtime may release the context; fetch it anew next time. */
         if (im->dev[device].pool_refs == 0 && im->dev[device].temp_refs == 0)

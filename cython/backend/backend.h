@@ -56,9 +56,11 @@ struct ap_backend {
     size_t (*device_size)(const ap_backend *b, size_t size);
 
     /* Names the device whose context this thread's calls without a device argument (events,
-       streams) run in. It changes no runtime state: every call switches to its device's context
-       and back (acl: aclrtGetCurrentContext/aclrtSetCurrentContext; cuda: cudaGetDevice/
-       cudaSetDevice), so the caller's current device is never left changed. */
+       streams) run in. acl: it changes no runtime state; every call switches to its device's
+       context and back (aclrtGetCurrentContext/aclrtSetCurrentContext), so the caller's current
+       device is never left changed. cuda: makes the device current (cudaSetDevice when
+       cudaGetDevice differs) and leaves it so; cuda's malloc/free/mem_info and event/stream
+       creation switch back themselves. */
     int (*set_device)(ap_backend *b, int device);
     /* One device reference for a pool, from its creation to its close (acl: aclrtSetDevice /
        aclrtResetDevice, which CANN counts per process; cuda: nothing to count, 0). */

@@ -118,8 +118,8 @@ typedef struct cuda_impl {
 
 /* The CUDA current device is per thread, and a framework switches it itself: never trust a
    cached one. Ask the runtime (cudaGetDevice is a thread-local read) and switch only when it
-   differs. The memory, event and stream calls switch back after (CUDA_ON_DEVICE);
-   TODO(sim): the pinned-host, VMM and IPC calls still leave the thread on their device. */
+   differs. The memory, pinned-host, event and stream calls switch back after (CUDA_ON_DEVICE);
+   TODO(sim): the VMM and IPC calls and set_device still leave the thread on their device. */
 static int cuda_set_device(ap_backend *b, int device)
 {
     cuda_impl *im = IMPL(b);
@@ -211,18 +211,18 @@ static int cuda_host_malloc(ap_backend *b, int device, void **ptr, size_t size)
 {
     int rc = cuda_host_resolve(b);
 
-    if (rc == 0)
-        rc = cuda_set_device(b, device);
-    return rc != 0 ? rc : IMPL(b)->cudaHostAlloc(ptr, size, cudaHostAllocDefault);
+    if (rc != 0)
+        return rc;
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaHostAlloc(ptr, size, cudaHostAllocDefault));
 }
 
 static int cuda_host_free(ap_backend *b, int device, void *ptr)
 {
     int rc = cuda_host_resolve(b);
 
-    if (rc == 0)
-        rc = cuda_set_device(b, device);
-    return rc != 0 ? rc : IMPL(b)->cudaFreeHost(ptr);
+    if (rc != 0)
+        return rc;
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaFreeHost(ptr));
 }
 
 /* ---- virtual memory (driver API) ---------------------------------------------------------- */
