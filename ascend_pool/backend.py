@@ -65,7 +65,9 @@ def _requested_name(name):
 def _open(name, path):
     Backend = _backend_class()
     if name == "sim":
-        return Backend("sim", path if path is not None else sim_library_path())
+        # No path: the bundled simulator, unless a simulator copy is already loaded in the
+        # process (then that one: one runtime per process).
+        return Backend("sim", path)
     return Backend(name, path)
 
 

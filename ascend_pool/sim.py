@@ -37,6 +37,7 @@ __all__ = [
     "set_poison",
     "configure",
     "stats",
+    "profile",
 ]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,6 +80,7 @@ _PROTOS = {
     "ascendsim_parse_size": (_C.c_int, [_C.c_char_p, _C.POINTER(_C.c_uint64)]),
     "ascendsim_get_stats": (_C.c_int, [_C.c_int32, _C.POINTER(_C.c_uint64), _C.c_uint32]),
     "ascendsim_stats_fields": (_C.c_char_p, []),
+    "ascendsim_profile": (_C.c_char_p, []),
 }
 
 
@@ -246,7 +248,9 @@ def stats(device: int = 0) -> dict:
     - ``phys_bytes``: physical memory this process holds on the device (rounded up to the
       granularity; also counted in ``bytes_held``);
     - ``maps``, ``unmaps``: successful aclrtMapMem / aclrtUnmapMem;
-    - ``mapped_bytes``: bytes mapped now (a handle mapped twice counts twice).
+    - ``mapped_bytes``: bytes mapped now (a handle mapped twice counts twice);
+    - ``device_refs``: the device's reference count, process-wide: aclrtSetDevice calls minus
+      aclrtResetDevice calls (each open pool holds one; docs/cann-rules.md R2).
 
     Fields are only ever appended, so positions of existing ones never change.
     """
@@ -255,3 +259,12 @@ def stats(device: int = 0) -> dict:
     out = (ctypes.c_uint64 * len(names))()
     _check(lib.ascendsim_get_stats(device, out, len(names)), "ascendsim_get_stats")
     return dict(zip(names, out))
+
+
+def profile() -> str:
+    """The active ``ASCEND_SIM_PROFILE`` (``strict``, ``cann8.0``, ``cann8.3``, ``310p`` or
+    ``950``: the CANN rules the simulator enforces, docs/cann-rules.md), read at aclInit."""
+    name = _l().ascendsim_profile()
+    if name is None:
+        raise SimError(100001, "ascendsim_profile: the runtime is not initialised: call aclInit first")
+    return name.decode()

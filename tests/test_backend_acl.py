@@ -32,11 +32,13 @@ PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ascend_pool.__file_
 # What the backend resolves, in order. The first list is a current CANN; the legacy build swaps
 # in the older entry points (aclrtMalloc, aclrtQueryEvent) and nothing else.
 SYMBOLS = [
-    "aclInit", "aclrtSetDevice", "aclrtGetDeviceCount", "aclrtMallocAlign32", "aclrtFree",
+    "aclInit", "aclrtSetDevice", "aclrtResetDevice", "aclrtGetCurrentContext",
+    "aclrtSetCurrentContext", "aclrtGetDeviceCount", "aclrtMallocAlign32", "aclrtFree",
     "aclrtGetMemInfo", "aclrtCreateEventWithFlag", "aclrtRecordEvent", "aclrtQueryEventStatus",
     "aclrtSynchronizeEvent", "aclrtSynchronizeEventWithTimeout", "aclrtDestroyEvent",
     "aclrtStreamWaitEvent", "aclrtResetEvent", "aclrtCreateStream", "aclrtSynchronizeStream",
     "aclrtSynchronizeStreamWithTimeout", "aclrtDestroyStream", "aclGetRecentErrMsg",
+    "aclrtGetSocName",
 ]
 LEGACY_SYMBOLS = [{"aclrtMallocAlign32": "aclrtMalloc",
                    "aclrtQueryEventStatus": "aclrtQueryEvent"}.get(s, s) for s in SYMBOLS]
@@ -306,6 +308,9 @@ def test_stream_wait_event_orders_two_streams(sim):
 def test_default_stream_and_delayed_fill_release_the_gil(sim):
     # A host wait blocks only its own thread: the backend calls run without the GIL.
     b, ctl = sim
+    # The default stream is the calling thread's device's (the backend never leaves a thread
+    # on a device): this thread picks device 0 itself, as a framework does.
+    assert ctl.lib.aclrtSetDevice(0) == 0
     p, ev = b.malloc(0, 256), b.event_create(0)
     try:
         ctl.fill(None, p, 256, 9, delay_s=0.2)  # None: the default stream
@@ -325,6 +330,7 @@ def test_default_stream_and_delayed_fill_release_the_gil(sim):
         b.stream_sync(None)
         b.free(0, p)
         b.event_destroy(ev)
+        assert ctl.lib.aclrtResetDevice(0) == 0
 
 
 def test_set_device_per_thread(sim):

@@ -18,8 +18,13 @@ MiB = 1 << 20
 @pytest.fixture
 def xpool(clean_faults):
     p = ap.Pool(0, backend="sim", expandable_segments=True)
+    # Tests fill on the default stream of this thread's device (None): the thread picks device 0
+    # itself, as a framework does (the pool never changes a caller's device).
+    acl = sim.attach()
+    assert acl.aclrtSetDevice(0) == 0
     yield p
     p.close()
+    assert acl.aclrtResetDevice(0) == 0
 
 
 def segments(pool):

@@ -75,6 +75,10 @@ class PoolMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self):
         open_backend("sim")  # the simulator's control calls need an initialised runtime
+        # Fills go to the default stream of this thread's device (None): put the thread on
+        # device 0 itself, as a framework does (the pool never changes a caller's device).
+        assert sim.attach().aclrtSetDevice(0) == 0
+        self.on_device = True
         sim.reset_faults()
         sim.set_poison(True)
         COUNTS["examples"] += 1
@@ -97,6 +101,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     def teardown(self):
         if not hasattr(self, "base"):
+            if getattr(self, "on_device", False):
+                sim.attach().aclrtResetDevice(0)
             return
         try:
             sim.reset_faults()
@@ -116,6 +122,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.ctx.set_quota(None)
             self.ctx.close()
             self.base.close()
+            sim.attach().aclrtResetDevice(0)
         after = sim.stats(0)
         assert after["bytes_held"] == self.held0, "device memory leaked after close"
         assert after["live_events"] == self.events0, "events leaked after close"

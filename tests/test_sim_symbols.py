@@ -26,6 +26,8 @@ ACL = [
     "aclrtMallocPhysical", "aclrtFreePhysical", "aclrtMapMem", "aclrtUnmapMem",
     # sharing between processes (ipc.c), in both builds
     "aclrtIpcMemGetExportKey", "aclrtIpcMemSetImportPid", "aclrtIpcMemImportByKey", "aclrtIpcMemClose",
+    # the SoC of the profile (ASCEND_SIM_PROFILE), in both builds
+    "aclrtGetSocName",
 ]
 NEWER = {"aclrtMallocAlign32", "aclrtQueryEventStatus"}
 CONTROL = [
@@ -36,6 +38,7 @@ CONTROL = [
     "ascendsim_reset_faults", "ascendsim_set_poison", "ascendsim_configure",
     "ascendsim_parse_size", "ascendsim_get_stats", "ascendsim_stats_fields",
     "ascendsim_get_ipc_stats", "ascendsim_ipc_export_flag_read_only",
+    "ascendsim_stream_device", "ascendsim_profile",
 ]
 
 

@@ -51,7 +51,7 @@ def granularity(p=None, option=0):
     ok("aclrtMemGetAllocationGranularity", C.byref(p or prop()), option, C.byref(g))
     return g.value
 
-def reserve(size, flags=0):
+def reserve(size, flags=1):  # 1: huge pages, what HBM_HUGE handles need (CANN 8.0)
     va = VP()
     ok("aclrtReserveMemAddress", C.byref(va), size, 0, None, flags)
     return va.value
@@ -145,8 +145,9 @@ def test_round_trip_data_and_stats(sim_node):
         assert names[:10] == ["mallocs", "frees", "bytes_held", "node_bytes_used", "total_bytes",
                               "live_events", "events_created", "live_streams", "dropped_fills",
                               "poisoned_bytes"], names
-        assert names[10:] == ["phys_mallocs", "phys_frees", "phys_bytes", "maps", "unmaps",
-                              "mapped_bytes"], names
+        assert names[10:16] == ["phys_mallocs", "phys_frees", "phys_bytes", "maps", "unmaps",
+                                "mapped_bytes"], names
+        assert names[16:] == ["device_refs"], names
     """))
 
 

@@ -29,6 +29,7 @@ typedef int aclError;
 #define ACL_EVENT_STATUS_COMPLETE 0          /* deprecated aclrtQueryEvent: COMPLETE=0, NOT_READY=1 */
 /* Virtual memory (acl_rt.h): physical memory on the device's HBM in 2 MiB huge pages. */
 #define ACL_HBM_MEM_HUGE 4                   /* aclrtMemAttr */
+#define ACL_RESERVE_FLAG_HUGE 1              /* aclrtReserveMemAddress flags: huge pages */
 #define ACL_MEM_HANDLE_TYPE_NONE 0
 #define ACL_MEM_ALLOCATION_TYPE_PINNED 0
 #define ACL_MEM_LOCATION_TYPE_DEVICE 1
@@ -52,11 +53,26 @@ typedef struct acl_physical_mem_prop {       /* aclrtPhysicalMemProp, field for 
     uint64_t reserve;
 } acl_physical_mem_prop;
 
+struct acl_dev {
+    void *ctx;          /* the device's default context while we hold a reference (atomic), else NULL */
+    int pool_refs;      /* aclrtSetDevice calls made for pools (device_retain), not yet reset */
+    int temp_refs;      /* references held for the length of one call made outside any pool */
+};
+
+struct acl_stream_dev {
+    void *stream;
+    int device;
+};
+
 typedef struct acl_impl {
     ap_impl_base base; /* must stay first */
     aclError (*aclInit)(const char *config_path);
     aclError (*aclrtSetDevice)(int32_t device);
+    aclError (*aclrtResetDevice)(int32_t device);
+    aclError (*aclrtGetCurrentContext)(void **context);
+    aclError (*aclrtSetCurrentContext)(void *context);
     aclError (*aclrtGetDeviceCount)(uint32_t *count);
+    const char *(*aclrtGetSocName)(void);
     aclError (*aclrtMalloc)(void **ptr, size_t size, int policy);
     aclError (*aclrtMallocAlign32)(void **ptr, size_t size, int policy);
     aclError (*aclrtFree)(void *ptr);
@@ -96,33 +112,282 @@ typedef struct acl_impl {
     aclError (*aclrtIpcMemImportByKey)(void **devPtr, const char *key, uint64_t flags);
     aclError (*aclrtIpcMemClose)(const char *key);
     uint64_t ipc_read_only_flag; /* the simulator's read-only export bit; 0 on CANN */
+    /* Devices: the context each device's calls run in, and the references this backend holds. */
+    pthread_mutex_t dev_lock;    /* guards dev[] changes (reads of ctx are atomic) */
+    struct acl_dev *dev;         /* device_count entries */
+    size_t malloc_pad;           /* aclrtMalloc's padding on this SoC: 32, or 0 (Ascend 950) */
+    /* Streams this backend created, with their device (the pool refuses another device's). */
+    pthread_mutex_t streams_lock;
+    struct acl_stream_dev *streams;
+    size_t n_streams, streams_cap;
+    aclError (*sim_stream_device)(void *stream, int32_t *device); /* simulator only: probed */
 } acl_impl;
 
 #define IMPL(b) ((acl_impl *)(b)->impl)
 
-/* ---- device -------------------------------------------------------------------------------- */
+/* ---- device ------------------------------------------------------------------------------- */
 
-/* The ACL current device is per thread. aclrtSetDevice is not free (it takes runtime locks), and
-   the pool calls set_device before every device call, so remember what this thread last set for
-   which backend. Caveat shared with torch_npu: if other code on this thread switches the device
-   behind our back, the cache is stale until this thread asks for another device. */
+/* ACL's current device and context are per thread, and a framework in the same process switches
+   them itself (torch_npu's aclrtSetDevice on each of its threads). So the pool never leaves a
+   caller's thread elsewhere and never trusts a cached "current device": each call on a device
+   asks the runtime for the thread's context, switches with aclrtSetCurrentContext (which adds no
+   device reference, unlike aclrtSetDevice) only when it differs, and switches back after.
+   The device's default context comes from one aclrtSetDevice per pool (device_retain), paired
+   with one aclrtResetDevice at the pool's close (device_release): CANN counts these references
+   per process and releases the device when they reach 0. A thread that had no context at all
+   is left in the device's context (there is nothing to restore; ACL has no "no context").
+   Calls without a device argument (events, streams) run in the context of the device the
+   calling thread last named with set_device for this backend. */
 static __thread uint64_t tls_owner;
 static __thread int tls_device;
 
-static int acl_set_device(ap_backend *b, int device)
+/* Takes one runtime reference on `device` and records its default context. dev_lock held. */
+static int acl_take_ref_locked(acl_impl *im, int device)
+{
+    void *cur = NULL, *ctx = NULL;
+    int had = im->aclrtGetCurrentContext(&cur) == 0 && cur;
+    aclError rc;
+
+    if (!had && im->aclGetRecentErrMsg)
+        (void)im->aclGetRecentErrMsg(); /* "no context" is not an error of ours */
+    rc = im->aclrtSetDevice(device);
+    if (rc != 0)
+        return rc;
+    rc = im->aclrtGetCurrentContext(&ctx);
+    if (had && cur != ctx)
+        (void)im->aclrtSetCurrentContext(cur);
+    if (rc != 0) {
+        (void)im->aclrtResetDevice(device);
+        return rc;
+    }
+    __atomic_store_n(&im->dev[device].ctx, ctx, __ATOMIC_RELEASE);
+    return 0;
+}
+
+/* Gives one runtime reference back, leaving the calling thread in the context it was in (when
+   that context still exists). dev_lock held. */
+static int acl_drop_ref_locked(acl_impl *im, int device)
+{
+    void *cur = NULL, *after = NULL;
+    int had = im->aclrtGetCurrentContext(&cur) == 0 && cur;
+    aclError rc;
+
+    if (!had && im->aclGetRecentErrMsg)
+        (void)im->aclGetRecentErrMsg(); /* "no context" is not an error of ours */
+    /* A thread in the device's own context loses it with the last reference, as with any
+       aclrtResetDevice: nothing to restore then (and a failed restore would overwrite the
+       message of the call that failed before it). */
+    if (had && cur == im->dev[device].ctx)
+        had = 0;
+    rc = im->aclrtResetDevice(device);
+    if (had && (im->aclrtGetCurrentContext(&after) != 0 || after != cur))
+        (void)im->aclrtSetCurrentContext(cur);
+    return rc;
+}
+
+/* 0 for a device of this runtime; else the runtime's own refusal (its code and message). */
+static int acl_check_device(ap_backend *b, int device)
 {
     acl_impl *im = IMPL(b);
     aclError rc;
 
-    if (tls_owner == im->base.id && tls_device == device)
+    if (device >= 0 && device < b->device_count)
         return 0;
     rc = im->aclrtSetDevice(device);
+    if (rc == 0) { /* a device the runtime did not report at open: refuse it all the same */
+        (void)im->aclrtResetDevice(device);
+        rc = 107001; /* ACL_ERROR_RT_INVALID_DEVICEID */
+    }
+    return rc;
+}
+
+/* The context of `device`. Outside any pool's life (no pool reference), the call holds a
+   reference of its own for its length (*temp = 1: give it back with acl_ctx_put). */
+static int acl_ctx_get(ap_backend *b, int device, void **ctx, int *temp)
+{
+    acl_impl *im = IMPL(b);
+    int rc = acl_check_device(b, device);
+
+    *temp = 0;
     if (rc != 0)
         return rc;
-    tls_owner = im->base.id;
+    *ctx = __atomic_load_n(&im->dev[device].ctx, __ATOMIC_ACQUIRE);
+    /* A pool's reference keeps the context alive (a call racing the close of the device's last
+       pool may still find it released: the runtime then refuses with its own code). */
+    if (*ctx && __atomic_load_n(&im->dev[device].pool_refs, __ATOMIC_ACQUIRE) > 0)
+        return 0;
+    pthread_mutex_lock(&im->dev_lock);
+    if (im->dev[device].pool_refs == 0 && (rc = acl_take_ref_locked(im, device)) == 0) {
+        im->dev[device].temp_refs++;
+        *temp = 1;
+    }
+    *ctx = im->dev[device].ctx;
+    pthread_mutex_unlock(&im->dev_lock);
+    return rc;
+}
+
+static void acl_ctx_put(ap_backend *b, int device, int temp)
+{
+    acl_impl *im = IMPL(b);
+
+    if (!temp)
+        return;
+    pthread_mutex_lock(&im->dev_lock);
+    im->dev[device].temp_refs--;
+    (void)acl_drop_ref_locked(im, device);
+    if (im->dev[device].pool_refs == 0 && im->dev[device].temp_refs == 0)
+        __atomic_store_n(&im->dev[device].ctx, NULL, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&im->dev_lock);
+}
+
+/* The thread's context before acl_enter switched it (restored by acl_leave). */
+typedef struct acl_scope {
+    void *saved;
+    int switched;
+    int device;
+    int temp;  /* a reference taken for this call only (acl_ctx_get) */
+} acl_scope;
+
+static int acl_enter(ap_backend *b, int device, acl_scope *sc)
+{
+    acl_impl *im = IMPL(b);
+    void *ctx, *cur = NULL;
+    int rc;
+
+    sc->saved = NULL;
+    sc->switched = 0;
+    sc->device = device;
+    rc = acl_ctx_get(b, device, &ctx, &sc->temp);
+    if (rc != 0)
+        return rc;
+    if (im->aclrtGetCurrentContext(&cur) != 0) {
+        cur = NULL;
+        if (im->aclGetRecentErrMsg)
+            (void)im->aclGetRecentErrMsg();
+    }
+    if (cur == ctx)
+        return 0;
+    rc = im->aclrtSetCurrentContext(ctx);
+    if (rc != 0) {
+        acl_ctx_put(b, device, sc->temp);
+        return rc;
+    }
+    sc->saved = cur;
+    sc->switched = 1;
+    return 0;
+}
+
+static void acl_leave(ap_backend *b, acl_scope *sc)
+{
+    if (sc->switched && sc->saved)
+        (void)IMPL(b)->aclrtSetCurrentContext(sc->saved);
+    acl_ctx_put(b, sc->device, sc->temp);
+}
+
+/* For the calls without a device argument: the device this thread named last, if any. */
+static int acl_enter_selected(ap_backend *b, acl_scope *sc)
+{
+    sc->saved = NULL;
+    sc->switched = 0;
+    sc->temp = 0;
+    if (tls_owner != IMPL(b)->base.id)
+        return 0; /* never named one: the caller's own context */
+    return acl_enter(b, tls_device, sc);
+}
+
+static int acl_stream_device(ap_backend *b, void *stream, int *device);
+
+/* For calls on a stream: its device's context when known (a stream this backend created, or the
+   simulator says), else as acl_enter_selected. */
+static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
+{
+    int dev;
+
+    if (stream && acl_stream_device(b, stream, &dev) == 0)
+        return acl_enter(b, dev, sc);
+    return acl_enter_selected(b, sc);
+}
+
+#define ON_STREAM(b, stream, expr)                              \
+    do {                                                        \
+        acl_scope sc_;                                          \
+        int rc_ = acl_enter_stream((b), (stream), &sc_);        \
+        if (rc_ == 0) {                                         \
+            rc_ = (expr);                                       \
+            acl_leave((b), &sc_);                               \
+        }                                                       \
+        return rc_;                                             \
+    } while (0)
+
+/* Names the device whose context this thread's device-less calls use; no runtime state changes. */
+static int acl_set_device(ap_backend *b, int device)
+{
+    int rc = acl_check_device(b, device);
+
+    if (rc != 0)
+        return rc;
+    tls_owner = IMPL(b)->base.id;
     tls_device = device;
     return 0;
 }
+
+static int acl_device_retain(ap_backend *b, int device)
+{
+    acl_impl *im = IMPL(b);
+    int rc = acl_check_device(b, device);
+
+    if (rc != 0)
+        return rc;
+    pthread_mutex_lock(&im->dev_lock);
+    rc = acl_take_ref_locked(im, device);
+    if (rc == 0)
+        __atomic_store_n(&im->dev[device].pool_refs, im->dev[device].pool_refs + 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&im->dev_lock);
+    return rc;
+}
+
+static int acl_device_release(ap_backend *b, int device)
+{
+    acl_impl *im = IMPL(b);
+    int rc = acl_check_device(b, device);
+
+    if (rc != 0)
+        return rc;
+    pthread_mutex_lock(&im->dev_lock);
+    if (im->dev[device].pool_refs > 0) {
+        __atomic_store_n(&im->dev[device].pool_refs, im->dev[device].pool_refs - 1, __ATOMIC_RELEASE);
+        rc = acl_drop_ref_locked(im, device);
+        /* Our last reference gone: the runtime may release the context; fetch it anew next time. */
+        if (im->dev[device].pool_refs == 0 && im->dev[device].temp_refs == 0)
+            __atomic_store_n(&im->dev[device].ctx, NULL, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&im->dev_lock);
+    return rc;
+}
+
+/* Wraps a call of the runtime in the device's context: `expr` is evaluated between enter and
+   leave, and its code returned. */
+#define ON_DEVICE(b, device, expr)                              \
+    do {                                                        \
+        acl_scope sc_;                                          \
+        int rc_ = acl_enter((b), (device), &sc_);               \
+        if (rc_ == 0) {                                         \
+            rc_ = (expr);                                       \
+            acl_leave((b), &sc_);                               \
+        }                                                       \
+        return rc_;                                             \
+    } while (0)
+
+#define ON_SELECTED(b, expr)                                    \
+    do {                                                        \
+        acl_scope sc_;                                          \
+        int rc_ = acl_enter_selected((b), &sc_);                \
+        if (rc_ == 0) {                                         \
+            rc_ = (expr);                                       \
+            acl_leave((b), &sc_);                               \
+        }                                                       \
+        return rc_;                                             \
+    } while (0)
 
 /* ---- memory -------------------------------------------------------------------------------- */
 
@@ -135,38 +400,29 @@ static size_t acl_device_size(const ap_backend *b, size_t size)
     if (size > SIZE_MAX - 64)
         return SIZE_MAX;
     rounded = (size + 31) & ~(size_t)31;
-    /* aclrtMalloc adds 32 bytes of padding after rounding; aclrtMallocAlign32 does not. */
-    return b->has_malloc_align32 ? rounded : rounded + 32;
+    /* aclrtMalloc adds 32 bytes of padding after rounding, except on Ascend 950 (malloc_pad);
+       aclrtMallocAlign32 does not. */
+    return b->has_malloc_align32 ? rounded : rounded + IMPL(b)->malloc_pad;
 }
 
 static int acl_malloc(ap_backend *b, int device, void **ptr, size_t size)
 {
     acl_impl *im = IMPL(b);
-    int rc = acl_set_device(b, device);
 
-    if (rc != 0)
-        return rc;
     if (im->aclrtMallocAlign32)
-        return im->aclrtMallocAlign32(ptr, size, ACL_MEM_MALLOC_HUGE_FIRST);
-    return im->aclrtMalloc(ptr, size, ACL_MEM_MALLOC_HUGE_FIRST);
+        ON_DEVICE(b, device, im->aclrtMallocAlign32(ptr, size, ACL_MEM_MALLOC_HUGE_FIRST));
+    ON_DEVICE(b, device, im->aclrtMalloc(ptr, size, ACL_MEM_MALLOC_HUGE_FIRST));
 }
 
+/* The runtime frees in the current device's context. */
 static int acl_free(ap_backend *b, int device, void *ptr)
 {
-    int rc = acl_set_device(b, device); /* the runtime frees in the current device's context */
-
-    if (rc != 0)
-        return rc;
-    return IMPL(b)->aclrtFree(ptr);
+    ON_DEVICE(b, device, IMPL(b)->aclrtFree(ptr));
 }
 
 static int acl_mem_info(ap_backend *b, int device, size_t *free_bytes, size_t *total_bytes)
 {
-    int rc = acl_set_device(b, device);
-
-    if (rc != 0)
-        return rc;
-    return IMPL(b)->aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes);
+    ON_DEVICE(b, device, IMPL(b)->aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes));
 }
 
 /* ---- pinned host memory -------------------------------------------------------------------- */
@@ -200,18 +456,18 @@ static int acl_host_malloc(ap_backend *b, int device, void **ptr, size_t size)
 {
     int rc = acl_host_resolve(b);
 
-    if (rc == 0)
-        rc = acl_set_device(b, device);
-    return rc != 0 ? rc : IMPL(b)->aclrtMallocHost(ptr, size);
+    if (rc != 0)
+        return rc;
+    ON_DEVICE(b, device, IMPL(b)->aclrtMallocHost(ptr, size));
 }
 
 static int acl_host_free(ap_backend *b, int device, void *ptr)
 {
     int rc = acl_host_resolve(b);
 
-    if (rc == 0)
-        rc = acl_set_device(b, device);
-    return rc != 0 ? rc : IMPL(b)->aclrtFreeHost(ptr);
+    if (rc != 0)
+        return rc;
+    ON_DEVICE(b, device, IMPL(b)->aclrtFreeHost(ptr));
 }
 
 /* ---- virtual memory ------------------------------------------------------------------------ */
@@ -246,8 +502,8 @@ static int acl_vmm_lookup(acl_impl *im, void *lib)
 
 static pthread_mutex_t vmm_record_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* Makes `device` current (the runtime needs a context), recording the names on first use. */
-static int acl_vmm_enter(ap_backend *b, int device)
+/* Records the names on first use; the calls then run in the device's context (ON_DEVICE). */
+static void acl_vmm_record(ap_backend *b)
 {
     acl_impl *im = IMPL(b);
     int i;
@@ -261,7 +517,6 @@ static int acl_vmm_enter(ap_backend *b, int device)
         }
         pthread_mutex_unlock(&vmm_record_lock);
     }
-    return acl_set_device(b, device);
 }
 
 /* Device HBM in 2 MiB huge pages: what torch_npu's expandable segments ask for too. */
@@ -279,63 +534,56 @@ static void acl_vmm_prop(acl_physical_mem_prop *prop, int device)
 static int acl_vmm_granularity(ap_backend *b, int device, size_t *granularity)
 {
     acl_physical_mem_prop prop;
-    int rc = acl_vmm_enter(b, device);
 
-    if (rc != 0)
-        return rc;
+    acl_vmm_record(b);
     acl_vmm_prop(&prop, device);
-    return IMPL(b)->aclrtMemGetAllocationGranularity(&prop, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM,
-                                                     granularity);
+    ON_DEVICE(b, device, IMPL(b)->aclrtMemGetAllocationGranularity(
+                             &prop, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, granularity));
 }
 
-/* alignment, expected address and flags are reserved in CANN: 0, NULL, 0. */
+/* alignment and expected address are reserved: 0, NULL. flags is the page type of the memory
+   that will be mapped (CANN 8.0.x requires it to match: 0 normal, 1 huge pages; later versions
+   accept either; torch_npu passes 1): the pool maps huge pages only (acl_vmm_prop). */
 static int acl_vmm_reserve(ap_backend *b, int device, size_t size, void **va)
 {
-    int rc = acl_vmm_enter(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->aclrtReserveMemAddress(va, size, 0, NULL, 0);
+    acl_vmm_record(b);
+    ON_DEVICE(b, device, IMPL(b)->aclrtReserveMemAddress(va, size, 0, NULL, ACL_RESERVE_FLAG_HUGE));
 }
 
 static int acl_vmm_release(ap_backend *b, int device, void *va, size_t size)
 {
-    int rc = acl_vmm_enter(b, device);
-
     (void)size; /* the runtime knows the reservation by its base */
-    return rc != 0 ? rc : IMPL(b)->aclrtReleaseMemAddress(va);
+    acl_vmm_record(b);
+    ON_DEVICE(b, device, IMPL(b)->aclrtReleaseMemAddress(va));
 }
 
 static int acl_vmm_create(ap_backend *b, int device, size_t size, void **handle)
 {
     acl_physical_mem_prop prop;
-    int rc = acl_vmm_enter(b, device);
 
-    if (rc != 0)
-        return rc;
+    acl_vmm_record(b);
     acl_vmm_prop(&prop, device);
-    return IMPL(b)->aclrtMallocPhysical(handle, size, &prop, 0);
+    ON_DEVICE(b, device, IMPL(b)->aclrtMallocPhysical(handle, size, &prop, 0));
 }
 
 static int acl_vmm_free(ap_backend *b, int device, void *handle)
 {
-    int rc = acl_vmm_enter(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->aclrtFreePhysical(handle);
+    acl_vmm_record(b);
+    ON_DEVICE(b, device, IMPL(b)->aclrtFreePhysical(handle));
 }
 
 /* The whole handle (offset 0); mapped memory is read-write for the device at once. */
 static int acl_vmm_map(ap_backend *b, int device, void *va, size_t size, void *handle)
 {
-    int rc = acl_vmm_enter(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->aclrtMapMem(va, size, 0, handle, 0);
+    acl_vmm_record(b);
+    ON_DEVICE(b, device, IMPL(b)->aclrtMapMem(va, size, 0, handle, 0));
 }
 
 static int acl_vmm_unmap(ap_backend *b, int device, void *va, size_t size)
 {
-    int rc = acl_vmm_enter(b, device);
-
     (void)size; /* the runtime knows the mapping by its start */
-    return rc != 0 ? rc : IMPL(b)->aclrtUnmapMem(va);
+    acl_vmm_record(b);
+    ON_DEVICE(b, device, IMPL(b)->aclrtUnmapMem(va));
 }
 
 /* has_vmm == 0: the table still holds callable entries, which refuse. */
@@ -401,13 +649,12 @@ static int acl_ipc_export(ap_backend *b, int device, void *ptr, size_t size, cha
     acl_ipc_record(b);
     if (!key || keylen < ACL_IPC_KEY_LEN)
         return 100000; /* ACL_ERROR_INVALID_PARAM: the runtime writes 65 bytes */
-    if ((rc = acl_set_device(b, device)) != 0)
-        return rc;
+    (void)rc;
     uint64_t aflags = (flags & AP_IPC_ANY_PROCESS) ? ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION
                                                    : ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT;
     if (flags & AP_IPC_READ_ONLY)
         aflags |= IMPL(b)->ipc_read_only_flag; /* 0 on CANN: no read-only IPC there */
-    return IMPL(b)->aclrtIpcMemGetExportKey(ptr, size, key, ACL_IPC_KEY_LEN, aflags);
+    ON_DEVICE(b, device, IMPL(b)->aclrtIpcMemGetExportKey(ptr, size, key, ACL_IPC_KEY_LEN, aflags));
 }
 
 static int acl_ipc_set_pids(ap_backend *b, const char *key, const int32_t *pids, size_t n)
@@ -423,9 +670,8 @@ static int acl_ipc_import(ap_backend *b, int device, const char *key, void **ptr
     acl_ipc_record(b);
     if (size)
         *size = 0; /* aclrtIpcMemImportByKey does not say */
-    if ((rc = acl_set_device(b, device)) != 0)
-        return rc;
-    return IMPL(b)->aclrtIpcMemImportByKey(ptr, key, ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT);
+    (void)rc;
+    ON_DEVICE(b, device, IMPL(b)->aclrtIpcMemImportByKey(ptr, key, ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT));
 }
 
 static int acl_ipc_close(ap_backend *b, int device, const char *key)
@@ -433,9 +679,8 @@ static int acl_ipc_close(ap_backend *b, int device, const char *key)
     int rc;
 
     acl_ipc_record(b);
-    if ((rc = acl_set_device(b, device)) != 0)
-        return rc;
-    return IMPL(b)->aclrtIpcMemClose(key);
+    (void)rc;
+    ON_DEVICE(b, device, IMPL(b)->aclrtIpcMemClose(key));
 }
 
 static int acl_ipc_absent_export(ap_backend *b, int d, void *p, size_t s, char *k, size_t l, unsigned f) { (void)b; (void)d; (void)p; (void)s; (void)k; (void)l; (void)f; return AP_ERR_MISSING_SYMBOL; }
@@ -455,19 +700,16 @@ static int acl_event_create_here(acl_impl *im, void **event)
 
 static int acl_event_create(ap_backend *b, int device, void **event)
 {
-    int rc = acl_set_device(b, device);
-
-    if (rc != 0)
-        return rc;
-    return acl_event_create_here(IMPL(b), event);
+    ON_DEVICE(b, device, acl_event_create_here(IMPL(b), event));
 }
 
+/* NULL stream: the default stream of the context the call runs in (ON_SELECTED). */
 static int acl_event_record(ap_backend *b, void *event, void *stream)
 {
-    return IMPL(b)->aclrtRecordEvent(event, stream);
+    ON_STREAM(b, stream, IMPL(b)->aclrtRecordEvent(event, stream));
 }
 
-static int acl_event_query(ap_backend *b, void *event, int *complete)
+static int acl_event_query_here(ap_backend *b, void *event, int *complete)
 {
     acl_impl *im = IMPL(b);
     int status = -1;
@@ -495,7 +737,7 @@ static int acl_poll_event(ap_backend *b, void *event, int timeout_ms, int timeou
     int rc;
 
     for (;;) {
-        rc = acl_event_query(b, event, &complete);
+        rc = acl_event_query_here(b, event, &complete);
         if (rc != 0 || complete)
             return rc;
         if (ap_now_ns() >= deadline) {
@@ -509,7 +751,12 @@ static int acl_poll_event(ap_backend *b, void *event, int timeout_ms, int timeou
     }
 }
 
-static int acl_event_sync(ap_backend *b, void *event, int timeout_ms)
+static int acl_event_query(ap_backend *b, void *event, int *complete)
+{
+    ON_SELECTED(b, acl_event_query_here(b, event, complete));
+}
+
+static int acl_event_sync_here(ap_backend *b, void *event, int timeout_ms)
 {
     acl_impl *im = IMPL(b);
 
@@ -521,14 +768,19 @@ static int acl_event_sync(ap_backend *b, void *event, int timeout_ms)
     return acl_poll_event(b, event, timeout_ms, ACL_ERROR_RT_EVENT_SYNC_TIMEOUT);
 }
 
+static int acl_event_sync(ap_backend *b, void *event, int timeout_ms)
+{
+    ON_SELECTED(b, acl_event_sync_here(b, event, timeout_ms));
+}
+
 static int acl_event_destroy(ap_backend *b, void *event)
 {
-    return IMPL(b)->aclrtDestroyEvent(event);
+    ON_SELECTED(b, IMPL(b)->aclrtDestroyEvent(event));
 }
 
 static int acl_stream_wait_event(ap_backend *b, void *stream, void *event)
 {
-    return IMPL(b)->aclrtStreamWaitEvent(stream, event);
+    ON_STREAM(b, stream, IMPL(b)->aclrtStreamWaitEvent(stream, event));
 }
 
 static int acl_event_reset(ap_backend *b, void *event, void *stream)
@@ -538,16 +790,82 @@ static int acl_event_reset(ap_backend *b, void *event, void *stream)
 
 /* ---- streams ------------------------------------------------------------------------------- */
 
-static int acl_stream_create(ap_backend *b, int device, void **stream)
+/* Remembers (or with device < 0 forgets) the device of a stream this backend created. */
+static int acl_streams_note(acl_impl *im, void *stream, int device)
 {
-    int rc = acl_set_device(b, device);
+    size_t i;
+    int rc = 0;
 
-    if (rc != 0)
-        return rc;
-    return IMPL(b)->aclrtCreateStream(stream);
+    pthread_mutex_lock(&im->streams_lock);
+    for (i = 0; i < im->n_streams && im->streams[i].stream != stream; i++)
+        ;
+    if (device < 0) {
+        if (i < im->n_streams)
+            im->streams[i] = im->streams[--im->n_streams];
+    } else if (i < im->n_streams) {
+        im->streams[i].device = device; /* a handle the runtime reused */
+    } else {
+        if (im->n_streams == im->streams_cap) {
+            size_t cap = im->streams_cap ? im->streams_cap * 2 : 16;
+            struct acl_stream_dev *n = realloc(im->streams, cap * sizeof *n);
+            if (!n) {
+                pthread_mutex_unlock(&im->streams_lock);
+                return 207005; /* ACL_ERROR_RT_RESOURCE_ALLOC_FAIL: out of host memory */
+            }
+            im->streams = n;
+            im->streams_cap = cap;
+        }
+        im->streams[im->n_streams].stream = stream;
+        im->streams[im->n_streams++].device = device;
+    }
+    pthread_mutex_unlock(&im->streams_lock);
+    return rc;
 }
 
-static int acl_stream_sync(ap_backend *b, void *stream, int timeout_ms)
+static int acl_stream_create_here(ap_backend *b, int device, void **stream)
+{
+    acl_impl *im = IMPL(b);
+    int rc = im->aclrtCreateStream(stream);
+
+    if (rc == 0 && (rc = acl_streams_note(im, *stream, device)) != 0) {
+        (void)im->aclrtDestroyStream(*stream);
+        *stream = NULL;
+    }
+    return rc;
+}
+
+static int acl_stream_create(ap_backend *b, int device, void **stream)
+{
+    ON_DEVICE(b, device, acl_stream_create_here(b, device, stream));
+}
+
+/* The device of `stream`: one this backend created, else what the simulator says (CANN has no
+   query for a stream's device). 0 and *device, or a nonzero code when it cannot tell. */
+static int acl_stream_device(ap_backend *b, void *stream, int *device)
+{
+    acl_impl *im = IMPL(b);
+    int32_t dev = -1;
+    size_t i;
+
+    if (!stream)
+        return AP_ERR_UNKNOWN_STREAM; /* the default stream: whichever device the call runs on */
+    pthread_mutex_lock(&im->streams_lock);
+    for (i = 0; i < im->n_streams; i++)
+        if (im->streams[i].stream == stream)
+            dev = im->streams[i].device;
+    pthread_mutex_unlock(&im->streams_lock);
+    if (dev < 0 && im->sim_stream_device && im->sim_stream_device(stream, &dev) != 0) {
+        if (im->aclGetRecentErrMsg)
+            (void)im->aclGetRecentErrMsg();
+        dev = -1;
+    }
+    if (dev < 0)
+        return AP_ERR_UNKNOWN_STREAM;
+    *device = dev;
+    return 0;
+}
+
+static int acl_stream_sync_here(ap_backend *b, void *stream, int timeout_ms)
 {
     acl_impl *im = IMPL(b);
     void *event = NULL;
@@ -571,9 +889,24 @@ static int acl_stream_sync(ap_backend *b, void *stream, int timeout_ms)
     return rc != 0 ? rc : rc2;
 }
 
+static int acl_stream_sync(ap_backend *b, void *stream, int timeout_ms)
+{
+    ON_STREAM(b, stream, acl_stream_sync_here(b, stream, timeout_ms));
+}
+
+static int acl_stream_destroy_here(ap_backend *b, void *stream)
+{
+    int rc = IMPL(b)->aclrtDestroyStream(stream);
+
+    if (rc == 0)
+        (void)acl_streams_note(IMPL(b), stream, -1);
+    return rc;
+}
+
+/* CANN: "the stream must be in the current context": run in its device's context when known. */
 static int acl_stream_destroy(ap_backend *b, void *stream)
 {
-    return IMPL(b)->aclrtDestroyStream(stream);
+    ON_STREAM(b, stream, acl_stream_destroy_here(b, stream));
 }
 
 /* ---- errors -------------------------------------------------------------------------------- */
@@ -627,6 +960,21 @@ static void acl_error_message(ap_backend *b, int code, char *buf, size_t len)
         ap_appendf(buf, len, ": %s", recent);
 }
 
+/* Frees the backend's own tables. Pools give their device references back at close; the
+   runtime itself is never finalised (ap_backend_close). */
+static void acl_shutdown(ap_backend *b)
+{
+    acl_impl *im = IMPL(b);
+
+    if (!im)
+        return;
+    free(im->dev);
+    im->dev = NULL;
+    free(im->streams);
+    im->streams = NULL;
+    im->n_streams = im->streams_cap = 0;
+}
+
 /* ---- loading ------------------------------------------------------------------------------- */
 
 static void *acl_try_load(const char *path, char *err, size_t errlen)
@@ -640,10 +988,29 @@ static void *acl_try_load(const char *path, char *err, size_t errlen)
     return lib;
 }
 
+/* One runtime per process: torch_npu (or anything else) may have loaded libascendcl.so already,
+   from wherever; a second copy would have its own devices, contexts and aclInit. So unless the
+   caller named a library, a loaded copy is used: for kind "acl" a real runtime, for kind "sim"
+   (default path only) a simulator (it exports ascendsim_* calls). The default path itself
+   first, when it is the loaded one. */
+static void *acl_find_loaded(const char *path, int want_sim, char *found, size_t foundlen)
+{
+    void *lib = path ? dlopen(path, RTLD_NOW | RTLD_NOLOAD | RTLD_LOCAL | RTLD_NODELETE) : NULL;
+
+    if (lib) {
+        snprintf(found, foundlen, "%s", path);
+        return lib;
+    }
+    return ap_find_loaded("libascendcl.so", "ascendsim_stats_fields", want_sim, found, foundlen);
+}
+
 /* path, else $ASCEND_POOL_ACL_LIB (explicit choices are not second-guessed: a failure there is an
    error, not a reason to load some other runtime), else CANN's environment variables and
-   standard install locations, else the loader's own search path. */
-static void *acl_load(const char *path, char *found, size_t foundlen, char *err, size_t errlen)
+   standard install locations, else the loader's own search path. A runtime already loaded in
+   the process comes before all of these but an explicit choice (prefer_loaded; sim: the path is
+   then only the bundled default). */
+static void *acl_load(const char *path, int prefer_loaded, int want_sim, char *found, size_t foundlen,
+                      char *err, size_t errlen)
 {
     static const char *const fixed[] = {
         "/usr/local/Ascend/ascend-toolkit/latest/lib64/libascendcl.so",
@@ -658,8 +1025,12 @@ static void *acl_load(const char *path, char *found, size_t foundlen, char *err,
     size_t i;
 
     ap_errf(err, errlen, "could not load libascendcl.so; tried:");
-    if (!path && env && *env)
+    if (!path && env && *env) {
         path = env;
+        prefer_loaded = 0;
+    }
+    if (prefer_loaded && (lib = acl_find_loaded(path, want_sim, found, foundlen)) != NULL)
+        return lib;
     if (path) {
         lib = acl_try_load(path, err, errlen);
         if (lib)
@@ -705,6 +1076,9 @@ static int acl_resolve_all(acl_impl *im, void *lib, char *err, size_t errlen)
     ap_errf(err, errlen, "missing required ACL symbol(s):");
     REQUIRE(aclInit);
     REQUIRE(aclrtSetDevice);
+    REQUIRE(aclrtResetDevice);
+    REQUIRE(aclrtGetCurrentContext);
+    REQUIRE(aclrtSetCurrentContext);
     REQUIRE(aclrtGetDeviceCount);
     /* Newer entry points first; the older ones are only resolved (and recorded) when needed. */
     if (!RESOLVE(aclrtMallocAlign32))
@@ -726,12 +1100,14 @@ static int acl_resolve_all(acl_impl *im, void *lib, char *err, size_t errlen)
     RESOLVE(aclrtSynchronizeStreamWithTimeout);
     REQUIRE(aclrtDestroyStream);
     RESOLVE(aclGetRecentErrMsg);
+    RESOLVE(aclrtGetSocName);
 #undef REQUIRE
 #undef RESOLVE
     return missing;
 }
 
-int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen)
+int ap_acl_open(ap_backend *b, const char *path, int prefer_loaded, int want_sim, char *err,
+                size_t errlen)
 {
     char found[sizeof b->path] = "";
     char why[512];
@@ -741,7 +1117,7 @@ int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen)
     Dl_info info;
 
     b->kind = AP_BACKEND_ACL;
-    b->lib = acl_load(path, found, sizeof found, err, errlen);
+    b->lib = acl_load(path, prefer_loaded, want_sim, found, sizeof found, err, errlen);
     if (!b->lib)
         return AP_ERR_NOT_LOADED;
 
@@ -752,6 +1128,10 @@ int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen)
     }
     b->impl = im;
     im->base.id = ap_next_backend_id();
+    pthread_mutex_init(&im->dev_lock, NULL);
+    pthread_mutex_init(&im->streams_lock, NULL);
+    /* The simulator's stream-device query: probed, not recorded (it is no ACL entry point). */
+    im->sim_stream_device = (__typeof__(im->sim_stream_device))dlsym(b->lib, "ascendsim_stream_device");
     if (acl_resolve_all(im, b->lib, why, sizeof why) > 0) {
         ap_errf(err, errlen, "%s is not a usable ACL runtime: %s", found, why);
         return AP_ERR_MISSING_SYMBOL;
@@ -768,6 +1148,10 @@ int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen)
     b->has_sync_stream_timeout = im->aclrtSynchronizeStreamWithTimeout != NULL;
     b->device_size = acl_device_size;
     b->set_device = acl_set_device;
+    b->device_retain = acl_device_retain;
+    b->device_release = acl_device_release;
+    b->stream_device = acl_stream_device;
+    b->shutdown = acl_shutdown;
     b->malloc = acl_malloc;
     b->free = acl_free;
     b->mem_info = acl_mem_info;
@@ -817,6 +1201,16 @@ int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen)
         ap_errf(err, errlen, "%s loaded but reports no NPU device", b->path);
         return AP_ERR_NO_DEVICE;
     }
+    im->dev = calloc(count, sizeof *im->dev);
+    if (!im->dev) {
+        ap_errf(err, errlen, "out of host memory opening %s", b->path);
+        return AP_ERR_NOT_LOADED;
+    }
     b->device_count = (int)count;
+    /* Padding of aclrtMalloc (used only without aclrtMallocAlign32): CANN documents 32 bytes
+       after rounding on every SoC but Ascend 950 (docs/cann-rules.md). */
+    const char *soc = im->aclrtGetSocName ? im->aclrtGetSocName() : NULL;
+    snprintf(b->soc_name, sizeof b->soc_name, "%s", soc ? soc : "");
+    im->malloc_pad = strncmp(b->soc_name, "Ascend950", 9) == 0 ? 0 : 32;
     return 0;
 }

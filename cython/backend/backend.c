@@ -1,7 +1,11 @@
 /* ap_backend_open/close: picks the implementation by kind; helpers shared by acl.c and cuda.c. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* dl_iterate_phdr */
+#endif
 #include "backend_impl.h"
 
 #include <dlfcn.h>
+#include <link.h>
 #include <errno.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -10,6 +14,12 @@
 #include <time.h>
 
 int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen)
+{
+    return ap_backend_open_default(b, kind, path, path == NULL || !*path, err, errlen);
+}
+
+int ap_backend_open_default(ap_backend *b, const char *kind, const char *path, int prefer_loaded,
+                            char *err, size_t errlen)
 {
     int rc;
 
@@ -29,7 +39,7 @@ int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err
         return AP_ERR_NOT_LOADED;
     }
     if (strcmp(kind, "acl") == 0) {
-        rc = ap_acl_open(b, path, err, errlen);
+        rc = ap_acl_open(b, path, prefer_loaded, 0, err, errlen);
     } else if (strcmp(kind, "sim") == 0) {
         /* The simulator is the acl implementation pointed at its own libascendcl.so. It has no
            default location at this level: only the Python package knows where it is installed,
@@ -38,7 +48,7 @@ int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err
             ap_errf(err, errlen, "the sim backend needs the path of the simulator's libascendcl.so");
             return AP_ERR_NOT_LOADED;
         }
-        rc = ap_acl_open(b, path, err, errlen);
+        rc = ap_acl_open(b, path, prefer_loaded, 1, err, errlen);
     } else if (strcmp(kind, "cuda") == 0) {
         rc = ap_cuda_open(b, path, err, errlen);
     } else {
@@ -63,6 +73,8 @@ void ap_backend_close(ap_backend *b)
        unmaps code that runtime worker threads may still be executing. */
     if (b->name[0]) /* opened (ap_backend_open names it last) */
         ap_backend_count_open(-1);
+    if (b->shutdown && b->impl)
+        b->shutdown(b);
     if (b->lib)
         dlclose(b->lib);
     free(b->impl);
@@ -77,6 +89,48 @@ const char *ap_backend_symbol(const ap_backend *b, int i)
         return NULL;
     base = (const ap_impl_base *)b->impl;
     return i < base->n_symbols ? base->symbols[i] : NULL;
+}
+
+struct find_loaded {
+    const char *stem, *marker;
+    int want_marker;
+    void *lib;
+    char *found;
+    size_t foundlen;
+};
+
+static int find_loaded_cb(struct dl_phdr_info *info, size_t size, void *arg)
+{
+    struct find_loaded *f = arg;
+    const char *name = info->dlpi_name, *base;
+    size_t n = strlen(f->stem);
+    void *lib;
+
+    (void)size;
+    if (!name || !*name)
+        return 0;
+    base = strrchr(name, '/');
+    base = base ? base + 1 : name;
+    if (strncmp(base, f->stem, n) != 0 || (base[n] != '\0' && base[n] != '.'))
+        return 0;
+    lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD | RTLD_LOCAL | RTLD_NODELETE);
+    if (!lib)
+        return 0;
+    if (f->marker && (dlsym(lib, f->marker) != NULL) != (f->want_marker != 0)) {
+        dlclose(lib);
+        return 0;
+    }
+    f->lib = lib;
+    snprintf(f->found, f->foundlen, "%s", name);
+    return 1;
+}
+
+void *ap_find_loaded(const char *stem, const char *marker, int want_marker, char *found, size_t foundlen)
+{
+    struct find_loaded f = {stem, marker, want_marker, NULL, found, foundlen};
+
+    dl_iterate_phdr(find_loaded_cb, &f);
+    return f.lib;
 }
 
 uint64_t ap_next_backend_id(void)

@@ -23,6 +23,7 @@
 #define AP_ERR_MISSING_SYMBOL 990002 /* a required symbol is absent */
 #define AP_ERR_NO_DEVICE 990003      /* library loaded but reports no device */
 #define AP_ERR_FORKED 990004         /* forked after the parent opened a runtime (fork.c) */
+#define AP_ERR_UNKNOWN_STREAM 990005 /* stream_device: the runtime cannot tell a stream's device */
 
 /* Sharing device memory between processes (ipc_* below). */
 #define AP_IPC_KEY_MAX 160           /* key buffers: acl keys are <= 64 chars, cuda's 128 hex digits */
@@ -48,13 +49,29 @@ struct ap_backend {
     int has_sync_event_timeout;    /* acl: aclrtSynchronizeEventWithTimeout resolved */
     int has_sync_stream_timeout;   /* acl: aclrtSynchronizeStreamWithTimeout resolved */
     int device_count;
+    char soc_name[64]; /* acl: aclrtGetSocName() ("" when absent); cuda: "" */
 
     /* Bytes the device really reserves for a request of `size` bytes from this backend's
        malloc (acl: aclrtMallocAlign32 rounds up to 32; aclrtMalloc rounds up to 32 and adds 32). */
     size_t (*device_size)(const ap_backend *b, size_t size);
 
-    /* Makes `device` current for the calling thread (cached per thread: cheap when unchanged). */
+    /* Names the device whose context this thread's calls without a device argument (events,
+       streams) run in. acl: it changes no runtime state; every call switches to its device's
+       context and back (aclrtGetCurrentContext/aclrtSetCurrentContext), so the caller's current
+       device is never left changed. cuda: makes the device current (cudaSetDevice when
+       cudaGetDevice differs) and leaves it so; cuda's malloc/free/mem_info and event/stream
+       creation switch back themselves. */
     int (*set_device)(ap_backend *b, int device);
+    /* One device reference for a pool, from its creation to its close (acl: aclrtSetDevice /
+       aclrtResetDevice, which CANN counts per process; cuda: nothing to count, 0). */
+    int (*device_retain)(ap_backend *b, int device);
+    int (*device_release)(ap_backend *b, int device);
+    /* The device a stream belongs to: 0 and *device, or AP_ERR_UNKNOWN_STREAM when it cannot be
+       told (NULL; acl: a handle this backend did not create, since CANN has no such query and
+       only the simulator answers one). */
+    int (*stream_device)(ap_backend *b, void *stream, int *device);
+    /* Private: called by ap_backend_close to give back what the implementation holds. */
+    void (*shutdown)(ap_backend *b);
     /* Device memory of `size` bytes on `device`, huge pages first (ACL_MEM_MALLOC_HUGE_FIRST). */
     int (*malloc)(ap_backend *b, int device, void **ptr, size_t size);
     int (*free)(ap_backend *b, int device, void *ptr);
@@ -142,6 +159,11 @@ struct ap_backend {
    sim: must be given; cuda: libcudart.so.* by the loader path). On failure returns a nonzero
    code, writes why into err, and leaves *b closed. */
 int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen);
+/* The same; prefer_loaded != 0 says `path` is only a default (ap_backend_open: when NULL): a copy
+   of the runtime already loaded in the process is used instead of a second one (acl/sim:
+   libascendcl.so, a simulator copy for sim; cuda: libcudart.so*). */
+int ap_backend_open_default(ap_backend *b, const char *kind, const char *path, int prefer_loaded,
+                            char *err, size_t errlen);
 void ap_backend_close(ap_backend *b);
 
 /* The i-th runtime symbol (0-based) that this backend resolved with dlsym(), in resolution order,

@@ -20,6 +20,7 @@ cdef extern from "backend.h" nogil:
     int AP_ERR_NOT_LOADED
     int AP_ERR_MISSING_SYMBOL
     int AP_ERR_NO_DEVICE
+    int AP_ERR_UNKNOWN_STREAM
     int AP_IPC_KEY_MAX
     unsigned AP_IPC_ANY_PROCESS
     unsigned AP_IPC_READ_ONLY
@@ -34,8 +35,13 @@ cdef extern from "backend.h" nogil:
         int has_sync_event_timeout
         int has_sync_stream_timeout
         int device_count
+        char soc_name[64]
         size_t (*device_size)(const ap_backend *b, size_t size) noexcept nogil
         int (*set_device)(ap_backend *b, int device) noexcept nogil
+        int (*device_retain)(ap_backend *b, int device) noexcept nogil
+        int (*device_release)(ap_backend *b, int device) noexcept nogil
+        int (*stream_device)(ap_backend *b, void *stream, int *device) noexcept nogil
+        void (*shutdown)(ap_backend *b) noexcept nogil
         int (*malloc)(ap_backend *b, int device, void **ptr, size_t size) noexcept nogil
         int (*free)(ap_backend *b, int device, void *ptr) noexcept nogil
         int (*mem_info)(ap_backend *b, int device, size_t *free_bytes, size_t *total_bytes) noexcept nogil
@@ -69,6 +75,8 @@ cdef extern from "backend.h" nogil:
         void *impl
 
     int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen)
+    int ap_backend_open_default(ap_backend *b, const char *kind, const char *path, int prefer_loaded,
+                                char *err, size_t errlen)
     void ap_backend_close(ap_backend *b)
     const char *ap_backend_symbol(const ap_backend *b, int i)
 
@@ -115,6 +123,7 @@ cdef class Backend:
         cdef const char *ckind
         self.b = NULL
         self._opened = False
+        cdef int prefer_loaded = path is None  # a runtime already loaded wins over a default
         kind = str(kind)
         if kind == "sim" and path is None:
             from ascend_pool.backend import sim_library_path
@@ -126,7 +135,7 @@ cdef class Backend:
             cpath = bpath
         err[0] = 0
         with nogil:
-            rc = ap_backend_open(&self._table, ckind, cpath, err, _ERRLEN)
+            rc = ap_backend_open_default(&self._table, ckind, cpath, prefer_loaded, err, _ERRLEN)
         if rc != 0:
             raise BackendUnavailableError(rc, err.decode("utf-8", "replace"))
         self.b = &self._table
@@ -214,12 +223,46 @@ cdef class Backend:
         return n
 
     def set_device(self, int device):
-        """Makes `device` current for the calling thread (cached: repeated calls are free)."""
+        """Names the device whose context this thread's stream and event calls (which take no
+        device) run in. The runtime's current device of the thread is left as it is."""
         cdef int rc
         with nogil:
             rc = self.b.set_device(self.b, device)
         if rc != 0:
             self._fail(rc, "set_device")
+
+    def device_retain(self, int device):
+        """Takes one device reference (acl: aclrtSetDevice, without changing the calling
+        thread's context), as each pool does from its creation to its close."""
+        cdef int rc
+        with nogil:
+            rc = self.b.device_retain(self.b, device)
+        if rc != 0:
+            self._fail(rc, "device_retain")
+
+    def device_release(self, int device):
+        """Gives back one reference taken with device_retain (acl: aclrtResetDevice)."""
+        cdef int rc
+        with nogil:
+            rc = self.b.device_release(self.b, device)
+        if rc != 0:
+            self._fail(rc, "device_release")
+
+    def stream_device(self, stream):
+        """The device of `stream` (int handle), or None when the runtime cannot tell: acl
+        knows the streams this backend created (CANN has no query for others; the simulator
+        answers one), cuda tells nothing."""
+        cdef int rc
+        cdef int dev = -1
+        cdef void *s = _handle(stream)
+        with nogil:
+            rc = self.b.stream_device(self.b, s, &dev)
+        return dev if rc == 0 else None
+
+    @property
+    def soc_name(self):
+        """The SoC the runtime reports (acl: aclrtGetSocName, e.g. "Ascend910B1"); "" if none."""
+        return (<bytes>self._table.soc_name).decode("utf-8", "replace")
 
     def malloc(self, int device, size_t size):
         """Allocates `size` bytes of device memory on `device`; returns the address as an int."""

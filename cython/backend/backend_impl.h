@@ -18,11 +18,20 @@ typedef struct ap_impl_base {
     const char *symbols[AP_MAX_SYMBOLS];  /* names resolved by dlsym(), in order (string literals) */
 } ap_impl_base;
 
-int ap_acl_open(ap_backend *b, const char *path, char *err, size_t errlen);
+/* prefer_loaded: a runtime already loaded in the process wins over `path` (a default, not a
+   choice); want_sim: only a simulator copy counts as that runtime (kind "sim"), else only a real one. */
+int ap_acl_open(ap_backend *b, const char *path, int prefer_loaded, int want_sim, char *err,
+                size_t errlen);
 int ap_cuda_open(ap_backend *b, const char *path, char *err, size_t errlen);
 
 /* fork.c: +1 when a backend opens, -1 when it closes (a fork with any open is refused). */
 void ap_backend_count_open(int delta);
+
+/* A library already loaded in this process whose file name is `stem` or `stem.<version>`, opened
+   again (RTLD_NOLOAD: never a second copy) and written to found; NULL when none. With marker
+   set, only a library exporting that symbol counts when want_marker, only one lacking it when
+   not (e.g. the simulator's libascendcl.so versus a real one). */
+void *ap_find_loaded(const char *stem, const char *marker, int want_marker, char *found, size_t foundlen);
 
 /* A fresh id for ap_impl_base.id (never 0, so a zeroed thread-local cache never matches). */
 uint64_t ap_next_backend_id(void);

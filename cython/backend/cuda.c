@@ -69,6 +69,7 @@ typedef struct cu_mem_access_desc {       /* CUmemAccessDesc */
 typedef struct cuda_impl {
     ap_impl_base base; /* must stay first */
     cudaError_t (*cudaSetDevice)(int device);
+    cudaError_t (*cudaGetDevice)(int *device);
     cudaError_t (*cudaGetDeviceCount)(int *count);
     cudaError_t (*cudaMalloc)(void **ptr, size_t size);
     cudaError_t (*cudaFree)(void *ptr);
@@ -115,23 +116,50 @@ typedef struct cuda_impl {
 
 #define IMPL(b) ((cuda_impl *)(b)->impl)
 
-/* Same per-thread cache as acl.c: the CUDA current device is per thread too. */
-static __thread uint64_t tls_owner;
-static __thread int tls_device;
-
+/* The CUDA current device is per thread, and a framework switches it itself: never trust a
+   cached one. Ask the runtime (cudaGetDevice is a thread-local read) and switch only when it
+   differs. The memory, pinned-host, event and stream calls switch back after (CUDA_ON_DEVICE);
+   TODO(sim): the VMM and IPC calls and set_device still leave the thread on their device. */
 static int cuda_set_device(ap_backend *b, int device)
 {
     cuda_impl *im = IMPL(b);
-    cudaError_t rc;
+    int cur = -1;
 
-    if (tls_owner == im->base.id && tls_device == device)
+    if (im->cudaGetDevice && im->cudaGetDevice(&cur) == 0 && cur == device)
         return 0;
-    rc = im->cudaSetDevice(device);
-    if (rc != 0)
-        return rc;
-    tls_owner = im->base.id;
-    tls_device = device;
+    return im->cudaSetDevice(device);
+}
+
+/* Runs `expr` with `device` current and the caller's device restored after. */
+#define CUDA_ON_DEVICE(b, device, expr)                                            \
+    do {                                                                           \
+        cuda_impl *im_ = IMPL(b);                                                  \
+        int prev_ = -1, rc_;                                                       \
+        if (!im_->cudaGetDevice || im_->cudaGetDevice(&prev_) != 0)                \
+            prev_ = -1;                                                            \
+        rc_ = prev_ == (device) ? 0 : im_->cudaSetDevice(device);                  \
+        if (rc_ == 0)                                                              \
+            rc_ = (expr);                                                          \
+        if (prev_ >= 0 && prev_ != (device))                                       \
+            (void)im_->cudaSetDevice(prev_);                                       \
+        return rc_;                                                                \
+    } while (0)
+
+/* CUDA counts no device references (cudaSetDevice makes the primary context current only). */
+static int cuda_device_retain(ap_backend *b, int device)
+{
+    (void)b;
+    (void)device;
     return 0;
+}
+
+/* cudaStreamGetDevice exists from CUDA 12.8 only; not relied on here. */
+static int cuda_stream_device(ap_backend *b, void *stream, int *device)
+{
+    (void)b;
+    (void)stream;
+    (void)device;
+    return AP_ERR_UNKNOWN_STREAM;
 }
 
 /* cudaMalloc reserves whole pages internally, but it reports and accounts the size asked for. */
@@ -143,23 +171,17 @@ static size_t cuda_device_size(const ap_backend *b, size_t size)
 
 static int cuda_malloc(ap_backend *b, int device, void **ptr, size_t size)
 {
-    int rc = cuda_set_device(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cudaMalloc(ptr, size);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaMalloc(ptr, size));
 }
 
 static int cuda_free(ap_backend *b, int device, void *ptr)
 {
-    int rc = cuda_set_device(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cudaFree(ptr);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaFree(ptr));
 }
 
 static int cuda_mem_info(ap_backend *b, int device, size_t *free_bytes, size_t *total_bytes)
 {
-    int rc = cuda_set_device(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cudaMemGetInfo(free_bytes, total_bytes);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaMemGetInfo(free_bytes, total_bytes));
 }
 
 /* Resolved on first use, as in acl.c: only processes that pin host memory list these symbols. */
@@ -189,18 +211,18 @@ static int cuda_host_malloc(ap_backend *b, int device, void **ptr, size_t size)
 {
     int rc = cuda_host_resolve(b);
 
-    if (rc == 0)
-        rc = cuda_set_device(b, device);
-    return rc != 0 ? rc : IMPL(b)->cudaHostAlloc(ptr, size, cudaHostAllocDefault);
+    if (rc != 0)
+        return rc;
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaHostAlloc(ptr, size, cudaHostAllocDefault));
 }
 
 static int cuda_host_free(ap_backend *b, int device, void *ptr)
 {
     int rc = cuda_host_resolve(b);
 
-    if (rc == 0)
-        rc = cuda_set_device(b, device);
-    return rc != 0 ? rc : IMPL(b)->cudaFreeHost(ptr);
+    if (rc != 0)
+        return rc;
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaFreeHost(ptr));
 }
 
 /* ---- virtual memory (driver API) ---------------------------------------------------------- */
@@ -519,9 +541,7 @@ static int cuda_ipc_absent_close(ap_backend *b, int d, const char *k) { (void)b;
 
 static int cuda_event_create(ap_backend *b, int device, void **event)
 {
-    int rc = cuda_set_device(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cudaEventCreateWithFlags(event, cudaEventDisableTiming);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaEventCreateWithFlags(event, cudaEventDisableTiming));
 }
 
 static int cuda_event_record(ap_backend *b, void *event, void *stream)
@@ -576,9 +596,7 @@ static int cuda_stream_wait_event(ap_backend *b, void *stream, void *event)
 
 static int cuda_stream_create(ap_backend *b, int device, void **stream)
 {
-    int rc = cuda_set_device(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cudaStreamCreate(stream);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaStreamCreate(stream));
 }
 
 static int cuda_stream_sync(ap_backend *b, void *stream, int timeout_ms)
@@ -615,12 +633,18 @@ static void cuda_error_message(ap_backend *b, int code, char *buf, size_t len)
 
 /* The runtime's unversioned development link first (what a CUDA toolkit install provides), then
    the sonames of the CUDA 12, 13 and 11 runtimes (what pip wheels and driver-only images have). */
+/* Unless a path is given, a libcudart already loaded in the process comes first: torch loads the
+   one of its wheel (libcudart.so.12) while the machine may have CUDA 13 on the loader path, and
+   two runtimes in one process do not share contexts, streams or events. */
 static void *cuda_load(const char *path, char *found, size_t foundlen, char *err, size_t errlen)
 {
     static const char *const names[] = {"libcudart.so", "libcudart.so.12", "libcudart.so.13",
                                         "libcudart.so.11.0"};
     size_t i, n = path ? 1 : sizeof names / sizeof names[0];
+    void *loaded = path ? NULL : ap_find_loaded("libcudart.so", NULL, 0, found, foundlen);
 
+    if (loaded)
+        return loaded;
     ap_errf(err, errlen, "could not load the CUDA runtime (no CUDA installed?); tried:");
     for (i = 0; i < n; i++) {
         const char *name = path ? path : names[i];
@@ -650,6 +674,7 @@ static int cuda_resolve_all(cuda_impl *im, void *lib, char *err, size_t errlen)
     ap_errf(err, errlen, "missing required CUDA runtime symbol(s):");
     REQUIRE(cudaSetDevice);
     REQUIRE(cudaGetDeviceCount);
+    RESOLVE(cudaGetDevice);
     REQUIRE(cudaMalloc);
     REQUIRE(cudaFree);
     REQUIRE(cudaMemGetInfo);
@@ -701,6 +726,9 @@ int ap_cuda_open(ap_backend *b, const char *path, char *err, size_t errlen)
 
     b->device_size = cuda_device_size;
     b->set_device = cuda_set_device;
+    b->device_retain = cuda_device_retain;
+    b->device_release = cuda_device_retain;
+    b->stream_device = cuda_stream_device;
     b->malloc = cuda_malloc;
     b->free = cuda_free;
     b->mem_info = cuda_mem_info;

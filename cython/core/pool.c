@@ -77,8 +77,11 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
     pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
     pthread_mutex_init(&p->lock, &attr);
     pthread_mutexattr_destroy(&attr);
+    /* One device reference for the pool's life (CANN counts aclrtSetDevice per process). */
+    int rc = backend->device_retain(backend, device);
+    p->holds_device = rc == 0;
     size_t free_b = 0, total_b = 0;
-    int rc = backend->mem_info(backend, device, &free_b, &total_b);
+    if (rc == 0) rc = backend->mem_info(backend, device, &free_b, &total_b);
     if (rc != 0) {
         char msg[200];
         backend->error_message(backend, rc, msg, sizeof msg);
@@ -129,6 +132,7 @@ void ap_pool_destroy(ap_pool *p) {
     ap_arena_destroy(p);
     free(p->slots);
     pthread_mutex_destroy(&p->lock);
+    if (p->holds_device) p->backend->device_release(p->backend, p->device); /* after its last device call */
     free(p);
 }
 

@@ -136,6 +136,7 @@ typedef struct ap_stream_slot {
 typedef struct ap_pool {
     pthread_mutex_t lock;
     ap_backend *backend;
+    int holds_device;            /* took a device reference (backend->device_retain) to give back at destroy */
     int device;
     ap_config cfg;
 

@@ -428,6 +428,10 @@ cdef class PoolBase:
         self._check()
         if type(handle) is not int or not 0 < handle <= <uintptr_t>-1:
             raise InvalidStreamError(f"stream handle must be a positive int that fits a pointer, got {handle!r}")
+        dev = self.backend.stream_device(handle)  # None: the runtime cannot tell
+        if dev is not None and dev != self.device:
+            raise InvalidStreamError(f"stream {handle:#x} belongs to device {dev}, not to this pool's "
+                                     f"device {self.device}")
         self._streams.add(handle)
 
     def destroy_stream(self, stream):

@@ -31,9 +31,9 @@ static inline size_t ap_round_request(const ap_pool *p, size_t size) {
     return (size + p->cfg.pad_bytes + p->cfg.min_block - 1) & ~(p->cfg.min_block - 1);
 }
 
-/* Makes the pool's device current on the calling thread before a stream or event call: the
-   runtime's current device is per thread, and NULL means that device's default stream. Cached by
-   the backend per thread, so it costs a compare when nothing changes. */
+/* Names the pool's device for the stream and event calls that follow on this thread (NULL means
+   that device's default stream). The acl backend runs each such call in the device's context and
+   puts the caller's context back after: a thread-local store here, no runtime call. */
 static inline void ap_on_device(ap_pool *p) { p->backend->set_device(p->backend, p->device); }
 
 /* Writes an error; returns status for `return set_error(...)`. */

@@ -8,6 +8,16 @@
  *   ASCEND_SIM_FAIL_AFTER_BYTES   mallocs taking this process above this many bytes fail
  *   ASCEND_SIM_NODE               name of the simulated node sharing device capacity ("default")
  *   ASCEND_SIM_SHM_DIR            directory of the node's shared records     (default /dev/shm)
+ *   ASCEND_SIM_PROFILE            strict | cann8.0 | cann8.3 | 310p | 950       (default strict)
+ *
+ * A profile is the set of documented rules of one CANN generation or SoC (docs/cann-rules.md):
+ *   cann8.0  Atlas A2 on CANN 8.0.x: reserve flags must match the mapped page type (0 normal, 1 huge)
+ *   cann8.3  Atlas A2 on current CANN: reserve flags 0 or 1 accepted for any page type
+ *   310p     Atlas inference card (Ascend310P3): 1,023 synchronizing events per device
+ *   950      Ascend 950: aclrtMalloc only rounds to 32 bytes (no padding)
+ *   strict   an Atlas A2 under every version's rules (the 8.0 reserve rule included); its event
+ *            limit is the A2's 65,536 (the 310p profile tests the card with the smaller one)
+ * Device reference counting (aclrtSetDevice +1, aclrtResetDevice -1) holds in every profile.
  *
  * An empty variable counts as unset. A bad value fails aclInit with ACL_ERROR_INVALID_PARAM and
  * a message naming the variable and the value: a typo must not silently give a default device.
@@ -103,6 +113,30 @@ static int node_name_ok(const char *s)
     return 1;
 }
 
+static const struct sim_profile PROFILES[] = {
+    /* name       soc name        events  8.0 flags  pad */
+    {"strict",  "Ascend910B1",   65536,  1,         1},
+    {"cann8.0", "Ascend910B1",   65536,  1,         1},
+    {"cann8.3", "Ascend910B1",   65536,  0,         1},
+    {"310p",    "Ascend310P3",   1023,   0,         1},
+    {"950",     "Ascend950PR",   65536,  0,         0},
+};
+
+static int get_profile(struct sim_profile *out, const char *call)
+{
+    const char *v = env("ASCEND_SIM_PROFILE");
+    if (!v)
+        v = "strict";
+    for (size_t i = 0; i < sizeof PROFILES / sizeof PROFILES[0]; i++) {
+        if (strcmp(v, PROFILES[i].name) == 0) {
+            *out = PROFILES[i];
+            return 0;
+        }
+    }
+    return sim_fail(ACL_ERROR_INVALID_PARAM, call,
+                    "ASCEND_SIM_PROFILE='%s' is not a profile (strict, cann8.0, cann8.3, 310p, 950)", v);
+}
+
 int sim_config_load(struct sim_config *cfg, const char *call)
 {
     memset(cfg, 0, sizeof *cfg);
@@ -122,6 +156,8 @@ int sim_config_load(struct sim_config *cfg, const char *call)
         rc = get_size("ASCEND_SIM_FAIL_AFTER_BYTES", 0, INT64_MAX, &b, call);
         cfg->fail_after_bytes = (int64_t)b;
     }
+    if (!rc)
+        rc = get_profile(&cfg->profile, call);
     if (rc)
         return rc;
     if (g_sim.override_hbm)
@@ -152,15 +188,15 @@ int sim_config_load(struct sim_config *cfg, const char *call)
     return 0;
 }
 
-/* Live events allowed per device (aclrtCreateEvent pages: 65,536; 1,023 on Atlas inference
-   cards). ASCEND_SIM_EVENT_LIMIT overrides it (1..65536), read at each call so that a test can
-   set it; a bad value keeps the default. The simulator's profiles make this per SoC. */
+/* Live events allowed per device: the profile's (aclrtCreateEvent pages: 65,536; 1,023 on Atlas
+   inference cards). ASCEND_SIM_EVENT_LIMIT (1..65536) overrides it, read at each call so that a
+   test can lower it without a 310p profile; a bad value keeps the profile's. */
 int sim_event_limit(int device)
 {
-    (void)device;
+    (void)device; /* one SoC per simulated node */
     const char *v = env("ASCEND_SIM_EVENT_LIMIT");
     uint64_t x;
     if (v && parse_uint(v, &x) == 0 && x >= 1 && x <= SIM_MAX_EVENTS_PER_DEVICE)
         return (int)x;
-    return SIM_MAX_EVENTS_PER_DEVICE;
+    return sim_ready() ? (int)g_sim.cfg.profile.event_limit : SIM_MAX_EVENTS_PER_DEVICE;
 }

@@ -171,7 +171,7 @@ SIM_EXPORT aclError ascendsim_parse_size(const char *text, uint64_t *bytes)
 
 static const char STATS_FIELDS[] =
     "mallocs,frees,bytes_held,node_bytes_used,total_bytes,live_events,events_created,live_streams,dropped_fills,poisoned_bytes,"
-    "phys_mallocs,phys_frees,phys_bytes,maps,unmaps,mapped_bytes";
+    "phys_mallocs,phys_frees,phys_bytes,maps,unmaps,mapped_bytes,device_refs";
 
 SIM_EXPORT const char *ascendsim_stats_fields(void) { return STATS_FIELDS; }
 
@@ -195,8 +195,34 @@ SIM_EXPORT aclError ascendsim_get_stats(int32_t device, uint64_t *out, uint32_t 
         atomic_load(&d->events_created), atomic_load(&d->live_streams), atomic_load(&d->dropped_fills),
         atomic_load(&d->poisoned_bytes),
         vm[0], vm[1], vm[2], vm[3], vm[4], vm[5], /* appended: existing positions never move */
+        (uint64_t)atomic_load(&d->refs),
     };
     for (uint32_t i = 0; i < n && i < sizeof v / sizeof v[0]; i++)
         out[i] = v[i];
     return ACL_SUCCESS;
+}
+
+/* The device a live stream handle belongs to (NULL: the calling thread's default stream), for
+   the acl backend's check of streams it did not create. CANN has no such query; the backend
+   probes for this symbol and uses it only where it exists. */
+SIM_EXPORT aclError ascendsim_stream_device(aclrtStream stream, int32_t *device)
+{
+    static const char call[] = "ascendsim_stream_device";
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!device)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "device is NULL");
+    struct sim_stream *s;
+    if ((rc = sim_stream_get(stream, call, &s)) != 0)
+        return rc;
+    *device = s->device;
+    sim_stream_put(s);
+    return ACL_SUCCESS;
+}
+
+/* The active profile's name (ASCEND_SIM_PROFILE at aclInit), or NULL before aclInit. */
+SIM_EXPORT const char *ascendsim_profile(void)
+{
+    return sim_ready() ? g_sim.cfg.profile.name : NULL;
 }

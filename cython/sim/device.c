@@ -49,6 +49,7 @@ static void reset_devices(void)
         atomic_store(&d->live_streams, 0);
         atomic_store(&d->dropped_fills, 0);
         atomic_store(&d->poisoned_bytes, 0);
+        atomic_store(&d->refs, 0);
     }
 }
 
@@ -179,6 +180,8 @@ static int bad_device(const char *call, int32_t dev)
                     g_sim.cfg.devices, g_sim.cfg.devices - 1);
 }
 
+/* As in ACL: makes the device's default context current for this thread and adds one to the
+   device's reference count (process-wide); only aclrtResetDevice takes it back. */
 SIM_EXPORT aclError aclrtSetDevice(int32_t deviceId)
 {
     static const char call[] = "aclrtSetDevice";
@@ -190,6 +193,7 @@ SIM_EXPORT aclError aclrtSetDevice(int32_t deviceId)
     struct sim_context *c = sim_default_context(deviceId);
     if (!c)
         return sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call, "out of host memory");
+    atomic_fetch_add(&g_sim.dev[deviceId].refs, 1);
     sim_thread_set_device(deviceId, c);
     return ACL_SUCCESS;
 }
@@ -229,8 +233,12 @@ SIM_EXPORT aclError aclrtGetDeviceCount(uint32_t *count)
     return ACL_SUCCESS;
 }
 
-/* Leaves the device for this thread. Streams, events and memory stay until destroyed or until
-   aclFinalize: the pool and other threads may still use them. */
+/* Takes back one aclrtSetDevice reference. The last one releases the device's default context
+   (CANN: "when the count reaches 0 the device's resources are really released"): threads still
+   naming it get ACL_ERROR_RT_CONTEXT_NULL, and the next aclrtSetDevice makes a new one. A reset
+   without a reference left is refused (CANN documents an error; no code is named, so the
+   runtime's parameter code). Streams, events and memory stay until destroyed or aclFinalize:
+   the simulator does not release them with the context (their owners may still be running). */
 SIM_EXPORT aclError aclrtResetDevice(int32_t deviceId)
 {
     static const char call[] = "aclrtResetDevice";
@@ -239,6 +247,35 @@ SIM_EXPORT aclError aclrtResetDevice(int32_t deviceId)
         return rc;
     if (!sim_valid_device(deviceId))
         return bad_device(call, deviceId);
-    sim_thread_clear_device(deviceId);
+    struct sim_device *d = &g_sim.dev[deviceId];
+    pthread_mutex_lock(&d->lock);
+    int64_t refs = atomic_load(&d->refs);
+    if (refs <= 0) {
+        pthread_mutex_unlock(&d->lock);
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "device %d has no aclrtSetDevice reference left to reset (each "
+                        "aclrtResetDevice must pair with one aclrtSetDevice)", (int)deviceId);
+    }
+    atomic_store(&d->refs, refs - 1);
+    struct sim_context *released = NULL;
+    if (refs == 1) {
+        released = d->default_ctx;
+        d->default_ctx = NULL;
+    }
+    pthread_mutex_unlock(&d->lock);
+    if (released) {
+        atomic_store(&released->dead, 1); /* never freed: see context.c */
+        struct sim_obj *o = sim_reg_take(SIM_HANDLE(&released->obj), SIM_H_CONTEXT);
+        if (o)
+            sim_obj_unref(o); /* aclrtSetCurrentContext now refuses the handle */
+        sim_thread_clear_device(deviceId);
+    }
     return ACL_SUCCESS;
+}
+
+/* The SoC this simulated node stands for (ASCEND_SIM_PROFILE); NULL before aclInit, like the
+   real call, which needs an initialised runtime. */
+SIM_EXPORT const char *aclrtGetSocName(void)
+{
+    return sim_ready() ? g_sim.cfg.profile.soc_name : NULL;
 }

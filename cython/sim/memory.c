@@ -1,7 +1,8 @@
 /* Device memory: aclrtMalloc, aclrtMallocAlign32, aclrtFree, aclrtGetMemInfo.
  *
  * Sizes follow the real runtime: aclrtMalloc rounds up to a multiple of 32 bytes and adds 32
- * bytes of padding, aclrtMallocAlign32 only rounds. That rounded size is what an allocation
+ * bytes of padding (except on Ascend 950, profile 950, and for the 1 GiB-page policies),
+ * aclrtMallocAlign32 only rounds. That rounded size is what an allocation
  * takes from the device's capacity, what aclrtGetMemInfo counts as used (summed over every
  * process of the node), and the extent that ascendsim_read/launch_fill may touch. Bases are
  * 64-byte aligned (page aligned in fact: each allocation is its own mapping, see dmem.c).
@@ -70,6 +71,9 @@ static aclError do_malloc(void **devPtr, size_t size, int policy, int pad, const
         return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
                         "%zu bytes requested, more than device %d's %llu bytes of HBM", size, dev,
                         (unsigned long long)total);
+    /* The 32 bytes of padding: not on Ascend 950 (profile) nor for 1 GiB pages (CANN docs). */
+    int huge1g = policy == ACL_MEM_MALLOC_HUGE1G_ONLY || policy == ACL_MEM_MALLOC_HUGE1G_ONLY_P2P;
+    pad = pad && g_sim.cfg.profile.malloc_pad && !huge1g;
     size_t bytes = ((size + 31) & ~(size_t)31) + (pad ? 32 : 0);
 
     if ((rc = sim_charge(dev, bytes, call)) != 0)

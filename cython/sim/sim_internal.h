@@ -33,9 +33,6 @@
 #define SIM_NODE_NAME_MAX 64
 
 /* ---- config.c ---- */
-/* Live events allowed on device (default SIM_MAX_EVENTS_PER_DEVICE; profiles lower it). */
-int sim_event_limit(int device);
-
 /* ---- errmsg.c ---- */
 /* Records "<call>: <message> (aclError <code>)" as the calling thread's recent error; returns code. */
 int sim_fail(int code, const char *call, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -54,6 +51,15 @@ int sim_cond_init(pthread_cond_t *cv);
 int sim_parse_size(const char *text, uint64_t *bytes); /* 0 ok, -1 malformed/overflow */
 
 /* ---- config.c ---- */
+/* The documented rules of one CANN generation or SoC (docs/cann-rules.md has each rule's source).
+   strict, the default, is an Atlas A2 (910B) card under the rules of every CANN version. */
+struct sim_profile {
+    char name[16];               /* strict | cann8.0 | cann8.3 | 310p | 950 */
+    char soc_name[32];           /* what aclrtGetSocName answers */
+    uint32_t event_limit;        /* synchronizing events per device: 65536, 1023 on 310P */
+    int reserve_flags_match;     /* CANN 8.0.x: aclrtReserveMemAddress flags = page type mapped */
+    int malloc_pad;              /* aclrtMalloc adds 32 bytes after rounding (not on 950) */
+};
 struct sim_config {
     int devices;
     uint64_t hbm;                /* bytes per device */
@@ -63,12 +69,16 @@ struct sim_config {
     int64_t fail_after_bytes;    /* < 0: off */
     char node[SIM_NODE_NAME_MAX + 1];
     char shm_dir[PATH_MAX];
+    struct sim_profile profile;  /* ASCEND_SIM_PROFILE: which documented rules apply */
 };
 /* Fills cfg from the environment (and the ascendsim_configure overrides). On a bad value returns
    ACL_ERROR_INVALID_PARAM with the message naming the variable, for `call`. */
 int sim_config_load(struct sim_config *cfg, const char *call);
 /* Devices only (aclrtGetDeviceCount works before aclInit, as the real one does). */
 int sim_config_devices(int *devices, const char *call);
+/* Synchronizing events a device may hold at once under the active profile (65536; 1023 on 310p).
+   event.c refuses more with ACL_ERROR_RT_NO_EVENT_RESOURCE. */
+int sim_event_limit(int device);
 
 /* ---- registry.c: every live handle, so a garbage pointer is never dereferenced ---- */
 enum { SIM_H_STREAM = 1, SIM_H_EVENT = 2, SIM_H_CONTEXT = 3, SIM_H_PHYS = 4 };
@@ -265,6 +275,7 @@ struct sim_device {
     struct sim_context *default_ctx;
     _Atomic uint64_t mallocs, frees, held, live_events, events_created, live_streams, dropped_fills;
     _Atomic uint64_t poisoned_bytes;
+    _Atomic int64_t refs;          /* aclrtSetDevice minus aclrtResetDevice, process-wide */
 };
 struct sim_global {
     _Atomic int state;

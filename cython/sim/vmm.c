@@ -2,7 +2,8 @@
  * aclrtFreePhysical, aclrtMapMem / aclrtUnmapMem, aclrtMemGetAllocationGranularity.
  *
  * Reservation: an inaccessible range of address space, mmap(PROT_NONE, MAP_NORESERVE), on a 2 MiB
- * boundary (1 GiB from 1 GiB up, or with flags 1). It costs no device capacity: a 1 TiB
+ * boundary (1 GiB from 1 GiB up). flags is the page type (0 normal, 1 huge pages); under the
+ * profiles with CANN 8.0's rule (cann8.0, strict) aclrtMapMem refuses a handle of the other type. It costs no device capacity: a 1 TiB
  * reservation on a 64 GiB device succeeds, and touching it faults (SIGSEGV) as a use of unmapped
  * device memory should.
  *
@@ -68,6 +69,7 @@ struct phys {
     size_t size;         /* as requested: what aclrtMapMem's size must equal */
     size_t bytes;        /* rounded up to the granularity: charged to capacity */
     size_t gran;
+    int huge;            /* huge pages (2 MiB or 1 GiB): the reserve flag that matches it is 1 */
     uint64_t off;        /* extent [off, off + bytes) of the device's backing file */
     uint32_t maps;       /* live mappings; vmm_mu */
 };
@@ -84,6 +86,7 @@ struct resv {
     size_t npages;
     size_t nmaps;
     int device;             /* device of the memory mapped here; -1 while nothing is */
+    uint64_t flags;         /* aclrtReserveMemAddress's page flag: 0 normal, 1 huge pages */
 };
 
 struct backing {
@@ -137,6 +140,13 @@ static int make_inaccessible(void *va, size_t size)
 {
     void *got = mmap(va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
     return got == MAP_FAILED ? -1 : 0;
+}
+
+/* Normal-page attributes: the ones aclrtReserveMemAddress flags 0 goes with (CANN 8.0.x). */
+static int page_attr_normal(int attr)
+{
+    return attr == ACL_HBM_MEM_NORMAL || attr == ACL_MEM_NORMAL || attr == ACL_MEM_P2P_NORMAL ||
+           attr == ACL_DDR_MEM_NORMAL || attr == ACL_DDR_MEM_P2P_NORMAL || attr == ACL_HBM_MEM_P2P_NORMAL;
 }
 
 /* Checks prop like the acl layer (100000), then the device id like the runtime (107001).
@@ -303,7 +313,7 @@ SIM_EXPORT aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t al
         return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
                         "size %zu is more than the %zu bytes one reservation may span", size,
                         (size_t)RESERVE_MAX);
-    size_t align = (flags == 1 || size >= GRANULE_1G) ? GRANULE_1G : GRANULE;
+    size_t align = size >= GRANULE_1G ? GRANULE_1G : GRANULE;
     struct resv *r = calloc(1, sizeof *r);
     struct mapping **page = calloc(size / GRANULE, sizeof *page); /* large: mmap'ed, zero lazily */
     if (!r || !page) {
@@ -334,6 +344,7 @@ SIM_EXPORT aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t al
     r->page = page;
     r->npages = size / GRANULE;
     r->device = -1;
+    r->flags = flags;
     pthread_mutex_lock(&vmm_mu);
     sim_alloc_insert(SIM_TREE_VMM, &r->a);
     pthread_mutex_unlock(&vmm_mu);
@@ -424,6 +435,7 @@ SIM_EXPORT aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size,
     p->size = size;
     p->bytes = bytes;
     p->gran = gran;
+    p->huge = !page_attr_normal(prop->memAttr);
     if (sim_reg_add(&p->obj) != 0) {
         give_back(dev, p->off, bytes);
         free(p);
@@ -509,6 +521,15 @@ SIM_EXPORT aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtD
         rc = sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                       "[%p, +%zu bytes) is not inside one reservation from aclrtReserveMemAddress",
                       virPtr, size);
+    } else if (g_sim.cfg.profile.reserve_flags_match && r->flags != (uint64_t)p->huge) {
+        /* CANN 8.0.x: "the flag must be the same as the memory type of aclrtMallocPhysical"
+           (docs/cann-rules.md R1). No code is documented: the runtime's parameter code. */
+        rc = sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                      "the reservation at %p was made with flags %llu (%s pages) but this handle "
+                      "holds %s pages: CANN 8.0 requires aclrtReserveMemAddress flags to match the "
+                      "physical memory type (0 normal, 1 huge) [profile %s]",
+                      (void *)r->a.base, (unsigned long long)r->flags, r->flags ? "huge" : "normal",
+                      p->huge ? "huge" : "normal", g_sim.cfg.profile.name);
     } else if (r->nmaps && r->device != p->device) {
         rc = sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                       "the reservation at %p holds device %d's memory; one reservation cannot map "

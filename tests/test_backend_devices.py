@@ -1,0 +1,166 @@
+"""Device discipline (issue 15 point 4, issue 17 device references): the pool lives in a
+framework's process, whose threads switch devices themselves (torch_npu calls aclrtSetDevice).
+
+A pool never changes the calling thread's current device, never trusts a cached one, puts its
+memory on its own device whatever the thread's device is, holds one device reference (CANN counts
+aclrtSetDevice/aclrtResetDevice per process) from creation to close, and refuses another device's
+stream. The "framework" here calls the simulator's ACL entry points through ctypes, on the same
+runtime the pool loaded, as torch_npu would on the real one.
+"""
+import ctypes as C
+import threading
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool import sim
+from ascend_pool.errors import InvalidStreamError
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def acl():
+    """The runtime the pools use, opened for the framework's own calls (ctypes)."""
+    ap.Pool(0, backend="sim").close()  # make sure the runtime is initialised
+    lib = sim.attach()
+    lib.aclrtGetDevice.argtypes = [C.POINTER(C.c_int32)]
+    if sim.stats(0)["total_bytes"] and ap.Pool(0, backend="sim").backend.device_count < 2:
+        pytest.skip(reason="needs two simulated devices")
+    return lib
+
+
+def current_device(lib):
+    dev = C.c_int32(-1)
+    rc = lib.aclrtGetDevice(C.byref(dev))
+    return dev.value if rc == 0 else None
+
+
+def on_framework_thread(fn):
+    """Runs fn on a fresh thread (its own current device, as a framework's worker has) and
+    re-raises what it raised."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def test_pool_keeps_the_frameworks_device_and_allocates_on_its_own(acl):
+    def framework():
+        pool0 = ap.Pool(0, backend="sim")
+        try:
+            assert acl.aclrtSetDevice(1) == 0          # the framework works on device 1
+            warm = pool0.malloc(4096)                   # first use of device 0 from this thread
+            assert current_device(acl) == 1, "malloc switched the caller's device"
+            assert acl.aclrtSetDevice(1) == 0          # the framework switches again (no-op here)
+            held = [sim.stats(0)["bytes_held"], sim.stats(1)["bytes_held"]]
+            big = pool0.malloc(64 * MiB)
+            assert sim.stats(1)["bytes_held"] == held[1], "a device-0 pool took device-1 memory"
+            assert sim.stats(0)["bytes_held"] >= held[0] + 64 * MiB
+            assert current_device(acl) == 1
+            pool0.free(big)
+            pool0.free(warm)
+            pool0.empty_cache()
+            assert current_device(acl) == 1, "empty_cache left the thread on the pool's device"
+            assert sim.stats(0)["bytes_held"] < held[0] + 64 * MiB
+            s = pool0.create_stream()
+            p = pool0.malloc(MiB, stream=s)
+            pool0.free(p, stream=s)
+            pool0.synchronize(s)
+            pool0.destroy_stream(s)
+            assert current_device(acl) == 1, "stream calls left the thread on the pool's device"
+        finally:
+            pool0.close()
+            assert current_device(acl) == 1
+            assert acl.aclrtResetDevice(1) == 0
+
+    on_framework_thread(framework)
+
+
+def test_switch_behind_the_pools_back(acl):
+    # The backend used to remember "this thread is on device 0" after its own aclrtSetDevice(0):
+    # a framework switching to device 1 afterwards made the device-0 pool allocate on device 1.
+    def framework():
+        pool0 = ap.Pool(0, backend="sim")
+        try:
+            assert acl.aclrtSetDevice(0) == 0
+            pool0.free(pool0.malloc(30 * MiB))
+            pool0.empty_cache()
+            assert acl.aclrtSetDevice(1) == 0
+            held1 = sim.stats(1)["bytes_held"]
+            p = pool0.malloc(64 * MiB)
+            assert sim.stats(1)["bytes_held"] == held1
+            pool0.free(p)
+            assert current_device(acl) == 1
+        finally:
+            pool0.close()
+            assert acl.aclrtResetDevice(1) == 0
+            assert acl.aclrtResetDevice(0) == 0
+
+    on_framework_thread(framework)
+
+
+def test_device_reference_count_returns_after_close(acl):
+    before = [sim.stats(d)["device_refs"] for d in (0, 1)]
+    pools = [ap.Pool(0, backend="sim"), ap.Pool(0, backend="sim"), ap.Pool(1, backend="sim")]
+    assert [sim.stats(d)["device_refs"] for d in (0, 1)] == [before[0] + 2, before[1] + 1]
+    for p in pools:
+        p.free(p.malloc(MiB))
+    for p in pools:
+        p.close()
+    assert [sim.stats(d)["device_refs"] for d in (0, 1)] == before
+
+
+def test_reset_device_pairs_with_set_device(acl):
+    # The simulator counts references as CANN documents: a reset without a set is refused.
+    def thread():
+        before = sim.stats(1)["device_refs"]
+        assert acl.aclrtSetDevice(1) == 0
+        assert sim.stats(1)["device_refs"] == before + 1
+        assert acl.aclrtResetDevice(1) == 0
+        assert sim.stats(1)["device_refs"] == before
+        if before == 0:
+            assert acl.aclrtResetDevice(1) == 107000
+
+    on_framework_thread(thread)
+
+
+def test_stream_of_another_device_is_refused(acl):
+    pool0, pool1 = ap.Pool(0, backend="sim"), ap.Pool(1, backend="sim")
+    try:
+        s0 = pool0.create_stream()
+        with pytest.raises(InvalidStreamError, match="device 0"):
+            pool1.register_stream(s0)
+        assert pool0.backend.stream_device(s0) == 0
+
+        def foreign():  # a stream the framework created itself on device 0
+            acl.aclrtCreateStream.argtypes = [C.POINTER(C.c_void_p)]
+            acl.aclrtDestroyStream.argtypes = [C.c_void_p]
+            assert acl.aclrtSetDevice(0) == 0
+            h = C.c_void_p()
+            assert acl.aclrtCreateStream(C.byref(h)) == 0
+            try:
+                with pytest.raises(InvalidStreamError):
+                    pool1.register_stream(h.value)
+                pool0.register_stream(h.value)  # its own device: fine
+                pool0.free(pool0.malloc(MiB, stream=h.value), stream=h.value)
+                pool0.synchronize(h.value)
+                pool0.destroy_stream(h.value)
+            finally:
+                assert acl.aclrtResetDevice(0) == 0
+
+        on_framework_thread(foreign)
+        pool0.destroy_stream(s0)
+    finally:
+        pool0.close()
+        pool1.close()
