@@ -125,6 +125,10 @@ void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
     ap_event_put(p, event);
 }
 
+void ap_events_trim(ap_pool *p) {
+    while (p->n_cached_events > p->event_cache_max) event_destroy(p, p->event_cache[--p->n_cached_events]);
+}
+
 void ap_events_destroy(ap_pool *p) {
     for (int i = 0; i < p->n_cached_events; i++) event_destroy(p, p->event_cache[i]);
     free(p->event_cache);
