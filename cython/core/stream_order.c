@@ -174,7 +174,7 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
     ap_block_uses *u = b->xs;
     /* Retired slots have no queued work left (settled, or the runtime dropped the stream): no
        event on them, ever. */
-    if (p->slots[tag].live || tag == 0) streams[n++] = p->slots[tag].stream;
+    if (tag > 0 && p->slots[tag].live) streams[n++] = p->slots[tag].stream; /* 0: a retired stream's */
     for (int i = 0; i < u->n_uses; i++)
         if (u->uses[i] != tag && p->slots[u->uses[i]].live) streams[n++] = p->slots[u->uses[i]].stream;
     u->n_events = 0;
@@ -191,7 +191,7 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
     else p->pending_head = b;
     p->pending_tail = b;
     ap_stats_pending(&p->stats, b->seg->pool, (int64_t)b->size, +1);
-    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->size, streams[0]);
+    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->size, p->slots[tag].stream);
 }
 
 static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
