@@ -26,13 +26,16 @@ def run(mode, steps, size, produce_s, consume_s):
     pool = ap.Pool(0, backend="sim", stream_reuse=mode)
     be = pool.backend
     p, c = pool.create_stream(), pool.create_stream()
-    ready = be.event_create(0)
     t0 = time.perf_counter()
     for _ in range(steps):
         buf = pool.malloc(size, stream=p)
         sim.launch_fill(p, buf, 4096, 1, delay_s=produce_s)
+        # the consumer starts after the producer; CANN reuses an event only after aclrtResetEvent
+        # (docs/cann-rules-events.md), so this (framework-side) event is one per step
+        ready = be.event_create(0)
         be.event_record(ready, p)
-        be.stream_wait_event(c, ready)           # the consumer starts after the producer
+        be.stream_wait_event(c, ready)
+        be.event_destroy(ready)                  # allowed before it completes
         sim.launch_fill(c, buf, 4096, 2, delay_s=consume_s)
         if mode == "borrow":
             pool.free(buf, stream=c)
@@ -43,7 +46,6 @@ def run(mode, steps, size, produce_s, consume_s):
     pool.synchronize(c)
     seconds = time.perf_counter() - t0
     st = pool.memory_stats()
-    be.event_destroy(ready)
     pool.destroy_stream(p)
     pool.destroy_stream(c)
     pool.close()

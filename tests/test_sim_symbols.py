@@ -18,7 +18,7 @@ ACL = [
     "aclrtDestroyContext", "aclrtMalloc", "aclrtMallocAlign32", "aclrtFree", "aclrtGetMemInfo",
     "aclrtMallocHost", "aclrtFreeHost", "aclrtCreateEvent", "aclrtCreateEventWithFlag",
     "aclrtRecordEvent", "aclrtQueryEventStatus", "aclrtQueryEvent", "aclrtSynchronizeEvent",
-    "aclrtSynchronizeEventWithTimeout", "aclrtStreamWaitEvent", "aclrtDestroyEvent",
+    "aclrtSynchronizeEventWithTimeout", "aclrtStreamWaitEvent", "aclrtDestroyEvent", "aclrtResetEvent",
     "aclrtCreateStream", "aclrtSynchronizeStream", "aclrtSynchronizeStreamWithTimeout",
     "aclrtDestroyStream", "aclGetRecentErrMsg",
     # virtual memory (vmm.c), in both builds

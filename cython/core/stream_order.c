@@ -125,6 +125,10 @@ void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
     ap_event_put(p, event);
 }
 
+void ap_events_trim(ap_pool *p) {
+    while (p->n_cached_events > p->event_cache_max) event_destroy(p, p->event_cache[--p->n_cached_events]);
+}
+
 void ap_events_destroy(ap_pool *p) {
     for (int i = 0; i < p->n_cached_events; i++) event_destroy(p, p->event_cache[i]);
     free(p->event_cache);
@@ -170,7 +174,7 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
     ap_block_uses *u = b->xs;
     /* Retired slots have no queued work left (settled, or the runtime dropped the stream): no
        event on them, ever. */
-    if (p->slots[tag].live || tag == 0) streams[n++] = p->slots[tag].stream;
+    if (tag > 0 && p->slots[tag].live) streams[n++] = p->slots[tag].stream; /* 0: a retired stream's */
     for (int i = 0; i < u->n_uses; i++)
         if (u->uses[i] != tag && p->slots[u->uses[i]].live) streams[n++] = p->slots[u->uses[i]].stream;
     u->n_events = 0;
@@ -187,7 +191,7 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
     else p->pending_head = b;
     p->pending_tail = b;
     ap_stats_pending(&p->stats, b->seg->pool, (int64_t)b->size, +1);
-    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->size, streams[0]);
+    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->size, p->slots[tag].stream);
 }
 
 static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
