@@ -36,6 +36,10 @@ def worker(k):
     own = []                          # (ptr, size, stream, value)
     mine = None                       # a private stream, created and destroyed during the run
     deadline = time.monotonic() + DURATION
+    acl = sim.attach()
+    # Fills on the default stream (None) go to this thread's device: the thread picks its
+    # device itself, as a framework's does (the pool never changes a caller's device).
+    assert acl.aclrtSetDevice(d) == 0
     try:
         while time.monotonic() < deadline:
             r = rnd.random()
@@ -89,6 +93,8 @@ def worker(k):
             pool.destroy_stream(mine)
     except BaseException as e:
         errors.append(f"thread {k}: {type(e).__name__}: {e}")
+    finally:
+        acl.aclrtResetDevice(d)
 
 threads = [threading.Thread(target=worker, args=(k,)) for k in range(10)]
 for t in threads:
