@@ -164,3 +164,30 @@ def test_stream_of_another_device_is_refused(acl):
     finally:
         pool0.close()
         pool1.close()
+
+
+def test_c_abi_refuses_a_stream_of_another_device(acl):
+    """ascend_pool_malloc(size, device 1, a device-0 stream): NULL and last error 5 (invalid stream),
+    nothing allocated; ascend_pool_free of a device-1 block given a device-0 stream still frees it."""
+    lib = C.CDLL(ap.library_path())
+    lib.ascend_pool_malloc.restype = C.c_void_p
+    lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, C.c_void_p]
+    lib.ascend_pool_free.argtypes = [C.c_void_p, C.c_ssize_t, C.c_int, C.c_void_p]
+    lib.ascend_pool_last_error.restype = C.c_char_p
+    pool0 = ap.Pool(0, backend="sim")
+    try:
+        s0 = pool0.create_stream()
+        lib.ascend_pool_clear_last_error()
+        assert lib.ascend_pool_malloc(4096, 1, C.c_void_p(s0)) is None
+        assert lib.ascend_pool_last_error_code() == 5, lib.ascend_pool_last_error()
+        assert b"another device" in lib.ascend_pool_last_error()
+        ptr = lib.ascend_pool_malloc(4096, 1, None)
+        assert ptr
+        lib.ascend_pool_clear_last_error()
+        lib.ascend_pool_free(C.c_void_p(ptr), 4096, 1, C.c_void_p(s0))
+        assert lib.ascend_pool_last_error_code() == 5
+        assert lib.ascend_pool_malloc(4096, 1, None) == ptr  # it was freed all the same
+        lib.ascend_pool_free(C.c_void_p(ptr), 4096, 1, None)
+        pool0.destroy_stream(s0)
+    finally:
+        pool0.close()

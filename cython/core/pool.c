@@ -151,6 +151,9 @@ static int slot_error(ap_pool *p, int slot, void *stream, ap_error *err) {
         return ap_set_error(err, AP_E_INVALID_STREAM, 0,
                             "stream %p is not a stream the runtime knows on device %d (destroyed, or not a "
                             "stream handle)", stream, p->device);
+    if (slot == -3)
+        return ap_set_error(err, AP_E_INVALID_STREAM, 0, "stream %p belongs to another device, not to device %d",
+                            stream, p->device);
     return ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams (limit %d) on device %d", AP_MAX_STREAMS - 1,
                         p->device);
 }

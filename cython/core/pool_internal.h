@@ -110,7 +110,8 @@ void ap_vmm_destroy(ap_pool *p);
 
 /* stream_order.c: stream slots, events, pending frees, cross-stream reuse. */
 /* Slot of a stream (created when create != 0); -1 when none / table full, -2 when the runtime
-   refuses the stream (unusable: checked once, when its slot is created). */
+   refuses the stream (unusable: checked once, when its slot is created), -3 when the stream is
+   another device's. */
 int ap_slot_of(ap_pool *p, void *stream, int create);
 /* The same, answered inline when the stream is the last one looked up (the usual case). */
 static inline int ap_slot_of_fast(ap_pool *p, void *stream, int create) {

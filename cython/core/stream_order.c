@@ -58,6 +58,12 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
     /* A stream seen for the first time: one question to the runtime, so that a handle it does not
        know never gets a slot (no event is ever recorded on it later). */
     if (stream && stream_idle(p, stream) < 0) return -2;
+    /* Another device's stream would order this device's memory on the wrong queue. Where the
+       runtime cannot tell a stream's device (a real CANN with a foreign handle), it is trusted. */
+    int dev;
+    if (stream && p->backend->stream_device && p->backend->stream_device(p->backend, stream, &dev) == 0 &&
+        dev != p->device)
+        return -3;
     int i = dead;
     if (i < 0) {
         if (p->n_slots == AP_MAX_STREAMS) return -1;
