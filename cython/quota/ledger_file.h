@@ -56,6 +56,7 @@ typedef struct apl_ledger {
     int device;
     uint32_t group;
     char path[PATH_MAX];
+    char dir[PATH_MAX];     /* the ledger's directory: where its processes' leases are */
 } apl_ledger;
 
 static int apl_fail(char *err, size_t len, int kind, const char *fmt, ...) {
@@ -157,6 +158,7 @@ static const char *apl_check_contents(const apl_file *f, const struct stat *st, 
             atomic_load(&t->peak) > APL_MAX_BYTES || atomic_load(&t->uncertain) > APL_MAX_BYTES)
             return "a tenant holds an impossible byte count";
         if (atomic_load(&t->warn_ppm) > 1000000) return "a tenant's warn level is above 100%";
+        if (atomic_load(&t->quota_src) > APL_SRC_OPERATOR) return "a tenant's quota has an unknown source";
         for (int j = 0; j < i; j++)
             if (atomic_load(&f->tenants[j].state) == APL_USED &&
                 strncmp(f->tenants[j].name, t->name, APL_NAME_MAX) == 0)
@@ -168,7 +170,7 @@ static const char *apl_check_contents(const apl_file *f, const struct stat *st, 
         if (state > APL_USED) return "a process slot has an impossible state";
         if (state == APL_FREE) continue;
         int64_t pending = atomic_load(&s->pending);
-        if (s->pid <= 0 || s->tenant >= APL_TENANTS || atomic_load(&f->tenants[s->tenant].state) != APL_USED)
+        if (s->instance == 0 || s->tenant >= APL_TENANTS || atomic_load(&f->tenants[s->tenant].state) != APL_USED)
             return "a process slot names no process or an unused tenant";
         if (atomic_load(&s->held) > APL_MAX_BYTES || pending > (int64_t)APL_MAX_BYTES ||
             pending < -(int64_t)APL_MAX_BYTES)
@@ -264,6 +266,11 @@ static int apl_open(const char *path, int device, const char *backend, const cha
     atomic_init(&L->refs, 1);
     pthread_mutex_init(&L->mu, NULL);
     snprintf(L->path, sizeof L->path, "%s", path);
+    snprintf(L->dir, sizeof L->dir, "%s", path);
+    char *slash = strrchr(L->dir, '/');
+    if (slash == L->dir) slash[1] = 0;
+    else if (slash) *slash = 0;
+    else snprintf(L->dir, sizeof L->dir, ".");
     /* The header is immutable after creation, but entries are checked under the lock so that no
        entry is seen half-claimed. */
     if ((rc = apl_lock(L, err, len)) == APL_OK) {
