@@ -64,7 +64,18 @@ from . import identity
 from .errors import InvalidDeviceError, InvalidPointerError, PoolError
 
 __all__ = ["SharedHandle", "SharedBlock", "SharingError", "NotShareableError", "open_shared", "share_malloc",
-           "share", "share_free", "allow", "collect", "shares", "pool_stats"]
+           "share", "share_free", "allow", "collect", "shares", "pool_stats", "node_pid"]
+
+
+def node_pid(backend=None):
+    """This process's node-level id (int), the one the runtime's IPC checks know it by: on the acl
+    backend aclrtDeviceGetBareTgid (inside a container the host's tgid, not getpid()), on cuda
+    getpid(). An importer sends it to the exporter, which passes it in share(ptr, pids=[...]) or
+    allow(handle, [...]). backend: name or Backend (default: this process's)."""
+    from .backend import open_backend
+
+    be = backend if backend is not None and not isinstance(backend, str) else open_backend(backend)
+    return be.node_pid()
 
 
 class SharingError(PoolError, RuntimeError):
@@ -293,7 +304,8 @@ def share_malloc(pool, nbytes):
 
 def share(pool, ptr, read_only=False, pids=(), any_process=False):
     """Exports the share_malloc'ed block at ptr; returns its SharedHandle. Importers must be listed
-    (pids, or allow() later) unless any_process=True (then any process of this user on the node
+    (pids: node-level ids from each importer's ascend_pool.node_pid(), or allow() later) unless
+    any_process=True (then any process of this user on the node
     that has the handle may map it). read_only=True: importers map it read-only (enforced where
     the runtime can: the simulator; see the module doc). Sharing a block twice returns the same
     handle; asking for the other read_only the second time raises SharingError."""
@@ -330,8 +342,9 @@ def share(pool, ptr, read_only=False, pids=(), any_process=False):
 
 
 def allow(handle, pids):
-    """Exporter: lets the processes `pids` import the block of `handle` (ACL checks importers'
-    pids unless the block was shared with any_process=True)."""
+    """Exporter: lets the processes `pids` (node-level ids from each importer's
+    ascend_pool.node_pid(), never os.getpid()) import the block of `handle` (ACL checks them unless
+    the block was shared with any_process=True)."""
     with _lock:
         for ex in _exports.values():
             if ex.handle == handle and not ex.deferred:

@@ -26,6 +26,7 @@ ACL = [
     "aclrtMallocPhysical", "aclrtFreePhysical", "aclrtMapMem", "aclrtUnmapMem",
     # sharing between processes (ipc.c), in both builds
     "aclrtIpcMemGetExportKey", "aclrtIpcMemSetImportPid", "aclrtIpcMemImportByKey", "aclrtIpcMemClose",
+    "aclrtDeviceGetBareTgid",  # the node-level id importers are listed by (proc.c), in both builds
 ]
 NEWER = {"aclrtMallocAlign32", "aclrtQueryEventStatus"}
 CONTROL = [
