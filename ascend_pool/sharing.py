@@ -158,7 +158,7 @@ class _Record:
                 raise SharingError(f"{path} is not a share record of this user (mode 0600, {_REC_SIZE} bytes); "
                                    "refusing it")
             return
-        tmp = f"{path}.tmp.{os.getpid()}"
+        tmp = f"{path}.tmp.{identity.instance_hex()}"  # not the pid: pids repeat across pid namespaces
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, 0o600)

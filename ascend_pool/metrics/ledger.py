@@ -1,5 +1,6 @@
 """The node quota ledgers' state as metrics: each tenant's node-wide held bytes, quota, peak,
-refusals and live processes per device, as the ledger (ascend_pool.tenants.ledger) enforces them.
+refusals, live processes and quota conflicts per device, as the ledger (ascend_pool.tenants.ledger)
+enforces them. Tenants without a live process are not exported (they no longer exist on the node).
 
 The ledger is the authority on quotas across processes; the per-process figures only show each
 process's share. Read lock-free (Ledger.view()); a ledger that cannot be read is skipped with one
@@ -60,6 +61,10 @@ def ledger_families():
                                    labels=labels)
     procs = GaugeMetricFamily("ascend_pool_ledger_processes",
                               "Live processes holding a share of the tenant's quota on the device.", labels=labels)
+    conflicts = CounterMetricFamily("ascend_pool_quota_conflicts",
+                                    "Quota declarations for the tenant that disagreed with the quota in force on the "
+                                    "device (the operator's tenants file wins, else the stricter), node-wide.",
+                                    labels=labels)
     reclaimed = CounterMetricFamily("ascend_pool_ledger_reclaimed_bytes",
                                     "Bytes given back from processes that died holding them (bytes).",
                                     labels=["backend", "device"])
@@ -74,6 +79,8 @@ def ledger_families():
             if s.get("alive") is not False:
                 alive[s["tenant"]] = alive.get(s["tenant"], 0) + 1
         for t in v["tenants"]:
+            if not alive.get(t["name"]):
+                continue  # no live process: the tenant no longer exists on the node (its entry is reused)
             lv = [backend, dev, t["name"]]
             held.add_metric(lv, t["held_bytes"])
             peak.add_metric(lv, t["peak_bytes"])
@@ -81,8 +88,9 @@ def ledger_families():
             procs.add_metric(lv, alive.get(t["name"], 0))
             if t["quota_bytes"] is not None:
                 quota.add_metric(lv, t["quota_bytes"])
+            conflicts.add_metric(lv, t.get("conflicts", 0))
         reclaimed.add_metric([backend, dev], v["reclaimed_bytes"])
-    return [held, quota, peak, refusals, procs, reclaimed]
+    return [held, quota, peak, refusals, procs, conflicts, reclaimed]
 
 
 def sweep_dead_processes():

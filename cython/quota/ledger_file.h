@@ -31,6 +31,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -188,7 +189,11 @@ static int apl_create(const char *path, int device, const char *backend, const c
                       char *err, size_t len) {
     static _Atomic unsigned seq;
     char tmp[PATH_MAX + 64];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d.%u", path, (int)getpid(), atomic_fetch_add(&seq, 1));
+    /* Not named by pid alone: two processes of two pid namespaces may share a pid. */
+    uint64_t rnd = 0;
+    if (getrandom(&rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) rnd = (uint64_t)(uintptr_t)&rnd ^ (uint64_t)time(NULL);
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d.%016llx.%u", path, (int)getpid(), (unsigned long long)rnd,
+             atomic_fetch_add(&seq, 1));
     mode_t mode = group == APL_NO_GROUP ? 0600 : 0660;
     int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) return apl_fail(err, len, APL_E_IO, "cannot create ledger %s: %s", tmp, strerror(errno));

@@ -192,7 +192,9 @@ static int create_record(const char *path, int dev, const struct sim_config *cfg
 {
     static _Atomic unsigned seq;
     char tmp[PATH_MAX + SIM_NODE_NAME_MAX + 128];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d.%u", path, (int)getpid(), atomic_fetch_add(&seq, 1));
+    /* Named by our lease id, not our pid: two processes of two pid namespaces may share a pid. */
+    snprintf(tmp, sizeof tmp, "%s.tmp.%016llx.%u", path, (unsigned long long)sim_proc_self_id(),
+             atomic_fetch_add(&seq, 1));
     int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0)
         return sim_fail(ACL_ERROR_INVALID_FILE, call, "cannot create node record %s: %s", tmp, strerror(errno));
