@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import urllib.request
 import uuid
@@ -409,3 +410,37 @@ def test_another_user_can_neither_block_a_tenant_nor_slow_the_service():
                 p.kill()
             p.wait(timeout=10)
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- stale records -----------------------------------------------------------------------------
+
+def test_a_dead_exporters_share_record_is_removed_by_the_next_reader_and_never_exported(node, monkeypatch):
+    env, base, procs = node
+    exporter = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        import ascend_pool as ap
+        from ascend_pool import identity
+        pool = ap.Pool(0)
+        pool.share(pool.share_malloc(4 << 20), any_process=True)
+        print(identity.instance_hex(), flush=True)
+        sys.stdin.readline()
+    """)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs.append(exporter)
+    instance = exporter.stdout.readline().strip()
+    for k in ("ASCEND_POOL_LEDGER_DIR", "ASCEND_SIM_NODE"):
+        monkeypatch.setenv(k, env[k])
+    from ascend_pool.service.node_collector import NodeCollector
+    from ascend_pool.sharing import shares
+
+    def exported():
+        fams = {f.name: f for f in NodeCollector(ledger=False)._shares()}
+        return [s.labels["exporter_instance"] for s in fams["ascend_pool_shared_bytes"].samples]
+
+    assert [r["exporter_instance"] for r in shares()] == [instance] and exported() == [instance]
+    private = base / f"ascend_pool-u{os.geteuid()}"
+    assert [n for n in os.listdir(private) if n.startswith("ascend_pool-share-")]
+    exporter.kill()  # SIGKILL: it cleans nothing up
+    exporter.wait()
+    assert exported() == []  # the service's scrape: not shown, and the record is gone
+    assert shares() == []
+    assert not [n for n in os.listdir(private) if n.startswith("ascend_pool-share-")]
