@@ -17,7 +17,6 @@ The pid stays as a label for people, with the pid namespace it belongs to (`pidn
 of /proc/self/ns/pid). A forked child is another process: it gets a new instance and new leases.
 """
 
-import atexit
 import errno
 import fcntl
 import os
@@ -92,6 +91,7 @@ def ensure_lease(directory):
         finally:
             os.unlink(tmp)
         _leases[directory] = (fd, path)
+    remove_dead_leases(directory, limit=256)  # those of processes gone before us (bounded work)
     return inst
 
 
@@ -169,17 +169,6 @@ def remove_dead_leases(directory, limit=10000):
     return removed
 
 
-def _release_all():
-    with _lock:
-        for fd, path in _leases.values():
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            os.close(fd)
-        _leases.clear()
-
-
 def _after_fork_in_child():
     # The child is another process: the parent's leases stay the parent's (closing our copies of
     # the descriptors keeps the locks, which belong to the parent's open files).
@@ -194,5 +183,9 @@ def _after_fork_in_child():
     _instance = 0
 
 
-atexit.register(_release_all)
+# Never released at exit: the process's records (ledger slots, device memory) outlive the atexit
+# handlers (contexts are closed when the interpreter finalises), and a lease dropped early would let
+# another process take the process for dead while it still holds memory. The kernel drops the lock
+# when the process is gone; the file is removed by the next process that looks (ensure_lease, the
+# node service's sweep).
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -40,6 +40,8 @@ struct node_slot {
     _Atomic int32_t pid;                 /* 0: free */
     _Atomic uint32_t instance;           /* which loaded copy of the simulator in that process */
     _Atomic uint64_t start_time;         /* the owner's lease id (proc.c), despite the name */
+    _Atomic uint64_t pidns;              /* the owner's pid namespace (inode): what pid is relative to */
+    _Atomic uint64_t proc_start;         /* /proc/PID/stat field 22 in that namespace */
     _Atomic uint64_t bytes;
 };
 
@@ -98,7 +100,8 @@ static void reclaim_dead(struct node_record *r, int self)
         int32_t pid = atomic_load(&s->pid);
         if (i == self || pid == 0)
             continue;
-        if (sim_proc_alive(pid, atomic_load(&s->start_time)) == 0) {
+        if (sim_proc_owner_alive(pid, atomic_load(&s->start_time), atomic_load(&s->pidns),
+                                 atomic_load(&s->proc_start)) == 0) {
             atomic_store(&s->bytes, 0);
             atomic_store(&s->pid, 0);
         }
@@ -299,6 +302,8 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
     if (slot >= 0) {
         atomic_store(&r->slots[slot].bytes, 0);
         atomic_store(&r->slots[slot].start_time, start);
+        atomic_store(&r->slots[slot].pidns, sim_proc_pidns());
+        atomic_store(&r->slots[slot].proc_start, sim_proc_start_time(me));
         atomic_store(&r->slots[slot].instance, inst);
         atomic_store(&r->slots[slot].pid, me);
     }

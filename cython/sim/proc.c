@@ -18,6 +18,7 @@
 #include <stdatomic.h>
 #include <sys/file.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -176,6 +177,37 @@ int sim_proc_alive(int pid, uint64_t id)
     if (rc == 0)
         unlink(path); /* ids are never reused: a dead lease is garbage */
     return rc;
+}
+
+uint64_t sim_proc_pidns(void)
+{
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+/* 1 when /proc shows this process's own pid namespace (so a pid recorded with our pidns can be
+   looked up there), 0 otherwise (e.g. `unshare --pid` without a /proc of its own). */
+static int proc_is_ours(void)
+{
+    char buf[32];
+    ssize_t n = readlink("/proc/self", buf, sizeof buf - 1);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    return atoi(buf) == (int)getpid();
+}
+
+int sim_proc_owner_alive(int pid, uint64_t id, uint64_t pidns, uint64_t start_time)
+{
+    int lease = sim_proc_alive(pid, id);
+    if (lease == 1 && pid > 0 && pidns && start_time && pidns == sim_proc_pidns() && proc_is_ours()) {
+        char state;
+        uint64_t start;
+        int rc = read_stat(pid, &state, &start);
+        if (rc == -1 || (rc == 0 && (state == 'Z' || state == 'X' || start != start_time)))
+            return 0; /* gone, a zombie (its lease drops a moment later), or the pid was reused */
+    }
+    return lease;
 }
 
 int32_t sim_proc_bare_tgid(void)
