@@ -84,6 +84,9 @@ for line in sys.stdin:
             out = "refused"
     elif cmd == "quota":
         out = ctx.quota
+    elif cmd == "set_quota":
+        ctx.set_quota(int(arg))
+        out = ctx.quota
     print(json.dumps(out), flush=True)
 '''
 
@@ -206,6 +209,17 @@ def test_conflicting_quotas_resolve_to_the_stricter_without_a_tenants_file(node)
     b.proc.stdin.close()
     err = b.proc.stderr.read()
     assert err.count("conflicting quota declarations") == 1, err  # logged once, by the process that met it
+
+
+def test_a_process_never_lifts_a_limit_another_relies_on(node):
+    env, base, procs = node
+    a = Worker(env, procs, "online", "256MiB", ns=False)
+    b = Worker(env, procs, "online", "none", ns=False)
+    assert b("set_quota", 4 << 30) == 256 * MiB  # A relies on 256 MiB: the stricter stays
+    assert b("set_quota", 128 * MiB) == 128 * MiB and a("quota") == 128 * MiB  # lowering always applies
+    a.proc.stdin.close()
+    assert a.proc.wait(timeout=30) == 0
+    assert b("set_quota", 4 << 30) == 4 << 30  # alone now: nobody else relies on the limit
 
 
 @needs_unshare
