@@ -81,8 +81,11 @@ def ensure_lease(directory):
             return inst
         path = lease_path(directory, inst)
         tmp = os.path.join(directory, f".{LEASE_PREFIX}{instance_hex(inst)}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
         try:
+            # Readable by the group (a shared ASCEND_POOL_LEDGER_GROUP directory): testing the lock
+            # needs only a read-only open. It holds no data; the directory keeps others out.
+            os.fchmod(fd, 0o640)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.link(tmp, path)  # appears locked; never overwrites
         except BaseException:

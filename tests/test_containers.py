@@ -459,3 +459,31 @@ def test_a_dead_exporters_share_record_is_removed_by_the_next_reader_and_never_e
     assert exported() == []  # the service's scrape: not shown, and the record is gone
     assert shares() == []
     assert not [n for n in os.listdir(private) if n.startswith("ascend_pool-share-")]
+
+
+def test_a_sharing_group_works_in_one_2770_directory_the_service_reads_by_group(node):
+    import stat as st_
+
+    from ascend_pool.service.scanner import StatsScanner
+
+    env, base, procs = node
+    gid = os.getgid()
+    w = Worker(env, procs, "online", "64MiB", ns=False, extra_env={"ASCEND_POOL_LEDGER_GROUP": str(gid)})
+    assert w("malloc", 8 * MiB) == "granted"
+    shared = base / f"ascend_pool-g{gid}"
+    s = os.lstat(shared)
+    assert st_.S_IMODE(s.st_mode) == 0o2770 and s.st_gid == gid
+    names = os.listdir(shared)
+    lease = f"ascend_pool-lease-{w.hello['instance']}"
+    stats = f"ascend_pool-stats-{w.hello['instance']}"
+    assert lease in names and any(n.startswith(f"ascend_pool-ledger-g{gid}-") for n in names), names
+    assert st_.S_IMODE(os.stat(shared / lease).st_mode) == 0o640  # the group can test the lock
+    deadline = time.monotonic() + 5
+    while stats not in os.listdir(shared):
+        assert time.monotonic() < deadline, os.listdir(shared)
+        time.sleep(0.05)
+    assert st_.S_IMODE(os.stat(shared / stats).st_mode) == 0o640
+    # A service trusting the group (and not the owner's uid) reads it; one trusting neither does not.
+    by_group = StatsScanner(str(base), allowed_uids={4242}, allowed_gids={gid}).scan()
+    assert [p.instance for p in by_group] == [w.hello["instance"]]
+    assert StatsScanner(str(base), allowed_uids={4242}).scan() == []

@@ -29,10 +29,12 @@ def stats_dir():
 
 
 def own_dir(base=None):
-    """This user's private directory for stats files inside base (default stats_dir())."""
+    """This user's private directory for stats files inside base (default stats_dir()); with
+    $ASCEND_POOL_LEDGER_GROUP, the group's shared one (2770), which a service in that group reads."""
     from ..private_dir import private_dir
+    from ..tenants.ledger import ledger_group
 
-    return private_dir(base or stats_dir())
+    return private_dir(base or stats_dir(), ledger_group())
 
 
 def file_name(instance):

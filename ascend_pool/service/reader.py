@@ -65,7 +65,7 @@ class ProcessStats:
     pidns: int = 0
 
 
-def read_stats_file(path, allowed_uids):
+def read_stats_file(path, allowed_uids, allowed_gids=()):
     """Reads and validates the stats file at path. Returns ProcessStats; raises Refused or Stale."""
     inst = paths.instance_of(os.path.basename(path))
     if inst is None:
@@ -77,9 +77,19 @@ def read_stats_file(path, allowed_uids):
     except OSError as e:  # ELOOP for a symlink, EACCES for a file we may not read
         raise Refused(path, f"cannot open: {e.strerror}" + (" (a symlink?)" if e.errno == 40 else "")) from None
     try:
-        return _read(fd, path, inst, allowed_uids)
+        return _read(fd, path, inst, allowed_uids, allowed_gids)
     finally:
         os.close(fd)
+
+
+def _in_group_dir(path, gid):
+    """True when path lies in the 2770 directory of group gid (ascend_pool/private_dir.py)."""
+    from ..private_dir import is_trusted
+
+    try:
+        return is_trusted(os.lstat(os.path.dirname(path)), "g", gid)
+    except OSError:
+        return False
 
 
 def _writer_alive(fd):
@@ -92,11 +102,11 @@ def _writer_alive(fd):
     return False
 
 
-def _read(fd, path, inst, allowed_uids):
+def _read(fd, path, inst, allowed_uids, allowed_gids=()):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise Refused(path, "not a regular file")
-    if st.st_uid not in allowed_uids:
+    if st.st_uid not in allowed_uids and not (st.st_gid in allowed_gids and _in_group_dir(path, st.st_gid)):
         raise Refused(path, f"owned by uid {st.st_uid}, not by an allowed uid ({sorted(allowed_uids)})")
     if st.st_mode & 0o022:
         raise Refused(path, f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")

@@ -69,7 +69,7 @@ class StatsScanner:
         for path in self._paths():
             seen.add(path)
             try:
-                out.append(read_stats_file(path, self.allowed_uids))
+                out.append(read_stats_file(path, self.allowed_uids, self.allowed_gids))
                 counts["live"] += 1
                 self._clear(path)
             except Stale as e:

@@ -25,11 +25,12 @@ class StatsFile:
         self.pid = os.getpid()
         self.instance = identity.instance()
         self.directory = directory or paths.own_dir()
+        self.shared = _group_dir(self.directory)  # a 2770 group directory: the group may read
         self.path = os.path.join(self.directory, paths.file_name(self.instance))
         self.capacity = capacity
         self._seq = 0
         tmp = os.path.join(self.directory, f".{paths.file_name(self.instance)}.tmp")
-        fd = self._create(tmp)
+        fd = self._create(tmp, 0o640 if self.shared else 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for life: readers test it
             size = L.file_size(capacity)
@@ -48,14 +49,14 @@ class StatsFile:
         self._fd = fd
 
     @staticmethod
-    def _create(tmp):
+    def _create(tmp, mode=0o600):
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(tmp, flags, 0o600)
+            fd = os.open(tmp, flags, mode)
         except FileExistsError:  # left by an earlier attempt of ours (e.g. recreating a damaged file)
             os.unlink(tmp)
-            fd = os.open(tmp, flags, 0o600)
-        os.fchmod(fd, 0o600)  # whatever the umask: owner-only
+            fd = os.open(tmp, flags, mode)
+        os.fchmod(fd, mode)  # whatever the umask: owner-only (group-readable in a group directory)
         return fd
 
     def intact(self):
@@ -117,6 +118,14 @@ class StatsFile:
             self._map.close()
             self._map = None
             os.close(self._fd)
+
+
+def _group_dir(directory):
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return False
+    return bool(st.st_mode & 0o2000) and (st.st_mode & 0o070) == 0o070
 
 
 def _unlink(path):
