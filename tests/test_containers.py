@@ -419,6 +419,18 @@ def test_another_user_can_neither_block_a_tenant_nor_slow_the_service():
         grown = len(open(log_path).read().splitlines()) - lines_before
         assert grown <= 20, open(log_path).read()
         print(f"slowest scrape {worst * 1000:.0f} ms; the service's log grew by {grown} lines")
+        # The service sweeps the trusted user's ledger too: a killed tenant process's share comes back.
+        assert list(series(s, "ascend_pool_ledger_held_bytes", tenant="online").values()) == [42 * MiB]
+        from ascend_pool._core import Ledger
+
+        led = Ledger(os.path.join(base, private[0], f"ascend_pool-ledger-u{uid}-sim-{env['ASCEND_SIM_NODE']}-dev0"),
+                     0, "sim", env["ASCEND_SIM_NODE"], None, uid)
+        os.kill(w.host_pid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        while led.view()["slots"]:
+            assert time.monotonic() - t0 < 3.0, led.view()
+            time.sleep(0.05)
+        assert led.view()["reclaimed_bytes"] == 42 * MiB
     finally:
         for p in procs:
             if p.poll() is None:

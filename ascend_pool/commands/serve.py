@@ -42,14 +42,15 @@ def _tenants(config_path, device):
             for t in cfg.tenants.values() if t.applies_to(device)] or None
 
 
-def _sweep_ledgers(stop, interval):
-    """Gives back the quota-ledger shares of dead processes every `interval` seconds (the ledger
-    also does it before refusing a request; this keeps the exported figures true meanwhile)."""
+def _sweep_ledgers(stop, interval, uids=(), gids=()):
+    """Gives back the quota-ledger shares of dead processes every `interval` seconds, in this
+    user's ledgers and those of the trusted uids and gids (the ledger also does it before refusing
+    a request; this keeps the exported figures true meanwhile)."""
     from ..metrics.ledger import sweep_dead_processes
 
     while not stop.wait(interval):
         try:
-            sweep_dead_processes()
+            sweep_dead_processes(uids, gids)
         except Exception:
             log.exception("sweeping the quota ledgers failed")
 
@@ -91,7 +92,8 @@ def _cmd_serve(args):
         registry.register(loop)
     server = MetricsServer((args.host, args.port), registry)
     stop = threading.Event()
-    threading.Thread(target=_sweep_ledgers, args=(stop, args.sweep_interval), name="ascend-pool-sweep",
+    threading.Thread(target=_sweep_ledgers, args=(stop, args.sweep_interval, scanner.allowed_uids, scanner.allowed_gids),
+                     name="ascend-pool-sweep",
                      daemon=True).start()
     if loop is not None:
         ensure_publisher()  # the replay's pools are published and read back like any other process's

@@ -54,7 +54,7 @@ class NodeCollector:
         yield from self._health(procs)
         yield from self._shares()
         if self._ledger:
-            yield from ledger_families()
+            yield from ledger_families(self.scanner.allowed_uids, self.scanner.allowed_gids)
 
     def describe(self):
         return []

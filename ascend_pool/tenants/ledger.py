@@ -135,43 +135,58 @@ def open_ledger(device, backend, directory=None, group=None):
     return led
 
 
-def ledger_files(directory=None):
-    """[(path, device, backend, node, group)] of this user's (or group's) ledger files in the
-    directory."""
+def ledger_files(directory=None, uids=(), gids=()):
+    """[(path, device, backend, node, group, owner)] of this user's (or group's) ledger files in
+    the directory, and of the trusted uids' and gids' private directories there (a node service's
+    --allow-uid / --allow-group). owner: the uid a private ledger belongs to; None for a group
+    ledger."""
+    from ..private_dir import candidates
+
     gid = ledger_group()
-    d = ledger_dir(directory, gid)
+    own = ledger_dir(directory, gid)
+    dirs = {own: ("g", gid) if gid is not None else ("u", os.geteuid())}
+    for path, kind, num in candidates(base_dir(directory), set(uids), set(gids)):
+        dirs.setdefault(path, (kind, num))
     out = []
-    for entry in sorted(os.listdir(d)):
-        m = _NAME.match(entry)
-        if not m:
+    for d, (dkind, dnum) in sorted(dirs.items()):
+        try:
+            entries = sorted(os.listdir(d))
+        except OSError:
             continue
-        kind, num, backend, node, dev = m.groups()
-        if (kind == "u" and (gid is not None or int(num) != os.geteuid())) or (kind == "g" and int(num) != gid):
-            continue
-        out.append((os.path.join(d, entry), int(dev), backend, node or "", int(num) if kind == "g" else None))
+        for entry in entries:
+            m = _NAME.match(entry)
+            if not m:
+                continue
+            kind, num, backend, node, dev = m.groups()
+            if kind != dkind or int(num) != dnum:
+                continue  # only the directory's own user's (or group's) ledgers
+            out.append((os.path.join(d, entry), int(dev), backend, node or "", int(num) if kind == "g" else None,
+                        int(num) if kind == "u" else None))
     return out
 
 
-def _open_file(path, device, backend, node, group):
+def _open_file(path, device, backend, node, group, owner=None):
     from .._core import Ledger
 
     with _lock:
         led = _cache.get(path)
         if led is None:
-            led = _cache[path] = Ledger(path, device, backend, node, group)
+            led = _cache[path] = Ledger(path, device, backend, node, group,
+                                        None if owner in (None, os.geteuid()) else owner)
     return led
 
 
-def sweep(directory=None):
+def sweep(directory=None, uids=(), gids=()):
     """Gives back the shares of dead processes in every ledger of this user (or group) in the
-    directory: what the node service runs periodically. Returns a list of dicts
-    {"path", "device", "slots", "bytes"}; a file that is refused is reported with "error"."""
+    directory, and in those of the trusted uids and gids (see ledger_files): what the node service
+    runs periodically. Returns a list of dicts {"path", "device", "slots", "bytes"}; a file that is
+    refused is reported with "error"."""
     out = []
     from .. import identity
 
-    for path, device, backend, node, group in ledger_files(directory):
+    for path, device, backend, node, group, owner in ledger_files(directory, uids, gids):
         try:
-            slots, nbytes = _open_file(path, device, backend, node, group).sweep()
+            slots, nbytes = _open_file(path, device, backend, node, group, owner).sweep()
             identity.remove_dead_leases(os.path.dirname(path))
             out.append({"path": path, "device": device, "slots": slots, "bytes": nbytes})
         except LedgerError as e:

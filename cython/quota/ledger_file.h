@@ -101,16 +101,18 @@ static void apl_init_file(apl_file *f, int device, const char *backend, const ch
 }
 
 /* Checks the file behind fd before mapping it: type, owner, group, mode, size. */
-static int apl_check_stat(int fd, const char *path, uint32_t group, struct stat *st, char *err, size_t len) {
+static int apl_check_stat(int fd, const char *path, uint32_t group, uint32_t owner, struct stat *st, char *err,
+                          size_t len) {
     if (fstat(fd, st) != 0) return apl_fail(err, len, APL_E_IO, "cannot stat ledger %s: %s", path, strerror(errno));
     if (!S_ISREG(st->st_mode))
         return apl_fail(err, len, APL_E_PERM, "ledger %s is not a regular file; refusing it", path);
     unsigned mode = (unsigned)(st->st_mode & 07777);
     if (group == APL_NO_GROUP) {
-        if (st->st_uid != geteuid())
+        if ((uint32_t)st->st_uid != owner)
             return apl_fail(err, len, APL_E_PERM,
-                            "ledger %s is owned by uid %u, not by this user (uid %u); refusing a ledger "
-                            "another user could write", path, (unsigned)st->st_uid, (unsigned)geteuid());
+                            "ledger %s is owned by uid %u, not by %s (uid %u); refusing a ledger another user "
+                            "could write", path, (unsigned)st->st_uid, owner == (uint32_t)geteuid() ? "this user"
+                            : "the user it belongs to", (unsigned)owner);
         if (mode != 0600)
             return apl_fail(err, len, APL_E_PERM,
                             "ledger %s has permissions %04o; a private ledger must be 0600 (owner only), "
@@ -226,8 +228,14 @@ static int apl_create(const char *path, int device, const char *backend, const c
 }
 
 /* Opens (creating if absent) and validates the ledger at path. *out gets a new reference. */
-static int apl_open(const char *path, int device, const char *backend, const char *node, uint32_t group,
-                    apl_ledger **out, char *err, size_t len) {
+/* owner: the uid the private ledger must belong to; APL_NO_OWNER for this user's own, which is
+   created when missing. A node service sweeping a trusted user's ledger names that user: such a
+   ledger is opened only if it exists, never created. */
+#define APL_NO_OWNER UINT32_MAX
+static int apl_open_as(const char *path, int device, const char *backend, const char *node, uint32_t group,
+                       uint32_t owner, apl_ledger **out, char *err, size_t len) {
+    int foreign = owner != APL_NO_OWNER && owner != (uint32_t)geteuid();
+    if (owner == APL_NO_OWNER) owner = (uint32_t)geteuid();
     if (strlen(path) >= PATH_MAX - 64) return apl_fail(err, len, APL_E_ARG, "ledger path too long: %s", path);
     if (strlen(backend) >= sizeof(((apl_header *)0)->backend) || strlen(node) >= sizeof(((apl_header *)0)->node))
         return apl_fail(err, len, APL_E_ARG, "backend or node name too long for the ledger");
@@ -237,7 +245,7 @@ static int apl_open(const char *path, int device, const char *backend, const cha
         if (fd >= 0) break;
         if (errno == ELOOP)
             return apl_fail(err, len, APL_E_PERM, "ledger %s is a symbolic link; refusing it", path);
-        if (errno != ENOENT)
+        if (errno != ENOENT || foreign)
             return apl_fail(err, len, errno == EACCES ? APL_E_PERM : APL_E_IO, "cannot open ledger %s: %s", path,
                             strerror(errno));
         int rc = apl_create(path, device, backend, node, group, err, len);
@@ -245,7 +253,7 @@ static int apl_open(const char *path, int device, const char *backend, const cha
     }
     if (fd < 0) return apl_fail(err, len, APL_E_IO, "ledger %s keeps appearing and vanishing", path);
     struct stat st;
-    int rc = apl_check_stat(fd, path, group, &st, err, len);
+    int rc = apl_check_stat(fd, path, group, owner, &st, err, len);
     if (rc != APL_OK) {
         close(fd);
         return rc;

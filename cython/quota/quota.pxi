@@ -61,8 +61,9 @@ cdef extern from "quota/ledger_reserve.h" nogil:
         int valid, forked
         uint64_t quota, held, bytes
     apl_refusal apl_last_refusal
-    int apl_open(const char *path, int device, const char *backend, const char *node, uint32_t group,
-                 apl_ledger **out, char *err, size_t len)
+    int apl_open_as(const char *path, int device, const char *backend, const char *node, uint32_t group,
+                    uint32_t owner, apl_ledger **out, char *err, size_t len)
+    uint32_t APL_NO_OWNER
     void apl_unref(apl_ledger *L)
     int apl_reclaim(apl_ledger *L, int tenant, uint64_t *nbytes, char *err, size_t len)
     int apl_owner_alive(const char *dir, uint64_t instance, int pid, uint64_t pidns, uint64_t start_time)
@@ -141,17 +142,20 @@ cdef uint32_t _warn_arg(object warn) except? 0:
 cdef class Ledger:
     """One device's node-wide quota ledger, mapped by this process.
 
-    Ledger(path, device, backend, node="", group=None): opens the file (creating it 0600, or 0660
-    for the group gid `group`), and refuses one that is foreign or malformed (LedgerError). Use
+    Ledger(path, device, backend, node="", group=None, owner=None): opens the file (creating it
+    0600, or 0660 for the group gid `group`), and refuses one that is foreign or malformed
+    (LedgerError). owner: the uid a private ledger must belong to (default: this user); a node
+    service sweeping a trusted user's ledger names it, and such a file is never created. Use
     ascend_pool.tenants.ledger.open_ledger, which names the file and keeps one per process."""
     cdef apl_ledger *L
     cdef readonly str path
     cdef readonly int device
     cdef readonly object group
 
-    def __cinit__(self, str path, int device, str backend, str node="", group=None):
+    def __cinit__(self, str path, int device, str backend, str node="", group=None, owner=None):
         cdef char err[1024]
         cdef uint32_t g = APL_NO_GROUP if group is None else <uint32_t>group
+        cdef uint32_t o = APL_NO_OWNER if owner is None else <uint32_t>owner
         cdef bytes bpath = path.encode(), bbackend = backend.encode(), bnode = node.encode()
         cdef const char *cpath = bpath
         cdef const char *cbackend = bbackend
@@ -160,7 +164,7 @@ cdef class Ledger:
         self.L = NULL
         err[0] = 0
         with nogil:
-            rc = apl_open(cpath, device, cbackend, cnode, g, &self.L, err, sizeof(err))
+            rc = apl_open_as(cpath, device, cbackend, cnode, g, o, &self.L, err, sizeof(err))
         if rc != APL_OK:
             raise _ledger_error(rc, err)
         self.path = path
