@@ -49,6 +49,6 @@ from .api import (
 )
 
 from .capi import library_path
-from .sharing import SharedBlock, SharedHandle, open_shared
+from .sharing import SharedBlock, SharedHandle, node_pid, open_shared
 
 __version__ = "0.1.0"

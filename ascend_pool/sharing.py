@@ -22,15 +22,23 @@ Importers add nothing to their pool's reservation or quota: their memory_stats()
 Order of closing: importers close before the exporter frees (the runtime's rule). share_free() never
 breaks it: while importers still map the block, the release is deferred (share_free returns False)
 and completed in the background once they have all closed - or have died: importers are recorded
-by pid and process start time, so a killed importer never pins a block. If the exporter dies, the
+by their instance id and lease (ascend_pool.identity), never by pid alone, so a killed importer
+never pins a block, and processes in different pid namespaces (containers) are told apart. If
+the exporter dies, the
 importers' next use of the memory fails with the runtime's error (ACL_ERROR_RT_IPC_ERROR 507022 on
 the simulator), never a crash; they should close their blocks.
 
-Each shared block has a small record, readable by the node's processes of the same user:
-    $ASCEND_POOL_LEDGER_DIR (default /dev/shm) / ascend_pool-share-u<uid>-<backend>[-<node>]-<key>
-naming the exporter (pid, start time, tenant), the size, and the importing processes. It is how
-the pool knows importers on every backend (CANN's runtime does not report them), and what
-shares() lists ("who shares what" on this node).
+Each shared block has a small record, readable by the node's processes of the same user, in the
+user's private directory (ascend_pool.private_dir) inside $ASCEND_POOL_LEDGER_DIR (default /dev/shm):
+    ascend_pool-u<uid>/ascend_pool-share-u<uid>-<backend>[-<node>]-<key>
+naming the exporter (instance id, pid and pid namespace, tenant), the size, and the importing
+processes. It is how the pool knows importers on every backend (CANN's runtime does not report
+them), and what shares() lists ("who shares what" on this node). A record whose exporter has died
+is removed by the next process that looks (shares(), the node service).
+
+pids: the runtime checks importers by node-level process ids (aclrtIpcMemSetImportPid takes what
+aclrtDeviceGetBareTgid returns, the host's tgid inside a container), so `pids=` takes the values
+that each importer gets from ascend_pool.node_pid(), never os.getpid().
 
 read_only=True makes the importers' mappings read-only where the runtime can: the simulator maps
 them PROT_READ and refuses device writes there (sim.launch_fill: SimError 207006,
@@ -52,10 +60,22 @@ import threading
 import time
 import weakref
 
+from . import identity
 from .errors import InvalidDeviceError, InvalidPointerError, PoolError
 
 __all__ = ["SharedHandle", "SharedBlock", "SharingError", "NotShareableError", "open_shared", "share_malloc",
-           "share", "share_free", "allow", "collect", "shares", "pool_stats"]
+           "share", "share_free", "allow", "collect", "shares", "pool_stats", "node_pid"]
+
+
+def node_pid(backend=None):
+    """This process's node-level id (int), the one the runtime's IPC checks know it by: on the acl
+    backend aclrtDeviceGetBareTgid (inside a container the host's tgid, not getpid()), on cuda
+    getpid(). An importer sends it to the exporter, which passes it in share(ptr, pids=[...]) or
+    allow(handle, [...]). backend: name or Backend (default: this process's)."""
+    from .backend import open_backend
+
+    be = backend if backend is not None and not isinstance(backend, str) else open_backend(backend)
+    return be.node_pid()
 
 
 class SharingError(PoolError, RuntimeError):
@@ -88,32 +108,25 @@ class SharedHandle:
 # ---- the node-wide record of one shared block --------------------------------------------------
 
 _MAGIC = b"APSHARE1"
-_VERSION = 1
+_VERSION = 2                              # 2: processes named by instance (lease), not pid
 _OPEN, _CLOSING = 1, 2
-# magic version state device exporter_pid exporter_start size nbytes read_only tenant node key
-_HDR = struct.Struct("<8sIIiiQQQB7x64s64s160s")
-_SLOT = struct.Struct("<iIQ")             # pid, imports in that process, start time
+# magic version state device exporter_pid exporter_instance size nbytes read_only tenant node key
+# exporter_pidns exporter_start
+_HDR = struct.Struct("<8sIIiiQQQB7x64s64s160sQQ")
+_SLOT = struct.Struct("<iIQQQ")           # pid, imports in that process, instance, pidns, start time
 _NSLOTS = 256
 _REC_SIZE = _HDR.size + _NSLOTS * _SLOT.size
 _PREFIX = "ascend_pool-share-"
 
 
-def _proc_start(pid):
-    """Start time of pid (clock ticks since boot, /proc/PID/stat field 22), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    fields = data[data.rfind(b")") + 2:].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-        return None  # a zombie holds no memory
-    return int(fields[19])
+def _me():
+    """This process as a slot: [pid, count, instance, pidns, start]."""
+    return [os.getpid(), 0, identity.ensure_lease(_record_dir()), identity.pidns(), identity.self_start_time()]
 
 
-def _alive(pid, start):
-    s = _proc_start(pid)
-    return s is not None and (start == 0 or s == start)
+def _alive(directory, inst, pid=0, ns=0, start=0):
+    # By lease: a pid may belong to another namespace. None (cannot tell) counts as alive.
+    return identity.owner_alive(directory, inst, pid, ns, start) is not False
 
 
 def _node(backend_name):
@@ -145,7 +158,7 @@ class _Record:
                 raise SharingError(f"{path} is not a share record of this user (mode 0600, {_REC_SIZE} bytes); "
                                    "refusing it")
             return
-        tmp = f"{path}.tmp.{os.getpid()}"
+        tmp = f"{path}.tmp.{identity.instance_hex()}"  # not the pid: pids repeat across pid namespaces
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, 0o600)
@@ -170,11 +183,12 @@ class _Record:
         if h[0] != _MAGIC or h[1] != _VERSION:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             raise SharingError(f"{self.path} is a malformed share record")
-        self.header = {"state": h[2], "device": h[3], "exporter_pid": h[4], "exporter_start": h[5],
+        self.header = {"state": h[2], "device": h[3], "exporter_pid": h[4], "exporter_instance": h[5],
                        "size": h[6], "nbytes": h[7], "read_only": bool(h[8]),
                        "tenant": h[9].rstrip(b"\0").decode("utf-8", "replace"),
                        "node": h[10].rstrip(b"\0").decode("utf-8", "replace"),
-                       "key": h[11].rstrip(b"\0").decode("ascii", "replace")}
+                       "key": h[11].rstrip(b"\0").decode("ascii", "replace"),
+                       "exporter_pidns": h[12], "exporter_start": h[13]}
         self.slots = [list(_SLOT.unpack_from(data, _HDR.size + i * _SLOT.size)) for i in range(_NSLOTS)]
         self._orig_state = h[2]
         return self
@@ -195,15 +209,18 @@ class _Record:
     def live_importers(self):
         """Pids of importers still alive (dead ones are dropped). Call inside `with`."""
         live = []
+        d = os.path.dirname(self.path)
         for s in self.slots:
-            if s[0] and not _alive(s[0], s[2]):
-                s[:] = [0, 0, 0]
+            if s[0] and not _alive(d, s[2], s[0], s[3], s[4]):
+                s[:] = [0, 0, 0, 0, 0]
             elif s[0]:
                 live.append(s[0])
         return live
 
     def exporter_alive(self):
-        return _alive(self.header["exporter_pid"], self.header["exporter_start"])
+        h = self.header
+        return _alive(os.path.dirname(self.path), h["exporter_instance"], h["exporter_pid"], h["exporter_pidns"],
+                      h["exporter_start"])
 
 
 def _unlink(path):
@@ -287,7 +304,8 @@ def share_malloc(pool, nbytes):
 
 def share(pool, ptr, read_only=False, pids=(), any_process=False):
     """Exports the share_malloc'ed block at ptr; returns its SharedHandle. Importers must be listed
-    (pids, or allow() later) unless any_process=True (then any process of this user on the node
+    (pids: node-level ids from each importer's ascend_pool.node_pid(), or allow() later) unless
+    any_process=True (then any process of this user on the node
     that has the handle may map it). read_only=True: importers map it read-only (enforced where
     the runtime can: the simulator; see the module doc). Sharing a block twice returns the same
     handle; asking for the other read_only the second time raises SharingError."""
@@ -308,10 +326,10 @@ def share(pool, ptr, read_only=False, pids=(), any_process=False):
             path = _record_path(be.name, key, node)
             tenant = getattr(pool, "tenant", "default") or "default"
             try:
-                ex.record = _Record(path, create=(_MAGIC, _VERSION, _OPEN, pool.device, os.getpid(),
-                                                  _proc_start(os.getpid()) or 0, ex.seg.size, ex.seg.segment_bytes,
-                                                  int(bool(read_only)), tenant.encode()[:64], node.encode()[:64],
-                                                  key.encode()))
+                me = _me()
+                ex.record = _Record(path, create=(_MAGIC, _VERSION, _OPEN, pool.device, me[0], me[2], ex.seg.size,
+                                                  ex.seg.segment_bytes, int(bool(read_only)), tenant.encode()[:64],
+                                                  node.encode()[:64], key.encode(), me[3], me[4]))
             except BaseException:
                 ex.seg.unexport()  # withdraw the key (nobody can know it yet); the block stays the caller's
                 raise
@@ -324,8 +342,9 @@ def share(pool, ptr, read_only=False, pids=(), any_process=False):
 
 
 def allow(handle, pids):
-    """Exporter: lets the processes `pids` import the block of `handle` (ACL checks importers'
-    pids unless the block was shared with any_process=True)."""
+    """Exporter: lets the processes `pids` (node-level ids from each importer's
+    ascend_pool.node_pid(), never os.getpid()) import the block of `handle` (ACL checks them unless
+    the block was shared with any_process=True)."""
     with _lock:
         for ex in _exports.values():
             if ex.handle == handle and not ex.deferred:
@@ -466,14 +485,11 @@ class SharedBlock:
     @property
     def exporter_alive(self):
         """False once the exporting process has exited (then every use of the memory fails)."""
-        return _alive(self.handle.exporter_pid, self._record_start())
-
-    def _record_start(self):
         try:
             with self._record as rec:
-                return rec.header["exporter_start"]
-        except (OSError, SharingError, ValueError):
-            return 0
+                return rec.exporter_alive()
+        except (OSError, SharingError, ValueError, AttributeError):
+            return False
 
     def close(self):
         """Unmaps the block from this process (idempotent)."""
@@ -488,12 +504,12 @@ class SharedBlock:
             self._record = None
             try:
                 with rec:
-                    me = os.getpid()
+                    me = identity.instance()
                     for s in rec.slots:
-                        if s[0] == me:
+                        if s[0] and s[2] == me:
                             s[1] -= 1
                             if s[1] <= 0:
-                                s[:] = [0, 0, 0]
+                                s[:] = [0, 0, 0, 0, 0]
                     last = not rec.exporter_alive() and not rec.live_importers()
                 if last:  # the exporter is gone and nobody else maps it: nobody will remove it
                     _unlink(rec.path)
@@ -557,7 +573,8 @@ def open_shared(handle, pool=None):
             raise SharingError(f"key {handle.key!r} is no longer shared: its exporter (pid {handle.exporter_pid}) "
                                "released it, closed its pool, or exited") from None
         raise
-    me = os.getpid()
+    mine = _me()
+    me = mine[2]
     try:
         with rec:
             if rec.header["state"] != _OPEN:
@@ -565,21 +582,22 @@ def open_shared(handle, pool=None):
             if not rec.exporter_alive():
                 raise SharingError(f"the exporter of key {handle.key!r} (pid {handle.exporter_pid}) has exited")
             rec.live_importers()
-            slot = next((s for s in rec.slots if s[0] == me), None) or next((s for s in rec.slots if not s[0]), None)
+            slot = next((s for s in rec.slots if s[0] and s[2] == me), None) or \
+                next((s for s in rec.slots if not s[0]), None)
             if slot is None:
                 raise SharingError(f"key {handle.key!r} already has {_NSLOTS} importing processes")
-            if slot[0] != me:
-                slot[:] = [me, 0, _proc_start(me) or 0]
+            if not slot[0] or slot[2] != me:
+                slot[:] = mine
             slot[1] += 1
         try:
             ptr, _ = be.ipc_import(handle.device, handle.key)
         except BaseException:
             with rec:
                 for s in rec.slots:
-                    if s[0] == me:
+                    if s[0] and s[2] == me:
                         s[1] -= 1
                         if s[1] <= 0:
-                            s[:] = [0, 0, 0]
+                            s[:] = [0, 0, 0, 0, 0]
             raise
     except BaseException:
         rec.close()
@@ -621,8 +639,10 @@ def pool_stats(pool):
 
 def shares(directory=None):
     """Who shares what on this node (this user's share records): a list of dicts with key, backend,
-    node, device, size, nbytes, read_only, tenant, exporter_pid, exporter_alive, state ("open" or
-    "closing") and importers (live pids)."""
+    node, device, size, nbytes, read_only, tenant, exporter_pid (in its own pid namespace),
+    exporter_instance (16 hex digits, unique on the node), exporter_alive, state ("open" or
+    "closing") and importers (live pids). The records of exporters that have died are removed
+    (their memory is gone with them) and not listed."""
     d = directory or _record_dir()
     out = []
     prefix = f"{_PREFIX}u{os.geteuid()}-"
@@ -638,12 +658,17 @@ def shares(directory=None):
                 h = rec.header
                 importers = rec.live_importers()
                 alive = rec.exporter_alive()
+                if not alive:  # stale: nobody can use the memory; its importers' close tolerates this
+                    _unlink(rec.path)
         except (OSError, SharingError):
             continue
         finally:
             rec.close()
+        if not alive:
+            continue
         backend = name[len(prefix):].partition("-")[0]
         out.append({"key": h["key"], "backend": backend, "node": h["node"], "device": h["device"], "size": h["size"], "nbytes": h["nbytes"], "read_only": h["read_only"],
-                    "tenant": h["tenant"], "exporter_pid": h["exporter_pid"], "exporter_alive": alive,
+                    "tenant": h["tenant"], "exporter_pid": h["exporter_pid"],
+                    "exporter_instance": f"{h['exporter_instance']:016x}", "exporter_alive": alive,
                     "state": "open" if h["state"] == _OPEN else "closing", "importers": importers})
     return out

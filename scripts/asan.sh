@@ -23,6 +23,7 @@ PY="${PYTHON:-python3}"
 # test_reliability_found_bugs.py::test_second_simulator_instance_in_a_process_keeps_the_node_accounting).
 CORE_TESTS=(
     tests/test_backend_acl.py tests/test_backend_devices.py tests/test_backend_vmm.py tests/test_capi_errors.py tests/test_capi_symbols.py
+    tests/test_containers.py
     tests/test_context_close.py tests/test_expandable.py tests/test_fork_safety.py tests/test_ledger_files.py tests/test_ledger_reclaim.py
     tests/test_pool_basic.py tests/test_pool_errors.py tests/test_pool_knobs.py tests/test_pool_oom.py
     tests/test_pool_property.py tests/test_pool_stats_active.py tests/test_quota_context.py

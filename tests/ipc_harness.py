@@ -48,6 +48,15 @@ def imp(key, flags=0):
 def close(key):
     return lib.aclrtIpcMemClose(key.encode() if key is not None else None)
 
+lib.aclrtDeviceGetBareTgid.argtypes = [C.POINTER(C.c_int32)]
+lib.aclrtDeviceGetBareTgid.restype = C.c_int
+
+def bare_tgid():
+    """This process's node-level id (aclrtDeviceGetBareTgid): what SetImportPid lists."""
+    v = C.c_int32()
+    ok("aclrtDeviceGetBareTgid", C.byref(v))
+    return v.value
+
 def malloc(n):
     p = C.c_void_p()
     ok("aclrtMalloc", C.byref(p), n, 0)
@@ -143,6 +152,12 @@ class Peer:
         if "err" in reply:
             pytest.fail(f"child {self.pid} failed running:\n{textwrap.dedent(code)}\n{reply['err']}", pytrace=False)
         return reply["ok"]
+
+    @property
+    def node_pid(self):
+        """The child's node-level id (aclrtDeviceGetBareTgid; the runtime must be initialised):
+        what an exporter lists for it, never its getpid()."""
+        return self("out = bare_tgid()")
 
     def kill(self):
         """SIGKILL, and reaps the child (it leaves no zombie that would still count as alive)."""

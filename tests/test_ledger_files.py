@@ -49,11 +49,14 @@ def test_private_ledger_is_owner_only(tmp_path):
     try:
         path = ledger_path(0, "sim", node_name("sim"))
         assert os.path.basename(path) == f"ascend_pool-ledger-u{os.geteuid()}-sim-{node_name('sim')}-dev0"
-        assert os.path.dirname(path) == str(tmp_path)
+        # In this user's private directory inside the configured one (no other user can enter it).
+        assert os.path.dirname(path) == str(tmp_path / f"ascend_pool-u{os.geteuid()}")
+        dst = os.lstat(os.path.dirname(path))
+        assert stat.S_ISDIR(dst.st_mode) and stat.S_IMODE(dst.st_mode) == 0o700 and dst.st_uid == os.geteuid()
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
         assert st.st_size == FILE_SIZE
-        assert not [f for f in os.listdir(tmp_path) if ".tmp." in f]  # the temporary name is gone
+        assert not [f for f in os.listdir(os.path.dirname(path)) if ".tmp." in f]  # the temporary name is gone
         view = ctx.ledger.view()
         assert view["owner_uid"] == os.geteuid() and view["group"] is None
         assert [t["name"] for t in view["tenants"]] == ["private"]

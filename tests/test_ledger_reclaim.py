@@ -1,6 +1,7 @@
 """Shares of dead processes: reclaimed by the next reserve that needs the room, or by the sweep the
-node service runs; a process is identified by pid *and* start time; a process killed inside a
-reserve leaves bytes counted (never given away) until the tenant has no live process."""
+node service runs; a process is identified by its lease (ascend_pool.identity), never by a pid; a
+process killed inside a reserve leaves bytes counted (never given away) until the tenant has no
+live process."""
 
 import os
 import signal
@@ -95,11 +96,11 @@ def test_sweep_reclaims_for_the_node_service(base):
         ctx.close()
 
 
-def forge_slot(path, index, tenant, pid, start, held, pending=0):
+def forge_slot(path, index, tenant, pid, instance, held, pending=0, pidns=0, start=0):
     """Writes a used slot into the ledger file (the mapping sees it: MAP_SHARED)."""
     with open(path, "r+b") as f:
         f.seek(SLOTS_AT + index * SLOT_SIZE + 4)
-        f.write(struct.pack("<iQIIQq", pid, start, tenant, 0, held, pending))
+        f.write(struct.pack("<iQIIQqQQ", pid, instance, tenant, 0, held, pending, pidns, start))
         f.seek(SLOTS_AT + index * SLOT_SIZE)
         f.write(struct.pack("<I", 1))  # published last, like the real claim
 
@@ -112,29 +113,41 @@ def add_tenant_held(path, tenant, delta):
         f.write(struct.pack("<Q", held + delta))
 
 
-def test_pid_reused_by_another_process_is_dead(base):
+LEASE_HOLDER = """
+    import sys, time
+    from ascend_pool import identity
+    print(identity.ensure_lease(sys.argv[1]), flush=True)
+    time.sleep(60)
+"""
+
+
+def test_slots_are_named_by_lease_not_by_pid(base):
     ctx = base.context("reuse", quota=16 * MiB)
     try:
         p = ctx.malloc(2 * MiB - 1024)
         path = ctx.ledger.path
         t = ctx.ledger.tenant("reuse")["index"]
-        me, mine = os.getpid(), start_time(os.getpid())
-        # Two slots left by "dead processes" whose pids are alive now, but started at another time:
-        # ours, and a live sleeper's.
+        # A process of another pid namespace: its pid (1) means nothing here, its lease is held.
+        holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LEASE_HOLDER), os.path.dirname(path)],
+                                  stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=PKG_PARENT))
+        other = int(holder.stdout.readline())
         sleeper = subprocess.Popen(["sleep", "30"])
-        forge_slot(path, 1000, t, me, mine - 1, 3 * MiB)
-        forge_slot(path, 1001, t, sleeper.pid, start_time(sleeper.pid) + 5, 1 * MiB)
-        forge_slot(path, 1002, t, sleeper.pid, start_time(sleeper.pid), 1 * MiB)  # really the sleeper's
+        # Dead processes whose pids are alive now (ours, a sleeper's): no lease holds their instance.
+        forge_slot(path, 1000, t, os.getpid(), 0x1234, 3 * MiB)
+        forge_slot(path, 1001, t, sleeper.pid, 0x5678, 1 * MiB)
+        forge_slot(path, 1002, t, 1, other, 1 * MiB, pidns=12345)  # really alive, elsewhere
         add_tenant_held(path, t, 5 * MiB)
         assert ctx.held == 7 * MiB
         (report,) = sweep()
         assert (report["slots"], report["bytes"]) == (2, 4 * MiB)
-        assert ctx.held == 3 * MiB  # ours (2) and the live sleeper's (1) remain
-        alive = sorted((s["pid"], s["held_bytes"]) for s in ctx.ledger.view()["slots"])
-        assert alive == sorted([(me, 2 * MiB), (sleeper.pid, 1 * MiB)])
+        assert ctx.held == 3 * MiB  # ours (2) and the other namespace's (1) remain
+        alive = sorted((s["pid"], s["held_bytes"], s["alive"]) for s in ctx.ledger.view()["slots"])
+        assert alive == sorted([(os.getpid(), 2 * MiB, True), (1, 1 * MiB, True)])
+        holder.kill()
+        holder.wait()
+        assert sweep()[0]["slots"] == 1
         sleeper.kill()
         sleeper.wait()
-        assert sweep()[0]["slots"] == 1
         ctx.free(p)
     finally:
         ctx.close()
@@ -147,7 +160,7 @@ def test_death_inside_reserve_is_counted_safely_then_settled(base):
     gone.wait()
     # A process died between its compare-and-swap (tenant += 2 MiB) and its slot update: its slot
     # says 4 MiB held and 2 MiB pending. Nobody can know whether the CAS happened.
-    forge_slot(path, 900, t, gone.pid, 12345, 4 * MiB, pending=2 * MiB)
+    forge_slot(path, 900, t, gone.pid, 12345, 4 * MiB, pending=2 * MiB)  # 12345: no lease
     add_tenant_held(path, t, 6 * MiB)
     (report,) = sweep()
     assert (report["slots"], report["bytes"]) == (1, 4 * MiB)

@@ -85,6 +85,13 @@ def one(samples, name, **labels):
     return next(iter(found.values()))
 
 
+def stats_file(stats, samples, pid):
+    """The stats file of the process `pid`: named by its `instance` label (pids repeat across pid
+    namespaces), in the user's private directory inside the stats directory."""
+    (labels,) = series(samples, "ascend_pool_stats_age_seconds", pid=pid)
+    return stats / f"ascend_pool-u{os.geteuid()}" / f"ascend_pool-stats-{dict(labels)['instance']}"
+
+
 def wait_for(predicate, what, timeout=10.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -150,24 +157,26 @@ def test_two_tenant_processes_then_exit_and_kill(node):
         assert 0 <= one(s, "ascend_pool_stats_age_seconds", pid=proc.pid) < 5
     assert one(s, "ascend_pool_device_total_bytes", device=0) > 0
     assert one(s, "ascend_pool_service_stats_files", state="live") == 2
+    file_a, file_b = stats_file(stats, s, a.pid), stats_file(stats, s, b.pid)
 
     # A exits normally: its file goes with it and its series vanish.
     a.stdin.write("\n")
     a.stdin.flush()
     assert a.wait(timeout=10) == 0
-    assert not (stats / f"ascend_pool-stats-{a.pid}").exists()
+    assert not file_a.exists()
     wait_for(lambda: not series(scrape(port), "ascend_pool_reserved_bytes", pid=a.pid), "exited process gone")
 
     # B is killed: its file stays behind until the service notices the process is gone.
-    assert (stats / f"ascend_pool-stats-{b.pid}").exists()
+    assert file_b.exists()
     b.send_signal(signal.SIGKILL)
     b.wait(timeout=10)
     wait_for(lambda: not series(scrape(port), "ascend_pool_reserved_bytes", pid=b.pid), "killed process gone")
-    assert not (stats / f"ascend_pool-stats-{b.pid}").exists()
+    assert not file_b.exists()
     # And its share of the quota ledger is given back by the service's sweep.
-    wait_for(lambda: one(scrape(port), "ascend_pool_ledger_held_bytes", device=0, tenant="batch") == 0,
+    # Its tenant has no live process left: it no longer exists on the node, and is not exported.
+    wait_for(lambda: not series(scrape(port), "ascend_pool_ledger_held_bytes", device=0, tenant="batch"),
              "the killed process's ledger share reclaimed")
     s = scrape(port)
-    assert one(s, "ascend_pool_ledger_processes", device=0, tenant="batch") == 0
+    assert not series(s, "ascend_pool_ledger_processes", device=0, tenant="batch")
     assert not series(s, "ascend_pool_node_processes")
     assert one(s, "ascend_pool_service_stats_files", state="live") == 0

@@ -66,12 +66,19 @@ def _env(tmp_path, **extra):
     return env
 
 
+def stats_files(base):
+    """Every file left in the stats directory and its private directories."""
+    return [os.path.join(d, n) for d, _, names in os.walk(base) for n in names]
+
+
 _OPEN_POOL = """
 import os, sys, time
 import ascend_pool as ap
 p = ap.Pool(0, backend="sim")
 p.malloc(5000)
-path = os.path.join(os.environ["ASCEND_POOL_STATS_DIR"], f"ascend_pool-stats-{os.getpid()}")
+from ascend_pool import identity
+path = os.path.join(os.environ["ASCEND_POOL_STATS_DIR"], f"ascend_pool-u{os.geteuid()}",
+                    f"ascend_pool-stats-{identity.instance():016x}")
 deadline = time.monotonic() + 5
 while not os.path.exists(path) and time.monotonic() < deadline:
     time.sleep(0.02)
@@ -84,7 +91,7 @@ def test_opening_a_pool_starts_publishing_and_exit_removes_it(tmp_path):
                        env=_env(tmp_path))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "published", "opening a pool must start the stats publisher (registry hook)"
-    assert os.listdir(tmp_path) == []  # removed at exit
+    assert stats_files(tmp_path) == []  # removed at exit
 
 
 def test_publishing_can_be_turned_off(tmp_path):
@@ -116,7 +123,7 @@ def test_fork_child_leaves_the_parent_file_alone(tmp_path):
     r = subprocess.run([sys.executable, "-c", _FORK], capture_output=True, text=True, timeout=60, env=_env(tmp_path))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["child-clean", "parent-file-kept"]
-    assert os.listdir(tmp_path) == []
+    assert stats_files(tmp_path) == []
 
 
 _DIE = """

@@ -66,7 +66,9 @@ def test_replay_shows_the_service_working_and_sigterm_cleans_up(tmp_path):
             time.sleep(0.2)
         assert set(runs) == {"bert_serving_varlen_prefix", "resnet18_train_prefix",
                              "resnet18_train_prefetch_2stream_prefix"}
-        assert (tmp_path / "stats" / f"ascend_pool-stats-{proc.pid}").exists()
+        (instance,) = {dict(lab)["instance"] for (n, lab), v in m.items()
+                       if n == "ascend_pool_allocations_total" and dict(lab).get("pid") == str(proc.pid)}
+        assert (tmp_path / "stats" / f"ascend_pool-u{os.geteuid()}" / f"ascend_pool-stats-{instance}").exists()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", data=b"x", method="POST")
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
@@ -76,7 +78,7 @@ def test_replay_shows_the_service_working_and_sigterm_cleans_up(tmp_path):
         rc = proc.wait(timeout=15)
         log.close()
     assert rc == 0, (tmp_path / "serve.log").read_text()
-    assert os.listdir(tmp_path / "stats") == []
+    assert [n for _, _, names in os.walk(tmp_path / "stats") for n in names] == []
 
 
 def test_replay_of_a_missing_trace_fails_cleanly(tmp_path):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from ascend_pool import identity
 from ascend_pool.metrics.sample import TenantSample
 from ascend_pool.metrics.schema import FIELDS, NO_QUOTA
 from ascend_pool.service import layout as L
@@ -47,12 +48,14 @@ def test_round_trip_and_owner_only(sf, tmp_path):
         os.umask(old)
     sf.publish([TenantSample(0, "default", values(7, quota_bytes=1 << 30)),
                 TenantSample(3, "batch", values(9))])
-    assert os.path.basename(sf.path) == f"ascend_pool-stats-{os.getpid()}"
+    # Named by the process's instance id, never by its pid (pids repeat across pid namespaces).
+    assert os.path.basename(sf.path) == f"ascend_pool-stats-{identity.instance():016x}"
     assert os.stat(sf.path).st_mode & 0o777 == 0o600
     assert os.stat(sf.path).st_size == L.file_size(L.DEFAULT_CAPACITY)
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
     ps = read_stats_file(sf.path, ME)
     assert ps.pid == os.getpid() and ps.uid == os.geteuid() and ps.flags == 0
+    assert ps.instance == f"{identity.instance():016x}" and ps.pidns == identity.pidns()
     assert [(s.device, s.tenant, s.pid) for s in ps.samples] == [(0, "default", os.getpid()), (3, "batch", os.getpid())]
     assert ps.samples[0].values == values(7, quota_bytes=1 << 30)
     assert ps.samples[1].values["device_mallocs"] == 9
@@ -101,7 +104,7 @@ def test_truncated_file_is_refused(sf, size, reason):
     (8, struct.pack("<I", 99), "layout version 99"),
     (16, struct.pack("<I", 12), "record size"),
     (20, struct.pack("<I", 10**6), "capacity"),
-    (24, struct.pack("<i", 1), "header names pid 1"),
+    (L.IDENTITY_OFFSET, struct.pack("<Q", 1), "header names instance 0000000000000001"),
     (28, struct.pack("<I", 4242), "header names uid 4242"),
 ])
 def test_corrupted_header_is_refused(sf, offset, data, reason):
@@ -162,19 +165,34 @@ def test_writable_by_others_symlink_and_non_file_are_refused(sf, tmp_path):
     with pytest.raises(Refused, match="writable by group or others"):
         read_stats_file(sf.path, ME)
     os.chmod(sf.path, 0o600)
-    link = tmp_path / "ascend_pool-stats-1"
+    link = tmp_path / "ascend_pool-stats-0000000000000001"
     link.symlink_to(sf.path)
     with pytest.raises(Refused, match="symlink"):
         read_stats_file(str(link), ME)
-    fifo = tmp_path / "ascend_pool-stats-2"
+    fifo = tmp_path / "ascend_pool-stats-0000000000000002"
     os.mkfifo(fifo, 0o600)
     with pytest.raises(Refused, match="not a regular file"):
         read_stats_file(str(fifo), ME)
 
 
-def test_pid_reuse_is_stale(sf):
+def test_liveness_is_the_writers_lock_not_its_pid(sf):
+    # A writer in another pid namespace: its pid (1) and start time mean nothing here. It is live
+    # while it holds the lock on its file, whatever the pid names in this namespace.
+    _patch(sf.path, 24, struct.pack("<i", 1))
+    _patch(sf.path, 32, struct.pack("<Q", 1))
+    _patch(sf.path, L.IDENTITY_OFFSET + 8, struct.pack("<Q", identity.pidns() + 1))
+    ps = read_stats_file(sf.path, ME)
+    assert (ps.pid, ps.instance) == (1, f"{identity.instance():016x}")
+    path = sf.path
+    sf.abandon()  # closes the file: the kernel drops the lock, as when the writer dies
+    with pytest.raises(Stale, match="exited"):
+        read_stats_file(path, ME)
+    os.unlink(path)
+
+
+def test_pid_reuse_in_our_namespace_is_stale_at_once(sf):
     _patch(sf.path, 32, struct.pack("<Q", 1))  # another start time: another process with our pid
-    with pytest.raises(Stale, match="another process"):
+    with pytest.raises(Stale, match="exited"):
         read_stats_file(sf.path, ME)
 
 
@@ -255,7 +273,7 @@ def test_scanner_removes_stale_and_logs_refusals_once(tmp_path, caplog):
     assert os.path.exists(dead)
     live = StatsFile(str(tmp_path))
     live.publish([TenantSample(0, "default", values(1))])
-    bad = tmp_path / "ascend_pool-stats-999999"
+    bad = tmp_path / "ascend_pool-stats-00000000000f423f"
     bad.write_bytes(b"\0" * 50)
     bad.chmod(0o600)
     (tmp_path / "unrelated-file").write_text("not ours")

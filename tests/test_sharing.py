@@ -42,7 +42,7 @@ def test_exporter_writes_are_seen_by_two_importers_and_memory_counts_once(sim_no
             pool.synchronize()
             h = pool.share(ptr, read_only=True, pids=[%d, %d])
             out = dump(h)
-        """ % (a.pid, b.pid))
+        """ % (a.node_pid, b.node_pid))
         handle = pickle.loads(__import__("base64").b64decode(h))
         assert (handle.size, handle.nbytes, handle.device, handle.read_only) == (5 * MiB, 6 * MiB, 0, True)
         for peer in (a, b):
@@ -81,7 +81,15 @@ def test_a_pid_the_exporter_did_not_allow_gets_the_runtimes_code(sim_node):
                 out = [e.code, str(e)]
         """)
         assert got[0] == 207006 and "may not import" in got[1], got
-        ex(f"sharing.allow(h, [{im.pid}])")
+        ex(f"sharing.allow(h, [{im.pid}])")  # its getpid(): not what the runtime checks
+        assert im(f"""
+            try:
+                ap.open_shared(load({h!r}), pool=pool)
+                out = 0
+            except DeviceError as e:
+                out = e.code
+        """) == 207006
+        ex(f"sharing.allow(h, [{im.node_pid}])")
         assert im(f"blk = ap.open_shared(load({h!r}), pool=pool); out = blk.size") == 2 * MiB
         im("blk.close()")
         assert ex("out = pool.share_free(ptr)") is True

@@ -69,7 +69,9 @@ def test_import_needs_an_allowed_pid(sim_node):
         got = imp(f"rc, p = imp({key!r}); out = [rc, errmsg()]")
         assert got[0] == 207006, got                     # ACL_ERROR_RT_NO_PERMISSION
         assert "may not import" in got[1] and "aclrtIpcMemSetImportPid" in got[1]
-        ex(f"assert set_pids(key, [{imp.pid}]) == 0, errmsg()")
+        ex(f"assert set_pids(key, [{imp.pid}]) == 0, errmsg()")  # its getpid(): not its node-level id
+        assert imp(f"out = imp({key!r})[0]") == 207006
+        ex(f"assert set_pids(key, [{imp.node_pid}]) == 0, errmsg()")
         assert imp(f"rc, p = imp({key!r}); out = rc") == 0
         assert other(f"out = imp({key!r})[0]") == 207006  # still refused: not listed
         assert ex(f"out = imp(key)[0]") == 0              # the exporter itself may import
@@ -223,15 +225,17 @@ def test_forked_child_imports_like_any_process(sim_node):
                 os.close(r); os.close(go_w)
                 ok("aclInit", None); ok("aclrtSetDevice", 0)
                 first = imp(key)[0]                       # not listed yet
-                os.write(w, str(first).encode().ljust(8))
+                os.write(w, (str(first).ljust(8) + str(bare_tgid()).ljust(12)).encode())
                 os.read(go_r, 1)
                 rc, p = imp(key)
                 good = rc == 0 and same(p, 4 * MiB, 0x42) and close(key) == 0
                 os.write(w, b"ok" if good else str(rc).encode())
                 os._exit(0)
             os.close(w); os.close(go_r)
-            first = os.read(r, 8).decode().strip()
-            assert set_pids(key, [pid]) == 0
+            msg = os.read(r, 20).decode()
+            first, child_id = msg[:8].strip(), int(msg[8:])
+            assert child_id != pid                        # a node-level id, never a getpid() value
+            assert set_pids(key, [child_id]) == 0
             os.write(go_w, b"g")
             second = os.read(r, 16).decode()
             os.waitpid(pid, 0)

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
 
-SLOTS, SLOT_SIZE = 256, 24  # node.c: struct node_slot {int32 pid; u32; u64 start_time; u64 bytes}
+SLOTS, SLOT_SIZE = 256, 40  # node.c: struct node_slot {int32 pid; u32; u64 lease; u64 pidns; u64 start; u64 bytes}
 
 HOLDER = """
     init()
@@ -77,9 +77,10 @@ def test_a_killed_process_bytes_return(sim_node):
         a.stdin.close(); a.stdout.close(); a.stderr.close()
 
 
-def test_a_slot_whose_pid_was_reused_is_reclaimed(sim_node):
-    """A slot names its process by pid and start time: a live pid with another start time is a
-    different process (the pid was reused), so the slot's bytes are reclaimed."""
+@pytest.mark.parametrize("field, offset", [("lease", 8), ("start time", 24)])
+def test_a_slot_whose_owner_is_gone_is_reclaimed(sim_node, field, offset):
+    """A slot names its process by lease (never by pid alone): a lease nobody holds is a dead
+    process; so is, in our own pid namespace, a live pid with another start time (reused)."""
     a = start_holder(sim_node, 300 << 10, ASCEND_SIM_HBM="1MiB")
     try:
         path = sim_node.record_path(0)
@@ -88,10 +89,10 @@ def test_a_slot_whose_pid_was_reused_is_reclaimed(sim_node):
             base = len(data) - SLOTS * SLOT_SIZE
             for i in range(SLOTS):
                 off = base + i * SLOT_SIZE
-                pid, _, start, nbytes = struct.unpack_from("<iIQQ", data, off)
+                pid, _, lease, pidns, start, nbytes = struct.unpack_from("<iIQQQQ", data, off)
                 if pid == a.pid:
-                    assert nbytes == 300 << 10
-                    struct.pack_into("<Q", data, off + 8, start + 12345)  # "born" at another time
+                    assert nbytes == 300 << 10 and lease and pidns == os.stat("/proc/self/ns/pid").st_ino
+                    struct.pack_into("<Q", data, off + offset, struct.unpack_from("<Q", data, off + offset)[0] + 12345)
                     break
             else:
                 pytest.fail("the holder's slot is not in the record")

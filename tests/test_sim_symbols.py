@@ -28,6 +28,7 @@ ACL = [
     "aclrtIpcMemGetExportKey", "aclrtIpcMemSetImportPid", "aclrtIpcMemImportByKey", "aclrtIpcMemClose",
     # the SoC of the profile (ASCEND_SIM_PROFILE), in both builds
     "aclrtGetSocName",
+    "aclrtDeviceGetBareTgid",  # the node-level id importers are listed by (proc.c), in both builds
 ]
 NEWER = {"aclrtMallocAlign32", "aclrtQueryEventStatus"}
 CONTROL = [

@@ -42,14 +42,15 @@ def _tenants(config_path, device):
             for t in cfg.tenants.values() if t.applies_to(device)] or None
 
 
-def _sweep_ledgers(stop, interval):
-    """Gives back the quota-ledger shares of dead processes every `interval` seconds (the ledger
-    also does it before refusing a request; this keeps the exported figures true meanwhile)."""
+def _sweep_ledgers(stop, interval, uids=(), gids=()):
+    """Gives back the quota-ledger shares of dead processes every `interval` seconds, in this
+    user's ledgers and those of the trusted uids and gids (the ledger also does it before refusing
+    a request; this keeps the exported figures true meanwhile)."""
     from ..metrics.ledger import sweep_dead_processes
 
     while not stop.wait(interval):
         try:
-            sweep_dead_processes()
+            sweep_dead_processes(uids, gids)
         except Exception:
             log.exception("sweeping the quota ledgers failed")
 
@@ -71,8 +72,15 @@ def _cmd_serve(args):
         os.environ.setdefault("ASCEND_POOL_CONFIG", str(args.config))  # the tenants code reads it too
     tenants = _tenants(args.config, args.device)
 
+    from ..service.serve_args import group_ids
+
     registry = CollectorRegistry(auto_describe=False)
-    scanner = StatsScanner(allowed_uids=set(args.allow_uid) | {os.geteuid()} if args.allow_uid else None)
+    gids = group_ids(args.allow_group)
+    from ..tenants.ledger import ledger_group
+
+    if ledger_group() is not None:
+        gids.add(ledger_group())  # the service runs in the tenants' sharing group: it reads their directory
+    scanner = StatsScanner(allowed_uids=set(args.allow_uid) | {os.geteuid()}, allowed_gids=gids)
     registry.register(NodeCollector(scanner))
     loop = None
     if args.replay is not None:
@@ -84,7 +92,8 @@ def _cmd_serve(args):
         registry.register(loop)
     server = MetricsServer((args.host, args.port), registry)
     stop = threading.Event()
-    threading.Thread(target=_sweep_ledgers, args=(stop, args.sweep_interval), name="ascend-pool-sweep",
+    threading.Thread(target=_sweep_ledgers, args=(stop, args.sweep_interval, scanner.allowed_uids, scanner.allowed_gids),
+                     name="ascend-pool-sweep",
                      daemon=True).start()
     if loop is not None:
         ensure_publisher()  # the replay's pools are published and read back like any other process's
@@ -131,7 +140,11 @@ def register(sub):
     p.add_argument("--stats-dir", default=None,
                    help="directory of the processes' stats files (default $ASCEND_POOL_STATS_DIR, else /dev/shm)")
     p.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
-                   help="also believe stats files of this uid (default: only this service's own uid)")
+                   help="also read the private directory of this uid (default: only this service's own uid); "
+                        "anything else in the stats directory is never opened")
+    p.add_argument("--allow-group", action="append", default=[], metavar="GROUP",
+                   help="also read the shared directory of this group (name or gid; "
+                        "$ASCEND_POOL_LEDGER_GROUP is always read)")
     p.add_argument("--sweep-interval", type=float, default=5.0, metavar="SECONDS",
                    help="how often dead processes' quota shares are given back (default 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))

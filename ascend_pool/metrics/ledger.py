@@ -1,5 +1,6 @@
 """The node quota ledgers' state as metrics: each tenant's node-wide held bytes, quota, peak,
-refusals and live processes per device, as the ledger (ascend_pool.tenants.ledger) enforces them.
+refusals, live processes and quota conflicts per device, as the ledger (ascend_pool.tenants.ledger)
+enforces them. Tenants without a live process are not exported (they no longer exist on the node).
 
 The ledger is the authority on quotas across processes; the per-process figures only show each
 process's share. Read lock-free (Ledger.view()); a ledger that cannot be read is skipped with one
@@ -15,22 +16,22 @@ log = logging.getLogger(__name__)
 _warned = set()
 
 
-def _views():
+def _views(uids=(), gids=()):
     try:
         from ..tenants import ledger as L
     except ImportError:
         return []
     out = []
     try:
-        files = L.ledger_files()
+        files = L.ledger_files(None, uids, gids)
     except Exception as e:  # no ledger directory yet, or a bad $ASCEND_POOL_LEDGER_GROUP
         _warn_once(("dir", str(e)), "cannot list the quota ledgers: %s", e)
         return []
-    for path, device, backend, node, group in files:
+    for path, device, backend, node, group, owner in files:
         if backend == "sim" and node != L.node_name("sim"):
             continue  # another simulated node (another test run, another demo)
         try:
-            out.append((backend, L._open_file(path, device, backend, node, group).view()))
+            out.append((backend, L._open_file(path, device, backend, node, group, owner).view()))
         except Exception as e:  # foreign, malformed, or of another version: refused by the ledger code
             _warn_once((path, str(e)), "cannot read the quota ledger %s: %s", path, e)
     return out
@@ -42,9 +43,10 @@ def _warn_once(key, fmt, *args):
         log.warning(fmt, *args)
 
 
-def ledger_families():
-    """ascend_pool_ledger_* families (labels backend, device, tenant); empty without ledgers."""
-    views = _views()
+def ledger_families(uids=(), gids=()):
+    """ascend_pool_ledger_* families (labels backend, device, tenant); empty without ledgers.
+    uids, gids: also the ledgers of these trusted users and groups (the node service's)."""
+    views = _views(uids, gids)
     if not views:
         return []
     labels = ["backend", "device", "tenant"]
@@ -60,20 +62,26 @@ def ledger_families():
                                    labels=labels)
     procs = GaugeMetricFamily("ascend_pool_ledger_processes",
                               "Live processes holding a share of the tenant's quota on the device.", labels=labels)
+    conflicts = CounterMetricFamily("ascend_pool_quota_conflicts",
+                                    "Quota declarations for the tenant that disagreed with the quota in force on the "
+                                    "device (the operator's tenants file wins, else the stricter), node-wide.",
+                                    labels=labels)
     reclaimed = CounterMetricFamily("ascend_pool_ledger_reclaimed_bytes",
                                     "Bytes given back from processes that died holding them (bytes).",
                                     labels=["backend", "device"])
-    seen = set()
+    seen, reclaimed_by = set(), {}
     for backend, v in views:
         dev = str(v["device"])
-        if (backend, dev) in seen:
-            continue
-        seen.add((backend, dev))
         alive = {}
         for s in v["slots"]:
             if s.get("alive") is not False:
                 alive[s["tenant"]] = alive.get(s["tenant"], 0) + 1
         for t in v["tenants"]:
+            if not alive.get(t["name"]):
+                continue  # no live process: the tenant no longer exists on the node (its entry is reused)
+            if (backend, dev, t["name"]) in seen:
+                continue  # the same tenant name in two users' ledgers: the first (this user's) is shown
+            seen.add((backend, dev, t["name"]))
             lv = [backend, dev, t["name"]]
             held.add_metric(lv, t["held_bytes"])
             peak.add_metric(lv, t["peak_bytes"])
@@ -81,11 +89,14 @@ def ledger_families():
             procs.add_metric(lv, alive.get(t["name"], 0))
             if t["quota_bytes"] is not None:
                 quota.add_metric(lv, t["quota_bytes"])
-        reclaimed.add_metric([backend, dev], v["reclaimed_bytes"])
-    return [held, quota, peak, refusals, procs, reclaimed]
+            conflicts.add_metric(lv, t.get("conflicts", 0))
+        reclaimed_by[(backend, dev)] = reclaimed_by.get((backend, dev), 0) + v["reclaimed_bytes"]
+    for (backend, dev), n in sorted(reclaimed_by.items()):
+        reclaimed.add_metric([backend, dev], n)
+    return [held, quota, peak, refusals, procs, conflicts, reclaimed]
 
 
-def sweep_dead_processes():
+def sweep_dead_processes(uids=(), gids=()):
     """Gives back the ledger shares of processes that died (the node service runs this
     periodically). Returns the bytes reclaimed; 0 when there is no ledger support."""
     try:
@@ -93,7 +104,7 @@ def sweep_dead_processes():
     except ImportError:
         return 0
     total = 0
-    for r in L.sweep():
+    for r in L.sweep(None, uids, gids):
         if "error" in r:
             _warn_once((r["path"], r["error"]), "cannot sweep the quota ledger %s: %s", r["path"], r["error"])
         elif r["bytes"]:

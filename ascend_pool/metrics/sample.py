@@ -31,12 +31,14 @@ _MAX_FIELDS = frozenset(("largest_free_block_bytes", "quota_bytes", "device_free
 @dataclass
 class TenantSample:
     """The figures of one (device, tenant) in one process: values[field] for every schema field
-    (int, base units). pid is set by the node service (None in-process)."""
+    (int, base units). pid and instance (the process's id unique on the node: pids are per pid
+    namespace) are set by the node service (None in-process)."""
 
     device: int
     tenant: str
     values: dict = field(default_factory=dict)
     pid: int = None
+    instance: str = None
 
     @property
     def key(self):

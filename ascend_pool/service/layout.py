@@ -7,16 +7,23 @@
        12     4  header_size    u32, 128
        16     4  record_size    u32, RECORD_SIZE
        20     4  capacity       u32, record slots in the file (file size = 128 + capacity * record_size)
-       24     4  pid            i32, the writing process
+       24     4  pid            i32, the writing process, in its own pid namespace (a label)
        28     4  uid            u32, its effective uid (must equal the file's owner)
-       32     8  start_time     u64, the process's start time, clock ticks after boot (/proc/PID/stat field 22)
+       32     8  start_time     u64, the process's start time in that namespace, clock ticks after boot
        40    16  boot_id        the kernel's boot id (/proc/sys/kernel/random/boot_id, raw 16 bytes)
        56     8  seq            u64, seqlock: odd while the owner writes, even when the data is whole
        64     8  publish_ns     u64, wall-clock time of the last publish (ns since the epoch)
        72     4  n_records      u32, records in use (<= capacity)
        76     4  flags          u32, FLAG_OVERFLOW | FLAG_EXITED
        80     4  crc            u32, zlib.crc32 of bytes 64..80 and of the n_records records in use
-       84    44  reserved       zero
+       84     4  reserved       zero
+       88     8  instance       u64, the writer's instance id (ascend_pool/identity.py): also its file name
+       96     8  pidns          u64, inode of the writer's pid namespace (what `pid` is relative to)
+      104    24  reserved       zero
+
+Liveness: the writer holds flock(LOCK_EX) on its file for its whole life; the kernel drops it when
+the writer dies, in whatever pid namespace. A reader that can take the lock knows the file is
+stale. No decision rests on the pid (it may belong to another namespace).
     record (RECORD_SIZE bytes), capacity of them after the header
         0     4  device         i32
         4     4  tenant_len     u32, bytes of tenant used (<= TENANT_MAX)
@@ -34,7 +41,7 @@ import zlib
 from ..metrics.schema import FIELDS
 
 MAGIC = b"APSTATS\0"
-VERSION = 1
+VERSION = 2                    # 2: named by instance, liveness by lock
 HEADER_SIZE = 128
 TENANT_MAX = 64
 N_FIELDS = len(FIELDS)
@@ -52,6 +59,8 @@ DYNAMIC = struct.Struct("<QII")           # publish_ns, n_records, flags, offset
 DYNAMIC_OFFSET = 64
 CRC = struct.Struct("<I")                 # offset 80
 CRC_OFFSET = 80
+IDENTITY = struct.Struct("<QQ")           # instance, pidns, offset 88
+IDENTITY_OFFSET = 88
 RECORD = struct.Struct(f"<iI{TENANT_MAX}s{N_FIELDS}q")
 
 assert STATIC.size == SEQ_OFFSET and RECORD.size == RECORD_SIZE

@@ -1,7 +1,9 @@
 """NodeCollector: the node service's prometheus_client collector over every publishing process.
 
 At each scrape it reads the stats directory (StatsScanner) and exports
-  - the per-tenant families of metrics/schema.py with a `pid` label, one series per process;
+  - the per-tenant families of metrics/schema.py with `pid` and `instance` labels, one series per
+    process (the pid is in the process's own pid namespace: two containers' workers are both pid
+    1; `instance` is unique on the node);
   - node totals per (device, tenant) over the live processes: ascend_pool_node_{reserved,allocated,
     requested,cached_free}_bytes and ascend_pool_node_processes (separate names, so that a
     sum() over the per-pid series never counts a total twice);
@@ -52,7 +54,7 @@ class NodeCollector:
         yield from self._health(procs)
         yield from self._shares()
         if self._ledger:
-            yield from ledger_families()
+            yield from ledger_families(self.scanner.allowed_uids, self.scanner.allowed_gids)
 
     def describe(self):
         return []
@@ -64,7 +66,7 @@ class NodeCollector:
             acc = sums.setdefault(s.key, [0] * len(NODE_TOTALS))
             for i, (_, _, fields) in enumerate(NODE_TOTALS):
                 acc[i] += sum(s.values[f] for f in fields)
-            procs.setdefault(s.key, set()).add(s.pid)
+            procs.setdefault(s.key, set()).add((s.pid, s.instance))
         for i, (name, doc, _) in enumerate(NODE_TOTALS):
             fam = GaugeMetricFamily(name, doc, labels=["device", "tenant"])
             for (device, tenant), acc in sorted(sums.items()):
@@ -84,16 +86,19 @@ class NodeCollector:
 
         shared = GaugeMetricFamily("ascend_pool_shared_bytes",
                                    "Device memory exported for other processes, counted once against the "
-                                   "exporting tenant (bytes).", labels=["device", "tenant", "exporter_pid", "state"])
+                                   "exporting tenant (bytes).",
+                                   labels=["device", "tenant", "exporter_pid", "exporter_instance", "state"])
         importers = GaugeMetricFamily("ascend_pool_shared_importers",
                                       "Live processes that have a shared block open.",
-                                      labels=["device", "tenant", "exporter_pid"])
+                                      labels=["device", "tenant", "exporter_pid", "exporter_instance"])
         try:
             records = shares()
         except OSError:  # no record directory yet: nothing is shared
             records = []
         for r in records:
-            labels = [str(r["device"]), r["tenant"] or "default", str(r["exporter_pid"])]
+            if not r["exporter_alive"]:
+                continue  # a dead exporter's record (removed by shares() where it may): shared by nobody
+            labels = [str(r["device"]), r["tenant"] or "default", str(r["exporter_pid"]), r["exporter_instance"]]
             shared.add_metric(labels + [r["state"]], r["nbytes"])
             importers.add_metric(labels, len(r["importers"]))
         yield shared
@@ -102,9 +107,10 @@ class NodeCollector:
     def _health(self, procs):
         now = time.time_ns()
         age = GaugeMetricFamily("ascend_pool_stats_age_seconds",
-                                "Seconds since the process last published its figures (seconds).", labels=["pid"])
+                                "Seconds since the process last published its figures (seconds).",
+                                labels=["pid", "instance"])
         for p in procs:
-            age.add_metric([str(p.pid)], max(0.0, (now - p.publish_ns) / 1e9))
+            age.add_metric([str(p.pid), p.instance], max(0.0, (now - p.publish_ns) / 1e9))
         yield age
         files = GaugeMetricFamily("ascend_pool_service_stats_files",
                                   "Stats files seen at the last scrape, by state (live, stale, refused, busy).",

@@ -1,8 +1,12 @@
 """Where stats files live and how they are named.
 
-$ASCEND_POOL_STATS_DIR, else /dev/shm (memory-backed, shared by the node's processes, sticky so
-each user can create only their own files and remove only their own), else the temp directory.
-One file per process: ascend_pool-stats-PID.
+Base directory: $ASCEND_POOL_STATS_DIR, else /dev/shm (memory-backed, shared by the node's
+processes), else the temp directory. Files live in the writer's private directory inside it
+(ascend_pool/private_dir.py: ascend_pool-u<uid>, mode 0700), so another local user can neither
+take their names nor slow the node service with junk. One file per process, named by its
+instance id (ascend_pool/identity.py), never by its pid: two containers' workers are both pid 1.
+
+    <base>/ascend_pool-u<uid>/ascend_pool-stats-<instance as 16 hex digits>
 """
 
 import os
@@ -11,11 +15,11 @@ import tempfile
 
 ENV_DIR = "ASCEND_POOL_STATS_DIR"
 PREFIX = "ascend_pool-stats-"
-NAME_RE = re.compile(r"^ascend_pool-stats-([0-9]{1,10})$")
+NAME_RE = re.compile(r"^ascend_pool-stats-([0-9a-f]{16})$")
 
 
 def stats_dir():
-    """The directory stats files are published to and read from."""
+    """The base directory stats files are published under and read from."""
     d = os.environ.get(ENV_DIR)
     if d:
         return d
@@ -24,11 +28,20 @@ def stats_dir():
     return tempfile.gettempdir()
 
 
-def file_name(pid):
-    return f"{PREFIX}{int(pid)}"
+def own_dir(base=None):
+    """This user's private directory for stats files inside base (default stats_dir()); with
+    $ASCEND_POOL_LEDGER_GROUP, the group's shared one (2770), which a service in that group reads."""
+    from ..private_dir import private_dir
+    from ..tenants.ledger import ledger_group
+
+    return private_dir(base or stats_dir(), ledger_group())
 
 
-def pid_of(name):
-    """The pid in a stats file's name, or None if the name is not one of ours."""
+def file_name(instance):
+    return f"{PREFIX}{int(instance):016x}"
+
+
+def instance_of(name):
+    """The instance id in a stats file's name, or None if the name is not one of ours."""
     m = NAME_RE.match(name)
-    return int(m.group(1)) if m else None
+    return int(m.group(1), 16) if m else None

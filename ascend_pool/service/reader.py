@@ -2,13 +2,17 @@
 
 A file is read with pread() into private memory, never mapped: a file truncated under a mapping
 would kill the reader with SIGBUS. Before its records are believed, a file must be a regular,
-non-symlink file owned by an allowed uid and by the uid of the process it names, not writable by
-group or others, of exactly the size its header declares, with our magic, version and record
-size, and written by a process that is still running (pid + start time + boot id); its records
-must pass the seqlock and CRC checks and hold sane values. Anything else raises Refused (not
-ours, or damaged: logged, left alone) or Stale (its process is gone: the caller removes it).
+non-symlink file owned by an allowed uid, not writable by group or others, of exactly the size
+its header declares, with our magic, version, record size and the instance id of its name, and
+written by a process that is still running: its writer holds flock(LOCK_EX) on it for life, so a
+reader that can take the lock knows the writer is gone, in whatever pid namespace either runs
+(the pid in the header is a label; it is looked at only when it belongs to the reader's own
+namespace). Its records must pass the seqlock and CRC checks and hold sane values. Anything else
+raises Refused (not ours, or damaged: logged, left alone) or Stale (its process is gone: the
+caller removes it).
 """
 
+import fcntl
 import os
 import stat
 import time
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..metrics.sample import TenantSample
 from ..metrics.schema import FIELDS, NO_QUOTA
+from .. import identity
 from . import layout as L
 from . import paths, procinfo
 
@@ -49,20 +54,22 @@ class Busy(StatsFileError):
 class ProcessStats:
     """One process's published figures."""
 
-    pid: int
+    pid: int            # in the writer's own pid namespace (pidns): a label
     uid: int
     start_time: int
     publish_ns: int
     flags: int
     path: str
     samples: list = field(default_factory=list)
+    instance: str = ""  # 16 hex digits, unique on the node
+    pidns: int = 0
 
 
-def read_stats_file(path, allowed_uids):
+def read_stats_file(path, allowed_uids, allowed_gids=()):
     """Reads and validates the stats file at path. Returns ProcessStats; raises Refused or Stale."""
-    pid = paths.pid_of(os.path.basename(path))
-    if pid is None:
-        raise Refused(path, "name is not ascend_pool-stats-PID")
+    inst = paths.instance_of(os.path.basename(path))
+    if inst is None:
+        raise Refused(path, "name is not ascend_pool-stats-<16 hex digits>")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -70,16 +77,36 @@ def read_stats_file(path, allowed_uids):
     except OSError as e:  # ELOOP for a symlink, EACCES for a file we may not read
         raise Refused(path, f"cannot open: {e.strerror}" + (" (a symlink?)" if e.errno == 40 else "")) from None
     try:
-        return _read(fd, path, pid, allowed_uids)
+        return _read(fd, path, inst, allowed_uids, allowed_gids)
     finally:
         os.close(fd)
 
 
-def _read(fd, path, pid, allowed_uids):
+def _in_group_dir(path, gid):
+    """True when path lies in the 2770 directory of group gid (ascend_pool/private_dir.py)."""
+    from ..private_dir import is_trusted
+
+    try:
+        return is_trusted(os.lstat(os.path.dirname(path)), "g", gid)
+    except OSError:
+        return False
+
+
+def _writer_alive(fd):
+    """True while the writer holds its lock on the file (see the module doc)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _read(fd, path, inst, allowed_uids, allowed_gids=()):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise Refused(path, "not a regular file")
-    if st.st_uid not in allowed_uids:
+    if st.st_uid not in allowed_uids and not (st.st_gid in allowed_gids and _in_group_dir(path, st.st_gid)):
         raise Refused(path, f"owned by uid {st.st_uid}, not by an allowed uid ({sorted(allowed_uids)})")
     if st.st_mode & 0o022:
         raise Refused(path, f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
@@ -99,22 +126,22 @@ def _read(fd, path, pid, allowed_uids):
         raise Refused(path, f"capacity {capacity} out of range")
     if st.st_size != L.file_size(capacity):
         raise Refused(path, f"size {st.st_size} bytes, the header declares {L.file_size(capacity)} (truncated or corrupted)")
-    if hpid != pid:
-        raise Refused(path, f"header names pid {hpid}, the file name pid {pid}")
+    hinst, pidns = L.IDENTITY.unpack_from(header, L.IDENTITY_OFFSET)
+    if hinst != inst:
+        raise Refused(path, f"header names instance {hinst:016x}, the file name {inst:016x}")
     if uid != st.st_uid:
         raise Refused(path, f"header names uid {uid}, the file is owned by uid {st.st_uid}")
+    pid = hpid
     # Liveness before contents: a dead process's file is removed whatever it holds.
-    if not procinfo.is_alive(pid, start, boot):
-        now = procinfo.start_time(pid)
-        raise Stale(path, "process has exited" if now is None else "pid now belongs to another process")
-    owner = procinfo.process_uid(pid)
-    if owner is not None and owner != uid:
-        raise Refused(path, f"claims pid {pid}, which runs as uid {owner}, not {uid}")
+    if boot != procinfo.boot_id() or not _writer_alive(fd):
+        raise Stale(path, "process has exited")
+    if identity.pid_here(pidns) and not procinfo.is_alive(pid, start):
+        raise Stale(path, "process has exited (a zombie, or gone from this pid namespace)")
     publish_ns, flags, body = _consistent_body(fd, path, header, capacity)
     if flags & L.FLAG_EXITED:
         raise Stale(path, "process marked it exited")
-    out = ProcessStats(pid, uid, start, publish_ns, flags, path)
-    out.samples = _records(path, pid, body)
+    out = ProcessStats(pid, uid, start, publish_ns, flags, path, instance=f"{inst:016x}", pidns=pidns)
+    out.samples = _records(path, pid, body, out.instance)
     return out
 
 
@@ -148,7 +175,7 @@ def _consistent_body(fd, path, header, capacity):
     raise Busy(path, f"the owner was writing during all {READ_ATTEMPTS} attempts")
 
 
-def _records(path, pid, body):
+def _records(path, pid, body, instance=""):
     samples, seen = [], set()
     for i in range(len(body) // L.RECORD_SIZE):
         device, tlen, raw, *values = L.RECORD.unpack_from(body, i * L.RECORD_SIZE)
@@ -167,5 +194,5 @@ def _records(path, pid, body):
         if (device, tenant) in seen:
             raise Refused(path, f"record {i}: device {device} tenant {tenant!r} appears twice")
         seen.add((device, tenant))
-        samples.append(TenantSample(device, tenant, vals, pid))
+        samples.append(TenantSample(device, tenant, vals, pid, instance))
     return samples

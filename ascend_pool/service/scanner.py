@@ -1,48 +1,75 @@
-"""Reading a whole stats directory: every live process's figures, stale files removed, bad ones
+"""Reading the stats directories: every live process's figures, stale files removed, bad ones
 refused with one log line each (repeated only when the reason changes, so a bad file left in
-place does not flood the log at every scrape)."""
+place does not flood the log at every scrape).
+
+Which directories: the private directories (ascend_pool/private_dir.py) of the trusted uids and
+groups inside the base directory, and nothing else there: any local user can create names in
+/dev/shm, and such files are not even opened (no log line, no time spent). A scan reads at most
+MAX_FILES files, so its time is bounded whatever the directories hold."""
 
 import logging
 import os
 import threading
 
+from ..private_dir import candidates
 from . import paths
 from .reader import Busy, Refused, Stale, read_stats_file
 
 log = logging.getLogger("ascend_pool.service")
 
 
-class StatsScanner:
-    """Reads the stats files of `directory`. allowed_uids: owners whose files are believed
-    (default: the uid this service runs as; a root service reading other users' processes must
-    name them). remove_stale: unlink files of processes that are gone (where we may).
-    refusal_level: the log level of "refused" lines (an application clearing stale files at start
-    passes DEBUG: reporting other files' problems is the service's job)."""
+MAX_FILES = 4096  # stats files read per scan: far more processes than a node runs
 
-    def __init__(self, directory=None, allowed_uids=None, remove_stale=True, refusal_level=logging.WARNING):
+
+class StatsScanner:
+    """Reads the stats files in the private directories of the trusted uids and groups inside the
+    base `directory` (default paths.stats_dir()); a directory given explicitly is also read itself
+    (e.g. a private directory). allowed_uids: owners whose files are believed (default: the uid
+    this service runs as; a root service reading other users' processes must name them);
+    allowed_gids: groups whose shared directories (ascend_pool-g<gid>) are read. remove_stale:
+    unlink files of processes that are gone (where we may). refusal_level: the log level of
+    "refused" lines (an application clearing stale files at start passes DEBUG: reporting other
+    files' problems is the service's job)."""
+
+    def __init__(self, directory=None, allowed_uids=None, remove_stale=True, refusal_level=logging.WARNING,
+                 allowed_gids=()):
+        self.explicit = directory is not None
         self.directory = directory or paths.stats_dir()
         self.allowed_uids = frozenset(allowed_uids) if allowed_uids else frozenset({os.geteuid()})
+        self.allowed_gids = frozenset(allowed_gids or ())
         self.remove_stale = remove_stale
         self.refusal_level = refusal_level
         self._lock = threading.Lock()
         self._reported = {}  # path -> last reason logged
         self.counts = {"live": 0, "stale": 0, "refused": 0, "busy": 0}
 
+    def directories(self):
+        """The directories a scan reads: the trusted private ones in the base directory."""
+        dirs = [p for p, _, _ in candidates(self.directory, self.allowed_uids, self.allowed_gids)]
+        return ([self.directory] if self.explicit else []) + dirs
+
+    def _paths(self):
+        out = []
+        for d in self.directories():
+            try:
+                names = os.listdir(d)
+            except OSError as e:
+                self._report(d, f"cannot list the stats directory {d}: {e.strerror}", logging.WARNING)
+                continue
+            out.extend(os.path.join(d, n) for n in names if paths.instance_of(n) is not None)
+        if len(out) > MAX_FILES:
+            self._report(self.directory, f"more than {MAX_FILES} stats files in the trusted directories of "
+                         f"{self.directory}; reading the first {MAX_FILES}", logging.WARNING)
+            out = out[:MAX_FILES]
+        return out
+
     def scan(self):
         """A list of reader.ProcessStats, one per live publishing process, sorted by pid."""
-        try:
-            names = os.listdir(self.directory)
-        except OSError as e:
-            self._report(self.directory, f"cannot list the stats directory: {e.strerror}", logging.WARNING)
-            return []
         out, counts, seen = [], dict.fromkeys(self.counts, 0), set()
-        for name in names:
-            if paths.pid_of(name) is None:
-                continue
-            path = os.path.join(self.directory, name)
+        for path in self._paths():
             seen.add(path)
             try:
-                out.append(read_stats_file(path, self.allowed_uids))
+                out.append(read_stats_file(path, self.allowed_uids, self.allowed_gids))
                 counts["live"] += 1
                 self._clear(path)
             except Stale as e:
@@ -60,9 +87,9 @@ class StatsScanner:
         with self._lock:
             self.counts = counts
             for path in list(self._reported):
-                if path not in seen and path != self.directory:
+                if path not in seen and path != self.directory and not os.path.isdir(path):
                     del self._reported[path]
-        return sorted(out, key=lambda p: p.pid)
+        return sorted(out, key=lambda p: (p.pid, p.instance))
 
     def _remove(self, e):
         if not self.remove_stale:

@@ -5,36 +5,43 @@ other processes never lock anything and never make the writer wait, so a slow or
 cannot slow an application down. Layout: service/layout.py.
 """
 
+import fcntl
 import mmap
 import os
 import time
 
+from .. import identity
 from . import layout as L
 from . import paths, procinfo
 
 
 class StatsFile:
-    """This process's stats file in `directory` (default paths.stats_dir()), created owner-only
-    (0600) and complete before it appears under its final name (written under a temporary name,
-    then renamed), so a reader never sees a half-initialised header."""
+    """This process's stats file in `directory` (default: this user's private directory inside
+    paths.stats_dir()), created owner-only (0600), locked (the lease readers test) and complete
+    before it appears under its final name (written under a temporary name, then renamed), so a
+    reader never sees a half-initialised header nor an unlocked live file."""
 
     def __init__(self, directory=None, capacity=L.DEFAULT_CAPACITY):
         self.pid = os.getpid()
-        self.directory = directory or paths.stats_dir()
-        self.path = os.path.join(self.directory, paths.file_name(self.pid))
+        self.instance = identity.instance()
+        self.directory = directory or paths.own_dir()
+        self.shared = _group_dir(self.directory)  # a 2770 group directory: the group may read
+        self.path = os.path.join(self.directory, paths.file_name(self.instance))
         self.capacity = capacity
         self._seq = 0
-        tmp = os.path.join(self.directory, f".{paths.file_name(self.pid)}.tmp")
-        fd = self._create(tmp)
+        tmp = os.path.join(self.directory, f".{paths.file_name(self.instance)}.tmp")
+        fd = self._create(tmp, 0o640 if self.shared else 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for life: readers test it
             size = L.file_size(capacity)
             os.ftruncate(fd, size)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             st = procinfo.start_time(self.pid)
             self._map[0:L.SEQ_OFFSET] = L.STATIC.pack(L.MAGIC, L.VERSION, L.HEADER_SIZE, L.RECORD_SIZE, capacity,
                                                       self.pid, os.geteuid(), st or 0, procinfo.boot_id())
+            L.IDENTITY.pack_into(self._map, L.IDENTITY_OFFSET, self.instance, identity.pidns())
             self._write([], 0)
-            os.rename(tmp, self.path)  # atomic; replaces a stale file of an earlier process with our pid
+            os.rename(tmp, self.path)  # atomic; instance ids are never reused
         except BaseException:
             os.close(fd)
             _unlink(tmp)
@@ -42,14 +49,14 @@ class StatsFile:
         self._fd = fd
 
     @staticmethod
-    def _create(tmp):
+    def _create(tmp, mode=0o600):
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(tmp, flags, 0o600)
-        except FileExistsError:  # left by a crash of an earlier process with our pid
+            fd = os.open(tmp, flags, mode)
+        except FileExistsError:  # left by an earlier attempt of ours (e.g. recreating a damaged file)
             os.unlink(tmp)
-            fd = os.open(tmp, flags, 0o600)
-        os.fchmod(fd, 0o600)  # whatever the umask: owner-only
+            fd = os.open(tmp, flags, mode)
+        os.fchmod(fd, mode)  # whatever the umask: owner-only (group-readable in a group directory)
         return fd
 
     def intact(self):
@@ -111,6 +118,14 @@ class StatsFile:
             self._map.close()
             self._map = None
             os.close(self._fd)
+
+
+def _group_dir(directory):
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return False
+    return bool(st.st_mode & 0o2000) and (st.st_mode & 0o070) == 0o070
 
 
 def _unlink(path):

@@ -305,3 +305,23 @@ def process_tenant():
     if not name:
         return None
     return check_tenant_name(name, f"{TENANT_ENV}")
+
+
+def operator_quota(tenant, device, device_total_bytes):
+    """The quota in bytes that the operator's tenants file ($ASCEND_POOL_CONFIG) sets for tenant on
+    device, with its warn ratio: (bytes, warn), or None when there is no file, the file does not
+    name the tenant on that device, or names it without a quota. A file that cannot be read counts
+    as none here (check-config and the reloader report its mistakes). The quota ledger lets this
+    quota win over any process's own declaration (one source of truth per tenant on a node).
+    device_total_bytes: int, or a callable returning it (only called for a percentage)."""
+    try:
+        cfg = load()
+    except (ConfigError, OSError):
+        return None
+    if cfg is None:
+        return None
+    t = cfg.tenants.get(tenant)
+    if t is None or t.quota is None or not t.applies_to(device):
+        return None
+    total = device_total_bytes() if callable(device_total_bytes) else device_total_bytes
+    return t.quota.resolve(total), t.warn

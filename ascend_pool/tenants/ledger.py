@@ -1,7 +1,8 @@
 """Where the node-wide quota ledgers live, and this process's handle on each.
 
 One ledger file per device (and per user, or per group when $ASCEND_POOL_LEDGER_GROUP is set),
-in $ASCEND_POOL_LEDGER_DIR or /dev/shm:
+in the user's (or group's) private directory inside $ASCEND_POOL_LEDGER_DIR or /dev/shm
+(ascend_pool/private_dir.py: another local user cannot take its names or write its files):
 
     ascend_pool-ledger-u<uid>-<backend>[-<sim node>]-dev<N>     private: mode 0600
     ascend_pool-ledger-g<gid>-<backend>[-<sim node>]-dev<N>     shared with a group: mode 0660
@@ -39,13 +40,52 @@ def _forget_after_fork():
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def ledger_dir(directory=None):
-    """The directory of ledger files: `directory`, else $ASCEND_POOL_LEDGER_DIR, else /dev/shm."""
+def _register_operator_quota():
+    # The ledger code (in the extension, a lower layer) asks the tenants file for the operator's
+    # quota through this hook: the file's quota wins over any process's own declaration.
+    from .._core import set_operator_quota_hook
+    from .config import operator_quota
+
+    set_operator_quota_hook(operator_quota)
+
+
+_register_operator_quota()
+
+
+def base_dir(directory=None):
+    """The shared directory ledgers live under: `directory`, else $ASCEND_POOL_LEDGER_DIR, else /dev/shm."""
     d = directory or os.environ.get(DIR_ENV) or DEFAULT_DIR
     if not os.path.isdir(d):
         raise LedgerError(f"ledger directory {d!r} does not exist or is not a directory (set {DIR_ENV} to a "
                           "directory on tmpfs, shared by the processes of a node)", kind="io")
     return d
+
+
+def ledger_dir(directory=None, group=None):
+    """The directory of this user's (or group's) ledger files, share records and leases: a private
+    directory inside base_dir(directory), created if needed (ascend_pool.private_dir)."""
+    from ..private_dir import private_dir
+
+    base = base_dir(directory)
+    gid = ledger_group(group)
+    try:
+        return private_dir(base, gid)
+    except OSError as e:
+        raise LedgerError(f"cannot have a private ledger directory in {base}: {e}", kind="permission") from None
+
+
+def ensure_lease(directory):
+    """Holds this process's lease (ascend_pool.identity) in directory and gives the ledger code its
+    identity. Returns the instance id."""
+    from .. import identity
+    from .._core import set_process_identity
+
+    try:
+        inst = identity.ensure_lease(directory)
+    except OSError as e:
+        raise LedgerError(f"cannot create this process's lease in {directory}: {e}", kind="io") from None
+    set_process_identity(inst, identity.pidns())
+    return inst
 
 
 def ledger_group(value=None):
@@ -71,7 +111,7 @@ def ledger_path(device, backend_name, node="", group=None, directory=None):
     """The ledger file of device on backend_name (see the module docstring)."""
     who = f"g{group}" if group is not None else f"u{os.geteuid()}"
     suffix = f"-{node}" if node else ""
-    return os.path.join(ledger_dir(directory), f"ascend_pool-ledger-{who}-{backend_name}{suffix}-dev{int(device)}")
+    return os.path.join(ledger_dir(directory, group), f"ascend_pool-ledger-{who}-{backend_name}{suffix}-dev{int(device)}")
 
 
 def _backend_name(backend):
@@ -95,41 +135,59 @@ def open_ledger(device, backend, directory=None, group=None):
     return led
 
 
-def ledger_files(directory=None):
-    """[(path, device, backend, node, group)] of this user's (or group's) ledger files in the
-    directory."""
-    d = ledger_dir(directory)
+def ledger_files(directory=None, uids=(), gids=()):
+    """[(path, device, backend, node, group, owner)] of this user's (or group's) ledger files in
+    the directory, and of the trusted uids' and gids' private directories there (a node service's
+    --allow-uid / --allow-group). owner: the uid a private ledger belongs to; None for a group
+    ledger."""
+    from ..private_dir import candidates
+
     gid = ledger_group()
+    own = ledger_dir(directory, gid)
+    dirs = {own: ("g", gid) if gid is not None else ("u", os.geteuid())}
+    for path, kind, num in candidates(base_dir(directory), set(uids), set(gids)):
+        dirs.setdefault(path, (kind, num))
     out = []
-    for entry in sorted(os.listdir(d)):
-        m = _NAME.match(entry)
-        if not m:
+    for d, (dkind, dnum) in sorted(dirs.items()):
+        try:
+            entries = sorted(os.listdir(d))
+        except OSError:
             continue
-        kind, num, backend, node, dev = m.groups()
-        if (kind == "u" and (gid is not None or int(num) != os.geteuid())) or (kind == "g" and int(num) != gid):
-            continue
-        out.append((os.path.join(d, entry), int(dev), backend, node or "", int(num) if kind == "g" else None))
+        for entry in entries:
+            m = _NAME.match(entry)
+            if not m:
+                continue
+            kind, num, backend, node, dev = m.groups()
+            if kind != dkind or int(num) != dnum:
+                continue  # only the directory's own user's (or group's) ledgers
+            out.append((os.path.join(d, entry), int(dev), backend, node or "", int(num) if kind == "g" else None,
+                        int(num) if kind == "u" else None))
     return out
 
 
-def _open_file(path, device, backend, node, group):
+def _open_file(path, device, backend, node, group, owner=None):
     from .._core import Ledger
 
     with _lock:
         led = _cache.get(path)
         if led is None:
-            led = _cache[path] = Ledger(path, device, backend, node, group)
+            led = _cache[path] = Ledger(path, device, backend, node, group,
+                                        None if owner in (None, os.geteuid()) else owner)
     return led
 
 
-def sweep(directory=None):
+def sweep(directory=None, uids=(), gids=()):
     """Gives back the shares of dead processes in every ledger of this user (or group) in the
-    directory: what the node service runs periodically. Returns a list of dicts
-    {"path", "device", "slots", "bytes"}; a file that is refused is reported with "error"."""
+    directory, and in those of the trusted uids and gids (see ledger_files): what the node service
+    runs periodically. Returns a list of dicts {"path", "device", "slots", "bytes"}; a file that is
+    refused is reported with "error"."""
     out = []
-    for path, device, backend, node, group in ledger_files(directory):
+    from .. import identity
+
+    for path, device, backend, node, group, owner in ledger_files(directory, uids, gids):
         try:
-            slots, nbytes = _open_file(path, device, backend, node, group).sweep()
+            slots, nbytes = _open_file(path, device, backend, node, group, owner).sweep()
+            identity.remove_dead_leases(os.path.dirname(path))
             out.append({"path": path, "device": device, "slots": slots, "bytes": nbytes})
         except LedgerError as e:
             out.append({"path": path, "device": device, "slots": 0, "bytes": 0, "error": str(e)})

@@ -39,6 +39,7 @@ typedef int aclError;
 #define ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT 0x0UL
 #define ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION 0x1UL
 #define ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT 0x0UL
+#define ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS 0x1UL /* as torch_npu imports */
 
 typedef struct acl_mem_location {
     uint32_t id;
@@ -121,6 +122,7 @@ typedef struct acl_impl {
     struct acl_stream_dev *streams;
     size_t n_streams, streams_cap;
     aclError (*sim_stream_device)(void *stream, int32_t *device); /* simulator only: probed */
+    aclError (*aclrtDeviceGetBareTgid)(int32_t *pid); /* optional: NULL on an old CANN */
 } acl_impl;
 
 #define IMPL(b) ((acl_impl *)(b)->impl)
@@ -622,6 +624,16 @@ static int acl_ipc_lookup(acl_impl *im, void *lib)
     return 1;
 }
 
+/* Every pid given to aclrtIpcMemSetImportPid is one of these (CANN: the host tgid in a container). */
+static int acl_node_pid(ap_backend *b, int32_t *pid)
+{
+    if (!IMPL(b)->aclrtDeviceGetBareTgid) {
+        *pid = (int32_t)getpid();
+        return 0;
+    }
+    return IMPL(b)->aclrtDeviceGetBareTgid(pid);
+}
+
 static pthread_mutex_t ipc_record_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void acl_ipc_record(ap_backend *b)
@@ -671,7 +683,8 @@ static int acl_ipc_import(ap_backend *b, int device, const char *key, void **ptr
     if (size)
         *size = 0; /* aclrtIpcMemImportByKey does not say */
     (void)rc;
-    ON_DEVICE(b, device, IMPL(b)->aclrtIpcMemImportByKey(ptr, key, ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT));
+    /* As torch_npu does: peer access on, so a block imported on another device is usable there. */
+    ON_DEVICE(b, device, IMPL(b)->aclrtIpcMemImportByKey(ptr, key, ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS));
 }
 
 static int acl_ipc_close(ap_backend *b, int device, const char *key)
@@ -1182,6 +1195,8 @@ int ap_acl_open(ap_backend *b, const char *path, int prefer_loaded, int want_sim
     b->ipc_import = b->has_ipc ? acl_ipc_import : acl_ipc_absent_import;
     b->ipc_close = b->has_ipc ? acl_ipc_close : acl_ipc_absent_close;
     b->has_ipc_read_only = b->has_ipc && im->ipc_read_only_flag != 0;
+    im->aclrtDeviceGetBareTgid = (__typeof__(im->aclrtDeviceGetBareTgid))dlsym(b->lib, "aclrtDeviceGetBareTgid");
+    b->node_pid = acl_node_pid;
 
     /* A framework in this process may have initialised ACL already; that is fine. Never finalise:
        see ap_backend_close(). */

@@ -150,6 +150,11 @@ struct ap_backend {
     /* Importer: unmaps its import of `key`. Exporter: withdraws the key (acl: importers must have
        closed first; the simulator refuses with ACL_ERROR_RT_IPC_ERROR 507022 otherwise; cuda: 0). */
     int (*ipc_close)(ap_backend *b, int device, const char *key);
+    /* The id the runtime's IPC checks know this process by, for ipc_set_pids: acl
+       aclrtDeviceGetBareTgid (the host's tgid inside a container; getpid() on a CANN without the
+       call, which predates containers' pid namespaces in its IPC checks); cuda getpid() (CUDA
+       IPC checks no pids). 0 = ok. */
+    int (*node_pid)(ap_backend *b, int32_t *pid);
 
     void *impl; /* private: resolved symbols */
 };

@@ -72,6 +72,7 @@ cdef extern from "backend.h" nogil:
         int (*ipc_set_pids)(ap_backend *b, const char *key, const int32_t *pids, size_t n) noexcept nogil
         int (*ipc_import)(ap_backend *b, int device, const char *key, void **ptr, size_t *size) noexcept nogil
         int (*ipc_close)(ap_backend *b, int device, const char *key) noexcept nogil
+        int (*node_pid)(ap_backend *b, int32_t *pid) noexcept nogil
         void *impl
 
     int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen)
@@ -447,6 +448,18 @@ cdef class Backend:
             _c_free(arr)
         if rc != 0:
             self._fail(rc, "ipc_set_pids")
+
+    def node_pid(self):
+        """This process's node-level id, the one the runtime's IPC pid checks know it by (acl:
+        aclrtDeviceGetBareTgid, the host's tgid inside a container; cuda: getpid()). Pass these,
+        never os.getpid(), to ipc_set_pids."""
+        cdef int rc
+        cdef int32_t pid = 0
+        with nogil:
+            rc = self.b.node_pid(self.b, &pid)
+        if rc != 0:
+            self._fail(rc, "node_pid")
+        return int(pid)
 
     def ipc_import(self, int device, key):
         """Maps the memory exported as `key` into this process for `device`. Returns

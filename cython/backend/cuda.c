@@ -535,6 +535,14 @@ static int cuda_ipc_close(ap_backend *b, int device, const char *key)
 }
 
 static int cuda_ipc_absent_export(ap_backend *b, int d, void *p, size_t s, char *k, size_t l, unsigned f) { (void)b; (void)d; (void)p; (void)s; (void)k; (void)l; (void)f; return AP_ERR_MISSING_SYMBOL; }
+/* CUDA IPC checks no pids: the process's own pid is its id (what a CUDA pids list would hold). */
+static int cuda_node_pid(ap_backend *b, int32_t *pid)
+{
+    (void)b;
+    *pid = (int32_t)getpid();
+    return 0;
+}
+
 static int cuda_ipc_absent_set_pids(ap_backend *b, const char *k, const int32_t *p, size_t n) { (void)b; (void)k; (void)p; (void)n; return AP_ERR_MISSING_SYMBOL; }
 static int cuda_ipc_absent_import(ap_backend *b, int d, const char *k, void **p, size_t *s) { (void)b; (void)d; (void)k; (void)p; (void)s; return AP_ERR_MISSING_SYMBOL; }
 static int cuda_ipc_absent_close(ap_backend *b, int d, const char *k) { (void)b; (void)d; (void)k; return AP_ERR_MISSING_SYMBOL; }
@@ -757,6 +765,7 @@ int ap_cuda_open(ap_backend *b, const char *path, char *err, size_t errlen)
     b->ipc_set_pids = b->has_ipc ? cuda_ipc_set_pids : cuda_ipc_absent_set_pids;
     b->ipc_import = b->has_ipc ? cuda_ipc_import : cuda_ipc_absent_import;
     b->ipc_close = b->has_ipc ? cuda_ipc_close : cuda_ipc_absent_close;
+    b->node_pid = cuda_node_pid;
 
     /* Without a driver the runtime loads fine and fails here (cudaErrorInsufficientDriver 35 or
        cudaErrorNoDevice 100): report that as "no device", with the runtime's own words. */

@@ -31,6 +31,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -56,6 +57,7 @@ typedef struct apl_ledger {
     int device;
     uint32_t group;
     char path[PATH_MAX];
+    char dir[PATH_MAX];     /* the ledger's directory: where its processes' leases are */
 } apl_ledger;
 
 static int apl_fail(char *err, size_t len, int kind, const char *fmt, ...) {
@@ -99,16 +101,18 @@ static void apl_init_file(apl_file *f, int device, const char *backend, const ch
 }
 
 /* Checks the file behind fd before mapping it: type, owner, group, mode, size. */
-static int apl_check_stat(int fd, const char *path, uint32_t group, struct stat *st, char *err, size_t len) {
+static int apl_check_stat(int fd, const char *path, uint32_t group, uint32_t owner, struct stat *st, char *err,
+                          size_t len) {
     if (fstat(fd, st) != 0) return apl_fail(err, len, APL_E_IO, "cannot stat ledger %s: %s", path, strerror(errno));
     if (!S_ISREG(st->st_mode))
         return apl_fail(err, len, APL_E_PERM, "ledger %s is not a regular file; refusing it", path);
     unsigned mode = (unsigned)(st->st_mode & 07777);
     if (group == APL_NO_GROUP) {
-        if (st->st_uid != geteuid())
+        if ((uint32_t)st->st_uid != owner)
             return apl_fail(err, len, APL_E_PERM,
-                            "ledger %s is owned by uid %u, not by this user (uid %u); refusing a ledger "
-                            "another user could write", path, (unsigned)st->st_uid, (unsigned)geteuid());
+                            "ledger %s is owned by uid %u, not by %s (uid %u); refusing a ledger another user "
+                            "could write", path, (unsigned)st->st_uid, owner == (uint32_t)geteuid() ? "this user"
+                            : "the user it belongs to", (unsigned)owner);
         if (mode != 0600)
             return apl_fail(err, len, APL_E_PERM,
                             "ledger %s has permissions %04o; a private ledger must be 0600 (owner only), "
@@ -157,6 +161,7 @@ static const char *apl_check_contents(const apl_file *f, const struct stat *st, 
             atomic_load(&t->peak) > APL_MAX_BYTES || atomic_load(&t->uncertain) > APL_MAX_BYTES)
             return "a tenant holds an impossible byte count";
         if (atomic_load(&t->warn_ppm) > 1000000) return "a tenant's warn level is above 100%";
+        if (atomic_load(&t->quota_src) > APL_SRC_OPERATOR) return "a tenant's quota has an unknown source";
         for (int j = 0; j < i; j++)
             if (atomic_load(&f->tenants[j].state) == APL_USED &&
                 strncmp(f->tenants[j].name, t->name, APL_NAME_MAX) == 0)
@@ -168,7 +173,7 @@ static const char *apl_check_contents(const apl_file *f, const struct stat *st, 
         if (state > APL_USED) return "a process slot has an impossible state";
         if (state == APL_FREE) continue;
         int64_t pending = atomic_load(&s->pending);
-        if (s->pid <= 0 || s->tenant >= APL_TENANTS || atomic_load(&f->tenants[s->tenant].state) != APL_USED)
+        if (s->instance == 0 || s->tenant >= APL_TENANTS || atomic_load(&f->tenants[s->tenant].state) != APL_USED)
             return "a process slot names no process or an unused tenant";
         if (atomic_load(&s->held) > APL_MAX_BYTES || pending > (int64_t)APL_MAX_BYTES ||
             pending < -(int64_t)APL_MAX_BYTES)
@@ -186,7 +191,11 @@ static int apl_create(const char *path, int device, const char *backend, const c
                       char *err, size_t len) {
     static _Atomic unsigned seq;
     char tmp[PATH_MAX + 64];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d.%u", path, (int)getpid(), atomic_fetch_add(&seq, 1));
+    /* Not named by pid alone: two processes of two pid namespaces may share a pid. */
+    uint64_t rnd = 0;
+    if (getrandom(&rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) rnd = (uint64_t)(uintptr_t)&rnd ^ (uint64_t)time(NULL);
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d.%016llx.%u", path, (int)getpid(), (unsigned long long)rnd,
+             atomic_fetch_add(&seq, 1));
     mode_t mode = group == APL_NO_GROUP ? 0600 : 0660;
     int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) return apl_fail(err, len, APL_E_IO, "cannot create ledger %s: %s", tmp, strerror(errno));
@@ -219,8 +228,14 @@ static int apl_create(const char *path, int device, const char *backend, const c
 }
 
 /* Opens (creating if absent) and validates the ledger at path. *out gets a new reference. */
-static int apl_open(const char *path, int device, const char *backend, const char *node, uint32_t group,
-                    apl_ledger **out, char *err, size_t len) {
+/* owner: the uid the private ledger must belong to; APL_NO_OWNER for this user's own, which is
+   created when missing. A node service sweeping a trusted user's ledger names that user: such a
+   ledger is opened only if it exists, never created. */
+#define APL_NO_OWNER UINT32_MAX
+static int apl_open_as(const char *path, int device, const char *backend, const char *node, uint32_t group,
+                       uint32_t owner, apl_ledger **out, char *err, size_t len) {
+    int foreign = owner != APL_NO_OWNER && owner != (uint32_t)geteuid();
+    if (owner == APL_NO_OWNER) owner = (uint32_t)geteuid();
     if (strlen(path) >= PATH_MAX - 64) return apl_fail(err, len, APL_E_ARG, "ledger path too long: %s", path);
     if (strlen(backend) >= sizeof(((apl_header *)0)->backend) || strlen(node) >= sizeof(((apl_header *)0)->node))
         return apl_fail(err, len, APL_E_ARG, "backend or node name too long for the ledger");
@@ -230,7 +245,7 @@ static int apl_open(const char *path, int device, const char *backend, const cha
         if (fd >= 0) break;
         if (errno == ELOOP)
             return apl_fail(err, len, APL_E_PERM, "ledger %s is a symbolic link; refusing it", path);
-        if (errno != ENOENT)
+        if (errno != ENOENT || foreign)
             return apl_fail(err, len, errno == EACCES ? APL_E_PERM : APL_E_IO, "cannot open ledger %s: %s", path,
                             strerror(errno));
         int rc = apl_create(path, device, backend, node, group, err, len);
@@ -238,7 +253,7 @@ static int apl_open(const char *path, int device, const char *backend, const cha
     }
     if (fd < 0) return apl_fail(err, len, APL_E_IO, "ledger %s keeps appearing and vanishing", path);
     struct stat st;
-    int rc = apl_check_stat(fd, path, group, &st, err, len);
+    int rc = apl_check_stat(fd, path, group, owner, &st, err, len);
     if (rc != APL_OK) {
         close(fd);
         return rc;
@@ -264,6 +279,11 @@ static int apl_open(const char *path, int device, const char *backend, const cha
     atomic_init(&L->refs, 1);
     pthread_mutex_init(&L->mu, NULL);
     snprintf(L->path, sizeof L->path, "%s", path);
+    snprintf(L->dir, sizeof L->dir, "%s", path);
+    char *slash = strrchr(L->dir, '/');
+    if (slash == L->dir) slash[1] = 0;
+    else if (slash) *slash = 0;
+    else snprintf(L->dir, sizeof L->dir, ".");
     /* The header is immutable after creation, but entries are checked under the lock so that no
        entry is seen half-claimed. */
     if ((rc = apl_lock(L, err, len)) == APL_OK) {

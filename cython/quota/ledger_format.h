@@ -6,8 +6,9 @@
  *     backend, node) so that a file from another version, user or device is refused;
  *   - a table of tenants: name, quota (bytes), held (bytes reserved node-wide: the counter that
  *     reserve() moves with compare-and-swap), peak and counters;
- *   - a table of slots, one per live tenant context of a process (pid, process start time, tenant,
- *     bytes held by that context). A slot of a dead process is how its share is found and given back.
+ *   - a table of slots, one per live tenant context of a process (process instance id, tenant,
+ *     bytes held by that context; the pid and its namespace as labels). A slot whose instance no
+ *     longer holds its lease (proc_identity.h) is how a dead process's share is found and given back.
  *
  * Units: every byte count is bytes (uint64). Fields marked _Atomic are read and written lock-free;
  * the others change only under the file lock (ledger_file.h), and are read lock-free only where a
@@ -23,7 +24,7 @@
 #include <stdint.h>
 
 #define APL_MAGIC 0x31524744454c5041ull /* "APLEDGR1" read as a little-endian uint64 */
-#define APL_VERSION 1u
+#define APL_VERSION 2u                 /* 2: slots name a process instance (lease), not a pid */
 #define APL_TENANTS 64                  /* tenants per device ledger */
 #define APL_SLOTS 1024                  /* live contexts per device, all processes together */
 #define APL_NAME_MAX 64                 /* tenant name bytes, NUL included (so 63 characters) */
@@ -32,6 +33,9 @@
 #define APL_MAX_BYTES (1ull << 60)      /* no real device holds more: larger values mean corruption */
 
 enum { APL_FREE = 0, APL_USED = 1 };   /* state of a tenant entry or a slot */
+/* Where a tenant's quota came from: nobody (no quota), a process's declaration, the operator's
+   tenants file. A declaration never overrides the operator's file, and never lifts a limit. */
+enum { APL_SRC_NONE = 0, APL_SRC_DECLARED = 1, APL_SRC_OPERATOR = 2 };
 
 typedef struct apl_header {
     uint64_t magic;
@@ -62,18 +66,22 @@ typedef struct apl_tenant {
     _Atomic uint64_t uncertain;         /* bytes that a process killed inside reserve/release may
                                            or may not have moved; counted as held (the safe side)
                                            until the tenant has no live slot left */
-    uint8_t pad[128 - 112];
+    _Atomic uint32_t quota_src;         /* APL_SRC_*: who set the quota (ledger_slots.h) */
+    uint32_t reserved0;
+    _Atomic uint64_t conflicts;         /* declarations that disagreed with the quota in force */
 } apl_tenant;
 
 typedef struct apl_slot {
     _Atomic uint32_t state;             /* APL_FREE / APL_USED; published last when claimed */
-    int32_t pid;
-    uint64_t start_time;                /* /proc/PID/stat field 22: tells a reused pid apart */
+    int32_t pid;                        /* a label: the pid in the owner's own pid namespace */
+    uint64_t instance;                  /* the owner's instance id: its lease (proc_identity.h) */
     uint32_t tenant;                    /* index into tenants[] */
     uint32_t reserved0;
     _Atomic uint64_t held;              /* bytes this context reserved; written only by its process */
     _Atomic int64_t pending;            /* +bytes inside reserve, -bytes inside release, else 0 */
-    uint8_t pad[64 - 40];
+    uint64_t pidns;                     /* inode of the owner's /proc/self/ns/pid */
+    uint64_t start_time;                /* /proc/PID/stat field 22 in that namespace (0: unknown) */
+    uint8_t pad[64 - 56];
 } apl_slot;
 
 typedef struct apl_file {

@@ -130,14 +130,15 @@ static void apl_hook_release(void *ctx, int device, size_t bytes) {
 }
 
 /* A new handle: attaches to the tenant (claiming a slot). NULL and err on failure. */
-static apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int set_warn,
-                                   uint32_t warn_ppm, char *err, size_t len, int *kind) {
+static apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int src,
+                                   int set_warn, uint32_t warn_ppm, int *conflict, char *err, size_t len,
+                                   int *kind) {
     apl_handle *h = calloc(1, sizeof *h);
     if (!h) {
         *kind = apl_fail(err, len, APL_E_IO, "host memory exhausted");
         return NULL;
     }
-    *kind = apl_attach(L, name, set_quota, quota, set_warn, warn_ppm, &h->tenant, &h->slot, err, len);
+    *kind = apl_attach(L, name, set_quota, quota, src, set_warn, warn_ppm, &h->tenant, &h->slot, conflict, err, len);
     if (*kind != APL_OK) {
         free(h);
         return NULL;

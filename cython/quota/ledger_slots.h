@@ -7,7 +7,12 @@
  * process to attach to a tenant that has no live slot starts it afresh (held 0, its own quota), so
  * a quota from a run long gone never lingers. An entry with no slot is reused when the table fills.
  *
- * Reclaiming a dead process's slot (pid gone, a zombie, or reused: start time differs) subtracts
+ * Quota: one source of truth per tenant. The operator's tenants file wins when it names a quota
+ * (APL_SRC_OPERATOR); otherwise processes' declarations resolve to the stricter one, so a process
+ * never lifts a limit another relies on. Every declaration that disagrees with the quota in force
+ * is counted in the tenant's `conflicts` (exported; the Python layer logs the first one).
+ *
+ * Reclaiming a dead process's slot (its lease is no longer held: proc_identity.h) subtracts
  * what the slot held from the tenant's counter. The one ambiguity: a process killed between the
  * two steps of reserve or release (the tenant's compare-and-swap and its own slot update, a few
  * instructions apart) leaves `pending` set, and nobody can know whether the tenant counter moved.
@@ -84,6 +89,8 @@ static uint64_t apl_slot_clear(apl_file *f, int i, int dead) {
     atomic_store(&s->held, 0);
     atomic_store(&s->pending, 0);
     s->pid = 0;
+    s->instance = 0;
+    s->pidns = 0;
     s->start_time = 0;
     atomic_store_explicit(&s->state, APL_FREE, memory_order_release);
     return held;
@@ -91,19 +98,18 @@ static uint64_t apl_slot_clear(apl_file *f, int i, int dead) {
 
 /* Gives back the slots of dead processes (of one tenant, or all when tenant < 0). Under the lock.
    Returns the number of slots reclaimed; *bytes (optional) gets the bytes they held. */
-static int apl_reclaim_locked(apl_file *f, int tenant, uint64_t *bytes) {
+static int apl_reclaim_locked(apl_ledger *L, int tenant, uint64_t *bytes) {
+    apl_file *f = L->f;
     int n = 0;
     uint64_t total = 0;
     uint64_t touched = 0; /* bit per tenant */
-    pid_t me = getpid();
     for (int i = 0; i < APL_SLOTS; i++) {
         apl_slot *s = &f->slots[i];
         if (atomic_load(&s->state) != APL_USED) continue;
         if (s->tenant >= APL_TENANTS) continue; /* validated at open; never index with a bad value */
         if (tenant >= 0 && s->tenant != (uint32_t)tenant) continue;
-        /* Ours (same pid and start time) is alive by definition; a slot with our pid but another
-           start time was left by a dead process whose pid we reuse. */
-        if (s->pid == me ? s->start_time == apl_proc_start_time(me) : apl_proc_alive(s->pid, s->start_time) != 0)
+        /* By lease, never by pid: a pid may belong to another namespace (proc_identity.h). */
+        if (apl_owner_alive(L->dir, s->instance, s->pid, s->pidns, s->start_time) != 0)
             continue; /* alive, or cannot tell: keep */
         touched |= 1ull << s->tenant;
         total += apl_slot_clear(f, i, 1);
@@ -118,29 +124,51 @@ static int apl_reclaim_locked(apl_file *f, int tenant, uint64_t *bytes) {
 /* Locks, reclaims dead slots, unlocks. -1 when the lock could not be taken. */
 static int apl_reclaim(apl_ledger *L, int tenant, uint64_t *bytes, char *err, size_t len) {
     if (apl_lock(L, err, len) != APL_OK) return -1;
-    int n = apl_reclaim_locked(L->f, tenant, bytes);
+    int n = apl_reclaim_locked(L, tenant, bytes);
     apl_unlock(L);
     return n;
 }
 
+/* Applies a quota declaration to a live tenant (under the lock): the operator's (src
+   APL_SRC_OPERATOR) replaces any declared one; a declared one never overrides the operator's and
+   never raises the quota in force (the stricter wins). Returns 1 when it disagreed (counted). */
+static int apl_declare_quota(apl_tenant *T, uint64_t quota, int src) {
+    uint64_t old = atomic_load(&T->quota);
+    int old_src = (int)atomic_load(&T->quota_src);
+    int conflict = old_src != APL_SRC_NONE && quota != old;
+    if (src == APL_SRC_OPERATOR || old_src == APL_SRC_NONE) {
+        atomic_store(&T->quota, quota);
+        atomic_store(&T->quota_src, quota == APL_NO_QUOTA && src != APL_SRC_OPERATOR ? APL_SRC_NONE : (uint32_t)src);
+    } else if (old_src == APL_SRC_DECLARED && src == APL_SRC_DECLARED && quota < old) {
+        atomic_store(&T->quota, quota); /* stricter */
+    } /* else: the operator's quota, or a stricter declaration, stays */
+    if (conflict) atomic_fetch_add(&T->conflicts, 1);
+    return conflict;
+}
+
 /* Finds or creates tenant `name` and claims a slot for this process in it.
- * quota: bytes or APL_NO_QUOTA; set_quota: 0 keeps a live tenant's quota (a context created with
- * quota=None joins on the node's terms). warn_ppm likewise with set_warn. */
-static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int set_warn,
-                      uint32_t warn_ppm, int *tenant_out, int *slot_out, char *err, size_t len) {
+ * quota: bytes or APL_NO_QUOTA; set_quota: 0 joins a live tenant on its terms (a context created
+ * with quota=None), else the declaration is applied as apl_declare_quota says, with source src.
+ * warn_ppm likewise with set_warn. *conflict_out (optional): 1 when the declaration disagreed. */
+static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int src, int set_warn,
+                      uint32_t warn_ppm, int *tenant_out, int *slot_out, int *conflict_out, char *err,
+                      size_t len) {
+    if (conflict_out) *conflict_out = 0;
+    if (atomic_load(&apl_self_instance) == 0)
+        return apl_fail(err, len, APL_E_ARG, "internal: this process has no lease (identity) to claim a slot with");
     if (!apl_name_ok(name, APL_NAME_MAX))
         return apl_fail(err, len, APL_E_ARG, "tenant name '%.80s' is not 1-63 of A-Z a-z 0-9 _ . -", name);
     int rc = apl_lock(L, err, len);
     if (rc != APL_OK) return rc;
     apl_file *f = L->f;
     int t = apl_find_tenant(f, name);
-    if (t >= 0) apl_reclaim_locked(f, t, NULL); /* a crashed run's slots must not keep it alive */
+    if (t >= 0) apl_reclaim_locked(L, t, NULL); /* a crashed run's slots must not keep it alive */
     int fresh = t < 0 || apl_tenant_live_slots(f, t) == 0;
     if (t < 0) {
         for (int i = 0; i < APL_TENANTS && t < 0; i++)
             if (atomic_load(&f->tenants[i].state) == APL_FREE) t = i;
         if (t < 0) { /* full: reuse an entry nobody holds a slot in, after reclaiming the dead */
-            apl_reclaim_locked(f, -1, NULL);
+            apl_reclaim_locked(L, -1, NULL);
             for (int i = 0; i < APL_TENANTS && t < 0; i++)
                 if (apl_tenant_live_slots(f, i) == 0) t = i;
         }
@@ -159,17 +187,22 @@ static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t q
         atomic_store(&T->peak, 0);
         atomic_store(&T->refusals, 0);
         atomic_store(&T->uncertain, 0);
+        atomic_store(&T->conflicts, 0);
         atomic_store(&T->quota, set_quota ? quota : APL_NO_QUOTA);
+        atomic_store(&T->quota_src, set_quota && (quota != APL_NO_QUOTA || src == APL_SRC_OPERATOR) ? (uint32_t)src
+                                                                                                   : APL_SRC_NONE);
         atomic_store(&T->warn_ppm, set_warn ? warn_ppm : 0);
     } else {
-        if (set_quota) atomic_store(&T->quota, quota);
-        if (set_warn) atomic_store(&T->warn_ppm, warn_ppm);
+        int c = set_quota ? apl_declare_quota(T, quota, src) : 0;
+        if (conflict_out) *conflict_out = c;
+        if (set_warn && (src == APL_SRC_OPERATOR || atomic_load(&T->quota_src) != APL_SRC_OPERATOR))
+            atomic_store(&T->warn_ppm, warn_ppm);
     }
     atomic_store_explicit(&T->state, APL_USED, memory_order_release);
 
     int s = -1;
     for (int pass = 0; pass < 2 && s < 0; pass++) {
-        if (pass == 1) apl_reclaim_locked(f, -1, NULL);
+        if (pass == 1) apl_reclaim_locked(L, -1, NULL);
         for (int i = 0; i < APL_SLOTS && s < 0; i++)
             if (atomic_load(&f->slots[i].state) == APL_FREE) s = i;
     }
@@ -181,6 +214,8 @@ static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t q
     }
     apl_slot *S = &f->slots[s];
     S->pid = getpid();
+    S->instance = atomic_load(&apl_self_instance);
+    S->pidns = atomic_load(&apl_self_pidns);
     S->start_time = apl_proc_start_time(S->pid);
     S->tenant = (uint32_t)t;
     atomic_store(&S->held, 0);
@@ -197,7 +232,8 @@ static int apl_detach(apl_ledger *L, int tenant, int slot, char *err, size_t len
     int rc = apl_lock(L, err, len);
     if (rc != APL_OK) return rc;
     apl_slot *S = &L->f->slots[slot];
-    if (atomic_load(&S->state) == APL_USED && S->pid == getpid() && S->tenant == (uint32_t)tenant) {
+    if (atomic_load(&S->state) == APL_USED && S->pid == getpid() && S->tenant == (uint32_t)tenant &&
+        S->instance == atomic_load(&apl_self_instance)) {
         apl_slot_clear(L->f, slot, 0);
         apl_tenant_settle_if_idle(L->f, tenant);
     }
@@ -205,11 +241,38 @@ static int apl_detach(apl_ledger *L, int tenant, int slot, char *err, size_t len
     return APL_OK;
 }
 
-/* Changes a live tenant's quota (bytes or APL_NO_QUOTA) and warn level. Lock-free: one store each;
-   a reserve racing with it sees either value, and both are valid quotas. */
-static void apl_set_quota(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm) {
-    atomic_store(&L->f->tenants[tenant].quota, quota);
-    atomic_store(&L->f->tenants[tenant].warn_ppm, warn_ppm);
+/* Changes a live tenant's quota (bytes or APL_NO_QUOTA) and warn level. The operator's file
+   (src APL_SRC_OPERATOR, e.g. a reload) always applies. A process's own change applies when it
+   lowers the quota, or when no other live process of the tenant relies on the quota in force and
+   the operator did not set it; otherwise the stricter quota stays, the conflict is counted and 1 is
+   returned. -1 when the lock cannot be taken (err says why). A reserve racing with the store sees
+   either value, and both are valid quotas. */
+static int apl_set_quota(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm, int src, char *err,
+                         size_t len) {
+    if (apl_lock(L, err, len) != APL_OK) return -1;
+    apl_tenant *T = &L->f->tenants[tenant];
+    int conflict = 0;
+    uint64_t old = atomic_load(&T->quota);
+    int old_src = (int)atomic_load(&T->quota_src);
+    uint64_t me = atomic_load(&apl_self_instance);
+    int others = 0;
+    for (int i = 0; i < APL_SLOTS; i++)
+        if (atomic_load(&L->f->slots[i].state) == APL_USED && L->f->slots[i].tenant == (uint32_t)tenant &&
+            L->f->slots[i].instance != me &&
+            apl_owner_alive(L->dir, L->f->slots[i].instance, L->f->slots[i].pid, L->f->slots[i].pidns,
+                            L->f->slots[i].start_time) != 0)
+            others++;
+    if (src == APL_SRC_OPERATOR || quota <= old || (!others && old_src != APL_SRC_OPERATOR)) {
+        atomic_store(&T->quota, quota);
+        atomic_store(&T->quota_src, src == APL_SRC_OPERATOR ? APL_SRC_OPERATOR
+                                    : quota == APL_NO_QUOTA ? APL_SRC_NONE : APL_SRC_DECLARED);
+        atomic_store(&T->warn_ppm, warn_ppm);
+    } else if (quota != old) {
+        conflict = 1;
+        atomic_fetch_add(&T->conflicts, 1);
+    }
+    apl_unlock(L);
+    return conflict;
 }
 
 #endif

@@ -1,28 +1,31 @@
-/* Who owns a ledger slot: a process is named by its pid *and* its start time, because pids are
- * reused. A slot whose pid is gone, a zombie, or now belongs to a process that started at
- * another time is dead and its bytes may be given back.
+/* Who owns a ledger slot: a process *instance*, not a pid.
  *
- * The start time is field 22 of /proc/PID/stat ("starttime", clock ticks since boot). Field 2 is
- * the command name in parentheses and may itself contain spaces and ')' — so parsing starts after
- * the *last* ')'.
- *
- * Assumes the processes sharing a ledger share a pid namespace (true for the processes of one
- * container, which is also the scope of its /dev/shm).
+ * Pids are per pid namespace: two containers' workers are both pid 1, and a pid read from another
+ * namespace names nobody (or somebody else) here. So a process is named by a random 64-bit
+ * instance id, and it proves it is alive by a lease: it holds flock(LOCK_EX) on its own file
+ *     <dir>/ascend_pool-lease-<instance as 16 hex digits>
+ * in the directory of the records it writes (ascend_pool/identity.py creates it, fully locked
+ * before it appears under that name). The kernel drops the lock when the process dies, whatever
+ * namespace the process or the checker is in; anyone who can open the file can test the lock. A
+ * slot keeps the pid and its pid namespace (the inode of /proc/self/ns/pid) only as labels for
+ * people: no liveness or ownership decision rests on them.
  */
 #ifndef AP_PROC_IDENTITY_H
 #define AP_PROC_IDENTITY_H
 
 #include <errno.h>
 #include <fcntl.h>
-#include <signal.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
 
-/* Reads state (field 3) and start time (field 22) of pid. 0 ok, -1 no such process, -2 cannot
-   tell (e.g. /proc hidden or unreadable). */
+#define APL_LEASE_PREFIX "ascend_pool-lease-"
+
 static int apl_read_stat(int pid, char *state, uint64_t *start) {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", pid);
@@ -58,7 +61,7 @@ static uint64_t apl_proc_start_time(int pid) {
 
 /* 1 alive (same pid, same start time), 0 dead, -1 cannot tell (then the slot is kept: never give
    away bytes a live process may still hold). */
-static int apl_proc_alive(int pid, uint64_t start_time) {
+static int apl_proc_alive_here(int pid, uint64_t start_time) {
     if (pid <= 0) return 0;
     if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
     char state;
@@ -68,6 +71,63 @@ static int apl_proc_alive(int pid, uint64_t start_time) {
     if (rc == -2) return -1;
     if (state == 'Z' || state == 'X') return 0; /* exited; its device memory is already gone */
     return start == start_time ? 1 : 0;
+}
+
+
+/* 1 when /proc shows this process's own pid namespace (so a pid recorded with our pidns can be
+   looked up there), 0 otherwise (e.g. `unshare --pid` without a /proc of its own). */
+static int apl_proc_is_ours(void) {
+    char buf[32];
+    ssize_t n = readlink("/proc/self", buf, sizeof buf - 1);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    return atoi(buf) == (int)getpid();
+}
+
+/* This process's identity, set by Python (identity.py) before it claims a slot; a forked child
+   gets a new one before it attaches. 0: not set (then nothing is claimed). */
+static _Atomic uint64_t apl_self_instance;
+static _Atomic uint64_t apl_self_pidns;
+
+static void apl_set_identity(uint64_t instance, uint64_t pidns) {
+    atomic_store(&apl_self_instance, instance);
+    atomic_store(&apl_self_pidns, pidns);
+}
+
+/* 1 alive (its lease is held), 0 dead (no lease file, or nobody holds its lock), -1 cannot tell
+   (then the slot is kept: never give away bytes a live process may still hold). */
+static int apl_lease_alive(const char *dir, uint64_t instance);
+
+/* The liveness of a slot's owner: its lease decides. One refinement, for a process of *our* pid
+   namespace only (recorded pidns equal to ours and /proc showing that namespace): a pid that is
+   gone, a zombie, or reused (another start time) is dead even while its lease is still held for
+   a moment (a killed multi-threaded process is a zombie before its last thread closes its files). */
+static int apl_owner_alive(const char *dir, uint64_t instance, int pid, uint64_t pidns, uint64_t start_time) {
+    int lease = apl_lease_alive(dir, instance);
+    if (lease == 1 && pidns != 0 && pidns == atomic_load(&apl_self_pidns) && pid > 0 && start_time != 0 &&
+        apl_proc_is_ours() && apl_proc_alive_here(pid, start_time) == 0)
+        return 0;
+    return lease;
+}
+
+static int apl_lease_alive(const char *dir, uint64_t instance) {
+    if (instance == 0) return 0;
+    if (instance == atomic_load(&apl_self_instance)) return 1;
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof path, "%s/" APL_LEASE_PREFIX "%016llx", dir, (unsigned long long)instance) >=
+        (int)sizeof path)
+        return -1;
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return errno == ENOENT ? 0 : -1;
+    int rc;
+    if (flock(fd, LOCK_SH | LOCK_NB) == 0) {
+        rc = 0; /* nobody holds it: its owner is gone */
+        flock(fd, LOCK_UN);
+    } else {
+        rc = errno == EWOULDBLOCK ? 1 : -1;
+    }
+    close(fd);
+    return rc;
 }
 
 #endif

@@ -29,14 +29,16 @@ cdef extern from "quota/ledger_reserve.h" nogil:
         char backend[16]
         char node[64]
         uint64_t reclaimed_slots, reclaimed_bytes, uncertain_bytes
+    int APL_SRC_NONE, APL_SRC_DECLARED, APL_SRC_OPERATOR
     ctypedef struct apl_tenant:
         uint32_t state, warn_ppm
         char name[64]
-        uint64_t quota, held, peak, refusals, uncertain
+        uint64_t quota, held, peak, refusals, uncertain, conflicts
+        uint32_t quota_src
     ctypedef struct apl_slot:
         uint32_t state
         int pid
-        uint64_t start_time
+        uint64_t instance, pidns, start_time
         uint32_t tenant
         uint64_t held
         int64_t pending
@@ -48,6 +50,7 @@ cdef extern from "quota/ledger_reserve.h" nogil:
         apl_file *f
         int device
         char path[4096]
+        char dir[4096]
     ctypedef struct apl_handle:
         apl_ledger *L
         int tenant, slot, device
@@ -55,16 +58,18 @@ cdef extern from "quota/ledger_reserve.h" nogil:
         int valid, forked
         uint64_t quota, held, bytes
     apl_refusal apl_last_refusal
-    int apl_open(const char *path, int device, const char *backend, const char *node, uint32_t group,
-                 apl_ledger **out, char *err, size_t len)
+    int apl_open_as(const char *path, int device, const char *backend, const char *node, uint32_t group,
+                    uint32_t owner, apl_ledger **out, char *err, size_t len)
+    uint32_t APL_NO_OWNER
     void apl_unref(apl_ledger *L)
     int apl_reclaim(apl_ledger *L, int tenant, uint64_t *nbytes, char *err, size_t len)
-    int apl_proc_alive(int pid, uint64_t start_time)
-    apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int set_warn,
-                                uint32_t warn_ppm, char *err, size_t len, int *kind)
+    int apl_owner_alive(const char *dir, uint64_t instance, int pid, uint64_t pidns, uint64_t start_time)
+    void apl_set_identity(uint64_t instance, uint64_t pidns)
+    apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int src,
+                                int set_warn, uint32_t warn_ppm, int *conflict, char *err, size_t len, int *kind)
     void apl_handle_close(apl_handle *h)
     int apl_reserve(apl_handle *h, uint64_t nbytes, char *why, size_t why_len)
-    void apl_set_quota(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm)
+    int apl_set_quota(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm, int src, char *err, size_t len)
     int apl_hook_reserve(void *ctx, int device, size_t nbytes, char *why, size_t why_len) noexcept
     void apl_hook_release(void *ctx, int device, size_t nbytes) noexcept
     int apl_take_warn(apl_handle *h)
@@ -76,6 +81,33 @@ cdef extern from "quota/ledger_view.h" nogil:
     int apl_copy_tables(const apl_file *f, apl_tables *out, apl_tables *scratch)
 
 LEDGER_TENANTS = APL_TENANTS
+_QUOTA_SOURCES = {0: None, 1: "declared", 2: "operator"}
+_operator_quota_hook = None  # ascend_pool.tenants registers its reader of the operator's file
+_conflicts_logged = set()
+
+
+def set_process_identity(uint64_t instance, uint64_t pidns):
+    """Tells the ledger code this process's instance id (its lease, ascend_pool.identity) and
+    pid namespace, which the slots it claims are named by."""
+    apl_set_identity(instance, pidns)
+
+
+def set_operator_quota_hook(fn):
+    """fn(tenant, device, device_total_bytes_callable) -> (quota bytes, warn) or None: the quota the
+    operator's tenants file sets, which wins over a process's own declaration (the tenants layer
+    registers it; this layer cannot import it)."""
+    global _operator_quota_hook
+    _operator_quota_hook = fn
+
+
+def _log_conflict(str tenant, int device, str text):
+    if (tenant, device) in _conflicts_logged:
+        return
+    _conflicts_logged.add((tenant, device))
+    import logging
+    logging.getLogger("ascend_pool.tenants").warning(
+        "tenant %r on device %d: conflicting quota declarations: %s (logged once; counted in "
+        "ascend_pool_quota_conflicts_total)", tenant, device, text)
 LEDGER_SLOTS = APL_SLOTS
 LEDGER_VERSION = APL_VERSION
 _LEDGER_ERRLEN = 1024
@@ -107,17 +139,20 @@ cdef uint32_t _warn_arg(object warn) except? 0:
 cdef class Ledger:
     """One device's node-wide quota ledger, mapped by this process.
 
-    Ledger(path, device, backend, node="", group=None): opens the file (creating it 0600, or 0660
-    for the group gid `group`), and refuses one that is foreign or malformed (LedgerError). Use
+    Ledger(path, device, backend, node="", group=None, owner=None): opens the file (creating it
+    0600, or 0660 for the group gid `group`), and refuses one that is foreign or malformed
+    (LedgerError). owner: the uid a private ledger must belong to (default: this user); a node
+    service sweeping a trusted user's ledger names it, and such a file is never created. Use
     ascend_pool.tenants.ledger.open_ledger, which names the file and keeps one per process."""
     cdef apl_ledger *L
     cdef readonly str path
     cdef readonly int device
     cdef readonly object group
 
-    def __cinit__(self, str path, int device, str backend, str node="", group=None):
+    def __cinit__(self, str path, int device, str backend, str node="", group=None, owner=None):
         cdef char err[1024]
         cdef uint32_t g = APL_NO_GROUP if group is None else <uint32_t>group
+        cdef uint32_t o = APL_NO_OWNER if owner is None else <uint32_t>owner
         cdef bytes bpath = path.encode(), bbackend = backend.encode(), bnode = node.encode()
         cdef const char *cpath = bpath
         cdef const char *cbackend = bbackend
@@ -126,7 +161,7 @@ cdef class Ledger:
         self.L = NULL
         err[0] = 0
         with nogil:
-            rc = apl_open(cpath, device, cbackend, cnode, g, &self.L, err, sizeof(err))
+            rc = apl_open_as(cpath, device, cbackend, cnode, g, o, &self.L, err, sizeof(err))
         if rc != APL_OK:
             raise _ledger_error(rc, err)
         self.path = path
@@ -157,8 +192,10 @@ cdef class Ledger:
         {"name", "quota_bytes" (None: no quota), "held_bytes", "peak_bytes", "refusals" (segment
          reservations refused, node-wide: one malloc may be refused up to three times as the pool
          trims its cache and retries),
-         "uncertain_bytes", "warn" (ratio or None)}; a slot is {"pid", "tenant", "held_bytes",
-         "alive" (True, False, or None when it cannot be told)}."""
+         "uncertain_bytes", "warn" (ratio or None), "conflicts" (declarations that disagreed with
+         the quota in force), "quota_source" (None, "declared" or "operator")}; a slot is {"pid" (in
+         its own pid namespace "pidns"), "instance" (16 hex digits), "tenant", "held_bytes",
+         "alive" (True, False, or None when it cannot be told: by its lease, never by pid)}."""
         cdef apl_file *f = self.L.f
         cdef apl_tables *t = <apl_tables *>malloc(2 * sizeof(apl_tables))
         cdef int i
@@ -179,14 +216,18 @@ cdef class Ledger:
                     "held_bytes": t[0].tenants[i].held, "peak_bytes": t[0].tenants[i].peak,
                     "refusals": t[0].tenants[i].refusals, "uncertain_bytes": t[0].tenants[i].uncertain,
                     "warn": w / 1e6 if w else None, "index": i,
+                    "conflicts": t[0].tenants[i].conflicts,
+                    "quota_source": _QUOTA_SOURCES.get(t[0].tenants[i].quota_src),
                 })
             names = {x["index"]: x["name"] for x in tenants}
             slots = []
             for i in range(APL_SLOTS):
                 if t[0].slots[i].state != APL_USED:
                     continue
-                alive = apl_proc_alive(t[0].slots[i].pid, t[0].slots[i].start_time)
-                slots.append({"pid": t[0].slots[i].pid, "tenant": names.get(t[0].slots[i].tenant, "?"),
+                alive = apl_owner_alive(self.L.dir, t[0].slots[i].instance, t[0].slots[i].pid,
+                                        t[0].slots[i].pidns, t[0].slots[i].start_time)
+                slots.append({"pid": t[0].slots[i].pid, "instance": f"{t[0].slots[i].instance:016x}",
+                              "pidns": t[0].slots[i].pidns, "tenant": names.get(t[0].slots[i].tenant, "?"),
                               "held_bytes": t[0].slots[i].held, "pending_bytes": t[0].slots[i].pending,
                               "alive": None if alive < 0 else bool(alive), "index": i})
         finally:
@@ -223,18 +264,34 @@ def attach_ledger(PoolBase pool, Ledger ledger, str tenant, quota, warn, bint se
     pool._check()
     if pool.quota_hook is not None:
         raise PoolError("this pool is already attached to a tenant")
+    from ascend_pool.tenants.ledger import ensure_lease
+    ensure_lease(ledger.L.dir.decode())  # the slot is named by this process's lease
+    cdef int src = APL_SRC_DECLARED
+    op = _operator_quota_hook(tenant, pool.device, lambda: pool.backend.mem_info(pool.device)[1]) \
+        if _operator_quota_hook is not None else None
+    if op is not None:  # the operator's tenants file names this tenant's quota: it wins
+        if set_quota and quota != op[0]:
+            _log_conflict(tenant, pool.device, f"this process declared {quota} bytes, the tenants file "
+                                               f"sets {op[0]} bytes, which applies")
+        quota, warn, set_quota, src = op[0], (op[1] if op[1] is not None else warn), True, APL_SRC_OPERATOR
     cdef char err[1024]
-    cdef int kind = 0
+    cdef int kind = 0, conflict = 0
     cdef bytes bname = tenant.encode()
     cdef const char *cname = bname
     cdef uint64_t q = _quota_arg(quota)
     cdef uint32_t w = _warn_arg(warn)
     cdef bint sw = set_quota and warn is not None
+    cdef bint sq = set_quota
     cdef apl_handle *h
     with nogil:
-        h = apl_handle_open(ledger.L, cname, set_quota, q, sw, w, err, sizeof(err), &kind)
+        h = apl_handle_open(ledger.L, cname, sq, q, src, sw, w, &conflict, err, sizeof(err), &kind)
     if h == NULL:
         raise _ledger_error(kind, err)
+    if conflict:
+        now = h.L.f.tenants[h.tenant].quota
+        _log_conflict(tenant, pool.device, f"this process declared {'no quota' if quota is None else quota} "
+                      f"(bytes), the quota in force is {'none' if now == APL_NO_QUOTA else now} bytes, which "
+                      "stays (the operator's file, else the stricter, wins)")
     owner = LedgerQuota(ledger, tenant)
     cdef ap_stats st
     cdef uint64_t held
@@ -284,12 +341,30 @@ cdef class LedgerQuota:
         self.tenant = tenant
 
     def set_quota(self, PoolBase pool, quota, warn):
-        """Stores the tenant's quota (bytes or None) and warn ratio (or None) node-wide."""
+        """Stores the tenant's quota (bytes or None) and warn ratio (or None) node-wide, if it may:
+        the quota the operator's tenants file sets always applies; a process's own change applies
+        when it lowers the quota, or when no other live process of the tenant relies on it and the
+        operator did not set it. Otherwise the quota in force stays, the conflict is logged once and
+        counted, and False is returned (True: applied)."""
         pool._check()
         cdef apl_handle *h = _handle_of(pool)
         if h == NULL:
             raise PoolError("this pool is not attached to a tenant")
-        apl_set_quota(h.L, h.tenant, _quota_arg(quota), _warn_arg(warn))
+        cdef int src = APL_SRC_DECLARED
+        op = _operator_quota_hook(self.tenant, pool.device, lambda: pool.backend.mem_info(pool.device)[1]) \
+            if _operator_quota_hook is not None else None
+        if op is not None and op[0] == quota:
+            src = APL_SRC_OPERATOR  # e.g. a reload of the tenants file
+        cdef char err[1024]
+        rc = apl_set_quota(h.L, h.tenant, _quota_arg(quota), _warn_arg(warn), src, err, sizeof(err))
+        if rc < 0:
+            raise _ledger_error(APL_E_LOCK, err)
+        if rc:
+            now = h.L.f.tenants[h.tenant].quota
+            _log_conflict(self.tenant, pool.device, f"this process asked for {'no quota' if quota is None else quota} "
+                          f"(bytes), the quota in force is {'none' if now == APL_NO_QUOTA else now} bytes, which "
+                          "other processes rely on (or the operator set): it stays")
+        return rc == 0
 
     def state(self, PoolBase pool):
         """pool's tenant as the ledger sees it now: dict with quota_bytes (None: no quota),
@@ -305,7 +380,8 @@ cdef class LedgerQuota:
         return {"quota_bytes": None if q == APL_NO_QUOTA else q, "held_bytes": f.tenants[t].held,
                 "slot_bytes": f.slots[h.slot].held, "peak_bytes": f.tenants[t].peak,
                 "refusals": f.tenants[t].refusals, "uncertain_bytes": f.tenants[t].uncertain,
-                "warn": w / 1e6 if w else None}
+                "warn": w / 1e6 if w else None, "conflicts": f.tenants[t].conflicts,
+                "quota_source": _QUOTA_SOURCES.get(f.tenants[t].quota_src)}
 
     def after_growth(self, PoolBase pool):
         """Called by pool.malloc after a miss: runs pool._quota_warn() once each time the pool's

@@ -217,6 +217,7 @@ SIM_EXPORT aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *key
 SIM_EXPORT aclError aclrtIpcMemSetImportPid(const char *key, int32_t *pid, size_t num);
 SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint64_t flags);
 SIM_EXPORT aclError aclrtIpcMemClose(const char *key);
+SIM_EXPORT aclError aclrtDeviceGetBareTgid(int32_t *pid); /* the node-level id (proc.c) */
 
 SIM_EXPORT aclError aclrtCreateEvent(aclrtEvent *event);
 SIM_EXPORT aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag);

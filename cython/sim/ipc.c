@@ -66,7 +66,7 @@
 #include "sim_internal.h"
 
 #define IPC_MAGIC 0x3143504944534341ull /* "ASCDIPC1" */
-#define IPC_VERSION 1u
+#define IPC_VERSION 2u /* 2: processes named by lease id, importers by node-level id */
 #define IPC_KEY_LEN 65                  /* 64 characters and NUL: CANN's key buffer */
 #define IPC_MAX_PIDS 256
 #define IPC_MAX_IMPORTERS 256
@@ -77,15 +77,15 @@
 enum { IPC_CREATING = 0, IPC_LIVE = 1, IPC_CLOSED = 2 };
 
 struct ipc_pid {
-    int32_t pid;
+    int32_t pid;         /* a node-level id (aclrtDeviceGetBareTgid), as CANN checks them */
     uint32_t reserved;
-    uint64_t start_time; /* 0: not known when listed (any process with that pid) */
+    uint64_t start_time; /* unused (0): node-level ids are unique on the node */
 };
 
 struct ipc_importer {
-    int32_t pid;         /* 0: free slot */
+    int32_t pid;         /* 0: free slot; else the importer's pid, a label */
     uint32_t count;      /* imports of the key in that process */
-    uint64_t start_time;
+    uint64_t start_time; /* the importer's lease id (proc.c): who it is, in any pid namespace */
 };
 
 struct ipc_record {
@@ -101,7 +101,7 @@ struct ipc_record {
     char key[IPC_KEY_LEN + 7];
     int32_t exporter_pid;
     uint32_t reserved;
-    uint64_t exporter_start;
+    uint64_t exporter_start; /* the exporter's lease id (proc.c) */
     _Atomic uint32_t state;  /* IPC_CREATING, IPC_LIVE, IPC_CLOSED */
     uint32_t n_pids;
     pthread_mutex_t lock;    /* process-shared, robust: guards n_pids, allowed, importers */
@@ -285,8 +285,8 @@ static void sweep_stale(void)
         snprintf(path, sizeof path, "%s/%s", g_sim.cfg.shm_dir, e->d_name);
         const char *tmp = strstr(e->d_name + plen, ".tmp.");
         if (tmp) {
-            int pid = atoi(tmp + 5);
-            if (pid > 0 && sim_proc_alive(pid, sim_proc_start_time(pid)) == 0)
+            uint64_t id = strtoull(tmp + 5, NULL, 16); /* its creator's lease id */
+            if (id && sim_proc_alive(0, id) == 0)
                 unlink(path);
             continue;
         }
@@ -416,7 +416,7 @@ static int create_record(struct ipc_export *e, int dev, size_t size, uint64_t fl
     for (int attempt = 0; attempt < 8; attempt++) {
         new_key(e->key);
         record_path(e->path, sizeof e->path, e->key);
-        snprintf(tmp, sizeof tmp, "%s.tmp.%d", e->path, (int)getpid());
+        snprintf(tmp, sizeof tmp, "%s.tmp.%016llx", e->path, (unsigned long long)sim_proc_self_id());
         int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
         if (fd < 0)
             return -sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call, "cannot create %s: %s", tmp, strerror(errno));
@@ -439,7 +439,7 @@ static int create_record(struct ipc_export *e, int dev, size_t size, uint64_t fl
             snprintf(r->node, sizeof r->node, "%s", g_sim.cfg.node);
             snprintf(r->key, sizeof r->key, "%s", e->key);
             r->exporter_pid = (int32_t)getpid();
-            r->exporter_start = sim_proc_start_time((int)getpid());
+            r->exporter_start = sim_proc_self_id();
             atomic_store(&r->state, IPC_CREATING);
             pthread_mutexattr_t a;
             pthread_mutexattr_init(&a);
@@ -577,8 +577,7 @@ SIM_EXPORT aclError aclrtIpcMemSetImportPid(const char *key, int32_t *pid, size_
         return sim_fail(ACL_ERROR_RT_IPC_ERROR, call, "cannot lock the record of key '%s'", key);
     }
     for (size_t i = 0; i < num && rc == 0; i++) {
-        uint64_t start = sim_proc_start_time(pid[i]); /* 0 when not (yet) visible: any process */
-        uint32_t j;
+        uint32_t j; /* pid[i] is a node-level id (aclrtDeviceGetBareTgid), never a getpid() value */
         for (j = 0; j < r->n_pids; j++)
             if (r->allowed[j].pid == pid[i])
                 break;
@@ -591,7 +590,7 @@ SIM_EXPORT aclError aclrtIpcMemSetImportPid(const char *key, int32_t *pid, size_
             r->n_pids++;
         }
         r->allowed[j].pid = pid[i];
-        r->allowed[j].start_time = start;
+        r->allowed[j].start_time = 0;
     }
     pthread_mutex_unlock(&r->lock);
     pthread_mutex_unlock(&ipc_mu);
@@ -617,12 +616,14 @@ static int exporter_gone_fail(const struct ipc_record *r, const char *key, const
                     "memory is no longer shared", key, (int)r->exporter_pid);
 }
 
-static int allowed(const struct ipc_record *r, int32_t me, uint64_t my_start)
+/* As CANN: the importer's node-level id (aclrtDeviceGetBareTgid) must be listed, unless the
+   export disabled the check; the exporter itself (its lease id) may always import. */
+static int allowed(const struct ipc_record *r, int32_t node_pid, uint64_t my_id)
 {
-    if ((r->flags & ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION) || me == r->exporter_pid)
+    if ((r->flags & ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION) || my_id == r->exporter_start)
         return 1;
     for (uint32_t i = 0; i < r->n_pids; i++)
-        if (r->allowed[i].pid == me && (r->allowed[i].start_time == 0 || r->allowed[i].start_time == my_start))
+        if (r->allowed[i].pid == node_pid)
             return 1;
     return 0;
 }
@@ -645,7 +646,9 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
     if (!key_ok(key))
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "'%.64s' is not a key (1-64 characters of A-Z a-z 0-9 _ -)", key);
-    int32_t me = (int32_t)getpid();
+    int32_t me = (int32_t)getpid();       /* a label */
+    uint64_t my_id = sim_proc_self_id();  /* who we are (proc.c) */
+    int32_t node_pid = sim_proc_bare_tgid();
     pthread_mutex_lock(&ipc_mu);
     struct ipc_import *m = find_import(key);
     if (m) { /* imported already: the same mapping, one more import to close */
@@ -655,7 +658,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
             rc = sim_fail(ACL_ERROR_RT_IPC_ERROR, call, "cannot lock the record of key '%s'", key);
         if (rc == 0) {
             for (int i = 0; i < IPC_MAX_IMPORTERS; i++)
-                if (m->rec->importers[i].pid == me)
+                if (m->rec->importers[i].pid != 0 && m->rec->importers[i].start_time == my_id)
                     m->rec->importers[i].count++;
             pthread_mutex_unlock(&m->rec->lock);
             m->count++;
@@ -691,7 +694,6 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
         return rc;
     }
     m->rec = r;
-    uint64_t my_start = sim_proc_start_time(me);
     int slot = -1;
     if (atomic_load(&r->state) == IPC_CREATING) {
         rc = sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "key '%s' is still being exported", key);
@@ -702,12 +704,12 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
     } else {
         if (atomic_load(&r->state) != IPC_LIVE) { /* closed meanwhile */
             rc = exporter_gone_fail(r, key, call);
-        } else if (!allowed(r, me, my_start)) {
+        } else if (!allowed(r, node_pid, my_id)) {
             rc = sim_fail(ACL_ERROR_RT_NO_PERMISSION, call,
-                          "pid %d may not import key '%s': its exporter (pid %d) allows only the pids it set with "
-                          "aclrtIpcMemSetImportPid (%u listed), unless it exports with "
-                          "ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION", (int)me, key, (int)r->exporter_pid,
-                          r->n_pids);
+                          "pid %d (node-level id %d, from aclrtDeviceGetBareTgid) may not import key '%s': its "
+                          "exporter (pid %d) allows only the node-level ids it set with aclrtIpcMemSetImportPid "
+                          "(%u listed), unless it exports with ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION",
+                          (int)me, (int)node_pid, key, (int)r->exporter_pid, r->n_pids);
         } else {
             (void)live_importers(r, NULL, 0); /* frees the slots of dead importers */
             for (int i = 0; i < IPC_MAX_IMPORTERS && slot < 0; i++)
@@ -718,7 +720,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
                               "most one key can serve", key, IPC_MAX_IMPORTERS);
             } else {
                 r->importers[slot].pid = me;
-                r->importers[slot].start_time = my_start;
+                r->importers[slot].start_time = my_id;
                 r->importers[slot].count = 1;
             }
         }
@@ -787,10 +789,10 @@ static void import_close(struct ipc_import *m)
     sim_alloc_wait_unpinned(&m->a);
     munmap(m->a.map, m->a.map_len);
     struct ipc_record *r = m->rec;
-    int32_t me = (int32_t)getpid();
+    uint64_t my_id = sim_proc_self_id();
     if (lock_record(r) == 0) {
         for (int i = 0; i < IPC_MAX_IMPORTERS; i++)
-            if (r->importers[i].pid == me) {
+            if (r->importers[i].pid != 0 && r->importers[i].start_time == my_id) {
                 r->importers[i].count = 0;
                 r->importers[i].pid = 0;
             }
@@ -830,7 +832,7 @@ SIM_EXPORT aclError aclrtIpcMemClose(const char *key)
             import_close(m);
         } else if (lock_record(m->rec) == 0) {
             for (int i = 0; i < IPC_MAX_IMPORTERS; i++)
-                if (m->rec->importers[i].pid == (int32_t)getpid() && m->rec->importers[i].count > 1)
+                if (m->rec->importers[i].pid != 0 && m->rec->importers[i].start_time == sim_proc_self_id() && m->rec->importers[i].count > 1)
                     m->rec->importers[i].count--;
             pthread_mutex_unlock(&m->rec->lock);
         }

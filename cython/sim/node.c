@@ -2,14 +2,14 @@
  *
  * Each simulated device has a small record in shared memory: a file
  *     $ASCEND_SIM_SHM_DIR/ascendsim-<uid>-<node>-dev<N>      (default directory /dev/shm)
- * with one slot per attached process (pid, process start time, bytes held). Device usage is the
+ * with one slot per attached process (lease id, pid as a label, bytes held). Device usage is the
  * sum of the slots, so two processes on device 0 together cannot exceed its HBM and each one's
  * aclrtGetMemInfo sees the others' allocations.
  *
  * Crashes: a process killed with memory held leaves its slot behind. Whoever looks next (aclInit,
- * aclrtGetMemInfo, or a malloc that would otherwise fail) checks each slot's owner against
- * /proc/PID/stat; a slot whose pid is gone, a zombie, or reused by a younger process (the start
- * time differs) is reclaimed. The lock is a process-shared robust mutex: if its holder dies, the
+ * aclrtGetMemInfo, or a malloc that would otherwise fail) checks each slot's owner by its lease
+ * (proc.c: a lock the kernel drops at death, in whatever pid namespace; never by pid, which may
+ * name another process in another namespace); a slot whose lease is not held is reclaimed. The lock is a process-shared robust mutex: if its holder dies, the
  * next locker gets EOWNERDEAD and carries on, which is safe because every update of the record is
  * a single atomic store (the sum is recomputed, never cached).
  *
@@ -32,14 +32,16 @@
 #include "sim_internal.h"
 
 #define NODE_MAGIC 0x314d495344435341ull /* "ASCDSIM1" */
-#define NODE_VERSION 1u
+#define NODE_VERSION 2u /* 2: slots named by lease id */
 #define NODE_SLOTS 256
 #define NODE_LOCK_TIMEOUT_S 10           /* a lock held this long means a wedged peer */
 
 struct node_slot {
     _Atomic int32_t pid;                 /* 0: free */
     _Atomic uint32_t instance;           /* which loaded copy of the simulator in that process */
-    _Atomic uint64_t start_time;
+    _Atomic uint64_t start_time;         /* the owner's lease id (proc.c), despite the name */
+    _Atomic uint64_t pidns;              /* the owner's pid namespace (inode): what pid is relative to */
+    _Atomic uint64_t proc_start;         /* /proc/PID/stat field 22 in that namespace */
     _Atomic uint64_t bytes;
 };
 
@@ -98,7 +100,8 @@ static void reclaim_dead(struct node_record *r, int self)
         int32_t pid = atomic_load(&s->pid);
         if (i == self || pid == 0)
             continue;
-        if (sim_proc_alive(pid, atomic_load(&s->start_time)) == 0) {
+        if (sim_proc_owner_alive(pid, atomic_load(&s->start_time), atomic_load(&s->pidns),
+                                 atomic_load(&s->proc_start)) == 0) {
             atomic_store(&s->bytes, 0);
             atomic_store(&s->pid, 0);
         }
@@ -192,7 +195,9 @@ static int create_record(const char *path, int dev, const struct sim_config *cfg
 {
     static _Atomic unsigned seq;
     char tmp[PATH_MAX + SIM_NODE_NAME_MAX + 128];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d.%u", path, (int)getpid(), atomic_fetch_add(&seq, 1));
+    /* Named by our lease id, not our pid: two processes of two pid namespaces may share a pid. */
+    snprintf(tmp, sizeof tmp, "%s.tmp.%016llx.%u", path, (unsigned long long)sim_proc_self_id(),
+             atomic_fetch_add(&seq, 1));
     int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0)
         return sim_fail(ACL_ERROR_INVALID_FILE, call, "cannot create node record %s: %s", tmp, strerror(errno));
@@ -265,6 +270,7 @@ static uint32_t instance_id(void)
 int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
 {
     struct node_local *l = &local[dev];
+    sim_proc_use_dir(cfg->shm_dir); /* our lease, beside the records that name us by it */
     snprintf(l->path, sizeof l->path, "%s/ascendsim-%u-%s-dev%d", cfg->shm_dir, (unsigned)geteuid(),
              cfg->node, dev);
     struct node_record *r;
@@ -273,7 +279,7 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
         return rc;
     int32_t me = (int32_t)getpid();
     uint32_t inst = instance_id();
-    uint64_t start = sim_proc_start_time(me);
+    uint64_t start = sim_proc_self_id();
     if ((rc = lock_record(r)) != 0)
         return sim_fail(ACL_ERROR_RT_INTERNAL_ERROR, call, "cannot lock node record %s: %s", l->path, strerror(rc));
     reclaim_dead(r, -1);
@@ -281,9 +287,10 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
     for (int i = 0; i < NODE_SLOTS; i++) {
         /* A process may load two copies of the simulator (e.g. the legacy build beside the
            normal one): each has its own slot, told apart by the instance id. */
-        if (atomic_load(&r->slots[i].pid) == me && atomic_load(&r->slots[i].instance) == inst) {
-            /* Ours from an earlier aclInit (a dead process that had our pid was reclaimed above
-               by its start time). Either way we hold nothing yet. */
+        if (atomic_load(&r->slots[i].pid) == me && atomic_load(&r->slots[i].instance) == inst &&
+            atomic_load(&r->slots[i].start_time) == start) {
+            /* Ours from an earlier aclInit (same lease: a process of another pid namespace with
+               our pid has another). Either way we hold nothing yet. */
             atomic_store(&r->slots[i].bytes, 0);
             slot = i;
             break;
@@ -295,6 +302,8 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
     if (slot >= 0) {
         atomic_store(&r->slots[slot].bytes, 0);
         atomic_store(&r->slots[slot].start_time, start);
+        atomic_store(&r->slots[slot].pidns, sim_proc_pidns());
+        atomic_store(&r->slots[slot].proc_start, sim_proc_start_time(me));
         atomic_store(&r->slots[slot].instance, inst);
         atomic_store(&r->slots[slot].pid, me);
     }

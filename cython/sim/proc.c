@@ -1,9 +1,24 @@
-/* Process identity for the node records: a pid alone is not an identity (pids are reused), so a
- * slot names its owner by pid and start time (/proc/PID/stat field 22, clock ticks since boot).
+/* Process identity for the node records: not a pid. Pids are per pid namespace (two containers'
+ * workers are both pid 1) and reused, so a record names its owner by a random 64-bit *lease id*,
+ * and the owner proves it is alive by holding flock(LOCK_EX) on its lease file
+ *     $ASCEND_SIM_SHM_DIR/ascendsim-lease-<uid>-<id as 16 hex digits>
+ * which the kernel drops when the process dies, in whatever namespace (as ascend_pool/identity.py
+ * does for the allocator's records). The pid stays in the records as a label.
+ *
+ * The node-level process id (aclrtDeviceGetBareTgid): on a real node, the host's tgid of the
+ * process, which inside a container differs from getpid(). The simulator gives each process one
+ * derived from its lease id, always above the kernel's largest pid (2^22), so it never equals a
+ * getpid() value: code that passes getpid() where the runtime wants this id fails here as it
+ * would in a container. aclrtIpcMemSetImportPid and the import check use it (ipc.c).
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
+#include <sys/file.h>
+#include <sys/random.h>
+#include <sys/stat.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,20 +62,166 @@ uint64_t sim_proc_start_time(int pid)
     return read_stat(pid, &state, &start) == 0 ? start : 0;
 }
 
-int sim_proc_alive(int pid, uint64_t start_time)
+/* ---- leases ---- */
+
+#define LEASE_DIRS 8 /* directories a process held a lease in (each aclInit's $ASCEND_SIM_SHM_DIR) */
+
+static pthread_mutex_t lease_mu = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic uint64_t lease_id;
+static char lease_dir[PATH_MAX];                /* where records are now: checks look here */
+static char held_dir[LEASE_DIRS][PATH_MAX];
+static int held_fd[LEASE_DIRS] = {-1, -1, -1, -1, -1, -1, -1, -1};
+static int lease_atfork;
+
+static void lease_after_fork_in_child(void)
 {
-    if (pid <= 0)
+    /* Another process: a new id and leases when it needs them. Closing our copies of the
+       descriptors leaves the parent's locks in place (they belong to the parent's open files). */
+    pthread_mutex_init(&lease_mu, NULL);
+    for (int i = 0; i < LEASE_DIRS; i++) {
+        if (held_fd[i] >= 0)
+            close(held_fd[i]);
+        held_fd[i] = -1;
+        held_dir[i][0] = 0;
+    }
+    atomic_store(&lease_id, 0);
+}
+
+static void lease_path(char *out, size_t len, const char *dir, uint64_t id)
+{
+    snprintf(out, len, "%s/ascendsim-lease-%u-%016llx", dir, (unsigned)geteuid(), (unsigned long long)id);
+}
+
+/* Holds our lease in lease_dir (lease_mu held). Without it (a read-only directory) others cannot
+   tell whether we live and keep our records (-1 in sim_proc_alive): never a false death. */
+static void lease_hold_locked(uint64_t id)
+{
+    int free_i = -1;
+    for (int i = 0; i < LEASE_DIRS; i++) {
+        if (held_fd[i] >= 0 && strcmp(held_dir[i], lease_dir) == 0)
+            return;
+        if (held_fd[i] < 0 && free_i < 0)
+            free_i = i;
+    }
+    if (free_i < 0 || !lease_dir[0])
+        return;
+    char path[PATH_MAX + 64], tmp[PATH_MAX + 80];
+    lease_path(path, sizeof path, lease_dir, id);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return;
+    /* Locked before it appears under its name: a checker never sees it unlocked. */
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0 && link(tmp, path) == 0) {
+        held_fd[free_i] = fd;
+        snprintf(held_dir[free_i], PATH_MAX, "%s", lease_dir);
+    } else {
+        close(fd);
+    }
+    unlink(tmp);
+}
+
+void sim_proc_use_dir(const char *dir)
+{
+    pthread_mutex_lock(&lease_mu);
+    snprintf(lease_dir, sizeof lease_dir, "%s", dir);
+    uint64_t id = atomic_load(&lease_id);
+    if (id)
+        lease_hold_locked(id);
+    pthread_mutex_unlock(&lease_mu);
+}
+
+uint64_t sim_proc_self_id(void)
+{
+    uint64_t id = atomic_load(&lease_id);
+    if (id)
+        return id;
+    pthread_mutex_lock(&lease_mu);
+    if (!lease_atfork) {
+        pthread_atfork(NULL, NULL, lease_after_fork_in_child);
+        lease_atfork = 1;
+    }
+    while (!(id = atomic_load(&lease_id))) {
+        uint64_t r = 0;
+        if (getrandom(&r, sizeof r, 0) != (ssize_t)sizeof r)
+            r = sim_now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&r;
+        if (r) {
+            lease_hold_locked(r);
+            atomic_store(&lease_id, r);
+        }
+    }
+    pthread_mutex_unlock(&lease_mu);
+    return id;
+}
+
+int sim_proc_alive(int pid, uint64_t id)
+{
+    (void)pid; /* a label: it may belong to another pid namespace */
+    if (!id)
         return 0;
-    if (kill(pid, 0) != 0 && errno == ESRCH)
+    if (id == atomic_load(&lease_id))
+        return 1;
+    char path[PATH_MAX + 64];
+    pthread_mutex_lock(&lease_mu);
+    lease_path(path, sizeof path, lease_dir, id);
+    pthread_mutex_unlock(&lease_mu);
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return errno == ENOENT ? 0 : -1;
+    int rc;
+    if (flock(fd, LOCK_SH | LOCK_NB) == 0)
+        rc = 0;
+    else
+        rc = errno == EWOULDBLOCK ? 1 : -1;
+    close(fd); /* also drops a lock we took */
+    if (rc == 0)
+        unlink(path); /* ids are never reused: a dead lease is garbage */
+    return rc;
+}
+
+uint64_t sim_proc_pidns(void)
+{
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+/* 1 when /proc shows this process's own pid namespace (so a pid recorded with our pidns can be
+   looked up there), 0 otherwise (e.g. `unshare --pid` without a /proc of its own). */
+static int proc_is_ours(void)
+{
+    char buf[32];
+    ssize_t n = readlink("/proc/self", buf, sizeof buf - 1);
+    if (n <= 0)
         return 0;
-    char state;
-    uint64_t start;
-    int rc = read_stat(pid, &state, &start);
-    if (rc == -1)
-        return 0;
-    if (rc == -2)
-        return -1; /* e.g. /proc mounted with hidepid: cannot tell, so keep the slot */
-    if (state == 'Z' || state == 'X')
-        return 0;  /* exited (a zombie holds no memory) */
-    return start == start_time ? 1 : 0;
+    buf[n] = '\0';
+    return atoi(buf) == (int)getpid();
+}
+
+int sim_proc_owner_alive(int pid, uint64_t id, uint64_t pidns, uint64_t start_time)
+{
+    int lease = sim_proc_alive(pid, id);
+    if (lease == 1 && pid > 0 && pidns && start_time && pidns == sim_proc_pidns() && proc_is_ours()) {
+        char state;
+        uint64_t start;
+        int rc = read_stat(pid, &state, &start);
+        if (rc == -1 || (rc == 0 && (state == 'Z' || state == 'X' || start != start_time)))
+            return 0; /* gone, a zombie (its lease drops a moment later), or the pid was reused */
+    }
+    return lease;
+}
+
+int32_t sim_proc_bare_tgid(void)
+{
+    uint64_t id = sim_proc_self_id();
+    return (int32_t)((1u << 22) + (uint32_t)(id % (uint64_t)(INT32_MAX - (1u << 22))));
+}
+
+SIM_EXPORT aclError aclrtDeviceGetBareTgid(int32_t *pid)
+{
+    if (!pid)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, "aclrtDeviceGetBareTgid", "pid is NULL");
+    if (!sim_ready())
+        return sim_fail(ACL_ERROR_UNINITIALIZE, "aclrtDeviceGetBareTgid", "aclInit has not been called");
+    *pid = sim_proc_bare_tgid();
+    return ACL_SUCCESS;
 }

@@ -102,8 +102,19 @@ void sim_reg_reset(void); /* fork child: forget everything (the parent's objects
 
 /* ---- proc.c ---- */
 uint64_t sim_proc_start_time(int pid); /* /proc/PID/stat field 22; 0 if unknown */
-/* 1 alive, 0 dead (gone, zombie, or pid reused: start time differs), -1 cannot tell. */
-int sim_proc_alive(int pid, uint64_t start_time);
+/* The directory of the node records (each aclInit's $ASCEND_SIM_SHM_DIR): leases live there. */
+void sim_proc_use_dir(const char *dir);
+/* This process's lease id (random, non-zero; its lease file is held from the first call). */
+uint64_t sim_proc_self_id(void);
+/* 1 alive (the lease of id is held), 0 dead, -1 cannot tell. pid is only a label. */
+int sim_proc_alive(int pid, uint64_t id);
+/* The inode of this process's pid namespace (0 if unknown). */
+uint64_t sim_proc_pidns(void);
+/* As sim_proc_alive, and for an owner of *our* pid namespace (pidns equal, /proc ours) a pid that
+   is gone, a zombie or reused (start_time differs) is dead at once, before its lease drops. */
+int sim_proc_owner_alive(int pid, uint64_t id, uint64_t pidns, uint64_t start_time);
+/* The node-level process id aclrtDeviceGetBareTgid answers (never a getpid() value). */
+int32_t sim_proc_bare_tgid(void);
 
 /* ---- node.c: capacity shared by the processes of a simulated node ---- */
 int sim_node_attach(int dev, const struct sim_config *cfg, const char *call);

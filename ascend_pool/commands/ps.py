@@ -1,0 +1,60 @@
+"""`ascend-pool ps [--json] [--stats-dir DIR] [--allow-uid UID ...] [--allow-group GROUP ...]`
+
+The node's ascend_pool processes, from their stats files (the files the node service reads): one
+row per process, device and tenant, with the process's pid (in its own pid namespace: two
+containers' workers may both be pid 1), its `instance` (unique on the node), and the bytes it holds
+on the device (reserved) and has allocated.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+def rows(directory=None, allow_uids=(), allow_gids=()):
+    """[{"pid", "pidns", "instance", "uid", "device", "tenant", "held_bytes", "allocated_bytes"}]."""
+    from ..service.scanner import StatsScanner
+
+    scanner = StatsScanner(None, allowed_uids=set(allow_uids) | {os.geteuid()}, remove_stale=False,
+                           allowed_gids=allow_gids)
+    if directory:
+        scanner.directory = directory
+    out = []
+    for p in scanner.scan():
+        for s in p.samples:
+            v = s.values
+            out.append({"pid": p.pid, "pidns": p.pidns, "instance": p.instance, "uid": p.uid, "device": s.device,
+                        "tenant": s.tenant, "held_bytes": v["reserved_bytes.small"] + v["reserved_bytes.large"],
+                        "allocated_bytes": v["allocated_bytes.small"] + v["allocated_bytes.large"]})
+    return sorted(out, key=lambda r: (r["device"], r["tenant"], r["pid"], r["instance"]))
+
+
+def _cmd_ps(args):
+    from ..service.serve_args import group_ids
+
+    table = rows(args.stats_dir, args.allow_uid, group_ids(args.allow_group))
+    if args.json:
+        print(json.dumps(table, indent=1))
+        return 0
+    from ..units import format_bytes
+
+    print(f"{'PID':>8} {'INSTANCE':16} {'DEVICE':>6} {'TENANT':20} {'HELD':>12} {'ALLOCATED':>12}")
+    for r in table:
+        print(f"{r['pid']:>8} {r['instance']:16} {r['device']:>6} {r['tenant'][:20]:20} "
+              f"{format_bytes(r['held_bytes']):>12} {format_bytes(r['allocated_bytes']):>12}")
+    return 0
+
+
+def register(sub):
+    p = sub.add_parser("ps", help="list the node's ascend_pool processes (pid, instance, tenant, device, bytes)",
+                       description=sys.modules[__name__].__doc__.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="one JSON list of rows")
+    p.add_argument("--stats-dir", default=None,
+                   help="the stats directory (default $ASCEND_POOL_STATS_DIR, else /dev/shm)")
+    p.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
+                   help="also list processes of this uid (default: this user's only)")
+    p.add_argument("--allow-group", action="append", default=[], metavar="GROUP",
+                   help="also list processes sharing their files with this group (name or gid)")
+    p.set_defaults(func=_cmd_ps)

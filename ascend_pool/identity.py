@@ -1,0 +1,194 @@
+"""This process's identity on the node: a random instance id and a lease, not a pid.
+
+Pids are per pid namespace: workers of two containers are both pid 1, and a pid read from another
+namespace names nobody, or another process. So every record this package writes for other
+processes to read (quota ledger slots, stats files, share records) names its writer by a random
+64-bit *instance* id, and liveness is told by a *lease*: the process holds flock(LOCK_EX) on its
+own file
+
+    <dir>/ascend_pool-lease-<instance as 16 hex digits>
+
+in each directory it writes records to. The kernel drops the lock when the process dies, in
+whatever namespace it or the checker runs, so `lease_alive()` never mistakes a live process for a
+dead one or the reverse. A lease appears under its name already locked (created under a temporary
+name, locked, then link()ed), so a checker never sees a live process's lease unlocked.
+
+The pid stays as a label for people, with the pid namespace it belongs to (`pidns()`, the inode
+of /proc/self/ns/pid). A forked child is another process: it gets a new instance and new leases.
+"""
+
+import errno
+import fcntl
+import os
+import threading
+
+LEASE_PREFIX = "ascend_pool-lease-"
+
+_lock = threading.Lock()
+_instance = 0
+_leases = {}  # directory -> (fd, path) of this process's lease there
+
+
+def instance():
+    """This process's instance id: a random non-zero 64-bit int, unique on the node."""
+    global _instance
+    if not _instance:
+        with _lock:
+            while not _instance:
+                _instance = int.from_bytes(os.urandom(8), "little")
+    return _instance
+
+
+def instance_hex(value=None):
+    """An instance id as the 16 hex digits used in file names and the `instance` label."""
+    return f"{instance() if value is None else value:016x}"
+
+
+def pidns():
+    """The inode of this process's pid namespace (0 where /proc does not tell): the namespace a
+    `pid` label belongs to."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def pid_here(ns):
+    """True when a pid recorded with pid namespace `ns` can be looked up in this process's /proc:
+    the same namespace, and /proc shows it (not the case under `unshare --pid` without a /proc of
+    its own). Only then may a pid be used, and only to tell a dead process sooner than its lease."""
+    if not ns or ns != pidns():
+        return False
+    try:
+        return int(os.readlink("/proc/self")) == os.getpid()
+    except (OSError, ValueError):
+        return False
+
+
+def lease_path(directory, value=None):
+    return os.path.join(directory, LEASE_PREFIX + instance_hex(value))
+
+
+def ensure_lease(directory):
+    """Holds this process's lease in `directory` (created on first call; kept for the life of the
+    process). Returns the instance id. Raises OSError when the directory is not writable."""
+    inst = instance()
+    directory = os.path.abspath(directory)
+    if directory in _leases:
+        return inst
+    with _lock:
+        if directory in _leases:
+            return inst
+        path = lease_path(directory, inst)
+        tmp = os.path.join(directory, f".{LEASE_PREFIX}{instance_hex(inst)}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        try:
+            # Readable by the group (a shared ASCEND_POOL_LEDGER_GROUP directory): testing the lock
+            # needs only a read-only open. It holds no data; the directory keeps others out.
+            os.fchmod(fd, 0o640)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.link(tmp, path)  # appears locked; never overwrites
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            os.unlink(tmp)
+        _leases[directory] = (fd, path)
+    remove_dead_leases(directory, limit=256)  # those of processes gone before us (bounded work)
+    return inst
+
+
+def lease_alive(directory, value):
+    """True when the process of instance `value` holds its lease in `directory`, False when it does
+    not (exited, in any namespace), None when it cannot be told (then keep its records)."""
+    if not value:
+        return False
+    if value == _instance:
+        return True
+    try:
+        fd = os.open(lease_path(directory, value), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # also drops a lock we took
+    return False
+
+
+def owner_alive(directory, value, pid=0, ns=0, start=0):
+    """The liveness of a record's writer: its lease in `directory` decides (True, False, None for
+    cannot tell). One refinement, for a writer of this process's own pid namespace only
+    (pid_here(ns)): a pid that is gone, a zombie or reused (another start time, /proc/PID/stat
+    field 22) is dead even while its lease is held for a moment more (a killed multi-threaded
+    process is a zombie before its last thread has closed its files)."""
+    lease = lease_alive(directory, value)
+    if lease and pid > 0 and start and pid_here(ns) and _start_time(pid) != start:
+        return False
+    return lease
+
+
+def _start_time(pid):
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rest = data[data.rindex(b")") + 2:].split()
+    return None if rest[0] in (b"Z", b"X") else int(rest[19])
+
+
+def self_start_time():
+    """This process's start time (/proc/self/stat field 22), or 0."""
+    return _start_time(os.getpid()) or 0
+
+
+def remove_dead_leases(directory, limit=10000):
+    """Removes the lease files of exited processes in `directory` (at most `limit` looked at).
+    Returns how many were removed. Instance ids are never reused, so a dead lease is garbage."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(LEASE_PREFIX)][:limit]
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            value = int(name[len(LEASE_PREFIX):], 16)
+        except ValueError:
+            continue
+        if lease_alive(directory, value) is False:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed += 1
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    continue
+    return removed
+
+
+def _after_fork_in_child():
+    # The child is another process: the parent's leases stay the parent's (closing our copies of
+    # the descriptors keeps the locks, which belong to the parent's open files).
+    global _lock, _instance
+    _lock = threading.Lock()
+    for fd, _ in _leases.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _leases.clear()
+    _instance = 0
+
+
+# Never released at exit: the process's records (ledger slots, device memory) outlive the atexit
+# handlers (contexts are closed when the interpreter finalises), and a lease dropped early would let
+# another process take the process for dead while it still holds memory. The kernel drops the lock
+# when the process is gone; the file is removed by the next process that looks (ensure_lease, the
+# node service's sweep).
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,501 @@
+"""Containers on a shared node (issue 16): workers in separate pid namespaces (`unshare --pid
+--fork --mount-proc`: each is pid 1), the node service in another, and a hostile local user.
+
+What a user relies on: a tenant's quota holds across containers and is never decided by the
+last process to attach; the service never takes a live worker for dead nor mixes two workers'
+figures; a killed worker's share comes back within one sweep; sharing works across namespaces
+with node-level ids; another local user cannot stop a tenant from allocating nor slow a scrape.
+These tests need `unshare` (and root for pid namespaces) and `runuser`: CI runs as root and has
+both; elsewhere they skip, saying which is missing.
+"""
+
+import base64
+import json
+import os
+import pickle
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+import uuid
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import ascend_pool as ap
+
+MiB = 1 << 20
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
+
+
+def _can_unshare():
+    if shutil.which("unshare") is None:
+        return "unshare is not installed"
+    r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True)
+    return None if r.returncode == 0 else f"unshare --pid --fork --mount-proc fails here: {r.stderr.strip()}"
+
+
+UNSHARE_MISSING = _can_unshare()
+needs_unshare = pytest.mark.skipif(UNSHARE_MISSING is not None, reason=str(UNSHARE_MISSING))
+NS = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A fresh node: its own simulated node name, ledger and stats directories."""
+    base = tmp_path / "shm"
+    base.mkdir()
+    env = dict(os.environ, ASCEND_POOL_LEDGER_DIR=str(base), ASCEND_POOL_STATS_DIR=str(base),
+               ASCEND_SIM_NODE=f"c{uuid.uuid4().hex[:10]}", ASCEND_POOL_BACKEND="sim", ASCEND_POOL_STATS="1",
+               ASCEND_POOL_STATS_INTERVAL="0.1", PYTHONSAFEPATH="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [PKG_PARENT, os.environ.get("PYTHONPATH")])))
+    for k in ("ASCEND_POOL_CONFIG", "ASCEND_POOL_TENANT", "ASCEND_POOL_LEDGER_GROUP"):
+        env.pop(k, None)
+    procs = []
+    yield env, base, procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
+
+
+WORKER = r'''
+import json, os, sys
+import ascend_pool as ap
+from ascend_pool import identity
+from ascend_pool.errors import QuotaExceededError
+tenant, quota = sys.argv[1], (None if sys.argv[2] == "none" else sys.argv[2])
+ctx = ap.Pool(0).context(tenant, quota=quota)
+print(json.dumps({"pid": os.getpid(), "instance": identity.instance_hex(), "quota": ctx.quota}), flush=True)
+keep = []
+for line in sys.stdin:
+    cmd, arg = line.split()
+    if cmd == "malloc":
+        try:
+            keep.append(ctx.malloc(int(arg)))
+            out = "granted"
+        except QuotaExceededError:
+            out = "refused"
+    elif cmd == "quota":
+        out = ctx.quota
+    elif cmd == "set_quota":
+        ctx.set_quota(int(arg))
+        out = ctx.quota
+    print(json.dumps(out), flush=True)
+'''
+
+
+class Worker:
+    """A tenant process (in a pid namespace of its own when ns=True) driven over its stdin."""
+
+    def __init__(self, env, procs, tenant, quota, ns=True, extra_env=None):
+        cmd = (NS if ns else []) + [sys.executable, "-c", WORKER, tenant, quota]
+        self.proc = subprocess.Popen(cmd, env=dict(env, **(extra_env or {})), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(self.proc)
+        self.hello = self._line()
+
+    def _line(self, timeout=60):
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.proc.kill()
+            pytest.fail(f"worker gave no answer: {self.proc.stderr.read()}")
+        return json.loads(line)
+
+    def __call__(self, cmd, arg=0):
+        self.proc.stdin.write(f"{cmd} {arg}\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def host_pid(self):
+        """The worker's pid on the host (the child of unshare), for signals from here."""
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            kids = f.read().split()
+        return int(kids[0]) if kids else self.proc.pid
+
+
+def start_serve(env, procs, log_path, *args):
+    """`ascend-pool serve` in a pid namespace of its own; returns its port."""
+    log = open(log_path, "w")
+    p = subprocess.Popen(NS + [sys.executable, "-m", "ascend_pool.cli", "serve", "--port", "0", *args],
+                         env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    procs.append(p)
+    ready, _, _ = select.select([p.stdout], [], [], 60)
+    line = p.stdout.readline() if ready else ""
+    m = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
+    assert m, f"serve did not start: {line!r} {open(log_path).read()}"
+    return int(m.group(1))
+
+
+def scrape(port):
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(body) for s in fam.samples}
+
+
+def series(samples, name, **labels):
+    want = {k: str(v) for k, v in labels.items()}.items()
+    return {lab: v for (n, lab), v in samples.items() if n == name and want <= lab}
+
+
+@needs_unshare
+def test_two_workers_in_separate_pid_namespaces_share_one_quota(node, tmp_path):
+    env, base, procs = node
+    port = start_serve(env, procs, tmp_path / "serve.log", "--sweep-interval", "1")
+    a = Worker(env, procs, "online", "1GiB")
+    b = Worker(env, procs, "online", "1GiB")
+    assert a.hello["pid"] == b.hello["pid"] == 1  # the same pid, in two namespaces
+    assert a.hello["instance"] != b.hello["instance"]
+    # Exactly one of two 600 MiB requests fits a 1 GiB quota, and nothing past it afterwards.
+    assert [a("malloc", 600 * MiB), b("malloc", 600 * MiB)] == ["granted", "refused"]
+    assert [b("malloc", 500 * MiB), a("malloc", 500 * MiB)] == ["refused", "refused"]
+    # The service sweeps every second meanwhile: neither is taken for dead, their figures stay apart.
+    deadline = time.monotonic() + 3.5
+    while time.monotonic() < deadline:
+        s = scrape(port)
+        held = series(s, "ascend_pool_ledger_held_bytes", tenant="online")
+        assert list(held.values()) == [602 * MiB], held  # 600 MiB + the runtime's padding, in 2 MiB pages
+        assert list(series(s, "ascend_pool_ledger_processes", tenant="online").values()) == [2]
+        time.sleep(0.2)
+    # Two series with pid="1", told apart by `instance` (each process publishes every 0.1 s).
+    ages = series(s, "ascend_pool_stats_age_seconds", pid=1)
+    assert {dict(lab)["instance"] for lab in ages} == {a.hello["instance"], b.hello["instance"]}, ages
+    reserved = {dict(lab)["instance"]: v for lab, v in series(s, "ascend_pool_reserved_bytes", pid=1, tenant="online",
+                                                               pool="large").items()}
+    assert reserved == {a.hello["instance"]: 602 * MiB, b.hello["instance"]: 0}, reserved
+    assert list(series(s, "ascend_pool_service_stats_files", state="live").values()) == [2]
+    log = (tmp_path / "serve.log").read_text()
+    assert "reclaimed" not in log and "removed stats file" not in log and "damaged" not in log, log
+    private = base / f"ascend_pool-u{os.geteuid()}"
+    assert sorted(n for n in os.listdir(private) if n.startswith("ascend_pool-stats-")) == sorted(
+        f"ascend_pool-stats-{w.hello['instance']}" for w in (a, b))
+    # `ascend-pool ps` tells the two pid-1 processes apart too.
+    r = subprocess.run([sys.executable, "-m", "ascend_pool.cli", "ps", "--json"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    table = {(row["pid"], row["instance"], row["tenant"], row["device"]): (row["held_bytes"], row["allocated_bytes"])
+             for row in json.loads(r.stdout) if row["tenant"] == "online"}  # (each also has a default pool)
+    assert set(table) == {(1, w.hello["instance"], "online", 0) for w in (a, b)}, table
+    assert table[(1, a.hello["instance"], "online", 0)][0] == 602 * MiB
+    assert table[(1, a.hello["instance"], "online", 0)][1] >= 600 * MiB
+    # SIGKILL the holder: its share is back within one sweep (1 s), without B asking for it.
+    os.kill(a.host_pid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    while list(series(scrape(port), "ascend_pool_ledger_held_bytes", tenant="online").values()) != [0]:
+        assert time.monotonic() - t0 < 2.0, "the killed worker's share was not given back within one sweep"
+        time.sleep(0.05)
+    print(f"the killed worker's share was back {time.monotonic() - t0:.2f} s after SIGKILL (sweep every 1 s)")
+    assert b("malloc", 600 * MiB) == "granted"
+
+
+@needs_unshare
+def test_conflicting_quotas_resolve_to_the_stricter_without_a_tenants_file(node):
+    env, base, procs = node
+    a = Worker(env, procs, "online", "256MiB")
+    b = Worker(env, procs, "online", "4GiB")  # declared later, in another namespace: lifts nothing
+    assert b.hello["quota"] == 256 * MiB and a("quota") == 256 * MiB
+    assert a("malloc", 200 * MiB) == "granted"
+    assert [a("malloc", 100 * MiB), b("malloc", 100 * MiB)] == ["refused", "refused"]
+    c = Worker(env, procs, "online", "none")  # "no quota" is no declaration to lift it either
+    assert c.hello["quota"] == 256 * MiB and c("malloc", 100 * MiB) == "refused"
+    b("malloc", 100 * MiB)  # refused again: the conflict is not logged again
+    b.proc.stdin.close()
+    err = b.proc.stderr.read()
+    assert err.count("conflicting quota declarations") == 1, err  # logged once, by the process that met it
+
+
+def test_a_process_never_lifts_a_limit_another_relies_on(node):
+    env, base, procs = node
+    a = Worker(env, procs, "online", "256MiB", ns=False)
+    b = Worker(env, procs, "online", "none", ns=False)
+    assert b("set_quota", 4 << 30) == 256 * MiB  # A relies on 256 MiB: the stricter stays
+    assert b("set_quota", 128 * MiB) == 128 * MiB and a("quota") == 128 * MiB  # lowering always applies
+    a.proc.stdin.close()
+    assert a.proc.wait(timeout=30) == 0
+    assert b("set_quota", 4 << 30) == 4 << 30  # alone now: nobody else relies on the limit
+
+
+@needs_unshare
+def test_with_a_tenants_file_its_quota_holds_for_every_process(node, tmp_path):
+    env, base, procs = node
+    cfg = tmp_path / "tenants.toml"
+    cfg.write_text('[tenants.online]\nquota = "512MiB"\n')
+    extra = {"ASCEND_POOL_CONFIG": str(cfg)}
+    a = Worker(env, procs, "online", "256MiB", extra_env=extra)
+    b = Worker(env, procs, "online", "4GiB", extra_env=extra)
+    assert a.hello["quota"] == b.hello["quota"] == 512 * MiB
+    assert a("malloc", 400 * MiB) == "granted"
+    assert b("malloc", 200 * MiB) == "refused"
+    assert b("malloc", 100 * MiB) == "granted"
+
+
+def test_quota_conflicts_are_exported(node, tmp_path, monkeypatch):
+    env, base, procs = node
+    a = Worker(env, procs, "online", "256MiB", ns=False)
+    b = Worker(env, procs, "online", "1GiB", ns=False)
+    assert b.hello["quota"] == 256 * MiB
+    for k in ("ASCEND_POOL_LEDGER_DIR", "ASCEND_SIM_NODE"):
+        monkeypatch.setenv(k, env[k])
+    from ascend_pool.metrics.ledger import ledger_families
+
+    fams = {f.name: f for f in ledger_families()}
+    (sample,) = [s for s in fams["ascend_pool_quota_conflicts"].samples if s.labels["tenant"] == "online"]
+    assert sample.name == "ascend_pool_quota_conflicts_total" and sample.value == 1
+    assert a("quota") == 256 * MiB
+
+
+# ---- sharing across pid namespaces: the README's weight-sharing example --------------------------
+
+EXPORTER = r'''
+import base64, json, pickle, sys
+import ascend_pool as ap
+from ascend_pool import sim
+SIZE, PATTERN = 64 << 20, 0x5A
+pool = ap.Pool(0)
+ptr = pool.share_malloc(SIZE)
+sim.launch_fill(None, ptr, SIZE, PATTERN)
+pool.synchronize()
+ids = json.loads(sys.stdin.readline())                 # the workers' ap.node_pid()
+handle = pool.share(ptr, read_only=True, pids=ids)
+print(base64.b64encode(pickle.dumps(handle)).decode(), flush=True)
+sys.stdin.readline()                                    # the workers have verified
+print(json.dumps(sim.stats(0)["node_bytes_used"]), flush=True)
+sys.stdin.readline()                                    # the workers have closed
+print(json.dumps(pool.share_free(ptr)), flush=True)
+'''
+
+IMPORTER = r'''
+import base64, json, os, pickle, sys
+import ascend_pool as ap
+from ascend_pool import sim
+print(json.dumps([os.getpid(), ap.node_pid()]), flush=True)
+handle = pickle.loads(base64.b64decode(sys.stdin.readline()))
+with ap.open_shared(handle) as w:
+    print(json.dumps(sim.read(w.ptr, w.size) == bytes([0x5A]) * w.size), flush=True)
+    sys.stdin.readline()
+print(json.dumps("closed"), flush=True)
+'''
+
+
+def _spawn(env, procs, code):
+    p = subprocess.Popen(NS + [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    procs.append(p)
+    return p
+
+
+def _say(p, text):
+    p.stdin.write(text + "\n")
+    p.stdin.flush()
+
+
+def _hear(p, timeout=60):
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    line = p.stdout.readline() if ready else ""
+    assert line, p.stderr.read()
+    return line.strip()
+
+
+@needs_unshare
+def test_weight_sharing_with_exporter_and_workers_in_separate_pid_namespaces(node):
+    env, base, procs = node
+    exporter = _spawn(env, procs, EXPORTER)
+    workers = [_spawn(env, procs, IMPORTER) for _ in range(3)]
+    ids = [json.loads(_hear(w)) for w in workers]
+    assert all(pid == 1 for pid, _ in ids)                     # every worker is pid 1 ...
+    assert len({nid for _, nid in ids}) == 3 and all(nid != 1 for _, nid in ids)  # ... its node-level id is unique
+    _say(exporter, json.dumps([nid for _, nid in ids]))
+    handle = _hear(exporter)
+    assert pickle.loads(base64.b64decode(handle)).exporter_pid == 1
+    for w in workers:
+        _say(w, handle)
+    assert [json.loads(_hear(w)) for w in workers] == [True] * 3
+    _say(exporter, "verified")
+    assert json.loads(_hear(exporter)) == 64 * MiB             # one copy for the node
+    for w in workers:
+        _say(w, "close")
+        assert json.loads(_hear(w)) == "closed"
+    _say(exporter, "closed")
+    assert json.loads(_hear(exporter)) is True                # freed at once: every importer closed
+
+
+# ---- another local user ------------------------------------------------------------------------
+
+TENANT_USER, SQUATTER = "daemon", "nobody"
+
+
+def _python_for(user, env):
+    """An interpreter `user` may run that imports this ascend_pool: ours, else the system's of the
+    same version (ours may live under a home directory other users cannot enter). None if none."""
+    if shutil.which("runuser") is None:
+        return None
+    for exe in (sys.executable, f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
+        r = subprocess.run(["runuser", "-u", user, "--", exe, "-c", "import ascend_pool._core"], env=env,
+                           capture_output=True, text=True)
+        if r.returncode == 0:
+            return exe
+    return None
+
+
+HOSTILE_SKIP = ("runuser is not installed" if shutil.which("runuser") is None else
+                None if os.geteuid() == 0 else "running tests as another uid needs root")
+
+SQUAT = r'''
+import os, sys
+base, victim, node, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+names = [f"ascend_pool-u{victim}"] + [f"ascend_pool-u{victim}.{i}" for i in range(1, 21)]
+for name in names:  # every directory name the victim's default would take first
+    os.mkdir(os.path.join(base, name), 0o700)
+for name in (f"ascend_pool-ledger-u{victim}-sim-{node}-dev0", f"ascend_pool-lease-{0:016x}",
+             f"ascend_pool-stats-{victim}", "ascend_pool-stats-0000000000000001"):
+    os.close(os.open(os.path.join(base, name), os.O_CREAT | os.O_WRONLY, 0o644))
+flags = os.O_CREAT | os.O_WRONLY | os.O_EXCL
+for i in range(n):  # junk stats files, of both the old and the new naming
+    os.close(os.open(os.path.join(base, f"ascend_pool-stats-{i + 2:016x}" if i % 2 else f"ascend_pool-stats-{i}"),
+                     flags, 0o644))
+print("squatted", flush=True)
+'''
+
+
+@pytest.mark.skipif(HOSTILE_SKIP is not None, reason=str(HOSTILE_SKIP))
+@needs_unshare
+def test_another_user_can_neither_block_a_tenant_nor_slow_the_service():
+    import pwd
+
+    root = tempfile.mkdtemp(prefix="ap-hostile-")
+    procs = []
+    try:
+        os.chmod(root, 0o755)
+        base, simdir = os.path.join(root, "shm"), os.path.join(root, "sim")
+        for d in (base, simdir):
+            os.mkdir(d)
+            os.chmod(d, 0o1777)  # like /dev/shm: every local user may create names
+        uid = pwd.getpwnam(TENANT_USER).pw_uid
+        env = dict(os.environ, ASCEND_POOL_LEDGER_DIR=base, ASCEND_POOL_STATS_DIR=base, ASCEND_SIM_SHM_DIR=simdir,
+                   ASCEND_SIM_NODE=f"h{uuid.uuid4().hex[:10]}", ASCEND_POOL_BACKEND="sim", ASCEND_POOL_STATS="1",
+                   ASCEND_POOL_STATS_INTERVAL="0.1", PYTHONSAFEPATH="1", PYTHONPATH=PKG_PARENT, HOME=root)
+        for k in ("ASCEND_POOL_CONFIG", "ASCEND_POOL_TENANT", "ASCEND_POOL_LEDGER_GROUP"):
+            env.pop(k, None)
+        exe = _python_for(TENANT_USER, env)
+        if exe is None:
+            pytest.skip(f"no Python that user {TENANT_USER} may run imports {PKG_PARENT}")
+        t0 = time.monotonic()
+        r = subprocess.run(["runuser", "-u", SQUATTER, "--", exe, "-c", SQUAT, base, str(uid), env["ASCEND_SIM_NODE"],
+                            "30000"], env=env, capture_output=True, text=True, timeout=120)
+        assert r.stdout.strip() == "squatted", r.stderr
+        print(f"squatted in {time.monotonic() - t0:.2f} s")
+
+        # The service (root, in a namespace of its own) trusts the tenant's uid, nothing else.
+        log_path = os.path.join(root, "serve.log")
+        port = start_serve(env, procs, log_path, "--allow-uid", str(uid), "--sweep-interval", "1")
+        lines_before = len(open(log_path).read().splitlines())
+        w = Worker.__new__(Worker)
+        w.proc = subprocess.Popen(["runuser", "-u", TENANT_USER, "--", exe, "-c", WORKER, "online", "64MiB"], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(w.proc)
+        w.hello = w._line()
+        assert w.hello["quota"] == 64 * MiB
+        assert w("malloc", 40 * MiB) == "granted"   # allocates under its quota ...
+        assert w("malloc", 40 * MiB) == "refused"   # ... which still holds
+        private = [n for n in os.listdir(base) if n.startswith(f"ascend_pool-u{uid}")
+                   and os.stat(os.path.join(base, n)).st_uid == uid]
+        assert private == [f"ascend_pool-u{uid}.21"], private  # the first name nobody had taken
+        worst, found = 0.0, False
+        for _ in range(10):
+            t = time.monotonic()
+            s = scrape(port)
+            worst = max(worst, time.monotonic() - t)
+            found = found or bool(series(s, "ascend_pool_reserved_bytes", tenant="online"))
+            time.sleep(0.1)
+        assert found, "the tenant's process is not in the service's figures"
+        assert worst < 1.0, f"a scrape took {worst:.2f} s"
+        grown = len(open(log_path).read().splitlines()) - lines_before
+        assert grown <= 20, open(log_path).read()
+        print(f"slowest scrape {worst * 1000:.0f} ms; the service's log grew by {grown} lines")
+        # The service sweeps the trusted user's ledger too: a killed tenant process's share comes back.
+        assert list(series(s, "ascend_pool_ledger_held_bytes", tenant="online").values()) == [42 * MiB]
+        from ascend_pool._core import Ledger
+
+        led = Ledger(os.path.join(base, private[0], f"ascend_pool-ledger-u{uid}-sim-{env['ASCEND_SIM_NODE']}-dev0"),
+                     0, "sim", env["ASCEND_SIM_NODE"], None, uid)
+        os.kill(w.host_pid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        while led.view()["slots"]:
+            assert time.monotonic() - t0 < 3.0, led.view()
+            time.sleep(0.05)
+        assert led.view()["reclaimed_bytes"] == 42 * MiB
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- stale records -----------------------------------------------------------------------------
+
+def test_a_dead_exporters_share_record_is_removed_by_the_next_reader_and_never_exported(node, monkeypatch):
+    env, base, procs = node
+    exporter = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        import ascend_pool as ap
+        from ascend_pool import identity
+        pool = ap.Pool(0)
+        pool.share(pool.share_malloc(4 << 20), any_process=True)
+        print(identity.instance_hex(), flush=True)
+        sys.stdin.readline()
+    """)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs.append(exporter)
+    instance = exporter.stdout.readline().strip()
+    for k in ("ASCEND_POOL_LEDGER_DIR", "ASCEND_SIM_NODE"):
+        monkeypatch.setenv(k, env[k])
+    from ascend_pool.service.node_collector import NodeCollector
+    from ascend_pool.sharing import shares
+
+    def exported():
+        fams = {f.name: f for f in NodeCollector(ledger=False)._shares()}
+        return [s.labels["exporter_instance"] for s in fams["ascend_pool_shared_bytes"].samples]
+
+    assert [r["exporter_instance"] for r in shares()] == [instance] and exported() == [instance]
+    private = base / f"ascend_pool-u{os.geteuid()}"
+    assert [n for n in os.listdir(private) if n.startswith("ascend_pool-share-")]
+    exporter.kill()  # SIGKILL: it cleans nothing up
+    exporter.wait()
+    assert exported() == []  # the service's scrape: not shown, and the record is gone
+    assert shares() == []
+    assert not [n for n in os.listdir(private) if n.startswith("ascend_pool-share-")]
+
+
+def test_a_sharing_group_works_in_one_2770_directory_the_service_reads_by_group(node):
+    import stat as st_
+
+    from ascend_pool.service.scanner import StatsScanner
+
+    env, base, procs = node
+    gid = os.getgid()
+    w = Worker(env, procs, "online", "64MiB", ns=False, extra_env={"ASCEND_POOL_LEDGER_GROUP": str(gid)})
+    assert w("malloc", 8 * MiB) == "granted"
+    shared = base / f"ascend_pool-g{gid}"
+    s = os.lstat(shared)
+    assert st_.S_IMODE(s.st_mode) == 0o2770 and s.st_gid == gid
+    names = os.listdir(shared)
+    lease = f"ascend_pool-lease-{w.hello['instance']}"
+    stats = f"ascend_pool-stats-{w.hello['instance']}"
+    assert lease in names and any(n.startswith(f"ascend_pool-ledger-g{gid}-") for n in names), names
+    assert st_.S_IMODE(os.stat(shared / lease).st_mode) == 0o640  # the group can test the lock
+    deadline = time.monotonic() + 5
+    while stats not in os.listdir(shared):
+        assert time.monotonic() < deadline, os.listdir(shared)
+        time.sleep(0.05)
+    assert st_.S_IMODE(os.stat(shared / stats).st_mode) == 0o640
+    # A service trusting the group (and not the owner's uid) reads it; one trusting neither does not.
+    by_group = StatsScanner(str(base), allowed_uids={4242}, allowed_gids={gid}).scan()
+    assert [p.instance for p in by_group] == [w.hello["instance"]]
+    assert StatsScanner(str(base), allowed_uids={4242}).scan() == []
