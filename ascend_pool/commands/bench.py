@@ -110,7 +110,7 @@ def register(sub):
     p = sub.add_parser("bench", help="benchmark the pool against its peers and its floors (one run)",
                        description=__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--traces", default=None, metavar="DIR",
-                   help="trace directory (default: ../shared/traces when present, else the bundled traces)")
+                   help="trace directory (default: ../shared/traces when present, else the six full traces shipped in the package)")
     p.add_argument("--backend", choices=("sim", "cuda", "acl"), default=None,
                    help="device backend (default: $ASCEND_POOL_BACKEND, else acl if present, else sim)")
     p.add_argument("--device", type=int, default=0)
