@@ -261,6 +261,10 @@ def to_markdown(result: dict) -> str:
                      "rows with loop `C` from ascend_pool's C replay loop; compare ops/s within a loop kind "
                      "(`ascend_pool_pyloop` is ascend_pool in the Python loop).")
     lines += [""] + [f"- {n}" for n in notes]
+    if result.get("variants"):
+        from .robustness import variants_markdown
+
+        lines += ["", "## Robustness: perturbed workloads", ""] + variants_markdown(result["variants"])
     if result.get("skipped"):
         lines += ["", "## Skipped", ""]
         lines += [f"- `{s['allocator']}`{' on ' + s['trace'] if s.get('trace') else ''}: {s['reason']}"
