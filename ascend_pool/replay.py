@@ -12,8 +12,10 @@ from .traces import Trace, load_trace
 def replay(trace, backend=None, mode="pool", device=0, pool_knobs=None):
     """Replays trace (a Trace or a path to NAME.npz) on a fresh pool (mode "pool") or with one
     device call per allocation and free (mode "direct"). Returns a dict: allocs, frees, seconds,
-    ops_per_second, peak_live_bytes, peak_reserved_bytes, fragmentation_ratio (= peak reserved /
-    peak live), device_mallocs, device_frees, device_calls (mallocs and frees, plus maps and
+    ops_per_second, peak_live_bytes, peak_reserved_bytes, fragmentation_ratio (the
+    ascend_pool_fragmentation_ratio metric, 1 - largest free block / cached free bytes, 0..1, read
+    right after the allocation that first reaches peak reserved; 0 in direct mode, which caches
+    nothing), reserved_to_live_ratio (= peak reserved / peak live), device_mallocs, device_frees, device_calls (mallocs and frees, plus maps and
     unmaps of expandable segments), device_calls_steady (the same, during the second half of the
     events), final_allocated_bytes (0 after a complete trace), plus trace, mode and backend.
     Streams other than 0 get streams of their own; stream 0 is the default stream."""
@@ -48,7 +50,8 @@ def replay(trace, backend=None, mode="pool", device=0, pool_knobs=None):
                     be.stream_destroy(h)
     ops = r["allocs"] + r["frees"]
     r["ops_per_second"] = ops / r["seconds"] if r["seconds"] > 0 else float("inf")
-    r["fragmentation_ratio"] = r["peak_reserved_bytes"] / r["peak_live_bytes"] if r["peak_live_bytes"] else 0.0
+    r["fragmentation_ratio"] = r.pop("fragmentation_at_peak") if pool is not None else 0.0
+    r["reserved_to_live_ratio"] = r["peak_reserved_bytes"] / r["peak_live_bytes"] if r["peak_live_bytes"] else 0.0
     maps = r["pool_stats"]["num_device_map"] + r["pool_stats"]["num_device_unmap"] if pool is not None else 0
     r.update(trace=trace.name, mode=mode, backend=be.name, device_calls=r["device_mallocs"] + r["device_frees"] + maps)
     return r

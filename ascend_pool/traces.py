@@ -33,7 +33,9 @@ __all__ = [
     "trace_from_arrays",
     "peak_live_bytes",
     "bundled_traces_dir",
+    "shipped_traces_dir",
     "default_traces_dir",
+    "resolve_trace",
     "list_traces",
     "REQUIRED_ARRAYS",
 ]
@@ -297,8 +299,26 @@ def final_live_bytes(trace: Trace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def bundled_traces_dir() -> Path:
-    """The small traces shipped inside the package (``ascend_pool/traces/``)."""
+    """The small traces shipped inside the package (``ascend_pool/traces/``): prefixes of the shared
+    traces, for fast tests."""
     return Path(__file__).resolve().parent / "traces"
+
+
+def shipped_traces_dir() -> Path:
+    """The six full shared traces shipped inside the package (``ascend_pool/traces/full/``, with the
+    format README): what ``ascend-pool bench`` replays from an install, so that it reproduces the
+    published table (bench/README.md)."""
+    return bundled_traces_dir() / "full"
+
+
+def resolve_trace(name: PathLike) -> Path:
+    """A trace path as given, or (when no such file exists and it names no directory) the shipped
+    trace of that name, with or without ``.npz``: ``resolve_trace("resnet18_train")``."""
+    p = Path(name)
+    if p.exists() or p.parent != Path("."):
+        return p
+    shipped = shipped_traces_dir() / (p.name if p.suffix == ".npz" else p.name + ".npz")
+    return shipped if shipped.exists() else p
 
 
 def _has_traces(d: Path) -> bool:
@@ -310,7 +330,8 @@ def default_traces_dir() -> Path:
 
     In order: ``$ASCEND_POOL_TRACES`` (an error if set to something that is not a directory);
     ``../shared/traces`` relative to the current directory; ``shared/traces`` two levels up from the
-    package directory (``<repo>/../shared/traces`` in a checkout); else :func:`bundled_traces_dir`.
+    package directory (``<repo>/../shared/traces`` in a checkout); else :func:`shipped_traces_dir`
+    (the same six traces, inside the package).
     """
     env = os.environ.get("ASCEND_POOL_TRACES")
     if env:
@@ -325,7 +346,7 @@ def default_traces_dir() -> Path:
     for d in candidates:
         if _has_traces(d):
             return d.resolve()
-    return bundled_traces_dir()
+    return shipped_traces_dir()
 
 
 def list_traces(directory: Optional[PathLike] = None) -> list:

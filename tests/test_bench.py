@@ -6,7 +6,11 @@ short (--quick) and the simulated device latency is lowered so that direct-mode 
 """
 import json
 import math
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +19,9 @@ from ascend_pool.bench import peers
 from ascend_pool.bench.table import RATIO_FIELDS, TARGETS, add_ratios, evaluate_targets
 from ascend_pool.traces import bundled_traces_dir, list_traces, load_trace, peak_live_bytes
 
-ROW_KEYS = ("trace", "allocator", "ops_per_second", "peak_live_bytes", "peak_reserved_bytes", "fragmentation_ratio",
+MiB = 1 << 20
+
+ROW_KEYS = ("trace", "allocator", "ops_per_second", "peak_live_bytes", "peak_reserved_bytes", "fragmentation_ratio", "reserved_to_live_ratio",
             "device_mallocs", "waste_bytes", "device_calls", "device_calls_steady")
 SIM_ALLOCATORS = ("ascend_pool", "direct", "torch_npu_policy")
 
@@ -56,7 +62,11 @@ def test_rows_agree_with_the_traces(bench_run):
         assert r["peak_live_bytes"] == peak_live_bytes(tr)
         assert r["allocs"] == tr.n_allocs and r["frees"] == tr.n_frees
         assert r["waste_bytes"] == r["peak_reserved_bytes"] - r["peak_live_bytes"]
-        assert math.isclose(r["fragmentation_ratio"], r["peak_reserved_bytes"] / r["peak_live_bytes"])
+        assert math.isclose(r["reserved_to_live_ratio"], r["peak_reserved_bytes"] / r["peak_live_bytes"])
+        # the metric's meaning, at the peak of reserved; direct caches nothing
+        assert 0.0 <= r["fragmentation_ratio"] <= 1.0
+        if r["allocator"] == "direct":
+            assert r["fragmentation_ratio"] == 0.0
         assert r["device_calls"] == r["device_mallocs"] + r["device_frees"]
         assert r["device_calls_steady"] <= r["device_calls"]
         if r["allocator"] == "direct":  # one device call per allocation and per free
@@ -174,7 +184,7 @@ def test_gpu_peer_probes_give_reasons_without_a_gpu():
 def test_targets_logic_on_synthetic_rows():
     def row(trace, alloc, reserved, live=100, ops=1000.0, calls=1, steady=0, allocs=1000, half=500):
         return {"trace": trace, "allocator": alloc, "peak_reserved_bytes": reserved, "peak_live_bytes": live,
-                "waste_bytes": reserved - live, "ops_per_second": ops, "fragmentation_ratio": reserved / live,
+                "waste_bytes": reserved - live, "ops_per_second": ops, "reserved_to_live_ratio": reserved / live,
                 "device_calls": calls, "device_calls_steady": steady, "allocs": allocs, "allocs_second_half": half,
                 "device_calls_pct_of_allocs": 100 * calls / allocs, "device_calls_steady_pct_of_allocs": 100 * steady / half}
 
@@ -264,3 +274,57 @@ def test_ascend_pool_in_the_python_loop_matches_the_c_loop(name):
     diff = {k: (c[k], py[k]) for k in ("peak_reserved_bytes", "device_mallocs", "device_calls", "device_calls_steady")
             if py[k] != c[k]}
     assert not diff, f"C replay loop vs pool.malloc/pool.free on {name} (C, Python): {diff}"
+
+
+def _published_rows():
+    """(trace, allocator) -> {column: text} from the first replay table of bench/README.md."""
+    readme = Path(__file__).resolve().parent.parent / "bench" / "README.md"
+    header, rows = None, {}
+    for line in readme.read_text().splitlines():
+        if line.startswith("| trace | allocator |") and header is None:
+            header = [c.strip() for c in line.strip("|").split("|")]
+        elif header and line.startswith("| ") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if len(cells) != len(header):
+                break
+            rows[(cells[0], cells[1])] = dict(zip(header, cells))
+        elif header and rows and not line.startswith("|"):
+            break
+    return rows
+
+
+def test_bench_from_an_install_replays_the_shipped_traces_and_reproduces_the_published_figures(tmp_path):
+    """From another directory, without ../shared/traces, `ascend-pool bench` replays the full traces
+    shipped in the package, and their memory and device-call figures are bench/README.md's."""
+    from ascend_pool.traces import shipped_traces_dir
+
+    published = _published_rows()
+    names = ("resnet18_train", "resnet18_train_prefetch_2stream")  # the two fastest of the six
+    env = {k: v for k, v in os.environ.items() if k != "ASCEND_POOL_TRACES"}
+    cmd = [sys.executable, "-m", "ascend_pool.cli", "bench", "--backend", "sim", "--no-micro", "--json", "-",
+           "--allocators", "ascend_pool,torch_npu_policy", "--malloc-latency-us", "0", "--free-latency-us", "0"]
+    for n in names:
+        cmd += ["--trace", n]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert Path(res["meta"]["traces_dir"]) == shipped_traces_dir().resolve()
+    assert sorted(p.name[:-4] for p in shipped_traces_dir().glob("*.npz")) == sorted(
+        {t for t, _ in published})
+    for r in res["rows"]:
+        pub = published[(r["trace"], r["allocator"])]
+        assert f"{r['peak_reserved_bytes'] / MiB:,.1f}" == pub["peak reserved MiB"], r["trace"]
+        assert f"{r['peak_live_bytes'] / MiB:,.1f}" == pub["peak live MiB"]
+        assert f"{r['device_calls']:,}" == pub["device calls"]
+        assert f"{r['device_calls_steady']:,}" == pub["steady calls"]
+
+
+def test_replay_help_names_a_format_file_that_exists():
+    out = subprocess.run([sys.executable, "-m", "ascend_pool.cli", "replay", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0
+
+
+    # argparse wraps long words at hyphens: read the help with every line break and space removed
+    m = re.search(r"format:(\S+?README\.md)", "".join(out.stdout.split()))
+    assert m and Path(m.group(1)).is_file(), out.stdout

@@ -12,7 +12,8 @@ from ascend_pool.replay import replay
 from ascend_pool.traces import bundled_traces_dir, load_trace, peak_live_bytes
 
 KEYS = ("allocs", "frees", "seconds", "ops_per_second", "peak_live_bytes", "peak_reserved_bytes",
-        "fragmentation_ratio", "device_mallocs", "device_frees", "device_calls_steady", "final_allocated_bytes")
+        "fragmentation_ratio", "reserved_to_live_ratio", "device_mallocs", "device_frees", "device_calls_steady",
+        "final_allocated_bytes")
 
 
 def bundled(name):
@@ -31,8 +32,11 @@ def test_cli_replay_json(mode):
     assert r["allocs"] == int(trace.op.sum()) and r["frees"] == len(trace.op) - r["allocs"]
     assert r["peak_live_bytes"] == peak_live_bytes(trace)
     assert r["final_allocated_bytes"] == 0
-    assert r["fragmentation_ratio"] == pytest.approx(r["peak_reserved_bytes"] / r["peak_live_bytes"])
+    assert r["reserved_to_live_ratio"] == pytest.approx(r["peak_reserved_bytes"] / r["peak_live_bytes"])
+    # the metric's meaning (0..1), not reserved/live
+    assert 0.0 <= r["fragmentation_ratio"] <= 1.0
     if mode == "direct":
+        assert r["fragmentation_ratio"] == 0.0  # nothing is ever cached
         assert r["device_mallocs"] == r["allocs"] and r["device_frees"] == r["frees"]
     else:
         assert r["device_mallocs"] < r["allocs"] / 20
@@ -51,3 +55,39 @@ def test_replay_of_a_broken_trace_is_a_clear_error(tmp_path):
                          text=True, timeout=60)
     assert out.returncode == 2
     assert "ValueError" in out.stderr and "free" in out.stderr
+
+
+def test_fragmentation_ratio_is_the_metrics_value_at_the_peak_of_reserved():
+    """replay's fragmentation_ratio is what ascend_pool_fragmentation_ratio (1 - largest free block /
+    cached free bytes) reads right after the allocation that first reaches peak reserved: the same
+    sequence driven from Python, reading pool.memory_stats() after every allocation, gives it."""
+    from ascend_pool.backend import open_backend
+    from ascend_pool.pool import Pool
+    from ascend_pool.traces import trace_from_arrays
+
+    MiB = 1 << 20
+    # three 6 MiB blocks, the middle one freed, then one that cannot fit the hole: the pool grows
+    # while a 6 MiB hole is cached
+    op = [1, 1, 1, 0, 1, 0, 0, 0]
+    ids = [1, 2, 3, 2, 4, 1, 3, 4]
+    size = [6 * MiB, 6 * MiB, 6 * MiB, 6 * MiB, 30 * MiB, 6 * MiB, 6 * MiB, 30 * MiB]
+    tr = trace_from_arrays(np.array(op, np.int8), np.array(ids), np.array(size), name="hole")
+    r = replay(tr, backend="sim")
+    be = open_backend("sim")
+    pool = Pool(0, backend=be)
+    try:
+        ptrs, high, expect = {}, 0, None
+        for o, i, s in zip(op, ids, size):
+            if o:
+                ptrs[i] = pool.malloc(s)
+                st = pool.memory_stats()
+                if st["reserved_bytes.all.current"] > high:
+                    high = st["reserved_bytes.all.current"]
+                    expect = st["external_fragmentation"]
+            else:
+                pool.free(ptrs.pop(i))
+    finally:
+        pool.close()
+    assert r["peak_reserved_bytes"] == high
+    assert r["fragmentation_ratio"] == pytest.approx(expect)
+    assert r["reserved_to_live_ratio"] == pytest.approx(high / r["peak_live_bytes"])

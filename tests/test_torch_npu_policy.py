@@ -376,7 +376,8 @@ def test_bundled_resnet_prefix_reproduces_published_figure():
     assert r["peak_live_bytes"] == peak_live_bytes(tr) == 838_364_808  # 799.5 MiB, as published (800)
     assert r["final_allocated_bytes"] == 0 and r["device_frees"] == 0
     assert r["waste_bytes"] == r["peak_reserved_bytes"] - r["peak_live_bytes"]
-    assert r["fragmentation_ratio"] == pytest.approx(r["peak_reserved_bytes"] / r["peak_live_bytes"])
+    assert r["reserved_to_live_ratio"] == pytest.approx(r["peak_reserved_bytes"] / r["peak_live_bytes"])
+    assert 0.0 <= r["fragmentation_ratio"] <= 1.0
     assert r["allocator"] == ALLOCATOR_NAME and "re-implementation" in r["label"]
 
 
@@ -418,3 +419,21 @@ def test_compare_and_table():
     assert compare_with_published(dict(r, trace="other")) is None
     text = format_table([r])
     assert "resnet18_train" in text and "1508" in text and LABEL in text
+
+
+def test_fragmentation_ratio_is_the_metrics_formula_at_the_peak_of_reserved():
+    """The model's fragmentation_ratio has the metric's meaning (1 - largest free block / cached free
+    bytes), read right after the allocation that first reaches peak reserved. Three 3 MiB blocks
+    share one 20 MiB segment; the middle one is freed (a 3 MiB hole beside the 11 MiB tail); a 15 MiB
+    request fits neither and gets a 16 MiB segment of its own: at that peak (36 MiB) the cache holds
+    3 + 11 MiB, the largest 11, so 1 - 11/14."""
+    from ascend_pool.traces import trace_from_arrays
+
+    op = [1, 1, 1, 0, 1, 0, 0, 0]
+    ids = [1, 2, 3, 2, 4, 1, 3, 4]
+    size = [3 * MiB, 3 * MiB, 3 * MiB, 3 * MiB, 15 * MiB, 3 * MiB, 3 * MiB, 15 * MiB]
+    tr = trace_from_arrays(np.array(op, np.int8), np.array(ids), np.array(size), name="hole")
+    r = replay(tr, pad=0)
+    assert r["peak_reserved_bytes"] == 36 * MiB
+    assert r["fragmentation_ratio"] == pytest.approx(1 - 11 / 14)
+    assert r["reserved_to_live_ratio"] == pytest.approx(36 / 21)

@@ -227,8 +227,8 @@ def test_default_traces_dir_search_order(tmp_path, monkeypatch):
     work = tmp_path / "elsewhere" / "cwd"
     work.mkdir(parents=True)
     monkeypatch.chdir(work)
-    # nothing found: the bundled directory (of the fake package)
-    assert default_traces_dir() == fake_pkg / "traces"
+    # nothing found: the full traces shipped in the (fake) package
+    assert default_traces_dir() == fake_pkg / "traces" / "full"
     # shared/traces two levels up from the package
     up = tmp_path / "shared" / "traces"
     up.mkdir(parents=True)

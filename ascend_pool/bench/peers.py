@@ -83,7 +83,9 @@ def _pct(num, den):
 def make_row(trace: Trace, allocator: str, fig: dict, **extra) -> dict:
     """One table row from a peer's figures. fig needs seconds, peak_reserved_bytes,
     device_mallocs, device_frees, device_calls_steady (None where the peer cannot count them);
-    allocs, frees, peak_live_bytes and final_allocated_bytes default to the trace's."""
+    allocs, frees, peak_live_bytes and final_allocated_bytes default to the trace's;
+    fragmentation_ratio (the ascend_pool_fragmentation_ratio metric's formula at the peak of
+    reserved) is None where the peer cannot tell it."""
     label, loop = ALLOCATORS[allocator]
     allocs = fig.get("allocs", trace.n_allocs)
     frees = fig.get("frees", trace.n_frees)
@@ -111,7 +113,9 @@ def make_row(trace: Trace, allocator: str, fig: dict, **extra) -> dict:
         "peak_live_bytes": live,
         "peak_reserved_bytes": reserved,
         "waste_bytes": reserved - live if reserved is not None else None,
-        "fragmentation_ratio": reserved / live if reserved is not None and live else None,
+        # the metric's meaning (0..1) at the peak of reserved, where the peer can tell it
+        "fragmentation_ratio": fig.get("fragmentation_ratio"),
+        "reserved_to_live_ratio": reserved / live if reserved is not None and live else None,
         "device_mallocs": dm,
         "device_frees": df,
         "device_calls": calls,
@@ -242,7 +246,7 @@ def _replay_ascend(trace, backend, device, mode, pool_knobs=None):
     r = replay(trace, backend=backend, mode=mode, device=device, pool_knobs=pool_knobs)
     return {k: r[k] for k in ("allocs", "frees", "seconds", "peak_live_bytes", "peak_reserved_bytes",
                               "device_mallocs", "device_frees", "device_calls", "device_calls_steady",
-                              "final_allocated_bytes")}
+                              "final_allocated_bytes", "fragmentation_ratio")}
 
 
 def _replay_policy(trace):
@@ -250,7 +254,7 @@ def _replay_policy(trace):
 
     r = torch_npu_policy.replay(trace)
     return {k: r[k] for k in ("allocs", "frees", "seconds", "peak_reserved_bytes", "device_mallocs",
-                              "device_frees", "device_calls_steady", "final_allocated_bytes")}
+                              "device_frees", "device_calls_steady", "final_allocated_bytes", "fragmentation_ratio")}
 
 
 def _replay_pyloop(trace, backend, device):

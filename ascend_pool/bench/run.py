@@ -1,7 +1,8 @@
 """One benchmark run: microbenchmarks, then every trace through every allocator, then the table.
 
-``run_bench(...)`` returns ``{"meta", "micro", "rows", "skipped", "errors", "targets"}``; the JSON
-file the `bench` command writes is exactly this object (``rows`` and ``micro`` as issue 8 asks).
+``run_bench(...)`` returns ``{"meta", "micro", "rows", "variants", "skipped", "errors", "targets"}``;
+the JSON file the `bench` command writes is exactly this object (``rows`` and ``micro`` as issue 8
+asks; ``variants``: the robustness harness, :mod:`.robustness`, None unless asked for).
 """
 from __future__ import annotations
 
@@ -92,13 +93,16 @@ def run_bench(traces_dir=None, backend: Optional[str] = None, device: int = 0, *
               micro_py_pairs: Optional[int] = None,
               sim_malloc_latency_us: int = SIM_MALLOC_LATENCY_US, sim_free_latency_us: int = SIM_FREE_LATENCY_US,
               pool_knobs: Optional[dict] = None, progress: bool = False, command: Optional[str] = None,
-              log=None) -> dict:
+              log=None, variants: int = 0, variants_seed: Optional[int] = None) -> dict:
     """Runs the benchmark. traces: names (without .npz) to keep from the directory; allocators:
     names to run (default: all for the backend; those that cannot run are listed in "skipped" with
-    the reason). log(text): where skip notices go as they happen (default: nowhere)."""
+    the reason). log(text): where skip notices go as they happen (default: nowhere). variants: how
+    many perturbed workloads to derive from each trace for the robustness harness (0: none)."""
     from ..backend import open_backend
     from .torch_npu_policy import TORCH_NPU_PUBLISHED_MIB
 
+    if variants < 0:
+        raise ValueError(f"--variants must be >= 0, got {variants}")
     be = open_backend(backend)
     directory = Path(traces_dir) if traces_dir is not None else default_traces_dir()
     paths = list_traces(directory)
@@ -144,10 +148,10 @@ def run_bench(traces_dir=None, backend: Optional[str] = None, device: int = 0, *
         "ascend_pool_conf_env": os.environ.get("ASCEND_POOL_CONF", ""),
         "load_average_at_start": _loadavg(),
     }
-    steps = (1 if micro else 0) + len(paths) * len(runnable)
+    steps = (1 if micro else 0) + len(paths) * len(runnable) + len(paths) * max(0, variants)
     prog = Progress(steps, enabled=progress)
     rows, errors = [], []
-    micro_res = None
+    micro_res = variants_res = None
     try:
         if micro:
             prog.step("microbenchmarks", tick=False)
@@ -168,6 +172,12 @@ def run_bench(traces_dir=None, backend: Optional[str] = None, device: int = 0, *
                     except Exception as e:  # a peer failing must not lose the others' figures
                         errors.append({"allocator": a, "trace": trace.name, "error": f"{type(e).__name__}: {e}"})
                         log(f"error: {a} on {trace.name}: {type(e).__name__}: {e}")
+        if variants > 0:
+            from .robustness import run_variants
+            from .variants import DEFAULT_SEED
+
+            variants_res = run_variants(paths, variants, be, device, pool_knobs=pool_knobs,
+                                        seed=DEFAULT_SEED if variants_seed is None else variants_seed, progress=prog)
     finally:
         prog.done()
     add_ratios(rows)
@@ -178,7 +188,8 @@ def run_bench(traces_dir=None, backend: Optional[str] = None, device: int = 0, *
         "meta": meta,
         "micro": micro_res,
         "rows": rows,
+        "variants": variants_res,
         "skipped": skipped,
         "errors": errors,
-        "targets": evaluate_targets(rows, micro_res, published),
+        "targets": evaluate_targets(rows, micro_res, published) + (variants_res["targets"] if variants_res else []),
     }

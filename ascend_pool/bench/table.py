@@ -18,7 +18,6 @@ RATIO_FIELDS = {
     "ops_per_second": "ops_per_second_vs_ascend_pool",
     "peak_reserved_bytes": "peak_reserved_vs_ascend_pool",
     "waste_bytes": "waste_vs_ascend_pool",
-    "fragmentation_ratio": "fragmentation_ratio_vs_ascend_pool",
     "device_calls": "device_calls_vs_ascend_pool",
 }
 
@@ -221,9 +220,9 @@ def micro_markdown(micro: dict) -> list:
 
 
 ROW_HEADER = ("| trace | allocator | loop | ops/s | ops/s × ap | peak live MiB | peak reserved MiB | reserved × ap "
-              "| waste MiB | waste × ap | frag. ratio | device mallocs | device calls | calls % allocs "
+              "| waste MiB | waste × ap | reserved / live | frag. at peak | device mallocs | device calls | calls % allocs "
               "| steady calls | steady % allocs |")
-ROW_ALIGN = "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+ROW_ALIGN = "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 
 
 def row_markdown(r: dict) -> str:
@@ -231,7 +230,8 @@ def row_markdown(r: dict) -> str:
             f"| {_fmt(r['ops_per_second_vs_ascend_pool'], '.3g')} | {_mib(r['peak_live_bytes'])} "
             f"| {_mib(r['peak_reserved_bytes'])} | {_fmt(r['peak_reserved_vs_ascend_pool'], '.3f')} "
             f"| {_mib(r['waste_bytes'])} | {_fmt(r['waste_vs_ascend_pool'], '.3f')} "
-            f"| {_fmt(r['fragmentation_ratio'], '.3f')} | {_fmt(r['device_mallocs'], ',')} "
+            f"| {_fmt(r.get('reserved_to_live_ratio'), '.3f')} | {_fmt(r.get('fragmentation_ratio'), '.3f')} "
+            f"| {_fmt(r['device_mallocs'], ',')} "
             f"| {_fmt(r['device_calls'], ',')} | {_fmt(r['device_calls_pct_of_allocs'], '.3f')} "
             f"| {_fmt(r['device_calls_steady'], ',')} | {_fmt(r['device_calls_steady_pct_of_allocs'], '.3f')} |")
 
@@ -256,6 +256,9 @@ def to_markdown(result: dict) -> str:
     lines += ["", "## Trace replays", "",
               "One row per (trace, allocator); `× ap` is the row's figure divided by ascend_pool's on the same "
               "trace. Waste = peak reserved − peak live (peak live = peak sum of requested bytes). "
+              "Reserved / live = peak reserved / peak live; frag. at peak = the "
+              "ascend_pool_fragmentation_ratio metric (1 − largest free block / cached free bytes) right "
+              "after the allocation that first reaches peak reserved (`-` where a peer cannot tell). "
               "Steady = the second half of the trace's events.", "", ROW_HEADER, ROW_ALIGN]
     lines += [row_markdown(r) for r in result["rows"]]
     notes = ["`torch_npu_policy` is a re-implementation of torch_npu's caching policy (a pure-Python model "
@@ -266,6 +269,10 @@ def to_markdown(result: dict) -> str:
                      "rows with loop `C` from ascend_pool's C replay loop; compare ops/s within a loop kind "
                      "(`ascend_pool_pyloop` is ascend_pool in the Python loop).")
     lines += [""] + [f"- {n}" for n in notes]
+    if result.get("variants"):
+        from .robustness import variants_markdown
+
+        lines += ["", "## Robustness: perturbed workloads", ""] + variants_markdown(result["variants"])
     if result.get("skipped"):
         lines += ["", "## Skipped", ""]
         lines += [f"- `{s['allocator']}`{' on ' + s['trace'] if s.get('trace') else ''}: {s['reason']}"

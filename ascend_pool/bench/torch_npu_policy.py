@@ -344,6 +344,14 @@ class TorchNpuPolicy:
                         "segment_type": "small" if small else "large", "blocks": blocks})
         return out
 
+    def external_fragmentation(self) -> float:
+        """1 - largest cached free block / cached free bytes (0 when nothing is cached): the
+        ascend_pool_fragmentation_ratio metric's formula on the model's cache."""
+        cached = self.reserved_bytes - self.allocated_bytes
+        if cached <= 0 or not self._free_start:
+            return 0.0
+        return 1.0 - max(self._free_start.values()) / cached
+
     def check(self) -> None:
         """Assert the model's invariants (blocks tile segments, counters agree, no adjacent free blocks)."""
         segs = self.segments()
@@ -368,8 +376,10 @@ def replay(trace, *, max_split_size: Optional[int] = None, pad: int = NPU_PAD,
     device_mallocs, device_frees, device_calls, device_calls_steady, final_allocated_bytes,
     final_requested_bytes, segments_small, segments_large, max_split_size``.
     ``device_calls_steady`` counts device calls (segment mallocs + frees) made during the second half
-    of the events; ``fragmentation_ratio`` is ``peak_reserved_bytes / peak_live_bytes`` (None for a
-    trace with nothing live).
+    of the events; ``fragmentation_ratio`` is the ascend_pool_fragmentation_ratio metric's formula
+    (1 - largest free block / cached free bytes, 0..1) right after the allocation that first
+    reaches peak reserved; ``reserved_to_live_ratio`` is ``peak_reserved_bytes / peak_live_bytes``
+    (None for a trace with nothing live).
     """
     pol = TorchNpuPolicy(max_split_size=max_split_size, pad=pad, device_bytes=device_bytes)
     ops = trace.op.tolist()
@@ -382,15 +392,20 @@ def replay(trace, *, max_split_size: Optional[int] = None, pad: int = NPU_PAD,
     malloc = pol.malloc
     free = pol.free
     t0 = time.perf_counter()
+    high, frag = 0, 0.0
     for i in range(half):
         if ops[i]:
             ptr[slots[i]] = malloc(sizes[i], streams[i])
+            if pol.reserved_bytes > high:  # a new high of reserved: read the fragmentation there
+                high, frag = pol.reserved_bytes, pol.external_fragmentation()
         else:
             free(ptr[slots[i]])
     steady_start = pol.device_mallocs + pol.device_frees
     for i in range(half, n):
         if ops[i]:
             ptr[slots[i]] = malloc(sizes[i], streams[i])
+            if pol.reserved_bytes > high:
+                high, frag = pol.reserved_bytes, pol.external_fragmentation()
         else:
             free(ptr[slots[i]])
     seconds = time.perf_counter() - t0
@@ -410,7 +425,8 @@ def replay(trace, *, max_split_size: Optional[int] = None, pad: int = NPU_PAD,
         "peak_allocated_bytes": pol.peak_allocated_bytes,
         "peak_reserved_bytes": pol.peak_reserved_bytes,
         "waste_bytes": pol.peak_reserved_bytes - peak_live,
-        "fragmentation_ratio": (pol.peak_reserved_bytes / peak_live) if peak_live else None,
+        "fragmentation_ratio": frag,
+        "reserved_to_live_ratio": (pol.peak_reserved_bytes / peak_live) if peak_live else None,
         "device_mallocs": pol.device_mallocs,
         "device_frees": pol.device_frees,
         "device_calls": pol.device_mallocs + pol.device_frees,

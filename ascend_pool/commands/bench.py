@@ -51,6 +51,8 @@ def _command_line(args):
         parts += ["--malloc-latency-us", str(args.malloc_latency_us)]
     if args.free_latency_us != SIM_FREE_LATENCY_US:
         parts += ["--free-latency-us", str(args.free_latency_us)]
+    if args.variants:
+        parts += ["--variants", str(args.variants)]
     for flag in ("no_micro", "quick", "strict"):
         if getattr(args, flag):
             parts.append("--" + flag.replace("_", "-"))
@@ -80,7 +82,7 @@ def _cmd_bench(args):
         micro=not args.no_micro, micro_runs=micro_runs, micro_target_ms=target_ms,
         sim_malloc_latency_us=args.malloc_latency_us, sim_free_latency_us=args.free_latency_us,
         pool_knobs=knobs, progress=progress, command=command,
-        log=(lambda text: print(text, file=sys.stderr)) if progress else None)
+        log=(lambda text: print(text, file=sys.stderr)) if progress else None, variants=args.variants)
     result = _clean(result)
     md = to_markdown(result)
     if args.markdown:
@@ -110,7 +112,7 @@ def register(sub):
     p = sub.add_parser("bench", help="benchmark the pool against its peers and its floors (one run)",
                        description=__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--traces", default=None, metavar="DIR",
-                   help="trace directory (default: ../shared/traces when present, else the bundled traces)")
+                   help="trace directory (default: ../shared/traces when present, else the six full traces shipped in the package)")
     p.add_argument("--backend", choices=("sim", "cuda", "acl"), default=None,
                    help="device backend (default: $ASCEND_POOL_BACKEND, else acl if present, else sim)")
     p.add_argument("--device", type=int, default=0)
@@ -134,5 +136,8 @@ def register(sub):
     g.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="show progress on stderr (default: on a terminal, unless --json)")
     g.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--variants", type=int, nargs="?", const=20, default=0, metavar="N",
+                   help="robustness harness: derive N perturbed workloads from each trace (N = 20 when given "
+                        "without a number) and replay them through ascend_pool and torch_npu_policy")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     p.set_defaults(func=_cmd_bench)

@@ -1,11 +1,13 @@
-"""`ascend-pool replay TRACE.npz [--backend sim] [--mode pool|direct] [--json]`."""
+"""`ascend-pool replay TRACE.npz [--backend sim] [--mode pool|direct] [--json]`.
+
+TRACE may also name one of the traces shipped with the package (``resnet18_train``, ...)."""
 
 import json
 
 from ..units import format_bytes
 
 REPLAY_KEYS = ("allocs", "frees", "seconds", "ops_per_second", "peak_live_bytes", "peak_reserved_bytes",
-               "fragmentation_ratio", "device_mallocs", "device_frees", "device_calls_steady",
+               "fragmentation_ratio", "reserved_to_live_ratio", "device_mallocs", "device_frees", "device_calls_steady",
                "final_allocated_bytes")
 
 
@@ -14,22 +16,29 @@ def _cmd_replay(args):
     from ..replay import replay
 
     knobs = parse_conf_string(args.conf, "--conf") if args.conf else None
-    r = replay(args.trace, backend=args.backend, mode=args.mode, device=args.device, pool_knobs=knobs)
+    from ..traces import resolve_trace
+
+    r = replay(resolve_trace(args.trace), backend=args.backend, mode=args.mode, device=args.device, pool_knobs=knobs)
     if args.json:
         print(json.dumps({k: r[k] for k in REPLAY_KEYS + ("trace", "mode", "backend")}))
         return 0
     print(f"{r['trace']}: {r['allocs']} allocs, {r['frees']} frees in {r['seconds']:.3f} s "
           f"({r['ops_per_second']:,.0f} ops/s), mode {r['mode']} on {r['backend']}")
     print(f"  peak live {format_bytes(r['peak_live_bytes'])}, peak reserved {format_bytes(r['peak_reserved_bytes'])}"
-          f" (ratio {r['fragmentation_ratio']:.3f})")
+          f" ({r['reserved_to_live_ratio']:.3f}x live; fragmentation at that peak {r['fragmentation_ratio']:.3f})")
     print(f"  device mallocs {r['device_mallocs']}, frees {r['device_frees']}, in the second half "
           f"{r['device_calls_steady']}; allocated at the end {r['final_allocated_bytes']}")
     return 0
 
 
 def register(sub):
+    from ..traces import shipped_traces_dir
+
+    shipped = shipped_traces_dir()
+    names = ", ".join(sorted(p.name[:-4] for p in shipped.glob("*.npz")))
     p = sub.add_parser("replay", help="replay an allocation trace (.npz) and print its figures")
-    p.add_argument("trace", help="trace file (NAME.npz, format in shared/traces/README.md)")
+    p.add_argument("trace", help=f"trace file NAME.npz (format: {shipped / 'README.md'}), or the name of a "
+                                 f"trace shipped with the package ({names or 'none installed'})")
     p.add_argument("--backend", choices=("acl", "sim", "cuda"), default=None,
                    help="device backend (default: $ASCEND_POOL_BACKEND, else acl if present, else sim)")
     p.add_argument("--mode", choices=("pool", "direct"), default="pool",

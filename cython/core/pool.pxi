@@ -99,6 +99,7 @@ cdef extern from "replay.h" nogil:
         double seconds
         int64_t peak_live_bytes, peak_reserved_bytes, device_mallocs, device_frees
         int64_t device_calls_steady, final_allocated_bytes, failed_index
+        double fragmentation_at_peak
         ap_error error
     int ap_replay(ap_pool *p, ap_backend *b, int device, int mode, const int8_t *op, const int32_t *slot,
                   const int64_t *size, const int32_t *stream, size_t n, void **streams, void **ptrs,
@@ -646,6 +647,7 @@ def replay_arrays(PoolBase pool, Backend backend, int device, str mode, const in
         "peak_live_bytes": r.peak_live_bytes, "peak_reserved_bytes": r.peak_reserved_bytes,
         "device_mallocs": r.device_mallocs, "device_frees": r.device_frees,
         "device_calls_steady": r.device_calls_steady, "final_allocated_bytes": r.final_allocated_bytes,
+        "fragmentation_at_peak": r.fragmentation_at_peak,
     }
 
 

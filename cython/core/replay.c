@@ -16,6 +16,14 @@ static int64_t device_calls(ap_pool *p, int mode, const ap_replay_result *r) {
     return p->stats.num_device_alloc + p->stats.num_device_free + p->stats.num_device_map + p->stats.num_device_unmap;
 }
 
+/* The pool's external fragmentation (the ascend_pool_fragmentation_ratio metric: 1 - largest free
+   block / cached free bytes, 0 when nothing is cached), read as the metric would read it. */
+static double pool_fragmentation(ap_pool *p) {
+    ap_stats st;
+    ap_pool_get_stats(p, &st);
+    return st.cached_free_bytes > 0 ? 1.0 - (double)st.largest_free_block / (double)st.cached_free_bytes : 0.0;
+}
+
 static void cleanup(ap_pool *p, ap_backend *b, int device, int mode, void **ptrs, size_t n_slots) {
     for (size_t i = 0; i < n_slots; i++) {
         if (!ptrs[i]) continue;
@@ -31,7 +39,7 @@ int ap_replay(ap_pool *p, ap_backend *b, int device, int mode, const int8_t *op,
     memset(r, 0, sizeof *r);
     r->failed_index = -1;
     memset(ptrs, 0, n_slots * sizeof *ptrs);
-    int64_t live = 0, reserved_direct = 0, calls_at_half = 0;
+    int64_t live = 0, reserved_direct = 0, calls_at_half = 0, reserved_high = 0;
     size_t half = n / 2;
     int64_t mallocs0 = p ? p->stats.num_device_alloc : 0, frees0 = p ? p->stats.num_device_free : 0;
     double t0 = now_s();
@@ -59,6 +67,12 @@ int ap_replay(ap_pool *p, ap_backend *b, int device, int mode, const int8_t *op,
                 return rc;
             }
             ptrs[s] = ptr;
+            /* fragmentation at the peak of reserved memory: read each time a malloc sets a new high
+               (rare: at most once per growth), so the value kept is the one at the final peak */
+            if (mode == AP_REPLAY_POOL && p->stats.s[AP_STAT_RESERVED_BYTES][AP_STAT_ALL].current > reserved_high) {
+                reserved_high = p->stats.s[AP_STAT_RESERVED_BYTES][AP_STAT_ALL].current;
+                r->fragmentation_at_peak = pool_fragmentation(p);
+            }
             live += size[i];
             if (live > r->peak_live_bytes) r->peak_live_bytes = live;
             r->allocs++;

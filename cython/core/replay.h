@@ -17,6 +17,8 @@ typedef struct ap_replay_result {
     int64_t device_mallocs, device_frees;
     int64_t device_calls_steady;  /* device mallocs + frees during the second half of the events */
     int64_t final_allocated_bytes;
+    double fragmentation_at_peak; /* pool: 1 - largest free / cached free right after the malloc that
+                                     first reached peak reserved (0 if nothing cached); direct: 0 */
     int64_t failed_index;         /* event that failed, or -1 */
     ap_error error;
 } ap_replay_result;
