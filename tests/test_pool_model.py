@@ -231,18 +231,18 @@ def drive(pool, sequence):
     run.close()
 
 
-@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops)
 def test_pool_places_every_block_where_the_model_does(never_pool, sequence):
     drive(never_pool, sequence)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_long_seeded_runs_match_the_model(never_pool, seed):
     """Longer runs than the property test's, many small blocks: the cache fills and evicts."""
     rnd = random.Random(seed)
     seq = [(rnd.choice(["malloc", "malloc", "free", "free"] + (["sync"] if seed % 2 else [])),
             rnd.choice([rnd.choice(EDGES), rnd.randint(1, 4 * KiB), rnd.randint(1, 2 * MiB)]),
-            rnd.getrandbits(30)) for _ in range(400)]
+            rnd.getrandbits(30)) for _ in range(1000)]
     drive(never_pool, seq)
 
