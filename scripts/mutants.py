@@ -202,13 +202,14 @@ def run_one(m, base, work, args):
     shutil.copytree(base, tree, symlinks=True)  # the unmutated build comes along: only changes rebuild
     log = os.path.join(work, m["id"] + ".log")
     status = apply(tree, m)
-    if status == "ok" and m["file"].endswith((".c", ".h", ".pxi", ".pyx")):
-        # setuptools rebuilds an extension only when a listed source is newer than it, and headers
-        # are not listed: remove the extension that compiles the mutated file, so it is rebuilt.
+    if status == "ok" and m["file"].endswith(".h"):
+        # setuptools recompiles a source only when it is newer than its object, and knows nothing
+        # of headers: drop the objects and the extension that include the mutated header.
         sim = m["file"].startswith("cython/sim/")
         for f in glob.glob(os.path.join(tree, "ascend_pool", *(["_sim", "**", "*.so"] if sim else ["_core*.so"])),
                            recursive=True):
             os.unlink(f)
+        shutil.rmtree(os.path.join(tree, "build"), ignore_errors=True)
     result = {"id": m["id"], "file": m["file"], "why": m["why"], "log": log}
     if status != "ok":
         result["result"] = status
