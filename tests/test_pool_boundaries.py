@@ -128,3 +128,23 @@ def test_expandable_page_fit_prefers_the_lowest_address_among_equal_candidates()
         assert p.malloc(4 * KiB) == blocks[3]
     finally:
         p.close()
+
+
+def test_oversize_request_takes_a_cached_block_only_under_20MiB_bigger():
+    """max_split_size (PyTorch's rule): a request of max_split_size or more may take a cached
+    block only if it is less than 20 MiB larger; such a block is handed out whole."""
+    p = ap.Pool(0, backend="sim", pad_bytes=0, release_policy="never", max_split_size_mb=24)
+    try:
+        big = p.malloc(50 * MiB)
+        p.free(big)
+        exact_edge = p.malloc(30 * MiB)        # 50 MiB is exactly 20 MiB more: refused, a new segment
+        assert exact_edge != big and p.memory_stats()["num_device_alloc"] == 2
+        p.free(exact_edge)
+        under = p.malloc(30 * MiB + 512)       # 50 MiB is less than 20 MiB more: taken, not split
+        assert under == big and p.block_info(under)[1] == 50 * MiB
+        small = p.malloc(4 * MiB)              # below max_split_size: never a block of 24 MiB or more
+        assert small not in (big, exact_edge) and p.memory_stats()["num_device_alloc"] == 3
+        for x in (under, small):
+            p.free(x)
+    finally:
+        p.close()
