@@ -118,9 +118,10 @@ MUTANTS = [
       "if (p->backend->event_query(p->backend, ev, &complete) != 0) return AP_E_BUSY;",
       "a record_stream block is reused before the other stream's work is done", STREAMS),
     # --- statistics -----------------------------------------------------------------------------
-    M("stat_peak_never_updated", "cython/core/stats.h",
-      "if (s->current > s->peak) s->peak = s->current;", "if (s->current > s->peak) s->peak = s->peak;",
-      "peaks of the slow-path counters are never raised", STATS),
+    M("stat_peak_all_never_raised", "cython/core/stats.h",
+      "if (__builtin_expect(a->current > a->peak, 0)) a->peak = a->current;",
+      "if (__builtin_expect(a->current > a->peak, 0)) a->peak = a->peak;",
+      "the peaks of the all-pools counters (peak reserved, peak allocated) are never raised", STATS),
     # --- quotas ---------------------------------------------------------------------------------
     M("quota_refuses_exact_fit", "cython/quota/ledger_reserve.h",
       "if (bytes > quota || held > quota - bytes) { /* held + bytes > quota, without overflow */",
