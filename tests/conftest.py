@@ -26,6 +26,37 @@ os.environ.pop("ASCEND_POOL_CONF", None)
 atexit.register(shutil.rmtree, _SHM_DIR, ignore_errors=True)
 
 
+def _hypothesis_profiles():
+    """Randomized tests are reproducible and bounded in CI, free to explore locally.
+
+    ci (CI=true): derandomized (the same examples every run), no example database, a deadline
+        per example, one bug reported, shrinking capped at 60 s (a failure still shows a small
+        example, but a run never spends minutes shrinking).
+    dev (default elsewhere): random seeds, the local database (.hypothesis/) replays past
+        failures first; shrinking capped at 120 s.
+    explore: like dev, 1000 examples where a test sets no max_examples, no shrink cap.
+    HYPOTHESIS_PROFILE=ci|dev|explore picks one explicitly. A test's own @settings win over
+    the profile for what they set (e.g. max_examples, deadline=None)."""
+    from datetime import timedelta
+
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis.internal.conjecture import engine
+
+    common = dict(deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+    settings.register_profile("ci", derandomize=True, database=None, report_multiple_bugs=False, **common)
+    settings.register_profile("dev", **common)
+    settings.register_profile("explore", max_examples=1000, phases=tuple(Phase), **common)
+    ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+    name = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if ci else "dev")
+    settings.load_profile(name)
+    # Hypothesis bounds shrinking only by an engine constant (300 s); lower it outside `explore`.
+    if name != "explore" and hasattr(engine, "MAX_SHRINKING_SECONDS"):
+        engine.MAX_SHRINKING_SECONDS = 60 if name == "ci" else 120
+
+
+_hypothesis_profiles()
+
+
 @pytest.fixture
 def pool():
     """A fresh pool on simulated device 0, closed (all device memory returned) after the test."""

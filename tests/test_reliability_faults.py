@@ -276,7 +276,3 @@ def test_slow_device_calls_under_threads_keep_data_intact():
         pool.close()
     assert device_state() == before
     COUNTS["latency_runs"] += 1
-
-
-def test_counts_report():
-    print("\nfault matrix counts:", COUNTS)

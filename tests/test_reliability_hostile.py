@@ -39,7 +39,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # children import the same build as this process (installed package or in-place tree)
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
 MiB = 1 << 20
-TRIED = {}  # class of bad input -> how many were tried (printed by test_counts_report)
+TRIED = {}  # class of bad input -> how many were tried (for a debugger or -s runs)
 
 
 def tried(what, n=1):
@@ -588,7 +588,3 @@ def test_server_reveals_no_versions_and_binds_loopback_by_default(server):
 
     args = build_parser().parse_args(["serve"])
     assert args.host == "127.0.0.1"
-
-
-def test_counts_report():
-    print("\nbad inputs tried:", TRIED, "total", sum(TRIED.values()))

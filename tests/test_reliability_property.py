@@ -315,15 +315,3 @@ TestClassicPool = PoolMachine.TestCase
 TestClassicPool.settings = _settings
 TestExpandablePool = ExpandablePoolMachine.TestCase
 TestExpandablePool.settings = _settings
-
-
-def test_counts_report():
-    """Prints what the machines above did (run with -s to see it); runs last in this file."""
-    print("\nproperty test counts:", COUNTS)
-    if FAULT_OOMS:
-        import collections
-
-        print("typed out-of-memory errors after an injected one-shot fault (mode, pool):",
-              dict(collections.Counter(FAULT_OOMS)))
-    if COUNTS["examples"]:
-        assert COUNTS["steps"] >= COUNTS["examples"]

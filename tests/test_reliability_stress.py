@@ -322,7 +322,3 @@ def test_c_abi_threads_streams_and_contexts_never_corrupt():
     for k in COUNTS:
         COUNTS[k] += total[k]
     print("\nstress (C ABI):", total)
-
-
-def test_counts_report():
-    print("\nstress counts:", COUNTS)
