@@ -212,3 +212,39 @@ def test_forked_child_cannot_use_the_parents_context(base):
         ctx.free(p)
     finally:
         ctx.close()
+
+
+def test_a_process_killed_inside_its_reserve_leaves_the_grant_counted_as_uncertain(base, tmp_path):
+    """A real death in the crash window: the child stops inside its reserve's pending bracket (the
+    test-only pause point), after the tenant counter moved and before its slot did, and is killed
+    there. The sweep must notice the open bracket: the grant stays counted (never given away to
+    another process) and is reported as uncertain, until the tenant has no live process."""
+    marker = tmp_path / "in-bracket"
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT, ASCEND_POOL_TEST_PAUSE_IN_RESERVE=str(marker))
+    ctx = base.context("window", quota=16 * MiB)
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), "window", str(16 * MiB), str(2 * MiB - 1024)],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.01)
+        assert marker.exists(), "the child never reached the pause point inside its reserve"
+        assert ctx.ledger.tenant("window")["held_bytes"] == 2 * MiB  # the counter moved, the slot not
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        (report,) = [r for r in sweep() if r["slots"]]
+        assert (report["slots"], report["bytes"]) == (1, 0)  # its slot had booked nothing yet
+        state = ctx.ledger.tenant("window")
+        assert state["held_bytes"] == 2 * MiB and state["uncertain_bytes"] == 2 * MiB
+        with pytest.raises(ap.QuotaExceededError):
+            ctx.malloc(16 * MiB - 1024)  # the uncertain grant is never handed to another process
+        p = ctx.malloc(14 * MiB - 1024)
+        ctx.free(p)
+    finally:
+        child.kill()
+        child.wait()
+        ctx.close()
+    from ascend_pool.tenants.ledger import open_ledger
+
+    state = open_ledger(0, "sim").tenant("window")
+    assert state["held_bytes"] == 0 and state["uncertain_bytes"] == 0  # settled with the last process

@@ -47,6 +47,23 @@ static uint64_t apl_warn_bytes(uint64_t quota, uint32_t ppm) {
     return (uint64_t)((unsigned __int128)quota * ppm / 1000000u);
 }
 
+/* Test-only crash window: with ASCEND_POOL_TEST_PAUSE_IN_RESERVE=PATH, the first reserve that
+   moves the tenant counter creates PATH and stops there, inside its pending bracket (tenant
+   counter raised, slot not yet), until the process is killed: a test kills it at exactly the
+   moment the bracket exists for. Read once; costs one load per reserve (a miss path) when unset. */
+static void apl_test_pause_in_bracket(void) {
+    static int state = -1; /* -1 unread, 0 off, 1 armed */
+    static const char *path;
+    if (state < 0) {
+        path = getenv("ASCEND_POOL_TEST_PAUSE_IN_RESERVE");
+        state = path && path[0] ? 1 : 0;
+    }
+    if (state != 1) return;
+    int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    if (fd >= 0) close(fd);
+    for (;;) pause();
+}
+
 /* One lock-free attempt. 0 granted; 1 refused (*held_seen, *quota_seen say why). */
 static int apl_try_reserve(apl_handle *h, uint64_t bytes, uint64_t *held_seen, uint64_t *quota_seen) {
     apl_file *f = h->L->f;
@@ -63,6 +80,7 @@ static int apl_try_reserve(apl_handle *h, uint64_t bytes, uint64_t *held_seen, u
             return 1;
         }
         if (atomic_compare_exchange_weak(&t->held, &held, held + bytes)) {
+            apl_test_pause_in_bracket();
             atomic_store(&s->held, atomic_load(&s->held) + bytes); /* only this process writes it */
             atomic_store(&s->pending, 0);
             uint64_t now = held + bytes, peak = atomic_load(&t->peak);
