@@ -310,16 +310,20 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
     return acl_enter_selected(b, sc);
 }
 
-#define ON_STREAM(b, stream, expr)                              \
+/* Runs `expr` between entering a context (`enter`, which fills sc_) and leaving it, and returns
+   its code; the caller's context is restored whatever expr returned. */
+#define IN_SCOPE(b, enter, expr)                                \
     do {                                                        \
         acl_scope sc_;                                          \
-        int rc_ = acl_enter_stream((b), (stream), &sc_);        \
+        int rc_ = (enter);                                      \
         if (rc_ == 0) {                                         \
             rc_ = (expr);                                       \
             acl_leave((b), &sc_);                               \
         }                                                       \
         return rc_;                                             \
     } while (0)
+
+#define ON_STREAM(b, stream, expr) IN_SCOPE((b), acl_enter_stream((b), (stream), &sc_), expr)
 
 /* Names the device whose context this thread's device-less calls use; no runtime state changes. */
 static int acl_set_device(ap_backend *b, int device)
@@ -369,27 +373,9 @@ static int acl_device_release(ap_backend *b, int device)
 
 /* Wraps a call of the runtime in the device's context: `expr` is evaluated between enter and
    leave, and its code returned. */
-#define ON_DEVICE(b, device, expr)                              \
-    do {                                                        \
-        acl_scope sc_;                                          \
-        int rc_ = acl_enter((b), (device), &sc_);               \
-        if (rc_ == 0) {                                         \
-            rc_ = (expr);                                       \
-            acl_leave((b), &sc_);                               \
-        }                                                       \
-        return rc_;                                             \
-    } while (0)
+#define ON_DEVICE(b, device, expr) IN_SCOPE((b), acl_enter((b), (device), &sc_), expr)
 
-#define ON_SELECTED(b, expr)                                    \
-    do {                                                        \
-        acl_scope sc_;                                          \
-        int rc_ = acl_enter_selected((b), &sc_);                \
-        if (rc_ == 0) {                                         \
-            rc_ = (expr);                                       \
-            acl_leave((b), &sc_);                               \
-        }                                                       \
-        return rc_;                                             \
-    } while (0)
+#define ON_SELECTED(b, expr) IN_SCOPE((b), acl_enter_selected((b), &sc_), expr)
 
 /* ---- memory -------------------------------------------------------------------------------- */
 

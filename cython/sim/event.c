@@ -114,20 +114,31 @@ SIM_EXPORT aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag)
     return create_event(event, flag, "aclrtCreateEventWithFlag");
 }
 
-SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
+/* The initialised runtime's event and stream of a call, each with a reference (0), or the
+   runtime's error for whichever is not valid (nothing held then). */
+static int event_and_stream(aclrtEvent event, aclrtStream stream, const char *call, struct sim_event **e,
+                            struct sim_stream **s)
 {
-    static const char call[] = "aclrtRecordEvent";
     int rc = sim_require_init(call);
     if (rc)
         return rc;
-    struct sim_event *e = NULL;
-    struct sim_stream *s;
-    if ((rc = get_event(event, call, &e)) != 0)
+    if ((rc = get_event(event, call, e)) != 0)
         return rc;
-    if ((rc = sim_stream_get(stream, call, &s)) != 0) {
-        sim_obj_unref(&e->obj);
+    if ((rc = sim_stream_get(stream, call, s)) != 0) {
+        sim_obj_unref(&(*e)->obj);
         return rc;
     }
+    return 0;
+}
+
+SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
+{
+    static const char call[] = "aclrtRecordEvent";
+    struct sim_event *e = NULL;
+    struct sim_stream *s;
+    int rc = event_and_stream(event, stream, call, &e, &s);
+    if (rc)
+        return rc;
     uint64_t pos;
     if ((rc = sim_stream_mark(s, &pos, call)) != 0) {
         sim_stream_put(s);
@@ -293,17 +304,11 @@ SIM_EXPORT aclError aclrtDestroyEvent(aclrtEvent event)
 SIM_EXPORT aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
 {
     static const char call[] = "aclrtResetEvent";
-    int rc = sim_require_init(call);
-    if (rc)
-        return rc;
     struct sim_event *e = NULL;
     struct sim_stream *s;
-    if ((rc = get_event(event, call, &e)) != 0)
+    int rc = event_and_stream(event, stream, call, &e, &s);
+    if (rc)
         return rc;
-    if ((rc = sim_stream_get(stream, call, &s)) != 0) {
-        sim_obj_unref(&e->obj);
-        return rc;
-    }
     sim_stream_put(s);
     if (!(e->flags & ACL_EVENT_SYNC)) {
         sim_obj_unref(&e->obj);
