@@ -54,6 +54,7 @@ import dataclasses
 import errno
 import fcntl
 import os
+import re
 import socket
 import struct
 import threading
@@ -148,14 +149,15 @@ def _record_path(backend_name, key, node=None):
 class _Record:
     """One record file, opened; every access under flock (released by the kernel if we die)."""
 
-    def __init__(self, path, create=None):
+    def __init__(self, path, create=None, owner=None):
         self.path = path
         if create is None:
+            owner = os.geteuid() if owner is None else owner
             self.fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             st = os.fstat(self.fd)
-            if st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_size != _REC_SIZE:
+            if st.st_uid != owner or st.st_mode & 0o077 or st.st_size != _REC_SIZE:
                 os.close(self.fd)
-                raise SharingError(f"{path} is not a share record of this user (mode 0600, {_REC_SIZE} bytes); "
+                raise SharingError(f"{path} is not a share record of user {owner} (mode 0600, {_REC_SIZE} bytes); "
                                    "refusing it")
             return
         tmp = f"{path}.tmp.{identity.instance_hex()}"  # not the pid: pids repeat across pid namespaces
@@ -637,20 +639,50 @@ def pool_stats(pool):
             "shared_imported_blocks": nimported}
 
 
-def shares(directory=None):
-    """Who shares what on this node (this user's share records): a list of dicts with key, backend,
-    node, device, size, nbytes, read_only, tenant, exporter_pid (in its own pid namespace),
-    exporter_instance (16 hex digits, unique on the node), exporter_alive, state ("open" or
-    "closing") and importers (live pids). The records of exporters that have died are removed
-    (their memory is gone with them) and not listed."""
-    d = directory or _record_dir()
+def _trusted_record_dirs(uids, gids):
+    """[(directory, owner uids whose records it may hold)] of the trusted users' and groups'
+    private directories in the ledger base directory (what a node service reads)."""
+    from .private_dir import candidates
+    from .tenants.ledger import base_dir
+
     out = []
-    prefix = f"{_PREFIX}u{os.geteuid()}-"
+    for path, kind, num in candidates(base_dir(), uids, gids):
+        out.append((path, {num} if kind == "u" else None))  # a group's directory: any member's records
+    return out
+
+
+def shares(directory=None, uids=None, gids=()):
+    """Who shares what on this node: a list of dicts with key, backend, node, device, size, nbytes,
+    read_only, tenant, exporter_pid (in its own pid namespace), exporter_instance (16 hex digits,
+    unique on the node), exporter_uid, exporter_alive, state ("open" or "closing") and importers
+    (live pids). By default this user's records; with uids/gids (a node service), the records in the
+    private directories of those users and groups. The records of exporters that have died are
+    removed (their memory is gone with them) where this user may, and never listed."""
+    if uids is None and not gids:
+        dirs = [(directory or _record_dir(), {os.geteuid()})]
+    else:
+        dirs = _trusted_record_dirs(uids or (), gids)
+        own = directory or _record_dir()
+        if all(os.path.realpath(d) != os.path.realpath(own) for d, _ in dirs):
+            dirs.append((own, {os.geteuid()}))
+    out = []
+    for d, owners in dirs:
+        out.extend(_shares_in(d, owners))
+    return out
+
+
+def _shares_in(d, owners):
+    out = []
     for name in sorted(os.listdir(d)):
-        if not name.startswith(prefix) or ".tmp." in name:
+        m = re.match(rf"{re.escape(_PREFIX)}u(\d+)-", name)
+        if not m or ".tmp." in name:
             continue
+        uid = int(m.group(1))
+        if owners is not None and uid not in owners:
+            continue
+        prefix = m.group(0)
         try:
-            rec = _Record(os.path.join(d, name))
+            rec = _Record(os.path.join(d, name), owner=uid)
         except (OSError, SharingError):
             continue
         try:
@@ -669,6 +701,7 @@ def shares(directory=None):
         backend = name[len(prefix):].partition("-")[0]
         out.append({"key": h["key"], "backend": backend, "node": h["node"], "device": h["device"], "size": h["size"], "nbytes": h["nbytes"], "read_only": h["read_only"],
                     "tenant": h["tenant"], "exporter_pid": h["exporter_pid"],
-                    "exporter_instance": f"{h['exporter_instance']:016x}", "exporter_alive": alive,
+                    "exporter_instance": f"{h['exporter_instance']:016x}", "exporter_uid": uid,
+                    "exporter_alive": alive,
                     "state": "open" if h["state"] == _OPEN else "closing", "importers": importers})
     return out

@@ -87,6 +87,10 @@ for line in sys.stdin:
     elif cmd == "set_quota":
         ctx.set_quota(int(arg))
         out = ctx.quota
+    elif cmd == "share":  # a block exported to any process of the node
+        ptr = ctx.share_malloc(int(arg))
+        keep.append(ctx.share(ptr, any_process=True))
+        out = "shared"
     print(json.dumps(out), flush=True)
 '''
 
@@ -445,12 +449,21 @@ def test_another_user_can_neither_block_a_tenant_nor_slow_the_service():
 
         led = Ledger(os.path.join(base, private[0], f"ascend_pool-ledger-u{uid}-sim-{env['ASCEND_SIM_NODE']}-dev0"),
                      0, "sim", env["ASCEND_SIM_NODE"], None, uid)
+        # The service lists the trusted user's share records too, and drops them when the exporter dies.
+        assert w("share", 2 * MiB) == "shared"
+        shared = series(scrape(port), "ascend_pool_shared_bytes", tenant="online", state="open")
+        assert list(shared.values()) == [2 * MiB], shared
+        records = [n for n in os.listdir(os.path.join(base, private[0])) if n.startswith("ascend_pool-share-")]
+        assert len(records) == 1, records
+        held = led.tenant("online")["held_bytes"]
         os.kill(w.host_pid(), signal.SIGKILL)
         t0 = time.monotonic()
         while led.view()["slots"]:
             assert time.monotonic() - t0 < 3.0, led.view()
             time.sleep(0.05)
-        assert led.view()["reclaimed_bytes"] == 42 * MiB
+        assert led.view()["reclaimed_bytes"] == held
+        assert not series(scrape(port), "ascend_pool_shared_bytes", tenant="online")
+        assert not os.path.exists(os.path.join(base, private[0], records[0]))  # removed by the service
     finally:
         for p in procs:
             if p.poll() is None:

@@ -78,6 +78,10 @@ def test_daemonset_runs_the_node_service_as_an_operator_expects(rendered):
     # It reads the directory it is told to, where the tenant pods write.
     assert f"--stats-dir={mounts['shared']}" in c["args"]
     assert env["ASCEND_POOL_LEDGER_DIR"]["value"] == mounts["shared"]
+    # It trusts the group the tenants share their ledgers and stats in, and runs in it.
+    group = env["ASCEND_POOL_LEDGER_GROUP"]["value"]
+    assert f"--allow-group={group}" in c["args"]
+    assert str(pod["securityContext"]["runAsGroup"]) == group
     # The tenants file is mounted as a directory (no subPath), so ConfigMap updates reach it.
     assert "subPath" not in str(c["volumeMounts"])
     assert f"--config={mounts['tenants']}/tenants.toml" in c["args"]

@@ -79,9 +79,9 @@ class NodeCollector:
             fam.add_metric([str(device), tenant], len(pids))
         yield fam
 
-    @staticmethod
-    def _shares():
-        """Who shares what (ascend_pool.sharing's records): bytes exported and live importers."""
+    def _shares(self):
+        """Who shares what (ascend_pool.sharing's records, of every user and group the service
+        trusts): bytes exported and live importers."""
         from ..sharing import shares
 
         shared = GaugeMetricFamily("ascend_pool_shared_bytes",
@@ -92,7 +92,7 @@ class NodeCollector:
                                       "Live processes that have a shared block open.",
                                       labels=["device", "tenant", "exporter_pid", "exporter_instance"])
         try:
-            records = shares()
+            records = shares(uids=self.scanner.allowed_uids, gids=self.scanner.allowed_gids)
         except OSError:  # no record directory yet: nothing is shared
             records = []
         for r in records:
