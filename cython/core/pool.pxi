@@ -27,6 +27,8 @@ cdef extern from "pool.h" nogil:
         size_t large_split_min, max_split_size, limit_bytes, reserve_bytes, history_capacity
         double gc_threshold
         int release_policy, expandable, stream_reuse, sync_timeout_ms
+        unsigned roundup_divisions[16]
+        int roundup_power2
     ctypedef struct ap_pool:
         pass
     ctypedef struct ap_quota_hook:
@@ -110,7 +112,7 @@ _STAT_TYPES = ("all", "small_pool", "large_pool")
 _CONFIG_FIELDS = ("pad_bytes", "min_block", "small_size", "small_segment", "page_size", "min_large_segment",
                   "large_split_min", "max_split_size", "limit_bytes", "reserve_bytes", "history_capacity",
                   "gc_threshold", "release_policy", "expandable", "stream_reuse",
-                  "sync_timeout_ms")
+                  "sync_timeout_ms", "roundup_divisions")
 NO_LIMIT = AP_NO_LIMIT
 RELEASE_POLICIES = {"never": AP_RELEASE_NEVER, "under_peak": AP_RELEASE_UNDER_PEAK}
 STREAM_REUSE = {"borrow": AP_REUSE_BORROW, "tied": AP_REUSE_TIED}
@@ -241,6 +243,10 @@ cdef class PoolBase:
             elif key == "stream_reuse": cfg.stream_reuse = value
             elif key == "expandable": cfg.expandable = value
             elif key == "sync_timeout_ms": cfg.sync_timeout_ms = value
+            elif key == "roundup_divisions":  # 16 intervals (config.py checked them)
+                for i in range(16):
+                    cfg.roundup_divisions[i] = value[i]
+                cfg.roundup_power2 = any(v > 1 for v in value)
         self.backend = backend
         self.device = device
         self.config = dict(config)
