@@ -52,6 +52,23 @@ int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
     return AP_OK;
 }
 
+int ap_pool_set_history(ap_pool *p, size_t capacity) {
+    /* The new ring is made and the old one freed outside the lock: only the swap is under it. */
+    ap_history fresh, old;
+    if (ap_history_init(&fresh, capacity) != 0) return AP_E_HOST_NOMEM;
+    pthread_mutex_lock(&p->lock);
+    if (p->history.capacity == capacity) { /* unchanged: the entries so far are kept */
+        old = fresh;
+    } else {
+        old = p->history;
+        p->history = fresh;
+        p->cfg.history_capacity = capacity;
+    }
+    pthread_mutex_unlock(&p->lock);
+    ap_history_destroy(&old);
+    return AP_OK;
+}
+
 void ap_snapshot_free(ap_snapshot *s) {
     free(s->segments);
     free(s->blocks);
