@@ -7,7 +7,7 @@ import sys
 
 from .errors import PoolError
 
-COMMANDS = ("replay", "bench", "serve", "check_config")
+COMMANDS = ("replay", "bench", "serve", "check_config", "trace")
 
 
 def _version():

@@ -98,6 +98,20 @@ class Pool(PoolBase):
         frames = dict(self._stack_frames) if self._stack_frames is not None else None
         return _snapshot.build(self.device, segments, history, self.knobs, frames)
 
+    def dump_trace(self, path):
+        """Writes the recorded history (record_memory_history or the record_history knob) as a
+        replayable trace NAME.npz (ascend_pool.traces format): allocations with their requested
+        sizes and the frees of them, streams numbered in order of appearance. Returns the Trace."""
+        import numpy as np
+
+        from .snapshot_trace import arrays_from_snapshot
+        from .traces import trace_from_arrays
+
+        a = arrays_from_snapshot(self.snapshot(), self.device, "pool history")
+        trace = trace_from_arrays(a["op"], a["id"], a["size"], a["stream"], name="pool history")
+        np.savez(path, **a)
+        return trace
+
     def dump_snapshot(self, path):
         """Writes snapshot() as the pickle torch.cuda._memory_viz reads (PyTorch's _dump_snapshot)."""
         _snapshot.dump(self.snapshot(), path)

@@ -29,7 +29,8 @@ def _cmd_replay(args):
 
 def register(sub):
     p = sub.add_parser("replay", help="replay an allocation trace (.npz) and print its figures")
-    p.add_argument("trace", help="trace file (NAME.npz, format in shared/traces/README.md)")
+    p.add_argument("trace", help="trace file (NAME.npz, format in shared/traces/README.md) or a PyTorch "
+                   "memory snapshot with history (NAME.pickle)")
     p.add_argument("--backend", choices=("acl", "sim", "cuda"), default=None,
                    help="device backend (default: $ASCEND_POOL_BACKEND, else acl if present, else sim)")
     p.add_argument("--mode", choices=("pool", "direct"), default="pool",
