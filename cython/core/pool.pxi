@@ -596,13 +596,15 @@ cdef class PoolBase:
     cdef _note_frames(self):
         """Files the caller's Python frames under a new context id and sets it for this thread."""
         global _next_ctx
+        d = self._stack_frames
+        if d is None:  # turned off by another thread meanwhile
+            return
         frames = []
         f = sys._getframe(0)  # Cython methods have no frame: this is the caller's
         while f is not None:
             frames.append({"filename": f.f_code.co_filename, "line": f.f_lineno, "name": f.f_code.co_name})
             f = f.f_back
         _next_ctx += 1
-        d = self._stack_frames
         d[_next_ctx] = frames
         while len(d) > self._stack_cap:
             del d[next(iter(d))]
