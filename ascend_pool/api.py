@@ -75,6 +75,9 @@ def _create_default(device):
     # With $ASCEND_POOL_TENANT set, the default pool is that tenant's context (its quota from
     # $ASCEND_POOL_CONFIG), so module-level calls and the C ABI allocate under the quota.
     pool = default_tenant_pool(device) or Pool(device)
+    if _history is not None:
+        enabled, stacks, max_entries = _history
+        pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries)
     _set_default_pool(pool)
     return pool
 
@@ -117,6 +120,44 @@ def reset_peak_stats(device=None):
 def snapshot(device=None):
     """The default pool's snapshot in PyTorch's schema."""
     return default_pool(device).snapshot()
+
+
+def reset_accumulated_memory_stats(device=None):
+    """Zeroes the default pool's accumulated counters (allocated/freed totals, event counts)."""
+    default_pool(device).reset_accumulated_stats()
+
+
+def mem_get_info(device=None):
+    """(free, total) bytes of the device, as torch.npu.mem_get_info()."""
+    return default_pool(device).mem_get_info()
+
+
+_history = None  # the last record_memory_history() settings: applied to default pools made later
+
+
+def record_memory_history(enabled=True, stacks="python", max_entries=100_000, device=None):
+    """torch.cuda.memory._record_memory_history for the default pools: turns the event history
+    (and with stacks="python" the Python frames of each allocation and free) on or off at runtime
+    on every device's default pool (device given: that one only); pools made later follow it."""
+    global _history
+    pools = [default_pool(device)] if device is not None else [p for p in list(_pools.values()) if not p.closed]
+    for pool in pools:
+        pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries)
+    if device is None:
+        _history = (enabled, stacks, max_entries)
+
+
+def dump_snapshot(path, device=None):
+    """Writes the default pools' snapshot (every device's that was used, or one device's) as the
+    pickle that `python -m torch.cuda._memory_viz` reads (PyTorch's _dump_snapshot)."""
+    from .snapshot import dump, merge  # the module (ascend_pool.snapshot is this file's snapshot())
+
+    if device is not None:
+        snap = default_pool(device).snapshot()
+    else:
+        pools = [p for p in list(_pools.values()) if not p.closed] or [default_pool()]
+        snap = merge([p.snapshot() for p in pools])
+    dump(snap, path)
 
 
 def memory_allocated(device=None):

@@ -7,7 +7,7 @@ import sys
 
 from .errors import PoolError
 
-COMMANDS = ("replay", "bench", "serve", "check_config", "ps")
+COMMANDS = ("replay", "bench", "serve", "check_config", "ps", "trace")
 
 
 def _version():

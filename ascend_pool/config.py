@@ -20,10 +20,18 @@ Knobs:
                                (alias: per_process_memory_fraction)
   sync_timeout_ms              bound on every host wait for the device; -1 waits forever
   pad_bytes                    bytes added to each request before rounding (acl/sim: 32, cuda: 0)
+  roundup_power2_divisions     PyTorch's: round requests up to one of N equal steps between two
+                               powers of two (N a power of two; 0/1 off), one N for all sizes or
+                               a list per size interval in MiB: "[256:4,512:2,>:1]"
+
+Every other key of torch_npu's PYTORCH_NPU_ALLOC_CONF (NPUAllocatorConfig and the common
+allocator config) is accepted, so a copied setting works; keys that mean nothing for this pool
+(base_addr_aligned_kb, segment_size_mb, pinned memory, lock and reclaim settings) warn once.
 """
 
 import math
 import os
+import warnings
 
 from .errors import ConfigError
 from .units import parse_bytes
@@ -72,10 +80,90 @@ def _fraction_or_bytes(key, value):
         raise ConfigError(str(e)) from None
 
 
+def _split_items(text):
+    """Splits at commas outside brackets ("a:1,b:[1:2,>:4]" -> ["a:1", "b:[1:2,>:4]"])."""
+    items, depth, cur = [], 0, []
+    for ch in text or "":
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth <= 0:
+            items.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    items.append("".join(cur))
+    return items
+
+
+# Keys torch_npu accepts that mean nothing for this pool: accepted with one warning each.
+IGNORED_TORCH_NPU_KEYS = frozenset({
+    "base_addr_aligned_kb", "pin_memory_expandable_segments", "pinned_mem_register", "segment_size_mb",
+    "large_segment_size_mb", "multi_stream_lazy_reclaim", "pinned_reserve_segment_size_mb",
+    "release_lock_on_npumalloc", "max_non_split_rounding_mb", "pinned_use_background_threads",
+    "pinned_num_register_threads", "pinned_use_host_register", "release_lock_on_cudamalloc", "backend",
+})
+_warned = set()
+
+
+def _warn_ignored(key):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"allocator knob {key!r} (a torch_npu setting) has no effect on ascend_pool; ignored",
+                      RuntimeWarning, stacklevel=3)
+
+
+ROUNDUP_INTERVALS = 16  # as PyTorch: [1, 2) MiB, [2, 4) MiB, ... the last one open
+
+
+def _pow2(n):
+    return n > 0 and not n & (n - 1)
+
+
+def parse_roundup_divisions(value):
+    """PyTorch's roundup_power2_divisions: a number (every interval) or "[MiB:N,...,>:N]" -> a
+    list of 16 divisions, interval i holding sizes in [2^i, 2^(i+1)) MiB."""
+    key = "roundup_power2_divisions"
+
+    def div(v):
+        n = _number(key, v, int)
+        if n != 0 and not _pow2(n):
+            raise ConfigError(f"{key}: divisions must be a power of two or 0, got {v!r}")
+        return n
+
+    if isinstance(value, (list, tuple)):
+        if len(value) != ROUNDUP_INTERVALS:
+            raise ConfigError(f"{key}: a list must hold {ROUNDUP_INTERVALS} entries, got {len(value)}")
+        return [div(v) for v in value]
+    text = str(value).strip()
+    if not text.startswith("["):
+        return [div(text)] * ROUNDUP_INTERVALS
+    if not text.endswith("]"):
+        raise ConfigError(f"{key}: unclosed list {value!r}")
+    out, last = [0] * ROUNDUP_INTERVALS, None
+    for item in text[1:-1].split(","):
+        if item.count(":") != 1:
+            raise ConfigError(f"{key}: item {item!r} of {value!r} is not MiB:divisions")
+        size, n = (x.strip() for x in item.split(":"))
+        n = div(n)
+        if size == ">":
+            for i in range((last + 1) if last is not None else 0, ROUNDUP_INTERVALS):
+                out[i] = n
+            continue
+        mib = _number(key, size, int)
+        if not _pow2(mib):
+            raise ConfigError(f"{key}: interval {size!r} must be a power of two (MiB)")
+        idx = min(mib.bit_length() - 1, ROUNDUP_INTERVALS - 1)
+        if last is None:
+            out[:idx] = [n] * idx
+        out[idx] = n
+        last = idx
+    return out
+
+
 def parse_conf_string(text, source=ENV_VAR):
     """{key: value-string} from "key:value,key:value"; ConfigError on malformed items."""
     out = {}
-    for item in (text or "").split(","):
+    for item in _split_items(text):
         item = item.strip()
         if not item:
             continue
@@ -153,10 +241,15 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
             if not 0 <= n <= 4096:
                 raise ConfigError(f"pad_bytes: must be in [0, 4096], got {value!r}")
             cfg["pad_bytes"] = n
+        elif key == "roundup_power2_divisions":
+            cfg["roundup_divisions"] = parse_roundup_divisions(value)
+        elif key in IGNORED_TORCH_NPU_KEYS:
+            _warn_ignored(key)
         else:
             raise ConfigError(f"unknown allocator knob {key!r} (known: max_split_size_mb, "
                               "garbage_collection_threshold, reserve, record_history, page_size, "
-                              "expandable_segments, release_policy, stream_reuse, memory_fraction, sync_timeout_ms, pad_bytes)")
+                              "expandable_segments, release_policy, stream_reuse, memory_fraction, sync_timeout_ms, pad_bytes, "
+                              "roundup_power2_divisions, and torch_npu's keys)")
     return cfg
 
 

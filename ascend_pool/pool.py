@@ -51,7 +51,19 @@ class Pool(PoolBase):
         exact at the moment of the call (bytes)."""
         out = _stats.with_derived(self._raw_stats())
         out.update(_sharing.pool_stats(self))
-        return out
+        return _stats.minus_baseline(out, self.__dict__.get("_acc_base"))
+
+    def reset_accumulated_stats(self):
+        """Zeroes the accumulated counters, as torch.npu.reset_accumulated_memory_stats():
+        every stat's allocated and freed, and num_alloc_retries, num_ooms, num_sync_all_streams,
+        num_device_alloc/free ... (current and peak values stay)."""
+        self._acc_base = None
+        self._acc_base = _stats.baseline(self.memory_stats())
+
+    def mem_get_info(self):
+        """(free, total) bytes of this pool's device, as torch.npu.mem_get_info(): the device's
+        own figures (memory this pool caches counts as used)."""
+        return self.backend.mem_info(self.device)
 
     # -- sharing with other processes (ascend_pool.sharing) --------------------------------------
 
@@ -83,7 +95,26 @@ class Pool(PoolBase):
         """The pool's segments, blocks and event history in PyTorch's snapshot schema (readable by
         `python -m torch.cuda._memory_viz`)."""
         segments, history = self._raw_snapshot()
-        return _snapshot.build(self.device, segments, history, self.knobs)
+        frames = dict(self._stack_frames) if self._stack_frames is not None else None
+        return _snapshot.build(self.device, segments, history, self.knobs, frames)
+
+    def dump_trace(self, path):
+        """Writes the recorded history (record_memory_history or the record_history knob) as a
+        replayable trace NAME.npz (ascend_pool.traces format): allocations with their requested
+        sizes and the frees of them, streams numbered in order of appearance. Returns the Trace."""
+        import numpy as np
+
+        from .snapshot_trace import arrays_from_snapshot
+        from .traces import trace_from_arrays
+
+        a = arrays_from_snapshot(self.snapshot(), self.device, "pool history")
+        trace = trace_from_arrays(a["op"], a["id"], a["size"], a["stream"], name="pool history")
+        np.savez(path, **a)
+        return trace
+
+    def dump_snapshot(self, path):
+        """Writes snapshot() as the pickle torch.cuda._memory_viz reads (PyTorch's _dump_snapshot)."""
+        _snapshot.dump(self.snapshot(), path)
 
     def __repr__(self):
         state = "closed" if self.closed else f"device={self.device}, backend={self.backend.name!r}"

@@ -8,13 +8,18 @@ _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segme
             "segment_map", "segment_unmap")
 
 
-def build(device, segments, history, knobs):
+def build(device, segments, history, knobs, frames=None):
     """segments: [(base, size, pool, stream, [(addr, size, requested, state)], expandable)];
-    history: [(action, addr, size, stream, time_us)] oldest first."""
+    history: [(action, addr, size, stream, time_us[, ctx])] oldest first; frames: {ctx: [frame
+    dicts]} recorded with stacks="python" (a live block gets the frames of its last alloc)."""
+    frames = frames or {}
+    history = [h if len(h) == 6 else (*h, 0) for h in history]
+    alloc_frames = {addr: frames.get(ctx, []) for action, addr, _, _, _, ctx in history if action == 0}
     out_segments = []
     for base, size, pool, stream, blocks, expandable in sorted(segments):
         out_blocks = [
-            {"address": addr, "size": bsize, "requested_size": req, "state": _STATES[state], "frames": []}
+            {"address": addr, "size": bsize, "requested_size": req, "state": _STATES[state],
+             "frames": alloc_frames.get(addr, []) if state else []}
             for addr, bsize, req, state in blocks
         ]
         out_segments.append({
@@ -32,14 +37,29 @@ def build(device, segments, history, knobs):
             "blocks": out_blocks,
         })
     trace = [
-        {"action": _ACTIONS[action], "addr": addr, "size": size, "stream": stream, "time_us": t, "frames": []}
-        for action, addr, size, stream, t in history
+        {"action": _ACTIONS[action], "addr": addr, "size": size, "stream": stream, "time_us": t,
+         "frames": frames.get(ctx, [])}
+        for action, addr, size, stream, t, ctx in history
     ]
     return {
         "segments": out_segments,
         "device_traces": [[] for _ in range(device)] + [trace],
         "allocator_settings": {str(k): str(v) for k, v in knobs.items()},
     }
+
+
+def merge(snapshots):
+    """One snapshot of several devices' (PyTorch's _snapshot() covers every device)."""
+    out = {"segments": [], "device_traces": [], "allocator_settings": {}}
+    for snap in snapshots:
+        out["segments"] += snap["segments"]
+        traces = snap["device_traces"]
+        while len(out["device_traces"]) < len(traces):
+            out["device_traces"].append([])
+        for dev, trace in enumerate(traces):
+            out["device_traces"][dev] += trace
+        out["allocator_settings"].update(snap["allocator_settings"])
+    return out
 
 
 def dump(snapshot, path):

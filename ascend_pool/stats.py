@@ -14,6 +14,25 @@ def with_derived(raw):
     return out
 
 
+def _accumulated(key):
+    return key.endswith((".allocated", ".freed")) or key.startswith("num_")
+
+
+def baseline(stats):
+    """The accumulated counters of stats (the .allocated and .freed values and the num_* event
+    counts), which reset_accumulated_stats subtracts from then on."""
+    return {k: v for k, v in stats.items() if _accumulated(k) and isinstance(v, int)}
+
+
+def minus_baseline(stats, base):
+    """stats with base's counters subtracted (no-op when base is None)."""
+    if base:
+        for k, v in base.items():
+            if k in stats:
+                stats[k] -= v
+    return stats
+
+
 _ROWS = (
     ("Allocated memory", "allocated_bytes", True),
     ("Active memory", "active_bytes", True),

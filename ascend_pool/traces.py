@@ -214,6 +214,9 @@ def load_trace(path: PathLike) -> Trace:
     ``ValueError`` for a malformed trace (see :func:`trace_from_arrays`).
     """
     p = Path(path)
+    if str(p).endswith((".pickle", ".pkl")):  # a PyTorch memory snapshot (snapshot_trace.py)
+        from .snapshot_trace import trace_from_snapshot
+        return trace_from_snapshot(p)
     if not p.exists() and p.suffix != ".npz" and p.with_name(p.name + ".npz").exists():
         p = p.with_name(p.name + ".npz")
     if not p.is_file():
@@ -350,8 +353,9 @@ def default_traces_dir() -> Path:
 
 
 def list_traces(directory: Optional[PathLike] = None) -> list:
-    """Sorted ``.npz`` paths in ``directory`` (default: :func:`default_traces_dir`)."""
+    """Sorted ``.npz`` and PyTorch snapshot (``.pickle``) paths in ``directory`` (default:
+    :func:`default_traces_dir`)."""
     d = Path(directory) if directory is not None else default_traces_dir()
     if not d.is_dir():
         raise FileNotFoundError(f"trace directory {str(d)!r} does not exist")
-    return sorted(d.glob("*.npz"))
+    return sorted([*d.glob("*.npz"), *d.glob("*.pickle")])

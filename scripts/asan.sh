@@ -29,6 +29,7 @@ CORE_TESTS=(
     tests/test_pool_model.py tests/test_pool_property.py tests/test_pool_stats_active.py tests/test_quota_context.py
     tests/test_reliability_faults.py
     tests/test_reliability_property.py tests/test_reliability_stress.py tests/test_replay.py
+    tests/test_torch_semantics.py tests/test_torch_history.py
     tests/test_sim_memory.py tests/test_sim_streams.py tests/test_snapshot_torch.py tests/test_stream_order.py
     tests/test_pool_sizes.py tests/test_pool_locking.py tests/test_stream_lifecycle.py tests/test_events_cann.py
     tests/test_stress_threads.py

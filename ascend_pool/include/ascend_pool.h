@@ -69,7 +69,13 @@ void ascend_pool_free(void *ptr, ssize_t size, int device, void *stream);
 
 /* Prepares the C ABI. If `device` names an existing device, creates its default pool now (taking
  * the GIL once), so later calls never need Python. Any other value only checks that the library
- * is ready: torch_npu passes its current device here, PyTorch passes its device count. */
+ * is ready (it opens the backend to learn the device count).
+ * Frameworks never pass a device here: torch_npu's NPUPluggableAllocator calls its init hook with
+ * the device count, once the allocator is constructed (in versions that call init from inside the
+ * constructor, before Python can set the hook, it is not called at all), and PyTorch's
+ * CUDAPluggableAllocator passes its device count too. So under a framework the first allocation
+ * on each device creates its pool; a program whose C threads must never wait for the GIL calls
+ * ascend_pool_init(d) itself for each device d before starting them. */
 void ascend_pool_init(int device);
 
 /* Returns every unused cached segment of every live pool to the device (torch's emptyCache calls

@@ -31,10 +31,12 @@ def symbol_address(name):
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
-def use_backend(kind, why):
+def use_backend(kind, why, open_now=True):
     """Makes the C ABI's default pools use backend `kind` ("acl" or "cuda"): a framework's device
     memory must come from its own runtime. Sets $ASCEND_POOL_BACKEND when unset; refuses when it
-    names another backend or when a default pool already exists on another backend."""
+    names another backend or when a default pool already exists on another backend. open_now
+    False leaves the runtime alone until the first allocation (for a framework that initialises
+    it itself, with its own configuration)."""
     from .._core import capi_default_backend
     from ..backend import open_backend
 
@@ -46,7 +48,7 @@ def use_backend(kind, why):
         if name is not None and name != kind:
             raise ConfigError(f"{why} needs the {kind} backend, but device {device}'s default pool already "
                               f"runs on {name!r}; call install() before allocating with ascend_pool")
-    backend = open_backend(kind)  # fails now, with the runtime's words, rather than at the first tensor
+    backend = open_backend(kind) if open_now else None  # fails now, with the runtime's words
     os.environ[BACKEND_ENV] = kind
     return backend
 

@@ -14,6 +14,19 @@ is then a no-op, as it is for every NPUPluggableAllocator.
 torch_npu refuses the swap once its own allocator has served a tensor, so install first. Tensors
 are allocated from the calling thread's current ascend_pool context (`with ctx:`), else the
 device's default pool, created on the first allocation.
+
+The runtime is torch_npu's: install() neither loads nor initialises it (no aclInit), so torch_npu's
+own aclInit, with its JSON configuration (dump_scene, defaultDevice for lazy set-device), happens
+as usual; the pool attaches to that runtime at the first allocation.
+
+Stats: torch_npu's NPUPluggableAllocator offers no stats or snapshot hook (its getDeviceStats
+warns and returns nothing, which is undefined behaviour in C++). So install() replaces the Python
+functions of torch_npu.npu.memory (and torch.npu) that would reach it: memory_stats and everything
+built on it (memory_allocated, memory_reserved, max_memory_allocated, memory_summary ...),
+reset_peak_memory_stats, reset_accumulated_memory_stats, memory_snapshot, _snapshot,
+_record_memory_history and _dump_snapshot answer from ascend_pool (PyTorch's schema), for the
+pool the calling thread allocates from. Without the patch (install(patch_stats=False)), call
+ascend_pool.memory_stats(device) and friends instead.
 """
 
 import importlib
@@ -21,7 +34,7 @@ import importlib
 from ..capi import library_path
 from ._common import require, set_hooks, use_backend
 
-__all__ = ["install", "build_allocator", "HOOKS"]
+__all__ = ["install", "build_allocator", "patch_memory_functions", "HOOKS", "PATCHED"]
 
 HOOKS = (
     ("set_init_fn", "ascend_pool_init"),
@@ -40,14 +53,83 @@ def build_allocator(memory):
     return alloc, set_hooks(alloc.allocator(), HOOKS)
 
 
-def install():
-    """Makes ascend_pool torch_npu's NPU allocator. Returns the NPUPluggableAllocator."""
+def _device_index(device):
+    """torch's device argument (None, int, "npu:1", torch.device) as an int (None: current)."""
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    if isinstance(device, str):  # "npu:1" ("npu": the current device)
+        index = int(device.rsplit(":", 1)[1]) if ":" in device else None
+    else:
+        index = getattr(device, "index", None)
+    if index is None:
+        npu = getattr(importlib.import_module("torch_npu"), "npu", None)
+        return npu.current_device() if npu is not None and hasattr(npu, "current_device") else None
+    return index
+
+
+def _replacements():
+    from .. import api
+    from ..snapshot import dump
+
+    def memory_stats(device=None):
+        return api.memory_stats(_device_index(device))
+
+    def reset_peak_memory_stats(device=None):
+        api.reset_peak_stats(_device_index(device))
+
+    def reset_accumulated_memory_stats(device=None):
+        api.reset_accumulated_memory_stats(_device_index(device))
+
+    def _snapshot(device=None):
+        return api.snapshot(_device_index(device))
+
+    def memory_snapshot():
+        return api.snapshot()["segments"]
+
+    def _record_memory_history(enabled="all", context="all", stacks="python", max_entries=100_000, device=None):
+        api.record_memory_history(enabled, stacks=None if stacks in (None, "none") else "python",
+                                  max_entries=max_entries)
+
+    def _dump_snapshot(filename="dump_snapshot.pickle"):
+        dump(api.snapshot(), filename)
+
+    return {"memory_stats": memory_stats, "reset_peak_memory_stats": reset_peak_memory_stats,
+            "reset_accumulated_memory_stats": reset_accumulated_memory_stats, "_snapshot": _snapshot,
+            "memory_snapshot": memory_snapshot, "_record_memory_history": _record_memory_history,
+            "_dump_snapshot": _dump_snapshot}
+
+
+PATCHED = ("memory_stats", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "_snapshot",
+           "memory_snapshot", "_record_memory_history", "_dump_snapshot")
+
+
+def patch_memory_functions(*modules):
+    """Points the PATCHED functions of each module given (torch_npu.npu.memory, torch_npu.npu)
+    at ascend_pool's; names a module lacks are left out. Returns the names replaced per module."""
+    repl = _replacements()
+    done = []
+    for mod in modules:
+        names = [n for n in PATCHED if hasattr(mod, n)]
+        for n in names:
+            setattr(mod, n, repl[n])
+        done.append(names)
+    return done
+
+
+def install(patch_stats=True):
+    """Makes ascend_pool torch_npu's NPU allocator, leaving the runtime's initialisation to
+    torch_npu; with patch_stats, torch.npu's memory-stats functions answer from ascend_pool (see
+    the module docstring). Returns the NPUPluggableAllocator."""
     global _installed
     require("torch", "torch_npu", _HINT)
     require("torch_npu", "torch_npu", _HINT)
     memory = importlib.import_module("torch_npu.npu.memory")
-    use_backend("acl", "torch_npu")
+    use_backend("acl", "torch_npu", open_now=False)  # no aclInit here: torch_npu's own comes first
     alloc, _ = build_allocator(memory)
     memory.change_current_allocator(alloc)
     _installed = alloc
+    if patch_stats:
+        patch_memory_functions(memory, importlib.import_module("torch_npu.npu"))
     return alloc

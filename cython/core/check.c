@@ -160,6 +160,10 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
                 break;
             case AP_BLOCK_CACHED:
                 seen_cached++;
+                if (b->counted_split) { /* stats count a cached block's merged run (free_cache.h) */
+                    fail(c, "cached block 0x%lx is counted in inactive_split", (unsigned long)b->addr);
+                    goto out;
+                }
                 break;
             case AP_BLOCK_PENDING:
                 seen_pending++;

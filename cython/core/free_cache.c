@@ -9,7 +9,6 @@ void ap_cache_evict_oldest(ap_pool *p, unsigned bin) {
     }
     p->cache_n[bin]--;
     p->n_cached--;
-    ap_cache_uncount(p, old);
     old->state = AP_BLOCK_FREE;
     ap_free_insert(p, old, old->tag);
 }
@@ -19,7 +18,6 @@ void ap_cache_flush(ap_pool *p) {
     for (int bin = 0; bin < AP_CACHE_BINS; bin++) {
         while (p->cache_n[bin]) {
             ap_block *b = p->cache[bin][--p->cache_n[bin]];
-            ap_cache_uncount(p, b);
             b->state = AP_BLOCK_FREE;
             ap_free_insert(p, b, b->tag);
         }
@@ -40,4 +38,43 @@ size_t ap_cache_largest(const ap_pool *p) {
         for (int i = 0; i < p->cache_n[bin]; i++)
             if (p->cache[bin][i]->size > largest) largest = p->cache[bin][i]->size;
     return largest;
+}
+
+void ap_cache_merged_view(const ap_pool *p, ap_stats *out, size_t *largest) {
+    int64_t d_n = 0, d_b = 0;
+    for (int bin = 0; bin < AP_CACHE_BINS; bin++)
+        for (int i = 0; i < p->cache_n[bin]; i++) {
+            const ap_block *c = p->cache[bin][i], *start = c;
+            int tag = c->tag, first = 1;
+            while (ap_cache_joins(start->prev, &tag)) { /* each run once: from its leftmost cached block */
+                start = start->prev;
+                if (start->state == AP_BLOCK_CACHED) first = 0;
+            }
+            if (!first) continue;
+            tag = start->tag;
+            size_t total = 0;
+            const ap_block *x = start, *end = start;
+            do {
+                end = x;
+                total += x->size;
+                if (x->state == AP_BLOCK_FREE && x->counted_split) {
+                    d_n--;
+                    d_b -= (int64_t)x->size;
+                }
+                x = x->next;
+            } while (ap_cache_joins(x, &tag));
+            if (start->prev || end->next) {
+                d_n++;
+                d_b += (int64_t)total;
+            }
+            if (total > *largest) *largest = total;
+        }
+    int types[2] = {AP_STAT_ALL, AP_STAT_SMALL};
+    for (int t = 0; t < 2; t++) {
+        ap_stat *n = &out->s[AP_STAT_INACTIVE_SPLIT][types[t]], *b = &out->s[AP_STAT_INACTIVE_SPLIT_BYTES][types[t]];
+        n->current += d_n;
+        b->current += d_b;
+        if (n->current > n->peak) n->peak = n->current;
+        if (b->current > b->peak) b->peak = b->current;
+    }
 }

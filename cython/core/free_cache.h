@@ -8,9 +8,10 @@
  * from 65 % to 25 % with every block cached, and rose to 68 % with small blocks only).
  *
  * Cached blocks are free (inactive) in every statistic and snapshot, just not merged with their
- * neighbours yet. Anything that needs the coalesced picture — a miss, a release, empty_cache,
- * stream settling, stats and snapshots — flushes the cache first, so policies and figures see
- * exactly what an eager-coalescing pool would see.
+ * neighbours yet. A miss that finds no fit, a release, empty_cache and stream settling flush the
+ * cache first. Stats and snapshots, which must not change what the pool does next, show the
+ * merged picture without flushing (ap_cache_merged_view, snapshot.c): a cached block is never
+ * counted in inactive_split itself, the view counts its merged run.
  *
  * The hits are inline here, on the cached path of ap_pool_malloc/ap_pool_free; the cache holds
  * small-pool blocks only, so their statistics use constant indices. Keys (size, stream) sit
@@ -25,24 +26,26 @@
 void ap_cache_evict_oldest(ap_pool *p, unsigned bin);
 /* Coalesces every cached block into the trees; call before anything that needs the full picture. */
 void ap_cache_flush(ap_pool *p);
-/* For stats without flushing: the blocks as they are (cached ones are separate free blocks until
-   the next miss merges them; snapshots show the same). */
+/* For stats without flushing: bytes held by cached blocks, and the largest cached block. */
 size_t ap_cache_bytes(const ap_pool *p);
 size_t ap_cache_largest(const ap_pool *p);
+/* Corrects exported stats (inactive_split counts and bytes, raised largest free block) to what
+   they would be with every cached block merged into its free neighbours, without merging. */
+void ap_cache_merged_view(const ap_pool *p, ap_stats *out, size_t *largest);
+/* 1 when a and b (free or cached neighbours, tag of a run so far `tag`) would merge; *tag is the
+   merged tag. Same rule as free_blocks.c's mergeable(). */
+static inline int ap_cache_joins(const ap_block *n, int *tag) {
+    if (!n || (n->state != AP_BLOCK_FREE && n->state != AP_BLOCK_CACHED)) return 0;
+    if (n->tag != *tag && n->tag && *tag) return 0;
+    if (n->tag) *tag = n->tag;
+    return 1;
+}
 
 static inline unsigned ap_cache_bin(size_t rsize) {
     return (unsigned)(((uint64_t)(rsize >> 9) * 0x9E3779B97F4A7C15ull) >> 58) & (AP_CACHE_BINS - 1);
 }
 
 static inline uint64_t ap_cache_key(size_t rsize, int slot) { return (uint64_t)rsize << 16 | (uint16_t)slot; }
-
-static inline void ap_cache_uncount(ap_pool *p, ap_block *b) {
-    if (b->counted_split) {
-        b->counted_split = 0;
-        ap_stat_dec(&p->stats, AP_STAT_INACTIVE_SPLIT, AP_POOL_SMALL, 1);
-        ap_stat_dec(&p->stats, AP_STAT_INACTIVE_SPLIT_BYTES, AP_POOL_SMALL, (int64_t)b->size);
-    }
-}
 
 /* A cached block of exactly rsize freed on slot, taken out of the cache (state FREE), or NULL. */
 static inline ap_block *ap_cache_pop(ap_pool *p, int slot, size_t rsize) {
@@ -58,7 +61,6 @@ static inline ap_block *ap_cache_pop(ap_pool *p, int slot, size_t rsize) {
         }
         p->cache_n[bin] = (uint8_t)(n - 1);
         p->n_cached--;
-        ap_cache_uncount(p, b);
         b->state = AP_BLOCK_FREE;
         return b;
     }
@@ -72,11 +74,6 @@ static inline void ap_cache_push_small(ap_pool *p, ap_block *b, int tag) {
     b->state = AP_BLOCK_CACHED;
     b->tag = (uint16_t)tag;
     b->requested = 0;
-    if (b->prev || b->next) {
-        b->counted_split = 1;
-        ap_stat_inc(&p->stats, AP_STAT_INACTIVE_SPLIT, AP_POOL_SMALL, 1);
-        ap_stat_inc(&p->stats, AP_STAT_INACTIVE_SPLIT_BYTES, AP_POOL_SMALL, (int64_t)b->size);
-    }
     int n = p->cache_n[bin]++;
     p->cache[bin][n] = b;
     p->cache_key[bin][n] = ap_cache_key(b->size, tag);

@@ -4,6 +4,10 @@
 #include <string.h>
 #include <time.h>
 
+__thread uint64_t ap_history_tls_ctx;
+
+void ap_history_set_ctx(uint64_t ctx) { ap_history_tls_ctx = ctx; }
+
 int ap_history_init(ap_history *h, size_t capacity) {
     h->capacity = capacity;
     h->next = 0;
@@ -28,6 +32,7 @@ void ap_history_record(ap_history *h, int action, uintptr_t addr, size_t size, v
     e->size = size;
     e->stream = stream;
     e->time_us = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+    e->ctx = ap_history_tls_ctx;
     h->next++;
 }
 

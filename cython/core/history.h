@@ -1,5 +1,10 @@
 /* A bounded ring of allocator events for snapshots (PyTorch's device_traces). Off unless the
- * record_history knob gives it a capacity; when off the hot path pays one predictable branch. */
+ * record_history knob or record_memory_history() gives it a capacity; when off the hot path pays
+ * one predictable branch.
+ *
+ * Python stacks: the caller captures its frames before taking the pool lock (no GIL work under
+ * it), files them under a context id and sets that id for its thread (ap_history_set_ctx); each
+ * entry recorded on the thread carries the id, which the snapshot maps back to the frames. */
 #ifndef AP_HISTORY_H
 #define AP_HISTORY_H
 
@@ -24,6 +29,7 @@ typedef struct ap_history_entry {
     size_t size;
     void *stream;
     int64_t time_us;
+    uint64_t ctx;  /* the recording thread's context id (0: none), see above */
 } ap_history_entry;
 
 typedef struct ap_history {
@@ -31,6 +37,10 @@ typedef struct ap_history {
     size_t capacity;
     size_t next;  /* total entries ever written; ring index = next % capacity */
 } ap_history;
+
+extern __thread uint64_t ap_history_tls_ctx;
+/* Sets the calling thread's context id for the entries it records next (0: none). */
+void ap_history_set_ctx(uint64_t ctx);
 
 int ap_history_init(ap_history *h, size_t capacity);
 void ap_history_destroy(ap_history *h);

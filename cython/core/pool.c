@@ -38,6 +38,22 @@ void ap_config_default(ap_config *c) {
     c->sync_timeout_ms = 60000;
 }
 
+/* PyTorch's roundup_power2_divisions rounding (CUDACachingAllocator round_size): above
+   min_block * divisions, up to the next of `divisions` equal steps between two powers of two. */
+size_t ap_round_power2_divisions(const ap_pool *p, size_t padded) {
+    size_t mb = p->cfg.min_block, r = (padded + mb - 1) & ~(mb - 1);
+    if (padded <= mb || padded >= ((size_t)1 << 62)) return r < mb ? mb : r;
+    int log = 63 - __builtin_clzll((unsigned long long)padded);
+    int idx = log - 20; /* interval 0 starts at 1 MiB; smaller sizes share it */
+    if (idx < 0) idx = 0;
+    if (idx >= AP_ROUNDUP_INTERVALS) idx = AP_ROUNDUP_INTERVALS - 1;
+    size_t div = p->cfg.roundup_divisions[idx];
+    if (div <= 1 || padded <= mb * div || !(padded & (padded - 1))) return r;
+    size_t step = ((size_t)1 << log) / div;
+    size_t up = (padded + step - 1) & ~(step - 1);
+    return (up + mb - 1) & ~(mb - 1);
+}
+
 size_t ap_pool_round_size(const ap_pool *p, size_t size) {
     size_t r = ap_round_request(p, size);
     return r < p->cfg.min_block ? p->cfg.min_block : r;
@@ -194,7 +210,15 @@ static int queued_frees(const ap_pool *p) {
 }
 
 int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err) {
-    if (check_size(p, size, err) != AP_OK) return err ? err->status : AP_E_INVALID_SIZE;
+    if (check_size(p, size, err) != AP_OK) {
+        if (size) { /* larger than the device: an OOM like any other, in num_ooms and the trace */
+            pthread_mutex_lock(&p->lock);
+            p->stats.num_ooms++;
+            ap_history_add(&p->history, AP_ACT_OOM, 0, size, stream);
+            pthread_mutex_unlock(&p->lock);
+        }
+        return err ? err->status : (size ? AP_E_OOM : AP_E_INVALID_SIZE);
+    }
     size_t rsize = ap_round_request(p, size);
     int pool = pool_of(p, rsize);
     pthread_mutex_lock(&p->lock);
@@ -249,7 +273,7 @@ allocated:
         pthread_mutex_unlock(&p->lock);
         return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
     }
-    ap_history_add(&p->history, AP_ACT_ALLOC, b->addr, b->size, stream);
+    ap_history_add(&p->history, AP_ACT_ALLOC, b->addr, size, stream); /* PyTorch: the requested size */
     pthread_mutex_unlock(&p->lock);
     *out = (void *)b->addr;
     return AP_OK;
@@ -312,8 +336,8 @@ static void release_block(ap_pool *p, ap_block *b, int tag) {
         ap_free_pending(p, b, tag);
         return;
     }
-    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->size, p->slots[tag].stream);
-    ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->size, p->slots[tag].stream);
+    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, p->slots[tag].stream);
+    ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->requested, p->slots[tag].stream);
     if (pool == AP_POOL_SMALL) ap_cache_push_small(p, b, tag);
     else ap_free_insert(p, b, tag); /* large blocks merge at once (free_cache.h says why) */
 }
@@ -379,6 +403,7 @@ int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
 
 int ap_pool_empty_cache(ap_pool *p, ap_error *err) {
     pthread_mutex_lock(&p->lock);
+    p->stats.num_sync_all_streams++; /* PyTorch counts every empty_cache as a sync of all streams */
     /* Waits with the lock dropped, a few rounds: other threads may free more meanwhile. */
     int rc = AP_OK;
     for (int round = 0; round < 4; round++) {
@@ -462,6 +487,7 @@ void ap_pool_get_stats(ap_pool *p, ap_stats *out) {
             cached += p->slots[s].trees[k].bytes;
         }
     cached += ap_cache_bytes(p);
+    ap_cache_merged_view(p, out, &largest);
     pthread_mutex_unlock(&p->lock);
     out->largest_free_block = (int64_t)largest;
     out->cached_free_bytes = (int64_t)cached;

@@ -75,6 +75,8 @@ enum {
     AP_RELEASE_UNDER_PEAK = 1, /* release free segments so that reserved stays under its earlier peak */
 };
 
+#define AP_ROUNDUP_INTERVALS 16
+
 typedef struct ap_config {
     size_t pad_bytes;          /* added to each request before rounding (32 on acl: torch_npu's pad) */
     size_t min_block;          /* rounding granularity, 512 */
@@ -92,6 +94,11 @@ typedef struct ap_config {
     int expandable;            /* segments grow in place in reserved address space (VMM) */
     int stream_reuse;          /* AP_REUSE_BORROW or AP_REUSE_TIED */
     int sync_timeout_ms;       /* bound on every host wait for the device (-1: forever) */
+    /* PyTorch's roundup_power2_divisions: divisions per power-of-two interval of the request
+       size, interval i = [2^i MiB, 2^(i+1) MiB) (sizes under 1 MiB use interval 0, the last one
+       everything above); 0 or 1: plain min_block rounding. roundup_power2: any entry above 1. */
+    unsigned roundup_divisions[AP_ROUNDUP_INTERVALS];
+    int roundup_power2;
 } ap_config;
 
 void ap_config_default(ap_config *c);
@@ -257,5 +264,8 @@ typedef struct ap_snapshot {
 
 int ap_pool_snapshot(ap_pool *p, ap_snapshot *out);
 void ap_snapshot_free(ap_snapshot *s);
+/* Turns the event history on with room for `capacity` entries (0: off), at any time; a new
+   capacity starts an empty ring. AP_E_HOST_NOMEM if the ring cannot be allocated. */
+int ap_pool_set_history(ap_pool *p, size_t capacity);
 
 #endif

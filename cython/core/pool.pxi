@@ -7,6 +7,7 @@ from libc.stdlib cimport malloc as c_malloc, free as c_free
 from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromVoidPtr
 from cpython.exc cimport PyErr_Occurred, PyErr_Clear
 
+import sys
 import time as _time
 
 from ascend_pool.errors import (OutOfMemoryError, QuotaExceededError, InvalidSizeError, InvalidPointerError,
@@ -27,6 +28,8 @@ cdef extern from "pool.h" nogil:
         size_t large_split_min, max_split_size, limit_bytes, reserve_bytes, history_capacity
         double gc_threshold
         int release_policy, expandable, stream_reuse, sync_timeout_ms
+        unsigned roundup_divisions[16]
+        int roundup_power2
     ctypedef struct ap_pool:
         pass
     ctypedef struct ap_quota_hook:
@@ -69,6 +72,7 @@ cdef extern from "pool.h" nogil:
         size_t size
         void *stream
         int64_t time_us
+        uint64_t ctx
     ctypedef struct ap_snapshot:
         ap_snap_segment *segments
         size_t n_segments
@@ -78,6 +82,8 @@ cdef extern from "pool.h" nogil:
         size_t n_history
     int ap_pool_snapshot(ap_pool *p, ap_snapshot *out)
     void ap_snapshot_free(ap_snapshot *s)
+    int ap_pool_set_history(ap_pool *p, size_t capacity)
+    void ap_history_set_ctx(uint64_t ctx)
 
 cdef extern from "stats.h" nogil:
     ctypedef struct ap_stat:
@@ -111,8 +117,9 @@ _STAT_TYPES = ("all", "small_pool", "large_pool")
 _CONFIG_FIELDS = ("pad_bytes", "min_block", "small_size", "small_segment", "page_size", "min_large_segment",
                   "large_split_min", "max_split_size", "limit_bytes", "reserve_bytes", "history_capacity",
                   "gc_threshold", "release_policy", "expandable", "stream_reuse",
-                  "sync_timeout_ms")
+                  "sync_timeout_ms", "roundup_divisions")
 NO_LIMIT = AP_NO_LIMIT
+cdef uint64_t _next_ctx = 0  # context ids of recorded Python stacks (process-wide, under the GIL)
 RELEASE_POLICIES = {"never": AP_RELEASE_NEVER, "under_peak": AP_RELEASE_UNDER_PEAK}
 STREAM_REUSE = {"borrow": AP_REUSE_BORROW, "tied": AP_REUSE_TIED}
 BLOCK_STATES = ("inactive", "active_allocated", "active_pending_free")
@@ -210,6 +217,8 @@ cdef class PoolBase:
     cdef ap_quota_hook _quota  # the quota hook installed on the C pool (all NULL: none)
     cdef ap_quota_close_fn _quota_close  # gives _quota.ctx back once the pool is gone
     cdef readonly object quota_hook  # the hook's Python side (messages, state); None without a quota
+    cdef readonly object _stack_frames  # {context id: Python frames} while stacks are recorded, else None
+    cdef Py_ssize_t _stack_cap          # most frame lists kept (the history's capacity)
 
     def __cinit__(self, *args, **kwargs):
         self.p = NULL
@@ -242,6 +251,10 @@ cdef class PoolBase:
             elif key == "stream_reuse": cfg.stream_reuse = value
             elif key == "expandable": cfg.expandable = value
             elif key == "sync_timeout_ms": cfg.sync_timeout_ms = value
+            elif key == "roundup_divisions":  # 16 intervals (config.py checked them)
+                for i in range(16):
+                    cfg.roundup_divisions[i] = value[i]
+                cfg.roundup_power2 = any(v > 1 for v in value)
         self.backend = backend
         self.device = device
         self.config = dict(config)
@@ -351,9 +364,12 @@ cdef class PoolBase:
         cdef int rc
         if ap_pool_try_malloc(self.p, n, s, &out) == AP_OK:
             return PyLong_FromVoidPtr(out)
+        if self._stack_frames is not None:
+            self._note_frames()  # before the pool lock: no GIL work under it
         _p = self._enter()
         with nogil:
             rc = ap_pool_malloc(_p, n, s, &out, &err)
+            ap_history_set_ctx(0)
         self._leave()
         if rc == AP_E_QUOTA and self.quota_hook is not None:  # the hook's own, richer error
             raise self.quota_hook.refusal(self, n, err.message.decode("utf-8", "replace"), "this allocation")
@@ -375,15 +391,21 @@ cdef class PoolBase:
         if stream is None:
             if ap_pool_try_free(self.p, p) == AP_OK:
                 return
+            if self._stack_frames is not None:
+                self._note_frames()
             _p = self._enter()
             with nogil:
                 rc = ap_pool_free(_p, p, NULL, 1, &err)
+                ap_history_set_ctx(0)
             self._leave()
         else:
             s = self._stream(stream)
+            if self._stack_frames is not None:
+                self._note_frames()
             _p = self._enter()
             with nogil:
                 rc = ap_pool_free(_p, p, s, 0, &err)
+                ap_history_set_ctx(0)
             self._leave()
         if rc != AP_OK:
             _raise(&err, rc)
@@ -576,6 +598,50 @@ cdef class PoolBase:
         out["device_total_bytes"] = st.device_total_bytes
         return out
 
+    cdef _note_frames(self):
+        """Files the caller's Python frames under a new context id and sets it for this thread."""
+        global _next_ctx
+        d = self._stack_frames
+        if d is None:  # turned off by another thread meanwhile
+            return
+        frames = []
+        f = sys._getframe(0)  # Cython methods have no frame: this is the caller's
+        while f is not None:
+            frames.append({"filename": f.f_code.co_filename, "line": f.f_lineno, "name": f.f_code.co_name})
+            f = f.f_back
+        _next_ctx += 1
+        d[_next_ctx] = frames
+        while len(d) > self._stack_cap:
+            del d[next(iter(d))]
+        ap_history_set_ctx(_next_ctx)
+
+    def record_memory_history(self, enabled=True, stacks="python", max_entries=100_000):
+        """Turns the event history (snapshot()["device_traces"]) on or off at runtime, as
+        torch.cuda.memory._record_memory_history: enabled True/"all"/"state" to record, None or
+        False to stop (the trace is dropped); stacks "python" also files each allocation's and
+        free's Python frames (captured before the pool lock), None or "none" skips them (no cost);
+        max_entries: ring size in events."""
+        self._check()
+        on = enabled not in (None, False)
+        if on and (isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0):
+            raise ConfigError(f"max_entries must be a positive int, got {max_entries!r}")
+        if stacks not in ("python", "all", None, "none"):
+            raise ConfigError(f"stacks must be 'python', 'all' or None, got {stacks!r}")
+        cdef size_t cap = max_entries if on else 0
+        cdef ap_pool *_p = self._enter()
+        cdef int rc
+        with nogil:
+            rc = ap_pool_set_history(_p, cap)
+        self._leave()
+        if rc != AP_OK:
+            raise MemoryError(f"host memory for a history of {max_entries} entries exhausted")
+        if on and stacks in ("python", "all"):
+            if self._stack_frames is None or self._stack_cap != max_entries:
+                self._stack_frames = {}
+            self._stack_cap = max_entries
+        else:
+            self._stack_frames = None
+
     def _raw_snapshot(self):
         """(segments, history): segments as tuples (base, size, pool, stream, blocks, expandable) with blocks
         as tuples (addr, size, requested, state); history as (action, addr, size, stream, time_us)."""
@@ -602,7 +668,7 @@ cdef class PoolBase:
             history = []
             for i in range(snap.n_history):
                 e = snap.history[i]
-                history.append((e.action, e.addr, e.size, <uintptr_t>e.stream, e.time_us))
+                history.append((e.action, e.addr, e.size, <uintptr_t>e.stream, e.time_us, e.ctx))
         finally:
             ap_snapshot_free(&snap)
         return segments, history

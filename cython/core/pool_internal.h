@@ -27,7 +27,9 @@ static inline size_t ap_round_up(size_t x, size_t to) { return (x + to - 1) / to
 
 /* Bytes a request of size (1 .. device size) occupies: padded, then rounded to min_block, a power
    of two (checked at creation), so the hot path rounds with a mask instead of a division. */
+size_t ap_round_power2_divisions(const ap_pool *p, size_t padded);
 static inline size_t ap_round_request(const ap_pool *p, size_t size) {
+    if (__builtin_expect(p->cfg.roundup_power2, 0)) return ap_round_power2_divisions(p, size + p->cfg.pad_bytes);
     return (size + p->cfg.pad_bytes + p->cfg.min_block - 1) & ~(p->cfg.min_block - 1);
 }
 

@@ -42,7 +42,7 @@ int ap_share_alloc(ap_pool *p, size_t size, ap_share *s, ap_error *err) {
     }
     ap_free_remove(p, b); /* never in a free tree or the live map: malloc cannot hand it out */
     ap_mark_allocated(p, b, size, 0);
-    ap_history_add(&p->history, AP_ACT_ALLOC, b->addr, b->size, NULL);
+    ap_history_add(&p->history, AP_ACT_ALLOC, b->addr, size, NULL); /* PyTorch: the requested size */
     s->backend = p->backend;
     s->seg = b->seg;
     s->base = b->addr;
@@ -99,8 +99,8 @@ static void unaccount(ap_pool *p, ap_share *s) {
     ap_stat_dec(&p->stats, AP_STAT_SEGMENT, AP_POOL_LARGE, 1);
     ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, AP_POOL_LARGE, (int64_t)seg->size);
     if (p->quota.release) p->quota.release(p->quota.ctx, p->device, seg->size);
-    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->size, NULL);
-    ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->size, NULL);
+    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, NULL);
+    ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->requested, NULL);
     ap_history_add(&p->history, AP_ACT_SEGMENT_FREE, seg->base, seg->size, NULL);
     b->state = AP_BLOCK_FREE;
     ap_block_recycle(p, b);

@@ -6,7 +6,9 @@
 
 int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
     *out = (ap_snapshot){0};
-    pthread_mutex_lock(&p->lock); /* cached blocks show as inactive: no flush, state unchanged */
+    /* Cached blocks show merged with their free neighbours, as the next miss would merge them,
+       without flushing: reading a snapshot must not change what the pool does next. */
+    pthread_mutex_lock(&p->lock);
     size_t n_blocks = 0;
     for (ap_segment *s = p->segments; s; s = s->next)
         for (ap_block *b = s->first; b; b = b->next) n_blocks++;
@@ -26,16 +28,44 @@ int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
         o->expandable = s->expandable;
         o->stream = s->alloc_slot ? p->slots[s->alloc_slot].stream : NULL;
         o->first_block = j;
-        for (ap_block *b = s->first; b; b = b->next, j++)
-            out->blocks[j] = (ap_snap_block){b->addr, b->size, b->requested,
-                                             b->state == AP_BLOCK_CACHED ? AP_BLOCK_FREE : b->state};
+        int run_tag = 0;
+        for (ap_block *b = s->first; b; b = b->next) {
+            int tag = run_tag;
+            if (j > o->first_block && b->prev && (b->prev->state == AP_BLOCK_FREE || b->prev->state == AP_BLOCK_CACHED) &&
+                (b->prev->state == AP_BLOCK_CACHED || b->state == AP_BLOCK_CACHED) && ap_cache_joins(b, &tag)) {
+                out->blocks[j - 1].size += b->size; /* a cached block and its free neighbour: one hole */
+                run_tag = tag;
+                continue;
+            }
+            run_tag = b->tag;
+            out->blocks[j++] = (ap_snap_block){b->addr, b->size, b->requested,
+                                               b->state == AP_BLOCK_CACHED ? AP_BLOCK_FREE : b->state};
+        }
         o->n_blocks = j - o->first_block;
     }
     out->n_segments = i;
     out->n_blocks = j;
-    ap_history_add(&p->history, AP_ACT_SNAPSHOT, 0, 0, NULL);
+    /* PyTorch gathers the trace first: this snapshot's own event shows in the next one. */
     out->n_history = ap_history_copy(&p->history, &out->history);
+    ap_history_add(&p->history, AP_ACT_SNAPSHOT, 0, 0, NULL);
     pthread_mutex_unlock(&p->lock);
+    return AP_OK;
+}
+
+int ap_pool_set_history(ap_pool *p, size_t capacity) {
+    /* The new ring is made and the old one freed outside the lock: only the swap is under it. */
+    ap_history fresh, old;
+    if (ap_history_init(&fresh, capacity) != 0) return AP_E_HOST_NOMEM;
+    pthread_mutex_lock(&p->lock);
+    if (p->history.capacity == capacity) { /* unchanged: the entries so far are kept */
+        old = fresh;
+    } else {
+        old = p->history;
+        p->history = fresh;
+        p->cfg.history_capacity = capacity;
+    }
+    pthread_mutex_unlock(&p->lock);
+    ap_history_destroy(&old);
     return AP_OK;
 }
 

@@ -1,0 +1,120 @@
+"""Bring your own workload: a PyTorch memory snapshot replays exactly as the equivalent .npz
+(issue 18). The snapshot here is written by a small converter from PyTorch's documented
+_dump_snapshot format (device_traces of alloc / free_requested / free_completed entries with
+addr, size, stream), independent of ascend_pool's own snapshot writer, reusing addresses after
+frees as a caching allocator does, with stream handles where 0 is the default stream."""
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ascend_pool as ap
+from ascend_pool.replay import replay
+from ascend_pool.traces import list_traces, load_trace
+
+SHARED = Path("/work/shared/traces")
+TRACE = SHARED / "resnet18_train_prefetch_2stream.npz"  # two streams, 7,122 events
+
+
+def _write_pytorch_snapshot(npz, path):
+    """Writes npz's events as a PyTorch memory snapshot pickle (plain dicts, lists, ints)."""
+    d = np.load(npz)
+    free_by_size = {}  # size -> addresses free for reuse (a caching allocator reuses them)
+    addr_of, next_addr, t, trace = {}, 0x7F0000000000, 0, []
+    handles = {0: 0}
+    for op, i, size, stream in zip(d["op"].tolist(), d["id"].tolist(), d["size"].tolist(), d["stream"].tolist()):
+        handle = handles.setdefault(stream, 0x5A5A0000 + 0x100 * stream)
+        t += 1
+        if op == 1:
+            reuse = free_by_size.get(size)
+            if reuse:
+                addr = reuse.pop()
+            else:
+                addr = next_addr
+                next_addr += (size + 511) // 512 * 512
+            addr_of[i] = addr
+            trace.append({"action": "alloc", "addr": addr, "size": size, "stream": handle, "time_us": t,
+                          "frames": [{"filename": "train.py", "line": 1, "name": "forward"}]})
+        else:
+            addr = addr_of.pop(i)
+            for action in ("free_requested", "free_completed"):
+                trace.append({"action": action, "addr": addr, "size": size, "stream": handle, "time_us": t,
+                              "frames": []})
+            free_by_size.setdefault(size, []).append(addr)
+    snap = {"segments": [], "device_traces": [trace], "allocator_settings": {}}
+    with open(path, "wb") as f:
+        pickle.dump(snap, f)
+    reused = len(trace) - len(set(e["addr"] for e in trace))
+    return reused
+
+
+@pytest.fixture(scope="module")
+def snapshot_path(tmp_path_factory):
+    if not TRACE.is_file():
+        pytest.skip(f"the shared traces are not on this machine ({TRACE})")
+    path = tmp_path_factory.mktemp("snap") / "resnet_2stream.pickle"
+    assert _write_pytorch_snapshot(TRACE, path) > 1000, "addresses are reused after frees"
+    return path
+
+
+FIGURES = ("allocs", "frees", "peak_live_bytes", "peak_reserved_bytes", "device_mallocs")
+
+
+def test_snapshot_replays_exactly_as_the_npz(snapshot_path):
+    want = replay(str(TRACE), backend="sim")
+    got = replay(str(snapshot_path), backend="sim")
+    assert {k: got[k] for k in FIGURES} == {k: want[k] for k in FIGURES}
+    a, b = load_trace(TRACE), load_trace(snapshot_path)
+    assert a.streams == b.streams and (a.size == b.size).all() and (a.op == b.op).all()
+
+
+def test_cli_replays_and_converts_a_snapshot(snapshot_path, tmp_path):
+    run = lambda *args: subprocess.run([sys.executable, "-m", "ascend_pool.cli", *args], capture_output=True,
+                                       text=True, timeout=300)
+    out = run("replay", "--json", "--backend", "sim", str(snapshot_path))
+    assert out.returncode == 0, out.stderr
+    want = replay(str(TRACE), backend="sim")
+    assert json.loads(out.stdout)["peak_reserved_bytes"] == want["peak_reserved_bytes"]
+    npz = tmp_path / "mine.npz"
+    out = run("trace", "convert", str(snapshot_path), str(npz))
+    assert out.returncode == 0, out.stderr
+    assert "allocs" in out.stdout
+    assert replay(str(npz), backend="sim")["peak_reserved_bytes"] == want["peak_reserved_bytes"]
+    assert snapshot_path in list_traces(snapshot_path.parent), "bench --traces DIR finds snapshots too"
+
+
+def test_snapshot_that_is_not_plain_data_is_refused(tmp_path):
+    bad = tmp_path / "evil.pickle"
+    bad.write_bytes(pickle.dumps({"device_traces": [[]], "x": Path("/")}))
+    with pytest.raises(ValueError, match="not a plain memory snapshot"):
+        load_trace(bad)
+    empty = tmp_path / "empty.pickle"
+    empty.write_bytes(pickle.dumps({"segments": []}))
+    with pytest.raises(ValueError, match="device_traces"):
+        load_trace(empty)
+
+
+def test_pool_dump_trace_closes_the_loop(tmp_path):
+    pool = ap.Pool(0, backend="sim")
+    try:
+        pool.record_memory_history(enabled=True, stacks=None, max_entries=10_000)
+        s = pool.create_stream()
+        live = [pool.malloc(n) for n in (1000, 3 << 20, 5000)]
+        pool.free(live.pop(0))
+        other = pool.malloc(777, stream=s)
+        pool.free(other, stream=s)
+        pool.free(pool.malloc(1000))  # reuses the first address
+        path = tmp_path / "mine.npz"
+        pool.dump_trace(path)
+        trace = load_trace(path)
+        assert trace.n_allocs == 5 and trace.n_frees == 3 and trace.streams == [0, 1]
+        assert sorted(trace.size[trace.op == 1].tolist()) == sorted([1000, 3 << 20, 5000, 777, 1000])
+        for p in live:
+            pool.free(p)
+    finally:
+        pool.close()

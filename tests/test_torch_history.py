@@ -1,0 +1,125 @@
+"""Memory history as PyTorch users drive it (issue 18 point 8): record_memory_history turned on
+and off at runtime, Python frames in the trace and on live blocks, dump_snapshot read by
+torch.cuda._memory_viz; and mem_get_info / reset_accumulated_stats."""
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+import ascend_pool as ap
+
+
+def _trace(pool):
+    return pool.snapshot()["device_traces"][pool.device]
+
+
+def _alloc_in_named_function(pool, n):
+    return pool.malloc(n)
+
+
+def _free_in_named_function(pool, ptr):
+    pool.free(ptr)
+
+
+def test_history_turns_on_and_off_at_runtime_with_python_frames(pool):
+    pool.free(pool.malloc(4096))
+    assert _trace(pool) == [], "no history until asked for"
+    pool.record_memory_history(enabled=True, stacks="python", max_entries=1000)
+    keep = _alloc_in_named_function(pool, 4096)
+    gone = _alloc_in_named_function(pool, 3 << 20)  # a new (large) segment
+    _free_in_named_function(pool, gone)
+    snap = pool.snapshot()
+    trace = snap["device_traces"][0]
+    allocs = [e for e in trace if e["action"] == "alloc"]
+    assert [e["size"] for e in allocs] == [4096, 3 << 20]
+    for e in allocs:
+        assert e["frames"][0]["name"] == "_alloc_in_named_function"
+        assert e["frames"][0]["filename"] == __file__
+        assert any(f["name"] == "test_history_turns_on_and_off_at_runtime_with_python_frames" for f in e["frames"])
+    frees = [e for e in trace if e["action"] == "free_requested"]
+    assert frees[0]["frames"][0]["name"] == "_free_in_named_function"
+    live = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert len(live) == 1 and live[0]["address"] == keep
+    assert live[0]["frames"][0]["name"] == "_alloc_in_named_function", "a live block carries its allocation's stack"
+    segs = [e for e in trace if e["action"] == "segment_alloc"]
+    assert segs and all(e["frames"][0]["name"] == "_alloc_in_named_function" for e in segs)
+
+    pool.record_memory_history(enabled=None)
+    pool.free(keep)
+    assert _trace(pool) == [], "history off: the trace is dropped and nothing more recorded"
+    pool._check_invariants()
+
+
+def test_history_without_stacks_records_events_without_frames(pool):
+    pool.record_memory_history(enabled=True, stacks=None, max_entries=10)
+    for _ in range(20):
+        pool.free(pool.malloc(1000))
+    trace = _trace(pool)
+    assert len(trace) == 10, "max_entries bounds the ring"
+    assert all(e["frames"] == [] for e in trace)
+
+
+@pytest.mark.parametrize("bad", [dict(max_entries=0), dict(max_entries="many"), dict(stacks="cpp")])
+def test_bad_history_settings_are_config_errors(pool, bad):
+    with pytest.raises(ap.ConfigError):
+        pool.record_memory_history(enabled=True, **bad)
+    pool.free(pool.malloc(512))  # the pool keeps serving
+
+
+def test_module_level_history_and_dump_snapshot_read_by_memory_viz(tmp_path):
+    ap.record_memory_history(enabled=True, stacks="python", max_entries=1000)
+    try:
+        ptrs = [_alloc_in_named_function(ap.default_pool(0), n) for n in (4096, 3 << 20, 1000)]
+        _free_in_named_function(ap.default_pool(0), ptrs.pop())
+        path = tmp_path / "snap.pickle"
+        ap.dump_snapshot(str(path))
+        snap = pickle.loads(path.read_bytes())
+        allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+        assert [e["size"] for e in allocs][-3:] == [4096, 3 << 20, 1000]
+        assert all(e["frames"] and e["frames"][0]["name"] == "_alloc_in_named_function" for e in allocs[-3:])
+        for command in ("stats", "trace"):
+            out = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", command, str(path)],
+                                 capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.strip()
+        html = tmp_path / "plot.html"
+        out = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", str(path), "-o",
+                              str(html)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "add_local_files" in html.read_text()
+        for p in ptrs:
+            ap.free(p, device=0)
+    finally:
+        ap.record_memory_history(enabled=None)
+    assert ap.snapshot(0)["device_traces"][0] == []
+
+
+def test_mem_get_info_follows_the_device(pool):
+    free0, total = pool.mem_get_info()
+    assert (free0, total) == pool.backend.mem_info(0)
+    ptr = pool.malloc(64 << 20)
+    free1, total1 = pool.mem_get_info()
+    assert total1 == total and free1 <= free0 - (64 << 20)
+    pool.free(ptr)
+    assert ap.mem_get_info(0)[1] == total
+
+
+def test_reset_accumulated_stats_zeroes_totals_but_keeps_current_and_peak(pool):
+    keep = pool.malloc(4096)
+    pool.free(pool.malloc(8192))
+    with pytest.raises(ap.OutOfMemoryError):
+        pool.malloc(pool.memory_stats()["device_total_bytes"] + 1)
+    st = pool.memory_stats()
+    assert st["allocation.all.allocated"] == 2 and st["num_ooms"] == 1 and st["num_device_alloc"] >= 1
+    pool.reset_accumulated_stats()
+    st = pool.memory_stats()
+    for key in ("allocation.all.allocated", "allocation.all.freed", "allocated_bytes.all.allocated",
+                "allocated_bytes.all.freed", "num_ooms", "num_device_alloc", "num_sync_all_streams"):
+        assert st[key] == 0, key
+    assert st["allocation.all.current"] == 1 and st["allocation.all.peak"] == 2
+    pool.free(pool.malloc(4096))
+    st = pool.memory_stats()
+    assert st["allocation.all.allocated"] == 1 and st["allocation.all.freed"] == 1
+    pool.free(keep)

@@ -1,0 +1,101 @@
+"""torch_npu integration that leaves the runtime to the framework (issue 18 points 9-10), with a
+fake torch_npu (the real one needs an NPU): install() must not load or initialise the ACL runtime
+(torch_npu's own aclInit with its JSON config must come first), and torch.npu.memory_stats() and
+its friends must answer from ascend_pool instead of the pluggable allocator's missing hook."""
+
+import sys
+import types
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool import backend as ap_backend
+from ascend_pool import _core
+
+
+def _ub(*args, **kwargs):
+    raise AssertionError("reached NPUPluggableAllocator::getDeviceStats (undefined behaviour)")
+
+
+@pytest.fixture
+def fake_torch_npu(monkeypatch):
+    changed = []
+    npu = types.ModuleType("torch_npu.npu")
+    memory = types.ModuleType("torch_npu.npu.memory")
+
+    class Pluggable:
+        def __init__(self, path, alloc, free):
+            self.path = path
+
+        def allocator(self):
+            return types.SimpleNamespace(set_init_fn=lambda fn: None, set_reset_fn=lambda fn: None)
+
+    memory.NPUPluggableAllocator = Pluggable
+    memory.change_current_allocator = changed.append
+    for mod in (memory, npu):
+        for name in ("memory_stats", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "_snapshot",
+                     "memory_snapshot", "_record_memory_history", "_dump_snapshot"):
+            setattr(mod, name, _ub)
+    npu.current_device = lambda: 0
+    top = types.ModuleType("torch_npu")
+    top.npu = npu
+    for name, mod in (("torch_npu", top), ("torch_npu.npu", npu), ("torch_npu.npu.memory", memory)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    if "torch" not in sys.modules:
+        monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    memory.changed = changed
+    return memory
+
+
+def test_install_leaves_the_runtime_to_torch_npu(fake_torch_npu, monkeypatch):
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    opened = []
+    monkeypatch.delenv("ASCEND_POOL_BACKEND", raising=False)
+    def open_backend(*args, **kwargs):
+        opened.append(args)
+        raise AssertionError(f"install() opened the backend {args} (aclInit before torch_npu's own)")
+
+    monkeypatch.setattr(ap_backend, "open_backend", open_backend)
+    monkeypatch.setattr(_core, "capi_default_backend", lambda device: None)  # as in a fresh process
+    alloc = ap_npu.install()
+    assert fake_torch_npu.changed == [alloc]
+    assert opened == [], "install() must not load or aclInit the runtime before torch_npu does"
+    import os
+    assert os.environ["ASCEND_POOL_BACKEND"] == "acl", "the first allocation opens the acl backend"
+
+
+def test_torch_npu_memory_functions_answer_from_ascend_pool(fake_torch_npu, tmp_path):
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    npu = sys.modules["torch_npu.npu"]
+    done = ap_npu.patch_memory_functions(fake_torch_npu, npu)
+    assert done == [list(ap_npu.PATCHED)] * 2
+    ptr = ap.malloc(3 << 20, device=0)
+    try:
+        for fn in (fake_torch_npu.memory_stats, npu.memory_stats):
+            st = fn(0)
+            assert st["allocated_bytes.all.current"] == ap.memory_stats(0)["allocated_bytes.all.current"] >= 3 << 20
+            assert fn("npu:0")["allocated_bytes.all.current"] == st["allocated_bytes.all.current"]
+            assert fn()["allocated_bytes.all.current"] == st["allocated_bytes.all.current"]
+        npu.reset_peak_memory_stats(0)
+        assert npu.memory_stats(0)["allocated_bytes.all.peak"] == npu.memory_stats(0)["allocated_bytes.all.current"]
+        npu.reset_accumulated_memory_stats(0)
+        assert npu.memory_stats(0)["num_ooms"] == 0
+        assert any(s["total_size"] >= 3 << 20 for s in npu.memory_snapshot())
+        npu._record_memory_history(max_entries=100)
+        ap.free(ap.malloc(1000, device=0), device=0)
+        npu._dump_snapshot(str(tmp_path / "s.pickle"))
+        assert any(e["action"] == "alloc" and e["size"] == 1000 for e in npu._snapshot(0)["device_traces"][0])
+        npu._record_memory_history(enabled=None)
+    finally:
+        ap.free(ptr, device=0)
+
+
+def test_init_hook_doc_says_frameworks_pass_the_device_count():
+    from pathlib import Path
+
+    header = (Path(ap.__file__).parent / "include" / "ascend_pool.h").read_text()
+    init_doc = header[header.index("/* Prepares the C ABI."):header.index("void ascend_pool_init(int device);")]
+    assert "torch_npu passes its current device" not in init_doc
+    assert "device count" in init_doc and "torch_npu" in init_doc
