@@ -200,7 +200,23 @@ class Model:
         self.segments = [s for s in self.segments if not (len(s.blocks) == 1 and s.blocks[0].state == "free")]
 
     def layout(self):
-        return {s.seq: [(b.offset, b.size, b.state == "alloc") for b in s.blocks] for s in self.segments}
+        """Each segment's blocks as a snapshot shows them: a cached block and its free neighbours
+        (tags permitting) as one hole, as the next miss would merge them (snapshot.c)."""
+        out = {}
+        for s in self.segments:
+            rows, run_tag, prev = [], 0, None
+            for b in s.blocks:
+                if (prev is not None and prev.state in ("free", "cached") and b.state in ("free", "cached")
+                        and "cached" in (prev.state, b.state) and (b.tag == run_tag or not b.tag or not run_tag)):
+                    off, size, alloc = rows[-1]
+                    rows[-1] = (off, size + b.size, alloc)
+                    run_tag = b.tag or run_tag
+                else:
+                    run_tag = b.tag
+                    rows.append((b.offset, b.size, b.state == "alloc"))
+                prev = b
+            out[s.seq] = rows
+        return out
 
 
 class SideBySide:
