@@ -207,6 +207,11 @@ def trace_from_arrays(op, id, size, stream=None, *, name: str = "trace",
                  stream=streams, n_slots=n_slots, name=name, meta=dict(meta or {}), path=path)
 
 
+def trace_name(path: PathLike) -> str:
+    """A trace file's name without its extension (NAME.npz, NAME.pickle -> NAME)."""
+    return Path(path).stem
+
+
 def load_trace(path: PathLike) -> Trace:
     """Load and validate ``NAME.npz`` (and ``NAME.json`` beside it, if present, into ``meta``).
 
@@ -221,7 +226,7 @@ def load_trace(path: PathLike) -> Trace:
         p = p.with_name(p.name + ".npz")
     if not p.is_file():
         raise FileNotFoundError(f"no trace file at {str(path)!r}")
-    name = p.name[:-4] if p.name.endswith(".npz") else p.stem
+    name = trace_name(p)
     if not zipfile.is_zipfile(p):
         raise ValueError(f"trace {name!r} ({p}): cannot read as .npz: not a zip archive")
     try:

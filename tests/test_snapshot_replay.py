@@ -15,10 +15,9 @@ import pytest
 
 import ascend_pool as ap
 from ascend_pool.replay import replay
-from ascend_pool.traces import list_traces, load_trace
+from ascend_pool.traces import list_traces, load_trace, shipped_traces_dir
 
-SHARED = Path("/work/shared/traces")
-TRACE = SHARED / "resnet18_train_prefetch_2stream.npz"  # two streams, 7,122 events
+TRACE = shipped_traces_dir() / "resnet18_train_prefetch_2stream.npz"  # two streams, 7,122 events
 
 
 def _write_pytorch_snapshot(npz, path):
@@ -55,8 +54,7 @@ def _write_pytorch_snapshot(npz, path):
 
 @pytest.fixture(scope="module")
 def snapshot_path(tmp_path_factory):
-    if not TRACE.is_file():
-        pytest.skip(f"the shared traces are not on this machine ({TRACE})")
+    assert TRACE.is_file(), f"the package ships its full traces ({TRACE})"
     path = tmp_path_factory.mktemp("snap") / "resnet_2stream.pickle"
     assert _write_pytorch_snapshot(TRACE, path) > 1000, "addresses are reused after frees"
     return path
@@ -86,6 +84,11 @@ def test_cli_replays_and_converts_a_snapshot(snapshot_path, tmp_path):
     assert "allocs" in out.stdout
     assert replay(str(npz), backend="sim")["peak_reserved_bytes"] == want["peak_reserved_bytes"]
     assert snapshot_path in list_traces(snapshot_path.parent), "bench --traces DIR finds snapshots too"
+    out = run("bench", "--traces", str(snapshot_path.parent), "--trace", "resnet_2stream", "--allocators",
+              "ascend_pool", "--no-micro", "--backend", "sim", "--json", "-")
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)["rows"]
+    assert (row["trace"], row["peak_reserved_bytes"]) == ("resnet_2stream", want["peak_reserved_bytes"])
 
 
 def test_snapshot_that_is_not_plain_data_is_refused(tmp_path):

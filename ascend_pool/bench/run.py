@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..traces import default_traces_dir, list_traces, load_trace
+from ..traces import default_traces_dir, list_traces, load_trace, trace_name as _trace_name
 from . import peers as _peers
 from .micro import run_micro
 from .progress import Progress
@@ -108,10 +108,10 @@ def run_bench(traces_dir=None, backend: Optional[str] = None, device: int = 0, *
     paths = list_traces(directory)
     if traces:
         wanted = set(traces)
-        missing = wanted - {p.name[:-4] for p in paths}
+        missing = wanted - {_trace_name(p) for p in paths}
         if missing:
             raise ValueError(f"no trace(s) {', '.join(sorted(missing))} in {directory}")
-        paths = [p for p in paths if p.name[:-4] in wanted]
+        paths = [p for p in paths if _trace_name(p) in wanted]
     if not paths:
         raise ValueError(f"no .npz traces in {directory}")
     backend_kind = "cuda" if be.kind == "cuda" else be.name
@@ -140,7 +140,7 @@ def run_bench(traces_dir=None, backend: Optional[str] = None, device: int = 0, *
         "backend_path": be.path,
         "device": device,
         "traces_dir": str(directory.resolve()),
-        "traces": [p.name[:-4] for p in paths],
+        "traces": [_trace_name(p) for p in paths],
         "allocators": runnable,
         "sim_latency_us": ({"malloc": sim_malloc_latency_us, "free": sim_free_latency_us}
                            if be.name == "sim" else None),
