@@ -46,11 +46,12 @@ pool.free(ptr)
 """
 
 
-def test_readme_example_holds_while_another_process_uses_the_device(sim_node, tmp_path):
+@pytest.mark.parametrize("doc", sorted(EXAMPLES))
+def test_example_holds_while_another_process_uses_the_device(doc, sim_node, tmp_path):
     # `ascend-pool serve --replay` (the README's own demo) may run on the same node: the
     # example's "one copy" check must count its own process tree, not the whole device.
     script = tmp_path / "example.py"
-    script.write_text(example_code("README.md"))
+    script.write_text(example_code(doc))
     env = sim_node.env(ASCEND_POOL_BACKEND="sim")
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], env=env, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
@@ -61,4 +62,4 @@ def test_readme_example_holds_while_another_process_uses_the_device(sim_node, tm
         holder.stdin.close()
         holder.wait(timeout=30)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert EXAMPLES["README.md"] in p.stdout, p.stdout
+    assert EXAMPLES[doc] in p.stdout, p.stdout
