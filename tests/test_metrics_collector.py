@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import ascend_pool as ap
 from ascend_pool.metrics import PoolCollector
+from ascend_pool.metrics.node import node_name
 from ascend_pool.metrics.schema import FIELDS
 
 CONTRACT_NAMES = {
@@ -35,6 +36,7 @@ def scrape(collector):
 
 
 def val(samples, name, **labels):
+    labels.setdefault("node", node_name())  # every series carries the node (metrics.node)
     return samples[(name, frozenset({k: str(v) for k, v in labels.items()}.items()))]
 
 

@@ -33,12 +33,13 @@ def _walk(node, path=""):
 def test_variables_are_templated(dash):
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    for name in ("device", "tenant"):
+    for name in ("node", "device", "tenant"):
         v = variables[name]
         assert v["type"] == "query" and v["datasource"] == DS
         assert v["multi"] and v["includeAll"] and v["allValue"] == ".*"
         assert "label_values(" in (v["query"]["query"] if isinstance(v["query"], dict) else v["query"])
     assert "$device" in json.dumps(variables["tenant"]["query"])  # tenants follow the device choice
+    assert "$node" in json.dumps(variables["device"]["query"])  # devices follow the node choice
 
 
 def test_no_hard_coded_uids(dash):
@@ -87,6 +88,17 @@ def test_panels_are_well_formed(dash):
                 assert "[$__rate_interval]" in t["expr"]
 
 
+def test_per_node_queries_keep_nodes_apart(dash):
+    # One Prometheus scrapes every node: a per-tenant or per-device figure summed without `node`
+    # adds two nodes' devices together. Only the cluster panel sums across nodes, on purpose.
+    for p in dash["panels"]:
+        if p["title"].startswith("Cluster:"):
+            continue
+        for t in p["targets"]:
+            for by in re.findall(r"\b(?:by|on) \(([^)]*)\)", t["expr"]):
+                assert "node" in [x.strip() for x in by.split(",")], (p["title"], t["expr"])
+
+
 def test_queries_name_only_exported_metrics_and_filter_by_variables(dash):
     exported = {name + ("_total" if kind == "counter" else "") for name, kind, *_ in FAMILIES}
     exported |= {FRAGMENTATION[0], QUOTA[0]} | {name for name, *_ in DEVICE_FAMILIES}
@@ -95,6 +107,6 @@ def test_queries_name_only_exported_metrics_and_filter_by_variables(dash):
             names = set(re.findall(r"\bascend_pool_[a-z_]+", t["expr"]))
             assert names and names <= exported, (p["title"], names - exported)
             for sel in re.findall(r"ascend_pool_[a-z_]+\{([^}]*)\}", t["expr"]):
-                assert 'device=~"$device"' in sel, (p["title"], sel)
+                assert 'node=~"$node"' in sel and 'device=~"$device"' in sel, (p["title"], sel)
                 if "device_free" not in t["expr"] and "device_total" not in t["expr"]:
                     assert 'tenant=~"$tenant"' in sel, (p["title"], sel)

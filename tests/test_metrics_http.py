@@ -83,7 +83,12 @@ def _assert_alive(port):
 def test_get_metrics_and_index(server):
     status, headers, body = _request(server.port, "GET", "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
-    assert b'ascend_pool_requested_bytes{device="0",pool="large",tenant="default"} 1.048576e+06' in body
+    from ascend_pool.metrics.node import node_name
+
+    got = {(s.name, frozenset(s.labels.items())): s.value
+           for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    key = frozenset({"device": "0", "pool": "large", "tenant": "default", "node": node_name()}.items())
+    assert got[("ascend_pool_requested_bytes", key)] == 1 << 20
     status, _, body = _request(server.port, "GET", "/metrics?x=1")
     assert status == 200
     status, headers, body = _request(server.port, "GET", "/")

@@ -47,6 +47,7 @@ quota = "256MiB"
 SIM_HBM = "1536MiB"
 
 VARIABLES = {"$__rate_interval": "15s", "${__rate_interval}": "15s", "$__interval": "5s", "$__range": "1m",
+             "$node": ".*", "${node}": ".*",
              "$device": ".*", "${device}": ".*", "$tenant": ".*", "${tenant}": ".*"}
 
 

@@ -106,3 +106,4 @@ def test_port_in_use_fails_cleanly(tmp_path):
                            capture_output=True, text=True, env=env_for(tmp_path), timeout=30)
     assert r.returncode == 2
     assert "Address already in use" in r.stderr and "Traceback" not in r.stderr
+    assert f"port {port}" in r.stderr, r.stderr  # which port, so the operator knows what to free

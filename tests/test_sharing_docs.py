@@ -33,3 +33,33 @@ def test_worked_example_runs(doc, sim_node, tmp_path):
     p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert EXAMPLES[doc] in p.stdout, p.stdout
+
+
+HOLDER = """
+import sys
+import ascend_pool as ap
+pool = ap.Pool(0)
+ptr = pool.malloc(32 << 20)
+print("holding", flush=True)
+sys.stdin.read()
+pool.free(ptr)
+"""
+
+
+@pytest.mark.parametrize("doc", sorted(EXAMPLES))
+def test_example_holds_while_another_process_uses_the_device(doc, sim_node, tmp_path):
+    # `ascend-pool serve --replay` (the README's own demo) may run on the same node: the
+    # example's "one copy" check must count its own process tree, not the whole device.
+    script = tmp_path / "example.py"
+    script.write_text(example_code(doc))
+    env = sim_node.env(ASCEND_POOL_BACKEND="sim")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert EXAMPLES[doc] in p.stdout, p.stdout

@@ -3,8 +3,11 @@
 The node service: exports every ascend_pool process of the node (each publishes its figures to a
 stats file, see ascend_pool.service) on http://HOST:PORT/metrics with a `pid` label plus node
 totals. `--replay` also runs traces in a loop inside the service (the bundled ones when no file
-is named; a directory names all its .npz traces), for each tenant of `--config`, so that one
-command shows the whole system working.
+is named; a directory names all its .npz traces), for each tenant of `--config` (without one,
+the bundled demo tenants file, ascend_pool/service/demo_tenants.toml: two tenants, one tight
+enough that the near-quota alert fires), so that one command shows the whole system working.
+Every series carries `node` ($NODE_NAME, else the hostname); GET /healthz answers 200, or 503
+with the reason when the stats directory (or, with --replay, a pool) cannot be read.
 """
 
 import argparse
@@ -42,6 +45,32 @@ def _tenants(config_path, device):
             for t in cfg.tenants.values() if t.applies_to(device)] or None
 
 
+DEMO_TENANTS = Path(__file__).resolve().parent.parent / "service" / "demo_tenants.toml"
+
+
+def _readable_dir(path):
+    """None when path is a directory this process can list, else the reason (naming the path)."""
+    if not os.path.exists(path):
+        return f"the stats directory {path} does not exist"
+    if not os.path.isdir(path):
+        return f"the stats directory {path} is not a directory"
+    try:
+        os.listdir(path)
+    except OSError as e:
+        return f"cannot read the stats directory {path}: {e.strerror or e}"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"cannot read the stats directory {path}: permission denied"
+    return None
+
+
+def _health(stats_dir, loop):
+    """The /healthz check: None, or why the service cannot do its job."""
+    reason = _readable_dir(stats_dir)
+    if reason is None and loop is not None:
+        reason = loop.health()
+    return reason
+
+
 def _sweep_ledgers(stop, interval, uids=(), gids=()):
     """Gives back the quota-ledger shares of dead processes every `interval` seconds, in this
     user's ledgers and those of the trusted uids and gids (the ledger also does it before refusing
@@ -58,7 +87,9 @@ def _sweep_ledgers(stop, interval, uids=(), gids=()):
 def _cmd_serve(args):
     from prometheus_client import CollectorRegistry
 
+    from ..errors import ConfigError
     from ..metrics.http import MetricsServer
+    from ..metrics.node import BuildInfo, NodeLabelled, node_name
     from ..service import paths
     from ..service.node_collector import NodeCollector
     from ..service.publisher import ensure_publisher, stop_publisher
@@ -68,6 +99,12 @@ def _cmd_serve(args):
                         format="%(asctime)s ascend-pool serve: %(levelname)s %(message)s")
     if args.stats_dir:
         os.environ[paths.ENV_DIR] = args.stats_dir  # this process publishes where it reads
+    reason = _readable_dir(paths.stats_dir())
+    if reason is not None:  # serving no pool metrics with only a warning hides the mistake
+        raise ConfigError(f"{reason} (--stats-dir or ${paths.ENV_DIR})")
+    if args.config is None and args.replay is not None:
+        args.config = DEMO_TENANTS  # the demo shows quotas and the near-quota alert too
+        log.info("no --config: replaying for the demo tenants of %s", DEMO_TENANTS)
     if args.config:
         os.environ.setdefault("ASCEND_POOL_CONFIG", str(args.config))  # the tenants code reads it too
     tenants = _tenants(args.config, args.device)
@@ -81,7 +118,8 @@ def _cmd_serve(args):
     if ledger_group() is not None:
         gids.add(ledger_group())  # the service runs in the tenants' sharing group: it reads their directory
     scanner = StatsScanner(allowed_uids=set(args.allow_uid) | {os.geteuid()}, allowed_gids=gids)
-    registry.register(NodeCollector(scanner))
+    node = node_name()
+    registry.register(NodeLabelled(NodeCollector(scanner), node))
     loop = None
     if args.replay is not None:
         from ..service.replay_loop import ReplayLoop
@@ -89,8 +127,12 @@ def _cmd_serve(args):
         loop = ReplayLoop(_trace_paths(args.replay), backend=args.backend, device=args.device,
                           tenants=tenants, pause_s=args.replay_pause)
         loop.open_pools()
-        registry.register(loop)
-    server = MetricsServer((args.host, args.port), registry)
+        registry.register(NodeLabelled(loop, node))
+    backend = (lambda: loop.backend_name()) if loop is not None else (
+        args.backend or os.environ.get("ASCEND_POOL_BACKEND") or "auto")
+    registry.register(NodeLabelled(BuildInfo(backend), node))
+    stats_base = paths.stats_dir()
+    server = MetricsServer((args.host, args.port), registry, health=lambda: _health(stats_base, loop))
     stop = threading.Event()
     threading.Thread(target=_sweep_ledgers, args=(stop, args.sweep_interval, scanner.allowed_uids, scanner.allowed_gids),
                      name="ascend-pool-sweep",
@@ -106,7 +148,8 @@ def _cmd_serve(args):
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, _terminate)
-    print(f"ascend-pool serve: http://{args.host}:{server.port}/metrics (stats from {scanner.directory})", flush=True)
+    print(f"ascend-pool serve: http://{args.host}:{server.port}/metrics (stats from {scanner.directory}, node {node})",
+          flush=True)
 
     try:
         server.serve_forever(poll_interval=0.2)

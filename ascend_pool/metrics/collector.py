@@ -9,6 +9,7 @@ Everything is read when Prometheus scrapes: the allocation path does no metrics 
 
 from .families import device_families, tenant_families
 from .ledger import ledger_families
+from .node import with_node
 from .sample import PoolAggregator
 
 
@@ -23,6 +24,10 @@ class PoolCollector:
         self._ledger = ledger
 
     def collect(self):
+        """Every family, each series labelled with this node (metrics.node: $NODE_NAME, else the hostname)."""
+        return with_node(self._collect())
+
+    def _collect(self):
         samples = self._agg.samples()
         yield from tenant_families(samples)
         per_device = {}

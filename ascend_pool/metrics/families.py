@@ -9,7 +9,7 @@ tenant, and repeating them per tenant would invite sums that count a device twic
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .schema import DEVICE_FAMILIES, FAMILIES, FRAGMENTATION, NO_QUOTA, POOL_KINDS, QUOTA, fragmentation
+from .schema import DEVICE_FAMILIES, FAMILIES, FRAGMENTATION, NO_QUOTA, POOL_KINDS, QUOTA, QUOTA_WARN, WARN_PPM, fragmentation
 
 _TYPES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
@@ -31,11 +31,14 @@ def tenant_families(samples, with_pid=False):
         out.append(fam)
     frag = GaugeMetricFamily(FRAGMENTATION[0], FRAGMENTATION[1], labels=tenant_labels)
     quota = GaugeMetricFamily(QUOTA[0], QUOTA[1], labels=tenant_labels)
+    warn = GaugeMetricFamily(QUOTA_WARN[0], QUOTA_WARN[1], labels=tenant_labels)
     for s in samples:
         frag.add_metric(_labels(s, with_pid), fragmentation(s.values))
         if s.values["quota_bytes"] != NO_QUOTA:
             quota.add_metric(_labels(s, with_pid), s.values["quota_bytes"])
-    return out + [frag, quota]
+            if s.values.get("quota_warn_ppm", 0) > 0:
+                warn.add_metric(_labels(s, with_pid), s.values["quota_warn_ppm"] / WARN_PPM)
+    return out + [frag, quota, warn]
 
 
 def device_families(per_device):

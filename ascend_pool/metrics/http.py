@@ -1,4 +1,4 @@
-"""A small, defensive HTTP endpoint for metrics: GET /metrics (and / with a short page), nothing else.
+"""A small, defensive HTTP endpoint for metrics: GET /metrics, GET /healthz (and / with a short page), nothing else.
 
 Used by start_http_server() in-process and by `ascend-pool serve`. Why not prometheus_client's own
 server: we want 405 for every other method (its server answers many), errors logged instead of
@@ -86,10 +86,25 @@ class MetricsHandler(BaseHTTPRequestHandler):
                 self._reply(500, b"collecting metrics failed; see the exporter's log\n", "text/plain; charset=utf-8")
                 return
             self._reply(200, body, content_type)
+        elif path == "/healthz":
+            self._healthz()
         elif path == "/":
             self._reply(200, INDEX, "text/html; charset=utf-8")
         else:
             self._reply(404, b"not found: try /metrics\n", "text/plain; charset=utf-8")
+
+    def _healthz(self):
+        # 200 "ok", or 503 with the reason the server's health check gave (probes log the body).
+        check = getattr(self.server, "health", None)
+        try:
+            reason = check() if check is not None else None
+        except Exception as e:  # a failing check is itself a reason, never a crash
+            log.exception("health check failed")
+            reason = f"health check failed: {e}"
+        if reason:
+            self._reply(503, f"unhealthy: {reason}\n".encode(), "text/plain; charset=utf-8")
+        else:
+            self._reply(200, b"ok\n", "text/plain; charset=utf-8")
 
     def _reply(self, code, body, content_type, headers=()):
         self.send_response(code)
@@ -107,17 +122,23 @@ class MetricsHandler(BaseHTTPRequestHandler):
 
 
 class MetricsServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer serving `registry` on (addr, port). port 0 picks a free port; see .port."""
+    """ThreadingHTTPServer serving `registry` on (addr, port). port 0 picks a free port; see .port.
+    health: a callable returning None when healthy, else the reason (a str) /healthz answers 503 with.
+    Raises OSError naming the address when it cannot listen (e.g. the port is in use)."""
 
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, address, registry):
+    def __init__(self, address, registry, health=None):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.registry = registry
-        super().__init__(address, MetricsHandler)
+        self.health = health
+        try:
+            super().__init__(address, MetricsHandler)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on {address[0]} port {address[1]}: {e.strerror or e}") from None
 
     @property
     def port(self):
@@ -141,14 +162,24 @@ def serve_in_thread(server):
     return t
 
 
+def _backend_in_use():
+    from .. import registry as reg
+
+    names = sorted({str(getattr(getattr(p, "backend", None), "name", "")) for p in reg.live_pools()} - {""})
+    return ",".join(names) or "none"
+
+
 def start_http_server(port, addr="127.0.0.1", registry=None):
     """Serves this process's pools (or `registry`) on http://addr:port/metrics from a daemon thread.
     Returns the MetricsServer (.port is the bound port, useful with port=0; .close() stops it)."""
     if registry is None:
         from .collector import PoolCollector
 
+        from .node import BuildInfo, NodeLabelled
+
         registry = CollectorRegistry(auto_describe=False)
         registry.register(PoolCollector())
+        registry.register(NodeLabelled(BuildInfo(_backend_in_use)))
     server = MetricsServer((addr, port), registry)
     serve_in_thread(server)
     return server

@@ -15,6 +15,7 @@ from .schema import (
     DEVICE_GAUGES,
     FIELDS,
     NO_QUOTA,
+    WARN_PPM,
     PLAIN_COUNTERS,
     PLAIN_GAUGES,
     POOL_COUNTERS,
@@ -25,7 +26,7 @@ from .schema import (
 log = logging.getLogger(__name__)
 
 # How aggregation combines one field across the pools of a (device, tenant).
-_MAX_FIELDS = frozenset(("largest_free_block_bytes", "quota_bytes", "device_free_bytes", "device_total_bytes"))
+_MAX_FIELDS = frozenset(("largest_free_block_bytes", "quota_bytes", "quota_warn_ppm", "device_free_bytes", "device_total_bytes"))
 
 
 @dataclass
@@ -60,7 +61,16 @@ def pool_values(pool):
         if key is not None:
             v[name] = int(s.get(key, 0))
     v["quota_bytes"] = pool_quota(pool)
+    v["quota_warn_ppm"] = pool_warn_ppm(pool)
     return v
+
+
+def pool_warn_ppm(pool):
+    """The tenant's warn ratio in millionths (tenant contexts tell it as `warn`), 0 when none."""
+    w = getattr(pool, "warn", None)
+    if isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w <= 1:
+        return int(round(w * WARN_PPM))
+    return 0
 
 
 def pool_quota(pool):

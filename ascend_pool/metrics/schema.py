@@ -51,7 +51,8 @@ def _pool_fields(prefixes):
 #: Every field of a (device, tenant) record, in the stats file's order. Append only, and bump
 #: service.layout.VERSION when this changes: readers check the record size and the version.
 FIELDS = (_pool_fields(POOL_GAUGES) + tuple(f for f, _ in PLAIN_GAUGES) + tuple(f for f, _ in DEVICE_GAUGES)
-          + _pool_fields(POOL_COUNTERS) + tuple(f for f, _ in PLAIN_COUNTERS))
+          + _pool_fields(POOL_COUNTERS) + tuple(f for f, _ in PLAIN_COUNTERS)
+          + ("quota_warn_ppm",))  # the tenant's warn ratio in millionths (0: none); exported as a ratio
 #: Fields that are counters (kept monotonic across pool lifetimes).
 COUNTER_FIELDS = frozenset(_pool_fields(POOL_COUNTERS) + tuple(f for f, _ in PLAIN_COUNTERS))
 
@@ -89,6 +90,10 @@ FAMILIES = (
 FRAGMENTATION = ("ascend_pool_fragmentation_ratio",
                  "External fragmentation of the cache: 1 - largest free block / cached free bytes (0..1).")
 QUOTA = ("ascend_pool_quota_bytes", "The tenant's byte quota on this device (bytes); absent when it has none.")
+QUOTA_WARN = ("ascend_pool_quota_warn_ratio",
+              "The tenant's warn level as a fraction of its quota (0..1): the near-quota alert's threshold; "
+              "absent when it has no quota or no warn level.")
+WARN_PPM = 1_000_000  # quota_warn_ppm units per 1.0
 DEVICE_FAMILIES = (
     ("ascend_pool_device_free_bytes", "Free device memory as the runtime reports it (aclrtGetMemInfo, bytes).",
      "device_free_bytes"),

@@ -41,7 +41,7 @@ import zlib
 from ..metrics.schema import FIELDS
 
 MAGIC = b"APSTATS\0"
-VERSION = 2                    # 2: named by instance, liveness by lock
+VERSION = 3                    # 2: named by instance, liveness by lock; 3: quota_warn_ppm
 HEADER_SIZE = 128
 TENANT_MAX = 64
 N_FIELDS = len(FIELDS)

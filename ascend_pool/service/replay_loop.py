@@ -71,6 +71,24 @@ class ReplayLoop:
                          for p in self._pools]
         return self._pools
 
+    def backend_name(self):
+        """The name of the backend the pools run on ("sim", "acl", "cuda"), or "none" before open_pools()."""
+        for pool in self._pools:
+            return str(getattr(pool.backend, "name", "none"))
+        return "none"
+
+    def health(self):
+        """None while every pool can be read and every replay thread runs, else the reason."""
+        for pool in list(self._pools):
+            try:
+                pool.memory_stats()
+            except Exception as e:
+                return f"cannot read the replay pool of tenant {pool.tenant}: {e}"
+        for t in self._threads:
+            if not t.is_alive() and not self._stop.is_set():
+                return f"the replay thread {t.name} has stopped"
+        return None
+
     def start(self):
         """Starts one thread per tenant: tenants are separate services, running at the same time."""
         if not self._pools:
