@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int cudaError_t;
 
@@ -118,8 +119,8 @@ typedef struct cuda_impl {
 
 /* The CUDA current device is per thread, and a framework switches it itself: never trust a
    cached one. Ask the runtime (cudaGetDevice is a thread-local read) and switch only when it
-   differs. The memory, pinned-host, event and stream calls switch back after (CUDA_ON_DEVICE);
-   TODO(sim): the VMM and IPC calls and set_device still leave the thread on their device. */
+   differs. Every device call switches back after (CUDA_ON_DEVICE); only set_device itself (the
+   backend's explicit "make this device current", used by tests and tools) leaves it there. */
 static int cuda_set_device(ap_backend *b, int device)
 {
     cuda_impl *im = IMPL(b);
@@ -258,9 +259,9 @@ static int cuda_vmm_lookup(cuda_impl *im)
 
 static pthread_mutex_t vmm_record_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* Makes `device` current (this also initialises the driver and its primary context), recording
-   the driver names on first use. */
-static int cuda_vmm_enter(ap_backend *b, int device)
+/* Records the driver's VMM names on first use. The calls below run with `device` current (which
+   also initialises the driver and its primary context) and the caller's device restored after. */
+static void cuda_vmm_names_once(ap_backend *b)
 {
     cuda_impl *im = IMPL(b);
     int i;
@@ -274,7 +275,6 @@ static int cuda_vmm_enter(ap_backend *b, int device)
         }
         pthread_mutex_unlock(&vmm_record_lock);
     }
-    return cuda_set_device(b, device);
 }
 
 /* Pinned device memory on `device`, not exportable. */
@@ -287,44 +287,30 @@ static void cuda_vmm_prop(cu_mem_allocation_prop *prop, int device)
     prop->location.id = device;
 }
 
-static int cuda_vmm_granularity(ap_backend *b, int device, size_t *granularity)
+static int vmm_granularity_here(ap_backend *b, int device, size_t *granularity)
 {
     cu_mem_allocation_prop prop;
-    int rc = cuda_vmm_enter(b, device);
 
-    if (rc != 0)
-        return rc;
     cuda_vmm_prop(&prop, device);
     return IMPL(b)->cuMemGetAllocationGranularity(granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
 }
 
-static int cuda_vmm_reserve(ap_backend *b, int device, size_t size, void **va)
+static int vmm_reserve_here(ap_backend *b, size_t size, void **va)
 {
     CUdeviceptr ptr = 0;
-    int rc = cuda_vmm_enter(b, device);
+    int rc = IMPL(b)->cuMemAddressReserve(&ptr, size, 0, 0, 0);
 
-    if (rc == 0)
-        rc = IMPL(b)->cuMemAddressReserve(&ptr, size, 0, 0, 0);
     if (rc == 0)
         *va = (void *)(uintptr_t)ptr;
     return rc;
 }
 
-static int cuda_vmm_release(ap_backend *b, int device, void *va, size_t size)
-{
-    int rc = cuda_vmm_enter(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cuMemAddressFree((CUdeviceptr)(uintptr_t)va, size);
-}
-
-static int cuda_vmm_create(ap_backend *b, int device, size_t size, void **handle)
+static int vmm_create_here(ap_backend *b, int device, size_t size, void **handle)
 {
     cu_mem_allocation_prop prop;
     CUmemGenericAllocationHandle h = 0;
-    int rc = cuda_vmm_enter(b, device);
+    int rc;
 
-    if (rc != 0)
-        return rc;
     cuda_vmm_prop(&prop, device);
     rc = IMPL(b)->cuMemCreate(&h, size, &prop, 0);
     if (rc == 0)
@@ -332,24 +318,15 @@ static int cuda_vmm_create(ap_backend *b, int device, size_t size, void **handle
     return rc;
 }
 
-static int cuda_vmm_free(ap_backend *b, int device, void *handle)
-{
-    int rc = cuda_vmm_enter(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cuMemRelease((CUmemGenericAllocationHandle)(uintptr_t)handle);
-}
-
 /* cuMemMap leaves the range inaccessible until cuMemSetAccess: grant the device read-write, and
    undo the map when that fails so that the caller sees one operation. */
-static int cuda_vmm_map(ap_backend *b, int device, void *va, size_t size, void *handle)
+static int vmm_map_here(ap_backend *b, int device, void *va, size_t size, void *handle)
 {
     cuda_impl *im = IMPL(b);
     CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)va;
     cu_mem_access_desc access;
-    int rc = cuda_vmm_enter(b, device);
+    int rc = im->cuMemMap(ptr, size, 0, (CUmemGenericAllocationHandle)(uintptr_t)handle, 0);
 
-    if (rc == 0)
-        rc = im->cuMemMap(ptr, size, 0, (CUmemGenericAllocationHandle)(uintptr_t)handle, 0);
     if (rc != 0)
         return rc;
     memset(&access, 0, sizeof access);
@@ -362,11 +339,46 @@ static int cuda_vmm_map(ap_backend *b, int device, void *va, size_t size, void *
     return rc;
 }
 
+static int cuda_vmm_granularity(ap_backend *b, int device, size_t *granularity)
+{
+    cuda_vmm_names_once(b);
+    CUDA_ON_DEVICE(b, device, vmm_granularity_here(b, device, granularity));
+}
+
+static int cuda_vmm_reserve(ap_backend *b, int device, size_t size, void **va)
+{
+    cuda_vmm_names_once(b);
+    CUDA_ON_DEVICE(b, device, vmm_reserve_here(b, size, va));
+}
+
+static int cuda_vmm_release(ap_backend *b, int device, void *va, size_t size)
+{
+    cuda_vmm_names_once(b);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cuMemAddressFree((CUdeviceptr)(uintptr_t)va, size));
+}
+
+static int cuda_vmm_create(ap_backend *b, int device, size_t size, void **handle)
+{
+    cuda_vmm_names_once(b);
+    CUDA_ON_DEVICE(b, device, vmm_create_here(b, device, size, handle));
+}
+
+static int cuda_vmm_free(ap_backend *b, int device, void *handle)
+{
+    cuda_vmm_names_once(b);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cuMemRelease((CUmemGenericAllocationHandle)(uintptr_t)handle));
+}
+
+static int cuda_vmm_map(ap_backend *b, int device, void *va, size_t size, void *handle)
+{
+    cuda_vmm_names_once(b);
+    CUDA_ON_DEVICE(b, device, vmm_map_here(b, device, va, size, handle));
+}
+
 static int cuda_vmm_unmap(ap_backend *b, int device, void *va, size_t size)
 {
-    int rc = cuda_vmm_enter(b, device);
-
-    return rc != 0 ? rc : IMPL(b)->cuMemUnmap((CUdeviceptr)(uintptr_t)va, size);
+    cuda_vmm_names_once(b);
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cuMemUnmap((CUdeviceptr)(uintptr_t)va, size));
 }
 
 /* has_vmm == 0: the table still holds callable entries, which refuse. */
@@ -419,6 +431,21 @@ static void cuda_ipc_record(ap_backend *b)
 
 /* CUDA exports the whole allocation containing ptr (size is not the runtime's business); any
    process that has the handle may open it: flags and pids have nothing to act on. */
+static int ipc_get_handle(ap_backend *b, int device, cuda_ipc_handle *h, void *ptr)
+{
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaIpcGetMemHandle(h, ptr));
+}
+
+static int ipc_open_handle(ap_backend *b, int device, void **ptr, cuda_ipc_handle h)
+{
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess));
+}
+
+static int ipc_close_handle(ap_backend *b, int device, void *ptr)
+{
+    CUDA_ON_DEVICE(b, device, IMPL(b)->cudaIpcCloseMemHandle(ptr));
+}
+
 static int cuda_ipc_export(ap_backend *b, int device, void *ptr, size_t size, char *key, size_t keylen,
                            unsigned flags)
 {
@@ -431,10 +458,8 @@ static int cuda_ipc_export(ap_backend *b, int device, void *ptr, size_t size, ch
     cuda_ipc_record(b);
     if (!key || keylen < 2 * sizeof h.reserved + 1)
         return cudaErrorInvalidValue;
-    if ((rc = cuda_set_device(b, device)) != 0)
-        return rc;
     memset(&h, 0, sizeof h);
-    if ((rc = IMPL(b)->cudaIpcGetMemHandle(&h, ptr)) != 0)
+    if ((rc = ipc_get_handle(b, device, &h, ptr)) != 0)
         return rc;
     for (i = 0; i < (int)sizeof h.reserved; i++) {
         key[2 * i] = hex[(unsigned char)h.reserved[i] >> 4];
@@ -479,8 +504,6 @@ static int cuda_ipc_import(ap_backend *b, int device, const char *key, void **pt
             return cudaErrorInvalidValue;
         h.reserved[i] = (char)(hi << 4 | lo);
     }
-    if ((rc = cuda_set_device(b, device)) != 0)
-        return rc;
     pthread_mutex_lock(&im->ipc_lock);
     for (m = im->imports; m; m = m->next)
         if (strcmp(m->key, key) == 0)
@@ -492,7 +515,7 @@ static int cuda_ipc_import(ap_backend *b, int device, const char *key, void **pt
         return 0;
     }
     m = calloc(1, sizeof *m);
-    rc = m ? im->cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess) : 2 /* cudaErrorMemoryAllocation */;
+    rc = m ? ipc_open_handle(b, device, ptr, h) : 2 /* cudaErrorMemoryAllocation */;
     if (rc == 0) {
         snprintf(m->key, sizeof m->key, "%s", key);
         m->ptr = *ptr;
@@ -525,9 +548,7 @@ static int cuda_ipc_close(ap_backend *b, int device, const char *key)
         }
     if (m && --m->count == 0) {
         *pp = m->next;
-        rc = cuda_set_device(b, device);
-        if (rc == 0)
-            rc = im->cudaIpcCloseMemHandle(m->ptr);
+        rc = ipc_close_handle(b, device, m->ptr);
         free(m);
     }
     pthread_mutex_unlock(&im->ipc_lock);
