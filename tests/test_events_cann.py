@@ -71,7 +71,9 @@ def test_borrowing_across_streams_resets_each_event_after_the_wait(pool):
         pool.destroy_stream(s)
 
 
-def test_over_the_310p_event_limit_cross_stream_frees_keep_working(sim_node):
+@pytest.mark.parametrize("limit_env", [{"ASCEND_SIM_PROFILE": "310p"}, {"ASCEND_SIM_EVENT_LIMIT": "1023"}],
+                         ids=["310p-profile", "event-limit-knob"])
+def test_over_the_310p_event_limit_cross_stream_frees_keep_working(sim_node, limit_env):
     out = sim_node.run_json("""
         import ascend_pool as ap
         from ascend_pool import sim
@@ -99,7 +101,7 @@ def test_over_the_310p_event_limit_cross_stream_frees_keep_working(sim_node):
         print(json.dumps({"peak": peak, "frees": frees, "live_after": live_after,
                           "allocated": st["allocated_bytes.all.current"], "created": st["events_created"],
                           "closed": sim.stats(0)["live_events"]}))
-    """, ASCEND_SIM_EVENT_LIMIT="1023", timeout=120)
+    """, timeout=120, **limit_env)
     assert out["frees"] == 1500 and out["allocated"] == 0
     assert out["peak"] <= 1023
     assert out["live_after"] <= 64 + 1, out     # idle events cached: bounded, not the peak
