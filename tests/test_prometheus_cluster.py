@@ -13,7 +13,6 @@ tenants (no --config), scraped every second with grafana/alerts.yml loaded.
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import uuid
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from prometheus_harness import start_prometheus, stop_all  # noqa: E402
 from test_prometheus_e2e import _PKG_PARENT, ALERTS, DASHBOARD, api, free_port, need, substitute  # noqa: E402
 
 NODES = {"node-a": "3GiB", "node-b": "5GiB"}  # a different device size each: per-node values differ
@@ -73,38 +73,13 @@ def cluster(tmp_path_factory):
             nodes[node] = {"port": int(m.group(1)), "dir": d}
         started = time.monotonic()
         prom_port = free_port()
-        targets = ", ".join(f"'127.0.0.1:{n['port']}'" for n in nodes.values())
-        (tmp / "tsdb").mkdir()
-        (tmp / "prometheus.yml").write_text(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            f"rule_files:\n  - {ALERTS}\n"
-            "scrape_configs:\n  - job_name: ascend_pool\n    honor_labels: true\n    static_configs:\n"
-            f"      - targets: [{targets}]\n")
-        plog = open(tmp / "prometheus.log", "w")
-        logs.append(plog)
-        prom = subprocess.Popen([prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-                                 f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
-                                stdout=plog, stderr=subprocess.STDOUT)
+        prom, plog = start_prometheus(prometheus, tmp, prom_port, [f"127.0.0.1:{n['port']}" for n in nodes.values()],
+                                      ALERTS, honor_labels=True)
         procs.append(prom)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/-/ready", timeout=2).read()
-                break
-            except OSError:
-                assert prom.poll() is None, (tmp / "prometheus.log").read_text()
-                assert time.monotonic() < deadline, "prometheus not ready in 15 s"
-                time.sleep(0.2)
+        logs.append(plog)
         yield {"prom_port": prom_port, "nodes": nodes, "started": started}
     finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(procs)
         for log in logs:
             log.close()
 

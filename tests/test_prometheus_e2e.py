@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,9 @@ from pathlib import Path
 import pytest
 
 import ascend_pool as _ap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from prometheus_harness import start_prometheus, stop_all  # noqa: E402
 
 # children import the same build as this process (installed package or in-place tree)
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(_ap.__file__)))
@@ -125,42 +127,21 @@ def stack(tmp_path_factory):
                               "--replay", "--config", str(tmp / "tenants.toml"), "--replay-pause", "0.2"],
                              stdout=subprocess.PIPE, stderr=serve_log, text=True, env=env)
     procs = [serve]
+    prom_log = None
     try:
         line = serve.stdout.readline()
         m = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
         assert m, f"serve did not start: {line}{(tmp / 'serve.log').read_text()}"
         serve_port = int(m.group(1))
         prom_port = free_port()
-        (tmp / "prometheus.yml").write_text(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            f"rule_files:\n  - {ALERTS}\n"
-            "scrape_configs:\n  - job_name: ascend_pool\n    static_configs:\n"
-            f"      - targets: ['127.0.0.1:{serve_port}']\n")
-        prom_log = open(tmp / "prometheus.log", "w")
-        prom = subprocess.Popen([prometheus, f"--config.file={tmp / 'prometheus.yml'}",
-                                 f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}",
-                                 "--log.level=warn"], stdout=prom_log, stderr=subprocess.STDOUT)
+        prom, prom_log = start_prometheus(prometheus, tmp, prom_port, [f"127.0.0.1:{serve_port}"], ALERTS)
         procs.append(prom)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/-/ready", timeout=2).read()
-                break
-            except OSError:
-                assert prom.poll() is None, (tmp / "prometheus.log").read_text()
-                assert time.monotonic() < deadline, "prometheus not ready in 15 s"
-                time.sleep(0.2)
         yield {"serve_port": serve_port, "prom_port": prom_port, "tmp": tmp}
     finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(procs)
         serve_log.close()
+        if prom_log is not None:
+            prom_log.close()
 
 
 def test_every_dashboard_and_alert_expression_returns_data(stack):
