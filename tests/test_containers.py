@@ -22,11 +22,12 @@ import sys
 import tempfile
 import textwrap
 import time
-import urllib.request
 import uuid
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, os.path.dirname(__file__))
+from metrics_scrape import scrape, series  # noqa: E402
 
 import ascend_pool as ap
 
@@ -137,16 +138,6 @@ def start_serve(env, procs, log_path, *args):
     assert m, f"serve did not start: {line!r} {open(log_path).read()}"
     return int(m.group(1))
 
-
-def scrape(port):
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(body) for s in fam.samples}
-
-
-def series(samples, name, **labels):
-    want = {k: str(v) for k, v in labels.items()}.items()
-    return {lab: v for (n, lab), v in samples.items() if n == name and want <= lab}
 
 
 @needs_unshare

@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, os.path.dirname(__file__))
+from metrics_scrape import scrape, series  # noqa: E402
 
 import ascend_pool as _ap
 
@@ -66,17 +67,6 @@ def start_serve(env, log_path, *args):
         raise AssertionError(f"serve did not start: {line}{open(log_path).read()}")
     return proc, int(m.group(1))
 
-
-def scrape(port):
-    """{(name, frozenset(labels)): value} of the service's /metrics."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(body) for s in fam.samples}
-
-
-def series(samples, name, **labels):
-    want = {k: str(v) for k, v in labels.items()}.items()
-    return {lab: v for (n, lab), v in samples.items() if n == name and want <= lab}
 
 
 def one(samples, name, **labels):

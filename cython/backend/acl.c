@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int aclError;
 
@@ -143,15 +144,25 @@ typedef struct acl_impl {
 static __thread uint64_t tls_owner;
 static __thread int tls_device;
 
+/* 1 when the calling thread is in a context (*cur), else 0; a thread without one is normal here,
+   so the runtime's "no context" message is cleared rather than left as this thread's error. */
+static int acl_thread_context(acl_impl *im, void **cur)
+{
+    *cur = NULL;
+    if (im->aclrtGetCurrentContext(cur) == 0 && *cur)
+        return 1;
+    if (im->aclGetRecentErrMsg)
+        (void)im->aclGetRecentErrMsg();
+    return 0;
+}
+
 /* Takes one runtime reference on `device` and records its default context. dev_lock held. */
 static int acl_take_ref_locked(acl_impl *im, int device)
 {
     void *cur = NULL, *ctx = NULL;
-    int had = im->aclrtGetCurrentContext(&cur) == 0 && cur;
+    int had = acl_thread_context(im, &cur);
     aclError rc;
 
-    if (!had && im->aclGetRecentErrMsg)
-        (void)im->aclGetRecentErrMsg(); /* "no context" is not an error of ours */
     rc = im->aclrtSetDevice(device);
     if (rc != 0)
         return rc;
@@ -171,11 +182,9 @@ static int acl_take_ref_locked(acl_impl *im, int device)
 static int acl_drop_ref_locked(acl_impl *im, int device)
 {
     void *cur = NULL, *after = NULL;
-    int had = im->aclrtGetCurrentContext(&cur) == 0 && cur;
+    int had = acl_thread_context(im, &cur);
     aclError rc;
 
-    if (!had && im->aclGetRecentErrMsg)
-        (void)im->aclGetRecentErrMsg(); /* "no context" is not an error of ours */
     /* A thread in the device's own context loses it with the last reference, as with any
        aclrtResetDevice: nothing to restore then (and a failed restore would overwrite the
        message of the call that failed before it). */
@@ -262,11 +271,7 @@ static int acl_enter(ap_backend *b, int device, acl_scope *sc)
     rc = acl_ctx_get(b, device, &ctx, &sc->temp);
     if (rc != 0)
         return rc;
-    if (im->aclrtGetCurrentContext(&cur) != 0) {
-        cur = NULL;
-        if (im->aclGetRecentErrMsg)
-            (void)im->aclGetRecentErrMsg();
-    }
+    (void)acl_thread_context(im, &cur);
     if (cur == ctx)
         return 0;
     rc = im->aclrtSetCurrentContext(ctx);
