@@ -19,9 +19,12 @@ K8S_VERSION = "1.30.0"  # the oldest Kubernetes still served by the cloud vendor
 
 
 def _tool(name):
+    """The path of a tool the deployment checks need: a failure naming it where it is missing (kubectl
+    comes with this project's machine image; promtool from .ci/install_prometheus.sh)."""
     path = shutil.which(name)
     if path is None:
-        pytest.skip(f"{name} is not installed")
+        pytest.fail(f"{name} is not installed: kubectl renders the kustomize base, promtool checks the rules "
+                    "(bash .ci/install_prometheus.sh installs promtool)")
     return path
 
 
@@ -41,7 +44,7 @@ def test_the_base_renders_every_resource(rendered):
 
 
 def test_core_resources_validate_against_the_kubernetes_schema(rendered):
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    import kubernetes_validate  # a test dependency (pyproject: test extras)
     for (kind, name), resource in rendered.items():
         if kind in CORE_KINDS:
             # Raises ValidationError naming the field on any unknown or malformed property.
@@ -49,7 +52,7 @@ def test_core_resources_validate_against_the_kubernetes_schema(rendered):
 
 
 def test_a_broken_manifest_is_caught_by_the_validation(rendered):
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    import kubernetes_validate  # a test dependency (pyproject: test extras)
     broken = yaml.safe_load(yaml.safe_dump(rendered[("DaemonSet", "ascend-pool-serve")]))
     broken["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["port"] = [9464]
     with pytest.raises(kubernetes_validate.ValidationError):

@@ -275,8 +275,12 @@ def test_spawned_workers_verify_the_weights(pool):
     import sharing_workers
 
     ptr = pool.share_malloc(16 * MiB)
-    sim.launch_fill(None, ptr, 16 * MiB, 0xA5)
-    pool.synchronize()
+    # A stream of the pool's device: the default stream (None) is this thread's current device's,
+    # which earlier tests in this process may have left on another device.
+    s = pool.create_stream()
+    sim.launch_fill(s, ptr, 16 * MiB, 0xA5)
+    pool.synchronize(s)
+    pool.destroy_stream(s)
     h = pool.share(ptr, read_only=True, any_process=True)
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
