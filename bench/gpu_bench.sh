@@ -16,6 +16,7 @@
 # 1.2 M times, and the Python-loop peers replay it too); pass `--trace NAME` options to run fewer.
 set -u
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}  # the device machine has python3 only
 OUT=${OUT:-bench/results/gpu-$(date +%Y%m%d)}
 mkdir -p "$OUT"
 
@@ -29,24 +30,30 @@ fi
 {
     date -Is
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
-    python -V 2>&1
+    $PY -V 2>&1
     for m in numpy Cython torch cupy rmm; do
-        python -c "import $m; print('$m', $m.__version__)" 2>&1 | tail -1
+        $PY -c "import $m; print('$m', $m.__version__)" 2>&1 | tail -1
     done
-    python -c "import torch; print('torch cuda', torch.version.cuda, 'available', torch.cuda.is_available())" 2>&1 | tail -1
+    $PY -c "import torch; print('torch cuda', torch.version.cuda, 'available', torch.cuda.is_available())" 2>&1 | tail -1
     echo "traces: $TRACES"
 } > "$OUT/env.txt"
 cat "$OUT/env.txt"
 
+if [ "${SKIP_BUILD:-0}" = 1 ]; then
+    echo "using the installed ascend_pool (SKIP_BUILD=1)"
+    RUN=(env PYTHONSAFEPATH=1 "$PY" -m ascend_pool.cli)  # not the source tree in the cwd
+else
 echo "building the extension..."
-if ! python setup.py build_ext --inplace --build-temp /tmp/build-gpu-bench -j "$(nproc)" > "$OUT/build.log" 2>&1; then
+RUN=(env "PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m ascend_pool.cli)
+if ! $PY setup.py build_ext --inplace --build-temp /tmp/build-gpu-bench -j "$(nproc)" > "$OUT/build.log" 2>&1; then
     # older setuptools: no -j
-    python setup.py build_ext --inplace --build-temp /tmp/build-gpu-bench > "$OUT/build.log" 2>&1 || {
+    $PY setup.py build_ext --inplace --build-temp /tmp/build-gpu-bench > "$OUT/build.log" 2>&1 || {
         tail -40 "$OUT/build.log"; exit 1; }
+fi
 fi
 
 echo "running the benchmark..."
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python -m ascend_pool.cli bench --backend cuda --traces "$TRACES" \
+"${RUN[@]}" bench --backend cuda --traces "$TRACES" \
     --json "$OUT/bench_cuda.json" --markdown "$OUT/bench_cuda.md" --no-progress "$@" 2> "$OUT/bench.stderr"
 rc=$?
 cat "$OUT/bench.stderr"

@@ -23,9 +23,13 @@ import time
 import traceback
 
 os.environ["ASCEND_POOL_BACKEND"] = "cuda"  # before ascend_pool creates any pool
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import ascend_pool as ap  # noqa: E402
+try:  # the installed package; else this source tree, built in place (bench/gpu_bench.sh)
+    import ascend_pool as ap
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for _name in [m for m in sys.modules if m == "ascend_pool" or m.startswith("ascend_pool.")]:
+        del sys.modules[_name]
+    import ascend_pool as ap  # noqa: E402
 
 RESULTS = {}
 
@@ -84,7 +88,8 @@ def torch_training(steps):
     stats = ap.memory_stats(0)
     worst = max(abs(a - b) / max(abs(a), 1e-6) for a, b in zip(cpu, gpu))
     assert worst < 5e-3, f"GPU losses differ from the CPU run by up to {worst:.2e} (relative)"
-    assert gpu[-1] < 0.5 * gpu[0], f"the loss did not fall: {gpu[0]:.4f} -> {gpu[-1]:.4f}"
+    # 30 Adam steps at lr 1e-3 take this regression from ~61 to ~34 on the CPU (H200 run, 2026-12-01).
+    assert gpu[-1] < 0.7 * gpu[0], f"the loss did not fall: {gpu[0]:.4f} -> {gpu[-1]:.4f}"
     allocs = stats["allocation.all.allocated"]
     assert allocs > steps, f"only {allocs} allocations reached ascend_pool"
     # A side stream with record_stream goes through the record_stream hook.

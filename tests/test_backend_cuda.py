@@ -16,7 +16,7 @@ from ascend_pool.errors import BackendUnavailableError, DeviceError, DeviceTimeo
 NOT_LOADED, MISSING_SYMBOL, NO_DEVICE = 990001, 990002, 990003
 
 CUDA_SYMBOLS = [
-    "cudaSetDevice", "cudaGetDeviceCount", "cudaMalloc", "cudaFree", "cudaMemGetInfo",
+    "cudaSetDevice", "cudaGetDeviceCount", "cudaGetDevice", "cudaMalloc", "cudaFree", "cudaMemGetInfo",
     "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery", "cudaEventSynchronize",
     "cudaEventDestroy", "cudaStreamWaitEvent", "cudaStreamCreate", "cudaStreamQuery",
     "cudaStreamSynchronize", "cudaStreamDestroy", "cudaGetErrorString", "cudaGetErrorName",
