@@ -17,7 +17,7 @@ import atexit as _atexit
 
 from ascend_pool.errors import InvalidDeviceError
 
-include "capi/hostpool.pxi"
+include "host/hostpool.pxi"
 include "capi/numpy_handler.pxi"
 
 cdef extern from "capi/last_error.h" nogil:

@@ -267,6 +267,7 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
     }
     ap_take_block(p, b, rsize, size, slot);
 allocated:
+    AP_ASSERT(b->state == AP_BLOCK_ALLOCATED && b->size >= rsize && b->tag == slot && ap_block_links_ok(b));
     if (ap_map_put(&p->live, b->addr, b) != 0) {
         /* Cannot track it: undo, so nothing is lost. */
         ap_free_insert(p, b, slot);
