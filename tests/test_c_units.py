@@ -78,6 +78,35 @@ def test_c_unit(built, test):
     assert f"{test.stem}: ok" in r.stdout
 
 
+BREAK = ROOT / "tests" / "c" / "break_invariant.c"
+
+
+@pytest.fixture(scope="module")
+def break_builds(tmp_path_factory):
+    """break_invariant.c built checked (ASCEND_POOL_SANITIZE=1) and as a release build: {checked: path}."""
+    if not CC:
+        pytest.skip("no C compiler (cc) on this machine")
+    out = tmp_path_factory.mktemp("c_break")
+    exes = {}
+    for checked in (True, False):
+        exes[checked] = out / f"break_{int(checked)}"
+        flags = BASE_FLAGS if checked else [f for f in BASE_FLAGS if f != "-DASCEND_POOL_SANITIZE=1"]
+        build = subprocess.run([CC, *flags, "-o", str(exes[checked]), str(BREAK), *map(str, _sources(BREAK)),
+                                "-lpthread"], capture_output=True, text=True, env=_env())
+        assert build.returncode == 0, build.stderr
+    return exes
+
+
+@pytest.mark.parametrize("invariant", ["map_put_twice", "stat_below_zero", "tree_remove_absent", "recycle_twice"])
+def test_broken_invariant_stops_a_checked_build_only(break_builds, invariant):
+    """AP_ASSERT is on in debug and ASan builds (ASCEND_POOL_SANITIZE=1) and names the place; in a
+    release build it is compiled out (the hot path pays nothing)."""
+    r = subprocess.run([str(break_builds[True]), invariant], capture_output=True, text=True, timeout=60, env=_env())
+    assert r.returncode != 0 and "ascend_pool: invariant failed at" in r.stderr, (r.returncode, r.stderr)
+    r = subprocess.run([str(break_builds[False]), invariant], capture_output=True, text=True, timeout=60, env=_env())
+    assert r.returncode == 0 and "not stopped" in r.stdout, (r.returncode, r.stderr)
+
+
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
