@@ -103,6 +103,48 @@ static void stream_tags(void) {
     mp_destroy(p);
 }
 
+/* Equal sizes: the stream's own block wins over an any-stream one (it needs no ordering, and
+   leaves the any-stream block to every other stream). A small block is split down to a 512-byte
+   rest, never further. */
+static void ties_and_the_smallest_split(void) {
+    ap_pool *p = mp_create();
+    mp_segment(p, BASE, SEG, AP_POOL_SMALL);
+    ap_block *own = mp_alloc(p, 1, 4 * K, AP_POOL_SMALL);
+    mp_alloc(p, 0, 512, AP_POOL_SMALL);
+    ap_block *any = mp_alloc(p, 0, 4 * K, AP_POOL_SMALL);
+    mp_alloc(p, 0, 512, AP_POOL_SMALL);
+    mp_free(p, any, 0, 0);
+    mp_free(p, own, 1, 0);
+    CHECK(ap_find_fit(p, 1, AP_POOL_SMALL, 4 * K) == own);
+    CHECK(ap_find_fit(p, 2, AP_POOL_SMALL, 4 * K) == any);
+    ap_block *b = mp_alloc(p, 1, 4 * K - 512, AP_POOL_SMALL);
+    CHECK(b == own && b->size == 4 * K - 512 && b->next->size == 512 && b->next->state == AP_BLOCK_FREE);
+    b = mp_alloc(p, 2, 4 * K - 1024, AP_POOL_SMALL);
+    CHECK(b == any && b->size == 4 * K - 1024 && b->next->size == 1024);
+    mp_recount(p);
+    mp_destroy(p);
+}
+
+/* Expandable small pool: among candidates that pin no new page, equal sizes go to the lowest
+   address (packing downwards so that the top pages empty). */
+static void page_fit_lowest_address(void) {
+    ap_pool *p = mp_create();
+    p->vmm_granularity = SEG;
+    mp_segment(p, BASE, 2 * SEG, AP_POOL_SMALL);
+    size_t sizes[6] = {4 * K, 8 * K, SEG - 12 * K, 4 * K, 8 * K, SEG - 12 * K};
+    ap_block *b[6];
+    for (int i = 0; i < 6; i++) b[i] = mp_alloc(p, 0, sizes[i], AP_POOL_SMALL);
+    CHECK(b[3]->addr == BASE + SEG && b[5]->next == NULL);
+    mp_free(p, b[4], 0, 0); /* an 8 KiB hole in each page, both pages holding live blocks */
+    mp_free(p, b[1], 0, 0);
+    p->cfg.expandable = 1;
+    CHECK(ap_find_fit(p, 0, AP_POOL_SMALL, 8 * K) == b[1]);
+    CHECK(ap_find_fit(p, 0, AP_POOL_SMALL, 6 * K) == b[1]);
+    p->cfg.expandable = 0;
+    mp_recount(p);
+    mp_destroy(p);
+}
+
 static void oversize_rules(void) {
     ap_pool *p = mp_create();
     p->cfg.max_split_size = 4u << 20;
@@ -160,6 +202,8 @@ int main(void) {
     split_on_take();
     coalesce_on_free();
     stream_tags();
+    ties_and_the_smallest_split();
+    page_fit_lowest_address();
     oversize_rules();
     random_workload();
     puts("test_free_blocks: ok");
