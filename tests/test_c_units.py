@@ -66,7 +66,7 @@ def built(tmp_path_factory):
 def test_every_core_structure_has_a_c_test():
     names = {t.stem for t in C_TESTS}
     assert {"test_free_tree", "test_free_blocks", "test_ptr_map", "test_stats", "test_free_cache",
-            "test_block_arena"} <= names, names
+            "test_block_arena", "test_history"} <= names, names
 
 
 @pytest.mark.parametrize("test", C_TESTS, ids=lambda t: t.stem)

@@ -308,7 +308,9 @@ int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
         }
         ap_take_block(p, b, rsize, size, slot);
     }
-    ap_map_put(&p->live, b->addr, b); /* cannot fail: room was checked above */
+    int put = ap_map_put(&p->live, b->addr, b); /* cannot fail: room was checked above */
+    AP_ASSERT(put == 0);
+    (void)put;
     pthread_mutex_unlock(&p->lock);
     *out = (void *)b->addr;
     return AP_OK;
