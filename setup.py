@@ -58,7 +58,7 @@ sim_ext = [
 
 core_ext = Extension(
     "ascend_pool._core",
-    sources=["cython/_core.pyx"] + rel("cython/core/*.c") + rel("cython/backend/*.c"),
+    sources=["cython/_core.pyx"] + rel("cython/core/*.c") + rel("cython/backend/*.c") + rel("cython/host/*.c"),
     include_dirs=["cython", "cython/core", "cython/backend", "ascend_pool/include"],
     extra_compile_args=C_FLAGS,
     extra_link_args=LINK_FLAGS,

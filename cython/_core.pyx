@@ -5,6 +5,7 @@ One extension module so that the pool's state, the backend table and the exporte
 in one shared object (the file `ascend_pool.library_path()` returns). Each concept is its own
 include file, in data-path order.
 """
+include "core/errors.pxi"
 include "backend/fork.pxi"
 include "backend/backend.pxi"
 include "core/pool.pxi"

@@ -22,7 +22,8 @@ PY="${PYTHON:-python3}"
 # which must happen before the process holds device memory (see
 # test_reliability_found_bugs.py::test_second_simulator_instance_in_a_process_keeps_the_node_accounting).
 CORE_TESTS=(
-    tests/test_backend_acl.py tests/test_backend_devices.py tests/test_backend_vmm.py tests/test_capi_errors.py tests/test_capi_symbols.py
+    tests/test_backend_acl.py tests/test_backend_devices.py tests/test_backend_vmm.py tests/test_c_units.py tests/test_capi_errors.py
+    tests/test_capi_hostpool.py tests/test_capi_symbols.py
     tests/test_containers.py
     tests/test_context_close.py tests/test_expandable.py tests/test_fork_safety.py tests/test_ledger_files.py tests/test_ledger_reclaim.py
     tests/test_pool_basic.py tests/test_pool_boundaries.py tests/test_pool_errors.py tests/test_pool_knobs.py tests/test_pool_oom.py
@@ -30,7 +31,7 @@ CORE_TESTS=(
     tests/test_reliability_faults.py
     tests/test_reliability_property.py tests/test_reliability_stress.py tests/test_replay.py
     tests/test_torch_semantics.py tests/test_torch_history.py
-    tests/test_sim_memory.py tests/test_sim_streams.py tests/test_snapshot_torch.py tests/test_stream_order.py
+    tests/test_sim_ipc.py tests/test_sim_memory.py tests/test_sim_streams.py tests/test_snapshot_torch.py tests/test_stream_order.py
     tests/test_pool_sizes.py tests/test_pool_locking.py tests/test_stream_lifecycle.py tests/test_events_cann.py
     tests/test_stress_threads.py
 )

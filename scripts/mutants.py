@@ -36,16 +36,16 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Test files run against each kind of mutant (a subset keeps a run in minutes; --full runs all).
-CORE = ["tests/test_pool_boundaries.py", "tests/test_pool_model.py", "tests/test_golden_figures.py",
+CORE = ["tests/test_c_units.py", "tests/test_pool_boundaries.py", "tests/test_pool_model.py", "tests/test_golden_figures.py",
         "tests/test_pool_basic.py", "tests/test_pool_knobs.py", "tests/test_expandable.py", "tests/test_replay.py"]
-STREAMS = ["tests/test_stream_order.py", "tests/test_pool_model.py", "tests/test_golden_figures.py",
+STREAMS = ["tests/test_c_units.py", "tests/test_stream_order.py", "tests/test_pool_model.py", "tests/test_golden_figures.py",
            "tests/test_reliability_found_bugs.py", "tests/test_pool_basic.py"]
 QUOTA = ["tests/test_quota_context.py", "tests/test_ledger_files.py", "tests/test_ledger_reclaim.py",
          "tests/test_quota_multiprocess.py", "tests/test_tenants_config.py", "tests/test_units.py"]
 SHARING = ["tests/test_sharing.py", "tests/test_sharing_read_only.py", "tests/test_sharing_expandable.py"]
 METRICS = ["tests/test_metrics_collector.py", "tests/test_service_statsfile.py", "tests/test_service_publisher.py"]
 SIM = ["tests/test_sim_memory.py", "tests/test_sim_faults.py", "tests/test_backend_acl.py"]
-STATS = ["tests/test_pool_basic.py", "tests/test_pool_stats_active.py", "tests/test_golden_figures.py"]
+STATS = ["tests/test_c_units.py", "tests/test_pool_basic.py", "tests/test_pool_stats_active.py", "tests/test_golden_figures.py"]
 
 
 def M(id, file, original, replacement, why, tests):

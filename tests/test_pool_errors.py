@@ -109,3 +109,49 @@ def test_errors_share_one_base():
     for cls in (ap.OutOfMemoryError, ap.QuotaExceededError, ap.InvalidSizeError, ap.InvalidPointerError,
                 ap.InvalidStreamError, ap.InvalidDeviceError, ap.ConfigError, ap.DeviceError):
         assert issubclass(cls, ap.PoolError)
+
+
+_HOST_OOM = r"""
+import json, resource, ascend_pool as ap
+pool = ap.Pool(0, backend="sim")
+spare = pool.malloc(8192)
+live = [pool.malloc(512) for _ in range((1 << 17) - 1)]
+pool.free(spare)                      # free space: the next mallocs need no device call
+live.append(pool.malloc(512))         # 2**17 live blocks: the next one doubles the live map (8 MiB)
+before = pool.memory_stats()["allocated_bytes.all.current"]
+data = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmData"))
+resource.setrlimit(resource.RLIMIT_DATA, (data + (1 << 20), resource.RLIM_INFINITY))
+try:
+    live.append(pool.malloc(512))
+    error = None
+except MemoryError as e:
+    error = type(e).__name__
+resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+st = pool.memory_stats()
+try:
+    pool._check_invariants()
+    broken = None
+except AssertionError as e:
+    broken = str(e)
+print(json.dumps({"error": error, "live": len(live), "allocation": st["allocation.all.current"],
+                  "allocated_bytes": st["allocated_bytes.all.current"], "before": before, "broken": broken}))
+"""
+
+
+def test_host_out_of_memory_for_the_live_map_undoes_the_allocation(tmp_path):
+    """When the live map cannot grow (host memory exhausted: RLIMIT_DATA in a child process), the
+    malloc fails with MemoryError and the block goes back whole: not counted as allocated."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)  # under scripts/asan.sh: a failed calloc returns NULL, as libc's does
+    env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "") + ":allocator_may_return_null=1"
+    r = subprocess.run([sys.executable, "-c", _HOST_OOM], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["error"] == "MemoryError", got  # the bookkeeping's own error, not a device OOM
+    assert got["allocation"] == got["live"] == 1 << 17, got
+    assert got["allocated_bytes"] == got["before"], got
+    assert got["broken"] is None, got

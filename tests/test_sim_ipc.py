@@ -94,6 +94,19 @@ def test_unknown_and_malformed_keys(sim_node):
     assert got["malformed"] == got["too_long"] == got["close_unknown"] == got["set_pids_unknown"] == 107000
 
 
+def test_a_symbolic_link_at_a_record_name_is_refused_by_name(sim_node):
+    """A link planted where a key's record would be (O_NOFOLLOW: ELOOP) is refused with 207006, and
+    the message names the record's path (read before the import's bookkeeping is freed: it was read
+    after, a use-after-free that ASan reports)."""
+    key = "simipc-1-1-0000000000000000"
+    path = os.path.join(sim_node.shm_dir, f"ascendsim-{os.geteuid()}-{sim_node.name}-ipc-{key}")
+    os.symlink("/dev/null", path)
+    with Peer(sim_node, INIT) as p:
+        got = p(f"out = [imp({key!r})[0], errmsg()]")
+    assert got[0] == 207006
+    assert f"cannot open the record of key '{key}' ({path})" in got[1]
+
+
 def test_argument_codes(sim_node):
     with Peer(sim_node) as p:
         got = p("""

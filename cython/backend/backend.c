@@ -1,4 +1,4 @@
-/* ap_backend_open/close: picks the implementation by kind; helpers shared by acl.c and cuda.c. */
+/* ap_backend_open_default/close: picks the implementation by kind; helpers shared by acl.c and cuda.c. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* dl_iterate_phdr */
 #endif
@@ -12,11 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen)
-{
-    return ap_backend_open_default(b, kind, path, path == NULL || !*path, err, errlen);
-}
 
 int ap_backend_open_default(ap_backend *b, const char *kind, const char *path, int prefer_loaded,
                             char *err, size_t errlen)

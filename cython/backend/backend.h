@@ -161,12 +161,10 @@ struct ap_backend {
 
 /* Opens a backend. kind: "acl", "sim" or "cuda". path: library to dlopen, or NULL for the
    default search (acl: $ASCEND_POOL_ACL_LIB, standard CANN locations, then the loader path;
-   sim: must be given; cuda: libcudart.so.* by the loader path). On failure returns a nonzero
-   code, writes why into err, and leaves *b closed. */
-int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen);
-/* The same; prefer_loaded != 0 says `path` is only a default (ap_backend_open: when NULL): a copy
-   of the runtime already loaded in the process is used instead of a second one (acl/sim:
-   libascendcl.so, a simulator copy for sim; cuda: libcudart.so*). */
+   sim: must be given; cuda: libcudart.so.* by the loader path). prefer_loaded != 0 says `path` is
+   only a default: a copy of the runtime already loaded in the process is used instead of a second
+   one (acl/sim: libascendcl.so, a simulator copy for sim; cuda: libcudart.so*). On failure
+   returns a nonzero code, writes why into err, and leaves *b closed. */
 int ap_backend_open_default(ap_backend *b, const char *kind, const char *path, int prefer_loaded,
                             char *err, size_t errlen);
 void ap_backend_close(ap_backend *b);

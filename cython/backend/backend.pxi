@@ -75,7 +75,6 @@ cdef extern from "backend.h" nogil:
         int (*node_pid)(ap_backend *b, int32_t *pid) noexcept nogil
         void *impl
 
-    int ap_backend_open(ap_backend *b, const char *kind, const char *path, char *err, size_t errlen)
     int ap_backend_open_default(ap_backend *b, const char *kind, const char *path, int prefer_loaded,
                                 char *err, size_t errlen)
     void ap_backend_close(ap_backend *b)

@@ -5,7 +5,7 @@
  * mirrors this by resetting its runtime in the child (every call: ACL_ERROR_UNINITIALIZE). The
  * child would otherwise reuse the parent's opened backend and pools and get baffling codes, or a
  * cached block whose address means nothing in its own runtime. So the fork is noted here, once,
- * and every entry point (ap_backend_open, the Python pool and sharing calls, the C ABI) refuses
+ * and every entry point (ap_backend_open_default, the Python pool and sharing calls, the C ABI) refuses
  * with AP_ERR_FORKED and a message that says to start workers with 'spawn'.
  *
  * A fork before any backend was opened is fine: the child opens its own runtime as any process.

@@ -13,7 +13,6 @@ cdef extern from "bench/bench_floor.h" nogil:
         pass
     apb_freelist *apb_freelist_create(int locked, size_t n_nodes)
     void apb_freelist_destroy(apb_freelist *fl)
-    double apb_fl_loop(apb_freelist *fl, size_t size, int64_t n)
     double apb_pool_loop(ap_pool *p, size_t size, int64_t n, int *status)
     int apb_run_threads(int kind, void *obj, size_t size, int64_t n, int nthreads, double *ns_out)
 

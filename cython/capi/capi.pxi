@@ -17,14 +17,11 @@ import atexit as _atexit
 
 from ascend_pool.errors import InvalidDeviceError
 
-include "capi/hostpool.pxi"
+include "host/hostpool.pxi"
 include "capi/numpy_handler.pxi"
 
 cdef extern from "capi/last_error.h" nogil:
-    int ASCEND_POOL_OK, ASCEND_POOL_E_OOM, ASCEND_POOL_E_LIMIT, ASCEND_POOL_E_INVALID_SIZE
-    int ASCEND_POOL_E_INVALID_PTR, ASCEND_POOL_E_INVALID_STREAM, ASCEND_POOL_E_DEVICE
-    int ASCEND_POOL_E_TIMEOUT, ASCEND_POOL_E_HOST_NOMEM, ASCEND_POOL_E_QUOTA
-    int ASCEND_POOL_E_INVALID_DEVICE, ASCEND_POOL_E_NOT_READY, ASCEND_POOL_E_INVALID_ARG
+    # (the codes ASCEND_POOL_OK, ASCEND_POOL_E_* and their names, CAPI_ERRORS, are in core/errors.pxi)
     int ascend_pool_last_error_code()
     const char *ascend_pool_last_error()
     void ascend_pool_clear_last_error()
@@ -46,16 +43,6 @@ cdef extern from "capi/exports.h" nogil:
     void *ascend_pool_malloc(Py_ssize_t size, int device, void *stream)
     void ascend_pool_free(void *ptr, Py_ssize_t size, int device, void *stream)
     void ascend_pool_init(int device)
-
-# Public names of the last-error codes (ascend_pool.h), for Python callers of the C ABI.
-CAPI_ERRORS = {
-    ASCEND_POOL_OK: "OK", ASCEND_POOL_E_OOM: "OOM", ASCEND_POOL_E_LIMIT: "LIMIT",
-    ASCEND_POOL_E_INVALID_SIZE: "INVALID_SIZE", ASCEND_POOL_E_INVALID_PTR: "INVALID_PTR",
-    ASCEND_POOL_E_INVALID_STREAM: "INVALID_STREAM", ASCEND_POOL_E_DEVICE: "DEVICE",
-    ASCEND_POOL_E_TIMEOUT: "TIMEOUT", ASCEND_POOL_E_HOST_NOMEM: "HOST_NOMEM", ASCEND_POOL_E_QUOTA: "QUOTA",
-    ASCEND_POOL_E_INVALID_DEVICE: "INVALID_DEVICE", ASCEND_POOL_E_NOT_READY: "NOT_READY",
-    ASCEND_POOL_E_INVALID_ARG: "INVALID_ARG",
-}
 
 
 # ---- the registry of live pools (called from PoolBase._open / close / __dealloc__) ----------------
@@ -116,28 +103,10 @@ _atexit.register(_capi_shutdown)
 # ---- Python face of the C ABI ----------------------------------------------------------------------
 
 cdef object _capi_error():
-    """The exception for the calling thread's last C-ABI error."""
+    """The exception for the calling thread's last C-ABI error (errors.pxi's map). The last error
+    carries no runtime code: a device failure's exception gets the C ABI's own code."""
     cdef int code = ascend_pool_last_error_code()
-    msg = ascend_pool_last_error().decode("utf-8", "replace")
-    if code == ASCEND_POOL_E_QUOTA:
-        return QuotaExceededError(msg)
-    if code == ASCEND_POOL_E_OOM or code == ASCEND_POOL_E_LIMIT:
-        return OutOfMemoryError(msg)
-    if code == ASCEND_POOL_E_INVALID_SIZE:
-        return InvalidSizeError(msg)
-    if code == ASCEND_POOL_E_INVALID_PTR:
-        return InvalidPointerError(msg)
-    if code == ASCEND_POOL_E_INVALID_STREAM:
-        return InvalidStreamError(msg)
-    if code == ASCEND_POOL_E_INVALID_DEVICE:
-        return InvalidDeviceError(msg)
-    if code == ASCEND_POOL_E_TIMEOUT:
-        return DeviceTimeoutError(code, msg)
-    if code == ASCEND_POOL_E_DEVICE:
-        return DeviceError(code, msg)
-    if code == ASCEND_POOL_E_HOST_NOMEM:
-        return MemoryError(msg)
-    return PoolError(f"C ABI call failed ({CAPI_ERRORS.get(code, code)}): {msg}")
+    return _c_error(code, code, ascend_pool_last_error().decode("utf-8", "replace"), "C ABI call")
 
 
 def capi_malloc(Py_ssize_t nbytes, int device=0, stream=None):

@@ -19,7 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "capi/hostpool.h"
+#include "host/hostpool.h"
 
 #define APNP_HANDLER_NAME "ascend_pool_pinned_host"
 

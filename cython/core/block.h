@@ -58,6 +58,13 @@ typedef struct ap_segment {
     struct ap_segment *prev, *next; /* the pool's list of segments */
 } ap_segment;
 
+/* Block list adjacency: b's address neighbours link back to it and tile its segment without a gap
+   or an overlap. Holds between operations (asserted after splits and merges). */
+static inline int ap_block_links_ok(const ap_block *b) {
+    return (!b->prev || (b->prev->next == b && b->prev->seg == b->seg && b->prev->addr + b->prev->size == b->addr)) &&
+           (!b->next || (b->next->prev == b && b->next->seg == b->seg && b->addr + b->size == b->next->addr));
+}
+
 static inline int ap_segment_is_free(const ap_segment *s) {
     return s->first->next == NULL && s->first->state == AP_BLOCK_FREE;
 }

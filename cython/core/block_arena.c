@@ -1,9 +1,22 @@
 /* Block, segment and record_stream structs come from chunks and are recycled, so the cached path
- * never calls malloc (a split needs a new block struct, a merge returns one). */
+ * never calls malloc (a split needs a new block struct, a merge returns one).
+ *
+ * In ASan builds a spare struct is poisoned past its link word, so code that still reads a block
+ * after merging it away (or a segment after releasing it) is reported where it does so, as a
+ * use-after-free would be with malloc. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "pool_internal.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define SPARE_POISON(x, size) ASAN_POISON_MEMORY_REGION((char *)(x) + sizeof(void *), (size) - sizeof(void *))
+#define SPARE_UNPOISON(x, size) ASAN_UNPOISON_MEMORY_REGION((x), (size))
+#else
+#define SPARE_POISON(x, size) ((void)(x), (void)(size))
+#define SPARE_UNPOISON(x, size) ((void)(x), (void)(size))
+#endif
 
 #define CHUNK_STRUCTS 256
 
@@ -28,23 +41,27 @@ static void *take(ap_pool *p, void **spare, size_t size) {
         if (!chunk) return NULL;
         for (int i = CHUNK_STRUCTS - 1; i >= 0; i--) {
             memcpy(chunk + (size_t)i * size, spare, sizeof(void *));
+            SPARE_POISON(chunk + (size_t)i * size, size);
             *spare = chunk + (size_t)i * size;
         }
     }
     void *x = *spare;
     memcpy(spare, x, sizeof(void *));
+    SPARE_UNPOISON(x, size);
     memset(x, 0, size);
     return x;
 }
 
-static void give(void **spare, void *x) {
+static void give(void **spare, void *x, size_t size) {
+    AP_ASSERT(x != NULL && x != *spare); /* a struct is given back once */
     memcpy(x, spare, sizeof(void *));
+    SPARE_POISON(x, size);
     *spare = x;
 }
 
 ap_block *ap_block_new(ap_pool *p) { return take(p, &p->spare_blocks, sizeof(ap_block)); }
 
-void ap_block_recycle(ap_pool *p, ap_block *b) { give(&p->spare_blocks, b); }
+void ap_block_recycle(ap_pool *p, ap_block *b) { give(&p->spare_blocks, b, sizeof(ap_block)); }
 
 ap_segment *ap_segment_new(ap_pool *p) {
     ap_segment *s = take(p, &p->spare_segments, sizeof(ap_segment));
@@ -52,11 +69,11 @@ ap_segment *ap_segment_new(ap_pool *p) {
     return s;
 }
 
-void ap_segment_recycle(ap_pool *p, ap_segment *s) { give(&p->spare_segments, s); }
+void ap_segment_recycle(ap_pool *p, ap_segment *s) { give(&p->spare_segments, s, sizeof(ap_segment)); }
 
 ap_block_uses *ap_uses_new(ap_pool *p) { return take(p, &p->spare_uses, sizeof(ap_block_uses)); }
 
-void ap_uses_recycle(ap_pool *p, ap_block_uses *u) { give(&p->spare_uses, u); }
+void ap_uses_recycle(ap_pool *p, ap_block_uses *u) { give(&p->spare_uses, u, sizeof(ap_block_uses)); }
 
 void ap_arena_destroy(ap_pool *p) {
     for (size_t i = 0; i < p->n_chunks; i++) free(p->chunks[i]);

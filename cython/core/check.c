@@ -52,6 +52,8 @@ static int check_trees(ap_pool *p, check_ctx *c, size_t *free_blocks) {
         for (int k = 0; k < 2; k++) {
             ap_free_tree *t = &p->slots[s].trees[k];
             tree_walk w = {s, k, 0, 0, 0, 0, NULL};
+            CHECK(ap_tree_check(t), "free tree of slot %d (%s pool) breaks search or heap order, or its counts",
+                  s, k ? "large" : "small");
             ap_tree_visit(t, visit, &w);
             CHECK(!w.bad, "free tree of slot %d (%s pool) holds block 0x%lx (%zu bytes, state %d, tag %d) out of "
                   "order or not a free block of it", s, k ? "large" : "small", (unsigned long)w.culprit->addr,

@@ -58,6 +58,7 @@ ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
         ap_block_recycle(p, next);
     }
     AP_ASSERT(tag >= 0 && tag < p->n_slots && (tag == 0 || p->slots[tag].live));
+    AP_ASSERT(ap_block_links_ok(b) && !mergeable(b->prev, tag) && !mergeable(b->next, tag)); /* fully coalesced */
     b->tag = (uint16_t)tag;
     if (tag) p->slots[tag].epoch++; /* a wait begun before this free does not cover it (waits.c) */
     b->free_tick = idle_since;
@@ -196,6 +197,7 @@ void ap_take_block(ap_pool *p, ap_block *b, size_t rsize, size_t requested, int 
             b->next = rest;
             b->size = rsize;
             ap_free_insert(p, rest, b->tag);
+            AP_ASSERT(ap_block_links_ok(b));
         }
     }
     ap_mark_allocated(p, b, requested, slot);

@@ -20,6 +20,7 @@
 #ifndef AP_FREE_CACHE_H
 #define AP_FREE_CACHE_H
 
+#include "invariant.h"
 #include "pool.h"
 
 /* free_cache.c: the cold paths. */
@@ -61,6 +62,7 @@ static inline ap_block *ap_cache_pop(ap_pool *p, int slot, size_t rsize) {
         }
         p->cache_n[bin] = (uint8_t)(n - 1);
         p->n_cached--;
+        AP_ASSERT(b->state == AP_BLOCK_CACHED && p->n_cached >= 0);
         b->state = AP_BLOCK_FREE;
         return b;
     }
@@ -71,6 +73,7 @@ static inline ap_block *ap_cache_pop(ap_pool *p, int slot, size_t rsize) {
 static inline void ap_cache_push_small(ap_pool *p, ap_block *b, int tag) {
     unsigned bin = ap_cache_bin(b->size);
     if (p->cache_n[bin] == AP_CACHE_DEPTH) ap_cache_evict_oldest(p, bin); /* it goes to the tree, merged */
+    AP_ASSERT(p->cache_n[bin] < AP_CACHE_DEPTH && b->state == AP_BLOCK_ALLOCATED && b->seg->pool == AP_POOL_SMALL);
     b->state = AP_BLOCK_CACHED;
     b->tag = (uint16_t)tag;
     b->requested = 0;

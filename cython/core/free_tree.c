@@ -1,9 +1,20 @@
 #include "free_tree.h"
 
+#include "invariant.h"
+
 /* Equal sizes are ordered by (segment age, offset), not by raw address, so that placement — and
    every figure of a replay — does not depend on where the device happened to map segments. */
 static inline int key_less(const ap_block *a, const ap_block *b) {
     return a->size < b->size || (a->size == b->size && a->order < b->order);
+}
+
+/* The treap's two invariants at node n, against its children only: search order by key (equal
+   keys go right on insert and stay in that order through rotations) and heap order by priority.
+   Asserted on every node an insert or remove passes, so a broken link is caught where it happens,
+   at O(log n) cost. */
+static inline int node_ok(const ap_block *n) {
+    return (!n->left || (!key_less(n, n->left) && n->left->prio <= n->prio)) &&
+           (!n->right || (!key_less(n->right, n) && n->right->prio <= n->prio));
 }
 
 static ap_block *rotate_right(ap_block *n) {
@@ -29,6 +40,7 @@ static ap_block *insert_at(ap_block *n, ap_block *b) {
         n->right = insert_at(n->right, b);
         if (n->right->prio > n->prio) n = rotate_left(n);
     }
+    AP_ASSERT(node_ok(n));
     return n;
 }
 
@@ -44,11 +56,15 @@ static ap_block *join(ap_block *a, ap_block *b) {
     return b;
 }
 
-static ap_block *remove_at(ap_block *n, ap_block *b) {
+static ap_block *remove_at(ap_block *n, ap_block *b, int *found) {
     if (!n) return NULL;
-    if (n == b) return join(n->left, n->right);
-    if (key_less(b, n)) n->left = remove_at(n->left, b);
-    else n->right = remove_at(n->right, b);
+    if (n == b) {
+        *found = 1;
+        return join(n->left, n->right);
+    }
+    if (key_less(b, n)) n->left = remove_at(n->left, b, found);
+    else n->right = remove_at(n->right, b, found);
+    AP_ASSERT(node_ok(n));
     return n;
 }
 
@@ -59,6 +75,7 @@ static inline uint32_t prio_of(uintptr_t addr) {
 }
 
 void ap_tree_insert(ap_free_tree *t, ap_block *b) {
+    AP_ASSERT(b->size > 0 && b->addr >= b->seg->base && b->addr + b->size <= b->seg->base + b->seg->size);
     b->left = b->right = NULL;
     b->order = (b->seg->seq << 40) | (uint64_t)(b->addr - b->seg->base);
     b->prio = prio_of(b->order);
@@ -68,7 +85,9 @@ void ap_tree_insert(ap_free_tree *t, ap_block *b) {
 }
 
 void ap_tree_remove(ap_free_tree *t, ap_block *b) {
-    t->root = remove_at(t->root, b);
+    int found = 0;
+    t->root = remove_at(t->root, b, &found);
+    AP_ASSERT(found && t->count > 0 && t->bytes >= b->size); /* b was in this tree, with its size then */
     b->left = b->right = NULL;
     t->count--;
     t->bytes -= b->size;
@@ -115,4 +134,22 @@ static void visit(ap_block *n, void (*fn)(ap_block *, void *), void *arg) {
 
 void ap_tree_visit(const ap_free_tree *t, void (*fn)(ap_block *, void *), void *arg) {
     visit(t->root, fn, arg);
+}
+
+/* Walks n's subtree: every key between lo and hi (NULL: unbounded), heap order, and the blocks
+   counted. 0 when something is out of place. */
+static int check_at(const ap_block *n, const ap_block *lo, const ap_block *hi, size_t *count, size_t *bytes) {
+    for (; n; n = n->right) { /* the right spine iteratively: a skewed tree must not overflow the stack */
+        if ((lo && key_less(n, lo)) || (hi && key_less(hi, n)) || !node_ok(n)) return 0;
+        if (!check_at(n->left, lo, n, count, bytes)) return 0;
+        (*count)++;
+        *bytes += n->size;
+        lo = n;
+    }
+    return 1;
+}
+
+int ap_tree_check(const ap_free_tree *t) {
+    size_t count = 0, bytes = 0;
+    return check_at(t->root, NULL, NULL, &count, &bytes) && count == t->count && bytes == t->bytes;
 }

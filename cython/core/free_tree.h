@@ -24,5 +24,8 @@ ap_block *ap_tree_largest(const ap_free_tree *t);
 void ap_tree_walk_from(const ap_free_tree *t, size_t size, int (*fn)(ap_block *, void *), void *arg);
 /* Calls fn for every block (in order); fn must not modify the tree. */
 void ap_tree_visit(const ap_free_tree *t, void (*fn)(ap_block *, void *), void *arg);
+/* Full check, O(n): search and heap order at every node, count and bytes equal to the blocks held.
+   1 when all hold. For check.c and the C unit tests, never on a hot path. */
+int ap_tree_check(const ap_free_tree *t);
 
 #endif

@@ -1,5 +1,7 @@
 #include "history.h"
 
+#include "invariant.h"
+
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -25,6 +27,7 @@ void ap_history_destroy(ap_history *h) {
 
 void ap_history_record(ap_history *h, int action, uintptr_t addr, size_t size, void *stream) {
     struct timespec ts;
+    AP_ASSERT(h->capacity > 0 && h->ring != NULL); /* ap_history_add skips a ring that is off */
     clock_gettime(CLOCK_REALTIME, &ts);
     ap_history_entry *e = &h->ring[h->next % h->capacity];
     e->action = (uint8_t)action;

@@ -209,6 +209,14 @@ static int queued_frees(const ap_pool *p) {
     return 0;
 }
 
+/* Takes an allocated block's allocation stats off (a free, or an allocation undone). */
+static void unmark_allocated(ap_pool *p, const ap_block *b) {
+    int pool = b->seg->pool;
+    ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, pool, 1);
+    ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
+    ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
+}
+
 int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err) {
     if (check_size(p, size, err) != AP_OK) {
         if (size) { /* larger than the device: an OOM like any other, in num_ooms and the trace */
@@ -267,8 +275,10 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
     }
     ap_take_block(p, b, rsize, size, slot);
 allocated:
+    AP_ASSERT(b->state == AP_BLOCK_ALLOCATED && b->size >= rsize && b->tag == slot && ap_block_links_ok(b));
     if (ap_map_put(&p->live, b->addr, b) != 0) {
-        /* Cannot track it: undo, so nothing is lost. */
+        /* Cannot track it: undo, stats included, so nothing is lost or miscounted. */
+        unmark_allocated(p, b);
         ap_free_insert(p, b, slot);
         pthread_mutex_unlock(&p->lock);
         return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
@@ -298,7 +308,9 @@ int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
         }
         ap_take_block(p, b, rsize, size, slot);
     }
-    ap_map_put(&p->live, b->addr, b); /* cannot fail: room was checked above */
+    int put = ap_map_put(&p->live, b->addr, b); /* cannot fail: room was checked above */
+    AP_ASSERT(put == 0);
+    (void)put;
     pthread_mutex_unlock(&p->lock);
     *out = (void *)b->addr;
     return AP_OK;
@@ -329,9 +341,7 @@ static void release_block(ap_pool *p, ap_block *b, int tag) {
     int pool = b->seg->pool;
     AP_ASSERT(b->state == AP_BLOCK_ALLOCATED && tag >= 0 && tag < p->n_slots);
     if (__builtin_expect(!p->slots[tag].live, 0)) tag = 0; /* retired stream: its work is over */
-    ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, pool, 1);
-    ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
-    ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
+    unmark_allocated(p, b);
     if (b->xs && b->xs->n_uses) { /* other streams used it: reusable only after their events complete */
         ap_free_pending(p, b, tag);
         return;

@@ -61,6 +61,12 @@ typedef struct ap_error {
     char message[320];
 } ap_error;
 
+/* Writes status, device_code and the message into err (if not NULL); returns status, for
+   `return ap_set_error(...)`. Shared with the layers above (the host pool) so that every C error
+   reads the same way. */
+int ap_set_error(ap_error *err, int status, int device_code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
 /* Cross-stream reuse. */
 enum {
     AP_REUSE_BORROW = 0, /* a stream with nothing cached borrows other streams' free blocks by

@@ -10,13 +10,10 @@ from cpython.exc cimport PyErr_Occurred, PyErr_Clear
 import sys
 import time as _time
 
-from ascend_pool.errors import (OutOfMemoryError, QuotaExceededError, InvalidSizeError, InvalidPointerError,
-                                InvalidStreamError, DeviceTimeoutError, PoolError, ConfigError)
+from ascend_pool.errors import InvalidSizeError, InvalidPointerError, InvalidStreamError, PoolError, ConfigError
 
 cdef extern from "pool.h" nogil:
-    enum:
-        AP_OK, AP_E_OOM, AP_E_LIMIT, AP_E_INVALID_SIZE, AP_E_INVALID_PTR, AP_E_INVALID_STREAM,
-        AP_E_DEVICE, AP_E_TIMEOUT, AP_E_HOST_NOMEM, AP_E_BUSY, AP_E_QUOTA
+    enum:  # (the statuses AP_OK, AP_E_* are declared in errors.pxi)
         AP_RELEASE_NEVER, AP_RELEASE_UNDER_PEAK, AP_REUSE_BORROW, AP_REUSE_TIED
     size_t AP_NO_LIMIT
     ctypedef struct ap_error:
@@ -128,25 +125,8 @@ HISTORY_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc",
 
 
 cdef object _raise(ap_error *err, int status):
-    """Raises the typed exception for a failed pool call."""
-    msg = err.message.decode("utf-8", "replace")
-    if status == AP_E_QUOTA:
-        raise QuotaExceededError(msg)
-    if status == AP_E_OOM or status == AP_E_LIMIT:
-        raise OutOfMemoryError(msg)
-    if status == AP_E_INVALID_SIZE:
-        raise InvalidSizeError(msg)
-    if status == AP_E_INVALID_PTR:
-        raise InvalidPointerError(msg)
-    if status == AP_E_INVALID_STREAM:
-        raise InvalidStreamError(msg)
-    if status == AP_E_TIMEOUT:
-        raise DeviceTimeoutError(err.device_code, msg)
-    if status == AP_E_DEVICE:
-        raise DeviceError(err.device_code, msg)
-    if status == AP_E_HOST_NOMEM:
-        raise MemoryError(msg)
-    raise PoolError(f"pool call failed with status {status}: {msg}")
+    """Raises the typed exception for a failed pool call (errors.pxi's map)."""
+    raise _c_error(status, err.device_code, err.message.decode("utf-8", "replace"), "pool call")
 
 
 cdef inline size_t _as_size(object nbytes) except? 0:

@@ -4,22 +4,8 @@
 
 #include <stdio.h>
 
+#include "invariant.h"
 #include "pool.h"
-
-/* Invariants that comments state, checked in debug and ASan builds (ASCEND_POOL_SANITIZE=1);
-   compiled out otherwise, so the hot path pays nothing. */
-#if defined(ASCEND_POOL_SANITIZE) || defined(AP_DEBUG)
-#include <stdlib.h>
-#define AP_ASSERT(cond)                                                                            \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "ascend_pool: invariant failed at %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-            abort();                                                                               \
-        }                                                                                          \
-    } while (0)
-#else
-#define AP_ASSERT(cond) ((void)0)
-#endif
 
 #define AP_LARGE_BUFFER (20u << 20) /* an oversize cached block may exceed the request by this much */
 
@@ -37,10 +23,6 @@ static inline size_t ap_round_request(const ap_pool *p, size_t size) {
    that device's default stream). The acl backend runs each such call in the device's context and
    puts the caller's context back after: a thread-local store here, no runtime call. */
 static inline void ap_on_device(ap_pool *p) { p->backend->set_device(p->backend, p->device); }
-
-/* Writes an error; returns status for `return set_error(...)`. */
-int ap_set_error(ap_error *err, int status, int device_code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
 
 /* block_arena.c: block and segment structs, recycled, never freed before the pool. */
 ap_block *ap_block_new(ap_pool *p);

@@ -8,6 +8,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "invariant.h"
+
 typedef struct ap_ptr_map {
     uintptr_t *keys; /* 0 = empty slot (no block lives at address 0) */
     void **vals;
@@ -32,14 +34,6 @@ static inline void ap_map_place(ap_ptr_map *m, uintptr_t key, void *val) {
     m->vals[i] = val;
 }
 
-/* 0 on success, -1 when growing the table failed (host out of memory). */
-static inline int ap_map_put(ap_ptr_map *m, uintptr_t key, void *val) {
-    if (__builtin_expect((m->count + 1) * 2 > m->mask + 1, 0) && ap_map_grow(m) != 0) return -1;
-    ap_map_place(m, key, val);
-    m->count++;
-    return 0;
-}
-
 static inline void *ap_map_get(const ap_ptr_map *m, uintptr_t key) {
     size_t i = ap_map_home(m, key);
     while (m->keys[i]) {
@@ -47,6 +41,16 @@ static inline void *ap_map_get(const ap_ptr_map *m, uintptr_t key) {
         i = (i + 1) & m->mask;
     }
     return NULL;
+}
+
+/* 0 on success, -1 when growing the table failed (host out of memory). */
+static inline int ap_map_put(ap_ptr_map *m, uintptr_t key, void *val) {
+    AP_ASSERT(key != 0 && ap_map_get(m, key) == NULL); /* 0 marks empty slots; a key is put once */
+    if (__builtin_expect((m->count + 1) * 2 > m->mask + 1, 0) && ap_map_grow(m) != 0) return -1;
+    ap_map_place(m, key, val);
+    m->count++;
+    AP_ASSERT(m->count * 2 <= m->mask + 1); /* load <= 1/2: probe runs stay short and always end */
+    return 0;
 }
 
 /* Removes and returns the record at key, or NULL. */
@@ -71,6 +75,7 @@ static inline void *ap_map_take(ap_ptr_map *m, uintptr_t key) {
     }
     m->keys[hole] = 0;
     m->vals[hole] = NULL;
+    AP_ASSERT(m->count > 0);
     m->count--;
     return val;
 }

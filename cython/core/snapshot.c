@@ -42,7 +42,13 @@ int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
                                                b->state == AP_BLOCK_CACHED ? AP_BLOCK_FREE : b->state};
         }
         o->n_blocks = j - o->first_block;
+#if AP_CHECKED
+        size_t covered = 0;
+        for (size_t k = o->first_block; k < j; k++) covered += out->blocks[k].size;
+        AP_ASSERT(covered == s->size); /* blocks tile their segment: PyTorch's snapshot readers rely on it */
+#endif
     }
+    AP_ASSERT(i == p->n_segments && j <= n_blocks);
     out->n_segments = i;
     out->n_blocks = j;
     /* PyTorch gathers the trace first: this snapshot's own event shows in the next one. */

@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#include "invariant.h"
+
 /* allocated (the running total of increases) is not stored: it is always current + freed. */
 typedef struct ap_stat {
     int64_t current, peak, freed;
@@ -51,38 +53,28 @@ typedef struct ap_stats {
     int64_t device_total_bytes;
 } ap_stats;
 
-static inline void ap_stat_add_one(ap_stat *s, int64_t delta) {
-    s->current += delta;
-    if (delta > 0) {
-        if (s->current > s->peak) s->peak = s->current;
-    } else {
-        s->freed -= delta;
-    }
-}
-
-/* pool: AP_POOL_SMALL or AP_POOL_LARGE; adds delta to the stat for "all" and for the pool.
-   Inline: the hot path makes several of these per call, with constant indices. */
-static inline void ap_stat_add(ap_stats *st, int stat, int pool, int64_t delta) {
-    ap_stat_add_one(&st->s[stat][AP_STAT_ALL], delta);
-    ap_stat_add_one(&st->s[stat][1 + pool], delta);
-}
-
-/* The same for a known sign: the cached path's updates. A peak is written only when passed, so
-   the usual update is two stores (the atomic unlock that follows waits for every store). */
+/* Adds n (>= 0) to a stat for "all" and for pool (AP_POOL_SMALL or AP_POOL_LARGE); the cached
+   path's updates. Inline with constant indices. A peak is written only when passed, so the usual
+   update is two stores (the atomic unlock that follows waits for every store). */
 static inline void ap_stat_inc(ap_stats *st, int stat, int pool, int64_t n) {
     ap_stat *a = &st->s[stat][AP_STAT_ALL], *b = &st->s[stat][1 + pool];
+    AP_ASSERT(n >= 0 && (pool == 0 || pool == 1));
     a->current += n;
     if (__builtin_expect(a->current > a->peak, 0)) a->peak = a->current;
     b->current += n;
     if (__builtin_expect(b->current > b->peak, 0)) b->peak = b->current;
 }
 
+/* Takes n (>= 0) off: current falls, freed (the running total of decreases) grows. Nothing can
+   be freed that was not counted in, so no current ever goes below 0. */
 static inline void ap_stat_dec(ap_stats *st, int stat, int pool, int64_t n) {
     ap_stat *a = &st->s[stat][AP_STAT_ALL], *b = &st->s[stat][1 + pool];
+    AP_ASSERT(n >= 0);
     a->current -= n;
     a->freed += n;
     b->current -= n;
     b->freed += n;
+    AP_ASSERT(a->current >= 0 && b->current >= 0 && a->current >= b->current);
 }
 /* A block of pool kind `pool` and `bytes` starts (+1) or stops (-1) waiting for events. */
 static inline void ap_stats_pending(ap_stats *st, int pool, int64_t bytes, int sign) {
@@ -90,6 +82,7 @@ static inline void ap_stats_pending(ap_stats *st, int pool, int64_t bytes, int s
     for (int t = 0; t < 2; t++) {
         st->pending[0][types[t]].current += sign;
         st->pending[1][types[t]].current += sign * bytes;
+        AP_ASSERT(st->pending[0][types[t]].current >= 0 && st->pending[1][types[t]].current >= 0);
     }
 }
 

@@ -677,14 +677,16 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
     int fd = open(m->path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) {
         int err = errno;
-        free(m);
         pthread_mutex_unlock(&ipc_mu);
         if (err == ENOENT)
-            return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
-                            "no memory is exported with key '%s' on node '%s' (never exported, closed by its "
-                            "exporter, or exported on another node)", key, g_sim.cfg.node);
-        return sim_fail(err == ELOOP || err == EACCES ? ACL_ERROR_RT_NO_PERMISSION : ACL_ERROR_RT_IPC_ERROR, call,
-                        "cannot open the record of key '%s' (%s): %s", key, m->path, strerror(err));
+            rc = sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                          "no memory is exported with key '%s' on node '%s' (never exported, closed by its "
+                          "exporter, or exported on another node)", key, g_sim.cfg.node);
+        else /* (m->path is read here: m is freed after) */
+            rc = sim_fail(err == ELOOP || err == EACCES ? ACL_ERROR_RT_NO_PERMISSION : ACL_ERROR_RT_IPC_ERROR, call,
+                          "cannot open the record of key '%s' (%s): %s", key, m->path, strerror(err));
+        free(m);
+        return rc;
     }
     struct ipc_record *r = NULL;
     if ((rc = open_record(fd, m->path, key, &r, call)) != 0) {

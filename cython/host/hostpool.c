@@ -1,16 +1,16 @@
 /* The pinned host-memory pool: size classes with free lists, slabs for the small classes, and
- * event-guarded reuse. The policy and the interface are described in capi/hostpool.h.
+ * event-guarded reuse. The policy and the interface are described in hostpool.h.
  *
  * Every buffer (free, handed out or parked) has a small out-of-band record in an address map, so
  * pinned memory holds only user data and a free of any pointer is checked, never trusted.
  */
-#include "capi/hostpool.h"
+#include "hostpool.h"
 
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "pool_internal.h" /* ap_set_error */
+#include "ptr_map.h" /* the core's address map, for the buffers' records */
 
 enum { HB_FREE = 0, HB_ALLOCATED = 1, HB_PENDING = 2, HB_LOST = 3 };
 
@@ -502,13 +502,11 @@ int ap_host_block_info(ap_host_pool *hp, void *ptr, uintptr_t *base, size_t *cap
     return rc;
 }
 
-int ap_host_empty_cache(ap_host_pool *hp, ap_error *err) {
-    (void)err;
+void ap_host_empty_cache(ap_host_pool *hp) {
     pthread_mutex_lock(&hp->lock);
     if (hp->pending_head) settle_pending(hp, 1);
     release_cached(hp);
     pthread_mutex_unlock(&hp->lock);
-    return AP_OK;
 }
 
 void ap_host_get_stats(ap_host_pool *hp, ap_host_stats *out) {

@@ -1,11 +1,11 @@
-# The pinned host pool (core/hostpool.c, policy in capi/hostpool.h) as a Python object. Backs the
+# The pinned host pool (host/hostpool.c, policy in host/hostpool.h) as a Python object. Backs the
 # numpy handler and serves staging buffers for host<->device copies. Addresses are ints, sizes
 # bytes, streams the runtime's int handles.
 
 from libc.stdint cimport int64_t
 from cpython.ref cimport Py_INCREF
 
-cdef extern from "capi/hostpool.h" nogil:
+cdef extern from "host/hostpool.h" nogil:
     ctypedef struct ap_host_pool:
         pass
     ctypedef struct ap_host_stats:
@@ -21,7 +21,7 @@ cdef extern from "capi/hostpool.h" nogil:
     int ap_host_realloc(ap_host_pool *hp, void *ptr, size_t new_size, void **out, ap_error *err)
     int ap_host_record_stream(ap_host_pool *hp, void *ptr, void *stream, int device, ap_error *err)
     int ap_host_block_info(ap_host_pool *hp, void *ptr, uintptr_t *base, size_t *capacity, size_t *requested)
-    int ap_host_empty_cache(ap_host_pool *hp, ap_error *err)
+    void ap_host_empty_cache(ap_host_pool *hp)
     void ap_host_get_stats(ap_host_pool *hp, ap_host_stats *out)
     void ap_host_reset_peaks(ap_host_pool *hp)
 
@@ -167,12 +167,8 @@ cdef class HostPool:
     def empty_cache(self):
         """Waits for parked buffers' events, then returns every unused buffer and idle slab."""
         self._check()
-        cdef ap_error err
-        cdef int rc
         with nogil:
-            rc = ap_host_empty_cache(self.hp, &err)
-        if rc != AP_OK:
-            _raise(&err, rc)
+            ap_host_empty_cache(self.hp)
 
     def reset_peak_stats(self):
         self._check()

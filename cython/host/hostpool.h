@@ -21,7 +21,7 @@
 #include <stdint.h>
 
 #include "backend.h"
-#include "pool.h" /* ap_error and the AP_E_* statuses */
+#include "pool.h" /* ap_error, ap_set_error and the AP_E_* statuses */
 
 #define AP_HOST_MIN_SHIFT 9   /* smallest class: 512 bytes */
 #define AP_HOST_SLAB_SHIFT 20 /* classes up to 1 MiB live in slabs */
@@ -65,7 +65,7 @@ int ap_host_record_stream(ap_host_pool *hp, void *ptr, void *stream, int device,
 /* 0 and the buffer's start, class size and requested bytes when ptr starts a handed-out buffer. */
 int ap_host_block_info(ap_host_pool *hp, void *ptr, uintptr_t *base, size_t *capacity, size_t *requested);
 /* Returns every cached buffer whose events completed (and every idle slab) to the runtime. */
-int ap_host_empty_cache(ap_host_pool *hp, ap_error *err);
+void ap_host_empty_cache(ap_host_pool *hp);
 void ap_host_get_stats(ap_host_pool *hp, ap_host_stats *out);
 void ap_host_reset_peaks(ap_host_pool *hp);
 
