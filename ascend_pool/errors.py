@@ -18,6 +18,7 @@ __all__ = [
     "InvalidStreamError",
     "InvalidDeviceError",
     "ConfigError",
+    "LedgerError",
     "STATUS_NAMES",
     "STATUS_ERRORS",
     "from_code",
@@ -95,6 +96,25 @@ class InvalidDeviceError(PoolError, ValueError):
 class ConfigError(PoolError, ValueError):
     """A configuration value (environment variable, TOML file, knob string or argument) is invalid.
     The message names the setting and the value."""
+
+
+class LedgerError(PoolError, OSError):
+    """(Defined here, below the compiled core that raises it; ascend_pool.tenants re-exports it.)
+    The node-wide quota ledger (a file under /dev/shm or $ASCEND_POOL_LEDGER_DIR) cannot be
+    used: it is foreign (another owner or group, wrong permissions, a symbolic link), malformed
+    (bad magic, version, layout or contents), full, or its lock is held by a wedged process.
+    ``kind`` is one of "permission", "malformed", "full", "lock", "io", "argument". The ledger is
+    never repaired or trusted in these cases; the message names the file and the reason."""
+
+    def __init__(self, message, kind="io"):
+        super().__init__(message)
+        self.kind = kind
+
+    def __str__(self):
+        return self.args[0]
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.kind))
 
 
 # ---- the one map from status codes to exceptions ------------------------------------------------

@@ -5,7 +5,11 @@ and writes one record per (device, tenant); at exit the file is marked exited an
 allocation path does nothing for this: the thread reads the same C counters a scrape would.
 ASCEND_POOL_STATS=0 turns publishing off for a process.
 
-ensure_publisher() is cheap and idempotent: the pool registry calls it when a pool opens.
+Started on first use, in one place: the listener this module registers with the pool registry
+(ascend_pool/registry.py) at import calls ensure_publisher() when a pool opens; the package
+(ascend_pool/__init__.py) imports this module, so every process that opens a pool publishes.
+Pool() itself neither imports this module nor starts a thread. ensure_publisher() is cheap and
+idempotent; call it to publish before any pool exists.
 """
 
 import atexit
@@ -13,7 +17,9 @@ import logging
 import os
 import threading
 
+from .. import registry as _registry
 from ..metrics.sample import PoolAggregator
+from .scanner import StatsScanner
 from .statsfile import StatsFile
 
 log = logging.getLogger("ascend_pool.service")
@@ -82,8 +88,6 @@ class Publisher:
 def _remove_stale(directory):
     # Files of our uid's processes that died without cleaning up (killed, crashed) would pile up
     # on a node where no service runs: each new publisher clears them, once, at start.
-    from .scanner import StatsScanner
-
     try:
         StatsScanner(directory, refusal_level=logging.DEBUG).scan()
     except Exception as e:
@@ -145,5 +149,10 @@ def _after_fork_in_child():
         p.file.abandon()
 
 
+def _on_pool_opened(pool):
+    ensure_publisher()
+
+
+_registry.on_register(_on_pool_opened)
 atexit.register(stop_publisher)
 os.register_at_fork(after_in_child=_after_fork_in_child)

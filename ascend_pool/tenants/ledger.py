@@ -74,20 +74,6 @@ def ledger_dir(directory=None, group=None):
         raise LedgerError(f"cannot have a private ledger directory in {base}: {e}", kind="permission") from None
 
 
-def ensure_lease(directory):
-    """Holds this process's lease (ascend_pool.identity) in directory and gives the ledger code its
-    identity. Returns the instance id."""
-    from .. import identity
-    from .._core import set_process_identity
-
-    try:
-        inst = identity.ensure_lease(directory)
-    except OSError as e:
-        raise LedgerError(f"cannot create this process's lease in {directory}: {e}", kind="io") from None
-    set_process_identity(inst, identity.pidns())
-    return inst
-
-
 def ledger_group(value=None):
     """The gid ledgers are shared with (from `value` or $ASCEND_POOL_LEDGER_GROUP: a group name or
     number), or None for private ledgers."""
