@@ -5,7 +5,8 @@ import ctypes
 import importlib
 import os
 
-from ..backend import BACKEND_ENV
+from .._core import capi_default_backend
+from ..backend import BACKEND_ENV, open_backend
 from ..capi import library_path
 from ..errors import ConfigError
 
@@ -37,9 +38,6 @@ def use_backend(kind, why, open_now=True):
     names another backend or when a default pool already exists on another backend. open_now
     False leaves the runtime alone until the first allocation (for a framework that initialises
     it itself, with its own configuration)."""
-    from .._core import capi_default_backend
-    from ..backend import open_backend
-
     chosen = os.environ.get(BACKEND_ENV, "").strip()
     if chosen and chosen != kind:
         raise ConfigError(f"{why} needs the {kind} backend, but ${BACKEND_ENV}={chosen!r}")

@@ -13,6 +13,9 @@ copies may outlive every Python reference to it). See ascend_pool._core.HostPool
 
 import threading
 
+from .._core import HostPool
+from ..backend import open_backend
+
 __all__ = ["host_pool"]
 
 _lock = threading.Lock()
@@ -24,9 +27,6 @@ def host_pool(device=0):
     ($ASCEND_POOL_BACKEND, else automatic)."""
     pool = _pools.get(device)
     if pool is None:
-        from .._core import HostPool
-        from ..backend import open_backend
-
         with _lock:
             pool = _pools.get(device)
             if pool is None:

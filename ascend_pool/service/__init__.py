@@ -10,19 +10,16 @@ scanner (a whole directory), publisher (the background thread), node_collector, 
 """
 
 from .publisher import ensure_publisher, stop_publisher
+from .scanner import StatsScanner
 
 __all__ = ["NodeCollector", "StatsScanner", "ensure_publisher", "stop_publisher"]
 
 
 def __getattr__(name):
-    # Lazy: every process publishes (publisher), only the service reads and exports, and only it
-    # needs prometheus_client.
+    # Lazy: every process publishes (publisher), only the service exports, and only it needs
+    # prometheus_client (a third-party import kept out of every process's import).
     if name == "NodeCollector":
         from .node_collector import NodeCollector
 
         return NodeCollector
-    if name == "StatsScanner":
-        from .scanner import StatsScanner
-
-        return StatsScanner
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,11 +18,12 @@ import stat
 import time
 from dataclasses import dataclass, field
 
-from ..metrics.sample import TenantSample
-from ..metrics.schema import FIELDS, NO_QUOTA
-from .. import identity
 from . import layout as L
 from . import paths, procinfo
+from .. import identity
+from ..metrics.sample import TenantSample
+from ..metrics.schema import FIELDS, NO_QUOTA
+from ..private_dir import is_trusted
 
 MAX_DEVICE = 1024       # more devices than any node has: a record claiming more is corrupt
 READ_ATTEMPTS = 20      # seqlock retries before giving up on this scrape (the writer takes ~µs)
@@ -84,8 +85,6 @@ def read_stats_file(path, allowed_uids, allowed_gids=()):
 
 def _in_group_dir(path, gid):
     """True when path lies in the 2770 directory of group gid (ascend_pool/private_dir.py)."""
-    from ..private_dir import is_trusted
-
     try:
         return is_trusted(os.lstat(os.path.dirname(path)), "g", gid)
     except OSError:
