@@ -2,6 +2,8 @@
 pool of each device. The one Python home of that question; the C ABI's mirror of it
 (cython/capi/registry.h, core/current.h) is kept in step from here and from PoolBase.
 
+Pinned host pools (one per device, never closed) are kept here too.
+
 Live pools are weak references: a pool that is dropped disappears from here by itself. Upper
 layers that must know when a pool opens register a listener (on_register); the stats publisher
 (ascend_pool/service/publisher.py) starts that way, on the process's first pool.
@@ -17,6 +19,7 @@ log = logging.getLogger("ascend_pool")
 _lock = threading.Lock()
 _pools = weakref.WeakSet()
 _defaults = {}     # device -> its default pool (ascend_pool.api creates them)
+_host_pools = {}   # device -> the pinned host pool (ascend_pool.integrations.pinned creates them)
 _listeners = []    # fn(pool), called after each register()
 
 
@@ -61,3 +64,15 @@ def set_default_pool(device, pool):
 def default_pools():
     """The open default pools, as a list."""
     return [p for p in list(_defaults.values()) if not p.closed]
+
+
+def host_pool(device, create):
+    """The process's pinned host pool of device: create() makes it on first use; kept for the life
+    of the process (arrays and in-flight copies may outlive every reference to it)."""
+    pool = _host_pools.get(device)
+    if pool is None:
+        with _lock:
+            pool = _host_pools.get(device)
+            if pool is None:
+                pool = _host_pools[device] = create()
+    return pool

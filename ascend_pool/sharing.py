@@ -126,7 +126,8 @@ _PREFIX = "ascend_pool-share-"
 
 def _me():
     """This process as a slot: [pid, count, instance, pidns, start]."""
-    return [os.getpid(), 0, identity.ensure_lease(_record_dir()), identity.pidns(), identity.self_start_time()]
+    pid, inst, ns, start = identity.whoami(_record_dir())
+    return [pid, 0, inst, ns, start]
 
 
 def _alive(directory, inst, pid=0, ns=0, start=0):

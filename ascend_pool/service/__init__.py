@@ -6,7 +6,7 @@ file; `ascend-pool serve` reads them all and exports them to Prometheus.
 
 Files: layout (the binary format), statsfile (the owner's writer), reader (validation),
 scanner (a whole directory), publisher (the background thread), node_collector, replay_loop
-(the demo workload of `serve --replay`), paths and procinfo.
+(the demo workload of `serve --replay`) and paths; process identity is ascend_pool.identity.
 """
 
 from .publisher import ensure_publisher, stop_publisher
