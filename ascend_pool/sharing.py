@@ -68,7 +68,7 @@ from .backend import open_backend
 from .errors import InvalidDeviceError, InvalidPointerError, PoolError
 from .pool import set_sharing
 from .private_dir import candidates
-from .tenants.ledger import base_dir, ledger_dir
+from .tenants.ledger import base_dir, ledger_dir, node_name
 
 __all__ = ["SharedHandle", "SharedBlock", "SharingError", "NotShareableError", "open_shared", "share_malloc",
            "share", "share_free", "allow", "collect", "shares", "pool_stats", "node_pid"]
@@ -136,7 +136,7 @@ def _alive(directory, inst, pid=0, ns=0, start=0):
 
 
 def _node(backend_name):
-    return os.environ.get("ASCEND_SIM_NODE", "default") if backend_name == "sim" else socket.gethostname()
+    return node_name(backend_name) or socket.gethostname()  # a simulated node, else this host
 
 
 def _record_dir():

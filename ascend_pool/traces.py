@@ -306,13 +306,6 @@ def peak_live_bytes(trace: Trace) -> int:
     return max(0, int(live_bytes_series(trace).max()))
 
 
-def final_live_bytes(trace: Trace) -> int:
-    """Requested bytes still live after the last event (0 for a complete trace)."""
-    if trace.n_events == 0:
-        return 0
-    return int(live_bytes_series(trace)[-1])
-
-
 # ---------------------------------------------------------------------------------------------
 # Where traces live
 # ---------------------------------------------------------------------------------------------
