@@ -5,8 +5,9 @@ import ctypes
 import importlib
 import os
 
-from .._core import capi_default_backend
-from ..backend import BACKEND_ENV, open_backend
+from .. import _core
+from .. import backend as _backend
+from ..backend import BACKEND_ENV
 from ..capi import library_path
 from ..errors import ConfigError
 
@@ -42,11 +43,11 @@ def use_backend(kind, why, open_now=True):
     if chosen and chosen != kind:
         raise ConfigError(f"{why} needs the {kind} backend, but ${BACKEND_ENV}={chosen!r}")
     for device in range(64):
-        name = capi_default_backend(device)
+        name = _core.capi_default_backend(device)
         if name is not None and name != kind:
             raise ConfigError(f"{why} needs the {kind} backend, but device {device}'s default pool already "
                               f"runs on {name!r}; call install() before allocating with ascend_pool")
-    backend = open_backend(kind) if open_now else None  # fails now, with the runtime's words
+    backend = _backend.open_backend(kind) if open_now else None  # fails now, with the runtime's words
     os.environ[BACKEND_ENV] = kind
     return backend
 
