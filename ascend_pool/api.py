@@ -35,7 +35,10 @@ def default_pool(device=None):
     """The pool module-level calls use for device (None: the current device): the thread's
     current context if one was made current, else the process default, created on first use."""
     device = current_device() if device is None else device
-    pool = _current.top(device) or _registry.default_pool(device)
+    pool = _current.top(device)
+    if pool is not None:
+        return pool
+    pool = _registry.default_pool(device)
     if pool is None:  # a closed default is replaced, for Python and the C ABI alike
         with _lock:
             pool = _registry.default_pool(device)
