@@ -10,6 +10,7 @@ layers that must know when a pool opens register a listener (on_register); the s
 """
 
 import logging
+import os
 import threading
 import weakref
 
@@ -21,6 +22,15 @@ _pools = weakref.WeakSet()
 _defaults = {}     # device -> its default pool (ascend_pool.api creates them)
 _host_pools = {}   # device -> the pinned host pool (ascend_pool.integrations.pinned creates them)
 _listeners = []    # fn(pool), called after each register()
+
+
+def _after_fork_in_child():
+    # Another thread may have held the lock at the fork: the child's copy would stay locked.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def register(pool):

@@ -46,7 +46,9 @@ class Publisher:
         self._directory = directory
         self._ready = threading.Event()  # set once the file exists, or its creation failed
         self._agg = PoolAggregator()
-        self._write_lock = threading.Lock()  # the thread and the exit hook both publish
+        # Held for a whole start or publish cycle (the thread and the exit hook both publish), and
+        # across a fork: a child never inherits the thread's half-done work or its locks.
+        self._write_lock = threading.Lock()
         self._stop = threading.Event()
         if not background:
             self._open_file()
@@ -69,10 +71,10 @@ class Publisher:
     def publish_now(self):
         """Reads the pools and writes the file at once (also done every interval)."""
         self._ready.wait(10)
-        samples = self._agg.samples()
         with self._write_lock:
             if self.file is None or (self._stop.is_set() and self.file._map is None):
                 return  # not created, or stopped: the file is gone on purpose
+            samples = self._agg.samples()
             if not self.file.intact():
                 # Truncated or removed by someone with our uid: start a fresh file rather than
                 # write into a mapping that would fault.
@@ -84,7 +86,8 @@ class Publisher:
     def _run(self):
         if self.file is None:  # a background start: create the file here
             try:
-                self._open_file()
+                with self._write_lock:
+                    self._open_file()
             except Exception as e:
                 _background_failed(self, e)
                 return
@@ -177,11 +180,29 @@ def stop_publisher():
         p.stop()
 
 
+_forking = None  # the Publisher whose cycle lock the fork in progress holds
+
+
+def _before_fork():
+    # Lets a start or publish cycle in flight finish (bounded) so that the fork does not copy the
+    # thread mid-way (its locks, or the allocator's, would stay held in the child).
+    global _forking
+    p = _publisher
+    _forking = p if p is not None and p._write_lock.acquire(timeout=5) else None
+
+
+def _after_fork_in_parent():
+    global _forking
+    p, _forking = _forking, None
+    if p is not None:
+        p._write_lock.release()
+
+
 def _after_fork_in_child():
     # The child has the parent's Publisher object but not its thread, and the file is the parent's:
     # forget it without touching it; the child publishes under its own pid when it opens a pool.
-    global _publisher, _failed, _lock
-    p, _publisher, _failed, _lock = _publisher, None, False, threading.Lock()
+    global _publisher, _failed, _lock, _forking
+    p, _publisher, _failed, _lock, _forking = _publisher, None, False, threading.Lock(), None
     if p is not None and p.file is not None:
         p.file.abandon()
 
@@ -192,4 +213,5 @@ def _on_pool_opened(pool):
 
 _registry.on_register(_on_pool_opened)
 atexit.register(stop_publisher)
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
