@@ -245,14 +245,16 @@ def test_the_checker_sees_cycles_and_function_level_imports():
 
 
 def test_each_module_imports_on_its_own():
-    # A fresh interpreter per module (no import-order dependence); one subprocess for all, each
-    # module in a child of its own so that an earlier import cannot help a later one.
+    # A fresh interpreter per module (no import-order dependence): each module in a child of its
+    # own, so that an earlier import cannot help a later one (four at a time).
     mods = sorted(m for m in MODULES if m != FACADE and not m.endswith("__main__"))
     code = ("import subprocess, sys\n"
-            "bad = []\n"
-            "for m in sys.argv[1:]:\n"
+            "from concurrent.futures import ThreadPoolExecutor\n"
+            "def check(m):\n"
             "    r = subprocess.run([sys.executable, '-c', 'import ' + m], capture_output=True, text=True)\n"
-            "    if r.returncode: bad.append(m + ': ' + r.stderr.strip().splitlines()[-1])\n"
+            "    return m + ': ' + r.stderr.strip().splitlines()[-1] if r.returncode else None\n"
+            "with ThreadPoolExecutor(4) as ex:\n"
+            "    bad = [b for b in ex.map(check, sys.argv[1:]) if b]\n"
             "print('\\n'.join(bad)); sys.exit(1 if bad else 0)\n")
     r = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, cwd="/")
     assert r.returncode == 0, r.stdout + r.stderr
