@@ -54,5 +54,6 @@ from .api import (
 
 from .capi import library_path
 from .sharing import SharedBlock, SharedHandle, node_pid, open_shared
+from .service import publisher as _publisher  # registers the stats publisher: it starts with the first pool
 
-__version__ = "0.1.0"
+from .version import __version__

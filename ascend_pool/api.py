@@ -6,10 +6,16 @@ use with the knobs of $ASCEND_POOL_CONF and the backend of $ASCEND_POOL_BACKEND.
 
 import threading
 
+from . import current as _current
+from . import registry as _registry
+from ._core import set_default_pool_hook
+from .backend import open_backend
 from .errors import InvalidDeviceError
+from .pool import Pool
+from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
+from .tenants.default import default_tenant_pool
 
 _lock = threading.Lock()
-_pools = {}
 _local = threading.local()
 
 
@@ -25,61 +31,43 @@ def current_device():
     return getattr(_local, "device", 0)
 
 
-def push_current(device, pool):
-    """Makes pool current for device on this thread (contexts use it for `with ctx:`); module-level
-    calls and the C ABI then allocate from it. Undo with pop_current(device, token)."""
-    from ._core import _set_thread_current
-
-    stack = _stack(device)
-    token = _set_thread_current(device, pool)
-    stack.append(pool)
-    return token
-
-
-def pop_current(device, token):
-    """Undoes the matching push_current."""
-    from ._core import _restore_thread_current
-
-    _stack(device).pop()
-    _restore_thread_current(device, token)
-
-
-def _stack(device):
-    stacks = getattr(_local, "stacks", None)
-    if stacks is None:
-        stacks = _local.stacks = {}
-    return stacks.setdefault(device, [])
-
-
 def default_pool(device=None):
     """The pool module-level calls use for device (None: the current device): the thread's
     current context if one was made current, else the process default, created on first use."""
     device = current_device() if device is None else device
-    stack = getattr(_local, "stacks", {}).get(device)
-    if stack:
-        return stack[-1]
-    pool = _pools.get(device)
-    if pool is None or pool.closed:  # a closed default is replaced, for Python and the C ABI alike
+    pool = _current.top(device)
+    if pool is not None:
+        return pool
+    pool = _registry.default_pool(device)
+    if pool is None:  # a closed default is replaced, for Python and the C ABI alike
         with _lock:
-            pool = _pools.get(device)
-            if pool is None or pool.closed:
-                pool = _pools[device] = _create_default(device)
+            pool = _registry.default_pool(device)
+            if pool is None:
+                pool = _create_default(device)
+                _registry.set_default_pool(device, pool)
     return pool
 
 
 def _create_default(device):
-    from ._core import _set_default_pool
-    from .pool import Pool
-    from .tenants.default import default_tenant_pool
-
     # With $ASCEND_POOL_TENANT set, the default pool is that tenant's context (its quota from
     # $ASCEND_POOL_CONFIG), so module-level calls and the C ABI allocate under the quota.
     pool = default_tenant_pool(device) or Pool(device)
     if _history is not None:
         enabled, stacks, max_entries = _history
         pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries)
-    _set_default_pool(pool)
     return pool
+
+
+def _default_pool_for_c_abi(device):
+    """The C ABI's hook (capi/capi.pxi): (backend, device's default pool), the pool None when the
+    backend has no such device."""
+    backend = open_backend()
+    if not 0 <= device < backend.device_count:
+        return backend, None
+    return backend, default_pool(device)
+
+
+set_default_pool_hook(_default_pool_for_c_abi)
 
 
 def malloc(nbytes, stream=None, device=None):
@@ -140,7 +128,7 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
     (and with stacks="python" the Python frames of each allocation and free) on or off at runtime
     on every device's default pool (device given: that one only); pools made later follow it."""
     global _history
-    pools = [default_pool(device)] if device is not None else [p for p in list(_pools.values()) if not p.closed]
+    pools = [default_pool(device)] if device is not None else _registry.default_pools()
     for pool in pools:
         pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries)
     if device is None:
@@ -150,14 +138,12 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
 def dump_snapshot(path, device=None):
     """Writes the default pools' snapshot (every device's that was used, or one device's) as the
     pickle that `python -m torch.cuda._memory_viz` reads (PyTorch's _dump_snapshot)."""
-    from .snapshot import dump, merge  # the module (ascend_pool.snapshot is this file's snapshot())
-
     if device is not None:
         snap = default_pool(device).snapshot()
     else:
-        pools = [p for p in list(_pools.values()) if not p.closed] or [default_pool()]
-        snap = merge([p.snapshot() for p in pools])
-    dump(snap, path)
+        pools = _registry.default_pools() or [default_pool()]
+        snap = _merge_snapshots([p.snapshot() for p in pools])
+    _dump_snapshot(snap, path)
 
 
 def memory_allocated(device=None):

@@ -16,7 +16,9 @@ import logging
 import os
 import threading
 
-from ascend_pool.errors import BackendUnavailableError, ConfigError
+from ._core import Backend, check_not_forked
+from ._sim import library_path as sim_library_path
+from .errors import BackendUnavailableError, ConfigError
 
 __all__ = ["open_backend", "sim_library_path", "BACKEND_ENV", "BACKEND_NAMES"]
 
@@ -29,21 +31,6 @@ log = logging.getLogger("ascend_pool")
 _lock = threading.Lock()
 _cache = {}  # (name or None, path or None) -> Backend, for every request ever answered
 _logged = False  # the choice is logged once per process
-
-
-def sim_library_path(legacy=False):
-    """Path of the bundled simulator's libascendcl.so. legacy=True gives the build that lacks
-    aclrtMallocAlign32 and aclrtQueryEventStatus (to exercise the acl backend's fallbacks)."""
-    parts = ["_sim", "legacy", "libascendcl.so"] if legacy else ["_sim", "libascendcl.so"]
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), *parts)
-
-
-def _backend_class():
-    # Imported late so that importing ascend_pool.backend (e.g. for sim_library_path, or by the
-    # extension itself) never needs the compiled module.
-    from ascend_pool._core import Backend
-
-    return Backend
 
 
 def _requested_name(name):
@@ -63,7 +50,6 @@ def _requested_name(name):
 
 
 def _open(name, path):
-    Backend = _backend_class()
     if name == "sim":
         # No path: the bundled simulator, unless a simulator copy is already loaded in the
         # process (then that one: one runtime per process).
@@ -107,9 +93,6 @@ def open_backend(name=None, path=None):
     The choice is logged once at INFO on the "ascend_pool" logger.
     """
     global _logged
-    _backend_class()  # the compiled module, whose fork hook records a fork after a runtime opened
-    from ascend_pool._core import check_not_forked
-
     check_not_forked()  # the cached backends below are the parent's
     name, source = _requested_name(name)
     key = (name, path)

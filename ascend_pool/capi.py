@@ -14,6 +14,8 @@ ascend_pool/include/ascend_pool.h for each call's exact rules.
 
 import os
 
+from . import _core
+
 __all__ = ["library_path", "header_path", "include_dir", "SYMBOLS"]
 
 # Every symbol the C ABI exports (the names frameworks dlsym).
@@ -34,8 +36,6 @@ SYMBOLS = (
 
 def library_path():
     """Absolute path of the shared object exporting the C ABI (the ascend_pool._core extension)."""
-    from . import _core
-
     return os.path.abspath(_core.__file__)
 
 

@@ -2,23 +2,21 @@
 registers itself with register(subparsers)."""
 
 import argparse
-import importlib
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
+from .commands import bench, check_config, ps, replay, serve, trace
 from .errors import PoolError
+from .version import __version__
 
-COMMANDS = ("replay", "bench", "serve", "check_config", "ps", "trace")
+COMMANDS = (replay, bench, serve, check_config, ps, trace)
 
 
 def _version():
     """The installed distribution's version (the package's own where it is run from a source tree)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("ascend_pool")
     except PackageNotFoundError:
-        from . import __version__
-
         return __version__
 
 
@@ -26,13 +24,7 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="ascend-pool", description="ascend_pool: caching NPU memory pool tools")
     parser.add_argument("--version", action="version", version=f"ascend-pool {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"ascend_pool.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"ascend_pool.commands.{name}":
-                raise
-            continue  # not built yet in this version
+    for module in COMMANDS:
         module.register(sub)
     return parser
 

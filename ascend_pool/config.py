@@ -37,6 +37,10 @@ from .errors import ConfigError
 from .units import parse_bytes
 
 ENV_VAR = "ASCEND_POOL_CONF"
+# Knob values that name a C policy; PoolBase maps each to its enum (core/pool.pxi's tables of the
+# same names, checked equal by tests/test_one_home.py).
+RELEASE_POLICIES = ("never", "under_peak")
+STREAM_REUSE = ("borrow", "tied")
 DEFAULT_HISTORY = 100_000
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -217,15 +221,13 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
         elif key == "expandable_segments":
             cfg["expandable"] = 1 if _bool(key, value) else 0
         elif key == "release_policy":
-            from ._core import RELEASE_POLICIES
             if value not in RELEASE_POLICIES:
                 raise ConfigError(f"release_policy: must be one of {sorted(RELEASE_POLICIES)}, got {value!r}")
-            cfg["release_policy"] = RELEASE_POLICIES[value]
+            cfg["release_policy"] = value  # the compiled pool maps the name to its enum
         elif key == "stream_reuse":
-            from ._core import STREAM_REUSE
             if value not in STREAM_REUSE:
                 raise ConfigError(f"stream_reuse: must be one of {sorted(STREAM_REUSE)}, got {value!r}")
-            cfg["stream_reuse"] = STREAM_REUSE[value]
+            cfg["stream_reuse"] = value
         elif key in ("memory_fraction", "per_process_memory_fraction"):
             f = _number(key, value)
             if not 0 < f <= 1:

@@ -18,6 +18,10 @@ __all__ = [
     "InvalidStreamError",
     "InvalidDeviceError",
     "ConfigError",
+    "LedgerError",
+    "STATUS_NAMES",
+    "STATUS_ERRORS",
+    "from_code",
 ]
 
 
@@ -92,3 +96,61 @@ class InvalidDeviceError(PoolError, ValueError):
 class ConfigError(PoolError, ValueError):
     """A configuration value (environment variable, TOML file, knob string or argument) is invalid.
     The message names the setting and the value."""
+
+
+class LedgerError(PoolError, OSError):
+    """(Defined here, below the compiled core that raises it; ascend_pool.tenants re-exports it.)
+    The node-wide quota ledger (a file under /dev/shm or $ASCEND_POOL_LEDGER_DIR) cannot be
+    used: it is foreign (another owner or group, wrong permissions, a symbolic link), malformed
+    (bad magic, version, layout or contents), full, or its lock is held by a wedged process.
+    ``kind`` is one of "permission", "malformed", "full", "lock", "io", "argument". The ledger is
+    never repaired or trusted in these cases; the message names the file and the reason."""
+
+    def __init__(self, message, kind="io"):
+        super().__init__(message)
+        self.kind = kind
+
+    def __str__(self):
+        return self.args[0]
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.kind))
+
+
+# ---- the one map from status codes to exceptions ------------------------------------------------
+# The pool's statuses (cython/core/pool.h, AP_*) and the C ABI's last-error codes
+# (ascend_pool/include/ascend_pool.h, ASCEND_POOL_E_*) are the same numbers (capi/last_error.h
+# asserts it); the C ABI adds 100-102. Both Cython faces (core/pool.pxi, capi/capi.pxi) turn a
+# code into an exception through from_code, so a new code is added here once.
+
+STATUS_NAMES = {
+    0: "OK", 1: "OOM", 2: "LIMIT", 3: "INVALID_SIZE", 4: "INVALID_PTR", 5: "INVALID_STREAM", 6: "DEVICE",
+    7: "TIMEOUT", 8: "HOST_NOMEM", 10: "QUOTA", 100: "INVALID_DEVICE", 101: "NOT_READY", 102: "INVALID_ARG",
+}
+"""Code -> the name after ASCEND_POOL_E_ (AP_E_ in the pool); 9 (AP_E_BUSY) never leaves the pool."""
+
+STATUS_ERRORS = {
+    1: OutOfMemoryError,       # OOM: device exhausted after trim + retry
+    2: OutOfMemoryError,       # LIMIT: the pool's byte limit (memory fraction)
+    3: InvalidSizeError,
+    4: InvalidPointerError,
+    5: InvalidStreamError,
+    6: DeviceError,            # takes (runtime code, message)
+    7: DeviceTimeoutError,     # takes (runtime code, message)
+    8: MemoryError,            # host memory for bookkeeping: not the device's
+    10: QuotaExceededError,
+    100: InvalidDeviceError,
+}
+"""Code -> exception class; a code not listed (NOT_READY, INVALID_ARG, unknown) raises PoolError."""
+
+
+def from_code(code, message, device_code=None):
+    """The exception (not raised) for a failed call that returned status `code` (int) with
+    `message` (str). device_code: the runtime's own error code for DEVICE and TIMEOUT (default:
+    `code`, which is all the C ABI's last error carries)."""
+    cls = STATUS_ERRORS.get(code)
+    if cls is None:
+        return PoolError(f"call failed with status {code} ({STATUS_NAMES.get(code, 'unknown')}): {message}")
+    if issubclass(cls, DeviceError):
+        return cls(code if device_code is None else device_code, message)
+    return cls(message)

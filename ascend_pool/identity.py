@@ -15,6 +15,13 @@ name, locked, then link()ed), so a checker never sees a live process's lease unl
 
 The pid stays as a label for people, with the pid namespace it belongs to (`pidns()`, the inode
 of /proc/self/ns/pid). A forked child is another process: it gets a new instance and new leases.
+
+Within one pid namespace a pid plus its start time (field 22 of /proc/PID/stat, clock ticks after
+boot; a later process with the same pid starts later) and the kernel's boot id name a process
+(start_time, boot_id, is_alive): the stats files use that to tell a dead writer sooner.
+
+This is the one Python home of process identity; the C ledger code has its own in
+cython/quota/proc_identity.h (given the instance and pid namespace from here).
 """
 
 import errno
@@ -23,6 +30,7 @@ import os
 import threading
 
 LEASE_PREFIX = "ascend_pool-lease-"
+_BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 _lock = threading.Lock()
 _instance = 0
@@ -98,6 +106,12 @@ def ensure_lease(directory):
     return inst
 
 
+def whoami(directory):
+    """This process as the records of `directory` name it: (pid, instance, pidns, start time),
+    with its lease held there (ensure_lease)."""
+    return os.getpid(), ensure_lease(directory), pidns(), self_start_time()
+
+
 def lease_alive(directory, value):
     """True when the process of instance `value` holds its lease in `directory`, False when it does
     not (exited, in any namespace), None when it cannot be told (then keep its records)."""
@@ -129,24 +143,44 @@ def owner_alive(directory, value, pid=0, ns=0, start=0):
     field 22) is dead even while its lease is held for a moment more (a killed multi-threaded
     process is a zombie before its last thread has closed its files)."""
     lease = lease_alive(directory, value)
-    if lease and pid > 0 and start and pid_here(ns) and _start_time(pid) != start:
+    if lease and pid > 0 and start and pid_here(ns) and start_time(pid) != start:
         return False
     return lease
 
 
-def _start_time(pid):
+def start_time(pid):
+    """The start time of pid in this pid namespace (clock ticks after boot), or None when there is
+    no such process or it has exited (a zombie)."""
     try:
         with open(f"/proc/{int(pid)}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
+    # comm (field 2) is in parentheses and may itself hold spaces and ')': split after the last ')'.
     rest = data[data.rindex(b")") + 2:].split()
-    return None if rest[0] in (b"Z", b"X") else int(rest[19])
+    return None if rest[0] in (b"Z", b"X") else int(rest[19])  # field 22 overall; rest starts at 3
 
 
 def self_start_time():
     """This process's start time (/proc/self/stat field 22), or 0."""
-    return _start_time(os.getpid()) or 0
+    return start_time(os.getpid()) or 0
+
+
+def boot_id():
+    """The kernel's boot id as 16 raw bytes (zeros where /proc does not tell it)."""
+    try:
+        with open(_BOOT_ID_PATH) as f:
+            return bytes.fromhex(f.read().strip().replace("-", ""))[:16].ljust(16, b"\0")
+    except (OSError, ValueError):
+        return b"\0" * 16
+
+
+def is_alive(pid, expected_start, expected_boot=None):
+    """True if pid (of this pid namespace) is running and is the process that started at
+    expected_start (clock ticks after boot) in this boot (expected_boot: 16 bytes, or None)."""
+    if expected_boot is not None and expected_boot != boot_id():
+        return False
+    return start_time(pid) == expected_start
 
 
 def remove_dead_leases(directory, limit=10000):

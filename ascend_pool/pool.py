@@ -1,13 +1,44 @@
 """ascend_pool.Pool: the caching pool of one device, with PyTorch-style stats and snapshots."""
 
+import types
+
+import numpy as np
+
 from . import registry as _registry
-from . import sharing as _sharing
 from . import snapshot as _snapshot
 from . import stats as _stats
 from ._core import PoolBase, forked_from
 from .backend import open_backend
 from .config import effective_knobs, knobs_to_config
-from .errors import InvalidDeviceError
+from .errors import InvalidDeviceError, PoolError
+from .snapshot_trace import arrays_from_snapshot
+from .traces import trace_from_arrays
+
+# The layers above plug in here at their import (the facade imports them, so a user always has
+# them; this layer cannot import them): tenants.context makes pool.context()'s Context, and
+# ascend_pool.sharing serves pool.share_*, adds the shared_* stats and settles exports at close.
+_context_factory = None
+_sharing = None
+
+
+def set_context_factory(fn):
+    """Registers fn(pool, name, quota=None, warn=None) -> Context, what Pool.context calls."""
+    global _context_factory
+    _context_factory = fn
+
+
+def set_sharing(share_malloc, share, share_free, pool_stats, before_close):
+    """Registers the sharing calls (ascend_pool.sharing's functions of the same names; before_close
+    runs first in Pool.close)."""
+    global _sharing
+    _sharing = types.SimpleNamespace(share_malloc=share_malloc, share=share, share_free=share_free,
+                                     pool_stats=pool_stats, before_close=before_close)
+
+
+def _plugin(hook, module):
+    if hook is None:
+        raise PoolError(f"{module} is not loaded: import ascend_pool (the package) rather than ascend_pool.pool alone")
+    return hook
 
 
 class Pool(PoolBase):
@@ -41,16 +72,15 @@ class Pool(PoolBase):
     def context(self, name, quota=None, warn=None):
         """A tenant context on this pool's device: its own segments and a soft quota (bytes, "8GiB"
         or "25%" of the device). `with ctx:` makes it current for this thread."""
-        from .tenants.context import make_context
-
-        return make_context(self, name, quota=quota, warn=warn)
+        return _plugin(_context_factory, "ascend_pool.tenants")(self, name, quota=quota, warn=warn)
 
     def memory_stats(self):
         """Counters in PyTorch's memory_stats() schema ("allocated_bytes.all.current", ...) plus
         fragmentation and stream-order figures and the shared_* figures of ascend_pool.sharing;
         exact at the moment of the call (bytes)."""
         out = _stats.with_derived(self._raw_stats())
-        out.update(_sharing.pool_stats(self))
+        if _sharing is not None:
+            out.update(_sharing.pool_stats(self))
         return _stats.minus_baseline(out, self.__dict__.get("_acc_base"))
 
     def reset_accumulated_stats(self):
@@ -69,22 +99,22 @@ class Pool(PoolBase):
 
     def share_malloc(self, nbytes):
         """A block of nbytes in a segment of its own, for share(); returns its address (int)."""
-        return _sharing.share_malloc(self, nbytes)
+        return _plugin(_sharing, "ascend_pool.sharing").share_malloc(self, nbytes)
 
     def share(self, ptr, read_only=False, pids=(), any_process=False):
         """Exports the share_malloc'ed block at ptr to other processes; returns a SharedHandle."""
-        return _sharing.share(self, ptr, read_only=read_only, pids=pids, any_process=any_process)
+        return _plugin(_sharing, "ascend_pool.sharing").share(self, ptr, read_only=read_only, pids=pids, any_process=any_process)
 
     def share_free(self, ptr):
         """Gives back a share_malloc'ed block: True if freed now, False if deferred until its
         importers close."""
-        return _sharing.share_free(self, ptr)
+        return _plugin(_sharing, "ascend_pool.sharing").share_free(self, ptr)
 
     def close(self):
         """Returns all device memory of this pool and closes it (shared blocks still imported by
         other processes are handed to ascend_pool.sharing, which frees them once they close)."""
-        if not forked_from():  # in a forked child the pool and its exports are the parent's
-            _sharing._before_pool_close(self)
+        if _sharing is not None and not forked_from():  # in a forked child the exports are the parent's
+            _sharing.before_close(self)
         super().close()
 
     def memory_summary(self):
@@ -102,11 +132,6 @@ class Pool(PoolBase):
         """Writes the recorded history (record_memory_history or the record_history knob) as a
         replayable trace NAME.npz (ascend_pool.traces format): allocations with their requested
         sizes and the frees of them, streams numbered in order of appearance. Returns the Trace."""
-        import numpy as np
-
-        from .snapshot_trace import arrays_from_snapshot
-        from .traces import trace_from_arrays
-
         a = arrays_from_snapshot(self.snapshot(), self.device, "pool history")
         trace = trace_from_arrays(a["op"], a["id"], a["size"], a["stream"], name="pool history")
         np.savez(path, **a)

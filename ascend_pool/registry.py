@@ -1,28 +1,88 @@
-"""The live pools of this process (default pools and tenant contexts), for metrics and tools.
-Weak references: a pool that is dropped disappears from here by itself."""
+"""Which pools exist in this process: every open pool (Pool and tenant contexts) and the default
+pool of each device. The one Python home of that question; the C ABI's mirror of it
+(cython/capi/registry.h, core/current.h) is kept in step from here and from PoolBase.
+
+Pinned host pools (one per device, never closed) are kept here too.
+
+Live pools are weak references: a pool that is dropped disappears from here by itself. Upper
+layers that must know when a pool opens register a listener (on_register); the stats publisher
+(ascend_pool/service/publisher.py) starts that way, on the process's first pool.
+"""
 
 import logging
+import os
 import threading
 import weakref
 
+from ._core import _set_default_pool
+
+log = logging.getLogger("ascend_pool")
 _lock = threading.Lock()
 _pools = weakref.WeakSet()
+_defaults = {}     # device -> its default pool (ascend_pool.api creates them)
+_host_pools = {}   # device -> the pinned host pool (ascend_pool.integrations.pinned creates them)
+_listeners = []    # fn(pool), called after each register()
+
+
+def _after_fork_in_child():
+    # Another thread may have held the lock at the fork: the child's copy would stay locked.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def register(pool):
-    """Adds a pool (called by Pool.__init__) and makes sure this process publishes its pools'
-    counters for the node service (ascend_pool.service.publisher)."""
+    """Adds an open pool (Pool.__init__ calls it) and tells the listeners (outside the lock; a
+    listener that fails is logged: a pool must open even where, e.g., /dev/shm is not usable)."""
     with _lock:
         _pools.add(pool)
-    try:
-        from .service.publisher import ensure_publisher
+        listeners = list(_listeners)
+    for fn in listeners:
+        try:
+            fn(pool)
+        except Exception as e:
+            log.warning("pool registry listener %r failed: %s", fn, e)
 
-        ensure_publisher()
-    except Exception as e:  # publishing is best effort: a pool must open even where /dev/shm is not usable
-        logging.getLogger("ascend_pool").warning("stats publisher not started: %s", e)
+
+def on_register(fn):
+    """Calls fn(pool) for every pool opened from now on (idempotent per fn)."""
+    with _lock:
+        if fn not in _listeners:
+            _listeners.append(fn)
 
 
 def live_pools():
     """Open pools of this process, as a list (device, tenant and memory_stats() on each)."""
     with _lock:
         return [p for p in list(_pools) if not p.closed]
+
+
+def default_pool(device):
+    """The open default pool of device, or None."""
+    pool = _defaults.get(device)
+    return None if pool is None or pool.closed else pool
+
+
+def set_default_pool(device, pool):
+    """Makes pool the default of device, for Python and the C ABI (ascend_pool_malloc) alike."""
+    _set_default_pool(pool)
+    _defaults[device] = pool
+
+
+def default_pools():
+    """The open default pools, as a list."""
+    return [p for p in list(_defaults.values()) if not p.closed]
+
+
+def host_pool(device, create):
+    """The process's pinned host pool of device: create() makes it on first use; kept for the life
+    of the process (arrays and in-flight copies may outlive every reference to it)."""
+    pool = _host_pools.get(device)
+    if pool is None:
+        with _lock:
+            pool = _host_pools.get(device)
+            if pool is None:
+                pool = _host_pools[device] = create()
+    return pool

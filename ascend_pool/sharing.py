@@ -62,7 +62,13 @@ import time
 import weakref
 
 from . import identity
+from ._core import _share_alloc, check_not_forked
+from .api import default_pool
+from .backend import open_backend
 from .errors import InvalidDeviceError, InvalidPointerError, PoolError
+from .pool import set_sharing
+from .private_dir import candidates
+from .tenants.ledger import base_dir, ledger_dir, node_name
 
 __all__ = ["SharedHandle", "SharedBlock", "SharingError", "NotShareableError", "open_shared", "share_malloc",
            "share", "share_free", "allow", "collect", "shares", "pool_stats", "node_pid"]
@@ -73,8 +79,6 @@ def node_pid(backend=None):
     backend aclrtDeviceGetBareTgid (inside a container the host's tgid, not getpid()), on cuda
     getpid(). An importer sends it to the exporter, which passes it in share(ptr, pids=[...]) or
     allow(handle, [...]). backend: name or Backend (default: this process's)."""
-    from .backend import open_backend
-
     be = backend if backend is not None and not isinstance(backend, str) else open_backend(backend)
     return be.node_pid()
 
@@ -122,7 +126,8 @@ _PREFIX = "ascend_pool-share-"
 
 def _me():
     """This process as a slot: [pid, count, instance, pidns, start]."""
-    return [os.getpid(), 0, identity.ensure_lease(_record_dir()), identity.pidns(), identity.self_start_time()]
+    pid, inst, ns, start = identity.whoami(_record_dir())
+    return [pid, 0, inst, ns, start]
 
 
 def _alive(directory, inst, pid=0, ns=0, start=0):
@@ -131,12 +136,10 @@ def _alive(directory, inst, pid=0, ns=0, start=0):
 
 
 def _node(backend_name):
-    return os.environ.get("ASCEND_SIM_NODE", "default") if backend_name == "sim" else socket.gethostname()
+    return node_name(backend_name) or socket.gethostname()  # a simulated node, else this host
 
 
 def _record_dir():
-    from .tenants.ledger import ledger_dir
-
     return ledger_dir()
 
 
@@ -267,8 +270,6 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _check_pool(pool):
-    from ._core import check_not_forked
-
     check_not_forked()  # a forked child's pools are its parent's (BackendUnavailableError)
     if pool.closed:
         raise SharingError("this pool is closed")
@@ -295,8 +296,6 @@ def share_malloc(pool, nbytes):
     """A block of nbytes in a device segment of its own (whole 2 MiB pages), counted in the pool's
     reserved bytes and its tenant's quota; returns its device address. Share it with share(), give
     it back with share_free() (pool.free refuses it)."""
-    from ._core import _share_alloc
-
     _check_pool(pool)
     seg = _share_alloc(pool, nbytes)
     with _lock:
@@ -555,8 +554,6 @@ def open_shared(handle, pool=None):
     if not isinstance(handle, SharedHandle):
         raise TypeError(f"open_shared needs a SharedHandle from Pool.share(), got {type(handle).__name__}")
     if pool is None:
-        from .api import default_pool
-
         pool = default_pool(handle.device)
     _check_pool(pool)
     if pool.device != handle.device:
@@ -642,9 +639,6 @@ def pool_stats(pool):
 def _trusted_record_dirs(uids, gids):
     """[(directory, owner uids whose records it may hold)] of the trusted users' and groups'
     private directories in the ledger base directory (what a node service reads)."""
-    from .private_dir import candidates
-    from .tenants.ledger import base_dir
-
     out = []
     for path, kind, num in candidates(base_dir(), uids, gids):
         out.append((path, {num} if kind == "u" else None))  # a group's directory: any member's records
@@ -705,3 +699,6 @@ def _shares_in(d, owners):
                     "exporter_alive": alive,
                     "state": "open" if h["state"] == _OPEN else "closing", "importers": importers})
     return out
+
+
+set_sharing(share_malloc, share, share_free, pool_stats, _before_pool_close)

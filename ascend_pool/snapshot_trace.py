@@ -23,18 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .traces import OP_ALLOC, OP_FREE, Trace, trace_from_arrays
+from .traces import OP_ALLOC, OP_FREE, Trace, register_reader, trace_from_arrays
 
-__all__ = ["SNAPSHOT_SUFFIXES", "is_snapshot_path", "read_snapshot", "arrays_from_snapshot",
+__all__ = ["SNAPSHOT_SUFFIXES", "read_snapshot", "arrays_from_snapshot",
            "trace_from_snapshot", "convert"]
 
 SNAPSHOT_SUFFIXES = (".pickle", ".pkl")
 _MAX_BYTES = 4 << 30
-
-
-def is_snapshot_path(path) -> bool:
-    """True for a file named like a snapshot pickle (NAME.pickle, NAME.pkl)."""
-    return str(path).endswith(SNAPSHOT_SUFFIXES)
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -120,3 +115,6 @@ def convert(path, out, device=None) -> Trace:
     out.with_suffix(".json").write_text(json.dumps({"source": "pytorch memory snapshot", "snapshot": str(p),
                                                     "device": device}, indent=1) + "\n")
     return trace
+
+
+register_reader(SNAPSHOT_SUFFIXES, trace_from_snapshot)

@@ -3,13 +3,22 @@
 from .units import format_bytes
 
 
+def external_fragmentation(stats):
+    """The fragmentation ratio, one meaning everywhere (memory_stats, the metric, bench and replay
+    JSON): 1 - largest free block / cached free bytes, in 0..1, 0 when nothing is cached. stats:
+    a mapping with cached_free_bytes and largest_free_block_bytes (bytes)."""
+    cached = stats["cached_free_bytes"]
+    if cached <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - stats["largest_free_block_bytes"] / cached))
+
+
 def with_derived(raw):
     """Adds fragmentation figures to the raw counters (all in bytes or ratios):
-    external_fragmentation = 1 - largest free block / cached free bytes (0 when nothing is cached),
+    external_fragmentation (see external_fragmentation()),
     internal_waste_bytes = allocated (rounded) - requested bytes."""
     out = dict(raw)
-    cached = raw["cached_free_bytes"]
-    out["external_fragmentation"] = 1.0 - raw["largest_free_block_bytes"] / cached if cached else 0.0
+    out["external_fragmentation"] = external_fragmentation(raw)
     out["internal_waste_bytes"] = raw["allocated_bytes.all.current"] - raw["requested_bytes.all.current"]
     return out
 

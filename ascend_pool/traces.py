@@ -212,6 +212,17 @@ def trace_name(path: PathLike) -> str:
     return Path(path).stem
 
 
+# Readers of other trace formats, by file suffix: fn(path) -> Trace. A format whose module sits
+# above this one registers here at its import (snapshot_trace.py: PyTorch snapshot pickles).
+_READERS = {}
+
+
+def register_reader(suffixes, fn):
+    """Makes load_trace read files ending in any of suffixes (e.g. (".pickle",)) with fn(path) -> Trace."""
+    for s in suffixes:
+        _READERS[s] = fn
+
+
 def load_trace(path: PathLike) -> Trace:
     """Load and validate ``NAME.npz`` (and ``NAME.json`` beside it, if present, into ``meta``).
 
@@ -219,9 +230,9 @@ def load_trace(path: PathLike) -> Trace:
     ``ValueError`` for a malformed trace (see :func:`trace_from_arrays`).
     """
     p = Path(path)
-    if str(p).endswith((".pickle", ".pkl")):  # a PyTorch memory snapshot (snapshot_trace.py)
-        from .snapshot_trace import trace_from_snapshot
-        return trace_from_snapshot(p)
+    reader = _READERS.get(p.suffix)
+    if reader is not None:  # e.g. a PyTorch memory snapshot (snapshot_trace.py)
+        return reader(p)
     if not p.exists() and p.suffix != ".npz" and p.with_name(p.name + ".npz").exists():
         p = p.with_name(p.name + ".npz")
     if not p.is_file():
@@ -293,13 +304,6 @@ def peak_live_bytes(trace: Trace) -> int:
     if trace.n_events == 0:
         return 0
     return max(0, int(live_bytes_series(trace).max()))
-
-
-def final_live_bytes(trace: Trace) -> int:
-    """Requested bytes still live after the last event (0 for a complete trace)."""
-    if trace.n_events == 0:
-        return 0
-    return int(live_bytes_series(trace)[-1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def _versions() -> dict:
 
     out = {"python": platform.python_version(), "numpy": numpy.__version__}
     try:
-        from .. import __version__ as v
+        from ..version import __version__ as v
 
         out["ascend_pool"] = v
     except ImportError:

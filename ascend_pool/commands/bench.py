@@ -12,7 +12,9 @@ import math
 import shlex
 import sys
 
-from ..bench.run import SIM_FREE_LATENCY_US, SIM_MALLOC_LATENCY_US
+from ..bench.run import SIM_FREE_LATENCY_US, SIM_MALLOC_LATENCY_US, run_bench
+from ..bench.table import summary_lines, to_markdown
+from ..config import parse_conf_string
 
 
 def _clean(x):
@@ -60,10 +62,6 @@ def _command_line(args):
 
 
 def _cmd_bench(args):
-    from ..bench.run import run_bench
-    from ..bench.table import summary_lines, to_markdown
-    from ..config import parse_conf_string
-
     json_to_stdout = args.json == "-"
     if args.progress is None:
         progress = args.json is None and sys.stderr.isatty()

@@ -8,12 +8,11 @@ the line or key, and the problem.
 import json
 import sys
 
+from ..tenants.config import ConfigErrors, load
 from ..units import parse_bytes
 
 
 def _cmd_check_config(args):
-    from ..tenants.config import ConfigErrors, load
-
     device_bytes = None
     if args.device_bytes:
         try:

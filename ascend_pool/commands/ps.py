@@ -11,11 +11,13 @@ import json
 import os
 import sys
 
+from ..service.scanner import StatsScanner
+from ..service.serve_args import group_ids
+from ..units import format_bytes
+
 
 def rows(directory=None, allow_uids=(), allow_gids=()):
     """[{"pid", "pidns", "instance", "uid", "device", "tenant", "held_bytes", "allocated_bytes"}]."""
-    from ..service.scanner import StatsScanner
-
     scanner = StatsScanner(None, allowed_uids=set(allow_uids) | {os.geteuid()}, remove_stale=False,
                            allowed_gids=allow_gids)
     if directory:
@@ -31,14 +33,10 @@ def rows(directory=None, allow_uids=(), allow_gids=()):
 
 
 def _cmd_ps(args):
-    from ..service.serve_args import group_ids
-
     table = rows(args.stats_dir, args.allow_uid, group_ids(args.allow_group))
     if args.json:
         print(json.dumps(table, indent=1))
         return 0
-    from ..units import format_bytes
-
     print(f"{'PID':>8} {'INSTANCE':16} {'DEVICE':>6} {'TENANT':20} {'HELD':>12} {'ALLOCATED':>12}")
     for r in table:
         print(f"{r['pid']:>8} {r['instance']:16} {r['device']:>6} {r['tenant'][:20]:20} "

@@ -4,6 +4,9 @@ TRACE may also name one of the traces shipped with the package (``resnet18_train
 
 import json
 
+from ..config import parse_conf_string
+from ..replay import replay
+from ..traces import resolve_trace, shipped_traces_dir
 from ..units import format_bytes
 
 REPLAY_KEYS = ("allocs", "frees", "seconds", "ops_per_second", "peak_live_bytes", "peak_reserved_bytes",
@@ -12,12 +15,7 @@ REPLAY_KEYS = ("allocs", "frees", "seconds", "ops_per_second", "peak_live_bytes"
 
 
 def _cmd_replay(args):
-    from ..config import parse_conf_string
-    from ..replay import replay
-
     knobs = parse_conf_string(args.conf, "--conf") if args.conf else None
-    from ..traces import resolve_trace
-
     r = replay(resolve_trace(args.trace), backend=args.backend, mode=args.mode, device=args.device, pool_knobs=knobs)
     if args.json:
         print(json.dumps({k: r[k] for k in REPLAY_KEYS + ("trace", "mode", "backend")}))
@@ -32,8 +30,6 @@ def _cmd_replay(args):
 
 
 def register(sub):
-    from ..traces import shipped_traces_dir
-
     shipped = shipped_traces_dir()
     names = ", ".join(sorted(p.name[:-4] for p in shipped.glob("*.npz")))
     p = sub.add_parser("replay", help="replay an allocation trace (.npz) and print its figures")

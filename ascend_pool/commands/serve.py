@@ -18,12 +18,24 @@ import sys
 import threading
 from pathlib import Path
 
+from ..errors import ConfigError
+from ..metrics.http import MetricsServer
+from ..metrics.ledger import sweep_dead_processes
+from ..metrics.node import BuildInfo, NodeLabelled, node_name
+from ..service import paths
+from ..service.node_collector import NodeCollector
+from ..service.publisher import ensure_publisher, stop_publisher
+from ..service.replay_loop import ReplayLoop
+from ..service.scanner import StatsScanner
+from ..service.serve_args import group_ids
+from ..tenants import load_config
+from ..tenants.ledger import ledger_group
+from ..traces import bundled_traces_dir, list_traces
+
 log = logging.getLogger("ascend_pool.service")
 
 
 def _trace_paths(names):
-    from ..traces import bundled_traces_dir, list_traces
-
     if not names:
         return list_traces(bundled_traces_dir())
     out = []
@@ -38,8 +50,6 @@ def _tenants(config_path, device):
     Validation is the tenants package's own (one error line per mistake)."""
     if not config_path:
         return None
-    from ..tenants import load_config
-
     cfg = load_config(str(config_path))
     return [(t.name, t.quota.text if t.quota is not None else None, t.warn)
             for t in cfg.tenants.values() if t.applies_to(device)] or None
@@ -75,8 +85,6 @@ def _sweep_ledgers(stop, interval, uids=(), gids=()):
     """Gives back the quota-ledger shares of dead processes every `interval` seconds, in this
     user's ledgers and those of the trusted uids and gids (the ledger also does it before refusing
     a request; this keeps the exported figures true meanwhile)."""
-    from ..metrics.ledger import sweep_dead_processes
-
     while not stop.wait(interval):
         try:
             sweep_dead_processes(uids, gids)
@@ -86,14 +94,6 @@ def _sweep_ledgers(stop, interval, uids=(), gids=()):
 
 def _cmd_serve(args):
     from prometheus_client import CollectorRegistry
-
-    from ..errors import ConfigError
-    from ..metrics.http import MetricsServer
-    from ..metrics.node import BuildInfo, NodeLabelled, node_name
-    from ..service import paths
-    from ..service.node_collector import NodeCollector
-    from ..service.publisher import ensure_publisher, stop_publisher
-    from ..service.scanner import StatsScanner
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s ascend-pool serve: %(levelname)s %(message)s")
@@ -109,12 +109,8 @@ def _cmd_serve(args):
         os.environ.setdefault("ASCEND_POOL_CONFIG", str(args.config))  # the tenants code reads it too
     tenants = _tenants(args.config, args.device)
 
-    from ..service.serve_args import group_ids
-
     registry = CollectorRegistry(auto_describe=False)
     gids = group_ids(args.allow_group)
-    from ..tenants.ledger import ledger_group
-
     if ledger_group() is not None:
         gids.add(ledger_group())  # the service runs in the tenants' sharing group: it reads their directory
     scanner = StatsScanner(allowed_uids=set(args.allow_uid) | {os.geteuid()}, allowed_gids=gids)
@@ -122,8 +118,6 @@ def _cmd_serve(args):
     registry.register(NodeLabelled(NodeCollector(scanner), node))
     loop = None
     if args.replay is not None:
-        from ..service.replay_loop import ReplayLoop
-
         loop = ReplayLoop(_trace_paths(args.replay), backend=args.backend, device=args.device,
                           tenants=tenants, pause_s=args.replay_pause)
         loop.open_pools()

@@ -1,13 +1,12 @@
 """`ascend-pool trace convert SNAPSHOT.pickle OUT.npz [--device N]`: a PyTorch memory snapshot
 (torch.cuda.memory._dump_snapshot, torch_npu's, or ascend_pool's dump_snapshot) as a trace."""
 
+from ..snapshot_trace import convert
+from ..traces import peak_live_bytes
 from ..units import format_bytes
 
 
 def _cmd_convert(args):
-    from ..snapshot_trace import convert
-    from ..traces import peak_live_bytes
-
     trace = convert(args.snapshot, args.out, device=args.device)
     print(f"{args.snapshot} -> {args.out}: {trace.n_allocs} allocs, {trace.n_frees} frees, "
           f"{len(trace.streams)} stream(s), peak live {format_bytes(peak_live_bytes(trace))}")

@@ -5,6 +5,8 @@ import ctypes
 import importlib
 import os
 
+from .. import _core
+from .. import backend as _backend
 from ..backend import BACKEND_ENV
 from ..capi import library_path
 from ..errors import ConfigError
@@ -37,18 +39,15 @@ def use_backend(kind, why, open_now=True):
     names another backend or when a default pool already exists on another backend. open_now
     False leaves the runtime alone until the first allocation (for a framework that initialises
     it itself, with its own configuration)."""
-    from .._core import capi_default_backend
-    from ..backend import open_backend
-
     chosen = os.environ.get(BACKEND_ENV, "").strip()
     if chosen and chosen != kind:
         raise ConfigError(f"{why} needs the {kind} backend, but ${BACKEND_ENV}={chosen!r}")
     for device in range(64):
-        name = capi_default_backend(device)
+        name = _core.capi_default_backend(device)
         if name is not None and name != kind:
             raise ConfigError(f"{why} needs the {kind} backend, but device {device}'s default pool already "
                               f"runs on {name!r}; call install() before allocating with ascend_pool")
-    backend = open_backend(kind) if open_now else None  # fails now, with the runtime's words
+    backend = _backend.open_backend(kind) if open_now else None  # fails now, with the runtime's words
     os.environ[BACKEND_ENV] = kind
     return backend
 

@@ -21,7 +21,9 @@ Pinned memory is scarce: install it where arrays feed the device, not for a whol
 import contextlib
 import importlib
 
-from ._common import require
+from .._core import numpy_handler_capsule, numpy_set_handler
+from ._common import FrameworkMissingError, require
+from .pinned import host_pool as _host_pool
 
 __all__ = ["install", "uninstall", "installed", "is_installed", "stats", "host_pool", "HANDLER_NAME"]
 
@@ -33,8 +35,6 @@ def _numpy():
     np = require("numpy", "numpy", _HINT)
     major, minor = (int(x) for x in np.__version__.split(".")[:2])
     if (major, minor) < (1, 22):
-        from . import FrameworkMissingError
-
         raise FrameworkMissingError(f"numpy {np.__version__} predates memory handlers (NEP 49). {_HINT}")
     return np
 
@@ -49,16 +49,12 @@ def _numpy_module(name):
 
 def host_pool():
     """The pinned host pool behind the handler (device 0 of the process's backend)."""
-    from .pinned import host_pool as _host_pool
-
     return _host_pool(0)
 
 
 def install():
     """Makes numpy allocate new arrays' data from the pinned host pool in the calling context.
     Returns the handler that was current (a capsule), for uninstall()."""
-    from .._core import numpy_handler_capsule, numpy_set_handler
-
     _numpy()
     capsule = numpy_handler_capsule(host_pool())
     return numpy_set_handler(_numpy_module("_multiarray_umath")._ARRAY_API, capsule)
@@ -67,8 +63,6 @@ def install():
 def uninstall(previous=None):
     """Restores `previous` (what install() returned; None: numpy's default handler) in the calling
     context. Arrays already allocated keep freeing into the pool."""
-    from .._core import numpy_set_handler
-
     _numpy()
     numpy_set_handler(_numpy_module("_multiarray_umath")._ARRAY_API, previous)
 

@@ -11,26 +11,20 @@ One pool per device, created on first use and kept until the process exits (arra
 copies may outlive every Python reference to it). See ascend_pool._core.HostPool for the policy.
 """
 
-import threading
+from .. import registry
+from .._core import HostPool
+from ..backend import open_backend
 
 __all__ = ["host_pool"]
 
-_lock = threading.Lock()
-_pools = {}
+
+def _create(device):
+    pool = HostPool(open_backend(), device)
+    pool._make_immortal()
+    return pool
 
 
 def host_pool(device=0):
     """The pinned host pool pinning in `device`'s runtime context on the process's backend
-    ($ASCEND_POOL_BACKEND, else automatic)."""
-    pool = _pools.get(device)
-    if pool is None:
-        from .._core import HostPool
-        from ..backend import open_backend
-
-        with _lock:
-            pool = _pools.get(device)
-            if pool is None:
-                pool = HostPool(open_backend(), device)
-                pool._make_immortal()
-                _pools[device] = pool
-    return pool
+    ($ASCEND_POOL_BACKEND, else automatic); kept in ascend_pool.registry."""
+    return registry.host_pool(device, lambda: _create(device))

@@ -31,7 +31,9 @@ ascend_pool.memory_stats(device) and friends instead.
 
 import importlib
 
+from .. import api
 from ..capi import library_path
+from ..snapshot import dump
 from ._common import require, set_hooks, use_backend
 
 __all__ = ["install", "build_allocator", "patch_memory_functions", "HOOKS", "PATCHED"]
@@ -70,9 +72,6 @@ def _device_index(device):
 
 
 def _replacements():
-    from .. import api
-    from ..snapshot import dump
-
     def memory_stats(device=None):
         return api.memory_stats(_device_index(device))
 

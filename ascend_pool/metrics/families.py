@@ -9,7 +9,8 @@ tenant, and repeating them per tenant would invite sums that count a device twic
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .schema import DEVICE_FAMILIES, FAMILIES, FRAGMENTATION, NO_QUOTA, POOL_KINDS, QUOTA, QUOTA_WARN, WARN_PPM, fragmentation
+from ..stats import external_fragmentation
+from .schema import DEVICE_FAMILIES, FAMILIES, FRAGMENTATION, NO_QUOTA, POOL_KINDS, QUOTA, QUOTA_WARN, WARN_PPM
 
 _TYPES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
@@ -33,7 +34,7 @@ def tenant_families(samples, with_pid=False):
     quota = GaugeMetricFamily(QUOTA[0], QUOTA[1], labels=tenant_labels)
     warn = GaugeMetricFamily(QUOTA_WARN[0], QUOTA_WARN[1], labels=tenant_labels)
     for s in samples:
-        frag.add_metric(_labels(s, with_pid), fragmentation(s.values))
+        frag.add_metric(_labels(s, with_pid), external_fragmentation(s.values))
         if s.values["quota_bytes"] != NO_QUOTA:
             quota.add_metric(_labels(s, with_pid), s.values["quota_bytes"])
             if s.values.get("quota_warn_ppm", 0) > 0:

@@ -14,6 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from .. import registry as reg
+from .collector import PoolCollector
+from .node import BuildInfo, NodeLabelled
+
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_LINE = 8192  # bytes; a scrape's request line is ~30
@@ -163,8 +167,6 @@ def serve_in_thread(server):
 
 
 def _backend_in_use():
-    from .. import registry as reg
-
     names = sorted({str(getattr(getattr(p, "backend", None), "name", "")) for p in reg.live_pools()} - {""})
     return ",".join(names) or "none"
 
@@ -173,10 +175,6 @@ def start_http_server(port, addr="127.0.0.1", registry=None):
     """Serves this process's pools (or `registry`) on http://addr:port/metrics from a daemon thread.
     Returns the MetricsServer (.port is the bound port, useful with port=0; .close() stops it)."""
     if registry is None:
-        from .collector import PoolCollector
-
-        from .node import BuildInfo, NodeLabelled
-
         registry = CollectorRegistry(auto_describe=False)
         registry.register(PoolCollector())
         registry.register(NodeLabelled(BuildInfo(_backend_in_use)))

@@ -12,15 +12,13 @@ import logging
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..tenants import ledger as L
+
 log = logging.getLogger(__name__)
 _warned = set()
 
 
 def _views(uids=(), gids=()):
-    try:
-        from ..tenants import ledger as L
-    except ImportError:
-        return []
     out = []
     try:
         files = L.ledger_files(None, uids, gids)
@@ -99,10 +97,6 @@ def ledger_families(uids=(), gids=()):
 def sweep_dead_processes(uids=(), gids=()):
     """Gives back the ledger shares of processes that died (the node service runs this
     periodically). Returns the bytes reclaimed; 0 when there is no ledger support."""
-    try:
-        from ..tenants import ledger as L
-    except ImportError:
-        return 0
     total = 0
     for r in L.sweep(None, uids, gids):
         if "error" in r:

@@ -9,6 +9,8 @@ the downward API, spec.nodeName), else the hostname.
 import os
 import socket
 
+from ..version import __version__
+
 ENV_NODE = "NODE_NAME"
 
 
@@ -49,8 +51,6 @@ class BuildInfo:
         import platform
 
         from prometheus_client.core import GaugeMetricFamily
-
-        from .. import __version__
 
         backend = self._backend() if callable(self._backend) else self._backend
         fam = GaugeMetricFamily("ascend_pool_build_info", "The ascend_pool build running here (always 1).",

@@ -100,11 +100,3 @@ DEVICE_FAMILIES = (
     ("ascend_pool_device_total_bytes", "Total device memory as the runtime reports it (aclrtGetMemInfo, bytes).",
      "device_total_bytes"),
 )
-
-
-def fragmentation(values):
-    """External fragmentation 0..1 from a record's fields (0 when nothing is cached)."""
-    cached = values["cached_free_bytes"]
-    if cached <= 0:
-        return 0.0
-    return min(1.0, max(0.0, 1.0 - values["largest_free_block_bytes"] / cached))

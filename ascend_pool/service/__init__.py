@@ -6,23 +6,20 @@ file; `ascend-pool serve` reads them all and exports them to Prometheus.
 
 Files: layout (the binary format), statsfile (the owner's writer), reader (validation),
 scanner (a whole directory), publisher (the background thread), node_collector, replay_loop
-(the demo workload of `serve --replay`), paths and procinfo.
+(the demo workload of `serve --replay`) and paths; process identity is ascend_pool.identity.
 """
 
 from .publisher import ensure_publisher, stop_publisher
+from .scanner import StatsScanner
 
 __all__ = ["NodeCollector", "StatsScanner", "ensure_publisher", "stop_publisher"]
 
 
 def __getattr__(name):
-    # Lazy: every process publishes (publisher), only the service reads and exports, and only it
-    # needs prometheus_client.
+    # Lazy: every process publishes (publisher), only the service exports, and only it needs
+    # prometheus_client (a third-party import kept out of every process's import).
     if name == "NodeCollector":
         from .node_collector import NodeCollector
 
         return NodeCollector
-    if name == "StatsScanner":
-        from .scanner import StatsScanner
-
-        return StatsScanner
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

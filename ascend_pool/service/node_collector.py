@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from ..metrics.families import device_families, tenant_families
 from ..metrics.ledger import ledger_families
+from ..sharing import shares
 from .scanner import StatsScanner
 
 NODE_TOTALS = (
@@ -82,8 +83,6 @@ class NodeCollector:
     def _shares(self):
         """Who shares what (ascend_pool.sharing's records, of every user and group the service
         trusts): bytes exported and live importers."""
-        from ..sharing import shares
-
         shared = GaugeMetricFamily("ascend_pool_shared_bytes",
                                    "Device memory exported for other processes, counted once against the "
                                    "exporting tenant (bytes).",

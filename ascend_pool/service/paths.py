@@ -13,6 +13,9 @@ import os
 import re
 import tempfile
 
+from ..private_dir import private_dir
+from ..tenants.ledger import ledger_group
+
 ENV_DIR = "ASCEND_POOL_STATS_DIR"
 PREFIX = "ascend_pool-stats-"
 NAME_RE = re.compile(r"^ascend_pool-stats-([0-9a-f]{16})$")
@@ -31,9 +34,6 @@ def stats_dir():
 def own_dir(base=None):
     """This user's private directory for stats files inside base (default stats_dir()); with
     $ASCEND_POOL_LEDGER_GROUP, the group's shared one (2770), which a service in that group reads."""
-    from ..private_dir import private_dir
-    from ..tenants.ledger import ledger_group
-
     return private_dir(base or stats_dir(), ledger_group())
 
 

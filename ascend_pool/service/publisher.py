@@ -5,7 +5,13 @@ and writes one record per (device, tenant); at exit the file is marked exited an
 allocation path does nothing for this: the thread reads the same C counters a scrape would.
 ASCEND_POOL_STATS=0 turns publishing off for a process.
 
-ensure_publisher() is cheap and idempotent: the pool registry calls it when a pool opens.
+Started on first use, in one place: the listener this module registers with the pool registry
+(ascend_pool/registry.py) at import starts the publisher when the process's first pool opens; the
+package (ascend_pool/__init__.py) imports this module, so every process that opens a pool
+publishes. Pool() neither imports this module nor touches the stats directory: the listener only
+starts the thread, which creates the file (and clears dead processes' files) itself, so a
+framework's first C-ABI call does not wait for it. ensure_publisher() is cheap and idempotent;
+call it to publish before any pool exists (it creates the file before it returns).
 """
 
 import atexit
@@ -13,7 +19,9 @@ import logging
 import os
 import threading
 
+from .. import registry as _registry
 from ..metrics.sample import PoolAggregator
+from .scanner import StatsScanner
 from .statsfile import StatsFile
 
 log = logging.getLogger("ascend_pool.service")
@@ -30,26 +38,43 @@ _failed = False  # could not create the file once: do not retry (and log) at eve
 class Publisher:
     """Owns this process's StatsFile and the thread that fills it."""
 
-    def __init__(self, directory=None, interval=None):
+    def __init__(self, directory=None, interval=None, background=False):
+        """background: the thread creates the file (errors are logged there) instead of this call
+        (errors raised)."""
         self.interval = interval if interval is not None else _interval_from_env()
-        self.file = StatsFile(directory)
-        _remove_stale(self.file.directory)
+        self.file = None
+        self._directory = directory
+        self._ready = threading.Event()  # set once the file exists, or its creation failed
         self._agg = PoolAggregator()
-        self._write_lock = threading.Lock()  # the thread and the exit hook both publish
+        # Held for a whole start or publish cycle (the thread and the exit hook both publish), and
+        # across a fork: a child never inherits the thread's half-done work or its locks.
+        self._write_lock = threading.Lock()
         self._stop = threading.Event()
+        if not background:
+            self._open_file()
         self._thread = threading.Thread(target=self._run, name="ascend-pool-stats", daemon=True)
         self._thread.start()
 
+    def _open_file(self):
+        try:
+            self.file = StatsFile(self._directory)
+            _remove_stale(self.file.directory)
+        finally:
+            self._ready.set()
+
     @property
     def path(self):
-        return self.file.path
+        """The stats file's path (waits up to 10 s for a background start); None if it failed."""
+        self._ready.wait(10)
+        return self.file.path if self.file is not None else None
 
     def publish_now(self):
         """Reads the pools and writes the file at once (also done every interval)."""
-        samples = self._agg.samples()
+        self._ready.wait(10)
         with self._write_lock:
-            if self._stop.is_set() and self.file._map is None:
-                return  # stopped: the file is gone on purpose
+            if self.file is None or (self._stop.is_set() and self.file._map is None):
+                return  # not created, or stopped: the file is gone on purpose
+            samples = self._agg.samples()
             if not self.file.intact():
                 # Truncated or removed by someone with our uid: start a fresh file rather than
                 # write into a mapping that would fault.
@@ -59,6 +84,13 @@ class Publisher:
             self.file.publish(samples)
 
     def _run(self):
+        if self.file is None:  # a background start: create the file here
+            try:
+                with self._write_lock:
+                    self._open_file()
+            except Exception as e:
+                _background_failed(self, e)
+                return
         failures = 0
         while not self._stop.is_set():
             try:
@@ -76,14 +108,13 @@ class Publisher:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=2 * self.interval + 1)
         with self._write_lock:
-            self.file.close(remove=remove)
+            if self.file is not None:
+                self.file.close(remove=remove)
 
 
 def _remove_stale(directory):
     # Files of our uid's processes that died without cleaning up (killed, crashed) would pile up
     # on a node where no service runs: each new publisher clears them, once, at start.
-    from .scanner import StatsScanner
-
     try:
         StatsScanner(directory, refusal_level=logging.DEBUG).scan()
     except Exception as e:
@@ -104,22 +135,35 @@ def enabled():
     return os.environ.get(ENV_ENABLE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def ensure_publisher():
+def ensure_publisher(background=False):
     """Starts this process's publisher if it is not running (and publishing is enabled).
     Returns the Publisher or None. Never raises: a node without a writable stats directory
-    still allocates, it just is not seen by the node service (logged once)."""
+    still allocates, it just is not seen by the node service (logged once). background: the
+    publisher's thread creates the file (the registry listener's way: nothing waits for it)."""
     global _publisher, _failed
     if _publisher is not None or _failed or not enabled():
         return _publisher
     with _lock:
         if _publisher is None and not _failed:
             try:
-                _publisher = Publisher()
+                _publisher = Publisher(background=background)
             except Exception as e:
                 _failed = True
-                log.warning("ascend_pool stats not published (the node service will not see pid %d): %s",
-                            os.getpid(), e)
+                _log_not_published(e)
     return _publisher
+
+
+def _log_not_published(e):
+    log.warning("ascend_pool stats not published (the node service will not see pid %d): %s", os.getpid(), e)
+
+
+def _background_failed(publisher, e):
+    global _publisher, _failed
+    with _lock:
+        _failed = True
+        if _publisher is publisher:
+            _publisher = None
+    _log_not_published(e)
 
 
 def current():
@@ -136,14 +180,38 @@ def stop_publisher():
         p.stop()
 
 
+_forking = None  # the Publisher whose cycle lock the fork in progress holds
+
+
+def _before_fork():
+    # Lets a start or publish cycle in flight finish (bounded) so that the fork does not copy the
+    # thread mid-way (its locks, or the allocator's, would stay held in the child).
+    global _forking
+    p = _publisher
+    _forking = p if p is not None and p._write_lock.acquire(timeout=5) else None
+
+
+def _after_fork_in_parent():
+    global _forking
+    p, _forking = _forking, None
+    if p is not None:
+        p._write_lock.release()
+
+
 def _after_fork_in_child():
     # The child has the parent's Publisher object but not its thread, and the file is the parent's:
     # forget it without touching it; the child publishes under its own pid when it opens a pool.
-    global _publisher, _failed, _lock
-    p, _publisher, _failed, _lock = _publisher, None, False, threading.Lock()
-    if p is not None:
+    global _publisher, _failed, _lock, _forking
+    p, _publisher, _failed, _lock, _forking = _publisher, None, False, threading.Lock(), None
+    if p is not None and p.file is not None:
         p.file.abandon()
 
 
+def _on_pool_opened(pool):
+    ensure_publisher(background=True)
+
+
+_registry.on_register(_on_pool_opened)
 atexit.register(stop_publisher)
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)

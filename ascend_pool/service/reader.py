@@ -18,11 +18,12 @@ import stat
 import time
 from dataclasses import dataclass, field
 
+from . import layout as L
+from . import paths
+from .. import identity
 from ..metrics.sample import TenantSample
 from ..metrics.schema import FIELDS, NO_QUOTA
-from .. import identity
-from . import layout as L
-from . import paths, procinfo
+from ..private_dir import is_trusted
 
 MAX_DEVICE = 1024       # more devices than any node has: a record claiming more is corrupt
 READ_ATTEMPTS = 20      # seqlock retries before giving up on this scrape (the writer takes ~µs)
@@ -84,8 +85,6 @@ def read_stats_file(path, allowed_uids, allowed_gids=()):
 
 def _in_group_dir(path, gid):
     """True when path lies in the 2770 directory of group gid (ascend_pool/private_dir.py)."""
-    from ..private_dir import is_trusted
-
     try:
         return is_trusted(os.lstat(os.path.dirname(path)), "g", gid)
     except OSError:
@@ -133,9 +132,9 @@ def _read(fd, path, inst, allowed_uids, allowed_gids=()):
         raise Refused(path, f"header names uid {uid}, the file is owned by uid {st.st_uid}")
     pid = hpid
     # Liveness before contents: a dead process's file is removed whatever it holds.
-    if boot != procinfo.boot_id() or not _writer_alive(fd):
+    if boot != identity.boot_id() or not _writer_alive(fd):
         raise Stale(path, "process has exited")
-    if identity.pid_here(pidns) and not procinfo.is_alive(pid, start):
+    if identity.pid_here(pidns) and not identity.is_alive(pid, start):
         raise Stale(path, "process has exited (a zombie, or gone from this pid namespace)")
     publish_ns, flags, body = _consistent_body(fd, path, header, capacity)
     if flags & L.FLAG_EXITED:

@@ -14,7 +14,10 @@ import threading
 
 from prometheus_client.core import CounterMetricFamily
 
+from ..backend import open_backend
 from ..errors import OutOfMemoryError, QuotaExceededError
+from ..pool import Pool
+from ..tenants import Context
 from ..traces import live_bytes_series, load_trace
 
 log = logging.getLogger("ascend_pool.service")
@@ -55,15 +58,10 @@ class ReplayLoop:
 
     def open_pools(self):
         """Opens the pools (done by start(); separate so that configuration errors surface early)."""
-        from ..backend import open_backend
-        from ..pool import Pool
-
         be = self.backend if hasattr(self.backend, "device_count") else open_backend(self.backend)
         if not self.tenants:
             self._pools = [Pool(self.device, backend=be)]
         else:
-            from ..tenants import Context
-
             self._pools = []
             for name, quota, warn in self.tenants:
                 self._pools.append(Context(name, device=self.device, backend=be, quota=quota, warn=warn))

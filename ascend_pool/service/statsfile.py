@@ -12,7 +12,7 @@ import time
 
 from .. import identity
 from . import layout as L
-from . import paths, procinfo
+from . import paths
 
 
 class StatsFile:
@@ -36,9 +36,9 @@ class StatsFile:
             size = L.file_size(capacity)
             os.ftruncate(fd, size)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            st = procinfo.start_time(self.pid)
+            st = identity.start_time(self.pid)
             self._map[0:L.SEQ_OFFSET] = L.STATIC.pack(L.MAGIC, L.VERSION, L.HEADER_SIZE, L.RECORD_SIZE, capacity,
-                                                      self.pid, os.geteuid(), st or 0, procinfo.boot_id())
+                                                      self.pid, os.geteuid(), st or 0, identity.boot_id())
             L.IDENTITY.pack_into(self._map, L.IDENTITY_OFFSET, self.instance, identity.pidns())
             self._write([], 0)
             os.rename(tmp, self.path)  # atomic; instance ids are never reused

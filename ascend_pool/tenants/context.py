@@ -21,11 +21,11 @@ separate runtime context would add a context switch per call and change nothing 
 import logging
 import threading
 
-from .. import api as _api
+from .. import current as _current
 from .. import registry as _registry
 from .._core import attach_ledger, pool_trim_to
-from ..errors import ConfigError
-from ..pool import Pool
+from ..errors import ConfigError, PoolError
+from ..pool import Pool, set_context_factory
 from ..units import format_bytes
 from .ledger import open_ledger
 from .quota_spec import check_tenant_name, parse_quota, parse_warn
@@ -173,17 +173,15 @@ class Context(Pool):
         and the C ABI (ascend_pool_malloc) on this device allocate from it. Nests."""
         self._check_open()
         tokens = self._local.__dict__.setdefault("tokens", [])
-        tokens.append(_api.push_current(self.device, self))
+        tokens.append(_current.push(self.device, self))
         return self
 
     def __exit__(self, *exc):
-        _api.pop_current(self.device, self._local.tokens.pop())
+        _current.pop(self.device, self._local.tokens.pop())
         return False
 
     def _check_open(self):
         if self.closed:
-            from ..errors import PoolError
-
             raise PoolError(f"tenant context {self.tenant!r} on device {self.device} is closed")
 
     def __repr__(self):
@@ -200,6 +198,9 @@ def make_context(pool, name, quota=None, warn=None):
     if pool.closed:
         raise ConfigError(f"cannot create tenant context {name!r}: the pool is closed")
     return Context(name, pool.device, pool.backend, quota=quota, warn=warn, **pool.knobs)
+
+
+set_context_factory(make_context)
 
 
 def live_contexts(tenant=None, device=None):

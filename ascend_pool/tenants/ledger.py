@@ -19,6 +19,11 @@ import os
 import re
 import threading
 
+from .. import identity
+from .._core import Ledger, set_operator_quota_hook
+from ..backend import open_backend
+from ..private_dir import candidates, private_dir
+from .config import operator_quota
 from .errors import LedgerError
 
 DIR_ENV = "ASCEND_POOL_LEDGER_DIR"
@@ -40,16 +45,9 @@ def _forget_after_fork():
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _register_operator_quota():
-    # The ledger code (in the extension, a lower layer) asks the tenants file for the operator's
-    # quota through this hook: the file's quota wins over any process's own declaration.
-    from .._core import set_operator_quota_hook
-    from .config import operator_quota
-
-    set_operator_quota_hook(operator_quota)
-
-
-_register_operator_quota()
+# The ledger code (in the extension, a lower layer) asks the tenants file for the operator's
+# quota through this hook: the file's quota wins over any process's own declaration.
+set_operator_quota_hook(operator_quota)
 
 
 def base_dir(directory=None):
@@ -64,28 +62,12 @@ def base_dir(directory=None):
 def ledger_dir(directory=None, group=None):
     """The directory of this user's (or group's) ledger files, share records and leases: a private
     directory inside base_dir(directory), created if needed (ascend_pool.private_dir)."""
-    from ..private_dir import private_dir
-
     base = base_dir(directory)
     gid = ledger_group(group)
     try:
         return private_dir(base, gid)
     except OSError as e:
         raise LedgerError(f"cannot have a private ledger directory in {base}: {e}", kind="permission") from None
-
-
-def ensure_lease(directory):
-    """Holds this process's lease (ascend_pool.identity) in directory and gives the ledger code its
-    identity. Returns the instance id."""
-    from .. import identity
-    from .._core import set_process_identity
-
-    try:
-        inst = identity.ensure_lease(directory)
-    except OSError as e:
-        raise LedgerError(f"cannot create this process's lease in {directory}: {e}", kind="io") from None
-    set_process_identity(inst, identity.pidns())
-    return inst
 
 
 def ledger_group(value=None):
@@ -122,8 +104,6 @@ def open_ledger(device, backend, directory=None, group=None):
     """This process's Ledger of device (created on first use, validated, then kept). backend: a
     Backend object or its name ("acl", "sim", "cuda"). Raises LedgerError on a foreign or
     malformed file."""
-    from .._core import Ledger
-
     name = _backend_name(backend)
     gid = ledger_group(group)
     node = node_name(name)
@@ -140,8 +120,6 @@ def ledger_files(directory=None, uids=(), gids=()):
     the directory, and of the trusted uids' and gids' private directories there (a node service's
     --allow-uid / --allow-group). owner: the uid a private ledger belongs to; None for a group
     ledger."""
-    from ..private_dir import candidates
-
     gid = ledger_group()
     own = ledger_dir(directory, gid)
     dirs = {own: ("g", gid) if gid is not None else ("u", os.geteuid())}
@@ -166,8 +144,6 @@ def ledger_files(directory=None, uids=(), gids=()):
 
 
 def _open_file(path, device, backend, node, group, owner=None):
-    from .._core import Ledger
-
     with _lock:
         led = _cache.get(path)
         if led is None:
@@ -182,8 +158,6 @@ def sweep(directory=None, uids=(), gids=()):
     runs periodically. Returns a list of dicts {"path", "device", "slots", "bytes"}; a file that is
     refused is reported with "error"."""
     out = []
-    from .. import identity
-
     for path, device, backend, node, group, owner in ledger_files(directory, uids, gids):
         try:
             slots, nbytes = _open_file(path, device, backend, node, group, owner).sweep()
@@ -198,7 +172,5 @@ def view(device=0, backend=None, directory=None):
     """The ledger of device as a dict (see ascend_pool._core.Ledger.view): tenants with quota and
     held bytes node-wide, and process slots. backend: name or object (default: this process's)."""
     if backend is None:
-        from ..backend import open_backend
-
         backend = open_backend()
     return open_ledger(device, backend, directory).view()

@@ -13,6 +13,7 @@ from libc.stdlib cimport malloc as _c_malloc, free as _c_free
 import os as _os
 
 from ascend_pool.errors import DeviceError, BackendUnavailableError, DeviceTimeoutError
+from ascend_pool._sim import library_path as _sim_library_path
 
 cdef extern from "backend.h" nogil:
     int AP_BACKEND_ACL
@@ -126,8 +127,7 @@ cdef class Backend:
         cdef int prefer_loaded = path is None  # a runtime already loaded wins over a default
         kind = str(kind)
         if kind == "sim" and path is None:
-            from ascend_pool.backend import sim_library_path
-            path = sim_library_path()
+            path = _sim_library_path()
         bkind = kind.encode()
         ckind = bkind
         if path is not None:

@@ -63,6 +63,18 @@ cdef void _capi_unregister(ap_pool **slot) noexcept nogil:
 
 # ---- lazy default pools ----------------------------------------------------------------------------
 
+# The one call from the C ABI up into Python: fn(device) -> (backend, pool or None when the backend
+# has no such device), registered by ascend_pool.api at its import (this layer cannot import it).
+_default_pool_hook = None
+
+
+def set_default_pool_hook(fn):
+    """Registers fn(device) -> (Backend, default pool of device, or None when the device does not
+    exist): what the C ABI calls when a device has no pool yet (ascend_pool.api registers it)."""
+    global _default_pool_hook
+    _default_pool_hook = fn
+
+
 cdef int _capi_create_default(int device, int strict, char *msg, size_t msglen) noexcept:
     """Called by exports.h with the GIL held: creates the process default pool of `device` (with
     the backend and knobs a Python user would get), so that a framework that only loaded the
@@ -70,17 +82,15 @@ cdef int _capi_create_default(int device, int strict, char *msg, size_t msglen) 
     cdef bytes text
     cdef size_t n
     try:
-        from ascend_pool.api import default_pool
-        from ascend_pool.backend import open_backend
-
-        backend = open_backend()
+        if _default_pool_hook is None:
+            raise PoolError("ascend_pool.api has not registered the default-pool hook: import ascend_pool")
+        backend, pool = _default_pool_hook(device)
         apc_learn_device_count(backend.device_count)
-        if not 0 <= device < backend.device_count:
+        if pool is None:
             if not strict:
                 return ASCEND_POOL_OK
             raise InvalidDeviceError(
                 f"device {device} does not exist: the {backend.name} backend has {backend.device_count} device(s)")
-        default_pool(device)
         return ASCEND_POOL_OK
     except BaseException as exc:
         text = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")

@@ -227,8 +227,8 @@ cdef class PoolBase:
             elif key == "reserve_bytes": cfg.reserve_bytes = value
             elif key == "history_capacity": cfg.history_capacity = value
             elif key == "gc_threshold": cfg.gc_threshold = value
-            elif key == "release_policy": cfg.release_policy = value
-            elif key == "stream_reuse": cfg.stream_reuse = value
+            elif key == "release_policy": cfg.release_policy = RELEASE_POLICIES[value]
+            elif key == "stream_reuse": cfg.stream_reuse = STREAM_REUSE[value]
             elif key == "expandable": cfg.expandable = value
             elif key == "sync_timeout_ms": cfg.sync_timeout_ms = value
             elif key == "roundup_divisions":  # 16 intervals (config.py checked them)

@@ -11,6 +11,12 @@
 from libc.stdint cimport uint64_t, uint32_t, int64_t
 from libc.stdlib cimport malloc, free
 
+import logging as _logging
+
+from ascend_pool import identity as _identity
+from ascend_pool.errors import LedgerError
+from ascend_pool.units import format_bytes as _format_bytes
+
 cdef extern from "pool.h" nogil:
     size_t ap_pool_trim_to(ap_pool *p, size_t target)
 
@@ -86,10 +92,14 @@ _operator_quota_hook = None  # ascend_pool.tenants registers its reader of the o
 _conflicts_logged = set()
 
 
-def set_process_identity(uint64_t instance, uint64_t pidns):
-    """Tells the ledger code this process's instance id (its lease, ascend_pool.identity) and
-    pid namespace, which the slots it claims are named by."""
-    apl_set_identity(instance, pidns)
+cdef _ensure_lease(str directory):
+    """Holds this process's lease (ascend_pool.identity) in directory and gives the ledger code its
+    identity (the slots it claims are named by it)."""
+    try:
+        inst = _identity.ensure_lease(directory)
+    except OSError as e:
+        raise LedgerError(f"cannot create this process's lease in {directory}: {e}", kind="io") from None
+    apl_set_identity(inst, _identity.pidns())
 
 
 def set_operator_quota_hook(fn):
@@ -104,8 +114,7 @@ def _log_conflict(str tenant, int device, str text):
     if (tenant, device) in _conflicts_logged:
         return
     _conflicts_logged.add((tenant, device))
-    import logging
-    logging.getLogger("ascend_pool.tenants").warning(
+    _logging.getLogger("ascend_pool.tenants").warning(
         "tenant %r on device %d: conflicting quota declarations: %s (logged once; counted in "
         "ascend_pool_quota_conflicts_total)", tenant, device, text)
 LEDGER_SLOTS = APL_SLOTS
@@ -114,7 +123,6 @@ _LEDGER_ERRLEN = 1024
 
 
 cdef object _ledger_error(int kind, char *err):
-    from ascend_pool.tenants.errors import LedgerError
     names = {APL_E_IO: "io", APL_E_PERM: "permission", APL_E_MALFORMED: "malformed", APL_E_FULL: "full",
              APL_E_LOCK: "lock", APL_E_ARG: "argument"}
     return LedgerError(err.decode("utf-8", "replace"), kind=names.get(kind, "io"))
@@ -264,8 +272,7 @@ def attach_ledger(PoolBase pool, Ledger ledger, str tenant, quota, warn, bint se
     pool._check()
     if pool.quota_hook is not None:
         raise PoolError("this pool is already attached to a tenant")
-    from ascend_pool.tenants.ledger import ensure_lease
-    ensure_lease(ledger.L.dir.decode())  # the slot is named by this process's lease
+    _ensure_lease(ledger.L.dir.decode())  # the slot is named by this process's lease
     cdef int src = APL_SRC_DECLARED
     op = _operator_quota_hook(tenant, pool.device, lambda: pool.backend.mem_info(pool.device)[1]) \
         if _operator_quota_hook is not None else None
@@ -399,12 +406,11 @@ cdef class LedgerQuota:
                                    f"process (created before a fork); create contexts in the child")
             quota = held = None
         else:
-            from ascend_pool.units import format_bytes
             quota = None if r.quota == APL_NO_QUOTA else r.quota
             held = r.held
-            qtext = "none" if quota is None else f"{quota} bytes ({format_bytes(quota)})"
+            qtext = "none" if quota is None else f"{quota} bytes ({_format_bytes(quota)})"
             msg = (f"tenant {name!r} is over its quota on device {pool.device}: quota {qtext}, held {held} bytes "
-                   f"({format_bytes(held)}) node-wide, requested {requested} bytes ({what}; growing needs "
+                   f"({_format_bytes(held)}) node-wide, requested {requested} bytes ({what}; growing needs "
                    f"{r.bytes} more bytes of device segments, after releasing this context's cached segments)")
             if pool_message:  # the pool's own figures; its "Cause:" repeats what msg says
                 msg += ". " + pool_message.split(" Cause: ")[0]
