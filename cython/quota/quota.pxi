@@ -14,6 +14,7 @@ from libc.stdlib cimport malloc, free
 import logging as _logging
 
 from ascend_pool import identity as _identity
+from ascend_pool.errors import QuotaExceededError
 from ascend_pool.errors import LedgerError
 from ascend_pool.units import format_bytes as _format_bytes
 
