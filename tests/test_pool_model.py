@@ -12,7 +12,8 @@ The policy modelled (cython/core: pool.c, free_blocks.c, free_tree.c, free_cache
   - otherwise best fit: the smallest free block of the request's pool that fits, ties to the
     oldest segment then the lowest offset; the stream's own blocks (freed on it) against blocks
     any stream may use (fresh or synchronized): the any-stream block wins only if smaller;
-  - if none fits, the cache is coalesced into the free lists and best fit is tried again, then a
+  - if none fits, or a small request's fit would be split, the cache is coalesced into the free
+    lists (as if merged at free) and best fit is tried again, then a
     new segment: 2 MiB for the small pool, the request rounded up to 2 MiB for the large pool;
   - a block is split when the rest is at least 512 bytes (min_block / large_split_min);
   - freed blocks merge with free address neighbours at once (large) or when the cache is
@@ -156,7 +157,7 @@ class Model:
                 b.state = "alloc"
                 return b, False
         b = self.best_fit(slot, small, rsize)
-        if b is None:
+        if b is None or (b.size != rsize and small):
             self.flush()
             b = self.best_fit(slot, small, rsize)
         if b is None and self.borrow(slot, small, rsize):
