@@ -106,6 +106,7 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
         return NULL;
     }
     p->stats.device_total_bytes = (int64_t)total_b;
+    ap_classic_policy_init(p);
     if (cfg->expandable && ap_vmm_init(p, err) != AP_OK) {
         ap_pool_destroy(p);
         return NULL;
