@@ -25,9 +25,11 @@ CORE_TESTS=(
     tests/test_backend_acl.py tests/test_backend_devices.py tests/test_backend_vmm.py tests/test_c_units.py tests/test_capi_errors.py
     tests/test_capi_hostpool.py tests/test_capi_symbols.py
     tests/test_containers.py
-    tests/test_context_close.py tests/test_expandable.py tests/test_fork_safety.py tests/test_ledger_files.py tests/test_ledger_reclaim.py
+    tests/test_context_close.py tests/test_expandable.py tests/test_fork_safety.py tests/test_free_cache_merge.py
+    tests/test_ledger_files.py tests/test_ledger_reclaim.py
     tests/test_pool_basic.py tests/test_pool_boundaries.py tests/test_pool_errors.py tests/test_pool_knobs.py tests/test_pool_oom.py
-    tests/test_pool_model.py tests/test_pool_property.py tests/test_pool_stats_active.py tests/test_quota_context.py
+    tests/test_policy_bounds.py tests/test_pool_model.py tests/test_pool_property.py tests/test_pool_stats_active.py
+    tests/test_quota_context.py
     tests/test_reliability_faults.py
     tests/test_reliability_property.py tests/test_reliability_stress.py tests/test_replay.py
     tests/test_torch_semantics.py tests/test_torch_history.py

@@ -107,7 +107,8 @@ def test_release_policy_never_keeps_segments(pool):
         assert p.memory_stats()["num_device_free"] == 0
     finally:
         p.close()
-    # the default releases idle segments rather than grow past its earlier peak
+    # the default releases idle segments rather than grow past its earlier peak (here within the
+    # device-call credit a new pool starts with: docs/placement-policy.md)
     for size in (10, 20, 30, 40):
         pool.free(pool.malloc(size * MiB))
     st = pool.memory_stats()

@@ -8,9 +8,11 @@
  * from 65 % to 25 % with every block cached, and rose to 68 % with small blocks only).
  *
  * Cached blocks are free (inactive) in every statistic and snapshot, just not merged with their
- * neighbours yet. A miss that finds no fit, a release, empty_cache and stream settling flush the
- * cache first. Stats and snapshots, which must not change what the pool does next, show the
- * merged picture without flushing (ap_cache_merged_view, snapshot.c): a cached block is never
+ * neighbours yet, and the merge is deferred invisibly: a small request that would split a block
+ * (cut fresh space; classic segments) or finds no fit, a release, empty_cache and stream settling
+ * flush the cache first, so that two freed neighbours serve a request as one hole (PyTorch, RMM). Each cached block is
+ * flushed at most once per free: amortised, the cost of merging at free. Stats and snapshots,
+ * which must not change what the pool does next, show the merged picture without flushing (ap_cache_merged_view, snapshot.c): a cached block is never
  * counted in inactive_split itself, the view counts its merged run.
  *
  * The hits are inline here, on the cached path of ap_pool_malloc/ap_pool_free; the cache holds

@@ -106,6 +106,7 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
         return NULL;
     }
     p->stats.device_total_bytes = (int64_t)total_b;
+    ap_classic_policy_init(p);
     if (cfg->expandable && ap_vmm_init(p, err) != AP_OK) {
         ap_pool_destroy(p);
         return NULL;
@@ -242,7 +243,11 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
         goto allocated;
     }
     b = ap_find_fit(p, slot, pool, rsize);
-    if (!b) {
+    if ((!b || (b->size != rsize && pool == AP_POOL_SMALL && !p->cfg.expandable)) && p->n_cached) {
+        /* About to cut fresh space (split) or grow: cached blocks merge first, as if merged at
+           free, so that a hole they leave together serves the request (free_cache.h; they are
+           small-pool blocks, no use to a large request until it grows). Expandable mode's small
+           pool fits by page instead (free_blocks.c), and relies on cached blocks merging late. */
         ap_cache_flush(p);
         b = ap_find_fit(p, slot, pool, rsize);
     }
@@ -302,7 +307,8 @@ int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
         ap_mark_allocated_in(p, b, size, slot, AP_POOL_SMALL);
     } else {
         b = slot > 0 ? ap_find_fit(p, slot, pool_of(p, rsize), rsize) : NULL;
-        if (!b) {
+        if (!b || (b->size != rsize && p->n_cached && pool_of(p, rsize) == AP_POOL_SMALL && !p->cfg.expandable)) {
+            /* a split with blocks cached: they merge first (the slow path) */
             pthread_mutex_unlock(&p->lock);
             return AP_E_BUSY;
         }

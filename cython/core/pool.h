@@ -172,6 +172,9 @@ typedef struct ap_pool {
     int64_t vmm_credit;        /* release policy (vmm_policy.c): calls it may spend, in 1/1000 call */
     uint64_t vmm_credit_tick;  /* p->tick when the credit was last topped up */
     int64_t vmm_live_high;     /* highest allocated bytes the policy has seen */
+    int64_t trade_credit;      /* classic release policy (classic_policy.c): calls it may spend, in 1/1000 call */
+    uint64_t trade_tick;       /* p->tick when the credit was last topped up */
+    size_t grown_sizes[64];    /* request sizes that made large segments (classic_policy.c: packing) */
 
     ap_block *pending_head, *pending_tail; /* frees waiting on events, oldest first */
     void **event_cache;   /* idle events for reuse (at most event_cache_max; more are destroyed) */

@@ -70,7 +70,18 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
    or none remain; include_pinned also returns the preallocated reserve. Returns bytes released. */
 size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, int oldest_first, ap_error *err);
 int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap_block **out, ap_error *err);
+/* Returns a wholly free segment (its one block in a free tree) to the device. */
+int ap_segment_release(ap_pool *p, ap_segment *seg, ap_error *err);
 size_t ap_reserved(const ap_pool *p);
+
+/* classic_policy.c: before a classic growth of `size` bytes that would lift reserved memory above
+   its peak, trades wholly free segments for it within the device-call budget; returns the bytes
+   to grow by (at least size). */
+size_t ap_classic_make_room(ap_pool *p, size_t size);
+/* Bytes of a new large segment for a request of rsize: whole pages, or room for several requests
+   of a recurring size whose page rounding would waste much. */
+size_t ap_classic_segment_size(ap_pool *p, size_t rsize);
+void ap_classic_policy_init(ap_pool *p);
 
 /* expandable.c: segments that grow and shrink in reserved address space. */
 int ap_vmm_init(ap_pool *p, ap_error *err);

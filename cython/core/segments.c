@@ -2,14 +2,15 @@
  *
  * Segment sizes: small-pool segments are 2 MiB (many small blocks share one huge page); a large
  * request gets a segment of its own size rounded up to whole 2 MiB pages, so that when it is
- * freed the whole segment is free and can serve any later request or go back to the device.
+ * freed the whole segment is free and can serve any later request or go back to the device (a
+ * recurring size that rounding would waste much of gets room for several: classic_policy.c).
  *
  * Release policy (AP_RELEASE_UNDER_PEAK): when a miss needs a new segment and reserved memory
- * would rise above its earlier peak, fully free segments are released first (largest first) so
- * that the pool trades idle memory for the new shape instead of growing. Steady-state loops never
- * reach this path (their requests fit the cache), so it costs device calls only when the
- * workload changes shape. Expandable segments trade single chunks instead, under a call budget
- * (vmm_policy.c).
+ * would rise above its earlier peak, fully free segments are traded for the growth so that the
+ * pool takes the new shape instead of growing, within a budget of device calls
+ * (classic_policy.c; expandable segments trade single chunks, vmm_policy.c). Steady-state loops
+ * never reach this path (their requests fit the cache), so it costs device calls only when the
+ * workload changes shape.
  */
 #include "pool_internal.h"
 
@@ -73,7 +74,7 @@ int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap
 }
 
 /* Returns a fully free segment (its one block is in the any-stream tree) to the device. */
-static int segment_release(ap_pool *p, ap_segment *seg, ap_error *err) {
+int ap_segment_release(ap_pool *p, ap_segment *seg, ap_error *err) {
     ap_block *b = seg->first;
     ap_free_remove(p, b);
     int rc = p->backend->free(p->backend, p->device, (void *)seg->base);
@@ -125,21 +126,22 @@ size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, i
             continue; /* settling may have merged blocks: pick again */
         }
         size_t size = s->size;
-        if (segment_release(p, s, err) != AP_OK) break;
+        if (ap_segment_release(p, s, err) != AP_OK) break;
         released += size;
     }
     return released;
 }
 
-static size_t segment_size_for(const ap_pool *p, int pool, size_t rsize) {
+static size_t segment_size_for(ap_pool *p, int pool, size_t rsize) {
     if (pool == AP_POOL_SMALL) return p->cfg.small_segment;
-    size_t size = ap_round_up(rsize, p->cfg.page_size);
+    size_t size = ap_classic_segment_size(p, rsize); /* classic_policy.c: a recurring size may pack */
     return size < p->cfg.min_large_segment ? p->cfg.min_large_segment : size;
 }
 
 /* Makes room under the policies before growing by `size` bytes (expandable: at most `size`; the
-   policy asks how much a growth for rsize would really map). */
-static void trim_before_growth(ap_pool *p, int slot, int pool, size_t rsize, size_t size) {
+   policy asks how much a growth for rsize would really map). Returns the bytes to grow by
+   (classic: a trade's growth may absorb what its releases freed beyond the need). */
+static size_t trim_before_growth(ap_pool *p, int slot, int pool, size_t rsize, size_t size) {
     size_t reserved = ap_reserved(p);
     int idle = p->cfg.expandable || p->n_free_segments; /* anything that could be released? */
     if (p->cfg.gc_threshold > 0 && idle) {
@@ -148,14 +150,14 @@ static void trim_before_growth(ap_pool *p, int slot, int pool, size_t rsize, siz
         if (reserved + size > threshold)
             reserved -= ap_release_free_segments(p, reserved + size - threshold, 0, 1, NULL);
     }
-    if (p->cfg.release_policy != AP_RELEASE_UNDER_PEAK || !idle) return;
+    if (p->cfg.release_policy != AP_RELEASE_UNDER_PEAK || !idle) return size;
     if (p->cfg.expandable) {
         const ap_block *keep; /* planned again: the trim above may have changed the picture */
         size_t need = ap_vmm_plan(p, slot, pool, rsize, &keep);
         ap_vmm_make_room(p, rsize, need, keep);
-    } else if (reserved + size > p->reserved_watermark) {
-        ap_release_free_segments(p, reserved + size - p->reserved_watermark, 0, 0, NULL);
+        return size;
     }
+    return ap_classic_make_room(p, size); /* classic_policy.c */
 }
 
 /* One attempt to get new device memory holding rsize: a segment of `size` bytes, or (expandable)
@@ -180,10 +182,17 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
         return b;
 
     size_t size = p->cfg.expandable ? ap_round_up(rsize, p->vmm_granularity) : segment_size_for(p, pool, rsize);
-    trim_before_growth(p, slot, pool, rsize, size);
+    size_t own = p->cfg.expandable || pool == AP_POOL_SMALL ? size : ap_round_up(rsize, p->cfg.page_size);
+    if (own < size && own < p->cfg.min_large_segment) own = p->cfg.min_large_segment;
+    size = trim_before_growth(p, slot, pool, rsize, size);
     int rc = grow(p, slot, pool, rsize, size, &b, err);
     if (rc == AP_OK) return b;
     if (rc == AP_E_HOST_NOMEM) return NULL;
+    if (own < size) { /* a packed or absorbing growth that does not fit: the request's own size may */
+        size = own;
+        if ((rc = grow(p, slot, pool, rsize, size, &b, err)) == AP_OK) return b;
+        if (rc == AP_E_HOST_NOMEM) return NULL;
+    }
 
     /* Out of device memory (or over the limit): return every idle segment and retry ... */
     p->stats.num_alloc_retries++;

@@ -1,0 +1,119 @@
+/* Classic segments' growth and release policy: how big a new large segment is, and trades of idle
+ * segments for a growth within a budget of device calls that grows with the workload. The bound it
+ * gives and its argument: docs/placement-policy.md.
+ *
+ * A *trade*: when a growth would lift reserved memory above its earlier peak (the watermark W),
+ * wholly free segments are released first and the growth takes their place, so the pool takes the
+ * workload's new shape instead of growing. Trading every time lets a loop whose layout differs a
+ * little each step pay for the same memory every step (up to 6.3 % of allocations in steady-state
+ * device calls on the bench's perturbed workloads), so a trade is paid from a credit:
+ *  - a new pool starts with AP_TRADE_START calls (spent while the workload takes its shape); the
+ *    credit grows by AP_TRADE_RATE thousandths of a call per allocation and, once the start is
+ *    spent, holds at most AP_TRADE_BASE calls + AP_TRADE_HOLD thousandths of a call per allocation
+ *    so far (a long-running pool may save in proportion to its activity, a young one little);
+ *  - a trade of k releases costs k + 1 calls (the releases and the growth that takes their place)
+ *    and is made only when the credit covers it: the credit never goes below zero;
+ *  - the growth absorbs what the releases freed beyond the need (its segment grows by the rest),
+ *    so after a trade reserved memory is back at the watermark: a later growth either trades
+ *    again (paid) or lifts the peak.
+ * Every device call is therefore a trade's (paid), a growth that lifts the peak, or an explicit
+ * trim's (empty_cache, the out-of-memory path, a lowered limit or quota, garbage collection) with
+ * the growths that refill it. With A(t) allocations, G(t) peak-lifting growths, E(t) those:
+ *     device calls(t) <= G(t) + E(t) + AP_TRADE_RATE / 1000 * A(t) + AP_TRADE_START.
+ *
+ * Tried and dropped (mean waste reduction against torch_npu's policy on the bench's 120 perturbed
+ * workloads, this policy: see docs/placement-policy.md): trades free of budget at a new high of
+ * allocated memory (+4 points, but calls no longer bounded: 1.1 % steady, 3.1 % whole); no credit
+ * spent while reserved memory stays under a proven lower bound of torch_npu's reserved memory (the
+ * sum over streams and pools of their highest allocated bytes: -2 points, and more steady calls
+ * later); absorbing nothing (+2 points, but the refills of a trade's leftover are unpaid calls).
+ */
+#include "pool_internal.h"
+
+#define AP_TRADE_RATE 6   /* credit per allocation, in thousandths of a call (0.6 %) */
+#define AP_TRADE_HOLD 3   /* most credit held: this many thousandths of a call per allocation so far ... */
+#define AP_TRADE_BASE 2   /* ... plus this many calls */
+#define AP_TRADE_START 20 /* calls of credit a new pool starts with */
+#define AP_PACK_MAX_BLOCKS 10                /* a packed segment holds at most this many requests ... */
+#define AP_PACK_MAX_BYTES ((size_t)20 << 20) /* ... in at most this many bytes (torch_npu's 20 MiB) */
+
+void ap_classic_policy_init(ap_pool *p) { p->trade_credit = (int64_t)AP_TRADE_START * 1000; }
+
+/* Tops the credit up for the allocations since the last call; returns the whole calls it covers. */
+static int64_t credit_calls(ap_pool *p) {
+    uint64_t ticks = p->tick - p->trade_tick;
+    p->trade_tick = p->tick;
+    if (ticks > ((uint64_t)1 << 40)) ticks = (uint64_t)1 << 40; /* (so that the products cannot overflow) */
+    uint64_t tick = p->tick < ((uint64_t)1 << 40) ? p->tick : ((uint64_t)1 << 40);
+    int64_t cap = (int64_t)AP_TRADE_BASE * 1000 + (int64_t)tick * AP_TRADE_HOLD;
+    if (p->trade_credit > cap) cap = p->trade_credit; /* the starting credit, not yet spent */
+    int64_t c = p->trade_credit + (int64_t)ticks * AP_TRADE_RATE;
+    p->trade_credit = c > cap ? cap : c;
+    AP_ASSERT(p->trade_credit >= 0);
+    return p->trade_credit / 1000;
+}
+
+/* A segment the policy may release now: wholly free, not the preallocated reserve, and no stream
+   may still use it. */
+static int releasable(const ap_segment *s) { return ap_segment_is_free(s) && !s->pinned && !s->first->tag; }
+
+size_t ap_classic_make_room(ap_pool *p, size_t size) {
+    size_t reserved = ap_reserved(p), wm = p->reserved_watermark;
+    if (reserved + size <= wm) return size; /* room under the peak (after an explicit trim) */
+    int64_t calls = credit_calls(p);
+    if (calls < 2 || !p->n_free_segments) return size; /* a trade is a release and the growth */
+    size_t over = reserved + size - wm;
+    ap_cache_flush(p); /* cached blocks may be all that keeps a segment from being wholly free */
+    /* Idle streams' wholly free segments become anyone's (asked, never waited for). */
+    for (ap_segment *s = p->segments; s; s = s->next)
+        if (ap_segment_is_free(s) && s->first->tag && !s->pinned) ap_settle_slot(p, s->first->tag, NULL);
+
+    /* One segment that covers the need alone, the smallest (one call); else the largest first.
+       A released segment may exceed the need by at most the growth itself: the growth absorbs
+       the rest, and a segment much larger than the request would just be re-made larger. */
+    ap_segment *one = NULL;
+    for (ap_segment *s = p->segments; s; s = s->next)
+        if (releasable(s) && s->size >= over && s->size <= over + size && (!one || s->size < one->size)) one = s;
+    int64_t k = 0;
+    if (one) {
+        if (ap_segment_release(p, one, NULL) == AP_OK) k++;
+    } else {
+        size_t freed = 0;
+        while (freed < over && k + 1 < calls) {
+            ap_segment *big = NULL;
+            for (ap_segment *s = p->segments; s; s = s->next)
+                if (releasable(s) && s->size < over && (!big || s->size > big->size)) big = s;
+            if (!big) break;
+            size_t sz = big->size;
+            if (ap_segment_release(p, big, NULL) != AP_OK) break;
+            freed += sz;
+            k++;
+        }
+    }
+    if (!k) return size;
+    p->trade_credit -= (k + 1) * 1000;
+    AP_ASSERT(p->trade_credit >= 0);
+    reserved = ap_reserved(p);
+    if (reserved + size < wm) size += (wm - reserved - size) / p->cfg.page_size * p->cfg.page_size;
+    return size;
+}
+
+size_t ap_classic_segment_size(ap_pool *p, size_t rsize) {
+    size_t page = p->cfg.page_size, size = ap_round_up(rsize, page);
+    if ((size - rsize) * 8 <= size) return size; /* rounding wastes at most 1/8: the request's own */
+    /* A size seen growing the pool before (learned from the workload: a small table by hashed
+       size) will likely come again: room for several, so that they share a segment instead of
+       each stranding most of a page (llama_generate_serving_v2 at its peak: 40 segments of 4 MiB
+       held one 2.03 MiB block each), and the pool grows in fewer device calls. */
+    size_t *seen = &p->grown_sizes[(rsize / p->cfg.min_block * 0x9E3779B97F4A7C15ull) >> 58];
+    int recurring = *seen == rsize;
+    *seen = rsize;
+    if (!recurring) return size;
+    for (size_t k = 2; k <= AP_PACK_MAX_BLOCKS; k++) {
+        size_t packed = ap_round_up(k * rsize, page);
+        if (packed > AP_PACK_MAX_BYTES) break;
+        size = packed;
+        if ((packed - k * rsize) * 8 <= packed) break;
+    }
+    return size;
+}

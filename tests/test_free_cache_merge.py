@@ -1,0 +1,77 @@
+"""Small blocks parked in the recent-free cache behave as if merged at free (issue 18, point 2):
+a request that would otherwise cut fresh space or grow the pool reuses the hole they leave, as in
+PyTorch and RMM."""
+
+import ascend_pool as ap
+
+MiB = 1 << 20
+
+
+def test_two_adjacent_freed_512_byte_blocks_serve_a_1kib_request(pool):
+    a, b, c = (pool.malloc(480) for _ in range(3))  # 512 bytes each, adjacent, c keeps the hole closed
+    assert (b - a, c - b) == (512, 512)
+    pool.free(a)
+    pool.free(b)
+    d = pool.malloc(992)  # 992 + 32 pad = 1 KiB
+    assert d == a, f"the 1 KiB request was cut from fresh space at +{d - a} instead of the hole at {a:#x}"
+    st = pool.memory_stats()
+    assert st["segment.all.current"] == 1
+    assert st["inactive_split.all.current"] == 1  # only the segment's untouched tail is free
+    for p in (c, d):
+        pool.free(p)
+
+
+def test_the_hole_is_reused_on_a_stream_too(pool):
+    s = pool.create_stream()
+    a, b, c = (pool.malloc(480, stream=s) for _ in range(3))
+    pool.free(a, stream=s)
+    pool.free(b, stream=s)
+    assert pool.malloc(992, stream=s) == a
+    pool.free(a, stream=s)
+    pool.free(c, stream=s)
+    pool.synchronize(s)
+
+
+def test_exact_size_reuse_still_takes_the_cached_block(pool):
+    # The cache's purpose: a freed block of the very size asked again comes straight back.
+    a, b = pool.malloc(3000), pool.malloc(3000)
+    pool.free(a)
+    assert pool.malloc(3000) == a
+    for p in (a, b):
+        pool.free(p)
+
+
+def test_cached_neighbours_merge_before_a_new_segment_is_made(pool):
+    # A small segment filled, then two neighbours freed: a request their merged hole fits must not
+    # grow the pool by a second segment.
+    ptrs = [pool.malloc(64 * 1024 - 32) for _ in range(32)]  # exactly one 2 MiB small segment
+    assert pool.memory_stats()["segment.all.current"] == 1
+    pool.free(ptrs[10])
+    pool.free(ptrs[11])
+    big = pool.malloc(128 * 1024 - 32)
+    assert big == ptrs[10]
+    st = pool.memory_stats()
+    assert st["segment.all.current"] == 1 and st["num_device_alloc"] == 1
+    ptrs[10] = big
+    del ptrs[11]
+    for p in ptrs:
+        pool.free(p)
+
+
+def test_the_c_entry_point_reuses_the_hole(pool):
+    import ctypes
+
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    a, b, c = (lib.ascend_pool_malloc(480, 0, None) for _ in range(3))
+    assert (b - a, c - b) == (512, 512)
+    lib.ascend_pool_free(a, 480, 0, None)
+    lib.ascend_pool_free(b, 480, 0, None)
+    d = lib.ascend_pool_malloc(992, 0, None)
+    try:
+        assert d == a
+    finally:
+        lib.ascend_pool_free(d, 992, 0, None)
+        lib.ascend_pool_free(c, 480, 0, None)

@@ -1,0 +1,131 @@
+"""The classic release policy's device-call bound (docs/placement-policy.md), checked on adversarial
+sequences from the pool's own counters after every operation:
+
+    device calls(t) <= G(t) + RATE * A(t) + START
+
+A(t): allocations so far; G(t): growths that lifted reserved memory to a new high (the only device
+allocations the budget does not pay for: a pool that never releases makes them too); RATE, START:
+the constants of cython/core/classic_policy.c. Over any window (t1, t2] the calls are at most
+G(t1, t2) + RATE * (A(t2) - A(t1)) + max(START, BASE + HOLD * A(t1)) (the credit held at t1).
+
+The sequences are built to make a policy that trades whenever it could ping-pong: phases whose
+requests the other phase's idle segments cannot hold (small-pool against large-pool requests, two
+size mixes), and a sawtooth whose sizes drift."""
+
+import random
+
+import pytest
+
+import ascend_pool as ap
+
+MiB = 1 << 20
+# classic_policy.c: AP_TRADE_RATE and AP_TRADE_HOLD (thousandths), AP_TRADE_BASE, AP_TRADE_START
+RATE, HOLD, BASE, START = 0.006, 0.003, 2, 20
+
+
+class Checked:
+    """A pool driven op by op; after every op the bound is checked from memory_stats()."""
+
+    def __init__(self):
+        self.pool = ap.Pool(0, backend="sim")
+        self.allocs = 0
+        self.peak_growths = 0
+        self.peak = 0
+        self.history = []  # (allocs, peak growths, calls) after every op
+
+    def calls(self, st):
+        return st["num_device_alloc"] + st["num_device_free"]
+
+    def check(self):
+        st = self.pool.memory_stats()
+        peak = st["reserved_bytes.all.peak"]
+        if peak > self.peak:  # at most one growth per malloc: this op's growth lifted the peak
+            self.peak_growths += 1
+            self.peak = peak
+        calls = self.calls(st)
+        bound = self.peak_growths + int(RATE * self.allocs + 1e-9) + START
+        assert calls <= bound, (f"after {self.allocs} allocations: {calls} device calls > G {self.peak_growths} "
+                                f"+ RATE*A {RATE * self.allocs:.2f} + START {START}")
+        self.history.append((self.allocs, self.peak_growths, calls))
+
+    def malloc(self, n):
+        ptr = self.pool.malloc(n)
+        self.allocs += 1
+        self.check()
+        return ptr
+
+    def free(self, ptr):
+        self.pool.free(ptr)
+        self.check()
+
+    def check_window(self, start):
+        """The window bound from the op at index start to the end."""
+        a0, g0, c0 = self.history[start]
+        a1, g1, c1 = self.history[-1]
+        bound = (g1 - g0) + RATE * (a1 - a0) + max(START, BASE + HOLD * a0)
+        assert c1 - c0 <= bound + 1e-9, f"window of {a1 - a0} allocations: {c1 - c0} calls > {bound:.2f}"
+        return c1 - c0, a1 - a0
+
+    def close(self):
+        self.pool.close()
+
+
+@pytest.fixture
+def run():
+    r = Checked()
+    yield r
+    r.close()
+
+
+def test_small_and_large_phases_just_above_the_watermark(run):
+    # Phase A: 40 MiB of 1 MiB small-pool blocks; phase B: 40 MiB of large blocks. Neither phase's
+    # idle segments can hold the other's requests, so every phase change is a chance to trade.
+    for cycle in range(150):
+        held = [run.malloc(MiB - 32) for _ in range(40)]
+        for p in held:
+            run.free(p)
+        held = [run.malloc(10 * MiB - 32 + (cycle % 3) * 512) for _ in range(4)]
+        for p in held:
+            run.free(p)
+    run.check_window(len(run.history) // 2)
+
+
+def test_alternating_size_mixes(run):
+    rnd = random.Random(7)
+    mixes = ([3, 5, 7], [11, 13, 17])
+    for phase in range(200):
+        sizes = [rnd.choice(mixes[phase % 2]) * MiB + rnd.randrange(0, MiB, 512) for _ in range(rnd.randint(4, 9))]
+        held = [run.malloc(s) for s in sizes]
+        rnd.shuffle(held)
+        for p in held:
+            run.free(p)
+    calls, allocs = run.check_window(len(run.history) // 2)
+    assert calls <= 0.01 * allocs  # the steady-state target
+
+
+def test_sawtooth_with_drifting_sizes(run):
+    size = 2 * MiB
+    for tooth in range(120):
+        held = [run.malloc(int(size * (1 + k / 8))) for k in range(8)]
+        keep = held.pop(tooth % 8)  # one block outlives its tooth: segments free up unevenly
+        for p in held:
+            run.free(p)
+        run.free(keep)
+        size = int(size * 1.03) if tooth % 40 < 20 else int(size / 1.03)
+    run.check_window(len(run.history) // 2)
+
+
+def test_credit_builds_with_allocations_not_with_time(run):
+    # Ever larger requests, each freed: every growth could trade the idle segments for itself.
+    # The starting credit pays a few trades (a release and the growth each); then growths lift
+    # the peak instead, until allocations have earned the credit for the next trade.
+    frees = []
+    for i in range(40):
+        run.free(run.malloc((10 + 2 * i) * MiB))
+        frees.append(run.pool.memory_stats()["num_device_free"])
+    assert 0 < frees[-1] <= (START + RATE * 40) / 2  # each trade here: one release and its growth
+    assert frees[-1] == frees[-10]  # the credit is spent: the last growths released nothing
+    for _ in range(int(2 / RATE) + 1):  # two calls of credit, from cached allocations (no device call)
+        run.free(run.malloc(4096))
+    run.free(run.malloc(100 * MiB))
+    assert run.pool.memory_stats()["num_device_free"] == frees[-1] + 1
