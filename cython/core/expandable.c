@@ -382,7 +382,10 @@ ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *er
     size_t extended;
     ap_block *b = grow(p, slot, pool, rsize, 0, &extended, err);
     /* the device may hold what the growth needs but not its extra bytes: try again without */
-    if (!b && extended && err->status == AP_E_DEVICE) b = grow(p, slot, pool, rsize, 1, &extended, err);
+    if (!b && extended && err->status == AP_E_DEVICE) {
+        p->stats.num_alloc_retries++;
+        b = grow(p, slot, pool, rsize, 1, &extended, err);
+    }
     return b;
 }
 
