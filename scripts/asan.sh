@@ -35,7 +35,7 @@ CORE_TESTS=(
     tests/test_torch_semantics.py tests/test_torch_history.py
     tests/test_sim_ipc.py tests/test_sim_memory.py tests/test_sim_streams.py tests/test_snapshot_torch.py tests/test_stream_order.py
     tests/test_pool_sizes.py tests/test_pool_locking.py tests/test_stream_lifecycle.py tests/test_events_cann.py
-    tests/test_stress_threads.py
+    tests/test_stress_threads.py tests/test_vmm_policy_bounds.py
 )
 
 start=$(date +%s)

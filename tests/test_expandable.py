@@ -220,12 +220,12 @@ def test_a_loop_whose_layout_varies_does_not_thrash():
 
 def test_trades_stay_within_their_budget():
     """Over 10,000 allocations of the varying loop (with unlimited credit: about 1,000 unmaps), the
-    trades (an unmap, then a map of the same memory) may cost at most 0.4 % of the allocations
-    plus the burst of 32 calls plus one trade (here at most 20 chunks)."""
+    trades (an unmap, then a map of the same memory) cost at most 0.4 % of the allocations plus
+    the burst of 200 calls (vmm_policy.c; every prefix: test_vmm_policy_bounds.py)."""
     r = replay(varying_loop(1000, seed=7), backend="sim", pool_knobs={"expandable_segments": True})
     st = r["pool_stats"]
     assert st["num_device_unmap"] > 0, "the loop must need trades, or this test proves nothing"
-    assert 2 * st["num_device_unmap"] <= 0.004 * r["allocs"] + 32 + 2 * 20, st
+    assert 2 * st["num_device_unmap"] <= 0.004 * r["allocs"] + 200, st
 
 
 def test_a_trade_keeps_the_quota_booked_once():

@@ -7,11 +7,13 @@
  * contiguous mapped chunks.
  *
  * Chunks: one physical allocation per chunk of at most AP_VMM_CHUNK_MAX (20 MiB, PyTorch's
- * large-pool granule), mapped and unmapped whole, as the runtime requires. A growth costs two
- * calls (allocate + map) per chunk and a release two (unmap + free): 2 MiB pages cost ten times
- * more calls for the same bytes, while a chunk as large as its whole growth is pinned by any block
- * later carved from it (gpt2 trace: 444 MiB of waste, against 86 with 20 MiB chunks). A chunk is
- * unmapped only when it lies wholly inside one free block; unmapping it splits its segment.
+ * large-pool granule), or 1/16 of a growth above 320 MiB, mapped and unmapped whole, as the runtime
+ * requires. A growth costs two calls (allocate + map) per chunk and a release two (unmap + free):
+ * 2 MiB pages cost ten times more calls for the same bytes, while a chunk as large as its whole
+ * growth is pinned by any block later carved from it (gpt2 trace: 444 MiB of waste, against 86
+ * with 20 MiB chunks); 1/16 of a large growth keeps a 1 GB tensor at 34 calls instead of 100.
+ * A chunk is unmapped only when it lies wholly inside one free block; unmapping it splits its
+ * segment. How much a growth maps beyond its need: vmm_policy.c.
  *
  * Trades: the release policy (vmm_policy.c, which decides when) unmaps idle chunks but keeps their
  * physical memory in p->vmm_spares; the growth that follows maps it again where it is needed. A
@@ -21,11 +23,13 @@
 
 #include "pool_internal.h"
 
-/* Bytes of the next chunk of a growth that still has `rest` bytes to map. */
-static size_t chunk_size_for(const ap_pool *p, size_t rest) {
-    size_t max = AP_VMM_CHUNK_MAX < p->vmm_granularity ? p->vmm_granularity
-                                                       : AP_VMM_CHUNK_MAX / p->vmm_granularity * p->vmm_granularity;
-    return rest < max ? rest : max;
+/* Largest chunk of a growth of `need` bytes: AP_VMM_CHUNK_MAX, or for a growth above 16 times that
+   its 1/16, so that no growth costs more than 2 * (AP_VMM_GROWTH_CHUNKS + 1) calls. */
+size_t ap_vmm_chunk_cap(const ap_pool *p, size_t need) {
+    size_t g = p->vmm_granularity;
+    size_t cap = AP_VMM_CHUNK_MAX < g ? g : AP_VMM_CHUNK_MAX / g * g;
+    size_t share = ap_round_up((need + AP_VMM_GROWTH_CHUNKS - 1) / AP_VMM_GROWTH_CHUNKS, g);
+    return share > cap ? share : cap;
 }
 
 static int vmm_error(ap_pool *p, ap_error *err, int rc, const char *what, size_t size) {
@@ -192,9 +196,23 @@ static void free_unmapped(ap_pool *p, ap_vmm_chunk *c, int release_quota) {
     }
 }
 
-ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *err) {
+static ap_block *grow(ap_pool *p, int slot, int pool, size_t rsize, int exact, size_t *extended, ap_error *err) {
     size_t need;
     ap_segment *target = plan_growth(p, slot, pool, rsize, &need);
+    /* Past its call budget, a growth to a new peak maps more than it needs (vmm_policy.c): at
+       most what the address space after the target segment holds. Never under a limit or a
+       quota, which the extra bytes could make refuse a request that fits. */
+    size_t cap = ap_vmm_chunk_cap(p, need);
+    size_t extra = ap_vmm_growth_extra(p, need, (need + cap - 1) / cap);
+    if (exact || p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve) extra = 0;
+    *extended = extra;
+    if (extra && target) {
+        uintptr_t end = target->base + target->size;
+        size_t room = room_until(space_of(p, target->base), end) - end;
+        if (extra > room - need) extra = room - need;
+    }
+    need += extra;
+    cap = ap_vmm_chunk_cap(p, need);
     /* Chunks the release policy unmapped for this growth are mapped here again (one call each,
        instead of free + allocate + map); those that do not fit in it go back to the device first,
        so that physical memory never exceeds what the growth leaves. */
@@ -243,7 +261,7 @@ ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *er
             return NULL;
         }
     }
-    /* Reused chunks first, then new ones: see chunk_size_for. */
+    /* Reused chunks first, then new ones of at most cap bytes (ap_vmm_chunk_cap). */
     ap_block *nb = ap_block_new(p);
     ap_vmm_chunk *first = NULL, *last = NULL;
     size_t done = 0;
@@ -263,7 +281,7 @@ ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *er
                 ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
                 goto rollback;
             }
-            c->size = chunk_size_for(p, need - done);
+            c->size = need - done < cap ? need - done : cap;
             rc = p->backend->vmm_create(p->backend, p->device, c->size, &c->handle);
             if (rc != 0) {
                 free(c);
@@ -358,6 +376,17 @@ rollback: /* chunks mapped so far (a partial growth) go back; the pool is as bef
     if (p->quota.release) p->quota.release(p->quota.ctx, p->device, need);
     if (nb) ap_block_recycle(p, nb);
     return NULL;
+}
+
+ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *err) {
+    size_t extended;
+    ap_block *b = grow(p, slot, pool, rsize, 0, &extended, err);
+    /* the device may hold what the growth needs but not its extra bytes: try again without */
+    if (!b && extended && err->status == AP_E_DEVICE) {
+        p->stats.num_alloc_retries++;
+        b = grow(p, slot, pool, rsize, 1, &extended, err);
+    }
+    return b;
 }
 
 /* Unmaps the chunks [lo, hi) inside the free block b (tag 0, in its tree) and splits its segment
@@ -498,11 +527,12 @@ static size_t chunks_inside(ap_vmm_chunk **c, const ap_block *b) {
    blocks split a chunk, and free the physical memory; for the release policy (`policy`) the
    longest-idle block goes first, `keep` (the free block the growth will extend) stays, only the
    picked block's stream is waited for, and the physical memory is kept for the growth. */
-static size_t release(ap_pool *p, size_t target, const ap_block *keep, int policy, ap_error *err) {
+static size_t release(ap_pool *p, size_t target, const ap_block *keep, int policy, int64_t max_unmaps, ap_error *err) {
     size_t released = 0;
+    int64_t unmaps0 = p->stats.num_device_unmap;
     int settled = policy;
     ap_cache_flush(p);
-    while (released < target) {
+    while (released < target && p->stats.num_device_unmap - unmaps0 < max_unmaps) {
         ap_block *best = NULL;
         size_t best_len = 0;
         for (ap_segment *s = p->segments; s; s = s->next) {
@@ -537,7 +567,8 @@ static size_t release(ap_pool *p, size_t target, const ap_block *keep, int polic
         while (top->next && top->next->va + top->next->size <= bend) top = top->next;
         uintptr_t hi = top->va + top->size, lo = top->va;
         size_t want = target - released;
-        for (ap_vmm_chunk *x = top; hi - lo < want && x->prev && x->prev->va >= best->addr; x = x->prev)
+        int64_t left = max_unmaps - (p->stats.num_device_unmap - unmaps0) - 1;
+        for (ap_vmm_chunk *x = top; hi - lo < want && left > 0 && x->prev && x->prev->va >= best->addr; x = x->prev, left--)
             lo = x->prev->va;
         size_t got = release_range(p, sp, best, lo, hi, policy, err);
         if (!got) break;
@@ -546,10 +577,10 @@ static size_t release(ap_pool *p, size_t target, const ap_block *keep, int polic
     return released;
 }
 
-size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err) { return release(p, target, NULL, 0, err); }
+size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err) { return release(p, target, NULL, 0, INT64_MAX, err); }
 
-size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep) {
-    return release(p, target, keep, 1, NULL);
+size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep, int64_t max_unmaps) {
+    return release(p, target, keep, 1, max_unmaps, NULL);
 }
 
 void ap_vmm_destroy(ap_pool *p) {

@@ -35,7 +35,8 @@
 #define AP_MAX_STREAMS 1024  /* distinct streams one pool tracks (slot 0 is "no stream") */
 #define AP_NO_LIMIT ((size_t)-1)
 #define AP_VMM_SPACE_MIN ((size_t)64 << 30) /* smallest address-space reservation (expandable) */
-#define AP_VMM_CHUNK_MAX ((size_t)20 << 20)  /* largest physical allocation of a growth (expandable.c) */
+#define AP_VMM_CHUNK_MAX ((size_t)20 << 20)  /* largest physical allocation of a growth up to 320 MiB (expandable.c) */
+#define AP_VMM_GROWTH_CHUNKS 16              /* a larger growth maps chunks of 1/16 of it */
 #define AP_CACHE_BINS 64   /* recent-free cache: bins by hashed size ... */
 #define AP_CACHE_DEPTH 4   /* ... of this many blocks each */
 #define AP_EVENT_CACHE_MAX 64 /* idle events kept per pool: far below any device's limit (1,023) */
@@ -175,6 +176,8 @@ typedef struct ap_pool {
     int64_t trade_credit;      /* classic release policy (classic_policy.c): calls it may spend, in 1/1000 call */
     uint64_t trade_tick;       /* p->tick when the credit was last topped up */
     size_t grown_sizes[64];    /* request sizes that made large segments (classic_policy.c: packing) */
+    int64_t vmm_growth_credit; /* growth policy (vmm_policy.c): calls exact growths may spend, in 1/1000 call */
+    uint64_t vmm_growth_tick;  /* p->tick when the growth credit was last topped up */
 
     ap_block *pending_head, *pending_tail; /* frees waiting on events, oldest first */
     void **event_cache;   /* idle events for reuse (at most event_cache_max; more are destroyed) */

@@ -94,13 +94,18 @@ size_t ap_vmm_plan(ap_pool *p, int slot, int pool, size_t rsize, const ap_block 
    reserved memory stays under its earlier peak, within the device-call budget. */
 void ap_vmm_make_room(ap_pool *p, size_t rsize, size_t need, const ap_block *keep);
 void ap_vmm_policy_init(ap_pool *p);
+/* Bytes a growth of `need` bytes in `chunks` new chunks maps beyond need: 0 within the growth
+   budget, else 1/64 of reserved memory (charges the budget). */
+size_t ap_vmm_growth_extra(ap_pool *p, size_t need, size_t chunks);
+/* Largest physical chunk of a growth of `need` bytes (expandable.c). */
+size_t ap_vmm_chunk_cap(const ap_pool *p, size_t need);
 /* Unmaps whole free chunks (largest free run first, settling streams as needed) until target bytes
    are returned; returns the bytes released. */
 size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err);
 /* The release policy's variant, for the growth that follows: takes the longest-idle free block
    first, leaves `keep` alone, never waits for all streams, and keeps the physical memory of what
    it unmaps for that growth (p->vmm_spares). */
-size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep);
+size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep, int64_t max_unmaps);
 void ap_vmm_destroy(ap_pool *p);
 
 /* stream_order.c: stream slots, events, pending frees, cross-stream reuse. */

@@ -1,45 +1,75 @@
-/* Expandable mode's release policy: when a growth would lift reserved memory above its earlier
- * peak, trade idle chunks for the new mapping, within a budget of device calls.
+/* Expandable mode's device-call policy: how much a growth maps, and when idle chunks are traded
+ * (unmapped here, mapped again where a growth needs them) so that reserved memory stays under its
+ * earlier peak. The inequality and its argument: docs/placement-policy-expandable.md.
  *
  * Why a trade at all: unlike a classic segment, a free chunk inside a segment can be unmapped on
  * its own, so reserved memory can stay at the level the workload's own peak needs instead of
  * growing by every fragmentation mishap. A trade unmaps idle chunks and maps the same physical
  * memory where the growth needs it (expandable.c keeps the handles: two calls a chunk, not four).
  * But trading every time lets a loop whose layout differs a little each step pay for the same
- * memory every step: measured with unlimited trades of 2 MiB pages, 25-3,800 % of allocations in
- * device calls on the shared traces.
+ * memory every step (unlimited trades: 25-3,800 % of allocations in device calls).
  *
- * The budget, in device calls:
- *  - At a new high of allocated memory (live bytes plus this request above anything seen), trades
- *    are free of budget: this is the moment peak reserved is set, and such moments run out (each
- *    one raises the high), so they cannot recur step after step.
- *  - Otherwise a trade needs credit, which grows with allocations at AP_VMM_TRADE_PER_1000 calls
- *    per thousand allocations (0.4 %, well under the 1 % a steady state may spend) up to
- *    AP_VMM_TRADE_BURST calls. A trade that starts runs to its end and is charged afterwards,
- *    into debt if need be (each unmap twice: the map that reuses the chunk is the trade's other
- *    half): one cut short would spend calls and lift the peak anyway. Without credit the growth
- *    simply raises the peak, so a loop that keeps needing trades stops paying for them, and its
- *    higher peak then holds every step without calls. Over any N allocations, budgeted trades
- *    cost at most 0.4 % of N plus the burst plus one trade.
- *  - The longest-idle free block gives its chunks first (least likely to be needed soon), never the
- *    block the growth itself extends; memory whose stream may still use it goes only after a wait
- *    for that stream.
+ * Trades (discretionary calls D: each unmap, and the map or free of its spare, charged 2):
+ *   D(t) <= rho * A(t) + B,  rho = AP_VMM_TRADE_PER_1000 / 1000, B = AP_VMM_TRADE_BURST,
+ * A(t) the allocations so far, for every t, by construction: the credit starts at B, earns rho
+ * per allocation, never exceeds B, and a trade unmaps at most credit / 2 chunks (it is cut short
+ * there). Half of the burst is kept for trades at a new high of live bytes (the moments that set
+ * peak reserved, which run out as the high rises); other trades only spend the credit above it.
+ * Without credit the growth simply raises the peak, which then holds without calls.
  *
- * Tried and dropped (mean waste reduction vs torch_npu's policy on the 6 shared traces; this
- * policy: 82.1 %): trading only memory idle for 1,000 allocations (64.7 %: the young free memory
- * at a training step's first peak stays mapped, gpt2 -11 %), unlimited trades (92 %, but up to
- * 3,800 % of allocations in calls), 2 MiB chunks with this budget (74.6 %, and up to 28 % of
- * allocations in calls over a whole trace), trades cut short when the credit runs out (81.8 %,
- * and lower on size-scaled variants of the traces), a credit proportional to the peak's growth
- * (carried into the steady state as bursts of calls).
+ * Growth (calls G that map new physical memory): a growth maps whole chunks of at most
+ * max(AP_VMM_CHUNK_MAX, need / AP_VMM_GROWTH_CHUNKS), so one costs at most 2 * 17 calls. Growths
+ * to a new peak of reserved memory spend a second credit (rho_g per allocation, at most B_g);
+ * one past it maps reserved / AP_VMM_OVERSHOOT_DIV bytes more than it needs, so that growing in
+ * many small steps to R bytes costs O(log R) such growths: each lifts the peak by
+ * reserved / 128 at least. Cost in memory: at most reserved / 128 (+ one page) mapped beyond need
+ * at any peak, and none under a limit or quota (the extra bytes could make a request fail there).
+ *
+ * The longest-idle free block gives its chunks first (least likely to be needed soon), never the
+ * block the growth itself extends; memory whose stream may still use it goes only after a wait
+ * for that stream.
+ *
+ * Tried and dropped (harness of issue 19, 120 perturbed workloads): trades free of budget at new
+ * highs (unbounded calls: 12.4 % of allocations over a whole trace), 20 MiB chunks for every
+ * growth (a 1 GB tensor cost 100 calls), one chunk per growth (mean reduction 81.5 %, 2 workloads
+ * above torch_npu: a large chunk is unmapped only when wholly free), an overshoot of 1/16 - 1/64
+ * of reserved (83.3 - 85.1 %: the leftover at the peak costs gpt2 up to 20 points), a trade
+ * credit earned by rises of the live high (84.6 %).
  */
 #include "pool_internal.h"
 
-#define AP_VMM_TRADE_PER_1000 4 /* calls of credit per 1,000 allocations */
-#define AP_VMM_TRADE_BURST 32   /* most calls of credit held at once */
-#define AP_VMM_TRADE_CHARGE 2   /* credit charged per unmap: the unmap and the map that reuses it */
+#define AP_VMM_TRADE_PER_1000 4  /* trade credit earned per 1,000 allocations, in calls (rho) */
+#define AP_VMM_TRADE_BURST 200   /* most trade credit held at once, in calls (B) */
+#define AP_VMM_TRADE_KEEP_PCT 50 /* share of the burst only trades at a new high of live bytes may spend */
+#define AP_VMM_GROW_PER_1000 10  /* calls of exact growth earned per 1,000 allocations (rho_g) */
+#define AP_VMM_GROW_BURST 64    /* most exact-growth credit held at once, in calls (B_g) */
+#define AP_VMM_OVERSHOOT_DIV 128 /* a growth past its budget maps 1/128 of reserved memory more (f) */
+#define AP_VMM_TRADE_CHARGE 2    /* calls charged per unmap: the unmap, and the map or free of its spare */
 
-void ap_vmm_policy_init(ap_pool *p) { p->vmm_credit = (int64_t)AP_VMM_TRADE_BURST * 1000; }
+/* Credit in thousandths of a call, topped up by per_1000 per allocation since *tick, capped. */
+static void top_up(const ap_pool *p, int64_t *credit, uint64_t *tick, int64_t per_1000, int64_t cap) {
+    uint64_t ticks = p->tick - *tick;
+    *tick = p->tick;
+    /* (ticks capped first, so that the product cannot overflow) */
+    int64_t gain = (int64_t)(ticks < ((uint64_t)1 << 40) ? ticks : ((uint64_t)1 << 40)) * per_1000;
+    *credit = *credit + gain > cap ? cap : *credit + gain;
+}
+
+void ap_vmm_policy_init(ap_pool *p) {
+    p->vmm_credit = (int64_t)AP_VMM_TRADE_BURST * 1000;
+    p->vmm_growth_credit = (int64_t)AP_VMM_GROW_BURST * 1000;
+}
+
+size_t ap_vmm_growth_extra(ap_pool *p, size_t need, size_t chunks) {
+    size_t reserved = ap_reserved(p);
+    if (reserved + need <= p->reserved_watermark) return 0; /* refills what was released: no new peak */
+    top_up(p, &p->vmm_growth_credit, &p->vmm_growth_tick, AP_VMM_GROW_PER_1000, (int64_t)AP_VMM_GROW_BURST * 1000);
+    if (p->vmm_growth_credit > 0) {
+        p->vmm_growth_credit -= (int64_t)chunks * 2 * 1000; /* may end in debt by one growth */
+        return 0;
+    }
+    return ap_round_up(reserved / AP_VMM_OVERSHOOT_DIV, p->vmm_granularity);
+}
 
 void ap_vmm_make_room(ap_pool *p, size_t rsize, size_t need, const ap_block *keep) {
     size_t reserved = ap_reserved(p);
@@ -48,20 +78,14 @@ void ap_vmm_make_room(ap_pool *p, size_t rsize, size_t need, const ap_block *kee
 
     const ap_stat *alloc = &p->stats.s[AP_STAT_ALLOCATED_BYTES][AP_STAT_ALL];
     if (alloc->peak > p->vmm_live_high) p->vmm_live_high = alloc->peak; /* survives reset_peaks */
-    if (alloc->current + (int64_t)rsize > p->vmm_live_high) {
-        ap_vmm_release_for_growth(p, over, keep);
-        return;
-    }
-
-    /* Credit in thousandths of a call: + AP_VMM_TRADE_PER_1000 per allocation since last time. */
+    int high = alloc->current + (int64_t)rsize > p->vmm_live_high;
     int64_t cap = (int64_t)AP_VMM_TRADE_BURST * 1000;
-    uint64_t ticks = p->tick - p->vmm_credit_tick;
-    p->vmm_credit_tick = p->tick;
-    /* (ticks capped first, so that the product cannot overflow) */
-    uint64_t gain = (ticks < ((uint64_t)1 << 40) ? ticks : ((uint64_t)1 << 40)) * AP_VMM_TRADE_PER_1000;
-    p->vmm_credit = p->vmm_credit + (int64_t)gain > cap ? cap : p->vmm_credit + (int64_t)gain;
-    if (p->vmm_credit <= 0) return;
-    int64_t before = p->stats.num_device_unmap + p->stats.num_device_free;
-    ap_vmm_release_for_growth(p, over, keep);
-    p->vmm_credit -= (p->stats.num_device_unmap + p->stats.num_device_free - before) * 1000 * AP_VMM_TRADE_CHARGE;
+    top_up(p, &p->vmm_credit, &p->vmm_credit_tick, AP_VMM_TRADE_PER_1000, cap);
+    int64_t avail = p->vmm_credit - (high ? 0 : cap / 100 * AP_VMM_TRADE_KEEP_PCT);
+    int64_t max_unmaps = avail / (AP_VMM_TRADE_CHARGE * 1000);
+    if (max_unmaps <= 0) return;
+    int64_t before = p->stats.num_device_unmap;
+    ap_vmm_release_for_growth(p, over, keep, max_unmaps);
+    p->vmm_credit -= (p->stats.num_device_unmap - before) * AP_VMM_TRADE_CHARGE * 1000;
+    AP_ASSERT(p->vmm_credit >= 0); /* cut short at the credit: D(t) <= rho * A(t) + B holds */
 }

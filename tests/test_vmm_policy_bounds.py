@@ -1,0 +1,172 @@
+"""Expandable mode's device-call bounds (cython/core/vmm_policy.c, docs/placement-policy-expandable.md),
+checked after every allocation of adversarial sequences:
+
+- trades (discretionary calls): D(t) = 2 * unmaps(t) <= RHO * A(t) + B, A(t) = allocations so far
+  (each unmap is charged with the map or free of its spare that follows it);
+- growth: the calls that map new physical memory, 2 * device_allocs(t), grow with the number of
+  growths to a new peak, and past their budget those growths are geometric, so growing to R bytes in
+  many small steps costs O(log R) of them, with at most 1/128 of reserved memory mapped beyond need.
+
+The constants mirror vmm_policy.c and pool.h."""
+
+import math
+
+import numpy as np
+import pytest
+
+import ascend_pool as ap
+
+MiB = 1 << 20
+RHO, B = 0.004, 200            # AP_VMM_TRADE_PER_1000 / 1000, AP_VMM_TRADE_BURST
+RHO_G, B_G = 0.010, 64         # AP_VMM_GROW_PER_1000 / 1000, AP_VMM_GROW_BURST
+CHUNKS, OVERSHOOT = 16, 128    # AP_VMM_GROWTH_CHUNKS, AP_VMM_OVERSHOOT_DIV
+GROWTH_CALLS = 2 * (CHUNKS + 1)  # the most one growth costs
+
+
+@pytest.fixture
+def xpool(clean_faults):
+    p = ap.Pool(0, backend="sim", expandable_segments=True)
+    yield p
+    p.close()
+
+
+def run(pool, steps):
+    """Plays steps ((+1, key, bytes) allocates, (-1, key, 0) frees) and returns, after every
+    allocation, (allocations so far, mallocs, maps, unmaps, frees, reserved, reserved peak)."""
+    live, rows, allocs = {}, [], 0
+    for op, key, size in steps:
+        if op > 0:
+            live[key] = pool.malloc(size)
+            allocs += 1
+            st = pool.memory_stats()
+            rows.append((allocs, st["num_device_alloc"], st["num_device_map"], st["num_device_unmap"],
+                         st["num_device_free"], st["reserved_bytes.all.current"], st["reserved_bytes.all.peak"]))
+        else:
+            pool.free(live.pop(key))
+    for p in live.values():
+        pool.free(p)
+    return rows
+
+
+def cyclic_above_watermark(steps=3000, seed=3):
+    """A working set that each step frees its oldest block and allocates one whose size differs
+    (five sizes), so that the hole left never fits and, with unlimited trades, every step would
+    unmap idle chunks and map them again at the top: an unbudgeted policy ping-pongs."""
+    rng = np.random.default_rng(seed)
+    out, ring, k = [], [], 0
+    for _ in range(steps):
+        if len(ring) == 12:
+            out.append((-1, ring.pop(0), 0))
+        k += 1
+        out.append((1, k, int(rng.choice((18, 22, 26, 30, 34))) * MiB - 32))
+        ring.append(k)
+    return out
+
+
+def alternating_mixes(phases=60, per_phase=48):
+    """Phases of two size mixes (3 MiB blocks, then 10 MiB ones), each phase freeing three blocks
+    of four at its end and the fourth at the end of the next phase: the holes one phase leaves
+    between its pinned blocks never fit the other's blocks."""
+    out, k, pinned = [], 0, []
+    for ph in range(phases):
+        size = 3 * MiB if ph % 2 == 0 else 10 * MiB
+        keys = []
+        for _ in range(per_phase if ph % 2 == 0 else per_phase // 3):
+            k += 1
+            out.append((1, k, size - 32))
+            keys.append(k)
+        out += [(-1, x, 0) for x in pinned]
+        pinned = keys[::4]
+        out += [(-1, x, 0) for i, x in enumerate(keys) if i % 4]
+    return out
+
+
+def sawtooth(teeth=40, seed=5):
+    """Grow to a varying height, then shrink, with another block size each tooth; every fifth block
+    of a tooth lives through the next one, so each tooth finds the last one's memory in pieces."""
+    rng = np.random.default_rng(seed)
+    out, k, pinned = [], 0, []
+    for _ in range(teeth):
+        size = int(rng.integers(2, 40)) * MiB + int(rng.integers(0, 1 << 20))
+        keys = []
+        for _ in range(int(rng.integers(20, 80))):
+            k += 1
+            out.append((1, k, size))
+            keys.append(k)
+        out += [(-1, x, 0) for x in pinned]
+        pinned = keys[::5]
+        out += [(-1, x, 0) for i, x in enumerate(keys) if i % 5]
+    return out
+
+
+def creeping_high(steps=2000):
+    """The cyclic working set with each block 128 KiB larger than the one before: every step is a
+    new high of live bytes and the freed block never fits the next one, the moments a policy that
+    trades freely at new highs would pay for on every step."""
+    out, ring = [], []
+    for k in range(steps):
+        if len(ring) == 12:
+            out.append((-1, ring.pop(0), 0))
+        out.append((1, k, 20 * MiB + k * 128 * 1024 - 32))
+        ring.append(k)
+    return out
+
+
+@pytest.mark.parametrize("sequence", [cyclic_above_watermark, alternating_mixes, sawtooth, creeping_high])
+def test_trades_stay_within_rho_a_plus_b_on_every_prefix(xpool, sequence):
+    rows = run(xpool, sequence())
+    assert rows[-1][3] > 0, "the sequence must make the policy trade, or this test proves nothing"
+    for a, mallocs, maps, unmaps, frees, _, _ in rows:
+        assert 2 * unmaps <= RHO * a + B, (a, unmaps)
+        # every call is a growth's (an allocation and its map) or a trade's (an unmap, then the
+        # map or free of its spare): nothing else spends device calls on the allocation path
+        assert mallocs + maps + unmaps + frees <= 2 * mallocs + 2 * unmaps, (a, mallocs, maps, unmaps, frees)
+
+
+def test_an_unbudgeted_policy_would_ping_pong_here(xpool):
+    """The cyclic sequence needs the budget: over its second half, with trades cut at the budget,
+    device calls stay under 1 % of allocations plus what the burst left; the unbudgeted count
+    (one trade per step, 2 calls or more) would be 100 %."""
+    rows = run(xpool, cyclic_above_watermark(steps=4000))
+    half = rows[len(rows) // 2]
+    end = rows[-1]
+    calls = lambda r: r[1] + r[2] + r[3] + r[4]
+    steady = calls(end) - calls(half)
+    assert steady <= 0.01 * (end[0] - half[0]) + B, (steady, end[0] - half[0])
+
+
+def test_growing_in_small_steps_costs_logarithmically_many_growths(xpool):
+    """3,000 allocations of 5 MiB, never freed (15 GiB): with 2 calls per exact growth this would be
+    6,000 calls. Past the growth budget each growth maps 1/128 of reserved memory more, so the
+    growths number O(log R), and the memory mapped beyond need stays under reserved / 128."""
+    steps = [(1, k, 5 * MiB - 32) for k in range(3000)]
+    rows = run(xpool, steps)
+    a, mallocs, maps, unmaps, frees, reserved, peak = rows[-1]
+    live = 3000 * 5 * MiB
+    assert unmaps == 0 and frees == 0
+    geometric = math.log(reserved / (5 * MiB)) / math.log(1 + 1 / OVERSHOOT)
+    assert 2 * mallocs <= RHO_G * a + B_G + GROWTH_CALLS * (1 + geometric), (mallocs, geometric)
+    assert mallocs < 3000 / 2, "well under one growth per allocation"
+    assert reserved - live <= reserved / OVERSHOOT + 2 * MiB, (reserved, live)
+
+
+def test_one_large_growth_costs_at_most_seventeen_chunks(xpool):
+    p = xpool.malloc(1000 * MiB - 32)
+    st = xpool.memory_stats()
+    assert st["reserved_bytes.all.current"] == 1000 * MiB     # in budget: exactly what it needs
+    assert st["num_device_alloc"] == st["num_device_map"] <= CHUNKS + 1
+    xpool.free(p)
+
+
+def test_no_extra_bytes_under_a_limit():
+    """Under a memory limit (or a quota) a growth maps only what it needs: extra bytes could make a
+    request that fits fail."""
+    pool = ap.Pool(0, backend="sim", expandable_segments=True)
+    try:
+        pool.set_limit(2048 * MiB)
+        ptrs = [pool.malloc(5 * MiB - 32) for _ in range(400)]       # 2,000 MiB of a 2,048 MiB limit
+        assert pool.memory_stats()["reserved_bytes.all.current"] == 400 * 5 * MiB
+        for p in ptrs:
+            pool.free(p)
+    finally:
+        pool.close()
