@@ -176,11 +176,6 @@ LATE_OK = {
     "ascend_pool.metrics": "prometheus_client stays lazy",
     "ascend_pool.service": "prometheus_client stays lazy",
 }
-LATE_OK_PREFIX = (
-    # The benchmark package is being reworked on another branch (issue 19); its late imports are
-    # downward and acyclic (checked above) and are hoisted once that work has landed.
-    "ascend_pool.bench.",
-)
 
 
 def test_every_module_has_a_layer():
@@ -223,7 +218,7 @@ def test_module_graph_is_acyclic():
 
 def test_own_imports_sit_at_module_level():
     late = [f"{where}: {module}" for module, where in LATE
-            if module not in LATE_OK and not module.startswith(LATE_OK_PREFIX)]
+            if module not in LATE_OK]
     assert not late, "own-package imports inside functions (hoist them; a cycle is fixed by moving code):\n" + \
         "\n".join(late)
 

@@ -34,6 +34,11 @@ import time
 from itertools import repeat
 from typing import Optional
 
+from .. import _core, sim as _sim
+from ..api import default_pool
+from ..metrics.collector import PoolCollector
+from ..pool import Pool
+
 __all__ = ["run_micro", "FIGURES", "FLOORS", "DESCRIPTIONS"]
 
 #: figure -> its floor
@@ -118,8 +123,6 @@ def _calibrate(fn, target_ms: float, lo: int = 10_000, hi: int = 20_000_000) -> 
 def _maintain(pool, run, rounds, counts, busy_stream, buf, sim):
     """Maintains pool for `rounds` rounds (or until the timed run is done), then stops the run:
     a busy stream synchronized, empty_cache, a snapshot and a metrics scrape each round."""
-    from ..metrics import PoolCollector
-
     collector = PoolCollector(pools=lambda: [pool])
     while counts["rounds"] < rounds and not run.done():
         if sim is not None:
@@ -136,13 +139,8 @@ def _maintain(pool, run, rounds, counts, busy_stream, buf, sim):
 def run_tail(device: int = 0, pairs: int = 4_000_000, size: int = 4096, rounds: int = 40) -> dict:
     """tail_under_maintenance (see the module docstring): the C-ABI pair's percentiles on a C
     thread under maintenance, and its uncontended median measured the same way just before."""
-    from .. import _core
-    from ..api import default_pool
-
     pool = default_pool(device)
-    sim = None
-    if pool.backend.name == "sim":
-        from .. import sim
+    sim = _sim if pool.backend.name == "sim" else None
     base = _core.TailRun(device, size, min(pairs, 200_000)).finish()
     busy = pool.create_stream()
     buf = pool.malloc(1 << 20, stream=busy)
@@ -172,9 +170,6 @@ def run_micro(backend, device: int = 0, runs: int = 7, target_ms: float = 20.0, 
     tail_under_maintenance (0: not measured). Returns
     ``{"figures": {name: {...}}, "floors": {name: {...}}, "info": {...}, "config": {...}}`` plus
     flat ``NAME_ns`` and ``NAME_vs_floor`` keys for every figure and floor."""
-    from .. import _core
-    from ..pool import Pool
-
     if runs < 1 or target_ms <= 0 or (c_pairs is not None and c_pairs < 1) or \
             (py_pairs is not None and py_pairs < 1) or threads < 2:
         raise ValueError("runs, target_ms, c_pairs and py_pairs must be positive, threads >= 2")

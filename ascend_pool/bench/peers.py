@@ -39,6 +39,9 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..traces import Trace, load_trace, peak_live_bytes
+from ..pool import Pool
+from ..replay import replay
+from . import torch_npu_policy
 
 __all__ = ["PeerSkipped", "ALLOCATORS", "BASE_ALLOCATORS", "GPU_ALLOCATORS", "allocators_for", "probe",
            "run_peer", "make_row", "python_replay", "second_half_allocs"]
@@ -241,8 +244,6 @@ def python_replay(trace: Trace, alloc: Callable, free: Callable, counters: Optio
 
 
 def _replay_ascend(trace, backend, device, mode, pool_knobs=None):
-    from ..replay import replay
-
     r = replay(trace, backend=backend, mode=mode, device=device, pool_knobs=pool_knobs)
     return {k: r[k] for k in ("allocs", "frees", "seconds", "peak_live_bytes", "peak_reserved_bytes",
                               "device_mallocs", "device_frees", "device_calls", "device_calls_steady",
@@ -250,16 +251,12 @@ def _replay_ascend(trace, backend, device, mode, pool_knobs=None):
 
 
 def _replay_policy(trace):
-    from . import torch_npu_policy
-
     r = torch_npu_policy.replay(trace)
     return {k: r[k] for k in ("allocs", "frees", "seconds", "peak_reserved_bytes", "device_mallocs",
                               "device_frees", "device_calls_steady", "final_allocated_bytes", "fragmentation_ratio")}
 
 
 def _replay_pyloop(trace, backend, device):
-    from ..pool import Pool
-
     pool = Pool(device, backend=backend)
     numbers, _ = _stream_index(trace)
     handles = [None if n == 0 else pool.create_stream() for n in numbers]

@@ -14,6 +14,12 @@ from pathlib import Path
 from typing import Optional
 
 from ..traces import default_traces_dir, list_traces, load_trace, trace_name as _trace_name
+from .. import sim
+from ..backend import open_backend
+from ..version import __version__
+from .robustness import run_variants
+from .torch_npu_policy import TORCH_NPU_PUBLISHED_MIB
+from .variants import DEFAULT_SEED
 from . import peers as _peers
 from .micro import run_micro
 from .progress import Progress
@@ -49,13 +55,7 @@ def _loadavg():
 def _versions() -> dict:
     import numpy
 
-    out = {"python": platform.python_version(), "numpy": numpy.__version__}
-    try:
-        from ..version import __version__ as v
-
-        out["ascend_pool"] = v
-    except ImportError:
-        pass
+    out = {"python": platform.python_version(), "numpy": numpy.__version__, "ascend_pool": __version__}
     for mod in ("torch", "cupy", "rmm"):
         m = sys.modules.get(mod)
         if m is not None:
@@ -73,16 +73,12 @@ class _SimLatency:
 
     def __enter__(self):
         if self.on:
-            from .. import sim
-
             sim.attach(self.path)
             sim.set_faults(malloc_latency_us=int(self.malloc_us), free_latency_us=int(self.free_us))
         return self
 
     def __exit__(self, *exc):
         if self.on:
-            from .. import sim
-
             sim.set_faults(malloc_latency_us=0, free_latency_us=0)
         return False
 
@@ -98,9 +94,6 @@ def run_bench(traces_dir=None, backend: Optional[str] = None, device: int = 0, *
     names to run (default: all for the backend; those that cannot run are listed in "skipped" with
     the reason). log(text): where skip notices go as they happen (default: nowhere). variants: how
     many perturbed workloads to derive from each trace for the robustness harness (0: none)."""
-    from ..backend import open_backend
-    from .torch_npu_policy import TORCH_NPU_PUBLISHED_MIB
-
     if variants < 0:
         raise ValueError(f"--variants must be >= 0, got {variants}")
     be = open_backend(backend)
@@ -173,9 +166,6 @@ def run_bench(traces_dir=None, backend: Optional[str] = None, device: int = 0, *
                         errors.append({"allocator": a, "trace": trace.name, "error": f"{type(e).__name__}: {e}"})
                         log(f"error: {a} on {trace.name}: {type(e).__name__}: {e}")
         if variants > 0:
-            from .robustness import run_variants
-            from .variants import DEFAULT_SEED
-
             variants_res = run_variants(paths, variants, be, device, pool_knobs=pool_knobs,
                                         seed=DEFAULT_SEED if variants_seed is None else variants_seed, progress=prog)
     finally:

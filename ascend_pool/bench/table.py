@@ -9,6 +9,8 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
+from .robustness import variants_markdown
+
 __all__ = ["RATIO_FIELDS", "add_ratios", "evaluate_targets", "to_markdown", "summary_lines", "TARGETS"]
 
 MiB = 1024 * 1024
@@ -270,8 +272,6 @@ def to_markdown(result: dict) -> str:
                      "(`ascend_pool_pyloop` is ascend_pool in the Python loop).")
     lines += [""] + [f"- {n}" for n in notes]
     if result.get("variants"):
-        from .robustness import variants_markdown
-
         lines += ["", "## Robustness: perturbed workloads", ""] + variants_markdown(result["variants"])
     if result.get("skipped"):
         lines += ["", "## Skipped", ""]

@@ -46,6 +46,8 @@ from typing import Optional
 
 import numpy as np
 
+from ..traces import default_traces_dir, list_traces, load_trace
+
 __all__ = [
     "ALLOCATOR_NAME",
     "LABEL",
@@ -466,8 +468,6 @@ def format_table(results: list) -> str:
 
 def _main(argv=None) -> int:
     import argparse
-
-    from ascend_pool.traces import default_traces_dir, list_traces, load_trace
 
     ap = argparse.ArgumentParser(description=f"Replay traces through the {LABEL}.")
     ap.add_argument("traces", nargs="*", help="trace .npz files (default: every trace in the default directory)")

@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..traces import Trace, trace_from_arrays
+from ..traces import Trace, load_trace, trace_from_arrays
 
 __all__ = ["RANGES", "PERTURBATIONS", "derive", "derive_all", "phases"]
 
@@ -211,8 +211,6 @@ def describe(meta: dict) -> str:
 
 def _main(argv: Optional[list] = None) -> int:
     import argparse
-
-    from ..traces import load_trace
 
     ap = argparse.ArgumentParser(description="Print the perturbations of a trace's variants.")
     ap.add_argument("trace")
