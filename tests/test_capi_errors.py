@@ -137,20 +137,27 @@ def test_base_alloc_gives_the_segment_holding_a_block(clean):
 
 
 def test_free_is_ordered_on_the_stream_given(clean):
+    """A block freed on stream s is reused at once on s; another stream gets it only ordered after
+    s's queued work (an event it waits on), so that stream's own writes land after s's late ones."""
     pool = ap.default_pool(0)
     s = pool.create_stream()
+    n = 1 << 16
     try:
-        p = clean.malloc(1 << 16, 0, s)
-        sim.launch_fill(s, p, 1 << 16, 0xAB, delay_s=0.3)  # queued work still using p
-        clean.free(p, 1 << 16, 0, s)
-        q = clean.malloc(1 << 16, 0, None)  # another stream: must not get p while the fill is queued
-        assert q != p
-        r = clean.malloc(1 << 16, 0, s)  # the same stream: p is reusable at once
-        assert r == p
-        for ptr in (q, r):
-            clean.free(ptr, 1 << 16, 0, None)  # NULL stream: the block's own allocation stream
-        assert clean.error() == (OK, "")
+        p = clean.malloc(n, 0, s)
+        sim.launch_fill(s, p, n, 0xAB, delay_s=0.3)  # queued work still using p
+        clean.free(p, n, 0, s)
+        q = clean.malloc(n, 0, None)  # the default stream: p only ordered after the fill
+        sim.launch_fill(None, q, n, 0xCD)  # the default stream's own use of q
+        r = clean.malloc(n, 0, s)  # the same stream: p is reusable at once, unless q took it
+        if q != p:
+            assert r == p
+        assert r != q
         pool.synchronize(s)
+        pool.synchronize(None)
+        assert sim.read(q, n) == b"\xcd" * n  # not overwritten by s's late fill
+        for ptr in (q, r):
+            clean.free(ptr, n, 0, None)  # NULL stream: the block's own allocation stream
+        assert clean.error() == (OK, "")
     finally:
         pool.destroy_stream(s)
 

@@ -113,12 +113,15 @@ def test_lowered_quota_releases_a_free_segment_split_across_streams(clean_faults
     s1 = base.create_stream()
     ctx.register_stream(s1)
     try:
-        x = ctx.malloc(1)
-        ctx.free(x, stream=s1)           # the small segment: one free block cached for s1
-        x = ctx.malloc(1)                # the default stream borrows 512 B of it ...
-        ctx.free(x)                      # ... and frees them: two free blocks, two stream tags
-        a, b = ctx.malloc(MiB + 1), ctx.malloc(MiB + 1)  # two large segments in use
+        x = ctx.malloc(1, stream=s1)     # the small segment, made for s1
+        y = ctx.malloc(1)                # the default stream borrows s1's free tail ...
+        ctx.free(x, stream=s1)
+        ctx.free(y)                      # ... and frees it: two free blocks, two stream tags
+        a, b = ctx.malloc(2 * MiB - 4096), ctx.malloc(2 * MiB - 4096)  # two large 2 MiB segments in use
         assert ctx.held == 6 * MiB
+        small = [s for s in ctx.snapshot()["segments"] if s["segment_type"] == "small"]
+        assert [[bl["state"] for bl in s["blocks"]] for s in small] == [["inactive", "inactive"]], \
+            "the premise: one wholly free small segment, split in two free blocks"
         ctx.set_quota(4 * MiB)           # over quota by exactly the free small segment
         kept = [s for s in ctx.snapshot()["segments"] if all(bl["state"] == "inactive" for bl in s["blocks"])]
         assert not kept and ctx.held <= 4 * MiB, (

@@ -188,6 +188,7 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
     int rc = grow(p, slot, pool, rsize, size, &b, err);
     if (rc == AP_OK) return b;
     if (rc == AP_E_HOST_NOMEM) return NULL;
+    p->stats.num_alloc_retries++; /* one per allocation the device (or a limit) refused once */
     if (own < size) { /* a packed or absorbing growth that does not fit: the request's own size may */
         size = own;
         if ((rc = grow(p, slot, pool, rsize, size, &b, err)) == AP_OK) return b;
@@ -195,7 +196,6 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
     }
 
     /* Out of device memory (or over the limit): return every idle segment and retry ... */
-    p->stats.num_alloc_retries++;
     ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
     if ((b = ap_find_fit(p, slot, pool, rsize))) return b;
     rc = grow(p, slot, pool, rsize, size, &b, err);
