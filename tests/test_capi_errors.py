@@ -140,26 +140,29 @@ def test_free_is_ordered_on_the_stream_given(clean):
     """A block freed on stream s is reused at once on s; another stream gets it only ordered after
     s's queued work (an event it waits on), so that stream's own writes land after s's late ones."""
     pool = ap.default_pool(0)
-    s = pool.create_stream()
+    # Created streams, not the default one: the simulator's default stream (None) is this thread's
+    # current device's, which earlier tests in this process may have left on another device.
+    s, t = pool.create_stream(), pool.create_stream()
     n = 1 << 16
     try:
         p = clean.malloc(n, 0, s)
         sim.launch_fill(s, p, n, 0xAB, delay_s=0.3)  # queued work still using p
         clean.free(p, n, 0, s)
-        q = clean.malloc(n, 0, None)  # the default stream: p only ordered after the fill
-        sim.launch_fill(None, q, n, 0xCD)  # the default stream's own use of q
+        q = clean.malloc(n, 0, t)  # another stream: p only ordered after the fill
+        sim.launch_fill(t, q, n, 0xCD)  # that stream's own use of q
         r = clean.malloc(n, 0, s)  # the same stream: p is reusable at once, unless q took it
         if q != p:
             assert r == p
         assert r != q
         pool.synchronize(s)
-        pool.synchronize(None)
+        pool.synchronize(t)
         assert sim.read(q, n) == b"\xcd" * n  # not overwritten by s's late fill
         for ptr in (q, r):
             clean.free(ptr, n, 0, None)  # NULL stream: the block's own allocation stream
         assert clean.error() == (OK, "")
     finally:
         pool.destroy_stream(s)
+        pool.destroy_stream(t)
 
 
 def test_record_stream_through_the_c_abi_delays_reuse(clean):
