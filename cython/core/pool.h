@@ -176,6 +176,8 @@ typedef struct ap_pool {
     int64_t trade_credit;      /* classic release policy (classic_policy.c): calls it may spend, in 1/1000 call */
     uint64_t trade_tick;       /* p->tick when the credit was last topped up */
     size_t grown_sizes[64];    /* request sizes that made large segments (classic_policy.c: packing) */
+    size_t npu_floor[2];       /* highest allocated bytes seen per pool (classic_policy.c: torch_npu's floor) */
+    int64_t protect_credit;    /* ... and the calls it may spend to stay under that floor, in 1/1000 call */
     int64_t vmm_growth_credit; /* growth policy (vmm_policy.c): calls exact growths may spend, in 1/1000 call */
     uint64_t vmm_growth_tick;  /* p->tick when the growth credit was last topped up */
 
