@@ -189,6 +189,7 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
     if (rc == AP_OK) return b;
     if (rc == AP_E_HOST_NOMEM) return NULL;
     if (own < size) { /* a packed or absorbing growth that does not fit: the request's own size may */
+        p->stats.num_alloc_retries++; /* a device refusal retried: counted as one (a fault is never silent) */
         size = own;
         if ((rc = grow(p, slot, pool, rsize, size, &b, err)) == AP_OK) return b;
         if (rc == AP_E_HOST_NOMEM) return NULL;
