@@ -176,8 +176,6 @@ typedef struct ap_pool {
     int64_t trade_credit;      /* classic release policy (classic_policy.c): calls it may spend, in 1/1000 call */
     uint64_t trade_tick;       /* p->tick when the credit was last topped up */
     size_t grown_sizes[64];    /* request sizes that made large segments (classic_policy.c: packing) */
-    size_t npu_floor[2];       /* highest allocated bytes seen per pool (classic_policy.c: torch_npu's floor) */
-    int64_t protect_credit;    /* ... and the calls it may spend to stay under that floor, in 1/1000 call */
     int64_t vmm_growth_credit; /* growth policy (vmm_policy.c): calls exact growths may spend, in 1/1000 call */
     uint64_t vmm_growth_tick;  /* p->tick when the growth credit was last topped up */
 
@@ -203,6 +201,11 @@ typedef struct ap_pool {
     ap_stats stats;
     ap_history history;
     ap_quota_hook quota;  /* reserve == NULL: no quota */
+    /* Classic release policy, growth path only (kept after the cached path's fields so that they
+       do not move): highest allocated bytes seen per pool (torch_npu's floor) and the calls it
+       may spend to stay under that floor, in 1/1000 call (classic_policy.c). */
+    size_t npu_floor[2];
+    int64_t protect_credit;
 } ap_pool;
 
 /* Creates a pool on device. Preallocates cfg->reserve_bytes. NULL on failure (err says why). */
