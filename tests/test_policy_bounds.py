@@ -1,12 +1,14 @@
 """The classic release policy's device-call bound (docs/placement-policy.md), checked on adversarial
 sequences from the pool's own counters after every operation:
 
-    device calls(t) <= G(t) + RATE * A(t) + START
+    device calls(t) <= G(t) + (RATE + PRATE) * A(t) + START + PSTART
 
 A(t): allocations so far; G(t): growths that lifted reserved memory to a new high (the only device
 allocations the budget does not pay for: a pool that never releases makes them too); RATE, START:
-the constants of cython/core/classic_policy.c. Over any window (t1, t2] the calls are at most
-G(t1, t2) + RATE * (A(t2) - A(t1)) + max(START, BASE + HOLD * A(t1)) (the credit held at t1).
+the trade credit's constants of cython/core/classic_policy.c, PRATE, PSTART those of the credit
+that keeps the pool under torch_npu's floor. Over any window (t1, t2] the calls are at most
+G(t1, t2) + (RATE + PRATE) * (A(t2) - A(t1)) + max(START, BASE + HOLD * A(t1)) + PSTART (the
+credits held at t1).
 
 The sequences are built to make a policy that trades whenever it could ping-pong: phases whose
 requests the other phase's idle segments cannot hold (small-pool against large-pool requests, two
@@ -19,8 +21,10 @@ import pytest
 import ascend_pool as ap
 
 MiB = 1 << 20
-# classic_policy.c: AP_TRADE_RATE and AP_TRADE_HOLD (thousandths), AP_TRADE_BASE, AP_TRADE_START
+# classic_policy.c: AP_TRADE_RATE and AP_TRADE_HOLD (thousandths), AP_TRADE_BASE, AP_TRADE_START,
+# AP_PROTECT_RATE (thousandths) and AP_PROTECT_START
 RATE, HOLD, BASE, START = 0.006, 0.003, 2, 20
+PRATE, PSTART = 0.001, 10
 
 
 class Checked:
@@ -43,9 +47,9 @@ class Checked:
             self.peak_growths += 1
             self.peak = peak
         calls = self.calls(st)
-        bound = self.peak_growths + int(RATE * self.allocs + 1e-9) + START
+        bound = self.peak_growths + int((RATE + PRATE) * self.allocs + 1e-9) + START + PSTART
         assert calls <= bound, (f"after {self.allocs} allocations: {calls} device calls > G {self.peak_growths} "
-                                f"+ RATE*A {RATE * self.allocs:.2f} + START {START}")
+                                f"+ (RATE+PRATE)*A {(RATE + PRATE) * self.allocs:.2f} + START {START} + PSTART {PSTART}")
         self.history.append((self.allocs, self.peak_growths, calls))
 
     def malloc(self, n):
@@ -62,7 +66,7 @@ class Checked:
         """The window bound from the op at index start to the end."""
         a0, g0, c0 = self.history[start]
         a1, g1, c1 = self.history[-1]
-        bound = (g1 - g0) + RATE * (a1 - a0) + max(START, BASE + HOLD * a0)
+        bound = (g1 - g0) + (RATE + PRATE) * (a1 - a0) + max(START, BASE + HOLD * a0) + PSTART
         assert c1 - c0 <= bound + 1e-9, f"window of {a1 - a0} allocations: {c1 - c0} calls > {bound:.2f}"
         return c1 - c0, a1 - a0
 
@@ -117,15 +121,37 @@ def test_sawtooth_with_drifting_sizes(run):
 
 def test_credit_builds_with_allocations_not_with_time(run):
     # Ever larger requests, each freed: every growth could trade the idle segments for itself.
-    # The starting credit pays a few trades (a release and the growth each); then growths lift
-    # the peak instead, until allocations have earned the credit for the next trade.
+    # The starting credits (the trades' and the floor's: each growth here passes torch_npu's floor,
+    # the largest request) pay a few trades (a release and the growth each); then growths lift the
+    # peak instead, until allocations have earned the credit for the next trade.
     frees = []
     for i in range(40):
         run.free(run.malloc((10 + 2 * i) * MiB))
         frees.append(run.pool.memory_stats()["num_device_free"])
-    assert 0 < frees[-1] <= (START + RATE * 40) / 2  # each trade here: one release and its growth
-    assert frees[-1] == frees[-10]  # the credit is spent: the last growths released nothing
+    assert 0 < frees[-1] <= (START + PSTART + (RATE + PRATE) * 40) / 2  # each trade: a release and its growth
+    assert frees[-1] == frees[-10]  # the credits are spent: the last growths released nothing
     for _ in range(int(2 / RATE) + 1):  # two calls of credit, from cached allocations (no device call)
         run.free(run.malloc(4096))
     run.free(run.malloc(100 * MiB))
     assert run.pool.memory_stats()["num_device_free"] == frees[-1] + 1
+
+
+def test_past_the_credit_idle_segments_keep_the_pool_under_torch_npus_floor(run):
+    # torch_npu's never-release policy holds at least the highest bytes ever allocated per pool (in
+    # 2 MiB segments): 240 MiB here, and the pool reserves exactly that. Then ever larger requests,
+    # each freed (none fits the idle segments, and each outgrows the last trade's segment): the
+    # first trades spend the credit; past it each growth would lift the pool above that floor
+    # while idle segments could pay for it, so the floor's own credit trades instead.
+    held = [run.malloc(12 * MiB - 32) for _ in range(20)]
+    for p in held:
+        run.free(p)
+    floor = run.pool.memory_stats()["reserved_bytes.all.peak"]
+    assert floor == 240 * MiB
+    for i in range(10):
+        run.free(run.malloc((13 + 12 * i) * MiB))
+    st = run.pool.memory_stats()
+    calls = st["num_device_alloc"] + st["num_device_free"] - 20
+    assert calls > START + RATE * run.allocs  # more than the trade credit: the floor's was spent too
+    # No request got fresh memory on top of the floor (each is >= 13 MiB); a trade whose credit
+    # covers only part of its releases may leave a page above it.
+    assert st["reserved_bytes.all.peak"] < floor + 13 * MiB

@@ -10,6 +10,7 @@ import pytest
 import ascend_pool as ap
 from ascend_pool.errors import ConfigError
 from ascend_pool.tenants import Context
+from ascend_pool.traces import OP_ALLOC, bundled_traces_dir, load_trace
 
 sys.path.insert(0, os.path.dirname(__file__))
 from quota_fixtures import MiB, base, large, ledger_dir  # noqa: E402,F401  (pytest fixtures)
@@ -197,3 +198,52 @@ def test_preallocated_reserve_is_booked_or_refused():
         Context("prealloc", 0, "sim", quota=4 * MiB, reserve="8MiB")
     assert (info.value.quota, info.value.held, info.value.requested) == (4 * MiB, 0, 8 * MiB)
     assert "the preallocated reserve" in str(info.value)
+
+
+def _drive(ctx, trace, streams):
+    """Replays trace through ctx.malloc/free as an application would; on a refusal frees what
+    it holds and returns the error (else None)."""
+    live = {}
+    try:
+        for op, slot, size, st in zip(trace.op.tolist(), trace.slot.tolist(), trace.size.tolist(),
+                                      trace.stream.tolist()):
+            s = streams[st] if st else None
+            if op == OP_ALLOC:
+                live[slot] = (ctx.malloc(size, stream=s), s)
+            else:
+                ptr, s0 = live.pop(slot)
+                ctx.free(ptr, stream=s0)
+    except ap.QuotaExceededError as e:
+        return e
+    finally:
+        for ptr, s0 in live.values():
+            ctx.free(ptr, stream=s0)
+    return None
+
+
+def test_a_tenant_refused_by_its_quota_keeps_working():
+    """After a job that needs more than the tenant's quota is refused, a job that fits runs again
+    (the serve --replay demo's tight tenant): the pool's growths must not leave memory in shapes
+    that no trim can give back (one large segment pinned by a few live blocks)."""
+    traces = {n: load_trace(bundled_traces_dir() / f"{n}.npz")
+              for n in ("bert_serving_varlen_prefix", "resnet18_train_prefix")}
+    base = ap.Pool(0, backend="sim")  # the default release policy (the fixture's never releases)
+    ctx = base.context("tight", quota=430 * MiB)
+    streams = {}
+    try:
+        for t in traces.values():
+            for st in set(t.stream.tolist()) - {0} - set(streams):
+                streams[st] = base.create_stream()
+                ctx.register_stream(streams[st])
+        assert _drive(ctx, traces["bert_serving_varlen_prefix"], streams) is None  # fits alone
+        for _ in range(2):
+            assert isinstance(_drive(ctx, traces["resnet18_train_prefix"], streams), ap.QuotaExceededError)
+            err = _drive(ctx, traces["bert_serving_varlen_prefix"], streams)
+            assert err is None, f"the job that fits was refused after the one that did not: {err}"
+        assert ctx.memory_stats()["allocated_bytes.all.current"] == 0
+    finally:
+        for s in streams.values():
+            base.synchronize(s)
+            base.destroy_stream(s)
+        ctx.close()
+        base.close()

@@ -16,10 +16,16 @@
  *  - the growth absorbs what the releases freed beyond the need (its segment grows by the rest),
  *    so after a trade reserved memory is back at the watermark: a later growth either trades
  *    again (paid) or lifts the peak.
- * Every device call is therefore a trade's (paid), a growth that lifts the peak, or an explicit
- * trim's (empty_cache, the out-of-memory path, a lowered limit or quota, garbage collection) with
- * the growths that refill it. With A(t) allocations, G(t) peak-lifting growths, E(t) those:
- *     device calls(t) <= G(t) + E(t) + AP_TRADE_RATE / 1000 * A(t) + AP_TRADE_START.
+ * A growth without credit may lift the peak only while reserved memory stays under a floor of what
+ * torch_npu's never-release policy has surely reserved by then (npu_floor); past it the trade is
+ * paid from a second, small credit kept for that purpose (AP_PROTECT_*), so that calls are spent
+ * beyond the budget only where the pool would otherwise pass torch_npu's floor.
+ * Every device call is therefore a trade's (paid from one credit or the other), a growth that lifts
+ * the peak, or an explicit trim's (empty_cache, the out-of-memory path, a lowered limit or quota,
+ * garbage collection) with the growths that refill it. With A(t) allocations, G(t) peak-lifting
+ * growths, E(t) those:
+ *     device calls(t) <= G(t) + E(t) + (AP_TRADE_RATE + AP_PROTECT_RATE) / 1000 * A(t)
+ *                        + AP_TRADE_START + AP_PROTECT_START.
  *
  * Tried and dropped (mean waste reduction against torch_npu's policy on the bench's 120 perturbed
  * workloads, this policy: see docs/placement-policy.md): trades free of budget at a new high of
@@ -34,10 +40,15 @@
 #define AP_TRADE_HOLD 3   /* most credit held: this many thousandths of a call per allocation so far ... */
 #define AP_TRADE_BASE 2   /* ... plus this many calls */
 #define AP_TRADE_START 20 /* calls of credit a new pool starts with */
+#define AP_PROTECT_RATE 1   /* the floor's credit per allocation, in thousandths of a call (0.1 %) ... */
+#define AP_PROTECT_START 10 /* ... its start and the most it holds, in calls */
 #define AP_PACK_MAX_BLOCKS 10                /* a packed segment holds at most this many requests ... */
 #define AP_PACK_MAX_BYTES ((size_t)20 << 20) /* ... in at most this many bytes (torch_npu's 20 MiB) */
 
-void ap_classic_policy_init(ap_pool *p) { p->trade_credit = (int64_t)AP_TRADE_START * 1000; }
+void ap_classic_policy_init(ap_pool *p) {
+    p->trade_credit = (int64_t)AP_TRADE_START * 1000;
+    p->protect_credit = (int64_t)AP_PROTECT_START * 1000;
+}
 
 /* Tops the credit up for the allocations since the last call; returns the whole calls it covers. */
 static int64_t credit_calls(ap_pool *p) {
@@ -49,7 +60,11 @@ static int64_t credit_calls(ap_pool *p) {
     if (p->trade_credit > cap) cap = p->trade_credit; /* the starting credit, not yet spent */
     int64_t c = p->trade_credit + (int64_t)ticks * AP_TRADE_RATE;
     p->trade_credit = c > cap ? cap : c;
-    AP_ASSERT(p->trade_credit >= 0);
+    /* The floor's credit is capped at its start, so that no window can spend more of it than
+       AP_PROTECT_START plus what the window itself earned. */
+    int64_t pc = p->protect_credit + (int64_t)ticks * AP_PROTECT_RATE;
+    p->protect_credit = pc > (int64_t)AP_PROTECT_START * 1000 ? (int64_t)AP_PROTECT_START * 1000 : pc;
+    AP_ASSERT(p->trade_credit >= 0 && p->protect_credit >= 0);
     return p->trade_credit / 1000;
 }
 
@@ -57,11 +72,38 @@ static int64_t credit_calls(ap_pool *p) {
    may still use it. */
 static int releasable(const ap_segment *s) { return ap_segment_is_free(s) && !s->pinned && !s->first->tag; }
 
-size_t ap_classic_make_room(ap_pool *p, size_t size) {
+/* A lower bound of what torch_npu's never-release policy has reserved by now (its reserved memory
+   only grows, so it is also below its final peak): its small and large pools never share a
+   segment, so each holds at least the highest bytes ever allocated in it, in whole 2 MiB segments.
+   The peaks are read lazily (here, not on the cached path) and kept, so reset_peak_stats cannot
+   lower the bound; the pending request counts too (torch_npu must hold it with the live blocks). */
+static size_t npu_floor(ap_pool *p, int pool, size_t rsize) {
+    size_t total = 0;
+    for (int k = 0; k < 2; k++) {
+        const ap_stat *a = &p->stats.s[AP_STAT_ALLOCATED_BYTES][1 + k];
+        size_t hi = (size_t)(a->peak > a->current ? a->peak : a->current);
+        if (k == pool) hi = (size_t)a->current + rsize > hi ? (size_t)a->current + rsize : hi;
+        if (hi > p->npu_floor[k]) p->npu_floor[k] = hi;
+        total += ap_round_up(p->npu_floor[k], (size_t)2 << 20);
+    }
+    return total;
+}
+
+size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size) {
     size_t reserved = ap_reserved(p), wm = p->reserved_watermark;
     if (reserved + size <= wm) return size; /* room under the peak (after an explicit trim) */
     int64_t calls = credit_calls(p);
-    if (calls < 2 || !p->n_free_segments) return size; /* a trade is a release and the growth */
+    if (!p->n_free_segments) return size;
+    /* Without credit the growth may lift the peak while the pool stays under what torch_npu has
+       surely reserved; past that floor the trade is paid from the floor's own credit (protect):
+       calls beyond the budget are spent only where the pool would pass torch_npu's floor. */
+    int protect = 0;
+    if (calls < 2) {
+        if (reserved + size <= npu_floor(p, pool, rsize)) return size;
+        protect = 1;
+        calls = p->protect_credit / 1000;
+        if (calls < 2) return size;
+    }
     size_t over = reserved + size - wm;
     ap_cache_flush(p); /* cached blocks may be all that keeps a segment from being wholly free */
     /* Idle streams' wholly free segments become anyone's (asked, never waited for). */
@@ -70,10 +112,14 @@ size_t ap_classic_make_room(ap_pool *p, size_t size) {
 
     /* One segment that covers the need alone, the smallest (one call); else the largest first.
        A released segment may exceed the need by at most the growth itself: the growth absorbs
-       the rest, and a segment much larger than the request would just be re-made larger. */
+       the rest, and a segment much larger than the request would just be re-made larger. To stay
+       under torch_npu's floor any size of the request's own pool may go (absorbed by a growth of
+       the other pool, it would strand its bytes where that pool's requests cannot use them). */
     ap_segment *one = NULL;
     for (ap_segment *s = p->segments; s; s = s->next)
-        if (releasable(s) && s->size >= over && s->size <= over + size && (!one || s->size < one->size)) one = s;
+        if (releasable(s) && s->size >= over && (s->size <= over + size || (protect && s->pool == pool)) &&
+            (!one || s->size < one->size))
+            one = s;
     int64_t k = 0;
     if (one) {
         if (ap_segment_release(p, one, NULL) == AP_OK) k++;
@@ -91,8 +137,14 @@ size_t ap_classic_make_room(ap_pool *p, size_t size) {
         }
     }
     if (!k) return size;
-    p->trade_credit -= (k + 1) * 1000;
-    AP_ASSERT(p->trade_credit >= 0);
+    if (protect) p->protect_credit -= (k + 1) * 1000;
+    else p->trade_credit -= (k + 1) * 1000;
+    AP_ASSERT(p->trade_credit >= 0 && p->protect_credit >= 0);
+    /* Never under a byte limit or a tenant quota: there one large absorbing segment, pinned by a
+       few live blocks, is memory no trim can return, and the tenant's next requests are refused
+       although most of what it holds is free (the serve --replay demo's tight tenant: every run
+       refused after the first one that hit its quota). */
+    if (p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve) return size;
     reserved = ap_reserved(p);
     if (reserved + size < wm) size += (wm - reserved - size) / p->cfg.page_size * p->cfg.page_size;
     return size;

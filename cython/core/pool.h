@@ -201,6 +201,11 @@ typedef struct ap_pool {
     ap_stats stats;
     ap_history history;
     ap_quota_hook quota;  /* reserve == NULL: no quota */
+    /* Classic release policy, growth path only (kept after the cached path's fields so that they
+       do not move): highest allocated bytes seen per pool (torch_npu's floor) and the calls it
+       may spend to stay under that floor, in 1/1000 call (classic_policy.c). */
+    size_t npu_floor[2];
+    int64_t protect_credit;
 } ap_pool;
 
 /* Creates a pool on device. Preallocates cfg->reserve_bytes. NULL on failure (err says why). */

@@ -77,7 +77,7 @@ size_t ap_reserved(const ap_pool *p);
 /* classic_policy.c: before a classic growth of `size` bytes that would lift reserved memory above
    its peak, trades wholly free segments for it within the device-call budget; returns the bytes
    to grow by (at least size). */
-size_t ap_classic_make_room(ap_pool *p, size_t size);
+size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size);
 /* Bytes of a new large segment for a request of rsize: whole pages, or room for several requests
    of a recurring size whose page rounding would waste much. */
 size_t ap_classic_segment_size(ap_pool *p, size_t rsize);

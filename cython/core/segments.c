@@ -157,7 +157,7 @@ static size_t trim_before_growth(ap_pool *p, int slot, int pool, size_t rsize, s
         ap_vmm_make_room(p, rsize, need, keep);
         return size;
     }
-    return ap_classic_make_room(p, size); /* classic_policy.c */
+    return ap_classic_make_room(p, pool, rsize, size); /* classic_policy.c */
 }
 
 /* One attempt to get new device memory holding rsize: a segment of `size` bytes, or (expandable)
