@@ -5,7 +5,8 @@ checked after every allocation of adversarial sequences:
   (each unmap is charged with the map or free of its spare that follows it);
 - growth: the calls that map new physical memory, 2 * device_allocs(t), grow with the number of
   growths to a new peak, and past their budget those growths are geometric, so growing to R bytes in
-  many small steps costs O(log R) of them, with at most 1/128 of reserved memory mapped beyond need.
+  many small steps costs O(log R) of them, with at most 1/128 of reserved memory mapped beyond need;
+  a growth's chunks hold up to 1/32 of reserved memory, so its calls shrink with its share of the pool.
 
 The constants mirror vmm_policy.c and pool.h."""
 
@@ -20,6 +21,7 @@ MiB = 1 << 20
 RHO, B = 0.004, 200            # AP_VMM_TRADE_PER_1000 / 1000, AP_VMM_TRADE_BURST
 RHO_G, B_G = 0.010, 64         # AP_VMM_GROW_PER_1000 / 1000, AP_VMM_GROW_BURST
 CHUNKS, OVERSHOOT = 16, 128    # AP_VMM_GROWTH_CHUNKS, AP_VMM_OVERSHOOT_DIV
+SHARE = 32                     # AP_VMM_CHUNK_SHARE: a chunk may hold 1/32 of reserved memory
 GROWTH_CALLS = 2 * (CHUNKS + 1)  # the most one growth costs
 
 
@@ -156,6 +158,23 @@ def test_one_large_growth_costs_at_most_seventeen_chunks(xpool):
     assert st["reserved_bytes.all.current"] == 1000 * MiB     # in budget: exactly what it needs
     assert st["num_device_alloc"] == st["num_device_map"] <= CHUNKS + 1
     xpool.free(p)
+
+
+def test_a_growth_in_a_large_pool_costs_calls_in_proportion_to_its_share_of_the_pool(xpool):
+    """Chunks of up to 1/32 of reserved memory: a growth of x times reserved costs at most
+    2 * (1 + 32 x) calls, so a 200 MiB growth of a 3.2 GiB pool maps 2 chunks (20 MiB chunks: 10)."""
+    held = [xpool.malloc(3200 * MiB - 32)]                        # 16 chunks, within the budget
+    st0 = xpool.memory_stats()
+    reserved = st0["reserved_bytes.all.current"]
+    assert reserved == 3200 * MiB
+    p = xpool.malloc(200 * MiB - 32)
+    st = xpool.memory_stats()
+    chunks = st["num_device_alloc"] - st0["num_device_alloc"]
+    assert chunks == st["num_device_map"] - st0["num_device_map"]
+    assert chunks <= 1 + SHARE * 200 * MiB / reserved, chunks
+    assert st["reserved_bytes.all.current"] == reserved + 200 * MiB  # the chunk size maps no more than the need
+    for q in held + [p]:
+        xpool.free(q)
 
 
 def test_no_extra_bytes_under_a_limit():

@@ -7,11 +7,12 @@
  * contiguous mapped chunks.
  *
  * Chunks: one physical allocation per chunk of at most AP_VMM_CHUNK_MAX (20 MiB, PyTorch's
- * large-pool granule), or 1/16 of a growth above 320 MiB, mapped and unmapped whole, as the runtime
- * requires. A growth costs two calls (allocate + map) per chunk and a release two (unmap + free):
- * 2 MiB pages cost ten times more calls for the same bytes, while a chunk as large as its whole
- * growth is pinned by any block later carved from it (gpt2 trace: 444 MiB of waste, against 86
- * with 20 MiB chunks); 1/16 of a large growth keeps a 1 GB tensor at 34 calls instead of 100.
+ * large-pool granule), 1/16 of a growth above 320 MiB, or 1/32 of a pool above 640 MiB, mapped and
+ * unmapped whole, as the runtime requires. A growth costs two calls (allocate + map) per chunk
+ * and a release two (unmap + free): 2 MiB pages cost ten times more calls for the same bytes,
+ * while a chunk as large as its whole growth is pinned by any block later carved from it (gpt2
+ * trace: 444 MiB of waste, against 86 with 20 MiB chunks); 1/16 of a large growth keeps a 1 GB
+ * tensor at 34 calls instead of 100, and 1/32 of the pool keeps a large pool's growths few chunks.
  * A chunk is unmapped only when it lies wholly inside one free block; unmapping it splits its
  * segment. How much a growth maps beyond its need: vmm_policy.c.
  *
@@ -24,11 +25,16 @@
 #include "pool_internal.h"
 
 /* Largest chunk of a growth of `need` bytes: AP_VMM_CHUNK_MAX, or for a growth above 16 times that
-   its 1/16, so that no growth costs more than 2 * (AP_VMM_GROWTH_CHUNKS + 1) calls. */
+   its 1/16, so that no growth costs more than 2 * (AP_VMM_GROWTH_CHUNKS + 1) calls; or 1/32 of
+   reserved memory, so that the calls per byte grown fall as the pool grows (a growth of x times
+   reserved costs at most 2 * (1 + 32 x) calls: growing to R bytes costs O(log R) extra chunks), while
+   a chunk pinned by one live block holds at most 1/32 of the pool. */
 size_t ap_vmm_chunk_cap(const ap_pool *p, size_t need) {
     size_t g = p->vmm_granularity;
     size_t cap = AP_VMM_CHUNK_MAX < g ? g : AP_VMM_CHUNK_MAX / g * g;
     size_t share = ap_round_up((need + AP_VMM_GROWTH_CHUNKS - 1) / AP_VMM_GROWTH_CHUNKS, g);
+    size_t scale = ap_reserved(p) / AP_VMM_CHUNK_SHARE / g * g;
+    if (share < scale) share = scale;
     return share > cap ? share : cap;
 }
 

@@ -37,6 +37,7 @@
 #define AP_VMM_SPACE_MIN ((size_t)64 << 30) /* smallest address-space reservation (expandable) */
 #define AP_VMM_CHUNK_MAX ((size_t)20 << 20)  /* largest physical allocation of a growth up to 320 MiB (expandable.c) */
 #define AP_VMM_GROWTH_CHUNKS 16              /* a larger growth maps chunks of 1/16 of it */
+#define AP_VMM_CHUNK_SHARE 32                /* ... and in a pool above 640 MiB, chunks of up to 1/32 of reserved */
 #define AP_CACHE_BINS 64   /* recent-free cache: bins by hashed size ... */
 #define AP_CACHE_DEPTH 4   /* ... of this many blocks each */
 #define AP_EVENT_CACHE_MAX 64 /* idle events kept per pool: far below any device's limit (1,023) */
