@@ -12,7 +12,8 @@ Knobs:
   page_size                    large-segment granularity: "2m" (default) or "1g"
   expandable_segments          true: segments grow and shrink in place through the runtime's
                                virtual-memory calls (needs a backend with them); default false
-  release_policy               "under_peak" (default) or "never" (torch_npu's behaviour)
+  release_policy               "under_peak" (default), "budgeted" (the same within a device-call
+                               budget: docs/placement-policy.md) or "never" (torch_npu's behaviour)
   stream_reuse                 "borrow" (default: a stream reuses blocks freed on another stream
                                once ordered after them by an event wait on the device) or
                                "tied" (a block serves only its own stream, PyTorch's policy)
@@ -39,7 +40,7 @@ from .units import parse_bytes
 ENV_VAR = "ASCEND_POOL_CONF"
 # Knob values that name a C policy; PoolBase maps each to its enum (core/pool.pxi's tables of the
 # same names, checked equal by tests/test_one_home.py).
-RELEASE_POLICIES = ("never", "under_peak")
+RELEASE_POLICIES = ("never", "under_peak", "budgeted")
 STREAM_REUSE = ("borrow", "tied")
 DEFAULT_HISTORY = 100_000
 _TRUE = {"1", "true", "yes", "on"}

@@ -31,7 +31,7 @@ class Checked:
     """A pool driven op by op; after every op the bound is checked from memory_stats()."""
 
     def __init__(self):
-        self.pool = ap.Pool(0, backend="sim")
+        self.pool = ap.Pool(0, backend="sim", release_policy="budgeted")
         self.allocs = 0
         self.peak_growths = 0
         self.peak = 0

@@ -107,8 +107,7 @@ def test_release_policy_never_keeps_segments(pool):
         assert p.memory_stats()["num_device_free"] == 0
     finally:
         p.close()
-    # the default releases idle segments rather than grow past its earlier peak (here within the
-    # device-call credit a new pool starts with: docs/placement-policy.md)
+    # the default releases idle segments rather than grow past its earlier peak
     for size in (10, 20, 30, 40):
         pool.free(pool.malloc(size * MiB))
     st = pool.memory_stats()

@@ -14,8 +14,7 @@ The policy modelled (cython/core: pool.c, free_blocks.c, free_tree.c, free_cache
     any stream may use (fresh or synchronized): the any-stream block wins only if smaller;
   - if none fits, or a small request's fit would be split, the cache is coalesced into the free
     lists (as if merged at free) and best fit is tried again, then a
-    new segment: 2 MiB for the small pool, the request rounded up to 2 MiB for the large pool
-    (a recurring size that this would waste more than 1/8 of: room for several, up to 20 MiB);
+    new segment: 2 MiB for the small pool, the request rounded up to 2 MiB for the large pool;
   - a block is split when the rest is at least 512 bytes (min_block / large_split_min);
   - freed blocks merge with free address neighbours at once (large) or when the cache is
     coalesced (small), lower neighbour first, when their streams allow (the same stream, or one
@@ -72,7 +71,6 @@ class Model:
         self.segments = []
         self.seq = 0
         self.cache = [[] for _ in range(CACHE_BINS)]  # oldest first
-        self.grown = [0] * 64  # request sizes that made large segments (packing)
         self.slots = {}  # stream key -> slot
 
     def slot_of(self, key):
@@ -110,24 +108,6 @@ class Model:
     def best_fit(self, slot, small, rsize):
         own, anyb = self.best_of(small, slot, rsize), self.best_of(small, 0, rsize)
         return anyb if anyb and (not own or anyb.size < own.size) else own
-
-    def large_segment(self, rsize):
-        """Whole pages; a size that grew the pool before (a 64-entry table by hashed size) and
-        whose rounding wastes more than 1/8 gets room for the fewest k <= 10 (<= 20 MiB) of it
-        that waste at most 1/8."""
-        size = -(-rsize // PAGE) * PAGE
-        if (size - rsize) * 8 <= size:
-            return size
-        i = (((rsize // MIN_BLOCK) * 0x9E3779B97F4A7C15) & (2**64 - 1)) >> 58
-        recurring, self.grown[i] = self.grown[i] == rsize, rsize
-        for k in range(2, 11) if recurring else ():
-            packed = -(-k * rsize // PAGE) * PAGE
-            if packed > 20 * MiB:
-                break
-            size = packed
-            if (packed - k * rsize) * 8 <= packed:
-                break
-        return size
 
     def flush(self):
         for bin_ in self.cache:
@@ -185,7 +165,7 @@ class Model:
             b = self.best_fit(slot, small, rsize)
         fresh = b is None
         if fresh:
-            size = SMALL_SEGMENT if small else max(PAGE, self.large_segment(rsize))
+            size = SMALL_SEGMENT if small else max(PAGE, -(-rsize // PAGE) * PAGE)
             self.seq += 1
             seg = Segment(self.seq, small, size)
             self.segments.append(seg)
@@ -341,8 +321,8 @@ def drive(pool, sequence):
 @settings(max_examples=150)
 @given(ops)
 def test_pool_places_every_block_where_the_model_does(sequence):
-    with fresh_never_pool() as pool:  # not a fixture: one pool per example, since the pool learns
-        drive(pool, sequence)         # from its history (which sizes grew it), the model starts empty
+    with fresh_never_pool() as pool:  # not a fixture: one pool per example, as the model starts empty
+        drive(pool, sequence)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -221,13 +221,14 @@ def _drive(ctx, trace, streams):
     return None
 
 
-def test_a_tenant_refused_by_its_quota_keeps_working():
+@pytest.mark.parametrize("release_policy", ["under_peak", "budgeted"])
+def test_a_tenant_refused_by_its_quota_keeps_working(release_policy):
     """After a job that needs more than the tenant's quota is refused, a job that fits runs again
     (the serve --replay demo's tight tenant): the pool's growths must not leave memory in shapes
     that no trim can give back (one large segment pinned by a few live blocks)."""
     traces = {n: load_trace(bundled_traces_dir() / f"{n}.npz")
               for n in ("bert_serving_varlen_prefix", "resnet18_train_prefix")}
-    base = ap.Pool(0, backend="sim")  # the default release policy (the fixture's never releases)
+    base = ap.Pool(0, backend="sim", release_policy=release_policy)  # (the fixture's never releases)
     ctx = base.context("tight", quota=430 * MiB)
     streams = {}
     try:

@@ -81,6 +81,7 @@ enum {
 enum {
     AP_RELEASE_NEVER = 0,      /* torch_npu: keep every segment until empty_cache/OOM */
     AP_RELEASE_UNDER_PEAK = 1, /* release free segments so that reserved stays under its earlier peak */
+    AP_RELEASE_BUDGETED = 2,   /* the same, paid from a device-call budget (classic_policy.c) */
 };
 
 #define AP_ROUNDUP_INTERVALS 16

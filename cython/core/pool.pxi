@@ -14,7 +14,7 @@ from ascend_pool.errors import InvalidSizeError, InvalidPointerError, InvalidStr
 
 cdef extern from "pool.h" nogil:
     enum:  # (the statuses AP_OK, AP_E_* are declared in errors.pxi)
-        AP_RELEASE_NEVER, AP_RELEASE_UNDER_PEAK, AP_REUSE_BORROW, AP_REUSE_TIED
+        AP_RELEASE_NEVER, AP_RELEASE_UNDER_PEAK, AP_RELEASE_BUDGETED, AP_REUSE_BORROW, AP_REUSE_TIED
     size_t AP_NO_LIMIT
     ctypedef struct ap_error:
         int status
@@ -117,7 +117,7 @@ _CONFIG_FIELDS = ("pad_bytes", "min_block", "small_size", "small_segment", "page
                   "sync_timeout_ms", "roundup_divisions")
 NO_LIMIT = AP_NO_LIMIT
 cdef uint64_t _next_ctx = 0  # context ids of recorded Python stacks (process-wide, under the GIL)
-RELEASE_POLICIES = {"never": AP_RELEASE_NEVER, "under_peak": AP_RELEASE_UNDER_PEAK}
+RELEASE_POLICIES = {"never": AP_RELEASE_NEVER, "under_peak": AP_RELEASE_UNDER_PEAK, "budgeted": AP_RELEASE_BUDGETED}
 STREAM_REUSE = {"borrow": AP_REUSE_BORROW, "tied": AP_REUSE_TIED}
 BLOCK_STATES = ("inactive", "active_allocated", "active_pending_free")
 HISTORY_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot",

@@ -5,12 +5,13 @@
  * freed the whole segment is free and can serve any later request or go back to the device (a
  * recurring size that rounding would waste much of gets room for several: classic_policy.c).
  *
- * Release policy (AP_RELEASE_UNDER_PEAK): when a miss needs a new segment and reserved memory
- * would rise above its earlier peak, fully free segments are traded for the growth so that the
- * pool takes the new shape instead of growing, within a budget of device calls
- * (classic_policy.c; expandable segments trade single chunks, vmm_policy.c). Steady-state loops
- * never reach this path (their requests fit the cache), so it costs device calls only when the
- * workload changes shape.
+ * Release policy (AP_RELEASE_UNDER_PEAK, the default): when a miss needs a new segment and
+ * reserved memory would rise above its earlier peak, fully free segments are traded for the growth
+ * (largest first) so that the pool takes the new shape instead of growing. Steady-state loops never
+ * reach this path (their requests fit the cache), so it costs device calls only when the workload
+ * changes shape, but nothing bounds how many. AP_RELEASE_BUDGETED pays each trade from a budget of
+ * device calls and packs recurring sizes (classic_policy.c, docs/placement-policy.md); expandable
+ * segments trade single chunks under their own budget (vmm_policy.c).
  */
 #include "pool_internal.h"
 
@@ -134,7 +135,9 @@ size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, i
 
 static size_t segment_size_for(ap_pool *p, int pool, size_t rsize) {
     if (pool == AP_POOL_SMALL) return p->cfg.small_segment;
-    size_t size = ap_classic_segment_size(p, rsize); /* classic_policy.c: a recurring size may pack */
+    size_t size = p->cfg.release_policy == AP_RELEASE_BUDGETED
+                      ? ap_classic_segment_size(p, rsize) /* classic_policy.c: a recurring size may pack */
+                      : ap_round_up(rsize, p->cfg.page_size);
     return size < p->cfg.min_large_segment ? p->cfg.min_large_segment : size;
 }
 
@@ -150,14 +153,18 @@ static size_t trim_before_growth(ap_pool *p, int slot, int pool, size_t rsize, s
         if (reserved + size > threshold)
             reserved -= ap_release_free_segments(p, reserved + size - threshold, 0, 1, NULL);
     }
-    if (p->cfg.release_policy != AP_RELEASE_UNDER_PEAK || !idle) return size;
-    if (p->cfg.expandable) {
+    if (p->cfg.release_policy == AP_RELEASE_NEVER || !idle) return size;
+    if (p->cfg.expandable) { /* vmm_policy.c budgets its trades under either policy */
         const ap_block *keep; /* planned again: the trim above may have changed the picture */
         size_t need = ap_vmm_plan(p, slot, pool, rsize, &keep);
         ap_vmm_make_room(p, rsize, need, keep);
         return size;
     }
-    return ap_classic_make_room(p, pool, rsize, size); /* classic_policy.c */
+    if (p->cfg.release_policy == AP_RELEASE_BUDGETED) return ap_classic_make_room(p, pool, rsize, size);
+    /* under_peak: every growth past the peak trades idle segments for it, whatever it costs in calls */
+    if (reserved + size > p->reserved_watermark)
+        ap_release_free_segments(p, reserved + size - p->reserved_watermark, 0, 0, NULL);
+    return size;
 }
 
 /* One attempt to get new device memory holding rsize: a segment of `size` bytes, or (expandable)
