@@ -66,6 +66,7 @@ static void eviction(void) {
 static void flush_and_merged_view(void) {
     ap_pool *p = mp_create();
     ap_segment *s = mp_segment(p, BASE, SEG, AP_POOL_SMALL);
+    CHECK(s->first->state == AP_BLOCK_FREE && s->first->size == SEG); /* one free block: the segment */
     ap_block *a = mp_alloc(p, 0, 16 * K, AP_POOL_SMALL);
     ap_block *b = mp_alloc(p, 0, 4 * K, AP_POOL_SMALL);
     ap_block *c = mp_alloc(p, 0, 32 * K, AP_POOL_SMALL);
