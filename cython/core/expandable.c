@@ -356,11 +356,7 @@ static ap_block *grow(ap_pool *p, int slot, int pool, size_t rsize, int exact, s
         left->expandable = 1;
         left->alloc_slot = (uint16_t)slot;
         left->first = nb;
-        left->next = p->segments;
-        if (p->segments) p->segments->prev = left;
-        p->segments = left;
-        p->n_segments++;
-        ap_stat_inc(&p->stats, AP_STAT_SEGMENT, pool, 1);
+        ap_segment_link(p, left);
     }
     nb->seg = left;
     for (ap_vmm_chunk *c = first; c != last->next; c = c->next) c->seg = left;
@@ -484,11 +480,7 @@ static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t
         rseg->first = firstb;
         for (ap_block *x = firstb; x; x = x->next) x->seg = rseg;
         for (ap_vmm_chunk *x = c; x && x->seg == seg; x = x->next) x->seg = rseg;
-        rseg->next = p->segments;
-        if (p->segments) p->segments->prev = rseg;
-        p->segments = rseg;
-        p->n_segments++;
-        ap_stat_inc(&p->stats, AP_STAT_SEGMENT, seg->pool, 1);
+        ap_segment_link(p, rseg);
     } else {
         ap_segment_recycle(p, rseg);
     }

@@ -32,6 +32,16 @@ void ap_segment_recycle(ap_pool *p, ap_segment *s);
 void ap_arena_destroy(ap_pool *p);
 ap_block_uses *ap_uses_new(ap_pool *p);
 void ap_uses_recycle(ap_pool *p, ap_block_uses *u);
+/* Puts a new segment (its fields set) at the head of the pool's list and counts it (segment.*):
+   the one place a segment joins the list (segments.c, expandable.c, and the C unit tests' pools). */
+static inline void ap_segment_link(ap_pool *p, ap_segment *seg) {
+    seg->prev = NULL;
+    seg->next = p->segments;
+    if (p->segments) p->segments->prev = seg;
+    p->segments = seg;
+    p->n_segments++;
+    ap_stat_inc(&p->stats, AP_STAT_SEGMENT, seg->pool, 1);
+}
 
 /* free_blocks.c: moving blocks in and out of the free trees with coalescing and stats. */
 /* Inserts a free block tagged with stream slot `tag`, merging it with free address neighbours

@@ -57,15 +57,11 @@ int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap
     seg->pinned = pinned;
     seg->alloc_slot = (uint16_t)slot;
     seg->first = b;
-    seg->next = p->segments;
-    if (p->segments) p->segments->prev = seg;
-    p->segments = seg;
-    p->n_segments++;
+    ap_segment_link(p, seg);
     b->addr = seg->base;
     b->size = size;
     b->seg = seg;
     p->stats.num_device_alloc++;
-    ap_stat_inc(&p->stats, AP_STAT_SEGMENT, pool, 1);
     ap_stat_inc(&p->stats, AP_STAT_RESERVED_BYTES, pool, (int64_t)size);
     if (ap_reserved(p) > p->reserved_watermark) p->reserved_watermark = ap_reserved(p);
     ap_history_add(&p->history, AP_ACT_SEGMENT_ALLOC, seg->base, size, slot ? p->slots[slot].stream : NULL);

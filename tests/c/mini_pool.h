@@ -47,11 +47,7 @@ static inline ap_segment *mp_segment(ap_pool *p, uintptr_t base, size_t size, in
     s->size = size;
     s->pool = pool;
     s->first = b;
-    s->next = p->segments;
-    if (p->segments) p->segments->prev = s;
-    p->segments = s;
-    p->n_segments++;
-    ap_stat_inc(&p->stats, AP_STAT_SEGMENT, pool, 1);
+    ap_segment_link(p, s);
     ap_stat_inc(&p->stats, AP_STAT_RESERVED_BYTES, pool, (int64_t)size);
     b->seg = s;
     b->addr = base;
