@@ -52,18 +52,14 @@ void ap_classic_policy_init(ap_pool *p) {
 
 /* Tops the credit up for the allocations since the last call; returns the whole calls it covers. */
 static int64_t credit_calls(ap_pool *p) {
-    uint64_t ticks = p->tick - p->trade_tick;
-    p->trade_tick = p->tick;
-    if (ticks > ((uint64_t)1 << 40)) ticks = (uint64_t)1 << 40; /* (so that the products cannot overflow) */
+    uint64_t ticks = ap_ticks_since(p->tick, &p->trade_tick);
     uint64_t tick = p->tick < ((uint64_t)1 << 40) ? p->tick : ((uint64_t)1 << 40);
     int64_t cap = (int64_t)AP_TRADE_BASE * 1000 + (int64_t)tick * AP_TRADE_HOLD;
     if (p->trade_credit > cap) cap = p->trade_credit; /* the starting credit, not yet spent */
-    int64_t c = p->trade_credit + (int64_t)ticks * AP_TRADE_RATE;
-    p->trade_credit = c > cap ? cap : c;
+    ap_credit_add(&p->trade_credit, ticks, AP_TRADE_RATE, cap);
     /* The floor's credit is capped at its start, so that no window can spend more of it than
        AP_PROTECT_START plus what the window itself earned. */
-    int64_t pc = p->protect_credit + (int64_t)ticks * AP_PROTECT_RATE;
-    p->protect_credit = pc > (int64_t)AP_PROTECT_START * 1000 ? (int64_t)AP_PROTECT_START * 1000 : pc;
+    ap_credit_add(&p->protect_credit, ticks, AP_PROTECT_RATE, (int64_t)AP_PROTECT_START * 1000);
     AP_ASSERT(p->trade_credit >= 0 && p->protect_credit >= 0);
     return p->trade_credit / 1000;
 }

@@ -11,6 +11,20 @@
 
 static inline size_t ap_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
+/* Device-call credits of the release policies (classic_policy.c, vmm_policy.c), in thousandths of
+   a call, earned per allocation (p->tick). ap_ticks_since: the allocations since *tick, which it
+   moves to now (capped at 2^40, so that ticks * rate cannot overflow). ap_credit_add: the credit
+   plus per_1000 for each of them, at most cap. */
+static inline uint64_t ap_ticks_since(uint64_t now, uint64_t *tick) {
+    uint64_t ticks = now - *tick;
+    *tick = now;
+    return ticks < ((uint64_t)1 << 40) ? ticks : ((uint64_t)1 << 40);
+}
+static inline void ap_credit_add(int64_t *credit, uint64_t ticks, int64_t per_1000, int64_t cap) {
+    int64_t c = *credit + (int64_t)ticks * per_1000;
+    *credit = c > cap ? cap : c;
+}
+
 /* Bytes a request of size (1 .. device size) occupies: padded, then rounded to min_block, a power
    of two (checked at creation), so the hot path rounds with a mask instead of a division. */
 size_t ap_round_power2_divisions(const ap_pool *p, size_t padded);

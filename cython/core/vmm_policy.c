@@ -46,14 +46,6 @@
 #define AP_VMM_OVERSHOOT_DIV 128 /* a growth past its budget maps 1/128 of reserved memory more (f) */
 #define AP_VMM_TRADE_CHARGE 2    /* calls charged per unmap: the unmap, and the map or free of its spare */
 
-/* Credit in thousandths of a call, topped up by per_1000 per allocation since *tick, capped. */
-static void top_up(const ap_pool *p, int64_t *credit, uint64_t *tick, int64_t per_1000, int64_t cap) {
-    uint64_t ticks = p->tick - *tick;
-    *tick = p->tick;
-    /* (ticks capped first, so that the product cannot overflow) */
-    int64_t gain = (int64_t)(ticks < ((uint64_t)1 << 40) ? ticks : ((uint64_t)1 << 40)) * per_1000;
-    *credit = *credit + gain > cap ? cap : *credit + gain;
-}
 
 void ap_vmm_policy_init(ap_pool *p) {
     p->vmm_credit = (int64_t)AP_VMM_TRADE_BURST * 1000;
@@ -63,7 +55,8 @@ void ap_vmm_policy_init(ap_pool *p) {
 size_t ap_vmm_growth_extra(ap_pool *p, size_t need, size_t chunks) {
     size_t reserved = ap_reserved(p);
     if (reserved + need <= p->reserved_watermark) return 0; /* refills what was released: no new peak */
-    top_up(p, &p->vmm_growth_credit, &p->vmm_growth_tick, AP_VMM_GROW_PER_1000, (int64_t)AP_VMM_GROW_BURST * 1000);
+    ap_credit_add(&p->vmm_growth_credit, ap_ticks_since(p->tick, &p->vmm_growth_tick), AP_VMM_GROW_PER_1000,
+                  (int64_t)AP_VMM_GROW_BURST * 1000);
     if (p->vmm_growth_credit > 0) {
         p->vmm_growth_credit -= (int64_t)chunks * 2 * 1000; /* may end in debt by one growth */
         return 0;
@@ -80,7 +73,7 @@ void ap_vmm_make_room(ap_pool *p, size_t rsize, size_t need, const ap_block *kee
     if (alloc->peak > p->vmm_live_high) p->vmm_live_high = alloc->peak; /* survives reset_peaks */
     int high = alloc->current + (int64_t)rsize > p->vmm_live_high;
     int64_t cap = (int64_t)AP_VMM_TRADE_BURST * 1000;
-    top_up(p, &p->vmm_credit, &p->vmm_credit_tick, AP_VMM_TRADE_PER_1000, cap);
+    ap_credit_add(&p->vmm_credit, ap_ticks_since(p->tick, &p->vmm_credit_tick), AP_VMM_TRADE_PER_1000, cap);
     int64_t avail = p->vmm_credit - (high ? 0 : cap / 100 * AP_VMM_TRADE_KEEP_PCT);
     int64_t max_unmaps = avail / (AP_VMM_TRADE_CHARGE * 1000);
     if (max_unmaps <= 0) return;
