@@ -47,7 +47,7 @@ def _sources(test):
 def built(tmp_path_factory):
     """Compiles every C test once (two at a time); returns {name: (binary or None, compiler output)}."""
     if not CC:
-        pytest.skip("no C compiler (cc) on this machine")
+        pytest.fail("no C compiler (cc) on this machine: the extension needs one too (README: prerequisites)")
     out = tmp_path_factory.mktemp("c_units")
     probe = subprocess.run([CC, *SANITIZE_FLAGS, "-x", "c", "-", "-o", str(out / "probe")], input="int main(void){return 0;}",
                            capture_output=True, text=True, env=_env())
@@ -85,7 +85,7 @@ BREAK = ROOT / "tests" / "c" / "break_invariant.c"
 def break_builds(tmp_path_factory):
     """break_invariant.c built checked (ASCEND_POOL_SANITIZE=1) and as a release build: {checked: path}."""
     if not CC:
-        pytest.skip("no C compiler (cc) on this machine")
+        pytest.fail("no C compiler (cc) on this machine: the extension needs one too (README: prerequisites)")
     out = tmp_path_factory.mktemp("c_break")
     exes = {}
     for checked in (True, False):
