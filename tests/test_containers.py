@@ -13,7 +13,6 @@ import base64
 import json
 import os
 import pickle
-import re
 import select
 import shutil
 import signal
@@ -27,6 +26,7 @@ import uuid
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+import metrics_scrape  # noqa: E402
 from metrics_scrape import scrape, series  # noqa: E402
 
 import ascend_pool as ap
@@ -128,15 +128,9 @@ class Worker:
 
 def start_serve(env, procs, log_path, *args):
     """`ascend-pool serve` in a pid namespace of its own; returns its port."""
-    log = open(log_path, "w")
-    p = subprocess.Popen(NS + [sys.executable, "-m", "ascend_pool.cli", "serve", "--port", "0", *args],
-                         env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    procs.append(p)
-    ready, _, _ = select.select([p.stdout], [], [], 60)
-    line = p.stdout.readline() if ready else ""
-    m = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
-    assert m, f"serve did not start: {line!r} {open(log_path).read()}"
-    return int(m.group(1))
+    proc, port = metrics_scrape.start_serve(env, log_path, *args, prefix=NS)
+    procs.append(proc)
+    return port
 
 
 

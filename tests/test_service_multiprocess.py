@@ -4,7 +4,6 @@ their tenants, and a process that exits or is SIGKILLed disappears (its stats fi
 ledger share given back)."""
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import uuid
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from metrics_scrape import scrape, series  # noqa: E402
+from metrics_scrape import scrape, series, start_serve  # noqa: E402
 
 import ascend_pool as _ap
 
@@ -53,20 +52,6 @@ def env_for(tmp_path):
     (tmp_path / "stats").mkdir()
     (tmp_path / "ledger").mkdir()
     return env
-
-
-def start_serve(env, log_path, *args):
-    """Starts the service on a free port (it prints its URL on stdout; logs go to log_path)."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "ascend_pool.cli", "serve", "--port", "0", *args],
-                                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    line = proc.stdout.readline()
-    m = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
-    if not m:
-        proc.kill()
-        raise AssertionError(f"serve did not start: {line}{open(log_path).read()}")
-    return proc, int(m.group(1))
-
 
 
 def one(samples, name, **labels):

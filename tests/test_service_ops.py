@@ -4,8 +4,6 @@ GET /healthz (200, or 503 naming what cannot be read), `serve` refusing a missin
 and the bundled demo tenants of `serve --replay` without --config."""
 
 import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -14,7 +12,6 @@ import time
 import urllib.error
 import urllib.request
 
-import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,6 +19,7 @@ import ascend_pool as ap
 from ascend_pool.metrics import PoolCollector
 
 sys.path.insert(0, os.path.dirname(__file__))
+from metrics_scrape import start_serve  # noqa: E402
 from test_service_serve import env_for, metrics  # noqa: E402
 
 
@@ -29,27 +27,9 @@ def series(text):
     return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
-def start_serve(env, *args, log_path):
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "ascend_pool.cli", "serve", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    line = proc.stdout.readline()
-    m = re.search(r":(\d+)/metrics", line)
-    if not m:
-        proc.kill()
-        proc.wait()
-        log.close()
-        pytest.fail(f"serve did not start: {line}{open(log_path).read()}")
-    return proc, int(m.group(1)), log
-
-
-def stop(proc, log):
+def stop(proc):
     proc.send_signal(signal.SIGTERM)
-    try:
-        rc = proc.wait(timeout=15)
-    finally:
-        log.close()
-    return rc
+    return proc.wait(timeout=15)
 
 
 def healthz(port):
@@ -97,7 +77,7 @@ def test_in_process_server_answers_healthz_and_build_info():
 def test_serve_demo_tenants_node_build_info_and_healthz(tmp_path):
     env = env_for(tmp_path)
     env["NODE_NAME"] = "node-q"
-    proc, port, log = start_serve(env, "--replay", "--replay-pause", "0.05", log_path=tmp_path / "serve.log")
+    proc, port = start_serve(env, tmp_path / "serve.log", "--replay", "--replay-pause", "0.05")
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -125,7 +105,7 @@ def test_serve_demo_tenants_node_build_info_and_healthz(tmp_path):
             (tmp_path / "stats.away").rename(stats)
         assert healthz(port) == (200, "ok\n")
     finally:
-        rc = stop(proc, log)
+        rc = stop(proc)
     assert rc == 0, (tmp_path / "serve.log").read_text()
 
 
@@ -133,7 +113,7 @@ def test_healthz_503_when_the_stats_directory_becomes_unreadable(tmp_path):
     """Made unreadable by its mode; as root (who reads any directory whatever its mode, e.g. in
     CI) by swapping it for a regular file, which cannot be listed either."""
     env = env_for(tmp_path)
-    proc, port, log = start_serve(env, log_path=tmp_path / "serve.log")
+    proc, port = start_serve(env, tmp_path / "serve.log")
     stats = tmp_path / "stats"
     moved = tmp_path / "stats.moved"
     try:
@@ -154,7 +134,7 @@ def test_healthz_503_when_the_stats_directory_becomes_unreadable(tmp_path):
         else:
             stats.chmod(0o755)
         assert healthz(port) == (200, "ok\n")  # healthy again once the directory is back
-        stop(proc, log)
+        stop(proc)
 
 
 def test_serve_refuses_a_missing_stats_directory(tmp_path):

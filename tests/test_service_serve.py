@@ -3,7 +3,6 @@ up like any process's; bad arguments fail with exit 2 and one clear line; SIGTER
 (its stats file removed); the endpoint refuses other methods."""
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,6 +13,9 @@ import uuid
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, os.path.dirname(__file__))
+from metrics_scrape import start_serve  # noqa: E402
 
 import ascend_pool as _ap
 
@@ -46,13 +48,8 @@ def metrics(port):
 
 def test_replay_shows_the_service_working_and_sigterm_cleans_up(tmp_path):
     env = env_for(tmp_path)
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "ascend_pool.cli", "serve", "--port", "0", "--replay",
-                             "--replay-pause", "0.05"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    proc, port = start_serve(env, tmp_path / "serve.log", "--replay", "--replay-pause", "0.05")
     try:
-        line = proc.stdout.readline()
-        port = int(re.search(r":(\d+)/metrics", line).group(1))
         deadline = time.monotonic() + 15
         while True:
             m = metrics(port)
@@ -76,7 +73,6 @@ def test_replay_shows_the_service_working_and_sigterm_cleans_up(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=15)
-        log.close()
     assert rc == 0, (tmp_path / "serve.log").read_text()
     assert [n for _, _, names in os.walk(tmp_path / "stats") for n in names] == []
 
