@@ -12,8 +12,10 @@ The policy modelled (cython/core: pool.c, free_blocks.c, free_tree.c, free_cache
   - otherwise best fit: the smallest free block of the request's pool that fits, ties to the
     oldest segment then the lowest offset; the stream's own blocks (freed on it) against blocks
     any stream may use (fresh or synchronized): the any-stream block wins only if smaller;
-  - if none fits, or a small request's fit would be split, the cache is coalesced into the free
-    lists (as if merged at free) and best fit is tried again, then a
+  - if none fits, the cache is coalesced into the free lists (as if merged at free) and best fit
+    is tried again; if a small request's fit would be split, the first cached block (bins in
+    order, oldest first) whose run of free and cached neighbours holds exactly the request is
+    merged with them, and serves it; then a
     new segment: 2 MiB for the small pool, the request rounded up to 2 MiB for the large pool;
   - a block is split when the rest is at least 512 bytes (min_block / large_split_min);
   - freed blocks merge with free address neighbours at once (large) or when the cache is
@@ -115,6 +117,42 @@ class Model:
                 b = bin_.pop()
                 self.insert_free(b, b.tag)
 
+    @staticmethod
+    def joins(n, tag):
+        """(joins?, merged tag) for a free or cached neighbour n of a run tagged tag so far."""
+        if n.state not in ("free", "cached") or (n.tag != tag and n.tag and tag):
+            return False, tag
+        return True, n.tag or tag
+
+    def merge_exact(self, slot, rsize):
+        """Merges the first run of cached and free neighbours whose hole is exactly rsize and
+        usable by slot; True if one was."""
+        for bin_ in self.cache:
+            for c in bin_:
+                if c.size >= rsize:
+                    continue
+                blocks = c.seg.blocks
+                i, t = blocks.index(c), c.tag
+                while i > 0:
+                    ok, t = self.joins(blocks[i - 1], t)
+                    if not ok:
+                        break
+                    i -= 1
+                run, t = [blocks[i]], blocks[i].tag
+                for n in blocks[i + 1:]:
+                    ok, t = self.joins(n, t)
+                    if not ok:
+                        break
+                    run.append(n)
+                if sum(b.size for b in run) != rsize or (t and t != slot):
+                    continue
+                for b in run:
+                    if b.state == "cached":
+                        self.cache[cache_bin(b.size)].remove(b)
+                        self.insert_free(b, b.tag)
+                return True
+        return False
+
     def retag(self, frm, to):
         """Every free block of slot frm becomes to's (or any stream's when to is 0)."""
         self.flush()
@@ -158,8 +196,10 @@ class Model:
                 b.state = "alloc"
                 return b, False
         b = self.best_fit(slot, small, rsize)
-        if b is None or (b.size != rsize and small):
+        if b is None:
             self.flush()
+            b = self.best_fit(slot, small, rsize)
+        elif b.size != rsize and small and self.merge_exact(slot, rsize):
             b = self.best_fit(slot, small, rsize)
         if b is None and self.borrow(slot, small, rsize):
             b = self.best_fit(slot, small, rsize)

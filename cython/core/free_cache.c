@@ -25,6 +25,63 @@ void ap_cache_flush(ap_pool *p) {
     p->n_cached = 0;
 }
 
+/* Takes the cached block c out of its bin (state FREE, in no tree), keeping the bin's order. */
+static void cache_take(ap_pool *p, ap_block *c) {
+    unsigned bin = ap_cache_bin(c->size);
+    int n = p->cache_n[bin], i = 0;
+    while (i < n && p->cache[bin][i] != c) i++;
+    AP_ASSERT(i < n && c->state == AP_BLOCK_CACHED);
+    for (; i < n - 1; i++) {
+        p->cache[bin][i] = p->cache[bin][i + 1];
+        p->cache_key[bin][i] = p->cache_key[bin][i + 1];
+    }
+    p->cache_n[bin] = (uint8_t)(n - 1);
+    p->n_cached--;
+    c->state = AP_BLOCK_FREE;
+}
+
+/* The size and merged tag of the run of free and cached neighbours that c would merge into;
+   returns its leftmost block. */
+static ap_block *run_of(ap_block *c, size_t *total, int *tag) {
+    ap_block *start = c;
+    int t = c->tag;
+    while (ap_cache_joins(start->prev, &t)) start = start->prev;
+    t = start->tag;
+    *total = 0;
+    ap_block *x = start;
+    do {
+        *total += x->size;
+        x = x->next;
+    } while (ap_cache_joins(x, &t));
+    *tag = t;
+    return start;
+}
+
+int ap_cache_merge_exact(ap_pool *p, int slot, size_t rsize) {
+    for (int bin = 0; bin < AP_CACHE_BINS; bin++)
+        for (int i = 0; i < p->cache_n[bin]; i++) {
+            ap_block *c = p->cache[bin][i];
+            if (c->size >= rsize) continue; /* alone it is no merge; with neighbours, too large */
+            size_t total;
+            int tag;
+            ap_block *x = run_of(c, &total, &tag);
+            if (total != rsize || (tag && tag != slot)) continue;
+            /* Each cached block of the run enters the tree, merging with what is free around it;
+               the walk goes on from the merged block (an insert recycles the structs it merges). */
+            tag = x->tag;
+            while (ap_cache_joins(x, &tag)) {
+                if (x->state == AP_BLOCK_CACHED) {
+                    cache_take(p, x);
+                    x = ap_free_insert(p, x, x->tag);
+                    tag = x->tag;
+                }
+                x = x->next;
+            }
+            return 1;
+        }
+    return 0;
+}
+
 size_t ap_cache_bytes(const ap_pool *p) {
     size_t bytes = 0;
     for (int bin = 0; bin < AP_CACHE_BINS; bin++)

@@ -243,13 +243,20 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
         goto allocated;
     }
     b = ap_find_fit(p, slot, pool, rsize);
-    if ((!b || (b->size != rsize && pool == AP_POOL_SMALL && !p->cfg.expandable)) && p->n_cached) {
-        /* About to cut fresh space (split) or grow: cached blocks merge first, as if merged at
-           free, so that a hole they leave together serves the request (free_cache.h; they are
-           small-pool blocks, no use to a large request until it grows). Expandable mode's small
-           pool fits by page instead (free_blocks.c), and relies on cached blocks merging late. */
+    if (!b && p->n_cached) { /* about to grow: cached blocks enter the trees first, then fit again */
         ap_cache_flush(p);
         b = ap_find_fit(p, slot, pool, rsize);
+    } else if (b && b->size != rsize && pool == AP_POOL_SMALL && !p->cfg.expandable && p->n_cached) {
+        /* About to cut fresh space (split): cached neighbours merge first, as if merged at free,
+           so that a hole they leave together serves the request. Under the default policy only
+           a hole that fits exactly; under a trade budget every cached block (free_cache.h). */
+        if (p->cfg.release_policy == AP_RELEASE_BUDGETED) {
+            ap_cache_flush(p);
+            b = ap_find_fit(p, slot, pool, rsize);
+        } else if (ap_cache_merge_exact(p, slot, rsize)) {
+            b = ap_find_fit(p, slot, pool, rsize);
+            AP_ASSERT(b && b->size == rsize);
+        }
     }
     if (!b) {
         ap_error local = {0};
@@ -308,7 +315,7 @@ int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
     } else {
         b = slot > 0 ? ap_find_fit(p, slot, pool_of(p, rsize), rsize) : NULL;
         if (!b || (b->size != rsize && p->n_cached && pool_of(p, rsize) == AP_POOL_SMALL && !p->cfg.expandable)) {
-            /* a split with blocks cached: they merge first (the slow path) */
+            /* a growth, or a split while cached neighbours may merge first (the slow path) */
             pthread_mutex_unlock(&p->lock);
             return AP_E_BUSY;
         }
