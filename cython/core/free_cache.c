@@ -62,8 +62,9 @@ int ap_cache_merge_exact(ap_pool *p, int slot, size_t rsize) {
         for (int i = 0; i < p->cache_n[bin]; i++) {
             ap_block *c = p->cache[bin][i];
             if (c->size >= rsize) continue; /* alone it is no merge; with neighbours, too large */
+            int tag = c->tag, t2 = c->tag;
+            if (!ap_cache_joins(c->prev, &tag) && !ap_cache_joins(c->next, &t2)) continue; /* alone */
             size_t total;
-            int tag;
             ap_block *x = run_of(c, &total, &tag);
             if (total != rsize || (tag && tag != slot)) continue;
             /* Each cached block of the run enters the tree, merging with what is free around it;
