@@ -17,16 +17,14 @@
  * bench's traces that raised peaks (merging every fitting run: synthetic_frag 10,190 -> 10,406
  * MiB; flushing the whole cache: llama 206 -> 218 MiB; merging at free: both), where the exact
  * rule, together with the packing of recurring sizes (segments.c), lowers every shared trace's
- * peak and whole-trace device calls below their figures before this merge existed (alone it
- * raised llama to 216 MiB: the peaks move in the large pool, through the trades; issue 18 note).
- * Under release_policy:budgeted the
- * whole cache is flushed instead: there the exact rule cost 11 points of mean waste reduction on
- * the six traces (gpt2 5,000 -> 5,390 MiB) and 1-2 on the bench's perturbed workloads, measured,
- * not derived: the peaks move in the large pool, through which segments a budgeted trade finds
- * wholly free. Stats and snapshots, which must not
- * change what the pool does next, show the merged picture without flushing (ap_cache_merged_view,
- * snapshot.c): a cached block is never counted in inactive_split itself, the view counts its
- * merged run.
+ * peak and whole-trace device calls below their figures before this merge existed (alone it raised
+ * llama to 216 MiB: the peaks move in the large pool, through the trades; issue 18 note). Under
+ * release_policy:budgeted the whole cache is flushed instead: there the exact rule cost 11 points
+ * of mean waste reduction on the six traces (gpt2 5,000 -> 5,390 MiB) and 1-2 on the bench's
+ * perturbed workloads, measured, not derived: the peaks move in the large pool, through which
+ * segments a budgeted trade finds wholly free. Stats and snapshots, which must not change what the
+ * pool does next, show the merged picture without flushing (ap_cache_merged_view, snapshot.c): a
+ * cached block is never counted in inactive_split itself, the view counts its merged run.
  *
  * The hits are inline here, on the cached path of ap_pool_malloc/ap_pool_free; the cache holds
  * small-pool blocks only, so their statistics use constant indices. Keys (size, stream) sit
