@@ -9,34 +9,23 @@ import ascend_pool as ap
 MiB = 1 << 20
 
 
-def test_two_adjacent_freed_512_byte_blocks_serve_a_1kib_request(pool):
-    a, b, c = (pool.malloc(480) for _ in range(3))  # 512 bytes each, adjacent, c keeps the hole closed
-    assert (b - a, c - b) == (512, 512)
-    pool.free(a)
-    pool.free(b)
-    d = pool.malloc(992)  # 992 + 32 pad = 1 KiB
-    assert d == a, f"the 1 KiB request was cut from fresh space at +{d - a} instead of the hole at {a:#x}"
-    st = pool.memory_stats()
-    assert st["segment.all.current"] == 1
-    assert st["inactive_split.all.current"] == 1  # only the segment's untouched tail is free
-    for p in (c, d):
-        pool.free(p)
-
-
-@pytest.mark.parametrize("policy", ["budgeted", "never"])
-def test_the_hole_is_reused_under_every_release_policy(policy):
-    # budgeted merges the whole cache before a split, the others merge the exact hole: both
-    # reuse it (free_cache.h).
+@pytest.mark.parametrize("policy", ["under_peak", "budgeted", "never"])
+def test_two_adjacent_freed_512_byte_blocks_serve_a_1kib_request(policy):
+    # budgeted merges the whole cache before a split, the others the exact hole: both reuse it
+    # (free_cache.h).
     pool = ap.Pool(0, backend="sim", release_policy=policy)
     try:
-        a, b, c = (pool.malloc(480) for _ in range(3))
+        a, b, c = (pool.malloc(480) for _ in range(3))  # 512 bytes each, adjacent, c keeps the hole closed
+        assert (b - a, c - b) == (512, 512)
         pool.free(a)
         pool.free(b)
-        d = pool.malloc(992)
-        assert d == a, f"the 1 KiB request was cut at +{d - a} instead of the hole at {a:#x}"
-        assert pool.memory_stats()["segment.all.current"] == 1
-        pool.free(d)
-        pool.free(c)
+        d = pool.malloc(992)  # 992 + 32 pad = 1 KiB
+        assert d == a, f"the 1 KiB request was cut from fresh space at +{d - a} instead of the hole at {a:#x}"
+        st = pool.memory_stats()
+        assert st["segment.all.current"] == 1
+        assert st["inactive_split.all.current"] == 1  # only the segment's untouched tail is free
+        for p in (c, d):
+            pool.free(p)
     finally:
         pool.close()
 

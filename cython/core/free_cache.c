@@ -2,14 +2,7 @@
 #include "pool_internal.h"
 
 void ap_cache_evict_oldest(ap_pool *p, unsigned bin) {
-    ap_block *old = p->cache[bin][0];
-    for (int j = 0; j < AP_CACHE_DEPTH - 1; j++) {
-        p->cache[bin][j] = p->cache[bin][j + 1];
-        p->cache_key[bin][j] = p->cache_key[bin][j + 1];
-    }
-    p->cache_n[bin]--;
-    p->n_cached--;
-    old->state = AP_BLOCK_FREE;
+    ap_block *old = ap_cache_remove_at(p, bin, 0);
     ap_free_insert(p, old, old->tag);
 }
 
@@ -25,19 +18,13 @@ void ap_cache_flush(ap_pool *p) {
     p->n_cached = 0;
 }
 
-/* Takes the cached block c out of its bin (state FREE, in no tree), keeping the bin's order. */
+/* Takes the cached block c out of its bin (state FREE, in no tree). */
 static void cache_take(ap_pool *p, ap_block *c) {
     unsigned bin = ap_cache_bin(c->size);
-    int n = p->cache_n[bin], i = 0;
-    while (i < n && p->cache[bin][i] != c) i++;
-    AP_ASSERT(i < n && c->state == AP_BLOCK_CACHED);
-    for (; i < n - 1; i++) {
-        p->cache[bin][i] = p->cache[bin][i + 1];
-        p->cache_key[bin][i] = p->cache_key[bin][i + 1];
-    }
-    p->cache_n[bin] = (uint8_t)(n - 1);
-    p->n_cached--;
-    c->state = AP_BLOCK_FREE;
+    int i = 0;
+    while (i < p->cache_n[bin] && p->cache[bin][i] != c) i++;
+    AP_ASSERT(i < p->cache_n[bin]);
+    ap_cache_remove_at(p, bin, i);
 }
 
 /* The size and merged tag of the run of free and cached neighbours that c would merge into;
@@ -57,7 +44,8 @@ static ap_block *run_of(ap_block *c, size_t *total, int *tag) {
     return start;
 }
 
-int ap_cache_merge_exact(ap_pool *p, int slot, size_t rsize) {
+/* The exact rule (free_cache.h says why only exactly). */
+static int merge_exact(ap_pool *p, int slot, size_t rsize) {
     for (int bin = 0; bin < AP_CACHE_BINS; bin++)
         for (int i = 0; i < p->cache_n[bin]; i++) {
             ap_block *c = p->cache[bin][i];
@@ -81,6 +69,14 @@ int ap_cache_merge_exact(ap_pool *p, int slot, size_t rsize) {
             return 1;
         }
     return 0;
+}
+
+int ap_cache_merge_for_split(ap_pool *p, int slot, size_t rsize) {
+    if (p->cfg.release_policy == AP_RELEASE_BUDGETED) {
+        ap_cache_flush(p);
+        return 1;
+    }
+    return merge_exact(p, slot, rsize);
 }
 
 size_t ap_cache_bytes(const ap_pool *p) {

@@ -40,10 +40,16 @@
 void ap_cache_evict_oldest(ap_pool *p, unsigned bin);
 /* Coalesces every cached block into the trees; call before anything that needs the full picture. */
 void ap_cache_flush(ap_pool *p);
-/* Before a small request of rsize bytes cuts fresh space: merges a run of cached and free
-   neighbours (two blocks or more) whose hole is exactly rsize and usable by slot, as if merged at
-   free. 1 if one was merged (the request's best fit is then that hole). */
-int ap_cache_merge_exact(ap_pool *p, int slot, size_t rsize);
+/* 1 when a small request of rsize whose best fit is b (classic segments) would cut fresh space
+   while blocks are cached: ap_cache_merge_for_split must run first (ap_pool_malloc; the lock-free
+   try path leaves such requests to it). */
+static inline int ap_cache_merges_before_split(const ap_pool *p, const ap_block *b, size_t rsize, int pool) {
+    return b->size != rsize && pool == AP_POOL_SMALL && !p->cfg.expandable && p->n_cached;
+}
+/* Before such a request cuts fresh space: under release_policy:budgeted every cached block
+   merges; else a run of cached and free neighbours (two blocks or more) whose hole is exactly
+   rsize and usable by slot, as if merged at free. 1 if anything was merged (fit again). */
+int ap_cache_merge_for_split(ap_pool *p, int slot, size_t rsize);
 /* For stats without flushing: bytes held by cached blocks, and the largest cached block. */
 size_t ap_cache_bytes(const ap_pool *p);
 size_t ap_cache_largest(const ap_pool *p);
@@ -65,24 +71,28 @@ static inline unsigned ap_cache_bin(size_t rsize) {
 
 static inline uint64_t ap_cache_key(size_t rsize, int slot) { return (uint64_t)rsize << 16 | (uint16_t)slot; }
 
+/* Takes entry i out of bin (the bin keeps its order, oldest first); returns its block, state FREE
+   and in no tree. */
+static inline ap_block *ap_cache_remove_at(ap_pool *p, unsigned bin, int i) {
+    ap_block *b = p->cache[bin][i];
+    int n = p->cache_n[bin];
+    for (int j = i; j < n - 1; j++) {
+        p->cache[bin][j] = p->cache[bin][j + 1];
+        p->cache_key[bin][j] = p->cache_key[bin][j + 1];
+    }
+    p->cache_n[bin] = (uint8_t)(n - 1);
+    p->n_cached--;
+    AP_ASSERT(b->state == AP_BLOCK_CACHED && p->n_cached >= 0);
+    b->state = AP_BLOCK_FREE;
+    return b;
+}
+
 /* A cached block of exactly rsize freed on slot, taken out of the cache (state FREE), or NULL. */
 static inline ap_block *ap_cache_pop(ap_pool *p, int slot, size_t rsize) {
     unsigned bin = ap_cache_bin(rsize);
     uint64_t key = ap_cache_key(rsize, slot);
-    int n = p->cache_n[bin];
-    for (int i = n - 1; i >= 0; i--) {
-        if (p->cache_key[bin][i] != key) continue;
-        ap_block *b = p->cache[bin][i];
-        for (int j = i; j < n - 1; j++) {
-            p->cache[bin][j] = p->cache[bin][j + 1];
-            p->cache_key[bin][j] = p->cache_key[bin][j + 1];
-        }
-        p->cache_n[bin] = (uint8_t)(n - 1);
-        p->n_cached--;
-        AP_ASSERT(b->state == AP_BLOCK_CACHED && p->n_cached >= 0);
-        b->state = AP_BLOCK_FREE;
-        return b;
-    }
+    for (int i = p->cache_n[bin] - 1; i >= 0; i--)
+        if (p->cache_key[bin][i] == key) return ap_cache_remove_at(p, bin, i);
     return NULL;
 }
 

@@ -246,17 +246,11 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
     if (!b && p->n_cached) { /* about to grow: cached blocks enter the trees first, then fit again */
         ap_cache_flush(p);
         b = ap_find_fit(p, slot, pool, rsize);
-    } else if (b && b->size != rsize && pool == AP_POOL_SMALL && !p->cfg.expandable && p->n_cached) {
-        /* About to cut fresh space (split): cached neighbours merge first, as if merged at free,
-           so that a hole they leave together serves the request. Under the default policy only
-           a hole that fits exactly; under a trade budget every cached block (free_cache.h). */
-        if (p->cfg.release_policy == AP_RELEASE_BUDGETED) {
-            ap_cache_flush(p);
-            b = ap_find_fit(p, slot, pool, rsize);
-        } else if (ap_cache_merge_exact(p, slot, rsize)) {
-            b = ap_find_fit(p, slot, pool, rsize);
-            AP_ASSERT(b && b->size == rsize);
-        }
+    } else if (b && ap_cache_merges_before_split(p, b, rsize, pool) && ap_cache_merge_for_split(p, slot, rsize)) {
+        /* About to cut fresh space (split): cached neighbours merged first, as if merged at free,
+           so that a hole they leave together serves the request (free_cache.h). */
+        b = ap_find_fit(p, slot, pool, rsize);
+        AP_ASSERT(b); /* merging only joins free space: a fit is still there */
     }
     if (!b) {
         ap_error local = {0};
@@ -313,8 +307,9 @@ int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
     if (b) {
         ap_mark_allocated_in(p, b, size, slot, AP_POOL_SMALL);
     } else {
-        b = slot > 0 ? ap_find_fit(p, slot, pool_of(p, rsize), rsize) : NULL;
-        if (!b || (b->size != rsize && p->n_cached && pool_of(p, rsize) == AP_POOL_SMALL && !p->cfg.expandable)) {
+        int pool = pool_of(p, rsize);
+        b = slot > 0 ? ap_find_fit(p, slot, pool, rsize) : NULL;
+        if (!b || ap_cache_merges_before_split(p, b, rsize, pool)) {
             /* a growth, or a split while cached neighbours may merge first (the slow path) */
             pthread_mutex_unlock(&p->lock);
             return AP_E_BUSY;

@@ -13,8 +13,8 @@
  * device calls (classic_policy.c, docs/placement-policy.md); both pack recurring sizes
  * (ap_classic_segment_size: on the bench's 200 perturbed workloads, under_peak's mean waste
  * reduction rose from 72.9 / 66.0 % to 74.6 / 70.1 % and the workloads above torch_npu's policy
- * fell from 2 + 7 to 2 + 5); expandable
- * segments trade single chunks under their own budget (vmm_policy.c).
+ * fell from 2 + 7 to 2 + 5); expandable segments trade single chunks under their own budget
+ * (vmm_policy.c).
  */
 #include "pool_internal.h"
 
