@@ -9,11 +9,12 @@ import ascend_pool as ap
 MiB = 1 << 20
 
 
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
 @pytest.mark.parametrize("policy", ["under_peak", "budgeted", "never"])
-def test_two_adjacent_freed_512_byte_blocks_serve_a_1kib_request(policy):
-    # budgeted merges the whole cache before a split, the others the exact hole: both reuse it
-    # (free_cache.h).
-    pool = ap.Pool(0, backend="sim", release_policy=policy)
+def test_two_adjacent_freed_512_byte_blocks_serve_a_1kib_request(policy, expandable):
+    # budgeted classic segments merge the whole cache before a split, the others the exact hole:
+    # both reuse it (free_cache.h). Expandable segments fit small blocks by page, and reuse it too.
+    pool = ap.Pool(0, backend="sim", release_policy=policy, expandable_segments=expandable)
     try:
         a, b, c = (pool.malloc(480) for _ in range(3))  # 512 bytes each, adjacent, c keeps the hole closed
         assert (b - a, c - b) == (512, 512)
@@ -30,15 +31,21 @@ def test_two_adjacent_freed_512_byte_blocks_serve_a_1kib_request(policy):
         pool.close()
 
 
-def test_the_hole_is_reused_on_a_stream_too(pool):
-    s = pool.create_stream()
-    a, b, c = (pool.malloc(480, stream=s) for _ in range(3))
-    pool.free(a, stream=s)
-    pool.free(b, stream=s)
-    assert pool.malloc(992, stream=s) == a
-    pool.free(a, stream=s)
-    pool.free(c, stream=s)
-    pool.synchronize(s)
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_the_hole_is_reused_on_a_stream_too(expandable):
+    pool = ap.Pool(0, backend="sim", expandable_segments=expandable)
+    try:
+        s = pool.create_stream()
+        a, b, c = (pool.malloc(480, stream=s) for _ in range(3))
+        pool.free(a, stream=s)
+        pool.free(b, stream=s)
+        assert pool.malloc(992, stream=s) == a
+        pool.free(a, stream=s)
+        pool.free(c, stream=s)
+        pool.synchronize(s)
+        pool._check_invariants()
+    finally:
+        pool.close()
 
 
 def test_exact_size_reuse_still_takes_the_cached_block(pool):
@@ -83,14 +90,17 @@ print(b - a, c - b, d - a)
 """
 
 
-def test_the_c_entry_point_reuses_the_hole(tmp_path):
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
+def test_the_c_entry_point_reuses_the_hole(tmp_path, conf):
     """Through the C ABI's default pool, in a fresh process (this one's default pool holds what
     earlier tests left: its holes would decide where the three blocks go)."""
+    import os
     import subprocess
     import sys
 
+    env = dict(os.environ, ASCEND_POOL_CONF=conf)
     out = subprocess.run([sys.executable, "-c", _C_ENTRY_CHILD], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=60)
+                         timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     ab, bc, da = map(int, out.stdout.split())
     assert (ab, bc) == (512, 512)  # adjacent in a fresh segment

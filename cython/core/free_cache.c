@@ -72,7 +72,7 @@ static int merge_exact(ap_pool *p, int slot, size_t rsize) {
 }
 
 int ap_cache_merge_for_split(ap_pool *p, int slot, size_t rsize) {
-    if (p->cfg.release_policy == AP_RELEASE_BUDGETED) {
+    if (p->cfg.release_policy == AP_RELEASE_BUDGETED && !p->cfg.expandable) {
         ap_cache_flush(p);
         return 1;
     }

@@ -10,9 +10,9 @@
  * Cached blocks are free (inactive) in every statistic and snapshot, just not merged with their
  * neighbours yet. A request that finds no fit, a release, empty_cache and stream settling flush
  * the cache first (each cached block is flushed at most once per free: amortised, the cost of
- * merging at free). A small request that would split a block (cut fresh space; classic segments)
- * first merges cached neighbours whose hole fits it exactly, so that two freed neighbours serve a
- * request as one hole (PyTorch, RMM). Only exactly: a larger hole would be split again, trading
+ * merging at free). A small request that would split a block (cut fresh space; with expandable
+ * segments, the block the page fit picked) first merges cached neighbours whose hole fits it
+ * exactly, so that two freed neighbours serve a request as one hole (PyTorch, RMM), in both modes. Only exactly: a larger hole would be split again, trading
  * cached blocks that their own size's next requests reuse whole for a remainder, and on the
  * bench's traces that raised peaks (merging every fitting run: synthetic_frag 10,190 -> 10,406
  * MiB; flushing the whole cache: llama 206 -> 218 MiB; merging at free: both), where the exact
@@ -22,7 +22,10 @@
  * release_policy:budgeted the whole cache is flushed instead: there the exact rule cost 11 points
  * of mean waste reduction on the six traces (gpt2 5,000 -> 5,390 MiB) and 1-2 on the bench's
  * perturbed workloads, measured, not derived: the peaks move in the large pool, through which
- * segments a budgeted trade finds wholly free. Stats and snapshots, which must not change what the
+ * segments a budgeted trade finds wholly free. Expandable segments take the exact rule too (they
+ * once skipped it, leaving the hole unused): it lowers their small pool's peak (llama 32 -> 30
+ * MiB) and moves the large pool through the trades (llama 174 -> 178, bert 334 -> 320 MiB; the
+ * bench's perturbed workloads 85.9 -> 85.9 % and 84.7 -> 84.4 % mean). Stats and snapshots, which must not change what the
  * pool does next, show the merged picture without flushing (ap_cache_merged_view, snapshot.c): a
  * cached block is never counted in inactive_split itself, the view counts its merged run.
  *
@@ -40,15 +43,16 @@
 void ap_cache_evict_oldest(ap_pool *p, unsigned bin);
 /* Coalesces every cached block into the trees; call before anything that needs the full picture. */
 void ap_cache_flush(ap_pool *p);
-/* 1 when a small request of rsize whose best fit is b (classic segments) would cut fresh space
-   while blocks are cached: ap_cache_merge_for_split must run first (ap_pool_malloc; the lock-free
-   try path leaves such requests to it). */
+/* 1 when a small request of rsize whose best fit is b would cut fresh space while blocks are
+   cached: ap_cache_merge_for_split must run first (ap_pool_malloc; the lock-free try path leaves
+   such requests to it). Classic and expandable segments alike. */
 static inline int ap_cache_merges_before_split(const ap_pool *p, const ap_block *b, size_t rsize, int pool) {
-    return b->size != rsize && pool == AP_POOL_SMALL && !p->cfg.expandable && p->n_cached;
+    return b->size != rsize && pool == AP_POOL_SMALL && p->n_cached;
 }
-/* Before such a request cuts fresh space: under release_policy:budgeted every cached block
-   merges; else a run of cached and free neighbours (two blocks or more) whose hole is exactly
-   rsize and usable by slot, as if merged at free. 1 if anything was merged (fit again). */
+/* Before such a request cuts fresh space: with classic segments under release_policy:budgeted
+   every cached block merges; else a run of cached and free neighbours (two blocks or more) whose
+   hole is exactly rsize and usable by slot, as if merged at free. 1 if anything was merged (fit
+   again). */
 int ap_cache_merge_for_split(ap_pool *p, int slot, size_t rsize);
 /* For stats without flushing: bytes held by cached blocks, and the largest cached block. */
 size_t ap_cache_bytes(const ap_pool *p);
