@@ -44,7 +44,8 @@ def rel(pattern):
 
 # Headers as dependencies: setuptools rebuilds an extension only when one of these is newer than
 # it, so without them an edit to a header alone (an inline hot path, a struct) left the old build.
-C_HEADERS = rel("cython/*/*.h") + rel("ascend_pool/include/*.h")
+SIM_HEADERS = rel("cython/sim/*.h")
+CORE_HEADERS = [h for h in rel("cython/*/*.h") if h not in SIM_HEADERS] + rel("ascend_pool/include/*.h")
 
 sim_sources = rel("cython/sim/*.c")
 sim_ext = [
@@ -52,7 +53,7 @@ sim_ext = [
         name,
         sources=sim_sources,
         include_dirs=["cython/sim"],
-        depends=rel("cython/sim/*.h"),
+        depends=SIM_HEADERS,
         extra_compile_args=C_FLAGS + ["-fvisibility=hidden"] + (["-DASCEND_SIM_LEGACY=1"] if "legacy" in name else []),
         extra_link_args=LINK_FLAGS,
         libraries=["pthread", "rt"],
@@ -65,7 +66,7 @@ core_ext = Extension(
     "ascend_pool._core",
     sources=["cython/_core.pyx"] + rel("cython/core/*.c") + rel("cython/backend/*.c") + rel("cython/host/*.c"),
     include_dirs=["cython", "cython/core", "cython/backend", "ascend_pool/include"],
-    depends=C_HEADERS,
+    depends=CORE_HEADERS,
     extra_compile_args=C_FLAGS,
     extra_link_args=LINK_FLAGS,
     libraries=["dl", "pthread", "rt"],

@@ -11,23 +11,16 @@
  * neighbours yet. A request that finds no fit, a release, empty_cache and stream settling flush
  * the cache first (each cached block is flushed at most once per free: amortised, the cost of
  * merging at free). A small request that would split a block (cut fresh space; with expandable
- * segments, the block the page fit picked) first merges cached neighbours whose hole fits it
- * exactly, so that two freed neighbours serve a request as one hole (PyTorch, RMM), in both modes. Only exactly: a larger hole would be split again, trading
- * cached blocks that their own size's next requests reuse whole for a remainder, and on the
- * bench's traces that raised peaks (merging every fitting run: synthetic_frag 10,190 -> 10,406
- * MiB; flushing the whole cache: llama 206 -> 218 MiB; merging at free: both), where the exact
- * rule, together with the packing of recurring sizes (segments.c), lowers every shared trace's
- * peak and whole-trace device calls below their figures before this merge existed (alone it raised
- * llama to 216 MiB: the peaks move in the large pool, through the trades; issue 18 note). Under
- * release_policy:budgeted the whole cache is flushed instead: there the exact rule cost 11 points
- * of mean waste reduction on the six traces (gpt2 5,000 -> 5,390 MiB) and 1-2 on the bench's
- * perturbed workloads, measured, not derived: the peaks move in the large pool, through which
- * segments a budgeted trade finds wholly free. Expandable segments take the exact rule too (they
- * once skipped it, leaving the hole unused): it lowers their small pool's peak (llama 32 -> 30
- * MiB) and moves the large pool through the trades (llama 174 -> 178, bert 334 -> 320 MiB; the
- * bench's perturbed workloads 85.9 -> 85.9 % and 84.7 -> 84.4 % mean). Stats and snapshots, which must not change what the
- * pool does next, show the merged picture without flushing (ap_cache_merged_view, snapshot.c): a
- * cached block is never counted in inactive_split itself, the view counts its merged run.
+ * segments, the block the page fit picked) first merges a run of cached and free neighbours whose
+ * hole is exactly its size, so that two freed neighbours serve it as one hole (PyTorch, RMM).
+ * Only exactly: a larger hole would be split again, trading cached blocks that their own size's
+ * next requests reuse whole for a remainder; classic segments under release_policy:budgeted flush
+ * the whole cache instead. Both choices were measured, not derived: a different small-pool layout
+ * changes which segments are wholly free, so the peaks move in the large pool through the trades
+ * (figures and the rules tried: docs/placement-policy.md, "Placement"). Stats and snapshots, which
+ * must not change what the pool does next, show the merged picture without flushing
+ * (ap_cache_merged_view, snapshot.c): a cached block is never counted in inactive_split itself,
+ * the view counts its merged run.
  *
  * The hits are inline here, on the cached path of ap_pool_malloc/ap_pool_free; the cache holds
  * small-pool blocks only, so their statistics use constant indices. Keys (size, stream) sit
