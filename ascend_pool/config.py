@@ -12,8 +12,9 @@ Knobs:
   page_size                    large-segment granularity: "2m" (default) or "1g"
   expandable_segments          true: segments grow and shrink in place through the runtime's
                                virtual-memory calls (needs a backend with them); default false
-  release_policy               "under_peak" (default), "budgeted" (the same within a device-call
-                               budget: docs/placement-policy.md) or "never" (torch_npu's behaviour)
+  release_policy               "budgeted" (default: trades idle segments for growth within a
+                               device-call budget, docs/placement-policy.md), "under_peak" (trades
+                               without a budget) or "never" (torch_npu's behaviour)
   stream_reuse                 "borrow" (default: a stream reuses blocks freed on another stream
                                once ordered after them by an event wait on the device) or
                                "tied" (a block serves only its own stream, PyTorch's policy)

@@ -44,7 +44,9 @@ def _stuck_call(fn):
     return t
 
 
-def test_under_peak_malloc_skips_a_busy_streams_segment_instead_of_waiting(pool):
+@pytest.mark.parametrize("policy", ["budgeted", "under_peak"])
+def test_a_trade_skips_a_busy_streams_segment_instead_of_waiting(policy):
+    pool = ap.Pool(0, backend="sim", release_policy=policy)
     s = pool.create_stream()
     work = pool.malloc(MiB, stream=s)
     a = pool.malloc(8 * MiB, stream=s)
@@ -59,6 +61,7 @@ def test_under_peak_malloc_skips_a_busy_streams_segment_instead_of_waiting(pool)
     pool.free(work, stream=s)
     pool.synchronize(s)
     pool.destroy_stream(s)
+    pool.close()
 
 
 def test_synchronize_on_a_busy_stream_does_not_block_other_threads(pool):

@@ -116,6 +116,13 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
     if (check_trees(p, c, &free_blocks) || check_cache(p, c, &cached) ||
         check_pending(p, c, &pend_n, &pend_b, pend_kind))
         goto out;
+    /* classic_policy.c: the trade credit pays for every refill of the room trades left */
+    if (p->trade_credit < ap_classic_refills_owed(p) * 1000 || p->protect_credit < 0) {
+        fail(c, "trade credit %lld/1000 calls does not cover the %lld refills owed for %zu bytes of trade room "
+             "(floor credit %lld/1000)", (long long)p->trade_credit, (long long)ap_classic_refills_owed(p),
+             p->trade_room, (long long)p->protect_credit);
+        goto out;
+    }
     for (ap_segment *s = p->segments; s; s = s->next) {
         n_segments++;
         if (s->next && s->next->prev != s) { fail(c, "segment list links broken at 0x%lx", (unsigned long)s->base); goto out; }

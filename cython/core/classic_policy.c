@@ -7,32 +7,36 @@
  * workload's new shape instead of growing. Trading every time lets a loop whose layout differs a
  * little each step pay for the same memory every step (up to 6.3 % of allocations in steady-state
  * device calls on the bench's perturbed workloads), so a trade is paid from a credit:
- *  - a new pool starts with AP_TRADE_START calls (spent while the workload takes its shape); the
- *    credit grows by AP_TRADE_RATE thousandths of a call per allocation and, once the start is
- *    spent, holds at most AP_TRADE_BASE calls + AP_TRADE_HOLD thousandths of a call per allocation
- *    so far (a long-running pool may save in proportion to its activity, a young one little);
- *  - a trade of k releases costs k + 1 calls (the releases and the growth that takes their place)
- *    and is made only when the credit covers it: the credit never goes below zero;
- *  - the growth absorbs what the releases freed beyond the need (its segment grows by the rest),
- *    so after a trade reserved memory is back at the watermark: a later growth either trades
- *    again (paid) or lifts the peak.
+ *  - a new pool starts with AP_TRADE_START calls; the credit grows by AP_TRADE_RATE thousandths of
+ *    a call per allocation and, once the start is spent, holds at most AP_TRADE_BASE calls +
+ *    AP_TRADE_HOLD thousandths of a call per allocation so far;
+ *  - a growth that lifts the peak from W to W' earns AP_GROWTH_EARN * (W' - W) / W' calls, topping
+ *    the credit up to at most AP_TRADE_START: a workload still taking its shape pays for the
+ *    trades that keep its peak down; a steady one earns nothing (over the pool's life these sum
+ *    to at most AP_GROWTH_EARN * (1 + ln(peak / first growth)));
+ *  - a trade of k releases costs k + 1 calls (the releases and the growth that takes their place);
+ *  - what the releases freed beyond the need stays as room under W (trade_room) only as far as
+ *    the credit can pay one call for each refill of it (a refill takes at least one growth unit);
+ *    the growth absorbs the rest. So the credit never goes below the refills still owed.
  * A growth without credit may lift the peak only while reserved memory stays under a floor of what
  * torch_npu's never-release policy has surely reserved by then (npu_floor); past it the trade is
  * paid from a second, small credit kept for that purpose (AP_PROTECT_*), so that calls are spent
- * beyond the budget only where the pool would otherwise pass torch_npu's floor.
- * Every device call is therefore a trade's (paid from one credit or the other), a growth that lifts
- * the peak, or an explicit trim's (empty_cache, the out-of-memory path, a lowered limit or quota,
- * garbage collection) with the growths that refill it. With A(t) allocations, G(t) peak-lifting
- * growths, E(t) those:
+ * beyond the budget only where the pool would otherwise pass torch_npu's floor (its room, as any
+ * trade's, stays only as far as the trade credit pays for its refills).
+ * Every device call is therefore a trade's or a refill's (paid from one credit or the other), a
+ * growth that lifts the peak, or an explicit trim's (empty_cache, the out-of-memory path, a lowered
+ * limit or quota, garbage collection; under a byte limit or quota a trade's leftover too) with the
+ * growths that refill it. With A(t) allocations, G(t) peak-lifting growths, E(t) those, and
+ * P(t) = sum over peak rises of (W' - W) / W':
  *     device calls(t) <= G(t) + E(t) + (AP_TRADE_RATE + AP_PROTECT_RATE) / 1000 * A(t)
- *                        + AP_TRADE_START + AP_PROTECT_START.
+ *                        + AP_GROWTH_EARN * P(t) + AP_TRADE_START + AP_PROTECT_START.
  *
- * Tried and dropped (mean waste reduction against torch_npu's policy on the bench's 120 perturbed
- * workloads, this policy: see docs/placement-policy.md): trades free of budget at a new high of
- * allocated memory (+4 points, but calls no longer bounded: 1.1 % steady, 3.1 % whole); no credit
- * spent while reserved memory stays under a proven lower bound of torch_npu's reserved memory (the
- * sum over streams and pools of their highest allocated bytes: -2 points, and more steady calls
- * later); absorbing nothing (+2 points, but the refills of a trade's leftover are unpaid calls).
+ * Tried and dropped (docs/placement-policy.md has the figures): trades free of budget at a new
+ * high of allocated memory; no credit spent under a proven lower bound of torch_npu's reserved
+ * memory; absorbing every leftover (what this policy did before: -4 to -8 points on the perturbed
+ * workloads); leaving every leftover with refills in debt (better by 1-2 points, but no bound);
+ * prepaying each leftover's refills; trades only when they cover the whole need; a flat credit per
+ * peak-lifting growth (3.2 % steady calls on a growing workload).
  */
 #include "pool_internal.h"
 
@@ -40,6 +44,7 @@
 #define AP_TRADE_HOLD 3   /* most credit held: this many thousandths of a call per allocation so far ... */
 #define AP_TRADE_BASE 2   /* ... plus this many calls */
 #define AP_TRADE_START 20 /* calls of credit a new pool starts with */
+#define AP_GROWTH_EARN 32 /* calls a peak-lifting growth earns, times (W' - W) / W' (its share of the new peak) */
 #define AP_PROTECT_RATE 1   /* the floor's credit per allocation, in thousandths of a call (0.1 %) ... */
 #define AP_PROTECT_START 10 /* ... its start and the most it holds, in calls */
 #define AP_PACK_MAX_BLOCKS 10                /* a packed segment holds at most this many requests ... */
@@ -85,10 +90,40 @@ static size_t npu_floor(ap_pool *p, int pool, size_t rsize) {
     return total;
 }
 
+/* Smallest growth the pool makes (a small segment or a page): a refill of room takes at least this. */
+static size_t growth_unit(const ap_pool *p) {
+    return p->cfg.small_segment < p->cfg.page_size ? p->cfg.small_segment : p->cfg.page_size;
+}
+
+int64_t ap_classic_refills_owed(const ap_pool *p) {
+    size_t unit = growth_unit(p);
+    return (int64_t)((p->trade_room + unit - 1) / unit);
+}
+
+void ap_classic_peak_rose(ap_pool *p, size_t new_peak) {
+    size_t wm = p->reserved_watermark;
+    AP_ASSERT(new_peak > wm);
+    p->trade_room = 0; /* reserved memory is at its peak: no room left under it */
+    credit_calls(p);
+    int64_t cap = (int64_t)AP_TRADE_START * 1000;
+    if (p->trade_credit >= cap) return;
+    int64_t earned = (int64_t)((double)AP_GROWTH_EARN * 1000.0 * (double)(new_peak - wm) / (double)new_peak);
+    p->trade_credit = p->trade_credit + earned > cap ? cap : p->trade_credit + earned;
+}
+
 size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size) {
     size_t reserved = ap_reserved(p), wm = p->reserved_watermark;
-    if (reserved + size <= wm) return size; /* room under the peak (after an explicit trim) */
-    int64_t calls = credit_calls(p);
+    if (reserved + size <= wm) { /* room under the peak: a trade's leftover, or an explicit trim's */
+        if (p->trade_room > wm - reserved) p->trade_room = wm - reserved;
+        if (p->trade_room) {
+            credit_calls(p);
+            p->trade_credit -= 1000;
+            p->trade_room -= size < p->trade_room ? size : p->trade_room;
+        }
+        AP_ASSERT(p->trade_credit >= ap_classic_refills_owed(p) * 1000);
+        return size;
+    }
+    int64_t calls = credit_calls(p); /* the room a trade leaves is paid for after it (below) */
     if (!p->n_free_segments) return size;
     /* Without credit the growth may lift the peak while the pool stays under what torch_npu has
        surely reserved; past that floor the trade is paid from the floor's own credit (protect):
@@ -106,16 +141,10 @@ size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size) {
     for (ap_segment *s = p->segments; s; s = s->next)
         if (ap_segment_is_free(s) && s->first->tag && !s->pinned) ap_settle_slot(p, s->first->tag, NULL);
 
-    /* One segment that covers the need alone, the smallest (one call); else the largest first.
-       A released segment may exceed the need by at most the growth itself: the growth absorbs
-       the rest, and a segment much larger than the request would just be re-made larger. To stay
-       under torch_npu's floor any size of the request's own pool may go (absorbed by a growth of
-       the other pool, it would strand its bytes where that pool's requests cannot use them). */
+    /* One segment that covers the need alone, the smallest (one call); else the largest first. */
     ap_segment *one = NULL;
     for (ap_segment *s = p->segments; s; s = s->next)
-        if (releasable(s) && s->size >= over && (s->size <= over + size || (protect && s->pool == pool)) &&
-            (!one || s->size < one->size))
-            one = s;
+        if (releasable(s) && s->size >= over && (!one || s->size < one->size)) one = s;
     int64_t k = 0;
     if (one) {
         if (ap_segment_release(p, one, NULL) == AP_OK) k++;
@@ -136,14 +165,31 @@ size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size) {
     if (protect) p->protect_credit -= (k + 1) * 1000;
     else p->trade_credit -= (k + 1) * 1000;
     AP_ASSERT(p->trade_credit >= 0 && p->protect_credit >= 0);
-    /* Never under a byte limit or a tenant quota: there one large absorbing segment, pinned by a
-       few live blocks, is memory no trim can return, and the tenant's next requests are refused
-       although most of what it holds is free (the serve --replay demo's tight tenant: every run
-       refused after the first one that hit its quota). */
-    if (p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve) return size;
     reserved = ap_reserved(p);
-    if (reserved + size < wm) size += (wm - reserved - size) / p->cfg.page_size * p->cfg.page_size;
-    return size;
+    if (reserved + size >= wm) { /* the releases did not cover the need: a new peak, no room */
+        p->trade_room = 0;
+        return size;
+    }
+    /* All the room under the peak after this growth (an earlier trade's too). Under a byte limit or
+       a tenant quota it stays, and its refills count as an explicit trim's: one large absorbing
+       segment, pinned by a few live blocks, is memory no trim can return, and the tenant's next
+       requests are refused although most of what it holds is free (the serve --replay demo's tight
+       tenant: every run refused after the first one that hit its quota). */
+    size_t room = wm - reserved - size;
+    if (p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve) {
+        p->trade_room = 0;
+        return size;
+    }
+    /* Otherwise room stays as far as the trade credit pays a call for each refill of it; the growth
+       absorbs the rest (in whole pages). With 1 GiB pages a remainder of small segments may be
+       less than a page: what neither covers stays unpaid (counted with explicit trims). */
+    size_t unit = growth_unit(p), keep = (size_t)(p->trade_credit / 1000) * unit;
+    if (keep > room) keep = room;
+    size_t absorb = ap_round_up(room - keep, p->cfg.page_size);
+    if (absorb > room) absorb = room / p->cfg.page_size * p->cfg.page_size;
+    p->trade_room = room - absorb < keep ? room - absorb : keep;
+    AP_ASSERT(p->trade_credit >= ap_classic_refills_owed(p) * 1000);
+    return size + absorb;
 }
 
 size_t ap_classic_segment_size(ap_pool *p, size_t rsize) {

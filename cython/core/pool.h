@@ -208,6 +208,7 @@ typedef struct ap_pool {
        may spend to stay under that floor, in 1/1000 call (classic_policy.c). */
     size_t npu_floor[2];
     int64_t protect_credit;
+    size_t trade_room; /* bytes under the watermark a trade left, whose refills the trade credit pays */
 } ap_pool;
 
 /* Creates a pool on device. Preallocates cfg->reserve_bytes. NULL on failure (err says why). */

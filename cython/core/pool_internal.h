@@ -102,6 +102,12 @@ size_t ap_reserved(const ap_pool *p);
    its peak, trades wholly free segments for it within the device-call budget; returns the bytes
    to grow by (at least size). */
 size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size);
+/* classic_policy.c: a growth has lifted reserved memory to new_peak bytes, above the watermark
+   (called before the watermark moves): the growth's share of the trade credit. */
+void ap_classic_peak_rose(ap_pool *p, size_t new_peak);
+/* classic_policy.c: refills of the room trades left that the trade credit must still pay (each
+   takes at least one growth unit of it); the credit never holds less than this many calls. */
+int64_t ap_classic_refills_owed(const ap_pool *p);
 /* Bytes of a new large segment for a request of rsize: whole pages, or room for several requests
    of a recurring size whose page rounding would waste much. */
 size_t ap_classic_segment_size(ap_pool *p, size_t rsize);

@@ -5,12 +5,12 @@
  * freed the whole segment is free and can serve any later request or go back to the device (a
  * recurring size that rounding would waste much of gets room for several: classic_policy.c).
  *
- * Release policy (AP_RELEASE_UNDER_PEAK, the default): when a miss needs a new segment and
- * reserved memory would rise above its earlier peak, fully free segments are traded for the growth
- * (largest first) so that the pool takes the new shape instead of growing. Steady-state loops never
- * reach this path (their requests fit the cache), so it costs device calls only when the workload
- * changes shape, but nothing bounds how many. AP_RELEASE_BUDGETED pays each trade from a budget of
- * device calls (classic_policy.c, docs/placement-policy.md); both pack recurring sizes
+ * Release policy: when a miss needs a new segment and reserved memory would rise above its
+ * earlier peak, fully free segments are traded for the growth so that the pool takes the new shape
+ * instead of growing. AP_RELEASE_BUDGETED (the default) pays each trade from a budget of device
+ * calls (classic_policy.c, docs/placement-policy.md); AP_RELEASE_UNDER_PEAK trades every time
+ * (largest first), so nothing bounds its calls when a workload keeps changing shape; both pack
+ * recurring sizes
  * (ap_classic_segment_size: on the bench's 200 perturbed workloads, under_peak's mean waste
  * reduction rose from 72.9 / 66.0 % to 74.6 / 70.1 % and the workloads above torch_npu's policy
  * fell from 2 + 7 to 2 + 5); expandable segments trade single chunks under their own budget
@@ -66,7 +66,10 @@ int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap
     b->seg = seg;
     p->stats.num_device_alloc++;
     ap_stat_inc(&p->stats, AP_STAT_RESERVED_BYTES, pool, (int64_t)size);
-    if (ap_reserved(p) > p->reserved_watermark) p->reserved_watermark = ap_reserved(p);
+    if (ap_reserved(p) > p->reserved_watermark) {
+        if (p->cfg.release_policy == AP_RELEASE_BUDGETED && !p->cfg.expandable) ap_classic_peak_rose(p, ap_reserved(p));
+        p->reserved_watermark = ap_reserved(p);
+    }
     ap_history_add(&p->history, AP_ACT_SEGMENT_ALLOC, seg->base, size, slot ? p->slots[slot].stream : NULL);
     /* A fresh segment serves any stream, except in the tied baseline where it is its stream's. */
     *out = ap_free_insert(p, b, p->cfg.stream_reuse == AP_REUSE_TIED ? slot : 0);
