@@ -57,6 +57,18 @@ def test_malformed_pointer(pool, ptr):
     assert_consistent(pool, [])
 
 
+def test_numpy_integer_pointers_are_addresses_as_numpy_integer_sizes_are(pool):
+    np = pytest.importorskip("numpy")
+    for kind in (np.uint64, np.int64, np.uintp):
+        ptr = pool.malloc(np.int64(4096))
+        pool.free(kind(ptr))  # an array of pointers hands out numpy integers
+    assert pool.memory_stats()["allocated_bytes.all.current"] == 0
+    with pytest.raises(ap.InvalidPointerError):
+        pool.free(np.bool_(True))  # not an address, though it converts to 1
+    with pytest.raises(ap.InvalidPointerError):
+        pool.free(True)
+
+
 def test_interior_pointer_is_named(pool):
     a = pool.malloc(8192)
     with pytest.raises(ap.InvalidPointerError, match="inside the block"):

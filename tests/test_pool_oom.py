@@ -33,7 +33,7 @@ def test_out_of_memory_error_explains_the_pool_and_device(pool):
     with pytest.raises(ap.OutOfMemoryError) as info:
         pool.malloc(100 * MiB)
     msg = str(info.value)
-    for part in ("tried to allocate 104857600 bytes", "device 0", "reserved", "allocated",
+    for part in ("out of memory", "Tried to allocate 104857600 bytes", "device 0", "reserved", "allocated",
                  "cached free", "largest free block", "external fragmentation", "free of"):
         assert part in msg, part
     st = pool.memory_stats()
@@ -76,3 +76,26 @@ def test_device_exhaustion_across_pools_on_one_device():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("kind", ["larger than the device", "device exhausted", "pool limit"])
+def test_out_of_memory_messages_use_pytorchs_words(pool, kind):
+    # Users (and PyTorch's own tests) match "out of memory" and "Tried to allocate".
+    if kind == "pool limit":
+        pool.set_limit(64 * MiB)
+    elif kind == "device exhausted":
+        sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"] + 10 * MiB)
+    size = 2**50 if kind == "larger than the device" else 100 * MiB
+    with pytest.raises(ap.OutOfMemoryError, match=f"out of memory: Tried to allocate {size} bytes"):
+        pool.malloc(size)
+    pool.set_limit(None)
+    pool.free(pool.malloc(MiB))  # and the pool keeps serving
+
+
+def test_out_of_memory_message_keeps_the_runtimes_cause_whole(pool):
+    sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"] + 10 * MiB)
+    with pytest.raises(ap.OutOfMemoryError) as info:
+        pool.malloc(2**35)  # 32 GiB: every figure in the message has 11 digits
+    cause = str(info.value).split("Cause: ", 1)[1]
+    # the simulator's reason, to its last words (it was cut at 319 characters of the whole message)
+    assert "device malloc of" in cause and "fail_after_bytes=" in cause and cause.endswith("(aclError 207001)"), cause

@@ -123,3 +123,56 @@ def test_reset_accumulated_stats_zeroes_totals_but_keeps_current_and_peak(pool):
     st = pool.memory_stats()
     assert st["allocation.all.allocated"] == 1 and st["allocation.all.freed"] == 1
     pool.free(keep)
+
+
+def _module_alloc_here(n):
+    return ap.malloc(n, device=0)
+
+
+def test_frames_start_at_the_users_line_not_inside_ascend_pool():
+    # ap.malloc and the framework hooks are Python wrappers: frames[0] is still the caller's line
+    # (PyTorch's test_memory_snapshot checks frames[0]["filename"]).
+    ap.record_memory_history(enabled=True, stacks="python", max_entries=1000)
+    try:
+        ptr = _module_alloc_here(5000)
+        block = next(b for s in ap.snapshot(0)["segments"] for b in s["blocks"] if b["address"] == ptr)
+        assert block["frames"][0]["filename"] == __file__
+        assert block["frames"][0]["name"] == "_module_alloc_here"
+        ap.free(ptr, device=0)
+    finally:
+        ap.record_memory_history(enabled=None)
+
+
+def _c_abi_alloc_here(lib, n):
+    return lib.ascend_pool_malloc(n, 0, None)
+
+
+def test_c_abi_allocations_record_the_python_frames_of_the_thread_that_holds_the_gil():
+    # A framework's tensors come through the C ABI from a Python op, GIL held (ctypes.PyDLL calls
+    # the same way); a call with the GIL released (ctypes.CDLL) records none and never waits for it.
+    import ctypes
+    held = ctypes.PyDLL(ap.library_path())
+    released = ctypes.CDLL(ap.library_path())
+    for lib in (held, released):
+        lib.ascend_pool_malloc.restype = ctypes.c_void_p
+        lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    ap.default_pool(0)
+    ap.record_memory_history(enabled=True, stacks="python", max_entries=1000)
+    try:
+        with_gil = _c_abi_alloc_here(held, 311 * 411 * 4)
+        without = _c_abi_alloc_here(released, 5000)
+        blocks = {b["address"]: b for s in ap.snapshot(0)["segments"] for b in s["blocks"]}
+        frames = blocks[with_gil]["frames"]
+        assert frames[0]["filename"] == __file__ and frames[0]["name"] == "_c_abi_alloc_here"
+        assert blocks[without]["frames"] == []
+        held.ascend_pool_free(with_gil, 0, 0, None)
+        frees = [e for e in ap.snapshot(0)["device_traces"][0] if e["action"] == "free_requested"]
+        assert frees[-1]["frames"][0]["name"] == \
+            "test_c_abi_allocations_record_the_python_frames_of_the_thread_that_holds_the_gil"
+        released.ascend_pool_free(without, 0, 0, None)
+    finally:
+        ap.record_memory_history(enabled=None)
+    with_gil = _c_abi_alloc_here(held, 4096)  # history off: nothing recorded, nothing in the way
+    assert ap.snapshot(0)["device_traces"][0] == []
+    held.ascend_pool_free(with_gil, 0, 0, None)

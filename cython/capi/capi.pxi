@@ -14,6 +14,7 @@
 from libc.string cimport memcpy
 
 import atexit as _atexit
+import weakref as _weakref
 
 from ascend_pool.errors import InvalidDeviceError
 
@@ -37,6 +38,9 @@ cdef extern from "capi/exports.h":
     # Not nogil: the callback runs Python code (exports.h holds the GIL around the call).
     ctypedef int (*apc_create_fn)(int device, int strict, char *msg, size_t len) noexcept
     void apc_set_hooks(apc_create_fn create)
+    ctypedef void (*apc_frames_fn)(ap_pool *p) noexcept
+    void apc_set_frames_hook(apc_frames_fn fn)
+    void apc_stacks_changed(int delta)
 
 cdef extern from "capi/exports.h" nogil:
     const char *apc_default_backend_name(int device)
@@ -59,6 +63,36 @@ cdef void _capi_unregister(ap_pool **slot) noexcept nogil:
     # Takes the field's address, not the object: __dealloc__ calls it, when self may no longer be
     # handed to Python code.
     apc_unregister(slot)
+
+
+# ---- Python frames of C ABI calls (exports.h's apc_note_frames) ---------------------------------------
+
+# Pools recording stacks, by C pool address: weak, so that dropping a pool still closes it.
+_stack_pools = {}
+
+
+cdef void _capi_stacks_on(ap_pool *p, object pool):
+    """Registers pool (a PoolBase, whose C pool is p) as one whose C ABI calls file Python frames;
+    pool None forgets p."""
+    cdef uintptr_t key = <uintptr_t>p
+    if pool is not None and key not in _stack_pools:
+        _stack_pools[key] = _weakref.ref(pool)
+        apc_stacks_changed(1)
+    elif pool is None and _stack_pools.pop(key, None) is not None:
+        apc_stacks_changed(-1)
+
+
+cdef void _capi_note_frames(ap_pool *p) noexcept with gil:
+    """Called by exports.h from a thread that holds the GIL, before the pool's lock is taken."""
+    ref = _stack_pools.get(<uintptr_t>p)
+    pool = ref() if ref is not None else None
+    if pool is None:
+        ap_history_set_ctx(0)
+        return
+    try:
+        (<PoolBase>pool)._note_frames()
+    except BaseException:
+        ap_history_set_ctx(0)  # frames are a diagnostic: never fail the allocation for them
 
 
 # ---- lazy default pools ----------------------------------------------------------------------------
@@ -104,9 +138,11 @@ def _capi_shutdown():
     """At interpreter exit: no more Python callbacks from the C ABI (a C thread still allocating on a
     device without a pool then gets ASCEND_POOL_E_NOT_READY instead of waiting on a dying GIL)."""
     apc_set_hooks(NULL)
+    apc_set_frames_hook(NULL)
 
 
 apc_set_hooks(_capi_create_default)
+apc_set_frames_hook(_capi_note_frames)
 _atexit.register(_capi_shutdown)
 
 

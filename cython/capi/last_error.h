@@ -32,7 +32,7 @@ _Static_assert(ASCEND_POOL_E_QUOTA == AP_E_QUOTA, "status codes drifted");
 
 typedef struct apc_error {
     int code;
-    char message[512];
+    char message[1024]; /* a prefix naming the call, then the pool's message (pool.h) */
 } apc_error;
 
 static __thread apc_error apc_last;

@@ -51,6 +51,7 @@ typedef struct ap_segment {
     int pool;                 /* AP_POOL_SMALL or AP_POOL_LARGE */
     int pinned;               /* the preallocated reserve: never released by automatic policies */
     int expandable;           /* a run of mapped chunks in reserved address space */
+    int oversize;             /* counted in oversize_segments (ap_segment_sized) */
     uint16_t alloc_slot;      /* stream slot of the allocation that created it (for snapshots) */
     uint64_t last_use;        /* pool tick of the last allocation from it (garbage collection) */
     uint64_t seq;             /* creation order in its pool */

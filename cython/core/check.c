@@ -111,6 +111,7 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
     int rc = -1;
     size_t free_blocks = 0, cached = 0, n_segments = 0, n_free_segments = 0;
     int64_t alloc_n[2] = {0}, alloc_b[2] = {0}, req_b[2] = {0}, reserved[2] = {0}, segs[2] = {0};
+    int64_t over_alloc = 0, over_segs = 0; /* oversize_allocations / _segments, recounted */
     int64_t split_n[2] = {0}, split_b[2] = {0}, pend_n = 0, pend_b = 0, pend_kind[2] = {0};
     size_t seen_free = 0, seen_cached = 0, seen_pending = 0;
     if (check_trees(p, c, &free_blocks) || check_cache(p, c, &cached) ||
@@ -132,6 +133,12 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
         }
         segs[s->pool]++;
         reserved[s->pool] += (int64_t)s->size;
+        int over = s->pool == AP_POOL_LARGE && s->size >= p->cfg.max_split_size;
+        if (over != s->oversize) {
+            fail(c, "segment 0x%lx (%zu bytes) has oversize flag %d", (unsigned long)s->base, s->size, s->oversize);
+            goto out;
+        }
+        over_segs += over;
         uintptr_t at = s->base;
         for (ap_block *b = s->first; b; b = b->next) {
             if (b->seg != s || b->addr != at || !b->size || b->size % p->cfg.min_block ||
@@ -146,6 +153,7 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
             case AP_BLOCK_ALLOCATED:
                 alloc_n[s->pool]++;
                 alloc_b[s->pool] += (int64_t)b->size;
+                over_alloc += s->pool == AP_POOL_LARGE && b->size >= p->cfg.max_split_size;
                 req_b[s->pool] += (int64_t)b->requested;
                 if (ap_map_get(&p->live, b->addr) != b) {
                     fail(c, "allocated block 0x%lx is not in the live map", (unsigned long)b->addr);
@@ -228,6 +236,12 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
                 goto out;
             }
         }
+    if (p->stats.oversize[0].current != over_alloc || p->stats.oversize[1].current != over_segs) {
+        fail(c, "oversize stats (%lld allocations, %lld segments) differ from a recount (%lld, %lld)",
+             (long long)p->stats.oversize[0].current, (long long)p->stats.oversize[1].current,
+             (long long)over_alloc, (long long)over_segs);
+        goto out;
+    }
     if (p->stats.pending[0][AP_STAT_ALL].current != pend_n || p->stats.pending[1][AP_STAT_ALL].current != pend_b ||
         p->stats.pending[1][1].current != pend_kind[0] || p->stats.pending[1][2].current != pend_kind[1]) {
         fail(c, "pending stats (%lld blocks, %lld bytes) differ from the pending list (%lld, %lld)",

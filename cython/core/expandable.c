@@ -39,7 +39,7 @@ size_t ap_vmm_chunk_cap(const ap_pool *p, size_t need) {
 }
 
 static int vmm_error(ap_pool *p, ap_error *err, int rc, const char *what, size_t size) {
-    char msg[200];
+    char msg[400];
     p->backend->error_message(p->backend, rc, msg, sizeof msg);
     return ap_set_error(err, AP_E_DEVICE, rc, "%s of %zu bytes on device %d failed (%d): %s", what, size, p->device,
                         rc, msg);
@@ -148,6 +148,8 @@ static void join_segments(ap_pool *p, ap_segment *left, ap_segment *right, ap_vm
     else p->segments = right->next;
     if (right->next) right->next->prev = right->prev;
     p->n_segments--;
+    ap_segment_unlinked(p, right);
+    ap_segment_sized(p, left);
     ap_stat_dec(&p->stats, AP_STAT_SEGMENT, left->pool, 1);
     ap_segment_recycle(p, right);
 }
@@ -331,6 +333,7 @@ static ap_block *grow(ap_pool *p, int slot, int pool, size_t rsize, int exact, s
         tail->next = nb;
         nb->prev = tail;
         left->size += need;
+        ap_segment_sized(p, left);
     } else {
         left = ap_segment_new(p);
         if (!left) { /* cannot track it: give the pages back */
@@ -490,10 +493,12 @@ static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t
         else p->segments = seg->next;
         if (seg->next) seg->next->prev = seg->prev;
         p->n_segments--;
+        ap_segment_unlinked(p, seg);
         ap_stat_dec(&p->stats, AP_STAT_SEGMENT, pool, 1);
         ap_segment_recycle(p, seg);
     } else {
         seg->size = lo - seg->base;
+        ap_segment_sized(p, seg);
     }
     if (left) ap_free_insert(p, left, 0);
     if (right) ap_free_insert(p, right, 0);

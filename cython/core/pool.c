@@ -99,7 +99,7 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
     size_t free_b = 0, total_b = 0;
     if (rc == 0) rc = backend->mem_info(backend, device, &free_b, &total_b);
     if (rc != 0) {
-        char msg[200];
+        char msg[400];
         backend->error_message(backend, rc, msg, sizeof msg);
         ap_set_error(err, AP_E_DEVICE, rc, "device %d is not usable (%d): %s", device, rc, msg);
         ap_pool_destroy(p);
@@ -157,7 +157,8 @@ static int check_size(ap_pool *p, size_t size, ap_error *err) {
     if (size == 0) return ap_set_error(err, AP_E_INVALID_SIZE, 0, "size must be positive, got 0 bytes");
     if ((int64_t)size < 0 || size > (size_t)p->stats.device_total_bytes)
         return ap_set_error(err, AP_E_OOM, 0,
-                            "cannot allocate %zu bytes on device %d: larger than the device's %lld bytes", size,
+                            "out of memory: Tried to allocate %zu bytes on device %d: larger than the device's "
+                            "%lld bytes", size,
                             p->device, (long long)p->stats.device_total_bytes);
     return AP_OK;
 }
@@ -190,15 +191,16 @@ static void oom_message(ap_pool *p, size_t size, int slot, ap_error *err) {
         }
     size_t cached = reserved - active;
     double frag = cached ? 1.0 - (double)largest / (double)cached : 0.0;
-    const char *why = err->status == AP_E_LIMIT ? "the pool's limit"
-                      : err->status == AP_E_QUOTA ? "quota" : "device memory";
+    /* PyTorch's words ("out of memory", "Tried to allocate"), which users and their tests match */
+    const char *why = err->status == AP_E_LIMIT ? "out of the pool's limit"
+                      : err->status == AP_E_QUOTA ? "over quota" : "out of device memory";
     char cause[sizeof err->message];
     snprintf(cause, sizeof cause, "%s", err->message);
     ap_set_error(err, err->status == AP_E_LIMIT || err->status == AP_E_QUOTA ? err->status : AP_E_OOM, err->device_code,
-                 "out of %s: tried to allocate %zu bytes on device %d (stream %p). Pool: %zu bytes reserved, "
+                 "out of memory: Tried to allocate %zu bytes on device %d (stream %p), %s. Pool: %zu bytes reserved, "
                  "%zu allocated, %zu cached free (largest free block %zu, external fragmentation %.2f); "
                  "device: %zu free of %zu. Cause: %s",
-                 why, size, p->device, slot ? p->slots[slot].stream : NULL, reserved, allocated, cached, largest,
+                 size, p->device, slot ? p->slots[slot].stream : NULL, why, reserved, allocated, cached, largest,
                  frag, free_b, total_b, cause);
 }
 
@@ -216,6 +218,7 @@ static void unmark_allocated(ap_pool *p, const ap_block *b) {
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, pool, 1);
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
     ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
+    if (pool == AP_POOL_LARGE && b->size >= p->cfg.max_split_size) ap_stat_step(&p->stats.oversize[0], -1);
 }
 
 int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err) {

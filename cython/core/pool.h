@@ -60,7 +60,7 @@ enum {
 typedef struct ap_error {
     int status;
     int device_code;
-    char message[320];
+    char message[768]; /* an out-of-memory message quotes the runtime's cause in full */
 } ap_error;
 
 /* Writes status, device_code and the message into err (if not NULL); returns status, for

@@ -7,10 +7,15 @@ from libc.stdlib cimport malloc as c_malloc, free as c_free
 from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromVoidPtr
 from cpython.exc cimport PyErr_Occurred, PyErr_Clear
 
+import os as _os
 import sys
 import time as _time
 
 from ascend_pool.errors import InvalidSizeError, InvalidPointerError, InvalidStreamError, PoolError, ConfigError
+import ascend_pool.errors as _errors_module
+
+# The package's directory (with its separator): frames in it are skipped when stacks are recorded.
+_PACKAGE_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(_errors_module.__file__)), "")
 
 cdef extern from "pool.h" nogil:
     enum:  # (the statuses AP_OK, AP_E_* are declared in errors.pxi)
@@ -19,7 +24,7 @@ cdef extern from "pool.h" nogil:
     ctypedef struct ap_error:
         int status
         int device_code
-        char message[320]
+        char message[768]
     ctypedef struct ap_config:
         size_t pad_bytes, min_block, small_size, small_segment, page_size, min_large_segment
         size_t large_split_min, max_split_size, limit_bytes, reserve_bytes, history_capacity
@@ -87,6 +92,7 @@ cdef extern from "stats.h" nogil:
         int64_t current, peak, freed
     ctypedef struct ap_stats:
         ap_stat s[9][3]
+        ap_stat oversize[2]
         int64_t num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc, num_device_free
         int64_t num_device_map, num_device_unmap
         int64_t num_quota_exceeded, events_created, stream_migrations, pending_free_bytes
@@ -160,7 +166,11 @@ cdef inline void *_long_to_ptr(object ptr) noexcept:
 
 
 cdef inline void *_as_ptr(object ptr) except? NULL:
-    cdef void *p = _long_to_ptr(ptr) if type(ptr) is int else NULL
+    cdef void *p = NULL
+    if type(ptr) is int:
+        p = _long_to_ptr(ptr)
+    elif type(ptr) is not bool and hasattr(type(ptr), "__index__"):  # numpy integers, as sizes are
+        p = _long_to_ptr(ptr.__index__())
     if p == NULL or <Py_ssize_t>p < 0:  # PyLong_AsVoidPtr maps negatives onto high addresses
         raise InvalidPointerError(f"pointer must be a positive integer device address, got {ptr!r}")
     return p
@@ -272,6 +282,8 @@ cdef class PoolBase:
         cdef ap_pool *p = self.p
         cdef void *qctx = self._quota.ctx
         cdef ap_quota_close_fn qclose = self._quota_close
+        if p != NULL:
+            _capi_stacks_on(p, None)
         self.p = NULL                  # new Python calls, and the C ABI's lookups, no longer see it
         self._quota_close = NULL
         self._quota.ctx = NULL
@@ -560,6 +572,14 @@ cdef class PoolBase:
                 out[f"{name}.{kind}.peak"] = st.s[i][j].peak
                 out[f"{name}.{kind}.allocated"] = st.s[i][j].current + st.s[i][j].freed
                 out[f"{name}.{kind}.freed"] = st.s[i][j].freed
+        # PyTorch's oversize figures (blocks and segments of max_split_size or more, never split),
+        # which torch.cuda.memory_summary reads; max_split_size is -1 while it is off, as there.
+        for i, name in enumerate(("oversize_allocations", "oversize_segments")):
+            out[f"{name}.current"] = st.oversize[i].current
+            out[f"{name}.peak"] = st.oversize[i].peak
+            out[f"{name}.allocated"] = st.oversize[i].current + st.oversize[i].freed
+            out[f"{name}.freed"] = st.oversize[i].freed
+        out["max_split_size"] = self.config.get("max_split_size", -1)
         out["num_alloc_retries"] = st.num_alloc_retries
         out["num_ooms"] = st.num_ooms
         out["num_sync_all_streams"] = st.num_sync_all_streams
@@ -586,6 +606,10 @@ cdef class PoolBase:
             return
         frames = []
         f = sys._getframe(0)  # Cython methods have no frame: this is the caller's
+        # The package's own wrappers (ap.malloc, the framework hooks) are not where the user
+        # allocated: frames[0] is the user's line, as in PyTorch's snapshots.
+        while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+            f = f.f_back
         while f is not None:
             frames.append({"filename": f.f_code.co_filename, "line": f.f_lineno, "name": f.f_code.co_name})
             f = f.f_back
@@ -621,6 +645,7 @@ cdef class PoolBase:
             self._stack_cap = max_entries
         else:
             self._stack_frames = None
+        _capi_stacks_on(self.p, self if self._stack_frames is not None else None)  # C ABI calls too
 
     def _raw_snapshot(self):
         """(segments, history): segments as tuples (base, size, pool, stream, blocks, expandable) with blocks

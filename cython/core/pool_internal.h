@@ -48,7 +48,22 @@ ap_block_uses *ap_uses_new(ap_pool *p);
 void ap_uses_recycle(ap_pool *p, ap_block_uses *u);
 /* Puts a new segment (its fields set) at the head of the pool's list and counts it (segment.*):
    the one place a segment joins the list (segments.c, expandable.c, and the C unit tests' pools). */
+/* Counts seg in oversize_segments while it is a large-pool segment of max_split_size or more. An
+   expandable segment's size changes as chunks map, unmap and join, so this runs after each change. */
+static inline void ap_segment_sized(ap_pool *p, ap_segment *seg) {
+    int over = seg->pool == AP_POOL_LARGE && seg->size >= p->cfg.max_split_size;
+    if (over != seg->oversize) ap_stat_step(&p->stats.oversize[1], over ? 1 : -1);
+    seg->oversize = over;
+}
+/* seg leaves the pool's list: out of oversize_segments too. */
+static inline void ap_segment_unlinked(ap_pool *p, ap_segment *seg) {
+    if (seg->oversize) ap_stat_step(&p->stats.oversize[1], -1);
+    seg->oversize = 0;
+}
+
 static inline void ap_segment_link(ap_pool *p, ap_segment *seg) {
+    seg->oversize = 0;
+    ap_segment_sized(p, seg);
     seg->prev = NULL;
     seg->next = p->segments;
     if (p->segments) p->segments->prev = seg;
@@ -79,6 +94,7 @@ static inline void ap_mark_allocated_in(ap_pool *p, ap_block *b, size_t requeste
     ap_stat_inc(&p->stats, AP_STAT_ALLOCATION, pool, 1);
     ap_stat_inc(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
     ap_stat_inc(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)requested);
+    if (pool == AP_POOL_LARGE && b->size >= p->cfg.max_split_size) ap_stat_step(&p->stats.oversize[0], 1);
     /* active = allocated + pending (stats.h): its peak needs a look only while blocks wait */
     if (__builtin_expect(p->stats.pending[0][AP_STAT_ALL].current != 0, 0)) ap_stats_note_active(&p->stats, pool);
 }

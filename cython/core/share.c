@@ -7,7 +7,7 @@
 #define ACL_ERROR_RT_IPC_ERROR 507022 /* the runtime refuses: importers still map the memory */
 
 static int device_error(ap_backend *b, int device, ap_error *err, int rc, const char *what) {
-    char msg[240];
+    char msg[400];
     b->error_message(b, rc, msg, sizeof msg);
     int status = b->kind == AP_BACKEND_ACL && rc == ACL_ERROR_RT_IPC_ERROR ? AP_E_BUSY : AP_E_DEVICE;
     return ap_set_error(err, status, rc, "%s on device %d failed (%d): %s", what, device, rc, msg);
@@ -17,7 +17,8 @@ int ap_share_alloc(ap_pool *p, size_t size, ap_share *s, ap_error *err) {
     memset(s, 0, sizeof *s);
     if (size == 0) return ap_set_error(err, AP_E_INVALID_SIZE, 0, "size must be positive, got 0 bytes");
     if ((int64_t)size < 0 || size > (size_t)p->stats.device_total_bytes)
-        return ap_set_error(err, AP_E_OOM, 0, "cannot share %zu bytes on device %d: larger than the device's %lld bytes",
+        return ap_set_error(err, AP_E_OOM, 0,
+                            "out of memory: Tried to share %zu bytes on device %d: larger than the device's %lld bytes",
                             size, p->device, (long long)p->stats.device_total_bytes);
     size_t bytes = ap_round_up(size, AP_SHARE_PAGE);
     ap_block *b = NULL;
@@ -96,6 +97,8 @@ static void unaccount(ap_pool *p, ap_share *s) {
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, AP_POOL_LARGE, 1);
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, AP_POOL_LARGE, (int64_t)b->size);
     ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, AP_POOL_LARGE, (int64_t)b->requested);
+    if (b->size >= p->cfg.max_split_size) ap_stat_step(&p->stats.oversize[0], -1);
+    ap_segment_unlinked(p, seg);
     ap_stat_dec(&p->stats, AP_STAT_SEGMENT, AP_POOL_LARGE, 1);
     ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, AP_POOL_LARGE, (int64_t)seg->size);
     if (p->quota.release) p->quota.release(p->quota.ctx, p->device, seg->size);

@@ -20,6 +20,7 @@ void ap_stats_reset_peaks(ap_stats *st) {
     for (int k = 0; k < 2; k++)
         for (int j = 0; j < AP_N_STAT_TYPES; j++)
             st->pending[k][j].peak = st->s[allocated_of[k]][j].current + st->pending[k][j].current;
+    for (int k = 0; k < 2; k++) st->oversize[k].peak = st->oversize[k].current;
 }
 
 void ap_stats_export(const ap_stats *st, ap_stats *out) {

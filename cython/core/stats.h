@@ -34,6 +34,9 @@ typedef struct ap_stats {
        pending[0] counts blocks and pending[1] bytes, their `current` what waits now and their
        `peak` the active peak reached while something waited. ap_stats_export fills s[ACTIVE*]. */
     ap_stat pending[2][AP_N_STAT_TYPES];
+    /* PyTorch's oversize_allocations [0] and oversize_segments [1]: large-pool blocks and segments
+       of max_split_size or more (never split; none while max_split_size is off). No pool split. */
+    ap_stat oversize[2];
     int64_t num_alloc_retries;
     int64_t num_ooms;
     int64_t num_sync_all_streams;
@@ -63,6 +66,17 @@ static inline void ap_stat_inc(ap_stats *st, int stat, int pool, int64_t n) {
     if (__builtin_expect(a->current > a->peak, 0)) a->peak = a->current;
     b->current += n;
     if (__builtin_expect(b->current > b->peak, 0)) b->peak = b->current;
+}
+
+/* One counter without pool split (the oversize stats): +1 or -1. */
+static inline void ap_stat_step(ap_stat *a, int sign) {
+    if (sign > 0) {
+        if (++a->current > a->peak) a->peak = a->current;
+    } else {
+        a->current--;
+        a->freed++;
+        AP_ASSERT(a->current >= 0);
+    }
 }
 
 /* Takes n (>= 0) off: current falls, freed (the running total of decreases) grows. Nothing can
