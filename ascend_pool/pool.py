@@ -41,6 +41,13 @@ def _plugin(hook, module):
     return hook
 
 
+def _device_index(device):
+    """device as an int: an int or a numpy integer (as torch accepts), never a bool or a float."""
+    if isinstance(device, bool) or not hasattr(type(device), "__index__"):
+        raise InvalidDeviceError(f"device must be an integer index, got {device!r}")
+    return type(device).__index__(device)
+
+
 class Pool(PoolBase):
     """Caching allocator for one device.
 
@@ -55,7 +62,8 @@ class Pool(PoolBase):
 
     def __init__(self, device=0, backend=None, **knobs):
         be = backend if hasattr(backend, "device_count") else open_backend(backend)
-        if not isinstance(device, int) or isinstance(device, bool) or not 0 <= device < be.device_count:
+        device = _device_index(device)
+        if not 0 <= device < be.device_count:
             raise InvalidDeviceError(
                 f"device {device!r} does not exist: the {be.name} backend has {be.device_count} device(s)")
         free_b, total_b = be.mem_info(device)

@@ -89,10 +89,26 @@ def test_pointer_of_another_device(pool):
     assert_consistent(pool, [])
 
 
-@pytest.mark.parametrize("device", [-1, 99, "0", 1.0, None])
+@pytest.mark.parametrize("device", [-1, 99])
 def test_bad_device(device):
     with pytest.raises(ap.InvalidDeviceError, match="does not exist"):
         ap.Pool(device, backend="sim")
+
+
+@pytest.mark.parametrize("device", ["0", 1.0, None, True])
+def test_device_of_the_wrong_type_is_named_as_such(device):
+    with pytest.raises(ap.InvalidDeviceError, match="device must be an integer index"):
+        ap.Pool(device, backend="sim")
+
+
+def test_numpy_integer_device_index_is_a_device():
+    np = pytest.importorskip("numpy")
+    pool = ap.Pool(np.int64(0), backend="sim")  # was: "device np.int64(0) does not exist"
+    try:
+        assert pool.device == 0
+        pool.free(pool.malloc(4096))
+    finally:
+        pool.close()
 
 
 def test_unknown_stream(pool):

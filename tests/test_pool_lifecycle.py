@@ -61,3 +61,34 @@ def test_closing_and_dropping_a_pool_or_context_end_the_same_way(sim_node):
         assert got["device_back"], (case, got)
         assert got["booking_back"] in (None, True), (case, got)
         assert got["c_abi"] == "InvalidPointerError", (case, got)
+
+
+def test_a_device_reset_behind_the_pool_is_a_device_error_not_out_of_memory(sim_node):
+    """A framework that resets device 0 once more than it set it releases the pool's context (CANN
+    rule: the last aclrtResetDevice destroys the default context). The pool's next growth used to
+    raise OutOfMemoryError ("out of device memory ... 0 free of 0") and count an OOM; it is a
+    DeviceError naming the dead context, and once that pool is closed a new pool works."""
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        pool = ap.Pool(0, backend="sim")
+        keep = pool.malloc(1 << 20)
+        acl.aclrtResetDevice(0)            # the pool's own reference: the context goes
+        acl.aclrtSetDevice(0)              # a new default context
+        try:
+            pool.malloc(3 << 20)
+            err = None
+        except ap.PoolError as e:
+            err = [type(e).__name__, str(e)]
+        ooms = pool.memory_stats()["num_ooms"]
+        pool.close()
+        fresh = ap.Pool(0, backend="sim")
+        fresh.free(fresh.malloc(4096))
+        fresh.close()
+        print(json.dumps({"err": err, "ooms": ooms}))
+    """)
+    kind, message = out["err"]
+    assert kind == "DeviceError", out
+    assert "is not a live context" in message, message
+    assert out["ooms"] == 0

@@ -88,14 +88,45 @@ def test_c_abi_free_with_a_garbage_stream_sets_the_error_and_still_frees():
     assert lib.ascend_pool_last_error_code() == 0
 
 
-def test_free_on_a_destroyed_stream_through_python_raises_but_frees(pool):
+def test_free_on_a_destroyed_stream_through_python_raises_and_frees_nothing(pool):
+    # An error means nothing happened: had the block been freed, a caller that retries would free
+    # whatever was allocated at that address meanwhile (another thread's block).
     s = pool.create_stream()
     t = pool.create_stream()
     p = pool.malloc(MiB, stream=t)
     pool.backend.stream_destroy(s)     # destroyed before the pool ever saw it
-    with pytest.raises(ap.InvalidStreamError):
+    with pytest.raises(ap.InvalidStreamError, match="stays allocated"):
         pool.free(p, stream=s)
+    assert pool.memory_stats()["allocation.all.current"] == 1
+    assert pool.block_info(p) is not None
+    pool._check_invariants()
+    other = pool.malloc(MiB, stream=t)
+    assert other != p                  # the address is still p's
+    pool.free(p)                       # the retry on its allocation stream frees p, not `other`
+    assert pool.block_info(other) is not None and pool.block_info(p) is None
+    pool.free(other)
     assert pool.memory_stats()["allocation.all.current"] == 0
     pool.destroy_stream(t)
+    pool.empty_cache()
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_empty_cache_after_a_stream_died_behind_the_pool_succeeds_and_empties(pool):
+    s = pool.create_stream()
+    pool.free(pool.malloc(3 * MiB, stream=s), stream=s)  # cached, tied to s
+    pool.backend.stream_destroy(s)                       # the framework destroys it, not the pool
+    pool.empty_cache()                                   # nothing failed: no error
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+    pool._check_invariants()
+
+
+def test_destroy_stream_of_a_stream_already_destroyed_is_an_invalid_stream_error_twice(pool):
+    s = pool.create_stream()
+    pool.free(pool.malloc(4096, stream=s), stream=s)
+    pool.backend.stream_destroy(s)
+    with pytest.raises(ap.InvalidStreamError, match="not usable"):
+        pool.destroy_stream(s)
+    with pytest.raises(ap.InvalidStreamError, match="not a live stream of this pool"):
+        pool.destroy_stream(s)  # forgotten by the first call (was: DeviceError from the runtime)
     pool.empty_cache()
     assert pool.memory_stats()["reserved_bytes.all.current"] == 0

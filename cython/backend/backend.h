@@ -159,6 +159,14 @@ struct ap_backend {
     void *impl; /* private: resolved symbols */
 };
 
+/* 1 when a device allocation failed with `code` because the device is out of memory (the pool
+   trims, retries, then raises OutOfMemoryError); any other code is a device fault, reported as
+   such (a context destroyed behind the pool is not an out-of-memory condition). */
+static inline int ap_backend_oom_code(const ap_backend *b, int code) {
+    if (b->kind == AP_BACKEND_CUDA) return code == 2; /* cudaErrorMemoryAllocation, CUDA_ERROR_OUT_OF_MEMORY */
+    return code == 207001 || code == 207018 || code == 200000; /* RT_MEMORY_ALLOCATION, RT_DEVICE_OOM, BAD_ALLOC */
+}
+
 /* Opens a backend. kind: "acl", "sim" or "cuda". path: library to dlopen, or NULL for the
    default search (acl: $ASCEND_POOL_ACL_LIB, standard CANN locations, then the loader path;
    sim: must be given; cuda: libcudart.so.* by the loader path). prefer_loaded != 0 says `path` is

@@ -165,17 +165,18 @@ APC_EXPORT void *ascend_pool_malloc(ssize_t size, int device, void *stream) {
     return out;
 }
 
-/* stream == NULL frees on the allocation stream (use_alloc_stream): see ascend_pool.h. */
+/* stream == NULL frees on the allocation stream; a stream the pool cannot order on frees there too,
+   with the error set (a void call that nobody retries must not leak): see ascend_pool.h. */
 APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stream) {
     ap_error err;
-    int use_alloc_stream = stream == NULL, rc = AP_E_INVALID_PTR;
+    int how = stream == NULL ? AP_FREE_ON_ALLOC_STREAM : AP_FREE_ON_STREAM_ELSE_ALLOC, rc = AP_E_INVALID_PTR;
     (void)size; /* the pool knows each block's size */
     if (!ptr || apc_forked("ascend_pool_free")) return;
     ap_pool *p = device >= 0 && device < AP_MAX_DEVICES ? ap_current_get(device) : NULL;
     err.message[0] = 0;
     if (__builtin_expect(p != NULL, 1)) {
         apc_note_frames(p);
-        rc = ap_pool_free(p, ptr, stream, use_alloc_stream, &err);
+        rc = ap_pool_free(p, ptr, stream, how, &err);
         if (__builtin_expect(rc == AP_OK, 1)) return;
         if (rc != AP_E_INVALID_PTR) {
             apc_fail(rc, "ascend_pool_free(%p, device %d): %s", ptr, device, err.message);
@@ -187,7 +188,7 @@ APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stre
     /* Not the current pool's: a block allocated while another context of this device was current. */
     pthread_mutex_lock(&apc_reg_lock);
     ap_pool *owner = apc_find_locked(device, ptr, 0, p);
-    if (owner) rc = ap_pool_free(owner, ptr, stream, use_alloc_stream, &err);
+    if (owner) rc = ap_pool_free(owner, ptr, stream, how, &err);
     pthread_mutex_unlock(&apc_reg_lock);
     if (owner && rc == AP_OK) return;
     if (owner || p)

@@ -276,9 +276,10 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
             }
         }
         if (!b) {
+            int fault = e->status == AP_E_DEVICE && e->device_code && !ap_backend_oom_code(p->backend, e->device_code);
             if (e->status == AP_E_QUOTA) p->stats.num_quota_exceeded++;
-            else p->stats.num_ooms++;
-            if (e->status == AP_OK || e->status == AP_E_DEVICE) e->status = AP_E_OOM;
+            else if (!fault) p->stats.num_ooms++;
+            if (e->status == AP_OK || (e->status == AP_E_DEVICE && !fault)) e->status = AP_E_OOM;
             if (e->status == AP_E_OOM || e->status == AP_E_LIMIT || e->status == AP_E_QUOTA) oom_message(p, size, slot, e);
             ap_history_add(&p->history, AP_ACT_OOM, 0, size, stream);
             pthread_mutex_unlock(&p->lock);
@@ -366,19 +367,31 @@ static void release_block(ap_pool *p, ap_block *b, int tag) {
     else ap_free_insert(p, b, tag); /* large blocks merge at once (free_cache.h says why) */
 }
 
-int ap_pool_free(ap_pool *p, void *ptr, void *stream, int use_alloc_stream, ap_error *err) {
+int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err) {
     pthread_mutex_lock(&p->lock);
-    int tag = use_alloc_stream ? 0 : ap_slot_of_fast(p, stream, 1);
-    ap_block *b = ap_map_take(&p->live, (uintptr_t)ptr); /* only allocated blocks are in the map */
-    if (!b) {
-        int rc = bad_pointer(p, ptr, err);
-        pthread_mutex_unlock(&p->lock);
-        return rc;
+    int tag = how == AP_FREE_ON_ALLOC_STREAM ? 0 : ap_slot_of_fast(p, stream, 1);
+    ap_block *b = ap_map_get(&p->live, (uintptr_t)ptr); /* only allocated blocks are in the map */
+    int rc = b ? AP_OK : bad_pointer(p, ptr, err);
+    if (b && tag < 0) {
+        /* A stream the pool cannot order on (destroyed, or not a stream). A caller that can retry
+           gets the error and the block stays allocated: had it been freed, a retry would free
+           whatever block was allocated at that address meanwhile. Else it is freed on the stream
+           it was allocated on, with the error set. */
+        rc = slot_error(p, tag, stream, err);
+        if (how == AP_FREE_ON_STREAM) {
+            if (err) {
+                size_t n = strlen(err->message);
+                snprintf(err->message + n, sizeof err->message - n,
+                         "; block 0x%lx stays allocated (free it on a live stream, or on its allocation stream)",
+                         (unsigned long)b->addr);
+            }
+            b = NULL;
+        }
     }
-    /* A stream the pool cannot order on: the block is still freed, on the stream it was
-       allocated on, and the caller learns why. */
-    int rc = tag < 0 ? slot_error(p, tag, stream, err) : AP_OK;
-    release_block(p, b, use_alloc_stream || tag < 0 ? b->tag : tag);
+    if (b) {
+        ap_map_take(&p->live, (uintptr_t)ptr);
+        release_block(p, b, how == AP_FREE_ON_ALLOC_STREAM || tag < 0 ? b->tag : tag);
+    }
     pthread_mutex_unlock(&p->lock);
     return rc;
 }
@@ -433,6 +446,9 @@ int ap_pool_empty_cache(ap_pool *p, ap_error *err) {
     for (int round = 0; round < 4; round++) {
         ap_error e = {0};
         int r = ap_wait_unlocked(p, -1, 1, &e);
+        /* A stream destroyed behind the pool's back has been settled (its blocks are anyone's):
+           nothing failed here, the cache still empties (PyTorch's empty_cache never raises). */
+        if (r == AP_E_INVALID_STREAM) r = AP_OK;
         if (r != AP_OK && rc == AP_OK) {
             rc = r;
             if (err) *err = e;
@@ -444,6 +460,7 @@ int ap_pool_empty_cache(ap_pool *p, ap_error *err) {
         if (!busy) break;
     }
     ap_release_free_segments(p, (size_t)-1, 1, 0, rc == AP_OK ? err : NULL);
+    if (!p->event_pins) ap_events_trim(p, 0); /* idle events go back too, as PyTorch's empty_cache */
     pthread_mutex_unlock(&p->lock);
     return rc;
 }

@@ -40,7 +40,7 @@
 #define AP_VMM_CHUNK_SHARE 32                /* ... and in a pool above 640 MiB, chunks of up to 1/32 of reserved */
 #define AP_CACHE_BINS 64   /* recent-free cache: bins by hashed size ... */
 #define AP_CACHE_DEPTH 4   /* ... of this many blocks each */
-#define AP_EVENT_CACHE_MAX 64 /* idle events kept per pool: far below any device's limit (1,023) */
+#define AP_EVENT_CACHE_MAX 64 /* idle events kept per device by all of a process's pools (stream_order.c) */
 
 /* Status codes of pool calls (ap_error.status). */
 enum {
@@ -218,8 +218,15 @@ void ap_pool_destroy(ap_pool *p);
 
 /* Allocates size bytes ordered on stream. */
 int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err);
-/* Frees ptr, ordered on stream (use_alloc_stream: the stream it was allocated on). */
-int ap_pool_free(ap_pool *p, void *ptr, void *stream, int use_alloc_stream, ap_error *err);
+/* How ap_pool_free orders a free: */
+enum {
+    AP_FREE_ON_STREAM = 0,       /* on `stream`; one the pool cannot order on is an error, nothing freed */
+    AP_FREE_ON_ALLOC_STREAM = 1, /* on the stream the block was allocated on (`stream` unused) */
+    AP_FREE_ON_STREAM_ELSE_ALLOC /* on `stream`, else on the allocation stream with the error set: for
+                                    callers that cannot retry (the C ABI's void free must not leak) */
+};
+/* Frees ptr, ordered as `how` says (AP_FREE_*). */
+int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err);
 /* Cached path only, for callers holding the GIL: never blocks on the lock, never calls the
    device. Returns AP_E_BUSY when the slow path is needed. */
 int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out);

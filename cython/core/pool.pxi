@@ -43,7 +43,7 @@ cdef extern from "pool.h" nogil:
     ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, ap_error *err)
     void ap_pool_destroy(ap_pool *p)
     int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err)
-    int ap_pool_free(ap_pool *p, void *ptr, void *stream, int use_alloc_stream, ap_error *err)
+    int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err)
     int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out)
     int ap_pool_try_free(ap_pool *p, void *ptr)
     int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err)
@@ -460,6 +460,8 @@ cdef class PoolBase:
         with nogil:
             rc = ap_pool_release_stream(_p, s, &err)
         self._leave()
+        if rc == AP_E_INVALID_STREAM:  # destroyed already (through the runtime): the pool forgot it
+            self._streams.discard(stream)
         if rc != AP_OK:
             _raise(&err, rc)
         self._streams.discard(stream)

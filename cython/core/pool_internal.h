@@ -171,8 +171,9 @@ void ap_event_put(ap_pool *p, void *event);
 /* The same for an event that waiting_stream waited on: reset first (CANN's rule). */
 void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream);
 void ap_events_destroy(ap_pool *p);
-/* Destroys idle events beyond the cache bound (kept while waits held pins). */
-void ap_events_trim(ap_pool *p);
+/* Destroys idle events until `keep` are left (the cache bound, after waits held pins; 0 on
+   empty_cache). */
+void ap_events_trim(ap_pool *p, int keep);
 /* 1 when code (from a stream call) says the runtime does not know the stream: destroyed behind
    the pool's back, garbage, or of another context. */
 int ap_stream_unusable(const ap_pool *p, int code);

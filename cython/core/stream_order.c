@@ -7,8 +7,10 @@
  * marked with record_stream wait on the pending list until events on every user stream complete.
  * Events come from a cache, so steady state creates none.
  */
+#include <stdatomic.h>
 #include <stdlib.h>
 
+#include "current.h" /* AP_MAX_DEVICES */
 #include "pool_internal.h"
 
 int ap_stream_unusable(const ap_pool *p, int code) {
@@ -86,8 +88,21 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
     return i;
 }
 
+/* Idle cached events of all of this process's pools, per device. Each pool keeps at most
+   event_cache_max idle events, and all pools of a device together at most AP_EVENT_CACHE_MAX:
+   a process with many tenant contexts on one device must not hold the device's few events
+   (1,023 on Atlas inference cards) idle while the framework needs some. */
+static atomic_int idle_events[AP_MAX_DEVICES];
+
+static atomic_int *idle_of(const ap_pool *p) {
+    return &idle_events[p->device >= 0 && p->device < AP_MAX_DEVICES ? p->device : 0];
+}
+
 void *ap_event_get(ap_pool *p) {
-    if (p->n_cached_events) return p->event_cache[--p->n_cached_events];
+    if (p->n_cached_events) {
+        atomic_fetch_sub(idle_of(p), 1);
+        return p->event_cache[--p->n_cached_events];
+    }
     void *ev = NULL;
     if (p->backend->event_create(p->backend, p->device, &ev) != 0) return NULL;
     p->stats.events_created++;
@@ -104,7 +119,8 @@ static void event_destroy(ap_pool *p, void *event) {
    few (1,023 on Atlas inference cards), so a burst of cross-stream frees must not keep them all.
    While a wait outside the lock holds handles (event_pins), none is destroyed. */
 void ap_event_put(ap_pool *p, void *event) {
-    if (p->n_cached_events >= p->event_cache_max && !p->event_pins) {
+    if ((p->n_cached_events >= p->event_cache_max || atomic_load(idle_of(p)) >= AP_EVENT_CACHE_MAX) &&
+        !p->event_pins) {
         event_destroy(p, event);
         return;
     }
@@ -119,6 +135,7 @@ void ap_event_put(ap_pool *p, void *event) {
         p->event_cache_cap = cap;
     }
     p->event_cache[p->n_cached_events++] = event;
+    atomic_fetch_add(idle_of(p), 1);
 }
 
 void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
@@ -131,12 +148,15 @@ void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
     ap_event_put(p, event);
 }
 
-void ap_events_trim(ap_pool *p) {
-    while (p->n_cached_events > p->event_cache_max) event_destroy(p, p->event_cache[--p->n_cached_events]);
+void ap_events_trim(ap_pool *p, int keep) {
+    while (p->n_cached_events > keep) {
+        event_destroy(p, p->event_cache[--p->n_cached_events]);
+        atomic_fetch_sub(idle_of(p), 1);
+    }
 }
 
 void ap_events_destroy(ap_pool *p) {
-    for (int i = 0; i < p->n_cached_events; i++) event_destroy(p, p->event_cache[i]);
+    ap_events_trim(p, 0);
     free(p->event_cache);
     p->event_cache = NULL;
     p->n_cached_events = p->event_cache_cap = 0;

@@ -55,7 +55,7 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
 
     pthread_mutex_lock(&p->lock);
     AP_ASSERT(p->event_pins > 0);
-    if (--p->event_pins == 0) ap_events_trim(p); /* what the pins kept beyond the cache bound */
+    if (--p->event_pins == 0) ap_events_trim(p, p->event_cache_max); /* what the pins kept beyond the cache bound */
     ap_cache_flush(p); /* blocks cached meanwhile enter the trees (and bump their slot's epoch) */
     for (int i = 0; i < n; i++) {
         ap_stream_slot *sl = &p->slots[items[i].slot];
