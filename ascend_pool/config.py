@@ -27,8 +27,13 @@ Knobs:
                                a list per size interval in MiB: "[256:4,512:2,>:1]"
 
 Every other key of torch_npu's PYTORCH_NPU_ALLOC_CONF (NPUAllocatorConfig and the common
-allocator config) is accepted, so a copied setting works; keys that mean nothing for this pool
-(base_addr_aligned_kb, segment_size_mb, pinned memory, lock and reclaim settings) warn once.
+allocator config) and of PyTorch's PYTORCH_CUDA_ALLOC_CONF (CUDAAllocatorConfig and
+AcceleratorAllocatorConfig) is accepted, so a copied setting works; keys that mean nothing for this
+pool (base_addr_aligned_kb, segment_size_mb, pinned memory, lock, graph-capture and reclaim
+settings) warn once. PyTorch's keys keep PyTorch's value rules (TORCH_KEY_RULES): True/False
+flags, backend native or cudaMallocAsync, pinned_num_register_threads a power of two up to 128,
+max_non_split_rounding_mb at least 20 (MiB), sizes in MiB positive; a value PyTorch refuses is a
+ConfigError here too.
 """
 
 import math
@@ -111,11 +116,58 @@ IGNORED_TORCH_NPU_KEYS = frozenset({
 _warned = set()
 
 
+def _torch_flag(key, value):
+    # PyTorch's ConfigTokenizer::toBool: True/False (and their lower-case spellings) only.
+    if isinstance(value, bool) or str(value).strip() in ("True", "False", "true", "false"):
+        return
+    raise ConfigError(f"{key}: expected True or False (as PyTorch), got {value!r}")
+
+
+def _torch_mib(least):
+    def check(key, value):
+        n = _number(key, value, int)
+        if n < least:
+            raise ConfigError(f"{key}: must be at least {least} (MiB, as PyTorch), got {value!r}")
+    return check
+
+
+def _torch_backend(key, value):
+    if str(value).strip() not in ("native", "cudaMallocAsync"):
+        raise ConfigError(f"{key}: PyTorch's allocator backend is native or cudaMallocAsync, got {value!r}")
+
+
+def _torch_threads(key, value):
+    n = _number(key, value, int)
+    if not _pow2(n) or n > 128:
+        raise ConfigError(f"{key}: must be a power of two from 1 to 128 (as PyTorch), got {value!r}")
+
+
+# Keys of PyTorch's CUDA allocator config (c10 CUDAAllocatorConfig and AcceleratorAllocatorConfig)
+# that mean nothing for this pool, each with PyTorch's rule for its value: checked, then ignored
+# with one warning. (Keys PyTorch shares with this pool, max_split_size_mb and the like, are knobs.)
+TORCH_KEY_RULES = {
+    "backend": _torch_backend,
+    "release_lock_on_cudamalloc": _torch_flag,
+    "release_lock_on_hipmalloc": _torch_flag,
+    "pinned_use_cuda_host_register": _torch_flag,
+    "pinned_use_hip_host_register": _torch_flag,
+    "pinned_use_background_threads": _torch_flag,
+    "graph_capture_record_stream_reuse": _torch_flag,
+    "pinned_free_catch_all": _torch_flag,
+    "throw_on_cudamalloc_oom": _torch_flag,
+    "pinned_num_register_threads": _torch_threads,
+    "pinned_reserve_segment_size_mb": _torch_mib(1),
+    "max_non_split_rounding_mb": _torch_mib(20),
+    "pinned_max_round_threshold_mb": _torch_mib(0),
+    "pinned_max_cached_size_mb": _torch_mib(0),
+}
+
+
 def _warn_ignored(key):
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(f"allocator knob {key!r} (a torch_npu setting) has no effect on ascend_pool; ignored",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"allocator knob {key!r} (a torch_npu or PyTorch setting) has no effect on ascend_pool; "
+                      "ignored", RuntimeWarning, stacklevel=3)
 
 
 ROUNDUP_INTERVALS = 16  # as PyTorch: [1, 2) MiB, [2, 4) MiB, ... the last one open
@@ -247,13 +299,16 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
             cfg["pad_bytes"] = n
         elif key == "roundup_power2_divisions":
             cfg["roundup_divisions"] = parse_roundup_divisions(value)
+        elif key in TORCH_KEY_RULES:
+            TORCH_KEY_RULES[key](key, value)
+            _warn_ignored(key)
         elif key in IGNORED_TORCH_NPU_KEYS:
             _warn_ignored(key)
         else:
             raise ConfigError(f"unknown allocator knob {key!r} (known: max_split_size_mb, "
                               "garbage_collection_threshold, reserve, record_history, page_size, "
                               "expandable_segments, release_policy, stream_reuse, memory_fraction, sync_timeout_ms, pad_bytes, "
-                              "roundup_power2_divisions, and torch_npu's keys)")
+                              "roundup_power2_divisions, and torch_npu's and PyTorch's allocator keys)")
     return cfg
 
 

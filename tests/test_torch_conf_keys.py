@@ -1,0 +1,71 @@
+"""PyTorch's allocator settings copied into ASCEND_POOL_CONF: every key PYTORCH_CUDA_ALLOC_CONF
+accepts is accepted here (a key meaningless for this pool warns once and is ignored), and a value
+PyTorch refuses for such a key is a ConfigError naming the key, as in PyTorch."""
+
+import warnings
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool import config
+from ascend_pool.config import knobs_to_config, parse_conf_string
+
+GiB = 1 << 30
+
+# A setting as a PyTorch user writes it (c10's AllocatorConfig tests and the CUDA docs' keys).
+TORCH_SETTING = ("max_split_size_mb:40,max_non_split_rounding_mb:30,garbage_collection_threshold:0.5,"
+                 "roundup_power2_divisions:[64:8,>:1],expandable_segments:False,backend:native,"
+                 "pinned_use_cuda_host_register:True,pinned_num_register_threads:8,"
+                 "pinned_use_background_threads:True,release_lock_on_cudamalloc:False,"
+                 "graph_capture_record_stream_reuse:True,pinned_reserve_segment_size_mb:64,"
+                 "per_process_memory_fraction:0.5")
+
+
+def cfg(text):
+    return knobs_to_config(parse_conf_string(text), 64 * GiB, 64 * GiB, "acl")
+
+
+def test_a_pytorch_cuda_alloc_conf_string_is_accepted(monkeypatch):
+    monkeypatch.setattr(config, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = cfg(TORCH_SETTING)
+    assert out["max_split_size"] == 40 << 20 and out["gc_threshold"] == 0.5 and out["limit_bytes"] == 32 * GiB
+    warned = " ".join(str(w.message) for w in caught)
+    for key in ("pinned_use_cuda_host_register", "pinned_num_register_threads", "graph_capture_record_stream_reuse",
+                "release_lock_on_cudamalloc", "backend"):
+        assert f"'{key}'" in warned and "no effect" in warned, key
+
+
+def test_each_meaningless_key_warns_once_per_process(monkeypatch):
+    monkeypatch.setattr(config, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg("pinned_use_cuda_host_register:True")
+        cfg("pinned_use_cuda_host_register:False")
+    assert [str(w.message).count("pinned_use_cuda_host_register") for w in caught] == [1]
+
+
+def test_a_pool_opens_with_pytorch_keys(monkeypatch):
+    monkeypatch.setenv("ASCEND_POOL_CONF", "pinned_use_cuda_host_register:True,throw_on_cudamalloc_oom:False")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pool = ap.Pool(0)
+    try:
+        pool.free(pool.malloc(4096))
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("text,named", [
+    ("pinned_use_background_threads:yes", "pinned_use_background_threads"),
+    ("release_lock_on_cudamalloc:1", "release_lock_on_cudamalloc"),
+    ("pinned_num_register_threads:3", "pinned_num_register_threads"),      # not a power of two
+    ("pinned_num_register_threads:256", "pinned_num_register_threads"),    # over PyTorch's 128
+    ("pinned_reserve_segment_size_mb:0", "pinned_reserve_segment_size_mb"),
+    ("max_non_split_rounding_mb:10", "max_non_split_rounding_mb"),         # below 20 MiB
+    ("backend:fastest", "backend"),
+])
+def test_values_pytorch_refuses_are_config_errors_naming_the_key(text, named):
+    with pytest.raises(ap.ConfigError, match=named):
+        cfg(text)
