@@ -33,22 +33,30 @@ from .errors import (
 )
 from .pool import Pool
 from .api import (
+    caching_allocator_alloc,
+    caching_allocator_delete,
     current_device,
     default_pool,
     dump_snapshot,
     empty_cache,
     free,
+    get_per_process_memory_fraction,
     malloc,
+    max_memory_allocated,
+    max_memory_reserved,
     memory_allocated,
     memory_reserved,
+    memory_snapshot,
     memory_stats,
     mem_get_info,
     memory_summary,
     record_memory_history,
     record_stream,
     reset_accumulated_memory_stats,
+    reset_peak_memory_stats,
     reset_peak_stats,
     set_device,
+    set_per_process_memory_fraction,
     snapshot,
 )
 

@@ -10,7 +10,7 @@ from . import current as _current
 from . import registry as _registry
 from ._core import set_default_pool_hook
 from .backend import open_backend
-from .errors import InvalidDeviceError
+from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, InvalidStreamError
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
 from .tenants.default import default_tenant_pool
@@ -135,15 +135,24 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
         _history = (enabled, stacks, max_entries)
 
 
+def _process_snapshot(device=None):
+    """The snapshot dump_snapshot writes: every device's default pool (or one device's)."""
+    if device is not None:
+        return default_pool(device).snapshot()
+    pools = _registry.default_pools() or [default_pool()]
+    return _merge_snapshots([p.snapshot() for p in pools])
+
+
 def dump_snapshot(path, device=None):
     """Writes the default pools' snapshot (every device's that was used, or one device's) as the
     pickle that `python -m torch.cuda._memory_viz` reads (PyTorch's _dump_snapshot)."""
-    if device is not None:
-        snap = default_pool(device).snapshot()
-    else:
-        pools = _registry.default_pools() or [default_pool()]
-        snap = _merge_snapshots([p.snapshot() for p in pools])
-    _dump_snapshot(snap, path)
+    _dump_snapshot(_process_snapshot(device), path)
+
+
+def memory_snapshot():
+    """torch.cuda.memory_snapshot(): the segments (list of dicts, sizes in bytes) of the snapshot
+    dump_snapshot() writes, every device's."""
+    return _process_snapshot()["segments"]
 
 
 def memory_allocated(device=None):
@@ -154,3 +163,69 @@ def memory_allocated(device=None):
 def memory_reserved(device=None):
     """Bytes currently held from the device."""
     return memory_stats(device)["reserved_bytes.all.current"]
+
+
+def max_memory_allocated(device=None):
+    """Peak bytes allocated (rounded block sizes) on the default pool of device since it opened
+    or since the last reset_peak_memory_stats(), as torch.cuda.max_memory_allocated()."""
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def max_memory_reserved(device=None):
+    """Peak bytes held from the device by the default pool of device since it opened or since
+    the last reset_peak_memory_stats(), as torch.cuda.max_memory_reserved()."""
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device=None):
+    """torch.cuda.reset_peak_memory_stats(): the same as reset_peak_stats(device)."""
+    reset_peak_stats(device)
+
+
+def caching_allocator_alloc(size, device=None, stream=None):
+    """torch.cuda.caching_allocator_alloc(): allocates size bytes on the default pool of device
+    (None: the current device), ordered on stream (an int stream handle; None: the default
+    stream). Returns the address (int); give it back with caching_allocator_delete(ptr)."""
+    if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool)):
+        raise InvalidStreamError(f"caching_allocator_alloc: stream must be None or an int stream handle, "
+                                 f"got {stream!r}")
+    return default_pool(device).malloc(size, stream)
+
+
+def caching_allocator_delete(ptr):
+    """torch.cuda.caching_allocator_delete(): frees ptr (from caching_allocator_alloc or malloc)
+    on the pool that made it, whatever the current device or context; InvalidPointerError when no
+    open pool of this process holds a live block at ptr."""
+    if not isinstance(ptr, int) or isinstance(ptr, bool):
+        raise InvalidPointerError(f"caching_allocator_delete: ptr must be an int address, got {ptr!r}")
+    mine = _current.top(current_device()) or _registry.default_pool(current_device())
+    for pool in ([mine] if mine is not None else []) + _registry.live_pools():
+        if not pool.closed and pool.block_info(ptr) is not None:
+            pool.free(ptr)
+            return
+    raise InvalidPointerError(f"caching_allocator_delete({ptr:#x}): not a live block of any open pool of this process")
+
+
+def set_per_process_memory_fraction(fraction, device=None):
+    """torch.cuda.set_per_process_memory_fraction(): caps the bytes the default pool of device
+    holds at fraction (a number in [0, 1]) of the device's total memory; past the cap an
+    allocation raises OutOfMemoryError. A cap below current use releases cached segments only
+    (live blocks stay). Same as ascend_pool_set_memory_fraction from C."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise ConfigError(f"set_per_process_memory_fraction: fraction must be a number in [0, 1], got {fraction!r}")
+    pool = default_pool(device)
+    total = pool.mem_get_info()[1]
+    pool.set_limit(int(fraction * total))
+    pool._memory_fraction = float(fraction)
+
+
+def get_per_process_memory_fraction(device=None):
+    """torch.cuda.get_per_process_memory_fraction(): the fraction of the device's total memory
+    the default pool of device may hold (set_per_process_memory_fraction or the memory_fraction
+    knob); 1.0 without a cap."""
+    pool = default_pool(device)
+    fraction = pool.__dict__.get("_memory_fraction")
+    if fraction is not None:
+        return fraction
+    limit = pool.config.get("limit_bytes")
+    return 1.0 if limit is None else limit / pool.mem_get_info()[1]

@@ -1,0 +1,77 @@
+"""torch.cuda's module-level memory functions, under their torch names, on the default pool of
+the current device: peaks, memory_snapshot, caching_allocator_alloc/delete and the per-process
+memory fraction."""
+
+import pytest
+
+import ascend_pool as ap
+
+MiB = 1 << 20
+
+
+def test_max_memory_allocated_and_reserved_follow_peaks_until_reset():
+    ap.reset_peak_memory_stats(0)
+    base = ap.max_memory_allocated(0)
+    a = ap.malloc(8 * MiB, device=0)
+    b = ap.malloc(4 * MiB, device=0)
+    peak = ap.max_memory_allocated(0)
+    assert peak >= base + 12 * MiB
+    assert ap.max_memory_reserved(0) >= ap.memory_reserved(0) >= 12 * MiB
+    ap.free(a, device=0)
+    assert ap.max_memory_allocated(0) == peak, "a peak stays after the free"
+    ap.reset_peak_memory_stats(0)
+    assert ap.max_memory_allocated(0) == ap.memory_allocated(0) < peak
+    assert ap.max_memory_reserved(0) == ap.memory_reserved(0)
+    ap.free(b, device=0)
+
+
+def test_memory_snapshot_is_the_list_of_segments():
+    ptr = ap.malloc(3 * MiB, device=0)
+    try:
+        segments = ap.memory_snapshot()
+        assert isinstance(segments, list)
+        blocks = [b for s in segments for b in s["blocks"] if b["address"] == ptr]
+        assert len(blocks) == 1 and blocks[0]["state"] == "active_allocated"
+        assert all({"device", "address", "total_size", "blocks"} <= set(s) for s in segments)
+    finally:
+        ap.free(ptr, device=0)
+
+
+def test_caching_allocator_alloc_and_delete_find_the_pool_that_made_the_block():
+    pool = ap.default_pool(0)
+    ctx = pool.context("torch-raw")
+    try:
+        with ctx:
+            ptr = ap.caching_allocator_alloc(1 * MiB, device=0)
+        assert ctx.memory_stats()["allocated_bytes.all.current"] >= 1 * MiB
+        ap.caching_allocator_delete(ptr)  # outside the context: found all the same
+        assert ctx.memory_stats()["allocated_bytes.all.current"] == 0
+        with pytest.raises(ap.InvalidPointerError, match="not a live block"):
+            ap.caching_allocator_delete(ptr)
+    finally:
+        ctx.close()
+    s = pool.create_stream()
+    ptr = ap.caching_allocator_alloc(4096, stream=s)
+    ap.caching_allocator_delete(ptr)
+    with pytest.raises(ap.InvalidStreamError, match="stream"):
+        ap.caching_allocator_alloc(4096, stream="side")
+
+
+def test_per_process_memory_fraction_caps_the_default_pool():
+    pool = ap.default_pool(0)
+    total = pool.mem_get_info()[1]
+    assert ap.get_per_process_memory_fraction(0) == 1.0
+    try:
+        ap.set_per_process_memory_fraction(0.25, 0)
+        assert ap.get_per_process_memory_fraction(0) == 0.25
+        with pytest.raises(ap.OutOfMemoryError):
+            ap.malloc(total // 4 + 64 * MiB, device=0)
+        ap.free(ap.malloc(16 * MiB, device=0), device=0)
+        for bad in (1.5, -0.1, "half", None):
+            with pytest.raises(ap.ConfigError, match="fraction"):
+                ap.set_per_process_memory_fraction(bad, 0)
+        assert ap.get_per_process_memory_fraction(0) == 0.25, "a refused value changes nothing"
+    finally:
+        ap.set_per_process_memory_fraction(1.0, 0)
+    assert ap.get_per_process_memory_fraction(0) == 1.0
+    ap.free(ap.malloc(total // 4 + 64 * MiB, device=0), device=0)
