@@ -10,6 +10,7 @@ from . import current as _current
 from . import registry as _registry
 from ._core import set_default_pool_hook
 from .backend import open_backend
+from .config import MAX_HISTORY_ENTRIES
 from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, InvalidStreamError
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
@@ -126,8 +127,12 @@ _history = None  # the last record_memory_history() settings: applied to default
 def record_memory_history(enabled=True, stacks="python", max_entries=100_000, device=None):
     """torch.cuda.memory._record_memory_history for the default pools: turns the event history
     (and with stacks="python" the Python frames of each allocation and free) on or off at runtime
-    on every device's default pool (device given: that one only); pools made later follow it."""
+    on every device's default pool (device given: that one only); pools made later follow it.
+    max_entries (events kept per pool) above config.MAX_HISTORY_ENTRIES (2**20: a ring of 48 MiB
+    of host memory, allocated up front) is clamped to it, so PyTorch's sys.maxsize works."""
     global _history
+    if isinstance(max_entries, int) and not isinstance(max_entries, bool):
+        max_entries = min(max_entries, MAX_HISTORY_ENTRIES)
     pools = [default_pool(device)] if device is not None else _registry.default_pools()
     for pool in pools:
         pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries)

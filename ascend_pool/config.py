@@ -49,6 +49,11 @@ ENV_VAR = "ASCEND_POOL_CONF"
 RELEASE_POLICIES = ("never", "under_peak", "budgeted")
 STREAM_REUSE = ("borrow", "tied")
 DEFAULT_HISTORY = 100_000
+# The most history entries record_memory_history keeps (ascend_pool.record_memory_history and the
+# patched torch.npu.memory._record_memory_history clamp larger requests, such as PyTorch's default
+# sys.maxsize, to it): the C ring is allocated up front at 48 bytes an entry, so this bounds it at
+# 48 MiB of host memory per pool.
+MAX_HISTORY_ENTRIES = 1 << 20
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

@@ -99,3 +99,63 @@ def test_init_hook_doc_says_frameworks_pass_the_device_count():
     init_doc = header[header.index("/* Prepares the C ABI."):header.index("void ascend_pool_init(int device);")]
     assert "torch_npu passes its current device" not in init_doc
     assert "device count" in init_doc and "torch_npu" in init_doc
+
+
+def test_patched_functions_refuse_other_device_types_as_torch(request):
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    torch = pytest.importorskip("torch")  # the real one (CPU build), before the fixture stands in for it
+    fake_torch_npu = request.getfixturevalue("fake_torch_npu")
+    npu = sys.modules["torch_npu.npu"]
+    ap_npu.patch_memory_functions(fake_torch_npu, npu)
+    for bad in (torch.device("cpu"), "cpu", "cuda:0", torch.device("meta"), 0.5):
+        with pytest.raises(ValueError):
+            npu.memory_stats(bad)
+        with pytest.raises(ValueError):
+            npu.reset_peak_memory_stats(bad)
+    with pytest.raises(ap.InvalidDeviceError, match="npu device"):
+        npu.memory_stats(torch.device("cpu"))
+    stand_in = types.SimpleNamespace(type="npu", index=0)  # torch.device("npu", 0) without torch_npu
+    assert npu.memory_stats(stand_in)["allocated_bytes.all.current"] == ap.memory_stats(0)["allocated_bytes.all.current"]
+
+
+def _alloc_here(n):
+    return ap.malloc(n, device=0)
+
+
+def test_record_memory_history_takes_torchs_signatures(fake_torch_npu):
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    npu = sys.modules["torch_npu.npu"]
+    ap_npu.patch_memory_functions(fake_torch_npu, npu)
+    try:
+        npu._record_memory_history("all", max_entries=sys.maxsize)  # torch's default: clamped, not a MemoryError
+        ap.free(_alloc_here(1000), device=0)
+        trace = npu._snapshot(0)["device_traces"][0]
+        assert [e["size"] for e in trace if e["action"] == "alloc"] == [1000]
+        npu._record_memory_history(None)
+        assert npu._snapshot(0)["device_traces"][0] == []
+
+        # torch's legacy form: a bool first, trace_alloc_* keywords
+        npu._record_memory_history(True, trace_alloc_max_entries=4, trace_alloc_record_context=True,
+                                   record_context_cpp=False)
+        for _ in range(5):
+            ap.free(_alloc_here(512), device=0)
+        trace = npu._snapshot(0)["device_traces"][0]
+        assert len(trace) == 4, "trace_alloc_max_entries bounds the ring"
+        allocs = [e for e in trace if e["action"] == "alloc"]
+        assert allocs and all(any(f["name"] == "_alloc_here" for f in e["frames"]) for e in allocs)
+        npu._record_memory_history(False)
+        assert npu._snapshot(0)["device_traces"][0] == []
+
+        npu._record_memory_history("all", context=None)  # no tracebacks
+        ap.free(_alloc_here(2048), device=0)
+        assert all(e["frames"] == [] for e in npu._snapshot(0)["device_traces"][0])
+        with pytest.raises(ap.ConfigError, match="enabled"):
+            npu._record_memory_history("everything")
+
+        ap.record_memory_history(True, max_entries=sys.maxsize)  # the module-level call clamps too
+        ap.free(_alloc_here(4096), device=0)
+        assert any(e["size"] == 4096 for e in ap.snapshot(0)["device_traces"][0])
+    finally:
+        ap.record_memory_history(enabled=None)

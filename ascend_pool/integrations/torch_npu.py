@@ -25,14 +25,19 @@ functions of torch_npu.npu.memory (and torch.npu) that would reach it: memory_st
 built on it (memory_allocated, memory_reserved, max_memory_allocated, memory_summary ...),
 reset_peak_memory_stats, reset_accumulated_memory_stats, memory_snapshot, _snapshot,
 _record_memory_history and _dump_snapshot answer from ascend_pool (PyTorch's schema), for the
-pool the calling thread allocates from. Without the patch (install(patch_stats=False)), call
+pool the calling thread allocates from. They take torch's arguments: a device as an int, "npu:N"
+or torch.device("npu", N) (another device type is a ValueError, as in torch), and
+_record_memory_history's current and legacy (bool first) signatures, max_entries=sys.maxsize
+clamped to config.MAX_HISTORY_ENTRIES. Without the patch (install(patch_stats=False)), call
 ascend_pool.memory_stats(device) and friends instead.
 """
 
 import importlib
+import sys
 
 from .. import api
 from ..capi import library_path
+from ..errors import ConfigError, InvalidDeviceError
 from ..snapshot import dump
 from ._common import require, set_hooks, use_backend
 
@@ -56,19 +61,60 @@ def build_allocator(memory):
 
 
 def _device_index(device):
-    """torch's device argument (None, int, "npu:1", torch.device) as an int (None: current)."""
+    """torch's device argument (None, int, "npu:1", torch.device) as an int (None: current).
+    Another device type ("cpu", torch.device("cuda")) or argument is an InvalidDeviceError, a
+    ValueError as torch's _get_device_index raises."""
     if device is None:
         return None
     if isinstance(device, int) and not isinstance(device, bool):
         return device
     if isinstance(device, str):  # "npu:1" ("npu": the current device)
-        index = int(device.rsplit(":", 1)[1]) if ":" in device else None
+        kind, _, index = device.partition(":")
+        try:
+            index = int(index) if index else None
+        except ValueError:
+            raise InvalidDeviceError(f"Invalid device string: {device!r}") from None
+    elif hasattr(device, "type"):
+        kind, index = device.type, getattr(device, "index", None)
     else:
-        index = getattr(device, "index", None)
+        raise InvalidDeviceError(f"Expected a torch.device with a specified index or an integer, but got: {device!r}")
+    if kind != "npu":
+        raise InvalidDeviceError(f"Expected a npu device, but got: {device}")
     if index is None:
         npu = getattr(importlib.import_module("torch_npu"), "npu", None)
         return npu.current_device() if npu is not None and hasattr(npu, "current_device") else None
     return index
+
+
+def _record_memory_history_impl(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None,
+                                clear_history=False, compile_context=False, global_record_annotations=False,
+                                skip_actions=None):
+    """torch's _record_memory_history(enabled, context, stacks, max_entries, ...): enabled None
+    stops the history, "state"/"all" records it; context None records no frames; stacks "python"
+    or "all" record Python frames (no C++ frames here); max_entries events per pool, clamped to
+    config.MAX_HISTORY_ENTRIES (torch's default sys.maxsize included). The other arguments are
+    accepted and ignored (the history covers every device's pools, as torch's)."""
+    if enabled not in (None, "state", "all"):
+        raise ConfigError(f"_record_memory_history: enabled must be None, 'state' or 'all', got {enabled!r}")
+    if context not in (None, "state", "alloc", "all"):
+        raise ConfigError(f"_record_memory_history: context must be None, 'state', 'alloc' or 'all', got {context!r}")
+    frames = context is not None and stacks not in (None, "none")
+    api.record_memory_history(enabled, stacks="python" if frames else None, max_entries=max_entries)
+
+
+def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,
+                                  trace_alloc_record_context=False, device=None, record_context_cpp=False,
+                                  clear_history=False, compile_context=False, global_record_annotations=False,
+                                  skip_actions=None):
+    """torch's legacy _record_memory_history(True|False, record_context, trace_alloc_max_entries,
+    trace_alloc_record_context, device, record_context_cpp, ...): False stops the history; frames
+    when record_context or trace_alloc_record_context (record_context_cpp adds no C++ frames
+    here); trace_alloc_max_entries events (at least 1, as torch; clamped as above)."""
+    frames = bool(record_context or trace_alloc_record_context)
+    n = trace_alloc_max_entries
+    if isinstance(n, int) and not isinstance(n, bool):
+        n = max(1, n)
+    api.record_memory_history(True if enabled else None, stacks="python" if frames else None, max_entries=n)
 
 
 def _replacements():
@@ -87,9 +133,11 @@ def _replacements():
     def memory_snapshot():
         return api.snapshot()["segments"]
 
-    def _record_memory_history(enabled="all", context="all", stacks="python", max_entries=100_000, device=None):
-        api.record_memory_history(enabled, stacks=None if stacks in (None, "none") else "python",
-                                  max_entries=max_entries)
+    def _record_memory_history(enabled="all", *args, **kwargs):
+        if isinstance(enabled, bool):  # torch's legacy form, as torch dispatches it
+            return _record_memory_history_legacy(enabled, *args, **kwargs)
+        return _record_memory_history_impl(enabled, *args, **kwargs)
+
 
     def _dump_snapshot(filename="dump_snapshot.pickle"):
         dump(api.snapshot(), filename)
