@@ -14,6 +14,7 @@ from .config import MAX_HISTORY_ENTRIES
 from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, InvalidStreamError
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
+from .tenants.context import Context, live_contexts
 from .tenants.default import default_tenant_pool
 
 _lock = threading.Lock()
@@ -124,33 +125,51 @@ def mem_get_info(device=None):
 _history = None  # the last record_memory_history() settings: applied to default pools made later
 
 
+def _process_pools(device=None):
+    """The pools the process-wide history and snapshot cover, as torch's cover every allocation
+    of the process: each device's default pool and every open tenant context (device given:
+    that device's), each once."""
+    pools = [default_pool(device)] if device is not None else (_registry.default_pools() or [default_pool()])
+    pools += live_contexts(device=device)
+    return list({id(p): p for p in pools}.values())
+
+
+def _follow_history(pool):
+    # A tenant context opened after record_memory_history() records as the default pools do.
+    if _history is not None and isinstance(pool, Context):
+        enabled, stacks, max_entries = _history
+        pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries)
+
+
+_registry.on_register(_follow_history)
+
+
 def record_memory_history(enabled=True, stacks="python", max_entries=100_000, device=None):
-    """torch.cuda.memory._record_memory_history for the default pools: turns the event history
-    (and with stacks="python" the Python frames of each allocation and free) on or off at runtime
-    on every device's default pool (device given: that one only); pools made later follow it.
-    max_entries (events kept per pool) above config.MAX_HISTORY_ENTRIES (2**20: a ring of 48 MiB
-    of host memory, allocated up front) is clamped to it, so PyTorch's sys.maxsize works."""
+    """torch.cuda.memory._record_memory_history for the process: turns the event history (and
+    with stacks="python" the Python frames of each allocation and free) on or off at runtime on
+    every device's default pool and every tenant context (device given: that device's only);
+    default pools and contexts made later follow it. max_entries (events kept per pool) above
+    config.MAX_HISTORY_ENTRIES (2**20: a ring of 48 MiB of host memory, allocated up front) is
+    clamped to it, so PyTorch's sys.maxsize works."""
     global _history
     if isinstance(max_entries, int) and not isinstance(max_entries, bool):
         max_entries = min(max_entries, MAX_HISTORY_ENTRIES)
-    pools = [default_pool(device)] if device is not None else _registry.default_pools()
-    for pool in pools:
+    pools = _process_pools(device) if device is not None else _registry.default_pools() + live_contexts()
+    for pool in {id(p): p for p in pools}.values():  # a tenant's default pool is a context too
         pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries)
     if device is None:
         _history = (enabled, stacks, max_entries)
 
 
 def _process_snapshot(device=None):
-    """The snapshot dump_snapshot writes: every device's default pool (or one device's)."""
-    if device is not None:
-        return default_pool(device).snapshot()
-    pools = _registry.default_pools() or [default_pool()]
-    return _merge_snapshots([p.snapshot() for p in pools])
+    """The snapshot dump_snapshot writes: _process_pools(device)'s, merged."""
+    return _merge_snapshots([p.snapshot() for p in _process_pools(device)])
 
 
 def dump_snapshot(path, device=None):
-    """Writes the default pools' snapshot (every device's that was used, or one device's) as the
-    pickle that `python -m torch.cuda._memory_viz` reads (PyTorch's _dump_snapshot)."""
+    """Writes the process's snapshot (every device's default pool that was used and every tenant
+    context, or one device's) as the pickle that `python -m torch.cuda._memory_viz` reads
+    (PyTorch's _dump_snapshot)."""
     _dump_snapshot(_process_snapshot(device), path)
 
 

@@ -49,7 +49,8 @@ def build(device, segments, history, knobs, frames=None):
 
 
 def merge(snapshots):
-    """One snapshot of several devices' (PyTorch's _snapshot() covers every device)."""
+    """One snapshot of several pools' (PyTorch's _snapshot() covers every device and every
+    allocation): segments side by side, each device's trace in time order."""
     out = {"segments": [], "device_traces": [], "allocator_settings": {}}
     for snap in snapshots:
         out["segments"] += snap["segments"]
@@ -59,6 +60,8 @@ def merge(snapshots):
         for dev, trace in enumerate(traces):
             out["device_traces"][dev] += trace
         out["allocator_settings"].update(snap["allocator_settings"])
+    for trace in out["device_traces"]:
+        trace.sort(key=lambda e: e["time_us"])  # stable: one pool's events keep their order
     return out
 
 

@@ -24,8 +24,10 @@ warns and returns nothing, which is undefined behaviour in C++). So install() re
 functions of torch_npu.npu.memory (and torch.npu) that would reach it: memory_stats and everything
 built on it (memory_allocated, memory_reserved, max_memory_allocated, memory_summary ...),
 reset_peak_memory_stats, reset_accumulated_memory_stats, memory_snapshot, _snapshot,
-_record_memory_history and _dump_snapshot answer from ascend_pool (PyTorch's schema), for the
-pool the calling thread allocates from. They take torch's arguments: a device as an int, "npu:N"
+_record_memory_history and _dump_snapshot answer from ascend_pool (PyTorch's schema): the stats
+and _snapshot for the pool the calling thread allocates from, and, as in torch, the history,
+memory_snapshot and _dump_snapshot for the whole process (every device's default pool and every
+tenant context; ascend_pool.record_memory_history, dump_snapshot). They take torch's arguments: a device as an int, "npu:N"
 or torch.device("npu", N) (another device type is a ValueError, as in torch), and
 _record_memory_history's current and legacy (bool first) signatures, max_entries=sys.maxsize
 clamped to config.MAX_HISTORY_ENTRIES. Without the patch (install(patch_stats=False)), call
@@ -38,7 +40,6 @@ import sys
 from .. import api
 from ..capi import library_path
 from ..errors import ConfigError, InvalidDeviceError
-from ..snapshot import dump
 from ._common import require, set_hooks, use_backend
 
 __all__ = ["install", "build_allocator", "patch_memory_functions", "HOOKS", "PATCHED"]
@@ -131,7 +132,7 @@ def _replacements():
         return api.snapshot(_device_index(device))
 
     def memory_snapshot():
-        return api.snapshot()["segments"]
+        return api.memory_snapshot()
 
     def _record_memory_history(enabled="all", *args, **kwargs):
         if isinstance(enabled, bool):  # torch's legacy form, as torch dispatches it
@@ -140,7 +141,7 @@ def _replacements():
 
 
     def _dump_snapshot(filename="dump_snapshot.pickle"):
-        dump(api.snapshot(), filename)
+        api.dump_snapshot(filename)
 
     return {"memory_stats": memory_stats, "reset_peak_memory_stats": reset_peak_memory_stats,
             "reset_accumulated_memory_stats": reset_accumulated_memory_stats, "_snapshot": _snapshot,
