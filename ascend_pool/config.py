@@ -239,17 +239,49 @@ def parse_conf_string(text, source=ENV_VAR):
     return out
 
 
+def max_split_bytes(value):
+    """The max_split_size_mb knob (MiB, more than 20) as bytes."""
+    mb = _number("max_split_size_mb", value)
+    if mb <= 20:
+        raise ConfigError(f"max_split_size_mb: must be more than 20 (MiB), got {value!r}")
+    if mb * 2**20 >= 2**63:
+        raise ConfigError(f"max_split_size_mb: {value!r} MiB is larger than any device")
+    return int(mb * 2**20)
+
+
+def _torch_flag_value(knobs, *keys):
+    return any(str(knobs[k]).strip() in ("True", "true") for k in keys if k in knobs)
+
+
+def allocator_settings(knobs):
+    """A snapshot's allocator_settings, as PyTorch's _snapshot() reports them, from a pool's
+    (checked) knobs: PyTorch's settings with their effective values, this pool's defaults where
+    a knob is not set (max_split_size in bytes, -1 for unlimited as PyTorch; garbage_collection_
+    threshold 0.0: off; expandable_segments; roundup_power2_divisions as {interval start in MiB:
+    divisions}, 0: no rounding; pinned_num_register_threads, release_lock_on_cudamalloc,
+    pinned_use_cuda_host_register, graph_capture_record_stream_reuse: PyTorch's settings this pool
+    ignores, as set), the knob string under ENV_VAR, and each knob set, under its own name."""
+    out = {str(k): str(v) for k, v in knobs.items()}
+    out[ENV_VAR] = ",".join(f"{k}:{v}" for k, v in knobs.items())
+    out["max_split_size"] = max_split_bytes(knobs["max_split_size_mb"]) if "max_split_size_mb" in knobs else -1
+    out["garbage_collection_threshold"] = float(knobs.get("garbage_collection_threshold", 0.0))
+    out["expandable_segments"] = _bool("expandable_segments", knobs.get("expandable_segments", False))
+    out["pinned_num_register_threads"] = int(knobs.get("pinned_num_register_threads", 1))
+    out["release_lock_on_cudamalloc"] = _torch_flag_value(knobs, "release_lock_on_cudamalloc", "release_lock_on_hipmalloc")
+    out["pinned_use_cuda_host_register"] = _torch_flag_value(knobs, "pinned_use_cuda_host_register",
+                                                             "pinned_use_hip_host_register")
+    out["graph_capture_record_stream_reuse"] = _torch_flag_value(knobs, "graph_capture_record_stream_reuse")
+    divisions = parse_roundup_divisions(knobs.get("roundup_power2_divisions", 0))
+    out["roundup_power2_divisions"] = {str(1 << i): n for i, n in enumerate(divisions)}
+    return out
+
+
 def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="acl"):
     """Turns knobs into the compiled pool's config fields (bytes and flags)."""
     cfg = {"pad_bytes": 32 if backend_kind == "acl" else 0}
     for key, value in knobs.items():
         if key == "max_split_size_mb":
-            mb = _number(key, value)
-            if mb <= 20:
-                raise ConfigError(f"max_split_size_mb: must be more than 20 (MiB), got {value!r}")
-            if mb * 2**20 >= 2**63:
-                raise ConfigError(f"max_split_size_mb: {value!r} MiB is larger than any device")
-            cfg["max_split_size"] = int(mb * 2**20)
+            cfg["max_split_size"] = max_split_bytes(value)
         elif key == "garbage_collection_threshold":
             t = _number(key, value)
             if not 0 < t < 1:

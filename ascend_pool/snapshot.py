@@ -3,6 +3,8 @@ stats|trace FILE.pickle` and the memory_viz web page read them."""
 
 import pickle
 
+from .config import allocator_settings
+
 _STATES = ("inactive", "active_allocated", "active_pending_free")
 _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot",
             "segment_map", "segment_unmap")
@@ -11,7 +13,8 @@ _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segme
 def build(device, segments, history, knobs, frames=None):
     """segments: [(base, size, pool, stream, [(addr, size, requested, state)], expandable)];
     history: [(action, addr, size, stream, time_us[, ctx])] oldest first; frames: {ctx: [frame
-    dicts]} recorded with stacks="python" (a live block gets the frames of its last alloc)."""
+    dicts]} recorded with stacks="python" (a live block gets the frames of its last alloc); knobs:
+    the pool's, whose effective values make allocator_settings (config.allocator_settings)."""
     frames = frames or {}
     history = [h if len(h) == 6 else (*h, 0) for h in history]
     alloc_frames = {addr: frames.get(ctx, []) for action, addr, _, _, _, ctx in history if action == 0}
@@ -44,7 +47,7 @@ def build(device, segments, history, knobs, frames=None):
     return {
         "segments": out_segments,
         "device_traces": [[] for _ in range(device)] + [trace],
-        "allocator_settings": {str(k): str(v) for k, v in knobs.items()},
+        "allocator_settings": allocator_settings(knobs),
     }
 
 
