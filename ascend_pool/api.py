@@ -248,8 +248,9 @@ def get_per_process_memory_fraction(device=None):
     the default pool of device may hold (set_per_process_memory_fraction or the memory_fraction
     knob); 1.0 without a cap."""
     pool = default_pool(device)
+    limit = pool.get_limit()  # whoever set it last: Python, the C ABI's hook, or the knobs
+    if limit is None:
+        return 1.0
+    total = pool.mem_get_info()[1]
     fraction = pool.__dict__.get("_memory_fraction")
-    if fraction is not None:
-        return fraction
-    limit = pool.config.get("limit_bytes")
-    return 1.0 if limit is None else limit / pool.mem_get_info()[1]
+    return fraction if fraction is not None and int(fraction * total) == limit else limit / total

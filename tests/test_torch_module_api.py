@@ -75,3 +75,22 @@ def test_per_process_memory_fraction_caps_the_default_pool():
         ap.set_per_process_memory_fraction(1.0, 0)
     assert ap.get_per_process_memory_fraction(0) == 1.0
     ap.free(ap.malloc(total // 4 + 64 * MiB, device=0), device=0)
+
+
+def test_the_fraction_set_through_the_c_hook_is_the_one_python_reads():
+    # torch_npu calls ascend_pool_set_memory_fraction; torch.npu.get_per_process_memory_fraction
+    # (patched to ours) must read that cap, not a value Python remembered.
+    import ctypes
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+    pool = ap.default_pool(0)
+    total = pool.mem_get_info()[1]
+    try:
+        ap.set_per_process_memory_fraction(0.25, 0)
+        lib.ascend_pool_set_memory_fraction(0.5, 0)
+        assert pool.get_limit() == int(0.5 * total)
+        assert abs(ap.get_per_process_memory_fraction(0) - 0.5) < 1e-9
+        pool.set_limit(None)
+        assert pool.get_limit() is None and ap.get_per_process_memory_fraction(0) == 1.0
+    finally:
+        pool.set_limit(None)

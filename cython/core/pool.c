@@ -516,6 +516,13 @@ void ap_pool_set_limit(ap_pool *p, size_t limit_bytes) {
     pthread_mutex_unlock(&p->lock);
 }
 
+size_t ap_pool_get_limit(ap_pool *p) {
+    pthread_mutex_lock(&p->lock);
+    size_t limit = p->cfg.limit_bytes;
+    pthread_mutex_unlock(&p->lock);
+    return limit;
+}
+
 void ap_pool_get_stats(ap_pool *p, ap_stats *out) {
     /* Reading must never change what the pool does next: no flushing here, only copies. */
     pthread_mutex_lock(&p->lock);

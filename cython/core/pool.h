@@ -248,6 +248,8 @@ void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook);
 size_t ap_pool_trim_to(ap_pool *p, size_t target);
 /* Changes the byte limit; a lower limit trims cache, never live blocks. */
 void ap_pool_set_limit(ap_pool *p, size_t limit_bytes);
+/* The cap ap_pool_set_limit (or the memory_fraction hook) set last: bytes, AP_NO_LIMIT for none. */
+size_t ap_pool_get_limit(ap_pool *p);
 /* Copies the counters (with fragmentation figures and device memory) under the lock. */
 void ap_pool_get_stats(ap_pool *p, ap_stats *out);
 void ap_pool_reset_peaks(ap_pool *p);

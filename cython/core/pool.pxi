@@ -51,6 +51,7 @@ cdef extern from "pool.h" nogil:
     int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err)
     int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err)
     void ap_pool_set_limit(ap_pool *p, size_t limit_bytes)
+    size_t ap_pool_get_limit(ap_pool *p)
     void ap_pool_reset_peaks(ap_pool *p)
     void ap_pool_hold_lock(ap_pool *p, double seconds)
     int ap_pool_check(ap_pool *p, char *msg, size_t len)
@@ -495,6 +496,17 @@ cdef class PoolBase:
         with nogil:
             ap_pool_set_limit(_p, limit)
         self._leave()
+
+    def get_limit(self):
+        """The cap on reserved bytes in force (set_limit, set_per_process_memory_fraction, the C
+        ABI's memory-fraction hook or the knobs), in bytes; None without one."""
+        self._check()
+        cdef size_t limit
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            limit = ap_pool_get_limit(_p)
+        self._leave()
+        return None if limit == AP_NO_LIMIT else limit
 
     def reset_peak_stats(self):
         """Resets every peak counter to its current value."""
