@@ -7,6 +7,7 @@ request body never read as the next request.
 """
 
 import logging
+import operator
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from .. import registry as reg
+from ..errors import ConfigError
 from .collector import PoolCollector
 from .node import BuildInfo, NodeLabelled
 
@@ -125,22 +127,45 @@ class MetricsHandler(BaseHTTPRequestHandler):
         log.debug("%s - %s", self.address_string(), format % args)
 
 
+PORT_MAX = 65535
+
+
+def check_address(addr, port, names=("addr", "port")):
+    """ConfigError naming the bad value unless addr is a host (str) and port an int 0..65535 (0
+    picks a free port); returns the port as an int. names: what the message calls them (the
+    CLI's --host and --port)."""
+    try:
+        number = None if isinstance(port, bool) else operator.index(port)  # int, numpy ints
+    except TypeError:
+        number = None
+    if number is None or not 0 <= number <= PORT_MAX:
+        raise ConfigError(f"{names[1]}: expected a port number, an int from 0 to {PORT_MAX} "
+                          f"(0 picks a free one), got {port!r}")
+    if not isinstance(addr, str) or "\0" in addr:
+        raise ConfigError(f"{names[0]}: expected a host name or IP address (str), got {addr!r}")
+    return number
+
+
 class MetricsServer(ThreadingHTTPServer):
     """ThreadingHTTPServer serving `registry` on (addr, port). port 0 picks a free port; see .port.
     health: a callable returning None when healthy, else the reason (a str) /healthz answers 503 with.
-    Raises OSError naming the address when it cannot listen (e.g. the port is in use)."""
+    Raises ConfigError naming a bad port or address (check_address; a host name that does not
+    resolve), OSError naming the address when it cannot listen (e.g. the port is in use)."""
 
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
 
     def __init__(self, address, registry, health=None):
+        address = (address[0], check_address(*address))
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.registry = registry
         self.health = health
         try:
             super().__init__(address, MetricsHandler)
+        except socket.gaierror as e:
+            raise ConfigError(f"cannot resolve the address {address[0]!r}: {e.strerror or e}") from None
         except OSError as e:
             raise OSError(e.errno, f"cannot listen on {address[0]} port {address[1]}: {e.strerror or e}") from None
 
@@ -173,7 +198,8 @@ def _backend_in_use():
 
 def start_http_server(port, addr="127.0.0.1", registry=None):
     """Serves this process's pools (or `registry`) on http://addr:port/metrics from a daemon thread.
-    Returns the MetricsServer (.port is the bound port, useful with port=0; .close() stops it)."""
+    Returns the MetricsServer (.port is the bound port, useful with port=0; .close() stops it).
+    A port that is not an int from 0 to 65535, or an addr that is not a host, raises ConfigError."""
     if registry is None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(PoolCollector())

@@ -1,0 +1,33 @@
+"""start_http_server(port, addr) refuses a port that is not an int from 0 to 65535 and an addr that
+is not a host with ascend_pool's ConfigError naming the value (before: a built-in OverflowError for
+99999, TypeError for 'abc'); the bad call leaves no socket behind, and port 0 still works."""
+
+import numpy as np
+import pytest
+
+from ascend_pool.errors import ConfigError
+from ascend_pool.metrics import start_http_server
+
+
+@pytest.mark.parametrize("port", [99999, 65536, -1, "abc", "9464", 1.5, None, True])
+def test_bad_port_is_a_config_error_naming_it(port):
+    with pytest.raises(ConfigError, match=r"^port: expected a port number, an int from 0 to 65535 .*got " +
+                       repr(port).replace(".", r"\.")):
+        start_http_server(port)
+
+
+@pytest.mark.parametrize("addr", [5, None, b"127.0.0.1", "127.0.0.1\0x"])
+def test_bad_addr_is_a_config_error_naming_it(addr):
+    with pytest.raises(ConfigError, match=r"^addr: expected a host name or IP address \(str\), got "):
+        start_http_server(0, addr)
+
+
+def test_unresolvable_host_is_a_config_error_and_good_ports_still_serve():
+    with pytest.raises(ConfigError, match="cannot resolve the address 'nosuch.invalid'"):
+        start_http_server(0, "nosuch.invalid")
+    for port in (0, np.int64(0)):
+        srv = start_http_server(port)
+        try:
+            assert 0 < srv.port <= 65535
+        finally:
+            srv.close()
