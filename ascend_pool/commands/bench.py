@@ -15,6 +15,17 @@ import sys
 from ..bench.run import SIM_FREE_LATENCY_US, SIM_MALLOC_LATENCY_US, run_bench
 from ..bench.table import summary_lines, to_markdown
 from ..config import parse_conf_string
+from . import option_checks as oc
+
+LATENCY_US = oc.Range(0, 10_000_000, what="a number of microseconds")
+RANGES = {
+    "--device": oc.DEVICE,
+    "--malloc-latency-us": LATENCY_US,
+    "--free-latency-us": LATENCY_US,
+    "--micro-runs": oc.Range(1, what="a count"),
+    "--micro-ms": oc.Range(0, 60_000.0, open_low=True, what="a finite number of milliseconds"),
+    "--variants": oc.Range(0, what="a count"),
+}
 
 
 def _clean(x):
@@ -62,6 +73,7 @@ def _command_line(args):
 
 
 def _cmd_bench(args):
+    oc.check(args, RANGES)
     json_to_stdout = args.json == "-"
     if args.progress is None:
         progress = args.json is None and sys.stderr.isatty()

@@ -11,13 +11,21 @@ import json
 import os
 import sys
 
+from ..errors import ConfigError
+from ..service import paths
 from ..service.scanner import StatsScanner
 from ..service.serve_args import group_ids
 from ..units import format_bytes
+from . import option_checks as oc
 
 
 def rows(directory=None, allow_uids=(), allow_gids=()):
-    """[{"pid", "pidns", "instance", "uid", "device", "tenant", "held_bytes", "allocated_bytes"}]."""
+    """[{"pid", "pidns", "instance", "uid", "device", "tenant", "held_bytes", "allocated_bytes"}].
+    directory: the stats directory (default paths.stats_dir()); ConfigError when it does not exist,
+    is not a directory or cannot be read (an empty list would hide the mistake)."""
+    reason = paths.unreadable_reason(directory or paths.stats_dir())
+    if reason is not None:
+        raise ConfigError(f"{reason} (--stats-dir or ${paths.ENV_DIR})")
     scanner = StatsScanner(None, allowed_uids=set(allow_uids) | {os.geteuid()}, remove_stale=False,
                            allowed_gids=allow_gids)
     if directory:
@@ -33,6 +41,7 @@ def rows(directory=None, allow_uids=(), allow_gids=()):
 
 
 def _cmd_ps(args):
+    oc.check(args, {"--allow-uid": oc.UID})
     table = rows(args.stats_dir, args.allow_uid, group_ids(args.allow_group))
     if args.json:
         print(json.dumps(table, indent=1))
@@ -50,7 +59,7 @@ def register(sub):
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON list of rows")
     p.add_argument("--stats-dir", default=None,
-                   help="the stats directory (default $ASCEND_POOL_STATS_DIR, else /dev/shm)")
+                   help="the stats directory, which must exist (default $ASCEND_POOL_STATS_DIR, else /dev/shm)")
     p.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                    help="also list processes of this uid (default: this user's only)")
     p.add_argument("--allow-group", action="append", default=[], metavar="GROUP",

@@ -8,6 +8,7 @@ from ..config import parse_conf_string
 from ..replay import replay
 from ..traces import resolve_trace, shipped_traces_dir
 from ..units import format_bytes
+from . import option_checks as oc
 
 REPLAY_KEYS = ("allocs", "frees", "seconds", "ops_per_second", "peak_live_bytes", "peak_reserved_bytes",
                "fragmentation_ratio", "reserved_to_live_ratio", "device_mallocs", "device_frees", "device_calls_steady",
@@ -15,6 +16,7 @@ REPLAY_KEYS = ("allocs", "frees", "seconds", "ops_per_second", "peak_live_bytes"
 
 
 def _cmd_replay(args):
+    oc.check(args, {"--device": oc.DEVICE})
     knobs = parse_conf_string(args.conf, "--conf") if args.conf else None
     r = replay(resolve_trace(args.trace), backend=args.backend, mode=args.mode, device=args.device, pool_knobs=knobs)
     if args.json:

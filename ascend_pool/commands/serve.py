@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..metrics.http import MetricsServer
+from ..metrics.http import MetricsServer, check_address
 from ..metrics.ledger import sweep_dead_processes
 from ..metrics.node import BuildInfo, NodeLabelled, node_name
 from ..service import paths
@@ -31,8 +31,17 @@ from ..service.serve_args import group_ids
 from ..tenants import load_config
 from ..tenants.ledger import ledger_group
 from ..traces import bundled_traces_dir, list_traces
+from . import option_checks as oc
 
 log = logging.getLogger("ascend_pool.service")
+
+RANGES = {
+    "--device": oc.DEVICE,
+    "--replay-pause": oc.Range(0, oc.DAY_S, what="a finite number of seconds"),
+    "--allow-uid": oc.UID,
+    # 0, negative or nan made the sweep thread spin at full CPU
+    "--sweep-interval": oc.Range(0, oc.DAY_S, open_low=True, what="a finite number of seconds"),
+}
 
 
 def _trace_paths(names):
@@ -58,24 +67,9 @@ def _tenants(config_path, device):
 DEMO_TENANTS = Path(__file__).resolve().parent.parent / "service" / "demo_tenants.toml"
 
 
-def _readable_dir(path):
-    """None when path is a directory this process can list, else the reason (naming the path)."""
-    if not os.path.exists(path):
-        return f"the stats directory {path} does not exist"
-    if not os.path.isdir(path):
-        return f"the stats directory {path} is not a directory"
-    try:
-        os.listdir(path)
-    except OSError as e:
-        return f"cannot read the stats directory {path}: {e.strerror or e}"
-    if not os.access(path, os.R_OK | os.X_OK):
-        return f"cannot read the stats directory {path}: permission denied"
-    return None
-
-
 def _health(stats_dir, loop):
     """The /healthz check: None, or why the service cannot do its job."""
-    reason = _readable_dir(stats_dir)
+    reason = paths.unreadable_reason(stats_dir)
     if reason is None and loop is not None:
         reason = loop.health()
     return reason
@@ -95,11 +89,13 @@ def _sweep_ledgers(stop, interval, uids=(), gids=()):
 def _cmd_serve(args):
     from prometheus_client import CollectorRegistry
 
+    check_address(args.host, args.port, names=("--host", "--port"))
+    oc.check(args, RANGES)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s ascend-pool serve: %(levelname)s %(message)s")
     if args.stats_dir:
         os.environ[paths.ENV_DIR] = args.stats_dir  # this process publishes where it reads
-    reason = _readable_dir(paths.stats_dir())
+    reason = paths.unreadable_reason(paths.stats_dir())
     if reason is not None:  # serving no pool metrics with only a warning hides the mistake
         raise ConfigError(f"{reason} (--stats-dir or ${paths.ENV_DIR})")
     if args.config is None and args.replay is not None:
@@ -166,14 +162,15 @@ def register(sub):
     p.add_argument("--config", type=Path, default=None,
                    help="tenants TOML file (as $ASCEND_POOL_CONFIG); --replay runs for each of its tenants")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=9464, help="port to listen on (default 9464; 0 picks a free one)")
+    p.add_argument("--port", type=int, default=9464, help="port to listen on, 0 to 65535 (default 9464; 0 picks a free one)")
     p.add_argument("--backend", choices=("acl", "sim", "cuda"), default=None,
                    help="device backend of --replay (default: $ASCEND_POOL_BACKEND, else acl if present, else sim)")
     p.add_argument("--replay", nargs="*", default=None, metavar="TRACE",
                    help="replay traces (.npz files or directories) in a loop; with no file, the bundled traces")
     p.add_argument("--device", type=int, default=0, help="device of --replay (default 0)")
     p.add_argument("--replay-pause", type=float, default=0.1, metavar="SECONDS",
-                   help="seconds each replay holds at its peak of live memory, a quarter of that between replays (default 0.1)")
+                   help="seconds each replay holds at its peak of live memory, a quarter of that between replays "
+                        "(0 to 86400, default 0.1)")
     p.add_argument("--stats-dir", default=None,
                    help="directory of the processes' stats files (default $ASCEND_POOL_STATS_DIR, else /dev/shm)")
     p.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
@@ -183,6 +180,6 @@ def register(sub):
                    help="also read the shared directory of this group (name or gid; "
                         "$ASCEND_POOL_LEDGER_GROUP is always read)")
     p.add_argument("--sweep-interval", type=float, default=5.0, metavar="SECONDS",
-                   help="how often dead processes' quota shares are given back (default 5)")
+                   help="how often dead processes' quota shares are given back (more than 0, at most 86400; default 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_cmd_serve)

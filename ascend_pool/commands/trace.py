@@ -4,9 +4,11 @@
 from ..snapshot_trace import convert
 from ..traces import peak_live_bytes
 from ..units import format_bytes
+from . import option_checks as oc
 
 
 def _cmd_convert(args):
+    oc.check(args, {"--device": oc.DEVICE})
     trace = convert(args.snapshot, args.out, device=args.device)
     print(f"{args.snapshot} -> {args.out}: {trace.n_allocs} allocs, {trace.n_frees} frees, "
           f"{len(trace.streams)} stream(s), peak live {format_bytes(peak_live_bytes(trace))}")

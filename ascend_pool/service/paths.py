@@ -45,3 +45,19 @@ def instance_of(name):
     """The instance id in a stats file's name, or None if the name is not one of ours."""
     m = NAME_RE.match(name)
     return int(m.group(1), 16) if m else None
+
+
+def unreadable_reason(path):
+    """None when path is a directory this process can list, else the reason (naming the path):
+    `serve` and `ps` refuse such a stats directory, /healthz reports it."""
+    if not os.path.exists(path):
+        return f"the stats directory {path} does not exist"
+    if not os.path.isdir(path):
+        return f"the stats directory {path} is not a directory"
+    try:
+        os.listdir(path)
+    except OSError as e:
+        return f"cannot read the stats directory {path}: {e.strerror or e}"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"cannot read the stats directory {path}: permission denied"
+    return None

@@ -1,0 +1,43 @@
+"""`ascend-pool ps` refuses a stats directory that does not exist or is not a directory, as `serve`
+does (one line, exit 2; before: an empty table and exit 0, which hid the mistake); an existing
+empty directory is an empty table (or `[]` with --json), exit 0."""
+
+import json
+
+import pytest
+
+from ascend_pool import cli
+from ascend_pool.commands import ps
+from ascend_pool.errors import ConfigError
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_ps_refuses_a_bad_stats_dir(tmp_path, capsys, kind, json_flag):
+    path = tmp_path / "nonexistent"
+    if kind == "file":
+        path.write_text("x")
+    assert cli.main(["ps", "--stats-dir", str(path), *json_flag]) == 2
+    out, err = capsys.readouterr()
+    why = "does not exist" if kind == "missing" else "is not a directory"
+    assert err == (f"ascend-pool ps: ConfigError: the stats directory {path} {why} "
+                   f"(--stats-dir or $ASCEND_POOL_STATS_DIR)\n")
+    assert out == ""  # nothing a script could take for an empty node
+
+
+def test_ps_refuses_a_bad_stats_dir_from_the_environment(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ASCEND_POOL_STATS_DIR", "/etc/passwd")
+    assert cli.main(["ps", "--json"]) == 2
+    assert "the stats directory /etc/passwd is not a directory" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="/etc/passwd is not a directory"):
+        ps.rows()
+
+
+def test_ps_of_an_empty_directory_is_an_empty_table_and_a_missing_one_an_error(tmp_path, capsys):
+    assert cli.main(["ps", "--json", "--stats-dir", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().out == ""
+    assert cli.main(["ps", "--stats-dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert out.split() == ["PID", "INSTANCE", "DEVICE", "TENANT", "HELD", "ALLOCATED"] and err == ""
+    assert cli.main(["ps", "--json", "--stats-dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out) == []
