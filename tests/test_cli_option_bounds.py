@@ -20,7 +20,8 @@ def test_boundaries_are_accepted():
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 0.0, -1.0, oc.DAY_S * 2])
 def test_sweep_interval_outside_its_range(value):
-    with pytest.raises(ConfigError, match=r"^--sweep-interval: expected a finite number of seconds > 0 and <= 86400, got "):
+    expected = r"^--sweep-interval: expected a finite number of seconds > 0 and <= 86400, got "
+    with pytest.raises(ConfigError, match=expected):
         oc.check(argparse.Namespace(sweep_interval=value, device=0, replay_pause=0.1, allow_uid=[]), serve.RANGES)
 
 
