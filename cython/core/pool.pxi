@@ -482,11 +482,23 @@ cdef class PoolBase:
         if rc != AP_OK:
             _raise(&err, rc)
 
-    def set_limit(self, limit_bytes):
-        """Caps reserved bytes (None: no cap). A limit below current use trims cache only."""
+    def set_limit(self, limit_bytes=None, *, size=None, fraction=None):
+        """Caps reserved bytes: limit_bytes in bytes, None for no cap. A limit below current use
+        trims cache only. CuPy's MemoryPool.set_limit forms too: size= bytes or fraction= of the
+        device's total memory (0..1), where 0 (or neither) means no cap; one form at a time."""
         self._check()
         cdef ap_pool *_p
         cdef size_t limit = AP_NO_LIMIT
+        if size is not None or fraction is not None:
+            if limit_bytes is not None or (size is not None and fraction is not None):
+                raise ConfigError("set_limit takes one of limit_bytes, size= and fraction=")
+            if fraction is not None:
+                if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+                    raise ConfigError(f"memory limit fraction must be a number in [0, 1], got {fraction!r}")
+                size = int(fraction * self.backend.mem_info(self.device)[1])
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ConfigError(f"memory limit size must be a byte count >= 0, got {size!r}")
+            limit_bytes = size or None  # CuPy: 0 is no limit
         if limit_bytes is not None:
             # bool is an int, but True bytes is a mistake; AP_NO_LIMIT itself is reserved for None
             if type(limit_bytes) is not int or not 0 <= limit_bytes < <size_t>AP_NO_LIMIT:
