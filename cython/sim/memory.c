@@ -39,7 +39,7 @@ int sim_charge(int dev, size_t bytes, const char *call)
         uint64_t used = sim_node_used(dev);
         return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
                         "out of device memory: device %d has %llu of %llu bytes in use on node '%s' "
-                        "(all processes), %zu more requested", dev, (unsigned long long)used,
+                        "(all processes of every user), %zu more requested", dev, (unsigned long long)used,
                         (unsigned long long)g_sim.cfg.hbm, g_sim.cfg.node, bytes);
     }
     return 0;

@@ -1,27 +1,62 @@
-/* Device capacity shared by the processes of a simulated node, as a real device's HBM is.
+/* Device capacity shared by the processes of a simulated node, as a real device's HBM is: by every
+ * process of every user.
  *
- * Each simulated device has a small record in shared memory: a file
+ * Each user keeps one small record per simulated device in shared memory: a file
  *     $ASCEND_SIM_SHM_DIR/ascendsim-<uid>-<node>-dev<N>      (default directory /dev/shm)
- * with one slot per attached process (lease id, pid as a label, bytes held). Device usage is the
- * sum of the slots, so two processes on device 0 together cannot exceed its HBM and each one's
- * aclrtGetMemInfo sees the others' allocations.
+ * with one slot per attached process of that user (lease id, pid as a label, bytes held). Device
+ * usage is the sum of the slots of every user's record of the node, so two processes on device 0
+ * together cannot exceed its HBM, whoever runs them, and each one's aclrtGetMemInfo sees the
+ * others' allocations.
+ *
+ * Squatting: the directory is writable by every local user, who may create any name in it first.
+ * A name that is not a regular file of this user (another user's file, a symbolic link, a
+ * directory...) is skipped for the next one, `...-dev<N>.1`, `.2`, ... (as ascend_pool's private
+ * directories are): a process uses the first name that holds a record of its user, looking up to
+ * NODE_LOOKAHEAD names past the first free one (so a squatted name removed later does not split
+ * the user's processes over two records), and creates the record at that first free name when
+ * it finds none. Squatting names can therefore never stop a user from using a device.
+ *
+ * Other users' records (foreign.c): read, never mapped (a mapping
+ * of a file its owner may truncate raises SIGBUS) and never locked (another user may hold a lock
+ * forever): each reserve preads them (file descriptors kept open, refreshed when the directory
+ * changes). A foreign record counts only when it is a regular file owned by the uid its name
+ * states, writable by that user alone, of the exact size, and describes this node, device and HBM
+ * total; a slot counts at most the device's total, a record at most the total. Its slots' owners
+ * are checked by their public leases (proc.c: sim_proc_foreign_alive) before a reserve is refused
+ * and by aclrtGetMemInfo. What a hostile user can do with its own record is claim bytes, which is
+ * what it could do by allocating them: a real device's memory is shared by all its users.
+ *
+ * Cross-user reserves are ordered without a shared lock: a process adds its bytes to its own slot
+ * first, then reads the others' records, and takes the bytes back if the sum is over the total.
+ * Of two processes reserving at once, at least one sees the other's bytes, so the device is never
+ * over-committed; both may refuse when only one of them fits (a caller's retry then succeeds).
  *
  * Crashes: a process killed with memory held leaves its slot behind. Whoever looks next (aclInit,
  * aclrtGetMemInfo, or a malloc that would otherwise fail) checks each slot's owner by its lease
  * (proc.c: a lock the kernel drops at death, in whatever pid namespace; never by pid, which may
- * name another process in another namespace); a slot whose lease is not held is reclaimed. The lock is a process-shared robust mutex: if its holder dies, the
- * next locker gets EOWNERDEAD and carries on, which is safe because every update of the record is
- * a single atomic store (the sum is recomputed, never cached).
+ * name another process in another namespace); a slot whose lease is not held is reclaimed by a
+ * process of its user, and skipped by other users' sums. The lock is a process-shared robust
+ * mutex: if its holder dies, the next locker gets EOWNERDEAD and carries on, which is safe because
+ * every update of the record is a single atomic store (the sum is recomputed, never cached).
  *
- * Trust: the file is created with owner-only permissions, fully initialised under a temporary
- * name and then link()ed into place, so nobody ever sees a half-written record (and two creators
- * racing cannot both win). Before use it is checked: regular file, owned by this user, mode 0600,
- * exact size, magic, version, layout, device index, node name and the same HBM total. A record
- * failing any check is refused with a message naming the file; it is never repaired or trusted.
+ * Trust: the file is created mode 0644 (its owner writes, every user of the node reads), fully
+ * initialised under a temporary name and then link()ed into place, so nobody ever sees a
+ * half-written record (and two creators racing cannot both win). Before use it is checked:
+ * regular file, owned by this user, writable by nobody else, exact size, magic, version, layout,
+ * device index, node name and the same HBM total. A record of this user failing any check is
+ * refused with a message naming the file; it is never repaired or trusted.
+ *
+ * Locks, in the order they nest: a record's robust mutex (this user's processes only; guards its
+ * slots' claims and reclaims) -> foreign_mu (foreign.c, process-local: the cache of other users'
+ * records) -> lease_mu (proc.c: the lease directory). None is ever taken inside a later one.
+ * Invariants: a slot's bytes never exceed the total; after a successful reserve, this user's sum
+ * plus every live foreign slot never exceeds the total.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -30,35 +65,7 @@
 #include <time.h>
 
 #include "sim_internal.h"
-
-#define NODE_MAGIC 0x314d495344435341ull /* "ASCDSIM1" */
-#define NODE_VERSION 2u /* 2: slots named by lease id */
-#define NODE_SLOTS 256
-#define NODE_LOCK_TIMEOUT_S 10           /* a lock held this long means a wedged peer */
-
-struct node_slot {
-    _Atomic int32_t pid;                 /* 0: free */
-    _Atomic uint32_t instance;           /* which loaded copy of the simulator in that process */
-    _Atomic uint64_t start_time;         /* the owner's lease id (proc.c), despite the name */
-    _Atomic uint64_t pidns;              /* the owner's pid namespace (inode): what pid is relative to */
-    _Atomic uint64_t proc_start;         /* /proc/PID/stat field 22 in that namespace */
-    _Atomic uint64_t bytes;
-};
-
-struct node_record {
-    uint64_t magic;
-    uint32_t version;
-    uint32_t record_size;
-    uint32_t owner_uid;
-    uint32_t nslots;
-    uint32_t device;
-    uint32_t reserved;
-    uint64_t total_bytes;
-    char node[SIM_NODE_NAME_MAX + 8];
-    pthread_mutex_t lock;                /* process-shared, robust */
-    _Atomic uint64_t recoveries;         /* times a dead holder's lock was recovered */
-    struct node_slot slots[NODE_SLOTS];
-};
+#include "node_record.h"
 
 struct node_local {
     struct node_record *_Atomic rec;     /* NULL when detached; mappings are never unmapped */
@@ -141,10 +148,12 @@ static int validate(int fd, const char *path, int dev, const struct sim_config *
         return sim_fail(ACL_ERROR_RT_NO_PERMISSION, call,
                         "node record %s is owned by uid %u, not by this user (uid %u); refusing a "
                         "record another user could write", path, (unsigned)st.st_uid, (unsigned)geteuid());
-    if (st.st_mode & 077)
+    if (st.st_mode & 022)
         return sim_fail(ACL_ERROR_RT_NO_PERMISSION, call,
-                        "node record %s has permissions %03o; only its owner may have access (0600), "
+                        "node record %s has permissions %03o; only its owner may write it (0644), "
                         "refusing it", path, (unsigned)(st.st_mode & 0777));
+    if ((st.st_mode & 0777) != 0644)
+        (void)fchmod(fd, 0644); /* a 0600 record of an earlier version: let other users count it */
     if (st.st_size != (off_t)sizeof(struct node_record))
         return sim_fail(ACL_ERROR_INVALID_FILE, call,
                         "node record %s is %lld bytes, expected %zu: malformed or from another "
@@ -198,12 +207,12 @@ static int create_record(const char *path, int dev, const struct sim_config *cfg
     /* Named by our lease id, not our pid: two processes of two pid namespaces may share a pid. */
     snprintf(tmp, sizeof tmp, "%s.tmp.%016llx.%u", path, (unsigned long long)sim_proc_self_id(),
              atomic_fetch_add(&seq, 1));
-    int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd < 0)
         return sim_fail(ACL_ERROR_INVALID_FILE, call, "cannot create node record %s: %s", tmp, strerror(errno));
     int rc = 0;
     struct node_record *r = MAP_FAILED;
-    if (fchmod(fd, 0600) != 0 || ftruncate(fd, sizeof *r) != 0)
+    if (fchmod(fd, 0644) != 0 || ftruncate(fd, sizeof *r) != 0)
         rc = errno;
     if (!rc) {
         r = mmap(NULL, sizeof *r, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -227,24 +236,64 @@ static int create_record(const char *path, int dev, const struct sim_config *cfg
     return 0;
 }
 
-static int open_record(const char *path, int dev, const struct sim_config *cfg,
+int sim_node_record_name(char *out, size_t len, unsigned uid, const char *node, int dev, int index)
+{
+    if (index == 0)
+        return snprintf(out, len, "ascendsim-%u-%s-dev%d", uid, node, dev);
+    return snprintf(out, len, "ascendsim-%u-%s-dev%d.%d", uid, node, dev, index);
+}
+
+static void record_path(char *out, size_t len, const struct sim_config *cfg, int dev, int index)
+{
+    char name[SIM_NODE_NAME_MAX + 64];
+    sim_node_record_name(name, sizeof name, (unsigned)geteuid(), cfg->node, dev, index);
+    snprintf(out, len, "%s/%s", cfg->shm_dir, name);
+}
+
+/* Finds this user's record of the device (see "Squatting" above), or creates it; its path goes to
+   `path` (len PATH_MAX + SIM_NODE_NAME_MAX + 64). */
+static int open_record(char *path, size_t len, int dev, const struct sim_config *cfg,
                        struct node_record **out, const char *call)
 {
     for (int attempt = 0; attempt < 5; attempt++) {
-        int fd = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
-        if (fd >= 0) {
-            int rc = validate(fd, path, dev, cfg, out, call);
+        int first_free = -1, taken = 0;
+        for (int i = 0; i < NODE_PROBES && (first_free < 0 || i <= first_free + NODE_LOOKAHEAD); i++) {
+            record_path(path, len, cfg, dev, i);
+            int fd = open(path, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+            if (fd < 0) {
+                if (errno == ENOENT) {
+                    if (first_free < 0)
+                        first_free = i;
+                    continue;
+                }
+                if (errno == ELOOP || errno == EACCES || errno == EPERM || errno == EISDIR ||
+                    errno == ENXIO || errno == ETXTBSY || errno == EOPNOTSUPP) {
+                    taken++; /* a symbolic link, someone else's file, a directory...: not ours */
+                    continue;
+                }
+                return sim_fail(ACL_ERROR_INVALID_FILE, call, "cannot open node record %s: %s", path,
+                                strerror(errno));
+            }
+            struct stat st;
+            if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
+                close(fd); /* a name another user (or something else) holds: skip it */
+                taken++;
+                continue;
+            }
+            int rc = validate(fd, path, dev, cfg, out, call); /* ours: use it, or refuse it */
             close(fd);
             return rc;
         }
-        if (errno != ENOENT)
-            return sim_fail(errno == ELOOP ? ACL_ERROR_RT_NO_PERMISSION : ACL_ERROR_INVALID_FILE, call,
-                            "cannot open node record %s: %s%s", path, strerror(errno),
-                            errno == ELOOP ? " (a symbolic link; refusing it)" : "");
+        if (first_free < 0)
+            return sim_fail(ACL_ERROR_RT_NO_PERMISSION, call,
+                            "no name for device %d's node record is free in %s: %d names "
+                            "ascendsim-%u-%s-dev%d[.N] are taken by others", dev, cfg->shm_dir, taken,
+                            (unsigned)geteuid(), cfg->node, dev);
+        record_path(path, len, cfg, dev, first_free);
         int rc = create_record(path, dev, cfg, out, call);
         if (rc != EEXIST)
             return rc;
-        /* Another process created it first: open and validate theirs. */
+        /* Another process (or a squatter) took the name first: look again. */
     }
     return sim_fail(ACL_ERROR_INVALID_FILE, call, "node record %s keeps appearing and vanishing", path);
 }
@@ -271,10 +320,8 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
 {
     struct node_local *l = &local[dev];
     sim_proc_use_dir(cfg->shm_dir); /* our lease, beside the records that name us by it */
-    snprintf(l->path, sizeof l->path, "%s/ascendsim-%u-%s-dev%d", cfg->shm_dir, (unsigned)geteuid(),
-             cfg->node, dev);
     struct node_record *r;
-    int rc = open_record(l->path, dev, cfg, &r, call);
+    int rc = open_record(l->path, sizeof l->path, dev, cfg, &r, call);
     if (rc)
         return rc;
     int32_t me = (int32_t)getpid();
@@ -340,16 +387,37 @@ int sim_node_reserve(int dev, uint64_t bytes)
     struct node_record *r = atomic_load(&l->rec);
     if (!r || lock_record(r) != 0)
         return -1;
+    uint64_t total = r->total_bytes;
+    if (bytes > total) {
+        pthread_mutex_unlock(&r->lock);
+        return 1;
+    }
     uint64_t used = sum_slots(r);
-    if (used + bytes > r->total_bytes) {
+    if (used + bytes > total) {
         /* Before refusing, take back what dead processes left behind. */
         reclaim_dead(r, l->slot);
         used = sum_slots(r);
     }
-    int rc = 1;
-    if (used + bytes <= r->total_bytes) {
-        atomic_fetch_add(&r->slots[l->slot].bytes, bytes);
-        rc = 0;
+    if (used + bytes > total) {
+        pthread_mutex_unlock(&r->lock);
+        return 1;
+    }
+    /* Claimed first (never past the total: a concurrent aclInit's validate() reads the slots),
+       then checked against the other users' (see "Cross-user reserves" above). */
+    _Atomic uint64_t *mine = &r->slots[l->slot].bytes;
+    atomic_fetch_add(mine, bytes);
+    used += bytes;
+    uint64_t foreign = sim_foreign_used(dev, &g_sim.cfg, 0, 0);
+    if (foreign > total - used) {
+        /* Before refusing, take back (or skip) what dead processes left behind. */
+        reclaim_dead(r, l->slot);
+        used = sum_slots(r);
+        foreign = sim_foreign_used(dev, &g_sim.cfg, 1, 1);
+    }
+    int rc = 0;
+    if (used > total || foreign > total - used) {
+        atomic_fetch_sub(mine, bytes);
+        rc = 1;
     }
     pthread_mutex_unlock(&r->lock);
     return rc;
@@ -375,16 +443,23 @@ uint64_t sim_node_used(int dev)
     struct node_record *r = atomic_load(&l->rec);
     if (!r)
         return 0;
-    if (lock_record(r) != 0)
-        return sum_slots(r);
-    reclaim_dead(r, l->slot);
-    uint64_t used = sum_slots(r);
-    pthread_mutex_unlock(&r->lock);
-    return used;
+    uint64_t used;
+    if (lock_record(r) != 0) {
+        used = sum_slots(r);
+    } else {
+        reclaim_dead(r, l->slot);
+        used = sum_slots(r);
+        pthread_mutex_unlock(&r->lock);
+    }
+    uint64_t total = r->total_bytes, foreign = sim_foreign_used(dev, &g_sim.cfg, 1, 0);
+    if (used > total)
+        used = total;
+    return foreign > total - used ? total : used + foreign;
 }
 
 void sim_node_reset(void)
 {
     for (int i = 0; i < SIM_MAX_DEVICES; i++)
         atomic_store(&local[i].rec, NULL); /* the parent's slots are not the child's */
+    sim_foreign_reset();
 }

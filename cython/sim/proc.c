@@ -5,6 +5,14 @@
  * which the kernel drops when the process dies, in whatever namespace (as ascend_pool/identity.py
  * does for the allocator's records). The pid stays in the records as a label.
  *
+ * Other users of the node count this process's device memory too (foreign.c), so it also holds a
+ * *public* lease, mode 0644, that they can test:
+ *     $ASCEND_SIM_SHM_DIR/ascendsim-alive-<uid>-<id as 16 hex digits>
+ * Two files, because a file another user can open is a file it can flock: after our death it could
+ * take the lock and make us look alive forever. Our own user's checks use only the 0600 lease, so
+ * another user can at worst keep our bytes counted in *its* view of the device (what it could do
+ * by allocating them); the public lease is trusted only when owned by the uid its name states.
+ *
  * The node-level process id (aclrtDeviceGetBareTgid): on a real node, the host's tgid of the
  * process, which inside a container differs from getpid(). The simulator gives each process one
  * derived from its lease id, always above the kernel's largest pid (2^22), so it never equals a
@@ -71,6 +79,7 @@ static _Atomic uint64_t lease_id;
 static char lease_dir[PATH_MAX];                /* where records are now: checks look here */
 static char held_dir[LEASE_DIRS][PATH_MAX];
 static int held_fd[LEASE_DIRS] = {-1, -1, -1, -1, -1, -1, -1, -1};
+static int held_pub_fd[LEASE_DIRS] = {-1, -1, -1, -1, -1, -1, -1, -1};
 static int lease_atfork;
 
 static void lease_after_fork_in_child(void)
@@ -81,7 +90,10 @@ static void lease_after_fork_in_child(void)
     for (int i = 0; i < LEASE_DIRS; i++) {
         if (held_fd[i] >= 0)
             close(held_fd[i]);
+        if (held_pub_fd[i] >= 0)
+            close(held_pub_fd[i]);
         held_fd[i] = -1;
+        held_pub_fd[i] = -1;
         held_dir[i][0] = 0;
     }
     atomic_store(&lease_id, 0);
@@ -90,6 +102,28 @@ static void lease_after_fork_in_child(void)
 static void lease_path(char *out, size_t len, const char *dir, uint64_t id)
 {
     snprintf(out, len, "%s/ascendsim-lease-%u-%016llx", dir, (unsigned)geteuid(), (unsigned long long)id);
+}
+
+static void public_lease_path(char *out, size_t len, const char *dir, unsigned uid, uint64_t id)
+{
+    snprintf(out, len, "%s/ascendsim-alive-%u-%016llx", dir, uid, (unsigned long long)id);
+}
+
+/* Creates `path` locked (LOCK_EX) with `mode`, under a temporary name first so that it never
+   appears unlocked. The descriptor, or -1. */
+static int create_locked(const char *path, mode_t mode)
+{
+    char tmp[PATH_MAX + 96];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
+    if (fd < 0)
+        return -1;
+    if (fchmod(fd, mode) != 0 || flock(fd, LOCK_EX | LOCK_NB) != 0 || link(tmp, path) != 0) {
+        close(fd);
+        fd = -1;
+    }
+    unlink(tmp);
+    return fd;
 }
 
 /* Holds our lease in lease_dir (lease_mu held). Without it (a read-only directory) others cannot
@@ -105,20 +139,17 @@ static void lease_hold_locked(uint64_t id)
     }
     if (free_i < 0 || !lease_dir[0])
         return;
-    char path[PATH_MAX + 64], tmp[PATH_MAX + 80];
+    char path[PATH_MAX + 64];
     lease_path(path, sizeof path, lease_dir, id);
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    int fd = create_locked(path, 0600);
     if (fd < 0)
         return;
-    /* Locked before it appears under its name: a checker never sees it unlocked. */
-    if (flock(fd, LOCK_EX | LOCK_NB) == 0 && link(tmp, path) == 0) {
-        held_fd[free_i] = fd;
-        snprintf(held_dir[free_i], PATH_MAX, "%s", lease_dir);
-    } else {
-        close(fd);
-    }
-    unlink(tmp);
+    held_fd[free_i] = fd;
+    snprintf(held_dir[free_i], PATH_MAX, "%s", lease_dir);
+    /* Without the public one (a squatted name, a full directory) other users count none of our
+       bytes: their view of the device is then too optimistic, never ours. */
+    public_lease_path(path, sizeof path, lease_dir, (unsigned)geteuid(), id);
+    held_pub_fd[free_i] = create_locked(path, 0644);
 }
 
 void sim_proc_use_dir(const char *dir)
@@ -174,8 +205,36 @@ int sim_proc_alive(int pid, uint64_t id)
     else
         rc = errno == EWOULDBLOCK ? 1 : -1;
     close(fd); /* also drops a lock we took */
-    if (rc == 0)
+    if (rc == 0) {
         unlink(path); /* ids are never reused: a dead lease is garbage */
+        pthread_mutex_lock(&lease_mu);
+        public_lease_path(path, sizeof path, lease_dir, (unsigned)geteuid(), id);
+        pthread_mutex_unlock(&lease_mu);
+        unlink(path); /* its public twin too (only if ours: the directory is sticky) */
+    }
+    return rc;
+}
+
+int sim_proc_foreign_alive(unsigned uid, uint64_t id)
+{
+    if (!id)
+        return 0;
+    char path[PATH_MAX + 64];
+    pthread_mutex_lock(&lease_mu);
+    public_lease_path(path, sizeof path, lease_dir, uid, id);
+    pthread_mutex_unlock(&lease_mu);
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return errno == ENOENT || errno == ELOOP ? 0 : -1;
+    struct stat st;
+    int rc;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != (uid_t)uid)
+        rc = 0; /* not that user's lease: a name someone else put there proves nothing */
+    else if (flock(fd, LOCK_SH | LOCK_NB) == 0)
+        rc = 0;
+    else
+        rc = errno == EWOULDBLOCK ? 1 : -1;
+    close(fd);
     return rc;
 }
 

@@ -10,6 +10,7 @@
  *   context.c  contexts, the thread's current device            device.c   aclInit/Finalize, devices
  *   faults.c   fault injection and latency                      control.c  ascendsim_* API
  *   vmm.c      virtual memory: reservations, physical handles, maps
+ *   foreign.c  other users' node records (node_record.h: the record's layout)
  *   ipc.c      sharing device memory between processes (aclrtIpcMem*)
  */
 #ifndef ASCEND_SIM_INTERNAL_H
@@ -108,6 +109,9 @@ void sim_proc_use_dir(const char *dir);
 uint64_t sim_proc_self_id(void);
 /* 1 alive (the lease of id is held), 0 dead, -1 cannot tell. pid is only a label. */
 int sim_proc_alive(int pid, uint64_t id);
+/* For another user's slot (foreign.c): 1 when the public lease of uid's process id is held, 0 when
+   it is not (or is no file of that uid), -1 cannot tell. Never removes anything. */
+int sim_proc_foreign_alive(unsigned uid, uint64_t id);
 /* The inode of this process's pid namespace (0 if unknown). */
 uint64_t sim_proc_pidns(void);
 /* As sim_proc_alive, and for an owner of *our* pid namespace (pidns equal, /proc ours) a pid that
@@ -116,7 +120,7 @@ int sim_proc_owner_alive(int pid, uint64_t id, uint64_t pidns, uint64_t start_ti
 /* The node-level process id aclrtDeviceGetBareTgid answers (never a getpid() value). */
 int32_t sim_proc_bare_tgid(void);
 
-/* ---- node.c: capacity shared by the processes of a simulated node ---- */
+/* ---- node.c: capacity shared by the processes (of every user) of a simulated node ---- */
 int sim_node_attach(int dev, const struct sim_config *cfg, const char *call);
 void sim_node_detach(int dev);
 /* Takes bytes from the device's node-wide capacity for this process: 0, or 1 when it would
@@ -128,7 +132,8 @@ void sim_node_release(int dev, uint64_t bytes);
    with the error set. sim_uncharge gives the bytes back. (memory.c) */
 int sim_charge(int dev, size_t bytes, const char *call);
 void sim_uncharge(int dev, size_t bytes);
-/* Bytes held on the device by every live process of the node (dead ones are reclaimed first). */
+/* Bytes held on the device by every live process of the node, this user's and other users' (this
+   user's dead ones are reclaimed first, other users' dead ones skipped). */
 uint64_t sim_node_used(int dev);
 void sim_node_reset(void); /* fork child */
 
