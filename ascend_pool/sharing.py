@@ -85,8 +85,8 @@ def node_pid(backend=None):
 
 class SharingError(PoolError, RuntimeError):
     """A sharing request cannot be served: the block is not shareable, the handle is no longer
-    shared (its exporter released it, closed its pool, or exited), or it belongs to another node or
-    backend. Runtime refusals (e.g. a pid the exporter did not allow: 207006) are DeviceErrors."""
+    shared (its exporter released it, closed its pool, or exited), or it belongs to another node,
+    backend or user (sharing is between processes of the exporting user). Runtime refusals (e.g. a pid the exporter did not allow: 207006) are DeviceErrors."""
 
 
 class NotShareableError(SharingError, InvalidPointerError):
@@ -108,6 +108,7 @@ class SharedHandle:
     nbytes: int         # bytes mapped: whole 2 MiB pages
     backend: str        # "acl", "sim" or "cuda": importers must use the same
     node: str           # the simulated node, or the host name: keys are valid on one node only
+    exporter_uid: int = None  # share records are per user: only this uid's processes can open it
 
 
 # ---- the node-wide record of one shared block --------------------------------------------------
@@ -336,7 +337,7 @@ def share(pool, ptr, read_only=False, pids=(), any_process=False):
                 raise
             ex.handle = SharedHandle(device=pool.device, size=ex.seg.size, key=key, read_only=bool(read_only),
                                      exporter_pid=os.getpid(), nbytes=ex.seg.segment_bytes, backend=be.name,
-                                     node=node)
+                                     node=node, exporter_uid=os.geteuid())
         if pids:
             ex.seg.set_pids(list(pids))
         return ex.handle
@@ -548,7 +549,7 @@ def open_shared(handle, pool=None):
     """Maps the shared block of `handle` into this process: a SharedBlock (use `with`, or close()).
     pool: the pool whose stats show the import as shared (default: the device's default pool); its
     reservation and quota are not charged. Raises SharingError when the block is no longer shared or
-    belongs to another node/backend, DeviceError with the runtime's code when the runtime refuses
+    belongs to another node/backend/user, DeviceError with the runtime's code when the runtime refuses
     (e.g. 207006: this pid was not allowed by the exporter), BackendUnavailableError (990004) in a
     process forked after its parent opened the runtime (start workers with 'spawn')."""
     if not isinstance(handle, SharedHandle):
@@ -564,13 +565,20 @@ def open_shared(handle, pool=None):
     if handle.node != _node(be.name):
         raise SharingError(f"the block was shared on node {handle.node!r}; this process is on {_node(be.name)!r}: "
                            "keys are valid on one node only")
+    owner = getattr(handle, "exporter_uid", None)  # None: a handle pickled by an earlier version
+    if owner is not None and owner != os.geteuid():
+        raise SharingError(f"key {handle.key!r} was shared by another user (uid {owner}); this process runs as uid "
+                           f"{os.geteuid()}: share records and the runtime's IPC keys belong to the exporting user "
+                           f"(any_process=True admits any process of that user, not other users), so open it "
+                           f"from a process of uid {owner}")
     path = _record_path(be.name, handle.key, handle.node)
     try:
         rec = _Record(path)
     except OSError as e:
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
             raise SharingError(f"key {handle.key!r} is no longer shared: its exporter (pid {handle.exporter_pid}) "
-                               "released it, closed its pool, or exited") from None
+                               "released it, closed its pool, or exited (or it was shared by another user: "
+                               "share records are per user)") from None
         raise
     mine = _me()
     me = mine[2]

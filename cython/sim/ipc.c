@@ -18,7 +18,8 @@
  *    inside one live aclrtMalloc allocation (VMM memory is exported with CANN's separate
  *    aclrtMemExportToShareableHandle, not simulated), not overlapping a range already exported;
  *  - keys are at most 64 characters ([A-Za-z0-9_-]) plus NUL, in a buffer of len >= 65; random,
- *    so knowing a key is the capability (the file is 0600: other users cannot import at all);
+ *    so knowing a key is the capability (the file is 0600: other users cannot import at all, and
+ *    an import of another user's key is refused with ACL_ERROR_RT_NO_PERMISSION naming its uid);
  *  - unless exported with ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION, only the pids the
  *    exporter listed with aclrtIpcMemSetImportPid (and the exporter itself) may import: others get
  *    ACL_ERROR_RT_NO_PERMISSION. A pid is remembered with its start time when it is alive at
@@ -197,6 +198,34 @@ static int key_ok(const char *key)
 static void record_path(char *out, size_t len, const char *key)
 {
     snprintf(out, len, "%s/ascendsim-%u-%s-ipc-%s", g_sim.cfg.shm_dir, (unsigned)geteuid(), g_sim.cfg.node, key);
+}
+
+/* The uid of another user whose record of `key` on this node exists (owned by the uid its name
+   states), or -1. Only to explain a refusal: never opened, at most 65536 entries looked at. */
+static long other_users_export(const char *key)
+{
+    DIR *d = opendir(g_sim.cfg.shm_dir);
+    if (!d)
+        return -1;
+    char tail[SIM_NODE_NAME_MAX + 96];
+    snprintf(tail, sizeof tail, "-%s-ipc-%s", g_sim.cfg.node, key);
+    long found = -1;
+    struct dirent *e;
+    for (int seen = 0; found < 0 && seen < 65536 && (e = readdir(d)); seen++) {
+        const char *p = e->d_name;
+        if (strncmp(p, "ascendsim-", 10) != 0 || p[10] < '0' || p[10] > '9')
+            continue;
+        char *end;
+        unsigned long uid = strtoul(p + 10, &end, 10);
+        struct stat st;
+        if (strcmp(end, tail) != 0 || uid == (unsigned long)geteuid() || uid > 0xffffffffUL ||
+            fstatat(dirfd(d), p, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
+            (unsigned long)st.st_uid != uid)
+            continue;
+        found = (long)uid;
+    }
+    closedir(d);
+    return found;
 }
 
 /* 1 when the exporter no longer shares the memory: it closed the key, or it is gone. */
@@ -678,7 +707,14 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
     if (fd < 0) {
         int err = errno;
         pthread_mutex_unlock(&ipc_mu);
-        if (err == ENOENT)
+        long owner = err == ENOENT ? other_users_export(key) : -1;
+        if (owner >= 0)
+            rc = sim_fail(ACL_ERROR_RT_NO_PERMISSION, call,
+                          "key '%s' was exported by another user (uid %ld) of node '%s'; this process runs "
+                          "as uid %u, and the simulator's IPC keys are per user (the exporter's record "
+                          "is 0600): import it from a process of uid %ld", key, owner, g_sim.cfg.node,
+                          (unsigned)geteuid(), owner);
+        else if (err == ENOENT)
             rc = sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                           "no memory is exported with key '%s' on node '%s' (never exported, closed by its "
                           "exporter, or exported on another node)", key, g_sim.cfg.node);
