@@ -37,6 +37,8 @@ CORE_TESTS=(
     tests/test_sim_ipc.py tests/test_sim_memory.py tests/test_sim_streams.py tests/test_snapshot_torch.py tests/test_stream_order.py
     tests/test_pool_sizes.py tests/test_pool_locking.py tests/test_stream_lifecycle.py tests/test_events_cann.py
     tests/test_stress_threads.py tests/test_vmm_policy_bounds.py
+    tests/test_stats_oversize.py tests/test_pool_lifecycle.py tests/test_sim_node.py tests/test_sim_node_users.py
+    tests/test_sharing_users.py
 )
 
 start=$(date +%s)
