@@ -3,7 +3,8 @@ tests/test_sharing_users.py): root plus `nobody`, through runuser, sharing one 1
 /dev/shm is shared. Needs root and runuser (CI runs as root); tests skip otherwise.
 
 The installed packages may live where `nobody` cannot read (root's pyenv under /root), so the
-children import a copy of them made readable to every user (as tests/test_containers.py does)."""
+children import a copy of them made readable to every user (readable_site, which
+tests/test_containers.py uses too)."""
 import importlib.util
 import os
 import shutil
@@ -22,7 +23,10 @@ SKIP = ("runuser is not installed" if shutil.which("runuser") is None else
 PRELUDE = "import json, os, sys, threading, time\nimport ctypes as C\nfrom sim_child import *\n"
 
 
-def _readable_site(root):
+def readable_site(root):
+    """A copy, readable by every user, of the installed packages a worker needs (ascend_pool and
+    what it imports, and sim_child.py): the installed ones may live under a home directory other
+    users cannot enter (root's pyenv: /root is 0700), as on CI."""
     site = os.path.join(root, "site")
     os.mkdir(site)
     for name in ("ascend_pool", "numpy", "prometheus_client"):
@@ -48,7 +52,7 @@ class Node:
         os.mkdir(self.shm)
         os.chmod(self.shm, 0o1777)
         self.name = "u" + uuid.uuid4().hex[:12]
-        self.site = _readable_site(root)
+        self.site = readable_site(root)
         self.exe = None
         for exe in (sys.executable, f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
             r = subprocess.run(self._argv(OTHER, exe, "import ascend_pool._core"), env=self.env(),

@@ -28,6 +28,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import metrics_scrape  # noqa: E402
 from metrics_scrape import scrape, series  # noqa: E402
+from other_user import readable_site  # noqa: E402
 
 import ascend_pool as ap
 
@@ -320,25 +321,6 @@ def test_weight_sharing_with_exporter_and_workers_in_separate_pid_namespaces(nod
 TENANT_USER, SQUATTER = "daemon", "nobody"
 
 
-def _readable_site(root):
-    """A copy, readable by every user, of the installed packages a worker needs (ascend_pool and
-    what it imports). The installed ones may live under a home directory other users cannot enter
-    (root's pyenv: /root is 0700), as on CI."""
-    import importlib.util
-
-    site = os.path.join(root, "site")
-    os.mkdir(site)
-    for name in ("ascend_pool", "numpy", "prometheus_client"):
-        src = os.path.dirname(importlib.util.find_spec(name).origin)
-        shutil.copytree(src, os.path.join(site, name), ignore=shutil.ignore_patterns("tests", "__pycache__"))
-        libs = src + ".libs"  # a manylinux wheel's bundled shared libraries (numpy.libs)
-        if os.path.isdir(libs):
-            shutil.copytree(libs, os.path.join(site, os.path.basename(libs)))
-    for dirpath, dirnames, filenames in os.walk(site):
-        os.chmod(dirpath, 0o755)
-    return site
-
-
 def _python_for(user, env):
     """An interpreter `user` may run that imports ascend_pool from env's PYTHONPATH: ours, else the
     system's of the same version (ours may live under a home directory other users cannot enter).
@@ -389,7 +371,7 @@ def test_another_user_can_neither_block_a_tenant_nor_slow_the_service():
         uid = pwd.getpwnam(TENANT_USER).pw_uid
         env = dict(os.environ, ASCEND_POOL_LEDGER_DIR=base, ASCEND_POOL_STATS_DIR=base, ASCEND_SIM_SHM_DIR=simdir,
                    ASCEND_SIM_NODE=f"h{uuid.uuid4().hex[:10]}", ASCEND_POOL_BACKEND="sim", ASCEND_POOL_STATS="1",
-                   ASCEND_POOL_STATS_INTERVAL="0.1", PYTHONSAFEPATH="1", PYTHONPATH=_readable_site(root), HOME=root)
+                   ASCEND_POOL_STATS_INTERVAL="0.1", PYTHONSAFEPATH="1", PYTHONPATH=readable_site(root), HOME=root)
         for k in ("ASCEND_POOL_CONFIG", "ASCEND_POOL_TENANT", "ASCEND_POOL_LEDGER_GROUP"):
             env.pop(k, None)
         exe = _python_for(TENANT_USER, env)
