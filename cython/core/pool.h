@@ -8,6 +8,10 @@
  *   backend          its own locking (the runtime is thread-safe); per-thread current device.
  *   the GIL          never taken by C code; every Python method that takes ap_pool.lock releases
  *                    the GIL first (pool.pxi), so a waiter on the mutex never stops the interpreter.
+ *                    (The C ABI calls into Python before taking any pool lock, and only for a thread
+ *                    that already holds the GIL: stack frames, capi/exports.h apc_note_frames.)
+ *   idle_events      (stream_order.c) idle cached events per device of all the process's pools:
+ *                    an atomic counter, read and updated under each pool's own lock, no lock of its own.
  * Never done while holding ap_pool.lock:
  *   - a device or event wait (stream_sync, event_sync) or any runtime call that can block on
  *     queued work: waits run in waits.c with the lock dropped (take the work out, wait, retake
