@@ -11,7 +11,7 @@ from . import registry as _registry
 from ._core import set_default_pool_hook
 from .backend import open_backend
 from .config import MAX_HISTORY_ENTRIES
-from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, InvalidStreamError
+from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
 from .tenants.context import Context, live_contexts
@@ -134,6 +134,19 @@ def _process_pools(device=None):
     return list({id(p): p for p in pools}.values())
 
 
+def _on_each_open(pools, call):
+    """[call(pool) for each pool], skipping the pools another thread closes meanwhile (a tenant
+    context's `with` block ending while the process-wide history or snapshot runs)."""
+    out = []
+    for pool in pools:
+        try:
+            out.append(call(pool))
+        except PoolError:
+            if not pool.closed:
+                raise
+    return out
+
+
 def _follow_history(pool):
     # A tenant context opened after record_memory_history() records as the default pools do.
     if _history is not None and isinstance(pool, Context):
@@ -155,15 +168,15 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
     if isinstance(max_entries, int) and not isinstance(max_entries, bool):
         max_entries = min(max_entries, MAX_HISTORY_ENTRIES)
     pools = _process_pools(device) if device is not None else _registry.default_pools() + live_contexts()
-    for pool in {id(p): p for p in pools}.values():  # a tenant's default pool is a context too
-        pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries)
+    _on_each_open({id(p): p for p in pools}.values(),  # a tenant's default pool is a context too
+                  lambda pool: pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries))
     if device is None:
         _history = (enabled, stacks, max_entries)
 
 
 def _process_snapshot(device=None):
     """The snapshot dump_snapshot writes: _process_pools(device)'s, merged."""
-    return _merge_snapshots([p.snapshot() for p in _process_pools(device)])
+    return _merge_snapshots(_on_each_open(_process_pools(device), lambda pool: pool.snapshot()))
 
 
 def dump_snapshot(path, device=None):

@@ -4,6 +4,8 @@ made later, and dump_snapshot / memory_snapshot include their segments and event
 
 import pickle
 
+import pytest
+
 import ascend_pool as ap
 
 
@@ -48,3 +50,23 @@ def test_history_and_dump_snapshot_cover_tenant_contexts(tmp_path):
     finally:
         ap.record_memory_history(enabled=None)
         before.close()
+
+
+def test_a_context_closed_by_another_thread_meanwhile_is_skipped(tmp_path, monkeypatch):
+    # The process-wide calls list the open contexts, then call each; a context whose `with` block
+    # ends on another thread in between must not fail them (found by a threaded stress run).
+    import ascend_pool.api as api
+    pool = ap.default_pool(0)
+    gone = pool.context("hist-gone")
+    gone.close()
+    listed = api.live_contexts
+    monkeypatch.setattr(api, "live_contexts", lambda device=None: listed(device=device) + [gone])
+    try:
+        ap.record_memory_history(True, stacks="python", max_entries=1000)
+        ap.dump_snapshot(str(tmp_path / "snap.pickle"))
+        assert pickle.loads((tmp_path / "snap.pickle").read_bytes())["segments"] is not None
+        assert ap.memory_snapshot() is not None
+    finally:
+        ap.record_memory_history(enabled=None)
+    with pytest.raises(ap.PoolError, match="closed"):
+        gone.record_memory_history(True)  # the pool itself still says it is closed
