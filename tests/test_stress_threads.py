@@ -126,3 +126,77 @@ def test_threads_on_two_devices_leave_everything_as_they_found_it(sim_node):
     assert c["record"] > 10 and c["sync"] > 10 and c["empty"] > 2 and c["verified"] > 10, c
     for d, e in out["end"].items():
         assert e == {"allocated": 0, "reserved": 0, "pending": 0, "node_bytes": 0, "live_events": 0}, (d, e)
+
+
+FRAMES_CHILD = """
+import random
+import ascend_pool as ap
+
+held = C.PyDLL(ap.library_path())    # calls with the GIL held, as a framework's Python op does
+released = C.CDLL(ap.library_path())  # and with it released
+for lib in (held, released):
+    lib.ascend_pool_malloc.restype = C.c_void_p
+    lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, C.c_void_p]
+    lib.ascend_pool_free.argtypes = [C.c_void_p, C.c_ssize_t, C.c_int, C.c_void_p]
+pools = [ap.default_pool(d) for d in (0, 1)]
+stop = time.monotonic() + 2.5
+errors, counts = [], {"c_abi": 0, "contexts": 0, "toggles": 0}
+
+def c_abi(lib, d, k):
+    rnd = random.Random(k)
+    try:
+        while time.monotonic() < stop:
+            ptrs = [lib.ascend_pool_malloc(rnd.choice([512, 4096, 3 << 20]), d, None) for _ in range(10)]
+            if not all(ptrs):
+                errors.append("malloc failed: " + (held.ascend_pool_last_error() or b"").decode())
+            for p in ptrs:
+                lib.ascend_pool_free(p, 0, d, None)
+            counts["c_abi"] += 1
+    except Exception as e:
+        errors.append(repr(e))
+
+def contexts():                       # tenant contexts opened and closed meanwhile
+    try:
+        i = 0
+        while time.monotonic() < stop:
+            c = pools[0].context(f"stress-{i % 3}")
+            with c:
+                for p in [held.ascend_pool_malloc(4096, 0, None) for _ in range(5)]:
+                    held.ascend_pool_free(p, 0, 0, None)
+            c.close()
+            i += 1
+            counts["contexts"] += 1
+    except Exception as e:
+        errors.append(repr(e))
+
+held.ascend_pool_last_error.restype = C.c_char_p
+threads = [threading.Thread(target=c_abi, args=(lib, d, 2 * d + j)) for j, lib in enumerate((held, released))
+           for d in (0, 1)] + [threading.Thread(target=contexts)]
+for t in threads:
+    t.start()
+while time.monotonic() < stop:    # the process-wide history, on and off, with a snapshot between
+    try:
+        ap.record_memory_history(True, stacks="python", max_entries=5000)
+        time.sleep(0.02)
+        ap.memory_snapshot()
+        ap.record_memory_history(None)
+        counts["toggles"] += 1
+    except Exception as e:
+        errors.append(repr(e))
+        break
+for t in threads:
+    t.join()
+end = {}
+for d in (0, 1):
+    pools[d]._check_invariants()
+    end[d] = pools[d].memory_stats()["allocated_bytes.all.current"]
+print(json.dumps({"errors": errors, "counts": counts, "end": end}))
+"""
+
+
+def test_c_abi_frames_while_history_toggles_and_contexts_come_and_go(sim_node):
+    out = sim_node.run_json(FRAMES_CHILD, timeout=120)
+    assert out["errors"] == [], out["errors"]
+    c = out["counts"]
+    assert c["c_abi"] > 20 and c["contexts"] > 5 and c["toggles"] > 5, c
+    assert out["end"] == {"0": 0, "1": 0}, out["end"]
