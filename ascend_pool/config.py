@@ -8,7 +8,7 @@ Knobs:
   reserve                      preallocate at start: bytes ("4GiB") or a fraction of the device's
                                free memory ("25%" or 0.25); kept until empty_cache()
   record_history               keep a ring of allocator events for snapshots: true/false or a
-                               number of entries
+                               number of entries (at most 2**20 are kept)
   page_size                    large-segment granularity: "2m" (default) or "1g"
   expandable_segments          true: segments grow and shrink in place through the runtime's
                                virtual-memory calls (needs a backend with them); default false
@@ -300,7 +300,7 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
                 n = _number(key, value, int)
                 if not 0 <= n < 2**63:
                     raise ConfigError(f"record_history: entries must be in [0, 2**63), got {value!r}")
-                cfg["history_capacity"] = n
+                cfg["history_capacity"] = min(n, MAX_HISTORY_ENTRIES)  # as record_memory_history clamps
         elif key == "page_size":
             v = str(value).strip().lower()
             if v in ("2m", "2mb", "2mib", str(2 << 20)):

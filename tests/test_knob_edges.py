@@ -3,7 +3,7 @@ the config field it documents; the first value past the edge is a ConfigError na
 
 import pytest
 
-from ascend_pool.config import DEFAULT_HISTORY, knobs_to_config
+from ascend_pool.config import DEFAULT_HISTORY, MAX_HISTORY_ENTRIES, knobs_to_config
 from ascend_pool.errors import ConfigError
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -30,7 +30,7 @@ def cfg(**knobs):
     ("record_history", "true", "history_capacity", DEFAULT_HISTORY),
     ("record_history", "off", "history_capacity", 0),
     ("record_history", 0, "history_capacity", 0),
-    ("record_history", 2**63 - 1, "history_capacity", 2**63 - 1),
+    ("record_history", 2**63 - 1, "history_capacity", MAX_HISTORY_ENTRIES),  # clamped, as the calls are
     ("page_size", "2M", "page_size", 2 * MiB),
     ("page_size", "2MiB", "page_size", 2 * MiB),
     ("page_size", str(2 * MiB), "page_size", 2 * MiB),

@@ -154,3 +154,19 @@ def test_set_limit_takes_cupys_size_and_fraction_forms_and_get_limit_reads_it():
         assert pool.get_limit() is None, "a refused call changes nothing"
     finally:
         pool.close()
+
+
+def test_record_history_knob_is_clamped_like_record_memory_history():
+    # PyTorch users pass sys.maxsize for "everything"; the ring is allocated up front, so the knob
+    # keeps at most config.MAX_HISTORY_ENTRIES (2**20 entries, 48 MiB) as the calls do.
+    import sys
+    from ascend_pool.config import MAX_HISTORY_ENTRIES
+    for n in (2**40, sys.maxsize):
+        pool = ap.Pool(0, backend="sim", record_history=n)  # was: MemoryError at creation
+        try:
+            assert pool.config["history_capacity"] == MAX_HISTORY_ENTRIES
+            pool.free(pool.malloc(4096))
+            actions = [e["action"] for e in pool.snapshot()["device_traces"][0]]
+            assert actions[:4] == ["segment_alloc", "alloc", "free_requested", "free_completed"]
+        finally:
+            pool.close()

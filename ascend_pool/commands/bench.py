@@ -134,13 +134,16 @@ def register(sub):
                    help="only these allocators (default: every one for the backend)")
     p.add_argument("--conf", default=None, help="ascend_pool knobs for its replays, key:value,... ($ASCEND_POOL_CONF style)")
     p.add_argument("--malloc-latency-us", type=int, default=SIM_MALLOC_LATENCY_US,
-                   help=f"sim backend: simulated device malloc latency during replays (default {SIM_MALLOC_LATENCY_US})")
+                   help=f"sim backend: simulated device malloc latency during replays, 0..10,000,000 us "
+                        f"(default {SIM_MALLOC_LATENCY_US})")
     p.add_argument("--free-latency-us", type=int, default=SIM_FREE_LATENCY_US,
-                   help=f"sim backend: simulated device free latency during replays (default {SIM_FREE_LATENCY_US})")
+                   help=f"sim backend: simulated device free latency during replays, 0..10,000,000 us "
+                        f"(default {SIM_FREE_LATENCY_US})")
     p.add_argument("--no-micro", action="store_true", help="skip the microbenchmarks")
-    p.add_argument("--micro-runs", type=int, default=7, help="repetitions of each microbenchmark (median)")
+    p.add_argument("--micro-runs", type=int, default=7, help="repetitions of each microbenchmark, at least 1 (median)")
     p.add_argument("--micro-ms", type=float, default=20.0,
-                   help="length of each microbenchmark loop in ms (pairs per loop calibrated to it)")
+                   help="length of each microbenchmark loop in ms, > 0 and <= 60,000 (pairs per loop "
+                        "calibrated to it)")
     p.add_argument("--quick", action="store_true", help="fewer and shorter microbenchmark runs (3 runs of 5 ms)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--progress", dest="progress", action="store_true", default=None,

@@ -6,9 +6,15 @@
  * stream only if no block entered its trees meanwhile (a free after the wait began is not covered
  * by it). Pending frees are then completed by a query, which now finds their events done.
  */
+#include <string.h>
+
 #include "pool_internal.h"
 
 #define WAIT_BATCH 64 /* streams and events per round; a caller with more runs more rounds */
+
+/* The runtime's message about a failed wait, read right after the call that failed: it is the
+   thread's most recent message, so read later it may be another call's, naming another handle. */
+#define AP_WAIT_MSG 400
 
 typedef struct {
     void *stream;
@@ -17,9 +23,7 @@ typedef struct {
     int rc;
 } wait_item;
 
-static int wait_error(ap_pool *p, ap_error *err, int rc, const char *what, void *handle) {
-    char msg[160];
-    p->backend->error_message(p->backend, rc, msg, sizeof msg);
+static int wait_error(ap_pool *p, ap_error *err, int rc, const char *what, void *handle, const char *msg) {
     if (ap_stream_unusable(p, rc))
         return ap_set_error(err, AP_E_INVALID_STREAM, rc,
                             "stream %p on device %d is not usable (%d): %s; the pool no longer orders work "
@@ -46,11 +50,22 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
     pthread_mutex_unlock(&p->lock);
 
     ap_on_device(p);
-    for (int i = 0; i < n; i++) items[i].rc = p->backend->stream_sync(p->backend, items[i].stream, p->cfg.sync_timeout_ms);
+    char stream_msg[AP_WAIT_MSG], event_msg[AP_WAIT_MSG];
+    void *failed_stream = NULL; /* the first stream whose wait failed: its message is kept */
+    for (int i = 0; i < n; i++) {
+        items[i].rc = p->backend->stream_sync(p->backend, items[i].stream, p->cfg.sync_timeout_ms);
+        if (items[i].rc != 0 && !failed_stream) {
+            failed_stream = items[i].stream;
+            p->backend->error_message(p->backend, items[i].rc, stream_msg, sizeof stream_msg);
+        }
+    }
     ap_error local = {0};
     for (int i = 0; i < ne; i++) {
         int rc = p->backend->event_sync(p->backend, events[i], p->cfg.sync_timeout_ms);
-        if (rc != 0 && status == AP_OK) status = wait_error(p, &local, rc, "event", events[i]);
+        if (rc != 0 && status == AP_OK) {
+            p->backend->error_message(p->backend, rc, event_msg, sizeof event_msg);
+            status = wait_error(p, &local, rc, "event", events[i], event_msg);
+        }
     }
 
     pthread_mutex_lock(&p->lock);
@@ -66,7 +81,12 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
             continue;
         }
         if (ap_stream_unusable(p, rc)) ap_slot_retire(p, items[i].slot); /* degrade: never wedge */
-        if (status == AP_OK) status = wait_error(p, &local, rc, "stream", items[i].stream);
+        if (status == AP_OK) {
+            char msg[AP_WAIT_MSG];
+            if (items[i].stream == failed_stream) memcpy(msg, stream_msg, sizeof msg);
+            else p->backend->error_message(p->backend, rc, msg, sizeof msg);
+            status = wait_error(p, &local, rc, "stream", items[i].stream, msg);
+        }
     }
     ap_process_pending(p, 0, NULL);
     if (status != AP_OK && err) *err = local;
