@@ -91,6 +91,31 @@ class Pool(PoolBase):
             out.update(_sharing.pool_stats(self))
         return _stats.minus_baseline(out, self.__dict__.get("_acc_base"))
 
+    # -- CuPy's MemoryPool names, so that code (and tests) written for cupy.cuda.MemoryPool port --
+
+    def used_bytes(self):
+        """Bytes allocated to callers (rounded block sizes), as cupy's MemoryPool.used_bytes()."""
+        return self.memory_stats()["allocated_bytes.all.current"]
+
+    def total_bytes(self):
+        """Bytes held from the device, as cupy's MemoryPool.total_bytes()."""
+        return self.memory_stats()["reserved_bytes.all.current"]
+
+    def free_bytes(self):
+        """Bytes held but not allocated (cached, or waiting for a stream before reuse), as cupy's
+        MemoryPool.free_bytes()."""
+        s = self.memory_stats()
+        return s["reserved_bytes.all.current"] - s["allocated_bytes.all.current"]
+
+    def n_free_blocks(self):
+        """Number of cached free blocks, as cupy's MemoryPool.n_free_blocks()."""
+        return sum(b["state"] == "inactive" for seg in self.snapshot()["segments"] for b in seg["blocks"])
+
+    def free_all_blocks(self, stream=None):
+        """Returns every cached segment to the device, as cupy's MemoryPool.free_all_blocks() (and
+        empty_cache()); `stream` is accepted for cupy's signature: all streams' are returned."""
+        self.empty_cache()
+
     def reset_accumulated_stats(self):
         """Zeroes the accumulated counters, as torch.npu.reset_accumulated_memory_stats():
         every stat's allocated and freed, and num_alloc_retries, num_ooms, num_sync_all_streams,
