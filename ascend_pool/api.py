@@ -10,7 +10,6 @@ from . import current as _current
 from . import registry as _registry
 from ._core import set_default_pool_hook
 from .backend import open_backend
-from .config import MAX_HISTORY_ENTRIES
 from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
@@ -125,11 +124,15 @@ def mem_get_info(device=None):
 _history = None  # the last record_memory_history() settings: applied to default pools made later
 
 
-def _process_pools(device=None):
+def _process_pools(device=None, create=True):
     """The pools the process-wide history and snapshot cover, as torch's cover every allocation
     of the process: each device's default pool and every open tenant context (device given:
-    that device's), each once."""
-    pools = [default_pool(device)] if device is not None else (_registry.default_pools() or [default_pool()])
+    that device's), each once. create: make the current device's default pool when no device
+    has one yet."""
+    if device is not None:
+        pools = [default_pool(device)]
+    else:
+        pools = _registry.default_pools() or ([default_pool()] if create else [])
     pools += live_contexts(device=device)
     return list({id(p): p for p in pools}.values())
 
@@ -163,12 +166,9 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
     every device's default pool and every tenant context (device given: that device's only);
     default pools and contexts made later follow it. max_entries (events kept per pool) above
     config.MAX_HISTORY_ENTRIES (2**20: a ring of 48 MiB of host memory, allocated up front) is
-    clamped to it, so PyTorch's sys.maxsize works."""
+    clamped to it by each pool, so PyTorch's sys.maxsize works."""
     global _history
-    if isinstance(max_entries, int) and not isinstance(max_entries, bool):
-        max_entries = min(max_entries, MAX_HISTORY_ENTRIES)
-    pools = _process_pools(device) if device is not None else _registry.default_pools() + live_contexts()
-    _on_each_open({id(p): p for p in pools}.values(),  # a tenant's default pool is a context too
+    _on_each_open(_process_pools(device, create=False),
                   lambda pool: pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries))
     if device is None:
         _history = (enabled, stacks, max_entries)

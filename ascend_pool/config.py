@@ -300,7 +300,7 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
                 n = _number(key, value, int)
                 if not 0 <= n < 2**63:
                     raise ConfigError(f"record_history: entries must be in [0, 2**63), got {value!r}")
-                cfg["history_capacity"] = min(n, MAX_HISTORY_ENTRIES)  # as record_memory_history clamps
+                cfg["history_capacity"] = min(n, MAX_HISTORY_ENTRIES)  # as pool.record_memory_history clamps
         elif key == "page_size":
             v = str(value).strip().lower()
             if v in ("2m", "2mb", "2mib", str(2 << 20)):

@@ -103,7 +103,7 @@ class Node:
 @pytest.fixture
 def two_users():
     if SKIP:
-        pytest.skip(SKIP)
+        pytest.skip(reason=SKIP)
     root = tempfile.mkdtemp(prefix="ap-users-")
     os.chmod(root, 0o755)
     node = Node(root)

@@ -133,7 +133,7 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
         }
         segs[s->pool]++;
         reserved[s->pool] += (int64_t)s->size;
-        int over = s->pool == AP_POOL_LARGE && s->size >= p->cfg.max_split_size;
+        int over = ap_oversize(p, s->pool, s->size);
         if (over != s->oversize) {
             fail(c, "segment 0x%lx (%zu bytes) has oversize flag %d", (unsigned long)s->base, s->size, s->oversize);
             goto out;
@@ -153,7 +153,7 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
             case AP_BLOCK_ALLOCATED:
                 alloc_n[s->pool]++;
                 alloc_b[s->pool] += (int64_t)b->size;
-                over_alloc += s->pool == AP_POOL_LARGE && b->size >= p->cfg.max_split_size;
+                over_alloc += ap_oversize(p, s->pool, b->size);
                 req_b[s->pool] += (int64_t)b->requested;
                 if (ap_map_get(&p->live, b->addr) != b) {
                     fail(c, "allocated block 0x%lx is not in the live map", (unsigned long)b->addr);

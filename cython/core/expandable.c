@@ -39,7 +39,7 @@ size_t ap_vmm_chunk_cap(const ap_pool *p, size_t need) {
 }
 
 static int vmm_error(ap_pool *p, ap_error *err, int rc, const char *what, size_t size) {
-    char msg[400];
+    char msg[AP_RUNTIME_MSG];
     p->backend->error_message(p->backend, rc, msg, sizeof msg);
     return ap_set_error(err, AP_E_DEVICE, rc, "%s of %zu bytes on device %d failed (%d): %s", what, size, p->device,
                         rc, msg);
@@ -144,13 +144,8 @@ static void join_segments(ap_pool *p, ap_segment *left, ap_segment *right, ap_vm
         if (c->seg == right) c->seg = left;
     left->size += right->size;
     if (right->last_use > left->last_use) left->last_use = right->last_use;
-    if (right->prev) right->prev->next = right->next;
-    else p->segments = right->next;
-    if (right->next) right->next->prev = right->prev;
-    p->n_segments--;
-    ap_segment_unlinked(p, right);
+    ap_segment_unlink(p, right);
     ap_segment_sized(p, left);
-    ap_stat_dec(&p->stats, AP_STAT_SEGMENT, left->pool, 1);
     ap_segment_recycle(p, right);
 }
 
@@ -489,12 +484,7 @@ static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t
     }
     int pool = seg->pool;
     if (lo == seg->base) { /* nothing of the segment is left below the hole */
-        if (seg->prev) seg->prev->next = seg->next;
-        else p->segments = seg->next;
-        if (seg->next) seg->next->prev = seg->prev;
-        p->n_segments--;
-        ap_segment_unlinked(p, seg);
-        ap_stat_dec(&p->stats, AP_STAT_SEGMENT, pool, 1);
+        ap_segment_unlink(p, seg);
         ap_segment_recycle(p, seg);
     } else {
         seg->size = lo - seg->base;

@@ -99,7 +99,7 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
     size_t free_b = 0, total_b = 0;
     if (rc == 0) rc = backend->mem_info(backend, device, &free_b, &total_b);
     if (rc != 0) {
-        char msg[400];
+        char msg[AP_RUNTIME_MSG];
         backend->error_message(backend, rc, msg, sizeof msg);
         ap_set_error(err, AP_E_DEVICE, rc, "device %d is not usable (%d): %s", device, rc, msg);
         ap_pool_destroy(p);
@@ -218,7 +218,7 @@ static void unmark_allocated(ap_pool *p, const ap_block *b) {
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, pool, 1);
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
     ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
-    if (pool == AP_POOL_LARGE && b->size >= p->cfg.max_split_size) ap_stat_step(&p->stats.oversize[0], -1);
+    if (ap_oversize(p, pool, b->size)) ap_stat_step(&p->stats.oversize[0], -1);
 }
 
 int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err) {

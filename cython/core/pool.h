@@ -67,6 +67,9 @@ typedef struct ap_error {
     char message[768]; /* an out-of-memory message quotes the runtime's cause in full */
 } ap_error;
 
+/* Room for the runtime's own message about a failed call (backend error_message), quoted whole. */
+#define AP_RUNTIME_MSG 400
+
 /* Writes status, device_code and the message into err (if not NULL); returns status, for
    `return ap_set_error(...)`. Shared with the layers above (the host pool) so that every C error
    reads the same way. */

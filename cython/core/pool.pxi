@@ -13,6 +13,7 @@ import time as _time
 
 from ascend_pool.errors import InvalidSizeError, InvalidPointerError, InvalidStreamError, PoolError, ConfigError
 import ascend_pool.errors as _errors_module
+from ascend_pool.config import MAX_HISTORY_ENTRIES
 
 # The package's directory (with its separator): frames in it are skipped when stacks are recorded.
 _PACKAGE_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(_errors_module.__file__)), "")
@@ -461,11 +462,10 @@ cdef class PoolBase:
         with nogil:
             rc = ap_pool_release_stream(_p, s, &err)
         self._leave()
-        if rc == AP_E_INVALID_STREAM:  # destroyed already (through the runtime): the pool forgot it
+        if rc == AP_OK or rc == AP_E_INVALID_STREAM:  # the latter: destroyed already, the pool forgot it
             self._streams.discard(stream)
         if rc != AP_OK:
             _raise(&err, rc)
-        self._streams.discard(stream)
         self.backend.stream_destroy(stream)
 
     def synchronize(self, stream=None):
@@ -650,11 +650,14 @@ cdef class PoolBase:
         torch.cuda.memory._record_memory_history: enabled True/"all"/"state" to record, None or
         False to stop (the trace is dropped); stacks "python" also files each allocation's and
         free's Python frames (captured before the pool lock), None or "none" skips them (no cost);
-        max_entries: ring size in events."""
+        max_entries: ring size in events, at most config.MAX_HISTORY_ENTRIES (larger ones, such as
+        torch's default sys.maxsize, are clamped: the ring is allocated up front)."""
         self._check()
         on = enabled not in (None, False)
         if on and (isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0):
             raise ConfigError(f"max_entries must be a positive int, got {max_entries!r}")
+        if on:
+            max_entries = min(max_entries, MAX_HISTORY_ENTRIES)
         if stacks not in ("python", "all", None, "none"):
             raise ConfigError(f"stacks must be 'python', 'all' or None, got {stacks!r}")
         cdef size_t cap = max_entries if on else 0

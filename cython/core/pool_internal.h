@@ -46,21 +46,20 @@ void ap_segment_recycle(ap_pool *p, ap_segment *s);
 void ap_arena_destroy(ap_pool *p);
 ap_block_uses *ap_uses_new(ap_pool *p);
 void ap_uses_recycle(ap_pool *p, ap_block_uses *u);
-/* Puts a new segment (its fields set) at the head of the pool's list and counts it (segment.*):
-   the one place a segment joins the list (segments.c, expandable.c, and the C unit tests' pools). */
-/* Counts seg in oversize_segments while it is a large-pool segment of max_split_size or more. An
-   expandable segment's size changes as chunks map, unmap and join, so this runs after each change. */
+/* PyTorch's "oversize": a large-pool block or segment of max_split_size or more (never split). */
+static inline int ap_oversize(const ap_pool *p, int pool, size_t size) {
+    return pool == AP_POOL_LARGE && size >= p->cfg.max_split_size;
+}
+/* Counts seg in oversize_segments while it is oversize. An expandable segment's size changes as
+   chunks map, unmap and join, so this runs after each change. */
 static inline void ap_segment_sized(ap_pool *p, ap_segment *seg) {
-    int over = seg->pool == AP_POOL_LARGE && seg->size >= p->cfg.max_split_size;
+    int over = ap_oversize(p, seg->pool, seg->size);
     if (over != seg->oversize) ap_stat_step(&p->stats.oversize[1], over ? 1 : -1);
     seg->oversize = over;
 }
-/* seg leaves the pool's list: out of oversize_segments too. */
-static inline void ap_segment_unlinked(ap_pool *p, ap_segment *seg) {
-    if (seg->oversize) ap_stat_step(&p->stats.oversize[1], -1);
-    seg->oversize = 0;
-}
 
+/* Puts a new segment (its fields set) at the head of the pool's list and counts it (segment.*):
+   the one place a segment joins the list (segments.c, expandable.c, and the C unit tests' pools). */
 static inline void ap_segment_link(ap_pool *p, ap_segment *seg) {
     seg->oversize = 0;
     ap_segment_sized(p, seg);
@@ -70,6 +69,17 @@ static inline void ap_segment_link(ap_pool *p, ap_segment *seg) {
     p->segments = seg;
     p->n_segments++;
     ap_stat_inc(&p->stats, AP_STAT_SEGMENT, seg->pool, 1);
+}
+/* Takes seg out of the pool's list and its counts (segment.*, oversize_segments): the one place a
+   segment leaves it (a release, a shared block's end, expandable joins and unmaps). */
+static inline void ap_segment_unlink(ap_pool *p, ap_segment *seg) {
+    if (seg->prev) seg->prev->next = seg->next;
+    else p->segments = seg->next;
+    if (seg->next) seg->next->prev = seg->prev;
+    p->n_segments--;
+    if (seg->oversize) ap_stat_step(&p->stats.oversize[1], -1);
+    seg->oversize = 0;
+    ap_stat_dec(&p->stats, AP_STAT_SEGMENT, seg->pool, 1);
 }
 
 /* free_blocks.c: moving blocks in and out of the free trees with coalescing and stats. */
@@ -94,7 +104,7 @@ static inline void ap_mark_allocated_in(ap_pool *p, ap_block *b, size_t requeste
     ap_stat_inc(&p->stats, AP_STAT_ALLOCATION, pool, 1);
     ap_stat_inc(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
     ap_stat_inc(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)requested);
-    if (pool == AP_POOL_LARGE && b->size >= p->cfg.max_split_size) ap_stat_step(&p->stats.oversize[0], 1);
+    if (ap_oversize(p, pool, b->size)) ap_stat_step(&p->stats.oversize[0], 1);
     /* active = allocated + pending (stats.h): its peak needs a look only while blocks wait */
     if (__builtin_expect(p->stats.pending[0][AP_STAT_ALL].current != 0, 0)) ap_stats_note_active(&p->stats, pool);
 }

@@ -23,7 +23,7 @@ size_t ap_reserved(const ap_pool *p) {
 }
 
 static int device_error(ap_pool *p, ap_error *err, int rc, const char *what, size_t size) {
-    char msg[400]; /* the runtime's reason, quoted whole in out-of-memory messages */
+    char msg[AP_RUNTIME_MSG];
     p->backend->error_message(p->backend, rc, msg, sizeof msg);
     return ap_set_error(err, AP_E_DEVICE, rc, "%s of %zu bytes on device %d failed (%d): %s", what, size,
                         p->device, rc, msg);
@@ -85,14 +85,9 @@ int ap_segment_release(ap_pool *p, ap_segment *seg, ap_error *err) {
         ap_free_insert(p, b, b->tag);
         return device_error(p, err, rc, "device free", seg->size);
     }
-    if (seg->prev) seg->prev->next = seg->next;
-    else p->segments = seg->next;
-    if (seg->next) seg->next->prev = seg->prev;
-    p->n_segments--;
+    ap_segment_unlink(p, seg);
     if (p->quota.release) p->quota.release(p->quota.ctx, p->device, seg->size);
     p->stats.num_device_free++;
-    ap_segment_unlinked(p, seg);
-    ap_stat_dec(&p->stats, AP_STAT_SEGMENT, seg->pool, 1);
     ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, seg->pool, (int64_t)seg->size);
     ap_history_add(&p->history, AP_ACT_SEGMENT_FREE, seg->base, seg->size, NULL);
     ap_block_recycle(p, b);

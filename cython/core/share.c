@@ -7,7 +7,7 @@
 #define ACL_ERROR_RT_IPC_ERROR 507022 /* the runtime refuses: importers still map the memory */
 
 static int device_error(ap_backend *b, int device, ap_error *err, int rc, const char *what) {
-    char msg[400];
+    char msg[AP_RUNTIME_MSG];
     b->error_message(b, rc, msg, sizeof msg);
     int status = b->kind == AP_BACKEND_ACL && rc == ACL_ERROR_RT_IPC_ERROR ? AP_E_BUSY : AP_E_DEVICE;
     return ap_set_error(err, status, rc, "%s on device %d failed (%d): %s", what, device, rc, msg);
@@ -90,16 +90,11 @@ int ap_share_unexport(ap_share *s, ap_error *err) {
 static void unaccount(ap_pool *p, ap_share *s) {
     ap_segment *seg = s->seg;
     ap_block *b = seg->first;
-    if (seg->prev) seg->prev->next = seg->next;
-    else p->segments = seg->next;
-    if (seg->next) seg->next->prev = seg->prev;
-    p->n_segments--;
+    ap_segment_unlink(p, seg);
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, AP_POOL_LARGE, 1);
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, AP_POOL_LARGE, (int64_t)b->size);
     ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, AP_POOL_LARGE, (int64_t)b->requested);
-    if (b->size >= p->cfg.max_split_size) ap_stat_step(&p->stats.oversize[0], -1);
-    ap_segment_unlinked(p, seg);
-    ap_stat_dec(&p->stats, AP_STAT_SEGMENT, AP_POOL_LARGE, 1);
+    if (ap_oversize(p, AP_POOL_LARGE, b->size)) ap_stat_step(&p->stats.oversize[0], -1);
     ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, AP_POOL_LARGE, (int64_t)seg->size);
     if (p->quota.release) p->quota.release(p->quota.ctx, p->device, seg->size);
     ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, NULL);

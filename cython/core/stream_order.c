@@ -179,7 +179,7 @@ static int sync_stream(ap_pool *p, void *stream, ap_error *err) {
     ap_on_device(p);
     int rc = p->backend->stream_sync(p->backend, stream, p->cfg.sync_timeout_ms);
     if (rc == 0) return AP_OK;
-    char msg[160];
+    char msg[AP_RUNTIME_MSG];
     p->backend->error_message(p->backend, rc, msg, sizeof msg);
     return ap_set_error(err, rc == 507046 || rc == 507047 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
                         "waiting for stream %p on device %d failed after %d ms: %s", stream, p->device,
@@ -229,7 +229,7 @@ static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
         if (blocking) {
             rc = p->backend->event_sync(p->backend, ev, p->cfg.sync_timeout_ms);
             if (rc != 0) {
-                char msg[160];
+                char msg[AP_RUNTIME_MSG];
                 p->backend->error_message(p->backend, rc, msg, sizeof msg);
                 return ap_set_error(err, rc == 507047 || rc == 507046 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
                                     "waiting for the streams that used block 0x%lx on device %d: %s",

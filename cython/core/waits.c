@@ -12,10 +12,6 @@
 
 #define WAIT_BATCH 64 /* streams and events per round; a caller with more runs more rounds */
 
-/* The runtime's message about a failed wait, read right after the call that failed: it is the
-   thread's most recent message, so read later it may be another call's, naming another handle. */
-#define AP_WAIT_MSG 400
-
 typedef struct {
     void *stream;
     int slot;
@@ -50,7 +46,9 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
     pthread_mutex_unlock(&p->lock);
 
     ap_on_device(p);
-    char stream_msg[AP_WAIT_MSG], event_msg[AP_WAIT_MSG];
+    /* The runtime's message about a failed wait is read right after the call that failed: it is
+       the thread's most recent one, so read later it may be another call's, naming another handle. */
+    char stream_msg[AP_RUNTIME_MSG], event_msg[AP_RUNTIME_MSG];
     void *failed_stream = NULL; /* the first stream whose wait failed: its message is kept */
     for (int i = 0; i < n; i++) {
         items[i].rc = p->backend->stream_sync(p->backend, items[i].stream, p->cfg.sync_timeout_ms);
@@ -82,7 +80,7 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
         }
         if (ap_stream_unusable(p, rc)) ap_slot_retire(p, items[i].slot); /* degrade: never wedge */
         if (status == AP_OK) {
-            char msg[AP_WAIT_MSG];
+            char msg[AP_RUNTIME_MSG];
             if (items[i].stream == failed_stream) memcpy(msg, stream_msg, sizeof msg);
             else p->backend->error_message(p->backend, rc, msg, sizeof msg);
             status = wait_error(p, &local, rc, "stream", items[i].stream, msg);
