@@ -1,6 +1,7 @@
 """Small blocks parked in the recent-free cache behave as if merged at free (issue 18, point 2):
 a request that would otherwise cut fresh space or grow the pool reuses the hole they leave, as in
-PyTorch and RMM."""
+PyTorch and RMM. The cache is invisible (free_cache.h): placement is merge-at-free's, checked here
+against the independent torch_npu_policy model and in tests/test_pool_model.py."""
 
 import pytest
 
@@ -12,8 +13,7 @@ MiB = 1 << 20
 @pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
 @pytest.mark.parametrize("policy", ["under_peak", "budgeted", "never"])
 def test_two_adjacent_freed_512_byte_blocks_serve_a_1kib_request(policy, expandable):
-    # budgeted classic segments merge the whole cache before a split, the others the exact hole:
-    # both reuse it (free_cache.h). Expandable segments fit small blocks by page, and reuse it too.
+    # Expandable segments fit small blocks by page (and cache nothing), and reuse it too.
     pool = ap.Pool(0, backend="sim", release_policy=policy, expandable_segments=expandable)
     try:
         a, b, c = (pool.malloc(480) for _ in range(3))  # 512 bytes each, adjacent, c keeps the hole closed
@@ -28,6 +28,63 @@ def test_two_adjacent_freed_512_byte_blocks_serve_a_1kib_request(policy, expanda
         for p in (c, d):
             pool.free(p)
     finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+@pytest.mark.parametrize("policy", ["under_peak", "budgeted", "never"])
+def test_a_larger_hole_of_freed_neighbours_serves_a_smaller_request(policy, expandable):
+    # Three freed 512-byte neighbours leave a 1.5 KiB hole: best fit over the merged picture takes
+    # it for a 1 KiB request (PyTorch: the smallest block that fits), not the segment's rest.
+    pool = ap.Pool(0, backend="sim", release_policy=policy, expandable_segments=expandable)
+    try:
+        a, b, c, d = (pool.malloc(480) for _ in range(4))
+        for p in (a, b, c):
+            pool.free(p)
+        e = pool.malloc(992)
+        assert e == a, f"the 1 KiB request was cut at +{e - a} instead of the 1.5 KiB hole at {a:#x}"
+        for p in (e, d):
+            pool.free(p)
+        pool._check_invariants()
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_small_pool_placement_is_torch_npus(seed):
+    """Small requests on one stream (release_policy=never, so no segment is returned): every block
+    lands where the independent torch_npu_policy model (merge at free, best fit by size then
+    address, 2 MiB small segments: bench/torch_npu_policy.py) puts it, segment by segment, with
+    the recent-free cache in between. Recurring sizes make the cache serve many of them."""
+    import random
+
+    from ascend_pool.bench.torch_npu_policy import TorchNpuPolicy
+
+    rnd = random.Random(seed)
+    pool = ap.Pool(0, backend="sim", release_policy="never")
+    model = TorchNpuPolicy()
+    ours, theirs, base = {}, {}, {}  # slot -> pointer; model segment base -> our segment base
+    try:
+        for step in range(4000):
+            slot = rnd.randrange(64)
+            if slot in ours:
+                pool.free(ours.pop(slot))
+                model.free(theirs.pop(slot))
+                continue
+            n = rnd.choice([480, 4000, 4000, 4000, 8000, 1000, 64 * 1024, rnd.randint(1, 1 << 20)])
+            ptr, m = pool.malloc(n), model.malloc(n)
+            seg = max(s for s in model._segments if s <= m)
+            if seg not in base:  # the model made a segment: so must the pool, a new one
+                assert ptr - (m - seg) not in base.values(), f"step {step}: malloc({n}) reused a segment"
+                base[seg] = ptr - (m - seg)
+            assert ptr == base[seg] + (m - seg), f"step {step}: malloc({n}) at {ptr:#x}, the model's placement is " \
+                                                 f"segment {sorted(base).index(seg)} + {m - seg:#x}"
+            ours[slot], theirs[slot] = ptr, m
+        assert pool.memory_stats()["segment.all.current"] == model.n_segments
+        pool._check_invariants()
+    finally:
+        for p in ours.values():
+            pool.free(p)
         pool.close()
 
 

@@ -3,24 +3,20 @@ real pool: every malloc must return the address the model predicts (relative to 
 base), and after every step the whole layout (each segment's blocks: offset, size, allocated or
 not) must be the model's.
 
-The policy modelled (cython/core: pool.c, free_blocks.c, free_tree.c, free_cache.h, segments.c):
+The policy modelled (cython/core: pool.c, free_blocks.c, free_tree.c, segments.c). It has no
+recent-free cache: the pool's cache must be invisible (free_cache.h), so the pool places every
+block where merging every free at once places it:
   - a request of n bytes occupies round(n) = (n + pad + 511) rounded down to 512 (pad 32 for acl);
     round(n) <= 1 MiB is a small-pool request, else large;
-  - a freed small block goes to the recent-free cache (64 bins by hashed size, 4 deep, oldest
-    evicted into the free lists), unmerged; a malloc of exactly that size on the same stream takes
-    the newest such block back;
-  - otherwise best fit: the smallest free block of the request's pool that fits, ties to the
-    oldest segment then the lowest offset; the stream's own blocks (freed on it) against blocks
-    any stream may use (fresh or synchronized): the any-stream block wins only if smaller;
-  - if none fits, the cache is coalesced into the free lists (as if merged at free) and best fit
-    is tried again; if a small request's fit would be split, the first cached block (bins in
-    order, oldest first) whose run of free and cached neighbours holds exactly the request is
-    merged with them, and serves it; then a
-    new segment: 2 MiB for the small pool, the request rounded up to 2 MiB for the large pool;
+  - best fit: the smallest free block of the request's pool that fits, ties to the oldest segment
+    then the lowest offset; the stream's own blocks (freed on it) against blocks any stream may
+    use (fresh or synchronized): the any-stream block wins only if smaller;
+  - if none fits, a new segment: 2 MiB for the small pool, the request rounded up to 2 MiB for the
+    large pool;
   - a block is split when the rest is at least 512 bytes (min_block / large_split_min);
-  - freed blocks merge with free address neighbours at once (large) or when the cache is
-    coalesced (small), lower neighbour first, when their streams allow (the same stream, or one
-    of them usable by any stream); a merged block is the stream's if any part was;
+  - a freed block merges with its free address neighbours at once, lower neighbour first, when
+    their streams allow (the same stream, or one of them usable by any stream); a merged block is
+    the stream's if any part was;
   - a block freed on stream S (the allocating one by default) is S's; another stream T with no
     fit of its own is ordered after S and takes S's best fit if one block is enough, else all of
     S's free blocks (stream_reuse=borrow);
@@ -38,16 +34,11 @@ import ascend_pool as ap
 
 KiB, MiB = 1 << 10, 1 << 20
 PAD, MIN_BLOCK, SMALL_SIZE, SMALL_SEGMENT, PAGE = 32, 512, 1 * MiB, 2 * MiB, 2 * MiB
-CACHE_BINS, CACHE_DEPTH = 64, 4
 STREAM = 1  # the stream slot of the default stream (slot 0: blocks any stream may use)
 
 
 def round_request(n):
     return (n + PAD + MIN_BLOCK - 1) & ~(MIN_BLOCK - 1)
-
-
-def cache_bin(rsize):
-    return (((rsize >> 9) * 0x9E3779B97F4A7C15) & (2**64 - 1)) >> 58 & (CACHE_BINS - 1)
 
 
 class Block:
@@ -72,7 +63,6 @@ class Model:
     def __init__(self):
         self.segments = []
         self.seq = 0
-        self.cache = [[] for _ in range(CACHE_BINS)]  # oldest first
         self.slots = {}  # stream key -> slot
 
     def slot_of(self, key):
@@ -111,51 +101,8 @@ class Model:
         own, anyb = self.best_of(small, slot, rsize), self.best_of(small, 0, rsize)
         return anyb if anyb and (not own or anyb.size < own.size) else own
 
-    def flush(self):
-        for bin_ in self.cache:
-            while bin_:
-                b = bin_.pop()
-                self.insert_free(b, b.tag)
-
-    @staticmethod
-    def joins(n, tag):
-        """(joins?, merged tag) for a free or cached neighbour n of a run tagged tag so far."""
-        if n.state not in ("free", "cached") or (n.tag != tag and n.tag and tag):
-            return False, tag
-        return True, n.tag or tag
-
-    def merge_exact(self, slot, rsize):
-        """Merges the first run of cached and free neighbours whose hole is exactly rsize and
-        usable by slot; True if one was."""
-        for bin_ in self.cache:
-            for c in bin_:
-                if c.size >= rsize:
-                    continue
-                blocks = c.seg.blocks
-                i, t = blocks.index(c), c.tag
-                while i > 0:
-                    ok, t = self.joins(blocks[i - 1], t)
-                    if not ok:
-                        break
-                    i -= 1
-                run, t = [blocks[i]], blocks[i].tag
-                for n in blocks[i + 1:]:
-                    ok, t = self.joins(n, t)
-                    if not ok:
-                        break
-                    run.append(n)
-                if sum(b.size for b in run) != rsize or (t and t != slot):
-                    continue
-                for b in run:
-                    if b.state == "cached":
-                        self.cache[cache_bin(b.size)].remove(b)
-                        self.insert_free(b, b.tag)
-                return True
-        return False
-
     def retag(self, frm, to):
         """Every free block of slot frm becomes to's (or any stream's when to is 0)."""
-        self.flush()
         for small in (True, False):
             moving = self.free_blocks(small, frm)
             for b in moving:
@@ -166,7 +113,6 @@ class Model:
     def borrow(self, to, small, rsize):
         """A stream with no fit is ordered after the others (an event wait) and takes their free
         blocks: the best fit when one is enough, else all of them. Returns blocks moved."""
-        self.flush()
         moved = 0
         for s in range(1, len(self.slots) + 1):
             theirs = self.free_blocks(small, s)
@@ -189,18 +135,7 @@ class Model:
         slot = self.slot_of(key)
         rsize = round_request(n)
         small = rsize <= SMALL_SIZE
-        bin_ = self.cache[cache_bin(rsize)]
-        for b in reversed(bin_):
-            if b.size == rsize and b.tag == slot:
-                bin_.remove(b)
-                b.state = "alloc"
-                return b, False
         b = self.best_fit(slot, small, rsize)
-        if b is None:
-            self.flush()
-            b = self.best_fit(slot, small, rsize)
-        elif b.size != rsize and small and self.merge_exact(slot, rsize):
-            b = self.best_fit(slot, small, rsize)
         if b is None and self.borrow(slot, small, rsize):
             b = self.best_fit(slot, small, rsize)
         fresh = b is None
@@ -221,44 +156,19 @@ class Model:
         return b, fresh
 
     def free(self, b, key=None, on_alloc_stream=True):
-        tag = b.tag if on_alloc_stream else self.slot_of(key)
-        if b.seg.small:
-            bin_ = self.cache[cache_bin(b.size)]
-            if len(bin_) == CACHE_DEPTH:
-                old = bin_.pop(0)
-                self.insert_free(old, old.tag)
-            b.state, b.tag = "cached", tag
-            bin_.append(b)
-        else:
-            self.insert_free(b, tag)
+        self.insert_free(b, self.slot_of(key) if not on_alloc_stream else b.tag)
 
     def synchronize(self, key=None):
         self.retag(self.slot_of(key), 0)
 
     def empty_cache(self):
-        self.flush()
         for s in range(1, len(self.slots) + 1):
             self.retag(s, 0)
         self.segments = [s for s in self.segments if not (len(s.blocks) == 1 and s.blocks[0].state == "free")]
 
     def layout(self):
-        """Each segment's blocks as a snapshot shows them: a cached block and its free neighbours
-        (tags permitting) as one hole, as the next miss would merge them (snapshot.c)."""
-        out = {}
-        for s in self.segments:
-            rows, run_tag, prev = [], 0, None
-            for b in s.blocks:
-                if (prev is not None and prev.state in ("free", "cached") and b.state in ("free", "cached")
-                        and "cached" in (prev.state, b.state) and (b.tag == run_tag or not b.tag or not run_tag)):
-                    off, size, alloc = rows[-1]
-                    rows[-1] = (off, size + b.size, alloc)
-                    run_tag = b.tag or run_tag
-                else:
-                    run_tag = b.tag
-                    rows.append((b.offset, b.size, b.state == "alloc"))
-                prev = b
-            out[s.seq] = rows
-        return out
+        """Each segment's blocks: (offset, size, allocated?)."""
+        return {s.seq: [(b.offset, b.size, b.state == "alloc") for b in s.blocks] for s in self.segments}
 
 
 class SideBySide:

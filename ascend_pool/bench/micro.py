@@ -15,6 +15,10 @@ Four figures, each the median over ``runs`` repetitions, in nanoseconds per mall
 * ``py_pair_2threads``: two Python threads each running that loop on one pool (the GIL
   serialises them: this is the latency each thread sees); floor ``py_floor_2threads``.
 
+Information (no floor): ``c_pair_merging``, the C-loop pair of a block that borders free space: it
+merges at free and is split again at the next malloc, as in PyTorch (only blocks with no free
+neighbour wait in the recent-free cache, which keeps placement exactly merge-at-free's).
+
 * ``tail_under_maintenance``: percentiles (``p50_ns``, ``p99_ns``, ``p999_ns``) of single warm
   ``ascend_pool_malloc``/``ascend_pool_free`` pairs through the C ABI, timed one by one on a C
   thread that never holds the GIL, while a Python thread keeps calling ``synchronize()`` on a busy
@@ -61,6 +65,7 @@ DESCRIPTIONS = {
     "py_floor_2threads": "the same, 2 Python threads",
     "c_floor_nolock": "trivial free-list pair in C without the mutex (information only)",
     "py_loop": "the Python loop's own iteration (information only)",
+    "c_pair_merging": "C-loop pair of a block beside free space: merged at free, split at malloc (information only)",
 }
 
 
@@ -174,13 +179,19 @@ def run_micro(backend, device: int = 0, runs: int = 7, target_ms: float = 20.0, 
             (py_pairs is not None and py_pairs < 1) or threads < 2:
         raise ValueError("runs, target_ms, c_pairs and py_pairs must be positive, threads >= 2")
     pool = Pool(device, backend=backend)
+    merging = None
     try:
-        # warm: one cached block per thread, so every timed pair is a cache hit
-        ptrs = [pool.malloc(size) for _ in range(threads)]
+        # warm: one cached block per thread, so every timed pair is a cache hit; a live guard
+        # after each keeps it from merging with free space (free_cache.h: only isolated blocks wait)
+        ptrs, guards = [], []
+        for _ in range(threads):
+            ptrs.append(pool.malloc(size))
+            guards.append(pool.malloc(size))
         for p in ptrs:
             pool.free(p)
         calls_before = _device_calls(pool)
-        samples = {k: [] for k in list(FIGURES) + list(FLOORS) + ["c_floor_nolock", "py_loop"]}
+        merging = Pool(device, backend=pool.backend)  # a fresh pool: its one block borders the free rest
+        samples = {k: [] for k in list(FIGURES) + list(FLOORS) + ["c_floor_nolock", "py_loop", "c_pair_merging"]}
         malloc, free, noop = pool.malloc, pool.free, _core.bench_noop
         fl = _core.bench_c_freelist_pairs
         cp = _core.bench_c_pool_pairs
@@ -190,6 +201,7 @@ def run_micro(backend, device: int = 0, runs: int = 7, target_ms: float = 20.0, 
             "c_floor": c_pairs or _calibrate(lambda k: fl(k, size, True, 1)[0], target_ms),
             "c_floor_nolock": c_pairs or _calibrate(lambda k: fl(k, size, False, 1)[0], target_ms),
             "c_pair": c_pairs or _calibrate(lambda k: cp(pool, k, size, 1)[0], target_ms),
+            "c_pair_merging": c_pairs or _calibrate(lambda k: cp(merging, k, size, 1)[0], target_ms),
             "py_loop": py_pairs or _calibrate(lambda k: _py_empty(size, k), target_ms),
             "py_floor": py_pairs or _calibrate(lambda k: _py_calls(noop, size, k), target_ms),
             "py_pair": py_pairs or _calibrate(lambda k: _py_pairs(malloc, free, size, k), target_ms),
@@ -200,6 +212,7 @@ def run_micro(backend, device: int = 0, runs: int = 7, target_ms: float = 20.0, 
             samples["c_floor"].append(fl(n["c_floor"], size, True, 1)[0])
             samples["c_floor_nolock"].append(fl(n["c_floor_nolock"], size, False, 1)[0])
             samples["c_pair"].append(cp(pool, n["c_pair"], size, 1)[0])
+            samples["c_pair_merging"].append(cp(merging, n["c_pair_merging"], size, 1)[0])
             samples["c_floor_2threads"].append(statistics.fmean(fl(n["c_floor"], size, True, threads)))
             samples["c_pair_2threads"].append(statistics.fmean(cp(pool, n["c_pair"], size, threads)))
             samples["py_loop"].append(_py_empty(size, n["py_loop"]))
@@ -211,7 +224,11 @@ def run_micro(backend, device: int = 0, runs: int = 7, target_ms: float = 20.0, 
                 statistics.fmean(_in_threads(threads, _py_pairs, malloc, free, size, n["py_pair"])))
         calls_during = _device_calls(pool) - calls_before
         backend_name = pool.backend.name
+        for g in guards:
+            pool.free(g)
     finally:
+        if merging is not None:
+            merging.close()
         pool.close()
 
     def entry(name):
@@ -230,7 +247,8 @@ def run_micro(backend, device: int = 0, runs: int = 7, target_ms: float = 20.0, 
     out = {
         "figures": figures,
         "floors": floors,
-        "info": {"c_floor_nolock": entry("c_floor_nolock"), "py_loop": entry("py_loop")},
+        "info": {"c_floor_nolock": entry("c_floor_nolock"), "py_loop": entry("py_loop"),
+                 "c_pair_merging": entry("c_pair_merging")},
         "config": {"runs": runs, "target_ms_per_loop": None if (c_pairs and py_pairs) else target_ms,
                    "pairs_per_run": n, "pairs_per_thread_when_contended": "as the single-thread run of the same kind",
                    "size_bytes": size, "threads": threads, "backend": backend_name, "device": device,

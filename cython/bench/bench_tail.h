@@ -41,8 +41,12 @@ static inline int64_t apb_tail_now(void)
 static void *apb_tail_body(void *arg)
 {
     apb_tail *t = (apb_tail *)arg;
-    void *p = ascend_pool_malloc((ssize_t)t->size, t->device, NULL); /* warm: the block is cached */
-    if (!p) {
+    /* Warm: the block is cached. The guard after it stays live, so that the block has no free
+       neighbour to merge with (a block freed beside free space merges at once: free_cache.h). */
+    void *p = ascend_pool_malloc((ssize_t)t->size, t->device, NULL);
+    void *guard = p ? ascend_pool_malloc((ssize_t)t->size, t->device, NULL) : NULL;
+    if (!p || !guard) {
+        if (p) ascend_pool_free(p, (ssize_t)t->size, t->device, NULL);
         t->status = 1;
     } else {
         ascend_pool_free(p, (ssize_t)t->size, t->device, NULL);
@@ -61,6 +65,7 @@ static void *apb_tail_body(void *arg)
             prev = now;
         }
         t->n = i;
+        ascend_pool_free(guard, (ssize_t)t->size, t->device, NULL);
     }
     atomic_store(&t->done, 1);
     return NULL;

@@ -59,6 +59,11 @@ typedef struct ap_segment {
     struct ap_segment *prev, *next; /* the pool's list of segments */
 } ap_segment;
 
+/* The best-fit order among free blocks of equal size: segment age, then offset (free_tree.h). */
+static inline uint64_t ap_block_order(const ap_block *b) {
+    return (b->seg->seq << 40) | (uint64_t)(b->addr - b->seg->base);
+}
+
 /* Block list adjacency: b's address neighbours link back to it and tile its segment without a gap
    or an overlap. Holds between operations (asserted after splits and merges). */
 static inline int ap_block_links_ok(const ap_block *b) {

@@ -35,6 +35,8 @@ typedef struct {
     const ap_block *culprit;
 } tree_walk;
 
+static void count_exact(ap_block *b, void *arg) { ((uint32_t *)arg)[ap_exact_bucket(b->size, b->tag)]++; }
+
 static void visit(ap_block *b, void *arg) {
     tree_walk *w = arg;
     if (w->bad) return;
@@ -63,6 +65,12 @@ static int check_trees(ap_pool *p, check_ctx *c, size_t *free_blocks) {
             CHECK(s == 0 || p->slots[s].live || !t->count, "retired slot %d still holds %zu free blocks", s, t->count);
             *free_blocks += w.count;
         }
+    uint32_t exact[AP_EXACT_BUCKETS];
+    memset(exact, 0, sizeof exact);
+    for (int s = 0; s < p->n_slots; s++) ap_tree_visit(&p->slots[s].trees[AP_POOL_SMALL], count_exact, exact);
+    for (int i = 0; i < AP_EXACT_BUCKETS; i++)
+        CHECK(exact[i] == p->small_exact[i], "small_exact bucket %d counts %u tree blocks but the trees hold %u", i,
+              p->small_exact[i], exact[i]);
     return 0;
 }
 
@@ -80,6 +88,9 @@ static int check_cache(ap_pool *p, check_ctx *c, size_t *cached) {
                   b->size, b->tag);
             CHECK(b->tag < p->n_slots, "cached block 0x%lx names slot %d of %d", (unsigned long)b->addr, b->tag,
                   p->n_slots);
+            /* merge-at-free would have merged it with such a neighbour (free_cache.h) */
+            CHECK(ap_cache_isolated(b, b->tag) && !p->cfg.expandable, "cached block 0x%lx (%zu bytes, slot %d) has a "
+                  "free or cached neighbour it merges with", (unsigned long)b->addr, b->size, b->tag);
             n++;
         }
     }

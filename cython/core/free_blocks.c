@@ -14,6 +14,10 @@ static inline ap_free_tree *tree_of(ap_pool *p, const ap_block *b) {
 
 void ap_free_remove(ap_pool *p, ap_block *b) {
     ap_tree_remove(tree_of(p, b), b);
+    if (b->seg->pool == AP_POOL_SMALL) {
+        AP_ASSERT(p->small_exact[ap_exact_bucket(b->size, b->tag)] > 0);
+        p->small_exact[ap_exact_bucket(b->size, b->tag)]--;
+    }
     if (b->counted_split) {
         ap_stat_dec(&p->stats, AP_STAT_INACTIVE_SPLIT, b->seg->pool, 1);
         ap_stat_dec(&p->stats, AP_STAT_INACTIVE_SPLIT_BYTES, b->seg->pool, (int64_t)b->size);
@@ -23,8 +27,16 @@ void ap_free_remove(ap_pool *p, ap_block *b) {
     }
 }
 
-static inline int mergeable(const ap_block *n, int tag) {
-    return n && n->state == AP_BLOCK_FREE && (n->tag == tag || n->tag == 0 || tag == 0);
+/* A free neighbour (in a tree) or a cached one (free_cache.h: merge-at-free would have merged
+   it) that a block freed with this tag merges with. */
+static inline int joins(const ap_block *n, int tag) {
+    return n && (n->state == AP_BLOCK_FREE || n->state == AP_BLOCK_CACHED) && (n->tag == tag || n->tag == 0 || tag == 0);
+}
+
+/* Takes a neighbour that joins out of its tree, or out of the cache. */
+static inline void detach(ap_pool *p, ap_block *n) {
+    if (n->state == AP_BLOCK_CACHED) ap_cache_take(p, n);
+    else ap_free_remove(p, n);
 }
 
 ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
@@ -37,8 +49,8 @@ ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
         b->xs = NULL;
     }
     ap_block *prev = b->prev, *next = b->next;
-    if (mergeable(prev, tag)) {
-        ap_free_remove(p, prev);
+    if (joins(prev, tag)) {
+        detach(p, prev);
         if (prev->free_tick < idle_since) idle_since = prev->free_tick;
         if (prev->tag) tag = prev->tag;
         prev->size += b->size;
@@ -48,8 +60,8 @@ ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
         b = prev;
     }
     next = b->next;
-    if (mergeable(next, tag)) {
-        ap_free_remove(p, next);
+    if (joins(next, tag)) {
+        detach(p, next);
         if (next->free_tick < idle_since) idle_since = next->free_tick;
         if (next->tag) tag = next->tag;
         b->size += next->size;
@@ -58,11 +70,12 @@ ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
         ap_block_recycle(p, next);
     }
     AP_ASSERT(tag >= 0 && tag < p->n_slots && (tag == 0 || p->slots[tag].live));
-    AP_ASSERT(ap_block_links_ok(b) && !mergeable(b->prev, tag) && !mergeable(b->next, tag)); /* fully coalesced */
+    AP_ASSERT(ap_block_links_ok(b) && !joins(b->prev, tag) && !joins(b->next, tag)); /* fully coalesced */
     b->tag = (uint16_t)tag;
     if (tag) p->slots[tag].epoch++; /* a wait begun before this free does not cover it (waits.c) */
     b->free_tick = idle_since;
     ap_tree_insert(tree_of(p, b), b);
+    if (b->seg->pool == AP_POOL_SMALL) p->small_exact[ap_exact_bucket(b->size, tag)]++;
     if (is_whole_segment(b)) {
         p->n_free_segments++;
     } else {

@@ -18,65 +18,12 @@ void ap_cache_flush(ap_pool *p) {
     p->n_cached = 0;
 }
 
-/* Takes the cached block c out of its bin (state FREE, in no tree). */
-static void cache_take(ap_pool *p, ap_block *c) {
+void ap_cache_take(ap_pool *p, ap_block *c) {
     unsigned bin = ap_cache_bin(c->size);
     int i = 0;
     while (i < p->cache_n[bin] && p->cache[bin][i] != c) i++;
     AP_ASSERT(i < p->cache_n[bin]);
     ap_cache_remove_at(p, bin, i);
-}
-
-/* The size and merged tag of the run of free and cached neighbours that c would merge into;
-   returns its leftmost block. */
-static ap_block *run_of(ap_block *c, size_t *total, int *tag) {
-    ap_block *start = c;
-    int t = c->tag;
-    while (ap_cache_joins(start->prev, &t)) start = start->prev;
-    t = start->tag;
-    *total = 0;
-    ap_block *x = start;
-    do {
-        *total += x->size;
-        x = x->next;
-    } while (ap_cache_joins(x, &t));
-    *tag = t;
-    return start;
-}
-
-/* The exact rule (free_cache.h says why only exactly). */
-static int merge_exact(ap_pool *p, int slot, size_t rsize) {
-    for (int bin = 0; bin < AP_CACHE_BINS; bin++)
-        for (int i = 0; i < p->cache_n[bin]; i++) {
-            ap_block *c = p->cache[bin][i];
-            if (c->size >= rsize) continue; /* alone it is no merge; with neighbours, too large */
-            int tag = c->tag, t2 = c->tag;
-            if (!ap_cache_joins(c->prev, &tag) && !ap_cache_joins(c->next, &t2)) continue; /* alone */
-            size_t total;
-            ap_block *x = run_of(c, &total, &tag);
-            if (total != rsize || (tag && tag != slot)) continue;
-            /* Each cached block of the run enters the tree, merging with what is free around it;
-               the walk goes on from the merged block (an insert recycles the structs it merges). */
-            tag = x->tag;
-            while (ap_cache_joins(x, &tag)) {
-                if (x->state == AP_BLOCK_CACHED) {
-                    cache_take(p, x);
-                    x = ap_free_insert(p, x, x->tag);
-                    tag = x->tag;
-                }
-                x = x->next;
-            }
-            return 1;
-        }
-    return 0;
-}
-
-int ap_cache_merge_for_split(ap_pool *p, int slot, size_t rsize) {
-    if (p->cfg.release_policy == AP_RELEASE_BUDGETED && !p->cfg.expandable) {
-        ap_cache_flush(p);
-        return 1;
-    }
-    return merge_exact(p, slot, rsize);
 }
 
 size_t ap_cache_bytes(const ap_pool *p) {

@@ -1,30 +1,30 @@
 /* A small cache of recently freed small-pool blocks, by exact size and stream, so that the common
- * free-then-malloc of the same size (a training step, a decode loop) skips coalescing and the
- * best-fit tree entirely: one hash, one compare, a few counter updates.
+ * free-then-malloc of the same size (a training step, a decode loop) skips the best-fit tree: one
+ * hash, one compare, a few counter updates.
  *
- * Only small-pool blocks (<= 1 MiB) are cached: large blocks left unmerged keep their neighbours'
- * free space fragmented, so later requests split other blocks instead and fewer segments become
- * wholly free for release (measured on the shared traces: mean waste reduction vs torch_npu fell
- * from 65 % to 25 % with every block cached, and rose to 68 % with small blocks only).
+ * It is invisible: every request gets the very block that a pool merging every free at once
+ * (PyTorch, RMM, torch_npu) would give it, so placement, and with it every statistic, snapshot and
+ * replay figure, is that of merge-at-free (issue 18; tests/test_free_cache_merge.py checks it
+ * against the independent torch_npu_policy model). Three rules make it so:
+ *  - only an isolated block is parked: one with no free or cached neighbour it would merge with,
+ *    which merge-at-free leaves alone too. A block freed beside free space merges at once, and one
+ *    freed beside a cached block takes that block out of the cache and merges with it
+ *    (ap_free_insert), so a cached block never has a neighbour it should have merged with;
+ *  - a hit takes a cached block of exactly the size and stream asked (the first in tree order if
+ *    several), and only when that stream's tree holds no block of exactly that size
+ *    (p->small_exact counts them by hashed size and stream: a zero is certain, a collision only
+ *    costs the slow path). It is then the best fit of the merged picture: nothing smaller fits,
+ *    and among equal sizes the tree order decides;
+ *  - any other small request first flushes the cache into the trees (unless the trees' best fit
+ *    is already an exact block of its own stream, which no cached block can beat), then fits
+ *    there. Each cached block is flushed at most once per free: amortised, the cost of merging at
+ *    free.
+ * Expandable segments fit small blocks by page (free_blocks.c), ranking blocks by the pages they
+ * would pin: a cached block is not provably that fit, so expandable pools cache nothing.
  *
- * Cached blocks are free (inactive) in every statistic and snapshot, just not merged with their
- * neighbours yet. A request that finds no fit, a release, empty_cache and stream settling flush
- * the cache first (each cached block is flushed at most once per free: amortised, the cost of
- * merging at free). A small request that would split a block (cut fresh space; with expandable
- * segments, the block the page fit picked) first merges a run of cached and free neighbours whose
- * hole is exactly its size, so that two freed neighbours serve it as one hole (PyTorch, RMM).
- * Only exactly: a larger hole would be split again, trading cached blocks that their own size's
- * next requests reuse whole for a remainder; classic segments under release_policy:budgeted flush
- * the whole cache instead. Both choices were measured, not derived: a different small-pool layout
- * changes which segments are wholly free, so the peaks move in the large pool through the trades
- * (figures and the rules tried: docs/placement-policy.md, "Placement"). Stats and snapshots, which
- * must not change what the pool does next, show the merged picture without flushing
- * (ap_cache_merged_view, snapshot.c): a cached block is never counted in inactive_split itself,
- * the view counts its merged run.
- *
- * The hits are inline here, on the cached path of ap_pool_malloc/ap_pool_free; the cache holds
- * small-pool blocks only, so their statistics use constant indices. Keys (size, stream) sit
- * beside the pointers so a lookup reads no block struct.
+ * Keys (size, stream) sit beside the pointers so a lookup reads no block struct; the hits are
+ * inline here, on the cached path of ap_pool_malloc/ap_pool_free. The cache holds small-pool
+ * blocks only, so their statistics use constant indices.
  */
 #ifndef AP_FREE_CACHE_H
 #define AP_FREE_CACHE_H
@@ -36,25 +36,16 @@
 void ap_cache_evict_oldest(ap_pool *p, unsigned bin);
 /* Coalesces every cached block into the trees; call before anything that needs the full picture. */
 void ap_cache_flush(ap_pool *p);
-/* 1 when a small request of rsize whose best fit is b would cut fresh space while blocks are
-   cached: ap_cache_merge_for_split must run first (ap_pool_malloc; the lock-free try path leaves
-   such requests to it). Classic and expandable segments alike. */
-static inline int ap_cache_merges_before_split(const ap_pool *p, const ap_block *b, size_t rsize, int pool) {
-    return b->size != rsize && pool == AP_POOL_SMALL && p->n_cached;
-}
-/* Before such a request cuts fresh space: with classic segments under release_policy:budgeted
-   every cached block merges; else a run of cached and free neighbours (two blocks or more) whose
-   hole is exactly rsize and usable by slot, as if merged at free. 1 if anything was merged (fit
-   again). */
-int ap_cache_merge_for_split(ap_pool *p, int slot, size_t rsize);
+/* Takes the cached block c out of the cache (state FREE, in no tree). */
+void ap_cache_take(ap_pool *p, ap_block *c);
 /* For stats without flushing: bytes held by cached blocks, and the largest cached block. */
 size_t ap_cache_bytes(const ap_pool *p);
 size_t ap_cache_largest(const ap_pool *p);
 /* Corrects exported stats (inactive_split counts and bytes, raised largest free block) to what
    they would be with every cached block merged into its free neighbours, without merging. */
 void ap_cache_merged_view(const ap_pool *p, ap_stats *out, size_t *largest);
-/* 1 when a and b (free or cached neighbours, tag of a run so far `tag`) would merge; *tag is the
-   merged tag. Same rule as free_blocks.c's mergeable(). */
+/* 1 when n (a free or cached neighbour of a run whose tag so far is *tag) would merge with it;
+   *tag becomes the merged tag. Same rule as free_blocks.c's joins(). */
 static inline int ap_cache_joins(const ap_block *n, int *tag) {
     if (!n || (n->state != AP_BLOCK_FREE && n->state != AP_BLOCK_CACHED)) return 0;
     if (n->tag != *tag && n->tag && *tag) return 0;
@@ -84,20 +75,52 @@ static inline ap_block *ap_cache_remove_at(ap_pool *p, unsigned bin, int i) {
     return b;
 }
 
-/* A cached block of exactly rsize freed on slot, taken out of the cache (state FREE), or NULL. */
-static inline ap_block *ap_cache_pop(ap_pool *p, int slot, size_t rsize) {
-    unsigned bin = ap_cache_bin(rsize);
-    uint64_t key = ap_cache_key(rsize, slot);
-    for (int i = p->cache_n[bin] - 1; i >= 0; i--)
-        if (p->cache_key[bin][i] == key) return ap_cache_remove_at(p, bin, i);
-    return NULL;
+static inline unsigned ap_exact_bucket(size_t size, int tag) {
+    return (unsigned)((((uint64_t)(size >> 9) ^ ((uint64_t)tag << 40)) * 0x9E3779B97F4A7C15ull) >> 56) & (AP_EXACT_BUCKETS - 1);
 }
 
-/* Parks a freed small-pool block (no record_stream uses) for reuse on stream slot tag. */
+/* The block merge-at-free would hand a small request of exactly rsize on slot, if it is cached
+   (taken out of the cache, state FREE), else NULL; *keyed = 1 when some cached block has the key
+   (then the trees alone cannot decide: the caller flushes before fitting). */
+static inline ap_block *ap_cache_hit(ap_pool *p, int slot, size_t rsize, int *keyed) {
+    unsigned bin = ap_cache_bin(rsize);
+    uint64_t key = ap_cache_key(rsize, slot);
+    int best = -1;
+    for (int i = 0; i < p->cache_n[bin]; i++)
+        if (p->cache_key[bin][i] == key &&
+            (best < 0 || ap_block_order(p->cache[bin][i]) < ap_block_order(p->cache[bin][best])))
+            best = i;
+    if (best < 0) return NULL;
+    *keyed = 1;
+    if (p->small_exact[ap_exact_bucket(rsize, slot)]) return NULL; /* an exact tree block may come first */
+    return ap_cache_remove_at(p, bin, best);
+}
+
+/* 1 when a request (rsize, slot) in pool, whose best fit in the trees is fit (or NULL), must see
+   the cached blocks merged first: merge-at-free might hand it a cached block (or a hole beside
+   one) instead. Not when the fit is an exact block of the request's own stream with no cached block
+   of that key: nothing cached comes before it. Large requests never take cached (small) blocks;
+   their growth path flushes on its own (segments.c). */
+static inline int ap_cache_must_flush(const ap_pool *p, int pool, int slot, size_t rsize, const ap_block *fit,
+                                      int keyed) {
+    if (!p->n_cached || pool != AP_POOL_SMALL) return 0;
+    return keyed || !fit || fit->size != rsize || fit->tag != slot;
+}
+
+/* 1 when a freed small block (stream slot tag) has no neighbour it would merge with: merge-at-free
+   leaves it alone, so it may wait in the cache. A whole segment is no split block: it goes to the
+   tree, where the release policies see it. */
+static inline int ap_cache_isolated(const ap_block *b, int tag) {
+    int t1 = tag, t2 = tag;
+    return (b->prev || b->next) && !ap_cache_joins(b->prev, &t1) && !ap_cache_joins(b->next, &t2);
+}
+
+/* Parks a freed, isolated small-pool block (no record_stream uses) for reuse on stream slot tag. */
 static inline void ap_cache_push_small(ap_pool *p, ap_block *b, int tag) {
     unsigned bin = ap_cache_bin(b->size);
-    if (p->cache_n[bin] == AP_CACHE_DEPTH) ap_cache_evict_oldest(p, bin); /* it goes to the tree, merged */
-    AP_ASSERT(p->cache_n[bin] < AP_CACHE_DEPTH && b->state == AP_BLOCK_ALLOCATED && b->seg->pool == AP_POOL_SMALL);
+    if (p->cache_n[bin] == AP_CACHE_DEPTH) ap_cache_evict_oldest(p, bin); /* to its tree, alone: it is isolated */
+    AP_ASSERT(p->cache_n[bin] < AP_CACHE_DEPTH && b->state == AP_BLOCK_ALLOCATED && b->seg->pool == AP_POOL_SMALL &&
+              !p->cfg.expandable && ap_cache_isolated(b, tag));
     b->state = AP_BLOCK_CACHED;
     b->tag = (uint16_t)tag;
     b->requested = 0;

@@ -77,7 +77,7 @@ static inline uint32_t prio_of(uintptr_t addr) {
 void ap_tree_insert(ap_free_tree *t, ap_block *b) {
     AP_ASSERT(b->size > 0 && b->addr >= b->seg->base && b->addr + b->size <= b->seg->base + b->seg->size);
     b->left = b->right = NULL;
-    b->order = (b->seg->seq << 40) | (uint64_t)(b->addr - b->seg->base);
+    b->order = ap_block_order(b);
     b->prio = prio_of(b->order);
     t->root = insert_at(t->root, b);
     t->count++;

@@ -240,23 +240,16 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
         return slot_error(p, slot, stream, err);
     }
     if (p->pending_head) ap_process_pending(p, 0, NULL);
-    ap_block *b = ap_cache_pop(p, slot, rsize);
+    int keyed = 0;
+    ap_block *b = p->n_cached ? ap_cache_hit(p, slot, rsize, &keyed) : NULL;
     if (b) {
         ap_mark_allocated_in(p, b, size, slot, AP_POOL_SMALL); /* the cache holds small blocks only */
         goto allocated;
     }
     b = ap_find_fit(p, slot, pool, rsize);
-    if (!b && p->n_cached) { /* about to grow: cached blocks enter the trees first, then fit again */
-        ap_cache_flush(p);
+    if (ap_cache_must_flush(p, pool, slot, rsize, b, keyed)) {
+        ap_cache_flush(p); /* the merged picture first (free_cache.h), then the fit there */
         b = ap_find_fit(p, slot, pool, rsize);
-    } else if (b && ap_cache_merges_before_split(p, b, rsize, pool) && ap_cache_merge_for_split(p, slot, rsize)) {
-        /* About to cut fresh space (split): cached neighbours merged first, as if merged at free,
-           so that a hole they leave together serves the request (free_cache.h). */
-        b = ap_find_fit(p, slot, pool, rsize);
-        /* The exact rule merges only a run this stream may use, so a fit is still there. The whole
-           flush (budgeted) may join the fit to another stream's cached neighbour, which ties the
-           merged block to that stream: then the request borrows or grows, as on any miss. */
-        AP_ASSERT(b || p->cfg.release_policy == AP_RELEASE_BUDGETED);
     }
     if (!b) {
         ap_error local = {0};
@@ -310,14 +303,15 @@ int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
     if (pthread_mutex_trylock(&p->lock) != 0) return AP_E_BUSY;
     int slot = p->pending_head || p->history.capacity || p->live.count * 2 + 2 > p->live.mask + 1
                    ? -1 : ap_slot_of_fast(p, stream, 0);
-    ap_block *b = slot > 0 ? ap_cache_pop(p, slot, rsize) : NULL;
+    int keyed = 0;
+    ap_block *b = slot > 0 && p->n_cached ? ap_cache_hit(p, slot, rsize, &keyed) : NULL;
     if (b) {
         ap_mark_allocated_in(p, b, size, slot, AP_POOL_SMALL);
     } else {
         int pool = pool_of(p, rsize);
         b = slot > 0 ? ap_find_fit(p, slot, pool, rsize) : NULL;
-        if (!b || ap_cache_merges_before_split(p, b, rsize, pool)) {
-            /* a growth, or a split while cached neighbours may merge first (the slow path) */
+        if (!b || ap_cache_must_flush(p, pool, slot, rsize, b, keyed)) {
+            /* a growth, or a fit the cached blocks may change (the slow path) */
             pthread_mutex_unlock(&p->lock);
             return AP_E_BUSY;
         }
@@ -363,8 +357,8 @@ static void release_block(ap_pool *p, ap_block *b, int tag) {
     }
     ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, p->slots[tag].stream);
     ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->requested, p->slots[tag].stream);
-    if (pool == AP_POOL_SMALL) ap_cache_push_small(p, b, tag);
-    else ap_free_insert(p, b, tag); /* large blocks merge at once (free_cache.h says why) */
+    if (pool == AP_POOL_SMALL && !p->cfg.expandable && ap_cache_isolated(b, tag)) ap_cache_push_small(p, b, tag);
+    else ap_free_insert(p, b, tag); /* merges with its free (and cached) neighbours at once */
 }
 
 int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err) {

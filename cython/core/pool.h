@@ -44,6 +44,7 @@
 #define AP_VMM_CHUNK_SHARE 32                /* ... and in a pool above 640 MiB, chunks of up to 1/32 of reserved */
 #define AP_CACHE_BINS 64   /* recent-free cache: bins by hashed size ... */
 #define AP_CACHE_DEPTH 4   /* ... of this many blocks each */
+#define AP_EXACT_BUCKETS 256 /* small-pool tree blocks counted by hashed (size, stream) (free_cache.h) */
 #define AP_EVENT_CACHE_MAX 64 /* idle events kept per device by all of a process's pools (stream_order.c) */
 
 /* Status codes of pool calls (ap_error.status). */
@@ -206,6 +207,7 @@ typedef struct ap_pool {
     ap_block *cache[AP_CACHE_BINS][AP_CACHE_DEPTH]; /* recently freed blocks (free_cache.h) */
     uint8_t cache_n[AP_CACHE_BINS];
     int n_cached;
+    uint32_t small_exact[AP_EXACT_BUCKETS]; /* small-pool tree blocks by ap_exact_bucket(size, tag) */
 
     ap_stats stats;
     ap_history history;

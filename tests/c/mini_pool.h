@@ -56,15 +56,21 @@ static inline ap_segment *mp_segment(ap_pool *p, uintptr_t base, size_t size, in
     return s;
 }
 
-/* pool.c's cached path: the recent-free cache (small pool), then best fit and split. */
+/* pool.c's allocation path: a recent-free cache hit, else best fit (after a flush when the cache
+   could change it), and split. */
 static inline ap_block *mp_alloc(ap_pool *p, int slot, size_t size, int pool) {
     size_t rsize = (size + 511) & ~(size_t)511;
-    ap_block *b = pool == AP_POOL_SMALL ? ap_cache_pop(p, slot, rsize) : NULL;
+    int keyed = 0;
+    ap_block *b = pool == AP_POOL_SMALL && p->n_cached ? ap_cache_hit(p, slot, rsize, &keyed) : NULL;
     if (b) {
         ap_mark_allocated_in(p, b, size, slot, AP_POOL_SMALL);
         return b;
     }
     b = ap_find_fit(p, slot, pool, rsize);
+    if (ap_cache_must_flush(p, pool, slot, rsize, b, keyed)) {
+        ap_cache_flush(p);
+        b = ap_find_fit(p, slot, pool, rsize);
+    }
     if (!b) return NULL;
     ap_take_block(p, b, rsize, size, slot);
     CHECK(b->state == AP_BLOCK_ALLOCATED && b->size >= rsize);
@@ -72,14 +78,15 @@ static inline ap_block *mp_alloc(ap_pool *p, int slot, size_t size, int pool) {
 }
 
 /* pool.c's release_block without record_stream uses: the block's stats off, then cached (small,
-   when use_cache) or coalesced into the trees. Returns the block that now holds its bytes. */
+   isolated, when use_cache) or coalesced into the trees. Returns the block that now holds its
+   bytes. */
 static inline ap_block *mp_free(ap_pool *p, ap_block *b, int tag, int use_cache) {
     int pool = b->seg->pool;
     CHECK(b->state == AP_BLOCK_ALLOCATED);
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, pool, 1);
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
     ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
-    if (use_cache && pool == AP_POOL_SMALL) {
+    if (use_cache && pool == AP_POOL_SMALL && ap_cache_isolated(b, tag)) {
         ap_cache_push_small(p, b, tag);
         return b;
     }
@@ -136,12 +143,17 @@ static inline void mp_recount(ap_pool *p) {
                 CHECK(b->tag < p->n_slots && mp_in_tree(&p->slots[b->tag].trees[s->pool], b));
                 CHECK(!b->next || b->next->state != AP_BLOCK_FREE || !mp_compatible(b->tag, b->next->tag));
             } else {
-                CHECK(b->state == AP_BLOCK_CACHED && !b->counted_split);
+                CHECK(b->state == AP_BLOCK_CACHED && !b->counted_split && ap_cache_isolated(b, b->tag));
             }
         }
         CHECK(at == s->base + s->size);
     }
     CHECK_EQ(in_trees, free_blocks);
+    uint32_t exact[AP_EXACT_BUCKETS] = {0};
+    for (ap_segment *s = p->segments; s; s = s->next)
+        for (ap_block *b = s->first; b; b = b->next)
+            if (b->state == AP_BLOCK_FREE && s->pool == AP_POOL_SMALL) exact[ap_exact_bucket(b->size, b->tag)]++;
+    for (int i = 0; i < AP_EXACT_BUCKETS; i++) CHECK_EQ(exact[i], p->small_exact[i]);
     CHECK_EQ(whole_free, p->n_free_segments);
     for (int k = 0; k < 2; k++) {
         CHECK_EQ(p->stats.s[AP_STAT_ALLOCATION][1 + k].current, alloc_n[k]);
