@@ -74,6 +74,26 @@ def test_reload_up_and_down_with_live_blocks(base, tmp_path, caplog):
             c.close()
 
 
+def test_a_tenant_removed_from_the_file_keeps_its_quota_and_is_named(base, tmp_path, caplog):
+    cfg = str(tmp_path / "tenants.toml")
+    write_config(cfg, kept="8MiB", dropped="8MiB")
+    kept = base.context("kept", quota=8 * MiB)
+    dropped = base.context("dropped", quota=8 * MiB)
+    try:
+        write_config(cfg, kept="16MiB")
+        with caplog.at_level(logging.WARNING, logger="ascend_pool.tenants"):
+            assert reload_config(cfg)
+        assert (kept.quota, dropped.quota) == (16 * MiB, 8 * MiB)
+        msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("'dropped'" in m and "keeps its quota of 8388608 bytes" in m and cfg in m for m in msgs), msgs
+        assert not any("'kept'" in m for m in msgs), msgs
+        with pytest.raises(ap.QuotaExceededError):  # still enforced
+            dropped.malloc(large(10))
+    finally:
+        for c in (kept, dropped):
+            c.close()
+
+
 def test_watcher_applies_a_changed_file(base, tmp_path):
     cfg = str(tmp_path / "tenants.toml")
     write_config(cfg, watched="8MiB")

@@ -3,7 +3,8 @@
 Reloading applies each tenant's new quota and warn ratio to this process's live contexts of that
 tenant (Context.set_quota): no allocation is lost; a lower quota stops growth and trims cached
 segments, never live blocks. A context whose tenant is no longer in the file, or no longer on its
-device, keeps its quota. A file with mistakes is not applied: the old quotas stay and every
+device, keeps its quota (its processes go on under the limit they started with: dropping it would
+let one tenant take the node), and each reload says so once per such context (a warning). A file with mistakes is not applied: the old quotas stay and every
 mistake is logged (one line each) on the "ascend_pool.tenants" logger.
 
 Both triggers are opt-in: watch_config() starts a thread that polls the file's mtime;
@@ -24,13 +25,17 @@ log = logging.getLogger("ascend_pool.tenants")
 RELOAD_ENV = "ASCEND_POOL_CONFIG_RELOAD"
 
 
-def apply_config(cfg):
+def apply_config(cfg, orphans=None):
     """Applies cfg (a TenantsConfig) to this process's live contexts. Returns a list of
-    (tenant, device, old quota bytes, new quota bytes) for the contexts it changed."""
+    (tenant, device, old quota bytes, new quota bytes) for the contexts it changed; the contexts
+    cfg no longer names for their device (they keep their quota) are appended to orphans (a list)
+    as (tenant, device, quota bytes)."""
     changed = []
     for ctx in live_contexts():
         t = cfg.tenants.get(ctx.tenant)
         if t is None or not t.applies_to(ctx.device):
+            if orphans is not None:
+                orphans.append((ctx.tenant, ctx.device, ctx.quota))
             continue
         old = ctx.quota
         ctx.set_quota(t.quota, warn=t.warn)
@@ -50,10 +55,14 @@ def reload_config(path=None):
     if cfg is None:
         log.error("tenants file not reloaded: no path given and %s is not set", _config.CONFIG_ENV)
         return False
-    for ctx_change in apply_config(cfg):
+    orphans = []
+    for ctx_change in apply_config(cfg, orphans):
         tenant, device, old, new = ctx_change
         if old != new:
             log.info("tenant %r on device %d: quota %s -> %s bytes (from %s)", tenant, device, old, new, cfg.path)
+    for tenant, device, quota in orphans:
+        log.warning("tenant %r on device %d is not in %s for that device: its live context keeps its quota of "
+                    "%s bytes until it closes", tenant, device, cfg.path, quota)
     return True
 
 
