@@ -13,7 +13,7 @@ MiB = 1 << 20
 @pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
 @pytest.mark.parametrize("policy", ["under_peak", "budgeted", "never"])
 def test_two_adjacent_freed_512_byte_blocks_serve_a_1kib_request(policy, expandable):
-    # Expandable segments fit small blocks by page (and cache nothing), and reuse it too.
+    # Expandable segments fit small blocks by page, and reuse it too.
     pool = ap.Pool(0, backend="sim", release_policy=policy, expandable_segments=expandable)
     try:
         a, b, c = (pool.malloc(480) for _ in range(3))  # 512 bytes each, adjacent, c keeps the hole closed

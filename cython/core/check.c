@@ -89,7 +89,7 @@ static int check_cache(ap_pool *p, check_ctx *c, size_t *cached) {
             CHECK(b->tag < p->n_slots, "cached block 0x%lx names slot %d of %d", (unsigned long)b->addr, b->tag,
                   p->n_slots);
             /* merge-at-free would have merged it with such a neighbour (free_cache.h) */
-            CHECK(ap_cache_isolated(b, b->tag) && !p->cfg.expandable, "cached block 0x%lx (%zu bytes, slot %d) has a "
+            CHECK(ap_cache_isolated(b, b->tag), "cached block 0x%lx (%zu bytes, slot %d) has a "
                   "free or cached neighbour it merges with", (unsigned long)b->addr, b->size, b->tag);
             n++;
         }

@@ -139,6 +139,18 @@ static int page_live(const ap_block *b, uintptr_t lo, size_t g) {
     return 0;
 }
 
+/* Pages the first rsize bytes at b would touch that hold live data (a one-page block's page counts
+   twice): 2 = nothing new pinned. */
+static int page_score(const ap_block *b, size_t rsize, size_t g) {
+    uintptr_t first = b->addr / g * g, last = (b->addr + rsize - 1) / g * g;
+    int score = page_live(b, first, g);
+    return first == last ? 2 * score : score + page_live(b, last, g);
+}
+
+int ap_page_fit_pins_nothing(const ap_pool *p, const ap_block *b, size_t rsize) {
+    return page_score(b, rsize, p->vmm_granularity) == 2;
+}
+
 typedef struct page_fit {
     const ap_pool *p;
     size_t rsize;
@@ -146,17 +158,13 @@ typedef struct page_fit {
     int best_score, seen;
 } page_fit;
 
-/* Score: pages the block at b->addr would touch that hold live data (a one-page block's page
-   counts twice), 2 = nothing new pinned. Candidates come smallest first: the walk stops past
-   the size of a best fit that pins nothing new. */
+/* Candidates come smallest first (page_score: 2 = nothing new pinned): the walk stops past the
+   size of a best fit that pins nothing new. */
 static int page_fit_visit(ap_block *b, void *arg) {
     page_fit *f = arg;
     if (f->best_score == 2 && b->size > f->best->size) return 1;
     if (!fit_allowed(f->p, b, f->rsize)) return 1; /* larger ones are refused too */
-    size_t g = f->p->vmm_granularity;
-    uintptr_t first = b->addr / g * g, last = (b->addr + f->rsize - 1) / g * g;
-    int score = page_live(b, first, g);
-    score = first == last ? 2 * score : score + page_live(b, last, g);
+    int score = page_score(b, f->rsize, f->p->vmm_granularity);
     if (!f->best || score > f->best_score ||
         (score == f->best_score && b->size == f->best->size && b->addr < f->best->addr)) {
         f->best = b;

@@ -1,19 +1,20 @@
 /* The recent-free cache's cold paths: eviction, flush and sizes (the hits are in free_cache.h). */
 #include "pool_internal.h"
 
+/* A cached block enters its tree: MOVING, so that it keeps the time it was freed (free_blocks.c). */
+static void to_tree(ap_pool *p, ap_block *b) {
+    b->state = AP_BLOCK_MOVING;
+    ap_free_insert(p, b, b->tag);
+}
+
 void ap_cache_evict_oldest(ap_pool *p, unsigned bin) {
-    ap_block *old = ap_cache_remove_at(p, bin, 0);
-    ap_free_insert(p, old, old->tag);
+    to_tree(p, ap_cache_remove_at(p, bin, 0));
 }
 
 void ap_cache_flush(ap_pool *p) {
     if (!p->n_cached) return;
     for (int bin = 0; bin < AP_CACHE_BINS; bin++) {
-        while (p->cache_n[bin]) {
-            ap_block *b = p->cache[bin][--p->cache_n[bin]];
-            b->state = AP_BLOCK_FREE;
-            ap_free_insert(p, b, b->tag);
-        }
+        while (p->cache_n[bin]) to_tree(p, p->cache[bin][--p->cache_n[bin]]);
     }
     p->n_cached = 0;
 }

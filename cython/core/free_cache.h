@@ -4,8 +4,9 @@
  *
  * It is invisible: every request gets the very block that a pool merging every free at once
  * (PyTorch, RMM, torch_npu) would give it, so placement, and with it every statistic, snapshot and
- * replay figure, is that of merge-at-free (issue 18; tests/test_free_cache_merge.py checks it
- * against the independent torch_npu_policy model). Three rules make it so:
+ * replay figure, is that of merge-at-free (issue 18; tests/c/test_free_cache.c runs a pool with and
+ * without it side by side, tests/test_free_cache_merge.py against the independent torch_npu_policy
+ * model). Three rules make it so:
  *  - only an isolated block is parked: one with no free or cached neighbour it would merge with,
  *    which merge-at-free leaves alone too. A block freed beside free space merges at once, and one
  *    freed beside a cached block takes that block out of the cache and merges with it
@@ -20,7 +21,8 @@
  *    there. Each cached block is flushed at most once per free: amortised, the cost of merging at
  *    free.
  * Expandable segments fit small blocks by page (free_blocks.c), ranking blocks by the pages they
- * would pin: a cached block is not provably that fit, so expandable pools cache nothing.
+ * would pin: there a hit also needs the cached block to pin no new page (ap_cache_hit), and every
+ * miss flushes. A cached block keeps the time it was freed (free_tick), which their trades read.
  *
  * Keys (size, stream) sit beside the pointers so a lookup reads no block struct; the hits are
  * inline here, on the cached path of ap_pool_malloc/ap_pool_free. The cache holds small-pool
@@ -81,30 +83,43 @@ static inline unsigned ap_exact_bucket(size_t size, int tag) {
 
 /* The block merge-at-free would hand a small request of exactly rsize on slot, if it is cached
    (taken out of the cache, state FREE), else NULL; *keyed = 1 when some cached block has the key
-   (then the trees alone cannot decide: the caller flushes before fitting). */
+   (then the trees alone cannot decide: the caller flushes before fitting). Classic: the first
+   cached block of the key in tree order, while the stream's tree holds no block of that size.
+   Expandable (page fit: free_blocks.c): the key's lowest-addressed cached block, if it pins no
+   new page (the page fit's best score, which nothing larger beats) and no block of that size is
+   free for any stream (which would win a tie by address). */
 static inline ap_block *ap_cache_hit(ap_pool *p, int slot, size_t rsize, int *keyed) {
     unsigned bin = ap_cache_bin(rsize);
-    uint64_t key = ap_cache_key(rsize, slot);
-    int best = -1;
-    for (int i = 0; i < p->cache_n[bin]; i++)
-        if (p->cache_key[bin][i] == key &&
-            (best < 0 || ap_block_order(p->cache[bin][i]) < ap_block_order(p->cache[bin][best])))
-            best = i;
+    uint64_t key = ap_cache_key(rsize, slot), any_key = ap_cache_key(rsize, 0);
+    int best = -1, vmm = p->cfg.expandable, any_cached = 0;
+    for (int i = 0; i < p->cache_n[bin]; i++) {
+        uint64_t k = p->cache_key[bin][i];
+        any_cached |= k == any_key;
+        if (k != key) continue;
+        if (best >= 0 && (vmm ? p->cache[bin][i]->addr > p->cache[bin][best]->addr
+                              : ap_block_order(p->cache[bin][i]) > ap_block_order(p->cache[bin][best])))
+            continue;
+        best = i;
+    }
     if (best < 0) return NULL;
     *keyed = 1;
     if (p->small_exact[ap_exact_bucket(rsize, slot)]) return NULL; /* an exact tree block may come first */
+    if (vmm && ((slot && (any_cached || p->small_exact[ap_exact_bucket(rsize, 0)])) ||
+                !ap_page_fit_pins_nothing(p, p->cache[bin][best], rsize)))
+        return NULL;
     return ap_cache_remove_at(p, bin, best);
 }
 
 /* 1 when a request (rsize, slot) in pool, whose best fit in the trees is fit (or NULL), must see
    the cached blocks merged first: merge-at-free might hand it a cached block (or a hole beside
    one) instead. Not when the fit is an exact block of the request's own stream with no cached block
-   of that key: nothing cached comes before it. Large requests never take cached (small) blocks;
+   of that key (classic): nothing cached comes before it. Large requests never take cached (small) blocks;
    their growth path flushes on its own (segments.c). */
 static inline int ap_cache_must_flush(const ap_pool *p, int pool, int slot, size_t rsize, const ap_block *fit,
                                       int keyed) {
     if (!p->n_cached || pool != AP_POOL_SMALL) return 0;
-    return keyed || !fit || fit->size != rsize || fit->tag != slot;
+    /* expandable: a larger cached block that pins no new page beats an exact fit that does */
+    return keyed || !fit || fit->size != rsize || fit->tag != slot || p->cfg.expandable;
 }
 
 /* 1 when a freed small block (stream slot tag) has no neighbour it would merge with: merge-at-free
@@ -120,8 +135,9 @@ static inline void ap_cache_push_small(ap_pool *p, ap_block *b, int tag) {
     unsigned bin = ap_cache_bin(b->size);
     if (p->cache_n[bin] == AP_CACHE_DEPTH) ap_cache_evict_oldest(p, bin); /* to its tree, alone: it is isolated */
     AP_ASSERT(p->cache_n[bin] < AP_CACHE_DEPTH && b->state == AP_BLOCK_ALLOCATED && b->seg->pool == AP_POOL_SMALL &&
-              !p->cfg.expandable && ap_cache_isolated(b, tag));
+              ap_cache_isolated(b, tag));
     b->state = AP_BLOCK_CACHED;
+    b->free_tick = p->tick; /* idle since now, as merge-at-free would record it (expandable trades) */
     b->tag = (uint16_t)tag;
     b->requested = 0;
     int n = p->cache_n[bin]++;

@@ -357,7 +357,7 @@ static void release_block(ap_pool *p, ap_block *b, int tag) {
     }
     ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, p->slots[tag].stream);
     ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->requested, p->slots[tag].stream);
-    if (pool == AP_POOL_SMALL && !p->cfg.expandable && ap_cache_isolated(b, tag)) ap_cache_push_small(p, b, tag);
+    if (pool == AP_POOL_SMALL && ap_cache_isolated(b, tag)) ap_cache_push_small(p, b, tag);
     else ap_free_insert(p, b, tag); /* merges with its free (and cached) neighbours at once */
 }
 

@@ -91,6 +91,9 @@ void ap_free_remove(ap_pool *p, ap_block *b);
 void ap_free_retag_slot(ap_pool *p, int from, int to);
 /* Best cached block for a request on slot (own stream or any-stream blocks), or NULL. */
 ap_block *ap_find_fit(ap_pool *p, int slot, int pool, size_t rsize);
+/* Expandable small pool: 1 when the first rsize bytes at b touch only pages that hold live data
+   (the page fit's best score: nothing new pinned). */
+int ap_page_fit_pins_nothing(const ap_pool *p, const ap_block *b, size_t rsize);
 /* Takes a free block (already chosen by ap_find_fit) for an allocation, splitting off the rest. */
 void ap_take_block(ap_pool *p, ap_block *b, size_t rsize, size_t requested, int slot);
 

@@ -1,6 +1,7 @@
 /* The recent-free cache (cython/core/free_cache.{c,h}) on a minimal pool. It must be invisible:
  * only an isolated block is parked; a hit needs the exact size and stream, takes the first such
- * block in tree order, and is refused while the stream's tree holds a block of exactly that size;
+ * block in tree order (expandable: the lowest address, and only if it pins no new page), and is
+ * refused while the stream's tree holds a block of exactly that size;
  * freeing a cached block's neighbour merges them at once; any other small request flushes first.
  * A random differential run checks that a pool with the cache places every block exactly where
  * the same pool without it does, and the merged view of the stats equals what a flush shows.
@@ -133,7 +134,8 @@ static void merged_view_is_the_flushed_stats(void) {
     mp_destroy(p);
 }
 
-/* Layouts of two pools made alike: same blocks (address, size, free or not, tag when free). */
+/* Layouts of two pools made alike: same blocks (address, size, free or not; when free, tag and the
+   time it became free). */
 static void same_layout(ap_pool *p, ap_pool *q) {
     ap_segment *s = p->segments, *t = q->segments;
     for (; s && t; s = s->next, t = t->next) {
@@ -142,6 +144,7 @@ static void same_layout(ap_pool *p, ap_pool *q) {
         for (; b && c; b = b->next, c = c->next) {
             int bf = b->state != AP_BLOCK_ALLOCATED, cf = c->state != AP_BLOCK_ALLOCATED;
             CHECK(b->addr == c->addr && b->size == c->size && bf == cf && (!bf || b->tag == c->tag));
+            CHECK(!bf || b->free_tick == c->free_tick); /* idle since the same time (expandable trades) */
         }
         CHECK(!b && !c);
     }
@@ -149,9 +152,12 @@ static void same_layout(ap_pool *p, ap_pool *q) {
 }
 
 /* The cache is invisible: random small requests and frees on three slots, with retags, give the
-   same addresses and layouts with the cache as without it. */
-static void differential(unsigned seed) {
+   same addresses and layouts with the cache as without it; with classic best fit, and with the
+   expandable small pool's page fit (64 KiB pages here, so that blocks share them). */
+static void differential(unsigned seed, int expandable) {
     ap_pool *p = mp_create(), *q = mp_create();
+    p->cfg.expandable = q->cfg.expandable = expandable;
+    p->vmm_granularity = q->vmm_granularity = 64 * K;
     enum { N = 96 };
     ap_block *lp[N] = {0}, *lq[N] = {0};
     static const size_t sizes[] = {4 * K, 4 * K, 4 * K, 4 * K, 4 * K, 4 * K, 512, 1536, 8 * K, 64 * K, 1 << 20};
@@ -205,7 +211,10 @@ int main(void) {
     split_sees_the_merged_picture();
     eviction();
     merged_view_is_the_flushed_stats();
-    for (unsigned seed = 1; seed <= 4; seed++) differential(seed);
+    for (unsigned seed = 1; seed <= 4; seed++) {
+        differential(seed, 0);
+        differential(seed, 1);
+    }
     puts("test_free_cache: ok");
     return 0;
 }
