@@ -320,6 +320,18 @@ def test_stream_ordered_reuse_matches_the_model(sequence):
         drive_streams(pool, sequence)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_recurring_small_sizes_on_three_streams_match_the_model(never_pool, seed):
+    """A few small sizes over and over, as a training step or a decode loop asks them: most frees
+    leave isolated blocks that the recent-free cache serves again, and every one of those hits
+    must be the block merge-at-free would give."""
+    rnd = random.Random(200 + seed)
+    seq = [(rnd.choice(["malloc", "malloc", "free", "free"] + (["sync"] if seed % 2 else [])),
+            rnd.choice([480, 4000, 4000, 8000, 30000]), rnd.getrandbits(30), rnd.randrange(6))
+           for _ in range(2000)]
+    drive_streams(never_pool, seq)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_long_seeded_runs_on_three_streams_match_the_model(never_pool, seed):
     rnd = random.Random(100 + seed)
