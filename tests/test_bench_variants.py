@@ -69,6 +69,7 @@ def test_summary_counts_and_distribution():
     assert s["mean"] == pytest.approx(statistics.fmean([50, -10, 90]))
     assert s["worst_steady_pct"] == 2.0 and s["worst_whole_pct"] == 4.0
     assert s["worst_reduction_workload"] == "w1" and s["worst_steady_workload"] == "w1"
+    assert s["misses_call_target"] == 2  # w1 above 1 % steady, w2 above 3 % whole-trace; w0 neither
 
 
 def test_cli_variants_json(capsys):
