@@ -19,8 +19,9 @@ import glob
 import json
 import multiprocessing
 import os
-import statistics
 import sys
+
+from ascend_pool.bench.robustness import summarize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "traces")
@@ -47,10 +48,12 @@ def _one(job):
         ref = {"peak_reserved_bytes": r["peak_reserved_bytes"], "waste_bytes": r["waste_bytes"]}
         with open(cached, "w") as f:
             json.dump(ref, f)
-    red = 100.0 * (1 - ap["waste_bytes"] / ref["waste_bytes"]) if ref["waste_bytes"] else 0.0
-    return {"key": key, "peak_mib": ap["peak_reserved_bytes"] >> 20, "calls": ap["device_calls"],
+    wa, wr = ap["waste_bytes"], ref["waste_bytes"]
+    red = 100.0 * (1 - wa / wr) if wr else (0.0 if wa == 0 else None)  # as the harness (robustness.py)
+    # the robustness harness's workload keys, so that its summarize() reads these rows
+    return {"name": key, "peak_mib": ap["peak_reserved_bytes"] >> 20, "calls": ap["device_calls"],
             "steady": ap["device_calls_steady"], "steady_pct": ap["device_calls_steady_pct_of_allocs"],
-            "whole_pct": ap["device_calls_pct_of_allocs"], "reduction_pct": red,
+            "whole_pct": ap["device_calls_pct_of_allocs"], "waste_reduction_pct": red,
             "reserves_more": ap["peak_reserved_bytes"] > ref["peak_reserved_bytes"]}
 
 
@@ -83,20 +86,21 @@ def main(argv=None):
     with multiprocessing.Pool(2, initializer=_init) as pool:
         rows = pool.map(_one, jobs, chunksize=1)
     for r in rows:
-        if r["key"].endswith(":-1"):
-            print(f"{r['key'][:-3]:40} {r['peak_mib']:7} MiB {r['calls']:5} calls {r['steady']:4} steady "
-                  f"{r['reduction_pct']:6.1f} %{'  reserves more than torch_npu_policy' if r['reserves_more'] else ''}")
-    reds = [r["reduction_pct"] for r in rows]
-    print(f"{len(rows)} workloads: waste reduction mean {statistics.fmean(reds):.2f} %, min {min(reds):.1f} %; "
-          f"reserve more than torch_npu_policy: {sum(r['reserves_more'] for r in rows)}; steady calls > 1 %: "
-          f"{sum(r['steady_pct'] > 1 for r in rows)}; whole-trace calls > 3 %: {sum(r['whole_pct'] > 3 for r in rows)}")
+        if r["name"].endswith(":-1"):
+            print(f"{r['name'][:-3]:40} {r['peak_mib']:7} MiB {r['calls']:5} calls {r['steady']:4} steady "
+                  f"{'-' if r['waste_reduction_pct'] is None else format(r['waste_reduction_pct'], '6.1f')} %"
+                  f"{'  reserves more than torch_npu_policy' if r['reserves_more'] else ''}")
+    o = summarize(rows)
+    print(f"{o['workloads']} workloads: waste reduction mean {o['mean']:.2f} %, min {o['min']:.1f} %; reserve more "
+          f"than torch_npu_policy: {o['reserves_more']}; miss a call target (steady > 1 % or whole > 3 %): "
+          f"{o['misses_call_target']}")
     if a.save:
         with open(a.save, "w") as f:
             json.dump({"knobs": knobs, "rows": rows}, f)
     if a.compare:
         with open(a.compare) as f:
-            old = {r["key"]: r for r in json.load(f)["rows"]}
-        both = [(old[r["key"]], r) for r in rows if r["key"] in old]
+            old = {r["name"]: r for r in json.load(f)["rows"]}
+        both = [(old[r["name"]], r) for r in rows if r["name"] in old]
         for fig in ("peak_mib", "calls", "steady"):
             up = sum(n[fig] > o[fig] for o, n in both)
             down = sum(n[fig] < o[fig] for o, n in both)

@@ -29,9 +29,7 @@ void ap_free_remove(ap_pool *p, ap_block *b) {
 
 /* A free neighbour (in a tree) or a cached one (free_cache.h: merge-at-free would have merged
    it) that a block freed with this tag merges with. */
-static inline int joins(const ap_block *n, int tag) {
-    return n && (n->state == AP_BLOCK_FREE || n->state == AP_BLOCK_CACHED) && (n->tag == tag || n->tag == 0 || tag == 0);
-}
+static inline int joins(const ap_block *n, int tag) { return ap_cache_joins(n, &tag); }
 
 /* Takes a neighbour that joins out of its tree, or out of the cache. */
 static inline void detach(ap_pool *p, ap_block *n) {

@@ -43,34 +43,11 @@ size_t ap_cache_largest(const ap_pool *p) {
 }
 
 void ap_cache_merged_view(const ap_pool *p, ap_stats *out, size_t *largest) {
-    int64_t d_n = 0, d_b = 0;
-    for (int bin = 0; bin < AP_CACHE_BINS; bin++)
-        for (int i = 0; i < p->cache_n[bin]; i++) {
-            const ap_block *c = p->cache[bin][i], *start = c;
-            int tag = c->tag, first = 1;
-            while (ap_cache_joins(start->prev, &tag)) { /* each run once: from its leftmost cached block */
-                start = start->prev;
-                if (start->state == AP_BLOCK_CACHED) first = 0;
-            }
-            if (!first) continue;
-            tag = start->tag;
-            size_t total = 0;
-            const ap_block *x = start, *end = start;
-            do {
-                end = x;
-                total += x->size;
-                if (x->state == AP_BLOCK_FREE && x->counted_split) {
-                    d_n--;
-                    d_b -= (int64_t)x->size;
-                }
-                x = x->next;
-            } while (ap_cache_joins(x, &tag));
-            if (start->prev || end->next) {
-                d_n++;
-                d_b += (int64_t)total;
-            }
-            if (total > *largest) *largest = total;
-        }
+    /* A cached block is isolated (free_cache.h): merged at free it would be a free block of its own,
+       inside a segment it shares with other blocks, so it counts as one inactive split block. */
+    int64_t d_n = p->n_cached, d_b = (int64_t)ap_cache_bytes(p);
+    size_t cached_largest = ap_cache_largest(p);
+    if (cached_largest > *largest) *largest = cached_largest;
     int types[2] = {AP_STAT_ALL, AP_STAT_SMALL};
     for (int t = 0; t < 2; t++) {
         ap_stat *n = &out->s[AP_STAT_INACTIVE_SPLIT][types[t]], *b = &out->s[AP_STAT_INACTIVE_SPLIT_BYTES][types[t]];

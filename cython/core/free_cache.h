@@ -44,10 +44,10 @@ void ap_cache_take(ap_pool *p, ap_block *c);
 size_t ap_cache_bytes(const ap_pool *p);
 size_t ap_cache_largest(const ap_pool *p);
 /* Corrects exported stats (inactive_split counts and bytes, raised largest free block) to what
-   they would be with every cached block merged into its free neighbours, without merging. */
+   merge-at-free would show, without flushing: each cached block is an inactive split block. */
 void ap_cache_merged_view(const ap_pool *p, ap_stats *out, size_t *largest);
-/* 1 when n (a free or cached neighbour of a run whose tag so far is *tag) would merge with it;
-   *tag becomes the merged tag. Same rule as free_blocks.c's joins(). */
+/* 1 when n (a free or cached neighbour of a block or run whose tag so far is *tag) would merge
+   with it; *tag becomes the merged tag. The one merge rule (free_blocks.c's joins uses it). */
 static inline int ap_cache_joins(const ap_block *n, int *tag) {
     if (!n || (n->state != AP_BLOCK_FREE && n->state != AP_BLOCK_CACHED)) return 0;
     if (n->tag != *tag && n->tag && *tag) return 0;

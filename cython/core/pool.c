@@ -241,7 +241,7 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
     }
     if (p->pending_head) ap_process_pending(p, 0, NULL);
     int keyed = 0;
-    ap_block *b = p->n_cached ? ap_cache_hit(p, slot, rsize, &keyed) : NULL;
+    ap_block *b = p->n_cached && pool == AP_POOL_SMALL ? ap_cache_hit(p, slot, rsize, &keyed) : NULL;
     if (b) {
         ap_mark_allocated_in(p, b, size, slot, AP_POOL_SMALL); /* the cache holds small blocks only */
         goto allocated;
@@ -303,12 +303,11 @@ int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
     if (pthread_mutex_trylock(&p->lock) != 0) return AP_E_BUSY;
     int slot = p->pending_head || p->history.capacity || p->live.count * 2 + 2 > p->live.mask + 1
                    ? -1 : ap_slot_of_fast(p, stream, 0);
-    int keyed = 0;
-    ap_block *b = slot > 0 && p->n_cached ? ap_cache_hit(p, slot, rsize, &keyed) : NULL;
+    int keyed = 0, pool = pool_of(p, rsize);
+    ap_block *b = slot > 0 && p->n_cached && pool == AP_POOL_SMALL ? ap_cache_hit(p, slot, rsize, &keyed) : NULL;
     if (b) {
         ap_mark_allocated_in(p, b, size, slot, AP_POOL_SMALL);
     } else {
-        int pool = pool_of(p, rsize);
         b = slot > 0 ? ap_find_fit(p, slot, pool, rsize) : NULL;
         if (!b || ap_cache_must_flush(p, pool, slot, rsize, b, keyed)) {
             /* a growth, or a fit the cached blocks may change (the slow path) */
@@ -521,7 +520,7 @@ void ap_pool_get_stats(ap_pool *p, ap_stats *out) {
     /* Reading must never change what the pool does next: no flushing here, only copies. */
     pthread_mutex_lock(&p->lock);
     ap_stats_export(&p->stats, out);
-    size_t largest = ap_cache_largest(p), cached = 0;
+    size_t largest = 0, cached = 0; /* the cached blocks' part: ap_cache_merged_view, below */
     for (int s = 0; s < p->n_slots; s++)
         for (int k = 0; k < 2; k++) {
             ap_block *b = ap_tree_largest(&p->slots[s].trees[k]);

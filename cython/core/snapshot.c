@@ -28,19 +28,9 @@ int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
         o->expandable = s->expandable;
         o->stream = s->alloc_slot ? p->slots[s->alloc_slot].stream : NULL;
         o->first_block = j;
-        int run_tag = 0;
-        for (ap_block *b = s->first; b; b = b->next) {
-            int tag = run_tag;
-            if (j > o->first_block && b->prev && (b->prev->state == AP_BLOCK_FREE || b->prev->state == AP_BLOCK_CACHED) &&
-                (b->prev->state == AP_BLOCK_CACHED || b->state == AP_BLOCK_CACHED) && ap_cache_joins(b, &tag)) {
-                out->blocks[j - 1].size += b->size; /* a cached block and its free neighbour: one hole */
-                run_tag = tag;
-                continue;
-            }
-            run_tag = b->tag;
+        for (ap_block *b = s->first; b; b = b->next) /* a cached block is isolated: one free block */
             out->blocks[j++] = (ap_snap_block){b->addr, b->size, b->requested,
                                                b->state == AP_BLOCK_CACHED ? AP_BLOCK_FREE : b->state};
-        }
         o->n_blocks = j - o->first_block;
 #if AP_CHECKED
         size_t covered = 0;
