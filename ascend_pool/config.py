@@ -32,8 +32,9 @@ AcceleratorAllocatorConfig) is accepted, so a copied setting works; keys that me
 pool (base_addr_aligned_kb, segment_size_mb, pinned memory, lock, graph-capture and reclaim
 settings) warn once. PyTorch's keys keep PyTorch's value rules (TORCH_KEY_RULES): True/False
 flags, backend native or cudaMallocAsync, pinned_num_register_threads a power of two up to 128,
-max_non_split_rounding_mb at least 20 (MiB), sizes in MiB positive; a value PyTorch refuses is a
-ConfigError here too.
+max_non_split_rounding_mb at least 20 (MiB), sizes in MiB positive, expandable_segments_reserve
+(and _by_class's "[class:value,...]") a fraction or GiB ("40G"), a malformed one only warned
+about, as PyTorch does; a value PyTorch refuses is a ConfigError here too.
 """
 
 import math
@@ -147,6 +148,36 @@ def _torch_threads(key, value):
         raise ConfigError(f"{key}: must be a power of two from 1 to 128 (as PyTorch), got {value!r}")
 
 
+def _torch_reserve_value(key, token):
+    # PyTorch's parseReserveSpec: a positive fraction of the device, or GiB with a trailing G; a
+    # malformed value is only a warning there (its default is kept), so it is here too.
+    num = token[:-1] if token[-1:] in ("G", "g") else token
+    try:
+        ok = math.isfinite(float(num)) and float(num) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        warnings.warn(f"{key}: ignoring invalid reserve value {token!r} (PyTorch expects a positive fraction "
+                      "like 0.5 or a size like 40G)", RuntimeWarning, stacklevel=4)
+
+
+def _torch_reserve(key, value):
+    _torch_reserve_value(key, str(value).strip())
+
+
+def _torch_reserve_by_class(key, value):
+    # "[name:value,...]": the brackets and each name:value pair are PyTorch's syntax (an error
+    # there); a bad value in a pair is a warning, as above.
+    text = str(value).strip()
+    if not (text.startswith("[") and text.endswith("]")):
+        raise ConfigError(f"{key}: expected [class:value,...] (as PyTorch), got {value!r}")
+    for item in filter(None, (i.strip() for i in text[1:-1].split(","))):
+        name, sep, spec = (s.strip() for s in item.partition(":"))
+        if not sep or not name:
+            raise ConfigError(f"{key}: item {item!r} of {value!r} is not class:value (as PyTorch)")
+        _torch_reserve_value(key, spec)
+
+
 # Keys of PyTorch's CUDA allocator config (c10 CUDAAllocatorConfig and AcceleratorAllocatorConfig)
 # that mean nothing for this pool, each with PyTorch's rule for its value: checked, then ignored
 # with one warning. (Keys PyTorch shares with this pool, max_split_size_mb and the like, are knobs.)
@@ -165,6 +196,8 @@ TORCH_KEY_RULES = {
     "max_non_split_rounding_mb": _torch_mib(20),
     "pinned_max_round_threshold_mb": _torch_mib(0),
     "pinned_max_cached_size_mb": _torch_mib(0),
+    "expandable_segments_reserve": _torch_reserve,
+    "expandable_segments_reserve_by_class": _torch_reserve_by_class,
 }
 
 

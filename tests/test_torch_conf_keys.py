@@ -69,3 +69,31 @@ def test_a_pool_opens_with_pytorch_keys(monkeypatch):
 def test_values_pytorch_refuses_are_config_errors_naming_the_key(text, named):
     with pytest.raises(ap.ConfigError, match=named):
         cfg(text)
+
+
+def test_pytorchs_expandable_segment_reserve_keys_are_accepted(monkeypatch):
+    """PyTorch 2.10's expandable_segments_reserve (a fraction, or GiB with G) and its per-class
+    form: accepted and ignored with one warning each; a malformed value only warns, as in
+    PyTorch (its default is kept), while a broken [class:value] list is an error there too."""
+    monkeypatch.setattr(config, "_warned", set())
+    text = "expandable_segments:True,expandable_segments_reserve:0.5,expandable_segments_reserve_by_class:[tiny:0.05,big:40G]"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = cfg(text)
+    assert out["expandable"] == 1
+    warned = [str(w.message) for w in caught]
+    for key in ("expandable_segments_reserve", "expandable_segments_reserve_by_class"):
+        assert any(f"'{key}'" in m and "no effect" in m for m in warned), (key, warned)
+    assert not any("invalid" in m for m in warned), warned
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg("expandable_segments_reserve:-1,expandable_segments_reserve_by_class:[tiny:abc]")
+    bad = [str(w.message) for w in caught if "invalid" in str(w.message)]
+    assert len(bad) == 2 and "'-1'" in bad[0] and "'abc'" in bad[1], bad
+
+
+@pytest.mark.parametrize("text", ["expandable_segments_reserve_by_class:tiny:0.05",
+                                  "expandable_segments_reserve_by_class:[tiny]"])
+def test_a_reserve_class_list_pytorch_cannot_parse_is_a_config_error(text):
+    with pytest.raises(ap.ConfigError, match="expandable_segments_reserve_by_class"):
+        cfg(text)
