@@ -354,8 +354,10 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
             cfg["stream_reuse"] = value
         elif key in ("memory_fraction", "per_process_memory_fraction"):
             f = _number(key, value)
-            if not 0 < f <= 1:
-                raise ConfigError(f"{key}: must be in (0, 1], got {value!r}")
+            # PyTorch's per_process_memory_fraction takes 0 (nothing may be allocated); ours does not
+            least = 0 if key == "per_process_memory_fraction" else math.ulp(0)
+            if not least <= f <= 1:
+                raise ConfigError(f"{key}: must be in {'[' if least == 0 else '('}0, 1], got {value!r}")
             cfg["limit_bytes"] = int(f * device_total_bytes)
         elif key == "sync_timeout_ms":
             ms = _number(key, value, int)

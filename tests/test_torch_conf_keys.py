@@ -97,3 +97,19 @@ def test_pytorchs_expandable_segment_reserve_keys_are_accepted(monkeypatch):
 def test_a_reserve_class_list_pytorch_cannot_parse_is_a_config_error(text):
     with pytest.raises(ap.ConfigError, match="expandable_segments_reserve_by_class"):
         cfg(text)
+
+
+def test_per_process_memory_fraction_zero_is_pytorchs_no_memory_cap(monkeypatch):
+    """PyTorch accepts per_process_memory_fraction:0 (its range is [0, 1]): every allocation is
+    then refused, a typed OutOfMemoryError, and the pool keeps serving once the cap is raised."""
+    assert cfg("per_process_memory_fraction:0")["limit_bytes"] == 0
+    with pytest.raises(ap.ConfigError, match=r"memory_fraction: must be in \(0, 1\]"):
+        cfg("memory_fraction:0")
+    pool = ap.Pool(0, backend="sim", per_process_memory_fraction=0)
+    try:
+        with pytest.raises(ap.OutOfMemoryError):
+            pool.malloc(4096)
+        pool.set_limit(None)
+        pool.free(pool.malloc(4096))
+    finally:
+        pool.close()
