@@ -29,7 +29,7 @@ CORE_TESTS=(
     tests/test_ledger_files.py tests/test_ledger_reclaim.py
     tests/test_pool_basic.py tests/test_pool_boundaries.py tests/test_pool_errors.py tests/test_pool_knobs.py tests/test_pool_oom.py
     tests/test_policy_bounds.py tests/test_pool_model.py tests/test_pool_property.py tests/test_pool_stats_active.py
-    tests/test_segment_packing.py
+    tests/test_medium_segments.py
     tests/test_quota_context.py
     tests/test_reliability_faults.py
     tests/test_reliability_property.py tests/test_reliability_stress.py tests/test_replay.py

@@ -30,11 +30,20 @@ def test_small_requests_share_a_2mib_segment(pool):
 
 
 def test_large_segment_is_the_request_in_whole_2mib_pages(pool):
-    ptr = pool.malloc(3 * MiB)
+    ptr = pool.malloc(int(12.5 * MiB))
     st = pool.memory_stats()
-    assert st["reserved_bytes.large_pool.current"] == 4 * MiB
+    assert st["reserved_bytes.large_pool.current"] == 14 * MiB
     assert st["segment.large_pool.current"] == 1
     pool.free(ptr)
+
+
+def test_medium_requests_share_a_20_mib_segment_as_in_torch_npu(pool):
+    ptrs = [pool.malloc(3 * MiB) for _ in range(6)]  # 6 x (3 MiB + pad) fit in 20 MiB
+    st = pool.memory_stats()
+    assert st["reserved_bytes.large_pool.current"] == 20 * MiB
+    assert st["segment.large_pool.current"] == 1 and st["num_device_alloc"] == 1
+    for p in ptrs:
+        pool.free(p)
 
 
 def test_freed_block_is_reused_without_a_device_call(pool):
@@ -51,28 +60,28 @@ def test_freed_block_is_reused_without_a_device_call(pool):
 
 
 def test_split_block_is_merged_back_on_free(pool):
-    a = pool.malloc(6 * MiB)
+    a = pool.malloc(12 * MiB)
     pool.free(a)
-    b, c = pool.malloc(2 * MiB), pool.malloc(3 * MiB)  # carved from the cached 6 MiB segment
+    b, c = pool.malloc(2 * MiB), pool.malloc(3 * MiB)  # carved from the cached 12 MiB segment
     assert pool.memory_stats()["segment.all.current"] == 1
     pool.free(b)
     pool.free(c)
     st = pool.memory_stats()
-    assert st["largest_free_block_bytes"] == st["reserved_bytes.all.current"] == 8 * MiB  # 6 MiB + pad
+    assert st["largest_free_block_bytes"] == st["reserved_bytes.all.current"] == 14 * MiB  # 12 MiB + pad
     assert st["inactive_split_bytes.all.current"] == 0
     assert st["external_fragmentation"] == 0.0
 
 
 def test_empty_cache_returns_every_unused_segment_to_the_device(pool):
     held_before = sim.stats(0)["bytes_held"]
-    keep = pool.malloc(1 * MiB + 1)
+    keep = pool.malloc(1 * MiB + 1)  # a medium request: a 20 MiB segment, as torch_npu's
     for size in (100, 5 * MiB, 40 * MiB):
         pool.free(pool.malloc(size))
     pool.empty_cache()
     st = pool.memory_stats()
     assert st["segment.all.current"] == 1
-    assert st["reserved_bytes.all.current"] == 2 * MiB
-    assert sim.stats(0)["bytes_held"] - held_before == 2 * MiB
+    assert st["reserved_bytes.all.current"] == 20 * MiB
+    assert sim.stats(0)["bytes_held"] - held_before == 20 * MiB
     pool.free(keep)
     pool.empty_cache()
     assert sim.stats(0)["bytes_held"] == held_before
@@ -114,10 +123,10 @@ def test_reset_peak_stats(pool):
 
 
 def test_memory_summary_is_readable(pool):
-    ptr = pool.malloc(3 * MiB)
+    ptr = pool.malloc(12 * MiB)
     text = pool.memory_summary()
     assert "Reserved memory" in text and "Allocated memory" in text
-    assert "4.00 MiB" in text  # the reserved large segment
+    assert "14.00 MiB" in text  # the reserved large segment
     assert "external fragmentation" in text
     pool.free(ptr)
 

@@ -77,7 +77,7 @@ def test_a_device_reset_behind_the_pool_is_a_device_error_not_out_of_memory(sim_
         acl.aclrtResetDevice(0)            # the pool's own reference: the context goes
         acl.aclrtSetDevice(0)              # a new default context
         try:
-            pool.malloc(3 << 20)
+            pool.malloc(30 << 20)          # a growth: keep's 20 MiB segment cannot hold it
             err = None
         except ap.PoolError as e:
             err = [type(e).__name__, str(e)]

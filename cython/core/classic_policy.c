@@ -47,8 +47,8 @@
 #define AP_GROWTH_EARN 32 /* calls a peak-lifting growth earns, times (W' - W) / W' (its share of the new peak) */
 #define AP_PROTECT_RATE 1   /* the floor's credit per allocation, in thousandths of a call (0.1 %) ... */
 #define AP_PROTECT_START 10 /* ... its start and the most it holds, in calls */
-#define AP_PACK_MAX_BLOCKS 10                /* a packed segment holds at most this many requests ... */
-#define AP_PACK_MAX_BYTES ((size_t)20 << 20) /* ... in at most this many bytes (torch_npu's 20 MiB) */
+#define AP_MID_MAX ((size_t)10 << 20)     /* a large request below this (torch_npu's kMinLargeAlloc) ... */
+#define AP_MID_SEGMENT ((size_t)20 << 20) /* ... gets a segment of this size (its kLargeBuffer) */
 
 void ap_classic_policy_init(ap_pool *p) {
     p->trade_credit = (int64_t)AP_TRADE_START * 1000;
@@ -192,22 +192,11 @@ size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size) {
     return size + absorb;
 }
 
-size_t ap_classic_segment_size(ap_pool *p, size_t rsize) {
-    size_t page = p->cfg.page_size, size = ap_round_up(rsize, page);
-    if ((size - rsize) * 8 <= size) return size; /* rounding wastes at most 1/8: the request's own */
-    /* A size seen growing the pool before (learned from the workload: a small table by hashed
-       size) will likely come again: room for several, so that they share a segment instead of
-       each stranding most of a page (llama_generate_serving_v2 at its peak: 40 segments of 4 MiB
-       held one 2.03 MiB block each), and the pool grows in fewer device calls. */
-    size_t *seen = &p->grown_sizes[(rsize / p->cfg.min_block * 0x9E3779B97F4A7C15ull) >> 58];
-    int recurring = *seen == rsize;
-    *seen = rsize;
-    if (!recurring) return size;
-    for (size_t k = 2; k <= AP_PACK_MAX_BLOCKS; k++) {
-        size_t packed = ap_round_up(k * rsize, page);
-        if (packed > AP_PACK_MAX_BYTES) break;
-        size = packed;
-        if ((packed - k * rsize) * 8 <= packed) break;
-    }
-    return size;
+size_t ap_classic_segment_size(const ap_pool *p, size_t rsize) {
+    /* A medium request (up to AP_MID_MAX) shares a segment of AP_MID_SEGMENT with others, as in
+       torch_npu: the pool grows in fewer device calls and keeps torch_npu's layout for these sizes,
+       which it is measured against (docs/placement-policy.md, "Growth size"). With 1 GiB pages
+       a segment is one page whatever the request. */
+    if (rsize < AP_MID_MAX) return ap_round_up(AP_MID_SEGMENT, p->cfg.page_size);
+    return ap_round_up(rsize, p->cfg.page_size); /* alone: once freed, its segment is wholly free */
 }

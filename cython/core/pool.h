@@ -185,7 +185,6 @@ typedef struct ap_pool {
     int64_t vmm_live_high;     /* highest allocated bytes the policy has seen */
     int64_t trade_credit;      /* classic release policy (classic_policy.c): calls it may spend, in 1/1000 call */
     uint64_t trade_tick;       /* p->tick when the credit was last topped up */
-    size_t grown_sizes[64];    /* request sizes that made large segments (classic_policy.c: packing) */
     int64_t vmm_growth_credit; /* growth policy (vmm_policy.c): calls exact growths may spend, in 1/1000 call */
     uint64_t vmm_growth_tick;  /* p->tick when the growth credit was last topped up */
 

@@ -1,0 +1,63 @@
+"""Large segments for medium requests (cython/core/classic_policy.c, ap_classic_segment_size;
+docs/placement-policy.md, "Growth size"): under both trading policies a large request below 10 MiB
+gets a 20 MiB segment that later medium requests share, as torch_npu's allocator does, so a pool
+growing through medium sizes makes one device call per 20 MiB instead of one per request; a
+request of 10 MiB or more keeps a segment of its own size in whole 2 MiB pages, which is wholly
+free again once it is freed. release_policy=never keeps one segment per request."""
+
+import pytest
+
+import ascend_pool as ap
+
+MiB = 1 << 20
+
+
+def _grow(sizes, **knobs):
+    pool = ap.Pool(0, backend="sim", **knobs)
+    ptrs = [pool.malloc(s) for s in sizes]
+    st = pool.memory_stats()
+    for p in ptrs:
+        pool.free(p)
+    pool.close()
+    return st
+
+
+@pytest.mark.parametrize("policy", ["under_peak", "budgeted"])
+def test_medium_requests_share_20_mib_segments(policy):
+    # 2.03 MiB alone would strand half of a 4 MiB segment; 3.9 MiB rounds well but still costs a
+    # device call each. Nine of the first and two of the second fill two 20 MiB segments.
+    st = _grow([int(2.03 * MiB)] * 9 + [int(3.9 * MiB)] * 5, release_policy=policy)
+    assert st["num_device_alloc"] == 2, st["num_device_alloc"]
+    assert st["segment.large_pool.current"] == 2
+    assert st["reserved_bytes.all.current"] == 40 * MiB  # one segment each: 9 * 4 + 5 * 4 = 56
+
+
+@pytest.mark.parametrize("policy", ["under_peak", "budgeted"])
+def test_a_request_of_10_mib_or_more_gets_its_own_segment(policy):
+    # (the 32 bytes of padding the ACL backend adds, as torch_npu, put 10 MiB in 12)
+    st = _grow([10 * MiB - 32, 10 * MiB, int(12.5 * MiB)], release_policy=policy)
+    assert st["segment.large_pool.current"] == 3
+    assert st["reserved_bytes.all.current"] == (10 + 12 + 14) * MiB
+
+
+def test_the_never_release_policy_keeps_one_segment_per_request():
+    st = _grow([int(3.9 * MiB)] * 4, release_policy="never")
+    assert st["segment.large_pool.current"] == 4
+    assert st["reserved_bytes.all.current"] == 16 * MiB
+
+
+def test_a_shared_segment_the_device_cannot_hold_falls_back_to_the_requests_own_size():
+    # Under a 26 MiB cap a second 20 MiB segment cannot be made: the 4.9 MiB request that needs
+    # one gets 6 MiB of its own instead of an out-of-memory error.
+    pool = ap.Pool(0, backend="sim", release_policy="budgeted")
+    try:
+        pool.set_limit(26 * MiB)
+        first = [pool.malloc(int(4.9 * MiB)) for _ in range(4)]   # one 20 MiB segment
+        extra = pool.malloc(int(4.9 * MiB))
+        st = pool.memory_stats()
+        assert st["segment.large_pool.current"] == 2
+        assert st["reserved_bytes.all.current"] == 26 * MiB
+        for p in first + [extra]:
+            pool.free(p)
+    finally:
+        pool.close()
