@@ -14,7 +14,7 @@ import ascend_pool.sim as sim
 
 ACL = [
     "aclInit", "aclFinalize", "aclrtSetDevice", "aclrtGetDevice", "aclrtGetDeviceCount",
-    "aclrtResetDevice", "aclrtCreateContext", "aclrtSetCurrentContext", "aclrtGetCurrentContext",
+    "aclrtResetDevice", "aclrtResetDeviceForce", "aclrtCreateContext", "aclrtSetCurrentContext", "aclrtGetCurrentContext",
     "aclrtDestroyContext", "aclrtMalloc", "aclrtMallocAlign32", "aclrtFree", "aclrtGetMemInfo",
     "aclrtMallocHost", "aclrtFreeHost", "aclrtCreateEvent", "aclrtCreateEventWithFlag",
     "aclrtRecordEvent", "aclrtQueryEventStatus", "aclrtQueryEvent", "aclrtSynchronizeEvent",

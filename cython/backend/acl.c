@@ -115,7 +115,8 @@ typedef struct acl_impl {
     aclError (*aclrtIpcMemClose)(const char *key);
     uint64_t ipc_read_only_flag; /* the simulator's read-only export bit; 0 on CANN */
     /* Devices: the context each device's calls run in, and the references this backend holds. */
-    pthread_mutex_t dev_lock;    /* guards dev[] changes (reads of ctx are atomic) */
+    pthread_mutex_t dev_lock;    /* guards dev[] changes (reads of ctx are atomic); held over aclrtSetDevice and
+                                    aclrtResetDevice (never a device wait), so references and ctx change together */
     struct acl_dev *dev;         /* device_count entries */
     size_t malloc_pad;           /* aclrtMalloc's padding on this SoC: 32, or 0 (Ascend 950) */
     /* Streams this backend created, with their device (the pool refuses another device's). */
@@ -251,6 +252,40 @@ static void acl_ctx_put(ap_backend *b, int device, int temp)
     pthread_mutex_unlock(&im->dev_lock);
 }
 
+/* The device's default context was released behind the pools' references (an aclrtResetDevice
+   too many, or aclrtResetDeviceForce, elsewhere in the process: CANN counts references per
+   process, so someone else's resets can take ours). Our references went with it: take them again
+   on the device's new default context, so that the pools keep working and their resets at close
+   still pair. Returns the context to use, or NULL when `stale` is in fact alive (the switch
+   failed for another reason) or the device cannot be set. */
+static void *acl_renew_context(acl_impl *im, int device, void *stale)
+{
+    void *fresh;
+    int held;
+
+    pthread_mutex_lock(&im->dev_lock);
+    fresh = im->dev[device].ctx;
+    held = im->dev[device].pool_refs + im->dev[device].temp_refs;
+    if (fresh != stale || held <= 0) { /* renewed by another thread meanwhile, or nothing to renew */
+        pthread_mutex_unlock(&im->dev_lock);
+        return fresh != stale ? fresh : NULL;
+    }
+    if (acl_take_ref_locked(im, device) != 0) {
+        pthread_mutex_unlock(&im->dev_lock);
+        return NULL;
+    }
+    fresh = im->dev[device].ctx;
+    if (fresh == stale) { /* alive after all: give the reference back */
+        (void)acl_drop_ref_locked(im, device);
+        pthread_mutex_unlock(&im->dev_lock);
+        return NULL;
+    }
+    for (int i = 1; i < held; i++)
+        (void)acl_take_ref_locked(im, device); /* same context: one reference per holder again */
+    pthread_mutex_unlock(&im->dev_lock);
+    return fresh;
+}
+
 /* The thread's context before acl_enter switched it (restored by acl_leave). */
 typedef struct acl_scope {
     void *saved;
@@ -275,10 +310,17 @@ static int acl_enter(ap_backend *b, int device, acl_scope *sc)
     if (cur == ctx)
         return 0;
     rc = im->aclrtSetCurrentContext(ctx);
+    if (rc != 0 && !sc->temp) { /* a pool's context, perhaps released behind its reference */
+        void *fresh = acl_renew_context(im, device, ctx);
+        if (fresh && (fresh == cur || im->aclrtSetCurrentContext(fresh) == 0))
+            rc = 0, ctx = fresh;
+    }
     if (rc != 0) {
         acl_ctx_put(b, device, sc->temp);
         return rc;
     }
+    if (ctx == cur)
+        return 0;
     sc->saved = cur;
     sc->switched = 1;
     return 0;

@@ -178,6 +178,7 @@ SIM_EXPORT aclError aclrtSetDevice(int32_t deviceId);
 SIM_EXPORT aclError aclrtGetDevice(int32_t *deviceId);
 SIM_EXPORT aclError aclrtGetDeviceCount(uint32_t *count);
 SIM_EXPORT aclError aclrtResetDevice(int32_t deviceId);
+SIM_EXPORT aclError aclrtResetDeviceForce(int32_t deviceId);
 SIM_EXPORT const char *aclrtGetSocName(void);
 
 SIM_EXPORT aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId);

@@ -233,15 +233,20 @@ SIM_EXPORT aclError aclrtGetDeviceCount(uint32_t *count)
     return ACL_SUCCESS;
 }
 
-/* Takes back one aclrtSetDevice reference. The last one releases the device's default context
-   (CANN: "when the count reaches 0 the device's resources are really released"): threads still
-   naming it get ACL_ERROR_RT_CONTEXT_NULL, and the next aclrtSetDevice makes a new one. A reset
-   without a reference left is refused (CANN documents an error; no code is named, so the
-   runtime's parameter code). Streams, events and memory stay until destroyed or aclFinalize:
-   the simulator does not release them with the context (their owners may still be running). */
-SIM_EXPORT aclError aclrtResetDevice(int32_t deviceId)
+/* The device's default context goes (its last reference was taken back): threads still naming it
+   get ACL_ERROR_RT_CONTEXT_NULL, and the next aclrtSetDevice makes a new one. */
+static void release_default_context(int32_t deviceId, struct sim_context *released)
 {
-    static const char call[] = "aclrtResetDevice";
+    atomic_store(&released->dead, 1); /* never freed: see context.c */
+    struct sim_obj *o = sim_reg_take(SIM_HANDLE(&released->obj), SIM_H_CONTEXT);
+    if (o)
+        sim_obj_unref(o); /* aclrtSetCurrentContext now refuses the handle */
+    sim_thread_clear_device(deviceId);
+}
+
+/* Takes back `all` references (aclrtResetDeviceForce) or one (aclrtResetDevice). */
+static aclError reset_device(const char *call, int32_t deviceId, int all)
+{
     int rc = sim_require_init(call);
     if (rc)
         return rc;
@@ -256,21 +261,36 @@ SIM_EXPORT aclError aclrtResetDevice(int32_t deviceId)
                         "device %d has no aclrtSetDevice reference left to reset (each "
                         "aclrtResetDevice must pair with one aclrtSetDevice)", (int)deviceId);
     }
-    atomic_store(&d->refs, refs - 1);
+    int64_t left = all ? 0 : refs - 1;
+    atomic_store(&d->refs, left);
     struct sim_context *released = NULL;
-    if (refs == 1) {
+    if (left == 0) {
         released = d->default_ctx;
         d->default_ctx = NULL;
     }
     pthread_mutex_unlock(&d->lock);
-    if (released) {
-        atomic_store(&released->dead, 1); /* never freed: see context.c */
-        struct sim_obj *o = sim_reg_take(SIM_HANDLE(&released->obj), SIM_H_CONTEXT);
-        if (o)
-            sim_obj_unref(o); /* aclrtSetCurrentContext now refuses the handle */
-        sim_thread_clear_device(deviceId);
-    }
+    if (released)
+        release_default_context(deviceId, released);
     return ACL_SUCCESS;
+}
+
+/* Takes back one aclrtSetDevice reference. The last one releases the device's default context
+   (CANN: "when the count reaches 0 the device's resources are really released"). A reset
+   without a reference left is refused (CANN documents an error; no code is named, so the
+   runtime's parameter code). Streams, events and memory stay until destroyed or aclFinalize:
+   the simulator does not release them with the context (their owners may still be running). */
+SIM_EXPORT aclError aclrtResetDevice(int32_t deviceId)
+{
+    return reset_device("aclrtResetDevice", deviceId, 0);
+}
+
+/* CANN's forced reset: every reference of the process at once (whoever took them: a library's
+   pool too), so the default context goes now, as with the last aclrtResetDevice. A device with
+   no reference left is refused, and so is an aclrtResetDevice after it (CANN: mixing the two in
+   the wrong order returns an error). */
+SIM_EXPORT aclError aclrtResetDeviceForce(int32_t deviceId)
+{
+    return reset_device("aclrtResetDeviceForce", deviceId, 1);
 }
 
 /* The SoC this simulated node stands for (ASCEND_SIM_PROFILE); NULL before aclInit, like the
