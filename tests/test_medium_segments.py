@@ -8,6 +8,7 @@ free again once it is freed. release_policy=never keeps one segment per request.
 import pytest
 
 import ascend_pool as ap
+from ascend_pool import sim
 
 MiB = 1 << 20
 
@@ -46,18 +47,45 @@ def test_the_never_release_policy_keeps_one_segment_per_request():
     assert st["reserved_bytes.all.current"] == 16 * MiB
 
 
-def test_a_shared_segment_the_device_cannot_hold_falls_back_to_the_requests_own_size():
-    # Under a 26 MiB cap a second 20 MiB segment cannot be made: the 4.9 MiB request that needs
-    # one gets 6 MiB of its own instead of an out-of-memory error.
+def test_a_shared_segment_the_device_refuses_falls_back_to_the_requests_own_size():
     pool = ap.Pool(0, backend="sim", release_policy="budgeted")
     try:
-        pool.set_limit(26 * MiB)
         first = [pool.malloc(int(4.9 * MiB)) for _ in range(4)]   # one 20 MiB segment
-        extra = pool.malloc(int(4.9 * MiB))
+        sim.set_faults(fail_malloc_nth=1)                       # the next device malloc fails once
+        extra = pool.malloc(int(4.9 * MiB))                     # its 20 MiB refused: 6 MiB of its own
         st = pool.memory_stats()
         assert st["segment.large_pool.current"] == 2
         assert st["reserved_bytes.all.current"] == 26 * MiB
+        assert st["num_alloc_retries"] == 1 and st["num_ooms"] == 0
         for p in first + [extra]:
             pool.free(p)
     finally:
+        sim.reset_faults()
         pool.close()
+
+
+@pytest.mark.parametrize("cap", ["limit", "quota"])
+def test_under_a_limit_or_quota_a_medium_request_gets_its_own_size(cap, tmp_path, monkeypatch):
+    # Memory is what a cap runs out of: a shared 20 MiB segment could be refused where the
+    # request's own 6 MiB fits, costing a retry and, under a quota, a refusal in the ledger.
+    monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))
+    base = ap.Pool(0, backend="sim", release_policy="budgeted")
+    pool = base
+    try:
+        if cap == "limit":
+            base.set_limit(26 * MiB)
+        else:
+            pool = base.context("capped", quota=26 * MiB)
+        ptrs = [pool.malloc(int(4.9 * MiB)) for _ in range(4)]
+        st = pool.memory_stats()
+        assert st["segment.large_pool.current"] == 4
+        assert st["reserved_bytes.all.current"] == 24 * MiB
+        assert st["num_alloc_retries"] == 0
+        if cap == "quota":
+            assert st["quota_refusals"] == 0
+        for p in ptrs:
+            pool.free(p)
+    finally:
+        if pool is not base:
+            pool.close()
+        base.close()

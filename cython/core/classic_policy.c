@@ -196,7 +196,10 @@ size_t ap_classic_segment_size(const ap_pool *p, size_t rsize) {
     /* A medium request (up to AP_MID_MAX) shares a segment of AP_MID_SEGMENT with others, as in
        torch_npu: the pool grows in fewer device calls and keeps torch_npu's layout for these sizes,
        which it is measured against (docs/placement-policy.md, "Growth size"). With 1 GiB pages
-       a segment is one page whatever the request. */
-    if (rsize < AP_MID_MAX) return ap_round_up(AP_MID_SEGMENT, p->cfg.page_size);
+       a segment is one page whatever the request. Under a byte limit or a tenant quota, memory is
+       what runs out: a shared segment the cap refuses where the request's own size fits would
+       cost a refusal (counted by the quota ledger) and a retry, so the request gets its own. */
+    int capped = p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve;
+    if (rsize < AP_MID_MAX && !capped) return ap_round_up(AP_MID_SEGMENT, p->cfg.page_size);
     return ap_round_up(rsize, p->cfg.page_size); /* alone: once freed, its segment is wholly free */
 }
