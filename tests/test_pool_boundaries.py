@@ -32,9 +32,9 @@ def test_exactly_1MiB_is_a_small_pool_request(exact_pool):
     small = p.malloc(1 * MiB)
     seg = segment_of(p, small)
     assert seg["segment_type"] == "small" and seg["total_size"] == 2 * MiB
-    large = p.malloc(1 * MiB + 1)  # rounds to 1 MiB + 512: the large pool, a segment of its own
+    large = p.malloc(1 * MiB + 1)  # rounds to 1 MiB + 512: the large pool, a 20 MiB segment (torch_npu's)
     seg = segment_of(p, large)
-    assert seg["segment_type"] == "large" and seg["total_size"] == 2 * MiB
+    assert seg["segment_type"] == "large" and seg["total_size"] == 20 * MiB
     st = p.memory_stats()
     assert st["segment.small_pool.current"] == 1 and st["segment.large_pool.current"] == 1
     p.free(small)
@@ -70,23 +70,23 @@ def test_small_block_is_split_when_exactly_min_block_is_left(exact_pool):
 
 def test_large_block_is_split_when_exactly_large_split_min_is_left(exact_pool):
     p = exact_pool
-    a = p.malloc(4 * MiB - 512)        # a 4 MiB segment: 512 bytes left over, split off
+    a = p.malloc(12 * MiB - 512)       # a 12 MiB segment: 512 bytes left over, split off
     seg = segment_of(p, a)
-    assert [(b["size"], b["state"]) for b in seg["blocks"]] == [(4 * MiB - 512, "active_allocated"), (512, "inactive")]
+    assert [(b["size"], b["state"]) for b in seg["blocks"]] == [(12 * MiB - 512, "active_allocated"), (512, "inactive")]
     p.free(a)
 
 
 def test_best_fit_takes_a_free_block_of_exactly_the_requested_size(exact_pool):
     p = exact_pool
-    four, six = p.malloc(4 * MiB), p.malloc(6 * MiB)  # two large segments of exactly these sizes
-    p.free(four)
-    p.free(six)
+    twelve, fourteen = p.malloc(12 * MiB), p.malloc(14 * MiB)  # two large segments of exactly these sizes
+    p.free(twelve)
+    p.free(fourteen)
     reserved = p.memory_stats()["reserved_bytes.all.current"]
-    again = p.malloc(4 * MiB)
-    assert again == four, "the exact-size block must win over the larger one"
-    assert p.block_info(again)[1] == 4 * MiB
-    other = p.malloc(6 * MiB)
-    assert other == six
+    again = p.malloc(12 * MiB)
+    assert again == twelve, "the exact-size block must win over the larger one"
+    assert p.block_info(again)[1] == 12 * MiB
+    other = p.malloc(14 * MiB)
+    assert other == fourteen
     st = p.memory_stats()
     assert st["reserved_bytes.all.current"] == reserved and st["num_device_alloc"] == 2
     p.free(again)

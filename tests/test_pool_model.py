@@ -11,8 +11,8 @@ block where merging every free at once places it:
   - best fit: the smallest free block of the request's pool that fits, ties to the oldest segment
     then the lowest offset; the stream's own blocks (freed on it) against blocks any stream may
     use (fresh or synchronized): the any-stream block wins only if smaller;
-  - if none fits, a new segment: 2 MiB for the small pool, the request rounded up to 2 MiB for the
-    large pool;
+  - if none fits, a new segment: 2 MiB for the small pool; for the large pool 20 MiB below 10 MiB
+    (torch_npu's), else the request rounded up to 2 MiB;
   - a block is split when the rest is at least 512 bytes (min_block / large_split_min);
   - a freed block merges with its free address neighbours at once, lower neighbour first, when
     their streams allow (the same stream, or one of them usable by any stream); a merged block is
@@ -34,6 +34,7 @@ import ascend_pool as ap
 
 KiB, MiB = 1 << 10, 1 << 20
 PAD, MIN_BLOCK, SMALL_SIZE, SMALL_SEGMENT, PAGE = 32, 512, 1 * MiB, 2 * MiB, 2 * MiB
+MID_MAX, MID_SEGMENT = 10 * MiB, 20 * MiB  # torch_npu's kMinLargeAlloc and kLargeBuffer
 STREAM = 1  # the stream slot of the default stream (slot 0: blocks any stream may use)
 
 
@@ -140,7 +141,7 @@ class Model:
             b = self.best_fit(slot, small, rsize)
         fresh = b is None
         if fresh:
-            size = SMALL_SEGMENT if small else max(PAGE, -(-rsize // PAGE) * PAGE)
+            size = SMALL_SEGMENT if small else MID_SEGMENT if rsize < MID_MAX else -(-rsize // PAGE) * PAGE
             self.seq += 1
             seg = Segment(self.seq, small, size)
             self.segments.append(seg)

@@ -137,7 +137,7 @@ void ap_classic_peak_rose(ap_pool *p, size_t new_peak);
 /* classic_policy.c: refills of the room trades left that the trade credit must still pay (each
    takes at least one growth unit of it); the credit never holds less than this many calls. */
 int64_t ap_classic_refills_owed(const ap_pool *p);
-/* Bytes of a new large segment for a request of rsize under a trading policy: a shared 20 MiB
+/* Bytes of a new large classic segment for a request of rsize: a shared 20 MiB
    segment below 10 MiB (torch_npu's) unless a limit or quota caps the pool, else the request's
    own size in whole pages. */
 size_t ap_classic_segment_size(const ap_pool *p, size_t rsize);

@@ -3,16 +3,14 @@
  * Segment sizes: small-pool segments are 2 MiB (many small blocks share one huge page); a large
  * request gets a segment of its own size rounded up to whole 2 MiB pages, so that when it is
  * freed the whole segment is free and can serve any later request or go back to the device
- * (under the trading policies a request below 10 MiB shares a 20 MiB segment, as torch_npu's:
- * classic_policy.c).
+ * (a request below 10 MiB shares a 20 MiB segment, as torch_npu's: classic_policy.c).
  *
  * Release policy: when a miss needs a new segment and reserved memory would rise above its
  * earlier peak, fully free segments are traded for the growth so that the pool takes the new shape
  * instead of growing. AP_RELEASE_BUDGETED (the default) pays each trade from a budget of device
  * calls (classic_policy.c, docs/placement-policy.md); AP_RELEASE_UNDER_PEAK trades every time
- * (largest first), so nothing bounds its calls when a workload keeps changing shape; both give
- * medium requests shared 20 MiB segments (ap_classic_segment_size); expandable segments trade
- * single chunks under their own budget (vmm_policy.c).
+ * (largest first), so nothing bounds its calls when a workload keeps changing shape; expandable
+ * segments trade single chunks under their own budget (vmm_policy.c).
  */
 #include "pool_internal.h"
 
@@ -131,9 +129,7 @@ size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, i
 
 static size_t segment_size_for(ap_pool *p, int pool, size_t rsize) {
     if (pool == AP_POOL_SMALL) return p->cfg.small_segment;
-    size_t size = p->cfg.release_policy != AP_RELEASE_NEVER
-                      ? ap_classic_segment_size(p, rsize) /* classic_policy.c: medium requests share 20 MiB */
-                      : ap_round_up(rsize, p->cfg.page_size);
+    size_t size = ap_classic_segment_size(p, rsize); /* classic_policy.c: medium requests share 20 MiB */
     return size < p->cfg.min_large_segment ? p->cfg.min_large_segment : size;
 }
 
