@@ -148,9 +148,10 @@ def _torch_threads(key, value):
         raise ConfigError(f"{key}: must be a power of two from 1 to 128 (as PyTorch), got {value!r}")
 
 
-def _torch_reserve_value(key, token):
+def _torch_reserve(key, value):
     # PyTorch's parseReserveSpec: a positive fraction of the device, or GiB with a trailing G; a
     # malformed value is only a warning there (its default is kept), so it is here too.
+    token = str(value).strip()
     num = token[:-1] if token[-1:] in ("G", "g") else token
     try:
         ok = math.isfinite(float(num)) and float(num) > 0
@@ -158,11 +159,7 @@ def _torch_reserve_value(key, token):
         ok = False
     if not ok:
         warnings.warn(f"{key}: ignoring invalid reserve value {token!r} (PyTorch expects a positive fraction "
-                      "like 0.5 or a size like 40G)", RuntimeWarning, stacklevel=4)
-
-
-def _torch_reserve(key, value):
-    _torch_reserve_value(key, str(value).strip())
+                      "like 0.5 or a size like 40G)", RuntimeWarning, stacklevel=3)
 
 
 def _torch_reserve_by_class(key, value):
@@ -175,7 +172,7 @@ def _torch_reserve_by_class(key, value):
         name, sep, spec = (s.strip() for s in item.partition(":"))
         if not sep or not name:
             raise ConfigError(f"{key}: item {item!r} of {value!r} is not class:value (as PyTorch)")
-        _torch_reserve_value(key, spec)
+        _torch_reserve(key, spec)
 
 
 # Keys of PyTorch's CUDA allocator config (c10 CUDAAllocatorConfig and AcceleratorAllocatorConfig)
@@ -355,9 +352,9 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
         elif key in ("memory_fraction", "per_process_memory_fraction"):
             f = _number(key, value)
             # PyTorch's per_process_memory_fraction takes 0 (nothing may be allocated); ours does not
-            least = 0 if key == "per_process_memory_fraction" else math.ulp(0)
-            if not least <= f <= 1:
-                raise ConfigError(f"{key}: must be in {'[' if least == 0 else '('}0, 1], got {value!r}")
+            zero_ok = key == "per_process_memory_fraction"
+            if not (0 <= f <= 1 and (f > 0 or zero_ok)):
+                raise ConfigError(f"{key}: must be in {'[' if zero_ok else '('}0, 1], got {value!r}")
             cfg["limit_bytes"] = int(f * device_total_bytes)
         elif key == "sync_timeout_ms":
             ms = _number(key, value, int)

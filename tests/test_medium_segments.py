@@ -1,4 +1,4 @@
-"""Large segments for medium requests (cython/core/classic_policy.c, ap_classic_segment_size;
+"""Large segments for medium requests (cython/core/segments.c, segment_size_for;
 docs/placement-policy.md, "Growth size"): under every classic policy a large request below 10 MiB
 gets a 20 MiB segment that later medium requests share, as torch_npu's allocator does, so a pool
 growing through medium sizes makes one device call per 20 MiB instead of one per request; a

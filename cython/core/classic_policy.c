@@ -1,6 +1,6 @@
-/* Classic segments' growth and release policy: how big a new large segment is, and trades of idle
- * segments for a growth within a budget of device calls that grows with the workload. The bound it
- * gives and its argument: docs/placement-policy.md.
+/* Classic segments' release policy: trades of idle segments for a growth within a budget of
+ * device calls that grows with the workload. The bound it gives and its argument:
+ * docs/placement-policy.md.
  *
  * A *trade*: when a growth would lift reserved memory above its earlier peak (the watermark W),
  * wholly free segments are released first and the growth takes their place, so the pool takes the
@@ -47,8 +47,6 @@
 #define AP_GROWTH_EARN 32 /* calls a peak-lifting growth earns, times (W' - W) / W' (its share of the new peak) */
 #define AP_PROTECT_RATE 1   /* the floor's credit per allocation, in thousandths of a call (0.1 %) ... */
 #define AP_PROTECT_START 10 /* ... its start and the most it holds, in calls */
-#define AP_MID_MAX ((size_t)10 << 20)     /* a large request below this (torch_npu's kMinLargeAlloc) ... */
-#define AP_MID_SEGMENT ((size_t)20 << 20) /* ... gets a segment of this size (its kLargeBuffer) */
 
 void ap_classic_policy_init(ap_pool *p) {
     p->trade_credit = (int64_t)AP_TRADE_START * 1000;
@@ -190,16 +188,4 @@ size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size) {
     p->trade_room = room - absorb < keep ? room - absorb : keep;
     AP_ASSERT(p->trade_credit >= ap_classic_refills_owed(p) * 1000);
     return size + absorb;
-}
-
-size_t ap_classic_segment_size(const ap_pool *p, size_t rsize) {
-    /* A medium request (up to AP_MID_MAX) shares a segment of AP_MID_SEGMENT with others, as in
-       torch_npu: the pool grows in fewer device calls and keeps torch_npu's layout for these sizes,
-       which it is measured against (docs/placement-policy.md, "Growth size"). With 1 GiB pages
-       a segment is one page whatever the request. Under a byte limit or a tenant quota, memory is
-       what runs out: a shared segment the cap refuses where the request's own size fits would
-       cost a refusal (counted by the quota ledger) and a retry, so the request gets its own. */
-    int capped = p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve;
-    if (rsize < AP_MID_MAX && !capped) return ap_round_up(AP_MID_SEGMENT, p->cfg.page_size);
-    return ap_round_up(rsize, p->cfg.page_size); /* alone: once freed, its segment is wholly free */
 }

@@ -7,7 +7,9 @@
 #include "invariant.h"
 #include "pool.h"
 
-#define AP_LARGE_BUFFER (20u << 20) /* an oversize cached block may exceed the request by this much */
+#define AP_LARGE_BUFFER (20u << 20) /* torch's kLargeBuffer: an oversize cached block may exceed the request
+                                       by this much, and a medium request's segment is this big (segments.c) */
+#define AP_MIN_LARGE_ALLOC (10u << 20) /* torch's kMinLargeAlloc: a large request below this is medium */
 
 static inline size_t ap_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
@@ -137,10 +139,6 @@ void ap_classic_peak_rose(ap_pool *p, size_t new_peak);
 /* classic_policy.c: refills of the room trades left that the trade credit must still pay (each
    takes at least one growth unit of it); the credit never holds less than this many calls. */
 int64_t ap_classic_refills_owed(const ap_pool *p);
-/* Bytes of a new large classic segment for a request of rsize: a shared 20 MiB
-   segment below 10 MiB (torch_npu's) unless a limit or quota caps the pool, else the request's
-   own size in whole pages. */
-size_t ap_classic_segment_size(const ap_pool *p, size_t rsize);
 void ap_classic_policy_init(ap_pool *p);
 
 /* expandable.c: segments that grow and shrink in reserved address space. */

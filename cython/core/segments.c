@@ -3,7 +3,7 @@
  * Segment sizes: small-pool segments are 2 MiB (many small blocks share one huge page); a large
  * request gets a segment of its own size rounded up to whole 2 MiB pages, so that when it is
  * freed the whole segment is free and can serve any later request or go back to the device
- * (a request below 10 MiB shares a 20 MiB segment, as torch_npu's: classic_policy.c).
+ * (a request below 10 MiB shares a 20 MiB segment, as torch_npu's: segment_size_for).
  *
  * Release policy: when a miss needs a new segment and reserved memory would rise above its
  * earlier peak, fully free segments are traded for the growth so that the pool takes the new shape
@@ -127,9 +127,17 @@ size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, i
     return released;
 }
 
-static size_t segment_size_for(ap_pool *p, int pool, size_t rsize) {
+/* A classic segment for rsize. A medium request shares a 20 MiB segment with others, as in
+   torch_npu: the pool grows in fewer device calls and keeps torch_npu's layout for these sizes,
+   which it is measured against (docs/placement-policy.md, "Growth size"); with 1 GiB pages a
+   segment is one page whatever the request. Under a byte limit or a tenant quota, memory is what
+   runs out: a shared segment the cap refused where the request's own size fits would cost a
+   refusal (counted by the quota ledger) and a retry, so the request gets its own. */
+static size_t segment_size_for(const ap_pool *p, int pool, size_t rsize) {
     if (pool == AP_POOL_SMALL) return p->cfg.small_segment;
-    size_t size = ap_classic_segment_size(p, rsize); /* classic_policy.c: medium requests share 20 MiB */
+    int capped = p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve;
+    size_t size = rsize < AP_MIN_LARGE_ALLOC && !capped ? AP_LARGE_BUFFER : rsize;
+    size = ap_round_up(size, p->cfg.page_size); /* alone: once freed, its segment is wholly free */
     return size < p->cfg.min_large_segment ? p->cfg.min_large_segment : size;
 }
 
