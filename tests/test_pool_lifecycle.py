@@ -97,3 +97,54 @@ def test_a_device_reset_behind_the_pools_does_not_break_them(sim_node, reset):
     """)
     assert out["ooms"] == 0
     assert out["refs_before"] == 2 and out["refs_after"] == 1, out
+
+
+def test_threads_on_two_devices_renew_their_contexts_once_each(sim_node):
+    """Forced resets of both devices under four threads (two per device), each with a pool of its
+    own, that use their pools before and after it, as a framework's workers do (each sets its
+    device again after the reset, as it must for its own work): every thread carries on, the two
+    pools' references on each device are taken again exactly once although both find the dead
+    context at about the same time, and after close each device holds only the references the
+    framework's threads took."""
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        acl.aclInit(None)
+        pools = {(d, k): ap.Pool(d, backend="sim") for d in (0, 1) for k in (0, 1)}
+        before, after_reset, errors, done = threading.Barrier(5), threading.Barrier(5), [], []
+
+        def worker(d, k):
+            pool = pools[(d, k)]
+            acl.aclrtSetDevice(d)
+            pool.free(pool.malloc(12 << 20))
+            before.wait()                         # the main thread force-resets both devices
+            after_reset.wait()
+            acl.aclrtSetDevice(d)                 # a live context for the worker's own work
+            try:
+                for i in range(20):
+                    p = pool.malloc((12 + i % 5) << 20)   # growths: device calls each time
+                    pool.free(p)
+                    pool.empty_cache()
+                done.append(d)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=worker, args=(d, k)) for d in (0, 1) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        before.wait()
+        for d in (0, 1):
+            assert acl.aclrtResetDeviceForce(d) == 0
+        after_reset.wait()
+        for t in threads:
+            t.join()
+        during = [sim.stats(d)["device_refs"] for d in (0, 1)]
+        for p in pools.values():
+            p.close()
+        after = [sim.stats(d)["device_refs"] for d in (0, 1)]
+        print(json.dumps({"errors": errors, "done": sorted(done), "during": during, "after": after}))
+    """, timeout=60)
+    assert out["errors"] == [] and out["done"] == [0, 0, 1, 1], out
+    assert out["during"] == [4, 4], out  # the two workers' aclrtSetDevice + the two pools', taken again once
+    assert out["after"] == [2, 2], out
