@@ -1,4 +1,4 @@
-"""Expandable segments: the pool maps physical chunks (at most 20 MiB each) into reserved address
+"""Expandable segments: the pool maps physical chunks (at most 32 MiB each) into reserved address
 space through the runtime's virtual-memory calls (the simulator implements them for real), and
 trades idle chunks for new mappings under a budget of device calls (cython/core/vmm_policy.c).
 The stream-order tests (test_stream_order.py) run in this mode too."""
@@ -44,11 +44,11 @@ def test_a_segment_grows_in_place(xpool):
     xpool.free(b)
 
 
-def test_a_large_growth_maps_chunks_of_at_most_20_mib(xpool):
-    p = xpool.malloc(50 * MiB - 32)
+def test_a_large_growth_maps_chunks_of_at_most_32_mib(xpool):
+    p = xpool.malloc(80 * MiB - 32)
     st = xpool.memory_stats()
-    assert st["reserved_bytes.all.current"] == 50 * MiB
-    assert st["num_device_alloc"] == st["num_device_map"] == 3   # 20 + 20 + 10 MiB
+    assert st["reserved_bytes.all.current"] == 80 * MiB
+    assert st["num_device_alloc"] == st["num_device_map"] == 3   # 32 + 32 + 16 MiB
     xpool.free(p)
 
 
@@ -123,10 +123,10 @@ def test_failure_in_the_middle_of_growing_is_rolled_back(xpool):
 
 
 def test_a_one_shot_fault_is_retried(xpool):
-    sim.set_faults(fail_malloc_nth=2)               # the 2nd chunk of a 20+20+10 MiB growth
-    p = xpool.malloc(50 * MiB - 32)
+    sim.set_faults(fail_malloc_nth=2)               # the 2nd chunk of a 32+32+16 MiB growth
+    p = xpool.malloc(80 * MiB - 32)
     st = xpool.memory_stats()
-    assert st["num_alloc_retries"] == 1 and st["reserved_bytes.all.current"] == 50 * MiB
+    assert st["num_alloc_retries"] == 1 and st["reserved_bytes.all.current"] == 80 * MiB
     xpool.free(p)
 
 

@@ -6,13 +6,16 @@
  * joins them. Blocks never straddle unmapped memory because a segment is, by definition, a run of
  * contiguous mapped chunks.
  *
- * Chunks: one physical allocation per chunk of at most AP_VMM_CHUNK_MAX (20 MiB, PyTorch's
- * large-pool granule), 1/16 of a growth above 320 MiB, or 1/32 of a pool above 640 MiB, mapped and
- * unmapped whole, as the runtime requires. A growth costs two calls (allocate + map) per chunk
- * and a release two (unmap + free): 2 MiB pages cost ten times more calls for the same bytes,
- * while a chunk as large as its whole growth is pinned by any block later carved from it (gpt2
- * trace: 444 MiB of waste, against 86 with 20 MiB chunks); 1/16 of a large growth keeps a 1 GB
- * tensor at 34 calls instead of 100, and 1/32 of the pool keeps a large pool's growths few chunks.
+ * Chunks: one physical allocation per chunk of at most AP_VMM_CHUNK_MAX (32 MiB), 1/16 of a growth
+ * above 512 MiB, or 1/32 of a pool above 1 GiB, mapped and unmapped whole, as the runtime requires.
+ * A growth costs two calls (allocate + map) per chunk and a release two (unmap + free), so a
+ * workload that grows to R bytes makes at least 2 R / chunk calls: 2 MiB pages cost sixteen times
+ * more calls for the same bytes, while a chunk as large as its whole growth is pinned by any block
+ * later carved from it (gpt2 trace: 444 MiB of waste, against 86 with 20 MiB chunks); 1/16 of a
+ * large growth keeps a 1 GB tensor at 34 calls, and 1/32 of the pool keeps a large pool's growths
+ * few chunks. 32 MiB rather than PyTorch's 20 MiB granule: on the perturbed workloads it lowers the
+ * whole-trace calls of growing workloads at no cost in waste, where 48 MiB and more make a loop of
+ * 20-200 MiB blocks trade later in its life (docs/placement-policy-expandable.md, "Chunk size").
  * A chunk is unmapped only when it lies wholly inside one free block; unmapping it splits its
  * segment. How much a growth maps beyond its need: vmm_policy.c.
  *

@@ -39,9 +39,9 @@
 #define AP_MAX_STREAMS 1024  /* distinct streams one pool tracks (slot 0 is "no stream") */
 #define AP_NO_LIMIT ((size_t)-1)
 #define AP_VMM_SPACE_MIN ((size_t)64 << 30) /* smallest address-space reservation (expandable) */
-#define AP_VMM_CHUNK_MAX ((size_t)20 << 20)  /* largest physical allocation of a growth up to 320 MiB (expandable.c) */
+#define AP_VMM_CHUNK_MAX ((size_t)32 << 20)  /* largest physical allocation of a growth up to 512 MiB (expandable.c) */
 #define AP_VMM_GROWTH_CHUNKS 16              /* a larger growth maps chunks of 1/16 of it */
-#define AP_VMM_CHUNK_SHARE 32                /* ... and in a pool above 640 MiB, chunks of up to 1/32 of reserved */
+#define AP_VMM_CHUNK_SHARE 32                /* ... and in a pool above 1 GiB, chunks of up to 1/32 of reserved */
 #define AP_CACHE_BINS 64   /* recent-free cache: bins by hashed size ... */
 #define AP_CACHE_DEPTH 4   /* ... of this many blocks each */
 #define AP_EXACT_BUCKETS 256 /* small-pool tree blocks counted by hashed (size, stream) (free_cache.h) */
