@@ -19,7 +19,7 @@ import ascend_pool as ap
 
 MiB = 1 << 20
 RHO, B = 0.004, 200            # AP_VMM_TRADE_PER_1000 / 1000, AP_VMM_TRADE_BURST
-RHO_G, B_G = 0.010, 64         # AP_VMM_GROW_PER_1000 / 1000, AP_VMM_GROW_BURST
+RHO_G, B_G = 0.005, 64         # AP_VMM_GROW_PER_1000 / 1000, AP_VMM_GROW_BURST
 CHUNKS, OVERSHOOT = 16, 128    # AP_VMM_GROWTH_CHUNKS, AP_VMM_OVERSHOOT_DIV
 SHARE = 32                     # AP_VMM_CHUNK_SHARE: a chunk may hold 1/32 of reserved memory
 GROWTH_CALLS = 2 * (CHUNKS + 1)  # the most one growth costs

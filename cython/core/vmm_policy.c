@@ -19,7 +19,8 @@
  *
  * Growth (calls G that map new physical memory): a growth maps whole chunks of at most
  * max(AP_VMM_CHUNK_MAX, need / AP_VMM_GROWTH_CHUNKS), so one costs at most 2 * 17 calls. Growths
- * to a new peak of reserved memory spend a second credit (rho_g per allocation, at most B_g);
+ * to a new peak of reserved memory spend a second credit (rho_g per allocation, at most B_g;
+ * rho + rho_g = 0.9 %, under the 1 % of allocations a steady state may spend in device calls);
  * one past it maps reserved / AP_VMM_OVERSHOOT_DIV bytes more than it needs, so that growing in
  * many small steps to R bytes costs O(log R) such growths: each lifts the peak by
  * reserved / 128 at least. Cost in memory: at most reserved / 128 (+ one page) mapped beyond need
@@ -41,7 +42,7 @@
 #define AP_VMM_TRADE_PER_1000 4  /* trade credit earned per 1,000 allocations, in calls (rho) */
 #define AP_VMM_TRADE_BURST 200   /* most trade credit held at once, in calls (B) */
 #define AP_VMM_TRADE_KEEP_PCT 50 /* share of the burst only trades at a new high of live bytes may spend */
-#define AP_VMM_GROW_PER_1000 10  /* calls of exact growth earned per 1,000 allocations (rho_g) */
+#define AP_VMM_GROW_PER_1000 5   /* calls of exact growth earned per 1,000 allocations (rho_g) */
 #define AP_VMM_GROW_BURST 64    /* most exact-growth credit held at once, in calls (B_g) */
 #define AP_VMM_OVERSHOOT_DIV 128 /* a growth past its budget maps 1/128 of reserved memory more (f) */
 #define AP_VMM_TRADE_CHARGE 2    /* calls charged per unmap: the unmap, and the map or free of its spare */
