@@ -132,11 +132,12 @@ size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, i
    which it is measured against (docs/placement-policy.md, "Growth size"); with 1 GiB pages a
    segment is one page whatever the request. Under a byte limit or a tenant quota, memory is what
    runs out: a shared segment the cap refused where the request's own size fits would cost a
-   refusal (counted by the quota ledger) and a retry, so the request gets its own. */
-static size_t segment_size_for(const ap_pool *p, int pool, size_t rsize) {
+   refusal (counted by the quota ledger) and a retry, so the request gets its own. With `shared`
+   0: the request's own size (the fallback when a shared growth is refused). */
+static size_t segment_size_for(const ap_pool *p, int pool, size_t rsize, int shared) {
     if (pool == AP_POOL_SMALL) return p->cfg.small_segment;
     int capped = p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve;
-    size_t size = rsize < AP_MIN_LARGE_ALLOC && !capped ? AP_LARGE_BUFFER : rsize;
+    size_t size = shared && rsize < AP_MIN_LARGE_ALLOC && !capped ? AP_LARGE_BUFFER : rsize;
     size = ap_round_up(size, p->cfg.page_size); /* alone: once freed, its segment is wholly free */
     return size < p->cfg.min_large_segment ? p->cfg.min_large_segment : size;
 }
@@ -188,9 +189,8 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
         (b = ap_find_fit(p, slot, pool, rsize)))
         return b;
 
-    size_t size = p->cfg.expandable ? ap_round_up(rsize, p->vmm_granularity) : segment_size_for(p, pool, rsize);
-    size_t own = p->cfg.expandable || pool == AP_POOL_SMALL ? size : ap_round_up(rsize, p->cfg.page_size);
-    if (own < size && own < p->cfg.min_large_segment) own = p->cfg.min_large_segment;
+    size_t size = p->cfg.expandable ? ap_round_up(rsize, p->vmm_granularity) : segment_size_for(p, pool, rsize, 1);
+    size_t own = p->cfg.expandable ? size : segment_size_for(p, pool, rsize, 0);
     size = trim_before_growth(p, slot, pool, rsize, size);
     int rc = grow(p, slot, pool, rsize, size, &b, err);
     if (rc == AP_OK) return b;
