@@ -73,8 +73,10 @@ import ascend_pool as ap
 from ascend_pool import identity
 from ascend_pool.errors import QuotaExceededError
 tenant, quota = sys.argv[1], (None if sys.argv[2] == "none" else sys.argv[2])
-ctx = ap.Pool(0).context(tenant, quota=quota)
-print(json.dumps({"pid": os.getpid(), "instance": identity.instance_hex(), "quota": ctx.quota}), flush=True)
+pool = ap.Pool(0)
+ctx = pool.context(tenant, quota=quota)
+print(json.dumps({"pid": os.getpid(), "instance": identity.instance_hex(), "quota": ctx.quota,
+                  "expandable": bool(pool.knobs.get("expandable_segments"))}), flush=True)
 keep = []
 for line in sys.stdin:
     cmd, arg = line.split()
@@ -136,11 +138,14 @@ def start_serve(env, procs, log_path, *args):
 
 
 @needs_unshare
-def test_two_workers_in_separate_pid_namespaces_share_one_quota(node, tmp_path):
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True"], ids=["classic", "expandable"])
+def test_two_workers_in_separate_pid_namespaces_share_one_quota(node, tmp_path, conf):
     env, base, procs = node
     port = start_serve(env, procs, tmp_path / "serve.log", "--sweep-interval", "1")
-    a = Worker(env, procs, "online", "1GiB")
-    b = Worker(env, procs, "online", "1GiB")
+    mode = {"ASCEND_POOL_CONF": conf}  # expandable: the quota books mapped chunks, not segments
+    a = Worker(env, procs, "online", "1GiB", extra_env=mode)
+    b = Worker(env, procs, "online", "1GiB", extra_env=mode)
+    assert a.hello["expandable"] == b.hello["expandable"] == bool(conf)
     assert a.hello["pid"] == b.hello["pid"] == 1  # the same pid, in two namespaces
     assert a.hello["instance"] != b.hello["instance"]
     # Exactly one of two 600 MiB requests fits a 1 GiB quota, and nothing past it afterwards.

@@ -42,7 +42,7 @@ from ascend_pool import _core
 
 warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12: fork() with threads running
 HOLD = %(hold)r
-pool = ap.Pool(0, backend="sim")
+pool = ap.Pool(0, backend="sim", expandable_segments=%(expandable)r)
 ctx = pool.context("forktenant", quota="64MiB")
 hp = _core.HostPool(pool.backend, 0)
 hptr = hp.malloc(4096)
@@ -173,8 +173,8 @@ print(json.dumps({"lines": [json.loads(x) for x in data.decode().splitlines()], 
 """
 
 
-def _run(sim_node, hold):
-    return sim_node.run_json(SCRIPT % {"hold": hold}, timeout=90)
+def _run(sim_node, hold, expandable=False):
+    return sim_node.run_json(SCRIPT % {"hold": hold, "expandable": expandable}, timeout=90)
 
 
 def _check_report(rep, held):
@@ -210,10 +210,12 @@ def _check_report(rep, held):
     assert rep["parent"] == {"held_same": True, "block": True, "ctx_block": True, "host_block": True}, rep["parent"]
 
 
-def test_every_entry_point_refuses_in_a_forked_child(sim_node):
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_every_entry_point_refuses_in_a_forked_child(sim_node, expandable):
     """No lock held at the fork: each call refuses (the C ABI's free used to 'succeed' on the
-    inherited pool, and a context's close() used to hang)."""
-    _check_report(_run(sim_node, hold=False), held=False)
+    inherited pool, and a context's close() used to hang). Expandable segments too: the child's
+    close must not unmap or free the parent's chunks."""
+    _check_report(_run(sim_node, hold=False, expandable=expandable), held=False)
 
 
 def test_nothing_hangs_when_the_fork_happens_while_a_thread_holds_the_pool_locks(sim_node):

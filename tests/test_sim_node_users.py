@@ -91,6 +91,57 @@ def test_two_users_share_the_device_capacity(two_users):
     root_holder.communicate("go\n", timeout=30)
 
 
+HOLD_EXPANDABLE = """
+import ascend_pool as ap
+pool = ap.Pool(0, expandable_segments=True)
+p = pool.malloc(600 << 20)
+print("holding", pool.memory_stats()["reserved_bytes.all.current"], flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_expandable_pools_of_two_users_share_the_device_capacity(two_users):
+    """Expandable segments take physical memory chunk by chunk (aclrtMallocPhysical): each chunk
+    counts against the node's capacity across users like an aclrtMalloc, a growth the device
+    refuses halfway is rolled back whole, and a killed user's chunks stop counting."""
+    node = two_users
+    holder, holder_pid, line = node.spawn(None, HOLD_EXPANDABLE)
+    assert line == f"holding {602 * MiB}"                   # 600 MiB + padding, in 2 MiB pages
+    out = node.run(OTHER, """
+        import ascend_pool as ap
+        from ascend_pool.errors import OutOfMemoryError
+        pool = ap.Pool(0, expandable_segments=True)
+        try:
+            pool.malloc(500 << 20)                         # 602 + 502 MiB > 1 GiB
+            raise SystemExit("granted past the node's capacity")
+        except OutOfMemoryError as e:
+            assert "aclrtMallocPhysical" in str(e) and "every user" in str(e), str(e)
+        st = pool.memory_stats()
+        assert st["reserved_bytes.all.current"] == 0 and st["num_ooms"] == 1, st  # chunks mapped before the refusal went back
+        assert meminfo()[1] - meminfo()[0] == 602 << 20    # only root's bytes in use
+        q = pool.malloc(400 << 20)                         # what is left still serves
+        pool.free(q)
+        pool.close()
+        print("ok")
+    """)
+    assert out.split()[-1] == "ok"
+    assert used_by(node, None) == 602 * MiB
+    os.kill(holder_pid, signal.SIGKILL)
+    holder.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while used_by(node, None) != 0:
+        assert time.monotonic() < deadline, "a killed process's chunks still count"
+        time.sleep(0.1)
+    out = node.run(OTHER, """
+        import ascend_pool as ap
+        pool = ap.Pool(0, expandable_segments=True)
+        pool.malloc(900 << 20)
+        pool.close()
+        print("ok")
+    """)
+    assert out.split()[-1] == "ok"
+
+
 def _plant(path, uid, claim, lease=0x1234, mode=0o644, good=None):
     """Writes a record of device 0 claiming `claim` bytes in slot 0 under lease id `lease`, owned by uid."""
     data = bytearray(good)

@@ -14,6 +14,15 @@ MiB = 1 << 20
 INVALID_STREAM = 5  # the C ABI's code (ascend_pool_last_error_code)
 
 
+@pytest.fixture(params=[False, True], ids=["classic", "expandable"])
+def pool(request):
+    """A fresh pool on simulated device 0, classic or expandable segments (streams die the same
+    way in both: the retire path is the pool's, the memory underneath differs)."""
+    p = ap.Pool(0, backend="sim", expandable_segments=request.param)
+    yield p
+    p.close()
+
+
 def test_blocks_freed_after_destroy_stream_go_back_to_the_device(pool):
     s = pool.create_stream()
     ptrs = [pool.malloc(10 * MiB, stream=s) for _ in range(4)]

@@ -7,6 +7,8 @@ to where they started. Runs in a child (its own simulated node), a few seconds."
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 from sim_fixtures import sim_node  # noqa: E402,F401
 
@@ -16,7 +18,7 @@ import ascend_pool as ap
 from ascend_pool import sim
 
 DURATION = 2.5
-pools = [ap.Pool(d, backend="sim") for d in (0, 1)]
+pools = [ap.Pool(d, backend="sim", expandable_segments=EXPANDABLE) for d in (0, 1)]
 for d in (0, 1):                      # the default streams exist from here on
     pools[d].synchronize()
 start = {d: (sim.stats(d)["node_bytes_used"], sim.stats(d)["live_events"]) for d in (0, 1)}
@@ -117,8 +119,9 @@ print(json.dumps({"errors": errors, "counts": counts, "end": end}))
 """
 
 
-def test_threads_on_two_devices_leave_everything_as_they_found_it(sim_node):
-    out = sim_node.run_json(CHILD, timeout=120)
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_threads_on_two_devices_leave_everything_as_they_found_it(sim_node, expandable):
+    out = sim_node.run_json(f"EXPANDABLE = {expandable}\n" + CHILD, timeout=120)
     print(out["counts"])
     assert out["errors"] == [], out["errors"]
     c = out["counts"]
