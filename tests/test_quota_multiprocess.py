@@ -33,7 +33,8 @@ WORKER = """
     ctx = ap.Pool(0).context("crowd", quota=quota)
     rng = random.Random(os.getpid())
     held = []
-    out = {"ok": 0, "refused": 0, "max_node_used": 0, "max_tenant_held": 0, "bad": []}
+    out = {"ok": 0, "refused": 0, "max_node_used": 0, "max_node_used_before_kill": 0, "max_tenant_held": 0,
+           "bad": []}
     print("ready", flush=True)
     sys.stdin.readline()  # go
     t0 = time.monotonic()
@@ -52,7 +53,10 @@ WORKER = """
                 ctx.free(held.pop(rng.randrange(len(held))))
         except Exception as e:
             out["bad"].append(repr(e))
-        out["max_node_used"] = max(out["max_node_used"], sim.stats(0)["node_bytes_used"])
+        used = sim.stats(0)["node_bytes_used"]
+        out["max_node_used"] = max(out["max_node_used"], used)
+        if time.monotonic() - t0 < 0.9 * hammer_s:  # the victim is killed after hammer_s
+            out["max_node_used_before_kill"] = max(out["max_node_used_before_kill"], used)
         out["max_tenant_held"] = max(out["max_tenant_held"], ctx.held)
     print(json.dumps(out), flush=True)
 """
@@ -120,12 +124,17 @@ def test_four_processes_share_one_quota_and_a_killed_ones_share_returns(node_env
     print(f"reclaimed {t_reclaimed - t_kill if t_reclaimed else None:.4f} s after the kill; victim held {holding}; "
           f"survivors then held up to {survivors_max} of {Q}; workers: {results}")
     # Never more than Q held: by the ledger (polled above and seen by each worker), and by the
-    # simulator's accounting of device memory used on the node.
+    # simulator's accounting of device memory used on the node. After the kill the node may still
+    # count the victim's bytes for a moment: the ledger sees it dead once its ledger lease drops,
+    # the simulator once its own lease drops, and the kernel closes a dying process's files one by
+    # one (seen once in a full run: 56 MiB against Q = 48 MiB, the victim holding 24). So
+    # the node's figure is bounded by Q while all four live, by Q + the victim's bytes after.
     for r in results:
         assert r["bad"] == [], r["bad"]
         assert r["ok"] > 0 and r["refused"] > 0, r  # they really competed at the quota
         assert r["max_tenant_held"] <= Q, r
-        assert r["max_node_used"] <= Q, r
+        assert 0 < r["max_node_used_before_kill"] <= Q, r
+        assert r["max_node_used"] <= Q + holding, r
     # The killed process's share came back at the survivors' next attempt, well within 1 s...
     assert t_reclaimed is not None and t_reclaimed - t_kill < 1.0, t_reclaimed and t_reclaimed - t_kill
     view = ledger.view()
