@@ -10,6 +10,7 @@ from . import current as _current
 from . import registry as _registry
 from ._core import set_default_pool_hook
 from .backend import open_backend
+from .config import HISTORY_CONTEXTS, history_settings
 from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
@@ -160,14 +161,25 @@ def _follow_history(pool):
 _registry.on_register(_follow_history)
 
 
-def record_memory_history(enabled=True, stacks="python", max_entries=100_000, device=None):
+def record_memory_history(enabled=True, stacks="python", max_entries=100_000, device=None, context="all",
+                          clear_history=False):
     """torch.cuda.memory._record_memory_history for the process: turns the event history (and
     with stacks="python" the Python frames of each allocation and free) on or off at runtime on
     every device's default pool and every tenant context (device given: that device's only);
     default pools and contexts made later follow it. max_entries (events kept per pool) above
     config.MAX_HISTORY_ENTRIES (2**20: a ring of 48 MiB of host memory, allocated up front) is
-    clamped to it by each pool, so PyTorch's sys.maxsize works."""
+    clamped to it by each pool, so PyTorch's sys.maxsize works. context as torch's: None records
+    no frames; "state", "alloc" or "all" record them as stacks says (for allocations and frees);
+    clear_history: the events recorded so far are dropped first. A bad argument raises
+    ConfigError here, before any pool changes (the settings are kept for pools made later)."""
     global _history
+    if context not in HISTORY_CONTEXTS:
+        raise ConfigError(f"context must be None, 'state', 'alloc' or 'all', got {context!r}")
+    if context is None:
+        stacks = None
+    history_settings(enabled, stacks, max_entries)
+    if clear_history and enabled not in (None, False):  # turning it off drops each ring
+        _on_each_open(_process_pools(device, create=False), lambda pool: pool.record_memory_history(None))
     _on_each_open(_process_pools(device, create=False),
                   lambda pool: pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries))
     if device is None:

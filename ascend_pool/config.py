@@ -55,6 +55,23 @@ DEFAULT_HISTORY = 100_000
 # sys.maxsize, to it): the C ring is allocated up front at 48 bytes an entry, so this bounds it at
 # 48 MiB of host memory per pool.
 MAX_HISTORY_ENTRIES = 1 << 20
+HISTORY_STACKS = ("python", "all", None, "none")
+HISTORY_CONTEXTS = (None, "state", "alloc", "all")  # torch's _record_memory_history(context=...)
+
+
+def history_settings(enabled, stacks, max_entries):
+    """record_memory_history's arguments checked and normalised: (on, frames, entries) with
+    entries the ring size in events (0 when off, else max_entries clamped to
+    MAX_HISTORY_ENTRIES). ConfigError names a bad one, so that a setting kept for pools made
+    later (ascend_pool.record_memory_history) is refused when given, not when a pool opens."""
+    on = enabled not in (None, False)
+    if enabled not in (None, False, True, "all", "state"):
+        raise ConfigError(f"enabled must be True, 'all', 'state', None or False, got {enabled!r}")
+    if on and (isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0):
+        raise ConfigError(f"max_entries must be a positive int, got {max_entries!r}")
+    if stacks not in HISTORY_STACKS:
+        raise ConfigError(f"stacks must be 'python', 'all' or None, got {stacks!r}")
+    return on, on and stacks in ("python", "all"), min(max_entries, MAX_HISTORY_ENTRIES) if on else 0
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

@@ -156,16 +156,19 @@ class Pool(PoolBase):
 
     def snapshot(self):
         """The pool's segments, blocks and event history in PyTorch's snapshot schema (readable by
-        `python -m torch.cuda._memory_viz`)."""
+        `python -m torch.cuda._memory_viz`); no events after record_memory_history("state")."""
+        return self._snapshot(trace=not self._history_state_only)
+
+    def _snapshot(self, trace):
         segments, history = self._raw_snapshot()
         frames = dict(self._stack_frames) if self._stack_frames is not None else None
-        return _snapshot.build(self.device, segments, history, self.knobs, frames)
+        return _snapshot.build(self.device, segments, history, self.knobs, frames, trace=trace)
 
     def dump_trace(self, path):
         """Writes the recorded history (record_memory_history or the record_history knob) as a
         replayable trace NAME.npz (ascend_pool.traces format): allocations with their requested
         sizes and the frees of them, streams numbered in order of appearance. Returns the Trace."""
-        a = arrays_from_snapshot(self.snapshot(), self.device, "pool history")
+        a = arrays_from_snapshot(self._snapshot(trace=True), self.device, "pool history")
         trace = trace_from_arrays(a["op"], a["id"], a["size"], a["stream"], name="pool history")
         np.savez(path, **a)
         return trace

@@ -10,11 +10,12 @@ _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segme
             "segment_map", "segment_unmap")
 
 
-def build(device, segments, history, knobs, frames=None):
+def build(device, segments, history, knobs, frames=None, trace=True):
     """segments: [(base, size, pool, stream, [(addr, size, requested, state)], expandable)];
     history: [(action, addr, size, stream, time_us[, ctx])] oldest first; frames: {ctx: [frame
     dicts]} recorded with stacks="python" (a live block gets the frames of its last alloc); knobs:
-    the pool's, whose effective values make allocator_settings (config.allocator_settings)."""
+    the pool's, whose effective values make allocator_settings (config.allocator_settings);
+    trace False: device_traces empty, as torch's after _record_memory_history("state")."""
     frames = frames or {}
     history = [h if len(h) == 6 else (*h, 0) for h in history]
     alloc_frames = {addr: frames.get(ctx, []) for action, addr, _, _, _, ctx in history if action == 0}
@@ -39,14 +40,14 @@ def build(device, segments, history, knobs, frames=None):
             "frames": [],
             "blocks": out_blocks,
         })
-    trace = [
+    events = [
         {"action": _ACTIONS[action], "addr": addr, "size": size, "stream": stream, "time_us": t,
          "frames": frames.get(ctx, [])}
         for action, addr, size, stream, t, ctx in history
     ]
     return {
         "segments": out_segments,
-        "device_traces": [[] for _ in range(device)] + [trace],
+        "device_traces": [[] for _ in range(device)] + [events if trace else []],
         "allocator_settings": allocator_settings(knobs),
     }
 

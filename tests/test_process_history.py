@@ -2,11 +2,16 @@
 of the process: ascend_pool.record_memory_history turns the history on in contexts open now and
 made later, and dump_snapshot / memory_snapshot include their segments and events in time order."""
 
+import os
 import pickle
+import sys
 
 import pytest
 
 import ascend_pool as ap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401
 
 
 def _alloc_in_tenant(n):
@@ -70,3 +75,57 @@ def test_a_context_closed_by_another_thread_meanwhile_is_skipped(tmp_path, monke
         ap.record_memory_history(enabled=None)
     with pytest.raises(ap.PoolError, match="closed"):
         gone.record_memory_history(True)  # the pool itself still says it is closed
+
+
+
+BAD_SETTINGS_CHILD = """
+import ascend_pool as ap
+from ascend_pool import registry
+assert registry.default_pools() == []             # no pool yet: the settings are only kept
+ap.record_memory_history(True, stacks=None, max_entries=50)
+refused = []
+for bad in ({"stacks": "cpp"}, {"enabled": "yes"}, {"max_entries": 0}):
+    try:
+        ap.record_memory_history(**dict(dict(enabled=True, stacks="python", max_entries=100), **bad))
+    except ap.ConfigError as e:
+        refused.append(str(e))
+ptr = ap.malloc(4096, device=0)                    # the default pool opens with the kept settings
+ap.free(ptr, device=0)
+allocs = [e for e in ap.default_pool(0).snapshot()["device_traces"][0] if e["action"] == "alloc"]
+print(json.dumps({"refused": refused, "allocs": [[e["addr"] == ptr, e["frames"]] for e in allocs]}))
+"""
+
+
+def test_bad_history_settings_are_refused_when_given_not_when_a_pool_opens_later(sim_node):
+    """The process-wide settings are kept for default pools and contexts made later: a bad one
+    must raise at the call and leave the earlier settings in force (it used to be kept when no
+    pool was open yet, and the next default pool's creation raised the ConfigError instead)."""
+    out = sim_node.run_json(BAD_SETTINGS_CHILD)
+    assert len(out["refused"]) == 3, out
+    assert "stacks" in out["refused"][0] and "enabled" in out["refused"][1] and "max_entries" in out["refused"][2]
+    assert out["allocs"] == [[True, []]], out  # recording, without frames: the earlier call's settings
+
+
+def _alloc_here(n):
+    return ap.malloc(n, device=0)
+
+
+def test_pytorchs_own_call_works_as_written():
+    """torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="all",
+    max_entries=sys.maxsize), copied as is: frames recorded; context=None: none; a context torch
+    refuses is refused."""
+    try:
+        for context, framed in (("all", True), (None, False)):
+            ap.record_memory_history(enabled="all", context=context, stacks="all", max_entries=sys.maxsize)
+            ptr = _alloc_here(4096)
+            ap.free(ptr, device=0)
+            allocs = [e for e in ap.default_pool(0).snapshot()["device_traces"][0]
+                      if e["action"] == "alloc" and e["addr"] == ptr]
+            assert allocs and any(f["name"] == "_alloc_here" for f in allocs[-1]["frames"]) == framed, context
+        with pytest.raises(ap.ConfigError, match="context"):
+            ap.record_memory_history(enabled="all", context="everything", clear_history=True)
+        assert ap.default_pool(0).snapshot()["device_traces"][0], "a refused call clears nothing"
+        ap.record_memory_history(enabled="all", clear_history=True)
+        assert ap.default_pool(0).snapshot()["device_traces"][0] == []
+    finally:
+        ap.record_memory_history(None)

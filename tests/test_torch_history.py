@@ -68,6 +68,23 @@ def test_bad_history_settings_are_config_errors(pool, bad):
     pool.free(pool.malloc(512))  # the pool keeps serving
 
 
+def test_state_history_keeps_live_blocks_frames_without_a_trace(pool, tmp_path):
+    """torch's _record_memory_history("state"): the snapshot's live blocks carry the frames of
+    their allocation, device_traces stays empty; "all" afterwards shows the events again, and
+    dump_trace reads them under "state" too."""
+    pool.record_memory_history("state", stacks="python", max_entries=1000)
+    keep = _alloc_in_named_function(pool, 4096)
+    snap = pool.snapshot()
+    assert snap["device_traces"][pool.device] == []
+    live = [b for s in snap["segments"] for b in s["blocks"] if b["address"] == keep]
+    assert live[0]["state"] == "active_allocated"
+    assert live[0]["frames"][0]["name"] == "_alloc_in_named_function"
+    assert pool.dump_trace(str(tmp_path / "state.npz")).n_allocs == 1
+    pool.record_memory_history("all", stacks="python", max_entries=1000)
+    _free_in_named_function(pool, keep)
+    assert [e["action"] for e in _trace(pool)][-1] in ("free_requested", "free_completed")
+
+
 def test_module_level_history_and_dump_snapshot_read_by_memory_viz(tmp_path):
     ap.record_memory_history(enabled=True, stacks="python", max_entries=1000)
     try:

@@ -93,14 +93,13 @@ def _record_memory_history_impl(enabled="all", context="all", stacks="all", max_
     """torch's _record_memory_history(enabled, context, stacks, max_entries, ...): enabled None
     stops the history, "state"/"all" records it; context None records no frames; stacks "python"
     or "all" record Python frames (no C++ frames here); max_entries events per pool, clamped to
-    config.MAX_HISTORY_ENTRIES (torch's default sys.maxsize included). The other arguments are
-    accepted and ignored (the history covers every device's pools, as torch's)."""
+    config.MAX_HISTORY_ENTRIES (torch's default sys.maxsize included); clear_history drops the
+    events recorded so far first. The other arguments are accepted and ignored (the history
+    covers every device's pools, as torch's)."""
     if enabled not in (None, "state", "all"):
         raise ConfigError(f"_record_memory_history: enabled must be None, 'state' or 'all', got {enabled!r}")
-    if context not in (None, "state", "alloc", "all"):
-        raise ConfigError(f"_record_memory_history: context must be None, 'state', 'alloc' or 'all', got {context!r}")
-    frames = context is not None and stacks not in (None, "none")
-    api.record_memory_history(enabled, stacks="python" if frames else None, max_entries=max_entries)
+    api.record_memory_history(enabled, stacks="python" if stacks not in (None, "none") else None,
+                              max_entries=max_entries, context=context, clear_history=clear_history)
 
 
 def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,

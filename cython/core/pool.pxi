@@ -13,7 +13,7 @@ import time as _time
 
 from ascend_pool.errors import InvalidSizeError, InvalidPointerError, InvalidStreamError, PoolError, ConfigError
 import ascend_pool.errors as _errors_module
-from ascend_pool.config import MAX_HISTORY_ENTRIES
+from ascend_pool.config import history_settings
 
 # The package's directory (with its separator): frames in it are skipped when stacks are recorded.
 _PACKAGE_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(_errors_module.__file__)), "")
@@ -211,6 +211,7 @@ cdef class PoolBase:
     cdef readonly object quota_hook  # the hook's Python side (messages, state); None without a quota
     cdef readonly object _stack_frames  # {context id: Python frames} while stacks are recorded, else None
     cdef Py_ssize_t _stack_cap          # most frame lists kept (the history's capacity)
+    cdef readonly bint _history_state_only  # enabled="state": snapshots show no device_traces (torch's)
 
     def __cinit__(self, *args, **kwargs):
         self.p = NULL
@@ -648,30 +649,26 @@ cdef class PoolBase:
     def record_memory_history(self, enabled=True, stacks="python", max_entries=100_000):
         """Turns the event history (snapshot()["device_traces"]) on or off at runtime, as
         torch.cuda.memory._record_memory_history: enabled True/"all"/"state" to record, None or
-        False to stop (the trace is dropped); stacks "python" also files each allocation's and
+        False to stop (the trace is dropped); with "state", as torch's, snapshots keep the live
+        blocks' frames but show no device_traces (dump_trace still reads the events); stacks "python" also files each allocation's and
         free's Python frames (captured before the pool lock), None or "none" skips them (no cost);
         max_entries: ring size in events, at most config.MAX_HISTORY_ENTRIES (larger ones, such as
         torch's default sys.maxsize, are clamped: the ring is allocated up front)."""
         self._check()
-        on = enabled not in (None, False)
-        if on and (isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0):
-            raise ConfigError(f"max_entries must be a positive int, got {max_entries!r}")
-        if on:
-            max_entries = min(max_entries, MAX_HISTORY_ENTRIES)
-        if stacks not in ("python", "all", None, "none"):
-            raise ConfigError(f"stacks must be 'python', 'all' or None, got {stacks!r}")
-        cdef size_t cap = max_entries if on else 0
+        on, frames, entries = history_settings(enabled, stacks, max_entries)
+        self._history_state_only = enabled == "state"
+        cdef size_t cap = entries
         cdef ap_pool *_p = self._enter()
         cdef int rc
         with nogil:
             rc = ap_pool_set_history(_p, cap)
         self._leave()
         if rc != AP_OK:
-            raise MemoryError(f"host memory for a history of {max_entries} entries exhausted")
-        if on and stacks in ("python", "all"):
-            if self._stack_frames is None or self._stack_cap != max_entries:
+            raise MemoryError(f"host memory for a history of {entries} entries exhausted")
+        if frames:
+            if self._stack_frames is None or self._stack_cap != entries:
                 self._stack_frames = {}
-            self._stack_cap = max_entries
+            self._stack_cap = entries
         else:
             self._stack_frames = None
         _capi_stacks_on(self.p, self if self._stack_frames is not None else None)  # C ABI calls too
