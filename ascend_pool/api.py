@@ -9,7 +9,7 @@ import threading
 from . import current as _current
 from . import registry as _registry
 from ._core import set_default_pool_hook
-from .backend import open_backend
+from .backend import check_device, open_backend
 from .config import HISTORY_CONTEXTS, history_settings
 from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError
 from .pool import Pool
@@ -22,9 +22,12 @@ _local = threading.local()
 
 
 def set_device(device):
-    """Makes device (int) the current device of the calling thread for module-level calls."""
+    """Makes device (int) the current device of the calling thread for module-level calls. A
+    device the backend does not have raises InvalidDeviceError here, as torch's set_device does,
+    not at the next call (the backend is opened for its device count)."""
     if not isinstance(device, int) or isinstance(device, bool) or device < 0:
         raise InvalidDeviceError(f"device must be a non-negative int, got {device!r}")
+    check_device(open_backend(), device)
     _local.device = device
 
 

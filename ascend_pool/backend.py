@@ -18,9 +18,9 @@ import threading
 
 from ._core import Backend, check_not_forked
 from ._sim import library_path as sim_library_path
-from .errors import BackendUnavailableError, ConfigError
+from .errors import BackendUnavailableError, ConfigError, InvalidDeviceError
 
-__all__ = ["open_backend", "sim_library_path", "BACKEND_ENV", "BACKEND_NAMES"]
+__all__ = ["open_backend", "check_device", "sim_library_path", "BACKEND_ENV", "BACKEND_NAMES"]
 
 BACKEND_ENV = "ASCEND_POOL_BACKEND"
 BACKEND_NAMES = ("acl", "sim", "cuda")
@@ -115,3 +115,10 @@ def open_backend(name=None, path=None):
             )
         return backend
 
+
+def check_device(backend, device):
+    """Raises InvalidDeviceError naming the device count unless 0 <= device (an int) <
+    backend.device_count."""
+    if not 0 <= device < backend.device_count:
+        raise InvalidDeviceError(
+            f"device {device!r} does not exist: the {backend.name} backend has {backend.device_count} device(s)")

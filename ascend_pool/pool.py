@@ -8,7 +8,7 @@ from . import registry as _registry
 from . import snapshot as _snapshot
 from . import stats as _stats
 from ._core import PoolBase, forked_from
-from .backend import open_backend
+from .backend import check_device, open_backend
 from .config import effective_knobs, knobs_to_config
 from .errors import InvalidDeviceError, PoolError
 from .snapshot_trace import arrays_from_snapshot
@@ -63,9 +63,7 @@ class Pool(PoolBase):
     def __init__(self, device=0, backend=None, **knobs):
         be = backend if hasattr(backend, "device_count") else open_backend(backend)
         device = _device_index(device)
-        if not 0 <= device < be.device_count:
-            raise InvalidDeviceError(
-                f"device {device!r} does not exist: the {be.name} backend has {be.device_count} device(s)")
+        check_device(be, device)
         free_b, total_b = be.mem_info(device)
         self.knobs = effective_knobs(knobs)
         self.__dict__.setdefault("tenant", "default")  # tenant contexts (pool.context) carry their own name
@@ -113,7 +111,9 @@ class Pool(PoolBase):
 
     def free_all_blocks(self, stream=None):
         """Returns every cached segment to the device, as cupy's MemoryPool.free_all_blocks() (and
-        empty_cache()); `stream` is accepted for cupy's signature: all streams' are returned."""
+        empty_cache()); `stream` (None or a live stream of this pool, else InvalidStreamError) is
+        accepted for cupy's signature: all streams' are returned."""
+        self._check_stream(stream)
         self.empty_cache()
 
     def reset_accumulated_stats(self):

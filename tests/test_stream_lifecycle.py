@@ -139,3 +139,20 @@ def test_destroy_stream_of_a_stream_already_destroyed_is_an_invalid_stream_error
         pool.destroy_stream(s)  # forgotten by the first call (was: DeviceError from the runtime)
     pool.empty_cache()
     assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_the_default_stream_cannot_be_destroyed_and_a_bad_stream_is_named(pool):
+    """destroy_stream(None) is refused before the runtime is asked (it used to reach
+    aclrtDestroyStream and come back as a DeviceError 100000); free_all_blocks takes cupy's stream
+    argument and refuses one that is not a stream of the pool instead of ignoring it."""
+    ptr = pool.malloc(MiB)
+    with pytest.raises(ap.InvalidStreamError, match="default stream"):
+        pool.destroy_stream(None)
+    with pytest.raises(ap.InvalidStreamError, match="not a live stream"):
+        pool.free_all_blocks("not a stream")
+    s = pool.create_stream()
+    pool.free(ptr)
+    pool.free_all_blocks(s)
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+    pool.destroy_stream(s)
+    pool.malloc(MiB)  # still serving

@@ -94,3 +94,19 @@ def test_the_fraction_set_through_the_c_hook_is_the_one_python_reads():
         assert pool.get_limit() is None and ap.get_per_process_memory_fraction(0) == 1.0
     finally:
         pool.set_limit(None)
+
+
+def test_set_device_refuses_a_device_the_backend_does_not_have():
+    """torch's set_device raises on a device that does not exist; ours did not, and every later
+    module-level call of the thread then failed naming a device the caller never passed."""
+    n = ap.default_pool(0).backend.device_count
+    before = ap.current_device()
+    for bad in (n, n + 91):
+        with pytest.raises(ap.InvalidDeviceError, match=f"device {bad} does not exist"):
+            ap.set_device(bad)
+    assert ap.current_device() == before
+    ap.set_device(n - 1)
+    try:
+        assert ap.memory_allocated() == ap.memory_allocated(n - 1)
+    finally:
+        ap.set_device(before)

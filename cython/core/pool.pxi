@@ -455,6 +455,9 @@ cdef class PoolBase:
     def destroy_stream(self, stream):
         """Waits for stream, returns its cached blocks to all streams, and destroys it."""
         self._check()
+        if stream is None:
+            raise InvalidStreamError("the default stream (None) cannot be destroyed: destroy_stream takes a stream "
+                                     "from pool.create_stream() or pool.register_stream(handle)")
         cdef ap_pool *_p
         cdef void *s = self._stream(stream)
         cdef ap_error err
@@ -468,6 +471,12 @@ cdef class PoolBase:
         if rc != AP_OK:
             _raise(&err, rc)
         self.backend.stream_destroy(stream)
+
+    def _check_stream(self, stream):
+        """Raises InvalidStreamError unless stream is None (the default stream) or a live stream
+        of this pool (for the Python-level methods that take one)."""
+        self._check()
+        self._stream(stream)
 
     def synchronize(self, stream=None):
         """Waits (bounded by sync_timeout_ms) for the work queued on stream (None: default)."""
