@@ -65,8 +65,9 @@ def test_closing_and_dropping_a_pool_or_context_end_the_same_way(sim_node):
         assert got["c_abi"] == "InvalidPointerError", (case, got)
 
 
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
 @pytest.mark.parametrize("reset", ["aclrtResetDevice(0)", "aclrtResetDeviceForce(0)"])
-def test_a_device_reset_behind_the_pools_does_not_break_them(sim_node, reset):
+def test_a_device_reset_behind_the_pools_does_not_break_them(sim_node, reset, expandable):
     """A framework that resets device 0 once more than it set it, or force-resets it
     (aclrtResetDeviceForce, as CANN's samples do at teardown), takes the pools' references with
     its own (CANN counts them per process) and the default context goes. The pools take their
@@ -80,13 +81,13 @@ def test_a_device_reset_behind_the_pools_does_not_break_them(sim_node, reset):
         acl = C.CDLL(sim.library_path())
         acl.aclInit(None)
         assert acl.aclrtSetDevice(0) == 0  # the framework's own reference
-        pool = ap.Pool(0, backend="sim")
+        pool = ap.Pool(0, backend="sim", expandable_segments={expandable})
         keep = pool.malloc(1 << 20)
         refs_before = sim.stats(0)["device_refs"]
         assert acl.{reset} == 0            # the pool's reference goes too: the context is released
         acl.aclrtSetDevice(0)              # the framework carries on: a new default context
         grown = pool.malloc(30 << 20)      # a growth: a device call in the new context
-        fresh = ap.Pool(0, backend="sim")
+        fresh = ap.Pool(0, backend="sim", expandable_segments={expandable})
         fresh.free(fresh.malloc(30 << 20))
         fresh.close()
         pool.free(grown)
@@ -99,19 +100,20 @@ def test_a_device_reset_behind_the_pools_does_not_break_them(sim_node, reset):
     assert out["refs_before"] == 2 and out["refs_after"] == 1, out
 
 
-def test_threads_on_two_devices_renew_their_contexts_once_each(sim_node):
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_threads_on_two_devices_renew_their_contexts_once_each(sim_node, expandable):
     """Forced resets of both devices under four threads (two per device), each with a pool of its
     own, that use their pools before and after it, as a framework's workers do (each sets its
     device again after the reset, as it must for its own work): every thread carries on, the two
     pools' references on each device are taken again exactly once although both find the dead
     context at about the same time, and after close each device holds only the references the
     framework's threads took."""
-    out = sim_node.run_json("""
+    out = sim_node.run_json(f"        EXPANDABLE = {expandable}\n" + """
         import ascend_pool as ap
         from ascend_pool import sim
         acl = C.CDLL(sim.library_path())
         acl.aclInit(None)
-        pools = {(d, k): ap.Pool(d, backend="sim") for d in (0, 1) for k in (0, 1)}
+        pools = {(d, k): ap.Pool(d, backend="sim", expandable_segments=EXPANDABLE) for d in (0, 1) for k in (0, 1)}
         before, after_reset, errors, done = threading.Barrier(5), threading.Barrier(5), [], []
 
         def worker(d, k):
