@@ -20,7 +20,7 @@ from ._core import Backend, check_not_forked
 from ._sim import library_path as sim_library_path
 from .errors import BackendUnavailableError, ConfigError, InvalidDeviceError
 
-__all__ = ["open_backend", "check_device", "sim_library_path", "BACKEND_ENV", "BACKEND_NAMES"]
+__all__ = ["open_backend", "check_device", "device_index", "sim_library_path", "BACKEND_ENV", "BACKEND_NAMES"]
 
 BACKEND_ENV = "ASCEND_POOL_BACKEND"
 BACKEND_NAMES = ("acl", "sim", "cuda")
@@ -114,6 +114,14 @@ def open_backend(name=None, path=None):
                 backend.name, backend.device_count, backend.path, why,
             )
         return backend
+
+
+def device_index(device):
+    """device as an int: an int or a numpy integer (as torch accepts), never a bool or a float
+    (InvalidDeviceError)."""
+    if isinstance(device, bool) or not hasattr(type(device), "__index__"):
+        raise InvalidDeviceError(f"device must be an integer index, got {device!r}")
+    return type(device).__index__(device)
 
 
 def check_device(backend, device):

@@ -8,9 +8,9 @@ from . import registry as _registry
 from . import snapshot as _snapshot
 from . import stats as _stats
 from ._core import PoolBase, forked_from
-from .backend import check_device, open_backend
+from .backend import check_device, device_index, open_backend
 from .config import effective_knobs, knobs_to_config
-from .errors import InvalidDeviceError, PoolError
+from .errors import PoolError
 from .snapshot_trace import arrays_from_snapshot
 from .traces import trace_from_arrays
 
@@ -41,13 +41,6 @@ def _plugin(hook, module):
     return hook
 
 
-def _device_index(device):
-    """device as an int: an int or a numpy integer (as torch accepts), never a bool or a float."""
-    if isinstance(device, bool) or not hasattr(type(device), "__index__"):
-        raise InvalidDeviceError(f"device must be an integer index, got {device!r}")
-    return type(device).__index__(device)
-
-
 class Pool(PoolBase):
     """Caching allocator for one device.
 
@@ -62,7 +55,7 @@ class Pool(PoolBase):
 
     def __init__(self, device=0, backend=None, **knobs):
         be = backend if hasattr(backend, "device_count") else open_backend(backend)
-        device = _device_index(device)
+        device = device_index(device)
         check_device(be, device)
         free_b, total_b = be.mem_info(device)
         self.knobs = effective_knobs(knobs)

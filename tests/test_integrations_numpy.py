@@ -104,3 +104,22 @@ def test_many_arrays_of_many_sizes_balance(handler):
     assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
     assert after["num_frees"] - before["num_frees"] == after["num_allocs"] - before["num_allocs"]
     assert after["num_invalid_frees"] == 0
+
+
+def test_bad_arguments_are_typed_errors_and_the_handler_stays_usable():
+    """uninstall() with something that is not a handler capsule used to surface as a SystemError
+    (numpy refused it with its own exception set, then ours was raised over it); host_pool("0")
+    as a TypeError from the extension. Both are typed errors naming the argument now."""
+    import ascend_pool as ap
+    from ascend_pool.integrations.pinned import host_pool
+
+    for bad in ("default_allocator", 5, object()):
+        with pytest.raises(ap.ConfigError, match="mem_handler"):
+            ap_np.uninstall(bad)
+    for bad in ("0", 1.0, True, 10 ** 6):
+        with pytest.raises(ap.InvalidDeviceError):
+            host_pool(bad)
+    with ap_np.installed():
+        a = np.ones(1000)
+        assert handler_name(a) == NUMPY_HANDLER_NAME
+    assert handler_name() == "default_allocator"

@@ -13,7 +13,7 @@ copies may outlive every Python reference to it). See ascend_pool._core.HostPool
 
 from .. import registry
 from .._core import HostPool
-from ..backend import open_backend
+from ..backend import check_device, device_index, open_backend
 
 __all__ = ["host_pool"]
 
@@ -26,5 +26,8 @@ def _create(device):
 
 def host_pool(device=0):
     """The pinned host pool pinning in `device`'s runtime context on the process's backend
-    ($ASCEND_POOL_BACKEND, else automatic); kept in ascend_pool.registry."""
+    ($ASCEND_POOL_BACKEND, else automatic); kept in ascend_pool.registry. A device that is not an
+    index of the backend's devices raises InvalidDeviceError."""
+    device = device_index(device)
+    check_device(open_backend(), device)
     return registry.host_pool(device, lambda: _create(device))

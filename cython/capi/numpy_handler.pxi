@@ -5,7 +5,7 @@
 # used are called by their slot numbers, which numpy keeps stable across 1.22 - 2.x:
 # 211 PyArray_GetNDArrayCFeatureVersion, 304 PyDataMem_SetHandler.
 
-from cpython.pycapsule cimport PyCapsule_New, PyCapsule_GetPointer
+from cpython.pycapsule cimport PyCapsule_New, PyCapsule_GetPointer, PyCapsule_IsValid
 from cpython.ref cimport PyObject, Py_DECREF
 
 cdef extern from "capi/numpy_handler.h" nogil:
@@ -42,6 +42,11 @@ def numpy_set_handler(api_capsule, handler):
     if version < _NPY_1_22_API_VERSION:
         raise PoolError(f"this numpy (C API feature version {version:#x}) predates memory handlers "
                         "(NEP 49, numpy 1.22)")
+    # numpy takes a "mem_handler" capsule only, and refuses anything else with its own exception
+    # set: checked here, so that a caller's mistake is one typed error, never a SystemError.
+    if handler is not None and not PyCapsule_IsValid(handler, "mem_handler"):
+        raise ConfigError(f"a numpy memory handler must be None or a 'mem_handler' capsule (what install() "
+                          f"returned), got {handler!r}")
     cdef PyObject *arg = NULL if handler is None else <PyObject *>handler
     cdef PyObject *previous = (<_np_set_handler_fn>api[_SLOT_SET_HANDLER])(arg)
     if previous == NULL:
