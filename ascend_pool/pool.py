@@ -161,6 +161,7 @@ class Pool(PoolBase):
         """Writes the recorded history (record_memory_history or the record_history knob) as a
         replayable trace NAME.npz (ascend_pool.traces format): allocations with their requested
         sizes and the frees of them, streams numbered in order of appearance. Returns the Trace."""
+        _snapshot.output_path(path, "dump_trace")
         a = arrays_from_snapshot(self._snapshot(trace=True), self.device, "pool history")
         trace = trace_from_arrays(a["op"], a["id"], a["size"], a["stream"], name="pool history")
         np.savez(path, **a)

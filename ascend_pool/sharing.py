@@ -79,7 +79,7 @@ def node_pid(backend=None):
     backend aclrtDeviceGetBareTgid (inside a container the host's tgid, not getpid()), on cuda
     getpid(). An importer sends it to the exporter, which passes it in share(ptr, pids=[...]) or
     allow(handle, [...]). backend: name or Backend (default: this process's)."""
-    be = backend if backend is not None and not isinstance(backend, str) else open_backend(backend)
+    be = backend if hasattr(backend, "node_pid") else open_backend(backend)  # else a name: ConfigError if unknown
     return be.node_pid()
 
 

@@ -1,9 +1,11 @@
 """Snapshots in PyTorch's memory-snapshot schema, so that `python -m torch.cuda._memory_viz
 stats|trace FILE.pickle` and the memory_viz web page read them."""
 
+import os
 import pickle
 
 from .config import allocator_settings
+from .errors import ConfigError
 
 _STATES = ("inactive", "active_allocated", "active_pending_free")
 _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot",
@@ -69,7 +71,15 @@ def merge(snapshots):
     return out
 
 
+def output_path(path, what):
+    """path if it names a file (str or os.PathLike), else ConfigError: open() would take an int as
+    a file descriptor, and write to (then close) stdout or whatever else it is."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ConfigError(f"{what}: path must be a file name (str or os.PathLike), got {path!r}")
+    return path
+
+
 def dump(snapshot, path):
-    """Writes a snapshot as the pickle file that torch.cuda._memory_viz reads."""
-    with open(path, "wb") as f:
+    """Writes a snapshot as the pickle file that torch.cuda._memory_viz reads (path: a file name)."""
+    with open(output_path(path, "dump_snapshot"), "wb") as f:
         pickle.dump(snapshot, f)

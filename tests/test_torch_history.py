@@ -2,6 +2,7 @@
 and off at runtime, Python frames in the trace and on live blocks, dump_snapshot read by
 torch.cuda._memory_viz; and mem_get_info / reset_accumulated_stats."""
 
+import os
 import pickle
 import subprocess
 import sys
@@ -193,3 +194,28 @@ def test_c_abi_allocations_record_the_python_frames_of_the_thread_that_holds_the
     with_gil = _c_abi_alloc_here(held, 4096)  # history off: nothing recorded, nothing in the way
     assert ap.snapshot(0)["device_traces"][0] == []
     held.ascend_pool_free(with_gil, 0, 0, None)
+
+
+def test_a_file_descriptor_is_not_a_snapshot_path(pool):
+    """open() takes an int as a file descriptor: dump_snapshot(1) used to write the pickle to
+    stdout and close it. A path must be a file name; an int is refused and the descriptor stays
+    open and untouched."""
+    r, w = os.pipe()
+    try:
+        for call in (lambda: ap.dump_snapshot(w), lambda: pool.dump_snapshot(w), lambda: pool.dump_trace(w),
+                     lambda: pool.dump_snapshot("")):
+            with pytest.raises(ap.ConfigError, match="path must be a file name"):
+                call()
+        os.fstat(w)  # still open
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)  # and nothing was written to it
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_node_pid_refuses_what_is_not_a_backend():
+    with pytest.raises(ap.ConfigError, match="unknown backend"):
+        ap.node_pid(-1)
+    assert ap.node_pid("sim") == ap.node_pid()
