@@ -247,7 +247,12 @@ def test_only_share_malloc_blocks_can_be_shared(pool):
         pool.free(sp)                                  # pool.free never takes a shared block
     with pytest.raises(ap.InvalidSizeError):
         pool.share_malloc(0)
+    kept = pool.malloc(2 * MiB)  # from the cached 4 MiB segment: reserved stays
+    pool.share(sp, any_process=True)
+    pool._check_invariants()  # a live shared block is consistent (the checker failed on one before)
+    pool.free(kept)
     assert pool.share_free(sp) is True
+    pool._check_invariants()
     st = pool.memory_stats()
     assert st["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
     assert st["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]

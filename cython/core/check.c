@@ -121,7 +121,7 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
     pthread_mutex_lock(&p->lock);
     int rc = -1;
     size_t free_blocks = 0, cached = 0, n_segments = 0, n_free_segments = 0;
-    int64_t alloc_n[2] = {0}, alloc_b[2] = {0}, req_b[2] = {0}, reserved[2] = {0}, segs[2] = {0};
+    int64_t alloc_n[2] = {0}, alloc_b[2] = {0}, req_b[2] = {0}, reserved[2] = {0}, segs[2] = {0}, shared_n = 0;
     int64_t over_alloc = 0, over_segs = 0; /* oversize_allocations / _segments, recounted */
     int64_t split_n[2] = {0}, split_b[2] = {0}, pend_n = 0, pend_b = 0, pend_kind[2] = {0};
     size_t seen_free = 0, seen_cached = 0, seen_pending = 0;
@@ -166,7 +166,14 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
                 alloc_b[s->pool] += (int64_t)b->size;
                 over_alloc += ap_oversize(p, s->pool, b->size);
                 req_b[s->pool] += (int64_t)b->requested;
-                if (ap_map_get(&p->live, b->addr) != b) {
+                if (s->shared) { /* a shared block: alone in its segment, and never in the live map */
+                    shared_n++;
+                    if (!whole || ap_map_get(&p->live, b->addr)) {
+                        fail(c, "shared block 0x%lx is %s", (unsigned long)b->addr,
+                             whole ? "in the live map (pool.free could free it)" : "not alone in its segment");
+                        goto out;
+                    }
+                } else if (ap_map_get(&p->live, b->addr) != b) {
                     fail(c, "allocated block 0x%lx is not in the live map", (unsigned long)b->addr);
                     goto out;
                 }
@@ -223,8 +230,9 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
              "pending list (%lld)", seen_free, seen_cached, seen_pending, free_blocks, cached, (long long)pend_n);
         goto out;
     }
-    if ((int64_t)p->live.count != alloc_n[0] + alloc_n[1]) {
-        fail(c, "live map holds %zu blocks, %lld are allocated", p->live.count, (long long)(alloc_n[0] + alloc_n[1]));
+    if ((int64_t)p->live.count != alloc_n[0] + alloc_n[1] - shared_n) {
+        fail(c, "live map holds %zu blocks, %lld are allocated (%lld of them shared)", p->live.count,
+             (long long)(alloc_n[0] + alloc_n[1]), (long long)shared_n);
         goto out;
     }
     struct { int stat; int64_t *v; const char *name; } recount[] = {
