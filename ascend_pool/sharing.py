@@ -65,7 +65,7 @@ from . import identity
 from ._core import _share_alloc, check_not_forked
 from .api import default_pool
 from .backend import open_backend
-from .errors import InvalidDeviceError, InvalidPointerError, PoolError
+from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, PoolError
 from .pool import set_sharing
 from .private_dir import candidates
 from .tenants.ledger import base_dir, ledger_dir, node_name
@@ -304,6 +304,23 @@ def share_malloc(pool, nbytes):
     return seg.ptr
 
 
+def _pid_list(pids, what):
+    """pids (an iterable of node-level ids) as a list of ints in 1..2**31-1, each checked before
+    anything is exported (ConfigError names the first bad one: the runtime's import list holds
+    int32 ids, and a float, a string or a wider int would have been cut to one silently)."""
+    if isinstance(pids, (str, bytes)) or not hasattr(pids, "__iter__"):
+        raise ConfigError(f"{what}: pids must be a list of node-level process ids (ascend_pool.node_pid()), "
+                          f"got {pids!r}")
+    out = []
+    for pid in pids:
+        value = None if isinstance(pid, bool) or not hasattr(type(pid), "__index__") else type(pid).__index__(pid)
+        if value is None or not 0 < value < 2 ** 31:
+            raise ConfigError(f"{what}: {pid!r} is not a node-level process id (an int from 1 to 2**31-1, "
+                              "as ascend_pool.node_pid() returns)")
+        out.append(value)
+    return out
+
+
 def share(pool, ptr, read_only=False, pids=(), any_process=False):
     """Exports the share_malloc'ed block at ptr; returns its SharedHandle. Importers must be listed
     (pids: node-level ids from each importer's ascend_pool.node_pid(), or allow() later) unless
@@ -312,6 +329,7 @@ def share(pool, ptr, read_only=False, pids=(), any_process=False):
     the runtime can: the simulator; see the module doc). Sharing a block twice returns the same
     handle; asking for the other read_only the second time raises SharingError."""
     _check_pool(pool)
+    pids = _pid_list(() if pids is None else pids, "share")
     with _lock:
         ex = _export_of(pool, ptr)
         if ex.handle is not None and ex.handle.read_only != bool(read_only):
@@ -339,7 +357,7 @@ def share(pool, ptr, read_only=False, pids=(), any_process=False):
                                      exporter_pid=os.getpid(), nbytes=ex.seg.segment_bytes, backend=be.name,
                                      node=node, exporter_uid=os.geteuid())
         if pids:
-            ex.seg.set_pids(list(pids))
+            ex.seg.set_pids(pids)
         return ex.handle
 
 
@@ -347,10 +365,13 @@ def allow(handle, pids):
     """Exporter: lets the processes `pids` (node-level ids from each importer's
     ascend_pool.node_pid(), never os.getpid()) import the block of `handle` (ACL checks them unless
     the block was shared with any_process=True)."""
+    if not isinstance(handle, SharedHandle):
+        raise TypeError(f"allow needs a SharedHandle from Pool.share(), got {type(handle).__name__}")
+    pids = _pid_list(pids, "allow")
     with _lock:
         for ex in _exports.values():
             if ex.handle == handle and not ex.deferred:
-                ex.seg.set_pids(list(pids))
+                ex.seg.set_pids(pids)
                 return
     raise SharingError(f"key {handle.key!r} is not shared by this process (pid {os.getpid()})")
 

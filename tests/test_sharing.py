@@ -258,6 +258,26 @@ def test_only_share_malloc_blocks_can_be_shared(pool):
     assert st["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
 
 
+def test_bad_pids_are_refused_before_anything_is_exported(pool):
+    """pids reach the runtime as int32 ids: a float, a string, a bool or a wider int used to be cut
+    to one silently (or raise a bare TypeError / ValueError after the key was made). Each is a
+    ConfigError naming it, the block stays unshared, and a good list still works."""
+    from ascend_pool import sharing
+
+    sp = pool.share_malloc(4096)
+    for bad in (-1, "12", [1.5], [True], [2 ** 40], ["12"], [0]):
+        with pytest.raises(ap.ConfigError, match="pids|process id"):
+            pool.share(sp, pids=bad)
+    assert pool.memory_stats()["shared_exported_blocks"] == 0
+    handle = pool.share(sp, pids=[ap.node_pid()])
+    with pytest.raises(TypeError, match="SharedHandle"):
+        sharing.allow(None, [ap.node_pid()])
+    with pytest.raises(ap.ConfigError, match="process id"):
+        sharing.allow(handle, [-3])
+    sharing.allow(handle, [ap.node_pid()])
+    assert pool.share_free(sp) is True
+
+
 def test_handle_pickles_and_names_what_importers_need(pool):
     ptr = pool.share_malloc(3 * MiB)
     h = pool.share(ptr, any_process=True)
