@@ -112,8 +112,20 @@ def _check(rc: int, what: str) -> None:
         raise SimError(rc, msg.decode(errors="replace") if msg else f"{what} failed (aclError {rc})")
 
 
+def _int(value, what: str, lo: int = 0, hi: int = 2 ** 63 - 1) -> int:
+    """value as an int in [lo, hi] (numpy integers too), else ValueError naming it: a float, a bool,
+    a string or an int that does not fit the C argument never reaches ctypes (whose errors name
+    the argument by position only) or wraps."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise ValueError(f"{what}={value!r} is not an int")
+    v = type(value).__index__(value)
+    if not lo <= v <= hi:
+        raise ValueError(f"{what}={v} is out of range ({lo}..{hi})")
+    return v
+
+
 def _stream(stream) -> int | None:
-    return None if not stream else int(stream)
+    return None if stream is None or stream == 0 else _int(stream, "stream", 1, 2 ** 64 - 1)
 
 
 def parse_size(value: int | str) -> int:
@@ -141,11 +153,12 @@ def launch_fill(stream, ptr: int, nbytes: int, value: int, delay_s: float = 0.0)
     reservation with every page of it mapped (SimError 107000 otherwise); if it is freed or
     unmapped before the fill runs, the fill is dropped and counted in
     ``stats()["dropped_fills"]``."""
-    if not 0 <= value <= 255:
-        raise ValueError(f"fill value {value} is not a byte (0..255)")
-    if delay_s < 0:
-        raise ValueError(f"delay_s={delay_s} is negative")
-    rc = _l().ascendsim_launch_fill(_stream(stream), ptr, nbytes, value, round(delay_s * 1e6))
+    if isinstance(value, bool) or not hasattr(type(value), "__index__") or not 0 <= value <= 255:
+        raise ValueError(f"fill value {value!r} is not a byte (0..255)")
+    if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not 0 <= delay_s <= 3600:
+        raise ValueError(f"delay_s={delay_s!r} is not a number of seconds from 0 to 3600")
+    rc = _l().ascendsim_launch_fill(_stream(stream), _int(ptr, "ptr", 1, 2 ** 64 - 1), _int(nbytes, "nbytes"), value,
+                                    round(delay_s * 1e6))
     _check(rc, "ascendsim_launch_fill")
 
 
@@ -154,6 +167,7 @@ def read(ptr: int, nbytes: int) -> bytes:
     streams (synchronize first to see their effect). ``[ptr, ptr+nbytes)`` must lie in one live
     device allocation or mapped virtual-memory range, else SimError 107000 (a bad or unmapped
     address is refused, never dereferenced)."""
+    ptr, nbytes = _int(ptr, "ptr", 1, 2 ** 64 - 1), _int(nbytes, "nbytes", 0, 1 << 40)
     buf = ctypes.create_string_buffer(max(nbytes, 1))
     _check(_l().ascendsim_read(ptr, buf, nbytes), "ascendsim_read")
     return buf.raw[:nbytes]
@@ -257,7 +271,7 @@ def stats(device: int = 0) -> dict:
     lib = _l()
     names = lib.ascendsim_stats_fields().decode().split(",")
     out = (ctypes.c_uint64 * len(names))()
-    _check(lib.ascendsim_get_stats(device, out, len(names)), "ascendsim_get_stats")
+    _check(lib.ascendsim_get_stats(_int(device, "device", 0, 2 ** 31 - 1), out, len(names)), "ascendsim_get_stats")
     return dict(zip(names, out))
 
 

@@ -183,3 +183,31 @@ def test_control_calls_need_a_runtime_and_configure_needs_none(sim_node):
         st = sim.stats(3)
         assert st["total_bytes"] == 3 << 20 and st["node_bytes_used"] == 0, st
     """)
+
+
+
+def test_control_calls_name_a_bad_argument(sim_node):
+    """The simulator's Python control calls check their integers before ctypes sees them: ctypes'
+    own error names an argument by position only ("argument 1: TypeError: wrong type"), and an
+    int too wide for the C parameter would wrap."""
+    out = sim_node.run_json("""
+        from ascend_pool import sim
+        init()
+        calls = {"device": lambda: sim.stats(None), "device ": lambda: sim.stats(2 ** 40),
+                 "ptr": lambda: sim.read(1.5, 8), "nbytes": lambda: sim.read(4096, -1),
+                 "stream": lambda: sim.hang_stream("x"), "stream ": lambda: sim.release_stream(object()),
+                 "fill value": lambda: sim.launch_fill(None, 4096, 8, True),
+                 "delay_s": lambda: sim.launch_fill(None, 4096, 8, 1, delay_s="1")}
+        said = {}
+        for what, call in calls.items():
+            try:
+                call()
+                said[what] = "accepted"
+            except ValueError as e:
+                said[what] = what.strip() in str(e)
+            except Exception as e:
+                said[what] = type(e).__name__
+        print(json.dumps({"said": said, "total": sim.stats(0)["total_bytes"]}))
+    """)
+    assert all(v is True for v in out["said"].values()), out["said"]
+    assert out["total"] > 0
