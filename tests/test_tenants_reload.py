@@ -103,7 +103,8 @@ def test_watcher_applies_a_changed_file(base, tmp_path):
         p = ctx.malloc(large(8))
         write_config(cfg, watched="4MiB")
         deadline = time.monotonic() + 5
-        while ctx.quota != 4 * MiB and time.monotonic() < deadline:
+        # The watcher counts a reload once reload_config has applied it: wait for both.
+        while (ctx.quota != 4 * MiB or watcher.reloads < 1) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert ctx.quota == 4 * MiB and watcher.reloads >= 1
         assert ctx.block_info(p) is not None
