@@ -181,10 +181,10 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
     if context is None:
         stacks = None
     history_settings(enabled, stacks, max_entries)
+    pools = _process_pools(device, create=False)
     if clear_history and enabled not in (None, False):  # turning it off drops each ring
-        _on_each_open(_process_pools(device, create=False), lambda pool: pool.record_memory_history(None))
-    _on_each_open(_process_pools(device, create=False),
-                  lambda pool: pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries))
+        _on_each_open(pools, lambda pool: pool.record_memory_history(None))
+    _on_each_open(pools, lambda pool: pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries))
     if device is None:
         _history = (enabled, stacks, max_entries)
 

@@ -19,6 +19,7 @@ import threading
 from ._core import Backend, check_not_forked
 from ._sim import library_path as sim_library_path
 from .errors import BackendUnavailableError, ConfigError, InvalidDeviceError
+from .units import as_index
 
 __all__ = ["open_backend", "check_device", "device_index", "sim_library_path", "BACKEND_ENV", "BACKEND_NAMES"]
 
@@ -119,9 +120,10 @@ def open_backend(name=None, path=None):
 def device_index(device):
     """device as an int: an int or a numpy integer (as torch accepts), never a bool or a float
     (InvalidDeviceError)."""
-    if isinstance(device, bool) or not hasattr(type(device), "__index__"):
+    index = as_index(device)
+    if index is None:
         raise InvalidDeviceError(f"device must be an integer index, got {device!r}")
-    return type(device).__index__(device)
+    return index
 
 
 def check_device(backend, device):

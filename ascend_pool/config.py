@@ -58,6 +58,9 @@ MAX_HISTORY_ENTRIES = 1 << 20
 HISTORY_STACKS = ("python", "all", None, "none")
 HISTORY_CONTEXTS = (None, "state", "alloc", "all")  # torch's _record_memory_history(context=...)
 
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
 
 def history_settings(enabled, stacks, max_entries):
     """record_memory_history's arguments checked and normalised: (on, frames, entries) with
@@ -72,8 +75,6 @@ def history_settings(enabled, stacks, max_entries):
     if stacks not in HISTORY_STACKS:
         raise ConfigError(f"stacks must be 'python', 'all' or None, got {stacks!r}")
     return on, on and stacks in ("python", "all"), min(max_entries, MAX_HISTORY_ENTRIES) if on else 0
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 
 def _bool(key, value):

@@ -69,6 +69,7 @@ from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, PoolEr
 from .pool import set_sharing
 from .private_dir import candidates
 from .tenants.ledger import base_dir, ledger_dir, node_name
+from .units import as_index
 
 __all__ = ["SharedHandle", "SharedBlock", "SharingError", "NotShareableError", "open_shared", "share_malloc",
            "share", "share_free", "allow", "collect", "shares", "pool_stats", "node_pid"]
@@ -313,7 +314,7 @@ def _pid_list(pids, what):
                           f"got {pids!r}")
     out = []
     for pid in pids:
-        value = None if isinstance(pid, bool) or not hasattr(type(pid), "__index__") else type(pid).__index__(pid)
+        value = as_index(pid)
         if value is None or not 0 < value < 2 ** 31:
             raise ConfigError(f"{what}: {pid!r} is not a node-level process id (an int from 1 to 2**31-1, "
                               "as ascend_pool.node_pid() returns)")

@@ -23,6 +23,8 @@ import ctypes
 import os
 import threading
 
+from .units import as_index
+
 __all__ = [
     "SimError",
     "library_path",
@@ -116,9 +118,9 @@ def _int(value, what: str, lo: int = 0, hi: int = 2 ** 63 - 1) -> int:
     """value as an int in [lo, hi] (numpy integers too), else ValueError naming it: a float, a bool,
     a string or an int that does not fit the C argument never reaches ctypes (whose errors name
     the argument by position only) or wraps."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+    v = as_index(value)
+    if v is None:
         raise ValueError(f"{what}={value!r} is not an int")
-    v = type(value).__index__(value)
     if not lo <= v <= hi:
         raise ValueError(f"{what}={v} is out of range ({lo}..{hi})")
     return v
@@ -153,7 +155,7 @@ def launch_fill(stream, ptr: int, nbytes: int, value: int, delay_s: float = 0.0)
     reservation with every page of it mapped (SimError 107000 otherwise); if it is freed or
     unmapped before the fill runs, the fill is dropped and counted in
     ``stats()["dropped_fills"]``."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__") or not 0 <= value <= 255:
+    if as_index(value) is None or not 0 <= value <= 255:
         raise ValueError(f"fill value {value!r} is not a byte (0..255)")
     if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not 0 <= delay_s <= 3600:
         raise ValueError(f"delay_s={delay_s!r} is not a number of seconds from 0 to 3600")

@@ -1,4 +1,5 @@
-"""Byte sizes as people write them: 1024, "512MiB", "8GiB", "1.5GB", "64k"."""
+"""Byte sizes as people write them: 1024, "512MiB", "8GiB", "1.5GB", "64k"; and integer arguments
+as callers pass them (ints and numpy integers, never bools or floats)."""
 
 import re
 
@@ -47,3 +48,12 @@ def format_bytes(n):
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def as_index(value):
+    """value as an int when it is one (an int or a numpy integer, through __index__), else None: a
+    bool, a float, a string or any other object is not an index. Callers raise their own typed
+    error naming the argument."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return None
+    return type(value).__index__(value)

@@ -61,7 +61,7 @@ for owner, name, f in targets:
                 (ctx if owner == "ctx" else pool if owner == "pool" else ap).free(out)
         except ap.PoolError:
             pass
-        except (ValueError, sim.SimError) if owner == "sim" else () as e:
+        except (ValueError, sim.SimError) if owner == "sim" else ():
             pass
         except Exception as e:
             key = (owner, name, type(e).__name__)

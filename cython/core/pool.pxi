@@ -659,13 +659,13 @@ cdef class PoolBase:
         """Turns the event history (snapshot()["device_traces"]) on or off at runtime, as
         torch.cuda.memory._record_memory_history: enabled True/"all"/"state" to record, None or
         False to stop (the trace is dropped); with "state", as torch's, snapshots keep the live
-        blocks' frames but show no device_traces (dump_trace still reads the events); stacks "python" also files each allocation's and
-        free's Python frames (captured before the pool lock), None or "none" skips them (no cost);
+        blocks' frames but show no device_traces (dump_trace still reads the events); stacks
+        "python" also files each allocation's and free's Python frames (captured before the pool
+        lock), None or "none" skips them (no cost);
         max_entries: ring size in events, at most config.MAX_HISTORY_ENTRIES (larger ones, such as
         torch's default sys.maxsize, are clamped: the ring is allocated up front)."""
         self._check()
         on, frames, entries = history_settings(enabled, stacks, max_entries)
-        self._history_state_only = enabled == "state"
         cdef size_t cap = entries
         cdef ap_pool *_p = self._enter()
         cdef int rc
@@ -674,6 +674,7 @@ cdef class PoolBase:
         self._leave()
         if rc != AP_OK:
             raise MemoryError(f"host memory for a history of {entries} entries exhausted")
+        self._history_state_only = enabled == "state"
         if frames:
             if self._stack_frames is None or self._stack_cap != entries:
                 self._stack_frames = {}

@@ -54,7 +54,6 @@ int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap
     seg->size = size;
     seg->pool = pool;
     seg->pinned = pinned;
-    seg->shared = 0;
     seg->alloc_slot = (uint16_t)slot;
     seg->first = b;
     ap_segment_link(p, seg);
