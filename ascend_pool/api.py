@@ -276,7 +276,7 @@ def get_per_process_memory_fraction(device=None):
     the default pool of device may hold (set_per_process_memory_fraction or the memory_fraction
     knob); 1.0 without a cap."""
     pool = default_pool(device)
-    limit = pool.get_limit()  # whoever set it last: Python, the C ABI's hook, or the knobs
+    limit = pool._limit()  # whoever set it last: Python, the C ABI's hook, or the knobs
     if limit is None:
         return 1.0
     total = pool.mem_get_info()[1]

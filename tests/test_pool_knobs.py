@@ -135,23 +135,25 @@ def test_set_limit_takes_cupys_size_and_fraction_forms_and_get_limit_reads_it():
     pool = ap.Pool(0, backend="sim")
     try:
         total = pool.mem_get_info()[1]
-        assert pool.get_limit() is None
+        assert pool.get_limit() == 0, "CuPy's get_limit: 0 without a cap"
         pool.set_limit(size=64 << 20)
         assert pool.get_limit() == 64 << 20
         with pytest.raises(ap.OutOfMemoryError):
             pool.malloc(128 << 20)
         pool.set_limit(fraction=0.5)
         assert pool.get_limit() == int(0.5 * total)
-        pool.set_limit(size=0)  # CuPy: 0 lifts the cap
-        assert pool.get_limit() is None
+        pool.set_limit(fraction=1.0)
+        assert pool.get_limit() == total
+        pool.set_limit(size=0)  # CuPy: 0 lifts the cap, and get_limit reads 0
+        assert pool.get_limit() == 0 and pool.malloc(128 << 20)
         pool.set_limit(1 << 30)
         pool.set_limit()        # neither form: no cap
-        assert pool.get_limit() is None
+        assert pool.get_limit() == 0
         for bad in ({"fraction": 1.5}, {"fraction": -0.1}, {"size": -1}, {"size": 1, "fraction": 0.5},
                     {"size": 1.5}, {"fraction": True}):
             with pytest.raises(ap.ConfigError):
                 pool.set_limit(**bad)
-        assert pool.get_limit() is None, "a refused call changes nothing"
+        assert pool.get_limit() == 0, "a refused call changes nothing"
     finally:
         pool.close()
 

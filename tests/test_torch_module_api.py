@@ -91,7 +91,11 @@ def test_the_fraction_set_through_the_c_hook_is_the_one_python_reads():
         assert pool.get_limit() == int(0.5 * total)
         assert abs(ap.get_per_process_memory_fraction(0) - 0.5) < 1e-9
         pool.set_limit(None)
-        assert pool.get_limit() is None and ap.get_per_process_memory_fraction(0) == 1.0
+        assert pool.get_limit() == 0 and ap.get_per_process_memory_fraction(0) == 1.0
+        ap.set_per_process_memory_fraction(0.0, 0)  # torch: a cap of 0 bytes, not "no cap"
+        assert pool.get_limit() == 0 and ap.get_per_process_memory_fraction(0) == 0.0
+        with pytest.raises(ap.OutOfMemoryError):  # no cached block this large: a growth, refused
+            pool.malloc(256 * MiB)
     finally:
         pool.set_limit(None)
 

@@ -521,7 +521,14 @@ cdef class PoolBase:
 
     def get_limit(self):
         """The cap on reserved bytes in force (set_limit, set_per_process_memory_fraction, the C
-        ABI's memory-fraction hook or the knobs), in bytes; None without one."""
+        ABI's memory-fraction hook or the knobs), in bytes; 0 without one, as CuPy's
+        MemoryPool.get_limit (whose set_limit(size=0) lifts the cap)."""
+        limit = self._limit()
+        return 0 if limit is None else limit
+
+    def _limit(self):
+        """The cap on reserved bytes in force, in bytes; None without one (a cap of 0 bytes, which
+        set_per_process_memory_fraction(0) sets, is 0)."""
         self._check()
         cdef size_t limit
         cdef ap_pool *_p = self._enter()
