@@ -48,6 +48,7 @@ from .api import (
     memory_reserved,
     memory_snapshot,
     memory_stats,
+    memory_stats_as_nested_dict,
     mem_get_info,
     memory_summary,
     record_memory_history,

@@ -100,9 +100,24 @@ def memory_stats(device=None):
     return default_pool(device).memory_stats()
 
 
-def memory_summary(device=None):
-    """A readable summary of the default pool's counters."""
-    return default_pool(device).memory_summary()
+def memory_stats_as_nested_dict(device=None):
+    """torch.cuda.memory_stats_as_nested_dict(): memory_stats(device) as nested dicts, split at
+    the dots of its keys (stats["allocated_bytes"]["all"]["current"], bytes), which is the form
+    torch's memory_stats flattens."""
+    nested = {}
+    for key, value in memory_stats(device).items():
+        *path, leaf = key.split(".")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
+def memory_summary(device=None, abbreviated=False):
+    """A readable summary of the default pool's counters, with torch.cuda.memory_summary's
+    arguments (abbreviated: without the per-pool rows)."""
+    return default_pool(device).memory_summary(abbreviated)
 
 
 def reset_peak_stats(device=None):
@@ -237,19 +252,31 @@ def reset_peak_memory_stats(device=None):
 def caching_allocator_alloc(size, device=None, stream=None):
     """torch.cuda.caching_allocator_alloc(): allocates size bytes on the default pool of device
     (None: the current device), ordered on stream (an int stream handle; None: the default
-    stream). Returns the address (int); give it back with caching_allocator_delete(ptr)."""
+    stream, or a framework's stream object whose npu_stream / cuda_stream is one, as torch takes
+    a torch.cuda.Stream). Returns the address (int); give it back with caching_allocator_delete(ptr).
+    As torch's, 0 bytes give the null address 0 (nothing allocated), which caching_allocator_delete
+    takes back as a no-op; pool.malloc(0) refuses (InvalidSizeError)."""
+    if stream is not None and not isinstance(stream, int):
+        stream = next((h for h in (getattr(stream, "npu_stream", None), getattr(stream, "cuda_stream", None))
+                       if isinstance(h, int) and not isinstance(h, bool)), stream)
     if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool)):
-        raise InvalidStreamError(f"caching_allocator_alloc: stream must be None or an int stream handle, "
-                                 f"got {stream!r}")
-    return default_pool(device).malloc(size, stream)
+        raise InvalidStreamError(f"caching_allocator_alloc: stream must be None, an int stream handle or a "
+                                 f"stream object with an int npu_stream or cuda_stream, got {stream!r}")
+    pool = default_pool(device)
+    if type(size) is int and size == 0:
+        return 0
+    return pool.malloc(size, stream)
 
 
 def caching_allocator_delete(ptr):
     """torch.cuda.caching_allocator_delete(): frees ptr (from caching_allocator_alloc or malloc)
     on the pool that made it, whatever the current device or context; InvalidPointerError when no
-    open pool of this process holds a live block at ptr."""
+    open pool of this process holds a live block at ptr; 0 (the null address that a 0-byte
+    caching_allocator_alloc returns) is a no-op, as torch's."""
     if not isinstance(ptr, int) or isinstance(ptr, bool):
         raise InvalidPointerError(f"caching_allocator_delete: ptr must be an int address, got {ptr!r}")
+    if ptr == 0:
+        return
     mine = _current.top(current_device()) or _registry.default_pool(current_device())
     for pool in ([mine] if mine is not None else []) + _registry.live_pools():
         if not pool.closed and pool.block_info(ptr) is not None:

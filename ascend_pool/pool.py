@@ -143,9 +143,10 @@ class Pool(PoolBase):
             _sharing.before_close(self)
         super().close()
 
-    def memory_summary(self):
-        """A readable table of the stats, like torch.cuda.memory_summary()."""
-        return _stats.summary(self.memory_stats(), self.device, self.backend.name)
+    def memory_summary(self, abbreviated=False):
+        """A readable table of the stats, like torch.cuda.memory_summary(); abbreviated: without
+        the per-pool (small/large) rows."""
+        return _stats.summary(self.memory_stats(), self.device, self.backend.name, abbreviated=bool(abbreviated))
 
     def snapshot(self):
         """The pool's segments, blocks and event history in PyTorch's snapshot schema (readable by

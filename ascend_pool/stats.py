@@ -55,13 +55,14 @@ _ROWS = (
 )
 
 
-def summary(stats, device, backend_name):
-    """A fixed-width table of current/peak/allocated/freed per pool, then the pool's own figures."""
+def summary(stats, device, backend_name, abbreviated=False):
+    """A fixed-width table of current/peak/allocated/freed per pool (abbreviated: the "all" rows
+    only, as torch.cuda.memory_summary(abbreviated=True)), then the pool's own figures."""
     fmt = lambda v, b: format_bytes(v) if b else str(v)  # noqa: E731
     lines = [f"ascend_pool memory summary, device {device} ({backend_name})",
              f"{'metric':<24}{'pool':<8}{'current':>14}{'peak':>14}{'allocated':>14}{'freed':>14}"]
     for title, key, is_bytes in _ROWS:
-        for kind, label in (("all", "all"), ("small_pool", "small"), ("large_pool", "large")):
+        for kind, label in (("all", "all"),) if abbreviated else (("all", "all"), ("small_pool", "small"), ("large_pool", "large")):
             vals = [stats[f"{key}.{kind}.{m}"] for m in ("current", "peak", "allocated", "freed")]
             lines.append(f"{title if kind == 'all' else '':<24}{label:<8}" + "".join(f"{fmt(v, is_bytes):>14}" for v in vals))
     lines += [

@@ -128,6 +128,10 @@ def test_memory_summary_is_readable(pool):
     assert "Reserved memory" in text and "Allocated memory" in text
     assert "14.00 MiB" in text  # the reserved large segment
     assert "external fragmentation" in text
+    short = pool.memory_summary(abbreviated=True)  # torch.cuda.memory_summary's argument
+    assert "Reserved memory" in short and "14.00 MiB" in short
+    assert "small" in text.split() and "small" not in short.split() and "large" not in short.split()
+    assert ap.memory_summary(abbreviated=True).count("\n") < ap.memory_summary().count("\n")
     pool.free(ptr)
 
 

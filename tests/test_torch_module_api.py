@@ -2,6 +2,8 @@
 the current device: peaks, memory_snapshot, caching_allocator_alloc/delete and the per-process
 memory fraction."""
 
+import types
+
 import pytest
 
 import ascend_pool as ap
@@ -55,6 +57,29 @@ def test_caching_allocator_alloc_and_delete_find_the_pool_that_made_the_block():
     ap.caching_allocator_delete(ptr)
     with pytest.raises(ap.InvalidStreamError, match="stream"):
         ap.caching_allocator_alloc(4096, stream="side")
+    # torch takes its Stream objects (their .cuda_stream; torch_npu's .npu_stream) as well as ints
+    ap.caching_allocator_delete(ap.caching_allocator_alloc(4096, stream=types.SimpleNamespace(npu_stream=s)))
+    with pytest.raises(ap.InvalidStreamError, match="stream 4660 "):  # the object's handle is the one used
+        ap.caching_allocator_alloc(4096, stream=types.SimpleNamespace(cuda_stream=0x1234))
+    for bad in (types.SimpleNamespace(npu_stream="s"), types.SimpleNamespace(cuda_stream=True), object()):
+        with pytest.raises(ap.InvalidStreamError, match="npu_stream or cuda_stream"):
+            ap.caching_allocator_alloc(4096, stream=bad)
+
+
+def test_caching_allocator_alloc_of_zero_bytes_is_the_null_address_as_in_torch():
+    """torch.cuda.caching_allocator_alloc(0) returns 0 and caching_allocator_delete(0) does nothing
+    (the allocator's raw_alloc/raw_delete); ours raised InvalidSizeError and InvalidPointerError."""
+    pool = ap.default_pool(0)
+    before = pool.memory_stats()
+    assert ap.caching_allocator_alloc(0, device=0) == 0
+    ap.caching_allocator_delete(0)
+    after = pool.memory_stats()
+    for key in ("allocation.all.current", "allocated_bytes.all.current", "num_device_alloc"):
+        assert after[key] == before[key], key
+    with pytest.raises(ap.InvalidSizeError):  # only 0 is special: a negative size is still refused
+        ap.caching_allocator_alloc(-1)
+    with pytest.raises(ap.InvalidDeviceError):  # and the device is checked all the same
+        ap.caching_allocator_alloc(0, device=99)
 
 
 def test_per_process_memory_fraction_caps_the_default_pool():

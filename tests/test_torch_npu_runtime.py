@@ -33,7 +33,7 @@ def fake_torch_npu(monkeypatch):
     memory.NPUPluggableAllocator = Pluggable
     memory.change_current_allocator = changed.append
     for mod in (memory, npu):
-        for name in ("memory_stats", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "_snapshot",
+        for name in ("memory_stats", "memory_stats_as_nested_dict", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "_snapshot",
                      "memory_snapshot", "_record_memory_history", "_dump_snapshot"):
             setattr(mod, name, _ub)
     npu.current_device = lambda: 0
@@ -73,11 +73,15 @@ def test_torch_npu_memory_functions_answer_from_ascend_pool(fake_torch_npu, tmp_
     assert done == [list(ap_npu.PATCHED)] * 2
     ptr = ap.malloc(3 << 20, device=0)
     try:
-        for fn in (fake_torch_npu.memory_stats, npu.memory_stats):
+        for mod in (fake_torch_npu, npu):
+            fn = mod.memory_stats
             st = fn(0)
             assert st["allocated_bytes.all.current"] == ap.memory_stats(0)["allocated_bytes.all.current"] >= 3 << 20
             assert fn("npu:0")["allocated_bytes.all.current"] == st["allocated_bytes.all.current"]
             assert fn()["allocated_bytes.all.current"] == st["allocated_bytes.all.current"]
+            tree = mod.memory_stats_as_nested_dict("npu:0")  # torch_npu's own memory_stats is built on it
+            assert tree["allocated_bytes"]["all"]["current"] == st["allocated_bytes.all.current"]
+            assert tree["num_ooms"] == st["num_ooms"] and set(tree["allocation"]) == {"all", "small_pool", "large_pool"}
         npu.reset_peak_memory_stats(0)
         assert npu.memory_stats(0)["allocated_bytes.all.peak"] == npu.memory_stats(0)["allocated_bytes.all.current"]
         npu.reset_accumulated_memory_stats(0)

@@ -23,7 +23,7 @@ Stats: torch_npu's NPUPluggableAllocator offers no stats or snapshot hook (its g
 warns and returns nothing, which is undefined behaviour in C++). So install() replaces the Python
 functions of torch_npu.npu.memory (and torch.npu) that would reach it: memory_stats and everything
 built on it (memory_allocated, memory_reserved, max_memory_allocated, memory_summary ...),
-reset_peak_memory_stats, reset_accumulated_memory_stats, memory_snapshot, _snapshot,
+memory_stats_as_nested_dict (which torch_npu's memory_stats calls), reset_peak_memory_stats, reset_accumulated_memory_stats, memory_snapshot, _snapshot,
 _record_memory_history and _dump_snapshot answer from ascend_pool (PyTorch's schema): the stats
 and _snapshot for the pool the calling thread allocates from, and, as in torch, the history,
 memory_snapshot and _dump_snapshot for the whole process (every device's default pool and every
@@ -121,6 +121,9 @@ def _replacements():
     def memory_stats(device=None):
         return api.memory_stats(_device_index(device))
 
+    def memory_stats_as_nested_dict(device=None):  # what torch_npu's own memory_stats calls
+        return api.memory_stats_as_nested_dict(_device_index(device))
+
     def reset_peak_memory_stats(device=None):
         api.reset_peak_stats(_device_index(device))
 
@@ -142,13 +145,14 @@ def _replacements():
     def _dump_snapshot(filename="dump_snapshot.pickle"):
         api.dump_snapshot(filename)
 
-    return {"memory_stats": memory_stats, "reset_peak_memory_stats": reset_peak_memory_stats,
+    return {"memory_stats": memory_stats, "memory_stats_as_nested_dict": memory_stats_as_nested_dict,
+            "reset_peak_memory_stats": reset_peak_memory_stats,
             "reset_accumulated_memory_stats": reset_accumulated_memory_stats, "_snapshot": _snapshot,
             "memory_snapshot": memory_snapshot, "_record_memory_history": _record_memory_history,
             "_dump_snapshot": _dump_snapshot}
 
 
-PATCHED = ("memory_stats", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "_snapshot",
+PATCHED = ("memory_stats", "memory_stats_as_nested_dict", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "_snapshot",
            "memory_snapshot", "_record_memory_history", "_dump_snapshot")
 
 

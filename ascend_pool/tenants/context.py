@@ -157,14 +157,14 @@ class Context(Pool):
         out["quota_warn_events"] = self.warn_events
         return out
 
-    def memory_summary(self):
-        """Pool.memory_summary() with the tenant's quota line."""
+    def memory_summary(self, abbreviated=False):
+        """Pool.memory_summary(abbreviated) with the tenant's quota line."""
         state = self._quota_state() or {}
         q = state.get("quota_bytes")
         line = (f"tenant {self.tenant}: quota {'none' if q is None else format_bytes(q)}, held "
                 f"{format_bytes(state.get('held_bytes', 0))} node-wide ({format_bytes(state.get('slot_bytes', 0))} by "
                 f"this context), peak {format_bytes(state.get('peak_bytes', 0))}, {state.get('refusals', 0)} refusals")
-        return super().memory_summary() + "\n" + line
+        return super().memory_summary(abbreviated) + "\n" + line
 
     # -- current context -------------------------------------------------------------------------
 
