@@ -66,6 +66,9 @@ def main(argv=None):
     ap.add_argument("dirs", nargs="*", default=[SHARED, os.path.join(SHARED, "variants")],
                     help="folders of NAME.npz traces (default: ../shared/traces and its variants/)")
     ap.add_argument("--variants", type=int, default=20, help="perturbed variants per trace (0-1000, default 20)")
+    ap.add_argument("--first", type=int, default=0,
+                    help="seed of the first variant (default 0; e.g. 100 for workloads no rule was chosen on)")
+    ap.add_argument("--no-originals", action="store_true", help="replay only the variants, not the traces themselves")
     ap.add_argument("--expandable", action="store_true", help="expandable segments")
     ap.add_argument("--policy", choices=["budgeted", "under_peak", "never"], help="release_policy (default: the pool's)")
     ap.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "ascend_pool_reference"),
@@ -75,6 +78,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if not 0 <= a.variants <= 1000:
         ap.error(f"--variants must be 0-1000, got {a.variants}")
+    if not 0 <= a.first <= 100000:
+        ap.error(f"--first must be 0-100000, got {a.first}")
     paths = sorted(p for d in a.dirs for p in glob.glob(os.path.join(d, "*.npz")))
     if not paths:
         ap.error(f"no .npz traces in {a.dirs}")
@@ -82,7 +87,8 @@ def main(argv=None):
     knobs = {"expandable_segments": True} if a.expandable else {}
     if a.policy:
         knobs["release_policy"] = a.policy
-    jobs = [(p, k, knobs, a.cache) for p in paths for k in range(-1, a.variants)]
+    seeds = ([] if a.no_originals else [-1]) + list(range(a.first, a.first + a.variants))
+    jobs = [(p, k, knobs, a.cache) for p in paths for k in seeds]
     with multiprocessing.Pool(2, initializer=_init) as pool:
         rows = pool.map(_one, jobs, chunksize=1)
     for r in rows:
