@@ -13,20 +13,20 @@ _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segme
 
 
 def build(device, segments, history, knobs, frames=None, trace=True):
-    """segments: [(base, size, pool, stream, [(addr, size, requested, state)], expandable)];
+    """segments: [(base, size, pool, stream, [(addr, size, requested, state[, ctx])], expandable)];
     history: [(action, addr, size, stream, time_us[, ctx])] oldest first; frames: {ctx: [frame
-    dicts]} recorded with stacks="python" (a live block gets the frames of its last alloc); knobs:
+    dicts]} recorded with stacks="python" (a live block gets the frames of its allocation, which
+    the block keeps: ctx); knobs:
     the pool's, whose effective values make allocator_settings (config.allocator_settings);
     trace False: device_traces empty, as torch's after _record_memory_history("state")."""
     frames = frames or {}
     history = [h if len(h) == 6 else (*h, 0) for h in history]
-    alloc_frames = {addr: frames.get(ctx, []) for action, addr, _, _, _, ctx in history if action == 0}
     out_segments = []
     for base, size, pool, stream, blocks, expandable in sorted(segments):
         out_blocks = [
-            {"address": addr, "size": bsize, "requested_size": req, "state": _STATES[state],
-             "frames": alloc_frames.get(addr, []) if state else []}
-            for addr, bsize, req, state in blocks
+            {"address": b[0], "size": b[1], "requested_size": b[2], "state": _STATES[b[3]],
+             "frames": frames.get(b[4], []) if b[3] and len(b) > 4 else []}
+            for b in blocks
         ]
         out_segments.append({
             "device": device,

@@ -86,6 +86,29 @@ def test_state_history_keeps_live_blocks_frames_without_a_trace(pool, tmp_path):
     assert [e["action"] for e in _trace(pool)][-1] in ("free_requested", "free_completed")
 
 
+def _allocate_the_weights(pool, n):
+    return pool.malloc(n)
+
+
+@pytest.mark.parametrize("enabled", ["state", "all"])
+def test_a_live_block_keeps_its_frames_after_the_ring_has_wrapped(pool, enabled):
+    """torch keeps each live block's allocation context with the block: a model's weights,
+    allocated once at start, still name their allocation site after millions of later events.
+    Ours read the frames from the event ring, so a block older than max_entries events showed
+    none."""
+    pool.record_memory_history(enabled, stacks="python", max_entries=64)
+    weights = _allocate_the_weights(pool, 3 << 20)
+    for _ in range(200):  # many more events than the ring holds, from another call site
+        _free_in_named_function(pool, _alloc_in_named_function(pool, 4096))
+    snap = pool.snapshot()
+    live = [b for s in snap["segments"] for b in s["blocks"] if b["address"] == weights]
+    assert live[0]["state"] == "active_allocated"
+    assert live[0]["frames"] and live[0]["frames"][0]["name"] == "_allocate_the_weights"
+    freed = [b for s in snap["segments"] for b in s["blocks"] if b["state"] != "active_allocated"]
+    assert all(b["frames"] == [] for b in freed), "a free block carries no frames"
+    pool.free(weights)
+
+
 def test_module_level_history_and_dump_snapshot_read_by_memory_viz(tmp_path):
     ap.record_memory_history(enabled=True, stacks="python", max_entries=1000)
     try:

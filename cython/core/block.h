@@ -42,6 +42,8 @@ typedef struct ap_block {
     uint16_t tag;      /* free: stream slot whose queued work may still use it (0 = none);
                           allocated: the allocation stream's slot */
     ap_block_uses *xs; /* NULL unless record_stream marked it */
+    uint64_t ctx;      /* allocated while history is on: its allocation's frames context id
+                          (history.h), which a snapshot shows for as long as the block lives */
     struct ap_block *pending_next;
 } ap_block;
 

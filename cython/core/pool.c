@@ -289,7 +289,12 @@ allocated:
         pthread_mutex_unlock(&p->lock);
         return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
     }
-    ap_history_add(&p->history, AP_ACT_ALLOC, b->addr, size, stream); /* PyTorch: the requested size */
+    if (p->history.capacity) {
+        /* The frames stay with the block, as torch keeps each block's allocation context: a
+           long-lived block is not forgotten when the ring wraps. */
+        b->ctx = ap_history_tls_ctx;
+        ap_history_record(&p->history, AP_ACT_ALLOC, b->addr, size, stream); /* PyTorch: the requested size */
+    }
     pthread_mutex_unlock(&p->lock);
     *out = (void *)b->addr;
     return AP_OK;

@@ -63,6 +63,7 @@ cdef extern from "pool.h" nogil:
         uintptr_t addr
         size_t size, requested
         int state
+        uint64_t ctx
     ctypedef struct ap_snap_segment:
         uintptr_t base
         size_t size
@@ -125,6 +126,9 @@ _CONFIG_FIELDS = ("pad_bytes", "min_block", "small_size", "small_segment", "page
                   "sync_timeout_ms", "roundup_divisions")
 NO_LIMIT = AP_NO_LIMIT
 cdef uint64_t _next_ctx = 0  # context ids of recorded Python stacks (process-wide, under the GIL)
+# Distinct call stacks a pool keeps at least, whatever its ring size: live blocks keep their
+# allocation's id after the ring has moved on (a few KiB each at most).
+_MIN_STACKS = 1024
 RELEASE_POLICIES = {"never": AP_RELEASE_NEVER, "under_peak": AP_RELEASE_UNDER_PEAK, "budgeted": AP_RELEASE_BUDGETED}
 STREAM_REUSE = {"borrow": AP_REUSE_BORROW, "tied": AP_REUSE_TIED}
 BLOCK_STATES = ("inactive", "active_allocated", "active_pending_free")
@@ -210,7 +214,8 @@ cdef class PoolBase:
     cdef ap_quota_close_fn _quota_close  # gives _quota.ctx back once the pool is gone
     cdef readonly object quota_hook  # the hook's Python side (messages, state); None without a quota
     cdef readonly object _stack_frames  # {context id: Python frames} while stacks are recorded, else None
-    cdef Py_ssize_t _stack_cap          # most frame lists kept (the history's capacity)
+    cdef object _stack_ids              # {call stack: its context id}, least recently used first
+    cdef Py_ssize_t _stack_cap          # most distinct call stacks kept
     cdef readonly bint _history_state_only  # enabled="state": snapshots show no device_traces (torch's)
 
     def __cinit__(self, *args, **kwargs):
@@ -642,25 +647,33 @@ cdef class PoolBase:
         return out
 
     cdef _note_frames(self):
-        """Files the caller's Python frames under a new context id and sets it for this thread."""
+        """Files the caller's Python frames under a context id and sets it for this thread. One id
+        per distinct call stack: a block keeps its allocation's id for as long as it lives (as
+        torch keeps its context), so ids are kept by call stack, least recently used dropped
+        past _stack_cap, rather than one per event, which would drop a long-lived block's."""
         global _next_ctx
-        d = self._stack_frames
-        if d is None:  # turned off by another thread meanwhile
+        d, ids = self._stack_frames, self._stack_ids
+        if d is None or ids is None:  # turned off by another thread meanwhile
             return
-        frames = []
         f = sys._getframe(0)  # Cython methods have no frame: this is the caller's
         # The package's own wrappers (ap.malloc, the framework hooks) are not where the user
         # allocated: frames[0] is the user's line, as in PyTorch's snapshots.
         while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
             f = f.f_back
+        stack = []
         while f is not None:
-            frames.append({"filename": f.f_code.co_filename, "line": f.f_lineno, "name": f.f_code.co_name})
+            stack.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
             f = f.f_back
-        _next_ctx += 1
-        d[_next_ctx] = frames
-        while len(d) > self._stack_cap:
-            del d[next(iter(d))]
-        ap_history_set_ctx(_next_ctx)
+        stack = tuple(stack)
+        ctx = ids.pop(stack, None)
+        if ctx is None or ctx not in d:
+            _next_ctx += 1
+            ctx = _next_ctx
+            d[ctx] = [{"filename": fn, "line": line, "name": name} for fn, line, name in stack]
+        ids[stack] = ctx  # most recently used last
+        while len(ids) > self._stack_cap:
+            d.pop(ids.pop(next(iter(ids))), None)
+        ap_history_set_ctx(ctx)
 
     def record_memory_history(self, enabled=True, stacks="python", max_entries=100_000):
         """Turns the event history (snapshot()["device_traces"]) on or off at runtime, as
@@ -683,16 +696,17 @@ cdef class PoolBase:
             raise MemoryError(f"host memory for a history of {entries} entries exhausted")
         self._history_state_only = enabled == "state"
         if frames:
-            if self._stack_frames is None or self._stack_cap != entries:
-                self._stack_frames = {}
-            self._stack_cap = entries
+            if self._stack_frames is None or self._stack_cap != max(entries, _MIN_STACKS):
+                self._stack_frames, self._stack_ids = {}, {}
+            self._stack_cap = max(entries, _MIN_STACKS)
         else:
-            self._stack_frames = None
+            self._stack_frames = self._stack_ids = None
         _capi_stacks_on(self.p, self if self._stack_frames is not None else None)  # C ABI calls too
 
     def _raw_snapshot(self):
         """(segments, history): segments as tuples (base, size, pool, stream, blocks, expandable) with blocks
-        as tuples (addr, size, requested, state); history as (action, addr, size, stream, time_us)."""
+        as tuples (addr, size, requested, state, ctx); history as (action, addr, size, stream, time_us, ctx)
+        (ctx: the frames context id, 0 for none)."""
         self._check()
         cdef ap_pool *_p
         cdef ap_snapshot snap
@@ -711,7 +725,7 @@ cdef class PoolBase:
                 blocks = []
                 for j in range(seg.first_block, seg.first_block + seg.n_blocks):
                     blk = snap.blocks[j]
-                    blocks.append((blk.addr, blk.size, blk.requested, blk.state))
+                    blocks.append((blk.addr, blk.size, blk.requested, blk.state, blk.ctx))
                 segments.append((seg.base, seg.size, seg.pool, <uintptr_t>seg.stream, blocks, bool(seg.expandable)))
             history = []
             for i in range(snap.n_history):
