@@ -16,6 +16,7 @@ from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
 from .tenants.context import Context, live_contexts
 from .tenants.default import default_tenant_pool
+from .units import as_index
 
 _lock = threading.Lock()
 _local = threading.local()
@@ -263,7 +264,7 @@ def caching_allocator_alloc(size, device=None, stream=None):
         raise InvalidStreamError(f"caching_allocator_alloc: stream must be None, an int stream handle or a "
                                  f"stream object with an int npu_stream or cuda_stream, got {stream!r}")
     pool = default_pool(device)
-    if type(size) is int and size == 0:
+    if as_index(size) == 0:
         return 0
     return pool.malloc(size, stream)
 

@@ -55,6 +55,9 @@ _ROWS = (
 )
 
 
+_KINDS = (("all", "all"), ("small_pool", "small"), ("large_pool", "large"))
+
+
 def summary(stats, device, backend_name, abbreviated=False):
     """A fixed-width table of current/peak/allocated/freed per pool (abbreviated: the "all" rows
     only, as torch.cuda.memory_summary(abbreviated=True)), then the pool's own figures."""
@@ -62,7 +65,7 @@ def summary(stats, device, backend_name, abbreviated=False):
     lines = [f"ascend_pool memory summary, device {device} ({backend_name})",
              f"{'metric':<24}{'pool':<8}{'current':>14}{'peak':>14}{'allocated':>14}{'freed':>14}"]
     for title, key, is_bytes in _ROWS:
-        for kind, label in (("all", "all"),) if abbreviated else (("all", "all"), ("small_pool", "small"), ("large_pool", "large")):
+        for kind, label in _KINDS[:1] if abbreviated else _KINDS:
             vals = [stats[f"{key}.{kind}.{m}"] for m in ("current", "peak", "allocated", "freed")]
             lines.append(f"{title if kind == 'all' else '':<24}{label:<8}" + "".join(f"{fmt(v, is_bytes):>14}" for v in vals))
     lines += [

@@ -4,6 +4,7 @@ memory fraction."""
 
 import types
 
+import numpy
 import pytest
 
 import ascend_pool as ap
@@ -72,6 +73,7 @@ def test_caching_allocator_alloc_of_zero_bytes_is_the_null_address_as_in_torch()
     pool = ap.default_pool(0)
     before = pool.memory_stats()
     assert ap.caching_allocator_alloc(0, device=0) == 0
+    assert ap.caching_allocator_alloc(numpy.int64(0)) == 0
     ap.caching_allocator_delete(0)
     after = pool.memory_stats()
     for key in ("allocation.all.current", "allocated_bytes.all.current", "num_device_alloc"):

@@ -23,8 +23,8 @@ Stats: torch_npu's NPUPluggableAllocator offers no stats or snapshot hook (its g
 warns and returns nothing, which is undefined behaviour in C++). So install() replaces the Python
 functions of torch_npu.npu.memory (and torch.npu) that would reach it: memory_stats and everything
 built on it (memory_allocated, memory_reserved, max_memory_allocated, memory_summary ...),
-memory_stats_as_nested_dict (which torch_npu's memory_stats calls), reset_peak_memory_stats, reset_accumulated_memory_stats, memory_snapshot, _snapshot,
-_record_memory_history and _dump_snapshot answer from ascend_pool (PyTorch's schema): the stats
+memory_stats_as_nested_dict (which torch_npu's memory_stats calls), reset_peak_memory_stats,
+reset_accumulated_memory_stats, memory_snapshot, _snapshot, _record_memory_history and _dump_snapshot answer from ascend_pool (PyTorch's schema): the stats
 and _snapshot for the pool the calling thread allocates from, and, as in torch, the history,
 memory_snapshot and _dump_snapshot for the whole process (every device's default pool and every
 tenant context; ascend_pool.record_memory_history, dump_snapshot). They take torch's arguments: a device as an int, "npu:N"
@@ -152,8 +152,8 @@ def _replacements():
             "_dump_snapshot": _dump_snapshot}
 
 
-PATCHED = ("memory_stats", "memory_stats_as_nested_dict", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "_snapshot",
-           "memory_snapshot", "_record_memory_history", "_dump_snapshot")
+PATCHED = ("memory_stats", "memory_stats_as_nested_dict", "reset_peak_memory_stats", "reset_accumulated_memory_stats",
+           "_snapshot", "memory_snapshot", "_record_memory_history", "_dump_snapshot")
 
 
 def patch_memory_functions(*modules):
