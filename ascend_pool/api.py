@@ -14,7 +14,7 @@ from .config import HISTORY_CONTEXTS, history_settings
 from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
-from .tenants.context import Context, live_contexts
+from .tenants.context import live_contexts
 from .tenants.default import default_tenant_pool
 from .units import as_index
 
@@ -146,14 +146,15 @@ _history = None  # the last record_memory_history() settings: applied to default
 
 def _process_pools(device=None, create=True):
     """The pools the process-wide history and snapshot cover, as torch's cover every allocation
-    of the process: each device's default pool and every open tenant context (device given:
-    that device's), each once. create: make the current device's default pool when no device
-    has one yet."""
+    of the process: each device's default pool, every open tenant context and every other open
+    pool of the process (an ap.Pool the program built; device given: that device's), each once.
+    create: make the current device's default pool when no device has one yet."""
     if device is not None:
         pools = [default_pool(device)]
     else:
         pools = _registry.default_pools() or ([default_pool()] if create else [])
     pools += live_contexts(device=device)
+    pools += [p for p in _registry.live_pools() if device is None or p.device == device]
     return list({id(p): p for p in pools}.values())
 
 
@@ -171,8 +172,9 @@ def _on_each_open(pools, call):
 
 
 def _follow_history(pool):
-    # A tenant context opened after record_memory_history() records as the default pools do.
-    if _history is not None and isinstance(pool, Context):
+    # A pool opened after record_memory_history() (a tenant context, a program's own ap.Pool)
+    # records as the default pools do.
+    if _history is not None:
         enabled, stacks, max_entries = _history
         pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries)
 
@@ -184,8 +186,8 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
                           clear_history=False):
     """torch.cuda.memory._record_memory_history for the process: turns the event history (and
     with stacks="python" the Python frames of each allocation and free) on or off at runtime on
-    every device's default pool and every tenant context (device given: that device's only);
-    default pools and contexts made later follow it. max_entries (events kept per pool) above
+    every open pool of the process (default pools, tenant contexts, pools the program built;
+    device given: that device's only); pools made later follow it. max_entries (events kept per pool) above
     config.MAX_HISTORY_ENTRIES (2**20: a ring of 48 MiB of host memory, allocated up front) is
     clamped to it by each pool, so PyTorch's sys.maxsize works. context as torch's: None records
     no frames; "state", "alloc" or "all" record them as stacks says (for allocations and frees);
@@ -211,8 +213,8 @@ def _process_snapshot(device=None):
 
 
 def dump_snapshot(path, device=None):
-    """Writes the process's snapshot (every device's default pool that was used and every tenant
-    context, or one device's) as the pickle that `python -m torch.cuda._memory_viz` reads
+    """Writes the process's snapshot (every device's default pool that was used, every tenant
+    context and every other open pool, or one device's) as the pickle that `python -m torch.cuda._memory_viz` reads
     (PyTorch's _dump_snapshot)."""
     _dump_snapshot(_process_snapshot(device), path)
 

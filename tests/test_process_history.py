@@ -57,6 +57,40 @@ def test_history_and_dump_snapshot_cover_tenant_contexts(tmp_path):
         before.close()
 
 
+def _alloc_in_own_pool(pool, n):
+    return pool.malloc(n)
+
+
+def test_history_and_dump_snapshot_cover_the_programs_own_pools(tmp_path):
+    """torch's history and snapshot cover every allocation of the process; a program's own
+    ap.Pool, opened before or after record_memory_history(), is in them too (it was left out)."""
+    own_before = ap.Pool(0, backend="sim")
+    own_after = None
+    try:
+        ap.record_memory_history(True, stacks="python", max_entries=1000)
+        own_after = ap.Pool(0, backend="sim")
+        a = _alloc_in_own_pool(own_before, 4096)
+        b = _alloc_in_own_pool(own_after, 8192)
+        for pool, ptr in ((own_before, a), (own_after, b)):
+            allocs = [e for e in pool.snapshot()["device_traces"][0] if e["action"] == "alloc"]
+            assert [e["addr"] for e in allocs] == [ptr] and allocs[0]["frames"][0]["name"] == "_alloc_in_own_pool"
+        path = tmp_path / "snap.pickle"
+        ap.dump_snapshot(str(path))
+        snap = pickle.loads(path.read_bytes())
+        assert {a, b} <= {b_["address"] for s in snap["segments"] for b_ in s["blocks"]}
+        assert {a, b} <= {e["addr"] for e in snap["device_traces"][0] if e["action"] == "alloc"}
+        assert {a, b} <= {b_["address"] for s in ap.memory_snapshot() for b_ in s["blocks"]}
+        ap.record_memory_history(enabled=None)
+        assert own_before.snapshot()["device_traces"][0] == [] == own_after.snapshot()["device_traces"][0]
+        own_before.free(a)
+        own_after.free(b)
+    finally:
+        ap.record_memory_history(enabled=None)
+        own_before.close()
+        if own_after is not None:
+            own_after.close()
+
+
 def test_a_context_closed_by_another_thread_meanwhile_is_skipped(tmp_path, monkeypatch):
     # The process-wide calls list the open contexts, then call each; a context whose `with` block
     # ends on another thread in between must not fail them (found by a threaded stress run).
