@@ -14,7 +14,7 @@ from .config import HISTORY_CONTEXTS, history_settings
 from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
-from .tenants.context import live_contexts
+from .tenants.context import Context, live_contexts
 from .tenants.default import default_tenant_pool
 from .units import as_index
 
@@ -173,8 +173,9 @@ def _on_each_open(pools, call):
 
 def _follow_history(pool):
     # A pool opened after record_memory_history() (a tenant context, a program's own ap.Pool)
-    # records as the default pools do.
-    if _history is not None:
+    # records as the default pools do; a stopped history leaves a program's own pool as its knobs
+    # made it (record_history), as it leaves every pool the program opened before.
+    if _history is not None and (isinstance(pool, Context) or _history[0] not in (None, False)):
         enabled, stacks, max_entries = _history
         pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries)
 

@@ -91,6 +91,18 @@ def test_history_and_dump_snapshot_cover_the_programs_own_pools(tmp_path):
             own_after.close()
 
 
+def test_a_stopped_process_history_leaves_a_new_pools_own_history_knob():
+    ap.record_memory_history(True, max_entries=100)
+    ap.record_memory_history(enabled=None)
+    pool = ap.Pool(0, backend="sim", record_history=True)  # its own knob: recorded all the same
+    try:
+        pool.free(pool.malloc(4096))
+        assert [e["action"] for e in pool.snapshot()["device_traces"][0]][:1] == ["segment_alloc"]
+        assert any(e["action"] == "alloc" for e in pool.snapshot()["device_traces"][0])
+    finally:
+        pool.close()
+
+
 def test_a_context_closed_by_another_thread_meanwhile_is_skipped(tmp_path, monkeypatch):
     # The process-wide calls list the open contexts, then call each; a context whose `with` block
     # ends on another thread in between must not fail them (found by a threaded stress run).
