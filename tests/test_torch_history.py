@@ -106,6 +106,17 @@ def test_a_live_block_keeps_its_frames_after_the_ring_has_wrapped(pool, enabled)
     assert live[0]["frames"] and live[0]["frames"][0]["name"] == "_allocate_the_weights"
     freed = [b for s in snap["segments"] for b in s["blocks"] if b["state"] != "active_allocated"]
     assert all(b["frames"] == [] for b in freed), "a free block carries no frames"
+    # As torch's, the block keeps its allocation's frames once recording stops, and a block
+    # allocated while nothing records shows none, whichever block struct it reuses.
+    pool.record_memory_history(None)
+    unrecorded = [_alloc_in_named_function(pool, 4096) for _ in range(3)]
+    for _ in range(2):
+        blocks = {b["address"]: b for s in pool.snapshot()["segments"] for b in s["blocks"]}
+        assert blocks[weights]["frames"][0]["name"] == "_allocate_the_weights"
+        assert all(blocks[p]["frames"] == [] for p in unrecorded)
+        pool.record_memory_history(enabled, stacks="python", max_entries=64)  # and again once back on
+    for p in unrecorded:
+        pool.free(p)
     pool.free(weights)
 
 

@@ -42,8 +42,9 @@ typedef struct ap_block {
     uint16_t tag;      /* free: stream slot whose queued work may still use it (0 = none);
                           allocated: the allocation stream's slot */
     ap_block_uses *xs; /* NULL unless record_stream marked it */
-    uint64_t ctx;      /* allocated while history is on: its allocation's frames context id
-                          (history.h), which a snapshot shows for as long as the block lives */
+    uint64_t ctx;      /* allocated: its allocation's frames context id (history.h; 0 when none
+                          was recorded), which snapshots show for as long as the block lives,
+                          as torch keeps a block's allocation context */
     struct ap_block *pending_next;
 } ap_block;
 

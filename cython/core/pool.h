@@ -279,7 +279,7 @@ typedef struct ap_snap_block {
     uintptr_t addr;
     size_t size, requested;
     int state;
-    uint64_t ctx; /* an allocated (or pending-free) block's frames context id while history is on (history.h), else 0 */
+    uint64_t ctx; /* an allocated (or pending-free) block's frames context id (history.h), else 0 */
 } ap_snap_block;
 
 typedef struct ap_snap_segment {

@@ -213,9 +213,10 @@ cdef class PoolBase:
     cdef ap_quota_hook _quota  # the quota hook installed on the C pool (all NULL: none)
     cdef ap_quota_close_fn _quota_close  # gives _quota.ctx back once the pool is gone
     cdef readonly object quota_hook  # the hook's Python side (messages, state); None without a quota
-    cdef readonly object _stack_frames  # {context id: Python frames} while stacks are recorded, else None
+    cdef readonly object _stack_frames  # {context id: Python frames} once stacks were recorded, else None
     cdef object _stack_ids              # {call stack: its context id}, least recently used first
     cdef Py_ssize_t _stack_cap          # most distinct call stacks kept
+    cdef bint _stacks_on                # the frames of allocations and frees are recorded now
     cdef readonly bint _history_state_only  # enabled="state": snapshots show no device_traces (torch's)
 
     def __cinit__(self, *args, **kwargs):
@@ -364,7 +365,7 @@ cdef class PoolBase:
         cdef int rc
         if ap_pool_try_malloc(self.p, n, s, &out) == AP_OK:
             return PyLong_FromVoidPtr(out)
-        if self._stack_frames is not None:
+        if self._stacks_on:
             self._note_frames()  # before the pool lock: no GIL work under it
         _p = self._enter()
         with nogil:
@@ -391,7 +392,7 @@ cdef class PoolBase:
         if stream is None:
             if ap_pool_try_free(self.p, p) == AP_OK:
                 return
-            if self._stack_frames is not None:
+            if self._stacks_on:
                 self._note_frames()
             _p = self._enter()
             with nogil:
@@ -400,7 +401,7 @@ cdef class PoolBase:
             self._leave()
         else:
             s = self._stream(stream)
-            if self._stack_frames is not None:
+            if self._stacks_on:
                 self._note_frames()
             _p = self._enter()
             with nogil:
@@ -653,7 +654,7 @@ cdef class PoolBase:
         past _stack_cap, rather than one per event, which would drop a long-lived block's."""
         global _next_ctx
         d, ids = self._stack_frames, self._stack_ids
-        if d is None or ids is None:  # turned off by another thread meanwhile
+        if not self._stacks_on or d is None or ids is None:  # turned off by another thread meanwhile
             return
         f = sys._getframe(0)  # Cython methods have no frame: this is the caller's
         # The package's own wrappers (ap.malloc, the framework hooks) are not where the user
@@ -681,7 +682,9 @@ cdef class PoolBase:
         False to stop (the trace is dropped); with "state", as torch's, snapshots keep the live
         blocks' frames but show no device_traces (dump_trace still reads the events); stacks
         "python" also files each allocation's and free's Python frames (captured before the pool
-        lock), None or "none" skips them (no cost);
+        lock), None or "none" skips them (no cost). A live block shows the frames of its
+        allocation in every snapshot for as long as it lives, recording on or off since, as
+        torch's; one allocated while frames were not recorded shows none;
         max_entries: ring size in events, at most config.MAX_HISTORY_ENTRIES (larger ones, such as
         torch's default sys.maxsize, are clamped: the ring is allocated up front)."""
         self._check()
@@ -695,13 +698,14 @@ cdef class PoolBase:
         if rc != AP_OK:
             raise MemoryError(f"host memory for a history of {entries} entries exhausted")
         self._history_state_only = enabled == "state"
+        # The frames filed so far stay (within _stack_cap call stacks) while live blocks refer to
+        # them, recording or not, as torch keeps each block's allocation context.
+        if frames and self._stack_frames is None:
+            self._stack_frames, self._stack_ids = {}, {}
         if frames:
-            if self._stack_frames is None or self._stack_cap != max(entries, _MIN_STACKS):
-                self._stack_frames, self._stack_ids = {}, {}
             self._stack_cap = max(entries, _MIN_STACKS)
-        else:
-            self._stack_frames = self._stack_ids = None
-        _capi_stacks_on(self.p, self if self._stack_frames is not None else None)  # C ABI calls too
+        self._stacks_on = bool(frames)
+        _capi_stacks_on(self.p, self if self._stacks_on else None)  # C ABI calls too
 
     def _raw_snapshot(self):
         """(segments, history): segments as tuples (base, size, pool, stream, blocks, expandable) with blocks

@@ -104,6 +104,7 @@ void ap_take_block(ap_pool *p, ap_block *b, size_t rsize, size_t requested, int 
 static inline void ap_mark_allocated_in(ap_pool *p, ap_block *b, size_t requested, int slot, int pool) {
     b->state = AP_BLOCK_ALLOCATED;
     b->requested = requested;
+    b->ctx = 0; /* no frames: a recorded allocation files its own once it is made (pool.c, share.c) */
     b->tag = (uint16_t)slot;
     b->seg->last_use = ++p->tick;
     ap_stat_inc(&p->stats, AP_STAT_ALLOCATION, pool, 1);

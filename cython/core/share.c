@@ -44,7 +44,10 @@ int ap_share_alloc(ap_pool *p, size_t size, ap_share *s, ap_error *err) {
     ap_free_remove(p, b); /* never in a free tree or the live map: malloc cannot hand it out */
     ap_mark_allocated(p, b, size, 0);
     b->seg->shared = 1;
-    ap_history_add(&p->history, AP_ACT_ALLOC, b->addr, size, NULL); /* PyTorch: the requested size */
+    if (p->history.capacity) {
+        b->ctx = ap_history_tls_ctx; /* its frames stay with it (pool.c) */
+        ap_history_record(&p->history, AP_ACT_ALLOC, b->addr, size, NULL); /* PyTorch: the requested size */
+    }
     s->backend = p->backend;
     s->seg = b->seg;
     s->base = b->addr;
