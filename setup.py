@@ -67,7 +67,9 @@ core_ext = Extension(
     sources=["cython/_core.pyx"] + rel("cython/core/*.c") + rel("cython/backend/*.c") + rel("cython/host/*.c"),
     include_dirs=["cython", "cython/core", "cython/backend", "ascend_pool/include"],
     depends=CORE_HEADERS,
-    extra_compile_args=C_FLAGS,
+    # Only the C ABI (APC_EXPORT) and the module's init are exported: the pool's own functions
+    # are then called directly, not through the PLT as interposable symbols would be.
+    extra_compile_args=C_FLAGS + ["-fvisibility=hidden"],
     extra_link_args=LINK_FLAGS,
     libraries=["dl", "pthread", "rt"],
 )

@@ -44,6 +44,16 @@ def test_library_path_is_the_extension_and_exports_every_symbol(lib):
     assert all(address(again, n) == address(lib, n) for n in SYMBOLS)
 
 
+def test_the_pools_own_functions_are_not_exported(lib):
+    """Only the C ABI (and the module's init) is exported: a framework's process loads many
+    libraries, and an exported internal name (ap_pool_malloc, ap_block_new ...) could be
+    interposed by, or collide with, another library's symbol of the same name."""
+    for internal in ("ap_pool_malloc", "ap_pool_free", "ap_block_new", "ap_free_insert", "ap_history_tls_ctx"):
+        with pytest.raises(AttributeError):
+            getattr(lib, internal)
+    assert address(lib, "PyInit__core") and address(lib, "ascend_pool_malloc")
+
+
 def test_header_declares_exactly_the_exported_symbols():
     with open(header_path()) as f:
         text = f.read()
