@@ -5,6 +5,7 @@ use with the knobs of $ASCEND_POOL_CONF and the backend of $ASCEND_POOL_BACKEND.
 """
 
 import threading
+import warnings
 
 from . import current as _current
 from . import registry as _registry
@@ -251,6 +252,37 @@ def max_memory_reserved(device=None):
 def reset_peak_memory_stats(device=None):
     """torch.cuda.reset_peak_memory_stats(): the same as reset_peak_stats(device)."""
     reset_peak_stats(device)
+
+
+# torch.cuda's older names, which torch still answers with a FutureWarning: code written for
+# them runs here too, warned the same way.
+def memory_cached(device=None):
+    """torch.cuda.memory_cached(): memory_reserved(device), with torch's FutureWarning."""
+    warnings.warn("ascend_pool.memory_cached has been renamed to memory_reserved", FutureWarning, stacklevel=2)
+    return memory_reserved(device)
+
+
+def max_memory_cached(device=None):
+    """torch.cuda.max_memory_cached(): max_memory_reserved(device), with torch's FutureWarning."""
+    warnings.warn("ascend_pool.max_memory_cached has been renamed to max_memory_reserved", FutureWarning,
+                  stacklevel=2)
+    return max_memory_reserved(device)
+
+
+def reset_max_memory_allocated(device=None):
+    """torch.cuda.reset_max_memory_allocated(): reset_peak_memory_stats(device), which resets
+    every peak, with torch's FutureWarning saying so."""
+    warnings.warn("ascend_pool.reset_max_memory_allocated now calls reset_peak_memory_stats, which resets "
+                  "/all/ peak memory stats", FutureWarning, stacklevel=2)
+    reset_peak_memory_stats(device)
+
+
+def reset_max_memory_cached(device=None):
+    """torch.cuda.reset_max_memory_cached(): reset_peak_memory_stats(device), which resets every
+    peak, with torch's FutureWarning saying so."""
+    warnings.warn("ascend_pool.reset_max_memory_cached now calls reset_peak_memory_stats, which resets "
+                  "/all/ peak memory stats", FutureWarning, stacklevel=2)
+    reset_peak_memory_stats(device)
 
 
 def caching_allocator_alloc(size, device=None, stream=None):

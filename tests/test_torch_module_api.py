@@ -141,3 +141,28 @@ def test_set_device_refuses_a_device_the_backend_does_not_have():
         assert ap.memory_allocated() == ap.memory_allocated(n - 1)
     finally:
         ap.set_device(before)
+
+
+def test_torchs_older_names_answer_with_its_future_warning():
+    """torch.cuda.memory_cached / max_memory_cached / reset_max_memory_allocated /
+    reset_max_memory_cached still work in torch, with a FutureWarning; code using them runs here."""
+    pool = ap.default_pool(0)
+    ptr = ap.malloc(3 * MiB, device=0)
+    try:
+        with pytest.warns(FutureWarning, match="memory_reserved"):
+            assert ap.memory_cached(0) == ap.memory_reserved(0) > 0
+        with pytest.warns(FutureWarning, match="max_memory_reserved"):
+            assert ap.max_memory_cached(0) == ap.max_memory_reserved(0)
+        big = ap.malloc(64 * MiB, device=0)
+        ap.free(big, device=0)
+        assert ap.max_memory_allocated(0) > ap.memory_allocated(0)
+        with pytest.warns(FutureWarning, match="resets /all/ peak"):
+            ap.reset_max_memory_allocated(0)
+        assert ap.max_memory_allocated(0) == ap.memory_allocated(0)
+        pool.empty_cache()
+        assert ap.max_memory_reserved(0) > ap.memory_reserved(0)
+        with pytest.warns(FutureWarning, match="resets /all/ peak"):
+            ap.reset_max_memory_cached(0)
+        assert ap.max_memory_reserved(0) == ap.memory_reserved(0)
+    finally:
+        ap.free(ptr, device=0)
