@@ -15,7 +15,7 @@ from .config import HISTORY_CONTEXTS, history_settings
 from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
-from .tenants.context import Context, live_contexts
+from .tenants.context import Context
 from .tenants.default import default_tenant_pool
 from .units import as_index
 
@@ -154,8 +154,7 @@ def _process_pools(device=None, create=True):
         pools = [default_pool(device)]
     else:
         pools = _registry.default_pools() or ([default_pool()] if create else [])
-    pools += live_contexts(device=device)
-    pools += [p for p in _registry.live_pools() if device is None or p.device == device]
+    pools += [p for p in _registry.live_pools() if device is None or p.device == device]  # contexts too
     return list({id(p): p for p in pools}.values())
 
 

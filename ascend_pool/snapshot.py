@@ -13,7 +13,7 @@ _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segme
 
 
 def build(device, segments, history, knobs, frames=None, trace=True):
-    """segments: [(base, size, pool, stream, [(addr, size, requested, state[, ctx])], expandable)];
+    """segments: [(base, size, pool, stream, [(addr, size, requested, state, ctx)], expandable)];
     history: [(action, addr, size, stream, time_us[, ctx])] oldest first; frames: {ctx: [frame
     dicts]} recorded with stacks="python" (a live block gets the frames of its allocation, which
     the block keeps: ctx); knobs:
@@ -24,9 +24,9 @@ def build(device, segments, history, knobs, frames=None, trace=True):
     out_segments = []
     for base, size, pool, stream, blocks, expandable in sorted(segments):
         out_blocks = [
-            {"address": b[0], "size": b[1], "requested_size": b[2], "state": _STATES[b[3]],
-             "frames": frames.get(b[4], []) if b[3] and len(b) > 4 else []}
-            for b in blocks
+            {"address": addr, "size": bsize, "requested_size": req, "state": _STATES[state],
+             "frames": frames.get(ctx, []) if state else []}
+            for addr, bsize, req, state, ctx in blocks
         ]
         out_segments.append({
             "device": device,

@@ -16,9 +16,6 @@ import argparse
 import os
 import sys
 
-SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "traces")
-
-
 def call_sources(trace, pool_knobs=None):
     """{"peak": [first, second], "refill": [...], "release": [...], "second_half_allocs": n}:
     device calls by kind in the first and second halves of trace's events, for one replay."""
@@ -62,22 +59,24 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workloads", nargs="+", help="TRACE:K (K = variant seed, -1 = the trace itself)")
     ap.add_argument("--conf", default="", help="pool knobs, key:value,key:value (as ASCEND_POOL_CONF)")
-    ap.add_argument("--traces", default=SHARED, help="folder of NAME.npz (its variants/ too)")
+    ap.add_argument("--traces", help="folder of NAME.npz, its variants/ too (default: ascend_pool.traces."
+                                     "default_traces_dir(), ../shared/traces in a checkout)")
     a = ap.parse_args(argv)
     os.environ.setdefault("ASCEND_SIM_NODE", f"call-sources-{os.getpid()}")
     from ascend_pool.bench.variants import derive
     from ascend_pool.config import parse_conf_string
-    from ascend_pool.traces import load_trace
+    from ascend_pool.traces import default_traces_dir, load_trace
 
     knobs = parse_conf_string(a.conf, "--conf") if a.conf else {}
+    traces = a.traces or str(default_traces_dir())
     for w in a.workloads:
         name, _, k = w.rpartition(":")
         if not name or not k.lstrip("-").isdigit():
             ap.error(f"a workload is TRACE:K, got {w!r}")
-        path = next((p for p in (os.path.join(a.traces, name + ".npz"), os.path.join(a.traces, "variants", name + ".npz"))
+        path = next((p for p in (os.path.join(traces, name + ".npz"), os.path.join(traces, "variants", name + ".npz"))
                      if os.path.exists(p)), None)
         if path is None:
-            ap.error(f"no {name}.npz in {a.traces} or its variants/")
+            ap.error(f"no {name}.npz in {traces} or its variants/")
         trace = load_trace(path)
         c = call_sources(trace if int(k) < 0 else derive(trace, int(k)), knobs)
         steady = c["peak"][1] + c["refill"][1] + c["release"][1]

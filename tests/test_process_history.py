@@ -104,14 +104,15 @@ def test_a_stopped_process_history_leaves_a_new_pools_own_history_knob():
 
 
 def test_a_context_closed_by_another_thread_meanwhile_is_skipped(tmp_path, monkeypatch):
-    # The process-wide calls list the open contexts, then call each; a context whose `with` block
-    # ends on another thread in between must not fail them (found by a threaded stress run).
-    import ascend_pool.api as api
+    # The process-wide calls list the open pools (contexts among them), then call each; a context
+    # whose `with` block ends on another thread in between must not fail them (found by a threaded
+    # stress run).
+    from ascend_pool import registry
     pool = ap.default_pool(0)
     gone = pool.context("hist-gone")
     gone.close()
-    listed = api.live_contexts
-    monkeypatch.setattr(api, "live_contexts", lambda device=None: listed(device=device) + [gone])
+    listed = registry.live_pools
+    monkeypatch.setattr(registry, "live_pools", lambda: listed() + [gone])
     try:
         ap.record_memory_history(True, stacks="python", max_entries=1000)
         ap.dump_snapshot(str(tmp_path / "snap.pickle"))

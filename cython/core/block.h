@@ -43,8 +43,7 @@ typedef struct ap_block {
                           allocated: the allocation stream's slot */
     ap_block_uses *xs; /* NULL unless record_stream marked it */
     uint64_t ctx;      /* allocated: its allocation's frames context id (history.h; 0 when none
-                          was recorded), which snapshots show for as long as the block lives,
-                          as torch keeps a block's allocation context */
+                          was recorded; pool_internal.h: ap_history_note_alloc) */
     struct ap_block *pending_next;
 } ap_block;
 

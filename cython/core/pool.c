@@ -289,12 +289,7 @@ allocated:
         pthread_mutex_unlock(&p->lock);
         return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
     }
-    if (p->history.capacity) {
-        /* The frames stay with the block, as torch keeps each block's allocation context: a
-           long-lived block is not forgotten when the ring wraps. */
-        b->ctx = ap_history_tls_ctx;
-        ap_history_record(&p->history, AP_ACT_ALLOC, b->addr, size, stream); /* PyTorch: the requested size */
-    }
+    ap_history_note_alloc(p, b, size, stream);
     pthread_mutex_unlock(&p->lock);
     *out = (void *)b->addr;
     return AP_OK;

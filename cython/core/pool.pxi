@@ -654,7 +654,7 @@ cdef class PoolBase:
         past _stack_cap, rather than one per event, which would drop a long-lived block's."""
         global _next_ctx
         d, ids = self._stack_frames, self._stack_ids
-        if not self._stacks_on or d is None or ids is None:  # turned off by another thread meanwhile
+        if not self._stacks_on or d is None:  # turned off by another thread meanwhile (both dicts are set together)
             return
         f = sys._getframe(0)  # Cython methods have no frame: this is the caller's
         # The package's own wrappers (ap.malloc, the framework hooks) are not where the user

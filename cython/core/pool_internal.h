@@ -104,7 +104,7 @@ void ap_take_block(ap_pool *p, ap_block *b, size_t rsize, size_t requested, int 
 static inline void ap_mark_allocated_in(ap_pool *p, ap_block *b, size_t requested, int slot, int pool) {
     b->state = AP_BLOCK_ALLOCATED;
     b->requested = requested;
-    b->ctx = 0; /* no frames: a recorded allocation files its own once it is made (pool.c, share.c) */
+    b->ctx = 0; /* no frames, unless ap_history_note_alloc files the allocation's */
     b->tag = (uint16_t)slot;
     b->seg->last_use = ++p->tick;
     ap_stat_inc(&p->stats, AP_STAT_ALLOCATION, pool, 1);
@@ -117,6 +117,15 @@ static inline void ap_mark_allocated_in(ap_pool *p, ap_block *b, size_t requeste
 
 static inline void ap_mark_allocated(ap_pool *p, ap_block *b, size_t requested, int slot) {
     ap_mark_allocated_in(p, b, requested, slot, b->seg->pool);
+}
+
+/* Records an allocation made with history on (requested bytes, as PyTorch's trace): the event,
+   and the thread's frames context on the block itself, which keeps it for as long as it lives
+   (as torch keeps a block's allocation context), however far the ring has moved on. */
+static inline void ap_history_note_alloc(ap_pool *p, ap_block *b, size_t requested, void *stream) {
+    if (!p->history.capacity) return;
+    b->ctx = ap_history_tls_ctx;
+    ap_history_record(&p->history, AP_ACT_ALLOC, b->addr, requested, stream);
 }
 
 /* segments.c: device allocations, release policies and the out-of-memory path. */

@@ -44,10 +44,7 @@ int ap_share_alloc(ap_pool *p, size_t size, ap_share *s, ap_error *err) {
     ap_free_remove(p, b); /* never in a free tree or the live map: malloc cannot hand it out */
     ap_mark_allocated(p, b, size, 0);
     b->seg->shared = 1;
-    if (p->history.capacity) {
-        b->ctx = ap_history_tls_ctx; /* its frames stay with it (pool.c) */
-        ap_history_record(&p->history, AP_ACT_ALLOC, b->addr, size, NULL); /* PyTorch: the requested size */
-    }
+    ap_history_note_alloc(p, b, size, NULL);
     s->backend = p->backend;
     s->seg = b->seg;
     s->base = b->addr;
