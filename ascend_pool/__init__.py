@@ -21,6 +21,7 @@ if _util.find_spec(f"{__name__}._core") is None:
 from .errors import (
     BackendUnavailableError,
     ConfigError,
+    ConfigTypeError,
     DeviceError,
     DeviceTimeoutError,
     InvalidDeviceError,

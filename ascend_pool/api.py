@@ -12,7 +12,7 @@ from . import registry as _registry
 from ._core import set_default_pool_hook
 from .backend import check_device, open_backend
 from .config import HISTORY_CONTEXTS, history_settings
-from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError
+from .errors import ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
 from .tenants.context import Context
@@ -325,8 +325,12 @@ def set_per_process_memory_fraction(fraction, device=None):
     holds at fraction (a number in [0, 1]) of the device's total memory; past the cap an
     allocation raises OutOfMemoryError. A cap below current use releases cached segments only
     (live blocks stay). Same as ascend_pool_set_memory_fraction from C."""
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-        raise ConfigError(f"set_per_process_memory_fraction: fraction must be a number in [0, 1], got {fraction!r}")
+    if not isinstance(fraction, float):  # torch refuses an int too (1 is not 1.0 there)
+        raise ConfigTypeError(f"set_per_process_memory_fraction: Invalid type for fraction argument, "
+                              f"must be `float`, got {type(fraction).__name__} {fraction!r}")
+    if not 0 <= fraction <= 1:  # NaN too
+        raise ConfigError(f"set_per_process_memory_fraction: Invalid fraction value: {fraction!r}. "
+                          f"Allowed range: 0~1")
     pool = default_pool(device)
     total = pool.mem_get_info()[1]
     pool.set_limit(int(fraction * total))

@@ -18,6 +18,7 @@ __all__ = [
     "InvalidStreamError",
     "InvalidDeviceError",
     "ConfigError",
+    "ConfigTypeError",
     "LedgerError",
     "STATUS_NAMES",
     "STATUS_ERRORS",
@@ -96,6 +97,11 @@ class InvalidDeviceError(PoolError, ValueError):
 class ConfigError(PoolError, ValueError):
     """A configuration value (environment variable, TOML file, knob string or argument) is invalid.
     The message names the setting and the value."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A configuration argument has the wrong type (a str or int where a float is required, as
+    torch raises TypeError for them); still a ConfigError."""
 
 
 class LedgerError(PoolError, OSError):

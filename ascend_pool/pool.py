@@ -98,10 +98,6 @@ class Pool(PoolBase):
         s = self.memory_stats()
         return s["reserved_bytes.all.current"] - s["allocated_bytes.all.current"]
 
-    def n_free_blocks(self):
-        """Number of cached free blocks, as cupy's MemoryPool.n_free_blocks()."""
-        return sum(b["state"] == "inactive" for seg in self.snapshot()["segments"] for b in seg["blocks"])
-
     def free_all_blocks(self, stream=None):
         """Returns every cached segment to the device, as cupy's MemoryPool.free_all_blocks() (and
         empty_cache()); `stream` (None or a live stream of this pool, else InvalidStreamError) is

@@ -94,9 +94,16 @@ def test_per_process_memory_fraction_caps_the_default_pool():
         with pytest.raises(ap.OutOfMemoryError):
             ap.malloc(total // 4 + 64 * MiB, device=0)
         ap.free(ap.malloc(16 * MiB, device=0), device=0)
-        for bad in (1.5, -0.1, "half", None):
-            with pytest.raises(ap.ConfigError, match="fraction"):
+        # torch's own test_set_per_process_memory_fraction: an int is a TypeError ("Invalid
+        # type"), a float outside [0, 1] a ValueError ("Invalid fraction value")
+        for bad in (1, 0, True, "half", None):
+            with pytest.raises(TypeError, match="Invalid type") as raised:
                 ap.set_per_process_memory_fraction(bad, 0)
+            assert isinstance(raised.value, ap.ConfigError)
+        for bad in (1.5, 2.0, -0.1, float("nan")):
+            with pytest.raises(ValueError, match="Invalid fraction value") as raised:
+                ap.set_per_process_memory_fraction(bad, 0)
+            assert isinstance(raised.value, ap.ConfigError) and not isinstance(raised.value, TypeError)
         assert ap.get_per_process_memory_fraction(0) == 0.25, "a refused value changes nothing"
     finally:
         ap.set_per_process_memory_fraction(1.0, 0)

@@ -87,6 +87,7 @@ cdef extern from "pool.h" nogil:
         size_t n_history
     int ap_pool_snapshot(ap_pool *p, ap_snapshot *out)
     void ap_snapshot_free(ap_snapshot *s)
+    size_t ap_pool_count_free_blocks(ap_pool *p)
     int ap_pool_set_history(ap_pool *p, size_t capacity)
     void ap_history_set_ctx(uint64_t ctx)
 
@@ -706,6 +707,18 @@ cdef class PoolBase:
             self._stack_cap = max(entries, _MIN_STACKS)
         self._stacks_on = bool(frames)
         _capi_stacks_on(self.p, self if self._stacks_on else None)  # C ABI calls too
+
+    def n_free_blocks(self):
+        """Number of cached free blocks, as cupy's MemoryPool.n_free_blocks() (the inactive blocks
+        a snapshot would show); records nothing in the history."""
+        self._check()
+        cdef ap_pool *_p
+        cdef size_t n
+        _p = self._enter()
+        with nogil:
+            n = ap_pool_count_free_blocks(_p)
+        self._leave()
+        return n
 
     def _raw_snapshot(self):
         """(segments, history): segments as tuples (base, size, pool, stream, blocks, expandable) with blocks

@@ -49,6 +49,17 @@ int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
     return AP_OK;
 }
 
+size_t ap_pool_count_free_blocks(ap_pool *p) {
+    /* As the snapshot shows them (a cached block is one free block), without copying anything or
+       adding a snapshot event to the history. */
+    size_t n = 0;
+    pthread_mutex_lock(&p->lock);
+    for (ap_segment *s = p->segments; s; s = s->next)
+        for (ap_block *b = s->first; b; b = b->next) n += b->state == AP_BLOCK_FREE || b->state == AP_BLOCK_CACHED;
+    pthread_mutex_unlock(&p->lock);
+    return n;
+}
+
 int ap_pool_set_history(ap_pool *p, size_t capacity) {
     /* The new ring is made and the old one freed outside the lock: only the swap is under it. */
     ap_history fresh, old;
