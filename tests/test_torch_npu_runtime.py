@@ -163,3 +163,41 @@ def test_record_memory_history_takes_torchs_signatures(fake_torch_npu):
         assert any(e["size"] == 4096 for e in ap.snapshot(0)["device_traces"][0])
     finally:
         ap.record_memory_history(enabled=None)
+
+
+def test_torch_accelerator_memory_functions_answer_from_ascend_pool_when_the_npu_is_current(monkeypatch):
+    # torch >= 2.9: torch.accelerator.memory_stats reaches the current accelerator's allocator in
+    # C (for torch_npu the pluggable allocator's missing stats hook); memory_allocated & co. read it.
+    torch = pytest.importorskip("torch")
+    if not hasattr(getattr(torch, "accelerator", None), "memory_stats"):
+        pytest.skip(f"torch {torch.__version__} has no torch.accelerator.memory_stats (torch < 2.9)")
+    import importlib
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    acc = torch.accelerator
+    memory = importlib.import_module("torch.accelerator.memory")
+    for mod in (acc, memory):  # restored after the test
+        for name in ap_npu.ACCELERATOR_PATCHED:
+            monkeypatch.setattr(mod, name, getattr(mod, name))
+    before = acc.memory_stats
+    if getattr(acc.current_accelerator(), "type", None) != "npu":
+        assert ap_npu.patch_accelerator(torch) == [], "another accelerator's functions are left alone"
+        assert acc.memory_stats is before
+    monkeypatch.setattr(acc, "current_accelerator", lambda *a, **k: types.SimpleNamespace(type="npu", index=0))
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=types.SimpleNamespace(current_device=lambda: 0)))
+    assert ap_npu.patch_accelerator(torch) == list(ap_npu.ACCELERATOR_PATCHED)
+    ptr = ap.malloc(5 << 20, device=0)
+    try:
+        mine = ap.memory_stats(0)
+        assert acc.memory_stats(0)["allocated_bytes.all.current"] == mine["allocated_bytes.all.current"] >= 5 << 20
+        assert acc.memory_allocated(0) == mine["allocated_bytes.all.current"]
+        assert acc.memory_allocated() == mine["allocated_bytes.all.current"]  # the current device
+        assert acc.memory_reserved("npu:0") == mine["reserved_bytes.all.current"]
+        acc.reset_peak_memory_stats(0)
+        assert acc.max_memory_allocated(0) == acc.memory_allocated(0)
+        acc.reset_accumulated_memory_stats(0)
+        assert acc.memory_stats(0)["allocation.all.allocated"] == 0
+        with pytest.raises(ValueError):
+            acc.memory_stats("cpu")
+    finally:
+        ap.free(ptr, device=0)

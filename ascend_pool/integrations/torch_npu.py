@@ -27,7 +27,10 @@ memory_stats_as_nested_dict (which torch_npu's memory_stats calls), reset_peak_m
 reset_accumulated_memory_stats, memory_snapshot, _snapshot, _record_memory_history and _dump_snapshot answer from ascend_pool (PyTorch's schema): the stats
 and _snapshot for the pool the calling thread allocates from, and, as in torch, the history,
 memory_snapshot and _dump_snapshot for the whole process (every device's default pool and every
-tenant context; ascend_pool.record_memory_history, dump_snapshot). They take torch's arguments: a device as an int, "npu:N"
+tenant context; ascend_pool.record_memory_history, dump_snapshot). With torch >= 2.9 and the NPU
+as the current accelerator, torch.accelerator.memory_stats (and memory_allocated,
+max_memory_reserved ... built on it), reset_peak_memory_stats and reset_accumulated_memory_stats
+too: they reach the same missing hook from C. They take torch's arguments: a device as an int, "npu:N"
 or torch.device("npu", N) (another device type is a ValueError, as in torch), and
 _record_memory_history's current and legacy (bool first) signatures, max_entries=sys.maxsize
 clamped to config.MAX_HISTORY_ENTRIES. Without the patch (install(patch_stats=False)), call
@@ -42,7 +45,8 @@ from ..capi import library_path
 from ..errors import ConfigError, InvalidDeviceError
 from ._common import require, set_hooks, use_backend
 
-__all__ = ["install", "build_allocator", "patch_memory_functions", "HOOKS", "PATCHED"]
+__all__ = ["install", "build_allocator", "patch_memory_functions", "patch_accelerator", "HOOKS", "PATCHED",
+           "ACCELERATOR_PATCHED"]
 
 HOOKS = (
     ("set_init_fn", "ascend_pool_init"),
@@ -169,6 +173,31 @@ def patch_memory_functions(*modules):
     return done
 
 
+ACCELERATOR_PATCHED = ("memory_stats", "reset_peak_memory_stats", "reset_accumulated_memory_stats")
+
+
+def patch_accelerator(torch):
+    """torch >= 2.9's device-generic torch.accelerator.memory_stats (and memory_allocated,
+    max_memory_reserved ..., which read it) reach the current accelerator's allocator in C, for
+    torch_npu the pluggable allocator's missing stats hook: when the current accelerator is the
+    NPU, points the ACCELERATOR_PATCHED functions of torch.accelerator.memory and
+    torch.accelerator at ascend_pool's. Returns the names replaced (none for another
+    accelerator, or a torch without torch.accelerator)."""
+    acc = getattr(torch, "accelerator", None)
+    memory = sys.modules.get("torch.accelerator.memory") or getattr(acc, "memory", None)
+    current = getattr(acc, "current_accelerator", None)
+    device = current() if callable(current) else None
+    if memory is None or getattr(device, "type", None) != "npu":
+        return []
+    repl = _replacements()
+    names = [n for n in ACCELERATOR_PATCHED if hasattr(memory, n)]
+    for n in names:
+        setattr(memory, n, repl[n])  # memory_allocated & co. call the module's memory_stats
+        if hasattr(acc, n):
+            setattr(acc, n, repl[n])
+    return names
+
+
 def install(patch_stats=True):
     """Makes ascend_pool torch_npu's NPU allocator, leaving the runtime's initialisation to
     torch_npu; with patch_stats, torch.npu's memory-stats functions answer from ascend_pool (see
@@ -183,4 +212,5 @@ def install(patch_stats=True):
     _installed = alloc
     if patch_stats:
         patch_memory_functions(memory, importlib.import_module("torch_npu.npu"))
+        patch_accelerator(importlib.import_module("torch"))
     return alloc
