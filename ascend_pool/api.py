@@ -333,7 +333,7 @@ def set_per_process_memory_fraction(fraction, device=None):
                           f"Allowed range: 0~1")
     pool = default_pool(device)
     total = pool.mem_get_info()[1]
-    pool.set_limit(int(fraction * total))
+    pool.set_limit(limit_bytes=int(fraction * total))  # 0.0: a cap of 0 bytes, as torch
     pool._memory_fraction = float(fraction)
 
 

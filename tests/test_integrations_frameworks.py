@@ -123,9 +123,15 @@ class FakeCupy(types.ModuleType):
             def __init__(self, mem, offset):
                 self.mem, self.ptr = mem, mem.ptr + offset
 
+        class OutOfMemoryError(MemoryError):  # CuPy's (memory.pyx): its fallbacks catch this class
+            def __init__(self, size, total, limit=0):
+                self._size, self._total, self._limit = size, total, limit
+                super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes).")
+
         stream = types.SimpleNamespace(ptr=0)
         self.cuda = types.SimpleNamespace(
-            UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer, memory=types.SimpleNamespace(Memory=Memory),
+            UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
+            memory=types.SimpleNamespace(Memory=Memory, OutOfMemoryError=OutOfMemoryError),
             runtime=types.SimpleNamespace(getDevice=lambda: 0), get_current_stream=lambda: stream,
             set_allocator=lambda fn: setattr(self, "allocator", fn))
 
@@ -143,6 +149,34 @@ def test_cupy_memory_returns_to_the_pool_when_cupy_drops_it(monkeypatch):
     assert ap.memory_stats(0)["allocated_bytes.all.current"] == before
     empty = ap_cupy.malloc(0)
     assert empty.ptr == 0 and empty.mem.size == 0
+
+
+def test_cupy_hook_keeps_cupys_memory_limit_variable_and_out_of_memory_class(monkeypatch):
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from ascend_pool.integrations import cupy as ap_cupy
+
+    assert ap_cupy.parse_limit("") is None and ap_cupy.parse_limit("1048576") == {"size": 1 << 20}
+    assert ap_cupy.parse_limit("50%") == {"fraction": 0.5}
+    for bad in ("1GB", "-5", "150%"):
+        with pytest.raises(ConfigError, match="CUPY_GPU_MEMORY_LIMIT"):
+            ap_cupy.parse_limit(bad)
+    monkeypatch.setattr(ap_cupy, "_limited_devices", set())
+    monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", str(64 << 20))
+    pool = ap.default_pool(0)
+    try:
+        held = ap_cupy.malloc(1 << 20)  # the device's first CuPy allocation reads the variable
+        assert pool.get_limit() == 64 << 20
+        with pytest.raises(fake.cuda.memory.OutOfMemoryError, match=r"^Out of memory allocating 134,217,728 bytes") as e:
+            ap_cupy.malloc(128 << 20)
+        assert isinstance(e.value, ap.OutOfMemoryError), "still ascend_pool's, for except ap.OutOfMemoryError"
+        assert e.value._size == 128 << 20 and e.value._limit == 64 << 20
+        assert e.value._total == pool.memory_stats()["reserved_bytes.all.current"]
+        assert "limit set to: 67,108,864 bytes" in str(e.value) and "Tried to allocate" in str(e.value)
+        del held
+        assert ap_cupy.malloc(32 << 20).ptr, "the pool keeps serving under the cap"
+    finally:
+        pool.set_limit(None)
 
 
 def test_cupy_install_needs_the_cuda_backend(monkeypatch):

@@ -39,6 +39,34 @@ def test_set_limit_rejects_what_is_not_a_byte_count(pool, bad):
     pool.free(pool.malloc(4 << 20))
 
 
+def test_set_limit_takes_cupys_positional_size_where_0_lifts_the_cap_and_numpys_numbers(pool):
+    import numpy as np
+    pool.set_limit(pool.get_limit())  # CuPy's save and restore: no cap before, none after
+    assert pool.get_limit() == 0
+    pool.free(pool.malloc(4 << 20))
+    pool.set_limit(np.int64(8 << 20))
+    assert pool.get_limit() == 8 << 20
+    with pytest.raises(ap.OutOfMemoryError):
+        pool.malloc(16 << 20)
+    saved = pool.get_limit()
+    pool.set_limit(0)
+    assert pool.get_limit() == 0
+    pool.free(pool.malloc(16 << 20))
+    pool.set_limit(saved)
+    assert pool.get_limit() == 8 << 20
+    pool.set_limit(fraction=np.float32(0.5))
+    assert pool.get_limit() == int(0.5 * pool.mem_get_info()[1])
+    pool.set_limit(size=float(32 << 20))  # a whole float, as CuPy's fraction path makes
+    assert pool.get_limit() == 32 << 20
+    pool.set_limit(limit_bytes=0)  # an exact cap of 0 bytes: nothing new may be reserved
+    with pytest.raises(ap.OutOfMemoryError):
+        pool.malloc(64 << 20)
+    with pytest.raises(ap.ConfigError):
+        pool.set_limit(1 << 20, limit_bytes=1 << 20)
+    pool.set_limit(None)
+    assert pool.get_limit() == 0 and pool._limit() is None
+
+
 def test_set_limit_accepts_byte_counts_and_none(pool):
     pool.set_limit(8 << 20)
     p = pool.malloc(4 << 20)

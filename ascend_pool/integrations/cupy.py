@@ -10,15 +10,25 @@ cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, size, owner), 0); CuPy hold
 long as any array uses the memory, and when it drops it the block is freed on that same stream
 (reusable at once by later work on it, by other streams once that work is done), the order CuPy's
 own pool keeps. set_allocator is per thread in CuPy: call install() in each allocating thread.
+
+What CuPy's own code relies on holds under the hook: an allocation past the memory is a
+cupy.cuda.memory.OutOfMemoryError (which CuPy's fallbacks catch; it is an
+ascend_pool.OutOfMemoryError too, with CuPy's "Out of memory allocating N bytes" first and
+ascend_pool's cause after), and $CUPY_GPU_MEMORY_LIMIT ("1073741824" bytes or "50%" of the device),
+which CuPy's pool reads, caps each device's default pool from its first CuPy allocation.
 """
 
 import logging
 import sys
 
+import os
+
+from .. import api
 from .._core import capi_free, capi_malloc
+from ..errors import ConfigError, OutOfMemoryError
 from ._common import require, use_backend
 
-__all__ = ["install", "uninstall", "malloc"]
+__all__ = ["install", "uninstall", "malloc", "parse_limit"]
 
 log = logging.getLogger("ascend_pool.integrations.cupy")
 _HINT = "Install CuPy for your CUDA version (pip install cupy-cuda12x)."
@@ -39,14 +49,70 @@ class _Allocation:
             log.warning("could not return CuPy's block 0x%x to ascend_pool: %s", self.ptr, exc)
 
 
+_oom_classes = {}  # CuPy's OutOfMemoryError class -> the class raised for it
+_limited_devices = set()  # devices whose default pool got $CUPY_GPU_MEMORY_LIMIT
+
+
+def parse_limit(text):
+    """$CUPY_GPU_MEMORY_LIMIT as CuPy reads it: "" -> None, "N" -> {"size": N} bytes, "P%" ->
+    {"fraction": P / 100}. Anything else is a ConfigError naming the variable."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    try:
+        if text.endswith("%"):
+            fraction = float(text[:-1]) / 100
+            if not 0 <= fraction <= 1:
+                raise ValueError
+            return {"fraction": fraction}
+        size = int(text)
+        if size < 0:
+            raise ValueError
+        return {"size": size}
+    except ValueError:
+        raise ConfigError(f"CUPY_GPU_MEMORY_LIMIT={text!r}: expected a byte count or a percentage "
+                          "from 0% to 100%") from None
+
+
+def _apply_env_limit(device):
+    _limited_devices.add(device)
+    limit = parse_limit(os.environ.get("CUPY_GPU_MEMORY_LIMIT"))
+    if limit is not None:
+        api.default_pool(device).set_limit(**limit)
+
+
+def _oom_for_cupy(cp, exc, nbytes, device):
+    """exc as CuPy's OutOfMemoryError (and still an ascend_pool.OutOfMemoryError), with CuPy's
+    attributes _size, _total (bytes the pool holds) and _limit (0: none)."""
+    base = getattr(getattr(cp.cuda, "memory", None), "OutOfMemoryError", None)
+    if not (isinstance(base, type) and issubclass(base, BaseException)) or isinstance(exc, base):
+        return exc
+    cls = _oom_classes.get(base)
+    if cls is None:
+        cls = _oom_classes[base] = type("CupyOutOfMemoryError", (base, type(exc)), {"__module__": __name__})
+    pool = api.default_pool(device)
+    total, limit = pool.memory_stats()["reserved_bytes.all.current"], pool.get_limit()
+    cap = f", limit set to: {limit:,} bytes" if limit else ""
+    err = cls.__new__(cls)
+    BaseException.__init__(err, f"Out of memory allocating {nbytes:,} bytes (allocated so far: {total:,} bytes{cap}). "
+                                f"{exc}")
+    err._size, err._total, err._limit = nbytes, total, limit
+    return err
+
+
 def malloc(nbytes):
     """CuPy allocator function: nbytes on CuPy's current device and stream, as a MemoryPointer."""
     cp = sys.modules["cupy"]
     if nbytes == 0:  # empty arrays: CuPy's own zero-size memory, no device call
         return cp.cuda.MemoryPointer(cp.cuda.memory.Memory(0), 0)
     device = cp.cuda.runtime.getDevice()
+    if device not in _limited_devices:
+        _apply_env_limit(device)
     stream = cp.cuda.get_current_stream().ptr or None
-    ptr = capi_malloc(nbytes, device, stream)
+    try:
+        ptr = capi_malloc(nbytes, device, stream)
+    except OutOfMemoryError as exc:
+        raise _oom_for_cupy(cp, exc, nbytes, device) from None
     owner = _Allocation(ptr, nbytes, device, stream)
     return cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(ptr, nbytes, owner, device), 0)
 
@@ -54,6 +120,7 @@ def malloc(nbytes):
 def install():
     """Makes ascend_pool CuPy's allocator in the calling thread."""
     cp = require("cupy", "cupy", _HINT)
+    parse_limit(os.environ.get("CUPY_GPU_MEMORY_LIMIT"))  # a bad value is refused here, not at an allocation
     use_backend("cuda", "CuPy")
     cp.cuda.set_allocator(malloc)
 

@@ -7,6 +7,7 @@ from libc.stdlib cimport malloc as c_malloc, free as c_free
 from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromVoidPtr
 from cpython.exc cimport PyErr_Occurred, PyErr_Clear
 
+import numbers as _numbers
 import os as _os
 import sys
 import time as _time
@@ -349,6 +350,8 @@ cdef class PoolBase:
     cdef inline void *_stream(self, object stream) except? NULL:
         if stream is None:
             return NULL
+        if type(stream) is int and stream == 0:  # the null handle: the default stream, as CUDA's and ACL's
+            return NULL
         if stream not in self._streams:
             raise InvalidStreamError(f"stream {stream!r} is not a live stream of this pool (device {self.device}); "
                                      "use pool.create_stream() or pool.register_stream(handle)")
@@ -480,8 +483,8 @@ cdef class PoolBase:
         self.backend.stream_destroy(stream)
 
     def _check_stream(self, stream):
-        """Raises InvalidStreamError unless stream is None (the default stream) or a live stream
-        of this pool (for the Python-level methods that take one)."""
+        """Raises InvalidStreamError unless stream is None or 0 (the default stream) or a live
+        stream of this pool (for the Python-level methods that take one)."""
         self._check()
         self._stream(stream)
 
@@ -499,28 +502,37 @@ cdef class PoolBase:
         if rc != AP_OK:
             _raise(&err, rc)
 
-    def set_limit(self, limit_bytes=None, *, size=None, fraction=None):
-        """Caps reserved bytes: limit_bytes in bytes, None for no cap. A limit below current use
-        trims cache only. CuPy's MemoryPool.set_limit forms too: size= bytes or fraction= of the
-        device's total memory (0..1), where 0 (or neither) means no cap; one form at a time."""
+    def set_limit(self, size=None, fraction=None, *, limit_bytes=None):
+        """Caps reserved bytes, as CuPy's MemoryPool.set_limit(size=None, fraction=None): size in
+        bytes (an integer, numpy's included) or fraction of the device's total memory (0..1);
+        neither, or 0, lifts the cap (so pool.set_limit(pool.get_limit()) changes nothing).
+        limit_bytes= (alone) sets an exact cap, where 0 is a cap of 0 bytes (torch's
+        set_per_process_memory_fraction(0.0)). A cap below current use trims cache only."""
         self._check()
         cdef ap_pool *_p
         cdef size_t limit = AP_NO_LIMIT
-        if size is not None or fraction is not None:
-            if limit_bytes is not None or (size is not None and fraction is not None):
-                raise ConfigError("set_limit takes one of limit_bytes, size= and fraction=")
-            if fraction is not None:
-                if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-                    raise ConfigError(f"memory limit fraction must be a number in [0, 1], got {fraction!r}")
-                size = int(fraction * self.backend.mem_info(self.device)[1])
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        if limit_bytes is not None:
+            if size is not None or fraction is not None:
+                raise ConfigError("set_limit takes one of size, fraction and limit_bytes=")
+        elif fraction is not None:
+            if size is not None:
+                raise ConfigError("set_limit: size and fraction cannot be specified at one time")
+            if isinstance(fraction, bool) or not isinstance(fraction, _numbers.Real) or not 0 <= fraction <= 1:
+                raise ConfigError(f"memory limit fraction must be a number in [0, 1], got {fraction!r}")
+            limit_bytes = int(float(fraction) * self.backend.mem_info(self.device)[1]) or None
+        elif size is not None:
+            whole = isinstance(size, _numbers.Integral) or (isinstance(size, float) and size.is_integer())
+            if isinstance(size, bool) or not whole or size < 0:
                 raise ConfigError(f"memory limit size must be a byte count >= 0, got {size!r}")
-            limit_bytes = size or None  # CuPy: 0 is no limit
+            limit_bytes = int(size) or None  # CuPy: 0 is no limit
+            if limit_bytes is not None and limit_bytes >= <size_t>AP_NO_LIMIT:
+                raise ConfigError(f"memory limit size must be a byte count below 2**64-1, got {size!r}")
         if limit_bytes is not None:
             # bool is an int, but True bytes is a mistake; AP_NO_LIMIT itself is reserved for None
-            if type(limit_bytes) is not int or not 0 <= limit_bytes < <size_t>AP_NO_LIMIT:
+            if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, _numbers.Integral) or \
+                    not 0 <= limit_bytes < <size_t>AP_NO_LIMIT:
                 raise ConfigError(f"limit must be None or a byte count from 0 to 2**64-2, got {limit_bytes!r}")
-            limit = <size_t>limit_bytes
+            limit = <size_t>int(limit_bytes)
         _p = self._enter()
         with nogil:
             ap_pool_set_limit(_p, limit)
