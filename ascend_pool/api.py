@@ -11,7 +11,7 @@ from . import current as _current
 from . import registry as _registry
 from ._core import set_default_pool_hook
 from .backend import check_device, open_backend
-from .config import HISTORY_CONTEXTS, history_settings
+from .config import history_settings
 from .errors import ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
@@ -60,8 +60,7 @@ def _create_default(device):
     # $ASCEND_POOL_CONFIG), so module-level calls and the C ABI allocate under the quota.
     pool = default_tenant_pool(device) or Pool(device)
     if _history is not None:
-        enabled, stacks, max_entries = _history
-        pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries)
+        pool.record_memory_history(**_history)
     return pool
 
 
@@ -175,9 +174,8 @@ def _follow_history(pool):
     # A pool opened after record_memory_history() (a tenant context, a program's own ap.Pool)
     # records as the default pools do; a stopped history leaves a program's own pool as its knobs
     # made it (record_history), as it leaves every pool the program opened before.
-    if _history is not None and (isinstance(pool, Context) or _history[0] not in (None, False)):
-        enabled, stacks, max_entries = _history
-        pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries)
+    if _history is not None and (isinstance(pool, Context) or _history["enabled"] not in (None, False)):
+        pool.record_memory_history(**_history)
 
 
 _registry.on_register(_follow_history)
@@ -190,22 +188,21 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
     every open pool of the process (default pools, tenant contexts, pools the program built;
     device given: that device's only); pools made later follow it. max_entries (events kept per pool) above
     config.MAX_HISTORY_ENTRIES (2**20: a ring of 48 MiB of host memory, allocated up front) is
-    clamped to it by each pool, so PyTorch's sys.maxsize works. context as torch's: None records
-    no frames; "state", "alloc" or "all" record them as stacks says (for allocations and frees);
-    clear_history: the events recorded so far are dropped first. A bad argument raises
+    clamped to it by each pool, so PyTorch's sys.maxsize works; enabled="state" keeps the latest
+    event only, as torch's. context as torch's (with stacks="python"): None records no frames,
+    "state" shows them on live blocks only, "alloc" on the trace's allocation entries too (and
+    on a free's, its block's), "all" also the frames of each free and of empty_cache (Pool.
+    record_memory_history); clear_history: the events recorded so far are dropped first. A bad argument raises
     ConfigError here, before any pool changes (the settings are kept for pools made later)."""
     global _history
-    if context not in HISTORY_CONTEXTS:
-        raise ConfigError(f"context must be None, 'state', 'alloc' or 'all', got {context!r}")
-    if context is None:
-        stacks = None
-    history_settings(enabled, stacks, max_entries)
+    history_settings(enabled, stacks, max_entries, context)
+    settings = dict(enabled=enabled, stacks=stacks, max_entries=max_entries, context=context)
     pools = _process_pools(device, create=False)
     if clear_history and enabled not in (None, False):  # turning it off drops each ring
         _on_each_open(pools, lambda pool: pool.record_memory_history(None))
-    _on_each_open(pools, lambda pool: pool.record_memory_history(enabled, stacks=stacks, max_entries=max_entries))
+    _on_each_open(pools, lambda pool: pool.record_memory_history(**settings))
     if device is None:
-        _history = (enabled, stacks, max_entries)
+        _history = settings
 
 
 def _process_snapshot(device=None):

@@ -62,11 +62,12 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def history_settings(enabled, stacks, max_entries):
+def history_settings(enabled, stacks, max_entries, context="all"):
     """record_memory_history's arguments checked and normalised: (on, frames, entries) with
-    entries the ring size in events (0 when off, else max_entries clamped to
-    MAX_HISTORY_ENTRIES). ConfigError names a bad one, so that a setting kept for pools made
-    later (ascend_pool.record_memory_history) is refused when given, not when a pool opens."""
+    entries the ring size in events (0 when off, 1 for enabled="state" as torch's, else
+    max_entries clamped to MAX_HISTORY_ENTRIES); frames: Python frames are filed (stacks
+    "python"/"all" and a context). ConfigError names a bad one, so that a setting kept for pools
+    made later (ascend_pool.record_memory_history) is refused when given, not when a pool opens."""
     on = enabled not in (None, False)
     if enabled not in (None, False, True, "all", "state"):
         raise ConfigError(f"enabled must be True, 'all', 'state', None or False, got {enabled!r}")
@@ -74,7 +75,10 @@ def history_settings(enabled, stacks, max_entries):
         raise ConfigError(f"max_entries must be a positive int, got {max_entries!r}")
     if stacks not in HISTORY_STACKS:
         raise ConfigError(f"stacks must be 'python', 'all' or None, got {stacks!r}")
-    return on, on and stacks in ("python", "all"), min(max_entries, MAX_HISTORY_ENTRIES) if on else 0
+    if context not in HISTORY_CONTEXTS:
+        raise ConfigError(f"context must be None, 'state', 'alloc' or 'all', got {context!r}")
+    entries = (1 if enabled == "state" else min(max_entries, MAX_HISTORY_ENTRIES)) if on else 0
+    return on, on and stacks in ("python", "all") and context is not None, entries
 
 
 def _bool(key, value):

@@ -146,20 +146,20 @@ class Pool(PoolBase):
 
     def snapshot(self):
         """The pool's segments, blocks and event history in PyTorch's snapshot schema (readable by
-        `python -m torch.cuda._memory_viz`); no events after record_memory_history("state")."""
-        return self._snapshot(trace=not self._history_state_only)
+        `python -m torch.cuda._memory_viz`); only the latest event after record_memory_history("state"), as torch's."""
+        return self._snapshot()
 
-    def _snapshot(self, trace):
+    def _snapshot(self):
         segments, history = self._raw_snapshot()
         frames = dict(self._stack_frames) if self._stack_frames is not None else None
-        return _snapshot.build(self.device, segments, history, self.knobs, frames, trace=trace)
+        return _snapshot.build(self.device, segments, history, self.knobs, frames, entry_frames=self._entry_frames)
 
     def dump_trace(self, path):
         """Writes the recorded history (record_memory_history or the record_history knob) as a
         replayable trace NAME.npz (ascend_pool.traces format): allocations with their requested
         sizes and the frees of them, streams numbered in order of appearance. Returns the Trace."""
         _snapshot.output_path(path, "dump_trace")
-        a = arrays_from_snapshot(self._snapshot(trace=True), self.device, "pool history")
+        a = arrays_from_snapshot(self._snapshot(), self.device, "pool history")
         trace = trace_from_arrays(a["op"], a["id"], a["size"], a["stream"], name="pool history")
         np.savez(path, **a)
         return trace

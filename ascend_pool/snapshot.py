@@ -12,13 +12,14 @@ _ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segme
             "segment_map", "segment_unmap")
 
 
-def build(device, segments, history, knobs, frames=None, trace=True):
+def build(device, segments, history, knobs, frames=None, entry_frames=True):
     """segments: [(base, size, pool, stream, [(addr, size, requested, state, ctx)], expandable)];
     history: [(action, addr, size, stream, time_us[, ctx])] oldest first; frames: {ctx: [frame
     dicts]} recorded with stacks="python" (a live block gets the frames of its allocation, which
     the block keeps: ctx); knobs:
     the pool's, whose effective values make allocator_settings (config.allocator_settings);
-    trace False: device_traces empty, as torch's after _record_memory_history("state")."""
+    entry_frames False: trace entries show no frames (torch's context="state"; blocks keep theirs).
+    An oom entry carries the device's free bytes as device_free instead of addr, as torch's."""
     frames = frames or {}
     history = [h if len(h) == 6 else (*h, 0) for h in history]
     out_segments = []
@@ -43,13 +44,13 @@ def build(device, segments, history, knobs, frames=None, trace=True):
             "blocks": out_blocks,
         })
     events = [
-        {"action": _ACTIONS[action], "addr": addr, "size": size, "stream": stream, "time_us": t,
-         "frames": frames.get(ctx, [])}
+        {"action": _ACTIONS[action], "device_free" if _ACTIONS[action] == "oom" else "addr": addr, "size": size,
+         "stream": stream, "time_us": t, "frames": frames.get(ctx, []) if entry_frames else []}
         for action, addr, size, stream, t, ctx in history
     ]
     return {
         "segments": out_segments,
-        "device_traces": [[] for _ in range(device)] + [events if trace else []],
+        "device_traces": [[] for _ in range(device)] + [events],
         "allocator_settings": allocator_settings(knobs),
     }
 

@@ -69,21 +69,79 @@ def test_bad_history_settings_are_config_errors(pool, bad):
     pool.free(pool.malloc(512))  # the pool keeps serving
 
 
-def test_state_history_keeps_live_blocks_frames_without_a_trace(pool, tmp_path):
-    """torch's _record_memory_history("state"): the snapshot's live blocks carry the frames of
-    their allocation, device_traces stays empty; "all" afterwards shows the events again, and
-    dump_trace reads them under "state" too."""
+def test_state_history_keeps_the_latest_event_and_the_live_blocks_frames(pool):
+    """torch's _record_memory_history("state") keeps a trace ring of one entry (its
+    test_memory_snapshot reads the segment_free an empty_cache leaves last), and the live blocks'
+    frames; "all" afterwards records every event again."""
     pool.record_memory_history("state", stacks="python", max_entries=1000)
     keep = _alloc_in_named_function(pool, 4096)
+    gone = _alloc_in_named_function(pool, 3 << 20)
     snap = pool.snapshot()
-    assert snap["device_traces"][pool.device] == []
+    assert [e["action"] for e in snap["device_traces"][pool.device]] == ["alloc"]
     live = [b for s in snap["segments"] for b in s["blocks"] if b["address"] == keep]
     assert live[0]["state"] == "active_allocated"
     assert live[0]["frames"][0]["name"] == "_alloc_in_named_function"
-    assert pool.dump_trace(str(tmp_path / "state.npz")).n_allocs == 1
+    _free_in_named_function(pool, gone)
+    pool.empty_cache()
+    assert [e["action"] for e in _trace(pool)] == ["segment_free"]
     pool.record_memory_history("all", stacks="python", max_entries=1000)
     _free_in_named_function(pool, keep)
-    assert [e["action"] for e in _trace(pool)][-1] in ("free_requested", "free_completed")
+    assert [e["action"] for e in _trace(pool)][-2:] == ["free_requested", "free_completed"]
+
+
+def _thealloc(pool, n):
+    return pool.malloc(n)
+
+
+def _thefree(pool, ptr):
+    pool.free(ptr)
+
+
+def _the_empty_cache(pool):
+    pool.empty_cache()
+
+
+@pytest.mark.parametrize("context", ["alloc", "all", "state"])
+def test_history_context_says_where_frames_show_as_torchs(pool, context):
+    """torch's test_memory_plots_free_stack and _free_segment_stack: frees' frames show only with
+    context "all", allocations' with "alloc" and "all" (trace entries; "state": live blocks only),
+    and the segment_free an empty_cache makes carries its caller's frames with "all"."""
+    import json
+    pool.record_memory_history("all", stacks="python", context=context)
+    _thefree(pool, _thealloc(pool, 3 << 20))
+    text = json.dumps(pool.snapshot())
+    assert ("_thefree" in text) == (context == "all")
+    assert ("_thealloc" in text) == (context != "state")
+    if context == "alloc":  # a free's entries carry its block's allocation frames, as torch's
+        frees = [e for e in _trace(pool) if e["action"] == "free_requested"]
+        assert frees[-1]["frames"][0]["name"] == "_thealloc"
+    pool.record_memory_history("all", stacks="python", context=context, max_entries=1000)
+    _the_empty_cache(pool)
+    assert ("_the_empty_cache" in json.dumps(pool.snapshot())) == (context == "all")
+    pool.record_memory_history("state", stacks="python", context=context)
+    held = _thealloc(pool, 4096)
+    blocks = [b for s in pool.snapshot()["segments"] for b in s["blocks"] if b["address"] == held]
+    assert blocks[0]["frames"][0]["name"] == "_thealloc", "every context keeps a live block's frames"
+    pool.free(held)
+
+
+def test_oom_trace_entries_carry_device_free_as_torchs(pool, tmp_path):
+    """torch's oom trace entry has device_free (the device's free bytes) where others have addr;
+    _memory_viz's trace reads it."""
+    pool.record_memory_history("all", stacks="python", max_entries=100)
+    pool.set_limit(8 << 20)
+    for n in (64 << 20, 1 << 62):  # over the pool's limit; larger than the device
+        with pytest.raises(ap.OutOfMemoryError):
+            pool.malloc(n)
+    ooms = [e for e in _trace(pool) if e["action"] == "oom"]
+    assert [e["size"] for e in ooms] == [64 << 20, 1 << 62]
+    free_now = pool.mem_get_info()[0]
+    assert all("addr" not in e and 0 < e["device_free"] <= pool.mem_get_info()[1] for e in ooms)
+    assert ooms[0]["device_free"] >= free_now - (64 << 20)
+    pool.set_limit(None)
+    viz = pytest.importorskip("torch.cuda._memory_viz")
+    text = viz.trace(pool.snapshot())  # read each oom entry's device_free (KeyError without it)
+    assert text.count("raise OutOfMemoryError") == 2
 
 
 def _allocate_the_weights(pool, n):

@@ -112,13 +112,17 @@ def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_
                                   skip_actions=None):
     """torch's legacy _record_memory_history(True|False, record_context, trace_alloc_max_entries,
     trace_alloc_record_context, device, record_context_cpp, ...): False stops the history; frames
-    when record_context or trace_alloc_record_context (record_context_cpp adds no C++ frames
-    here); trace_alloc_max_entries events (at least 1, as torch; clamped as above)."""
-    frames = bool(record_context or trace_alloc_record_context)
+    when record_context (on live blocks: torch's context "state") or trace_alloc_record_context
+    (on allocation entries too: "alloc"); record_context_cpp adds no C++ frames here;
+    trace_alloc_max_entries events (at least 1, as torch; clamped as above)."""
+    # torch's legacy mapping: frames in the trace with trace_alloc_record_context, on live blocks
+    # only with record_context
+    context = "alloc" if trace_alloc_record_context else "state" if record_context else None
     n = trace_alloc_max_entries
     if isinstance(n, int) and not isinstance(n, bool):
         n = max(1, n)
-    api.record_memory_history(True if enabled else None, stacks="python" if frames else None, max_entries=n)
+    api.record_memory_history(True if enabled else None, stacks="python" if context else None, max_entries=n,
+                              context=context)
 
 
 def _replacements():

@@ -38,7 +38,7 @@ cdef extern from "capi/exports.h":
     # Not nogil: the callback runs Python code (exports.h holds the GIL around the call).
     ctypedef int (*apc_create_fn)(int device, int strict, char *msg, size_t len) noexcept
     void apc_set_hooks(apc_create_fn create)
-    ctypedef void (*apc_frames_fn)(ap_pool *p) noexcept
+    ctypedef void (*apc_frames_fn)(ap_pool *p, int freeing) noexcept
     void apc_set_frames_hook(apc_frames_fn fn)
     void apc_stacks_changed(int delta)
 
@@ -82,11 +82,12 @@ cdef void _capi_stacks_on(ap_pool *p, object pool):
         apc_stacks_changed(-1)
 
 
-cdef void _capi_note_frames(ap_pool *p) noexcept with gil:
-    """Called by exports.h from a thread that holds the GIL, before the pool's lock is taken."""
+cdef void _capi_note_frames(ap_pool *p, int freeing) noexcept with gil:
+    """Called by exports.h from a thread that holds the GIL, before the pool's lock is taken;
+    a free's frames only under torch's context "all" (else its entries carry the block's)."""
     ref = _stack_pools.get(<uintptr_t>p)
     pool = ref() if ref is not None else None
-    if pool is None:
+    if pool is None or (freeing and not (<PoolBase>pool)._free_frames):
         ap_history_set_ctx(0)
         return
     try:

@@ -56,17 +56,17 @@ static int apc_python_usable(void) {
    (a Python op that allocates), the hook (capi.pxi) files its frames for pool p, before the pool's
    lock is taken; a thread without it records no frames (never waits for the GIL here). With no
    pool recording stacks the cost is one relaxed load. */
-typedef void (*apc_frames_fn)(ap_pool *p);
+typedef void (*apc_frames_fn)(ap_pool *p, int freeing);
 static _Atomic(apc_frames_fn) apc_frames_hook; /* NULL before import and from interpreter exit on */
 static atomic_int apc_pools_with_stacks;       /* pools recording stacks (capi.pxi counts them) */
 
 static void apc_set_frames_hook(apc_frames_fn fn) { atomic_store(&apc_frames_hook, fn); }
 static void apc_stacks_changed(int delta) { atomic_fetch_add(&apc_pools_with_stacks, delta); }
 
-static inline void apc_note_frames(ap_pool *p) {
+static inline void apc_note_frames(ap_pool *p, int freeing) {
     if (__builtin_expect(atomic_load_explicit(&apc_pools_with_stacks, memory_order_relaxed) == 0, 1)) return;
     apc_frames_fn fn = atomic_load(&apc_frames_hook);
-    if (fn && apc_python_usable() && PyGILState_Check()) fn(p);
+    if (fn && apc_python_usable() && PyGILState_Check()) fn(p, freeing);
     else ap_history_set_ctx(0); /* no frames: not this thread's earlier ones either */
 }
 
@@ -156,7 +156,7 @@ APC_EXPORT void *ascend_pool_malloc(ssize_t size, int device, void *stream) {
     ap_pool *p = apc_pool_for(device, "ascend_pool_malloc");
     if (!p) return NULL;
     err.message[0] = 0;
-    apc_note_frames(p);
+    apc_note_frames(p, 0);
     int rc = ap_pool_malloc(p, (size_t)size, stream, &out, &err);
     if (__builtin_expect(rc != AP_OK, 0)) {
         apc_fail(rc, "ascend_pool_malloc(%zd bytes, device %d, stream %p): %s", size, device, stream, err.message);
@@ -175,7 +175,7 @@ APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stre
     ap_pool *p = device >= 0 && device < AP_MAX_DEVICES ? ap_current_get(device) : NULL;
     err.message[0] = 0;
     if (__builtin_expect(p != NULL, 1)) {
-        apc_note_frames(p);
+        apc_note_frames(p, 1);
         rc = ap_pool_free(p, ptr, stream, how, &err);
         if (__builtin_expect(rc == AP_OK, 1)) return;
         if (rc != AP_E_INVALID_PTR) {

@@ -26,6 +26,10 @@ void ap_history_destroy(ap_history *h) {
 }
 
 void ap_history_record(ap_history *h, int action, uintptr_t addr, size_t size, void *stream) {
+    ap_history_record_ctx(h, action, addr, size, stream, ap_history_tls_ctx);
+}
+
+void ap_history_record_ctx(ap_history *h, int action, uintptr_t addr, size_t size, void *stream, uint64_t ctx) {
     struct timespec ts;
     AP_ASSERT(h->capacity > 0 && h->ring != NULL); /* ap_history_add skips a ring that is off */
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -35,7 +39,7 @@ void ap_history_record(ap_history *h, int action, uintptr_t addr, size_t size, v
     e->size = size;
     e->stream = stream;
     e->time_us = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-    e->ctx = ap_history_tls_ctx;
+    e->ctx = ctx;
     h->next++;
 }
 

@@ -45,9 +45,16 @@ void ap_history_set_ctx(uint64_t ctx);
 int ap_history_init(ap_history *h, size_t capacity);
 void ap_history_destroy(ap_history *h);
 void ap_history_record(ap_history *h, int action, uintptr_t addr, size_t size, void *stream);
+void ap_history_record_ctx(ap_history *h, int action, uintptr_t addr, size_t size, void *stream, uint64_t ctx);
 /* Inline so that the hot path pays one branch when history is off. */
 static inline void ap_history_add(ap_history *h, int action, uintptr_t addr, size_t size, void *stream) {
     if (h->capacity) ap_history_record(h, action, addr, size, stream);
+}
+/* A free's entry: the freeing call's frames when its thread filed them (torch's context "all"),
+   else the block's allocation frames (torch's free entries carry context_when_allocated then). */
+static inline void ap_history_add_free(ap_history *h, int action, uintptr_t addr, size_t size, void *stream,
+                                       uint64_t block_ctx) {
+    if (h->capacity) ap_history_record_ctx(h, action, addr, size, stream, ap_history_tls_ctx ? ap_history_tls_ctx : block_ctx);
 }
 /* Copies the entries oldest first into a malloc()ed array. */
 size_t ap_history_copy(const ap_history *h, ap_history_entry **out);

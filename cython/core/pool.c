@@ -204,6 +204,14 @@ static void oom_message(ap_pool *p, size_t size, int slot, ap_error *err) {
                  frag, free_b, total_b, cause);
 }
 
+/* The trace's oom entry: torch's carries the device's free bytes where others carry an address. */
+static void note_oom(ap_pool *p, size_t size, void *stream) {
+    if (!p->history.capacity) return;
+    size_t free_b = 0, total_b = 0;
+    p->backend->mem_info(p->backend, p->device, &free_b, &total_b);
+    ap_history_add(&p->history, AP_ACT_OOM, free_b, size, stream);
+}
+
 /* 1 when frees wait on queued work: pending frees, or free blocks tagged with a stream. */
 static int queued_frees(const ap_pool *p) {
     if (p->pending_head) return 1;
@@ -226,7 +234,7 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
         if (size) { /* larger than the device: an OOM like any other, in num_ooms and the trace */
             pthread_mutex_lock(&p->lock);
             p->stats.num_ooms++;
-            ap_history_add(&p->history, AP_ACT_OOM, 0, size, stream);
+            note_oom(p, size, stream);
             pthread_mutex_unlock(&p->lock);
         }
         return err ? err->status : (size ? AP_E_OOM : AP_E_INVALID_SIZE);
@@ -274,7 +282,7 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
             else if (!fault) p->stats.num_ooms++;
             if (e->status == AP_OK || (e->status == AP_E_DEVICE && !fault)) e->status = AP_E_OOM;
             if (e->status == AP_E_OOM || e->status == AP_E_LIMIT || e->status == AP_E_QUOTA) oom_message(p, size, slot, e);
-            ap_history_add(&p->history, AP_ACT_OOM, 0, size, stream);
+            note_oom(p, size, stream);
             pthread_mutex_unlock(&p->lock);
             return e->status;
         }
@@ -354,8 +362,8 @@ static void release_block(ap_pool *p, ap_block *b, int tag) {
         ap_free_pending(p, b, tag);
         return;
     }
-    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, p->slots[tag].stream);
-    ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->requested, p->slots[tag].stream);
+    ap_history_add_free(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, p->slots[tag].stream, b->ctx);
+    ap_history_add_free(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->requested, p->slots[tag].stream, b->ctx);
     if (pool == AP_POOL_SMALL && ap_cache_isolated(b, tag)) ap_cache_push_small(p, b, tag);
     else ap_free_insert(p, b, tag); /* merges with its free (and cached) neighbours at once */
 }

@@ -218,8 +218,9 @@ cdef class PoolBase:
     cdef readonly object _stack_frames  # {context id: Python frames} once stacks were recorded, else None
     cdef object _stack_ids              # {call stack: its context id}, least recently used first
     cdef Py_ssize_t _stack_cap          # most distinct call stacks kept
-    cdef bint _stacks_on                # the frames of allocations and frees are recorded now
-    cdef readonly bint _history_state_only  # enabled="state": snapshots show no device_traces (torch's)
+    cdef bint _stacks_on                # the frames of allocations are recorded now
+    cdef readonly bint _free_frames     # and those of frees and empty_cache (torch's context "all")
+    cdef readonly bint _entry_frames    # trace entries show frames (context "alloc" or "all"; "state": blocks only)
 
     def __cinit__(self, *args, **kwargs):
         self.p = NULL
@@ -396,7 +397,7 @@ cdef class PoolBase:
         if stream is None:
             if ap_pool_try_free(self.p, p) == AP_OK:
                 return
-            if self._stacks_on:
+            if self._free_frames:
                 self._note_frames()
             _p = self._enter()
             with nogil:
@@ -405,7 +406,7 @@ cdef class PoolBase:
             self._leave()
         else:
             s = self._stream(stream)
-            if self._stacks_on:
+            if self._free_frames:
                 self._note_frames()
             _p = self._enter()
             with nogil:
@@ -437,9 +438,12 @@ cdef class PoolBase:
         cdef ap_pool *_p
         cdef ap_error err
         cdef int rc
+        if self._free_frames:
+            self._note_frames()  # torch's context "all": the segment_free entries carry the caller's frames
         _p = self._enter()
         with nogil:
             rc = ap_pool_empty_cache(_p, &err)
+            ap_history_set_ctx(0)
         self._leave()
         if rc != AP_OK:
             _raise(&err, rc)
@@ -689,19 +693,21 @@ cdef class PoolBase:
             d.pop(ids.pop(next(iter(ids))), None)
         ap_history_set_ctx(ctx)
 
-    def record_memory_history(self, enabled=True, stacks="python", max_entries=100_000):
+    def record_memory_history(self, enabled=True, stacks="python", max_entries=100_000, context="all"):
         """Turns the event history (snapshot()["device_traces"]) on or off at runtime, as
-        torch.cuda.memory._record_memory_history: enabled True/"all"/"state" to record, None or
-        False to stop (the trace is dropped); with "state", as torch's, snapshots keep the live
-        blocks' frames but show no device_traces (dump_trace still reads the events); stacks
-        "python" also files each allocation's and free's Python frames (captured before the pool
-        lock), None or "none" skips them (no cost). A live block shows the frames of its
-        allocation in every snapshot for as long as it lives, recording on or off since, as
-        torch's; one allocated while frames were not recorded shows none;
-        max_entries: ring size in events, at most config.MAX_HISTORY_ENTRIES (larger ones, such as
-        torch's default sys.maxsize, are clamped: the ring is allocated up front)."""
+        torch.cuda.memory._record_memory_history: enabled True/"all" to record max_entries
+        events, "state" to keep only the latest one (torch's ring of 1), None or False to stop
+        (the trace is dropped); stacks "python" files Python frames (captured before the pool
+        lock), None or "none" skips them (no cost); context, as torch's, says where frames show:
+        "state" on live blocks only, "alloc" on blocks and on the trace's allocation entries (a
+        free's entries carry its block's allocation frames), "all" also the frames of each free
+        and of the empty_cache that released a segment, None nowhere. A live block shows the
+        frames of its allocation in every snapshot for as long as it lives, recording on or off
+        since, as torch's; one allocated while frames were not recorded shows none; max_entries:
+        ring size in events, at most config.MAX_HISTORY_ENTRIES (larger ones, such as torch's
+        default sys.maxsize, are clamped: the ring is allocated up front)."""
         self._check()
-        on, frames, entries = history_settings(enabled, stacks, max_entries)
+        on, frames, entries = history_settings(enabled, stacks, max_entries, context)
         cdef size_t cap = entries
         cdef ap_pool *_p = self._enter()
         cdef int rc
@@ -710,7 +716,6 @@ cdef class PoolBase:
         self._leave()
         if rc != AP_OK:
             raise MemoryError(f"host memory for a history of {entries} entries exhausted")
-        self._history_state_only = enabled == "state"
         # The frames filed so far stay (within _stack_cap call stacks) while live blocks refer to
         # them, recording or not, as torch keeps each block's allocation context.
         if frames and self._stack_frames is None:
@@ -718,6 +723,8 @@ cdef class PoolBase:
         if frames:
             self._stack_cap = max(entries, _MIN_STACKS)
         self._stacks_on = bool(frames)
+        self._free_frames = bool(frames) and context == "all"
+        self._entry_frames = bool(frames) and context in ("alloc", "all")
         _capi_stacks_on(self.p, self if self._stacks_on else None)  # C ABI calls too
 
     def n_free_blocks(self):

@@ -217,7 +217,7 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
     else p->pending_head = b;
     p->pending_tail = b;
     ap_stats_pending(&p->stats, b->seg->pool, (int64_t)b->size, +1);
-    ap_history_add(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, p->slots[tag].stream);
+    ap_history_add_free(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, p->slots[tag].stream, b->ctx);
 }
 
 static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
@@ -254,7 +254,9 @@ int ap_process_pending(ap_pool *p, int blocking, ap_error *err) {
         if (rc == AP_OK) {
             pending_unlink(p, prev, b);
             ap_stats_pending(&p->stats, b->seg->pool, (int64_t)b->size, -1);
-            ap_history_add(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->requested, NULL);
+            /* completed later, from whatever call came next: the block's frames, not that call's */
+            if (p->history.capacity)
+                ap_history_record_ctx(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->requested, NULL, b->ctx);
             ap_free_insert(p, b, 0);
         } else {
             if (rc != AP_E_BUSY) status = rc;
