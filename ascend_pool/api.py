@@ -210,16 +210,20 @@ def _process_snapshot(device=None):
     return _merge_snapshots(_on_each_open(_process_pools(device), lambda pool: pool.snapshot()))
 
 
-def dump_snapshot(path, device=None):
+def dump_snapshot(path="dump_snapshot.pickle", device=None):
     """Writes the process's snapshot (every device's default pool that was used, every tenant
     context and every other open pool, or one device's) as the pickle that `python -m torch.cuda._memory_viz` reads
     (PyTorch's _dump_snapshot)."""
     _dump_snapshot(_process_snapshot(device), path)
 
 
-def memory_snapshot():
+def memory_snapshot(mempool_id=None, include_traces=True):
     """torch.cuda.memory_snapshot(): the segments (list of dicts, sizes in bytes) of the snapshot
-    dump_snapshot() writes, every device's."""
+    dump_snapshot() writes, every device's. mempool_id: None (the pools here have no torch
+    MemPool ids; another value is a ConfigError); include_traces: accepted, as torch's (the
+    segments carry no trace)."""
+    if mempool_id is not None:
+        raise ConfigError(f"memory_snapshot: mempool_id must be None here (no torch MemPool), got {mempool_id!r}")
     return _process_snapshot()["segments"]
 
 
@@ -344,4 +348,12 @@ def get_per_process_memory_fraction(device=None):
         return 1.0
     total = pool.mem_get_info()[1]
     fraction = pool.__dict__.get("_memory_fraction")
-    return fraction if fraction is not None and int(fraction * total) == limit else limit / total
+    if fraction is not None and int(fraction * total) == limit:
+        return fraction
+    # set from a knob string or the C hook: the shortest decimal that gives this cap (0.3, not
+    # 0.29999999981), as torch returns the fraction it was given
+    for digits in range(1, 18):
+        shortest = round(limit / total, digits)
+        if int(shortest * total) == limit:
+            return shortest
+    return limit / total

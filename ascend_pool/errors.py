@@ -2,7 +2,7 @@
 
 Every error the package raises on purpose is a :class:`PoolError`, so ``except PoolError`` catches
 them all. Each class also derives from the built-in exception a caller would naturally expect
-(``MemoryError`` for out-of-memory, ``ValueError`` for bad arguments, ``TimeoutError`` for timeouts,
+(``MemoryError`` and ``RuntimeError`` for out-of-memory, ``ValueError`` for bad arguments, ``TimeoutError`` for timeouts,
 ``RuntimeError`` for device failures), so code written against plain Python keeps working.
 """
 
@@ -68,9 +68,11 @@ class DeviceTimeoutError(DeviceError, TimeoutError):
     streams; cuda: 600, cudaErrorNotReady). The work is still queued; waiting again is allowed."""
 
 
-class OutOfMemoryError(PoolError, MemoryError):
+class OutOfMemoryError(PoolError, MemoryError, RuntimeError):
     """A request could not be served: the device has no memory left even after the pool released
-    its cached blocks and retried. The message says how much is reserved but unallocated."""
+    its cached blocks and retried. The message says how much is reserved but unallocated. A
+    MemoryError, as CuPy's, and a RuntimeError, as torch's torch.OutOfMemoryError, so that code
+    written for either catches it."""
 
 
 class QuotaExceededError(OutOfMemoryError):

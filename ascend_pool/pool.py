@@ -1,6 +1,7 @@
 """ascend_pool.Pool: the caching pool of one device, with PyTorch-style stats and snapshots."""
 
 import types
+from collections import OrderedDict
 
 import numpy as np
 
@@ -80,7 +81,8 @@ class Pool(PoolBase):
         out = _stats.with_derived(self._raw_stats())
         if _sharing is not None:
             out.update(_sharing.pool_stats(self))
-        return _stats.minus_baseline(out, self.__dict__.get("_acc_base"))
+        out = _stats.minus_baseline(out, self.__dict__.get("_acc_base"))
+        return OrderedDict(sorted(out.items()))  # torch's memory_stats: an OrderedDict sorted by key
 
     # -- CuPy's MemoryPool names, so that code (and tests) written for cupy.cuda.MemoryPool port --
 

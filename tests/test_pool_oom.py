@@ -86,8 +86,11 @@ def test_out_of_memory_messages_use_pytorchs_words(pool, kind):
     elif kind == "device exhausted":
         sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"] + 10 * MiB)
     size = 2**50 if kind == "larger than the device" else 100 * MiB
-    with pytest.raises(ap.OutOfMemoryError, match=f"out of memory: Tried to allocate {size} bytes"):
+    with pytest.raises(ap.OutOfMemoryError, match=f"out of memory: Tried to allocate {size} bytes") as e:
         pool.malloc(size)
+    # torch's torch.OutOfMemoryError is a RuntimeError (its tests assertRaises(RuntimeError)),
+    # CuPy's a MemoryError: ours is both
+    assert isinstance(e.value, RuntimeError) and isinstance(e.value, MemoryError)
     pool.set_limit(None)
     pool.free(pool.malloc(MiB))  # and the pool keeps serving
 

@@ -173,3 +173,37 @@ def test_torchs_older_names_answer_with_its_future_warning():
         assert ap.max_memory_reserved(0) == ap.memory_reserved(0)
     finally:
         ap.free(ptr, device=0)
+
+
+def test_module_functions_take_torchs_forms():
+    # torch's memory_stats is an OrderedDict sorted by key; dump_snapshot has a default file
+    # name; memory_snapshot takes (mempool_id=None, include_traces=True)
+    import collections
+    import os
+    st = ap.memory_stats(0)
+    assert isinstance(st, collections.OrderedDict) and list(st) == sorted(st)
+    assert isinstance(ap.memory_snapshot(None, include_traces=False), list)
+    with pytest.raises(ap.ConfigError, match="mempool_id"):
+        ap.memory_snapshot((1, 2))
+    cwd = os.getcwd()
+    try:
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            os.chdir(d)
+            ap.dump_snapshot()
+            assert os.path.getsize(os.path.join(d, "dump_snapshot.pickle")) > 0
+    finally:
+        os.chdir(cwd)
+
+
+def test_a_fraction_set_through_the_c_hook_reads_back_as_given():
+    # torch's get_per_process_memory_fraction returns the fraction set (0.3, not 0.29999999981)
+    import ctypes
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+    try:
+        for f in (0.3, 0.7, 0.123):
+            lib.ascend_pool_set_memory_fraction(f, 0)
+            assert ap.get_per_process_memory_fraction(0) == f
+    finally:
+        ap.set_per_process_memory_fraction(1.0, 0)

@@ -20,6 +20,7 @@ separate runtime context would add a context switch per call and change nothing 
 
 import logging
 import threading
+from collections import OrderedDict
 
 from .. import current as _current
 from .. import registry as _registry
@@ -155,7 +156,7 @@ class Context(Pool):
         out["quota_refusals"] = state.get("refusals", 0)
         out["quota_uncertain_bytes"] = state.get("uncertain_bytes", 0)
         out["quota_warn_events"] = self.warn_events
-        return out
+        return OrderedDict(sorted(out.items()))  # sorted by key, as torch's memory_stats
 
     def memory_summary(self, abbreviated=False):
         """Pool.memory_summary(abbreviated) with the tenant's quota line."""
