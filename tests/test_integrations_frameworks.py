@@ -179,6 +179,26 @@ def test_cupy_hook_keeps_cupys_memory_limit_variable_and_out_of_memory_class(mon
         pool.set_limit(None)
 
 
+def test_cupy_memory_outliving_its_stream_returns_to_the_pool_quietly(monkeypatch, caplog):
+    # CuPy lets an array outlive the stream it was allocated on; the hook's free then cannot
+    # order on that stream, and the C ABI frees the block on its allocation stream
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from ascend_pool.integrations import cupy as ap_cupy
+
+    pool = ap.default_pool(0)
+    stream = pool.create_stream()
+    fake.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=stream)
+    before = pool.memory_stats()["allocated_bytes.all.current"]
+    mp = ap_cupy.malloc(1 << 20)
+    pool.destroy_stream(stream)
+    with caplog.at_level("WARNING", logger="ascend_pool.integrations.cupy"):
+        del mp
+    assert pool.memory_stats()["allocated_bytes.all.current"] == before
+    assert not [r for r in caplog.records if "could not return" in r.getMessage()]
+    pool._check_invariants()
+
+
 def test_cupy_install_needs_the_cuda_backend(monkeypatch):
     fake = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)

@@ -183,3 +183,16 @@ def test_host_out_of_memory_for_the_live_map_undoes_the_allocation(tmp_path):
     assert got["allocation"] == got["live"] == 1 << 17, got
     assert got["allocated_bytes"] == got["before"], got
     assert got["broken"] is None, got
+
+
+def test_stream_zero_is_the_default_stream(pool):
+    # 0, the null handle, is the default stream in CUDA and ACL (and in torch's snapshots):
+    # CuPy's free_all_blocks(stream=0) and code that passes the default stream's handle work
+    a = pool.malloc(100, stream=0)
+    pool.free(a, stream=0)
+    pool.synchronize(0)
+    pool.free_all_blocks(stream=0)
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+    with pytest.raises(ap.InvalidStreamError):
+        pool.malloc(100, stream=1)  # any other unknown handle is still refused
+    assert_consistent(pool, [])

@@ -25,7 +25,7 @@ import os
 
 from .. import api
 from .._core import capi_free, capi_malloc
-from ..errors import ConfigError, OutOfMemoryError
+from ..errors import ConfigError, InvalidStreamError, OutOfMemoryError
 from ._common import require, use_backend
 
 __all__ = ["install", "uninstall", "malloc", "parse_limit"]
@@ -45,6 +45,8 @@ class _Allocation:
     def __del__(self):
         try:
             capi_free(self.ptr, self.size, self.device, self.stream)
+        except InvalidStreamError:
+            pass  # its stream was destroyed first (legal in CuPy): the C ABI freed it on its allocation stream
         except Exception as exc:  # a finalizer must not raise; say why the block was not returned
             log.warning("could not return CuPy's block 0x%x to ascend_pool: %s", self.ptr, exc)
 
