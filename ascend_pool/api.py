@@ -38,9 +38,35 @@ def current_device():
     return getattr(_local, "device", 0)
 
 
+def torch_device_index(device, kinds=("npu", "cuda")):
+    """torch's device argument as an int index, None for the current device: None, an int (or
+    numpy integer, checked later), "npu:1" / "cuda:1" ("npu": the current one) or a device object
+    with .type and .index (torch.device). Another device type ("cpu") or form is an
+    InvalidDeviceError, a ValueError as torch's _get_device_index raises."""
+    if device is None or (isinstance(device, int) and not isinstance(device, bool)):
+        return device
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        try:
+            index = int(index) if index else None
+        except ValueError:
+            raise InvalidDeviceError(f"Invalid device string: {device!r}") from None
+    elif hasattr(device, "type") and not isinstance(device, bool):
+        kind, index = device.type, getattr(device, "index", None)
+    elif as_index(device) is not None:  # a numpy integer
+        return device
+    else:
+        raise InvalidDeviceError(f"Expected a torch.device with a specified index or an integer, but got: {device!r}")
+    if kind not in kinds:
+        raise InvalidDeviceError(f"Expected a {' or '.join(kinds)} device, but got: {device}")
+    return index
+
+
 def default_pool(device=None):
-    """The pool module-level calls use for device (None: the current device): the thread's
-    current context if one was made current, else the process default, created on first use."""
+    """The pool module-level calls use for device (None: the current device; torch's forms too,
+    torch_device_index): the thread's current context if one was made current, else the process
+    default, created on first use."""
+    device = torch_device_index(device)
     device = current_device() if device is None else device
     pool = _current.top(device)
     if pool is not None:
@@ -149,6 +175,7 @@ def _process_pools(device=None, create=True):
     of the process: each device's default pool, every open tenant context and every other open
     pool of the process (an ap.Pool the program built; device given: that device's), each once.
     create: make the current device's default pool when no device has one yet."""
+    device = torch_device_index(device)
     if device is not None:
         pools = [default_pool(device)]
     else:

@@ -207,3 +207,20 @@ def test_a_fraction_set_through_the_c_hook_reads_back_as_given():
             assert ap.get_per_process_memory_fraction(0) == f
     finally:
         ap.set_per_process_memory_fraction(1.0, 0)
+
+
+def test_module_functions_take_torchs_device_forms():
+    # torch.npu.memory_allocated("npu:0") / torch.device("npu", 0): the module-level functions
+    # take the device as torch does; another device type is a ValueError, as torch's
+    import types
+    ptr = ap.malloc(3 << 20, device="npu:0")
+    try:
+        want = ap.memory_allocated(0)
+        for form in ("npu:0", "cuda:0", types.SimpleNamespace(type="npu", index=0)):
+            assert ap.memory_allocated(form) == want
+        assert ap.memory_stats("npu")["allocated_bytes.all.current"] == want  # the current device
+        for bad in ("cpu", "npu:x", types.SimpleNamespace(type="cpu", index=0), 1.5):
+            with pytest.raises(ap.InvalidDeviceError):
+                ap.memory_allocated(bad)
+    finally:
+        ap.free(ptr, device=0)

@@ -42,7 +42,7 @@ import sys
 
 from .. import api
 from ..capi import library_path
-from ..errors import ConfigError, InvalidDeviceError
+from ..errors import ConfigError
 from ._common import require, set_hooks, use_backend
 
 __all__ = ["install", "build_allocator", "patch_memory_functions", "patch_accelerator", "HOOKS", "PATCHED",
@@ -71,20 +71,7 @@ def _device_index(device):
     ValueError as torch's _get_device_index raises."""
     if device is None:
         return None
-    if isinstance(device, int) and not isinstance(device, bool):
-        return device
-    if isinstance(device, str):  # "npu:1" ("npu": the current device)
-        kind, _, index = device.partition(":")
-        try:
-            index = int(index) if index else None
-        except ValueError:
-            raise InvalidDeviceError(f"Invalid device string: {device!r}") from None
-    elif hasattr(device, "type"):
-        kind, index = device.type, getattr(device, "index", None)
-    else:
-        raise InvalidDeviceError(f"Expected a torch.device with a specified index or an integer, but got: {device!r}")
-    if kind != "npu":
-        raise InvalidDeviceError(f"Expected a npu device, but got: {device}")
+    index = api.torch_device_index(device, kinds=("npu",))
     if index is None:
         npu = getattr(importlib.import_module("torch_npu"), "npu", None)
         return npu.current_device() if npu is not None and hasattr(npu, "current_device") else None
