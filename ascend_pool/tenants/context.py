@@ -115,7 +115,10 @@ class Context(Pool):
         spec = parse_quota(quota) if quota is not None else None
         warn = self.warn if warn is _KEEP else parse_warn(warn)
         quota_bytes = spec.resolve(self.device_total_bytes) if spec is not None else None
-        self.quota_hook.set_quota(self, quota_bytes, warn)
+        hook = self.quota_hook
+        if hook is None or self.closed:  # closed (by another thread, perhaps): a closed pool's error
+            raise PoolError(f"tenant context {self.tenant!r} on device {self.device} is closed")
+        hook.set_quota(self, quota_bytes, warn)
         self.quota_spec = spec
         trim_tenant(self.tenant, self.device, self.ledger)
 
@@ -205,8 +208,10 @@ set_context_factory(make_context)
 
 
 def live_contexts(tenant=None, device=None):
-    """This process's open contexts (of one tenant and/or device when given)."""
+    """This process's open contexts (of one tenant and/or device when given); not one another
+    thread is still opening (registered, its ledger not yet attached)."""
     return [p for p in _registry.live_pools() if isinstance(p, Context) and not p.closed
+            and p.quota_hook is not None
             and (tenant is None or p.tenant == tenant) and (device is None or p.device == device)]
 
 

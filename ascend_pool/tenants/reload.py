@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PoolError
 from . import config as _config
 from .context import live_contexts
 
@@ -37,8 +37,13 @@ def apply_config(cfg, orphans=None):
             if orphans is not None:
                 orphans.append((ctx.tenant, ctx.device, ctx.quota))
             continue
-        old = ctx.quota
-        ctx.set_quota(t.quota, warn=t.warn)
+        try:
+            old = ctx.quota
+            ctx.set_quota(t.quota, warn=t.warn)
+        except PoolError:
+            if ctx.closed:  # closed by its thread meanwhile: nothing to apply, the others still are
+                continue
+            raise
         changed.append((ctx.tenant, ctx.device, old, ctx.quota))
     return changed
 

@@ -132,16 +132,17 @@ static int apc_current_closed(int device, const char *call) {
     return 1;
 }
 
-/* The calling thread's pool for device, created (as the process default) when there is none.
-   NULL with the error set on failure. */
+/* The calling thread's pool for device, created (as the process default) when there is none, and
+   held (ap_pool_hold: a close waits for the call; give it back with ap_pool_unhold). NULL with the
+   error set on failure. */
 static inline ap_pool *apc_pool_for(int device, const char *call) {
     if (apc_forked(call)) return NULL;
-    ap_pool *p = ap_current_get(device);
+    ap_pool *p = device >= 0 && device < AP_MAX_DEVICES ? ap_pool_hold(device) : NULL;
     if (__builtin_expect(p != NULL, 1)) return p;
     if (apc_check_device(device, call) != 0 || apc_current_closed(device, call) ||
         apc_create_default(device, 1, call) != ASCEND_POOL_OK)
         return NULL;
-    p = ap_current_get(device);
+    p = ap_pool_hold(device);
     if (!p) apc_fail(ASCEND_POOL_E_NOT_READY, "%s: the default pool of device %d was closed", call, device);
     return p;
 }
@@ -158,6 +159,7 @@ APC_EXPORT void *ascend_pool_malloc(ssize_t size, int device, void *stream) {
     err.message[0] = 0;
     apc_note_frames(p, 0);
     int rc = ap_pool_malloc(p, (size_t)size, stream, &out, &err);
+    ap_pool_unhold(p);
     if (__builtin_expect(rc != AP_OK, 0)) {
         apc_fail(rc, "ascend_pool_malloc(%zd bytes, device %d, stream %p): %s", size, device, stream, err.message);
         return NULL;
@@ -172,13 +174,17 @@ APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stre
     int how = stream == NULL ? AP_FREE_ON_ALLOC_STREAM : AP_FREE_ON_STREAM_ELSE_ALLOC, rc = AP_E_INVALID_PTR;
     (void)size; /* the pool knows each block's size */
     if (!ptr || apc_forked("ascend_pool_free")) return;
-    ap_pool *p = device >= 0 && device < AP_MAX_DEVICES ? ap_current_get(device) : NULL;
+    ap_pool *p = device >= 0 && device < AP_MAX_DEVICES ? ap_pool_hold(device) : NULL;
     err.message[0] = 0;
     if (__builtin_expect(p != NULL, 1)) {
         apc_note_frames(p, 1);
         rc = ap_pool_free(p, ptr, stream, how, &err);
-        if (__builtin_expect(rc == AP_OK, 1)) return;
+        if (__builtin_expect(rc == AP_OK, 1)) {
+            ap_pool_unhold(p);
+            return;
+        }
         if (rc != AP_E_INVALID_PTR) {
+            ap_pool_unhold(p);
             apc_fail(rc, "ascend_pool_free(%p, device %d): %s", ptr, device, err.message);
             return;
         }
@@ -187,9 +193,10 @@ APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stre
     }
     /* Not the current pool's: a block allocated while another context of this device was current. */
     pthread_mutex_lock(&apc_reg_lock);
-    ap_pool *owner = apc_find_locked(device, ptr, 0, p);
+    ap_pool *owner = apc_find_locked(device, ptr, 0, p); /* p, still held, is skipped: it was asked */
     if (owner) rc = ap_pool_free(owner, ptr, stream, how, &err);
     pthread_mutex_unlock(&apc_reg_lock);
+    if (p) ap_pool_unhold(p); /* only its address is read below */
     if (owner && rc == AP_OK) return;
     if (owner || p)
         apc_fail(rc, "ascend_pool_free(%p, device %d): %s", ptr, device, err.message);
@@ -237,6 +244,7 @@ APC_EXPORT void ascend_pool_set_memory_fraction(double fraction, int device) {
     if (!p) return;
     ap_pool_get_stats(p, &st);
     ap_pool_set_limit(p, (size_t)floor(fraction * (double)st.device_total_bytes));
+    ap_pool_unhold(p);
 }
 
 APC_EXPORT void ascend_pool_record_stream(void *ptr, void *stream) {

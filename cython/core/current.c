@@ -95,6 +95,15 @@ ap_pool *ap_default_get(int device) {
     return atomic_load_explicit(&defaults[device], memory_order_acquire);
 }
 
+int ap_current_still(int device, ap_pool *p) {
+    current_entry *e = &thread_current[device];
+    if (e->pool) {
+        uint32_t s = slot_of(e->ticket);
+        return e->pool == p && s < AP_TICKETS && atomic_load(&tickets[s].gen) == (uint32_t)e->ticket;
+    }
+    return atomic_load(&defaults[device]) == p;
+}
+
 void ap_current_forget(ap_pool *p) {
     for (int d = 0; d < AP_MAX_DEVICES; d++) {
         ap_pool *expected = p;

@@ -9,8 +9,12 @@
  * stale at once, and ap_current_get (one extra load) no longer returns it. Defaults are cleared
  * at close directly (one atomic per device).
  *
- * A call already running on another thread when the pool closes is the caller's race, as for any
- * use of a pool being closed: the ticket protects every call that starts after the close began.
+ * A C ABI call already running on another thread when the pool closes holds it
+ * (ap_pool_hold): it adds itself to the pool's capi_calls, then checks that the pool is still
+ * current; a destroy hides the pool first, then waits for capi_calls to drain (ap_pool_wait_holders).
+ * Either the close sees the call (and waits) or the call sees the close (and lets go): both sides
+ * are sequentially consistent. A caller that lets go touched only capi_calls, which stays valid:
+ * pool structs are reused, never freed (pool.c).
  */
 #ifndef AP_CURRENT_H
 #define AP_CURRENT_H
@@ -43,5 +47,21 @@ void ap_default_set(int device, ap_pool *p);
 ap_pool *ap_default_get(int device);
 /* Forgets p as a default; called when p is destroyed (threads' entries go stale by its ticket). */
 void ap_current_forget(ap_pool *p);
+/* 1 while p is still what ap_current_get(device) returns, read with sequentially consistent loads. */
+int ap_current_still(int device, ap_pool *p);
+
+/* The calling thread's current pool for device, held against a concurrent destroy until
+   ap_pool_unhold; NULL when there is none (or it was closed). */
+static inline ap_pool *ap_pool_hold(int device) {
+    ap_pool *p;
+    while ((p = ap_current_get(device)) != NULL) {
+        atomic_fetch_add_explicit(&p->capi_calls, 1, memory_order_seq_cst);
+        if (__builtin_expect(ap_current_still(device, p), 1)) return p;
+        atomic_fetch_sub_explicit(&p->capi_calls, 1, memory_order_release); /* closed meanwhile */
+    }
+    return NULL;
+}
+
+static inline void ap_pool_unhold(ap_pool *p) { atomic_fetch_sub_explicit(&p->capi_calls, 1, memory_order_release); }
 
 #endif

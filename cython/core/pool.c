@@ -1,6 +1,8 @@
 /* The pool's public operations: create/destroy, malloc/free (cached and slow paths), record_stream,
  * empty_cache and stream lifetime. Policies live in segments.c, stream order in stream_order.c. */
+#include <sched.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -63,12 +65,42 @@ static inline int pool_of(const ap_pool *p, size_t rsize) {
     return rsize <= p->cfg.small_size ? AP_POOL_SMALL : AP_POOL_LARGE;
 }
 
+/* Destroyed pool structs, for reuse: never freed, so that a C ABI call that read a pool's pointer
+   just before its close may still touch capi_calls (see ap_pool_hold). */
+static ap_pool *spare_pools;
+static pthread_mutex_t spare_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static ap_pool *pool_struct_new(void) {
+    pthread_mutex_lock(&spare_lock);
+    ap_pool *p = spare_pools;
+    if (p) spare_pools = p->spare_next;
+    pthread_mutex_unlock(&spare_lock);
+    if (!p) return calloc(1, sizeof *p);
+    memset(p, 0, offsetof(ap_pool, capi_calls)); /* capi_calls: a stale caller may still hold it */
+    return p;
+}
+
+static void pool_struct_retire(ap_pool *p) {
+    pthread_mutex_lock(&spare_lock);
+    p->spare_next = spare_pools;
+    spare_pools = p;
+    pthread_mutex_unlock(&spare_lock);
+}
+
+void ap_pool_wait_holders(ap_pool *p) {
+    atomic_thread_fence(memory_order_seq_cst); /* the pool is unpublished before this (current.h) */
+    for (int i = 0; atomic_load(&p->capi_calls) != 0; i++) {
+        if (i < 64) sched_yield();
+        else nanosleep(&(struct timespec){0, 50000}, NULL);
+    }
+}
+
 ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, ap_error *err) {
     if (!cfg->min_block || (cfg->min_block & (cfg->min_block - 1))) {
         ap_set_error(err, AP_E_INVALID_SIZE, 0, "min_block must be a power of two, got %zu", cfg->min_block);
         return NULL;
     }
-    ap_pool *p = calloc(1, sizeof *p);
+    ap_pool *p = pool_struct_new();
     if (!p) {
         ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the pool exhausted");
         return NULL;
@@ -83,7 +115,7 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
     if (!p->slots || ap_map_init(&p->live, 1024) != 0 || ap_history_init(&p->history, cfg->history_capacity) != 0) {
         free(p->slots);
         ap_map_destroy(&p->live);
-        free(p);
+        pool_struct_retire(p);
         ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the pool exhausted");
         return NULL;
     }
@@ -133,6 +165,7 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
 void ap_pool_destroy(ap_pool *p) {
     if (!p) return;
     ap_current_forget(p);
+    ap_pool_wait_holders(p); /* C ABI calls that found it before it was hidden */
     ap_error ignore;
     ap_process_pending(p, 1, &ignore);
     while (p->pending_head) { /* events that never completed: give their blocks up anyway */
@@ -150,7 +183,7 @@ void ap_pool_destroy(ap_pool *p) {
     free(p->slots);
     pthread_mutex_destroy(&p->lock);
     if (p->holds_device) p->backend->device_release(p->backend, p->device); /* after its last device call */
-    free(p);
+    pool_struct_retire(p);
 }
 
 static int check_size(ap_pool *p, size_t size, ap_error *err) {

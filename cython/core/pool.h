@@ -12,6 +12,10 @@
  *                    that already holds the GIL: stack frames, capi/exports.h apc_note_frames.)
  *   idle_events      (stream_order.c) idle cached events per device of all the process's pools:
  *                    an atomic counter, read and updated under each pool's own lock, no lock of its own.
+ *   capi_calls       (ap_pool, atomic, no lock) C ABI calls holding the pool (current.h ap_pool_hold);
+ *                    ap_pool_destroy waits for it to drain, holding no lock (the pool is hidden first).
+ *   spare_lock       (pool.c) the list of destroyed pool structs kept for reuse; held for the list
+ *                    operation only, never with a pool lock.
  * Never done while holding ap_pool.lock:
  *   - a device or event wait (stream_sync, event_sync) or any runtime call that can block on
  *     queued work: waits run in waits.c with the lock dropped (take the work out, wait, retake
@@ -26,6 +30,7 @@
 #define AP_POOL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -217,12 +222,21 @@ typedef struct ap_pool {
     size_t npu_floor[2];
     int64_t protect_credit;
     size_t trade_room; /* bytes under the watermark a trade left, whose refills the trade credit pays */
+
+    /* Past this point nothing is zeroed when the struct is reused (ap_pool_create). */
+    struct ap_pool *spare_next; /* in the spare list: destroyed structs are kept for reuse, never freed */
+    /* C ABI calls holding this pool (ap_pool_hold): a destroy waits for them. Atomic and outside
+       the zeroed part, since a thread that read the pointer just before a close may still add and
+       take back one after the destroy, even once the struct serves another pool. */
+    _Atomic int capi_calls;
 } ap_pool;
 
 /* Creates a pool on device. Preallocates cfg->reserve_bytes. NULL on failure (err says why). */
 ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, ap_error *err);
 /* Releases every segment (even ones with live blocks: the owner is going away) and the pool. */
 void ap_pool_destroy(ap_pool *p);
+/* Waits until no C ABI call holds p (ap_pool_hold, current.h); p must be hidden already. */
+void ap_pool_wait_holders(ap_pool *p);
 
 /* Allocates size bytes ordered on stream. */
 int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err);

@@ -354,17 +354,26 @@ cdef class LedgerQuota:
         when it lowers the quota, or when no other live process of the tenant relies on it and the
         operator did not set it. Otherwise the quota in force stays, the conflict is logged once and
         counted, and False is returned (True: applied)."""
-        pool._check()
-        cdef apl_handle *h = _handle_of(pool)
-        if h == NULL:
-            raise PoolError("this pool is not attached to a tenant")
+        cdef apl_handle *h
         cdef int src = APL_SRC_DECLARED
-        op = _operator_quota_hook(self.tenant, pool.device, lambda: pool.backend.mem_info(pool.device)[1]) \
-            if _operator_quota_hook is not None else None
-        if op is not None and op[0] == quota:
-            src = APL_SRC_OPERATOR  # e.g. a reload of the tenants file
         cdef char err[1024]
-        rc = apl_set_quota(h.L, h.tenant, _quota_arg(quota), _warn_arg(warn), src, err, sizeof(err))
+        # Counted busy throughout: the operator's hook below runs Python (other threads run
+        # meanwhile), and a close() of the pool then waits for this call before it gives the
+        # ledger handle back (it was freed under apl_set_quota: a crash, or a hang on its lock).
+        pool._enter()
+        try:
+            if _handle_of(pool) == NULL:
+                raise PoolError("this pool is not attached to a tenant")
+            op = _operator_quota_hook(self.tenant, pool.device, lambda: pool.backend.mem_info(pool.device)[1]) \
+                if _operator_quota_hook is not None else None
+            if op is not None and op[0] == quota:
+                src = APL_SRC_OPERATOR  # e.g. a reload of the tenants file
+            h = _handle_of(pool)  # NULL once a close began: refused as a closed pool's call
+            if h == NULL:
+                raise PoolError("this pool is closed")
+            rc = apl_set_quota(h.L, h.tenant, _quota_arg(quota), _warn_arg(warn), src, err, sizeof(err))
+        finally:
+            pool._leave()
         if rc < 0:
             raise _ledger_error(APL_E_LOCK, err)
         if rc:
