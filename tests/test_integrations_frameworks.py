@@ -199,6 +199,25 @@ def test_cupy_memory_outliving_its_stream_returns_to_the_pool_quietly(monkeypatc
     pool._check_invariants()
 
 
+def test_cupy_per_thread_default_stream_is_refused_not_shared(monkeypatch):
+    # cudaStreamPerThread (0x2) is one handle for a different stream in each thread: treated as one
+    # stream, a block freed in one thread would be reused at once in another, racing on the GPU
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from ascend_pool.integrations import cupy as ap_cupy
+
+    fake.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0x2)
+    before = ap.memory_stats(0)["allocated_bytes.all.current"]
+    with pytest.raises(ap.InvalidStreamError, match="cudaStreamPerThread"):
+        ap_cupy.malloc(1 << 20)
+    assert ap.memory_stats(0)["allocated_bytes.all.current"] == before
+    fake.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0x1)  # cudaStreamLegacy: the default
+    mp = ap_cupy.malloc(1 << 20)
+    assert ap.default_pool(0).block_info(mp.ptr)[0] == mp.ptr
+    del mp
+    assert ap.memory_stats(0)["allocated_bytes.all.current"] == before
+
+
 def test_cupy_install_needs_the_cuda_backend(monkeypatch):
     fake = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)

@@ -8,8 +8,11 @@
 Each allocation is ordered on CuPy's current stream and wrapped as
 cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, size, owner), 0); CuPy holds `owner` as
 long as any array uses the memory, and when it drops it the block is freed on that same stream
-(reusable at once by later work on it, by other streams once that work is done), the order CuPy's
-own pool keeps. set_allocator is per thread in CuPy: call install() in each allocating thread.
+(reusable at once by later work on it, by other streams once that work is done: CuPy's own pool
+keeps a freed block for its stream only, which stream_reuse="tied" gives). set_allocator is per thread in CuPy: call install() in each allocating thread.
+CuPy's per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1, the cudaStreamPerThread
+handle) is refused with InvalidStreamError: one handle for a different stream in each thread,
+which the pool cannot order frees on.
 
 What CuPy's own code relies on holds under the hook: an allocation past the memory is a
 cupy.cuda.memory.OutOfMemoryError (which CuPy's fallbacks catch; it is an
@@ -51,6 +54,9 @@ class _Allocation:
             log.warning("could not return CuPy's block 0x%x to ascend_pool: %s", self.ptr, exc)
 
 
+# CUDA's pseudo-handles: cudaStreamLegacy names the legacy default stream (the pool's default),
+# cudaStreamPerThread a different stream in each thread
+_STREAM_LEGACY, _STREAM_PER_THREAD = 0x1, 0x2
 _oom_classes = {}  # CuPy's OutOfMemoryError class -> the class raised for it
 _limited_devices = set()  # devices whose default pool got $CUPY_GPU_MEMORY_LIMIT
 
@@ -111,6 +117,14 @@ def malloc(nbytes):
     if device not in _limited_devices:
         _apply_env_limit(device)
     stream = cp.cuda.get_current_stream().ptr or None
+    if stream == _STREAM_LEGACY:  # the one legacy default stream under another name
+        stream = None
+    elif stream == _STREAM_PER_THREAD:
+        raise InvalidStreamError(
+            f"CuPy's current stream is CUDA's cudaStreamPerThread pseudo-handle ({stream:#x}, "
+            "CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1): one handle for a different stream in every thread, so "
+            "the pool could not order a block freed in one thread before its reuse in another; use "
+            "cupy.cuda.Stream() streams (or the legacy default stream) with ascend_pool")
     try:
         ptr = capi_malloc(nbytes, device, stream)
     except OutOfMemoryError as exc:
