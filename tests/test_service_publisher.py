@@ -8,6 +8,8 @@ import sys
 import time
 import uuid
 
+import pytest
+
 import ascend_pool as ap
 from ascend_pool.service.publisher import Publisher
 from ascend_pool.service.reader import read_stats_file
@@ -143,3 +145,16 @@ def test_a_new_publisher_clears_files_of_dead_processes(tmp_path):
         assert not os.path.exists(dead) and os.path.exists(pub.path)
     finally:
         pub.stop()
+
+
+@pytest.mark.parametrize("text", ["inf", "1e300", "1e-12", "-1", "nan", "soon"])
+def test_a_stats_interval_out_of_range_is_the_default_with_a_warning(monkeypatch, caplog, text):
+    # inf / 1e300 killed the publisher thread (OverflowError in its wait: figures frozen for the
+    # process's life), 1e-12 made it spin on a core
+    from ascend_pool.service import publisher
+    monkeypatch.setenv(publisher.ENV_INTERVAL, text)
+    with caplog.at_level("WARNING", logger="ascend_pool.service"):
+        assert publisher._interval_from_env() == publisher.DEFAULT_INTERVAL_S
+    assert publisher.ENV_INTERVAL in caplog.text
+    monkeypatch.setenv(publisher.ENV_INTERVAL, "2.5")
+    assert publisher._interval_from_env() == 2.5

@@ -336,3 +336,23 @@ def test_node_service_shows_who_shares_what(pool):
         assert pool.share_free(ptr) is True
     families = {f.name: f for f in NodeCollector(ledger=False)._shares()}
     assert not [s for s in families["ascend_pool_shared_bytes"].samples if s.labels["exporter_pid"] == str(os.getpid())]
+
+
+def test_node_service_adds_up_one_exporters_blocks_in_one_series(pool):
+    # two shared blocks of one process, one tenant and device: one sample per label set, their
+    # sum (Prometheus keeps only one of two samples with the same labels)
+    from ascend_pool.service.node_collector import NodeCollector
+
+    ptrs = [pool.share_malloc(n) for n in (2 * MiB, 4 * MiB)]
+    for p in ptrs:
+        pool.share(p, any_process=True)
+    try:
+        families = {f.name: f for f in NodeCollector(ledger=False)._shares()}
+        for name in ("ascend_pool_shared_bytes", "ascend_pool_shared_importers"):
+            mine = [s for s in families[name].samples if s.labels["exporter_pid"] == str(os.getpid())]
+            assert len(mine) == 1, (name, mine)
+        mine = [s for s in families["ascend_pool_shared_bytes"].samples if s.labels["exporter_pid"] == str(os.getpid())]
+        assert mine[0].value == 6 * MiB
+    finally:
+        for p in ptrs:
+            assert pool.share_free(p) is True

@@ -55,6 +55,8 @@ BAD = [
     ('[tenants.a]\nquota = 1\ndevices = 0\n', "3: tenants.a.devices: expected a list of device indexes"),
     ('[tenants.a]\nquota = 1\ndevices = [0, 0]\n', "3: tenants.a.devices: device 0 is listed twice"),
     ('[tenants.a]\nquota = 1\ndevices = [-1]\n', "3: tenants.a.devices: -1 is not a device index"),
+    ('[tenants.a]\nquota = 1\ndevices = [64]\n', "3: tenants.a.devices: 64 is not a device index (an int from 0 to 63)"),
+    ('[tenants."a\\nb"]\nquota = 1\n', " tenants.\"a\\nb\": tenant name 'a\\nb' is not valid"),
     ('[tenants."a b"]\nquota = 1\n', "1: tenants.\"a b\": tenant name 'a b' is not valid"),
     ('[tenants]\na = 3\n', "2: tenants.a: must be a table ([tenants.a])"),
     ('[tenants.a]\nquota = \n', "2: not valid TOML: Invalid value"),
@@ -177,3 +179,14 @@ def test_check_config_as_a_command(tmp_path):
     assert ok.returncode == 0 and "tenant a: quota 1073741824 bytes" in ok.stdout
     assert ko.returncode == 2 and ko.stdout == ""
     assert ko.stderr.startswith(f"{bad}:2: not valid TOML: Invalid value") and len(ko.stderr.splitlines()) == 1
+
+
+def test_a_long_devices_list_is_refused_at_once(tmp_path):
+    # 100,000 device indexes (~590 KB, under the 1 MiB cap) took more than 20 s (a quadratic
+    # duplicate check); indexes past the C ABI's 64 devices are refused at the first
+    import time
+    path = write(tmp_path, "[tenants.a]\nquota = 1\ndevices = [" + ", ".join(map(str, range(100_000))) + "]\n")
+    start = time.monotonic()
+    errors = errors_of(path)
+    assert time.monotonic() - start < 5
+    assert len(errors) == 1 and "64 is not a device index" in errors[0], errors

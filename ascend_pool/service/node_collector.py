@@ -94,12 +94,19 @@ class NodeCollector:
             records = shares(uids=self.scanner.allowed_uids, gids=self.scanner.allowed_gids)
         except OSError:  # no record directory yet: nothing is shared
             records = []
+        # One series per label set: an exporter's blocks add up (Prometheus keeps one sample of
+        # duplicates), and its importers count once however many of its blocks they opened.
+        nbytes, opened = {}, {}
         for r in records:
             if not r["exporter_alive"]:
                 continue  # a dead exporter's record (removed by shares() where it may): shared by nobody
-            labels = [str(r["device"]), r["tenant"] or "default", str(r["exporter_pid"]), r["exporter_instance"]]
-            shared.add_metric(labels + [r["state"]], r["nbytes"])
-            importers.add_metric(labels, len(r["importers"]))
+            labels = (str(r["device"]), r["tenant"] or "default", str(r["exporter_pid"]), r["exporter_instance"])
+            nbytes[labels + (r["state"],)] = nbytes.get(labels + (r["state"],), 0) + r["nbytes"]
+            opened.setdefault(labels, set()).update(r["importers"])
+        for labels, n in sorted(nbytes.items()):
+            shared.add_metric(list(labels), n)
+        for labels, pids in sorted(opened.items()):
+            importers.add_metric(list(labels), len(pids))
         yield shared
         yield importers
 

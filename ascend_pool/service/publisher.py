@@ -16,6 +16,7 @@ call it to publish before any pool exists (it creates the file before it returns
 
 import atexit
 import logging
+import math
 import os
 import threading
 
@@ -121,14 +122,24 @@ def _remove_stale(directory):
         log.debug("clearing stale stats files in %s: %s", directory, e)
 
 
+MIN_INTERVAL_S, MAX_INTERVAL_S = 0.01, 3600.0  # below: a spinning thread; above: figures frozen
+
+
 def _interval_from_env():
-    try:
-        v = float(os.environ.get(ENV_INTERVAL, DEFAULT_INTERVAL_S))
-        return v if v > 0 else DEFAULT_INTERVAL_S
-    except ValueError:
-        log.warning("%s=%r is not a number of seconds; using %s", ENV_INTERVAL,
-                    os.environ.get(ENV_INTERVAL), DEFAULT_INTERVAL_S)
+    """$ASCEND_POOL_STATS_INTERVAL in seconds, within [MIN_INTERVAL_S, MAX_INTERVAL_S]; anything
+    else (not a number, NaN, <= 0, inf, out of range) is the default, with a warning."""
+    text = os.environ.get(ENV_INTERVAL)
+    if text is None:
         return DEFAULT_INTERVAL_S
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if MIN_INTERVAL_S <= v <= MAX_INTERVAL_S:
+        return v
+    log.warning("%s=%r is not a number of seconds from %s to %s; using %s", ENV_INTERVAL, text,
+                MIN_INTERVAL_S, MAX_INTERVAL_S, DEFAULT_INTERVAL_S)
+    return DEFAULT_INTERVAL_S
 
 
 def enabled():

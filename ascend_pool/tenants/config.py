@@ -20,6 +20,7 @@ UTF-8, or larger than 1 MiB. Quotas that add up to more than a device are allowe
 may overcommit) and reported as warnings.
 """
 
+import json
 import os
 import re
 import stat
@@ -146,7 +147,9 @@ _BARE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 def _keyname(path):
     """A key path as TOML writes it: tenants."bad name".quota."""
-    return ".".join(p if _BARE.match(p) else '"' + p.replace('"', '\\"') + '"' for p in path)
+    # a quoted key as TOML writes it (json's escapes are TOML's basic-string ones): a newline in
+    # a name stays \n, so each mistake keeps one line
+    return ".".join(p if _BARE.match(p) else json.dumps(p, ensure_ascii=False) for p in path)
 
 
 def parse_text(text, path="<string>"):
@@ -250,15 +253,19 @@ def _check_value(keypath, value, out, err):
         err(keypath, msg[len(key) + 2:] if msg.startswith(key + ": ") else msg)
 
 
+MAX_DEVICES = 64  # the C ABI's per-process device table (cython/core/current.h AP_MAX_DEVICES)
+
+
 def _parse_devices(value):
     if not isinstance(value, list):
         raise ConfigError(f"devices: expected a list of device indexes like [0, 1], got {type(value).__name__} {value!r}")
-    out = []
+    out, seen = [], set()
     for d in value:
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            raise ConfigError(f"devices: {d!r} is not a device index (a non-negative int)")
-        if d in out:
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < MAX_DEVICES:
+            raise ConfigError(f"devices: {d!r} is not a device index (an int from 0 to {MAX_DEVICES - 1})")
+        if d in seen:
             raise ConfigError(f"devices: device {d} is listed twice")
+        seen.add(d)
         out.append(d)
     if not out:
         raise ConfigError("devices: the list is empty (omit devices for every device)")
