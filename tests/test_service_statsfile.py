@@ -85,6 +85,21 @@ def test_overflow_keeps_capacity_and_flags_it(tmp_path):
         f.close()
 
 
+def test_overflow_keeps_live_tenants_before_closed_ones(tmp_path):
+    # a process that opened and closed many tenants' contexts: their counters stay (live=False),
+    # but a live tenant's figures must not be the ones cut (it vanished from ps and metrics)
+    f = StatsFile(str(tmp_path), capacity=3)
+    try:
+        closed = [TenantSample(0, f"t{i:02d}", values(), live=False) for i in range(5)]
+        live = TenantSample(0, "zz", values(reserved_bytes=8 << 20))
+        assert f.publish(closed + [live]) is True
+        ps = read_stats_file(f.path, ME)
+        assert "zz" in {s.tenant for s in ps.samples} and ps.flags & L.FLAG_OVERFLOW
+        assert f.publish([live]) is False
+    finally:
+        f.close()
+
+
 def _patch(path, offset, data):
     with open(path, "r+b") as fh:
         fh.seek(offset)

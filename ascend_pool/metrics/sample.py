@@ -33,13 +33,15 @@ _MAX_FIELDS = frozenset(("largest_free_block_bytes", "quota_bytes", "quota_warn_
 class TenantSample:
     """The figures of one (device, tenant) in one process: values[field] for every schema field
     (int, base units). pid and instance (the process's id unique on the node: pids are per pid
-    namespace) are set by the node service (None in-process)."""
+    namespace) are set by the node service (None in-process). live: False for a (device, tenant)
+    whose pools are all closed (only its counters remain: the gauges read zero)."""
 
     device: int
     tenant: str
     values: dict = field(default_factory=dict)
     pid: int = None
     instance: str = None
+    live: bool = True
 
     @property
     def key(self):
@@ -124,6 +126,7 @@ class PoolAggregator:
                 current[id(pool)] = (weakref.ref(pool), key, {f: v[f] for f in COUNTER_FIELDS})
                 _merge(out.setdefault(key, {}), v)
             self._retire(current)
+            live = set(out)
             for key, counters in self._retired.items():
                 vals = out.setdefault(key, None)
                 if vals is None:  # no live pool left: the counters stay, the gauges read zero
@@ -131,7 +134,7 @@ class PoolAggregator:
                     vals["quota_bytes"] = NO_QUOTA
                 for f, n in counters.items():
                     vals[f] += n
-            return [TenantSample(d, t, vals) for (d, t), vals in sorted(out.items())]
+            return [TenantSample(d, t, vals, live=(d, t) in live) for (d, t), vals in sorted(out.items())]
 
     def _retire(self, current):
         for pid, (ref, key, counters) in self._seen.items():

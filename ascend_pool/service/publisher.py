@@ -51,6 +51,7 @@ class Publisher:
         # across a fork: a child never inherits the thread's half-done work or its locks.
         self._write_lock = threading.Lock()
         self._stop = threading.Event()
+        self._overflow_logged = False
         if not background:
             self._open_file()
         self._thread = threading.Thread(target=self._run, name="ascend-pool-stats", daemon=True)
@@ -82,7 +83,11 @@ class Publisher:
                 log.warning("stats file %s was damaged; recreating it", self.file.path)
                 self.file.abandon()
                 self.file = StatsFile(self.file.directory)
-            self.file.publish(samples)
+            if self.file.publish(samples) and not self._overflow_logged:
+                self._overflow_logged = True
+                log.warning("stats file %s: this process has figures for %d (device, tenant) pairs, more than the "
+                            "file's %d records; closed tenants' counters are left out first", self.file.path,
+                            len(samples), self.file.capacity)
 
     def _run(self):
         if self.file is None:  # a background start: create the file here

@@ -70,12 +70,17 @@ class StatsFile:
 
     def publish(self, samples, flags=0):
         """Writes samples (TenantSample list) as the file's records; more than capacity sets
-        FLAG_OVERFLOW and keeps the first `capacity`. Raises OSError if the file was damaged."""
+        FLAG_OVERFLOW and keeps `capacity` of them, those of live pools first (a (device, tenant)
+        whose pools all closed keeps only counters). Returns True when some were left out.
+        Raises OSError if the file was damaged."""
         if not self.intact():
             raise OSError(f"stats file {self.path} was truncated or closed; not writing into it")
-        if len(samples) > self.capacity:
-            samples, flags = samples[:self.capacity], flags | L.FLAG_OVERFLOW
+        overflow = len(samples) > self.capacity
+        if overflow:
+            samples = sorted(samples, key=lambda s: not getattr(s, "live", True))[:self.capacity]
+            flags |= L.FLAG_OVERFLOW
         self._write([L.pack_record(s.device, s.tenant, s.values) for s in samples], flags)
+        return overflow
 
     def _write(self, records, flags):
         m = self._map
