@@ -66,8 +66,49 @@ def _pick_device(traces, device, name):
 
 
 def arrays_from_snapshot(snap: dict, device=None, name="snapshot") -> dict:
-    """{op, id, size, stream} event arrays (traces.py's format) from a snapshot's device_traces."""
+    """{op, id, size, stream} event arrays (traces.py's format) from a snapshot's device_traces.
+    A malformed snapshot (an entry that is not a dict, a missing or ill-typed addr, size or
+    stream, a size past int64) is a ValueError naming the snapshot and the event."""
+    try:
+        return _arrays(snap, device, name)
+    except _Malformed as exc:
+        raise ValueError(str(exc)) from None
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _entries(trace, name, dev):
+    if trace is None:
+        return []
+    if not isinstance(trace, (list, tuple)):
+        raise _Malformed(f"snapshot {name!r}: device_traces[{dev}] is a {type(trace).__name__}, not a list of events")
+    return trace
+
+
+def _field(e, key, name, i):
+    """e[key] as an int (a whole float too, as JSON-converted snapshots carry) of 64 bits; a
+    missing stream is the default (0)."""
+    v = e.get(key)
+    if key == "stream" and v is None:
+        return 0
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    # torch writes handles and addresses as int64 (a pointer past 2**63 reads negative)
+    high = 2**63 if key == "size" else 2**64
+    if isinstance(v, bool) or not isinstance(v, int) or not -2**63 <= v < high:
+        raise _Malformed(f"snapshot {name!r}: event {i} ({e.get('action')}): {key} must be an int "
+                         f"{'byte count within int64' if key == 'size' else 'within 64 bits'}, got {v!r}")
+    return v
+
+
+def _arrays(snap, device, name):
     traces = snap["device_traces"]
+    for d, t in enumerate(traces):
+        for i, e in enumerate(_entries(t, name, d)):
+            if not isinstance(e, dict):
+                raise _Malformed(f"snapshot {name!r}: device_traces[{d}] event {i} is a {type(e).__name__}, not a dict")
     dev = _pick_device(traces, device, name)
     op, ids, size, stream = [], [], [], []
     live = {}  # address -> (id, size, stream number)
@@ -76,7 +117,7 @@ def arrays_from_snapshot(snap: dict, device=None, name="snapshot") -> dict:
     for i, e in enumerate(traces[dev] or []):
         action = e.get("action")
         if action == "alloc":
-            addr, nbytes, handle = e["addr"], int(e["size"]), e.get("stream", 0) or 0
+            addr, nbytes, handle = _field(e, "addr", name, i), _field(e, "size", name, i), _field(e, "stream", name, i)
             if addr in live:
                 raise ValueError(f"snapshot {name!r}: event {i}: address {addr:#x} allocated again while live")
             if nbytes <= 0:
@@ -87,7 +128,7 @@ def arrays_from_snapshot(snap: dict, device=None, name="snapshot") -> dict:
             next_id += 1
         elif action in ("free_requested", "free", "free_completed"):
             # free_completed follows its free_requested (already counted) unless none was recorded
-            hit = live.pop(e["addr"], None)
+            hit = live.pop(_field(e, "addr", name, i), None)
             if hit is not None:
                 op.append(OP_FREE), ids.append(hit[0]), size.append(hit[1]), stream.append(hit[2])
     return {"op": np.array(op, dtype=np.int8), "id": np.array(ids, dtype=np.int64),

@@ -121,3 +121,25 @@ def test_pool_dump_trace_closes_the_loop(tmp_path):
             pool.free(p)
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("events,problem", [
+    ([{"action": "alloc", "size": 512, "stream": 0}], "addr must be an int"),
+    ([{"action": "alloc", "addr": 4096, "stream": 0}], "size must be an int byte count"),
+    ([{"action": "alloc", "addr": [1], "size": 512}], "addr must be an int"),
+    ([{"action": "alloc", "addr": 4096, "size": 512, "stream": [0]}], "stream must be an int"),
+    ([{"action": "alloc", "addr": 4096, "size": 2**80}], "size must be an int byte count within int64"),
+    ([{"action": "alloc", "addr": 4096, "size": float("inf")}], "size must be an int byte count"),
+    ([{"action": "alloc", "addr": 4096, "size": 512}, {"action": "free_requested"}], "event 1 (free_requested): addr"),
+    ([7], "device_traces[0] event 0 is a int, not a dict"),
+])
+def test_a_malformed_snapshot_is_one_line_naming_the_event(tmp_path, events, problem):
+    # a hostile or broken pickle: one line and exit 2, never a traceback (KeyError, TypeError,
+    # OverflowError before)
+    path = tmp_path / "bad.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    for args in (["replay", str(path)], ["trace", "convert", str(path), str(tmp_path / "out.npz")]):
+        out = subprocess.run([sys.executable, "-m", "ascend_pool.cli", *args], capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path)
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr and problem in out.stderr and "'bad" in out.stderr, out.stderr

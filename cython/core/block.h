@@ -25,6 +25,9 @@ typedef struct ap_block_uses {
     uint16_t uses[AP_MAX_USES];     /* extra stream slots */
     uint16_t n_events;
     void *events[AP_MAX_USES + 1];  /* pending: events still to complete */
+    uint16_t n_owed;
+    void *owed[AP_MAX_USES + 1];    /* pending: streams still to wait for (no event could be had,
+                                       and the wait at the free failed or timed out) */
 } ap_block_uses;
 
 typedef struct ap_block {

@@ -204,11 +204,13 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
     for (int i = 0; i < u->n_uses; i++)
         if (u->uses[i] != tag && p->slots[u->uses[i]].live) streams[n++] = p->slots[u->uses[i]].stream;
     u->n_events = 0;
+    u->n_owed = 0;
     for (int i = 0; i < n; i++) {
         void *ev = record_on(p, streams[i]);
         if (ev) u->events[u->n_events++] = ev;
-        else sync_stream(p, streams[i], NULL); /* no event to spare: wait now instead (pool.h: the
-                                                  one wait under the lock, rare) */
+        else if (sync_stream(p, streams[i], NULL) != AP_OK) /* no event to spare: wait now instead
+                                                               (pool.h: the one wait under the lock, rare) */
+            u->owed[u->n_owed++] = streams[i]; /* still running (or failed): the block waits for it */
     }
     b->state = AP_BLOCK_PENDING;
     u->n_uses = 0;
@@ -220,8 +222,40 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
     ap_history_add_free(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, p->slots[tag].stream, b->ctx);
 }
 
+/* Streams a pending block still owes a wait (ap_free_pending): each becomes an event once one
+   can be had (recorded now, it covers at least the work queued before the free), or, blocking,
+   a stream wait. A stream the runtime no longer knows has no work left. */
+static int owed_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
+    ap_block_uses *u = b->xs;
+    while (u->n_owed) {
+        void *s = u->owed[u->n_owed - 1];
+        if (blocking) {
+            ap_on_device(p);
+            int rc = p->backend->stream_sync(p->backend, s, p->cfg.sync_timeout_ms);
+            if (rc != 0 && !ap_stream_unusable(p, rc)) {
+                char msg[AP_RUNTIME_MSG];
+                p->backend->error_message(p->backend, rc, msg, sizeof msg);
+                return ap_set_error(err, rc == 507047 || rc == 507046 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
+                                    "waiting for stream %p that used block 0x%lx on device %d: %s", s,
+                                    (unsigned long)b->addr, p->device, msg);
+            }
+        } else {
+            void *ev = record_on(p, s);
+            if (!ev) return stream_idle(p, s) < 0 ? (u->n_owed--, owed_done(p, b, 0, err)) : AP_E_BUSY;
+            AP_ASSERT(u->n_events < AP_MAX_USES + 1);
+            u->events[u->n_events++] = ev;
+        }
+        u->n_owed--;
+    }
+    return AP_OK;
+}
+
 static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
     ap_block_uses *u = b->xs;
+    if (u && u->n_owed) {
+        int rc = owed_done(p, b, blocking, err);
+        if (rc != AP_OK) return rc;
+    }
     if (u && u->n_events) ap_on_device(p);
     while (u && u->n_events) {
         void *ev = u->events[u->n_events - 1];

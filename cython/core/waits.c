@@ -6,11 +6,14 @@
  * stream only if no block entered its trees meanwhile (a free after the wait began is not covered
  * by it). Pending frees are then completed by a query, which now finds their events done.
  */
+#include <limits.h>
 #include <string.h>
+#include <time.h>
 
 #include "pool_internal.h"
 
 #define WAIT_BATCH 64 /* streams and events per round; a caller with more runs more rounds */
+#define NOT_WAITED INT_MIN /* a stream left unwaited (no runtime code is negative) */
 
 typedef struct {
     void *stream;
@@ -27,6 +30,19 @@ static int wait_error(ap_pool *p, ap_error *err, int rc, const char *what, void 
     return ap_set_error(err, rc == 507046 || rc == 507047 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
                         "waiting for %s %p on device %d failed (limit %d ms): %s", what, handle, p->device,
                         p->cfg.sync_timeout_ms, msg);
+}
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* What is left of one sync_timeout_ms for the whole wait (-1: no limit); 0 when it is spent. */
+static int time_left(const ap_pool *p, int64_t start) {
+    if (p->cfg.sync_timeout_ms < 0) return -1;
+    int64_t left = p->cfg.sync_timeout_ms - (now_ms() - start);
+    return left > 0 ? (int)left : 0;
 }
 
 int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
@@ -50,19 +66,43 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
        the thread's most recent one, so read later it may be another call's, naming another handle. */
     char stream_msg[AP_RUNTIME_MSG], event_msg[AP_RUNTIME_MSG];
     void *failed_stream = NULL; /* the first stream whose wait failed: its message is kept */
+    /* One sync_timeout_ms bounds the whole wait, not each stream and event in it (N hung frees
+       took N times the limit); once a wait has failed the rest are not waited for: they are
+       left as they are (NOT_WAITED: no retag), and the call reports the first failure. */
+    int64_t start = now_ms();
+    int spent = 0;
+    ap_error local = {0};
     for (int i = 0; i < n; i++) {
-        items[i].rc = p->backend->stream_sync(p->backend, items[i].stream, p->cfg.sync_timeout_ms);
+        int left = time_left(p, start);
+        if (!spent && left == 0) {
+            status = ap_set_error(&local, AP_E_TIMEOUT, 0, "waiting for the streams of device %d: the limit of %d ms "
+                                  "was spent", p->device, p->cfg.sync_timeout_ms);
+            spent = 1;
+        }
+        if (spent) {
+            items[i].rc = NOT_WAITED;
+            continue;
+        }
+        items[i].rc = p->backend->stream_sync(p->backend, items[i].stream, left);
         if (items[i].rc != 0 && !failed_stream) {
             failed_stream = items[i].stream;
             p->backend->error_message(p->backend, items[i].rc, stream_msg, sizeof stream_msg);
+            spent = 1;
         }
     }
-    ap_error local = {0};
-    for (int i = 0; i < ne; i++) {
-        int rc = p->backend->event_sync(p->backend, events[i], p->cfg.sync_timeout_ms);
-        if (rc != 0 && status == AP_OK) {
+    for (int i = 0; i < ne && !spent; i++) {
+        int left = time_left(p, start);
+        if (left == 0) { /* the limit is spent: the remaining pending frees stay pending */
+            status = ap_set_error(&local, AP_E_TIMEOUT, 0,
+                                  "waiting for the pending frees on device %d: the limit of %d ms was spent",
+                                  p->device, p->cfg.sync_timeout_ms);
+            break;
+        }
+        int rc = p->backend->event_sync(p->backend, events[i], left);
+        if (rc != 0) {
             p->backend->error_message(p->backend, rc, event_msg, sizeof event_msg);
             status = wait_error(p, &local, rc, "event", events[i], event_msg);
+            spent = 1;
         }
     }
 
@@ -78,6 +118,7 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
             if (sl->epoch == items[i].epoch) ap_free_retag_slot(p, items[i].slot, 0);
             continue;
         }
+        if (rc == NOT_WAITED) continue; /* the limit was spent on another wait */
         if (ap_stream_unusable(p, rc)) ap_slot_retire(p, items[i].slot); /* degrade: never wedge */
         if (status == AP_OK) {
             char msg[AP_RUNTIME_MSG];
