@@ -156,3 +156,28 @@ def test_the_default_stream_cannot_be_destroyed_and_a_bad_stream_is_named(pool):
     assert pool.memory_stats()["reserved_bytes.all.current"] == 0
     pool.destroy_stream(s)
     pool.malloc(MiB)  # still serving
+
+
+def test_close_destroys_the_idle_streams_it_created_and_leaves_a_busy_one():
+    # a framework that opens and closes pools in a loop leaked a runtime stream per
+    # create_stream: streams are a limited device resource
+    from ascend_pool import sim
+    before = sim.stats(0)["live_streams"]
+    for _ in range(5):
+        pool = ap.Pool(0, backend="sim")
+        s = pool.create_stream()
+        pool.free(pool.malloc(1 << 20, stream=s), stream=s)
+        pool.close()
+    assert sim.stats(0)["live_streams"] == before
+    pool = ap.Pool(0, backend="sim", sync_timeout_ms=200)
+    busy, registered = pool.create_stream(), ap.default_pool(0).create_stream()
+    pool.register_stream(registered)
+    sim.hang_stream(busy)
+    try:
+        pool.close()  # returns: a busy stream is not waited for, and is left to the runtime
+    finally:
+        sim.release_stream(busy)
+    assert sim.stats(0)["live_streams"] == before + 2, "a busy created stream and a registered one are not destroyed"
+    ap.default_pool(0).backend.stream_destroy(busy)
+    ap.default_pool(0).destroy_stream(registered)
+    assert sim.stats(0)["live_streams"] == before

@@ -200,3 +200,26 @@ def test_randomized_streams_never_corrupt(pool):
             pool.free(ptr)
         for s in streams:
             pool.destroy_stream(s)
+
+
+def test_a_block_used_by_many_streams_waits_for_the_last_one(pool):
+    # torch's record_stream has no limit; ours refused a 9th stream (the C ABI dropped it
+    # silently, and the block was reused while that stream still wrote it)
+    alloc = pool.create_stream()
+    users = [pool.create_stream() for _ in range(12)]
+    try:
+        ptr = pool.malloc(N, stream=alloc)
+        for s in users:
+            pool.record_stream(ptr, s)
+        sim.launch_fill(users[-1], ptr, N, 0xBB, delay_s=0.2)  # the 12th stream still writes
+        pool.free(ptr, stream=alloc)
+        again = pool.malloc(N, stream=alloc)
+        sim.launch_fill(alloc, again, N, 0xAA)
+        pool.synchronize(alloc)
+        pool.synchronize(users[-1])
+        assert filled_with(again, 0xAA), "reused before the last stream that used it was done"
+        pool.free(again)
+    finally:
+        for s in users + [alloc]:
+            pool.synchronize(s)
+            pool.destroy_stream(s)

@@ -10,7 +10,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define AP_MAX_USES 8 /* distinct extra streams one block may be marked with (record_stream) */
+#define AP_MAX_USES 64 /* distinct extra streams one block may be marked with (record_stream); past it
+                          record_stream refuses (InvalidStreamError, C ABI error 5): 8 was reached by
+                          frameworks, whose record_stream has no limit (PyTorch keeps a set) */
 
 /* CACHED: free, parked in the recent-free cache (free_cache.c), not yet merged or in a tree. */
 enum { AP_BLOCK_FREE = 0, AP_BLOCK_ALLOCATED = 1, AP_BLOCK_PENDING = 2, AP_BLOCK_MOVING = 3, AP_BLOCK_CACHED = 4 };

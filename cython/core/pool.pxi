@@ -210,6 +210,7 @@ cdef class PoolBase:
     cdef readonly int device
     cdef readonly dict config
     cdef set _streams     # stream handles this pool knows (created here or registered)
+    cdef set _created     # those create_stream made: destroyed at close when idle
     cdef int _busy        # calls running with the GIL released (close() waits for them)
     cdef uint64_t _ticket  # liveness seen by threads that made this pool current (core/current.h)
     cdef ap_quota_hook _quota  # the quota hook installed on the C pool (all NULL: none)
@@ -261,6 +262,7 @@ cdef class PoolBase:
         self.device = device
         self.config = dict(config)
         self._streams = set()
+        self._created = set()
         with nogil:
             self.p = ap_pool_create(backend.b, device, &cfg, &err)
         if self.p == NULL:
@@ -317,10 +319,27 @@ cdef class PoolBase:
                 qclose(qctx)
 
     def close(self):
-        """Returns all device memory of this pool (live blocks included) and closes it. Waits for
-        calls other Python threads are making on it; later calls raise PoolError. In a forked
-        child, only forgets the parent's pool."""
+        """Returns all device memory of this pool (live blocks included) and closes it, with the
+        streams create_stream made that have no work queued (a busy one is left to the runtime:
+        never waited for here). Waits for calls other Python threads are making on it; later
+        calls raise PoolError. In a forked child, only forgets the parent's pool."""
+        if self.p != NULL and not ap_forked_from:
+            for handle in list(self._created):
+                try:
+                    if self._stream_idle(handle):
+                        self.destroy_stream(handle)
+                except PoolError:  # destroyed behind our back, or the runtime refused: the close goes on
+                    self._created.discard(handle)
         self._shut(True)
+
+    def _stream_idle(self, handle):
+        """True when stream handle has no work queued (an event recorded on it is complete)."""
+        ev = self.backend.event_create(self.device)
+        try:
+            self.backend.event_record(ev, handle)
+            return bool(self.backend.event_query(ev))
+        finally:
+            self.backend.event_destroy(ev)
 
     def __dealloc__(self):
         self._shut(False)
@@ -453,6 +472,7 @@ cdef class PoolBase:
         self._check()
         handle = self.backend.stream_create(self.device)
         self._streams.add(handle)
+        self._created.add(handle)
         return handle
 
     def register_stream(self, handle):
@@ -482,6 +502,7 @@ cdef class PoolBase:
         self._leave()
         if rc == AP_OK or rc == AP_E_INVALID_STREAM:  # the latter: destroyed already, the pool forgot it
             self._streams.discard(stream)
+            self._created.discard(stream)
         if rc != AP_OK:
             _raise(&err, rc)
         self.backend.stream_destroy(stream)
