@@ -41,3 +41,27 @@ def test_ps_of_an_empty_directory_is_an_empty_table_and_a_missing_one_an_error(t
     assert out.split() == ["PID", "INSTANCE", "DEVICE", "TENANT", "HELD", "ALLOCATED"] and err == ""
     assert cli.main(["ps", "--json", "--stats-dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out) == []
+
+
+def test_ps_reads_the_private_directory_the_files_sit_in(tmp_path, capsys):
+    # --stats-dir naming ascend_pool-u<uid> itself (where the files are) listed nothing, exit 0
+    import os
+    import ascend_pool as ap
+    from ascend_pool.service.publisher import Publisher
+    from ascend_pool.service import paths
+
+    pool = ap.Pool(0, backend="sim")
+    pool.tenant = "ps-private"
+    pub = Publisher(paths.own_dir(str(tmp_path)), interval=0.05)
+    try:
+        held = pool.malloc(3 << 20)
+        pub.publish_now()
+        private = os.path.dirname(pub.path)
+        for where in (str(tmp_path), private):
+            assert cli.main(["ps", "--json", "--stats-dir", where]) == 0
+            rows = [r for r in json.loads(capsys.readouterr().out) if r["tenant"] == "ps-private"]
+            assert [r["pid"] for r in rows] == [os.getpid()], where
+        pool.free(held)
+    finally:
+        pub.stop()
+        pool.close()

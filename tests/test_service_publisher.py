@@ -158,3 +158,30 @@ def test_a_stats_interval_out_of_range_is_the_default_with_a_warning(monkeypatch
     assert publisher.ENV_INTERVAL in caplog.text
     monkeypatch.setenv(publisher.ENV_INTERVAL, "2.5")
     assert publisher._interval_from_env() == 2.5
+
+
+def test_a_removed_stats_directory_is_made_again_and_said_once(tmp_path, monkeypatch, caplog):
+    # an admin's or a tmpfs cleanup removed the private directory under a live process: it
+    # vanished from ps and the service for good, and its log got a line and tracebacks per interval
+    import shutil
+    from ascend_pool.service import paths
+    monkeypatch.setenv(paths.ENV_DIR, str(tmp_path))
+    pool = ap.Pool(0, backend="sim")
+    pool.tenant = f"pub-{uuid.uuid4().hex[:8]}"
+    pub = Publisher(None, interval=0.05)
+    try:
+        held = pool.malloc(3 << 20)
+        _wait(lambda: _tenant_values(pub.path, pool.tenant) is not None)
+        gone = os.path.dirname(pub.path)
+        with caplog.at_level("WARNING", logger="ascend_pool.service"):
+            shutil.rmtree(gone)
+            _wait(lambda: os.path.exists(pub.path) and _tenant_values(pub.path, pool.tenant) is not None)
+            time.sleep(0.3)  # several more intervals: nothing more to say
+        assert os.path.dirname(pub.path) == gone
+        assert _tenant_values(pub.path, pool.tenant)["requested_bytes.large"] == 3 << 20
+        assert len([r for r in caplog.records if "recreating" in r.getMessage()]) == 1
+        assert not [r for r in caplog.records if r.exc_info]
+        pool.free(held)
+    finally:
+        pub.stop()
+        pool.close()

@@ -26,10 +26,10 @@ def rows(directory=None, allow_uids=(), allow_gids=()):
     reason = paths.unreadable_reason(directory or paths.stats_dir())
     if reason is not None:
         raise ConfigError(f"{reason} (--stats-dir or ${paths.ENV_DIR})")
-    scanner = StatsScanner(None, allowed_uids=set(allow_uids) | {os.geteuid()}, remove_stale=False,
+    # a directory given is read itself too: --stats-dir may name the private directory the
+    # files sit in (ascend_pool-u<uid>), not only the base one
+    scanner = StatsScanner(directory or None, allowed_uids=set(allow_uids) | {os.geteuid()}, remove_stale=False,
                            allowed_gids=allow_gids)
-    if directory:
-        scanner.directory = directory
     out = []
     for p in scanner.scan():
         for s in p.samples:

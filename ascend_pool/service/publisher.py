@@ -52,6 +52,7 @@ class Publisher:
         self._write_lock = threading.Lock()
         self._stop = threading.Event()
         self._overflow_logged = False
+        self._damage_logged = False  # said once until a fresh file is made
         if not background:
             self._open_file()
         self._thread = threading.Thread(target=self._run, name="ascend-pool-stats", daemon=True)
@@ -79,10 +80,14 @@ class Publisher:
             samples = self._agg.samples()
             if not self.file.intact():
                 # Truncated or removed by someone with our uid: start a fresh file rather than
-                # write into a mapping that would fault.
-                log.warning("stats file %s was damaged; recreating it", self.file.path)
+                # write into a mapping that would fault; in the default place its private
+                # directory is made again if it was removed with it (a cleanup of /dev/shm).
+                if not self._damage_logged:
+                    log.warning("stats file %s was damaged or removed; recreating it", self.file.path)
+                    self._damage_logged = True
                 self.file.abandon()
-                self.file = StatsFile(self.file.directory)
+                self.file = StatsFile(self._directory)
+                self._damage_logged = False
             if self.file.publish(samples) and not self._overflow_logged:
                 self._overflow_logged = True
                 log.warning("stats file %s: this process has figures for %d (device, tenant) pairs, more than the "
