@@ -297,7 +297,10 @@ cdef class PoolBase:
         cdef void *qctx = self._quota.ctx
         cdef ap_quota_close_fn qclose = self._quota_close
         if p != NULL:
-            _capi_stacks_on(p, None)
+            try:
+                _capi_stacks_on(p, None)
+            except BaseException:      # at interpreter teardown the module's tables may be gone:
+                pass                   # the pool is still hidden and destroyed below
         self.p = NULL                  # new Python calls, and the C ABI's lookups, no longer see it
         self._quota_close = NULL
         self._quota.ctx = NULL
