@@ -400,14 +400,18 @@ def _try_release(ex):
 def share_free(pool, ptr):
     """Gives back the share_malloc'ed block at ptr. Returns True when its segment was freed now,
     False when other processes still import it: the key stays valid for them and the segment is
-    freed (in the background) once every importer has closed it or died. Either way the block is
-    no longer the caller's."""
+    freed (in the background) once every importer has closed it or died; a new open_shared of the
+    key is refused from now on (SharingError: being released). Either way the block is no longer
+    the caller's."""
     _check_pool(pool)
     with _lock:
         ex = _export_of(pool, ptr)
         if _try_release(ex):
             _exports.pop(ptr, None)
             return True
+        if ex.record is not None:  # the importers it has keep it; no new one may join and keep it longer
+            with ex.record:
+                ex.record.header["state"] = _CLOSING
         ex.deferred = True
         _deferred.append(ex)
         _start_collector()
@@ -608,6 +612,12 @@ def open_shared(handle, pool=None):
         with rec:
             if rec.header["state"] != _OPEN:
                 raise SharingError(f"key {handle.key!r} is being released by its exporter (pid {handle.exporter_pid})")
+            h = rec.header  # the exporter's own record: a handle must agree with it (an edited one may not)
+            wrong = [f"{k} {getattr(handle, k)!r} (the record says {h[k]!r})"
+                     for k in ("device", "size", "nbytes", "exporter_pid", "read_only") if getattr(handle, k) != h[k]]
+            if wrong:
+                raise SharingError(f"the handle of key {handle.key!r} does not match its share record: "
+                                   f"{', '.join(wrong)}")
             if not rec.exporter_alive():
                 raise SharingError(f"the exporter of key {handle.key!r} (pid {handle.exporter_pid}) has exited")
             rec.live_importers()

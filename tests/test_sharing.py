@@ -372,3 +372,41 @@ def test_a_process_exiting_with_a_block_still_shared_exits_quietly(tmp_path):
                          timeout=60)
     assert out.returncode == 0 and out.stdout == "shared\n", out.stderr
     assert "Error in sys.excepthook" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr
+
+
+def test_a_block_given_back_takes_no_new_importer(sim_node):
+    # after share_free returned False (an importer remains), new importers could still open the
+    # key and keep the block alive for ever
+    with Peer(sim_node, POOL) as ex, Peer(sim_node, POOL) as first, Peer(sim_node, POOL) as late:
+        h = ex("ptr = pool.share_malloc(2 * MiB); out = dump(pool.share(ptr, any_process=True))")
+        first(f"blk = ap.open_shared(load({h!r}), pool=pool)")
+        assert ex("out = pool.share_free(ptr)") is False
+        assert late(f"""
+            try:
+                ap.open_shared(load({h!r}), pool=pool)
+                out = "opened"
+            except sharing.SharingError as e:
+                out = str(e)
+        """).endswith("is being released by its exporter (pid " + str(ex("out = os.getpid()")) + ")")
+        first("blk.close()")
+        assert wait_for(ex, "out = pool.memory_stats()['shared_deferred_bytes'] == 0")
+
+
+def test_an_edited_handle_is_refused(pool):
+    # open_shared trusted the handle's fields: an edited device mapped the key into another
+    # device's pool, an edited size reported a TiB imported
+    import dataclasses
+    ptr = pool.share_malloc(2 * MiB)
+    h = pool.share(ptr, any_process=True)
+    try:
+        for change in (dict(size=1 << 40), dict(nbytes=1 << 40), dict(read_only=not h.read_only)):
+            with pytest.raises(sharing.SharingError, match="does not match its share record"):
+                ap.open_shared(dataclasses.replace(h, **change), pool=pool)
+        if pool.backend.device_count > 1:
+            with pytest.raises(sharing.SharingError, match="does not match its share record: device 1"):
+                ap.open_shared(dataclasses.replace(h, device=1))
+        blk = ap.open_shared(h, pool=pool)  # the true handle still opens
+        assert blk.size == 2 * MiB
+        blk.close()
+    finally:
+        assert pool.share_free(ptr) is True
