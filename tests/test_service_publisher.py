@@ -147,6 +147,22 @@ def test_a_new_publisher_clears_files_of_dead_processes(tmp_path):
         pub.stop()
 
 
+def test_a_new_publisher_clears_half_made_files_of_killed_writers(tmp_path):
+    # a process SIGKILLed while creating its stats file left .ascend_pool-stats-<inst>.tmp for good
+    old = tmp_path / ".ascend_pool-stats-00000000000000aa.tmp"
+    fresh = tmp_path / ".ascend_pool-stats-00000000000000bb.tmp"  # another process making its file now
+    other = tmp_path / ".something-else.tmp"
+    for f in (old, fresh, other):
+        f.write_bytes(b"x" * 8192)
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    os.utime(other, (time.time() - 3600, time.time() - 3600))
+    pub = Publisher(str(tmp_path), interval=0.05)
+    try:
+        assert not old.exists() and fresh.exists() and other.exists()
+    finally:
+        pub.stop()
+
+
 @pytest.mark.parametrize("text", ["inf", "1e300", "1e-12", "-1", "nan", "soon"])
 def test_a_stats_interval_out_of_range_is_the_default_with_a_warning(monkeypatch, caplog, text):
     # inf / 1e300 killed the publisher thread (OverflowError in its wait: figures frozen for the

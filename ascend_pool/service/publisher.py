@@ -18,7 +18,10 @@ import atexit
 import logging
 import math
 import os
+import re
+import stat
 import threading
+import time
 
 from .. import registry as _registry
 from ..metrics.sample import PoolAggregator
@@ -123,13 +126,28 @@ class Publisher:
                 self.file.close(remove=remove)
 
 
+_TMP_NAME = re.compile(r"^\.ascend_pool-stats-[0-9a-f]{16}\.tmp$")
+TMP_STALE_S = 60.0  # a file is made in microseconds: an older half-made one's writer was killed
+
+
 def _remove_stale(directory):
     # Files of our uid's processes that died without cleaning up (killed, crashed) would pile up
-    # on a node where no service runs: each new publisher clears them, once, at start.
+    # on a node where no service runs: each new publisher clears them, once, at start, and the
+    # half-made files of writers killed while creating theirs (8 KiB of /dev/shm each).
     try:
         StatsScanner(directory, refusal_level=logging.DEBUG).scan()
     except Exception as e:
         log.debug("clearing stale stats files in %s: %s", directory, e)
+    try:
+        now = time.time()
+        for name in os.listdir(directory):
+            path = os.path.join(directory, name)
+            if _TMP_NAME.match(name):
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > TMP_STALE_S:
+                    os.unlink(path)
+    except OSError as e:
+        log.debug("clearing half-made stats files in %s: %s", directory, e)
 
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.01, 3600.0  # below: a spinning thread; above: figures frozen
