@@ -48,16 +48,12 @@ def test_c_abi_calls_while_their_context_is_closed_and_replaced(tmp_path):
                 c = cur[0]
                 try:
                     with c:
-                        got = []
+                        # the blocks are left to the context's close: a free after it would be of a dangling
+                        # pointer, which may name another context's live block at the same address
                         for _ in range(rng.randrange(1, 6)):
                             lib.ascend_pool_clear_last_error()
-                            p = lib.ascend_pool_malloc(rng.choice([4096, 1 << 20, 3 << 20]), 0, None)
-                            if p:
-                                got.append(p)
-                            else:
+                            if not lib.ascend_pool_malloc(rng.choice([4096, 1 << 20, 3 << 20]), 0, None):
                                 codes.add(lib.ascend_pool_last_error_code())
-                        for p in got:  # a closed context's block is gone with it (code 4)
-                            lib.ascend_pool_free(p, 0, 0, None)
                 except ap.PoolError:
                     pass
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
@@ -75,10 +71,8 @@ def test_c_abi_calls_while_their_context_is_closed_and_replaced(tmp_path):
         print("codes", sorted(codes), "device", sim.stats(0)["bytes_held"], "ledger", held)
     """, "ctx")
     codes = set(ast.literal_eval(out.split("codes ")[1].split(" device")[0]))
-    # a closed context (101), or the tenant's quota while an old context still holds its part (10);
-    # 0: a NULL with no error recorded, seen about once in six runs of this race (an allocation
-    # reported done with no address; open, see the stop note): not a crash, never a wrong block
-    assert codes <= {101, 10, 0}, f"only NOT_READY or QUOTA may come back from an allocation: {out}"
+    # a closed context (101), or the tenant's quota while old contexts still hold their part (10)
+    assert codes <= {101, 10}, f"only NOT_READY or QUOTA may come back from an allocation: {out}"
     assert "device 0 ledger [0]" in out, out
 
 

@@ -331,8 +331,10 @@ allocated:
         return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
     }
     ap_history_note_alloc(p, b, size, stream);
+    void *addr = (void *)b->addr; /* read under the lock: once it is dropped, a free of this address
+                                     (a dangling pointer of the caller's) may recycle the struct */
     pthread_mutex_unlock(&p->lock);
-    *out = (void *)b->addr;
+    *out = addr;
     return AP_OK;
 }
 
