@@ -9,7 +9,8 @@ Each allocation is ordered on CuPy's current stream and wrapped as
 cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, size, owner), 0); CuPy holds `owner` as
 long as any array uses the memory, and when it drops it the block is freed on that same stream
 (reusable at once by later work on it, by other streams once that work is done: CuPy's own pool
-keeps a freed block for its stream only, which stream_reuse="tied" gives). set_allocator is per thread in CuPy: call install() in each allocating thread.
+keeps a freed block for its stream only, which stream_reuse="tied" gives). set_allocator is per
+thread in CuPy: call install() in each allocating thread.
 CuPy's per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1, the cudaStreamPerThread
 handle) is refused with InvalidStreamError: one handle for a different stream in each thread,
 which the pool cannot order frees on.
@@ -22,9 +23,8 @@ which CuPy's pool reads, caps each device's default pool from its first CuPy all
 """
 
 import logging
-import sys
-
 import os
+import sys
 
 from .. import api
 from .._core import capi_free, capi_malloc
