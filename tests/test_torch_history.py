@@ -139,7 +139,7 @@ def test_oom_trace_entries_carry_device_free_as_torchs(pool, tmp_path):
     assert all("addr" not in e and 0 < e["device_free"] <= pool.mem_get_info()[1] for e in ooms)
     assert ooms[0]["device_free"] >= free_now - (64 << 20)
     pool.set_limit(None)
-    viz = pytest.importorskip("torch.cuda._memory_viz")
+    from torch.cuda import _memory_viz as viz  # torch is a test dependency (pyproject: test extras)
     text = viz.trace(pool.snapshot())  # read each oom entry's device_free (KeyError without it)
     assert text.count("raise OutOfMemoryError") == 2
 
