@@ -65,25 +65,11 @@ def _pick_device(traces, device, name):
     return used[0]
 
 
-def arrays_from_snapshot(snap: dict, device=None, name="snapshot") -> dict:
-    """{op, id, size, stream} event arrays (traces.py's format) from a snapshot's device_traces.
-    A malformed snapshot (an entry that is not a dict, a missing or ill-typed addr, size or
-    stream, a size past int64) is a ValueError naming the snapshot and the event."""
-    try:
-        return _arrays(snap, device, name)
-    except _Malformed as exc:
-        raise ValueError(str(exc)) from None
-
-
-class _Malformed(Exception):
-    pass
-
-
 def _entries(trace, name, dev):
     if trace is None:
         return []
     if not isinstance(trace, (list, tuple)):
-        raise _Malformed(f"snapshot {name!r}: device_traces[{dev}] is a {type(trace).__name__}, not a list of events")
+        raise ValueError(f"snapshot {name!r}: device_traces[{dev}] is a {type(trace).__name__}, not a list of events")
     return trace
 
 
@@ -98,17 +84,20 @@ def _field(e, key, name, i):
     # torch writes handles and addresses as int64 (a pointer past 2**63 reads negative)
     high = 2**63 if key == "size" else 2**64
     if isinstance(v, bool) or not isinstance(v, int) or not -2**63 <= v < high:
-        raise _Malformed(f"snapshot {name!r}: event {i} ({e.get('action')}): {key} must be an int "
+        raise ValueError(f"snapshot {name!r}: event {i} ({e.get('action')}): {key} must be an int "
                          f"{'byte count within int64' if key == 'size' else 'within 64 bits'}, got {v!r}")
     return v
 
 
-def _arrays(snap, device, name):
+def arrays_from_snapshot(snap: dict, device=None, name="snapshot") -> dict:
+    """{op, id, size, stream} event arrays (traces.py's format) from a snapshot's device_traces.
+    A malformed snapshot (an entry that is not a dict, a missing or ill-typed addr, size or
+    stream, a size past int64) is a ValueError naming the snapshot and the event."""
     traces = snap["device_traces"]
     for d, t in enumerate(traces):
         for i, e in enumerate(_entries(t, name, d)):
             if not isinstance(e, dict):
-                raise _Malformed(f"snapshot {name!r}: device_traces[{d}] event {i} is a {type(e).__name__}, not a dict")
+                raise ValueError(f"snapshot {name!r}: device_traces[{d}] event {i} is a {type(e).__name__}, not a dict")
     dev = _pick_device(traces, device, name)
     op, ids, size, stream = [], [], [], []
     live = {}  # address -> (id, size, stream number)

@@ -18,13 +18,13 @@ import atexit
 import logging
 import math
 import os
-import re
 import stat
 import threading
 import time
 
 from .. import registry as _registry
 from ..metrics.sample import PoolAggregator
+from . import paths
 from .scanner import StatsScanner
 from .statsfile import StatsFile
 
@@ -126,7 +126,6 @@ class Publisher:
                 self.file.close(remove=remove)
 
 
-_TMP_NAME = re.compile(r"^\.ascend_pool-stats-[0-9a-f]{16}\.tmp$")
 TMP_STALE_S = 60.0  # a file is made in microseconds: an older half-made one's writer was killed
 
 
@@ -142,7 +141,8 @@ def _remove_stale(directory):
         now = time.time()
         for name in os.listdir(directory):
             path = os.path.join(directory, name)
-            if _TMP_NAME.match(name):
+            # statsfile.StatsFile makes its file as ".<file name>.tmp", then renames it
+            if name.startswith(".") and name.endswith(".tmp") and paths.instance_of(name[1:-4]) is not None:
                 st = os.lstat(path)
                 if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > TMP_STALE_S:
                     os.unlink(path)

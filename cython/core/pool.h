@@ -262,6 +262,9 @@ int ap_pool_empty_cache(ap_pool *p, ap_error *err);
 int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err);
 /* Forgets a stream that is about to be destroyed: waits for it and returns its blocks to all. */
 int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err);
+/* 1 when stream has no work queued (an event recorded on it now is complete), 0 when it has or
+   no event can be had, -1 when the runtime does not know the stream. Never waits. */
+int ap_pool_stream_idle(ap_pool *p, void *stream);
 /* Installs (or with NULL removes) the tenant quota hook. Segments already held stay booked by the
    caller's own accounting; the hook sees only later reserves and releases. */
 void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook);

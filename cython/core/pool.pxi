@@ -52,6 +52,7 @@ cdef extern from "pool.h" nogil:
     int ap_pool_empty_cache(ap_pool *p, ap_error *err)
     int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err)
     int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err)
+    int ap_pool_stream_idle(ap_pool *p, void *stream)
     void ap_pool_set_limit(ap_pool *p, size_t limit_bytes)
     size_t ap_pool_get_limit(ap_pool *p)
     void ap_pool_reset_peaks(ap_pool *p)
@@ -326,23 +327,24 @@ cdef class PoolBase:
         streams create_stream made that have no work queued (a busy one is left to the runtime:
         never waited for here). Waits for calls other Python threads are making on it; later
         calls raise PoolError. In a forked child, only forgets the parent's pool."""
+        cdef ap_pool *_p
+        cdef void *s
+        cdef int idle
         if self.p != NULL and not ap_forked_from:
             for handle in list(self._created):
+                s = PyLong_AsVoidPtr(handle)
+                _p = self._enter()
+                with nogil:  # takes the pool lock (the lock table: never with the GIL held); never waits
+                    idle = ap_pool_stream_idle(_p, s)
+                self._leave()
                 try:
-                    if self._stream_idle(handle):
+                    if idle > 0:
                         self.destroy_stream(handle)
-                except PoolError:  # destroyed behind our back, or the runtime refused: the close goes on
+                    elif idle < 0:  # destroyed behind our back: nothing to give back
+                        self._created.discard(handle)
+                except PoolError:  # the runtime refused: the close goes on
                     self._created.discard(handle)
         self._shut(True)
-
-    def _stream_idle(self, handle):
-        """True when stream handle has no work queued (an event recorded on it is complete)."""
-        ev = self.backend.event_create(self.device)
-        try:
-            self.backend.event_record(ev, handle)
-            return bool(self.backend.event_query(ev))
-        finally:
-            self.backend.event_destroy(ev)
 
     def __dealloc__(self):
         self._shut(False)
@@ -552,9 +554,7 @@ cdef class PoolBase:
             whole = isinstance(size, _numbers.Integral) or (isinstance(size, float) and size.is_integer())
             if isinstance(size, bool) or not whole or size < 0:
                 raise ConfigError(f"memory limit size must be a byte count >= 0, got {size!r}")
-            limit_bytes = int(size) or None  # CuPy: 0 is no limit
-            if limit_bytes is not None and limit_bytes >= <size_t>AP_NO_LIMIT:
-                raise ConfigError(f"memory limit size must be a byte count below 2**64-1, got {size!r}")
+            limit_bytes = int(size) or None  # CuPy: 0 is no limit (the range is checked below)
         if limit_bytes is not None:
             # bool is an int, but True bytes is a mistake; AP_NO_LIMIT itself is reserved for None
             if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, _numbers.Integral) or \

@@ -230,20 +230,19 @@ static int owed_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
     while (u->n_owed) {
         void *s = u->owed[u->n_owed - 1];
         if (blocking) {
-            ap_on_device(p);
-            int rc = p->backend->stream_sync(p->backend, s, p->cfg.sync_timeout_ms);
-            if (rc != 0 && !ap_stream_unusable(p, rc)) {
-                char msg[AP_RUNTIME_MSG];
-                p->backend->error_message(p->backend, rc, msg, sizeof msg);
-                return ap_set_error(err, rc == 507047 || rc == 507046 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
-                                    "waiting for stream %p that used block 0x%lx on device %d: %s", s,
-                                    (unsigned long)b->addr, p->device, msg);
+            ap_error e = {0};
+            if (sync_stream(p, s, &e) != AP_OK && !ap_stream_unusable(p, e.device_code)) {
+                if (err) *err = e;
+                return e.status;
             }
         } else {
             void *ev = record_on(p, s);
-            if (!ev) return stream_idle(p, s) < 0 ? (u->n_owed--, owed_done(p, b, 0, err)) : AP_E_BUSY;
-            AP_ASSERT(u->n_events < AP_MAX_USES + 1);
-            u->events[u->n_events++] = ev;
+            if (ev) {
+                AP_ASSERT(u->n_events < AP_MAX_USES + 1);
+                u->events[u->n_events++] = ev;
+            } else if (stream_idle(p, s) >= 0) {
+                return AP_E_BUSY; /* no event to spare yet: asked again at the next pass */
+            } /* else the runtime no longer knows the stream: no work of it is left */
         }
         u->n_owed--;
     }
@@ -361,4 +360,11 @@ size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_err
         }
     }
     return moved;
+}
+
+int ap_pool_stream_idle(ap_pool *p, void *stream) {
+    pthread_mutex_lock(&p->lock);
+    int idle = stream_idle(p, stream);
+    pthread_mutex_unlock(&p->lock);
+    return idle;
 }

@@ -45,6 +45,11 @@ static int time_left(const ap_pool *p, int64_t start) {
     return left > 0 ? (int)left : 0;
 }
 
+static int limit_spent(ap_pool *p, ap_error *err) {
+    return ap_set_error(err, AP_E_TIMEOUT, 0, "waiting for the streams and pending frees of device %d: the limit of "
+                        "%d ms was spent", p->device, p->cfg.sync_timeout_ms);
+}
+
 int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
     wait_item items[WAIT_BATCH];
     void *events[WAIT_BATCH];
@@ -75,8 +80,7 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
     for (int i = 0; i < n; i++) {
         int left = time_left(p, start);
         if (!spent && left == 0) {
-            status = ap_set_error(&local, AP_E_TIMEOUT, 0, "waiting for the streams of device %d: the limit of %d ms "
-                                  "was spent", p->device, p->cfg.sync_timeout_ms);
+            status = limit_spent(p, &local);
             spent = 1;
         }
         if (spent) {
@@ -92,10 +96,8 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
     }
     for (int i = 0; i < ne && !spent; i++) {
         int left = time_left(p, start);
-        if (left == 0) { /* the limit is spent: the remaining pending frees stay pending */
-            status = ap_set_error(&local, AP_E_TIMEOUT, 0,
-                                  "waiting for the pending frees on device %d: the limit of %d ms was spent",
-                                  p->device, p->cfg.sync_timeout_ms);
+        if (left == 0) { /* the remaining pending frees stay pending */
+            status = limit_spent(p, &local);
             break;
         }
         int rc = p->backend->event_sync(p->backend, events[i], left);
