@@ -168,5 +168,10 @@ if [ "$reports" -gt 0 ]; then
 fi
 if [ "$rc" -ne 0 ]; then
     grep -E "^(FAILED|ERROR) " "$LOGS/pytest.log" | head -20 | sed 's/^/  /'
+    # A process killed by a signal (an AP_ASSERT's abort, a fatal Python error) writes no summary:
+    # CI keeps only this script's output, so the end of pytest's (faulthandler's traceback
+    # included) is shown here.
+    echo "  pytest exit status $rc; the last lines of its output:"
+    tail -60 "$LOGS/pytest.log" | sed 's/^/  | /'
 fi
 [ "$rc" -eq 0 ] && [ "$reports" -eq 0 ]
