@@ -31,6 +31,7 @@ from .errors import (
     OutOfMemoryError,
     PoolError,
     QuotaExceededError,
+    StreamTypeError,
 )
 from .pool import Pool
 from .api import (

@@ -11,8 +11,9 @@ from . import current as _current
 from . import registry as _registry
 from ._core import set_default_pool_hook
 from .backend import check_device, open_backend
-from .config import history_settings
-from .errors import ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError
+from .config import history_settings, history_skip_mask
+from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError,
+                     StreamTypeError)
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
 from .tenants.context import Context
@@ -208,8 +209,12 @@ def _follow_history(pool):
 _registry.on_register(_follow_history)
 
 
+_history_warned = set()  # torch-only settings warned about once
+
+
 def record_memory_history(enabled=True, stacks="python", max_entries=100_000, device=None, context="all",
-                          clear_history=False):
+                          clear_history=False, *, compile_context=False, global_record_annotations=False,
+                          skip_actions=None):
     """torch.cuda.memory._record_memory_history for the process: turns the event history (and
     with stacks="python" the Python frames of each allocation and free) on or off at runtime on
     every open pool of the process (default pools, tenant contexts, pools the program built;
@@ -219,11 +224,25 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
     event only, as torch's. context as torch's (with stacks="python"): None records no frames,
     "state" shows them on live blocks only, "alloc" on the trace's allocation entries too (and
     on a free's, its block's), "all" also the frames of each free and of empty_cache (Pool.
-    record_memory_history); clear_history: the events recorded so far are dropped first. A bad argument raises
-    ConfigError here, before any pool changes (the settings are kept for pools made later)."""
+    record_memory_history); clear_history: the events recorded so far are dropped first;
+    skip_actions, as torch's: action names ("free_requested", "segment_alloc", ...) left out of
+    the trace; compile_context and global_record_annotations are torch's names for what no pool
+    here sees (torch.compile frames, record_function annotations): accepted, with one warning
+    when set. A bad argument raises ConfigError here, before any pool changes (the settings are
+    kept for pools made later)."""
     global _history
     history_settings(enabled, stacks, max_entries, context)
-    settings = dict(enabled=enabled, stacks=stacks, max_entries=max_entries, context=context)
+    history_skip_mask(skip_actions)
+    for name, value in (("compile_context", compile_context), ("global_record_annotations", global_record_annotations)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {value!r}")
+        if value and name not in _history_warned:
+            _history_warned.add(name)
+            warnings.warn(f"record_memory_history({name}=True): ascend_pool sees no torch.compile frames or "
+                          "record_function annotations; the trace is recorded without them", RuntimeWarning,
+                          stacklevel=2)
+    settings = dict(enabled=enabled, stacks=stacks, max_entries=max_entries, context=context,
+                    skip_actions=None if skip_actions is None else list(skip_actions))
     pools = _process_pools(device, create=False)
     if clear_history and enabled not in (None, False):  # turning it off drops each ring
         _on_each_open(pools, lambda pool: pool.record_memory_history(None))
@@ -323,7 +342,7 @@ def caching_allocator_alloc(size, device=None, stream=None):
         stream = next((h for h in (getattr(stream, "npu_stream", None), getattr(stream, "cuda_stream", None))
                        if isinstance(h, int) and not isinstance(h, bool)), stream)
     if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool)):
-        raise InvalidStreamError(f"caching_allocator_alloc: stream must be None, an int stream handle or a "
+        raise StreamTypeError(f"caching_allocator_alloc: stream must be None, an int stream handle or a "
                                  f"stream object with an int npu_stream or cuda_stream, got {stream!r}")
     pool = default_pool(device)
     if as_index(size) == 0:

@@ -57,9 +57,26 @@ DEFAULT_HISTORY = 100_000
 MAX_HISTORY_ENTRIES = 1 << 20
 HISTORY_STACKS = ("python", "all", None, "none")
 HISTORY_CONTEXTS = (None, "state", "alloc", "all")  # torch's _record_memory_history(context=...)
+# The trace's actions, in the C history's order (core/history.h AP_ACT_*): torch's names.
+HISTORY_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot",
+                   "segment_map", "segment_unmap")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+def history_skip_mask(skip_actions):
+    """torch's skip_actions (a list of action names, or None) as the C history's bit mask."""
+    if skip_actions is None:
+        return 0
+    if isinstance(skip_actions, (str, bytes)) or not hasattr(skip_actions, "__iter__"):
+        raise ConfigError(f"skip_actions must be a list of action names, got {skip_actions!r}")
+    mask = 0
+    for name in skip_actions:
+        if name not in HISTORY_ACTIONS:
+            raise ConfigError(f"skip_actions: unknown action {name!r} (known: {', '.join(HISTORY_ACTIONS)})")
+        mask |= 1 << HISTORY_ACTIONS.index(name)
+    return mask
 
 
 def history_settings(enabled, stacks, max_entries, context="all"):

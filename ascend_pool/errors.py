@@ -92,6 +92,11 @@ class InvalidStreamError(PoolError, ValueError):
     """A stream handle is not a stream of this backend or belongs to another device."""
 
 
+class StreamTypeError(InvalidStreamError, TypeError):
+    """A stream argument is of the wrong type (not a handle or a stream object): a TypeError as
+    torch's caching_allocator_alloc raises, still an InvalidStreamError."""
+
+
 class InvalidDeviceError(PoolError, ValueError):
     """A device index is negative or not below the backend's device count."""
 

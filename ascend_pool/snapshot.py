@@ -4,12 +4,10 @@ stats|trace FILE.pickle` and the memory_viz web page read them."""
 import os
 import pickle
 
-from .config import allocator_settings
+from .config import HISTORY_ACTIONS, allocator_settings
 from .errors import ConfigError
 
 _STATES = ("inactive", "active_allocated", "active_pending_free")
-_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot",
-            "segment_map", "segment_unmap")
 
 
 def build(device, segments, history, knobs, frames=None, entry_frames=True):
@@ -44,8 +42,8 @@ def build(device, segments, history, knobs, frames=None, entry_frames=True):
             "blocks": out_blocks,
         })
     events = [
-        {"action": _ACTIONS[action], "device_free" if _ACTIONS[action] == "oom" else "addr": addr, "size": size,
-         "stream": stream, "time_us": t, "frames": frames.get(ctx, []) if entry_frames else []}
+        {"action": HISTORY_ACTIONS[action], "device_free" if HISTORY_ACTIONS[action] == "oom" else "addr": addr,
+         "size": size, "stream": stream, "time_us": t, "frames": frames.get(ctx, []) if entry_frames else []}
         for action, addr, size, stream, t, ctx in history
     ]
     return {

@@ -11,7 +11,7 @@ from importlib import import_module
 from pathlib import Path
 
 import ascend_pool.stats as stats_mod
-from ascend_pool import _core
+from ascend_pool import _core, config
 from ascend_pool.metrics import schema
 
 snapshot = import_module("ascend_pool.snapshot")  # the module: the package's `snapshot` attribute is a function
@@ -61,8 +61,9 @@ def test_tables_that_name_stats_use_names_the_core_has():
 
 def test_history_actions_match_history_h():
     actions = in_order(c_enum("history.h", "AP_ACT_"), "AP_ACT_")
-    assert _core.HISTORY_ACTIONS == actions
-    assert snapshot._ACTIONS == actions
+    # config's table names the snapshot's entries and torch's skip_actions bits alike
+    assert config.HISTORY_ACTIONS == actions
+    assert snapshot.HISTORY_ACTIONS is config.HISTORY_ACTIONS
 
 
 def test_block_states_match_block_h():

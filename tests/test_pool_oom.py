@@ -33,7 +33,7 @@ def test_out_of_memory_error_explains_the_pool_and_device(pool):
     with pytest.raises(ap.OutOfMemoryError) as info:
         pool.malloc(100 * MiB)
     msg = str(info.value)
-    for part in ("out of memory", "Tried to allocate 104857600 bytes", "device 0", "reserved", "allocated",
+    for part in ("out of memory", "Tried to allocate 100.00 MiB (104857600 bytes)", "device 0", "reserved", "allocated",
                  "cached free", "largest free block", "external fragmentation", "free of"):
         assert part in msg, part
     st = pool.memory_stats()
@@ -85,14 +85,24 @@ def test_out_of_memory_messages_use_pytorchs_words(pool, kind):
         pool.set_limit(64 * MiB)
     elif kind == "device exhausted":
         sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"] + 10 * MiB)
-    size = 2**50 if kind == "larger than the device" else 100 * MiB
-    with pytest.raises(ap.OutOfMemoryError, match=f"out of memory: Tried to allocate {size} bytes") as e:
+    # PyTorch's size format (c10::format_size), as its test_out_of_memory matches "800000000.00 GiB"
+    size, words = (2**50, "1048576.00 GiB") if kind == "larger than the device" else (100 * MiB, "100.00 MiB")
+    with pytest.raises(ap.OutOfMemoryError, match=rf"out of memory: Tried to allocate {words} \({size} bytes\)") as e:
         pool.malloc(size)
     # torch's torch.OutOfMemoryError is a RuntimeError (its tests assertRaises(RuntimeError)),
     # CuPy's a MemoryError: ours is both
     assert isinstance(e.value, RuntimeError) and isinstance(e.value, MemoryError)
     pool.set_limit(None)
     pool.free(pool.malloc(MiB))  # and the pool keeps serving
+
+
+@pytest.mark.parametrize("size,words", [(512, "512 bytes"), (1024, "1024 bytes"), (1536, r"1\.50 KiB \(1536 bytes\)"),
+                                        (3 * MiB // 2, r"1\.50 MiB \(1572864 bytes\)")])
+def test_out_of_memory_sizes_are_written_as_pytorchs(pool, size, words):
+    # c10::format_size: bytes up to 1 KiB, then KiB up to 1 MiB, MiB up to 1 GiB, two decimals
+    sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"])  # no segment can be had
+    with pytest.raises(ap.OutOfMemoryError, match=f"Tried to allocate {words} on device 0"):
+        pool.malloc(size)
 
 
 def test_out_of_memory_message_keeps_the_runtimes_cause_whole(pool):

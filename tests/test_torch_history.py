@@ -69,6 +69,50 @@ def test_bad_history_settings_are_config_errors(pool, bad):
     pool.free(pool.malloc(512))  # the pool keeps serving
 
 
+@pytest.mark.parametrize("bad", [dict(skip_actions=["free"]), dict(skip_actions="oom"), dict(skip_actions=3)])
+def test_bad_skip_actions_are_config_errors(pool, bad):
+    with pytest.raises(ap.ConfigError, match="skip_actions"):
+        pool.record_memory_history(enabled=True, **bad)
+    with pytest.raises(ap.ConfigError, match="skip_actions"):
+        ap.record_memory_history(enabled=True, **bad)
+    pool.free(pool.malloc(512))  # the pool keeps serving
+
+
+def test_skip_actions_leave_those_actions_out_of_the_trace_as_torchs(pool):
+    # torch's _record_memory_history(skip_actions=[...]): skipped actions take no room in the ring
+    skip = ["free_requested", "free_completed", "segment_alloc", "segment_free"]
+    pool.record_memory_history(enabled=True, max_entries=4, skip_actions=skip)
+    for n in (512, 3 << 20, 4096, 1000):
+        pool.free(pool.malloc(n))
+    trace = _trace(pool)
+    assert [(e["action"], e["size"]) for e in trace] == [("alloc", n) for n in (512, 3 << 20, 4096, 1000)]
+    pool.record_memory_history(enabled=True, max_entries=4)  # same ring: the skip list is lifted
+    pool.free(pool.malloc(700))
+    assert [e["action"] for e in _trace(pool)][-2:] == ["free_requested", "free_completed"]
+
+
+def test_module_history_takes_torchs_keyword_arguments(tmp_path):
+    with pytest.warns(RuntimeWarning, match="compile_context"):
+        ap.record_memory_history(enabled=True, max_entries=100, skip_actions=["alloc"], compile_context=True,
+                                 global_record_annotations=False)
+    try:
+        pool = ap.default_pool(0)
+        pool.free(pool.malloc(5000))
+        actions = {e["action"] for e in ap.snapshot(0)["device_traces"][0]}
+        assert "free_requested" in actions and "alloc" not in actions
+        later = ap.Pool(0, backend="sim")  # pools made later follow the settings, skip list included
+        try:
+            later.free(later.malloc(5000))
+            assert {e["action"] for e in _trace(later)} >= {"free_requested"}
+            assert "alloc" not in {e["action"] for e in _trace(later)}
+        finally:
+            later.close()
+        with pytest.raises(ap.ConfigError, match="global_record_annotations"):
+            ap.record_memory_history(enabled=True, global_record_annotations="yes")
+    finally:
+        ap.record_memory_history(enabled=None)
+
+
 def test_state_history_keeps_the_latest_event_and_the_live_blocks_frames(pool):
     """torch's _record_memory_history("state") keeps a trace ring of one entry (its
     test_memory_snapshot reads the segment_free an empty_cache leaves last), and the live blocks'

@@ -56,14 +56,16 @@ def test_caching_allocator_alloc_and_delete_find_the_pool_that_made_the_block():
     s = pool.create_stream()
     ptr = ap.caching_allocator_alloc(4096, stream=s)
     ap.caching_allocator_delete(ptr)
-    with pytest.raises(ap.InvalidStreamError, match="stream"):
+    # torch raises TypeError for a stream of the wrong type: ours is both
+    with pytest.raises(TypeError, match="stream") as e:
         ap.caching_allocator_alloc(4096, stream="side")
+    assert isinstance(e.value, ap.InvalidStreamError) and isinstance(e.value, ap.StreamTypeError)
     # torch takes its Stream objects (their .cuda_stream; torch_npu's .npu_stream) as well as ints
     ap.caching_allocator_delete(ap.caching_allocator_alloc(4096, stream=types.SimpleNamespace(npu_stream=s)))
     with pytest.raises(ap.InvalidStreamError, match="stream 4660 "):  # the object's handle is the one used
         ap.caching_allocator_alloc(4096, stream=types.SimpleNamespace(cuda_stream=0x1234))
     for bad in (types.SimpleNamespace(npu_stream="s"), types.SimpleNamespace(cuda_stream=True), object()):
-        with pytest.raises(ap.InvalidStreamError, match="npu_stream or cuda_stream"):
+        with pytest.raises(ap.StreamTypeError, match="npu_stream or cuda_stream"):
             ap.caching_allocator_alloc(4096, stream=bad)
 
 

@@ -158,6 +158,16 @@ def test_record_memory_history_takes_torchs_signatures(fake_torch_npu):
         with pytest.raises(ap.ConfigError, match="enabled"):
             npu._record_memory_history("everything")
 
+        # torch >= 2.6's skip_actions, in both forms
+        npu._record_memory_history("all", skip_actions=["free_requested", "free_completed"])
+        ap.free(_alloc_here(3000), device=0)
+        assert [e["action"] for e in npu._snapshot(0)["device_traces"][0]][-1] == "alloc"
+        npu._record_memory_history(True, trace_alloc_max_entries=50, skip_actions=["alloc"])
+        ap.free(_alloc_here(3000), device=0)
+        assert [e["action"] for e in npu._snapshot(0)["device_traces"][0]][-2:] == ["free_requested", "free_completed"]
+        assert "alloc" not in {e["action"] for e in npu._snapshot(0)["device_traces"][0]}
+        npu._record_memory_history(None)
+
         ap.record_memory_history(True, max_entries=sys.maxsize)  # the module-level call clamps too
         ap.free(_alloc_here(4096), device=0)
         assert any(e["size"] == 4096 for e in ap.snapshot(0)["device_traces"][0])

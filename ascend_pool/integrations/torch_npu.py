@@ -85,12 +85,16 @@ def _record_memory_history_impl(enabled="all", context="all", stacks="all", max_
     stops the history, "state"/"all" records it; context None records no frames; stacks "python"
     or "all" record Python frames (no C++ frames here); max_entries events per pool, clamped to
     config.MAX_HISTORY_ENTRIES (torch's default sys.maxsize included); clear_history drops the
-    events recorded so far first. The other arguments are accepted and ignored (the history
-    covers every device's pools, as torch's)."""
+    events recorded so far first; skip_actions leaves those actions out of the trace;
+    compile_context and global_record_annotations as ascend_pool.record_memory_history's (one
+    warning when set). device is accepted and ignored (the history covers every device's pools,
+    as torch's)."""
     if enabled not in (None, "state", "all"):
         raise ConfigError(f"_record_memory_history: enabled must be None, 'state' or 'all', got {enabled!r}")
     api.record_memory_history(enabled, stacks="python" if stacks not in (None, "none") else None,
-                              max_entries=max_entries, context=context, clear_history=clear_history)
+                              max_entries=max_entries, context=context, clear_history=clear_history,
+                              compile_context=compile_context, global_record_annotations=global_record_annotations,
+                              skip_actions=skip_actions)
 
 
 def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,
@@ -109,7 +113,8 @@ def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_
     if isinstance(n, int) and not isinstance(n, bool):
         n = max(1, n)
     api.record_memory_history(True if enabled else None, stacks="python" if context else None, max_entries=n,
-                              context=context)
+                              context=context, clear_history=clear_history, compile_context=compile_context,
+                              global_record_annotations=global_record_annotations, skip_actions=skip_actions)
 
 
 def _replacements():

@@ -13,6 +13,7 @@ void ap_history_set_ctx(uint64_t ctx) { ap_history_tls_ctx = ctx; }
 int ap_history_init(ap_history *h, size_t capacity) {
     h->capacity = capacity;
     h->next = 0;
+    h->skip = 0;
     h->ring = NULL;
     if (capacity == 0) return 0;
     h->ring = calloc(capacity, sizeof *h->ring);
@@ -32,6 +33,7 @@ void ap_history_record(ap_history *h, int action, uintptr_t addr, size_t size, v
 void ap_history_record_ctx(ap_history *h, int action, uintptr_t addr, size_t size, void *stream, uint64_t ctx) {
     struct timespec ts;
     AP_ASSERT(h->capacity > 0 && h->ring != NULL); /* ap_history_add skips a ring that is off */
+    if (h->skip >> action & 1) return;
     clock_gettime(CLOCK_REALTIME, &ts);
     ap_history_entry *e = &h->ring[h->next % h->capacity];
     e->action = (uint8_t)action;

@@ -36,6 +36,7 @@ typedef struct ap_history {
     ap_history_entry *ring;
     size_t capacity;
     size_t next;  /* total entries ever written; ring index = next % capacity */
+    uint32_t skip; /* bit (1 << action) set: that action is not recorded (torch's skip_actions) */
 } ap_history;
 
 extern __thread uint64_t ap_history_tls_ctx;

@@ -186,12 +186,27 @@ void ap_pool_destroy(ap_pool *p) {
     pool_struct_retire(p);
 }
 
+/* A size as PyTorch's c10::format_size writes it ("512 bytes", "20.00 MiB", "800000000.00 GiB"):
+   users and PyTorch's own tests match "Tried to allocate 20.00 MiB"; the exact byte count follows
+   in parentheses where the rounded one is not already exact. */
+static const char *format_size(char *buf, size_t len, size_t size) {
+    static const char *const units[] = {"KiB", "MiB", "GiB"};
+    if (size <= 1024) {
+        snprintf(buf, len, "%zu bytes", size);
+        return buf;
+    }
+    int u = size <= ((size_t)1 << 20) ? 0 : size <= ((size_t)1 << 30) ? 1 : 2;
+    snprintf(buf, len, "%.2f %s (%zu bytes)", (double)size / (double)((size_t)1 << (10 * (u + 1))), units[u], size);
+    return buf;
+}
+
 static int check_size(ap_pool *p, size_t size, ap_error *err) {
+    char sz[64];
     if (size == 0) return ap_set_error(err, AP_E_INVALID_SIZE, 0, "size must be positive, got 0 bytes");
     if ((int64_t)size < 0 || size > (size_t)p->stats.device_total_bytes)
         return ap_set_error(err, AP_E_OOM, 0,
-                            "out of memory: Tried to allocate %zu bytes on device %d: larger than the device's "
-                            "%lld bytes", size,
+                            "out of memory: Tried to allocate %s on device %d: larger than the device's "
+                            "%lld bytes", format_size(sz, sizeof sz, size),
                             p->device, (long long)p->stats.device_total_bytes);
     return AP_OK;
 }
@@ -227,13 +242,14 @@ static void oom_message(ap_pool *p, size_t size, int slot, ap_error *err) {
     /* PyTorch's words ("out of memory", "Tried to allocate"), which users and their tests match */
     const char *why = err->status == AP_E_LIMIT ? "out of the pool's limit"
                       : err->status == AP_E_QUOTA ? "over quota" : "out of device memory";
-    char cause[sizeof err->message];
+    char cause[sizeof err->message], sz[64];
     snprintf(cause, sizeof cause, "%s", err->message);
     ap_set_error(err, err->status == AP_E_LIMIT || err->status == AP_E_QUOTA ? err->status : AP_E_OOM, err->device_code,
-                 "out of memory: Tried to allocate %zu bytes on device %d (stream %p), %s. Pool: %zu bytes reserved, "
+                 "out of memory: Tried to allocate %s on device %d (stream %p), %s. Pool: %zu bytes reserved, "
                  "%zu allocated, %zu cached free (largest free block %zu, external fragmentation %.2f); "
                  "device: %zu free of %zu. Cause: %s",
-                 size, p->device, slot ? p->slots[slot].stream : NULL, why, reserved, allocated, cached, largest,
+                 format_size(sz, sizeof sz, size), p->device, slot ? p->slots[slot].stream : NULL, why, reserved,
+                 allocated, cached, largest,
                  frag, free_b, total_b, cause);
 }
 

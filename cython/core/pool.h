@@ -322,7 +322,8 @@ void ap_snapshot_free(ap_snapshot *s);
 /* Free blocks as a snapshot shows them (a cached block counts as one), under the lock. */
 size_t ap_pool_count_free_blocks(ap_pool *p);
 /* Turns the event history on with room for `capacity` entries (0: off), at any time; a new
-   capacity starts an empty ring. AP_E_HOST_NOMEM if the ring cannot be allocated. */
-int ap_pool_set_history(ap_pool *p, size_t capacity);
+   capacity starts an empty ring; skip: actions not recorded, bit (1 << AP_ACT_...) each.
+   AP_E_HOST_NOMEM if the ring cannot be allocated. */
+int ap_pool_set_history(ap_pool *p, size_t capacity, uint32_t skip);
 
 #endif

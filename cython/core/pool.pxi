@@ -2,7 +2,7 @@
 # The cached path runs under the GIL with a try-lock (no GIL release/reacquire, ~20 ns saved);
 # everything that may block or call the device releases the GIL.
 
-from libc.stdint cimport uintptr_t, int64_t, int8_t, int32_t, uint8_t, uint64_t
+from libc.stdint cimport uintptr_t, int64_t, int8_t, int32_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc as c_malloc, free as c_free
 from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromVoidPtr
 from cpython.exc cimport PyErr_Occurred, PyErr_Clear
@@ -14,7 +14,7 @@ import time as _time
 
 from ascend_pool.errors import InvalidSizeError, InvalidPointerError, InvalidStreamError, PoolError, ConfigError
 import ascend_pool.errors as _errors_module
-from ascend_pool.config import history_settings
+from ascend_pool.config import history_settings, history_skip_mask
 
 # The package's directory (with its separator): frames in it are skipped when stacks are recorded.
 _PACKAGE_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(_errors_module.__file__)), "")
@@ -90,7 +90,7 @@ cdef extern from "pool.h" nogil:
     int ap_pool_snapshot(ap_pool *p, ap_snapshot *out)
     void ap_snapshot_free(ap_snapshot *s)
     size_t ap_pool_count_free_blocks(ap_pool *p)
-    int ap_pool_set_history(ap_pool *p, size_t capacity)
+    int ap_pool_set_history(ap_pool *p, size_t capacity, uint32_t skip)
     void ap_history_set_ctx(uint64_t ctx)
 
 cdef extern from "stats.h" nogil:
@@ -135,8 +135,6 @@ _MIN_STACKS = 1024
 RELEASE_POLICIES = {"never": AP_RELEASE_NEVER, "under_peak": AP_RELEASE_UNDER_PEAK, "budgeted": AP_RELEASE_BUDGETED}
 STREAM_REUSE = {"borrow": AP_REUSE_BORROW, "tied": AP_REUSE_TIED}
 BLOCK_STATES = ("inactive", "active_allocated", "active_pending_free")
-HISTORY_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot",
-                   "segment_map", "segment_unmap")
 
 
 cdef object _raise(ap_error *err, int status):
@@ -717,7 +715,8 @@ cdef class PoolBase:
             d.pop(ids.pop(next(iter(ids))), None)
         ap_history_set_ctx(ctx)
 
-    def record_memory_history(self, enabled=True, stacks="python", max_entries=100_000, context="all"):
+    def record_memory_history(self, enabled=True, stacks="python", max_entries=100_000, context="all", *,
+                              skip_actions=None):
         """Turns the event history (snapshot()["device_traces"]) on or off at runtime, as
         torch.cuda.memory._record_memory_history: enabled True/"all" to record max_entries
         events, "state" to keep only the latest one (torch's ring of 1), None or False to stop
@@ -729,14 +728,16 @@ cdef class PoolBase:
         frames of its allocation in every snapshot for as long as it lives, recording on or off
         since, as torch's; one allocated while frames were not recorded shows none; max_entries:
         ring size in events, at most config.MAX_HISTORY_ENTRIES (larger ones, such as torch's
-        default sys.maxsize, are clamped: the ring is allocated up front)."""
+        default sys.maxsize, are clamped: the ring is allocated up front); skip_actions, as
+        torch's: action names ("free_requested", "segment_alloc", ...) left out of the trace."""
         self._check()
         on, frames, entries = history_settings(enabled, stacks, max_entries, context)
+        cdef uint32_t skip = history_skip_mask(skip_actions)
         cdef size_t cap = entries
         cdef ap_pool *_p = self._enter()
         cdef int rc
         with nogil:
-            rc = ap_pool_set_history(_p, cap)
+            rc = ap_pool_set_history(_p, cap, skip)
         self._leave()
         if rc != AP_OK:
             raise MemoryError(f"host memory for a history of {entries} entries exhausted")

@@ -60,7 +60,7 @@ size_t ap_pool_count_free_blocks(ap_pool *p) {
     return n;
 }
 
-int ap_pool_set_history(ap_pool *p, size_t capacity) {
+int ap_pool_set_history(ap_pool *p, size_t capacity, uint32_t skip) {
     /* The new ring is made and the old one freed outside the lock: only the swap is under it. */
     ap_history fresh, old;
     if (ap_history_init(&fresh, capacity) != 0) return AP_E_HOST_NOMEM;
@@ -72,6 +72,7 @@ int ap_pool_set_history(ap_pool *p, size_t capacity) {
         p->history = fresh;
         p->cfg.history_capacity = capacity;
     }
+    p->history.skip = skip;
     pthread_mutex_unlock(&p->lock);
     ap_history_destroy(&old);
     return AP_OK;
