@@ -35,10 +35,12 @@ from .errors import (
 )
 from .pool import Pool
 from .api import (
+    attach_out_of_memory_observer,
     caching_allocator_alloc,
     caching_allocator_delete,
     current_device,
     default_pool,
+    detach_out_of_memory_observer,
     dump_snapshot,
     empty_cache,
     free,

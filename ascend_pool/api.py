@@ -9,7 +9,7 @@ import warnings
 
 from . import current as _current
 from . import registry as _registry
-from ._core import set_default_pool_hook
+from ._core import attach_out_of_memory_observer, detach_out_of_memory_observer, set_default_pool_hook
 from .backend import check_device, open_backend
 from .config import history_settings, history_skip_mask
 from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError,

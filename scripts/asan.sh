@@ -38,7 +38,7 @@ CORE_TESTS=(
     tests/test_pool_sizes.py tests/test_pool_locking.py tests/test_stream_lifecycle.py tests/test_events_cann.py
     tests/test_stress_threads.py tests/test_vmm_policy_bounds.py
     tests/test_stats_oversize.py tests/test_pool_lifecycle.py tests/test_sim_node.py tests/test_sim_node_users.py
-    tests/test_sharing_users.py tests/test_close_races.py tests/test_wait_bounds.py
+    tests/test_sharing_users.py tests/test_close_races.py tests/test_wait_bounds.py tests/test_oom_observers.py
 )
 
 start=$(date +%s)

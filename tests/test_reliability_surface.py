@@ -33,7 +33,8 @@ MODULE = ["malloc", "free", "empty_cache", "memory_stats", "memory_summary", "sn
           "reset_peak_stats", "max_memory_allocated", "memory_allocated", "memory_reserved", "max_memory_reserved",
           "mem_get_info", "caching_allocator_alloc", "caching_allocator_delete", "record_stream",
           "set_per_process_memory_fraction", "get_per_process_memory_fraction", "reset_accumulated_memory_stats",
-          "dump_snapshot", "default_pool", "open_shared", "node_pid", "set_device", "record_memory_history"]
+          "dump_snapshot", "default_pool", "open_shared", "node_pid", "set_device", "record_memory_history",
+          "attach_out_of_memory_observer", "detach_out_of_memory_observer"]
 POOL = ["malloc", "free", "record_stream", "block_info", "segment_kind", "round_size", "set_limit", "synchronize",
         "register_stream", "destroy_stream", "context", "share", "share_free", "share_malloc", "dump_trace",
         "dump_snapshot", "free_all_blocks", "record_memory_history"]

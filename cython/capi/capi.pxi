@@ -18,6 +18,7 @@ import weakref as _weakref
 
 from ascend_pool.errors import InvalidDeviceError
 
+include "capi/oom_observers.pxi"
 include "host/hostpool.pxi"
 include "capi/numpy_handler.pxi"
 
@@ -140,6 +141,7 @@ def _capi_shutdown():
     device without a pool then gets ASCEND_POOL_E_NOT_READY instead of waiting on a dying GIL)."""
     apc_set_hooks(NULL)
     apc_set_frames_hook(NULL)
+    apc_set_oom_hook(NULL)
 
 
 apc_set_hooks(_capi_create_default)

@@ -70,6 +70,30 @@ static inline void apc_note_frames(ap_pool *p, int freeing) {
     else ap_history_set_ctx(0); /* no frames: not this thread's earlier ones either */
 }
 
+/* Out-of-memory observers (capi/oom_observers.pxi: attach_out_of_memory_observer), told of a C ABI
+   allocation that failed for want of memory, as torch's allocator tells its observers: the hook
+   runs under the GIL (taken here: the slow path of a failed call), after the pool is let go and
+   with no lock of ours held. With none attached the cost is one relaxed load. */
+typedef void (*apc_oom_fn)(int device, size_t size, size_t allowed, size_t free_b);
+static _Atomic(apc_oom_fn) apc_oom_hook; /* NULL before import and from interpreter exit on */
+static atomic_int apc_oom_watchers;      /* observers attached (oom_observers.pxi counts them) */
+
+static void apc_set_oom_hook(apc_oom_fn fn) { atomic_store(&apc_oom_hook, fn); }
+static void apc_oom_watchers_set(int n) { atomic_store(&apc_oom_watchers, n); }
+
+static inline int apc_oom_watched(int rc) {
+    return (rc == AP_E_OOM || rc == AP_E_LIMIT || rc == AP_E_QUOTA) &&
+           atomic_load_explicit(&apc_oom_watchers, memory_order_relaxed) != 0;
+}
+
+static void apc_notify_oom(int device, size_t size, size_t allowed, size_t free_b) {
+    apc_oom_fn fn = atomic_load(&apc_oom_hook);
+    if (!fn || !apc_python_usable()) return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    fn(device, size, allowed, free_b);
+    PyGILState_Release(gil);
+}
+
 /* The backend name ("acl", "sim", "cuda") of device's process default pool, or NULL if none. */
 static const char *apc_default_backend_name(int device) {
     ap_pool *p = ap_default_get(device);
@@ -159,8 +183,13 @@ APC_EXPORT void *ascend_pool_malloc(ssize_t size, int device, void *stream) {
     err.message[0] = 0;
     apc_note_frames(p, 0);
     int rc = ap_pool_malloc(p, (size_t)size, stream, &out, &err);
+    size_t allowed = 0, free_b = 0;
+    int watched = __builtin_expect(rc != AP_OK, 0) && apc_oom_watched(rc);
+    if (watched) ap_pool_oom_figures(p, &allowed, &free_b); /* while held; observers run after */
     ap_pool_unhold(p);
     if (__builtin_expect(rc != AP_OK, 0)) {
+        /* observers first: their own calls (a snapshot, say) must not replace this call's error */
+        if (watched) apc_notify_oom(device, (size_t)size, allowed, free_b);
         apc_fail(rc, "ascend_pool_malloc(%zd bytes, device %d, stream %p): %s", size, device, stream, err.message);
         return NULL;
     }

@@ -253,6 +253,16 @@ static void oom_message(ap_pool *p, size_t size, int slot, ap_error *err) {
                  frag, free_b, total_b, cause);
 }
 
+void ap_pool_oom_figures(ap_pool *p, size_t *allowed, size_t *free_b) {
+    size_t total = 0, limit;
+    *free_b = 0;
+    p->backend->mem_info(p->backend, p->device, free_b, &total); /* a runtime call: not under the lock */
+    pthread_mutex_lock(&p->lock);
+    limit = p->cfg.limit_bytes;
+    pthread_mutex_unlock(&p->lock);
+    *allowed = limit != AP_NO_LIMIT && limit < total ? limit : total;
+}
+
 /* The trace's oom entry: torch's carries the device's free bytes where others carry an address. */
 static void note_oom(ap_pool *p, size_t size, void *stream) {
     if (!p->history.capacity) return;

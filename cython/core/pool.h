@@ -9,7 +9,9 @@
  *   the GIL          never taken by C code; every Python method that takes ap_pool.lock releases
  *                    the GIL first (pool.pxi), so a waiter on the mutex never stops the interpreter.
  *                    (The C ABI calls into Python before taking any pool lock, and only for a thread
- *                    that already holds the GIL: stack frames, capi/exports.h apc_note_frames.)
+ *                    that already holds the GIL: stack frames, capi/exports.h apc_note_frames; and
+ *                    after a failed allocation, with the pool let go and no lock held, taking the
+ *                    GIL for the out-of-memory observers: apc_notify_oom.)
  *   idle_events      (stream_order.c) idle cached events per device of all the process's pools:
  *                    an atomic counter, read and updated under each pool's own lock, no lock of its own.
  *   capi_calls       (ap_pool, atomic, no lock) C ABI calls holding the pool (current.h ap_pool_hold);
@@ -237,6 +239,10 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
 void ap_pool_destroy(ap_pool *p);
 /* Waits until no C ABI call holds p (ap_pool_hold, current.h); p must be hidden already. */
 void ap_pool_wait_holders(ap_pool *p);
+
+/* What an out-of-memory observer is told besides the request (torch's observers): the bytes the
+   pool may reserve (its cap, else the device's total) and the device's free bytes now. */
+void ap_pool_oom_figures(ap_pool *p, size_t *allowed, size_t *free_b);
 
 /* Allocates size bytes ordered on stream. */
 int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err);

@@ -1,0 +1,123 @@
+"""Out-of-memory observers, as torch's torch._C._cuda_attach_out_of_memory_observer: a program
+is told of every allocation that fails for want of memory, before the error reaches the caller,
+with torch's four figures (device, requested bytes, allowed bytes, device free bytes), from the
+Python API and from the C ABI that frameworks call, with no pool lock held (an observer may take
+a snapshot, the common use). Sizes are bytes."""
+
+import ctypes
+import logging
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool import _core, sim
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def seen():
+    calls = []
+
+    def observer(device, size, allowed, free):
+        calls.append((device, size, allowed, free))
+
+    ap.attach_out_of_memory_observer(observer)
+    yield calls
+    ap.detach_out_of_memory_observer(observer)
+
+
+def test_a_failed_malloc_tells_each_observer_torchs_figures_before_the_error(pool, seen):
+    pool.free(pool.malloc(MiB))
+    assert seen == [], "successful allocations tell nobody"
+    total = pool.mem_get_info()[1]
+    with pytest.raises(ap.OutOfMemoryError):
+        pool.malloc(1 << 50)  # larger than the device
+    assert seen == [(0, 1 << 50, total, pool.mem_get_info()[0])]
+    pool.set_limit(64 * MiB)  # a cap: allowed is the cap, as torch passes its fraction's maximum
+    with pytest.raises(ap.OutOfMemoryError):
+        pool.malloc(100 * MiB)
+    assert seen[-1][:3] == (0, 100 * MiB, 64 * MiB)
+    pool.set_limit(None)
+    pool.free(pool.malloc(MiB))
+    assert len(seen) == 2
+
+
+def test_an_observer_may_snapshot_the_pool_no_lock_is_held(pool):
+    snaps = []
+    observer = lambda device, size, allowed, free: snaps.append(pool.snapshot())  # noqa: E731
+    ap.attach_out_of_memory_observer(observer)
+    try:
+        keep = pool.malloc(8 * MiB)
+        sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"])  # no further segment
+        with pytest.raises(ap.OutOfMemoryError):
+            pool.malloc(100 * MiB)
+    finally:
+        sim.reset_faults()
+        ap.detach_out_of_memory_observer(observer)
+    assert len(snaps) == 1
+    live = [b for s in snaps[0]["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert [b["address"] for b in live] == [keep]
+    pool.free(keep)
+
+
+def test_a_tenant_over_quota_tells_the_observers(pool, seen, tmp_path, monkeypatch):
+    monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))
+    ctx = pool.context("oom-observed", quota="16MiB")
+    try:
+        with pytest.raises(ap.QuotaExceededError):
+            ctx.malloc(32 * MiB)
+        assert seen and seen[-1][:2] == (0, 32 * MiB)
+    finally:
+        ctx.close()
+
+
+def test_an_observer_that_raises_is_logged_and_the_allocation_error_still_raised(pool, seen, caplog):
+    def broken(*figures):
+        raise RuntimeError("observer bug")
+
+    ap.attach_out_of_memory_observer(broken)
+    try:
+        with caplog.at_level(logging.ERROR, logger="ascend_pool"), pytest.raises(ap.OutOfMemoryError):
+            pool.malloc(1 << 50)
+    finally:
+        ap.detach_out_of_memory_observer(broken)
+    assert "observer bug" in caplog.text
+    assert len(seen) == 1, "the other observers are told all the same"
+    pool.free(pool.malloc(MiB))
+
+
+def test_bad_observers_and_detaching_are_typed_errors(seen):
+    with pytest.raises(ap.ConfigTypeError, match="callable") as e:
+        ap.attach_out_of_memory_observer(42)
+    assert isinstance(e.value, TypeError)
+    with pytest.raises(ap.ConfigError, match="not an attached") as e:
+        ap.detach_out_of_memory_observer(print)
+    assert isinstance(e.value, ValueError)
+
+
+def test_c_abi_allocations_tell_the_observers_and_keep_their_own_error(seen):
+    """Through a real dlopen of the library (ctypes releases the GIL around the call, as a
+    framework's thread holds none): the C ABI takes the GIL for the observers, and the error the
+    caller reads afterwards is its own even when an observer's calls set another."""
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_last_error.restype = ctypes.c_char_p
+    ap.default_pool(0)
+
+    def noisy(*figures):  # a bad free of its own: sets the thread's last error to another code
+        lib.ascend_pool_free(ctypes.c_void_p(0x1234), 0, 0, None)
+
+    ap.attach_out_of_memory_observer(noisy)
+    try:
+        assert lib.ascend_pool_malloc(1 << 50, 0, None) is None
+        code, message = lib.ascend_pool_last_error_code(), lib.ascend_pool_last_error().decode()
+    finally:
+        ap.detach_out_of_memory_observer(noisy)
+    assert _core.CAPI_ERRORS[code] == "OOM" and "Tried to allocate" in message, (code, message)
+    assert seen == [(0, 1 << 50, ap.default_pool(0).mem_get_info()[1], seen[0][3])]
+    ptr = lib.ascend_pool_malloc(4096, 0, None)  # and the C ABI keeps serving
+    assert ptr
+    lib.ascend_pool_free(ptr, 4096, 0, None)
