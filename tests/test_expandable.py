@@ -88,6 +88,44 @@ def test_holes_are_unmapped_and_filled_again(xpool):
     assert xpool.memory_stats()["reserved_bytes.all.current"] == 0
 
 
+def test_filling_a_hole_never_merges_into_another_streams_free_block(clean_faults):
+    """A growth that fills a hole and joins the segment above it, whose first block is free but
+    still owed to another stream (U): the fresh pages must not merge into U's block, or the block
+    handed to stream A comes from memory only U may reuse yet (a checked build aborted there on
+    its invariant; a release build handed A a block from U's free list)."""
+    pool = ap.Pool(0, backend="sim", expandable_segments=True, release_policy="never")
+    try:
+        sA, sU = pool.create_stream(), pool.create_stream()
+        page = MiB - 32                                    # +32 pad: exactly one 1 MiB small-pool block
+        keep = [pool.malloc(page, stream=sA) for _ in range(2)]
+        hole = [pool.malloc(page, stream=sA) for _ in range(2)]
+        b = pool.malloc(480, stream=sA)                    # the first block of the segment above the hole
+        keep += [b, pool.malloc(page, stream=sA), pool.malloc(MiB - 512 - 32, stream=sA)]
+        keep.remove(b)
+        for p in hole:
+            pool.free(p, stream=sA)
+        pool.empty_cache()                                 # the hole's pages go back: two segments
+        assert len(segments(pool)) == 2
+        sim.hang_stream(sU)                                # U's work is still running when b is freed on it
+        try:
+            pool.free(b, stream=sU)
+            w = pool.malloc(page, stream=sA)               # maps the hole: one segment again
+            assert w == hole[0]
+            blocks = [blk for seg in segments(pool) for blk in seg["blocks"]]
+            assert len(segments(pool)) == 1
+            freed_b = [blk for blk in blocks if blk["address"] == b]
+            assert [(blk["size"], blk["state"]) for blk in freed_b] == [(512, "inactive")], \
+                "b's block, still owed to U, stays whole and apart from what A was given"
+            pool._check_invariants()
+        finally:
+            sim.release_stream(sU)
+        pool.synchronize(sU)
+        for p in keep + [w]:
+            pool.free(p)
+    finally:
+        pool.close()
+
+
 def test_small_blocks_go_to_pages_that_hold_live_blocks(xpool):
     # Five 2 MiB pages of small blocks (at most 1 MiB each; -32: the pad), in address order.
     K = 1024

@@ -152,6 +152,11 @@ static void join_segments(ap_pool *p, ap_segment *left, ap_segment *right, ap_vm
     ap_segment_recycle(p, right);
 }
 
+/* 1 when b is a free (or cached) block that another stream than slot's may still be using. */
+static inline int other_streams_free(const ap_block *b, int slot) {
+    return b && (b->state == AP_BLOCK_FREE || b->state == AP_BLOCK_CACHED) && b->tag && b->tag != slot;
+}
+
 static ap_segment *segment_ending_at(ap_vmm_space *sp, ap_vmm_chunk *c, uintptr_t va) {
     (void)sp;
     return c && c->va + c->size == va ? c->seg : NULL;
@@ -363,9 +368,10 @@ static ap_block *grow(ap_pool *p, int slot, int pool, size_t rsize, int exact, s
     for (ap_vmm_chunk *c = first; c != last->next; c = c->next) c->seg = left;
     if (last->next && last->next->va == va + need) join_segments(p, left, last->next->seg, sp);
     /* Fresh memory is safe for every stream (tag 0), except where it would merge into another
-       stream's free tail block: then it is the requester's, so the merged block still fits it. */
-    ap_block *tail = nb->prev;
-    int tag = tail && tail->state == AP_BLOCK_FREE && tail->tag && tail->tag != slot ? slot : 0;
+       stream's free block on either side (the tail on the left, or the first block of the
+       segment joined on the right): then it is the requester's, so that it merges only with
+       what the requester may use and the block returned still fits it. */
+    int tag = other_streams_free(nb->prev, slot) || other_streams_free(nb->next, slot) ? slot : 0;
     return ap_free_insert(p, nb, tag);
 
 rollback: /* chunks mapped so far (a partial growth) go back; the pool is as before, less the
