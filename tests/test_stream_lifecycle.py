@@ -63,6 +63,52 @@ def test_a_stream_destroyed_behind_the_pools_back_never_wedges_empty_cache(pool)
     pool.free(pool.malloc(MiB))
 
 
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_a_stream_retired_while_its_allocation_waits_for_memory_is_an_invalid_stream_error(expandable):
+    """An allocation that finds no memory waits (the pool lock dropped) for pending frees; the
+    framework destroys the allocation's stream meanwhile and another call of the pool finds out
+    (the slot is retired). The call must name the stream, not build an out-of-memory message from
+    the stream table with a negative slot (a read before the table: garbage in the message, a
+    heap-buffer-overflow under ASan)."""
+    import threading
+    import time
+
+    pool = ap.Pool(0, backend="sim", expandable_segments=expandable, sync_timeout_ms=20_000)
+    s, hung = pool.create_stream(), pool.create_stream()
+    x = pool.malloc(8 * MiB)
+    pool.record_stream(x, hung)
+    sim.hang_stream(hung)
+    pool.free(x)                          # pending on hung's event
+    reserved = pool.memory_stats()["reserved_bytes.all.current"]
+    pool.set_limit(reserved)              # nothing more can be had
+    whole = reserved - 4096               # fits only once x's block is back
+    seen = []
+
+    def framework():
+        try:
+            time.sleep(0.3)               # the malloc below is waiting by now
+            pool.backend.stream_destroy(s)
+            try:
+                pool.synchronize(s)       # finds out: the pool retires the stream
+            except ap.InvalidStreamError as e:
+                seen.append(e)
+        finally:
+            sim.release_stream(hung)
+
+    t = threading.Thread(target=framework)
+    t.start()
+    try:
+        with pytest.raises(ap.InvalidStreamError, match="not a stream the runtime knows"):
+            pool.malloc(whole, stream=s)
+        assert seen, "the other thread's synchronize retired the stream first"
+    finally:
+        t.join(30)
+        pool.set_limit(None)
+        pool._check_invariants()
+        pool.free(pool.malloc(whole))     # and the pool keeps serving
+        pool.close()
+
+
 def test_synchronize_on_a_stream_destroyed_elsewhere_is_an_invalid_stream_error(pool):
     s = pool.create_stream()
     p = pool.malloc(MiB, stream=s)

@@ -405,6 +405,7 @@ ap_block *ap_vmm_grow(ap_pool *p, int slot, int pool, size_t rsize, ap_error *er
    consistent). */
 static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t lo, uintptr_t hi, int spare,
                             ap_error *err) {
+    AP_ASSERT(b->state == AP_BLOCK_FREE && b->tag == 0); /* no stream's work may still touch it */
     ap_segment *seg = b->seg;
     ap_block *left = b->addr < lo ? ap_block_new(p) : NULL;
     ap_block *right = b->addr + b->size > hi ? ap_block_new(p) : NULL;

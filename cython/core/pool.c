@@ -328,12 +328,14 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
             ap_error wait_err = {0};
             int wrc = ap_wait_unlocked(p, -1, 1, &wait_err);
             slot = ap_slot_of_fast(p, stream, 1); /* the slot table may have changed meanwhile */
-            if (slot >= 0) {
-                e->status = AP_OK;
-                ap_release_free_segments(p, (size_t)-1, 1, 0, NULL);
-                b = ap_obtain_block(p, slot, pool, rsize, size, e);
-                if (!b && wrc == AP_E_TIMEOUT) *e = wait_err;
+            if (slot < 0) { /* the stream was destroyed during the wait: nothing to order on it */
+                pthread_mutex_unlock(&p->lock);
+                return slot_error(p, slot, stream, err);
             }
+            e->status = AP_OK;
+            ap_release_free_segments(p, (size_t)-1, 1, 0, NULL);
+            b = ap_obtain_block(p, slot, pool, rsize, size, e);
+            if (!b && wrc == AP_E_TIMEOUT) *e = wait_err;
         }
         if (!b) {
             int fault = e->status == AP_E_DEVICE && e->device_code && !ap_backend_oom_code(p->backend, e->device_code);
