@@ -12,8 +12,7 @@ from . import registry as _registry
 from ._core import attach_out_of_memory_observer, detach_out_of_memory_observer, set_default_pool_hook
 from .backend import check_device, open_backend
 from .config import history_settings, history_skip_mask
-from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError,
-                     StreamTypeError)
+from .errors import ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, PoolError, StreamTypeError
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
 from .tenants.context import Context
@@ -235,7 +234,7 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
     history_skip_mask(skip_actions)
     for name, value in (("compile_context", compile_context), ("global_record_annotations", global_record_annotations)):
         if not isinstance(value, bool):
-            raise ConfigError(f"{name} must be True or False, got {value!r}")
+            raise ConfigTypeError(f"{name} must be True or False, got {value!r}")
         if value and name not in _history_warned:
             _history_warned.add(name)
             warnings.warn(f"record_memory_history({name}=True): ascend_pool sees no torch.compile frames or "
@@ -343,7 +342,7 @@ def caching_allocator_alloc(size, device=None, stream=None):
                        if isinstance(h, int) and not isinstance(h, bool)), stream)
     if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool)):
         raise StreamTypeError(f"caching_allocator_alloc: stream must be None, an int stream handle or a "
-                                 f"stream object with an int npu_stream or cuda_stream, got {stream!r}")
+                              f"stream object with an int npu_stream or cuda_stream, got {stream!r}")
     pool = default_pool(device)
     if as_index(size) == 0:
         return 0

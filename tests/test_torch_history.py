@@ -107,7 +107,7 @@ def test_module_history_takes_torchs_keyword_arguments(tmp_path):
             assert "alloc" not in {e["action"] for e in _trace(later)}
         finally:
             later.close()
-        with pytest.raises(ap.ConfigError, match="global_record_annotations"):
+        with pytest.raises(ap.ConfigTypeError, match="global_record_annotations"):
             ap.record_memory_history(enabled=True, global_record_annotations="yes")
     finally:
         ap.record_memory_history(enabled=None)

@@ -14,6 +14,7 @@ cdef extern from "capi/exports.h":
     ctypedef void (*apc_oom_fn)(int device, size_t size, size_t allowed, size_t free_b) noexcept
     void apc_set_oom_hook(apc_oom_fn fn)
     void apc_oom_watchers_set(int n)
+    bint apc_oom_watched(int rc)  # an out-of-memory status with observers attached
 
 cdef extern from "pool.h" nogil:
     void ap_pool_oom_figures(ap_pool *p, size_t *allowed, size_t *free_b)
@@ -62,10 +63,6 @@ cdef void _capi_oom(int device, size_t size, size_t allowed, size_t free_b) noex
         _notify_oom_observers(device, size, allowed, free_b)
     except BaseException:  # nothing may escape into C (a KeyboardInterrupt, say): reported, dropped
         _oom_log.exception("out-of-memory observers failed")
-
-
-cdef inline bint _oom_watched(int rc):
-    return (rc == AP_E_OOM or rc == AP_E_LIMIT or rc == AP_E_QUOTA) and len(_oom_observers) != 0
 
 
 cdef tuple _pool_oom_figures(ap_pool *p):

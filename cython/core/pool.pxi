@@ -398,7 +398,7 @@ cdef class PoolBase:
         with nogil:
             rc = ap_pool_malloc(_p, n, s, &out, &err)
             ap_history_set_ctx(0)
-        figures = _pool_oom_figures(_p) if rc != AP_OK and _oom_watched(rc) else None
+        figures = _pool_oom_figures(_p) if rc != AP_OK and apc_oom_watched(rc) else None
         self._leave()
         if figures is not None:  # torch's out-of-memory observers, before the error (oom_observers.pxi)
             _notify_oom_observers(self.device, n, *figures)
