@@ -109,6 +109,31 @@ def test_a_stream_retired_while_its_allocation_waits_for_memory_is_an_invalid_st
         pool.close()
 
 
+def test_destroy_stream_of_a_busy_stream_never_used_with_the_pool_is_bounded_by_sync_timeout():
+    """destroy_stream waits for the stream within sync_timeout_ms; for a stream the pool had never
+    ordered anything on it waited for nothing, and the runtime's destroy then waited for the
+    stream's work without limit (a hung stream: forever). Found by fuzzing."""
+    import time
+
+    pool = ap.Pool(0, backend="sim", sync_timeout_ms=200)
+    try:
+        fresh = pool.create_stream()
+        sim.hang_stream(fresh)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(ap.DeviceTimeoutError):
+                pool.destroy_stream(fresh)
+            assert time.monotonic() - t0 < 10
+        finally:
+            sim.release_stream(fresh)    # the stream is still there: nothing was destroyed
+        pool.destroy_stream(fresh)       # once idle, it goes
+        with pytest.raises(ap.InvalidStreamError):
+            pool.malloc(512, stream=fresh)
+        pool.free(pool.malloc(512))
+    finally:
+        pool.close()
+
+
 def test_synchronize_on_a_stream_destroyed_elsewhere_is_an_invalid_stream_error(pool):
     s = pool.create_stream()
     p = pool.malloc(MiB, stream=s)

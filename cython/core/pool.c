@@ -539,7 +539,10 @@ int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err) {
 
 int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err) {
     pthread_mutex_lock(&p->lock);
-    int slot = ap_slot_of(p, stream, 0);
+    /* A stream the pool never ordered anything on gets a slot here too, so that its queued work
+       is waited for within sync_timeout_ms like any other's: the runtime's destroy that follows
+       would wait for it with no limit. (A handle the runtime does not know gets none.) */
+    int slot = ap_slot_of(p, stream, 1);
     int rc = AP_OK;
     if (slot > 0) {
         /* What is pending on it is settled first: its frees' events are waited for too. */
