@@ -174,14 +174,16 @@ def test_every_dashboard_and_alert_expression_returns_data(stack):
     rules = [r for g in groups for r in g["rules"]]
     assert len(rules) == 4 and all(r["health"] == "ok" for r in rules), rules
     # Its own evaluations (every second) raise each alert too: pending (those with `for:`) or firing.
+    # Each at some moment, not all at one: the demo's tenant is near its quota only in part of each
+    # replay cycle, and a pending alert goes back to inactive when its condition lapses (a loaded
+    # machine stretches the cycle: all four at one poll within 10 s failed once).
     want = {r["name"] for r in rules}
-    deadline = time.monotonic() + 10
-    while True:
-        active = {a["labels"]["alertname"] for a in api(port, "/api/v1/alerts")["data"]["alerts"]}
-        if want <= active or time.monotonic() > deadline:
-            break
+    seen = set()
+    deadline = time.monotonic() + 45
+    while not want <= seen and time.monotonic() < deadline:
+        seen |= {a["labels"]["alertname"] for a in api(port, "/api/v1/alerts")["data"]["alerts"]}
         time.sleep(0.5)
-    assert want <= active, f"alerts never raised by Prometheus: {sorted(want - active)}"
+    assert want <= seen, f"alerts never raised by Prometheus: {sorted(want - seen)}"
 
 
 def test_promtool_check_metrics_on_the_exposition(stack):
