@@ -2,6 +2,7 @@
 and off at runtime, Python frames in the trace and on live blocks, dump_snapshot read by
 torch.cuda._memory_viz; and mem_get_info / reset_accumulated_stats."""
 
+import ctypes
 import os
 import pickle
 import subprocess
@@ -304,7 +305,6 @@ def _c_abi_alloc_here(lib, n):
 def test_c_abi_allocations_record_the_python_frames_of_the_thread_that_holds_the_gil():
     # A framework's tensors come through the C ABI from a Python op, GIL held (ctypes.PyDLL calls
     # the same way); a call with the GIL released (ctypes.CDLL) records none and never waits for it.
-    import ctypes
     held = ctypes.PyDLL(ap.library_path())
     released = ctypes.CDLL(ap.library_path())
     for lib in (held, released):
@@ -330,6 +330,73 @@ def test_c_abi_allocations_record_the_python_frames_of_the_thread_that_holds_the
     with_gil = _c_abi_alloc_here(held, 4096)  # history off: nothing recorded, nothing in the way
     assert ap.snapshot(0)["device_traces"][0] == []
     held.ascend_pool_free(with_gil, 0, 0, None)
+
+
+def test_a_c_abi_allocation_with_the_gil_leaves_no_frames_for_the_threads_next_call():
+    """A C ABI call made with the GIL held (a framework op) files its Python frames for that call;
+    they must not reach the thread's next allocation once frames are off (they did: the C ABI set
+    the thread's frames id and never cleared it)."""
+    lib = ctypes.PyDLL(ap.library_path())  # keeps the GIL, as torch's allocator called from an op
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    pool = ap.default_pool(0)
+    ap.record_memory_history(True, stacks="python")
+    try:
+        a = _c_abi_alloc_in_named_function(lib)
+        ap.record_memory_history(True, stacks=None)  # history on, frames off
+        b = pool.malloc(3 << 20)
+        c = lib.ascend_pool_malloc(1 << 20, 0, None)
+        snap = pool.snapshot()
+        frames = {blk["address"]: [f["name"] for f in blk["frames"]] for s in snap["segments"] for blk in s["blocks"]}
+        assert "_c_abi_alloc_in_named_function" in frames[a]
+        assert frames[b] == [] and frames[c] == [], "frames of an earlier C ABI call on this thread"
+        pool.free(b)
+        for ptr in (a, c):
+            lib.ascend_pool_free(ptr, 0, 0, None)
+    finally:
+        ap.record_memory_history(enabled=None)
+
+
+def _c_abi_alloc_in_named_function(lib):
+    return lib.ascend_pool_malloc(1 << 20, 0, None)
+
+
+def test_record_memory_history_racing_close_leaves_no_stack_registration():
+    """record_memory_history inside its pool call when another thread closes the pool: it must
+    not register the closed pool for the C ABI's frames (it did, under key 0, and the C ABI's
+    count of pools recording stacks never went back to 0: every C ABI call with the GIL then ran
+    the Python hook)."""
+    import threading
+    import time
+
+    from ascend_pool import _core
+
+    base = ap.default_pool(0)
+    closed = []
+    for i in range(50):
+        ctx = base.context(f"history-close-race-{i}")
+        closed.append(ctx)
+        stop = threading.Event()
+
+        def toggle():
+            k = 0
+            while not stop.is_set():
+                k += 1
+                try:
+                    ctx.record_memory_history(True, stacks="python", max_entries=1000 + k % 2)
+                except ap.PoolError:
+                    return
+
+        t = threading.Thread(target=toggle)
+        t.start()
+        time.sleep(0.001)
+        ctx.close()
+        stop.set()
+        t.join(30)
+        assert 0 not in _core._stack_pools, f"round {i}: a closed pool registered for the C ABI's frames"
+    registered = [ref() for ref in _core._stack_pools.values()]
+    assert not any(r is c for r in registered for c in closed), "a closed context still registered for frames"
 
 
 def test_a_file_descriptor_is_not_a_snapshot_path(pool):

@@ -63,11 +63,17 @@ static atomic_int apc_pools_with_stacks;       /* pools recording stacks (capi.p
 static void apc_set_frames_hook(apc_frames_fn fn) { atomic_store(&apc_frames_hook, fn); }
 static void apc_stacks_changed(int delta) { atomic_fetch_add(&apc_pools_with_stacks, delta); }
 
-static inline void apc_note_frames(ap_pool *p, int freeing) {
-    if (__builtin_expect(atomic_load_explicit(&apc_pools_with_stacks, memory_order_relaxed) == 0, 1)) return;
+/* Returns 1 when frames were filed: the caller clears them after its pool call (ap_history_set_ctx(0)),
+   as the Python paths do, so that a later call on this thread that files none records none. */
+static inline int apc_note_frames(ap_pool *p, int freeing) {
+    if (__builtin_expect(atomic_load_explicit(&apc_pools_with_stacks, memory_order_relaxed) == 0, 1)) return 0;
     apc_frames_fn fn = atomic_load(&apc_frames_hook);
-    if (fn && apc_python_usable() && PyGILState_Check()) fn(p, freeing);
-    else ap_history_set_ctx(0); /* no frames: not this thread's earlier ones either */
+    if (fn && apc_python_usable() && PyGILState_Check()) {
+        fn(p, freeing);
+        return 1;
+    }
+    ap_history_set_ctx(0); /* no frames: not this thread's earlier ones either */
+    return 0;
 }
 
 /* Out-of-memory observers (capi/oom_observers.pxi: attach_out_of_memory_observer), told of a C ABI
@@ -181,8 +187,9 @@ APC_EXPORT void *ascend_pool_malloc(ssize_t size, int device, void *stream) {
     ap_pool *p = apc_pool_for(device, "ascend_pool_malloc");
     if (!p) return NULL;
     err.message[0] = 0;
-    apc_note_frames(p, 0);
+    int framed = apc_note_frames(p, 0);
     int rc = ap_pool_malloc(p, (size_t)size, stream, &out, &err);
+    if (framed) ap_history_set_ctx(0);
     size_t allowed = 0, free_b = 0;
     int watched = __builtin_expect(rc != AP_OK, 0) && apc_oom_watched(rc);
     if (watched) ap_pool_oom_figures(p, &allowed, &free_b); /* while held; observers run after */
@@ -204,17 +211,15 @@ APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stre
     (void)size; /* the pool knows each block's size */
     if (!ptr || apc_forked("ascend_pool_free")) return;
     ap_pool *p = device >= 0 && device < AP_MAX_DEVICES ? ap_pool_hold(device) : NULL;
+    int framed = 0;
     err.message[0] = 0;
     if (__builtin_expect(p != NULL, 1)) {
-        apc_note_frames(p, 1);
+        framed = apc_note_frames(p, 1);
         rc = ap_pool_free(p, ptr, stream, how, &err);
-        if (__builtin_expect(rc == AP_OK, 1)) {
+        if (__builtin_expect(rc == AP_OK, 1) || rc != AP_E_INVALID_PTR) {
+            if (framed) ap_history_set_ctx(0);
             ap_pool_unhold(p);
-            return;
-        }
-        if (rc != AP_E_INVALID_PTR) {
-            ap_pool_unhold(p);
-            apc_fail(rc, "ascend_pool_free(%p, device %d): %s", ptr, device, err.message);
+            if (rc != AP_OK) apc_fail(rc, "ascend_pool_free(%p, device %d): %s", ptr, device, err.message);
             return;
         }
     } else if (apc_check_device(device, "ascend_pool_free") != 0) {
@@ -225,6 +230,7 @@ APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stre
     ap_pool *owner = apc_find_locked(device, ptr, 0, p); /* p, still held, is skipped: it was asked */
     if (owner) rc = ap_pool_free(owner, ptr, stream, how, &err);
     pthread_mutex_unlock(&apc_reg_lock);
+    if (framed) ap_history_set_ctx(0);
     if (p) ap_pool_unhold(p); /* only its address is read below */
     if (owner && rc == AP_OK) return;
     if (owner || p)

@@ -363,6 +363,8 @@ cdef class PoolBase:
     cdef inline ap_pool *_enter(self) except NULL:
         # Counted under the GIL, so that close() (which also holds it) never frees the pool
         # while another thread is inside a call that released the GIL.
+        if self.p == NULL:
+            ap_history_set_ctx(0)  # frames noted for a call refused here must not reach the thread's next one
         self._check()
         self._busy += 1
         return self.p
@@ -742,6 +744,7 @@ cdef class PoolBase:
         with nogil:
             rc = ap_pool_set_history(_p, cap, skip)
         self._leave()
+        self._check()  # closed meanwhile: its frames settings and the C ABI's count stay as close() left them
         if rc != AP_OK:
             raise MemoryError(f"host memory for a history of {entries} entries exhausted")
         # The frames filed so far stay (within _stack_cap call stacks) while live blocks refer to
