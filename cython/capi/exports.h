@@ -216,7 +216,7 @@ APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stre
     if (__builtin_expect(p != NULL, 1)) {
         framed = apc_note_frames(p, 1);
         rc = ap_pool_free(p, ptr, stream, how, &err);
-        if (__builtin_expect(rc == AP_OK, 1) || rc != AP_E_INVALID_PTR) {
+        if (__builtin_expect(rc != AP_E_INVALID_PTR, 1)) { /* freed, or an error of its own */
             if (framed) ap_history_set_ctx(0);
             ap_pool_unhold(p);
             if (rc != AP_OK) apc_fail(rc, "ascend_pool_free(%p, device %d): %s", ptr, device, err.message);

@@ -152,9 +152,11 @@ static void join_segments(ap_pool *p, ap_segment *left, ap_segment *right, ap_vm
     ap_segment_recycle(p, right);
 }
 
-/* 1 when b is a free (or cached) block that another stream than slot's may still be using. */
+/* 1 when b is a neighbour a fresh block would merge with (free_cache.h's rule) that another
+   stream than slot's may still be using. */
 static inline int other_streams_free(const ap_block *b, int slot) {
-    return b && (b->state == AP_BLOCK_FREE || b->state == AP_BLOCK_CACHED) && b->tag && b->tag != slot;
+    int tag = 0;
+    return ap_cache_joins(b, &tag) && tag && tag != slot;
 }
 
 static ap_segment *segment_ending_at(ap_vmm_space *sp, ap_vmm_chunk *c, uintptr_t va) {
