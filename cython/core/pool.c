@@ -290,9 +290,12 @@ static void unmark_allocated(ap_pool *p, const ap_block *b) {
 
 int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err) {
     if (check_size(p, size, err) != AP_OK) {
-        if (size) { /* larger than the device: an OOM like any other, in num_ooms and the trace */
+        if (size) { /* larger than the device: an OOM like any other, in num_ooms and the trace, and
+                       a retry as torch counts one (its device call fails, it frees the cache and
+                       tries once more; freeing the cache here could not make room, so it is kept) */
             pthread_mutex_lock(&p->lock);
             p->stats.num_ooms++;
+            p->stats.num_alloc_retries++;
             note_oom(p, size, stream);
             pthread_mutex_unlock(&p->lock);
         }
