@@ -11,7 +11,8 @@ _STATES = ("inactive", "active_allocated", "active_pending_free")
 
 
 def build(device, segments, history, knobs, frames=None, entry_frames=True):
-    """segments: [(base, size, pool, stream, [(addr, size, requested, state, ctx)], expandable)];
+    """segments: [(base, size, pool, stream, [(addr, size, requested, state, ctx)], expandable[, ctx])]
+    (a segment's ctx: the frames of the allocation that created it, as torch's segment frames);
     history: [(action, addr, size, stream, time_us[, ctx])] oldest first; frames: {ctx: [frame
     dicts]} recorded with stacks="python" (a live block gets the frames of its allocation, which
     the block keeps: ctx); knobs:
@@ -21,7 +22,7 @@ def build(device, segments, history, knobs, frames=None, entry_frames=True):
     frames = frames or {}
     history = [h if len(h) == 6 else (*h, 0) for h in history]
     out_segments = []
-    for base, size, pool, stream, blocks, expandable in sorted(segments):
+    for base, size, pool, stream, blocks, expandable, *seg_ctx in sorted(segments, key=lambda s: s[0]):
         out_blocks = [
             {"address": addr, "size": bsize, "requested_size": req, "state": _STATES[state],
              "frames": frames.get(ctx, []) if state else []}
@@ -38,7 +39,7 @@ def build(device, segments, history, knobs, frames=None, entry_frames=True):
             "segment_type": "small" if pool == 0 else "large",
             "segment_pool_id": (0, 0),
             "is_expandable": expandable,
-            "frames": [],
+            "frames": frames.get(seg_ctx[0], []) if seg_ctx else [],
             "blocks": out_blocks,
         })
     events = [

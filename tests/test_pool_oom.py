@@ -1,6 +1,8 @@
 """The out-of-memory path: trim the cache, wait, retry; only then a typed error. The pool keeps
 serving afterwards."""
 
+import re
+
 import pytest
 
 import ascend_pool as ap
@@ -94,6 +96,20 @@ def test_out_of_memory_messages_use_pytorchs_words(pool, kind):
     assert isinstance(e.value, RuntimeError) and isinstance(e.value, MemoryError)
     pool.set_limit(None)
     pool.free(pool.malloc(MiB))  # and the pool keeps serving
+
+
+def test_a_request_beyond_the_device_names_its_total_capacity_and_torchs_1eb_words(pool):
+    # torch: "Tried to allocate more than 1EB memory" from 2**60 bytes on (test_cuda's
+    # test_out_of_memory allocates 8e18 bytes); below that the size, then the device's "total capacity"
+    total = pool.memory_stats()["device_total_bytes"]
+    with pytest.raises(ap.OutOfMemoryError, match=r"Tried to allocate more than 1EB memory \(8000000000000000000 bytes\) "
+                                                  r"on device 0, which has a total capacity of"):
+        pool.malloc(8 * 10**18)
+    cap = f"{total / 2**30:.2f} GiB ({total} bytes)"
+    with pytest.raises(ap.OutOfMemoryError, match=rf"Tried to allocate 1024\.00 GiB \(1099511627776 bytes\) on device 0, "
+                                                  rf"which has a total capacity of {re.escape(cap)}: larger than the device"):
+        pool.malloc(1 << 40)
+    pool.free(pool.malloc(MiB))
 
 
 @pytest.mark.parametrize("size,words", [(512, "512 bytes"), (1024, "1024 bytes"), (1536, r"1\.50 KiB \(1536 bytes\)"),

@@ -54,6 +54,37 @@ def test_history_turns_on_and_off_at_runtime_with_python_frames(pool):
     pool._check_invariants()
 
 
+@pytest.mark.parametrize("expandable", [False, True])
+def test_segments_carry_the_frames_of_the_allocation_that_created_them_as_torchs(expandable):
+    # torch keeps a segment's creation context on its head block (the snapshot's segment
+    # "frames"); an allocation that splits that block off leaves the context with the rest, so
+    # from then on the segment shows none: a segment one allocation filled keeps its frames, a
+    # small one (split at once) never has any (torch's test_memory_plots_free_stack: with
+    # context "state" the allocating function shows nowhere once its block is freed)
+    pool = ap.Pool(0, backend="sim", expandable_segments=expandable)
+    try:
+        pool.record_memory_history(enabled="all", stacks="python", context="all")
+        whole = _alloc_in_named_function(pool, (30 << 20) - 32)  # 30 MiB with the sim's 32-byte pad
+        small = _alloc_in_named_function(pool, 4096)
+
+        def seg_of(addr):
+            return next(s for s in pool.snapshot()["segments"] if s["address"] <= addr < s["address"] + s["total_size"])
+        assert all("frames" in s for s in pool.snapshot()["segments"])
+        seg = seg_of(whole)
+        assert seg["total_size"] == 30 << 20 and seg["frames"][0]["name"] == "_alloc_in_named_function"
+        assert any(f["name"] == "test_segments_carry_the_frames_of_the_allocation_that_created_them_as_torchs"
+                   for f in seg["frames"])
+        assert seg_of(small)["frames"] == [], "split at its creation: torch's shows none"
+        pool.free(whole)  # cached whole: the segment keeps its frames
+        assert seg_of(whole)["frames"][0]["name"] == "_alloc_in_named_function"
+        part = pool.malloc(25 << 20)  # splits the segment's head block: the frames go
+        assert seg_of(part)["address"] == seg["address"] and seg_of(part)["frames"] == []
+        pool.free(part)
+        pool.free(small)
+    finally:
+        pool.close()
+
+
 def test_history_without_stacks_records_events_without_frames(pool):
     pool.record_memory_history(enabled=True, stacks=None, max_entries=10)
     for _ in range(20):

@@ -61,6 +61,9 @@ typedef struct ap_segment {
     int expandable;           /* a run of mapped chunks in reserved address space */
     int oversize;             /* counted in oversize_segments (ap_segment_sized) */
     uint16_t alloc_slot;      /* stream slot of the allocation that created it (for snapshots) */
+    uint64_t ctx;             /* frames context id of that allocation (history.h; 0: none): the
+                                 segment's frames in snapshots, as torch's, until an allocation
+                                 splits its first block (torch's then stay on the split-off rest) */
     uint64_t last_use;        /* pool tick of the last allocation from it (garbage collection) */
     uint64_t seq;             /* creation order in its pool */
     struct ap_block *first;

@@ -363,6 +363,7 @@ static ap_block *grow(ap_pool *p, int slot, int pool, size_t rsize, int exact, s
         left->pool = pool;
         left->expandable = 1;
         left->alloc_slot = (uint16_t)slot;
+        left->ctx = p->history.capacity ? ap_history_tls_ctx : 0;
         left->first = nb;
         ap_segment_link(p, left);
     }
@@ -477,6 +478,7 @@ static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t
         rseg->pool = seg->pool;
         rseg->expandable = 1;
         rseg->alloc_slot = seg->alloc_slot;
+        rseg->ctx = seg->ctx;
         rseg->last_use = seg->last_use;
         ap_block *firstb = after;
         if (right) {

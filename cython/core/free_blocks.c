@@ -215,6 +215,8 @@ void ap_take_block(ap_pool *p, ap_block *b, size_t rsize, size_t requested, int 
             if (b->next) b->next->prev = rest;
             b->next = rest;
             b->size = rsize;
+            if (!b->prev) b->seg->ctx = 0; /* torch's segment frames live on its head block and stay
+                                              with the rest when that is split off: they are gone */
             ap_free_insert(p, rest, b->tag);
             AP_ASSERT(ap_block_links_ok(b));
         }

@@ -201,13 +201,19 @@ static const char *format_size(char *buf, size_t len, size_t size) {
 }
 
 static int check_size(ap_pool *p, size_t size, ap_error *err) {
-    char sz[64];
+    char sz[64], cap[64];
     if (size == 0) return ap_set_error(err, AP_E_INVALID_SIZE, 0, "size must be positive, got 0 bytes");
-    if ((int64_t)size < 0 || size > (size_t)p->stats.device_total_bytes)
+    if ((int64_t)size < 0 || size > (size_t)p->stats.device_total_bytes) {
+        size_t total = (size_t)p->stats.device_total_bytes;
+        /* torch's words: "Tried to allocate more than 1EB memory" from 2**60 bytes on (its check
+           before any device call), else the size; and the device's "total capacity" */
+        if (size >= ((size_t)1 << 60)) snprintf(sz, sizeof sz, "more than 1EB memory (%zu bytes)", size);
+        else format_size(sz, sizeof sz, size);
         return ap_set_error(err, AP_E_OOM, 0,
-                            "out of memory: Tried to allocate %s on device %d: larger than the device's "
-                            "%lld bytes", format_size(sz, sizeof sz, size),
-                            p->device, (long long)p->stats.device_total_bytes);
+                            "out of memory: Tried to allocate %s on device %d, which has a total capacity of "
+                            "%s: larger than the device",
+                            sz, p->device, format_size(cap, sizeof cap, total));
+    }
     return AP_OK;
 }
 

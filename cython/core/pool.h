@@ -311,6 +311,7 @@ typedef struct ap_snap_segment {
     int pool;
     int expandable;
     void *stream;
+    uint64_t ctx; /* frames context id of the allocation that created it (0: none) */
     size_t first_block, n_blocks; /* range in the blocks array */
 } ap_snap_segment;
 

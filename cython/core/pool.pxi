@@ -72,6 +72,7 @@ cdef extern from "pool.h" nogil:
         int pool
         int expandable
         void *stream
+        uint64_t ctx
         size_t first_block, n_blocks
     ctypedef struct ap_history_entry:
         uint8_t action
@@ -771,7 +772,7 @@ cdef class PoolBase:
         return n
 
     def _raw_snapshot(self):
-        """(segments, history): segments as tuples (base, size, pool, stream, blocks, expandable) with blocks
+        """(segments, history): segments as tuples (base, size, pool, stream, blocks, expandable, ctx) with blocks
         as tuples (addr, size, requested, state, ctx); history as (action, addr, size, stream, time_us, ctx)
         (ctx: the frames context id, 0 for none)."""
         self._check()
@@ -793,7 +794,8 @@ cdef class PoolBase:
                 for j in range(seg.first_block, seg.first_block + seg.n_blocks):
                     blk = snap.blocks[j]
                     blocks.append((blk.addr, blk.size, blk.requested, blk.state, blk.ctx))
-                segments.append((seg.base, seg.size, seg.pool, <uintptr_t>seg.stream, blocks, bool(seg.expandable)))
+                segments.append((seg.base, seg.size, seg.pool, <uintptr_t>seg.stream, blocks, bool(seg.expandable),
+                                 seg.ctx))
             history = []
             for i in range(snap.n_history):
                 e = snap.history[i]

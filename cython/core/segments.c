@@ -55,6 +55,7 @@ int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap
     seg->pool = pool;
     seg->pinned = pinned;
     seg->alloc_slot = (uint16_t)slot;
+    seg->ctx = p->history.capacity ? ap_history_tls_ctx : 0;
     seg->first = b;
     ap_segment_link(p, seg);
     b->addr = seg->base;

@@ -27,6 +27,7 @@ int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
         o->pool = s->pool;
         o->expandable = s->expandable;
         o->stream = s->alloc_slot ? p->slots[s->alloc_slot].stream : NULL;
+        o->ctx = s->ctx;
         o->first_block = j;
         for (ap_block *b = s->first; b; b = b->next) /* a cached block is isolated: one free block */
             out->blocks[j++] = (ap_snap_block){b->addr, b->size, b->requested,
