@@ -39,7 +39,7 @@ CORE_TESTS=(
     tests/test_stress_threads.py tests/test_vmm_policy_bounds.py
     tests/test_stats_oversize.py tests/test_pool_lifecycle.py tests/test_sim_node.py tests/test_sim_node_users.py
     tests/test_sharing_users.py tests/test_close_races.py tests/test_wait_bounds.py tests/test_oom_observers.py
-    tests/test_fuzz_sequences.py
+    tests/test_fuzz_sequences.py tests/test_backend_contexts.py
 )
 
 start=$(date +%s)

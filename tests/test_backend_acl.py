@@ -33,7 +33,7 @@ PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ascend_pool.__file_
 # in the older entry points (aclrtMalloc, aclrtQueryEvent) and nothing else.
 SYMBOLS = [
     "aclInit", "aclrtSetDevice", "aclrtResetDevice", "aclrtGetCurrentContext",
-    "aclrtSetCurrentContext", "aclrtGetDeviceCount", "aclrtMallocAlign32", "aclrtFree",
+    "aclrtSetCurrentContext", "aclrtGetDevice", "aclrtGetDeviceCount", "aclrtMallocAlign32", "aclrtFree",
     "aclrtGetMemInfo", "aclrtCreateEventWithFlag", "aclrtRecordEvent", "aclrtQueryEventStatus",
     "aclrtSynchronizeEvent", "aclrtSynchronizeEventWithTimeout", "aclrtDestroyEvent",
     "aclrtStreamWaitEvent", "aclrtResetEvent", "aclrtCreateStream", "aclrtSynchronizeStream",
@@ -85,9 +85,13 @@ class Sim:
 
 @pytest.fixture(scope="module", params=["normal", "legacy"])
 def sim(request):
-    """(backend, control) for each simulator build, through the acl loading code."""
+    """(backend, control) for each simulator build, through the acl loading code. Device 0 is
+    held meanwhile, as a pool holds its device: a stream lives in its device's default context,
+    which goes (with its streams, on CANN) when the device's last reference does."""
     backend = Backend("sim", sim_library_path(legacy=request.param == "legacy"))
-    return backend, Sim(backend)
+    backend.device_retain(0)
+    yield backend, Sim(backend)
+    backend.device_release(0)
 
 
 def run_py(code, **env):

@@ -45,8 +45,11 @@ class Control:
 
 @pytest.fixture(params=["normal", "legacy"])
 def sim(request):
+    # device 0 held meanwhile, as a pool holds its device (test_backend_acl.py's fixture says why)
     backend = Backend("sim", sim_library_path(legacy=request.param == "legacy"))
-    return backend, Control(backend)
+    backend.device_retain(0)
+    yield backend, Control(backend)
+    backend.device_release(0)
 
 
 def test_has_vmm_and_the_names_are_recorded_on_first_use(sim):

@@ -277,7 +277,7 @@ def test_backend_ipc_entries_through_the_acl_loading_code(legacy):
     assert e.value.code == 107008 and "ACL_ERROR_RT_ADDR_UNALIGNED" in str(e.value)
     assert b.resolved_symbols[-4:] == IPC_SYMBOLS
     key = b.ipc_export(0, ptr, 4 * MiB)
-    b.ipc_set_pids(key, [os.getpid()])
+    b.ipc_set_pids(0, key, [os.getpid()])
     p2, size = b.ipc_import(0, key)                   # the exporter may import its own key
     assert size == 0 and p2 != ptr and p2 % (2 * MiB) == 0
     with pytest.raises(DeviceError) as e:

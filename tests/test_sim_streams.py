@@ -189,6 +189,52 @@ def test_contexts_switch_the_threads_device(sim_node):
     """)
 
 
+def test_stream_calls_run_only_in_the_streams_own_context(sim_node):
+    # CANN (runtime api_impl.cc): EventRecord, StreamWaitEvent, EventReset and StreamDestroy need a
+    # current context (107002) and a stream of that context (107003, "stream not in current
+    # context"); queries and syncs of events need none; the default stream is any context's of
+    # its device; IpcMemSetImportPid needs a context too
+    sim_node.run("""
+        init(0)
+        cur = C.c_void_p(); ok("aclrtGetCurrentContext", C.byref(cur)); default0 = cur.value
+        s0 = stream()                                        # in device 0's default context
+        own = C.c_void_p(); ok("aclrtCreateContext", C.byref(own), 0)   # current now
+        s1 = stream()                                        # in `own`
+        e = event(0x1)                                       # ACL_EVENT_SYNC
+        assert code("aclrtRecordEvent", e, s0) == 107003 and "not in the current context" in errmsg()
+        assert code("aclrtStreamWaitEvent", s0, e) == 107003
+        assert code("aclrtResetEvent", e, s0) == 107003
+        assert code("aclrtDestroyStream", s0) == 107003
+        ok("aclrtRecordEvent", e, s1); ok("aclrtStreamWaitEvent", s1, e); ok("aclrtResetEvent", e, s1)
+        ok("aclrtRecordEvent", e, None)                      # the default stream: any context's
+        ok("aclrtSetCurrentContext", default0)
+        ok("aclrtRecordEvent", e, s0)
+        assert code("aclrtRecordEvent", e, s1) == 107003
+        ok("aclrtSynchronizeEvent", e); query_status(e)      # event queries and syncs need no context
+        seen = []
+        def contextless():                                   # a thread that never set a device
+            seen.append(code("aclrtRecordEvent", e, s0))
+            seen.append(code("aclrtDestroyStream", s0))
+            seen.append(code("aclrtSynchronizeEvent", e))
+            st = C.c_int(-1); seen.append(code("aclrtQueryEventStatus", e, C.byref(st)))
+        t = threading.Thread(target=contextless); t.start(); t.join()
+        assert seen == [107002, 107002, 0, 0], seen
+        ok("aclrtDestroyStream", s0)
+        ok("aclrtSetCurrentContext", own); ok("aclrtDestroyStream", s1)
+        ok("aclrtDestroyEvent", e)
+        p = malloc(2 << 20)
+        key = C.create_string_buffer(65)
+        lib.aclrtIpcMemGetExportKey.argtypes = [C.c_void_p, C.c_size_t, C.c_char_p, C.c_size_t, C.c_uint64]
+        lib.aclrtIpcMemSetImportPid.argtypes = [C.c_char_p, C.POINTER(C.c_int32), C.c_size_t]
+        ok("aclrtIpcMemGetExportKey", p, 2 << 20, key, 65, 0)
+        pid = (C.c_int32 * 1)(os.getpid())
+        out = []
+        t = threading.Thread(target=lambda: out.append(code("aclrtIpcMemSetImportPid", key, pid, 1)))
+        t.start(); t.join()
+        assert out == [107002], out
+    """)
+
+
 def test_event_limit_is_65536_live_events_per_device(sim_node):
     sim_node.run("""
         init()

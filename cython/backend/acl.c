@@ -73,6 +73,7 @@ typedef struct acl_impl {
     aclError (*aclrtResetDevice)(int32_t device);
     aclError (*aclrtGetCurrentContext)(void **context);
     aclError (*aclrtSetCurrentContext)(void *context);
+    aclError (*aclrtGetDevice)(int32_t *device);
     aclError (*aclrtGetDeviceCount)(uint32_t *count);
     const char *(*aclrtGetSocName)(void);
     aclError (*aclrtMalloc)(void **ptr, size_t size, int policy);
@@ -345,16 +346,47 @@ static int acl_enter_selected(ap_backend *b, acl_scope *sc)
 }
 
 static int acl_stream_device(ap_backend *b, void *stream, int *device);
+static int acl_created_stream_device(acl_impl *im, void *stream);
 
-/* For calls on a stream: its device's context when known (a stream this backend created, or the
-   simulator says), else as acl_enter_selected. */
+/* 1 when the calling thread's current context is on `device` (whichever context of it). */
+static int acl_thread_on_device(acl_impl *im, int device)
+{
+    void *cur;
+    int32_t dev = -1;
+
+    if (!acl_thread_context(im, &cur))
+        return 0;
+    if (im->aclrtGetDevice(&dev) != 0) {
+        if (im->aclGetRecentErrMsg)
+            (void)im->aclGetRecentErrMsg();
+        return 0;
+    }
+    return dev == device;
+}
+
+/* For calls on a stream. CANN runs a stream's calls (record, wait, reset, destroy) only in the
+   context the stream belongs to (107003 otherwise), and the NULL stream is the current context's
+   default stream. A stream this backend created belongs to its device's default context: that
+   one. Someone else's stream (a framework's, perhaps of a context it created) is used from the
+   framework's threads, whose current context is the stream's: when the calling thread's context
+   is on the call's device (the stream's, or the one this thread named last) it is kept; else the
+   device's default context, else as acl_enter_selected. */
 static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
 {
-    int dev;
+    acl_impl *im = IMPL(b);
+    int dev = stream ? acl_created_stream_device(im, stream) : -1;
 
-    if (stream && acl_stream_device(b, stream, &dev) == 0)
+    if (dev >= 0)
         return acl_enter(b, dev, sc);
-    return acl_enter_selected(b, sc);
+    if (!(stream && acl_stream_device(b, stream, &dev) == 0))
+        dev = tls_owner == im->base.id ? tls_device : -1;
+    if (dev >= 0 && !acl_thread_on_device(im, dev))
+        return acl_enter(b, dev, sc);
+    sc->saved = NULL; /* the caller's own context */
+    sc->switched = 0;
+    sc->temp = 0;
+    sc->device = dev;
+    return 0;
 }
 
 /* Runs `expr` between entering a context (`enter`, which fills sc_) and leaving it, and returns
@@ -702,10 +734,11 @@ static int acl_ipc_export(ap_backend *b, int device, void *ptr, size_t size, cha
     ON_DEVICE(b, device, IMPL(b)->aclrtIpcMemGetExportKey(ptr, size, key, ACL_IPC_KEY_LEN, aflags));
 }
 
-static int acl_ipc_set_pids(ap_backend *b, const char *key, const int32_t *pids, size_t n)
+/* CANN's SetIpcMemPid needs a current context (107002 without one): the key's device's. */
+static int acl_ipc_set_pids(ap_backend *b, int device, const char *key, const int32_t *pids, size_t n)
 {
     acl_ipc_record(b);
-    return IMPL(b)->aclrtIpcMemSetImportPid(key, (int32_t *)pids, n); /* CANN's prototype lacks const */
+    ON_DEVICE(b, device, IMPL(b)->aclrtIpcMemSetImportPid(key, (int32_t *)pids, n)); /* prototype lacks const */
 }
 
 static int acl_ipc_import(ap_backend *b, int device, const char *key, void **ptr, size_t *size)
@@ -730,7 +763,7 @@ static int acl_ipc_close(ap_backend *b, int device, const char *key)
 }
 
 static int acl_ipc_absent_export(ap_backend *b, int d, void *p, size_t s, char *k, size_t l, unsigned f) { (void)b; (void)d; (void)p; (void)s; (void)k; (void)l; (void)f; return AP_ERR_MISSING_SYMBOL; }
-static int acl_ipc_absent_set_pids(ap_backend *b, const char *k, const int32_t *p, size_t n) { (void)b; (void)k; (void)p; (void)n; return AP_ERR_MISSING_SYMBOL; }
+static int acl_ipc_absent_set_pids(ap_backend *b, int d, const char *k, const int32_t *p, size_t n) { (void)b; (void)d; (void)k; (void)p; (void)n; return AP_ERR_MISSING_SYMBOL; }
 static int acl_ipc_absent_import(ap_backend *b, int d, const char *k, void **p, size_t *s) { (void)b; (void)d; (void)k; (void)p; (void)s; return AP_ERR_MISSING_SYMBOL; }
 static int acl_ipc_absent_close(ap_backend *b, int d, const char *k) { (void)b; (void)d; (void)k; return AP_ERR_MISSING_SYMBOL; }
 
@@ -829,9 +862,10 @@ static int acl_stream_wait_event(ap_backend *b, void *stream, void *event)
     ON_STREAM(b, stream, IMPL(b)->aclrtStreamWaitEvent(stream, event));
 }
 
+/* CANN's EventReset checks the stream against the current context (107003 otherwise). */
 static int acl_event_reset(ap_backend *b, void *event, void *stream)
 {
-    return IMPL(b)->aclrtResetEvent(event, stream);
+    ON_STREAM(b, stream, IMPL(b)->aclrtResetEvent(event, stream));
 }
 
 /* ---- streams ------------------------------------------------------------------------------- */
@@ -887,19 +921,27 @@ static int acl_stream_create(ap_backend *b, int device, void **stream)
 
 /* The device of `stream`: one this backend created, else what the simulator says (CANN has no
    query for a stream's device). 0 and *device, or a nonzero code when it cannot tell. */
-static int acl_stream_device(ap_backend *b, void *stream, int *device)
+static int acl_created_stream_device(acl_impl *im, void *stream)
 {
-    acl_impl *im = IMPL(b);
-    int32_t dev = -1;
+    int dev = -1;
     size_t i;
 
-    if (!stream)
-        return AP_ERR_UNKNOWN_STREAM; /* the default stream: whichever device the call runs on */
     pthread_mutex_lock(&im->streams_lock);
     for (i = 0; i < im->n_streams; i++)
         if (im->streams[i].stream == stream)
             dev = im->streams[i].device;
     pthread_mutex_unlock(&im->streams_lock);
+    return dev;
+}
+
+static int acl_stream_device(ap_backend *b, void *stream, int *device)
+{
+    acl_impl *im = IMPL(b);
+    int32_t dev = -1;
+
+    if (!stream)
+        return AP_ERR_UNKNOWN_STREAM; /* the default stream: whichever device the call runs on */
+    dev = acl_created_stream_device(im, stream);
     if (dev < 0 && im->sim_stream_device && im->sim_stream_device(stream, &dev) != 0) {
         if (im->aclGetRecentErrMsg)
             (void)im->aclGetRecentErrMsg();
@@ -1125,6 +1167,7 @@ static int acl_resolve_all(acl_impl *im, void *lib, char *err, size_t errlen)
     REQUIRE(aclrtResetDevice);
     REQUIRE(aclrtGetCurrentContext);
     REQUIRE(aclrtSetCurrentContext);
+    REQUIRE(aclrtGetDevice);
     REQUIRE(aclrtGetDeviceCount);
     /* Newer entry points first; the older ones are only resolved (and recorded) when needed. */
     if (!RESOLVE(aclrtMallocAlign32))

@@ -143,7 +143,7 @@ struct ap_backend {
     int (*ipc_export)(ap_backend *b, int device, void *ptr, size_t size, char *key, size_t keylen,
                       unsigned flags);
     /* Exporter: lets these processes import `key` (cuda: nothing to do, 0). */
-    int (*ipc_set_pids)(ap_backend *b, const char *key, const int32_t *pids, size_t n);
+    int (*ipc_set_pids)(ap_backend *b, int device, const char *key, const int32_t *pids, size_t n);
     /* Maps the memory of `key` into this process for `device`; *size gets its bytes where the
        runtime tells them, else 0 (acl tells nothing: the exporter's handle carries the size). */
     int (*ipc_import)(ap_backend *b, int device, const char *key, void **ptr, size_t *size);

@@ -70,7 +70,7 @@ cdef extern from "backend.h" nogil:
         int has_ipc_read_only
         int (*ipc_export)(ap_backend *b, int device, void *ptr, size_t size, char *key, size_t keylen,
                           unsigned flags) noexcept nogil
-        int (*ipc_set_pids)(ap_backend *b, const char *key, const int32_t *pids, size_t n) noexcept nogil
+        int (*ipc_set_pids)(ap_backend *b, int device, const char *key, const int32_t *pids, size_t n) noexcept nogil
         int (*ipc_import)(ap_backend *b, int device, const char *key, void **ptr, size_t *size) noexcept nogil
         int (*ipc_close)(ap_backend *b, int device, const char *key) noexcept nogil
         int (*node_pid)(ap_backend *b, int32_t *pid) noexcept nogil
@@ -429,8 +429,8 @@ cdef class Backend:
             self._fail(rc, f"ipc_export({size})")
         return key.decode("ascii")
 
-    def ipc_set_pids(self, key, pids):
-        """Exporter: lets the processes `pids` (ints) import `key`."""
+    def ipc_set_pids(self, int device, key, pids):
+        """Exporter: lets the processes `pids` (ints) import `key` (exported on `device`)."""
         cdef int rc
         cdef bytes bkey = str(key).encode("ascii")
         cdef const char *ckey = bkey
@@ -442,7 +442,7 @@ cdef class Backend:
             for i in range(n):
                 arr[i] = <int32_t>int(pids[i])
             with nogil:
-                rc = self.b.ipc_set_pids(self.b, ckey, arr, n)
+                rc = self.b.ipc_set_pids(self.b, device, ckey, arr, n)
         finally:
             _c_free(arr)
         if rc != 0:

@@ -469,9 +469,10 @@ static int cuda_ipc_export(ap_backend *b, int device, void *ptr, size_t size, ch
     return 0;
 }
 
-static int cuda_ipc_set_pids(ap_backend *b, const char *key, const int32_t *pids, size_t n)
+static int cuda_ipc_set_pids(ap_backend *b, int device, const char *key, const int32_t *pids, size_t n)
 {
     (void)b;
+    (void)device;
     (void)key;
     (void)pids;
     (void)n;
@@ -564,7 +565,7 @@ static int cuda_node_pid(ap_backend *b, int32_t *pid)
     return 0;
 }
 
-static int cuda_ipc_absent_set_pids(ap_backend *b, const char *k, const int32_t *p, size_t n) { (void)b; (void)k; (void)p; (void)n; return AP_ERR_MISSING_SYMBOL; }
+static int cuda_ipc_absent_set_pids(ap_backend *b, int d, const char *k, const int32_t *p, size_t n) { (void)b; (void)d; (void)k; (void)p; (void)n; return AP_ERR_MISSING_SYMBOL; }
 static int cuda_ipc_absent_import(ap_backend *b, int d, const char *k, void **p, size_t *s) { (void)b; (void)d; (void)k; (void)p; (void)s; return AP_ERR_MISSING_SYMBOL; }
 static int cuda_ipc_absent_close(ap_backend *b, int d, const char *k) { (void)b; (void)d; (void)k; return AP_ERR_MISSING_SYMBOL; }
 

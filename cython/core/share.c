@@ -75,7 +75,7 @@ int ap_share_export(ap_share *s, unsigned flags, ap_error *err) {
 int ap_share_set_pids(ap_share *s, const int32_t *pids, size_t n, ap_error *err) {
     if (s->state != AP_SHARE_EXPORTED)
         return ap_set_error(err, AP_E_INVALID_PTR, 0, "block 0x%lx is not exported", (unsigned long)s->base);
-    int rc = s->backend->ipc_set_pids(s->backend, s->key, pids, n);
+    int rc = s->backend->ipc_set_pids(s->backend, s->device, s->key, pids, n);
     return rc ? device_error(s->backend, s->device, err, rc, "allowing importers") : AP_OK;
 }
 

@@ -19,8 +19,12 @@
  *   device id out of range (SetDevice, ResetDevice, CreateContext)
  *                                                     ACL_ERROR_RT_INVALID_DEVICEID  107001
  *   device id out of range in ascendsim_get_stats     ACL_ERROR_INVALID_DEVICE       200002
- *   no current device on the thread (malloc, streams, events, GetDevice, GetMemInfo)
+ *   no current device on the thread (malloc, streams, events, GetDevice, GetMemInfo; record,
+ *   wait and reset of an event and destroy on a created stream; IPC set-pid)
  *                                                     ACL_ERROR_RT_CONTEXT_NULL      107002
+ *   record / wait / reset / destroy on a stream of a context that is not the thread's current
+ *   one (CANN's "stream not in current context"; the NULL default stream: any context of its
+ *   device)                                            ACL_ERROR_RT_STREAM_CONTEXT    107003
  *   unknown/destroyed stream, event, context handle; address outside live device memory
  *   (ascendsim_read/launch_fill); injected event-query fault
  *                                                     ACL_ERROR_RT_PARAM_INVALID     107000
@@ -52,7 +56,7 @@
  *   exported, malformed key, unknown key (never exported, closed, or another node's), key not
  *   exported (SetImportPid) / neither exported nor imported (Close) by this process
  *                                                     ACL_ERROR_RT_PARAM_INVALID     107000
- *   no current device (export, import)                ACL_ERROR_RT_CONTEXT_NULL      107002
+ *   no current device (export, import, set-pid)       ACL_ERROR_RT_CONTEXT_NULL      107002
  *   export of an address or size that is not a multiple of the 2 MiB page
  *                                                     ACL_ERROR_RT_ADDR_UNALIGNED    107008
  *   import by a pid the exporter did not allow; record of another user or not 0600; a fill of
@@ -89,6 +93,7 @@ typedef void *aclrtContext;
 #define ACL_ERROR_RT_PARAM_INVALID 107000
 #define ACL_ERROR_RT_INVALID_DEVICEID 107001
 #define ACL_ERROR_RT_CONTEXT_NULL 107002
+#define ACL_ERROR_RT_STREAM_CONTEXT 107003
 #define ACL_ERROR_RT_ADDR_UNALIGNED 107008
 #define ACL_ERROR_RT_WAIT_TIMEOUT 107019
 #define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000

@@ -32,6 +32,13 @@ int sim_current_device(const char *call, int *dev)
     return 0;
 }
 
+struct sim_context *sim_current_context(void)
+{
+    if (t_gen != atomic_load(&g_sim.generation) || t_device < 0 || (t_ctx && atomic_load(&t_ctx->dead)))
+        return NULL;
+    return t_ctx;
+}
+
 void sim_thread_set_device(int dev, struct sim_context *ctx)
 {
     t_device = dev;

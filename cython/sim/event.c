@@ -124,7 +124,7 @@ static int event_and_stream(aclrtEvent event, aclrtStream stream, const char *ca
         return rc;
     if ((rc = get_event(event, call, e)) != 0)
         return rc;
-    if ((rc = sim_stream_get(stream, call, s)) != 0) {
+    if ((rc = sim_stream_get_in_context(stream, call, s)) != 0) {
         sim_obj_unref(&(*e)->obj);
         return rc;
     }
@@ -247,7 +247,7 @@ SIM_EXPORT aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
     if ((rc = get_event(event, call, &e)) != 0)
         return rc;
     struct sim_stream *target;
-    if ((rc = sim_stream_get(stream, call, &target)) != 0) {
+    if ((rc = sim_stream_get_in_context(stream, call, &target)) != 0) {
         sim_obj_unref(&e->obj);
         return rc;
     }

@@ -592,6 +592,9 @@ SIM_EXPORT aclError aclrtIpcMemSetImportPid(const char *key, int32_t *pid, size_
     for (size_t i = 0; i < num; i++)
         if (pid[i] <= 0)
             return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "pid[%zu] = %d is not a process id", i, (int)pid[i]);
+    int dev;
+    if ((rc = sim_current_device(call, &dev)) != 0) /* CANN's SetIpcMemPid runs in a context */
+        return rc;
     pthread_mutex_lock(&ipc_mu);
     struct ipc_export *e = key_ok(key) ? find_export(key) : NULL;
     if (!e) {

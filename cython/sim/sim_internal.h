@@ -243,6 +243,7 @@ struct sim_stream {
     struct sim_obj obj;
     int device;
     int is_default;
+    struct sim_context *ctx;    /* the context it was created in (never freed); NULL: a default stream */
     pthread_mutex_t mu;
     pthread_cond_t work_cv;     /* worker: new work, release, exit */
     pthread_cond_t done_cv;     /* waiters: `completed` moved */
@@ -256,6 +257,12 @@ struct sim_stream {
 };
 /* Resolves a user handle (NULL: the current device's default stream) to a referenced stream. */
 int sim_stream_get(aclrtStream handle, const char *call, struct sim_stream **out);
+/* The same for the calls CANN runs only in the stream's own context (record, wait, reset,
+   destroy): a created stream also needs the thread's current context to be the one it was
+   created in (107002 with none, 107003 with another; the default stream: any of its device). */
+int sim_stream_get_in_context(aclrtStream handle, const char *call, struct sim_stream **out);
+/* 0 when the thread may run `call` on s as sim_stream_get_in_context says, else the failure. */
+int sim_stream_check_context(struct sim_stream *s, const char *call);
 void sim_stream_put(struct sim_stream *s);
 /* Enqueues w (taking ownership); 107000 if the stream is being destroyed. */
 int sim_stream_submit(struct sim_stream *s, struct sim_work *w, const char *call);
@@ -280,6 +287,8 @@ struct sim_context {
 /* The calling thread's current device, or 107002 (recorded for `call`) when it has none. */
 int sim_current_device(const char *call, int *dev);
 void sim_thread_set_device(int dev, struct sim_context *ctx);
+/* The calling thread's current context, NULL when it has none. */
+struct sim_context *sim_current_context(void);
 struct sim_context *sim_default_context(int dev); /* created on first use; NULL out of memory */
 void sim_thread_clear_device(int dev);           /* if the thread's current device is dev */
 

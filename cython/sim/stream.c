@@ -143,6 +143,29 @@ int sim_stream_get(aclrtStream handle, const char *call, struct sim_stream **out
     return 0;
 }
 
+int sim_stream_check_context(struct sim_stream *s, const char *call)
+{
+    if (!s->ctx)
+        return 0;
+    struct sim_context *cur = sim_current_context();
+    if (!cur)
+        return sim_fail(ACL_ERROR_RT_CONTEXT_NULL, call, "this thread has no current context (stream %p)",
+                        SIM_HANDLE(&s->obj));
+    if (cur != s->ctx)
+        return sim_fail(ACL_ERROR_RT_STREAM_CONTEXT, call,
+                        "stream %p is not in the current context: it belongs to context %p, the thread's "
+                        "current one is %p", SIM_HANDLE(&s->obj), SIM_HANDLE(&s->ctx->obj), SIM_HANDLE(&cur->obj));
+    return 0;
+}
+
+int sim_stream_get_in_context(aclrtStream handle, const char *call, struct sim_stream **out)
+{
+    int rc = sim_stream_get(handle, call, out);
+    if (rc == 0 && (rc = sim_stream_check_context(*out, call)) != 0)
+        sim_stream_put(*out);
+    return rc;
+}
+
 void sim_stream_put(struct sim_stream *s)
 {
     if (s)
@@ -261,6 +284,7 @@ SIM_EXPORT aclError aclrtCreateStream(aclrtStream *stream)
     struct sim_stream *s = stream_new(dev, 0);
     if (!s)
         return sim_fail(ACL_ERROR_RT_NO_STREAM_RESOURCE, call, "cannot start a stream worker thread");
+    s->ctx = sim_current_context();
     if (sim_reg_add(&s->obj) != 0) {
         sim_stream_shutdown(s);
         sim_stream_put(s);
@@ -308,11 +332,15 @@ SIM_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
         return rc;
     if (!stream)
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "stream is NULL (the default stream cannot be destroyed)");
+    struct sim_stream *s;
+    if ((rc = sim_stream_get_in_context(stream, call, &s)) != 0) /* "the stream must be in the current context" */
+        return rc;
+    sim_stream_put(s);
     struct sim_obj *o = sim_reg_take(stream, SIM_H_STREAM);
     if (!o)
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "%p is not a live stream (never created, or already destroyed)", stream);
-    struct sim_stream *s = (struct sim_stream *)o;
+    s = (struct sim_stream *)o;
     sim_stream_shutdown(s);
     sim_stream_put(s);
     return ACL_SUCCESS;

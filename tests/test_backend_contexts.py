@@ -1,0 +1,110 @@
+"""The pool on a framework's threads, under CANN's context rules (docs/cann-rules.md, "Contexts
+and streams"): a stream's record, wait, event reset and destroy run only in the stream's own
+context, and the IPC pid list needs a current context. The simulator enforces these rules as the
+runtime does (107002 without a context, 107003 with another one), so each test here fails if the
+acl backend runs such a call in the wrong context. Each test runs in a child process on its own
+node with two simulated devices."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
+
+
+def test_cross_stream_reuse_from_a_thread_on_another_device_reuses_its_event(sim_node):
+    # A framework thread whose current device is 1 uses the device-0 pool: a block freed on
+    # stream a is reused on stream b (b waits on a's event, which is then reset on b and kept).
+    # Reset outside b's context fails on CANN: the event would be destroyed and a new one made
+    # at every reuse, and the thread's error message left set.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        MiB = 1 << 20
+        pool = ap.Pool(0, backend="sim")
+        res = {}
+        def framework_thread():
+            ok("aclrtSetDevice", 1)
+            a, b = pool.create_stream(), pool.create_stream()
+            reused = 0
+            for _ in range(20):
+                p = pool.malloc(8 * MiB, stream=a); pool.free(p, stream=a)
+                q = pool.malloc(8 * MiB, stream=b); pool.free(q, stream=b)
+                reused += p == q
+                p = pool.malloc(8 * MiB, stream=b); pool.free(p, stream=b)  # back to a next round
+            dev = C.c_int32(); ok("aclrtGetDevice", C.byref(dev))
+            res.update(reused=reused, events=pool.memory_stats()["events_created"], device=dev.value,
+                       message=errmsg())
+            pool.destroy_stream(a); pool.destroy_stream(b)
+        t = threading.Thread(target=framework_thread); t.start(); t.join()
+        pool.close()
+        print(json.dumps(res))
+    """)
+    assert out["reused"] == 20 and out["device"] == 1, out
+    assert out["events"] <= 2, f"an event per reuse: its reset failed outside the stream's context ({out})"
+    assert not out["message"], out
+
+
+def test_a_stream_of_the_frameworks_own_context_serves_allocations(sim_node):
+    # An ACL application (or an inference server) creates its own context on device 0 and a
+    # stream there, and hands the pool that stream: the pool's record and wait calls on it must
+    # run in that context, not in the device's default one.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        MiB = 1 << 20
+        pool = ap.Pool(0, backend="sim")
+        res = {}
+        def app_thread():
+            ok("aclrtSetDevice", 0)
+            ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
+            s = C.c_void_p(); ok("aclrtCreateStream", C.byref(s))
+            mine = pool.create_stream()                 # the pool's own, in the default context
+            pool.register_stream(s.value)
+            p = pool.malloc(MiB, stream=s.value)
+            sim.launch_fill(s.value, p, MiB, 0x5A, delay_s=0.02)
+            pool.free(p, stream=s.value)                # records an event on s
+            q = pool.malloc(MiB, stream=mine)           # reuse on another stream: waits on s's event
+            pool.synchronize(mine)
+            res["same_block"] = p == q
+            res["bytes"] = sim.read(q, 4).hex()         # s's fill was done before mine could use it
+            pool.free(q, stream=mine)
+            r = pool.malloc(MiB, stream=s.value)        # and back on s: waits on mine's event
+            pool.free(r, stream=s.value)
+            pool.synchronize(s.value)
+            cur = C.c_void_p(); ok("aclrtGetCurrentContext", C.byref(cur))
+            res["context_kept"] = cur.value == ctx.value
+            pool.destroy_stream(mine)
+            ok("aclrtDestroyStream", s); ok("aclrtDestroyContext", ctx)
+        def run():
+            try:
+                app_thread()
+            except Exception as e:
+                res["error"] = f"{type(e).__name__}: {e}"
+        t = threading.Thread(target=run); t.start(); t.join()
+        pool.close()
+        print(json.dumps(res))
+    """)
+    assert out == {"same_block": True, "bytes": "5a5a5a5a", "context_kept": True}, out
+
+
+def test_allowing_importers_from_a_thread_without_a_context(sim_node):
+    # A service thread (no device set) relays an importer's id: aclrtIpcMemSetImportPid needs a
+    # current context, which the backend enters for the shared block's device.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sharing
+        pool = ap.Pool(1, backend="sim")
+        ptr = sharing.share_malloc(pool, 2 << 20)
+        h = sharing.share(pool, ptr)
+        me = sharing.node_pid(pool.backend)
+        res = {}
+        def service_thread():
+            try:
+                sharing.allow(h, [me + 1])
+                res["allowed"] = True
+            except Exception as e:
+                res["allowed"] = f"{type(e).__name__}: {e}"
+        t = threading.Thread(target=service_thread); t.start(); t.join()
+        sharing.share_free(pool, ptr)
+        pool.close()
+        print(json.dumps(res))
+    """)
+    assert out == {"allowed": True}, out
