@@ -4,6 +4,7 @@ The current device is per thread (set_device); each device's default pool is cre
 use with the knobs of $ASCEND_POOL_CONF and the backend of $ASCEND_POOL_BACKEND.
 """
 
+import os
 import threading
 import warnings
 
@@ -19,8 +20,18 @@ from .tenants.context import Context
 from .tenants.default import default_tenant_pool
 from .units import as_index
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # held while a default pool is made (runtime calls: long)
 _local = threading.local()
+
+
+def _after_fork_in_child():
+    # A thread making a default pool at the fork leaves the child's copy locked for good: every
+    # module-level call there would hang instead of raising BackendUnavailableError.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def set_device(device):

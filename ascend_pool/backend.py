@@ -29,9 +29,19 @@ _NOT_LOADED = 990001  # AP_ERR_NOT_LOADED in backend.h
 
 log = logging.getLogger("ascend_pool")
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # held while a runtime is opened (dlopen, aclInit: long)
 _cache = {}  # (name or None, path or None) -> Backend, for every request ever answered
 _logged = False  # the choice is logged once per process
+
+
+def _after_fork_in_child():
+    # A fork while another thread opens a runtime copies this lock held; the child is refused
+    # by check_not_forked (fork.c counts an open in progress as opened), not left hanging here.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _requested_name(name):

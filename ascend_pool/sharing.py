@@ -152,7 +152,14 @@ def _record_path(backend_name, key, node=None):
 
 
 class _Record:
-    """One record file, opened; every access under flock (released by the kernel if we die)."""
+    """One record file, opened; every access under flock (released by the kernel if we die).
+
+    The lock is waited for at most lock_wait_s seconds: a peer stopped inside its update (SIGSTOP,
+    a paused or frozen container) holds it for as long as it stays stopped, and that must be an
+    error here, not a hang of the exporter, of other importers or of a metrics scrape (the quota
+    ledger bounds its lock the same way)."""
+
+    lock_wait_s = 10.0
 
     def __init__(self, path, create=None, owner=None):
         self.path = path
@@ -183,8 +190,23 @@ class _Record:
             os.close(self.fd)
             self.fd = -1
 
+    def _lock(self):
+        deadline = time.monotonic() + self.lock_wait_s
+        pause = 0.001
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise SharingError(f"share record {self.path} stayed locked by another process for "
+                                       f"{self.lock_wait_s:g} s (one stopped or frozen inside its update?); "
+                                       "nothing was changed, try again") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+
     def __enter__(self):
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        self._lock()
         data = os.pread(self.fd, _REC_SIZE, 0)
         h = _HDR.unpack_from(data)
         if h[0] != _MAGIC or h[1] != _VERSION:
@@ -685,13 +707,17 @@ def _trusted_record_dirs(uids, gids):
     return out
 
 
+_LIST_LOCK_WAIT_S = 0.5
+
+
 def shares(directory=None, uids=None, gids=()):
     """Who shares what on this node: a list of dicts with key, backend, node, device, size, nbytes,
     read_only, tenant, exporter_pid (in its own pid namespace), exporter_instance (16 hex digits,
     unique on the node), exporter_uid, exporter_alive, state ("open" or "closing") and importers
     (live pids). By default this user's records; with uids/gids (a node service), the records in the
     private directories of those users and groups. The records of exporters that have died are
-    removed (their memory is gone with them) where this user may, and never listed."""
+    removed (their memory is gone with them) where this user may, and never listed; a record
+    another process keeps locked for over half a second (stopped inside an update) is left out."""
     if uids is None and not gids:
         dirs = [(directory or _record_dir(), {os.geteuid()})]
     else:
@@ -719,6 +745,7 @@ def _shares_in(d, owners):
             rec = _Record(os.path.join(d, name), owner=uid)
         except (OSError, SharingError):
             continue
+        rec.lock_wait_s = _LIST_LOCK_WAIT_S  # a listing (a metrics scrape) skips a record held too long
         try:
             with rec:
                 h = rec.header

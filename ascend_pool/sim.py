@@ -47,6 +47,15 @@ _lib = None
 _lock = threading.Lock()
 
 
+def _after_fork_in_child():
+    # held across a dlopen by attach(): a fork meanwhile must not leave the child's copy locked
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class SimError(Exception):
     """A simulator call failed. ``code`` is the ACL error code (e.g. 207001 out of memory,
     107000 invalid handle or address, 100001 runtime not initialised)."""

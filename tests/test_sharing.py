@@ -410,3 +410,35 @@ def test_an_edited_handle_is_refused(pool):
         blk.close()
     finally:
         assert pool.share_free(ptr) is True
+
+
+def test_a_record_held_by_a_stopped_peer_is_an_error_not_a_hang(pool, monkeypatch):
+    # A peer stopped inside its update of a share record (SIGSTOP, a paused container) keeps the
+    # record's flock for as long as it stays stopped: a listing (the node service's scrape)
+    # leaves the record out within half a second, the exporter's share_free raises SharingError
+    # after its bound instead of waiting for ever, and works once the peer lets go.
+    import fcntl
+    import threading
+
+    ptr = pool.share_malloc(2 * MiB)
+    handle = pool.share(ptr, any_process=True)
+    path = next(os.path.join(sharing._record_dir(), n) for n in os.listdir(sharing._record_dir())
+                if n.endswith(handle.key))
+    peer = os.open(path, os.O_RDWR)  # another open file description: its flock excludes ours
+    fcntl.flock(peer, fcntl.LOCK_EX)
+    try:
+        done = []
+        lister = threading.Thread(target=lambda: done.append(sharing.shares()))
+        t0 = time.monotonic()
+        lister.start()
+        lister.join(10)
+        assert done and time.monotonic() - t0 < 5, "shares() waited on the held record"
+        assert handle.key not in [s["key"] for s in done[0]]
+        monkeypatch.setattr(sharing._Record, "lock_wait_s", 0.3)
+        with pytest.raises(sharing.SharingError, match="stayed locked by another process"):
+            pool.share_free(ptr)
+    finally:
+        fcntl.flock(peer, fcntl.LOCK_UN)
+        os.close(peer)
+    assert handle.key in [s["key"] for s in sharing.shares()]
+    assert pool.share_free(ptr) is True

@@ -180,6 +180,15 @@ _env_lock = threading.Lock()
 _env_handles = []
 
 
+def _after_fork_in_child():
+    # a fork while another thread starts the triggers must not leave the child's copy locked
+    global _env_lock
+    _env_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def start_from_env(path=None):
     """Turns on the reload triggers named in $ASCEND_POOL_CONFIG_RELOAD, once per process.
     SIGHUP is installed only when called from the main thread (else logged and skipped)."""

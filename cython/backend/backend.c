@@ -13,20 +13,11 @@
 #include <string.h>
 #include <time.h>
 
-int ap_backend_open_default(ap_backend *b, const char *kind, const char *path, int prefer_loaded,
-                            char *err, size_t errlen)
+/* Loads and opens the runtime of `kind` into b (zeroed); counted as open on success. */
+static int open_kind(ap_backend *b, const char *kind, const char *path, int prefer_loaded, char *err, size_t errlen)
 {
     int rc;
 
-    if (!b) {
-        ap_errf(err, errlen, "ap_backend_open: no backend struct given");
-        return AP_ERR_NOT_LOADED;
-    }
-    memset(b, 0, sizeof *b);
-    if (atomic_load_explicit(&ap_forked_from, memory_order_relaxed)) {
-        ap_backend_forked_message(err, errlen);
-        return AP_ERR_FORKED;
-    }
     if (path && !*path)
         path = NULL; /* "" means the default search, as NULL does */
     if (!kind) {
@@ -57,6 +48,26 @@ int ap_backend_open_default(ap_backend *b, const char *kind, const char *path, i
     snprintf(b->name, sizeof b->name, "%s", kind);
     ap_backend_count_open(1);
     return 0;
+}
+
+int ap_backend_open_default(ap_backend *b, const char *kind, const char *path, int prefer_loaded,
+                            char *err, size_t errlen)
+{
+    int rc;
+
+    if (!b) {
+        ap_errf(err, errlen, "ap_backend_open: no backend struct given");
+        return AP_ERR_NOT_LOADED;
+    }
+    memset(b, 0, sizeof *b);
+    if (atomic_load_explicit(&ap_forked_from, memory_order_relaxed)) {
+        ap_backend_forked_message(err, errlen);
+        return AP_ERR_FORKED;
+    }
+    ap_backend_count_opening(1); /* a fork from now on leaves the child without a runtime (fork.c) */
+    rc = open_kind(b, kind, path, prefer_loaded, err, errlen);
+    ap_backend_count_opening(-1);
+    return rc;
 }
 
 void ap_backend_close(ap_backend *b)

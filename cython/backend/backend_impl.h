@@ -26,6 +26,8 @@ int ap_cuda_open(ap_backend *b, const char *path, char *err, size_t errlen);
 
 /* fork.c: +1 when a backend opens, -1 when it closes (a fork with any open is refused). */
 void ap_backend_count_open(int delta);
+/* +1 when ap_backend_open starts, -1 when it returns: a fork meanwhile counts as after an open. */
+void ap_backend_count_opening(int delta);
 
 /* A library already loaded in this process whose file name is `stem` or `stem.<version>`, opened
    again (RTLD_NOLOAD: never a second copy) and written to found; NULL when none. With marker

@@ -9,6 +9,8 @@
  * with AP_ERR_FORKED and a message that says to start workers with 'spawn'.
  *
  * A fork before any backend was opened is fine: the child opens its own runtime as any process.
+ * A fork while another thread is opening one is not: the runtime may be half set up (dlopen'ed,
+ * aclInit called) and the opening thread's locks are copied held into the child.
  */
 #include "backend_impl.h"
 
@@ -17,13 +19,14 @@
 #include <unistd.h>
 
 static atomic_int open_backends;
+static atomic_int opening_backends; /* ap_backend_open calls in progress */
 atomic_int ap_forked_from; /* backend.h */
 
 static void after_fork_in_child(void)
 {
     /* Only async-signal-safe work here: two atomic accesses and getppid(). A grandchild keeps
        the first pid: its runtime is as unusable as its parent's. */
-    if (atomic_load(&open_backends) > 0 && atomic_load(&ap_forked_from) == 0)
+    if ((atomic_load(&open_backends) > 0 || atomic_load(&opening_backends) > 0) && atomic_load(&ap_forked_from) == 0)
         atomic_store(&ap_forked_from, (int)getppid());
 }
 
@@ -35,6 +38,11 @@ __attribute__((constructor)) static void fork_boot(void)
 void ap_backend_count_open(int delta)
 {
     atomic_fetch_add(&open_backends, delta);
+}
+
+void ap_backend_count_opening(int delta)
+{
+    atomic_fetch_add(&opening_backends, delta);
 }
 
 void ap_backend_forked_message(char *buf, size_t len)
