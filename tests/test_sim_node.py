@@ -7,6 +7,7 @@ import os
 import signal
 import struct
 import sys
+import time
 
 import pytest
 
@@ -252,3 +253,72 @@ def test_a_forked_child_starts_without_a_runtime_and_gets_its_own_share(sim_node
         assert sim.stats(0)["bytes_held"] == 100 << 10
         free(p)
     """)
+
+
+def _in_pid_namespace(node, code):
+    """Starts PRELUDE + code as pid 1 of a pid namespace of its own (as a container's first
+    process), on the node; stdin/stdout piped."""
+    import shutil
+    import subprocess
+    import textwrap
+    from sim_fixtures import PRELUDE
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("pid namespaces need unshare and root (CI has both)")
+    return subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-c",
+                             PRELUDE + textwrap.dedent(code)], env=node.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_the_record_lock_names_its_holder_by_lease_across_pid_namespaces(sim_node):
+    """A record's lock names its holder by lease id, not by thread id: containers' first processes
+    are all pid 1, and with a robust pthread mutex a waiter of pid 1 killed in one namespace made
+    the kernel declare the live pid-1 holder of another namespace dead, so a third process entered
+    the critical section beside it (and a helper's fuzzing once saw a SIGSEGV). Here: the lock is
+    made to name a live holder that is pid 1 of its own namespace; a waiter that is pid 1 of
+    another namespace is killed while it waits; a process attaching to the device must still wait,
+    until the holder lets go. A lock naming a lease nobody holds (a holder that died inside) is
+    taken over and counted in the record's recoveries."""
+    holder = _in_pid_namespace(sim_node, HOLDER.format(n=1 << 20))
+    attach = None
+    try:
+        assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
+        path = sim_node.record_path(0)
+
+        def record():
+            with open(path, "rb") as f:
+                data = f.read()
+            base = len(data) - SLOTS * SLOT_SIZE  # the lock word and the recoveries counter precede the slots
+            slots = [struct.unpack_from("<iIQQQQ", data, base + i * SLOT_SIZE) for i in range(SLOTS)]
+            return base, struct.unpack_from("<QQ", data, base - 16), slots
+
+        def set_lock_owner(lease):
+            with open(path, "r+b") as f:
+                f.seek(record()[0] - 16)
+                f.write(struct.pack("<Q", lease))
+
+        base, (owner, recoveries), slots = record()
+        lease = next(s[2] for s in slots if s[0] == 1)  # the holder: pid 1 of its namespace
+        assert owner == 0
+        set_lock_owner(lease)
+        waiter = _in_pid_namespace(sim_node, "init()\nprint('attached', flush=True)")
+        time.sleep(0.5)                       # waiting for the lock (pid 1 of another namespace)
+        waiter.kill()                         # unshare --kill-child takes its pid 1 with it
+        waiter.communicate(timeout=10)
+        attach = sim_node.spawn("init()\nprint('attached', flush=True)\nsys.stdin.readline()")
+        time.sleep(1.0)
+        assert attach.poll() is None and record()[1][0] == lease, "entered while a live holder held the lock"
+        set_lock_owner(0)                     # the holder lets go
+        assert attach.stdout.readline().strip() == "attached", attach.stderr.read()
+        attach.stdin.write("\n")
+        attach.stdin.flush()
+        attach.communicate(timeout=10)
+        set_lock_owner(lease + 12345)         # a holder that died inside: its lease is held by nobody
+        t0 = time.monotonic()
+        sim_node.run("init()\nassert used() == 1 << 20")
+        assert time.monotonic() - t0 < 5
+        assert record()[1] == (0, recoveries + 1)
+    finally:
+        for p in (holder, attach):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate(timeout=10)

@@ -45,7 +45,7 @@
  *    by the importers as any other.
  *
  * The record at the head of each file (the data starts at 2 MiB) holds the exporter's identity,
- * the allowed pids and the importers, under a process-shared robust mutex, as node.c's records do;
+ * the allowed pids and the importers, under a lease-id lock (proc.c: sim_proc_lock), as node.c's records are;
  * it is created under a temporary name and link()ed into place, and checked (regular file, owner,
  * mode 0600, magic, sizes, node, key) before use.
  */
@@ -67,7 +67,7 @@
 #include "sim_internal.h"
 
 #define IPC_MAGIC 0x3143504944534341ull /* "ASCDIPC1" */
-#define IPC_VERSION 2u /* 2: processes named by lease id, importers by node-level id */
+#define IPC_VERSION 3u /* 2: processes named by lease id, importers by node-level id; 3: lease-id lock */
 #define IPC_KEY_LEN 65                  /* 64 characters and NUL: CANN's key buffer */
 #define IPC_MAX_PIDS 256
 #define IPC_MAX_IMPORTERS 256
@@ -105,7 +105,8 @@ struct ipc_record {
     uint64_t exporter_start; /* the exporter's lease id (proc.c) */
     _Atomic uint32_t state;  /* IPC_CREATING, IPC_LIVE, IPC_CLOSED */
     uint32_t n_pids;
-    pthread_mutex_t lock;    /* process-shared, robust: guards n_pids, allowed, importers */
+    _Atomic uint64_t lock_owner; /* holder's lease id, 0 free (proc.c: sim_proc_lock): guards n_pids,
+                                    allowed, importers */
     struct ipc_pid allowed[IPC_MAX_PIDS];
     struct ipc_importer importers[IPC_MAX_IMPORTERS];
 };
@@ -169,17 +170,15 @@ void sim_ipc_unlock(void) { pthread_mutex_unlock(&ipc_mu); }
 
 /* ---- records ------------------------------------------------------------------------------- */
 
+/* Its holder dying inside is taken over (proc.c): every update keeps the record consistent. */
 static int lock_record(struct ipc_record *r)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += IPC_LOCK_TIMEOUT_S;
-    int rc = pthread_mutex_timedlock(&r->lock, &ts);
-    if (rc == EOWNERDEAD) { /* its holder died; every update keeps the record consistent */
-        pthread_mutex_consistent(&r->lock);
-        rc = 0;
-    }
-    return rc;
+    return sim_proc_lock(&r->lock_owner, IPC_LOCK_TIMEOUT_S, NULL);
+}
+
+static void unlock_record(struct ipc_record *r)
+{
+    sim_proc_unlock(&r->lock_owner);
 }
 
 static int key_ok(const char *key)
@@ -334,7 +333,7 @@ static void sweep_stale(void)
                 atomic_store(&r->state, IPC_CLOSED);
                 unlink(path);
             }
-            pthread_mutex_unlock(&r->lock);
+            unlock_record(r);
         }
         munmap(r, rec_len());
     }
@@ -470,12 +469,7 @@ static int create_record(struct ipc_export *e, int dev, size_t size, uint64_t fl
             r->exporter_pid = (int32_t)getpid();
             r->exporter_start = sim_proc_self_id();
             atomic_store(&r->state, IPC_CREATING);
-            pthread_mutexattr_t a;
-            pthread_mutexattr_init(&a);
-            pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-            pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-            err = pthread_mutex_init(&r->lock, &a);
-            pthread_mutexattr_destroy(&a);
+            atomic_store(&r->lock_owner, 0);
         }
         if (!err && link(tmp, e->path) != 0)
             err = errno;
@@ -624,7 +618,7 @@ SIM_EXPORT aclError aclrtIpcMemSetImportPid(const char *key, int32_t *pid, size_
         r->allowed[j].pid = pid[i];
         r->allowed[j].start_time = 0;
     }
-    pthread_mutex_unlock(&r->lock);
+    unlock_record(r);
     pthread_mutex_unlock(&ipc_mu);
     return rc;
 }
@@ -692,7 +686,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
             for (int i = 0; i < IPC_MAX_IMPORTERS; i++)
                 if (m->rec->importers[i].pid != 0 && m->rec->importers[i].start_time == my_id)
                     m->rec->importers[i].count++;
-            pthread_mutex_unlock(&m->rec->lock);
+            unlock_record(m->rec);
             m->count++;
             *devPtr = (void *)m->a.base;
         }
@@ -765,7 +759,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
                 r->importers[slot].count = 1;
             }
         }
-        pthread_mutex_unlock(&r->lock);
+        unlock_record(r);
     }
     size_t size = (size_t)r->size;
     int read_only = (r->flags & ASCENDSIM_IPC_EXPORT_FLAG_READ_ONLY) != 0;
@@ -793,7 +787,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
             if (lock_record(r) == 0) {
                 r->importers[slot].count = 0;
                 r->importers[slot].pid = 0;
-                pthread_mutex_unlock(&r->lock);
+                unlock_record(r);
             }
         }
     }
@@ -841,7 +835,7 @@ static void import_close(struct ipc_import *m)
             atomic_store(&r->state, IPC_CLOSED);
             unlink(m->path); /* nobody else can close it any more */
         }
-        pthread_mutex_unlock(&r->lock);
+        unlock_record(r);
     }
     atomic_fetch_sub(&counters[m->a.device].imports, 1);
     atomic_fetch_sub(&counters[m->a.device].imported_bytes, m->a.size);
@@ -875,7 +869,7 @@ SIM_EXPORT aclError aclrtIpcMemClose(const char *key)
             for (int i = 0; i < IPC_MAX_IMPORTERS; i++)
                 if (m->rec->importers[i].pid != 0 && m->rec->importers[i].start_time == sim_proc_self_id() && m->rec->importers[i].count > 1)
                     m->rec->importers[i].count--;
-            pthread_mutex_unlock(&m->rec->lock);
+            unlock_record(m->rec);
         }
         pthread_mutex_unlock(&ipc_mu);
         return ACL_SUCCESS;
@@ -893,13 +887,13 @@ SIM_EXPORT aclError aclrtIpcMemClose(const char *key)
     char pids[128];
     int live = live_importers(e->rec, pids, sizeof pids);
     if (live) {
-        pthread_mutex_unlock(&e->rec->lock);
+        unlock_record(e->rec);
         pthread_mutex_unlock(&ipc_mu);
         return sim_fail(ACL_ERROR_RT_IPC_ERROR, call, "key '%s' is still imported by %d live process(es) (pid %s): "
                         "importers must aclrtIpcMemClose it before its exporter does", key, live, pids);
     }
     atomic_store(&e->rec->state, IPC_CLOSED);
-    pthread_mutex_unlock(&e->rec->lock);
+    unlock_record(e->rec);
     export_drop(e);
     pthread_mutex_unlock(&ipc_mu);
     return ACL_SUCCESS;
@@ -920,13 +914,13 @@ int sim_ipc_free_check(const void *devPtr, const char *call)
         char pids[128];
         int live = live_importers(e->rec, pids, sizeof pids);
         if (live) {
-            pthread_mutex_unlock(&e->rec->lock);
+            unlock_record(e->rec);
             return sim_fail(ACL_ERROR_RT_IPC_ERROR, call,
                             "%p is exported with key '%s' and still imported by %d live process(es) (pid %s): "
                             "importers must aclrtIpcMemClose it before its exporter frees it", devPtr, e->key, live,
                             pids);
         }
-        pthread_mutex_unlock(&e->rec->lock);
+        unlock_record(e->rec);
     }
     if (!found)
         return 0;
@@ -995,7 +989,7 @@ void sim_ipc_finalize(void)
         if (lock_record(e->rec) == 0) {
             atomic_store(&e->rec->state, IPC_CLOSED);
             int live = live_importers(e->rec, NULL, 0);
-            pthread_mutex_unlock(&e->rec->lock);
+            unlock_record(e->rec);
             if (live) { /* the last importer to close removes the file */
                 exports = e->next;
                 atomic_fetch_sub(&counters[e->device].exports, 1);

@@ -35,9 +35,11 @@
  * aclrtGetMemInfo, or a malloc that would otherwise fail) checks each slot's owner by its lease
  * (proc.c: a lock the kernel drops at death, in whatever pid namespace; never by pid, which may
  * name another process in another namespace); a slot whose lease is not held is reclaimed by a
- * process of its user, and skipped by other users' sums. The lock is a process-shared robust
- * mutex: if its holder dies, the next locker gets EOWNERDEAD and carries on, which is safe because
- * every update of the record is a single atomic store (the sum is recomputed, never cached).
+ * process of its user, and skipped by other users' sums. The lock is a word holding its holder's
+ * lease id (proc.c: sim_proc_lock): if its holder dies, the next locker finds the lease dropped and
+ * takes over, which is safe because every update of the record is a single atomic store (the sum
+ * is recomputed, never cached). Not a robust pthread mutex: those name holders by thread id, which
+ * pid namespaces repeat.
  *
  * Trust: the file is created mode 0644 (its owner writes, every user of the node reads), fully
  * initialised under a temporary name and then link()ed into place, so nobody ever sees a
@@ -46,7 +48,7 @@
  * device index, node name and the same HBM total. A record of this user failing any check is
  * refused with a message naming the file; it is never repaired or trusted.
  *
- * Locks, in the order they nest: a record's robust mutex (this user's processes only; guards its
+ * Locks, in the order they nest: a record's lock (this user's processes only; guards its
  * slots' claims and reclaims) -> foreign_mu (foreign.c, process-local: the cache of other users'
  * records) -> lease_mu (proc.c: the lease directory). None is ever taken inside a later one.
  * Invariants: a slot's bytes never exceed the total; after a successful reserve, this user's sum
@@ -77,17 +79,16 @@ static struct node_local local[SIM_MAX_DEVICES];
 
 static int lock_record(struct node_record *r)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += NODE_LOCK_TIMEOUT_S;
-    int rc = pthread_mutex_timedlock(&r->lock, &ts);
-    if (rc == EOWNERDEAD) {
-        /* The holder died inside its critical section; its stores were single atomic ones. */
-        pthread_mutex_consistent(&r->lock);
+    int took_over = 0;
+    int rc = sim_proc_lock(&r->lock_owner, NODE_LOCK_TIMEOUT_S, &took_over);
+    if (took_over) /* the holder died inside its critical section; its stores were single atomic ones */
         atomic_fetch_add(&r->recoveries, 1);
-        rc = 0;
-    }
     return rc;
+}
+
+static void unlock_record(struct node_record *r)
+{
+    sim_proc_unlock(&r->lock_owner);
 }
 
 static uint64_t sum_slots(struct node_record *r)
@@ -126,13 +127,8 @@ static int init_record(struct node_record *r, int dev, const struct sim_config *
     r->device = (uint32_t)dev;
     r->total_bytes = cfg->hbm;
     snprintf(r->node, sizeof r->node, "%s", cfg->node);
-    pthread_mutexattr_t a;
-    pthread_mutexattr_init(&a);
-    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    int rc = pthread_mutex_init(&r->lock, &a);
-    pthread_mutexattr_destroy(&a);
-    return rc;
+    atomic_store(&r->lock_owner, 0);
+    return 0;
 }
 
 /* Checks an opened record; maps it into *out. Returns 0 or an aclError (message recorded). */
@@ -354,7 +350,7 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
         atomic_store(&r->slots[slot].instance, inst);
         atomic_store(&r->slots[slot].pid, me);
     }
-    pthread_mutex_unlock(&r->lock);
+    unlock_record(r);
     if (slot < 0)
         return sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call,
                         "node record %s is full: %d live processes already use device %d", l->path,
@@ -373,7 +369,7 @@ void sim_node_detach(int dev)
     if (lock_record(r) == 0) {
         atomic_store(&r->slots[l->slot].bytes, 0);
         atomic_store(&r->slots[l->slot].pid, 0);
-        pthread_mutex_unlock(&r->lock);
+        unlock_record(r);
     } else {
         atomic_store(&r->slots[l->slot].bytes, 0);
         atomic_store(&r->slots[l->slot].pid, 0);
@@ -389,7 +385,7 @@ int sim_node_reserve(int dev, uint64_t bytes)
         return -1;
     uint64_t total = r->total_bytes;
     if (bytes > total) {
-        pthread_mutex_unlock(&r->lock);
+        unlock_record(r);
         return 1;
     }
     uint64_t used = sum_slots(r);
@@ -399,7 +395,7 @@ int sim_node_reserve(int dev, uint64_t bytes)
         used = sum_slots(r);
     }
     if (used + bytes > total) {
-        pthread_mutex_unlock(&r->lock);
+        unlock_record(r);
         return 1;
     }
     /* Claimed first (never past the total: a concurrent aclInit's validate() reads the slots),
@@ -419,7 +415,7 @@ int sim_node_reserve(int dev, uint64_t bytes)
         atomic_fetch_sub(mine, bytes);
         rc = 1;
     }
-    pthread_mutex_unlock(&r->lock);
+    unlock_record(r);
     return rc;
 }
 
@@ -449,7 +445,7 @@ uint64_t sim_node_used(int dev)
     } else {
         reclaim_dead(r, l->slot);
         used = sum_slots(r);
-        pthread_mutex_unlock(&r->lock);
+        unlock_record(r);
     }
     uint64_t total = r->total_bytes, foreign = sim_foreign_used(dev, &g_sim.cfg, 1, 0);
     if (used > total)

@@ -10,7 +10,7 @@
 #include "sim_internal.h"
 
 #define NODE_MAGIC 0x314d495344435341ull /* "ASCDSIM1" */
-#define NODE_VERSION 2u /* 2: slots named by lease id */
+#define NODE_VERSION 3u /* 2: slots named by lease id; 3: a lease-id lock, not a robust mutex */
 #define NODE_SLOTS 256
 #define NODE_LOCK_TIMEOUT_S 10           /* a lock held this long means a wedged peer */
 #define NODE_PROBES 100000               /* record names tried before giving up (one open each) */
@@ -36,7 +36,7 @@ struct node_record {
     uint32_t reserved;
     uint64_t total_bytes;
     char node[SIM_NODE_NAME_MAX + 8];
-    pthread_mutex_t lock;                /* process-shared, robust */
+    _Atomic uint64_t lock_owner;         /* the holder's lease id, 0: free (proc.c: sim_proc_lock) */
     _Atomic uint64_t recoveries;         /* times a dead holder's lock was recovered */
     struct node_slot slots[NODE_SLOTS];
 };

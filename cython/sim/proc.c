@@ -215,6 +215,40 @@ int sim_proc_alive(int pid, uint64_t id)
     return rc;
 }
 
+int sim_proc_lock(_Atomic uint64_t *word, int timeout_s, int *took_over)
+{
+    uint64_t me = sim_proc_self_id();
+    uint64_t now = sim_now_ns(), deadline = now + (uint64_t)timeout_s * 1000000000ull, next_check = now;
+    uint64_t pause_ns = 1000;
+    if (took_over)
+        *took_over = 0;
+    for (;;) {
+        uint64_t holder = 0;
+        if (atomic_compare_exchange_strong(word, &holder, me))
+            return 0;
+        now = sim_now_ns();
+        /* holder == me: another thread of this process, alive by definition */
+        if (holder != me && now >= next_check) {
+            if (sim_proc_alive(0, holder) == 0 && atomic_compare_exchange_strong(word, &holder, me)) {
+                if (took_over)
+                    *took_over = 1; /* its holder died inside: the record's updates are single stores */
+                return 0;
+            }
+            next_check = now + 50000000ull;
+        }
+        if (now >= deadline)
+            return ETIMEDOUT;
+        sim_sleep_ns(pause_ns);
+        if (pause_ns < 1000000)
+            pause_ns *= 2;
+    }
+}
+
+void sim_proc_unlock(_Atomic uint64_t *word)
+{
+    atomic_store(word, 0);
+}
+
 int sim_proc_foreign_alive(unsigned uid, uint64_t id)
 {
     if (!id)

@@ -117,6 +117,16 @@ uint64_t sim_proc_pidns(void);
 /* As sim_proc_alive, and for an owner of *our* pid namespace (pidns equal, /proc ours) a pid that
    is gone, a zombie or reused (start_time differs) is dead at once, before its lease drops. */
 int sim_proc_owner_alive(int pid, uint64_t id, uint64_t pidns, uint64_t start_time);
+/* A lock in a shared record between the processes of this user on the node (node.c, ipc.c):
+   `word` holds the holder's lease id, 0 when free. Not a robust pthread mutex: those name their
+   holder by thread id, which pid namespaces repeat (every container's first process is pid 1),
+   so a waiter dying in one namespace made the kernel mark a live holder of the same id in another
+   dead, and two processes entered at once. A waiter checks the holder's lease (dropped by the
+   kernel at death, in any namespace) every 50 ms and takes a dead holder's lock over
+   (*took_over = 1). Threads of one process exclude each other through the same word. 0, or
+   ETIMEDOUT after timeout_s seconds. */
+int sim_proc_lock(_Atomic uint64_t *word, int timeout_s, int *took_over);
+void sim_proc_unlock(_Atomic uint64_t *word);
 /* The node-level process id aclrtDeviceGetBareTgid answers (never a getpid() value). */
 int32_t sim_proc_bare_tgid(void);
 
