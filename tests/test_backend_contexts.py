@@ -108,3 +108,41 @@ def test_allowing_importers_from_a_thread_without_a_context(sim_node):
         print(json.dumps(res))
     """)
     assert out == {"allowed": True}, out
+
+
+def test_a_default_context_stream_used_from_a_thread_in_a_context_of_its_own(sim_node):
+    # The other way round: a framework's stream of the device's default context, used from a
+    # thread that works in a context it created on the same device. The backend first runs the
+    # call in the caller's context (someone else's stream usually belongs to it), then, told the
+    # stream is not in it (107003), in the device's default context.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        MiB = 1 << 20
+        pool = ap.Pool(0, backend="sim")
+        ok("aclrtSetDevice", 0)
+        framework_stream = stream()                      # raw, in device 0's default context
+        pool.register_stream(framework_stream)
+        res = {}
+        def app_thread():
+            ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
+            mine = pool.create_stream()
+            p = pool.malloc(MiB, stream=framework_stream)
+            pool.free(p, stream=framework_stream)
+            q = pool.malloc(MiB, stream=mine)            # waits on framework_stream's event
+            pool.free(q, stream=mine)
+            pool.synchronize(framework_stream)
+            cur = C.c_void_p(); ok("aclrtGetCurrentContext", C.byref(cur))
+            res.update(same_block=p == q, context_kept=cur.value == ctx.value, message=errmsg())
+            pool.destroy_stream(mine)
+            ok("aclrtDestroyContext", ctx)
+        def run():
+            try:
+                app_thread()
+            except Exception as e:
+                res["error"] = f"{type(e).__name__}: {e}"
+        t = threading.Thread(target=run); t.start(); t.join()
+        ok("aclrtDestroyStream", framework_stream)
+        pool.close()
+        print(json.dumps(res))
+    """)
+    assert out == {"same_block": True, "context_kept": True, "message": None}, out

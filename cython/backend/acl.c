@@ -20,6 +20,7 @@ typedef int aclError;
 #define ACL_ERROR_REPEAT_INITIALIZE 100002
 #define ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046
 #define ACL_ERROR_RT_EVENT_SYNC_TIMEOUT 507047
+#define ACL_ERROR_RT_STREAM_CONTEXT 107003 /* "stream not in current context" */
 #define ACL_MEM_MALLOC_HUGE_FIRST 0 /* aclrtMemMallocPolicy: 2 MiB pages above 1 MiB */
 #define ACL_HBM_MEM 1               /* aclrtMemAttr */
 /* Cross-stream sync capability, no timestamps. CANN documents that an event created without
@@ -293,6 +294,7 @@ typedef struct acl_scope {
     int switched;
     int device;
     int temp;  /* a reference taken for this call only (acl_ctx_get) */
+    int kept;  /* acl_enter_stream kept the caller's context for someone else's stream */
 } acl_scope;
 
 static int acl_enter(ap_backend *b, int device, acl_scope *sc)
@@ -303,6 +305,7 @@ static int acl_enter(ap_backend *b, int device, acl_scope *sc)
 
     sc->saved = NULL;
     sc->switched = 0;
+    sc->kept = 0;
     sc->device = device;
     rc = acl_ctx_get(b, device, &ctx, &sc->temp);
     if (rc != 0)
@@ -340,6 +343,7 @@ static int acl_enter_selected(ap_backend *b, acl_scope *sc)
     sc->saved = NULL;
     sc->switched = 0;
     sc->temp = 0;
+    sc->kept = 0;
     if (tls_owner != IMPL(b)->base.id)
         return 0; /* never named one: the caller's own context */
     return acl_enter(b, tls_device, sc);
@@ -385,6 +389,7 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
     sc->saved = NULL; /* the caller's own context */
     sc->switched = 0;
     sc->temp = 0;
+    sc->kept = dev >= 0;
     sc->device = dev;
     return 0;
 }
@@ -402,7 +407,26 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
         return rc_;                                             \
     } while (0)
 
-#define ON_STREAM(b, stream, expr) IN_SCOPE((b), acl_enter_stream((b), (stream), &sc_), expr)
+/* For a stream call: when the caller's context was kept for someone else's stream and the runtime
+   says the stream is not in it (a stream of the device's default context used from a thread in a
+   context of its own), once more in the device's default context. */
+#define ON_STREAM(b, stream, expr)                                                 \
+    do {                                                                           \
+        acl_scope sc_;                                                             \
+        int rc_ = acl_enter_stream((b), (stream), &sc_);                           \
+        if (rc_ == 0) {                                                            \
+            rc_ = (expr);                                                          \
+            acl_leave((b), &sc_);                                                  \
+            if (rc_ == ACL_ERROR_RT_STREAM_CONTEXT && sc_.kept &&                  \
+                acl_enter((b), sc_.device, &sc_) == 0) {                           \
+                if (IMPL(b)->aclGetRecentErrMsg)                                   \
+                    (void)IMPL(b)->aclGetRecentErrMsg(); /* the first try's */     \
+                rc_ = (expr);                                                      \
+                acl_leave((b), &sc_);                                              \
+            }                                                                      \
+        }                                                                          \
+        return rc_;                                                                \
+    } while (0)
 
 /* Names the device whose context this thread's device-less calls use; no runtime state changes. */
 static int acl_set_device(ap_backend *b, int device)
