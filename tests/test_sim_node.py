@@ -322,3 +322,31 @@ def test_the_record_lock_names_its_holder_by_lease_across_pid_namespaces(sim_nod
             if p is not None and p.poll() is None:
                 p.kill()
                 p.communicate(timeout=10)
+
+
+def test_a_record_an_older_simulator_left_is_replaced_once_nobody_uses_it(sim_node):
+    """Records outlive processes (/dev/shm until a reboot): after an upgrade that changed their
+    layout, the user's node must not stay refused until someone removes files by hand. A record
+    of an earlier version is replaced when none of its slots belongs to a live process, and still
+    refused (naming the file) while one does."""
+    a = start_holder(sim_node, 1 << 20)
+    try:
+        path = sim_node.record_path(0)
+        with open(path, "r+b") as f:  # as an earlier version wrote it (the slots keep their layout)
+            f.seek(8)
+            f.write(struct.pack("<I", 2))
+        out = sim_node.run("""
+            print(code("aclInit", None), errmsg())
+        """)
+        assert out.startswith("100003") and "unsupported version" in out and path in out, out
+    finally:
+        a.kill()
+        a.communicate(timeout=10)
+    sim_node.run("""
+        init()
+        assert used() == 0               # the dead holder's bytes went with the old record
+        p = malloc(4096)
+        assert used() > 0
+    """)
+    with open(path, "rb") as f:
+        assert struct.unpack_from("<I", f.read(12), 8)[0] >= 3

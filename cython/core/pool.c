@@ -443,7 +443,8 @@ static void release_block(ap_pool *p, ap_block *b, int tag) {
 int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     int tag = how == AP_FREE_ON_ALLOC_STREAM ? 0 : ap_slot_of_fast(p, stream, 1);
-    ap_block *b = ap_map_get(&p->live, (uintptr_t)ptr); /* only allocated blocks are in the map */
+    size_t at = ap_map_find(&p->live, (uintptr_t)ptr); /* only allocated blocks are in the map */
+    ap_block *b = at != AP_MAP_NONE ? p->live.vals[at] : NULL;
     int rc = b ? AP_OK : bad_pointer(p, ptr, err);
     if (b && tag < 0) {
         /* A stream the pool cannot order on (destroyed, or not a stream). A caller that can retry
@@ -462,7 +463,7 @@ int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err) {
         }
     }
     if (b) {
-        ap_map_take(&p->live, (uintptr_t)ptr);
+        ap_map_take_at(&p->live, at); /* the map is unchanged since the lookup */
         release_block(p, b, how == AP_FREE_ON_ALLOC_STREAM || tag < 0 ? b->tag : tag);
     }
     pthread_mutex_unlock(&p->lock);
@@ -471,12 +472,13 @@ int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err) {
 
 int ap_pool_try_free(ap_pool *p, void *ptr) {
     if (pthread_mutex_trylock(&p->lock) != 0) return AP_E_BUSY;
-    ap_block *b = ap_map_get(&p->live, (uintptr_t)ptr);
+    size_t at = ap_map_find(&p->live, (uintptr_t)ptr);
+    ap_block *b = at != AP_MAP_NONE ? p->live.vals[at] : NULL;
     if (!b || b->xs || p->history.capacity) {
         pthread_mutex_unlock(&p->lock);
         return AP_E_BUSY;
     }
-    ap_map_take(&p->live, (uintptr_t)ptr);
+    ap_map_take_at(&p->live, at);
     release_block(p, b, b->tag);
     pthread_mutex_unlock(&p->lock);
     return AP_OK;

@@ -53,11 +53,21 @@ static inline int ap_map_put(ap_ptr_map *m, uintptr_t key, void *val) {
     return 0;
 }
 
-/* Removes and returns the record at key, or NULL. */
-static inline void *ap_map_take(ap_ptr_map *m, uintptr_t key) {
+/* The slot holding key, or AP_MAP_NONE: a lookup whose slot ap_map_take_at may then empty
+   without probing again (a free looks its block up, checks it, then removes it). */
+#define AP_MAP_NONE ((size_t)-1)
+static inline size_t ap_map_find(const ap_ptr_map *m, uintptr_t key) {
     size_t i = ap_map_home(m, key);
-    while (m->keys[i] && m->keys[i] != key) i = (i + 1) & m->mask;
-    if (!m->keys[i]) return NULL;
+    while (m->keys[i]) {
+        if (m->keys[i] == key) return i;
+        i = (i + 1) & m->mask;
+    }
+    return AP_MAP_NONE;
+}
+
+/* Removes and returns the record in slot i (from ap_map_find, the map unchanged since). */
+static inline void *ap_map_take_at(ap_ptr_map *m, size_t i) {
+    AP_ASSERT(i <= m->mask && m->keys[i] != 0);
     void *val = m->vals[i];
     /* Backward-shift: pull later entries of the probe run into the hole so no tombstones are needed. */
     size_t hole = i, j = i;
@@ -78,6 +88,12 @@ static inline void *ap_map_take(ap_ptr_map *m, uintptr_t key) {
     AP_ASSERT(m->count > 0);
     m->count--;
     return val;
+}
+
+/* Removes and returns the record at key, or NULL. */
+static inline void *ap_map_take(ap_ptr_map *m, uintptr_t key) {
+    size_t i = ap_map_find(m, key);
+    return i == AP_MAP_NONE ? NULL : ap_map_take_at(m, i);
 }
 
 #endif

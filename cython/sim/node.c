@@ -46,7 +46,9 @@
  * half-written record (and two creators racing cannot both win). Before use it is checked:
  * regular file, owned by this user, writable by nobody else, exact size, magic, version, layout,
  * device index, node name and the same HBM total. A record of this user failing any check is
- * refused with a message naming the file; it is never repaired or trusted.
+ * refused with a message naming the file; it is never repaired or trusted. One exception: a record
+ * of an earlier simulator version (left in /dev/shm across an upgrade) whose slots name no live
+ * process is replaced by a fresh one (stale_older_record); while one of them lives it is refused.
  *
  * Locks, in the order they nest: a record's lock (this user's processes only; guards its
  * slots' claims and reclaims) -> foreign_mu (foreign.c, process-local: the cache of other users'
@@ -60,6 +62,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -193,10 +196,48 @@ static int validate(int fd, const char *path, int dev, const struct sim_config *
     return 0;
 }
 
-/* Creates the record under a temporary name and link()s it into place. 0 ok, EEXIST when another
-   process won the race (then open theirs), or an aclError. */
+/* The record versions whose slots this build can read: the slots end the file with this build's
+   layout (only the header before them changed). */
+#define NODE_OLDEST_READABLE 2u
+
+/* 1 when fd is this user's record of an earlier simulator version (kept in /dev/shm across an
+   upgrade) that no live process uses: every claimed slot's lease is dropped. Such a record is
+   replaced, not refused: it describes nothing any more, and the user could do nothing but remove
+   it by hand. */
+static int stale_older_record(int fd, const struct stat *st)
+{
+    size_t slots_len = NODE_SLOTS * sizeof(struct node_slot);
+    struct { uint64_t magic; uint32_t version; } head;
+    if (!S_ISREG(st->st_mode) || st->st_uid != geteuid() || st->st_size < (off_t)(sizeof head + slots_len) ||
+        st->st_size > (off_t)(1 << 20) || pread(fd, &head, sizeof head, 0) != (ssize_t)sizeof head ||
+        head.magic != NODE_MAGIC || head.version >= NODE_VERSION || head.version < NODE_OLDEST_READABLE)
+        return 0;
+    struct node_slot *slots = malloc(slots_len);
+    if (!slots || pread(fd, slots, slots_len, st->st_size - (off_t)slots_len) != (ssize_t)slots_len) {
+        free(slots);
+        return 0;
+    }
+    int live = 0;
+    for (int i = 0; i < NODE_SLOTS && !live; i++)
+        live = atomic_load(&slots[i].pid) != 0 && sim_proc_alive(0, atomic_load(&slots[i].start_time)) != 0;
+    free(slots);
+    return !live;
+}
+
+/* Creates the record under a temporary name and link()s it into place (with `over`, the fd of a
+   stale record at path: rename()s it over that one, if path still names it). 0 ok, EEXIST when
+   another process won the race (then open theirs), or an aclError. */
+static int create_record_over(const char *path, int dev, const struct sim_config *cfg, int over,
+                              struct node_record **out, const char *call);
+
 static int create_record(const char *path, int dev, const struct sim_config *cfg,
                          struct node_record **out, const char *call)
+{
+    return create_record_over(path, dev, cfg, -1, out, call);
+}
+
+static int create_record_over(const char *path, int dev, const struct sim_config *cfg, int over,
+                              struct node_record **out, const char *call)
 {
     static _Atomic unsigned seq;
     char tmp[PATH_MAX + SIM_NODE_NAME_MAX + 128];
@@ -217,8 +258,20 @@ static int create_record(const char *path, int dev, const struct sim_config *cfg
     }
     if (!rc)
         rc = init_record(r, dev, cfg);
-    if (!rc && link(tmp, path) != 0)
+    if (!rc && over < 0 && link(tmp, path) != 0)
         rc = errno;
+    if (!rc && over >= 0) {
+        /* Replacers of one stale record take turns on its flock (current records are never
+           flock()ed), and replace it only while path still names it. */
+        struct stat now, old;
+        if (flock(over, LOCK_EX | LOCK_NB) != 0)
+            rc = EEXIST;
+        else if (stat(path, &now) != 0 || fstat(over, &old) != 0 || now.st_ino != old.st_ino || now.st_dev != old.st_dev)
+            rc = EEXIST;
+        else if (rename(tmp, path) != 0)
+            rc = errno;
+        (void)flock(over, LOCK_UN);
+    }
     unlink(tmp);
     close(fd);
     if (rc) {
@@ -252,8 +305,8 @@ static int open_record(char *path, size_t len, int dev, const struct sim_config 
                        struct node_record **out, const char *call)
 {
     for (int attempt = 0; attempt < 5; attempt++) {
-        int first_free = -1, taken = 0;
-        for (int i = 0; i < NODE_PROBES && (first_free < 0 || i <= first_free + NODE_LOOKAHEAD); i++) {
+        int first_free = -1, taken = 0, replaced = 0;
+        for (int i = 0; i < NODE_PROBES && !replaced && (first_free < 0 || i <= first_free + NODE_LOOKAHEAD); i++) {
             record_path(path, len, cfg, dev, i);
             int fd = open(path, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
             if (fd < 0) {
@@ -276,10 +329,23 @@ static int open_record(char *path, size_t len, int dev, const struct sim_config 
                 taken++;
                 continue;
             }
-            int rc = validate(fd, path, dev, cfg, out, call); /* ours: use it, or refuse it */
+            int rc;
+            if (stale_older_record(fd, &st)) { /* an upgrade's leftover: replace it, then look again */
+                rc = create_record_over(path, dev, cfg, fd, out, call);
+                close(fd);
+                if (rc == 0)
+                    return 0;
+                if (rc != EEXIST)
+                    return rc;
+                replaced = 1; /* another process replaced it first: look again from the start */
+                continue;
+            }
+            rc = validate(fd, path, dev, cfg, out, call); /* ours: use it, or refuse it */
             close(fd);
             return rc;
         }
+        if (replaced)
+            continue;
         if (first_free < 0)
             return sim_fail(ACL_ERROR_RT_NO_PERMISSION, call,
                             "no name for device %d's node record is free in %s: %d names "
