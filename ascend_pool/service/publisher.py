@@ -24,6 +24,7 @@ import time
 
 from .. import registry as _registry
 from ..metrics.sample import PoolAggregator
+from ..tenants import ledger as _ledger
 from . import paths
 from .scanner import StatsScanner
 from .statsfile import StatsFile
@@ -109,6 +110,7 @@ class Publisher:
         while not self._stop.is_set():
             try:
                 self.publish_now()
+                _ledger.check_files()  # a cleanup of the ledger directory splits quotas: say so
                 failures = 0
             except Exception:  # keep publishing: one bad read must not end the thread
                 failures += 1

@@ -15,6 +15,7 @@ node service runs.
 """
 
 import grp
+import logging
 import os
 import re
 import threading
@@ -31,8 +32,11 @@ GROUP_ENV = "ASCEND_POOL_LEDGER_GROUP"
 DEFAULT_DIR = "/dev/shm"
 _NAME = re.compile(r"^ascend_pool-ledger-(u|g)(\d+)-(acl|sim|cuda)(?:-(.+))?-dev(\d+)$")
 
+log = logging.getLogger("ascend_pool")
 _lock = threading.Lock()
 _cache = {}  # path -> Ledger, for the life of the process (a mapping costs ~80 KiB)
+_mapped = {}  # path -> (st_dev, st_ino) of the file this process mapped there
+_replaced_logged = set()
 
 
 def _forget_after_fork():
@@ -40,6 +44,7 @@ def _forget_after_fork():
     global _lock
     _lock = threading.Lock()
     _cache.clear()
+    _mapped.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -112,7 +117,37 @@ def open_ledger(device, backend, directory=None, group=None):
         led = _cache.get(path)
         if led is None:
             led = _cache[path] = Ledger(path, int(device), name, node, gid)
+            st = os.stat(path)
+            _mapped[path] = (st.st_dev, st.st_ino)
+    check_files()
     return led
+
+
+def check_files():
+    """Logs a warning, once per file, for each ledger this process uses whose file was removed
+    or replaced since it mapped it (a cleanup of /dev/shm or of the ledger directory): this
+    process's tenants stay booked in its copy, and processes started since book in a new file
+    apart from them, so each tenant's quota then holds per copy, not node-wide, until this process
+    restarts. Returns the paths concerned. Called when a context opens a ledger and by the stats
+    publisher at each interval."""
+    out = []
+    with _lock:
+        mapped = list(_mapped.items())
+    for path, ident in mapped:
+        try:
+            st = os.stat(path)
+            same = (st.st_dev, st.st_ino) == ident
+        except OSError:
+            same = False
+        if same:
+            continue
+        out.append(path)
+        if path not in _replaced_logged:
+            _replaced_logged.add(path)
+            log.warning("quota ledger %s was removed or replaced while this process uses it: its tenants stay "
+                        "booked in its own copy and processes started since book apart from them, so their quotas "
+                        "hold per copy, not node-wide, until this process restarts", path)
+    return out
 
 
 def ledger_files(directory=None, uids=(), gids=()):
