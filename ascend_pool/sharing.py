@@ -716,8 +716,9 @@ def shares(directory=None, uids=None, gids=()):
     unique on the node), exporter_uid, exporter_alive, state ("open" or "closing") and importers
     (live pids). By default this user's records; with uids/gids (a node service), the records in the
     private directories of those users and groups. The records of exporters that have died are
-    removed (their memory is gone with them) where this user may, and never listed; a record
-    another process keeps locked for over half a second (stopped inside an update) is left out."""
+    removed (their memory is gone with them) where this user may, and never listed; records
+    other processes keep locked (stopped inside an update) are left out once the listing has
+    waited half a second for them in all."""
     if uids is None and not gids:
         dirs = [(directory or _record_dir(), {os.geteuid()})]
     else:
@@ -726,12 +727,13 @@ def shares(directory=None, uids=None, gids=()):
         if all(os.path.realpath(d) != os.path.realpath(own) for d, _ in dirs):
             dirs.append((own, {os.geteuid()}))
     out = []
+    deadline = time.monotonic() + _LIST_LOCK_WAIT_S  # for the whole listing: a scrape stays bounded
     for d, owners in dirs:
-        out.extend(_shares_in(d, owners))
+        out.extend(_shares_in(d, owners, deadline))
     return out
 
 
-def _shares_in(d, owners):
+def _shares_in(d, owners, deadline):
     out = []
     for name in sorted(os.listdir(d)):
         m = re.match(rf"{re.escape(_PREFIX)}u(\d+)-", name)
@@ -745,7 +747,7 @@ def _shares_in(d, owners):
             rec = _Record(os.path.join(d, name), owner=uid)
         except (OSError, SharingError):
             continue
-        rec.lock_wait_s = _LIST_LOCK_WAIT_S  # a listing (a metrics scrape) skips a record held too long
+        rec.lock_wait_s = max(0.0, deadline - time.monotonic())  # a record held too long is skipped
         try:
             with rec:
                 h = rec.header

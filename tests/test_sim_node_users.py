@@ -222,3 +222,40 @@ def test_another_users_record_is_read_with_suspicion(two_users):
     """)
     os.close(fd)                               # that process "dies": the device is free again
     node.run(None, "init(); assert meminfo()[0] == meminfo()[1]")
+
+
+def test_another_user_cannot_keep_a_dead_process_alive_by_squatting_its_lease(two_users):
+    """A process proves it lives by a lock on its private lease file in the shared 1777
+    directory. Once a dead process's lease file is gone, another user may create that name and
+    lock it: a lease counts only when it is this user's own file, so the dead process's bytes
+    are still reclaimed (before: pinned for as long as the squatter held the lock, device
+    memory lost to every later process of its user in another pid namespace)."""
+    import shutil
+    import subprocess
+    from other_user import PRELUDE
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare")
+    node, uid = two_users, os.geteuid()
+    holder = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-c",
+                               PRELUDE + HOLD.format(n=300 * MiB)], env=node.env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=node.root)
+    assert holder.stdout.readline().strip() == "holding", holder.stderr.read()
+    with open(os.path.join(node.shm, f"ascendsim-{uid}-{node.name}-dev0"), "rb") as f:
+        data = f.read()
+    base = len(data) - SLOTS * SLOT_SIZE
+    lease = next(struct.unpack_from("<iIQ", data, base + i * SLOT_SIZE)[2] for i in range(SLOTS)
+                 if struct.unpack_from("<i", data, base + i * SLOT_SIZE)[0] == 1)  # pid 1 of its namespace
+    holder.kill()
+    holder.communicate(timeout=10)
+    name = os.path.join(node.shm, f"ascendsim-lease-{uid}-{lease:016x}")
+    os.unlink(name)  # as a liveness check that found it dead does
+    squatter, _, line = node.spawn(OTHER, f"""
+        import fcntl
+        fd = os.open("{name}", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print("squatting", flush=True)
+        sys.stdin.readline()
+    """)
+    assert line == "squatting" and os.stat(name).st_uid != uid
+    assert used_by(node, None) == 0, "the dead holder's bytes are pinned by another user's file"
+    squatter.communicate("go\n", timeout=30)

@@ -198,9 +198,15 @@ int sim_proc_alive(int pid, uint64_t id)
     pthread_mutex_unlock(&lease_mu);
     int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0)
-        return errno == ENOENT ? 0 : -1;
+        return errno == ENOENT || errno == ELOOP ? 0 : -1;
     int rc;
-    if (flock(fd, LOCK_SH | LOCK_NB) == 0)
+    struct stat st;
+    /* Only our own private lease proves anything: the directory is shared (1777), and another
+       user who re-creates a dead lease's name and locks it would keep that process "alive", its
+       device bytes and record slots pinned, for as long as it likes. */
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid())
+        rc = 0;
+    else if (flock(fd, LOCK_SH | LOCK_NB) == 0)
         rc = 0;
     else
         rc = errno == EWOULDBLOCK ? 1 : -1;
