@@ -65,7 +65,7 @@ from . import identity
 from ._core import _share_alloc, check_not_forked
 from .api import default_pool
 from .backend import open_backend
-from .errors import ConfigError, InvalidDeviceError, InvalidPointerError, PoolError
+from .errors import ConfigError, DeviceError, InvalidDeviceError, InvalidPointerError, PoolError
 from .pool import set_sharing
 from .private_dir import candidates
 from .tenants.ledger import base_dir, ledger_dir, node_name
@@ -651,7 +651,16 @@ def open_shared(handle, pool=None):
                 slot[:] = mine
             slot[1] += 1
         try:
-            ptr, _ = be.ipc_import(handle.device, handle.key)
+            try:
+                ptr, _ = be.ipc_import(handle.device, handle.key)
+            except DeviceError as e:
+                if e.code != _NOT_ALLOWED:
+                    raise
+                npid = be.node_pid()
+                raise DeviceError(e.code, f"{e.message}; this process (node-level id {npid}, not its pid) may import "
+                                          f"once the exporter shares with pids=[{npid}] (the importer's "
+                                          "ascend_pool.node_pid()), calls sharing.allow(handle, "
+                                          f"[{npid}]), or shares with any_process=True") from None
         except BaseException:
             with rec:
                 for s in rec.slots:
@@ -708,6 +717,7 @@ def _trusted_record_dirs(uids, gids):
 
 
 _LIST_LOCK_WAIT_S = 0.5
+_NOT_ALLOWED = 207006  # ACL_ERROR_RT_NO_PERMISSION: an importer the exporter did not list
 
 
 def shares(directory=None, uids=None, gids=()):

@@ -81,6 +81,8 @@ def test_a_pid_the_exporter_did_not_allow_gets_the_runtimes_code(sim_node):
                 out = [e.code, str(e)]
         """)
         assert got[0] == 207006 and "may not import" in got[1], got
+        # and the message says what makes it importable, with the id the runtime checks
+        assert f"pids=[{im.node_pid}]" in got[1] and "any_process=True" in got[1], got
         ex(f"sharing.allow(h, [{im.pid}])")  # its getpid(): not what the runtime checks
         assert im(f"""
             try:

@@ -190,3 +190,25 @@ def test_a_long_devices_list_is_refused_at_once(tmp_path):
     errors = errors_of(path)
     assert time.monotonic() - start < 5
     assert len(errors) == 1 and "64 is not a device index" in errors[0], errors
+
+
+def test_a_tenant_context_refuses_to_open_over_an_unusable_operator_file(tmp_path, monkeypatch):
+    # $ASCEND_POOL_CONFIG names the operator's quotas: a missing or broken file used to count as
+    # no file, and pool.context("online") then ran without the operator's quota, silently
+    bad = tmp_path / "tenants.toml"
+    bad.write_text('[tenants.online]\nquota = "24 parsecs"\n')
+    good = tmp_path / "good.toml"
+    good.write_text('[tenants.online]\nquota = "64MiB"\n')
+    pool = ascend_pool.Pool(0, backend="sim")
+    try:
+        for path, words in ((tmp_path / "missing.toml", "cannot read the tenants file"), (bad, "tenants.online.quota")):
+            monkeypatch.setenv("ASCEND_POOL_CONFIG", str(path))
+            with pytest.raises(ConfigError, match=rf"ASCEND_POOL_CONFIG={path}: .*{words}"):
+                pool.context("online")
+            pool.free(pool.malloc(4096))  # the pool keeps serving
+        monkeypatch.setenv("ASCEND_POOL_CONFIG", str(good))
+        ctx = pool.context("online")
+        assert ctx.quota == 64 << 20
+        ctx.close()
+    finally:
+        pool.close()

@@ -314,6 +314,21 @@ def process_tenant():
     return check_tenant_name(name, f"{TENANT_ENV}")
 
 
+def check_operator_file():
+    """Raises ConfigError when $ASCEND_POOL_CONFIG names a tenants file that cannot be used
+    (missing, unreadable, or with mistakes: each listed). A tenant context refuses to open then:
+    the operator's quotas would otherwise be dropped without a word (operator_quota below counts
+    an unusable file as none)."""
+    path = os.environ.get(CONFIG_ENV) or None
+    if path is None:
+        return
+    try:
+        load(path)
+    except ConfigError as e:
+        raise ConfigError(f"{CONFIG_ENV}={path}: the operator's tenants file cannot be used, so no tenant "
+                          f"context opens until it is fixed (check it with `ascend-pool check-config`): {e}") from None
+
+
 def operator_quota(tenant, device, device_total_bytes):
     """The quota in bytes that the operator's tenants file ($ASCEND_POOL_CONFIG) sets for tenant on
     device, with its warn ratio: (bytes, warn), or None when there is no file, the file does not

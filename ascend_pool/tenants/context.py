@@ -28,6 +28,7 @@ from .._core import attach_ledger, pool_trim_to
 from ..errors import ConfigError, PoolError
 from ..pool import Pool, set_context_factory
 from ..units import format_bytes
+from .config import check_operator_file
 from .ledger import open_ledger
 from .quota_spec import check_tenant_name, parse_quota, parse_warn
 
@@ -51,6 +52,7 @@ class Context(Pool):
         check_tenant_name(name)
         spec = parse_quota(quota) if quota is not None else None
         warn = parse_warn(warn)
+        check_operator_file()
         self.tenant = name
         super().__init__(device, backend, **knobs)
         self.quota_spec = spec
