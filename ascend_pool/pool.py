@@ -69,6 +69,19 @@ class Pool(PoolBase):
         """What the C ABI's messages call this pool."""
         return "pool"
 
+    def _adopt_stream(self, stream):
+        # A stream another open pool of this device and backend made or registered (its tenant
+        # contexts', the default pool's) serves here too, as the C ABI lets it: the runtime's
+        # streams belong to the device, not to a pool. Registered here on first use.
+        if type(stream) is not int:
+            return False
+        for other in _registry.live_pools():
+            if other is not self and not other.closed and other.device == self.device and \
+                    other.backend is self.backend and other._knows_stream(stream):
+                self.register_stream(stream)
+                return True
+        return False
+
     def context(self, name, quota=None, warn=None):
         """A tenant context on this pool's device: its own segments and a soft quota (bytes, "8GiB"
         or "25%" of the device). `with ctx:` makes it current for this thread."""

@@ -252,3 +252,23 @@ def test_close_destroys_the_idle_streams_it_created_and_leaves_a_busy_one():
     ap.default_pool(0).backend.stream_destroy(busy)
     ap.default_pool(0).destroy_stream(registered)
     assert sim.stats(0)["live_streams"] == before
+
+
+def test_a_stream_of_another_pool_of_the_device_serves_its_contexts_and_the_default_pool(pool):
+    # Streams belong to the device, not to a pool (the C ABI takes any): a tenant context, or the
+    # device's default pool, takes a stream its parent pool created without register_stream, as
+    # it takes one registered there. A stream no open pool knows is still refused by name.
+    import ascend_pool as ap
+    s = pool.create_stream()
+    ctx = pool.context("stream-sharer")
+    try:
+        p = ctx.malloc(4096, stream=s)
+        ctx.free(p, stream=s)
+        with ctx:
+            ap.free(ap.malloc(4096, stream=s), stream=s)
+        ap.free(ap.malloc(4096, stream=s), stream=s)  # the default pool of device 0
+        with pytest.raises(ap.InvalidStreamError, match="not a live stream of this pool"):
+            ctx.malloc(4096, stream=s + 0x1000)
+    finally:
+        ctx.close()
+        pool.destroy_stream(s)

@@ -378,10 +378,19 @@ cdef class PoolBase:
             return NULL
         if type(stream) is int and stream == 0:  # the null handle: the default stream, as CUDA's and ACL's
             return NULL
-        if stream not in self._streams:
+        if stream not in self._streams and not self._adopt_stream(stream):
             raise InvalidStreamError(f"stream {stream!r} is not a live stream of this pool (device {self.device}); "
                                      "use pool.create_stream() or pool.register_stream(handle)")
         return PyLong_AsVoidPtr(stream)
+
+    def _adopt_stream(self, stream):
+        """A stream this pool does not know yet: True when it may be used here anyway (registered
+        then). The compiled pool knows no other pool; ascend_pool.Pool looks at the open ones."""
+        return False
+
+    def _knows_stream(self, stream):
+        """True when stream was made or registered here (and not destroyed through this pool)."""
+        return stream in self._streams
 
     def malloc(self, nbytes, stream=None):
         """Allocates nbytes (int, bytes) of device memory ordered on stream (None: default
