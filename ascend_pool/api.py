@@ -119,8 +119,22 @@ def malloc(nbytes, stream=None, device=None):
 
 
 def free(ptr, stream=None, device=None):
-    """Frees ptr (from malloc) on the default pool of device."""
-    default_pool(device).free(ptr, stream)
+    """Frees ptr (from malloc) on the default pool of device, or the thread's current context;
+    a block another open pool of the device made (allocated under another context) is freed by
+    that pool, as the C ABI's free finds its owner. InvalidPointerError when no pool has it."""
+    pool = default_pool(device)
+    try:
+        pool.free(ptr, stream)
+    except InvalidPointerError:
+        for other in _registry.live_pools():
+            if other is pool or other.device != pool.device or other.backend is not pool.backend:
+                continue
+            try:
+                other.free(ptr, stream)  # a pointer it does not hold changes nothing there
+                return
+            except InvalidPointerError:
+                continue
+        raise
 
 
 def record_stream(ptr, stream, device=None):

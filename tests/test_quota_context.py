@@ -248,3 +248,26 @@ def test_a_tenant_refused_by_its_quota_keeps_working(release_policy):
             base.destroy_stream(s)
         ctx.close()
         base.close()
+
+
+def test_a_module_level_free_finds_the_context_that_allocated_the_block():
+    # torch frees a tensor on its allocator whatever the current context is; the C ABI's free
+    # finds the owning pool: ap.free under another context (or none) does too
+    pool = ap.Pool(0, backend="sim")
+    a, b = pool.context("free-owner-a", quota="64MiB"), pool.context("free-owner-b", quota="64MiB")
+    try:
+        with a:
+            p = ap.malloc(1 << 20)
+        with b:
+            ap.free(p)  # b did not allocate it: a frees it
+        assert a.memory_stats()["allocated_bytes.all.current"] == 0
+        with a:
+            q = ap.malloc(4096)
+        ap.free(q)  # no context current: the default pool does not hold it, a does
+        assert a.memory_stats()["allocation.all.current"] == 0
+        with pytest.raises(ap.InvalidPointerError):
+            ap.free(q)  # a double free is still one
+    finally:
+        a.close()
+        b.close()
+        pool.close()
