@@ -233,6 +233,19 @@ def test_unknown_trace_or_allocator_is_an_error(capsys):
     assert "jemalloc" in capsys.readouterr().err
 
 
+def test_a_bad_conf_or_device_fails_before_any_replay(capsys):
+    # one line and exit 2 at once, as replay does (before: the whole run, then an error row)
+    base = ["bench", "--traces", str(bundled_traces_dir()), "--no-micro", "--trace", "resnet18_train_prefix"]
+    assert cli.main(base + ["--conf", "foo:1"]) == 2
+    err = capsys.readouterr()
+    assert "foo" in err.err and err.out == "" and len(err.err.strip().splitlines()) == 1, err
+    assert cli.main(base + ["--conf", "max_split_size_mb:abc"]) == 2
+    assert "max_split_size_mb" in capsys.readouterr().err
+    assert cli.main(base + ["--device", "99"]) == 2
+    err = capsys.readouterr()
+    assert "device 99 does not exist" in err.err and err.out == "", err
+
+
 def test_python_replay_loop_drives_a_peer_exactly():
     """The loop the GPU peers run in: every allocation gets its own handle, every free gets the
     handle, size and stream of its allocation, and the device-call counters split at the half."""

@@ -14,7 +14,8 @@ import sys
 
 from ..bench.run import SIM_FREE_LATENCY_US, SIM_MALLOC_LATENCY_US, run_bench
 from ..bench.table import summary_lines, to_markdown
-from ..config import parse_conf_string
+from ..backend import check_device, open_backend
+from ..config import effective_knobs, knobs_to_config, parse_conf_string
 from . import option_checks as oc
 
 LATENCY_US = oc.Range(0, 10_000_000, what="a number of microseconds")
@@ -72,6 +73,16 @@ def _command_line(args):
     return shlex.join(parts)
 
 
+def _check_up_front(args, knobs):
+    """A bad --conf or --device fails before any replay (one line, exit 2), not as an error row
+    after the whole run: the backend must have the device, the knobs must parse for it."""
+    backend = open_backend(args.backend)
+    check_device(backend, args.device)
+    if knobs:
+        total = backend.mem_info(args.device)[1]
+        knobs_to_config(effective_knobs(knobs, env={}), total, total, "acl" if backend.kind == "acl" else "cuda")
+
+
 def _cmd_bench(args):
     oc.check(args, RANGES)
     json_to_stdout = args.json == "-"
@@ -81,6 +92,7 @@ def _cmd_bench(args):
         progress = args.progress
     say = (lambda text: print(text, file=sys.stderr)) if json_to_stdout else print
     knobs = parse_conf_string(args.conf, "--conf") if args.conf else None
+    _check_up_front(args, knobs)
     micro_runs, target_ms = args.micro_runs, args.micro_ms
     if args.quick:
         micro_runs = min(micro_runs, 3)
