@@ -103,3 +103,17 @@ def test_port_in_use_fails_cleanly(tmp_path):
     assert r.returncode == 2
     assert "Address already in use" in r.stderr and "Traceback" not in r.stderr
     assert f"port {port}" in r.stderr, r.stderr  # which port, so the operator knows what to free
+
+
+def test_the_tenants_file_is_the_option_else_the_variable_else_the_demo(tmp_path, monkeypatch):
+    # --config's help says "(as $ASCEND_POOL_CONFIG)": serve --replay with the variable set replays
+    # that file's tenants, not the demo's (whose quotas then disagreed with the file's); an
+    # explicit --config wins over the variable, in this process's environment too
+    from ascend_pool.commands.serve import DEMO_TENANTS, tenants_file
+    mine, other = tmp_path / "mine.toml", tmp_path / "other.toml"
+    monkeypatch.delenv("ASCEND_POOL_CONFIG", raising=False)
+    assert tenants_file(None, replaying=False) is None and "ASCEND_POOL_CONFIG" not in os.environ
+    assert tenants_file(None, replaying=True) == DEMO_TENANTS
+    monkeypatch.setenv("ASCEND_POOL_CONFIG", str(mine))
+    assert str(tenants_file(None, replaying=True)) == str(mine)
+    assert tenants_file(other, replaying=True) == other and os.environ["ASCEND_POOL_CONFIG"] == str(other)

@@ -54,6 +54,20 @@ def _trace_paths(names):
     return out
 
 
+def tenants_file(config, replaying):
+    """The tenants file serve uses: --config, else $ASCEND_POOL_CONFIG (as --config's help says),
+    else with --replay the bundled demo tenants, else None. It becomes $ASCEND_POOL_CONFIG of this
+    process (the tenants code reads it there too): an explicit --config wins over the variable."""
+    if config is None:
+        config = os.environ.get("ASCEND_POOL_CONFIG") or None
+    if config is None and replaying:
+        config = DEMO_TENANTS  # the demo shows quotas and the near-quota alert too
+        log.info("no --config: replaying for the demo tenants of %s", DEMO_TENANTS)
+    if config:
+        os.environ["ASCEND_POOL_CONFIG"] = str(config)
+    return config
+
+
 def _tenants(config_path, device):
     """[(name, quota, warn)] of the tenants file's tenants that apply on device, or None.
     Validation is the tenants package's own (one error line per mistake)."""
@@ -98,11 +112,7 @@ def _cmd_serve(args):
     reason = paths.unreadable_reason(paths.stats_dir())
     if reason is not None:  # serving no pool metrics with only a warning hides the mistake
         raise ConfigError(f"{reason} (--stats-dir or ${paths.ENV_DIR})")
-    if args.config is None and args.replay is not None:
-        args.config = DEMO_TENANTS  # the demo shows quotas and the near-quota alert too
-        log.info("no --config: replaying for the demo tenants of %s", DEMO_TENANTS)
-    if args.config:
-        os.environ.setdefault("ASCEND_POOL_CONFIG", str(args.config))  # the tenants code reads it too
+    args.config = tenants_file(args.config, args.replay is not None)
     tenants = _tenants(args.config, args.device)
 
     registry = CollectorRegistry(auto_describe=False)
