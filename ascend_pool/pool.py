@@ -1,5 +1,6 @@
 """ascend_pool.Pool: the caching pool of one device, with PyTorch-style stats and snapshots."""
 
+import os
 import types
 from collections import OrderedDict
 
@@ -10,8 +11,8 @@ from . import snapshot as _snapshot
 from . import stats as _stats
 from ._core import PoolBase, forked_from
 from .backend import check_device, device_index, open_backend
-from .config import effective_knobs, knobs_to_config
-from .errors import PoolError
+from .config import ENV_VAR, effective_knobs, knobs_to_config
+from .errors import ConfigError, PoolError
 from .snapshot_trace import arrays_from_snapshot
 from .traces import trace_from_arrays
 
@@ -61,8 +62,16 @@ class Pool(PoolBase):
         free_b, total_b = be.mem_info(device)
         self.knobs = effective_knobs(knobs)
         self.__dict__.setdefault("tenant", "default")  # tenant contexts (pool.context) carry their own name
-        self._open(be, device, knobs_to_config(self.knobs, total_b, free_b, "acl" if be.kind == "acl" else "cuda"),
-                   self._describe())
+        kind = "acl" if be.kind == "acl" else "cuda"
+        try:
+            cfg = knobs_to_config(self.knobs, total_b, free_b, kind)
+        except ConfigError as e:
+            try:  # the variable's knobs alone: is the mistake there? Then say so, with its value
+                knobs_to_config(effective_knobs(None), total_b, free_b, kind)
+            except ConfigError:
+                raise ConfigError(f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r}: {e}") from None
+            raise
+        self._open(be, device, cfg, self._describe())
         _registry.register(self)
 
     def _describe(self):

@@ -172,3 +172,17 @@ def test_record_history_knob_is_clamped_like_record_memory_history():
             assert actions[:4] == ["segment_alloc", "alloc", "free_requested", "free_completed"]
         finally:
             pool.close()
+
+
+def test_a_knob_mistake_in_the_environment_names_the_variable(monkeypatch):
+    # the same mistake from a keyword names only the knob (the caller wrote it there)
+    monkeypatch.setenv("ASCEND_POOL_CONF", "max_split_size_mb:abc")
+    with pytest.raises(ap.ConfigError, match=r"^ASCEND_POOL_CONF='max_split_size_mb:abc': max_split_size_mb: expected a number"):
+        ap.Pool(0, backend="sim")
+    monkeypatch.setenv("ASCEND_POOL_CONF", "bogus:1")
+    with pytest.raises(ap.ConfigError, match=r"^ASCEND_POOL_CONF='bogus:1': unknown allocator knob 'bogus'"):
+        ap.Pool(0, backend="sim")
+    monkeypatch.delenv("ASCEND_POOL_CONF")
+    with pytest.raises(ap.ConfigError, match=r"^max_split_size_mb: expected a number"):
+        ap.Pool(0, backend="sim", max_split_size_mb="abc")
+    ap.Pool(0, backend="sim").close()
