@@ -126,9 +126,7 @@ def free(ptr, stream=None, device=None):
     try:
         pool.free(ptr, stream)
     except InvalidPointerError:
-        for other in _registry.live_pools():
-            if other is pool or other.device != pool.device or other.backend is not pool.backend:
-                continue
+        for other in _registry.device_peers(pool):
             try:
                 other.free(ptr, stream)  # a pointer it does not hold changes nothing there
                 return

@@ -84,11 +84,9 @@ class Pool(PoolBase):
         # streams belong to the device, not to a pool. Registered here on first use.
         if type(stream) is not int:
             return False
-        for other in _registry.live_pools():
-            if other is not self and not other.closed and other.device == self.device and \
-                    other.backend is self.backend and other._knows_stream(stream):
-                self.register_stream(stream)
-                return True
+        if any(other._knows_stream(stream) for other in _registry.device_peers(self)):
+            self.register_stream(stream)
+            return True
         return False
 
     def context(self, name, quota=None, warn=None):

@@ -59,6 +59,12 @@ def live_pools():
         return [p for p in list(_pools) if not p.closed]
 
 
+def device_peers(pool):
+    """The other open pools of pool's device and backend (tenant contexts, the default pool):
+    the runtime's streams and blocks belong to the device, so one may answer for another."""
+    return [p for p in live_pools() if p is not pool and p.device == pool.device and p.backend is pool.backend]
+
+
 def default_pool(device):
     """The open default pool of device, or None."""
     pool = _defaults.get(device)

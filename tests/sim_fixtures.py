@@ -9,6 +9,7 @@ Import with:  sys.path.insert(0, os.path.dirname(__file__)); from sim_fixtures i
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,20 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # in-place build): children must import the same build.
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ascend_pool.__file__)))
 PRELUDE = "import json, os, sys, threading, time\nimport ctypes as C\nfrom sim_child import *\n"
+
+
+def _can_unshare():
+    if shutil.which("unshare") is None:
+        return "unshare is not installed"
+    r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True)
+    return None if r.returncode == 0 else f"unshare --pid --fork --mount-proc fails here: {r.stderr.strip()}"
+
+
+# Workers in pid namespaces of their own (a container's first process is pid 1 there): needs
+# unshare and root, which CI has; the reason says what is missing elsewhere.
+UNSHARE_MISSING = _can_unshare()
+needs_unshare = pytest.mark.skipif(UNSHARE_MISSING is not None, reason=str(UNSHARE_MISSING))
+NS = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 
 
 class SimNode:

@@ -6,9 +6,30 @@ acl backend runs such a call in the wrong context. Each test runs in a child pro
 node with two simulated devices."""
 import os
 import sys
+import textwrap
 
 sys.path.insert(0, os.path.dirname(__file__))
 from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
+
+# Run before each test's code in its child: the package, and a framework's thread whose exception
+# (if any) lands in res["error"], so that a refusal shows in the assertion's message.
+ON_A_THREAD = """
+import ascend_pool as ap
+MiB = 1 << 20
+res = {}
+def on_a_thread(fn):
+    def run():
+        try:
+            fn()
+        except Exception as e:
+            res["error"] = f"{type(e).__name__}: {e}"
+    t = threading.Thread(target=run); t.start(); t.join()
+"""
+
+
+def run_child(node, body):
+    """The JSON the child printed last, after ON_A_THREAD and body (a test's indented code)."""
+    return node.run_json(ON_A_THREAD + textwrap.dedent(body))
 
 
 def test_cross_stream_reuse_from_a_thread_on_another_device_reuses_its_event(sim_node):
@@ -16,11 +37,8 @@ def test_cross_stream_reuse_from_a_thread_on_another_device_reuses_its_event(sim
     # stream a is reused on stream b (b waits on a's event, which is then reset on b and kept).
     # Reset outside b's context fails on CANN: the event would be destroyed and a new one made
     # at every reuse, and the thread's error message left set.
-    out = sim_node.run_json("""
-        import ascend_pool as ap
-        MiB = 1 << 20
+    out = run_child(sim_node, """
         pool = ap.Pool(0, backend="sim")
-        res = {}
         def framework_thread():
             ok("aclrtSetDevice", 1)
             a, b = pool.create_stream(), pool.create_stream()
@@ -34,7 +52,7 @@ def test_cross_stream_reuse_from_a_thread_on_another_device_reuses_its_event(sim
             res.update(reused=reused, events=pool.memory_stats()["events_created"], device=dev.value,
                        message=errmsg())
             pool.destroy_stream(a); pool.destroy_stream(b)
-        t = threading.Thread(target=framework_thread); t.start(); t.join()
+        on_a_thread(framework_thread)
         pool.close()
         print(json.dumps(res))
     """)
@@ -47,11 +65,8 @@ def test_a_stream_of_the_frameworks_own_context_serves_allocations(sim_node):
     # An ACL application (or an inference server) creates its own context on device 0 and a
     # stream there, and hands the pool that stream: the pool's record and wait calls on it must
     # run in that context, not in the device's default one.
-    out = sim_node.run_json("""
-        import ascend_pool as ap
-        MiB = 1 << 20
+    out = run_child(sim_node, """
         pool = ap.Pool(0, backend="sim")
-        res = {}
         def app_thread():
             ok("aclrtSetDevice", 0)
             ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
@@ -73,12 +88,7 @@ def test_a_stream_of_the_frameworks_own_context_serves_allocations(sim_node):
             res["context_kept"] = cur.value == ctx.value
             pool.destroy_stream(mine)
             ok("aclrtDestroyStream", s); ok("aclrtDestroyContext", ctx)
-        def run():
-            try:
-                app_thread()
-            except Exception as e:
-                res["error"] = f"{type(e).__name__}: {e}"
-        t = threading.Thread(target=run); t.start(); t.join()
+        on_a_thread(app_thread)
         pool.close()
         print(json.dumps(res))
     """)
@@ -88,21 +98,19 @@ def test_a_stream_of_the_frameworks_own_context_serves_allocations(sim_node):
 def test_allowing_importers_from_a_thread_without_a_context(sim_node):
     # A service thread (no device set) relays an importer's id: aclrtIpcMemSetImportPid needs a
     # current context, which the backend enters for the shared block's device.
-    out = sim_node.run_json("""
-        import ascend_pool as ap
+    out = run_child(sim_node, """
         from ascend_pool import sharing
         pool = ap.Pool(1, backend="sim")
         ptr = sharing.share_malloc(pool, 2 << 20)
         h = sharing.share(pool, ptr)
         me = sharing.node_pid(pool.backend)
-        res = {}
         def service_thread():
             try:
                 sharing.allow(h, [me + 1])
                 res["allowed"] = True
             except Exception as e:
                 res["allowed"] = f"{type(e).__name__}: {e}"
-        t = threading.Thread(target=service_thread); t.start(); t.join()
+        on_a_thread(service_thread)
         sharing.share_free(pool, ptr)
         pool.close()
         print(json.dumps(res))
@@ -115,14 +123,11 @@ def test_a_default_context_stream_used_from_a_thread_in_a_context_of_its_own(sim
     # thread that works in a context it created on the same device. The backend first runs the
     # call in the caller's context (someone else's stream usually belongs to it), then, told the
     # stream is not in it (107003), in the device's default context.
-    out = sim_node.run_json("""
-        import ascend_pool as ap
-        MiB = 1 << 20
+    out = run_child(sim_node, """
         pool = ap.Pool(0, backend="sim")
         ok("aclrtSetDevice", 0)
         framework_stream = stream()                      # raw, in device 0's default context
         pool.register_stream(framework_stream)
-        res = {}
         def app_thread():
             ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
             mine = pool.create_stream()
@@ -135,12 +140,7 @@ def test_a_default_context_stream_used_from_a_thread_in_a_context_of_its_own(sim
             res.update(same_block=p == q, context_kept=cur.value == ctx.value, message=errmsg())
             pool.destroy_stream(mine)
             ok("aclrtDestroyContext", ctx)
-        def run():
-            try:
-                app_thread()
-            except Exception as e:
-                res["error"] = f"{type(e).__name__}: {e}"
-        t = threading.Thread(target=run); t.start(); t.join()
+        on_a_thread(app_thread)
         ok("aclrtDestroyStream", framework_stream)
         pool.close()
         print(json.dumps(res))

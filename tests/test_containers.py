@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import metrics_scrape  # noqa: E402
 from metrics_scrape import scrape, series  # noqa: E402
 from other_user import SKIP as OTHER_USER_SKIP, readable_site  # noqa: E402
+from sim_fixtures import NS, needs_unshare  # noqa: E402
 
 import ascend_pool as ap
 
@@ -36,16 +37,6 @@ MiB = 1 << 20
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
 
 
-def _can_unshare():
-    if shutil.which("unshare") is None:
-        return "unshare is not installed"
-    r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True)
-    return None if r.returncode == 0 else f"unshare --pid --fork --mount-proc fails here: {r.stderr.strip()}"
-
-
-UNSHARE_MISSING = _can_unshare()
-needs_unshare = pytest.mark.skipif(UNSHARE_MISSING is not None, reason=str(UNSHARE_MISSING))
-NS = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 
 
 @pytest.fixture

@@ -256,32 +256,43 @@ def test_a_context_closed_in_a_forked_child_leaves_the_parents_quota_booking(sim
     assert rep["held_after"] == rep["held_before"] > 0, rep
 
 
-def test_a_fork_while_another_thread_makes_a_default_pool_refuses_in_the_child(sim_node):
-    """A framework's worker thread makes the device's first default pool (api.default_pool holds
-    its module lock through Pool(), which calls the runtime: slow here, 300 ms a device malloc)
-    while the main thread forks: the child's module-level calls raise BackendUnavailableError,
-    they do not wait for ever on the lock's held copy."""
+def _fork_while_a_thread_is_inside(sim_node, setup, busy, call, success_ok, **env):
+    """Runs setup, starts a thread running `busy` (made slow by setup or env: 300 ms), forks
+    150 ms later, while it is inside, and calls `call` in the child, which must end within 15 s:
+    with BackendUnavailableError, or by returning where success_ok. Returns the child's end."""
     rep = sim_node.run_json(r"""
         import json, threading, warnings
         import ascend_pool as ap
         warnings.simplefilter("ignore", DeprecationWarning)
         WAIT_CHILD
-        ap.Pool(1, backend="sim").close()      # the runtime is open: only the default pool is slow
-        making = threading.Thread(target=lambda: ap.malloc(4096)); making.start()
-        time.sleep(0.15)                        # inside Pool(): its reserve's 300 ms device malloc
+        SETUP
+        busy = threading.Thread(target=lambda: BUSY); busy.start()
+        time.sleep(0.15)
         pid = os.fork()
         if pid == 0:
             try:
-                ap.malloc(4096)
-                os._exit(3)
+                CALL
+                os._exit(0 if SUCCESS_OK else 3)
             except ap.BackendUnavailableError:
                 os._exit(0)
             except BaseException:
                 os._exit(4)
         end = wait_child(pid, 15)
-        making.join()
+        busy.join()
         print(json.dumps({"end": end}))
-    """.replace("WAIT_CHILD", WAIT_CHILD.replace("\n", "\n        ")), timeout=60,
+    """.replace("WAIT_CHILD", WAIT_CHILD.replace("\n", "\n        ")).replace("SETUP", "\n        ".join(setup))
+        .replace("BUSY", busy).replace("CALL", call).replace("SUCCESS_OK", str(success_ok)), timeout=60, **env)
+    return rep
+
+
+def test_a_fork_while_another_thread_makes_a_default_pool_refuses_in_the_child(sim_node):
+    """A framework's worker thread makes the device's first default pool (api.default_pool holds
+    its module lock through Pool(), which calls the runtime: slow here, 300 ms a device malloc)
+    while the main thread forks: the child's module-level calls raise BackendUnavailableError,
+    they do not wait for ever on the lock's held copy."""
+    rep = _fork_while_a_thread_is_inside(
+        sim_node, ['ap.Pool(1, backend="sim").close()  # the runtime is open: only the default pool is slow'],
+        busy="ap.malloc(4096)", call="ap.malloc(4096)", success_ok=False,
         ASCEND_SIM_MALLOC_LATENCY_US=300000, ASCEND_POOL_CONF="reserve:2097152")
     assert rep == {"end": "exit 0"}, rep
 
@@ -291,27 +302,8 @@ def test_a_fork_while_another_thread_opens_the_runtime_never_hangs_the_child(sim
     meanwhile copies that lock held. The child must get an answer: its own runtime, or
     BackendUnavailableError when the parent's open had begun in C (fork.c counts an open in
     progress as done), never a wait for ever. The open is made slow in Python to widen the window."""
-    rep = sim_node.run_json(r"""
-        import json, threading, warnings
-        import ascend_pool as ap
-        from ascend_pool import backend as B
-        warnings.simplefilter("ignore", DeprecationWarning)
-        WAIT_CHILD
-        slow_open = B._open
-        B._open = lambda name, path: (time.sleep(0.3), slow_open(name, path))[1]
-        opening = threading.Thread(target=lambda: ap.Pool(0, backend="sim").close()); opening.start()
-        time.sleep(0.1)                         # inside open_backend, holding its lock
-        pid = os.fork()
-        if pid == 0:
-            try:
-                ap.Pool(0, backend="sim").close()
-                os._exit(0)
-            except ap.BackendUnavailableError:
-                os._exit(0)
-            except BaseException:
-                os._exit(4)
-        end = wait_child(pid, 15)
-        opening.join()
-        print(json.dumps({"end": end}))
-    """.replace("WAIT_CHILD", WAIT_CHILD.replace("\n", "\n        ")), timeout=60)
+    rep = _fork_while_a_thread_is_inside(
+        sim_node, ["from ascend_pool import backend as B", "slow_open = B._open",
+                   "B._open = lambda name, path: (time.sleep(0.3), slow_open(name, path))[1]"],
+        busy='ap.Pool(0, backend="sim").close()', call='ap.Pool(0, backend="sim").close()', success_ok=True)
     assert rep == {"end": "exit 0"}, rep

@@ -12,7 +12,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
+from sim_fixtures import NS, PRELUDE, needs_unshare, sim_node  # noqa: E402,F401  (sim_node: pytest fixture)
 
 SLOTS, SLOT_SIZE = 256, 40  # node.c: struct node_slot {int32 pid; u32; u64 lease; u64 pidns; u64 start; u64 bytes}
 
@@ -258,17 +258,13 @@ def test_a_forked_child_starts_without_a_runtime_and_gets_its_own_share(sim_node
 def _in_pid_namespace(node, code):
     """Starts PRELUDE + code as pid 1 of a pid namespace of its own (as a container's first
     process), on the node; stdin/stdout piped."""
-    import shutil
     import subprocess
     import textwrap
-    from sim_fixtures import PRELUDE
-    if shutil.which("unshare") is None or os.geteuid() != 0:
-        pytest.skip("pid namespaces need unshare and root (CI has both)")
-    return subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-c",
-                             PRELUDE + textwrap.dedent(code)], env=node.env(), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(NS + [sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=node.env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@needs_unshare
 def test_the_record_lock_names_its_holder_by_lease_across_pid_namespaces(sim_node):
     """A record's lock names its holder by lease id, not by thread id: containers' first processes
     are all pid 1, and with a robust pthread mutex a waiter of pid 1 killed in one namespace made

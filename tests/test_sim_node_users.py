@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from other_user import OTHER, two_users  # noqa: E402,F401  (pytest fixture)
+from sim_fixtures import NS, needs_unshare  # noqa: E402
 
 MiB = 1 << 20
 SLOTS, SLOT_SIZE = 256, 40  # node.c: struct node_slot {int32 pid; u32; u64 lease; u64 pidns; u64 start; u64 bytes}
@@ -224,20 +225,17 @@ def test_another_users_record_is_read_with_suspicion(two_users):
     node.run(None, "init(); assert meminfo()[0] == meminfo()[1]")
 
 
+@needs_unshare
 def test_another_user_cannot_keep_a_dead_process_alive_by_squatting_its_lease(two_users):
     """A process proves it lives by a lock on its private lease file in the shared 1777
     directory. Once a dead process's lease file is gone, another user may create that name and
     lock it: a lease counts only when it is this user's own file, so the dead process's bytes
     are still reclaimed (before: pinned for as long as the squatter held the lock, device
     memory lost to every later process of its user in another pid namespace)."""
-    import shutil
     import subprocess
     from other_user import PRELUDE
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare")
     node, uid = two_users, os.geteuid()
-    holder = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-c",
-                               PRELUDE + HOLD.format(n=300 * MiB)], env=node.env(), stdin=subprocess.PIPE,
+    holder = subprocess.Popen(NS + [sys.executable, "-c", PRELUDE + HOLD.format(n=300 * MiB)], env=node.env(), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=node.root)
     assert holder.stdout.readline().strip() == "holding", holder.stderr.read()
     with open(os.path.join(node.shm, f"ascendsim-{uid}-{node.name}-dev0"), "rb") as f:
