@@ -121,11 +121,15 @@ class Pool(PoolBase):
         return s["reserved_bytes.all.current"] - s["allocated_bytes.all.current"]
 
     def free_all_blocks(self, stream=None):
-        """Returns every cached segment to the device, as cupy's MemoryPool.free_all_blocks() (and
-        empty_cache()); `stream` (None or a live stream of this pool, else InvalidStreamError) is
-        accepted for cupy's signature: all streams' are returned."""
+        """Returns cached segments to the device, as cupy's MemoryPool.free_all_blocks(): with
+        `stream` None every stream's (empty_cache()); else (a live stream of this pool or 0, else
+        InvalidStreamError) only those that allocations on that stream created, after its work
+        is done (empty_stream_cache)."""
         self._check_stream(stream)
-        self.empty_cache()
+        if stream is None:
+            self.empty_cache()
+        else:
+            self.empty_stream_cache(stream)
 
     def reset_accumulated_stats(self):
         """Zeroes the accumulated counters, as torch.npu.reset_accumulated_memory_stats():

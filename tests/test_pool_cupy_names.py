@@ -45,3 +45,54 @@ def test_n_free_blocks_counts_what_a_snapshot_shows_and_records_nothing():
         assert pool.n_free_blocks() == 0
     finally:
         pool.close()
+
+
+def _one_cached_segment_per_stream(pool):
+    """A cached 12 MiB segment (a size that gets a segment of its own) made for the default stream and one made for a created stream
+    (the first is live while the second is made); returns that stream and both addresses."""
+    s = pool.create_stream()
+    p1 = pool.malloc(12 * MiB)
+    p2 = pool.malloc(12 * MiB, stream=s)
+    pool.free(p1)
+    pool.free(p2, stream=s)
+    return s, p1, p2
+
+
+def test_free_all_blocks_of_one_stream_keeps_the_other_streams_cache():
+    """cupy's test_free_all_blocks_stream: free_all_blocks(stream=null) returns only the segments
+    the null stream's allocations made; the other stream still reuses its own cached block
+    without a device call. stream_reuse='tied' is cupy's (and torch's) stream rule."""
+    pool = ap.Pool(0, backend="sim", pad_bytes=0, stream_reuse="tied", release_policy="never")
+    try:
+        s, p1, p2 = _one_cached_segment_per_stream(pool)
+        assert pool.memory_stats()["segment.all.current"] == 2
+        pool.free_all_blocks(stream=0)
+        st = pool.memory_stats()
+        assert st["segment.all.current"] == 1 and st["num_device_free"] == 1
+        assert pool.malloc(12 * MiB, stream=s) == p2  # its cache survived
+        assert pool.memory_stats()["num_device_alloc"] == st["num_device_alloc"]
+        pool.free_all_blocks(stream=s)
+        assert pool.memory_stats()["segment.all.current"] == 1  # p2 is live: nothing to return
+        pool.free(pool.malloc(1), stream=0)
+        pool.free_all_blocks()  # None: every stream's
+        assert pool.memory_stats()["segment.all.current"] == 1
+    finally:
+        pool.close()
+
+
+def test_free_all_blocks_of_one_stream_under_the_default_stream_rule():
+    """With stream_reuse='borrow' (the default) a block freed on one stream serves others once
+    its work is done; free_all_blocks(stream=s) still returns only s's segments."""
+    pool = ap.Pool(0, backend="sim")
+    try:
+        s, p1, p2 = _one_cached_segment_per_stream(pool)
+        assert pool.memory_stats()["segment.all.current"] == 2
+        pool.free_all_blocks(stream=s)
+        assert pool.memory_stats()["segment.all.current"] == 1
+        pool.free_all_blocks(stream=s)  # nothing of s's left: a no-op
+        assert pool.memory_stats()["segment.all.current"] == 1
+        pool.free_all_blocks(stream=0)
+        assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+        pool.destroy_stream(s)
+    finally:
+        pool.close()

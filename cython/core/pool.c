@@ -540,6 +540,21 @@ int ap_pool_empty_cache(ap_pool *p, ap_error *err) {
     return rc;
 }
 
+int ap_pool_empty_stream(ap_pool *p, void *stream, ap_error *err) {
+    pthread_mutex_lock(&p->lock);
+    int rc = AP_OK, slot = ap_slot_of(p, stream, 0);
+    if (slot > 0) {
+        rc = ap_wait_unlocked(p, slot, 1, err); /* its frees become untagged, as empty_cache's */
+        if (rc == AP_E_INVALID_STREAM) rc = AP_OK; /* destroyed behind the pool's back: settled */
+        if (p->cfg.expandable)
+            ap_release_free_segments(p, (size_t)-1, 1, 0, rc == AP_OK ? err : NULL);
+        else if (rc == AP_OK)
+            ap_release_stream_segments(p, slot, err);
+    }
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
 int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     int slot = ap_slot_of(p, stream, 1);

@@ -264,6 +264,10 @@ int ap_pool_try_free(ap_pool *p, void *ptr);
 int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err);
 /* Returns every unused segment to the device (waits for pending frees first). */
 int ap_pool_empty_cache(ap_pool *p, ap_error *err);
+/* CuPy's free_all_blocks(stream): waits for stream's work, then returns the unused classic
+   segments its allocations created (expandable segments: every stream's unused pages, one
+   address space). A stream the pool never saw has none. */
+int ap_pool_empty_stream(ap_pool *p, void *stream, ap_error *err);
 /* Waits for the work queued on stream, then lets its cached blocks serve every stream. */
 int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err);
 /* Forgets a stream that is about to be destroyed: waits for it and returns its blocks to all. */

@@ -50,6 +50,7 @@ cdef extern from "pool.h" nogil:
     int ap_pool_try_free(ap_pool *p, void *ptr)
     int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err)
     int ap_pool_empty_cache(ap_pool *p, ap_error *err)
+    int ap_pool_empty_stream(ap_pool *p, void *stream, ap_error *err)
     int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err)
     int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err)
     int ap_pool_stream_idle(ap_pool *p, void *stream)
@@ -530,6 +531,26 @@ cdef class PoolBase:
         stream of this pool (for the Python-level methods that take one)."""
         self._check()
         self._stream(stream)
+
+    def empty_stream_cache(self, stream):
+        """Returns to the device the unused cached segments that allocations on `stream` created,
+        after waiting (bounded by sync_timeout_ms) for its work: CuPy's
+        free_all_blocks(stream). Other streams' cached segments stay. With expandable segments
+        the unused pages of every stream go (one address space)."""
+        self._check()
+        cdef ap_pool *_p
+        cdef void *s = self._stream(stream)
+        cdef ap_error err
+        cdef int rc
+        if self._free_frames:
+            self._note_frames()
+        _p = self._enter()
+        with nogil:
+            rc = ap_pool_empty_stream(_p, s, &err)
+            ap_history_set_ctx(0)
+        self._leave()
+        if rc != AP_OK:
+            _raise(&err, rc)
 
     def synchronize(self, stream=None):
         """Waits (bounded by sync_timeout_ms) for the work queued on stream (None: default)."""

@@ -134,6 +134,8 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
 /* Releases fully free segments (settling streams as needed) until `target` bytes are returned
    or none remain; include_pinned also returns the preallocated reserve. Returns bytes released. */
 size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, int oldest_first, ap_error *err);
+/* Releases the wholly free classic segments created for slot's allocations (none still tagged). */
+size_t ap_release_stream_segments(ap_pool *p, int slot, ap_error *err);
 int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap_block **out, ap_error *err);
 /* Returns a wholly free segment (its one block in a free tree) to the device. */
 int ap_segment_release(ap_pool *p, ap_segment *seg, ap_error *err);
