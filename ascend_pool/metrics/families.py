@@ -1,8 +1,9 @@
 """prometheus_client metric families from TenantSamples (see schema.py for names and units).
 
 Labels: device and tenant on every per-tenant family, pool (small|large) where the pool splits
-the figure, and pid and instance first when the samples come from several processes (the node
-service: pids are per pid namespace, two containers' workers are both pid 1; instance is unique).
+the figure, and pid, instance and uid first when the samples come from several processes (the
+node service: pids are per pid namespace, two containers' workers are both pid 1; instance is
+unique; quotas are per user, so the same tenant name under two uids is two tenants).
 Device-wide figures (free/total device memory) carry only `device`: they are the same for every
 tenant, and repeating them per tenant would invite sums that count a device twice.
 """
@@ -17,7 +18,7 @@ _TYPES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
 def tenant_families(samples, with_pid=False):
     """The per-(device, tenant) families for samples (an iterable of TenantSample)."""
-    base = ["pid", "instance"] if with_pid else []
+    base = ["pid", "instance", "uid"] if with_pid else []
     tenant_labels = base + ["device", "tenant"]
     out = []
     for name, kind, doc, source, split in FAMILIES:
@@ -55,4 +56,4 @@ def device_families(per_device):
 
 def _labels(s, with_pid):
     lv = [str(s.device), s.tenant]
-    return [str(s.pid), s.instance or ""] + lv if with_pid else lv
+    return [str(s.pid), s.instance or "", "" if s.uid is None else str(s.uid)] + lv if with_pid else lv

@@ -28,8 +28,10 @@ def _views(uids=(), gids=()):
     for path, device, backend, node, group, owner in files:
         if backend == "sim" and node != L.node_name("sim"):
             continue  # another simulated node (another test run, another demo)
+        # Whose ledger: a user's private one (its uid), or a group's shared one (its gid).
+        scope = ("" if owner is None else str(owner), "" if group is None else str(group))
         try:
-            out.append((backend, L._open_file(path, device, backend, node, group, owner).view()))
+            out.append((backend, scope, L._open_file(path, device, backend, node, group, owner).view()))
         except Exception as e:  # foreign, malformed, or of another version: refused by the ledger code
             _warn_once((path, str(e)), "cannot read the quota ledger %s: %s", path, e)
     return out
@@ -42,12 +44,14 @@ def _warn_once(key, fmt, *args):
 
 
 def ledger_families(uids=(), gids=()):
-    """ascend_pool_ledger_* families (labels backend, device, tenant); empty without ledgers.
-    uids, gids: also the ledgers of these trusted users and groups (the node service's)."""
+    """ascend_pool_ledger_* families (labels backend, device, tenant, and whose ledger: uid for a
+    user's own, gid for a group's shared one, the other empty); empty without ledgers. A quota
+    is per ledger, so one tenant name in two users' ledgers is two series. uids, gids: also the
+    ledgers of these trusted users and groups (the node service's)."""
     views = _views(uids, gids)
     if not views:
         return []
-    labels = ["backend", "device", "tenant"]
+    labels = ["backend", "device", "tenant", "uid", "gid"]
     held = GaugeMetricFamily("ascend_pool_ledger_held_bytes",
                              "Bytes the tenant holds on the device across all its processes on the node (quota ledger, bytes).",
                              labels=labels)
@@ -68,7 +72,7 @@ def ledger_families(uids=(), gids=()):
                                     "Bytes given back from processes that died holding them (bytes).",
                                     labels=["backend", "device"])
     seen, reclaimed_by = set(), {}
-    for backend, v in views:
+    for backend, scope, v in views:
         dev = str(v["device"])
         alive = {}
         for s in v["slots"]:
@@ -77,10 +81,10 @@ def ledger_families(uids=(), gids=()):
         for t in v["tenants"]:
             if not alive.get(t["name"]):
                 continue  # no live process: the tenant no longer exists on the node (its entry is reused)
-            if (backend, dev, t["name"]) in seen:
-                continue  # the same tenant name in two users' ledgers: the first (this user's) is shown
-            seen.add((backend, dev, t["name"]))
-            lv = [backend, dev, t["name"]]
+            lv = [backend, dev, t["name"], *scope]
+            if tuple(lv) in seen:
+                continue  # one ledger listed twice (own directory and a trusted one)
+            seen.add(tuple(lv))
             held.add_metric(lv, t["held_bytes"])
             peak.add_metric(lv, t["peak_bytes"])
             refusals.add_metric(lv, t["refusals"])

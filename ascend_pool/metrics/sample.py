@@ -33,8 +33,9 @@ _MAX_FIELDS = frozenset(("largest_free_block_bytes", "quota_bytes", "quota_warn_
 class TenantSample:
     """The figures of one (device, tenant) in one process: values[field] for every schema field
     (int, base units). pid and instance (the process's id unique on the node: pids are per pid
-    namespace) are set by the node service (None in-process). live: False for a (device, tenant)
-    whose pools are all closed (only its counters remain: the gauges read zero)."""
+    namespace) and uid (the process's user: quotas are per user, so one tenant name used by two
+    users is two tenants) are set by the node service (None in-process). live: False for a
+    (device, tenant) whose pools are all closed (only its counters remain: the gauges read zero)."""
 
     device: int
     tenant: str
@@ -42,6 +43,7 @@ class TenantSample:
     pid: int = None
     instance: str = None
     live: bool = True
+    uid: int = None
 
     @property
     def key(self):

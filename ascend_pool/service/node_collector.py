@@ -4,7 +4,8 @@ At each scrape it reads the stats directory (StatsScanner) and exports
   - the per-tenant families of metrics/schema.py with `pid` and `instance` labels, one series per
     process (the pid is in the process's own pid namespace: two containers' workers are both pid
     1; `instance` is unique on the node);
-  - node totals per (device, tenant) over the live processes: ascend_pool_node_{reserved,allocated,
+  - node totals per (device, tenant, uid) over the live processes (quotas are per user: one
+    tenant name used by two users is two tenants): ascend_pool_node_{reserved,allocated,
     requested,cached_free}_bytes and ascend_pool_node_processes (separate names, so that a
     sum() over the per-pid series never counts a total twice);
   - the device-wide free/total memory (labels: device), from the most recent publish;
@@ -64,20 +65,21 @@ class NodeCollector:
     def _totals(samples):
         sums, procs = {}, {}
         for s in samples:
-            acc = sums.setdefault(s.key, [0] * len(NODE_TOTALS))
+            key = (s.device, s.tenant, "" if s.uid is None else str(s.uid))
+            acc = sums.setdefault(key, [0] * len(NODE_TOTALS))
             for i, (_, _, fields) in enumerate(NODE_TOTALS):
                 acc[i] += sum(s.values[f] for f in fields)
-            procs.setdefault(s.key, set()).add((s.pid, s.instance))
+            procs.setdefault(key, set()).add((s.pid, s.instance))
+        labels = ["device", "tenant", "uid"]
         for i, (name, doc, _) in enumerate(NODE_TOTALS):
-            fam = GaugeMetricFamily(name, doc, labels=["device", "tenant"])
-            for (device, tenant), acc in sorted(sums.items()):
-                fam.add_metric([str(device), tenant], acc[i])
+            fam = GaugeMetricFamily(name, doc, labels=labels)
+            for (device, tenant, uid), acc in sorted(sums.items()):
+                fam.add_metric([str(device), tenant, uid], acc[i])
             yield fam
         fam = GaugeMetricFamily("ascend_pool_node_processes",
-                                "Live processes publishing figures for the tenant on the device.",
-                                labels=["device", "tenant"])
-        for (device, tenant), pids in sorted(procs.items()):
-            fam.add_metric([str(device), tenant], len(pids))
+                                "Live processes publishing figures for the tenant on the device.", labels=labels)
+        for (device, tenant, uid), pids in sorted(procs.items()):
+            fam.add_metric([str(device), tenant, uid], len(pids))
         yield fam
 
     def _shares(self):

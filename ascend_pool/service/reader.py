@@ -140,7 +140,7 @@ def _read(fd, path, inst, allowed_uids, allowed_gids=()):
     if flags & L.FLAG_EXITED:
         raise Stale(path, "process marked it exited")
     out = ProcessStats(pid, uid, start, publish_ns, flags, path, instance=f"{inst:016x}", pidns=pidns)
-    out.samples = _records(path, pid, body, out.instance)
+    out.samples = _records(path, pid, body, out.instance, uid)
     return out
 
 
@@ -174,7 +174,7 @@ def _consistent_body(fd, path, header, capacity):
     raise Busy(path, f"the owner was writing during all {READ_ATTEMPTS} attempts")
 
 
-def _records(path, pid, body, instance=""):
+def _records(path, pid, body, instance="", uid=None):
     samples, seen = [], set()
     for i in range(len(body) // L.RECORD_SIZE):
         device, tlen, raw, *values = L.RECORD.unpack_from(body, i * L.RECORD_SIZE)
@@ -193,5 +193,5 @@ def _records(path, pid, body, instance=""):
         if (device, tenant) in seen:
             raise Refused(path, f"record {i}: device {device} tenant {tenant!r} appears twice")
         seen.add((device, tenant))
-        samples.append(TenantSample(device, tenant, vals, pid, instance))
+        samples.append(TenantSample(device, tenant, vals, pid, instance, uid=uid))
     return samples
