@@ -11,7 +11,7 @@ import warnings
 from . import current as _current
 from . import registry as _registry
 from ._core import attach_out_of_memory_observer, detach_out_of_memory_observer, set_default_pool_hook
-from .backend import check_device, open_backend
+from .backend import check_device, open_backend, torch_device_index
 from .config import history_settings, history_skip_mask
 from .errors import ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, PoolError, StreamTypeError
 from .pool import Pool
@@ -47,30 +47,6 @@ def set_device(device):
 def current_device():
     """The calling thread's current device (default 0)."""
     return getattr(_local, "device", 0)
-
-
-def torch_device_index(device, kinds=("npu", "cuda")):
-    """torch's device argument as an int index, None for the current device: None, an int (or
-    numpy integer, checked later), "npu:1" / "cuda:1" ("npu": the current one) or a device object
-    with .type and .index (torch.device). Another device type ("cpu") or form is an
-    InvalidDeviceError, a ValueError as torch's _get_device_index raises."""
-    if device is None or (isinstance(device, int) and not isinstance(device, bool)):
-        return device
-    if isinstance(device, str):
-        kind, _, index = device.partition(":")
-        try:
-            index = int(index) if index else None
-        except ValueError:
-            raise InvalidDeviceError(f"Invalid device string: {device!r}") from None
-    elif hasattr(device, "type") and not isinstance(device, bool):
-        kind, index = device.type, getattr(device, "index", None)
-    elif as_index(device) is not None:  # a numpy integer
-        return device
-    else:
-        raise InvalidDeviceError(f"Expected a torch.device with a specified index or an integer, but got: {device!r}")
-    if kind not in kinds:
-        raise InvalidDeviceError(f"Expected a {' or '.join(kinds)} device, but got: {device}")
-    return index
 
 
 def default_pool(device=None):

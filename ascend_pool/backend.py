@@ -127,10 +127,44 @@ def open_backend(name=None, path=None):
         return backend
 
 
+def torch_device_index(device, kinds=("npu", "cuda")):
+    """torch's device argument as an int index, None for the current device: None, an int (or
+    numpy integer, checked later), "npu:1" / "cuda:1" ("npu": the current one) or a device object
+    with .type and .index (torch.device). Another device type ("cpu") or form is an
+    InvalidDeviceError, a ValueError as torch's _get_device_index raises."""
+    if device is None or (isinstance(device, int) and not isinstance(device, bool)):
+        return device
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        try:
+            index = int(index) if index else None
+        except ValueError:
+            raise InvalidDeviceError(f"Invalid device string: {device!r}") from None
+    elif hasattr(device, "type") and not isinstance(device, bool):
+        kind, index = device.type, getattr(device, "index", None)
+    elif as_index(device) is not None:  # a numpy integer
+        return device
+    else:
+        raise InvalidDeviceError(f"Expected a torch.device with a specified index or an integer, but got: {device!r}")
+    if kind not in kinds:
+        raise InvalidDeviceError(f"Expected a {' or '.join(kinds)} device, but got: {device}")
+    return index
+
+
 def device_index(device):
-    """device as an int: an int or a numpy integer (as torch accepts), never a bool or a float
-    (InvalidDeviceError)."""
+    """device as an int: an int or a numpy integer (as torch accepts), or torch's forms with an
+    index ("npu:1", "cuda:1", a torch.device); never a bool or a float (InvalidDeviceError)."""
     index = as_index(device)
+    if index is None and (isinstance(device, str) or hasattr(device, "type")):
+        try:
+            index = torch_device_index(device)
+        except InvalidDeviceError as e:
+            raise InvalidDeviceError(f"device must be an integer index or a device like 'npu:0', got {device!r}: "
+                                     f"{e}") from None
+        if index is None:
+            raise InvalidDeviceError(f"device {device!r} names no index: a pool serves one device, say which "
+                                     f"(e.g. 'npu:0')")
+        index = as_index(index)
     if index is None:
         raise InvalidDeviceError(f"device must be an integer index, got {device!r}")
     return index

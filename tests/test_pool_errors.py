@@ -101,6 +101,23 @@ def test_device_of_the_wrong_type_is_named_as_such(device):
         ap.Pool(device, backend="sim")
 
 
+@pytest.mark.parametrize("device", ["npu:1", "cuda:1"])
+def test_a_torch_device_string_names_the_device(device):
+    """ap.malloc(device="npu:1") works (torch's forms); so does Pool(device="npu:1")."""
+    pool = ap.Pool(device=device, backend="sim")
+    try:
+        assert pool.device == 1
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("device, words", [("npu", "names no index"), ("cpu:0", "Expected a npu or cuda device"),
+                                           ("npu:x", "Invalid device string")])
+def test_a_torch_device_string_without_a_usable_index_is_refused(device, words):
+    with pytest.raises(ap.InvalidDeviceError, match=words):
+        ap.Pool(device=device, backend="sim")
+
+
 def test_numpy_integer_device_index_is_a_device():
     np = pytest.importorskip("numpy")
     pool = ap.Pool(np.int64(0), backend="sim")  # was: "device np.int64(0) does not exist"

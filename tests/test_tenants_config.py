@@ -167,6 +167,11 @@ def test_check_config_errors_exit_2_one_line_each(tmp_path, capsys):
         f"{path}:3: tenants.a.warn: 2 is outside (0, 1] (a fraction of the quota, e.g. 0.9)",
         f"{path}:5: tenants.b.quota: negative quota -1 bytes",
     ]
+    # --json: a machine reader gets JSON on stdout either way (before: nothing), the lines on stderr
+    assert cli_main(["check-config", path, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"file": path, "valid": False, "errors": err.splitlines()}
+    assert len(err.splitlines()) == 3
 
 
 def test_check_config_as_a_command(tmp_path):

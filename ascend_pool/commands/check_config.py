@@ -2,7 +2,8 @@
 
 Exit 0: the file is valid; prints what was understood (tenants, quotas, warn levels, devices) and
 any overcommit warnings (to stderr). Exit 2: one line per mistake on stderr, each naming the file,
-the line or key, and the problem.
+the line or key, and the problem; with --json, also {"file", "valid": false, "errors": [those
+lines]} on stdout, so that a machine reader always gets JSON.
 """
 
 import json
@@ -25,10 +26,13 @@ def _cmd_check_config(args):
     except ConfigErrors as e:
         for line in e.errors:
             print(line, file=sys.stderr)
+        if args.json:
+            print(json.dumps({"file": args.file, "valid": False, "errors": list(e.errors)}, indent=2))
         return 2
     warnings = cfg.overcommit_warnings(device_bytes)
     if args.json:
         out = cfg.as_dict()
+        out.setdefault("valid", True)
         out["warnings"] = warnings
         print(json.dumps(out, indent=2))
     else:
