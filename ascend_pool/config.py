@@ -156,7 +156,7 @@ IGNORED_TORCH_NPU_KEYS = frozenset({
     "base_addr_aligned_kb", "pin_memory_expandable_segments", "pinned_mem_register", "segment_size_mb",
     "large_segment_size_mb", "multi_stream_lazy_reclaim", "pinned_reserve_segment_size_mb",
     "release_lock_on_npumalloc", "max_non_split_rounding_mb", "pinned_use_background_threads",
-    "pinned_num_register_threads", "pinned_use_host_register", "release_lock_on_cudamalloc", "backend",
+    "pinned_num_register_threads", "release_lock_on_cudamalloc", "backend",
 })
 _warned = set()
 
@@ -222,6 +222,7 @@ TORCH_KEY_RULES = {
     "release_lock_on_cudamalloc": _torch_flag,
     "release_lock_on_hipmalloc": _torch_flag,
     "pinned_use_cuda_host_register": _torch_flag,
+    "pinned_use_host_register": _torch_flag,  # torch's newer name for the same setting
     "pinned_use_hip_host_register": _torch_flag,
     "pinned_use_background_threads": _torch_flag,
     "graph_capture_record_stream_reuse": _torch_flag,
@@ -417,6 +418,10 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
                               "garbage_collection_threshold, reserve, record_history, page_size, "
                               "expandable_segments, release_policy, stream_reuse, memory_fraction, sync_timeout_ms, pad_bytes, "
                               "roundup_power2_divisions, and torch_npu's and PyTorch's allocator keys)")
+    if cfg.get("reserve_bytes", 0) > cfg.get("limit_bytes", float("inf")):
+        cap = next(k for k in ("memory_fraction", "per_process_memory_fraction") if k in knobs)
+        raise ConfigError(f"reserve: {cfg['reserve_bytes']} bytes is more than the {cap} cap of "
+                          f"{cfg['limit_bytes']} bytes: the pool could never hold what it preallocates")
     return cfg
 
 

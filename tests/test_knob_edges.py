@@ -72,3 +72,12 @@ def test_first_value_past_the_edge_is_a_config_error_naming_the_knob(knob, value
 def test_defaults_without_knobs():
     assert cfg() == {"pad_bytes": 32}
     assert knobs_to_config({}, TOTAL, FREE, backend_kind="cuda") == {"pad_bytes": 0}
+
+
+@pytest.mark.parametrize("cap", ["memory_fraction", "per_process_memory_fraction"])
+def test_a_reserve_past_the_memory_fraction_cap_is_a_config_error_naming_both(cap):
+    """RMM refuses an initial pool size above its maximum at construction; here the same mistake
+    used to surface as an OutOfMemoryError 'limit reached' when the pool opened."""
+    assert cfg(reserve="32GiB", **{cap: 0.5})["reserve_bytes"] == 32 * GiB  # exactly the cap
+    with pytest.raises(ConfigError, match=f"reserve: .* more than the {cap} cap"):
+        cfg(reserve=32 * GiB + 1, **{cap: 0.5})

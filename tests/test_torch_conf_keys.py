@@ -65,6 +65,7 @@ def test_a_pool_opens_with_pytorch_keys(monkeypatch):
     ("pinned_reserve_segment_size_mb:0", "pinned_reserve_segment_size_mb"),
     ("max_non_split_rounding_mb:10", "max_non_split_rounding_mb"),         # below 20 MiB
     ("backend:fastest", "backend"),
+    ("pinned_use_host_register:none", "pinned_use_host_register"),     # torch's True/False rule
 ])
 def test_values_pytorch_refuses_are_config_errors_naming_the_key(text, named):
     with pytest.raises(ap.ConfigError, match=named):

@@ -106,6 +106,18 @@ def test_snapshot_trace_is_gathered_before_its_own_snapshot_event(hpool):
     assert [e["action"] for e in second].count("snapshot") == 1, "the first snapshot shows in the next one"
 
 
+def test_a_snapshot_event_records_the_bytes_active_then(hpool):
+    """torch's snapshot() records its trace entry with the total active bytes as its size."""
+    live = [hpool.malloc(n) for n in (3 << 20, 5000)]
+    active = hpool.memory_stats()["active_bytes.all.current"]
+    assert active >= (3 << 20) + 5000
+    _trace(hpool)
+    hpool.free(live.pop())
+    snaps = [e for e in _trace(hpool) if e["action"] == "snapshot"]
+    assert [e["size"] for e in snaps] == [active]  # before: 0
+    hpool.free(live.pop())
+
+
 def test_empty_cache_counts_a_sync_of_all_streams(pool):
     before = pool.memory_stats()["num_sync_all_streams"]
     pool.free(pool.malloc(4096))

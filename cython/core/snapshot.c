@@ -45,7 +45,10 @@ int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
     out->n_blocks = j;
     /* PyTorch gathers the trace first: this snapshot's own event shows in the next one. */
     out->n_history = ap_history_copy(&p->history, &out->history);
-    ap_history_add(&p->history, AP_ACT_SNAPSHOT, 0, 0, NULL);
+    /* Its size is the bytes active at that moment (allocated or waiting for events), as PyTorch's. */
+    size_t active = (size_t)(p->stats.s[AP_STAT_ALLOCATED_BYTES][AP_STAT_ALL].current +
+                             p->stats.pending[1][AP_STAT_ALL].current);
+    ap_history_add(&p->history, AP_ACT_SNAPSHOT, 0, active, NULL);
     pthread_mutex_unlock(&p->lock);
     return AP_OK;
 }
