@@ -102,6 +102,29 @@ def test_counters_survive_a_pool_close_and_gauges_follow_it():
     assert val(gone, "ascend_pool_reserved_bytes", pool="small", device=0, tenant="default") == 0
 
 
+def test_a_reset_of_accumulated_stats_never_makes_an_exported_counter_go_down():
+    """reset_accumulated_stats() zeroes the pool's own counters (torch's); the exported counters
+    keep what was counted, or Prometheus would take the drop for a restart and count the whole
+    new value as an increase (a false out-of-memory or quota alert)."""
+    pool = ap.Pool(0, backend="sim")
+    try:
+        collector = PoolCollector(pools=lambda: [pool])
+        for _ in range(10):
+            pool.free(pool.malloc(1000))
+        first, _ = scrape(collector)
+        assert val(first, "ascend_pool_allocations_total", pool="small", device=0, tenant="default") == 10
+        pool.reset_accumulated_stats()
+        assert pool.memory_stats()["allocation.small_pool.allocated"] == 0
+        pool.free(pool.malloc(1000))
+        after, _ = scrape(collector)
+        assert val(after, "ascend_pool_allocations_total", pool="small", device=0, tenant="default") == 11  # was 1
+        pool.reset_accumulated_stats()
+        again, _ = scrape(collector)
+        assert val(again, "ascend_pool_allocations_total", pool="small", device=0, tenant="default") == 11
+    finally:
+        pool.close()
+
+
 def test_pools_of_one_tenant_are_summed_and_tenants_kept_apart():
     a, b, c = (ap.Pool(0, backend="sim") for _ in range(3))
     try:

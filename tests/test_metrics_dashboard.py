@@ -63,7 +63,7 @@ def test_required_panels_and_targets(dash):
                    "ascend_pool_device_mallocs_total", "ascend_pool_ooms_total", "ascend_pool_allocations_total"):
         assert metric in exprs, metric
     hit = next(p for p in dash["panels"] if p["title"] == "Cache hit ratio")["targets"][0]["expr"]
-    assert hit.startswith("1 - ") and "device_mallocs_total" in hit and "allocations_total" in hit
+    assert hit.startswith("clamp_min(1 - ") and "device_mallocs_total" in hit and "allocations_total" in hit
 
 
 def test_panels_are_well_formed(dash):
