@@ -1,5 +1,9 @@
 """Allocator knobs: from $ASCEND_POOL_CONF ("key:value,key:value", like PYTORCH_NPU_ALLOC_CONF)
 and from keyword arguments (which win). Every unknown key or bad value is a ConfigError naming it.
+Once a framework integration is installed (integrations.torch_npu / torch_cuda), a process without
+$ASCEND_POOL_CONF takes the framework's own variable instead (PYTORCH_NPU_ALLOC_CONF;
+PYTORCH_ALLOC_CONF, then PYTORCH_CUDA_ALLOC_CONF), which its users have already set (said once in
+the log).
 
 Knobs:
   max_split_size_mb            blocks this large (MiB) are never split; default unlimited
@@ -37,6 +41,7 @@ max_non_split_rounding_mb at least 20 (MiB), sizes in MiB positive, expandable_s
 about, as PyTorch does; a value PyTorch refuses is a ConfigError here too.
 """
 
+import logging
 import math
 import os
 import warnings
@@ -45,6 +50,10 @@ from .errors import ConfigError
 from .units import parse_bytes
 
 ENV_VAR = "ASCEND_POOL_CONF"
+log = logging.getLogger(__name__)
+# The framework variables read in place of ENV_VAR when it is unset, in order (use_framework_conf).
+_framework_vars = []
+_told = set()
 # Knob values that name a C policy; PoolBase maps each to its enum (core/pool.pxi's tables of the
 # same names, checked equal by tests/test_one_home.py).
 RELEASE_POLICIES = ("never", "under_peak", "budgeted")
@@ -425,9 +434,32 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
     return cfg
 
 
-def effective_knobs(overrides=None, env=None):
-    """Knobs from the environment string, overridden by keyword arguments."""
+def use_framework_conf(*names):
+    """Called by a framework integration's install(): while $ASCEND_POOL_CONF is unset, pools
+    take their knobs from the first of these variables that is set (the framework's own, e.g.
+    PYTORCH_NPU_ALLOC_CONF), so a user who switches allocators keeps their settings."""
+    for name in names:
+        if name not in _framework_vars:
+            _framework_vars.append(name)
+
+
+def conf_source(env=None):
+    """(variable, text): where pools read their knob string: $ASCEND_POOL_CONF when set, else the
+    first framework variable set (use_framework_conf), else ($ASCEND_POOL_CONF, "")."""
     env = os.environ if env is None else env
-    knobs = parse_conf_string(env.get(ENV_VAR, ""))
+    if ENV_VAR not in env:
+        for name in _framework_vars:
+            if env.get(name, "").strip():
+                if name not in _told:
+                    _told.add(name)
+                    log.info("no $%s: the allocator knobs come from $%s=%r", ENV_VAR, name, env[name])
+                return name, env[name]
+    return ENV_VAR, env.get(ENV_VAR, "")
+
+
+def effective_knobs(overrides=None, env=None):
+    """Knobs from the environment string (conf_source), overridden by keyword arguments."""
+    name, text = conf_source(env)
+    knobs = parse_conf_string(text, name)
     knobs.update(overrides or {})
     return knobs

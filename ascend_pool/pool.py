@@ -1,6 +1,5 @@
 """ascend_pool.Pool: the caching pool of one device, with PyTorch-style stats and snapshots."""
 
-import os
 import types
 from collections import OrderedDict
 
@@ -11,7 +10,7 @@ from . import snapshot as _snapshot
 from . import stats as _stats
 from ._core import PoolBase, forked_from
 from .backend import check_device, device_index, open_backend
-from .config import ENV_VAR, effective_knobs, knobs_to_config
+from .config import conf_source, effective_knobs, knobs_to_config
 from .errors import ConfigError, PoolError
 from .snapshot_trace import arrays_from_snapshot
 from .traces import trace_from_arrays
@@ -69,7 +68,7 @@ class Pool(PoolBase):
             try:  # the variable's knobs alone: is the mistake there? Then say so, with its value
                 knobs_to_config(effective_knobs(None), total_b, free_b, kind)
             except ConfigError:
-                raise ConfigError(f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r}: {e}") from None
+                raise ConfigError("%s=%r: %s" % (*conf_source(), e)) from None
             raise
         self._open(be, device, cfg, self._describe())
         _registry.register(self)

@@ -235,15 +235,16 @@ class _Record:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
         return False
 
-    def live_importers(self):
-        """Pids of importers still alive (dead ones are dropped). Call inside `with`."""
+    def live_importers(self, instances=False):
+        """Pids of importers still alive (dead ones are dropped); with instances, their instance
+        ids instead (pids repeat across pid namespaces, instances do not). Call inside `with`."""
         live = []
         d = os.path.dirname(self.path)
         for s in self.slots:
             if s[0] and not _alive(d, s[2], s[0], s[3], s[4]):
                 s[:] = [0, 0, 0, 0, 0]
             elif s[0]:
-                live.append(s[0])
+                live.append(f"{s[2]:016x}" if instances else s[0])
         return live
 
     def exporter_alive(self):
@@ -723,8 +724,8 @@ _NOT_ALLOWED = 207006  # ACL_ERROR_RT_NO_PERMISSION: an importer the exporter di
 def shares(directory=None, uids=None, gids=()):
     """Who shares what on this node: a list of dicts with key, backend, node, device, size, nbytes,
     read_only, tenant, exporter_pid (in its own pid namespace), exporter_instance (16 hex digits,
-    unique on the node), exporter_uid, exporter_alive, state ("open" or "closing") and importers
-    (live pids). By default this user's records; with uids/gids (a node service), the records in the
+    unique on the node), exporter_uid, exporter_alive, state ("open" or "closing"), importers
+    (live pids, each in its own pid namespace) and importer_instances (theirs, unique on the node). By default this user's records; with uids/gids (a node service), the records in the
     private directories of those users and groups. The records of exporters that have died are
     removed (their memory is gone with them) where this user may, and never listed; records
     other processes keep locked (stopped inside an update) are left out once the listing has
@@ -762,6 +763,7 @@ def _shares_in(d, owners, deadline):
             with rec:
                 h = rec.header
                 importers = rec.live_importers()
+                importer_instances = rec.live_importers(instances=True)
                 alive = rec.exporter_alive()
                 if not alive:  # stale: nobody can use the memory; its importers' close tolerates this
                     _unlink(rec.path)
@@ -776,7 +778,8 @@ def _shares_in(d, owners, deadline):
                     "tenant": h["tenant"], "exporter_pid": h["exporter_pid"],
                     "exporter_instance": f"{h['exporter_instance']:016x}", "exporter_uid": uid,
                     "exporter_alive": alive,
-                    "state": "open" if h["state"] == _OPEN else "closing", "importers": importers})
+                    "state": "open" if h["state"] == _OPEN else "closing", "importers": importers,
+                    "importer_instances": importer_instances})
     return out
 
 

@@ -290,7 +290,7 @@ def _hear(p, timeout=60):
 
 
 @needs_unshare
-def test_weight_sharing_with_exporter_and_workers_in_separate_pid_namespaces(node):
+def test_weight_sharing_with_exporter_and_workers_in_separate_pid_namespaces(node, monkeypatch):
     env, base, procs = node
     exporter = _spawn(env, procs, EXPORTER)
     workers = [_spawn(env, procs, IMPORTER) for _ in range(3)]
@@ -303,6 +303,12 @@ def test_weight_sharing_with_exporter_and_workers_in_separate_pid_namespaces(nod
     for w in workers:
         _say(w, handle)
     assert [json.loads(_hear(w)) for w in workers] == [True] * 3
+    # The node service counts three importers, though each is pid 1 in its namespace (was 1).
+    monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(base))
+    from ascend_pool.service.node_collector import NodeCollector
+
+    fams = {f.name: f for f in NodeCollector(ledger=False)._shares()}
+    assert [s.value for s in fams["ascend_pool_shared_importers"].samples] == [3]
     _say(exporter, "verified")
     assert json.loads(_hear(exporter)) == 64 * MiB             # one copy for the node
     for w in workers:

@@ -65,6 +65,37 @@ def test_install_leaves_the_runtime_to_torch_npu(fake_torch_npu, monkeypatch):
     assert os.environ["ASCEND_POOL_BACKEND"] == "acl", "the first allocation opens the acl backend"
 
 
+def test_install_makes_pools_take_the_users_pytorch_npu_alloc_conf(fake_torch_npu, monkeypatch):
+    """A torch_npu user who switches to ascend_pool keeps their PYTORCH_NPU_ALLOC_CONF: without
+    $ASCEND_POOL_CONF, pools read it (before: silently ignored); $ASCEND_POOL_CONF, when set, wins;
+    a mistake in it is a ConfigError that names that variable."""
+    from ascend_pool import config
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    monkeypatch.setattr(config, "_framework_vars", [])
+    monkeypatch.setattr(_core, "capi_default_backend", lambda device: None)
+    monkeypatch.setenv("ASCEND_POOL_BACKEND", "acl")
+    monkeypatch.delenv("ASCEND_POOL_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "max_split_size_mb:64,garbage_collection_threshold:0.6")
+
+    def max_split():
+        pool = ap.Pool(0, backend="sim")
+        try:
+            return pool.memory_stats()["max_split_size"]
+        finally:
+            pool.close()
+
+    assert max_split() == -1  # not installed: the framework's variable is not ours to read
+    ap_npu.install(patch_stats=False)
+    assert max_split() == 64 << 20
+    monkeypatch.setenv("ASCEND_POOL_CONF", "max_split_size_mb:32")
+    assert max_split() == 32 << 20
+    monkeypatch.delenv("ASCEND_POOL_CONF")
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "max_split_size_mb:1")
+    with pytest.raises(ap.ConfigError, match="^PYTORCH_NPU_ALLOC_CONF='max_split_size_mb:1': max_split_size_mb"):
+        ap.Pool(0, backend="sim")
+
+
 def test_torch_npu_memory_functions_answer_from_ascend_pool(fake_torch_npu, tmp_path):
     from ascend_pool.integrations import torch_npu as ap_npu
 

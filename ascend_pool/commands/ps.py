@@ -8,36 +8,12 @@ on the device (reserved) and has allocated.
 
 import argparse
 import json
-import os
 import sys
 
-from ..errors import ConfigError
-from ..service import paths
-from ..service.scanner import StatsScanner
+from ..service.processes import rows
 from ..service.serve_args import group_ids
 from ..units import format_bytes
 from . import option_checks as oc
-
-
-def rows(directory=None, allow_uids=(), allow_gids=()):
-    """[{"pid", "pidns", "instance", "uid", "device", "tenant", "held_bytes", "allocated_bytes"}].
-    directory: the stats directory (default paths.stats_dir()); ConfigError when it does not exist,
-    is not a directory or cannot be read (an empty list would hide the mistake)."""
-    reason = paths.unreadable_reason(directory or paths.stats_dir())
-    if reason is not None:
-        raise ConfigError(f"{reason} (--stats-dir or ${paths.ENV_DIR})")
-    # a directory given is read itself too: --stats-dir may name the private directory the
-    # files sit in (ascend_pool-u<uid>), not only the base one
-    scanner = StatsScanner(directory or None, allowed_uids=set(allow_uids) | {os.geteuid()}, remove_stale=False,
-                           allowed_gids=allow_gids)
-    out = []
-    for p in scanner.scan():
-        for s in p.samples:
-            v = s.values
-            out.append({"pid": p.pid, "pidns": p.pidns, "instance": p.instance, "uid": p.uid, "device": s.device,
-                        "tenant": s.tenant, "held_bytes": v["reserved_bytes.small"] + v["reserved_bytes.large"],
-                        "allocated_bytes": v["allocated_bytes.small"] + v["allocated_bytes.large"]})
-    return sorted(out, key=lambda r: (r["device"], r["tenant"], r["pid"], r["instance"]))
 
 
 def _cmd_ps(args):

@@ -17,6 +17,7 @@ torch.cuda.memory_stats() then reports nothing: read ascend_pool.memory_stats() 
 
 import importlib
 
+from .. import config
 from ..capi import library_path
 from ._common import FrameworkMissingError, require, set_hooks, use_backend
 
@@ -51,6 +52,7 @@ def install():
         raise FrameworkMissingError("ascend_pool.integrations.torch_cuda: PyTorch sees no CUDA device here")
     memory = importlib.import_module("torch.cuda.memory")
     use_backend("cuda", "torch_cuda")
+    config.use_framework_conf("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # as torch reads them
     alloc, _ = build_allocator(memory)
     memory.change_current_allocator(alloc)
     _installed = alloc

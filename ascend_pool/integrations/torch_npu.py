@@ -40,7 +40,7 @@ ascend_pool.memory_stats(device) and friends instead.
 import importlib
 import sys
 
-from .. import api
+from .. import api, config
 from ..capi import library_path
 from ..errors import ConfigError
 from ._common import require, set_hooks, use_backend
@@ -203,6 +203,7 @@ def install(patch_stats=True):
     require("torch_npu", "torch_npu", _HINT)
     memory = importlib.import_module("torch_npu.npu.memory")
     use_backend("acl", "torch_npu", open_now=False)  # no aclInit here: torch_npu's own comes first
+    config.use_framework_conf("PYTORCH_NPU_ALLOC_CONF")  # the user's settings, without $ASCEND_POOL_CONF
     alloc, _ = build_allocator(memory)
     memory.change_current_allocator(alloc)
     _installed = alloc

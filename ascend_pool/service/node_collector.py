@@ -104,7 +104,7 @@ class NodeCollector:
                 continue  # a dead exporter's record (removed by shares() where it may): shared by nobody
             labels = (str(r["device"]), r["tenant"] or "default", str(r["exporter_pid"]), r["exporter_instance"])
             nbytes[labels + (r["state"],)] = nbytes.get(labels + (r["state"],), 0) + r["nbytes"]
-            opened.setdefault(labels, set()).update(r["importers"])
+            opened.setdefault(labels, set()).update(r["importer_instances"])  # pids repeat across containers
         for labels, n in sorted(nbytes.items()):
             shared.add_metric(list(labels), n)
         for labels, pids in sorted(opened.items()):

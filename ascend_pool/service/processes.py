@@ -1,0 +1,73 @@
+"""The node's ascend_pool processes, from their stats files (what `ascend-pool ps` prints), and
+torch's list_gpu_processes() over them.
+
+A pid is in its process's own pid namespace (two containers' workers may both be pid 1); the
+instance is unique on the node. Processes that do not publish ($ASCEND_POOL_STATS off) have no
+stats file and are not listed, except this process itself.
+"""
+
+import os
+
+from .. import registry
+from ..errors import ConfigError
+from ..identity import instance
+from . import paths
+from .scanner import StatsScanner
+
+
+def rows(directory=None, allow_uids=(), allow_gids=()):
+    """[{"pid", "pidns", "instance", "uid", "device", "tenant", "held_bytes", "allocated_bytes"}].
+    directory: the stats directory (default paths.stats_dir()); ConfigError when it does not exist,
+    is not a directory or cannot be read (an empty list would hide the mistake)."""
+    reason = paths.unreadable_reason(directory or paths.stats_dir())
+    if reason is not None:
+        raise ConfigError(f"{reason} (--stats-dir or ${paths.ENV_DIR})")
+    # a directory given is read itself too: --stats-dir may name the private directory the
+    # files sit in (ascend_pool-u<uid>), not only the base one
+    scanner = StatsScanner(directory or None, allowed_uids=set(allow_uids) | {os.geteuid()}, remove_stale=False,
+                           allowed_gids=allow_gids)
+    out = []
+    for p in scanner.scan():
+        for s in p.samples:
+            v = s.values
+            out.append({"pid": p.pid, "pidns": p.pidns, "instance": p.instance, "uid": p.uid, "device": s.device,
+                        "tenant": s.tenant, "held_bytes": v["reserved_bytes.small"] + v["reserved_bytes.large"],
+                        "allocated_bytes": v["allocated_bytes.small"] + v["allocated_bytes.large"]})
+    return sorted(out, key=lambda r: (r["device"], r["tenant"], r["pid"], r["instance"]))
+
+
+def _own_rows(device):
+    """This process's bytes on device, from its open pools: (tenant, held, allocated) per tenant."""
+    per = {}
+    for pool in registry.live_pools():
+        if pool.device != device:
+            continue
+        try:
+            st = pool.memory_stats()
+        except Exception:  # closed meanwhile
+            continue
+        acc = per.setdefault(str(getattr(pool, "tenant", "default")), [0, 0])
+        acc[0] += st["reserved_bytes.all.current"]
+        acc[1] += st["allocated_bytes.all.current"]
+    return [(t, held, used) for t, (held, used) in sorted(per.items()) if held]
+
+
+def list_gpu_processes(device=0, kind="NPU"):
+    """torch.cuda.list_gpu_processes(device)'s text for ascend_pool's processes on `device` (an
+    int): a "NPU:<device>" line, then one line per process and tenant with the device memory
+    it holds in MB (MiB, as torch prints), or "no processes are running". Read from the node's
+    stats files (the processes that publish, see `ascend-pool ps`) and this process's own pools.
+    """
+    try:
+        table = [r for r in rows() if r["device"] == device]
+    except ConfigError:  # no stats directory yet: nobody publishes
+        table = []
+    me = f"{instance():016x}"
+    lines = [f"{kind}:{device}"]
+    listed = [(r["pid"], r["held_bytes"], r["tenant"]) for r in table if r["instance"] != me]
+    listed += [(os.getpid(), held, tenant) for tenant, held, _ in _own_rows(device)]
+    if not listed:
+        lines.append("no processes are running")
+    for pid, held, tenant in sorted(listed):
+        lines.append(f"process {pid:>10d} uses {held / (1 << 20):>12.3f} MB {kind} memory (tenant {tenant})")
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""ap.list_gpu_processes(device): torch.cuda.list_gpu_processes' text for the node's ascend_pool
+processes (issue 18: what torch has that we lacked), from their stats files and this process's own
+pools: a header line, then one line per process with its pid and MB held."""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import ascend_pool as ap
+
+MiB = 1 << 20
+
+CHILD = r"""
+import os, sys, ascend_pool as ap
+pool = ap.Pool(0)
+ctx = pool.context("far", quota="1GiB")
+held = ctx.malloc(40 << 20)
+print(os.getpid(), ctx.memory_stats()["reserved_bytes.all.current"], flush=True)
+sys.stdin.readline()
+"""
+
+
+def _lines(device):
+    text = ap.list_gpu_processes(device)
+    head, *rest = text.splitlines()
+    return head, {int(m.group(1)): (float(m.group(2)), m.group(3)) for m in
+                  (re.fullmatch(r"process +(\d+) uses +([\d.]+) MB NPU memory \(tenant (.+)\)", ln) for ln in rest) if m}, rest
+
+
+def test_lists_another_processs_memory_and_its_own():
+    env = dict(os.environ, ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_INTERVAL="0.1")
+    child = subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    pool = ap.Pool(1)
+    try:
+        pid, reserved = map(int, child.stdout.readline().split())
+        head, procs, _ = _lines("npu:1")
+        assert head == "NPU:1" and procs == {} or pid not in procs  # nothing of ours on device 1 yet
+        ptr = pool.malloc(3 * MiB)
+        _, procs, _ = _lines(1)
+        assert procs[os.getpid()] == (pool.memory_stats()["reserved_bytes.all.current"] / MiB, "default")
+        deadline = time.monotonic() + 10
+        while _lines(0)[1].get(pid, (0,))[0] != reserved / MiB and time.monotonic() < deadline:  # next publish
+            time.sleep(0.1)
+        head, procs, _ = _lines(0)
+        assert head == "NPU:0" and procs[pid] == (reserved / MiB, "far")
+        assert reserved >= 40 * MiB
+        pool.free(ptr)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+        pool.close()
+
+
+def test_an_idle_device_says_no_processes_are_running():
+    assert ap.list_gpu_processes(7).splitlines() == ["NPU:7", "no processes are running"]
