@@ -146,3 +146,67 @@ def test_a_default_context_stream_used_from_a_thread_in_a_context_of_its_own(sim
         print(json.dumps(res))
     """)
     assert out == {"same_block": True, "context_kept": True, "message": None}, out
+
+
+def test_blocks_freed_on_a_stream_of_another_context_wait_for_its_work(sim_node):
+    # Thread A has a context of its own on device 0 and a stream y in it; it frees a block on y
+    # while a "kernel" queued on y still writes it. The main thread, in the device's default
+    # context, cannot ask y anything (107003): the pool used to take that for a destroyed stream,
+    # retire y and hand its blocks out at once (or return them to the device), while the
+    # kernel still ran. Now the backend asks y in the context y was last used in, and a stream
+    # it cannot reach is treated as busy, never as gone.
+    out = run_child(sim_node, """
+        pool = ap.Pool(0, backend="sim")
+        N = 24 * MiB
+        st = {}
+        def app_thread():
+            ok("aclrtSetDevice", 0)
+            ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
+            y = C.c_void_p(); ok("aclrtCreateStream", C.byref(y))
+            pool.register_stream(y.value)
+            p = pool.malloc(N, stream=y.value)
+            sim.launch_fill(y.value, p, N, 0xAA, delay_s=0.3)  # the kernel still using p
+            pool.free(p, stream=y.value)
+            st.update(p=p, y=y.value)
+        on_a_thread(app_thread)
+        ok("aclrtSetDevice", 0)                             # the device's default context
+        q = pool.malloc(N)                                  # may be p, ordered after y's kernel
+        sim.launch_fill(None, q, N, 0x33)
+        ok("aclrtSynchronizeStream", None)
+        pool.free(q)
+        t = time.monotonic()
+        pool.empty_cache()                                  # must not free p under y's kernel
+        took = time.monotonic() - t
+        time.sleep(0.4)
+        res.update(same=q == st["p"], byte=sim.read(q, 1)[0] if pool.memory_stats()["segment.all.current"] else None,
+                   dropped=sim.stats(0)["dropped_fills"], took=took)
+        pool.close()
+        print(json.dumps(res))
+    """)
+    assert "error" not in out, out
+    assert out["dropped"] == 0, f"a segment went back to the device under y's queued kernel: {out}"
+    assert out["byte"] in (None, 0x33), f"y's kernel overwrote the block handed to another stream: {out}"
+
+
+def test_a_stream_of_another_context_is_refused_by_name(sim_node):
+    out = run_child(sim_node, """
+        pool = ap.Pool(0, backend="sim")
+        st = {}
+        def app_thread():
+            ok("aclrtSetDevice", 0)
+            ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
+            y = C.c_void_p(); ok("aclrtCreateStream", C.byref(y))
+            st["y"] = y.value
+        on_a_thread(app_thread)
+        ok("aclrtSetDevice", 0)
+        pool.register_stream(st["y"])
+        try:
+            pool.malloc(4096, stream=st["y"])
+        except ap.InvalidStreamError as e:
+            res["refused"] = str(e)
+        pool.free(pool.malloc(4096))                        # still serving
+        pool.close()
+        print(json.dumps(res))
+    """)
+    # before: "... is not a stream the runtime knows on device 0 (destroyed, or not a stream handle)"
+    assert "not in this thread's context (ACL 107003)" in out.get("refused", ""), out

@@ -67,6 +67,16 @@ struct acl_stream_dev {
     int device;
 };
 
+/* ACL cannot tell a stream's context, and runs a stream's calls only in it (107003 elsewhere):
+   someone else's stream is remembered with the context a call on it last succeeded in, so that a
+   thread of another context (the pool settling that stream's blocks for its own allocation) can
+   ask it there instead of being refused. */
+#define ACL_LEARNED_STREAMS 256
+struct acl_stream_ctx {
+    void *stream; /* NULL: a free entry */
+    void *ctx;
+};
+
 typedef struct acl_impl {
     ap_impl_base base; /* must stay first */
     aclError (*aclInit)(const char *config_path);
@@ -121,10 +131,14 @@ typedef struct acl_impl {
                                     aclrtResetDevice (never a device wait), so references and ctx change together */
     struct acl_dev *dev;         /* device_count entries */
     size_t malloc_pad;           /* aclrtMalloc's padding on this SoC: 32, or 0 (Ascend 950) */
-    /* Streams this backend created, with their device (the pool refuses another device's). */
+    /* Streams this backend created, with their device (the pool refuses another device's), and
+       the context someone else's stream was last used in successfully (learned; see
+       acl_enter_stream). Under streams_lock: no runtime call is made while it is held. */
     pthread_mutex_t streams_lock;
     struct acl_stream_dev *streams;
     size_t n_streams, streams_cap;
+    struct acl_stream_ctx learned[ACL_LEARNED_STREAMS];
+    unsigned learned_next; /* the entry a new stream takes when none is free (round robin) */
     aclError (*sim_stream_device)(void *stream, int32_t *device); /* simulator only: probed */
     aclError (*aclrtDeviceGetBareTgid)(int32_t *pid); /* optional: NULL on an old CANN */
 } acl_impl;
@@ -295,6 +309,8 @@ typedef struct acl_scope {
     int device;
     int temp;  /* a reference taken for this call only (acl_ctx_get) */
     int kept;  /* acl_enter_stream kept the caller's context for someone else's stream */
+    int learned; /* acl_enter_stream used the context that stream was learned in */
+    void *ctx; /* kept: the caller's context (learned for the stream when the call succeeds) */
 } acl_scope;
 
 static int acl_enter(ap_backend *b, int device, acl_scope *sc)
@@ -306,6 +322,8 @@ static int acl_enter(ap_backend *b, int device, acl_scope *sc)
     sc->saved = NULL;
     sc->switched = 0;
     sc->kept = 0;
+    sc->learned = 0;
+    sc->ctx = NULL;
     sc->device = device;
     rc = acl_ctx_get(b, device, &ctx, &sc->temp);
     if (rc != 0)
@@ -344,6 +362,8 @@ static int acl_enter_selected(ap_backend *b, acl_scope *sc)
     sc->switched = 0;
     sc->temp = 0;
     sc->kept = 0;
+    sc->learned = 0;
+    sc->ctx = NULL;
     if (tls_owner != IMPL(b)->base.id)
         return 0; /* never named one: the caller's own context */
     return acl_enter(b, tls_device, sc);
@@ -351,6 +371,44 @@ static int acl_enter_selected(ap_backend *b, acl_scope *sc)
 
 static int acl_stream_device(ap_backend *b, void *stream, int *device);
 static int acl_created_stream_device(acl_impl *im, void *stream);
+
+/* The context `stream` was learned in, or NULL. */
+static void *acl_learned_context(acl_impl *im, void *stream)
+{
+    void *ctx = NULL;
+
+    pthread_mutex_lock(&im->streams_lock);
+    for (int i = 0; i < ACL_LEARNED_STREAMS && !ctx; i++)
+        if (im->learned[i].stream == stream)
+            ctx = im->learned[i].ctx;
+    pthread_mutex_unlock(&im->streams_lock);
+    return ctx;
+}
+
+/* Remembers stream's context, or with ctx NULL forgets it (a handle the runtime reused, or a
+   context gone). */
+static void acl_learn_context(acl_impl *im, void *stream, void *ctx)
+{
+    int at = -1, free_at = -1;
+
+    pthread_mutex_lock(&im->streams_lock);
+    for (int i = 0; i < ACL_LEARNED_STREAMS; i++) {
+        if (im->learned[i].stream == stream)
+            at = i;
+        else if (!im->learned[i].stream && free_at < 0)
+            free_at = i;
+    }
+    if (!ctx) {
+        if (at >= 0)
+            im->learned[at].stream = im->learned[at].ctx = NULL;
+    } else {
+        if (at < 0)
+            at = free_at >= 0 ? free_at : (int)(im->learned_next++ % ACL_LEARNED_STREAMS);
+        im->learned[at].stream = stream;
+        im->learned[at].ctx = ctx;
+    }
+    pthread_mutex_unlock(&im->streams_lock);
+}
 
 /* 1 when the calling thread's current context is on `device` (whichever context of it). */
 static int acl_thread_on_device(acl_impl *im, int device)
@@ -379,9 +437,30 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
 {
     acl_impl *im = IMPL(b);
     int dev = stream ? acl_created_stream_device(im, stream) : -1;
+    void *learned = dev < 0 && stream ? acl_learned_context(im, stream) : NULL;
 
     if (dev >= 0)
         return acl_enter(b, dev, sc);
+    sc->learned = 0;
+    sc->ctx = NULL;
+    if (learned) { /* a stream of a context other threads are in: its calls there */
+        void *cur = NULL;
+        (void)acl_thread_context(im, &cur);
+        sc->saved = NULL;
+        sc->switched = 0;
+        sc->temp = 0;
+        sc->kept = 0;
+        sc->device = -1;
+        if (cur == learned || im->aclrtSetCurrentContext(learned) == 0) {
+            sc->learned = 1;
+            sc->saved = cur == learned ? NULL : cur;
+            sc->switched = cur != learned;
+            return 0;
+        }
+        if (im->aclGetRecentErrMsg)
+            (void)im->aclGetRecentErrMsg(); /* that context is gone: forget it */
+        acl_learn_context(im, stream, NULL);
+    }
     if (!(stream && acl_stream_device(b, stream, &dev) == 0))
         dev = tls_owner == im->base.id ? tls_device : -1;
     if (dev >= 0 && !acl_thread_on_device(im, dev))
@@ -391,6 +470,8 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
     sc->temp = 0;
     sc->kept = dev >= 0;
     sc->device = dev;
+    if (sc->kept && stream)
+        (void)acl_thread_context(im, &sc->ctx);
     return 0;
 }
 
@@ -407,9 +488,11 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
         return rc_;                                             \
     } while (0)
 
-/* For a stream call: when the caller's context was kept for someone else's stream and the runtime
-   says the stream is not in it (a stream of the device's default context used from a thread in a
-   context of its own), once more in the device's default context. */
+/* For a stream call: in the context the stream was learned in, if any (when the runtime refuses
+   it there, the stream is forgotten and the call made as for an unknown one); when the caller's
+   context was kept for someone else's stream and the call succeeded, that context is learned for
+   it; when the runtime says the stream is not in it (a stream of the device's default context
+   used from a thread in a context of its own), once more in the device's default context. */
 #define ON_STREAM(b, stream, expr)                                                 \
     do {                                                                           \
         acl_scope sc_;                                                             \
@@ -417,6 +500,18 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
         if (rc_ == 0) {                                                            \
             rc_ = (expr);                                                          \
             acl_leave((b), &sc_);                                                  \
+            if (rc_ == ACL_ERROR_RT_STREAM_CONTEXT && sc_.learned) {               \
+                acl_learn_context(IMPL(b), (stream), NULL);                        \
+                if (IMPL(b)->aclGetRecentErrMsg)                                   \
+                    (void)IMPL(b)->aclGetRecentErrMsg(); /* the first try's */     \
+                rc_ = acl_enter_stream((b), (stream), &sc_);                       \
+                if (rc_ == 0) {                                                    \
+                    rc_ = (expr);                                                  \
+                    acl_leave((b), &sc_);                                          \
+                }                                                                  \
+            }                                                                      \
+            if (rc_ == 0 && sc_.kept && sc_.ctx)                                   \
+                acl_learn_context(IMPL(b), (stream), sc_.ctx);                     \
             if (rc_ == ACL_ERROR_RT_STREAM_CONTEXT && sc_.kept &&                  \
                 acl_enter((b), sc_.device, &sc_) == 0) {                           \
                 if (IMPL(b)->aclGetRecentErrMsg)                                   \
@@ -1010,8 +1105,10 @@ static int acl_stream_destroy_here(ap_backend *b, void *stream)
 {
     int rc = IMPL(b)->aclrtDestroyStream(stream);
 
-    if (rc == 0)
+    if (rc == 0) {
         (void)acl_streams_note(IMPL(b), stream, -1);
+        acl_learn_context(IMPL(b), stream, NULL);
+    }
     return rc;
 }
 

@@ -199,8 +199,12 @@ void ap_events_destroy(ap_pool *p);
    empty_cache). */
 void ap_events_trim(ap_pool *p, int keep);
 /* 1 when code (from a stream call) says the runtime does not know the stream: destroyed behind
-   the pool's back, garbage, or of another context. */
+   the pool's back, or garbage. */
 int ap_stream_unusable(const ap_pool *p, int code);
+/* 1 when code says the stream is alive but not in the calling thread's context (ACL 107003): its
+   work may still run, so the pool neither retires it nor hands its blocks to others. */
+int ap_stream_elsewhere(const ap_pool *p, int code);
+#define AP_STREAM_ELSEWHERE (-4) /* stream_idle's answer for such a stream */
 /* Retires a slot whose stream is gone or unusable: its free blocks serve every stream, and blocks
    later freed with its tag go to slot 0 (its work is over). */
 void ap_slot_retire(ap_pool *p, int slot);

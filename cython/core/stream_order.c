@@ -16,13 +16,20 @@
 int ap_stream_unusable(const ap_pool *p, int code) {
     if (p->backend->kind == AP_BACKEND_CUDA) return code == 400 || code == 709; /* invalid handle, context destroyed */
     /* ACL (rt_error_codes.h): param invalid (a handle the runtime does not know: destroyed or
-       garbage), stream not in current context, invalid handle. */
-    return code == 107000 || code == 107003 || code == 107017;
+       garbage), invalid handle. Not 107003, "stream not in current context": that stream lives
+       in another context and its queued work may still use its blocks (taking it for gone
+       handed them to other streams at once). */
+    return code == 107000 || code == 107017;
+}
+
+int ap_stream_elsewhere(const ap_pool *p, int code) {
+    return p->backend->kind != AP_BACKEND_CUDA && code == 107003;
 }
 
 /* Asks, without waiting, whether the work queued on stream so far is done: an event recorded now
    and queried at once. 1 done, 0 not yet (or no event to ask with), -1 the runtime refuses the
-   stream (unusable: destroyed elsewhere, garbage). */
+   stream (unusable: destroyed elsewhere, garbage), AP_STREAM_ELSEWHERE the stream is in a
+   context this thread cannot reach (not done, as far as anyone here can tell). */
 static int stream_idle(ap_pool *p, void *stream) {
     ap_on_device(p);
     void *ev = ap_event_get(p);
@@ -30,7 +37,7 @@ static int stream_idle(ap_pool *p, void *stream) {
     int rc = p->backend->event_record(p->backend, ev, stream), complete = 0;
     if (rc != 0) { /* only the record speaks for the stream; a failed query is the event's */
         ap_event_put(p, ev);
-        return ap_stream_unusable(p, rc) ? -1 : 0;
+        return ap_stream_unusable(p, rc) ? -1 : ap_stream_elsewhere(p, rc) ? AP_STREAM_ELSEWHERE : 0;
     }
     rc = p->backend->event_query(p->backend, ev, &complete);
     ap_event_put(p, ev); /* recorded, never waited on: reusable as is */
@@ -59,7 +66,9 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
     if (!create) return -1;
     /* A stream seen for the first time: one question to the runtime, so that a handle it does not
        know never gets a slot (no event is ever recorded on it later). */
-    if (stream && stream_idle(p, stream) < 0) return -2;
+    int idle = stream ? stream_idle(p, stream) : 1;
+    if (idle == -1) return -2;
+    if (idle == AP_STREAM_ELSEWHERE) return -4;
     /* Another device's stream would order this device's memory on the wrong queue. Where the
        runtime cannot tell a stream's device (a real CANN with a foreign handle), it is trusted. */
     int dev;
@@ -181,6 +190,10 @@ static int sync_stream(ap_pool *p, void *stream, ap_error *err) {
     if (rc == 0) return AP_OK;
     char msg[AP_RUNTIME_MSG];
     p->backend->error_message(p->backend, rc, msg, sizeof msg);
+    if (ap_stream_elsewhere(p, rc))
+        return ap_set_error(err, AP_E_INVALID_STREAM, rc,
+                            "stream %p of device %d is not in this thread's context (%d): its work cannot be "
+                            "waited for from here: %s", stream, p->device, rc, msg);
     return ap_set_error(err, rc == 507046 || rc == 507047 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
                         "waiting for stream %p on device %d failed after %d ms: %s", stream, p->device,
                         p->cfg.sync_timeout_ms, msg);
@@ -240,8 +253,8 @@ static int owed_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
             if (ev) {
                 AP_ASSERT(u->n_events < AP_MAX_USES + 1);
                 u->events[u->n_events++] = ev;
-            } else if (stream_idle(p, s) >= 0) {
-                return AP_E_BUSY; /* no event to spare yet: asked again at the next pass */
+            } else if (stream_idle(p, s) != -1) {
+                return AP_E_BUSY; /* no event to spare yet (or out of reach): asked again at the next pass */
             } /* else the runtime no longer knows the stream: no work of it is left */
         }
         u->n_owed--;
@@ -309,7 +322,7 @@ int ap_settle_slot(ap_pool *p, int slot, ap_error *err) {
     /* Under the lock: ask, never wait (pool.h). A busy stream stays as it is; waits.c waits for it
        with the lock dropped when a caller really needs it. */
     int idle = stream_idle(p, s->stream);
-    if (idle < 0) {
+    if (idle == -1) {
         ap_slot_retire(p, slot);
         return AP_OK;
     }
@@ -366,5 +379,5 @@ int ap_pool_stream_idle(ap_pool *p, void *stream) {
     pthread_mutex_lock(&p->lock);
     int idle = stream_idle(p, stream);
     pthread_mutex_unlock(&p->lock);
-    return idle;
+    return idle == AP_STREAM_ELSEWHERE ? 0 : idle;
 }

@@ -23,6 +23,10 @@ typedef struct {
 } wait_item;
 
 static int wait_error(ap_pool *p, ap_error *err, int rc, const char *what, void *handle, const char *msg) {
+    if (ap_stream_elsewhere(p, rc))
+        return ap_set_error(err, AP_E_INVALID_STREAM, rc,
+                            "%s %p of device %d is not in this thread's context (%d): its work cannot be "
+                            "waited for from here (its blocks stay its own): %s", what, handle, p->device, rc, msg);
     if (ap_stream_unusable(p, rc))
         return ap_set_error(err, AP_E_INVALID_STREAM, rc,
                             "stream %p on device %d is not usable (%d): %s; the pool no longer orders work "
