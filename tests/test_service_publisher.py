@@ -176,6 +176,19 @@ def test_a_stats_interval_out_of_range_is_the_default_with_a_warning(monkeypatch
     assert publisher._interval_from_env() == 2.5
 
 
+def test_a_stats_switch_that_is_neither_on_nor_off_stays_on_and_is_said_once(monkeypatch, caplog):
+    from ascend_pool.service import publisher
+    monkeypatch.setattr(publisher, "_told_value", None)
+    for value, on in (("0", False), ("Off", False), ("yes", True), ("", True)):
+        monkeypatch.setenv(publisher.ENV_ENABLE, value)
+        assert publisher.enabled() is on, value
+    assert caplog.text == ""
+    monkeypatch.setenv(publisher.ENV_ENABLE, "maybe")
+    with caplog.at_level("WARNING", logger="ascend_pool.service"):
+        assert publisher.enabled() and publisher.enabled()
+    assert caplog.text.count("ASCEND_POOL_STATS='maybe' is neither on") == 1  # before: silently on
+
+
 def test_a_removed_stats_directory_is_made_again_and_said_once(tmp_path, monkeypatch, caplog):
     # an admin's or a tmpfs cleanup removed the private directory under a live process: it
     # vanished from ps and the service for good, and its log got a line and tracebacks per interval

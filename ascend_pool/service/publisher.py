@@ -172,8 +172,20 @@ def _interval_from_env():
     return DEFAULT_INTERVAL_S
 
 
+_ON, _OFF = ("", "1", "true", "yes", "on"), ("0", "false", "no", "off")
+_told_value = None
+
+
 def enabled():
-    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+    """$ASCEND_POOL_STATS: on by default; a value that is neither on nor off is said once in the
+    log (publishing stays on: never fail an allocation over it)."""
+    global _told_value
+    value = os.environ.get(ENV_ENABLE, "1").strip().lower()
+    if value not in _ON + _OFF and value != _told_value:
+        _told_value = value
+        log.warning("%s=%r is neither on (1, true, yes, on) nor off (0, false, no, off): publishing stays on",
+                    ENV_ENABLE, os.environ.get(ENV_ENABLE))
+    return value not in _OFF
 
 
 def ensure_publisher(background=False):
