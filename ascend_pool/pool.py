@@ -182,9 +182,15 @@ class Pool(PoolBase):
     def dump_trace(self, path):
         """Writes the recorded history (record_memory_history or the record_history knob) as a
         replayable trace NAME.npz (ascend_pool.traces format): allocations with their requested
-        sizes and the frees of them, streams numbered in order of appearance. Returns the Trace."""
+        sizes and the frees of them, streams numbered in order of appearance. Returns the Trace.
+        A pool that recorded no allocation is a PoolError that says how to record one (an empty
+        trace replays nothing and would hide the mistake)."""
         _snapshot.output_path(path, "dump_trace")
         a = arrays_from_snapshot(self._snapshot(), self.device, "pool history")
+        if not len(a["op"]):
+            raise PoolError(f"dump_trace({str(path)!r}): the pool recorded no allocation to write: turn its history "
+                            "on first (pool.record_memory_history(True) or the record_history knob), then run the "
+                            "work to record")
         trace = trace_from_arrays(a["op"], a["id"], a["size"], a["stream"], name="pool history")
         np.savez(path, **a)
         return trace

@@ -102,6 +102,18 @@ def test_snapshot_that_is_not_plain_data_is_refused(tmp_path):
         load_trace(empty)
 
 
+def test_dump_trace_without_history_says_how_to_record_and_writes_nothing(tmp_path):
+    pool = ap.Pool(0, backend="sim")
+    try:
+        pool.free(pool.malloc(1000))
+        path = tmp_path / "none.npz"
+        with pytest.raises(ap.PoolError, match=r"recorded no allocation .*record_memory_history\(True\)"):
+            pool.dump_trace(path)
+        assert not path.exists()  # before: an empty trace, which replays nothing
+    finally:
+        pool.close()
+
+
 def test_pool_dump_trace_closes_the_loop(tmp_path):
     pool = ap.Pool(0, backend="sim")
     try:
