@@ -26,11 +26,23 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     for module in COMMANDS:
         module.register(sub)
+    parser.commands = sub.choices  # name -> its parser: a mistake after a command gets that command's usage
+    return parser
+
+
+def _command_parser(parser, args):
+    """The innermost parser args went through (`trace convert`'s, not `trace`'s)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return _command_parser(action.choices[getattr(args, action.dest)], args)
     return parser
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would print the top-level usage; the command's is the one that helps
+        _command_parser(parser.commands[args.command], args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except (PoolError, ValueError, OSError) as e:

@@ -93,3 +93,17 @@ def test_serve_port_out_of_range_is_one_line_exit_2(tmp_path, port):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == (f"ascend-pool serve: ConfigError: --port: expected a port number, an int from "
                                 f"0 to 65535 (0 picks a free one), got {port}"), r.stderr
+
+
+@pytest.mark.parametrize("argv", [["ps", "--bogus"], ["check-config", MISSING, "--nope"],
+                                  ["trace", "convert", MISSING, MISSING + ".npz", "--odd"]])
+def test_an_unknown_option_after_a_command_shows_that_commands_usage(argv, capsys):
+    """argparse printed the top-level usage ('ascend-pool [-h] [--version] {replay,...}') for a
+    mistake in a command's options; the command's own usage is the one that helps."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    prog = " ".join(argv[:2] if argv[0] == "trace" else argv[:1])
+    assert err.startswith(f"usage: ascend-pool {prog}"), err
+    assert f"unrecognized arguments: {argv[-1]}" in err
