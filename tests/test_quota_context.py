@@ -131,6 +131,20 @@ def test_quota_forms(base):
         base.context("w", quota=MiB, warn=1.5)
 
 
+def test_a_quota_below_one_segment_is_said_in_the_log(base, caplog):
+    """1024 (a unit left out of "1024MiB") is a legal quota under which nothing can ever be
+    allocated: every request needs at least one 2 MiB segment. Said once, at the context."""
+    with caplog.at_level(logging.WARNING, logger="ascend_pool.tenants"):
+        ctx = base.context("tiny", quota=1024)
+        with pytest.raises(ap.QuotaExceededError):
+            ctx.malloc(512)
+        ctx.set_quota("2MiB")  # a segment fits: nothing said
+        ctx.free(ctx.malloc(512))
+        ctx.close()
+    said = [r.getMessage() for r in caplog.records if "below one" in r.getMessage()]
+    assert len(said) == 1 and "quota 1024 bytes is below one 2097152-byte segment" in said[0], said
+
+
 def test_context_is_its_own_pool_on_the_same_device(base):
     ctx = base.context("own", quota=64 * MiB)
     try:

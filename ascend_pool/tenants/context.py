@@ -33,6 +33,7 @@ from .ledger import open_ledger
 from .quota_spec import check_tenant_name, parse_quota, parse_warn
 
 log = logging.getLogger("ascend_pool.tenants")
+SEGMENT_BYTES = 2 << 20  # the smallest device allocation the pool makes (a small-pool segment, a page)
 _KEEP = object()
 
 
@@ -67,6 +68,15 @@ class Context(Pool):
         except BaseException:
             self.close()
             raise
+        self._say_if_nothing_fits(quota_bytes)
+
+    def _say_if_nothing_fits(self, quota_bytes):
+        """A quota below one segment refuses every allocation: legal, but surely a mistake (a
+        unit left out), so it is said in the log."""
+        if quota_bytes is not None and quota_bytes < SEGMENT_BYTES:
+            log.warning("tenant %r on device %d: quota %d bytes is below one %d-byte segment, the least the pool "
+                        "takes from the device: every allocation will be refused (a unit left out?)",
+                        self.tenant, self.device, quota_bytes, SEGMENT_BYTES)
 
     def _describe(self):
         return f"tenant context {self.tenant!r}"
@@ -122,6 +132,7 @@ class Context(Pool):
             raise PoolError(f"tenant context {self.tenant!r} on device {self.device} is closed")
         hook.set_quota(self, quota_bytes, warn)
         self.quota_spec = spec
+        self._say_if_nothing_fits(quota_bytes)
         trim_tenant(self.tenant, self.device, self.ledger)
 
     def _trim_over_quota(self):
