@@ -210,3 +210,66 @@ def test_a_stream_of_another_context_is_refused_by_name(sim_node):
     """)
     # before: "... is not a stream the runtime knows on device 0 (destroyed, or not a stream handle)"
     assert "not in this thread's context (ACL 107003)" in out.get("refused", ""), out
+
+
+def test_a_stream_out_of_reach_is_busy_not_idle(sim_node):
+    # y's context is destroyed while y lives on with queued work (the simulator keeps the stream;
+    # no thread can be in a destroyed context, so nobody can ask y anything: 107003). Its blocks
+    # must wait, not go to another stream or back to the device (they did: "out of reach" was
+    # read as idle when the pool settled y's blocks).
+    out = run_child(sim_node, """
+        pool = ap.Pool(0, backend="sim")
+        N = 24 * MiB
+        st = {}
+        def app_thread():
+            ok("aclrtSetDevice", 0)
+            ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
+            y = C.c_void_p(); ok("aclrtCreateStream", C.byref(y))
+            pool.register_stream(y.value)
+            p = pool.malloc(N, stream=y.value)
+            sim.launch_fill(y.value, p, N, 0xAA, delay_s=0.3)
+            pool.free(p, stream=y.value)
+            ok("aclrtDestroyContext", ctx)
+            st.update(p=p)
+        on_a_thread(app_thread)
+        ok("aclrtSetDevice", 0)
+        q = pool.malloc(N)
+        sim.launch_fill(None, q, N, 0x33)
+        ok("aclrtSynchronizeStream", None)
+        pool.free(pool.malloc(4096))
+        pool.empty_cache()
+        time.sleep(0.5)
+        res.update(same=q == st["p"], byte=sim.read(q, 1)[0], dropped=sim.stats(0)["dropped_fills"])
+        pool.free(q)
+        pool.close()
+        print(json.dumps(res))
+    """)
+    assert "error" not in out, out
+    assert not out["same"] and out["byte"] == 0x33 and out["dropped"] == 0, out
+
+
+def test_a_thread_without_a_context_is_not_left_in_another_threads_context(sim_node):
+    # The backend runs calls on a learned stream in that stream's context; a thread that had no
+    # context before such a call ends in the device's default context (as after any call of the
+    # pool), never in the application thread's own context (which that thread may destroy).
+    out = run_child(sim_node, """
+        pool = ap.Pool(0, backend="sim")
+        st = {}
+        def app_thread():
+            ok("aclrtSetDevice", 0)
+            ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
+            y = C.c_void_p(); ok("aclrtCreateStream", C.byref(y))
+            pool.register_stream(y.value)
+            p = pool.malloc(4096, stream=y.value)     # y's context is learned here
+            st.update(p=p, y=y.value, ctx=ctx.value)
+        on_a_thread(app_thread)
+        def bare_thread():                            # never set a device: no context
+            pool.synchronize(st["y"])                 # a call on y, made in y's context
+            cur = C.c_void_p(); lib.aclrtGetCurrentContext(C.byref(cur))
+            res["left_in"] = "app" if cur.value == st["ctx"] else "none" if not cur.value else "default"
+        on_a_thread(bare_thread)
+        pool.free(st["p"], stream=st["y"])
+        pool.close()
+        print(json.dumps(res))
+    """)
+    assert out.get("left_in") == "default", out

@@ -329,3 +329,30 @@ def test_legacy_build_runs_the_same_runtime_through_the_old_calls(sim_node):
         ok("aclrtSynchronizeEvent", e)
         assert query_old(e) == 0 and sim.read(p, 100) == b"\\x3c" * 100
     """, SIM_LIB=sim.library_path(legacy=True))
+
+
+def test_a_stream_being_destroyed_stays_alive_to_other_threads_until_its_work_is_done(sim_node):
+    # CANN's aclrtDestroyStream waits for the stream's tasks (aclrtDestroyStreamForce does not).
+    # Meanwhile the handle is still a stream to other threads: an event recorded on it completes
+    # with the drained work. The simulator used to invalidate the handle first: a pool asking the
+    # stream then took it for destroyed and handed its blocks out while the work still wrote them.
+    sim_node.run("""
+        init()
+        p = malloc(1 << 20)
+        s, e = stream(), event()
+        sim.launch_fill(s, p, 1 << 20, 9, delay_s=0.3)
+        done = {}
+        def destroy():
+            ok("aclrtSetDevice", 0)
+            done["rc"] = lib.aclrtDestroyStream(s)
+        t = threading.Thread(target=destroy); t.start()
+        time.sleep(0.1)                            # destroy is draining s now
+        ok("aclrtRecordEvent", e, s)              # before: 107000, "is being destroyed"
+        assert query_status(e) == 0                # not done: the fill is still queued
+        ok("aclrtSynchronizeEvent", e)
+        assert sim.read(p, 8) == b"\\x09" * 8
+        t.join()
+        assert done["rc"] == 0
+        assert lib.aclrtRecordEvent(e, s) == 107000  # once destroyed, the handle is gone
+        free(p)
+    """)

@@ -21,6 +21,8 @@ typedef int aclError;
 #define ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046
 #define ACL_ERROR_RT_EVENT_SYNC_TIMEOUT 507047
 #define ACL_ERROR_RT_STREAM_CONTEXT 107003 /* "stream not in current context" */
+#define ACL_ERROR_RT_PARAM_INVALID 107000  /* a handle the runtime does not know (destroyed, garbage) */
+#define ACL_ERROR_RT_INVALID_HANDLE 107017
 #define ACL_MEM_MALLOC_HUGE_FIRST 0 /* aclrtMemMallocPolicy: 2 MiB pages above 1 MiB */
 #define ACL_HBM_MEM 1               /* aclrtMemAttr */
 /* Cross-stream sync capability, no timestamps. CANN documents that an event created without
@@ -73,8 +75,10 @@ struct acl_stream_dev {
    ask it there instead of being refused. */
 #define ACL_LEARNED_STREAMS 256
 struct acl_stream_ctx {
-    void *stream; /* NULL: a free entry */
+    void *stream;  /* NULL: a free entry */
     void *ctx;
+    int device;    /* the context's device */
+    uint64_t used; /* learned_clock at the last use: the least recently used entry goes first */
 };
 
 typedef struct acl_impl {
@@ -138,7 +142,7 @@ typedef struct acl_impl {
     struct acl_stream_dev *streams;
     size_t n_streams, streams_cap;
     struct acl_stream_ctx learned[ACL_LEARNED_STREAMS];
-    unsigned learned_next; /* the entry a new stream takes when none is free (round robin) */
+    uint64_t learned_clock;
     aclError (*sim_stream_device)(void *stream, int32_t *device); /* simulator only: probed */
     aclError (*aclrtDeviceGetBareTgid)(int32_t *pid); /* optional: NULL on an old CANN */
 } acl_impl;
@@ -372,24 +376,27 @@ static int acl_enter_selected(ap_backend *b, acl_scope *sc)
 static int acl_stream_device(ap_backend *b, void *stream, int *device);
 static int acl_created_stream_device(acl_impl *im, void *stream);
 
-/* The context `stream` was learned in, or NULL. */
-static void *acl_learned_context(acl_impl *im, void *stream)
+/* The context `stream` was learned in (and its device), or NULL. */
+static void *acl_learned_context(acl_impl *im, void *stream, int *device)
 {
     void *ctx = NULL;
 
     pthread_mutex_lock(&im->streams_lock);
     for (int i = 0; i < ACL_LEARNED_STREAMS && !ctx; i++)
-        if (im->learned[i].stream == stream)
+        if (im->learned[i].stream == stream) {
             ctx = im->learned[i].ctx;
+            *device = im->learned[i].device;
+            im->learned[i].used = ++im->learned_clock;
+        }
     pthread_mutex_unlock(&im->streams_lock);
     return ctx;
 }
 
-/* Remembers stream's context, or with ctx NULL forgets it (a handle the runtime reused, or a
-   context gone). */
-static void acl_learn_context(acl_impl *im, void *stream, void *ctx)
+/* Remembers stream's context (on device), or with ctx NULL forgets it (a stream destroyed, a
+   handle the runtime reused, a context gone). Full: the least recently used entry makes room. */
+static void acl_learn_context(acl_impl *im, void *stream, void *ctx, int device)
 {
-    int at = -1, free_at = -1;
+    int at = -1, free_at = -1, oldest = 0;
 
     pthread_mutex_lock(&im->streams_lock);
     for (int i = 0; i < ACL_LEARNED_STREAMS; i++) {
@@ -397,15 +404,16 @@ static void acl_learn_context(acl_impl *im, void *stream, void *ctx)
             at = i;
         else if (!im->learned[i].stream && free_at < 0)
             free_at = i;
+        if (im->learned[i].used < im->learned[oldest].used)
+            oldest = i;
     }
     if (!ctx) {
         if (at >= 0)
-            im->learned[at].stream = im->learned[at].ctx = NULL;
+            im->learned[at] = (struct acl_stream_ctx){0};
     } else {
         if (at < 0)
-            at = free_at >= 0 ? free_at : (int)(im->learned_next++ % ACL_LEARNED_STREAMS);
-        im->learned[at].stream = stream;
-        im->learned[at].ctx = ctx;
+            at = free_at >= 0 ? free_at : oldest;
+        im->learned[at] = (struct acl_stream_ctx){stream, ctx, device, ++im->learned_clock};
     }
     pthread_mutex_unlock(&im->streams_lock);
 }
@@ -436,8 +444,8 @@ static int acl_thread_on_device(acl_impl *im, int device)
 static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
 {
     acl_impl *im = IMPL(b);
-    int dev = stream ? acl_created_stream_device(im, stream) : -1;
-    void *learned = dev < 0 && stream ? acl_learned_context(im, stream) : NULL;
+    int dev = stream ? acl_created_stream_device(im, stream) : -1, learned_dev = -1;
+    void *learned = dev < 0 && stream ? acl_learned_context(im, stream, &learned_dev) : NULL;
 
     if (dev >= 0)
         return acl_enter(b, dev, sc);
@@ -453,13 +461,15 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
         sc->device = -1;
         if (cur == learned || im->aclrtSetCurrentContext(learned) == 0) {
             sc->learned = 1;
-            sc->saved = cur == learned ? NULL : cur;
             sc->switched = cur != learned;
+            /* A thread that had no context goes back to the device's default one, as after any
+               call here (acl_enter), never stays in another thread's own context. */
+            sc->saved = cur == learned ? NULL : cur ? cur : __atomic_load_n(&im->dev[learned_dev].ctx, __ATOMIC_ACQUIRE);
             return 0;
         }
         if (im->aclGetRecentErrMsg)
             (void)im->aclGetRecentErrMsg(); /* that context is gone: forget it */
-        acl_learn_context(im, stream, NULL);
+        acl_learn_context(im, stream, NULL, -1);
     }
     if (!(stream && acl_stream_device(b, stream, &dev) == 0))
         dev = tls_owner == im->base.id ? tls_device : -1;
@@ -501,7 +511,7 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
             rc_ = (expr);                                                          \
             acl_leave((b), &sc_);                                                  \
             if (rc_ == ACL_ERROR_RT_STREAM_CONTEXT && sc_.learned) {               \
-                acl_learn_context(IMPL(b), (stream), NULL);                        \
+                acl_learn_context(IMPL(b), (stream), NULL, -1);                    \
                 if (IMPL(b)->aclGetRecentErrMsg)                                   \
                     (void)IMPL(b)->aclGetRecentErrMsg(); /* the first try's */     \
                 rc_ = acl_enter_stream((b), (stream), &sc_);                       \
@@ -511,7 +521,10 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
                 }                                                                  \
             }                                                                      \
             if (rc_ == 0 && sc_.kept && sc_.ctx)                                   \
-                acl_learn_context(IMPL(b), (stream), sc_.ctx);                     \
+                acl_learn_context(IMPL(b), (stream), sc_.ctx, sc_.device);         \
+            else if (rc_ == ACL_ERROR_RT_PARAM_INVALID ||                          \
+                     rc_ == ACL_ERROR_RT_INVALID_HANDLE)                           \
+                acl_learn_context(IMPL(b), (stream), NULL, -1); /* gone */        \
             if (rc_ == ACL_ERROR_RT_STREAM_CONTEXT && sc_.kept &&                  \
                 acl_enter((b), sc_.device, &sc_) == 0) {                           \
                 if (IMPL(b)->aclGetRecentErrMsg)                                   \
@@ -1107,7 +1120,7 @@ static int acl_stream_destroy_here(ap_backend *b, void *stream)
 
     if (rc == 0) {
         (void)acl_streams_note(IMPL(b), stream, -1);
-        acl_learn_context(IMPL(b), stream, NULL);
+        acl_learn_context(IMPL(b), stream, NULL, -1);
     }
     return rc;
 }

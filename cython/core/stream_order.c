@@ -326,7 +326,7 @@ int ap_settle_slot(ap_pool *p, int slot, ap_error *err) {
         ap_slot_retire(p, slot);
         return AP_OK;
     }
-    if (!idle) return AP_E_BUSY;
+    if (idle != 1) return AP_E_BUSY; /* 0: busy; AP_STREAM_ELSEWHERE: out of reach, so not known idle */
     ap_free_retag_slot(p, slot, 0);
     return AP_OK;
 }

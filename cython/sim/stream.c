@@ -7,8 +7,11 @@
  * ("complete once `completed` reaches it"), which is exactly "the worker has passed the record".
  *
  * Each device has a default stream (the NULL handle), created on first use. aclrtDestroyStream
- * refuses new work, drains what was submitted, then joins the worker; the object itself lives on
- * while events or other streams' waits still refer to it (reference counts).
+ * refuses new work, drains what was submitted (CANN's destroy waits for the stream's tasks;
+ * aclrtDestroyStreamForce is the one that does not), then joins the worker and only then makes
+ * the handle invalid: until the work is done the stream is alive to every other thread, and an
+ * event recorded on it meanwhile completes with that work. The object itself lives on while
+ * events or other streams' waits still refer to it (reference counts).
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -194,12 +197,11 @@ int sim_stream_submit(struct sim_stream *s, struct sim_work *w, const char *call
 
 int sim_stream_mark(struct sim_stream *s, uint64_t *pos, const char *call)
 {
+    /* A stream being destroyed still takes an event: it marks the work being drained. */
+    (void)call;
     pthread_mutex_lock(&s->mu);
-    int closed = s->closed;
     *pos = s->submitted;
     pthread_mutex_unlock(&s->mu);
-    if (closed)
-        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "stream %p is being destroyed", SIM_HANDLE(&s->obj));
     return 0;
 }
 
@@ -253,7 +255,9 @@ void sim_stream_release_hangs(struct sim_stream *s)
 void sim_stream_shutdown(struct sim_stream *s)
 {
     pthread_mutex_lock(&s->mu);
-    if (s->closed) { /* someone else is shutting it down */
+    if (s->closed) { /* someone else is shutting it down: its work is drained all the same */
+        while (s->completed < s->submitted)
+            pthread_cond_wait(&s->done_cv, &s->mu);
         pthread_mutex_unlock(&s->mu);
         return;
     }
@@ -335,13 +339,12 @@ SIM_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
     struct sim_stream *s;
     if ((rc = sim_stream_get_in_context(stream, call, &s)) != 0) /* "the stream must be in the current context" */
         return rc;
+    sim_stream_shutdown(s); /* the handle stays valid until the queued work is done */
     sim_stream_put(s);
     struct sim_obj *o = sim_reg_take(stream, SIM_H_STREAM);
     if (!o)
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "%p is not a live stream (never created, or already destroyed)", stream);
-    s = (struct sim_stream *)o;
-    sim_stream_shutdown(s);
-    sim_stream_put(s);
+    sim_stream_put((struct sim_stream *)o);
     return ACL_SUCCESS;
 }
