@@ -356,3 +356,27 @@ def test_a_stream_being_destroyed_stays_alive_to_other_threads_until_its_work_is
         assert lib.aclrtRecordEvent(e, s) == 107000  # once destroyed, the handle is gone
         free(p)
     """)
+
+
+def test_destroying_a_context_drains_and_destroys_its_streams(sim_node):
+    # A context's resources go with it. Its streams used to live on with a context no thread
+    # could enter again: never destroyable (107003 from every context), their workers kept.
+    sim_node.run("""
+        init()
+        p = malloc(1 << 20)
+        st = {}
+        def app():
+            ok("aclrtSetDevice", 0)
+            ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
+            y = stream()
+            sim.launch_fill(y, p, 1 << 20, 7, delay_s=0.2)
+            t0 = time.monotonic()
+            ok("aclrtDestroyContext", ctx)
+            st.update(y=y, took=time.monotonic() - t0)
+        t = threading.Thread(target=app); t.start(); t.join()
+        assert st["took"] >= 0.15, st                 # drained first: the fill has run
+        assert sim.read(p, 8) == b"\\x07" * 8
+        e = event()
+        assert lib.aclrtRecordEvent(e, st["y"]) == 107000  # the stream is gone with its context
+        free(p)
+    """)

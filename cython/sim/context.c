@@ -132,6 +132,30 @@ SIM_EXPORT aclError aclrtGetCurrentContext(aclrtContext *context)
     return ACL_SUCCESS;
 }
 
+static int stream_of(struct sim_obj *o, void *ctx)
+{
+    return ((struct sim_stream *)o)->ctx == ctx;
+}
+
+/* A context's resources go with it: its streams are drained (their queued work done, as
+   aclrtDestroyStream waits for it), then their handles become invalid. Without this they lived
+   on with a context no thread could enter again: never destroyable (107003 from every context),
+   their worker threads kept for the process's life. */
+static void sim_destroy_context_streams(struct sim_context *c)
+{
+    struct sim_obj **streams;
+    size_t n = sim_reg_get_matching(SIM_H_STREAM, stream_of, c, &streams);
+    for (size_t i = 0; i < n; i++) {
+        struct sim_stream *s = (struct sim_stream *)streams[i];
+        sim_stream_shutdown(s);
+        struct sim_obj *o = sim_reg_take(SIM_HANDLE(&s->obj), SIM_H_STREAM);
+        if (o)
+            sim_obj_unref(o); /* the registry's reference */
+        sim_stream_put(s);
+    }
+    free(streams);
+}
+
 SIM_EXPORT aclError aclrtDestroyContext(aclrtContext context)
 {
     static const char call[] = "aclrtDestroyContext";
@@ -158,6 +182,7 @@ SIM_EXPORT aclError aclrtDestroyContext(aclrtContext context)
         t_device = -1;
         t_ctx = NULL;
     }
+    sim_destroy_context_streams(c);
     sim_obj_unref(&c->obj);
     return ACL_SUCCESS;
 }

@@ -157,6 +157,27 @@ size_t sim_reg_take_all(struct sim_obj ***out)
     return n;
 }
 
+size_t sim_reg_get_matching(uint32_t type, int (*match)(struct sim_obj *o, void *arg), void *arg,
+                            struct sim_obj ***out)
+{
+    pthread_mutex_lock(&reg_mu);
+    size_t n = 0;
+    struct sim_obj **found = count ? malloc(count * sizeof *found) : NULL;
+    for (size_t i = 0; found && i < nbuckets; i++)
+        for (struct sim_obj *o = buckets[i]; o; o = o->hnext)
+            if (o->type == type && match(o, arg)) {
+                sim_obj_ref(o);
+                found[n++] = o;
+            }
+    pthread_mutex_unlock(&reg_mu);
+    if (!n) {
+        free(found);
+        found = NULL;
+    }
+    *out = found;
+    return n;
+}
+
 void sim_reg_reset(void)
 {
     pthread_mutex_init(&reg_mu, NULL);

@@ -99,6 +99,10 @@ struct sim_obj *sim_reg_get(const void *handle, uint32_t type);  /* +1 ref, or N
 struct sim_obj *sim_reg_take(const void *handle, uint32_t type); /* unregisters; caller owns ref */
 /* Unregisters every object (for aclFinalize); *out gets a malloc'ed array the caller owns. */
 size_t sim_reg_take_all(struct sim_obj ***out);
+/* The live objects of `type` that match(o, arg), each referenced (the caller puts them and frees
+   *out); 0 and *out NULL when none match or memory is short. */
+size_t sim_reg_get_matching(uint32_t type, int (*match)(struct sim_obj *o, void *arg), void *arg,
+                            struct sim_obj ***out);
 void sim_reg_reset(void); /* fork child: forget everything (the parent's objects leak) */
 
 /* ---- proc.c ---- */
