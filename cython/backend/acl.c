@@ -464,7 +464,10 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
             sc->switched = cur != learned;
             /* A thread that had no context goes back to the device's default one, as after any
                call here (acl_enter), never stays in another thread's own context. */
-            sc->saved = cur == learned ? NULL : cur ? cur : __atomic_load_n(&im->dev[learned_dev].ctx, __ATOMIC_ACQUIRE);
+            sc->saved = cur == learned ? NULL
+                        : cur             ? cur
+                        : learned_dev >= 0 ? __atomic_load_n(&im->dev[learned_dev].ctx, __ATOMIC_ACQUIRE)
+                                           : NULL;
             return 0;
         }
         if (im->aclGetRecentErrMsg)
