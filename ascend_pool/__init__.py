@@ -73,16 +73,22 @@ from .capi import library_path
 from .sharing import SharedBlock, SharedHandle, node_pid, open_shared
 from .service import publisher as _publisher  # registers the stats publisher: it starts with the first pool
 from .service.processes import list_gpu_processes as _list_processes
+from .backend import check_device as _check_device
+from .backend import device_index as _device_index
+from .backend import open_backend as _open_backend
 from .backend import torch_device_index as _torch_device_index
 
 
 def list_gpu_processes(device=None):
-    """torch.cuda.list_gpu_processes(device) for ascend_pool: the node's processes holding memory
-    on the device (None: the current one; torch's "npu:1" forms too), one line each with its pid
-    and MB held, from their stats files (`ascend-pool ps`) and this process's own pools."""
+    """torch.cuda.list_gpu_processes(device) for ascend_pool: the processes holding memory on the
+    device (None: the current one; torch's "npu:1" forms too; one that does not exist is an
+    InvalidDeviceError), one line each with its pid and MB held: this user's processes that
+    publish their figures (`ascend-pool ps`; a node service with --allow-uid sees other users')
+    and this process's own pools."""
     index = _torch_device_index(device)
-    index = current_device() if index is None else index
-    kind = "GPU" if _os.environ.get("ASCEND_POOL_BACKEND", "").strip() == "cuda" else "NPU"
-    return _list_processes(index, kind)
+    backend = _open_backend(None)
+    index = _device_index(current_device() if index is None else index)
+    _check_device(backend, index)
+    return _list_processes(index, "GPU" if backend.kind == "cuda" else "NPU")
 
 from .version import __version__

@@ -136,10 +136,9 @@ def torch_device_index(device, kinds=("npu", "cuda")):
         return device
     if isinstance(device, str):
         kind, _, index = device.partition(":")
-        try:
-            index = int(index) if index else None
-        except ValueError:
-            raise InvalidDeviceError(f"Invalid device string: {device!r}") from None
+        if index and not (index.isascii() and index.isdigit()):  # int() would take " 1", "+1", "1_0"
+            raise InvalidDeviceError(f"Invalid device string: {device!r}")
+        index = int(index) if index else None
     elif hasattr(device, "type") and not isinstance(device, bool):
         kind, index = device.type, getattr(device, "index", None)
     elif as_index(device) is not None:  # a numpy integer

@@ -358,6 +358,7 @@ def allocator_settings(knobs):
 def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="acl"):
     """Turns knobs into the compiled pool's config fields (bytes and flags)."""
     cfg = {"pad_bytes": 32 if backend_kind == "acl" else 0}
+    cap_key = None
     for key, value in knobs.items():
         if key == "max_split_size_mb":
             cfg["max_split_size"] = max_split_bytes(value)
@@ -405,6 +406,7 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
             if not (0 <= f <= 1 and (f > 0 or zero_ok)):
                 raise ConfigError(f"{key}: must be in {'[' if zero_ok else '('}0, 1], got {value!r}")
             cfg["limit_bytes"] = int(f * device_total_bytes)
+            cap_key = key  # the last one set is the cap in force
         elif key == "sync_timeout_ms":
             ms = _number(key, value, int)
             if ms < -1 or ms == 0 or ms >= 2**31:
@@ -427,10 +429,12 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
                               "garbage_collection_threshold, reserve, record_history, page_size, "
                               "expandable_segments, release_policy, stream_reuse, memory_fraction, sync_timeout_ms, pad_bytes, "
                               "roundup_power2_divisions, and torch_npu's and PyTorch's allocator keys)")
-    if cfg.get("reserve_bytes", 0) > cfg.get("limit_bytes", float("inf")):
-        cap = next(k for k in ("memory_fraction", "per_process_memory_fraction") if k in knobs)
-        raise ConfigError(f"reserve: {cfg['reserve_bytes']} bytes is more than the {cap} cap of "
-                          f"{cfg['limit_bytes']} bytes: the pool could never hold what it preallocates")
+    page = cfg.get("page_size", 2 << 20)
+    held = -(-cfg.get("reserve_bytes", 0) // page) * page  # the reserve is taken in whole pages
+    if held > cfg.get("limit_bytes", float("inf")):
+        raise ConfigError(f"reserve: {cfg['reserve_bytes']} bytes ({held} in {page}-byte pages) is more than the "
+                          f"{cap_key} cap of {cfg['limit_bytes']} bytes: the pool could never hold what it "
+                          "preallocates")
     return cfg
 
 
@@ -444,10 +448,11 @@ def use_framework_conf(*names):
 
 
 def conf_source(env=None):
-    """(variable, text): where pools read their knob string: $ASCEND_POOL_CONF when set, else the
-    first framework variable set (use_framework_conf), else ($ASCEND_POOL_CONF, "")."""
+    """(variable, text): where pools read their knob string: $ASCEND_POOL_CONF when set (not
+    blank), else the first framework variable set (use_framework_conf), else ($ASCEND_POOL_CONF,
+    its value)."""
     env = os.environ if env is None else env
-    if ENV_VAR not in env:
+    if not env.get(ENV_VAR, "").strip():  # unset or blank: nothing of ours to take
         for name in _framework_vars:
             if env.get(name, "").strip():
                 if name not in _told:

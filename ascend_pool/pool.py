@@ -97,11 +97,17 @@ class Pool(PoolBase):
         """Counters in PyTorch's memory_stats() schema ("allocated_bytes.all.current", ...) plus
         fragmentation and stream-order figures and the shared_* figures of ascend_pool.sharing;
         exact at the moment of the call (bytes)."""
+        out = _stats.minus_baseline(Pool.lifetime_stats(self), self.__dict__.get("_acc_base"))
+        return OrderedDict(sorted(out.items()))  # torch's memory_stats: an OrderedDict sorted by key
+
+    def lifetime_stats(self):
+        """memory_stats() as if reset_accumulated_stats() had never been called: counters that
+        only grow over the pool's life (what the metrics export; a Prometheus counter must never
+        go down). A plain dict."""
         out = _stats.with_derived(self._raw_stats())
         if _sharing is not None:
             out.update(_sharing.pool_stats(self))
-        out = _stats.minus_baseline(out, self.__dict__.get("_acc_base"))
-        return OrderedDict(sorted(out.items()))  # torch's memory_stats: an OrderedDict sorted by key
+        return out
 
     # -- CuPy's MemoryPool names, so that code (and tests) written for cupy.cuda.MemoryPool port --
 

@@ -80,4 +80,9 @@ def test_a_reserve_past_the_memory_fraction_cap_is_a_config_error_naming_both(ca
     used to surface as an OutOfMemoryError 'limit reached' when the pool opened."""
     assert cfg(reserve="32GiB", **{cap: 0.5})["reserve_bytes"] == 32 * GiB  # exactly the cap
     with pytest.raises(ConfigError, match=f"reserve: .* more than the {cap} cap"):
-        cfg(reserve=32 * GiB + 1, **{cap: 0.5})
+        cfg(reserve=32 * GiB + 1, **{cap: 0.5})  # taken in whole 2 MiB pages: 32 GiB + 2 MiB
+
+
+def test_the_cap_named_is_the_one_in_force():
+    with pytest.raises(ConfigError, match="more than the per_process_memory_fraction cap"):
+        knobs_to_config({"memory_fraction": 0.9, "per_process_memory_fraction": 0.25, "reserve": "20GiB"}, TOTAL, FREE)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import ascend_pool as ap
 
 MiB = 1 << 20
@@ -55,3 +57,9 @@ def test_lists_another_processs_memory_and_its_own():
 
 def test_an_idle_device_says_no_processes_are_running():
     assert ap.list_gpu_processes(7).splitlines() == ["NPU:7", "no processes are running"]
+
+
+@pytest.mark.parametrize("device", [99, -1, "cpu", True])
+def test_a_device_that_does_not_exist_is_refused(device):
+    with pytest.raises(ap.InvalidDeviceError):
+        ap.list_gpu_processes(device)

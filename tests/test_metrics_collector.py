@@ -121,6 +121,11 @@ def test_a_reset_of_accumulated_stats_never_makes_an_exported_counter_go_down():
         pool.reset_accumulated_stats()
         again, _ = scrape(collector)
         assert val(again, "ascend_pool_allocations_total", pool="small", device=0, tenant="default") == 11
+        pool.reset_accumulated_stats()  # then more than before, between two scrapes: no drop to see
+        for _ in range(25):
+            pool.free(pool.malloc(1000))
+        later, _ = scrape(collector)
+        assert val(later, "ascend_pool_allocations_total", pool="small", device=0, tenant="default") == 36
     finally:
         pool.close()
 

@@ -1,6 +1,10 @@
 """CuPy's MemoryPool names on a pool (used_bytes, total_bytes, free_bytes, n_free_blocks,
 free_all_blocks, set_limit/get_limit), so that code and tests written for cupy.cuda.MemoryPool
 port as they are; sizes in bytes."""
+import time
+
+import pytest
+
 import ascend_pool as ap
 
 MiB = 1 << 20
@@ -94,5 +98,68 @@ def test_free_all_blocks_of_one_stream_under_the_default_stream_rule():
         pool.free_all_blocks(stream=0)
         assert pool.memory_stats()["reserved_bytes.all.current"] == 0
         pool.destroy_stream(s)
+    finally:
+        pool.close()
+
+
+def test_free_all_blocks_of_one_stream_waits_for_that_stream_only():
+    """Another stream's hung work (a block record_stream'd onto it) neither delays
+    free_all_blocks(stream=s2) nor keeps s2's idle segments (it waited for every pending free,
+    then gave up on the timeout and freed nothing)."""
+    from ascend_pool import sim
+    pool = ap.Pool(0, backend="sim", sync_timeout_ms=2000)
+    try:
+        s, s2 = pool.create_stream(), pool.create_stream()
+        sim.hang_stream(s)
+        held = pool.malloc(12 * MiB)
+        pool.record_stream(held, s)
+        pool.free(held)                                   # pending on s's hung work
+        pool.free(pool.malloc(12 * MiB, stream=s2), stream=s2)
+        before = pool.memory_stats()["segment.all.current"]
+        t = time.monotonic()
+        pool.free_all_blocks(stream=s2)
+        assert time.monotonic() - t < 1.0
+        assert pool.memory_stats()["segment.all.current"] == before - 1
+        sim.release_stream(s)
+        pool.synchronize(s)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_free_all_blocks_of_one_stream_keeps_the_preallocated_reserve(expandable):
+    pool = ap.Pool(0, backend="sim", reserve="64MiB", expandable_segments=expandable)
+    try:
+        pool.free(pool.malloc(30 * MiB))
+        pool.free_all_blocks(stream=0)
+        assert pool.memory_stats()["reserved_bytes.all.current"] >= 64 * MiB  # it went with expandable
+        pool.free_all_blocks()                            # empty_cache: the reserve goes too
+        assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+    finally:
+        pool.close()
+
+
+def test_expandable_release_skips_a_busy_streams_pages_and_returns_the_rest():
+    """A busy stream's free pages are left; every other unused page still goes back (the release
+    gave up at the first block of a busy stream and returned nothing)."""
+    from ascend_pool import sim
+    pool = ap.Pool(0, backend="sim", expandable_segments=True, sync_timeout_ms=500)
+    try:
+        s = pool.create_stream()
+        a = pool.malloc(100 * MiB)
+        x = pool.malloc(4 * MiB)                          # keeps a's and c's free pages apart
+        c = pool.malloc(150 * MiB, stream=s)
+        pool.free(a)
+        sim.hang_stream(s)
+        pool.free(c, stream=s)                            # its pages wait for s's hung work
+        before = pool.memory_stats()["reserved_bytes.all.current"]
+        pool.free_all_blocks(stream=0)
+        after = pool.memory_stats()["reserved_bytes.all.current"]
+        assert 150 * MiB <= after <= before - 96 * MiB, (before >> 20, after >> 20)
+        sim.release_stream(s)
+        pool.synchronize(s)
+        pool.free(x)
+        pool.free_all_blocks()
+        assert pool.memory_stats()["reserved_bytes.all.current"] == 0
     finally:
         pool.close()

@@ -112,7 +112,8 @@ def test_a_torch_device_string_names_the_device(device):
 
 
 @pytest.mark.parametrize("device, words", [("npu", "names no index"), ("cpu:0", "Expected a npu or cuda device"),
-                                           ("npu:x", "Invalid device string")])
+                                           ("npu:x", "Invalid device string"), ("npu: 1", "Invalid device string"),
+                                           ("npu:+1", "Invalid device string"), ("npu:1_0", "Invalid device string")])
 def test_a_torch_device_string_without_a_usable_index_is_refused(device, words):
     with pytest.raises(ap.InvalidDeviceError, match=words):
         ap.Pool(device=device, backend="sim")

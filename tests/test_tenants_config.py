@@ -152,6 +152,7 @@ def test_check_config_ok_prints_what_it_understood(tmp_path, capsys):
     assert cli_main(["check-config", path, "--json", "--device-bytes", "32GiB"]) == 0
     out, err = capsys.readouterr()
     data = json.loads(out)
+    assert data["path"] == path and data["valid"] is True
     assert data["tenants"]["online"]["quota_bytes"] == 24 * GiB and data["tenants"]["batch"]["quota"] == "60%"
     assert len(data["warnings"]) == 2  # device 0: 75% + 60% + 50%; others: 75% + 60%
 
@@ -170,7 +171,7 @@ def test_check_config_errors_exit_2_one_line_each(tmp_path, capsys):
     # --json: a machine reader gets JSON on stdout either way (before: nothing), the lines on stderr
     assert cli_main(["check-config", path, "--json"]) == 2
     out, err = capsys.readouterr()
-    assert json.loads(out) == {"file": path, "valid": False, "errors": err.splitlines()}
+    assert json.loads(out) == {"path": path, "valid": False, "errors": err.splitlines()}
     assert len(err.splitlines()) == 3
 
 

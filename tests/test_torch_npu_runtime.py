@@ -90,6 +90,8 @@ def test_install_makes_pools_take_the_users_pytorch_npu_alloc_conf(fake_torch_np
     assert max_split() == 64 << 20
     monkeypatch.setenv("ASCEND_POOL_CONF", "max_split_size_mb:32")
     assert max_split() == 32 << 20
+    monkeypatch.setenv("ASCEND_POOL_CONF", " ")  # blank: as unset (a blank framework variable is too)
+    assert max_split() == 64 << 20
     monkeypatch.delenv("ASCEND_POOL_CONF")
     monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "max_split_size_mb:1")
     with pytest.raises(ap.ConfigError, match="^PYTORCH_NPU_ALLOC_CONF='max_split_size_mb:1': max_split_size_mb"):

@@ -2,8 +2,9 @@
 
 Exit 0: the file is valid; prints what was understood (tenants, quotas, warn levels, devices) and
 any overcommit warnings (to stderr). Exit 2: one line per mistake on stderr, each naming the file,
-the line or key, and the problem; with --json, also {"file", "valid": false, "errors": [those
-lines]} on stdout, so that a machine reader always gets JSON.
+the line or key, and the problem; with --json, also {"path", "valid": false, "errors": [those
+lines]} on stdout (a valid file's JSON has "path" and "valid": true too), so that a machine
+reader always gets JSON.
 """
 
 import json
@@ -20,6 +21,8 @@ def _cmd_check_config(args):
             device_bytes = parse_bytes(args.device_bytes, "--device-bytes")
         except ValueError as e:
             print(f"ascend-pool check-config: {e}", file=sys.stderr)
+            if args.json:
+                print(json.dumps({"path": args.file, "valid": False, "errors": [str(e)]}, indent=2))
             return 2
     try:
         cfg = load(args.file)
@@ -27,7 +30,7 @@ def _cmd_check_config(args):
         for line in e.errors:
             print(line, file=sys.stderr)
         if args.json:
-            print(json.dumps({"file": args.file, "valid": False, "errors": list(e.errors)}, indent=2))
+            print(json.dumps({"path": args.file, "valid": False, "errors": list(e.errors)}, indent=2))
         return 2
     warnings = cfg.overcommit_warnings(device_bytes)
     if args.json:

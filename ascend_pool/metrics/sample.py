@@ -52,8 +52,9 @@ class TenantSample:
 
 def pool_values(pool):
     """The schema fields of one pool (dict of int). Raises whatever memory_stats() raises (a pool
-    closed meanwhile)."""
-    s = pool.memory_stats()
+    closed meanwhile). Counters over the pool's life: reset_accumulated_stats() is the user's
+    view (torch's), never a drop in an exported counter."""
+    s = pool.lifetime_stats() if hasattr(pool, "lifetime_stats") else pool.memory_stats()
     v = {}
     for prefix, stem in POOL_GAUGES:
         for kind in POOL_KINDS:

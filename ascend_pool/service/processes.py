@@ -1,5 +1,6 @@
-"""The node's ascend_pool processes, from their stats files (what `ascend-pool ps` prints), and
-torch's list_gpu_processes() over them.
+"""The node's ascend_pool processes, from their stats files (what `ascend-pool ps` prints: this
+user's, and those of the uids and groups a caller trusts), and torch's list_gpu_processes() over
+them.
 
 A pid is in its process's own pid namespace (two containers' workers may both be pid 1); the
 instance is unique on the node. Processes that do not publish ($ASCEND_POOL_STATS off) have no
@@ -55,7 +56,7 @@ def _own_rows(device):
 def list_gpu_processes(device=0, kind="NPU"):
     """torch.cuda.list_gpu_processes(device)'s text for ascend_pool's processes on `device` (an
     int): a "NPU:<device>" line, then one line per process and tenant with the device memory
-    it holds in MB (MiB, as torch prints), or "no processes are running". Read from the node's
+    it holds in MB (MiB, as torch prints), or "no processes are running". Read from this user's
     stats files (the processes that publish, see `ascend-pool ps`) and this process's own pools.
     """
     try:

@@ -162,7 +162,13 @@ class Context(Pool):
         quota_held_bytes (the tenant, node-wide), quota_context_bytes (booked by this context),
         quota_peak_bytes, quota_warn (ratio; 0.0: none), quota_refusals (node-wide),
         quota_uncertain_bytes (see the ledger notes), quota_warn_events (this context)."""
-        out = super().memory_stats()
+        return self._with_quota(super().memory_stats())
+
+    def lifetime_stats(self):
+        """Pool.lifetime_stats() plus the quota figures of memory_stats()."""
+        return self._with_quota(super().lifetime_stats())
+
+    def _with_quota(self, out):
         state = self._quota_state() or {}
         out["quota_bytes"] = state.get("quota_bytes") or 0
         out["quota_held_bytes"] = state.get("held_bytes", 0)

@@ -538,6 +538,7 @@ static size_t release(ap_pool *p, size_t target, const ap_block *keep, int polic
     size_t released = 0;
     int64_t unmaps0 = p->stats.num_device_unmap;
     int settled = policy;
+    int skip_tagged = 0; /* set once a stream-tagged block's stream was found busy: never wait here */
     ap_cache_flush(p);
     while (released < target && p->stats.num_device_unmap - unmaps0 < max_unmaps) {
         ap_block *best = NULL;
@@ -546,7 +547,7 @@ static size_t release(ap_pool *p, size_t target, const ap_block *keep, int polic
             if (!s->expandable) continue;
             ap_vmm_chunk *c = chunk_at(space_of(p, s->base), s->base);
             for (ap_block *b = s->first; b; b = b->next) {
-                if (b == keep || b->state != AP_BLOCK_FREE) continue;
+                if (b == keep || b->state != AP_BLOCK_FREE || (skip_tagged && b->tag)) continue;
                 size_t len = chunks_inside(&c, b);
                 if (len && (policy ? !best || b->free_tick < best->free_tick : len > best_len)) {
                     best = b;
@@ -563,8 +564,8 @@ static size_t release(ap_pool *p, size_t target, const ap_block *keep, int polic
             if (any) continue;
         }
         if (!best) break;
-        if (best->tag) { /* its stream may still use it: wait for that stream, then pick again */
-            if (ap_settle_slot(p, best->tag, err) != AP_OK) break;
+        if (best->tag) { /* its stream may still use it: released once that stream is idle */
+            if (ap_settle_slot(p, best->tag, err) != AP_OK) skip_tagged = 1; /* busy: the others still go */
             continue;
         }
         /* Whole chunks from the top of the block down, until the target is met. */

@@ -548,12 +548,16 @@ int ap_pool_empty_stream(ap_pool *p, void *stream, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     int rc = AP_OK, slot = ap_slot_of(p, stream, 0);
     if (slot > 0) {
-        rc = ap_wait_unlocked(p, slot, 1, err); /* its frees become untagged, as empty_cache's */
+        /* This stream's work only (no other stream's pending frees): its frees become untagged,
+           as empty_cache's. What a failed wait leaves tagged stays; the rest goes all the same. */
+        rc = ap_wait_unlocked(p, slot, 0, err);
         if (rc == AP_E_INVALID_STREAM) rc = AP_OK; /* destroyed behind the pool's back: settled */
-        if (p->cfg.expandable)
-            ap_release_free_segments(p, (size_t)-1, 1, 0, rc == AP_OK ? err : NULL);
-        else if (rc == AP_OK)
-            ap_release_stream_segments(p, slot, err);
+        if (p->cfg.expandable) { /* one address space: every stream's unused pages, the reserve kept */
+            size_t reserved = ap_reserved(p), keep = p->cfg.reserve_bytes;
+            if (reserved > keep) ap_vmm_release(p, reserved - keep, rc == AP_OK ? err : NULL);
+        } else {
+            ap_release_stream_segments(p, slot, rc == AP_OK ? err : NULL);
+        }
     }
     pthread_mutex_unlock(&p->lock);
     return rc;

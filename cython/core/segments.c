@@ -129,14 +129,16 @@ size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, i
 }
 
 /* The wholly free classic segments that `slot`'s allocations created and that no stream's queued
-   work still holds (CuPy's per-stream arena: free_all_blocks(stream)). The caller has waited for
-   the stream, so its own frees are untagged by now. Returns bytes released. */
+   work still holds (CuPy's per-stream arena: free_all_blocks(stream)), not the preallocated
+   reserve. The caller has waited for the stream, so its own frees are untagged by now. Returns
+   bytes released. */
 size_t ap_release_stream_segments(ap_pool *p, int slot, ap_error *err) {
     size_t released = 0;
     ap_cache_flush(p);
     for (ap_segment *s = p->segments, *next; s; s = next) {
         next = s->next; /* s may be unlinked below */
-        if (s->expandable || !ap_segment_is_free(s) || s->first->tag || s->alloc_slot != slot) continue;
+        if (s->expandable || s->pinned || !ap_segment_is_free(s) || s->first->tag || s->alloc_slot != slot)
+            continue; /* the preallocated reserve is no stream's: it goes with empty_cache */
         size_t size = s->size;
         if (ap_segment_release(p, s, err) != AP_OK) break;
         released += size;
