@@ -11,8 +11,9 @@ import textwrap
 sys.path.insert(0, os.path.dirname(__file__))
 from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
 
-# Run before each test's code in its child: the package, and a framework's thread whose exception
-# (if any) lands in res["error"], so that a refusal shows in the assertion's message.
+# Run before each test's code in its child: the package, a framework's thread whose exception
+# (if any) lands in res["error"], so that a refusal shows in the assertion's message, and an
+# application's own context with a stream in it, on which a block can be freed under a kernel.
 ON_A_THREAD = """
 import ascend_pool as ap
 MiB = 1 << 20
@@ -24,6 +25,19 @@ def on_a_thread(fn):
         except Exception as e:
             res["error"] = f"{type(e).__name__}: {e}"
     t = threading.Thread(target=run); t.start(); t.join()
+def own_context_and_stream():
+    # An application thread's context of its own on device 0 and a stream in it (int handles).
+    ok("aclrtSetDevice", 0)
+    ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
+    y = C.c_void_p(); ok("aclrtCreateStream", C.byref(y))
+    return ctx.value, y.value
+def freed_under_a_kernel(pool, y, n, delay_s):
+    # A block of n bytes allocated on y, still written by a "kernel" queued on y, freed on y.
+    pool.register_stream(y)
+    p = pool.malloc(n, stream=y)
+    sim.launch_fill(y, p, n, 0xAA, delay_s=delay_s)
+    pool.free(p, stream=y)
+    return p
 """
 
 
@@ -160,14 +174,7 @@ def test_blocks_freed_on_a_stream_of_another_context_wait_for_its_work(sim_node)
         N = 24 * MiB
         st = {}
         def app_thread():
-            ok("aclrtSetDevice", 0)
-            ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
-            y = C.c_void_p(); ok("aclrtCreateStream", C.byref(y))
-            pool.register_stream(y.value)
-            p = pool.malloc(N, stream=y.value)
-            sim.launch_fill(y.value, p, N, 0xAA, delay_s=0.3)  # the kernel still using p
-            pool.free(p, stream=y.value)
-            st.update(p=p, y=y.value)
+            st["p"] = freed_under_a_kernel(pool, own_context_and_stream()[1], N, 0.3)
         on_a_thread(app_thread)
         ok("aclrtSetDevice", 0)                             # the device's default context
         q = pool.malloc(N)                                  # may be p, ordered after y's kernel
@@ -193,10 +200,7 @@ def test_a_stream_of_another_context_is_refused_by_name(sim_node):
         pool = ap.Pool(0, backend="sim")
         st = {}
         def app_thread():
-            ok("aclrtSetDevice", 0)
-            ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
-            y = C.c_void_p(); ok("aclrtCreateStream", C.byref(y))
-            st["y"] = y.value
+            st["y"] = own_context_and_stream()[1]
         on_a_thread(app_thread)
         ok("aclrtSetDevice", 0)
         pool.register_stream(st["y"])
@@ -222,14 +226,7 @@ def test_a_stream_out_of_reach_is_busy_not_idle(sim_node):
         N = 24 * MiB
         st = {}
         def app_thread():
-            ok("aclrtSetDevice", 0)
-            ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
-            y = C.c_void_p(); ok("aclrtCreateStream", C.byref(y))
-            pool.register_stream(y.value)
-            p = pool.malloc(N, stream=y.value)
-            sim.launch_fill(y.value, p, N, 0xAA, delay_s=0.5)
-            pool.free(p, stream=y.value)
-            st.update(p=p)
+            st["p"] = freed_under_a_kernel(pool, own_context_and_stream()[1], N, 0.5)
         on_a_thread(app_thread)
         ok("aclrtSetDevice", 0)
         for _ in range(300):                          # streams of the default context, learned
@@ -257,12 +254,9 @@ def test_a_thread_without_a_context_is_not_left_in_another_threads_context(sim_n
         pool = ap.Pool(0, backend="sim")
         st = {}
         def app_thread():
-            ok("aclrtSetDevice", 0)
-            ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
-            y = C.c_void_p(); ok("aclrtCreateStream", C.byref(y))
-            pool.register_stream(y.value)
-            p = pool.malloc(4096, stream=y.value)     # y's context is learned here
-            st.update(p=p, y=y.value, ctx=ctx.value)
+            ctx, y = own_context_and_stream()
+            pool.register_stream(y)
+            st.update(p=pool.malloc(4096, stream=y), y=y, ctx=ctx)  # y's context is learned here
         on_a_thread(app_thread)
         def bare_thread():                            # never set a device: no context
             pool.synchronize(st["y"])                 # a call on y, made in y's context

@@ -100,9 +100,9 @@ class PoolAggregator:
     """Turns the live pools of the process into TenantSamples, one per (device, tenant).
 
     Keeps the last-seen counters of every pool it has read; when a pool disappears (closed or
-    collected), or a live pool's counter goes down (reset_accumulated_stats), those are folded
-    into a per-(device, tenant) "retired" sum, so the exported counters never go down while the
-    process lives (a replay loop that opens and closes pools
+    collected), those are folded into a per-(device, tenant) "retired" sum, so the exported
+    counters never go down while the process lives (a live pool's are its lifetime counters,
+    pool_values: reset_accumulated_stats does not lower them) (a replay loop that opens and closes pools
     would otherwise look like a counter reset at every pool). Counts made between a pool's last
     read and its close are not seen: at most one publish interval of a closing pool.
 
@@ -147,13 +147,5 @@ class PoolAggregator:
             if now is None or now[0]() is not ref() or ref() is None:
                 acc = self._retired.setdefault(key, {f: 0 for f in COUNTER_FIELDS})
                 for f, n in counters.items():
-                    acc[f] += n
-                continue
-            # A live pool whose counter went down was reset (reset_accumulated_stats): what it had
-            # counted is kept as if retired, so the exported counter never goes down (Prometheus
-            # would take the drop for a restart and count the whole new value as an increase).
-            for f, n in counters.items():
-                if now[2][f] < n:
-                    acc = self._retired.setdefault(key, {g: 0 for g in COUNTER_FIELDS})
                     acc[f] += n
         self._seen = current
