@@ -274,3 +274,50 @@ def test_a_stream_of_another_pool_of_the_device_serves_its_contexts_and_the_defa
     finally:
         ctx.close()
         pool.destroy_stream(s)
+
+
+def _framework_stream(pool):
+    """A stream the framework creates itself and names to the pool (register_stream), as
+    torch_npu's side streams are: the pool is never told when it is destroyed."""
+    s = pool.backend.stream_create(pool.device)
+    pool.register_stream(s)
+    return s
+
+
+def test_streams_destroyed_behind_the_pools_back_never_fill_its_stream_table(pool):
+    # A framework process creates and destroys streams for its whole life. Blocks used on each
+    # (record_stream) stay allocated; the streams are gone. The table holds 1,023 streams: the
+    # pool must find the dead ones when it is full (before: "too many streams (limit 1023)" at
+    # the 1,024th stream, with one stream alive).
+    held = []
+    for _ in range(1100):
+        s = _framework_stream(pool)
+        x = pool.malloc(4096)
+        pool.record_stream(x, s)
+        held.append(x)
+        pool.backend.stream_destroy(s)
+    for x in held:
+        pool.free(x)
+    assert pool.memory_stats()["allocated_bytes.all.current"] == 0
+    pool.empty_cache()
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_blocks_freed_on_a_destroyed_framework_stream_serve_the_next_stream(pool):
+    # Each request of a server runs on a stream of its own, destroyed when the request is done.
+    # The blocks freed on it belong to no stream once it is gone: the next stream must reuse
+    # them rather than grow the pool (before: the dead stream kept them, and a pool serving one
+    # 1 MiB request at a time grew a segment every few requests).
+    sizes = [MiB, 3 * MiB, 12 * MiB]
+    for i in range(120):
+        s = _framework_stream(pool)
+        ptrs = [pool.malloc(n, stream=s) for n in sizes]
+        for p in ptrs:
+            pool.free(p, stream=s)
+        pool.backend.stream_destroy(s)
+        if i == 0:
+            first = pool.memory_stats()
+    st = pool.memory_stats()
+    assert st["num_device_alloc"] == first["num_device_alloc"], (
+        f"{st['num_device_alloc'] - first['num_device_alloc']} device allocations after the first request")
+    assert st["reserved_bytes.all.peak"] == first["reserved_bytes.all.peak"]

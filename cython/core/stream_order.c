@@ -51,6 +51,22 @@ void ap_slot_retire(ap_pool *p, int slot) {
     if (p->last_slot == slot) p->last_slot = 0;
 }
 
+/* The table is full: streams destroyed behind the pool's back (a framework that creates and
+   destroys its streams) still hold slots, since the pool learns of a destroy only when it next
+   calls the runtime on that stream. Asks each once (an event record, no wait) and retires those
+   the runtime no longer knows; returns a freed slot, or -1 when every stream is alive. Rare: once
+   per AP_MAX_STREAMS - 1 streams the pool saw die unseen. */
+static int reclaim_destroyed_slots(ap_pool *p) {
+    int freed = -1;
+    for (int i = 1; i < p->n_slots; i++) {
+        if (!p->slots[i].live || !p->slots[i].stream || stream_idle(p, p->slots[i].stream) != -1) continue;
+        ap_slot_retire(p, i);
+        if (freed < 0) freed = i;
+    }
+    AP_ASSERT(freed < 0 || (!p->slots[freed].trees[0].count && !p->slots[freed].trees[1].count));
+    return freed;
+}
+
 int ap_slot_of(ap_pool *p, void *stream, int create) {
     int last = p->last_slot;
     if (last > 0 && p->slots[last].live && p->slots[last].stream == stream) return last;
@@ -76,6 +92,7 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
         dev != p->device)
         return -3;
     int i = dead;
+    if (i < 0 && p->n_slots == AP_MAX_STREAMS) i = reclaim_destroyed_slots(p);
     if (i < 0) {
         if (p->n_slots == AP_MAX_STREAMS) return -1;
         if (p->n_slots == p->slots_cap) {
@@ -171,17 +188,24 @@ void ap_events_destroy(ap_pool *p) {
     p->n_cached_events = p->event_cache_cap = 0;
 }
 
-/* Records an event after the work queued on stream so far. NULL if no event could be had: the
-   caller then waits for the stream on the host instead. */
-static void *record_on(ap_pool *p, void *stream) {
+/* Records an event after the work queued on stream so far. NULL if no event could be had (the
+   caller then waits for the stream on the host instead); *code is then the runtime's refusal of
+   the record, or 0 when no event was to be had. */
+static void *record_on_code(ap_pool *p, void *stream, int *code) {
     ap_on_device(p);
+    *code = 0;
     void *ev = ap_event_get(p);
     if (!ev) return NULL;
-    if (p->backend->event_record(p->backend, ev, stream) != 0) {
+    if ((*code = p->backend->event_record(p->backend, ev, stream)) != 0) {
         ap_event_put(p, ev);
         return NULL;
     }
     return ev;
+}
+
+static void *record_on(ap_pool *p, void *stream) {
+    int code;
+    return record_on_code(p, stream, &code);
 }
 
 static int sync_stream(ap_pool *p, void *stream, ap_error *err) {
@@ -349,8 +373,17 @@ size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_err
         /* Skip a stream whose blocks could not make a fit even merged with every other free byte. */
         if (!t->count || t->bytes + p->slots[to].trees[pool].bytes + p->slots[0].trees[pool].bytes < rsize)
             continue;
-        void *ev = record_on(p, p->slots[s].stream);
+        int code;
+        void *ev = record_on_code(p, p->slots[s].stream, &code);
         int target = to;
+        if (!ev && ap_stream_unusable(p, code)) {
+            /* Destroyed behind the pool's back (a framework's stream): no work of it is left, so
+               its blocks serve every stream. Left alone, they stayed out of reach of every later
+               stream and each new stream grew the pool. */
+            moved += t->count;
+            ap_slot_retire(p, s);
+            continue;
+        }
         if (!ev) continue; /* no event: leave its blocks alone (never a host wait under the lock) */
         if (p->backend->stream_wait_event(p->backend, p->slots[to].stream, ev) != 0) {
             ap_event_put(p, ev); /* recorded, not waited on: reusable as is */
