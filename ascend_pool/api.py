@@ -97,12 +97,18 @@ def malloc(nbytes, stream=None, device=None):
 def free(ptr, stream=None, device=None):
     """Frees ptr (from malloc) on the default pool of device, or the thread's current context;
     a block another open pool of the device made (allocated under another context) is freed by
-    that pool, as the C ABI's free finds its owner. InvalidPointerError when no pool has it."""
+    that pool, as the C ABI's free finds its owner. With no device given, a block of another
+    device is freed by its own pool (the current device changed since the allocation; HAMi
+    charges such a free to the block's device too). InvalidPointerError when no pool has it."""
     pool = default_pool(device)
     try:
         pool.free(ptr, stream)
     except InvalidPointerError:
-        for other in _registry.device_peers(pool):
+        others = list(_registry.device_peers(pool))
+        if device is None:
+            others += [p for p in _registry.live_pools() if p.device != pool.device and not p.closed
+                       and p.block_info(ptr) is not None]
+        for other in others:
             try:
                 other.free(ptr, stream)  # a pointer it does not hold changes nothing there
                 return

@@ -10,7 +10,8 @@ Knobs:
   garbage_collection_threshold release idle segments when reserved memory passes this fraction
                                (0, 1) of the limit (memory_fraction) or of the device
   reserve                      preallocate at start: bytes ("4GiB") or a fraction of the device's
-                               free memory ("25%" or 0.25); kept until empty_cache()
+                               free memory ("25%" or 0.25); kept until empty_cache(), or given
+                               up by a request that fails otherwise (when idle)
   record_history               keep a ring of allocator events for snapshots: true/false or a
                                number of entries (at most 2**20 are kept)
   page_size                    large-segment granularity: "2m" (default) or "1g"

@@ -226,3 +226,34 @@ def test_cupy_install_needs_the_cuda_backend(monkeypatch):
     with pytest.raises(ConfigError, match="CuPy needs the cuda backend"):
         ap_cupy.install()
     assert not hasattr(fake, "allocator")
+
+
+def test_cupy_hook_collects_garbage_and_retries_before_out_of_memory(monkeypatch):
+    # CuPy's own pool (SingleDeviceMemoryPool._try_malloc) frees its cache, then runs
+    # gc.collect() and tries again before it raises: an array kept only by a reference cycle
+    # must not make an allocation fail. Under a 64 MiB cap, a 40 MiB block held by a garbage
+    # cycle and a 40 MiB request.
+    import gc
+
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from ascend_pool.integrations import cupy as ap_cupy
+
+    monkeypatch.setattr(ap_cupy, "_limited_devices", set())
+    monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", str(64 << 20))
+    pool = ap.default_pool(0)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        a, b = types.SimpleNamespace(), types.SimpleNamespace()
+        a.other, b.other = b, a
+        a.mem = ap_cupy.malloc(40 << 20)
+        del a, b                                  # garbage that only the cycle collector frees
+        mp = ap_cupy.malloc(40 << 20)
+        assert pool.block_info(mp.ptr) is not None
+        del mp
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.collect()
+        pool.set_limit(None)

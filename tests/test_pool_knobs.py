@@ -60,6 +60,40 @@ def test_reserve_preallocates_and_serves_without_device_calls():
         p.close()
 
 
+@pytest.mark.parametrize("cap_mib, nbytes", [(64, 1000), (96, 80 * MiB)], ids=["small-request", "request-above-the-reserve"])
+def test_an_idle_reserve_that_fills_the_cap_gives_way_to_a_request_it_cannot_serve(cap_mib, nbytes):
+    # RMM's pool whose initial size equals its maximum serves a 1000-byte request (rmm#527).
+    # The reserve is one large-pool segment: a small request never uses it, and a request larger
+    # than it cannot. Under a cap the reserve (nearly) fills, such requests failed beside 64 MiB
+    # of idle reserve; the out-of-memory path now returns the idle reserve before it gives up.
+    total = sim.stats(0)["total_bytes"]
+    p = ap.Pool(0, backend="sim", reserve="64MiB", memory_fraction=cap_mib * MiB / total)
+    try:
+        assert p.get_limit() == cap_mib * MiB and p.memory_stats()["reserved_bytes.all.current"] == 64 * MiB
+        x = p.malloc(nbytes)
+        st = p.memory_stats()
+        assert st["reserved_bytes.all.current"] <= cap_mib * MiB and st["allocated_bytes.all.current"] >= nbytes
+        p.free(x)
+        p._check_invariants()
+    finally:
+        p.close()
+
+
+def test_a_reserve_in_use_still_stays_when_a_request_fails():
+    # Only an idle reserve gives way: one holding a live block is not released, and a request
+    # the cap cannot take fails as before, the reserve and its block intact.
+    total = sim.stats(0)["total_bytes"]
+    p = ap.Pool(0, backend="sim", reserve="64MiB", memory_fraction=64 * MiB / total)
+    try:
+        x = p.malloc(8 * MiB)
+        with pytest.raises(ap.OutOfMemoryError):
+            p.malloc(1000)
+        assert p.memory_stats()["reserved_bytes.all.current"] == 64 * MiB
+        p.free(x)
+    finally:
+        p.close()
+
+
 def test_reserve_as_a_fraction_of_free_memory():
     p = ap.Pool(0, backend="sim", reserve="0.1%")
     try:

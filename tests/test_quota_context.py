@@ -285,3 +285,27 @@ def test_a_module_level_free_finds_the_context_that_allocated_the_block():
         a.close()
         b.close()
         pool.close()
+
+
+def test_a_tenant_context_reports_its_quota_in_mem_get_info(base):
+    # HAMi's limited cudaMemGetInfo reports the limit as total and the limit less what is used as
+    # free; frameworks size themselves from it (a KV cache at a fraction of total). A context
+    # with a quota does the same (node-wide held bytes, cached ones included); without a quota,
+    # the device's figures. ap.mem_get_info() under `with ctx:` is the context's.
+    dev_free, dev_total = base.mem_get_info()
+    ctx = base.context("sized-by-mem-get-info", quota="256MiB")
+    try:
+        assert ctx.mem_get_info() == (256 * MiB, 256 * MiB)
+        x = ctx.malloc(large(100))
+        free, total = ctx.mem_get_info()
+        assert total == 256 * MiB and free == 256 * MiB - ctx.held
+        y = ctx.malloc(free - 1024)                 # what it reports free is there to take
+        with ctx:
+            assert ap.mem_get_info() == ctx.mem_get_info()
+        assert ctx.mem_get_info()[0] < MiB
+        ctx.free(y)
+        ctx.free(x)
+        ctx.set_quota(None)
+        assert ctx.mem_get_info()[1] == dev_total
+    finally:
+        ctx.close()

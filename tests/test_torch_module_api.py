@@ -152,6 +152,29 @@ def test_set_device_refuses_a_device_the_backend_does_not_have():
         ap.set_device(before)
 
 
+def test_free_without_a_device_finds_the_block_of_another_device():
+    # The current device changed between the allocation and the free (a framework switching
+    # devices; HAMi charges such a free to the block's own device): ap.free(ptr) with no device
+    # frees it on the pool that made it, as caching_allocator_delete does. Named with a device,
+    # the free stays on that device: a wrong one is refused and frees nothing.
+    n = ap.default_pool(0).backend.device_count
+    assert n >= 2, "the simulated node has several devices"
+    before = ap.current_device()
+    ap.set_device(0)
+    ptr = ap.malloc(4 * MiB)
+    ap.set_device(1)
+    try:
+        with pytest.raises(ap.InvalidPointerError):
+            ap.free(ptr, device=1)
+        assert ap.default_pool(0).block_info(ptr) is not None
+        ap.free(ptr)
+        assert ap.default_pool(0).block_info(ptr) is None
+        with pytest.raises(ap.InvalidPointerError):
+            ap.free(ptr)                              # a double free is still named
+    finally:
+        ap.set_device(before)
+
+
 def test_torchs_older_names_answer_with_its_future_warning():
     """torch.cuda.memory_cached / max_memory_cached / reset_max_memory_allocated /
     reset_max_memory_cached still work in torch, with a FutureWarning; code using them runs here."""

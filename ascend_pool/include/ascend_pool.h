@@ -64,7 +64,8 @@ void *ascend_pool_malloc(ssize_t size, int device, void *stream);
  * `size` is informational (the pool knows each block's size) and is not checked. The pointer is
  * looked up in the calling thread's current pool of `device`, then in the other live pools of
  * `device` (a block allocated under another tenant context is returned to that context).
- * ptr == NULL does nothing. An unknown pointer or a bad device is ignored with the error set. A
+ * ptr == NULL does nothing. An unknown pointer or a bad device is ignored with the error set (a
+ * block of another device is unknown here: it stays allocated; pass the allocation's device). A
  * stream the pool cannot order on (destroyed meanwhile) frees the block on its allocation stream,
  * with the error set: nothing leaks. (Python's pool.free refuses instead and frees nothing.) */
 void ascend_pool_free(void *ptr, ssize_t size, int device, void *stream);

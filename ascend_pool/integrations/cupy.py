@@ -22,6 +22,7 @@ ascend_pool's cause after), and $CUPY_GPU_MEMORY_LIMIT ("1073741824" bytes or "5
 which CuPy's pool reads, caps each device's default pool from its first CuPy allocation.
 """
 
+import gc
 import logging
 import os
 import sys
@@ -127,8 +128,14 @@ def malloc(nbytes):
             "cupy.cuda.Stream() streams (or the legacy default stream) with ascend_pool")
     try:
         ptr = capi_malloc(nbytes, device, stream)
-    except OutOfMemoryError as exc:
-        raise _oom_for_cupy(cp, exc, nbytes, device) from None
+    except OutOfMemoryError:
+        # As CuPy's own pool: after its cache is freed (the pool did that), collect garbage
+        # (arrays kept only by reference cycles give their blocks back) and try once more.
+        gc.collect()
+        try:
+            ptr = capi_malloc(nbytes, device, stream)
+        except OutOfMemoryError as exc:
+            raise _oom_for_cupy(cp, exc, nbytes, device) from None
     owner = _Allocation(ptr, nbytes, device, stream)
     return cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(ptr, nbytes, owner, device), 0)
 

@@ -99,6 +99,20 @@ class Context(Pool):
         """The device's total memory in bytes (what "25%" is a percentage of)."""
         return self.backend.mem_info(self.device)[1]
 
+    def mem_get_info(self):
+        """(free, total) bytes as this tenant may use them on the device. With a quota: total is
+        the quota and free what is left of it node-wide (the quota less what the tenant's
+        processes hold, cached memory included, as torch counts the cache as used), at most the
+        device's free bytes; what HAMi's limited cudaMemGetInfo reports, and what a framework
+        that sizes itself from mem_get_info (a KV cache at a fraction of total) needs. Without a
+        quota: the device's figures, as Pool.mem_get_info()."""
+        free, total = super().mem_get_info()
+        state = self._quota_state()
+        quota = state["quota_bytes"] if state else None
+        if quota is None:
+            return free, total
+        return min(free, max(0, quota - state["held_bytes"])), quota
+
     # -- the quota -----------------------------------------------------------------------------
 
     @property

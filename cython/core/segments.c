@@ -226,6 +226,15 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
     if ((b = ap_find_fit(p, slot, pool, rsize))) return b;
     rc = grow(p, slot, pool, rsize, size, &b, err);
     if (rc == AP_OK) return b;
+    /* ... then the preallocated reserve, if idle: a request it cannot serve itself (a small one:
+       the reserve is a large-pool segment; one larger than it) would otherwise fail beside it,
+       every such request for as long as the reserve fills the cap (RMM's pool whose initial size
+       is its maximum serves a 1000-byte request; ours refused every small request). */
+    if (!p->cfg.expandable && rc != AP_E_HOST_NOMEM && ap_release_free_segments(p, (size_t)-1, 1, 0, NULL) > 0) {
+        if ((b = ap_find_fit(p, slot, pool, rsize))) return b;
+        rc = grow(p, slot, pool, rsize, size, &b, err);
+        if (rc == AP_OK) return b;
+    }
 
     /* ... the caller (ap_pool_malloc) then waits for every stream with the lock dropped and
        retries once more. */
