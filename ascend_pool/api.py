@@ -106,14 +106,19 @@ def free(ptr, stream=None, device=None):
     except InvalidPointerError:
         others = list(_registry.device_peers(pool))
         if device is None:
-            others += [p for p in _registry.live_pools() if p.device != pool.device and not p.closed
-                       and p.block_info(ptr) is not None]
+            others += [p for p in _registry.live_pools() if p.device != pool.device]
         for other in others:
             try:
+                if other.device != pool.device and other.block_info(ptr) is None:
+                    continue  # not its block (and the stream, the current device's, is not its)
                 other.free(ptr, stream)  # a pointer it does not hold changes nothing there
                 return
             except InvalidPointerError:
                 continue
+            except PoolError:
+                if not other.closed:
+                    raise
+                # closed by another thread since the listing: it held no live block of ours
         raise
 
 
@@ -365,9 +370,14 @@ def caching_allocator_delete(ptr):
         return
     mine = _current.top(current_device()) or _registry.default_pool(current_device())
     for pool in ([mine] if mine is not None else []) + _registry.live_pools():
-        if not pool.closed and pool.block_info(ptr) is not None:
-            pool.free(ptr)
-            return
+        try:
+            if not pool.closed and pool.block_info(ptr) is not None:
+                pool.free(ptr)
+                return
+        except PoolError:
+            if not pool.closed:
+                raise
+            # closed by another thread meanwhile (its blocks went with it): not the owner
     raise InvalidPointerError(f"caching_allocator_delete({ptr:#x}): not a live block of any open pool of this process")
 
 

@@ -16,20 +16,34 @@ def _stack(device):
 
 
 def push(device, pool):
-    """Makes pool current for device (int) on this thread; returns a token for pop()."""
+    """Makes pool current for device (int) on this thread; returns the entry for pop()."""
     stack = _stack(device)
-    token = _set_thread_current(device, pool)
-    stack.append(pool)
-    return token
+    entry = [pool, _set_thread_current(device, pool)]  # [pool, what to restore when it goes]
+    stack.append(entry)
+    return entry
 
 
-def pop(device, token):
-    """Undoes the matching push(device, pool)."""
-    _stack(device).pop()
-    _restore_thread_current(device, token)
+def pop(device, entry):
+    """Undoes the push(device, pool) that returned entry, in any order. Out of order (two asyncio
+    tasks' `with ctx:` blocks interleaved on one thread, each exiting after the other entered)
+    the push made after it inherits its restore token: the pool current on the thread is always
+    the last push still in force, for Python and the C ABI alike, and once every push is undone
+    the thread is back where it started (a plain LIFO pop restored the token of the wrong push:
+    the C ABI then stayed on a tenant Python no longer saw, and on its closed pool for good)."""
+    stack = _stack(device)
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is entry:
+            break
+    else:
+        return  # not this thread's push: nothing of this thread's to undo
+    del stack[i]
+    if i == len(stack):
+        _restore_thread_current(device, entry[1])
+    else:
+        stack[i][1] = entry[1]
 
 
 def top(device):
     """The pool this thread made current for device, or None."""
     stack = getattr(_local, "stacks", {}).get(device)
-    return stack[-1] if stack else None
+    return stack[-1][0] if stack else None

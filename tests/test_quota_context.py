@@ -180,6 +180,76 @@ def test_with_ctx_routes_module_level_calls(base):
         ctx.close()
 
 
+def test_with_blocks_of_interleaved_asyncio_tasks_leave_python_and_the_c_abi_on_one_pool(base):
+    # Two requests of an asyncio server (one thread) each hold `with ctx:` across an await, and
+    # exit in the order they entered. A plain LIFO pop restored the wrong entry: Python then saw
+    # the default pool while the C ABI (what a framework's tensors use) stayed on tenant "a",
+    # and after "a" closed, ascend_pool_malloc on that thread returned NULL for good.
+    import asyncio
+    import ctypes
+
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    a, b = base.context("a"), base.context("b")
+    outside = ap.default_pool(0)
+
+    def c_abi_pool():
+        ptr = lib.ascend_pool_malloc(MiB, 0, None)
+        assert ptr, "the C ABI refused an allocation"
+        owner = [q for q in ap.registry.live_pools() if q.block_info(ptr) is not None]
+        lib.ascend_pool_free(ptr, MiB, 0, None)
+        return owner
+
+    async def request(ctx, first, second):
+        with ctx:
+            await asyncio.sleep(first)
+            assert ap.default_pool(0) is ctx or ap.default_pool(0) in (a, b)
+            await asyncio.sleep(second)
+        assert c_abi_pool() == [ap.default_pool(0)], "Python and the C ABI disagree"
+
+    async def main():
+        await asyncio.gather(request(a, 0.01, 0.01), request(b, 0.0, 0.05))
+
+    try:
+        asyncio.run(main())
+        assert ap.default_pool(0) is outside
+        assert c_abi_pool() == [outside]
+        a.close()
+        assert c_abi_pool() == [outside], "the thread's C ABI stayed on a closed context"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_quota_change_skips_a_context_another_thread_closed_meanwhile(base, monkeypatch):
+    # set_quota (and a tenants-file reload) trims the tenant's contexts of this process; one
+    # that another thread closes while it is being trimmed (a request ending) must be skipped,
+    # not fail the change half-way (the quota already stored, the other contexts untrimmed).
+    from ascend_pool.tenants import context as context_module
+
+    ctx = base.context("resized", quota=64 * MiB)
+    gone = base.context("resized")
+    for c in (gone, ctx):
+        c.free(c.malloc(large(8)))                   # 8 MiB cached by each
+    real_trim = context_module.pool_trim_to
+
+    def closed_by_another_thread_first(pool, target):
+        if pool is gone:
+            gone.close()                             # the other thread wins the race
+        return real_trim(pool, target)
+
+    monkeypatch.setattr(context_module, "pool_trim_to", closed_by_another_thread_first)
+    monkeypatch.setattr(context_module, "live_contexts", lambda tenant=None, device=None: [gone, ctx])
+    try:
+        ctx.set_quota(4 * MiB)
+        assert ctx.quota == 4 * MiB and ctx.memory_stats()["reserved_bytes.all.current"] == 0
+    finally:
+        ctx.close()
+        gone.close()
+
+
 def test_stats_warn_and_close_return_the_share(base, caplog):
     ctx = base.context("watched", quota=10 * MiB, warn=0.5)
     other = base.context("watched")  # joins on the node's terms: same quota

@@ -175,6 +175,32 @@ def test_free_without_a_device_finds_the_block_of_another_device():
         ap.set_device(before)
 
 
+def test_module_free_skips_a_pool_another_thread_closed_meanwhile(monkeypatch):
+    # ap.free looks for the block's owner among the device's open pools; one closed by another
+    # thread after the listing (a request's context ending) must be passed over, not fail the
+    # free and leave the block allocated in its open owner.
+    from ascend_pool import registry
+
+    pool = ap.default_pool(0)
+    owner = pool.context("owner-of-the-block")
+    gone = pool.context("closed-meanwhile")
+    try:
+        with owner:
+            ptr = ap.malloc(MiB)
+        gone.close()
+        monkeypatch.setattr(registry, "device_peers", lambda p: [gone, owner])
+        ap.free(ptr)
+        assert owner.memory_stats()["allocated_bytes.all.current"] == 0
+        with owner:
+            ptr = ap.malloc(MiB)
+        monkeypatch.setattr(registry, "live_pools", lambda: [gone, owner])
+        ap.caching_allocator_delete(ptr)
+        assert owner.memory_stats()["allocated_bytes.all.current"] == 0
+    finally:
+        owner.close()
+        gone.close()
+
+
 def test_torchs_older_names_answer_with_its_future_warning():
     """torch.cuda.memory_cached / max_memory_cached / reset_max_memory_allocated /
     reset_max_memory_cached still work in torch, with a FutureWarning; code using them runs here."""

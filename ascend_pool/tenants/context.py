@@ -18,8 +18,8 @@ On the acl and sim backends a context shares the device's default runtime contex
 separate runtime context would add a context switch per call and change nothing the quota needs.
 """
 
+import contextvars
 import logging
-import threading
 from collections import OrderedDict
 
 from .. import current as _current
@@ -57,7 +57,6 @@ class Context(Pool):
         self.tenant = name
         super().__init__(device, backend, **knobs)
         self.quota_spec = spec
-        self._local = threading.local()
         self.warn_events = 0
         try:
             quota_bytes = spec.resolve(self.device_total_bytes) if spec is not None else None
@@ -207,14 +206,23 @@ class Context(Pool):
 
     def __enter__(self):
         """Makes this context current for the calling thread: module-level ascend_pool.malloc
-        and the C ABI (ascend_pool_malloc) on this device allocate from it. Nests."""
+        and the C ABI (ascend_pool_malloc) on this device allocate from it. Nests; blocks of
+        asyncio tasks that interleave on one thread may exit in any order (the thread's current
+        context is then the last one entered and not yet left)."""
         self._check_open()
-        tokens = self._local.__dict__.setdefault("tokens", [])
-        tokens.append(_current.push(self.device, self))
+        entry = _current.push(self.device, self)
+        _entered.set(_entered.get() + ((self, entry),))
         return self
 
     def __exit__(self, *exc):
-        _current.pop(self.device, self._local.tokens.pop())
+        # The entry of this task's (or thread's) last `with self:`, found in a context variable:
+        # each asyncio task has its own, so two tasks' exits never undo each other's entry.
+        entered = _entered.get()
+        for k in range(len(entered) - 1, -1, -1):
+            if entered[k][0] is self:
+                _entered.set(entered[:k] + entered[k + 1:])
+                _current.pop(self.device, entered[k][1])
+                break
         return False
 
     def _check_open(self):
@@ -227,6 +235,10 @@ class Context(Pool):
         q = self.quota
         return (f"<ascend_pool.Context {self.tenant!r} device={self.device} backend={self.backend.name!r} "
                 f"quota={'none' if q is None else format_bytes(q)} held={format_bytes(self.held)}>")
+
+
+# (context, current.push entry) of each `with ctx:` in force, per thread and per asyncio task
+_entered = contextvars.ContextVar("ascend_pool_contexts_entered", default=())
 
 
 def make_context(pool, name, quota=None, warn=None):
@@ -254,5 +266,10 @@ def trim_tenant(tenant, device, ledger=None):
     released = 0
     for ctx in live_contexts(tenant, device):
         if ledger is None or ctx.ledger is ledger:
-            released += ctx._trim_over_quota()
+            try:
+                released += ctx._trim_over_quota()
+            except PoolError:
+                if not ctx.closed:
+                    raise
+                # closed by another thread since the listing (a request ending): nothing to trim
     return released
