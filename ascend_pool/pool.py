@@ -166,6 +166,8 @@ class Pool(PoolBase):
     def close(self):
         """Returns all device memory of this pool and closes it (shared blocks still imported by
         other processes are handed to ascend_pool.sharing, which frees them once they close)."""
+        if not self.closed and not forked_from():
+            _registry.closing(self)  # its last counters, for the exported totals
         if _sharing is not None and not forked_from():  # in a forked child the exports are the parent's
             _sharing.before_close(self)
         super().close()

@@ -6,7 +6,8 @@ Pinned host pools (one per device, never closed) are kept here too.
 
 Live pools are weak references: a pool that is dropped disappears from here by itself. Upper
 layers that must know when a pool opens register a listener (on_register); the stats publisher
-(ascend_pool/service/publisher.py) starts that way, on the process's first pool.
+(ascend_pool/service/publisher.py) starts that way, on the process's first pool. Those that must
+read a pool before it closes register on_close (the metrics' aggregator).
 """
 
 import logging
@@ -22,6 +23,7 @@ _pools = weakref.WeakSet()
 _defaults = {}     # device -> its default pool (ascend_pool.api creates them)
 _host_pools = {}   # device -> the pinned host pool (ascend_pool.integrations.pinned creates them)
 _listeners = []    # fn(pool), called after each register()
+_closing = []      # weak references to bound methods m(pool), called before each Pool.close()
 
 
 def _after_fork_in_child():
@@ -51,6 +53,28 @@ def on_register(fn):
     with _lock:
         if fn not in _listeners:
             _listeners.append(fn)
+
+
+def on_close(method):
+    """Calls method(pool) (a bound method, held weakly: its object may go) before each pool's
+    close, while the pool can still be read: what a pool counted since it was last read would
+    otherwise be lost with it (the metrics' pool aggregator folds its final counters in)."""
+    with _lock:
+        _closing.append(weakref.WeakMethod(method))
+
+
+def closing(pool):
+    """Pool.close() calls it first; a listener that fails is logged, the close goes on."""
+    with _lock:
+        _closing[:] = [ref for ref in _closing if ref() is not None]
+        listeners = [ref() for ref in _closing]
+    for fn in listeners:
+        if fn is None:
+            continue
+        try:
+            fn(pool)
+        except Exception as e:
+            log.warning("pool close listener %r failed: %s", fn, e)
 
 
 def live_pools():

@@ -63,3 +63,45 @@ def test_an_idle_device_says_no_processes_are_running():
 def test_a_device_that_does_not_exist_is_refused(device):
     with pytest.raises(ap.InvalidDeviceError):
         ap.list_gpu_processes(device)
+
+
+CLOSER = r"""
+import os, sys, time, ascend_pool as ap
+pool = ap.Pool(0)
+gone, kept = pool.context("per-request"), pool.context("serving")
+x = gone.malloc(4 << 20)
+kept.malloc(6 << 20)
+time.sleep(0.5)                       # published while open
+gone.free(x)
+gone.close()                          # the request is done
+print(os.getpid(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_tenant_whose_contexts_closed_is_no_longer_listed_or_counted():
+    # A process keeps the counters of a tenant whose contexts it closed (exported counters never
+    # go down), but it no longer uses the device for that tenant: `ps`, list_gpu_processes and
+    # the node service's process count leave it out (before: a 0-byte row and a live process).
+    from ascend_pool.service.node_collector import NodeCollector
+    from ascend_pool.service.processes import rows
+
+    env = dict(os.environ, ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_INTERVAL="0.1")
+    child = subprocess.Popen([sys.executable, "-c", CLOSER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        pid = int(child.stdout.readline())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            tenants = {r["tenant"] for r in rows() if r["pid"] == pid}
+            if "per-request" not in tenants and "serving" in tenants:
+                break
+            time.sleep(0.1)
+        assert tenants == {"serving", "default"}
+        counts = {tuple(s.labels[k] for k in ("tenant",)): s.value
+                  for fam in NodeCollector(ledger=False).collect() if fam.name == "ascend_pool_node_processes"
+                  for s in fam.samples if s.labels["device"] == "0"}
+        assert counts.get(("per-request",), 0) == 0 and counts[("serving",)] >= 1
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)

@@ -102,6 +102,36 @@ def test_counters_survive_a_pool_close_and_gauges_follow_it():
     assert val(gone, "ascend_pool_reserved_bytes", pool="small", device=0, tenant="default") == 0
 
 
+def test_a_pool_that_lives_between_two_scrapes_is_counted():
+    # A serving process makes a tenant context per request and closes it when the request ends:
+    # most never see a scrape. What they counted must reach the exported totals (before: only
+    # pools read while open were counted, so a context refused over its quota and closed at
+    # once left ascend_pool_quota_exceeded_total at 0 and the alert silent).
+    base = ap.Pool(0, backend="sim")
+    mine = set()
+    collector = PoolCollector(pools=lambda: [p for p in [base, *mine] if not p.closed])
+    try:
+        scrape(collector)
+        for _ in range(5):
+            ctx = base.context("per-request", quota="4MiB")
+            mine.add(ctx)
+            ctx.free(ctx.malloc(1000))
+            with pytest.raises(ap.QuotaExceededError):
+                ctx.malloc(8 << 20)
+            ctx.close()
+        other = ap.Pool(0, backend="sim")        # not one of this collector's pools: not counted
+        other.free(other.malloc(1000))
+        other.close()
+        out, _ = scrape(collector)
+        assert val(out, "ascend_pool_allocations_total", pool="small", device=0, tenant="per-request") == 5
+        assert val(out, "ascend_pool_quota_exceeded_total", device=0, tenant="per-request") == 5
+        assert val(out, "ascend_pool_allocations_total", pool="small", device=0, tenant="default") == 0
+        again, _ = scrape(collector)               # folded in once, not at every scrape
+        assert val(again, "ascend_pool_quota_exceeded_total", device=0, tenant="per-request") == 5
+    finally:
+        base.close()
+
+
 def test_a_reset_of_accumulated_stats_never_makes_an_exported_counter_go_down():
     """reset_accumulated_stats() zeroes the pool's own counters (torch's); the exported counters
     keep what was counted, or Prometheus would take the drop for a restart and count the whole

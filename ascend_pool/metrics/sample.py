@@ -103,8 +103,10 @@ class PoolAggregator:
     collected), those are folded into a per-(device, tenant) "retired" sum, so the exported
     counters never go down while the process lives (a live pool's are its lifetime counters,
     pool_values: reset_accumulated_stats does not lower them) (a replay loop that opens and closes pools
-    would otherwise look like a counter reset at every pool). Counts made between a pool's last
-    read and its close are not seen: at most one publish interval of a closing pool.
+    would otherwise look like a counter reset at every pool). A pool closed with close() is read
+    once more just before (registry.on_close), so what it counted after its last read is kept: a
+    per-request tenant context that lives between two reads counted nothing before (its quota
+    refusals never reached the alert). A pool dropped without close() keeps its last-read figures.
 
     Thread-safe: the HTTP server may scrape from several threads at once.
     """
@@ -114,6 +116,22 @@ class PoolAggregator:
         self._lock = threading.Lock()
         self._seen = {}     # id(pool) -> (weakref to pool, (device, tenant), counters dict)
         self._retired = {}  # (device, tenant) -> counters dict
+        self._final = weakref.WeakSet()  # closing pools already folded in: never read again
+        registry.on_close(self._pool_closing)
+
+    def _pool_closing(self, pool):
+        """A pool is about to close: its final counters go to the retired sums (in place of its
+        last-read ones), when it is one of the pools this aggregator reads."""
+        if not any(p is pool for p in self._pools()):
+            return
+        v = pool_values(pool)
+        key = (int(pool.device), str(getattr(pool, "tenant", "default")))
+        with self._lock:
+            acc = self._retired.setdefault(key, {f: 0 for f in COUNTER_FIELDS})
+            for f in COUNTER_FIELDS:
+                acc[f] += v[f]
+            self._seen.pop(id(pool), None)
+            self._final.add(pool)
 
     def samples(self):
         """A list of TenantSample, sorted by (device, tenant)."""
@@ -121,6 +139,8 @@ class PoolAggregator:
             current = {}
             out = {}
             for pool in self._pools():
+                if pool in self._final:
+                    continue  # closing: its final counters are in the retired sums
                 try:
                     v = pool_values(pool)
                     key = (int(pool.device), str(getattr(pool, "tenant", "default")))

@@ -69,7 +69,9 @@ class NodeCollector:
             acc = sums.setdefault(key, [0] * len(NODE_TOTALS))
             for i, (_, _, fields) in enumerate(NODE_TOTALS):
                 acc[i] += sum(s.values[f] for f in fields)
-            procs.setdefault(key, set()).add((s.pid, s.instance))
+            live = procs.setdefault(key, set())
+            if s.values["device_total_bytes"]:  # else its pools of the tenant are closed: counters only
+                live.add((s.pid, s.instance))
         labels = ["device", "tenant", "uid"]
         for i, (name, doc, _) in enumerate(NODE_TOTALS):
             fam = GaugeMetricFamily(name, doc, labels=labels)
@@ -77,7 +79,7 @@ class NodeCollector:
                 fam.add_metric([str(device), tenant, uid], acc[i])
             yield fam
         fam = GaugeMetricFamily("ascend_pool_node_processes",
-                                "Live processes publishing figures for the tenant on the device.", labels=labels)
+                                "Live processes with an open pool of the tenant on the device.", labels=labels)
         for (device, tenant, uid), pids in sorted(procs.items()):
             fam.add_metric([str(device), tenant, uid], len(pids))
         yield fam

@@ -17,7 +17,8 @@ from .scanner import StatsScanner
 
 
 def rows(directory=None, allow_uids=(), allow_gids=()):
-    """[{"pid", "pidns", "instance", "uid", "device", "tenant", "held_bytes", "allocated_bytes"}].
+    """[{"pid", "pidns", "instance", "uid", "device", "tenant", "held_bytes", "allocated_bytes"}],
+    one per process and (device, tenant) it has an open pool of.
     directory: the stats directory (default paths.stats_dir()); ConfigError when it does not exist,
     is not a directory or cannot be read (an empty list would hide the mistake)."""
     reason = paths.unreadable_reason(directory or paths.stats_dir())
@@ -31,6 +32,8 @@ def rows(directory=None, allow_uids=(), allow_gids=()):
     for p in scanner.scan():
         for s in p.samples:
             v = s.values
+            if not v["device_total_bytes"]:
+                continue  # a tenant whose pools of the process are all closed: its counters only
             out.append({"pid": p.pid, "pidns": p.pidns, "instance": p.instance, "uid": p.uid, "device": s.device,
                         "tenant": s.tenant, "held_bytes": v["reserved_bytes.small"] + v["reserved_bytes.large"],
                         "allocated_bytes": v["allocated_bytes.small"] + v["allocated_bytes.large"]})
