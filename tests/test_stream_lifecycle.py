@@ -321,3 +321,37 @@ def test_blocks_freed_on_a_destroyed_framework_stream_serve_the_next_stream(pool
     assert st["num_device_alloc"] == first["num_device_alloc"], (
         f"{st['num_device_alloc'] - first['num_device_alloc']} device allocations after the first request")
     assert st["reserved_bytes.all.peak"] == first["reserved_bytes.all.peak"]
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+@pytest.mark.parametrize("owner", ["pool", "context"])
+def test_close_returns_memory_only_after_the_work_queued_on_its_freed_blocks(expandable, owner):
+    # A block freed stream-ordered while a kernel on that stream still writes it, then the pool
+    # (or a tenant context, a request ending) closes. Its memory must reach the device, and the
+    # next owner, only after that kernel (before: close freed it at once; the next pool's blocks
+    # were overwritten, or the kernel ran on freed memory).
+    import time
+
+    base = ap.Pool(0, backend="sim", expandable_segments=expandable)
+    try:
+        s = base.create_stream()
+        pool = base.context("closing-request") if owner == "context" else base
+        n = 8 * MiB
+        x = pool.malloc(n, stream=s)
+        dropped = sim.stats(0)["dropped_fills"]
+        sim.launch_fill(s, x, n, 0xAA, delay_s=0.3)
+        pool.free(x, stream=s)
+        pool.close()                                   # the stream is busy: close leaves it alive
+        other = ap.Pool(0, backend="sim", expandable_segments=expandable)
+        try:
+            ys = [other.malloc(n) for _ in range(3)]
+            for y in ys:
+                sim.launch_fill(None, y, n, 0x33)
+            other.synchronize()
+            time.sleep(0.4)
+            assert all(sim.read(y, n) == b"\x33" * n for y in ys), "the old kernel wrote the next owner's memory"
+            assert sim.stats(0)["dropped_fills"] == dropped, "the old kernel ran on freed memory"
+        finally:
+            other.close()
+    finally:
+        base.close()

@@ -168,6 +168,10 @@ void ap_pool_destroy(ap_pool *p) {
     ap_pool_wait_holders(p); /* C ABI calls that found it before it was hidden */
     ap_error ignore;
     ap_process_pending(p, 1, &ignore);
+    /* Blocks freed stream-ordered may still be written by their stream's queued work: the memory
+       goes back to the device (and to the next pool or process) only after it (before, a close
+       right after such a free handed that memory out under the running kernel). */
+    ap_wait_tagged_streams(p);
     while (p->pending_head) { /* events that never completed: give their blocks up anyway */
         ap_block *b = p->pending_head;
         p->pending_head = b->pending_next;

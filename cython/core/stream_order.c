@@ -103,11 +103,13 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
             p->slots_cap = cap;
         }
         i = p->n_slots++;
+        p->slots[i].epoch = 0;
     }
     ap_stream_slot *s = &p->slots[i];
     s->stream = stream;
     s->live = 1;
-    s->epoch = 0;
+    s->epoch++; /* never reset: a wait begun (lock dropped) on this slot's earlier stream, whose
+                   handle the runtime may give the new one, must not match it (waits.c) */
     s->trees[0] = (ap_free_tree){0};
     s->trees[1] = (ap_free_tree){0};
     p->last_slot = i;
@@ -406,6 +408,16 @@ size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_err
         }
     }
     return moved;
+}
+
+void ap_wait_tagged_streams(ap_pool *p) {
+    ap_cache_flush(p); /* recently freed small blocks are tagged too */
+    for (int i = 1; i < p->n_slots; i++) {
+        ap_stream_slot *s = &p->slots[i];
+        if (!s->live || (!s->trees[0].count && !s->trees[1].count)) continue;
+        ap_error ignore = {0};
+        (void)sync_stream(p, s->stream, &ignore); /* gone, or past sync_timeout_ms: given up anyway */
+    }
 }
 
 int ap_pool_stream_idle(ap_pool *p, void *stream) {
