@@ -187,6 +187,38 @@ def test_fresh_tenant_does_not_inherit_a_dead_runs_quota(base):
         ctx.close()
 
 
+def test_a_tenants_node_counters_go_on_across_moments_without_a_context(base):
+    # A service opens a tenant context per request: between requests the tenant has no slot on
+    # the node. Its exported ledger counters (refusals, conflicts) and peak must go on, not
+    # restart at each request (before: the refusals counter read the same value at every scrape
+    # while refusals went on, a rate of 0 to Prometheus). Its quota still starts afresh.
+    from ascend_pool.metrics.ledger import ledger_families
+
+    def exported(name):
+        return {s.labels["tenant"]: s.value for fam in ledger_families() if fam.name == name
+                for s in fam.samples}
+
+    seen, conflicts = [], []
+    for request in range(3):
+        ctx = base.context("per-request", quota="4MiB")
+        other = base.context("per-request", quota="8MiB")   # a second declaration: a conflict
+        try:
+            with pytest.raises(ap.QuotaExceededError):
+                ctx.malloc(64 * MiB)
+            seen.append(exported("ascend_pool_ledger_refusals")["per-request"])
+            conflicts.append(exported("ascend_pool_quota_conflicts")["per-request"])
+        finally:
+            other.close()
+            ctx.close()
+    assert seen[0] > 0 and seen == sorted(seen) and seen[2] == 3 * seen[0], seen
+    assert conflicts[0] > 0 and conflicts[2] == 3 * conflicts[0], conflicts
+    ctx = base.context("per-request")                        # afresh: no quota from the last request
+    try:
+        assert ctx.quota is None
+    finally:
+        ctx.close()
+
+
 def test_forked_child_cannot_use_the_parents_context(base):
     ctx = base.context("forky", quota=64 * MiB)
     try:

@@ -58,9 +58,11 @@ def ledger_families(uids=(), gids=()):
     quota = GaugeMetricFamily("ascend_pool_ledger_quota_bytes",
                               "The tenant's node-wide quota on the device as the ledger enforces it (bytes).", labels=labels)
     peak = GaugeMetricFamily("ascend_pool_ledger_peak_bytes",
-                             "The most the tenant has held on the device node-wide (bytes).", labels=labels)
+                             "The most the tenant has held on the device node-wide, over the life of its ledger "
+                             "entry (bytes).", labels=labels)
     refusals = CounterMetricFamily("ascend_pool_ledger_refusals",
-                                   "Segment reservations the ledger refused for the tenant (over quota), node-wide.",
+                                   "Segment reservations the ledger refused for the tenant (over quota), node-wide, "
+                                   "over the life of its ledger entry (kept while it has no process).",
                                    labels=labels)
     procs = GaugeMetricFamily("ascend_pool_ledger_processes",
                               "Live processes holding a share of the tenant's quota on the device.", labels=labels)

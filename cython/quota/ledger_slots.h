@@ -5,7 +5,9 @@
  *
  * Lifetime of a tenant entry: it lives as long as some process has a slot for it. The first
  * process to attach to a tenant that has no live slot starts it afresh (held 0, its own quota), so
- * a quota from a run long gone never lingers. An entry with no slot is reused when the table fills.
+ * a quota from a run long gone never lingers; its counters (refusals, conflicts) and peak go on,
+ * as exported counters must. An entry with no slot is reused (everything zeroed) when the table
+ * fills.
  *
  * Quota: one source of truth per tenant. The operator's tenants file wins when it names a quota
  * (APL_SRC_OPERATOR); otherwise processes' declarations resolve to the stricter one, so a process
@@ -162,6 +164,7 @@ static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t q
     if (rc != APL_OK) return rc;
     apl_file *f = L->f;
     int t = apl_find_tenant(f, name);
+    int same_name = t >= 0;
     if (t >= 0) apl_reclaim_locked(L, t, NULL); /* a crashed run's slots must not keep it alive */
     int fresh = t < 0 || apl_tenant_live_slots(f, t) == 0;
     if (t < 0) {
@@ -184,10 +187,16 @@ static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t q
     apl_tenant *T = &f->tenants[t];
     if (fresh) { /* nobody holds anything under this name: start it afresh */
         atomic_store(&T->held, 0);
-        atomic_store(&T->peak, 0);
-        atomic_store(&T->refusals, 0);
         atomic_store(&T->uncertain, 0);
-        atomic_store(&T->conflicts, 0);
+        if (!same_name) {
+            /* The counters and the peak stay with the name while its entry does: they are
+               exported under the tenant's labels, and a service that opens a context per
+               request leaves its tenant without a slot between requests (zeroed, refusals read
+               the same at every scrape while they went on: a rate of 0). */
+            atomic_store(&T->peak, 0);
+            atomic_store(&T->refusals, 0);
+            atomic_store(&T->conflicts, 0);
+        }
         atomic_store(&T->quota, set_quota ? quota : APL_NO_QUOTA);
         atomic_store(&T->quota_src, set_quota && (quota != APL_NO_QUOTA || src == APL_SRC_OPERATOR) ? (uint32_t)src
                                                                                                    : APL_SRC_NONE);
