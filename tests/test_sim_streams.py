@@ -380,3 +380,31 @@ def test_destroying_a_context_drains_and_destroys_its_streams(sim_node):
         assert lib.aclrtRecordEvent(e, st["y"]) == 107000  # the stream is gone with its context
         free(p)
     """)
+
+
+def test_a_destroyed_streams_handle_goes_to_the_next_stream_when_reuse_is_on(sim_node):
+    # CANN's stream handles are heap pointers, which the runtime may give to the next stream;
+    # ASCEND_SIM_REUSE_STREAM_HANDLES=1 does the same (most recently destroyed first), so callers
+    # that remember streams can be tested against that ABA. Off by default: never reused.
+    out = sim_node.run_json("""
+        init()
+        def create():
+            s = C.c_void_p()
+            assert lib.aclrtCreateStream(C.byref(s)) == 0
+            return s.value
+        a = create()
+        assert lib.aclrtDestroyStream(C.c_void_p(a)) == 0
+        b = create()
+        c = create()
+        print(json.dumps({"reused": b == a, "fresh": c not in (a, b)}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out == {"reused": True, "fresh": True}
+    out = sim_node.run_json("""
+        init()
+        s = C.c_void_p(); assert lib.aclrtCreateStream(C.byref(s)) == 0
+        a = s.value
+        assert lib.aclrtDestroyStream(C.c_void_p(a)) == 0
+        assert lib.aclrtCreateStream(C.byref(s)) == 0
+        print(json.dumps({"reused": s.value == a}))
+    """)
+    assert out == {"reused": False}

@@ -4,11 +4,16 @@ back, or a garbage handle) degrades safely: typed errors, nothing pinned, empty_
 wedged. The simulator refuses such handles with ACL_ERROR_RT_PARAM_INVALID (107000), as CANN's
 rt_error_codes.h names a handle the runtime does not know ("param invalid")."""
 import ctypes
+import os
+import sys
 
 import pytest
 
 import ascend_pool as ap
 from ascend_pool import sim
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
 
 MiB = 1 << 20
 INVALID_STREAM = 5  # the C ABI's code (ascend_pool_last_error_code)
@@ -355,3 +360,57 @@ def test_close_returns_memory_only_after_the_work_queued_on_its_freed_blocks(exp
             other.close()
     finally:
         base.close()
+
+
+def test_a_wait_begun_on_a_destroyed_stream_is_not_taken_for_its_handles_next_stream(sim_node):
+    # empty_cache waits (the lock dropped) for the streams whose free blocks it would release,
+    # and then releases only blocks no stream tagged since (the slot's epoch). Meanwhile the
+    # framework destroys one of those streams and the runtime gives its handle to a new stream
+    # (CANN's handles are heap pointers), whose blocks land in the old stream's slot. Before, the
+    # slot's epoch restarted at 0 and, after as many frees, matched again: the wait on the old
+    # stream was taken for the new stream's later work, and a block that a kernel still had to
+    # write went back to the device.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        MiB = 1 << 20
+        p = ap.Pool(0, backend="sim")
+        n = 4 * MiB
+        sa = p.create_stream()
+        xa = p.malloc(n, stream=sa)
+        s1 = p.backend.stream_create(0)
+        p.register_stream(s1)
+        for b in [p.malloc(n, stream=s1) for _ in range(3)]:
+            p.free(b, stream=s1)                       # s1's slot: 3 free blocks
+        sim.launch_fill(sa, xa, n, 0x01, delay_s=0.5)
+        p.free(xa, stream=sa)                          # sa busy for 0.5 s: empty_cache waits
+        log = {}
+        def framework():
+            time.sleep(0.15)                           # empty_cache is waiting for sa by now
+            p.backend.stream_destroy(s1)
+            try:
+                p.synchronize(s1)                      # the pool finds out: s1's slot retired
+            except ap.InvalidStreamError:
+                pass
+            s2 = p.backend.stream_create(0)
+            log["reused"] = s2 == s1
+            p.register_stream(s2)
+            b2 = p.malloc(n, stream=s2)
+            sim.launch_fill(s2, b2, n, 0xBB, delay_s=0.6)
+            time.sleep(0.5)
+            sim.launch_fill(s2, b2, n, 0xCC, delay_s=0.6)   # queued after the wait began
+            p.free(b2, stream=s2)
+        t = threading.Thread(target=framework)
+        t.start()
+        p.empty_cache()
+        t.join()
+        q = ap.Pool(0, backend="sim")
+        ys = [q.malloc(n) for _ in range(4)]
+        for y in ys:
+            sim.launch_fill(None, y, n, 0x33)
+        q.synchronize()
+        time.sleep(1.5)                                # the last kernel has run by now
+        print(json.dumps({"reused": log["reused"], "dropped": sim.stats(0)["dropped_fills"],
+                          "overwritten": sum(sim.read(y, n) != bytes([0x33]) * n for y in ys)}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1", ASCEND_SIM_HBM="4GiB")
+    assert out == {"reused": True, "dropped": 0, "overwritten": 0}

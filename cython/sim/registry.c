@@ -13,6 +13,11 @@
  *
  * One mutex over a chained hash table: the critical sections are a few loads, and handle lookups
  * are not on the pool's hot path (cached blocks need no runtime call).
+ *
+ * ASCEND_SIM_REUSE_STREAM_HANDLES=1 gives a destroyed stream's handle to the next stream created
+ * (most recently destroyed first), as a real runtime's handles (heap pointers) may be reused: the
+ * ABA a caller that remembers streams must survive. Off by default: a stale handle is then always
+ * refused, which finds more bugs.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +31,20 @@ static uint64_t next_serial = 1;
 
 #define HANDLE_TAG ((uintptr_t)0x5EED000000000000ull)
 #define HANDLE_SERIAL_BITS 44
+
+#define RECYCLED_MAX 64
+static uintptr_t recycled[RECYCLED_MAX]; /* destroyed streams' handles, when reuse is on */
+static int n_recycled;
+static int reuse_streams = -1;           /* -1: not read yet */
+
+static int reusing_streams(void) /* called with reg_mu held */
+{
+    if (reuse_streams < 0) {
+        const char *v = getenv("ASCEND_SIM_REUSE_STREAM_HANDLES");
+        reuse_streams = v && strcmp(v, "1") == 0;
+    }
+    return reuse_streams;
+}
 
 static size_t slot(uintptr_t key, size_t n)
 {
@@ -84,8 +103,10 @@ int sim_reg_add(struct sim_obj *o)
         pthread_mutex_unlock(&reg_mu);
         return -1;
     }
-    /* 2^44 serials: at a million handles a second, half a year without repeating */
-    o->handle = HANDLE_TAG | ((uintptr_t)(next_serial++ & ((1ull << HANDLE_SERIAL_BITS) - 1)) << 4) | o->type;
+    if (o->type == SIM_H_STREAM && n_recycled && reusing_streams())
+        o->handle = recycled[--n_recycled];
+    else /* 2^44 serials: at a million handles a second, half a year without repeating */
+        o->handle = HANDLE_TAG | ((uintptr_t)(next_serial++ & ((1ull << HANDLE_SERIAL_BITS) - 1)) << 4) | o->type;
     size_t j = slot(o->handle, nbuckets);
     o->hnext = buckets[j];
     buckets[j] = o;
@@ -131,6 +152,8 @@ struct sim_obj *sim_reg_take(const void *handle, uint32_t type)
 {
     pthread_mutex_lock(&reg_mu);
     struct sim_obj *o = find(handle, type, 1);
+    if (o && type == SIM_H_STREAM && n_recycled < RECYCLED_MAX && reusing_streams())
+        recycled[n_recycled++] = o->handle;
     pthread_mutex_unlock(&reg_mu);
     return o;
 }
@@ -183,4 +206,5 @@ void sim_reg_reset(void)
     pthread_mutex_init(&reg_mu, NULL);
     buckets = NULL;
     nbuckets = count = 0; /* serials keep counting: the parent's handles stay invalid here */
+    n_recycled = 0;
 }
