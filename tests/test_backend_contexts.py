@@ -268,3 +268,34 @@ def test_a_thread_without_a_context_is_not_left_in_another_threads_context(sim_n
         print(json.dumps(res))
     """)
     assert out.get("left_in") == "default", out
+
+
+def test_a_request_threads_context_teardown_does_not_grow_the_pool(sim_node):
+    # A server runs each request on a thread with its own context and stream: allocate on the
+    # stream, a kernel, a stream-ordered free, then aclrtDestroyContext (which waits for the
+    # stream's work). Meanwhile the main thread allocates the same size. Before, the simulator
+    # invalidated the context before draining its streams: calls on the stream answered 107003
+    # during the drain, the pool could neither order after its blocks nor reuse them, and with
+    # expandable segments it mapped a request's size more at every request (726 MiB after 10
+    # requests of 64 MiB); now the main thread orders after the stream's work and reuses them.
+    for expandable in (True, False):
+        out = run_child(sim_node, f"""
+            pool = ap.Pool(0, backend="sim", expandable_segments={expandable})
+            n = 64 * MiB
+            def request(started):
+                ctx, y = own_context_and_stream()
+                freed_under_a_kernel(pool, y, n, 0.2)
+                started.set()
+                ok("aclrtDestroyContext", C.c_void_p(ctx))   # the stream goes with it
+            for _ in range(6):
+                started = threading.Event()
+                t = threading.Thread(target=request, args=(started,))
+                t.start()
+                started.wait()
+                time.sleep(0.05)                             # the context is being torn down
+                pool.free(pool.malloc(n))
+                t.join()
+            st = pool.memory_stats()
+            print(json.dumps({{"reserved": st["reserved_bytes.all.current"], "peak": st["allocated_bytes.all.peak"]}}))
+        """)
+        assert out["peak"] <= 2 * 64 << 20 and out["reserved"] <= 2 * out["peak"], (expandable, out)

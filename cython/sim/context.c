@@ -137,6 +137,21 @@ static int stream_of(struct sim_obj *o, void *ctx)
     return ((struct sim_stream *)o)->ctx == ctx;
 }
 
+/* Waits for the work queued so far on each of the context's streams. */
+static void sim_drain_context_streams(struct sim_context *c)
+{
+    struct sim_obj **streams;
+    size_t n = sim_reg_get_matching(SIM_H_STREAM, stream_of, c, &streams);
+    for (size_t i = 0; i < n; i++) {
+        struct sim_stream *s = (struct sim_stream *)streams[i];
+        uint64_t pos;
+        if (sim_stream_mark(s, &pos, "aclrtDestroyContext") == 0)
+            (void)sim_stream_wait_pos(s, pos, -1);
+        sim_stream_put(s);
+    }
+    free(streams);
+}
+
 /* A context's resources go with it: its streams are drained (their queued work done, as
    aclrtDestroyStream waits for it), then their handles become invalid. Without this they lived
    on with a context no thread could enter again: never destroyable (107003 from every context),
@@ -169,12 +184,19 @@ SIM_EXPORT aclError aclrtDestroyContext(aclrtContext context)
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "%p is not a live context (never created, or already destroyed)", context);
     struct sim_context *c = (struct sim_context *)o;
-    int is_default = c->is_default;
-    sim_obj_unref(o);
-    if (is_default)
+    if (c->is_default) {
+        int dev = c->device;
+        sim_obj_unref(o);
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "%p is device %d's default context: it goes with aclrtResetDevice, not "
-                        "aclrtDestroyContext", context, c->device);
+                        "aclrtDestroyContext", context, dev);
+    }
+    /* The streams' queued work is drained while the context is still valid: until it goes,
+       another thread may still enter it and order on its streams (record an event), as on a
+       stream being destroyed. Invalidating the context first made those calls 107003 while the
+       work ran: a pool could then neither reuse the blocks freed on them nor order after them. */
+    sim_drain_context_streams(c);
+    sim_obj_unref(o); /* the registry still holds the context until the take below */
     if (!sim_reg_take(context, SIM_H_CONTEXT))
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "%p was destroyed concurrently", context);
     atomic_store(&c->dead, 1);
