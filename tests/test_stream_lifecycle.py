@@ -414,3 +414,34 @@ def test_a_wait_begun_on_a_destroyed_stream_is_not_taken_for_its_handles_next_st
                           "overwritten": sum(sim.read(y, n) != bytes([0x33]) * n for y in ys)}))
     """, ASCEND_SIM_REUSE_STREAM_HANDLES="1", ASCEND_SIM_HBM="4GiB")
     assert out == {"reused": True, "dropped": 0, "overwritten": 0}
+
+
+def test_a_pool_forgets_the_handles_of_streams_destroyed_behind_its_back(pool):
+    # A server registers a stream per request and the framework destroys it: the pool kept every
+    # handle for the process's life (memory without bound). It asks its streams when its set
+    # has doubled and forgets those the runtime no longer knows; live ones stay.
+    live = _framework_stream(pool)
+    dead = []
+    for _ in range(600):
+        s = _framework_stream(pool)
+        pool.free(pool.malloc(4096, stream=s), stream=s)
+        pool.backend.stream_destroy(s)
+        dead.append(s)
+    assert pool._knows_stream(live)
+    remembered = sum(pool._knows_stream(h) for h in dead)
+    assert remembered < 64, f"{remembered} of 600 destroyed streams still known"
+    pool.free(pool.malloc(4096, stream=live), stream=live)
+    pool.backend.stream_destroy(live)
+
+
+def test_destroy_stream_of_a_stream_destroyed_elsewhere_is_an_invalid_stream_error(pool):
+    # Whether or not another call found out first, destroy_stream on a stream the framework
+    # already destroyed names the stream (before: a DeviceError once another call had retired it).
+    s = _framework_stream(pool)
+    pool.free(pool.malloc(4096, stream=s), stream=s)
+    pool.backend.stream_destroy(s)
+    with pytest.raises(ap.InvalidStreamError):
+        pool.synchronize(s)                        # the pool finds out
+    with pytest.raises(ap.InvalidStreamError, match="not a stream the runtime knows"):
+        pool.destroy_stream(s)
+    pool.free(pool.malloc(4096))

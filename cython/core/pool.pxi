@@ -14,6 +14,9 @@ import time as _time
 
 from ascend_pool.errors import InvalidSizeError, InvalidPointerError, InvalidStreamError, PoolError, ConfigError
 import ascend_pool.errors as _errors_module
+
+# A runtime's codes for a stream handle it does not know (core/stream_order.c, ap_stream_unusable)
+_GONE_STREAM_CODES = {"acl": (107000, 107017), "cuda": (400, 709)}  # by Backend.kind
 from ascend_pool.config import history_settings, history_skip_mask
 
 # The package's directory (with its separator): frames in it are skipped when stacks are recorded.
@@ -212,6 +215,7 @@ cdef class PoolBase:
     cdef readonly dict config
     cdef set _streams     # stream handles this pool knows (created here or registered)
     cdef set _created     # those create_stream made: destroyed at close when idle
+    cdef Py_ssize_t _prune_at  # _streams size at which handles of destroyed streams are looked for
     cdef int _busy        # calls running with the GIL released (close() waits for them)
     cdef uint64_t _ticket  # liveness seen by threads that made this pool current (core/current.h)
     cdef ap_quota_hook _quota  # the quota hook installed on the C pool (all NULL: none)
@@ -264,6 +268,7 @@ cdef class PoolBase:
         self.config = dict(config)
         self._streams = set()
         self._created = set()
+        self._prune_at = 64
         with nogil:
             self.p = ap_pool_create(backend.b, device, &cfg, &err)
         if self.p == NULL:
@@ -504,6 +509,27 @@ cdef class PoolBase:
             raise InvalidStreamError(f"stream {handle:#x} belongs to device {dev}, not to this pool's "
                                      f"device {self.device}")
         self._streams.add(handle)
+        if len(self._streams) >= self._prune_at:
+            self._forget_destroyed_streams()
+            self._prune_at = max(64, 2 * len(self._streams))
+
+    def _forget_destroyed_streams(self):
+        """Drops the handles of streams the runtime no longer knows (a framework destroys its
+        streams without telling the pool): a server registering a stream per request kept every
+        handle for the process's life. Asks each stream once (an event record, no wait); run when
+        the set doubles, so each registration costs O(1) questions on average."""
+        cdef ap_pool *_p
+        cdef void *s
+        cdef int idle
+        for handle in list(self._streams):
+            s = PyLong_AsVoidPtr(handle)
+            _p = self._enter()
+            with nogil:
+                idle = ap_pool_stream_idle(_p, s)
+            self._leave()
+            if idle < 0:
+                self._streams.discard(handle)
+                self._created.discard(handle)
 
     def destroy_stream(self, stream):
         """Waits for stream, returns its cached blocks to all streams, and destroys it."""
@@ -524,7 +550,16 @@ cdef class PoolBase:
             self._created.discard(stream)
         if rc != AP_OK:
             _raise(&err, rc)
-        self.backend.stream_destroy(stream)
+        try:
+            self.backend.stream_destroy(stream)
+        except _errors_module.DeviceError as e:
+            if e.code not in _GONE_STREAM_CODES.get(self.backend.kind, ()):
+                raise
+            # destroyed elsewhere since the pool last asked: the same error as when it knows
+            self._streams.discard(stream)
+            self._created.discard(stream)
+            raise InvalidStreamError(f"stream {stream:#x} is not a stream the runtime knows on device {self.device} "
+                                     f"(destroyed, or not a stream handle): {e}") from None
 
     def _check_stream(self, stream):
         """Raises InvalidStreamError unless stream is None or 0 (the default stream) or a live
