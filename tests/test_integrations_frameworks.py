@@ -257,3 +257,28 @@ def test_cupy_hook_collects_garbage_and_retries_before_out_of_memory(monkeypatch
             gc.enable()
         gc.collect()
         pool.set_limit(None)
+
+
+def test_cupy_hook_counts_one_out_of_memory_when_there_is_no_garbage_to_collect(monkeypatch):
+    # The retry after gc.collect() is made only when the collection gave a CuPy block back: a
+    # request that fails with none to collect is one out-of-memory in the pool's figures (and
+    # one observer call), not two.
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from ascend_pool.integrations import cupy as ap_cupy
+
+    monkeypatch.setattr(ap_cupy, "_limited_devices", set())
+    monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", str(64 << 20))
+    pool = ap.default_pool(0)
+    calls = []
+    observer = lambda *a: calls.append(a)  # noqa: E731
+    ap.attach_out_of_memory_observer(observer)
+    try:
+        ap_cupy.malloc(1 << 20)                   # the device's first CuPy allocation sets the cap
+        before = pool.memory_stats()["num_ooms"]
+        with pytest.raises(fake.cuda.memory.OutOfMemoryError):
+            ap_cupy.malloc(128 << 20)
+        assert pool.memory_stats()["num_ooms"] - before == 1 and len(calls) == 1
+    finally:
+        ap.detach_out_of_memory_observer(observer)
+        pool.set_limit(None)

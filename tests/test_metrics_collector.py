@@ -132,6 +132,25 @@ def test_a_pool_that_lives_between_two_scrapes_is_counted():
         base.close()
 
 
+def test_a_pool_closed_by_two_threads_at_once_is_counted_once():
+    # A request ending while a shutdown path closes every context: both close() calls read the
+    # pool before it closes (registry.closing runs once per call); its counters are folded in once.
+    from ascend_pool import registry
+
+    base = ap.Pool(0, backend="sim")
+    ctx = base.context("closed-twice")
+    collector = PoolCollector(pools=lambda: [p for p in (base, ctx) if not p.closed])
+    try:
+        for _ in range(5):
+            ctx.free(ctx.malloc(1000))
+        registry.closing(ctx)                      # the other thread's close, up to its read
+        ctx.close()
+        out, _ = scrape(collector)
+        assert val(out, "ascend_pool_allocations_total", pool="small", device=0, tenant="closed-twice") == 5
+    finally:
+        base.close()
+
+
 def test_a_reset_of_accumulated_stats_never_makes_an_exported_counter_go_down():
     """reset_accumulated_stats() zeroes the pool's own counters (torch's); the exported counters
     keep what was counted, or Prometheus would take the drop for a restart and count the whole

@@ -79,6 +79,21 @@ def test_an_idle_reserve_that_fills_the_cap_gives_way_to_a_request_it_cannot_ser
         p.close()
 
 
+def test_a_request_that_fails_whatever_is_released_keeps_the_reserve():
+    # The reserve gives way only when that can let the request through: a request above the cap
+    # even without the reserve fails as before and the reserve stays (it was released for
+    # nothing: the next request paid device calls, another process could take the memory).
+    total = sim.stats(0)["total_bytes"]
+    p = ap.Pool(0, backend="sim", reserve="64MiB", memory_fraction=96 * MiB / total)
+    try:
+        with pytest.raises(ap.OutOfMemoryError):
+            p.malloc(128 * MiB)
+        assert p.memory_stats()["reserved_bytes.all.current"] == 64 * MiB
+        assert p.memory_stats()["num_device_free"] == 0
+    finally:
+        p.close()
+
+
 def test_a_reserve_in_use_still_stays_when_a_request_fails():
     # Only an idle reserve gives way: one holding a live block is not released, and a request
     # the cap cannot take fails as before, the reserve and its block intact.

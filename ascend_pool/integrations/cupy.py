@@ -47,6 +47,8 @@ class _Allocation:
         self.ptr, self.size, self.device, self.stream = ptr, size, device, stream
 
     def __del__(self):
+        global _returned
+        _returned += 1  # a GIL-held counter: the out-of-memory retry asks whether any came back
         try:
             capi_free(self.ptr, self.size, self.device, self.stream)
         except InvalidStreamError:
@@ -59,6 +61,7 @@ class _Allocation:
 # cudaStreamPerThread a different stream in each thread
 _STREAM_LEGACY, _STREAM_PER_THREAD = 0x1, 0x2
 _oom_classes = {}  # CuPy's OutOfMemoryError class -> the class raised for it
+_returned = 0      # CuPy blocks given back so far (_Allocation.__del__)
 _limited_devices = set()  # devices whose default pool got $CUPY_GPU_MEMORY_LIMIT
 
 
@@ -128,10 +131,15 @@ def malloc(nbytes):
             "cupy.cuda.Stream() streams (or the legacy default stream) with ascend_pool")
     try:
         ptr = capi_malloc(nbytes, device, stream)
-    except OutOfMemoryError:
+    except OutOfMemoryError as first:
         # As CuPy's own pool: after its cache is freed (the pool did that), collect garbage
-        # (arrays kept only by reference cycles give their blocks back) and try once more.
+        # (arrays kept only by reference cycles give their blocks back) and try once more, when
+        # the collection gave a block back (else the retry could only fail again: one request
+        # counted as two out-of-memory errors, its observers called twice).
+        returned = _returned
         gc.collect()
+        if _returned == returned:
+            raise _oom_for_cupy(cp, first, nbytes, device) from None
         try:
             ptr = capi_malloc(nbytes, device, stream)
         except OutOfMemoryError as exc:

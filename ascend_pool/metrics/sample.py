@@ -127,6 +127,8 @@ class PoolAggregator:
         v = pool_values(pool)
         key = (int(pool.device), str(getattr(pool, "tenant", "default")))
         with self._lock:
+            if pool in self._final:
+                return  # two threads closing it at once: folded in by the first
             acc = self._retired.setdefault(key, {f: 0 for f in COUNTER_FIELDS})
             for f in COUNTER_FIELDS:
                 acc[f] += v[f]

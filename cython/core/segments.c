@@ -187,6 +187,21 @@ static size_t trim_before_growth(ap_pool *p, int slot, int pool, size_t rsize, s
     return size;
 }
 
+/* 1 when returning the idle reserve could let a growth of `size` bytes through: under the byte
+   limit, and within the device's free memory once the reserve is back there. A request that
+   fails whatever is released must not cost the reserve (it would be gone for nothing). A tenant
+   quota is not checked here: its refusal after the release is the rare case left. */
+static int reserve_would_make_room(ap_pool *p, size_t size) {
+    size_t idle = 0;
+    for (ap_segment *s = p->segments; s; s = s->next)
+        if (s->pinned && ap_segment_is_free(s) && !s->first->tag) idle += s->size;
+    if (!idle) return 0;
+    if (p->cfg.limit_bytes != AP_NO_LIMIT && ap_reserved(p) - idle + size > p->cfg.limit_bytes) return 0;
+    size_t free_b = 0, total_b = 0;
+    if (p->backend->mem_info(p->backend, p->device, &free_b, &total_b) == 0 && free_b + idle < size) return 0;
+    return 1;
+}
+
 /* One attempt to get new device memory holding rsize: a segment of `size` bytes, or (expandable)
    a mapping that extends a segment in place. */
 static int grow(ap_pool *p, int slot, int pool, size_t rsize, size_t size, ap_block **out, ap_error *err) {
@@ -230,7 +245,8 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
        the reserve is a large-pool segment; one larger than it) would otherwise fail beside it,
        every such request for as long as the reserve fills the cap (RMM's pool whose initial size
        is its maximum serves a 1000-byte request; ours refused every small request). */
-    if (!p->cfg.expandable && rc != AP_E_HOST_NOMEM && ap_release_free_segments(p, (size_t)-1, 1, 0, NULL) > 0) {
+    if (!p->cfg.expandable && rc != AP_E_HOST_NOMEM && reserve_would_make_room(p, size) &&
+        ap_release_free_segments(p, (size_t)-1, 1, 0, NULL) > 0) {
         if ((b = ap_find_fit(p, slot, pool, rsize))) return b;
         rc = grow(p, slot, pool, rsize, size, &b, err);
         if (rc == AP_OK) return b;
