@@ -228,13 +228,10 @@ def test_cupy_install_needs_the_cuda_backend(monkeypatch):
     assert not hasattr(fake, "allocator")
 
 
-def test_cupy_hook_collects_garbage_and_retries_before_out_of_memory(monkeypatch):
-    # CuPy's own pool (SingleDeviceMemoryPool._try_malloc) frees its cache, then runs
-    # gc.collect() and tries again before it raises: an array kept only by a reference cycle
-    # must not make an allocation fail. Under a 64 MiB cap, a 40 MiB block held by a garbage
-    # cycle and a 40 MiB request.
-    import gc
-
+@pytest.fixture
+def cupy_hook_capped(monkeypatch):
+    """(fake CuPy, the hook module, device 0's default pool) with $CUPY_GPU_MEMORY_LIMIT at
+    64 MiB, read at the device's next CuPy allocation; the cap is lifted afterwards."""
     fake = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     from ascend_pool.integrations import cupy as ap_cupy
@@ -242,6 +239,18 @@ def test_cupy_hook_collects_garbage_and_retries_before_out_of_memory(monkeypatch
     monkeypatch.setattr(ap_cupy, "_limited_devices", set())
     monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", str(64 << 20))
     pool = ap.default_pool(0)
+    yield fake, ap_cupy, pool
+    pool.set_limit(None)
+
+
+def test_cupy_hook_collects_garbage_and_retries_before_out_of_memory(cupy_hook_capped):
+    # CuPy's own pool (SingleDeviceMemoryPool._try_malloc) frees its cache, then runs
+    # gc.collect() and tries again before it raises: an array kept only by a reference cycle
+    # must not make an allocation fail. Under a 64 MiB cap, a 40 MiB block held by a garbage
+    # cycle and a 40 MiB request.
+    import gc
+
+    _, ap_cupy, pool = cupy_hook_capped
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -256,20 +265,13 @@ def test_cupy_hook_collects_garbage_and_retries_before_out_of_memory(monkeypatch
         if was_enabled:
             gc.enable()
         gc.collect()
-        pool.set_limit(None)
 
 
-def test_cupy_hook_counts_one_out_of_memory_when_there_is_no_garbage_to_collect(monkeypatch):
+def test_cupy_hook_counts_one_out_of_memory_when_there_is_no_garbage_to_collect(cupy_hook_capped):
     # The retry after gc.collect() is made only when the collection gave a CuPy block back: a
     # request that fails with none to collect is one out-of-memory in the pool's figures (and
     # one observer call), not two.
-    fake = FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    from ascend_pool.integrations import cupy as ap_cupy
-
-    monkeypatch.setattr(ap_cupy, "_limited_devices", set())
-    monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", str(64 << 20))
-    pool = ap.default_pool(0)
+    fake, ap_cupy, pool = cupy_hook_capped
     calls = []
     observer = lambda *a: calls.append(a)  # noqa: E731
     ap.attach_out_of_memory_observer(observer)
@@ -281,4 +283,3 @@ def test_cupy_hook_counts_one_out_of_memory_when_there_is_no_garbage_to_collect(
         assert pool.memory_stats()["num_ooms"] - before == 1 and len(calls) == 1
     finally:
         ap.detach_out_of_memory_observer(observer)
-        pool.set_limit(None)
