@@ -13,7 +13,8 @@ from . import registry as _registry
 from ._core import attach_out_of_memory_observer, detach_out_of_memory_observer, set_default_pool_hook
 from .backend import check_device, open_backend, torch_device_index
 from .config import history_settings, history_skip_mask
-from .errors import ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, PoolError, StreamTypeError
+from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError,
+                     StreamTypeError)
 from .pool import Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
 from .tenants.context import Context
@@ -103,18 +104,21 @@ def free(ptr, stream=None, device=None):
     pool = default_pool(device)
     try:
         pool.free(ptr, stream)
-    except InvalidPointerError:
+    except (InvalidPointerError, InvalidStreamError) as refused:
+        if isinstance(refused, InvalidStreamError) and (device is not None or pool.block_info(ptr) is not None):
+            raise  # its own block and a stream it cannot order on, or a device named by the caller
+        # not its block (a stream of another device is refused before the block is looked up)
         others = list(_registry.device_peers(pool))
         if device is None:
             others += [p for p in _registry.live_pools() if p.device != pool.device]
         for other in others:
             try:
-                if other.device != pool.device and other.block_info(ptr) is None:
-                    continue  # not its block (and the stream, the current device's, is not its)
-                other.free(ptr, stream)  # a pointer it does not hold changes nothing there
+                if other.block_info(ptr) is None:
+                    continue  # not its block
+                other.free(ptr, stream)
                 return
             except InvalidPointerError:
-                continue
+                continue  # freed by another thread meanwhile
             except PoolError:
                 if not other.closed:
                     raise

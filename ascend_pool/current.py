@@ -43,6 +43,16 @@ def pop(device, entry):
         stack[i][1] = entry[1]
 
 
+def pop_last_of(device, pool):
+    """Undoes this thread's last push(device, pool) still in force, whichever entry it was
+    (a `with ctx:` left from another asyncio task than the one that entered it)."""
+    stack = _stack(device)
+    for entry in reversed(stack):
+        if entry[0] is pool:
+            pop(device, entry)
+            return
+
+
 def top(device):
     """The pool this thread made current for device, or None."""
     stack = getattr(_local, "stacks", {}).get(device)

@@ -223,6 +223,38 @@ def test_with_blocks_of_interleaved_asyncio_tasks_leave_python_and_the_c_abi_on_
         b.close()
 
 
+def test_a_with_block_left_from_another_task_undoes_this_threads_entry(base):
+    # An ExitStack entered in a startup task and closed in a shutdown task (or a context manager
+    # handed between tasks): the exit runs in another task than the enter. It must still undo
+    # the thread's entry, as a plain thread-local stack did (before: ignored, the thread stayed on
+    # the tenant, and on its closed pool once it closed).
+    import asyncio
+    import contextlib
+
+    ctx = base.context("entered-elsewhere")
+    outside = ap.default_pool(0)
+    stack = contextlib.ExitStack()
+
+    async def startup():
+        stack.enter_context(ctx)
+
+    async def shutdown():
+        stack.close()
+
+    async def main():
+        await asyncio.create_task(startup())
+        assert ap.default_pool(0) is ctx
+        await asyncio.create_task(shutdown())
+
+    try:
+        asyncio.run(main())
+        assert ap.default_pool(0) is outside
+        ctx.close()
+        ap.free(ap.malloc(MiB))                  # the thread is not left on the closed context
+    finally:
+        ctx.close()
+
+
 def test_a_quota_change_skips_a_context_another_thread_closed_meanwhile(base, monkeypatch):
     # set_quota (and a tenants-file reload) trims the tenant's contexts of this process; one
     # that another thread closes while it is being trimmed (a request ending) must be skipped,
@@ -376,6 +408,8 @@ def test_a_tenant_context_reports_its_quota_in_mem_get_info(base):
         ctx.free(y)
         ctx.free(x)
         ctx.set_quota(None)
+        assert ctx.mem_get_info()[1] == dev_total
+        ctx.set_quota(2 * dev_total)                # a tenants file written for a larger card
         assert ctx.mem_get_info()[1] == dev_total
     finally:
         ctx.close()

@@ -445,3 +445,23 @@ def test_destroy_stream_of_a_stream_destroyed_elsewhere_is_an_invalid_stream_err
     with pytest.raises(ap.InvalidStreamError, match="not a stream the runtime knows"):
         pool.destroy_stream(s)
     pool.free(pool.malloc(4096))
+
+
+def test_close_waits_for_busy_streams_within_one_sync_timeout():
+    # Every host wait of the pool shares one sync_timeout_ms, whatever the number of streams in
+    # it; close's wait for the streams its free blocks are tagged with too (it took one limit
+    # per busy stream: 6 hung request streams, 6 x the limit).
+    import time
+
+    p = ap.Pool(0, backend="sim", sync_timeout_ms=300)
+    streams = [p.create_stream() for _ in range(6)]
+    xs = [p.malloc(2 * MiB, stream=s) for s in streams]
+    for s, x in zip(streams, xs):
+        sim.hang_stream(s)                     # a kernel that does not finish
+        p.free(x, stream=s)                    # six free blocks, each tagged with its busy stream
+    t0 = time.monotonic()
+    p.close()
+    took = time.monotonic() - t0
+    for s in streams:
+        sim.release_stream(s)
+    assert took < 1.0, f"close took {took:.2f} s with a 0.3 s limit"

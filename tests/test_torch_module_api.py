@@ -171,6 +171,13 @@ def test_free_without_a_device_finds_the_block_of_another_device():
         assert ap.default_pool(0).block_info(ptr) is None
         with pytest.raises(ap.InvalidPointerError):
             ap.free(ptr)                              # a double free is still named
+        ap.set_device(0)
+        s = ap.default_pool(0).create_stream()
+        ptr = ap.malloc(4 * MiB, stream=s)
+        ap.set_device(1)
+        ap.free(ptr, stream=s)                        # with its own stream, a device-0 stream
+        assert ap.default_pool(0).block_info(ptr) is None
+        ap.default_pool(0).destroy_stream(s)
     finally:
         ap.set_device(before)
 

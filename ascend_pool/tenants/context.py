@@ -100,7 +100,7 @@ class Context(Pool):
 
     def mem_get_info(self):
         """(free, total) bytes as this tenant may use them on the device. With a quota: total is
-        the quota and free what is left of it node-wide (the quota less what the tenant's
+        the quota (at most the device's total) and free what is left of it node-wide (the quota less what the tenant's
         processes hold, cached memory included, as torch counts the cache as used), at most the
         device's free bytes; what HAMi's limited cudaMemGetInfo reports, and what a framework
         that sizes itself from mem_get_info (a KV cache at a fraction of total) needs. Without a
@@ -110,7 +110,7 @@ class Context(Pool):
         quota = state["quota_bytes"] if state else None
         if quota is None:
             return free, total
-        return min(free, max(0, quota - state["held_bytes"])), quota
+        return min(free, max(0, quota - state["held_bytes"])), min(quota, total)
 
     # -- the quota -----------------------------------------------------------------------------
 
@@ -222,7 +222,10 @@ class Context(Pool):
             if entered[k][0] is self:
                 _entered.set(entered[:k] + entered[k + 1:])
                 _current.pop(self.device, entered[k][1])
-                break
+                return False
+        # Left from another task than the one that entered (an ExitStack closed at shutdown, a
+        # context manager handed between tasks): this thread's last entry of this context.
+        _current.pop_last_of(self.device, self)
         return False
 
     def _check_open(self):

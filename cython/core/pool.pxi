@@ -329,9 +329,11 @@ cdef class PoolBase:
 
     def close(self):
         """Returns all device memory of this pool (live blocks included) and closes it, with the
-        streams create_stream made that have no work queued (a busy one is left to the runtime:
-        never waited for here). Waits for calls other Python threads are making on it; later
-        calls raise PoolError. In a forked child, only forgets the parent's pool."""
+        streams create_stream made that have no work queued (a busy one is left to the runtime,
+        not destroyed). Blocks freed stream-ordered go back to the device once the work queued on
+        their streams is done: waited for, all streams within one sync_timeout_ms, past which
+        they are given back anyway. Waits for calls other Python threads are making on it;
+        later calls raise PoolError. In a forked child, only forgets the parent's pool."""
         cdef ap_pool *_p
         cdef void *s
         cdef int idle

@@ -208,9 +208,9 @@ int ap_stream_elsewhere(const ap_pool *p, int code);
 /* Retires a slot whose stream is gone or unusable: its free blocks serve every stream, and blocks
    later freed with its tag go to slot 0 (its work is over). */
 void ap_slot_retire(ap_pool *p, int slot);
-/* Waits (blocking, each at most sync_timeout_ms) for every stream that free blocks are still
-   tagged with: their queued work may write those blocks. For the pool's destroy, before its
-   memory goes back to the device. */
+/* Waits (blocking, all of them within one sync_timeout_ms) for every stream that free blocks
+   are still tagged with: their queued work may write those blocks. For the pool's destroy,
+   before its memory goes back to the device (waits.c). */
 void ap_wait_tagged_streams(ap_pool *p);
 /* Frees a block whose uses (record_stream) need events: it waits on the pending list. */
 void ap_free_pending(ap_pool *p, ap_block *b, int tag);

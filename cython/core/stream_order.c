@@ -410,16 +410,6 @@ size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_err
     return moved;
 }
 
-void ap_wait_tagged_streams(ap_pool *p) {
-    ap_cache_flush(p); /* recently freed small blocks are tagged too */
-    for (int i = 1; i < p->n_slots; i++) {
-        ap_stream_slot *s = &p->slots[i];
-        if (!s->live || (!s->trees[0].count && !s->trees[1].count)) continue;
-        ap_error ignore = {0};
-        (void)sync_stream(p, s->stream, &ignore); /* gone, or past sync_timeout_ms: given up anyway */
-    }
-}
-
 int ap_pool_stream_idle(ap_pool *p, void *stream) {
     pthread_mutex_lock(&p->lock);
     int idle = stream_idle(p, stream);

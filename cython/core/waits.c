@@ -54,6 +54,19 @@ static int limit_spent(ap_pool *p, ap_error *err) {
                         "%d ms was spent", p->device, p->cfg.sync_timeout_ms);
 }
 
+void ap_wait_tagged_streams(ap_pool *p) {
+    ap_cache_flush(p); /* recently freed small blocks are tagged too */
+    int64_t start = now_ms();
+    for (int i = 1; i < p->n_slots; i++) {
+        ap_stream_slot *s = &p->slots[i];
+        if (!s->live || (!s->trees[0].count && !s->trees[1].count)) continue;
+        int left = time_left(p, start); /* one sync_timeout_ms for them all, as every wait here */
+        if (left == 0) break;           /* spent: the rest is given up (documented at close) */
+        ap_on_device(p);
+        (void)p->backend->stream_sync(p->backend, s->stream, left); /* gone, or timed out: given up */
+    }
+}
+
 int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
     wait_item items[WAIT_BATCH];
     void *events[WAIT_BATCH];
@@ -125,7 +138,10 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
             continue;
         }
         if (rc == NOT_WAITED) continue; /* the limit was spent on another wait */
-        if (ap_stream_unusable(p, rc)) ap_slot_retire(p, items[i].slot); /* degrade: never wedge */
+        /* degrade: never wedge. Only the stream waited for: a slot whose epoch moved may hold a
+           new stream the runtime gave the same handle (or new blocks of the dead one, found
+           gone again later) */
+        if (ap_stream_unusable(p, rc) && sl->epoch == items[i].epoch) ap_slot_retire(p, items[i].slot);
         if (status == AP_OK) {
             char msg[AP_RUNTIME_MSG];
             if (items[i].stream == failed_stream) memcpy(msg, stream_msg, sizeof msg);
