@@ -18,7 +18,9 @@
  *   idle_events      (stream_order.c) idle cached events per device of all the process's pools:
  *                    an atomic counter, read and updated under each pool's own lock, no lock of its own.
  *   capi_calls       (ap_pool, atomic, no lock) C ABI calls holding the pool (current.h ap_pool_hold);
- *                    ap_pool_destroy waits for it to drain, holding no lock (the pool is hidden first).
+ *                    ap_pool_destroy waits for it to drain, holding no lock (the pool is hidden first),
+ *                    and then, still without the lock, for the streams its free blocks are tagged
+ *                    with (waits.c ap_wait_tagged_streams, one sync_timeout_ms in all).
  *   spare_lock       (pool.c) the list of destroyed pool structs kept for reuse; held for the list
  *                    operation only, never with a pool lock.
  * Never done while holding ap_pool.lock:
@@ -27,7 +29,8 @@
  *     the lock, then apply the result only if nothing changed meanwhile);
  *   - GIL acquisition or any call back into Python.
  * Allowed under the lock: non-blocking runtime calls (malloc/free/map of device memory, event
- * create/record/query/reset, aclrtStreamWaitEvent), the quota hook (no pool calls).
+ * create/record/query/reset, aclrtStreamWaitEvent, aclrtGetMemInfo on the out-of-memory path),
+ * the quota hook (no pool calls).
  * Exception, rare: ap_free_pending waits for a stream when no event can be had at all (the device's
  * event limit reached with every cached event in use).
  */
