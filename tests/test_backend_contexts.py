@@ -41,9 +41,10 @@ def freed_under_a_kernel(pool, y, n, delay_s):
 """
 
 
-def run_child(node, body):
-    """The JSON the child printed last, after ON_A_THREAD and body (a test's indented code)."""
-    return node.run_json(ON_A_THREAD + textwrap.dedent(body))
+def run_child(node, body, **env):
+    """The JSON the child printed last, after ON_A_THREAD and body (a test's indented code);
+    env: variables for the child (the simulator's, say)."""
+    return node.run_json(ON_A_THREAD + textwrap.dedent(body), **env)
 
 
 def test_cross_stream_reuse_from_a_thread_on_another_device_reuses_its_event(sim_node):
@@ -299,3 +300,39 @@ def test_a_request_threads_context_teardown_does_not_grow_the_pool(sim_node):
             print(json.dumps({{"reserved": st["reserved_bytes.all.current"], "peak": st["allocated_bytes.all.peak"]}}))
         """)
         assert out["peak"] <= 2 * 64 << 20 and out["reserved"] <= 2 * out["peak"], (expandable, out)
+
+
+def test_a_handle_the_backend_made_and_the_runtime_gave_to_another_contexts_stream(sim_node):
+    # pool.create_stream() makes a stream in the device's default context; the framework
+    # destroys it with the runtime directly, and the runtime gives its handle to a stream a
+    # framework thread creates in a context of its own (CANN's handles are heap pointers). The
+    # backend's note of the stream it made must not send that stream's calls to the default
+    # context for good (before: every allocation on it refused, "not in this thread's context").
+    out = run_child(sim_node, """
+        pool = ap.Pool(0, backend="sim")
+        s1 = pool.create_stream()
+        ok("aclrtSetDevice", 0)
+        ok("aclrtDestroyStream", C.c_void_p(s1))        # behind the pool's back
+        got = {}
+        def framework():
+            ctx, s2 = own_context_and_stream()
+            got["reused"] = s2 == s1
+            abi = C.CDLL(ap.library_path())
+            abi.ascend_pool_malloc.restype = C.c_void_p
+            abi.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, C.c_void_p]
+            abi.ascend_pool_free.argtypes = [C.c_void_p, C.c_ssize_t, C.c_int, C.c_void_p]
+            abi.ascend_pool_last_error.restype = C.c_char_p
+            served = 0
+            for _ in range(3):
+                p = abi.ascend_pool_malloc(MiB, 0, C.c_void_p(s2))
+                if p:
+                    served += 1
+                    abi.ascend_pool_free(p, MiB, 0, C.c_void_p(s2))
+                else:
+                    got["error"] = abi.ascend_pool_last_error().decode()
+            got["served"] = served
+            ok("aclrtDestroyContext", C.c_void_p(ctx))
+        on_a_thread(framework)
+        print(json.dumps({**got, **res}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out.get("reused") is True and out.get("served") == 3, out

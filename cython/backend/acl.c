@@ -314,6 +314,7 @@ typedef struct acl_scope {
     int temp;  /* a reference taken for this call only (acl_ctx_get) */
     int kept;  /* acl_enter_stream kept the caller's context for someone else's stream */
     int learned; /* acl_enter_stream used the context that stream was learned in */
+    int created; /* acl_enter_stream took the stream for one this backend created */
     void *ctx; /* kept: the caller's context (learned for the stream when the call succeeds) */
 } acl_scope;
 
@@ -327,6 +328,7 @@ static int acl_enter(ap_backend *b, int device, acl_scope *sc)
     sc->switched = 0;
     sc->kept = 0;
     sc->learned = 0;
+    sc->created = 0;
     sc->ctx = NULL;
     sc->device = device;
     rc = acl_ctx_get(b, device, &ctx, &sc->temp);
@@ -447,9 +449,13 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
     int dev = stream ? acl_created_stream_device(im, stream) : -1, learned_dev = -1;
     void *learned = dev < 0 && stream ? acl_learned_context(im, stream, &learned_dev) : NULL;
 
-    if (dev >= 0)
-        return acl_enter(b, dev, sc);
+    if (dev >= 0) {
+        int rc = acl_enter(b, dev, sc);
+        sc->created = 1;
+        return rc;
+    }
     sc->learned = 0;
+    sc->created = 0;
     sc->ctx = NULL;
     if (learned) { /* a stream of a context other threads are in: its calls there */
         void *cur = NULL;
@@ -501,8 +507,14 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
         return rc_;                                             \
     } while (0)
 
+static int acl_streams_note(acl_impl *im, void *stream, int device);
+
 /* For a stream call: in the context the stream was learned in, if any (when the runtime refuses
-   it there, the stream is forgotten and the call made as for an unknown one); when the caller's
+   it there, the stream is forgotten and the call made as for an unknown one); a stream this
+   backend created that the runtime says is not in its device's default context is no longer
+   ours (destroyed behind the backend's back, its handle given to a stream of another context:
+   CANN's handles are heap pointers), so its note goes and the call is made as for someone
+   else's; when the caller's
    context was kept for someone else's stream and the call succeeded, that context is learned for
    it; when the runtime says the stream is not in it (a stream of the device's default context
    used from a thread in a context of its own), once more in the device's default context. */
@@ -515,6 +527,16 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
             acl_leave((b), &sc_);                                                  \
             if (rc_ == ACL_ERROR_RT_STREAM_CONTEXT && sc_.learned) {               \
                 acl_learn_context(IMPL(b), (stream), NULL, -1);                    \
+                if (IMPL(b)->aclGetRecentErrMsg)                                   \
+                    (void)IMPL(b)->aclGetRecentErrMsg(); /* the first try's */     \
+                rc_ = acl_enter_stream((b), (stream), &sc_);                       \
+                if (rc_ == 0) {                                                    \
+                    rc_ = (expr);                                                  \
+                    acl_leave((b), &sc_);                                          \
+                }                                                                  \
+            }                                                                      \
+            if (rc_ == ACL_ERROR_RT_STREAM_CONTEXT && sc_.created) {               \
+                (void)acl_streams_note(IMPL(b), (stream), -1);                     \
                 if (IMPL(b)->aclGetRecentErrMsg)                                   \
                     (void)IMPL(b)->aclGetRecentErrMsg(); /* the first try's */     \
                 rc_ = acl_enter_stream((b), (stream), &sc_);                       \
