@@ -1,5 +1,7 @@
 """Allocator knobs from $ASCEND_POOL_CONF and keyword arguments."""
 
+import contextlib
+
 import pytest
 
 import ascend_pool as ap
@@ -60,53 +62,52 @@ def test_reserve_preallocates_and_serves_without_device_calls():
         p.close()
 
 
+@contextlib.contextmanager
+def reserve_64mib_under(cap_mib):
+    """A sim pool on device 0 that preallocates 64 MiB under a memory_fraction cap of cap_mib MiB."""
+    total = sim.stats(0)["total_bytes"]
+    p = ap.Pool(0, backend="sim", reserve="64MiB", memory_fraction=cap_mib * MiB / total)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
 @pytest.mark.parametrize("cap_mib, nbytes", [(64, 1000), (96, 80 * MiB)], ids=["small-request", "request-above-the-reserve"])
 def test_an_idle_reserve_that_fills_the_cap_gives_way_to_a_request_it_cannot_serve(cap_mib, nbytes):
     # RMM's pool whose initial size equals its maximum serves a 1000-byte request (rmm#527).
     # The reserve is one large-pool segment: a small request never uses it, and a request larger
     # than it cannot. Under a cap the reserve (nearly) fills, such requests failed beside 64 MiB
     # of idle reserve; the out-of-memory path now returns the idle reserve before it gives up.
-    total = sim.stats(0)["total_bytes"]
-    p = ap.Pool(0, backend="sim", reserve="64MiB", memory_fraction=cap_mib * MiB / total)
-    try:
+    with reserve_64mib_under(cap_mib) as p:
         assert p.get_limit() == cap_mib * MiB and p.memory_stats()["reserved_bytes.all.current"] == 64 * MiB
         x = p.malloc(nbytes)
         st = p.memory_stats()
         assert st["reserved_bytes.all.current"] <= cap_mib * MiB and st["allocated_bytes.all.current"] >= nbytes
         p.free(x)
         p._check_invariants()
-    finally:
-        p.close()
 
 
 def test_a_request_that_fails_whatever_is_released_keeps_the_reserve():
     # The reserve gives way only when that can let the request through: a request above the cap
     # even without the reserve fails as before and the reserve stays (it was released for
     # nothing: the next request paid device calls, another process could take the memory).
-    total = sim.stats(0)["total_bytes"]
-    p = ap.Pool(0, backend="sim", reserve="64MiB", memory_fraction=96 * MiB / total)
-    try:
+    with reserve_64mib_under(96) as p:
         with pytest.raises(ap.OutOfMemoryError):
             p.malloc(128 * MiB)
         assert p.memory_stats()["reserved_bytes.all.current"] == 64 * MiB
         assert p.memory_stats()["num_device_free"] == 0
-    finally:
-        p.close()
 
 
 def test_a_reserve_in_use_still_stays_when_a_request_fails():
     # Only an idle reserve gives way: one holding a live block is not released, and a request
     # the cap cannot take fails as before, the reserve and its block intact.
-    total = sim.stats(0)["total_bytes"]
-    p = ap.Pool(0, backend="sim", reserve="64MiB", memory_fraction=64 * MiB / total)
-    try:
+    with reserve_64mib_under(64) as p:
         x = p.malloc(8 * MiB)
         with pytest.raises(ap.OutOfMemoryError):
             p.malloc(1000)
         assert p.memory_stats()["reserved_bytes.all.current"] == 64 * MiB
         p.free(x)
-    finally:
-        p.close()
 
 
 def test_reserve_as_a_fraction_of_free_memory():

@@ -14,9 +14,6 @@ import time as _time
 
 from ascend_pool.errors import InvalidSizeError, InvalidPointerError, InvalidStreamError, PoolError, ConfigError
 import ascend_pool.errors as _errors_module
-
-# A runtime's codes for a stream handle it does not know (core/stream_order.c, ap_stream_unusable)
-_GONE_STREAM_CODES = {"acl": (107000, 107017), "cuda": (400, 709)}  # by Backend.kind
 from ascend_pool.config import history_settings, history_skip_mask
 
 # The package's directory (with its separator): frames in it are skipped when stacks are recorded.
@@ -327,6 +324,17 @@ cdef class PoolBase:
             if qclose != NULL:
                 qclose(qctx)
 
+    cdef int _stream_idle(self, handle) except -2:
+        """What the runtime says of `handle` now, without waiting (ap_pool_stream_idle): 1 its
+        queued work is done, 0 not yet (or out of reach), -1 it no longer knows the stream."""
+        cdef void *s = PyLong_AsVoidPtr(handle)
+        cdef ap_pool *_p = self._enter()
+        cdef int idle
+        with nogil:  # takes the pool lock (the lock table: never with the GIL held); never waits
+            idle = ap_pool_stream_idle(_p, s)
+        self._leave()
+        return idle
+
     def close(self):
         """Returns all device memory of this pool (live blocks included) and closes it, with the
         streams create_stream made that have no work queued (a busy one is left to the runtime,
@@ -334,16 +342,10 @@ cdef class PoolBase:
         their streams is done: waited for, all streams within one sync_timeout_ms, past which
         they are given back anyway. Waits for calls other Python threads are making on it;
         later calls raise PoolError. In a forked child, only forgets the parent's pool."""
-        cdef ap_pool *_p
-        cdef void *s
         cdef int idle
         if self.p != NULL and not ap_forked_from:
             for handle in list(self._created):
-                s = PyLong_AsVoidPtr(handle)
-                _p = self._enter()
-                with nogil:  # takes the pool lock (the lock table: never with the GIL held); never waits
-                    idle = ap_pool_stream_idle(_p, s)
-                self._leave()
+                idle = self._stream_idle(handle)
                 try:
                     if idle > 0:
                         self.destroy_stream(handle)
@@ -520,16 +522,8 @@ cdef class PoolBase:
         streams without telling the pool): a server registering a stream per request kept every
         handle for the process's life. Asks each stream once (an event record, no wait); run when
         the set doubles, so each registration costs O(1) questions on average."""
-        cdef ap_pool *_p
-        cdef void *s
-        cdef int idle
         for handle in list(self._streams):
-            s = PyLong_AsVoidPtr(handle)
-            _p = self._enter()
-            with nogil:
-                idle = ap_pool_stream_idle(_p, s)
-            self._leave()
-            if idle < 0:
+            if self._stream_idle(handle) < 0:
                 self._streams.discard(handle)
                 self._created.discard(handle)
 
@@ -555,7 +549,7 @@ cdef class PoolBase:
         try:
             self.backend.stream_destroy(stream)
         except _errors_module.DeviceError as e:
-            if e.code not in _GONE_STREAM_CODES.get(self.backend.kind, ()):
+            if self._stream_idle(stream) >= 0:  # the runtime still knows it: its own refusal
                 raise
             # destroyed elsewhere since the pool last asked: the same error as when it knows
             self._streams.discard(stream)
