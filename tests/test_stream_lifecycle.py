@@ -416,6 +416,64 @@ def test_a_wait_begun_on_a_destroyed_stream_is_not_taken_for_its_handles_next_st
     assert out == {"reused": True, "dropped": 0, "overwritten": 0}
 
 
+def test_a_handle_the_runtime_gave_to_another_devices_stream_serves_that_devices_pool(sim_node):
+    # pool.create_stream() makes s1 on device 0 (the backend notes its device); the framework
+    # destroys it with the runtime and the runtime gives its handle to a new stream on device 1.
+    # The note must not make device 1's pool refuse that stream as device 0's (it did).
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        MiB = 1 << 20
+        p0 = ap.Pool(0, backend="sim")
+        s1 = p0.create_stream()
+        p0.free(p0.malloc(MiB, stream=s1), stream=s1)
+        ok("aclrtSetDevice", 0)
+        ok("aclrtDestroyStream", C.c_void_p(s1))       # behind the pool's back
+        ok("aclrtSetDevice", 1)
+        s2 = stream()
+        p1 = ap.Pool(1, backend="sim")
+        try:
+            p1.register_stream(s2)
+            p1.free(p1.malloc(MiB, stream=s2), stream=s2)
+            served = True
+        except ap.InvalidStreamError as e:
+            served = str(e)
+        print(json.dumps({"reused": s2 == s1, "served": served}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out == {"reused": True, "served": True}
+
+
+def test_a_pool_told_its_streams_handle_is_another_devices_now_forgets_it(sim_node):
+    # A framework stream registered with device 0's pool is destroyed behind its back and the
+    # runtime gives its handle to a stream on device 1. register_stream refuses it as device 1's
+    # (right); from then on the pool must not serve it either (it did: device 0's memory ordered
+    # on device 1's queue, through the stale record), and the blocks cached on the old stream
+    # serve device 0's other streams without a new device allocation.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        MiB = 1 << 20
+        p0 = ap.Pool(0, backend="sim")
+        ok("aclrtSetDevice", 0)
+        s1 = stream()
+        p0.register_stream(s1)
+        p0.free(p0.malloc(MiB, stream=s1), stream=s1)
+        allocs = p0.memory_stats()["num_device_alloc"]
+        ok("aclrtDestroyStream", C.c_void_p(s1))       # behind the pool's back
+        ok("aclrtSetDevice", 1)
+        s2 = stream()
+        out = {"reused": s2 == s1}
+        for what, call in (("register", lambda: p0.register_stream(s2)), ("malloc", lambda: p0.malloc(MiB, stream=s2))):
+            try:
+                call()
+                out[what] = "served"
+            except ap.InvalidStreamError:
+                out[what] = "refused"
+        p0.free(p0.malloc(MiB))
+        out["new_device_allocs"] = p0.memory_stats()["num_device_alloc"] - allocs
+        print(json.dumps(out))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out == {"reused": True, "register": "refused", "malloc": "refused", "new_device_allocs": 0}
+
+
 def test_a_pool_forgets_the_handles_of_streams_destroyed_behind_its_back(pool):
     # A server registers a stream per request and the framework destroys it: the pool kept every
     # handle for the process's life (memory without bound). It asks its streams when its set
@@ -432,6 +490,22 @@ def test_a_pool_forgets_the_handles_of_streams_destroyed_behind_its_back(pool):
     assert remembered < 64, f"{remembered} of 600 destroyed streams still known"
     pool.free(pool.malloc(4096, stream=live), stream=live)
     pool.backend.stream_destroy(live)
+
+
+def test_a_malloc_that_would_grow_for_a_stream_destroyed_elsewhere_is_refused(pool):
+    # The cached path asks no runtime (as PyTorch's), but before the pool spends a device
+    # allocation for a stream it asks the stream once: one destroyed behind its back gets
+    # InvalidStreamError, and nothing is reserved for it (before: a new segment, ordered on a
+    # stream that was no more).
+    s = _framework_stream(pool)
+    pool.free(pool.malloc(4096, stream=s), stream=s)
+    pool.backend.stream_destroy(s)
+    reserved = pool.memory_stats()["reserved_bytes.all.current"]
+    with pytest.raises(ap.InvalidStreamError, match="not a stream the runtime knows"):
+        pool.malloc(64 << 20, stream=s)
+    st = pool.memory_stats()
+    assert st["reserved_bytes.all.current"] == reserved and st["allocated_bytes.all.current"] == 0
+    pool.free(pool.malloc(4096))                   # still serving; the old stream's block serves all
 
 
 def test_destroy_stream_of_a_stream_destroyed_elsewhere_is_an_invalid_stream_error(pool):

@@ -1091,6 +1091,35 @@ static int acl_created_stream_device(acl_impl *im, void *stream)
     return dev;
 }
 
+/* Whether a stream this backend noted as created on `device` is still that stream: the
+   framework may have destroyed it with the runtime, which then gives its handle to a stream of
+   another device or context (CANN's handles are heap pointers). Asked with an event recorded in
+   the device's default context, where our stream lives; only a refusal that names the stream
+   (not in this context, unknown handle) says the note is stale. Not on a hot path: a stream's
+   device is asked when it is registered. */
+static int acl_created_note_holds(ap_backend *b, void *stream, int device)
+{
+    acl_impl *im = IMPL(b);
+    acl_scope sc;
+    void *event = NULL;
+    int rc;
+
+    if (acl_enter(b, device, &sc) != 0)
+        return 1; /* cannot ask: keep the note */
+    rc = acl_event_create_here(im, &event);
+    if (rc == 0) {
+        rc = im->aclrtRecordEvent(event, stream);
+        (void)im->aclrtDestroyEvent(event);
+    }
+    acl_leave(b, &sc);
+    if (rc == 0)
+        return 1;
+    if (im->aclGetRecentErrMsg)
+        (void)im->aclGetRecentErrMsg();
+    return !(rc == ACL_ERROR_RT_STREAM_CONTEXT || rc == ACL_ERROR_RT_PARAM_INVALID ||
+             rc == ACL_ERROR_RT_INVALID_HANDLE);
+}
+
 static int acl_stream_device(ap_backend *b, void *stream, int *device)
 {
     acl_impl *im = IMPL(b);
@@ -1099,6 +1128,10 @@ static int acl_stream_device(ap_backend *b, void *stream, int *device)
     if (!stream)
         return AP_ERR_UNKNOWN_STREAM; /* the default stream: whichever device the call runs on */
     dev = acl_created_stream_device(im, stream);
+    if (dev >= 0 && !acl_created_note_holds(b, stream, dev)) {
+        (void)acl_streams_note(im, stream, -1);
+        dev = -1;
+    }
     if (dev < 0 && im->sim_stream_device && im->sim_stream_device(stream, &dev) != 0) {
         if (im->aclGetRecentErrMsg)
             (void)im->aclGetRecentErrMsg();

@@ -29,7 +29,9 @@
  *     the lock, then apply the result only if nothing changed meanwhile);
  *   - GIL acquisition or any call back into Python.
  * Allowed under the lock: non-blocking runtime calls (malloc/free/map of device memory, event
- * create/record/query/reset, aclrtStreamWaitEvent, aclrtGetMemInfo on the out-of-memory path),
+ * create/record/query/reset/destroy (the acl backend's check that a stream it made is still
+ * its own, when a new stream's device is asked, is one of each), aclrtStreamWaitEvent,
+ * aclrtGetMemInfo on the out-of-memory path),
  * the quota hook (no pool calls).
  * Exception, rare: ap_free_pending waits for a stream when no event can be had at all (the device's
  * event limit reached with every cached event in use).
@@ -278,6 +280,10 @@ int ap_pool_empty_stream(ap_pool *p, void *stream, ap_error *err);
 int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err);
 /* Forgets a stream that is about to be destroyed: waits for it and returns its blocks to all. */
 int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err);
+/* Forgets a stream the runtime says is gone (its handle now names a stream of another device):
+   its cached blocks serve every stream, as for a stream destroyed behind the pool's back. No
+   runtime call, no wait. */
+void ap_pool_forget_stream(ap_pool *p, void *stream);
 /* 1 when stream has no work queued (an event recorded on it now is complete), 0 when it has or
    no event can be had, -1 when the runtime does not know the stream. Never waits. */
 int ap_pool_stream_idle(ap_pool *p, void *stream);

@@ -54,6 +54,7 @@ cdef extern from "pool.h" nogil:
     int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err)
     int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err)
     int ap_pool_stream_idle(ap_pool *p, void *stream)
+    void ap_pool_forget_stream(ap_pool *p, void *stream)
     void ap_pool_set_limit(ap_pool *p, size_t limit_bytes)
     size_t ap_pool_get_limit(ap_pool *p)
     void ap_pool_reset_peaks(ap_pool *p)
@@ -510,12 +511,25 @@ cdef class PoolBase:
             raise InvalidStreamError(f"stream handle must be a positive int that fits a pointer, got {handle!r}")
         dev = self.backend.stream_device(handle)  # None: the runtime cannot tell
         if dev is not None and dev != self.device:
+            if handle in self._streams:
+                self._forget_stream(handle)  # ours was destroyed: the runtime gave its handle away
             raise InvalidStreamError(f"stream {handle:#x} belongs to device {dev}, not to this pool's "
                                      f"device {self.device}")
         self._streams.add(handle)
         if len(self._streams) >= self._prune_at:
             self._forget_destroyed_streams()
             self._prune_at = max(64, 2 * len(self._streams))
+
+    def _forget_stream(self, handle):
+        """Drops a stream the runtime says is gone: its handle no longer reaches this pool, and
+        its cached blocks serve every stream."""
+        self._streams.discard(handle)
+        self._created.discard(handle)
+        cdef void *s = PyLong_AsVoidPtr(handle)
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            ap_pool_forget_stream(_p, s)
+        self._leave()
 
     def _forget_destroyed_streams(self):
         """Drops the handles of streams the runtime no longer knows (a framework destroys its

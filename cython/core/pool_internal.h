@@ -208,6 +208,9 @@ int ap_stream_elsewhere(const ap_pool *p, int code);
 /* Retires a slot whose stream is gone or unusable: its free blocks serve every stream, and blocks
    later freed with its tag go to slot 0 (its work is over). */
 void ap_slot_retire(ap_pool *p, int slot);
+/* 1 when the runtime no longer knows stream (one event record, no wait), with its slot retired.
+   Lock held. For the paths that are about to spend far more (a device allocation). */
+int ap_stream_gone(ap_pool *p, int slot);
 /* Waits (blocking, all of them within one sync_timeout_ms) for every stream that free blocks
    are still tagged with: their queued work may write those blocks. For the pool's destroy,
    before its memory goes back to the device (waits.c). */

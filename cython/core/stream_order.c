@@ -51,6 +51,12 @@ void ap_slot_retire(ap_pool *p, int slot) {
     if (p->last_slot == slot) p->last_slot = 0;
 }
 
+int ap_stream_gone(ap_pool *p, int slot) {
+    if (slot <= 0 || !p->slots[slot].stream || stream_idle(p, p->slots[slot].stream) != -1) return 0;
+    ap_slot_retire(p, slot);
+    return 1;
+}
+
 /* The table is full: streams destroyed behind the pool's back (a framework that creates and
    destroys its streams) still hold slots, since the pool learns of a destroy only when it next
    calls the runtime on that stream. Asks each once (an event record, no wait) and retires those
@@ -408,6 +414,13 @@ size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_err
         }
     }
     return moved;
+}
+
+void ap_pool_forget_stream(ap_pool *p, void *stream) {
+    pthread_mutex_lock(&p->lock);
+    int slot = stream ? ap_slot_of(p, stream, 0) : -1;
+    if (slot > 0) ap_slot_retire(p, slot);
+    pthread_mutex_unlock(&p->lock);
 }
 
 int ap_pool_stream_idle(ap_pool *p, void *stream) {
