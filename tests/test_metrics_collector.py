@@ -132,6 +132,37 @@ def test_a_pool_that_lives_between_two_scrapes_is_counted():
         base.close()
 
 
+def test_the_series_of_tenants_with_no_open_pool_are_bounded():
+    # A service that names a tenant per job: each job's series stayed for the process's life
+    # (thousands after a few hundred jobs). The most recent PoolAggregator.RETIRED_KEEP closed
+    # tenants keep their counters (gauges at 0); older ones' series end. A live tenant's counters
+    # never go, however many others come and go.
+    from ascend_pool.metrics.sample import PoolAggregator
+
+    base = ap.Pool(0, backend="sim")
+    jobs = set()
+    collector = PoolCollector(pools=lambda: [p for p in [base, *jobs] if not p.closed])
+    keep, n_jobs = PoolAggregator.RETIRED_KEEP, PoolAggregator.RETIRED_KEEP + 36
+    try:
+        base.free(base.malloc(1000))
+        for i in range(n_jobs):
+            ctx = base.context(f"job-{i}")
+            jobs.add(ctx)
+            for _ in range(i % 3 + 1):
+                ctx.free(ctx.malloc(1000))
+            ctx.close()
+            if i % 10 == 0:
+                scrape(collector)
+        out, _ = scrape(collector)
+        tenants = {dict(labels).get("tenant") for name, labels in out if name == "ascend_pool_allocations_total"}
+        assert tenants == {"default"} | {f"job-{i}" for i in range(n_jobs - keep, n_jobs)}, sorted(tenants)
+        last = n_jobs - 1
+        assert val(out, "ascend_pool_allocations_total", pool="small", device=0, tenant=f"job-{last}") == last % 3 + 1
+        assert val(out, "ascend_pool_allocations_total", pool="small", device=0, tenant="default") == 1
+    finally:
+        base.close()
+
+
 def test_a_pool_closed_by_two_threads_at_once_is_counted_once():
     # A request ending while a shutdown path closes every context: both close() calls read the
     # pool before it closes (registry.closing runs once per call); its counters are folded in once.
