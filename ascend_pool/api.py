@@ -191,7 +191,7 @@ def _process_pools(device=None, create=True):
     create: make the current device's default pool when no device has one yet."""
     device = torch_device_index(device)
     if device is not None:
-        pools = [default_pool(device)]
+        pools = [default_pool(device)] if create else []
     else:
         pools = _registry.default_pools() or ([default_pool()] if create else [])
     pools += [p for p in _registry.live_pools() if device is None or p.device == device]  # contexts too
@@ -256,7 +256,7 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
                           stacklevel=2)
     settings = dict(enabled=enabled, stacks=stacks, max_entries=max_entries, context=context,
                     skip_actions=None if skip_actions is None else list(skip_actions))
-    pools = _process_pools(device, create=False)
+    pools = _process_pools(device, create=device is not None)
     if clear_history and enabled not in (None, False):  # turning it off drops each ring
         _on_each_open(pools, lambda pool: pool.record_memory_history(None))
     _on_each_open(pools, lambda pool: pool.record_memory_history(**settings))
@@ -264,9 +264,9 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
         _history = settings
 
 
-def _process_snapshot(device=None):
-    """The snapshot dump_snapshot writes: _process_pools(device)'s, merged."""
-    return _merge_snapshots(_on_each_open(_process_pools(device), lambda pool: pool.snapshot()))
+def _process_snapshot(device=None, create=True):
+    """The snapshot dump_snapshot writes: _process_pools(device, create)'s, merged."""
+    return _merge_snapshots(_on_each_open(_process_pools(device, create), lambda pool: pool.snapshot()))
 
 
 def dump_snapshot(path="dump_snapshot.pickle", device=None):

@@ -129,6 +129,35 @@ def test_torch_npu_memory_functions_answer_from_ascend_pool(fake_torch_npu, tmp_
         ap.free(ptr, device=0)
 
 
+def test_stats_before_torch_npu_starts_open_no_pool(fake_torch_npu, monkeypatch, tmp_path):
+    """torch.npu.memory_stats(0) (or memory_allocated(0), reset_peak_memory_stats(0) ...) called
+    before torch_npu's lazy init must not open device 0's pool: that opens the runtime with
+    aclInit(NULL), and torch_npu's own aclInit(acl.json) then fails with 100002, its
+    configuration dropped (before: it did). torch_npu answers {} then; so do we. Once torch_npu
+    has started, they answer from ascend_pool."""
+    from ascend_pool import api
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    npu = sys.modules["torch_npu.npu"]
+    started = []
+    npu.is_initialized = lambda: bool(started)
+    ap_npu.patch_memory_functions(fake_torch_npu, npu)
+    opened = []
+    real_default_pool = api.default_pool
+    monkeypatch.setattr(api, "default_pool", lambda device=None: opened.append(device) or real_default_pool(device))
+    assert npu.memory_stats(0) == {} and npu.memory_stats_as_nested_dict("npu:0") == {}
+    npu.reset_peak_memory_stats(0)
+    npu.reset_accumulated_memory_stats(0)
+    npu._snapshot(0)
+    npu.memory_snapshot()
+    npu._dump_snapshot(str(tmp_path / "before.pickle"))
+    assert opened == [], f"a stats call before torch_npu's init opened the pools of {opened}"
+    started.append(True)                           # torch_npu's lazy init has run
+    st = npu.memory_stats(0)
+    assert opened == [0]
+    assert st["num_ooms"] == ap.memory_stats(0)["num_ooms"]
+
+
 def test_init_hook_doc_says_frameworks_pass_the_device_count():
     from pathlib import Path
 

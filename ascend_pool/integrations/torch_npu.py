@@ -33,16 +33,22 @@ max_memory_reserved ... built on it), reset_peak_memory_stats and reset_accumula
 too: they reach the same missing hook from C. They take torch's arguments: a device as an int, "npu:N"
 or torch.device("npu", N) (another device type is a ValueError, as in torch), and
 _record_memory_history's current and legacy (bool first) signatures, max_entries=sys.maxsize
-clamped to config.MAX_HISTORY_ENTRIES. Without the patch (install(patch_stats=False)), call
+clamped to config.MAX_HISTORY_ENTRIES. Before torch_npu has initialised the runtime
+(torch_npu.npu.is_initialized() false) they open nothing, as torch_npu's own answer then: stats {}
+(memory_allocated(0) reads 0), resets do nothing, _snapshot shows the pools made so far; a stats
+call naming a device would otherwise open its pool, and with it call aclInit before torch_npu's
+own. Without the patch (install(patch_stats=False)), call
 ascend_pool.memory_stats(device) and friends instead.
 """
 
 import importlib
 import sys
+from collections import OrderedDict
 
 from .. import api, config
 from ..capi import library_path
 from ..errors import ConfigError
+from ..snapshot import dump as write_snapshot
 from ._common import require, set_hooks, use_backend
 
 __all__ = ["install", "build_allocator", "patch_memory_functions", "patch_accelerator", "HOOKS", "PATCHED",
@@ -117,23 +123,43 @@ def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_
                               global_record_annotations=global_record_annotations, skip_actions=skip_actions)
 
 
+def _framework_started():
+    """False while torch_npu has not initialised the runtime (its lazy init: aclInit with its
+    acl.json, the device set). A device's default pool opened before then would call aclInit
+    first and torch_npu's own would fail with 100002, its configuration dropped; so, as
+    torch_npu's own functions answer then ({} and no-ops), ours open nothing."""
+    npu = sys.modules.get("torch_npu.npu") or getattr(sys.modules.get("torch_npu"), "npu", None)
+    started = getattr(npu, "is_initialized", None)
+    return not callable(started) or bool(started())
+
+
 def _replacements():
     def memory_stats(device=None):
+        if not _framework_started():
+            return OrderedDict()  # torch_npu's, before its init: memory_allocated() & co. read 0
         return api.memory_stats(_device_index(device))
 
     def memory_stats_as_nested_dict(device=None):  # what torch_npu's own memory_stats calls
+        if not _framework_started():
+            return {}
         return api.memory_stats_as_nested_dict(_device_index(device))
 
     def reset_peak_memory_stats(device=None):
-        api.reset_peak_stats(_device_index(device))
+        if _framework_started():  # before: no pool has served anything, nothing to reset
+            api.reset_peak_stats(_device_index(device))
 
     def reset_accumulated_memory_stats(device=None):
-        api.reset_accumulated_memory_stats(_device_index(device))
+        if _framework_started():
+            api.reset_accumulated_memory_stats(_device_index(device))
 
     def _snapshot(device=None):
+        if not _framework_started():  # the pools made so far (none by torch_npu's tensors)
+            return api._process_snapshot(None if device is None else _device_index(device), create=False)
         return api.snapshot(_device_index(device))
 
     def memory_snapshot():
+        if not _framework_started():
+            return api._process_snapshot(create=False)["segments"]
         return api.memory_snapshot()
 
     def _record_memory_history(enabled="all", *args, **kwargs):
@@ -143,6 +169,9 @@ def _replacements():
 
 
     def _dump_snapshot(filename="dump_snapshot.pickle"):
+        if not _framework_started():
+            write_snapshot(api._process_snapshot(create=False), filename)
+            return
         api.dump_snapshot(filename)
 
     return {"memory_stats": memory_stats, "memory_stats_as_nested_dict": memory_stats_as_nested_dict,
