@@ -16,7 +16,8 @@ import logging
 import os
 import threading
 
-from ._core import Backend, check_not_forked
+from . import identity
+from ._core import Backend, check_not_forked, fork_drops_fd
 from ._sim import library_path as sim_library_path
 from .errors import BackendUnavailableError, ConfigError, InvalidDeviceError
 from .units import as_index
@@ -42,6 +43,7 @@ def _after_fork_in_child():
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+identity.set_fork_guard(fork_drops_fd)  # leases: a child forked from C drops them (fork.c)
 
 
 def _requested_name(name):

@@ -102,8 +102,30 @@ def ensure_lease(directory):
         finally:
             os.unlink(tmp)
         _leases[directory] = (fd, path)
+        if _fork_guard is not None:
+            _fork_guard(fd, True)
     remove_dead_leases(directory, limit=256)  # those of processes gone before us (bounded work)
     return inst
+
+
+_fork_guard = None  # fork_drops_fd of the extension, set by the backend layer (set_fork_guard)
+
+
+def set_fork_guard(guard):
+    """Hook from the layer that loads the extension: guard(fd, on) marks a descriptor whose lock
+    proves this process alive, so that a child forked from C (no Python fork handler) drops it:
+    holding the lock, it kept a killed parent alive to its peers (its quota share never given
+    back). Marks the leases held so far."""
+    global _fork_guard
+    _fork_guard = guard
+    for fd, _ in list(_leases.values()):
+        guard(fd, True)
+
+
+def fork_guard(fd, on=True):
+    """guard(fd, on) when the hook is set (a stats file's descriptor, say); else nothing."""
+    if _fork_guard is not None:
+        _fork_guard(fd, on)
 
 
 def whoami(directory):
@@ -139,13 +161,33 @@ def lease_alive(directory, value):
 def owner_alive(directory, value, pid=0, ns=0, start=0):
     """The liveness of a record's writer: its lease in `directory` decides (True, False, None for
     cannot tell). One refinement, for a writer of this process's own pid namespace only
-    (pid_here(ns)): a pid that is gone, a zombie or reused (another start time, /proc/PID/stat
-    field 22) is dead even while its lease is held for a moment more (a killed multi-threaded
-    process is a zombie before its last thread has closed its files)."""
+    (pid_here(ns)): a pid that is gone or a zombie is dead even while its lease is held for a
+    moment more (a killed multi-threaded process is a zombie before its last thread has closed
+    its files). start (the start time it wrote) is a label, never proof of death (gone_here)."""
     lease = lease_alive(directory, value)
-    if lease and pid > 0 and start and pid_here(ns) and start_time(pid) != start:
+    if lease and pid > 0 and pid_here(ns) and gone_here(pid):
         return False
     return lease
+
+
+def gone_here(pid):
+    """True when pid (of this pid namespace) is surely gone: no such process, or a zombie. A
+    start time other than the one the process wrote is not proof (the kernel shifts it by the
+    reader's time namespace: a CRIU-restored container's workers read other values than their
+    peers), nor is a /proc entry this reader cannot see while the process exists (hidepid=2)."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass  # EPERM: it exists, another user's
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False  # cannot tell
+    rest = data[data.rindex(b")") + 2:].split()
+    return bool(rest) and rest[0] in (b"Z", b"X")
 
 
 def start_time(pid):
@@ -173,14 +215,6 @@ def boot_id():
             return bytes.fromhex(f.read().strip().replace("-", ""))[:16].ljust(16, b"\0")
     except (OSError, ValueError):
         return b"\0" * 16
-
-
-def is_alive(pid, expected_start, expected_boot=None):
-    """True if pid (of this pid namespace) is running and is the process that started at
-    expected_start (clock ticks after boot) in this boot (expected_boot: 16 bytes, or None)."""
-    if expected_boot is not None and expected_boot != boot_id():
-        return False
-    return start_time(pid) == expected_start
 
 
 def remove_dead_leases(directory, limit=10000):

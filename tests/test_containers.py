@@ -93,8 +93,8 @@ for line in sys.stdin:
 class Worker:
     """A tenant process (in a pid namespace of its own when ns=True) driven over its stdin."""
 
-    def __init__(self, env, procs, tenant, quota, ns=True, extra_env=None):
-        cmd = (NS if ns else []) + [sys.executable, "-c", WORKER, tenant, quota]
+    def __init__(self, env, procs, tenant, quota, ns=True, extra_env=None, wrap=()):
+        cmd = list(wrap) + (NS if ns else []) + [sys.executable, "-c", WORKER, tenant, quota]
         self.proc = subprocess.Popen(cmd, env=dict(env, **(extra_env or {})), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append(self.proc)
@@ -195,6 +195,25 @@ def test_conflicting_quotas_resolve_to_the_stricter_without_a_tenants_file(node)
     b.proc.stdin.close()
     err = b.proc.stderr.read()
     assert err.count("conflicting quota declarations") == 1, err  # logged once, by the process that met it
+
+
+@needs_unshare
+def test_of_two_tenants_files_that_disagree_the_stricter_stays(node):
+    # A ConfigMap update reaching pods at different times: A's tenants file says 100 MiB, B's
+    # (started later) 300 MiB. The last to start replaced the quota A relied on (A then held
+    # 232 MiB under its 100 MiB file, and B's log said the quota "stays"). A new file reaches a
+    # live process through its reload; a process starting with a laxer one lifts nothing.
+    env, base, procs = node
+    (base / "a.toml").write_text('[tenants.t]\nquota = "100MiB"\n')
+    (base / "b.toml").write_text('[tenants.t]\nquota = "300MiB"\n')
+    a = Worker(env, procs, "t", "none", extra_env={"ASCEND_POOL_CONFIG": str(base / "a.toml")})
+    assert a("malloc", 80 * MiB) == "granted"
+    b = Worker(env, procs, "t", "none", extra_env={"ASCEND_POOL_CONFIG": str(base / "b.toml")})
+    assert b.hello["quota"] == 100 * MiB and a("quota") == 100 * MiB
+    assert [a("malloc", 80 * MiB), b("malloc", 80 * MiB)] == ["refused", "refused"]
+    b.proc.stdin.close()
+    err = b.proc.stderr.read()
+    assert "conflicting quota declarations" in err and "which stays" in err, err
 
 
 def test_a_process_never_lifts_a_limit_another_relies_on(node):
@@ -499,3 +518,25 @@ def test_a_sharing_group_works_in_one_2770_directory_the_service_reads_by_group(
     by_group = StatsScanner(str(base), allowed_uids={4242}, allowed_gids={gid}).scan()
     assert [p.instance for p in by_group] == [w.hello["instance"]]
     assert StatsScanner(str(base), allowed_uids={4242}).scan() == []
+
+
+# A time namespace of its own (a CRIU-restored or migrated container; `unshare --time`): the
+# kernel shows /proc/PID/stat's start time shifted by the *reader's* boot-time offset.
+TIMENS = ["unshare", "--time", "--boottime", "100000", "--fork"]
+_timens = subprocess.run(TIMENS + ["true"], capture_output=True, text=True)
+needs_timens = pytest.mark.skipif(_timens.returncode != 0,
+                                  reason=f"unshare --time fails here: {_timens.stderr.strip()}")
+
+
+@needs_timens
+def test_a_worker_in_its_own_time_namespace_is_alive_to_its_peers(node):
+    # Same uid, same pid namespace, another time namespace: the start time its peers read for it
+    # differs from the one it wrote. That was taken for a reused pid, so a live worker's quota
+    # share was given away (80 + 80 MiB under a 100 MiB quota). The lease decides.
+    env, base, procs = node
+    a = Worker(env, procs, "t", "100MiB", ns=False, wrap=TIMENS)
+    assert a("malloc", 80 * MiB) == "granted"
+    b = Worker(env, procs, "t", "100MiB", ns=False)
+    assert b("malloc", 80 * MiB) == "refused"
+    assert a.proc.poll() is None
+

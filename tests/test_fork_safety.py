@@ -307,3 +307,43 @@ def test_a_fork_while_another_thread_opens_the_runtime_never_hangs_the_child(sim
                    "B._open = lambda name, path: (time.sleep(0.3), slow_open(name, path))[1]"],
         busy='ap.Pool(0, backend="sim").close()', call='ap.Pool(0, backend="sim").close()', success_ok=True)
     assert rep == {"end": "exit 0"}, rep
+
+
+def test_a_child_forked_from_c_does_not_keep_its_killed_parent_alive(sim_node, tmp_path):
+    # A native library forks (no exec) in a process that holds a quota share: the child got the
+    # parent's lease descriptor, and with it its lock, so when the parent was killed its peers
+    # still saw it alive (its share never given back while the child lived). Python's fork
+    # handlers do not run on a fork from C; the extension's pthread_atfork handler drops those
+    # descriptors in the child.
+    import json
+    import signal
+    import time
+
+    from ascend_pool import identity
+
+    parent = sim_node.spawn(f"""
+        import ascend_pool as ap
+        from ascend_pool import identity
+        inst = identity.ensure_lease({str(tmp_path)!r})
+        libc = C.PyDLL(None)                           # keeps the GIL across fork(): no other thread
+        pid = libc.fork()
+        if pid == 0:
+            libc.sleep(60)
+            libc._exit(0)
+        print(json.dumps({{"instance": inst, "child": pid}}), flush=True)
+        time.sleep(60)
+    """)
+    hello = json.loads(parent.stdout.readline())
+    try:
+        assert identity.lease_alive(str(tmp_path), hello["instance"]) is True
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while identity.lease_alive(str(tmp_path), hello["instance"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert identity.lease_alive(str(tmp_path), hello["instance"]) is False, \
+            "the killed parent's lease is still held (by its C-forked child)"
+    finally:
+        os.kill(hello["child"], signal.SIGKILL)
+        parent.kill()
+        parent.communicate(timeout=10)

@@ -120,10 +120,9 @@ def test_one_identity_serves_ledger_shares_and_stats_files():
     from ascend_pool import identity
 
     assert identity.start_time(1 << 30) is None          # no such process
-    assert identity.is_alive(1 << 30, 0) is False
+    assert identity.gone_here(1 << 30) is True
     assert len(identity.boot_id()) == 16
-    me = identity.start_time(os.getpid())
-    assert me and identity.is_alive(os.getpid(), me, identity.boot_id())
+    assert identity.start_time(os.getpid()) and identity.gone_here(os.getpid()) is False
 
 
 # ---- ARCHITECTURE.md matches the tree ------------------------------------------------------------

@@ -134,7 +134,7 @@ def _read(fd, path, inst, allowed_uids, allowed_gids=()):
     # Liveness before contents: a dead process's file is removed whatever it holds.
     if boot != identity.boot_id() or not _writer_alive(fd):
         raise Stale(path, "process has exited")
-    if identity.pid_here(pidns) and not identity.is_alive(pid, start):
+    if identity.pid_here(pidns) and identity.gone_here(pid):
         raise Stale(path, "process has exited (a zombie, or gone from this pid namespace)")
     publish_ns, flags, body = _consistent_body(fd, path, header, capacity)
     if flags & L.FLAG_EXITED:

@@ -47,6 +47,7 @@ class StatsFile:
             _unlink(tmp)
             raise
         self._fd = fd
+        identity.fork_guard(fd)  # its lock is its writer's lease: a child forked from C drops it
 
     @staticmethod
     def _create(tmp, mode=0o600):
@@ -115,6 +116,7 @@ class StatsFile:
                 _unlink(self.path)
             self._map.close()
             self._map = None
+            identity.fork_guard(self._fd, False)
             os.close(self._fd)
 
     def abandon(self):
@@ -122,6 +124,7 @@ class StatsFile:
         if self._map is not None:
             self._map.close()
             self._map = None
+            identity.fork_guard(self._fd, False)
             os.close(self._fd)
 
 

@@ -30,7 +30,7 @@ from .errors import LedgerError
 DIR_ENV = "ASCEND_POOL_LEDGER_DIR"
 GROUP_ENV = "ASCEND_POOL_LEDGER_GROUP"
 DEFAULT_DIR = "/dev/shm"
-_NAME = re.compile(r"^ascend_pool-ledger-(u|g)(\d+)-(acl|sim|cuda)(?:-(.+))?-dev(\d+)$")
+_NAME = re.compile(r"ascend_pool-ledger-(u|g)(\d+)-(acl|sim|cuda)(?:-(.+))?-dev(\d+)")  # fullmatch
 
 log = logging.getLogger("ascend_pool")
 _lock = threading.Lock()
@@ -167,7 +167,7 @@ def ledger_files(directory=None, uids=(), gids=()):
         except OSError:
             continue
         for entry in entries:
-            m = _NAME.match(entry)
+            m = _NAME.fullmatch(entry)
             if not m:
                 continue
             kind, num, backend, node, dev = m.groups()

@@ -103,12 +103,12 @@ def parse_warn(value, what="warn"):
     return float(value)
 
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,63}$")
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,63}")  # fullmatch: "$" would let a trailing newline through
 
 
 def check_tenant_name(name, what="tenant name"):
     """The name if it is 1-63 of A-Z a-z 0-9 _ . - (it is stored in the ledger and used as a
     metric label); ConfigError otherwise."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ConfigError(f"{what} {name!r} is not valid: use 1-63 of A-Z a-z 0-9 _ . -")
     return name

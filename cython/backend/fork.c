@@ -14,6 +14,7 @@
  */
 #include "backend_impl.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <unistd.h>
@@ -22,12 +23,39 @@ static atomic_int open_backends;
 static atomic_int opening_backends; /* ap_backend_open calls in progress */
 atomic_int ap_forked_from; /* backend.h */
 
+#define AP_FORK_DROP_MAX 64
+static atomic_int drop_fds[AP_FORK_DROP_MAX]; /* fd + 1; 0: a free entry */
+
+int ap_fork_drop_fd(int fd, int on)
+{
+    for (int i = 0; i < AP_FORK_DROP_MAX; i++) {
+        int want = on ? 0 : fd + 1;
+        if (atomic_compare_exchange_strong(&drop_fds[i], &want, on ? fd + 1 : 0))
+            return 0;
+    }
+    return on ? -1 : 0;
+}
+
 static void after_fork_in_child(void)
 {
-    /* Only async-signal-safe work here: two atomic accesses and getppid(). A grandchild keeps
-       the first pid: its runtime is as unusable as its parent's. */
+    /* Only async-signal-safe work here: atomic accesses, getppid(), open, dup2 and close. A
+       grandchild keeps the first pid: its runtime is as unusable as its parent's. */
     if ((atomic_load(&open_backends) > 0 || atomic_load(&opening_backends) > 0) && atomic_load(&ap_forked_from) == 0)
         atomic_store(&ap_forked_from, (int)getppid());
+    /* The parent's lease descriptors: the child must not keep its locks (the fd numbers stay
+       valid, now /dev/null, for Python's own fork handlers to close). */
+    int null_fd = -1;
+    for (int i = 0; i < AP_FORK_DROP_MAX; i++) {
+        int fd = atomic_load(&drop_fds[i]) - 1;
+        if (fd < 0)
+            continue;
+        if (null_fd < 0 && (null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0)
+            break;
+        (void)dup3(null_fd, fd, O_CLOEXEC);
+        atomic_store(&drop_fds[i], 0);
+    }
+    if (null_fd >= 0)
+        close(null_fd);
 }
 
 __attribute__((constructor)) static void fork_boot(void)

@@ -9,6 +9,7 @@ cdef extern from "backend.h" nogil:
     int AP_ERR_FORKED
     int ap_forked_from
     void ap_backend_forked_message(char *buf, size_t len)
+    int ap_fork_drop_fd(int fd, int on)
 
 
 cdef int _raise_forked() except -1:
@@ -30,3 +31,11 @@ def forked_from():
     """The parent's pid when this process was forked after that parent had opened a device
     runtime, else 0."""
     return ap_forked_from
+
+
+def fork_drops_fd(int fd, bint on=True):
+    """Marks fd (on) or unmarks it as a descriptor whose flock proves this process alive (a lease,
+    a stats file): a child forked from C code, where Python's fork handlers do not run, drops it,
+    so that it cannot keep the lock after this process died. False when the table is full."""
+    return ap_fork_drop_fd(fd, 1 if on else 0) == 0
+

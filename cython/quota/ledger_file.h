@@ -31,6 +31,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -343,10 +344,14 @@ static int apl_lock(apl_ledger *L, char *err, size_t len) {
     }
     /* Non-blocking attempts with a bounded wait: a peer stopped (SIGSTOP) inside its critical
        section must produce an error, not a hang under the pool lock. */
-    for (int waited_us = 0;; waited_us += 200) {
+    struct timespec start;
+    clock_gettime(CLOCK_MONOTONIC, &start); /* a deadline, not a count of sleeps: each oversleeps */
+    for (;;) {
         if (flock(L->fd, LOCK_EX | LOCK_NB) == 0) return APL_OK;
         if (errno != EWOULDBLOCK && errno != EINTR) break;
-        if (waited_us >= APL_LOCK_TIMEOUT_MS * 1000) {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if ((now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000 >= APL_LOCK_TIMEOUT_MS) {
             errno = ETIMEDOUT;
             break;
         }

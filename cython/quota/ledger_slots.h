@@ -134,24 +134,34 @@ static int apl_reclaim(apl_ledger *L, int tenant, uint64_t *bytes, char *err, si
 /* Applies a quota declaration to a live tenant (under the lock): the operator's (src
    APL_SRC_OPERATOR) replaces any declared one; a declared one never overrides the operator's and
    never raises the quota in force (the stricter wins). Returns 1 when it disagreed (counted). */
+/* A live tenant's quota meets another process's declaration. 0: they agree; 1: the quota in
+   force stays; 2: the declaration replaced it. The operator's file wins over declarations; of
+   two operator files that disagree (a ConfigMap update reaching pods at different times), the
+   stricter: a process starting with a laxer file must not lift a limit the others rely on (their
+   file's reload, apl_set_quota, is how an operator raises it). */
 static int apl_declare_quota(apl_tenant *T, uint64_t quota, int src) {
     uint64_t old = atomic_load(&T->quota);
     int old_src = (int)atomic_load(&T->quota_src);
-    int conflict = old_src != APL_SRC_NONE && quota != old;
-    if (src == APL_SRC_OPERATOR || old_src == APL_SRC_NONE) {
+    int conflict = old_src != APL_SRC_NONE && quota != old, replaced = 0;
+    if (old_src == APL_SRC_OPERATOR && src == APL_SRC_OPERATOR) {
+        if (quota < old) atomic_store(&T->quota, quota), replaced = 1;
+    } else if (src == APL_SRC_OPERATOR || old_src == APL_SRC_NONE) {
         atomic_store(&T->quota, quota);
         atomic_store(&T->quota_src, quota == APL_NO_QUOTA && src != APL_SRC_OPERATOR ? APL_SRC_NONE : (uint32_t)src);
+        replaced = 1;
     } else if (old_src == APL_SRC_DECLARED && src == APL_SRC_DECLARED && quota < old) {
         atomic_store(&T->quota, quota); /* stricter */
+        replaced = 1;
     } /* else: the operator's quota, or a stricter declaration, stays */
     if (conflict) atomic_fetch_add(&T->conflicts, 1);
-    return conflict;
+    return conflict ? 1 + replaced : 0;
 }
 
 /* Finds or creates tenant `name` and claims a slot for this process in it.
  * quota: bytes or APL_NO_QUOTA; set_quota: 0 joins a live tenant on its terms (a context created
  * with quota=None), else the declaration is applied as apl_declare_quota says, with source src.
- * warn_ppm likewise with set_warn. *conflict_out (optional): 1 when the declaration disagreed. */
+ * warn_ppm likewise with set_warn. *conflict_out (optional): apl_declare_quota's answer (1 the quota
+ * in force stayed, 2 the declaration replaced it) when the declaration disagreed, else 0. */
 static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int src, int set_warn,
                       uint32_t warn_ppm, int *tenant_out, int *slot_out, int *conflict_out, char *err,
                       size_t len) {

@@ -59,18 +59,19 @@ static uint64_t apl_proc_start_time(int pid) {
     return apl_read_stat(pid, &state, &start) == 0 ? start : 0;
 }
 
-/* 1 alive (same pid, same start time), 0 dead, -1 cannot tell (then the slot is kept: never give
-   away bytes a live process may still hold). */
-static int apl_proc_alive_here(int pid, uint64_t start_time) {
+/* 0 when pid is surely gone: no such process, or a zombie (exited; its device memory is already
+   gone); else -1, cannot tell (the lease decides). A start time that differs from the one the
+   process wrote proves nothing while its lease is held: the kernel shifts it by the reader's
+   time namespace (a CRIU-restored container's workers read other values than their peers), and
+   a pid cannot be reused while its lease is held. A /proc entry the reader cannot see (hidepid=2,
+   another user's process) while kill() finds the process is not a death either. */
+static int apl_proc_gone_here(int pid) {
     if (pid <= 0) return 0;
     if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
     char state;
     uint64_t start;
-    int rc = apl_read_stat(pid, &state, &start);
-    if (rc == -1) return 0;
-    if (rc == -2) return -1;
-    if (state == 'Z' || state == 'X') return 0; /* exited; its device memory is already gone */
-    return start == start_time ? 1 : 0;
+    if (apl_read_stat(pid, &state, &start) != 0) return -1;
+    return state == 'Z' || state == 'X' ? 0 : -1;
 }
 
 
@@ -100,12 +101,14 @@ static int apl_lease_alive(const char *dir, uint64_t instance);
 
 /* The liveness of a slot's owner: its lease decides. One refinement, for a process of *our* pid
    namespace only (recorded pidns equal to ours and /proc showing that namespace): a pid that is
-   gone, a zombie, or reused (another start time) is dead even while its lease is still held for
-   a moment (a killed multi-threaded process is a zombie before its last thread closes its files). */
+   gone or a zombie is dead even while its lease is still held for a moment (a killed
+   multi-threaded process is a zombie before its last thread closes its files). start_time is
+   kept for people (a label), never as proof of death (apl_proc_gone_here). */
 static int apl_owner_alive(const char *dir, uint64_t instance, int pid, uint64_t pidns, uint64_t start_time) {
+    (void)start_time;
     int lease = apl_lease_alive(dir, instance);
-    if (lease == 1 && pidns != 0 && pidns == atomic_load(&apl_self_pidns) && pid > 0 && start_time != 0 &&
-        apl_proc_is_ours() && apl_proc_alive_here(pid, start_time) == 0)
+    if (lease == 1 && pidns != 0 && pidns == atomic_load(&apl_self_pidns) && pid > 0 &&
+        apl_proc_is_ours() && apl_proc_gone_here(pid) == 0)
         return 0;
     return lease;
 }

@@ -297,9 +297,15 @@ def attach_ledger(PoolBase pool, Ledger ledger, str tenant, quota, warn, bint se
         raise _ledger_error(kind, err)
     if conflict:
         now = h.L.f.tenants[h.tenant].quota
-        _log_conflict(tenant, pool.device, f"this process declared {'no quota' if quota is None else quota} "
-                      f"(bytes), the quota in force is {'none' if now == APL_NO_QUOTA else now} bytes, which "
-                      "stays (the operator's file, else the stricter, wins)")
+        declared = 'no quota' if quota is None else f"{quota} bytes"
+        if conflict == 2:
+            _log_conflict(tenant, pool.device, f"this process declared {declared}, which replaced the quota in "
+                                               "force (a tenants file wins over declarations; of two tenants "
+                                               "files, and of two declarations, the stricter)")
+        else:
+            _log_conflict(tenant, pool.device, f"this process declared {declared}, the quota in force is "
+                          f"{'none' if now == APL_NO_QUOTA else now} bytes, which stays (a tenants file wins "
+                          "over declarations; of two tenants files, and of two declarations, the stricter)")
     owner = LedgerQuota(ledger, tenant)
     cdef ap_stats st
     cdef uint64_t held

@@ -119,7 +119,7 @@ int sim_proc_foreign_alive(unsigned uid, uint64_t id);
 /* The inode of this process's pid namespace (0 if unknown). */
 uint64_t sim_proc_pidns(void);
 /* As sim_proc_alive, and for an owner of *our* pid namespace (pidns equal, /proc ours) a pid that
-   is gone, a zombie or reused (start_time differs) is dead at once, before its lease drops. */
+   is gone or a zombie is dead at once, before its lease drops (start_time: a label only). */
 int sim_proc_owner_alive(int pid, uint64_t id, uint64_t pidns, uint64_t start_time);
 /* A lock in a shared record between the processes of this user on the node (node.c, ipc.c):
    `word` holds the holder's lease id, 0 when free. Not a robust pthread mutex: those name their
