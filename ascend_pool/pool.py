@@ -88,6 +88,11 @@ class Pool(PoolBase):
             return True
         return False
 
+    def _another_devices_stream(self, stream):
+        # A peer device's stream that one of its open pools made or registered: record_stream
+        # orders this block's reuse after it (an event of that device), as torch's record_stream.
+        return any(other.device != self.device and other._knows_stream(stream) for other in _registry.live_pools())
+
     def context(self, name, quota=None, warn=None):
         """A tenant context on this pool's device: its own segments and a soft quota (bytes, "8GiB"
         or "25%" of the device). `with ctx:` makes it current for this thread."""

@@ -128,3 +128,17 @@ def query_old(ev):
     st = C.c_int(-1)
     ok("aclrtQueryEvent", ev, C.byref(st))
     return st.value
+
+
+def capi():
+    """ascend_pool's C ABI (a real dlopen of the extension, as a framework loads it), typed:
+    malloc/free as torch's pluggable allocators call them, the thread's last error."""
+    import ascend_pool
+
+    abi = C.CDLL(ascend_pool.library_path())
+    abi.ascend_pool_malloc.restype = C.c_void_p
+    abi.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, C.c_void_p]
+    abi.ascend_pool_free.argtypes = [C.c_void_p, C.c_ssize_t, C.c_int, C.c_void_p]
+    abi.ascend_pool_last_error.restype = C.c_char_p
+    abi.ascend_pool_last_error_code.restype = C.c_int
+    return abi

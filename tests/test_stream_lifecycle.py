@@ -539,3 +539,76 @@ def test_close_waits_for_busy_streams_within_one_sync_timeout():
     for s in streams:
         sim.release_stream(s)
     assert took < 1.0, f"close took {took:.2f} s with a 0.3 s limit"
+
+
+def test_interpreter_exit_does_not_wait_for_hung_streams_pool_by_pool(sim_node):
+    # A job whose collective hangs (a peer rank died) and that exits normally: the pools closed at
+    # interpreter teardown waited sync_timeout_ms for the hung stream each, one after another
+    # (3 pools: 3 x the limit; 60 s each by default). At exit no pool waits: the memory goes
+    # back with the process. An explicit close() still waits (the test above).
+    import subprocess
+    import time
+
+    child = sim_node.spawn("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        MiB = 1 << 20
+        base = ap.Pool(0, backend="sim")
+        s = base.create_stream()
+        sim.hang_stream(s)
+        keep = [base]
+        for i in range(3):
+            pool = base.context(f"t{i}") if i else base
+            keep.append(pool)
+            pool.register_stream(s)
+            pool.free(pool.malloc(4 * MiB, stream=s), stream=s)   # tagged with the hung stream
+        print("exiting", flush=True)
+    """, ASCEND_POOL_CONF="sync_timeout_ms:3000")
+    assert child.stdout.readline().strip() == "exiting", child.stderr.read()
+    t0 = time.monotonic()
+    try:
+        child.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise
+    took = time.monotonic() - t0
+    assert child.returncode == 0, child.stderr.read()
+    assert took < 3.0, f"exit took {took:.1f} s with 3 pools on a hung stream and a 3 s limit"
+
+
+def test_c_abi_empty_cache_waits_for_streams_without_holding_the_registry_lock(sim_node):
+    # torch's empty_cache (the C ABI's ascend_pool_empty_cache, a framework thread) waits for a
+    # stream whose next work needs a Python thread (a host-side producer). It held the C ABI's
+    # registry lock through the wait, and opening a pool (under the GIL) needs that lock: the
+    # Python thread that would release the stream could not run, so both ran to sync_timeout_ms
+    # (5 s here). The pools are now held, not the lock, while their waits run.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        abi = capi()
+        abi.ascend_pool_init(0)
+        s = ap.default_pool(0).create_stream()
+        p = abi.ascend_pool_malloc(64 << 20, 0, C.c_void_p(s))
+        sim.hang_stream(s)                           # its next work waits for the host
+        abi.ascend_pool_free(p, 64 << 20, 0, C.c_void_p(s))
+        res = {}
+        def producer():
+            time.sleep(0.5)
+            sim.release_stream(s)                    # needs the GIL
+        def framework_empty_cache():
+            t = time.monotonic()
+            abi.ascend_pool_empty_cache()
+            res["empty_cache_s"] = time.monotonic() - t
+            res["code"] = abi.ascend_pool_last_error_code()
+        threads = [threading.Thread(target=producer), threading.Thread(target=framework_empty_cache)]
+        for t in threads:
+            t.start()
+        time.sleep(0.1)
+        t = time.monotonic()
+        ap.Pool(1, backend="sim").close()
+        res["open_s"] = time.monotonic() - t
+        for t in threads:
+            t.join()
+        print(json.dumps(res))
+    """, ASCEND_POOL_CONF="sync_timeout_ms:5000")
+    assert out["code"] == 0 and out["empty_cache_s"] < 3.0 and out["open_s"] < 2.0, out

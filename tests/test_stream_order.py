@@ -75,6 +75,34 @@ def test_record_stream_holds_the_block_until_the_other_stream_is_done(pool, stre
     assert pool.memory_stats()["pending_free_bytes"] == 0
 
 
+def test_record_stream_with_another_devices_stream_holds_the_block(knobs):
+    # torch's record_stream takes a peer device's stream (a P2P copy reading the block). It was
+    # refused (InvalidStreamError; the C ABI's void hook only set code 5, so torch never knew),
+    # and the block served the next request while the peer's kernel still wrote it.
+    p0 = ap.Pool(0, backend="sim", **knobs)
+    p1 = ap.Pool(1, backend="sim")
+    try:
+        own, peer = p0.create_stream(), p1.create_stream()
+        ptr = p0.malloc(N, stream=own)
+        sim.launch_fill(peer, ptr, N, 0xBB, delay_s=0.3)   # the peer still writes for 0.3 s
+        p0.record_stream(ptr, peer)
+        p0.free(ptr, stream=own)
+        assert p0.memory_stats()["pending_free_bytes"] == p0.round_size(N)
+        again = p0.malloc(N, stream=own)
+        sim.launch_fill(own, again, N, 0xAA)
+        p0.synchronize(own)
+        p1.synchronize(peer)
+        assert filled_with(again, 0xAA), "the peer device's work overwrote the reused block"
+        p0.free(again, stream=own)
+        p1.synchronize(peer)
+        p0.empty_cache()
+        assert p0.memory_stats()["pending_free_bytes"] == 0
+        p0._check_invariants()
+    finally:
+        p0.close()
+        p1.close()
+
+
 def test_same_stream_reuse_is_immediate(pool, streams):
     a, _, _ = streams
     ptr = pool.malloc(N, stream=a)

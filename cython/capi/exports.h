@@ -250,16 +250,35 @@ APC_EXPORT void ascend_pool_empty_cache(void) {
     ap_error err;
     int failed = 0;
     if (apc_forked("ascend_pool_empty_cache")) return;
+    /* The pools are held (capi_calls: a close waits for them, registry.h) under the registry
+       lock, then emptied without it: each may wait for busy streams up to sync_timeout_ms, and
+       opening or closing a pool (under the GIL) takes that lock. Held through the waits, it froze
+       the interpreter, and a stream that needed a Python thread to finish was never released. */
     pthread_mutex_lock(&apc_reg_lock);
+    size_t n = 0, cap = apc_reg_n;
+    struct { ap_pool *pool; int device; } *held = cap ? malloc(cap * sizeof *held) : NULL;
+    if (cap && !held) {
+        pthread_mutex_unlock(&apc_reg_lock);
+        apc_fail(AP_E_HOST_NOMEM, "ascend_pool_empty_cache: host memory exhausted");
+        return;
+    }
     for (size_t i = 0; i < apc_reg_n; i++) {
         ap_pool *p = apc_entry_pool(&apc_reg[i]);
-        int rc = p ? ap_pool_empty_cache(p, &err) : AP_OK;
-        if (rc != AP_OK && !failed) {
-            failed = 1;
-            apc_fail(rc, "ascend_pool_empty_cache: device %d: %s", apc_reg[i].device, err.message);
-        }
+        if (!p) continue;
+        atomic_fetch_add_explicit(&p->capi_calls, 1, memory_order_seq_cst);
+        held[n].pool = p;
+        held[n++].device = apc_reg[i].device;
     }
     pthread_mutex_unlock(&apc_reg_lock);
+    for (size_t i = 0; i < n; i++) {
+        int rc = ap_pool_empty_cache(held[i].pool, &err);
+        ap_pool_unhold(held[i].pool);
+        if (rc != AP_OK && !failed) {
+            failed = 1;
+            apc_fail(rc, "ascend_pool_empty_cache: device %d: %s", held[i].device, err.message);
+        }
+    }
+    free(held);
 }
 
 APC_EXPORT void ascend_pool_reset(bool check_error) {

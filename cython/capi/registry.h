@@ -8,7 +8,9 @@
  * path of every pool (PoolBase._shut, for close() and __dealloc__ alike) sets that field to NULL,
  * then unregisters it, and only then destroys the pool, so a lookup never reaches a closed pool.
  * Lookups run with the registry lock held; lock order: registry, then a pool's own lock (nothing
- * takes them the other way round). As everywhere in the pool, closing a pool while other threads
+ * takes them the other way round). No wait happens under it: ascend_pool_empty_cache holds the
+ * pools (capi_calls) and lets the lock go before their stream waits (opening and closing a pool
+ * take it under the GIL). As everywhere in the pool, closing a pool while other threads
  * still use its memory is the caller's error. In a child forked after the runtime was opened the
  * registry is dead: the C ABI refuses before any lookup, and closing pools there skips it (its
  * lock may have been held at the fork).

@@ -14,6 +14,8 @@
                           record_stream refuses (InvalidStreamError, C ABI error 5): 8 was reached by
                           frameworks, whose record_stream has no limit (PyTorch keeps a set) */
 
+#define AP_MAX_FOREIGN 8 /* streams of other devices one block may be marked with (record_stream) */
+
 /* CACHED: free, parked in the recent-free cache (free_cache.c), not yet merged or in a tree. */
 enum { AP_BLOCK_FREE = 0, AP_BLOCK_ALLOCATED = 1, AP_BLOCK_PENDING = 2, AP_BLOCK_MOVING = 3, AP_BLOCK_CACHED = 4 };
 enum { AP_POOL_SMALL = 0, AP_POOL_LARGE = 1 };
@@ -28,8 +30,16 @@ typedef struct ap_block_uses {
     uint16_t n_events;
     void *events[AP_MAX_USES + 1];  /* pending: events still to complete */
     uint16_t n_owed;
-    void *owed[AP_MAX_USES + 1];    /* pending: streams still to wait for (no event could be had,
-                                       and the wait at the free failed or timed out) */
+    void *owed[AP_MAX_USES + AP_MAX_FOREIGN + 1]; /* pending: streams still to wait for (no event
+                                       could be had, and the wait at the free failed or timed out) */
+    /* Streams of other devices that used it (record_stream, as torch allows: a peer's kernel
+       reading it): no slot of this pool, so each gets, at the free, an event of its own device
+       (fevents), destroyed once complete, never cached here. */
+    uint16_t n_foreign;
+    int16_t foreign_device[AP_MAX_FOREIGN];
+    void *foreign[AP_MAX_FOREIGN];
+    uint16_t n_fevents;
+    void *fevents[AP_MAX_FOREIGN];
 } ap_block_uses;
 
 typedef struct ap_block {

@@ -162,20 +162,27 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
     return p;
 }
 
+static atomic_int pools_exiting;
+
+void ap_pools_exiting(void) { atomic_store(&pools_exiting, 1); }
+
 void ap_pool_destroy(ap_pool *p) {
     if (!p) return;
     ap_current_forget(p);
     ap_pool_wait_holders(p); /* C ABI calls that found it before it was hidden */
     ap_error ignore;
-    ap_process_pending(p, 1, &ignore);
+    int exiting = atomic_load(&pools_exiting);
+    ap_process_pending(p, !exiting, &ignore);
     /* Blocks freed stream-ordered may still be written by their stream's queued work: the memory
        goes back to the device (and to the next pool or process) only after it (before, a close
-       right after such a free handed that memory out under the running kernel). */
-    ap_wait_tagged_streams(p);
+       right after such a free handed that memory out under the running kernel). Not at exit:
+       no next pool, and the runtime tears the context down with its streams. */
+    if (!exiting) ap_wait_tagged_streams(p);
     while (p->pending_head) { /* events that never completed: give their blocks up anyway */
         ap_block *b = p->pending_head;
         p->pending_head = b->pending_next;
         for (int i = 0; b->xs && i < b->xs->n_events; i++) p->backend->event_destroy(p->backend, b->xs->events[i]);
+        for (int i = 0; b->xs && i < b->xs->n_fevents; i++) p->backend->event_destroy(p->backend, b->xs->fevents[i]);
     }
     for (ap_segment *s = p->segments; s; s = s->next)
         if (!s->expandable) p->backend->free(p->backend, p->device, (void *)s->base);
@@ -445,7 +452,7 @@ static void release_block(ap_pool *p, ap_block *b, int tag) {
     AP_ASSERT(b->state == AP_BLOCK_ALLOCATED && tag >= 0 && tag < p->n_slots);
     if (__builtin_expect(!p->slots[tag].live, 0)) tag = 0; /* retired stream: its work is over */
     unmark_allocated(p, b);
-    if (b->xs && b->xs->n_uses) { /* other streams used it: reusable only after their events complete */
+    if (b->xs && (b->xs->n_uses || b->xs->n_foreign)) { /* other streams used it: reusable only after their events complete */
         ap_free_pending(p, b, tag);
         return;
     }
@@ -499,6 +506,24 @@ int ap_pool_try_free(ap_pool *p, void *ptr) {
     return AP_OK;
 }
 
+/* record_stream with a stream of another device: kept on the block (no slot here), an event of
+   that device recorded on it at the free (ap_free_pending). Before, refused: the C ABI's void hook
+   dropped the use, and the block went to the next request while the peer still read it. */
+static int note_foreign_use(ap_pool *p, ap_block *b, void *stream, int device, ap_error *err) {
+    if (!b->xs) b->xs = ap_uses_new(p);
+    ap_block_uses *u = b->xs;
+    if (!u) return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
+    for (int i = 0; i < u->n_foreign; i++)
+        if (u->foreign[i] == stream) return AP_OK;
+    if (u->n_foreign == AP_MAX_FOREIGN)
+        return ap_set_error(err, AP_E_INVALID_STREAM, 0,
+                            "block 0x%lx is already marked with %d streams of other devices (the most one block "
+                            "can be)", (unsigned long)b->addr, AP_MAX_FOREIGN);
+    u->foreign_device[u->n_foreign] = (int16_t)device;
+    u->foreign[u->n_foreign++] = stream;
+    return AP_OK;
+}
+
 int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     ap_block *b = ap_map_get(&p->live, (uintptr_t)ptr);
@@ -506,8 +531,10 @@ int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
     if (!b || b->state != AP_BLOCK_ALLOCATED) {
         rc = bad_pointer(p, ptr, err);
     } else {
-        int slot = ap_slot_of(p, stream, 1);
-        if (slot < 0) {
+        int slot = ap_slot_of(p, stream, 1), device = -1;
+        if (slot == -3 && p->backend->stream_device(p->backend, stream, &device) == 0) {
+            rc = note_foreign_use(p, b, stream, device, err);
+        } else if (slot < 0) {
             rc = slot_error(p, slot, stream, err);
         } else if (slot != b->tag) {
             if (!b->xs) b->xs = ap_uses_new(p);

@@ -44,6 +44,7 @@ cdef extern from "pool.h" nogil:
     void ap_config_default(ap_config *c)
     ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, ap_error *err)
     void ap_pool_destroy(ap_pool *p)
+    void ap_pools_exiting()
     int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err)
     int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err)
     int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out)
@@ -399,6 +400,11 @@ cdef class PoolBase:
         then). The compiled pool knows no other pool; ascend_pool.Pool looks at the open ones."""
         return False
 
+    def _another_devices_stream(self, stream):
+        """True when stream is a live stream of another device's pool (record_stream takes it).
+        The compiled pool knows no other pool; ascend_pool.Pool looks at the open ones."""
+        return False
+
     def _knows_stream(self, stream):
         """True when stream was made or registered here (and not destroyed through this pool)."""
         return stream in self._streams
@@ -466,11 +472,16 @@ cdef class PoolBase:
 
     def record_stream(self, ptr, stream):
         """Marks ptr as used by stream: after its free, the block is not reused anywhere until the
-        work queued on stream before the free has completed."""
+        work queued on stream before the free has completed. stream may be another device's (one
+        of its pools made or registered it: a peer's kernel reading the block), as torch allows."""
         self._check()
         cdef ap_pool *_p
         cdef void *p = _as_ptr(ptr)
-        cdef void *s = self._stream(stream)
+        cdef void *s
+        if type(stream) is int and stream not in self._streams and self._another_devices_stream(stream):
+            s = PyLong_AsVoidPtr(stream)
+        else:
+            s = self._stream(stream)
         cdef ap_error err
         cdef int rc
         _p = self._enter()

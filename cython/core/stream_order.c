@@ -239,6 +239,24 @@ static void pending_unlink(ap_pool *p, ap_block *prev, ap_block *b) {
     b->pending_next = NULL;
 }
 
+/* A use by a stream of another device (note_foreign_use): an event of that device recorded on it
+   now, else (no event could be had or recorded) a wait owed to it, as for local uses. A stream the
+   runtime no longer knows has no work left. */
+static void record_foreign(ap_pool *p, ap_block_uses *u, void *stream, int device) {
+    void *ev = NULL;
+    int rc = p->backend->event_create(p->backend, device, &ev);
+    if (rc == 0) {
+        rc = p->backend->event_record(p->backend, ev, stream);
+        if (rc == 0) {
+            u->fevents[u->n_fevents++] = ev;
+            return;
+        }
+        p->backend->event_destroy(p->backend, ev);
+        if (ap_stream_unusable(p, rc)) return;
+    }
+    u->owed[u->n_owed++] = stream; /* waited for before the block is reused (owed_done) */
+}
+
 void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
     void *streams[AP_MAX_USES + 1];
     int n = 0;
@@ -257,8 +275,11 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
                                                                (pool.h: the one wait under the lock, rare) */
             u->owed[u->n_owed++] = streams[i]; /* still running (or failed): the block waits for it */
     }
+    u->n_fevents = 0;
+    for (int i = 0; i < u->n_foreign; i++) record_foreign(p, u, u->foreign[i], u->foreign_device[i]);
     b->state = AP_BLOCK_PENDING;
     u->n_uses = 0;
+    u->n_foreign = 0;
     b->pending_next = NULL;
     if (p->pending_tail) p->pending_tail->pending_next = b;
     else p->pending_head = b;
@@ -294,6 +315,21 @@ static int owed_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
     return AP_OK;
 }
 
+/* AP_OK once ev has completed (blocking: waited for), AP_E_BUSY while not, else the wait's error. */
+static int event_done(ap_pool *p, ap_block *b, void *ev, int blocking, ap_error *err) {
+    if (!blocking) {
+        int complete = 0;
+        return p->backend->event_query(p->backend, ev, &complete) == 0 && complete ? AP_OK : AP_E_BUSY;
+    }
+    int rc = p->backend->event_sync(p->backend, ev, p->cfg.sync_timeout_ms);
+    if (rc == 0) return AP_OK;
+    char msg[AP_RUNTIME_MSG];
+    p->backend->error_message(p->backend, rc, msg, sizeof msg);
+    return ap_set_error(err, rc == 507047 || rc == 507046 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
+                        "waiting for the streams that used block 0x%lx on device %d: %s", (unsigned long)b->addr,
+                        p->device, msg);
+}
+
 static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
     ap_block_uses *u = b->xs;
     if (u && u->n_owed) {
@@ -302,23 +338,17 @@ static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
     }
     if (u && u->n_events) ap_on_device(p);
     while (u && u->n_events) {
-        void *ev = u->events[u->n_events - 1];
-        int rc;
-        if (blocking) {
-            rc = p->backend->event_sync(p->backend, ev, p->cfg.sync_timeout_ms);
-            if (rc != 0) {
-                char msg[AP_RUNTIME_MSG];
-                p->backend->error_message(p->backend, rc, msg, sizeof msg);
-                return ap_set_error(err, rc == 507047 || rc == 507046 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
-                                    "waiting for the streams that used block 0x%lx on device %d: %s",
-                                    (unsigned long)b->addr, p->device, msg);
-            }
-        } else {
-            int complete = 0;
-            if (p->backend->event_query(p->backend, ev, &complete) != 0 || !complete) return AP_E_BUSY;
-        }
-        ap_event_put(p, ev);
-        u->n_events--;
+        int rc = event_done(p, b, u->events[u->n_events - 1], blocking, err);
+        if (rc != AP_OK) return rc;
+        ap_event_put(p, u->events[--u->n_events]);
+    }
+    /* Another device's events are destroyed, not cached; never while a wait outside the lock
+       (waits.c) may still hold their handles: asked again at the next pass. */
+    while (u && u->n_fevents) {
+        if (p->event_pins) return AP_E_BUSY;
+        int rc = event_done(p, b, u->fevents[u->n_fevents - 1], blocking, err);
+        if (rc != AP_OK) return rc;
+        p->backend->event_destroy(p->backend, u->fevents[--u->n_fevents]);
     }
     return AP_OK;
 }

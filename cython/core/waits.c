@@ -77,8 +77,10 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
         if (!sl->live || (slot > 0 ? s != slot : !sl->trees[0].count && !sl->trees[1].count)) continue;
         items[n++] = (wait_item){sl->stream, s, sl->epoch, 0};
     }
-    for (ap_block *b = pending ? p->pending_head : NULL; b && ne < WAIT_BATCH; b = b->pending_next)
+    for (ap_block *b = pending ? p->pending_head : NULL; b && ne < WAIT_BATCH; b = b->pending_next) {
         for (int i = 0; b->xs && i < b->xs->n_events && ne < WAIT_BATCH; i++) events[ne++] = b->xs->events[i];
+        for (int i = 0; b->xs && i < b->xs->n_fevents && ne < WAIT_BATCH; i++) events[ne++] = b->xs->fevents[i];
+    }
     if (!n && !ne) return AP_OK;
     p->event_pins++;
     pthread_mutex_unlock(&p->lock);
