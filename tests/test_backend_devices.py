@@ -191,3 +191,18 @@ def test_c_abi_refuses_a_stream_of_another_device(acl):
         pool0.destroy_stream(s0)
     finally:
         pool0.close()
+
+
+def test_reading_stats_from_a_thread_without_a_device_leaves_it_without_one(acl):
+    # A monitoring thread that never chose a device reads a pool's figures (torch.npu.memory_stats(1)
+    # under the torch_npu integration). The device query ran in that thread, which ACL cannot
+    # unbind again: it came back on device 1, and torch_npu, which takes a thread's device from the
+    # runtime when it has none of its own, put that thread's next tensor on npu:1.
+    pool = ap.Pool(1, backend="sim")
+    try:
+        seen = on_framework_thread(lambda: (current_device(acl), pool.memory_stats(), current_device(acl)))
+        before, stats, after = seen
+        assert (before, after) == (None, None), f"the thread was on device {before}, then {after}"
+        assert stats["device_total_bytes"] > 0 and 0 < stats["device_free_bytes"] <= stats["device_total_bytes"]
+    finally:
+        pool.close()

@@ -91,9 +91,14 @@ def test_timeouts_on_a_hung_stream_then_it_works_after_release(sim_node):
         assert code("aclrtSynchronizeStreamWithTimeout", s, 0) == 507046   # 0: just look
         assert code("aclrtSynchronizeStreamWithTimeout", s, -2) == 100000
         assert query_status(e) == 0 and sim.read(p, 4) == bytes(4)
+        # a thread without a current context is refused, as by the runtime (107002)
+        bare = []
+        t = threading.Thread(target=lambda: bare.append(code("aclrtSynchronizeStream", s)))
+        t.start(); t.join(5)
+        assert bare == [107002], bare
         # a host thread blocked in an untimed sync is released with the stream
         done = []
-        t = threading.Thread(target=lambda: done.append(code("aclrtSynchronizeStream", s)))
+        t = threading.Thread(target=lambda: (ok("aclrtSetDevice", 0), done.append(code("aclrtSynchronizeStream", s))))
         t.start(); time.sleep(0.05)
         assert not done
         sim.release_stream(s)

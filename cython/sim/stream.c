@@ -305,6 +305,10 @@ static aclError sync_stream(aclrtStream stream, int32_t timeout, const char *cal
         return rc;
     if (timeout < -1)
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "timeout %d ms is invalid (-1 waits forever)", (int)timeout);
+    /* The runtime's StreamSynchronize needs a current context, whichever stream it waits for
+       (hicann/runtime ApiImpl::StreamSynchronize: 107002 without one). */
+    if (!sim_current_context())
+        return sim_fail(ACL_ERROR_RT_CONTEXT_NULL, call, "this thread has no current context (stream %p)", stream);
     struct sim_stream *s;
     if ((rc = sim_stream_get(stream, call, &s)) != 0)
         return rc;
