@@ -44,6 +44,9 @@ for _name, _args in {
 }.items():
     _f = getattr(lib, _name)
     _f.argtypes, _f.restype = _args, C.c_int
+for _name in ("aclrtGetPhyDevIdByLogicDevId", "aclrtGetLogicDevIdByPhyDevId"):  # not in every build
+    if hasattr(lib, _name):
+        getattr(lib, _name).argtypes, getattr(lib, _name).restype = [C.c_int32, C.POINTER(C.c_int32)], C.c_int
 HAS_NEW = hasattr(lib, "aclrtMallocAlign32")
 if HAS_NEW:
     lib.aclrtMallocAlign32.argtypes, lib.aclrtMallocAlign32.restype = [C.POINTER(_VP), _SZ, _I], C.c_int

@@ -64,7 +64,7 @@ import ascend_pool as ap
 from ascend_pool import identity
 from ascend_pool.errors import QuotaExceededError
 tenant, quota = sys.argv[1], (None if sys.argv[2] == "none" else sys.argv[2])
-pool = ap.Pool(0)
+pool = ap.Pool(int(os.environ.get("WORKER_DEVICE", "0")))
 ctx = pool.context(tenant, quota=quota)
 print(json.dumps({"pid": os.getpid(), "instance": identity.instance_hex(), "quota": ctx.quota,
                   "expandable": bool(pool.knobs.get("expandable_segments"))}), flush=True)
@@ -539,4 +539,19 @@ def test_a_worker_in_its_own_time_namespace_is_alive_to_its_peers(node):
     b = Worker(env, procs, "t", "100MiB", ns=False)
     assert b("malloc", 80 * MiB) == "refused"
     assert a.proc.poll() is None
+
+
+@needs_unshare
+def test_a_quota_follows_the_npu_whatever_number_a_container_gives_it(node):
+    # A container given the node's NPU 1 sees it as device 0 (ASCEND_RT_VISIBLE_DEVICES=1); a
+    # process that sees every NPU calls it device 1. Their ledgers were keyed by the number each
+    # saw (dev0, dev1): one tenant got 80 + 80 MiB on one NPU under a 100 MiB quota, while two
+    # containers whose device 0 are different NPUs shared one quota. The node's device decides.
+    env, base, procs = node
+    on_npu1 = Worker(env, procs, "t", "100MiB", extra_env={"ASCEND_RT_VISIBLE_DEVICES": "1"})
+    assert on_npu1("malloc", 80 * MiB) == "granted"
+    same_npu = Worker(env, procs, "t", "100MiB", extra_env={"WORKER_DEVICE": "1"})
+    assert same_npu("malloc", 80 * MiB) == "refused"
+    other_npu = Worker(env, procs, "t", "100MiB", extra_env={"ASCEND_RT_VISIBLE_DEVICES": "2"})
+    assert other_npu("malloc", 80 * MiB) == "granted"
 

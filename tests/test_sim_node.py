@@ -349,3 +349,36 @@ def test_a_record_an_older_simulator_left_is_replaced_once_nobody_uses_it(sim_no
     """)
     with open(path, "rb") as f:
         assert struct.unpack_from("<I", f.read(12), 8)[0] >= 3
+
+
+def test_visible_devices_renumber_a_processs_devices_and_share_the_nodes(sim_node):
+    # A container given the node's NPU 1 (ASCEND_RT_VISIBLE_DEVICES=1, the runtime's own
+    # variable) sees one device, its device 0, and allocates from NPU 1's capacity, which every
+    # process of the node shares; aclrtGetPhyDevIdByLogicDevId names the NPU behind it.
+    a = start_holder(sim_node, 600 << 10, ASCEND_SIM_HBM="1MiB", ASCEND_RT_VISIBLE_DEVICES="1")
+    try:
+        out = sim_node.run_json("""
+            init(1)
+            on_npu1 = used()
+            ok("aclrtSetDevice", 0)
+            print(json.dumps({"npu1": on_npu1, "npu0": used()}))
+        """, ASCEND_SIM_HBM="1MiB")
+        assert out == {"npu1": 600 << 10, "npu0": 0}
+        out = sim_node.run_json("""
+            init()
+            n, phys, back = C.c_uint32(), C.c_int32(-1), C.c_int32(-1)
+            ok("aclrtGetDeviceCount", C.byref(n))
+            ok("aclrtGetPhyDevIdByLogicDevId", 1, C.byref(phys))
+            ok("aclrtGetLogicDevIdByPhyDevId", 0, C.byref(back))
+            print(json.dumps({"count": n.value, "phys": phys.value, "back": back.value,
+                              "hidden": code("aclrtGetLogicDevIdByPhyDevId", 1, C.byref(back))}))
+        """, ASCEND_SIM_HBM="1MiB", ASCEND_SIM_DEVICES="3", ASCEND_RT_VISIBLE_DEVICES="2,0")
+        assert out == {"count": 2, "phys": 0, "back": 1, "hidden": 107001}
+        bad = sim_node.run_json("""
+            print(json.dumps({"rc": lib.aclInit(None), "msg": errmsg()}))
+        """, ASCEND_SIM_HBM="1MiB", ASCEND_RT_VISIBLE_DEVICES="0,7")
+        assert bad["rc"] == 100000 and "ASCEND_RT_VISIBLE_DEVICES='0,7'" in bad["msg"], bad
+    finally:
+        a.stdin.close()
+        a.wait(10)
+        a.stdout.close(); a.stderr.close()

@@ -29,6 +29,8 @@ ACL = [
     # the SoC of the profile (ASCEND_SIM_PROFILE), in both builds
     "aclrtGetSocName",
     "aclrtDeviceGetBareTgid",  # the node-level id importers are listed by (proc.c), in both builds
+    # the node's device behind a logical one (ASCEND_RT_VISIBLE_DEVICES), in both builds
+    "aclrtGetPhyDevIdByLogicDevId", "aclrtGetLogicDevIdByPhyDevId",
 ]
 NEWER = {"aclrtMallocAlign32", "aclrtQueryEventStatus"}
 CONTROL = [

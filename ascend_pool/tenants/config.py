@@ -5,7 +5,8 @@
     [tenants.online]
     quota = "24GiB"     # bytes, a size with a unit, or "25%" of the device
     warn = 0.8          # in (0, 1]
-    devices = [0, 1]    # device indexes the quota applies on (default: every device)
+    devices = [0, 1]    # the node's devices the quota applies on (default: every device); a
+                        # container that sees NPU 3 as its device 0 is on device 3 here
     [tenants.batch]
     quota = "25%"
 

@@ -1,6 +1,7 @@
 """Where the node-wide quota ledgers live, and this process's handle on each.
 
-One ledger file per device (and per user, or per group when $ASCEND_POOL_LEDGER_GROUP is set),
+One ledger file per device of the node (the physical NPU: a container's device 0 may be the node's
+NPU 3, Backend.physical_device) and per user, or per group when $ASCEND_POOL_LEDGER_GROUP is set,
 in the user's (or group's) private directory inside $ASCEND_POOL_LEDGER_DIR or /dev/shm
 (ascend_pool/private_dir.py: another local user cannot take its names or write its files):
 
@@ -205,7 +206,11 @@ def sweep(directory=None, uids=(), gids=()):
 
 def view(device=0, backend=None, directory=None):
     """The ledger of device as a dict (see ascend_pool._core.Ledger.view): tenants with quota and
-    held bytes node-wide, and process slots. backend: name or object (default: this process's)."""
+    held bytes node-wide, and process slots. backend: name or object (default: this process's).
+    device: this process's number for it; the ledger is the node device's behind it (a container's
+    device 0 may be the node's NPU 3), as every process of the node names it."""
     if backend is None:
         backend = open_backend()
+    if not isinstance(backend, str):
+        device = backend.physical_device(int(device))
     return open_ledger(device, backend, directory).view()

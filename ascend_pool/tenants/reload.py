@@ -33,7 +33,8 @@ def apply_config(cfg, orphans=None):
     changed = []
     for ctx in live_contexts():
         t = cfg.tenants.get(ctx.tenant)
-        if t is None or not t.applies_to(ctx.device):
+        led = ctx.ledger  # the file names the node's devices, as the ledgers do (None once closed)
+        if t is None or not t.applies_to(led.device if led is not None else ctx.device):
             if orphans is not None:
                 orphans.append((ctx.tenant, ctx.device, ctx.quota))
             continue

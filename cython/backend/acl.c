@@ -145,6 +145,7 @@ typedef struct acl_impl {
     uint64_t learned_clock;
     aclError (*sim_stream_device)(void *stream, int32_t *device); /* simulator only: probed */
     aclError (*aclrtDeviceGetBareTgid)(int32_t *pid); /* optional: NULL on an old CANN */
+    aclError (*aclrtGetPhyDevIdByLogicDevId)(int32_t logic, int32_t *phys); /* optional likewise */
 } acl_impl;
 
 #define IMPL(b) ((acl_impl *)(b)->impl)
@@ -884,6 +885,21 @@ static int acl_ipc_lookup(acl_impl *im, void *lib)
 }
 
 /* Every pid given to aclrtIpcMemSetImportPid is one of these (CANN: the host tgid in a container). */
+static int acl_physical_device(ap_backend *b, int device, int *physical)
+{
+    int32_t phys = device;
+    int rc;
+
+    if (!IMPL(b)->aclrtGetPhyDevIdByLogicDevId) {
+        *physical = device;
+        return 0;
+    }
+    rc = IMPL(b)->aclrtGetPhyDevIdByLogicDevId(device, &phys);
+    if (rc == 0)
+        *physical = phys;
+    return rc;
+}
+
 static int acl_node_pid(ap_backend *b, int32_t *pid)
 {
     if (!IMPL(b)->aclrtDeviceGetBareTgid) {
@@ -1501,7 +1517,10 @@ int ap_acl_open(ap_backend *b, const char *path, int prefer_loaded, int want_sim
     b->ipc_close = b->has_ipc ? acl_ipc_close : acl_ipc_absent_close;
     b->has_ipc_read_only = b->has_ipc && im->ipc_read_only_flag != 0;
     im->aclrtDeviceGetBareTgid = (__typeof__(im->aclrtDeviceGetBareTgid))dlsym(b->lib, "aclrtDeviceGetBareTgid");
+    im->aclrtGetPhyDevIdByLogicDevId =
+        (__typeof__(im->aclrtGetPhyDevIdByLogicDevId))dlsym(b->lib, "aclrtGetPhyDevIdByLogicDevId");
     b->node_pid = acl_node_pid;
+    b->physical_device = acl_physical_device;
 
     /* A framework in this process may have initialised ACL already; that is fine. Never finalise:
        see ap_backend_close(). */

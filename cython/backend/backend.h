@@ -160,6 +160,12 @@ struct ap_backend {
        call, which predates containers' pid namespaces in its IPC checks); cuda getpid() (CUDA
        IPC checks no pids). 0 = ok. */
     int (*node_pid)(ap_backend *b, int32_t *pid);
+    /* The node's device behind this process's `device` (*physical): a container given some of a
+       node's NPUs sees them renumbered from 0 (ASCEND_RT_VISIBLE_DEVICES), and what processes of
+       different containers share on a node (the quota ledgers) must name the same NPU alike.
+       acl: aclrtGetPhyDevIdByLogicDevId, the device itself on a CANN without it; cuda: the device
+       itself (CUDA_VISIBLE_DEVICES renumbering is not resolved). 0 = ok. */
+    int (*physical_device)(ap_backend *b, int device, int *physical);
 
     void *impl; /* private: resolved symbols */
 };

@@ -74,6 +74,7 @@ cdef extern from "backend.h" nogil:
         int (*ipc_import)(ap_backend *b, int device, const char *key, void **ptr, size_t *size) noexcept nogil
         int (*ipc_close)(ap_backend *b, int device, const char *key) noexcept nogil
         int (*node_pid)(ap_backend *b, int32_t *pid) noexcept nogil
+        int (*physical_device)(ap_backend *b, int device, int *physical) noexcept nogil
         void *impl
 
     int ap_backend_open_default(ap_backend *b, const char *kind, const char *path, int prefer_loaded,
@@ -459,6 +460,17 @@ cdef class Backend:
         if rc != 0:
             self._fail(rc, "node_pid")
         return int(pid)
+
+    def physical_device(self, int device):
+        """The node's device behind this process's `device` (int): the same NPU has the same
+        number in every process and container of the node (acl: aclrtGetPhyDevIdByLogicDevId, as
+        ASCEND_RT_VISIBLE_DEVICES renumbers; else the device itself)."""
+        cdef int rc, physical = device
+        with nogil:
+            rc = self.b.physical_device(self.b, device, &physical)
+        if rc != 0:
+            self._fail(rc, "physical_device")
+        return int(physical)
 
     def ipc_import(self, int device, key):
         """Maps the memory exported as `key` into this process for `device`. Returns

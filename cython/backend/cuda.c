@@ -557,6 +557,13 @@ static int cuda_ipc_close(ap_backend *b, int device, const char *key)
 }
 
 static int cuda_ipc_absent_export(ap_backend *b, int d, void *p, size_t s, char *k, size_t l, unsigned f) { (void)b; (void)d; (void)p; (void)s; (void)k; (void)l; (void)f; return AP_ERR_MISSING_SYMBOL; }
+static int cuda_physical_device(ap_backend *b, int device, int *physical)
+{
+    (void)b;
+    *physical = device;
+    return 0;
+}
+
 /* CUDA IPC checks no pids: the process's own pid is its id (what a CUDA pids list would hold). */
 static int cuda_node_pid(ap_backend *b, int32_t *pid)
 {
@@ -788,6 +795,7 @@ int ap_cuda_open(ap_backend *b, const char *path, char *err, size_t errlen)
     b->ipc_import = b->has_ipc ? cuda_ipc_import : cuda_ipc_absent_import;
     b->ipc_close = b->has_ipc ? cuda_ipc_close : cuda_ipc_absent_close;
     b->node_pid = cuda_node_pid;
+    b->physical_device = cuda_physical_device;
 
     /* Without a driver the runtime loads fine and fails here (cudaErrorInsufficientDriver 35 or
        cudaErrorNoDevice 100): report that as "no device", with the runtime's own words. */

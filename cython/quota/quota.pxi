@@ -275,7 +275,8 @@ def attach_ledger(PoolBase pool, Ledger ledger, str tenant, quota, warn, bint se
         raise PoolError("this pool is already attached to a tenant")
     _ensure_lease(ledger.L.dir.decode())  # the slot is named by this process's lease
     cdef int src = APL_SRC_DECLARED
-    op = _operator_quota_hook(tenant, pool.device, lambda: pool.backend.mem_info(pool.device)[1]) \
+    # The operator's file names the node's devices (ledger.device: the NPU behind pool.device).
+    op = _operator_quota_hook(tenant, ledger.device, lambda: pool.backend.mem_info(pool.device)[1]) \
         if _operator_quota_hook is not None else None
     if op is not None:  # the operator's tenants file names this tenant's quota: it wins
         if set_quota and quota != op[0]:
@@ -370,7 +371,7 @@ cdef class LedgerQuota:
         try:
             if _handle_of(pool) == NULL:
                 raise PoolError("this pool is not attached to a tenant")
-            op = _operator_quota_hook(self.tenant, pool.device, lambda: pool.backend.mem_info(pool.device)[1]) \
+            op = _operator_quota_hook(self.tenant, self.ledger.device, lambda: pool.backend.mem_info(pool.device)[1]) \
                 if _operator_quota_hook is not None else None
             if op is not None and op[0] == quota:
                 src = APL_SRC_OPERATOR  # e.g. a reload of the tenants file

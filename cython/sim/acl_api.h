@@ -184,6 +184,8 @@ SIM_EXPORT aclError aclrtGetDevice(int32_t *deviceId);
 SIM_EXPORT aclError aclrtGetDeviceCount(uint32_t *count);
 SIM_EXPORT aclError aclrtResetDevice(int32_t deviceId);
 SIM_EXPORT aclError aclrtResetDeviceForce(int32_t deviceId);
+SIM_EXPORT aclError aclrtGetPhyDevIdByLogicDevId(int32_t logicDevId, int32_t *phyDevId);
+SIM_EXPORT aclError aclrtGetLogicDevIdByPhyDevId(int32_t phyDevId, int32_t *logicDevId);
 SIM_EXPORT const char *aclrtGetSocName(void);
 
 SIM_EXPORT aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId);

@@ -9,6 +9,9 @@
  *   ASCEND_SIM_NODE               name of the simulated node sharing device capacity ("default")
  *   ASCEND_SIM_SHM_DIR            directory of the node's shared records     (default /dev/shm)
  *   ASCEND_SIM_PROFILE            strict | cann8.0 | cann8.3 | 310p | 950       (default strict)
+ *   ASCEND_RT_VISIBLE_DEVICES     the runtime's own: the node devices this process sees, renumbered
+ *                                 from 0 in that order ("3,5": devices 0 and 1 are the node's 3 and
+ *                                 5), as a container given some of a node's NPUs sees them
  *
  * A profile is the set of documented rules of one CANN generation or SoC (docs/cann-rules.md):
  *   cann8.0  Atlas A2 on CANN 8.0.x: reserve flags must match the mapped page type (0 normal, 1 huge)
@@ -90,7 +93,41 @@ static int get_size(const char *name, uint64_t lo, uint64_t hi, uint64_t *out, c
     return 0;
 }
 
-int sim_config_devices(int *devices, const char *call)
+/* ASCEND_RT_VISIBLE_DEVICES: a comma-separated list of distinct node devices. */
+static int get_visible(int node_devices, int *devices, int *phys, const char *call)
+{
+    const char *v = env("ASCEND_RT_VISIBLE_DEVICES");
+    int n = 0;
+    if (!v) {
+        for (int i = 0; i < node_devices; i++)
+            if (phys)
+                phys[i] = i;
+        *devices = node_devices;
+        return 0;
+    }
+    for (const char *p = v; *p;) {
+        char *end;
+        errno = 0;
+        long d = isdigit((unsigned char)*p) ? strtol(p, &end, 10) : -1;
+        int seen = 0;
+        for (int i = 0; phys && i < n; i++)
+            seen |= phys[i] == d;
+        if (d < 0 || errno || d >= node_devices || n == SIM_MAX_DEVICES || seen || (*end && *end != ','))
+            return sim_fail(ACL_ERROR_INVALID_PARAM, call,
+                            "ASCEND_RT_VISIBLE_DEVICES='%s' is not a list of distinct devices of this node "
+                            "(0 to %d, comma-separated)", v, node_devices - 1);
+        if (phys)
+            phys[n] = (int)d;
+        n++;
+        p = *end ? end + 1 : end;
+    }
+    if (n == 0)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "ASCEND_RT_VISIBLE_DEVICES='%s' names no device", v);
+    *devices = n;
+    return 0;
+}
+
+int sim_config_devices(int *devices, int *phys, const char *call)
 {
     uint64_t n = SIM_DEFAULT_DEVICES;
     int rc = get_uint("ASCEND_SIM_DEVICES", 1, SIM_MAX_DEVICES, &n, call);
@@ -98,8 +135,16 @@ int sim_config_devices(int *devices, const char *call)
         return rc;
     if (g_sim.override_devices > 0)
         n = (uint64_t)g_sim.override_devices;
-    *devices = (int)n;
-    return 0;
+    int tmp[SIM_MAX_DEVICES];
+    return get_visible((int)n, devices, phys ? phys : tmp, call);
+}
+
+int sim_logical_device(int phys)
+{
+    for (int i = 0; i < g_sim.cfg.devices; i++)
+        if (g_sim.cfg.phys[i] == phys)
+            return i;
+    return -1;
 }
 
 static int node_name_ok(const char *s)
@@ -142,7 +187,7 @@ int sim_config_load(struct sim_config *cfg, const char *call)
     memset(cfg, 0, sizeof *cfg);
     cfg->hbm = SIM_DEFAULT_HBM;
     cfg->fail_after_bytes = -1;
-    int rc = sim_config_devices(&cfg->devices, call);
+    int rc = sim_config_devices(&cfg->devices, cfg->phys, call);
     if (!rc)
         rc = get_size("ASCEND_SIM_HBM", 1, MAX_HBM, &cfg->hbm, call);
     if (!rc)

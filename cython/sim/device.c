@@ -225,7 +225,7 @@ SIM_EXPORT aclError aclrtGetDeviceCount(uint32_t *count)
     }
     int n;
     pthread_mutex_lock(&g_sim.life_lock);
-    int rc = sim_config_devices(&n, call);
+    int rc = sim_config_devices(&n, NULL, call);
     pthread_mutex_unlock(&g_sim.life_lock);
     if (rc)
         return rc;
@@ -279,6 +279,36 @@ static aclError reset_device(const char *call, int32_t deviceId, int all)
    without a reference left is refused (CANN documents an error; no code is named, so the
    runtime's parameter code). Streams, events and memory stay until destroyed or aclFinalize:
    the simulator does not release them with the context (their owners may still be running). */
+/* The node's device behind this process's logical device (ASCEND_RT_VISIBLE_DEVICES), and back:
+   CANN's pair for a container that sees some of a node's NPUs renumbered from 0. */
+static aclError map_device(const char *call, int32_t in, int32_t *out, int to_node)
+{
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (!out)
+        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "the output pointer is NULL");
+    int dev = to_node ? (sim_valid_device(in) ? g_sim.cfg.phys[in] : -1) : sim_logical_device(in);
+    if (dev < 0)
+        return sim_fail(ACL_ERROR_RT_INVALID_DEVICEID, call,
+                        to_node ? "device %d does not exist (this process sees %d)"
+                                : "the node's device %d is not visible to this process (ASCEND_RT_VISIBLE_DEVICES; "
+                                  "it sees %d)",
+                        (int)in, g_sim.cfg.devices);
+    *out = dev;
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError aclrtGetPhyDevIdByLogicDevId(int32_t logicDevId, int32_t *phyDevId)
+{
+    return map_device("aclrtGetPhyDevIdByLogicDevId", logicDevId, phyDevId, 1);
+}
+
+SIM_EXPORT aclError aclrtGetLogicDevIdByPhyDevId(int32_t phyDevId, int32_t *logicDevId)
+{
+    return map_device("aclrtGetLogicDevIdByPhyDevId", phyDevId, logicDevId, 0);
+}
+
 SIM_EXPORT aclError aclrtResetDevice(int32_t deviceId)
 {
     return reset_device("aclrtResetDevice", deviceId, 0);

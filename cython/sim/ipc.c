@@ -460,7 +460,7 @@ static int create_record(struct ipc_export *e, int dev, size_t size, uint64_t fl
             r->version = IPC_VERSION;
             r->record_size = sizeof *r;
             r->owner_uid = (uint32_t)geteuid();
-            r->device = dev;
+            r->device = g_sim.cfg.phys[dev]; /* the node's device: importers may number it otherwise */
             r->size = size;
             r->data_off = IPC_DATA_OFF;
             r->flags = flags;
@@ -803,14 +803,17 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
     m->a.size = size;
     m->a.map = start;
     m->a.map_len = size;
-    m->a.device = r->device;
+    /* The record names the node's device; this process may number it otherwise, or not see it
+       (then the import is counted on the device it imports from). */
+    int here = sim_logical_device((int)r->device);
+    m->a.device = here >= 0 ? here : dev;
     m->a.read_only = read_only;
     m->count = 1;
     sim_alloc_insert(SIM_TREE_IPC, &m->a);
     m->next = imports;
     imports = m;
-    atomic_fetch_add(&counters[r->device].imports, 1);
-    atomic_fetch_add(&counters[r->device].imported_bytes, size);
+    atomic_fetch_add(&counters[m->a.device].imports, 1);
+    atomic_fetch_add(&counters[m->a.device].imported_bytes, size);
     *devPtr = start;
     pthread_mutex_unlock(&ipc_mu);
     return ACL_SUCCESS;

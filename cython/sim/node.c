@@ -383,7 +383,9 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
     struct node_local *l = &local[dev];
     sim_proc_use_dir(cfg->shm_dir); /* our lease, beside the records that name us by it */
     struct node_record *r;
-    int rc = open_record(l->path, sizeof l->path, dev, cfg, &r, call);
+    /* The node's device behind this process's `dev` (ASCEND_RT_VISIBLE_DEVICES renumbers): its
+       capacity is shared with every process that sees it, whatever number each gives it. */
+    int rc = open_record(l->path, sizeof l->path, cfg->phys[dev], cfg, &r, call);
     if (rc)
         return rc;
     int32_t me = (int32_t)getpid();

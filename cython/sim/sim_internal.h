@@ -62,7 +62,8 @@ struct sim_profile {
     int malloc_pad;              /* aclrtMalloc adds 32 bytes after rounding (not on 950) */
 };
 struct sim_config {
-    int devices;
+    int devices;                 /* this process's devices (ASCEND_RT_VISIBLE_DEVICES, else the node's) */
+    int phys[SIM_MAX_DEVICES];   /* the node's device behind each of them (its records: node.c, ipc.c) */
     uint64_t hbm;                /* bytes per device */
     uint64_t malloc_latency_us;
     uint64_t free_latency_us;
@@ -75,8 +76,11 @@ struct sim_config {
 /* Fills cfg from the environment (and the ascendsim_configure overrides). On a bad value returns
    ACL_ERROR_INVALID_PARAM with the message naming the variable, for `call`. */
 int sim_config_load(struct sim_config *cfg, const char *call);
-/* Devices only (aclrtGetDeviceCount works before aclInit, as the real one does). */
-int sim_config_devices(int *devices, const char *call);
+/* Devices only (aclrtGetDeviceCount works before aclInit, as the real one does): the count this
+   process sees and (phys, when not NULL) the node device behind each. */
+int sim_config_devices(int *devices, int *phys, const char *call);
+/* The logical device of this process behind node device phys, or -1 when it does not see it. */
+int sim_logical_device(int phys);
 /* Synchronizing events a device may hold at once under the active profile (65536; 1023 on 310p).
    event.c refuses more with ACL_ERROR_RT_NO_EVENT_RESOURCE. */
 int sim_event_limit(int device);
