@@ -69,6 +69,14 @@ def default_pool(device=None):
     return pool
 
 
+def open_pool(device=None):
+    """The pool module-level calls use for device if it is open already, else None: never
+    creates one (and so never opens the runtime)."""
+    device = torch_device_index(device)
+    device = current_device() if device is None else device
+    return _current.top(device) or _registry.default_pool(device)
+
+
 def _create_default(device):
     # With $ASCEND_POOL_TENANT set, the default pool is that tenant's context (its quota from
     # $ASCEND_POOL_CONFIG), so module-level calls and the C ABI allocate under the quota.
@@ -145,8 +153,13 @@ def memory_stats_as_nested_dict(device=None):
     """torch.cuda.memory_stats_as_nested_dict(): memory_stats(device) as nested dicts, split at
     the dots of its keys (stats["allocated_bytes"]["all"]["current"], bytes), which is the form
     torch's memory_stats flattens."""
+    return nested_stats(memory_stats(device))
+
+
+def nested_stats(stats):
+    """A memory_stats() dict as nested dicts, split at the dots of its keys."""
     nested = {}
-    for key, value in memory_stats(device).items():
+    for key, value in stats.items():
         *path, leaf = key.split(".")
         node = nested
         for part in path:

@@ -163,6 +163,36 @@ def test_the_series_of_tenants_with_no_open_pool_are_bounded():
         base.close()
 
 
+def test_a_tenant_open_again_keeps_its_counters_while_others_come_and_go():
+    # The bound on closed tenants' series must never take the retired counters of a tenant that
+    # is open (again) now: closed and reopened since the last scrape, it was counted idle, and
+    # other jobs closing before the next scrape pushed its sums out (its counter went 4 -> 1).
+    from ascend_pool.metrics.sample import PoolAggregator
+
+    base = ap.Pool(0, backend="sim")
+    open_now = set()
+    collector = PoolCollector(pools=lambda: [p for p in [base, *open_now] if not p.closed])
+    try:
+        x = base.context("x")
+        open_now.add(x)
+        for _ in range(3):
+            x.free(x.malloc(1000))
+        scrape(collector)
+        x.close()
+        x = base.context("x")                       # the job runs again, no scrape in between
+        open_now.add(x)
+        x.free(x.malloc(1000))
+        for i in range(PoolAggregator.RETIRED_KEEP + 6):
+            job = base.context(f"job-{i}")
+            open_now.add(job)
+            job.free(job.malloc(1000))
+            job.close()
+        out, _ = scrape(collector)
+        assert val(out, "ascend_pool_allocations_total", pool="small", device=0, tenant="x") == 4
+    finally:
+        base.close()
+
+
 def test_a_pool_closed_by_two_threads_at_once_is_counted_once():
     # A request ending while a shutdown path closes every context: both close() calls read the
     # pool before it closes (registry.closing runs once per call); its counters are folded in once.

@@ -413,3 +413,17 @@ def test_a_destroyed_streams_handle_goes_to_the_next_stream_when_reuse_is_on(sim
         print(json.dumps({"reused": s.value == a}))
     """)
     assert out == {"reused": False}
+
+
+def test_an_event_is_recorded_only_on_a_stream_of_its_own_device(sim_node):
+    # CANN: an event and the stream it is recorded on share a device (the pool records an event
+    # of the peer's device for a cross-device record_stream). The simulator took any pair.
+    sim_node.run("""
+        init(0)
+        e = event()
+        ok("aclrtSetDevice", 1)
+        s = stream()
+        assert code("aclrtRecordEvent", e, s) == 107003
+        assert "belongs to device 0" in errmsg()
+        ok("aclrtRecordEvent", event(), s)
+    """)

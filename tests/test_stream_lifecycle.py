@@ -612,3 +612,32 @@ def test_c_abi_empty_cache_waits_for_streams_without_holding_the_registry_lock(s
         print(json.dumps(res))
     """, ASCEND_POOL_CONF="sync_timeout_ms:5000")
     assert out["code"] == 0 and out["empty_cache_s"] < 3.0 and out["open_s"] < 2.0, out
+
+
+def test_a_close_in_an_exit_handler_still_waits_for_its_streams(sim_node):
+    # Only the interpreter's teardown skips the waits: a program's own close() in an atexit
+    # handler (one registered before ascend_pool was imported runs after the package's own
+    # handlers) gave back a block a kernel still wrote, and the next pool got it.
+    out = sim_node.run_json("""
+        import atexit
+        def cleanup():
+            t = time.monotonic()
+            pool.close()
+            took = time.monotonic() - t
+            q = ap.Pool(0, backend="sim")
+            y = q.malloc(n)
+            sim.launch_fill(None, y, n, 0x33)
+            q.synchronize()
+            time.sleep(0.6)                            # the old kernel has run by now
+            print(json.dumps({"close_s": took, "intact": sim.read(y, n) == bytes([0x33]) * n}), flush=True)
+        atexit.register(cleanup)
+        import ascend_pool as ap
+        from ascend_pool import sim
+        n = 4 << 20
+        pool = ap.Pool(0, backend="sim")
+        s = pool.create_stream()
+        x = pool.malloc(n, stream=s)
+        sim.launch_fill(s, x, n, 0xAA, delay_s=0.5)
+        pool.free(x, stream=s)                         # the kernel still writes it
+    """)
+    assert out["intact"] and out["close_s"] >= 0.3, out

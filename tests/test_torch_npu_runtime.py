@@ -133,15 +133,19 @@ def test_stats_before_torch_npu_starts_open_no_pool(fake_torch_npu, monkeypatch,
     """torch.npu.memory_stats(0) (or memory_allocated(0), reset_peak_memory_stats(0) ...) called
     before torch_npu's lazy init must not open device 0's pool: that opens the runtime with
     aclInit(NULL), and torch_npu's own aclInit(acl.json) then fails with 100002, its
-    configuration dropped (before: it did). torch_npu answers {} then; so do we. Once torch_npu
-    has started, they answer from ascend_pool."""
-    from ascend_pool import api
+    configuration dropped (before: it did). With no pool open they answer {}, as torch_npu does
+    then; a pool the program opened already is read (not hidden behind {}); once torch_npu has
+    started, they answer from ascend_pool's default pools."""
+    from ascend_pool import api, registry
     from ascend_pool.integrations import torch_npu as ap_npu
 
     npu = sys.modules["torch_npu.npu"]
     started = []
     npu.is_initialized = lambda: bool(started)
     ap_npu.patch_memory_functions(fake_torch_npu, npu)
+    leftover = registry.default_pool(0)                # another test's: this one starts with none
+    if leftover is not None:
+        leftover.close()
     opened = []
     real_default_pool = api.default_pool
     monkeypatch.setattr(api, "default_pool", lambda device=None: opened.append(device) or real_default_pool(device))
@@ -152,10 +156,20 @@ def test_stats_before_torch_npu_starts_open_no_pool(fake_torch_npu, monkeypatch,
     npu.memory_snapshot()
     npu._dump_snapshot(str(tmp_path / "before.pickle"))
     assert opened == [], f"a stats call before torch_npu's init opened the pools of {opened}"
-    started.append(True)                           # torch_npu's lazy init has run
-    st = npu.memory_stats(0)
-    assert opened == [0]
-    assert st["num_ooms"] == ap.memory_stats(0)["num_ooms"]
+    pool = ap.Pool(0, backend="sim")                   # the program's own pool, before torch_npu starts
+    registry.set_default_pool(0, pool)
+    ptr = pool.malloc(3 << 20)
+    try:
+        assert npu.memory_stats(0)["allocated_bytes.all.current"] == pool.memory_stats()["allocated_bytes.all.current"]
+        assert npu.memory_stats_as_nested_dict(0)["allocated_bytes"]["all"]["current"] >= 3 << 20
+        assert opened == []
+        started.append(True)                           # torch_npu's lazy init has run
+        st = npu.memory_stats(0)
+        assert opened == [0]
+        assert st["allocated_bytes.all.current"] == ap.memory_stats(0)["allocated_bytes.all.current"] >= 3 << 20
+    finally:
+        pool.free(ptr)
+        pool.close()
 
 
 def test_init_hook_doc_says_frameworks_pass_the_device_count():

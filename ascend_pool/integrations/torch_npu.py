@@ -133,24 +133,31 @@ def _framework_started():
     return not callable(started) or bool(started())
 
 
+def _stats_pool(device):
+    """The pool the stats functions read for device: the default one (created on first use) once
+    torch_npu has started; before, only one already open (None: torch_npu's own answer then)."""
+    index = _device_index(device)
+    return api.default_pool(index) if _framework_started() else api.open_pool(index)
+
+
 def _replacements():
     def memory_stats(device=None):
-        if not _framework_started():
-            return OrderedDict()  # torch_npu's, before its init: memory_allocated() & co. read 0
-        return api.memory_stats(_device_index(device))
+        pool = _stats_pool(device)  # none yet: {}, as torch_npu's: memory_allocated() & co. read 0
+        return pool.memory_stats() if pool is not None else OrderedDict()
 
     def memory_stats_as_nested_dict(device=None):  # what torch_npu's own memory_stats calls
-        if not _framework_started():
-            return {}
-        return api.memory_stats_as_nested_dict(_device_index(device))
+        pool = _stats_pool(device)
+        return api.nested_stats(pool.memory_stats()) if pool is not None else {}
 
     def reset_peak_memory_stats(device=None):
-        if _framework_started():  # before: no pool has served anything, nothing to reset
-            api.reset_peak_stats(_device_index(device))
+        pool = _stats_pool(device)
+        if pool is not None:  # none yet: nothing has been served, nothing to reset
+            pool.reset_peak_stats()
 
     def reset_accumulated_memory_stats(device=None):
-        if _framework_started():
-            api.reset_accumulated_memory_stats(_device_index(device))
+        pool = _stats_pool(device)
+        if pool is not None:
+            pool.reset_accumulated_stats()
 
     def _snapshot(device=None):
         if not _framework_started():  # the pools made so far (none by torch_npu's tensors)

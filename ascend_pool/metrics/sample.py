@@ -130,17 +130,20 @@ class PoolAggregator:
     def _pool_closing(self, pool):
         """A pool is about to close: its final counters go to the retired sums (in place of its
         last-read ones), when it is one of the pools this aggregator reads."""
-        if not any(p is pool for p in self._pools()):
+        pools = list(self._pools())
+        if not any(p is pool for p in pools):
             return
         v = pool_values(pool)
         key = (int(pool.device), str(getattr(pool, "tenant", "default")))
+        # The pairs open now (not those of the last scrape: a tenant reopened since is live)
+        live = {(int(p.device), str(getattr(p, "tenant", "default"))) for p in pools if p is not pool}
         with self._lock:
             if pool in self._final:
                 return  # two threads closing it at once: folded in by the first
             self._add_retired(key, v)
             self._seen.pop(id(pool), None)
             self._final.add(pool)
-            self._forget_idle({k for _, k, _ in self._seen.values()})  # bounded between scrapes too
+            self._forget_idle(live)  # bounded between scrapes too
 
     def samples(self):
         """A list of TenantSample, sorted by (device, tenant)."""

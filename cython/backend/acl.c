@@ -645,9 +645,14 @@ static int acl_free(ap_backend *b, int device, void *ptr)
     ON_DEVICE(b, device, IMPL(b)->aclrtFree(ptr));
 }
 
+static int acl_mem_info_here(ap_backend *b, int device, size_t *free_bytes, size_t *total_bytes)
+{
+    ON_DEVICE(b, device, IMPL(b)->aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes));
+}
+
 struct acl_mem_info_job {
-    acl_impl *im;
-    void *ctx;
+    ap_backend *b;
+    int device;
     size_t *free_bytes, *total_bytes;
     int rc;
 };
@@ -656,19 +661,19 @@ static void *acl_mem_info_job_run(void *arg)
 {
     struct acl_mem_info_job *j = arg;
 
-    j->rc = j->im->aclrtSetCurrentContext(j->ctx);
-    if (j->rc == 0)
-        j->rc = j->im->aclrtGetMemInfo(ACL_HBM_MEM, j->free_bytes, j->total_bytes);
-    if (j->rc != 0 && j->im->aclGetRecentErrMsg)
-        (void)j->im->aclGetRecentErrMsg();
+    /* As any call here (acl_enter: the device's context, renewed if it was released behind the
+       pools); this thread ends with it. */
+    j->rc = acl_mem_info_here(j->b, j->device, j->free_bytes, j->total_bytes);
+    if (j->rc != 0 && IMPL(j->b)->aclGetRecentErrMsg)
+        (void)IMPL(j->b)->aclGetRecentErrMsg();
     return NULL;
 }
 
 /* A thread in no context (one that never chose a device: a monitoring thread reading a pool's
-   stats) is asked for from a short-lived helper thread in the device's context, so that it stays
-   without a device: ACL cannot unbind a thread again, and torch_npu takes a thread's device from
-   the runtime when it has none of its own (that thread's next tensor went to the pool's device).
-   Only where a pool holds the device's context; stats are not a hot path. */
+   stats) is asked for from a short-lived helper thread, so that it stays without a device: ACL
+   cannot unbind a thread again, and torch_npu takes a thread's device from the runtime when it
+   has none of its own (that thread's next tensor went to the pool's device). Only where a pool
+   holds the device (no reference to take for the call); stats are not a hot path. */
 static int acl_mem_info(ap_backend *b, int device, size_t *free_bytes, size_t *total_bytes)
 {
     acl_impl *im = IMPL(b);
@@ -676,15 +681,14 @@ static int acl_mem_info(ap_backend *b, int device, size_t *free_bytes, size_t *t
 
     if (acl_check_device(b, device) == 0 && !acl_thread_context(im, &cur) &&
         __atomic_load_n(&im->dev[device].pool_refs, __ATOMIC_ACQUIRE) > 0) {
-        struct acl_mem_info_job j = {im, __atomic_load_n(&im->dev[device].ctx, __ATOMIC_ACQUIRE), free_bytes,
-                                     total_bytes, 0};
+        struct acl_mem_info_job j = {b, device, free_bytes, total_bytes, 0};
         pthread_t t;
-        if (j.ctx && pthread_create(&t, NULL, acl_mem_info_job_run, &j) == 0) {
+        if (pthread_create(&t, NULL, acl_mem_info_job_run, &j) == 0) {
             pthread_join(t, NULL);
             return j.rc;
         }
     }
-    ON_DEVICE(b, device, im->aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes));
+    return acl_mem_info_here(b, device, free_bytes, total_bytes);
 }
 
 /* ---- pinned host memory -------------------------------------------------------------------- */

@@ -138,12 +138,10 @@ cdef int _capi_create_default(int device, int strict, char *msg, size_t msglen) 
 
 def _capi_shutdown():
     """At interpreter exit: no more Python callbacks from the C ABI (a C thread still allocating on a
-    device without a pool then gets ASCEND_POOL_E_NOT_READY instead of waiting on a dying GIL), and
-    no stream waits in the pools closed from then on (ap_pools_exiting)."""
+    device without a pool then gets ASCEND_POOL_E_NOT_READY instead of waiting on a dying GIL)."""
     apc_set_hooks(NULL)
     apc_set_frames_hook(NULL)
     apc_set_oom_hook(NULL)
-    ap_pools_exiting()  # pools closed from here on (interpreter teardown) do not wait for streams
 
 
 apc_set_hooks(_capi_create_default)

@@ -28,7 +28,8 @@ typedef struct ap_block_uses {
     uint16_t n_uses;
     uint16_t uses[AP_MAX_USES];     /* extra stream slots */
     uint16_t n_events;
-    void *events[AP_MAX_USES + 1];  /* pending: events still to complete */
+    void *events[AP_MAX_USES + AP_MAX_FOREIGN + 1]; /* pending: events still to complete (an owed
+                                       stream's, of another device too, becomes one: owed_done) */
     uint16_t n_owed;
     void *owed[AP_MAX_USES + AP_MAX_FOREIGN + 1]; /* pending: streams still to wait for (no event
                                        could be had, and the wait at the free failed or timed out) */

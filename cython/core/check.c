@@ -104,7 +104,7 @@ static int check_pending(ap_pool *p, check_ctx *c, int64_t *blocks, int64_t *byt
     for (ap_block *b = p->pending_head; b; b = b->pending_next) {
         CHECK(b->state == AP_BLOCK_PENDING, "block 0x%lx on the pending list has state %d", (unsigned long)b->addr,
               b->state);
-        CHECK(b->xs && b->xs->n_events <= AP_MAX_USES + 1 && b->xs->n_fevents <= AP_MAX_FOREIGN &&
+        CHECK(b->xs && b->xs->n_events <= AP_MAX_USES + AP_MAX_FOREIGN + 1 && b->xs->n_fevents <= AP_MAX_FOREIGN &&
                   b->xs->n_owed <= AP_MAX_USES + AP_MAX_FOREIGN + 1 && b->xs->n_foreign == 0,
               "pending block 0x%lx has no valid event list",
               (unsigned long)b->addr);

@@ -162,16 +162,14 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
     return p;
 }
 
-static atomic_int pools_exiting;
+void ap_pool_destroy(ap_pool *p) { ap_pool_destroy_ex(p, 1); }
 
-void ap_pools_exiting(void) { atomic_store(&pools_exiting, 1); }
-
-void ap_pool_destroy(ap_pool *p) {
+void ap_pool_destroy_ex(ap_pool *p, int wait_streams) {
     if (!p) return;
     ap_current_forget(p);
     ap_pool_wait_holders(p); /* C ABI calls that found it before it was hidden */
     ap_error ignore;
-    int exiting = atomic_load(&pools_exiting);
+    int exiting = !wait_streams;
     ap_process_pending(p, !exiting, &ignore);
     /* Blocks freed stream-ordered may still be written by their stream's queued work: the memory
        goes back to the device (and to the next pool or process) only after it (before, a close

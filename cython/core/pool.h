@@ -245,11 +245,11 @@ typedef struct ap_pool {
 ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, ap_error *err);
 /* Releases every segment (even ones with live blocks: the owner is going away) and the pool. */
 void ap_pool_destroy(ap_pool *p);
-/* From now on (the interpreter's exit: the C ABI's atexit handler) a pool destroyed gives its
-   memory back without waiting for its streams: the process is going, its runtime context with it,
-   and each pool waiting sync_timeout_ms on a hung stream (a collective whose peer died) in turn
-   added that much to the exit, per pool. */
-void ap_pools_exiting(void);
+/* ap_pool_destroy, or (wait_streams 0) without waiting for its streams: for the pools the
+   interpreter's teardown destroys (the process is going, its runtime context with it; each pool
+   waiting sync_timeout_ms on a hung stream, a collective whose peer died, in turn added that much
+   to the exit). A close() the program makes, at exit too, waits. */
+void ap_pool_destroy_ex(ap_pool *p, int wait_streams);
 /* Waits until no C ABI call holds p (ap_pool_hold, current.h); p must be hidden already. */
 void ap_pool_wait_holders(ap_pool *p);
 

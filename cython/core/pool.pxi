@@ -19,6 +19,9 @@ from ascend_pool.config import history_settings, history_skip_mask
 # The package's directory (with its separator): frames in it are skipped when stacks are recorded.
 _PACKAGE_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(_errors_module.__file__)), "")
 
+cdef extern from "py_finalizing.h":
+    int ap_py_finalizing()
+
 cdef extern from "pool.h" nogil:
     enum:  # (the statuses AP_OK, AP_E_* are declared in errors.pxi)
         AP_RELEASE_NEVER, AP_RELEASE_UNDER_PEAK, AP_RELEASE_BUDGETED, AP_REUSE_BORROW, AP_REUSE_TIED
@@ -43,8 +46,7 @@ cdef extern from "pool.h" nogil:
     void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook)
     void ap_config_default(ap_config *c)
     ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, ap_error *err)
-    void ap_pool_destroy(ap_pool *p)
-    void ap_pools_exiting()
+    void ap_pool_destroy_ex(ap_pool *p, int wait_streams)
     int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err)
     int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err)
     int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out)
@@ -301,6 +303,10 @@ cdef class PoolBase:
         cdef ap_pool *p = self.p
         cdef void *qctx = self._quota.ctx
         cdef ap_quota_close_fn qclose = self._quota_close
+        # Collected by the interpreter's teardown: the process is going (its runtime context with
+        # it), so no stream wait (each pool waited sync_timeout_ms on a hung collective's stream
+        # in turn). A close() the program makes, in an atexit handler too, waits.
+        cdef int wait_streams = 0 if not wait and ap_py_finalizing() else 1
         if p != NULL:
             try:
                 _capi_stacks_on(p, None)
@@ -322,7 +328,7 @@ cdef class PoolBase:
             if p != NULL:
                 if qclose != NULL:
                     ap_pool_set_quota_hook(p, NULL)  # the booking goes back whole, below
-                ap_pool_destroy(p)     # every segment back to the device
+                ap_pool_destroy_ex(p, wait_streams)  # every segment back to the device
             if qclose != NULL:
                 qclose(qctx)
 

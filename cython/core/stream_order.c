@@ -86,17 +86,18 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
             dead = i;
     }
     if (!create) return -1;
+    /* Another device's stream would order this device's memory on the wrong queue (and an event of
+       this device cannot be recorded on it: asked first). Where the runtime cannot tell a stream's
+       device (a real CANN with a foreign handle), it is trusted. */
+    int dev;
+    if (stream && p->backend->stream_device && p->backend->stream_device(p->backend, stream, &dev) == 0 &&
+        dev != p->device)
+        return -3;
     /* A stream seen for the first time: one question to the runtime, so that a handle it does not
        know never gets a slot (no event is ever recorded on it later). */
     int idle = stream ? stream_idle(p, stream) : 1;
     if (idle == -1) return -2;
     if (idle == AP_STREAM_ELSEWHERE) return -4;
-    /* Another device's stream would order this device's memory on the wrong queue. Where the
-       runtime cannot tell a stream's device (a real CANN with a foreign handle), it is trusted. */
-    int dev;
-    if (stream && p->backend->stream_device && p->backend->stream_device(p->backend, stream, &dev) == 0 &&
-        dev != p->device)
-        return -3;
     int i = dead;
     if (i < 0 && p->n_slots == AP_MAX_STREAMS) i = reclaim_destroyed_slots(p);
     if (i < 0) {
@@ -304,7 +305,7 @@ static int owed_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
         } else {
             void *ev = record_on(p, s);
             if (ev) {
-                AP_ASSERT(u->n_events < AP_MAX_USES + 1);
+                AP_ASSERT(u->n_events < AP_MAX_USES + AP_MAX_FOREIGN + 1);
                 u->events[u->n_events++] = ev;
             } else if (stream_idle(p, s) != -1) {
                 return AP_E_BUSY; /* no event to spare yet (or out of reach): asked again at the next pass */

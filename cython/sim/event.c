@@ -139,6 +139,13 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
     int rc = event_and_stream(event, stream, call, &e, &s);
     if (rc)
         return rc;
+    if (e->device != s->device) { /* CANN: an event and the stream it is recorded on share a device */
+        int ed = e->device, sd = s->device;
+        sim_stream_put(s);
+        sim_obj_unref(&e->obj);
+        return sim_fail(ACL_ERROR_RT_STREAM_CONTEXT, call, "event %p belongs to device %d, stream %p to device %d: "
+                        "record an event of the stream's device", event, ed, stream, sd);
+    }
     uint64_t pos;
     if ((rc = sim_stream_mark(s, &pos, call)) != 0) {
         sim_stream_put(s);
