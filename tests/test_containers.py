@@ -198,21 +198,26 @@ def test_conflicting_quotas_resolve_to_the_stricter_without_a_tenants_file(node)
 
 
 @needs_unshare
-def test_of_two_tenants_files_that_disagree_the_stricter_stays(node):
-    # A ConfigMap update reaching pods at different times: A's tenants file says 100 MiB, B's
-    # (started later) 300 MiB. The last to start replaced the quota A relied on (A then held
-    # 232 MiB under its 100 MiB file, and B's log said the quota "stays"). A new file reaches a
-    # live process through its reload; a process starting with a laxer one lifts nothing.
+def test_of_two_tenants_files_that_disagree_the_newer_wins(node):
+    # A ConfigMap update reaches pods at different times. The last process to start used to win
+    # whatever its file's age (a pod starting late with the old file undid the update; then the
+    # stricter file, which kept a raise rolled out by restarting pods from ever applying): the
+    # newer file's quota applies to every process of the tenant, an older one changes nothing.
     env, base, procs = node
-    (base / "a.toml").write_text('[tenants.t]\nquota = "100MiB"\n')
-    (base / "b.toml").write_text('[tenants.t]\nquota = "300MiB"\n')
-    a = Worker(env, procs, "t", "none", extra_env={"ASCEND_POOL_CONFIG": str(base / "a.toml")})
-    assert a("malloc", 80 * MiB) == "granted"
-    b = Worker(env, procs, "t", "none", extra_env={"ASCEND_POOL_CONFIG": str(base / "b.toml")})
-    assert b.hello["quota"] == 100 * MiB and a("quota") == 100 * MiB
-    assert [a("malloc", 80 * MiB), b("malloc", 80 * MiB)] == ["refused", "refused"]
-    b.proc.stdin.close()
-    err = b.proc.stderr.read()
+    old, new = base / "old.toml", base / "new.toml"
+    old.write_text('[tenants.t]\nquota = "100MiB"\n')
+    new.write_text('[tenants.t]\nquota = "300MiB"\n')
+    now = time.time()
+    os.utime(old, (now - 600, now - 600))
+    a = Worker(env, procs, "t", "none", extra_env={"ASCEND_POOL_CONFIG": str(old)})
+    assert a.hello["quota"] == 100 * MiB and a("malloc", 80 * MiB) == "granted"
+    b = Worker(env, procs, "t", "none", extra_env={"ASCEND_POOL_CONFIG": str(new)})
+    assert b.hello["quota"] == 300 * MiB and a("quota") == 300 * MiB   # the update applies
+    c = Worker(env, procs, "t", "none", extra_env={"ASCEND_POOL_CONFIG": str(old)})
+    assert c.hello["quota"] == 300 * MiB                               # a late old pod undoes nothing
+    assert a("malloc", 150 * MiB) == "granted" and b("malloc", 80 * MiB) == "refused"
+    c.proc.stdin.close()
+    err = c.proc.stderr.read()
     assert "conflicting quota declarations" in err and "which stays" in err, err
 
 

@@ -332,7 +332,8 @@ def check_operator_file():
 
 def operator_quota(tenant, device, device_total_bytes):
     """The quota in bytes that the operator's tenants file ($ASCEND_POOL_CONFIG) sets for tenant on
-    device, with its warn ratio: (bytes, warn), or None when there is no file, the file does not
+    device, with its warn ratio and the file's modification time (whole seconds; the ledger lets
+    the newer of two disagreeing files win): (bytes, warn, stamp), or None when there is no file, the file does not
     name the tenant on that device, or names it without a quota. A file that cannot be read counts
     as none here (check-config and the reloader report its mistakes). The quota ledger lets this
     quota win over any process's own declaration (one source of truth per tenant on a node).
@@ -347,4 +348,8 @@ def operator_quota(tenant, device, device_total_bytes):
     if t is None or t.quota is None or not t.applies_to(device):
         return None
     total = device_total_bytes() if callable(device_total_bytes) else device_total_bytes
-    return t.quota.resolve(total), t.warn
+    try:
+        stamp = min(int(os.stat(cfg.path).st_mtime), 0xFFFFFFFF)  # a ConfigMap's: when kubelet wrote it
+    except (OSError, TypeError):
+        stamp = 0
+    return t.quota.resolve(total), t.warn, stamp

@@ -67,7 +67,8 @@ typedef struct apl_tenant {
                                            or may not have moved; counted as held (the safe side)
                                            until the tenant has no live slot left */
     _Atomic uint32_t quota_src;         /* APL_SRC_*: who set the quota (ledger_slots.h) */
-    uint32_t reserved0;
+    _Atomic uint32_t quota_stamp;       /* APL_SRC_OPERATOR: the modification time (s) of the
+                                           tenants file that set it (the newest file wins) */
     _Atomic uint64_t conflicts;         /* declarations that disagreed with the quota in force */
 } apl_tenant;
 

@@ -148,7 +148,7 @@ static void apl_hook_release(void *ctx, int device, size_t bytes) {
 }
 
 /* A new handle: attaches to the tenant (claiming a slot). NULL and err on failure. */
-static apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int src,
+static apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int src, uint32_t stamp,
                                    int set_warn, uint32_t warn_ppm, int *conflict, char *err, size_t len,
                                    int *kind) {
     apl_handle *h = calloc(1, sizeof *h);
@@ -156,7 +156,8 @@ static apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quot
         *kind = apl_fail(err, len, APL_E_IO, "host memory exhausted");
         return NULL;
     }
-    *kind = apl_attach(L, name, set_quota, quota, src, set_warn, warn_ppm, &h->tenant, &h->slot, conflict, err, len);
+    *kind = apl_attach(L, name, set_quota, quota, src, stamp, set_warn, warn_ppm, &h->tenant, &h->slot, conflict, err,
+                       len);
     if (*kind != APL_OK) {
         free(h);
         return NULL;

@@ -136,18 +136,26 @@ static int apl_reclaim(apl_ledger *L, int tenant, uint64_t *bytes, char *err, si
    never raises the quota in force (the stricter wins). Returns 1 when it disagreed (counted). */
 /* A live tenant's quota meets another process's declaration. 0: they agree; 1: the quota in
    force stays; 2: the declaration replaced it. The operator's file wins over declarations; of
-   two operator files that disagree (a ConfigMap update reaching pods at different times), the
-   stricter: a process starting with a laxer file must not lift a limit the others rely on (their
-   file's reload, apl_set_quota, is how an operator raises it). */
-static int apl_declare_quota(apl_tenant *T, uint64_t quota, int src) {
+   two operator files that disagree, the newer (stamp: its modification time, s): a ConfigMap
+   update reaching pods at different times is applied by the first pod that has it, a pod still
+   starting with the older file changes nothing (the stricter of the two stayed before: a raise
+   rolled out by restarting pods never took effect); of two files of the same second, the later
+   declaration's. */
+static int apl_declare_quota(apl_tenant *T, uint64_t quota, int src, uint32_t stamp) {
     uint64_t old = atomic_load(&T->quota);
     int old_src = (int)atomic_load(&T->quota_src);
+    uint32_t old_stamp = atomic_load(&T->quota_stamp);
     int conflict = old_src != APL_SRC_NONE && quota != old, replaced = 0;
     if (old_src == APL_SRC_OPERATOR && src == APL_SRC_OPERATOR) {
-        if (quota < old) atomic_store(&T->quota, quota), replaced = 1;
+        if (stamp >= old_stamp) {
+            atomic_store(&T->quota, quota);
+            atomic_store(&T->quota_stamp, stamp);
+            replaced = quota != old;
+        }
     } else if (src == APL_SRC_OPERATOR || old_src == APL_SRC_NONE) {
         atomic_store(&T->quota, quota);
         atomic_store(&T->quota_src, quota == APL_NO_QUOTA && src != APL_SRC_OPERATOR ? APL_SRC_NONE : (uint32_t)src);
+        atomic_store(&T->quota_stamp, src == APL_SRC_OPERATOR ? stamp : 0);
         replaced = 1;
     } else if (old_src == APL_SRC_DECLARED && src == APL_SRC_DECLARED && quota < old) {
         atomic_store(&T->quota, quota); /* stricter */
@@ -162,7 +170,8 @@ static int apl_declare_quota(apl_tenant *T, uint64_t quota, int src) {
  * with quota=None), else the declaration is applied as apl_declare_quota says, with source src.
  * warn_ppm likewise with set_warn. *conflict_out (optional): apl_declare_quota's answer (1 the quota
  * in force stayed, 2 the declaration replaced it) when the declaration disagreed, else 0. */
-static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int src, int set_warn,
+static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int src, uint32_t stamp,
+                      int set_warn,
                       uint32_t warn_ppm, int *tenant_out, int *slot_out, int *conflict_out, char *err,
                       size_t len) {
     if (conflict_out) *conflict_out = 0;
@@ -210,9 +219,10 @@ static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t q
         atomic_store(&T->quota, set_quota ? quota : APL_NO_QUOTA);
         atomic_store(&T->quota_src, set_quota && (quota != APL_NO_QUOTA || src == APL_SRC_OPERATOR) ? (uint32_t)src
                                                                                                    : APL_SRC_NONE);
+        atomic_store(&T->quota_stamp, set_quota && src == APL_SRC_OPERATOR ? stamp : 0);
         atomic_store(&T->warn_ppm, set_warn ? warn_ppm : 0);
     } else {
-        int c = set_quota ? apl_declare_quota(T, quota, src) : 0;
+        int c = set_quota ? apl_declare_quota(T, quota, src, stamp) : 0;
         if (conflict_out) *conflict_out = c;
         if (set_warn && (src == APL_SRC_OPERATOR || atomic_load(&T->quota_src) != APL_SRC_OPERATOR))
             atomic_store(&T->warn_ppm, warn_ppm);
@@ -266,8 +276,8 @@ static int apl_detach(apl_ledger *L, int tenant, int slot, char *err, size_t len
    the operator did not set it; otherwise the stricter quota stays, the conflict is counted and 1 is
    returned. -1 when the lock cannot be taken (err says why). A reserve racing with the store sees
    either value, and both are valid quotas. */
-static int apl_set_quota(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm, int src, char *err,
-                         size_t len) {
+static int apl_set_quota(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm, int src, uint32_t stamp,
+                         char *err, size_t len) {
     if (apl_lock(L, err, len) != APL_OK) return -1;
     apl_tenant *T = &L->f->tenants[tenant];
     int conflict = 0;
@@ -281,10 +291,13 @@ static int apl_set_quota(apl_ledger *L, int tenant, uint64_t quota, uint32_t war
             apl_owner_alive(L->dir, L->f->slots[i].instance, L->f->slots[i].pid, L->f->slots[i].pidns,
                             L->f->slots[i].start_time) != 0)
             others++;
-    if (src == APL_SRC_OPERATOR || quota <= old || (!others && old_src != APL_SRC_OPERATOR)) {
+    /* An operator's reload applies unless another process has the quota from a newer file. */
+    int operator_ok = src == APL_SRC_OPERATOR && !(old_src == APL_SRC_OPERATOR && stamp < atomic_load(&T->quota_stamp));
+    if (operator_ok || (src != APL_SRC_OPERATOR && (quota <= old || (!others && old_src != APL_SRC_OPERATOR)))) {
         atomic_store(&T->quota, quota);
         atomic_store(&T->quota_src, src == APL_SRC_OPERATOR ? APL_SRC_OPERATOR
                                     : quota == APL_NO_QUOTA ? APL_SRC_NONE : APL_SRC_DECLARED);
+        atomic_store(&T->quota_stamp, src == APL_SRC_OPERATOR ? stamp : 0);
         atomic_store(&T->warn_ppm, warn_ppm);
     } else if (quota != old) {
         conflict = 1;

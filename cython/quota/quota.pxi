@@ -73,10 +73,11 @@ cdef extern from "quota/ledger_reserve.h" nogil:
     int apl_owner_alive(const char *dir, uint64_t instance, int pid, uint64_t pidns, uint64_t start_time)
     void apl_set_identity(uint64_t instance, uint64_t pidns)
     apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int src,
-                                int set_warn, uint32_t warn_ppm, int *conflict, char *err, size_t len, int *kind)
+                                uint32_t stamp, int set_warn, uint32_t warn_ppm, int *conflict, char *err, size_t len, int *kind)
     void apl_handle_close(apl_handle *h)
     int apl_reserve(apl_handle *h, uint64_t nbytes, char *why, size_t why_len)
-    int apl_set_quota(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm, int src, char *err, size_t len)
+    int apl_set_quota(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm, int src, uint32_t stamp,
+                      char *err, size_t len)
     int apl_hook_reserve(void *ctx, int device, size_t nbytes, char *why, size_t why_len) noexcept
     void apl_hook_release(void *ctx, int device, size_t nbytes) noexcept
     int apl_take_warn(apl_handle *h)
@@ -104,9 +105,10 @@ cdef _ensure_lease(str directory):
 
 
 def set_operator_quota_hook(fn):
-    """fn(tenant, device, device_total_bytes_callable) -> (quota bytes, warn) or None: the quota the
-    operator's tenants file sets, which wins over a process's own declaration (the tenants layer
-    registers it; this layer cannot import it)."""
+    """fn(tenant, device, device_total_bytes_callable) -> (quota bytes, warn, stamp) or None: the
+    quota the operator's tenants file sets, which wins over a process's own declaration, and the
+    file's modification time (whole seconds: of two files that disagree, the newer wins) (the
+    tenants layer registers it; this layer cannot import it)."""
     global _operator_quota_hook
     _operator_quota_hook = fn
 
@@ -275,6 +277,7 @@ def attach_ledger(PoolBase pool, Ledger ledger, str tenant, quota, warn, bint se
         raise PoolError("this pool is already attached to a tenant")
     _ensure_lease(ledger.L.dir.decode())  # the slot is named by this process's lease
     cdef int src = APL_SRC_DECLARED
+    cdef uint32_t stamp = 0
     # The operator's file names the node's devices (ledger.device: the NPU behind pool.device).
     op = _operator_quota_hook(tenant, ledger.device, lambda: pool.backend.mem_info(pool.device)[1]) \
         if _operator_quota_hook is not None else None
@@ -283,6 +286,7 @@ def attach_ledger(PoolBase pool, Ledger ledger, str tenant, quota, warn, bint se
             _log_conflict(tenant, pool.device, f"this process declared {quota} bytes, the tenants file "
                                                f"sets {op[0]} bytes, which applies")
         quota, warn, set_quota, src = op[0], (op[1] if op[1] is not None else warn), True, APL_SRC_OPERATOR
+        stamp = op[2]  # the file's age: of two operator files, the newer wins (ledger_slots.h)
     cdef char err[1024]
     cdef int kind = 0, conflict = 0
     cdef bytes bname = tenant.encode()
@@ -293,20 +297,20 @@ def attach_ledger(PoolBase pool, Ledger ledger, str tenant, quota, warn, bint se
     cdef bint sq = set_quota
     cdef apl_handle *h
     with nogil:
-        h = apl_handle_open(ledger.L, cname, sq, q, src, sw, w, &conflict, err, sizeof(err), &kind)
+        h = apl_handle_open(ledger.L, cname, sq, q, src, stamp, sw, w, &conflict, err, sizeof(err), &kind)
     if h == NULL:
         raise _ledger_error(kind, err)
     if conflict:
         now = h.L.f.tenants[h.tenant].quota
         declared = 'no quota' if quota is None else f"{quota} bytes"
+        rule = ("a tenants file wins over declarations; of two tenants files the newer, of two "
+                "declarations the stricter")
         if conflict == 2:
             _log_conflict(tenant, pool.device, f"this process declared {declared}, which replaced the quota in "
-                                               "force (a tenants file wins over declarations; of two tenants "
-                                               "files, and of two declarations, the stricter)")
+                                               f"force ({rule})")
         else:
             _log_conflict(tenant, pool.device, f"this process declared {declared}, the quota in force is "
-                          f"{'none' if now == APL_NO_QUOTA else now} bytes, which stays (a tenants file wins "
-                          "over declarations; of two tenants files, and of two declarations, the stricter)")
+                          f"{'none' if now == APL_NO_QUOTA else now} bytes, which stays ({rule})")
     owner = LedgerQuota(ledger, tenant)
     cdef ap_stats st
     cdef uint64_t held
@@ -363,6 +367,7 @@ cdef class LedgerQuota:
         counted, and False is returned (True: applied)."""
         cdef apl_handle *h
         cdef int src = APL_SRC_DECLARED
+        cdef uint32_t stamp = 0
         cdef char err[1024]
         # Counted busy throughout: the operator's hook below runs Python (other threads run
         # meanwhile), and a close() of the pool then waits for this call before it gives the
@@ -375,10 +380,11 @@ cdef class LedgerQuota:
                 if _operator_quota_hook is not None else None
             if op is not None and op[0] == quota:
                 src = APL_SRC_OPERATOR  # e.g. a reload of the tenants file
+                stamp = op[2]
             h = _handle_of(pool)  # NULL once a close began: refused as a closed pool's call
             if h == NULL:
                 raise PoolError("this pool is closed")
-            rc = apl_set_quota(h.L, h.tenant, _quota_arg(quota), _warn_arg(warn), src, err, sizeof(err))
+            rc = apl_set_quota(h.L, h.tenant, _quota_arg(quota), _warn_arg(warn), src, stamp, err, sizeof(err))
         finally:
             pool._leave()
         if rc < 0:
