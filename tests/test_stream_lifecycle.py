@@ -474,6 +474,33 @@ def test_a_pool_told_its_streams_handle_is_another_devices_now_forgets_it(sim_no
     assert out == {"reused": True, "register": "refused", "malloc": "refused", "new_device_allocs": 0}
 
 
+def test_a_miss_on_a_handle_the_runtime_gave_to_another_devices_stream_is_refused(sim_node):
+    # Without register_stream (the C ABI's path), device 0's pool still has a live record for
+    # the handle: its cached blocks are served unasked (the hot path), but a request that would
+    # grow asks the stream first, and a device-1 stream gets no device-0 segment (it did).
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        MiB = 1 << 20
+        p0 = ap.Pool(0, backend="sim")
+        ok("aclrtSetDevice", 0)
+        s1 = stream()
+        p0.register_stream(s1)
+        p0.free(p0.malloc(MiB, stream=s1), stream=s1)
+        ok("aclrtDestroyStream", C.c_void_p(s1))       # behind the pool's back
+        ok("aclrtSetDevice", 1)
+        s2 = stream()
+        reserved = p0.memory_stats()["reserved_bytes.all.current"]
+        try:
+            p0.malloc(64 * MiB, stream=s2)
+            miss = "served"
+        except ap.InvalidStreamError as e:
+            miss = str(e)
+        grew = p0.memory_stats()["reserved_bytes.all.current"] - reserved
+        print(json.dumps({"reused": s2 == s1, "miss": miss, "grew": grew}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out["reused"] and "another device" in out["miss"] and out["grew"] == 0, out
+
+
 def test_a_pool_forgets_the_handles_of_streams_destroyed_behind_its_back(pool):
     # A server registers a stream per request and the framework destroys it: the pool kept every
     # handle for the process's life (memory without bound). It asks its streams when its set

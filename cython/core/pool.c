@@ -340,12 +340,14 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
         ap_cache_flush(p); /* the merged picture first (free_cache.h), then the fit there */
         b = ap_find_fit(p, slot, pool, rsize);
     }
-    if (!b && ap_stream_gone(p, slot)) {
+    int gone = b ? 0 : ap_stream_gone(p, slot);
+    if (gone) {
         /* Destroyed behind the pool's back: growing or borrowing for it would order memory on
-           a stream that is no more. One question per miss, cheap next to a device allocation;
-           the cached path above asks none (as PyTorch's and CuPy's pools). */
+           a stream that is no more (or on another device's, its handle reused). One question per
+           miss, cheap next to a device allocation; the cached path above asks none (as
+           PyTorch's and CuPy's pools). */
         pthread_mutex_unlock(&p->lock);
-        return slot_error(p, -2, stream, err);
+        return slot_error(p, gone, stream, err);
     }
     if (!b) {
         ap_error local = {0};

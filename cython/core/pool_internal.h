@@ -208,8 +208,10 @@ int ap_stream_elsewhere(const ap_pool *p, int code);
 /* Retires a slot whose stream is gone or unusable: its free blocks serve every stream, and blocks
    later freed with its tag go to slot 0 (its work is over). */
 void ap_slot_retire(ap_pool *p, int slot);
-/* 1 when the runtime no longer knows stream (one event record, no wait), with its slot retired.
-   Lock held. For the paths that are about to spend far more (a device allocation). */
+/* 0 while slot's stream is alive and this device's; -2 when the runtime no longer knows it (one
+   event record, no wait), -3 when its handle now names another device's stream (the runtime gave
+   a destroyed stream's handle away): then with its slot retired. Lock held. For the paths that
+   are about to spend far more (a device allocation). */
 int ap_stream_gone(ap_pool *p, int slot);
 /* Waits (blocking, all of them within one sync_timeout_ms) for every stream that free blocks
    are still tagged with: their queued work may write those blocks. For the pool's destroy,

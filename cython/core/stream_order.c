@@ -52,9 +52,15 @@ void ap_slot_retire(ap_pool *p, int slot) {
 }
 
 int ap_stream_gone(ap_pool *p, int slot) {
-    if (slot <= 0 || !p->slots[slot].stream || stream_idle(p, p->slots[slot].stream) != -1) return 0;
-    ap_slot_retire(p, slot);
-    return 1;
+    if (slot <= 0 || !p->slots[slot].stream) return 0;
+    void *stream = p->slots[slot].stream;
+    int dev, gone = 0;
+    if (p->backend->stream_device && p->backend->stream_device(p->backend, stream, &dev) == 0 && dev != p->device)
+        gone = -3; /* its handle now names another device's stream: ours was destroyed */
+    else if (stream_idle(p, stream) == -1)
+        gone = -2;
+    if (gone) ap_slot_retire(p, slot);
+    return gone;
 }
 
 /* The table is full: streams destroyed behind the pool's back (a framework that creates and
