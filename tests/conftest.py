@@ -68,6 +68,17 @@ def pool():
 
 
 @pytest.fixture
+def peers_idle_released():
+    """The process's open pools (other tests' default pools...) hold no idle cache: a test that
+    caps the device at what the process holds now (fail_after_bytes) would otherwise see a pool
+    out of device memory take its peers' idle cache back and succeed."""
+    from ascend_pool import registry
+
+    for other in registry.live_pools():
+        other.empty_cache()
+
+
+@pytest.fixture
 def clean_faults():
     """Simulator fault injection disarmed before and after the test (the runtime is started first:
     fault setters need an initialised runtime)."""

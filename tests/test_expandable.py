@@ -147,7 +147,7 @@ def test_small_blocks_go_to_pages_that_hold_live_blocks(xpool):
     xpool.free(p)
 
 
-def test_failure_in_the_middle_of_growing_is_rolled_back(xpool):
+def test_failure_in_the_middle_of_growing_is_rolled_back(xpool, peers_idle_released):
     held0 = sim.stats(0)["bytes_held"]
     sim.set_faults(fail_after_bytes=held0 + 30 * MiB)  # the 2nd chunk of a 20+20+10 MiB growth fails
     with pytest.raises(ap.OutOfMemoryError):

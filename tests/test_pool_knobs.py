@@ -236,3 +236,23 @@ def test_a_knob_mistake_in_the_environment_names_the_variable(monkeypatch):
     with pytest.raises(ap.ConfigError, match=r"^max_split_size_mb: expected a number"):
         ap.Pool(0, backend="sim", max_split_size_mb="abc")
     ap.Pool(0, backend="sim").close()
+
+
+def test_a_context_out_of_device_memory_takes_the_default_pools_idle_cache():
+    # A tenant context (its own pool) asks for more than the device has left while the
+    # process's default pool of the device caches gigabytes it no longer uses: PyTorch's
+    # allocator frees the default pool's cached blocks for a MemPool's request. It raised
+    # OutOfMemoryError ("Pool: 0 bytes reserved").
+    base = ap.Pool(0, backend="sim")
+    total = base.memory_stats()["device_total_bytes"]
+    ctx = base.context("reclaim")
+    try:
+        x = base.malloc(total * 3 // 4)
+        base.free(x)                                   # cached idle by the default pool
+        assert base.memory_stats()["reserved_bytes.all.current"] >= total * 3 // 4
+        y = ctx.malloc(total // 2)
+        assert base.memory_stats()["reserved_bytes.all.current"] < total * 3 // 4
+        ctx.free(y)
+    finally:
+        ctx.close()
+        base.close()

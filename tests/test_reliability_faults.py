@@ -83,7 +83,7 @@ def test_device_malloc_failing_at_every_point_of_a_replay(name, expandable):
     COUNTS["typed_oom"] += outcomes["oom"]
 
 
-def test_persistent_device_failure_is_a_typed_error_and_the_pool_recovers(pool):
+def test_persistent_device_failure_is_a_typed_error_and_the_pool_recovers(pool, peers_idle_released):
     """Not a one-shot fault: the device refuses everything past a byte cap (fail_after_bytes)."""
     held0 = sim.stats(0)["bytes_held"]
     sim.set_faults(fail_after_bytes=held0 + 8 * MiB)
@@ -113,11 +113,20 @@ class Probe:
     def __init__(self):
         lib = ctypes.CDLL(sim.library_path())
         for fn in ("aclrtCreateEvent", "aclrtDestroyEvent", "aclrtQueryEventStatus", "aclrtRecordEvent",
-                   "aclrtSynchronizeEvent"):
+                   "aclrtSynchronizeEvent", "aclrtSetDevice", "aclrtResetDevice"):
             getattr(lib, fn).restype = ctypes.c_int
         self.lib = lib
 
     def fired(self, kind, n):
+        # The calls need a current device, which the pool never gives the calling thread (it
+        # did, as a side effect of reading its figures): chosen here, as a framework's thread does.
+        assert self.lib.aclrtSetDevice(0) == 0
+        try:
+            return self._fired(kind, n)
+        finally:
+            self.lib.aclrtResetDevice(0)
+
+    def _fired(self, kind, n):
         lib = self.lib
         ev = ctypes.c_void_p()
         if kind == "fail_event_create_nth":

@@ -453,3 +453,33 @@ def test_node_pid_refuses_what_is_not_a_backend():
     with pytest.raises(ap.ConfigError, match="unknown backend"):
         ap.node_pid(-1)
     assert ap.node_pid("sim") == ap.node_pid()
+
+
+def test_a_new_max_entries_while_recording_keeps_the_trace():
+    # torch_npu's _record_memory_history with another max_entries while recording (a profiler
+    # window opened twice) only resizes torch's ring; ours swapped in an empty one, and the events
+    # recorded so far were lost. Lowered, it keeps the most recent; turned off, it drops them.
+    pool = ap.Pool(0, backend="sim")
+    try:
+        def trace():
+            return [(e["action"], e["addr"], e["size"]) for e in pool.snapshot()["device_traces"][0]
+                    if e["action"] != "snapshot"]  # each snapshot files one: not what is compared
+
+        pool.record_memory_history(True, stacks=None, max_entries=1000)
+        ptrs = [pool.malloc((i + 1) * 4096) for i in range(5)]
+        before = trace()
+        assert len(before) >= 5
+        pool.record_memory_history(True, stacks=None, max_entries=5000)
+        assert trace() == before
+        for p in ptrs:
+            pool.free(p)
+        assert trace()[:len(before)] == before and len(trace()) == len(before) + 10
+        raw = [(e["action"], e["addr"]) for e in pool.snapshot()["device_traces"][0]]  # (files its own last)
+        pool.record_memory_history(True, stacks=None, max_entries=4)
+        kept = [(e["action"], e["addr"]) for e in pool.snapshot()["device_traces"][0]]
+        assert kept[:3] == raw[-3:] and len(kept) == 4
+        pool.record_memory_history(None)
+        pool.record_memory_history(True, stacks=None, max_entries=1000)
+        assert trace() == []
+    finally:
+        pool.close()

@@ -44,6 +44,8 @@ cdef extern from "capi/exports.h":
     void apc_stacks_changed(int delta)
 
 cdef extern from "capi/exports.h" nogil:
+    size_t apc_release_peers(ap_pool *self)
+    void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self))
     const char *apc_default_backend_name(int device)
     void *ascend_pool_malloc(Py_ssize_t size, int device, void *stream)
     void ascend_pool_free(void *ptr, Py_ssize_t size, int device, void *stream)
@@ -145,6 +147,7 @@ def _capi_shutdown():
 
 
 apc_set_hooks(_capi_create_default)
+ap_set_peer_release_hook(apc_release_peers)  # a pool out of device memory: its peers' idle cache first
 apc_set_frames_hook(_capi_note_frames)
 _atexit.register(_capi_shutdown)
 

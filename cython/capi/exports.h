@@ -246,6 +246,27 @@ APC_EXPORT void ascend_pool_init(int device) {
     apc_create_default(device, 0, "ascend_pool_init");
 }
 
+/* ap_set_peer_release_hook's hook: the idle cache of the process's other pools of self's device
+   and backend, given back (each held, not the registry lock, while it is released). */
+static size_t apc_release_peers(ap_pool *self) {
+    pthread_mutex_lock(&apc_reg_lock);
+    size_t n = 0, released = 0;
+    ap_pool **held = apc_reg_n ? malloc(apc_reg_n * sizeof *held) : NULL;
+    for (size_t i = 0; held && i < apc_reg_n; i++) {
+        ap_pool *q = apc_entry_pool(&apc_reg[i]);
+        if (!q || q == self || q->device != self->device || q->backend != self->backend) continue;
+        atomic_fetch_add_explicit(&q->capi_calls, 1, memory_order_seq_cst);
+        held[n++] = q;
+    }
+    pthread_mutex_unlock(&apc_reg_lock);
+    for (size_t i = 0; i < n; i++) {
+        released += ap_pool_release_idle(held[i]);
+        ap_pool_unhold(held[i]);
+    }
+    free(held);
+    return released;
+}
+
 APC_EXPORT void ascend_pool_empty_cache(void) {
     ap_error err;
     int failed = 0;

@@ -20,6 +20,13 @@ int ap_history_init(ap_history *h, size_t capacity) {
     return h->ring ? 0 : -1;
 }
 
+void ap_history_keep_recent(ap_history *dst, const ap_history *src) {
+    size_t n = src->next < src->capacity ? src->next : src->capacity;
+    if (n > dst->capacity) n = dst->capacity;
+    for (size_t i = 0; i < n; i++) dst->ring[i] = src->ring[(src->next - n + i) % src->capacity];
+    dst->next = n;
+}
+
 void ap_history_destroy(ap_history *h) {
     free(h->ring);
     h->ring = NULL;

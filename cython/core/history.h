@@ -45,6 +45,8 @@ void ap_history_set_ctx(uint64_t ctx);
 
 int ap_history_init(ap_history *h, size_t capacity);
 void ap_history_destroy(ap_history *h);
+/* Copies src's most recent entries, as many as dst holds, into the empty ring dst, oldest first. */
+void ap_history_keep_recent(ap_history *dst, const ap_history *src);
 void ap_history_record(ap_history *h, int action, uintptr_t addr, size_t size, void *stream);
 void ap_history_record_ctx(ap_history *h, int action, uintptr_t addr, size_t size, void *stream, uint64_t ctx);
 /* Inline so that the hot path pays one branch when history is off. */

@@ -307,6 +307,10 @@ static void unmark_allocated(ap_pool *p, const ap_block *b) {
     if (ap_oversize(p, pool, b->size)) ap_stat_step(&p->stats.oversize[0], -1);
 }
 
+static size_t (*_Atomic peer_release_hook)(ap_pool *self);
+
+void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self)) { atomic_store(&peer_release_hook, hook); }
+
 int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err) {
     if (check_size(p, size, err) != AP_OK) {
         if (size) { /* larger than the device: an OOM like any other, in num_ooms and the trace, and
@@ -367,6 +371,26 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
             ap_release_free_segments(p, (size_t)-1, 1, 0, NULL);
             b = ap_obtain_block(p, slot, pool, rsize, size, e);
             if (!b && wrc == AP_E_TIMEOUT) *e = wait_err;
+        }
+        size_t (*peers)(ap_pool *) = atomic_load(&peer_release_hook);
+        int device_oom = e->status == AP_E_OOM || e->status == AP_OK ||
+                         (e->status == AP_E_DEVICE && ap_backend_oom_code(p->backend, e->device_code));
+        if (!b && peers && device_oom) {
+            /* The device itself is full: the process's other pools of the device (the default
+               pool, other tenants' contexts) give back what they cache idle, then once more. Their
+               locks are taken one at a time, this one's dropped (no two pool locks at once). */
+            pthread_mutex_unlock(&p->lock);
+            size_t freed = peers(p);
+            pthread_mutex_lock(&p->lock);
+            if (freed) {
+                slot = ap_slot_of_fast(p, stream, 1);
+                if (slot < 0) {
+                    pthread_mutex_unlock(&p->lock);
+                    return slot_error(p, slot, stream, err);
+                }
+                e->status = AP_OK;
+                b = ap_obtain_block(p, slot, pool, rsize, size, e);
+            }
         }
         if (!b) {
             int fault = e->status == AP_E_DEVICE && e->device_code && !ap_backend_oom_code(p->backend, e->device_code);
@@ -631,6 +655,14 @@ void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook) {
     if (hook) p->quota = *hook;
     else p->quota = (ap_quota_hook){0};
     pthread_mutex_unlock(&p->lock);
+}
+
+size_t ap_pool_release_idle(ap_pool *p) {
+    pthread_mutex_lock(&p->lock);
+    ap_process_pending(p, 0, NULL);
+    size_t released = ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
+    pthread_mutex_unlock(&p->lock);
+    return released;
 }
 
 size_t ap_pool_trim_to(ap_pool *p, size_t target) {

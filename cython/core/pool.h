@@ -21,6 +21,9 @@
  *                    ap_pool_destroy waits for it to drain, holding no lock (the pool is hidden first),
  *                    and then, still without the lock, for the streams its free blocks are tagged
  *                    with (waits.c ap_wait_tagged_streams, one sync_timeout_ms in all).
+ *   (peer release)   a pool out of device memory drops its lock, then apc_release_peers takes the
+ *                    C ABI's registry lock to hold its device's other pools and releases it, then
+ *                    each of their locks in turn (never two pool locks at once), no wait.
  *   spare_lock       (pool.c) the list of destroyed pool structs kept for reuse; held for the list
  *                    operation only, never with a pool lock.
  * Never done while holding ap_pool.lock:
@@ -295,6 +298,16 @@ int ap_pool_stream_idle(ap_pool *p, void *stream);
 /* Installs (or with NULL removes) the tenant quota hook. Segments already held stay booked by the
    caller's own accounting; the hook sees only later reserves and releases. */
 void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook);
+/* Releases every cached free segment no stream's queued work holds, without waiting (never live
+   blocks, nor the preallocated reserve). Returns the bytes released. For a peer pool's
+   out-of-memory path (ap_set_peer_release_hook). */
+size_t ap_pool_release_idle(ap_pool *p);
+/* hook(self): releases the idle cache of the process's other pools of self's device and backend
+   (the C ABI's registry knows them), returns the bytes released. A device allocation that fails
+   calls it once, with no lock held, then retries: the default pool's idle cache no longer stands
+   in the way of a tenant context on the same device (PyTorch: a MemPool's allocation reclaims the
+   default pool's cached blocks). NULL: none. */
+void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self));
 /* Releases cached free segments until reserved <= target bytes (never live blocks). Returns
    the bytes released. Used when a quota is lowered. */
 size_t ap_pool_trim_to(ap_pool *p, size_t target);

@@ -72,6 +72,9 @@ int ap_pool_set_history(ap_pool *p, size_t capacity, uint32_t skip) {
     if (p->history.capacity == capacity) { /* unchanged: the entries so far are kept */
         old = fresh;
     } else {
+        /* Resized while recording (torch_npu's _record_memory_history with another max_entries):
+           the most recent entries stay, as torch's ring; only turning it off drops them. */
+        if (capacity && p->history.capacity) ap_history_keep_recent(&fresh, &p->history);
         old = p->history;
         p->history = fresh;
         p->cfg.history_capacity = capacity;
