@@ -471,12 +471,12 @@ int sim_node_reserve(int dev, uint64_t bytes)
     _Atomic uint64_t *mine = &r->slots[l->slot].bytes;
     atomic_fetch_add(mine, bytes);
     used += bytes;
-    uint64_t foreign = sim_foreign_used(dev, &g_sim.cfg, 0, 0);
+    uint64_t foreign = sim_foreign_used(g_sim.cfg.phys[dev], &g_sim.cfg, 0, 0);
     if (foreign > total - used) {
         /* Before refusing, take back (or skip) what dead processes left behind. */
         reclaim_dead(r, l->slot);
         used = sum_slots(r);
-        foreign = sim_foreign_used(dev, &g_sim.cfg, 1, 1);
+        foreign = sim_foreign_used(g_sim.cfg.phys[dev], &g_sim.cfg, 1, 1);
     }
     int rc = 0;
     if (used > total || foreign > total - used) {
@@ -515,7 +515,7 @@ uint64_t sim_node_used(int dev)
         used = sum_slots(r);
         unlock_record(r);
     }
-    uint64_t total = r->total_bytes, foreign = sim_foreign_used(dev, &g_sim.cfg, 1, 0);
+    uint64_t total = r->total_bytes, foreign = sim_foreign_used(g_sim.cfg.phys[dev], &g_sim.cfg, 1, 0);
     if (used > total)
         used = total;
     return foreign > total - used ? total : used + foreign;

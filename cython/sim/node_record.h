@@ -45,8 +45,9 @@ struct node_record {
 int sim_node_record_name(char *out, size_t len, unsigned uid, const char *node, int dev, int index);
 
 /* ---- foreign.c: other users' records of this node ---- */
-/* Bytes that other users' live processes hold on device dev of node cfg: the sum of their records'
-   slots (each record at most the total). check_alive: skip slots whose owner's public lease is not
+/* Bytes that other users' live processes hold on the node's device dev (cfg.phys[], not a number
+   ASCEND_RT_VISIBLE_DEVICES gave it) of node cfg: the sum of their records' slots (each record at
+   most the total). check_alive: skip slots whose owner's public lease is not
    held (slower: one open per slot); else every claimed slot counts. rescan: look for new records
    even if the directory seems unchanged. Never fails: records that cannot be trusted count 0. */
 uint64_t sim_foreign_used(int dev, const struct sim_config *cfg, int check_alive, int rescan);
