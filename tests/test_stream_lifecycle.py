@@ -442,13 +442,9 @@ def test_a_handle_the_runtime_gave_to_another_devices_stream_serves_that_devices
     assert out == {"reused": True, "served": True}
 
 
-def test_a_pool_told_its_streams_handle_is_another_devices_now_forgets_it(sim_node):
-    # A framework stream registered with device 0's pool is destroyed behind its back and the
-    # runtime gives its handle to a stream on device 1. register_stream refuses it as device 1's
-    # (right); from then on the pool must not serve it either (it did: device 0's memory ordered
-    # on device 1's queue, through the stale record), and the blocks cached on the old stream
-    # serve device 0's other streams without a new device allocation.
-    out = sim_node.run_json("""
+# A child's start: device 0's pool with a framework stream s1 (registered) holding one cached
+# block, the child's thread on device 0 (sim_child helpers).
+FRAMEWORK_STREAM_CACHED_ON_DEVICE_0 = """
         import ascend_pool as ap
         MiB = 1 << 20
         p0 = ap.Pool(0, backend="sim")
@@ -456,6 +452,16 @@ def test_a_pool_told_its_streams_handle_is_another_devices_now_forgets_it(sim_no
         s1 = stream()
         p0.register_stream(s1)
         p0.free(p0.malloc(MiB, stream=s1), stream=s1)
+"""
+
+
+def test_a_pool_told_its_streams_handle_is_another_devices_now_forgets_it(sim_node):
+    # A framework stream registered with device 0's pool is destroyed behind its back and the
+    # runtime gives its handle to a stream on device 1. register_stream refuses it as device 1's
+    # (right); from then on the pool must not serve it either (it did: device 0's memory ordered
+    # on device 1's queue, through the stale record), and the blocks cached on the old stream
+    # serve device 0's other streams without a new device allocation.
+    out = sim_node.run_json(FRAMEWORK_STREAM_CACHED_ON_DEVICE_0 + """
         allocs = p0.memory_stats()["num_device_alloc"]
         ok("aclrtDestroyStream", C.c_void_p(s1))       # behind the pool's back
         ok("aclrtSetDevice", 1)
@@ -478,14 +484,7 @@ def test_a_miss_on_a_handle_the_runtime_gave_to_another_devices_stream_is_refuse
     # Without register_stream (the C ABI's path), device 0's pool still has a live record for
     # the handle: its cached blocks are served unasked (the hot path), but a request that would
     # grow asks the stream first, and a device-1 stream gets no device-0 segment (it did).
-    out = sim_node.run_json("""
-        import ascend_pool as ap
-        MiB = 1 << 20
-        p0 = ap.Pool(0, backend="sim")
-        ok("aclrtSetDevice", 0)
-        s1 = stream()
-        p0.register_stream(s1)
-        p0.free(p0.malloc(MiB, stream=s1), stream=s1)
+    out = sim_node.run_json(FRAMEWORK_STREAM_CACHED_ON_DEVICE_0 + """
         ok("aclrtDestroyStream", C.c_void_p(s1))       # behind the pool's back
         ok("aclrtSetDevice", 1)
         s2 = stream()
