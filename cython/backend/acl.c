@@ -519,6 +519,19 @@ static int acl_streams_note(acl_impl *im, void *stream, int device);
    context was kept for someone else's stream and the call succeeded, that context is learned for
    it; when the runtime says the stream is not in it (a stream of the device's default context
    used from a thread in a context of its own), once more in the device's default context. */
+/* ON_STREAM's second try, after it dropped what sent the first one to the wrong context (the
+   first try's runtime message is read away: it is not this call's error). */
+#define ON_STREAM_AGAIN(b, stream, expr)                                           \
+    do {                                                                           \
+        if (IMPL(b)->aclGetRecentErrMsg)                                           \
+            (void)IMPL(b)->aclGetRecentErrMsg();                                   \
+        rc_ = acl_enter_stream((b), (stream), &sc_);                               \
+        if (rc_ == 0) {                                                            \
+            rc_ = (expr);                                                          \
+            acl_leave((b), &sc_);                                                  \
+        }                                                                          \
+    } while (0)
+
 #define ON_STREAM(b, stream, expr)                                                 \
     do {                                                                           \
         acl_scope sc_;                                                             \
@@ -528,23 +541,11 @@ static int acl_streams_note(acl_impl *im, void *stream, int device);
             acl_leave((b), &sc_);                                                  \
             if (rc_ == ACL_ERROR_RT_STREAM_CONTEXT && sc_.learned) {               \
                 acl_learn_context(IMPL(b), (stream), NULL, -1);                    \
-                if (IMPL(b)->aclGetRecentErrMsg)                                   \
-                    (void)IMPL(b)->aclGetRecentErrMsg(); /* the first try's */     \
-                rc_ = acl_enter_stream((b), (stream), &sc_);                       \
-                if (rc_ == 0) {                                                    \
-                    rc_ = (expr);                                                  \
-                    acl_leave((b), &sc_);                                          \
-                }                                                                  \
+                ON_STREAM_AGAIN(b, stream, expr);                                  \
             }                                                                      \
             if (rc_ == ACL_ERROR_RT_STREAM_CONTEXT && sc_.created) {               \
                 (void)acl_streams_note(IMPL(b), (stream), -1);                     \
-                if (IMPL(b)->aclGetRecentErrMsg)                                   \
-                    (void)IMPL(b)->aclGetRecentErrMsg(); /* the first try's */     \
-                rc_ = acl_enter_stream((b), (stream), &sc_);                       \
-                if (rc_ == 0) {                                                    \
-                    rc_ = (expr);                                                  \
-                    acl_leave((b), &sc_);                                          \
-                }                                                                  \
+                ON_STREAM_AGAIN(b, stream, expr);                                  \
             }                                                                      \
             if (rc_ == 0 && sc_.kept && sc_.ctx)                                   \
                 acl_learn_context(IMPL(b), (stream), sc_.ctx, sc_.device);         \
