@@ -16,10 +16,11 @@ def external_fragmentation(stats):
 def with_derived(raw):
     """Adds fragmentation figures to the raw counters (all in bytes or ratios):
     external_fragmentation (see external_fragmentation()),
-    internal_waste_bytes = allocated (rounded) - requested bytes."""
+    internal_waste_bytes = active (rounded) - requested bytes: both count a block freed after
+    record_stream until its free completes, as PyTorch's."""
     out = dict(raw)
     out["external_fragmentation"] = external_fragmentation(raw)
-    out["internal_waste_bytes"] = raw["allocated_bytes.all.current"] - raw["requested_bytes.all.current"]
+    out["internal_waste_bytes"] = raw["active_bytes.all.current"] - raw["requested_bytes.all.current"]
     return out
 
 

@@ -24,6 +24,9 @@ def test_active_counts_blocks_that_wait_for_another_stream(pool, nbytes, kind):
             assert st[f"active.{t}.current"] == 1
             assert st[f"active_bytes.{t}.freed"] == 0
             assert st[f"active_bytes.{t}.allocated"] == r
+            assert st[f"requested_bytes.{t}.current"] == nbytes, \
+                "requested bytes leave with the active bytes, when the free completes (torch's free_block)"
+        assert st["internal_waste_bytes"] == r - nbytes
 
         other = pool.malloc(nbytes, stream=a)  # while the first one waits
         st = pool.memory_stats()
@@ -39,6 +42,8 @@ def test_active_counts_blocks_that_wait_for_another_stream(pool, nbytes, kind):
         assert st["pending_free_bytes"] == 0
         for t in ("all", kind):
             assert st[f"active_bytes.{t}.current"] == 0
+            assert st[f"requested_bytes.{t}.current"] == 0
+            assert st[f"requested_bytes.{t}.freed"] == 2 * nbytes
             assert st[f"active.{t}.freed"] == 2
             assert st[f"active_bytes.{t}.freed"] == 2 * r
             assert st[f"active_bytes.{t}.allocated"] == 2 * r

@@ -261,6 +261,7 @@ class PoolMachine(RuleBasedStateMachine):
             stats = pool.memory_stats()
             mine = {p: v for p, v in self.live.items() if v[0] == pi}
             active = set()
+            pending_requested = 0  # freed after record_stream: requested until the free completes (torch)
             seg_bytes = 0
             for seg in snap["segments"]:
                 cursor = seg["address"]
@@ -271,6 +272,8 @@ class PoolMachine(RuleBasedStateMachine):
                         live_spans.append((b["address"], b["address"] + b["size"], pi))
                     if b["state"] == "active_allocated":
                         active.add(b["address"])
+                    if b["state"] == "active_pending_free":
+                        pending_requested += b["requested_size"]
                 assert cursor == seg["address"] + seg["total_size"], "block sizes must add up to the segment"
                 seg_spans.append((seg["address"], seg["address"] + seg["total_size"], pi))
                 seg_bytes += seg["total_size"]
@@ -281,7 +284,7 @@ class PoolMachine(RuleBasedStateMachine):
                 assert any(a <= ptr and ptr + info[1] <= b for a, b, q in seg_spans if q == pi), \
                     "a live block lies outside its pool's segments"
             assert stats["allocation.all.current"] == len(mine)
-            assert stats["requested_bytes.all.current"] == sum(v[1] for v in mine.values())
+            assert stats["requested_bytes.all.current"] == sum(v[1] for v in mine.values()) + pending_requested
             assert stats["allocated_bytes.all.current"] == sum(pool.round_size(v[1]) for v in mine.values())
             assert stats["reserved_bytes.all.current"] == seg_bytes
             assert stats["segment.all.current"] == len(snap["segments"])

@@ -202,8 +202,9 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
                     goto out;
                 }
                 break;
-            case AP_BLOCK_PENDING:
+            case AP_BLOCK_PENDING: /* requested until it completes (pool.c unmark_allocated) */
                 seen_pending++;
+                req_b[s->pool] += (int64_t)b->requested;
                 break;
             default:
                 fail(c, "block 0x%lx is in transient state %d outside any operation", (unsigned long)b->addr, b->state);

@@ -298,12 +298,14 @@ static int queued_frees(const ap_pool *p) {
     return 0;
 }
 
-/* Takes an allocated block's allocation stats off (a free, or an allocation undone). */
-static void unmark_allocated(ap_pool *p, const ap_block *b) {
+/* Takes an allocated block's allocation stats off (a free, or an allocation undone). A block
+   that waits for other streams keeps its requested bytes until it completes, with its active
+   bytes, as PyTorch's free_block (ap_process_pending takes them off). */
+static void unmark_allocated(ap_pool *p, const ap_block *b, int completes_later) {
     int pool = b->seg->pool;
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, pool, 1);
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATED_BYTES, pool, (int64_t)b->size);
-    ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
+    if (!completes_later) ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, pool, (int64_t)b->requested);
     if (ap_oversize(p, pool, b->size)) ap_stat_step(&p->stats.oversize[0], -1);
 }
 
@@ -408,7 +410,7 @@ allocated:
     AP_ASSERT(b->state == AP_BLOCK_ALLOCATED && b->size >= rsize && b->tag == slot && ap_block_links_ok(b));
     if (ap_map_put(&p->live, b->addr, b) != 0) {
         /* Cannot track it: undo, stats included, so nothing is lost or miscounted. */
-        unmark_allocated(p, b);
+        unmark_allocated(p, b, 0);
         ap_free_insert(p, b, slot);
         pthread_mutex_unlock(&p->lock);
         return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
@@ -475,8 +477,9 @@ static void release_block(ap_pool *p, ap_block *b, int tag) {
     int pool = b->seg->pool;
     AP_ASSERT(b->state == AP_BLOCK_ALLOCATED && tag >= 0 && tag < p->n_slots);
     if (__builtin_expect(!p->slots[tag].live, 0)) tag = 0; /* retired stream: its work is over */
-    unmark_allocated(p, b);
-    if (b->xs && (b->xs->n_uses || b->xs->n_foreign)) { /* other streams used it: reusable only after their events complete */
+    int waits = b->xs && (b->xs->n_uses || b->xs->n_foreign);
+    unmark_allocated(p, b, waits);
+    if (waits) { /* other streams used it: reusable only after their events complete */
         ap_free_pending(p, b, tag);
         return;
     }

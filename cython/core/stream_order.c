@@ -369,6 +369,7 @@ int ap_process_pending(ap_pool *p, int blocking, ap_error *err) {
         if (rc == AP_OK) {
             pending_unlink(p, prev, b);
             ap_stats_pending(&p->stats, b->seg->pool, (int64_t)b->size, -1);
+            ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, b->seg->pool, (int64_t)b->requested);
             /* completed later, from whatever call came next: the block's frames, not that call's */
             if (p->history.capacity)
                 ap_history_record_ctx(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->requested, NULL, b->ctx);
