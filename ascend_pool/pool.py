@@ -1,5 +1,6 @@
 """ascend_pool.Pool: the caching pool of one device, with PyTorch-style stats and snapshots."""
 
+import logging
 import types
 from collections import OrderedDict
 
@@ -14,6 +15,8 @@ from .config import conf_source, effective_knobs, knobs_to_config
 from .errors import ConfigError, PoolError
 from .snapshot_trace import arrays_from_snapshot
 from .traces import trace_from_arrays
+
+log = logging.getLogger("ascend_pool")
 
 # The layers above plug in here at their import (the facade imports them, so a user always has
 # them; this layer cannot import them): tenants.context makes pool.context()'s Context, and
@@ -175,7 +178,22 @@ class Pool(PoolBase):
             _registry.closing(self)  # its last counters, for the exported totals
         if _sharing is not None and not forked_from():  # in a forked child the exports are the parent's
             _sharing.before_close(self)
+        if not self.closed and not forked_from():
+            self._say_live_blocks()  # after the shared blocks left its accounting
         super().close()
+
+    def _say_live_blocks(self):
+        """A close gives back the memory of blocks still allocated: any kernel or tensor that still
+        uses one then reads memory the next pool or process gets (a torch MemPool stays alive
+        while its blocks do). Legal (a framework may close after its last kernel without freeing
+        each tensor), so said in the log, once, with what is lost."""
+        st = self._raw_stats()  # the pool's own counters: no ledger or sharing read at close
+        n = st["allocation.all.current"]
+        if n:
+            log.warning("%s on device %d closed with %d block(s) still allocated (%d bytes): their memory goes back to the "
+                        "device now, and whatever still uses them reads memory handed out again; free them (or "
+                        "synchronize and drop the tensors) before close()", self._describe(), self.device, n,
+                        st["allocated_bytes.all.current"])
 
     def memory_summary(self, abbreviated=False):
         """A readable table of the stats, like torch.cuda.memory_summary(); abbreviated: without
