@@ -4,6 +4,7 @@ The current device is per thread (set_device); each device's default pool is cre
 use with the knobs of $ASCEND_POOL_CONF and the backend of $ASCEND_POOL_BACKEND.
 """
 
+import numbers
 import os
 import threading
 import warnings
@@ -15,7 +16,7 @@ from .backend import check_device, open_backend, torch_device_index
 from .config import history_settings, history_skip_mask
 from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError,
                      StreamTypeError)
-from .pool import Pool
+from .pool import DEFAULT_POOL_ID, Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
 from .tenants.context import Context
 from .tenants.default import default_tenant_pool
@@ -81,6 +82,7 @@ def _create_default(device):
     # With $ASCEND_POOL_TENANT set, the default pool is that tenant's context (its quota from
     # $ASCEND_POOL_CONFIG), so module-level calls and the C ABI allocate under the quota.
     pool = default_tenant_pool(device) or Pool(device)
+    pool.pool_id = DEFAULT_POOL_ID  # torch's default pool id: segments of other pools carry theirs
     if _history is not None:
         pool.record_memory_history(**_history)
     return pool
@@ -291,12 +293,22 @@ def dump_snapshot(path="dump_snapshot.pickle", device=None):
 
 def memory_snapshot(mempool_id=None, include_traces=True):
     """torch.cuda.memory_snapshot(): the segments (list of dicts, sizes in bytes) of the snapshot
-    dump_snapshot() writes, every device's. mempool_id: None (the pools here have no torch
-    MemPool ids; another value is a ConfigError); include_traces: accepted, as torch's (the
-    segments carry no trace)."""
-    if mempool_id is not None:
-        raise ConfigError(f"memory_snapshot: mempool_id must be None here (no torch MemPool), got {mempool_id!r}")
-    return _process_snapshot()["segments"]
+    dump_snapshot() writes, every device's. mempool_id: None for every pool's, else a pool's id
+    (Pool.pool_id, torch's MempoolId_t: (0, 0) the default pools, (0, n) another pool or tenant
+    context) for the segments of that pool only, as torch's; include_traces: accepted, as torch's
+    (the segments carry no trace)."""
+    want = None if mempool_id is None else _pool_id(mempool_id)
+    segments = _process_snapshot()["segments"]
+    return segments if want is None else [s for s in segments if s["segment_pool_id"] == want]
+
+
+def _pool_id(value):
+    """A (int, int) pool id from a tuple or list of two ints, else ConfigError."""
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
+            isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value):
+        return (int(value[0]), int(value[1]))
+    raise ConfigError(f"memory_snapshot: mempool_id must be None or a pool id, two ints as Pool.pool_id "
+                      f"((0, 0): the default pools), got {value!r}")
 
 
 def memory_allocated(device=None):

@@ -1,5 +1,6 @@
 """ascend_pool.Pool: the caching pool of one device, with PyTorch-style stats and snapshots."""
 
+import itertools
 import logging
 import types
 from collections import OrderedDict
@@ -17,6 +18,11 @@ from .snapshot_trace import arrays_from_snapshot
 from .traces import trace_from_arrays
 
 log = logging.getLogger("ascend_pool")
+
+# Pool ids in torch's MempoolId_t form: (0, 0) is a device's default pool (ascend_pool.api sets
+# it), every other pool of the process gets (0, n), n from 1 up, as torch's user MemPools.
+_pool_numbers = itertools.count(1)
+DEFAULT_POOL_ID = (0, 0)
 
 # The layers above plug in here at their import (the facade imports them, so a user always has
 # them; this layer cannot import them): tenants.context makes pool.context()'s Context, and
@@ -74,6 +80,7 @@ class Pool(PoolBase):
                 raise ConfigError("%s=%r: %s" % (*conf_source(), e)) from None
             raise
         self._open(be, device, cfg, self._describe())
+        self.pool_id = (0, next(_pool_numbers))
         _registry.register(self)
 
     def _describe(self):
@@ -208,7 +215,8 @@ class Pool(PoolBase):
     def _snapshot(self):
         segments, history = self._raw_snapshot()
         frames = dict(self._stack_frames) if self._stack_frames is not None else None
-        return _snapshot.build(self.device, segments, history, self.knobs, frames, entry_frames=self._entry_frames)
+        return _snapshot.build(self.device, segments, history, self.knobs, frames, entry_frames=self._entry_frames,
+                               pool_id=self.pool_id)
 
     def dump_trace(self, path):
         """Writes the recorded history (record_memory_history or the record_history knob) as a

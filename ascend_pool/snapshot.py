@@ -10,7 +10,7 @@ from .errors import ConfigError
 _STATES = ("inactive", "active_allocated", "active_pending_free")
 
 
-def build(device, segments, history, knobs, frames=None, entry_frames=True):
+def build(device, segments, history, knobs, frames=None, entry_frames=True, pool_id=(0, 0)):
     """segments: [(base, size, pool, stream, [(addr, size, requested, state, ctx)], expandable[, ctx])]
     (a segment's ctx: the frames of the allocation that created it, as torch's segment frames);
     history: [(action, addr, size, stream, time_us[, ctx])] oldest first; frames: {ctx: [frame
@@ -18,7 +18,8 @@ def build(device, segments, history, knobs, frames=None, entry_frames=True):
     the block keeps: ctx); knobs:
     the pool's, whose effective values make allocator_settings (config.allocator_settings);
     entry_frames False: trace entries show no frames (torch's context="state"; blocks keep theirs).
-    An oom entry carries the device's free bytes as device_free instead of addr, as torch's."""
+    An oom entry carries the device's free bytes as device_free instead of addr, as torch's.
+    pool_id: the pool's (Pool.pool_id), every segment's segment_pool_id."""
     frames = frames or {}
     history = [h if len(h) == 6 else (*h, 0) for h in history]
     out_segments = []
@@ -37,7 +38,7 @@ def build(device, segments, history, knobs, frames=None, entry_frames=True):
             "requested_size": sum(b["requested_size"] for b in out_blocks if b["state"] != "inactive"),
             "stream": stream,
             "segment_type": "small" if pool == 0 else "large",
-            "segment_pool_id": (0, 0),
+            "segment_pool_id": tuple(pool_id),
             "is_expandable": expandable,
             "frames": frames.get(seg_ctx[0], []) if seg_ctx else [],
             "blocks": out_blocks,

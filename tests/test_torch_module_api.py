@@ -40,6 +40,32 @@ def test_memory_snapshot_is_the_list_of_segments():
         ap.free(ptr, device=0)
 
 
+def test_each_pools_segments_carry_its_id_and_a_snapshot_can_be_asked_for_one_pool():
+    # torch: segment_pool_id is (0, 0) for the default pool and a MemPool's id for its segments;
+    # memory_snapshot(mempool_id) gives that pool's segments only (MemPool.snapshot()).
+    default = ap.default_pool(0)
+    ctx = default.context("pool-ids")
+    own = ap.Pool(0, backend=default.backend)
+    ptrs = [(default, default.malloc(3 * MiB)), (ctx, ctx.malloc(3 * MiB)), (own, own.malloc(3 * MiB))]
+    try:
+        assert default.pool_id == (0, 0)
+        assert ctx.pool_id != own.pool_id and ctx.pool_id[0] == own.pool_id[0] == 0 and ctx.pool_id[1] > 0
+        for pool, ptr in ptrs:
+            mine = ap.memory_snapshot(pool.pool_id)
+            assert mine and all(s["segment_pool_id"] == pool.pool_id for s in mine)
+            assert ptr in {b["address"] for s in mine for b in s["blocks"]}
+            assert [s["segment_pool_id"] for s in pool.snapshot()["segments"]] == [pool.pool_id] * len(mine)
+            others = [b["address"] for q, _ in ptrs if q is not pool
+                      for s in ap.memory_snapshot(q.pool_id) for b in s["blocks"]]
+            assert ptr not in others
+        assert ap.memory_snapshot(list(ctx.pool_id)) == ap.memory_snapshot(ctx.pool_id)
+    finally:
+        for pool, ptr in ptrs:
+            pool.free(ptr)
+        ctx.close()
+        own.close()
+
+
 def test_caching_allocator_alloc_and_delete_find_the_pool_that_made_the_block():
     pool = ap.default_pool(0)
     ctx = pool.context("torch-raw")
@@ -242,7 +268,8 @@ def test_module_functions_take_torchs_forms():
     assert isinstance(st, collections.OrderedDict) and list(st) == sorted(st)
     assert isinstance(ap.memory_snapshot(None, include_traces=False), list)
     with pytest.raises(ap.ConfigError, match="mempool_id"):
-        ap.memory_snapshot((1, 2))
+        ap.memory_snapshot("default")
+    assert ap.memory_snapshot((7, 7000)) == []  # no such pool: none of its segments
     cwd = os.getcwd()
     try:
         import tempfile
