@@ -89,6 +89,6 @@ def list_gpu_processes(device=None):
     backend = _open_backend(None)
     index = _device_index(current_device() if index is None else index)
     _check_device(backend, index)
-    return _list_processes(index, "GPU" if backend.kind == "cuda" else "NPU")
+    return _list_processes(index, "GPU" if backend.kind == "cuda" else "NPU", backend.physical_device(index))
 
 from .version import __version__

@@ -80,6 +80,9 @@ class Pool(PoolBase):
                 raise ConfigError("%s=%r: %s" % (*conf_source(), e)) from None
             raise
         self._open(be, device, cfg, self._describe())
+        # The node's number of the device (the same NPU has the same one in every container):
+        # what quota ledgers, stats files, `ascend-pool ps` and the metrics' device label use.
+        self.node_device = be.physical_device(device)
         self.pool_id = (0, next(_pool_numbers))
         _registry.register(self)
 

@@ -560,3 +560,37 @@ def test_a_quota_follows_the_npu_whatever_number_a_container_gives_it(node):
     other_npu = Worker(env, procs, "t", "100MiB", extra_env={"ASCEND_RT_VISIBLE_DEVICES": "2"})
     assert other_npu("malloc", 80 * MiB) == "granted"
 
+
+
+@needs_unshare
+def test_the_node_service_ps_and_stats_files_name_the_npu_not_the_containers_number(node, tmp_path):
+    # A container's device 0 is the node's NPU 1: its stats file, `ascend-pool ps` and the node
+    # service's figures say NPU 1, where a host process using NPU 1 (its device 1) is counted too
+    # (they said device 0, and the service added it to NPU 0's figures).
+    env, base, procs = node
+    port = start_serve(env, procs, tmp_path / "serve.log")
+    in_container = Worker(env, procs, "npu1", "none", extra_env={"ASCEND_RT_VISIBLE_DEVICES": "1"})
+    on_host = Worker(env, procs, "npu1", "none", extra_env={"WORKER_DEVICE": "1"})
+    assert in_container("malloc", 8 * MiB) == on_host("malloc", 4 * MiB) == "granted"
+    ps = [sys.executable, "-m", "ascend_pool.cli", "ps", "--json", "--stats-dir", str(base)]
+
+    def both_published():
+        table = json.loads(subprocess.run(ps, env=env, capture_output=True, text=True, check=True).stdout)
+        mine = [r for r in table if r["tenant"] == "npu1"]
+        return mine if len(mine) == 2 and all(r["allocated_bytes"] for r in mine) else None
+
+    deadline = time.monotonic() + 30
+    while (rows := both_published()) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rows is not None, "both workers' stats files were expected within 30 s"
+    assert [r["device"] for r in rows] == [1, 1], rows
+    assert sorted(r["allocated_bytes"] // MiB for r in rows) == [4, 8], rows
+
+    def node_figure():
+        got = series(scrape(port), "ascend_pool_node_requested_bytes", tenant="npu1")
+        return got if sum(got.values()) == 12 * MiB else None
+
+    deadline = time.monotonic() + 30
+    while (got := node_figure()) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert got is not None and {dict(k)["device"] for k in got} == {"1"}, got

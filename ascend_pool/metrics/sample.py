@@ -31,7 +31,8 @@ _MAX_FIELDS = frozenset(("largest_free_block_bytes", "quota_bytes", "quota_warn_
 
 @dataclass
 class TenantSample:
-    """The figures of one (device, tenant) in one process: values[field] for every schema field
+    """The figures of one (device, tenant) in one process (device: the node's number of it,
+    Pool.node_device): values[field] for every schema field
     (int, base units). pid and instance (the process's id unique on the node: pids are per pid
     namespace) and uid (the process's user: quotas are per user, so one tenant name used by two
     users is two tenants) are set by the node service (None in-process). live: False for a
@@ -96,6 +97,12 @@ def _merge(into, v):
             into[f] = into.get(f, 0) + v[f]
 
 
+def _key(pool):
+    """A pool's (device, tenant): the node's device number (Pool.node_device: a container's device
+    0 may be the node's NPU 3, and the node service adds processes' figures by device)."""
+    return (int(getattr(pool, "node_device", pool.device)), str(getattr(pool, "tenant", "default")))
+
+
 class PoolAggregator:
     """Turns the live pools of the process into TenantSamples, one per (device, tenant).
 
@@ -134,9 +141,9 @@ class PoolAggregator:
         if not any(p is pool for p in pools):
             return
         v = pool_values(pool)
-        key = (int(pool.device), str(getattr(pool, "tenant", "default")))
+        key = _key(pool)
         # The pairs open now (not those of the last scrape: a tenant reopened since is live)
-        live = {(int(p.device), str(getattr(p, "tenant", "default"))) for p in pools if p is not pool}
+        live = {_key(p) for p in pools if p is not pool}
         with self._lock:
             if pool in self._final:
                 return  # two threads closing it at once: folded in by the first
@@ -155,7 +162,7 @@ class PoolAggregator:
                     continue  # closing: its final counters are in the retired sums
                 try:
                     v = pool_values(pool)
-                    key = (int(pool.device), str(getattr(pool, "tenant", "default")))
+                    key = _key(pool)
                 except Exception as e:  # closed meanwhile, or a pool type we cannot read
                     log.debug("skipping pool %r: %s", pool, e)
                     continue

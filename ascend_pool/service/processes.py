@@ -41,10 +41,11 @@ def rows(directory=None, allow_uids=(), allow_gids=()):
 
 
 def _own_rows(device):
-    """This process's bytes on device, from its open pools: (tenant, held, allocated) per tenant."""
+    """This process's bytes on the node's device `device`, from its open pools: (tenant, held,
+    allocated) per tenant."""
     per = {}
     for pool in registry.live_pools():
-        if pool.device != device:
+        if getattr(pool, "node_device", pool.device) != device:
             continue
         try:
             st = pool.memory_stats()
@@ -56,20 +57,22 @@ def _own_rows(device):
     return [(t, held, used) for t, (held, used) in sorted(per.items()) if held]
 
 
-def list_gpu_processes(device=0, kind="NPU"):
+def list_gpu_processes(device=0, kind="NPU", node_device=None):
     """torch.cuda.list_gpu_processes(device)'s text for ascend_pool's processes on `device` (an
-    int): a "NPU:<device>" line, then one line per process and tenant with the device memory
-    it holds in MB (MiB, as torch prints), or "no processes are running". Read from this user's
-    stats files (the processes that publish, see `ascend-pool ps`) and this process's own pools.
-    """
+    int, this process's number; node_device: the node's number of it, default the same, which
+    the stats files use): a "NPU:<device>" line, then one line per process and tenant with the
+    device memory it holds in MB (MiB, as torch prints), or "no processes are running". Read from
+    this user's stats files (the processes that publish, see `ascend-pool ps`) and this process's
+    own pools."""
+    node_device = device if node_device is None else node_device
     try:
-        table = [r for r in rows() if r["device"] == device]
+        table = [r for r in rows() if r["device"] == node_device]
     except ConfigError:  # no stats directory yet: nobody publishes
         table = []
     me = f"{instance():016x}"
     lines = [f"{kind}:{device}"]
     listed = [(r["pid"], r["held_bytes"], r["tenant"]) for r in table if r["instance"] != me]
-    listed += [(os.getpid(), held, tenant) for tenant, held, _ in _own_rows(device)]
+    listed += [(os.getpid(), held, tenant) for tenant, held, _ in _own_rows(node_device)]
     if not listed:
         lines.append("no processes are running")
     for pid, held, tenant in sorted(listed):

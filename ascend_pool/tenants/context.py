@@ -62,7 +62,7 @@ class Context(Pool):
             quota_bytes = spec.resolve(self.device_total_bytes) if spec is not None else None
             # The quota is a hook on the pool (cython/quota/quota.pxi): the pool's own close
             # path gives the booking back, as it does for every pool.
-            attach_ledger(self, open_ledger(self.backend.physical_device(self.device), self.backend), name, quota_bytes, warn,
+            attach_ledger(self, open_ledger(self.node_device, self.backend), name, quota_bytes, warn,
                           set_quota=spec is not None)
         except BaseException:
             self.close()
