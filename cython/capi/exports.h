@@ -248,18 +248,33 @@ APC_EXPORT void ascend_pool_init(int device) {
 
 /* ap_set_peer_release_hook's hook: the idle cache of the process's other pools of self's device
    and backend, given back (each held, not the registry lock, while it is released). */
-static size_t apc_release_peers(ap_pool *self) {
+/* Holds (capi_calls: a close waits for them, registry.h) the registered pools, or with `peer_of`
+   those of its device and backend but itself, under the registry lock, for work done without it:
+   a pool's waits for busy streams (up to sync_timeout_ms) must not hold that lock, which opening
+   or closing a pool (under the GIL) takes. Held through the waits, it froze the interpreter, and
+   a stream that needed a Python thread to finish was never released. Returns the count (*out:
+   malloc'ed, for the caller to unhold and free), or -1 without host memory. */
+static ssize_t apc_hold_pools(ap_pool ***out, const ap_pool *peer_of) {
     pthread_mutex_lock(&apc_reg_lock);
-    size_t n = 0, released = 0;
-    ap_pool **held = apc_reg_n ? malloc(apc_reg_n * sizeof *held) : NULL;
+    ssize_t n = 0;
+    ap_pool **held = *out = apc_reg_n ? malloc(apc_reg_n * sizeof *held) : NULL;
+    if (apc_reg_n && !held) n = -1;
     for (size_t i = 0; held && i < apc_reg_n; i++) {
         ap_pool *q = apc_entry_pool(&apc_reg[i]);
-        if (!q || q == self || q->device != self->device || q->backend != self->backend) continue;
+        if (!q || (peer_of && (q == peer_of || q->device != peer_of->device || q->backend != peer_of->backend)))
+            continue;
         atomic_fetch_add_explicit(&q->capi_calls, 1, memory_order_seq_cst);
         held[n++] = q;
     }
     pthread_mutex_unlock(&apc_reg_lock);
-    for (size_t i = 0; i < n; i++) {
+    return n;
+}
+
+static size_t apc_release_peers(ap_pool *self) {
+    ap_pool **held;
+    size_t released = 0;
+    ssize_t n = apc_hold_pools(&held, self);
+    for (ssize_t i = 0; i < n; i++) {
         released += ap_pool_release_idle(held[i]);
         ap_pool_unhold(held[i]);
     }
@@ -270,34 +285,20 @@ static size_t apc_release_peers(ap_pool *self) {
 APC_EXPORT void ascend_pool_empty_cache(void) {
     ap_error err;
     int failed = 0;
+    ap_pool **held;
     if (apc_forked("ascend_pool_empty_cache")) return;
-    /* The pools are held (capi_calls: a close waits for them, registry.h) under the registry
-       lock, then emptied without it: each may wait for busy streams up to sync_timeout_ms, and
-       opening or closing a pool (under the GIL) takes that lock. Held through the waits, it froze
-       the interpreter, and a stream that needed a Python thread to finish was never released. */
-    pthread_mutex_lock(&apc_reg_lock);
-    size_t n = 0, cap = apc_reg_n;
-    struct { ap_pool *pool; int device; } *held = cap ? malloc(cap * sizeof *held) : NULL;
-    if (cap && !held) {
-        pthread_mutex_unlock(&apc_reg_lock);
+    ssize_t n = apc_hold_pools(&held, NULL); /* emptied without the registry lock: they may wait */
+    if (n < 0) {
         apc_fail(AP_E_HOST_NOMEM, "ascend_pool_empty_cache: host memory exhausted");
         return;
     }
-    for (size_t i = 0; i < apc_reg_n; i++) {
-        ap_pool *p = apc_entry_pool(&apc_reg[i]);
-        if (!p) continue;
-        atomic_fetch_add_explicit(&p->capi_calls, 1, memory_order_seq_cst);
-        held[n].pool = p;
-        held[n++].device = apc_reg[i].device;
-    }
-    pthread_mutex_unlock(&apc_reg_lock);
-    for (size_t i = 0; i < n; i++) {
-        int rc = ap_pool_empty_cache(held[i].pool, &err);
-        ap_pool_unhold(held[i].pool);
+    for (ssize_t i = 0; i < n; i++) {
+        int rc = ap_pool_empty_cache(held[i], &err);
         if (rc != AP_OK && !failed) {
             failed = 1;
-            apc_fail(rc, "ascend_pool_empty_cache: device %d: %s", held[i].device, err.message);
+            apc_fail(rc, "ascend_pool_empty_cache: device %d: %s", held[i]->device, err.message);
         }
+        ap_pool_unhold(held[i]);
     }
     free(held);
 }
