@@ -28,6 +28,26 @@ def test_failed_device_malloc_is_retried_after_releasing_the_cache(pool):
     pool.free(ptr)
 
 
+@pytest.mark.parametrize("request_mib, fits", [(25, True), (100, False)], ids=["served", "refused"])
+def test_taking_back_the_peers_cache_is_still_one_retry(pool, peers_idle_released, request_mib, fits):
+    # torch counts one retry per allocation that freed the cache and tried again; a pool that
+    # also takes back its peers' idle cache tries a third time and counted two.
+    peer = ap.Pool(0, backend="sim")
+    try:
+        peer.free(peer.malloc(20 * MiB))  # idle in the peer
+        sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"] + 10 * MiB)
+        if fits:
+            pool.free(pool.malloc(request_mib * MiB))
+        else:
+            with pytest.raises(ap.OutOfMemoryError):
+                pool.malloc(request_mib * MiB)
+        st = pool.memory_stats()
+        assert (st["num_alloc_retries"], st["num_ooms"]) == (1, 0 if fits else 1)
+        assert peer.memory_stats()["reserved_bytes.all.current"] == 0, "the peer gave its idle cache back"
+    finally:
+        peer.close()
+
+
 def test_out_of_memory_error_explains_the_pool_and_device(pool):
     keep = pool.malloc(64 * MiB)
     held = sim.stats(0)["bytes_held"]

@@ -309,6 +309,19 @@ static void unmark_allocated(ap_pool *p, const ap_block *b, int completes_later)
     if (ap_oversize(p, pool, b->size)) ap_stat_step(&p->stats.oversize[0], -1);
 }
 
+/* ap_obtain_block, counting one retry per allocation however many times it is tried (after the
+   waits, after the peers' release), as torch's num_alloc_retries: its malloc counts the one
+   retry that follows freeing the cache. */
+static ap_block *obtain_counted(ap_pool *p, int slot, int pool, size_t rsize, size_t size, ap_error *e, int *retried) {
+    int64_t before = p->stats.num_alloc_retries;
+    ap_block *b = ap_obtain_block(p, slot, pool, rsize, size, e);
+    if (p->stats.num_alloc_retries != before) {
+        p->stats.num_alloc_retries = before + !*retried;
+        *retried = 1;
+    }
+    return b;
+}
+
 static size_t (*_Atomic peer_release_hook)(ap_pool *self);
 
 void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self)) { atomic_store(&peer_release_hook, hook); }
@@ -359,7 +372,8 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
         ap_error local = {0};
         ap_error *e = err ? err : &local;
         e->status = AP_OK;
-        b = ap_obtain_block(p, slot, pool, rsize, size, e);
+        int retried = 0;
+        b = obtain_counted(p, slot, pool, rsize, size, e, &retried);
         if (!b && e->status != AP_E_HOST_NOMEM && (p->stats.num_sync_all_streams++, queued_frees(p))) {
             /* Last resort: wait (lock dropped) for every stream and pending free, then retry. */
             ap_error wait_err = {0};
@@ -371,7 +385,7 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
             }
             e->status = AP_OK;
             ap_release_free_segments(p, (size_t)-1, 1, 0, NULL);
-            b = ap_obtain_block(p, slot, pool, rsize, size, e);
+            b = obtain_counted(p, slot, pool, rsize, size, e, &retried);
             if (!b && wrc == AP_E_TIMEOUT) *e = wait_err;
         }
         size_t (*peers)(ap_pool *) = atomic_load(&peer_release_hook);
@@ -391,7 +405,7 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
                     return slot_error(p, slot, stream, err);
                 }
                 e->status = AP_OK;
-                b = ap_obtain_block(p, slot, pool, rsize, size, e);
+                b = obtain_counted(p, slot, pool, rsize, size, e, &retried);
             }
         }
         if (!b) {
