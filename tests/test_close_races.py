@@ -139,3 +139,41 @@ def test_quota_changes_while_contexts_close(tmp_path, reload):
         print("stale", stale, "refused", refused)
     """, "quota" + str(reload))
     assert "stale 0 " in out, out
+
+
+def test_a_pool_closed_while_a_call_converts_its_arguments_refuses_the_call(tmp_path):
+    # malloc / free / round_size checked the pool, then converted the size or pointer (an
+    # __index__: Python code, where any thread may run and close the pool; here the conversion
+    # closes it itself, so no race is needed) or adopted a peer's stream, then passed the
+    # closed pool's NULL to the cached path: SIGSEGV (bad11).
+    out = _run(tmp_path, """
+        peer = ap.Pool(0)
+        s = peer.create_stream()
+        refused = []
+        def closing(pool, value):
+            class Closing:
+                def __index__(self):
+                    pool.close()
+                    return value
+            return Closing()
+        for name in ("malloc", "free", "round_size", "malloc on a peer's stream"):
+            pool = ap.Pool(0)
+            x = pool.malloc(4096)
+            try:
+                if name == "malloc":
+                    pool.malloc(closing(pool, 4096))
+                elif name == "free":
+                    pool.free(closing(pool, x))
+                elif name == "round_size":
+                    pool.round_size(closing(pool, 4096))
+                else:  # adopting the stream asks the runtime with the GIL released: close meanwhile
+                    t = threading.Thread(target=pool.close)
+                    pool._adopt_stream = lambda stream, t=t: (t.start(), t.join(), True)[2]
+                    pool.malloc(4096, stream=s)
+            except ap.PoolError as e:
+                refused.append((name, str(e)))
+        print(refused)
+        peer.destroy_stream(s)
+        peer.close()
+    """, "convert")
+    assert out.count("this pool is closed") == 4, out

@@ -425,6 +425,10 @@ cdef class PoolBase:
         cdef void *out = NULL
         cdef ap_error err
         cdef int rc
+        # Again: converting the size or adopting the stream ran Python code (an __index__, the
+        # peers' lookup), during which another thread may have closed the pool. Nothing but C runs
+        # from here to the call, so no close can come between.
+        self._check()
         if ap_pool_try_malloc(self.p, n, s, &out) == AP_OK:
             return PyLong_FromVoidPtr(out)
         if self._stacks_on:
@@ -455,6 +459,7 @@ cdef class PoolBase:
         cdef ap_error err
         cdef int rc
         if stream is None:
+            self._check()  # again: _as_ptr may have run Python code (malloc says why)
             if ap_pool_try_free(self.p, p) == AP_OK:
                 return
             if self._free_frames:
@@ -712,8 +717,9 @@ cdef class PoolBase:
 
     def round_size(self, nbytes):
         """Bytes a request of nbytes really occupies in the pool (padding and 512-byte rounding)."""
-        self._check()
-        return ap_pool_round_size(self.p, _as_size(nbytes))
+        cdef size_t n = _as_size(nbytes)
+        self._check()  # after the conversion, which may run Python code (malloc says why)
+        return ap_pool_round_size(self.p, n)
 
     def block_info(self, ptr):
         """(base, size, requested) of the live block containing ptr, or None."""
@@ -849,7 +855,8 @@ cdef class PoolBase:
         self._stacks_on = bool(frames)
         self._free_frames = bool(frames) and context == "all"
         self._entry_frames = bool(frames) and context in ("alloc", "all")
-        _capi_stacks_on(self.p, self if self._stacks_on else None)  # C ABI calls too
+        if self.p != NULL:  # the Python above may have let another thread close it
+            _capi_stacks_on(self.p, self if self._stacks_on else None)  # C ABI calls too
 
     def n_free_blocks(self):
         """Number of cached free blocks, as cupy's MemoryPool.n_free_blocks() (the inactive blocks
