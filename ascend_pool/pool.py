@@ -90,6 +90,21 @@ class Pool(PoolBase):
         """What the C ABI's messages call this pool."""
         return "pool"
 
+    def create_stream(self):
+        """Creates a device stream on this pool's device; returns its handle (int)."""
+        handle = super().create_stream()
+        # A handle the runtime gives out now names no other live stream: a pool of the process
+        # that still knows it had a stream destroyed behind its back (by the framework), and the
+        # runtime reused the handle. That pool forgets it: its close() would have destroyed this
+        # new stream, and its own calls would have ordered on it.
+        for other in _registry.live_pools():
+            if other is not self and other.backend is self.backend and other._knows_stream(handle):
+                try:
+                    other._forget_stream(handle)
+                except PoolError:  # closed meanwhile: nothing left to forget
+                    pass
+        return handle
+
     def _adopt_stream(self, stream):
         # A stream another open pool of this device and backend made or registered (its tenant
         # contexts', the default pool's) serves here too, as the C ABI lets it: the runtime's

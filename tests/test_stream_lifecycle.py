@@ -442,6 +442,36 @@ def test_a_handle_the_runtime_gave_to_another_devices_stream_serves_that_devices
     assert out == {"reused": True, "served": True}
 
 
+def test_a_pool_whose_stream_handle_another_pool_got_anew_no_longer_destroys_it_at_close(sim_node):
+    # Pool A made s; the framework destroyed it behind A's back and the runtime gave the handle
+    # to pool B's new stream. A.close() destroyed "its" idle stream, which was B's (bad11 3).
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        MiB = 1 << 20
+        a = ap.Pool(0, backend="sim")
+        s = a.create_stream()
+        a.free(a.malloc(MiB, stream=s), stream=s)
+        a.synchronize(s)
+        ok("aclrtSetDevice", 0)
+        ok("aclrtDestroyStream", C.c_void_p(s))       # behind the pool's back
+        b = ap.Pool(0, backend="sim")
+        t = b.create_stream()
+        x = b.malloc(3 * MiB, stream=t)
+        a.close()
+        try:
+            b.free(x, stream=t)
+            b.free(b.malloc(5 * MiB, stream=t), stream=t)
+            b.synchronize(t)
+            survived = True
+        except ap.PoolError as e:
+            survived = str(e)
+        b.destroy_stream(t)
+        b.close()
+        print(json.dumps({"reused": t == s, "survived": survived}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out == {"reused": True, "survived": True}
+
+
 # A child's start: device 0's pool with a framework stream s1 (registered) holding one cached
 # block, the child's thread on device 0 (sim_child helpers).
 FRAMEWORK_STREAM_CACHED_ON_DEVICE_0 = """
