@@ -262,6 +262,9 @@ def _pow2(n):
     return n > 0 and not n & (n - 1)
 
 
+ROUNDUP_MAX_DIVISIONS = 1 << 31
+
+
 def parse_roundup_divisions(value):
     """PyTorch's roundup_power2_divisions: a number (every interval) or "[MiB:N,...,>:N]" -> a
     list of 16 divisions, interval i holding sizes in [2^i, 2^(i+1)) MiB."""
@@ -271,6 +274,8 @@ def parse_roundup_divisions(value):
         n = _number(key, v, int)
         if n != 0 and not _pow2(n):
             raise ConfigError(f"{key}: divisions must be a power of two or 0, got {v!r}")
+        if n > ROUNDUP_MAX_DIVISIONS:  # the C field's bound; far past it, steps are below 512 bytes anyway
+            raise ConfigError(f"{key}: divisions must be at most {ROUNDUP_MAX_DIVISIONS} (2**31), got {v!r}")
         return n
 
     if isinstance(value, (list, tuple)):

@@ -313,7 +313,8 @@ def test_fuzzed_knob_strings_are_config_errors_or_work(items):
 @pytest.mark.parametrize("conf", ["max_split_size_mb:inf", "max_split_size_mb:nan", "max_split_size_mb:1e30",
                                   "record_history:99999999999999999999", "sync_timeout_ms:99999999999",
                                   "reserve:" + "9" * 400 + "GiB", "garbage_collection_threshold:nan",
-                                  "memory_fraction:inf"])
+                                  "memory_fraction:inf", "roundup_power2_divisions:4294967296",
+                                  "roundup_power2_divisions:[1:4,>:4294967296]"])
 def test_knob_values_no_c_field_can_hold_are_config_errors(monkeypatch, conf):
     monkeypatch.setenv("ASCEND_POOL_CONF", conf)
     with pytest.raises(ap.ConfigError, match=conf.split(":")[0]):

@@ -7,6 +7,7 @@ import ctypes
 import os
 import sys
 
+import numpy as np
 import pytest
 
 import ascend_pool as ap
@@ -222,17 +223,28 @@ def test_the_default_stream_cannot_be_destroyed_and_a_bad_stream_is_named(pool):
     aclrtDestroyStream and come back as a DeviceError 100000); free_all_blocks takes cupy's stream
     argument and refuses one that is not a stream of the pool instead of ignoring it."""
     ptr = pool.malloc(MiB)
-    with pytest.raises(ap.InvalidStreamError, match="default stream"):
-        pool.destroy_stream(None)
+    events = pool.memory_stats()["events_created"]
+    for default in (None, 0, np.uint64(0)):  # 0 too: the null handle, as every other call reads it
+        with pytest.raises(ap.InvalidStreamError, match="default stream"):
+            pool.destroy_stream(default)
+    assert pool.memory_stats()["events_created"] == events, "refused before anything is done on the stream"
+    for wrong in ("not a stream", [0], {}, np.array([1, 2]), 1.5, True):  # a bare TypeError named nothing
+        with pytest.raises(ap.StreamTypeError, match="stream must be None, 0 .* or an int stream handle"):
+            pool.free_all_blocks(wrong)
+        with pytest.raises(ap.StreamTypeError, match="stream must be"):
+            pool.malloc(64, stream=wrong)
     with pytest.raises(ap.InvalidStreamError, match="not a live stream"):
-        pool.free_all_blocks("not a stream")
+        pool.free_all_blocks(12345)
     s = pool.create_stream()
     pool.free(ptr)
     pool.free_all_blocks(s)  # cupy's: only what s's allocations created (nothing here)
     assert pool.memory_stats()["reserved_bytes.all.current"] > 0
     pool.free_all_blocks(0)
     assert pool.memory_stats()["reserved_bytes.all.current"] == 0
-    pool.destroy_stream(s)
+    for handle in (np.uint64(s), np.int64(s)):  # a handle kept in a numpy array, as pointers may be
+        pool.free(pool.malloc(64, stream=handle), stream=handle)
+        pool.synchronize(handle)
+    pool.destroy_stream(np.uint64(s))
     pool.malloc(MiB)  # still serving
 
 

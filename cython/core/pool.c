@@ -478,6 +478,10 @@ static int bad_pointer(ap_pool *p, void *ptr, ap_error *err) {
                                         "pointer 0x%lx is inside the block at 0x%lx (%zu bytes) on device %d, "
                                         "not its start",
                                         (unsigned long)a, (unsigned long)b->addr, b->size, p->device);
+                if (s->shared && b->state == AP_BLOCK_ALLOCATED) /* allocated, but not in the live map */
+                    return ap_set_error(err, AP_E_INVALID_PTR, 0,
+                                        "pointer 0x%lx on device %d is a shared block (share_malloc): give it "
+                                        "back with share_free(ptr)", (unsigned long)a, p->device);
                 return ap_set_error(err, AP_E_INVALID_PTR, 0,
                                     "pointer 0x%lx on device %d is not allocated (double free?)", (unsigned long)a,
                                     p->device);

@@ -189,6 +189,18 @@ cdef inline void *_as_ptr(object ptr) except? NULL:
     return p
 
 
+def _stream_handle(stream):
+    """A stream argument that is not an int: its value as one when it is an integer (a numpy
+    integer), else StreamTypeError naming it (a list or an array made a bare TypeError)."""
+    if type(stream) is not bool and hasattr(type(stream), "__index__"):
+        try:
+            return type(stream).__index__(stream)
+        except TypeError:  # an array of several values, say
+            pass
+    raise _errors_module.StreamTypeError(f"stream must be None, 0 (the default stream) or an int stream handle, "
+                                         f"got {stream!r}")
+
+
 cdef extern from "current.h" nogil:
     uint64_t AP_NO_TICKET
     int AP_TICKETS
@@ -394,7 +406,9 @@ cdef class PoolBase:
     cdef inline void *_stream(self, object stream) except? NULL:
         if stream is None:
             return NULL
-        if type(stream) is int and stream == 0:  # the null handle: the default stream, as CUDA's and ACL's
+        if type(stream) is not int:  # a numpy integer handle, as sizes and pointers take; else named
+            stream = _stream_handle(stream)
+        if stream == 0:  # the null handle: the default stream, as CUDA's and ACL's
             return NULL
         if stream not in self._streams and not self._adopt_stream(stream):
             raise InvalidStreamError(f"stream {stream!r} is not a live stream of this pool (device {self.device}); "
@@ -566,9 +580,11 @@ cdef class PoolBase:
     def destroy_stream(self, stream):
         """Waits for stream, returns its cached blocks to all streams, and destroys it."""
         self._check()
-        if stream is None:
-            raise InvalidStreamError("the default stream (None) cannot be destroyed: destroy_stream takes a stream "
-                                     "from pool.create_stream() or pool.register_stream(handle)")
+        if stream is not None and type(stream) is not int:
+            stream = _stream_handle(stream)
+        if stream is None or stream == 0:  # refused before anything is done on the default stream
+            raise InvalidStreamError(f"the default stream ({stream}) cannot be destroyed: destroy_stream takes a "
+                                     "stream from pool.create_stream() or pool.register_stream(handle)")
         cdef ap_pool *_p
         cdef void *s = self._stream(stream)
         cdef ap_error err
