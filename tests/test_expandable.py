@@ -126,6 +126,42 @@ def test_filling_a_hole_never_merges_into_another_streams_free_block(clean_fault
         pool.close()
 
 
+def _inactive_split_of_snapshot(pool):
+    segs = pool.snapshot()["segments"]
+    split = [b["size"] for s in segs if len(s["blocks"]) > 1 for b in s["blocks"] if b["state"] == "inactive"]
+    return len(split), sum(split)
+
+
+@pytest.mark.parametrize("reuse", ["tied", "borrow"])
+def test_inactive_split_follows_a_segment_that_grows_or_is_cut_under_a_free_block(reuse):
+    # torch_npu's _check_memory_stat_consistency: inactive_split(_bytes) are the inactive blocks of
+    # split segments in the snapshot. A free block alone in its segment got a neighbour when a
+    # growth for another stream mapped pages after it, and stayed counted as a whole segment
+    # (32 MiB of "non-releasable" memory missing); an unmap that cuts a segment does the reverse.
+    pool = ap.Pool(0, backend="sim", expandable_segments=True, stream_reuse=reuse)
+    s1, s2 = pool.create_stream(), pool.create_stream()
+    try:
+        a = pool.malloc(30 * MiB, stream=s1)
+        pool.free(a)
+        b = pool.malloc(30 * MiB, stream=s2)  # pages mapped after a's free block
+        st = pool.memory_stats()
+        assert (st["inactive_split.all.current"], st["inactive_split_bytes.all.current"]) == \
+            _inactive_split_of_snapshot(pool)
+        pool._check_invariants()
+        pool.free(b)
+        pool.synchronize(s1)
+        pool.synchronize(s2)
+        pool.empty_cache()
+        st = pool.memory_stats()
+        assert (st["inactive_split.all.current"], st["inactive_split_bytes.all.current"]) == \
+            _inactive_split_of_snapshot(pool) == (0, 0)
+        pool._check_invariants()
+    finally:
+        pool.destroy_stream(s1)
+        pool.destroy_stream(s2)
+        pool.close()
+
+
 def test_small_blocks_go_to_pages_that_hold_live_blocks(xpool):
     # Five 2 MiB pages of small blocks (at most 1 MiB each; -32: the pad), in address order.
     K = 1024

@@ -183,7 +183,7 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
             case AP_BLOCK_FREE:
                 seen_free++;
                 if (whole) n_free_segments++;
-                if (!s->expandable && b->counted_split != !whole) {
+                if (b->counted_split != !whole) {
                     fail(c, "free block 0x%lx: split count flag %d for a %s block", (unsigned long)b->addr,
                          b->counted_split, whole ? "whole-segment" : "split");
                     goto out;
@@ -222,9 +222,8 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
         }
     }
     if (n_segments != p->n_segments) { fail(c, "segment list holds %zu, count says %zu", n_segments, p->n_segments); goto out; }
-    /* Expandable segments grow and split under their free blocks (expandable.c), which keeps
-       n_free_segments and the split flags only as hints there: checked for classic pools. */
-    if (!p->cfg.expandable && n_free_segments != p->n_free_segments) {
+    /* Expandable segments grow and split under their free blocks: expandable.c recounts them. */
+    if (n_free_segments != p->n_free_segments) {
         fail(c, "%zu segments are one free block, count says %zu", n_free_segments, p->n_free_segments);
         goto out;
     }

@@ -375,7 +375,9 @@ static ap_block *grow(ap_pool *p, int slot, int pool, size_t rsize, int exact, s
        segment joined on the right): then it is the requester's, so that it merges only with
        what the requester may use and the block returned still fits it. */
     int tag = other_streams_free(nb->prev, slot) || other_streams_free(nb->next, slot) ? slot : 0;
-    return ap_free_insert(p, nb, tag);
+    ap_block *grown = ap_free_insert(p, nb, tag);
+    ap_free_recount_segment(p, grown->seg); /* a free neighbour that was a segment alone is one no more */
+    return grown;
 
 rollback: /* chunks mapped so far (a partial growth) go back; the pool is as before, less the
              reused chunks, which are freed too */
@@ -496,8 +498,8 @@ static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t
     } else {
         ap_segment_recycle(p, rseg);
     }
-    int pool = seg->pool;
-    if (lo == seg->base) { /* nothing of the segment is left below the hole */
+    int pool = seg->pool, seg_left = lo != seg->base;
+    if (!seg_left) { /* nothing of the segment is left below the hole */
         ap_segment_unlink(p, seg);
         ap_segment_recycle(p, seg);
     } else {
@@ -506,6 +508,8 @@ static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t
     }
     if (left) ap_free_insert(p, left, 0);
     if (right) ap_free_insert(p, right, 0);
+    if (seg_left) ap_free_recount_segment(p, seg); /* each side may be one free block now */
+    if (hi < send) ap_free_recount_segment(p, rseg);
     ap_block_recycle(p, b);
     ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, pool, (int64_t)(hi - lo));
     ap_history_add(&p->history, AP_ACT_SEGMENT_UNMAP, lo, hi - lo, NULL);

@@ -84,6 +84,23 @@ ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
     return b;
 }
 
+void ap_free_recount_segment(ap_pool *p, ap_segment *s) {
+    for (ap_block *b = s->first; b; b = b->next) {
+        if (b->state != AP_BLOCK_FREE || b->counted_split == !is_whole_segment(b)) continue;
+        int sign = b->counted_split ? -1 : 1; /* -1: now alone in its segment */
+        if (sign > 0) {
+            p->n_free_segments--;
+            ap_stat_inc(&p->stats, AP_STAT_INACTIVE_SPLIT, s->pool, 1);
+            ap_stat_inc(&p->stats, AP_STAT_INACTIVE_SPLIT_BYTES, s->pool, (int64_t)b->size);
+        } else {
+            p->n_free_segments++;
+            ap_stat_dec(&p->stats, AP_STAT_INACTIVE_SPLIT, s->pool, 1);
+            ap_stat_dec(&p->stats, AP_STAT_INACTIVE_SPLIT_BYTES, s->pool, (int64_t)b->size);
+        }
+        b->counted_split = sign > 0;
+    }
+}
+
 void ap_free_retag_slot(ap_pool *p, int from, int to) {
     ap_cache_flush(p); /* cached blocks of `from` must move too */
     for (int pool = 0; pool < 2; pool++) {

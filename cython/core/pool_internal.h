@@ -90,6 +90,9 @@ static inline void ap_segment_unlink(ap_pool *p, ap_segment *seg) {
 ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag);
 void ap_free_remove(ap_pool *p, ap_block *b);
 /* Moves every free block of slot `from` to tag `to` (0 = any stream), merging as it goes. */
+/* A segment of expandable memory grew, joined another or was cut under its free blocks: each
+   free block's inactive_split count (split or whole segment) follows its segment's new shape. */
+void ap_free_recount_segment(ap_pool *p, ap_segment *s);
 void ap_free_retag_slot(ap_pool *p, int from, int to);
 /* Best cached block for a request on slot (own stream or any-stream blocks), or NULL. */
 ap_block *ap_find_fit(ap_pool *p, int slot, int pool, size_t rsize);
