@@ -4,7 +4,8 @@ gets a 20 MiB segment that later medium requests share, as torch_npu's allocator
 growing through medium sizes makes one device call per 20 MiB instead of one per request; a
 request of 10 MiB or more keeps a segment of its own size in whole 2 MiB pages, which is wholly
 free again once it is freed. release_policy=never (torch_npu's behaviour) does the same; under a
-byte limit or a tenant quota a medium request gets its own size."""
+byte limit a medium request shares one while the limit has room for it, else gets its own size;
+under a tenant quota it gets its own size."""
 
 import pytest
 
@@ -67,9 +68,13 @@ def test_a_shared_segment_the_device_refuses_falls_back_to_the_requests_own_size
 
 
 @pytest.mark.parametrize("cap", ["limit", "quota"])
-def test_under_a_limit_or_quota_a_medium_request_gets_its_own_size(cap, tmp_path, monkeypatch):
-    # Memory is what a cap runs out of: a shared 20 MiB segment could be refused where the
-    # request's own 6 MiB fits, costing a retry and, under a quota, a refusal in the ledger.
+def test_under_a_limit_medium_requests_share_a_segment_while_it_has_room_under_a_quota_never(cap, tmp_path,
+                                                                                              monkeypatch):
+    # While a byte limit has room for a shared 20 MiB segment, medium requests share one as
+    # uncapped (each alone in its own pages filled half a limit with 1 MiB requests: RMM's, CuPy's
+    # and torch's limit tests fill theirs); past that, the request's own size: a shared segment
+    # refused where the request's 6 MiB fits would cost a retry. Under a tenant quota, always its
+    # own size (the room is node-wide; a refused shared growth would be a refusal in the ledger).
     monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))
     base = ap.Pool(0, backend="sim", release_policy="budgeted")
     pool = base
@@ -78,10 +83,13 @@ def test_under_a_limit_or_quota_a_medium_request_gets_its_own_size(cap, tmp_path
             base.set_limit(26 * MiB)
         else:
             pool = base.context("capped", quota=26 * MiB)
-        ptrs = [pool.malloc(int(4.9 * MiB)) for _ in range(4)]
+        n = 5 if cap == "limit" else 4
+        ptrs = [pool.malloc(int(4.9 * MiB)) for _ in range(n)]
         st = pool.memory_stats()
-        assert st["segment.large_pool.current"] == 4
-        assert st["reserved_bytes.all.current"] == 24 * MiB
+        if cap == "limit":  # four in 20 MiB, the fifth in its own 6 MiB
+            assert (st["segment.large_pool.current"], st["reserved_bytes.all.current"]) == (2, 26 * MiB)
+        else:
+            assert (st["segment.large_pool.current"], st["reserved_bytes.all.current"]) == (4, 24 * MiB)
         assert st["num_alloc_retries"] == 0
         if cap == "quota":
             assert st["quota_refusals"] == 0
@@ -90,4 +98,20 @@ def test_under_a_limit_or_quota_a_medium_request_gets_its_own_size(cap, tmp_path
     finally:
         if pool is not base:
             pool.close()
+        base.close()
+
+
+def test_a_limit_holds_as_many_1mib_requests_as_an_uncapped_pool_would_fit_in_it():
+    # RMM's limiting adaptor and CuPy's set_limit tests allocate up to the limit: 150 x 1 MiB
+    # need 160 MiB uncapped; under a 200 MiB limit only 100 fitted (each alone in a 2 MiB page).
+    base = pool = ap.Pool(0, backend="sim")
+    try:
+        base.set_limit(200 * MiB)
+        ptrs = [pool.malloc(MiB) for _ in range(150)]
+        st = pool.memory_stats()
+        assert st["reserved_bytes.all.current"] <= 160 * MiB
+        assert st["num_ooms"] == 0
+        for p in ptrs:
+            pool.free(p)
+    finally:
         base.close()

@@ -65,9 +65,14 @@ def test_a_tenant_over_quota_tells_the_observers(pool, seen, tmp_path, monkeypat
     monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))
     ctx = pool.context("oom-observed", quota="16MiB")
     try:
+        keep = ctx.malloc(4 * MiB)
         with pytest.raises(ap.QuotaExceededError):
             ctx.malloc(32 * MiB)
-        assert seen and seen[-1][:2] == (0, 32 * MiB)
+        # the tenant's limited device, as its mem_get_info and HAMi's cudaMemGetInfo answer: the
+        # quota as allowed, what is left of it as free (it gave the device's 16 GiB and free bytes)
+        assert seen and seen[-1] == (0, 32 * MiB, 16 * MiB, ctx.mem_get_info()[0])
+        assert ctx.mem_get_info() == (16 * MiB - ctx.memory_stats()["reserved_bytes.all.current"], 16 * MiB)
+        ctx.free(keep)
     finally:
         ctx.close()
 

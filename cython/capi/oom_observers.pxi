@@ -3,7 +3,8 @@
 # dump a snapshot or log the pool's state at that moment. Each observer is called as
 #     observer(device, requested bytes, allowed bytes, device free bytes)
 # (allowed: the pool's cap when one is set, else the device's total, as torch passes its memory
-# fraction's maximum or the device total), after the pool gave up and before the error reaches
+# fraction's maximum or the device total; a tenant context's quota bounds both, as HAMi's limited
+# device and the context's mem_get_info do), after the pool gave up and before the error reaches
 # the caller, with no pool lock held: from Pool.malloc (and a tenant context's) and from the C
 # ABI's ascend_pool_malloc (exports.h takes the GIL for it, on that failure path only). An
 # observer that raises is logged and skipped: the allocation's own error still reaches its caller.
@@ -27,7 +28,8 @@ def attach_out_of_memory_observer(observer):
     """Calls observer(device, requested bytes, allowed bytes, device free bytes) whenever an
     allocation of this process fails for want of memory (OutOfMemoryError, QuotaExceededError,
     or NULL from the C ABI), before the error is raised, as torch's
-    torch._C._cuda_attach_out_of_memory_observer. allowed: the pool's cap in bytes when set, else
+    torch._C._cuda_attach_out_of_memory_observer. allowed (at most a tenant's quota, free then at
+    most what is left of it): the pool's cap in bytes when set, else
     the device's total. ConfigTypeError (a TypeError) if observer is not callable."""
     global _oom_observers
     if not callable(observer):

@@ -273,13 +273,18 @@ static void oom_message(ap_pool *p, size_t size, int slot, ap_error *err) {
 }
 
 void ap_pool_oom_figures(ap_pool *p, size_t *allowed, size_t *free_b) {
-    size_t total = 0, limit;
+    size_t total = 0, limit, quota = SIZE_MAX, held = 0;
     *free_b = 0;
     p->backend->mem_info(p->backend, p->device, free_b, &total); /* a runtime call: not under the lock */
     pthread_mutex_lock(&p->lock);
     limit = p->cfg.limit_bytes;
+    if (p->quota.terms) p->quota.terms(p->quota.ctx, p->device, &quota, &held); /* lock-free reads */
     pthread_mutex_unlock(&p->lock);
     *allowed = limit != AP_NO_LIMIT && limit < total ? limit : total;
+    /* A tenant's quota as HAMi's limited device: its total, and what is left of it free (as the
+       context's mem_get_info answers) */
+    if (quota < *allowed) *allowed = quota;
+    if (quota != SIZE_MAX && (held >= quota ? 0 : quota - held) < *free_b) *free_b = held >= quota ? 0 : quota - held;
 }
 
 /* The trace's oom entry: torch's carries the device's free bytes where others carry an address. */

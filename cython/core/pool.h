@@ -145,6 +145,9 @@ typedef struct ap_quota_hook {
     void *ctx;
     int (*reserve)(void *ctx, int device, size_t bytes, char *why, size_t why_len);
     void (*release)(void *ctx, int device, size_t bytes);
+    /* The tenant's quota and what it holds node-wide now (a lock-free read; another process may
+       book the difference first); quota SIZE_MAX without one. NULL: unknown (no room assumed). */
+    void (*terms)(void *ctx, int device, size_t *quota, size_t *held);
 } ap_quota_hook;
 
 /* Expandable segments: physical memory mapped into reserved address space. A segment is a run

@@ -146,17 +146,31 @@ size_t ap_release_stream_segments(ap_pool *p, int slot, ap_error *err) {
     return released;
 }
 
+/* Bytes a growth may take under the byte limit now (SIZE_MAX: none). */
+static size_t limit_headroom(const ap_pool *p) {
+    size_t reserved = ap_reserved(p);
+    if (p->cfg.limit_bytes == AP_NO_LIMIT) return SIZE_MAX;
+    return p->cfg.limit_bytes > reserved ? p->cfg.limit_bytes - reserved : 0;
+}
+
 /* A classic segment for rsize. A medium request shares a 20 MiB segment with others, as in
    torch_npu: the pool grows in fewer device calls and keeps torch_npu's layout for these sizes,
    which it is measured against (docs/placement-policy.md, "Growth size"); with 1 GiB pages a
-   segment is one page whatever the request. Under a byte limit or a tenant quota, memory is what
-   runs out: a shared segment the cap refused where the request's own size fits would cost a
-   refusal (counted by the quota ledger) and a retry, so the request gets its own. With `shared`
-   0: the request's own size (the fallback when a shared growth is refused). */
+   segment is one page whatever the request. Under a byte limit, the shared segment only while
+   the limit has room for it: a 1 MiB request alone in its 2 MiB page left half of a limit unused
+   (RMM's, CuPy's and torch's limit tests fill theirs); past that, the request's own size, which a
+   shared segment the limit refused would cost a retry. Under a tenant quota, always the
+   request's own size: the room is node-wide, other processes of the tenant take it meanwhile,
+   and a refused shared growth would count a quota refusal. With `shared` 0: the request's own
+   size (the fallback when a shared growth is refused). */
 static size_t segment_size_for(const ap_pool *p, int pool, size_t rsize, int shared) {
     if (pool == AP_POOL_SMALL) return p->cfg.small_segment;
-    int capped = p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve;
-    size_t size = shared && rsize < AP_MIN_LARGE_ALLOC && !capped ? AP_LARGE_BUFFER : rsize;
+    shared = shared && rsize < AP_MIN_LARGE_ALLOC && !p->quota.reserve;
+    if (shared && p->cfg.limit_bytes != AP_NO_LIMIT) {
+        size_t buffer = ap_round_up(AP_LARGE_BUFFER, p->cfg.page_size);
+        shared = limit_headroom(p) >= (buffer < p->cfg.min_large_segment ? p->cfg.min_large_segment : buffer);
+    }
+    size_t size = shared ? AP_LARGE_BUFFER : rsize;
     size = ap_round_up(size, p->cfg.page_size); /* alone: once freed, its segment is wholly free */
     return size < p->cfg.min_large_segment ? p->cfg.min_large_segment : size;
 }

@@ -147,6 +147,17 @@ static void apl_hook_release(void *ctx, int device, size_t bytes) {
     apl_release((apl_handle *)ctx, (uint64_t)bytes);
 }
 
+/* The tenant's quota (SIZE_MAX: none) and what it holds node-wide now. Lock-free; another
+   process may book the difference first (its reserve is then refused). */
+static void apl_hook_terms(void *ctx, int device, size_t *quota, size_t *held) {
+    (void)device;
+    apl_handle *h = ctx;
+    apl_tenant *t = &h->L->f->tenants[h->tenant];
+    uint64_t q = atomic_load(&t->quota);
+    *quota = q >= (uint64_t)SIZE_MAX ? SIZE_MAX : (size_t)q;
+    *held = (size_t)atomic_load(&t->held);
+}
+
 /* A new handle: attaches to the tenant (claiming a slot). NULL and err on failure. */
 static apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int src, uint32_t stamp,
                                    int set_warn, uint32_t warn_ppm, int *conflict, char *err, size_t len,

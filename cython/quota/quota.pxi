@@ -80,6 +80,7 @@ cdef extern from "quota/ledger_reserve.h" nogil:
                       char *err, size_t len)
     int apl_hook_reserve(void *ctx, int device, size_t nbytes, char *why, size_t why_len) noexcept
     void apl_hook_release(void *ctx, int device, size_t nbytes) noexcept
+    void apl_hook_terms(void *ctx, int device, size_t *quota, size_t *held) noexcept
     int apl_take_warn(apl_handle *h)
 
 cdef extern from "quota/ledger_view.h" nogil:
@@ -328,6 +329,7 @@ def attach_ledger(PoolBase pool, Ledger ledger, str tenant, quota, warn, bint se
     hook.ctx = <void *>h
     hook.reserve = apl_hook_reserve
     hook.release = apl_hook_release
+    hook.terms = apl_hook_terms
     try:
         pool._attach_quota(&hook, _close_ledger_handle, owner)
     except BaseException:
