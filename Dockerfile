@@ -1,10 +1,10 @@
 # The ascend_pool image: the package installed the way the README does (pip install .), with the
-# C compiler the extension's build needs, running as a non-root user. On an NPU node, mount the
+# C compiler the extension's build needs (and g++ for the torch allocators' throwing alloc), running as a non-root user. On an NPU node, mount the
 # CANN runtime (or use a CANN base image) and set ASCEND_POOL_ACL_LIB / ASCEND_HOME_PATH; without it
 # the package runs on its simulated NPU. Deployment: deploy/ (a kustomize base).
 FROM python:3.11-slim AS build
 RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .

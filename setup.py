@@ -6,6 +6,7 @@ loads the real runtime: dlopen() by path, dlsym() by name. A second build of the
 """
 import glob
 import os
+import shutil
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -14,16 +15,19 @@ from setuptools.command.build_ext import build_ext
 HERE = os.path.dirname(os.path.abspath(__file__))
 SANITIZE = os.environ.get("ASCEND_POOL_SANITIZE", "")  # e.g. "address" for the ASan build
 C_FLAGS = ["-O3", "-g", "-std=gnu11", "-D_GNU_SOURCE", "-Wall", "-Wno-unused-function"]
-LINK_FLAGS = []
-if SANITIZE:
-    C_FLAGS += [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-DASCEND_POOL_SANITIZE=1"]
-    LINK_FLAGS += [f"-fsanitize={SANITIZE}"]
+SAN_FLAGS = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-DASCEND_POOL_SANITIZE=1"] if SANITIZE else []
+C_FLAGS += SAN_FLAGS
+LINK_FLAGS = [f"-fsanitize={SANITIZE}"] if SANITIZE else []
 
-# Plain C shared objects (no Python module init): their file names are exactly these.
+# Plain shared objects (no Python module init): their file names are exactly these.
 PLAIN_LIBS = {
     "ascend_pool._sim.libascendcl": "ascend_pool/_sim/libascendcl.so",
     "ascend_pool._sim.legacy.libascendcl": "ascend_pool/_sim/legacy/libascendcl.so",
+    "ascend_pool.libascend_pool_torch": "ascend_pool/libascend_pool_torch.so",
 }
+# The alloc function torch's pluggable allocators load, throwing on failure (torch_alloc.cpp):
+# built where a C++ compiler is; without it the integrations hand torch the C ABI's own.
+HAVE_CXX = bool(shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++"))
 
 
 class BuildExt(build_ext):
@@ -59,8 +63,17 @@ sim_ext = [
         libraries=["pthread", "rt"],
     )
     for name in PLAIN_LIBS
-    if sim_sources  # absent only in a tree that is mid-edit
+    if "_sim" in name and sim_sources  # absent only in a tree that is mid-edit
 ]
+torch_ext = [
+    Extension(
+        "ascend_pool.libascend_pool_torch",
+        sources=["cython/capi/torch_alloc.cpp"],
+        language="c++",
+        extra_compile_args=["-O2", "-g", "-std=c++17", "-Wall", "-fvisibility=hidden"] + SAN_FLAGS,
+        extra_link_args=LINK_FLAGS,
+    )
+] if HAVE_CXX else []
 
 core_ext = Extension(
     "ascend_pool._core",
@@ -76,6 +89,7 @@ core_ext = Extension(
 
 setup(
     ext_modules=sim_ext
+    + torch_ext
     + cythonize(
         [core_ext],
         compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False},

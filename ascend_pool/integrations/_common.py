@@ -3,6 +3,7 @@ addresses as frameworks resolve them, and choosing the backend a framework's mem
 
 import ctypes
 import importlib
+import logging
 import os
 
 from .. import _core
@@ -31,6 +32,32 @@ def symbol_address(name):
     library_path() (dlopen) and attribute lookup (dlsym)."""
     lib = ctypes.CDLL(library_path())
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+TORCH_ALLOC_LIB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "libascend_pool_torch.so")
+_torch_alloc_warned = False
+
+
+def torch_alloc_functions():
+    """(library path, alloc symbol, free symbol) for torch's pluggable allocators. Where the
+    package was built with a C++ compiler: libascend_pool_torch.so, bound here to the C ABI, whose
+    alloc throws on failure (torch raises RuntimeError "... out of memory ..."; it builds a tensor
+    at address 0 from a NULL). Else the C ABI's own pair, said once in the log."""
+    global _torch_alloc_warned
+    if os.path.exists(TORCH_ALLOC_LIB):
+        core = ctypes.CDLL(library_path())
+        shim = ctypes.CDLL(TORCH_ALLOC_LIB)  # the handle torch's dlopen of the same path gets
+        shim.ascend_pool_torch_bind.argtypes = [ctypes.c_void_p] * 3
+        shim.ascend_pool_torch_bind(*(ctypes.cast(getattr(core, n), ctypes.c_void_p) for n in
+                                      ("ascend_pool_malloc", "ascend_pool_free", "ascend_pool_last_error")))
+        return TORCH_ALLOC_LIB, "ascend_pool_torch_malloc", "ascend_pool_torch_free"
+    if not _torch_alloc_warned:
+        _torch_alloc_warned = True
+        logging.getLogger("ascend_pool").warning(
+            "%s is missing (ascend_pool was built without a C++ compiler): torch gets the C ABI's "
+            "ascend_pool_malloc, whose NULL on out of memory torch does not check (a tensor at address 0); "
+            "reinstall with g++ present", TORCH_ALLOC_LIB)
+    return library_path(), "ascend_pool_malloc", "ascend_pool_free"
 
 
 def use_backend(kind, why, open_now=True):

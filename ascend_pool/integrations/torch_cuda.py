@@ -6,8 +6,9 @@
     x = torch.empty(1 << 20, device="cuda")
 
 install() selects the cuda backend for the C ABI's default pools ($ASCEND_POOL_BACKEND=cuda), builds
-torch.cuda.memory.CUDAPluggableAllocator(library_path(), "ascend_pool_malloc", "ascend_pool_free"),
-hands it the hooks its allocator object offers (init, reset -> empty_cache, memory_fraction,
+torch.cuda.memory.CUDAPluggableAllocator("libascend_pool_torch.so", "ascend_pool_torch_malloc",
+"ascend_pool_torch_free") (the C ABI's pair, except that a failed allocation throws, which PyTorch
+raises as RuntimeError "... out of memory ..."; _common.torch_alloc_functions), hands it the hooks its allocator object offers (init, reset -> empty_cache, memory_fraction,
 base_alloc, record_stream) and makes it current with change_current_allocator. PyTorch refuses the
 swap once its own allocator has served a tensor, so install first.
 
@@ -18,8 +19,7 @@ torch.cuda.memory_stats() then reports nothing: read ascend_pool.memory_stats() 
 import importlib
 
 from .. import config
-from ..capi import library_path
-from ._common import FrameworkMissingError, require, set_hooks, use_backend
+from ._common import FrameworkMissingError, require, set_hooks, torch_alloc_functions, use_backend
 
 __all__ = ["install", "build_allocator", "HOOKS"]
 
@@ -36,7 +36,7 @@ _installed = None  # torch keeps a raw pointer to the allocator: keep the object
 def build_allocator(memory):
     """A CUDAPluggableAllocator over the C ABI, from the torch.cuda.memory module given, with the
     hooks it accepts. Returns (allocator, names of the hooks set)."""
-    alloc = memory.CUDAPluggableAllocator(library_path(), "ascend_pool_malloc", "ascend_pool_free")
+    alloc = memory.CUDAPluggableAllocator(*torch_alloc_functions())
     return alloc, set_hooks(alloc.allocator(), HOOKS)
 
 

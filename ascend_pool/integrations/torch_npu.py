@@ -5,8 +5,10 @@
     ap_npu.install()                              # before the first NPU tensor
     x = torch.empty(1 << 20, device="npu")        # served by ascend_pool's pool on the acl backend
 
-install() builds torch_npu.npu.memory.NPUPluggableAllocator(library_path(), "ascend_pool_malloc",
-"ascend_pool_free"), hands it the hooks its allocator object offers (init, reset -> empty_cache,
+install() builds torch_npu.npu.memory.NPUPluggableAllocator("libascend_pool_torch.so",
+"ascend_pool_torch_malloc", "ascend_pool_torch_free") (the C ABI's pair, except that a failed
+allocation throws, which torch raises as RuntimeError "... out of memory ..." where a NULL made a
+tensor at address 0; _common.torch_alloc_functions), hands it the hooks its allocator object offers (init, reset -> empty_cache,
 memory_fraction -> set_memory_fraction, base_alloc), and makes it current. Not record_stream:
 torch_npu passes that hook a C++ NPUStream, which no C function can take; tensor.record_stream()
 is then a no-op, as it is for every NPUPluggableAllocator.
@@ -46,10 +48,9 @@ import sys
 from collections import OrderedDict
 
 from .. import api, config
-from ..capi import library_path
 from ..errors import ConfigError
 from ..snapshot import dump as write_snapshot
-from ._common import require, set_hooks, use_backend
+from ._common import require, set_hooks, torch_alloc_functions, use_backend
 
 __all__ = ["install", "build_allocator", "patch_memory_functions", "patch_accelerator", "HOOKS", "PATCHED",
            "ACCELERATOR_PATCHED"]
@@ -67,7 +68,7 @@ _installed = None  # the allocator object: torch keeps a raw pointer, so it must
 def build_allocator(memory):
     """An NPUPluggableAllocator over the C ABI, from the torch_npu.npu.memory module given, with
     the hooks it accepts. Returns (allocator, names of the hooks set)."""
-    alloc = memory.NPUPluggableAllocator(library_path(), "ascend_pool_malloc", "ascend_pool_free")
+    alloc = memory.NPUPluggableAllocator(*torch_alloc_functions())
     return alloc, set_hooks(alloc.allocator(), HOOKS)
 
 
