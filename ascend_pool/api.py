@@ -60,6 +60,12 @@ def default_pool(device=None):
     pool = _current.top(device)
     if pool is not None:
         return pool
+    return process_default_pool(device)
+
+
+def process_default_pool(device):
+    """The process's default pool of device (an int), whatever context the thread has made
+    current: created on first use."""
     pool = _registry.default_pool(device)
     if pool is None:  # a closed default is replaced, for Python and the C ABI alike
         with _lock:
@@ -126,6 +132,7 @@ def free(ptr, stream=None, device=None):
                 if other.block_info(ptr) is None:
                     continue  # not its block
                 other.free(ptr, stream)
+                _registry.reap_orphans()  # perhaps a dropped pool's last block
                 return
             except InvalidPointerError:
                 continue  # freed by another thread meanwhile
@@ -142,7 +149,9 @@ def record_stream(ptr, stream, device=None):
 
 
 def empty_cache(device=None):
-    """Returns the default pool's unused segments to the device."""
+    """Returns the default pool's unused segments to the device (and closes the pools dropped
+    earlier whose blocks have all been freed since)."""
+    _registry.reap_orphans()
     default_pool(device).empty_cache()
 
 
@@ -402,6 +411,7 @@ def caching_allocator_delete(ptr):
         try:
             if not pool.closed and pool.block_info(ptr) is not None:
                 pool.free(ptr)
+                _registry.reap_orphans()  # perhaps a dropped pool's last block
                 return
         except PoolError:
             if not pool.closed:
@@ -422,9 +432,16 @@ def set_per_process_memory_fraction(fraction, device=None):
         raise ConfigError(f"set_per_process_memory_fraction: Invalid fraction value: {fraction!r}. "
                           f"Allowed range: 0~1")
     pool = default_pool(device)
-    total = pool.mem_get_info()[1]
+    total = _device_total(pool)
     pool.set_limit(limit_bytes=int(fraction * total))  # 0.0: a cap of 0 bytes, as torch
     pool._memory_fraction = float(fraction)
+
+
+def _device_total(pool):
+    """The device's total bytes, the base of a memory fraction from every path (the C ABI's hook
+    and the memory_fraction knob use it too): not a tenant context's mem_get_info(), which
+    answers its quota as total (HAMi's view); a fraction of it gave two caps for one value."""
+    return pool.backend.mem_info(pool.device)[1]
 
 
 def get_per_process_memory_fraction(device=None):
@@ -435,7 +452,7 @@ def get_per_process_memory_fraction(device=None):
     limit = pool._limit()  # whoever set it last: Python, the C ABI's hook, or the knobs
     if limit is None:
         return 1.0
-    total = pool.mem_get_info()[1]
+    total = _device_total(pool)
     fraction = pool.__dict__.get("_memory_fraction")
     if fraction is not None and int(fraction * total) == limit:
         return fraction

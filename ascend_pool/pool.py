@@ -2,6 +2,7 @@
 
 import itertools
 import logging
+import sys
 import types
 from collections import OrderedDict
 
@@ -64,6 +65,7 @@ class Pool(PoolBase):
     """
 
     def __init__(self, device=0, backend=None, **knobs):
+        _registry.reap_orphans()  # pools dropped earlier whose blocks are free now: closed first
         be = backend if hasattr(backend, "device_count") else open_backend(backend)
         device = device_index(device)
         check_device(be, device)
@@ -85,6 +87,20 @@ class Pool(PoolBase):
         self.node_device = be.physical_device(device)
         self.pool_id = (0, next(_pool_numbers))
         _registry.register(self)
+
+    def __del__(self):
+        # The last reference is gone while blocks of the pool may still be allocated: a tensor a
+        # framework made through the C ABI inside `with pool.context(...)`, a pointer the program
+        # kept. Closing now would hand their memory out again under them; torch's MemPool outlives
+        # its tensors. So the pool stays open and registered (frees through ap.free and the C ABI
+        # find it) and is closed once they are freed (registry.reap_orphans).
+        try:
+            if self.closed or forked_from() or sys.is_finalizing():
+                return
+            if self._raw_stats()["allocation.all.current"]:
+                _registry.keep_orphan(self)
+        except Exception:  # never raise from a finalizer; the dealloc then closes it as before
+            pass
 
     def _describe(self):
         """What the C ABI's messages call this pool."""

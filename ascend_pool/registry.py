@@ -4,7 +4,9 @@ pool of each device. The one Python home of that question; the C ABI's mirror of
 
 Pinned host pools (one per device, never closed) are kept here too.
 
-Live pools are weak references: a pool that is dropped disappears from here by itself. Upper
+Live pools are weak references: a pool that is dropped disappears from here by itself, unless
+blocks of it are still allocated: then it is an orphan (kept here, still open and registered, so
+that frees find it) until they are freed (reap_orphans), as torch's MemPool outlives its tensors. Upper
 layers that must know when a pool opens register a listener (on_register); the stats publisher
 (ascend_pool/service/publisher.py) starts that way, on the process's first pool. Those that must
 read a pool before it closes register on_close (the metrics' aggregator).
@@ -24,12 +26,14 @@ _defaults = {}     # device -> its default pool (ascend_pool.api creates them)
 _host_pools = {}   # device -> the pinned host pool (ascend_pool.integrations.pinned creates them)
 _listeners = []    # fn(pool), called after each register()
 _closing = []      # weak references to bound methods m(pool), called before each Pool.close()
+_orphans = []      # pools dropped with blocks still allocated (Pool.__del__), until those are freed
 
 
 def _after_fork_in_child():
     # Another thread may have held the lock at the fork: the child's copy would stay locked.
     global _lock
     _lock = threading.Lock()
+    _orphans.clear()  # the parent's pools: a child never touches them
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -77,10 +81,42 @@ def closing(pool):
             log.warning("pool close listener %r failed: %s", fn, e)
 
 
+def keep_orphan(pool):
+    """Keeps a pool whose last reference went while blocks of it are still allocated (Pool.__del__
+    resurrects it this way): still open, still among the live pools. No lock: a finalizer may run
+    in a collection that starts while this thread holds it (list.append is atomic)."""
+    _orphans.append(pool)
+
+
+def reap_orphans():
+    """Closes the orphans whose blocks have all been freed (their memory back to the device, their
+    quota booking to the ledger). Cheap when there is none; called when a pool opens and by the
+    module-level frees and empty_cache. Returns how many were closed."""
+    done = 0
+    for pool in list(_orphans):
+        try:
+            free = pool.closed or not pool._raw_stats()["allocation.all.current"]
+        except Exception:  # closed by another thread meanwhile
+            free = True
+        if not free:
+            continue
+        try:
+            _orphans.remove(pool)
+        except ValueError:  # reaped by another thread meanwhile
+            continue
+        pool.close()
+        done += 1
+    return done
+
+
 def live_pools():
     """Open pools of this process, as a list (device, tenant and memory_stats() on each)."""
     with _lock:
-        return [p for p in list(_pools) if not p.closed]
+        pools = list(_pools)
+    # orphans too: a collected cycle's weak references are gone before its finalizers run
+    seen = {id(p) for p in pools}
+    pools += [p for p in list(_orphans) if id(p) not in seen]
+    return [p for p in pools if not p.closed]
 
 
 def device_peers(pool):

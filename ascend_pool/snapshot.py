@@ -45,7 +45,8 @@ def build(device, segments, history, knobs, frames=None, entry_frames=True, pool
         })
     events = [
         {"action": HISTORY_ACTIONS[action], "device_free" if HISTORY_ACTIONS[action] == "oom" else "addr": addr,
-         "size": size, "stream": stream, "time_us": t, "frames": frames.get(ctx, []) if entry_frames else []}
+         "size": size, "stream": stream, "time_us": t, "frames": frames.get(ctx, []) if entry_frames else [],
+         "compile_context": "N/A", "user_metadata": ""}  # torch puts both on every entry (its defaults)
         for action, addr, size, stream, t, ctx in history
     ]
     return {

@@ -117,3 +117,38 @@ def test_a_closed_default_pool_is_replaced(sim_node):
         print(json.dumps(res))
     """)
     assert out == {"new": True, "serves": True}, out
+
+
+def test_a_context_dropped_while_a_framework_still_holds_its_blocks_keeps_their_memory(sim_node):
+    # `with pool.context("batch"): x = torch.empty(...)` (the C ABI's malloc) drops the context
+    # when the block ends: it was destroyed with x still allocated, and x's memory went to the next
+    # request (torch's MemPool outlives its tensors). Kept until x is freed, then closed.
+    out = _run(sim_node, """
+        import gc
+        from ascend_pool import sim
+        from ascend_pool.tenants.ledger import open_ledger
+        pool = ap.Pool(0, backend="sim")
+        free0 = pool.mem_get_info()[0]
+        with pool.context("batch", quota="64MiB"):
+            x = _core.capi_malloc(8 << 20, 0)
+        gc.collect()
+        sim.launch_fill(0, x, 8 << 20, 0x5A)
+        other = pool.context("next-request")         # a new tenant: must not get x's memory
+        y = other.malloc(8 << 20)
+        sim.launch_fill(0, y, 8 << 20, 0x33)
+        pool.synchronize(None)                       # both fills done (the default stream)
+        intact = sim.read(x, 8 << 20) == bytes([0x5A]) * (8 << 20)
+        held = open_ledger(0, pool.backend).tenant("batch")["held_bytes"]
+        _core.capi_free(x, 0, 0)                     # the framework frees its tensor
+        other.free(y)
+        other.close()
+        reaped = ap.Pool(0, backend="sim")           # the next pool opened closes the orphan
+        reaped.close()
+        print(json.dumps({"intact": intact, "held_while_allocated": held,
+                          "booking_back": open_ledger(0, pool.backend).tenant("batch")["held_bytes"],
+                          "device_back": pool.mem_get_info()[0] == free0}))
+        pool.close()
+    """)
+    assert out["intact"], out
+    assert out["held_while_allocated"] >= 8 << 20 and out["booking_back"] == 0, out
+    assert out["device_back"], out

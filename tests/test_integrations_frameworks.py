@@ -4,6 +4,8 @@ framework cannot run here (torch_npu needs an NPU, CuPy and CUDA PyTorch a GPU).
 
 import ctypes
 import importlib.util
+import pickle
+import subprocess
 import sys
 import types
 
@@ -11,7 +13,7 @@ import pytest
 
 import ascend_pool as ap
 from ascend_pool.errors import ConfigError
-from ascend_pool.integrations import FrameworkMissingError
+from ascend_pool.integrations import FrameworkMissingError, _common
 
 
 def address(name):
@@ -89,7 +91,9 @@ def test_torch_npu_allocator_gets_our_symbols_and_hooks(fake_torch_npu):
     from ascend_pool.integrations import torch_npu as ap_npu
 
     alloc, hooks = ap_npu.build_allocator(fake_torch_npu)
-    assert (alloc.alloc_fn, alloc.free_fn) == (address("ascend_pool_malloc"), address("ascend_pool_free"))
+    torch_lib = ctypes.CDLL(_common.TORCH_ALLOC_LIB)
+    assert (alloc.alloc_fn, alloc.free_fn) == tuple(ctypes.cast(getattr(torch_lib, n), ctypes.c_void_p).value
+                                                    for n in ("ascend_pool_torch_malloc", "ascend_pool_torch_free"))
     assert hooks == ["ascend_pool_init", "ascend_pool_reset", "ascend_pool_set_memory_fraction",
                      "ascend_pool_base_alloc"]
     assert alloc.hooks == {"set_init_fn": address("ascend_pool_init"), "set_reset_fn": address("ascend_pool_reset"),
@@ -103,6 +107,69 @@ def test_torch_npu_install_refuses_a_non_acl_backend(fake_torch_npu):
     with pytest.raises(ConfigError, match=r"torch_npu needs the acl backend, but \$ASCEND_POOL_BACKEND='sim'"):
         ap_npu.install()
     assert fake_torch_npu.changed == []  # nothing swapped
+
+
+class CupyOutOfMemoryError(MemoryError):  # CuPy's (memory.pyx): its fallbacks catch this class
+    def __init__(self, size, total, limit=0):
+        self._size, self._total, self._limit = size, total, limit
+        super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes).")
+
+
+# torch_npu's NPUPluggableAllocator and torch's CUDAPluggableAllocator as they call their alloc
+# function: dlopen of the path given, dlsym by name, a std::function, no NULL check; the caller
+# (at::empty, then Python's binding) turns a C++ exception into RuntimeError.
+TORCH_CALLER = r"""
+#include <dlfcn.h>
+#include <cstdio>
+#include <functional>
+#include <stdexcept>
+extern "C" int alloc_like_torch(const char *path, const char *alloc_name, const char *free_name, size_t size,
+                                char *out, size_t len) {
+    void *lib = dlopen(path, RTLD_LAZY);
+    if (!lib) { snprintf(out, len, "dlopen: %s", dlerror()); return -1; }
+    std::function<void *(size_t, int, void *)> alloc_fn =
+        reinterpret_cast<void *(*)(size_t, int, void *)>(dlsym(lib, alloc_name));
+    std::function<void(void *, size_t, int, void *)> free_fn =
+        reinterpret_cast<void (*)(void *, size_t, int, void *)>(dlsym(lib, free_name));
+    try {
+        void *p = alloc_fn(size, 0, nullptr);
+        snprintf(out, len, "%p", p);
+        if (p) free_fn(p, size, 0, nullptr);
+        return p ? 1 : 0;
+    } catch (const std::exception &e) {
+        snprintf(out, len, "%s", e.what());
+        return 2;
+    }
+}
+"""
+
+
+def test_torchs_alloc_function_throws_when_the_pool_cannot_allocate(tmp_path):
+    # Neither torch_npu nor torch checks a NULL from its alloc function: the C ABI's NULL on out
+    # of memory became a tensor at address 0 (peer11 1). The pair the integrations hand torch
+    # throws instead, with the pool's message, which torch raises as RuntimeError.
+    src, lib = tmp_path / "caller.cpp", tmp_path / "libcaller.so"
+    src.write_text(TORCH_CALLER)
+    subprocess.run(["g++", "-shared", "-fPIC", "-std=c++17", "-o", str(lib), str(src), "-ldl"], check=True)
+    caller = ctypes.CDLL(str(lib))
+    caller.alloc_like_torch.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+
+    def alloc(path, alloc_name, free_name, size):
+        out = ctypes.create_string_buffer(2048)
+        rc = caller.alloc_like_torch(path.encode(), alloc_name.encode(), free_name.encode(), size, out, 2048)
+        return rc, out.value.decode()
+
+    path, alloc_name, free_name = _common.torch_alloc_functions()
+    assert path == _common.TORCH_ALLOC_LIB
+    pool = ap.default_pool(0)
+    before = pool.memory_stats()["allocation.all.current"]
+    assert alloc(path, alloc_name, free_name, 1 << 20)[0] == 1, "served, and freed through the pair"
+    assert pool.memory_stats()["allocation.all.current"] == before
+    too_big = 4 * pool.mem_get_info()[1]
+    rc, why = alloc(path, alloc_name, free_name, too_big)
+    assert rc == 2 and "out of memory" in why and "Tried to allocate" in why, (rc, why)
+    # the C ABI's own function, for C callers: NULL and the last error, no exception
+    assert alloc(ap.library_path(), "ascend_pool_malloc", "ascend_pool_free", too_big) == (0, "(nil)")
 
 
 class FakeCupy(types.ModuleType):
@@ -123,15 +190,10 @@ class FakeCupy(types.ModuleType):
             def __init__(self, mem, offset):
                 self.mem, self.ptr = mem, mem.ptr + offset
 
-        class OutOfMemoryError(MemoryError):  # CuPy's (memory.pyx): its fallbacks catch this class
-            def __init__(self, size, total, limit=0):
-                self._size, self._total, self._limit = size, total, limit
-                super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes).")
-
         stream = types.SimpleNamespace(ptr=0)
         self.cuda = types.SimpleNamespace(
             UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
-            memory=types.SimpleNamespace(Memory=Memory, OutOfMemoryError=OutOfMemoryError),
+            memory=types.SimpleNamespace(Memory=Memory, OutOfMemoryError=CupyOutOfMemoryError),
             runtime=types.SimpleNamespace(getDevice=lambda: 0), get_current_stream=lambda: stream,
             set_allocator=lambda fn: setattr(self, "allocator", fn))
 
@@ -164,19 +226,27 @@ def test_cupy_hook_keeps_cupys_memory_limit_variable_and_out_of_memory_class(mon
     monkeypatch.setattr(ap_cupy, "_limited_devices", set())
     monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", str(64 << 20))
     pool = ap.default_pool(0)
+    ctx = pool.context("cupy-first-use")
     try:
-        held = ap_cupy.malloc(1 << 20)  # the device's first CuPy allocation reads the variable
-        assert pool.get_limit() == 64 << 20
+        with ctx:  # the device's first CuPy allocation reads the variable: for the device's pool
+            ap_cupy.malloc(1 << 20)
+        assert pool.get_limit() == 64 << 20 and ctx.get_limit() == 0, "CuPy's limit is the device pool's"
+        held = ap_cupy.malloc(1 << 20)
         with pytest.raises(fake.cuda.memory.OutOfMemoryError, match=r"^Out of memory allocating 134,217,728 bytes") as e:
             ap_cupy.malloc(128 << 20)
         assert isinstance(e.value, ap.OutOfMemoryError), "still ascend_pool's, for except ap.OutOfMemoryError"
         assert e.value._size == 128 << 20 and e.value._limit == 64 << 20
         assert e.value._total == pool.memory_stats()["reserved_bytes.all.current"]
         assert "limit set to: 67,108,864 bytes" in str(e.value) and "Tried to allocate" in str(e.value)
+        # a worker's out-of-memory goes back to its parent pickled (multiprocessing, dask), as CuPy's
+        back = pickle.loads(pickle.dumps(e.value))
+        assert type(back) is fake.cuda.memory.OutOfMemoryError
+        assert (back._size, back._total, back._limit) == (e.value._size, e.value._total, 64 << 20)
         del held
         assert ap_cupy.malloc(32 << 20).ptr, "the pool keeps serving under the cap"
     finally:
         pool.set_limit(None)
+        ctx.close()
 
 
 def test_cupy_memory_outliving_its_stream_returns_to_the_pool_quietly(monkeypatch, caplog):

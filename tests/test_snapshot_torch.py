@@ -44,6 +44,9 @@ def test_snapshot_schema(tmp_path):
             assert b["state"] in ("active_allocated", "active_pending_free", "inactive")
     actions = {e["action"] for e in snap["device_traces"][0]}
     assert {"alloc", "free_requested", "free_completed", "segment_alloc"} <= actions
+    for e in snap["device_traces"][0]:  # torch's keys on every entry (code reads e["compile_context"])
+        assert {"action", "size", "stream", "time_us", "frames", "compile_context", "user_metadata"} <= set(e)
+        assert ("device_free" if e["action"] == "oom" else "addr") in e
     assert pickle.loads(path.read_bytes())["segments"] == snap["segments"]
 
 

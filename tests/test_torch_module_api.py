@@ -139,6 +139,28 @@ def test_per_process_memory_fraction_caps_the_default_pool():
     ap.free(ap.malloc(total // 4 + 64 * MiB, device=0), device=0)
 
 
+def test_in_a_tenant_context_a_fraction_is_of_the_device_from_python_and_from_c():
+    # A context answers mem_get_info with its quota (HAMi's view); the fraction's base was that
+    # quota from Python and the device from the C hook (torch_npu) and the knob: 0.5 capped
+    # 512 MiB one way and half the device the other, and the C hook's read back above 1.
+    import ctypes
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+    ctx = ap.default_pool(0).context("fraction-base", quota="1GiB")
+    device_total = ctx.backend.mem_info(0)[1]
+    try:
+        with ctx:
+            assert ctx.mem_get_info()[1] == 1 << 30
+            ap.set_per_process_memory_fraction(0.5, 0)
+            assert ctx.get_limit() == int(0.5 * device_total)
+            assert ap.get_per_process_memory_fraction(0) == 0.5
+            lib.ascend_pool_set_memory_fraction(0.25, 0)
+            assert ctx.get_limit() == int(0.25 * device_total)
+            assert ap.get_per_process_memory_fraction(0) == 0.25
+    finally:
+        ctx.close()
+
+
 def test_the_fraction_set_through_the_c_hook_is_the_one_python_reads():
     # torch_npu calls ascend_pool_set_memory_fraction; torch.npu.get_per_process_memory_fraction
     # (patched to ours) must read that cap, not a value Python remembered.

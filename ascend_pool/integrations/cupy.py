@@ -89,8 +89,8 @@ def parse_limit(text):
 def _apply_env_limit(device):
     _limited_devices.add(device)
     limit = parse_limit(os.environ.get("CUPY_GPU_MEMORY_LIMIT"))
-    if limit is not None:
-        api.default_pool(device).set_limit(**limit)
+    if limit is not None:  # the device's own pool, as CuPy's, not a context current in this thread
+        api.process_default_pool(device).set_limit(**limit)
 
 
 def _oom_for_cupy(cp, exc, nbytes, device):
@@ -101,7 +101,10 @@ def _oom_for_cupy(cp, exc, nbytes, device):
         return exc
     cls = _oom_classes.get(base)
     if cls is None:
-        cls = _oom_classes[base] = type("CupyOutOfMemoryError", (base, type(exc)), {"__module__": __name__})
+        # pickled as CuPy's own class (a generated class has no module attribute to be found by):
+        # a worker's out-of-memory reaches the parent of multiprocessing or dask, as CuPy's does
+        cls = _oom_classes[base] = type("CupyOutOfMemoryError", (base, type(exc)), {
+            "__module__": __name__, "__reduce__": lambda e: (base, (e._size, e._total, e._limit))})
     pool = api.default_pool(device)
     total, limit = pool.memory_stats()["reserved_bytes.all.current"], pool.get_limit()
     cap = f", limit set to: {limit:,} bytes" if limit else ""
