@@ -620,7 +620,13 @@ def open_shared(handle, pool=None):
                            f"{os.geteuid()}: share records and the runtime's IPC keys belong to the exporting user "
                            f"(any_process=True admits any process of that user, not other users), so open it "
                            f"from a process of uid {owner}")
-    path = _record_path(be.name, handle.key, handle.node)
+    key = handle.key
+    if not isinstance(key, str) or not 0 < len(key) < 256 or not key.isprintable() or "/" in key:
+        # a corrupted or forged handle: its key names a file (a NUL was a bare ValueError, 5,000
+        # characters a bare OSError, a "/" another directory)
+        raise SharingError(f"the handle's key {key!r:.80} is not a key Pool.share() makes (a corrupted or edited "
+                           "handle)")
+    path = _record_path(be.name, key, handle.node)
     try:
         rec = _Record(path)
     except OSError as e:

@@ -45,9 +45,13 @@ def test_lists_another_processs_memory_and_its_own():
         deadline = time.monotonic() + 10
         while _lines(0)[1].get(pid, (0,))[0] != reserved / MiB and time.monotonic() < deadline:  # next publish
             time.sleep(0.1)
-        head, procs, _ = _lines(0)
+        head, procs, rest = _lines(0)
         assert head == "NPU:0" and procs[pid] == (reserved / MiB, "far")
         assert reserved >= 40 * MiB
+        # the pool the context was made from holds nothing: no "0 MB (tenant default)" row for it
+        assert [ln for ln in rest if f"process {pid:>10d} " in ln] == [ln for ln in rest if "tenant far" in ln]
+        from ascend_pool.service.processes import rows
+        assert [r["tenant"] for r in rows() if r["instance"] and r["pid"] == pid] == ["far"]
         pool.free(ptr)
     finally:
         child.stdin.close()
@@ -97,7 +101,7 @@ def test_a_tenant_whose_contexts_closed_is_no_longer_listed_or_counted():
             if "per-request" not in tenants and "serving" in tenants:
                 break
             time.sleep(0.1)
-        assert tenants == {"serving", "default"}
+        assert tenants == {"serving"}  # the open pool the contexts were made from holds nothing: no row
         counts = {tuple(s.labels[k] for k in ("tenant",)): s.value
                   for fam in NodeCollector(ledger=False).collect() if fam.name == "ascend_pool_node_processes"
                   for s in fam.samples if s.labels["device"] == "0"}

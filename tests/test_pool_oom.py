@@ -148,3 +148,15 @@ def test_out_of_memory_message_keeps_the_runtimes_cause_whole(pool):
     cause = str(info.value).split("Cause: ", 1)[1]
     # the simulator's reason, to its last words (it was cut at 319 characters of the whole message)
     assert "device malloc of" in cause and "fail_after_bytes=" in cause and cause.endswith("(aclError 207001)"), cause
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_a_reserve_the_device_cannot_hold_is_an_out_of_memory_error(expandable):
+    # Another process took the memory between the free-bytes check and the reserve's allocation
+    # (here: the device refuses the next malloc): an OutOfMemoryError as any allocation's, naming
+    # the reserve (it was the runtime's DeviceError 207001); nothing is left allocated.
+    held = sim.stats(0)["bytes_held"]
+    sim.set_faults(fail_malloc_nth=1)
+    with pytest.raises(ap.OutOfMemoryError, match="reserve of 67108864 bytes on device 0"):
+        ap.Pool(0, backend="sim", reserve="64MiB", expandable_segments=expandable)
+    assert sim.stats(0)["bytes_held"] == held

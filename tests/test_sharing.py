@@ -407,6 +407,9 @@ def test_an_edited_handle_is_refused(pool):
         if pool.backend.device_count > 1:
             with pytest.raises(sharing.SharingError, match="does not match its share record: device 1"):
                 ap.open_shared(dataclasses.replace(h, device=1))
+        for key in ("a\0b", "k" * 5000, "../x", ""):  # a forged key: bare ValueError / OSError before
+            with pytest.raises(sharing.SharingError, match="not a key Pool.share"):
+                ap.open_shared(dataclasses.replace(h, key=key), pool=pool)
         blk = ap.open_shared(h, pool=pool)  # the true handle still opens
         assert blk.size == 2 * MiB
         blk.close()

@@ -157,6 +157,15 @@ def test_check_config_ok_prints_what_it_understood(tmp_path, capsys):
     assert len(data["warnings"]) == 2  # device 0: 75% + 60% + 50%; others: 75% + 60%
 
 
+def test_check_config_refuses_a_device_of_no_bytes(tmp_path, capsys):
+    # "--device-bytes 0" (or 0.5, which rounds to 0) ran as if no size were given: no overcommit
+    # check of the byte quotas, exit 0
+    path = write(tmp_path, '[tenants.online]\nquota = "24GiB"\n')
+    for size in ("0", "0.5", ""):
+        assert cli_main(["check-config", path, "--device-bytes", size]) == 2
+        assert "--device-bytes" in capsys.readouterr().err
+
+
 def test_check_config_errors_exit_2_one_line_each(tmp_path, capsys):
     path = write(tmp_path, '[tenants.a]\nquota = "8XB"\nwarn = 2\n[tenants.b]\nquota = -1\n')
     assert cli_main(["check-config", path]) == 2

@@ -16,9 +16,11 @@ from ..units import parse_bytes
 
 def _cmd_check_config(args):
     device_bytes = None
-    if args.device_bytes:
+    if args.device_bytes is not None:
         try:
             device_bytes = parse_bytes(args.device_bytes, "--device-bytes")
+            if device_bytes <= 0:  # 0 (or "0.5") read as "no size given": no overcommit check ran
+                raise ValueError(f"--device-bytes: a device holds at least one byte, got {args.device_bytes!r}")
         except ValueError as e:
             print(f"ascend-pool check-config: {e}", file=sys.stderr)
             if args.json:

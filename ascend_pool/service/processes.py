@@ -30,13 +30,18 @@ def rows(directory=None, allow_uids=(), allow_gids=()):
                            allowed_gids=allow_gids)
     out = []
     for p in scanner.scan():
+        mine = []
         for s in p.samples:
             v = s.values
             if not v["device_total_bytes"]:
                 continue  # a tenant whose pools of the process are all closed: its counters only
-            out.append({"pid": p.pid, "pidns": p.pidns, "instance": p.instance, "uid": p.uid, "device": s.device,
-                        "tenant": s.tenant, "held_bytes": v["reserved_bytes.small"] + v["reserved_bytes.large"],
-                        "allocated_bytes": v["allocated_bytes.small"] + v["allocated_bytes.large"]})
+            mine.append({"pid": p.pid, "pidns": p.pidns, "instance": p.instance, "uid": p.uid, "device": s.device,
+                         "tenant": s.tenant, "held_bytes": v["reserved_bytes.small"] + v["reserved_bytes.large"],
+                         "allocated_bytes": v["allocated_bytes.small"] + v["allocated_bytes.large"]})
+        # A pool holding nothing beside ones that hold memory (the pool a tenant context was made
+        # from) is no use of the device: one row per process is kept, so that it is still listed.
+        holding = [r for r in mine if r["held_bytes"]]
+        out += holding or mine[:1]
     return sorted(out, key=lambda r: (r["device"], r["tenant"], r["pid"], r["instance"]))
 
 

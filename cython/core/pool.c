@@ -155,6 +155,14 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
             rc = ap_segment_alloc(p, AP_POOL_LARGE, size, 0, 1, &b, err);
         }
         if (rc != AP_OK) {
+            /* the device is full (another process took memory since the free-bytes check, or a
+               fault): an out-of-memory as any allocation's, not the runtime's bare code */
+            if (rc == AP_E_DEVICE && ap_backend_oom_code(p->backend, err->device_code)) {
+                char why[sizeof err->message];
+                snprintf(why, sizeof why, "%s", err->message);
+                ap_set_error(err, AP_E_OOM, err->device_code, "out of memory: the reserve of %zu bytes on device %d: %s",
+                             size, p->device, why);
+            }
             ap_pool_destroy(p);
             return NULL;
         }
