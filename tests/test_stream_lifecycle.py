@@ -428,18 +428,25 @@ def test_a_wait_begun_on_a_destroyed_stream_is_not_taken_for_its_handles_next_st
     assert out == {"reused": True, "dropped": 0, "overwritten": 0}
 
 
-def test_a_handle_the_runtime_gave_to_another_devices_stream_serves_that_devices_pool(sim_node):
-    # pool.create_stream() makes s1 on device 0 (the backend notes its device); the framework
-    # destroys it with the runtime and the runtime gives its handle to a new stream on device 1.
-    # The note must not make device 1's pool refuse that stream as device 0's (it did).
-    out = sim_node.run_json("""
+# A child's start: device 0's pool p0 made stream s1 and used it; the framework destroyed s1 with
+# the runtime, behind the pool's back (the runtime may give its handle to the next stream made).
+POOL_STREAM_DESTROYED_BEHIND_ITS_BACK = """
         import ascend_pool as ap
         MiB = 1 << 20
         p0 = ap.Pool(0, backend="sim")
         s1 = p0.create_stream()
         p0.free(p0.malloc(MiB, stream=s1), stream=s1)
+        p0.synchronize(s1)
         ok("aclrtSetDevice", 0)
-        ok("aclrtDestroyStream", C.c_void_p(s1))       # behind the pool's back
+        ok("aclrtDestroyStream", C.c_void_p(s1))
+"""
+
+
+def test_a_handle_the_runtime_gave_to_another_devices_stream_serves_that_devices_pool(sim_node):
+    # pool.create_stream() makes s1 on device 0 (the backend notes its device); the framework
+    # destroys it with the runtime and the runtime gives its handle to a new stream on device 1.
+    # The note must not make device 1's pool refuse that stream as device 0's (it did).
+    out = sim_node.run_json(POOL_STREAM_DESTROYED_BEHIND_ITS_BACK + """
         ok("aclrtSetDevice", 1)
         s2 = stream()
         p1 = ap.Pool(1, backend="sim")
@@ -457,19 +464,11 @@ def test_a_handle_the_runtime_gave_to_another_devices_stream_serves_that_devices
 def test_a_pool_whose_stream_handle_another_pool_got_anew_no_longer_destroys_it_at_close(sim_node):
     # Pool A made s; the framework destroyed it behind A's back and the runtime gave the handle
     # to pool B's new stream. A.close() destroyed "its" idle stream, which was B's (bad11 3).
-    out = sim_node.run_json("""
-        import ascend_pool as ap
-        MiB = 1 << 20
-        a = ap.Pool(0, backend="sim")
-        s = a.create_stream()
-        a.free(a.malloc(MiB, stream=s), stream=s)
-        a.synchronize(s)
-        ok("aclrtSetDevice", 0)
-        ok("aclrtDestroyStream", C.c_void_p(s))       # behind the pool's back
+    out = sim_node.run_json(POOL_STREAM_DESTROYED_BEHIND_ITS_BACK + """
         b = ap.Pool(0, backend="sim")
         t = b.create_stream()
         x = b.malloc(3 * MiB, stream=t)
-        a.close()
+        p0.close()
         try:
             b.free(x, stream=t)
             b.free(b.malloc(5 * MiB, stream=t), stream=t)
@@ -479,7 +478,7 @@ def test_a_pool_whose_stream_handle_another_pool_got_anew_no_longer_destroys_it_
             survived = str(e)
         b.destroy_stream(t)
         b.close()
-        print(json.dumps({"reused": t == s, "survived": survived}))
+        print(json.dumps({"reused": t == s1, "survived": survived}))
     """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
     assert out == {"reused": True, "survived": True}
 
