@@ -85,7 +85,8 @@ class Pool(PoolBase):
         # The node's number of the device (the same NPU has the same one in every container):
         # what quota ledgers, stats files, `ascend-pool ps` and the metrics' device label use.
         self.node_device = be.physical_device(device)
-        self.pool_id = (0, next(_pool_numbers))
+        self.serial = next(_pool_numbers)  # never reused in this process (metrics key pools by it)
+        self.pool_id = (0, self.serial)
         _registry.register(self)
 
     def __del__(self):
@@ -228,7 +229,10 @@ class Pool(PoolBase):
         uses one then reads memory the next pool or process gets (a torch MemPool stays alive
         while its blocks do). Legal (a framework may close after its last kernel without freeing
         each tensor), so said in the log, once, with what is lost."""
-        st = self._raw_stats()  # the pool's own counters: no ledger or sharing read at close
+        try:
+            st = self._raw_stats()  # the pool's own counters: no ledger or sharing read at close
+        except PoolError:  # another thread's close of it finished meanwhile: nothing to say
+            return
         n = st["allocation.all.current"]
         if n:
             log.warning("%s on device %d closed with %d block(s) still allocated (%d bytes): their memory goes back to the "

@@ -27,12 +27,14 @@ _host_pools = {}   # device -> the pinned host pool (ascend_pool.integrations.pi
 _listeners = []    # fn(pool), called after each register()
 _closing = []      # weak references to bound methods m(pool), called before each Pool.close()
 _orphans = []      # pools dropped with blocks still allocated (Pool.__del__), until those are freed
+_reaping = threading.Lock()  # one reap_orphans at a time; never taken by a finalizer
 
 
 def _after_fork_in_child():
     # Another thread may have held the lock at the fork: the child's copy would stay locked.
-    global _lock
+    global _lock, _reaping
     _lock = threading.Lock()
+    _reaping = threading.Lock()
     _orphans.clear()  # the parent's pools: a child never touches them
 
 
@@ -91,22 +93,24 @@ def keep_orphan(pool):
 def reap_orphans():
     """Closes the orphans whose blocks have all been freed (their memory back to the device, their
     quota booking to the ledger). Cheap when there is none; called when a pool opens and by the
-    module-level frees and empty_cache. Returns how many were closed."""
-    done = 0
-    for pool in list(_orphans):
-        try:
-            free = pool.closed or not pool._raw_stats()["allocation.all.current"]
-        except Exception:  # closed by another thread meanwhile
-            free = True
-        if not free:
-            continue
-        try:
-            _orphans.remove(pool)
-        except ValueError:  # reaped by another thread meanwhile
-            continue
-        pool.close()
-        done += 1
-    return done
+    module-level frees and empty_cache. One thread at a time (another reaping: nothing to do).
+    Returns how many were closed."""
+    if not _orphans or not _reaping.acquire(blocking=False):
+        return 0
+    try:
+        done = 0
+        for pool in list(_orphans):
+            try:
+                free = pool.closed or not pool._raw_stats()["allocation.all.current"]
+            except Exception:  # closed by another thread meanwhile
+                free = True
+            if free:
+                pool.close()  # still among the live pools: the metrics read its final counters
+                _orphans.remove(pool)
+                done += 1
+        return done
+    finally:
+        _reaping.release()
 
 
 def live_pools():

@@ -177,3 +177,25 @@ def test_a_pool_closed_while_a_call_converts_its_arguments_refuses_the_call(tmp_
         peer.close()
     """, "convert")
     assert out.count("this pool is closed") == 4, out
+
+
+def test_close_is_harmless_when_another_threads_close_lands_inside_it(tmp_path):
+    # close() reads the pool's counters to say what blocks it gives back; another thread's close
+    # finishing right before that read made the first close raise "this pool is closed" (close
+    # was, and is again, safe from two threads). A trace hook puts the other close there.
+    out = _run(tmp_path, """
+        from ascend_pool._core import PoolBase
+        p = ap.Pool(0)
+        p.malloc(4096)
+        def tracer(frame, event, arg):
+            if event == "call" and frame.f_code.co_name == "_say_live_blocks":
+                PoolBase.close(p)  # what another thread's close() does meanwhile
+            return None
+        sys.settrace(tracer)
+        try:
+            p.close()
+            print("closed", p.closed)
+        finally:
+            sys.settrace(None)
+    """, "close-in-close")
+    assert "closed True" in out, out

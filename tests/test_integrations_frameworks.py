@@ -4,7 +4,9 @@ framework cannot run here (torch_npu needs an NPU, CuPy and CUDA PyTorch a GPU).
 
 import ctypes
 import importlib.util
+import os
 import pickle
+import shutil
 import subprocess
 import sys
 import types
@@ -91,9 +93,10 @@ def test_torch_npu_allocator_gets_our_symbols_and_hooks(fake_torch_npu):
     from ascend_pool.integrations import torch_npu as ap_npu
 
     alloc, hooks = ap_npu.build_allocator(fake_torch_npu)
-    torch_lib = ctypes.CDLL(_common.TORCH_ALLOC_LIB)
-    assert (alloc.alloc_fn, alloc.free_fn) == tuple(ctypes.cast(getattr(torch_lib, n), ctypes.c_void_p).value
-                                                    for n in ("ascend_pool_torch_malloc", "ascend_pool_torch_free"))
+    path, alloc_name, free_name = _common.torch_alloc_functions()  # the C ABI's pair without a C++ build
+    lib = ctypes.CDLL(path)
+    assert (alloc.alloc_fn, alloc.free_fn) == tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
+                                                    for n in (alloc_name, free_name))
     assert hooks == ["ascend_pool_init", "ascend_pool_reset", "ascend_pool_set_memory_fraction",
                      "ascend_pool_base_alloc"]
     assert alloc.hooks == {"set_init_fn": address("ascend_pool_init"), "set_reset_fn": address("ascend_pool_reset"),
@@ -148,6 +151,10 @@ def test_torchs_alloc_function_throws_when_the_pool_cannot_allocate(tmp_path):
     # Neither torch_npu nor torch checks a NULL from its alloc function: the C ABI's NULL on out
     # of memory became a tensor at address 0 (peer11 1). The pair the integrations hand torch
     # throws instead, with the pool's message, which torch raises as RuntimeError.
+    if shutil.which("g++") is None:  # the package was built without one too: torch gets the C ABI's pair
+        assert _common.torch_alloc_functions() == (ap.library_path(), "ascend_pool_malloc", "ascend_pool_free")
+        assert not os.path.exists(_common.TORCH_ALLOC_LIB)
+        return
     src, lib = tmp_path / "caller.cpp", tmp_path / "libcaller.so"
     src.write_text(TORCH_CALLER)
     subprocess.run(["g++", "-shared", "-fPIC", "-std=c++17", "-o", str(lib), str(src), "-ldl"], check=True)
@@ -168,6 +175,8 @@ def test_torchs_alloc_function_throws_when_the_pool_cannot_allocate(tmp_path):
     too_big = 4 * pool.mem_get_info()[1]
     rc, why = alloc(path, alloc_name, free_name, too_big)
     assert rc == 2 and "out of memory" in why and "Tried to allocate" in why, (rc, why)
+    rc, why = alloc(path, alloc_name, free_name, (1 << 63) + 5)  # torch's size_t, past SSIZE_MAX
+    assert rc == 2 and "ascend_pool_malloc" in why, (rc, why)
     # the C ABI's own function, for C callers: NULL and the last error, no exception
     assert alloc(ap.library_path(), "ascend_pool_malloc", "ascend_pool_free", too_big) == (0, "(nil)")
 

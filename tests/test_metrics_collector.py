@@ -102,6 +102,32 @@ def test_counters_survive_a_pool_close_and_gauges_follow_it():
     assert val(gone, "ascend_pool_reserved_bytes", pool="small", device=0, tenant="default") == 0
 
 
+def test_a_context_dropped_in_a_reference_cycle_with_a_live_block_is_counted_once():
+    # The collector clears a cycle's weak references before Pool.__del__ keeps the context as an
+    # orphan (a block is still allocated): the exporter took it for a retired pool and a live one,
+    # and counted its allocation twice; its close, once the block was freed, was missed.
+    import gc
+    base = ap.Pool(0, backend="sim")
+    collector = PoolCollector()  # the registry's live pools, orphans included
+    try:
+        ctx = base.context("cycle-orphan")
+        ctx.me = ctx  # any cycle: a traceback, a closure, an object pointing back
+        x = ctx.malloc(4 << 20)
+        scrape(collector)
+        del ctx
+        gc.collect()
+        for _ in range(2):
+            out, _ = scrape(collector)
+            assert val(out, "ascend_pool_allocations_total", pool="large", device=0, tenant="cycle-orphan") == 1
+            assert val(out, "ascend_pool_reserved_bytes", pool="large", device=0, tenant="cycle-orphan") > 0
+        ap.free(x)  # its last block: the orphan is closed
+        out, _ = scrape(collector)
+        assert val(out, "ascend_pool_allocations_total", pool="large", device=0, tenant="cycle-orphan") == 1
+        assert val(out, "ascend_pool_reserved_bytes", pool="large", device=0, tenant="cycle-orphan") == 0
+    finally:
+        base.close()
+
+
 def test_a_pool_that_lives_between_two_scrapes_is_counted():
     # A serving process makes a tenant context per request and closes it when the request ends:
     # most never see a scrape. What they counted must reach the exported totals (before: only

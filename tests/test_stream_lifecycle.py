@@ -242,6 +242,7 @@ def test_the_default_stream_cannot_be_destroyed_and_a_bad_stream_is_named(pool):
     pool.free_all_blocks(0)
     assert pool.memory_stats()["reserved_bytes.all.current"] == 0
     for handle in (np.uint64(s), np.int64(s)):  # a handle kept in a numpy array, as pointers may be
+        pool.register_stream(handle)
         pool.free(pool.malloc(64, stream=handle), stream=handle)
         pool.synchronize(handle)
     pool.destroy_stream(np.uint64(s))

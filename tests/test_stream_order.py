@@ -5,6 +5,7 @@ test runs on the classic pool and with expandable segments (virtual memory)."""
 import random
 import time
 
+import numpy as np
 import pytest
 
 import ascend_pool as ap
@@ -85,7 +86,7 @@ def test_record_stream_with_another_devices_stream_holds_the_block(knobs):
         own, peer = p0.create_stream(), p1.create_stream()
         ptr = p0.malloc(N, stream=own)
         sim.launch_fill(peer, ptr, N, 0xBB, delay_s=0.3)   # the peer still writes for 0.3 s
-        p0.record_stream(ptr, peer)
+        p0.record_stream(ptr, np.uint64(peer))   # a handle kept in numpy, as plain ints are taken
         p0.free(ptr, stream=own)
         assert p0.memory_stats()["pending_free_bytes"] == p0.round_size(N)
         again = p0.malloc(N, stream=own)

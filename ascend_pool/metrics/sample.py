@@ -97,6 +97,13 @@ def _merge(into, v):
             into[f] = into.get(f, 0) + v[f]
 
 
+def _identity(pool):
+    """The key a pool's last-read counters are kept under: its serial (Pool.serial, never reused
+    in a process), else its id."""
+    serial = getattr(pool, "serial", None)
+    return ("serial", serial) if serial is not None else ("id", id(pool))
+
+
 def _key(pool):
     """A pool's (device, tenant): the node's device number (Pool.node_device: a container's device
     0 may be the node's NPU 3, and the node service adds processes' figures by device)."""
@@ -129,7 +136,7 @@ class PoolAggregator:
     def __init__(self, pools=registry.live_pools):
         self._pools = pools
         self._lock = threading.Lock()
-        self._seen = {}     # id(pool) -> (weakref to pool, (device, tenant), counters dict)
+        self._seen = {}     # _identity(pool) -> (weakref to pool, (device, tenant), counters dict)
         self._retired = {}  # (device, tenant) -> counters dict
         self._final = weakref.WeakSet()  # closing pools already folded in: never read again
         registry.on_close(self._pool_closing)
@@ -148,7 +155,7 @@ class PoolAggregator:
             if pool in self._final:
                 return  # two threads closing it at once: folded in by the first
             self._add_retired(key, v)
-            self._seen.pop(id(pool), None)
+            self._seen.pop(_identity(pool), None)
             self._final.add(pool)
             self._forget_idle(live)  # bounded between scrapes too
 
@@ -166,7 +173,7 @@ class PoolAggregator:
                 except Exception as e:  # closed meanwhile, or a pool type we cannot read
                     log.debug("skipping pool %r: %s", pool, e)
                     continue
-                current[id(pool)] = (weakref.ref(pool), key, {f: v[f] for f in COUNTER_FIELDS})
+                current[_identity(pool)] = (weakref.ref(pool), key, {f: v[f] for f in COUNTER_FIELDS})
                 _merge(out.setdefault(key, {}), v)
             self._retire(current)
             live = set(out)
@@ -197,9 +204,12 @@ class PoolAggregator:
             del self._retired[key]
 
     def _retire(self, current):
-        for pid, (ref, key, counters) in self._seen.items():
-            now = current.get(pid)
-            # Same id but another object means the old pool was collected and its id reused.
-            if now is None or now[0]() is not ref() or ref() is None:
+        for ident, (ref, key, counters) in self._seen.items():
+            now = current.get(ident)
+            # A serial names one pool for the process's life: present now, it is the same pool (a
+            # pool the collector resurrected as an orphan has a new weak reference, the old one
+            # dead: it was counted twice). Without one (a pool type of a test), the same id but
+            # another object means the old pool was collected and its id reused.
+            if now is None or (ident[0] == "id" and (now[0]() is not ref() or ref() is None)):
                 self._add_retired(key, counters)
         self._seen = current

@@ -38,10 +38,11 @@ def rows(directory=None, allow_uids=(), allow_gids=()):
             mine.append({"pid": p.pid, "pidns": p.pidns, "instance": p.instance, "uid": p.uid, "device": s.device,
                          "tenant": s.tenant, "held_bytes": v["reserved_bytes.small"] + v["reserved_bytes.large"],
                          "allocated_bytes": v["allocated_bytes.small"] + v["allocated_bytes.large"]})
-        # A pool holding nothing beside ones that hold memory (the pool a tenant context was made
-        # from) is no use of the device: one row per process is kept, so that it is still listed.
-        holding = [r for r in mine if r["held_bytes"]]
-        out += holding or mine[:1]
+        # The default pool holding nothing beside the process's tenant contexts (the pool they were
+        # made from) is no use of the device: its row goes, a context's stays (it is the tenant's
+        # process, holding or not), and a process with nothing else keeps its one row.
+        phantom = [r for r in mine if r["tenant"] == "default" and not r["held_bytes"]]
+        out += [r for r in mine if r not in phantom] or mine[:1]
     return sorted(out, key=lambda r: (r["device"], r["tenant"], r["pid"], r["instance"]))
 
 

@@ -32,15 +32,15 @@ EXPORT void ascend_pool_torch_bind(void *malloc_, void *free_, void *last_error)
 }
 
 /* ascend_pool_malloc's memory, or an exception: std::runtime_error with the pool's own message
- * (out of memory, over a tenant's quota, a bad device or stream). 0 bytes: whatever the core
- * returns (torch asks for none; its empty tensors do not call alloc). */
-EXPORT void *ascend_pool_torch_malloc(ssize_t size, int device, void *stream) {
+ * (out of memory, over a tenant's quota, a bad device or stream, a size past SSIZE_MAX). size is
+ * torch's size_t. 0 bytes: whatever the core returns (no exception for an empty request). */
+EXPORT void *ascend_pool_torch_malloc(size_t size, int device, void *stream) {
     malloc_fn m = bound_malloc.load();
     if (!m)
         throw std::runtime_error("ascend_pool: the torch allocator library was loaded without "
                                  "ascend_pool.integrations installing it (ascend_pool_torch_bind)");
-    void *p = m(size, device, stream);
-    if (!p && size > 0) {
+    void *p = m((ssize_t)size, device, stream); /* past SSIZE_MAX: negative, which the core refuses */
+    if (!p && size != 0) {
         error_fn e = bound_error.load();
         const char *why = e ? e() : nullptr;
         throw std::runtime_error(std::string("ascend_pool: ") +
@@ -49,8 +49,8 @@ EXPORT void *ascend_pool_torch_malloc(ssize_t size, int device, void *stream) {
     return p;
 }
 
-EXPORT void ascend_pool_torch_free(void *ptr, ssize_t size, int device, void *stream) {
+EXPORT void ascend_pool_torch_free(void *ptr, size_t size, int device, void *stream) {
     free_fn f = bound_free.load();
     if (f)
-        f(ptr, size, device, stream);
+        f(ptr, (ssize_t)size, device, stream);
 }

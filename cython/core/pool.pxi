@@ -504,6 +504,8 @@ cdef class PoolBase:
         cdef ap_pool *_p
         cdef void *p = _as_ptr(ptr)
         cdef void *s
+        if stream is not None and type(stream) is not int:
+            stream = _stream_handle(stream)  # a numpy integer handle; else StreamTypeError
         if type(stream) is int and stream not in self._streams and self._another_devices_stream(stream):
             s = PyLong_AsVoidPtr(stream)
         else:
@@ -544,6 +546,8 @@ cdef class PoolBase:
     def register_stream(self, handle):
         """Lets this pool order frees on a stream created elsewhere (int handle: a pointer)."""
         self._check()
+        if type(handle) is not int and type(handle) is not bool and hasattr(type(handle), "__index__"):
+            handle = _stream_handle(handle)  # a numpy integer handle, as every other stream argument
         if type(handle) is not int or not 0 < handle <= <uintptr_t>-1:
             raise InvalidStreamError(f"stream handle must be a positive int that fits a pointer, got {handle!r}")
         dev = self.backend.stream_device(handle)  # None: the runtime cannot tell
