@@ -98,7 +98,11 @@ class Pool(PoolBase):
         try:
             if self.closed or forked_from() or sys.is_finalizing():
                 return
-            if self._raw_stats()["allocation.all.current"]:
+            # active: allocated, or freed after record_stream and still waited for (a kernel
+            # queued on another stream may write it: the dealloc would wait, then give it back)
+            if self._raw_stats()["active.all.current"]:
+                self._release_idle()  # its idle cache: nothing allocates from an orphan again
+                self._mark_orphan()   # and what its blocks leave idle later, once a quota needs it
                 _registry.keep_orphan(self)
         except Exception:  # never raise from a finalizer; the dealloc then closes it as before
             pass

@@ -91,21 +91,27 @@ def keep_orphan(pool):
 
 
 def reap_orphans():
-    """Closes the orphans whose blocks have all been freed (their memory back to the device, their
-    quota booking to the ledger). Cheap when there is none; called when a pool opens and by the
-    module-level frees and empty_cache. One thread at a time (another reaping: nothing to do).
-    Returns how many were closed."""
+    """Closes the orphans whose blocks have all been freed and whose streams' work on them is done
+    (their memory back to the device, their quota booking to the ledger), as a dropped pool
+    closes: its streams are left alone. The others give back their idle cache. Never waits: a
+    kernel still queued on a freed block keeps its orphan for a later call. Cheap when there is
+    none; called when a pool opens and by the module-level frees and empty_cache. One thread at a
+    time (another reaping: nothing to do). Returns how many were closed."""
     if not _orphans or not _reaping.acquire(blocking=False):
         return 0
     try:
         done = 0
         for pool in list(_orphans):
             try:
-                free = pool.closed or not pool._raw_stats()["allocation.all.current"]
+                free = pool.closed or (not pool._raw_stats()["active.all.current"] and not pool._work_queued())
+                if not free:
+                    pool._release_idle()
             except Exception:  # closed by another thread meanwhile
                 free = True
             if free:
-                pool.close()  # still among the live pools: the metrics read its final counters
+                if not pool.closed:
+                    pool._disown_streams()
+                    pool.close()  # still among the live pools: the metrics read its final counters
                 _orphans.remove(pool)
                 done += 1
         return done

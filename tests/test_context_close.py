@@ -152,3 +152,83 @@ def test_a_context_dropped_while_a_framework_still_holds_its_blocks_keeps_their_
     assert out["intact"], out
     assert out["held_while_allocated"] >= 8 << 20 and out["booking_back"] == 0, out
     assert out["device_back"], out
+
+
+def test_a_dropped_context_whose_freed_block_a_kernel_still_writes_waits_for_it_without_blocking(sim_node):
+    # A block freed after record_stream while another stream's kernel still writes it: the
+    # context dropped then (and an orphan reaped then) was destroyed at once, waiting in the
+    # caller up to sync_timeout_ms and giving the memory back under the kernel (its write
+    # dropped). It stays an orphan until that work is done; nothing waits for it.
+    out = _run(sim_node, """
+        import gc, time
+        from ascend_pool import sim
+        pool = ap.Pool(0, backend="sim")
+        free0 = pool.mem_get_info()[0]
+        writer = pool.create_stream()
+        ctx = pool.context("pending")
+        x = ctx.malloc(8 << 20)
+        sim.launch_fill(writer, x, 8 << 20, 0x5A, delay_s=1.0)
+        ctx.record_stream(x, writer)
+        ctx.free(x)
+        t0 = time.monotonic()
+        del ctx
+        gc.collect()
+        ap.empty_cache()                                 # a reap while the kernel runs: no wait
+        quick = time.monotonic() - t0
+        held_meanwhile = pool.mem_get_info()[0] < free0
+        pool.synchronize(writer)
+        dropped = sim.stats(0)["dropped_fills"]
+        ap.empty_cache()                                 # its work done: closed now
+        print(json.dumps({"quick_s": quick, "held_meanwhile": held_meanwhile, "dropped": dropped,
+                          "back": pool.mem_get_info()[0] == free0}))
+        pool.destroy_stream(writer)
+        pool.close()
+    """)
+    assert out["quick_s"] < 0.5 and out["held_meanwhile"], out
+    assert out["dropped"] == 0 and out["back"], out
+
+
+def test_an_orphan_closed_later_leaves_its_streams_as_a_drop_does(sim_node):
+    # A dropped pool's dealloc leaves the streams create_stream made (a framework may use them);
+    # the same pool kept as an orphan and closed later destroyed them.
+    out = _run(sim_node, """
+        import gc
+        pool = ap.Pool(0, backend="sim")
+        ctx = pool.context("streams")
+        s = ctx.create_stream()
+        x = ctx.malloc(1 << 20, stream=s)
+        del ctx
+        gc.collect()
+        ap.free(x, stream=s)                            # its last block: the orphan closes
+        ap.empty_cache()
+        print(json.dumps({"stream_alive": code("aclrtSynchronizeStream", C.c_void_p(s)) == 0}))
+        ok("aclrtDestroyStream", C.c_void_p(s))
+        pool.close()
+    """)
+    assert out["stream_alive"], out
+
+
+def test_a_tenant_over_its_quota_takes_back_an_orphans_idle_cache(sim_node):
+    # A dropped context kept for a framework's tensor; the tensor freed through the C ABI (no
+    # reap there): its 42 MiB stayed booked in the tenant's 64 MiB quota, idle, and a 40 MiB
+    # request of another context of the tenant was refused.
+    out = _run(sim_node, """
+        import gc
+        pool = ap.Pool(0, backend="sim")
+        other = pool.context("shared-quota", quota="64MiB")
+        with pool.context("shared-quota", quota="64MiB"):
+            x = _core.capi_malloc(40 << 20, 0)
+        gc.collect()
+        _core.capi_free(x, 0, 0)                      # the framework frees its tensor
+        held_idle = other.held
+        try:
+            y = other.malloc(40 << 20)
+            got = "granted"
+            other.free(y)
+        except ap.QuotaExceededError as e:
+            got = str(e)
+        print(json.dumps({"held_idle": held_idle, "got": got}))
+        other.close()
+        pool.close()
+    """)
+    assert out["held_idle"] >= 40 << 20 and out["got"] == "granted", out

@@ -246,8 +246,6 @@ APC_EXPORT void ascend_pool_init(int device) {
     apc_create_default(device, 0, "ascend_pool_init");
 }
 
-/* ap_set_peer_release_hook's hook: the idle cache of the process's other pools of self's device
-   and backend, given back (each held, not the registry lock, while it is released). */
 /* Holds (capi_calls: a close waits for them, registry.h) the registered pools, or with `peer_of`
    those of its device and backend but itself, under the registry lock, for work done without it:
    a pool's waits for busy streams (up to sync_timeout_ms) must not hold that lock, which opening
@@ -270,12 +268,15 @@ static ssize_t apc_hold_pools(ap_pool ***out, const ap_pool *peer_of) {
     return n;
 }
 
-static size_t apc_release_peers(ap_pool *self) {
+/* ap_set_peer_release_hook's hook: the idle cache of the process's other pools of self's device
+   and backend (with orphans_only, of its orphans), given back (each held, not the registry lock,
+   while it is released). */
+static size_t apc_release_peers(ap_pool *self, int orphans_only) {
     ap_pool **held;
     size_t released = 0;
     ssize_t n = apc_hold_pools(&held, self);
     for (ssize_t i = 0; i < n; i++) {
-        released += ap_pool_release_idle(held[i]);
+        if (!orphans_only || atomic_load(&held[i]->orphan)) released += ap_pool_release_idle(held[i]);
         ap_pool_unhold(held[i]);
     }
     free(held);

@@ -335,9 +335,11 @@ static ap_block *obtain_counted(ap_pool *p, int slot, int pool, size_t rsize, si
     return b;
 }
 
-static size_t (*_Atomic peer_release_hook)(ap_pool *self);
+static size_t (*_Atomic peer_release_hook)(ap_pool *self, int orphans_only);
 
-void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self)) { atomic_store(&peer_release_hook, hook); }
+void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int orphans_only)) { atomic_store(&peer_release_hook, hook); }
+
+void ap_pool_set_orphan(ap_pool *p) { atomic_store(&p->orphan, 1); }
 
 int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err) {
     if (check_size(p, size, err) != AP_OK) {
@@ -401,15 +403,18 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
             b = obtain_counted(p, slot, pool, rsize, size, e, &retried);
             if (!b && wrc == AP_E_TIMEOUT) *e = wait_err;
         }
-        size_t (*peers)(ap_pool *) = atomic_load(&peer_release_hook);
+        size_t (*peers)(ap_pool *, int) = atomic_load(&peer_release_hook);
         int device_oom = e->status == AP_E_OOM || e->status == AP_OK ||
                          (e->status == AP_E_DEVICE && ap_backend_oom_code(p->backend, e->device_code));
-        if (!b && peers && device_oom) {
+        int quota_refused = e->status == AP_E_QUOTA;
+        if (!b && peers && (device_oom || quota_refused)) {
             /* The device itself is full: the process's other pools of the device (the default
-               pool, other tenants' contexts) give back what they cache idle, then once more. Their
-               locks are taken one at a time, this one's dropped (no two pool locks at once). */
+               pool, other tenants' contexts) give back what they cache idle, then once more. Over
+               the quota: only the orphans' (pools dropped while blocks of them were allocated:
+               their cache is the tenant's booking, and nothing allocates from it). Their locks
+               are taken one at a time, this one's dropped (no two pool locks at once). */
             pthread_mutex_unlock(&p->lock);
-            size_t freed = peers(p);
+            size_t freed = peers(p, quota_refused);
             pthread_mutex_lock(&p->lock);
             if (freed) {
                 slot = ap_slot_of_fast(p, stream, 1);
@@ -697,6 +702,16 @@ size_t ap_pool_release_idle(ap_pool *p) {
     size_t released = ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
     pthread_mutex_unlock(&p->lock);
     return released;
+}
+
+int ap_pool_work_queued(ap_pool *p) {
+    pthread_mutex_lock(&p->lock);
+    ap_process_pending(p, 0, NULL);
+    for (int s = 1; s < p->n_slots; s++)
+        if (p->slots[s].live) ap_settle_slot(p, s, NULL); /* asks its stream, never waits */
+    int queued = queued_frees(p);
+    pthread_mutex_unlock(&p->lock);
+    return queued;
 }
 
 size_t ap_pool_trim_to(ap_pool *p, size_t target) {

@@ -238,6 +238,7 @@ typedef struct ap_pool {
     size_t npu_floor[2];
     int64_t protect_credit;
     size_t trade_room; /* bytes under the watermark a trade left, whose refills the trade credit pays */
+    _Atomic int orphan; /* its Python object is gone, blocks of it are still allocated (ap_pool_set_orphan) */
 
     /* Past this point nothing is zeroed when the struct is reused (ap_pool_create). */
     struct ap_pool *spare_next; /* in the spare list: destroyed structs are kept for reuse, never freed */
@@ -305,12 +306,22 @@ void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook);
    blocks, nor the preallocated reserve). Returns the bytes released. For a peer pool's
    out-of-memory path (ap_set_peer_release_hook). */
 size_t ap_pool_release_idle(ap_pool *p);
-/* hook(self): releases the idle cache of the process's other pools of self's device and backend
-   (the C ABI's registry knows them), returns the bytes released. A device allocation that fails
-   calls it once, with no lock held, then retries: the default pool's idle cache no longer stands
-   in the way of a tenant context on the same device (PyTorch: a MemPool's allocation reclaims the
-   default pool's cached blocks). NULL: none. */
-void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self));
+/* 1 while work queued on a stream may still touch the pool's free memory (frees pending on
+   events, free blocks tagged with a stream not idle yet), after settling what is done. Asks the
+   runtime, never waits: a close then has nothing to wait for. */
+int ap_pool_work_queued(ap_pool *p);
+/* Marks a pool whose owner dropped it while blocks of it are still allocated (ascend_pool.registry's
+   orphans): nothing allocates from it again, so a tenant refused by its quota takes back its idle
+   cache (ap_set_peer_release_hook's orphans_only). */
+void ap_pool_set_orphan(ap_pool *p);
+/* hook(self, orphans_only): releases the idle cache of the process's other pools of self's device
+   and backend (the C ABI's registry knows them; with orphans_only, of the orphans among them),
+   returns the bytes released. A device allocation that fails calls it once, with no lock held,
+   then retries: the default pool's idle cache no longer stands in the way of a tenant context on
+   the same device (PyTorch: a MemPool's allocation reclaims the default pool's cached blocks). A
+   quota refusal calls it for the orphans only (their cache is booked in the tenant's ledger, and
+   nothing allocates from it). NULL: none. */
+void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int orphans_only));
 /* Releases cached free segments until reserved <= target bytes (never live blocks). Returns
    the bytes released. Used when a quota is lowered. */
 size_t ap_pool_trim_to(ap_pool *p, size_t target);

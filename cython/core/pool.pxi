@@ -57,6 +57,9 @@ cdef extern from "pool.h" nogil:
     int ap_pool_empty_stream(ap_pool *p, void *stream, ap_error *err)
     int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err)
     int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err)
+    size_t ap_pool_release_idle(ap_pool *p)
+    int ap_pool_work_queued(ap_pool *p)
+    void ap_pool_set_orphan(ap_pool *p)
     int ap_pool_stream_idle(ap_pool *p, void *stream)
     void ap_pool_forget_stream(ap_pool *p, void *stream)
     void ap_pool_set_limit(ap_pool *p, size_t limit_bytes)
@@ -571,6 +574,38 @@ cdef class PoolBase:
         with nogil:
             ap_pool_forget_stream(_p, s)
         self._leave()
+
+    def _release_idle(self):
+        """Returns the wholly free segments no stream's work holds to the device, without waiting
+        (an orphan's cache: nothing allocates from it again). Bytes released."""
+        cdef ap_pool *_p = self._enter()
+        cdef size_t n
+        with nogil:
+            n = ap_pool_release_idle(_p)
+        self._leave()
+        return n
+
+    def _work_queued(self):
+        """True while work queued on a stream may still touch the pool's free memory (asks the
+        runtime, never waits): closing it then would wait for that work."""
+        cdef ap_pool *_p = self._enter()
+        cdef int queued
+        with nogil:
+            queued = ap_pool_work_queued(_p)
+        self._leave()
+        return bool(queued)
+
+    def _mark_orphan(self):
+        """Tells the C pool that its owner dropped it with blocks still allocated (registry's
+        orphans): a tenant over its quota may then take back its idle cache."""
+        cdef ap_pool *_p = self._enter()
+        ap_pool_set_orphan(_p)
+        self._leave()
+
+    def _disown_streams(self):
+        """Forgets which streams create_stream made here: a close then destroys none of them (a
+        dropped pool's streams outlive it, as its object's death leaves them)."""
+        self._created.clear()
 
     def _forget_destroyed_streams(self):
         """Drops the handles of streams the runtime no longer knows (a framework destroys its
