@@ -126,6 +126,21 @@ class Pool(PoolBase):
                     pass
         return handle
 
+    def _stream_used_elsewhere(self, handle):
+        # A stream another open pool uses: one it adopted from this pool (a tenant context on the
+        # default pool's stream), or a framework's new stream the runtime gave the handle of ours
+        # after destroying ours behind our back, registered or used through the C ABI. Closing this
+        # pool destroyed it under them.
+        for other in _registry.live_pools():
+            if other is self or other.backend is not self.backend:
+                continue
+            try:
+                if other._knows_stream(handle) or other._orders_on(handle):
+                    return True
+            except PoolError:  # closed meanwhile
+                continue
+        return False
+
     def _adopt_stream(self, stream):
         # A stream another open pool of this device and backend made or registered (its tenant
         # contexts', the default pool's) serves here too, as the C ABI lets it: the runtime's

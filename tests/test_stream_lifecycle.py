@@ -484,6 +484,26 @@ def test_a_pool_whose_stream_handle_another_pool_got_anew_no_longer_destroys_it_
     assert out == {"reused": True, "survived": True}
 
 
+@pytest.mark.parametrize("use", ["register_stream", "c_abi"])
+def test_a_pool_leaves_at_close_a_reused_handle_another_pool_orders_on(sim_node, use):
+    # The framework destroyed p0's stream behind its back and made one of its own, which the
+    # runtime gave the same handle; another pool orders work on it (registered, or through the
+    # C ABI as torch does). p0.close() destroyed it as its own idle stream (frame11 3).
+    out = sim_node.run_json(POOL_STREAM_DESTROYED_BEHIND_ITS_BACK + f"""
+        from ascend_pool import _core
+        t = stream()
+        other = ap.Pool(0, backend="sim")
+        if "{use}" == "register_stream":
+            other.register_stream(t)
+            other.free(other.malloc(MiB, stream=t), stream=t)
+        else:
+            _core.capi_free(_core.capi_malloc(MiB, 0, t), 0, 0, t)
+        p0.close()
+        print(json.dumps({{"reused": t == s1, "alive": code("aclrtSynchronizeStream", C.c_void_p(t)) == 0}}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out == {"reused": True, "alive": True}
+
+
 # A child's start: device 0's pool with a framework stream s1 (registered) holding one cached
 # block, the child's thread on device 0 (sim_child helpers).
 FRAMEWORK_STREAM_CACHED_ON_DEVICE_0 = """

@@ -704,6 +704,13 @@ size_t ap_pool_release_idle(ap_pool *p) {
     return released;
 }
 
+int ap_pool_knows_stream(ap_pool *p, void *stream) {
+    pthread_mutex_lock(&p->lock);
+    int slot = ap_slot_of(p, stream, 0); /* no slot made, nothing asked */
+    pthread_mutex_unlock(&p->lock);
+    return slot > 0;
+}
+
 int ap_pool_work_queued(ap_pool *p) {
     pthread_mutex_lock(&p->lock);
     ap_process_pending(p, 0, NULL);

@@ -310,6 +310,8 @@ size_t ap_pool_release_idle(ap_pool *p);
    events, free blocks tagged with a stream not idle yet), after settling what is done. Asks the
    runtime, never waits: a close then has nothing to wait for. */
 int ap_pool_work_queued(ap_pool *p);
+/* 1 when the pool has a live slot for `stream` (its Python API or the C ABI ordered work on it). */
+int ap_pool_knows_stream(ap_pool *p, void *stream);
 /* Marks a pool whose owner dropped it while blocks of it are still allocated (ascend_pool.registry's
    orphans): nothing allocates from it again, so a tenant refused by its quota takes back its idle
    cache (ap_set_peer_release_hook's orphans_only). */

@@ -60,6 +60,7 @@ cdef extern from "pool.h" nogil:
     size_t ap_pool_release_idle(ap_pool *p)
     int ap_pool_work_queued(ap_pool *p)
     void ap_pool_set_orphan(ap_pool *p)
+    int ap_pool_knows_stream(ap_pool *p, void *stream)
     int ap_pool_stream_idle(ap_pool *p, void *stream)
     void ap_pool_forget_stream(ap_pool *p, void *stream)
     void ap_pool_set_limit(ap_pool *p, size_t limit_bytes)
@@ -371,7 +372,9 @@ cdef class PoolBase:
             for handle in list(self._created):
                 idle = self._stream_idle(handle)
                 try:
-                    if idle > 0:
+                    if idle > 0 and self._stream_used_elsewhere(handle):
+                        self._created.discard(handle)  # another pool orders work on it: it stays
+                    elif idle > 0:
                         self.destroy_stream(handle)
                     elif idle < 0:  # destroyed behind our back: nothing to give back
                         self._created.discard(handle)
@@ -594,6 +597,22 @@ cdef class PoolBase:
             queued = ap_pool_work_queued(_p)
         self._leave()
         return bool(queued)
+
+    def _orders_on(self, handle):
+        """True when this pool has a live slot for stream `handle` (work ordered on it through the
+        Python API or the C ABI)."""
+        cdef void *s = PyLong_AsVoidPtr(handle)
+        cdef ap_pool *_p = self._enter()
+        cdef int known
+        with nogil:
+            known = ap_pool_knows_stream(_p, s)
+        self._leave()
+        return bool(known)
+
+    def _stream_used_elsewhere(self, handle):
+        """True when another pool uses stream `handle` (close then leaves it). The compiled pool
+        knows no other pool; ascend_pool.Pool looks at the open ones."""
+        return False
 
     def _mark_orphan(self):
         """Tells the C pool that its owner dropped it with blocks still allocated (registry's
