@@ -21,9 +21,11 @@
  *                    ap_pool_destroy waits for it to drain, holding no lock (the pool is hidden first),
  *                    and then, still without the lock, for the streams its free blocks are tagged
  *                    with (waits.c ap_wait_tagged_streams, one sync_timeout_ms in all).
- *   (peer release)   a pool out of device memory drops its lock, then apc_release_peers takes the
- *                    C ABI's registry lock to hold its device's other pools and releases it, then
- *                    each of their locks in turn (never two pool locks at once), no wait.
+ *   (peer release)   a pool out of device memory (or refused by its quota: orphans only) drops its
+ *                    lock, then apc_release_peers takes the C ABI's registry lock to hold its
+ *                    device's other pools and releases it, then each of their locks in turn (never
+ *                    two pool locks at once), no wait.
+ *   orphan           (ap_pool, atomic, no lock) set once by ap_pool_set_orphan, read by the peer release.
  *   spare_lock       (pool.c) the list of destroyed pool structs kept for reuse; held for the list
  *                    operation only, never with a pool lock.
  * Never done while holding ap_pool.lock:
