@@ -11,7 +11,7 @@ import warnings
 
 from . import current as _current
 from . import registry as _registry
-from ._core import attach_out_of_memory_observer, detach_out_of_memory_observer, set_default_pool_hook
+from ._core import attach_out_of_memory_observer, capi_free, detach_out_of_memory_observer, set_default_pool_hook
 from .backend import check_device, open_backend, torch_device_index
 from .config import history_settings, history_skip_mask
 from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError,
@@ -140,7 +140,22 @@ def free(ptr, stream=None, device=None):
                 if not other.closed:
                     raise
                 # closed by another thread since the listing: it held no live block of ours
+        if _free_through_c_abi(ptr, stream, pool.device):
+            return
         raise
+
+
+def _free_through_c_abi(ptr, stream, device):
+    """Frees ptr through the C ABI's owner lookup (its registry holds every open pool, by address),
+    True when a pool had it: a pool the cycle collector is keeping as an orphan (Pool.__del__) is
+    out of the live pools for a moment, its weak references cleared first. Only on the way to an
+    InvalidPointerError: a cost on the error path alone."""
+    try:
+        capi_free(ptr, 0, device, stream if isinstance(stream, int) and not isinstance(stream, bool) else None)
+    except PoolError:
+        return False
+    _registry.reap_orphans()
+    return True
 
 
 def record_stream(ptr, stream, device=None):
@@ -417,6 +432,8 @@ def caching_allocator_delete(ptr):
             if not pool.closed:
                 raise
             # closed by another thread meanwhile (its blocks went with it): not the owner
+    if _free_through_c_abi(ptr, None, current_device()):
+        return
     raise InvalidPointerError(f"caching_allocator_delete({ptr:#x}): not a live block of any open pool of this process")
 
 

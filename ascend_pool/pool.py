@@ -100,12 +100,16 @@ class Pool(PoolBase):
                 return
             # active: allocated, or freed after record_stream and still waited for (a kernel
             # queued on another stream may write it: the dealloc would wait, then give it back)
-            if self._raw_stats()["active.all.current"]:
+            # kept first, before any call that releases the GIL: a collected cycle's weak
+            # references are gone already, and other threads must still find it meanwhile
+            _registry.keep_orphan(self)
+            if self._raw_stats()["active.all.current"] or self._work_queued():
                 self._release_idle()  # its idle cache: nothing allocates from an orphan again
                 self._mark_orphan()   # and what its blocks leave idle later, once a quota needs it
-                _registry.keep_orphan(self)
+            else:
+                _registry.forget_orphan(self)
         except Exception:  # never raise from a finalizer; the dealloc then closes it as before
-            pass
+            _registry.forget_orphan(self)
 
     def _describe(self):
         """What the C ABI's messages call this pool."""

@@ -27,6 +27,7 @@ _host_pools = {}   # device -> the pinned host pool (ascend_pool.integrations.pi
 _listeners = []    # fn(pool), called after each register()
 _closing = []      # weak references to bound methods m(pool), called before each Pool.close()
 _orphans = []      # pools dropped with blocks still allocated (Pool.__del__), until those are freed
+_reap_again = False  # set by a reap_orphans call while another thread reaps
 _reaping = threading.Lock()  # one reap_orphans at a time; never taken by a finalizer
 
 
@@ -90,33 +91,58 @@ def keep_orphan(pool):
     _orphans.append(pool)
 
 
+def forget_orphan(pool):
+    """Undoes keep_orphan (Pool.__del__ found nothing to keep it for)."""
+    try:
+        _orphans.remove(pool)
+    except ValueError:
+        pass
+
+
+def is_orphan(pool):
+    """True when pool is kept only for blocks its dropped owner left allocated."""
+    return any(o is pool for o in list(_orphans))
+
+
 def reap_orphans():
     """Closes the orphans whose blocks have all been freed and whose streams' work on them is done
     (their memory back to the device, their quota booking to the ledger), as a dropped pool
     closes: its streams are left alone. The others give back their idle cache. Never waits: a
     kernel still queued on a freed block keeps its orphan for a later call. Cheap when there is
     none; called when a pool opens and by the module-level frees and empty_cache. One thread at a
-    time (another reaping: nothing to do). Returns how many were closed."""
-    if not _orphans or not _reaping.acquire(blocking=False):
+    time: a call while another thread reaps makes that thread pass once more. Returns how many
+    were closed."""
+    global _reap_again
+    if not _orphans:
         return 0
-    try:
-        done = 0
-        for pool in list(_orphans):
-            try:
-                free = pool.closed or (not pool._raw_stats()["active.all.current"] and not pool._work_queued())
-                if not free:
-                    pool._release_idle()
-            except Exception:  # closed by another thread meanwhile
-                free = True
-            if free:
-                if not pool.closed:
-                    pool._disown_streams()
-                    pool.close()  # still among the live pools: the metrics read its final counters
-                _orphans.remove(pool)
-                done += 1
-        return done
-    finally:
-        _reaping.release()
+    _reap_again = True
+    done = 0
+    while _reap_again and _reaping.acquire(blocking=False):  # else the holder passes again
+        try:
+            while _reap_again:
+                _reap_again = False
+                done += _reap_pass()
+        finally:
+            _reaping.release()
+    return done
+
+
+def _reap_pass():
+    done = 0
+    for pool in list(_orphans):
+        try:
+            free = pool.closed or (not pool._raw_stats()["active.all.current"] and not pool._work_queued())
+            if not free:
+                pool._release_idle()
+        except Exception:  # closed by another thread meanwhile
+            free = True
+        if free:
+            if not pool.closed:
+                pool._disown_streams()
+                pool.close()  # still among the live pools: the metrics read its final counters
+            forget_orphan(pool)
+            done += 1
+    return done
 
 
 def live_pools():

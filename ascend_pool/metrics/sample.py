@@ -138,6 +138,7 @@ class PoolAggregator:
         self._lock = threading.Lock()
         self._seen = {}     # _identity(pool) -> (weakref to pool, (device, tenant), counters dict)
         self._retired = {}  # (device, tenant) -> counters dict
+        self._vanished = {}  # serial identity -> (key, counters) retired without a close (may come back)
         self._final = weakref.WeakSet()  # closing pools already folded in: never read again
         registry.on_close(self._pool_closing)
 
@@ -154,6 +155,7 @@ class PoolAggregator:
         with self._lock:
             if pool in self._final:
                 return  # two threads closing it at once: folded in by the first
+            self._unretire(_identity(pool))  # retired when a read missed it: this reading replaces it
             self._add_retired(key, v)
             self._seen.pop(_identity(pool), None)
             self._final.add(pool)
@@ -203,7 +205,20 @@ class PoolAggregator:
         for key in idle[:max(0, len(idle) - self.RETIRED_KEEP)]:
             del self._retired[key]
 
+    def _unretire(self, ident):
+        """Takes the counters of a pool retired when a read missed it back off the retired sums."""
+        key, counters = self._vanished.pop(ident, (None, None))
+        acc = self._retired.get(key)
+        if acc is not None:
+            for f in COUNTER_FIELDS:
+                acc[f] -= counters[f]
+
     def _retire(self, current):
+        # A pool that comes back after a read missed it (the cycle collector keeping it as an
+        # orphan: out of the registry for a moment) was retired meanwhile: its counters come off
+        # the retired sums again, since it is read live now.
+        for ident in current.keys() & self._vanished.keys():
+            self._unretire(ident)
         for ident, (ref, key, counters) in self._seen.items():
             now = current.get(ident)
             # A serial names one pool for the process's life: present now, it is the same pool (a
@@ -212,4 +227,8 @@ class PoolAggregator:
             # another object means the old pool was collected and its id reused.
             if now is None or (ident[0] == "id" and (now[0]() is not ref() or ref() is None)):
                 self._add_retired(key, counters)
+                if now is None and ident[0] == "serial":
+                    self._vanished[ident] = (key, counters)
+                    while len(self._vanished) > self.RETIRED_KEEP:  # the oldest never come back
+                        del self._vanished[next(iter(self._vanished))]
         self._seen = current

@@ -258,7 +258,7 @@ set_context_factory(make_context)
 def live_contexts(tenant=None, device=None):
     """This process's open contexts (of one tenant and/or device when given); not one another
     thread is still opening (registered, its ledger not yet attached)."""
-    return [p for p in _registry.live_pools() if isinstance(p, Context) and not p.closed
+    return [p for p in _registry.live_pools() if isinstance(p, Context) and not p.closed and not _registry.is_orphan(p)
             and p.quota_hook is not None
             and (tenant is None or p.tenant == tenant) and (device is None or p.device == device)]
 

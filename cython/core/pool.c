@@ -550,6 +550,8 @@ int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err) {
     if (b) {
         ap_map_take_at(&p->live, at); /* the map is unchanged since the lookup */
         release_block(p, b, how == AP_FREE_ON_ALLOC_STREAM || tag < 0 ? b->tag : tag);
+        if (atomic_load_explicit(&p->orphan, memory_order_relaxed)) /* nothing allocates from it again */
+            ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
     }
     pthread_mutex_unlock(&p->lock);
     return rc;
