@@ -140,18 +140,23 @@ def free(ptr, stream=None, device=None):
                 if not other.closed:
                     raise
                 # closed by another thread since the listing: it held no live block of ours
-        if _free_through_c_abi(ptr, stream, pool.device):
+        if stream is None and _free_through_c_abi(ptr, pool.device):
             return
         raise
 
 
-def _free_through_c_abi(ptr, stream, device):
-    """Frees ptr through the C ABI's owner lookup (its registry holds every open pool, by address),
-    True when a pool had it: a pool the cycle collector is keeping as an orphan (Pool.__del__) is
-    out of the live pools for a moment, its weak references cleared first. Only on the way to an
+def _free_through_c_abi(ptr, device):
+    """Frees ptr on its allocation stream through the C ABI's owner lookup (its registry holds
+    every open pool, by address), True when a pool had it: a pool the cycle collector is keeping
+    as an orphan (Pool.__del__) is out of the live pools for a moment, its weak references cleared
+    first. Only for a free without a stream (the C ABI frees on the allocation stream where the
+    given one cannot be used, which Pool.free refuses), and only on the way to an
     InvalidPointerError: a cost on the error path alone."""
+    address = as_index(ptr)
+    if address is None or not 0 < address < 1 << 64:  # not an address: the caller's error stands
+        return False
     try:
-        capi_free(ptr, 0, device, stream if isinstance(stream, int) and not isinstance(stream, bool) else None)
+        capi_free(address, 0, device, None)
     except PoolError:
         return False
     _registry.reap_orphans()
@@ -432,7 +437,7 @@ def caching_allocator_delete(ptr):
             if not pool.closed:
                 raise
             # closed by another thread meanwhile (its blocks went with it): not the owner
-    if _free_through_c_abi(ptr, None, current_device()):
+    if _free_through_c_abi(ptr, current_device()):
         return
     raise InvalidPointerError(f"caching_allocator_delete({ptr:#x}): not a live block of any open pool of this process")
 

@@ -110,20 +110,23 @@ def reap_orphans():
     closes: its streams are left alone. The others give back their idle cache. Never waits: a
     kernel still queued on a freed block keeps its orphan for a later call. Cheap when there is
     none; called when a pool opens and by the module-level frees and empty_cache. One thread at a
-    time: a call while another thread reaps makes that thread pass once more. Returns how many
-    were closed."""
+    time: a call while another thread reaps makes that thread pass once more (twice at most per
+    call). Returns how many were closed."""
     global _reap_again
     if not _orphans:
         return 0
     _reap_again = True
+    if not _reaping.acquire(blocking=False):
+        return 0  # the holder passes again
     done = 0
-    while _reap_again and _reaping.acquire(blocking=False):  # else the holder passes again
-        try:
-            while _reap_again:
-                _reap_again = False
-                done += _reap_pass()
-        finally:
-            _reaping.release()
+    try:
+        for _ in range(2):  # bounded: threads reaping in a loop must not hold one thread here
+            if not _reap_again:
+                break
+            _reap_again = False
+            done += _reap_pass()
+    finally:
+        _reaping.release()
     return done
 
 
