@@ -115,26 +115,11 @@ class Pool(PoolBase):
         """What the C ABI's messages call this pool."""
         return "pool"
 
-    def create_stream(self):
-        """Creates a device stream on this pool's device; returns its handle (int)."""
-        handle = super().create_stream()
-        # A handle the runtime gives out now names no other live stream: a pool of the process
-        # that still knows it had a stream destroyed behind its back (by the framework), and the
-        # runtime reused the handle. That pool forgets it: its close() would have destroyed this
-        # new stream, and its own calls would have ordered on it.
-        for other in _registry.live_pools():
-            if other is not self and other.backend is self.backend and other._knows_stream(handle):
-                try:
-                    other._forget_stream(handle)
-                except PoolError:  # closed meanwhile: nothing left to forget
-                    pass
-        return handle
-
     def _stream_used_elsewhere(self, handle):
         # A stream another open pool uses: one it adopted from this pool (a tenant context on the
-        # default pool's stream), or a framework's new stream the runtime gave the handle of ours
-        # after destroying ours behind our back, registered or used through the C ABI. Closing this
-        # pool destroyed it under them.
+        # default pool's stream), or a new stream the runtime gave the handle of ours after the
+        # framework destroyed ours behind our back (another pool's create_stream, or a framework
+        # stream registered there or used through the C ABI). Closing this pool destroyed it.
         for other in _registry.live_pools():
             if other is self or other.backend is not self.backend:
                 continue

@@ -291,8 +291,9 @@ void ap_pool_oom_figures(ap_pool *p, size_t *allowed, size_t *free_b) {
     *allowed = limit != AP_NO_LIMIT && limit < total ? limit : total;
     /* A tenant's quota as HAMi's limited device: its total, and what is left of it free (as the
        context's mem_get_info answers) */
+    size_t left = held >= quota ? 0 : quota - held;
     if (quota < *allowed) *allowed = quota;
-    if (quota != SIZE_MAX && (held >= quota ? 0 : quota - held) < *free_b) *free_b = held >= quota ? 0 : quota - held;
+    if (quota != SIZE_MAX && left < *free_b) *free_b = left;
 }
 
 /* The trace's oom entry: torch's carries the device's free bytes where others carry an address. */
@@ -716,8 +717,7 @@ int ap_pool_knows_stream(ap_pool *p, void *stream) {
 int ap_pool_work_queued(ap_pool *p) {
     pthread_mutex_lock(&p->lock);
     ap_process_pending(p, 0, NULL);
-    for (int s = 1; s < p->n_slots; s++)
-        if (p->slots[s].live) ap_settle_slot(p, s, NULL); /* asks its stream, never waits */
+    ap_settle_free_slots(p, NULL); /* asks each stream holding free blocks, never waits */
     int queued = queued_frees(p);
     pthread_mutex_unlock(&p->lock);
     return queued;
