@@ -89,7 +89,8 @@ class Pool(PoolBase):
         self.pool_id = (0, self.serial)
         _registry.register(self)
 
-    def __del__(self):
+    def __del__(self, _registry=_registry, sys=sys, forked_from=forked_from):
+        # (module globals bound at definition: at interpreter exit they may be None already)
         # The last reference is gone while blocks of the pool may still be allocated: a tensor a
         # framework made through the C ABI inside `with pool.context(...)`, a pointer the program
         # kept. Closing now would hand their memory out again under them; torch's MemPool outlives

@@ -109,7 +109,8 @@ def reap_orphans():
     (their memory back to the device, their quota booking to the ledger), as a dropped pool
     closes: its streams are left alone. The others give back their idle cache. Never waits: a
     kernel still queued on a freed block keeps its orphan for a later call. Cheap when there is
-    none; called when a pool opens and by the module-level frees and empty_cache. One thread at a
+    none; called when a pool opens, by the module-level frees and empty_cache, and every interval
+    by the stats publisher's thread (ascend_pool/service/publisher.py). One thread at a
     time: a call while another thread reaps makes that thread pass once more (twice at most per
     call). Returns how many were closed."""
     global _reap_again

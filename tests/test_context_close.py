@@ -291,3 +291,37 @@ def test_live_contexts_leaves_out_the_orphans(sim_node):
         pool.close()
     """)
     assert out["listed"] == [], out
+
+
+def test_an_orphan_freed_on_a_busy_stream_gives_back_its_quota_without_another_call(sim_node):
+    # A context dropped after a stream-ordered free whose kernel still ran stayed an orphan, its
+    # memory booked in its tenant's quota, until some later Pool(), ap.free or ap.empty_cache: a
+    # process that went on through another context of the tenant was refused. The stats
+    # publisher's thread reaps too, so the booking goes once the kernel is done.
+    out = sim_node.run_json(PRELUDE + textwrap.dedent("""
+        import gc, time
+        from ascend_pool import sim
+        pool = ap.Pool(0, backend="sim")
+        writer = pool.create_stream()
+        other = pool.context("reaped-in-time", quota="64MiB")
+        ctx = pool.context("reaped-in-time", quota="64MiB")
+        x = ctx.malloc(40 << 20, stream=writer)
+        sim.launch_fill(writer, x, 40 << 20, 0x5A, delay_s=0.5)
+        ctx.free(x)
+        del ctx
+        gc.collect()
+        held_meanwhile = other.held
+        time.sleep(1.5)                              # the kernel ends; no call into the pool
+        held_after = other.held
+        try:
+            other.free(other.malloc(40 << 20))
+            got = "granted"
+        except ap.QuotaExceededError as e:
+            got = str(e)
+        print(json.dumps({"meanwhile": held_meanwhile, "after": held_after, "got": got}))
+        other.close()
+        pool.destroy_stream(writer)
+        pool.close()
+    """), ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_INTERVAL="0.05")
+    assert out["meanwhile"] >= 40 << 20, out      # the kernel still writes it
+    assert out["after"] == 0 and out["got"] == "granted", out

@@ -109,6 +109,9 @@ class Publisher:
         failures = 0
         while not self._stop.is_set():
             try:
+                # Dropped pools whose last frees waited on a kernel: nothing else may call into
+                # ascend_pool for a while, and their memory stays booked in the tenant's quota.
+                _registry.reap_orphans()
                 self.publish_now()
                 _ledger.check_files()  # a cleanup of the ledger directory splits quotas: say so
                 failures = 0
