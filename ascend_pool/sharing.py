@@ -12,7 +12,11 @@ Exporter (the process that owns the memory):
 Importer (any process of the same user on the node, allowed by the exporter):
 
     with ascend_pool.open_shared(handle) as block:   # SharedBlock: block.ptr, block.size
-        ...  use block.ptr on handle.device ...
+        ...  use block.ptr on block.device ...
+
+Devices are named by the node's number (handle.node_device: ASCEND_RT_VISIBLE_DEVICES and
+CUDA_VISIBLE_DEVICES renumber them in each process, and containers see different subsets): an
+importer maps the block on its own device of that number, block.device.
 
 Accounting: the shared block is counted once, in the exporting pool's reserved bytes, its limit and
 its tenant's quota (a tenant Context that shares 8 GiB holds 8 GiB, however many workers map it).
@@ -101,7 +105,7 @@ class SharedHandle:
     """What an importer needs to map a shared block: picklable, safe to send to any process of the
     node (the key is a capability only for processes of the same user the exporter allowed)."""
 
-    device: int         # the device the memory is on
+    device: int         # the device the memory is on, as the exporter numbers it
     size: int           # bytes the exporter asked for
     key: str            # the runtime's key (acl: <= 64 characters)
     read_only: bool     # importers may only read (enforced where Backend.has_ipc_read_only)
@@ -110,12 +114,20 @@ class SharedHandle:
     backend: str        # "acl", "sim" or "cuda": importers must use the same
     node: str           # the simulated node, or the host name: keys are valid on one node only
     exporter_uid: int = None  # share records are per user: only this uid's processes can open it
+    node_device: int = None   # the node's number of the device (None: a handle of an earlier version)
+
+    def local_device(self, backend=None):
+        """This process's number of the device the block is on (processes number the node's devices
+        after their ASCEND_RT_VISIBLE_DEVICES or CUDA_VISIBLE_DEVICES); InvalidDeviceError when
+        this process does not see it. backend: name or Backend (default: this process's)."""
+        be = backend if hasattr(backend, "physical_device") else open_backend(backend)
+        return _local_device(be, self.device if self.node_device is None else self.node_device)
 
 
 # ---- the node-wide record of one shared block --------------------------------------------------
 
 _MAGIC = b"APSHARE1"
-_VERSION = 2                              # 2: processes named by instance (lease), not pid
+_VERSION = 3                              # 2: processes named by instance (lease), not pid; 3: node's device
 _OPEN, _CLOSING = 1, 2
 # magic version state device exporter_pid exporter_instance size nbytes read_only tenant node key
 # exporter_pidns exporter_start
@@ -138,7 +150,14 @@ def _alive(directory, inst, pid=0, ns=0, start=0):
 
 
 def _node(backend_name):
-    return node_name(backend_name) or socket.gethostname()  # a simulated node, else this host
+    """The node keys are valid on: the simulated node's name, else the kernel's boot id, which
+    every container of the host shares (their hostnames differ: each pod has its own UTS
+    namespace), else the host name where /proc does not tell it."""
+    sim_node = node_name(backend_name)
+    if sim_node:
+        return sim_node
+    boot = identity.boot_id()
+    return f"boot-{boot.hex()}" if any(boot) else socket.gethostname()
 
 
 def _record_dir():
@@ -371,7 +390,7 @@ def share(pool, ptr, read_only=False, pids=(), any_process=False):
             tenant = getattr(pool, "tenant", "default") or "default"
             try:
                 me = _me()
-                ex.record = _Record(path, create=(_MAGIC, _VERSION, _OPEN, pool.device, me[0], me[2], ex.seg.size,
+                ex.record = _Record(path, create=(_MAGIC, _VERSION, _OPEN, pool.node_device, me[0], me[2], ex.seg.size,
                                                   ex.seg.segment_bytes, int(bool(read_only)), tenant.encode()[:64],
                                                   node.encode()[:64], key.encode(), me[3], me[4]))
             except BaseException:
@@ -379,7 +398,7 @@ def share(pool, ptr, read_only=False, pids=(), any_process=False):
                 raise
             ex.handle = SharedHandle(device=pool.device, size=ex.seg.size, key=key, read_only=bool(read_only),
                                      exporter_pid=os.getpid(), nbytes=ex.seg.segment_bytes, backend=be.name,
-                                     node=node, exporter_uid=os.geteuid())
+                                     node=node, exporter_uid=os.geteuid(), node_device=pool.node_device)
         if pids:
             ex.seg.set_pids(pids)
         return ex.handle
@@ -515,7 +534,7 @@ def _at_exit():
 # ---- importer ----------------------------------------------------------------------------------
 
 class SharedBlock:
-    """Another process's shared block, mapped into this one: ptr (device address on handle.device),
+    """Another process's shared block, mapped into this one: ptr (device address on self.device),
     size and nbytes (bytes), read_only (the exporter's choice), read_only_enforced (the runtime
     refuses writes to it: the simulator; CANN and CUDA cannot), handle. close() unmaps it (also
     on `with` exit); the exporter can only free the block once every importer has closed it."""
@@ -527,7 +546,7 @@ class SharedBlock:
         self.nbytes = handle.nbytes
         self.read_only = handle.read_only
         self.read_only_enforced = handle.read_only and backend.has_ipc_read_only
-        self.device = handle.device
+        self.device = pool.device  # this process's number of the device (handle.node_device on the node)
         self._pool_ref = weakref.ref(pool) if pool is not None else (lambda: None)
         self._backend = backend
         self._record = record
@@ -594,6 +613,19 @@ class SharedBlock:
         return f"<SharedBlock key={self.handle.key!r} device={self.device} size={self.size} {state}>"
 
 
+def _local_device(backend, node_device):
+    """This process's number of the node's device node_device (the numbering
+    ASCEND_RT_VISIBLE_DEVICES or CUDA_VISIBLE_DEVICES gives each process)."""
+    count = backend.device_count
+    for device in range(count):
+        if backend.physical_device(device) == node_device:
+            return device
+    raise InvalidDeviceError(f"the shared block is on the node's device {node_device}, which this process does not "
+                             f"see (its {count} devices are the node's "
+                             f"{[backend.physical_device(d) for d in range(count)]}: ASCEND_RT_VISIBLE_DEVICES or "
+                             "CUDA_VISIBLE_DEVICES)")
+
+
 def open_shared(handle, pool=None):
     """Maps the shared block of `handle` into this process: a SharedBlock (use `with`, or close()).
     pool: the pool whose stats show the import as shared (default: the device's default pool); its
@@ -603,11 +635,13 @@ def open_shared(handle, pool=None):
     process forked after its parent opened the runtime (start workers with 'spawn')."""
     if not isinstance(handle, SharedHandle):
         raise TypeError(f"open_shared needs a SharedHandle from Pool.share(), got {type(handle).__name__}")
+    node_device = handle.device if handle.node_device is None else handle.node_device
     if pool is None:
-        pool = default_pool(handle.device)
+        pool = default_pool(_local_device(open_backend(), node_device))
     _check_pool(pool)
-    if pool.device != handle.device:
-        raise InvalidDeviceError(f"the shared block is on device {handle.device}, the pool on device {pool.device}")
+    if pool.node_device != node_device:
+        raise InvalidDeviceError(f"the shared block is on the node's device {node_device}, the pool on the node's "
+                                 f"device {pool.node_device} (this process's device {pool.device})")
     be = pool.backend
     if be.name != handle.backend:
         raise SharingError(f"the block was shared by the {handle.backend} backend; this pool uses {be.name}")
@@ -643,7 +677,9 @@ def open_shared(handle, pool=None):
                 raise SharingError(f"key {handle.key!r} is being released by its exporter (pid {handle.exporter_pid})")
             h = rec.header  # the exporter's own record: a handle must agree with it (an edited one may not)
             wrong = [f"{k} {getattr(handle, k)!r} (the record says {h[k]!r})"
-                     for k in ("device", "size", "nbytes", "exporter_pid", "read_only") if getattr(handle, k) != h[k]]
+                     for k in ("size", "nbytes", "exporter_pid", "read_only") if getattr(handle, k) != h[k]]
+            if node_device != h["device"]:
+                wrong.insert(0, f"the node's device {node_device} (the record says {h['device']})")
             if wrong:
                 raise SharingError(f"the handle of key {handle.key!r} does not match its share record: "
                                    f"{', '.join(wrong)}")
@@ -659,7 +695,7 @@ def open_shared(handle, pool=None):
             slot[1] += 1
         try:
             try:
-                ptr, _ = be.ipc_import(handle.device, handle.key)
+                ptr, _ = be.ipc_import(pool.device, handle.key)
             except DeviceError as e:
                 if e.code != _NOT_ALLOWED:
                     raise
@@ -679,7 +715,7 @@ def open_shared(handle, pool=None):
     except BaseException:
         rec.close()
         raise
-    block = SharedBlock(handle, ptr, pool, be, rec)
+    block = SharedBlock(handle, ptr, pool, be, rec)  # on pool.device
     _imports.add(block)
     return block
 

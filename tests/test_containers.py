@@ -594,3 +594,24 @@ def test_the_node_service_ps_and_stats_files_name_the_npu_not_the_containers_num
     while (got := node_figure()) is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert got is not None and {dict(k)["device"] for k in got} == {"1"}, got
+
+
+@needs_unshare
+def test_pods_of_one_host_agree_on_the_node_their_share_keys_are_valid_on():
+    # On a real device a share handle named its node by the host name, and open_shared refuses a
+    # handle of another node; every pod has a UTS namespace of its own (its hostname is the pod's
+    # name), so a worker pod could never open a block another pod of the same host exported
+    # (docs/containers.md, "Sharing across containers"). Pods share the kernel's boot id.
+    from sim_fixtures import PKG_PARENT
+    code = ("import socket, sys; socket.sethostname(sys.argv[1]); from ascend_pool import sharing; "
+            "print(socket.gethostname(), sharing._node('acl'), sharing._node('cuda'))")
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT, PYTHONSAFEPATH="1")
+    seen = []
+    for pod in ("worker-pod-a", "exporter-pod-b"):
+        r = subprocess.run(["unshare", "--uts", sys.executable, "-c", code, pod], capture_output=True, text=True,
+                           env=env, cwd="/", timeout=60)
+        assert r.returncode == 0, r.stderr
+        seen.append(r.stdout.split())
+    (host_a, acl_a, cuda_a), (host_b, acl_b, cuda_b) = seen
+    assert (host_a, host_b) == ("worker-pod-a", "exporter-pod-b")
+    assert acl_a == acl_b == cuda_a == cuda_b and acl_a.startswith("boot-"), seen

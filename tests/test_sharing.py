@@ -405,8 +405,8 @@ def test_an_edited_handle_is_refused(pool):
             with pytest.raises(sharing.SharingError, match="does not match its share record"):
                 ap.open_shared(dataclasses.replace(h, **change), pool=pool)
         if pool.backend.device_count > 1:
-            with pytest.raises(sharing.SharingError, match="does not match its share record: device 1"):
-                ap.open_shared(dataclasses.replace(h, device=1))
+            with pytest.raises(sharing.SharingError, match="does not match its share record: the node's device 1"):
+                ap.open_shared(dataclasses.replace(h, node_device=1))
         for key in ("a\0b", "k" * 5000, "../x", ""):  # a forged key: bare ValueError / OSError before
             with pytest.raises(sharing.SharingError, match="not a key Pool.share"):
                 ap.open_shared(dataclasses.replace(h, key=key), pool=pool)
@@ -451,3 +451,47 @@ def test_a_record_held_by_a_stopped_peer_is_an_error_not_a_hang(pool, monkeypatc
             os.close(fd)
     assert {h.key for h in handles} <= {s["key"] for s in sharing.shares()}
     assert all(pool.share_free(p) is True for p in ptrs)
+
+
+def test_a_worker_that_numbers_the_devices_otherwise_opens_the_block_on_the_same_npu(sim_node):
+    # Each process numbers the node's devices after its ASCEND_RT_VISIBLE_DEVICES (a container
+    # sees its own subset). The handle carried the exporter's number: a worker seeing only NPU 1
+    # (its device 0) was told device 1 does not exist, and one seeing "1,0" imported onto its
+    # device 1, the node's NPU 0. It carries the node's number; each importer maps the block on
+    # its own device of that number, or is told it does not see it.
+    nodes = {"ASCEND_SIM_DEVICES": "2"}
+    with Peer(sim_node, POOL, ASCEND_RT_VISIBLE_DEVICES="0,1", **nodes) as ex:
+        h = ex("""
+            p1 = ap.Pool(1, backend="sim")
+            ptr = p1.share_malloc(4 * MiB)
+            sim.launch_fill(None, ptr, 4 * MiB, 0x5A)
+            p1.synchronize()
+            h = p1.share(ptr, any_process=True)
+            out = dump(h)
+        """)
+        handle = pickle.loads(__import__("base64").b64decode(h))
+        assert (handle.device, handle.node_device) == (1, 1)
+        for visible, local in (("1", 0), ("1,0", 0), ("0,1", 1)):
+            with Peer(sim_node, "import base64, pickle\nimport ascend_pool as ap\n",
+                      ASCEND_RT_VISIBLE_DEVICES=visible, **nodes) as im:
+                got = im(f"""
+                    h = pickle.loads(base64.b64decode({h!r}))
+                    with ap.open_shared(h) as blk:
+                        be = ap.Pool(blk.device, backend="sim").backend
+                        out = [h.local_device(), blk.device, be.physical_device(blk.device),
+                               sim.read(blk.ptr, 4 * MiB) == b"\\x5a" * (4 * MiB)]
+                """)
+                assert got == [local, local, 1, True], (visible, got)
+        with Peer(sim_node, "import base64, pickle\nimport ascend_pool as ap\n",
+                  ASCEND_RT_VISIBLE_DEVICES="0", **nodes) as blind:
+            got = blind(f"""
+                try:
+                    ap.open_shared(pickle.loads(base64.b64decode({h!r})))
+                    out = "opened"
+                except ap.InvalidDeviceError as e:
+                    out = str(e)
+            """)
+            assert "node's device 1, which this process does not see" in got, got
+        view = [v for v in ex("out = sharing.shares()") if v["key"] == handle.key]
+        assert view[0]["device"] == 1, view                            # the node's number
+        assert ex("out = p1.share_free(ptr)") is True
