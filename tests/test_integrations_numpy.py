@@ -123,3 +123,41 @@ def test_bad_arguments_are_typed_errors_and_the_handler_stays_usable():
         a = np.ones(1000)
         assert handler_name(a) == NUMPY_HANDLER_NAME
     assert handler_name() == "default_allocator"
+
+
+def test_a_forked_child_allocates_from_numpy_and_never_touches_the_parents_pool():
+    # A DataLoader-style worker forked after install(): numpy's handler context variable came
+    # along, every array of the child reached the parent's host pool (its runtime unusable there,
+    # its lock perhaps held by a parent thread that did not survive the fork): np.ones(1024)
+    # raised a bare MemoryError. The child's new arrays come from numpy's allocator; the parent's
+    # arrays stay readable and are freed in the child without touching the pool.
+    import json
+    import os
+    with ap_np.installed():
+        parent = np.arange(1 << 16, dtype=np.float64)
+        holder = [np.ones(4096)]
+        assert handler_name(parent) == handler_name(holder[0]) == NUMPY_HANDLER_NAME
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, never return into pytest
+            try:
+                os.close(r)
+                x = np.ones(1024)
+                y = np.zeros((256, 1024))
+                y.resize((512, 1024), refcheck=False)
+                got = {"sum": float(x.sum() + y.sum() + parent[:4].sum()), "new": handler_name(x),
+                       "current": handler_name()}
+                holder.clear()  # a parent's array freed here
+                got["freed"] = True
+            except BaseException as e:
+                got = {"err": f"{type(e).__name__}: {e}"}
+            os.write(w, json.dumps(got).encode())
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            out = f.read()
+        _, status = os.waitpid(pid, 0)
+        got = json.loads(out)
+        assert status == 0 and got == {"sum": 1030.0, "new": "default_allocator", "current": "default_allocator",
+                                       "freed": True}, got
+        assert handler_name() == NUMPY_HANDLER_NAME and parent.sum() == sum(range(1 << 16))  # the parent's unchanged

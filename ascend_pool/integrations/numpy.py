@@ -20,6 +20,7 @@ Pinned memory is scarce: install it where arrays feed the device, not for a whol
 
 import contextlib
 import importlib
+import os
 
 from .._core import numpy_handler_capsule, numpy_set_handler
 from ._common import FrameworkMissingError, require
@@ -45,6 +46,19 @@ def _numpy_module(name):
         return importlib.import_module(f"numpy._core.{name}")
     except ImportError:
         return importlib.import_module(f"numpy.core.{name}")
+
+
+def _after_fork_in_child():
+    # The parent's pool is not the child's (capi/numpy_handler.h refuses it there): the forking
+    # thread's new arrays go back to numpy's allocator, as they were before install().
+    try:
+        if is_installed():
+            uninstall(None)
+    except Exception:  # never fail a fork
+        pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def host_pool():
