@@ -8,13 +8,18 @@ stream. The "framework" here calls the simulator's ACL entry points through ctyp
 runtime the pool loaded, as torch_npu would on the real one.
 """
 import ctypes as C
+import os
+import sys
 import threading
 
 import pytest
 
-import ascend_pool as ap
-from ascend_pool import sim
-from ascend_pool.errors import InvalidStreamError
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401
+
+import ascend_pool as ap  # noqa: E402
+from ascend_pool import sim  # noqa: E402
+from ascend_pool.errors import InvalidStreamError  # noqa: E402
 
 MiB = 1 << 20
 
@@ -206,3 +211,33 @@ def test_reading_stats_from_a_thread_without_a_device_leaves_it_without_one(acl)
         assert stats["device_total_bytes"] > 0 and 0 < stats["device_free_bytes"] <= stats["device_total_bytes"]
     finally:
         pool.close()
+
+
+def test_a_device_being_released_stalls_no_other_devices_pools(sim_node):
+    # The last aclrtResetDevice waits for the work queued in the device's default context
+    # (CANN). The backend held one lock for every device's references across it: opening a pool
+    # on device 0 waited for device 1's reset (and so for device 1's queued work).
+    out = sim_node.run_json("""
+        import threading, time
+        import ascend_pool as ap
+        from ascend_pool import sim
+        p1 = ap.Pool(1, backend="sim")
+        be = p1.backend
+        s = be.stream_create(1)                      # a stream of device 1's default context
+        buf = be.malloc(1, 2 << 20)
+        sim.launch_fill(s, buf, 2 << 20, 0x5A, delay_s=1.0)
+        closer = threading.Thread(target=p1.close)   # the last reference: the reset waits ~1 s
+        t0 = time.monotonic()
+        closer.start()
+        time.sleep(0.2)
+        t1 = time.monotonic()
+        p0 = ap.Pool(0, backend="sim")               # device 0's reference meanwhile
+        open0 = time.monotonic() - t1
+        closer.join()
+        closed1 = time.monotonic() - t0
+        p0.close()
+        be.free(1, buf)
+        print(json.dumps({"open0": open0, "closed1": closed1}))
+    """, ASCEND_SIM_DEVICES="2")
+    assert out["closed1"] >= 0.8, out   # the reset did wait for device 1's work
+    assert out["open0"] < 0.4, out

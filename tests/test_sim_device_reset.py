@@ -39,3 +39,32 @@ def test_a_forced_reset_takes_every_reference_and_the_context(sim_node):
     assert out["switch_dead"] != 0, out                # the released context is refused
     assert out["new_context"] and out["refs_after"] == 1, out
     assert out["bad_device"] == 107001, out            # ACL_ERROR_RT_INVALID_DEVICEID
+
+
+def test_the_last_reset_waits_for_the_default_contexts_work_and_takes_its_streams(sim_node):
+    # CANN: the last aclrtResetDevice releases the default context with its default stream and
+    # every stream made in it, after waiting for their unfinished work. The simulator returned at
+    # once and left the streams alive: a caller holding a lock across the reset never showed.
+    out = sim_node.run_json("""
+        import time
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0
+        assert acl.aclrtSetDevice(0) == 0 and acl.aclrtSetDevice(0) == 0
+        s, p = C.c_void_p(), C.c_void_p()
+        assert acl.aclrtCreateStream(C.byref(s)) == 0            # in the default context
+        assert acl.aclrtMalloc(C.byref(p), 2 << 20, 0) == 0
+        sim.launch_fill(s.value, p.value, 2 << 20, 0x5A, delay_s=0.6)
+        t0 = time.monotonic()
+        assert acl.aclrtResetDevice(0) == 0                       # not the last: no wait
+        not_last_s = time.monotonic() - t0
+        assert acl.aclrtResetDevice(0) == 0                       # the last
+        last_s = time.monotonic() - t0
+        assert acl.aclrtSetDevice(0) == 0
+        stream_after = acl.aclrtSynchronizeStream(s)
+        written = sim.read(p.value, 64) == b"\\x5a" * 64
+        print(json.dumps({"not_last_s": not_last_s, "last_s": last_s, "stream_after": stream_after,
+                          "written": written}))
+    """)
+    assert out["not_last_s"] < 0.3 and out["last_s"] >= 0.5, out
+    assert out["stream_after"] != 0 and out["written"], out    # the stream went, after its work

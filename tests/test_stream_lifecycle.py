@@ -729,3 +729,31 @@ def test_a_close_in_an_exit_handler_still_waits_for_its_streams(sim_node):
         pool.free(x, stream=s)                         # the kernel still writes it
     """)
     assert out["intact"] and out["close_s"] >= 0.3, out
+
+
+def test_closing_the_devices_last_pool_with_a_hung_stream_returns(sim_node):
+    # The last aclrtResetDevice waits for the work queued in the device's default context
+    # (CANN). Closing the device's last pool while a stream of it hangs (a dead peer's collective)
+    # waited sync_timeout_ms for the stream, then for ever in the reset. The reference is left
+    # to the process's end instead; a pool whose streams are idle still gives it back.
+    out = sim_node.run_json("""
+        import time
+        import ascend_pool as ap
+        from ascend_pool import sim
+        pool = ap.Pool(0, backend="sim", sync_timeout_ms=300)
+        s = pool.create_stream()
+        sim.hang_stream(s)
+        pool.free(pool.malloc(4 << 20, stream=s), stream=s)      # tagged with the hung stream
+        t0 = time.monotonic()
+        pool.close()
+        took = time.monotonic() - t0
+        refs_after_hung = sim.stats(0)["device_refs"]
+        sim.release_stream(s)
+        idle = ap.Pool(0, backend="sim")
+        idle.free(idle.malloc(4 << 20))
+        idle.close()
+        print(json.dumps({"took": took, "refs_after_hung": refs_after_hung,
+                          "refs_after_idle": sim.stats(0)["device_refs"]}))
+    """, timeout=60)
+    assert out["took"] < 2.0, out
+    assert out["refs_after_hung"] == 1 and out["refs_after_idle"] == 1, out  # the idle pool's went back

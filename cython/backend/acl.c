@@ -59,6 +59,11 @@ typedef struct acl_physical_mem_prop {       /* aclrtPhysicalMemProp, field for 
 } acl_physical_mem_prop;
 
 struct acl_dev {
+    /* Guards this entry's changes (reads of ctx are atomic); held over aclrtSetDevice and
+       aclrtResetDevice, so references and ctx change together. The last aclrtResetDevice waits
+       for the default context's queued work (CANN), so the lock is per device: a device being
+       released stalls only its own retains, never another device's pools or calls. */
+    pthread_mutex_t lock;
     void *ctx;          /* the device's default context while we hold a reference (atomic), else NULL */
     int pool_refs;      /* aclrtSetDevice calls made for pools (device_retain), not yet reset */
     int temp_refs;      /* references held for the length of one call made outside any pool */
@@ -131,8 +136,6 @@ typedef struct acl_impl {
     aclError (*aclrtIpcMemClose)(const char *key);
     uint64_t ipc_read_only_flag; /* the simulator's read-only export bit; 0 on CANN */
     /* Devices: the context each device's calls run in, and the references this backend holds. */
-    pthread_mutex_t dev_lock;    /* guards dev[] changes (reads of ctx are atomic); held over aclrtSetDevice and
-                                    aclrtResetDevice (never a device wait), so references and ctx change together */
     struct acl_dev *dev;         /* device_count entries */
     size_t malloc_pad;           /* aclrtMalloc's padding on this SoC: 32, or 0 (Ascend 950) */
     /* Streams this backend created, with their device (the pool refuses another device's), and
@@ -178,7 +181,7 @@ static int acl_thread_context(acl_impl *im, void **cur)
     return 0;
 }
 
-/* Takes one runtime reference on `device` and records its default context. dev_lock held. */
+/* Takes one runtime reference on `device` and records its default context. dev[device].lock held. */
 static int acl_take_ref_locked(acl_impl *im, int device)
 {
     void *cur = NULL, *ctx = NULL;
@@ -200,7 +203,7 @@ static int acl_take_ref_locked(acl_impl *im, int device)
 }
 
 /* Gives one runtime reference back, leaving the calling thread in the context it was in (when
-   that context still exists). dev_lock held. */
+   that context still exists). dev[device].lock held. */
 static int acl_drop_ref_locked(acl_impl *im, int device)
 {
     void *cur = NULL, *after = NULL;
@@ -249,13 +252,13 @@ static int acl_ctx_get(ap_backend *b, int device, void **ctx, int *temp)
        pool may still find it released: the runtime then refuses with its own code). */
     if (*ctx && __atomic_load_n(&im->dev[device].pool_refs, __ATOMIC_ACQUIRE) > 0)
         return 0;
-    pthread_mutex_lock(&im->dev_lock);
+    pthread_mutex_lock(&im->dev[device].lock);
     if (im->dev[device].pool_refs == 0 && (rc = acl_take_ref_locked(im, device)) == 0) {
         im->dev[device].temp_refs++;
         *temp = 1;
     }
     *ctx = im->dev[device].ctx;
-    pthread_mutex_unlock(&im->dev_lock);
+    pthread_mutex_unlock(&im->dev[device].lock);
     return rc;
 }
 
@@ -265,12 +268,12 @@ static void acl_ctx_put(ap_backend *b, int device, int temp)
 
     if (!temp)
         return;
-    pthread_mutex_lock(&im->dev_lock);
+    pthread_mutex_lock(&im->dev[device].lock);
     im->dev[device].temp_refs--;
     (void)acl_drop_ref_locked(im, device);
     if (im->dev[device].pool_refs == 0 && im->dev[device].temp_refs == 0)
         __atomic_store_n(&im->dev[device].ctx, NULL, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&im->dev_lock);
+    pthread_mutex_unlock(&im->dev[device].lock);
 }
 
 /* The device's default context was released behind the pools' references (an aclrtResetDevice
@@ -284,26 +287,26 @@ static void *acl_renew_context(acl_impl *im, int device, void *stale)
     void *fresh;
     int held;
 
-    pthread_mutex_lock(&im->dev_lock);
+    pthread_mutex_lock(&im->dev[device].lock);
     fresh = im->dev[device].ctx;
     held = im->dev[device].pool_refs + im->dev[device].temp_refs;
     if (fresh != stale || held <= 0) { /* renewed by another thread meanwhile, or nothing to renew */
-        pthread_mutex_unlock(&im->dev_lock);
+        pthread_mutex_unlock(&im->dev[device].lock);
         return fresh != stale ? fresh : NULL;
     }
     if (acl_take_ref_locked(im, device) != 0) {
-        pthread_mutex_unlock(&im->dev_lock);
+        pthread_mutex_unlock(&im->dev[device].lock);
         return NULL;
     }
     fresh = im->dev[device].ctx;
     if (fresh == stale) { /* alive after all: give the reference back */
         (void)acl_drop_ref_locked(im, device);
-        pthread_mutex_unlock(&im->dev_lock);
+        pthread_mutex_unlock(&im->dev[device].lock);
         return NULL;
     }
     for (int i = 1; i < held; i++)
         (void)acl_take_ref_locked(im, device); /* same context: one reference per holder again */
-    pthread_mutex_unlock(&im->dev_lock);
+    pthread_mutex_unlock(&im->dev[device].lock);
     return fresh;
 }
 
@@ -582,11 +585,11 @@ static int acl_device_retain(ap_backend *b, int device)
 
     if (rc != 0)
         return rc;
-    pthread_mutex_lock(&im->dev_lock);
+    pthread_mutex_lock(&im->dev[device].lock);
     rc = acl_take_ref_locked(im, device);
     if (rc == 0)
         __atomic_store_n(&im->dev[device].pool_refs, im->dev[device].pool_refs + 1, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&im->dev_lock);
+    pthread_mutex_unlock(&im->dev[device].lock);
     return rc;
 }
 
@@ -597,7 +600,7 @@ static int acl_device_release(ap_backend *b, int device)
 
     if (rc != 0)
         return rc;
-    pthread_mutex_lock(&im->dev_lock);
+    pthread_mutex_lock(&im->dev[device].lock);
     if (im->dev[device].pool_refs > 0) {
         __atomic_store_n(&im->dev[device].pool_refs, im->dev[device].pool_refs - 1, __ATOMIC_RELEASE);
         rc = acl_drop_ref_locked(im, device);
@@ -605,7 +608,7 @@ static int acl_device_release(ap_backend *b, int device)
         if (im->dev[device].pool_refs == 0 && im->dev[device].temp_refs == 0)
             __atomic_store_n(&im->dev[device].ctx, NULL, __ATOMIC_RELEASE);
     }
-    pthread_mutex_unlock(&im->dev_lock);
+    pthread_mutex_unlock(&im->dev[device].lock);
     return rc;
 }
 
@@ -1467,7 +1470,6 @@ int ap_acl_open(ap_backend *b, const char *path, int prefer_loaded, int want_sim
     }
     b->impl = im;
     im->base.id = ap_next_backend_id();
-    pthread_mutex_init(&im->dev_lock, NULL);
     pthread_mutex_init(&im->streams_lock, NULL);
     /* The simulator's stream-device query: probed, not recorded (it is no ACL entry point). */
     im->sim_stream_device = (__typeof__(im->sim_stream_device))dlsym(b->lib, "ascendsim_stream_device");
@@ -1550,6 +1552,8 @@ int ap_acl_open(ap_backend *b, const char *path, int prefer_loaded, int want_sim
         ap_errf(err, errlen, "out of host memory opening %s", b->path);
         return AP_ERR_NOT_LOADED;
     }
+    for (uint32_t i = 0; i < count; i++)
+        pthread_mutex_init(&im->dev[i].lock, NULL);
     b->device_count = (int)count;
     /* Padding of aclrtMalloc (used only without aclrtMallocAlign32): CANN documents 32 bytes
        after rounding on every SoC but Ascend 950 (docs/cann-rules.md). */

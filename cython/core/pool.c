@@ -183,7 +183,7 @@ void ap_pool_destroy_ex(ap_pool *p, int wait_streams) {
        goes back to the device (and to the next pool or process) only after it (before, a close
        right after such a free handed that memory out under the running kernel). Not at exit:
        no next pool, and the runtime tears the context down with its streams. */
-    if (!exiting) ap_wait_tagged_streams(p);
+    int busy = exiting || ap_wait_tagged_streams(p) > 0; /* at exit nothing was waited for */
     while (p->pending_head) { /* events that never completed: give their blocks up anyway */
         ap_block *b = p->pending_head;
         p->pending_head = b->pending_next;
@@ -199,7 +199,11 @@ void ap_pool_destroy_ex(ap_pool *p, int wait_streams) {
     ap_arena_destroy(p);
     free(p->slots);
     pthread_mutex_destroy(&p->lock);
-    if (p->holds_device) p->backend->device_release(p->backend, p->device); /* after its last device call */
+    /* After its last device call. The last aclrtResetDevice waits for the work queued in the
+       device's default context (CANN): with a stream still busy past sync_timeout_ms (a hung
+       collective), or at exit, the reference is left to the process's end instead of a wait
+       without bound here. */
+    if (p->holds_device && !busy) p->backend->device_release(p->backend, p->device);
     pool_struct_retire(p);
 }
 

@@ -6,9 +6,13 @@
  * Locks (who protects what):
  *   ap_pool.lock     every field of ap_pool and of its blocks, segments, slots, events and stats.
  *   backend          its own locking (the runtime is thread-safe); per-thread current device. The
- *                    acl backend's dev_lock (device references) and streams_lock (streams it made,
- *                    and the context learned for each someone else's stream) are taken under a
- *                    pool lock and hold no runtime call that can block.
+ *                    acl backend's streams_lock (streams it made, and the context learned for each
+ *                    someone else's stream) is taken under a pool lock and holds no runtime call
+ *                    that can block. Its per-device lock (acl_dev.lock: device references, held
+ *                    over aclrtSetDevice/aclrtResetDevice) is taken under a pool lock only to renew
+ *                    a context released behind the pool's reference (no last reset there); the
+ *                    last reset, which waits for the default context's queued work, runs at
+ *                    ap_pool_destroy's end, with no pool lock and without the GIL.
  *   the GIL          never taken by C code; every Python method that takes ap_pool.lock releases
  *                    the GIL first (pool.pxi), so a waiter on the mutex never stops the interpreter.
  *                    (The C ABI calls into Python before taking any pool lock, and only for a thread

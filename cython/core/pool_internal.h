@@ -218,8 +218,9 @@ void ap_slot_retire(ap_pool *p, int slot);
 int ap_stream_gone(ap_pool *p, int slot);
 /* Waits (blocking, all of them within one sync_timeout_ms) for every stream that free blocks
    are still tagged with: their queued work may write those blocks. For the pool's destroy,
-   before its memory goes back to the device (waits.c). */
-void ap_wait_tagged_streams(ap_pool *p);
+   before its memory goes back to the device (waits.c). Returns how many are still busy (timed
+   out, or not waited for once the limit was spent). */
+int ap_wait_tagged_streams(ap_pool *p);
 /* Frees a block whose uses (record_stream) need events: it waits on the pending list. */
 void ap_free_pending(ap_pool *p, ap_block *b, int tag);
 /* waits.c: device waits with the pool mutex dropped. Called with p->lock held; returns with it

@@ -54,17 +54,23 @@ static int limit_spent(ap_pool *p, ap_error *err) {
                         "%d ms was spent", p->device, p->cfg.sync_timeout_ms);
 }
 
-void ap_wait_tagged_streams(ap_pool *p) {
+int ap_wait_tagged_streams(ap_pool *p) {
     ap_cache_flush(p); /* recently freed small blocks are tagged too */
     int64_t start = now_ms();
+    int busy = 0;
     for (int i = 1; i < p->n_slots; i++) {
         ap_stream_slot *s = &p->slots[i];
         if (!s->live || (!s->trees[0].count && !s->trees[1].count)) continue;
         int left = time_left(p, start); /* one sync_timeout_ms for them all, as every wait here */
-        if (left == 0) break;           /* spent: the rest is given up (documented at close) */
+        if (left == 0) {                /* spent: the rest is given up (documented at close) */
+            busy++;
+            continue;
+        }
         ap_on_device(p);
-        (void)p->backend->stream_sync(p->backend, s->stream, left); /* gone, or timed out: given up */
+        int rc = p->backend->stream_sync(p->backend, s->stream, left); /* gone, or timed out: given up */
+        busy += rc == 507046 || rc == 507047;
     }
+    return busy;
 }
 
 int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {

@@ -138,7 +138,7 @@ static int stream_of(struct sim_obj *o, void *ctx)
 }
 
 /* Waits for the work queued so far on each of the context's streams. */
-static void sim_drain_context_streams(struct sim_context *c)
+void sim_drain_context_streams(struct sim_context *c)
 {
     struct sim_obj **streams;
     size_t n = sim_reg_get_matching(SIM_H_STREAM, stream_of, c, &streams);
@@ -156,7 +156,7 @@ static void sim_drain_context_streams(struct sim_context *c)
    aclrtDestroyStream waits for it), then their handles become invalid. Without this they lived
    on with a context no thread could enter again: never destroyable (107003 from every context),
    their worker threads kept for the process's life. */
-static void sim_destroy_context_streams(struct sim_context *c)
+void sim_destroy_context_streams(struct sim_context *c)
 {
     struct sim_obj **streams;
     size_t n = sim_reg_get_matching(SIM_H_STREAM, stream_of, c, &streams);

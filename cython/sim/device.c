@@ -233,15 +233,20 @@ SIM_EXPORT aclError aclrtGetDeviceCount(uint32_t *count)
     return ACL_SUCCESS;
 }
 
-/* The device's default context goes (its last reference was taken back): threads still naming it
-   get ACL_ERROR_RT_CONTEXT_NULL, and the next aclrtSetDevice makes a new one. */
+/* The device's default context goes (its last reference was taken back) with its streams, once
+   the work queued on them is done (CANN: "若默认Context或默认Stream下的任务还未完成，系统会等待任务完成后
+   再释放": the last aclrtResetDevice waits for it, so a caller must not hold a lock other devices
+   need across it). Threads still naming it get ACL_ERROR_RT_CONTEXT_NULL, and the next
+   aclrtSetDevice makes a new one. */
 static void release_default_context(int32_t deviceId, struct sim_context *released)
 {
+    sim_drain_context_streams(released);
     atomic_store(&released->dead, 1); /* never freed: see context.c */
     struct sim_obj *o = sim_reg_take(SIM_HANDLE(&released->obj), SIM_H_CONTEXT);
     if (o)
         sim_obj_unref(o); /* aclrtSetCurrentContext now refuses the handle */
     sim_thread_clear_device(deviceId);
+    sim_destroy_context_streams(released);
 }
 
 /* Takes back `all` references (aclrtResetDeviceForce) or one (aclrtResetDevice). */
@@ -277,8 +282,8 @@ static aclError reset_device(const char *call, int32_t deviceId, int all)
 /* Takes back one aclrtSetDevice reference. The last one releases the device's default context
    (CANN: "when the count reaches 0 the device's resources are really released"). A reset
    without a reference left is refused (CANN documents an error; no code is named, so the
-   runtime's parameter code). Streams, events and memory stay until destroyed or aclFinalize:
-   the simulator does not release them with the context (their owners may still be running). */
+   runtime's parameter code). The default context's streams go with it (their work waited for);
+   events and memory stay until destroyed or aclFinalize. */
 /* The node's device behind this process's logical device (ASCEND_RT_VISIBLE_DEVICES), and back:
    CANN's pair for a container that sees some of a node's NPUs renumbered from 0. */
 static aclError map_device(const char *call, int32_t in, int32_t *out, int to_node)

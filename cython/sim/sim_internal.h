@@ -309,6 +309,9 @@ void sim_thread_set_device(int dev, struct sim_context *ctx);
 struct sim_context *sim_current_context(void);
 struct sim_context *sim_default_context(int dev); /* created on first use; NULL out of memory */
 void sim_thread_clear_device(int dev);           /* if the thread's current device is dev */
+/* A context's streams: their queued work waited for; then destroyed (handles invalid). */
+void sim_drain_context_streams(struct sim_context *c);
+void sim_destroy_context_streams(struct sim_context *c);
 
 /* ---- device.c: global state ---- */
 enum { SIM_UNINIT = 0, SIM_READY = 1, SIM_FINALIZING = 2 };
