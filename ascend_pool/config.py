@@ -8,7 +8,9 @@ the log).
 Knobs:
   max_split_size_mb            blocks this large (MiB) are never split; default unlimited
   garbage_collection_threshold release idle segments when reserved memory passes this fraction
-                               (0, 1) of the limit (memory_fraction) or of the device
+                               (0, 1) of the limit (memory_fraction) or of the device: as
+                               PyTorch, every one idle at least the average time, pass after
+                               pass, until under it
   reserve                      preallocate at start: bytes ("4GiB") or a fraction of the device's
                                free memory ("25%" or 0.25); kept until empty_cache(), or given
                                up by a request that fails otherwise (when idle)
@@ -30,14 +32,18 @@ Knobs:
   roundup_power2_divisions     PyTorch's: round requests up to one of N equal steps between two
                                powers of two (N a power of two; 0/1 off), one N for all sizes or
                                a list per size interval in MiB: "[256:4,512:2,>:1]"
+  large_segment_size_mb        PyTorch's and torch_npu's: the segment (MiB, more than 10; default
+                               20) that requests from 1 to 10 MiB share; max_split_size_mb and
+                               max_non_split_rounding_mb may not be below it
 
 Every other key of torch_npu's PYTORCH_NPU_ALLOC_CONF (NPUAllocatorConfig and the common
 allocator config) and of PyTorch's PYTORCH_CUDA_ALLOC_CONF (CUDAAllocatorConfig and
 AcceleratorAllocatorConfig) is accepted, so a copied setting works; keys that mean nothing for this
 pool (base_addr_aligned_kb, segment_size_mb, pinned memory, lock, graph-capture and reclaim
-settings) warn once. PyTorch's keys keep PyTorch's value rules (TORCH_KEY_RULES): True/False
-flags, backend native or cudaMallocAsync, pinned_num_register_threads a power of two up to 128,
-max_non_split_rounding_mb at least 20 (MiB), sizes in MiB positive, expandable_segments_reserve
+settings) warn once. PyTorch's and torch_npu's keys keep their value rules (TORCH_KEY_RULES):
+True/False flags, backend native or cudaMallocAsync, pinned_num_register_threads a power of two
+up to 128, max_non_split_rounding_mb at least large_segment_size_mb (20), segment_size_mb 20 to
+512, sizes in MiB positive, expandable_segments_reserve
 (and _by_class's "[class:value,...]") a fraction or GiB ("40G"), a malformed one only warned
 about, as PyTorch does; a value PyTorch refuses is a ConfigError here too.
 """
@@ -164,7 +170,7 @@ def _split_items(text):
 # Keys torch_npu accepts that mean nothing for this pool: accepted with one warning each.
 IGNORED_TORCH_NPU_KEYS = frozenset({
     "base_addr_aligned_kb", "pin_memory_expandable_segments", "pinned_mem_register", "segment_size_mb",
-    "large_segment_size_mb", "multi_stream_lazy_reclaim", "pinned_reserve_segment_size_mb",
+    "multi_stream_lazy_reclaim", "pinned_reserve_segment_size_mb",
     "release_lock_on_npumalloc", "max_non_split_rounding_mb", "pinned_use_background_threads",
     "pinned_num_register_threads", "release_lock_on_cudamalloc", "backend",
 })
@@ -184,6 +190,29 @@ def _torch_mib(least):
         if n < least:
             raise ConfigError(f"{key}: must be at least {least} (MiB, as PyTorch), got {value!r}")
     return check
+
+
+def _torch_mib_range(least, most):
+    def check(key, value):
+        n = _number(key, value, int)
+        if not least <= n <= most:
+            raise ConfigError(f"{key}: must be an integer from {least} to {most} (MiB, as torch_npu), got {value!r}")
+    return check
+
+
+def _whole(key, value):
+    if _number(key, value, int) < 0:
+        raise ConfigError(f"{key}: must be a non-negative integer (as torch_npu), got {value!r}")
+
+
+def large_segment_bytes(value):
+    """The large_segment_size_mb knob (MiB, more than 10: PyTorch's kMinLargeAlloc) as bytes."""
+    mb = _number("large_segment_size_mb", value, int)
+    if mb <= 10:
+        raise ConfigError(f"large_segment_size_mb: must be more than 10 (MiB, as PyTorch), got {value!r}")
+    if mb >= 2**43:
+        raise ConfigError(f"large_segment_size_mb: {value!r} MiB is larger than any device")
+    return mb << 20
 
 
 def _torch_backend(key, value):
@@ -240,7 +269,14 @@ TORCH_KEY_RULES = {
     "throw_on_cudamalloc_oom": _torch_flag,
     "pinned_num_register_threads": _torch_threads,
     "pinned_reserve_segment_size_mb": _torch_mib(1),
-    "max_non_split_rounding_mb": _torch_mib(20),
+    "max_non_split_rounding_mb": _torch_mib(20),  # and at least large_segment_size_mb (knobs_to_config)
+    # torch_npu's own (NPUAllocatorConfig), with its documented ranges
+    "segment_size_mb": _torch_mib_range(20, 512),
+    "multi_stream_lazy_reclaim": _torch_flag,
+    "release_lock_on_npumalloc": _torch_flag,
+    "pin_memory_expandable_segments": _torch_flag,
+    "pinned_mem_register": _torch_flag,
+    "base_addr_aligned_kb": _whole,
     "pinned_max_round_threshold_mb": _torch_mib(0),
     "pinned_max_cached_size_mb": _torch_mib(0),
     "expandable_segments_reserve": _torch_reserve,
@@ -425,6 +461,8 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
             cfg["pad_bytes"] = n
         elif key == "roundup_power2_divisions":
             cfg["roundup_divisions"] = parse_roundup_divisions(value)
+        elif key == "large_segment_size_mb":
+            cfg["large_segment"] = large_segment_bytes(value)
         elif key in TORCH_KEY_RULES:
             TORCH_KEY_RULES[key](key, value)
             _warn_ignored(key)
@@ -434,7 +472,15 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
             raise ConfigError(f"unknown allocator knob {key!r} (known: max_split_size_mb, "
                               "garbage_collection_threshold, reserve, record_history, page_size, "
                               "expandable_segments, release_policy, stream_reuse, memory_fraction, sync_timeout_ms, pad_bytes, "
-                              "roundup_power2_divisions, and torch_npu's and PyTorch's allocator keys)")
+                              "roundup_power2_divisions, large_segment_size_mb, and torch_npu's and PyTorch's "
+                              "allocator keys)")
+    large = cfg.get("large_segment", 20 << 20)
+    if cfg.get("max_split_size", large) < large:
+        raise ConfigError(f"max_split_size_mb: must be at least large_segment_size_mb ({large >> 20} MiB, as PyTorch), "
+                          f"got {knobs['max_split_size_mb']!r}")
+    if "max_non_split_rounding_mb" in knobs and _number("max_non_split_rounding_mb", knobs["max_non_split_rounding_mb"], int) << 20 < large:
+        raise ConfigError(f"max_non_split_rounding_mb: must be at least large_segment_size_mb ({large >> 20} MiB, as "
+                          f"PyTorch), got {knobs['max_non_split_rounding_mb']!r}")
     page = cfg.get("page_size", 2 << 20)
     held = -(-cfg.get("reserve_bytes", 0) // page) * page  # the reserve is taken in whole pages
     if held > cfg.get("limit_bytes", float("inf")):

@@ -181,6 +181,45 @@ def test_garbage_collection_threshold_releases_idle_segments():
         p.close()
 
 
+def test_garbage_collection_frees_every_segment_idle_as_long_as_the_average_as_torch_npu():
+    # torch_npu's test_cachingallocator_gc: blocks freed together are equally old, so the
+    # collection takes them all (reserved = the new block alone). The pool released just enough
+    # to get under the threshold and kept the rest, for the next growth to collect again.
+    p = ap.Pool(0, backend="sim", garbage_collection_threshold=0.5, release_policy="never")
+    B30, B60 = 30 * MiB - 512, 60 * MiB - 512  # each its segment of 30 / 60 MiB exactly (32-byte pad)
+    try:
+        p.set_limit(size=1 << 30)
+        blocks = [p.malloc(B30) for _ in range(20)]
+        for b in blocks:
+            p.free(b)
+        x = p.malloc(B60)
+        assert p.memory_stats()["reserved_bytes.all.current"] == 60 * MiB
+        p.free(x)
+        p.empty_cache()
+        # Ages count from the free: of two cohorts, the one freed long ago goes first, and the
+        # collection stops once a pass has released enough.
+        old = [p.malloc(B30) for _ in range(10)]
+        for b in old:
+            p.free(b)
+        for _ in range(50):                    # allocations: the pool's clock
+            p.free(p.malloc(4096))
+        young = [p.malloc(B30) for _ in range(10)]  # served from the old cohort's cache
+        more = [p.malloc(B30) for _ in range(10)]
+        for b in young:
+            p.free(b)
+        for _ in range(50):
+            p.free(p.malloc(4096))
+        for b in more:
+            p.free(b)                          # the young cohort: freed just now
+        x = p.malloc(B60)
+        st = p.memory_stats()
+        assert st["reserved_bytes.all.current"] == 60 * MiB + 10 * 30 * MiB + 2 * MiB, st["reserved_bytes.all.current"]
+        assert st["num_device_free"] == 20 + 2 + 10, st["num_device_free"]  # empty_cache: 60 MiB + small
+        p.free(x)
+    finally:
+        p.close()
+
+
 def test_set_limit_takes_cupys_size_and_fraction_forms_and_get_limit_reads_it():
     pool = ap.Pool(0, backend="sim")
     try:

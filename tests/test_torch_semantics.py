@@ -173,6 +173,40 @@ def test_roundup_power2_divisions_bad_values_are_config_errors(bad):
         _cfg(bad)
 
 
+@pytest.mark.parametrize("bad,named", [
+    ("large_segment_size_mb:5", "large_segment_size_mb"),                          # torch: must be > 10 MB
+    ("large_segment_size_mb:50,max_split_size_mb:30", "max_split_size_mb"),         # below the large segment
+    ("large_segment_size_mb:64,max_non_split_rounding_mb:32", "max_non_split_rounding_mb"),
+    ("large_segment_size_mb:abc", "large_segment_size_mb"),
+    ("segment_size_mb:abc", "segment_size_mb"), ("segment_size_mb:10", "segment_size_mb"),
+    ("segment_size_mb:1024", "segment_size_mb"),                                  # torch_npu: 20 to 512
+    ("multi_stream_lazy_reclaim:none", "multi_stream_lazy_reclaim"),
+    ("release_lock_on_npumalloc:none", "release_lock_on_npumalloc"),
+    ("base_addr_aligned_kb:abc", "base_addr_aligned_kb"),
+])
+def test_segment_size_values_torch_npu_refuses_are_config_errors(bad, named):
+    # torch_npu's test_large_segment_size (test_invalid_large_segment_size_rejected,
+    # test_max_split_size_less_than_large_segment_rejected): the process fails at start. These
+    # were accepted with a "has no effect" warning.
+    with pytest.raises(ap.ConfigError, match=named):
+        _cfg(bad)
+
+
+def test_large_segment_size_is_the_segment_medium_requests_share():
+    # PyTorch's large_segment_size_mb (kLargeBuffer): requests from 1 to 10 MiB are cut from
+    # segments of this size (20 MiB by default).
+    for conf, segment in ((None, 20 << 20), ("large_segment_size_mb:64", 64 << 20)):
+        pool = ap.Pool(0, backend="sim", **({} if conf is None else {"large_segment_size_mb": conf.split(":")[1]}))
+        try:
+            ptrs = [pool.malloc(3 << 20) for _ in range(4)]
+            st = pool.memory_stats()
+            assert st["reserved_bytes.large_pool.current"] == segment and st["segment.large_pool.current"] == 1, st
+            for p in ptrs:
+                pool.free(p)
+        finally:
+            pool.close()
+
+
 def test_every_torch_npu_key_is_accepted_with_one_warning_where_it_means_nothing():
     text = ("base_addr_aligned_kb:16,pin_memory_expandable_segments:False,pinned_mem_register:False,"
             "segment_size_mb:64,multi_stream_lazy_reclaim:True,pinned_reserve_segment_size_mb:8,"

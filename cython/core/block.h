@@ -76,6 +76,8 @@ typedef struct ap_segment {
                                  segment's frames in snapshots, as torch's, until an allocation
                                  splits its first block (torch's then stay on the split-off rest) */
     uint64_t last_use;        /* pool tick of the last allocation from it (garbage collection) */
+    uint64_t free_since;      /* pool tick when it last became wholly free (garbage_collection_threshold's
+                                 age, as PyTorch's: since the last free, not the oldest part's) */
     uint64_t seq;             /* creation order in its pool */
     struct ap_block *first;
     struct ap_segment *prev, *next; /* the pool's list of segments */

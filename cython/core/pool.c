@@ -30,6 +30,7 @@ void ap_config_default(ap_config *c) {
     c->small_segment = 2u << 20;
     c->page_size = 2u << 20;
     c->min_large_segment = 2u << 20;
+    c->large_segment = AP_LARGE_BUFFER;
     c->large_split_min = 512;
     c->max_split_size = AP_NO_LIMIT;
     c->gc_threshold = 0.0;

@@ -125,6 +125,8 @@ typedef struct ap_config {
     size_t small_segment;      /* small-pool segment size (2 MiB) */
     size_t page_size;          /* large segments are multiples of this (2 MiB) */
     size_t min_large_segment;  /* smallest large segment (2 MiB; torch uses 20 MiB below 10 MiB) */
+    size_t large_segment;      /* the segment medium requests (1-10 MiB) share: torch's large_segment_size_mb
+                                  (kLargeBuffer, 20 MiB) */
     size_t large_split_min;    /* split a large block only if the rest is at least this */
     size_t max_split_size;     /* blocks this big or bigger are never split (AP_NO_LIMIT: off) */
     double gc_threshold;       /* 0: off; else release idle segments above this fraction of the limit */

@@ -31,7 +31,7 @@ cdef extern from "pool.h" nogil:
         int device_code
         char message[768]
     ctypedef struct ap_config:
-        size_t pad_bytes, min_block, small_size, small_segment, page_size, min_large_segment
+        size_t pad_bytes, min_block, small_size, small_segment, page_size, min_large_segment, large_segment
         size_t large_split_min, max_split_size, limit_bytes, reserve_bytes, history_capacity
         double gc_threshold
         int release_policy, expandable, stream_reuse, sync_timeout_ms
@@ -134,7 +134,7 @@ cdef extern from "replay.h" nogil:
 _STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
                "active_bytes", "inactive_split_bytes", "requested_bytes")
 _STAT_TYPES = ("all", "small_pool", "large_pool")
-_CONFIG_FIELDS = ("pad_bytes", "min_block", "small_size", "small_segment", "page_size", "min_large_segment",
+_CONFIG_FIELDS = ("pad_bytes", "min_block", "small_size", "small_segment", "page_size", "min_large_segment", "large_segment",
                   "large_split_min", "max_split_size", "limit_bytes", "reserve_bytes", "history_capacity",
                   "gc_threshold", "release_policy", "expandable", "stream_reuse",
                   "sync_timeout_ms", "roundup_divisions")
@@ -267,6 +267,7 @@ cdef class PoolBase:
             elif key == "small_segment": cfg.small_segment = value
             elif key == "page_size": cfg.page_size = value
             elif key == "min_large_segment": cfg.min_large_segment = value
+            elif key == "large_segment": cfg.large_segment = value
             elif key == "large_split_min": cfg.large_split_min = value
             elif key == "max_split_size": cfg.max_split_size = value
             elif key == "limit_bytes": cfg.limit_bytes = value

@@ -167,12 +167,46 @@ static size_t segment_size_for(const ap_pool *p, int pool, size_t rsize, int sha
     if (pool == AP_POOL_SMALL) return p->cfg.small_segment;
     shared = shared && rsize < AP_MIN_LARGE_ALLOC && !p->quota.reserve;
     if (shared && p->cfg.limit_bytes != AP_NO_LIMIT) {
-        size_t buffer = ap_round_up(AP_LARGE_BUFFER, p->cfg.page_size);
+        size_t buffer = ap_round_up(p->cfg.large_segment, p->cfg.page_size);
         shared = limit_headroom(p) >= (buffer < p->cfg.min_large_segment ? p->cfg.min_large_segment : buffer);
     }
-    size_t size = shared ? AP_LARGE_BUFFER : rsize;
+    size_t size = shared ? p->cfg.large_segment : rsize;
     size = ap_round_up(size, p->cfg.page_size); /* alone: once freed, its segment is wholly free */
     return size < p->cfg.min_large_segment ? p->cfg.min_large_segment : size;
+}
+
+/* garbage_collection_threshold, as PyTorch collects: the wholly free segments idle for at least
+   the average idle time (allocations since they became free) go, all of them in a pass, not just
+   enough for `target`; passes repeat, each against the average of those left, until `target`
+   bytes are released or a pass releases nothing. A pass that stopped at the target would leave
+   the old cache in place for the next growth to collect again. Segments that a busy stream's
+   queued work may still use, and the preallocated reserve, stay (no wait on the allocation path).
+   Returns bytes released. */
+static size_t gc_collect(ap_pool *p, size_t target) {
+    ap_cache_flush(p);
+    (void)ap_settle_free_slots(p, NULL); /* free blocks of idle streams become the pool's: asks, never waits */
+    uint64_t total_age = 0;
+    size_t count = 0, released = 0;
+    for (ap_segment *s = p->segments; s; s = s->next)
+        if (!s->pinned && ap_segment_is_free(s) && !s->first->tag) total_age += p->tick - s->free_since, count++;
+    int freed = 1;
+    while (released < target && freed && count > 0) {
+        double age_threshold = (double)total_age / (double)count;
+        freed = 0;
+        for (ap_segment *s = p->segments, *next; s; s = next) {
+            next = s->next; /* s may be unlinked below */
+            if (s->pinned || !ap_segment_is_free(s) || s->first->tag) continue;
+            uint64_t age = p->tick - s->free_since;
+            if ((double)age < age_threshold) continue;
+            size_t size = s->size;
+            if (ap_segment_release(p, s, NULL) != AP_OK) return released;
+            released += size;
+            total_age -= age;
+            count--;
+            freed = 1;
+        }
+    }
+    return released;
 }
 
 /* Makes room under the policies before growing by `size` bytes (expandable: at most `size`; the
@@ -185,7 +219,8 @@ static size_t trim_before_growth(ap_pool *p, int slot, int pool, size_t rsize, s
         size_t cap = p->cfg.limit_bytes != AP_NO_LIMIT ? p->cfg.limit_bytes : (size_t)p->stats.device_total_bytes;
         size_t threshold = (size_t)(p->cfg.gc_threshold * (double)cap);
         if (reserved + size > threshold)
-            reserved -= ap_release_free_segments(p, reserved + size - threshold, 0, 1, NULL);
+            reserved -= p->cfg.expandable ? ap_release_free_segments(p, reserved + size - threshold, 0, 1, NULL)
+                                          : gc_collect(p, reserved + size - threshold);
     }
     if (p->cfg.release_policy == AP_RELEASE_NEVER || !idle) return size;
     if (p->cfg.expandable) { /* vmm_policy.c budgets its trades under either policy */
