@@ -34,7 +34,9 @@ class StatsFile:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for life: readers test it
             size = L.file_size(capacity)
-            os.ftruncate(fd, size)
+            # Every page now: a mapped write to a page the file system cannot give (a full /dev/shm,
+            # at creation or later, when another user fills it) is SIGBUS, the process's death.
+            os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             st = identity.start_time(self.pid)
             self._map[0:L.SEQ_OFFSET] = L.STATIC.pack(L.MAGIC, L.VERSION, L.HEADER_SIZE, L.RECORD_SIZE, capacity,

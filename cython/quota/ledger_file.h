@@ -207,6 +207,8 @@ static int apl_create(const char *path, int device, const char *backend, const c
         what = "give the configured group";
     }
     if (!rc && (fchmod(fd, mode) != 0 || ftruncate(fd, sizeof(apl_file)) != 0)) rc = errno;
+    /* every page now: a mapped write to a page a full file system cannot give is SIGBUS */
+    if (!rc) rc = posix_fallocate(fd, 0, sizeof(apl_file));
     if (!rc) {
         apl_file *f = mmap(NULL, sizeof(apl_file), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (f == MAP_FAILED) rc = errno;

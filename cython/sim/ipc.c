@@ -452,6 +452,8 @@ static int create_record(struct ipc_export *e, int dev, size_t size, uint64_t fl
         struct ipc_record *r = MAP_FAILED;
         if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)(IPC_DATA_OFF + size)) != 0)
             err = errno;
+        if (!err) /* the record's pages now (the data stays sparse): a full file system is SIGBUS later */
+            err = posix_fallocate(fd, 0, (off_t)rec_len());
         if (!err && (r = mmap(NULL, rec_len(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED)
             err = errno;
         if (!err) {

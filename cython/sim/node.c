@@ -251,6 +251,8 @@ static int create_record_over(const char *path, int dev, const struct sim_config
     struct node_record *r = MAP_FAILED;
     if (fchmod(fd, 0644) != 0 || ftruncate(fd, sizeof *r) != 0)
         rc = errno;
+    if (!rc) /* every page now: a mapped write to a page a full file system cannot give is SIGBUS */
+        rc = posix_fallocate(fd, 0, sizeof *r);
     if (!rc) {
         r = mmap(NULL, sizeof *r, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (r == MAP_FAILED)

@@ -1,0 +1,122 @@
+"""A full /dev/shm (a small tmpfs filled to the last byte, in a mount namespace of the child's
+own): files that ascend_pool maps (the stats file, the quota ledger, the simulator's node
+record) were sized with ftruncate, which reserves no page, then written through the mapping: the
+kernel could not give the page and killed the process with SIGBUS, at start or later, when
+another user filled /dev/shm. Every page is taken when the file is made now: a full directory is
+an error the caller sees (a warning for the stats, a typed error otherwise), never a crash.
+
+Needs root for `unshare -m` and mount, as CI has; the skip reason says what is missing elsewhere.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401
+
+
+def _can_mount():
+    if shutil.which("unshare") is None:
+        return "unshare is not installed"
+    r = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                       capture_output=True, text=True)
+    return None if r.returncode == 0 else f"cannot mount a tmpfs in a mount namespace here: {r.stderr.strip()}"
+
+
+MOUNT_MISSING = _can_mount()
+pytestmark = pytest.mark.skipif(MOUNT_MISSING is not None, reason=str(MOUNT_MISSING))
+
+
+def run_with_full_dir(sim_node, tmp_path, code, *variables):
+    """Runs code in a child whose directories named by `variables` are one 64 KiB tmpfs, full.
+    Returns (returncode, stdout, stderr); a SIGBUS is returncode -7 (or 135 through sh)."""
+    full = tmp_path / "full"
+    full.mkdir()
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(code))
+    dirs = {"ASCEND_POOL_STATS_DIR": tmp_path, "ASCEND_POOL_LEDGER_DIR": tmp_path}
+    dirs.update({v: full for v in variables})
+    env = sim_node.env(ASCEND_POOL_BACKEND="sim", ASCEND_POOL_STATS_INTERVAL="0.1", **dirs)
+    sh = (f"mount -t tmpfs -o size=64k,mode=1777 tmpfs {full} && "
+          f"(dd if=/dev/zero of={full}/fill bs=4k count=100 2>/dev/null; true) && "
+          f"cd / && exec {sys.executable} {script}")
+    r = subprocess.run(["unshare", "-m", "sh", "-c", sh], env=env, capture_output=True, text=True, timeout=120)
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_a_full_stats_directory_leaves_the_pool_working_with_a_warning(sim_node, tmp_path):
+    rc, out, err = run_with_full_dir(sim_node, tmp_path, """
+        import logging, time
+        logging.basicConfig(level=logging.WARNING)
+        import ascend_pool as ap
+        p = ap.Pool(0)
+        x = p.malloc(1 << 20)
+        time.sleep(0.5)                       # the publisher thread makes its file meanwhile
+        p.free(x)
+        p.close()
+        print("POOL-OK", flush=True)
+    """, "ASCEND_POOL_STATS_DIR")
+    assert rc == 0 and "POOL-OK" in out, (rc, err[-500:])
+    assert "stats not published" in err and "No space left on device" in err, err[-500:]
+
+
+def test_stats_keep_publishing_safely_after_another_user_fills_the_directory(sim_node, tmp_path):
+    # The file was made while there was room; pages of records written later were not taken
+    # yet: more than 16 (device, tenant) pairs reached one, and the publisher thread's write
+    # killed the process.
+    rc, out, err = run_with_full_dir(sim_node, tmp_path, """
+        import os, time
+        full = os.environ["ASCEND_POOL_STATS_DIR"]
+        os.unlink(os.path.join(full, "fill"))   # room at start
+        import ascend_pool as ap
+        p = ap.Pool(0)
+        time.sleep(0.4)                          # the stats file is made
+        fd = os.open(os.path.join(full, "someone-elses"), os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, bytes(4096)):
+                pass
+        except OSError:
+            pass                                 # full again
+        os.close(fd)
+        ctxs = [p.context(f"t{i}") for i in range(20)]
+        ptrs = [c.malloc(1 << 20) for c in ctxs]
+        time.sleep(0.6)                          # several publishes
+        for c, x in zip(ctxs, ptrs):
+            c.free(x)
+            c.close()
+        p.close()
+        print("ALIVE", flush=True)
+    """, "ASCEND_POOL_STATS_DIR")
+    assert rc == 0 and "ALIVE" in out, (rc, err[-500:])
+
+
+def test_a_full_ledger_directory_is_a_typed_error_for_a_quota_context(sim_node, tmp_path):
+    rc, out, err = run_with_full_dir(sim_node, tmp_path, """
+        import ascend_pool as ap
+        p = ap.Pool(0)
+        try:
+            p.context("online", quota="64MiB")
+            print("OPENED", flush=True)
+        except ap.errors.LedgerError as e:
+            print("LEDGER-ERROR", e, flush=True)
+        x = p.malloc(1 << 20)                   # the pool itself keeps serving
+        p.free(x)
+        p.close()
+    """, "ASCEND_POOL_LEDGER_DIR")
+    assert rc == 0 and "LEDGER-ERROR" in out and "No space left on device" in out, (rc, out, err[-500:])
+
+
+def test_a_full_simulator_directory_is_a_typed_error_at_start(sim_node, tmp_path):
+    rc, out, err = run_with_full_dir(sim_node, tmp_path, """
+        import ascend_pool as ap
+        try:
+            ap.Pool(0)
+            print("OPENED", flush=True)
+        except ap.errors.BackendUnavailableError as e:
+            print("BACKEND-ERROR", e, flush=True)
+    """, "ASCEND_SIM_SHM_DIR")
+    assert rc == 0 and "BACKEND-ERROR" in out and "No space left on device" in out, (rc, out, err[-500:])
