@@ -65,3 +65,43 @@ def test_ps_reads_the_private_directory_the_files_sit_in(tmp_path, capsys):
     finally:
         pub.stop()
         pool.close()
+
+
+def test_ps_and_list_gpu_processes_list_the_users_processes_of_a_sharing_group(tmp_path):
+    # With $ASCEND_POOL_LEDGER_GROUP a process publishes in the group's directory
+    # (ascend_pool-g<gid>); `ps` and list_gpu_processes read only the private ones (the node
+    # service added the group, they did not): the user's own 8 MiB holder was not listed.
+    import os
+    import subprocess
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from sim_fixtures import SimNode
+    node = SimNode(str(tmp_path / "shm"))
+    os.makedirs(node.shm_dir, exist_ok=True)
+    env = dict(ASCEND_POOL_LEDGER_GROUP=str(os.getgid()), ASCEND_POOL_STATS_DIR=str(tmp_path),
+               ASCEND_POOL_LEDGER_DIR=str(tmp_path), ASCEND_POOL_STATS_INTERVAL="0.05", ASCEND_POOL_BACKEND="sim")
+    holder = node.spawn("""
+        import ascend_pool as ap
+        ctx = ap.Pool(0).context("grouped", quota="64MiB")
+        x = ctx.malloc(8 << 20)
+        time.sleep(0.3)
+        print(os.getpid(), flush=True)
+        sys.stdin.readline()
+    """, **env)
+    try:
+        pid = int(holder.stdout.readline())
+        out = node.run_json("""
+            import contextlib, io
+            import ascend_pool as ap
+            from ascend_pool import cli
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                cli.main(["ps", "--json"])
+            print(json.dumps({"rows": json.loads(buf.getvalue()), "text": ap.list_gpu_processes(0)}))
+        """, **env)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    mine = [r for r in out["rows"] if r["tenant"] == "grouped"]
+    assert [(r["pid"], r["held_bytes"] >= 8 << 20) for r in mine] == [(pid, True)], out["rows"]
+    assert str(pid) in out["text"] and "no processes are running" not in out["text"], out["text"]

@@ -12,6 +12,7 @@ import os
 from .. import registry
 from ..errors import ConfigError
 from ..identity import instance
+from ..tenants.ledger import ledger_group
 from . import paths
 from .scanner import StatsScanner
 
@@ -26,8 +27,11 @@ def rows(directory=None, allow_uids=(), allow_gids=()):
         raise ConfigError(f"{reason} (--stats-dir or ${paths.ENV_DIR})")
     # a directory given is read itself too: --stats-dir may name the private directory the
     # files sit in (ascend_pool-u<uid>), not only the base one
+    gids = set(allow_gids)
+    if ledger_group() is not None:
+        gids.add(ledger_group())  # this user's processes publish in the sharing group's directory
     scanner = StatsScanner(directory or None, allowed_uids=set(allow_uids) | {os.geteuid()}, remove_stale=False,
-                           allowed_gids=allow_gids)
+                           allowed_gids=gids)
     out = []
     for p in scanner.scan():
         mine = []
