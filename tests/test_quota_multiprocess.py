@@ -141,3 +141,35 @@ def test_four_processes_share_one_quota_and_a_killed_ones_share_returns(node_env
     assert view["reclaimed_slots"] == 1 and view["reclaimed_bytes"] == holding
     # ...and they used it: together they held more than they could while the victim was alive.
     assert survivors_max > Q - holding, (survivors_max, Q - holding)
+
+
+def test_a_killed_processs_share_does_not_show_in_mem_get_info_or_held(node_env):
+    # A framework sizes its KV cache from ctx.mem_get_info(): a SIGKILLed process's 42 MiB of
+    # the tenant's 64 MiB counted as used (free 22 MiB) until something refused or the node
+    # service swept, while a 60 MiB malloc would be granted at once.
+    node, env, ledger_dir = node_env
+    code = """
+        import json, sys
+        import ascend_pool as ap
+        ctx = ap.Pool(0).context("sizing", quota="64MiB")
+        if sys.argv[1] == "victim":
+            x = ctx.malloc(40 << 20)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        free, total = ctx.mem_get_info()
+        print(json.dumps({"free": free, "total": total, "held": ctx.held}), flush=True)  # held: after the sweep
+    """
+    victim, survivor = (subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), role], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True, env=env) for role in ("victim", "survivor"))
+    try:
+        assert victim.stdout.readline().strip() == "ready" and survivor.stdout.readline().strip() == "ready"
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=10)
+        survivor.stdin.write("go\n")
+        survivor.stdin.flush()
+        got = json.loads(survivor.stdout.readline())
+        assert got == {"free": 64 * MiB, "total": 64 * MiB, "held": 0}, got
+    finally:
+        for p in (victim, survivor):
+            if p.poll() is None:
+                p.kill()

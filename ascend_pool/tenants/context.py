@@ -20,6 +20,7 @@ separate runtime context would add a context switch per call and change nothing 
 
 import contextvars
 import logging
+import time
 from collections import OrderedDict
 
 from .. import current as _current
@@ -34,6 +35,7 @@ from .quota_spec import check_tenant_name, parse_quota, parse_warn
 
 log = logging.getLogger("ascend_pool.tenants")
 SEGMENT_BYTES = 2 << 20  # the smallest device allocation the pool makes (a small-pool segment, a page)
+SWEEP_EVERY_S = 0.5      # a context's reads of the tenant's figures give back dead processes' shares this often
 _KEEP = object()
 
 
@@ -85,9 +87,22 @@ class Context(Pool):
         """The node-wide ledger (ascend_pool._core.Ledger) the tenant's bookings are in."""
         return self.quota_hook.ledger if self.quota_hook is not None else None
 
-    def _quota_state(self):
-        """The tenant as the ledger sees it now (LedgerQuota.state), None once closed."""
-        return self.quota_hook.state(self) if self.quota_hook is not None else None
+    def _quota_state(self, fresh=False):
+        """The tenant as the ledger sees it now (LedgerQuota.state), None once closed. fresh: the
+        shares of processes that died (SIGKILL, OOM killer) are given back first, at most every
+        SWEEP_EVERY_S: a killed process's booking counted as held until a refusal or the node
+        service swept it, and a framework sizing itself from mem_get_info() saw it as used."""
+        hook = self.quota_hook
+        if hook is None:
+            return None
+        now = time.monotonic()
+        if fresh and now - getattr(self, "_swept_at", -SWEEP_EVERY_S) >= SWEEP_EVERY_S:
+            self._swept_at = now
+            try:
+                hook.ledger.sweep()
+            except PoolError as e:  # a ledger held locked too long: the figures as they are
+                log.debug("sweeping the ledger for %s failed: %s", self.tenant, e)
+        return hook.state(self)
 
     def _trim_to(self, target):
         """Releases cached segments until reserved <= target bytes; returns the bytes released."""
@@ -106,7 +121,7 @@ class Context(Pool):
         that sizes itself from mem_get_info (a KV cache at a fraction of total) needs. Without a
         quota: the device's figures, as Pool.mem_get_info()."""
         free, total = super().mem_get_info()
-        state = self._quota_state()
+        state = self._quota_state(fresh=True)
         quota = state["quota_bytes"] if state else None
         if quota is None:
             return free, total
@@ -128,7 +143,8 @@ class Context(Pool):
 
     @property
     def held(self):
-        """Bytes the tenant holds on this device, all its processes together."""
+        """Bytes the tenant holds on this device, all its processes together (as booked: a killed
+        process's share counts until a sweep, a refusal or mem_get_info() gives it back)."""
         state = self._quota_state()
         return state["held_bytes"] if state else 0
 
