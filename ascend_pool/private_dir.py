@@ -11,16 +11,27 @@ directory of its own inside the configured one:
 verified after every open (owner, group, mode, a real directory and not a symbolic link). When a
 name is taken by someone else, the next one (`.1`, `.2`, ...) is tried: squatting names cannot
 stop a user from working, because the user's own processes walk the same sequence and settle on
-the first directory that is theirs. The node service reads the directories of the uids and groups
-it is told to trust (`candidates()`), and never looks at anything else in the base directory.
+the first directory that is theirs. They look LOOKAHEAD names past the first free one for a
+directory of theirs before creating one, so a squatted name given back later does not split the
+user's processes over two directories (two quota ledgers). A directory is created whole: made
+under a temporary name with its final owner, group and mode, then renamed into place only where
+the name is still free (renameat2 RENAME_NOREPLACE), so a peer (another member of the group)
+starting at the same moment never sees a half-made directory and takes it for a squatter's. The
+node service reads the directories of the uids and groups it is told to trust (`candidates()`),
+and never looks at anything else in the base directory.
 """
 
+import ctypes
+import errno
 import os
 import re
+import secrets
 import stat
 import threading
 
 MAX_PROBES = 100000   # names tried before giving up (each costs one lstat)
+LOOKAHEAD = 64        # names looked at past the first free one (as the simulator's node records)
+_ATTEMPTS = 20        # creations lost to a peer (or a squatter) before giving up
 NAME_RE = re.compile(r"^ascend_pool-(u|g)(\d+)(?:\.(\d+))?$")
 
 _lock = threading.Lock()
@@ -51,23 +62,99 @@ def private_dir(base, group=None):
     if path is not None and _still_ours(path, kind, num):
         return path
     with _lock:
-        for n in range(MAX_PROBES):
-            path = os.path.join(key[0], _name(kind, num, n))
-            try:
-                os.mkdir(path, 0o700)
-                if kind == "g":
-                    os.chown(path, -1, num)
-                    os.chmod(path, 0o2770)
-                else:
-                    os.chmod(path, 0o700)  # whatever the umask
-            except FileExistsError:
-                pass
-            if _still_ours(path, kind, num):
+        for _ in range(_ATTEMPTS):
+            first_free, n = None, 0
+            # The first directory of ours among the names up to LOOKAHEAD past the first free one.
+            while n < MAX_PROBES and (first_free is None or n <= first_free + LOOKAHEAD):
+                path = os.path.join(key[0], _name(kind, num, n))
+                if _still_ours(path, kind, num):
+                    _cache[key] = path
+                    return path
+                if first_free is None and not os.path.lexists(path):
+                    first_free = n
+                n += 1  # taken by someone else (or not a directory): the next name
+            if first_free is None:
+                raise PermissionError(f"no private directory for {'group' if kind == 'g' else 'uid'} {num} in "
+                                      f"{base}: {MAX_PROBES} names are taken by others")
+            path = os.path.join(key[0], _name(kind, num, first_free))
+            if _create(key[0], path, kind, num) and _still_ours(path, kind, num):
                 _cache[key] = path
                 return path
-            # Taken by someone else (or not a directory): the next name.
+            # A peer (or a squatter) took the name first: look again.
         raise PermissionError(f"no private directory for {'group' if kind == 'g' else 'uid'} {num} in {base}: "
-                              f"{MAX_PROBES} names are taken by others")
+                              "its names keep being taken by others while it is created")
+
+
+def _create(base, path, kind, num):
+    """Creates the directory `path` whole: under a temporary name in base, with its final group
+    and mode, then renamed to path if path is still free. True when it was; False when the name
+    was taken meanwhile (by a peer starting at the same moment, or by someone else)."""
+    for _ in range(100):
+        tmp = os.path.join(base, f".ascend_pool-tmp-{kind}{num}-{secrets.token_hex(8)}")
+        try:
+            os.mkdir(tmp, 0o700)
+            break
+        except FileExistsError:  # a name someone else chose: another one
+            continue
+    else:
+        raise PermissionError(f"cannot create a temporary directory in {base}: every name tried is taken")
+    try:
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():  # replaced under us (a base directory without the sticky bit)
+                raise PermissionError(f"the directory {tmp} this process created was replaced by another user's")
+            if kind == "g":
+                os.fchown(fd, -1, num)
+                os.fchmod(fd, 0o2770)
+            else:
+                os.fchmod(fd, 0o700)  # whatever the umask
+        finally:
+            os.close(fd)
+        try:
+            _rename_noreplace(tmp, path)
+            tmp = None
+            return True
+        except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EPERM, errno.EACCES, errno.EISDIR, errno.ENOTDIR):
+                return False
+            raise
+    finally:
+        if tmp is not None:
+            try:
+                os.rmdir(tmp)
+            except OSError:
+                pass
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+_renameat2 = None
+
+
+def _rename_noreplace(src, dst):
+    """rename(src, dst) that fails with EEXIST when dst exists (an empty directory included, which
+    plain rename replaces)."""
+    global _renameat2
+    if _renameat2 is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).renameat2
+            fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+            fn.restype = ctypes.c_int
+            _renameat2 = fn
+        except (AttributeError, OSError):  # a C library without it (glibc < 2.28, some musl)
+            _renameat2 = False
+    if _renameat2:
+        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):  # EINVAL: a file system without the flag
+            raise OSError(err, os.strerror(err), dst)
+    # Without the flag: refuse an existing name first; the window left replaces at most an empty
+    # directory a peer made a moment ago, whose processes then find this one under the same name.
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    os.rename(src, dst)
 
 
 def _still_ours(path, kind, num):

@@ -32,7 +32,8 @@ the exporter dies, the
 importers' next use of the memory fails with the runtime's error (ACL_ERROR_RT_IPC_ERROR 507022 on
 the simulator), never a crash; they should close their blocks.
 
-Each shared block has a small record, readable by the node's processes of the same user, in the
+Each shared block has a small record, readable by the node's processes of the same user (0600;
+0640 in the directory of $ASCEND_POOL_LEDGER_GROUP, whose members' services list and clean it), in the
 user's private directory (ascend_pool.private_dir) inside $ASCEND_POOL_LEDGER_DIR (default /dev/shm):
     ascend_pool-u<uid>/ascend_pool-share-u<uid>-<backend>[-<node>]-<key>
 naming the exporter (instance id, pid and pid namespace, tenant), the size, and the importing
@@ -60,6 +61,7 @@ import fcntl
 import os
 import re
 import socket
+import stat
 import struct
 import threading
 import time
@@ -71,7 +73,7 @@ from .api import default_pool
 from .backend import open_backend
 from .errors import ConfigError, DeviceError, InvalidDeviceError, InvalidPointerError, PoolError
 from .pool import set_sharing
-from .private_dir import candidates
+from .private_dir import candidates, is_trusted
 from .tenants.ledger import base_dir, ledger_dir, node_name
 from .units import as_index
 
@@ -164,6 +166,16 @@ def _record_dir():
     return ledger_dir()
 
 
+def _dir_group(directory):
+    """The gid of `directory` when it is a group's private directory (mode 2770: records in it are
+    0640, readable by the group's members), else None (a user's own: records 0600)."""
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return None
+    return st.st_gid if is_trusted(st, "g", st.st_gid) else None
+
+
 def _record_path(backend_name, key, node=None):
     node = _node(backend_name) if node is None else node
     suffix = f"-{node}" if backend_name == "sim" else ""
@@ -179,22 +191,39 @@ class _Record:
     ledger bounds its lock the same way)."""
 
     lock_wait_s = 10.0
+    writable = True  # False: another member's record in a group directory, opened to be read
 
     def __init__(self, path, create=None, owner=None):
         self.path = path
+        group = _dir_group(os.path.dirname(path))
         if create is None:
             owner = os.geteuid() if owner is None else owner
-            self.fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                self.fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except PermissionError:
+                if group is None or owner == os.geteuid():
+                    raise
+                # Another member's record (0640): read it, never write it.
+                self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                self.writable = False
             st = os.fstat(self.fd)
-            if st.st_uid != owner or st.st_mode & 0o077 or st.st_size != _REC_SIZE:
+            # In a user's directory 0600; in a group's 0600 or 0640 (group-readable), of the group:
+            # never writable by anyone but its owner, nor readable by others.
+            bad_mode = st.st_mode & (0o077 if group is None else 0o037)
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid != owner or bad_mode or st.st_size != _REC_SIZE
+                    or (group is not None and st.st_gid != group)):
                 os.close(self.fd)
-                raise SharingError(f"{path} is not a share record of user {owner} (mode 0600, {_REC_SIZE} bytes); "
+                want = "mode 0600" if group is None else f"group {group}, mode 0640 or 0600"
+                raise SharingError(f"{path} is not a share record of user {owner} ({want}, {_REC_SIZE} bytes); "
                                    "refusing it")
             return
+        mode = 0o600 if group is None else 0o640  # a group's service lists its members' records
         tmp = f"{path}.tmp.{identity.instance_hex()}"  # not the pid: pids repeat across pid namespaces
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.fchmod(fd, 0o600)
+            if group is not None and os.fstat(fd).st_gid != group:
+                os.fchown(fd, -1, group)  # the set-gid directory gives it the group; make sure
+            os.fchmod(fd, mode)
             os.pwrite(fd, _HDR.pack(*create) + bytes(_NSLOTS * _SLOT.size), 0)
             os.link(tmp, path)
         except BaseException:
@@ -243,7 +272,7 @@ class _Record:
 
     def __exit__(self, *exc):
         try:
-            if exc[0] is None:
+            if exc[0] is None and self.writable:
                 out = bytearray()
                 for s in self.slots:
                     out += _SLOT.pack(*s)
@@ -808,7 +837,10 @@ def _shares_in(d, owners, deadline):
                 importer_instances = rec.live_importers(instances=True)
                 alive = rec.exporter_alive()
                 if not alive:  # stale: nobody can use the memory; its importers' close tolerates this
-                    _unlink(rec.path)
+                    try:
+                        _unlink(rec.path)
+                    except PermissionError:
+                        pass  # a directory where this user may not remove it: left to those who may
         except (OSError, SharingError):
             continue
         finally:

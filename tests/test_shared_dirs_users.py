@@ -1,0 +1,279 @@
+"""Private and group directories (ascend_pool/private_dir.py) and the share records in them
+(ascend_pool/sharing.py) as several local users see them: uids 4242 and 4243 of one group 4321
+(ASCEND_POOL_LEDGER_GROUP), and 4244 outside it, in one 1777 directory as /dev/shm is.
+
+- Two members starting at once settle on one group directory: it appears whole (mode, group)
+  or not at all, so neither takes the other's half-made directory for a squatter's.
+- A name squatted by another uid and given back later does not split a user's processes: they
+  look past the first free name for a directory of theirs before creating one.
+- In a group directory share records are group-readable (0640), so a member's node service lists
+  another member's shares and removes those of dead exporters; a record writable by others, or
+  not of the group, is still refused.
+
+The other uids run through setpriv (numeric ids, no passwd entries needed); needs root and
+setpriv, skipped otherwise. The in-process tests at the top need neither."""
+import json
+import os
+import pickle
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import uuid
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from other_user import readable_site  # noqa: E402
+
+from ascend_pool import private_dir as pd  # noqa: E402
+
+A, B, OUTSIDER, GID = 4242, 4243, 4244, 4321
+SKIP = ("setpriv is not installed" if shutil.which("setpriv") is None else
+        None if os.geteuid() == 0 else "running code as other uids needs root")
+needs_users = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+
+
+# ---- in-process: how a name is chosen -----------------------------------------------------------
+
+@pytest.fixture
+def base(tmp_path):
+    pd._cache.clear()
+    d = tmp_path / "shm"
+    d.mkdir()
+    os.chmod(d, 0o1777)
+    yield str(d)
+    pd._cache.clear()
+
+
+def test_an_existing_directory_past_a_free_name_is_preferred_to_a_new_one(base):
+    # As after a squatter gave back the first name: this user's directory is `.3`.
+    mine = os.path.join(base, f"ascend_pool-u{os.geteuid()}.3")
+    os.mkdir(mine, 0o700)
+    assert pd.private_dir(base) == mine
+    assert sorted(os.listdir(base)) == [os.path.basename(mine)]
+
+
+def test_a_new_directory_takes_the_first_free_name_and_is_whole_when_it_appears(base):
+    uid = os.geteuid()
+    os.symlink(base, os.path.join(base, f"ascend_pool-u{uid}"))   # never followed
+    path = pd.private_dir(base)
+    assert path == os.path.join(base, f"ascend_pool-u{uid}.1")
+    st = os.lstat(path)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == uid
+    assert sorted(os.listdir(base)) == [f"ascend_pool-u{uid}", f"ascend_pool-u{uid}.1"]  # no temporary left
+    gid = os.getgid()
+    gpath = pd.private_dir(base, gid)
+    st = os.lstat(gpath)
+    assert gpath == os.path.join(base, f"ascend_pool-g{gid}")
+    assert stat.S_IMODE(st.st_mode) == 0o2770 and st.st_gid == gid
+
+
+@pytest.mark.parametrize("renameat2", [True, False], ids=["renameat2", "without"])
+def test_creation_never_replaces_a_directory_that_appeared_meanwhile(base, monkeypatch, renameat2):
+    # A peer's directory, still empty (plain rename() would replace it), under the chosen name.
+    if not renameat2:
+        monkeypatch.setattr(pd, "_renameat2", False)
+    path = os.path.join(base, f"ascend_pool-u{os.geteuid()}")
+    os.mkdir(path, 0o700)
+    ino = os.lstat(path).st_ino
+    assert pd._create(base, path, "u", os.geteuid()) is False
+    assert os.lstat(path).st_ino == ino and os.listdir(base) == [os.path.basename(path)]  # temporary removed
+    assert pd.private_dir(base) == path
+
+
+# ---- as other uids ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def world():
+    if SKIP:
+        pytest.skip(reason=SKIP)
+    root = tempfile.mkdtemp(prefix="ap-dirs-users-")
+    os.chmod(root, 0o755)
+    site = readable_site(root)
+    try:
+        exe = None
+        for cand in (sys.executable, f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
+            r = subprocess.run(_argv(A, (GID,), cand, "import ascend_pool._core"), capture_output=True, text=True,
+                               env=dict(os.environ, PYTHONPATH=site, PYTHONSAFEPATH="1"), cwd="/")
+            if r.returncode == 0:
+                exe = cand
+                break
+        if exe is None:
+            pytest.skip(f"no Python that uid {A} may run imports {site}")
+        yield root, site, exe
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _argv(uid, groups, exe, code):
+    if uid is None:
+        return [exe, "-c", code]
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={','.join(map(str, groups))}",
+            "--inh-caps=-all", exe, "-c", code]
+
+
+class Node:
+    def __init__(self, world):
+        self.root, self.site, self.exe = world
+        self.shm = tempfile.mkdtemp(prefix="shm-", dir=self.root)
+        os.chmod(self.shm, 0o1777)
+        self.name = "d" + uuid.uuid4().hex[:10]
+        self.procs = []
+
+    def env(self, **extra):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ASCEND_SIM_", "ASCEND_POOL_"))}
+        env.update(PYTHONPATH=self.site, PYTHONSAFEPATH="1", HOME=self.root, ASCEND_POOL_BACKEND="sim",
+                   ASCEND_SIM_NODE=self.name, ASCEND_SIM_SHM_DIR=self.shm, ASCEND_SIM_DEVICES="1",
+                   ASCEND_SIM_HBM="1GiB", ASCEND_POOL_LEDGER_DIR=self.shm, ASCEND_POOL_STATS_DIR=self.shm)
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    def start(self, uid, groups, code, **env):
+        p = subprocess.Popen(_argv(uid, groups, self.exe, textwrap.dedent(code)), env=self.env(**env),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+        self.procs.append(p)
+        return p
+
+    def run(self, uid, groups, code, **env):
+        p = self.start(uid, groups, code, **env)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, f"uid {uid}'s child exited {p.returncode}\n{out}\n{err}"
+        return out
+
+    def names(self, prefix):
+        return sorted(n for n in os.listdir(self.shm) if n.startswith(prefix) or n.startswith("." + prefix))
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=10)
+
+
+@pytest.fixture
+def node(world):
+    n = Node(world)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+LEDGER_DIR = "from ascend_pool.tenants.ledger import ledger_dir\nprint(ledger_dir(), flush=True)\n"
+
+# Every call that could give a directory its group stalls 2 s: the window between creating the
+# group's directory and making it the group's, a few microseconds in real life, is 2 s here.
+SLOW_CHOWN = """
+import os, time
+def _slow(f):
+    def slow(*a, **k):
+        time.sleep(2.0)
+        return f(*a, **k)
+    return slow
+for _n in ("chown", "fchown", "lchown"):
+    setattr(os, _n, _slow(getattr(os, _n)))
+"""
+
+
+@needs_users
+def test_two_members_starting_at_once_settle_on_one_group_directory(node):
+    import time
+
+    slow = node.start(A, (GID,), SLOW_CHOWN + LEDGER_DIR, ASCEND_POOL_LEDGER_GROUP=GID)
+    time.sleep(1.0)  # A is inside its creation when B looks
+    fast = node.run(B, (GID,), LEDGER_DIR, ASCEND_POOL_LEDGER_GROUP=GID).strip()
+    out, err = slow.communicate(timeout=60)
+    assert slow.returncode == 0, err
+    want = os.path.join(node.shm, f"ascend_pool-g{GID}")
+    assert (out.strip(), fast) == (want, want), node.names("ascend_pool-g")
+    assert node.names("ascend_pool-g") == [f"ascend_pool-g{GID}"]  # nor a temporary left behind
+    st = os.lstat(want)
+    assert stat.S_IMODE(st.st_mode) == 0o2770 and st.st_gid == GID
+
+
+@needs_users
+@pytest.mark.parametrize("kind", ["u", "g"])
+def test_a_squatted_name_given_back_later_does_not_split_a_users_processes(node, kind):
+    num = A if kind == "u" else GID
+    env = {"ASCEND_POOL_LEDGER_GROUP": GID} if kind == "g" else {}
+    squatted = os.path.join(node.shm, f"ascend_pool-{kind}{num}")
+    node.run(OUTSIDER, (OUTSIDER,), f"import os; os.mkdir({squatted!r}, 0o700)", **env)
+    first = node.run(A, (GID,), LEDGER_DIR, **env).strip()
+    assert first == squatted + ".1"  # the squatted name is skipped
+    node.run(OUTSIDER, (OUTSIDER,), f"import os; os.rmdir({squatted!r})", **env)
+    # The user's (the group's) next process finds the directory its first one uses.
+    second = node.run(A if kind == "u" else B, (GID,), LEDGER_DIR, **env).strip()
+    assert second == first, node.names(f"ascend_pool-{kind}{num}")
+    assert node.names(f"ascend_pool-{kind}{num}") == [os.path.basename(first)]
+
+
+EXPORTER = """
+import pickle, sys
+import ascend_pool as ap
+from ascend_pool import identity
+pool = ap.Pool(0)
+ctx = pool.context("online", quota="256MiB")
+h = ctx.share(ctx.share_malloc(4 << 20), any_process=True)
+print(identity.instance_hex(), pickle.dumps(h).hex(), flush=True)
+sys.stdin.readline()
+"""
+
+LIST = """
+import json
+from ascend_pool.sharing import shares
+print(json.dumps([(r["exporter_uid"], r["exporter_instance"], r["size"]) for r in shares(uids=(), gids=[%d])]))
+""" % GID
+
+IMPORT = """
+import pickle, sys
+import ascend_pool as ap
+with ap.open_shared(pickle.loads(bytes.fromhex(sys.argv[1]))) as block:
+    print(block.size, flush=True)
+"""
+
+
+@needs_users
+def test_a_members_service_lists_another_members_shares_and_removes_dead_ones(node):
+    env = {"ASCEND_POOL_LEDGER_GROUP": GID}
+    exporter = node.start(A, (GID,), EXPORTER, **env)
+    line = exporter.stdout.readline().split()
+    assert len(line) == 2, exporter.stderr.read() if exporter.poll() is not None else line
+    instance, handle = line
+    group_dir = os.path.join(node.shm, f"ascend_pool-g{GID}")
+    records = [os.path.join(group_dir, n) for n in os.listdir(group_dir) if n.startswith("ascend_pool-share-")]
+    assert len(records) == 1, os.listdir(group_dir)
+    record = records[0]
+
+    def listed():
+        return [tuple(r) for r in json.loads(node.run(B, (GID,), LIST, **env))]
+
+    assert listed() == [(A, instance, 4 << 20)]  # another member's service sees it
+    st = os.lstat(record)
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o640, A, GID)  # the group reads it
+    # Its exporting user's other processes still open it.
+    p = subprocess.Popen(_argv(A, (GID,), node.exe, textwrap.dedent(IMPORT)) + [handle], env=node.env(**env),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    node.procs.append(p)
+    out, err = p.communicate(timeout=60)
+    assert (p.returncode, out.strip()) == (0, str(4 << 20)), err
+
+    # Not a record of the group's: refused (not listed, not removed), whoever lists it.
+    for change, undo in ((lambda: os.chmod(record, 0o660), lambda: os.chmod(record, 0o640)),
+                         (lambda: os.chmod(record, 0o644), lambda: os.chmod(record, 0o640)),
+                         (lambda: os.chown(record, -1, OUTSIDER), lambda: os.chown(record, -1, GID)),
+                         (lambda: os.chown(record, OUTSIDER, -1), lambda: os.chown(record, A, -1))):
+        change()
+        try:
+            assert listed() == [] and os.path.exists(record)
+        finally:
+            undo()
+    assert listed() == [(A, instance, 4 << 20)]
+
+    exporter.send_signal(signal.SIGKILL)  # it cleans nothing up
+    exporter.wait(timeout=10)
+    assert listed() == []
+    assert not os.path.exists(record)  # removed by the other member's listing
