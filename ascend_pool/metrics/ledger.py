@@ -3,8 +3,10 @@ refusals, live processes and quota conflicts per device, as the ledger (ascend_p
 enforces them. Tenants without a live process are not exported (they no longer exist on the node).
 
 The ledger is the authority on quotas across processes; the per-process figures only show each
-process's share. Read lock-free (Ledger.view()); a ledger that cannot be read is skipped with one
-log line: the exporter never fails a scrape over it. Only this user's (or group's) ledgers of the
+process's share. Each file is read at each scrape into a private copy (ascend_pool.tenants.ledger.
+read_view: pread, never mapped, never locked), so a ledger another user truncates, replaces or
+keeps locked costs the scrape nothing but its own series; a ledger that cannot be read is skipped
+with one log line: the exporter never fails a scrape over it. Only this user's (or group's) ledgers of the
 current node are read: for the simulator, the node of $ASCEND_SIM_NODE.
 """
 
@@ -31,7 +33,7 @@ def _views(uids=(), gids=()):
         # Whose ledger: a user's private one (its uid), or a group's shared one (its gid).
         scope = ("" if owner is None else str(owner), "" if group is None else str(group))
         try:
-            out.append((backend, scope, L._open_file(path, device, backend, node, group, owner).view()))
+            out.append((backend, scope, L.read_view(path, device, backend, node, group, owner)))
         except Exception as e:  # foreign, malformed, or of another version: refused by the ledger code
             _warn_once((path, str(e)), "cannot read the quota ledger %s: %s", path, e)
     return out
@@ -106,7 +108,8 @@ def sweep_dead_processes(uids=(), gids=()):
     total = 0
     for r in L.sweep(None, uids, gids):
         if "error" in r:
-            _warn_once((r["path"], r["error"]), "cannot sweep the quota ledger %s: %s", r["path"], r["error"])
+            _warn_once((r["path"], r["error"]), "cannot sweep the quota ledger %s: %s (skipped for %g s, then "
+                       "tried again; logged once)", r["path"], r["error"], L.RETRY_AFTER_S)
         elif r["bytes"]:
             log.info("reclaimed %d bytes of %d dead process(es) in %s", r["bytes"], r["slots"], r["path"])
             total += r["bytes"]

@@ -13,6 +13,13 @@ separate machine. The file layout and its concurrency rules are described in
 cython/quota/ledger_format.h, ledger_slots.h and ledger_reserve.h; this module only names files,
 opens them once per process (ascend_pool._core.Ledger validates them) and offers the sweep the
 node service runs.
+
+The node service also reads other users' ledgers (--allow-uid, --allow-group), files their owners
+may truncate, replace or keep locked at any time: it exports them from a private copy read with
+pread (read_view: never mapped, never locked), and its sweep keeps its own mappings apart from this
+process's contexts', checks each against the path's file before use (dropped when replaced or
+shrunk), waits at most SWEEP_LOCK_S for a file's lock, reads the mapping under a SIGBUS guard
+(cython/quota/ledger_guard.h) and skips a file that failed for RETRY_AFTER_S.
 """
 
 import grp
@@ -20,9 +27,10 @@ import logging
 import os
 import re
 import threading
+import time
 
 from .. import identity
-from .._core import Ledger, set_operator_quota_hook
+from .._core import Ledger, read_ledger_view, set_operator_quota_hook
 from ..backend import open_backend
 from ..private_dir import candidates, private_dir
 from .config import operator_quota
@@ -38,6 +46,15 @@ _lock = threading.Lock()
 _cache = {}  # path -> Ledger, for the life of the process (a mapping costs ~80 KiB)
 _mapped = {}  # path -> (st_dev, st_ino) of the file this process mapped there
 _replaced_logged = set()
+# The sweep's own mappings (sweep(): this user's ledgers and the trusted users' and groups'),
+# apart from _cache: path -> Ledger, checked against the path's file (st_dev, st_ino) before each
+# use and dropped when the path names another file or the file shrank. A file that could not be
+# opened or swept is skipped until _retry_at[path] (time.monotonic()): a process stopped holding
+# its lock must not cost every sweep a lock wait.
+_swept = {}
+_retry_at = {}
+SWEEP_LOCK_S = 1.0    # the longest a sweep waits for one ledger's lock (its holders keep it microseconds)
+RETRY_AFTER_S = 30.0  # a ledger that could not be opened or swept is skipped this long
 
 
 def _forget_after_fork():
@@ -46,6 +63,8 @@ def _forget_after_fork():
     _lock = threading.Lock()
     _cache.clear()
     _mapped.clear()
+    _swept.clear()
+    _retry_at.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -179,27 +198,70 @@ def ledger_files(directory=None, uids=(), gids=()):
     return out
 
 
-def _open_file(path, device, backend, node, group, owner=None):
+def _owner_arg(owner):
+    return None if owner in (None, os.geteuid()) else owner
+
+
+def _open_file(path, device, backend, node, group, owner=None, lock_timeout_s=SWEEP_LOCK_S):
+    """The sweep's mapping of the ledger at path: the cached one while the path still names the
+    file it maps (st_dev, st_ino) and that file was not truncated, else a new one (a user may
+    remove its ledger and a new process create another there). The open (it validates under the
+    file's lock, at most lock_timeout_s) runs outside the module lock."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        ident = (st.st_dev, st.st_ino)
+    except OSError:
+        ident = None
     with _lock:
-        led = _cache.get(path)
-        if led is None:
-            led = _cache[path] = Ledger(path, device, backend, node, group,
-                                        None if owner in (None, os.geteuid()) else owner)
+        led = _swept.get(path)
+        if led is not None and (not led.usable or led.identity != ident):
+            del _swept[path]  # replaced, removed or shrunk: this mapping describes no live ledger
+            led = None
+    if led is not None or ident is None:
+        return led  # None: removed since it was listed (a new one is seen at the next sweep)
+    led = Ledger(path, device, backend, node, group, _owner_arg(owner),
+                 lock_timeout_ms=max(1, int(lock_timeout_s * 1000)))
+    with _lock:
+        _swept[path] = led
     return led
+
+
+def read_view(path, device, backend, node="", group=None, owner=None):
+    """The view (as Ledger.view()) of the ledger file at path, read into a private copy: never
+    mapped, never locked (ascend_pool._core.read_ledger_view). What the node service exports of
+    every ledger, its own and other users': another user may truncate its file (a mapping would
+    then be a SIGBUS) or hold its lock (a process stopped inside an update) at any time, and the
+    path is read again at each call, so a ledger removed and created again is followed."""
+    return read_ledger_view(path, device, backend, node, group, _owner_arg(owner))
 
 
 def sweep(directory=None, uids=(), gids=()):
     """Gives back the shares of dead processes in every ledger of this user (or group) in the
     directory, and in those of the trusted uids and gids (see ledger_files): what the node service
     runs periodically. Returns a list of dicts {"path", "device", "slots", "bytes"}; a file that is
-    refused is reported with "error"."""
+    refused is reported with "error" and skipped for RETRY_AFTER_S seconds (then "skipped": True)."""
     out = []
+    now = time.monotonic()
     for path, device, backend, node, group, owner in ledger_files(directory, uids, gids):
+        with _lock:
+            retry = _retry_at.get(path)
+        if retry is not None and now < retry:
+            out.append({"path": path, "device": device, "slots": 0, "bytes": 0, "skipped": True})
+            continue
         try:
-            slots, nbytes = _open_file(path, device, backend, node, group, owner).sweep()
+            led = _open_file(path, device, backend, node, group, owner)
+            if led is None:
+                continue
+            slots, nbytes = led.sweep(lock_timeout_ms=int(SWEEP_LOCK_S * 1000))
             identity.remove_dead_leases(os.path.dirname(path))
+            with _lock:
+                _retry_at.pop(path, None)
             out.append({"path": path, "device": device, "slots": slots, "bytes": nbytes})
         except LedgerError as e:
+            with _lock:
+                _retry_at[path] = time.monotonic() + RETRY_AFTER_S
+                if path in _swept and not _swept[path].usable:
+                    del _swept[path]
             out.append({"path": path, "device": device, "slots": 0, "bytes": 0, "error": str(e)})
     return out
 

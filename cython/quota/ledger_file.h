@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include "ledger_format.h"
+#include "ledger_guard.h"
 
 #define APL_LOCK_TIMEOUT_MS 10000 /* a lock held this long means a stopped or wedged peer */
 
@@ -184,6 +185,7 @@ static const char *apl_check_contents(const apl_file *f, const struct stat *st, 
 }
 
 static int apl_lock(apl_ledger *L, char *err, size_t len);
+static int apl_lock_ms(apl_ledger *L, int timeout_ms, char *err, size_t len);
 static void apl_unlock(apl_ledger *L);
 
 /* Creates the ledger under a temporary name and link()s it into place. APL_OK, EEXIST when another
@@ -234,9 +236,13 @@ static int apl_create(const char *path, int device, const char *backend, const c
 /* owner: the uid the private ledger must belong to; APL_NO_OWNER for this user's own, which is
    created when missing. A node service sweeping a trusted user's ledger names that user: such a
    ledger is opened only if it exists, never created. */
+/* lock_ms: how long the validation waits for the lock (a node service sweeping other users'
+   ledgers waits less than APL_LOCK_TIMEOUT_MS: one stopped process must not stall it). A file
+   another user can write (foreign, or a group's) is validated under the SIGBUS guard
+   (ledger_guard.h): it may be truncated while it is being read. */
 #define APL_NO_OWNER UINT32_MAX
-static int apl_open_as(const char *path, int device, const char *backend, const char *node, uint32_t group,
-                       uint32_t owner, apl_ledger **out, char *err, size_t len) {
+static int apl_open_as_ms(const char *path, int device, const char *backend, const char *node, uint32_t group,
+                          uint32_t owner, int lock_ms, apl_ledger **out, char *err, size_t len) {
     int foreign = owner != APL_NO_OWNER && owner != (uint32_t)geteuid();
     if (owner == APL_NO_OWNER) owner = (uint32_t)geteuid();
     if (strlen(path) >= PATH_MAX - 64) return apl_fail(err, len, APL_E_ARG, "ledger path too long: %s", path);
@@ -289,10 +295,20 @@ static int apl_open_as(const char *path, int device, const char *backend, const 
     else snprintf(L->dir, sizeof L->dir, ".");
     /* The header is immutable after creation, but entries are checked under the lock so that no
        entry is seen half-claimed. */
-    if ((rc = apl_lock(L, err, len)) == APL_OK) {
-        const char *bad = apl_check_contents(f, &st, device, backend, node, group);
+    if ((rc = apl_lock_ms(L, lock_ms, err, len)) == APL_OK) {
+        const char *volatile bad = NULL;
+        volatile int bus = 0;
+        if (foreign || group != APL_NO_GROUP) {
+            sigjmp_buf env;
+            APL_GUARDED(env, bad = apl_check_contents(f, &st, device, backend, node, group), bus = 1);
+        } else {
+            bad = apl_check_contents(f, &st, device, backend, node, group);
+        }
         apl_unlock(L);
-        if (bad)
+        if (bus)
+            rc = apl_fail(err, len, APL_E_MALFORMED,
+                          "ledger %s was truncated while it was being opened; refusing it", path);
+        else if (bad)
             rc = apl_fail(err, len, APL_E_MALFORMED,
                           "ledger %s is malformed (%s); refusing it (remove it when no process uses device "
                           "quotas)", path, bad);
@@ -306,6 +322,11 @@ static int apl_open_as(const char *path, int device, const char *backend, const 
     }
     *out = L;
     return APL_OK;
+}
+
+static int apl_open_as(const char *path, int device, const char *backend, const char *node, uint32_t group,
+                       uint32_t owner, apl_ledger **out, char *err, size_t len) {
+    return apl_open_as_ms(path, device, backend, node, group, owner, APL_LOCK_TIMEOUT_MS, out, err, len);
 }
 
 static void apl_ref(apl_ledger *L) { atomic_fetch_add(&L->refs, 1); }
@@ -336,6 +357,11 @@ static int apl_reopen_after_fork(apl_ledger *L, char *err, size_t len) {
 }
 
 static int apl_lock(apl_ledger *L, char *err, size_t len) {
+    return apl_lock_ms(L, APL_LOCK_TIMEOUT_MS, err, len);
+}
+
+/* apl_lock with a deadline of timeout_ms (both the process mutex and flock()). */
+static int apl_lock_ms(apl_ledger *L, int timeout_ms, char *err, size_t len) {
     pthread_mutex_lock(&L->mu);
     if (L->fd_pid != getpid()) {
         int rc = apl_reopen_after_fork(L, err, len);
@@ -353,7 +379,7 @@ static int apl_lock(apl_ledger *L, char *err, size_t len) {
         if (errno != EWOULDBLOCK && errno != EINTR) break;
         struct timespec now;
         clock_gettime(CLOCK_MONOTONIC, &now);
-        if ((now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000 >= APL_LOCK_TIMEOUT_MS) {
+        if ((now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000 >= timeout_ms) {
             errno = ETIMEDOUT;
             break;
         }
@@ -362,8 +388,10 @@ static int apl_lock(apl_ledger *L, char *err, size_t len) {
     }
     int e = errno;
     pthread_mutex_unlock(&L->mu);
-    return apl_fail(err, len, APL_E_LOCK, "cannot lock ledger %s: %s", L->path,
-                    e == ETIMEDOUT ? "held for 10 s by another process (stopped or wedged?)" : strerror(e));
+    if (e == ETIMEDOUT)
+        return apl_fail(err, len, APL_E_LOCK, "cannot lock ledger %s: held for %.1f s by another process (stopped "
+                        "or wedged?)", L->path, timeout_ms / 1000.0);
+    return apl_fail(err, len, APL_E_LOCK, "cannot lock ledger %s: %s", L->path, strerror(e));
 }
 
 static void apl_unlock(apl_ledger *L) {

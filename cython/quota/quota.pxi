@@ -10,6 +10,7 @@
 
 from libc.stdint cimport uint64_t, uint32_t, int64_t
 from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
 
 import logging as _logging
 
@@ -55,6 +56,7 @@ cdef extern from "quota/ledger_reserve.h" nogil:
         apl_slot slots[1024]
     ctypedef struct apl_ledger:
         apl_file *f
+        unsigned long st_dev, st_ino
         int device
         char path[4096]
         char dir[4096]
@@ -88,6 +90,14 @@ cdef extern from "quota/ledger_view.h" nogil:
         apl_tenant tenants[64]
         apl_slot slots[1024]
     int apl_copy_tables(const apl_file *f, apl_tables *out, apl_tables *scratch)
+
+cdef extern from "quota/ledger_foreign.h" nogil:
+    int apl_open_as_ms(const char *path, int device, const char *backend, const char *node, uint32_t group,
+                       uint32_t owner, int lock_ms, apl_ledger **out, char *err, size_t len)
+    int apl_read_copy(const char *path, int device, const char *backend, const char *node, uint32_t group,
+                      uint32_t owner, apl_file *out, apl_file *scratch, char *err, size_t len)
+    int apl_reclaim_checked(apl_ledger *L, int lock_ms, uint64_t *nbytes, char *err, size_t len)
+    int APL_LOCK_TIMEOUT_MS
 
 LEDGER_TENANTS = APL_TENANTS
 _QUOTA_SOURCES = {0: None, 1: "declared", 2: "operator"}
@@ -154,15 +164,19 @@ cdef class Ledger:
     Ledger(path, device, backend, node="", group=None, owner=None): opens the file (creating it
     0600, or 0660 for the group gid `group`), and refuses one that is foreign or malformed
     (LedgerError). owner: the uid a private ledger must belong to (default: this user); a node
-    service sweeping a trusted user's ledger names it, and such a file is never created. Use
-    ascend_pool.tenants.ledger.open_ledger, which names the file and keeps one per process."""
+    service sweeping a trusted user's ledger names it, and such a file is never created.
+    lock_timeout_ms: how long the validation at open waits for the file's lock (default 10 s).
+    Use ascend_pool.tenants.ledger.open_ledger, which names the file and keeps one per process."""
     cdef apl_ledger *L
     cdef readonly str path
     cdef readonly int device
     cdef readonly object group
+    cdef public bint usable
 
-    def __cinit__(self, str path, int device, str backend, str node="", group=None, owner=None):
+    def __cinit__(self, str path, int device, str backend, str node="", group=None, owner=None,
+                  lock_timeout_ms=None):
         cdef char err[1024]
+        cdef int lock_ms = APL_LOCK_TIMEOUT_MS if lock_timeout_ms is None else max(1, <int>lock_timeout_ms)
         cdef uint32_t g = APL_NO_GROUP if group is None else <uint32_t>group
         cdef uint32_t o = APL_NO_OWNER if owner is None else <uint32_t>owner
         cdef bytes bpath = path.encode(), bbackend = backend.encode(), bnode = node.encode()
@@ -173,29 +187,46 @@ cdef class Ledger:
         self.L = NULL
         err[0] = 0
         with nogil:
-            rc = apl_open_as(cpath, device, cbackend, cnode, g, o, &self.L, err, sizeof(err))
+            rc = apl_open_as_ms(cpath, device, cbackend, cnode, g, o, lock_ms, &self.L, err, sizeof(err))
         if rc != APL_OK:
             raise _ledger_error(rc, err)
         self.path = path
         self.device = device
         self.group = group
+        self.usable = True
 
     def __dealloc__(self):
         if self.L != NULL:
             apl_unref(self.L)
             self.L = NULL
 
-    def sweep(self):
+    def sweep(self, lock_timeout_ms=None):
         """Gives back the shares of dead processes (all tenants). Returns (slots, bytes) reclaimed.
-        The node service calls this periodically; reserve() also does it before refusing."""
+        The node service calls this periodically; reserve() also does it before refusing.
+        lock_timeout_ms: how long to wait for the file's lock (default 10 s). The file's size is
+        checked first, and the mapping is read under a SIGBUS guard (ledger_foreign.h): a file
+        its owner truncated raises LedgerError (kind "malformed"), and this object must then be
+        dropped (self.usable is False)."""
         cdef char err[1024]
         cdef uint64_t nbytes = 0
         cdef int n
+        cdef int lock_ms = APL_LOCK_TIMEOUT_MS if lock_timeout_ms is None else max(1, <int>lock_timeout_ms)
+        if not self.usable:
+            raise LedgerError(f"ledger {self.path} shrank while mapped; open it again", kind="malformed")
+        err[0] = 0
         with nogil:
-            n = apl_reclaim(self.L, -1, &nbytes, err, sizeof(err))
+            n = apl_reclaim_checked(self.L, lock_ms, &nbytes, err, sizeof(err))
+        if n == -2:
+            self.usable = False
+            raise _ledger_error(APL_E_MALFORMED, err)
         if n < 0:
             raise _ledger_error(APL_E_LOCK, err)
         return n, nbytes
+
+    @property
+    def identity(self):
+        """(st_dev, st_ino) of the file this object maps."""
+        return (self.L.st_dev, self.L.st_ino)
 
     def view(self):
         """A lock-free reading of the ledger (each number exact, the whole a moment's picture):
@@ -208,48 +239,17 @@ cdef class Ledger:
          the quota in force), "quota_source" (None, "declared" or "operator")}; a slot is {"pid" (in
          its own pid namespace "pidns"), "instance" (16 hex digits), "tenant", "held_bytes",
          "alive" (True, False, or None when it cannot be told: by its lease, never by pid)}."""
-        cdef apl_file *f = self.L.f
+        if not self.usable:
+            raise LedgerError(f"ledger {self.path} shrank while mapped; open it again", kind="malformed")
         cdef apl_tables *t = <apl_tables *>malloc(2 * sizeof(apl_tables))
-        cdef int i
         if t == NULL:
             raise MemoryError("host memory for a ledger view")
         try:
             with nogil:
-                apl_copy_tables(f, &t[0], &t[1])  # one moment's picture (ledger_view.h)
-            tenants = []
-            for i in range(APL_TENANTS):
-                if t[0].tenants[i].state != APL_USED:
-                    continue
-                q = t[0].tenants[i].quota
-                w = t[0].tenants[i].warn_ppm
-                tenants.append({
-                    "name": t[0].tenants[i].name.decode("ascii", "replace"),
-                    "quota_bytes": None if q == APL_NO_QUOTA else q,
-                    "held_bytes": t[0].tenants[i].held, "peak_bytes": t[0].tenants[i].peak,
-                    "refusals": t[0].tenants[i].refusals, "uncertain_bytes": t[0].tenants[i].uncertain,
-                    "warn": w / 1e6 if w else None, "index": i,
-                    "conflicts": t[0].tenants[i].conflicts,
-                    "quota_source": _QUOTA_SOURCES.get(t[0].tenants[i].quota_src),
-                })
-            names = {x["index"]: x["name"] for x in tenants}
-            slots = []
-            for i in range(APL_SLOTS):
-                if t[0].slots[i].state != APL_USED:
-                    continue
-                alive = apl_owner_alive(self.L.dir, t[0].slots[i].instance, t[0].slots[i].pid,
-                                        t[0].slots[i].pidns, t[0].slots[i].start_time)
-                slots.append({"pid": t[0].slots[i].pid, "instance": f"{t[0].slots[i].instance:016x}",
-                              "pidns": t[0].slots[i].pidns, "tenant": names.get(t[0].slots[i].tenant, "?"),
-                              "held_bytes": t[0].slots[i].held, "pending_bytes": t[0].slots[i].pending,
-                              "alive": None if alive < 0 else bool(alive), "index": i})
+                apl_copy_tables(self.L.f, &t[0], &t[1])  # one moment's picture (ledger_view.h)
+            return _view_dict(&self.L.f.h, t, self.L.dir, self.path)
         finally:
             free(t)
-        return {
-            "path": self.path, "device": f.h.device, "backend": f.h.backend.decode(), "node": f.h.node.decode(),
-            "owner_uid": f.h.owner_uid, "group": None if f.h.group == APL_NO_GROUP else f.h.group,
-            "reclaimed_slots": f.h.reclaimed_slots, "reclaimed_bytes": f.h.reclaimed_bytes,
-            "uncertain_bytes": f.h.uncertain_bytes, "tenants": tenants, "slots": slots,
-        }
 
     def tenant(self, str name):
         """The view of one tenant (dict as in view()), or None."""
@@ -257,6 +257,80 @@ cdef class Ledger:
             if t["name"] == name:
                 return t
         return None
+
+
+cdef dict _view_dict(apl_header *h, apl_tables *t, const char *dir, str path):
+    """Ledger.view()'s dict from a copy of the tables (t[0]) and the header."""
+    cdef int i
+    tenants = []
+    for i in range(APL_TENANTS):
+        if t[0].tenants[i].state != APL_USED:
+            continue
+        q = t[0].tenants[i].quota
+        w = t[0].tenants[i].warn_ppm
+        tenants.append({
+            "name": t[0].tenants[i].name.decode("ascii", "replace"),
+            "quota_bytes": None if q == APL_NO_QUOTA else q,
+            "held_bytes": t[0].tenants[i].held, "peak_bytes": t[0].tenants[i].peak,
+            "refusals": t[0].tenants[i].refusals, "uncertain_bytes": t[0].tenants[i].uncertain,
+            "warn": w / 1e6 if w else None, "index": i,
+            "conflicts": t[0].tenants[i].conflicts,
+            "quota_source": _QUOTA_SOURCES.get(t[0].tenants[i].quota_src),
+        })
+    names = {x["index"]: x["name"] for x in tenants}
+    slots = []
+    for i in range(APL_SLOTS):
+        if t[0].slots[i].state != APL_USED:
+            continue
+        alive = apl_owner_alive(dir, t[0].slots[i].instance, t[0].slots[i].pid,
+                                t[0].slots[i].pidns, t[0].slots[i].start_time)
+        slots.append({"pid": t[0].slots[i].pid, "instance": f"{t[0].slots[i].instance:016x}",
+                      "pidns": t[0].slots[i].pidns, "tenant": names.get(t[0].slots[i].tenant, "?"),
+                      "held_bytes": t[0].slots[i].held, "pending_bytes": t[0].slots[i].pending,
+                      "alive": None if alive < 0 else bool(alive), "index": i})
+    return {
+        "path": path, "device": h.device, "backend": h.backend.decode("ascii", "replace"),
+        "node": h.node.decode("ascii", "replace"),
+        "owner_uid": h.owner_uid, "group": None if h.group == APL_NO_GROUP else h.group,
+        "reclaimed_slots": h.reclaimed_slots, "reclaimed_bytes": h.reclaimed_bytes,
+        "uncertain_bytes": h.uncertain_bytes, "tenants": tenants, "slots": slots,
+    }
+
+
+def read_ledger_view(str path, int device, str backend, str node="", group=None, owner=None):
+    """Ledger(...).view() of the file at path, read into a private copy with pread (never mapped,
+    never locked; ledger_foreign.h): what a node service reads of other users' ledgers, which
+    their owners may truncate (a mapping would then be a SIGBUS) or keep locked (a process
+    stopped inside an update). The file is checked as an open checks it; LedgerError else."""
+    cdef char err[1024]
+    cdef uint32_t g = APL_NO_GROUP if group is None else <uint32_t>group
+    cdef uint32_t o = APL_NO_OWNER if owner is None else <uint32_t>owner
+    cdef bytes bpath = path.encode(), bbackend = backend.encode(), bnode = node.encode()
+    cdef bytes bdir = (_os.path.dirname(path) or ".").encode()
+    cdef const char *cpath = bpath
+    cdef const char *cbackend = bbackend
+    cdef const char *cnode = bnode
+    cdef int rc
+    cdef apl_file *f = <apl_file *>malloc(2 * sizeof(apl_file))
+    cdef apl_tables *t = <apl_tables *>malloc(sizeof(apl_tables))
+    if f == NULL or t == NULL:
+        free(f)
+        free(t)
+        raise MemoryError("host memory for a ledger view")
+    try:
+        err[0] = 0
+        if len(bbackend) >= 16 or len(bnode) >= 64 or len(bpath) >= 4000:
+            raise LedgerError(f"ledger {path}: backend, node or path name too long", kind="argument")
+        with nogil:
+            rc = apl_read_copy(cpath, device, cbackend, cnode, g, o, &f[0], &f[1], err, sizeof(err))
+        if rc != APL_OK:
+            raise _ledger_error(rc, err)
+        memcpy(t.tenants, f[0].tenants, sizeof(t.tenants))
+        memcpy(t.slots, f[0].slots, sizeof(t.slots))
+        return _view_dict(&f[0].h, t, bdir, path)
+    finally:
+        free(f)
+        free(t)
 
 
 cdef void _close_ledger_handle(void *ctx) noexcept nogil:
