@@ -10,7 +10,8 @@ Knobs:
   garbage_collection_threshold release idle segments when reserved memory passes this fraction
                                (0, 1) of the limit (memory_fraction) or of the device: as
                                PyTorch, every one idle at least the average time, pass after
-                               pass, until under it
+                               pass, until under it (expandable segments: the pages idle
+                               longest first, until under it)
   reserve                      preallocate at start: bytes ("4GiB") or a fraction of the device's
                                free memory ("25%" or 0.25); kept until empty_cache(), or given
                                up by a request that fails otherwise (when idle)

@@ -116,7 +116,8 @@ class SharedHandle:
     backend: str        # "acl", "sim" or "cuda": importers must use the same
     node: str           # the simulated node, or the host name: keys are valid on one node only
     exporter_uid: int = None  # share records are per user: only this uid's processes can open it
-    node_device: int = None   # the node's number of the device (None: a handle of an earlier version)
+    node_device: int = None   # the node's number of the device (None: pickled by an earlier version,
+    #                           whose record open_shared refuses, naming the versions)
 
     def local_device(self, backend=None):
         """This process's number of the device the block is on (processes number the node's devices
@@ -259,6 +260,10 @@ class _Record:
         h = _HDR.unpack_from(data)
         if h[0] != _MAGIC or h[1] != _VERSION:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
+            if h[0] == _MAGIC:  # an exporter of another ascend_pool version on the node
+                raise SharingError(f"{self.path} is a share record of version {h[1]}, this ascend_pool reads "
+                                   f"version {_VERSION}: exporter and importers must run the same ascend_pool "
+                                   "(re-share the block from a process of this version)")
             raise SharingError(f"{self.path} is a malformed share record")
         self.header = {"state": h[2], "device": h[3], "exporter_pid": h[4], "exporter_instance": h[5],
                        "size": h[6], "nbytes": h[7], "read_only": bool(h[8]),

@@ -223,7 +223,23 @@ def test_a_device_being_released_stalls_no_other_devices_pools(sim_node):
         from ascend_pool import sim
         p1 = ap.Pool(1, backend="sim")
         be = p1.backend
-        s = be.stream_create(1)                      # a stream of device 1's default context
+        acl = C.CDLL(sim.library_path())
+        made = []
+
+        def framework_thread():
+            # A framework's stream in device 1's default context, holding no device reference
+            # of its own (its thread entered the context with aclrtSetCurrentContext).
+            ctx, s = C.c_void_p(), C.c_void_p()
+            assert acl.aclrtSetDevice(1) == 0 and acl.aclrtGetCurrentContext(C.byref(ctx)) == 0
+            assert acl.aclrtResetDevice(1) == 0                  # the pool's reference remains
+            assert acl.aclrtSetCurrentContext(ctx) == 0
+            assert acl.aclrtCreateStream(C.byref(s)) == 0
+            made.append(s.value)
+
+        t = threading.Thread(target=framework_thread)
+        t.start()
+        t.join()
+        s = made[0]
         buf = be.malloc(1, 2 << 20)
         sim.launch_fill(s, buf, 2 << 20, 0x5A, delay_s=1.0)
         closer = threading.Thread(target=p1.close)   # the last reference: the reset waits ~1 s
@@ -241,3 +257,42 @@ def test_a_device_being_released_stalls_no_other_devices_pools(sim_node):
     """, ASCEND_SIM_DEVICES="2")
     assert out["closed1"] >= 0.8, out   # the reset did wait for device 1's work
     assert out["open0"] < 0.4, out
+
+
+def test_a_stream_made_outside_any_pool_lives_until_it_is_destroyed(sim_node):
+    # The last aclrtResetDevice destroys the default context's streams (CANN): a stream the
+    # backend made with a reference for that call only (replay's direct mode, no pool open) was
+    # dead when it was returned ("is not a live stream"). Each stream holds a reference of its own.
+    out = sim_node.run_json("""
+        from ascend_pool import sim
+        from ascend_pool.backend import open_backend
+        be = open_backend("sim")
+        s = be.stream_create(0)
+        refs_with_stream = sim.stats(0)["device_refs"]
+        be.stream_sync(s, 1000)
+        be.stream_destroy(s)
+        print(json.dumps({"refs_with_stream": refs_with_stream, "refs_after": sim.stats(0)["device_refs"]}))
+    """)
+    assert out == {"refs_with_stream": 1, "refs_after": 0}, out
+
+
+def test_closing_the_last_pool_while_its_own_stream_runs_a_long_kernel_returns(sim_node):
+    # A kernel on the pool's stream touching no block of the pool (a collective on a framework
+    # buffer): the pool's close reached the device's last reset, which waited for the kernel
+    # (for ever, were it hung). The stream holds the device while it lives.
+    out = sim_node.run_json("""
+        import time
+        import ascend_pool as ap
+        from ascend_pool import sim
+        pool = ap.Pool(0, backend="sim", sync_timeout_ms=300)
+        s = pool.create_stream()
+        buf = pool.backend.malloc(0, 2 << 20)
+        sim.launch_fill(s, buf, 2 << 20, 0x5A, delay_s=3.0)
+        sim.hang_stream(s)
+        t0 = time.monotonic()
+        pool.close()
+        took = time.monotonic() - t0
+        sim.release_stream(s)
+        print(json.dumps({"took": took}))
+    """)
+    assert out["took"] < 1.0, out

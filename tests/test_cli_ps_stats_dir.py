@@ -105,3 +105,13 @@ def test_ps_and_list_gpu_processes_list_the_users_processes_of_a_sharing_group(t
     mine = [r for r in out["rows"] if r["tenant"] == "grouped"]
     assert [(r["pid"], r["held_bytes"] >= 8 << 20) for r in mine] == [(pid, True)], out["rows"]
     assert str(pid) in out["text"] and "no processes are running" not in out["text"], out["text"]
+
+
+def test_ps_with_a_sharing_group_that_does_not_exist_still_lists(tmp_path, capsys, monkeypatch):
+    # ps reads the sharing group's directory; a group name that does not resolve made ps and
+    # list_gpu_processes raise LedgerError instead of listing what they can read.
+    import ascend_pool as ap
+    monkeypatch.setenv("ASCEND_POOL_LEDGER_GROUP", "no-such-group-ascend-pool")
+    assert cli.main(["ps", "--json", "--stats-dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    assert ap.list_gpu_processes(0).splitlines()[0] == "NPU:0"

@@ -30,6 +30,12 @@ def capi_malloc_error(nbytes=4096, device=0):
 """
 
 
+def _not_a_directory(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("")
+    return str(path)
+
+
 def _run(sim_node, body):
     # No stats publisher: its thread may hold a dropped context for a moment, and when the
     # context becomes an orphan is part of what these tests check.
@@ -293,11 +299,13 @@ def test_live_contexts_leaves_out_the_orphans(sim_node):
     assert out["listed"] == [], out
 
 
-def test_an_orphan_freed_on_a_busy_stream_gives_back_its_quota_without_another_call(sim_node):
+@pytest.mark.parametrize("stats_dir", ["usable", "unusable"])
+def test_an_orphan_freed_on_a_busy_stream_gives_back_its_quota_without_another_call(sim_node, tmp_path, stats_dir):
     # A context dropped after a stream-ordered free whose kernel still ran stayed an orphan, its
     # memory booked in its tenant's quota, until some later Pool(), ap.free or ap.empty_cache: a
     # process that went on through another context of the tenant was refused. The stats
-    # publisher's thread reaps too, so the booking goes once the kernel is done.
+    # publisher's thread reaps too, so the booking goes once the kernel is done; also when its
+    # stats file cannot be made (it then only reaps).
     out = sim_node.run_json(PRELUDE + textwrap.dedent("""
         import gc, time
         from ascend_pool import sim
@@ -322,6 +330,7 @@ def test_an_orphan_freed_on_a_busy_stream_gives_back_its_quota_without_another_c
         other.close()
         pool.destroy_stream(writer)
         pool.close()
-    """), ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_INTERVAL="0.05")
+    """), ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_INTERVAL="0.05",
+       **({"ASCEND_POOL_STATS_DIR": _not_a_directory(tmp_path)} if stats_dir == "unusable" else {}))
     assert out["meanwhile"] >= 40 << 20, out      # the kernel still writes it
     assert out["after"] == 0 and out["got"] == "granted", out

@@ -295,3 +295,33 @@ def test_a_context_out_of_device_memory_takes_the_default_pools_idle_cache():
     finally:
         ctx.close()
         base.close()
+
+
+def test_garbage_collection_ages_a_segment_freed_on_two_streams_from_its_last_free():
+    # A segment whose blocks were freed on two streams becomes wholly free when the streams are
+    # settled (its parts merged by a retag): its age kept the segment's creation, so the one
+    # freed just now was collected before one idle for 100 allocations.
+    p = ap.Pool(0, backend="sim", garbage_collection_threshold=0.5, release_policy="never")
+    try:
+        p.set_limit(size=256 * MiB)                    # the collector's threshold: 128 MiB
+        s1, s2 = p.create_stream(), p.create_stream()
+        keep = p.malloc(4096)                          # keeps the small segment in use
+        x = p.malloc(4 * MiB, stream=s1)               # S: the 20 MiB segment medium requests share
+        y = p.malloc(4 * MiB, stream=s2)
+        t = p.malloc(24 * MiB - 512)                   # T: a segment of its own
+        p.free(t)                                      # T wholly free from now
+        for _ in range(100):
+            p.free(p.malloc(4096))                     # the pool's clock
+        p.free(y, stream=s2)
+        p.free(x, stream=s1)                           # S wholly free once the streams settle
+        p.synchronize(s1)
+        p.synchronize(s2)
+        z = p.malloc(90 * MiB)                         # over the threshold: the collector runs
+        sizes = sorted(s["total_size"] for s in p.snapshot()["segments"])
+        assert 24 * MiB not in sizes and 20 * MiB in sizes, sizes  # T (the older) went, S stayed
+        p.free(z)
+        p.free(keep)
+        p.destroy_stream(s1)
+        p.destroy_stream(s2)
+    finally:
+        p.close()

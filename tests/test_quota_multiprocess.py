@@ -173,3 +173,35 @@ def test_a_killed_processs_share_does_not_show_in_mem_get_info_or_held(node_env)
         for p in (victim, survivor):
             if p.poll() is None:
                 p.kill()
+
+
+def test_mem_get_info_never_waits_long_for_a_ledger_a_stopped_process_holds(node_env):
+    # mem_get_info() sweeps the ledger first; a process stopped while holding the ledger's lock
+    # (SIGSTOP, a frozen container) made every call wait the lock's full 10 s.
+    node, env, ledger_dir = node_env
+    asker = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import json, sys, time
+        import ascend_pool as ap
+        ctx = ap.Pool(0).context("frozen-peer", quota="64MiB")
+        print(ctx.ledger.path, flush=True)
+        sys.stdin.readline()                     # the lock is held now
+        t0 = time.monotonic()
+        free, total = ctx.mem_get_info()
+        print(json.dumps({"took": time.monotonic() - t0, "total": total}), flush=True)
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    locker = None
+    try:
+        path = asker.stdout.readline().strip()
+        locker = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys\n"
+                                   "fd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+                                   "print('locked', flush=True)\nsys.stdin.readline()", path],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert locker.stdout.readline().strip() == "locked"
+        asker.stdin.write("go\n")
+        asker.stdin.flush()
+        got = json.loads(asker.stdout.readline())
+        assert got["took"] < 1.0 and got["total"] == 64 * MiB, got
+    finally:
+        for p in (asker, locker):
+            if p is not None and p.poll() is None:
+                p.kill()

@@ -10,7 +10,7 @@ stats file and are not listed, except this process itself.
 import os
 
 from .. import registry
-from ..errors import ConfigError
+from ..errors import ConfigError, PoolError
 from ..identity import instance
 from ..tenants.ledger import ledger_group
 from . import paths
@@ -28,8 +28,12 @@ def rows(directory=None, allow_uids=(), allow_gids=()):
     # a directory given is read itself too: --stats-dir may name the private directory the
     # files sit in (ascend_pool-u<uid>), not only the base one
     gids = set(allow_gids)
-    if ledger_group() is not None:
-        gids.add(ledger_group())  # this user's processes publish in the sharing group's directory
+    try:
+        group = ledger_group()  # this user's processes publish in the sharing group's directory
+    except PoolError:           # a group that does not exist: no process can publish there either
+        group = None
+    if group is not None:
+        gids.add(group)
     scanner = StatsScanner(directory or None, allowed_uids=set(allow_uids) | {os.geteuid()}, remove_stale=False,
                            allowed_gids=gids)
     out = []

@@ -105,6 +105,7 @@ class Publisher:
                     self._open_file()
             except Exception as e:
                 _background_failed(self, e)
+                self._reap_only()
                 return
         failures = 0
         while not self._stop.is_set():
@@ -120,6 +121,15 @@ class Publisher:
                 if failures <= 3:  # a lasting problem is logged a few times, not 4 times a second
                     log.exception("publishing ascend_pool stats failed")
             self._stop.wait(self.interval)
+
+    def _reap_only(self):
+        # No stats file (a full or read-only directory): the thread still closes dropped pools
+        # once their kernels are done, as it does beside publishing.
+        while not self._stop.wait(self.interval):
+            try:
+                _registry.reap_orphans()
+            except Exception:
+                log.debug("reaping dropped pools failed", exc_info=True)
 
     def stop(self, remove=True):
         """Stops the thread, marks the file exited and removes it (a reader holding it open sees EXITED)."""

@@ -36,6 +36,7 @@ from .quota_spec import check_tenant_name, parse_quota, parse_warn
 log = logging.getLogger("ascend_pool.tenants")
 SEGMENT_BYTES = 2 << 20  # the smallest device allocation the pool makes (a small-pool segment, a page)
 SWEEP_EVERY_S = 0.5      # a context's reads of the tenant's figures give back dead processes' shares this often
+SWEEP_LOCK_MS = 20       # ... waiting this long at most for the ledger's lock (its holders keep it microseconds)
 _KEEP = object()
 
 
@@ -99,8 +100,8 @@ class Context(Pool):
         if fresh and now - getattr(self, "_swept_at", -SWEEP_EVERY_S) >= SWEEP_EVERY_S:
             self._swept_at = now
             try:
-                hook.ledger.sweep()
-            except PoolError as e:  # a ledger held locked too long: the figures as they are
+                hook.ledger.sweep(lock_timeout_ms=SWEEP_LOCK_MS)
+            except PoolError as e:  # a ledger held locked (a stopped process): the figures as they are
                 log.debug("sweeping the ledger for %s failed: %s", self.tenant, e)
         return hook.state(self)
 

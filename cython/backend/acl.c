@@ -1132,9 +1132,28 @@ static int acl_stream_create_here(ap_backend *b, int device, void **stream)
     return rc;
 }
 
-static int acl_stream_create(ap_backend *b, int device, void **stream)
+static int acl_device_retain(ap_backend *b, int device);
+static int acl_device_release(ap_backend *b, int device);
+
+/* A stream this backend creates holds a device reference of its own until it is destroyed, as a
+   pool does: the last aclrtResetDevice destroys every stream of the default context (CANN), so a
+   stream made outside any pool's life (replay's direct mode, a framework's stream from
+   Pool.create_stream kept after the pool) died with the call's temporary reference. */
+static int acl_stream_create_on(ap_backend *b, int device, void **stream)
 {
     ON_DEVICE(b, device, acl_stream_create_here(b, device, stream));
+}
+
+static int acl_stream_create(ap_backend *b, int device, void **stream)
+{
+    int rc = acl_device_retain(b, device);
+
+    if (rc != 0)
+        return rc;
+    rc = acl_stream_create_on(b, device, stream);
+    if (rc != 0)
+        (void)acl_device_release(b, device);
+    return rc;
 }
 
 /* The device of `stream`: one this backend created, else what the simulator says (CANN has no
@@ -1233,11 +1252,13 @@ static int acl_stream_sync(ap_backend *b, void *stream, int timeout_ms)
     ON_STREAM(b, stream, acl_stream_sync_here(b, stream, timeout_ms));
 }
 
-static int acl_stream_destroy_here(ap_backend *b, void *stream)
+static int acl_stream_destroy_here(ap_backend *b, void *stream, int *created_on)
 {
     int rc = IMPL(b)->aclrtDestroyStream(stream);
 
+    *created_on = -1;
     if (rc == 0) {
+        *created_on = acl_created_stream_device(IMPL(b), stream);
         (void)acl_streams_note(IMPL(b), stream, -1);
         acl_learn_context(IMPL(b), stream, NULL, -1);
     }
@@ -1245,9 +1266,19 @@ static int acl_stream_destroy_here(ap_backend *b, void *stream)
 }
 
 /* CANN: "the stream must be in the current context": run in its device's context when known. */
+static int acl_stream_destroy_on(ap_backend *b, void *stream, int *created_on)
+{
+    ON_STREAM(b, stream, acl_stream_destroy_here(b, stream, created_on));
+}
+
 static int acl_stream_destroy(ap_backend *b, void *stream)
 {
-    ON_STREAM(b, stream, acl_stream_destroy_here(b, stream));
+    int created_on = -1;
+    int rc = acl_stream_destroy_on(b, stream, &created_on);
+
+    if (rc == 0 && created_on >= 0)
+        (void)acl_device_release(b, created_on); /* the reference it held (acl_stream_create) */
+    return rc;
 }
 
 /* ---- errors -------------------------------------------------------------------------------- */

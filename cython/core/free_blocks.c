@@ -40,6 +40,7 @@ static inline void detach(ap_pool *p, ap_block *n) {
 ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
     /* A merged block is as idle as its longest-idle part; a retagged block keeps its age. */
     int moving = b->state == AP_BLOCK_MOVING;
+    int was_whole = is_whole_segment(b); /* a retagged whole segment keeps its free_since */
     uint64_t idle_since = moving ? b->free_tick : p->tick;
     b->state = AP_BLOCK_FREE;
     b->requested = 0;
@@ -77,7 +78,8 @@ ap_block *ap_free_insert(ap_pool *p, ap_block *b, int tag) {
     if (b->seg->pool == AP_POOL_SMALL) p->small_exact[ap_exact_bucket(b->size, tag)]++;
     if (is_whole_segment(b)) {
         p->n_free_segments++;
-        if (!moving) b->seg->free_since = p->tick;
+        /* wholly free from now: by this free, or by a retag merging parts freed on two streams */
+        if (!moving || !was_whole) b->seg->free_since = p->tick;
     } else {
         b->counted_split = 1;
         ap_stat_inc(&p->stats, AP_STAT_INACTIVE_SPLIT, b->seg->pool, 1);
