@@ -334,3 +334,22 @@ def test_an_orphan_freed_on_a_busy_stream_gives_back_its_quota_without_another_c
        **({"ASCEND_POOL_STATS_DIR": _not_a_directory(tmp_path)} if stats_dir == "unusable" else {}))
     assert out["meanwhile"] >= 40 << 20, out      # the kernel still writes it
     assert out["after"] == 0 and out["got"] == "granted", out
+
+
+def test_stop_publisher_ends_the_thread_that_only_reaps(sim_node, tmp_path):
+    # With no stats file to publish in, the publisher's thread only reaps dropped pools;
+    # stop_publisher() (and the exit hook) could not reach it.
+    out = sim_node.run_json("""
+        import threading, time
+        import ascend_pool as ap
+        from ascend_pool.service import publisher
+        pool = ap.Pool(0, backend="sim")
+        time.sleep(0.3)
+        alive = [t for t in threading.enumerate() if t.name == "ascend-pool-stats"]
+        publisher.stop_publisher()
+        for t in alive:
+            t.join(timeout=5)
+        print(json.dumps({"threads": len(alive), "after": sum(t.is_alive() for t in alive)}))
+        pool.close()
+    """, ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_INTERVAL="0.05", ASCEND_POOL_STATS_DIR=_not_a_directory(tmp_path))
+    assert out == {"threads": 1, "after": 0}, out

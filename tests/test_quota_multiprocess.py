@@ -205,3 +205,64 @@ def test_mem_get_info_never_waits_long_for_a_ledger_a_stopped_process_holds(node
         for p in (asker, locker):
             if p is not None and p.poll() is None:
                 p.kill()
+
+
+def test_a_short_ledger_lock_wait_holds_while_another_thread_waits_longer(node_env):
+    # The deadline bounded only flock(): a thread with a short one (mem_get_info()'s 20 ms) waited
+    # for the process's own mutex while another thread of the process waited out a long one.
+    node, env, ledger_dir = node_env
+    asker = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import json, sys, threading, time
+        import ascend_pool as ap
+        ctx = ap.Pool(0).context("two-waits", quota="64MiB")
+        print(ctx.ledger.path, flush=True)
+        sys.stdin.readline()                     # the lock is held now
+        long = threading.Thread(target=lambda: _ignore(ctx.ledger.sweep, 3000))
+        def _ignore(fn, ms):
+            try:
+                fn(lock_timeout_ms=ms)
+            except ap.PoolError:
+                pass
+        long.start()
+        time.sleep(0.2)                          # the long wait holds the process's mutex
+        t0 = time.monotonic()
+        try:
+            ctx.ledger.sweep(lock_timeout_ms=20)
+            got = "swept"
+        except ap.PoolError as e:
+            got = str(e)
+        took = time.monotonic() - t0
+        long.join()
+        print(json.dumps({"took": took, "got": got}), flush=True)
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    locker = None
+    try:
+        path = asker.stdout.readline().strip()
+        locker = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys\n"
+                                   "fd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+                                   "print('locked', flush=True)\nsys.stdin.readline()", path],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert locker.stdout.readline().strip() == "locked"
+        asker.stdin.write("go\n")
+        asker.stdin.flush()
+        got = json.loads(asker.stdout.readline())
+        assert got["took"] < 0.5 and "20 ms" in got["got"], got
+    finally:
+        for p in (asker, locker):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+
+def test_a_sigbus_sent_to_a_process_with_the_ledger_guard_still_ends_it(node_env):
+    # The SIGBUS guard (installed by a sweep of a group's ledger) returned from a SIGBUS sent
+    # with kill(): the process lived on, its handler reset, the next guarded read unprotected.
+    node, env, ledger_dir = node_env
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import os, signal
+        import ascend_pool as ap
+        ctx = ap.Pool(0).context("guarded", quota="64MiB")
+        ctx.ledger.sweep()                       # a group's ledger: read under the guard
+        os.kill(os.getpid(), signal.SIGBUS)
+        print("survived", flush=True)
+    """)], capture_output=True, text=True, env=dict(env, ASCEND_POOL_LEDGER_GROUP=str(os.getgid())), timeout=60)
+    assert r.returncode == -signal.SIGBUS and "survived" not in r.stdout, (r.returncode, r.stdout, r.stderr[-300:])

@@ -37,6 +37,7 @@ DEFAULT_INTERVAL_S = 0.25
 
 _lock = threading.Lock()
 _publisher = None
+_reaper = None   # a Publisher whose stats file could not be made: its thread only reaps dropped pools
 _failed = False  # could not create the file once: do not retry (and log) at every new pool
 
 
@@ -99,12 +100,14 @@ class Publisher:
                             len(samples), self.file.capacity)
 
     def _run(self):
+        global _reaper
         if self.file is None:  # a background start: create the file here
             try:
                 with self._write_lock:
                     self._open_file()
             except Exception as e:
                 _background_failed(self, e)
+                _reaper = self  # stop_publisher() still ends the thread
                 self._reap_only()
                 return
         failures = 0
@@ -239,11 +242,14 @@ def current():
 
 def stop_publisher():
     """Stops publishing and removes this process's file (also run at exit)."""
-    global _publisher
+    global _publisher, _reaper
     with _lock:
         p, _publisher = _publisher, None
+        reaper, _reaper = _reaper, None
     if p is not None:
         p.stop()
+    if reaper is not None:
+        reaper._stop.set()
 
 
 _forking = None  # the Publisher whose cycle lock the fork in progress holds
@@ -267,8 +273,8 @@ def _after_fork_in_parent():
 def _after_fork_in_child():
     # The child has the parent's Publisher object but not its thread, and the file is the parent's:
     # forget it without touching it; the child publishes under its own pid when it opens a pool.
-    global _publisher, _failed, _lock, _forking
-    p, _publisher, _failed, _lock, _forking = _publisher, None, False, threading.Lock(), None
+    global _publisher, _failed, _lock, _forking, _reaper
+    p, _publisher, _failed, _lock, _forking, _reaper = _publisher, None, False, threading.Lock(), None, None
     if p is not None and p.file is not None:
         p.file.abandon()
 

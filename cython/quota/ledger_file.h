@@ -362,7 +362,19 @@ static int apl_lock(apl_ledger *L, char *err, size_t len) {
 
 /* apl_lock with a deadline of timeout_ms (both the process mutex and flock()). */
 static int apl_lock_ms(apl_ledger *L, int timeout_ms, char *err, size_t len) {
-    pthread_mutex_lock(&L->mu);
+    struct timespec start;
+    clock_gettime(CLOCK_MONOTONIC, &start); /* a deadline, not a count of sleeps: each oversleeps */
+    /* The process mutex within the same deadline: another thread of this process may hold it
+       while it waits out its own (longer) flock deadline. */
+    while (pthread_mutex_trylock(&L->mu) != 0) {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if ((now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000 >= timeout_ms)
+            return apl_fail(err, len, APL_E_LOCK, "cannot lock ledger %s: another thread of this process held it "
+                            "for %d ms", L->path, timeout_ms);
+        struct timespec ts = {0, 200 * 1000};
+        nanosleep(&ts, NULL);
+    }
     if (L->fd_pid != getpid()) {
         int rc = apl_reopen_after_fork(L, err, len);
         if (rc != APL_OK) {
@@ -372,8 +384,6 @@ static int apl_lock_ms(apl_ledger *L, int timeout_ms, char *err, size_t len) {
     }
     /* Non-blocking attempts with a bounded wait: a peer stopped (SIGSTOP) inside its critical
        section must produce an error, not a hang under the pool lock. */
-    struct timespec start;
-    clock_gettime(CLOCK_MONOTONIC, &start); /* a deadline, not a count of sleeps: each oversleeps */
     for (;;) {
         if (flock(L->fd, LOCK_EX | LOCK_NB) == 0) return APL_OK;
         if (errno != EWOULDBLOCK && errno != EINTR) break;
@@ -389,8 +399,8 @@ static int apl_lock_ms(apl_ledger *L, int timeout_ms, char *err, size_t len) {
     int e = errno;
     pthread_mutex_unlock(&L->mu);
     if (e == ETIMEDOUT)
-        return apl_fail(err, len, APL_E_LOCK, "cannot lock ledger %s: held for %.1f s by another process (stopped "
-                        "or wedged?)", L->path, timeout_ms / 1000.0);
+        return apl_fail(err, len, APL_E_LOCK, "cannot lock ledger %s: held for %d ms by another process (stopped "
+                        "or wedged?)", L->path, timeout_ms);
     return apl_fail(err, len, APL_E_LOCK, "cannot lock ledger %s: %s", L->path, strerror(e));
 }
 

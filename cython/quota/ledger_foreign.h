@@ -65,8 +65,10 @@ static int apl_read_copy(const char *path, int device, const char *backend, cons
         }
         if (rc != APL_OK) break;
         /* A writer stopped inside an update (lock held) may leave an entry half-claimed: read
-           again a few times before calling the file malformed. */
-        bad = apl_check_contents(out, &st, device, backend, node, group);
+           again a few times before calling the file malformed. A copy that never read the same
+           twice is no picture at all. */
+        bad = same ? apl_check_contents(out, &st, device, backend, node, group)
+                   : "it kept changing while it was read";
         if (!bad) break;
         struct timespec ts = {0, 2 * 1000 * 1000};
         nanosleep(&ts, NULL);
@@ -80,9 +82,10 @@ static int apl_read_copy(const char *path, int device, const char *backend, cons
 
 /* Sweep of a mapped ledger another user may truncate: the lock within lock_ms, then the file's
    size (the mapping is only touched while the file still covers it), then the reclaim under the
-   SIGBUS guard. Returns the slots reclaimed; -1 with err when the lock could not be taken; -2
-   with err when the file shrank: this mapping must not be used again (drop it). */
-static int apl_reclaim_checked(apl_ledger *L, int lock_ms, uint64_t *bytes, char *err, size_t len) {
+   SIGBUS guard (guard: a file another user can write; a user's own processes install no
+   signal handler). Returns the slots reclaimed; -1 with err when the lock could not be taken;
+   -2 with err when the file shrank: this mapping must not be used again (drop it). */
+static int apl_reclaim_checked(apl_ledger *L, int lock_ms, int guard, uint64_t *bytes, char *err, size_t len) {
     if (bytes) *bytes = 0;
     if (apl_lock_ms(L, lock_ms, err, len) != APL_OK) return -1;
     struct stat st;
@@ -93,8 +96,12 @@ static int apl_reclaim_checked(apl_ledger *L, int lock_ms, uint64_t *bytes, char
     }
     volatile int n = 0, bus = 0;
     uint64_t got = 0;
-    sigjmp_buf env;
-    APL_GUARDED(env, n = apl_reclaim_locked(L, -1, &got), bus = 1);
+    if (guard) {
+        sigjmp_buf env;
+        APL_GUARDED(env, n = apl_reclaim_locked(L, -1, &got), bus = 1);
+    } else {
+        n = apl_reclaim_locked(L, -1, &got);
+    }
     apl_unlock(L);
     if (bus) {
         apl_fail(err, len, APL_E_MALFORMED, "ledger %s was truncated during a sweep; dropping it", L->path);

@@ -96,7 +96,7 @@ cdef extern from "quota/ledger_foreign.h" nogil:
                        uint32_t owner, int lock_ms, apl_ledger **out, char *err, size_t len)
     int apl_read_copy(const char *path, int device, const char *backend, const char *node, uint32_t group,
                       uint32_t owner, apl_file *out, apl_file *scratch, char *err, size_t len)
-    int apl_reclaim_checked(apl_ledger *L, int lock_ms, uint64_t *nbytes, char *err, size_t len)
+    int apl_reclaim_checked(apl_ledger *L, int lock_ms, int guard, uint64_t *nbytes, char *err, size_t len)
     int APL_LOCK_TIMEOUT_MS
 
 LEDGER_TENANTS = APL_TENANTS
@@ -172,6 +172,7 @@ cdef class Ledger:
     cdef readonly int device
     cdef readonly object group
     cdef public bint usable
+    cdef bint guarded  # a file another user can write (a group's, another user's): read under the SIGBUS guard
 
     def __cinit__(self, str path, int device, str backend, str node="", group=None, owner=None,
                   lock_timeout_ms=None):
@@ -194,6 +195,7 @@ cdef class Ledger:
         self.device = device
         self.group = group
         self.usable = True
+        self.guarded = group is not None or (owner is not None and owner != _os.geteuid())
 
     def __dealloc__(self):
         if self.L != NULL:
@@ -204,9 +206,9 @@ cdef class Ledger:
         """Gives back the shares of dead processes (all tenants). Returns (slots, bytes) reclaimed.
         The node service calls this periodically; reserve() also does it before refusing.
         lock_timeout_ms: how long to wait for the file's lock (default 10 s). The file's size is
-        checked first, and the mapping is read under a SIGBUS guard (ledger_foreign.h): a file
-        its owner truncated raises LedgerError (kind "malformed"), and this object must then be
-        dropped (self.usable is False)."""
+        checked first, and the mapping of a file another user can write is read under a SIGBUS
+        guard (ledger_guard.h): a file its owner truncated raises LedgerError (kind "malformed"),
+        and this object must then be dropped (self.usable is False)."""
         cdef char err[1024]
         cdef uint64_t nbytes = 0
         cdef int n
@@ -215,7 +217,7 @@ cdef class Ledger:
             raise LedgerError(f"ledger {self.path} shrank while mapped; open it again", kind="malformed")
         err[0] = 0
         with nogil:
-            n = apl_reclaim_checked(self.L, lock_ms, &nbytes, err, sizeof(err))
+            n = apl_reclaim_checked(self.L, lock_ms, self.guarded, &nbytes, err, sizeof(err))
         if n == -2:
             self.usable = False
             raise _ledger_error(APL_E_MALFORMED, err)
