@@ -28,6 +28,7 @@ import re
 import secrets
 import stat
 import threading
+import time
 
 MAX_PROBES = 100000   # names tried before giving up (each costs one lstat)
 LOOKAHEAD = 64        # names looked at past the first free one (as the simulator's node records)
@@ -85,10 +86,33 @@ def private_dir(base, group=None):
                               "its names keep being taken by others while it is created")
 
 
+STALE_TEMPORARY_S = 60  # a temporary directory this old was left by a process killed while creating
+
+
+def _remove_stale_temporaries(base, kind, num):
+    # A process killed between its mkdir and its rename leaves its temporary directory; this
+    # user removes its own (empty, and old enough that no creation is still in flight).
+    prefix = f".ascend_pool-tmp-{kind}{num}-"
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(prefix)]
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > STALE_TEMPORARY_S:
+                os.rmdir(path)
+        except OSError:
+            pass
+
+
 def _create(base, path, kind, num):
     """Creates the directory `path` whole: under a temporary name in base, with its final group
     and mode, then renamed to path if path is still free. True when it was; False when the name
     was taken meanwhile (by a peer starting at the same moment, or by someone else)."""
+    _remove_stale_temporaries(base, kind, num)
     for _ in range(100):
         tmp = os.path.join(base, f".ascend_pool-tmp-{kind}{num}-{secrets.token_hex(8)}")
         try:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -277,3 +278,16 @@ def test_a_members_service_lists_another_members_shares_and_removes_dead_ones(no
     exporter.wait(timeout=10)
     assert listed() == []
     assert not os.path.exists(record)  # removed by the other member's listing
+
+
+def test_a_temporary_directory_left_by_a_killed_creator_is_removed(base):
+    # A process killed between its mkdir and its rename left .ascend_pool-tmp-* in /dev/shm for good.
+    uid = os.geteuid()
+    stale = os.path.join(base, f".ascend_pool-tmp-u{uid}-00deadbeef00cafe")
+    fresh = os.path.join(base, f".ascend_pool-tmp-u{uid}-0123456789abcdef")
+    os.mkdir(stale, 0o700)
+    os.mkdir(fresh, 0o700)  # a creation that may still be in flight: kept
+    old = time.time() - 2 * pd.STALE_TEMPORARY_S
+    os.utime(stale, (old, old))
+    path = pd.private_dir(base)
+    assert os.path.isdir(path) and not os.path.exists(stale) and os.path.isdir(fresh)
