@@ -758,3 +758,51 @@ def test_closing_the_devices_last_pool_with_a_hung_stream_returns(sim_node):
     assert out["took"] < 2.0, out
     # the hung pool's reference and its stream's (which lives on) stay; the idle pool's went back
     assert out["refs_after_hung"] == 2 and out["refs_after_idle"] == 2, out
+
+
+def test_a_cross_device_use_whose_stream_handle_went_to_a_third_device_does_not_pin_the_block(sim_node):
+    # A framework's record_stream (the C ABI) named device 1's stream X for a device-2 block; X
+    # was destroyed and the runtime gave its handle to a new stream of device 0 before the free.
+    # The free's event could not be recorded on X (another context now): the block owed a wait
+    # on X that no event of device 2 could ever give, and stayed pending for good (20 rounds: 20
+    # MiB of device 2 held, after empty_cache too). The handle naming another device says X is gone.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        VP = C.c_void_p
+        acl = sim.attach()
+        acl.aclrtSetDevice.argtypes = [C.c_int32]
+        acl.aclrtCreateStream.argtypes = [C.POINTER(VP)]
+        acl.aclrtDestroyStream.argtypes = [VP]
+        lib = C.CDLL(ap.library_path())
+        lib.ascend_pool_malloc.restype = VP
+        lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, VP]
+        lib.ascend_pool_free.argtypes = [VP, C.c_ssize_t, C.c_int, VP]
+        lib.ascend_pool_record_stream.argtypes = [VP, VP]
+        assert acl.aclInit(None) in (0, 100002)        # the framework's own
+        lib.ascend_pool_init(3)
+
+        def stream(dev):
+            assert acl.aclrtSetDevice(dev) == 0
+            s = VP()
+            assert acl.aclrtCreateStream(C.byref(s)) == 0
+            return s.value
+
+        keep, reused = [], 0
+        for _ in range(5):
+            x = stream(1)
+            p = lib.ascend_pool_malloc(1 << 20, 2, None)
+            lib.ascend_pool_record_stream(p, x)       # a cross-device use
+            acl.aclrtSetDevice(1)
+            assert acl.aclrtDestroyStream(VP(x)) == 0
+            y = stream(0)
+            reused += y == x                          # the runtime gave x's handle to device 0
+            acl.aclrtSetDevice(2)
+            lib.ascend_pool_free(p, 1 << 20, 2, None)
+            keep.append(y)                            # a framework's stream: it lives on
+        lib.ascend_pool_empty_cache()
+        st = ap.default_pool(2).memory_stats()
+        print(json.dumps({"reused": reused, "active": st["active_bytes.all.current"],
+                          "held": sim.stats(2)["bytes_held"]}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1", ASCEND_SIM_DEVICES="3")
+    assert out == {"reused": 5, "active": 0, "held": 0}, out

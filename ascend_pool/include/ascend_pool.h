@@ -36,9 +36,10 @@ extern "C" {
 
 /* Last-error codes (ascend_pool_last_error_code). 1..10 are the pool's own statuses. */
 #define ASCEND_POOL_OK 0
-#define ASCEND_POOL_E_OOM 1             /* device exhausted after trimming the cache and retrying */
+#define ASCEND_POOL_E_OOM 1             /* device exhausted after trimming the cache and retrying (also a
+                                           request larger than the device: PyTorch's OutOfMemoryError) */
 #define ASCEND_POOL_E_LIMIT 2           /* the pool's byte limit (memory fraction) would be passed */
-#define ASCEND_POOL_E_INVALID_SIZE 3    /* size 0, negative, or larger than the device */
+#define ASCEND_POOL_E_INVALID_SIZE 3    /* size 0, negative, or past what the pool can round */
 #define ASCEND_POOL_E_INVALID_PTR 4     /* not a live allocation of any pool of that device */
 #define ASCEND_POOL_E_INVALID_STREAM 5  /* too many streams, or a stream the pool forgot */
 #define ASCEND_POOL_E_DEVICE 6          /* the runtime returned an error */

@@ -260,6 +260,12 @@ static void record_foreign(ap_pool *p, ap_block_uses *u, void *stream, int devic
         }
         p->backend->event_destroy(p->backend, ev);
         if (ap_stream_unusable(p, rc)) return;
+        /* Its handle now names another device's stream (the runtime gave a destroyed stream's
+           handle to a new one): the stream recorded on is gone with its work. Owed, the block
+           waited for a stream no event of its device can reach: pending for good. */
+        int now;
+        if (p->backend->stream_device && p->backend->stream_device(p->backend, stream, &now) == 0 && now != device)
+            return;
     }
     u->owed[u->n_owed++] = stream; /* waited for before the block is reused (owed_done) */
 }
