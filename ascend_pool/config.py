@@ -201,9 +201,13 @@ def _torch_mib_range(least, most):
     return check
 
 
-def _whole(key, value):
-    if _number(key, value, int) < 0:
-        raise ConfigError(f"{key}: must be a non-negative integer (as torch_npu), got {value!r}")
+def _torch_npu_int(least, most):
+    # torch_npu's checks: an integer (not 1.5, not True) within its documented range.
+    def check(key, value):
+        text = str(value).strip()
+        if isinstance(value, (bool, float)) or not (text.isascii() and text.isdigit()) or not least <= int(text) <= most:
+            raise ConfigError(f"{key}: must be an integer from {least} to {most} (as torch_npu), got {value!r}")
+    return check
 
 
 def large_segment_bytes(value):
@@ -277,7 +281,7 @@ TORCH_KEY_RULES = {
     "release_lock_on_npumalloc": _torch_flag,
     "pin_memory_expandable_segments": _torch_flag,
     "pinned_mem_register": _torch_flag,
-    "base_addr_aligned_kb": _whole,
+    "base_addr_aligned_kb": _torch_npu_int(0, 16),
     "pinned_max_round_threshold_mb": _torch_mib(0),
     "pinned_max_cached_size_mb": _torch_mib(0),
     "expandable_segments_reserve": _torch_reserve,

@@ -57,7 +57,12 @@ def is_trusted(st, kind, num):
 def private_dir(base, group=None):
     """This user's (or, with group=gid, the group's) private directory inside base, created if
     needed. Raises OSError (PermissionError naming the problem) when none can be had."""
-    kind, num = ("g", int(group)) if group is not None else ("u", os.geteuid())
+    base = os.fspath(base)
+    if not isinstance(base, str) or "\0" in base:
+        raise NotADirectoryError(f"{base!r} is not a directory path")
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < 2**32 - 1):
+        raise PermissionError(f"{group!r} is not a group id (0 to {2**32 - 2})")
+    kind, num = ("g", group) if group is not None else ("u", os.geteuid())
     key = (os.path.abspath(base), kind, num)
     path = _cache.get(key)
     if path is not None and _still_ours(path, kind, num):

@@ -72,7 +72,7 @@ from ._core import _share_alloc, check_not_forked
 from .api import default_pool
 from .backend import open_backend
 from .errors import ConfigError, DeviceError, InvalidDeviceError, InvalidPointerError, PoolError
-from .pool import set_sharing
+from .pool import Pool, set_sharing
 from .private_dir import candidates, is_trusted
 from .tenants.ledger import base_dir, ledger_dir, node_name
 from .units import as_index
@@ -349,6 +349,8 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 def _check_pool(pool):
     check_not_forked()  # a forked child's pools are its parent's (BackendUnavailableError)
+    if not isinstance(pool, Pool):
+        raise SharingError(f"pool must be an ascend_pool Pool (or tenant context), got {type(pool).__name__}")
     if pool.closed:
         raise SharingError("this pool is closed")
 
@@ -650,6 +652,8 @@ class SharedBlock:
 def _local_device(backend, node_device):
     """This process's number of the node's device node_device (the numbering
     ASCEND_RT_VISIBLE_DEVICES or CUDA_VISIBLE_DEVICES gives each process)."""
+    if isinstance(node_device, bool) or not isinstance(node_device, int):
+        raise InvalidDeviceError(f"the handle's node_device {node_device!r} is not a device number (an edited handle?)")
     count = backend.device_count
     for device in range(count):
         if backend.physical_device(device) == node_device:

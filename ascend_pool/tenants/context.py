@@ -121,6 +121,8 @@ class Context(Pool):
         device's free bytes; what HAMi's limited cudaMemGetInfo reports, and what a framework
         that sizes itself from mem_get_info (a KV cache at a fraction of total) needs. Without a
         quota: the device's figures, as Pool.mem_get_info()."""
+        if self.closed:  # its quota is no longer known: the device's figures would be a wrong answer
+            raise PoolError(f"tenant context {self.tenant!r} is closed")
         free, total = super().mem_get_info()
         state = self._quota_state(fresh=True)
         quota = state["quota_bytes"] if state else None

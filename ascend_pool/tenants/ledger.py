@@ -101,11 +101,15 @@ def ledger_group(value=None):
     value = value if value is not None else os.environ.get(GROUP_ENV, "").strip()
     if value in ("", None):
         return None
-    if isinstance(value, int) or str(value).isdigit():
-        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool) or (isinstance(value, str) and value.isascii()
+                                                                   and value.isdigit()):
+        gid = int(value)
+        if not 0 <= gid < 2**32 - 1:  # 2**32-1 is (gid_t)-1: chown's "leave the group as it is"
+            raise LedgerError(f"{GROUP_ENV}={value!r} is not a group id (0 to {2**32 - 2})", kind="argument")
+        return gid
     try:
-        return grp.getgrnam(value).gr_gid
-    except KeyError:
+        return grp.getgrnam(str(value)).gr_gid
+    except (KeyError, ValueError):
         raise LedgerError(f"{GROUP_ENV}={value!r} is not a group on this system", kind="argument") from None
 
 
@@ -232,6 +236,16 @@ def read_view(path, device, backend, node="", group=None, owner=None):
     every ledger, its own and other users': another user may truncate its file (a mapping would
     then be a SIGBUS) or hold its lock (a process stopped inside an update) at any time, and the
     path is read again at each call, so a ledger removed and created again is followed."""
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        path = None
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise LedgerError(f"{path!r} is not a ledger path", kind="argument")
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < 2**31:
+        raise LedgerError(f"{device!r} is not a device number", kind="argument")
+    if not isinstance(backend, str) or not isinstance(node, str):
+        raise LedgerError(f"backend and node must be names, got {backend!r} and {node!r}", kind="argument")
     return read_ledger_view(path, device, backend, node, group, _owner_arg(owner))
 
 
