@@ -189,22 +189,8 @@ def test_mem_get_info_never_waits_long_for_a_ledger_a_stopped_process_holds(node
         free, total = ctx.mem_get_info()
         print(json.dumps({"took": time.monotonic() - t0, "total": total}), flush=True)
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    locker = None
-    try:
-        path = asker.stdout.readline().strip()
-        locker = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys\n"
-                                   "fd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
-                                   "print('locked', flush=True)\nsys.stdin.readline()", path],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert locker.stdout.readline().strip() == "locked"
-        asker.stdin.write("go\n")
-        asker.stdin.flush()
-        got = json.loads(asker.stdout.readline())
-        assert got["took"] < 1.0 and got["total"] == 64 * MiB, got
-    finally:
-        for p in (asker, locker):
-            if p is not None and p.poll() is None:
-                p.kill()
+    got = _answer_while_a_peer_holds_the_ledger_lock(asker)
+    assert got["took"] < 1.0 and got["total"] == 64 * MiB, got
 
 
 def test_a_short_ledger_lock_wait_holds_while_another_thread_waits_longer(node_env):
@@ -235,22 +221,8 @@ def test_a_short_ledger_lock_wait_holds_while_another_thread_waits_longer(node_e
         long.join()
         print(json.dumps({"took": took, "got": got}), flush=True)
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    locker = None
-    try:
-        path = asker.stdout.readline().strip()
-        locker = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys\n"
-                                   "fd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
-                                   "print('locked', flush=True)\nsys.stdin.readline()", path],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert locker.stdout.readline().strip() == "locked"
-        asker.stdin.write("go\n")
-        asker.stdin.flush()
-        got = json.loads(asker.stdout.readline())
-        assert got["took"] < 0.5 and "20 ms" in got["got"], got
-    finally:
-        for p in (asker, locker):
-            if p is not None and p.poll() is None:
-                p.kill()
+    got = _answer_while_a_peer_holds_the_ledger_lock(asker)
+    assert got["took"] < 0.5 and "20 ms" in got["got"], got
 
 
 def test_a_sigbus_sent_to_a_process_with_the_ledger_guard_still_ends_it(node_env):
@@ -266,3 +238,23 @@ def test_a_sigbus_sent_to_a_process_with_the_ledger_guard_still_ends_it(node_env
         print("survived", flush=True)
     """)], capture_output=True, text=True, env=dict(env, ASCEND_POOL_LEDGER_GROUP=str(os.getgid())), timeout=60)
     assert r.returncode == -signal.SIGBUS and "survived" not in r.stdout, (r.returncode, r.stdout, r.stderr[-300:])
+
+
+def _answer_while_a_peer_holds_the_ledger_lock(asker):
+    """asker prints its ledger's path, then answers (a JSON line) once told to go: this holds the
+    ledger's lock from another process (a process stopped inside an update) meanwhile."""
+    locker = None
+    try:
+        path = asker.stdout.readline().strip()
+        locker = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys\n"
+                                   "fd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+                                   "print('locked', flush=True)\nsys.stdin.readline()", path],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert locker.stdout.readline().strip() == "locked"
+        asker.stdin.write("go\n")
+        asker.stdin.flush()
+        return json.loads(asker.stdout.readline())
+    finally:
+        for p in (asker, locker):
+            if p is not None and p.poll() is None:
+                p.kill()
