@@ -10,7 +10,7 @@ import pytest
 
 import ascend_pool as ap
 from ascend_pool import private_dir as pd
-from ascend_pool import sharing
+from ascend_pool import config, sharing
 from ascend_pool.config import knobs_to_config, parse_conf_string
 from ascend_pool.errors import ConfigError, InvalidDeviceError, LedgerError, PoolError
 from ascend_pool.tenants.ledger import ledger_group, read_view
@@ -79,7 +79,8 @@ def test_a_closed_tenant_contexts_mem_get_info_is_refused():
 
 
 @pytest.mark.parametrize("value", ["17", "9" * 400, str(2**70), "1.5", "True", "-1", "abc"])
-def test_base_addr_aligned_kb_takes_torch_npus_range(value):
+def test_base_addr_aligned_kb_takes_torch_npus_range(value, monkeypatch):
+    monkeypatch.setattr(config, "_warned", set())  # its once-per-process warning stays for the others' tests
     with pytest.raises(ConfigError, match="base_addr_aligned_kb"):
         knobs_to_config(parse_conf_string(f"base_addr_aligned_kb:{value}"), 1 << 30, 1 << 30)
     with warnings.catch_warnings():
