@@ -464,8 +464,9 @@ def test_a_worker_that_numbers_the_devices_otherwise_opens_the_block_on_the_same
         h = ex("""
             p1 = ap.Pool(1, backend="sim")
             ptr = p1.share_malloc(4 * MiB)
-            sim.launch_fill(None, ptr, 4 * MiB, 0x5A)
-            p1.synchronize()
+            s1 = p1.create_stream()                   # device 1's (the NULL stream is the thread's device's)
+            sim.launch_fill(s1, ptr, 4 * MiB, 0x5A)
+            p1.synchronize(s1)
             h = p1.share(ptr, any_process=True)
             out = dump(h)
         """)
