@@ -168,13 +168,6 @@ def _split_items(text):
     return items
 
 
-# Keys torch_npu accepts that mean nothing for this pool: accepted with one warning each.
-IGNORED_TORCH_NPU_KEYS = frozenset({
-    "base_addr_aligned_kb", "pin_memory_expandable_segments", "pinned_mem_register", "segment_size_mb",
-    "multi_stream_lazy_reclaim", "pinned_reserve_segment_size_mb",
-    "release_lock_on_npumalloc", "max_non_split_rounding_mb", "pinned_use_background_threads",
-    "pinned_num_register_threads", "release_lock_on_cudamalloc", "backend",
-})
 _warned = set()
 
 
@@ -259,8 +252,9 @@ def _torch_reserve_by_class(key, value):
 
 
 # Keys of PyTorch's CUDA allocator config (c10 CUDAAllocatorConfig and AcceleratorAllocatorConfig)
-# that mean nothing for this pool, each with PyTorch's rule for its value: checked, then ignored
-# with one warning. (Keys PyTorch shares with this pool, max_split_size_mb and the like, are knobs.)
+# and of torch_npu's NPUAllocatorConfig that mean nothing for this pool, each with its owner's rule
+# for its value: checked, then ignored with one warning. (Keys PyTorch shares with this pool,
+# max_split_size_mb and the like, are knobs.)
 TORCH_KEY_RULES = {
     "backend": _torch_backend,
     "release_lock_on_cudamalloc": _torch_flag,
@@ -470,8 +464,6 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
             cfg["large_segment"] = large_segment_bytes(value)
         elif key in TORCH_KEY_RULES:
             TORCH_KEY_RULES[key](key, value)
-            _warn_ignored(key)
-        elif key in IGNORED_TORCH_NPU_KEYS:
             _warn_ignored(key)
         else:
             raise ConfigError(f"unknown allocator knob {key!r} (known: max_split_size_mb, "
