@@ -190,7 +190,7 @@ def test_mem_get_info_never_waits_long_for_a_ledger_a_stopped_process_holds(node
         print(json.dumps({"took": time.monotonic() - t0, "total": total}), flush=True)
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     got = _answer_while_a_peer_holds_the_ledger_lock(asker)
-    assert got["took"] < 1.0 and got["total"] == 64 * MiB, got
+    assert got["took"] < 3.0 and got["total"] == 64 * MiB, got   # before: the lock's full 10 s
 
 
 def test_a_short_ledger_lock_wait_holds_while_another_thread_waits_longer(node_env):
@@ -222,7 +222,7 @@ def test_a_short_ledger_lock_wait_holds_while_another_thread_waits_longer(node_e
         print(json.dumps({"took": took, "got": got}), flush=True)
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     got = _answer_while_a_peer_holds_the_ledger_lock(asker)
-    assert got["took"] < 0.5 and "20 ms" in got["got"], got
+    assert got["took"] < 1.5 and "20 ms" in got["got"], got   # before: the other thread's 3 s
 
 
 def test_a_sigbus_sent_to_a_process_with_the_ledger_guard_still_ends_it(node_env):
