@@ -137,3 +137,35 @@ def test_many_pools_of_one_device_keep_few_idle_events_together(sim_node):
     """, timeout=120, ASCEND_SIM_PROFILE="310p")
     assert out["idle"] <= 64, out
     assert out["after"] == 0, out
+
+
+def test_a_waited_event_is_recorded_again_only_once_the_waiting_stream_ran_its_reset(pool):
+    # aclrtResetEvent is asynchronous: it runs when the waiting stream reaches it, after its wait.
+    # The pool put the event back in its cache at once, and the next record (here: the one-off
+    # check of a new stream) took it while the borrowing stream still waited for the lender's
+    # kernel. On an NPU such a record can satisfy the old wait early (the borrower runs over a
+    # block the lender still writes) or be cleared by the late reset; the simulator refuses it.
+    s1, s2 = pool.create_stream(), pool.create_stream()
+    x = pool.malloc(4 * MiB, stream=s1)
+    sim.launch_fill(s1, x, 4 * MiB, 7, delay_s=1.5)      # s1 writes x for 1.5 s
+    pool.free(x, stream=s1)
+    _recent_error()
+    y = pool.malloc(4 * MiB, stream=s2)                  # borrows x: s2 waits for s1, then its reset
+    assert pool.memory_stats()["stream_migrations"] == 1
+    s3 = pool.create_stream()
+    z = pool.malloc(1 * MiB, stream=s3)                  # events recorded while s2 still waits
+    pool.free(z, stream=s3)
+    assert "still queued" not in _recent_error(), "an event was recorded again before its reset ran"
+    pool.synchronize(s2)
+    assert sim.read(y, 16) == bytes([7]) * 16            # s2's block was written by s1's kernel first
+    pool.free(y, stream=s2)
+    before = pool.memory_stats()["events_created"]
+    for _ in range(10):                                  # once the resets ran, the events are reused
+        p = pool.malloc(4 * MiB, stream=s1)
+        pool.free(p, stream=s1)
+        q = pool.malloc(4 * MiB, stream=s2)
+        pool.free(q, stream=s2)
+    assert pool.memory_stats()["events_created"] <= before + 2
+    pool._check_invariants()
+    for s in (s1, s2, s3):
+        pool.destroy_stream(s)

@@ -54,14 +54,16 @@ def test_stream_wait_event_orders_two_streams(sim_node):
         ok("aclrtRecordEvent", ev, a)
         ok("aclrtStreamWaitEvent", b, ev)
         sim.launch_fill(b, p, 1024, 0xBB)
-        # Re-recording the event (after the reset CANN requires once a stream waited on it) on a
-        # hung stream does not change what B already waits for.
+        # The reset CANN requires once a stream waited on an event is asynchronous, ordered on B
+        # after its wait: recording the event again before B has run it is refused (on an NPU
+        # that record could satisfy B's wait early).
         sim.hang_stream(c)
         ok("aclrtResetEvent", ev, b)
-        ok("aclrtRecordEvent", ev, c)
+        assert code("aclrtRecordEvent", ev, c) == 107000
         ok("aclrtSynchronizeStreamWithTimeout", b, 5000)
         ok("aclrtSynchronizeStream", a)              # A's slow fill has landed too, before B's
         assert sim.read(p, 1024) == b"\\xbb" * 1024
+        ok("aclrtRecordEvent", ev, c)                # B ran the reset: the event is usable again
         assert query_status(ev) == 0                 # the event now tracks the hung stream
         sim.release_stream(c)
         ok("aclrtSynchronizeEvent", ev)

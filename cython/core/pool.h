@@ -222,6 +222,8 @@ typedef struct ap_pool {
     int n_cached_events, event_cache_cap;
     int event_cache_max;  /* bound below the device's event limit (stream_order.c) */
     int event_pins;       /* waits outside the lock hold event handles: destroy none meanwhile */
+    struct ap_parked_event *parked; /* waited-on events whose reset has not run yet (stream_order.c) */
+    int n_parked, parked_cap;
     int64_t live_events;  /* events this pool created and has not destroyed */
 
     void *spare_blocks;       /* recycled structs, linked through their first word (block_arena.c) */

@@ -139,7 +139,47 @@ static atomic_int *idle_of(const ap_pool *p) {
     return &idle_events[p->device >= 0 && p->device < AP_MAX_DEVICES ? p->device : 0];
 }
 
+/* Events a stream waited on (the borrow path) are reset on the waiting stream, and CANN's reset
+   is asynchronous: it runs when that stream reaches it, after its wait. Recorded again before
+   then, an event of aclrtCreateEventWithFlag (one hardware id for its life) could satisfy the
+   old wait early, letting the borrowing stream run over a block the lending stream still
+   writes, or be cleared by the late reset, hanging a later wait (aclrtResetEvent: "make sure it
+   has run with a synchronizing call"). So such an event is parked with a marker: an event
+   recorded on the waiting stream after the reset, which no stream waits on. Once the marker is
+   complete the reset has run, and both go back to the cache. */
+struct ap_parked_event {
+    void *event;
+    void *marker; /* NULL: never to be reused (its reset failed); destroyed when no wait pins events */
+};
+
+static void event_destroy(ap_pool *p, void *event);
+
+static void parked_recycle(ap_pool *p) {
+    int kept = 0;
+    for (int i = 0; i < p->n_parked; i++) {
+        struct ap_parked_event pe = p->parked[i];
+        int complete = 0, rc = -1;
+        if (pe.marker) {
+            ap_on_device(p);
+            rc = p->backend->event_query(p->backend, pe.marker, &complete);
+        }
+        if (rc == 0 && !complete) {
+            p->parked[kept++] = pe;
+        } else if (rc == 0) { /* the waiting stream ran the reset: both are as new */
+            ap_event_put(p, pe.marker);
+            ap_event_put(p, pe.event);
+        } else if (p->event_pins) {
+            p->parked[kept++] = pe; /* destroyed once no wait holds event handles */
+        } else { /* no reset to count on (or no marker to tell): never recorded again */
+            if (pe.marker) event_destroy(p, pe.marker);
+            event_destroy(p, pe.event);
+        }
+    }
+    p->n_parked = kept;
+}
+
 void *ap_event_get(ap_pool *p) {
+    if (p->n_parked && !p->n_cached_events) parked_recycle(p);
     if (p->n_cached_events) {
         atomic_fetch_sub(idle_of(p), 1);
         return p->event_cache[--p->n_cached_events];
@@ -179,17 +219,51 @@ void ap_event_put(ap_pool *p, void *event) {
     atomic_fetch_add(idle_of(p), 1);
 }
 
-void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
-    /* CANN: reset after aclrtStreamWaitEvent, on the waiting stream, before any new record
-       (docs/cann-rules-events.md). An event that cannot be reset is not reused. */
-    if (p->backend->event_reset && p->backend->event_reset(p->backend, event, waiting_stream) != 0 && !p->event_pins) {
-        event_destroy(p, event);
+static void park(ap_pool *p, void *event, void *marker) {
+    if (p->n_parked >= p->event_cache_max) parked_recycle(p);
+    if (p->n_parked == p->parked_cap) {
+        int cap = p->parked_cap ? p->parked_cap * 2 : 8;
+        struct ap_parked_event *a = realloc(p->parked, (size_t)cap * sizeof *a);
+        if (a) {
+            p->parked = a;
+            p->parked_cap = cap;
+        }
+    }
+    /* The cache's bound holds here too (the device's events are few); while waits pin event
+       handles nothing is destroyed. */
+    if (p->n_parked < p->parked_cap && (p->n_parked < p->event_cache_max || p->event_pins)) {
+        p->parked[p->n_parked++] = (struct ap_parked_event){event, marker};
         return;
     }
-    ap_event_put(p, event);
+    if (p->event_pins) return; /* no room and none may be destroyed: the handles are left, not reused */
+    /* CANN's aclrtDestroyEvent does not block: the runtime frees the event once its queued work
+       completes. */
+    if (marker) event_destroy(p, marker);
+    event_destroy(p, event);
+}
+
+void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
+    /* CANN: reset after aclrtStreamWaitEvent, on the waiting stream, before any new record
+       (docs/cann-rules-events.md), and reused only once that stream has run the reset (above).
+       An event that cannot be reset is never reused. CUDA (no event_reset): reusable at once. */
+    if (!p->backend->event_reset) {
+        ap_event_put(p, event);
+        return;
+    }
+    if (p->backend->event_reset(p->backend, event, waiting_stream) != 0) {
+        park(p, event, NULL);
+        return;
+    }
+    void *marker = ap_event_get(p);
+    if (marker && p->backend->event_record(p->backend, marker, waiting_stream) != 0) {
+        ap_event_put(p, marker); /* recorded nowhere: reusable as is */
+        marker = NULL;
+    }
+    park(p, event, marker);
 }
 
 void ap_events_trim(ap_pool *p, int keep) {
+    if (p->n_parked) parked_recycle(p);
     while (p->n_cached_events > keep) {
         event_destroy(p, p->event_cache[--p->n_cached_events]);
         atomic_fetch_sub(idle_of(p), 1);
@@ -198,6 +272,13 @@ void ap_events_trim(ap_pool *p, int keep) {
 
 void ap_events_destroy(ap_pool *p) {
     ap_events_trim(p, 0);
+    for (int i = 0; i < p->n_parked; i++) { /* closing: the runtime frees them once their work completes */
+        if (p->parked[i].marker) event_destroy(p, p->parked[i].marker);
+        event_destroy(p, p->parked[i].event);
+    }
+    free(p->parked);
+    p->parked = NULL;
+    p->n_parked = p->parked_cap = 0;
     free(p->event_cache);
     p->event_cache = NULL;
     p->n_cached_events = p->event_cache_cap = 0;

@@ -14,7 +14,11 @@
  * (aclrtStreamWaitEvent) is reset with aclrtResetEvent before it is recorded again. The
  * simulator refuses such a record with ACL_ERROR_RT_PARAM_INVALID: the documentation states the
  * rule, not the code, so the code is the simulator's choice, made so that a test fails when the
- * pool breaks the rule. CUDA has no such rule.
+ * pool breaks the rule. CUDA has no such rule. The reset is asynchronous, ordered on the waiting
+ * stream after its wait ("call a synchronizing interface to make sure it has run, else the job
+ * may fail or the card drop off the link"): a record before the waiting stream has passed the
+ * reset is refused the same way. An event of aclrtCreateEventWithFlag keeps one hardware id, so
+ * on a real NPU such a record could satisfy the old wait early, or be cleared by the late reset.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -29,12 +33,15 @@ struct sim_event {
     struct sim_stream *stream; /* latest record (a reference), NULL if never recorded */
     uint64_t pos;
     int waited;                /* a stream waited on it since the last record or reset */
+    struct sim_stream *reset_stream; /* the latest reset's stream (a reference) and its position */
+    uint64_t reset_pos;
 };
 
 static void event_destroy(struct sim_obj *o)
 {
     struct sim_event *e = (struct sim_event *)o;
     sim_stream_put(e->stream);
+    sim_stream_put(e->reset_stream);
     pthread_mutex_destroy(&e->mu);
     free(e);
 }
@@ -160,6 +167,16 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "event %p was waited on (aclrtStreamWaitEvent) and not reset: call "
                         "aclrtResetEvent before recording it again", event);
+    }
+    if (e->reset_stream && !sim_stream_is_done(e->reset_stream, e->reset_pos)) {
+        void *waiting = SIM_HANDLE(&e->reset_stream->obj);
+        pthread_mutex_unlock(&e->mu);
+        sim_stream_put(s);
+        sim_obj_unref(&e->obj);
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "event %p has a reset (aclrtResetEvent) still queued on stream %p behind that "
+                        "stream's wait: record it again only once the waiting stream has run the reset", event,
+                        waiting);
     }
     struct sim_stream *old = e->stream;
     e->stream = s; /* our reference moves into the event */
@@ -316,20 +333,25 @@ SIM_EXPORT aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
     int rc = event_and_stream(event, stream, call, &e, &s);
     if (rc)
         return rc;
-    sim_stream_put(s);
     if (!(e->flags & ACL_EVENT_SYNC)) {
+        sim_stream_put(s);
         sim_obj_unref(&e->obj);
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "event %p was not created with ACL_EVENT_SYNC (aclrtCreateEventWithFlag): "
                         "CANN supports aclrtResetEvent only on those", event);
     }
+    uint64_t reset_pos;
+    sim_stream_mark(s, &reset_pos, call); /* ordered after the waiting stream's queued work */
     pthread_mutex_lock(&e->mu);
-    struct sim_stream *old = e->stream;
+    struct sim_stream *old = e->stream, *old_reset = e->reset_stream;
     e->stream = NULL;
     e->pos = 0;
     e->waited = 0;
+    e->reset_stream = s; /* our reference moves into the event */
+    e->reset_pos = reset_pos;
     pthread_mutex_unlock(&e->mu);
     sim_stream_put(old);
+    sim_stream_put(old_reset);
     sim_obj_unref(&e->obj);
     return ACL_SUCCESS;
 }
