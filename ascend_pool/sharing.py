@@ -429,8 +429,12 @@ def share(pool, ptr, read_only=False, pids=(), any_process=False):
                 ex.record = _Record(path, create=(_MAGIC, _VERSION, _OPEN, pool.node_device, me[0], me[2], ex.seg.size,
                                                   ex.seg.segment_bytes, int(bool(read_only)), tenant.encode()[:64],
                                                   node.encode()[:64], key.encode(), me[3], me[4]))
-            except BaseException:
+            except BaseException as e:
                 ex.seg.unexport()  # withdraw the key (nobody can know it yet); the block stays the caller's
+                if isinstance(e, OSError) and not isinstance(e, PoolError):
+                    raise SharingError(f"cannot write the share record {path}: {e.strerror or e} (a full or "
+                                       "read-only /dev/shm, or ASCEND_POOL_LEDGER_DIR?); the block stays yours, "
+                                       "unshared") from e
                 raise
             ex.handle = SharedHandle(device=pool.device, size=ex.seg.size, key=key, read_only=bool(read_only),
                                      exporter_pid=os.getpid(), nbytes=ex.seg.segment_bytes, backend=be.name,
@@ -649,11 +653,15 @@ class SharedBlock:
         return f"<SharedBlock key={self.handle.key!r} device={self.device} size={self.size} {state}>"
 
 
+def _check_node_device(node_device):
+    if isinstance(node_device, bool) or not isinstance(node_device, int):
+        raise InvalidDeviceError(f"the handle's node_device {node_device!r} is not a device number (an edited handle?)")
+
+
 def _local_device(backend, node_device):
     """This process's number of the node's device node_device (the numbering
     ASCEND_RT_VISIBLE_DEVICES or CUDA_VISIBLE_DEVICES gives each process)."""
-    if isinstance(node_device, bool) or not isinstance(node_device, int):
-        raise InvalidDeviceError(f"the handle's node_device {node_device!r} is not a device number (an edited handle?)")
+    _check_node_device(node_device)
     count = backend.device_count
     for device in range(count):
         if backend.physical_device(device) == node_device:
@@ -674,6 +682,7 @@ def open_shared(handle, pool=None):
     if not isinstance(handle, SharedHandle):
         raise TypeError(f"open_shared needs a SharedHandle from Pool.share(), got {type(handle).__name__}")
     node_device = handle.device if handle.node_device is None else handle.node_device
+    _check_node_device(node_device)  # with or without a pool: False or 0.0 compared equal to device 0
     if pool is None:
         pool = default_pool(_local_device(open_backend(), node_device))
     _check_pool(pool)
@@ -706,10 +715,18 @@ def open_shared(handle, pool=None):
             raise SharingError(f"key {handle.key!r} is no longer shared: its exporter (pid {handle.exporter_pid}) "
                                "released it, closed its pool, or exited (or it was shared by another user: "
                                "share records are per user)") from None
-        raise
-    mine = _me()
-    me = mine[2]
+        if isinstance(e, PoolError):
+            raise
+        raise SharingError(f"cannot open the share record {path} of key {handle.key!r}: {e.strerror or e}") from e
     try:
+        try:
+            mine = _me()
+        except OSError as e:
+            if isinstance(e, PoolError):
+                raise
+            raise SharingError(f"cannot make this process's lease in {_record_dir()}: {e.strerror or e} (a full "
+                               "or read-only /dev/shm, or ASCEND_POOL_LEDGER_DIR?)") from e
+        me = mine[2]
         with rec:
             if rec.header["state"] != _OPEN:
                 raise SharingError(f"key {handle.key!r} is being released by its exporter (pid {handle.exporter_pid})")
