@@ -50,6 +50,8 @@ def test_private_dir_refuses_bad_arguments_as_os_errors(tmp_path, base, group, e
 @pytest.mark.parametrize("args", [
     ("{path}\0junk", 0, "sim"), ("", 0, "sim"), (None, 0, "sim"), ("{path}", 2**70, "sim"), ("{path}", "x", "sim"),
     ("{path}", True, "sim"), ("{path}", 0, None),
+    ("{path}", 0, "sim", "", -1), ("{path}", 0, "sim", "", "users"), ("{path}", 0, "sim", "", None, -1),
+    ("{path}", 0, "sim", "", None, "root"), ("{path}", 0, "sim", "", None, 2**32 - 1),
 ])
 def test_read_view_refuses_bad_arguments(args):
     pool = ap.Pool(0, backend="sim")
@@ -99,6 +101,9 @@ def test_open_shared_refuses_what_is_no_pool_and_a_device_that_is_no_number():
         for device in (True, "0", 1.5):
             with pytest.raises(InvalidDeviceError):
                 dataclasses.replace(h, node_device=device).local_device()
+        for device in (False, 0.0):  # equal to device 0: with a pool given, the block opened
+            with pytest.raises(InvalidDeviceError, match="not a device number"):
+                ap.open_shared(dataclasses.replace(h, node_device=device), pool=pool)
         blk = ap.open_shared(h, pool=pool)  # the true handle still opens
         blk.close()
     finally:

@@ -246,6 +246,10 @@ def read_view(path, device, backend, node="", group=None, owner=None):
         raise LedgerError(f"{device!r} is not a device number", kind="argument")
     if not isinstance(backend, str) or not isinstance(node, str):
         raise LedgerError(f"backend and node must be names, got {backend!r} and {node!r}", kind="argument")
+    for what, value in (("group", group), ("owner", owner)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32 - 1):
+            raise LedgerError(f"{what} {value!r} is not a {'group' if what == 'group' else 'user'} id "
+                              f"(0 to {2**32 - 2}, or None)", kind="argument")
     return read_ledger_view(path, device, backend, node, group, _owner_arg(owner))
 
 
