@@ -141,9 +141,13 @@ def _reap_pass():
         except Exception:  # closed by another thread meanwhile
             free = True
         if free:
-            if not pool.closed:
-                pool._disown_streams()
-                pool.close()  # still among the live pools: the metrics read its final counters
+            try:
+                if not pool.closed:
+                    pool._disown_streams()
+                    pool.close()  # still among the live pools: the metrics read its final counters
+            except Exception:  # said once; retried every tick it would stop every later reap
+                log.warning("closing a dropped pool on device %s failed; it is forgotten", pool.device,
+                            exc_info=True)
             forget_orphan(pool)
             done += 1
     return done

@@ -160,3 +160,41 @@ def test_threads_on_two_devices_renew_their_contexts_once_each(sim_node, expanda
     assert out["errors"] == [] and out["done"] == [0, 0, 1, 1], out
     assert out["during"] == [4, 4], out  # the two workers' aclrtSetDevice + the two pools', taken again once
     assert out["after"] == [2, 2], out
+
+
+def test_a_dropped_pool_whose_close_fails_is_forgotten_and_the_others_are_still_reaped(caplog):
+    # reap_orphans raised out of the pass: the stats publisher's thread hit the same orphan every
+    # tick (and stopped publishing), and the orphans after it were never closed.
+    from ascend_pool import registry
+
+    class Failing:
+        closed, device = False, 0
+
+        def _raw_stats(self):
+            return {"active.all.current": 0}
+
+        def _work_queued(self):
+            return False
+
+        def _disown_streams(self):
+            pass
+
+        def close(self):
+            raise RuntimeError("the device went away")
+
+    class Fine(Failing):
+        def close(self):
+            self.closed = True
+
+    failing, fine = Failing(), Fine()
+    registry.keep_orphan(failing)
+    registry.keep_orphan(fine)
+    try:
+        with caplog.at_level("WARNING", logger="ascend_pool"):
+            assert registry.reap_orphans() == 2
+        assert fine.closed
+        assert "closing a dropped pool on device 0 failed" in caplog.text
+        assert failing not in registry._orphans and fine not in registry._orphans
+    finally:
+        registry.forget_orphan(failing)
+        registry.forget_orphan(fine)

@@ -116,6 +116,9 @@ class Publisher:
                 # Dropped pools whose last frees waited on a kernel: nothing else may call into
                 # ascend_pool for a while, and their memory stays booked in the tenant's quota.
                 _registry.reap_orphans()
+            except Exception:  # never in the way of publishing
+                log.debug("reaping dropped pools failed", exc_info=True)
+            try:
                 self.publish_now()
                 _ledger.check_files()  # a cleanup of the ledger directory splits quotas: say so
                 failures = 0
