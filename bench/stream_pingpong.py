@@ -8,10 +8,14 @@ buffer is released:
       allocation reuses it at once by waiting on C's event on the device (no host wait);
   tied baseline (stream_reuse=tied, PyTorch's policy): pool.record_stream(buf, C); pool.free(buf)
       — the block returns to P only once C's event has completed, polled by the host.
-The host enqueues ahead of the device, as a framework does. Prints peak reserved bytes, events
-created and wall time for both, measured in one run.
+The host enqueues ahead of the device, as a framework does; with --sync-every N it waits for
+the device every N steps, as a training loop does once an iteration (reading the loss). Prints
+peak reserved bytes, events created and wall time for both, measured in one run. The borrow
+path's events: CANN's reset of an event a stream waited on runs in that stream's order, so an
+event is reused only once the borrowing stream got there (docs/cann-rules-events.md); the events
+in use are the borrows the host is ahead by, not one per step.
 
-    python bench/stream_pingpong.py [--steps 200] [--size-mib 8] [--produce-ms 0.5] [--consume-ms 1]
+    python bench/stream_pingpong.py [--steps 200] [--size-mib 8] [--produce-ms 0.5] [--consume-ms 1] [--sync-every 0]
 """
 
 import argparse
@@ -22,12 +26,14 @@ import ascend_pool as ap
 from ascend_pool import sim
 
 
-def run(mode, steps, size, produce_s, consume_s):
+def run(mode, steps, size, produce_s, consume_s, sync_every=0):
     pool = ap.Pool(0, backend="sim", stream_reuse=mode)
     be = pool.backend
     p, c = pool.create_stream(), pool.create_stream()
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for step in range(steps):
+        if sync_every and step and step % sync_every == 0:
+            pool.synchronize(c)
         buf = pool.malloc(size, stream=p)
         sim.launch_fill(p, buf, 4096, 1, delay_s=produce_s)
         # the consumer starts after the producer; CANN reuses an event only after aclrtResetEvent
@@ -60,10 +66,11 @@ def main(argv=None):
     ap_.add_argument("--size-mib", type=float, default=8)
     ap_.add_argument("--produce-ms", type=float, default=0.5)
     ap_.add_argument("--consume-ms", type=float, default=1.0)
+    ap_.add_argument("--sync-every", type=int, default=0, help="wait for the device every N steps (0: never)")
     ap_.add_argument("--json", action="store_true")
     a = ap_.parse_args(argv)
     size = int(a.size_mib * 2**20)
-    rows = [run(m, a.steps, size, a.produce_ms / 1e3, a.consume_ms / 1e3) for m in ("borrow", "tied")]
+    rows = [run(m, a.steps, size, a.produce_ms / 1e3, a.consume_ms / 1e3, a.sync_every) for m in ("borrow", "tied")]
     if a.json:
         print(json.dumps(rows))
         return rows

@@ -60,6 +60,7 @@ def test_stream_wait_event_orders_two_streams(sim_node):
         sim.hang_stream(c)
         ok("aclrtResetEvent", ev, b)
         assert code("aclrtRecordEvent", ev, c) == 107000
+        ok("aclrtRecordEvent", ev, b)                # on B itself: ordered after the reset there
         ok("aclrtSynchronizeStreamWithTimeout", b, 5000)
         ok("aclrtSynchronizeStream", a)              # A's slow fill has landed too, before B's
         assert sim.read(p, 1024) == b"\\xbb" * 1024

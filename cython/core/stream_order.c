@@ -140,16 +140,17 @@ static atomic_int *idle_of(const ap_pool *p) {
 }
 
 /* Events a stream waited on (the borrow path) are reset on the waiting stream, and CANN's reset
-   is asynchronous: it runs when that stream reaches it, after its wait. Recorded again before
+   is asynchronous: it runs when that stream reaches it, after its wait. Recorded elsewhere before
    then, an event of aclrtCreateEventWithFlag (one hardware id for its life) could satisfy the
    old wait early, letting the borrowing stream run over a block the lending stream still
    writes, or be cleared by the late reset, hanging a later wait (aclrtResetEvent: "make sure it
-   has run with a synchronizing call"). So such an event is parked with a marker: an event
-   recorded on the waiting stream after the reset, which no stream waits on. Once the marker is
-   complete the reset has run, and both go back to the cache. */
+   has run with a synchronizing call"). So such an event is recorded once more on the waiting
+   stream itself, after its reset (stream order runs that record after the wait and the reset),
+   and parked; once that record is complete the reset has run, and the event goes back to the
+   cache as any recorded, never-waited event. */
 struct ap_parked_event {
     void *event;
-    void *marker; /* NULL: never to be reused (its reset failed); destroyed when no wait pins events */
+    int marked; /* 0: never to be reused (its reset or its record failed); destroyed when no wait pins events */
 };
 
 static void event_destroy(ap_pool *p, void *event);
@@ -159,19 +160,17 @@ static void parked_recycle(ap_pool *p) {
     for (int i = 0; i < p->n_parked; i++) {
         struct ap_parked_event pe = p->parked[i];
         int complete = 0, rc = -1;
-        if (pe.marker) {
+        if (pe.marked) {
             ap_on_device(p);
-            rc = p->backend->event_query(p->backend, pe.marker, &complete);
+            rc = p->backend->event_query(p->backend, pe.event, &complete);
         }
         if (rc == 0 && !complete) {
             p->parked[kept++] = pe;
-        } else if (rc == 0) { /* the waiting stream ran the reset: both are as new */
-            ap_event_put(p, pe.marker);
+        } else if (rc == 0) { /* the waiting stream ran the reset: as new */
             ap_event_put(p, pe.event);
         } else if (p->event_pins) {
             p->parked[kept++] = pe; /* destroyed once no wait holds event handles */
-        } else { /* no reset to count on (or no marker to tell): never recorded again */
-            if (pe.marker) event_destroy(p, pe.marker);
+        } else { /* no reset to count on (or nothing to tell it by): never recorded again */
             event_destroy(p, pe.event);
         }
     }
@@ -219,7 +218,7 @@ void ap_event_put(ap_pool *p, void *event) {
     atomic_fetch_add(idle_of(p), 1);
 }
 
-static void park(ap_pool *p, void *event, void *marker) {
+static void park(ap_pool *p, void *event, int marked) {
     if (p->n_parked >= p->event_cache_max) parked_recycle(p);
     if (p->n_parked == p->parked_cap) {
         int cap = p->parked_cap ? p->parked_cap * 2 : 8;
@@ -232,14 +231,11 @@ static void park(ap_pool *p, void *event, void *marker) {
     /* The cache's bound holds here too (the device's events are few); while waits pin event
        handles nothing is destroyed. */
     if (p->n_parked < p->parked_cap && (p->n_parked < p->event_cache_max || p->event_pins)) {
-        p->parked[p->n_parked++] = (struct ap_parked_event){event, marker};
+        p->parked[p->n_parked++] = (struct ap_parked_event){event, marked};
         return;
     }
-    if (p->event_pins) return; /* no room and none may be destroyed: the handles are left, not reused */
-    /* CANN's aclrtDestroyEvent does not block: the runtime frees the event once its queued work
-       completes. */
-    if (marker) event_destroy(p, marker);
-    event_destroy(p, event);
+    if (p->event_pins) return; /* no room and none may be destroyed: the handle is left, not reused */
+    event_destroy(p, event); /* CANN's aclrtDestroyEvent does not block: freed once its work completes */
 }
 
 void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
@@ -250,16 +246,9 @@ void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
         ap_event_put(p, event);
         return;
     }
-    if (p->backend->event_reset(p->backend, event, waiting_stream) != 0) {
-        park(p, event, NULL);
-        return;
-    }
-    void *marker = ap_event_get(p);
-    if (marker && p->backend->event_record(p->backend, marker, waiting_stream) != 0) {
-        ap_event_put(p, marker); /* recorded nowhere: reusable as is */
-        marker = NULL;
-    }
-    park(p, event, marker);
+    int marked = p->backend->event_reset(p->backend, event, waiting_stream) == 0 &&
+                 p->backend->event_record(p->backend, event, waiting_stream) == 0;
+    park(p, event, marked);
 }
 
 void ap_events_trim(ap_pool *p, int keep) {
@@ -272,10 +261,8 @@ void ap_events_trim(ap_pool *p, int keep) {
 
 void ap_events_destroy(ap_pool *p) {
     ap_events_trim(p, 0);
-    for (int i = 0; i < p->n_parked; i++) { /* closing: the runtime frees them once their work completes */
-        if (p->parked[i].marker) event_destroy(p, p->parked[i].marker);
+    for (int i = 0; i < p->n_parked; i++) /* closing: the runtime frees them once their work completes */
         event_destroy(p, p->parked[i].event);
-    }
     free(p->parked);
     p->parked = NULL;
     p->n_parked = p->parked_cap = 0;

@@ -16,8 +16,9 @@
  * rule, not the code, so the code is the simulator's choice, made so that a test fails when the
  * pool breaks the rule. CUDA has no such rule. The reset is asynchronous, ordered on the waiting
  * stream after its wait ("call a synchronizing interface to make sure it has run, else the job
- * may fail or the card drop off the link"): a record before the waiting stream has passed the
- * reset is refused the same way. An event of aclrtCreateEventWithFlag keeps one hardware id, so
+ * may fail or the card drop off the link"): a record on another stream before the waiting stream
+ * has passed the reset is refused the same way (a record on the waiting stream itself is ordered
+ * after the reset there). An event of aclrtCreateEventWithFlag keeps one hardware id, so
  * on a real NPU such a record could satisfy the old wait early, or be cleared by the late reset.
  */
 #include <errno.h>
@@ -168,7 +169,8 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
                         "event %p was waited on (aclrtStreamWaitEvent) and not reset: call "
                         "aclrtResetEvent before recording it again", event);
     }
-    if (e->reset_stream && !sim_stream_is_done(e->reset_stream, e->reset_pos)) {
+    /* A record on the stream that holds the reset is ordered after it: allowed at once. */
+    if (e->reset_stream && e->reset_stream != s && !sim_stream_is_done(e->reset_stream, e->reset_pos)) {
         void *waiting = SIM_HANDLE(&e->reset_stream->obj);
         pthread_mutex_unlock(&e->mu);
         sim_stream_put(s);
