@@ -67,11 +67,19 @@ struct acl_dev {
     void *ctx;          /* the device's default context while we hold a reference (atomic), else NULL */
     int pool_refs;      /* aclrtSetDevice calls made for pools (device_retain), not yet reset */
     int temp_refs;      /* references held for the length of one call made outside any pool */
+    /* References of streams this backend made whose notes went (the stream found destroyed
+       behind the backend's back, its handle perhaps given to another stream): counted here,
+       atomically, wherever the note is dropped (under a pool lock too), and given back
+       (acl_release_orphans: this lock, aclrtResetDevice) only where no pool lock is held and no
+       device scope is entered: acl_stream_create, acl_stream_destroy, acl_device_release. */
+    int orphan_refs;
 };
 
 struct acl_stream_dev {
     void *stream;
     int device;
+    uint64_t serial; /* which note: a handle the runtime reused gets a new one */
+    int suspect;     /* a call on it was refused as for an unknown handle: asked at the next check */
 };
 
 /* ACL cannot tell a stream's context, and runs a stream's calls only in it (107003 elsewhere):
@@ -144,6 +152,8 @@ typedef struct acl_impl {
     pthread_mutex_t streams_lock;
     struct acl_stream_dev *streams;
     size_t n_streams, streams_cap;
+    uint64_t streams_serial; /* the last note's serial */
+    int streams_suspect;     /* some note may be suspect (atomic hint; cleared by acl_check_suspects) */
     struct acl_stream_ctx learned[ACL_LEARNED_STREAMS];
     uint64_t learned_clock;
     aclError (*sim_stream_device)(void *stream, int32_t *device); /* simulator only: probed */
@@ -319,6 +329,7 @@ typedef struct acl_scope {
     int kept;  /* acl_enter_stream kept the caller's context for someone else's stream */
     int learned; /* acl_enter_stream used the context that stream was learned in */
     int created; /* acl_enter_stream took the stream for one this backend created */
+    uint64_t serial; /* created: the serial of its note */
     void *ctx; /* kept: the caller's context (learned for the stream when the call succeeds) */
 } acl_scope;
 
@@ -333,6 +344,7 @@ static int acl_enter(ap_backend *b, int device, acl_scope *sc)
     sc->kept = 0;
     sc->learned = 0;
     sc->created = 0;
+    sc->serial = 0;
     sc->ctx = NULL;
     sc->device = device;
     rc = acl_ctx_get(b, device, &ctx, &sc->temp);
@@ -380,7 +392,7 @@ static int acl_enter_selected(ap_backend *b, acl_scope *sc)
 }
 
 static int acl_stream_device(ap_backend *b, void *stream, int *device);
-static int acl_created_stream_device(acl_impl *im, void *stream);
+static int acl_created_stream_device(acl_impl *im, void *stream, uint64_t *serial);
 
 /* The context `stream` was learned in (and its device), or NULL. */
 static void *acl_learned_context(acl_impl *im, void *stream, int *device)
@@ -450,12 +462,14 @@ static int acl_thread_on_device(acl_impl *im, int device)
 static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
 {
     acl_impl *im = IMPL(b);
-    int dev = stream ? acl_created_stream_device(im, stream) : -1, learned_dev = -1;
+    uint64_t serial = 0;
+    int dev = stream ? acl_created_stream_device(im, stream, &serial) : -1, learned_dev = -1;
     void *learned = dev < 0 && stream ? acl_learned_context(im, stream, &learned_dev) : NULL;
 
     if (dev >= 0) {
         int rc = acl_enter(b, dev, sc);
         sc->created = 1;
+        sc->serial = serial;
         return rc;
     }
     sc->learned = 0;
@@ -511,13 +525,15 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
         return rc_;                                             \
     } while (0)
 
-static int acl_streams_note(acl_impl *im, void *stream, int device);
+static void acl_streams_drop(acl_impl *im, void *stream, uint64_t serial);
+static void acl_streams_suspect(acl_impl *im, void *stream, uint64_t serial);
 
 /* For a stream call: in the context the stream was learned in, if any (when the runtime refuses
    it there, the stream is forgotten and the call made as for an unknown one); a stream this
    backend created that the runtime says is not in its device's default context is no longer
    ours (destroyed behind the backend's back, its handle given to a stream of another context:
-   CANN's handles are heap pointers), so its note goes and the call is made as for someone
+   CANN's handles are heap pointers), so its note goes (its device reference is given back later,
+   acl_release_orphans: a pool lock may be held here) and the call is made as for someone
    else's; when the caller's
    context was kept for someone else's stream and the call succeeded, that context is learned for
    it; when the runtime says the stream is not in it (a stream of the device's default context
@@ -547,14 +563,17 @@ static int acl_streams_note(acl_impl *im, void *stream, int device);
                 ON_STREAM_AGAIN(b, stream, expr);                                  \
             }                                                                      \
             if (rc_ == ACL_ERROR_RT_STREAM_CONTEXT && sc_.created) {               \
-                (void)acl_streams_note(IMPL(b), (stream), -1);                     \
+                acl_streams_drop(IMPL(b), (stream), sc_.serial);                   \
                 ON_STREAM_AGAIN(b, stream, expr);                                  \
             }                                                                      \
             if (rc_ == 0 && sc_.kept && sc_.ctx)                                   \
                 acl_learn_context(IMPL(b), (stream), sc_.ctx, sc_.device);         \
             else if (rc_ == ACL_ERROR_RT_PARAM_INVALID ||                          \
-                     rc_ == ACL_ERROR_RT_INVALID_HANDLE)                           \
+                     rc_ == ACL_ERROR_RT_INVALID_HANDLE) {                         \
                 acl_learn_context(IMPL(b), (stream), NULL, -1); /* gone */        \
+                if (sc_.created) /* ours, destroyed behind our back? asked later */ \
+                    acl_streams_suspect(IMPL(b), (stream), sc_.serial);            \
+            }                                                                      \
             if (rc_ == ACL_ERROR_RT_STREAM_CONTEXT && sc_.kept &&                  \
                 acl_enter((b), sc_.device, &sc_) == 0) {                           \
                 if (IMPL(b)->aclGetRecentErrMsg)                                   \
@@ -593,7 +612,8 @@ static int acl_device_retain(ap_backend *b, int device)
     return rc;
 }
 
-static int acl_device_release(ap_backend *b, int device)
+/* Gives back one reference taken with acl_device_retain (a pool's, or a stream's). */
+static int acl_device_unref(ap_backend *b, int device)
 {
     acl_impl *im = IMPL(b);
     int rc = acl_check_device(b, device);
@@ -1088,7 +1108,37 @@ static int acl_event_reset(ap_backend *b, void *event, void *stream)
 
 /* ---- streams ------------------------------------------------------------------------------- */
 
-/* Remembers (or with device < 0 forgets) the device of a stream this backend created. */
+/* The notes of the streams this backend created (im->streams, under streams_lock). Each such
+   stream holds a device reference of its own (acl_stream_create). A note goes with its stream
+   (acl_stream_destroy), or when the backend finds the stream destroyed behind its back (by the
+   framework's aclrtDestroyStream: the runtime refuses the handle, or has given it to another
+   stream); that stream's reference is then counted in orphan_refs and given back by
+   acl_release_orphans, never where the note is dropped: a pool lock may be held there. */
+
+static void acl_orphan_ref(acl_impl *im, int device)
+{
+    __atomic_fetch_add(&im->dev[device].orphan_refs, 1, __ATOMIC_ACQ_REL);
+}
+
+/* Appends a note, streams_lock held. 0, or the runtime's code for host memory exhausted. */
+static int acl_streams_append_locked(acl_impl *im, struct acl_stream_dev note)
+{
+    if (im->n_streams == im->streams_cap) {
+        size_t cap = im->streams_cap ? im->streams_cap * 2 : 16;
+        struct acl_stream_dev *n = realloc(im->streams, cap * sizeof *n);
+        if (!n)
+            return 207005; /* ACL_ERROR_RT_RESOURCE_ALLOC_FAIL: out of host memory */
+        im->streams = n;
+        im->streams_cap = cap;
+    }
+    im->streams[im->n_streams++] = note;
+    return 0;
+}
+
+/* Notes `stream`, just created on `device`. A note the table already has for its handle is stale:
+   the runtime gave the handle of a stream destroyed behind the backend's back (a destroy through
+   the backend takes its note out first, acl_stream_destroy_here), so that stream's reference is
+   an orphan now. */
 static int acl_streams_note(acl_impl *im, void *stream, int device)
 {
     size_t i;
@@ -1097,27 +1147,113 @@ static int acl_streams_note(acl_impl *im, void *stream, int device)
     pthread_mutex_lock(&im->streams_lock);
     for (i = 0; i < im->n_streams && im->streams[i].stream != stream; i++)
         ;
-    if (device < 0) {
-        if (i < im->n_streams)
-            im->streams[i] = im->streams[--im->n_streams];
-    } else if (i < im->n_streams) {
-        im->streams[i].device = device; /* a handle the runtime reused */
+    if (i < im->n_streams) {
+        acl_orphan_ref(im, im->streams[i].device);
+        im->streams[i].device = device;
+        im->streams[i].serial = ++im->streams_serial;
     } else {
-        if (im->n_streams == im->streams_cap) {
-            size_t cap = im->streams_cap ? im->streams_cap * 2 : 16;
-            struct acl_stream_dev *n = realloc(im->streams, cap * sizeof *n);
-            if (!n) {
-                pthread_mutex_unlock(&im->streams_lock);
-                return 207005; /* ACL_ERROR_RT_RESOURCE_ALLOC_FAIL: out of host memory */
-            }
-            im->streams = n;
-            im->streams_cap = cap;
-        }
-        im->streams[im->n_streams].stream = stream;
-        im->streams[im->n_streams++].device = device;
+        rc = acl_streams_append_locked(im, (struct acl_stream_dev){stream, device, ++im->streams_serial});
     }
     pthread_mutex_unlock(&im->streams_lock);
     return rc;
+}
+
+/* Takes the note of `stream` out of the table (the one with `serial` only, when serial is not 0).
+   1 and *note when there was one, else 0. */
+static int acl_streams_take(acl_impl *im, void *stream, uint64_t serial, struct acl_stream_dev *note)
+{
+    int found = 0;
+
+    pthread_mutex_lock(&im->streams_lock);
+    for (size_t i = 0; i < im->n_streams; i++)
+        if (im->streams[i].stream == stream && (!serial || im->streams[i].serial == serial)) {
+            *note = im->streams[i];
+            im->streams[i] = im->streams[--im->n_streams];
+            found = 1;
+            break;
+        }
+    pthread_mutex_unlock(&im->streams_lock);
+    return found;
+}
+
+/* Drops the note `serial` of `stream`, found stale (its stream destroyed behind the backend's
+   back): its reference becomes an orphan. Nothing when the note went meanwhile (the stream
+   destroyed through the backend, or its handle noted anew for a stream created since). */
+static void acl_streams_drop(acl_impl *im, void *stream, uint64_t serial)
+{
+    struct acl_stream_dev note = {0};
+
+    if (acl_streams_take(im, stream, serial, &note))
+        acl_orphan_ref(im, note.device);
+}
+
+/* A call on the stream of note `serial` was refused as for a handle the runtime does not know:
+   most likely the stream was destroyed behind the backend's back. Asked for certain (and the
+   note dropped) by acl_check_suspects, not here: the question is runtime calls of its own, and
+   the refused call's message must stay the thread's. */
+static void acl_streams_suspect(acl_impl *im, void *stream, uint64_t serial)
+{
+    pthread_mutex_lock(&im->streams_lock);
+    for (size_t i = 0; i < im->n_streams; i++)
+        if (im->streams[i].stream == stream && im->streams[i].serial == serial) {
+            im->streams[i].suspect = 1;
+            __atomic_store_n(&im->streams_suspect, 1, __ATOMIC_RELEASE);
+        }
+    pthread_mutex_unlock(&im->streams_lock);
+}
+
+static int acl_created_note_holds(ap_backend *b, void *stream, int device);
+
+/* Asks the streams of the notes on `device` (device < 0: of the suspect notes) whether they are
+   still ours (acl_created_note_holds), and drops the stale notes. No pool lock held. */
+static void acl_streams_check(ap_backend *b, int device)
+{
+    acl_impl *im = IMPL(b);
+    struct acl_stream_dev *notes = NULL;
+    size_t n = 0;
+
+    pthread_mutex_lock(&im->streams_lock);
+    for (size_t i = 0; i < im->n_streams; i++)
+        n += device >= 0 ? im->streams[i].device == device : im->streams[i].suspect;
+    if (n && (notes = malloc(n * sizeof *notes)) != NULL) {
+        n = 0;
+        for (size_t i = 0; i < im->n_streams; i++)
+            if (device >= 0 ? im->streams[i].device == device : im->streams[i].suspect) {
+                im->streams[i].suspect = 0;
+                notes[n++] = im->streams[i];
+            }
+    }
+    if (device < 0 && (notes || !n))
+        __atomic_store_n(&im->streams_suspect, 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&im->streams_lock);
+    if (!notes)
+        return;
+    for (size_t i = 0; i < n; i++)
+        if (!acl_created_note_holds(b, notes[i].stream, notes[i].device))
+            acl_streams_drop(im, notes[i].stream, notes[i].serial);
+    free(notes);
+}
+
+/* The suspect notes (acl_streams_suspect), checked. No pool lock held, and before a call whose
+   error message its caller may read (the check reads away its own refusals' messages). */
+static void acl_check_suspects(ap_backend *b)
+{
+    if (__atomic_load_n(&IMPL(b)->streams_suspect, __ATOMIC_ACQUIRE))
+        acl_streams_check(b, -1);
+}
+
+/* Gives back the references of streams whose notes were dropped. Only with no pool lock held and
+   outside any device scope: the last aclrtResetDevice of a device waits for its default context's
+   queued work (CANN). */
+static void acl_release_orphans(ap_backend *b)
+{
+    acl_impl *im = IMPL(b);
+
+    for (int d = 0; d < b->device_count; d++) {
+        int n = __atomic_exchange_n(&im->dev[d].orphan_refs, 0, __ATOMIC_ACQ_REL);
+        while (n-- > 0)
+            (void)acl_device_unref(b, d);
+    }
 }
 
 static int acl_stream_create_here(ap_backend *b, int device, void **stream)
@@ -1132,9 +1268,6 @@ static int acl_stream_create_here(ap_backend *b, int device, void **stream)
     return rc;
 }
 
-static int acl_device_retain(ap_backend *b, int device);
-static int acl_device_release(ap_backend *b, int device);
-
 /* A stream this backend creates holds a device reference of its own until it is destroyed, as a
    pool does: the last aclrtResetDevice destroys every stream of the default context (CANN), so a
    stream made outside any pool's life (replay's direct mode, a framework's stream from
@@ -1146,27 +1279,32 @@ static int acl_stream_create_on(ap_backend *b, int device, void **stream)
 
 static int acl_stream_create(ap_backend *b, int device, void **stream)
 {
-    int rc = acl_device_retain(b, device);
+    int rc;
+
+    acl_check_suspects(b);
+    rc = acl_device_retain(b, device);
 
     if (rc != 0)
         return rc;
     rc = acl_stream_create_on(b, device, stream);
     if (rc != 0)
-        (void)acl_device_release(b, device);
+        (void)acl_device_unref(b, device);
+    acl_release_orphans(b); /* a stale note the new stream's handle replaced, among others */
     return rc;
 }
 
-/* The device of `stream`: one this backend created, else what the simulator says (CANN has no
-   query for a stream's device). 0 and *device, or a nonzero code when it cannot tell. */
-static int acl_created_stream_device(acl_impl *im, void *stream)
+/* The device of `stream` if this backend created it (and the serial of its note), else -1. */
+static int acl_created_stream_device(acl_impl *im, void *stream, uint64_t *serial)
 {
     int dev = -1;
     size_t i;
 
     pthread_mutex_lock(&im->streams_lock);
     for (i = 0; i < im->n_streams; i++)
-        if (im->streams[i].stream == stream)
+        if (im->streams[i].stream == stream) {
             dev = im->streams[i].device;
+            *serial = im->streams[i].serial;
+        }
     pthread_mutex_unlock(&im->streams_lock);
     return dev;
 }
@@ -1176,7 +1314,8 @@ static int acl_created_stream_device(acl_impl *im, void *stream)
    another device or context (CANN's handles are heap pointers). Asked with an event recorded in
    the device's default context, where our stream lives; only a refusal that names the stream
    (not in this context, unknown handle) says the note is stale. Not on a hot path: a stream's
-   device is asked when it is registered. */
+   device is asked when it is registered, a suspect note's stream at the next create or destroy,
+   and the device's notes when a pool gives its device back (acl_streams_check). */
 static int acl_created_note_holds(ap_backend *b, void *stream, int device)
 {
     acl_impl *im = IMPL(b);
@@ -1203,13 +1342,14 @@ static int acl_created_note_holds(ap_backend *b, void *stream, int device)
 static int acl_stream_device(ap_backend *b, void *stream, int *device)
 {
     acl_impl *im = IMPL(b);
+    uint64_t serial = 0;
     int32_t dev = -1;
 
     if (!stream)
         return AP_ERR_UNKNOWN_STREAM; /* the default stream: whichever device the call runs on */
-    dev = acl_created_stream_device(im, stream);
+    dev = acl_created_stream_device(im, stream, &serial);
     if (dev >= 0 && !acl_created_note_holds(b, stream, dev)) {
-        (void)acl_streams_note(im, stream, -1);
+        acl_streams_drop(im, stream, serial); /* perhaps under a pool lock: the reference later */
         dev = -1;
     }
     if (dev < 0 && im->sim_stream_device && im->sim_stream_device(stream, &dev) != 0) {
@@ -1221,6 +1361,23 @@ static int acl_stream_device(ap_backend *b, void *stream, int *device)
         return AP_ERR_UNKNOWN_STREAM;
     *device = dev;
     return 0;
+}
+
+/* A pool's reference (device_retain) given back, with no pool lock held. First each stream noted
+   as ours on the device is asked whether it still is (acl_created_note_holds), and the
+   references of the stale ones are given back too: streams the framework destroyed with the
+   runtime that no call here named since (one a pool's close left busy, destroyed after it; one
+   destroyed while its pool was open). */
+static int acl_device_release(ap_backend *b, int device)
+{
+    int rc = acl_check_device(b, device);
+
+    if (rc != 0)
+        return rc;
+    acl_check_suspects(b);
+    acl_streams_check(b, device);
+    acl_release_orphans(b);
+    return acl_device_unref(b, device);
 }
 
 static int acl_stream_sync_here(ap_backend *b, void *stream, int timeout_ms)
@@ -1252,32 +1409,54 @@ static int acl_stream_sync(ap_backend *b, void *stream, int timeout_ms)
     ON_STREAM(b, stream, acl_stream_sync_here(b, stream, timeout_ms));
 }
 
-static int acl_stream_destroy_here(ap_backend *b, void *stream, int *created_on)
+/* The note goes out of the table before the runtime's destroy: from then on the runtime may give
+   the handle to a stream another thread creates, whose note must not be this one. Destroyed, or
+   found gone already (unknown, or the handle now another context's stream): its reference is an
+   orphan, given back by acl_stream_destroy out of the stream's scope; else the note goes back. */
+static int acl_stream_destroy_here(ap_backend *b, void *stream)
 {
-    int rc = IMPL(b)->aclrtDestroyStream(stream);
+    acl_impl *im = IMPL(b);
+    struct acl_stream_dev note = {0};
+    int had = acl_streams_take(im, stream, 0, &note);
+    int rc = im->aclrtDestroyStream(stream);
 
-    *created_on = -1;
-    if (rc == 0) {
-        *created_on = acl_created_stream_device(IMPL(b), stream);
-        (void)acl_streams_note(IMPL(b), stream, -1);
-        acl_learn_context(IMPL(b), stream, NULL, -1);
+    if (rc == 0)
+        acl_learn_context(im, stream, NULL, -1);
+    if (!had)
+        return rc;
+    if (rc == 0 || rc == ACL_ERROR_RT_STREAM_CONTEXT || rc == ACL_ERROR_RT_PARAM_INVALID ||
+        rc == ACL_ERROR_RT_INVALID_HANDLE) {
+        acl_orphan_ref(im, note.device);
+    } else {
+        size_t i;
+        pthread_mutex_lock(&im->streams_lock);
+        for (i = 0; i < im->n_streams && im->streams[i].stream != stream; i++)
+            ;
+        /* The handle noted anew meanwhile: ours was gone after all. Host memory exhausted: the
+           stream lives on unnoted, keeping its reference (never one given back under it). */
+        if (i < im->n_streams)
+            acl_orphan_ref(im, note.device);
+        else
+            (void)acl_streams_append_locked(im, note);
+        pthread_mutex_unlock(&im->streams_lock);
     }
     return rc;
 }
 
 /* CANN: "the stream must be in the current context": run in its device's context when known. */
-static int acl_stream_destroy_on(ap_backend *b, void *stream, int *created_on)
+static int acl_stream_destroy_on(ap_backend *b, void *stream)
 {
-    ON_STREAM(b, stream, acl_stream_destroy_here(b, stream, created_on));
+    ON_STREAM(b, stream, acl_stream_destroy_here(b, stream));
 }
 
 static int acl_stream_destroy(ap_backend *b, void *stream)
 {
-    int created_on = -1;
-    int rc = acl_stream_destroy_on(b, stream, &created_on);
+    int rc;
 
-    if (rc == 0 && created_on >= 0)
-        (void)acl_device_release(b, created_on); /* the reference it held (acl_stream_create) */
+    acl_check_suspects(b);
+    rc = acl_stream_destroy_on(b, stream);
+
+    acl_release_orphans(b); /* the reference it held (acl_stream_create), among others */
     return rc;
 }
 

@@ -377,7 +377,9 @@ cdef class PoolBase:
                         self._created.discard(handle)  # another pool orders work on it: it stays
                     elif idle > 0:
                         self.destroy_stream(handle)
-                    elif idle < 0:  # destroyed behind our back: nothing to give back
+                    elif idle < 0:  # destroyed behind our back: nothing to destroy; the backend
+                        # gives the stream's device reference back when this pool gives its device
+                        # back (acl: acl_device_release asks the device's streams), no lock held
                         self._created.discard(handle)
                 except PoolError:  # the runtime refused: the close goes on
                     self._created.discard(handle)
