@@ -58,6 +58,11 @@ typedef struct apl_ledger {
     _Atomic int refs;
     int device;
     uint32_t group;
+    int guarded;            /* a file another user can write (a group's, another user's): every access to
+                               the mapping runs under the SIGBUS guard (ledger_guard.h) */
+    _Atomic int broken;     /* a guarded access faulted (the file shrank): the mapping is not used again */
+    _Atomic long lock_tid;  /* the thread holding the lock (apl_lock), 0 none: a guarded body that faults
+                               while holding it gives it back (apl_unlock_if_held) */
     char path[PATH_MAX];
     char dir[PATH_MAX];     /* the ledger's directory: where its processes' leases are */
 } apl_ledger;
@@ -285,6 +290,8 @@ static int apl_open_as_ms(const char *path, int device, const char *backend, con
     L->st_ino = st.st_ino;
     L->device = device;
     L->group = group;
+    L->guarded = foreign || group != APL_NO_GROUP;
+    atomic_init(&L->broken, 0);
     atomic_init(&L->refs, 1);
     pthread_mutex_init(&L->mu, NULL);
     snprintf(L->path, sizeof L->path, "%s", path);
@@ -298,9 +305,9 @@ static int apl_open_as_ms(const char *path, int device, const char *backend, con
     if ((rc = apl_lock_ms(L, lock_ms, err, len)) == APL_OK) {
         const char *volatile bad = NULL;
         volatile int bus = 0;
-        if (foreign || group != APL_NO_GROUP) {
+        if (L->guarded) {
             sigjmp_buf env;
-            APL_GUARDED(env, bad = apl_check_contents(f, &st, device, backend, node, group), bus = 1);
+            APL_GUARDED_AT(env, f, sizeof(apl_file), bad = apl_check_contents(f, &st, device, backend, node, group), bus = 1);
         } else {
             bad = apl_check_contents(f, &st, device, backend, node, group);
         }
@@ -385,7 +392,10 @@ static int apl_lock_ms(apl_ledger *L, int timeout_ms, char *err, size_t len) {
     /* Non-blocking attempts with a bounded wait: a peer stopped (SIGSTOP) inside its critical
        section must produce an error, not a hang under the pool lock. */
     for (;;) {
-        if (flock(L->fd, LOCK_EX | LOCK_NB) == 0) return APL_OK;
+        if (flock(L->fd, LOCK_EX | LOCK_NB) == 0) {
+            atomic_store(&L->lock_tid, apl_bus_tid());
+            return APL_OK;
+        }
         if (errno != EWOULDBLOCK && errno != EINTR) break;
         struct timespec now;
         clock_gettime(CLOCK_MONOTONIC, &now);
@@ -405,8 +415,15 @@ static int apl_lock_ms(apl_ledger *L, int timeout_ms, char *err, size_t len) {
 }
 
 static void apl_unlock(apl_ledger *L) {
+    atomic_store(&L->lock_tid, 0);
     flock(L->fd, LOCK_UN);
     pthread_mutex_unlock(&L->mu);
+}
+
+/* After a guarded body faulted: gives the lock back if this thread holds it (the body jumped out
+   between its apl_lock and apl_unlock). */
+static void apl_unlock_if_held(apl_ledger *L) {
+    if (atomic_load(&L->lock_tid) == apl_bus_tid()) apl_unlock(L);
 }
 
 #endif

@@ -91,6 +91,7 @@ static int apl_reclaim_checked(apl_ledger *L, int lock_ms, int guard, uint64_t *
     struct stat st;
     if (fstat(L->fd, &st) != 0 || st.st_size < (off_t)sizeof(apl_file)) {
         apl_unlock(L);
+        atomic_store(&L->broken, 1);
         apl_fail(err, len, APL_E_MALFORMED, "ledger %s shrank (truncated by its owner?); dropping it", L->path);
         return -2;
     }
@@ -98,12 +99,13 @@ static int apl_reclaim_checked(apl_ledger *L, int lock_ms, int guard, uint64_t *
     uint64_t got = 0;
     if (guard) {
         sigjmp_buf env;
-        APL_GUARDED(env, n = apl_reclaim_locked(L, -1, &got), bus = 1);
+        APL_GUARDED_AT(env, L->f, sizeof(apl_file), n = apl_reclaim_locked(L, -1, &got), bus = 1);
     } else {
         n = apl_reclaim_locked(L, -1, &got);
     }
     apl_unlock(L);
     if (bus) {
+        atomic_store(&L->broken, 1);
         apl_fail(err, len, APL_E_MALFORMED, "ledger %s was truncated during a sweep; dropping it", L->path);
         return -2;
     }
