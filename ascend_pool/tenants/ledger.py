@@ -139,6 +139,12 @@ def open_ledger(device, backend, directory=None, group=None):
     path = ledger_path(device, name, node, gid, directory)
     with _lock:
         led = _cache.get(path)
+        if led is not None and not led.usable:
+            # a group's ledger that shrank under this process (truncated by another member): its
+            # mapping is not used again; contexts opened from now on validate the file anew
+            del _cache[path]
+            _mapped.pop(path, None)
+            led = None
         if led is None:
             led = _cache[path] = Ledger(path, int(device), name, node, gid)
             st = os.stat(path)

@@ -15,19 +15,30 @@
  * `pending` field brackets the two steps so that a death between them is detected, not silently
  * miscounted.
  *
+ * A guarded ledger (a group's, or another user's: ledger_file.h) may be truncated by another
+ * process at any time, so there every access to the mapping runs under the SIGBUS guard
+ * (ledger_guard.h); a fault marks the ledger broken (L->broken), and from then on this process
+ * refuses every reservation on it (a LedgerError naming the file), books no release, and gives
+ * nothing back at close: the mapping describes no ledger any more. The pool's own accounting does
+ * not depend on the ledger, so a release that faults leaves it whole. A private ledger arms
+ * nothing: its hot path is the same load, compare-and-swap and stores.
+ *
  * Refusal: before refusing, the slots of dead processes of the tenant are reclaimed (under the file
  * lock) and the reservation is retried once; the pool then trims its own cache and asks again.
  */
 #ifndef AP_LEDGER_RESERVE_H
 #define AP_LEDGER_RESERVE_H
 
+#include "ledger_foreign.h"
 #include "ledger_slots.h"
+#include "ledger_view.h"
 
 /* One context's membership in a tenant: the quota hook's ctx. */
 typedef struct apl_handle {
     apl_ledger *L;          /* a reference: the mapping outlives every handle */
     int tenant, slot;
     int device;
+    int guarded;            /* L->guarded: every access to the mapping under the SIGBUS guard */
     pid_t pid;              /* the process that claimed the slot (a forked child must not use it) */
     _Atomic int warn_pending; /* set when this context's growth crossed the warn level */
 } apl_handle;
@@ -38,6 +49,7 @@ typedef struct apl_refusal {
     int valid;
     int forked;
     uint64_t quota, held, bytes;
+    int broken;             /* the ledger's file shrank under this process (a guarded ledger) */
 } apl_refusal;
 
 static __thread apl_refusal apl_last_refusal;
@@ -95,14 +107,17 @@ static int apl_try_reserve(apl_handle *h, uint64_t bytes, uint64_t *held_seen, u
 
 /* Reserves bytes for the context; reclaims dead processes' shares once before refusing.
    0 granted; 1 refused (apl_last_refusal and why say why). */
+static int apl_reserve_guarded(apl_handle *h, uint64_t bytes, char *why, size_t why_len);
+
 static int apl_reserve(apl_handle *h, uint64_t bytes, char *why, size_t why_len) {
     apl_last_refusal.valid = 0;
     if (getpid() != h->pid) {
-        apl_last_refusal = (apl_refusal){1, 1, 0, 0, bytes};
+        apl_last_refusal = (apl_refusal){1, 1, 0, 0, bytes, 0};
         snprintf(why, why_len, "this tenant context was created by process %d; a forked child (process %d) "
                  "must create its own contexts", (int)h->pid, (int)getpid());
         return 1;
     }
+    if (h->guarded) return apl_reserve_guarded(h, bytes, why, why_len);
     uint64_t held = 0, quota = 0;
     if (apl_try_reserve(h, bytes, &held, &quota) == 0) return 0;
     uint64_t freed = 0;
@@ -111,15 +126,77 @@ static int apl_reserve(apl_handle *h, uint64_t bytes, char *why, size_t why_len)
         apl_try_reserve(h, bytes, &held, &quota) == 0)
         return 0;
     atomic_fetch_add(&h->L->f->tenants[h->tenant].refusals, 1);
-    apl_last_refusal = (apl_refusal){1, 0, quota, held, bytes};
+    apl_last_refusal = (apl_refusal){1, 0, quota, held, bytes, 0};
     snprintf(why, why_len, "tenant '%s' holds %llu bytes node-wide on device %d, its quota is %llu bytes; a new "
              "segment of %llu bytes would exceed it", h->L->f->tenants[h->tenant].name, (unsigned long long)held,
              h->device, (unsigned long long)quota, (unsigned long long)bytes);
     return 1;
 }
 
+/* A guarded ledger that faulted: the refusal (apl_last_refusal.broken) and its reason. */
+static int apl_refuse_broken(apl_handle *h, uint64_t bytes, char *why, size_t why_len) {
+    atomic_store(&h->L->broken, 1);
+    apl_last_refusal = (apl_refusal){1, 0, 0, 0, bytes, 1};
+    snprintf(why, why_len, "ledger %s shrank while this process used it (truncated by another process that "
+             "can write it); this process no longer books in it, so its tenant contexts on device %d are "
+             "refused new device memory (open a new context once the file is whole again)", h->L->path,
+             h->device);
+    return 1;
+}
+
+/* apl_reserve on a guarded ledger: the same steps, each access to the mapping under the guard, the
+   reclaim under the lock given back if it faults (apl_reclaim_checked). */
+static int apl_reserve_guarded(apl_handle *h, uint64_t bytes, char *why, size_t why_len) {
+    apl_ledger *L = h->L;
+    if (atomic_load(&L->broken)) return apl_refuse_broken(h, bytes, why, why_len);
+    volatile int r = 1, bus = 0;
+    uint64_t held = 0, quota = 0;
+    sigjmp_buf env;
+    APL_GUARDED_AT(env, L->f, sizeof(apl_file), r = apl_try_reserve(h, bytes, &held, &quota), bus = 1);
+    if (bus) return apl_refuse_broken(h, bytes, why, why_len);
+    if (r == 0) return 0;
+    uint64_t freed = 0;
+    char ignore[256];
+    int n = apl_reclaim_checked(L, APL_LOCK_TIMEOUT_MS, 1, &freed, ignore, sizeof ignore);
+    if (n == -2) return apl_refuse_broken(h, bytes, why, why_len);
+    if (n > 0) {
+        APL_GUARDED_AT(env, L->f, sizeof(apl_file), r = apl_try_reserve(h, bytes, &held, &quota), bus = 1);
+        if (bus) return apl_refuse_broken(h, bytes, why, why_len);
+        if (r == 0) return 0;
+    }
+    char name[APL_NAME_MAX + 1];
+    memset(name, 0, sizeof name);
+    APL_GUARDED_AT(env, L->f, sizeof(apl_file),
+                   (atomic_fetch_add(&L->f->tenants[h->tenant].refusals, 1),
+                    memcpy(name, (const void *)L->f->tenants[h->tenant].name, APL_NAME_MAX)),
+                   bus = 1);
+    if (bus) return apl_refuse_broken(h, bytes, why, why_len);
+    name[APL_NAME_MAX] = 0;
+    apl_last_refusal = (apl_refusal){1, 0, quota, held, bytes, 0};
+    snprintf(why, why_len, "tenant '%s' holds %llu bytes node-wide on device %d, its quota is %llu bytes; a new "
+             "segment of %llu bytes would exceed it", name, (unsigned long long)held, h->device,
+             (unsigned long long)quota, (unsigned long long)bytes);
+    return 1;
+}
+
+static void apl_release_mapped(apl_handle *h, uint64_t bytes);
+
 static void apl_release(apl_handle *h, uint64_t bytes) {
     if (getpid() != h->pid) return; /* a forked child's copy of the parent's pool: not ours to book */
+    if (h->guarded) {
+        /* A fault leaves the pool as it is (it freed its segment either way); the ledger is
+           broken, and nothing more is booked in it. */
+        if (atomic_load(&h->L->broken)) return;
+        volatile int bus = 0;
+        sigjmp_buf env;
+        APL_GUARDED_AT(env, h->L->f, sizeof(apl_file), apl_release_mapped(h, bytes), bus = 1);
+        if (bus) atomic_store(&h->L->broken, 1);
+        return;
+    }
+    apl_release_mapped(h, bytes);
+}
+
+static void apl_release_mapped(apl_handle *h, uint64_t bytes) {
     apl_file *f = h->L->f;
     apl_slot *s = &f->slots[h->slot];
     uint64_t mine = atomic_load(&s->held);
@@ -132,6 +209,9 @@ static void apl_release(apl_handle *h, uint64_t bytes) {
     apl_tenant_sub(f, &f->tenants[h->tenant], bytes);
     atomic_store(&s->pending, 0);
 }
+
+/* 1 when a guarded access to L's mapping faulted (the file shrank): L is not used again. */
+static int apl_is_broken(apl_ledger *L) { return atomic_load(&L->broken); }
 
 /* 1 once after this context's growth crossed the tenant's warn level (then cleared). */
 static int apl_take_warn(apl_handle *h) { return atomic_exchange(&h->warn_pending, 0); }
@@ -149,13 +229,88 @@ static void apl_hook_release(void *ctx, int device, size_t bytes) {
 
 /* The tenant's quota (SIZE_MAX: none) and what it holds node-wide now. Lock-free; another
    process may book the difference first (its reserve is then refused). */
+static void apl_read_terms(apl_handle *h, uint64_t *quota, uint64_t *held) {
+    apl_tenant *t = &h->L->f->tenants[h->tenant];
+    *quota = atomic_load(&t->quota);
+    *held = atomic_load(&t->held);
+}
+
 static void apl_hook_terms(void *ctx, int device, size_t *quota, size_t *held) {
     (void)device;
     apl_handle *h = ctx;
-    apl_tenant *t = &h->L->f->tenants[h->tenant];
-    uint64_t q = atomic_load(&t->quota);
+    uint64_t q = 0, hd = 0;
+    if (h->guarded) {
+        /* a broken ledger: no room (its reservations are refused) */
+        volatile int bus = atomic_load(&h->L->broken);
+        if (!bus) {
+            sigjmp_buf env;
+            APL_GUARDED_AT(env, h->L->f, sizeof(apl_file), apl_read_terms(h, &q, &hd), bus = 1);
+        }
+        if (bus) {
+            atomic_store(&h->L->broken, 1);
+            q = hd = 0;
+        }
+    } else {
+        apl_read_terms(h, &q, &hd);
+    }
     *quota = q >= (uint64_t)SIZE_MAX ? SIZE_MAX : (size_t)q;
-    *held = (size_t)atomic_load(&t->held);
+    *held = (size_t)hd;
+}
+
+/* A copy of the handle's tenant and slot entries (LedgerQuota.state). 0; -1 when the ledger is
+   broken (a guarded ledger that shrank). */
+static int apl_read_entries(apl_handle *h, apl_tenant *t, apl_slot *s) {
+    if (!h->guarded) {
+        memcpy(t, (const void *)&h->L->f->tenants[h->tenant], sizeof *t);
+        memcpy(s, (const void *)&h->L->f->slots[h->slot], sizeof *s);
+        return 0;
+    }
+    if (atomic_load(&h->L->broken)) return -1;
+    volatile int bus = 0;
+    sigjmp_buf env;
+    APL_GUARDED_AT(env, h->L->f, sizeof(apl_file),
+                   (memcpy(t, (const void *)&h->L->f->tenants[h->tenant], sizeof *t),
+                    memcpy(s, (const void *)&h->L->f->slots[h->slot], sizeof *s)),
+                   bus = 1);
+    if (bus) atomic_store(&h->L->broken, 1);
+    return bus ? -1 : 0;
+}
+
+/* The header (*hdr) and apl_copy_tables of the ledger's mapping (Ledger.view()), guarded where it
+   must be. 1 consistent, 0 not (ledger_view.h), -1 when the ledger is broken. */
+static int apl_copy_tables_of(apl_ledger *L, apl_header *hdr, apl_tables *out, apl_tables *scratch) {
+    if (!L->guarded) {
+        memcpy(hdr, (const void *)&L->f->h, sizeof *hdr);
+        return apl_copy_tables(L->f, out, scratch);
+    }
+    if (atomic_load(&L->broken)) return -1;
+    volatile int r = 0, bus = 0;
+    sigjmp_buf env;
+    APL_GUARDED_AT(env, L->f, sizeof(apl_file),
+                   (memcpy(hdr, (const void *)&L->f->h, sizeof *hdr), r = apl_copy_tables(L->f, out, scratch)),
+                   bus = 1);
+    if (bus) atomic_store(&L->broken, 1);
+    return bus ? -1 : r;
+}
+
+/* apl_set_quota, guarded where it must be (the lock given back if the body faults). -2 with err
+   when the ledger is broken. */
+static int apl_set_quota_of(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm, int src, uint32_t stamp,
+                            char *err, size_t len) {
+    if (!L->guarded) return apl_set_quota(L, tenant, quota, warn_ppm, src, stamp, err, len);
+    volatile int r = -2, bus = atomic_load(&L->broken);
+    if (!bus) {
+        sigjmp_buf env;
+        APL_GUARDED_AT(env, L->f, sizeof(apl_file), r = apl_set_quota(L, tenant, quota, warn_ppm, src, stamp, err, len),
+                       (apl_unlock_if_held(L), bus = 1));
+    }
+    if (bus) {
+        atomic_store(&L->broken, 1);
+        apl_fail(err, len, APL_E_MALFORMED, "ledger %s shrank while this process used it (truncated by another "
+                 "process that can write it); open a new context once the file is whole again", L->path);
+        return -2;
+    }
+    return r;
 }
 
 /* A new handle: attaches to the tenant (claiming a slot). NULL and err on failure. */
@@ -167,8 +322,25 @@ static apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quot
         *kind = apl_fail(err, len, APL_E_IO, "host memory exhausted");
         return NULL;
     }
-    *kind = apl_attach(L, name, set_quota, quota, src, stamp, set_warn, warn_ppm, &h->tenant, &h->slot, conflict, err,
-                       len);
+    if (!L->guarded) {
+        *kind = apl_attach(L, name, set_quota, quota, src, stamp, set_warn, warn_ppm, &h->tenant, &h->slot, conflict,
+                           err, len);
+    } else {
+        volatile int k = APL_E_MALFORMED, bus = atomic_load(&L->broken);
+        if (!bus) {
+            sigjmp_buf env;
+            APL_GUARDED_AT(env, L->f, sizeof(apl_file),
+                           k = apl_attach(L, name, set_quota, quota, src, stamp, set_warn, warn_ppm, &h->tenant,
+                                          &h->slot, conflict, err, len),
+                           (apl_unlock_if_held(L), bus = 1));
+        }
+        if (bus) {
+            atomic_store(&L->broken, 1);
+            k = apl_fail(err, len, APL_E_MALFORMED, "ledger %s shrank while this process used it (truncated by "
+                         "another process that can write it); open it again once the file is whole", L->path);
+        }
+        *kind = k;
+    }
     if (*kind != APL_OK) {
         free(h);
         return NULL;
@@ -176,6 +348,7 @@ static apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quot
     apl_ref(L);
     h->L = L;
     h->device = L->device;
+    h->guarded = L->guarded;
     h->pid = getpid();
     return h;
 }
@@ -183,10 +356,24 @@ static apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quot
 /* Gives the slot back (what it still holds returns to the tenant) and frees the handle. */
 static void apl_handle_close(apl_handle *h) {
     if (!h) return;
-    if (getpid() == h->pid) {
+    if (getpid() == h->pid && !h->guarded) {
         char ignore[256];
         if (apl_detach(h->L, h->tenant, h->slot, ignore, sizeof ignore) != APL_OK)
             apl_release(h, atomic_load(&h->L->f->slots[h->slot].held)); /* lock failed: at least the bytes */
+    } else if (getpid() == h->pid && !atomic_load(&h->L->broken)) {
+        /* the same under the guard; a broken ledger gets nothing back (it describes nothing) */
+        char ignore[256];
+        volatile int bus = 0, rc = APL_OK;
+        sigjmp_buf env;
+        APL_GUARDED_AT(env, h->L->f, sizeof(apl_file), rc = apl_detach(h->L, h->tenant, h->slot, ignore, sizeof ignore),
+                       (apl_unlock_if_held(h->L), bus = 1));
+        if (bus) atomic_store(&h->L->broken, 1);
+        else if (rc != APL_OK) {
+            uint64_t held = 0;
+            APL_GUARDED_AT(env, h->L->f, sizeof(apl_file), held = atomic_load(&h->L->f->slots[h->slot].held), bus = 1);
+            if (bus) atomic_store(&h->L->broken, 1);
+            else apl_release(h, held);
+        }
     }
     apl_unref(h->L);
     free(h);

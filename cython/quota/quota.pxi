@@ -56,6 +56,7 @@ cdef extern from "quota/ledger_reserve.h" nogil:
         apl_slot slots[1024]
     ctypedef struct apl_ledger:
         apl_file *f
+        int guarded
         unsigned long st_dev, st_ino
         int device
         char path[4096]
@@ -64,7 +65,7 @@ cdef extern from "quota/ledger_reserve.h" nogil:
         apl_ledger *L
         int tenant, slot, device
     ctypedef struct apl_refusal:
-        int valid, forked
+        int valid, forked, broken
         uint64_t quota, held, bytes
     apl_refusal apl_last_refusal
     int apl_open_as(const char *path, int device, const char *backend, const char *node, uint32_t group,
@@ -84,12 +85,19 @@ cdef extern from "quota/ledger_reserve.h" nogil:
     void apl_hook_release(void *ctx, int device, size_t nbytes) noexcept
     void apl_hook_terms(void *ctx, int device, size_t *quota, size_t *held) noexcept
     int apl_take_warn(apl_handle *h)
+    int apl_is_broken(apl_ledger *L)
+    int apl_read_entries(apl_handle *h, apl_tenant *t, apl_slot *s)
+    int apl_set_quota_of(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm, int src, uint32_t stamp,
+                         char *err, size_t len)
 
 cdef extern from "quota/ledger_view.h" nogil:
     ctypedef struct apl_tables:
         apl_tenant tenants[64]
         apl_slot slots[1024]
     int apl_copy_tables(const apl_file *f, apl_tables *out, apl_tables *scratch)
+
+cdef extern from "quota/ledger_reserve.h" nogil:
+    int apl_copy_tables_of(apl_ledger *L, apl_header *hdr, apl_tables *out, apl_tables *scratch)
 
 cdef extern from "quota/ledger_foreign.h" nogil:
     int apl_open_as_ms(const char *path, int device, const char *backend, const char *node, uint32_t group,
@@ -171,7 +179,7 @@ cdef class Ledger:
     cdef readonly str path
     cdef readonly int device
     cdef readonly object group
-    cdef public bint usable
+    cdef bint _usable
     cdef bint guarded  # a file another user can write (a group's, another user's): read under the SIGBUS guard
 
     def __cinit__(self, str path, int device, str backend, str node="", group=None, owner=None,
@@ -194,8 +202,24 @@ cdef class Ledger:
         self.path = path
         self.device = device
         self.group = group
-        self.usable = True
-        self.guarded = group is not None or (owner is not None and owner != _os.geteuid())
+        self._usable = True
+        self.guarded = self.L.guarded
+
+    @property
+    def usable(self):
+        """False once the file shrank under this mapping (a guarded access faulted, or a sweep
+        found it short): every later use is refused; open the file again."""
+        return self._usable and not apl_is_broken(self.L)
+
+    @usable.setter
+    def usable(self, value):
+        self._usable = bool(value)
+
+    @property
+    def is_guarded(self):
+        """True for a file another user can write (a group's, another user's): every access to
+        its mapping runs under the SIGBUS guard (ledger_guard.h)."""
+        return bool(self.guarded)
 
     def __dealloc__(self):
         if self.L != NULL:
@@ -219,7 +243,7 @@ cdef class Ledger:
         with nogil:
             n = apl_reclaim_checked(self.L, lock_ms, self.guarded, &nbytes, err, sizeof(err))
         if n == -2:
-            self.usable = False
+            self._usable = False
             raise _ledger_error(APL_E_MALFORMED, err)
         if n < 0:
             raise _ledger_error(APL_E_LOCK, err)
@@ -244,12 +268,17 @@ cdef class Ledger:
         if not self.usable:
             raise LedgerError(f"ledger {self.path} shrank while mapped; open it again", kind="malformed")
         cdef apl_tables *t = <apl_tables *>malloc(2 * sizeof(apl_tables))
+        cdef apl_header hdr
+        cdef int rc
         if t == NULL:
             raise MemoryError("host memory for a ledger view")
         try:
             with nogil:
-                apl_copy_tables(self.L.f, &t[0], &t[1])  # one moment's picture (ledger_view.h)
-            return _view_dict(&self.L.f.h, t, self.L.dir, self.path)
+                rc = apl_copy_tables_of(self.L, &hdr, &t[0], &t[1])  # one moment's picture (ledger_view.h)
+            if rc < 0:
+                self._usable = False
+                raise LedgerError(f"ledger {self.path} shrank while mapped; open it again", kind="malformed")
+            return _view_dict(&hdr, t, self.L.dir, self.path)
         finally:
             free(t)
 
@@ -373,12 +402,14 @@ def attach_ledger(PoolBase pool, Ledger ledger, str tenant, quota, warn, bint se
     cdef bint sw = set_quota and warn is not None
     cdef bint sq = set_quota
     cdef apl_handle *h
+    cdef apl_tenant te
+    cdef apl_slot se
     with nogil:
         h = apl_handle_open(ledger.L, cname, sq, q, src, stamp, sw, w, &conflict, err, sizeof(err), &kind)
     if h == NULL:
         raise _ledger_error(kind, err)
     if conflict:
-        now = h.L.f.tenants[h.tenant].quota
+        now = te.quota if apl_read_entries(h, &te, &se) == 0 else APL_NO_QUOTA
         declared = 'no quota' if quota is None else f"{quota} bytes"
         rule = ("a tenants file wins over declarations; of two tenants files the newer, of two "
                 "declarations the stricter")
@@ -447,6 +478,9 @@ cdef class LedgerQuota:
         cdef int src = APL_SRC_DECLARED
         cdef uint32_t stamp = 0
         cdef char err[1024]
+        cdef apl_tenant te
+        cdef apl_slot se
+        cdef uint64_t now = APL_NO_QUOTA
         # Counted busy throughout: the operator's hook below runs Python (other threads run
         # meanwhile), and a close() of the pool then waits for this call before it gives the
         # ledger handle back (it was freed under apl_set_quota: a crash, or a hang on its lock).
@@ -462,13 +496,16 @@ cdef class LedgerQuota:
             h = _handle_of(pool)  # NULL once a close began: refused as a closed pool's call
             if h == NULL:
                 raise PoolError("this pool is closed")
-            rc = apl_set_quota(h.L, h.tenant, _quota_arg(quota), _warn_arg(warn), src, stamp, err, sizeof(err))
+            rc = apl_set_quota_of(h.L, h.tenant, _quota_arg(quota), _warn_arg(warn), src, stamp, err, sizeof(err))
+            if rc > 0 and apl_read_entries(h, &te, &se) == 0:  # the handle lives while the pool is held
+                now = te.quota
         finally:
             pool._leave()
+        if rc == -2:  # a group's ledger that another member truncated (ledger_reserve.h)
+            raise _ledger_error(APL_E_MALFORMED, err)
         if rc < 0:
             raise _ledger_error(APL_E_LOCK, err)
         if rc:
-            now = h.L.f.tenants[h.tenant].quota
             _log_conflict(self.tenant, pool.device, f"this process asked for {'no quota' if quota is None else quota} "
                           f"(bytes), the quota in force is {'none' if now == APL_NO_QUOTA else now} bytes, which "
                           "other processes rely on (or the operator set): it stays")
@@ -477,19 +514,23 @@ cdef class LedgerQuota:
     def state(self, PoolBase pool):
         """pool's tenant as the ledger sees it now: dict with quota_bytes (None: no quota),
         held_bytes (node-wide), slot_bytes (booked by this pool), peak_bytes, refusals,
-        uncertain_bytes, warn (ratio or None). None once the pool is closed."""
+        uncertain_bytes, warn (ratio or None). None once the pool is closed, or once the
+        ledger is broken (a group's ledger that shrank under this process: self.ledger.usable is
+        False)."""
         cdef apl_handle *h = _handle_of(pool)
         if h == NULL:
             return None
-        cdef apl_file *f = h.L.f
-        cdef int t = h.tenant
-        q = f.tenants[t].quota
-        w = f.tenants[t].warn_ppm
-        return {"quota_bytes": None if q == APL_NO_QUOTA else q, "held_bytes": f.tenants[t].held,
-                "slot_bytes": f.slots[h.slot].held, "peak_bytes": f.tenants[t].peak,
-                "refusals": f.tenants[t].refusals, "uncertain_bytes": f.tenants[t].uncertain,
-                "warn": w / 1e6 if w else None, "conflicts": f.tenants[t].conflicts,
-                "quota_source": _QUOTA_SOURCES.get(f.tenants[t].quota_src)}
+        cdef apl_tenant te
+        cdef apl_slot se
+        if apl_read_entries(h, &te, &se) != 0:  # copies, read under the SIGBUS guard where needed
+            return None
+        q = te.quota
+        w = te.warn_ppm
+        return {"quota_bytes": None if q == APL_NO_QUOTA else q, "held_bytes": te.held,
+                "slot_bytes": se.held, "peak_bytes": te.peak,
+                "refusals": te.refusals, "uncertain_bytes": te.uncertain,
+                "warn": w / 1e6 if w else None, "conflicts": te.conflicts,
+                "quota_source": _QUOTA_SOURCES.get(te.quota_src)}
 
     def after_growth(self, PoolBase pool):
         """Called by pool.malloc after a miss: runs pool._quota_warn() once each time the pool's
@@ -502,6 +543,17 @@ cdef class LedgerQuota:
         """The QuotaExceededError for the refusal the calling thread just saw."""
         cdef apl_refusal r = apl_last_refusal
         name = self.tenant
+        if r.valid and r.broken:  # a group's ledger truncated under this process (ledger_reserve.h)
+            e = LedgerError(f"tenant {name!r} on device {pool.device}: ledger {self.ledger.path} shrank while this "
+                            f"process used it (truncated by another process that can write it); {requested} bytes "
+                            f"({what}) refused: this process no longer books in that file, so its contexts there "
+                            f"get no new device memory (open a new context once the file is whole again)",
+                            kind="malformed")
+            e.tenant = name
+            e.device = pool.device
+            e.requested = requested
+            e.path = self.ledger.path
+            return e
         if r.valid and r.forked:
             e = QuotaExceededError(f"tenant {name!r} on device {pool.device}: this context belongs to another "
                                    f"process (created before a fork); create contexts in the child")
