@@ -120,3 +120,57 @@ def test_a_full_simulator_directory_is_a_typed_error_at_start(sim_node, tmp_path
             print("BACKEND-ERROR", e, flush=True)
     """, "ASCEND_SIM_SHM_DIR")
     assert rc == 0 and "BACKEND-ERROR" in out and "No space left on device" in out, (rc, out, err[-500:])
+
+
+def run_with_small_dir(sim_node, tmp_path, code, size):
+    """Runs code in a child whose ASCEND_SIM_SHM_DIR is a tmpfs of `size` (mount's size=), empty:
+    room for the simulator's records, not for what the code shares. (returncode, stdout, stderr)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(code))
+    env = sim_node.env(ASCEND_POOL_BACKEND="sim", ASCEND_POOL_STATS="0", ASCEND_POOL_STATS_DIR=tmp_path,
+                       ASCEND_POOL_LEDGER_DIR=tmp_path, ASCEND_SIM_SHM_DIR=small)
+    sh = f"mount -t tmpfs -o size={size},mode=1777 tmpfs {small} && cd / && exec {sys.executable} {script}"
+    r = subprocess.run(["unshare", "-m", "sh", "-c", sh], env=env, capture_output=True, text=True, timeout=120)
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_sharing_a_block_larger_than_the_simulators_directory_is_a_typed_error(sim_node, tmp_path):
+    # The export file was sized with ftruncate and only its header's pages taken; the data stayed
+    # sparse and was mapped over the block: a Docker container's 64 MiB /dev/shm and a larger
+    # model's weights (share, then load, as docs/sharing.md says) killed the process with SIGBUS
+    # at the first write. Every page is taken at export now, or the export is refused.
+    rc, out, err = run_with_small_dir(sim_node, tmp_path, """
+        import os
+        import ascend_pool as ap
+        from ascend_pool import sim
+        MiB = 1 << 20
+        shm = os.environ["ASCEND_SIM_SHM_DIR"]
+        pool = ap.Pool(0)
+        ptr = pool.share_malloc(16 * MiB)         # the directory holds 8 MiB
+        sim.launch_fill(None, ptr, MiB, 0x3C)     # its first MiB written; the rest untouched
+        pool.synchronize()
+        before = sorted(os.listdir(shm))
+        try:
+            pool.share(ptr, any_process=True)
+            print("SHARED", flush=True)
+        except ap.errors.DeviceError as e:
+            print("REFUSED", e.code, e, flush=True)
+        print("LEFT", sorted(set(os.listdir(shm)) - set(before)), flush=True)
+        print("INTACT", sim.read(ptr, 2 * MiB) == bytes([0x3C]) * MiB + bytes(MiB), flush=True)
+        sim.launch_fill(None, ptr, 16 * MiB, 0x5A)  # the block is still the caller's, and works
+        pool.synchronize()
+        print("WRITABLE", sim.read(ptr + 8 * MiB, 4096) == bytes([0x5A]) * 4096, flush=True)
+        pool.share_free(ptr)
+        x = pool.share_malloc(2 * MiB)            # a block that fits is still shared
+        h = pool.share(x, any_process=True)
+        sim.launch_fill(None, x, 2 * MiB, 0x11)
+        pool.synchronize()
+        print("SMALL-SHARED", h.key, flush=True)
+        pool.share_free(x)
+    """, "8m")
+    assert rc == 0, (rc, out, err[-800:])            # before: -7 (SIGBUS) after "SHARED"
+    assert "REFUSED 207001" in out and "ASCEND_SIM_SHM_DIR" in out and "No space left on device" in out, (out, err[-800:])
+    assert str(tmp_path / "small") in out, out
+    assert "LEFT []" in out and "INTACT True" in out and "WRITABLE True" in out and "SMALL-SHARED" in out, (out, err[-800:])

@@ -5,8 +5,10 @@
  * map. Exporting turns the exported range into shared memory in place: a file is created in the
  * node's directory (ASCEND_SIM_SHM_DIR, default /dev/shm), mode 0600, named by the key
  *     ascendsim-<uid>-<node>-ipc-<key>
- * the range's present pages are copied into it (untouched pages stay holes: a 1 GiB export of
- * mostly untouched memory costs what was touched), and the file is mapped MAP_SHARED | MAP_FIXED
+ * every page of it is allocated first (posix_fallocate: a directory without room for the whole
+ * range refuses the export with ACL_ERROR_RT_MEMORY_ALLOCATION naming it, where a sparse file
+ * mapped over the range was a SIGBUS at the first write), the range's present pages are copied
+ * into it, and the file is mapped MAP_SHARED | MAP_FIXED
  * over the range, in one system call, so the exporter's address never changes. Importers open
  * the file by the key's name and map it at an address of their own (2 MiB aligned); everybody
  * then reads and writes the same pages. Exported ranges are MADV_DONTFORK: a forked child has
@@ -452,8 +454,11 @@ static int create_record(struct ipc_export *e, int dev, size_t size, uint64_t fl
         struct ipc_record *r = MAP_FAILED;
         if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)(IPC_DATA_OFF + size)) != 0)
             err = errno;
-        if (!err) /* the record's pages now (the data stays sparse): a full file system is SIGBUS later */
-            err = posix_fallocate(fd, 0, (off_t)rec_len());
+        /* Every page now, the data's too: the file is mapped over the device range, and a page the
+           file system cannot give later would be a SIGBUS at the first write of the memory. */
+        int room = 0;
+        if (!err && (room = posix_fallocate(fd, 0, (off_t)(IPC_DATA_OFF + size))) != 0)
+            err = room;
         if (!err && (r = mmap(NULL, rec_len(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED)
             err = errno;
         if (!err) {
@@ -483,6 +488,12 @@ static int create_record(struct ipc_export *e, int dev, size_t size, uint64_t fl
         if (r != MAP_FAILED)
             munmap(r, rec_len());
         close(fd);
+        if (room) /* nothing is left behind: the temporary file is gone, the range untouched */
+            return -sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
+                             "cannot share %zu bytes: the shared-memory directory %s (ASCEND_SIM_SHM_DIR) %s (%s)",
+                             size, g_sim.cfg.shm_dir,
+                             room == ENOSPC ? "has no room for them: free space there or give the node a larger one"
+                                            : "cannot reserve them", strerror(room));
         if (err != EEXIST) /* else: that key exists on the node (vanishingly rare): draw another */
             return -sim_fail(err == ENOSPC || err == ENOMEM ? ACL_ERROR_RT_MEMORY_ALLOCATION
                                                             : ACL_ERROR_RT_RESOURCE_ALLOC_FAIL,
