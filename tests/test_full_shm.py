@@ -174,3 +174,76 @@ def test_sharing_a_block_larger_than_the_simulators_directory_is_a_typed_error(s
     assert "REFUSED 207001" in out and "ASCEND_SIM_SHM_DIR" in out and "No space left on device" in out, (out, err[-800:])
     assert str(tmp_path / "small") in out, out
     assert "LEFT []" in out and "INTACT True" in out and "WRITABLE True" in out and "SMALL-SHARED" in out, (out, err[-800:])
+
+
+def test_a_process_that_cannot_make_its_lease_takes_no_device_memory(sim_node, tmp_path):
+    # A process proves it lives by its lease file in ASCEND_SIM_SHM_DIR. When the file could not be
+    # made (the directory out of inodes: another user filled it with empty files), the process
+    # still took a slot in the node record and allocated; the next process took it for dead (no
+    # lease file), reclaimed its slot and was granted the same memory: 1.4 GiB handed out on a
+    # 1 GiB device. Now its aclInit fails (BackendUnavailableError naming the lease file), and a
+    # process started once there is room again works.
+    small = tmp_path / "small"
+    small.mkdir()
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(r'''
+        import os, subprocess, sys
+        shm = os.environ["ASCEND_SIM_SHM_DIR"]
+        first = """if 1:
+            import sys
+            import ascend_pool as ap
+            p = ap.Pool(0)
+            print("up", flush=True)
+            sys.stdin.readline()
+            try:
+                x = p.malloc(700 << 20); print("P1 granted", flush=True)
+            except ap.OutOfMemoryError:
+                print("P1 refused", flush=True)
+            sys.stdin.readline()
+        """
+        later = """if 1:
+            import sys
+            import ascend_pool as ap
+            try:
+                p = ap.Pool(0)
+            except ap.errors.BackendUnavailableError as e:
+                print("REFUSED", e, flush=True); raise SystemExit(0)
+            x = p.malloc(%d << 20)
+            print("GRANTED", flush=True)
+            sys.stdin.readline()                 # holds it while P1 allocates
+        """
+        p1 = subprocess.Popen([sys.executable, "-c", first], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p1.stdout.readline().strip() == "up"
+        junk = []
+        while True:                              # another user takes every inode left
+            try:
+                path = os.path.join(shm, f"junk{len(junk)}")
+                open(path, "w").close()
+                junk.append(path)
+            except OSError:
+                break
+        p2 = subprocess.Popen([sys.executable, "-c", later % 700], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+        print("P2:", p2.stdout.readline().strip(), flush=True)
+        p1.stdin.write("go\n"); p1.stdin.flush()
+        print(p1.stdout.readline().strip(), flush=True)  # P2 still alive
+        print("P2 stderr:", p2.communicate("x\n", timeout=60)[1].strip()[-300:], flush=True)
+        for path in junk:
+            os.unlink(path)
+        r = subprocess.run([sys.executable, "-c", later % 100], capture_output=True, text=True, timeout=60)
+        print("P3:", r.stdout.strip() or r.stderr.strip()[-300:], flush=True)
+        p1.stdin.write("x\n"); p1.stdin.flush(); p1.wait()
+        print("LEFT", sorted(n for n in os.listdir(shm) if ".tmp" in n), flush=True)
+    '''))
+    env = sim_node.env(ASCEND_POOL_BACKEND="sim", ASCEND_POOL_STATS="0", ASCEND_POOL_STATS_DIR=tmp_path,
+                       ASCEND_POOL_LEDGER_DIR=tmp_path, ASCEND_SIM_SHM_DIR=small, ASCEND_SIM_DEVICES="1")
+    sh = (f"mount -t tmpfs -o size=8m,nr_inodes=64,mode=1777 tmpfs {small} && "
+          f"cd / && exec {sys.executable} {script}")
+    r = subprocess.run(["unshare", "-m", "sh", "-c", sh], env=env, capture_output=True, text=True, timeout=180)
+    out = r.stdout
+    assert r.returncode == 0, (r.returncode, out, r.stderr[-800:])
+    # before: "P2: GRANTED" then "P1 granted", both alive: 1.4 GiB out of a 1 GiB device
+    assert "P2: REFUSED" in out and "207005" in out and "ascendsim-lease-" in out, out
+    assert "No space left on device" in out and str(small) in out, out
+    assert "P1 granted" in out, out                                   # P2 held nothing
+    assert "P3: GRANTED" in out and "LEFT []" in out, out

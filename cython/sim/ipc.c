@@ -522,6 +522,8 @@ SIM_EXPORT aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *key
     int dev;
     if ((rc = sim_current_device(call, &dev)) != 0)
         return rc;
+    if ((rc = sim_proc_lease_ready(call)) != 0) /* the record names us by lease: none, no export */
+        return rc;
     uintptr_t p = (uintptr_t)devPtr;
     if (p % SIM_HUGE_PAGE || size % SIM_HUGE_PAGE)
         return sim_fail(ACL_ERROR_RT_ADDR_UNALIGNED, call,
@@ -685,6 +687,8 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
     if (!key_ok(key))
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "'%.64s' is not a key (1-64 characters of A-Z a-z 0-9 _ -)", key);
+    if ((rc = sim_proc_lease_ready(call)) != 0) /* the record names importers by lease */
+        return rc;
     int32_t me = (int32_t)getpid();       /* a label */
     uint64_t my_id = sim_proc_self_id();  /* who we are (proc.c) */
     int32_t node_pid = sim_proc_bare_tgid();

@@ -39,7 +39,10 @@
  * lease id (proc.c: sim_proc_lock): if its holder dies, the next locker finds the lease dropped and
  * takes over, which is safe because every update of the record is a single atomic store (the sum
  * is recomputed, never cached). Not a robust pthread mutex: those name holders by thread id, which
- * pid namespaces repeat.
+ * pid namespaces repeat. So a process never takes a slot without holding its leases: when they
+ * cannot be made (a directory out of room or inodes), attaching fails (aclInit:
+ * ACL_ERROR_RT_RESOURCE_ALLOC_FAIL naming the file and errno), where before the slot was taken
+ * anyway, reclaimed by the next process as a dead one's, and its bytes handed out twice.
  *
  * Trust: the file is created mode 0644 (its owner writes, every user of the node reads), fully
  * initialised under a temporary name and then link()ed into place, so nobody ever sees a
@@ -384,10 +387,15 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
 {
     struct node_local *l = &local[dev];
     sim_proc_use_dir(cfg->shm_dir); /* our lease, beside the records that name us by it */
+    /* Never a slot without a lease: others would take us for dead at once, reclaim the slot and
+       hand its bytes out again (before: a directory out of inodes over-committed the device). */
+    int rc = sim_proc_lease_ready(call);
+    if (rc)
+        return rc;
     struct node_record *r;
     /* The node's device behind this process's `dev` (ASCEND_RT_VISIBLE_DEVICES renumbers): its
        capacity is shared with every process that sees it, whatever number each gives it. */
-    int rc = open_record(l->path, sizeof l->path, cfg->phys[dev], cfg, &r, call);
+    rc = open_record(l->path, sizeof l->path, cfg->phys[dev], cfg, &r, call);
     if (rc)
         return rc;
     int32_t me = (int32_t)getpid();

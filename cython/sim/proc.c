@@ -110,7 +110,7 @@ static void public_lease_path(char *out, size_t len, const char *dir, unsigned u
 }
 
 /* Creates `path` locked (LOCK_EX) with `mode`, under a temporary name first so that it never
-   appears unlocked. The descriptor, or -1. */
+   appears unlocked. The descriptor, or -1 with errno set. */
 static int create_locked(const char *path, mode_t mode)
 {
     char tmp[PATH_MAX + 96];
@@ -118,38 +118,85 @@ static int create_locked(const char *path, mode_t mode)
     int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
     if (fd < 0)
         return -1;
+    int err = 0;
     if (fchmod(fd, mode) != 0 || flock(fd, LOCK_EX | LOCK_NB) != 0 || link(tmp, path) != 0) {
+        err = errno;
         close(fd);
         fd = -1;
     }
     unlink(tmp);
+    errno = err; /* the failure's, for the caller's message */
     return fd;
 }
 
-/* Holds our lease in lease_dir (lease_mu held). Without it (a read-only directory) others cannot
-   tell whether we live and keep our records (-1 in sim_proc_alive): never a false death. */
-static void lease_hold_locked(uint64_t id)
+/* Why the last attempt to hold a lease failed (lease_mu held): the file and errno. */
+static char lease_fail_path[PATH_MAX + 64];
+static int lease_fail_errno;
+
+/* Holds our leases, private and public, in lease_dir (lease_mu held). 0 when held (or no directory
+   is known yet), else an errno, with the file in lease_fail_path. A process without its private
+   lease is dead to its own user (sim_proc_alive: no file, no life), and one without its public
+   lease is dead to the others (their sums skip its bytes): its records would be reclaimed and
+   its device memory handed out again, so the callers that name us in a record (node.c: attach,
+   ipc.c) refuse to go on without both (sim_proc_lease_ready). */
+static int lease_hold_locked(uint64_t id)
 {
     int free_i = -1;
     for (int i = 0; i < LEASE_DIRS; i++) {
         if (held_fd[i] >= 0 && strcmp(held_dir[i], lease_dir) == 0)
-            return;
+            return 0;
         if (held_fd[i] < 0 && free_i < 0)
             free_i = i;
     }
-    if (free_i < 0 || !lease_dir[0])
-        return;
+    if (!lease_dir[0])
+        return 0;
     char path[PATH_MAX + 64];
     lease_path(path, sizeof path, lease_dir, id);
+    if (free_i < 0) {
+        snprintf(lease_fail_path, sizeof lease_fail_path, "%s", path);
+        return lease_fail_errno = EMFILE; /* leases in LEASE_DIRS directories already */
+    }
     int fd = create_locked(path, 0600);
-    if (fd < 0)
-        return;
+    if (fd < 0) {
+        lease_fail_errno = errno ? errno : EIO;
+        snprintf(lease_fail_path, sizeof lease_fail_path, "%s", path);
+        return lease_fail_errno;
+    }
+    char pub[PATH_MAX + 64];
+    public_lease_path(pub, sizeof pub, lease_dir, (unsigned)geteuid(), id);
+    int pub_fd = create_locked(pub, 0644);
+    if (pub_fd < 0) {
+        lease_fail_errno = errno ? errno : EIO;
+        snprintf(lease_fail_path, sizeof lease_fail_path, "%s", pub);
+        unlink(path); /* nobody knows the id yet: the private lease goes with it, to be made again */
+        close(fd);
+        return lease_fail_errno;
+    }
     held_fd[free_i] = fd;
+    held_pub_fd[free_i] = pub_fd;
     snprintf(held_dir[free_i], PATH_MAX, "%s", lease_dir);
-    /* Without the public one (a squatted name, a full directory) other users count none of our
-       bytes: their view of the device is then too optimistic, never ours. */
-    public_lease_path(path, sizeof path, lease_dir, (unsigned)geteuid(), id);
-    held_pub_fd[free_i] = create_locked(path, 0644);
+    return 0;
+}
+
+int sim_proc_lease_ready(const char *call)
+{
+    uint64_t id = sim_proc_self_id();
+    char path[sizeof lease_fail_path];
+    pthread_mutex_lock(&lease_mu);
+    int err = lease_hold_locked(id); /* again: a directory out of room may have room now */
+    if (err)
+        snprintf(path, sizeof path, "%s", lease_fail_path);
+    pthread_mutex_unlock(&lease_mu);
+    if (!err)
+        return 0;
+    if (err == EMFILE)
+        return sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call,
+                        "cannot hold this process's lease %s: it holds leases in %d directories "
+                        "(ASCEND_SIM_SHM_DIR) already, the most one process can", path, LEASE_DIRS);
+    return sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call,
+                    "cannot create this process's lease %s: %s; without it the node's other processes "
+                    "would take this one for dead and hand its device memory out again (ASCEND_SIM_SHM_DIR "
+                    "must have room and inodes for two small files per process)", path, strerror(err));
 }
 
 void sim_proc_use_dir(const char *dir)
@@ -158,7 +205,7 @@ void sim_proc_use_dir(const char *dir)
     snprintf(lease_dir, sizeof lease_dir, "%s", dir);
     uint64_t id = atomic_load(&lease_id);
     if (id)
-        lease_hold_locked(id);
+        (void)lease_hold_locked(id); /* a failure is reported by sim_proc_lease_ready */
     pthread_mutex_unlock(&lease_mu);
 }
 
@@ -177,7 +224,7 @@ uint64_t sim_proc_self_id(void)
         if (getrandom(&r, sizeof r, 0) != (ssize_t)sizeof r)
             r = sim_now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&r;
         if (r) {
-            lease_hold_locked(r);
+            (void)lease_hold_locked(r); /* likewise */
             atomic_store(&lease_id, r);
         }
     }

@@ -115,6 +115,11 @@ uint64_t sim_proc_start_time(int pid); /* /proc/PID/stat field 22; 0 if unknown 
 void sim_proc_use_dir(const char *dir);
 /* This process's lease id (random, non-zero; its lease file is held from the first call). */
 uint64_t sim_proc_self_id(void);
+/* 0 when this process holds its leases (private and public) in the directory of the last
+   sim_proc_use_dir, trying again to make them if an earlier try failed; else
+   ACL_ERROR_RT_RESOURCE_ALLOC_FAIL with a message naming the file and errno. Whatever names this
+   process in a shared record must succeed here first: without its leases it is dead to others. */
+int sim_proc_lease_ready(const char *call);
 /* 1 alive (the lease of id is held), 0 dead, -1 cannot tell. pid is only a label. */
 int sim_proc_alive(int pid, uint64_t id);
 /* For another user's slot (foreign.c): 1 when the public lease of uid's process id is held, 0 when
