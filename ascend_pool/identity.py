@@ -208,6 +208,35 @@ def self_start_time():
     return start_time(os.getpid()) or 0
 
 
+_UID_MAP_PATH = "/proc/self/uid_map"
+
+
+def user_namespace():
+    """None in the initial user namespace (/proc/self/uid_map the identity "0 0 4294967295") or
+    where /proc does not tell; else (map, outside): the map's lines ("inside outside count")
+    joined by "; ", and the uid os.geteuid() is outside the namespace (None if the map lacks it).
+
+    Not translated anywhere: files are named by os.geteuid(), the uid *inside* the namespace, and
+    owners checked as this namespace sees them, so processes of two user namespaces (a rootless
+    container and the host, two such containers) share no private directory, ledger or stats
+    file, and `ascend-pool ps` or the node service outside one does not see its processes
+    (docs/containers.md). private_dir() says so once per process."""
+    try:
+        with open(_UID_MAP_PATH) as f:
+            rows = [line.split() for line in f.read().splitlines() if line.strip()]
+    except OSError:
+        return None
+    try:
+        rows = [tuple(int(x) for x in row[:3]) for row in rows if len(row) >= 3]
+    except ValueError:
+        return None
+    if not rows or rows == [(0, 0, 4294967295)]:
+        return None
+    me = os.geteuid()
+    outside = next((out + me - inside for inside, out, count in rows if inside <= me < inside + count), None)
+    return "; ".join(" ".join(map(str, row)) for row in rows), outside
+
+
 def boot_id():
     """The kernel's boot id as 16 raw bytes (zeros where /proc does not tell it)."""
     try:

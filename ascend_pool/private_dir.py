@@ -23,12 +23,15 @@ and never looks at anything else in the base directory.
 
 import ctypes
 import errno
+import logging
 import os
 import re
 import secrets
 import stat
 import threading
 import time
+
+from . import identity
 
 MAX_PROBES = 100000   # names tried before giving up (each costs one lstat)
 LOOKAHEAD = 64        # names looked at past the first free one (as the simulator's node records)
@@ -37,6 +40,28 @@ NAME_RE = re.compile(r"^ascend_pool-(u|g)(\d+)(?:\.(\d+))?$")
 
 _lock = threading.Lock()
 _cache = {}  # (base, kind, id) -> path
+_userns_told = False
+log = logging.getLogger("ascend_pool")
+
+
+def _tell_user_namespace(base):
+    """Once per process: a process in a user namespace names its directory by its uid inside it,
+    which nobody outside the namespace looks for (identity.user_namespace)."""
+    global _userns_told
+    if _userns_told:
+        return
+    _userns_told = True
+    ns = identity.user_namespace()
+    if ns is None:
+        return
+    uid = os.geteuid()
+    outside = "" if ns[1] in (None, uid) else f", uid {ns[1]} outside it"
+    log.warning("this process runs in a user namespace (/proc/self/uid_map: %s): its private directory in %s "
+                "(%s), stats file and quota ledgers are named and checked by its uid inside it (%d%s), so "
+                "`ascend-pool ps` and the node service outside this namespace do not see it (--allow-uid does "
+                "not help), and a tenant's processes inside and outside it do not share a quota ledger. Run a "
+                "node's workers and its node service in one user namespace, or in none (docs/containers.md).",
+                ns[0], base, _name("u", uid, 0), uid, outside)
 
 
 def _name(kind, num, n):
@@ -63,6 +88,7 @@ def private_dir(base, group=None):
     if group is not None and (isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < 2**32 - 1):
         raise PermissionError(f"{group!r} is not a group id (0 to {2**32 - 2})")
     kind, num = ("g", group) if group is not None else ("u", os.geteuid())
+    _tell_user_namespace(base)
     key = (os.path.abspath(base), kind, num)
     path = _cache.get(key)
     if path is not None and _still_ours(path, kind, num):

@@ -325,6 +325,61 @@ int sim_proc_foreign_alive(unsigned uid, uint64_t id)
     return rc;
 }
 
+int sim_proc_user_namespace(char *map, size_t len, long *outside)
+{
+    *outside = (long)geteuid();
+    char buf[512];
+    int fd = open("/proc/self/uid_map", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0; /* no /proc: cannot tell */
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    /* Its lines, each "inside outside count", whitespace squeezed, joined by "; ". */
+    size_t o = 0;
+    int in_space = 1;
+    if (len)
+        map[0] = '\0';
+    for (ssize_t i = 0; i < n && len && o + 3 < len; i++) {
+        char c = buf[i];
+        if (c == '\n') {
+            while (o && map[o - 1] == ' ')
+                o--;
+            if (i + 1 < n && o) {
+                map[o++] = ';';
+                map[o++] = ' ';
+            }
+            in_space = 1;
+        } else if (c == ' ' || c == '\t') {
+            if (!in_space)
+                map[o++] = ' ';
+            in_space = 1;
+        } else {
+            map[o++] = c;
+            in_space = 0;
+        }
+    }
+    while (len && o && (map[o - 1] == ' ' || map[o - 1] == ';'))
+        o--;
+    if (len)
+        map[o] = '\0';
+    unsigned long a, b, c, me = (unsigned long)geteuid();
+    char tail;
+    /* The initial user namespace maps every uid to itself, in one line. */
+    if (sscanf(buf, " %lu %lu %lu %c", &a, &b, &c, &tail) == 3 && a == 0 && b == 0 && c == 4294967295ul)
+        return 0;
+    int used = 0;
+    for (char *line = buf; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+        if (sscanf(line, " %lu %lu %lu%n", &a, &b, &c, &used) == 3 && me >= a && me - a < c) {
+            *outside = (long)(b + (me - a));
+            break;
+        }
+    }
+    return 1;
+}
+
 uint64_t sim_proc_pidns(void)
 {
     struct stat st;

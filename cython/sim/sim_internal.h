@@ -125,6 +125,13 @@ int sim_proc_alive(int pid, uint64_t id);
 /* For another user's slot (foreign.c): 1 when the public lease of uid's process id is held, 0 when
    it is not (or is no file of that uid), -1 cannot tell. Never removes anything. */
 int sim_proc_foreign_alive(unsigned uid, uint64_t id);
+/* 1 when this process runs in a user namespace other than the initial one (/proc/self/uid_map is
+   not the identity "0 0 4294967295"), its map's lines ("inside outside count", joined by "; ")
+   in map and the uid its geteuid() maps to outside in *outside; 0 otherwise or when it cannot
+   tell. Records and leases are named by geteuid(), the uid
+   *inside* the namespace, and checked against st_uid as this namespace sees it: processes of two
+   user namespaces (two rootless containers, or one and the host) never share a node record. */
+int sim_proc_user_namespace(char *map, size_t len, long *outside);
 /* The inode of this process's pid namespace (0 if unknown). */
 uint64_t sim_proc_pidns(void);
 /* As sim_proc_alive, and for an owner of *our* pid namespace (pidns equal, /proc ours) a pid that
