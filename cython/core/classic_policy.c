@@ -116,7 +116,10 @@ size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size) {
         if (p->trade_room) {
             credit_calls(p);
             p->trade_credit -= 1000;
-            p->trade_room -= size < p->trade_room ? size : p->trade_room;
+            /* a refill takes at least a growth unit of room (the refills owed count so): under a
+               limit set after the trade an exact-size segment may be smaller (segments.c) */
+            size_t took = size > growth_unit(p) ? size : growth_unit(p);
+            p->trade_room -= took < p->trade_room ? took : p->trade_room;
         }
         AP_ASSERT(p->trade_credit >= ap_classic_refills_owed(p) * 1000);
         return size;

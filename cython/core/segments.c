@@ -3,7 +3,8 @@
  * Segment sizes: small-pool segments are 2 MiB (many small blocks share one huge page); a large
  * request gets a segment of its own size rounded up to whole 2 MiB pages, so that when it is
  * freed the whole segment is free and can serve any later request or go back to the device
- * (a request below 10 MiB shares a 20 MiB segment, as torch_npu's: segment_size_for).
+ * (a request below 10 MiB shares a 20 MiB segment, as torch_npu's: segment_size_for). Under a
+ * byte limit whose room is below that segment, the request's exact rounded size.
  *
  * Release policy: when a miss needs a new segment and reserved memory would rise above its
  * earlier peak, fully free segments are traded for the growth so that the pool takes the new shape
@@ -162,17 +163,29 @@ static size_t limit_headroom(const ap_pool *p) {
    shared segment the limit refused would cost a retry. Under a tenant quota, always the
    request's own size: the room is node-wide, other processes of the tenant take it meanwhile,
    and a refused shared growth would count a quota refusal. With `shared` 0: the request's own
-   size (the fallback when a shared growth is refused). */
+   size (the fallback when a shared growth is refused).
+   Under a byte limit whose room is below the segment chosen so (a 2 MiB small segment, the
+   2 MiB floor, whole pages), the segment is exactly rsize: the runtime takes any size
+   (aclrtMallocAlign32 rounds to 32 bytes, which rsize, a multiple of 512, already is), so a
+   request that fits under the limit is served, as CuPy's and RMM's limits count exact sizes
+   (before, every request was refused once less than 2 MiB was left, and a limit below 2 MiB
+   refused all). Never without a limit: an unlimited pool's placement is unchanged. A tenant
+   quota keeps whole segments: its room is node-wide and unknown here (as above). */
 static size_t segment_size_for(const ap_pool *p, int pool, size_t rsize, int shared) {
-    if (pool == AP_POOL_SMALL) return p->cfg.small_segment;
-    shared = shared && rsize < AP_MIN_LARGE_ALLOC && !p->quota.reserve;
-    if (shared && p->cfg.limit_bytes != AP_NO_LIMIT) {
-        size_t buffer = ap_round_up(p->cfg.large_segment, p->cfg.page_size);
-        shared = limit_headroom(p) >= (buffer < p->cfg.min_large_segment ? p->cfg.min_large_segment : buffer);
+    size_t room = limit_headroom(p), size;
+    if (pool == AP_POOL_SMALL) {
+        size = p->cfg.small_segment;
+    } else {
+        shared = shared && rsize < AP_MIN_LARGE_ALLOC && !p->quota.reserve;
+        if (shared && room != SIZE_MAX) {
+            size_t buffer = ap_round_up(p->cfg.large_segment, p->cfg.page_size);
+            shared = room >= (buffer < p->cfg.min_large_segment ? p->cfg.min_large_segment : buffer);
+        }
+        size = shared ? p->cfg.large_segment : rsize;
+        size = ap_round_up(size, p->cfg.page_size); /* alone: once freed, its segment is wholly free */
+        if (size < p->cfg.min_large_segment) size = p->cfg.min_large_segment;
     }
-    size_t size = shared ? p->cfg.large_segment : rsize;
-    size = ap_round_up(size, p->cfg.page_size); /* alone: once freed, its segment is wholly free */
-    return size < p->cfg.min_large_segment ? p->cfg.min_large_segment : size;
+    return room != SIZE_MAX && room < size ? rsize : size;
 }
 
 /* garbage_collection_threshold, as PyTorch collects: the wholly free segments idle for at least
@@ -288,6 +301,8 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
     /* Out of device memory (or over the limit): return every idle segment and retry ... */
     ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
     if ((b = ap_find_fit(p, slot, pool, rsize))) return b;
+    /* the limit's room may have grown: its segment again (without a limit: `own`, unchanged) */
+    if (!p->cfg.expandable) size = segment_size_for(p, pool, rsize, 0);
     rc = grow(p, slot, pool, rsize, size, &b, err);
     if (rc == AP_OK) return b;
     /* ... then the preallocated reserve, if idle: a request it cannot serve itself (a small one:
