@@ -1,11 +1,14 @@
-"""A byte limit whose room is below the segment the pool would grow (docs/placement-policy.md,
-"Growth size").
+"""A byte limit whose room is below the segment the pool would grow, and a preallocated reserve
+that fills its cap (docs/placement-policy.md, "Growth size", "The preallocated reserve under a
+cap").
 
 Ports of CuPy's TestSingleDeviceMemoryPool::test_alloc_limit and RMM's limiting adaptor tests
-(python test_limiting_resource_adaptor, cpp PoolTest.ForceGrowth). Sizes are the peers' minus the
+(python test_limiting_resource_adaptor, cpp PoolTest.ForceGrowth) and RMM's pool whose initial
+size is its maximum (PoolTest.InitialAndMaxPoolSizeEqual). Sizes are the peers' minus the
 documented 32-byte pad, so that a request rounds to the peer's figure (pool.round_size).
 Before the fix a small request always grew a 2 MiB segment and a large one at least 2 MiB in
-whole pages, so every request was refused once less than 2 MiB was left under the limit."""
+whole pages, so every request was refused once less than 2 MiB was left under the limit; and the
+first small request under a cap filled by the reserve gave the whole reserve back."""
 
 import pytest
 
@@ -150,6 +153,52 @@ def test_an_unlimited_pool_and_a_roomy_limit_keep_whole_segments(pool):
     assert reserved(pool) == 2 * MiB + 20 * MiB  # a small segment and a shared medium one
     pool.free(x)
     pool.free(y)
+
+
+def test_a_reserve_equal_to_the_cap_serves_small_requests():
+    # RMM PoolTest.InitialAndMaxPoolSizeEqual: the pool allocates its size once and serves every
+    # later request, small ones included, from it. Before: the first malloc(1000) gave the whole
+    # reserve back ("after malloc(1000): reserved 2 MiB, device allocations 2, device frees 1"),
+    # and four 8 MiB requests then grew 4 more segments.
+    total = sim.stats(0)["total_bytes"]
+    p = ap.Pool(0, backend="sim", reserve="64MiB", memory_fraction=64 * MiB / total)
+    try:
+        assert p.get_limit() == 64 * MiB
+        st0 = p.memory_stats()
+        xs = [p.malloc(1000)]
+        xs += [p.malloc(8 * MiB) for _ in range(4)]
+        xs += [p.malloc(u(k)) for k in range(1, 50)]
+        st = p.memory_stats()
+        assert st["num_device_alloc"] == st0["num_device_alloc"] == 1
+        assert st["num_device_free"] == 0
+        assert reserved(p) == 64 * MiB
+        for x in xs:
+            p.free(x)
+        p._check_invariants()
+        # freed, the carved blocks merge back: the reserve is whole again
+        assert p.memory_stats()["inactive_split.all.current"] == 0
+        big = p.malloc(64 * MiB - PAD)  # all of it in one block
+        p.free(big)
+        p.empty_cache()
+        assert reserved(p) == 0
+    finally:
+        p.close()
+
+
+def test_a_reserve_serves_a_small_request_the_device_refuses(peers_idle_released):
+    # Without a limit: the device is full, the reserve idle; a small request is carved from the
+    # reserve instead of the reserve going back to the device.
+    p = ap.Pool(0, backend="sim", reserve="64MiB")
+    try:
+        sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"])  # no segment can be had
+        x = p.malloc(1000)
+        st = p.memory_stats()
+        assert st["num_device_free"] == 0 and reserved(p) == 64 * MiB
+        p.free(x)
+        p._check_invariants()
+    finally:
+        sim.set_faults(fail_after_bytes=-1)
+        p.close()
 
 
 def test_a_limit_set_after_a_trade_keeps_the_refill_credit(pool):

@@ -4,7 +4,8 @@
  * request gets a segment of its own size rounded up to whole 2 MiB pages, so that when it is
  * freed the whole segment is free and can serve any later request or go back to the device
  * (a request below 10 MiB shares a 20 MiB segment, as torch_npu's: segment_size_for). Under a
- * byte limit whose room is below that segment, the request's exact rounded size.
+ * byte limit whose room is below that segment, the request's exact rounded size; a small request
+ * the cap leaves no room for is cut from the preallocated reserve (reserve_fit).
  *
  * Release policy: when a miss needs a new segment and reserved memory would rise above its
  * earlier peak, fully free segments are traded for the growth so that the pool takes the new shape
@@ -264,6 +265,30 @@ static int reserve_would_make_room(ap_pool *p, size_t size) {
     return 1;
 }
 
+/* A small request's best fit in the free blocks of the preallocated reserve (a large-pool
+   segment, which the small pool never uses otherwise), or NULL. Used where the small pool cannot
+   grow: the cap leaves no room for its segment, or the device or quota refused it. Carving the
+   request out of the reserve keeps the reserve whole on the device, as RMM's pool whose initial
+   size is its maximum serves every later request from it; before, the out-of-memory path gave
+   the whole idle reserve back for a 1000-byte request and regrew it piece by piece. The block
+   stays a large-pool block (counted there) and merges back into the reserve when freed.
+   PyTorch's max_split_size still applies: a reserve at least that large is never split. */
+static int reserve_block_visit(ap_block *b, void *arg) {
+    if (!b->seg->pinned) return 0; /* another large segment's: the small pool does not split those */
+    *(ap_block **)arg = b;
+    return 1; /* tree order is by size: the first one is the best fit */
+}
+
+static ap_block *reserve_fit(ap_pool *p, int slot, size_t rsize) {
+    if (p->cfg.expandable || !p->cfg.reserve_bytes) return NULL;
+    ap_block *own = NULL, *any = NULL;
+    if (slot) ap_tree_walk_from(&p->slots[slot].trees[AP_POOL_LARGE], rsize, reserve_block_visit, &own);
+    ap_tree_walk_from(&p->slots[0].trees[AP_POOL_LARGE], rsize, reserve_block_visit, &any);
+    ap_block *best = own && (!any || own->size < any->size) ? own : any;
+    if (best && p->cfg.max_split_size != AP_NO_LIMIT && best->size >= p->cfg.max_split_size) return NULL;
+    return best;
+}
+
 /* One attempt to get new device memory holding rsize: a segment of `size` bytes, or (expandable)
    a mapping that extends a segment in place. */
 static int grow(ap_pool *p, int slot, int pool, size_t rsize, size_t size, ap_block **out, ap_error *err) {
@@ -285,6 +310,10 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
         (b = ap_find_fit(p, slot, pool, rsize)))
         return b;
 
+    /* A cap with no room for a small segment: the idle part of the reserve serves the request
+       (no device call, the reserve kept), before an exact-size growth. */
+    if (pool == AP_POOL_SMALL && limit_headroom(p) < p->cfg.small_segment && (b = reserve_fit(p, slot, rsize)))
+        return b;
     size_t size = p->cfg.expandable ? ap_round_up(rsize, p->vmm_granularity) : segment_size_for(p, pool, rsize, 1);
     size_t own = p->cfg.expandable ? size : segment_size_for(p, pool, rsize, 0);
     size = trim_before_growth(p, slot, pool, rsize, size);
@@ -297,6 +326,10 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
         if ((rc = grow(p, slot, pool, rsize, size, &b, err)) == AP_OK) return b;
         if (rc == AP_E_HOST_NOMEM) return NULL;
     }
+
+    /* A small request the device or quota refused: the reserve's idle part serves it, rather
+       than idle segments or the reserve itself going back to the device (reserve_fit). */
+    if (pool == AP_POOL_SMALL && (b = reserve_fit(p, slot, rsize))) return b;
 
     /* Out of device memory (or over the limit): return every idle segment and retry ... */
     ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
