@@ -14,7 +14,8 @@ Knobs:
                                longest first, until under it)
   reserve                      preallocate at start: bytes ("4GiB") or a fraction of the device's
                                free memory ("25%" or 0.25); kept until empty_cache(), or given
-                               up by a request that fails otherwise (when idle)
+                               up (when idle) by a request larger than its free space that
+                               fails otherwise; small requests under a full cap are cut from it
   record_history               keep a ring of allocator events for snapshots: true/false or a
                                number of entries (at most 2**20 are kept)
   page_size                    large-segment granularity: "2m" (default) or "1g"
