@@ -165,7 +165,49 @@ def test_a_waited_event_is_recorded_again_only_once_the_waiting_stream_ran_its_r
         pool.free(p, stream=s1)
         q = pool.malloc(4 * MiB, stream=s2)
         pool.free(q, stream=s2)
+        pool.synchronize(s1)                             # the streams ran their resets
+        pool.synchronize(s2)
     assert pool.memory_stats()["events_created"] <= before + 2
     pool._check_invariants()
     for s in (s1, s2, s3):
         pool.destroy_stream(s)
+
+
+def test_events_parked_after_borrows_count_toward_the_devices_idle_event_bound(sim_node):
+    # rev17: an event a stream waited on is parked until that stream has run its reset; parked
+    # events were outside the per-device bound on idle events (64 for all pools of a device), so
+    # tenant pools whose hosts ran ahead kept 64 each after the work was done (310P: 1,023 events
+    # a device).
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        MiB = 1 << 20
+        pools = []
+        for k in range(4):
+            pool = ap.Pool(0, backend="sim", stream_reuse="borrow")
+            be = pool.backend
+            p, c = pool.create_stream(), pool.create_stream()
+            for step in range(60):                  # the host never waits: every borrow in flight
+                buf = pool.malloc(8 * MiB, stream=p)
+                ready = be.event_create(0)
+                be.event_record(ready, p)
+                be.stream_wait_event(c, ready)
+                be.event_destroy(ready)
+                sim.launch_fill(c, buf, 4096, 2, delay_s=0.005)
+                pool.free(buf, stream=c)
+            pools.append((pool, p, c))
+        for pool, p, c in pools:                    # the framework waits itself, not through the pool
+            pool.backend.stream_sync(p)
+            pool.backend.stream_sync(c)
+        live = sim.stats(0)["live_events"]
+        migrations = sum(pl.memory_stats()["stream_migrations"] for pl, _, _ in pools)
+        for pool, p, c in pools:
+            pool._check_invariants()
+            pool.destroy_stream(p)
+            pool.destroy_stream(c)
+            pool.close()
+        print(json.dumps({"live": live, "migrations": migrations, "after": sim.stats(0)["live_events"]}))
+    """)
+    assert out["migrations"] >= 4 * 29, out   # every other malloc borrows (two blocks a segment)
+    assert out["live"] <= 64, out            # before: 120 (a pool's own bound, 64, each)
+    assert out["after"] == 0, out

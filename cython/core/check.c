@@ -271,7 +271,7 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
         goto out;
     }
     if (p->event_pins < 0 || p->n_cached_events < 0 || (!p->event_pins && p->n_cached_events > p->event_cache_max) ||
-        p->n_parked < 0 || p->n_parked > p->parked_cap || (!p->event_pins && p->n_parked > p->event_cache_max) ||
+        p->n_parked < 0 || p->n_parked > p->parked_cap ||
         p->live_events < p->n_cached_events + p->n_parked) {
         fail(c, "event cache: %d idle and %d parked of %lld live (bound %d, pins %d)", p->n_cached_events,
              p->n_parked, (long long)p->live_events, p->event_cache_max, p->event_pins);

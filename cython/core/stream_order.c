@@ -164,15 +164,15 @@ static void parked_recycle(ap_pool *p) {
             ap_on_device(p);
             rc = p->backend->event_query(p->backend, pe.event, &complete);
         }
-        if (rc == 0 && !complete) {
-            p->parked[kept++] = pe;
-        } else if (rc == 0) { /* the waiting stream ran the reset: as new */
-            ap_event_put(p, pe.event);
-        } else if (p->event_pins) {
-            p->parked[kept++] = pe; /* destroyed once no wait holds event handles */
-        } else { /* no reset to count on (or nothing to tell it by): never recorded again */
-            event_destroy(p, pe.event);
+        if ((rc == 0 && !complete) || (rc != 0 && p->event_pins)) {
+            p->parked[kept++] = pe; /* not yet (or destroyed once no wait holds event handles) */
+            continue;
         }
+        atomic_fetch_sub(idle_of(p), 1);
+        if (rc == 0) /* the waiting stream ran the reset: as new */
+            ap_event_put(p, pe.event);
+        else /* no reset to count on (or nothing to tell it by): never recorded again */
+            event_destroy(p, pe.event);
     }
     p->n_parked = kept;
 }
@@ -219,7 +219,7 @@ void ap_event_put(ap_pool *p, void *event) {
 }
 
 static void park(ap_pool *p, void *event, int marked) {
-    if (p->n_parked >= p->event_cache_max) parked_recycle(p);
+    if (p->n_parked) parked_recycle(p);
     if (p->n_parked == p->parked_cap) {
         int cap = p->parked_cap ? p->parked_cap * 2 : 8;
         struct ap_parked_event *a = realloc(p->parked, (size_t)cap * sizeof *a);
@@ -228,10 +228,13 @@ static void park(ap_pool *p, void *event, int marked) {
             p->parked_cap = cap;
         }
     }
-    /* The cache's bound holds here too (the device's events are few); while waits pin event
-       handles nothing is destroyed. */
-    if (p->n_parked < p->parked_cap && (p->n_parked < p->event_cache_max || p->event_pins)) {
+    /* The cache's bounds hold here too, per pool and for all pools of the device together
+       (parked events count as idle ones: the device's events are few, 1,023 on Atlas inference
+       cards); while waits pin event handles nothing is destroyed. */
+    if (p->n_parked < p->parked_cap &&
+        ((p->n_parked < p->event_cache_max && atomic_load(idle_of(p)) < AP_EVENT_CACHE_MAX) || p->event_pins)) {
         p->parked[p->n_parked++] = (struct ap_parked_event){event, marked};
+        atomic_fetch_add(idle_of(p), 1);
         return;
     }
     if (p->event_pins) return; /* no room and none may be destroyed: the handle is left, not reused */
@@ -261,8 +264,10 @@ void ap_events_trim(ap_pool *p, int keep) {
 
 void ap_events_destroy(ap_pool *p) {
     ap_events_trim(p, 0);
-    for (int i = 0; i < p->n_parked; i++) /* closing: the runtime frees them once their work completes */
+    for (int i = 0; i < p->n_parked; i++) { /* closing: the runtime frees them once their work completes */
         event_destroy(p, p->parked[i].event);
+        atomic_fetch_sub(idle_of(p), 1);
+    }
     free(p->parked);
     p->parked = NULL;
     p->n_parked = p->parked_cap = 0;
