@@ -40,6 +40,7 @@ CORE_TESTS=(
     tests/test_stats_oversize.py tests/test_pool_lifecycle.py tests/test_sim_node.py tests/test_sim_node_users.py
     tests/test_sharing_users.py tests/test_close_races.py tests/test_wait_bounds.py tests/test_oom_observers.py
     tests/test_fuzz_sequences.py tests/test_backend_contexts.py
+    tests/test_limit_small_room.py tests/test_stream_device_refs.py tests/test_ledger_guard.py
 )
 
 start=$(date +%s)
