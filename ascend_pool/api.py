@@ -22,7 +22,8 @@ from .tenants.context import Context
 from .tenants.default import default_tenant_pool
 from .units import as_index
 
-_lock = threading.Lock()  # held while a default pool is made (runtime calls: long)
+_lock = threading.RLock()  # held while a default pool is made (runtime calls: long); re-entrant: a
+# signal handler (SIGTERM: empty_cache, a snapshot) may call in while its thread holds it
 _local = threading.local()
 
 
@@ -30,7 +31,7 @@ def _after_fork_in_child():
     # A thread making a default pool at the fork leaves the child's copy locked for good: every
     # module-level call there would hang instead of raising BackendUnavailableError.
     global _lock
-    _lock = threading.Lock()
+    _lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -72,6 +73,10 @@ def process_default_pool(device):
             pool = _registry.default_pool(device)
             if pool is None:
                 pool = _create_default(device)
+                made = _registry.default_pool(device)
+                if made is not None:  # a signal handler made one meanwhile, inside this thread's lock
+                    pool.close()
+                    return made
                 _registry.set_default_pool(device, pool)
     return pool
 

@@ -20,7 +20,7 @@ import weakref
 from ._core import _set_default_pool
 
 log = logging.getLogger("ascend_pool")
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a signal handler may call in while its thread holds it
 _pools = weakref.WeakSet()
 _defaults = {}     # device -> its default pool (ascend_pool.api creates them)
 _host_pools = {}   # device -> the pinned host pool (ascend_pool.integrations.pinned creates them)
@@ -34,7 +34,7 @@ _reaping = threading.Lock()  # one reap_orphans at a time; never taken by a fina
 def _after_fork_in_child():
     # Another thread may have held the lock at the fork: the child's copy would stay locked.
     global _lock, _reaping
-    _lock = threading.Lock()
+    _lock = threading.RLock()
     _reaping = threading.Lock()
     _orphans.clear()  # the parent's pools: a child never touches them
 
@@ -156,7 +156,8 @@ def _reap_pass():
 def live_pools():
     """Open pools of this process, as a list (device, tenant and memory_stats() on each)."""
     with _lock:
-        pools = list(_pools)
+        refs = list(_pools.data)  # one C call: a signal handler cannot run in the middle of it
+    pools = [p for p in (r() for r in refs) if p is not None]
     # orphans too: a collected cycle's weak references are gone before its finalizers run
     seen = {id(p) for p in pools}
     pools += [p for p in list(_orphans) if id(p) not in seen]

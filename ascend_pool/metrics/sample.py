@@ -135,7 +135,7 @@ class PoolAggregator:
 
     def __init__(self, pools=registry.live_pools):
         self._pools = pools
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a signal handler may close a pool inside a close
         self._seen = {}     # _identity(pool) -> (weakref to pool, (device, tenant), counters dict)
         self._retired = {}  # (device, tenant) -> counters dict
         self._vanished = {}  # serial identity -> (key, counters) retired without a close (may come back)
