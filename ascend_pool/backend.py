@@ -30,7 +30,7 @@ _NOT_LOADED = 990001  # AP_ERR_NOT_LOADED in backend.h
 
 log = logging.getLogger("ascend_pool")
 
-_lock = threading.Lock()  # held while a runtime is opened (dlopen, aclInit: long)
+_lock = threading.RLock()  # held while a runtime is opened (dlopen, aclInit: long)
 _cache = {}  # (name or None, path or None) -> Backend, for every request ever answered
 _logged = False  # the choice is logged once per process
 
@@ -39,7 +39,7 @@ def _after_fork_in_child():
     # A fork while another thread opens a runtime copies this lock held; the child is refused
     # by check_not_forked (fork.c counts an open in progress as opened), not left hanging here.
     global _lock
-    _lock = threading.Lock()
+    _lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -109,6 +109,9 @@ def open_backend(name=None, path=None):
     check_not_forked()  # the cached backends below are the parent's
     name, source = _requested_name(name)
     key = (name, path)
+    backend = _cache.get(key)  # opened already: no lock (a signal handler's Pool() must not wait for its thread)
+    if backend is not None:
+        return backend
     with _lock:
         backend = _cache.get(key)
         if backend is not None:

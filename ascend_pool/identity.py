@@ -32,7 +32,7 @@ import threading
 LEASE_PREFIX = "ascend_pool-lease-"
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _instance = 0
 _leases = {}  # directory -> (fd, path) of this process's lease there
 
@@ -273,7 +273,7 @@ def _after_fork_in_child():
     # The child is another process: the parent's leases stay the parent's (closing our copies of
     # the descriptors keeps the locks, which belong to the parent's open files).
     global _lock, _instance
-    _lock = threading.Lock()
+    _lock = threading.RLock()
     for fd, _ in _leases.values():
         try:
             os.close(fd)

@@ -38,7 +38,7 @@ LOOKAHEAD = 64        # names looked at past the first free one (as the simulato
 _ATTEMPTS = 20        # creations lost to a peer (or a squatter) before giving up
 NAME_RE = re.compile(r"^ascend_pool-(u|g)(\d+)(?:\.(\d+))?$")
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _cache = {}  # (base, kind, id) -> path
 _userns_told = False
 log = logging.getLogger("ascend_pool")
@@ -254,7 +254,7 @@ def candidates(base, uids=(), gids=()):
 
 def _forget_after_fork():
     global _lock
-    _lock = threading.Lock()
+    _lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

@@ -44,13 +44,13 @@ __all__ = [
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lib = None
-_lock = threading.Lock()
+_lock = threading.RLock()
 
 
 def _after_fork_in_child():
     # held across a dlopen by attach(): a fork meanwhile must not leave the child's copy locked
     global _lock
-    _lock = threading.Lock()
+    _lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -163,10 +163,13 @@ class PoolAggregator:
 
     def samples(self):
         """A list of TenantSample, sorted by (device, tenant)."""
+        # The registry's lock is never taken under this one: a pool closing (its listener takes
+        # this lock) may be called with the registry's lock held by a signal handler's thread.
+        pools = list(self._pools())
         with self._lock:
             current = {}
             out = {}
-            for pool in self._pools():
+            for pool in pools:
                 if pool in self._final:
                     continue  # closing: its final counters are in the retired sums
                 try:

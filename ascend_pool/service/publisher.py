@@ -35,7 +35,7 @@ ENV_ENABLE = "ASCEND_POOL_STATS"
 ENV_INTERVAL = "ASCEND_POOL_STATS_INTERVAL"
 DEFAULT_INTERVAL_S = 0.25
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _publisher = None
 _reaper = None   # a Publisher whose stats file could not be made: its thread only reaps dropped pools
 _failed = False  # could not create the file once: do not retry (and log) at every new pool
@@ -54,7 +54,7 @@ class Publisher:
         self._agg = PoolAggregator()
         # Held for a whole start or publish cycle (the thread and the exit hook both publish), and
         # across a fork: a child never inherits the thread's half-done work or its locks.
-        self._write_lock = threading.Lock()
+        self._write_lock = threading.RLock()
         self._stop = threading.Event()
         self._overflow_logged = False
         self._damage_logged = False  # said once until a fresh file is made
@@ -277,7 +277,7 @@ def _after_fork_in_child():
     # The child has the parent's Publisher object but not its thread, and the file is the parent's:
     # forget it without touching it; the child publishes under its own pid when it opens a pool.
     global _publisher, _failed, _lock, _forking, _reaper
-    p, _publisher, _failed, _lock, _forking, _reaper = _publisher, None, False, threading.Lock(), None, None
+    p, _publisher, _failed, _lock, _forking, _reaper = _publisher, None, False, threading.RLock(), None, None
     if p is not None and p.file is not None:
         p.file.abandon()
 

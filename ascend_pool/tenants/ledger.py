@@ -42,7 +42,7 @@ DEFAULT_DIR = "/dev/shm"
 _NAME = re.compile(r"ascend_pool-ledger-(u|g)(\d+)-(acl|sim|cuda)(?:-(.+))?-dev(\d+)")  # fullmatch
 
 log = logging.getLogger("ascend_pool")
-_lock = threading.Lock()
+_lock = threading.RLock()
 _cache = {}  # path -> Ledger, for the life of the process (a mapping costs ~80 KiB)
 _mapped = {}  # path -> (st_dev, st_ino) of the file this process mapped there
 _replaced_logged = set()
@@ -60,7 +60,7 @@ RETRY_AFTER_S = 30.0  # a ledger that could not be opened or swept is skipped th
 def _forget_after_fork():
     # The child must not share the parent's open file (its flock would be the parent's).
     global _lock
-    _lock = threading.Lock()
+    _lock = threading.RLock()
     _cache.clear()
     _mapped.clear()
     _swept.clear()

@@ -177,14 +177,14 @@ def install_sighup_reload(path=None):
 
 
 _env_started = False
-_env_lock = threading.Lock()
+_env_lock = threading.RLock()
 _env_handles = []
 
 
 def _after_fork_in_child():
     # a fork while another thread starts the triggers must not leave the child's copy locked
     global _env_lock
-    _env_lock = threading.Lock()
+    _env_lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
