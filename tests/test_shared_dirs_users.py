@@ -292,3 +292,33 @@ def test_a_temporary_directory_left_by_a_killed_creator_is_removed(base):
     os.utime(stale, (old, old))
     path = pd.private_dir(base)
     assert os.path.isdir(path) and not os.path.exists(stale) and os.path.isdir(fresh)
+
+
+@needs_users
+def test_a_member_truncating_the_groups_ledger_leaves_the_other_members_working(node):
+    # rev16: the group's ledger is 0660, so any member may truncate it; the other members' next
+    # reservation read the vanished pages of their mapping and died of SIGBUS. Now the
+    # reservation is refused with a LedgerError naming the file, and the process goes on.
+    a = node.start(A, (GID,), """
+        import sys
+        import ascend_pool as ap
+        from ascend_pool.errors import LedgerError
+        pool = ap.Pool(0)
+        ctx = pool.context("team", quota="64MiB")
+        x = ctx.malloc(4 << 20)
+        print(ctx.ledger.path, flush=True)
+        sys.stdin.readline()                       # member B truncates the ledger meanwhile
+        try:
+            ctx.malloc(32 << 20)
+            print("granted", flush=True)
+        except LedgerError as e:
+            print("refused", e.kind, flush=True)
+        pool.free(pool.malloc(8 << 20))            # the process goes on
+        print("alive", flush=True)
+    """, ASCEND_POOL_LEDGER_GROUP=GID)
+    path = a.stdout.readline().strip()
+    assert path, a.stderr.read()[-1500:]
+    node.run(B, (GID,), f"import os; os.truncate({path!r}, 0)", ASCEND_POOL_LEDGER_GROUP=GID)
+    out, err = a.communicate("go\n", timeout=60)
+    assert a.returncode == 0, (a.returncode, out, err[-1500:])   # before: -7 (SIGBUS)
+    assert "refused malformed" in out and "alive" in out, out
