@@ -175,20 +175,29 @@ def test_a_killed_processs_share_does_not_show_in_mem_get_info_or_held(node_env)
                 p.kill()
 
 
+def _asker(env, tenant, then):
+    """A child with a context of `tenant` (64 MiB quota) that prints its ledger's path, waits for a
+    line on stdin (the ledger's lock is held by then), then runs `then`."""
+    code = textwrap.dedent(f"""
+        import json, sys, threading, time
+        import ascend_pool as ap
+        ctx = ap.Pool(0).context({tenant!r}, quota="64MiB")
+        print(ctx.ledger.path, flush=True)
+        sys.stdin.readline()                     # the lock is held now
+    """) + textwrap.dedent(then)
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env)
+
+
 def test_mem_get_info_never_waits_long_for_a_ledger_a_stopped_process_holds(node_env):
     # mem_get_info() sweeps the ledger first; a process stopped while holding the ledger's lock
     # (SIGSTOP, a frozen container) made every call wait the lock's full 10 s.
     node, env, ledger_dir = node_env
-    asker = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import json, sys, time
-        import ascend_pool as ap
-        ctx = ap.Pool(0).context("frozen-peer", quota="64MiB")
-        print(ctx.ledger.path, flush=True)
-        sys.stdin.readline()                     # the lock is held now
+    asker = _asker(env, "frozen-peer", """
         t0 = time.monotonic()
         free, total = ctx.mem_get_info()
         print(json.dumps({"took": time.monotonic() - t0, "total": total}), flush=True)
-    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    """)
     got = _answer_while_a_peer_holds_the_ledger_lock(asker)
     assert got["took"] < 3.0 and got["total"] == 64 * MiB, got   # before: the lock's full 10 s
 
@@ -197,12 +206,7 @@ def test_a_short_ledger_lock_wait_holds_while_another_thread_waits_longer(node_e
     # The deadline bounded only flock(): a thread with a short one (mem_get_info()'s 20 ms) waited
     # for the process's own mutex while another thread of the process waited out a long one.
     node, env, ledger_dir = node_env
-    asker = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import json, sys, threading, time
-        import ascend_pool as ap
-        ctx = ap.Pool(0).context("two-waits", quota="64MiB")
-        print(ctx.ledger.path, flush=True)
-        sys.stdin.readline()                     # the lock is held now
+    asker = _asker(env, "two-waits", """
         long = threading.Thread(target=lambda: _ignore(ctx.ledger.sweep, 3000))
         def _ignore(fn, ms):
             try:
@@ -220,7 +224,7 @@ def test_a_short_ledger_lock_wait_holds_while_another_thread_waits_longer(node_e
         took = time.monotonic() - t0
         long.join()
         print(json.dumps({"took": took, "got": got}), flush=True)
-    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    """)
     got = _answer_while_a_peer_holds_the_ledger_lock(asker)
     assert got["took"] < 1.5 and "20 ms" in got["got"], got   # before: the other thread's 3 s
 

@@ -38,7 +38,6 @@ typedef struct apl_handle {
     apl_ledger *L;          /* a reference: the mapping outlives every handle */
     int tenant, slot;
     int device;
-    int guarded;            /* L->guarded: every access to the mapping under the SIGBUS guard */
     pid_t pid;              /* the process that claimed the slot (a forked child must not use it) */
     _Atomic int warn_pending; /* set when this context's growth crossed the warn level */
 } apl_handle;
@@ -53,6 +52,25 @@ typedef struct apl_refusal {
 } apl_refusal;
 
 static __thread apl_refusal apl_last_refusal;
+
+/* Runs `body` on L's mapping: as it is for a private ledger; for a guarded one (L->guarded) under
+   the SIGBUS guard, where a fault gives back the ledger's lock if the body held it, marks L broken
+   and sets `bus` (a volatile int of the caller's, 0 before); a broken L runs nothing and sets it. */
+#define APL_ON_MAPPING(L, body, bus)                                                     \
+    do {                                                                               \
+        if (!(L)->guarded) {                                                           \
+            body;                                                                      \
+            break;                                                                     \
+        }                                                                              \
+        if (atomic_load(&(L)->broken)) {                                               \
+            bus = 1;                                                                   \
+            break;                                                                     \
+        }                                                                              \
+        sigjmp_buf env; /* the name APL_GUARDED_AT takes */                                \
+        APL_GUARDED_AT(env, (L)->f, sizeof(apl_file), body, (apl_unlock_if_held(L), bus = 1)); \
+        if (bus)                                                                       \
+            atomic_store(&(L)->broken, 1);                                             \
+    } while (0)
 
 static uint64_t apl_warn_bytes(uint64_t quota, uint32_t ppm) {
     if (!ppm || quota == APL_NO_QUOTA) return APL_NO_QUOTA;
@@ -105,34 +123,6 @@ static int apl_try_reserve(apl_handle *h, uint64_t bytes, uint64_t *held_seen, u
     }
 }
 
-/* Reserves bytes for the context; reclaims dead processes' shares once before refusing.
-   0 granted; 1 refused (apl_last_refusal and why say why). */
-static int apl_reserve_guarded(apl_handle *h, uint64_t bytes, char *why, size_t why_len);
-
-static int apl_reserve(apl_handle *h, uint64_t bytes, char *why, size_t why_len) {
-    apl_last_refusal.valid = 0;
-    if (getpid() != h->pid) {
-        apl_last_refusal = (apl_refusal){1, 1, 0, 0, bytes, 0};
-        snprintf(why, why_len, "this tenant context was created by process %d; a forked child (process %d) "
-                 "must create its own contexts", (int)h->pid, (int)getpid());
-        return 1;
-    }
-    if (h->guarded) return apl_reserve_guarded(h, bytes, why, why_len);
-    uint64_t held = 0, quota = 0;
-    if (apl_try_reserve(h, bytes, &held, &quota) == 0) return 0;
-    uint64_t freed = 0;
-    char ignore[256];
-    if (apl_reclaim(h->L, h->tenant, &freed, ignore, sizeof ignore) > 0 &&
-        apl_try_reserve(h, bytes, &held, &quota) == 0)
-        return 0;
-    atomic_fetch_add(&h->L->f->tenants[h->tenant].refusals, 1);
-    apl_last_refusal = (apl_refusal){1, 0, quota, held, bytes, 0};
-    snprintf(why, why_len, "tenant '%s' holds %llu bytes node-wide on device %d, its quota is %llu bytes; a new "
-             "segment of %llu bytes would exceed it", h->L->f->tenants[h->tenant].name, (unsigned long long)held,
-             h->device, (unsigned long long)quota, (unsigned long long)bytes);
-    return 1;
-}
-
 /* A guarded ledger that faulted: the refusal (apl_last_refusal.broken) and its reason. */
 static int apl_refuse_broken(apl_handle *h, uint64_t bytes, char *why, size_t why_len) {
     atomic_store(&h->L->broken, 1);
@@ -144,34 +134,40 @@ static int apl_refuse_broken(apl_handle *h, uint64_t bytes, char *why, size_t wh
     return 1;
 }
 
-/* apl_reserve on a guarded ledger: the same steps, each access to the mapping under the guard, the
-   reclaim under the lock given back if it faults (apl_reclaim_checked). */
-static int apl_reserve_guarded(apl_handle *h, uint64_t bytes, char *why, size_t why_len) {
+/* Reserves bytes for the context; reclaims dead processes' shares once before refusing (a guarded
+   ledger's under the lock given back if it faults: apl_reclaim_checked).
+   0 granted; 1 refused (apl_last_refusal and why say why). */
+static int apl_reserve(apl_handle *h, uint64_t bytes, char *why, size_t why_len) {
+    apl_last_refusal.valid = 0;
+    if (getpid() != h->pid) {
+        apl_last_refusal = (apl_refusal){1, 1, 0, 0, bytes, 0};
+        snprintf(why, why_len, "this tenant context was created by process %d; a forked child (process %d) "
+                 "must create its own contexts", (int)h->pid, (int)getpid());
+        return 1;
+    }
     apl_ledger *L = h->L;
-    if (atomic_load(&L->broken)) return apl_refuse_broken(h, bytes, why, why_len);
     volatile int r = 1, bus = 0;
     uint64_t held = 0, quota = 0;
-    sigjmp_buf env;
-    APL_GUARDED_AT(env, L->f, sizeof(apl_file), r = apl_try_reserve(h, bytes, &held, &quota), bus = 1);
+    APL_ON_MAPPING(L, r = apl_try_reserve(h, bytes, &held, &quota), bus);
     if (bus) return apl_refuse_broken(h, bytes, why, why_len);
     if (r == 0) return 0;
     uint64_t freed = 0;
     char ignore[256];
-    int n = apl_reclaim_checked(L, APL_LOCK_TIMEOUT_MS, 1, &freed, ignore, sizeof ignore);
+    int n = L->guarded ? apl_reclaim_checked(L, APL_LOCK_TIMEOUT_MS, 1, &freed, ignore, sizeof ignore)
+                       : apl_reclaim(L, h->tenant, &freed, ignore, sizeof ignore);
     if (n == -2) return apl_refuse_broken(h, bytes, why, why_len);
     if (n > 0) {
-        APL_GUARDED_AT(env, L->f, sizeof(apl_file), r = apl_try_reserve(h, bytes, &held, &quota), bus = 1);
+        APL_ON_MAPPING(L, r = apl_try_reserve(h, bytes, &held, &quota), bus);
         if (bus) return apl_refuse_broken(h, bytes, why, why_len);
         if (r == 0) return 0;
     }
     char name[APL_NAME_MAX + 1];
     memset(name, 0, sizeof name);
-    APL_GUARDED_AT(env, L->f, sizeof(apl_file),
+    APL_ON_MAPPING(L,
                    (atomic_fetch_add(&L->f->tenants[h->tenant].refusals, 1),
                     memcpy(name, (const void *)L->f->tenants[h->tenant].name, APL_NAME_MAX)),
-                   bus = 1);
+                   bus);
     if (bus) return apl_refuse_broken(h, bytes, why, why_len);
-    name[APL_NAME_MAX] = 0;
     apl_last_refusal = (apl_refusal){1, 0, quota, held, bytes, 0};
     snprintf(why, why_len, "tenant '%s' holds %llu bytes node-wide on device %d, its quota is %llu bytes; a new "
              "segment of %llu bytes would exceed it", name, (unsigned long long)held, h->device,
@@ -181,19 +177,13 @@ static int apl_reserve_guarded(apl_handle *h, uint64_t bytes, char *why, size_t 
 
 static void apl_release_mapped(apl_handle *h, uint64_t bytes);
 
+/* A fault (a guarded ledger) leaves the pool as it is (it freed its segment either way); the
+   ledger is broken, and nothing more is booked in it. */
 static void apl_release(apl_handle *h, uint64_t bytes) {
     if (getpid() != h->pid) return; /* a forked child's copy of the parent's pool: not ours to book */
-    if (h->guarded) {
-        /* A fault leaves the pool as it is (it freed its segment either way); the ledger is
-           broken, and nothing more is booked in it. */
-        if (atomic_load(&h->L->broken)) return;
-        volatile int bus = 0;
-        sigjmp_buf env;
-        APL_GUARDED_AT(env, h->L->f, sizeof(apl_file), apl_release_mapped(h, bytes), bus = 1);
-        if (bus) atomic_store(&h->L->broken, 1);
-        return;
-    }
-    apl_release_mapped(h, bytes);
+    volatile int bus = 0;
+    APL_ON_MAPPING(h->L, apl_release_mapped(h, bytes), bus);
+    (void)bus;
 }
 
 static void apl_release_mapped(apl_handle *h, uint64_t bytes) {
@@ -239,20 +229,9 @@ static void apl_hook_terms(void *ctx, int device, size_t *quota, size_t *held) {
     (void)device;
     apl_handle *h = ctx;
     uint64_t q = 0, hd = 0;
-    if (h->guarded) {
-        /* a broken ledger: no room (its reservations are refused) */
-        volatile int bus = atomic_load(&h->L->broken);
-        if (!bus) {
-            sigjmp_buf env;
-            APL_GUARDED_AT(env, h->L->f, sizeof(apl_file), apl_read_terms(h, &q, &hd), bus = 1);
-        }
-        if (bus) {
-            atomic_store(&h->L->broken, 1);
-            q = hd = 0;
-        }
-    } else {
-        apl_read_terms(h, &q, &hd);
-    }
+    volatile int bus = 0;
+    APL_ON_MAPPING(h->L, apl_read_terms(h, &q, &hd), bus);
+    if (bus) q = hd = 0; /* a broken ledger: no room (its reservations are refused) */
     *quota = q >= (uint64_t)SIZE_MAX ? SIZE_MAX : (size_t)q;
     *held = (size_t)hd;
 }
@@ -260,36 +239,20 @@ static void apl_hook_terms(void *ctx, int device, size_t *quota, size_t *held) {
 /* A copy of the handle's tenant and slot entries (LedgerQuota.state). 0; -1 when the ledger is
    broken (a guarded ledger that shrank). */
 static int apl_read_entries(apl_handle *h, apl_tenant *t, apl_slot *s) {
-    if (!h->guarded) {
-        memcpy(t, (const void *)&h->L->f->tenants[h->tenant], sizeof *t);
-        memcpy(s, (const void *)&h->L->f->slots[h->slot], sizeof *s);
-        return 0;
-    }
-    if (atomic_load(&h->L->broken)) return -1;
     volatile int bus = 0;
-    sigjmp_buf env;
-    APL_GUARDED_AT(env, h->L->f, sizeof(apl_file),
+    APL_ON_MAPPING(h->L,
                    (memcpy(t, (const void *)&h->L->f->tenants[h->tenant], sizeof *t),
                     memcpy(s, (const void *)&h->L->f->slots[h->slot], sizeof *s)),
-                   bus = 1);
-    if (bus) atomic_store(&h->L->broken, 1);
+                   bus);
     return bus ? -1 : 0;
 }
 
 /* The header (*hdr) and apl_copy_tables of the ledger's mapping (Ledger.view()), guarded where it
    must be. 1 consistent, 0 not (ledger_view.h), -1 when the ledger is broken. */
 static int apl_copy_tables_of(apl_ledger *L, apl_header *hdr, apl_tables *out, apl_tables *scratch) {
-    if (!L->guarded) {
-        memcpy(hdr, (const void *)&L->f->h, sizeof *hdr);
-        return apl_copy_tables(L->f, out, scratch);
-    }
-    if (atomic_load(&L->broken)) return -1;
     volatile int r = 0, bus = 0;
-    sigjmp_buf env;
-    APL_GUARDED_AT(env, L->f, sizeof(apl_file),
-                   (memcpy(hdr, (const void *)&L->f->h, sizeof *hdr), r = apl_copy_tables(L->f, out, scratch)),
-                   bus = 1);
-    if (bus) atomic_store(&L->broken, 1);
+    APL_ON_MAPPING(L, (memcpy(hdr, (const void *)&L->f->h, sizeof *hdr), r = apl_copy_tables(L->f, out, scratch)),
+                   bus);
     return bus ? -1 : r;
 }
 
@@ -297,15 +260,9 @@ static int apl_copy_tables_of(apl_ledger *L, apl_header *hdr, apl_tables *out, a
    when the ledger is broken. */
 static int apl_set_quota_of(apl_ledger *L, int tenant, uint64_t quota, uint32_t warn_ppm, int src, uint32_t stamp,
                             char *err, size_t len) {
-    if (!L->guarded) return apl_set_quota(L, tenant, quota, warn_ppm, src, stamp, err, len);
-    volatile int r = -2, bus = atomic_load(&L->broken);
-    if (!bus) {
-        sigjmp_buf env;
-        APL_GUARDED_AT(env, L->f, sizeof(apl_file), r = apl_set_quota(L, tenant, quota, warn_ppm, src, stamp, err, len),
-                       (apl_unlock_if_held(L), bus = 1));
-    }
+    volatile int r = -2, bus = 0;
+    APL_ON_MAPPING(L, r = apl_set_quota(L, tenant, quota, warn_ppm, src, stamp, err, len), bus);
     if (bus) {
-        atomic_store(&L->broken, 1);
         apl_fail(err, len, APL_E_MALFORMED, "ledger %s shrank while this process used it (truncated by another "
                  "process that can write it); open a new context once the file is whole again", L->path);
         return -2;
@@ -322,25 +279,15 @@ static apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quot
         *kind = apl_fail(err, len, APL_E_IO, "host memory exhausted");
         return NULL;
     }
-    if (!L->guarded) {
-        *kind = apl_attach(L, name, set_quota, quota, src, stamp, set_warn, warn_ppm, &h->tenant, &h->slot, conflict,
-                           err, len);
-    } else {
-        volatile int k = APL_E_MALFORMED, bus = atomic_load(&L->broken);
-        if (!bus) {
-            sigjmp_buf env;
-            APL_GUARDED_AT(env, L->f, sizeof(apl_file),
-                           k = apl_attach(L, name, set_quota, quota, src, stamp, set_warn, warn_ppm, &h->tenant,
-                                          &h->slot, conflict, err, len),
-                           (apl_unlock_if_held(L), bus = 1));
-        }
-        if (bus) {
-            atomic_store(&L->broken, 1);
-            k = apl_fail(err, len, APL_E_MALFORMED, "ledger %s shrank while this process used it (truncated by "
-                         "another process that can write it); open it again once the file is whole", L->path);
-        }
-        *kind = k;
-    }
+    volatile int k = APL_E_MALFORMED, bus = 0;
+    APL_ON_MAPPING(L,
+                   k = apl_attach(L, name, set_quota, quota, src, stamp, set_warn, warn_ppm, &h->tenant, &h->slot,
+                                  conflict, err, len),
+                   bus);
+    if (bus)
+        k = apl_fail(err, len, APL_E_MALFORMED, "ledger %s shrank while this process used it (truncated by "
+                     "another process that can write it); open it again once the file is whole", L->path);
+    *kind = k;
     if (*kind != APL_OK) {
         free(h);
         return NULL;
@@ -348,7 +295,6 @@ static apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quot
     apl_ref(L);
     h->L = L;
     h->device = L->device;
-    h->guarded = L->guarded;
     h->pid = getpid();
     return h;
 }
@@ -356,23 +302,14 @@ static apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quot
 /* Gives the slot back (what it still holds returns to the tenant) and frees the handle. */
 static void apl_handle_close(apl_handle *h) {
     if (!h) return;
-    if (getpid() == h->pid && !h->guarded) {
-        char ignore[256];
-        if (apl_detach(h->L, h->tenant, h->slot, ignore, sizeof ignore) != APL_OK)
-            apl_release(h, atomic_load(&h->L->f->slots[h->slot].held)); /* lock failed: at least the bytes */
-    } else if (getpid() == h->pid && !atomic_load(&h->L->broken)) {
-        /* the same under the guard; a broken ledger gets nothing back (it describes nothing) */
+    if (getpid() == h->pid) { /* a broken ledger gets nothing back (it describes nothing) */
         char ignore[256];
         volatile int bus = 0, rc = APL_OK;
-        sigjmp_buf env;
-        APL_GUARDED_AT(env, h->L->f, sizeof(apl_file), rc = apl_detach(h->L, h->tenant, h->slot, ignore, sizeof ignore),
-                       (apl_unlock_if_held(h->L), bus = 1));
-        if (bus) atomic_store(&h->L->broken, 1);
-        else if (rc != APL_OK) {
-            uint64_t held = 0;
-            APL_GUARDED_AT(env, h->L->f, sizeof(apl_file), held = atomic_load(&h->L->f->slots[h->slot].held), bus = 1);
-            if (bus) atomic_store(&h->L->broken, 1);
-            else apl_release(h, held);
+        volatile uint64_t held = 0;
+        APL_ON_MAPPING(h->L, rc = apl_detach(h->L, h->tenant, h->slot, ignore, sizeof ignore), bus);
+        if (!bus && rc != APL_OK) { /* lock failed: at least the bytes */
+            APL_ON_MAPPING(h->L, held = atomic_load(&h->L->f->slots[h->slot].held), bus);
+            if (!bus) apl_release(h, held);
         }
     }
     apl_unref(h->L);
