@@ -8,8 +8,10 @@ memory the pool handed out, and inject faults under the pool's feet.
 
 Units: sizes and addresses are in bytes (ints), delays in seconds (floats), latencies in
 microseconds, streams are the runtime's handles as ints (``0``/``None`` is the calling thread's
-current device's default stream). Every failure raises :class:`SimError` carrying the ACL error
-code and the runtime's message.
+current device's default stream). Every failure raises :class:`SimError` (an
+``ascend_pool.PoolError``) carrying the ACL error code and the runtime's message; a bad argument,
+refused before the call, is a :class:`SimArgumentError` (also a ``ValueError``; a
+:class:`SimTypeError`, also a ``TypeError``, for a value of the wrong type) with code 100000.
 
 Most calls need an initialised runtime (``aclInit``, done by the pool, or by a test through
 ctypes); ``configure`` needs the opposite. Functions that take ``stream=None`` use the default
@@ -23,10 +25,13 @@ import ctypes
 import os
 import threading
 
+from .errors import PoolError
 from .units import as_index
 
 __all__ = [
     "SimError",
+    "SimArgumentError",
+    "SimTypeError",
     "library_path",
     "attach",
     "parse_size",
@@ -56,13 +61,26 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class SimError(Exception):
+class SimError(PoolError):
     """A simulator call failed. ``code`` is the ACL error code (e.g. 207001 out of memory,
-    107000 invalid handle or address, 100001 runtime not initialised)."""
+    107000 invalid handle or address, 100001 runtime not initialised). A PoolError, as every
+    error of the package (CONTRACT.md)."""
 
     def __init__(self, code: int, message: str):
         super().__init__(message)
         self.code = code
+
+
+class SimArgumentError(SimError, ValueError):
+    """An argument of a simulator control call refused before the runtime is called (code 100000,
+    ACL_ERROR_INVALID_PARAM); the message names the argument."""
+
+    def __init__(self, message: str):
+        super().__init__(100000, message)
+
+
+class SimTypeError(SimArgumentError, TypeError):
+    """An argument of the wrong type (a bool or a float where bytes are expected)."""
 
 
 def library_path(legacy: bool = False) -> str:
@@ -124,14 +142,14 @@ def _check(rc: int, what: str) -> None:
 
 
 def _int(value, what: str, lo: int = 0, hi: int = 2 ** 63 - 1) -> int:
-    """value as an int in [lo, hi] (numpy integers too), else ValueError naming it: a float, a bool,
+    """value as an int in [lo, hi] (numpy integers too), else SimArgumentError (a ValueError) naming it: a float, a bool,
     a string or an int that does not fit the C argument never reaches ctypes (whose errors name
     the argument by position only) or wraps."""
     v = as_index(value)
     if v is None:
-        raise ValueError(f"{what}={value!r} is not an int")
+        raise SimArgumentError(f"{what}={value!r} is not an int")
     if not lo <= v <= hi:
-        raise ValueError(f"{what}={v} is out of range ({lo}..{hi})")
+        raise SimArgumentError(f"{what}={v} is out of range ({lo}..{hi})")
     return v
 
 
@@ -145,13 +163,13 @@ def parse_size(value: int | str) -> int:
     round down to whole bytes. The grammar is the C simulator's own (ASCEND_SIM_HBM uses it), so
     Python and the environment always agree. Raises SimError (100000) on a malformed text."""
     if isinstance(value, bool):
-        raise TypeError("a size must be an int or a str, not bool")
+        raise SimTypeError("a size must be an int or a str, not bool")
     if isinstance(value, int):
         if value < 0:
             raise SimError(100000, f"size {value} is negative")
         return value
     if not isinstance(value, str):
-        raise TypeError(f"a size must be an int or a str, not {type(value).__name__}")
+        raise SimTypeError(f"a size must be an int or a str, not {type(value).__name__}")
     out = ctypes.c_uint64()
     _check(_l().ascendsim_parse_size(value.encode(), ctypes.byref(out)), "ascendsim_parse_size")
     return out.value
@@ -165,9 +183,9 @@ def launch_fill(stream, ptr: int, nbytes: int, value: int, delay_s: float = 0.0)
     unmapped before the fill runs, the fill is dropped and counted in
     ``stats()["dropped_fills"]``."""
     if as_index(value) is None or not 0 <= value <= 255:
-        raise ValueError(f"fill value {value!r} is not a byte (0..255)")
+        raise SimArgumentError(f"fill value {value!r} is not a byte (0..255)")
     if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not 0 <= delay_s <= 3600:
-        raise ValueError(f"delay_s={delay_s!r} is not a number of seconds from 0 to 3600")
+        raise SimArgumentError(f"delay_s={delay_s!r} is not a number of seconds from 0 to 3600")
     rc = _l().ascendsim_launch_fill(_stream(stream), _int(ptr, "ptr", 1, 2 ** 64 - 1), _int(nbytes, "nbytes"), value,
                                     round(delay_s * 1e6))
     _check(rc, "ascendsim_launch_fill")
@@ -232,7 +250,7 @@ def set_faults(fail_malloc_nth: int | None = None, fail_after_bytes: int | str |
 
 def _count(v: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"{v!r} is not a non-negative int")
+        raise SimArgumentError(f"{v!r} is not a non-negative int")
     return v
 
 
@@ -253,7 +271,7 @@ def configure(devices: int | None = None, hbm: int | str | None = None) -> None:
     runtime is initialised: the device layout cannot change under a running pool."""
     d = 0 if devices is None else devices
     if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-        raise ValueError(f"devices={devices!r} is not a positive int")
+        raise SimArgumentError(f"devices={devices!r} is not a positive int")
     h = 0 if hbm is None else parse_size(hbm)
     _check(_l().ascendsim_configure(d, h), "ascendsim_configure")
 

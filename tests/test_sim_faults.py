@@ -211,3 +211,36 @@ def test_control_calls_name_a_bad_argument(sim_node):
     """)
     assert all(v is True for v in out["said"].values()), out["said"]
     assert out["total"] > 0
+
+
+def test_every_simulator_failure_is_a_pool_error(sim_node):
+    """CONTRACT.md: ap.PoolError is the base of the package's errors, ascend_pool.sim included:
+    a runtime refusal is a SimError (a PoolError) with the ACL code, a bad argument a
+    SimArgumentError (also a ValueError, code 100000), a wrong type a SimTypeError (also a
+    TypeError). Before: SimError derived from Exception alone and bad arguments were bare
+    ValueError/TypeError."""
+    sim_node.run("""
+        import ascend_pool as ap
+        assert issubclass(sim.SimError, ap.PoolError)
+        pool = ap.Pool(0)
+        ptr = pool.malloc(4096)
+        refusals = {
+            lambda: sim.read(0x1000, 16): (107000, None),
+            lambda: sim.launch_fill(12345, ptr, 16, 1): (107000, None),
+            lambda: sim.stats(9): (200002, None),
+            lambda: sim.launch_fill(None, ptr, 16, 256): (100000, ValueError),
+            lambda: sim.launch_fill(None, ptr, 16, 1, delay_s=-1): (100000, ValueError),
+            lambda: sim.read(ptr, -1): (100000, ValueError),
+            lambda: sim.set_faults(fail_malloc_nth=-1): (100000, ValueError),
+            lambda: sim.parse_size(True): (100000, TypeError),
+        }
+        for call, (rc, builtin) in refusals.items():
+            try:
+                call()
+                raise AssertionError("accepted")
+            except ap.PoolError as e:
+                assert isinstance(e, sim.SimError) and e.code == rc, (e, e.code)
+                assert builtin is None or isinstance(e, builtin), e
+        pool.free(ptr)
+        pool.free(pool.malloc(100))   # still serving
+    """)
