@@ -33,6 +33,7 @@ def test_cupy_missing_fails_clearly():
     with pytest.raises(FrameworkMissingError, match=r"needs 'cupy'.*pip install cupy") as e:
         ap_cupy.install()
     assert isinstance(e.value, ImportError)
+    assert isinstance(e.value, ap.PoolError)   # CONTRACT.md: the base of the package's errors
 
 
 @pytest.mark.skipif(not absent("torch_npu"), reason="torch_npu is installed here")

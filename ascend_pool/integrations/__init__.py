@@ -7,7 +7,7 @@
     numpy.install()        # numpy arrays' data in the pinned host pool (NEP 49), this context only
 
 Each module imports its framework only when install() runs, and raises FrameworkMissingError (an
-ImportError) that names the package to install when the framework is not there. See
+ImportError and an ascend_pool.PoolError) that names the package to install when the framework is not there. See
 docs/integrations.md.
 """
 

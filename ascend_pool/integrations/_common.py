@@ -10,11 +10,12 @@ from .. import _core
 from .. import backend as _backend
 from ..backend import BACKEND_ENV
 from ..capi import library_path
-from ..errors import ConfigError
+from ..errors import ConfigError, PoolError
 
 
-class FrameworkMissingError(ImportError):
-    """The framework an integration plugs into is not installed (or not usable) here."""
+class FrameworkMissingError(PoolError, ImportError):
+    """The framework an integration plugs into is not installed (or not usable) here: an
+    ImportError, and an ap.PoolError as every error the package raises (CONTRACT.md)."""
 
 
 def require(module, integration, hint):
