@@ -77,7 +77,7 @@ from .private_dir import candidates, is_trusted
 from .tenants.ledger import base_dir, ledger_dir, node_name
 from .units import as_index
 
-__all__ = ["SharedHandle", "SharedBlock", "SharingError", "NotShareableError", "open_shared", "share_malloc",
+__all__ = ["SharedHandle", "SharedBlock", "SharingError", "NotShareableError", "NotAHandleError", "open_shared", "share_malloc",
            "share", "share_free", "allow", "collect", "shares", "pool_stats", "node_pid"]
 
 
@@ -100,6 +100,11 @@ class NotShareableError(SharingError, InvalidPointerError):
     """pool.share(ptr) of a block that cannot be exported: not from pool.share_malloc (exporting
     its segment would expose its neighbours), or inside an expandable (virtual-memory) segment,
     which the runtime's IPC key calls cannot export. The message says which, and what to do."""
+
+
+class NotAHandleError(SharingError, TypeError):
+    """open_shared(h) or allow(h, pids) with `h` not a SharedHandle (what Pool.share() returns):
+    an ap.PoolError, as every error of the package (CONTRACT.md), and a TypeError."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,7 +454,7 @@ def allow(handle, pids):
     ascend_pool.node_pid(), never os.getpid()) import the block of `handle` (ACL checks them unless
     the block was shared with any_process=True)."""
     if not isinstance(handle, SharedHandle):
-        raise TypeError(f"allow needs a SharedHandle from Pool.share(), got {type(handle).__name__}")
+        raise NotAHandleError(f"allow needs a SharedHandle from Pool.share(), got {type(handle).__name__}")
     pids = _pid_list(pids, "allow")
     with _lock:
         for ex in _exports.values():
@@ -676,11 +681,12 @@ def open_shared(handle, pool=None):
     """Maps the shared block of `handle` into this process: a SharedBlock (use `with`, or close()).
     pool: the pool whose stats show the import as shared (default: the device's default pool); its
     reservation and quota are not charged. Raises SharingError when the block is no longer shared or
-    belongs to another node/backend/user, DeviceError with the runtime's code when the runtime refuses
+    belongs to another node/backend/user, NotAHandleError (a SharingError and a TypeError) when
+    `handle` is no SharedHandle, DeviceError with the runtime's code when the runtime refuses
     (e.g. 207006: this pid was not allowed by the exporter), BackendUnavailableError (990004) in a
     process forked after its parent opened the runtime (start workers with 'spawn')."""
     if not isinstance(handle, SharedHandle):
-        raise TypeError(f"open_shared needs a SharedHandle from Pool.share(), got {type(handle).__name__}")
+        raise NotAHandleError(f"open_shared needs a SharedHandle from Pool.share(), got {type(handle).__name__}")
     node_device = handle.device if handle.node_device is None else handle.node_device
     _check_node_device(node_device)  # with or without a pool: False or 0.0 compared equal to device 0
     if pool is None:

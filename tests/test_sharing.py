@@ -272,12 +272,24 @@ def test_bad_pids_are_refused_before_anything_is_exported(pool):
             pool.share(sp, pids=bad)
     assert pool.memory_stats()["shared_exported_blocks"] == 0
     handle = pool.share(sp, pids=[ap.node_pid()])
-    with pytest.raises(TypeError, match="SharedHandle"):
+    with pytest.raises(TypeError, match="SharedHandle") as e:
         sharing.allow(None, [ap.node_pid()])
+    assert isinstance(e.value, ap.PoolError)   # CONTRACT.md: the base of the package's errors
     with pytest.raises(ap.ConfigError, match="process id"):
         sharing.allow(handle, [-3])
     sharing.allow(handle, [ap.node_pid()])
     assert pool.share_free(sp) is True
+
+
+def test_open_shared_of_something_not_a_handle_is_a_typed_error(pool):
+    """open_shared(h) with `h` not what Pool.share() returned (a key string, None, a dict) is a
+    NotAHandleError: an ap.PoolError (CONTRACT.md: the base of the package's errors) and a
+    TypeError, naming what it got. Before: a bare TypeError."""
+    for bad in ("simipc-1-2-3", None, {"key": "x"}):
+        with pytest.raises(sharing.NotAHandleError, match="needs a SharedHandle") as e:
+            ap.open_shared(bad)
+        assert isinstance(e.value, ap.PoolError) and isinstance(e.value, TypeError)
+    pool.free(pool.malloc(100))
 
 
 def test_handle_pickles_and_names_what_importers_need(pool):
