@@ -27,6 +27,19 @@ def test_bad_sizes_raise_invalid_size(pool, size, match):
     assert_consistent(pool, live)
 
 
+def test_a_size_whose_index_refuses_is_an_invalid_size(pool):
+    """An object with an __index__ that raises (a numpy array of one or more items) is not a
+    size: InvalidSizeError naming it (before: numpy's bare TypeError escaped); a 0-d integer
+    array is a size."""
+    np = pytest.importorskip("numpy")
+    live = [pool.malloc(100)]
+    for size in (np.array([5]), np.array([1, 2])):
+        with pytest.raises(ap.InvalidSizeError, match="integer number of bytes, got ndarray"):
+            pool.malloc(size)
+    assert_consistent(pool, live)
+    pool.free(pool.malloc(np.array(5)))
+
+
 def test_larger_than_the_device_is_out_of_memory_without_trimming(pool):
     live = [pool.malloc(100)]
     total = pool.memory_stats()["device_total_bytes"]

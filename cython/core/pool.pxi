@@ -158,7 +158,10 @@ cdef inline size_t _as_size(object nbytes) except? 0:
     if type(nbytes) is not int:
         if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
             raise InvalidSizeError(f"size must be an integer number of bytes, got {type(nbytes).__name__} {nbytes!r}")
-        nbytes = nbytes.__index__()
+        try:
+            nbytes = nbytes.__index__()
+        except TypeError:  # an object whose __index__ refuses, e.g. a numpy array of several items
+            raise InvalidSizeError(f"size must be an integer number of bytes, got {type(nbytes).__name__} {nbytes!r}") from None
     try:
         n = nbytes
     except OverflowError:
