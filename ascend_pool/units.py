@@ -52,8 +52,12 @@ def format_bytes(n):
 
 def as_index(value):
     """value as an int when it is one (an int or a numpy integer, through __index__), else None: a
-    bool, a float, a string or any other object is not an index. Callers raise their own typed
+    bool, a float, a string, an object whose __index__ refuses (numpy.array([1, 2])) or any other
+    object is not an index. Callers raise their own typed
     error naming the argument."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         return None
-    return type(value).__index__(value)
+    try:
+        return type(value).__index__(value)
+    except TypeError:  # an __index__ that refuses (a numpy array of several items): not an index
+        return None

@@ -40,6 +40,23 @@ def test_a_size_whose_index_refuses_is_an_invalid_size(pool):
     pool.free(pool.malloc(np.array(5)))
 
 
+def test_a_pointer_or_device_whose_index_refuses_is_named(pool):
+    """numpy.array([1, 2]) as a pointer or a device: InvalidPointerError / InvalidDeviceError
+    (before: numpy's bare TypeError from free, record_stream, Pool() and the module functions)."""
+    np = pytest.importorskip("numpy")
+    live = [pool.malloc(100)]
+    arr = np.array([1, 2])
+    with pytest.raises(ap.InvalidPointerError, match="positive integer device address"):
+        pool.free(arr)
+    with pytest.raises(ap.InvalidPointerError, match="positive integer device address"):
+        pool.record_stream(arr, None)
+    with pytest.raises(ap.InvalidDeviceError):
+        ap.Pool(arr)
+    with pytest.raises(ap.InvalidDeviceError):
+        ap.memory_stats(arr)
+    assert_consistent(pool, live)
+
+
 def test_larger_than_the_device_is_out_of_memory_without_trimming(pool):
     live = [pool.malloc(100)]
     total = pool.memory_stats()["device_total_bytes"]

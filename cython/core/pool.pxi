@@ -191,7 +191,10 @@ cdef inline void *_as_ptr(object ptr) except? NULL:
     if type(ptr) is int:
         p = _long_to_ptr(ptr)
     elif type(ptr) is not bool and hasattr(type(ptr), "__index__"):  # numpy integers, as sizes are
-        p = _long_to_ptr(ptr.__index__())
+        try:
+            p = _long_to_ptr(ptr.__index__())
+        except TypeError:  # an __index__ that refuses (numpy.array([1, 2])): not an address
+            p = NULL
     if p == NULL or <Py_ssize_t>p < 0:  # PyLong_AsVoidPtr maps negatives onto high addresses
         raise InvalidPointerError(f"pointer must be a positive integer device address, got {ptr!r}")
     return p
