@@ -12,7 +12,7 @@ import warnings
 from . import current as _current
 from . import registry as _registry
 from ._core import attach_out_of_memory_observer, capi_free, detach_out_of_memory_observer, set_default_pool_hook
-from .backend import check_device, open_backend, torch_device_index
+from .backend import check_device, device_index, open_backend, torch_device_index
 from .config import history_settings, history_skip_mask
 from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError,
                      StreamTypeError)
@@ -38,13 +38,16 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def set_device(device):
-    """Makes device (int) the current device of the calling thread for module-level calls. A
-    device the backend does not have raises InvalidDeviceError here, as torch's set_device does,
-    not at the next call (the backend is opened for its device count)."""
-    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
-        raise InvalidDeviceError(f"device must be a non-negative int, got {device!r}")
-    check_device(open_backend(), device)
-    _local.device = device
+    """Makes device the current device of the calling thread for module-level calls: an int (a
+    numpy integer too) or torch's forms with an index ("npu:1", "cuda:1", a torch.device), as
+    torch.npu.set_device takes. A device the backend does not have raises InvalidDeviceError
+    here, as torch's set_device does, not at the next call (the backend is opened for its device
+    count)."""
+    index = device_index(device)
+    if index < 0:
+        raise InvalidDeviceError(f"device must be a non-negative index, got {device!r}")
+    check_device(open_backend(), index)
+    _local.device = index
 
 
 def current_device():

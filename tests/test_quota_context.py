@@ -114,14 +114,17 @@ def test_quota_down_and_up_with_live_blocks(base):
 
 def test_quota_forms(base):
     total = base.backend.mem_info(0)[1]
-    for quota, expect in ((3 * MiB, 3 * MiB), ("512MiB", 512 * MiB), ("1.5GiB", 3 * 512 * MiB),
-                          ("25%", total // 4), ("100%", total)):
+    import numpy
+    # a numpy integer is bytes, as malloc and set_limit take it (it was refused: "expected bytes")
+    for quota, expect in ((3 * MiB, 3 * MiB), (numpy.int64(3 * MiB), 3 * MiB), ("512MiB", 512 * MiB),
+                          ("1.5GiB", 3 * 512 * MiB), ("25%", total // 4), ("100%", total)):
         ctx = base.context("forms", quota=quota)
         assert ctx.quota == expect, quota
         ctx.close()
     for bad, text in ((0, "zero quota"), (-1, "negative quota"), ("-3GiB", "negative quota"),
                       ("8XB", "bad unit 'XB'"), ("0%", "zero quota"), ("150%", "more than the whole device"),
-                      (0.25, "percentage"), (True, "expected bytes"), ("lots", "cannot read 'lots'")):
+                      (0.25, "percentage"), (True, "expected bytes"), ("lots", "cannot read 'lots'"),
+                      (numpy.float64(3 * MiB), "expected bytes"), (numpy.int64(-1), "negative quota")):
         with pytest.raises(ConfigError) as info:
             base.context("forms", quota=bad)
         assert text in str(info.value), (bad, str(info.value))

@@ -331,3 +331,23 @@ def test_module_functions_take_torchs_device_forms():
                 ap.memory_allocated(bad)
     finally:
         ap.free(ptr, device=0)
+
+
+def test_set_device_takes_torchs_device_forms():
+    """torch.npu.set_device("npu:1") and set_device(torch.device("npu", 1)) are what users write;
+    ours refused every form but a plain int (README: the module-level functions take torch's forms)."""
+    n = ap.default_pool(0).backend.device_count
+    last = n - 1
+    before = ap.current_device()
+    try:
+        for form in (f"npu:{last}", f"cuda:{last}", types.SimpleNamespace(type="npu", index=last), numpy.int64(last)):
+            ap.set_device(0)
+            ap.set_device(form)
+            assert ap.current_device() == last and type(ap.current_device()) is int
+        for bad in ("npu", "cpu:0", "npu:x", 1.0, True, -1, f"npu:{n}"):
+            ap.set_device(0)
+            with pytest.raises(ap.InvalidDeviceError):
+                ap.set_device(bad)
+            assert ap.current_device() == 0
+    finally:
+        ap.set_device(before)

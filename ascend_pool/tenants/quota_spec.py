@@ -12,7 +12,7 @@ warn * quota.
 import re
 
 from ..errors import ConfigError
-from ..units import _UNITS
+from ..units import _UNITS, as_index
 
 _SIZE = re.compile(r"^\s*([+-]?)\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 _PERCENT = re.compile(r"^\s*([+-]?[0-9]+(?:\.[0-9]*)?|[+-]?\.[0-9]+)\s*%\s*$")
@@ -49,6 +49,8 @@ def parse_quota(value, what="quota"):
     problem (negative or zero, bad unit, not a number, percentage out of range)."""
     if isinstance(value, QuotaSpec):
         return value
+    if not isinstance(value, str) and as_index(value) is not None:  # a numpy integer, as malloc and set_limit take
+        value = as_index(value)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         hint = " (a fraction of the device is written as a percentage, e.g. \"25%\")" if isinstance(value, float) else ""
         raise ConfigError(f"{what}: expected bytes (int), a size like \"8GiB\" or a percentage like \"25%\", "
