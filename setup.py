@@ -16,6 +16,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SANITIZE = os.environ.get("ASCEND_POOL_SANITIZE", "")  # e.g. "address" for the ASan build
 C_FLAGS = ["-O3", "-g", "-std=gnu11", "-D_GNU_SOURCE", "-Wall", "-Wno-unused-function"]
 SAN_FLAGS = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-DASCEND_POOL_SANITIZE=1"] if SANITIZE else []
+if SANITIZE == "thread":  # ThreadSanitizer (scripts/tsan.sh): -O1 keeps its stacks and accesses exact
+    SAN_FLAGS += ["-O1", "-DASCEND_POOL_TSAN=1"]  # the simulator's device memory uninstrumented (sim_internal.h)
 C_FLAGS += SAN_FLAGS
 LINK_FLAGS = [f"-fsanitize={SANITIZE}"] if SANITIZE else []
 

@@ -66,7 +66,7 @@ SIM_EXPORT aclError ascendsim_read(const void *ptr, void *dst, size_t nbytes)
                         "[%p, +%zu bytes) is not inside one live device allocation or mapped "
                         "virtual memory", ptr, nbytes);
     if (nbytes)
-        memcpy(dst, ptr, nbytes);
+        sim_dev_memcpy(dst, ptr, nbytes);
     sim_alloc_unpin(SIM_TREE_DEVICE, a);
     return ACL_SUCCESS;
 }

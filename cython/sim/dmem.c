@@ -113,7 +113,7 @@ static void poison_resident(void *map, size_t size)
         for (size_t i = 0; i * page < len; i++)
             if (vec[i] & 1) {
                 size_t n = len - i * page < page ? len - i * page : page;
-                memset((char *)map + off + i * page, 0xDD, n);
+                sim_dev_memset((char *)map + off + i * page, 0xDD, n);
             }
     }
 }

@@ -25,6 +25,31 @@
 
 #include "acl_api.h"
 
+/* Device memory as the simulated kernels and copies touch it. In a ThreadSanitizer build
+   (setup.py: ASCEND_POOL_SANITIZE=thread) these accesses are not instrumented: they model the
+   device, not host code, and two streams writing one block is legal there (record_stream); the
+   tests' byte patterns catch a block reused too early. Instrumented, every such fill was a race
+   report that TSan symbolized to match its suppression, slowing a 3 MiB fill to seconds and the
+   stress tests' streams past their 60 s waits. Elsewhere: plain memset/memcpy. */
+#if defined(ASCEND_POOL_TSAN)
+__attribute__((no_sanitize_thread, noinline)) static void sim_dev_memset(void *dst, int v, size_t n)
+{
+    volatile unsigned char *d = dst;
+    for (size_t i = 0; i < n; i++)
+        d[i] = (unsigned char)v;
+}
+__attribute__((no_sanitize_thread, noinline)) static void sim_dev_memcpy(void *dst, const void *src, size_t n)
+{
+    volatile unsigned char *d = dst;
+    const volatile unsigned char *s = src;
+    for (size_t i = 0; i < n; i++)
+        d[i] = s[i];
+}
+#else
+#define sim_dev_memset memset
+#define sim_dev_memcpy memcpy
+#endif
+
 #define SIM_MAX_DEVICES 64
 #define SIM_MAX_EVENTS_PER_DEVICE 65536
 #define SIM_BASE_ALIGN 64                      /* device allocation bases, like the real runtime */

@@ -40,7 +40,7 @@ static void run_fill(struct sim_stream *s, struct sim_work *w)
         atomic_fetch_add(&g_sim.dev[s->device].dropped_fills, 1);
         return;
     }
-    memset(w->ptr, w->value & 0xff, w->n);
+    sim_dev_memset(w->ptr, w->value & 0xff, w->n);
     sim_alloc_unpin(SIM_TREE_DEVICE, a);
 }
 
