@@ -199,8 +199,10 @@ class Pool(PoolBase):
         """Zeroes the accumulated counters, as torch.npu.reset_accumulated_memory_stats():
         every stat's allocated and freed, and num_alloc_retries, num_ooms, num_sync_all_streams,
         num_device_alloc/free ... (current and peak values stay)."""
-        self._acc_base = None
-        self._acc_base = _stats.baseline(self.memory_stats())
+        # One assignment, from the lifetime counters: memory_stats() on another thread (the GIL
+        # is let go in the C stats call) sees the old baseline or the new one, never none, and
+        # two resets at once cannot subtract one baseline from the other.
+        self._acc_base = _stats.baseline(self.lifetime_stats())
 
     def mem_get_info(self):
         """(free, total) bytes of this pool's device, as torch.npu.mem_get_info(): the device's
