@@ -308,12 +308,21 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
                           stacklevel=2)
     settings = dict(enabled=enabled, stacks=stacks, max_entries=max_entries, context=context,
                     skip_actions=None if skip_actions is None else list(skip_actions))
-    pools = _process_pools(device, create=device is not None)
-    if clear_history and enabled not in (None, False):  # turning it off drops each ring
-        _on_each_open(pools, lambda pool: pool.record_memory_history(None))
-    _on_each_open(pools, lambda pool: pool.record_memory_history(**settings))
+    # The settings pools opened from now on follow are stored before the open pools are listed:
+    # a pool another thread opens meanwhile is then either listed here or, registering later,
+    # follows them (_follow_history); stored after, it was in neither and recorded nothing.
+    before = _history
     if device is None:
         _history = settings
+    try:
+        pools = _process_pools(device, create=device is not None)
+        if clear_history and enabled not in (None, False):  # turning it off drops each ring
+            _on_each_open(pools, lambda pool: pool.record_memory_history(None))
+        _on_each_open(pools, lambda pool: pool.record_memory_history(**settings))
+    except BaseException:
+        if device is None and _history is settings:
+            _history = before
+        raise
 
 
 def _process_snapshot(device=None, create=True):

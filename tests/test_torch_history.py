@@ -483,3 +483,40 @@ def test_a_new_max_entries_while_recording_keeps_the_trace():
         assert trace() == []
     finally:
         pool.close()
+
+
+def test_a_pool_opened_while_record_memory_history_runs_records_too():
+    """The process-wide call stored the settings that later pools follow only after it had gone
+    through the open pools (each with the GIL let go): a pool another thread opened meanwhile was
+    in neither and never recorded (the audit's repros/r02; about half of such pools before)."""
+    import threading
+    import time
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    old = [ap.Pool(0, backend="sim") for _ in range(30)]  # a longer list: a wider window
+    opened, done = [], threading.Event()
+
+    def opener():
+        while not done.is_set():
+            opened.append(ap.Pool(0, backend="sim"))
+
+    t = threading.Thread(target=opener)
+    try:
+        t.start()
+        time.sleep(0.005)
+        ap.record_memory_history(True, stacks=None, max_entries=100)
+        done.set()
+        t.join()
+        missed = 0
+        for pool in opened:
+            pool.free(pool.malloc(4096))
+            missed += not _trace(pool)
+        assert opened and missed == 0, f"{missed} of {len(opened)} pools opened during the call record nothing"
+    finally:
+        done.set()
+        t.join()
+        sys.setswitchinterval(switch)
+        ap.record_memory_history(None)
+        for pool in old + opened:
+            pool.close()
