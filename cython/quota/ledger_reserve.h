@@ -82,14 +82,20 @@ static uint64_t apl_warn_bytes(uint64_t quota, uint32_t ppm) {
    counter raised, slot not yet), until the process is killed: a test kills it at exactly the
    moment the bracket exists for. Read once; costs one load per reserve (a miss path) when unset. */
 static void apl_test_pause_in_bracket(void) {
-    static int state = -1; /* -1 unread, 0 off, 1 armed */
-    static const char *path;
-    if (state < 0) {
-        path = getenv("ASCEND_POOL_TEST_PAUSE_IN_RESERVE");
-        state = path && path[0] ? 1 : 0;
+    /* Read once, perhaps by several threads' first reserves at once (pools of different tenants
+       grow under their own locks): the state is published after the path (release/acquire), so
+       a thread that sees it armed sees the path too; a plain pair was a data race. */
+    static _Atomic int state = -1; /* -1 unread, 0 off, 1 armed */
+    static const char *_Atomic path;
+    int st = atomic_load_explicit(&state, memory_order_acquire);
+    if (st < 0) {
+        const char *env = getenv("ASCEND_POOL_TEST_PAUSE_IN_RESERVE");
+        atomic_store_explicit(&path, env, memory_order_relaxed);
+        st = env && env[0] ? 1 : 0;
+        atomic_store_explicit(&state, st, memory_order_release);
     }
-    if (state != 1) return;
-    int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    if (st != 1) return;
+    int fd = open(atomic_load_explicit(&path, memory_order_relaxed), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
     if (fd >= 0) close(fd);
     for (;;) pause();
 }

@@ -59,10 +59,15 @@ static int cmp_range(const void *x, const void *y)
 
 static size_t page_size(void)
 {
-    static size_t ps;
-    if (!ps)
-        ps = (size_t)sysconf(_SC_PAGESIZE);
-    return ps;
+    /* Cached on first use, perhaps by several threads' first allocations at once: atomic (a plain
+       static was a data race, reported by scripts/tsan.sh), relaxed (each writes the same value). */
+    static _Atomic size_t ps;
+    size_t v = atomic_load_explicit(&ps, memory_order_relaxed);
+    if (!v) {
+        v = (size_t)sysconf(_SC_PAGESIZE);
+        atomic_store_explicit(&ps, v, memory_order_relaxed);
+    }
+    return v;
 }
 
 struct sim_alloc *sim_alloc_map(size_t size, size_t align, int huge)
