@@ -485,8 +485,9 @@ int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
     int put = ap_map_put(&p->live, b->addr, b); /* cannot fail: room was checked above */
     AP_ASSERT(put == 0);
     (void)put;
+    void *addr = (void *)b->addr; /* under the lock, as ap_pool_malloc reads it */
     pthread_mutex_unlock(&p->lock);
-    *out = (void *)b->addr;
+    *out = addr;
     return AP_OK;
 }
 

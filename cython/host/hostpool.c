@@ -406,8 +406,10 @@ int ap_host_malloc(ap_host_pool *hp, size_t size, void **out, ap_error *err) {
     peak(&hp->stats.requested_bytes, &hp->stats.requested_bytes_peak, (int64_t)size);
     peak(&hp->stats.allocations, &hp->stats.allocations_peak, 1);
     hp->stats.num_allocs++;
+    void *addr = (void *)b->addr; /* under the lock: once it is dropped, a free of this address (a
+                                     caller's dangling pointer) may recycle the block */
     pthread_mutex_unlock(&hp->lock);
-    *out = (void *)b->addr;
+    *out = addr;
     return AP_OK;
 }
 
