@@ -393,4 +393,8 @@ size_t ap_pool_count_free_blocks(ap_pool *p);
    AP_E_HOST_NOMEM if the ring cannot be allocated. */
 int ap_pool_set_history(ap_pool *p, size_t capacity, uint32_t skip);
 
+/* Clears a pool pointer that other threads read without the GIL (PoolBase.p: the C ABI's
+   registry loads it with acquire, capi/registry.h): a release store, not a plain one. */
+static inline void ap_pool_ptr_clear(ap_pool **slot) { __atomic_store_n(slot, (ap_pool *)0, __ATOMIC_RELEASE); }
+
 #endif

@@ -39,6 +39,7 @@ cdef extern from "pool.h" nogil:
         int roundup_power2
     ctypedef struct ap_pool:
         pass
+    void ap_pool_ptr_clear(ap_pool **slot)
     ctypedef struct ap_quota_hook:
         void *ctx
         int (*reserve)(void *ctx, int device, size_t bytes, char *why, size_t why_len) noexcept nogil
@@ -336,7 +337,7 @@ cdef class PoolBase:
                 _capi_stacks_on(p, None)
             except BaseException:      # at interpreter teardown the module's tables may be gone:
                 pass                   # the pool is still hidden and destroyed below
-        self.p = NULL                  # new Python calls, and the C ABI's lookups, no longer see it
+        ap_pool_ptr_clear(&self.p)     # new Python calls, and the C ABI's lookups, no longer see it
         self._quota_close = NULL
         self._quota.ctx = NULL
         if ap_forked_from:
