@@ -280,3 +280,37 @@ def test_a_process_killed_inside_its_reserve_leaves_the_grant_counted_as_uncerta
 
     state = open_ledger(0, "sim").tenant("window")
     assert state["held_bytes"] == 0 and state["uncertain_bytes"] == 0  # settled with the last process
+
+
+def test_the_sweep_lets_go_of_ledgers_that_were_removed(ledger_dir):
+    # A node service sweeps every interval for days: a ledger file removed for good (a /dev/shm
+    # cleanup, a finished simulated node's) must not stay mapped and open in it. Before, each kept
+    # one descriptor and one mapping (and the removed file's memory) for the service's life.
+    from ascend_pool._core import Ledger
+    from ascend_pool.tenants import ledger as L
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    sweep()
+    before = fds()
+    paths = []
+    for i in range(20):
+        path = L.ledger_path(0, "sim", node=f"gone{i}")
+        del_me = Ledger(path, 0, "sim", f"gone{i}")
+        del del_me
+        sweep()
+        assert path in L._swept
+        os.unlink(path)
+        paths.append(path)
+    sweep()
+    assert not [p for p in paths if p in L._swept]
+    assert fds() == before
+    # one still there is kept, and swept as before
+    kept = L.ledger_path(0, "sim", node="kept")
+    led = Ledger(kept, 0, "sim", "kept")
+    sweep()
+    assert kept in L._swept
+    sweep(uids=(os.geteuid(),))
+    assert kept in L._swept
+    del led

@@ -259,6 +259,28 @@ def read_view(path, device, backend, node="", group=None, owner=None):
     return read_ledger_view(path, device, backend, node, group, _owner_arg(owner))
 
 
+def _forget_removed(listed):
+    """Drops the sweep's mappings (and retry times) of ledgers that are no longer there: a path not
+    listed now whose file is gone or is another file. Without this a service kept, for its life,
+    one descriptor and one mapping per ledger ever swept and since removed (and the removed
+    file's memory, which a mapping keeps allocated); one still there (another directory's, swept
+    with other arguments) is kept."""
+    with _lock:
+        unlisted = [p for p in set(_swept) | set(_retry_at) if p not in listed]
+    for path in unlisted:
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            ident = (st.st_dev, st.st_ino)
+        except OSError:
+            ident = None
+        with _lock:
+            led = _swept.get(path)
+            if led is not None and (ident is None or led.identity != ident):
+                del _swept[path]
+            if ident is None:
+                _retry_at.pop(path, None)
+
+
 def sweep(directory=None, uids=(), gids=()):
     """Gives back the shares of dead processes in every ledger of this user (or group) in the
     directory, and in those of the trusted uids and gids (see ledger_files): what the node service
@@ -266,7 +288,9 @@ def sweep(directory=None, uids=(), gids=()):
     refused is reported with "error" and skipped for RETRY_AFTER_S seconds (then "skipped": True)."""
     out = []
     now = time.monotonic()
-    for path, device, backend, node, group, owner in ledger_files(directory, uids, gids):
+    files = ledger_files(directory, uids, gids)
+    _forget_removed({f[0] for f in files})
+    for path, device, backend, node, group, owner in files:
         with _lock:
             retry = _retry_at.get(path)
         if retry is not None and now < retry:
