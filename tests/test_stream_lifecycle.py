@@ -580,6 +580,29 @@ def test_a_pool_forgets_the_handles_of_streams_destroyed_behind_its_back(pool):
     pool.backend.stream_destroy(live)
 
 
+def test_a_pool_forgets_the_streams_it_created_that_the_runtime_destroyed(pool):
+    # A framework takes a stream from create_stream per request and destroys it with the runtime
+    # (aclrtDestroyStream), never telling the pool: create_stream kept every handle in the pool's
+    # sets for its life (about 60 B per stream, without bound), as register_stream did before.
+    lib = sim.attach()
+    lib.aclrtDestroyStream.argtypes, lib.aclrtDestroyStream.restype = [ctypes.c_void_p], ctypes.c_int
+    live = pool.create_stream()
+    before = sim.stats(0)["live_streams"]
+    dead = []
+    for _ in range(600):
+        s = pool.create_stream()
+        pool.free(pool.malloc(4096, stream=s), stream=s)
+        assert lib.aclrtDestroyStream(s) == 0
+        dead.append(s)
+    assert pool._knows_stream(live)
+    remembered = sum(pool._knows_stream(h) for h in dead)
+    assert remembered < 64, f"{remembered} of 600 streams destroyed with the runtime still known"
+    assert sim.stats(0)["live_streams"] == before
+    pool.free(pool.malloc(4096, stream=live), stream=live)
+    pool.close()  # the live one it made is still destroyed at close
+    assert sim.stats(0)["live_streams"] == before - 1
+
+
 def test_a_malloc_that_would_grow_for_a_stream_destroyed_elsewhere_is_refused(pool):
     # The cached path asks no runtime (as PyTorch's), but before the pool spends a device
     # allocation for a stream it asks the stream once: one destroyed behind its back gets

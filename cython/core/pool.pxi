@@ -557,7 +557,16 @@ cdef class PoolBase:
         handle = self.backend.stream_create(self.device)
         self._streams.add(handle)
         self._created.add(handle)
+        self._prune_streams()
         return handle
+
+    cdef _prune_streams(self):
+        # A framework may destroy the streams it got here or registered with the runtime, never
+        # telling the pool: their handles were kept for the process's life (memory without bound).
+        # Asked when the set has doubled, so each new stream costs O(1) questions on average.
+        if len(self._streams) >= self._prune_at:
+            self._forget_destroyed_streams()
+            self._prune_at = max(64, 2 * len(self._streams))
 
     def register_stream(self, handle):
         """Lets this pool order frees on a stream created elsewhere (int handle: a pointer)."""
@@ -573,9 +582,7 @@ cdef class PoolBase:
             raise InvalidStreamError(f"stream {handle:#x} belongs to device {dev}, not to this pool's "
                                      f"device {self.device}")
         self._streams.add(handle)
-        if len(self._streams) >= self._prune_at:
-            self._forget_destroyed_streams()
-            self._prune_at = max(64, 2 * len(self._streams))
+        self._prune_streams()
 
     def _forget_stream(self, handle):
         """Drops a stream the runtime says is gone: its handle no longer reaches this pool, and
