@@ -68,3 +68,62 @@ def test_the_last_reset_waits_for_the_default_contexts_work_and_takes_its_stream
     """)
     assert out["not_last_s"] < 0.9 and out["last_s"] >= 1.4, out
     assert out["stream_after"] != 0 and out["written"], out    # the stream went, after its work
+
+
+def test_a_device_set_and_reset_again_and_again_keeps_no_context_and_stale_threads_stay_refused(sim_node):
+    # Each last aclrtResetDevice released the default context and the next aclrtSetDevice made a
+    # new one, the old kept for good: 64 B of host memory per cycle (131 B per Pool open/close of
+    # a device's only pool), without bound. A dead context's struct now serves the next one; a
+    # thread still naming the old one is refused as before, and a stream pins its context.
+    out = sim_node.run_json("""
+        import threading
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        acl.aclrtCreateContext.argtypes = [C.POINTER(C.c_void_p), C.c_int32]
+        acl.aclrtDestroyContext.argtypes = [C.c_void_p]
+        acl.aclrtDestroyStream.argtypes = [C.c_void_p]
+        acl.aclrtSetCurrentContext.argtypes = [C.c_void_p]
+        class MI(C.Structure):
+            _fields_ = [(n, C.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+        libc = C.CDLL("libc.so.6"); libc.mallinfo2.restype = MI
+        heap = lambda: libc.mallinfo2().uordblks + libc.mallinfo2().hblkhd
+        assert acl.aclInit(None) == 0
+        def cycle():
+            assert acl.aclrtSetDevice(0) == 0 and acl.aclrtResetDevice(0) == 0
+        def user_context():
+            c = C.c_void_p()
+            assert acl.aclrtCreateContext(C.byref(c), 0) == 0 and acl.aclrtDestroyContext(c) == 0
+        for _ in range(200):
+            cycle(); user_context()
+        before = heap()
+        for _ in range(3000):
+            cycle(); user_context()
+        per_cycle = (heap() - before) / 3000
+        # a thread whose current context was released, then reused for the next default context
+        got, go, done = {}, threading.Event(), threading.Event()
+        def stale():
+            assert acl.aclrtSetDevice(0) == 0
+            go.wait()
+            p = C.c_void_p()
+            got["malloc"] = acl.aclrtMalloc(C.byref(p), 4096, 0)
+            done.set()
+        t = threading.Thread(target=stale); t.start()
+        while sim.stats(0)["device_refs"] != 1:
+            time.sleep(0.01)
+        assert acl.aclrtResetDevice(0) == 0          # the thread's context goes
+        assert acl.aclrtSetDevice(0) == 0            # a new one, in the old one's struct
+        go.set(); done.wait(10); t.join()
+        # a stream keeps its (destroyed) context's struct from serving another context meanwhile
+        c1, s = C.c_void_p(), C.c_void_p()
+        assert acl.aclrtCreateContext(C.byref(c1), 0) == 0 and acl.aclrtCreateStream(C.byref(s)) == 0
+        c2 = C.c_void_p()
+        assert acl.aclrtCreateContext(C.byref(c2), 0) == 0
+        in_other = acl.aclrtDestroyStream(s)         # s is c1's: 107003 from c2
+        assert acl.aclrtSetCurrentContext(c1) == 0 and acl.aclrtDestroyStream(s) == 0
+        print(json.dumps({"per_cycle": per_cycle, "stale_malloc": got["malloc"], "in_other": in_other,
+                          "distinct": c1.value != c2.value}))
+    """)
+    assert out["per_cycle"] < 16, out               # 128 B (two contexts) per cycle before
+    assert out["stale_malloc"] == 107002, out       # ACL_ERROR_RT_CONTEXT_NULL, as before
+    assert out["in_other"] == 107003 and out["distinct"], out

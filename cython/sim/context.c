@@ -5,9 +5,14 @@
  * thread to the context's device. Calls that need a device (malloc, streams, events) fail with
  * ACL_ERROR_RT_CONTEXT_NULL on a thread that has none, as the real runtime does.
  *
- * Contexts are tiny and created rarely, so they are never freed: a thread may still name a
- * destroyed context as current, and checking a flag on it is cheaper than a registry lookup on
- * every malloc. aclInit/aclFinalize bump a generation that makes every thread's choice stale.
+ * Contexts are never freed: a thread may still name a destroyed context as current, and checking
+ * a flag on it is cheaper than a registry lookup on every malloc. A dead context's struct serves
+ * the next context made (a new handle, its `life` bumped, so a thread still naming its last life
+ * finds it gone): before, each one was kept for good, and a device whose last aclrtResetDevice
+ * and next aclrtSetDevice came again and again (the only pool of a device closed and opened)
+ * made a new default context each time, 64 B of host memory for the process's life. Its streams
+ * hold a reference on it, so it is reused only once they are gone. aclInit/aclFinalize bump a
+ * generation that makes every thread's choice stale.
  */
 #include <stdlib.h>
 
@@ -16,8 +21,28 @@
 static __thread int t_device = -1;
 static __thread struct sim_context *t_ctx;
 static __thread uint64_t t_gen;
+static __thread uint64_t t_life; /* t_ctx's life when the thread chose it */
 
-static void context_destroy(struct sim_obj *o) { (void)o; /* never freed, see above */ }
+static struct sim_context *spare_contexts; /* dead, unreferenced: for the next context_new */
+static pthread_mutex_t spare_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* The last reference went (the registry's, its streams', in-flight users'): kept for reuse. */
+static void context_destroy(struct sim_obj *o)
+{
+    struct sim_context *c = (struct sim_context *)o;
+    atomic_store(&c->dead, 1);
+    pthread_mutex_lock(&spare_mu);
+    c->spare_next = spare_contexts;
+    spare_contexts = c;
+    pthread_mutex_unlock(&spare_mu);
+}
+
+/* True when the thread's current context was destroyed (or its struct serves another since). */
+static inline int ctx_gone(const struct sim_context *c)
+{
+    return atomic_load_explicit(&c->dead, memory_order_acquire) ||
+           atomic_load_explicit(&c->life, memory_order_relaxed) != t_life;
+}
 
 int sim_current_device(const char *call, int *dev)
 {
@@ -25,7 +50,7 @@ int sim_current_device(const char *call, int *dev)
         return sim_fail(ACL_ERROR_RT_CONTEXT_NULL, call,
                         "this thread has no current device: call aclrtSetDevice or "
                         "aclrtSetCurrentContext first");
-    if (t_ctx && atomic_load(&t_ctx->dead))
+    if (t_ctx && ctx_gone(t_ctx))
         return sim_fail(ACL_ERROR_RT_CONTEXT_NULL, call,
                         "this thread's current context %p was destroyed", SIM_HANDLE(&t_ctx->obj));
     *dev = t_device;
@@ -34,7 +59,7 @@ int sim_current_device(const char *call, int *dev)
 
 struct sim_context *sim_current_context(void)
 {
-    if (t_gen != atomic_load(&g_sim.generation) || t_device < 0 || (t_ctx && atomic_load(&t_ctx->dead)))
+    if (t_gen != atomic_load(&g_sim.generation) || t_device < 0 || (t_ctx && ctx_gone(t_ctx)))
         return NULL;
     return t_ctx;
 }
@@ -43,6 +68,7 @@ void sim_thread_set_device(int dev, struct sim_context *ctx)
 {
     t_device = dev;
     t_ctx = ctx;
+    t_life = ctx ? atomic_load(&ctx->life) : 0;
     t_gen = atomic_load(&g_sim.generation);
 }
 
@@ -56,14 +82,22 @@ void sim_thread_clear_device(int dev)
 
 static struct sim_context *context_new(int dev, int is_default)
 {
-    struct sim_context *c = calloc(1, sizeof *c);
-    if (!c)
+    pthread_mutex_lock(&spare_mu);
+    struct sim_context *c = spare_contexts;
+    if (c)
+        spare_contexts = c->spare_next;
+    pthread_mutex_unlock(&spare_mu);
+    if (!c && !(c = calloc(1, sizeof *c)))
         return NULL;
+    /* a new life first, then alive (release): a thread that sees it alive sees the new life */
+    atomic_fetch_add_explicit(&c->life, 1, memory_order_relaxed);
     sim_obj_init(&c->obj, SIM_H_CONTEXT, context_destroy);
     c->device = dev;
     c->is_default = is_default;
+    c->spare_next = NULL;
+    atomic_store_explicit(&c->dead, 0, memory_order_release);
     if (sim_reg_add(&c->obj) != 0) {
-        free(c);
+        context_destroy(&c->obj);
         return NULL;
     }
     return c;

@@ -298,7 +298,7 @@ struct sim_stream {
     struct sim_obj obj;
     int device;
     int is_default;
-    struct sim_context *ctx;    /* the context it was created in (never freed); NULL: a default stream */
+    struct sim_context *ctx;    /* the context it was created in (a reference held); NULL: a default stream */
     pthread_mutex_t mu;
     pthread_cond_t work_cv;     /* worker: new work, release, exit */
     pthread_cond_t done_cv;     /* waiters: `completed` moved */
@@ -338,6 +338,8 @@ struct sim_context {
     int device;
     int is_default;
     _Atomic int dead;          /* contexts are never freed: threads may still name them */
+    _Atomic uint64_t life;     /* bumped when a dead context's struct serves a new context */
+    struct sim_context *spare_next;
 };
 /* The calling thread's current device, or 107002 (recorded for `call`) when it has none. */
 int sim_current_device(const char *call, int *dev);

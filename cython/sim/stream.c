@@ -90,6 +90,8 @@ static void stream_destroy(struct sim_obj *o)
     pthread_cond_destroy(&s->work_cv);
     pthread_cond_destroy(&s->done_cv);
     pthread_mutex_destroy(&s->mu);
+    if (s->ctx)
+        sim_obj_unref(&s->ctx->obj);
     free(s);
 }
 
@@ -289,6 +291,8 @@ SIM_EXPORT aclError aclrtCreateStream(aclrtStream *stream)
     if (!s)
         return sim_fail(ACL_ERROR_RT_NO_STREAM_RESOURCE, call, "cannot start a stream worker thread");
     s->ctx = sim_current_context();
+    if (s->ctx)
+        sim_obj_ref(&s->ctx->obj); /* its context is not reused while it lives (context.c) */
     if (sim_reg_add(&s->obj) != 0) {
         sim_stream_shutdown(s);
         sim_stream_put(s);
