@@ -67,6 +67,9 @@ def on_close(method):
     close, while the pool can still be read: what a pool counted since it was last read would
     otherwise be lost with it (the metrics' pool aggregator folds its final counters in)."""
     with _lock:
+        # the listeners of objects gone since (a collector made per scrape and dropped) go first:
+        # pruned only at a pool's close, they piled up while the process's pools stayed open
+        _closing[:] = [ref for ref in _closing if ref() is not None]
         _closing.append(weakref.WeakMethod(method))
 
 

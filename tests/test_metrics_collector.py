@@ -294,3 +294,26 @@ def test_default_collector_reads_the_registry_of_live_pools(pool):
 def test_record_fields_cover_every_family():
     assert len(FIELDS) == len(set(FIELDS))
     assert "quota_bytes" in FIELDS and "device_total_bytes" in FIELDS
+
+
+def test_a_collector_made_per_scrape_leaves_nothing_behind(pool):
+    # Each PoolCollector registers a close listener (registry.on_close); a dead one was pruned
+    # only when a pool closed, so an exporter building its registry per scrape, in a process
+    # whose pools stay open, kept one per scrape (~7 objects) without bound.
+    import gc
+
+    from ascend_pool import registry
+
+    scrape(PoolCollector())
+    gc.collect()
+    before = len(registry._closing)
+    for _ in range(300):
+        scrape(PoolCollector())
+    gc.collect()
+    assert len(registry._closing) <= before + 1
+    kept = PoolCollector()  # a live one still hears a close (its final counters are folded in)
+    ctx = pool.context("closing-heard")
+    ctx.free(ctx.malloc(1 << 20))
+    scrape(kept)
+    ctx.close()
+    assert any(key[1] == "closing-heard" for key in kept._agg._retired)
