@@ -163,6 +163,25 @@ def test_a_new_publisher_clears_half_made_files_of_killed_writers(tmp_path):
         pub.stop()
 
 
+def test_the_node_services_scan_clears_half_made_files_of_killed_writers(tmp_path):
+    # Only a new publisher's start cleared them: the node service's scans (every scrape) left
+    # them for good once the node's last crash-looping worker was gone (16 KB of /dev/shm each).
+    from ascend_pool.service.scanner import StatsScanner
+    old = tmp_path / ".ascend_pool-stats-00000000000000aa.tmp"
+    fresh = tmp_path / ".ascend_pool-stats-00000000000000bb.tmp"  # another process making its file now
+    other = tmp_path / ".something-else.tmp"
+    for f in (old, fresh, other):
+        f.write_bytes(b"x" * 8192)
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    os.utime(other, (time.time() - 3600, time.time() - 3600))
+    StatsScanner(str(tmp_path)).scan()
+    assert not old.exists() and fresh.exists() and other.exists()
+    old.write_bytes(b"x")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    StatsScanner(str(tmp_path), remove_stale=False).scan()  # a scan told to remove nothing
+    assert old.exists()
+
+
 @pytest.mark.parametrize("text", ["inf", "1e300", "1e-12", "-1", "nan", "soon"])
 def test_a_stats_interval_out_of_range_is_the_default_with_a_warning(monkeypatch, caplog, text):
     # inf / 1e300 killed the publisher thread (OverflowError in its wait: figures frozen for the

@@ -18,14 +18,11 @@ import atexit
 import logging
 import math
 import os
-import stat
 import threading
-import time
 
 from .. import registry as _registry
 from ..metrics.sample import PoolAggregator
 from ..tenants import ledger as _ledger
-from . import paths
 from .scanner import StatsScanner
 from .statsfile import StatsFile
 
@@ -147,28 +144,15 @@ class Publisher:
                 self.file.close(remove=remove)
 
 
-TMP_STALE_S = 60.0  # a file is made in microseconds: an older half-made one's writer was killed
-
-
 def _remove_stale(directory):
     # Files of our uid's processes that died without cleaning up (killed, crashed) would pile up
-    # on a node where no service runs: each new publisher clears them, once, at start, and the
-    # half-made files of writers killed while creating theirs (8 KiB of /dev/shm each).
+    # on a node where no service runs: each new publisher clears them, once, at start, with the
+    # half-made files of writers killed while creating theirs (the scan removes both; the node
+    # service's scans do too).
     try:
         StatsScanner(directory, refusal_level=logging.DEBUG).scan()
     except Exception as e:
         log.debug("clearing stale stats files in %s: %s", directory, e)
-    try:
-        now = time.time()
-        for name in os.listdir(directory):
-            path = os.path.join(directory, name)
-            # statsfile.StatsFile makes its file as ".<file name>.tmp", then renames it
-            if name.startswith(".") and name.endswith(".tmp") and paths.instance_of(name[1:-4]) is not None:
-                st = os.lstat(path)
-                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > TMP_STALE_S:
-                    os.unlink(path)
-    except OSError as e:
-        log.debug("clearing half-made stats files in %s: %s", directory, e)
 
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.01, 3600.0  # below: a spinning thread; above: figures frozen

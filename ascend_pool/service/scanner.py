@@ -9,7 +9,9 @@ MAX_FILES files, so its time is bounded whatever the directories hold."""
 
 import logging
 import os
+import stat
 import threading
+import time
 
 from ..private_dir import candidates
 from . import paths
@@ -19,6 +21,7 @@ log = logging.getLogger("ascend_pool.service")
 
 
 MAX_FILES = 4096  # stats files read per scan: far more processes than a node runs
+TMP_STALE_S = 60.0  # a file is made in microseconds: an older half-made one's writer was killed
 
 
 class StatsScanner:
@@ -48,7 +51,7 @@ class StatsScanner:
         dirs = [p for p, _, _ in candidates(self.directory, self.allowed_uids, self.allowed_gids)]
         return ([self.directory] if self.explicit else []) + dirs
 
-    def _paths(self):
+    def _paths(self, half_made=None):
         out = []
         for d in self.directories():
             try:
@@ -57,6 +60,9 @@ class StatsScanner:
                 self._report(d, f"cannot list the stats directory {d}: {e.strerror}", logging.WARNING)
                 continue
             out.extend(os.path.join(d, n) for n in names if paths.instance_of(n) is not None)
+            if half_made is not None:  # statsfile.StatsFile makes its file as ".<file name>.tmp", then renames it
+                half_made.extend(os.path.join(d, n) for n in names
+                                 if n.startswith(".") and n.endswith(".tmp") and paths.instance_of(n[1:-4]) is not None)
         if len(out) > MAX_FILES:
             self._report(self.directory, f"more than {MAX_FILES} stats files in the trusted directories of "
                          f"{self.directory}; reading the first {MAX_FILES}", logging.WARNING)
@@ -65,8 +71,8 @@ class StatsScanner:
 
     def scan(self):
         """A list of reader.ProcessStats, one per live publishing process, sorted by pid."""
-        out, counts, seen = [], dict.fromkeys(self.counts, 0), set()
-        for path in self._paths():
+        out, counts, seen, half_made = [], dict.fromkeys(self.counts, 0), set(), []
+        for path in self._paths(half_made if self.remove_stale else None):
             seen.add(path)
             try:
                 out.append(read_stats_file(path, self.allowed_uids, self.allowed_gids))
@@ -89,7 +95,21 @@ class StatsScanner:
             for path in list(self._reported):
                 if path not in seen and path != self.directory and not os.path.isdir(path):
                     del self._reported[path]
+        self._remove_half_made(half_made)
         return sorted(out, key=lambda p: (p.pid, p.instance))
+
+    def _remove_half_made(self, half_made):
+        """Removes the half-made files (8-16 KiB of /dev/shm each) of our uid's writers killed while
+        making theirs: only a new publisher's start removed them, never the service's scans, so
+        they stayed for good once the node's last such process was gone."""
+        now = time.time()
+        for path in half_made[:MAX_FILES]:
+            try:
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > TMP_STALE_S:
+                    os.unlink(path)
+            except OSError as e:
+                log.debug("removing a half-made stats file %s: %s", path, e)
 
     def _remove(self, e):
         if not self.remove_stale:
