@@ -50,8 +50,8 @@ def rel(pattern):
 
 # Headers as dependencies: setuptools rebuilds an extension only when one of these is newer than
 # it, so without them an edit to a header alone (an inline hot path, a struct) left the old build.
-SIM_HEADERS = rel("cython/sim/*.h")
-CORE_HEADERS = [h for h in rel("cython/*/*.h") if h not in SIM_HEADERS] + rel("ascend_pool/include/*.h")
+SIM_HEADERS = rel("cython/sim/*.h") + rel("cython/common/*.h")  # common/: shared with the pool (host_ids.h)
+CORE_HEADERS = [h for h in rel("cython/*/*.h") if h not in rel("cython/sim/*.h")] + rel("ascend_pool/include/*.h")
 
 sim_sources = rel("cython/sim/*.c")
 sim_ext = [

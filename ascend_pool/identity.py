@@ -20,8 +20,14 @@ Within one pid namespace a pid plus its start time (field 22 of /proc/PID/stat, 
 boot; a later process with the same pid starts later) and the kernel's boot id name a process
 (start_time, boot_id, is_alive): the stats files use that to tell a dead writer sooner.
 
+The uid a process goes by on the node is its host uid (host_uid(): os.geteuid() translated by
+/proc/self/uid_map), so that the processes of one host user inside and outside a user namespace
+(a rootless container, a pod with hostUsers: false) name the same files; a file's owner is checked
+as this namespace shows it (owned_by).
+
 This is the one Python home of process identity; the C ledger code has its own in
-cython/quota/proc_identity.h (given the instance and pid namespace from here).
+cython/quota/proc_identity.h (given the instance and pid namespace from here), and the C side of
+host ids is cython/common/host_ids.h.
 """
 
 import errno
@@ -209,32 +215,129 @@ def self_start_time():
 
 
 _UID_MAP_PATH = "/proc/self/uid_map"
+_GID_MAP_PATH = "/proc/self/gid_map"
+_OVERFLOW_UID_PATH = "/proc/sys/kernel/overflowuid"
+_OVERFLOW_GID_PATH = "/proc/sys/kernel/overflowgid"
+_IDENTITY_MAP = [(0, 0, 4294967295)]
+_maps = {}  # path -> [(inside, outside, count)], [] for a map without lines, None where /proc does not tell
+
+
+def _read_map(path):
+    """The lines of an id map ("inside outside count"), read once per process and cached: the
+    maps of a user namespace never change once written, and a process changes user namespace only
+    by unshare(CLONE_NEWUSER) (forgotten after fork, see _after_fork_in_child)."""
+    try:
+        return _maps[path]
+    except KeyError:
+        pass
+    try:
+        with open(path) as f:
+            rows = [line.split() for line in f.read().splitlines() if line.strip()]
+        rows = [tuple(int(x) for x in row[:3]) for row in rows if len(row) >= 3]
+    except (OSError, ValueError):
+        rows = None
+    _maps[path] = rows
+    return rows
+
+
+def _overflow(path):
+    key = ("overflow", path)
+    if key not in _maps:
+        try:
+            with open(path) as f:
+                _maps[key] = int(f.read().strip())
+        except (OSError, ValueError):
+            _maps[key] = 65534
+    return _maps[key]
+
+
+def _outward(rows, num):
+    """num (an id inside the namespace) outside it, by the map's lines; None when they leave it out.
+    rows None (no /proc) or the initial namespace's identity: num itself."""
+    if rows is None or rows == _IDENTITY_MAP:
+        return num
+    return next((out + num - inside for inside, out, count in rows if inside <= num < inside + count), None)
+
+
+def _inward(rows, num):
+    """The id inside the namespace of num outside it; None when the map leaves it out."""
+    if rows is None or rows == _IDENTITY_MAP:
+        return num
+    return next((inside + num - out for inside, out, count in rows if out <= num < out + count), None)
+
+
+def host_uid():
+    """This process's uid on the host: the uid os.geteuid() maps to outside its user namespace
+    (/proc/self/uid_map; the parent namespace's view for a nested one), os.geteuid() itself in the
+    initial namespace, or where the map leaves it out (then user_namespace() says so). Every file
+    this package shares between processes (private directory, quota ledgers, stats files, share
+    records, the simulator's records and leases) is NAMED by it and stores it; so one host user is
+    one user inside and outside a user namespace (docs/containers.md). Ownership checks of a file
+    (st_uid) compare with os.geteuid(), as this namespace shows it: see owner_host_uid()."""
+    me = os.geteuid()
+    out = _outward(_read_map(_UID_MAP_PATH), me)
+    return me if out is None else out
+
+
+def host_gid(gid):
+    """The host's gid of `gid` as this namespace sees it (/proc/self/gid_map), gid itself where the
+    map leaves it out: what a group's directory and ledger are named by and store."""
+    out = _outward(_read_map(_GID_MAP_PATH), gid)
+    return gid if out is None else out
+
+
+def in_namespace(kind="u"):
+    """True when this process's uid (kind "u") or gid ("g") map is not the initial namespace's."""
+    rows = _read_map(_UID_MAP_PATH if kind == "u" else _GID_MAP_PATH)
+    return rows is not None and rows != _IDENTITY_MAP
+
+
+def owner_host_uid(st_uid):
+    """The host uid of a file owned by st_uid (an fstat result, this namespace's view), or None when
+    it cannot be told: the map leaves st_uid out, or st_uid is the overflow uid that every unmapped
+    owner shows as (even where the map holds that uid)."""
+    if st_uid == os.geteuid():
+        return host_uid()  # this user's own file, as the kernel shows it
+    rows = _read_map(_UID_MAP_PATH)
+    if rows is not None and rows != _IDENTITY_MAP and st_uid == _overflow(_OVERFLOW_UID_PATH):
+        return None
+    return _outward(rows, st_uid)
+
+
+def owner_host_gid(st_gid):
+    """As owner_host_uid, for a file's group."""
+    rows = _read_map(_GID_MAP_PATH)
+    if rows is not None and rows != _IDENTITY_MAP and st_gid == _overflow(_OVERFLOW_GID_PATH):
+        return None
+    return _outward(rows, st_gid)
+
+
+def gid_here(host):
+    """The gid this namespace sees for the host's gid `host`, or None when its map leaves it out."""
+    return _inward(_read_map(_GID_MAP_PATH), host)
+
+
+def owned_by(st_uid, host):
+    """True when a file of owner st_uid (this namespace's view) belongs to the host's uid `host`.
+    This user's own: st_uid == os.geteuid(), the kernel's view, never translated; another user's:
+    owner_host_uid(st_uid) == host."""
+    if host == host_uid():
+        return st_uid == os.geteuid()
+    out = owner_host_uid(st_uid)
+    return out is not None and out == host
 
 
 def user_namespace():
     """None in the initial user namespace (/proc/self/uid_map the identity "0 0 4294967295") or
     where /proc does not tell; else (map, outside): the map's lines ("inside outside count")
-    joined by "; ", and the uid os.geteuid() is outside the namespace (None if the map lacks it).
-
-    Not translated anywhere: files are named by os.geteuid(), the uid *inside* the namespace, and
-    owners checked as this namespace sees them, so processes of two user namespaces (a rootless
-    container and the host, two such containers) share no private directory, ledger or stats
-    file, and `ascend-pool ps` or the node service outside one does not see its processes
-    (docs/containers.md). private_dir() says so once per process."""
-    try:
-        with open(_UID_MAP_PATH) as f:
-            rows = [line.split() for line in f.read().splitlines() if line.strip()]
-    except OSError:
+    joined by "; " ("" for a map without lines: nothing written yet), and host_uid() when the map
+    holds os.geteuid(), None when it leaves it out. Only in that last case does this process share
+    nothing with the host user's processes outside the namespace: it names its files by
+    os.geteuid() then (docs/containers.md), and private_dir() says so once per process."""
+    rows = _read_map(_UID_MAP_PATH)
+    if rows is None or rows == _IDENTITY_MAP:
         return None
-    try:
-        rows = [tuple(int(x) for x in row[:3]) for row in rows if len(row) >= 3]
-    except ValueError:
-        return None
-    if not rows or rows == [(0, 0, 4294967295)]:
-        return None
-    me = os.geteuid()
-    outside = next((out + me - inside for inside, out, count in rows if inside <= me < inside + count), None)
-    return "; ".join(" ".join(map(str, row)) for row in rows), outside
+    return "; ".join(" ".join(map(str, row)) for row in rows), _outward(rows, os.geteuid())
 
 
 def boot_id():
@@ -281,6 +384,7 @@ def _after_fork_in_child():
             pass
     _leases.clear()
     _instance = 0
+    _maps.clear()  # read again if asked: the child may unshare(CLONE_NEWUSER) before it asks
 
 
 # Never released at exit: the process's records (ledger slots, device memory) outlive the atexit
