@@ -68,31 +68,31 @@ static void after_fork_in_child(void)
     atomic_store(&g_sim.state, SIM_UNINIT);
 }
 
-/* Once per process, on stderr: a process in a user namespace (a rootless container, a pod with
-   hostUsers: false) names its node records and leases by its uid inside it, and sees every file
-   of the others as owned by another (or by the overflow uid); node.c skips those names as
-   squatted and foreign.c trusts none of them. So it shares no node record with the processes of
-   another user namespace, or of none: each side counts only its own device memory (the device can
-   be over-committed) and IPC keys do not cross. Not fixed; said here and in docs/containers.md. */
+/* Once per process, on stderr, and only where the uid map of this process's user namespace leaves
+   its euid out (a namespace whose map is not written yet, `unshare --user` alone): then its host
+   uid cannot be told, so it names its node records and leases by geteuid(), which no process
+   outside the namespace uses, and sees every file of the others as owned by the overflow uid:
+   node.c skips those names as squatted and foreign.c trusts none of them. It shares no node
+   record with the processes outside: each side counts only its own device memory (the device can
+   be over-committed) and IPC keys do not cross. A map that holds the euid needs no word: records
+   are named by the host uid (sim_host_uid), the host user's processes inside and outside the
+   namespace share them (docs/containers.md). */
 static void warn_user_namespace(const struct sim_config *cfg)
 {
     static _Atomic int warned;
     char map[256];
     long outside;
-    unsigned me = (unsigned)geteuid();
-    if (atomic_load(&warned) || !sim_proc_user_namespace(map, sizeof map, &outside) || atomic_exchange(&warned, 1))
+    if (atomic_load(&warned) || !sim_proc_user_namespace(map, sizeof map, &outside) || outside >= 0 ||
+        atomic_exchange(&warned, 1))
         return;
-    char own[256] = "";
-    if (outside != (long)me)
-        snprintf(own, sizeof own, "it names its node records and leases by its uid inside it (%u), which is uid %ld "
-                 "outside it, so it shares no node record with the node's processes outside this user namespace "
-                 "(the host's, another container's); ", me, outside);
     fprintf(stderr,
-            "ascendsim: warning: this process runs in a user namespace (/proc/self/uid_map: %s): %sthe files of "
-            "uids its map leaves out look owned by the overflow uid here, so other users' records are not counted "
-            "by it. Each side counts only the device memory it can see: simulated node '%s' (ASCEND_SIM_SHM_DIR "
-            "%s) may be over-committed, and IPC keys do not cross. Run every process of a simulated node in one "
-            "user namespace, or in none (docs/containers.md).\n", map, own, cfg->node, cfg->shm_dir);
+            "ascendsim: warning: this process runs in a user namespace (/proc/self/uid_map: %s) whose map leaves "
+            "its uid %u out, so its host uid cannot be told: it names its node records and leases by its uid "
+            "inside the namespace, and the files of every other uid look owned by the overflow uid here, so it "
+            "shares no node record with the node's processes outside this user namespace and counts none of "
+            "theirs. Each side counts only the device memory it can see: simulated node '%s' (ASCEND_SIM_SHM_DIR "
+            "%s) may be over-committed, and IPC keys do not cross. Give the namespace a uid map that holds the "
+            "uid (docs/containers.md).\n", map[0] ? map : "empty", (unsigned)geteuid(), cfg->node, cfg->shm_dir);
     fflush(stderr);
 }
 

@@ -129,7 +129,7 @@ static void list_dir(struct foreign_cache *c, int dev, const struct sim_config *
     struct stat dst;
     if (fstat(dirfd(d), &dst) == 0)
         c->mtime = dst.st_mtim;
-    unsigned me = (unsigned)geteuid();
+    unsigned me = sim_host_uid(); /* names hold host uids */
     struct dirent *e;
     for (long seen = 0; c->n < NODE_FOREIGN_MAX && seen < FOREIGN_SCAN_MAX && (e = readdir(d)); seen++) {
         long uid = parse_name(e->d_name, cfg->node, dev);
@@ -152,7 +152,7 @@ static void list_dir(struct foreign_cache *c, int dev, const struct sim_config *
             }
         else
             dup = 1;
-        if (dup || !S_ISREG(st.st_mode) || st.st_uid != (uid_t)uid || (st.st_mode & 022) ||
+        if (dup || !S_ISREG(st.st_mode) || !sim_owned_by(st.st_uid, (unsigned)uid) || (st.st_mode & 022) ||
             st.st_size != (off_t)sizeof(struct node_record)) {
             close(fd);
             continue;

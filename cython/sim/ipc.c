@@ -198,7 +198,7 @@ static int key_ok(const char *key)
 
 static void record_path(char *out, size_t len, const char *key)
 {
-    snprintf(out, len, "%s/ascendsim-%u-%s-ipc-%s", g_sim.cfg.shm_dir, (unsigned)geteuid(), g_sim.cfg.node, key);
+    snprintf(out, len, "%s/ascendsim-%u-%s-ipc-%s", g_sim.cfg.shm_dir, sim_host_uid(), g_sim.cfg.node, key);
 }
 
 /* The uid of another user whose record of `key` on this node exists (owned by the uid its name
@@ -219,9 +219,9 @@ static long other_users_export(const char *key)
         char *end;
         unsigned long uid = strtoul(p + 10, &end, 10);
         struct stat st;
-        if (strcmp(end, tail) != 0 || uid == (unsigned long)geteuid() || uid > 0xffffffffUL ||
+        if (strcmp(end, tail) != 0 || uid == (unsigned long)sim_host_uid() || uid > 0xffffffffUL ||
             fstatat(dirfd(d), p, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
-            (unsigned long)st.st_uid != uid)
+            !sim_owned_by(st.st_uid, (unsigned)uid))
             continue;
         found = (long)uid;
     }
@@ -281,7 +281,7 @@ static int open_record(int fd, const char *path, const char *key, struct ipc_rec
     const char *bad = NULL;
     if (r->magic != IPC_MAGIC || r->version != IPC_VERSION || r->record_size != sizeof *r)
         bad = "bad magic, version or layout";
-    else if (r->owner_uid != (uint32_t)geteuid())
+    else if (r->owner_uid != sim_host_uid())
         bad = "recorded owner is another user";
     else if (strncmp(r->node, g_sim.cfg.node, sizeof r->node) != 0 || (key && strcmp(r->key, key) != 0))
         bad = "it names another node or key";
@@ -302,7 +302,7 @@ static int open_record(int fd, const char *path, const char *key, struct ipc_rec
 static void sweep_stale(void)
 {
     char prefix[SIM_NODE_NAME_MAX + 64];
-    snprintf(prefix, sizeof prefix, "ascendsim-%u-%s-ipc-", (unsigned)geteuid(), g_sim.cfg.node);
+    snprintf(prefix, sizeof prefix, "ascendsim-%u-%s-ipc-", sim_host_uid(), g_sim.cfg.node);
     size_t plen = strlen(prefix);
     DIR *d = opendir(g_sim.cfg.shm_dir);
     if (!d)
@@ -466,7 +466,7 @@ static int create_record(struct ipc_export *e, int dev, size_t size, uint64_t fl
             r->magic = IPC_MAGIC;
             r->version = IPC_VERSION;
             r->record_size = sizeof *r;
-            r->owner_uid = (uint32_t)geteuid();
+            r->owner_uid = sim_host_uid();
             r->device = g_sim.cfg.phys[dev]; /* the node's device: importers may number it otherwise */
             r->size = size;
             r->data_off = IPC_DATA_OFF;
@@ -727,7 +727,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
                           "key '%s' was exported by another user (uid %ld) of node '%s'; this process runs "
                           "as uid %u, and the simulator's IPC keys are per user (the exporter's record "
                           "is 0600): import it from a process of uid %ld", key, owner, g_sim.cfg.node,
-                          (unsigned)geteuid(), owner);
+                          sim_host_uid(), owner);
         else if (err == ENOENT)
             rc = sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                           "no memory is exported with key '%s' on node '%s' (never exported, closed by its "

@@ -128,7 +128,7 @@ static int init_record(struct node_record *r, int dev, const struct sim_config *
     r->magic = NODE_MAGIC;
     r->version = NODE_VERSION;
     r->record_size = sizeof *r;
-    r->owner_uid = (uint32_t)geteuid();
+    r->owner_uid = sim_host_uid(); /* the host's uid: one record inside and outside a user namespace */
     r->nslots = NODE_SLOTS;
     r->device = (uint32_t)dev;
     r->total_bytes = cfg->hbm;
@@ -171,7 +171,7 @@ static int validate(int fd, const char *path, int dev, const struct sim_config *
         bad = "unsupported version";
     else if (r->record_size != sizeof *r || r->nslots != NODE_SLOTS)
         bad = "unexpected layout";
-    else if (r->owner_uid != (uint32_t)geteuid())
+    else if (r->owner_uid != sim_host_uid())
         bad = "recorded owner is another user";
     else if (r->device != (uint32_t)dev || strncmp(r->node, cfg->node, sizeof r->node) != 0)
         bad = "it describes another device or node";
@@ -300,7 +300,7 @@ int sim_node_record_name(char *out, size_t len, unsigned uid, const char *node, 
 static void record_path(char *out, size_t len, const struct sim_config *cfg, int dev, int index)
 {
     char name[SIM_NODE_NAME_MAX + 64];
-    sim_node_record_name(name, sizeof name, (unsigned)geteuid(), cfg->node, dev, index);
+    sim_node_record_name(name, sizeof name, sim_host_uid(), cfg->node, dev, index);
     snprintf(out, len, "%s/%s", cfg->shm_dir, name);
 }
 
@@ -355,7 +355,7 @@ static int open_record(char *path, size_t len, int dev, const struct sim_config 
             return sim_fail(ACL_ERROR_RT_NO_PERMISSION, call,
                             "no name for device %d's node record is free in %s: %d names "
                             "ascendsim-%u-%s-dev%d[.N] are taken by others", dev, cfg->shm_dir, taken,
-                            (unsigned)geteuid(), cfg->node, dev);
+                            sim_host_uid(), cfg->node, dev);
         record_path(path, len, cfg, dev, first_free);
         int rc = create_record(path, dev, cfg, out, call);
         if (rc != EEXIST)

@@ -32,6 +32,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "../common/host_ids.h"
 #include "sim_internal.h"
 
 /* Reads state (field 3) and start time (field 22). 0 ok, -1 no such process, -2 unreadable. */
@@ -101,7 +102,7 @@ static void lease_after_fork_in_child(void)
 
 static void lease_path(char *out, size_t len, const char *dir, uint64_t id)
 {
-    snprintf(out, len, "%s/ascendsim-lease-%u-%016llx", dir, (unsigned)geteuid(), (unsigned long long)id);
+    snprintf(out, len, "%s/ascendsim-lease-%u-%016llx", dir, sim_host_uid(), (unsigned long long)id);
 }
 
 static void public_lease_path(char *out, size_t len, const char *dir, unsigned uid, uint64_t id)
@@ -163,7 +164,7 @@ static int lease_hold_locked(uint64_t id)
         return lease_fail_errno;
     }
     char pub[PATH_MAX + 64];
-    public_lease_path(pub, sizeof pub, lease_dir, (unsigned)geteuid(), id);
+    public_lease_path(pub, sizeof pub, lease_dir, sim_host_uid(), id);
     int pub_fd = create_locked(pub, 0644);
     if (pub_fd < 0) {
         lease_fail_errno = errno ? errno : EIO;
@@ -261,7 +262,7 @@ int sim_proc_alive(int pid, uint64_t id)
     if (rc == 0) {
         unlink(path); /* ids are never reused: a dead lease is garbage */
         pthread_mutex_lock(&lease_mu);
-        public_lease_path(path, sizeof path, lease_dir, (unsigned)geteuid(), id);
+        public_lease_path(path, sizeof path, lease_dir, sim_host_uid(), id);
         pthread_mutex_unlock(&lease_mu);
         unlink(path); /* its public twin too (only if ours: the directory is sticky) */
     }
@@ -315,7 +316,7 @@ int sim_proc_foreign_alive(unsigned uid, uint64_t id)
         return errno == ENOENT || errno == ELOOP ? 0 : -1;
     struct stat st;
     int rc;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != (uid_t)uid)
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || !sim_owned_by(st.st_uid, uid))
         rc = 0; /* not that user's lease: a name someone else put there proves nothing */
     else if (flock(fd, LOCK_SH | LOCK_NB) == 0)
         rc = 0;
@@ -327,57 +328,32 @@ int sim_proc_foreign_alive(unsigned uid, uint64_t id)
 
 int sim_proc_user_namespace(char *map, size_t len, long *outside)
 {
-    *outside = (long)geteuid();
-    char buf[512];
-    int fd = open("/proc/self/uid_map", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return 0; /* no /proc: cannot tell */
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0)
-        return 0;
-    buf[n] = '\0';
-    /* Its lines, each "inside outside count", whitespace squeezed, joined by "; ". */
-    size_t o = 0;
-    int in_space = 1;
+    const struct ap_idmap *m = ap_ids_map(0);
+    uint32_t host;
+    *outside = ap_idmap_outward(m, (uint32_t)geteuid(), &host) ? (long)host : -1;
     if (len)
         map[0] = '\0';
-    for (ssize_t i = 0; i < n && len && o + 3 < len; i++) {
-        char c = buf[i];
-        if (c == '\n') {
-            while (o && map[o - 1] == ' ')
-                o--;
-            if (i + 1 < n && o) {
-                map[o++] = ';';
-                map[o++] = ' ';
-            }
-            in_space = 1;
-        } else if (c == ' ' || c == '\t') {
-            if (!in_space)
-                map[o++] = ' ';
-            in_space = 1;
-        } else {
-            map[o++] = c;
-            in_space = 0;
-        }
-    }
-    while (len && o && (map[o - 1] == ' ' || map[o - 1] == ';'))
-        o--;
-    if (len)
-        map[o] = '\0';
-    unsigned long a, b, c, me = (unsigned long)geteuid();
-    char tail;
-    /* The initial user namespace maps every uid to itself, in one line. */
-    if (sscanf(buf, " %lu %lu %lu %c", &a, &b, &c, &tail) == 3 && a == 0 && b == 0 && c == 4294967295ul)
-        return 0;
-    int used = 0;
-    for (char *line = buf; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
-        if (sscanf(line, " %lu %lu %lu%n", &a, &b, &c, &used) == 3 && me >= a && me - a < c) {
-            *outside = (long)(b + (me - a));
+    if (!m->kind)
+        return 0; /* the initial namespace, or /proc cannot tell */
+    size_t o = 0;
+    for (int i = 0; i < m->n && len && o < len; i++) {
+        int k = snprintf(map + o, len - o, "%s%u %u %u", i ? "; " : "", (unsigned)m->in[i], (unsigned)m->out[i],
+                         (unsigned)m->count[i]);
+        if (k < 0)
             break;
-        }
+        o += (size_t)k;
     }
     return 1;
+}
+
+unsigned sim_host_uid(void)
+{
+    return ap_host_uid();
+}
+
+int sim_owned_by(unsigned st_uid, unsigned host)
+{
+    return ap_owned_by((uid_t)st_uid, host);
 }
 
 uint64_t sim_proc_pidns(void)

@@ -152,11 +152,16 @@ int sim_proc_alive(int pid, uint64_t id);
 int sim_proc_foreign_alive(unsigned uid, uint64_t id);
 /* 1 when this process runs in a user namespace other than the initial one (/proc/self/uid_map is
    not the identity "0 0 4294967295"), its map's lines ("inside outside count", joined by "; ")
-   in map and the uid its geteuid() maps to outside in *outside; 0 otherwise or when it cannot
-   tell. Records and leases are named by geteuid(), the uid
-   *inside* the namespace, and checked against st_uid as this namespace sees it: processes of two
-   user namespaces (two rootless containers, or one and the host) never share a node record. */
+   in map and the uid its geteuid() maps to outside in *outside (-1 when the map leaves it out);
+   0 otherwise or when it cannot tell. From the map read once (../common/host_ids.h). */
 int sim_proc_user_namespace(char *map, size_t len, long *outside);
+/* This process's host uid (../common/host_ids.h: geteuid() through /proc/self/uid_map, read once):
+   what node records, leases and IPC files are named by and record, so that one host user's
+   processes inside and outside a user namespace share them. */
+unsigned sim_host_uid(void);
+/* 1 when a file owned by st_uid (fstat's: this namespace's view) belongs to the host's uid `host`:
+   this user's own when st_uid == geteuid(), untranslated; another's through the uid map. */
+int sim_owned_by(unsigned st_uid, unsigned host);
 /* The inode of this process's pid namespace (0 if unknown). */
 uint64_t sim_proc_pidns(void);
 /* As sim_proc_alive, and for an owner of *our* pid namespace (pidns equal, /proc ours) a pid that
