@@ -8,6 +8,10 @@ directory of its own inside the configured one:
     <base>/ascend_pool-u<uid>[.<n>]     mode 0700, owned by the user
     <base>/ascend_pool-g<gid>[.<n>]     mode 2770, group gid (set-gid: files inherit the group)
 
+uid and gid are the host's (identity.host_uid, identity.host_gid): a process in a user namespace
+names the same directory as its host user's processes outside it; the owner is checked as the
+namespace shows it.
+
 verified after every open (owner, group, mode, a real directory and not a symbolic link). When a
 name is taken by someone else, the next one (`.1`, `.2`, ...) is tried: squatting names cannot
 stop a user from working, because the user's own processes walk the same sequence and settle on
@@ -45,23 +49,25 @@ log = logging.getLogger("ascend_pool")
 
 
 def _tell_user_namespace(base):
-    """Once per process: a process in a user namespace names its directory by its uid inside it,
-    which nobody outside the namespace looks for (identity.user_namespace)."""
+    """Once per process: a process in a user namespace whose map leaves its euid out (nothing
+    written yet: `unshare --user` without a map) cannot tell its host uid, so it names its
+    directory by its uid inside the namespace, which nobody outside looks for
+    (identity.user_namespace). A map that holds the euid needs no word: the process names
+    everything by its host uid, as the host user's other processes do."""
     global _userns_told
     if _userns_told:
         return
     _userns_told = True
     ns = identity.user_namespace()
-    if ns is None:
+    if ns is None or ns[1] is not None:
         return
     uid = os.geteuid()
-    outside = "" if ns[1] in (None, uid) else f", uid {ns[1]} outside it"
-    log.warning("this process runs in a user namespace (/proc/self/uid_map: %s): its private directory in %s "
-                "(%s), stats file and quota ledgers are named and checked by its uid inside it (%d%s), so "
-                "`ascend-pool ps` and the node service outside this namespace do not see it (--allow-uid does "
-                "not help), and a tenant's processes inside and outside it do not share a quota ledger. Run a "
-                "node's workers and its node service in one user namespace, or in none (docs/containers.md).",
-                ns[0], base, _name("u", uid, 0), uid, outside)
+    log.warning("this process runs in a user namespace (/proc/self/uid_map: %s) whose map leaves its uid %d out, "
+                "so its host uid cannot be told: its private directory in %s (%s), stats file and quota ledgers "
+                "are named by its uid inside the namespace, so `ascend-pool ps` and the node service outside it "
+                "do not see it (--allow-uid does not help), and a tenant's processes inside and outside it do not "
+                "share a quota ledger. Give the namespace a uid map that holds the uid (docs/containers.md).",
+                ns[0] or "empty", uid, base, _name("u", uid, 0))
 
 
 def _name(kind, num, n):
@@ -70,13 +76,15 @@ def _name(kind, num, n):
 
 def is_trusted(st, kind, num):
     """True when the lstat() result st is a directory that user (kind "u") or group (kind "g")
-    `num` can trust: owned by that user with mode 0700, or of that group with mode 2770."""
+    `num` can trust: owned by that user with mode 0700, or of that group with mode 2770. num is the
+    host's id (what names the directory); st's owner is this namespace's view of it
+    (identity.owned_by, identity.owner_host_gid)."""
     if not stat.S_ISDIR(st.st_mode):
         return False
     mode = stat.S_IMODE(st.st_mode)
     if kind == "u":
-        return st.st_uid == num and mode == 0o700
-    return st.st_gid == num and mode == 0o2770
+        return identity.owned_by(st.st_uid, num) and mode == 0o700
+    return identity.owner_host_gid(st.st_gid) == num and mode == 0o2770
 
 
 def private_dir(base, group=None):
@@ -87,7 +95,8 @@ def private_dir(base, group=None):
         raise NotADirectoryError(f"{base!r} is not a directory path")
     if group is not None and (isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < 2**32 - 1):
         raise PermissionError(f"{group!r} is not a group id (0 to {2**32 - 2})")
-    kind, num = ("g", group) if group is not None else ("u", os.geteuid())
+    # named by the host's id (identity.host_uid), checked as this namespace sees the owner
+    kind, num = ("g", identity.host_gid(group)) if group is not None else ("u", identity.host_uid())
     _tell_user_namespace(base)
     key = (os.path.abspath(base), kind, num)
     path = _cache.get(key)
@@ -109,7 +118,7 @@ def private_dir(base, group=None):
                 raise PermissionError(f"no private directory for {'group' if kind == 'g' else 'uid'} {num} in "
                                       f"{base}: {MAX_PROBES} names are taken by others")
             path = os.path.join(key[0], _name(kind, num, first_free))
-            if _create(key[0], path, kind, num) and _still_ours(path, kind, num):
+            if _create(key[0], path, kind, num, group) and _still_ours(path, kind, num):
                 _cache[key] = path
                 return path
             # A peer (or a squatter) took the name first: look again.
@@ -139,7 +148,7 @@ def _remove_stale_temporaries(base, kind, num):
             pass
 
 
-def _create(base, path, kind, num):
+def _create(base, path, kind, num, group=None):
     """Creates the directory `path` whole: under a temporary name in base, with its final group
     and mode, then renamed to path if path is still free. True when it was; False when the name
     was taken meanwhile (by a peer starting at the same moment, or by someone else)."""
@@ -160,7 +169,7 @@ def _create(base, path, kind, num):
             if st.st_uid != os.geteuid():  # replaced under us (a base directory without the sticky bit)
                 raise PermissionError(f"the directory {tmp} this process created was replaced by another user's")
             if kind == "g":
-                os.fchown(fd, -1, num)
+                os.fchown(fd, -1, group)  # the gid as this namespace sees it
                 os.fchmod(fd, 0o2770)
             else:
                 os.fchmod(fd, 0o700)  # whatever the umask
@@ -217,7 +226,8 @@ def _still_ours(path, kind, num):
         st = os.lstat(path)
     except OSError:
         return False
-    if kind == "u" and stat.S_ISDIR(st.st_mode) and st.st_uid == num and stat.S_IMODE(st.st_mode) != 0o700:
+    if (kind == "u" and stat.S_ISDIR(st.st_mode) and identity.owned_by(st.st_uid, num)
+            and stat.S_IMODE(st.st_mode) != 0o700):
         try:  # ours with a looser mode (an old umask): tighten it rather than leave it
             os.chmod(path, 0o700, follow_symlinks=False)
             st = os.lstat(path)
@@ -227,9 +237,11 @@ def _still_ours(path, kind, num):
 
 
 def candidates(base, uids=(), gids=()):
-    """The private directories in base of the trusted uids and gids: [(path, kind, id)]. Entries
-    of anyone else are skipped silently (an untrusted user can create any name in base)."""
-    uids, gids = set(uids), set(gids)
+    """The private directories in base of the trusted uids (the host's, as names and --allow-uid
+    give them) and gids (as this namespace sees them, as --allow-group and $ASCEND_POOL_LEDGER_GROUP
+    give them): [(path, kind, id)], id the host's id the name holds. Entries of anyone else are skipped silently (an
+    untrusted user can create any name in base)."""
+    uids, gids = set(uids), {identity.host_gid(g) for g in gids}  # gids: as this namespace sees them
     out = []
     try:
         names = os.listdir(base)

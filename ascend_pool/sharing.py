@@ -120,7 +120,7 @@ class SharedHandle:
     nbytes: int         # bytes mapped: whole 2 MiB pages
     backend: str        # "acl", "sim" or "cuda": importers must use the same
     node: str           # the simulated node, or the host name: keys are valid on one node only
-    exporter_uid: int = None  # share records are per user: only this uid's processes can open it
+    exporter_uid: int = None  # its host uid (identity.host_uid): share records are per user, only its processes open it
     node_device: int = None   # the node's number of the device (None: pickled by an earlier version,
     #                           whose record open_shared refuses, naming the versions)
 
@@ -179,13 +179,13 @@ def _dir_group(directory):
         st = os.lstat(directory)
     except OSError:
         return None
-    return st.st_gid if is_trusted(st, "g", st.st_gid) else None
+    return st.st_gid if is_trusted(st, "g", identity.host_gid(st.st_gid)) else None
 
 
 def _record_path(backend_name, key, node=None):
     node = _node(backend_name) if node is None else node
     suffix = f"-{node}" if backend_name == "sim" else ""
-    return os.path.join(_record_dir(), f"{_PREFIX}u{os.geteuid()}-{backend_name}{suffix}-{key}")
+    return os.path.join(_record_dir(), f"{_PREFIX}u{identity.host_uid()}-{backend_name}{suffix}-{key}")
 
 
 class _Record:
@@ -203,11 +203,11 @@ class _Record:
         self.path = path
         group = _dir_group(os.path.dirname(path))
         if create is None:
-            owner = os.geteuid() if owner is None else owner
+            owner = identity.host_uid() if owner is None else owner  # the host's uid, as names hold it
             try:
                 self.fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             except PermissionError:
-                if group is None or owner == os.geteuid():
+                if group is None or owner == identity.host_uid():
                     raise
                 # Another member's record (0640): read it, never write it.
                 self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -216,7 +216,7 @@ class _Record:
             # In a user's directory 0600; in a group's 0600 or 0640 (group-readable), of the group:
             # never writable by anyone but its owner, nor readable by others.
             bad_mode = st.st_mode & (0o077 if group is None else 0o037)
-            if (not stat.S_ISREG(st.st_mode) or st.st_uid != owner or bad_mode or st.st_size != _REC_SIZE
+            if (not stat.S_ISREG(st.st_mode) or not identity.owned_by(st.st_uid, owner) or bad_mode or st.st_size != _REC_SIZE
                     or (group is not None and st.st_gid != group)):
                 os.close(self.fd)
                 want = "mode 0600" if group is None else f"group {group}, mode 0640 or 0600"
@@ -443,7 +443,7 @@ def share(pool, ptr, read_only=False, pids=(), any_process=False):
                 raise
             ex.handle = SharedHandle(device=pool.device, size=ex.seg.size, key=key, read_only=bool(read_only),
                                      exporter_pid=os.getpid(), nbytes=ex.seg.segment_bytes, backend=be.name,
-                                     node=node, exporter_uid=os.geteuid(), node_device=pool.node_device)
+                                     node=node, exporter_uid=identity.host_uid(), node_device=pool.node_device)
         if pids:
             ex.seg.set_pids(pids)
         return ex.handle
@@ -702,9 +702,10 @@ def open_shared(handle, pool=None):
         raise SharingError(f"the block was shared on node {handle.node!r}; this process is on {_node(be.name)!r}: "
                            "keys are valid on one node only")
     owner = getattr(handle, "exporter_uid", None)  # None: a handle pickled by an earlier version
-    if owner is not None and owner != os.geteuid():
+    me = identity.host_uid()  # handles carry the exporter's host uid: one user inside and outside a user namespace
+    if owner is not None and owner != me:
         raise SharingError(f"key {handle.key!r} was shared by another user (uid {owner}); this process runs as uid "
-                           f"{os.geteuid()}: share records and the runtime's IPC keys belong to the exporting user "
+                           f"{me}: share records and the runtime's IPC keys belong to the exporting user "
                            f"(any_process=True admits any process of that user, not other users), so open it "
                            f"from a process of uid {owner}")
     key = handle.key
@@ -834,12 +835,12 @@ def shares(directory=None, uids=None, gids=()):
     other processes keep locked (stopped inside an update) are left out once the listing has
     waited half a second for them in all."""
     if uids is None and not gids:
-        dirs = [(directory or _record_dir(), {os.geteuid()})]
+        dirs = [(directory or _record_dir(), {identity.host_uid()})]
     else:
         dirs = _trusted_record_dirs(uids or (), gids)
         own = directory or _record_dir()
         if all(os.path.realpath(d) != os.path.realpath(own) for d, _ in dirs):
-            dirs.append((own, {os.geteuid()}))
+            dirs.append((own, {identity.host_uid()}))
     out = []
     deadline = time.monotonic() + _LIST_LOCK_WAIT_S  # for the whole listing: a scrape stays bounded
     for d, owners in dirs:

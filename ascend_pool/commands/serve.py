@@ -18,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+from .. import identity
 from ..errors import ConfigError
 from ..metrics.http import MetricsServer, check_address
 from ..metrics.ledger import sweep_dead_processes
@@ -119,7 +120,7 @@ def _cmd_serve(args):
     gids = group_ids(args.allow_group)
     if ledger_group() is not None:
         gids.add(ledger_group())  # the service runs in the tenants' sharing group: it reads their directory
-    scanner = StatsScanner(allowed_uids=set(args.allow_uid) | {os.geteuid()}, allowed_gids=gids)
+    scanner = StatsScanner(allowed_uids=set(args.allow_uid) | {identity.host_uid()}, allowed_gids=gids)
     node = node_name()
     registry.register(NodeLabelled(NodeCollector(scanner), node))
     loop = None

@@ -8,7 +8,7 @@
        16     4  record_size    u32, RECORD_SIZE
        20     4  capacity       u32, record slots in the file (file size = 128 + capacity * record_size)
        24     4  pid            i32, the writing process, in its own pid namespace (a label)
-       28     4  uid            u32, its effective uid (must equal the file's owner)
+       28     4  uid            u32, its host uid (identity.host_uid: the file owner's, translated)
        32     8  start_time     u64, the process's start time in that namespace, clock ticks after boot
        40    16  boot_id        the kernel's boot id (/proc/sys/kernel/random/boot_id, raw 16 bytes)
        56     8  seq            u64, seqlock: odd while the owner writes, even when the data is whole

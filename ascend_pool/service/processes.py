@@ -11,7 +11,7 @@ import os
 
 from .. import registry
 from ..errors import ConfigError, PoolError
-from ..identity import instance
+from ..identity import host_uid, instance
 from ..tenants.ledger import ledger_group
 from . import paths
 from .scanner import StatsScanner
@@ -34,7 +34,7 @@ def rows(directory=None, allow_uids=(), allow_gids=()):
         group = None
     if group is not None:
         gids.add(group)
-    scanner = StatsScanner(directory or None, allowed_uids=set(allow_uids) | {os.geteuid()}, remove_stale=False,
+    scanner = StatsScanner(directory or None, allowed_uids=set(allow_uids) | {host_uid()}, remove_stale=False,
                            allowed_gids=gids)
     out = []
     for p in scanner.scan():

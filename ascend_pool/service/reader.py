@@ -86,7 +86,7 @@ def read_stats_file(path, allowed_uids, allowed_gids=()):
 def _in_group_dir(path, gid):
     """True when path lies in the 2770 directory of group gid (ascend_pool/private_dir.py)."""
     try:
-        return is_trusted(os.lstat(os.path.dirname(path)), "g", gid)
+        return is_trusted(os.lstat(os.path.dirname(path)), "g", identity.host_gid(gid))
     except OSError:
         return False
 
@@ -105,7 +105,8 @@ def _read(fd, path, inst, allowed_uids, allowed_gids=()):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise Refused(path, "not a regular file")
-    if st.st_uid not in allowed_uids and not (st.st_gid in allowed_gids and _in_group_dir(path, st.st_gid)):
+    owner = identity.owner_host_uid(st.st_uid)  # allowed_uids and the header: the host's uids
+    if owner not in allowed_uids and not (st.st_gid in allowed_gids and _in_group_dir(path, st.st_gid)):
         raise Refused(path, f"owned by uid {st.st_uid}, not by an allowed uid ({sorted(allowed_uids)})")
     if st.st_mode & 0o022:
         raise Refused(path, f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
@@ -128,8 +129,9 @@ def _read(fd, path, inst, allowed_uids, allowed_gids=()):
     hinst, pidns = L.IDENTITY.unpack_from(header, L.IDENTITY_OFFSET)
     if hinst != inst:
         raise Refused(path, f"header names instance {hinst:016x}, the file name {inst:016x}")
-    if uid != st.st_uid:
-        raise Refused(path, f"header names uid {uid}, the file is owned by uid {st.st_uid}")
+    if uid != owner:
+        raise Refused(path, f"header names uid {uid}, the file is owned by uid {st.st_uid}"
+                      + (f" (host uid {owner})" if owner not in (None, st.st_uid) else ""))
     pid = hpid
     # Liveness before contents: a dead process's file is removed whatever it holds.
     if boot != identity.boot_id() or not _writer_alive(fd):

@@ -13,6 +13,7 @@ import stat
 import threading
 import time
 
+from .. import identity
 from ..private_dir import candidates
 from . import paths
 from .reader import Busy, Refused, Stale, read_stats_file
@@ -27,8 +28,9 @@ TMP_STALE_S = 60.0  # a file is made in microseconds: an older half-made one's w
 class StatsScanner:
     """Reads the stats files in the private directories of the trusted uids and groups inside the
     base `directory` (default paths.stats_dir()); a directory given explicitly is also read itself
-    (e.g. a private directory). allowed_uids: owners whose files are believed (default: the uid
-    this service runs as; a root service reading other users' processes must name them);
+    (e.g. a private directory). allowed_uids: owners whose files are believed, by their host uids
+    (default: the host uid this service runs as, identity.host_uid; a root service reading other
+    users' processes must name them);
     allowed_gids: groups whose shared directories (ascend_pool-g<gid>) are read. remove_stale:
     unlink files of processes that are gone (where we may). refusal_level: the log level of
     "refused" lines (an application clearing stale files at start passes DEBUG: reporting other
@@ -38,7 +40,7 @@ class StatsScanner:
                  allowed_gids=()):
         self.explicit = directory is not None
         self.directory = directory or paths.stats_dir()
-        self.allowed_uids = frozenset(allowed_uids) if allowed_uids else frozenset({os.geteuid()})
+        self.allowed_uids = frozenset(allowed_uids) if allowed_uids else frozenset({identity.host_uid()})
         self.allowed_gids = frozenset(allowed_gids or ())
         self.remove_stale = remove_stale
         self.refusal_level = refusal_level

@@ -40,7 +40,7 @@ class StatsFile:
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             st = identity.start_time(self.pid)
             self._map[0:L.SEQ_OFFSET] = L.STATIC.pack(L.MAGIC, L.VERSION, L.HEADER_SIZE, L.RECORD_SIZE, capacity,
-                                                      self.pid, os.geteuid(), st or 0, identity.boot_id())
+                                                      self.pid, identity.host_uid(), st or 0, identity.boot_id())
             L.IDENTITY.pack_into(self._map, L.IDENTITY_OFFSET, self.instance, identity.pidns())
             self._write([], 0)
             os.rename(tmp, self.path)  # atomic; instance ids are never reused

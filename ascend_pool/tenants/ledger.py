@@ -8,6 +8,10 @@ in the user's (or group's) private directory inside $ASCEND_POOL_LEDGER_DIR or /
     ascend_pool-ledger-u<uid>-<backend>[-<sim node>]-dev<N>     private: mode 0600
     ascend_pool-ledger-g<gid>-<backend>[-<sim node>]-dev<N>     shared with a group: mode 0660
 
+uid and gid are the host's (identity.host_uid, identity.host_gid; the header records them too): a
+tenant's processes of one host user share one ledger inside and outside a user namespace
+(docs/containers.md).
+
 The simulated backend adds its node name ($ASCEND_SIM_NODE) because each simulated node is a
 separate machine. The file layout and its concurrency rules are described in
 cython/quota/ledger_format.h, ledger_slots.h and ledger_reserve.h; this module only names files,
@@ -120,7 +124,8 @@ def node_name(backend_name):
 
 def ledger_path(device, backend_name, node="", group=None, directory=None):
     """The ledger file of device on backend_name (see the module docstring)."""
-    who = f"g{group}" if group is not None else f"u{os.geteuid()}"
+    # the host's ids (identity.host_uid/host_gid): the same file inside and outside a user namespace
+    who = f"g{identity.host_gid(group)}" if group is not None else f"u{identity.host_uid()}"
     suffix = f"-{node}" if node else ""
     return os.path.join(ledger_dir(directory, group), f"ascend_pool-ledger-{who}-{backend_name}{suffix}-dev{int(device)}")
 
@@ -183,11 +188,13 @@ def check_files():
 def ledger_files(directory=None, uids=(), gids=()):
     """[(path, device, backend, node, group, owner)] of this user's (or group's) ledger files in
     the directory, and of the trusted uids' and gids' private directories there (a node service's
-    --allow-uid / --allow-group). owner: the uid a private ledger belongs to; None for a group
-    ledger."""
+    --allow-uid / --allow-group). owner: the host uid a private ledger belongs to (its name's);
+    None for a group ledger, whose group is given as this namespace sees it."""
     gid = ledger_group()
     own = ledger_dir(directory, gid)
-    dirs = {own: ("g", gid) if gid is not None else ("u", os.geteuid())}
+    # names hold the host's ids; a group's ledger is opened with its gid as this namespace sees it
+    here = {identity.host_gid(g): g for g in set(gids) | ({gid} if gid is not None else set())}
+    dirs = {own: ("g", identity.host_gid(gid)) if gid is not None else ("u", identity.host_uid())}
     for path, kind, num in candidates(base_dir(directory), set(uids), set(gids)):
         dirs.setdefault(path, (kind, num))
     out = []
@@ -203,13 +210,13 @@ def ledger_files(directory=None, uids=(), gids=()):
             kind, num, backend, node, dev = m.groups()
             if kind != dkind or int(num) != dnum:
                 continue  # only the directory's own user's (or group's) ledgers
-            out.append((os.path.join(d, entry), int(dev), backend, node or "", int(num) if kind == "g" else None,
+            out.append((os.path.join(d, entry), int(dev), backend, node or "", here[int(num)] if kind == "g" else None,
                         int(num) if kind == "u" else None))
     return out
 
 
 def _owner_arg(owner):
-    return None if owner in (None, os.geteuid()) else owner
+    return None if owner in (None, identity.host_uid()) else owner
 
 
 def _open_file(path, device, backend, node, group, owner=None, lock_timeout_s=SWEEP_LOCK_S):

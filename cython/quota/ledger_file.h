@@ -4,7 +4,7 @@
  * could have written, or that does not look exactly like one this build creates, is refused with a
  * message naming the file and the reason; it is never repaired or reinterpreted. Checks: regular
  * file (symbolic links refused), owner = this user (or, when a group is configured, the file's
- * group = that group), mode exactly 0600 (0660 with a group), exact size, and under the lock the
+ * group = that group; both as this namespace shows them, ../common/host_ids.h), mode exactly 0600 (0660 with a group), exact size, and under the lock the
  * header (magic, version, layout sizes, owner, group, device, backend, node) and every entry
  * (states, name characters, byte counts no device could hold, slots pointing at unused tenants).
  *
@@ -37,6 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../common/host_ids.h"
 #include "ledger_format.h"
 #include "ledger_guard.h"
 
@@ -100,14 +101,15 @@ static void apl_init_file(apl_file *f, int device, const char *backend, const ch
     f->h.n_tenants = APL_TENANTS;
     f->h.n_slots = APL_SLOTS;
     f->h.file_size = sizeof(apl_file);
-    f->h.owner_uid = (uint32_t)geteuid();
-    f->h.group = group;
+    f->h.owner_uid = ap_host_uid(); /* the host's ids: one ledger inside and outside a user namespace */
+    f->h.group = group == APL_NO_GROUP ? group : ap_host_gid(group);
     f->h.device = device;
     snprintf(f->h.backend, sizeof f->h.backend, "%s", backend);
     snprintf(f->h.node, sizeof f->h.node, "%s", node);
 }
 
-/* Checks the file behind fd before mapping it: type, owner, group, mode, size. */
+/* Checks the file behind fd before mapping it: type, owner, group, mode, size. owner: the host
+   uid the ledger belongs to (its name's); group: the gid as this namespace sees it. */
 static int apl_check_stat(int fd, const char *path, uint32_t group, uint32_t owner, struct stat *st, char *err,
                           size_t len) {
     if (fstat(fd, st) != 0) return apl_fail(err, len, APL_E_IO, "cannot stat ledger %s: %s", path, strerror(errno));
@@ -115,10 +117,10 @@ static int apl_check_stat(int fd, const char *path, uint32_t group, uint32_t own
         return apl_fail(err, len, APL_E_PERM, "ledger %s is not a regular file; refusing it", path);
     unsigned mode = (unsigned)(st->st_mode & 07777);
     if (group == APL_NO_GROUP) {
-        if ((uint32_t)st->st_uid != owner)
+        if (!ap_owned_by(st->st_uid, owner))
             return apl_fail(err, len, APL_E_PERM,
-                            "ledger %s is owned by uid %u, not by %s (uid %u); refusing a ledger another user "
-                            "could write", path, (unsigned)st->st_uid, owner == (uint32_t)geteuid() ? "this user"
+                            "ledger %s is owned by uid %u, not by %s (host uid %u); refusing a ledger another "
+                            "user could write", path, (unsigned)st->st_uid, owner == ap_host_uid() ? "this user"
                             : "the user it belongs to", (unsigned)owner);
         if (mode != 0600)
             return apl_fail(err, len, APL_E_PERM,
@@ -152,8 +154,11 @@ static const char *apl_check_contents(const apl_file *f, const struct stat *st, 
         h->slot_size != sizeof(apl_slot) || h->n_tenants != APL_TENANTS || h->n_slots != APL_SLOTS ||
         h->file_size != sizeof(apl_file))
         return "unexpected layout (another version of ascend_pool?)";
-    if (h->owner_uid != (uint32_t)st->st_uid) return "the recorded owner is not the file's owner";
-    if (h->group != group) return "it was created for another sharing group";
+    uint32_t owner_host;
+    if (!ap_owner_host_uid(st->st_uid, &owner_host) || h->owner_uid != owner_host)
+        return "the recorded owner is not the file's owner";
+    if (h->group != (group == APL_NO_GROUP ? group : ap_host_gid(group)))
+        return "it was created for another sharing group";
     if (h->device != device) return "it describes another device";
     if (strncmp(h->backend, backend, sizeof h->backend) != 0 || strncmp(h->node, node, sizeof h->node) != 0)
         return "it describes another backend or simulated node";
@@ -238,7 +243,7 @@ static int apl_create(const char *path, int device, const char *backend, const c
 }
 
 /* Opens (creating if absent) and validates the ledger at path. *out gets a new reference. */
-/* owner: the uid the private ledger must belong to; APL_NO_OWNER for this user's own, which is
+/* owner: the host uid the private ledger must belong to (ap_host_uid: its name's); APL_NO_OWNER for this user's own, which is
    created when missing. A node service sweeping a trusted user's ledger names that user: such a
    ledger is opened only if it exists, never created. */
 /* lock_ms: how long the validation waits for the lock (a node service sweeping other users'
@@ -248,8 +253,8 @@ static int apl_create(const char *path, int device, const char *backend, const c
 #define APL_NO_OWNER UINT32_MAX
 static int apl_open_as_ms(const char *path, int device, const char *backend, const char *node, uint32_t group,
                           uint32_t owner, int lock_ms, apl_ledger **out, char *err, size_t len) {
-    int foreign = owner != APL_NO_OWNER && owner != (uint32_t)geteuid();
-    if (owner == APL_NO_OWNER) owner = (uint32_t)geteuid();
+    int foreign = owner != APL_NO_OWNER && owner != ap_host_uid();
+    if (owner == APL_NO_OWNER) owner = ap_host_uid();
     if (strlen(path) >= PATH_MAX - 64) return apl_fail(err, len, APL_E_ARG, "ledger path too long: %s", path);
     if (strlen(backend) >= sizeof(((apl_header *)0)->backend) || strlen(node) >= sizeof(((apl_header *)0)->node))
         return apl_fail(err, len, APL_E_ARG, "backend or node name too long for the ledger");

@@ -36,7 +36,7 @@ static int apl_pread_all(int fd, void *buf, size_t n) {
    never locks it. owner: APL_NO_OWNER for this user's own. APL_OK or an APL_E_* kind. */
 static int apl_read_copy(const char *path, int device, const char *backend, const char *node, uint32_t group,
                          uint32_t owner, apl_file *out, apl_file *scratch, char *err, size_t len) {
-    if (owner == APL_NO_OWNER) owner = (uint32_t)geteuid();
+    if (owner == APL_NO_OWNER) owner = ap_host_uid();
     int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0)
         return apl_fail(err, len, errno == ELOOP ? APL_E_PERM : errno == EACCES ? APL_E_PERM : APL_E_IO,

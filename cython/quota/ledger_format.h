@@ -43,8 +43,8 @@ typedef struct apl_header {
     uint32_t header_size, tenant_size, slot_size; /* sizeof each, as built by the creator */
     uint32_t n_tenants, n_slots;
     uint64_t file_size;
-    uint32_t owner_uid;                 /* creator's effective uid; must equal the file's owner */
-    uint32_t group;                     /* gid the file is shared with, or APL_NO_GROUP */
+    uint32_t owner_uid;                 /* creator's host uid (host_ids.h); must be the file's owner's */
+    uint32_t group;                     /* host gid the file is shared with, or APL_NO_GROUP */
     int32_t device;
     uint32_t reserved0;
     char backend[16];                   /* "acl", "sim", "cuda" */
