@@ -4,10 +4,19 @@ device with no reference left refuses both resets, and the next aclrtSetDevice m
 context. Run in a fresh process (sim_node): a forced reset in the test process would take the
 references of every pool the other tests opened."""
 import os
+import shutil
+import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+from ascend_pool import sim
 
 sys.path.insert(0, os.path.dirname(__file__))
 from sim_fixtures import sim_node  # noqa: E402,F401
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_forced_reset_takes_every_reference_and_the_context(sim_node):
@@ -127,3 +136,29 @@ def test_a_device_set_and_reset_again_and_again_keeps_no_context_and_stale_threa
     assert out["per_cycle"] < 16, out               # 128 B (two contexts) per cycle before
     assert out["stale_malloc"] == 107002, out       # ACL_ERROR_RT_CONTEXT_NULL, as before
     assert out["in_other"] == 107003 and out["distinct"], out
+
+
+def _context_race(mode, tmp_path):
+    # tests/c/sim_context_races.c: an interleaving made deterministic by pausing a thread inside
+    # the simulator at its first mutex unlock (or lock), which the program interposes
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.fail("no C compiler (cc) on this machine: the extension needs one too (README: prerequisites)")
+    exe = tmp_path / "races"
+    # scripts/asan.sh and tsan.sh preload their runtime into Python: not into cc, but into the
+    # program, which loads the instrumented simulator
+    subprocess.run([cc, "-O1", "-g", "-rdynamic", "-o", str(exe), str(ROOT / "tests" / "c" / "sim_context_races.c"),
+                    "-ldl", "-lpthread"], check=True, env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+    env = dict(os.environ)
+    env.update(ASCEND_SIM_DEVICES="2", ASCEND_SIM_SHM_DIR=str(tmp_path), ASCEND_SIM_NODE=f"races{os.getpid()}")
+    r = subprocess.run([str(exe), sim.library_path(), mode], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_set_device_racing_the_last_reset_never_lands_in_a_reused_context(tmp_path):
+    # aclrtSetDevice found the default context, let go of the device's lock, then raised the
+    # device's count and made the context current: the last aclrtResetDevice on another thread
+    # released it in between, an aclrtCreateContext on device 1 reused its struct, and the thread
+    # ran in device 1's context (its current context's handle was device 1's new one)
+    _context_race("setdevice", tmp_path)
+

@@ -22,6 +22,7 @@ static __thread int t_device = -1;
 static __thread struct sim_context *t_ctx;
 static __thread uint64_t t_gen;
 static __thread uint64_t t_life; /* t_ctx's life when the thread chose it */
+static __thread void *t_handle;  /* t_ctx's handle then: handles are never reused (registry.c) */
 
 static struct sim_context *spare_contexts; /* dead, unreferenced: for the next context_new */
 static pthread_mutex_t spare_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -52,7 +53,7 @@ int sim_current_device(const char *call, int *dev)
                         "aclrtSetCurrentContext first");
     if (t_ctx && ctx_gone(t_ctx))
         return sim_fail(ACL_ERROR_RT_CONTEXT_NULL, call,
-                        "this thread's current context %p was destroyed", SIM_HANDLE(&t_ctx->obj));
+                        "this thread's current context %p was destroyed", t_handle);
     *dev = t_device;
     return 0;
 }
@@ -64,11 +65,24 @@ struct sim_context *sim_current_context(void)
     return t_ctx;
 }
 
+/* A reference lookup by the handle the thread chose, not by t_ctx: once the context is destroyed
+   its struct may serve another context (another device's), and a reference taken on t_ctx after
+   the check could land on a struct already dead (counted from 0 again: it would then be reused
+   under the holder) or on its next life. The registry holds a context until just before its last
+   reference goes, and a handle names one life only. */
+struct sim_context *sim_current_context_get(void)
+{
+    if (!sim_current_context() || !t_ctx)
+        return NULL;
+    return (struct sim_context *)sim_reg_get(t_handle, SIM_H_CONTEXT);
+}
+
 void sim_thread_set_device(int dev, struct sim_context *ctx)
 {
     t_device = dev;
     t_ctx = ctx;
     t_life = ctx ? atomic_load(&ctx->life) : 0;
+    t_handle = ctx ? SIM_HANDLE(&ctx->obj) : NULL;
     t_gen = atomic_load(&g_sim.generation);
 }
 
@@ -77,6 +91,7 @@ void sim_thread_clear_device(int dev)
     if (t_device == dev) {
         t_device = -1;
         t_ctx = NULL;
+        t_handle = NULL;
     }
 }
 
@@ -96,6 +111,7 @@ static struct sim_context *context_new(int dev, int is_default)
     c->is_default = is_default;
     c->spare_next = NULL;
     atomic_store_explicit(&c->dead, 0, memory_order_release);
+    sim_obj_ref(&c->obj); /* the creator's, besides the registry's: put it with sim_obj_unref */
     if (sim_reg_add(&c->obj) != 0) {
         context_destroy(&c->obj);
         return NULL;
@@ -103,13 +119,17 @@ static struct sim_context *context_new(int dev, int is_default)
     return c;
 }
 
-struct sim_context *sim_default_context(int dev)
+struct sim_context *sim_default_context_acquire(int dev)
 {
     struct sim_device *d = &g_sim.dev[dev];
     pthread_mutex_lock(&d->lock);
-    if (!d->default_ctx)
-        d->default_ctx = context_new(dev, 1);
     struct sim_context *c = d->default_ctx;
+    if (c)
+        sim_obj_ref(&c->obj);
+    else
+        c = d->default_ctx = context_new(dev, 1); /* the creator's reference is the caller's */
+    if (c)
+        atomic_fetch_add(&d->refs, 1);
     pthread_mutex_unlock(&d->lock);
     return c;
 }
@@ -130,6 +150,7 @@ SIM_EXPORT aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
         return sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call, "out of host memory");
     sim_thread_set_device(deviceId, c);
     *context = SIM_HANDLE(&c->obj);
+    sim_obj_unref(&c->obj); /* the creator's: the registry holds it */
     return ACL_SUCCESS;
 }
 
@@ -162,7 +183,7 @@ SIM_EXPORT aclError aclrtGetCurrentContext(aclrtContext *context)
     int dev;
     if ((rc = sim_current_device(call, &dev)) != 0)
         return rc;
-    *context = t_ctx ? SIM_HANDLE(&t_ctx->obj) : NULL;
+    *context = t_ctx ? t_handle : NULL; /* t_ctx's struct may serve another context by now */
     return ACL_SUCCESS;
 }
 

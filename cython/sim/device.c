@@ -221,11 +221,15 @@ SIM_EXPORT aclError aclrtSetDevice(int32_t deviceId)
         return rc;
     if (!sim_valid_device(deviceId))
         return bad_device(call, deviceId);
-    struct sim_context *c = sim_default_context(deviceId);
+    /* The context found, the device's count raised and a reference taken at once, under the
+       device's lock: between finding the context and raising the count, the device's last
+       aclrtResetDevice on another thread released it, and context.c's reuse could give its struct
+       to another device's context before this thread made it current (the thread then ran in it). */
+    struct sim_context *c = sim_default_context_acquire(deviceId);
     if (!c)
         return sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call, "out of host memory");
-    atomic_fetch_add(&g_sim.dev[deviceId].refs, 1);
     sim_thread_set_device(deviceId, c);
+    sim_obj_unref(&c->obj);
     return ACL_SUCCESS;
 }
 
@@ -272,7 +276,7 @@ SIM_EXPORT aclError aclrtGetDeviceCount(uint32_t *count)
 static void release_default_context(int32_t deviceId, struct sim_context *released)
 {
     sim_drain_context_streams(released);
-    atomic_store(&released->dead, 1); /* never freed: see context.c */
+    atomic_store(&released->dead, 1); /* never freed, its struct reused: see context.c */
     struct sim_obj *o = sim_reg_take(SIM_HANDLE(&released->obj), SIM_H_CONTEXT);
     if (o)
         sim_obj_unref(o); /* aclrtSetCurrentContext now refuses the handle */

@@ -348,10 +348,19 @@ struct sim_context {
 };
 /* The calling thread's current device, or 107002 (recorded for `call`) when it has none. */
 int sim_current_device(const char *call, int *dev);
+/* Makes ctx (which the caller holds a reference on: its struct cannot serve another context
+   meanwhile, context.c) the thread's current context on device dev. */
 void sim_thread_set_device(int dev, struct sim_context *ctx);
-/* The calling thread's current context, NULL when it has none. */
+/* The calling thread's current context, NULL when it has none. Not referenced: compare it, never
+   keep it (another thread may destroy it and its struct serve another context at once). */
 struct sim_context *sim_current_context(void);
-struct sim_context *sim_default_context(int dev); /* created on first use; NULL out of memory */
+/* The thread's current context with a reference for the caller (sim_obj_unref), or NULL. */
+struct sim_context *sim_current_context_get(void);
+/* aclrtSetDevice's half: device dev's default context (made on first use) with the device's
+   reference count raised and a reference for the caller, all under the device's lock, so that a
+   last aclrtResetDevice on another thread either comes first (a new context) or leaves it.
+   NULL out of memory. */
+struct sim_context *sim_default_context_acquire(int dev);
 void sim_thread_clear_device(int dev);           /* if the thread's current device is dev */
 /* A context's streams: their queued work waited for; then destroyed (handles invalid). */
 void sim_drain_context_streams(struct sim_context *c);

@@ -290,9 +290,7 @@ SIM_EXPORT aclError aclrtCreateStream(aclrtStream *stream)
     struct sim_stream *s = stream_new(dev, 0);
     if (!s)
         return sim_fail(ACL_ERROR_RT_NO_STREAM_RESOURCE, call, "cannot start a stream worker thread");
-    s->ctx = sim_current_context();
-    if (s->ctx)
-        sim_obj_ref(&s->ctx->obj); /* its context is not reused while it lives (context.c) */
+    s->ctx = sim_current_context_get(); /* a reference: its context is not reused while it lives */
     if (sim_reg_add(&s->obj) != 0) {
         sim_stream_shutdown(s);
         sim_stream_put(s);
