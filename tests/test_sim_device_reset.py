@@ -162,3 +162,9 @@ def test_set_device_racing_the_last_reset_never_lands_in_a_reused_context(tmp_pa
     # ran in device 1's context (its current context's handle was device 1's new one)
     _context_race("setdevice", tmp_path)
 
+
+def test_a_child_forked_while_a_context_was_being_made_can_make_its_own(tmp_path):
+    # context.c's spare-context lock (new with the reuse of dead contexts) was not re-initialised
+    # in a forked child: forked while another thread held it, the child's first new context
+    # (aclInit + aclrtSetDevice) waited for good
+    _context_race("fork", tmp_path)

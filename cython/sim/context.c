@@ -95,6 +95,14 @@ void sim_thread_clear_device(int dev)
     }
 }
 
+void sim_context_after_fork(void)
+{
+    /* another thread of the parent may have held it (context_new, context_destroy) at the fork;
+       the list it guarded may be half-updated: its structs are left behind (64 B each) */
+    pthread_mutex_init(&spare_mu, NULL);
+    spare_contexts = NULL;
+}
+
 static struct sim_context *context_new(int dev, int is_default)
 {
     pthread_mutex_lock(&spare_mu);

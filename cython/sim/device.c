@@ -60,6 +60,7 @@ static void after_fork_in_child(void)
     pthread_mutex_init(&g_sim.life_lock, NULL);
     reset_devices();
     sim_reg_reset();
+    sim_context_after_fork();
     sim_alloc_reset();
     sim_node_reset();
     sim_faults_reset();

@@ -361,6 +361,7 @@ struct sim_context *sim_current_context_get(void);
    last aclrtResetDevice on another thread either comes first (a new context) or leaves it.
    NULL out of memory. */
 struct sim_context *sim_default_context_acquire(int dev);
+void sim_context_after_fork(void); /* fork child: the spare contexts' lock (and list) anew */
 void sim_thread_clear_device(int dev);           /* if the thread's current device is dev */
 /* A context's streams: their queued work waited for; then destroyed (handles invalid). */
 void sim_drain_context_streams(struct sim_context *c);
