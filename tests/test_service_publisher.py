@@ -182,6 +182,25 @@ def test_the_node_services_scan_clears_half_made_files_of_killed_writers(tmp_pat
     assert old.exists()
 
 
+def test_the_scan_leaves_the_half_made_file_of_a_live_writer_however_old(tmp_path):
+    # The scan went by age alone: a writer stopped between creating its .tmp and renaming it
+    # (SIGSTOP, a frozen cgroup, a clock stepped forward) lost it, and its rename failed. The
+    # writer holds the file's flock from its creation on (StatsFile), as a live stats file's does.
+    import fcntl
+    from ascend_pool.service.scanner import StatsScanner
+    tmp = tmp_path / ".ascend_pool-stats-00000000000000cc.tmp"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.utime(tmp, (time.time() - 3600, time.time() - 3600))
+        StatsScanner(str(tmp_path)).scan()
+        assert tmp.exists()
+    finally:
+        os.close(fd)  # the writer dies: its file goes at the next scan
+    StatsScanner(str(tmp_path)).scan()
+    assert not tmp.exists()
+
+
 @pytest.mark.parametrize("text", ["inf", "1e300", "1e-12", "-1", "nan", "soon"])
 def test_a_stats_interval_out_of_range_is_the_default_with_a_warning(monkeypatch, caplog, text):
     # inf / 1e300 killed the publisher thread (OverflowError in its wait: figures frozen for the

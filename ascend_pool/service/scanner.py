@@ -7,6 +7,7 @@ groups inside the base directory, and nothing else there: any local user can cre
 /dev/shm, and such files are not even opened (no log line, no time spent). A scan reads at most
 MAX_FILES files, so its time is bounded whatever the directories hold."""
 
+import fcntl
 import logging
 import os
 import stat
@@ -103,13 +104,28 @@ class StatsScanner:
     def _remove_half_made(self, half_made):
         """Removes the half-made files (8-16 KiB of /dev/shm each) of our uid's writers killed while
         making theirs: only a new publisher's start removed them, never the service's scans, so
-        they stayed for good once the node's last such process was gone."""
+        they stayed for good once the node's last such process was gone. Age alone does not say the
+        writer is dead (one stopped between creating and renaming its file, a clock stepped
+        forward): its lease does, the flock StatsFile takes right after creating the file, as for
+        every stats file (reader.py). A file whose writer holds it is left alone."""
         now = time.time()
         for path in half_made[:MAX_FILES]:
             try:
                 st = os.lstat(path)
-                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > TMP_STALE_S:
+                if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > TMP_STALE_S):
+                    continue
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                try:
+                    fst = os.fstat(fd)
+                    if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+                        continue  # replaced since the lstat: looked at again at the next scan
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        continue  # its writer is alive, still making it
                     os.unlink(path)
+                finally:
+                    os.close(fd)
             except OSError as e:
                 log.debug("removing a half-made stats file %s: %s", path, e)
 
