@@ -11,8 +11,11 @@
  * finds it gone): before, each one was kept for good, and a device whose last aclrtResetDevice
  * and next aclrtSetDevice came again and again (the only pool of a device closed and opened)
  * made a new default context each time, 64 B of host memory for the process's life. Its streams
- * hold a reference on it, so it is reused only once they are gone. aclInit/aclFinalize bump a
- * generation that makes every thread's choice stale.
+ * hold a reference on it, so it is reused only once they are gone. A reference is taken only where
+ * the struct cannot be dead meanwhile: through the registry, by a handle (one life's), or on the
+ * default context under its device's lock (sim_default_context_acquire); never on t_ctx after a
+ * check (the struct may be on the spare list, or serve another context, by then). aclInit/aclFinalize
+ * bump a generation that makes every thread's choice stale; a forked child starts a new spare list.
  */
 #include <stdlib.h>
 
