@@ -70,6 +70,10 @@ class SimError(PoolError):
         super().__init__(message)
         self.code = code
 
+    def __reduce__(self):
+        # the two-argument constructor across pickling (multiprocessing), as DeviceError's
+        return (type(self), (self.code, str(self)))
+
 
 class SimArgumentError(SimError, ValueError):
     """An argument of a simulator control call refused before the runtime is called (code 100000,
@@ -77,6 +81,9 @@ class SimArgumentError(SimError, ValueError):
 
     def __init__(self, message: str):
         super().__init__(100000, message)
+
+    def __reduce__(self):
+        return (type(self), (str(self),))
 
 
 class SimTypeError(SimArgumentError, TypeError):

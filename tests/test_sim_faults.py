@@ -244,3 +244,13 @@ def test_every_simulator_failure_is_a_pool_error(sim_node):
         pool.free(ptr)
         pool.free(pool.malloc(100))   # still serving
     """)
+
+
+def test_a_simulator_error_survives_pickling():
+    # multiprocessing pickles a worker's exception: SimError(code, message) kept only its message
+    # and unpickling raised TypeError (missing 'message'), as DeviceError did before its __reduce__
+    import pickle
+    from ascend_pool.sim import SimArgumentError, SimError, SimTypeError
+    for e in (SimError(207001, "out of memory"), SimArgumentError("delay_s=-1"), SimTypeError("a bool")):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and back.code == e.code and str(back) == str(e)
