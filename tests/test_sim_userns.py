@@ -175,3 +175,41 @@ def test_a_process_whose_uid_the_map_leaves_out_is_told_it_shares_nothing(sim_no
     with open(DOCS) as f:
         doc = f.read()
     assert "user namespace" in doc and "test_sim_userns.py" in doc and "host uid" in doc
+
+
+def test_a_forked_child_that_enters_a_user_namespace_reads_the_maps_again_in_c_too(sim_node, tmp_path):
+    # /work/exp/review16b/repros/r01: the C cache of the maps (host_ids.h, pthread_once) outlived
+    # fork while identity.py's was cleared: a child that entered a user namespace after its parent
+    # had read a ledger named the ledger by the host uid (Python) but checked and recorded the uid
+    # inside (C) as the host's, and refused its own user's ledger as malformed.
+    if os.geteuid() != 0:
+        pytest.skip("the parent writes the child's uid map: needs root")
+    env = _env(sim_node, tmp_path, ASCEND_POOL_STATS="0")
+    subprocess.run([sys.executable, "-c", "import ascend_pool as ap; ap.Pool(0).context('t', quota='100MiB')"
+                    ".malloc(1 << 20)"], env=env, check=True, timeout=60, cwd=str(tmp_path))
+    code = textwrap.dedent("""
+        import ctypes, os
+        import ascend_pool as ap
+        from ascend_pool.tenants import ledger as L
+        L.read_view(*L.ledger_files()[0])                 # C reads (and caches) the initial map
+        r, w = os.pipe(); go_r, go_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                assert ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0
+                os.write(w, b"U"); os.read(go_r, 1)
+                ap.Pool(0).context("t", quota="100MiB").malloc(1 << 20)
+                msg = "ok"
+            except BaseException as e:
+                msg = f"{type(e).__name__}: {e}"
+            os.write(w, msg.encode()); os._exit(0)
+        assert os.read(r, 1) == b"U"
+        with open(f"/proc/{pid}/uid_map", "w") as f:
+            f.write(f"4242 {os.geteuid()} 1\\n")
+        os.write(go_w, b"G"); os.close(w); os.waitpid(pid, 0)
+        print(os.read(r, 65536).decode())
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-1200:]
+    assert r.stdout.strip() == "ok", r.stdout

@@ -21,7 +21,8 @@
  *
  * The maps are read once per loaded object and cached (pthread_once): they never change once
  * written, and a process changes user namespace only by unshare()/setns() while single-threaded,
- * which this package does not do. Each object that uses it (the simulator: cython/sim/proc.c; the
+ * which this package does not do; a forked child, which may, reads them again (pthread_atfork,
+ * as identity.py does). Each object that uses it (the simulator: cython/sim/proc.c; the
  * pool: cython/quota) includes this header once and has its own copy of the cache. Hot paths pay
  * one geteuid() at most, never a /proc read.
  */
@@ -105,7 +106,20 @@ static void ap_idmap_read(struct ap_idmap *m, const char *path, const char *over
     m->kind = 1;
 }
 
+/* A forked child reads the maps again when it first asks: it may unshare(CLONE_NEWUSER) (and have
+   its map written) before it does, as identity.py's cache allows for; the parent's would then name
+   and record the wrong host uid (the uid inside taken for the host's). */
+static void ap_ids_after_fork_in_child(void) {
+    static const pthread_once_t fresh = PTHREAD_ONCE_INIT;
+    ap_ids_once = fresh;
+}
+
 static void ap_ids_load(void) {
+    static int atfork; /* registered once per object; the handler runs in every later child */
+    if (!atfork) {
+        atfork = 1;
+        pthread_atfork(NULL, NULL, ap_ids_after_fork_in_child);
+    }
     ap_idmap_read(&ap_ids_uid, "/proc/self/uid_map", "/proc/sys/kernel/overflowuid");
     ap_idmap_read(&ap_ids_gid, "/proc/self/gid_map", "/proc/sys/kernel/overflowgid");
 }
