@@ -213,3 +213,22 @@ def test_a_forked_child_that_enters_a_user_namespace_reads_the_maps_again_in_c_t
                        cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-1200:]
     assert r.stdout.strip() == "ok", r.stdout
+
+
+def test_a_nested_namespace_shares_with_neither_side_and_the_docs_say_so(sim_node, tmp_path):
+    # /work/exp/review16b/repros/r02: the docs said a namespace nested in a rootless container shares
+    # with the container's processes; those go by the host's uid, the nested ones by their uid in
+    # the container (its map reaches no further), so they share nothing.
+    outer = ["unshare", "--user", "--map-user=4242", "--map-group=4242"]
+    if subprocess.run(outer + ["unshare", "--user", "true"], capture_output=True).returncode != 0:
+        pytest.skip("nested user namespaces are not available here")
+    env = _env(sim_node, tmp_path, ASCEND_POOL_STATS="0", MIB="600")
+    me = os.geteuid()
+    procs, rows = _workers(env, [(outer, {}), (outer + ["unshare", "--user", "--map-user=5000"], {})], tmp_path)
+    _finish(procs)
+    assert [r["host_uid"] for r in rows] == [me, 4242], rows  # the nested one: its uid in the parent
+    assert [r["malloc"] for r in rows] == ["granted", "granted"], rows  # nothing shared: over-committed
+    with open(DOCS) as f:
+        doc = " ".join(f.read().split())
+    assert "share with that container's processes" not in doc
+    assert "the two share nothing" in doc
