@@ -327,6 +327,14 @@ def owned_by(st_uid, host):
     return out is not None and out == host
 
 
+def runs_as_overflow_uid():
+    """True when this process runs in a user namespace as the overflow uid (65534, `nobody` in
+    many rootless containers whose map holds it): every file of an owner the map leaves out shows
+    as that uid, so an ownership check (st_uid == os.geteuid()) cannot tell such a file from its
+    own. private_dir() warns once per process."""
+    return in_namespace() and os.geteuid() == _overflow(_OVERFLOW_UID_PATH)
+
+
 def user_namespace():
     """None in the initial user namespace (/proc/self/uid_map the identity "0 0 4294967295") or
     where /proc does not tell; else (map, outside): the map's lines ("inside outside count")

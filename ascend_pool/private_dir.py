@@ -59,6 +59,11 @@ def _tell_user_namespace(base):
         return
     _userns_told = True
     ns = identity.user_namespace()
+    if ns is not None and ns[1] is not None and identity.runs_as_overflow_uid():  # mapped, yet 65534
+        log.warning("this process runs in a user namespace (/proc/self/uid_map: %s) as the overflow uid %d, which "
+                    "every file of an owner the map leaves out shows as: it cannot tell those files from its own, "
+                    "so another host user's stale records in %s may be taken for this process's. Run it as another "
+                    "uid (docs/containers.md).", ns[0] or "empty", os.geteuid(), base)
     if ns is None or ns[1] is not None:
         return
     uid = os.geteuid()

@@ -147,8 +147,9 @@ def test_a_new_publisher_clears_files_of_dead_processes(tmp_path):
         pub.stop()
 
 
-def test_a_new_publisher_clears_half_made_files_of_killed_writers(tmp_path):
-    # a process SIGKILLed while creating its stats file left .ascend_pool-stats-<inst>.tmp for good
+def _half_made_files(tmp_path):
+    """A killed writer's hour-old half-made stats file, one being made now, and an unrelated
+    hour-old .tmp file: (old, fresh, other)."""
     old = tmp_path / ".ascend_pool-stats-00000000000000aa.tmp"
     fresh = tmp_path / ".ascend_pool-stats-00000000000000bb.tmp"  # another process making its file now
     other = tmp_path / ".something-else.tmp"
@@ -156,6 +157,12 @@ def test_a_new_publisher_clears_half_made_files_of_killed_writers(tmp_path):
         f.write_bytes(b"x" * 8192)
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     os.utime(other, (time.time() - 3600, time.time() - 3600))
+    return old, fresh, other
+
+
+def test_a_new_publisher_clears_half_made_files_of_killed_writers(tmp_path):
+    # a process SIGKILLed while creating its stats file left .ascend_pool-stats-<inst>.tmp for good
+    old, fresh, other = _half_made_files(tmp_path)
     pub = Publisher(str(tmp_path), interval=0.05)
     try:
         assert not old.exists() and fresh.exists() and other.exists()
@@ -167,13 +174,7 @@ def test_the_node_services_scan_clears_half_made_files_of_killed_writers(tmp_pat
     # Only a new publisher's start cleared them: the node service's scans (every scrape) left
     # them for good once the node's last crash-looping worker was gone (16 KB of /dev/shm each).
     from ascend_pool.service.scanner import StatsScanner
-    old = tmp_path / ".ascend_pool-stats-00000000000000aa.tmp"
-    fresh = tmp_path / ".ascend_pool-stats-00000000000000bb.tmp"  # another process making its file now
-    other = tmp_path / ".something-else.tmp"
-    for f in (old, fresh, other):
-        f.write_bytes(b"x" * 8192)
-    os.utime(old, (time.time() - 3600, time.time() - 3600))
-    os.utime(other, (time.time() - 3600, time.time() - 3600))
+    old, fresh, other = _half_made_files(tmp_path)
     StatsScanner(str(tmp_path)).scan()
     assert not old.exists() and fresh.exists() and other.exists()
     old.write_bytes(b"x")

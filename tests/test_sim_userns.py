@@ -232,3 +232,28 @@ def test_a_nested_namespace_shares_with_neither_side_and_the_docs_say_so(sim_nod
         doc = " ".join(f.read().split())
     assert "share with that container's processes" not in doc
     assert "the two share nothing" in doc
+
+
+def test_a_process_running_as_the_overflow_uid_is_told(sim_node, tmp_path):
+    # review16b 3: inside a namespace whose map holds 65534 (`nobody` in many rootless images),
+    # every file of an owner the map leaves out shows as 65534 too, so st_uid == geteuid() takes
+    # another host user's files for this process's own. The change to host uids had removed the
+    # only word said; now the simulator and the package each say it once.
+    overflow = int(open("/proc/sys/kernel/overflowuid").read())
+    env = _env(sim_node, tmp_path, ASCEND_POOL_STATS="0")
+    code = textwrap.dedent("""
+        import os
+        import ascend_pool as ap
+        pool = ap.Pool(0)
+        x = pool.context("t", quota="100MiB").malloc(1 << 20)
+        print("uid", os.geteuid(), flush=True)
+    """)
+    r = subprocess.run(["unshare", "--user", f"--map-user={overflow}", sys.executable, "-c", code], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-1200:]
+    assert r.stdout.split()[1:] == [str(overflow)], r.stdout
+    err = r.stderr
+    assert err.count(f"as the overflow uid {overflow}") == 2, err[-1200:]  # the simulator's and the package's
+    assert err.count("ascendsim: warning:") == 1, err[-1200:]
+    with open(DOCS) as f:
+        assert "runs as the overflow uid" in " ".join(f.read().split())

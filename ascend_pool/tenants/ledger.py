@@ -219,16 +219,22 @@ def _owner_arg(owner):
     return None if owner in (None, identity.host_uid()) else owner
 
 
+def _file_identity(path):
+    """(st_dev, st_ino) of the file at path (a symlink's own), None when there is none: what tells a
+    cached mapping's file from one removed or created anew at the same path."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _open_file(path, device, backend, node, group, owner=None, lock_timeout_s=SWEEP_LOCK_S):
     """The sweep's mapping of the ledger at path: the cached one while the path still names the
     file it maps (st_dev, st_ino) and that file was not truncated, else a new one (a user may
     remove its ledger and a new process create another there). The open (it validates under the
     file's lock, at most lock_timeout_s) runs outside the module lock."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
-        ident = (st.st_dev, st.st_ino)
-    except OSError:
-        ident = None
+    ident = _file_identity(path)
     with _lock:
         led = _swept.get(path)
         if led is not None and (not led.usable or led.identity != ident):
@@ -275,11 +281,7 @@ def _forget_removed(listed):
     with _lock:
         unlisted = [p for p in set(_swept) | set(_retry_at) if p not in listed]
     for path in unlisted:
-        try:
-            st = os.stat(path, follow_symlinks=False)
-            ident = (st.st_dev, st.st_ino)
-        except OSError:
-            ident = None
+        ident = _file_identity(path)
         with _lock:
             led = _swept.get(path)
             if led is not None and (ident is None or led.identity != ident):

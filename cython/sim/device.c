@@ -83,8 +83,21 @@ static void warn_user_namespace(const struct sim_config *cfg)
     static _Atomic int warned;
     char map[256];
     long outside;
-    if (atomic_load(&warned) || !sim_proc_user_namespace(map, sizeof map, &outside) || outside >= 0 ||
-        atomic_exchange(&warned, 1))
+    if (atomic_load(&warned) || !sim_proc_user_namespace(map, sizeof map, &outside))
+        return;
+    if (outside >= 0) {
+        if (sim_proc_runs_as_overflow_uid() && !atomic_exchange(&warned, 1)) {
+            fprintf(stderr,
+                    "ascendsim: warning: this process runs in a user namespace (/proc/self/uid_map: %s) as the "
+                    "overflow uid %u, which every file of an owner the map leaves out shows as: it cannot tell those "
+                    "files from its own, so another host user's stale node records or leases in ASCEND_SIM_SHM_DIR "
+                    "%s may be taken for its own. Run it as another uid (docs/containers.md).\n",
+                    map[0] ? map : "empty", (unsigned)geteuid(), cfg->shm_dir);
+            fflush(stderr);
+        }
+        return;
+    }
+    if (atomic_exchange(&warned, 1))
         return;
     fprintf(stderr,
             "ascendsim: warning: this process runs in a user namespace (/proc/self/uid_map: %s) whose map leaves "

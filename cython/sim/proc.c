@@ -346,6 +346,12 @@ int sim_proc_user_namespace(char *map, size_t len, long *outside)
     return 1;
 }
 
+int sim_proc_runs_as_overflow_uid(void)
+{
+    const struct ap_idmap *m = ap_ids_map(0);
+    return m->kind && (uint32_t)geteuid() == m->overflow;
+}
+
 unsigned sim_host_uid(void)
 {
     return ap_host_uid();

@@ -155,6 +155,9 @@ int sim_proc_foreign_alive(unsigned uid, uint64_t id);
    in map and the uid its geteuid() maps to outside in *outside (-1 when the map leaves it out);
    0 otherwise or when it cannot tell. From the map read once (../common/host_ids.h). */
 int sim_proc_user_namespace(char *map, size_t len, long *outside);
+/* 1 when this process runs in a user namespace as the overflow uid: files of owners its map leaves
+   out show as its own uid, so an ownership check cannot tell them apart (device.c warns). */
+int sim_proc_runs_as_overflow_uid(void);
 /* This process's host uid (../common/host_ids.h: geteuid() through /proc/self/uid_map, read once):
    what node records, leases and IPC files are named by and record, so that one host user's
    processes inside and outside a user namespace share them. */
