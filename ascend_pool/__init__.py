@@ -70,6 +70,7 @@ from .api import (
 )
 
 from .capi import library_path
+from . import rmm_log_trace as _rmm_log_trace  # registers RMM's CSV logs with traces.load_trace
 from .sharing import SharedBlock, SharedHandle, node_pid, open_shared
 from .service import publisher as _publisher  # registers the stats publisher: it starts with the first pool
 from .service.processes import list_gpu_processes as _list_processes

@@ -1,0 +1,124 @@
+"""Bring your own workload from RAPIDS: the CSV log of RMM's logging_resource_adaptor
+(``rmm.mr.LoggingResourceAdaptor``, ``RMM_LOG_FILE``; what RMM's own REPLAY_BENCHMARK replays)
+turned into a trace (ascend_pool.traces) that replays exactly like the equivalent ``.npz``.
+
+The log's header is ``Thread,Time,Action,Pointer,Size,Stream``; each row is an ``allocate`` (the
+pointer returned, the bytes asked for, the stream), a ``free`` (``deallocate`` in some versions) of
+a pointer, or an ``allocate failure`` (nothing allocated: left out). Pointers and streams are
+hexadecimal (``0x7f...``; ``0x0`` or ``(nil)`` for the default stream). Addresses are reused after
+frees, so each allocate starts a new allocation id; a free is ordered on its allocation's stream
+(the trace format's rule: RMM lets a free name another stream, which orders it after that
+stream's work, not what the pool's replay measures). Streams become small numbers in order of
+appearance, 0 for the default stream; threads are not kept (the replay is one ordered sequence,
+the rows' order). Frees of pointers the log never allocated (allocated before logging began) are
+left out; allocations still live at the end stay live.
+
+This module is pure Python + numpy; it never imports the compiled extension.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .traces import OP_ALLOC, OP_FREE, Trace, register_reader, trace_from_arrays
+
+__all__ = ["RMM_LOG_SUFFIXES", "arrays_from_rmm_log", "trace_from_rmm_log", "convert"]
+
+RMM_LOG_SUFFIXES = (".csv",)
+HEADER = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
+_ALLOC, _FREES, _SKIPPED = "allocate", ("free", "deallocate"), ("allocate failure",)
+
+
+def _number(text, what, name, line, base):
+    """A pointer or stream (hex, base 16) or size (base 10) of row `line` as an int of 64 bits;
+    the default stream's "(nil)" and "0" are 0."""
+    t = text.strip()
+    if what == "stream" and t in ("(nil)", "nullptr", ""):
+        return 0
+    try:
+        v = int(t, base)
+    except ValueError:
+        raise ValueError(f"RMM log {name!r}: line {line}: {what} {text!r} is not a "
+                         f"{'hexadecimal address' if base == 16 else 'byte count'}") from None
+    if not 0 <= v < 2**64 or (what == "size" and v >= 2**63):
+        raise ValueError(f"RMM log {name!r}: line {line}: {what} {text!r} is out of range")
+    return v
+
+
+def arrays_from_rmm_log(lines, name="rmm log") -> dict:
+    """{op, id, size, stream} event arrays (traces.py's format) from the lines of an RMM
+    logging_resource_adaptor CSV. A file that is not one (no such header, a row of another
+    width, an unknown action, a bad number, a pointer allocated again while live) is a ValueError
+    naming the log and the line."""
+    rows = csv.reader(lines)
+    header = next(rows, None)
+    if header is None or tuple(h.strip() for h in header) != HEADER:
+        raise ValueError(f"RMM log {name!r}: line 1 is {header!r}, not RMM's header {','.join(HEADER)}")
+    op, ids, size, stream = [], [], [], []
+    live = {}  # pointer -> (id, size, stream number)
+    stream_no = {0: 0}
+    next_id = 0
+    for line, row in enumerate(rows, start=2):
+        if not row:
+            continue
+        if len(row) != len(HEADER):
+            raise ValueError(f"RMM log {name!r}: line {line} has {len(row)} fields, not {len(HEADER)}")
+        action = row[2].strip()
+        if action in _SKIPPED:
+            continue
+        ptr = _number(row[3], "pointer", name, line, 16)
+        if action == _ALLOC:
+            nbytes = _number(row[4], "size", name, line, 10)
+            if nbytes == 0 or ptr == 0:  # RMM returns nullptr for 0 bytes: nothing to replay
+                continue
+            if ptr in live:
+                raise ValueError(f"RMM log {name!r}: line {line}: pointer {ptr:#x} allocated again while live")
+            s = stream_no.setdefault(_number(row[5], "stream", name, line, 16), len(stream_no))
+            live[ptr] = (next_id, nbytes, s)
+            op.append(OP_ALLOC), ids.append(next_id), size.append(nbytes), stream.append(s)
+            next_id += 1
+        elif action in _FREES:
+            hit = live.pop(ptr, None)
+            if hit is not None:
+                op.append(OP_FREE), ids.append(hit[0]), size.append(hit[1]), stream.append(hit[2])
+        else:
+            raise ValueError(f"RMM log {name!r}: line {line}: unknown action {action!r} "
+                             f"(RMM writes allocate, free, allocate failure)")
+    return {"op": np.array(op, dtype=np.int8), "id": np.array(ids, dtype=np.int64),
+            "size": np.array(size, dtype=np.int64), "stream": np.array(stream, dtype=np.int32)}
+
+
+def _read(path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no RMM log at {str(path)!r}")
+    with open(p, newline="", encoding="utf-8", errors="replace") as f:
+        return arrays_from_rmm_log(f, p.name)
+
+
+def trace_from_rmm_log(path) -> Trace:
+    """A validated Trace from an RMM logging_resource_adaptor CSV (see the module docstring)."""
+    p = Path(path)
+    a = _read(p)
+    return trace_from_arrays(a["op"], a["id"], a["size"], a["stream"], name=p.stem,
+                             meta={"source": "rmm logging_resource_adaptor", "log": str(p)}, path=str(p))
+
+
+def convert(path, out) -> Trace:
+    """Writes the RMM log at path as OUT.npz (plus OUT.json describing its source); returns the trace."""
+    p = Path(path)
+    a = _read(p)
+    trace = trace_from_arrays(a["op"], a["id"], a["size"], a["stream"], name=p.name)
+    out = Path(out)
+    if out.suffix != ".npz":
+        out = out.with_name(out.name + ".npz")
+    np.savez(out, **a)
+    out.with_suffix(".json").write_text(json.dumps({"source": "rmm logging_resource_adaptor", "log": str(p)},
+                                                   indent=1) + "\n")
+    return trace
+
+
+register_reader(RMM_LOG_SUFFIXES, trace_from_rmm_log)

@@ -1,0 +1,105 @@
+"""Bring your own workload from RAPIDS: the CSV log of RMM's logging_resource_adaptor replays
+exactly as the equivalent .npz. The log here is written by a small writer from RMM's documented
+format (header Thread,Time,Action,Pointer,Size,Stream; rows `thread,HH:MM:SS.ffffff,allocate,0x..,
+bytes,0x..` and `...,free,0x..,bytes,0x..`, as its do_allocate / do_deallocate log them),
+independent of ascend_pool's readers, reusing addresses after frees as a pool does, with stream
+pointers where 0x0 is the default stream, several threads, and a free on another stream than its
+allocation (RMM allows it)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ascend_pool.replay import replay
+from ascend_pool.traces import load_trace, shipped_traces_dir
+
+TRACE = shipped_traces_dir() / "resnet18_train_prefetch_2stream.npz"  # two streams, 7,122 events
+FIGURES = ("allocs", "frees", "peak_live_bytes", "peak_reserved_bytes", "device_mallocs")
+
+
+def _write_rmm_log(npz, path):
+    """Writes npz's events as RMM's logging_resource_adaptor would log them. Returns how many
+    allocations reuse an address freed before."""
+    d = np.load(npz)
+    free_by_size, addr_of, seen = {}, {}, set()
+    next_addr, reused = 0x7F8A40000000, 0
+    streams = {0: "0x0"}
+    rows = ["Thread,Time,Action,Pointer,Size,Stream"]
+    for k, (op, i, size, stream) in enumerate(zip(d["op"].tolist(), d["id"].tolist(), d["size"].tolist(),
+                                                   d["stream"].tolist())):
+        handle = streams.setdefault(stream, f"0x{0x7F8A38001020 + 0x100 * stream:x}")
+        thread = 140573312345856 + (k % 3)  # the log interleaves threads; order is the rows'
+        stamp = f"10:{k // 60000 % 60:02d}:{k // 1000 % 60:02d}.{k % 1000 * 1000:06d}"
+        if op == 1:
+            if free_by_size.get(size):
+                addr = free_by_size[size].pop()
+                reused += 1
+            else:
+                addr = next_addr
+                next_addr += (size + 255) // 256 * 256
+            addr_of[i] = addr
+            rows.append(f"{thread},{stamp},allocate,0x{addr:x},{size},{handle}")
+        else:
+            addr = addr_of.pop(i)
+            other = "0x0" if k % 7 == 0 else handle  # a free may name another stream in RMM
+            rows.append(f"{thread},{stamp},free,0x{addr:x},{size},{other}")
+            free_by_size.setdefault(size, []).append(addr)
+        seen.add(addr)
+    rows.insert(5, f"140573312345856,09:59:59.000000,allocate failure,0x0,{1 << 50},0x0")  # nothing allocated
+    path.write_text("\n".join(rows) + "\n")
+    return reused
+
+
+@pytest.fixture(scope="module")
+def log_path(tmp_path_factory):
+    assert TRACE.is_file(), f"the package ships its full traces ({TRACE})"
+    path = tmp_path_factory.mktemp("rmm") / "resnet_2stream.csv"
+    assert _write_rmm_log(TRACE, path) > 1000, "addresses are reused after frees"
+    return path
+
+
+def test_an_rmm_log_replays_exactly_as_the_npz(log_path):
+    want = replay(str(TRACE), backend="sim")
+    got = replay(str(log_path), backend="sim")
+    assert {k: got[k] for k in FIGURES} == {k: want[k] for k in FIGURES}
+    a, b = load_trace(TRACE), load_trace(log_path)
+    assert a.streams == b.streams and (a.size == b.size).all() and (a.op == b.op).all()
+
+
+def test_cli_replays_and_converts_an_rmm_log(log_path, tmp_path):
+    run = lambda *args: subprocess.run([sys.executable, "-m", "ascend_pool.cli", *args], capture_output=True,
+                                       text=True, timeout=300)
+    want = replay(str(TRACE), backend="sim")
+    out = run("replay", "--json", "--backend", "sim", str(log_path))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["peak_reserved_bytes"] == want["peak_reserved_bytes"]
+    npz = tmp_path / "mine.npz"
+    out = run("trace", "convert", str(log_path), str(npz))
+    assert out.returncode == 0, out.stderr
+    assert replay(str(npz), backend="sim")["peak_reserved_bytes"] == want["peak_reserved_bytes"]
+    out = run("trace", "convert", str(log_path), str(npz), "--device", "0")
+    assert out.returncode == 2 and "--device" in out.stderr
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("Thread,Time,Action,Pointer,Size\n", "not RMM's header"),
+    ("", "not RMM's header"),
+    ("Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.0,allocate,0x10,100\n", "line 2 has 5 fields"),
+    ("Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.0,grow,0x10,100,0x0\n", "unknown action 'grow'"),
+    ("Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.0,allocate,zz,100,0x0\n", "pointer 'zz'"),
+    ("Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.0,allocate,0x10,-5,0x0\n", "size '-5'"),
+    ("Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x10,100,0x0\n1,t,allocate,0x10,100,0x0\n",
+     "line 3: pointer 0x10 allocated again while live"),
+])
+def test_a_file_that_is_not_an_rmm_log_is_refused_naming_the_line(tmp_path, text, problem):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="RMM log 'bad.csv'") as info:
+        load_trace(path)
+    assert problem in str(info.value)
+    out = subprocess.run([sys.executable, "-m", "ascend_pool.cli", "replay", "--backend", "sim", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and problem in out.stderr, out.stderr
