@@ -25,7 +25,7 @@ import numpy as np
 
 from .traces import OP_ALLOC, OP_FREE, Trace, register_reader, trace_from_arrays
 
-__all__ = ["RMM_LOG_SUFFIXES", "arrays_from_rmm_log", "trace_from_rmm_log", "convert"]
+__all__ = ["RMM_LOG_SUFFIXES", "arrays_from_rmm_log", "trace_from_rmm_log", "convert", "is_rmm_log"]
 
 RMM_LOG_SUFFIXES = (".csv",)
 HEADER = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
@@ -121,4 +121,15 @@ def convert(path, out) -> Trace:
     return trace
 
 
-register_reader(RMM_LOG_SUFFIXES, trace_from_rmm_log)
+def is_rmm_log(path) -> bool:
+    """True when the file's first line is RMM's header (what list_traces, and so bench --traces DIR,
+    takes for an RMM log among a folder's other .csv files); never raises."""
+    try:
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            first = f.readline(256)
+    except OSError:
+        return False
+    return tuple(h.strip() for h in first.strip().split(",")) == HEADER
+
+
+register_reader(RMM_LOG_SUFFIXES, trace_from_rmm_log, listed=is_rmm_log)

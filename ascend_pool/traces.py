@@ -215,12 +215,18 @@ def trace_name(path: PathLike) -> str:
 # Readers of other trace formats, by file suffix: fn(path) -> Trace. A format whose module sits
 # above this one registers here at its import (snapshot_trace.py: PyTorch snapshot pickles).
 _READERS = {}
+# Suffixes list_traces looks for besides .npz, each with the test a file must pass to be listed
+# (None: every file): a folder of traces may hold other files of a common suffix (.csv).
+_LISTED = {}
 
 
-def register_reader(suffixes, fn):
-    """Makes load_trace read files ending in any of suffixes (e.g. (".pickle",)) with fn(path) -> Trace."""
+def register_reader(suffixes, fn, listed=None):
+    """Makes load_trace read files ending in any of suffixes (e.g. (".pickle",)) with fn(path) -> Trace,
+    and list_traces (bench --traces DIR) list them: every such file, or those for which
+    listed(path) is true when it is given (a cheap look at the file, never raising)."""
     for s in suffixes:
         _READERS[s] = fn
+        _LISTED[s] = listed
 
 
 def load_trace(path: PathLike) -> Trace:
@@ -362,9 +368,13 @@ def default_traces_dir() -> Path:
 
 
 def list_traces(directory: Optional[PathLike] = None) -> list:
-    """Sorted ``.npz`` and PyTorch snapshot (``.pickle``) paths in ``directory`` (default:
-    :func:`default_traces_dir`)."""
+    """Sorted ``.npz`` paths in ``directory`` (default: :func:`default_traces_dir`) and those of the
+    registered formats (register_reader: PyTorch snapshots ``.pickle``, RMM logs ``.csv`` whose
+    first line is RMM's header)."""
     d = Path(directory) if directory is not None else default_traces_dir()
     if not d.is_dir():
         raise FileNotFoundError(f"trace directory {str(d)!r} does not exist")
-    return sorted([*d.glob("*.npz"), *d.glob("*.pickle")])
+    found = list(d.glob("*.npz"))
+    for suffix, listed in _LISTED.items():
+        found += [p for p in d.glob("*" + suffix) if listed is None or listed(p)]
+    return sorted(found)

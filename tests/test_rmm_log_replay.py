@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ascend_pool.replay import replay
-from ascend_pool.traces import load_trace, shipped_traces_dir
+from ascend_pool.traces import list_traces, load_trace, shipped_traces_dir
 
 TRACE = shipped_traces_dir() / "resnet18_train_prefetch_2stream.npz"  # two streams, 7,122 events
 FIGURES = ("allocs", "frees", "peak_live_bytes", "peak_reserved_bytes", "device_mallocs")
@@ -82,6 +82,14 @@ def test_cli_replays_and_converts_an_rmm_log(log_path, tmp_path):
     assert replay(str(npz), backend="sim")["peak_reserved_bytes"] == want["peak_reserved_bytes"]
     out = run("trace", "convert", str(log_path), str(npz), "--device", "0")
     assert out.returncode == 2 and "--device" in out.stderr
+    # bench --traces DIR takes the RMM logs of a folder, not its other CSV files
+    (log_path.parent / "results.csv").write_text("trace,allocator,ops_per_second\nx,y,1\n")
+    assert list_traces(log_path.parent) == [log_path]
+    out = run("bench", "--traces", str(log_path.parent), "--allocators", "ascend_pool", "--no-micro",
+              "--backend", "sim", "--json", "-")
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)["rows"]
+    assert (row["trace"], row["peak_reserved_bytes"]) == ("resnet_2stream", want["peak_reserved_bytes"])
 
 
 @pytest.mark.parametrize("text, problem", [
