@@ -225,11 +225,17 @@ APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stre
     } else if (apc_check_device(device, "ascend_pool_free") != 0) {
         return;
     }
-    /* Not the current pool's: a block allocated while another context of this device was current. */
+    /* Not the current pool's: a block allocated while another context of this device was current.
+       Found and held under the registry lock, freed without it: the free may wait for a stream
+       (no event to be had), and opening or closing a pool takes that lock with the GIL held. */
     pthread_mutex_lock(&apc_reg_lock);
     ap_pool *owner = apc_find_locked(device, ptr, 0, p); /* p, still held, is skipped: it was asked */
-    if (owner) rc = ap_pool_free(owner, ptr, stream, how, &err);
+    if (owner) atomic_fetch_add_explicit(&owner->capi_calls, 1, memory_order_seq_cst);
     pthread_mutex_unlock(&apc_reg_lock);
+    if (owner) {
+        rc = ap_pool_free(owner, ptr, stream, how, &err);
+        ap_pool_unhold(owner);
+    }
     if (framed) ap_history_set_ctx(0);
     if (p) ap_pool_unhold(p); /* only its address is read below */
     if (owner && rc == AP_OK) return;

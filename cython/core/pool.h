@@ -43,7 +43,9 @@
  * aclrtGetMemInfo on the out-of-memory path),
  * the quota hook (no pool calls).
  * Exception, rare: ap_free_pending waits for a stream when no event can be had at all (the device's
- * event limit reached with every cached event in use).
+ * event limit reached with every cached event in use). The C ABI's registry lock is never held
+ * over such a free: a block found in another pool of the device is held (capi_calls) under the
+ * registry lock and freed after it is dropped (capi/exports.h ascend_pool_free).
  */
 #ifndef AP_POOL_H
 #define AP_POOL_H
