@@ -261,7 +261,7 @@ static void oom_message(ap_pool *p, size_t size, int slot, ap_error *err) {
     p->backend->mem_info(p->backend, p->device, &free_b, &total_b);
     ap_cache_flush(p);
     size_t reserved = ap_reserved(p);
-    size_t allocated = (size_t)p->stats.s[AP_STAT_ALLOCATED_BYTES][AP_STAT_ALL].current;
+    size_t allocated = (size_t)ap_stat_all_current(&p->stats, AP_STAT_ALLOCATED_BYTES);
     size_t active = allocated + (size_t)p->stats.pending[1][AP_STAT_ALL].current;
     size_t largest = 0;
     for (int s = 0; s < p->n_slots; s++)

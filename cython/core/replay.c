@@ -69,8 +69,8 @@ int ap_replay(ap_pool *p, ap_backend *b, int device, int mode, const int8_t *op,
             ptrs[s] = ptr;
             /* fragmentation at the peak of reserved memory: read each time a malloc sets a new high
                (rare: at most once per growth), so the value kept is the one at the final peak */
-            if (mode == AP_REPLAY_POOL && p->stats.s[AP_STAT_RESERVED_BYTES][AP_STAT_ALL].current > reserved_high) {
-                reserved_high = p->stats.s[AP_STAT_RESERVED_BYTES][AP_STAT_ALL].current;
+            if (mode == AP_REPLAY_POOL && ap_stat_all_current(&p->stats, AP_STAT_RESERVED_BYTES) > reserved_high) {
+                reserved_high = ap_stat_all_current(&p->stats, AP_STAT_RESERVED_BYTES);
                 r->fragmentation_at_peak = pool_fragmentation(p);
             }
             live += size[i];
@@ -104,7 +104,7 @@ int ap_replay(ap_pool *p, ap_backend *b, int device, int mode, const int8_t *op,
         r->device_mallocs = p->stats.num_device_alloc - mallocs0;
         r->device_frees = p->stats.num_device_free - frees0;
         r->peak_reserved_bytes = p->stats.s[AP_STAT_RESERVED_BYTES][AP_STAT_ALL].peak;
-        r->final_allocated_bytes = p->stats.s[AP_STAT_ALLOCATED_BYTES][AP_STAT_ALL].current;
+        r->final_allocated_bytes = ap_stat_all_current(&p->stats, AP_STAT_ALLOCATED_BYTES);
     } else {
         r->final_allocated_bytes = reserved_direct;
     }

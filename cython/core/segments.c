@@ -17,7 +17,7 @@
 #include "pool_internal.h"
 
 size_t ap_reserved(const ap_pool *p) {
-    return (size_t)p->stats.s[AP_STAT_RESERVED_BYTES][AP_STAT_ALL].current;
+    return (size_t)ap_stat_all_current(&p->stats, AP_STAT_RESERVED_BYTES);
 }
 
 static int device_error(ap_pool *p, ap_error *err, int rc, const char *what, size_t size) {

@@ -46,7 +46,7 @@ int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
     /* PyTorch gathers the trace first: this snapshot's own event shows in the next one. */
     out->n_history = ap_history_copy(&p->history, &out->history);
     /* Its size is the bytes active at that moment (allocated or waiting for events), as PyTorch's. */
-    size_t active = (size_t)(p->stats.s[AP_STAT_ALLOCATED_BYTES][AP_STAT_ALL].current +
+    size_t active = (size_t)(ap_stat_all_current(&p->stats, AP_STAT_ALLOCATED_BYTES) +
                              p->stats.pending[1][AP_STAT_ALL].current);
     ap_history_add(&p->history, AP_ACT_SNAPSHOT, 0, active, NULL);
     pthread_mutex_unlock(&p->lock);

@@ -9,27 +9,28 @@ void ap_stats_note_active(ap_stats *st, int pool) {
     for (int k = 0; k < 2; k++)
         for (int t = 0; t < 2; t++) {
             ap_stat *pend = &st->pending[k][types[t]];
-            int64_t active = st->s[allocated_of[k]][types[t]].current + pend->current;
+            int64_t active = ap_stat_read(st, allocated_of[k], types[t]).current + pend->current;
             if (active > pend->peak) pend->peak = active;
         }
 }
 
 void ap_stats_reset_peaks(ap_stats *st) {
     for (int i = 0; i < AP_N_STATS; i++)
-        for (int j = 0; j < AP_N_STAT_TYPES; j++) st->s[i][j].peak = st->s[i][j].current;
+        for (int j = 0; j < AP_N_STAT_TYPES; j++) st->s[i][j].peak = ap_stat_read(st, i, j).current;
     for (int k = 0; k < 2; k++)
         for (int j = 0; j < AP_N_STAT_TYPES; j++)
-            st->pending[k][j].peak = st->s[allocated_of[k]][j].current + st->pending[k][j].current;
+            st->pending[k][j].peak = ap_stat_read(st, allocated_of[k], j).current + st->pending[k][j].current;
     for (int k = 0; k < 2; k++) st->oversize[k].peak = st->oversize[k].current;
 }
 
 void ap_stats_export(const ap_stats *st, ap_stats *out) {
     *out = *st;
+    for (int i = 0; i < AP_N_STATS; i++) out->s[i][AP_STAT_ALL] = ap_stat_read(st, i, AP_STAT_ALL);
     out->pending_free_blocks = st->pending[0][AP_STAT_ALL].current;
     out->pending_free_bytes = st->pending[1][AP_STAT_ALL].current;
     for (int k = 0; k < 2; k++)
         for (int j = 0; j < AP_N_STAT_TYPES; j++) {
-            const ap_stat *alloc = &st->s[allocated_of[k]][j], *pend = &st->pending[k][j];
+            const ap_stat *alloc = &out->s[allocated_of[k]][j], *pend = &st->pending[k][j];
             ap_stat *active = &out->s[active_of[k]][j];
             /* Every allocation starts active; a block stops being active when freed, or, if it
                waited, when its events complete. While nothing waits, active == allocated. */

@@ -1,5 +1,10 @@
 /* Counters in PyTorch's memory_stats() schema: each stat has current/peak/allocated/freed for
- * all, small_pool and large_pool. Updated under the pool lock; read by copying the struct. */
+ * all, small_pool and large_pool. Updated under the pool lock; read by copying the struct.
+ *
+ * "all" is the sum of the pools: inside the pool its current and freed are not stored (left 0),
+ * only its peak; ap_stat_read and ap_stat_all_current derive them, and ap_stats_export fills them
+ * in for readers. So an update writes one pool's counters alone (the cached path's stores: the
+ * atomic unlock that follows waits for every one). */
 #ifndef AP_STATS_H
 #define AP_STATS_H
 
@@ -56,16 +61,31 @@ typedef struct ap_stats {
     int64_t device_total_bytes;
 } ap_stats;
 
-/* Adds n (>= 0) to a stat for "all" and for pool (AP_POOL_SMALL or AP_POOL_LARGE); the cached
+/* current of "all" for a stat: the sum of the pools' (its own is not stored). */
+static inline int64_t ap_stat_all_current(const ap_stats *st, int stat) {
+    return st->s[stat][AP_STAT_SMALL].current + st->s[stat][AP_STAT_LARGE].current;
+}
+
+/* A stat as readers see it (type AP_STAT_ALL: current and freed the pools' sums). */
+static inline ap_stat ap_stat_read(const ap_stats *st, int stat, int type) {
+    ap_stat r = st->s[stat][type];
+    if (type == AP_STAT_ALL) {
+        r.current = ap_stat_all_current(st, stat);
+        r.freed = st->s[stat][AP_STAT_SMALL].freed + st->s[stat][AP_STAT_LARGE].freed;
+    }
+    return r;
+}
+
+/* Adds n (>= 0) to a stat for pool (AP_POOL_SMALL or AP_POOL_LARGE), and so to "all"; the cached
    path's updates. Inline with constant indices. A peak is written only when passed, so the usual
-   update is two stores (the atomic unlock that follows waits for every store). */
+   update is one store (the atomic unlock that follows waits for every store). */
 static inline void ap_stat_inc(ap_stats *st, int stat, int pool, int64_t n) {
     ap_stat *a = &st->s[stat][AP_STAT_ALL], *b = &st->s[stat][1 + pool];
     AP_ASSERT(n >= 0 && (pool == 0 || pool == 1));
-    a->current += n;
-    if (__builtin_expect(a->current > a->peak, 0)) a->peak = a->current;
     b->current += n;
     if (__builtin_expect(b->current > b->peak, 0)) b->peak = b->current;
+    int64_t all = ap_stat_all_current(st, stat);
+    if (__builtin_expect(all > a->peak, 0)) a->peak = all;
 }
 
 /* One counter without pool split (the oversize stats): +1 or -1. */
@@ -82,13 +102,11 @@ static inline void ap_stat_step(ap_stat *a, int sign) {
 /* Takes n (>= 0) off: current falls, freed (the running total of decreases) grows. Nothing can
    be freed that was not counted in, so no current ever goes below 0. */
 static inline void ap_stat_dec(ap_stats *st, int stat, int pool, int64_t n) {
-    ap_stat *a = &st->s[stat][AP_STAT_ALL], *b = &st->s[stat][1 + pool];
+    ap_stat *b = &st->s[stat][1 + pool];
     AP_ASSERT(n >= 0);
-    a->current -= n;
-    a->freed += n;
     b->current -= n;
     b->freed += n;
-    AP_ASSERT(a->current >= 0 && b->current >= 0 && a->current >= b->current);
+    AP_ASSERT(b->current >= 0 && ap_stat_all_current(st, stat) >= b->current);
 }
 /* A block of pool kind `pool` and `bytes` starts (+1) or stops (-1) waiting for events. */
 static inline void ap_stats_pending(ap_stats *st, int pool, int64_t bytes, int sign) {

@@ -70,9 +70,9 @@ void ap_vmm_make_room(ap_pool *p, size_t rsize, size_t need, const ap_block *kee
     if (reserved + need <= p->reserved_watermark) return;
     size_t over = reserved + need - p->reserved_watermark;
 
-    const ap_stat *alloc = &p->stats.s[AP_STAT_ALLOCATED_BYTES][AP_STAT_ALL];
-    if (alloc->peak > p->vmm_live_high) p->vmm_live_high = alloc->peak; /* survives reset_peaks */
-    int high = alloc->current + (int64_t)rsize > p->vmm_live_high;
+    ap_stat alloc = ap_stat_read(&p->stats, AP_STAT_ALLOCATED_BYTES, AP_STAT_ALL);
+    if (alloc.peak > p->vmm_live_high) p->vmm_live_high = alloc.peak; /* survives reset_peaks */
+    int high = alloc.current + (int64_t)rsize > p->vmm_live_high;
     int64_t cap = (int64_t)AP_VMM_TRADE_BURST * 1000;
     ap_credit_add(&p->vmm_credit, ap_ticks_since(p->tick, &p->vmm_credit_tick), AP_VMM_TRADE_PER_1000, cap);
     int64_t avail = p->vmm_credit - (high ? 0 : cap / 100 * AP_VMM_TRADE_KEEP_PCT);

@@ -161,7 +161,7 @@ static inline void mp_recount(ap_pool *p) {
         CHECK_EQ(p->stats.s[AP_STAT_INACTIVE_SPLIT][1 + k].current, split_n[k]);
         CHECK_EQ(p->stats.s[AP_STAT_INACTIVE_SPLIT_BYTES][1 + k].current, split_b[k]);
     }
-    CHECK_EQ(p->stats.s[AP_STAT_INACTIVE_SPLIT_BYTES][0].current, split_b[0] + split_b[1]);
+    CHECK_EQ(ap_stat_read(&p->stats, AP_STAT_INACTIVE_SPLIT_BYTES, AP_STAT_ALL).current, split_b[0] + split_b[1]);
 }
 
 #endif

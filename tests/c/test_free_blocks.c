@@ -23,7 +23,7 @@ static void split_on_take(void) {
     CHECK(rest->prev == a && rest->next == NULL);
     CHECK_EQ(p->n_free_segments, 0);
     CHECK_EQ(p->stats.s[AP_STAT_ALLOCATION][AP_STAT_SMALL].current, 1);
-    CHECK_EQ(p->stats.s[AP_STAT_ALLOCATED_BYTES][AP_STAT_ALL].current, 4 * K);
+    CHECK_EQ(ap_stat_read(&p->stats, AP_STAT_ALLOCATED_BYTES, AP_STAT_ALL).current, 4 * K);
     CHECK_EQ(p->stats.s[AP_STAT_REQUESTED_BYTES][AP_STAT_SMALL].current, 4000);
     CHECK_EQ(p->stats.s[AP_STAT_INACTIVE_SPLIT][AP_STAT_SMALL].current, 1);
     CHECK_EQ(p->stats.s[AP_STAT_INACTIVE_SPLIT_BYTES][AP_STAT_SMALL].current, SEG - 4 * K);
@@ -56,10 +56,10 @@ static void coalesce_on_free(void) {
     CHECK(m == a && s->first == a && a->size == SEG && a->next == NULL);
     CHECK_EQ(tree(p, 0, AP_POOL_SMALL)->count, 1);
     CHECK_EQ(p->n_free_segments, 1);
-    CHECK_EQ(p->stats.s[AP_STAT_INACTIVE_SPLIT][AP_STAT_ALL].current, 0);
-    CHECK_EQ(p->stats.s[AP_STAT_INACTIVE_SPLIT_BYTES][AP_STAT_ALL].current, 0);
+    CHECK_EQ(ap_stat_read(&p->stats, AP_STAT_INACTIVE_SPLIT, AP_STAT_ALL).current, 0);
+    CHECK_EQ(ap_stat_read(&p->stats, AP_STAT_INACTIVE_SPLIT_BYTES, AP_STAT_ALL).current, 0);
     /* out of the count over time: the three rests split off, b, then a+b */
-    CHECK_EQ(p->stats.s[AP_STAT_INACTIVE_SPLIT][AP_STAT_ALL].freed, 5);
+    CHECK_EQ(ap_stat_read(&p->stats, AP_STAT_INACTIVE_SPLIT, AP_STAT_ALL).freed, 5);
     mp_recount(p);
     mp_destroy(p);
 }
@@ -194,7 +194,7 @@ static void random_workload(void) {
     ap_free_retag_slot(p, 2, 0);
     mp_recount(p);
     CHECK_EQ(p->n_free_segments, 3); /* everything merged back into whole segments */
-    CHECK_EQ(p->stats.s[AP_STAT_ALLOCATED_BYTES][AP_STAT_ALL].current, 0);
+    CHECK_EQ(ap_stat_read(&p->stats, AP_STAT_ALLOCATED_BYTES, AP_STAT_ALL).current, 0);
     mp_destroy(p);
 }
 
