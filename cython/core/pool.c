@@ -347,7 +347,9 @@ void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int orphans_only)) {
 
 void ap_pool_set_orphan(ap_pool *p) { atomic_store(&p->orphan, 1); }
 
-int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err) {
+/* A size that ap_pool_malloc's first compare refuses (0, or beyond the device): the error, counted
+   as below. AP_OK when check_size passes after all (it cannot: that compare is check_size's test). */
+static __attribute__((noinline, cold)) int malloc_refused(ap_pool *p, size_t size, void *stream, ap_error *err) {
     if (check_size(p, size, err) != AP_OK) {
         if (size) { /* larger than the device: an OOM like any other, in num_ooms and the trace, and
                        a retry as torch counts one (its device call fails, it frees the cache and
@@ -360,9 +362,13 @@ int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *
         }
         return err ? err->status : (size ? AP_E_OOM : AP_E_INVALID_SIZE);
     }
-    size_t rsize = ap_round_request(p, size);
-    int pool = pool_of(p, rsize);
-    pthread_mutex_lock(&p->lock);
+    return AP_OK;
+}
+
+/* ap_pool_malloc from the lock on (held; size checked and rounded): every case but the cached hit
+   that ap_pool_malloc completes inline. Out of line, so that the hit's own frame stays small. */
+static __attribute__((noinline)) int malloc_locked(ap_pool *p, size_t size, size_t rsize, int pool, void *stream,
+                                                   void **out, ap_error *err) {
     int slot = ap_slot_of_fast(p, stream, 1);
     if (slot < 0) {
         pthread_mutex_unlock(&p->lock);
@@ -459,6 +465,41 @@ allocated:
     pthread_mutex_unlock(&p->lock);
     *out = addr;
     return AP_OK;
+}
+
+int ap_pool_malloc(ap_pool *p, size_t size, void *stream, void **out, ap_error *err) {
+    /* check_size's test in one compare, as ap_pool_try_malloc's: size 0 wraps to SIZE_MAX */
+    if (__builtin_expect(size - 1 >= (size_t)p->stats.device_total_bytes, 0)) {
+        int rc = malloc_refused(p, size, stream, err);
+        if (rc != AP_OK) return rc;
+    }
+    size_t rsize = ap_round_request(p, size);
+    int pool = pool_of(p, rsize);
+    pthread_mutex_lock(&p->lock);
+    /* The cached hit, inline: malloc_locked's first steps where each goes its usual way (the last
+       stream's slot, nothing pending, a small request, and room in the live map, so that the put
+       neither grows it nor fails). Any other case, or no hit, is malloc_locked's from its start: a
+       miss leaves the cache as it was, so there the lookup finds the same. */
+    int slot = p->last_slot;
+    if (__builtin_expect(slot > 0 && p->slots[slot].stream == stream && p->slots[slot].live && !p->pending_head &&
+                             p->n_cached && pool == AP_POOL_SMALL && (p->live.count + 1) * 2 <= p->live.mask + 1,
+                         1)) {
+        int keyed = 0;
+        ap_block *b = ap_cache_hit(p, slot, rsize, &keyed);
+        if (b) {
+            ap_mark_allocated_in(p, b, size, slot, AP_POOL_SMALL); /* the cache holds small blocks only */
+            AP_ASSERT(b->state == AP_BLOCK_ALLOCATED && b->size >= rsize && b->tag == slot && ap_block_links_ok(b));
+            int put = ap_map_put(&p->live, b->addr, b); /* cannot fail: room was checked above */
+            AP_ASSERT(put == 0);
+            (void)put;
+            ap_history_note_alloc(p, b, size, stream);
+            void *addr = (void *)b->addr; /* under the lock, as malloc_locked reads it */
+            pthread_mutex_unlock(&p->lock);
+            *out = addr;
+            return AP_OK;
+        }
+    }
+    return malloc_locked(p, size, rsize, pool, stream, out, err);
 }
 
 int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out) {
