@@ -557,7 +557,8 @@ static int bad_pointer(ap_pool *p, void *ptr, ap_error *err) {
                         (unsigned long)a, p->device);
 }
 
-static void release_block(ap_pool *p, ap_block *b, int tag) {
+/* Inline in both frees: ap_pool_free's warm path (a cached block parked) is the pair's other half. */
+static inline __attribute__((always_inline)) void release_block(ap_pool *p, ap_block *b, int tag) {
     int pool = b->seg->pool;
     AP_ASSERT(b->state == AP_BLOCK_ALLOCATED && tag >= 0 && tag < p->n_slots);
     if (__builtin_expect(!p->slots[tag].live, 0)) tag = 0; /* retired stream: its work is over */
