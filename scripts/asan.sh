@@ -18,6 +18,7 @@ DIR="${ASAN_DIR:-/tmp/ascend-pool-asan-$(id -u)}"
 SRC="$DIR/src"
 LOGS="$DIR/logs"
 PY="${PYTHON:-python3}"
+. "$REPO/scripts/sanitizer_build.sh"
 # In the suite's own (alphabetical) order: test_backend_acl.py opens a second simulator instance,
 # which must happen before the process holds device memory (see
 # test_reliability_found_bugs.py::test_second_simulator_instance_in_a_process_keeps_the_node_accounting).
@@ -58,26 +59,13 @@ if [ "${ASAN_REBUILD:-1}" != 0 ]; then
 fi
 mkdir -p "$SRC" "$LOGS"
 rm -f "$LOGS"/asan.* "$LOGS"/selfcheck.*
-(cd "$REPO" && git ls-files -z --cached --others --exclude-standard) |
-    (cd "$REPO" && while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done) |
-    (cd "$REPO" && tar --null -T - -cf -) | tar -xf - -C "$SRC"
+sanitizer_copy_tree
 
 # 2. The sanitized build.
 if [ "${ASAN_REBUILD:-1}" != 0 ] || [ ! -e "$SRC/ascend_pool/_sim/libascendcl.so" ]; then
-    echo "asan.sh: building with -fsanitize=address in $SRC ..."
-    # (no -j: setup.py builds the simulator twice from the same sources into the same objects, the
-    # second time as the legacy runtime; in parallel the two builds would mix their objects)
-    if ! (cd "$SRC" && ASCEND_POOL_SANITIZE=address "$PY" setup.py build_ext --inplace \
-            --build-temp "$DIR/build" >"$LOGS/build.log" 2>&1); then
-        tail -30 "$LOGS/build.log" >&2
-        echo "asan.sh: build failed (log: $LOGS/build.log)" >&2
-        exit 1
-    fi
+    sanitizer_build address asan.sh
 fi
-if ! nm -D "$SRC"/ascend_pool/_core*.so "$SRC"/ascend_pool/_sim/libascendcl.so | grep __asan_init >/dev/null; then
-    echo "asan.sh: the built extension is not instrumented" >&2
-    exit 1
-fi
+sanitizer_check_instrumented __asan_init asan.sh
 built=$(date +%s)
 
 # 3. The simulator's poisoning, on for every test: a pytest plugin in the copy that turns it on

@@ -22,6 +22,7 @@ SRC="$DIR/src"
 LOGS="$DIR/logs"
 PY="${PYTHON:-python3}"
 LIBTSAN="$(gcc -print-file-name=libtsan.so)"
+. "$REPO/scripts/sanitizer_build.sh"
 if [ ! -e "$LIBTSAN" ]; then
     echo "tsan.sh: gcc has no libtsan.so; install libtsan (e.g. apt-get install libtsan2)" >&2
     exit 1
@@ -29,22 +30,10 @@ fi
 
 mkdir -p "$SRC" "$LOGS"
 if [ "${TSAN_REBUILD:-1}" != 0 ] || [ ! -e "$SRC/ascend_pool/_sim/libascendcl.so" ]; then
-    rm -rf "$SRC" "$DIR/build"; mkdir -p "$SRC"
-    (cd "$REPO" && git ls-files -z --cached --others --exclude-standard) |
-        (cd "$REPO" && while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done) |
-        (cd "$REPO" && tar --null -T - -cf -) | tar -xf - -C "$SRC"
-    echo "tsan.sh: building with -fsanitize=thread in $SRC ..."
-    # (no -j: see scripts/asan.sh)
-    if ! (cd "$SRC" && ASCEND_POOL_SANITIZE=thread "$PY" setup.py build_ext --inplace \
-            --build-temp "$DIR/build" >"$LOGS/build.log" 2>&1); then
-        tail -30 "$LOGS/build.log" >&2
-        echo "tsan.sh: build failed (log: $LOGS/build.log)" >&2
-        exit 1
-    fi
-    if ! nm -D "$SRC"/ascend_pool/_core*.so "$SRC"/ascend_pool/_sim/libascendcl.so | grep __tsan_init >/dev/null; then
-        echo "tsan.sh: the built extension is not instrumented" >&2
-        exit 1
-    fi
+    rm -rf "$SRC" "$DIR/build"
+    sanitizer_copy_tree
+    sanitizer_build thread tsan.sh
+    sanitizer_check_instrumented __tsan_init tsan.sh
 fi
 cat >"$DIR/tsan.supp" <<'SUPP'
 # The interpreter and numpy are not instrumented: their own accesses look racy. (The GIL itself is
