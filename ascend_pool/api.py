@@ -176,6 +176,57 @@ def record_stream(ptr, stream, device=None):
     default_pool(device).record_stream(ptr, stream)
 
 
+def create_stream(device=None):
+    """Creates a device stream on device (None: the current device) through its default pool;
+    returns its handle (int), which any pool of that device may order frees on. Give it back
+    with destroy_stream(handle, device)."""
+    return default_pool(device).create_stream()
+
+
+def destroy_stream(stream, device=None):
+    """Waits for stream (from create_stream), returns the default pool's blocks cached for it to
+    all streams, and destroys it (Pool.destroy_stream)."""
+    default_pool(device).destroy_stream(stream)
+
+
+def synchronize(stream=None, device=None):
+    """Waits (bounded by sync_timeout_ms) for the work queued on stream (None: the default
+    stream of device, None: the current device), as pool.synchronize(stream)."""
+    default_pool(device).synchronize(stream)
+
+
+def context(name, quota=None, warn=None, device=None):
+    """A tenant context on device (None: the current device), as pool.context(name, quota, warn)
+    on the process's default pool: its own segments and a soft quota (bytes, "8GiB" or "25%").
+    Made from the process default even inside another context's `with`: contexts do not nest."""
+    device = torch_device_index(device)
+    return process_default_pool(current_device() if device is None else device).context(name, quota=quota, warn=warn)
+
+
+def share_malloc(nbytes, device=None):
+    """A block of nbytes in a segment of its own on the default pool of device, for share();
+    returns its address (int)."""
+    return default_pool(device).share_malloc(nbytes)
+
+
+def share(ptr, read_only=False, pids=(), any_process=False, device=None):
+    """Exports the share_malloc'ed block at ptr (default pool of device) to other processes;
+    returns a SharedHandle for ap.open_shared in the importer."""
+    return default_pool(device).share(ptr, read_only=read_only, pids=pids, any_process=any_process)
+
+
+def share_free(ptr, device=None):
+    """Gives back a share_malloc'ed block of the default pool of device: True if freed now,
+    False if deferred until its importers close."""
+    return default_pool(device).share_free(ptr)
+
+
+def dump_trace(path, device=None):
+    """Writes the default pool's recorded history (record_memory_history) as a replayable trace
+    (.npz); returns the Trace (Pool.dump_trace)."""
+    return default_pool(device).dump_trace(path)
+
+
 def empty_cache(device=None):
     """Returns the default pool's unused segments to the device (and closes the pools dropped
     earlier whose blocks have all been freed since)."""
@@ -225,6 +276,12 @@ def snapshot(device=None):
 
 def reset_accumulated_memory_stats(device=None):
     """Zeroes the default pool's accumulated counters (allocated/freed totals, event counts)."""
+    default_pool(device).reset_accumulated_stats()
+
+
+def reset_accumulated_stats(device=None):
+    """pool.reset_accumulated_stats() on the default pool of device: the same as
+    reset_accumulated_memory_stats(device)."""
     default_pool(device).reset_accumulated_stats()
 
 
