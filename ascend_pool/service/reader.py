@@ -106,7 +106,8 @@ def _read(fd, path, inst, allowed_uids, allowed_gids=()):
     if not stat.S_ISREG(st.st_mode):
         raise Refused(path, "not a regular file")
     owner = identity.owner_host_uid(st.st_uid)  # allowed_uids and the header: the host's uids
-    if owner not in allowed_uids and not (st.st_gid in allowed_gids and _in_group_dir(path, st.st_gid)):
+    by_group = owner not in allowed_uids
+    if by_group and not (st.st_gid in allowed_gids and _in_group_dir(path, st.st_gid)):
         raise Refused(path, f"owned by uid {st.st_uid}, not by an allowed uid ({sorted(allowed_uids)})")
     if st.st_mode & 0o022:
         raise Refused(path, f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
@@ -129,7 +130,9 @@ def _read(fd, path, inst, allowed_uids, allowed_gids=()):
     hinst, pidns = L.IDENTITY.unpack_from(header, L.IDENTITY_OFFSET)
     if hinst != inst:
         raise Refused(path, f"header names instance {hinst:016x}, the file name {inst:016x}")
-    if uid != owner:
+    # In a group's directory the group is what is trusted: another member's file whose owner this
+    # user namespace's map leaves out (shown as the overflow uid) is read by its header's uid.
+    if uid != owner and not (owner is None and by_group):
         raise Refused(path, f"header names uid {uid}, the file is owned by uid {st.st_uid}"
                       + (f" (host uid {owner})" if owner not in (None, st.st_uid) else ""))
     pid = hpid

@@ -154,8 +154,11 @@ static const char *apl_check_contents(const apl_file *f, const struct stat *st, 
         h->slot_size != sizeof(apl_slot) || h->n_tenants != APL_TENANTS || h->n_slots != APL_SLOTS ||
         h->file_size != sizeof(apl_file))
         return "unexpected layout (another version of ascend_pool?)";
+    /* A group's ledger may be another member's file, whose owner a user namespace's map can leave
+       out (it shows as the overflow uid): the group and mode (apl_check_stat) are what is trusted
+       there, so only an owner that can be told must match; a private ledger's always must. */
     uint32_t owner_host;
-    if (!ap_owner_host_uid(st->st_uid, &owner_host) || h->owner_uid != owner_host)
+    if (ap_owner_host_uid(st->st_uid, &owner_host) ? h->owner_uid != owner_host : group == APL_NO_GROUP)
         return "the recorded owner is not the file's owner";
     if (h->group != (group == APL_NO_GROUP ? group : ap_host_gid(group)))
         return "it was created for another sharing group";
