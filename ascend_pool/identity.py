@@ -286,6 +286,19 @@ def host_gid(gid):
     return gid if out is None else out
 
 
+def gid_mapped(gid):
+    """True when this namespace's gid map holds gid (always in the initial namespace): a gid it
+    leaves out names no group here (a process cannot be in it, nor give a file to it), and
+    host_gid() would take it for the host's own number."""
+    return _outward(_read_map(_GID_MAP_PATH), gid) is not None
+
+
+def gid_map_text():
+    """/proc/self/gid_map's lines joined by "; " (for messages), "" where /proc does not tell."""
+    rows = _read_map(_GID_MAP_PATH) or []
+    return "; ".join(" ".join(map(str, row)) for row in rows)
+
+
 def in_namespace(kind="u"):
     """True when this process's uid (kind "u") or gid ("g") map is not the initial namespace's."""
     rows = _read_map(_UID_MAP_PATH if kind == "u" else _GID_MAP_PATH)

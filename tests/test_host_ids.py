@@ -68,3 +68,24 @@ def test_the_maps_are_read_once_and_forgotten_in_a_forked_child():
     assert os.read(r, 1) == b"1"
     os.close(r)
     os.close(w)
+
+
+def test_a_sharing_group_the_gid_map_leaves_out_is_refused_naming_the_map(maps, monkeypatch):
+    # host_gid() takes an unmapped gid for the host's own number: ASCEND_POOL_LEDGER_GROUP or
+    # --allow-group given as the host's gid inside a namespace named another group's directory
+    # and failed later with EINVAL (fchown) or "belongs to group N".
+    from ascend_pool.errors import LedgerError
+    from ascend_pool.service.serve_args import group_ids
+    from ascend_pool.tenants.ledger import ledger_group
+
+    maps([(0, 0, 4294967295)], [(0, 100000, 65536)])
+    assert ledger_group("10") == 10 and group_ids(["10"]) == {10}
+    with pytest.raises(LedgerError, match=r"gid 100010 is not a group of this user namespace.*'0 100000 65536'"):
+        ledger_group("100010")
+    monkeypatch.setenv("ASCEND_POOL_LEDGER_GROUP", "100010")
+    with pytest.raises(LedgerError, match="ASCEND_POOL_LEDGER_GROUP='100010'"):
+        ledger_group()
+    with pytest.raises(ValueError, match="gid 100010 is not a group of this user namespace"):
+        group_ids(["100010"])
+    maps([(0, 0, 4294967295)])
+    assert ledger_group("100010") == 100010 and group_ids(["100010"]) == {100010}  # no namespace: any gid

@@ -338,3 +338,15 @@ def test_ps_lists_a_groups_processes_inside_and_outside_a_user_namespace_that_ma
             assert sorted(row["instance"] for row in listed) == sorted(w["instance"] for w in rows), (prefix, r.stdout)
     finally:
         _finish(procs)
+
+
+def test_a_sharing_group_given_by_its_host_number_inside_a_namespace_is_refused_naming_the_map(sim_node, tmp_path):
+    # The host's gid (ours) is 4343 inside: the worker given the host's number got "cannot have a
+    # private ledger directory ...: [Errno 22] Invalid argument" (fchown to an unmapped gid).
+    env = _env(sim_node, tmp_path, ASCEND_POOL_STATS="0", MIB="1", TENANT="t", QUOTA="100MiB",
+               ASCEND_POOL_LEDGER_GROUP=str(os.getgid()))
+    r = subprocess.run(NS + ["--map-group=4343", sys.executable, "-c", WORKER], env=env, input="\n",
+                       capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+    assert r.returncode != 0
+    assert (f"ASCEND_POOL_LEDGER_GROUP='{os.getgid()}': gid {os.getgid()} is not a group of this user namespace "
+            f"(its gid map '4343 {os.getgid()} 1' leaves it out)") in r.stderr, r.stderr[-1200:]

@@ -110,11 +110,18 @@ def ledger_group(value=None):
         gid = int(value)
         if not 0 <= gid < 2**32 - 1:  # 2**32-1 is (gid_t)-1: chown's "leave the group as it is"
             raise LedgerError(f"{GROUP_ENV}={value!r} is not a group id (0 to {2**32 - 2})", kind="argument")
-        return gid
-    try:
-        return grp.getgrnam(str(value)).gr_gid
-    except (KeyError, ValueError):
-        raise LedgerError(f"{GROUP_ENV}={value!r} is not a group on this system", kind="argument") from None
+    else:
+        try:
+            gid = grp.getgrnam(str(value)).gr_gid
+        except (KeyError, ValueError):
+            raise LedgerError(f"{GROUP_ENV}={value!r} is not a group on this system", kind="argument") from None
+    if not identity.gid_mapped(gid):
+        # Taken for the host's number, it named another group's directory, then failed with EINVAL
+        # (fchown) or "belongs to group N" far from the cause.
+        raise LedgerError(f"{GROUP_ENV}={value!r}: gid {gid} is not a group of this user namespace (its gid map "
+                          f"'{identity.gid_map_text()}' leaves it out); give the group as this namespace sees it",
+                          kind="argument")
+    return gid
 
 
 def node_name(backend_name):
