@@ -350,3 +350,23 @@ def test_a_sharing_group_given_by_its_host_number_inside_a_namespace_is_refused_
     assert r.returncode != 0
     assert (f"ASCEND_POOL_LEDGER_GROUP='{os.getgid()}': gid {os.getgid()} is not a group of this user namespace "
             f"(its gid map '4343 {os.getgid()} 1' leaves it out)") in r.stderr, r.stderr[-1200:]
+
+
+def test_the_ledger_metrics_label_a_groups_ledger_by_the_host_gid_as_its_name_does(sim_node, tmp_path):
+    # The uid label is the host's (the name's); the gid label was the namespace's view (4343),
+    # so a service inside and one outside labelled one ledger twice over.
+    env = _env(sim_node, tmp_path, ASCEND_POOL_STATS="0", ASCEND_POOL_LEDGER_GROUP="4343")
+    code = textwrap.dedent("""
+        import json
+        import ascend_pool as ap
+        from ascend_pool.metrics.ledger import ledger_families
+        x = ap.Pool(0).context("t", quota="100MiB").malloc(1 << 20)
+        fam = {f.name: f for f in ledger_families()}["ascend_pool_ledger_held_bytes"]
+        print(json.dumps([s.labels for s in fam.samples]))
+    """)
+    r = subprocess.run(NS + ["--map-group=4343", sys.executable, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-1200:]
+    labels = json.loads(r.stdout)
+    assert [(s["tenant"], s["uid"], s["gid"]) for s in labels] == [("t", "", str(os.getgid()))], labels
+    assert os.listdir(tmp_path / f"ascend_pool-g{os.getgid()}")

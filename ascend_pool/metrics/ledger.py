@@ -14,6 +14,7 @@ import logging
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .. import identity
 from ..tenants import ledger as L
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ def _views(uids=(), gids=()):
     for path, device, backend, node, group, owner in files:
         if backend == "sim" and node != L.node_name("sim"):
             continue  # another simulated node (another test run, another demo)
-        # Whose ledger: a user's private one (its uid), or a group's shared one (its gid).
-        scope = ("" if owner is None else str(owner), "" if group is None else str(group))
+        # Whose ledger: a user's private one (its uid), or a group's shared one (its gid); both the
+        # host's, as the file's name (group is this namespace's view of the gid, to open it with).
+        scope = ("" if owner is None else str(owner), "" if group is None else str(identity.host_gid(group)))
         try:
             out.append((backend, scope, L.read_view(path, device, backend, node, group, owner)))
         except Exception as e:  # foreign, malformed, or of another version: refused by the ledger code
@@ -47,7 +49,8 @@ def _warn_once(key, fmt, *args):
 
 def ledger_families(uids=(), gids=()):
     """ascend_pool_ledger_* families (labels backend, device, tenant, and whose ledger: uid for a
-    user's own, gid for a group's shared one, the other empty); empty without ledgers. A quota
+    user's own, gid for a group's shared one, the other empty; the host's ids, as the files' names
+    hold them); empty without ledgers. A quota
     is per ledger, so one tenant name in two users' ledgers is two series. uids, gids: also the
     ledgers of these trusted users and groups (the node service's)."""
     views = _views(uids, gids)
