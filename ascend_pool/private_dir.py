@@ -64,6 +64,8 @@ def _tell_user_namespace(base):
                     "every file of an owner the map leaves out shows as: it cannot tell those files from its own, "
                     "so another host user's stale records in %s may be taken for this process's. Run it as another "
                     "uid (docs/containers.md).", ns[0] or "empty", os.geteuid(), base)
+    if ns is not None and ns[1] is not None and ns[1] != os.geteuid():
+        _tell_earlier_scheme(base, ns[0])
     if ns is None or ns[1] is not None:
         return
     uid = os.geteuid()
@@ -73,6 +75,42 @@ def _tell_user_namespace(base):
                 "do not see it (--allow-uid does not help), and a tenant's processes inside and outside it do not "
                 "share a quota ledger. Give the namespace a uid map that holds the uid (docs/containers.md).",
                 ns[0] or "empty", uid, base, _name("u", uid, 0))
+
+
+def _tell_earlier_scheme(base, uid_map):
+    """Once per process, in a user namespace whose map holds the euid: processes of an earlier
+    version (before 2026-12) named their directory by the uid inside the namespace. While one of
+    them lives (a lease held in such a directory of this user's), a tenant's quota holds per
+    directory, and ps and the node service see only this side: said, since nothing can merge a
+    live process's mapped ledger into another file. Looks at the first LOOKAHEAD names only."""
+    uid = os.geteuid()
+    for n in range(LOOKAHEAD):
+        path = os.path.join(base, _name("u", uid, n))
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return  # the earlier version, too, created the first free name
+        if not (stat.S_ISDIR(st.st_mode) and st.st_uid == uid):
+            continue  # another user's (squatted, or a host user whose uid is this number)
+        try:
+            leases = [e for e in os.listdir(path) if e.startswith(identity.LEASE_PREFIX)][:256]
+        except OSError:
+            return
+        for e in leases:
+            try:
+                value = int(e[len(identity.LEASE_PREFIX):], 16)
+            except ValueError:
+                continue
+            if identity.lease_alive(path, value):
+                log.warning("%s holds the files of a live process of this user named by its uid %d inside this "
+                            "user namespace (/proc/self/uid_map: %s), as ascend_pool before 2026-12 named them (or "
+                            "a process of a namespace nested in this one does); this process names its files by "
+                            "its host uid %d: until the earlier processes restart, their quota ledgers and stats "
+                            "are apart from this process's (a tenant's quota holds per side, ps and the node "
+                            "service do not list them together). Restart them (docs/containers.md).",
+                            path, uid, uid_map, identity.host_uid())
+                return
+        return
 
 
 def _name(kind, num, n):

@@ -370,3 +370,29 @@ def test_the_ledger_metrics_label_a_groups_ledger_by_the_host_gid_as_its_name_do
     labels = json.loads(r.stdout)
     assert [(s["tenant"], s["uid"], s["gid"]) for s in labels] == [("t", "", str(os.getgid()))], labels
     assert os.listdir(tmp_path / f"ascend_pool-g{os.getgid()}")
+
+
+def test_a_process_is_told_when_a_live_process_still_uses_the_earlier_names_by_the_uid_inside(sim_node, tmp_path):
+    # Before 2026-12 a process in `--map-user=4242` named its directory ascend_pool-u4242; one
+    # still running after an upgrade keeps its quota ledger there, apart from the new processes'
+    # (named by the host uid), and nothing said so. A dead one's directory is only junk: no word.
+    import fcntl
+
+    env = _env(sim_node, tmp_path, ASCEND_POOL_STATS="0", MIB="1", TENANT="t", QUOTA="100MiB")
+    old = tmp_path / "ascend_pool-u4242"
+    old.mkdir(mode=0o700)
+    lease = old / "ascend_pool-lease-00000000deadbeef"
+    fd = os.open(lease, os.O_RDWR | os.O_CREAT, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        r = subprocess.run(NS + [sys.executable, "-c", WORKER], env=env, input="\n", capture_output=True, text=True,
+                           timeout=60, cwd=str(tmp_path))
+        assert r.returncode == 0, r.stderr[-1200:]
+        assert r.stderr.count(f"{old} holds the files of a live process of this user named by its uid 4242") == 1, \
+            r.stderr[-1200:]
+        assert f"names its files by its host uid {os.geteuid()}" in r.stderr
+    finally:
+        os.close(fd)  # the earlier process exits
+    r = subprocess.run(NS + [sys.executable, "-c", WORKER], env=env, input="\n", capture_output=True, text=True,
+                       timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 0 and "holds the files of a live process" not in r.stderr, r.stderr[-1200:]
