@@ -216,7 +216,11 @@ class _Record:
             # In a user's directory 0600; in a group's 0600 or 0640 (group-readable), of the group:
             # never writable by anyone but its owner, nor readable by others.
             bad_mode = st.st_mode & (0o077 if group is None else 0o037)
-            if (not stat.S_ISREG(st.st_mode) or not identity.owned_by(st.st_uid, owner) or bad_mode or st.st_size != _REC_SIZE
+            # In a group's directory another member's record whose owner this user namespace's map
+            # leaves out (the overflow uid) goes by its name's uid: the group is what is trusted there.
+            owned = identity.owned_by(st.st_uid, owner) or (
+                group is not None and owner != identity.host_uid() and identity.owner_host_uid(st.st_uid) is None)
+            if (not stat.S_ISREG(st.st_mode) or not owned or bad_mode or st.st_size != _REC_SIZE
                     or (group is not None and st.st_gid != group)):
                 os.close(self.fd)
                 want = "mode 0600" if group is None else f"group {group}, mode 0640 or 0600"

@@ -396,3 +396,38 @@ def test_a_process_is_told_when_a_live_process_still_uses_the_earlier_names_by_t
     r = subprocess.run(NS + [sys.executable, "-c", WORKER], env=env, input="\n", capture_output=True, text=True,
                        timeout=60, cwd=str(tmp_path))
     assert r.returncode == 0 and "holds the files of a live process" not in r.stderr, r.stderr[-1200:]
+
+
+@pytest.mark.skipif(OTHER_USER_SKIP is not None, reason=str(OTHER_USER_SKIP))
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) is not installed")
+def test_a_groups_share_records_are_listed_inside_a_user_namespace_that_maps_the_group(two_users):
+    # A node service (shares(gids=...)) inside a namespace whose map holds the group but not the
+    # exporting member (nobody: its record shows as the overflow uid there) refused the record.
+    node = two_users
+    env = node.env(ASCEND_POOL_STATS="0", ASCEND_SIM_DEVICES="1")
+    exporter = subprocess.Popen(
+        ["setpriv", "--reuid=nobody", f"--regid={GROUP}", "--clear-groups", node.exe, "-c", textwrap.dedent("""
+            import sys
+            import ascend_pool as ap
+            from ascend_pool import identity
+            pool = ap.Pool(0)
+            pool.share(pool.share_malloc(4 << 20), any_process=True)
+            print(identity.instance_hex(), flush=True)
+            sys.stdin.readline()
+        """)], env={**env, "ASCEND_POOL_LEDGER_GROUP": str(GROUP)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=node.root)
+    try:
+        instance = exporter.stdout.readline().strip()
+        assert instance, exporter.communicate(timeout=30)[1][-1200:]
+        listing = ("import json; from ascend_pool.sharing import shares; "
+                   "print(json.dumps([r['exporter_instance'] for r in shares(uids=(), gids=[int(sys.argv[1])])]))")
+        reader_ns = ["setpriv", f"--regid={GROUP}", "--clear-groups", "unshare", "--user", "--map-user=4242",
+                     f"--map-group={NS_GROUP}"]
+        for prefix, group in (([], GROUP), (reader_ns, NS_GROUP)):
+            r = subprocess.run(prefix + [sys.executable, "-c", "import sys; " + listing, str(group)],
+                               env={**env, "ASCEND_POOL_LEDGER_GROUP": str(group)}, capture_output=True, text=True,
+                               timeout=60, cwd=node.root)
+            assert r.returncode == 0, r.stderr[-1200:]
+            assert json.loads(r.stdout) == [instance], (prefix, r.stdout, r.stderr[-800:])
+    finally:
+        exporter.communicate("\n", timeout=30)
