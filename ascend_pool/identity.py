@@ -177,10 +177,15 @@ def owner_alive(directory, value, pid=0, ns=0, start=0):
 
 
 def gone_here(pid):
-    """True when pid (of this pid namespace) is surely gone: no such process, or a zombie. A
-    start time other than the one the process wrote is not proof (the kernel shifts it by the
-    reader's time namespace: a CRIU-restored container's workers read other values than their
-    peers), nor is a /proc entry this reader cannot see while the process exists (hidepid=2)."""
+    """True when pid (of this pid namespace) is surely gone: no such process, or one that has
+    exited and awaits its reaping. A zombie state alone is not that: it is the state of the
+    leader thread, also after the main thread called pthread_exit() while the process's other
+    threads run on (alive, holding its memory); so a zombie is dead only when no other thread is
+    left (num_threads, field 20) or a signal ended it (exit_code, field 52: a fatal signal ends
+    every thread), as cython/common/proc_exit.h. A start time other than the one the process
+    wrote is not proof (the kernel shifts it by the reader's time namespace: a CRIU-restored
+    container's workers read other values than their peers), nor is a /proc entry this reader
+    cannot see while the process exists (hidepid=2)."""
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -192,8 +197,15 @@ def gone_here(pid):
             data = f.read()
     except OSError:
         return False  # cannot tell
-    rest = data[data.rindex(b")") + 2:].split()
-    return bool(rest) and rest[0] in (b"Z", b"X")
+    rest = data[data.rindex(b")") + 2:].split()  # rest[k] is field k + 3
+    if not rest or rest[0] not in (b"Z", b"X"):
+        return False
+    try:
+        threads = int(rest[17])
+        exit_code = int(rest[49]) if len(rest) > 49 else 0  # 0 where not shown (kernel < 3.5, not ptrace-able)
+    except (IndexError, ValueError):
+        return False
+    return threads == 1 or bool(exit_code & 0x7F)
 
 
 def start_time(pid):

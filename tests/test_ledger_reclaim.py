@@ -81,6 +81,54 @@ def test_killed_process_share_is_reclaimed_on_next_attempt(base):
         ctx.close()
 
 
+MAIN_THREAD_EXITS = """
+    import ctypes, sys, threading, time
+    import ascend_pool as ap
+    ctx = ap.Pool(0).context(sys.argv[1], quota=int(sys.argv[2]))
+    p = ctx.malloc(int(sys.argv[3]))
+    threading.Thread(target=time.sleep, args=(60,)).start()  # the process lives on in this thread
+    print("ready", flush=True)
+    ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_live_process_whose_main_thread_exited_keeps_its_share(base):
+    # A process whose main thread called pthread_exit() (its other threads run on, holding its
+    # memory) shows as a zombie in /proc/PID/stat: the reserve before a refusal and the sweep took
+    # it for dead and gave its 6 MiB away (4 MiB more granted on an 8 MiB quota).
+    from ascend_pool import identity
+
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT)
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(MAIN_THREAD_EXITS), "lives", str(8 * MiB),
+                              str(6 * MiB - 1024)], stdout=subprocess.PIPE, text=True, env=env)
+    ctx = None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 5
+        while proc_state(child.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert proc_state(child.pid) == "Z" and child.poll() is None  # the leader's state; the process lives
+        ctx = base.context("lives")
+        assert ctx.held == 6 * MiB
+        with pytest.raises(ap.QuotaExceededError):
+            ctx.malloc(4 * MiB - 1024)
+        assert all(r["slots"] == 0 for r in sweep())
+        assert ctx.held == 6 * MiB and ctx.ledger.view()["reclaimed_bytes"] == 0
+        assert not identity.gone_here(child.pid)  # the stats reader's and the share records' test
+        child.kill()  # a signal ends every thread: dead at once, before its lease drops
+        deadline = time.monotonic() + 5
+        while not identity.gone_here(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert proc_state(child.pid) == "Z"  # not reaped yet
+        p = ctx.malloc(8 * MiB - 1024)
+        ctx.free(p)
+    finally:
+        child.kill()
+        child.wait()
+        if ctx is not None:
+            ctx.close()
+
+
 def test_sweep_reclaims_for_the_node_service(base):
     ctx = base.context("swept", quota=16 * MiB)
     child = start_holder("swept", 16 * MiB, 4 * MiB - 1024)

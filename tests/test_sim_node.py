@@ -79,6 +79,32 @@ def test_a_killed_process_bytes_return(sim_node):
         a.stdin.close(); a.stdout.close(); a.stderr.close()
 
 
+def test_a_process_whose_main_thread_exited_still_holds_its_bytes(sim_node):
+    # Its leader shows as a zombie ('Z') while its other threads run on: the simulator counted
+    # its 700 KiB free and granted the whole 1 MiB device to another process.
+    a = sim_node.spawn("""
+        init()
+        p = malloc(700 << 10, align32=True)
+        threading.Thread(target=time.sleep, args=(60,)).start()
+        print("ready", flush=True)
+        C.CDLL(None).pthread_exit(None)
+    """, ASCEND_SIM_HBM="1MiB")
+    try:
+        assert a.stdout.readline().strip() == "ready", a.stderr.read()
+        deadline = time.monotonic() + 5
+        while open(f"/proc/{a.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        sim_node.run("""
+            init()
+            assert used() == 700 << 10, used()
+        """, ASCEND_SIM_HBM="1MiB")
+    finally:
+        a.kill()
+        a.wait(10)
+        a.stdin.close(); a.stdout.close(); a.stderr.close()
+
+
 @pytest.mark.parametrize("field, offset, held_after", [("lease", 8, 0), ("start time", 24, 300 << 10)])
 def test_a_slot_whose_owner_is_gone_is_reclaimed(sim_node, field, offset, held_after):
     """A slot names its process by lease (never by pid alone): a lease nobody holds is a dead

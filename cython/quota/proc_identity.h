@@ -24,6 +24,8 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include "../common/proc_exit.h"
+
 #define APL_LEASE_PREFIX "ascend_pool-lease-"
 
 static int apl_read_stat(int pid, char *state, uint64_t *start) {
@@ -59,8 +61,9 @@ static uint64_t apl_proc_start_time(int pid) {
     return apl_read_stat(pid, &state, &start) == 0 ? start : 0;
 }
 
-/* 0 when pid is surely gone: no such process, or a zombie (exited; its device memory is already
-   gone); else -1, cannot tell (the lease decides). A start time that differs from the one the
+/* 0 when pid is surely gone: no such process, or one that has exited and awaits its reaping
+   (../common/proc_exit.h: a zombie leader whose other threads run on, after pthread_exit(), is
+   alive); else -1, cannot tell (the lease decides). A start time that differs from the one the
    process wrote proves nothing while its lease is held: the kernel shifts it by the reader's
    time namespace (a CRIU-restored container's workers read other values than their peers), and
    a pid cannot be reused while its lease is held. A /proc entry the reader cannot see (hidepid=2,
@@ -68,10 +71,7 @@ static uint64_t apl_proc_start_time(int pid) {
 static int apl_proc_gone_here(int pid) {
     if (pid <= 0) return 0;
     if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
-    char state;
-    uint64_t start;
-    if (apl_read_stat(pid, &state, &start) != 0) return -1;
-    return state == 'Z' || state == 'X' ? 0 : -1;
+    return ap_proc_exited(pid) ? 0 : -1;
 }
 
 

@@ -33,6 +33,7 @@
 #include <unistd.h>
 
 #include "../common/host_ids.h"
+#include "../common/proc_exit.h"
 #include "sim_internal.h"
 
 /* Reads state (field 3) and start time (field 22). 0 ok, -1 no such process, -2 unreadable. */
@@ -388,10 +389,9 @@ int sim_proc_owner_alive(int pid, uint64_t id, uint64_t pidns, uint64_t start_ti
     if (lease == 1 && pid > 0 && pidns && pidns == sim_proc_pidns() && proc_is_ours()) {
         if (kill(pid, 0) != 0 && errno == ESRCH)
             return 0; /* gone */
-        char state;
-        uint64_t start;
-        if (read_stat(pid, &state, &start) == 0 && (state == 'Z' || state == 'X'))
-            return 0; /* a zombie: its lease drops a moment later */
+        if (ap_proc_exited(pid))
+            return 0; /* exited, not reaped: its lease drops a moment later (not a leader that
+                         called pthread_exit(): a zombie too, while its other threads run on) */
     }
     return lease;
 }
