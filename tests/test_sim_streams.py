@@ -13,9 +13,9 @@ def test_event_after_delayed_fill_completes_only_when_the_fill_is_done(sim_node)
         init()
         p = malloc(4096)
         s = stream(); e = event()
-        never = event()   # never recorded: complete, under both numberings
-        assert query_status(never) == 1 and query_old(never) == 0
-        ok("aclrtSynchronizeEvent", never)
+        never = event()   # never recorded: CANN's RT_EVENT_INIT, not CUDA's "complete"
+        assert query_status(never) == 0 and query_old(never) == 0  # NOT_READY; deprecated: COMPLETE
+        ok("aclrtSynchronizeEvent", never)                        # returns at once
         t0 = time.monotonic()
         sim.launch_fill(s, p, 4096, 0xAB, delay_s=0.3)
         ok("aclrtRecordEvent", e, s)
@@ -68,10 +68,32 @@ def test_stream_wait_event_orders_two_streams(sim_node):
         assert query_status(ev) == 0                 # the event now tracks the hung stream
         sim.release_stream(c)
         ok("aclrtSynchronizeEvent", ev)
-        # waiting on a never-recorded event is a no-op
-        fresh = event()
-        ok("aclrtStreamWaitEvent", b, fresh)
+        # CANN refuses a wait on a never-recorded event (Event::Wait: "the event has not been
+        # recorded"); with ACL_EVENT_SYNC, or after a reset, the wait would block the stream until
+        # the next record: the simulator refuses those too
+        assert code("aclrtStreamWaitEvent", b, event()) == 107000 and "never been recorded" in errmsg()
+        assert code("aclrtStreamWaitEvent", b, event(flags=1)) == 107000
+        ok("aclrtRecordEvent", ev, a); ok("aclrtStreamWaitEvent", b, ev); ok("aclrtResetEvent", ev, b)
+        assert code("aclrtStreamWaitEvent", c, ev) == 107000 and "reset" in errmsg()
         ok("aclrtSynchronizeStreamWithTimeout", b, 1000)
+    """)
+
+
+def test_a_reset_event_still_answers_for_its_last_record(sim_node):
+    """CANN's Event::Reset keeps the latest record: aclrtQueryEventStatus and aclrtSynchronizeEvent
+    still answer for it (before, the simulator forgot it and answered COMPLETE at once)."""
+    sim_node.run("""
+        init()
+        a, b = stream(), stream()
+        e = event(flags=1)
+        sim.hang_stream(a)
+        ok("aclrtRecordEvent", e, a); ok("aclrtStreamWaitEvent", b, e); ok("aclrtResetEvent", e, b)
+        assert query_status(e) == 0 and query_old(e) == 1          # the record on A has not run
+        assert code("aclrtSynchronizeEventWithTimeout", e, 100) == 507047
+        sim.release_stream(a)
+        ok("aclrtSynchronizeEvent", e)
+        assert query_status(e) == 1 and query_old(e) == 0
+        ok("aclrtSynchronizeStream", b)
     """)
 
 

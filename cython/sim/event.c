@@ -2,9 +2,17 @@
  *
  * An event holds (stream, position) from its latest aclrtRecordEvent; it is complete once that
  * stream's worker has completed `position` items, i.e. has passed the record. An event never
- * recorded counts as complete (as in CUDA), so waiting on it is a no-op. aclrtStreamWaitEvent
- * captures the (stream, position) pair at call time, as CUDA does: recording the event again
- * later does not change what the waiting stream waits for.
+ * recorded is not CUDA's "complete" event: CANN's runtime (hicann/runtime, Event::QueryEventStatus,
+ * Event::Wait, Event::Synchronize, for events of aclrtCreateEvent[WithFlag]) answers NOT_READY to
+ * aclrtQueryEventStatus, COMPLETE to the deprecated aclrtQueryEvent and returns at once from
+ * aclrtSynchronizeEvent. aclrtStreamWaitEvent on it is refused for an event without flags ("the
+ * event has not been recorded", RT_ERROR_INVALID_VALUE = 107000); one with ACL_EVENT_SYNC
+ * (RT_EVENT_DDSYNC_NS) gets its wait sent, which blocks the stream until the event is recorded.
+ * aclrtResetEvent does not forget the last record: queries and syncs still answer for it; a wait
+ * after the reset, too, blocks until the event is recorded again. The simulator refuses every
+ * such wait with 107000 (its choice where the runtime would block) rather than hang a stream.
+ * aclrtStreamWaitEvent captures the (stream, position) pair at call time, as CUDA does: recording
+ * the event again later does not change what the waiting stream waits for.
  *
  * At most sim_event_limit(device) events may be live per device (65,536; 1,023 on Atlas
  * inference cards, per CANN's event pages); past that aclrtCreateEvent fails with
@@ -34,6 +42,7 @@ struct sim_event {
     struct sim_stream *stream; /* latest record (a reference), NULL if never recorded */
     uint64_t pos;
     int waited;                /* a stream waited on it since the last record or reset */
+    int reset;                 /* reset since its last record: a wait would block until the next record */
     struct sim_stream *reset_stream; /* the latest reset's stream (a reference) and its position */
     uint64_t reset_pos;
 };
@@ -183,13 +192,14 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
     struct sim_stream *old = e->stream;
     e->stream = s; /* our reference moves into the event */
     e->pos = pos;
+    e->reset = 0;
     pthread_mutex_unlock(&e->mu);
     sim_stream_put(old);
     sim_obj_unref(&e->obj);
     return ACL_SUCCESS;
 }
 
-/* 1 complete, 0 not yet; or an aclError (negated to tell it apart). */
+/* 1 complete, 0 not yet, 2 never recorded; or an aclError (negated to tell it apart). */
 static int query(aclrtEvent event, int *status, const char *call)
 {
     int rc = sim_require_init(call);
@@ -206,7 +216,7 @@ static int query(aclrtEvent event, int *status, const char *call)
     }
     uint64_t pos;
     struct sim_stream *s = snapshot(e, &pos);
-    int done = !s || sim_stream_is_done(s, pos);
+    int done = !s ? 2 : sim_stream_is_done(s, pos);
     sim_stream_put(s);
     sim_obj_unref(&e->obj);
     return done;
@@ -218,12 +228,14 @@ SIM_EXPORT aclError aclrtQueryEventStatus(aclrtEvent event, int *status)
     int r = query(event, status, "aclrtQueryEventStatus");
     if (r < 0)
         return -r;
-    *status = r ? ACL_EVENT_RECORDED_STATUS_COMPLETE : ACL_EVENT_RECORDED_STATUS_NOT_READY;
+    /* Never recorded: RT_EVENT_INIT, which the ACL layer answers as NOT_READY (CANN; CUDA says done). */
+    *status = r == 1 ? ACL_EVENT_RECORDED_STATUS_COMPLETE : ACL_EVENT_RECORDED_STATUS_NOT_READY;
     return ACL_SUCCESS;
 }
 #endif
 
-/* Deprecated in CANN, with the opposite numbering: COMPLETE = 0, NOT_READY = 1. */
+/* Deprecated in CANN, with the opposite numbering: COMPLETE = 0, NOT_READY = 1. Never recorded:
+   COMPLETE (rtEventQuery answers "not complete" only for a record still running). */
 SIM_EXPORT aclError aclrtQueryEvent(aclrtEvent event, int *status)
 {
     int r = query(event, status, "aclrtQueryEvent");
@@ -277,20 +289,34 @@ SIM_EXPORT aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
         sim_obj_unref(&e->obj);
         return rc;
     }
-    uint64_t pos;
-    struct sim_stream *src = snapshot(e, &pos);
-    if (src) { /* a wait on a recorded event: it needs a reset before its next record */
-        pthread_mutex_lock(&e->mu);
+    uint64_t pos = 0;
+    pthread_mutex_lock(&e->mu);
+    struct sim_stream *src = e->stream;
+    int reset = e->reset;
+    if (src && !reset) { /* a wait on a recorded event: it needs a reset before its next record */
+        sim_obj_ref(&src->obj);
+        pos = e->pos;
         e->waited = 1;
-        pthread_mutex_unlock(&e->mu);
     }
+    pthread_mutex_unlock(&e->mu);
     sim_obj_unref(&e->obj);
+    if (!src || reset) {
+        sim_stream_put(target);
+        if (!src)
+            return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                            "event %p has never been recorded: record it (aclrtRecordEvent) before a stream "
+                            "waits on it (on an NPU the wait fails, or with ACL_EVENT_SYNC blocks the stream "
+                            "until a record)", event);
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "event %p was reset (aclrtResetEvent) and not recorded since: on an NPU this wait "
+                        "would block until the event is recorded again", event);
+    }
     if (src && sim_stream_is_done(src, pos)) { /* already complete: the wait would be a no-op item
                                                   (skipping it keeps idle streams idle) */
         sim_stream_put(src);
         src = NULL;
     }
-    if (src) { /* never recorded: nothing to wait for */
+    if (src) {
         struct sim_work *w = calloc(1, sizeof *w);
         if (!w) {
             sim_stream_put(src);
@@ -324,9 +350,10 @@ SIM_EXPORT aclError aclrtDestroyEvent(aclrtEvent event)
     return ACL_SUCCESS;
 }
 
-/* Returns the event to its initial state (never recorded) so that it may be recorded again. The
-   runtime orders the reset on `stream` (the waiting one, after its wait); a wait already enqueued
-   captured its position, so resetting at once is the same as resetting in stream order here. */
+/* Lets the event be recorded again after a wait. The runtime orders the reset on `stream` (the
+   waiting one, after its wait); a wait already enqueued captured its position, so resetting at
+   once is the same as resetting in stream order here. The last record stays what queries and
+   syncs answer for (CANN's Event::Reset keeps it); only a new wait needs a new record. */
 SIM_EXPORT aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
 {
     static const char call[] = "aclrtResetEvent";
@@ -345,14 +372,12 @@ SIM_EXPORT aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
     uint64_t reset_pos;
     sim_stream_mark(s, &reset_pos, call); /* ordered after the waiting stream's queued work */
     pthread_mutex_lock(&e->mu);
-    struct sim_stream *old = e->stream, *old_reset = e->reset_stream;
-    e->stream = NULL;
-    e->pos = 0;
+    struct sim_stream *old_reset = e->reset_stream;
     e->waited = 0;
+    e->reset = 1;
     e->reset_stream = s; /* our reference moves into the event */
     e->reset_pos = reset_pos;
     pthread_mutex_unlock(&e->mu);
-    sim_stream_put(old);
     sim_stream_put(old_reset);
     sim_obj_unref(&e->obj);
     return ACL_SUCCESS;
