@@ -160,6 +160,23 @@ def test_host_memory_is_page_aligned_and_tracked(sim_node):
     """)
 
 
+def test_host_memory_needs_a_current_context_to_allocate_not_to_free(sim_node):
+    """CANN's HostMalloc checks the thread's context (107002 without one), HostFree does not
+    (hicann/runtime ApiImpl::HostMalloc / HostFree): a backend that pins memory from a thread
+    without a device must set one first."""
+    sim_node.run("""
+        ok("aclInit", None)
+        h = C.c_void_p()
+        assert code("aclrtMallocHost", C.byref(h), 4096) == 107002 and "no current device" in errmsg()
+        ok("aclrtSetDevice", 0)
+        ok("aclrtMallocHost", C.byref(h), 4096)
+        out = []
+        t = threading.Thread(target=lambda: out.append(code("aclrtFreeHost", h)))  # no device there
+        t.start(); t.join()
+        assert out == [0]
+    """)
+
+
 def test_poison_fills_freed_memory(sim_node):
     sim_node.run("""
         init()

@@ -2,7 +2,8 @@
  *
  * Page-aligned mappings tracked like device memory (dmem.c), so a double free or an unknown
  * pointer is answered with ACL_ERROR_RT_MEMORY_FREE instead of corrupting anything. Host memory
- * does not count against device capacity.
+ * does not count against device capacity. aclrtMallocHost needs a current context, as CANN's
+ * (ApiImpl::HostMalloc); aclrtFreeHost works without one.
  */
 #include <errno.h>
 #include <string.h>
@@ -20,6 +21,10 @@ SIM_EXPORT aclError aclrtMallocHost(void **hostPtr, size_t size)
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "hostPtr is NULL");
     if (size == 0)
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "size is 0");
+    /* CANN's HostMalloc needs a current context (107002 without); its HostFree does not. */
+    int dev;
+    if ((rc = sim_current_device(call, &dev)) != 0)
+        return rc;
     struct sim_alloc *a = sim_alloc_map(size, (size_t)sysconf(_SC_PAGESIZE), 0);
     if (!a)
         return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call, "cannot map %zu bytes of host memory (%s)",
