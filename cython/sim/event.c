@@ -250,8 +250,9 @@ static aclError sync_event(aclrtEvent event, int32_t timeout, const char *call)
     int rc = sim_require_init(call);
     if (rc)
         return rc;
-    if (timeout < -1)
-        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "timeout %d ms is invalid (-1 waits forever)", (int)timeout);
+    if (timeout < -1) /* ACL answers the runtime's code here, not 100000 (aclrtSynchronizeEventWithTimeoutImpl) */
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "timeout %d ms is invalid: [-1, INT_MAX] (-1 waits forever)",
+                        (int)timeout);
     struct sim_event *e = NULL;
     if ((rc = get_event(event, call, &e)) != 0)
         return rc;

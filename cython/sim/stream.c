@@ -305,8 +305,9 @@ static aclError sync_stream(aclrtStream stream, int32_t timeout, const char *cal
     int rc = sim_require_init(call);
     if (rc)
         return rc;
-    if (timeout < -1)
-        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "timeout %d ms is invalid (-1 waits forever)", (int)timeout);
+    if (timeout < -1) /* ACL answers the runtime's code here, not 100000 (aclrtSynchronizeStreamWithTimeoutImpl) */
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "timeout %d ms is invalid: [-1, INT_MAX] (-1 waits forever)",
+                        (int)timeout);
     /* The runtime's StreamSynchronize needs a current context, whichever stream it waits for
        (hicann/runtime ApiImpl::StreamSynchronize: 107002 without one). */
     if (!sim_current_context())
