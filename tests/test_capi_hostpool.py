@@ -150,3 +150,30 @@ def test_threads_share_a_pool_without_overlap(hp):
         t.join()
     assert not errors
     assert hp.memory_stats()["allocated_bytes.all.current"] == 0
+
+
+# Each in a child process on its own simulated node: device references are counted per process.
+import os  # noqa: E402
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
+
+
+def test_a_host_pool_holds_a_device_reference_for_its_life(sim_node):
+    """CANN releases a device (its default context, streams and events) at its last
+    aclrtResetDevice, and asks that events go first. A host pool used with no device pool open
+    held no reference: each of its runtime calls set the device up and tore it down again, under
+    its pinned memory and its events (device_refs 0 while it held both)."""
+    sim_node.run("""
+        from ascend_pool._core import Backend, HostPool
+        b = Backend("sim")
+        hp = HostPool(b, 0)
+        p = hp.malloc(4096)
+        hp.record_stream(p, None)
+        hp.free(p)                                     # parked behind an event
+        assert sim.stats(0)["device_refs"] == 1, sim.stats(0)["device_refs"]
+        hp.close()
+        assert sim.stats(0)["device_refs"] == 0
+    """)
+

@@ -13,6 +13,9 @@
  *                    a context released behind the pool's reference (no last reset there); the
  *                    last reset, which waits for the default context's queued work, runs at
  *                    ap_pool_destroy's end, with no pool lock and without the GIL.
+ *   ap_host_pool.lock (host/hostpool.c) the pinned host pool; under it acl_dev.lock may be taken
+ *                    for a device's first event (device_retain: aclrtSetDevice, never a reset); its
+ *                    device references go back at ap_host_pool_destroy, with no lock held.
  *   the GIL          never taken by C code; every Python method that takes ap_pool.lock releases
  *                    the GIL first (pool.pxi), so a waiter on the mutex never stops the interpreter.
  *                    (The C ABI calls into Python before taking any pool lock, and only for a thread

@@ -57,6 +57,11 @@ struct ap_host_pool {
     void *events[EVENT_CACHE]; /* idle events for reuse, with the device each was made on */
     int event_devices[EVENT_CACHE];
     int n_events;
+    /* Devices this pool holds a runtime reference on (bit d: device d), given back at destroy.
+       CANN releases a device's default context, streams and events at its last aclrtResetDevice;
+       without a reference of its own, each runtime call of a host pool outside any device pool's
+       life would set the device up and tear it down again, under its pinned memory and events. */
+    uint64_t held_devices;
     ap_host_stats stats;
 };
 
@@ -239,6 +244,14 @@ static void release_cached(ap_host_pool *hp) {
 
 /* ---- events ----------------------------------------------------------------------------------------- */
 
+/* One reference per device for the pool's life (device_retain: aclrtSetDevice on acl), taken
+   before the first runtime object of that device is made. A failure is left to the call that
+   follows, which then fails with the runtime's own code. */
+static void hold_device(ap_host_pool *hp, int device) {
+    if (device < 0 || device >= 64 || (hp->held_devices >> device & 1)) return;
+    if (hp->backend->device_retain(hp->backend, device) == 0) hp->held_devices |= (uint64_t)1 << device;
+}
+
 static int take_event(ap_host_pool *hp, int device, void **event) {
     for (int i = hp->n_events; i-- > 0;)
         if (hp->event_devices[i] == device) {
@@ -248,6 +261,7 @@ static int take_event(ap_host_pool *hp, int device, void **event) {
             hp->event_devices[i] = hp->event_devices[hp->n_events];
             return 0;
         }
+    hold_device(hp, device);
     int rc = hp->backend->event_create(hp->backend, device, event);
     if (rc == 0) hp->stats.events_created++;
     return rc;
@@ -355,6 +369,7 @@ ap_host_pool *ap_host_pool_create(ap_backend *backend, int device, ap_error *err
     pthread_mutex_init(&hp->lock, NULL);
     hp->backend = backend;
     hp->device = device;
+    hold_device(hp, device);
     return hp;
 }
 
@@ -377,6 +392,9 @@ void ap_host_pool_destroy(ap_host_pool *hp) {
         free(s);
     }
     for (int i = 0; i < hp->n_events; i++) hp->backend->event_destroy(hp->backend, hp->events[i]);
+    /* Last, as CANN orders it: events and memory first, then the device references. */
+    for (int d = 0; d < 64; d++)
+        if (hp->held_devices >> d & 1) hp->backend->device_release(hp->backend, d);
     ap_map_destroy(&hp->map);
     pthread_mutex_destroy(&hp->lock);
     free(hp);
