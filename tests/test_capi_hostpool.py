@@ -177,3 +177,30 @@ def test_a_host_pool_holds_a_device_reference_for_its_life(sim_node):
         assert sim.stats(0)["device_refs"] == 0
     """)
 
+
+def test_a_buffer_marked_with_another_devices_default_stream_waits_for_that_stream(sim_node):
+    """record_stream(ptr, None, device=1) is device 1's default stream. The host pool never named
+    the device to the backend, so its record ran on the default stream of the device the thread
+    used last (0 here): refused, and the fallback waited for device 0's stream: the buffer was
+    handed out again while device 1's default stream still ran."""
+    sim_node.run("""
+        import ascend_pool as ap
+        from ascend_pool._core import HostPool
+        pool0 = ap.default_pool(0)
+        x = pool0.malloc(1 << 20)                       # this thread's last device: 0
+        ready, done = threading.Event(), threading.Event()
+        def dev1():                                     # device 1's default stream, busy
+            ok("aclrtSetDevice", 1); sim.hang_stream(None); ready.set(); done.wait()
+            sim.release_stream(None); ok("aclrtSynchronizeStream", None)
+        t = threading.Thread(target=dev1, daemon=True); t.start(); ready.wait()
+        hp = HostPool(pool0.backend, 1)
+        p = hp.malloc(4096)
+        hp.record_stream(p, None)
+        hp.free(p)
+        assert hp.memory_stats()["pending_free_blocks"] == 1
+        assert hp.malloc(4096) != p                     # not reused while the stream runs
+        done.set(); t.join()
+        hp.empty_cache()
+        assert hp.memory_stats()["pending_free_blocks"] == 0
+        hp.close()
+    """)

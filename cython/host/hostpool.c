@@ -321,6 +321,9 @@ static int park(ap_host_pool *hp, host_block *b, ap_error *err) {
         void *ev = NULL;
         rc = take_event(hp, u->devices[i], &ev);
         if (rc != 0) break;
+        /* The stream's device names the context of the record: NULL is that device's default
+           stream, not that of whichever device this thread used last. */
+        be->set_device(be, u->devices[i]);
         rc = be->event_record(be, ev, u->streams[i]);
         if (rc != 0) {
             give_event(hp, ev, u->devices[i]);
@@ -344,6 +347,7 @@ static int park(ap_host_pool *hp, host_block *b, ap_error *err) {
     for (int i = 0; i < u->n_events; i++) give_event(hp, u->events[i], u->event_devices[i]);
     u->n_events = 0;
     for (int i = 0; i < u->n_uses; i++) {
+        be->set_device(be, u->devices[i]);
         int src = be->stream_sync(be, u->streams[i], STREAM_SYNC_MS);
         if (src != 0) {
             b->state = HB_LOST;
