@@ -223,13 +223,35 @@ def test_cupy_memory_returns_to_the_pool_when_cupy_drops_it(monkeypatch):
     assert empty.ptr == 0 and empty.mem.size == 0
 
 
+def test_cupy_limit_string_parses_as_cupys_with_both_keys(monkeypatch):
+    # CuPy's test_parse_limit_string: its dict always has "size" and "fraction", the one not
+    # given None (a port read param["fraction"] after a size and got KeyError); with no
+    # argument the variable is read, as CuPy's _parse_limit_string(limit=None)
+    from ascend_pool.integrations import cupy as ap_cupy
+
+    for text, size, fraction in (("0", 0, None), ("1073741824", 1073741824, None), ("0%", None, 0.0),
+                                 ("40%", None, 0.4), ("70.5%", None, 0.705), ("100%", None, 1.0)):
+        param = ap_cupy.parse_limit(text)
+        assert param["size"] == size and param["fraction"] == fraction, text
+    monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", "25%")
+    assert ap_cupy.parse_limit() == {"size": None, "fraction": 0.25}
+    pool = ap.Pool(0, backend="sim")
+    try:
+        pool.set_limit(**ap_cupy.parse_limit("1048576"))
+        assert pool.get_limit() == 1 << 20
+        pool.set_limit(**ap_cupy.parse_limit("50%"))
+        assert pool.get_limit() == pool.mem_get_info()[1] // 2
+    finally:
+        pool.close()
+
+
 def test_cupy_hook_keeps_cupys_memory_limit_variable_and_out_of_memory_class(monkeypatch):
     fake = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     from ascend_pool.integrations import cupy as ap_cupy
 
-    assert ap_cupy.parse_limit("") is None and ap_cupy.parse_limit("1048576") == {"size": 1 << 20}
-    assert ap_cupy.parse_limit("50%") == {"fraction": 0.5}
+    assert ap_cupy.parse_limit("") is None and ap_cupy.parse_limit("1048576") == {"size": 1 << 20, "fraction": None}
+    assert ap_cupy.parse_limit("50%") == {"size": None, "fraction": 0.5}
     for bad in ("1GB", "-5", "150%"):
         with pytest.raises(ConfigError, match="CUPY_GPU_MEMORY_LIMIT"):
             ap_cupy.parse_limit(bad)

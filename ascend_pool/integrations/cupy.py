@@ -65,9 +65,14 @@ _returned = 0      # CuPy blocks given back so far (_Allocation.__del__)
 _limited_devices = set()  # devices whose default pool got $CUPY_GPU_MEMORY_LIMIT
 
 
-def parse_limit(text):
-    """$CUPY_GPU_MEMORY_LIMIT as CuPy reads it: "" -> None, "N" -> {"size": N} bytes, "P%" ->
-    {"fraction": P / 100}. Anything else is a ConfigError naming the variable."""
+def parse_limit(text=None):
+    """$CUPY_GPU_MEMORY_LIMIT as CuPy reads it (text None: the variable itself, as CuPy's
+    _parse_limit_string): "" -> None, "N" -> {"size": N, "fraction": None} bytes, "P%" ->
+    {"size": None, "fraction": P / 100}, both keys always there as in CuPy's dict (code written
+    for it reads param["fraction"] after a size); pool.set_limit(**it) takes it. Anything else
+    is a ConfigError naming the variable."""
+    if text is None:
+        text = os.environ.get("CUPY_GPU_MEMORY_LIMIT")
     text = (text or "").strip()
     if not text:
         return None
@@ -76,11 +81,11 @@ def parse_limit(text):
             fraction = float(text[:-1]) / 100
             if not 0 <= fraction <= 1:
                 raise ValueError
-            return {"fraction": fraction}
+            return {"size": None, "fraction": fraction}
         size = int(text)
         if size < 0:
             raise ValueError
-        return {"size": size}
+        return {"size": size, "fraction": None}
     except ValueError:
         raise ConfigError(f"CUPY_GPU_MEMORY_LIMIT={text!r}: expected a byte count or a percentage "
                           "from 0% to 100%") from None
