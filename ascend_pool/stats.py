@@ -58,6 +58,10 @@ _ROWS = (
 
 _KINDS = (("all", "all"), ("small_pool", "small"), ("large_pool", "large"))
 
+# torch.cuda.memory_summary's last rows (no per-pool split, shown abbreviated too): blocks and
+# segments of max_split_size_mb or more, which are never split
+_OVERSIZE_ROWS = (("Oversize allocations", "oversize_allocations"), ("Oversize segments", "oversize_segments"))
+
 
 def summary(stats, device, backend_name, abbreviated=False):
     """A fixed-width table of current/peak/allocated/freed per pool (abbreviated: the "all" rows
@@ -69,6 +73,9 @@ def summary(stats, device, backend_name, abbreviated=False):
         for kind, label in _KINDS[:1] if abbreviated else _KINDS:
             vals = [stats[f"{key}.{kind}.{m}"] for m in ("current", "peak", "allocated", "freed")]
             lines.append(f"{title if kind == 'all' else '':<24}{label:<8}" + "".join(f"{fmt(v, is_bytes):>14}" for v in vals))
+    for title, key in _OVERSIZE_ROWS:
+        vals = [stats[f"{key}.{m}"] for m in ("current", "peak", "allocated", "freed")]
+        lines.append(f"{title:<24}{'all':<8}" + "".join(f"{v:>14}" for v in vals))
     lines += [
         f"cached free {format_bytes(stats['cached_free_bytes'])}, largest free block "
         f"{format_bytes(stats['largest_free_block_bytes'])}, external fragmentation "

@@ -66,3 +66,21 @@ def test_torch_memory_summary_reads_our_stats(monkeypatch):
         pool.free(keep)
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("abbreviated", [False, True])
+def test_our_memory_summary_shows_the_oversize_rows_as_torchs(abbreviated):
+    # torch.cuda.memory_summary ends with "Oversize allocations" and "Oversize GPU segments"
+    # (abbreviated too); ours had neither, so the figures were in memory_stats() alone
+    pool = ap.Pool(0, backend="sim", max_split_size_mb=32)
+    try:
+        keep = pool.malloc(40 * MiB)
+        text = pool.memory_summary(abbreviated=abbreviated)
+        for title, key in (("Oversize allocations", "oversize_allocations"), ("Oversize segments", "oversize_segments")):
+            row = next(line for line in text.splitlines() if line.startswith(title))
+            st = pool.memory_stats()
+            assert row.split()[-4:] == [str(st[f"{key}.{m}"]) for m in ("current", "peak", "allocated", "freed")]
+        assert next(line for line in text.splitlines() if line.startswith("Oversize allocations")).split()[-4] == "1"
+        pool.free(keep)
+    finally:
+        pool.close()
