@@ -274,6 +274,9 @@ TORCH_KEY_RULES = {
     "segment_size_mb": _torch_mib_range(20, 512),
     "multi_stream_lazy_reclaim": _torch_flag,
     "release_lock_on_npumalloc": _torch_flag,
+    # refuse a request past per_process_memory_fraction before calling the runtime: this pool
+    # never calls it past its cap, so True is what it does anyway
+    "throw_on_npumalloc_oom": _torch_flag,
     "pin_memory_expandable_segments": _torch_flag,
     "pinned_mem_register": _torch_flag,
     "base_addr_aligned_kb": _torch_npu_int(0, 16),

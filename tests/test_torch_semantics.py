@@ -182,6 +182,7 @@ def test_roundup_power2_divisions_bad_values_are_config_errors(bad):
     ("segment_size_mb:1024", "segment_size_mb"),                                  # torch_npu: 20 to 512
     ("multi_stream_lazy_reclaim:none", "multi_stream_lazy_reclaim"),
     ("release_lock_on_npumalloc:none", "release_lock_on_npumalloc"),
+    ("throw_on_npumalloc_oom:maybe", "throw_on_npumalloc_oom"),                  # torch_npu's test_config_parsing_invalid_value
     ("base_addr_aligned_kb:abc", "base_addr_aligned_kb"),
 ])
 def test_segment_size_values_torch_npu_refuses_are_config_errors(bad, named):
@@ -211,14 +212,16 @@ def test_every_torch_npu_key_is_accepted_with_one_warning_where_it_means_nothing
     text = ("base_addr_aligned_kb:16,pin_memory_expandable_segments:False,pinned_mem_register:False,"
             "segment_size_mb:64,multi_stream_lazy_reclaim:True,pinned_reserve_segment_size_mb:8,"
             "release_lock_on_npumalloc:True,max_non_split_rounding_mb:256,pinned_use_background_threads:False,"
-            "per_process_memory_fraction:0.5,page_size:1g,garbage_collection_threshold:0.6")
+            "per_process_memory_fraction:0.5,page_size:1g,garbage_collection_threshold:0.6,"
+            "throw_on_npumalloc_oom:True")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         cfg = _cfg(text)
         _cfg(text)
     assert cfg["limit_bytes"] == TOTAL // 2 and cfg["page_size"] == 1 << 30 and cfg["gc_threshold"] == 0.6
     msgs = [str(x.message) for x in w]
-    for key in ("base_addr_aligned_kb", "segment_size_mb", "multi_stream_lazy_reclaim", "release_lock_on_npumalloc"):
+    for key in ("base_addr_aligned_kb", "segment_size_mb", "multi_stream_lazy_reclaim", "release_lock_on_npumalloc",
+                "throw_on_npumalloc_oom"):
         assert sum(repr(key) in m for m in msgs) == 1, f"{key}: one warning, once per process"
     with pytest.raises(ap.ConfigError, match="no_such_knob"):
         _cfg("no_such_knob:1")
