@@ -56,7 +56,7 @@ import os
 import warnings
 
 from .errors import ConfigError
-from .units import parse_bytes
+from .units import as_index, parse_bytes
 
 ENV_VAR = "ASCEND_POOL_CONF"
 log = logging.getLogger(__name__)
@@ -106,8 +106,10 @@ def history_settings(enabled, stacks, max_entries, context="all"):
     on = enabled not in (None, False)
     if enabled not in (None, False, True, "all", "state"):
         raise ConfigError(f"enabled must be True, 'all', 'state', None or False, got {enabled!r}")
-    if on and (isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0):
+    n = as_index(max_entries)  # a numpy integer too, as torch's int argument takes it
+    if on and (n is None or n <= 0):
         raise ConfigError(f"max_entries must be a positive int, got {max_entries!r}")
+    max_entries = n
     if stacks not in HISTORY_STACKS:
         raise ConfigError(f"stacks must be 'python', 'all' or None, got {stacks!r}")
     if context not in HISTORY_CONTEXTS:

@@ -94,6 +94,21 @@ def test_history_without_stacks_records_events_without_frames(pool):
     assert all(e["frames"] == [] for e in trace)
 
 
+def test_max_entries_takes_a_numpy_integer_as_torchs_int_argument(pool):
+    # torch's max_entries is an int that pybind11 takes through __index__ (numpy's too); ours
+    # refused numpy.int64 with ConfigError, pool by pool and for the process
+    import numpy
+    pool.record_memory_history(enabled=True, stacks=None, max_entries=numpy.int64(3))
+    for _ in range(4):
+        pool.free(pool.malloc(512))
+    assert len(pool.snapshot()["device_traces"][0]) == 3
+    ap.record_memory_history(True, stacks=None, max_entries=numpy.uint32(5))
+    ap.record_memory_history(None)
+    for bad in (True, numpy.float64(3.0), numpy.int64(0)):
+        with pytest.raises(ap.ConfigError, match="max_entries"):
+            pool.record_memory_history(enabled=True, max_entries=bad)
+
+
 @pytest.mark.parametrize("bad", [dict(max_entries=0), dict(max_entries="many"), dict(stacks="cpp")])
 def test_bad_history_settings_are_config_errors(pool, bad):
     with pytest.raises(ap.ConfigError):
