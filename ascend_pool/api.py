@@ -496,8 +496,10 @@ def caching_allocator_delete(ptr):
     on the pool that made it, whatever the current device or context; InvalidPointerError when no
     open pool of this process holds a live block at ptr; 0 (the null address that a 0-byte
     caching_allocator_alloc returns) is a no-op, as torch's."""
-    if not isinstance(ptr, int) or isinstance(ptr, bool):
+    address = as_index(ptr)  # a numpy integer too, as pool.free and torch's raw_delete take it
+    if address is None:
         raise InvalidPointerError(f"caching_allocator_delete: ptr must be an int address, got {ptr!r}")
+    ptr = address
     if ptr == 0:
         return
     mine = _current.top(current_device()) or _registry.default_pool(current_device())

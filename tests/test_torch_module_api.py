@@ -82,6 +82,10 @@ def test_caching_allocator_alloc_and_delete_find_the_pool_that_made_the_block():
     s = pool.create_stream()
     ptr = ap.caching_allocator_alloc(4096, stream=s)
     ap.caching_allocator_delete(ptr)
+    # an address kept in a numpy integer, as torch's raw_delete (an int argument) and pool.free take it
+    ap.caching_allocator_delete(numpy.uint64(ap.caching_allocator_alloc(4096)))
+    with pytest.raises(ap.InvalidPointerError, match="int address"):
+        ap.caching_allocator_delete(numpy.float64(4096))
     # torch raises TypeError for a stream of the wrong type: ours is both
     with pytest.raises(TypeError, match="stream") as e:
         ap.caching_allocator_alloc(4096, stream="side")
