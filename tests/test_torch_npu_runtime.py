@@ -289,3 +289,37 @@ def test_torch_accelerator_memory_functions_answer_from_ascend_pool_when_the_npu
             acc.memory_stats("cpu")
     finally:
         ap.free(ptr, device=0)
+
+
+def test_snapshot_functions_take_torchs_arguments(fake_torch_npu, tmp_path, monkeypatch):
+    # torch's memory_snapshot(mempool_id=None, include_traces=True), _snapshot(device=None,
+    # augment_with_fx_traces=False) and _dump_snapshot(filename, augment_with_fx_traces=False),
+    # which torch.accelerator.memory.snapshot(device, augment_with_fx_traces=...) passes on to
+    # the device module: the patched ones took fewer arguments and raised TypeError
+    import pickle
+    import warnings
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    npu = sys.modules["torch_npu.npu"]
+    npu.is_initialized = lambda: True
+    monkeypatch.setattr(ap_npu, "_fx_warned", [])
+    ap_npu.patch_memory_functions(fake_torch_npu, npu)
+    ctx = ap.default_pool(0).context("torch-mempool")
+    try:
+        with ctx:
+            ptr = ap.malloc(1 << 20, device=0)
+        mine = npu.memory_snapshot(mempool_id=ctx.pool_id, include_traces=False)
+        assert mine and all(s["segment_pool_id"] == ctx.pool_id for s in mine)
+        assert len(npu.memory_snapshot(ctx.pool_id)) == len(mine) <= len(npu.memory_snapshot())
+        with pytest.raises(ap.ConfigError, match="mempool_id"):
+            npu.memory_snapshot(mempool_id="mine")
+        assert "segments" in npu._snapshot(0, augment_with_fx_traces=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert "segments" in fake_torch_npu._snapshot("npu:0", augment_with_fx_traces=True)
+            npu._dump_snapshot(str(tmp_path / "s.pickle"), augment_with_fx_traces=True)
+        assert [str(w.message).count("FX") for w in caught] == [1], "one warning, once"
+        assert any(s["segment_pool_id"] == ctx.pool_id for s in pickle.loads((tmp_path / "s.pickle").read_bytes())["segments"])
+        ap.free(ptr, device=0)
+    finally:
+        ctx.close()

@@ -35,7 +35,8 @@ max_memory_reserved ... built on it), reset_peak_memory_stats and reset_accumula
 too: they reach the same missing hook from C. They take torch's arguments: a device as an int, "npu:N"
 or torch.device("npu", N) (another device type is a ValueError, as in torch), and
 _record_memory_history's current and legacy (bool first) signatures, max_entries=sys.maxsize
-clamped to config.MAX_HISTORY_ENTRIES. Before torch_npu has initialised the runtime
+clamped to config.MAX_HISTORY_ENTRIES, memory_snapshot's mempool_id and include_traces, and
+_snapshot's and _dump_snapshot's augment_with_fx_traces (no FX frames here: True warns once). Before torch_npu has initialised the runtime
 (torch_npu.npu.is_initialized() false) they open nothing, as torch_npu's own answer then: stats {}
 (memory_allocated(0) reads 0), resets do nothing, _snapshot shows the pools made so far; a stats
 call naming a device would otherwise open its pool, and with it call aclInit before torch_npu's
@@ -45,6 +46,7 @@ ascend_pool.memory_stats(device) and friends instead.
 
 import importlib
 import sys
+import warnings
 from collections import OrderedDict
 
 from .. import api, config
@@ -124,6 +126,18 @@ def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_
                               global_record_annotations=global_record_annotations, skip_actions=skip_actions)
 
 
+_fx_warned = []
+
+
+def _fx_traces(augment):
+    """torch's augment_with_fx_traces: accepted; True warns once, since the frames recorded here
+    are Python's own, with no FX node fields to add (as compile_context is for the history)."""
+    if augment and not _fx_warned:
+        _fx_warned.append(True)
+        warnings.warn("augment_with_fx_traces=True: ascend_pool's snapshot frames carry no FX graph information; "
+                      "the snapshot is returned without it", RuntimeWarning, stacklevel=3)
+
+
 def _framework_started():
     """False while torch_npu has not initialised the runtime (its lazy init: aclInit with its
     acl.json, the device set). A device's default pool opened before then would call aclInit
@@ -160,15 +174,22 @@ def _replacements():
         if pool is not None:
             pool.reset_accumulated_stats()
 
-    def _snapshot(device=None):
+    # torch's signatures, which torch.accelerator.memory.snapshot and user code pass on
+    # (augment_with_fx_traces, mempool_id): the old ones raised TypeError for them
+    def _snapshot(device=None, augment_with_fx_traces=False):
+        _fx_traces(augment_with_fx_traces)
         if not _framework_started():  # the pools made so far (none by torch_npu's tensors)
             return api._process_snapshot(None if device is None else _device_index(device), create=False)
         return api.snapshot(_device_index(device))
 
-    def memory_snapshot():
+    def memory_snapshot(mempool_id=None, include_traces=True):
         if not _framework_started():
-            return api._process_snapshot(create=False)["segments"]
-        return api.memory_snapshot()
+            segments = api._process_snapshot(create=False)["segments"]
+            if mempool_id is None:
+                return segments
+            want = api._pool_id(mempool_id)
+            return [s for s in segments if s["segment_pool_id"] == want]
+        return api.memory_snapshot(mempool_id, include_traces)
 
     def _record_memory_history(enabled="all", *args, **kwargs):
         if isinstance(enabled, bool):  # torch's legacy form, as torch dispatches it
@@ -176,7 +197,8 @@ def _replacements():
         return _record_memory_history_impl(enabled, *args, **kwargs)
 
 
-    def _dump_snapshot(filename="dump_snapshot.pickle"):
+    def _dump_snapshot(filename="dump_snapshot.pickle", augment_with_fx_traces=False):
+        _fx_traces(augment_with_fx_traces)
         if not _framework_started():
             write_snapshot(api._process_snapshot(create=False), filename)
             return
