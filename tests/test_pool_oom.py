@@ -85,6 +85,37 @@ def test_memory_fraction_limit_is_an_out_of_memory_error():
         p.close()
 
 
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_refusals_by_the_cap_count_as_torchs_num_oom_rejections(expandable):
+    # torch >= 2.13's memory_stats key: allocations refused by the memory-fraction cap before any
+    # device call (throw_on_cudamalloc_oom / throw_on_npumalloc_oom, which this pool always does);
+    # each is an OOM too. A device that is itself full is no rejection. The key was missing.
+    p = ap.Pool(0, backend="sim", expandable_segments=expandable)
+    try:
+        assert p.memory_stats()["num_oom_rejections"] == 0
+        p.set_limit(8 * MiB)
+        keep = p.malloc(4 * MiB)
+        for size in (16 * MiB, 6 * MiB):
+            with pytest.raises(ap.OutOfMemoryError, match="limit"):
+                p.malloc(size)
+        with pytest.raises(ap.OutOfMemoryError):
+            p.share_malloc(16 * MiB)
+        st = p.memory_stats()
+        assert (st["num_oom_rejections"], st["num_ooms"]) == (3, 3)
+        p.set_limit(None)
+        sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"] + 10 * MiB)  # the device is full: no rejection
+        with pytest.raises(ap.OutOfMemoryError):
+            p.malloc(64 * MiB)
+        sim.reset_faults()
+        st = p.memory_stats()
+        assert (st["num_oom_rejections"], st["num_ooms"]) == (3, 4)
+        p.reset_accumulated_stats()
+        assert p.memory_stats()["num_oom_rejections"] == 0
+        p.free(keep)
+    finally:
+        p.close()
+
+
 def test_device_exhaustion_across_pools_on_one_device():
     total = sim.stats(1)["total_bytes"]
     a, b = ap.Pool(1, backend="sim"), ap.Pool(1, backend="sim")

@@ -442,6 +442,7 @@ static __attribute__((noinline)) int malloc_locked(ap_pool *p, size_t size, size
             int fault = e->status == AP_E_DEVICE && e->device_code && !ap_backend_oom_code(p->backend, e->device_code);
             if (e->status == AP_E_QUOTA) p->stats.num_quota_exceeded++;
             else if (!fault) p->stats.num_ooms++;
+            if (e->status == AP_E_LIMIT) p->stats.num_oom_rejections++;
             if (e->status == AP_OK || (e->status == AP_E_DEVICE && !fault)) e->status = AP_E_OOM;
             if (e->status == AP_E_OOM || e->status == AP_E_LIMIT || e->status == AP_E_QUOTA) oom_message(p, size, slot, e);
             note_oom(p, size, stream);

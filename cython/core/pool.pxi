@@ -113,7 +113,7 @@ cdef extern from "stats.h" nogil:
         ap_stat oversize[2]
         int64_t num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc, num_device_free
         int64_t num_device_map, num_device_unmap
-        int64_t num_quota_exceeded, events_created, stream_migrations, pending_free_bytes
+        int64_t num_quota_exceeded, num_oom_rejections, events_created, stream_migrations, pending_free_bytes
         int64_t pending_free_blocks, largest_free_block, cached_free_bytes
         int64_t device_free_bytes, device_total_bytes
     void ap_pool_get_stats(ap_pool *p, ap_stats *out)
@@ -872,6 +872,7 @@ cdef class PoolBase:
         out["num_device_map"] = st.num_device_map
         out["num_device_unmap"] = st.num_device_unmap
         out["num_quota_exceeded"] = st.num_quota_exceeded
+        out["num_oom_rejections"] = st.num_oom_rejections
         out["events_created"] = st.events_created
         out["stream_migrations"] = st.stream_migrations
         out["pending_free_bytes"] = st.pending_free_bytes

@@ -37,6 +37,7 @@ int ap_share_alloc(ap_pool *p, size_t size, ap_share *s, ap_error *err) {
     if (rc != AP_OK) {
         if (rc == AP_E_QUOTA) p->stats.num_quota_exceeded++;
         else p->stats.num_ooms++;
+        if (rc == AP_E_LIMIT) p->stats.num_oom_rejections++;
         if (rc == AP_E_DEVICE) err->status = rc = AP_E_OOM;
         pthread_mutex_unlock(&p->lock);
         return rc;

@@ -50,6 +50,8 @@ typedef struct ap_stats {
     int64_t num_device_map;      /* expandable segments: chunks mapped / unmapped */
     int64_t num_device_unmap;
     int64_t num_quota_exceeded;
+    int64_t num_oom_rejections;  /* refused by the pool's cap (memory fraction, set_limit) before any
+                                    device call: torch's num_oom_rejections (also in num_ooms) */
     int64_t events_created;      /* events ever created by the pool's event cache */
     int64_t stream_migrations;   /* times a stream was ordered after another to reuse its blocks */
     int64_t pending_free_bytes;  /* bytes of blocks waiting for events before reuse (filled in by */
