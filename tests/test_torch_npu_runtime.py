@@ -34,7 +34,7 @@ def fake_torch_npu(monkeypatch):
     memory.change_current_allocator = changed.append
     for mod in (memory, npu):
         for name in ("memory_stats", "memory_stats_as_nested_dict", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "_snapshot",
-                     "memory_snapshot", "_record_memory_history", "_dump_snapshot"):
+                     "memory_snapshot", "_record_memory_history", "_dump_snapshot", "get_per_process_memory_fraction"):
             setattr(mod, name, _ub)
     npu.current_device = lambda: 0
     top = types.ModuleType("torch_npu")
@@ -323,3 +323,24 @@ def test_snapshot_functions_take_torchs_arguments(fake_torch_npu, tmp_path, monk
         ap.free(ptr, device=0)
     finally:
         ctx.close()
+
+
+def test_get_per_process_memory_fraction_reads_the_cap_the_hook_set(fake_torch_npu):
+    # newer torch_npu's get_per_process_memory_fraction asks its C++ allocator, which under the
+    # pluggable one never saw the cap set_per_process_memory_fraction handed to the pool's hook
+    import ctypes
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    npu = sys.modules["torch_npu.npu"]
+    npu.is_initialized = lambda: True
+    ap_npu.patch_memory_functions(fake_torch_npu, npu)
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+    try:
+        lib.ascend_pool_set_memory_fraction(0.25, 0)   # what torch_npu's setter reaches
+        assert npu.get_per_process_memory_fraction(0) == 0.25
+        assert fake_torch_npu.get_per_process_memory_fraction("npu:0") == 0.25
+        lib.ascend_pool_set_memory_fraction(1.0, 0)
+        assert npu.get_per_process_memory_fraction() == 1.0
+    finally:
+        ap.default_pool(0).set_limit(None)

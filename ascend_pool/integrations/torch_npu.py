@@ -26,7 +26,9 @@ warns and returns nothing, which is undefined behaviour in C++). So install() re
 functions of torch_npu.npu.memory (and torch.npu) that would reach it: memory_stats and everything
 built on it (memory_allocated, memory_reserved, max_memory_allocated, memory_summary ...),
 memory_stats_as_nested_dict (which torch_npu's memory_stats calls), reset_peak_memory_stats,
-reset_accumulated_memory_stats, memory_snapshot, _snapshot, _record_memory_history and _dump_snapshot answer from ascend_pool (PyTorch's schema): the stats
+reset_accumulated_memory_stats, memory_snapshot, _snapshot, _record_memory_history, _dump_snapshot and
+get_per_process_memory_fraction (newer torch_npu; the cap set_per_process_memory_fraction handed
+to the pool through the hook) answer from ascend_pool (PyTorch's schema): the stats
 and _snapshot for the pool the calling thread allocates from, and, as in torch, the history,
 memory_snapshot and _dump_snapshot for the whole process (every device's default pool and every
 tenant context; ascend_pool.record_memory_history, dump_snapshot). With torch >= 2.9 and the NPU
@@ -197,6 +199,12 @@ def _replacements():
         return _record_memory_history_impl(enabled, *args, **kwargs)
 
 
+    def get_per_process_memory_fraction(device=None):
+        # torch_npu's getter asks its C++ allocator, which under a pluggable one does not hold the
+        # cap that set_per_process_memory_fraction handed to ascend_pool_set_memory_fraction
+        pool = _stats_pool(device)
+        return api.get_per_process_memory_fraction(pool.device) if pool is not None else 1.0
+
     def _dump_snapshot(filename="dump_snapshot.pickle", augment_with_fx_traces=False):
         _fx_traces(augment_with_fx_traces)
         if not _framework_started():
@@ -208,11 +216,11 @@ def _replacements():
             "reset_peak_memory_stats": reset_peak_memory_stats,
             "reset_accumulated_memory_stats": reset_accumulated_memory_stats, "_snapshot": _snapshot,
             "memory_snapshot": memory_snapshot, "_record_memory_history": _record_memory_history,
-            "_dump_snapshot": _dump_snapshot}
+            "_dump_snapshot": _dump_snapshot, "get_per_process_memory_fraction": get_per_process_memory_fraction}
 
 
 PATCHED = ("memory_stats", "memory_stats_as_nested_dict", "reset_peak_memory_stats", "reset_accumulated_memory_stats",
-           "_snapshot", "memory_snapshot", "_record_memory_history", "_dump_snapshot")
+           "_snapshot", "memory_snapshot", "_record_memory_history", "_dump_snapshot", "get_per_process_memory_fraction")
 
 
 def patch_memory_functions(*modules):
