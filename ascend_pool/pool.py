@@ -4,6 +4,7 @@ import itertools
 import logging
 import sys
 import types
+import warnings
 from collections import OrderedDict
 
 import numpy as np
@@ -194,6 +195,12 @@ class Pool(PoolBase):
             self.empty_cache()
         else:
             self.empty_stream_cache(stream)
+
+    def free_all_free(self):
+        """CuPy's deprecated MemoryPool.free_all_free(): free_all_blocks(), with a
+        DeprecationWarning as CuPy's (code and CuPy's own tests still call it)."""
+        warnings.warn("free_all_free is deprecated (as in CuPy); use free_all_blocks", DeprecationWarning, stacklevel=2)
+        self.free_all_blocks()
 
     def reset_accumulated_stats(self):
         """Zeroes the accumulated counters, as torch.npu.reset_accumulated_memory_stats():

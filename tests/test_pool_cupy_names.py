@@ -29,6 +29,23 @@ def test_cupy_memory_pool_figures_follow_allocations_and_frees():
         pool.close()
 
 
+def test_cupys_deprecated_free_all_free_frees_all_blocks_with_its_warning():
+    # CuPy's test_free_all_free and test_free_all_free_without_malloc (pool and MemoryPool): the
+    # deprecated name still frees every cached block, with a DeprecationWarning
+    pool = ap.Pool(0, backend="sim")
+    try:
+        with pytest.warns(DeprecationWarning, match="free_all_free"):
+            pool.free_all_free()                          # without a malloc
+        assert pool.n_free_blocks() == 0
+        pool.free(pool.malloc(1))
+        assert pool.n_free_blocks() >= 1
+        with pytest.warns(DeprecationWarning, match="free_all_blocks"):
+            pool.free_all_free()
+        assert (pool.n_free_blocks(), pool.total_bytes()) == (0, 0)
+    finally:
+        pool.close()
+
+
 def test_n_free_blocks_counts_what_a_snapshot_shows_and_records_nothing():
     pool = ap.Pool(0, backend="sim")
     try:
