@@ -344,3 +344,24 @@ def test_get_per_process_memory_fraction_reads_the_cap_the_hook_set(fake_torch_n
         assert npu.get_per_process_memory_fraction() == 1.0
     finally:
         ap.default_pool(0).set_limit(None)
+
+
+@pytest.mark.parametrize("value,said", [("1", True), ("True", True), ("0", False), ("", False)])
+def test_a_users_no_caching_switch_is_said_to_have_no_effect(fake_torch_npu, monkeypatch, caplog, value, said):
+    # torch_npu's PYTORCH_NO_NPU_MEMORY_CACHING=1 turns its own caching allocator off, which the
+    # pluggable one replaces: ascend_pool caches all the same, and the user debugging with the
+    # switch was not told (the allocator swap dropped it silently)
+    import logging
+    from ascend_pool import config
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    monkeypatch.setattr(config, "_framework_vars", [])
+    monkeypatch.setattr(_core, "capi_default_backend", lambda device: None)
+    monkeypatch.setenv("ASCEND_POOL_BACKEND", "acl")
+    monkeypatch.setenv("PYTORCH_NO_NPU_MEMORY_CACHING", value)
+    with caplog.at_level(logging.WARNING, logger="ascend_pool"):
+        ap_npu.install(patch_stats=False)
+    told = [r.getMessage() for r in caplog.records if "PYTORCH_NO_NPU_MEMORY_CACHING" in r.getMessage()]
+    assert bool(told) == said, told
+    if said:
+        assert "still caches" in told[0] and "empty_cache" in told[0]

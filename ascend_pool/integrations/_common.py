@@ -90,3 +90,17 @@ def set_hooks(allocator, hooks):
             fn(symbol_address(symbol))
             done.append(symbol)
     return done
+
+
+def say_caching_stays(variable):
+    """The framework's switch that turns its own caching allocator off (torch_npu's
+    PYTORCH_NO_NPU_MEMORY_CACHING, PyTorch's PYTORCH_NO_CUDA_MEMORY_CACHING) set to a true value
+    means nothing once ascend_pool replaces that allocator: said in the log at install(), instead of a
+    user debugging with it believing every free went back to the device. Returns whether it was."""
+    value = os.environ.get(variable, "").strip()
+    if value.lower() in ("", "0", "false", "off", "no"):
+        return False
+    logging.getLogger("ascend_pool").warning(
+        "%s=%s turns off the framework's own caching allocator, which ascend_pool replaces: ascend_pool "
+        "still caches freed blocks (ascend_pool.empty_cache() gives them back to the device)", variable, value)
+    return True

@@ -19,7 +19,7 @@ torch.cuda.memory_stats() then reports nothing: read ascend_pool.memory_stats() 
 import importlib
 
 from .. import config
-from ._common import FrameworkMissingError, require, set_hooks, torch_alloc_functions, use_backend
+from ._common import FrameworkMissingError, require, say_caching_stays, set_hooks, torch_alloc_functions, use_backend
 
 __all__ = ["install", "build_allocator", "HOOKS"]
 
@@ -53,6 +53,7 @@ def install():
     memory = importlib.import_module("torch.cuda.memory")
     use_backend("cuda", "torch_cuda")
     config.use_framework_conf("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # as torch reads them
+    say_caching_stays("PYTORCH_NO_CUDA_MEMORY_CACHING")
     alloc, _ = build_allocator(memory)
     memory.change_current_allocator(alloc)
     _installed = alloc

@@ -54,7 +54,7 @@ from collections import OrderedDict
 from .. import api, config
 from ..errors import ConfigError
 from ..snapshot import dump as write_snapshot
-from ._common import require, set_hooks, torch_alloc_functions, use_backend
+from ._common import require, say_caching_stays, set_hooks, torch_alloc_functions, use_backend
 
 __all__ = ["install", "build_allocator", "patch_memory_functions", "patch_accelerator", "HOOKS", "PATCHED",
            "ACCELERATOR_PATCHED"]
@@ -271,6 +271,7 @@ def install(patch_stats=True):
     memory = importlib.import_module("torch_npu.npu.memory")
     use_backend("acl", "torch_npu", open_now=False)  # no aclInit here: torch_npu's own comes first
     config.use_framework_conf("PYTORCH_NPU_ALLOC_CONF")  # the user's settings, without $ASCEND_POOL_CONF
+    say_caching_stays("PYTORCH_NO_NPU_MEMORY_CACHING")
     alloc, _ = build_allocator(memory)
     memory.change_current_allocator(alloc)
     _installed = alloc
