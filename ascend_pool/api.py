@@ -229,9 +229,22 @@ def dump_trace(path, device=None):
 
 def empty_cache(device=None):
     """Returns the default pool's unused segments to the device (and closes the pools dropped
-    earlier whose blocks have all been freed since)."""
+    earlier whose blocks have all been freed since). With no device, as torch.cuda.empty_cache():
+    the current device's pool (the thread's current context, if any) and every other device's
+    open default pool; a device's pool that was never opened is not made for it."""
     _registry.reap_orphans()
-    default_pool(device).empty_cache()
+    mine = default_pool(device)
+    mine.empty_cache()
+    if device is not None:
+        return
+    for pool in _registry.default_pools():
+        if pool is mine:
+            continue
+        try:
+            pool.empty_cache()
+        except PoolError:
+            if not pool.closed:  # closed by another thread meanwhile: nothing cached is left
+                raise
 
 
 def memory_stats(device=None):

@@ -85,3 +85,23 @@ def test_dump_trace_and_reset_accumulated_stats_on_the_current_device(on_device_
     ap.reset_accumulated_stats()
     assert ap.memory_stats()["allocation.all.allocated"] == 0
     assert ap.memory_stats(0)["allocation.all.allocated"] == on_0, "only the current device's pool is reset"
+
+
+def test_empty_cache_without_a_device_empties_every_devices_default_pool_as_torchs():
+    before = ap.current_device()
+    sizes = {}
+    for dev in (0, 1):
+        ap.free(ap.malloc(12 * MiB, device=dev), device=dev)   # a segment of its own, now idle
+        sizes[dev] = ap.memory_reserved(dev)
+        assert sizes[dev] >= 12 * MiB
+    try:
+        ap.set_device(0)
+        ap.empty_cache()
+        for dev in (0, 1):
+            assert ap.memory_reserved(dev) <= sizes[dev] - 12 * MiB, f"device {dev} kept its idle segment"
+        ap.free(ap.malloc(12 * MiB, device=1), device=1)
+        ap.empty_cache(0)                                       # a device named: that one only
+        assert ap.memory_reserved(1) >= 12 * MiB
+    finally:
+        ap.empty_cache(1)
+        ap.set_device(before)
