@@ -47,8 +47,13 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_opening_a_pool_while_a_c_abi_free_waits_for_a_stream_does_not_wait_with_it(sim_node):
-    env = sim_node.env(ASCEND_POOL_BACKEND="sim", ASCEND_POOL_STATS="0")  # no publisher reading the pools
+@pytest.mark.parametrize("stats", ["0", "1"])
+def test_opening_a_pool_while_a_c_abi_free_waits_for_a_stream_does_not_wait_with_it(sim_node, tmp_path, stats):
+    # stats "1": the publisher's thread reads every pool each 0.1 s, so it waits on the context's
+    # lock through the free's wait; it did so holding the metrics aggregator's lock, which each
+    # pool's close takes (registry.closing): the other pool's close waited 2.7 s (frame17 5).
+    env = sim_node.env(ASCEND_POOL_BACKEND="sim", ASCEND_POOL_STATS=stats, ASCEND_POOL_STATS_INTERVAL="0.1",
+                       ASCEND_POOL_STATS_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     free_s, open_s, left = r.stdout.split()

@@ -136,6 +136,9 @@ class PoolAggregator:
     def __init__(self, pools=registry.live_pools):
         self._pools = pools
         self._lock = threading.RLock()  # re-entrant: a signal handler may close a pool inside a close
+        # One samples() at a time (its reads happen before self._lock: a later read must not be
+        # merged before an earlier one); a pool's close never takes it.
+        self._reading = threading.RLock()
         self._seen = {}     # _identity(pool) -> (weakref to pool, (device, tenant), counters dict)
         self._retired = {}  # (device, tenant) -> counters dict
         self._vanished = {}  # serial identity -> (key, counters) retired without a close (may come back)
@@ -163,21 +166,28 @@ class PoolAggregator:
 
     def samples(self):
         """A list of TenantSample, sorted by (device, tenant)."""
+        with self._reading:
+            return self._samples()
+
+    def _samples(self):
         # The registry's lock is never taken under this one: a pool closing (its listener takes
         # this lock) may be called with the registry's lock held by a signal handler's thread.
-        pools = list(self._pools())
+        # Nor are the pools read under it: a pool's lock may be held over a free's stream wait
+        # (rare: no event could be made), and every pool's close takes this lock (registry.closing).
+        read = []
+        for pool in self._pools():
+            if pool in self._final:
+                continue  # closing: its final counters are in the retired sums
+            try:
+                read.append((pool, pool_values(pool), _key(pool)))
+            except Exception as e:  # closed meanwhile, or a pool type we cannot read
+                log.debug("skipping pool %r: %s", pool, e)
         with self._lock:
             current = {}
             out = {}
-            for pool in pools:
+            for pool, v, key in read:
                 if pool in self._final:
-                    continue  # closing: its final counters are in the retired sums
-                try:
-                    v = pool_values(pool)
-                    key = _key(pool)
-                except Exception as e:  # closed meanwhile, or a pool type we cannot read
-                    log.debug("skipping pool %r: %s", pool, e)
-                    continue
+                    continue  # closed since it was read: its final counters are in the retired sums
                 current[_identity(pool)] = (weakref.ref(pool), key, {f: v[f] for f in COUNTER_FIELDS})
                 _merge(out.setdefault(key, {}), v)
             self._retire(current)

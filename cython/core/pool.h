@@ -48,7 +48,8 @@
  * Exception, rare: ap_free_pending waits for a stream when no event can be had at all (the device's
  * event limit reached with every cached event in use). The C ABI's registry lock is never held
  * over such a free: a block found in another pool of the device is held (capi_calls) under the
- * registry lock and freed after it is dropped (capi/exports.h ascend_pool_free).
+ * registry lock and freed after it is dropped (capi/exports.h ascend_pool_free). Nor is the metrics
+ * aggregator's lock, which every pool's close takes, held over a read of a pool (metrics/sample.py).
  */
 #ifndef AP_POOL_H
 #define AP_POOL_H
