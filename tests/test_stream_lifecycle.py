@@ -580,6 +580,44 @@ def test_a_pool_forgets_the_handles_of_streams_destroyed_behind_its_back(pool):
     pool.backend.stream_destroy(live)
 
 
+def test_a_stream_made_while_the_pool_forgets_destroyed_handles_is_kept(sim_node):
+    # The forgetting asks each handle with the GIL released and then dropped it: a stream another
+    # thread made meanwhile, which the runtime gave a destroyed stream's handle, was dropped with
+    # it (the pool then refused its own new stream, and close() would not destroy it) (frame17 3).
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        pool = ap.Pool(0, backend="sim")
+        ok("aclrtSetDevice", 0)
+        lost, rounds, reused = 0, 0, 0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 8 and rounds < 1000 and not lost:
+            rounds += 1
+            dead = [stream() for _ in range(60)]
+            for h in dead:
+                pool.register_stream(h)
+            for h in dead:
+                ok("aclrtDestroyStream", C.c_void_p(h))   # behind the pool's back: handles recycled
+            new = []
+            go = threading.Event()
+            def creator():
+                go.wait()
+                for _ in range(60):
+                    new.append(pool.create_stream())
+            t = threading.Thread(target=creator)
+            t.start()
+            go.set()
+            pool._forget_destroyed_streams()
+            t.join()
+            reused += len(set(new) & set(dead))
+            lost += sum(not pool._knows_stream(s) for s in new)
+            for s in new:
+                pool.destroy_stream(s)
+        pool.close()
+        print(json.dumps({"lost": lost, "reused": reused > 0}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1", timeout=60)
+    assert out == {"lost": 0, "reused": True}, out
+
+
 def test_a_pool_forgets_the_streams_it_created_that_the_runtime_destroyed(pool):
     # A framework takes a stream from create_stream per request and destroys it with the runtime
     # (aclrtDestroyStream), never telling the pool: create_stream kept every handle in the pool's

@@ -238,7 +238,8 @@ cdef class PoolBase:
     cdef readonly Backend backend
     cdef readonly int device
     cdef readonly dict config
-    cdef set _streams     # stream handles this pool knows (created here or registered)
+    cdef dict _streams    # stream handles this pool knows (created here or registered) -> their add's serial
+    cdef uint64_t _adds   # serials of those adds: a handle added anew (the runtime reuses handles) has a new one
     cdef set _created     # those create_stream made: destroyed at close when idle
     cdef Py_ssize_t _prune_at  # _streams size at which handles of destroyed streams are looked for
     cdef int _busy        # calls running with the GIL released (close() waits for them)
@@ -292,7 +293,7 @@ cdef class PoolBase:
         self.backend = backend
         self.device = device
         self.config = dict(config)
-        self._streams = set()
+        self._streams = {}
         self._created = set()
         self._prune_at = 64
         with nogil:
@@ -555,10 +556,14 @@ cdef class PoolBase:
         """Creates a device stream on this pool's device; returns its handle (int)."""
         self._check()
         handle = self.backend.stream_create(self.device)
-        self._streams.add(handle)
+        self._add_stream(handle)
         self._created.add(handle)
         self._prune_streams()
         return handle
+
+    cdef _add_stream(self, handle):
+        self._adds += 1
+        self._streams[handle] = self._adds
 
     cdef _prune_streams(self):
         # A framework may destroy the streams it got here or registered with the runtime, never
@@ -581,13 +586,13 @@ cdef class PoolBase:
                 self._forget_stream(handle)  # ours was destroyed: the runtime gave its handle away
             raise InvalidStreamError(f"stream {handle:#x} belongs to device {dev}, not to this pool's "
                                      f"device {self.device}")
-        self._streams.add(handle)
+        self._add_stream(handle)
         self._prune_streams()
 
     def _forget_stream(self, handle):
         """Drops a stream the runtime says is gone: its handle no longer reaches this pool, and
         its cached blocks serve every stream."""
-        self._streams.discard(handle)
+        self._streams.pop(handle, None)
         self._created.discard(handle)
         cdef void *s = PyLong_AsVoidPtr(handle)
         cdef ap_pool *_p = self._enter()
@@ -648,9 +653,11 @@ cdef class PoolBase:
         streams without telling the pool): a server registering a stream per request kept every
         handle for the process's life. Asks each stream once (an event record, no wait); run when
         the set doubles, so each registration costs O(1) questions on average."""
-        for handle in list(self._streams):
-            if self._stream_idle(handle) < 0:
-                self._streams.discard(handle)
+        for handle, serial in list(self._streams.items()):
+            # Asked with the GIL released: another thread may have made or registered a stream
+            # that got this handle meanwhile (the runtime reuses a destroyed stream's); it stays.
+            if self._stream_idle(handle) < 0 and self._streams.get(handle) == serial:
+                del self._streams[handle]
                 self._created.discard(handle)
 
     def destroy_stream(self, stream):
@@ -670,7 +677,7 @@ cdef class PoolBase:
             rc = ap_pool_release_stream(_p, s, &err)
         self._leave()
         if rc == AP_OK or rc == AP_E_INVALID_STREAM:  # the latter: destroyed already, the pool forgot it
-            self._streams.discard(stream)
+            self._streams.pop(stream, None)
             self._created.discard(stream)
         if rc != AP_OK:
             _raise(&err, rc)
@@ -679,9 +686,8 @@ cdef class PoolBase:
         except _errors_module.DeviceError as e:
             if self._stream_idle(stream) >= 0:  # the runtime still knows it: its own refusal
                 raise
-            # destroyed elsewhere since the pool last asked: the same error as when it knows
-            self._streams.discard(stream)
-            self._created.discard(stream)
+            # destroyed elsewhere since the pool last asked: the same error as when it knows (its
+            # handle was dropped above; a stream made since may have it again: that one stays)
             raise InvalidStreamError(f"stream {stream:#x} is not a stream the runtime knows on device {self.device} "
                                      f"(destroyed, or not a stream handle): {e}") from None
 
