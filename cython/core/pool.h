@@ -23,7 +23,8 @@
  *                    after a failed allocation, with the pool let go and no lock held, taking the
  *                    GIL for the out-of-memory observers: apc_notify_oom.)
  *   idle_events      (stream_order.c) idle cached events per device of all the process's pools:
- *                    an atomic counter, read and updated under each pool's own lock, no lock of its own.
+ *                    an atomic counter, updated under each pool's own lock, no lock of its own (a
+ *                    place under the bound is taken with one compare-and-swap, idle_take).
  *   capi_calls       (ap_pool, atomic, no lock) C ABI calls holding the pool (current.h ap_pool_hold);
  *                    ap_pool_destroy waits for it to drain, holding no lock (the pool is hidden first),
  *                    and then, still without the lock, for the streams its free blocks are tagged

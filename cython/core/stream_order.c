@@ -139,6 +139,17 @@ static atomic_int *idle_of(const ap_pool *p) {
     return &idle_events[p->device >= 0 && p->device < AP_MAX_DEVICES ? p->device : 0];
 }
 
+/* Takes one of the device's AP_EVENT_CACHE_MAX idle places: 1, or 0 when none is left. One
+   compare-and-swap, not a check and an add: pools under their own locks put events back at once,
+   and two that both saw the last place took it both. */
+static int idle_take(const ap_pool *p) {
+    atomic_int *n = idle_of(p);
+    int v = atomic_load(n);
+    while (v < AP_EVENT_CACHE_MAX)
+        if (atomic_compare_exchange_weak(n, &v, v + 1)) return 1;
+    return 0;
+}
+
 /* Events a stream waited on (the borrow path) are reset on the waiting stream, and CANN's reset
    is asynchronous: it runs when that stream reaches it, after its wait. Recorded elsewhere before
    then, an event of aclrtCreateEventWithFlag (one hardware id for its life) could satisfy the
@@ -199,15 +210,18 @@ static void event_destroy(ap_pool *p, void *event) {
    few (1,023 on Atlas inference cards), so a burst of cross-stream frees must not keep them all.
    While a wait outside the lock holds handles (event_pins), none is destroyed. */
 void ap_event_put(ap_pool *p, void *event) {
-    if ((p->n_cached_events >= p->event_cache_max || atomic_load(idle_of(p)) >= AP_EVENT_CACHE_MAX) &&
-        !p->event_pins) {
-        event_destroy(p, event);
-        return;
+    if (!(p->n_cached_events < p->event_cache_max && idle_take(p))) {
+        if (!p->event_pins) {
+            event_destroy(p, event);
+            return;
+        }
+        atomic_fetch_add(idle_of(p), 1); /* kept past the bound while pinned, and counted */
     }
     if (p->n_cached_events == p->event_cache_cap) {
         int cap = p->event_cache_cap ? p->event_cache_cap * 2 : 16;
         void **c = realloc(p->event_cache, (size_t)cap * sizeof *c);
         if (!c) {
+            atomic_fetch_sub(idle_of(p), 1);
             event_destroy(p, event);
             return;
         }
@@ -215,7 +229,6 @@ void ap_event_put(ap_pool *p, void *event) {
         p->event_cache_cap = cap;
     }
     p->event_cache[p->n_cached_events++] = event;
-    atomic_fetch_add(idle_of(p), 1);
 }
 
 static void park(ap_pool *p, void *event, int marked) {
@@ -231,10 +244,11 @@ static void park(ap_pool *p, void *event, int marked) {
     /* The cache's bounds hold here too, per pool and for all pools of the device together
        (parked events count as idle ones: the device's events are few, 1,023 on Atlas inference
        cards); while waits pin event handles nothing is destroyed. */
-    if (p->n_parked < p->parked_cap &&
-        ((p->n_parked < p->event_cache_max && atomic_load(idle_of(p)) < AP_EVENT_CACHE_MAX) || p->event_pins)) {
+    int room = p->n_parked < p->parked_cap;
+    int counted = room && p->n_parked < p->event_cache_max && idle_take(p);
+    if (counted || (room && p->event_pins)) {
+        if (!counted) atomic_fetch_add(idle_of(p), 1); /* kept past the bound while pinned, and counted */
         p->parked[p->n_parked++] = (struct ap_parked_event){event, marked};
-        atomic_fetch_add(idle_of(p), 1);
         return;
     }
     if (p->event_pins) return; /* no room and none may be destroyed: the handle is left, not reused */
