@@ -60,3 +60,58 @@ def test_opening_a_pool_while_a_c_abi_free_waits_for_a_stream_does_not_wait_with
     assert float(free_s) >= 2.5, r.stdout  # the free did wait for the stream (the scenario holds)
     assert int(left) == 0, r.stdout        # and freed the block
     assert float(open_s) < 1.0, r.stdout   # before: about 2.7 s (the rest of the wait)
+
+
+LOOKUP_SCRIPT = textwrap.dedent("""
+    import ctypes, sys, threading, time
+    import ascend_pool as ap
+    from ascend_pool import sim
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.ascend_pool_base_alloc.restype = ctypes.c_void_p
+    lib.ascend_pool_base_alloc.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+    pool = ap.default_pool(0)
+    s1, s2 = pool.create_stream(), pool.create_stream()
+    n = 1 << 20
+    ptr, other = lib.ascend_pool_malloc(n, 0, s1), lib.ascend_pool_malloc(n, 0, s1)
+    lib.ascend_pool_record_stream(ptr, s2)
+    sim.launch_fill(s2, ptr, n, 7, delay_s=3.0)  # s2 busy for 3 s
+    sim.set_faults(fail_event_create_nth=1)      # no event for the free: it waits for s2, pool lock held
+    t0 = time.monotonic()
+    t = threading.Thread(target=lib.ascend_pool_free, args=(ptr, n, 0, None))
+    t.start()
+    time.sleep(0.3)
+    size = ctypes.c_size_t()
+    lookup = {"record_stream": lambda: lib.ascend_pool_record_stream(other, s2),
+              "base_alloc": lambda: lib.ascend_pool_base_alloc(other, ctypes.byref(size))}[sys.argv[1]]
+    r = threading.Thread(target=lookup)          # a framework thread's lookup (ctypes: GIL released)
+    r.start()
+    time.sleep(0.2)
+    a = time.monotonic()
+    q = ap.Pool(0)                               # the registry lock, with the GIL held
+    q.close()
+    b = time.monotonic()
+    t.join(); r.join()
+    print(round(time.monotonic() - t0, 2), round(b - a, 2), size.value, pool.memory_stats()["allocation.all.current"])
+""")
+
+
+@pytest.mark.parametrize("lookup", ["record_stream", "base_alloc"])
+def test_a_c_abi_lookup_never_waits_for_a_pool_lock_under_the_registry_lock(sim_node, lookup):
+    # ascend_pool_record_stream and ascend_pool_base_alloc find a pointer's pool under the registry
+    # lock; asking each pool took its lock there. A pool whose free waited for a stream under its
+    # lock (no event to be had) held the lookup, and with it the registry lock: opening and closing
+    # another pool waited 2.5 s of the 3 s, GIL held (frame17 6). Now the candidates are held
+    # (capi_calls) under the registry lock and asked after it is dropped.
+    env = sim_node.env(ASCEND_POOL_BACKEND="sim", ASCEND_POOL_STATS="0")
+    r = subprocess.run([sys.executable, "-c", LOOKUP_SCRIPT, lookup], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    free_s, open_s, size, left = r.stdout.split()
+    assert float(free_s) >= 2.5, r.stdout   # the free did wait for the stream (the scenario holds)
+    assert float(open_s) < 1.0, r.stdout    # before: 2.5 s
+    assert int(left) == 1, r.stdout         # the waiting free freed its block; `other` is live
+    assert (int(size) >= 1 << 20) == (lookup == "base_alloc"), r.stdout  # base_alloc found the segment

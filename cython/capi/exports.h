@@ -226,12 +226,9 @@ APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stre
         return;
     }
     /* Not the current pool's: a block allocated while another context of this device was current.
-       Found and held under the registry lock, freed without it: the free may wait for a stream
+       Found and held (registry.h), freed without the registry lock: the free may wait for a stream
        (no event to be had), and opening or closing a pool takes that lock with the GIL held. */
-    pthread_mutex_lock(&apc_reg_lock);
-    ap_pool *owner = apc_find_locked(device, ptr, 0, p); /* p, still held, is skipped: it was asked */
-    if (owner) atomic_fetch_add_explicit(&owner->capi_calls, 1, memory_order_seq_cst);
-    pthread_mutex_unlock(&apc_reg_lock);
+    ap_pool *owner = apc_find_hold(device, ptr, 0, p); /* p, still held, is skipped: it was asked */
     if (owner) {
         rc = ap_pool_free(owner, ptr, stream, how, &err);
         ap_pool_unhold(owner);
@@ -335,10 +332,11 @@ APC_EXPORT void ascend_pool_record_stream(void *ptr, void *stream) {
     int rc = AP_E_INVALID_PTR;
     err.message[0] = 0;
     if (apc_forked("ascend_pool_record_stream")) return;
-    pthread_mutex_lock(&apc_reg_lock);
-    ap_pool *owner = ptr ? apc_find_locked(-1, ptr, 0, NULL) : NULL;
-    if (owner) rc = ap_pool_record_stream(owner, ptr, stream, &err);
-    pthread_mutex_unlock(&apc_reg_lock);
+    ap_pool *owner = ptr ? apc_find_hold(-1, ptr, 0, NULL) : NULL; /* held, no registry lock */
+    if (owner) {
+        rc = ap_pool_record_stream(owner, ptr, stream, &err);
+        ap_pool_unhold(owner);
+    }
     if (!owner)
         apc_fail(AP_E_INVALID_PTR, "ascend_pool_record_stream(%p): not a live block of any pool", ptr);
     else if (rc != AP_OK)
@@ -354,8 +352,7 @@ APC_EXPORT void *ascend_pool_base_alloc(void *ptr, size_t *size) {
     }
     *size = 0;
     if (apc_forked("ascend_pool_base_alloc")) return NULL;
-    pthread_mutex_lock(&apc_reg_lock);
-    ap_pool *owner = ptr ? apc_find_locked(-1, ptr, 1, NULL) : NULL;
+    ap_pool *owner = ptr ? apc_find_hold(-1, ptr, 1, NULL) : NULL; /* held, no registry lock */
     if (owner) {
         /* The segment (one device allocation) holding the block: what an IPC handle is made of. */
         pthread_mutex_lock(&owner->lock);
@@ -366,8 +363,8 @@ APC_EXPORT void *ascend_pool_base_alloc(void *ptr, size_t *size) {
                 break;
             }
         pthread_mutex_unlock(&owner->lock);
+        ap_pool_unhold(owner);
     }
-    pthread_mutex_unlock(&apc_reg_lock);
     if (!base) {
         apc_fail(AP_E_INVALID_PTR, "ascend_pool_base_alloc(%p): not inside a live block of any pool", ptr);
         return NULL;

@@ -7,10 +7,12 @@
  * An entry is the address of a PoolBase's `p` field, not the pool pointer itself: the one close
  * path of every pool (PoolBase._shut, for close() and __dealloc__ alike) sets that field to NULL,
  * then unregisters it, and only then destroys the pool, so a lookup never reaches a closed pool.
- * Lookups run with the registry lock held; lock order: registry, then a pool's own lock (nothing
- * takes them the other way round). No wait happens under it: ascend_pool_empty_cache holds the
- * pools (capi_calls) and lets the lock go before their stream waits (opening and closing a pool
- * take it under the GIL). As everywhere in the pool, closing a pool while other threads
+ * Lookups hold the candidate pools (capi_calls) under the registry lock and ask them after it is
+ * let go (apc_find_hold): asking takes a pool's own lock, which a free may hold over a stream wait.
+ * No wait happens under the registry lock: ascend_pool_empty_cache holds the pools and lets the
+ * lock go before their stream waits too (opening and closing a pool take it under the GIL). Lock
+ * order where both are taken (the rare fallback of apc_find_locked, the fork test's hold):
+ * registry, then a pool's own lock (nothing takes them the other way round). As everywhere in the pool, closing a pool while other threads
  * still use its memory is the caller's error. In a child forked after the runtime was opened the
  * registry is dead: the C ABI refuses before any lookup, and closing pools there skips it (its
  * lock may have been held at the fork).
@@ -24,6 +26,7 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "current.h"
 #include "pool.h"
 
 typedef struct apc_entry {
@@ -86,6 +89,40 @@ static ap_pool *apc_find_locked(int device, void *ptr, int inside, ap_pool *skip
         if (ap_pool_block_info(q, ptr, &base, &size, &requested) == 0 && (inside || base == (uintptr_t)ptr)) return q;
     }
     return NULL;
+}
+
+/* As apc_find_locked, but the pool found is held (capi_calls: its close waits for it; give it back
+   with ap_pool_unhold), and the registry lock is held only to hold the candidates, not while each
+   is asked: asking takes a pool's lock, which a free may hold over a stream wait (no event to be
+   had), and opening or closing any pool takes the registry lock with the GIL held. */
+static ap_pool *apc_find_hold(int device, void *ptr, int inside, ap_pool *skip) {
+    ap_pool *few[16], **held = few, *owner = NULL;
+    size_t n = 0;
+    pthread_mutex_lock(&apc_reg_lock);
+    if (apc_reg_n > sizeof few / sizeof *few && !(held = malloc(apc_reg_n * sizeof *held))) {
+        owner = apc_find_locked(device, ptr, inside, skip); /* no host memory for the list: asked here */
+        if (owner) atomic_fetch_add_explicit(&owner->capi_calls, 1, memory_order_seq_cst);
+        pthread_mutex_unlock(&apc_reg_lock);
+        return owner;
+    }
+    for (size_t i = 0; i < apc_reg_n; i++) {
+        ap_pool *q = apc_entry_pool(&apc_reg[i]);
+        if (!q || q == skip || (device >= 0 && apc_reg[i].device != device)) continue;
+        atomic_fetch_add_explicit(&q->capi_calls, 1, memory_order_seq_cst);
+        held[n++] = q;
+    }
+    pthread_mutex_unlock(&apc_reg_lock);
+    for (size_t i = 0; i < n; i++) {
+        uintptr_t base = 0;
+        size_t size = 0, requested = 0;
+        if (!owner && ap_pool_block_info(held[i], ptr, &base, &size, &requested) == 0 &&
+            (inside || base == (uintptr_t)ptr))
+            owner = held[i];
+        else
+            ap_pool_unhold(held[i]);
+    }
+    if (held != few) free(held);
+    return owner;
 }
 
 /* Test-only: holds the registry lock and the mutexes of pools[0..n) for ms milliseconds, as

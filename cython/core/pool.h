@@ -48,8 +48,9 @@
  * the quota hook (no pool calls).
  * Exception, rare: ap_free_pending waits for a stream when no event can be had at all (the device's
  * event limit reached with every cached event in use). The C ABI's registry lock is never held
- * over such a free: a block found in another pool of the device is held (capi_calls) under the
- * registry lock and freed after it is dropped (capi/exports.h ascend_pool_free). Nor is the metrics
+ * over such a free, nor while a pool's lock is waited for: a lookup holds the candidate pools
+ * (capi_calls) under the registry lock and asks them, and frees or records on the one found, after
+ * it is dropped (capi/registry.h apc_find_hold). Nor is the metrics
  * aggregator's lock, which every pool's close takes, held over a read of a pool (metrics/sample.py).
  */
 #ifndef AP_POOL_H
