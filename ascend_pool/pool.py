@@ -160,11 +160,11 @@ class Pool(PoolBase):
         out = _stats.minus_baseline(Pool.lifetime_stats(self), self.__dict__.get("_acc_base"))
         return OrderedDict(sorted(out.items()))  # torch's memory_stats: an OrderedDict sorted by key
 
-    def lifetime_stats(self):
+    def lifetime_stats(self, wait_ms=-1):
         """memory_stats() as if reset_accumulated_stats() had never been called: counters that
         only grow over the pool's life (what the metrics export; a Prometheus counter must never
-        go down). A plain dict."""
-        out = _stats.with_derived(self._raw_stats())
+        go down). A plain dict. wait_ms >= 0: TimeoutError past that wait for the pool's lock."""
+        out = _stats.with_derived(self._raw_stats(wait_ms))
         if _sharing is not None:
             out.update(_sharing.pool_stats(self))
         return out

@@ -10,6 +10,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from .. import registry
+from ..pool import Pool
 from .schema import (
     COUNTER_FIELDS,
     DEVICE_GAUGES,
@@ -51,11 +52,15 @@ class TenantSample:
         return (self.device, self.tenant)
 
 
-def pool_values(pool):
+def pool_values(pool, wait_ms=-1):
     """The schema fields of one pool (dict of int). Raises whatever memory_stats() raises (a pool
-    closed meanwhile). Counters over the pool's life: reset_accumulated_stats() is the user's
-    view (torch's), never a drop in an exported counter."""
-    s = pool.lifetime_stats() if hasattr(pool, "lifetime_stats") else pool.memory_stats()
+    closed meanwhile; with wait_ms >= 0, TimeoutError when an ascend_pool.Pool's lock is not had
+    within it). Counters over the pool's life: reset_accumulated_stats() is the user's view
+    (torch's), never a drop in an exported counter."""
+    if wait_ms >= 0 and isinstance(pool, Pool):
+        s = pool.lifetime_stats(wait_ms)
+    else:
+        s = pool.lifetime_stats() if hasattr(pool, "lifetime_stats") else pool.memory_stats()
     v = {}
     for prefix, stem in POOL_GAUGES:
         for kind in POOL_KINDS:
@@ -132,6 +137,10 @@ class PoolAggregator:
     """
 
     RETIRED_KEEP = 64
+    # How long a read waits for a pool's lock: a free may hold it over a stream wait (no event to
+    # be had, rare), and the stats publisher's cycle, which a fork waits for, must not wait with it.
+    # A pool not read in time counts with its last-read figures.
+    READ_WAIT_MS = 100
 
     def __init__(self, pools=registry.live_pools):
         self._pools = pools
@@ -143,6 +152,7 @@ class PoolAggregator:
         self._retired = {}  # (device, tenant) -> counters dict
         self._vanished = {}  # serial identity -> (key, counters) retired without a close (may come back)
         self._final = weakref.WeakSet()  # closing pools already folded in: never read again
+        self._last = {}     # _identity(pool) -> its last-read values (for a read that timed out)
         registry.on_close(self._pool_closing)
 
     def _pool_closing(self, pool):
@@ -179,9 +189,13 @@ class PoolAggregator:
             if pool in self._final:
                 continue  # closing: its final counters are in the retired sums
             try:
-                read.append((pool, pool_values(pool), _key(pool)))
+                read.append((pool, pool_values(pool, self.READ_WAIT_MS), _key(pool)))
+            except TimeoutError:  # its lock held over a stream wait: as last read (if ever)
+                if _identity(pool) in self._last:
+                    read.append((pool, self._last[_identity(pool)], _key(pool)))
             except Exception as e:  # closed meanwhile, or a pool type we cannot read
                 log.debug("skipping pool %r: %s", pool, e)
+        last = {}
         with self._lock:
             current = {}
             out = {}
@@ -189,7 +203,9 @@ class PoolAggregator:
                 if pool in self._final:
                     continue  # closed since it was read: its final counters are in the retired sums
                 current[_identity(pool)] = (weakref.ref(pool), key, {f: v[f] for f in COUNTER_FIELDS})
+                last[_identity(pool)] = v
                 _merge(out.setdefault(key, {}), v)
+            self._last = last
             self._retire(current)
             live = set(out)
             self._forget_idle(live)

@@ -196,9 +196,9 @@ class Context(Pool):
         quota_uncertain_bytes (see the ledger notes), quota_warn_events (this context)."""
         return self._with_quota(super().memory_stats())
 
-    def lifetime_stats(self):
+    def lifetime_stats(self, wait_ms=-1):
         """Pool.lifetime_stats() plus the quota figures of memory_stats()."""
-        return self._with_quota(super().lifetime_stats())
+        return self._with_quota(super().lifetime_stats(wait_ms))
 
     def _with_quota(self, out):
         state = self._quota_state() or {}

@@ -801,9 +801,9 @@ size_t ap_pool_get_limit(ap_pool *p) {
     return limit;
 }
 
-void ap_pool_get_stats(ap_pool *p, ap_stats *out) {
+/* The stats, read with the lock held (ap_pool_get_stats, ap_pool_get_stats_within); drops it. */
+static void get_stats_locked(ap_pool *p, ap_stats *out) {
     /* Reading must never change what the pool does next: no flushing here, only copies. */
-    pthread_mutex_lock(&p->lock);
     ap_stats_export(&p->stats, out);
     size_t largest = 0, cached = 0; /* the cached blocks' part: ap_cache_merged_view, below */
     for (int s = 0; s < p->n_slots; s++)
@@ -822,6 +822,25 @@ void ap_pool_get_stats(ap_pool *p, ap_stats *out) {
         out->device_free_bytes = (int64_t)free_b;
         out->device_total_bytes = (int64_t)total_b;
     }
+}
+
+void ap_pool_get_stats(ap_pool *p, ap_stats *out) {
+    pthread_mutex_lock(&p->lock);
+    get_stats_locked(p, out);
+}
+
+int ap_pool_get_stats_within(ap_pool *p, ap_stats *out, int wait_ms) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t); /* pthread_mutex_timedlock's clock */
+    t.tv_sec += wait_ms / 1000;
+    t.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    if (pthread_mutex_timedlock(&p->lock, &t) != 0) return -1;
+    get_stats_locked(p, out);
+    return 0;
 }
 
 void ap_pool_reset_peaks(ap_pool *p) {

@@ -351,6 +351,10 @@ void ap_pool_set_limit(ap_pool *p, size_t limit_bytes);
 size_t ap_pool_get_limit(ap_pool *p);
 /* Copies the counters (with fragmentation figures and device memory) under the lock. */
 void ap_pool_get_stats(ap_pool *p, ap_stats *out);
+/* The same, waiting at most wait_ms for the pool's lock, which a free may hold over a stream wait
+   (no event to be had): a reader that must not wait that long (the stats publisher, whose cycle a
+   fork waits for) is told -1 instead; 0 when read. */
+int ap_pool_get_stats_within(ap_pool *p, ap_stats *out, int wait_ms);
 void ap_pool_reset_peaks(ap_pool *p);
 /* Checks the pool's invariants (check.c): free-tree order and sizes, block adjacency, stats equal
    to a recount, cache and pending lists. 0 when all hold, else -1 with the violation in msg. */

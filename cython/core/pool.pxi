@@ -117,6 +117,7 @@ cdef extern from "stats.h" nogil:
         int64_t pending_free_blocks, largest_free_block, cached_free_bytes
         int64_t device_free_bytes, device_total_bytes
     void ap_pool_get_stats(ap_pool *p, ap_stats *out)
+    int ap_pool_get_stats_within(ap_pool *p, ap_stats *out, int wait_ms)
 
 cdef extern from "replay.h" nogil:
     enum:
@@ -846,15 +847,23 @@ cdef class PoolBase:
         self._leave()
         return None if rc < 0 else ("expandable" if rc else "device")
 
-    def _raw_stats(self):
-        """Counters copied under the lock: PyTorch-schema keys plus the pool's own."""
+    def _raw_stats(self, int wait_ms=-1):
+        """Counters copied under the lock: PyTorch-schema keys plus the pool's own. wait_ms >= 0:
+        TimeoutError when the lock is not had within that many ms (a free may hold it over a
+        stream wait when no event can be had)."""
         self._check()
         cdef ap_pool *_p
         cdef ap_stats st
+        cdef int rc = 0
         _p = self._enter()
         with nogil:
-            ap_pool_get_stats(_p, &st)
+            if wait_ms < 0:
+                ap_pool_get_stats(_p, &st)
+            else:
+                rc = ap_pool_get_stats_within(_p, &st, wait_ms)
         self._leave()
+        if rc != 0:
+            raise TimeoutError(f"the pool's lock (device {self.device}) was held for more than {wait_ms} ms")
         out = {}
         for i, name in enumerate(_STAT_NAMES):
             for j, kind in enumerate(_STAT_TYPES):
