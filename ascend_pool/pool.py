@@ -109,6 +109,10 @@ class Pool(PoolBase):
                 self._release_idle()  # its idle cache: nothing allocates from an orphan again
                 self._mark_orphan()   # and what its blocks leave idle later, once a quota needs it
             else:
+                # The dealloc closes it without close(): its counters since the last scrape (a
+                # per-request tenant context's allocations and quota refusals) go to the exported
+                # totals now, while it is still readable and among the live pools (as an orphan).
+                _registry.closing(self)
                 _registry.forget_orphan(self)
         except Exception:  # never raise from a finalizer; the dealloc then closes it as before
             _registry.forget_orphan(self)

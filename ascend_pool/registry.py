@@ -25,7 +25,7 @@ _pools = weakref.WeakSet()
 _defaults = {}     # device -> its default pool (ascend_pool.api creates them)
 _host_pools = {}   # device -> the pinned host pool (ascend_pool.integrations.pinned creates them)
 _listeners = []    # fn(pool), called after each register()
-_closing = []      # weak references to bound methods m(pool), called before each Pool.close()
+_closing = []      # weak references to bound methods m(pool), called before each pool closes
 _orphans = []      # pools dropped with blocks still allocated (Pool.__del__), until those are freed
 _reap_again = False  # set by a reap_orphans call while another thread reaps
 _reaping = threading.Lock()  # one reap_orphans at a time; never taken by a finalizer
@@ -64,8 +64,8 @@ def on_register(fn):
 
 def on_close(method):
     """Calls method(pool) (a bound method, held weakly: its object may go) before each pool's
-    close, while the pool can still be read: what a pool counted since it was last read would
-    otherwise be lost with it (the metrics' pool aggregator folds its final counters in)."""
+    close (Pool.close(), or the dealloc of one dropped without it), while the pool can still be
+    read: what a pool counted since it was last read would otherwise be lost with it (the metrics' pool aggregator folds its final counters in)."""
     with _lock:
         # the listeners of objects gone since (a collector made per scrape and dropped) go first:
         # pruned only at a pool's close, they piled up while the process's pools stayed open
@@ -74,7 +74,8 @@ def on_close(method):
 
 
 def closing(pool):
-    """Pool.close() calls it first; a listener that fails is logged, the close goes on."""
+    """Pool.close() calls it first (Pool.__del__ too, for a dealloc's close); a listener that
+    fails is logged, the close goes on."""
     with _lock:
         _closing[:] = [ref for ref in _closing if ref() is not None]
         listeners = [ref() for ref in _closing]

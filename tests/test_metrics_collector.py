@@ -158,6 +158,44 @@ def test_a_pool_that_lives_between_two_scrapes_is_counted():
         base.close()
 
 
+@pytest.mark.parametrize("cycle", [False, True], ids=["dropped", "dropped-in-a-cycle"])
+def test_a_pool_dropped_without_close_between_two_scrapes_is_counted(cycle):
+    # The usual Python way: a request's context (or a Pool) goes out of scope, nobody calls
+    # close(), and its dealloc closes it. Only close() told the exporter, so what such a pool
+    # counted since the last scrape was lost: its tenant's series never appeared (a loop over two
+    # devices lost device 0's context at every turn), its quota refusals never reached the alert.
+    import gc
+    import uuid
+    tenant, plain_tenant = (f"{what}-{uuid.uuid4().hex[:8]}" for what in ("dropped", "plain"))
+    base = ap.Pool(0, backend="sim")
+    collector = PoolCollector()
+    try:
+        scrape(collector)
+
+        def request():
+            ctx = base.context(tenant, quota="4MiB")
+            if cycle:
+                ctx.me = ctx
+            for _ in range(3):
+                ctx.free(ctx.malloc(1000))
+            with pytest.raises(ap.QuotaExceededError):
+                ctx.malloc(8 << 20)
+            plain = ap.Pool(0, backend="sim")
+            plain.tenant = plain_tenant  # its own label among the process's default pools
+            plain.free(plain.malloc(1000))
+
+        for _ in range(2):
+            request()
+        gc.collect()
+        for _ in range(2):  # folded in once, not at every scrape
+            out, _ = scrape(collector)
+            assert val(out, "ascend_pool_allocations_total", pool="small", device=0, tenant=tenant) == 6
+            assert val(out, "ascend_pool_quota_exceeded_total", device=0, tenant=tenant) == 2
+            assert val(out, "ascend_pool_allocations_total", pool="small", device=0, tenant=plain_tenant) == 2
+    finally:
+        base.close()
+
+
 def test_the_series_of_tenants_with_no_open_pool_are_bounded():
     # A service that names a tenant per job: each job's series stayed for the process's life
     # (thousands after a few hundred jobs). The most recent PoolAggregator.RETIRED_KEEP closed
@@ -317,3 +355,104 @@ def test_a_collector_made_per_scrape_leaves_nothing_behind(pool):
     scrape(kept)
     ctx.close()
     assert any(key[1] == "closing-heard" for key in kept._agg._retired)
+
+
+FINALIZER_WHILE_SCRAPED = r"""
+import os, sys, threading, time
+import ascend_pool as ap
+from ascend_pool import sharing
+from ascend_pool.metrics import PoolCollector
+
+base = ap.Pool(0, backend="sim")
+agg = PoolCollector()._agg
+agg.samples()
+done = threading.Event()
+
+def request():
+    with sharing._lock:  # as inside sharing's code when a collection runs a finalizer
+        scrape = threading.Thread(target=agg.samples, daemon=True)
+        scrape.start()
+        time.sleep(0.3)  # the scrape holds the collector's lock now and waits for sharing's
+        ctx = base.context("finalized")  # made after the scrape listed the pools
+        ctx.free(ctx.malloc(1000))
+        del ctx  # Pool.__del__: the close listeners, in this thread
+    scrape.join()
+    done.set()
+
+threading.Thread(target=request, daemon=True).start()
+if not done.wait(20):
+    print("HUNG", flush=True)
+    os._exit(1)
+print({s.tenant: s.values["allocations.small"] for s in agg.samples()}.get("finalized"), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_pool_finalized_while_a_scrape_waits_does_not_deadlock():
+    # The close listeners run from Pool.__del__, in whatever thread drops the pool, maybe one that
+    # holds sharing's lock; a scrape holding the collector's lock waits for that one (pool_values).
+    # A listener that waited for the collector's lock hung both threads for good; it queues now.
+    import os
+    import subprocess
+    import sys
+    import uuid
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
+    env = dict(os.environ, ASCEND_POOL_BACKEND="sim", ASCEND_SIM_NODE=f"fz{uuid.uuid4().hex[:10]}", ASCEND_POOL_STATS="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [parent, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", FINALIZER_WHILE_SCRAPED], env=env, capture_output=True, text=True,
+                       timeout=60, cwd="/")
+    assert r.returncode == 0 and r.stdout.split() == ["1"], (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def test_contexts_closed_dropped_and_collected_from_threads_while_scraped_are_counted_exactly_once():
+    # Request threads make a tenant context each, use it and close it, drop it, or drop it in a
+    # reference cycle (the collector finalizes it, perhaps inside a scrape), while a scrape runs
+    # in a loop. Every allocation is counted once: the dropped ones were lost; and a dropped
+    # context that the orphan reaper (any new pool runs it) closed while its finalizer was still
+    # deciding was closed twice, and counted twice. The scraped figures never go down.
+    import gc
+    import threading
+    bases = [ap.Pool(0, backend="sim"), ap.Pool(0, backend="sim")]
+    collector = PoolCollector(pools=None)
+    agg = collector._agg
+    per_thread, threads = 120, 4
+    stop, last, backwards = threading.Event(), {}, []
+
+    def work(k):
+        for i in range(per_thread):
+            ctx = bases[i % 2].context(f"stress-{k}")
+            if i % 3 == 0:
+                ctx.me = ctx
+            ctx.free(ctx.malloc(1000))
+            if i % 5 == 0:
+                ctx.close()
+            del ctx
+            if i % 7 == 0:
+                gc.collect()
+
+    def scrape():
+        while not stop.is_set():
+            for s in agg.samples():
+                key, v = (s.device, s.tenant), s.values["allocations.small"]
+                if v < last.get(key, 0):
+                    backwards.append((key, last[key], v))
+                last[key] = v
+
+    scraper = threading.Thread(target=scrape)
+    workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    try:
+        scraper.start()
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        stop.set()
+        scraper.join()
+        gc.collect()
+        got = {s.tenant: s.values["allocations.small"] for s in agg.samples()}
+        assert {k: got.get(f"stress-{k}") for k in range(threads)} == {k: per_thread for k in range(threads)}
+        assert not backwards
+    finally:
+        stop.set()
+        for b in bases:
+            b.close()

@@ -4,6 +4,7 @@ Nothing here runs on the allocation path: a record is built from pool.memory_sta
 the C counters under the pool's lock and holds nothing else.
 """
 
+import collections
 import logging
 import threading
 import weakref
@@ -125,7 +126,8 @@ class PoolAggregator:
     would otherwise look like a counter reset at every pool). A pool closed with close() is read
     once more just before (registry.on_close), so what it counted after its last read is kept: a
     per-request tenant context that lives between two reads counted nothing before (its quota
-    refusals never reached the alert). A pool dropped without close() keeps its last-read figures.
+    refusals never reached the alert); so is one dropped without close() (Pool.__del__, before its
+    dealloc closes it).
 
     A (device, tenant) with no open pool keeps its series (counters as they were, gauges at 0)
     while it is one of the RETIRED_KEEP most recently active such pairs; older ones are dropped
@@ -133,10 +135,12 @@ class PoolAggregator:
     name's series for the process's life (5,721 series after 300 jobs). The stats file that
     `ascend-pool serve` reads keeps the same number.
 
-    Thread-safe: the HTTP server may scrape from several threads at once.
+    Thread-safe: the HTTP server may scrape from several threads at once. A closing pool never
+    waits for a read (its close may run in a finalizer, see _pool_closing).
     """
 
     RETIRED_KEEP = 64
+    FOLDED_KEEP = 1024  # closings remembered: a pool's second close comes right after its first
     # How long a read waits for a pool's lock: a free may hold it over a stream wait (no event to
     # be had, rare), and the stats publisher's cycle, which a fork waits for, must not wait with it.
     # A pool not read in time counts with its last-read figures.
@@ -144,7 +148,8 @@ class PoolAggregator:
 
     def __init__(self, pools=registry.live_pools):
         self._pools = pools
-        self._lock = threading.RLock()  # re-entrant: a signal handler may close a pool inside a close
+        self._lock = threading.RLock()  # re-entrant: a signal handler may read inside a read
+        self._busy = False  # the lock's holder is in the middle of a read: a close inside it queues
         # One samples() at a time (its reads happen before self._lock: a later read must not be
         # merged before an earlier one); a pool's close never takes it.
         self._reading = threading.RLock()
@@ -152,6 +157,8 @@ class PoolAggregator:
         self._retired = {}  # (device, tenant) -> counters dict
         self._vanished = {}  # serial identity -> (key, counters) retired without a close (may come back)
         self._final = weakref.WeakSet()  # closing pools already folded in: never read again
+        self._closing = collections.deque()  # (weakref, identity, key, counters) of closing pools, until folded in
+        self._folded = collections.OrderedDict()  # serial identities folded in lately (FOLDED_KEEP)
         self._last = {}     # _identity(pool) -> its last-read values (for a read that timed out)
         registry.on_close(self._pool_closing)
 
@@ -162,17 +169,45 @@ class PoolAggregator:
         if not any(p is pool for p in pools):
             return
         v = pool_values(pool)
-        key = _key(pool)
-        # The pairs open now (not those of the last scrape: a tenant reopened since is live)
-        live = {_key(p) for p in pools if p is not pool}
-        with self._lock:
-            if pool in self._final:
-                return  # two threads closing it at once: folded in by the first
-            self._unretire(_identity(pool))  # retired when a read missed it: this reading replaces it
-            self._add_retired(key, v)
-            self._seen.pop(_identity(pool), None)
-            self._final.add(pool)
-            self._forget_idle(live)  # bounded between scrapes too
+        self._closing.append((weakref.ref(pool), _identity(pool), _key(pool), {f: v[f] for f in COUNTER_FIELDS}))
+        # Never waits for the lock: this runs from Pool.__del__ too, in whatever thread a
+        # collection finalizes the pool, maybe one holding a lock (sharing's, which pool_values
+        # takes) that a reader holding ours waits for. Queued, it is folded in by whoever holds
+        # the lock next (samples() first thing), before the pool can be read again.
+        # Nor does it touch the sums in the middle of this thread's own read (a finalizer or a
+        # signal handler running inside samples()).
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._busy:
+                return
+            self._busy = True
+            try:
+                self._fold_closing()
+                # The pairs open now (not those of the last scrape: a tenant reopened since is live)
+                self._forget_idle({_key(p) for p in pools if p is not pool})  # bounded between scrapes too
+            finally:
+                self._busy = False
+        finally:
+            self._lock.release()
+
+    def _fold_closing(self):
+        while self._closing:
+            ref, ident, key, counters = self._closing.popleft()
+            pool = ref()  # None: finalized since
+            if ident in self._folded or (pool is not None and pool in self._final):
+                # Closed twice at once: by two threads, or by the orphan reaper while its
+                # finalizer (Pool.__del__, which keeps it as an orphan while it looks) was deciding.
+                continue
+            if pool is not None:
+                self._final.add(pool)
+            if ident[0] == "serial":  # never reused; an id is, once its pool is gone
+                self._folded[ident] = None
+                while len(self._folded) > self.FOLDED_KEEP:
+                    self._folded.popitem(last=False)
+            self._unretire(ident)  # retired when a read missed it: this reading replaces it
+            self._add_retired(key, counters)
+            self._seen.pop(ident, None)
 
     def samples(self):
         """A list of TenantSample, sorted by (device, tenant)."""
@@ -180,10 +215,10 @@ class PoolAggregator:
             return self._samples()
 
     def _samples(self):
-        # The registry's lock is never taken under this one: a pool closing (its listener takes
-        # this lock) may be called with the registry's lock held by a signal handler's thread.
-        # Nor are the pools read under it: a pool's lock may be held over a free's stream wait
-        # (rare: no event could be made), and every pool's close takes this lock (registry.closing).
+        # The registry's lock is never taken under this one (the pools are listed first), and
+        # nothing under it waits for a pool to close: a close queues (_pool_closing). Nor are the
+        # pools read under it: a pool's lock may be held over a free's stream wait (rare: no
+        # event could be made).
         read = []
         for pool in self._pools():
             if pool in self._final:
@@ -195,28 +230,38 @@ class PoolAggregator:
                     read.append((pool, self._last[_identity(pool)], _key(pool)))
             except Exception as e:  # closed meanwhile, or a pool type we cannot read
                 log.debug("skipping pool %r: %s", pool, e)
-        last = {}
         with self._lock:
-            current = {}
-            out = {}
-            for pool, v, key in read:
-                if pool in self._final:
-                    continue  # closed since it was read: its final counters are in the retired sums
-                current[_identity(pool)] = (weakref.ref(pool), key, {f: v[f] for f in COUNTER_FIELDS})
-                last[_identity(pool)] = v
-                _merge(out.setdefault(key, {}), v)
-            self._last = last
-            self._retire(current)
-            live = set(out)
-            self._forget_idle(live)
-            for key, counters in self._retired.items():
-                vals = out.setdefault(key, None)
-                if vals is None:  # no live pool left: the counters stay, the gauges read zero
-                    vals = out[key] = {f: 0 for f in FIELDS}
-                    vals["quota_bytes"] = NO_QUOTA
-                for f, n in counters.items():
-                    vals[f] += n
-            return [TenantSample(d, t, vals, live=(d, t) in live) for (d, t), vals in sorted(out.items())]
+            outer, self._busy = self._busy, True
+            try:
+                if not outer:  # a read inside a read (a signal handler's) leaves the sums to it
+                    self._fold_closing()
+                return self._sum(read)
+            finally:
+                self._busy = outer
+
+    def _sum(self, read):
+        """samples() under the lock: the pools read, with the retired counters."""
+        current = {}
+        out = {}
+        last = {}
+        for pool, v, key in read:
+            if pool in self._final:
+                continue  # closed since it was read: its final counters are in the retired sums
+            current[_identity(pool)] = (weakref.ref(pool), key, {f: v[f] for f in COUNTER_FIELDS})
+            last[_identity(pool)] = v
+            _merge(out.setdefault(key, {}), v)
+        self._last = last
+        self._retire(current)
+        live = set(out)
+        self._forget_idle(live)
+        for key, counters in self._retired.items():
+            vals = out.setdefault(key, None)
+            if vals is None:  # no live pool left: the counters stay, the gauges read zero
+                vals = out[key] = {f: 0 for f in FIELDS}
+                vals["quota_bytes"] = NO_QUOTA
+            for f, n in counters.items():
+                vals[f] += n
+        return [TenantSample(d, t, vals, live=(d, t) in live) for (d, t), vals in sorted(out.items())]
 
     def _add_retired(self, key, counters):
         """Adds a gone pool's counters to key's retired sums (and makes key the most recent)."""
@@ -258,6 +303,9 @@ class PoolAggregator:
                 self._add_retired(key, counters)
                 if now is None and ident[0] == "serial":
                     self._vanished[ident] = (key, counters)
-                    while len(self._vanished) > self.RETIRED_KEEP:  # the oldest never come back
+                    # Its close (or its finalizer's) folds it in soon and takes these back off:
+                    # many may be pending at once (a read slowed while request threads churn
+                    # contexts); one dropped here is counted twice.
+                    while len(self._vanished) > self.FOLDED_KEEP:  # the oldest never come back
                         del self._vanished[next(iter(self._vanished))]
         self._seen = current
