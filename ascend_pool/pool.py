@@ -16,7 +16,7 @@ from ._core import PoolBase, forked_from
 from .backend import check_device, device_index, open_backend
 from .config import conf_source, effective_knobs, knobs_to_config
 from .errors import ConfigError, PoolError
-from .snapshot_trace import arrays_from_snapshot
+from .snapshot_trace import NoAllocations, arrays_from_snapshot
 from .traces import trace_from_arrays
 
 log = logging.getLogger("ascend_pool")
@@ -285,8 +285,11 @@ class Pool(PoolBase):
         A pool that recorded no allocation is a PoolError that says how to record one (an empty
         trace replays nothing and would hide the mistake)."""
         _snapshot.output_path(path, "dump_trace")
-        a = arrays_from_snapshot(self._snapshot(), self.device, "pool history")
-        if not len(a["op"]):
+        try:
+            a = arrays_from_snapshot(self._snapshot(), self.device, "pool history")
+        except NoAllocations:
+            a = None
+        if a is None or not len(a["op"]):
             raise PoolError(f"dump_trace({str(path)!r}): the pool recorded no allocation to write: turn its history "
                             "on first (pool.record_memory_history(True) or the record_history knob), then run the "
                             "work to record")

@@ -54,14 +54,29 @@ def read_snapshot(path) -> dict:
     return snap
 
 
+class NoAllocations(ValueError):
+    """The snapshot (or the device asked for) has no allocation event to make a trace of."""
+
+
+_NO_HISTORY = ("dumped without memory history? Record with torch.cuda.memory._record_memory_history or "
+               "ascend_pool.record_memory_history before dumping")
+
+
 def _pick_device(traces, device, name):
+    used = [d for d, t in enumerate(traces) if any(e.get("action") == "alloc" for e in t or [])]
+    if not used:
+        # torch and ascend_pool dump device_traces (one empty list per device) with history off too
+        raise NoAllocations(f"snapshot {name!r}: no allocation events in its device_traces ({_NO_HISTORY})")
     if device is not None:
         if not 0 <= device < len(traces):
             raise ValueError(f"snapshot {name!r}: no device {device} (it has traces of {len(traces)} device(s))")
+        if device not in used:  # an empty trace replays as nothing
+            raise NoAllocations(f"snapshot {name!r}: no allocation events on device {device} "
+                                f"(allocations on devices {used})")
         return device
-    used = [d for d, t in enumerate(traces) if any(e.get("action") == "alloc" for e in t or [])]
     if len(used) != 1:
-        raise ValueError(f"snapshot {name!r}: allocations on devices {used or 'none'}; choose one (device=)")
+        raise ValueError(f"snapshot {name!r}: allocations on devices {used}; choose one (device=; "
+                         "`ascend-pool trace convert --device`)")
     return used[0]
 
 

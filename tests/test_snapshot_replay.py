@@ -114,6 +114,41 @@ def test_dump_trace_without_history_says_how_to_record_and_writes_nothing(tmp_pa
         pool.close()
 
 
+def test_a_snapshot_dumped_without_history_says_how_to_record_it(tmp_path):
+    # torch's _dump_snapshot and ap.dump_snapshot with history off still write device_traces,
+    # one empty list per device. replay and trace convert said "allocations on devices none;
+    # choose one (device=)", and `trace convert --device 0` wrote an empty trace (exit 0).
+    pool = ap.Pool(0, backend="sim")
+    try:
+        x = pool.malloc(1000)
+        path = tmp_path / "nohist.pickle"
+        pool.snapshot()
+        ap.dump_snapshot(str(path))
+        pool.free(x)
+    finally:
+        pool.close()
+    traces = pickle.loads(path.read_bytes())["device_traces"]
+    assert traces and not any(traces), traces
+    out_npz = tmp_path / "out.npz"
+    for args in (["replay", str(path)], ["trace", "convert", str(path), str(out_npz)],
+                 ["trace", "convert", "--device", "0", str(path), str(out_npz)]):
+        out = subprocess.run([sys.executable, "-m", "ascend_pool.cli", *args], capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert "record_memory_history" in out.stderr and "choose one" not in out.stderr, out.stderr
+    assert not out_npz.exists()
+
+
+def test_a_snapshot_device_without_allocations_is_named(tmp_path):
+    path = tmp_path / "two.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [
+        [], [{"action": "alloc", "addr": 4096, "size": 512, "stream": 0}]]}))
+    from ascend_pool.snapshot_trace import trace_from_snapshot
+    with pytest.raises(ValueError, match=r"no allocation events on device 0 \(allocations on devices \[1\]\)"):
+        trace_from_snapshot(path, device=0)
+    assert trace_from_snapshot(path).n_allocs == 1
+
+
 def test_pool_dump_trace_closes_the_loop(tmp_path):
     pool = ap.Pool(0, backend="sim")
     try:
