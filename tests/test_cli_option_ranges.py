@@ -32,6 +32,8 @@ BAD = [
     ("serve", "--allow-uid", "-5"),
     ("serve", "--allow-uid", str(2**40)),
     ("ps", "--allow-uid", "-1"),
+    ("serve", "--allow-group", str(2**40)),  # a gid no directory has: accepted, matched nothing
+    ("ps", "--allow-group", str(2**32 - 1)),
     ("bench", "--micro-runs", "0"),
     ("bench", "--micro-ms", "nan"),
     ("bench", "--micro-ms", "0"),
@@ -68,6 +70,16 @@ def test_bad_numeric_option_is_one_line_naming_it_exit_2(command, option, value,
     assert lines[0].startswith(f"ascend-pool {command}: ConfigError: {option}: expected "), err
     assert value in lines[0] or str(float(value)) in lines[0] or str(int(value)) in lines[0], err
     assert out == ""
+
+
+@pytest.mark.parametrize("command", ["serve", "ps"])
+def test_an_unknown_group_is_one_line_naming_the_option(command, capsys, monkeypatch, tmp_path):
+    # Before: "ValueError: 'no-such-group-here' is not a group on this system", no option named
+    monkeypatch.setenv("ASCEND_POOL_STATS_DIR", str(tmp_path))
+    assert cli.main([command, *FAILING_OTHERWISE[command], "--allow-group", "no-such-group-here"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"ascend-pool {command}: ConfigError: --allow-group: 'no-such-group-here' is not a "
+                           "group on this system"), err
 
 
 def _run(env, *args, timeout=20):

@@ -106,6 +106,7 @@ def _cmd_serve(args):
 
     check_address(args.host, args.port, names=("--host", "--port"))
     oc.check(args, RANGES)
+    gids = group_ids(args.allow_group)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s ascend-pool serve: %(levelname)s %(message)s")
     if args.stats_dir:
@@ -117,7 +118,6 @@ def _cmd_serve(args):
     tenants = _tenants(args.config, args.device)
 
     registry = CollectorRegistry(auto_describe=False)
-    gids = group_ids(args.allow_group)
     if ledger_group() is not None:
         gids.add(ledger_group())  # the service runs in the tenants' sharing group: it reads their directory
     scanner = StatsScanner(allowed_uids=set(args.allow_uid) | {identity.host_uid()}, allowed_gids=gids)
