@@ -60,6 +60,33 @@ def test_publishes_the_pools_and_keeps_up(tmp_path):
     assert not os.path.exists(path)
 
 
+def test_the_closed_tenants_a_process_keeps_fit_its_stats_file_beside_its_open_pools(tmp_path, caplog):
+    # The aggregator keeps the counters of the 64 most recently closed (device, tenant) pairs (a
+    # service naming a tenant per job); the file had 64 records in all, so beside one open pool
+    # some of them were left out of what `ascend-pool serve` exports, with an overflow warning.
+    from ascend_pool.metrics.sample import PoolAggregator
+    from ascend_pool.service import layout as L
+    pool = ap.Pool(0, backend="sim")
+    pub = Publisher(str(tmp_path), interval=3600)
+    names = [f"job-{uuid.uuid4().hex[:6]}-{i}" for i in range(PoolAggregator.RETIRED_KEEP + 6)]
+    try:
+        for name in names:
+            ctx = pool.context(name)
+            ctx.free(ctx.malloc(1000))
+            ctx.close()
+        with caplog.at_level("WARNING", logger="ascend_pool.service"):
+            pub.publish_now()
+        got = read_stats_file(pub.path, ME)
+        assert not got.flags & L.FLAG_OVERFLOW, caplog.text
+        kept = {s.tenant: s.values["allocations.small"] for s in got.samples}
+        assert {n: kept.get(n) for n in names[-PoolAggregator.RETIRED_KEEP:]} == dict.fromkeys(
+            names[-PoolAggregator.RETIRED_KEEP:], 1)
+        assert "more than the file's" not in caplog.text
+    finally:
+        pub.stop()
+        pool.close()
+
+
 def _env(tmp_path, **extra):
     env = dict(os.environ, ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_DIR=str(tmp_path), ASCEND_POOL_BACKEND="sim",
                PYTHONPATH=os.pathsep.join(filter(None, [_PKG_PARENT, os.environ.get("PYTHONPATH")])))

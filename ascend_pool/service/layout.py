@@ -46,7 +46,11 @@ HEADER_SIZE = 128
 TENANT_MAX = 64
 N_FIELDS = len(FIELDS)
 RECORD_SIZE = 8 + TENANT_MAX + 8 * N_FIELDS
-DEFAULT_CAPACITY = 64          # (device, tenant) pairs per process: 8 devices x 8 tenants
+# (device, tenant) pairs per process: 8 devices x 8 tenants open, and the 64 closed pairs whose
+# counters the process keeps (metrics.sample.PoolAggregator.RETIRED_KEEP): with 64 in all, a
+# service naming a tenant per job overflowed beside its first open pool, and `ascend-pool serve`
+# lost counters the in-process exporter kept.
+DEFAULT_CAPACITY = 64 + 64
 MAX_CAPACITY = 4096            # readers refuse more: a file claiming more is not ours
 FLAG_OVERFLOW = 1              # the process had more (device, tenant) pairs than capacity
 FLAG_EXITED = 2                # the owner exited cleanly (it unlinks the file right after)

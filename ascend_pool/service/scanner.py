@@ -102,7 +102,7 @@ class StatsScanner:
         return sorted(out, key=lambda p: (p.pid, p.instance))
 
     def _remove_half_made(self, half_made):
-        """Removes the half-made files (8-16 KiB of /dev/shm each) of our uid's writers killed while
+        """Removes the half-made files (about 32 KiB of /dev/shm each) of our uid's writers killed while
         making theirs: only a new publisher's start removed them, never the service's scans, so
         they stayed for good once the node's last such process was gone. Age alone does not say the
         writer is dead (one stopped between creating and renaming its file, a clock stepped
