@@ -3,6 +3,7 @@
 GET /healthz (200, or 503 naming what cannot be read), `serve` refusing a missing stats directory,
 and the bundled demo tenants of `serve --replay` without --config."""
 
+import json
 import os
 import signal
 import socket
@@ -72,6 +73,33 @@ def test_in_process_server_answers_healthz_and_build_info():
         server.close()
     (info,) = [lab for n, lab, v in series(body) if n == "ascend_pool_build_info" and v == 1]
     assert info["version"] == ap.__version__ and info["node"]
+
+
+BUILD_INFO_ACROSS_A_CLOSE = r"""
+import json, urllib.request
+import ascend_pool as ap
+server = ap.metrics.start_http_server(0)
+def backends():
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
+    return [line.split('backend="')[1].split('"')[0] for line in body.splitlines()
+            if line.startswith("ascend_pool_build_info{")]
+pool = ap.Pool(0, backend="sim")
+seen = [backends()]
+pool.close()
+seen.append(backends())
+print(json.dumps(seen))
+"""
+
+
+def test_in_process_build_info_keeps_its_backend_when_the_pools_close(tmp_path):
+    # The backend label named the backends of the pools open at the scrape: a process that
+    # closes its pools between jobs flipped its build_info series between backend="sim" and
+    # backend="none" (two series in turn, a count() of builds counting it twice).
+    env = env_for(tmp_path)
+    r = subprocess.run([sys.executable, "-c", BUILD_INFO_ACROSS_A_CLOSE], env=env, capture_output=True, text=True,
+                       timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [["sim"], ["sim"]], r.stdout
 
 
 def test_serve_demo_tenants_node_build_info_and_healthz(tmp_path):

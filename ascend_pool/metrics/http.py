@@ -194,9 +194,14 @@ def serve_in_thread(server):
     return t
 
 
+_backends_used = set()  # every backend this process has had a pool of
+
+
 def _backend_in_use():
-    names = sorted({str(getattr(getattr(p, "backend", None), "name", "")) for p in reg.live_pools()} - {""})
-    return ",".join(names) or "none"
+    # The backends used so far, not those open at this scrape: a process closing its pools
+    # between jobs flipped its build_info series between backend="sim" and "none".
+    _backends_used.update({str(getattr(getattr(p, "backend", None), "name", "")) for p in reg.live_pools()} - {""})
+    return ",".join(sorted(_backends_used)) or "none"
 
 
 def start_http_server(port, addr="127.0.0.1", registry=None):
