@@ -22,7 +22,7 @@ import ascend_pool as _ap
 sys.path.insert(0, os.path.dirname(__file__))
 from metrics_scrape import start_serve  # noqa: E402
 from prometheus_harness import start_prometheus, stop_all  # noqa: E402
-from test_prometheus_e2e import ALERTS, free_port, need  # noqa: E402
+from test_prometheus_e2e import ALERTS, DASHBOARD, free_port, need, substitute  # noqa: E402
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(_ap.__file__)))
 
@@ -158,6 +158,13 @@ def test_workers_under_prometheus(node):
     n_series = values(port, f'count({{__name__=~"ascend_pool_.*", pid="{jobs.pid}"}})')
     (n,) = n_series.values()
     assert 19 * 2 < n <= (64 + 4) * 19 + 1, n_series
+
+    # The dashboard's process count: the jobs worker holds no job tenant's pool but the one it
+    # is running (one per device), though it keeps the closed ones' series (gauges at 0).
+    panel = next(p for p in json.loads(DASHBOARD.read_text())["panels"] if p["title"].startswith("Processes"))
+    counted = values(port, substitute(panel["targets"][0]["expr"]))
+    job_tenants = {dict(k)["tenant"] for k in counted if dict(k)["tenant"].startswith("job-")}
+    assert len(job_tenants) <= 2, f"{panel['title']!r} counts the jobs worker for {len(job_tenants)} job tenants"
 
     # No counter reset, whatever closed and reopened.
     time.sleep(3)  # a few scrapes more
