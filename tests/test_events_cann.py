@@ -211,3 +211,68 @@ def test_events_parked_after_borrows_count_toward_the_devices_idle_event_bound(s
     assert out["migrations"] >= 4 * 29, out   # every other malloc borrows (two blocks a segment)
     assert out["live"] <= 64, out            # before: 120 (a pool's own bound, 64, each)
     assert out["after"] == 0, out
+
+
+def test_simulator_lets_a_wait_on_a_sync_event_pass_once_any_record_since_its_reset_ran(sim_node):
+    # CANN (hicann/runtime Event::Record, Event::WaitSendCheck, Event::Reset): an ACL_EVENT_SYNC
+    # event keeps one hardware id; a record sets its flag, every wait is sent to the device and
+    # passes once the flag is set, and only aclrtResetEvent clears it. Recorded again without a
+    # reset, the event lets a wait pass while the newer record is still queued.
+    out = sim_node.run_json("""
+        from ascend_pool import sim
+        init()
+        a, b = stream(), stream()
+        ptr = malloc(4096)
+        ev = event(flags=1)                     # ACL_EVENT_SYNC
+        ok("aclrtRecordEvent", ev, a)
+        ok("aclrtSynchronizeStream", a)         # its flag is set
+        sim.launch_fill(a, ptr, 4096, 7, delay_s=0.5)
+        ok("aclrtRecordEvent", ev, a)           # queued behind the fill; no reset before it
+        ok("aclrtStreamWaitEvent", b, ev)       # passes at once: the flag is still set
+        sim.launch_fill(b, ptr, 4096, 9)
+        ok("aclrtSynchronizeStream", b)
+        early = sim.read(ptr, 1)[0]
+        ok("aclrtSynchronizeStream", a)
+        ok("aclrtResetEvent", ev, b)            # after the reset, the next record sets the flag
+        ok("aclrtSynchronizeStream", b)
+        sim.launch_fill(a, ptr, 4096, 5, delay_s=0.3)
+        ok("aclrtRecordEvent", ev, a)
+        ok("aclrtStreamWaitEvent", b, ev)
+        sim.launch_fill(b, ptr, 4096, 3)
+        ok("aclrtSynchronizeStream", b)
+        ordered = sim.read(ptr, 1)[0]
+        print(json.dumps({"early": early, "ordered": ordered}))
+    """)
+    assert out == {"early": 9, "ordered": 3}, out
+
+
+def test_a_borrowed_block_is_ordered_after_the_lenders_write_when_the_event_comes_from_the_cache(pool):
+    # The pool's cached events have a record that ran since their last reset (the borrow path
+    # records an event on the borrowing stream after its reset; probes and pending frees record
+    # without one). Recorded again on a lending stream and waited on, such an event let the
+    # borrower pass at once on an NPU (its flag was still set) and write a block the lender's
+    # queued kernel still wrote.
+    s1, s2 = pool.create_stream(), pool.create_stream()
+    for _ in range(2):                                   # events go through the borrow path and back
+        p = pool.malloc(2 * MiB, stream=s1)
+        pool.free(p, stream=s1)
+        q = pool.malloc(2 * MiB, stream=s2)
+        pool.free(q, stream=s2)
+        pool.synchronize(s1)
+        pool.synchronize(s2)
+    assert pool.memory_stats()["stream_migrations"] >= 1
+    x = pool.malloc(6 * MiB, stream=s1)
+    sim.launch_fill(s1, x, 4096, 7, delay_s=0.5)         # the lender still writes x
+    pool.free(x, stream=s1)
+    before = pool.memory_stats()["stream_migrations"]
+    y = pool.malloc(6 * MiB, stream=s2)                  # borrows x through an event wait
+    assert pool.memory_stats()["stream_migrations"] == before + 1
+    assert y == x
+    sim.launch_fill(s2, y, 4096, 9)                      # the borrower's write must come second
+    pool.synchronize(s2)
+    pool.synchronize(s1)
+    assert sim.read(y, 16) == bytes([9]) * 16, "the borrower wrote before the lender's kernel ran"
+    pool.free(y, stream=s2)
+    pool._check_invariants()
+    for s in (s1, s2):
+        pool.destroy_stream(s)

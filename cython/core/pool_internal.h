@@ -192,7 +192,10 @@ static inline int ap_slot_of_fast(ap_pool *p, void *stream, int create) {
     if (last > 0 && p->slots[last].stream == stream && p->slots[last].live) return last;
     return ap_slot_of(p, stream, create);
 }
-void *ap_event_get(ap_pool *p);
+/* An event to record on `stream`: a cached one (every record of it complete), else a parked one
+   whose records all run before the work queued on `stream` (stream_order.c), else a new one;
+   NULL if none. */
+void *ap_event_get(ap_pool *p, void *stream);
 /* Returns an event to the cache (destroyed when the cache is full). */
 void ap_event_put(ap_pool *p, void *event);
 /* The same for an event that waiting_stream waited on: reset first (CANN's rule). */

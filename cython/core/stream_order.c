@@ -26,21 +26,34 @@ int ap_stream_elsewhere(const ap_pool *p, int code) {
     return p->backend->kind != AP_BACKEND_CUDA && code == 107003;
 }
 
+static void park(ap_pool *p, void *event, int marked, void *stream);
+
+/* An event recorded (not waited on) goes back to the cache once that record is known complete.
+   CANN: an event of aclrtCreateEventWithFlag(ACL_EVENT_SYNC) keeps one hardware flag, set by each
+   record when it runs and cleared only by aclrtResetEvent, and the borrow path resets a cached
+   event on the lending stream before recording it for a wait (event_for_wait): a record still
+   queued on another stream could run after that reset and set the flag early. So a record not
+   known complete is parked until it is (destroyed when nothing can tell). CUDA: back at once. */
+static void event_put_recorded(ap_pool *p, void *event, void *stream, int complete, int known) {
+    if (!p->backend->event_reset || (known && complete)) ap_event_put(p, event);
+    else park(p, event, known, stream);
+}
+
 /* Asks, without waiting, whether the work queued on stream so far is done: an event recorded now
    and queried at once. 1 done, 0 not yet (or no event to ask with), -1 the runtime refuses the
    stream (unusable: destroyed elsewhere, garbage), AP_STREAM_ELSEWHERE the stream is in a
    context this thread cannot reach (not done, as far as anyone here can tell). */
 static int stream_idle(ap_pool *p, void *stream) {
     ap_on_device(p);
-    void *ev = ap_event_get(p);
+    void *ev = ap_event_get(p, stream);
     if (!ev) return 0;
     int rc = p->backend->event_record(p->backend, ev, stream), complete = 0;
     if (rc != 0) { /* only the record speaks for the stream; a failed query is the event's */
-        ap_event_put(p, ev);
+        event_put_recorded(p, ev, stream, 0, 1); /* as it was: possibly parked (ap_event_get) */
         return ap_stream_unusable(p, rc) ? -1 : ap_stream_elsewhere(p, rc) ? AP_STREAM_ELSEWHERE : 0;
     }
     rc = p->backend->event_query(p->backend, ev, &complete);
-    ap_event_put(p, ev); /* recorded, never waited on: reusable as is */
+    event_put_recorded(p, ev, stream, complete, rc == 0); /* recorded, never waited on */
     return rc == 0 && complete;
 }
 
@@ -158,9 +171,12 @@ static int idle_take(const ap_pool *p) {
    has run with a synchronizing call"). So such an event is recorded once more on the waiting
    stream itself, after its reset (stream order runs that record after the wait and the reset),
    and parked; once that record is complete the reset has run, and the event goes back to the
-   cache as any recorded, never-waited event. */
+   cache as any recorded, never-waited event. Events recorded and not known complete (a probe of
+   a busy stream, a borrow whose wait failed) are parked too (event_put_recorded). Meanwhile a
+   parked event serves a record on its `stream` (ap_event_get): its records run before that. */
 struct ap_parked_event {
     void *event;
+    void *stream; /* every record of the event runs before the work queued on this stream so far */
     int marked; /* 0: never to be reused (its reset or its record failed); destroyed when no wait pins events */
 };
 
@@ -188,8 +204,25 @@ static void parked_recycle(ap_pool *p) {
     p->n_parked = kept;
 }
 
-void *ap_event_get(ap_pool *p) {
-    if (p->n_parked && !p->n_cached_events) parked_recycle(p);
+/* A parked event whose records all run before the work queued on `stream` so far (a reset there
+   comes after them: event_for_wait), or NULL. */
+static void *take_parked(ap_pool *p, void *stream) {
+    for (int i = p->n_parked - 1; i >= 0; i--) {
+        if (!p->parked[i].marked || p->parked[i].stream != stream) continue;
+        void *ev = p->parked[i].event;
+        p->parked[i] = p->parked[--p->n_parked];
+        atomic_fetch_sub(idle_of(p), 1);
+        return ev;
+    }
+    return NULL;
+}
+
+void *ap_event_get(ap_pool *p, void *stream) {
+    if (p->n_parked && !p->n_cached_events) {
+        void *ev = take_parked(p, stream);
+        if (ev) return ev;
+        parked_recycle(p);
+    }
     if (p->n_cached_events) {
         atomic_fetch_sub(idle_of(p), 1);
         return p->event_cache[--p->n_cached_events];
@@ -231,7 +264,7 @@ void ap_event_put(ap_pool *p, void *event) {
     p->event_cache[p->n_cached_events++] = event;
 }
 
-static void park(ap_pool *p, void *event, int marked) {
+static void park(ap_pool *p, void *event, int marked, void *stream) {
     if (p->n_parked) parked_recycle(p);
     if (p->n_parked == p->parked_cap) {
         int cap = p->parked_cap ? p->parked_cap * 2 : 8;
@@ -248,7 +281,7 @@ static void park(ap_pool *p, void *event, int marked) {
     int counted = room && p->n_parked < p->event_cache_max && idle_take(p);
     if (counted || (room && p->event_pins)) {
         if (!counted) atomic_fetch_add(idle_of(p), 1); /* kept past the bound while pinned, and counted */
-        p->parked[p->n_parked++] = (struct ap_parked_event){event, marked};
+        p->parked[p->n_parked++] = (struct ap_parked_event){event, stream, marked};
         return;
     }
     if (p->event_pins) return; /* no room and none may be destroyed: the handle is left, not reused */
@@ -265,7 +298,7 @@ void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
     }
     int marked = p->backend->event_reset(p->backend, event, waiting_stream) == 0 &&
                  p->backend->event_record(p->backend, event, waiting_stream) == 0;
-    park(p, event, marked);
+    park(p, event, marked, waiting_stream);
 }
 
 void ap_events_trim(ap_pool *p, int keep) {
@@ -296,10 +329,10 @@ void ap_events_destroy(ap_pool *p) {
 static void *record_on_code(ap_pool *p, void *stream, int *code) {
     ap_on_device(p);
     *code = 0;
-    void *ev = ap_event_get(p);
+    void *ev = ap_event_get(p, stream);
     if (!ev) return NULL;
     if ((*code = p->backend->event_record(p->backend, ev, stream)) != 0) {
-        ap_event_put(p, ev);
+        event_put_recorded(p, ev, stream, 0, 1); /* as it was: possibly parked (ap_event_get) */
         return NULL;
     }
     return ev;
@@ -308,6 +341,31 @@ static void *record_on_code(ap_pool *p, void *stream, int *code) {
 static void *record_on(ap_pool *p, void *stream) {
     int code;
     return record_on_code(p, stream, &code);
+}
+
+/* An event recorded on stream for another stream to wait on (the borrow path). CANN: a cached
+   event has a record that ran since its last reset (the borrow path's own record on the waiting
+   stream, a probe's, a pending free's), and the hardware flag of an ACL_EVENT_SYNC event stays
+   set until aclrtResetEvent (hicann/runtime Event::Record keeps the event's id, Event::WaitSendCheck
+   sends every wait to the device): recorded again as it is, the wait would pass at once, before
+   the new record, and the borrowing stream would reuse blocks the lending stream still writes.
+   So the event is reset on the lending stream first: that stream runs the reset, then the
+   record, and every earlier record of the event has completed (event_put_recorded: parked until
+   then) or runs before the work queued on that same stream, so before the reset (ap_event_get:
+   such a parked event serves a record on that stream at once). An event whose reset or record
+   fails is never reused. NULL and *code as record_on_code. */
+static void *event_for_wait(ap_pool *p, void *stream, int *code) {
+    if (!p->backend->event_reset) return record_on_code(p, stream, code);
+    ap_on_device(p);
+    *code = 0;
+    void *ev = ap_event_get(p, stream);
+    if (!ev) return NULL;
+    if ((*code = p->backend->event_reset(p->backend, ev, stream)) != 0 ||
+        (*code = p->backend->event_record(p->backend, ev, stream)) != 0) {
+        park(p, ev, 0, stream);
+        return NULL;
+    }
+    return ev;
 }
 
 static int sync_stream(ap_pool *p, void *stream, ap_error *err) {
@@ -513,7 +571,7 @@ size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_err
         if (!t->count || t->bytes + p->slots[to].trees[pool].bytes + p->slots[0].trees[pool].bytes < rsize)
             continue;
         int code;
-        void *ev = record_on_code(p, p->slots[s].stream, &code);
+        void *ev = event_for_wait(p, p->slots[s].stream, &code);
         int target = to;
         if (!ev && ap_stream_unusable(p, code)) {
             /* Destroyed behind the pool's back (a framework's stream): no work of it is left, so
@@ -525,7 +583,7 @@ size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_err
         }
         if (!ev) continue; /* no event: leave its blocks alone (never a host wait under the lock) */
         if (p->backend->stream_wait_event(p->backend, p->slots[to].stream, ev) != 0) {
-            ap_event_put(p, ev); /* recorded, not waited on: reusable as is */
+            event_put_recorded(p, ev, p->slots[s].stream, 0, 1); /* recorded, not waited on: back once complete */
             continue;
         }
         ap_event_put_waited(p, ev, p->slots[to].stream);

@@ -28,6 +28,17 @@
  * has passed the reset is refused the same way (a record on the waiting stream itself is ordered
  * after the reset there). An event of aclrtCreateEventWithFlag keeps one hardware id, so
  * on a real NPU such a record could satisfy the old wait early, or be cleared by the late reset.
+ *
+ * That hardware id is a flag (hicann/runtime Event::Record: only events without flags and those
+ * of aclrtCreateEventExWithFlag get a fresh id at each record; Event::WaitSendCheck sends every
+ * wait on an ACL_EVENT_SYNC event to the device; Event::Reset, a write of the event's slot, is
+ * what clears it): a record sets it when it runs, a wait passes once it is set, and nothing but
+ * aclrtResetEvent clears it. So a wait on an ACL_EVENT_SYNC event passes as soon as any record
+ * since its last reset has run, not only the latest one: recorded twice without a reset, the
+ * event lets a wait pass while the newer record is still queued. The simulator models it (every
+ * profile: the runtime code is the same for all): such a wait waits for the first record since
+ * the last reset (`armed`), or for a record still queued when the reset was made on another
+ * stream (it may run after the reset and set the flag again).
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -45,6 +56,12 @@ struct sim_event {
     int reset;                 /* reset since its last record: a wait would block until the next record */
     struct sim_stream *reset_stream; /* the latest reset's stream (a reference) and its position */
     uint64_t reset_pos;
+    /* ACL_EVENT_SYNC: the record that sets the hardware flag first since the last reset (a
+       reference; NULL: none yet), which every later wait waits for (see above) */
+    struct sim_stream *armed;
+    uint64_t armed_pos;
+    struct sim_stream *waiter; /* the latest stream that waited on the latest record (a reference):
+                                  a reset there runs after that record */
 };
 
 static void event_destroy(struct sim_obj *o)
@@ -52,6 +69,8 @@ static void event_destroy(struct sim_obj *o)
     struct sim_event *e = (struct sim_event *)o;
     sim_stream_put(e->stream);
     sim_stream_put(e->reset_stream);
+    sim_stream_put(e->armed);
+    sim_stream_put(e->waiter);
     pthread_mutex_destroy(&e->mu);
     free(e);
 }
@@ -190,6 +209,11 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
                         waiting);
     }
     struct sim_stream *old = e->stream;
+    if ((e->flags & ACL_EVENT_SYNC) && !e->armed) { /* the first record since the reset sets the flag */
+        sim_obj_ref(&s->obj);
+        e->armed = s;
+        e->armed_pos = pos;
+    }
     e->stream = s; /* our reference moves into the event */
     e->pos = pos;
     e->reset = 0;
@@ -291,15 +315,24 @@ SIM_EXPORT aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
         return rc;
     }
     uint64_t pos = 0;
+    struct sim_stream *old_waiter = NULL;
     pthread_mutex_lock(&e->mu);
     struct sim_stream *src = e->stream;
     int reset = e->reset;
     if (src && !reset) { /* a wait on a recorded event: it needs a reset before its next record */
-        sim_obj_ref(&src->obj);
         pos = e->pos;
+        if (e->armed) { /* ACL_EVENT_SYNC: the flag is set by the first record since the reset */
+            src = e->armed;
+            pos = e->armed_pos;
+        }
+        sim_obj_ref(&src->obj);
         e->waited = 1;
+        sim_obj_ref(&target->obj);
+        old_waiter = e->waiter;
+        e->waiter = target;
     }
     pthread_mutex_unlock(&e->mu);
+    sim_stream_put(old_waiter);
     sim_obj_unref(&e->obj);
     if (!src || reset) {
         sim_stream_put(target);
@@ -373,12 +406,27 @@ SIM_EXPORT aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
     uint64_t reset_pos;
     sim_stream_mark(s, &reset_pos, call); /* ordered after the waiting stream's queued work */
     pthread_mutex_lock(&e->mu);
-    struct sim_stream *old_reset = e->reset_stream;
+    struct sim_stream *old_reset = e->reset_stream, *old_armed = e->armed, *waiter = e->waiter;
+    e->waiter = NULL;
     e->waited = 0;
     e->reset = 1;
     e->reset_stream = s; /* our reference moves into the event */
     e->reset_pos = reset_pos;
+    /* The reset clears the flag when it runs. The latest record, still queued on another stream,
+       may run after it and set the flag again: later waits then pass once it has run. A reset
+       on the stream that waited for that record (the flag's first record since the last reset)
+       runs after it. */
+    int ordered = e->stream == s ||
+                  (waiter == s && (!e->armed || (e->armed == e->stream && e->armed_pos == e->pos)));
+    e->armed = NULL;
+    if (e->stream && !ordered && !sim_stream_is_done(e->stream, e->pos)) {
+        sim_obj_ref(&e->stream->obj);
+        e->armed = e->stream;
+        e->armed_pos = e->pos;
+    }
     pthread_mutex_unlock(&e->mu);
+    sim_stream_put(old_armed);
+    sim_stream_put(waiter);
     sim_stream_put(old_reset);
     sim_obj_unref(&e->obj);
     return ACL_SUCCESS;
