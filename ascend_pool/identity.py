@@ -33,7 +33,10 @@ host ids is cython/common/host_ids.h.
 import errno
 import fcntl
 import os
+import re
+import stat
 import threading
+import time
 
 LEASE_PREFIX = "ascend_pool-lease-"
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -93,25 +96,42 @@ def ensure_lease(directory):
     with _lock:
         if directory in _leases:
             return inst
-        path = lease_path(directory, inst)
-        tmp = os.path.join(directory, f".{LEASE_PREFIX}{instance_hex(inst)}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-        try:
-            # Readable by the group (a shared ASCEND_POOL_LEDGER_GROUP directory): testing the lock
-            # needs only a read-only open. It holds no data; the directory keeps others out.
-            os.fchmod(fd, 0o640)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.link(tmp, path)  # appears locked; never overwrites
-        except BaseException:
-            os.close(fd)
-            raise
-        finally:
-            os.unlink(tmp)
+        fd, path = _make_lease(directory, inst), lease_path(directory, inst)
         _leases[directory] = (fd, path)
         if _fork_guard is not None:
             _fork_guard(fd, True)
     remove_dead_leases(directory, limit=256)  # those of processes gone before us (bounded work)
     return inst
+
+
+def _make_lease(directory, inst):
+    """Creates the lease file of instance inst in directory, locked before it appears under its
+    name; returns its descriptor."""
+    path = lease_path(directory, inst)
+    tmp = os.path.join(directory, f".{LEASE_PREFIX}{instance_hex(inst)}.tmp")
+    for attempt in range(3):
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # at once: a scan tells a killed maker's tmp by it
+            # Readable by the group (a shared ASCEND_POOL_LEDGER_GROUP directory): testing the lock
+            # needs only a read-only open. It holds no data; the directory keeps others out.
+            os.fchmod(fd, 0o640)
+            os.link(tmp, path)  # appears locked; never overwrites
+            return fd
+        except FileNotFoundError:
+            # a scan removed tmp (remove_dead_leases: this process was stopped for a minute before
+            # it locked it): make it again
+            os.close(fd)
+            if attempt == 2:
+                raise
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
 
 
 _fork_guard = None  # fork_drops_fd of the extension, set by the backend layer (set_fork_guard)
@@ -382,14 +402,23 @@ def boot_id():
         return b"\0" * 16
 
 
+TMP_STALE_S = 60.0  # a temporary file lives microseconds: an older one's maker was killed (or is stopped)
+_LEDGER_TMP = re.compile(r"ascend_pool-ledger-[^/]*\.tmp\.\d+\.[0-9a-f]{16}\.\d+")  # cython/quota/ledger_file.h
+_LEASE_TMP = re.compile(r"\." + LEASE_PREFIX + r"[0-9a-f]{16}\.tmp")  # _make_lease
+
+
 def remove_dead_leases(directory, limit=10000):
-    """Removes the lease files of exited processes in `directory` (at most `limit` looked at).
-    Returns how many were removed. Instance ids are never reused, so a dead lease is garbage."""
+    """Removes the lease files of exited processes in `directory` (at most `limit` looked at), and
+    the temporary files of processes killed while making a lease or a quota ledger (a ledger's is
+    ~74 KB of /dev/shm: pods killed while starting left them for good). Returns how many lease
+    files were removed. Instance ids are never reused, so a dead lease is garbage."""
     removed = 0
     try:
-        names = [n for n in os.listdir(directory) if n.startswith(LEASE_PREFIX)][:limit]
+        listed = os.listdir(directory)
     except OSError:
         return 0
+    names = [n for n in listed if n.startswith(LEASE_PREFIX)][:limit]
+    _remove_dead_temporaries(directory, [n for n in listed if _LEDGER_TMP.fullmatch(n) or _LEASE_TMP.fullmatch(n)][:limit])
     for name in names:
         try:
             value = int(name[len(LEASE_PREFIX):], 16)
@@ -403,6 +432,36 @@ def remove_dead_leases(directory, limit=10000):
                 if e.errno != errno.ENOENT:
                     continue
     return removed
+
+
+def _remove_dead_temporaries(directory, names):
+    """Removes those of names (temporary files) whose maker is gone. The name's pid may be another
+    pid namespace's, so the proof is the maker's lock: each is made locked (flock LOCK_EX, right
+    after its creation) and stays locked until it is renamed or removed; the kernel drops the lock
+    when its maker dies, in any namespace. Only this user's files, unlocked and older than
+    TMP_STALE_S (a maker stopped between creating and locking its file loses it, and makes it
+    again: ensure_lease, ledger_file.h's apl_create) are removed; one whose maker holds it stays."""
+    now = time.time()
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+            if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > TMP_STALE_S):
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                fst = os.fstat(fd)
+                if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+                    continue  # replaced since the lstat: looked at again next time
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its maker is alive, still making it
+                os.unlink(path)
+            finally:
+                os.close(fd)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
 
 
 def _after_fork_in_child():

@@ -215,6 +215,12 @@ static int apl_create(const char *path, int device, const char *backend, const c
     mode_t mode = group == APL_NO_GROUP ? 0600 : 0660;
     int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) return apl_fail(err, len, APL_E_IO, "cannot create ledger %s: %s", tmp, strerror(errno));
+    /* Locked while it has its temporary name: a creator killed here leaves ~74 KB that a scan
+       (identity.remove_dead_leases) removes once nobody holds this lock and it is over 60 s old.
+       It is also the ledger's lock once published: held a few system calls more (unlink, close),
+       as an update holds it. Not waited for: a new file's lock is free (a scan looks at old files
+       only), and one left unlocked is at worst removed after a minute and made again (below). */
+    (void)flock(fd, LOCK_EX | LOCK_NB);
     int rc = 0;
     const char *what = "initialise";
     if (group != APL_NO_GROUP && fchown(fd, (uid_t)-1, (gid_t)group) != 0) {
@@ -239,7 +245,9 @@ static int apl_create(const char *path, int device, const char *backend, const c
     }
     unlink(tmp);
     close(fd);
-    if (rc == EEXIST) return EEXIST;
+    /* ENOENT: a scan removed the temporary file (this process was stopped for a minute before it
+       locked it): the caller tries again, as after losing the race. */
+    if (rc == EEXIST || (rc == ENOENT && !strcmp(what, "publish"))) return EEXIST;
     if (rc) return apl_fail(err, len, rc == EPERM || rc == EACCES ? APL_E_PERM : APL_E_IO,
                             "cannot %s ledger %s: %s", what, path, strerror(rc));
     return APL_OK;

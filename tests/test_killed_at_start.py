@@ -1,0 +1,96 @@
+"""A process killed (SIGKILL) while it makes its quota ledger or its lease leaves a temporary file
+(~74 KB for a ledger) in the ledger directory, /dev/shm by default; on a node whose pods are killed
+while starting (the OOM killer, failed readiness) they piled up. The next process to start there
+removes those whose maker is gone, never one whose maker is alive (identity.remove_dead_leases).
+strace delivers the SIGKILL at the link() that would publish the file, or holds a live maker there."""
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import ascend_pool as ap
+from ascend_pool import identity
+
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
+START = "import ascend_pool as ap; ap.Pool(0, backend='sim').context('t', quota=8 << 20); print('started')"
+PREP = ("import sys, ascend_pool as ap; from ascend_pool.private_dir import private_dir; "
+        "ap.Pool(0, backend='sim').close(); print(private_dir(sys.argv[1]))")
+LEASE = "import sys; from ascend_pool import identity; identity.ensure_lease(sys.argv[1])"
+LEDGER_LINK = 3  # the process's third link(): after the simulator's two leases (cython/sim/proc.c)
+
+pytestmark = pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to stop a process at link()")
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = dict(os.environ, PYTHONPATH=PKG_PARENT, ASCEND_POOL_LEDGER_DIR=str(tmp_path / "ledgers"),
+             ASCEND_SIM_SHM_DIR=str(tmp_path / "sim"))
+    os.mkdir(e["ASCEND_POOL_LEDGER_DIR"])
+    os.mkdir(e["ASCEND_SIM_SHM_DIR"])
+    e["PRIV"] = subprocess.run([sys.executable, "-c", PREP, e["ASCEND_POOL_LEDGER_DIR"]], env=e, check=True,
+                               capture_output=True, text=True).stdout.strip()
+    return e
+
+
+def at_link(env, code, action, nth=1, *args, **kw):
+    cmd = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=link", "-e", f"inject=link:{action}:when={nth}",
+           sys.executable, "-c", code, *args]
+    return subprocess.Popen(cmd, env=env, start_new_session=True, **kw)
+
+
+def temporaries(priv):
+    return sorted(n for n in os.listdir(priv) if ".tmp" in n)
+
+
+def age(priv, names, seconds=3600):
+    old = time.time() - seconds
+    for n in names:
+        os.utime(os.path.join(priv, n), (old, old))
+
+
+def start(env):
+    r = subprocess.run([sys.executable, "-c", START], env=env, capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "started", r.stderr
+
+
+def test_the_files_of_makers_killed_while_starting_are_removed_by_the_next_start(env):
+    priv = env["PRIV"]
+    assert at_link(env, START, "signal=KILL", LEDGER_LINK).wait() == -9  # inside apl_create
+    assert at_link(env, LEASE, "signal=KILL", 1, priv).wait() == -9  # inside ensure_lease
+    left = temporaries(priv)
+    assert len(left) == 2 and left[0].startswith(".ascend_pool-lease-") and left[0].endswith(".tmp")
+    assert left[1].startswith(f"ascend_pool-ledger-u{identity.host_uid()}-sim-") and ".tmp." in left[1]
+    assert os.path.getsize(os.path.join(priv, left[1])) > 70000
+    start(env)
+    assert temporaries(priv) == left  # a minute old at most: its maker may be stopped before its lock
+    age(priv, left)
+    start(env)
+    assert temporaries(priv) == []
+
+
+@pytest.mark.parametrize("what", ["ledger", "lease"])
+def test_a_live_makers_temporary_file_stays(env, what):
+    priv = env["PRIV"]
+    code, nth, args = (START, LEDGER_LINK, ()) if what == "ledger" else (LEASE, 1, (priv,))
+    maker = at_link(env, code, "delay_enter=20000000", nth, *args)  # alive, held 20 s at its link()
+    try:
+        deadline = time.monotonic() + 15
+        while not temporaries(priv) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (name,) = temporaries(priv)
+        time.sleep(0.2)
+        age(priv, [name])
+        start(env)
+        assert temporaries(priv) == [name] and maker.poll() is None
+    finally:
+        os.killpg(maker.pid, signal.SIGKILL)  # strace and the maker it holds
+        maker.wait()
+    age(priv, [name])
+    start(env)
+    assert temporaries(priv) == []
