@@ -32,6 +32,7 @@ host ids is cython/common/host_ids.h.
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import stat
@@ -39,11 +40,13 @@ import threading
 import time
 
 LEASE_PREFIX = "ascend_pool-lease-"
+log = logging.getLogger("ascend_pool")
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 _lock = threading.RLock()
 _instance = 0
 _leases = {}  # directory -> (fd, path) of this process's lease there
+_renew_failed = set()  # directories whose removed lease could not be made again (said once)
 
 
 def instance():
@@ -92,6 +95,7 @@ def ensure_lease(directory):
     inst = instance()
     directory = os.path.abspath(directory)
     if directory in _leases:
+        renew_leases(directory)
         return inst
     with _lock:
         if directory in _leases:
@@ -132,6 +136,46 @@ def _make_lease(directory, inst):
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
+
+
+def renew_leases(directory=None):
+    """Makes again this process's lease files that were removed (or replaced) under it, in
+    `directory` or in every directory it holds one in; returns the directories concerned. A
+    cleanup of /dev/shm or an init container clearing a hostPath removes them while the process
+    runs: its peers then take it for dead and remove its share records (its quota slots are kept by
+    its life lock in the ledger, cython/quota/proc_identity.h). Called by ensure_lease and, through
+    tenants.ledger.check_files, when a context opens a ledger and at each stats interval."""
+    with _lock:
+        items = [(d, v) for d, v in _leases.items() if directory is None or d == directory]
+        out = []
+        for d, (fd, path) in items:
+            try:
+                st, own = os.stat(path, follow_symlinks=False), os.fstat(fd)
+                if (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino):
+                    continue
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue  # cannot tell: keep what is held
+            try:
+                new = _make_lease(d, instance())
+            except FileExistsError:
+                continue  # another file holds the name: not ours to replace
+            except OSError as e:
+                if d not in _renew_failed:  # once: this is tried again at every stats interval
+                    _renew_failed.add(d)
+                    log.warning("this process's lease %s was removed and cannot be made again: %s", path, e)
+                continue
+            _renew_failed.discard(d)
+            if _fork_guard is not None:
+                _fork_guard(fd, False)
+                _fork_guard(new, True)
+            os.close(fd)
+            _leases[d] = (new, path)
+            out.append(d)
+            log.warning("this process's lease %s was removed while it runs (a cleanup of the directory?): made "
+                        "again", path)
+    return out
 
 
 _fork_guard = None  # fork_drops_fd of the extension, set by the backend layer (set_fork_guard)
@@ -475,6 +519,7 @@ def _after_fork_in_child():
         except OSError:
             pass
     _leases.clear()
+    _renew_failed.clear()
     _instance = 0
     _maps.clear()  # read again if asked: the child may unshare(CLONE_NEWUSER) before it asks
 

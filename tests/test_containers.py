@@ -82,6 +82,9 @@ for line in sys.stdin:
     elif cmd == "set_quota":
         ctx.set_quota(int(arg))
         out = ctx.quota
+    elif cmd == "context":  # another context: a ledger operation that is not a reserve
+        keep.append(pool.context(tenant + arg))
+        out = "opened"
     elif cmd == "share":  # a block exported to any process of the node
         ptr = ctx.share_malloc(int(arg))
         keep.append(ctx.share(ptr, any_process=True))
@@ -615,3 +618,35 @@ def test_pods_of_one_host_agree_on_the_node_their_share_keys_are_valid_on():
     (host_a, acl_a, cuda_a), (host_b, acl_b, cuda_b) = seen
     assert (host_a, host_b) == ("worker-pod-a", "exporter-pod-b")
     assert acl_a == acl_b == cuda_a == cuda_b and acl_a.startswith("boot-"), seen
+
+
+@needs_unshare
+def test_workers_whose_lease_files_a_cleanup_removed_keep_their_shares_and_make_them_again(node, tmp_path):
+    # A /dev/shm cleanup (or an init container) removed the lease files of two running workers,
+    # pid 1 each in its own namespace: the node service's sweep took the holder for dead and gave
+    # its 600 MiB away, and the leases never came back.
+    # The workers publish no stats: their leases stay missing until their next context.
+    env, base, procs = node
+    port = start_serve(env, procs, tmp_path / "serve.log", "--sweep-interval", "1")
+    quiet = {"ASCEND_POOL_STATS": "0"}
+    a = Worker(env, procs, "cleaned", "1GiB", extra_env=quiet)
+    b = Worker(env, procs, "cleaned", "1GiB", extra_env=quiet)
+    assert a("malloc", 600 * MiB) == "granted"
+    private = base / f"ascend_pool-u{os.geteuid()}"
+    leases = [private / f"ascend_pool-lease-{w.hello['instance']}" for w in (a, b)]
+    for lease in leases:
+        lease.unlink()
+    assert b("malloc", 600 * MiB) == "refused"
+    time.sleep(2.5)  # two sweeps
+    held = series(scrape(port), "ascend_pool_ledger_held_bytes", tenant="cleaned")
+    assert list(held.values()) == [602 * MiB], held
+    assert b("malloc", 600 * MiB) == "refused"
+    assert not any(lease.exists() for lease in leases)  # all of that while they were missing
+    assert [a("context", "-2"), b("context", "-2")] == ["opened", "opened"]
+    assert all(lease.exists() for lease in leases)  # made again by their next ledger operation
+    os.kill(a.host_pid(), signal.SIGKILL)  # dead now: its share is back within one sweep
+    t0 = time.monotonic()
+    while list(series(scrape(port), "ascend_pool_ledger_held_bytes", tenant="cleaned").values()) != [0]:
+        assert time.monotonic() - t0 < 3.0, "the killed worker's share was not given back"
+        time.sleep(0.05)
+    assert b("malloc", 600 * MiB) == "granted"

@@ -19,6 +19,7 @@ from ascend_pool.errors import BackendUnavailableError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from quota_fixtures import MiB, base, ledger_dir  # noqa: E402,F401  (pytest fixtures)
+from sim_fixtures import NS, needs_unshare  # noqa: E402
 
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
 TENANTS_AT, TENANT_SIZE, SLOTS_AT, SLOT_SIZE = 256, 128, 256 + 64 * 128, 64
@@ -362,3 +363,115 @@ def test_the_sweep_lets_go_of_ledgers_that_were_removed(ledger_dir):
     sweep(uids=(os.geteuid(),))
     assert kept in L._swept
     del led
+
+
+HOLDER_FORKS = """
+    import os, sys, time
+    import ascend_pool as ap
+    ctx = ap.Pool(0).context(sys.argv[1], quota=int(sys.argv[2]))
+    p = ctx.malloc(int(sys.argv[3]))
+    if os.fork() == 0:  # a child that outlives it, holding copies of its descriptors
+        time.sleep(60)
+        os._exit(0)
+    print("ready", flush=True)
+    time.sleep(60)
+"""
+
+
+HOLDER_CLEANED = """
+    import sys, time
+    import ascend_pool as ap
+    pool = ap.Pool(0)
+    ctx = pool.context(sys.argv[1], quota=int(sys.argv[2]))
+    p = ctx.malloc(int(sys.argv[3]))
+    print("ready", flush=True)
+    sys.stdin.readline()
+    pool.context(sys.argv[1] + "-2")  # its next ledger operation
+    print("again", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_live_process_whose_lease_file_was_removed_keeps_its_share_and_makes_it_again(base, ledger_dir):
+    # A cleanup of the ledger directory (an init container, a /dev/shm job) removed a running
+    # process's lease file: the next reserve and the sweep took it for dead and gave its 6 MiB
+    # away (4 MiB more granted on an 8 MiB quota), and its lease never came back. The holder
+    # publishes no stats (ASCEND_POOL_STATS=0): its lease stays missing until its next context.
+    from ascend_pool import identity
+
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT, ASCEND_POOL_STATS="0")
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER_CLEANED), "cleaned", str(8 * MiB),
+                              str(6 * MiB - 1024)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    ctx = None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        (priv,) = [p for p in ledger_dir.iterdir() if p.name.startswith("ascend_pool-u")]
+        (lease,) = priv.glob(identity.LEASE_PREFIX + "*")
+        lease.unlink()
+        ctx = base.context("cleaned")
+        assert ctx.held == 6 * MiB
+        with pytest.raises(ap.QuotaExceededError):
+            ctx.malloc(4 * MiB - 1024)
+        assert all(r["slots"] == 0 for r in sweep())
+        (slot,) = [s for s in ctx.ledger.view()["slots"] if s["pid"] == child.pid]
+        assert slot["alive"] is True and slot["held_bytes"] == 6 * MiB
+        assert not lease.exists()  # all of that while it was missing
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "again"
+        assert identity.lease_alive(str(priv), int(slot["instance"], 16)) is True
+        child.kill()  # dead now: its share goes back
+        child.wait()
+        p = ctx.malloc(8 * MiB - 1024)
+        ctx.free(p)
+    finally:
+        child.kill()
+        child.wait()
+        if ctx is not None:
+            ctx.close()
+
+
+def children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+@needs_unshare
+def test_a_forked_child_does_not_keep_a_killed_parents_share(base, ledger_dir):
+    # The proof of life besides the lease (a lock on the ledger file) is dropped by a forked
+    # child: a child that outlives its killed parent must not keep the parent's 6 MiB. The parent
+    # runs in a pid namespace of its own (under a sleep, pid 1 there, which outlives it and never
+    # reaps it), where its pid tells nothing here: only the locks do.
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT)
+    ns = subprocess.Popen(NS + ["sh", "-c", '"$@" & exec sleep 60', "sh", sys.executable, "-c", textwrap.dedent(HOLDER_FORKS),
+                                "forks", str(8 * MiB), str(6 * MiB - 1024)], stdout=subprocess.PIPE, text=True, env=env)
+    ctx = None
+    try:
+        assert ns.stdout.readline().strip() == "ready"
+        (shell,) = children(ns.pid)  # pid 1 there
+        (parent,) = children(shell)
+        assert len(children(parent)) == 1  # its forked child
+        ctx = base.context("forks")
+        assert ctx.held == 6 * MiB
+        for lease in ledger_dir.glob("ascend_pool-u*/ascend_pool-lease-*"):
+            lease.unlink()  # the life lock alone tells now
+        with pytest.raises(ap.QuotaExceededError):
+            ctx.malloc(4 * MiB - 1024)
+        os.kill(parent, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not (proc_state(parent) == "Z" and len(children(shell)) == 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc_state(parent) == "Z" and len(children(shell)) == 2  # the forked child lives on, in pid 1's care
+        while True:  # given back all the same, once the parent's last thread has closed its files
+            try:
+                ctx.free(ctx.malloc(8 * MiB - 1024))
+                break
+            except ap.QuotaExceededError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+    finally:
+        ns.kill()  # --kill-child: the namespace goes with it
+        ns.wait()
+        if ctx is not None:
+            ctx.close()

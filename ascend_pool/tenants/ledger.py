@@ -171,7 +171,9 @@ def check_files():
     process's tenants stay booked in its copy, and processes started since book in a new file
     apart from them, so each tenant's quota then holds per copy, not node-wide, until this process
     restarts. Returns the paths concerned. Called when a context opens a ledger and by the stats
-    publisher at each interval."""
+    publisher at each interval; makes again this process's lease files removed meanwhile
+    (identity.renew_leases)."""
+    identity.renew_leases()
     out = []
     with _lock:
         mapped = list(_mapped.items())

@@ -64,6 +64,8 @@ typedef struct apl_ledger {
     _Atomic int broken;     /* a guarded access faulted (the file shrank): the mapping is not used again */
     _Atomic long lock_tid;  /* the thread holding the lock (apl_lock), 0 none: a guarded body that faults
                                while holding it gives it back (apl_unlock_if_held) */
+    int life_fd;            /* read-only, holding this process's life lock (ledger_slots.h apl_life_hold); -1 none */
+    pid_t life_pid;
     char path[PATH_MAX];
     char dir[PATH_MAX];     /* the ledger's directory: where its processes' leases are */
 } apl_ledger;
@@ -302,6 +304,7 @@ static int apl_open_as_ms(const char *path, int device, const char *backend, con
     L->f = f;
     L->fd = fd;
     L->fd_pid = getpid();
+    L->life_fd = -1;
     L->st_dev = st.st_dev;
     L->st_ino = st.st_ino;
     L->device = device;
@@ -358,6 +361,11 @@ static void apl_unref(apl_ledger *L) {
     if (L && atomic_fetch_sub(&L->refs, 1) == 1) {
         munmap(L->f, sizeof(apl_file));
         close(L->fd);
+        if (L->life_fd >= 0) { /* this process's lock, or a forked child's copy */
+            int ap_fork_drop_fd(int fd, int on);
+            ap_fork_drop_fd(L->life_fd, 0);
+            close(L->life_fd);
+        }
         pthread_mutex_destroy(&L->mu);
         free(L);
     }

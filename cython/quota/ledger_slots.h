@@ -111,7 +111,7 @@ static int apl_reclaim_locked(apl_ledger *L, int tenant, uint64_t *bytes) {
         if (s->tenant >= APL_TENANTS) continue; /* validated at open; never index with a bad value */
         if (tenant >= 0 && s->tenant != (uint32_t)tenant) continue;
         /* By lease, never by pid: a pid may belong to another namespace (proc_identity.h). */
-        if (apl_owner_alive(L->dir, s->instance, s->pid, s->pidns, s->start_time) != 0)
+        if (apl_owner_alive(L->dir, s->instance, s->pid, s->pidns, s->start_time, L->fd) != 0)
             continue; /* alive, or cannot tell: keep */
         touched |= 1ull << s->tenant;
         total += apl_slot_clear(f, i, 1);
@@ -163,6 +163,39 @@ static int apl_declare_quota(apl_tenant *T, uint64_t quota, int src, uint32_t st
     } /* else: the operator's quota, or a stricter declaration, stays */
     if (conflict) atomic_fetch_add(&T->conflicts, 1);
     return conflict ? 1 + replaced : 0;
+}
+
+int ap_fork_drop_fd(int fd, int on); /* ../backend/fork.c */
+
+/* Takes this process's life lock on the ledger (proc_identity.h apl_life_offset), once per process
+   and ledger, before it claims a slot; held until the process ends (a forked child takes its own at
+   its first claim). Its own descriptor, opened read-only, that a child forked from C drops (fork.c): holding
+   the lock, the child would keep a killed parent alive. Where it cannot be had (a kernel before
+   3.15, the path replaced) only the lease tells. Under the lock (L->mu: one thread sets it). */
+static void apl_life_hold(apl_ledger *L, uint64_t instance) {
+    if (L->life_fd >= 0 && L->life_pid == getpid()) return;
+    if (L->life_fd >= 0) { /* a forked child's copy (/dev/null after fork.c, else the parent's file) */
+        ap_fork_drop_fd(L->life_fd, 0);
+        close(L->life_fd);
+        L->life_fd = -1;
+    }
+    int fd = open(L->path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return;
+    struct stat st;
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_RDLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = apl_life_offset(instance);
+    fl.l_len = 1;
+    if (fstat(fd, &st) != 0 || st.st_dev != L->st_dev || st.st_ino != L->st_ino ||
+        fcntl(fd, F_OFD_SETLK, &fl) != 0) {
+        close(fd);
+        return;
+    }
+    ap_fork_drop_fd(fd, 1);
+    L->life_fd = fd;
+    L->life_pid = getpid();
 }
 
 /* Finds or creates tenant `name` and claims a slot for this process in it.
@@ -241,6 +274,7 @@ static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t q
         return apl_fail(err, len, APL_E_FULL, "ledger %s is full: %d contexts are live on device %d", L->path,
                         APL_SLOTS, L->device);
     }
+    apl_life_hold(L, atomic_load(&apl_self_instance)); /* before the slot is published */
     apl_slot *S = &f->slots[s];
     S->pid = getpid();
     S->instance = atomic_load(&apl_self_instance);
@@ -289,7 +323,7 @@ static int apl_set_quota(apl_ledger *L, int tenant, uint64_t quota, uint32_t war
         if (atomic_load(&L->f->slots[i].state) == APL_USED && L->f->slots[i].tenant == (uint32_t)tenant &&
             L->f->slots[i].instance != me &&
             apl_owner_alive(L->dir, L->f->slots[i].instance, L->f->slots[i].pid, L->f->slots[i].pidns,
-                            L->f->slots[i].start_time) != 0)
+                            L->f->slots[i].start_time, L->fd) != 0)
             others++;
     /* An operator's reload applies unless another process has the quota from a newer file. */
     int operator_ok = src == APL_SRC_OPERATOR && !(old_src == APL_SRC_OPERATOR && stamp < atomic_load(&T->quota_stamp));

@@ -6,7 +6,12 @@
  *     <dir>/ascend_pool-lease-<instance as 16 hex digits>
  * in the directory of the records it writes (ascend_pool/identity.py creates it, fully locked
  * before it appears under that name). The kernel drops the lock when the process dies, whatever
- * namespace the process or the checker is in; anyone who can open the file can test the lock. A
+ * namespace the process or the checker is in; anyone who can open the file can test the lock.
+ * A process holding a ledger slot also holds a read lock (an open-file-description lock, F_OFD_SETLK)
+ * on one byte of the ledger file named by its instance (apl_life_offset): that proves it alive
+ * when its lease file was removed under it (a /dev/shm cleanup job, an init container), which
+ * gave its quota share away before 2026-12-05; the lease is made again by its next ledger operation
+ * or stats interval (identity.ensure_lease). A
  * slot keeps the pid and its pid namespace (the inode of /proc/self/ns/pid) only as labels for
  * people: no liveness or ownership decision rests on them.
  */
@@ -99,14 +104,42 @@ static void apl_set_identity(uint64_t instance, uint64_t pidns) {
    (then the slot is kept: never give away bytes a live process may still hold). */
 static int apl_lease_alive(const char *dir, uint64_t instance);
 
+#ifndef F_OFD_GETLK /* Linux 3.15; older C libraries do not name them */
+#define F_OFD_GETLK 36
+#define F_OFD_SETLK 37
+#endif
+
+/* The byte of the ledger file a process of this instance read-locks while it holds slots there
+   (ledger_slots.h apl_life_hold): 1 .. 2^62, nearly always past the end of the file (a lock is
+   allowed there, and touches no data anywhere); two live instances share it with a chance of 2^-62. */
+static off_t apl_life_offset(uint64_t instance) { return (off_t)(instance >> 2) + 1; }
+
+/* 1 when some process holds the life lock of instance on the ledger open as fd (any descriptor of
+   the file: another open file description's lock is reported), 0 when nobody does, -1 cannot tell. */
+static int apl_life_held(int fd, uint64_t instance) {
+    if (fd < 0 || instance == 0) return -1;
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = apl_life_offset(instance);
+    fl.l_len = 1;
+    if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return -1;
+    return fl.l_type != F_UNLCK;
+}
+
 /* The liveness of a slot's owner: its lease decides. One refinement, for a process of *our* pid
    namespace only (recorded pidns equal to ours and /proc showing that namespace): a pid that is
    gone or a zombie is dead even while its lease is still held for a moment (a killed
    multi-threaded process is a zombie before its last thread closes its files). start_time is
-   kept for people (a label), never as proof of death (apl_proc_gone_here). */
-static int apl_owner_alive(const char *dir, uint64_t instance, int pid, uint64_t pidns, uint64_t start_time) {
+   kept for people (a label), never as proof of death (apl_proc_gone_here). ledger_fd: a
+   descriptor of the ledger whose slot this is (-1: none), where a live owner whose lease file was
+   removed still holds its life lock (apl_life_held): alive. */
+static int apl_owner_alive(const char *dir, uint64_t instance, int pid, uint64_t pidns, uint64_t start_time,
+                           int ledger_fd) {
     (void)start_time;
     int lease = apl_lease_alive(dir, instance);
+    if (lease != 1 && apl_life_held(ledger_fd, instance) == 1) lease = 1;
     if (lease == 1 && pidns != 0 && pidns == atomic_load(&apl_self_pidns) && pid > 0 &&
         apl_proc_is_ours() && apl_proc_gone_here(pid) == 0)
         return 0;

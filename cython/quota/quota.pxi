@@ -56,6 +56,7 @@ cdef extern from "quota/ledger_reserve.h" nogil:
         apl_slot slots[1024]
     ctypedef struct apl_ledger:
         apl_file *f
+        int fd
         int guarded
         unsigned long st_dev, st_ino
         int device
@@ -73,7 +74,8 @@ cdef extern from "quota/ledger_reserve.h" nogil:
     uint32_t APL_NO_OWNER
     void apl_unref(apl_ledger *L)
     int apl_reclaim(apl_ledger *L, int tenant, uint64_t *nbytes, char *err, size_t len)
-    int apl_owner_alive(const char *dir, uint64_t instance, int pid, uint64_t pidns, uint64_t start_time)
+    int apl_owner_alive(const char *dir, uint64_t instance, int pid, uint64_t pidns, uint64_t start_time,
+                        int ledger_fd)
     void apl_set_identity(uint64_t instance, uint64_t pidns)
     apl_handle *apl_handle_open(apl_ledger *L, const char *name, int set_quota, uint64_t quota, int src,
                                 uint32_t stamp, int set_warn, uint32_t warn_ppm, int *conflict, char *err, size_t len, int *kind)
@@ -278,7 +280,7 @@ cdef class Ledger:
             if rc < 0:
                 self._usable = False
                 raise LedgerError(f"ledger {self.path} shrank while mapped; open it again", kind="malformed")
-            return _view_dict(&hdr, t, self.L.dir, self.path)
+            return _view_dict(&hdr, t, self.L.dir, self.path, self.L.fd)
         finally:
             free(t)
 
@@ -290,8 +292,9 @@ cdef class Ledger:
         return None
 
 
-cdef dict _view_dict(apl_header *h, apl_tables *t, const char *dir, str path):
-    """Ledger.view()'s dict from a copy of the tables (t[0]) and the header."""
+cdef dict _view_dict(apl_header *h, apl_tables *t, const char *dir, str path, int fd):
+    """Ledger.view()'s dict from a copy of the tables (t[0]) and the header. fd: a descriptor of the
+    ledger file (-1 none), where live slot owners hold their life locks (proc_identity.h)."""
     cdef int i
     tenants = []
     for i in range(APL_TENANTS):
@@ -314,7 +317,7 @@ cdef dict _view_dict(apl_header *h, apl_tables *t, const char *dir, str path):
         if t[0].slots[i].state != APL_USED:
             continue
         alive = apl_owner_alive(dir, t[0].slots[i].instance, t[0].slots[i].pid,
-                                t[0].slots[i].pidns, t[0].slots[i].start_time)
+                                t[0].slots[i].pidns, t[0].slots[i].start_time, fd)
         slots.append({"pid": t[0].slots[i].pid, "instance": f"{t[0].slots[i].instance:016x}",
                       "pidns": t[0].slots[i].pidns, "tenant": names.get(t[0].slots[i].tenant, "?"),
                       "held_bytes": t[0].slots[i].held, "pending_bytes": t[0].slots[i].pending,
@@ -358,7 +361,15 @@ def read_ledger_view(str path, int device, str backend, str node="", group=None,
             raise _ledger_error(rc, err)
         memcpy(t.tenants, f[0].tenants, sizeof(t.tenants))
         memcpy(t.slots, f[0].slots, sizeof(t.slots))
-        return _view_dict(&f[0].h, t, bdir, path)
+        try:  # only to test the slot owners' life locks (proc_identity.h); never mapped nor locked
+            fd = _os.open(path, _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_NONBLOCK | _os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+        try:
+            return _view_dict(&f[0].h, t, bdir, path, fd)
+        finally:
+            if fd >= 0:
+                _os.close(fd)
     finally:
         free(f)
         free(t)
