@@ -449,12 +449,13 @@ def boot_id():
 TMP_STALE_S = 60.0  # a temporary file lives microseconds: an older one's maker was killed (or is stopped)
 _LEDGER_TMP = re.compile(r"ascend_pool-ledger-[^/]*\.tmp\.\d+\.[0-9a-f]{16}\.\d+")  # cython/quota/ledger_file.h
 _LEASE_TMP = re.compile(r"\." + LEASE_PREFIX + r"[0-9a-f]{16}\.tmp")  # _make_lease
+_SHARE_TMP = re.compile(r"ascend_pool-share-[^/]*\.tmp\.[0-9a-f]{16}")  # sharing._Record
 
 
 def remove_dead_leases(directory, limit=10000):
     """Removes the lease files of exited processes in `directory` (at most `limit` looked at), and
-    the temporary files of processes killed while making a lease or a quota ledger (a ledger's is
-    ~74 KB of /dev/shm: pods killed while starting left them for good). Returns how many lease
+    the temporary files of processes killed while making a lease, a quota ledger (a ledger's is
+    ~74 KB of /dev/shm: pods killed while starting left them for good) or a share record. Returns how many lease
     files were removed. Instance ids are never reused, so a dead lease is garbage."""
     removed = 0
     try:
@@ -462,7 +463,8 @@ def remove_dead_leases(directory, limit=10000):
     except OSError:
         return 0
     names = [n for n in listed if n.startswith(LEASE_PREFIX)][:limit]
-    _remove_dead_temporaries(directory, [n for n in listed if _LEDGER_TMP.fullmatch(n) or _LEASE_TMP.fullmatch(n)][:limit])
+    _remove_dead_temporaries(directory, [n for n in listed if any(r.fullmatch(n) for r in (_LEDGER_TMP, _LEASE_TMP,
+                                                                                           _SHARE_TMP))][:limit])
     for name in names:
         try:
             value = int(name[len(LEASE_PREFIX):], 16)

@@ -230,6 +230,9 @@ class _Record:
         mode = 0o600 if group is None else 0o640  # a group's service lists its members' records
         tmp = f"{path}.tmp.{identity.instance_hex()}"  # not the pid: pids repeat across pid namespaces
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # Locked until published: an exporter killed here leaves tmp, which a scan removes once
+        # nobody holds this lock (identity.remove_dead_leases).
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             if group is not None and os.fstat(fd).st_gid != group:
                 os.fchown(fd, -1, group)  # the set-gid directory gives it the group; make sure
@@ -241,6 +244,7 @@ class _Record:
             raise
         finally:
             os.unlink(tmp)
+        fcntl.flock(fd, fcntl.LOCK_UN)  # the record's own lock from now on (every access takes it)
         self.fd = fd
 
     def close(self):

@@ -94,3 +94,39 @@ def test_a_live_makers_temporary_file_stays(env, what):
     age(priv, [name])
     start(env)
     assert temporaries(priv) == []
+
+
+EXPORT = """
+import os, signal, sys, time
+import ascend_pool as ap
+link = os.link
+def at_link(src, dst, *a, **kw):  # the exporter's first share record, at its publication
+    if "ascend_pool-share-" in os.path.basename(dst):
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        print("held", flush=True)
+        time.sleep(60)
+    return link(src, dst, *a, **kw)
+os.link = at_link
+pool = ap.Pool(0, backend="sim")
+pool.share(pool.share_malloc(1 << 20), any_process=True)
+"""
+
+
+def test_a_share_record_killed_exporters_temporary_file_is_removed_a_live_ones_stays(env):
+    priv = env["PRIV"]
+    assert subprocess.run([sys.executable, "-c", EXPORT, "kill"], env=env).returncode == -9
+    (dead,) = temporaries(priv)
+    assert dead.startswith("ascend_pool-share-") and ".tmp." in dead
+    live = subprocess.Popen([sys.executable, "-c", EXPORT, "hold"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout.readline().strip() == "held"
+        (held,) = set(temporaries(priv)) - {dead}
+        age(priv, [dead, held])
+        start(env)
+        assert temporaries(priv) == [held] and live.poll() is None
+    finally:
+        live.kill()
+        live.wait()
+    start(env)  # its maker is gone now
+    assert temporaries(priv) == []
