@@ -481,33 +481,38 @@ def remove_dead_leases(directory, limit=10000):
 
 
 def _remove_dead_temporaries(directory, names):
-    """Removes those of names (temporary files) whose maker is gone. The name's pid may be another
-    pid namespace's, so the proof is the maker's lock: each is made locked (flock LOCK_EX, right
-    after its creation) and stays locked until it is renamed or removed; the kernel drops the lock
-    when its maker dies, in any namespace. Only this user's files, unlocked and older than
-    TMP_STALE_S (a maker stopped between creating and locking its file loses it, and makes it
-    again: ensure_lease, ledger_file.h's apl_create) are removed; one whose maker holds it stays."""
-    now = time.time()
+    """Removes those of names (temporary files) whose maker is gone (remove_abandoned)."""
     for name in names:
-        path = os.path.join(directory, name)
         try:
-            st = os.lstat(path)
-            if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > TMP_STALE_S):
-                continue
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            try:
-                fst = os.fstat(fd)
-                if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
-                    continue  # replaced since the lstat: looked at again next time
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # its maker is alive, still making it
-                os.unlink(path)
-            finally:
-                os.close(fd)
+            remove_abandoned(os.path.join(directory, name))
         except OSError:
             continue  # gone meanwhile, or not ours to read
+
+
+def remove_abandoned(path):
+    """Removes path, a file this user's process was making, if its maker is gone; True when
+    removed, OSError when it cannot be looked at. The name's pid may be another pid namespace's,
+    so the proof is the maker's lock: each such file is made locked (flock LOCK_EX, right after
+    its creation) and stays locked until it is renamed or removed; the kernel drops the lock when
+    its maker dies, in any namespace. Only this user's files, unlocked and older than TMP_STALE_S
+    (seconds; a maker stopped between creating and locking its file loses it, and makes it again:
+    ensure_lease, ledger_file.h's apl_create) are removed; one whose maker holds it stays."""
+    st = os.lstat(path)
+    if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and time.time() - st.st_mtime > TMP_STALE_S):
+        return False
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fst = os.fstat(fd)
+        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+            return False  # replaced since the lstat: looked at again next time
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its maker is alive, still making it
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _after_fork_in_child():

@@ -7,12 +7,9 @@ groups inside the base directory, and nothing else there: any local user can cre
 /dev/shm, and such files are not even opened (no log line, no time spent). A scan reads at most
 MAX_FILES files, so its time is bounded whatever the directories hold."""
 
-import fcntl
 import logging
 import os
-import stat
 import threading
-import time
 
 from .. import identity
 from ..private_dir import candidates
@@ -23,7 +20,6 @@ log = logging.getLogger("ascend_pool.service")
 
 
 MAX_FILES = 4096  # stats files read per scan: far more processes than a node runs
-TMP_STALE_S = 60.0  # a file is made in microseconds: an older half-made one's writer was killed
 
 
 class StatsScanner:
@@ -108,24 +104,9 @@ class StatsScanner:
         writer is dead (one stopped between creating and renaming its file, a clock stepped
         forward): its lease does, the flock StatsFile takes right after creating the file, as for
         every stats file (reader.py). A file whose writer holds it is left alone."""
-        now = time.time()
         for path in half_made[:MAX_FILES]:
             try:
-                st = os.lstat(path)
-                if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > TMP_STALE_S):
-                    continue
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-                try:
-                    fst = os.fstat(fd)
-                    if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
-                        continue  # replaced since the lstat: looked at again at the next scan
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    except BlockingIOError:
-                        continue  # its writer is alive, still making it
-                    os.unlink(path)
-                finally:
-                    os.close(fd)
+                identity.remove_abandoned(path)
             except OSError as e:
                 log.debug("removing a half-made stats file %s: %s", path, e)
 
