@@ -867,3 +867,29 @@ def test_a_cross_device_use_whose_stream_handle_went_to_a_third_device_does_not_
                           "held": sim.stats(2)["bytes_held"]}))
     """, ASCEND_SIM_REUSE_STREAM_HANDLES="1", ASCEND_SIM_DEVICES="3")
     assert out == {"reused": 5, "active": 0, "held": 0}, out
+
+
+def test_probes_of_unknown_stream_handles_do_not_use_up_the_idle_events():
+    # A probe's event whose record the runtime refuses was never recorded: it goes back to the
+    # cache. Parked, it stayed for the pool's life (CANN answers NOT_READY for an event never
+    # recorded), and 80 such probes took the device's idle-event budget: every later cross-stream
+    # free made a new event (81 over 40 frees).
+    p = ap.Pool(0, backend="sim")
+    try:
+        for i in range(80):
+            h = 0x7000000 + 64 * i  # handles the runtime does not know (a framework's destroyed streams)
+            p.register_stream(h)
+            with pytest.raises(ap.InvalidStreamError):
+                p.malloc(MiB, stream=h)
+        s, s2 = p.create_stream(), p.create_stream()
+        p.free(p.malloc(MiB, stream=s))
+        before = p.memory_stats()["events_created"]
+        for _ in range(40):
+            x = p.malloc(MiB, stream=s)
+            p.record_stream(x, s2)
+            p.free(x)
+            p.synchronize()
+        assert p.memory_stats()["events_created"] - before <= 4
+        p._check_invariants()
+    finally:
+        p.close()

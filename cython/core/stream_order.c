@@ -27,6 +27,7 @@ int ap_stream_elsewhere(const ap_pool *p, int code) {
 }
 
 static void park(ap_pool *p, void *event, int marked, void *stream);
+static void *event_get(ap_pool *p, void *stream, int *parked);
 
 /* An event recorded (not waited on) goes back to the cache once that record is known complete.
    CANN: an event of aclrtCreateEventWithFlag(ACL_EVENT_SYNC) keeps one hardware flag, set by each
@@ -39,17 +40,30 @@ static void event_put_recorded(ap_pool *p, void *event, void *stream, int comple
     else park(p, event, known, stream);
 }
 
+/* An event whose record the runtime refused goes back as it was: parked again when it came parked
+   (its earlier records on `stream` may still be queued), else to the cache. A new event was never
+   recorded and a cached one's records are complete; parked, such an event would never come back:
+   CANN answers NOT_READY for an event never recorded, so a probe of each stream handle the runtime
+   does not know (a framework's destroyed streams) kept one parked, idle and counted, for the pool's
+   life, and enough of them took the device's whole idle budget (every later event destroyed after
+   one use). */
+static void event_put_unrecorded(ap_pool *p, void *event, void *stream, int parked) {
+    if (parked) park(p, event, 1, stream);
+    else ap_event_put(p, event);
+}
+
 /* Asks, without waiting, whether the work queued on stream so far is done: an event recorded now
    and queried at once. 1 done, 0 not yet (or no event to ask with), -1 the runtime refuses the
    stream (unusable: destroyed elsewhere, garbage), AP_STREAM_ELSEWHERE the stream is in a
    context this thread cannot reach (not done, as far as anyone here can tell). */
 static int stream_idle(ap_pool *p, void *stream) {
     ap_on_device(p);
-    void *ev = ap_event_get(p, stream);
+    int parked;
+    void *ev = event_get(p, stream, &parked);
     if (!ev) return 0;
     int rc = p->backend->event_record(p->backend, ev, stream), complete = 0;
     if (rc != 0) { /* only the record speaks for the stream; a failed query is the event's */
-        event_put_recorded(p, ev, stream, 0, 1); /* as it was: possibly parked (ap_event_get) */
+        event_put_unrecorded(p, ev, stream, parked);
         return ap_stream_unusable(p, rc) ? -1 : ap_stream_elsewhere(p, rc) ? AP_STREAM_ELSEWHERE : 0;
     }
     rc = p->backend->event_query(p->backend, ev, &complete);
@@ -217,10 +231,15 @@ static void *take_parked(ap_pool *p, void *stream) {
     return NULL;
 }
 
-void *ap_event_get(ap_pool *p, void *stream) {
+/* ap_event_get; *parked: 1 when the event is a parked one (take_parked), else 0. */
+static void *event_get(ap_pool *p, void *stream, int *parked) {
+    *parked = 0;
     if (p->n_parked && !p->n_cached_events) {
         void *ev = take_parked(p, stream);
-        if (ev) return ev;
+        if (ev) {
+            *parked = 1;
+            return ev;
+        }
         parked_recycle(p);
     }
     if (p->n_cached_events) {
@@ -232,6 +251,11 @@ void *ap_event_get(ap_pool *p, void *stream) {
     p->stats.events_created++;
     p->live_events++;
     return ev;
+}
+
+void *ap_event_get(ap_pool *p, void *stream) {
+    int parked;
+    return event_get(p, stream, &parked);
 }
 
 static void event_destroy(ap_pool *p, void *event) {
@@ -329,10 +353,11 @@ void ap_events_destroy(ap_pool *p) {
 static void *record_on_code(ap_pool *p, void *stream, int *code) {
     ap_on_device(p);
     *code = 0;
-    void *ev = ap_event_get(p, stream);
+    int parked;
+    void *ev = event_get(p, stream, &parked);
     if (!ev) return NULL;
     if ((*code = p->backend->event_record(p->backend, ev, stream)) != 0) {
-        event_put_recorded(p, ev, stream, 0, 1); /* as it was: possibly parked (ap_event_get) */
+        event_put_unrecorded(p, ev, stream, parked);
         return NULL;
     }
     return ev;
