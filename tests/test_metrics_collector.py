@@ -456,3 +456,37 @@ def test_contexts_closed_dropped_and_collected_from_threads_while_scraped_are_co
         stop.set()
         for b in bases:
             b.close()
+
+
+def test_a_read_inside_a_read_counts_a_vanished_pool_once():
+    # A signal handler's samples() that runs in the middle of another's sums (here: right after
+    # that one retired a pool gone from the list) made the same retirement again: the pool's
+    # counters were in the tenant's totals twice, for good.
+    from ascend_pool.metrics.sample import PoolAggregator
+
+    pool = ap.Pool(0, backend="sim")
+    try:
+        for _ in range(3):
+            pool.free(pool.malloc(4096))  # small pool
+        pools = [pool]
+        agg = PoolAggregator(pools=lambda: list(pools))
+        first = {s.tenant: s.values["allocations.small"] for s in agg.samples()}["default"]
+        assert first == 3
+        pools.clear()  # gone from the list without a close (the collector's orphan moment)
+        add = agg._add_retired
+        inner = []
+
+        def add_then_signal(key, counters):
+            add(key, counters)
+            if not inner:
+                inner.append(None)
+                inner[0] = agg.samples()  # the "signal handler"
+
+        agg._add_retired = add_then_signal
+        outer = {s.tenant: s.values["allocations.small"] for s in agg.samples()}
+        del agg._add_retired
+        after = {s.tenant: s.values["allocations.small"] for s in agg.samples()}
+        assert inner and {s.tenant: s.values["allocations.small"] for s in inner[0]}["default"] == 3
+        assert outer["default"] == 3 and after["default"] == 3
+    finally:
+        pool.close()

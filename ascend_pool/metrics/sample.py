@@ -153,6 +153,7 @@ class PoolAggregator:
         # One samples() at a time (its reads happen before self._lock: a later read must not be
         # merged before an earlier one); a pool's close never takes it.
         self._reading = threading.RLock()
+        self._depth = 0  # samples() calls under way in the thread holding _reading (2: a signal handler's inside)
         self._seen = {}     # _identity(pool) -> (weakref to pool, (device, tenant), counters dict)
         self._retired = {}  # (device, tenant) -> counters dict
         self._vanished = {}  # serial identity -> (key, counters) retired without a close (may come back)
@@ -212,9 +213,13 @@ class PoolAggregator:
     def samples(self):
         """A list of TenantSample, sorted by (device, tenant)."""
         with self._reading:
-            return self._samples()
+            self._depth += 1
+            try:
+                return self._samples(nested=self._depth > 1)
+            finally:
+                self._depth -= 1
 
-    def _samples(self):
+    def _samples(self, nested=False):
         # The registry's lock is never taken under this one (the pools are listed first), and
         # nothing under it waits for a pool to close: a close queues (_pool_closing). Nor are the
         # pools read under it: a pool's lock may be held over a free's stream wait (rare: no
@@ -233,11 +238,32 @@ class PoolAggregator:
         with self._lock:
             outer, self._busy = self._busy, True
             try:
-                if not outer:  # a read inside a read (a signal handler's) leaves the sums to it
-                    self._fold_closing()
+                if nested:  # a read inside a read (a signal handler's) leaves the sums to it
+                    return self._view(read)
+                self._fold_closing()
                 return self._sum(read)
             finally:
                 self._busy = outer
+
+    def _view(self, read):
+        """The samples of `read` with the retired counters, changing nothing: a read inside a
+        read (a signal handler's) may run in the middle of the outer one's _sum, whose
+        retirements it would make a second time (counted twice for good), or whose dict
+        iterations it would break; and its newer reads must not be merged before the outer's
+        older ones."""
+        out = {}
+        for pool, v, key in read:
+            if pool not in self._final:
+                _merge(out.setdefault(key, {}), v)
+        live = set(out)
+        for key, counters in self._retired.items():
+            vals = out.get(key)
+            if vals is None:
+                vals = out[key] = {f: 0 for f in FIELDS}
+                vals["quota_bytes"] = NO_QUOTA
+            for f, n in counters.items():
+                vals[f] += n
+        return [TenantSample(d, t, vals, live=(d, t) in live) for (d, t), vals in sorted(out.items())]
 
     def _sum(self, read):
         """samples() under the lock: the pools read, with the retired counters."""
