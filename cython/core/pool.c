@@ -829,16 +829,26 @@ void ap_pool_get_stats(ap_pool *p, ap_stats *out) {
     get_stats_locked(p, out);
 }
 
+/* The monotonic clock where the C library can wait on it: a wall-clock step (NTP, a container's
+   clock set) would otherwise stretch or cut the wait. */
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+#define AP_LOCK_CLOCK CLOCK_MONOTONIC
+#define ap_mutex_lock_until(m, t) pthread_mutex_clocklock((m), CLOCK_MONOTONIC, (t))
+#else
+#define AP_LOCK_CLOCK CLOCK_REALTIME
+#define ap_mutex_lock_until(m, t) pthread_mutex_timedlock((m), (t))
+#endif
+
 int ap_pool_get_stats_within(ap_pool *p, ap_stats *out, int wait_ms) {
     struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t); /* pthread_mutex_timedlock's clock */
+    clock_gettime(AP_LOCK_CLOCK, &t);
     t.tv_sec += wait_ms / 1000;
     t.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
     if (t.tv_nsec >= 1000000000L) {
         t.tv_sec++;
         t.tv_nsec -= 1000000000L;
     }
-    if (pthread_mutex_timedlock(&p->lock, &t) != 0) return -1;
+    if (ap_mutex_lock_until(&p->lock, &t) != 0) return -1;
     get_stats_locked(p, out);
     return 0;
 }
