@@ -232,8 +232,8 @@ class _Record:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         # Locked until published: an exporter killed here leaves tmp, which a scan removes once
         # nobody holds this lock (identity.remove_dead_leases).
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if group is not None and os.fstat(fd).st_gid != group:
                 os.fchown(fd, -1, group)  # the set-gid directory gives it the group; make sure
             os.fchmod(fd, mode)
@@ -243,7 +243,10 @@ class _Record:
             os.close(fd)
             raise
         finally:
-            os.unlink(tmp)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass  # a scan took it for a dead exporter's (held past TMP_STALE_S): the record is linked
         fcntl.flock(fd, fcntl.LOCK_UN)  # the record's own lock from now on (every access takes it)
         self.fd = fd
 
