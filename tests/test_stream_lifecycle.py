@@ -6,6 +6,7 @@ rt_error_codes.h names a handle the runtime does not know ("param invalid")."""
 import ctypes
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -616,6 +617,53 @@ def test_a_stream_made_while_the_pool_forgets_destroyed_handles_is_kept(sim_node
         print(json.dumps({"lost": lost, "reused": reused > 0}))
     """, ASCEND_SIM_REUSE_STREAM_HANDLES="1", timeout=60)
     assert out == {"lost": 0, "reused": True}, out
+
+
+def test_a_stream_made_while_the_pool_closes_is_destroyed_not_leaked():
+    # create_stream makes its stream with the GIL released, then adds it to the pool: a close()
+    # on another thread that had listed the streams to destroy meanwhile closed the pool without
+    # it, and the stream outlived the pool with its device reference. Driven step by step: the
+    # creation finishes while close() is in its loop.
+    in_create, in_close, created = threading.Event(), threading.Event(), threading.Event()
+
+    class SlowBackend(ap._core.Backend):
+        armed, made = False, None
+
+        def stream_create(self, device):
+            h = super().stream_create(device)
+            if self.armed:
+                self.armed, self.made = False, h
+                in_create.set()
+                assert in_close.wait(10)  # made, not yet added: close() runs now
+            return h
+
+    class ClosingPool(ap.Pool):
+        def _stream_used_elsewhere(self, handle):  # close() is in its loop, its list made
+            in_close.set()
+            assert created.wait(10)
+            return False
+
+    be = SlowBackend("sim")
+    pool = ClosingPool(0, backend=be)
+    pool.create_stream()  # close() has a stream to ask about
+    out = {}
+
+    def creator():
+        try:
+            out["stream"] = pool.create_stream()
+        except ap.PoolError as e:
+            out["error"] = str(e)
+        created.set()
+
+    be.armed = True
+    t = threading.Thread(target=creator)
+    t.start()
+    assert in_create.wait(10)
+    pool.close()
+    t.join()
+    assert out == {"error": "this pool is closed"}
+    with pytest.raises(ap.DeviceError):  # destroyed already, by create_stream
+        be.stream_destroy(be.made)
 
 
 def test_a_pool_forgets_the_streams_it_created_that_the_runtime_destroyed(pool):

@@ -242,6 +242,7 @@ cdef class PoolBase:
     cdef dict _streams    # stream handles this pool knows (created here or registered) -> their add's serial
     cdef uint64_t _adds   # serials of those adds: a handle added anew (the runtime reuses handles) has a new one
     cdef set _created     # those create_stream made: destroyed at close when idle
+    cdef bint _closing    # close() listed _created: create_stream adds none from now on
     cdef Py_ssize_t _prune_at  # _streams size at which handles of destroyed streams are looked for
     cdef int _busy        # calls running with the GIL released (close() waits for them)
     cdef uint64_t _ticket  # liveness seen by threads that made this pool current (core/current.h)
@@ -379,19 +380,26 @@ cdef class PoolBase:
         later calls raise PoolError. In a forked child, only forgets the parent's pool."""
         cdef int idle
         if self.p != NULL and not ap_forked_from:
-            for handle in list(self._created):
-                idle = self._stream_idle(handle)
-                try:
-                    if idle > 0 and self._stream_used_elsewhere(handle):
-                        self._created.discard(handle)  # another pool orders work on it: it stays
-                    elif idle > 0:
-                        self.destroy_stream(handle)
-                    elif idle < 0:  # destroyed behind our back: nothing to destroy; the backend
-                        # gives the stream's device reference back when this pool gives its device
-                        # back (acl: acl_device_release asks the device's streams), no lock held
+            # Before the list is made: a create_stream on another thread (which made its stream
+            # with the GIL released) then destroys its stream itself instead of adding it here.
+            self._closing = True
+            try:
+                for handle in list(self._created):
+                    idle = self._stream_idle(handle)
+                    try:
+                        if idle > 0 and self._stream_used_elsewhere(handle):
+                            self._created.discard(handle)  # another pool orders work on it: it stays
+                        elif idle > 0:
+                            self.destroy_stream(handle)
+                        elif idle < 0:  # destroyed behind our back: nothing to destroy; the backend
+                            # gives the stream's device reference back when this pool gives its device
+                            # back (acl: acl_device_release asks the device's streams), no lock held
+                            self._created.discard(handle)
+                    except PoolError:  # the runtime refused: the close goes on
                         self._created.discard(handle)
-                except PoolError:  # the runtime refused: the close goes on
-                    self._created.discard(handle)
+            except BaseException:  # interrupted: the pool stays open, and makes streams again
+                self._closing = False
+                raise
         self._shut(True)
 
     def __dealloc__(self):
@@ -554,9 +562,19 @@ cdef class PoolBase:
             _raise(&err, rc)
 
     def create_stream(self):
-        """Creates a device stream on this pool's device; returns its handle (int)."""
+        """Creates a device stream on this pool's device; returns its handle (int). PoolError once
+        the pool is closed, by another thread too while the stream was made (then destroyed)."""
         self._check()
-        handle = self.backend.stream_create(self.device)
+        handle = self.backend.stream_create(self.device)  # the GIL released: close() may run
+        if self.p == NULL or self._closing:
+            # close() made its list of streams to destroy meanwhile: this one is not in it, and
+            # would outlive the pool with its device reference
+            try:
+                self.backend.stream_destroy(handle)
+            except PoolError as e:
+                raise PoolError(f"this pool is closed (closed while stream {handle:#x} was made, "
+                                f"which could not be destroyed: {e})") from None
+            raise PoolError("this pool is closed")
         self._add_stream(handle)
         self._created.add(handle)
         self._prune_streams()
