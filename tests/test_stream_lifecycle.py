@@ -666,6 +666,38 @@ def test_a_stream_made_while_the_pool_closes_is_destroyed_not_leaked():
         be.stream_destroy(be.made)
 
 
+def test_close_does_not_destroy_a_stream_registered_with_the_handle_of_one_it_made(sim_node):
+    # close() asked each stream it made whether it was idle with the GIL released, then destroyed
+    # it: when another thread destroyed that stream through the pool meanwhile and the runtime gave
+    # its handle to a framework stream registered since, close destroyed the framework's stream.
+    # Driven step by step: the other thread's steps run in the hook close() calls after asking.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool._core import Backend
+        be = Backend("sim")
+        fw = []
+
+        class P(ap.Pool):
+            def _stream_used_elsewhere(self, handle):
+                if not fw:
+                    self.destroy_stream(handle)
+                    fw.append(be.stream_create(0))  # the framework's stream: the handle anew
+                    self.register_stream(fw[0])
+                return super()._stream_used_elsewhere(handle)
+
+        pool = P(0, backend=be)
+        s = pool.create_stream()
+        pool.close()
+        try:
+            be.stream_destroy(fw[0])
+            alive = True
+        except ap.DeviceError as e:
+            alive = str(e)
+        print(json.dumps({"reused": fw[0] == s, "alive": alive}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out == {"reused": True, "alive": True}, out
+
+
 def test_a_pool_forgets_the_streams_it_created_that_the_runtime_destroyed(pool):
     # A framework takes a stream from create_stream per request and destroys it with the runtime
     # (aclrtDestroyStream), never telling the pool: create_stream kept every handle in the pool's

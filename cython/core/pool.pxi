@@ -379,15 +379,23 @@ cdef class PoolBase:
         they are given back anyway. Waits for calls other Python threads are making on it;
         later calls raise PoolError. In a forked child, only forgets the parent's pool."""
         cdef int idle
+        cdef bint elsewhere
         if self.p != NULL and not ap_forked_from:
             # Before the list is made: a create_stream on another thread (which made its stream
             # with the GIL released) then destroys its stream itself instead of adding it here.
             self._closing = True
             try:
                 for handle in list(self._created):
+                    serial = self._streams.get(handle)
                     idle = self._stream_idle(handle)
+                    elsewhere = idle > 0 and self._stream_used_elsewhere(handle)
+                    # Both asked with the GIL released: if another thread destroyed this stream
+                    # through the pool meanwhile, the runtime may have given its handle to a stream
+                    # registered since, which is not ours to destroy (its add has a new serial).
+                    if handle not in self._created or self._streams.get(handle) != serial:
+                        continue
                     try:
-                        if idle > 0 and self._stream_used_elsewhere(handle):
+                        if elsewhere:
                             self._created.discard(handle)  # another pool orders work on it: it stays
                         elif idle > 0:
                             self.destroy_stream(handle)
