@@ -698,6 +698,49 @@ def test_close_does_not_destroy_a_stream_registered_with_the_handle_of_one_it_ma
     assert out == {"reused": True, "alive": True}, out
 
 
+def test_register_stream_keeps_a_stream_made_meanwhile_with_the_handle_it_refuses(sim_node):
+    # register_stream asks the runtime the stream's device with the GIL released; another device's
+    # stream holding the handle of one this pool made (destroyed behind its back) makes the pool
+    # forget that handle. A stream this pool made meanwhile, which the runtime gave the handle
+    # anew, was forgotten with it (refused by the pool, left by close()). Driven step by step.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool._core import Backend
+
+        class B(Backend):
+            hook = None
+
+            def stream_device(self, stream):
+                dev = super().stream_device(stream)
+                if self.hook:
+                    h, self.hook = self.hook, None
+                    h()
+                return dev
+
+        be = B("sim")
+        pool = ap.Pool(0, backend=be)
+        s1 = pool.create_stream()
+        be.stream_destroy(s1)                  # behind the pool's back
+        s2 = be.stream_create(1)               # the handle anew, on device 1
+        made = []
+
+        def meanwhile():
+            be.stream_destroy(s2)
+            made.append(pool.create_stream())  # the handle anew, on this pool's device
+
+        be.hook = meanwhile
+        try:
+            pool.register_stream(s2)
+            refused = False
+        except ap.InvalidStreamError:
+            refused = True
+        out = {"reused": s2 == s1 == made[0], "refused": refused, "known": pool._knows_stream(made[0])}
+        pool.close()
+        print(json.dumps(out))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out == {"reused": True, "refused": True, "known": True}, out
+
+
 def test_a_pool_forgets_the_streams_it_created_that_the_runtime_destroyed(pool):
     # A framework takes a stream from create_stream per request and destroys it with the runtime
     # (aclrtDestroyStream), never telling the pool: create_stream kept every handle in the pool's

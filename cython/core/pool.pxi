@@ -607,10 +607,13 @@ cdef class PoolBase:
             handle = _stream_handle(handle)  # a numpy integer handle, as every other stream argument
         if type(handle) is not int or not 0 < handle <= <uintptr_t>-1:
             raise InvalidStreamError(f"stream handle must be a positive int that fits a pointer, got {handle!r}")
+        serial = self._streams.get(handle)
         dev = self.backend.stream_device(handle)  # None: the runtime cannot tell
         if dev is not None and dev != self.device:
-            if handle in self._streams:
-                self._forget_stream(handle)  # ours was destroyed: the runtime gave its handle away
+            # Ours was destroyed: the runtime gave its handle away. Asked with the GIL released: a
+            # stream made or registered here meanwhile that got the handle anew stays (new serial).
+            if serial is not None and self._streams.get(handle) == serial:
+                self._forget_stream(handle)
             raise InvalidStreamError(f"stream {handle:#x} belongs to device {dev}, not to this pool's "
                                      f"device {self.device}")
         self._add_stream(handle)
