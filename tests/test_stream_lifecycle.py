@@ -254,6 +254,9 @@ def test_close_destroys_the_idle_streams_it_created_and_leaves_a_busy_one():
     # a framework that opens and closes pools in a loop leaked a runtime stream per
     # create_stream: streams are a limited device resource
     from ascend_pool import sim
+    from ascend_pool.backend import open_backend
+
+    open_backend("sim")  # the simulator's counters need its runtime started (an earlier test may not have)
     before = sim.stats(0)["live_streams"]
     for _ in range(5):
         pool = ap.Pool(0, backend="sim")
