@@ -392,6 +392,7 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
     int rc = sim_proc_lease_ready(call);
     if (rc)
         return rc;
+    sim_proc_sweep_abandoned(cfg->shm_dir); /* killed processes' half-made files */
     struct node_record *r;
     /* The node's device behind this process's `dev` (ASCEND_RT_VISIBLE_DEVICES renumbers): its
        capacity is shared with every process that sees it, whatever number each gives it. */

@@ -19,6 +19,7 @@
  * getpid() value: code that passes getpid() where the runtime wants this id fails here as it
  * would in a container. aclrtIpcMemSetImportPid and the import check use it (ipc.c).
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -30,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "../common/host_ids.h"
@@ -121,7 +123,10 @@ static int create_locked(const char *path, mode_t mode)
     if (fd < 0)
         return -1;
     int err = 0;
-    if (fchmod(fd, mode) != 0 || flock(fd, LOCK_EX | LOCK_NB) != 0 || link(tmp, path) != 0) {
+    /* Locked first: a maker killed before its link() leaves the temporary file, which
+       sim_proc_sweep_abandoned removes once unlocked (and a minute old: the lock comes a moment
+       after the creation). */
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0 || fchmod(fd, mode) != 0 || link(tmp, path) != 0) {
         err = errno;
         close(fd);
         fd = -1;
@@ -268,6 +273,55 @@ int sim_proc_alive(int pid, uint64_t id)
         unlink(path); /* its public twin too (only if ours: the directory is sticky) */
     }
     return rc;
+}
+
+#define ABANDONED_STALE_S 60 /* as ascend_pool/identity.py's TMP_STALE_S */
+
+/* 1 when path (a regular file of ours, older than ABANDONED_STALE_S) can be locked: its maker,
+   which holds it locked from creation to publication, is gone. */
+static int unlocked_and_stale(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return 0;
+    struct stat st;
+    int rc = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
+             time(NULL) - st.st_mtime > ABANDONED_STALE_S && flock(fd, LOCK_SH | LOCK_NB) == 0;
+    close(fd);
+    return rc;
+}
+
+void sim_proc_sweep_abandoned(const char *dir)
+{
+    char lease[64], alive[64], rec[64];
+    int llen = snprintf(lease, sizeof lease, "ascendsim-lease-%u-", sim_host_uid());
+    int alen = snprintf(alive, sizeof alive, "ascendsim-alive-%u-", sim_host_uid());
+    int rlen = snprintf(rec, sizeof rec, "ascendsim-%u-", sim_host_uid());
+    DIR *d = opendir(dir);
+    if (!d)
+        return;
+    struct dirent *e;
+    char path[PATH_MAX + 512];
+    for (long seen = 0; seen < 65536 && (e = readdir(d)); seen++) {
+        const char *n = e->d_name, *tmp = strstr(n, ".tmp");
+        snprintf(path, sizeof path, "%s/%s", dir, n);
+        if (strncmp(n, lease, (size_t)llen) == 0 || strncmp(n, alive, (size_t)alen) == 0) {
+            if (tmp) { /* a lease being made (create_locked): its maker holds it locked */
+                if (strcmp(tmp, ".tmp") == 0 && unlocked_and_stale(path))
+                    unlink(path);
+            } else if (strncmp(n, lease, (size_t)llen) == 0) { /* sim_proc_alive removes a dead one, twin too */
+                uint64_t id = strtoull(n + llen, NULL, 16);
+                if (id)
+                    (void)sim_proc_alive(0, id);
+            }
+        } else if (strncmp(n, rec, (size_t)rlen) == 0 && tmp && tmp[4] == '.') {
+            /* a node or IPC record being made, named by its maker's lease id, which it holds */
+            uint64_t id = strtoull(tmp + 5, NULL, 16);
+            if (id && sim_proc_alive(0, id) == 0)
+                unlink(path);
+        }
+    }
+    closedir(d);
 }
 
 int sim_proc_lock(_Atomic uint64_t *word, int timeout_s, int *took_over)

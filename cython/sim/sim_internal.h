@@ -145,6 +145,10 @@ uint64_t sim_proc_self_id(void);
    ACL_ERROR_RT_RESOURCE_ALLOC_FAIL with a message naming the file and errno. Whatever names this
    process in a shared record must succeed here first: without its leases it is dead to others. */
 int sim_proc_lease_ready(const char *call);
+/* Removes what this user's processes killed in dir left behind: leases being made (unlocked,
+   over a minute old), node and IPC records being made (their maker's lease dead), and dead
+   leases no record names any more. Best effort, at attach. */
+void sim_proc_sweep_abandoned(const char *dir);
 /* 1 alive (the lease of id is held), 0 dead, -1 cannot tell. pid is only a label. */
 int sim_proc_alive(int pid, uint64_t id);
 /* For another user's slot (foreign.c): 1 when the public lease of uid's process id is held, 0 when
