@@ -1,8 +1,10 @@
-"""A process killed (SIGKILL) while the simulator makes its leases or a node record left the
+"""A process killed (SIGKILL) while the simulator made its leases or a node record left the
 temporary file (cython/sim/proc.c create_locked, node.c create_record_over; ~10 KB for a record)
-in ASCEND_SIM_SHM_DIR for good. The next process to attach there removes those whose maker is gone
-(proc.c sim_proc_sweep_abandoned), never one whose maker is alive. strace delivers the SIGKILL at
-the link() that would publish the file, or holds a live maker there."""
+in ASCEND_SIM_SHM_DIR for good; one killed after publishing an IPC record but before the record was
+live left the record, as large as the memory exported. The next process to attach there (export,
+for IPC records) removes those whose maker is gone (proc.c sim_proc_sweep_abandoned, ipc.c
+sweep_stale), never one whose maker is alive. strace delivers the SIGKILL at the link() that would
+publish the file (at the unlink() right after it, for an IPC record), or holds a live maker there."""
 
 import os
 import shutil
@@ -86,3 +88,62 @@ def test_a_live_makers_temporary_file_stays(env, nth):
     age(env, [name])
     start(env)
     assert temporaries(env) == []
+
+
+EXPORT = ("import ascend_pool as ap; p = ap.Pool(0, backend='sim'); "
+          "s = p.share(p.share_malloc(8 << 20), any_process=True); print('exported', flush=True)")
+
+
+def ipc_publication(env, tmp_path):
+    """Which unlink() of an exporter removes its IPC record's temporary name, right after the link()
+    that published the record (then not yet live: its memory is copied in next)."""
+    log, fresh = str(tmp_path / "unlinks"), dict(env)
+    for key in ("ASCEND_POOL_LEDGER_DIR", "ASCEND_SIM_SHM_DIR"):  # as empty as env's own: the same calls
+        fresh[key] = str(tmp_path / "count" / key)
+        os.makedirs(fresh[key])
+    subprocess.run(["strace", "-f", "-qq", "-o", log, "-e", "trace=unlink", sys.executable, "-c", EXPORT],
+                   env=fresh, check=True, capture_output=True)
+    calls = [line for line in open(log) if "unlink(" in line]
+    return 1 + next(i for i, line in enumerate(calls) if "-ipc-" in line and ".tmp." in line)
+
+
+def ipc_records(env):
+    return sorted(n for n in os.listdir(env["ASCEND_SIM_SHM_DIR"]) if "-ipc-" in n)
+
+
+def export(env):
+    r = subprocess.run([sys.executable, "-c", EXPORT], env=env, capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "exported", r.stderr
+
+
+def test_an_ipc_record_whose_exporter_was_killed_before_it_was_live_is_removed(env, tmp_path):
+    nth = ipc_publication(env, tmp_path)
+    cmd = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=unlink", "-e", f"inject=unlink:signal=KILL:when={nth}",
+           sys.executable, "-c", EXPORT]
+    assert subprocess.run(cmd, env=env).returncode == -9
+    left = ipc_records(env)
+    assert len(left) == 2 and ".tmp." in left[1], left  # the record, and its temporary name
+    assert os.path.getsize(os.path.join(env["ASCEND_SIM_SHM_DIR"], left[0])) > 8 << 20
+    export(env)  # sweeps at export: a record never live whose exporter is dead, not only its temporary name
+    assert not set(ipc_records(env)) & set(left)
+
+
+def test_an_ipc_record_of_a_live_exporter_not_yet_live_stays(env, tmp_path):
+    nth = ipc_publication(env, tmp_path)
+    cmd = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=unlink", "-e",
+           f"inject=unlink:delay_enter=20000000:when={nth}", sys.executable, "-c", EXPORT]
+    maker = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 15
+        while not ipc_records(env) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        held = ipc_records(env)
+        assert len(held) == 2, held
+        export(env)
+        assert set(held) <= set(ipc_records(env)) and maker.poll() is None
+    finally:
+        os.killpg(maker.pid, signal.SIGKILL)
+        maker.wait()
+    export(env)
+    assert not set(ipc_records(env)) & set(held)

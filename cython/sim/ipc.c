@@ -298,7 +298,8 @@ static int open_record(int fd, const char *path, const char *key, struct ipc_rec
 }
 
 /* Removes records nobody can close any more: the exporter and every importer dead (or closed),
-   and temporary files of exporters that died while creating one. Best effort, at export time. */
+   and the temporary files and not yet live records of exporters that died while creating one.
+   Best effort, at export time. */
 static void sweep_stale(void)
 {
     char prefix[SIM_NODE_NAME_MAX + 64];
@@ -330,7 +331,12 @@ static void sweep_stale(void)
             continue;
         }
         close(fd);
-        if (atomic_load(&r->state) != IPC_CREATING && lock_record(r) == 0) {
+        if (atomic_load(&r->state) == IPC_CREATING) {
+            /* Published, not yet live (its memory being copied in): nobody imports it, and its
+               exporter holds the lease it names meanwhile; dead, it never will be live. */
+            if (sim_proc_alive(r->exporter_pid, r->exporter_start) == 0)
+                unlink(path);
+        } else if (lock_record(r) == 0) {
             if (exporter_gone(r) && live_importers(r, NULL, 0) == 0) {
                 atomic_store(&r->state, IPC_CLOSED);
                 unlink(path);
