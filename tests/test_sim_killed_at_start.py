@@ -147,3 +147,14 @@ def test_an_ipc_record_of_a_live_exporter_not_yet_live_stays(env, tmp_path):
         maker.wait()
     export(env)
     assert not set(ipc_records(env)) & set(held)
+
+
+def test_a_record_of_a_node_named_like_a_temporary_file_stays(env):
+    # ascendsim-<uid>-x.tmp.<16 hex>.1-dev0: a published record of node "x.tmp.<hex>.1", not a temporary one
+    node = "x.tmp.%016x.1" % 0xDEAD
+    start(dict(env, ASCEND_SIM_NODE=node))
+    records = [n for n in os.listdir(env["ASCEND_SIM_SHM_DIR"]) if n.startswith(f"ascendsim-{os.geteuid()}-x.tmp.")]
+    assert records
+    age(env, records)
+    start(env)  # another node's process sweeps the directory
+    assert all(os.path.exists(os.path.join(env["ASCEND_SIM_SHM_DIR"], n)) for n in records)

@@ -19,6 +19,7 @@
  * getpid() value: code that passes getpid() where the runtime wants this id fails here as it
  * would in a container. aclrtIpcMemSetImportPid and the import check use it (ipc.c).
  */
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -291,6 +292,31 @@ static int unlocked_and_stale(const char *path)
     return rc;
 }
 
+/* The lease id in a record's temporary name, "<name>.tmp.<16 hex digits>" (ipc.c) or
+   "<name>.tmp.<16 hex digits>.<n>" (node.c); 0 when it is not one (a node name may hold ".tmp."). */
+static uint64_t temporary_of(const char *n)
+{
+    const char *t = NULL;
+    for (const char *p = strstr(n, ".tmp."); p; p = strstr(p + 1, ".tmp."))
+        t = p;
+    if (!t)
+        return 0;
+    t += 5;
+    for (int i = 0; i < 16; i++)
+        if (!isxdigit((unsigned char)t[i]))
+            return 0;
+    if (t[16] == '.') {
+        if (!t[17])
+            return 0;
+        for (const char *p = t + 17; *p; p++)
+            if (!isdigit((unsigned char)*p))
+                return 0;
+    } else if (t[16]) {
+        return 0;
+    }
+    return strtoull(t, NULL, 16);
+}
+
 void sim_proc_sweep_abandoned(const char *dir)
 {
     char lease[64], alive[64], rec[64];
@@ -314,9 +340,9 @@ void sim_proc_sweep_abandoned(const char *dir)
                 if (id)
                     (void)sim_proc_alive(0, id);
             }
-        } else if (strncmp(n, rec, (size_t)rlen) == 0 && tmp && tmp[4] == '.') {
+        } else if (strncmp(n, rec, (size_t)rlen) == 0) {
             /* a node or IPC record being made, named by its maker's lease id, which it holds */
-            uint64_t id = strtoull(tmp + 5, NULL, 16);
+            uint64_t id = temporary_of(n);
             if (id && sim_proc_alive(0, id) == 0)
                 unlink(path);
         }
