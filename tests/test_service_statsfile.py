@@ -311,3 +311,31 @@ def test_scanner_removes_stale_and_logs_refusals_once(tmp_path, caplog):
             assert len([r for r in caplog.records if "refused stats file" in r.getMessage()]) == 1
     finally:
         live.close()
+
+
+def test_overflow_leaves_out_the_least_recently_closed_tenants(tmp_path):
+    # Closed tenants beyond the file's records: the least recently closed go first, as the
+    # aggregator forgets them first (before: in name order, so a tenant closed a moment ago was
+    # cut while one closed long before stayed, whichever sorted first).
+    import ascend_pool as ap
+    from ascend_pool.metrics.sample import PoolAggregator
+
+    base = ap.Pool(0)
+    opened = [base]
+    agg = PoolAggregator(lambda: list(opened))
+    f = StatsFile(str(tmp_path), capacity=3)
+    try:
+        for name in ("t0", "t1", "t2", "t3", "t4"):  # closed in name order: t4 the most recently
+            ctx = base.context(name)
+            opened.append(ctx)
+            agg.samples()
+            opened.remove(ctx)
+            ctx.close()
+            agg.samples()
+        f.publish(agg.samples())
+        ps = read_stats_file(f.path, ME)
+        assert ps.flags & L.FLAG_OVERFLOW
+        assert {s.tenant for s in ps.samples} == {"default", "t4", "t3"}
+    finally:
+        f.close()
+        base.close()

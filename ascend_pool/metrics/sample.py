@@ -38,7 +38,9 @@ class TenantSample:
     (int, base units). pid and instance (the process's id unique on the node: pids are per pid
     namespace) and uid (the process's user: quotas are per user, so one tenant name used by two
     users is two tenants) are set by the node service (None in-process). live: False for a
-    (device, tenant) whose pools are all closed (only its counters remain: the gauges read zero)."""
+    (device, tenant) whose pools are all closed (only its counters remain: the gauges read zero).
+    idle_rank: for such a pair, its place among them, higher for one closed more recently (what
+    a full stats file keeps first); 0 for a live one."""
 
     device: int
     tenant: str
@@ -47,6 +49,7 @@ class TenantSample:
     instance: str = None
     live: bool = True
     uid: int = None
+    idle_rank: int = 0
 
     @property
     def key(self):
@@ -287,7 +290,9 @@ class PoolAggregator:
                 vals["quota_bytes"] = NO_QUOTA
             for f, n in counters.items():
                 vals[f] += n
-        return [TenantSample(d, t, vals, live=(d, t) in live) for (d, t), vals in sorted(out.items())]
+        rank = {key: i + 1 for i, key in enumerate(self._retired)}  # dict order: least recently active first
+        return [TenantSample(d, t, vals, live=(d, t) in live, idle_rank=0 if (d, t) in live else rank[(d, t)])
+                for (d, t), vals in sorted(out.items())]
 
     def _add_retired(self, key, counters):
         """Adds a gone pool's counters to key's retired sums (and makes key the most recent)."""

@@ -93,7 +93,7 @@ class Publisher:
             if self.file.publish(samples) and not self._overflow_logged:
                 self._overflow_logged = True
                 log.warning("stats file %s: this process has figures for %d (device, tenant) pairs, more than the "
-                            "file's %d records; closed tenants' counters are left out first", self.file.path,
+                            "file's %d records; the least recently closed tenants' counters are left out first", self.file.path,
                             len(samples), self.file.capacity)
 
     def _run(self):

@@ -73,14 +73,18 @@ class StatsFile:
 
     def publish(self, samples, flags=0):
         """Writes samples (TenantSample list) as the file's records; more than capacity sets
-        FLAG_OVERFLOW and keeps `capacity` of them, those of live pools first (a (device, tenant)
-        whose pools all closed keeps only counters). Returns True when some were left out.
+        FLAG_OVERFLOW and keeps `capacity` of them, those of live pools first, then the most
+        recently closed (a (device, tenant) whose pools all closed keeps only counters; the least
+        recently closed are left out, as the aggregator forgets them first). Returns True when
+        some were left out.
         Raises OSError if the file was damaged."""
         if not self.intact():
             raise OSError(f"stats file {self.path} was truncated or closed; not writing into it")
         overflow = len(samples) > self.capacity
         if overflow:
-            samples = sorted(samples, key=lambda s: not getattr(s, "live", True))[:self.capacity]
+            keep = sorted(samples, key=lambda s: (not getattr(s, "live", True), -getattr(s, "idle_rank", 0)))
+            keep = {id(s) for s in keep[:self.capacity]}
+            samples = [s for s in samples if id(s) in keep]  # in their own order
             flags |= L.FLAG_OVERFLOW
         self._write([L.pack_record(s.device, s.tenant, s.values) for s in samples], flags)
         return overflow
