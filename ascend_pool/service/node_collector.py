@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 from ..metrics.families import device_families, tenant_families
 from ..metrics.ledger import ledger_families
 from ..sharing import shares
+from .processes import in_use
 from .scanner import StatsScanner
 
 NODE_TOTALS = (
@@ -46,7 +47,8 @@ class NodeCollector:
         procs = self.scanner.scan()
         samples = [s for p in procs for s in p.samples]
         yield from tenant_families(samples, with_pid=True)
-        yield from self._totals(samples)
+        used = {(p.pid, p.instance, s.device, s.tenant) for p in procs for s in in_use(p.samples)}
+        yield from self._totals(samples, used)
         latest = {}  # device -> (publish_ns, values): the freshest reading of each device
         for p in procs:
             for s in p.samples:
@@ -62,7 +64,7 @@ class NodeCollector:
         return []
 
     @staticmethod
-    def _totals(samples):
+    def _totals(samples, in_use_keys):
         sums, procs = {}, {}
         for s in samples:
             key = (s.device, s.tenant, "" if s.uid is None else str(s.uid))
@@ -70,7 +72,7 @@ class NodeCollector:
             for i, (_, _, fields) in enumerate(NODE_TOTALS):
                 acc[i] += sum(s.values[f] for f in fields)
             live = procs.setdefault(key, set())
-            if s.values["device_total_bytes"]:  # else its pools of the tenant are closed: counters only
+            if (s.pid, s.instance, s.device, s.tenant) in in_use_keys:  # as `ps` lists them (processes.in_use)
                 live.add((s.pid, s.instance))
         labels = ["device", "tenant", "uid"]
         for i, (name, doc, _) in enumerate(NODE_TOTALS):
@@ -79,7 +81,8 @@ class NodeCollector:
                 fam.add_metric([str(device), tenant, uid], acc[i])
             yield fam
         fam = GaugeMetricFamily("ascend_pool_node_processes",
-                                "Live processes with an open pool of the tenant on the device.", labels=labels)
+                                "Live processes using the device for the tenant: an open pool of it (not a tenant context's "
+                                "empty base default pool), as `ascend-pool ps` lists them.", labels=labels)
         for (device, tenant, uid), pids in sorted(procs.items()):
             fam.add_metric([str(device), tenant, uid], len(pids))
         yield fam

@@ -38,20 +38,25 @@ def rows(directory=None, allow_uids=(), allow_gids=()):
                            allowed_gids=gids)
     out = []
     for p in scanner.scan():
-        mine = []
-        for s in p.samples:
+        for s in in_use(p.samples):
             v = s.values
-            if not v["device_total_bytes"]:
-                continue  # a tenant whose pools of the process are all closed: its counters only
-            mine.append({"pid": p.pid, "pidns": p.pidns, "instance": p.instance, "uid": p.uid, "device": s.device,
-                         "tenant": s.tenant, "held_bytes": v["reserved_bytes.small"] + v["reserved_bytes.large"],
-                         "allocated_bytes": v["allocated_bytes.small"] + v["allocated_bytes.large"]})
-        # The default pool holding nothing beside the process's tenant contexts (the pool they were
-        # made from) is no use of the device: its row goes, a context's stays (it is the tenant's
-        # process, holding or not), and a process with nothing else keeps its one row.
-        phantom = [r for r in mine if r["tenant"] == "default" and not r["held_bytes"]]
-        out += [r for r in mine if r not in phantom] or mine[:1]
+            out.append({"pid": p.pid, "pidns": p.pidns, "instance": p.instance, "uid": p.uid, "device": s.device,
+                        "tenant": s.tenant, "held_bytes": v["reserved_bytes.small"] + v["reserved_bytes.large"],
+                        "allocated_bytes": v["allocated_bytes.small"] + v["allocated_bytes.large"]})
     return sorted(out, key=lambda r: (r["device"], r["tenant"], r["pid"], r["instance"]))
+
+
+def in_use(samples):
+    """The samples of one process's (device, tenant) pairs that use the device: what `ps` lists
+    and ascend_pool_node_processes counts (one rule for both: they disagreed by the base pool).
+    A pair whose pools are all closed is left out (its counters only remain), and so is the
+    default pool holding nothing beside the process's tenant contexts (the pool they were made
+    from: no use of the device of its own); a context's pair stays (it is the tenant's process,
+    holding or not), and a process with nothing else keeps its one pair."""
+    live = [s for s in samples if s.values["device_total_bytes"]]
+    phantom = [s for s in live if s.tenant == "default"
+               and not s.values["reserved_bytes.small"] + s.values["reserved_bytes.large"]]
+    return [s for s in live if s not in phantom] or live[:1]
 
 
 def _own_rows(device):
