@@ -475,3 +475,61 @@ def test_a_forked_child_does_not_keep_a_killed_parents_share(base, ledger_dir):
         ns.wait()
         if ctx is not None:
             ctx.close()
+
+
+def _exported_reclaimed(registry):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(registry).decode()
+    return {s.labels["device"]: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "ascend_pool_ledger_reclaimed_bytes_total"}
+
+
+def test_the_reclaimed_counter_never_falls_when_a_ledger_is_removed(base):
+    # ascend_pool_ledger_reclaimed_bytes_total added up the ledger files there at each scrape: a
+    # ledger removed (a cleanup of the directory) and made again by the tenant's next process took
+    # its bytes with it, and the counter fell to 0, a counter reset to Prometheus (rate() spikes).
+    from prometheus_client import CollectorRegistry
+
+    from ascend_pool.metrics import PoolCollector
+    from ascend_pool.metrics.ledger import sweep_dead_processes
+    from ascend_pool.tenants import ledger as L
+
+    registry = CollectorRegistry()
+    registry.register(PoolCollector(ledger=True))
+    child = start_holder("gone", 8 * MiB, 6 * MiB - 1024)
+    try:
+        child.kill()
+        child.wait()
+        assert sweep_dead_processes() == 6 * MiB
+    finally:
+        child.kill()
+    assert _exported_reclaimed(registry) == {"0": 6 * MiB}
+    [path] = [f[0] for f in L.ledger_files() if f[1] == 0]
+    os.unlink(path)
+    assert _exported_reclaimed(registry) == {"0": 6 * MiB}   # gone: what it counted stays
+    again = start_holder("next", 8 * MiB, 2 * MiB - 1024)    # makes a new ledger at the same path
+    try:
+        assert os.path.exists(path)
+        assert _exported_reclaimed(registry) == {"0": 6 * MiB}
+    finally:
+        again.kill()
+        again.wait()
+    sweep_dead_processes()
+    assert _exported_reclaimed(registry) == {"0": 8 * MiB}   # the new ledger's reclaim adds on
+
+
+def test_reclaimed_totals_count_a_ledger_back_from_a_missed_listing_once():
+    # A directory that could not be listed for one scrape brings its ledgers back: their bytes
+    # are not counted twice; another file at the path (or a reset one) is counted on top.
+    from ascend_pool.metrics.ledger import ReclaimedTotals
+
+    t = ReclaimedTotals()
+    key = ("sim", "0")
+    assert t.update([("/l", (1, 1), "sim", "0", 100)], {"/l"})[key] == 100
+    assert t.update([], set())[key] == 100                         # not listed: kept
+    assert t.update([("/l", (1, 1), "sim", "0", 150)], {"/l"})[key] == 150  # the same file, back
+    assert t.update([], {"/l"})[key] == 150                        # listed, unreadable: its last reading
+    assert t.update([("/l", (1, 2), "sim", "0", 10)], {"/l"})[key] == 160   # another file
+    assert t.update([("/l", (1, 2), "sim", "0", 5)], {"/l"})[key] == 165    # reset in place

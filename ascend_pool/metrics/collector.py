@@ -8,7 +8,7 @@ Everything is read when Prometheus scrapes: the allocation path does no metrics 
 """
 
 from .families import device_families, tenant_families
-from .ledger import ledger_families
+from .ledger import ReclaimedTotals, ledger_families
 from .node import with_node
 from .sample import PoolAggregator
 
@@ -22,6 +22,7 @@ class PoolCollector:
     def __init__(self, pools=None, ledger=False):
         self._agg = PoolAggregator(pools) if pools is not None else PoolAggregator()
         self._ledger = ledger
+        self._reclaimed = ReclaimedTotals()  # the reclaimed counter never falls while this collector lives
 
     def collect(self):
         """Every family, each series labelled with this node (metrics.node: $NODE_NAME, else the hostname)."""
@@ -36,7 +37,7 @@ class PoolCollector:
                 per_device[s.device] = s.values
         yield from device_families(per_device)
         if self._ledger:
-            yield from ledger_families()
+            yield from ledger_families(reclaimed_totals=self._reclaimed)
 
     def describe(self):
         # Returning nothing keeps registration from calling collect() (pools may not exist yet).

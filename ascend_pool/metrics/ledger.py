@@ -8,9 +8,15 @@ read_view: pread, never mapped, never locked), so a ledger another user truncate
 keeps locked costs the scrape nothing but its own series; a ledger that cannot be read is skipped
 with one log line: the exporter never fails a scrape over it. Only this user's (or group's) ledgers of the
 current node are read: for the simulator, the node of $ASCEND_SIM_NODE.
+
+ascend_pool_ledger_reclaimed_bytes adds up the ledgers' own counts; a collector that keeps a
+ReclaimedTotals keeps what a ledger removed or replaced since had counted, so the counter never
+goes down while it runs (Prometheus would read a fall as a reset: rate() spikes).
 """
 
 import logging
+import os
+import threading
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -22,23 +28,70 @@ _warned = set()
 
 
 def _views(uids=(), gids=()):
-    out = []
+    """([(backend, scope, view, path, identity)] of the ledgers read, the set of paths listed)."""
+    out, listed = [], set()
     try:
         files = L.ledger_files(None, uids, gids)
     except Exception as e:  # no ledger directory yet, or a bad $ASCEND_POOL_LEDGER_GROUP
         _warn_once(("dir", str(e)), "cannot list the quota ledgers: %s", e)
-        return []
+        return [], listed
     for path, device, backend, node, group, owner in files:
         if backend == "sim" and node != L.node_name("sim"):
             continue  # another simulated node (another test run, another demo)
         # Whose ledger: a user's private one (its uid), or a group's shared one (its gid); both the
         # host's, as the file's name (group is this namespace's view of the gid, to open it with).
         scope = ("" if owner is None else str(owner), "" if group is None else str(identity.host_gid(group)))
+        listed.add(path)
         try:
-            out.append((backend, scope, L.read_view(path, device, backend, node, group, owner)))
+            st = os.stat(path, follow_symlinks=False)  # before the read: a file replaced between shows as a fall
+            out.append((backend, scope, L.read_view(path, device, backend, node, group, owner), path,
+                        (st.st_dev, st.st_ino)))
         except Exception as e:  # foreign, malformed, or of another version: refused by the ledger code
             _warn_once((path, str(e)), "cannot read the quota ledger %s: %s", path, e)
-    return out
+    return out, listed
+
+
+class ReclaimedTotals:
+    """ascend_pool_ledger_reclaimed_bytes per (backend, device) over a collector's life: the ledgers'
+    counts now, plus what ledgers removed or replaced since had counted (else the sum falls when
+    one goes). A ledger listed but unreadable for a scrape counts with its last reading. Memory:
+    one entry per ledger listed, per (backend, device), and the last VANISHED_KEEP ledgers gone (a
+    directory that could not be listed for one scrape brings them back, not counted twice)."""
+
+    VANISHED_KEEP = 256
+
+    def __init__(self):
+        # Held over the read too: two scrapes at once must not book an older reading after a newer one.
+        self.lock = threading.Lock()
+        self._last = {}      # path -> (identity, backend, device, bytes): its last reading
+        self._gone = {}      # (backend, device) -> bytes of ledgers gone
+        self._vanished = {}  # path -> its last reading, when it went (oldest first)
+
+    def _fold(self, reading):
+        _, backend, dev, n = reading
+        self._gone[(backend, dev)] = self._gone.get((backend, dev), 0) + n
+
+    def update(self, readings, listed):
+        """readings: [(path, identity, backend, device, bytes)] read now; listed: every path listed
+        now. Returns {(backend, device): bytes}. Call with the lock held."""
+        for path, ident, backend, dev, n in readings:
+            old = self._last.get(path)
+            back = self._vanished.pop(path, None)
+            if old is None and back is not None and back[0] == ident and n >= back[3]:
+                self._gone[(back[1], back[2])] -= back[3]  # the same file, back: counted by its reading again
+            elif old is not None and (old[0] != ident or n < old[3]):
+                self._fold(old)  # another file at the path (or one reset): the old one's bytes stay
+            self._last[path] = (ident, backend, dev, n)
+        for path in [p for p in self._last if p not in listed]:  # removed (or its directory unreadable)
+            reading = self._last.pop(path)
+            self._fold(reading)
+            self._vanished[path] = reading
+            while len(self._vanished) > self.VANISHED_KEEP:
+                del self._vanished[next(iter(self._vanished))]
+        totals = dict(self._gone)
+        for _, backend, dev, n in self._last.values():
+            totals[(backend, dev)] = totals.get((backend, dev), 0) + n
+        return totals
 
 
 def _warn_once(key, fmt, *args):
@@ -47,14 +100,19 @@ def _warn_once(key, fmt, *args):
         log.warning(fmt, *args)
 
 
-def ledger_families(uids=(), gids=()):
+def ledger_families(uids=(), gids=(), reclaimed_totals=None):
     """ascend_pool_ledger_* families (labels backend, device, tenant, and whose ledger: uid for a
     user's own, gid for a group's shared one, the other empty; the host's ids, as the files' names
     hold them); empty without ledgers. A quota
     is per ledger, so one tenant name in two users' ledgers is two series. uids, gids: also the
-    ledgers of these trusted users and groups (the node service's)."""
-    views = _views(uids, gids)
-    if not views:
+    ledgers of these trusted users and groups (the node service's). reclaimed_totals: the
+    collector's ReclaimedTotals (without one, the reclaimed bytes of the ledgers there now)."""
+    totals = reclaimed_totals or ReclaimedTotals()
+    with totals.lock:
+        views, listed = _views(uids, gids)
+        reclaimed_by = totals.update([(path, ident, backend, str(v["device"]), v["reclaimed_bytes"])
+                                      for backend, _, v, path, ident in views], listed)
+    if not views and not reclaimed_by:
         return []
     labels = ["backend", "device", "tenant", "uid", "gid"]
     held = GaugeMetricFamily("ascend_pool_ledger_held_bytes",
@@ -78,8 +136,8 @@ def ledger_families(uids=(), gids=()):
     reclaimed = CounterMetricFamily("ascend_pool_ledger_reclaimed_bytes",
                                     "Bytes given back from processes that died holding them (bytes).",
                                     labels=["backend", "device"])
-    seen, reclaimed_by = set(), {}
-    for backend, scope, v in views:
+    seen = set()
+    for backend, scope, v, _, _ in views:
         dev = str(v["device"])
         alive = {}
         for s in v["slots"]:
@@ -99,7 +157,6 @@ def ledger_families(uids=(), gids=()):
             if t["quota_bytes"] is not None:
                 quota.add_metric(lv, t["quota_bytes"])
             conflicts.add_metric(lv, t.get("conflicts", 0))
-        reclaimed_by[(backend, dev)] = reclaimed_by.get((backend, dev), 0) + v["reclaimed_bytes"]
     for (backend, dev), n in sorted(reclaimed_by.items()):
         reclaimed.add_metric([backend, dev], n)
     return [held, quota, peak, refusals, procs, conflicts, reclaimed]

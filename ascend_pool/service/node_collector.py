@@ -18,7 +18,7 @@ import time
 from prometheus_client.core import GaugeMetricFamily
 
 from ..metrics.families import device_families, tenant_families
-from ..metrics.ledger import ledger_families
+from ..metrics.ledger import ReclaimedTotals, ledger_families
 from ..sharing import shares
 from .processes import in_use
 from .scanner import StatsScanner
@@ -42,6 +42,7 @@ class NodeCollector:
     def __init__(self, scanner=None, ledger=True):
         self.scanner = scanner or StatsScanner()
         self._ledger = ledger
+        self._reclaimed = ReclaimedTotals()  # the reclaimed counter never falls while this collector lives
 
     def collect(self):
         procs = self.scanner.scan()
@@ -58,7 +59,7 @@ class NodeCollector:
         yield from self._health(procs)
         yield from self._shares()
         if self._ledger:
-            yield from ledger_families(self.scanner.allowed_uids, self.scanner.allowed_gids)
+            yield from ledger_families(self.scanner.allowed_uids, self.scanner.allowed_gids, self._reclaimed)
 
     def describe(self):
         return []
