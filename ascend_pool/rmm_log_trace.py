@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .traces import OP_ALLOC, OP_FREE, Trace, register_reader, trace_from_arrays
+from .traces import OP_ALLOC, OP_FREE, Trace, check_input_file, register_reader, trace_from_arrays
 
 __all__ = ["RMM_LOG_SUFFIXES", "arrays_from_rmm_log", "trace_from_rmm_log", "convert", "is_rmm_log"]
 
@@ -92,9 +92,7 @@ def arrays_from_rmm_log(lines, name="rmm log") -> dict:
 
 
 def _read(path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no RMM log at {str(path)!r}")
+    p = check_input_file(path, "RMM log", "an RMM log file NAME.csv (logging_resource_adaptor's)")
     with open(p, newline="", encoding="utf-8", errors="replace") as f:
         return arrays_from_rmm_log(f, p.name)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .traces import OP_ALLOC, OP_FREE, Trace, register_reader, trace_from_arrays
+from .traces import OP_ALLOC, OP_FREE, Trace, check_input_file, register_reader, trace_from_arrays
 
 __all__ = ["SNAPSHOT_SUFFIXES", "read_snapshot", "arrays_from_snapshot",
            "trace_from_snapshot", "convert"]
@@ -39,9 +39,7 @@ class _PlainUnpickler(pickle.Unpickler):
 
 def read_snapshot(path) -> dict:
     """The snapshot dict in a pickle file (ValueError if it is not a memory snapshot)."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no snapshot file at {str(path)!r}")
+    p = check_input_file(path, "snapshot file", "a PyTorch memory snapshot file NAME.pickle")
     if p.stat().st_size > _MAX_BYTES:
         raise ValueError(f"snapshot {p}: larger than {_MAX_BYTES} bytes")
     try:

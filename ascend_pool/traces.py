@@ -229,6 +229,18 @@ def register_reader(suffixes, fn, listed=None):
         _LISTED[s] = listed
 
 
+def check_input_file(path: PathLike, what: str, expected: str) -> Path:
+    """Path(path) when it is a file; else FileNotFoundError: "no {what} at ...", or for a directory
+    one naming it as such and what is expected (before: "no trace file at" a directory that was
+    plainly there, as if the path were mistyped)."""
+    p = Path(path)
+    if p.is_dir():
+        raise FileNotFoundError(f"{str(path)!r} is a directory; expected {expected}")
+    if not p.is_file():
+        raise FileNotFoundError(f"no {what} at {str(path)!r}")
+    return p
+
+
 def load_trace(path: PathLike) -> Trace:
     """Load and validate ``NAME.npz`` (and ``NAME.json`` beside it, if present, into ``meta``).
 
@@ -241,8 +253,9 @@ def load_trace(path: PathLike) -> Trace:
         return reader(p)
     if not p.exists() and p.suffix != ".npz" and p.with_name(p.name + ".npz").exists():
         p = p.with_name(p.name + ".npz")
-    if not p.is_file():
-        raise FileNotFoundError(f"no trace file at {str(path)!r}")
+    check_input_file(p if p.exists() else path, "trace file",
+                     "a trace file NAME.npz, a memory snapshot NAME.pickle, an RMM log NAME.csv, or the name of a "
+                     "shipped trace (`ascend-pool bench --traces` takes a directory of them)")
     name = trace_name(p)
     if not zipfile.is_zipfile(p):
         raise ValueError(f"trace {name!r} ({p}): cannot read as .npz: not a zip archive")
@@ -373,7 +386,7 @@ def list_traces(directory: Optional[PathLike] = None) -> list:
     first line is RMM's header)."""
     d = Path(directory) if directory is not None else default_traces_dir()
     if not d.is_dir():
-        raise FileNotFoundError(f"trace directory {str(d)!r} does not exist")
+        raise FileNotFoundError(f"trace directory {str(d)!r} " + ("is not a directory" if d.exists() else "does not exist"))
     found = list(d.glob("*.npz"))
     for suffix, listed in _LISTED.items():
         found += [p for p in d.glob("*" + suffix) if listed is None or listed(p)]

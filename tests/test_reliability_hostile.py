@@ -134,7 +134,7 @@ def _make_traces(d):
     (d / "empty.npz").write_bytes(b"")
     cases["empty.npz"] = (2, ["ValueError", "not a zip archive"])
     os.mkdir(d / "directory.npz")
-    cases["directory.npz"] = (2, ["FileNotFoundError", "no trace file"])
+    cases["directory.npz"] = (2, ["FileNotFoundError", "is a directory; expected a trace file"])
     with zipfile.ZipFile(d / "not_npy.npz", "w") as z:
         for k in ok:
             z.writestr(k + ".npy", b"this is no npy member")
