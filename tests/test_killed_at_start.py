@@ -4,9 +4,7 @@ while starting (the OOM killer, failed readiness) they piled up. The next proces
 removes those whose maker is gone, never one whose maker is alive (identity.remove_dead_leases).
 strace delivers the SIGKILL at the link() that would publish the file, or holds a live maker there."""
 
-import glob
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +13,9 @@ import time
 import pytest
 
 import ascend_pool as ap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from syscall_stop import age, at_syscall, needs_strace, run_printing  # noqa: E402
 from ascend_pool import identity
 
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
@@ -24,7 +25,7 @@ PREP = ("import sys, ascend_pool as ap; from ascend_pool.private_dir import priv
 LEASE = "import sys; from ascend_pool import identity; identity.ensure_lease(sys.argv[1])"
 LEDGER_LINK = 3  # the process's third link(): after the simulator's two leases (cython/sim/proc.c)
 
-pytestmark = pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to stop a process at link()")
+pytestmark = needs_strace
 
 
 @pytest.fixture
@@ -39,24 +40,15 @@ def env(tmp_path):
 
 
 def at_link(env, code, action, nth=1, *args, **kw):
-    cmd = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=link", "-e", f"inject=link:{action}:when={nth}",
-           sys.executable, "-c", code, *args]
-    return subprocess.Popen(cmd, env=env, start_new_session=True, **kw)
+    return at_syscall(env, code, "link", action, nth, *args, **kw)
 
 
 def temporaries(priv):
     return sorted(n for n in os.listdir(priv) if ".tmp" in n)
 
 
-def age(priv, names, seconds=3600):
-    old = time.time() - seconds
-    for n in names:
-        os.utime(os.path.join(priv, n), (old, old))
-
-
 def start(env):
-    r = subprocess.run([sys.executable, "-c", START], env=env, capture_output=True, text=True, timeout=60)
-    assert r.stdout.strip() == "started", r.stderr
+    run_printing(env, START, "started")
 
 
 def test_the_files_of_makers_killed_while_starting_are_removed_by_the_next_start(env):

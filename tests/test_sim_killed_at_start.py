@@ -7,7 +7,6 @@ sweep_stale), never one whose maker is alive. strace delivers the SIGKILL at the
 publish the file (at the unlink() right after it, for an IPC record), or holds a live maker there."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,12 +16,15 @@ import pytest
 
 import ascend_pool as ap
 
+sys.path.insert(0, os.path.dirname(__file__))
+from syscall_stop import age as age_files, at_syscall, needs_strace, run_printing  # noqa: E402
+
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
 START = "import ascend_pool as ap; ap.Pool(0, backend='sim').close(); print('started')"
 # The simulator's links, in order: private lease, public lease, the device's node record.
 LEASE_LINK, ALIVE_LINK, RECORD_LINK = 1, 2, 3
 
-pytestmark = pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to stop a process at link()")
+pytestmark = needs_strace
 
 
 @pytest.fixture
@@ -35,24 +37,19 @@ def env(tmp_path):
 
 
 def at_link(env, action, nth):
-    cmd = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=link", "-e", f"inject=link:{action}:when={nth}",
-           sys.executable, "-c", START]
-    return subprocess.Popen(cmd, env=env, start_new_session=True)
+    return at_syscall(env, START, "link", action, nth)
 
 
 def temporaries(env):
     return sorted(n for n in os.listdir(env["ASCEND_SIM_SHM_DIR"]) if n.startswith("ascendsim") and ".tmp" in n)
 
 
-def age(env, names, seconds=3600):
-    old = time.time() - seconds
-    for n in names:
-        os.utime(os.path.join(env["ASCEND_SIM_SHM_DIR"], n), (old, old))
+def age(env, names):
+    age_files(env["ASCEND_SIM_SHM_DIR"], names)
 
 
 def start(env):
-    r = subprocess.run([sys.executable, "-c", START], env=env, capture_output=True, text=True, timeout=60)
-    assert r.stdout.strip() == "started", r.stderr
+    run_printing(env, START, "started")
 
 
 def test_the_simulators_files_of_makers_killed_while_starting_are_removed_by_the_next_start(env):

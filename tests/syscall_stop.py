@@ -1,0 +1,34 @@
+"""Stopping a real process at one system call with strace, for tests of what a process killed at
+the wrong moment leaves behind: killed there (action "signal=KILL") or held there alive
+("delay_enter=MICROSECONDS")."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+needs_strace = pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to stop a process at a system call")
+
+
+def at_syscall(env, code, syscall, action, nth=1, *args, **kw):
+    """python -c code (with args) under strace, its nth call of syscall given action; a Popen in a
+    session of its own (os.killpg ends strace and the process it holds)."""
+    cmd = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", f"trace={syscall}", "-e",
+           f"inject={syscall}:{action}:when={nth}", sys.executable, "-c", code, *args]
+    return subprocess.Popen(cmd, env=env, start_new_session=True, **kw)
+
+
+def age(directory, names, seconds=3600):
+    """Sets the named files' times seconds into the past (older than any staleness bound)."""
+    old = time.time() - seconds
+    for n in names:
+        os.utime(os.path.join(directory, n), (old, old))
+
+
+def run_printing(env, code, expected, timeout=60):
+    """Runs python -c code to its end and checks it printed expected."""
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.stdout.strip() == expected, r.stderr
