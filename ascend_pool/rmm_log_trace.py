@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .traces import OP_ALLOC, OP_FREE, Trace, check_input_file, register_reader, trace_from_arrays
+from .traces import OP_ALLOC, OP_FREE, NoAllocations, Trace, check_input_file, register_reader, trace_from_arrays
 
 __all__ = ["RMM_LOG_SUFFIXES", "arrays_from_rmm_log", "trace_from_rmm_log", "convert", "is_rmm_log"]
 
@@ -52,7 +52,7 @@ def arrays_from_rmm_log(lines, name="rmm log") -> dict:
     """{op, id, size, stream} event arrays (traces.py's format) from the lines of an RMM
     logging_resource_adaptor CSV. A file that is not one (no such header, a row of another
     width, an unknown action, a bad number, a pointer allocated again while live) is a ValueError
-    naming the log and the line."""
+    naming the log and the line; one with no allocation is NoAllocations (a ValueError too)."""
     rows = csv.reader(lines)
     header = next(rows, None)
     if header is None or tuple(h.strip() for h in header) != HEADER:
@@ -87,6 +87,9 @@ def arrays_from_rmm_log(lines, name="rmm log") -> dict:
         else:
             raise ValueError(f"RMM log {name!r}: line {line}: unknown action {action!r} "
                              f"(RMM writes allocate, free, allocate failure)")
+    if not next_id:  # as a snapshot dumped without history: replaying nothing would hide the mistake
+        raise NoAllocations(f"RMM log {name!r}: no allocation to replay (only frees, failures or 0-byte "
+                            f"requests); log the job's allocations with rmm.mr.LoggingResourceAdaptor")
     return {"op": np.array(op, dtype=np.int8), "id": np.array(ids, dtype=np.int64),
             "size": np.array(size, dtype=np.int64), "stream": np.array(stream, dtype=np.int32)}
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .traces import OP_ALLOC, OP_FREE, Trace, check_input_file, register_reader, trace_from_arrays
+from .traces import OP_ALLOC, OP_FREE, NoAllocations, Trace, check_input_file, register_reader, trace_from_arrays
 
 __all__ = ["SNAPSHOT_SUFFIXES", "read_snapshot", "arrays_from_snapshot",
            "trace_from_snapshot", "convert"]
@@ -50,10 +50,6 @@ def read_snapshot(path) -> dict:
         raise ValueError(f"snapshot {p}: no device_traces (record with torch.cuda.memory._record_memory_history "
                          "or ascend_pool.record_memory_history before dumping)")
     return snap
-
-
-class NoAllocations(ValueError):
-    """The snapshot (or the device asked for) has no allocation event to make a trace of."""
 
 
 _NO_HISTORY = ("dumped without memory history? Record with torch.cuda.memory._record_memory_history or "

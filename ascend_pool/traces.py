@@ -54,6 +54,11 @@ OP_ALLOC = 1
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+class NoAllocations(ValueError):
+    """A recording (snapshot, RMM log) or the device asked for has no allocation event to make a
+    trace of."""
+
+
 @dataclass(eq=False)
 class Trace:
     """A validated trace. ``slot[i]`` is the dense index of the allocation event ``i`` creates or frees."""

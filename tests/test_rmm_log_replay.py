@@ -101,6 +101,10 @@ def test_cli_replays_and_converts_an_rmm_log(log_path, tmp_path):
     ("Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.0,allocate,0x10,-5,0x0\n", "size '-5'"),
     ("Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x10,100,0x0\n1,t,allocate,0x10,100,0x0\n",
      "line 3: pointer 0x10 allocated again while live"),
+    # no allocation to replay: refused as a snapshot dumped without history is, not "replayed" to zeros
+    ("Thread,Time,Action,Pointer,Size,Stream\n", "no allocation to replay"),
+    ("Thread,Time,Action,Pointer,Size,Stream\n1,t,free,0x10,100,0x0\n1,t,allocate failure,0x0,99,0x0\n",
+     "no allocation to replay"),
 ])
 def test_a_file_that_is_not_an_rmm_log_is_refused_naming_the_line(tmp_path, text, problem):
     path = tmp_path / "bad.csv"
