@@ -490,3 +490,45 @@ def test_a_read_inside_a_read_counts_a_vanished_pool_once():
         assert outer["default"] == 3 and after["default"] == 3
     finally:
         pool.close()
+
+
+def test_a_vanished_pool_whose_tenant_sums_were_forgotten_is_not_taken_off_a_later_sum():
+    # A pool retired when a read missed it is taken back off its tenant's retired sums when it
+    # comes back. Once those sums were forgotten (RETIRED_KEEP idle tenants), the take-back came
+    # off the sums of the tenant's later pools instead: its counters went missing for good.
+    from ascend_pool.metrics.sample import PoolAggregator
+
+    base = ap.Pool(0, backend="sim")
+    made = []
+
+    def ctx(name, n):
+        made.append(base.context(name))
+        for _ in range(n):
+            made[-1].free(made[-1].malloc(4096))
+        return made[-1]
+
+    def small(samples):
+        return {s.tenant: s.values["allocations.small"] for s in samples}
+
+    try:
+        first = ctx("forgot-a", 3)
+        pools = [first]
+        agg = PoolAggregator(pools=lambda: list(pools))
+        agg.RETIRED_KEEP = 1
+        assert small(agg.samples())["forgot-a"] == 3
+        pools[:] = []                       # a missed read: retired, kept while it may come back
+        agg.samples()
+        pools[:] = [ctx("forgot-d", 5)]
+        agg.samples()
+        pools[:] = []                       # forgot-d retired too: forgot-a's sums are forgotten
+        assert "forgot-a" not in small(agg.samples())
+        pools[:] = [ctx("forgot-a", 2)]     # the tenant's next pool
+        agg.samples()
+        pools[:] = []
+        assert small(agg.samples())["forgot-a"] == 2
+        pools[:] = [first]                  # the first pool back (the collector's orphan moment over)
+        assert small(agg.samples())["forgot-a"] == 3 + 2
+    finally:
+        for c in made:
+            c.close()
+        base.close()

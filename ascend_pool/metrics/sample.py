@@ -307,8 +307,13 @@ class PoolAggregator:
         for key in live & self._retired.keys():
             self._retired[key] = self._retired.pop(key)
         idle = [key for key in self._retired if key not in live]
-        for key in idle[:max(0, len(idle) - self.RETIRED_KEEP)]:
+        forgotten = idle[:max(0, len(idle) - self.RETIRED_KEEP)]
+        for key in forgotten:
             del self._retired[key]
+        if forgotten:  # their vanished pools' counters went with the sums: nothing to take back off
+            forgotten = set(forgotten)
+            for ident in [i for i, (key, _) in self._vanished.items() if key in forgotten]:
+                del self._vanished[ident]
 
     def _unretire(self, ident):
         """Takes the counters of a pool retired when a read missed it back off the retired sums."""
