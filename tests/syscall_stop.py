@@ -3,6 +3,7 @@ the wrong moment leaves behind: killed there (action "signal=KILL") or held ther
 ("delay_enter=MICROSECONDS")."""
 
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -32,3 +33,25 @@ def run_printing(env, code, expected, timeout=60):
     """Runs python -c code to its end and checks it printed expected."""
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert r.stdout.strip() == expected, r.stderr
+
+
+def held_makers_file_stays(maker, temporaries, age, start, timeout_s=15):
+    """maker (at_syscall with "delay_enter=...") is held alive at the call that would publish its
+    temporary file: once the file shows in temporaries(), aged past any staleness bound
+    (age(names)), it survives a start (start(): a process whose start sweeps) while its maker
+    lives, and goes at the next start once the maker is killed."""
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not temporaries() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (name,) = temporaries()
+        time.sleep(0.2)
+        age([name])
+        start()
+        assert temporaries() == [name] and maker.poll() is None
+    finally:
+        os.killpg(maker.pid, signal.SIGKILL)  # strace and the maker it holds
+        maker.wait()
+    age([name])
+    start()
+    assert temporaries() == []

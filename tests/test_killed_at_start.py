@@ -5,17 +5,15 @@ removes those whose maker is gone, never one whose maker is alive (identity.remo
 strace delivers the SIGKILL at the link() that would publish the file, or holds a live maker there."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 import ascend_pool as ap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from syscall_stop import age, at_syscall, needs_strace, run_printing  # noqa: E402
+from syscall_stop import age, at_syscall, held_makers_file_stays, needs_strace, run_printing  # noqa: E402
 from ascend_pool import identity
 
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
@@ -71,21 +69,7 @@ def test_a_live_makers_temporary_file_stays(env, what):
     priv = env["PRIV"]
     code, nth, args = (START, LEDGER_LINK, ()) if what == "ledger" else (LEASE, 1, (priv,))
     maker = at_link(env, code, "delay_enter=20000000", nth, *args)  # alive, held 20 s at its link()
-    try:
-        deadline = time.monotonic() + 15
-        while not temporaries(priv) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        (name,) = temporaries(priv)
-        time.sleep(0.2)
-        age(priv, [name])
-        start(env)
-        assert temporaries(priv) == [name] and maker.poll() is None
-    finally:
-        os.killpg(maker.pid, signal.SIGKILL)  # strace and the maker it holds
-        maker.wait()
-    age(priv, [name])
-    start(env)
-    assert temporaries(priv) == []
+    held_makers_file_stays(maker, lambda: temporaries(priv), lambda names: age(priv, names), lambda: start(env))
 
 
 EXPORT = """

@@ -17,7 +17,7 @@ import pytest
 import ascend_pool as ap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from syscall_stop import age as age_files, at_syscall, needs_strace, run_printing  # noqa: E402
+from syscall_stop import age as age_files, at_syscall, held_makers_file_stays, needs_strace, run_printing  # noqa: E402
 
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
 START = "import ascend_pool as ap; ap.Pool(0, backend='sim').close(); print('started')"
@@ -70,21 +70,7 @@ def test_the_simulators_files_of_makers_killed_while_starting_are_removed_by_the
 @pytest.mark.parametrize("nth", [LEASE_LINK, RECORD_LINK])
 def test_a_live_makers_temporary_file_stays(env, nth):
     maker = at_link(env, "delay_enter=20000000", nth)  # alive, held 20 s at its link()
-    try:
-        deadline = time.monotonic() + 15
-        while not temporaries(env) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        (name,) = temporaries(env)
-        time.sleep(0.2)
-        age(env, [name])
-        start(env)
-        assert temporaries(env) == [name] and maker.poll() is None
-    finally:
-        os.killpg(maker.pid, signal.SIGKILL)  # strace and the maker it holds
-        maker.wait()
-    age(env, [name])
-    start(env)
-    assert temporaries(env) == []
+    held_makers_file_stays(maker, lambda: temporaries(env), lambda names: age(env, names), lambda: start(env))
 
 
 EXPORT = ("import ascend_pool as ap; p = ap.Pool(0, backend='sim'); "
