@@ -182,12 +182,7 @@ static void apl_life_hold(apl_ledger *L, uint64_t instance) {
     int fd = open(L->path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) return;
     struct stat st;
-    struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = F_RDLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = apl_life_offset(instance);
-    fl.l_len = 1;
+    struct flock fl = apl_life_range(instance, F_RDLCK);
     if (fstat(fd, &st) != 0 || st.st_dev != L->st_dev || st.st_ino != L->st_ino ||
         fcntl(fd, F_OFD_SETLK, &fl) != 0) {
         close(fd);

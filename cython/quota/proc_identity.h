@@ -114,16 +114,22 @@ static int apl_lease_alive(const char *dir, uint64_t instance);
    allowed there, and touches no data anywhere); two live instances share it with a chance of 2^-62. */
 static off_t apl_life_offset(uint64_t instance) { return (off_t)(instance >> 2) + 1; }
 
+/* The lock description of that byte: type F_RDLCK to take it, F_WRLCK to ask who holds it. */
+static struct flock apl_life_range(uint64_t instance, short type) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = apl_life_offset(instance);
+    fl.l_len = 1;
+    return fl;
+}
+
 /* 1 when some process holds the life lock of instance on the ledger open as fd (any descriptor of
    the file: another open file description's lock is reported), 0 when nobody does, -1 cannot tell. */
 static int apl_life_held(int fd, uint64_t instance) {
     if (fd < 0 || instance == 0) return -1;
-    struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = F_WRLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = apl_life_offset(instance);
-    fl.l_len = 1;
+    struct flock fl = apl_life_range(instance, F_WRLCK);
     if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return -1;
     return fl.l_type != F_UNLCK;
 }
