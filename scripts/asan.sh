@@ -8,17 +8,19 @@
 #   scripts/asan.sh                      # the core tests (list below)
 #   scripts/asan.sh tests/test_pool_basic.py -k malloc   # any pytest arguments instead
 #
-# Environment: ASAN_DIR (default /tmp/ascend-pool-asan-$UID) holds the copy, the build and the
-# ASan logs; ASAN_REBUILD=0 skips the build when the copy already has one.
+# Environment: ASAN_DIR (default /tmp/ascend-pool-asan-$UID-<checksum of this checkout's path>)
+# holds the copy, the build and the ASan logs (a second run of the same checkout waits for the
+# first); ASAN_REBUILD=0 skips the build when the copy already has one.
 # Exit status: 0 when the tests pass and ASan reported nothing, 1 otherwise.
 set -u -o pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DIR="${ASAN_DIR:-/tmp/ascend-pool-asan-$(id -u)}"
-SRC="$DIR/src"
-LOGS="$DIR/logs"
 PY="${PYTHON:-python3}"
 . "$REPO/scripts/sanitizer_build.sh"
+DIR="${ASAN_DIR:-$(sanitizer_default_dir asan)}"
+SRC="$DIR/src"
+LOGS="$DIR/logs"
+sanitizer_lock asan.sh
 # In the suite's own (alphabetical) order: test_backend_acl.py opens a second simulator instance,
 # which must happen before the process holds device memory (see
 # test_reliability_found_bugs.py::test_second_simulator_instance_in_a_process_keeps_the_node_accounting).

@@ -1,6 +1,23 @@
 # Sourced by scripts/asan.sh and scripts/tsan.sh: the copy of the tree and the sanitized build they
 # share. Expects REPO, DIR, SRC, LOGS and PY set by the caller.
 
+# The default work directory for sanitizer $1 (asan|tsan): one per user and per checkout, so that
+# runs from two clones on one machine never build into, or read the logs of, each other's copy.
+sanitizer_default_dir() {
+    echo "/tmp/ascend-pool-$1-$(id -u)-$(printf '%s' "$REPO" | cksum | cut -d' ' -f1)"
+}
+
+# Holds an exclusive lock on $DIR for the rest of the run (fd 9): a second run of the same
+# checkout waits for the first instead of removing the copy it is testing. $1 names the caller.
+sanitizer_lock() {
+    mkdir -p "$DIR"
+    exec 9>"$DIR/.lock"
+    if ! flock -n 9; then
+        echo "$1: another run holds $DIR; waiting for it ..." >&2
+        flock 9
+    fi
+}
+
 # Copies the working tree (tracked and untracked, not ignored; never the in-place build) into $SRC.
 sanitizer_copy_tree() {
     mkdir -p "$SRC"

@@ -8,8 +8,9 @@
 #   scripts/tsan.sh tests/test_stress_threads.py -k free   # pytest arguments
 #   scripts/tsan.sh run repros/r01_x.py                    # any python script under TSan
 #
-# Environment: TSAN_DIR (default /tmp/ascend-pool-tsan-$UID) holds the copy, the build and the
-# logs; TSAN_REBUILD=0 skips the build when the copy already has one.
+# Environment: TSAN_DIR (default /tmp/ascend-pool-tsan-$UID-<checksum of this checkout's path>)
+# holds the copy, the build and the logs (a second run of the same checkout waits for the
+# first); TSAN_REBUILD=0 skips the build when the copy already has one.
 # CPython and numpy are not instrumented: a report whose stacks are all inside libpython/numpy
 # is noise; tsan.supp (written below) suppresses the interpreter's own, and the summary counts
 # only reports that name a file of cython/ or ascend_pool/.
@@ -17,12 +18,13 @@
 set -u -o pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DIR="${TSAN_DIR:-/tmp/ascend-pool-tsan-$(id -u)}"
-SRC="$DIR/src"
-LOGS="$DIR/logs"
 PY="${PYTHON:-python3}"
 LIBTSAN="$(gcc -print-file-name=libtsan.so)"
 . "$REPO/scripts/sanitizer_build.sh"
+DIR="${TSAN_DIR:-$(sanitizer_default_dir tsan)}"
+SRC="$DIR/src"
+LOGS="$DIR/logs"
+sanitizer_lock tsan.sh
 if [ ! -e "$LIBTSAN" ]; then
     echo "tsan.sh: gcc has no libtsan.so; install libtsan (e.g. apt-get install libtsan2)" >&2
     exit 1
