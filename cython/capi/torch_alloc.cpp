@@ -10,6 +10,7 @@
  * the C core needs none: the integration binds it to the core's C ABI (ascend_pool_torch_bind)
  * before handing its path to torch, which loads the same file by path. */
 #include <atomic>
+#include <climits>
 #include <stdexcept>
 #include <string>
 #include <sys/types.h>
@@ -32,14 +33,19 @@ EXPORT void ascend_pool_torch_bind(void *malloc_, void *free_, void *last_error)
 }
 
 /* ascend_pool_malloc's memory, or an exception: std::runtime_error with the pool's own message
- * (out of memory, over a tenant's quota, a bad device or stream, a size past SSIZE_MAX). size is
- * torch's size_t. 0 bytes: whatever the core returns (no exception for an empty request). */
+ * (out of memory, over a tenant's quota, a bad device or stream). size is torch's size_t; one past
+ * SSIZE_MAX is refused here, in the words of the Python API, naming the size asked for (cast to
+ * the core's ssize_t it read "size must be positive, got -1 bytes" for SIZE_MAX). 0 bytes:
+ * whatever the core returns (no exception for an empty request). */
 EXPORT void *ascend_pool_torch_malloc(size_t size, int device, void *stream) {
     malloc_fn m = bound_malloc.load();
     if (!m)
         throw std::runtime_error("ascend_pool: the torch allocator library was loaded without "
                                  "ascend_pool.integrations installing it (ascend_pool_torch_bind)");
-    void *p = m((ssize_t)size, device, stream); /* past SSIZE_MAX: negative, which the core refuses */
+    if (size > (size_t)SSIZE_MAX)
+        throw std::runtime_error("ascend_pool: ascend_pool_malloc: size " + std::to_string(size) +
+                                 " bytes is larger than any device");
+    void *p = m((ssize_t)size, device, stream);
     if (!p && size != 0) {
         error_fn e = bound_error.load();
         const char *why = e ? e() : nullptr;
