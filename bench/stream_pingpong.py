@@ -11,9 +11,11 @@ buffer is released:
 The host enqueues ahead of the device, as a framework does; with --sync-every N it waits for
 the device every N steps, as a training loop does once an iteration (reading the loss). Prints
 peak reserved bytes, events created and wall time for both, measured in one run. The borrow
-path's events: CANN's reset of an event a stream waited on runs in that stream's order, so an
-event is reused only once the borrowing stream got there (docs/cann-rules-events.md); the events
-in use are the borrows the host is ahead by, not one per step.
+path's events: on a runtime with aclrtCreateEventExWithFlag (every simulator profile but the
+default `strict`: ASCEND_SIM_PROFILE=cann8.3) one event serves every borrow; otherwise CANN's
+reset of an event a stream waited on runs in that stream's order, so an event is reused only once
+the borrowing stream got there (docs/cann-rules-events.md): the events in use are the borrows the
+host is ahead by, not one per step.
 
     python bench/stream_pingpong.py [--steps 200] [--size-mib 8] [--produce-ms 0.5] [--consume-ms 1] [--sync-every 0]
 """

@@ -51,6 +51,8 @@ HAS_NEW = hasattr(lib, "aclrtMallocAlign32")
 if HAS_NEW:
     lib.aclrtMallocAlign32.argtypes, lib.aclrtMallocAlign32.restype = [C.POINTER(_VP), _SZ, _I], C.c_int
     lib.aclrtQueryEventStatus.argtypes, lib.aclrtQueryEventStatus.restype = [_VP, C.POINTER(_I)], C.c_int
+    lib.aclrtCreateEventExWithFlag.argtypes = [C.POINTER(_VP), C.c_uint32]
+    lib.aclrtCreateEventExWithFlag.restype = C.c_int
 
 HBM, DDR = 1, 0
 
@@ -110,9 +112,12 @@ def stream():
     return s.value
 
 
-def event(flags=None):
+def event(flags=None, ex=False):
+    """aclrtCreateEvent, aclrtCreateEventWithFlag(flags), or with ex aclrtCreateEventExWithFlag(flags)."""
     e = C.c_void_p()
-    if flags is None:
+    if ex:
+        ok("aclrtCreateEventExWithFlag", C.byref(e), flags or 0)
+    elif flags is None:
         ok("aclrtCreateEvent", C.byref(e))
     else:
         ok("aclrtCreateEventWithFlag", C.byref(e), flags)

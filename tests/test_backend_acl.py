@@ -36,12 +36,13 @@ SYMBOLS = [
     "aclrtSetCurrentContext", "aclrtGetDevice", "aclrtGetDeviceCount", "aclrtMallocAlign32", "aclrtFree",
     "aclrtGetMemInfo", "aclrtCreateEventWithFlag", "aclrtRecordEvent", "aclrtQueryEventStatus",
     "aclrtSynchronizeEvent", "aclrtSynchronizeEventWithTimeout", "aclrtDestroyEvent",
-    "aclrtStreamWaitEvent", "aclrtResetEvent", "aclrtCreateStream", "aclrtSynchronizeStream",
-    "aclrtSynchronizeStreamWithTimeout", "aclrtDestroyStream", "aclGetRecentErrMsg",
+    "aclrtStreamWaitEvent", "aclrtResetEvent", "aclrtCreateEventExWithFlag", "aclrtCreateStream",
+    "aclrtSynchronizeStream", "aclrtSynchronizeStreamWithTimeout", "aclrtDestroyStream", "aclGetRecentErrMsg",
     "aclrtGetSocName",
 ]
 LEGACY_SYMBOLS = [{"aclrtMallocAlign32": "aclrtMalloc",
-                   "aclrtQueryEventStatus": "aclrtQueryEvent"}.get(s, s) for s in SYMBOLS]
+                   "aclrtQueryEventStatus": "aclrtQueryEvent"}.get(s, s) for s in SYMBOLS
+                  if s != "aclrtCreateEventExWithFlag"]
 
 PARAM_INVALID, INVALID_DEVICEID, MEMORY_ALLOCATION, MEMORY_FREE = 107000, 107001, 207001, 207002
 INVALID_PARAM, STREAM_TIMEOUT, EVENT_TIMEOUT = 100000, 507046, 507047
@@ -117,6 +118,7 @@ def test_every_used_symbol_is_resolved_by_dlsym(legacy):
     # The legacy library really lacks the newer entry points; the normal one has both.
     assert hasattr(lib, "aclrtMallocAlign32") != legacy
     assert hasattr(lib, "aclrtQueryEventStatus") != legacy
+    assert hasattr(lib, "aclrtCreateEventExWithFlag") != legacy
     assert hasattr(lib, "aclrtMalloc") and hasattr(lib, "aclrtQueryEvent")
     assert b.has_malloc_align32 != legacy and b.has_query_event_status != legacy
     assert b.has_sync_event_timeout and b.has_sync_stream_timeout

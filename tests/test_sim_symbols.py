@@ -16,7 +16,7 @@ ACL = [
     "aclInit", "aclFinalize", "aclrtSetDevice", "aclrtGetDevice", "aclrtGetDeviceCount",
     "aclrtResetDevice", "aclrtResetDeviceForce", "aclrtCreateContext", "aclrtSetCurrentContext", "aclrtGetCurrentContext",
     "aclrtDestroyContext", "aclrtMalloc", "aclrtMallocAlign32", "aclrtFree", "aclrtGetMemInfo",
-    "aclrtMallocHost", "aclrtFreeHost", "aclrtCreateEvent", "aclrtCreateEventWithFlag",
+    "aclrtMallocHost", "aclrtFreeHost", "aclrtCreateEvent", "aclrtCreateEventWithFlag", "aclrtCreateEventExWithFlag",
     "aclrtRecordEvent", "aclrtQueryEventStatus", "aclrtQueryEvent", "aclrtSynchronizeEvent",
     "aclrtSynchronizeEventWithTimeout", "aclrtStreamWaitEvent", "aclrtDestroyEvent", "aclrtResetEvent",
     "aclrtCreateStream", "aclrtSynchronizeStream", "aclrtSynchronizeStreamWithTimeout",
@@ -32,7 +32,7 @@ ACL = [
     # the node's device behind a logical one (ASCEND_RT_VISIBLE_DEVICES), in both builds
     "aclrtGetPhyDevIdByLogicDevId", "aclrtGetLogicDevIdByPhyDevId",
 ]
-NEWER = {"aclrtMallocAlign32", "aclrtQueryEventStatus"}
+NEWER = {"aclrtMallocAlign32", "aclrtQueryEventStatus", "aclrtCreateEventExWithFlag"}
 CONTROL = [
     "ascendsim_launch_fill", "ascendsim_read", "ascendsim_hang_stream", "ascendsim_release_stream",
     "ascendsim_set_fail_malloc_nth", "ascendsim_set_fail_after_bytes",

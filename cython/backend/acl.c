@@ -29,6 +29,7 @@ typedef int aclError;
    ACL_EVENT_SYNC must not be passed to aclrtStreamWaitEvent, which the pool does; TIME_LINE would
    only slow every record down. */
 #define ACL_EVENT_SYNC 0x1u
+#define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
 #define ACL_EVENT_RECORDED_STATUS_COMPLETE 1 /* aclrtQueryEventStatus: NOT_READY=0, COMPLETE=1 */
 #define ACL_EVENT_STATUS_COMPLETE 0          /* deprecated aclrtQueryEvent: COMPLETE=0, NOT_READY=1 */
 /* Virtual memory (acl_rt.h): physical memory on the device's HBM in 2 MiB huge pages. */
@@ -110,6 +111,11 @@ typedef struct acl_impl {
     aclError (*aclrtGetMemInfo)(int attr, size_t *free_bytes, size_t *total_bytes);
     aclError (*aclrtCreateEventWithFlag)(void **event, uint32_t flag);
     aclError (*aclrtCreateEvent)(void **event);
+    /* CANN 8.0.RC1 on: events whose waits wait for their latest record (a fresh hardware id at
+       each record), so no aclrtResetEvent after a wait (docs/cann-rules-events.md). Used while
+       event_ex is 1 (atomic); a runtime that refuses it (207000) clears it once, for good. */
+    aclError (*aclrtCreateEventExWithFlag)(void **event, uint32_t flag);
+    int event_ex;
     aclError (*aclrtRecordEvent)(void *event, void *stream);
     aclError (*aclrtQueryEventStatus)(void *event, int *status);
     aclError (*aclrtQueryEvent)(void *event, int *status);
@@ -1007,9 +1013,28 @@ static int acl_ipc_absent_close(ap_backend *b, int d, const char *k) { (void)b; 
 
 /* ---- events -------------------------------------------------------------------------------- */
 
-/* Creates an event in the current thread's context (no set_device). */
-static int acl_event_create_here(acl_impl *im, void **event)
+static int acl_event_reset(ap_backend *b, void *event, void *stream);
+
+/* Creates an event in the current thread's context (no set_device). Where the runtime has
+   aclrtCreateEventExWithFlag, with ACL_EVENT_SYNC (which aclrtStreamWaitEvent needs) through it,
+   as torch_npu does: its waits wait for the latest record, so the pools reuse it at once, with
+   no aclrtResetEvent after each wait and no record to park it on (event_reset is NULL, CUDA's
+   path). A runtime that exports it but refuses it (ACL_ERROR_RT_FEATURE_NOT_SUPPORT, logged by
+   ACL as a warning) sends the backend, once and for good, to aclrtCreateEventWithFlag and the
+   reset scheme (event_reset set before any such event is made; no new-mode event exists then,
+   the runtime having refused each). */
+static int acl_event_create_here(ap_backend *b, void **event)
 {
+    acl_impl *im = IMPL(b);
+    if (__atomic_load_n(&im->event_ex, __ATOMIC_ACQUIRE)) {
+        int rc = im->aclrtCreateEventExWithFlag(event, ACL_EVENT_SYNC);
+        if (rc != ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
+            return rc;
+        if (im->aclGetRecentErrMsg) /* handled here: not the caller's error */
+            (void)im->aclGetRecentErrMsg();
+        __atomic_store_n(&b->event_reset, im->aclrtResetEvent ? acl_event_reset : NULL, __ATOMIC_RELEASE);
+        __atomic_store_n(&im->event_ex, 0, __ATOMIC_RELEASE);
+    }
     if (im->aclrtCreateEventWithFlag)
         return im->aclrtCreateEventWithFlag(event, ACL_EVENT_SYNC);
     return im->aclrtCreateEvent(event);
@@ -1017,7 +1042,7 @@ static int acl_event_create_here(acl_impl *im, void **event)
 
 static int acl_event_create(ap_backend *b, int device, void **event)
 {
-    ON_DEVICE(b, device, acl_event_create_here(IMPL(b), event));
+    ON_DEVICE(b, device, acl_event_create_here(b, event));
 }
 
 /* NULL stream: the default stream of the context the call runs in (ON_SELECTED). */
@@ -1325,7 +1350,7 @@ static int acl_created_note_holds(ap_backend *b, void *stream, int device)
 
     if (acl_enter(b, device, &sc) != 0)
         return 1; /* cannot ask: keep the note */
-    rc = acl_event_create_here(im, &event);
+    rc = acl_event_create_here(b, &event);
     if (rc == 0) {
         rc = im->aclrtRecordEvent(event, stream);
         (void)im->aclrtDestroyEvent(event);
@@ -1394,7 +1419,7 @@ static int acl_stream_sync_here(ap_backend *b, void *stream, int timeout_ms)
        the stream's current work with a temporary event and poll that. Rare path, so the event is
        not pooled. It is created in this thread's current context, which is the stream's when the
        caller set the device it created the stream on. */
-    rc = acl_event_create_here(im, &event);
+    rc = acl_event_create_here(b, &event);
     if (rc != 0)
         return rc;
     rc = im->aclrtRecordEvent(event, stream);
@@ -1647,6 +1672,9 @@ static int acl_resolve_all(acl_impl *im, void *lib, char *err, size_t errlen)
     REQUIRE(aclrtDestroyEvent);
     REQUIRE(aclrtStreamWaitEvent);
     RESOLVE(aclrtResetEvent);
+    /* New-mode events need aclrtQueryEventStatus (they refuse the deprecated aclrtQueryEvent). */
+    if (im->aclrtQueryEventStatus && RESOLVE(aclrtCreateEventExWithFlag))
+        im->event_ex = 1;
     REQUIRE(aclrtCreateStream);
     REQUIRE(aclrtSynchronizeStream);
     RESOLVE(aclrtSynchronizeStreamWithTimeout);
@@ -1712,7 +1740,7 @@ int ap_acl_open(ap_backend *b, const char *path, int prefer_loaded, int want_sim
     b->event_sync = acl_event_sync;
     b->event_destroy = acl_event_destroy;
     b->stream_wait_event = acl_stream_wait_event;
-    b->event_reset = im->aclrtResetEvent ? acl_event_reset : NULL;
+    b->event_reset = im->aclrtResetEvent && !im->event_ex ? acl_event_reset : NULL;
     b->stream_create = acl_stream_create;
     b->stream_sync = acl_stream_sync;
     b->stream_destroy = acl_stream_destroy;

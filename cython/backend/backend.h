@@ -102,6 +102,8 @@ struct ap_backend {
        called after aclrtStreamWaitEvent"; docs/cann-rules-events.md); NULL where the runtime has
        no such rule (cuda) or lacks the symbol: the event is then reused as it is. */
     int (*event_reset)(ap_backend *b, void *event, void *stream);
+    /* (event_reset is read with ap_backend_event_reset: the acl backend sets it, once, when the
+       runtime refuses the events that need none; see acl_event_create_here.) */
 
     int (*stream_create)(ap_backend *b, int device, void **stream);
     /* Same timeout rule as event_sync (ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046 on timeout). */
@@ -176,6 +178,12 @@ struct ap_backend {
 static inline int ap_backend_oom_code(const ap_backend *b, int code) {
     if (b->kind == AP_BACKEND_CUDA) return code == 2; /* cudaErrorMemoryAllocation, CUDA_ERROR_OUT_OF_MEMORY */
     return code == 207001 || code == 207018 || code == 200000; /* RT_MEMORY_ALLOCATION, RT_DEVICE_OOM, BAD_ALLOC */
+}
+
+/* The backend's event_reset (NULL: events are reused as they are). Read atomically: the acl
+   backend sets it once while pools run, when the runtime refuses the events that need no reset. */
+static inline int (*ap_backend_event_reset(const ap_backend *b))(ap_backend *, void *, void *) {
+    return __atomic_load_n(&b->event_reset, __ATOMIC_ACQUIRE);
 }
 
 /* Opens a backend. kind: "acl", "sim" or "cuda". path: library to dlopen, or NULL for the

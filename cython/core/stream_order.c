@@ -36,7 +36,7 @@ static void *event_get(ap_pool *p, void *stream, int *parked);
    queued on another stream could run after that reset and set the flag early. So a record not
    known complete is parked until it is (destroyed when nothing can tell). CUDA: back at once. */
 static void event_put_recorded(ap_pool *p, void *event, void *stream, int complete, int known) {
-    if (!p->backend->event_reset || (known && complete)) ap_event_put(p, event);
+    if (!ap_backend_event_reset(p->backend) || (known && complete)) ap_event_put(p, event);
     else park(p, event, known, stream);
 }
 
@@ -316,11 +316,12 @@ void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
     /* CANN: reset after aclrtStreamWaitEvent, on the waiting stream, before any new record
        (docs/cann-rules-events.md), and reused only once that stream has run the reset (above).
        An event that cannot be reset is never reused. CUDA (no event_reset): reusable at once. */
-    if (!p->backend->event_reset) {
+    int (*reset)(ap_backend *, void *, void *) = ap_backend_event_reset(p->backend);
+    if (!reset) {
         ap_event_put(p, event);
         return;
     }
-    int marked = p->backend->event_reset(p->backend, event, waiting_stream) == 0 &&
+    int marked = reset(p->backend, event, waiting_stream) == 0 &&
                  p->backend->event_record(p->backend, event, waiting_stream) == 0;
     park(p, event, marked, waiting_stream);
 }
@@ -380,12 +381,13 @@ static void *record_on(ap_pool *p, void *stream) {
    such a parked event serves a record on that stream at once). An event whose reset or record
    fails is never reused. NULL and *code as record_on_code. */
 static void *event_for_wait(ap_pool *p, void *stream, int *code) {
-    if (!p->backend->event_reset) return record_on_code(p, stream, code);
+    int (*reset)(ap_backend *, void *, void *) = ap_backend_event_reset(p->backend);
+    if (!reset) return record_on_code(p, stream, code);
     ap_on_device(p);
     *code = 0;
     void *ev = ap_event_get(p, stream);
     if (!ev) return NULL;
-    if ((*code = p->backend->event_reset(p->backend, ev, stream)) != 0 ||
+    if ((*code = reset(p->backend, ev, stream)) != 0 ||
         (*code = p->backend->event_record(p->backend, ev, stream)) != 0) {
         park(p, ev, 0, stream);
         return NULL;

@@ -3,8 +3,8 @@
  * ascend_pool's acl backend calls. Declaring them here (with default visibility) lets the
  * compiler check every definition against the real prototype.
  *
- * The legacy build (-DASCEND_SIM_LEGACY=1) stands for an old CANN: it lacks aclrtMallocAlign32
- * and aclrtQueryEventStatus, so that the backend's fallbacks are exercised.
+ * The legacy build (-DASCEND_SIM_LEGACY=1) stands for an old CANN: it lacks aclrtMallocAlign32,
+ * aclrtQueryEventStatus and aclrtCreateEventExWithFlag, so that the backend's fallbacks are exercised.
  *
  * Error codes where the runtime leaves a choice (kept consistent across calls):
  *   bad argument values (NULL out-pointer, size 0, unknown policy/attr/flag, timeout < -1)
@@ -229,6 +229,9 @@ SIM_EXPORT aclError aclrtDeviceGetBareTgid(int32_t *pid); /* the node-level id (
 
 SIM_EXPORT aclError aclrtCreateEvent(aclrtEvent *event);
 SIM_EXPORT aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag);
+#if !ASCEND_SIM_LEGACY
+SIM_EXPORT aclError aclrtCreateEventExWithFlag(aclrtEvent *event, uint32_t flag); /* CANN 8.0.RC1 on */
+#endif
 SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream);
 #if !ASCEND_SIM_LEGACY
 SIM_EXPORT aclError aclrtQueryEventStatus(aclrtEvent event, int *status);

@@ -19,7 +19,10 @@
  *   310p     Atlas inference card (Ascend310P3): 1,023 synchronizing events per device
  *   950      Ascend 950: aclrtMalloc only rounds to 32 bytes (no padding)
  *   strict   an Atlas A2 under every version's rules (the 8.0 reserve rule included); its event
- *            limit is the A2's 65,536 (the 310p profile tests the card with the smaller one)
+ *            limit is the A2's 65,536 (the 310p profile tests the card with the smaller one);
+ *            aclrtCreateEventExWithFlag answers 207000 (a runtime that exports it without the
+ *            feature), so that the pool runs the event scheme with the most rules to break
+ *            (aclrtResetEvent after each wait); every other profile has it (CANN 8.0.RC1 on)
  * Device reference counting (aclrtSetDevice +1, aclrtResetDevice -1) holds in every profile.
  *
  * An empty variable counts as unset. A bad value fails aclInit with ACL_ERROR_INVALID_PARAM and
@@ -159,12 +162,12 @@ static int node_name_ok(const char *s)
 }
 
 static const struct sim_profile PROFILES[] = {
-    /* name       soc name        events  8.0 flags  pad */
-    {"strict",  "Ascend910B1",   65536,  1,         1},
-    {"cann8.0", "Ascend910B1",   65536,  1,         1},
-    {"cann8.3", "Ascend910B1",   65536,  0,         1},
-    {"310p",    "Ascend310P3",   1023,   0,         1},
-    {"950",     "Ascend950PR",   65536,  0,         0},
+    /* name       soc name        events  8.0 flags  pad  ex events */
+    {"strict",  "Ascend910B1",   65536,  1,         1,   0},
+    {"cann8.0", "Ascend910B1",   65536,  1,         1,   1},
+    {"cann8.3", "Ascend910B1",   65536,  0,         1,   1},
+    {"310p",    "Ascend310P3",   1023,   0,         1,   1},
+    {"950",     "Ascend950PR",   65536,  0,         0,   1},
 };
 
 static int get_profile(struct sim_profile *out, const char *call)

@@ -39,6 +39,16 @@
  * profile: the runtime code is the same for all): such a wait waits for the first record since
  * the last reset (`armed`), or for a record still queued when the reset was made on another
  * stream (it may run after the reset and set the flag again).
+ *
+ * Events of aclrtCreateEventExWithFlag ("new mode", CANN 8.0.RC1 on; hicann/runtime Event with
+ * isNewMode_) get a fresh hardware id at every record, so a wait waits for the latest record,
+ * CUDA's rule: recorded again after a wait, no reset is needed (aclrtResetEvent, and the
+ * deprecated aclrtQueryEvent, are not supported on them: refused with 107000, the simulator's
+ * code where the documentation says "returns an error"); a wait on one never recorded passes at
+ * once (Event::WaitSendCheck, new mode) and aclrtQueryEventStatus answers COMPLETE for it.
+ * Creating them takes no hardware resource (a record does), so they do not count against the
+ * device's event limit. Under the `strict` profile the call answers
+ * ACL_ERROR_RT_FEATURE_NOT_SUPPORT (207000), as a runtime that exports it without the feature.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -49,6 +59,7 @@ struct sim_event {
     struct sim_obj obj;
     int device;
     uint32_t flags;            /* accepted and ignored: no timing, no blocking-sync distinction */
+    int ex;                    /* aclrtCreateEventExWithFlag: waits wait for the latest record, no reset */
     pthread_mutex_t mu;
     struct sim_stream *stream; /* latest record (a reference), NULL if never recorded */
     uint64_t pos;
@@ -97,7 +108,7 @@ static struct sim_stream *snapshot(struct sim_event *e, uint64_t *pos)
     return s;
 }
 
-static aclError create_event(aclrtEvent *event, uint32_t flags, const char *call)
+static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, const char *call)
 {
     int rc = sim_require_init(call);
     if (rc)
@@ -110,12 +121,16 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, const char *call
     int dev;
     if ((rc = sim_current_device(call, &dev)) != 0)
         return rc;
+    if (ex && !g_sim.cfg.profile.event_ex)
+        return sim_fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, call,
+                        "not supported under the simulator's '%s' profile (a runtime without the feature): "
+                        "use aclrtCreateEventWithFlag", g_sim.cfg.profile.name);
     if (sim_fault_event_create_nth())
         return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call,
                         "injected fault: this event creation was chosen to fail");
     struct sim_device *d = &g_sim.dev[dev];
     int limit = sim_event_limit(dev);
-    if (atomic_fetch_add(&d->live_events, 1) >= (uint64_t)limit) {
+    if (!ex && atomic_fetch_add(&d->live_events, 1) >= (uint64_t)limit) {
         atomic_fetch_sub(&d->live_events, 1);
         return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call,
                         "device %d already has %d live events (its limit): destroy or reuse events", dev, limit);
@@ -125,6 +140,7 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, const char *call
         sim_obj_init(&e->obj, SIM_H_EVENT, event_destroy);
         e->device = dev;
         e->flags = flags;
+        e->ex = ex;
         pthread_mutex_init(&e->mu, NULL);
         if (sim_reg_add(&e->obj) != 0) {
             event_destroy(&e->obj);
@@ -132,7 +148,8 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, const char *call
         }
     }
     if (!e) {
-        atomic_fetch_sub(&d->live_events, 1);
+        if (!ex)
+            atomic_fetch_sub(&d->live_events, 1);
         return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call, "out of host memory");
     }
     atomic_fetch_add(&d->events_created, 1);
@@ -142,13 +159,20 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, const char *call
 
 SIM_EXPORT aclError aclrtCreateEvent(aclrtEvent *event)
 {
-    return create_event(event, 0, "aclrtCreateEvent");
+    return create_event(event, 0, 0, "aclrtCreateEvent");
 }
 
 SIM_EXPORT aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag)
 {
-    return create_event(event, flag, "aclrtCreateEventWithFlag");
+    return create_event(event, flag, 0, "aclrtCreateEventWithFlag");
 }
+
+#if !ASCEND_SIM_LEGACY
+SIM_EXPORT aclError aclrtCreateEventExWithFlag(aclrtEvent *event, uint32_t flag)
+{
+    return create_event(event, flag, 1, "aclrtCreateEventExWithFlag");
+}
+#endif
 
 /* The initialised runtime's event and stream of a call, each with a reference (0), or the
    runtime's error for whichever is not valid (nothing held then). */
@@ -189,7 +213,7 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
         return rc;
     }
     pthread_mutex_lock(&e->mu);
-    if (e->waited) {
+    if (e->waited && !e->ex) {
         pthread_mutex_unlock(&e->mu);
         sim_stream_put(s);
         sim_obj_unref(&e->obj);
@@ -198,7 +222,7 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
                         "aclrtResetEvent before recording it again", event);
     }
     /* A record on the stream that holds the reset is ordered after it: allowed at once. */
-    if (e->reset_stream && e->reset_stream != s && !sim_stream_is_done(e->reset_stream, e->reset_pos)) {
+    if (!e->ex && e->reset_stream && e->reset_stream != s && !sim_stream_is_done(e->reset_stream, e->reset_pos)) {
         void *waiting = SIM_HANDLE(&e->reset_stream->obj);
         pthread_mutex_unlock(&e->mu);
         sim_stream_put(s);
@@ -209,7 +233,7 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
                         waiting);
     }
     struct sim_stream *old = e->stream;
-    if ((e->flags & ACL_EVENT_SYNC) && !e->armed) { /* the first record since the reset sets the flag */
+    if ((e->flags & ACL_EVENT_SYNC) && !e->ex && !e->armed) { /* the first record since the reset sets the flag */
         sim_obj_ref(&s->obj);
         e->armed = s;
         e->armed_pos = pos;
@@ -223,8 +247,10 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
     return ACL_SUCCESS;
 }
 
-/* 1 complete, 0 not yet, 2 never recorded; or an aclError (negated to tell it apart). */
-static int query(aclrtEvent event, int *status, const char *call)
+/* 1 complete, 0 not yet, 2 never recorded, 3 never recorded and of aclrtCreateEventExWithFlag;
+   or an aclError (negated to tell it apart). The deprecated query (`deprecated`) is refused for
+   events of aclrtCreateEventExWithFlag ("not supported ... returns an error"). */
+static int query(aclrtEvent event, int *status, int deprecated, const char *call)
 {
     int rc = sim_require_init(call);
     if (rc)
@@ -234,13 +260,18 @@ static int query(aclrtEvent event, int *status, const char *call)
     struct sim_event *e = NULL;
     if ((rc = get_event(event, call, &e)) != 0)
         return -rc;
+    if (deprecated && e->ex) {
+        sim_obj_unref(&e->obj);
+        return -sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "event %p was created by aclrtCreateEventExWithFlag, "
+                         "which does not support this call: use aclrtQueryEventStatus", event);
+    }
     if (sim_fault_event_query_nth()) {
         sim_obj_unref(&e->obj);
         return -sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "injected fault: this event query was chosen to fail");
     }
     uint64_t pos;
     struct sim_stream *s = snapshot(e, &pos);
-    int done = !s ? 2 : sim_stream_is_done(s, pos);
+    int done = !s ? 2 + e->ex : sim_stream_is_done(s, pos);
     sim_stream_put(s);
     sim_obj_unref(&e->obj);
     return done;
@@ -249,11 +280,12 @@ static int query(aclrtEvent event, int *status, const char *call)
 #if !ASCEND_SIM_LEGACY
 SIM_EXPORT aclError aclrtQueryEventStatus(aclrtEvent event, int *status)
 {
-    int r = query(event, status, "aclrtQueryEventStatus");
+    int r = query(event, status, 0, "aclrtQueryEventStatus");
     if (r < 0)
         return -r;
-    /* Never recorded: RT_EVENT_INIT, which the ACL layer answers as NOT_READY (CANN; CUDA says done). */
-    *status = r == 1 ? ACL_EVENT_RECORDED_STATUS_COMPLETE : ACL_EVENT_RECORDED_STATUS_NOT_READY;
+    /* Never recorded: RT_EVENT_INIT, which the ACL layer answers as NOT_READY (CANN; CUDA says done);
+       an event of aclrtCreateEventExWithFlag answers COMPLETE. */
+    *status = r == 1 || r == 3 ? ACL_EVENT_RECORDED_STATUS_COMPLETE : ACL_EVENT_RECORDED_STATUS_NOT_READY;
     return ACL_SUCCESS;
 }
 #endif
@@ -262,7 +294,7 @@ SIM_EXPORT aclError aclrtQueryEventStatus(aclrtEvent event, int *status)
    COMPLETE (rtEventQuery answers "not complete" only for a record still running). */
 SIM_EXPORT aclError aclrtQueryEvent(aclrtEvent event, int *status)
 {
-    int r = query(event, status, "aclrtQueryEvent");
+    int r = query(event, status, 1, "aclrtQueryEvent");
     if (r < 0)
         return -r;
     *status = r ? ACL_EVENT_STATUS_COMPLETE : ACL_EVENT_STATUS_NOT_READY;
@@ -318,8 +350,11 @@ SIM_EXPORT aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
     struct sim_stream *old_waiter = NULL;
     pthread_mutex_lock(&e->mu);
     struct sim_stream *src = e->stream;
-    int reset = e->reset;
-    if (src && !reset) { /* a wait on a recorded event: it needs a reset before its next record */
+    int reset = e->reset, ex = e->ex;
+    if (src && ex) { /* new mode: waits for the latest record, needs no reset */
+        pos = e->pos;
+        sim_obj_ref(&src->obj);
+    } else if (src && !reset) { /* a wait on a recorded event: it needs a reset before its next record */
         pos = e->pos;
         if (e->armed) { /* ACL_EVENT_SYNC: the flag is set by the first record since the reset */
             src = e->armed;
@@ -334,7 +369,11 @@ SIM_EXPORT aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
     pthread_mutex_unlock(&e->mu);
     sim_stream_put(old_waiter);
     sim_obj_unref(&e->obj);
-    if (!src || reset) {
+    if (!src && ex) { /* never recorded, new mode: "wait first, return suc" (Event::WaitSendCheck) */
+        sim_stream_put(target);
+        return ACL_SUCCESS;
+    }
+    if (!src || (reset && !ex)) {
         sim_stream_put(target);
         if (!src)
             return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
@@ -379,7 +418,8 @@ SIM_EXPORT aclError aclrtDestroyEvent(aclrtEvent event)
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "%p is not a live event (never created, or already destroyed)", event);
     struct sim_event *e = (struct sim_event *)o;
-    atomic_fetch_sub(&g_sim.dev[e->device].live_events, 1);
+    if (!e->ex)
+        atomic_fetch_sub(&g_sim.dev[e->device].live_events, 1);
     sim_obj_unref(o); /* recorded work still pending is not waited for, as in the real runtime */
     return ACL_SUCCESS;
 }
@@ -396,9 +436,14 @@ SIM_EXPORT aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
     int rc = event_and_stream(event, stream, call, &e, &s);
     if (rc)
         return rc;
-    if (!(e->flags & ACL_EVENT_SYNC)) {
+    if (!(e->flags & ACL_EVENT_SYNC) || e->ex) {
+        int ex = e->ex;
         sim_stream_put(s);
         sim_obj_unref(&e->obj);
+        if (ex)
+            return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                            "event %p was created by aclrtCreateEventExWithFlag, which does not support "
+                            "aclrtResetEvent (its waits wait for the latest record: none is needed)", event);
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "event %p was not created with ACL_EVENT_SYNC (aclrtCreateEventWithFlag): "
                         "CANN supports aclrtResetEvent only on those", event);

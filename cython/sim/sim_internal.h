@@ -85,6 +85,8 @@ struct sim_profile {
     uint32_t event_limit;        /* synchronizing events per device: 65536, 1023 on 310P */
     int reserve_flags_match;     /* CANN 8.0.x: aclrtReserveMemAddress flags = page type mapped */
     int malloc_pad;              /* aclrtMalloc adds 32 bytes after rounding (not on 950) */
+    int event_ex;                /* aclrtCreateEventExWithFlag works (else 207000, as a runtime
+                                    that exports it without the feature) */
 };
 struct sim_config {
     int devices;                 /* this process's devices (ASCEND_RT_VISIBLE_DEVICES, else the node's) */

@@ -1,0 +1,103 @@
+"""Events of aclrtCreateEventExWithFlag (CANN 8.0.RC1 on; docs/cann-rules-events.md, "Events of
+aclrtCreateEventExWithFlag"): a fresh hardware id at every record, so a wait waits for the latest
+record and no aclrtResetEvent is needed after it. The acl backend uses them where the runtime has
+them (every simulator profile but `strict`, which refuses them as a runtime without the feature)
+and then reuses events at once, as on CUDA; elsewhere it keeps the reset scheme."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401
+
+SYNC, PARAM_INVALID, FEATURE_NOT_SUPPORT = 1, 107000, 207000
+
+
+def test_simulator_new_mode_events_wait_for_their_latest_record_and_need_no_reset(sim_node):
+    out = sim_node.run_json("""
+        from ascend_pool import sim
+        init()
+        a, b = stream(), stream()
+        ptr = malloc(4096)
+        ev = event(1, ex=True)
+        fresh = query_status(ev)                # never recorded: COMPLETE for these events
+        ok("aclrtStreamWaitEvent", b, ev)       # never recorded: passes at once
+        ok("aclrtRecordEvent", ev, a)
+        ok("aclrtSynchronizeStream", a)
+        ok("aclrtStreamWaitEvent", b, ev)
+        sim.launch_fill(a, ptr, 4096, 7, delay_s=0.5)
+        ok("aclrtRecordEvent", ev, a)           # again after a wait, no reset: allowed
+        ok("aclrtStreamWaitEvent", b, ev)       # waits for this (latest) record
+        sim.launch_fill(b, ptr, 4096, 9)
+        ok("aclrtSynchronizeStream", b)
+        ordered = sim.read(ptr, 1)[0]
+        reset = code("aclrtResetEvent", ev, b)
+        old_query = code("aclrtQueryEvent", ev, C.byref(C.c_int()))
+        print(json.dumps({"fresh": fresh, "ordered": ordered, "reset": reset, "old_query": old_query}))
+    """, ASCEND_SIM_PROFILE="cann8.3")
+    assert out == {"fresh": 1, "ordered": 9, "reset": PARAM_INVALID, "old_query": PARAM_INVALID}, out
+
+
+def test_simulator_new_mode_events_are_not_bounded_by_the_devices_event_limit(sim_node):
+    sim_node.run("""
+        init()
+        evs = [event(1, ex=True) for _ in range(40)]   # past the limit of 16 set below
+        e = C.c_void_p()
+        assert code("aclrtCreateEventWithFlag", C.byref(e), 1) == 0
+    """, ASCEND_SIM_PROFILE="310p", ASCEND_SIM_EVENT_LIMIT="16")
+
+
+def test_strict_profile_refuses_new_mode_events_as_a_runtime_without_the_feature(sim_node):
+    sim_node.run("""
+        init()
+        e = C.c_void_p()
+        assert code("aclrtCreateEventExWithFlag", C.byref(e), 1) == 207000
+        assert "strict" in errmsg()
+    """)
+
+
+PINGPONG = """
+    import ascend_pool as ap
+    MiB = 1 << 20
+    pool = ap.Pool(0, backend="sim")
+    p, c = pool.create_stream(), pool.create_stream()
+    for step in range(30):                            # the host runs ahead of the device
+        buf = pool.malloc(4 * MiB, stream=p)          # after the first step: c's block, borrowed
+        sim.launch_fill(p, buf, 4096, 1, delay_s=0.002)
+        pool.free(buf, stream=p)
+        got = pool.malloc(4 * MiB, stream=c)          # borrows buf: ordered after p's fill
+        sim.launch_fill(c, got, 4096, 2, delay_s=0.002)
+        pool.free(got, stream=c)
+    x = pool.malloc(4 * MiB, stream=p)                # last: the lender still writes when borrowed
+    sim.launch_fill(p, x, 4096, 7, delay_s=0.3)
+    pool.free(x, stream=p)
+    y = pool.malloc(4 * MiB, stream=c)
+    sim.launch_fill(c, y, 4096, 9)
+    pool.synchronize(c); pool.synchronize(p)
+    st = pool.memory_stats()
+    lib.ascendsim_stats_fields.restype = C.c_char_p
+    fields = lib.ascendsim_stats_fields().decode().split(",")
+    out = (C.c_uint64 * len(fields))()
+    lib.ascendsim_get_stats(0, out, len(fields))
+    print(json.dumps({"events": st["events_created"], "migrations": st["stream_migrations"], "same": x == y,
+                      "last": sim.read(y, 1)[0], "live_events": out[fields.index("live_events")]}))
+    pool.free(y, stream=c)
+    pool.destroy_stream(p); pool.destroy_stream(c); pool.close()
+"""
+
+
+@pytest.mark.parametrize("profile", ["cann8.3", "310p"])
+def test_the_borrow_path_reuses_one_event_where_the_runtime_has_new_mode_events(sim_node, profile):
+    # Before: every profile ran the reset scheme (aclrtResetEvent on the borrowing stream, one more
+    # record there, the event parked until that record ran): one event per borrow the host was
+    # ahead of the device by. With new-mode events an event is reusable as soon as its wait is queued.
+    out = sim_node.run_json(PINGPONG, ASCEND_SIM_PROFILE=profile)
+    assert out["migrations"] >= 60 and out["same"] and out["last"] == 9, out  # the borrower wrote second
+    assert out["events"] == 1 and out["live_events"] == 0, out  # new-mode events take no device slot
+
+
+def test_the_borrow_path_keeps_the_reset_scheme_where_the_runtime_refuses_new_mode_events(sim_node):
+    out = sim_node.run_json(PINGPONG)               # strict: aclrtCreateEventExWithFlag answers 207000
+    assert out["migrations"] >= 60 and out["same"] and out["last"] == 9, out
+    assert out["events"] > 1 and out["live_events"] == out["events"], out  # parked until their records ran
