@@ -830,8 +830,11 @@ void ap_pool_get_stats(ap_pool *p, ap_stats *out) {
 }
 
 /* The monotonic clock where the C library can wait on it: a wall-clock step (NTP, a container's
-   clock set) would otherwise stretch or cut the wait. */
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+   clock set) would otherwise stretch or cut the wait. Not under ThreadSanitizer: gcc 12's libtsan
+   does not intercept pthread_mutex_clocklock, so it would report each unlock of a lock taken so as
+   "unlock of an unlocked mutex" and lose the lock's ordering. */
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30)) && \
+    !defined(__SANITIZE_THREAD__)
 #define AP_LOCK_CLOCK CLOCK_MONOTONIC
 #define ap_mutex_lock_until(m, t) pthread_mutex_clocklock((m), CLOCK_MONOTONIC, (t))
 #else
