@@ -204,3 +204,50 @@ def test_a_buffer_marked_with_another_devices_default_stream_waits_for_that_stre
         assert hp.memory_stats()["pending_free_blocks"] == 0
         hp.close()
     """)
+
+
+def test_cupys_pinned_memory_pool_tests_port_to_the_host_pool(hp):
+    # CuPy's test_pinned_memory.py TestSingleDeviceMemoryPool on PinnedMemoryPool's names:
+    # n_free_blocks() counts the buffers cached ready for reuse (the unused rest of a slab too),
+    # free_all_blocks() gives them back; used/total/free_bytes as CuPy's MemoryPool's
+    assert hp.n_free_blocks() == 0                       # test_n_free_blocks_without_malloc
+    hp.free_all_blocks()                                 # test_free_all_blocks_without_malloc
+    assert (hp.n_free_blocks(), hp.used_bytes(), hp.total_bytes(), hp.free_bytes()) == (0, 0, 0, 0)
+    p1, p2, p3 = hp.malloc(1000), hp.malloc(1000), hp.malloc(2000)
+    assert len({p1, p2, p3}) == 3                        # test_alloc
+    slabs = 64 * 1024 + 64 * 2048                        # a slab of the 1 KiB class, one of the 2 KiB
+    assert hp.n_free_blocks() == 2 * 64 - 3
+    assert (hp.used_bytes(), hp.total_bytes(), hp.free_bytes()) == (4096, slabs, slabs - 4096)
+    hp.free(p1)
+    assert hp.n_free_blocks() == 2 * 64 - 2              # test_free_all_blocks2: one more free block
+    assert hp.malloc(1000) == p1                         # test_free: reused
+    hp.free(p1)
+    p4 = hp.malloc(2000)
+    assert p4 != p1                                      # test_free_different_size
+    big = hp.malloc(3 << 20)
+    hp.free(big)
+    assert hp.n_free_blocks() == 2 * 64 - 3 + 1          # the freed big buffer is cached too
+    hp.free_all_blocks()                                 # it goes back; slabs with a buffer in use stay
+    assert (hp.n_free_blocks(), hp.total_bytes()) == (2 * 64 - 3, slabs)
+    for p in (p2, p3, p4):
+        hp.free(p)
+    assert hp.n_free_blocks() == 2 * 64
+    hp.free_all_blocks()
+    assert (hp.n_free_blocks(), hp.used_bytes(), hp.total_bytes(), hp.free_bytes()) == (0, 0, 0, 0)
+
+
+def test_a_parked_buffer_is_not_a_free_block_until_its_work_is_done(hp):
+    pool = ap.default_pool(0)
+    stream = pool.create_stream()
+    dev = pool.malloc(1 << 16)
+    try:
+        buf = hp.malloc(3 << 20)                         # a buffer of its own: no slab neighbours
+        sim.launch_fill(stream, dev, 1 << 16, 0x42, delay_s=0.3)
+        hp.record_stream(buf, stream)
+        hp.free(buf)
+        assert hp.n_free_blocks() == 0 and hp.free_bytes() == 4 << 20  # held, not reusable yet
+        hp.free_all_blocks()                             # waits for the work, then gives it back
+        assert (hp.n_free_blocks(), hp.total_bytes()) == (0, 0)
+    finally:
+        pool.free(dev)
+        pool.destroy_stream(stream)

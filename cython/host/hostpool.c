@@ -101,6 +101,7 @@ static void push_free(ap_host_pool *hp, host_block *b) {
     if (*head) (*head)->prev = b;
     *head = b;
     hp->stats.cached_free_bytes += (int64_t)class_bytes(b->cls);
+    hp->stats.cached_free_blocks++;
 }
 
 static void unlink_free(ap_host_pool *hp, host_block *b) {
@@ -109,6 +110,7 @@ static void unlink_free(ap_host_pool *hp, host_block *b) {
     if (b->next) b->next->prev = b->prev;
     b->prev = b->next = NULL;
     hp->stats.cached_free_bytes -= (int64_t)class_bytes(b->cls);
+    hp->stats.cached_free_blocks--;
 }
 
 /* ---- runtime calls ------------------------------------------------------------------------------- */

@@ -39,6 +39,7 @@ typedef struct ap_host_stats {
     int64_t reserved_bytes, reserved_bytes_peak;   /* pinned bytes held from the runtime */
     int64_t segments;                              /* runtime allocations held (slabs + big buffers) */
     int64_t cached_free_bytes;                     /* reserved bytes ready for reuse */
+    int64_t cached_free_blocks;                    /* buffers ready for reuse (CuPy's n_free_blocks) */
     int64_t pending_free_bytes, pending_free_blocks; /* freed, waiting for their events */
     int64_t num_allocs, num_frees;                 /* calls served */
     int64_t num_host_alloc, num_host_free;         /* runtime calls (aclrtMallocHost, ...) */

@@ -11,7 +11,7 @@ cdef extern from "host/hostpool.h" nogil:
     ctypedef struct ap_host_stats:
         int64_t allocated_bytes, allocated_bytes_peak, requested_bytes, requested_bytes_peak
         int64_t allocations, allocations_peak, reserved_bytes, reserved_bytes_peak, segments
-        int64_t cached_free_bytes, pending_free_bytes, pending_free_blocks, num_allocs, num_frees
+        int64_t cached_free_bytes, cached_free_blocks, pending_free_bytes, pending_free_blocks, num_allocs, num_frees
         int64_t num_host_alloc, num_host_free, events_created, num_invalid_frees
     ap_host_pool *ap_host_pool_create(ap_backend *backend, int device, ap_error *err)
     void ap_host_pool_destroy(ap_host_pool *hp)
@@ -36,7 +36,8 @@ cdef class HostPool:
     queued before the free has completed (an event is recorded at free time and polled).
 
     malloc(nbytes) -> int; free(ptr); realloc(ptr, nbytes) -> int; record_stream(ptr, stream);
-    block_info(ptr); empty_cache(); memory_stats(); close().
+    block_info(ptr); empty_cache(); memory_stats(); close(). CuPy's PinnedMemoryPool names too
+    (n_free_blocks, free_all_blocks), and its MemoryPool's used_bytes, total_bytes, free_bytes.
     """
 
     cdef ap_host_pool *hp
@@ -174,10 +175,37 @@ cdef class HostPool:
         self._check()
         ap_host_reset_peaks(self.hp)
 
+    # -- CuPy's pool names, so that code (and tests) written for cupy.cuda.PinnedMemoryPool port --
+
+    def n_free_blocks(self):
+        """Buffers cached ready for reuse, as cupy's PinnedMemoryPool.n_free_blocks(): those freed
+        and the unused rest of a slab (a freed buffer parked for its streams' work counts once
+        that work is seen done)."""
+        return self.memory_stats()["cached_free_blocks"]
+
+    def free_all_blocks(self):
+        """Returns the cached buffers to the runtime, as cupy's PinnedMemoryPool.free_all_blocks()
+        (empty_cache(): a slab goes once none of its buffers is in use)."""
+        self.empty_cache()
+
+    def used_bytes(self):
+        """Bytes handed out (class sizes), as cupy's MemoryPool.used_bytes()."""
+        return self.memory_stats()["allocated_bytes.all.current"]
+
+    def total_bytes(self):
+        """Pinned bytes held from the runtime, as cupy's MemoryPool.total_bytes()."""
+        return self.memory_stats()["reserved_bytes.all.current"]
+
+    def free_bytes(self):
+        """Bytes held but not handed out (cached, or parked for streams' work), as cupy's
+        MemoryPool.free_bytes()."""
+        s = self.memory_stats()
+        return s["reserved_bytes.all.current"] - s["allocated_bytes.all.current"]
+
     def memory_stats(self):
         """Counters in the style of PyTorch's memory_stats() (bytes and counts): allocated_bytes,
         requested_bytes, allocation, reserved_bytes (pinned from the runtime) .all.{current,peak},
-        segment.all.current, and cached_free_bytes, pending_free_bytes, pending_free_blocks,
+        segment.all.current, and cached_free_bytes, cached_free_blocks, pending_free_bytes, pending_free_blocks,
         num_allocs, num_frees, num_host_alloc, num_host_free, events_created, num_invalid_frees."""
         self._check()
         cdef ap_host_stats st
@@ -193,6 +221,7 @@ cdef class HostPool:
             "reserved_bytes.all.peak": st.reserved_bytes_peak,
             "segment.all.current": st.segments,
             "cached_free_bytes": st.cached_free_bytes,
+            "cached_free_blocks": st.cached_free_blocks,
             "pending_free_bytes": st.pending_free_bytes,
             "pending_free_blocks": st.pending_free_blocks,
             "num_allocs": st.num_allocs,
