@@ -6,6 +6,7 @@ use with the knobs of $ASCEND_POOL_CONF and the backend of $ASCEND_POOL_BACKEND.
 
 import numbers
 import os
+import re
 import threading
 import warnings
 
@@ -248,15 +249,58 @@ def empty_cache(device=None):
 
 
 def memory_stats(device=None):
-    """The default pool's counters in PyTorch's schema (bytes)."""
-    return default_pool(device).memory_stats()
+    """The default pool's counters in PyTorch's schema (bytes), with torch's
+    reserved_bytes_by_private_pools: device_stats(default_pool(device))."""
+    return device_stats(default_pool(device))
 
 
 def memory_stats_as_nested_dict(device=None):
     """torch.cuda.memory_stats_as_nested_dict(): memory_stats(device) as nested dicts, split at
     the dots of its keys (stats["allocated_bytes"]["all"]["current"], bytes), which is the form
-    torch's memory_stats flattens."""
-    return nested_stats(memory_stats(device))
+    torch's memory_stats flattens: device_nested_stats(default_pool(device))."""
+    return device_nested_stats(default_pool(device))
+
+
+_POOL_STAT = re.compile(r"reserved_bytes\.((?:all|small_pool|large_pool)\.(?:current|peak|allocated|freed))$")
+
+
+def _private_pools_reserved(pool):
+    """{pool_id: {"all.current": bytes, ...}}: the reserved_bytes figures of each other open pool
+    of pool's device (torch's private pools: a MemPool's id is (0, n) as a Pool's), as torch 2.x's
+    reserved_bytes_by_private_pools; the device's default pools ((0, 0)) are not private."""
+    out = {}
+    for other in _registry.device_peers(pool):
+        if tuple(other.pool_id) == DEFAULT_POOL_ID:
+            continue
+        try:
+            stats = other.memory_stats()
+        except PoolError:
+            if not other.closed:
+                raise
+            continue  # closed by another thread meanwhile: no longer a pool of the device
+        out[tuple(other.pool_id)] = {m.group(1): v for k, v in stats.items() if (m := _POOL_STAT.match(k))}
+    return out
+
+
+def device_stats(pool):
+    """pool.memory_stats() and, as torch 2.x's device-level memory_stats, the other open pools of
+    its device as "reserved_bytes_by_private_pools.A_B.{all,small_pool,large_pool}.{current,peak,
+    allocated,freed}" (pool id (A, B), its reserved_bytes figures; the figures above are pool's
+    own, those pools' are not in them)."""
+    stats = pool.memory_stats()
+    for (a, b), figures in _private_pools_reserved(pool).items():
+        stats.update((f"reserved_bytes_by_private_pools.{a}_{b}.{k}", v) for k, v in figures.items())
+    return stats
+
+
+def device_nested_stats(pool):
+    """device_stats(pool) nested as torch's memory_stats_as_nested_dict: reserved_bytes_by_private_pools
+    always there (empty without other pools), keyed by pool-id tuples as torch's (memory_stats
+    flattens (0, 1) to "0_1")."""
+    nested = nested_stats(pool.memory_stats())
+    nested["reserved_bytes_by_private_pools"] = {
+        pid: nested_stats(figures) for pid, figures in _private_pools_reserved(pool).items()}
+    return nested
 
 
 def nested_stats(stats):

@@ -66,6 +66,40 @@ def test_each_pools_segments_carry_its_id_and_a_snapshot_can_be_asked_for_one_po
         own.close()
 
 
+def test_memory_stats_has_torchs_reserved_bytes_by_private_pools():
+    # torch 2.x memory_stats: "reserved_bytes_by_private_pools" per MemPool id, the reserved_bytes
+    # {all,small_pool,large_pool}.{current,peak,allocated,freed} of that pool; flat keys join the
+    # id with "_" ("...pools.0_1.all.current"), the nested dict is keyed by the id tuple and always has it
+    default = ap.default_pool(0)
+    before = set(ap.memory_stats_as_nested_dict(0)["reserved_bytes_by_private_pools"])  # other tests' pools
+    assert (0, 0) not in before
+    ctx = default.context("private-ids")
+    own = ap.Pool(0, backend=default.backend)
+    ptrs = [(ctx, ctx.malloc(3 * MiB)), (own, own.malloc(1000)), (own, own.malloc(5 * MiB))]
+    try:
+        flat, nested = ap.memory_stats(0), ap.memory_stats_as_nested_dict(0)
+        assert set(nested["reserved_bytes_by_private_pools"]) == before | {ctx.pool_id, own.pool_id}
+        for pool in (ctx, own):
+            a, b = pool.pool_id
+            theirs = pool.memory_stats()
+            for kind in ("all", "small_pool", "large_pool"):
+                for metric in ("current", "peak", "allocated", "freed"):
+                    want = theirs[f"reserved_bytes.{kind}.{metric}"]
+                    assert flat[f"reserved_bytes_by_private_pools.{a}_{b}.{kind}.{metric}"] == want
+                    assert nested["reserved_bytes_by_private_pools"][pool.pool_id][kind][metric] == want
+        assert flat["reserved_bytes_by_private_pools.%d_%d.small_pool.current" % own.pool_id] > 0
+        assert flat["reserved_bytes.all.current"] == default.memory_stats()["reserved_bytes.all.current"]
+        with ctx:  # the context is the pool reported: the device's default pool is not a private one
+            assert not any(k.startswith("reserved_bytes_by_private_pools.%d_%d." % ctx.pool_id)
+                           or k.startswith("reserved_bytes_by_private_pools.0_0.") for k in ap.memory_stats(0))
+    finally:
+        for pool, ptr in ptrs:
+            pool.free(ptr)
+        ctx.close()
+        own.close()
+    assert set(ap.memory_stats_as_nested_dict(0)["reserved_bytes_by_private_pools"]) == before
+
+
 def test_caching_allocator_alloc_and_delete_find_the_pool_that_made_the_block():
     pool = ap.default_pool(0)
     ctx = pool.context("torch-raw")

@@ -160,11 +160,11 @@ def _stats_pool(device):
 def _replacements():
     def memory_stats(device=None):
         pool = _stats_pool(device)  # none yet: {}, as torch_npu's: memory_allocated() & co. read 0
-        return pool.memory_stats() if pool is not None else OrderedDict()
+        return api.device_stats(pool) if pool is not None else OrderedDict()
 
     def memory_stats_as_nested_dict(device=None):  # what torch_npu's own memory_stats calls
         pool = _stats_pool(device)
-        return api.nested_stats(pool.memory_stats()) if pool is not None else {}
+        return api.device_nested_stats(pool) if pool is not None else {}
 
     def reset_peak_memory_stats(device=None):
         pool = _stats_pool(device)
