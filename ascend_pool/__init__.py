@@ -35,6 +35,8 @@ from .errors import (
 )
 from .pool import Pool
 from .api import (
+    _get_memory_metadata,
+    _set_memory_metadata,
     attach_out_of_memory_observer,
     caching_allocator_alloc,
     caching_allocator_delete,
@@ -48,6 +50,7 @@ from .api import (
     dump_trace,
     empty_cache,
     free,
+    get_memory_metadata,
     get_per_process_memory_fraction,
     malloc,
     max_memory_allocated,
@@ -70,6 +73,7 @@ from .api import (
     reset_peak_memory_stats,
     reset_peak_stats,
     set_device,
+    set_memory_metadata,
     set_per_process_memory_fraction,
     share,
     share_free,

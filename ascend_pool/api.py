@@ -19,6 +19,7 @@ from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPo
                      StreamTypeError)
 from .pool import DEFAULT_POOL_ID, Pool
 from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
+from .snapshot import get_memory_metadata, set_memory_metadata  # torch's _set/_get_memory_metadata
 from .tenants.context import Context
 from .tenants.default import default_tenant_pool
 from .units import as_index
@@ -618,3 +619,7 @@ def get_per_process_memory_fraction(device=None):
         if int(shortest * total) == limit:
             return shortest
     return limit / total
+
+
+_set_memory_metadata = set_memory_metadata  # torch.cuda.memory's private names, which code calls
+_get_memory_metadata = get_memory_metadata

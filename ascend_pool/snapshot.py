@@ -3,17 +3,57 @@ stats|trace FILE.pickle` and the memory_viz web page read them."""
 
 import os
 import pickle
+import threading
 
+from ._core import history_set_meta
 from .config import HISTORY_ACTIONS, allocator_settings
-from .errors import ConfigError
+from .errors import ConfigError, ConfigTypeError
 
 _STATES = ("inactive", "active_allocated", "active_pending_free")
+
+# torch's _set_memory_metadata: the C history records an id per entry, filed here; each distinct
+# string is kept for the process's life (entries of any age may name it).
+_meta_lock = threading.RLock()  # re-entrant, as every module lock (ARCHITECTURE.md: signal handlers)
+_meta_texts = [""]
+_meta_ids = {"": 0}
+_meta_current = 0
+
+
+def _after_fork_in_child():
+    global _meta_lock  # a thread of the parent may have held it at the fork: it is not ours
+    _meta_lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def set_memory_metadata(metadata):
+    """torch.cuda.memory._set_memory_metadata(): every pool's history entries recorded from now
+    on carry `metadata` (a str; "" clears it) as their user_metadata in snapshots, process-wide."""
+    global _meta_current
+    if not isinstance(metadata, str):
+        raise ConfigTypeError(f"_set_memory_metadata: metadata must be a str, got {metadata!r}")
+    with _meta_lock:
+        meta = _meta_ids.get(metadata)
+        if meta is None:
+            if len(_meta_texts) > 0xFFFFFFFF:
+                raise ConfigError("_set_memory_metadata: 2**32 distinct metadata strings filed already")
+            meta = _meta_ids[metadata] = len(_meta_texts)
+            _meta_texts.append(metadata)
+        _meta_current = meta
+        history_set_meta(meta)
+
+
+def get_memory_metadata():
+    """torch.cuda.memory._get_memory_metadata(): the metadata set last ("" when none)."""
+    return _meta_texts[_meta_current]
 
 
 def build(device, segments, history, knobs, frames=None, entry_frames=True, pool_id=(0, 0)):
     """segments: [(base, size, pool, stream, [(addr, size, requested, state, ctx)], expandable[, ctx])]
     (a segment's ctx: the frames of the allocation that created it, as torch's segment frames);
-    history: [(action, addr, size, stream, time_us[, ctx])] oldest first; frames: {ctx: [frame
+    history: [(action, addr, size, stream, time_us[, ctx[, meta]])] oldest first (meta: a
+    set_memory_metadata id); frames: {ctx: [frame
     dicts]} recorded with stacks="python" (a live block gets the frames of its allocation, which
     the block keeps: ctx); knobs:
     the pool's, whose effective values make allocator_settings (config.allocator_settings);
@@ -21,7 +61,7 @@ def build(device, segments, history, knobs, frames=None, entry_frames=True, pool
     An oom entry carries the device's free bytes as device_free instead of addr, as torch's.
     pool_id: the pool's (Pool.pool_id), every segment's segment_pool_id."""
     frames = frames or {}
-    history = [h if len(h) == 6 else (*h, 0) for h in history]
+    history = [(*h, 0, 0)[:7] for h in history]
     out_segments = []
     for base, size, pool, stream, blocks, expandable, *seg_ctx in sorted(segments, key=lambda s: s[0]):
         out_blocks = [
@@ -46,8 +86,8 @@ def build(device, segments, history, knobs, frames=None, entry_frames=True, pool
     events = [
         {"action": HISTORY_ACTIONS[action], "device_free" if HISTORY_ACTIONS[action] == "oom" else "addr": addr,
          "size": size, "stream": stream, "time_us": t, "frames": frames.get(ctx, []) if entry_frames else [],
-         "compile_context": "N/A", "user_metadata": ""}  # torch puts both on every entry (its defaults)
-        for action, addr, size, stream, t, ctx in history
+         "compile_context": "N/A", "user_metadata": _meta_texts[meta]}  # torch puts both on every entry
+        for action, addr, size, stream, t, ctx, meta in history
     ]
     return {
         "segments": out_segments,

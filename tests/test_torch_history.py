@@ -535,3 +535,39 @@ def test_a_pool_opened_while_record_memory_history_runs_records_too():
         ap.record_memory_history(None)
         for pool in old + opened:
             pool.close()
+
+
+def test_set_memory_metadata_tags_every_pools_later_entries_as_torchs(pool):
+    # torch.cuda.memory._set_memory_metadata(s): trace entries recorded afterwards carry s as
+    # user_metadata ("" clears it), whichever pool or path (the C ABI too) records them
+    lib = ctypes.CDLL(ap.library_path())  # a framework's tensors, GIL released
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    assert ap._get_memory_metadata() == ""
+    pool.record_memory_history(enabled="all", stacks=None)
+    ap.record_memory_history(enabled="all", stacks=None, device=0)
+    try:
+        before = pool.malloc(4096)
+        ap._set_memory_metadata("step=1 phase=forward")
+        assert ap._get_memory_metadata() == ap.get_memory_metadata() == "step=1 phase=forward"
+        tagged = pool.malloc(3 << 20)                     # a new segment: its segment_alloc is tagged too
+        through_c = lib.ascend_pool_malloc(5000, 0, None)
+        pool.free(before)
+        ap.set_memory_metadata("")
+        pool.free(tagged)
+        lib.ascend_pool_free(through_c, 5000, 0, None)
+        seen = [(e["action"], None if e["action"].startswith("segment") else e["size"], e["user_metadata"])
+                for e in _trace(pool)]
+        assert seen == [("segment_alloc", None, ""), ("alloc", 4096, ""),
+                        ("segment_alloc", None, "step=1 phase=forward"), ("alloc", 3 << 20, "step=1 phase=forward"),
+                        ("free_requested", 4096, "step=1 phase=forward"), ("free_completed", 4096, "step=1 phase=forward"),
+                        ("free_requested", 3 << 20, ""), ("free_completed", 3 << 20, "")]
+        default = [(e["action"], e["size"], e["user_metadata"]) for e in _trace(ap.default_pool(0))]
+        assert ("alloc", 5000, "step=1 phase=forward") in default and ("free_requested", 5000, "") in default
+        with pytest.raises(ap.ConfigTypeError):
+            ap._set_memory_metadata(b"bytes")
+        assert ap._get_memory_metadata() == ""
+    finally:
+        ap.set_memory_metadata("")
+        ap.record_memory_history(enabled=None, device=0)

@@ -34,7 +34,8 @@ def fake_torch_npu(monkeypatch):
     memory.change_current_allocator = changed.append
     for mod in (memory, npu):
         for name in ("memory_stats", "memory_stats_as_nested_dict", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "_snapshot",
-                     "memory_snapshot", "_record_memory_history", "_dump_snapshot", "get_per_process_memory_fraction"):
+                     "memory_snapshot", "_record_memory_history", "_dump_snapshot", "get_per_process_memory_fraction",
+                     "_set_memory_metadata", "_get_memory_metadata"):
             setattr(mod, name, _ub)
     npu.current_device = lambda: 0
     top = types.ModuleType("torch_npu")
@@ -121,11 +122,16 @@ def test_torch_npu_memory_functions_answer_from_ascend_pool(fake_torch_npu, tmp_
         assert npu.memory_stats(0)["num_ooms"] == 0
         assert any(s["total_size"] >= 3 << 20 for s in npu.memory_snapshot())
         npu._record_memory_history(max_entries=100)
+        npu._set_memory_metadata("npu-step")  # torch_npu's would tag its own, idle allocator's trace
         ap.free(ap.malloc(1000, device=0), device=0)
+        assert npu._get_memory_metadata() == ap.get_memory_metadata() == "npu-step"
+        npu._set_memory_metadata("")
         npu._dump_snapshot(str(tmp_path / "s.pickle"))
-        assert any(e["action"] == "alloc" and e["size"] == 1000 for e in npu._snapshot(0)["device_traces"][0])
+        assert any(e["action"] == "alloc" and e["size"] == 1000 and e["user_metadata"] == "npu-step"
+                   for e in npu._snapshot(0)["device_traces"][0])
         npu._record_memory_history(enabled=None)
     finally:
+        ap.set_memory_metadata("")
         ap.free(ptr, device=0)
 
 

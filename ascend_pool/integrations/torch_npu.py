@@ -26,8 +26,8 @@ warns and returns nothing, which is undefined behaviour in C++). So install() re
 functions of torch_npu.npu.memory (and torch.npu) that would reach it: memory_stats and everything
 built on it (memory_allocated, memory_reserved, max_memory_allocated, memory_summary ...),
 memory_stats_as_nested_dict (which torch_npu's memory_stats calls), reset_peak_memory_stats,
-reset_accumulated_memory_stats, memory_snapshot, _snapshot, _record_memory_history, _dump_snapshot and
-get_per_process_memory_fraction (newer torch_npu; the cap set_per_process_memory_fraction handed
+reset_accumulated_memory_stats, memory_snapshot, _snapshot, _record_memory_history, _dump_snapshot,
+_set_memory_metadata / _get_memory_metadata (where it has them) and get_per_process_memory_fraction (newer torch_npu; the cap set_per_process_memory_fraction handed
 to the pool through the hook) answer from ascend_pool (PyTorch's schema): the stats
 and _snapshot for the pool the calling thread allocates from, and, as in torch, the history,
 memory_snapshot and _dump_snapshot for the whole process (every device's default pool and every
@@ -216,11 +216,14 @@ def _replacements():
             "reset_peak_memory_stats": reset_peak_memory_stats,
             "reset_accumulated_memory_stats": reset_accumulated_memory_stats, "_snapshot": _snapshot,
             "memory_snapshot": memory_snapshot, "_record_memory_history": _record_memory_history,
-            "_dump_snapshot": _dump_snapshot, "get_per_process_memory_fraction": get_per_process_memory_fraction}
+            "_dump_snapshot": _dump_snapshot, "get_per_process_memory_fraction": get_per_process_memory_fraction,
+            # torch_npu's would tag its own allocator's trace, which serves nothing under ours
+            "_set_memory_metadata": api.set_memory_metadata, "_get_memory_metadata": api.get_memory_metadata}
 
 
 PATCHED = ("memory_stats", "memory_stats_as_nested_dict", "reset_peak_memory_stats", "reset_accumulated_memory_stats",
-           "_snapshot", "memory_snapshot", "_record_memory_history", "_dump_snapshot", "get_per_process_memory_fraction")
+           "_snapshot", "memory_snapshot", "_record_memory_history", "_dump_snapshot", "get_per_process_memory_fraction",
+           "_set_memory_metadata", "_get_memory_metadata")
 
 
 def patch_memory_functions(*modules):

@@ -10,6 +10,10 @@ __thread uint64_t ap_history_tls_ctx;
 
 void ap_history_set_ctx(uint64_t ctx) { ap_history_tls_ctx = ctx; }
 
+static uint32_t history_meta; /* process-wide, as torch's; read under each pool's own lock */
+
+void ap_history_set_meta(uint32_t meta) { __atomic_store_n(&history_meta, meta, __ATOMIC_RELAXED); }
+
 int ap_history_init(ap_history *h, size_t capacity) {
     h->capacity = capacity;
     h->next = 0;
@@ -44,6 +48,7 @@ void ap_history_record_ctx(ap_history *h, int action, uintptr_t addr, size_t siz
     clock_gettime(CLOCK_REALTIME, &ts);
     ap_history_entry *e = &h->ring[h->next % h->capacity];
     e->action = (uint8_t)action;
+    e->meta = __atomic_load_n(&history_meta, __ATOMIC_RELAXED);
     e->addr = addr;
     e->size = size;
     e->stream = stream;

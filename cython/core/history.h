@@ -4,7 +4,10 @@
  *
  * Python stacks: the caller captures its frames before taking the pool lock (no GIL work under
  * it), files them under a context id and sets that id for its thread (ap_history_set_ctx); each
- * entry recorded on the thread carries the id, which the snapshot maps back to the frames. */
+ * entry recorded on the thread carries the id, which the snapshot maps back to the frames.
+ *
+ * User metadata (torch's _set_memory_metadata): Python files each string under an id and sets it
+ * process-wide (ap_history_set_meta); every entry recorded afterwards carries it. */
 #ifndef AP_HISTORY_H
 #define AP_HISTORY_H
 
@@ -25,6 +28,7 @@ enum {
 
 typedef struct ap_history_entry {
     uint8_t action;
+    uint32_t meta; /* the user-metadata id current when recorded (0: none), see above */
     uintptr_t addr;
     size_t size;
     void *stream;
@@ -40,6 +44,8 @@ typedef struct ap_history {
 } ap_history;
 
 extern __thread uint64_t ap_history_tls_ctx;
+/* Sets the user-metadata id that every pool's entries carry from now on (0: none). */
+void ap_history_set_meta(uint32_t meta);
 /* Sets the calling thread's context id for the entries it records next (0: none). */
 void ap_history_set_ctx(uint64_t ctx);
 

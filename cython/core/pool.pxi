@@ -87,6 +87,7 @@ cdef extern from "pool.h" nogil:
         size_t first_block, n_blocks
     ctypedef struct ap_history_entry:
         uint8_t action
+        uint32_t meta
         uintptr_t addr
         size_t size
         void *stream
@@ -104,6 +105,7 @@ cdef extern from "pool.h" nogil:
     size_t ap_pool_count_free_blocks(ap_pool *p)
     int ap_pool_set_history(ap_pool *p, size_t capacity, uint32_t skip)
     void ap_history_set_ctx(uint64_t ctx)
+    void ap_history_set_meta(uint32_t meta)
 
 cdef extern from "stats.h" nogil:
     ctypedef struct ap_stat:
@@ -1009,8 +1011,8 @@ cdef class PoolBase:
 
     def _raw_snapshot(self):
         """(segments, history): segments as tuples (base, size, pool, stream, blocks, expandable, ctx) with blocks
-        as tuples (addr, size, requested, state, ctx); history as (action, addr, size, stream, time_us, ctx)
-        (ctx: the frames context id, 0 for none)."""
+        as tuples (addr, size, requested, state, ctx); history as (action, addr, size, stream, time_us, ctx,
+        meta) (ctx: the frames context id, 0 for none; meta: the user-metadata id, history_set_meta)."""
         self._check()
         cdef ap_pool *_p
         cdef ap_snapshot snap
@@ -1035,7 +1037,7 @@ cdef class PoolBase:
             history = []
             for i in range(snap.n_history):
                 e = snap.history[i]
-                history.append((e.action, e.addr, e.size, <uintptr_t>e.stream, e.time_us, e.ctx))
+                history.append((e.action, e.addr, e.size, <uintptr_t>e.stream, e.time_us, e.ctx, e.meta))
         finally:
             ap_snapshot_free(&snap)
         return segments, history
@@ -1082,6 +1084,12 @@ def replay_arrays(PoolBase pool, Backend backend, int device, str mode, const in
         "device_calls_steady": r.device_calls_steady, "final_allocated_bytes": r.final_allocated_bytes,
         "fragmentation_at_peak": r.fragmentation_at_peak,
     }
+
+
+def history_set_meta(uint32_t meta):
+    """Sets the user-metadata id (ascend_pool.memory_metadata's) that every pool's history
+    entries carry from now on; 0: none."""
+    ap_history_set_meta(meta)
 
 
 def _set_default_pool(PoolBase pool):
