@@ -251,3 +251,86 @@ def test_a_parked_buffer_is_not_a_free_block_until_its_work_is_done(hp):
     finally:
         pool.free(dev)
         pool.destroy_stream(stream)
+
+
+def test_torchs_host_memory_stats_port_to_the_host_pool():
+    # torch_npu's test_host_memory_stats (torch's test_cuda.py one too) on the pinned pool, in
+    # torch's schema: allocations / allocated_bytes are the runtime allocations the pool holds
+    # (here a slab serves many buffers), active_requests / active_bytes the buffers not yet
+    # reusable; the accumulated figures and call counts start again at reset_accumulated
+    from ascend_pool.integrations import pinned
+
+    hp = HostPool(ap.default_pool(0).backend, 0)
+    try:
+        keys = {f"{name}.{m}" for name in ("allocations", "allocated_bytes", "active_requests", "active_bytes")
+                for m in ("current", "peak", "allocated", "freed")}
+        keys |= {f"{name}.{m}" for name in ("host_alloc_time", "host_free_time")
+                 for m in ("total", "max", "min", "count", "avg")} | {"num_host_alloc", "num_host_free"}
+        st = hp.host_memory_stats()
+        assert set(st) == keys and list(st) == sorted(st) and set(st.values()) == {0}
+        t1 = hp.malloc(10 * 1024 * 4)                    # class 64 KiB, in a slab
+        slab = hp.memory_stats()["reserved_bytes.all.current"]
+        st = hp.host_memory_stats()
+        for name, value in (("allocations", 1), ("allocated_bytes", slab), ("active_requests", 1), ("active_bytes", 64 << 10)):
+            assert (st[f"{name}.current"], st[f"{name}.peak"], st[f"{name}.allocated"], st[f"{name}.freed"]) == \
+                (value, value, value, 0), name
+        assert st["num_host_alloc"] == st["host_alloc_time.count"] == 1 and st["num_host_free"] == 0
+        assert st["host_alloc_time.max"] >= st["host_alloc_time.min"] >= 0 and st["host_free_time.count"] == 0
+        t2 = hp.malloc(3 << 20)                          # a runtime allocation of its own (4 MiB class)
+        st = hp.host_memory_stats()
+        assert (st["allocations.current"], st["allocated_bytes.current"]) == (2, slab + (4 << 20))
+        assert (st["active_requests.current"], st["active_bytes.current"]) == (2, (64 << 10) + (4 << 20))
+        hp.empty_cache()                                 # both in use: nothing changes
+        assert hp.host_memory_stats() == st
+        hp.free(t2)
+        hp.empty_cache()
+        st = hp.host_memory_stats()
+        assert (st["allocations.current"], st["allocations.peak"], st["allocations.freed"]) == (1, 2, 1)
+        assert (st["active_requests.current"], st["active_requests.freed"], st["active_bytes.freed"]) == (1, 1, 4 << 20)
+        assert st["num_host_free"] == st["host_free_time.count"] == 1
+        hp.reset_peak_stats()
+        hp.reset_accumulated_stats()
+        st = hp.host_memory_stats()
+        assert (st["allocations.current"], st["allocations.peak"], st["allocations.allocated"]) == (1, 1, 0)
+        assert (st["active_bytes.current"], st["active_bytes.peak"], st["active_bytes.freed"]) == (64 << 10, 64 << 10, 0)
+        assert st["num_host_alloc"] == st["host_alloc_time.count"] == st["host_alloc_time.total"] == 0
+        hp.free(t1)
+        assert hp.host_memory_stats()["active_requests.current"] == 0
+    finally:
+        hp.close()
+    # torch's module-level names, on the pinned pool of a device
+    hp = pinned.host_pool(0)
+    buf = hp.malloc(1000)
+    try:
+        assert pinned.host_memory_stats()["active_requests.current"] >= 1
+        nested = pinned.host_memory_stats_as_nested_dict()
+        assert nested["active_requests"]["current"] == pinned.host_memory_stats()["active_requests.current"]
+        assert nested["num_host_alloc"] == pinned.host_memory_stats()["num_host_alloc"]
+    finally:
+        hp.free(buf)
+    pinned.host_empty_cache()
+    pinned.reset_accumulated_host_memory_stats()
+    pinned.reset_peak_host_memory_stats()
+    st = pinned.host_memory_stats()
+    assert st["num_host_alloc"] == 0 and st["active_requests.peak"] == st["active_requests.current"]
+
+
+def test_host_memory_stats_count_a_parked_buffer_active_until_its_work_is_done(hp):
+    # torch: active_requests "decrements when the block becomes reusable after stream deps finish"
+    pool = ap.default_pool(0)
+    stream = pool.create_stream()
+    dev = pool.malloc(1 << 16)
+    try:
+        buf = hp.malloc(1 << 16)
+        sim.launch_fill(stream, dev, 1 << 16, 0x42, delay_s=0.3)
+        hp.record_stream(buf, stream)
+        hp.free(buf)
+        st = hp.host_memory_stats()
+        assert (st["active_requests.current"], st["active_requests.freed"]) == (1, 0)
+        pool.synchronize(stream)
+        hp.free(hp.malloc(512))                          # a call that sees the work done
+        st = hp.host_memory_stats()
+        assert (st["active_requests.current"], st["active_requests.allocated"], st["active_requests.freed"]) == (0, 2, 2)
+    finally:
+        pool.free(dev)
+        pool.destroy_stream(stream)

@@ -15,7 +15,8 @@ from .. import registry
 from .._core import HostPool
 from ..backend import check_device, device_index, open_backend
 
-__all__ = ["host_pool"]
+__all__ = ["host_pool", "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats",
+           "reset_accumulated_host_memory_stats", "host_empty_cache"]
 
 
 def _create(device):
@@ -31,3 +32,36 @@ def host_pool(device=0):
     device = device_index(device)
     check_device(open_backend(), device)
     return registry.host_pool(device, lambda: _create(device))
+
+
+# torch.cuda's (and torch_npu.npu's) module-level names for the pinned host allocator, on the
+# pinned pool of `device` (torch has one host allocator per process; here one pool per device).
+
+def host_memory_stats(device=0):
+    """torch.cuda.host_memory_stats(): host_pool(device).host_memory_stats()."""
+    return host_pool(device).host_memory_stats()
+
+
+def host_memory_stats_as_nested_dict(device=0):
+    """torch.cuda.host_memory_stats_as_nested_dict(): the same figures, nested at the dots."""
+    nested = {}
+    for key, value in host_memory_stats(device).items():
+        head, _, leaf = key.rpartition(".")
+        (nested.setdefault(head, {}) if head else nested)[leaf] = value
+    return nested
+
+
+def reset_peak_host_memory_stats(device=0):
+    """torch.cuda.reset_peak_host_memory_stats(): peaks back to the current values."""
+    host_pool(device).reset_peak_stats()
+
+
+def reset_accumulated_host_memory_stats(device=0):
+    """torch.cuda.reset_accumulated_host_memory_stats(): .allocated/.freed, call counts and times to 0."""
+    host_pool(device).reset_accumulated_stats()
+
+
+def host_empty_cache(device=0):
+    """torch_npu.npu.host_empty_cache() (torch's torch._C._host_emptyCache): the cached buffers
+    back to the runtime, after the streams' work their parked ones wait for."""
+    host_pool(device).empty_cache()

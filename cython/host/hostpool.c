@@ -9,6 +9,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ptr_map.h" /* the core's address map, for the buffers' records */
 
@@ -113,16 +114,47 @@ static void unlink_free(ap_host_pool *hp, host_block *b) {
     hp->stats.cached_free_blocks--;
 }
 
+/* A buffer becomes reusable (freed with no stream marks, or its events completed). */
+static void release_active(ap_host_pool *hp, host_block *b) {
+    hp->stats.active_requests--;
+    hp->stats.active_bytes -= (int64_t)class_bytes(b->cls);
+    hp->stats.acc_released++;
+    hp->stats.acc_released_bytes += (int64_t)class_bytes(b->cls);
+}
+
 /* ---- runtime calls ------------------------------------------------------------------------------- */
 
 static void release_cached(ap_host_pool *hp);
 
+static int64_t now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/* Adds one runtime call's duration to total/max/min (min of the first call: itself). */
+static void time_call(int64_t us, int64_t n_before, int64_t *total, int64_t *max, int64_t *min) {
+    *total += us;
+    if (us > *max) *max = us;
+    if (n_before == 0 || us < *min) *min = us;
+}
+
+static int host_malloc_timed(ap_host_pool *hp, size_t size, void **out) {
+    ap_backend *be = hp->backend;
+    int64_t t0 = now_us();
+    int rc = be->host_malloc(be, hp->device, out, size);
+    if (rc == 0)
+        time_call(now_us() - t0, hp->stats.acc_host_alloc, &hp->stats.host_alloc_us, &hp->stats.host_alloc_us_max,
+                  &hp->stats.host_alloc_us_min);
+    return rc;
+}
+
 static int runtime_alloc(ap_host_pool *hp, size_t size, void **out, ap_error *err) {
     ap_backend *be = hp->backend;
-    int rc = be->host_malloc(be, hp->device, out, size);
+    int rc = host_malloc_timed(hp, size, out);
     if (rc != 0 && rc != AP_ERR_MISSING_SYMBOL) { /* pinned memory is scarce: give back the cache, retry */
         release_cached(hp);
-        rc = be->host_malloc(be, hp->device, out, size);
+        rc = host_malloc_timed(hp, size, out);
     }
     if (rc != 0) {
         char msg[200];
@@ -134,15 +166,22 @@ static int runtime_alloc(ap_host_pool *hp, size_t size, void **out, ap_error *er
                             (long long)hp->stats.allocated_bytes);
     }
     hp->stats.num_host_alloc++;
-    hp->stats.segments++;
+    hp->stats.acc_host_alloc++;
+    hp->stats.acc_pinned_bytes += (int64_t)size;
+    peak(&hp->stats.segments, &hp->stats.segments_peak, 1);
     peak(&hp->stats.reserved_bytes, &hp->stats.reserved_bytes_peak, (int64_t)size);
     return AP_OK;
 }
 
 static void runtime_free(ap_host_pool *hp, uintptr_t addr, size_t size) {
     /* A failing free cannot be retried usefully: the bytes are forgotten either way. */
+    int64_t t0 = now_us();
     hp->backend->host_free(hp->backend, hp->device, (void *)addr);
+    time_call(now_us() - t0, hp->stats.acc_host_free, &hp->stats.host_free_us, &hp->stats.host_free_us_max,
+              &hp->stats.host_free_us_min);
     hp->stats.num_host_free++;
+    hp->stats.acc_host_free++;
+    hp->stats.acc_unpinned_bytes += (int64_t)size;
     hp->stats.segments--;
     hp->stats.reserved_bytes -= (int64_t)size;
 }
@@ -307,6 +346,7 @@ static void settle_pending(ap_host_pool *hp, int wait) {
         u->n_events = u->n_uses = 0;
         unlink_pending(hp, b);
         push_free(hp, b);
+        release_active(hp, b);
         if (b->slab) b->slab->n_busy--;
     }
 }
@@ -429,6 +469,10 @@ int ap_host_malloc(ap_host_pool *hp, size_t size, void **out, ap_error *err) {
     peak(&hp->stats.allocated_bytes, &hp->stats.allocated_bytes_peak, (int64_t)cs);
     peak(&hp->stats.requested_bytes, &hp->stats.requested_bytes_peak, (int64_t)size);
     peak(&hp->stats.allocations, &hp->stats.allocations_peak, 1);
+    peak(&hp->stats.active_requests, &hp->stats.active_requests_peak, 1);
+    peak(&hp->stats.active_bytes, &hp->stats.active_bytes_peak, (int64_t)cs);
+    hp->stats.acc_requests++;
+    hp->stats.acc_request_bytes += (int64_t)cs;
     hp->stats.num_allocs++;
     void *addr = (void *)b->addr; /* under the lock: once it is dropped, a free of this address (a
                                      caller's dangling pointer) may recycle the block */
@@ -456,6 +500,7 @@ int ap_host_free(ap_host_pool *hp, void *ptr, ap_error *err) {
     int rc = b->uses && b->uses->n_uses ? park(hp, b, err) : 0;
     if (rc == 0) {
         push_free(hp, b);
+        release_active(hp, b);
         if (b->slab) b->slab->n_busy--;
     }
     pthread_mutex_unlock(&hp->lock);
@@ -547,5 +592,18 @@ void ap_host_reset_peaks(ap_host_pool *hp) {
     hp->stats.requested_bytes_peak = hp->stats.requested_bytes;
     hp->stats.allocations_peak = hp->stats.allocations;
     hp->stats.reserved_bytes_peak = hp->stats.reserved_bytes;
+    hp->stats.segments_peak = hp->stats.segments;
+    hp->stats.active_requests_peak = hp->stats.active_requests;
+    hp->stats.active_bytes_peak = hp->stats.active_bytes;
+    pthread_mutex_unlock(&hp->lock);
+}
+
+void ap_host_reset_accumulated(ap_host_pool *hp) {
+    pthread_mutex_lock(&hp->lock);
+    ap_host_stats *st = &hp->stats;
+    st->acc_host_alloc = st->acc_host_free = st->acc_pinned_bytes = st->acc_unpinned_bytes = 0;
+    st->acc_requests = st->acc_request_bytes = st->acc_released = st->acc_released_bytes = 0;
+    st->host_alloc_us = st->host_alloc_us_max = st->host_alloc_us_min = 0;
+    st->host_free_us = st->host_free_us_max = st->host_free_us_min = 0;
     pthread_mutex_unlock(&hp->lock);
 }

@@ -45,6 +45,17 @@ typedef struct ap_host_stats {
     int64_t num_host_alloc, num_host_free;         /* runtime calls (aclrtMallocHost, ...) */
     int64_t events_created;
     int64_t num_invalid_frees;                     /* frees of unknown pointers (ignored) */
+    /* torch's host_memory_stats: */
+    int64_t segments_peak;
+    int64_t active_requests, active_requests_peak; /* handed out or parked: not yet reusable */
+    int64_t active_bytes, active_bytes_peak;       /* their class sizes */
+    /* accumulated since creation or ap_host_reset_accumulated (torch's .allocated / .freed): */
+    int64_t acc_host_alloc, acc_host_free;         /* runtime allocations made / given back */
+    int64_t acc_pinned_bytes, acc_unpinned_bytes;  /* their bytes */
+    int64_t acc_requests, acc_request_bytes;       /* buffers handed out, class bytes */
+    int64_t acc_released, acc_released_bytes;      /* buffers reusable again (after their events) */
+    int64_t host_alloc_us, host_alloc_us_max, host_alloc_us_min; /* time in the runtime's pinning */
+    int64_t host_free_us, host_free_us_max, host_free_us_min;    /* calls (count: acc_host_alloc/free) */
 } ap_host_stats;
 
 /* A pool pinning through backend's host_malloc in device's runtime context. NULL (err set) when
@@ -69,5 +80,7 @@ int ap_host_block_info(ap_host_pool *hp, void *ptr, uintptr_t *base, size_t *cap
 void ap_host_empty_cache(ap_host_pool *hp);
 void ap_host_get_stats(ap_host_pool *hp, ap_host_stats *out);
 void ap_host_reset_peaks(ap_host_pool *hp);
+/* Zeroes the acc_* counters and the call times (torch's reset_accumulated_host_memory_stats). */
+void ap_host_reset_accumulated(ap_host_pool *hp);
 
 #endif

@@ -13,6 +13,10 @@ cdef extern from "host/hostpool.h" nogil:
         int64_t allocations, allocations_peak, reserved_bytes, reserved_bytes_peak, segments
         int64_t cached_free_bytes, cached_free_blocks, pending_free_bytes, pending_free_blocks, num_allocs, num_frees
         int64_t num_host_alloc, num_host_free, events_created, num_invalid_frees
+        int64_t segments_peak, active_requests, active_requests_peak, active_bytes, active_bytes_peak
+        int64_t acc_host_alloc, acc_host_free, acc_pinned_bytes, acc_unpinned_bytes
+        int64_t acc_requests, acc_request_bytes, acc_released, acc_released_bytes
+        int64_t host_alloc_us, host_alloc_us_max, host_alloc_us_min, host_free_us, host_free_us_max, host_free_us_min
     ap_host_pool *ap_host_pool_create(ap_backend *backend, int device, ap_error *err)
     void ap_host_pool_destroy(ap_host_pool *hp)
     size_t ap_host_class_size(size_t size)
@@ -24,6 +28,7 @@ cdef extern from "host/hostpool.h" nogil:
     void ap_host_empty_cache(ap_host_pool *hp)
     void ap_host_get_stats(ap_host_pool *hp, ap_host_stats *out)
     void ap_host_reset_peaks(ap_host_pool *hp)
+    void ap_host_reset_accumulated(ap_host_pool *hp)
 
 
 cdef class HostPool:
@@ -36,7 +41,8 @@ cdef class HostPool:
     queued before the free has completed (an event is recorded at free time and polled).
 
     malloc(nbytes) -> int; free(ptr); realloc(ptr, nbytes) -> int; record_stream(ptr, stream);
-    block_info(ptr); empty_cache(); memory_stats(); close(). CuPy's PinnedMemoryPool names too
+    block_info(ptr); empty_cache(); memory_stats(); host_memory_stats() (torch's schema);
+    reset_peak_stats(); reset_accumulated_stats(); close(). CuPy's PinnedMemoryPool names too
     (n_free_blocks, free_all_blocks), and its MemoryPool's used_bytes, total_bytes, free_bytes.
     """
 
@@ -172,8 +178,42 @@ cdef class HostPool:
             ap_host_empty_cache(self.hp)
 
     def reset_peak_stats(self):
+        """Peaks (memory_stats' and host_memory_stats') back to the current values."""
         self._check()
         ap_host_reset_peaks(self.hp)
+
+    def reset_accumulated_stats(self):
+        """Zeroes host_memory_stats' accumulated figures (.allocated, .freed, num_host_alloc/free,
+        the call times), as torch's reset_accumulated_host_memory_stats; current values and
+        peaks stay."""
+        self._check()
+        ap_host_reset_accumulated(self.hp)
+
+    def host_memory_stats(self):
+        """torch.cuda.host_memory_stats()'s schema (torch_npu.npu's too), sorted by key as torch's:
+        allocations / allocated_bytes .{current,peak,allocated,freed}: the runtime allocations
+        held (slabs and big buffers) and their bytes; active_requests / active_bytes: buffers handed
+        out or parked for their streams' work (not yet reusable) and their class bytes;
+        num_host_alloc / num_host_free: runtime calls made; host_alloc_time / host_free_time
+        .{total,max,min,count,avg}: microseconds in them. .allocated/.freed and the calls count
+        from creation or reset_accumulated_stats()."""
+        self._check()
+        cdef ap_host_stats st
+        ap_host_get_stats(self.hp, &st)
+        out = {}
+        for name, current, peak, up, down in (
+                ("allocations", st.segments, st.segments_peak, st.acc_host_alloc, st.acc_host_free),
+                ("allocated_bytes", st.reserved_bytes, st.reserved_bytes_peak, st.acc_pinned_bytes, st.acc_unpinned_bytes),
+                ("active_requests", st.active_requests, st.active_requests_peak, st.acc_requests, st.acc_released),
+                ("active_bytes", st.active_bytes, st.active_bytes_peak, st.acc_request_bytes, st.acc_released_bytes)):
+            out.update({f"{name}.current": current, f"{name}.peak": peak, f"{name}.allocated": up, f"{name}.freed": down})
+        for name, total, most, least, count in (
+                ("host_alloc_time", st.host_alloc_us, st.host_alloc_us_max, st.host_alloc_us_min, st.acc_host_alloc),
+                ("host_free_time", st.host_free_us, st.host_free_us_max, st.host_free_us_min, st.acc_host_free)):
+            out.update({f"{name}.total": total, f"{name}.max": most, f"{name}.min": least, f"{name}.count": count,
+                        f"{name}.avg": total // count if count else 0})
+        out["num_host_alloc"], out["num_host_free"] = st.acc_host_alloc, st.acc_host_free
+        return dict(sorted(out.items()))
 
     # -- CuPy's pool names, so that code (and tests) written for cupy.cuda.PinnedMemoryPool port --
 
