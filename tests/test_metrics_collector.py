@@ -532,3 +532,44 @@ def test_a_vanished_pool_whose_tenant_sums_were_forgotten_is_not_taken_off_a_lat
         for c in made:
             c.close()
         base.close()
+
+
+def test_a_read_during_a_collection_keeps_every_pool_the_collection_may_bring_back():
+    # The cycle collector clears a pool's weak references (out of the registry) before its
+    # finalizer runs (an orphan, or closed and folded in). A read in between retires it as
+    # vanished, to be taken back off; past FOLDED_KEEP pending, the oldest were dropped, and
+    # their finalizers' closes then counted them a second time, for good (a read in the middle
+    # of a collection of 3,000 pools in cycles: 4,976 allocations exported for 3,000).
+    import gc
+    from ascend_pool.metrics.sample import PoolAggregator
+
+    base = ap.Pool(0, backend="sim")
+    agg = PoolAggregator()
+    agg.FOLDED_KEEP = 2
+    reads = []
+
+    class ReadWhenCollected:  # its finalizer reads in the middle of the collection
+        def __del__(self):
+            reads.append(agg.samples())
+
+    def small(samples):
+        return {s.tenant: s.values["allocations.small"] for s in samples}.get("vanish-in-gc")
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        reader = ReadWhenCollected()
+        reader.me = reader
+        for _ in range(10):
+            ctx = base.context("vanish-in-gc")
+            ctx.free(ctx.malloc(1000))
+            ctx.me = ctx  # a cycle: only the collector frees it
+        del ctx, reader
+        assert small(agg.samples()) == 10
+        gc.collect()
+    finally:
+        if was_enabled:
+            gc.enable()
+        base.close()
+    assert reads, "the reader was not collected"
+    assert small(agg.samples()) == 10
