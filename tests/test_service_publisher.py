@@ -87,6 +87,38 @@ def test_the_closed_tenants_a_process_keeps_fit_its_stats_file_beside_its_open_p
         pool.close()
 
 
+def test_a_process_with_more_live_tenants_than_the_file_holds_has_all_of_them_published(tmp_path, caplog):
+    # A process with more live (device, tenant) pairs than the file's 128 records (a ledger
+    # holds 64 tenants per device: 4 devices of 40 tenants are 160): `ascend-pool serve` and `ps`
+    # left out 35 live tenants, and their memory from the node's totals (262 of 335 MB), said
+    # only in the process's own log. The file grows; one opened before still finds its writer
+    # alive (unlocked, a scan would take it for a dead process's and remove the new one by name).
+    from ascend_pool.service import layout as L
+    from ascend_pool.service.reader import _writer_alive
+    tag = uuid.uuid4().hex[:6]
+    pools = []
+    pub = Publisher(str(tmp_path), interval=3600)
+    try:
+        pub.publish_now()
+        before = os.open(pub.path, os.O_RDONLY)
+        for i in range(L.DEFAULT_CAPACITY + 32):
+            pools.append(ap.Pool(0, backend="sim"))
+            pools[-1].tenant = f"live-{tag}-{i}"
+            pools[-1].malloc(1 << 20)
+        with caplog.at_level("WARNING", logger="ascend_pool.service"):
+            pub.publish_now()
+        got = read_stats_file(pub.path, ME)
+        held = {s.tenant: s.values["reserved_bytes.large"] for s in got.samples if s.tenant.startswith(f"live-{tag}-")}
+        assert len(held) == len(pools) and all(held.values()), sorted(held)
+        assert not got.flags & L.FLAG_OVERFLOW and "more than the file's" not in caplog.text, caplog.text
+        assert _writer_alive(before)
+        os.close(before)
+    finally:
+        pub.stop()
+        for p in pools:
+            p.close()
+
+
 def _env(tmp_path, **extra):
     env = dict(os.environ, ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_DIR=str(tmp_path), ASCEND_POOL_BACKEND="sim",
                PYTHONPATH=os.pathsep.join(filter(None, [_PKG_PARENT, os.environ.get("PYTHONPATH")])))

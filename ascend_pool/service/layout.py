@@ -50,6 +50,8 @@ RECORD_SIZE = 8 + TENANT_MAX + 8 * N_FIELDS
 # counters the process keeps (metrics.sample.PoolAggregator.RETIRED_KEEP): with 64 in all, a
 # service naming a tenant per job overflowed beside its first open pool, and `ascend-pool serve`
 # lost counters the in-process exporter kept.
+# A process with more has its file remade larger (StatsFile.max_capacity; the publisher's, up to
+# MAX_CAPACITY): a ledger holds 64 tenants per device, so 4 devices of 40 tenants are 160 live pairs.
 DEFAULT_CAPACITY = 64 + 64
 MAX_CAPACITY = 4096            # readers refuse more: a file claiming more is not ours
 FLAG_OVERFLOW = 1              # the process had more (device, tenant) pairs than capacity

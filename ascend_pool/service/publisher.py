@@ -23,6 +23,7 @@ import threading
 from .. import registry as _registry
 from ..metrics.sample import PoolAggregator
 from ..tenants import ledger as _ledger
+from .layout import MAX_CAPACITY as MAX_RECORDS  # a file grows to what the process has, up to what readers accept
 from .scanner import StatsScanner
 from .statsfile import StatsFile
 
@@ -62,7 +63,7 @@ class Publisher:
 
     def _open_file(self):
         try:
-            self.file = StatsFile(self._directory)
+            self.file = StatsFile(self._directory, max_capacity=MAX_RECORDS)
             _remove_stale(self.file.directory)
         finally:
             self._ready.set()
@@ -88,7 +89,7 @@ class Publisher:
                     log.warning("stats file %s was damaged or removed; recreating it", self.file.path)
                     self._damage_logged = True
                 self.file.abandon()
-                self.file = StatsFile(self._directory)
+                self.file = StatsFile(self._directory, max_capacity=MAX_RECORDS)
                 self._damage_logged = False
             if self.file.publish(samples) and not self._overflow_logged:
                 self._overflow_logged = True

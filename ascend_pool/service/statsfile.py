@@ -21,35 +21,48 @@ class StatsFile:
     before it appears under its final name (written under a temporary name, then renamed), so a
     reader never sees a half-initialised header nor an unlocked live file."""
 
-    def __init__(self, directory=None, capacity=L.DEFAULT_CAPACITY):
+    def __init__(self, directory=None, capacity=L.DEFAULT_CAPACITY, max_capacity=None):
+        """max_capacity: how far publish() may grow the file when the process has more (device,
+        tenant) pairs than it holds (default: capacity, never grown)."""
         self.pid = os.getpid()
         self.instance = identity.instance()
         self.directory = directory or paths.own_dir()
         self.shared = _group_dir(self.directory)  # a 2770 group directory: the group may read
         self.path = os.path.join(self.directory, paths.file_name(self.instance))
         self.capacity = capacity
+        self.max_capacity = min(L.MAX_CAPACITY, max(capacity, max_capacity or capacity))
         self._seq = 0
+        self._map = None
+        self._old_fds = []  # the files _grow() replaced, their locks kept (see there)
+        self._fd, self._map = self._make(capacity, [], 0)
+        identity.fork_guard(self._fd)  # its lock is its writer's lease: a child forked from C drops it
+
+    def _make(self, capacity, records, flags):
+        """(fd, mapping) of a new file with `capacity` slots holding `records`, locked, complete,
+        then renamed to self.path."""
         tmp = os.path.join(self.directory, f".{paths.file_name(self.instance)}.tmp")
         fd = self._create(tmp, 0o640 if self.shared else 0o600)
+        m = None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for life: readers test it
             size = L.file_size(capacity)
             # Every page now: a mapped write to a page the file system cannot give (a full /dev/shm,
             # at creation or later, when another user fills it) is SIGBUS, the process's death.
             os.posix_fallocate(fd, 0, size)
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             st = identity.start_time(self.pid)
-            self._map[0:L.SEQ_OFFSET] = L.STATIC.pack(L.MAGIC, L.VERSION, L.HEADER_SIZE, L.RECORD_SIZE, capacity,
-                                                      self.pid, identity.host_uid(), st or 0, identity.boot_id())
-            L.IDENTITY.pack_into(self._map, L.IDENTITY_OFFSET, self.instance, identity.pidns())
-            self._write([], 0)
+            m[0:L.SEQ_OFFSET] = L.STATIC.pack(L.MAGIC, L.VERSION, L.HEADER_SIZE, L.RECORD_SIZE, capacity,
+                                              self.pid, identity.host_uid(), st or 0, identity.boot_id())
+            L.IDENTITY.pack_into(m, L.IDENTITY_OFFSET, self.instance, identity.pidns())
+            self._write(records, flags, m)
             os.rename(tmp, self.path)  # atomic; instance ids are never reused
         except BaseException:
+            if m is not None:
+                m.close()
             os.close(fd)
             _unlink(tmp)
             raise
-        self._fd = fd
-        identity.fork_guard(fd)  # its lock is its writer's lease: a child forked from C drops it
+        return fd, m
 
     @staticmethod
     def _create(tmp, mode=0o600):
@@ -72,7 +85,8 @@ class StatsFile:
         return st.st_size == L.file_size(self.capacity) and st.st_nlink > 0
 
     def publish(self, samples, flags=0):
-        """Writes samples (TenantSample list) as the file's records; more than capacity sets
+        """Writes samples (TenantSample list) as the file's records, first growing the file (up to
+        max_capacity) when they do not fit; more than capacity then sets
         FLAG_OVERFLOW and keeps `capacity` of them, those of live pools first, then the most
         recently closed (a (device, tenant) whose pools all closed keeps only counters; the least
         recently closed are left out, as the aggregator forgets them first). Returns True when
@@ -80,6 +94,8 @@ class StatsFile:
         Raises OSError if the file was damaged."""
         if not self.intact():
             raise OSError(f"stats file {self.path} was truncated or closed; not writing into it")
+        if len(samples) > self.capacity and self.capacity < self.max_capacity:
+            self._grow(min(self.max_capacity, max(len(samples), 2 * self.capacity)))
         overflow = len(samples) > self.capacity
         if overflow:
             keep = sorted(samples, key=lambda s: (not getattr(s, "live", True), -getattr(s, "idle_rank", 0)))
@@ -89,8 +105,28 @@ class StatsFile:
         self._write([L.pack_record(s.device, s.tenant, s.values) for s in samples], flags)
         return overflow
 
-    def _write(self, records, flags):
-        m = self._map
+    def _grow(self, capacity):
+        """Remakes the file with `capacity` slots, holding what it holds now (so no reader sees the
+        process with no records): with a fixed 128, the node service and `ps` left out the tenants
+        of a process with more (device, tenant) pairs, live ones too, and their memory from the
+        node's totals. The replaced file stays locked until close(): a reader that opened it
+        before the rename and found it unlocked would take it for a dead process's and remove it
+        by name, the new file. When the new file cannot be made (a full /dev/shm), the file stays
+        as it is and is not grown again."""
+        _, n, flags = L.DYNAMIC.unpack_from(self._map, L.DYNAMIC_OFFSET)
+        now = [self._map[L.HEADER_SIZE + i * L.RECORD_SIZE:L.HEADER_SIZE + (i + 1) * L.RECORD_SIZE] for i in range(n)]
+        try:
+            fd, m = self._make(capacity, now, flags)
+        except OSError:
+            self.max_capacity = self.capacity
+            return
+        identity.fork_guard(fd)
+        self._map.close()
+        self._old_fds.append(self._fd)
+        self._fd, self._map, self.capacity = fd, m, capacity
+
+    def _write(self, records, flags, m=None):
+        m = self._map if m is None else m
         body = b"".join(records)
         dynamic = L.DYNAMIC.pack(time.time_ns(), len(records), flags)
         crc = L.checksum(dynamic, body)
@@ -122,16 +158,20 @@ class StatsFile:
                 _unlink(self.path)
             self._map.close()
             self._map = None
-            identity.fork_guard(self._fd, False)
-            os.close(self._fd)
+            self._close_fds()
+
+    def _close_fds(self):
+        for fd in [self._fd] + self._old_fds:
+            identity.fork_guard(fd, False)
+            os.close(fd)
+        self._old_fds = []
 
     def abandon(self):
         """Forgets the file without touching it: for a forked child, whose parent still owns it."""
         if self._map is not None:
             self._map.close()
             self._map = None
-            identity.fork_guard(self._fd, False)
-            os.close(self._fd)
+            self._close_fds()
 
 
 def _group_dir(directory):
