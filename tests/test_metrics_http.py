@@ -210,3 +210,49 @@ def test_failing_collector_is_500_and_server_survives(server):
     assert status == 500 and b"failed" in body
     server.boom.fail = False
     _assert_alive(server.port)
+
+
+def test_a_client_sending_its_request_a_byte_at_a_time_is_dropped_after_the_timeout(server, monkeypatch):
+    # Each byte came within the socket's timeout, so every read succeeded: such a client held its
+    # server thread for as long as it liked (500 of them held 500 threads). The whole request
+    # head now has the timeout; the server goes on answering others meanwhile.
+    from ascend_pool.metrics.http import MetricsHandler
+    monkeypatch.setattr(MetricsHandler, "timeout", 1.0)
+    head = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200 + b"\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        t0 = time.monotonic()
+        dropped = False
+        for i in range(len(head)):  # a byte every 0.1 s, for 3 x the timeout
+            try:
+                s.sendall(head[i:i + 1])
+            except OSError:  # reset: dropped
+                dropped = True
+                break
+            time.sleep(0.1)
+            if time.monotonic() - t0 > 3:
+                break
+        if not dropped:
+            s.settimeout(0.2)  # less than the per-read timeout the server had before
+            try:
+                dropped = s.recv(100) == b""
+            except ConnectionResetError:
+                dropped = True
+            except (TimeoutError, socket.timeout):
+                pass
+        assert dropped, "still being served after 3 x the timeout"
+    _assert_alive(server.port)
+
+
+def test_a_request_sent_in_pieces_within_the_timeout_is_answered_and_the_next_one_too(server):
+    # the head is read across several packets, and what follows it (a pipelined request) is kept
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        for piece in (b"GET /heal", b"thz HTTP/1.1\r\nHo", b"st: x\r\n", b"\r\nGET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"):
+            s.sendall(piece)
+            time.sleep(0.05)
+        got = b""
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            got += b
+    assert got.count(b"HTTP/1.1 200") == 2 and b"ok\n" in got and b"ascend_pool metrics" in got, got

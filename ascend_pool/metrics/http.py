@@ -10,6 +10,7 @@ import logging
 import operator
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry
@@ -29,21 +30,72 @@ INDEX = (b"<!doctype html><html><head><title>ascend_pool</title></head><body>"
          b"<h1>ascend_pool metrics</h1><p><a href=\"/metrics\">/metrics</a></p></body></html>\n")
 
 
+class _HeadReader:
+    """The handler's rfile: lines read from the socket with one deadline for a whole request head
+    (its line and headers), not a timeout per read: a client sending a byte every few seconds
+    answered every read in time and held its thread for as long as it liked (500 such clients,
+    500 threads). Only the head is read from it (a request body is never read: see
+    handle_one_request); what follows a head stays buffered for the next request."""
+
+    def __init__(self, sock):
+        self._sock = sock
+        self._buf = b""
+        self._deadline = None
+        self.closed = False
+
+    def start(self, seconds):
+        """The next head must have arrived within `seconds` from now."""
+        self._seconds = seconds
+        self._deadline = time.monotonic() + seconds
+
+    def readline(self, limit=-1):
+        while True:
+            end = self._buf.find(b"\n") + 1
+            if end == 0 and 0 <= limit <= len(self._buf):
+                end = limit
+            elif end and 0 <= limit < end:
+                end = limit
+            if end:
+                line, self._buf = self._buf[:end], self._buf[end:]
+                return line
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request head did not arrive in time")
+            self._sock.settimeout(left)
+            try:
+                chunk = self._sock.recv(65536)
+            finally:
+                self._sock.settimeout(self._seconds)  # an answer's writes have their own time (sendall: in all)
+            if not chunk:  # the client closed its side: what came is all
+                line, self._buf = self._buf, b""
+                return line
+            self._buf += chunk
+
+    def close(self):
+        self.closed = True
+
+
 class MetricsHandler(BaseHTTPRequestHandler):
     """Serves the registry of its server (server.registry)."""
 
     protocol_version = "HTTP/1.1"  # keep-alive: Prometheus reuses its connection between scrapes
     server_version = "ascend-pool"
     sys_version = ""
-    timeout = 10  # seconds a client may stay silent (socket timeout), then it is dropped
+    timeout = 10  # seconds a request head may take in all (a silent client: as long), then it is dropped
     # TCP_NODELAY: the headers and the body go out as two writes; with Nagle's algorithm the body
     # waited for the client's delayed ACK of the headers, 40 ms on every keep-alive scrape.
     disable_nagle_algorithm = True
+
+    def setup(self):
+        super().setup()
+        self.rfile.close()
+        self.rfile = _HeadReader(self.connection)
 
     def handle_one_request(self):
         # BaseHTTPRequestHandler.handle_one_request, with our own dispatch: every method other than
         # GET is 405 (the stock one answers 501 for unknown methods and needs a do_X per method).
         try:
+            self.rfile.start(self.timeout)  # silent for `timeout` s, or a head that takes longer: dropped
             self.raw_requestline = self.rfile.readline(MAX_REQUEST_LINE + 1)
             if len(self.raw_requestline) > MAX_REQUEST_LINE:
                 self.requestline, self.request_version, self.command = "", "", ""
