@@ -110,6 +110,14 @@ def test_not_utf8_and_oversized_files(tmp_path):
     assert err.startswith(f"{missing}: cannot read the tenants file")
 
 
+def test_a_file_starting_with_a_byte_order_mark_is_named_as_such(tmp_path):
+    # As Notepad saves UTF-8 (and `kubectl create configmap --from-file` keeps): invisible in an
+    # editor, and tomllib said only "Invalid statement" at line 1 of a file that looks right.
+    path = write(tmp_path, b'\xef\xbb\xbf[tenants.a]\nquota = "1GiB"\n')
+    assert errors_of(path) == [f"{path}:1: not valid TOML: the file starts with a byte order mark (U+FEFF, as "
+                               "some Windows editors save UTF-8); save it without one"]
+
+
 def test_valid_file_understood_with_defaults_and_overcommit(tmp_path):
     cfg = parse_text("""\
 [defaults]

@@ -291,10 +291,14 @@ def read_text(path):
     if len(raw) > MAX_FILE_BYTES:  # grew after the size check
         raise ConfigErrors([f"{path}: file is larger than the {MAX_FILE_BYTES} byte (1 MiB) limit for a tenants file"])
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         raise ConfigErrors([f"{path}:{line}: not valid TOML: the file is not UTF-8 text"]) from None
+    if text.startswith("\ufeff"):  # invisible in editors: tomllib said only "Invalid statement" at line 1
+        raise ConfigErrors([f"{path}:1: not valid TOML: the file starts with a byte order mark (U+FEFF, "
+                            "as some Windows editors save UTF-8); save it without one"])
+    return text
 
 
 def load(path=None):
