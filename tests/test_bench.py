@@ -246,6 +246,28 @@ def test_a_bad_conf_or_device_fails_before_any_replay(capsys):
     assert "device 99 does not exist" in err.err and err.out == "", err
 
 
+@pytest.mark.parametrize("option", ["--json", "--markdown"])
+def test_an_output_file_that_cannot_be_written_fails_before_any_replay(tmp_path, capsys, monkeypatch, option):
+    # Before: the whole run (minutes with the full traces), then the OSError of writing the
+    # results, which were lost (with --markdown failing first, the printed report too).
+    from ascend_pool.commands import bench as bench_cmd
+
+    def ran(*a, **k):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(bench_cmd, "run_bench", ran)
+    base = ["bench", "--traces", str(bundled_traces_dir()), "--no-micro", "--trace", "resnet18_train_prefix"]
+    for bad, why in ((tmp_path / "missing" / "out", "No such file or directory"), (tmp_path, "Is a directory")):
+        assert cli.main(base + [option, str(bad)]) == 2
+        err = capsys.readouterr()
+        assert why in err.err and str(bad) in err.err and err.out == "", err
+    kept = tmp_path / "previous"
+    kept.write_text("last run\n")
+    with pytest.raises(AssertionError, match="the bench ran"):  # a writable file passes, untouched
+        cli.main(base + [option, str(kept), "--json" if option == "--markdown" else "--markdown", str(tmp_path / "new")])
+    assert kept.read_text() == "last run\n" and not (tmp_path / "new").exists()
+
+
 def test_python_replay_loop_drives_a_peer_exactly():
     """The loop the GPU peers run in: every allocation gets its own handle, every free gets the
     handle, size and stream of its allocation, and the device-call counters split at the half."""

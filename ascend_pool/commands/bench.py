@@ -9,6 +9,7 @@ markdown when asked. Progress goes to stderr on a terminal (not with --json).
 
 import json
 import math
+import os
 import shlex
 import sys
 
@@ -83,6 +84,20 @@ def _check_up_front(args, knobs):
         knobs_to_config(effective_knobs(knobs, env={}), total, total, "acl" if backend.kind == "acl" else "cuda")
 
 
+def _check_outputs(args):
+    """--json and --markdown files that cannot be written fail before any replay (the OSError of
+    opening them), not after the whole run with its results lost: the file is opened for
+    appending (nothing it holds is touched) and removed again if this made it."""
+    for path in (args.markdown, None if args.json == "-" else args.json):
+        if path is None:
+            continue
+        existed = os.path.lexists(path)
+        with open(path, "a"):
+            pass
+        if not existed:
+            os.unlink(path)
+
+
 def _cmd_bench(args):
     oc.check(args, RANGES)
     json_to_stdout = args.json == "-"
@@ -93,6 +108,7 @@ def _cmd_bench(args):
     say = (lambda text: print(text, file=sys.stderr)) if json_to_stdout else print
     knobs = parse_conf_string(args.conf, "--conf") if args.conf else None
     _check_up_front(args, knobs)
+    _check_outputs(args)
     micro_runs, target_ms = args.micro_runs, args.micro_ms
     if args.quick:
         micro_runs = min(micro_runs, 3)
