@@ -188,7 +188,15 @@ class PoolAggregator:
         pools = list(self._pools())
         if not any(p is pool for p in pools):
             return
-        v = pool_values(pool)
+        try:
+            v = pool_values(pool)
+        except Exception:
+            if getattr(pool, "closed", False):
+                # Closed meanwhile by another thread (the orphan reaper, while this one's finalizer
+                # decided; or a second close()): that close read it first. Logged as a failed
+                # listener before, a warning on the user's stderr.
+                return
+            raise
         self._closing.append((weakref.ref(pool), _identity(pool), _key(pool), {f: v[f] for f in COUNTER_FIELDS}))
         # Never waits for the lock: this runs from Pool.__del__ too, in whatever thread a
         # collection finalizes the pool, maybe one holding a lock (sharing's, which pool_values
