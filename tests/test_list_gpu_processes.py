@@ -113,3 +113,43 @@ def test_a_tenant_whose_contexts_closed_is_no_longer_listed_or_counted():
     finally:
         child.stdin.close()
         child.wait(timeout=30)
+
+
+TWO_DEVICES = r"""
+import os, sys, ascend_pool as ap
+idle, busy = ap.Pool(0), ap.Pool(1)
+x = busy.malloc(8 << 20)
+print(os.getpid(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_an_empty_pool_on_one_device_is_listed_there_whatever_the_process_holds_on_another():
+    # A process's empty default pool is hidden only beside its tenant contexts on the same device:
+    # alone on device 0 it is the process's use of device 0, as for a process with no other pool
+    # (before, its busy pool on device 1 hid it from device 0's `ps`, list_gpu_processes and count).
+    from ascend_pool.service.node_collector import NodeCollector
+    from ascend_pool.service.processes import rows
+
+    env = dict(os.environ, ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_INTERVAL="0.1")
+    child = subprocess.Popen([sys.executable, "-c", TWO_DEVICES], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(child.stdout.readline())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            listed = sorted((r["device"], r["tenant"]) for r in rows() if r["pid"] == pid)
+            if (1, "default") in listed:
+                break
+            time.sleep(0.1)
+        assert listed == [(0, "default"), (1, "default")]
+        assert pid in _lines(0)[1] and pid in _lines(1)[1]
+        # the node service counts it on both devices, as `ps` lists (other processes may count too)
+        table = rows()
+        counts = {s.labels["device"]: s.value for fam in NodeCollector(ledger=False).collect()
+                  if fam.name == "ascend_pool_node_processes" for s in fam.samples if s.labels["tenant"] == "default"}
+        for device in (0, 1):
+            assert counts[str(device)] == len([r for r in table if (r["device"], r["tenant"]) == (device, "default")])
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)

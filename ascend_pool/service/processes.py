@@ -52,11 +52,17 @@ def in_use(samples):
     A pair whose pools are all closed is left out (its counters only remain), and so is the
     default pool holding nothing beside the process's tenant contexts (the pool they were made
     from: no use of the device of its own); a context's pair stays (it is the tenant's process,
-    holding or not), and a process with nothing else keeps its one pair."""
+    holding or not), and a process with nothing else on a device keeps its one pair there. Per
+    device: an empty pool on device 0 is the process's use of device 0 whatever it holds on device
+    1 (before, its busy pool on device 1 hid it from device 0's listing and count)."""
     live = [s for s in samples if s.values["device_total_bytes"]]
-    phantom = [s for s in live if s.tenant == "default"
-               and not s.values["reserved_bytes.small"] + s.values["reserved_bytes.large"]]
-    return [s for s in live if s not in phantom] or live[:1]
+    out = []
+    for device in dict.fromkeys(s.device for s in live):
+        here = [s for s in live if s.device == device]
+        phantom = [s for s in here if s.tenant == "default"
+                   and not s.values["reserved_bytes.small"] + s.values["reserved_bytes.large"]]
+        out += [s for s in here if s not in phantom] or here[:1]
+    return out
 
 
 def _own_rows(device):
