@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import stat
+import struct
 import threading
 import time
 
@@ -142,8 +143,8 @@ def renew_leases(directory=None):
     """Makes again this process's lease files that were removed (or replaced) under it, in
     `directory` or in every directory it holds one in; returns the directories concerned. A
     cleanup of /dev/shm or an init container clearing a hostPath removes them while the process
-    runs: its peers then take it for dead and remove its share records (its quota slots are kept by
-    its life lock in the ledger, cython/quota/proc_identity.h). Called by ensure_lease and, through
+    runs: its peers then go by its life locks (life_hold) on the ledgers it books in and the share
+    records it writes, and anything else of it is taken for a dead process's. Called by ensure_lease and, through
     tenants.ledger.check_files, when a context opens a ledger and at each stats interval."""
     with _lock:
         items = [(d, v) for d, v in _leases.items() if directory is None or d == directory]
@@ -198,6 +199,48 @@ def fork_guard(fd, on=True):
         _fork_guard(fd, on)
 
 
+# struct flock of Linux's 64-bit ABI (short l_type, l_whence; off_t l_start, l_len; pid_t l_pid)
+_FLOCK = struct.Struct("@hhqqi4x")
+
+
+def _life_range(value, kind):
+    # the byte cython/quota/proc_identity.h apl_life_offset names: past the data, nearly always
+    # past the end of the file (a lock is allowed there and touches nothing)
+    return _FLOCK.pack(kind, os.SEEK_SET, (value >> 2) + 1, 1, 0)
+
+
+def life_hold(fd, value=None):
+    """Takes this process's life lock on the file open as fd: a read lock on one byte named by its
+    instance (an open-file-description lock, F_OFD_SETLK), which the kernel drops when the process
+    dies, in any namespace, as it drops a lease's. A record's writer holds it while it keeps fd
+    open, so that the record's readers see it alive when its lease file was removed under it (a
+    /dev/shm cleanup; cython/quota/proc_identity.h is the ledger's side). Taken only when a child
+    forked from C is sure to drop fd (fork_guard): holding the lock, it would keep a killed parent
+    alive; where not (the table full, a kernel before 3.15), False, and the lease alone tells.
+    Closing fd drops the lock: call fork_guard(fd, False) first."""
+    if _fork_guard is None or not _fork_guard(fd, True):
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _life_range(instance() if value is None else value, fcntl.F_RDLCK))
+    except (OSError, AttributeError):
+        _fork_guard(fd, False)
+        return False
+    return True
+
+
+def life_held(fd, value):
+    """True when some process holds the life lock of instance `value` on the file open as fd (by
+    another open file description: any process's, including this one's other ones), False when
+    nobody does, None when it cannot be told (fd < 0, no OFD locks)."""
+    if fd is None or fd < 0 or not value:
+        return None
+    try:
+        out = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _life_range(value, fcntl.F_WRLCK))
+    except (OSError, AttributeError):
+        return None
+    return _FLOCK.unpack(out)[0] != fcntl.F_UNLCK
+
+
 def whoami(directory):
     """This process as the records of `directory` name it: (pid, instance, pidns, start time),
     with its lease held there (ensure_lease)."""
@@ -228,13 +271,17 @@ def lease_alive(directory, value):
     return False
 
 
-def owner_alive(directory, value, pid=0, ns=0, start=0):
+def owner_alive(directory, value, pid=0, ns=0, start=0, record_fd=-1):
     """The liveness of a record's writer: its lease in `directory` decides (True, False, None for
-    cannot tell). One refinement, for a writer of this process's own pid namespace only
-    (pid_here(ns)): a pid that is gone or a zombie is dead even while its lease is held for a
-    moment more (a killed multi-threaded process is a zombie before its last thread has closed
-    its files). start (the start time it wrote) is a label, never proof of death (gone_here)."""
+    cannot tell), or, where the lease does not say alive, its life lock on the record open as
+    record_fd (life_held: a live writer whose lease file was removed). One refinement, for a writer
+    of this process's own pid namespace only (pid_here(ns)): a pid that is gone or a zombie is dead
+    even while its lease is held for a moment more (a killed multi-threaded process is a zombie
+    before its last thread has closed its files). start (the start time it wrote) is a label,
+    never proof of death (gone_here)."""
     lease = lease_alive(directory, value)
+    if lease is not True and life_held(record_fd, value):
+        lease = True
     if lease and pid > 0 and pid_here(ns) and gone_here(pid):
         return False
     return lease

@@ -152,9 +152,10 @@ def _me():
     return [pid, 0, inst, ns, start]
 
 
-def _alive(directory, inst, pid=0, ns=0, start=0):
-    # By lease: a pid may belong to another namespace. None (cannot tell) counts as alive.
-    return identity.owner_alive(directory, inst, pid, ns, start) is not False
+def _alive(directory, inst, pid=0, ns=0, start=0, record_fd=-1):
+    # By lease: a pid may belong to another namespace. None (cannot tell) counts as alive. A lease
+    # file a cleanup removed: by the life lock its process holds on the record (record_fd's file).
+    return identity.owner_alive(directory, inst, pid, ns, start, record_fd) is not False
 
 
 def _node(backend_name):
@@ -198,6 +199,7 @@ class _Record:
 
     lock_wait_s = 10.0
     writable = True  # False: another member's record in a group directory, opened to be read
+    life = False     # this process holds its life lock on the record through fd (hold_life)
 
     def __init__(self, path, create=None, owner=None):
         self.path = path
@@ -229,18 +231,19 @@ class _Record:
             return
         mode = 0o600 if group is None else 0o640  # a group's service lists its members' records
         tmp = f"{path}.tmp.{identity.instance_hex()}"  # not the pid: pids repeat across pid namespaces
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.fd = fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         # Locked until published: an exporter killed here leaves tmp, which a scan removes once
         # nobody holds this lock (identity.remove_dead_leases).
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.hold_life()  # before it is published: never seen without the exporter's proof of life
             if group is not None and os.fstat(fd).st_gid != group:
                 os.fchown(fd, -1, group)  # the set-gid directory gives it the group; make sure
             os.fchmod(fd, mode)
             os.pwrite(fd, _HDR.pack(*create) + bytes(_NSLOTS * _SLOT.size), 0)
             os.link(tmp, path)
         except BaseException:
-            os.close(fd)
+            self.close()
             raise
         finally:
             try:
@@ -248,10 +251,22 @@ class _Record:
             except FileNotFoundError:
                 pass  # a scan took it for a dead exporter's (held past TMP_STALE_S): the record is linked
         fcntl.flock(fd, fcntl.LOCK_UN)  # the record's own lock from now on (every access takes it)
-        self.fd = fd
+
+    def hold_life(self):
+        """Holds this process's life lock on the record while this object keeps it open: the
+        exporter from creation, an importer while it maps the block. Its peers then see it alive
+        when its lease file was removed (a /dev/shm cleanup; the lease is made again only at the
+        next stats interval, or never with ASCEND_POOL_STATS=0): before 2026-12-05 a listing in
+        between removed a live exporter's record for good (its handle "no longer shared"), and an
+        exporter dropped a live importer's slot (freeing the block under it)."""
+        if not self.life:
+            self.life = identity.life_hold(self.fd)
 
     def close(self):
         if self.fd >= 0:
+            if self.life:
+                identity.fork_guard(self.fd, False)
+                self.life = False
             os.close(self.fd)
             self.fd = -1
 
@@ -310,7 +325,7 @@ class _Record:
         live = []
         d = os.path.dirname(self.path)
         for s in self.slots:
-            if s[0] and not _alive(d, s[2], s[0], s[3], s[4]):
+            if s[0] and not _alive(d, s[2], s[0], s[3], s[4], self.fd):
                 s[:] = [0, 0, 0, 0, 0]
             elif s[0]:
                 live.append(f"{s[2]:016x}" if instances else s[0])
@@ -319,7 +334,7 @@ class _Record:
     def exporter_alive(self):
         h = self.header
         return _alive(os.path.dirname(self.path), h["exporter_instance"], h["exporter_pid"], h["exporter_pidns"],
-                      h["exporter_start"])
+                      h["exporter_start"], self.fd)
 
 
 def _unlink(path):
@@ -745,6 +760,7 @@ def open_shared(handle, pool=None):
             raise SharingError(f"cannot make this process's lease in {_record_dir()}: {e.strerror or e} (a full "
                                "or read-only /dev/shm, or ASCEND_POOL_LEDGER_DIR?)") from e
         me = mine[2]
+        rec.hold_life()  # before its slot is published, for as long as the block is mapped here
         with rec:
             if rec.header["state"] != _OPEN:
                 raise SharingError(f"key {handle.key!r} is being released by its exporter (pid {handle.exporter_pid})")

@@ -650,3 +650,81 @@ def test_workers_whose_lease_files_a_cleanup_removed_keep_their_shares_and_make_
         assert time.monotonic() - t0 < 3.0, "the killed worker's share was not given back"
         time.sleep(0.05)
     assert b("malloc", 600 * MiB) == "granted"
+
+
+CLEANED_EXPORTER = r'''
+import base64, json, os, pickle, sys, time
+import ascend_pool as ap
+from ascend_pool import identity
+pool = ap.Pool(0)
+ptr = pool.share_malloc(4 << 20)
+handle = pool.share(ptr, any_process=True)
+child = os.fork()  # a forked child (a data loader, say) must not keep a killed exporter alive
+if child == 0:
+    time.sleep(600)
+    os._exit(0)
+print(json.dumps([identity.instance_hex(), base64.b64encode(pickle.dumps(handle)).decode()]), flush=True)
+sys.stdin.readline()
+print(json.dumps(pool.share_free(ptr)), flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), 9)
+'''
+# pid 1 of the exporter's namespace, which outlives it: the namespace (and the forked child) lives on
+STAY = "import subprocess, sys, time; subprocess.call(sys.argv[1:]); time.sleep(600)"
+
+CLEANED_IMPORTER = r'''
+import base64, json, pickle, sys
+import ascend_pool as ap
+from ascend_pool import identity
+handle = pickle.loads(base64.b64decode(sys.argv[1]))
+block = ap.open_shared(handle)
+print(json.dumps(identity.instance_hex()), flush=True)
+sys.stdin.readline()
+block.close()
+print(json.dumps("closed"), flush=True)
+'''
+
+
+@needs_unshare
+def test_an_exporter_and_an_importer_whose_lease_files_a_cleanup_removed_stay_alive_to_their_peers(node, monkeypatch):
+    # Exporter and importer are pid 1, each in its own namespace, and publish no stats (their
+    # leases are not made again until a context opens). A cleanup removed their lease files: a
+    # peer's listing took the exporter for dead and removed its record for good (every later
+    # open_shared: "no longer shared"), and the exporter dropped the importer and freed the block
+    # under it. Their life locks on the record (identity.life_hold) say they are alive.
+    env, base, procs = node
+    env = dict(env, ASCEND_POOL_STATS="0")
+    exporter = subprocess.Popen(NS + [sys.executable, "-c", STAY, sys.executable, "-c", CLEANED_EXPORTER], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs.append(exporter)
+    exp_instance, handle = json.loads(_hear(exporter))
+    first = subprocess.Popen(NS + [sys.executable, "-c", CLEANED_IMPORTER, handle], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs.append(first)
+    imp_instance = json.loads(_hear(first))
+    private = base / f"ascend_pool-u{os.geteuid()}"
+    for inst in (exp_instance, imp_instance):
+        (private / f"ascend_pool-lease-{inst}").unlink()
+    for k in ("ASCEND_POOL_LEDGER_DIR", "ASCEND_SIM_NODE"):
+        monkeypatch.setenv(k, env[k])
+    from ascend_pool.sharing import shares
+
+    (rec,) = shares()
+    assert (rec["exporter_instance"], rec["importer_instances"]) == (exp_instance, [imp_instance])
+    second = subprocess.run(NS + [sys.executable, "-c", CLEANED_IMPORTER, handle], env=env, input="\n",
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 0 and second.stdout.splitlines()[-1] == '"closed"', second.stderr
+    _say(exporter, "free")
+    assert json.loads(_hear(exporter)) is False  # the first importer still maps it
+    _say(first, "close")
+    assert json.loads(_hear(first)) == "closed"
+    (rec,) = shares()
+    assert rec["state"] == "closing" and rec["importers"] == []
+    # Killed, its forked child alive: the record is a dead exporter's, removed by the next listing.
+    _say(exporter, "die")
+    t0 = time.monotonic()
+    while shares():
+        assert time.monotonic() - t0 < 10, "a killed exporter's record stayed alive (its forked child holds its lock?)"
+        time.sleep(0.05)
+    assert exporter.poll() is None  # the namespace, and the child with it, still lives
+    assert not [n for n in os.listdir(private) if n.startswith("ascend_pool-share-")]
