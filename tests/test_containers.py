@@ -728,3 +728,35 @@ def test_an_exporter_and_an_importer_whose_lease_files_a_cleanup_removed_stay_al
         time.sleep(0.05)
     assert exporter.poll() is None  # the namespace, and the child with it, still lives
     assert not [n for n in os.listdir(private) if n.startswith("ascend_pool-share-")]
+
+
+TWO_CONTEXTS = r'''
+import json, os, sys
+import ascend_pool as ap
+pool = ap.Pool(0)
+ctxs = [pool.context("online") for _ in range(int(sys.argv[1]))]  # a context per model, say
+for c in ctxs:
+    c.malloc(2 << 20)
+print(json.dumps(os.getpid()), flush=True)
+sys.stdin.readline()
+'''
+
+
+@needs_unshare
+def test_the_ledgers_process_count_counts_processes_not_their_contexts(node, monkeypatch):
+    # Two workers, pid 1 each in its own namespace: one with two contexts of the tenant, one with
+    # one. ascend_pool_ledger_processes is 2 (it counted ledger slots, one per context: 3).
+    env, base, procs = node
+    workers = []
+    for n in (2, 1):
+        w = subprocess.Popen(NS + [sys.executable, "-c", TWO_CONTEXTS, str(n)], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(w)
+        workers.append(w)
+    assert [json.loads(_hear(w)) for w in workers] == [1, 1]
+    for k in ("ASCEND_POOL_LEDGER_DIR", "ASCEND_SIM_NODE"):
+        monkeypatch.setenv(k, env[k])
+    from ascend_pool.metrics.ledger import ledger_families
+
+    fams = {f.name: f for f in ledger_families()}
+    assert [s.value for s in fams["ascend_pool_ledger_processes"].samples if s.labels["tenant"] == "online"] == [2]

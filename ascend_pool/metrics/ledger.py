@@ -139,10 +139,10 @@ def ledger_families(uids=(), gids=(), reclaimed_totals=None):
     seen = set()
     for backend, scope, v, _, _ in views:
         dev = str(v["device"])
-        alive = {}
+        alive = {}  # tenant -> instances of its live processes: one slot per context, a process may hold several
         for s in v["slots"]:
             if s.get("alive") is not False:
-                alive[s["tenant"]] = alive.get(s["tenant"], 0) + 1
+                alive.setdefault(s["tenant"], set()).add(s["instance"])
         for t in v["tenants"]:
             if not alive.get(t["name"]):
                 continue  # no live process: the tenant no longer exists on the node (its entry is reused)
@@ -153,7 +153,7 @@ def ledger_families(uids=(), gids=(), reclaimed_totals=None):
             held.add_metric(lv, t["held_bytes"])
             peak.add_metric(lv, t["peak_bytes"])
             refusals.add_metric(lv, t["refusals"])
-            procs.add_metric(lv, alive.get(t["name"], 0))
+            procs.add_metric(lv, len(alive[t["name"]]))
             if t["quota_bytes"] is not None:
                 quota.add_metric(lv, t["quota_bytes"])
             conflicts.add_metric(lv, t.get("conflicts", 0))
