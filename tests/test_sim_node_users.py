@@ -257,3 +257,54 @@ def test_another_user_cannot_keep_a_dead_process_alive_by_squatting_its_lease(tw
     assert line == "squatting" and os.stat(name).st_uid != uid
     assert used_by(node, None) == 0, "the dead holder's bytes are pinned by another user's file"
     squatter.communicate("go\n", timeout=30)
+
+
+CLEANED_HOLDER = """
+init()
+p = malloc(600 << 20, align32=True)
+if os.fork() == 0:             # a forked child (a data loader) must not keep a killed holder alive
+    time.sleep(600)
+    os._exit(0)
+print("holding", flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), 9)
+"""
+# pid 1 of the holder's namespace, which outlives it: the namespace (and the forked child) lives on
+STAY = "import subprocess, sys, time; subprocess.call(sys.argv[1:]); time.sleep(600)"
+
+
+@needs_unshare
+def test_a_process_whose_lease_files_a_cleanup_removed_keeps_its_device_memory(two_users):
+    """A cleanup of /dev/shm removed the lease files of a live process holding 600 MiB of a 1 GiB
+    device (in a pid namespace of its own): its user's next process reclaimed its slot and was
+    given the same 600 MiB, another user's skipped it. Its life lock on its node record
+    (proc.c: sim_proc_life_hold) says it lives; once it is killed (its forked child alive), its
+    bytes come back."""
+    import subprocess
+    from other_user import PRELUDE
+    node, uid = two_users, os.geteuid()
+    holder = subprocess.Popen(NS + [sys.executable, "-c", STAY, sys.executable, "-c", PRELUDE + CLEANED_HOLDER],
+                              env=node.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=node.root)
+    node.procs.append((holder, None))
+    assert holder.stdout.readline().strip() == "holding", holder.stderr.read()
+    leases = [n for n in os.listdir(node.shm) if n.startswith((f"ascendsim-lease-{uid}-", f"ascendsim-alive-{uid}-"))]
+    assert len(leases) == 2, leases
+    for n in leases:
+        os.unlink(os.path.join(node.shm, n))
+    refused = """
+        init()
+        p = C.c_void_p()
+        assert code("aclrtMallocAlign32", C.byref(p), 600 << 20, 0) == 207001
+        print("refused")
+    """
+    assert node.run(None, refused).split()[-1] == "refused"    # its user's: was granted
+    assert node.run(OTHER, refused).split()[-1] == "refused"   # another user's: was granted
+    assert used_by(node, None) == used_by(node, OTHER) == 600 * MiB
+    holder.stdin.write("die\n")
+    holder.stdin.flush()
+    deadline = time.monotonic() + 10
+    while used_by(node, None) != 0 or used_by(node, OTHER) != 0:
+        assert time.monotonic() < deadline, "a killed holder's bytes still count (its forked child holds its lock?)"
+        time.sleep(0.1)
+    assert holder.poll() is None  # the namespace, and the child with it, still lives

@@ -181,7 +181,7 @@ static uint64_t record_used(const struct foreign_rec *f, int dev, const struct s
         uint64_t bytes = atomic_load(&s->bytes);
         if (pid == 0 || bytes == 0)
             continue;
-        if (check_alive && sim_proc_foreign_alive(f->uid, atomic_load(&s->start_time)) == 0)
+        if (check_alive && sim_proc_foreign_alive(f->uid, atomic_load(&s->start_time), f->fd) == 0)
             continue;
         used += bytes > cfg->hbm - used ? cfg->hbm - used : bytes;
     }

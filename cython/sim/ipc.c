@@ -175,7 +175,7 @@ void sim_ipc_unlock(void) { pthread_mutex_unlock(&ipc_mu); }
 /* Its holder dying inside is taken over (proc.c): every update keeps the record consistent. */
 static int lock_record(struct ipc_record *r)
 {
-    return sim_proc_lock(&r->lock_owner, IPC_LOCK_TIMEOUT_S, NULL);
+    return sim_proc_lock(&r->lock_owner, IPC_LOCK_TIMEOUT_S, NULL, -1);
 }
 
 static void unlock_record(struct ipc_record *r)

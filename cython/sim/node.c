@@ -35,7 +35,8 @@
  * aclrtGetMemInfo, or a malloc that would otherwise fail) checks each slot's owner by its lease
  * (proc.c: a lock the kernel drops at death, in whatever pid namespace; never by pid, which may
  * name another process in another namespace); a slot whose lease is not held is reclaimed by a
- * process of its user, and skipped by other users' sums. The lock is a word holding its holder's
+ * process of its user, and skipped by other users' sums, unless its owner holds its life lock on the
+ * record (proc.c: sim_proc_life_hold; its lease files were removed under it by a cleanup). The lock is a word holding its holder's
  * lease id (proc.c: sim_proc_lock): if its holder dies, the next locker finds the lease dropped and
  * takes over, which is safe because every update of the record is a single atomic store (the sum
  * is recomputed, never cached). Not a robust pthread mutex: those name holders by thread id, which
@@ -78,15 +79,23 @@
 struct node_local {
     struct node_record *_Atomic rec;     /* NULL when detached; mappings are never unmapped */
     int slot;
+    /* fd + 1 (0: none) of the record, open for writing, on which this process holds its life lock
+       (proc.c: sim_proc_life_hold) and reads the others' (their lease files removed under them) */
+    _Atomic int life_fd1;
     char path[PATH_MAX + SIM_NODE_NAME_MAX + 64];
 };
 
 static struct node_local local[SIM_MAX_DEVICES];
 
-static int lock_record(struct node_record *r)
+static int life_fd(const struct node_local *l)
+{
+    return atomic_load(&l->life_fd1) - 1;
+}
+
+static int lock_record(struct node_record *r, int life)
 {
     int took_over = 0;
-    int rc = sim_proc_lock(&r->lock_owner, NODE_LOCK_TIMEOUT_S, &took_over);
+    int rc = sim_proc_lock(&r->lock_owner, NODE_LOCK_TIMEOUT_S, &took_over, life);
     if (took_over) /* the holder died inside its critical section; its stores were single atomic ones */
         atomic_fetch_add(&r->recoveries, 1);
     return rc;
@@ -106,8 +115,9 @@ static uint64_t sum_slots(struct node_record *r)
     return used;
 }
 
-/* Frees the slots of processes that are gone. Called with the record locked. */
-static void reclaim_dead(struct node_record *r, int self)
+/* Frees the slots of processes that are gone. Called with the record locked; life: a descriptor of
+   it (life_fd), where the live owners hold their life locks. */
+static void reclaim_dead(struct node_record *r, int self, int life)
 {
     for (int i = 0; i < NODE_SLOTS; i++) {
         struct node_slot *s = &r->slots[i];
@@ -115,7 +125,7 @@ static void reclaim_dead(struct node_record *r, int self)
         if (i == self || pid == 0)
             continue;
         if (sim_proc_owner_alive(pid, atomic_load(&s->start_time), atomic_load(&s->pidns),
-                                 atomic_load(&s->proc_start)) == 0) {
+                                 atomic_load(&s->proc_start), life) == 0) {
             atomic_store(&s->bytes, 0);
             atomic_store(&s->pid, 0);
         }
@@ -231,16 +241,17 @@ static int stale_older_record(int fd, const struct stat *st)
    stale record at path: rename()s it over that one, if path still names it). 0 ok, EEXIST when
    another process won the race (then open theirs), or an aclError. */
 static int create_record_over(const char *path, int dev, const struct sim_config *cfg, int over,
-                              struct node_record **out, const char *call);
+                              struct node_record **out, int *fd_out, const char *call);
 
 static int create_record(const char *path, int dev, const struct sim_config *cfg,
-                         struct node_record **out, const char *call)
+                         struct node_record **out, int *fd_out, const char *call)
 {
-    return create_record_over(path, dev, cfg, -1, out, call);
+    return create_record_over(path, dev, cfg, -1, out, fd_out, call);
 }
 
+/* *fd_out: the new record's descriptor (open for writing), on success. */
 static int create_record_over(const char *path, int dev, const struct sim_config *cfg, int over,
-                              struct node_record **out, const char *call)
+                              struct node_record **out, int *fd_out, const char *call)
 {
     static _Atomic unsigned seq;
     char tmp[PATH_MAX + SIM_NODE_NAME_MAX + 128];
@@ -278,8 +289,8 @@ static int create_record_over(const char *path, int dev, const struct sim_config
         (void)flock(over, LOCK_UN);
     }
     unlink(tmp);
-    close(fd);
     if (rc) {
+        close(fd);
         if (r != MAP_FAILED)
             munmap(r, sizeof *r);
         if (rc == EEXIST)
@@ -287,6 +298,7 @@ static int create_record_over(const char *path, int dev, const struct sim_config
         return sim_fail(ACL_ERROR_INVALID_FILE, call, "cannot create node record %s: %s", path, strerror(rc));
     }
     *out = r;
+    *fd_out = fd;
     return 0;
 }
 
@@ -305,9 +317,9 @@ static void record_path(char *out, size_t len, const struct sim_config *cfg, int
 }
 
 /* Finds this user's record of the device (see "Squatting" above), or creates it; its path goes to
-   `path` (len PATH_MAX + SIM_NODE_NAME_MAX + 64). */
+   `path` (len PATH_MAX + SIM_NODE_NAME_MAX + 64), its descriptor (open for writing) to *fd_out. */
 static int open_record(char *path, size_t len, int dev, const struct sim_config *cfg,
-                       struct node_record **out, const char *call)
+                       struct node_record **out, int *fd_out, const char *call)
 {
     for (int attempt = 0; attempt < 5; attempt++) {
         int first_free = -1, taken = 0, replaced = 0;
@@ -336,7 +348,7 @@ static int open_record(char *path, size_t len, int dev, const struct sim_config 
             }
             int rc;
             if (stale_older_record(fd, &st)) { /* an upgrade's leftover: replace it, then look again */
-                rc = create_record_over(path, dev, cfg, fd, out, call);
+                rc = create_record_over(path, dev, cfg, fd, out, fd_out, call);
                 close(fd);
                 if (rc == 0)
                     return 0;
@@ -346,7 +358,10 @@ static int open_record(char *path, size_t len, int dev, const struct sim_config 
                 continue;
             }
             rc = validate(fd, path, dev, cfg, out, call); /* ours: use it, or refuse it */
-            close(fd);
+            if (rc == 0)
+                *fd_out = fd;
+            else
+                close(fd);
             return rc;
         }
         if (replaced)
@@ -357,7 +372,7 @@ static int open_record(char *path, size_t len, int dev, const struct sim_config 
                             "ascendsim-%u-%s-dev%d[.N] are taken by others", dev, cfg->shm_dir, taken,
                             sim_host_uid(), cfg->node, dev);
         record_path(path, len, cfg, dev, first_free);
-        int rc = create_record(path, dev, cfg, out, call);
+        int rc = create_record(path, dev, cfg, out, fd_out, call);
         if (rc != EEXIST)
             return rc;
         /* Another process (or a squatter) took the name first: look again. */
@@ -396,15 +411,34 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
     struct node_record *r;
     /* The node's device behind this process's `dev` (ASCEND_RT_VISIBLE_DEVICES renumbers): its
        capacity is shared with every process that sees it, whatever number each gives it. */
-    rc = open_record(l->path, sizeof l->path, cfg->phys[dev], cfg, &r, call);
+    int fd = -1;
+    rc = open_record(l->path, sizeof l->path, cfg->phys[dev], cfg, &r, &fd, call);
     if (rc)
         return rc;
+    /* Held before our slot is claimed, for as long as the process lives (the descriptor is kept;
+       one of an earlier aclInit is replaced, a fork child's copy closed: sim_node_reset). On a
+       descriptor of its own, not the mapping's: a forked child inherits the mapping, which keeps
+       its open file (and a lock on it) for as long as the child lives. */
+    int life = open(l->path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    struct stat mapped, now;
+    if (life >= 0 && (fstat(fd, &mapped) != 0 || fstat(life, &now) != 0 || mapped.st_ino != now.st_ino ||
+                      mapped.st_dev != now.st_dev)) {
+        close(life); /* replaced meanwhile: the lease alone tells */
+        life = -1;
+    }
+    close(fd);
+    if (life >= 0)
+        (void)sim_proc_life_hold(life);
+    fd = life;
+    int old = atomic_exchange(&l->life_fd1, fd + 1) - 1;
+    if (old >= 0)
+        close(old);
     int32_t me = (int32_t)getpid();
     uint32_t inst = instance_id();
     uint64_t start = sim_proc_self_id();
-    if ((rc = lock_record(r)) != 0)
+    if ((rc = lock_record(r, fd)) != 0)
         return sim_fail(ACL_ERROR_RT_INTERNAL_ERROR, call, "cannot lock node record %s: %s", l->path, strerror(rc));
-    reclaim_dead(r, -1);
+    reclaim_dead(r, -1, fd);
     int slot = -1;
     for (int i = 0; i < NODE_SLOTS; i++) {
         /* A process may load two copies of the simulator (e.g. the legacy build beside the
@@ -445,7 +479,7 @@ void sim_node_detach(int dev)
     struct node_record *r = atomic_exchange(&l->rec, NULL);
     if (!r)
         return;
-    if (lock_record(r) == 0) {
+    if (lock_record(r, life_fd(l)) == 0) {
         atomic_store(&r->slots[l->slot].bytes, 0);
         atomic_store(&r->slots[l->slot].pid, 0);
         unlock_record(r);
@@ -460,7 +494,7 @@ int sim_node_reserve(int dev, uint64_t bytes)
 {
     struct node_local *l = &local[dev];
     struct node_record *r = atomic_load(&l->rec);
-    if (!r || lock_record(r) != 0)
+    if (!r || lock_record(r, life_fd(l)) != 0)
         return -1;
     uint64_t total = r->total_bytes;
     if (bytes > total) {
@@ -470,7 +504,7 @@ int sim_node_reserve(int dev, uint64_t bytes)
     uint64_t used = sum_slots(r);
     if (used + bytes > total) {
         /* Before refusing, take back what dead processes left behind. */
-        reclaim_dead(r, l->slot);
+        reclaim_dead(r, l->slot, life_fd(l));
         used = sum_slots(r);
     }
     if (used + bytes > total) {
@@ -485,7 +519,7 @@ int sim_node_reserve(int dev, uint64_t bytes)
     uint64_t foreign = sim_foreign_used(g_sim.cfg.phys[dev], &g_sim.cfg, 0, 0);
     if (foreign > total - used) {
         /* Before refusing, take back (or skip) what dead processes left behind. */
-        reclaim_dead(r, l->slot);
+        reclaim_dead(r, l->slot, life_fd(l));
         used = sum_slots(r);
         foreign = sim_foreign_used(g_sim.cfg.phys[dev], &g_sim.cfg, 1, 1);
     }
@@ -519,10 +553,10 @@ uint64_t sim_node_used(int dev)
     if (!r)
         return 0;
     uint64_t used;
-    if (lock_record(r) != 0) {
+    if (lock_record(r, life_fd(l)) != 0) {
         used = sum_slots(r);
     } else {
-        reclaim_dead(r, l->slot);
+        reclaim_dead(r, l->slot, life_fd(l));
         used = sum_slots(r);
         unlock_record(r);
     }
@@ -534,7 +568,13 @@ uint64_t sim_node_used(int dev)
 
 void sim_node_reset(void)
 {
-    for (int i = 0; i < SIM_MAX_DEVICES; i++)
+    for (int i = 0; i < SIM_MAX_DEVICES; i++) {
         atomic_store(&local[i].rec, NULL); /* the parent's slots are not the child's */
+        /* Nor its life locks: our copy closed, the lock stays the parent's (its descriptor still
+           refers to the open file); kept, it would keep a killed parent's slot alive. */
+        int fd = atomic_exchange(&local[i].life_fd1, 0) - 1;
+        if (fd >= 0)
+            close(fd);
+    }
     sim_foreign_reset();
 }

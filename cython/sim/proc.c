@@ -350,7 +350,7 @@ void sim_proc_sweep_abandoned(const char *dir)
     closedir(d);
 }
 
-int sim_proc_lock(_Atomic uint64_t *word, int timeout_s, int *took_over)
+int sim_proc_lock(_Atomic uint64_t *word, int timeout_s, int *took_over, int life_fd)
 {
     uint64_t me = sim_proc_self_id();
     uint64_t now = sim_now_ns(), deadline = now + (uint64_t)timeout_s * 1000000000ull, next_check = now;
@@ -364,7 +364,10 @@ int sim_proc_lock(_Atomic uint64_t *word, int timeout_s, int *took_over)
         now = sim_now_ns();
         /* holder == me: another thread of this process, alive by definition */
         if (holder != me && now >= next_check) {
-            if (sim_proc_alive(0, holder) == 0 && atomic_compare_exchange_strong(word, &holder, me)) {
+            /* life_fd: a descriptor of the record holding the word, where a holder whose lease
+               file was removed still holds its life lock (node.c; -1 for records without one) */
+            if (sim_proc_alive(0, holder) == 0 && sim_proc_life_held(life_fd, holder) != 1 &&
+                atomic_compare_exchange_strong(word, &holder, me)) {
                 if (took_over)
                     *took_over = 1; /* its holder died inside: the record's updates are single stores */
                 return 0;
@@ -384,10 +387,48 @@ void sim_proc_unlock(_Atomic uint64_t *word)
     atomic_store(word, 0);
 }
 
-int sim_proc_foreign_alive(unsigned uid, uint64_t id)
+#ifndef F_OFD_GETLK /* Linux 3.15; older C libraries do not name them */
+#define F_OFD_GETLK 36
+#define F_OFD_SETLK 37
+#endif
+
+/* The life lock's byte of lease id (as cython/quota/proc_identity.h's): 1 .. 2^62, past the
+   record's data (a lock is allowed there and touches nothing). */
+static struct flock life_range(uint64_t id, short type)
+{
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = (off_t)(id >> 2) + 1;
+    fl.l_len = 1;
+    return fl;
+}
+
+int sim_proc_life_hold(int fd)
+{
+    struct flock fl = life_range(sim_proc_self_id(), F_WRLCK);
+    return fd >= 0 && fcntl(fd, F_OFD_SETLK, &fl) == 0 ? 0 : -1;
+}
+
+int sim_proc_life_held(int fd, uint64_t id)
+{
+    if (fd < 0 || !id)
+        return -1;
+    /* Asked as a read lock: only a write lock conflicts, which only the record's owner user can
+       hold; another user's read lock on the byte proves nothing. */
+    struct flock fl = life_range(id, F_RDLCK);
+    if (fcntl(fd, F_OFD_GETLK, &fl) != 0)
+        return -1;
+    return fl.l_type != F_UNLCK;
+}
+
+int sim_proc_foreign_alive(unsigned uid, uint64_t id, int life_fd)
 {
     if (!id)
         return 0;
+    if (sim_proc_life_held(life_fd, id) == 1)
+        return 1; /* its public lease may have been removed under it; its record's lock says */
     char path[PATH_MAX + 64];
     pthread_mutex_lock(&lease_mu);
     public_lease_path(path, sizeof path, lease_dir, uid, id);
@@ -461,9 +502,11 @@ static int proc_is_ours(void)
     return atoi(buf) == (int)getpid();
 }
 
-int sim_proc_owner_alive(int pid, uint64_t id, uint64_t pidns, uint64_t start_time)
+int sim_proc_owner_alive(int pid, uint64_t id, uint64_t pidns, uint64_t start_time, int life_fd)
 {
     int lease = sim_proc_alive(pid, id);
+    if (lease != 1 && sim_proc_life_held(life_fd, id) == 1)
+        lease = 1; /* its lease files were removed under it: its life lock on the record says */
     (void)start_time; /* a label: the kernel shifts it by the reader's time namespace, and a pid
                          cannot be reused while its lease is held */
     if (lease == 1 && pid > 0 && pidns && pidns == sim_proc_pidns() && proc_is_ours()) {

@@ -155,7 +155,18 @@ void sim_proc_sweep_abandoned(const char *dir);
 int sim_proc_alive(int pid, uint64_t id);
 /* For another user's slot (foreign.c): 1 when the public lease of uid's process id is held, 0 when
    it is not (or is no file of that uid), -1 cannot tell. Never removes anything. */
-int sim_proc_foreign_alive(unsigned uid, uint64_t id);
+int sim_proc_foreign_alive(unsigned uid, uint64_t id, int life_fd);
+/* A process's life lock on a node record it has a slot in (node.c): an exclusive lock (F_OFD_SETLK,
+   F_WRLCK: only a process that may write the record, its owner user's, can take one) on one byte
+   named by its lease id, past the record's data; the kernel drops it when the process dies, in any
+   namespace, as it drops a lease. It proves the process alive when its lease files were removed
+   under it (a cleanup of /dev/shm, an init container): before 2026-12-05 its slot was then
+   reclaimed, or skipped by other users' sums, and its device memory handed out again. 0 when
+   taken on fd (the record open for writing), else -1 (the lease alone tells then). */
+int sim_proc_life_hold(int fd);
+/* 1 when a process holds the life lock of lease id on the record open as fd (any descriptor of
+   it, read-only included), 0 when none does, -1 when it cannot be told (fd < 0). */
+int sim_proc_life_held(int fd, uint64_t id);
 /* 1 when this process runs in a user namespace other than the initial one (/proc/self/uid_map is
    not the identity "0 0 4294967295"), its map's lines ("inside outside count", joined by "; ")
    in map and the uid its geteuid() maps to outside in *outside (-1 when the map leaves it out);
@@ -175,7 +186,7 @@ int sim_owned_by(unsigned st_uid, unsigned host);
 uint64_t sim_proc_pidns(void);
 /* As sim_proc_alive, and for an owner of *our* pid namespace (pidns equal, /proc ours) a pid that
    is gone or a zombie is dead at once, before its lease drops (start_time: a label only). */
-int sim_proc_owner_alive(int pid, uint64_t id, uint64_t pidns, uint64_t start_time);
+int sim_proc_owner_alive(int pid, uint64_t id, uint64_t pidns, uint64_t start_time, int life_fd);
 /* A lock in a shared record between the processes of this user on the node (node.c, ipc.c):
    `word` holds the holder's lease id, 0 when free. Not a robust pthread mutex: those name their
    holder by thread id, which pid namespaces repeat (every container's first process is pid 1),
@@ -184,7 +195,7 @@ int sim_proc_owner_alive(int pid, uint64_t id, uint64_t pidns, uint64_t start_ti
    kernel at death, in any namespace) every 50 ms and takes a dead holder's lock over
    (*took_over = 1). Threads of one process exclude each other through the same word. 0, or
    ETIMEDOUT after timeout_s seconds. */
-int sim_proc_lock(_Atomic uint64_t *word, int timeout_s, int *took_over);
+int sim_proc_lock(_Atomic uint64_t *word, int timeout_s, int *took_over, int life_fd);
 void sim_proc_unlock(_Atomic uint64_t *word);
 /* The node-level process id aclrtDeviceGetBareTgid answers (never a getpid() value). */
 int32_t sim_proc_bare_tgid(void);
