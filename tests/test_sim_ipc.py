@@ -5,6 +5,7 @@ Every test runs its processes on a node of its own (sim_fixtures.sim_node); test
 drives them step by step. Codes are those listed in cython/sim/acl_api.h.
 """
 import os
+import signal
 import sys
 
 import pytest
@@ -290,3 +291,38 @@ def test_backend_ipc_entries_through_the_acl_loading_code(legacy):
     assert e.value.code == 107000
     b.free(0, ptr)
     assert b.resolved_symbols.count("aclrtIpcMemClose") == 1
+
+
+def test_peers_whose_lease_files_a_cleanup_removed_stay_alive_to_each_other(sim_node):
+    """A cleanup of ASCEND_SIM_SHM_DIR removed every lease file of a live exporter and its live
+    importer: a new import of the key was refused ("has exited"), and the exporter took its
+    importer for dead and freed the memory under it. Their life locks on the record
+    (proc.c: sim_proc_life_hold) say they live; a killed exporter's forked child keeps nothing."""
+    with Peer(sim_node, INIT) as ex, Peer(sim_node, INIT) as im, Peer(sim_node, INIT) as late:
+        key = ex("ptr = malloc(4 * MiB); assert fill(ptr, 4 * MiB, 9) == 0; out = export(ptr, 4 * MiB, 1)[1]")
+        im(f"rc, p = imp({key!r}); assert rc == 0 and same(p, 4 * MiB, 9)")
+        late("pass")
+        for name in os.listdir(sim_node.shm_dir):
+            if name.startswith(("ascendsim-lease-", "ascendsim-alive-")):
+                os.unlink(os.path.join(sim_node.shm_dir, name))
+        got = late(f"rc, q = imp({key!r}); out = [rc, errmsg() if rc else same(q, 4 * MiB, 9)]")
+        assert got == [0, True], got                            # was 507022, "has exited"
+        assert ex("out = free(ptr)") == 507022                  # imported: refused (was freed)
+        assert im("out = same(p, 4 * MiB, 9)")
+        child = ex("""
+            import time
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(600)
+                os._exit(0)
+            out = pid
+        """)
+        try:
+            ex.kill()
+            got = im("rc, data = read(p, 4096); out = [rc, errmsg()]")
+            assert got[0] == 507022 and "has exited" in got[1], got
+        finally:
+            os.kill(child, signal.SIGKILL)
+        im(f"assert close({key!r}) == 0")
+        late(f"assert close({key!r}) == 0")
+    assert ipc_files(sim_node) == []                            # the last importer removed the file

@@ -123,6 +123,7 @@ struct ipc_export {
     size_t size;
     int device;
     struct ipc_record *rec;
+    int life_fd;             /* the record, open for this process's life lock (proc.c), or -1 */
 };
 
 /* This process's imports. */
@@ -132,6 +133,7 @@ struct ipc_import {
     char key[IPC_KEY_LEN];
     char path[IPC_PATH_MAX];
     struct ipc_record *rec;
+    int life_fd;             /* the record, open for this process's life lock (proc.c), or -1 */
     uint32_t count;
 };
 
@@ -156,6 +158,14 @@ static void after_fork_in_child(void)
     /* The child has no runtime: the parent's exports and imports are not its own (their structs
        leak in the child; imported mappings stay, unregistered, as the parent's memory does). */
     pthread_mutex_init(&ipc_mu, NULL);
+    /* Nor their life locks: our copies closed (the locks stay the parent's, whose descriptors still
+       refer to the open files); kept, they would keep a killed parent alive to its peers. */
+    for (struct ipc_export *e = exports; e; e = e->next)
+        if (e->life_fd >= 0)
+            close(e->life_fd);
+    for (struct ipc_import *m = imports; m; m = m->next)
+        if (m->life_fd >= 0)
+            close(m->life_fd);
     exports = NULL;
     imports = NULL;
     for (int d = 0; d < SIM_MAX_DEVICES; d++)
@@ -172,10 +182,26 @@ void sim_ipc_unlock(void) { pthread_mutex_unlock(&ipc_mu); }
 
 /* ---- records ------------------------------------------------------------------------------- */
 
-/* Its holder dying inside is taken over (proc.c): every update keeps the record consistent. */
-static int lock_record(struct ipc_record *r)
+/* Its holder dying inside is taken over (proc.c): every update keeps the record consistent. life:
+   a descriptor of the record (-1 none), where a live holder whose lease files were removed holds
+   its life lock (so do the liveness checks below). */
+static int lock_record(struct ipc_record *r, int life)
 {
-    return sim_proc_lock(&r->lock_owner, IPC_LOCK_TIMEOUT_S, NULL, -1);
+    return sim_proc_lock(&r->lock_owner, IPC_LOCK_TIMEOUT_S, NULL, life);
+}
+
+/* A second descriptor of the record open as fd (its own open file, not the one its mappings keep:
+   a forked child inherits those), holding this process's life lock; -1 where it cannot be had. */
+static int life_open(const char *path, int fd)
+{
+    int life = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    struct stat a, b;
+    if (life >= 0 && (fstat(fd, &a) != 0 || fstat(life, &b) != 0 || a.st_ino != b.st_ino || a.st_dev != b.st_dev ||
+                      sim_proc_life_hold(life) != 0)) {
+        close(life);
+        life = -1;
+    }
+    return life;
 }
 
 static void unlock_record(struct ipc_record *r)
@@ -230,15 +256,15 @@ static long other_users_export(const char *key)
 }
 
 /* 1 when the exporter no longer shares the memory: it closed the key, or it is gone. */
-static int exporter_gone(const struct ipc_record *r)
+static int exporter_gone(const struct ipc_record *r, int life)
 {
     if (atomic_load(&r->state) != IPC_LIVE)
         return 1;
-    return sim_proc_alive(r->exporter_pid, r->exporter_start) == 0;
+    return sim_proc_alive(r->exporter_pid, r->exporter_start) == 0 && sim_proc_life_held(life, r->exporter_start) != 1;
 }
 
 /* Drops importers that died without closing; returns the live ones. Record locked. */
-static int live_importers(struct ipc_record *r, char *pids, size_t len)
+static int live_importers(struct ipc_record *r, char *pids, size_t len, int life)
 {
     int live = 0;
     if (pids && len)
@@ -247,7 +273,7 @@ static int live_importers(struct ipc_record *r, char *pids, size_t len)
         struct ipc_importer *m = &r->importers[i];
         if (!m->pid)
             continue;
-        if (sim_proc_alive(m->pid, m->start_time) == 0) {
+        if (sim_proc_alive(m->pid, m->start_time) == 0 && sim_proc_life_held(life, m->start_time) != 1) {
             m->count = 0;
             m->pid = 0;
             continue;
@@ -330,20 +356,21 @@ static void sweep_stale(void)
             close(fd);
             continue;
         }
-        close(fd);
         if (atomic_load(&r->state) == IPC_CREATING) {
             /* Published, not yet live (its memory being copied in): nobody imports it, and its
                exporter holds the lease it names meanwhile; dead, it never will be live. */
-            if (sim_proc_alive(r->exporter_pid, r->exporter_start) == 0)
+            if (sim_proc_alive(r->exporter_pid, r->exporter_start) == 0 &&
+                sim_proc_life_held(fd, r->exporter_start) != 1)
                 unlink(path);
-        } else if (lock_record(r) == 0) {
-            if (exporter_gone(r) && live_importers(r, NULL, 0) == 0) {
+        } else if (lock_record(r, fd) == 0) {
+            if (exporter_gone(r, fd) && live_importers(r, NULL, 0, fd) == 0) {
                 atomic_store(&r->state, IPC_CLOSED);
                 unlink(path);
             }
             unlock_record(r);
         }
         munmap(r, rec_len());
+        close(fd);
     }
     closedir(d);
 }
@@ -417,6 +444,8 @@ static void export_free(struct ipc_export *e)
 {
     if (e->rec)
         munmap(e->rec, rec_len());
+    if (e->life_fd >= 0)
+        close(e->life_fd);
     free(e);
 }
 
@@ -484,6 +513,9 @@ static int create_record(struct ipc_export *e, int dev, size_t size, uint64_t fl
             atomic_store(&r->state, IPC_CREATING);
             atomic_store(&r->lock_owner, 0);
         }
+        /* Held before the record is published, for as long as the export lives (export_free) */
+        if (!err)
+            e->life_fd = life_open(tmp, fd);
         if (!err && link(tmp, e->path) != 0)
             err = errno;
         unlink(tmp);
@@ -491,6 +523,9 @@ static int create_record(struct ipc_export *e, int dev, size_t size, uint64_t fl
             *out = r;
             return fd;
         }
+        if (e->life_fd >= 0)
+            close(e->life_fd);
+        e->life_fd = -1;
         if (r != MAP_FAILED)
             munmap(r, rec_len());
         close(fd);
@@ -556,6 +591,8 @@ SIM_EXPORT aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *key
     }
     sweep_stale();
     struct ipc_export *e = calloc(1, sizeof *e);
+    if (e)
+        e->life_fd = -1;
     struct ipc_record *r = NULL;
     int fd = e ? create_record(e, dev, size, flags, &r, call)
                : -sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call, "out of host memory");
@@ -619,7 +656,7 @@ SIM_EXPORT aclError aclrtIpcMemSetImportPid(const char *key, int32_t *pid, size_
         return rc;
     }
     struct ipc_record *r = e->rec;
-    if (lock_record(r) != 0) {
+    if (lock_record(r, e->life_fd) != 0) {
         pthread_mutex_unlock(&ipc_mu);
         return sim_fail(ACL_ERROR_RT_IPC_ERROR, call, "cannot lock the record of key '%s'", key);
     }
@@ -701,9 +738,9 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
     pthread_mutex_lock(&ipc_mu);
     struct ipc_import *m = find_import(key);
     if (m) { /* imported already: the same mapping, one more import to close */
-        if (exporter_gone(m->rec))
+        if (exporter_gone(m->rec, m->life_fd))
             rc = exporter_gone_fail(m->rec, key, call);
-        else if (lock_record(m->rec) != 0)
+        else if (lock_record(m->rec, m->life_fd) != 0)
             rc = sim_fail(ACL_ERROR_RT_IPC_ERROR, call, "cannot lock the record of key '%s'", key);
         if (rc == 0) {
             for (int i = 0; i < IPC_MAX_IMPORTERS; i++)
@@ -721,6 +758,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
         pthread_mutex_unlock(&ipc_mu);
         return sim_fail(ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, call, "out of host memory");
     }
+    m->life_fd = -1;
     snprintf(m->key, sizeof m->key, "%s", key);
     record_path(m->path, sizeof m->path, key);
     int fd = open(m->path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
@@ -752,12 +790,13 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
         return rc;
     }
     m->rec = r;
+    m->life_fd = life_open(m->path, fd); /* before our slot is published, until import_close */
     int slot = -1;
     if (atomic_load(&r->state) == IPC_CREATING) {
         rc = sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "key '%s' is still being exported", key);
-    } else if (exporter_gone(r)) {
+    } else if (exporter_gone(r, fd)) {
         rc = exporter_gone_fail(r, key, call);
-    } else if (lock_record(r) != 0) {
+    } else if (lock_record(r, fd) != 0) {
         rc = sim_fail(ACL_ERROR_RT_IPC_ERROR, call, "cannot lock the record of key '%s'", key);
     } else {
         if (atomic_load(&r->state) != IPC_LIVE) { /* closed meanwhile */
@@ -769,7 +808,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
                           "(%u listed), unless it exports with ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION",
                           (int)me, (int)node_pid, key, (int)r->exporter_pid, r->n_pids);
         } else {
-            (void)live_importers(r, NULL, 0); /* frees the slots of dead importers */
+            (void)live_importers(r, NULL, 0, fd); /* frees the slots of dead importers */
             for (int i = 0; i < IPC_MAX_IMPORTERS && slot < 0; i++)
                 if (r->importers[i].pid == 0)
                     slot = i;
@@ -807,7 +846,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
         if (err) {
             rc = sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call, "the host could not map %zu bytes of key '%s' (%s)",
                           size, key, strerror(err));
-            if (lock_record(r) == 0) {
+            if (lock_record(r, fd) == 0) {
                 r->importers[slot].count = 0;
                 r->importers[slot].pid = 0;
                 unlock_record(r);
@@ -817,6 +856,8 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
     close(fd);
     if (rc != 0) {
         munmap(r, rec_len());
+        if (m->life_fd >= 0)
+            close(m->life_fd);
         free(m);
         pthread_mutex_unlock(&ipc_mu);
         return rc;
@@ -851,13 +892,13 @@ static void import_close(struct ipc_import *m)
     munmap(m->a.map, m->a.map_len);
     struct ipc_record *r = m->rec;
     uint64_t my_id = sim_proc_self_id();
-    if (lock_record(r) == 0) {
+    if (lock_record(r, m->life_fd) == 0) {
         for (int i = 0; i < IPC_MAX_IMPORTERS; i++)
             if (r->importers[i].pid != 0 && r->importers[i].start_time == my_id) {
                 r->importers[i].count = 0;
                 r->importers[i].pid = 0;
             }
-        if (exporter_gone(r) && live_importers(r, NULL, 0) == 0) {
+        if (exporter_gone(r, m->life_fd) && live_importers(r, NULL, 0, m->life_fd) == 0) {
             atomic_store(&r->state, IPC_CLOSED);
             unlink(m->path); /* nobody else can close it any more */
         }
@@ -866,6 +907,8 @@ static void import_close(struct ipc_import *m)
     atomic_fetch_sub(&counters[m->a.device].imports, 1);
     atomic_fetch_sub(&counters[m->a.device].imported_bytes, m->a.size);
     munmap(r, rec_len());
+    if (m->life_fd >= 0)
+        close(m->life_fd); /* after its slot was given up */
     free(m);
 }
 
@@ -891,7 +934,7 @@ SIM_EXPORT aclError aclrtIpcMemClose(const char *key)
                     break;
                 }
             import_close(m);
-        } else if (lock_record(m->rec) == 0) {
+        } else if (lock_record(m->rec, m->life_fd) == 0) {
             for (int i = 0; i < IPC_MAX_IMPORTERS; i++)
                 if (m->rec->importers[i].pid != 0 && m->rec->importers[i].start_time == sim_proc_self_id() && m->rec->importers[i].count > 1)
                     m->rec->importers[i].count--;
@@ -906,12 +949,12 @@ SIM_EXPORT aclError aclrtIpcMemClose(const char *key)
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "key '%s' is neither exported nor imported by this "
                         "process (pid %d)", key, (int)getpid());
     }
-    if (lock_record(e->rec) != 0) {
+    if (lock_record(e->rec, e->life_fd) != 0) {
         pthread_mutex_unlock(&ipc_mu);
         return sim_fail(ACL_ERROR_RT_IPC_ERROR, call, "cannot lock the record of key '%s'", key);
     }
     char pids[128];
-    int live = live_importers(e->rec, pids, sizeof pids);
+    int live = live_importers(e->rec, pids, sizeof pids, e->life_fd);
     if (live) {
         unlock_record(e->rec);
         pthread_mutex_unlock(&ipc_mu);
@@ -935,10 +978,10 @@ int sim_ipc_free_check(const void *devPtr, const char *call)
         if (e->alloc_base != p)
             continue;
         found = 1;
-        if (lock_record(e->rec) != 0)
+        if (lock_record(e->rec, e->life_fd) != 0)
             return sim_fail(ACL_ERROR_RT_IPC_ERROR, call, "cannot lock the record of key '%s'", e->key);
         char pids[128];
-        int live = live_importers(e->rec, pids, sizeof pids);
+        int live = live_importers(e->rec, pids, sizeof pids, e->life_fd);
         if (live) {
             unlock_record(e->rec);
             return sim_fail(ACL_ERROR_RT_IPC_ERROR, call,
@@ -962,7 +1005,7 @@ int sim_ipc_free_check(const void *devPtr, const char *call)
 int sim_ipc_usable(const struct sim_alloc *a)
 {
     const struct ipc_import *m = (const struct ipc_import *)a;
-    return !exporter_gone(m->rec);
+    return !exporter_gone(m->rec, m->life_fd);
 }
 
 int sim_ipc_explain(const void *ptr, size_t n, const char *call)
@@ -978,7 +1021,7 @@ int sim_ipc_explain(const void *ptr, size_t n, const char *call)
                           "[%p, +%zu bytes) is memory imported with key '%s', which its exporter (pid %d) has "
                           "closed: it can no longer be used; aclrtIpcMemClose it", ptr, n, m->key,
                           (int)r->exporter_pid);
-        else if (exporter_gone(r))
+        else if (exporter_gone(r, m->life_fd))
             rc = sim_fail(ACL_ERROR_RT_IPC_ERROR, call,
                           "[%p, +%zu bytes) is memory imported with key '%s', whose exporter (pid %d) has exited: "
                           "it can no longer be used; aclrtIpcMemClose it", ptr, n, m->key, (int)r->exporter_pid);
@@ -1012,9 +1055,9 @@ void sim_ipc_finalize(void)
     while (exports) {
         struct ipc_export *e = exports;
         /* Leaving the runtime closes its keys even if importers remain: their next use fails. */
-        if (lock_record(e->rec) == 0) {
+        if (lock_record(e->rec, e->life_fd) == 0) {
             atomic_store(&e->rec->state, IPC_CLOSED);
-            int live = live_importers(e->rec, NULL, 0);
+            int live = live_importers(e->rec, NULL, 0, e->life_fd);
             unlock_record(e->rec);
             if (live) { /* the last importer to close removes the file */
                 exports = e->next;
