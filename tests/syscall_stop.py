@@ -41,8 +41,15 @@ def held_makers_file_stays(maker, temporaries, age, start, timeout_s=15):
     (age(names)), it survives a start (start(): a process whose start sweeps) while its maker
     lives, and goes at the next start once the maker is killed."""
     try:
-        deadline = time.monotonic() + timeout_s
-        while not temporaries() and time.monotonic() < deadline:
+        # The file it is held at: the first temporary seen may be one the maker links a moment
+        # later (a lease's, before a record's), so wait until the set has stood still for 0.5 s.
+        deadline, seen, still_since = time.monotonic() + timeout_s, None, time.monotonic()
+        while time.monotonic() < deadline:
+            now = temporaries()
+            if now != seen:
+                seen, still_since = now, time.monotonic()
+            elif now and time.monotonic() - still_since >= 0.5:
+                break
             time.sleep(0.02)
         (name,) = temporaries()
         time.sleep(0.2)
