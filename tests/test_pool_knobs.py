@@ -326,3 +326,21 @@ def test_garbage_collection_ages_a_segment_freed_on_two_streams_from_its_last_fr
         p.destroy_stream(s2)
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("nbytes", [1000, 5 * MiB, 200 * MiB])
+def test_max_split_size_a_trade_never_hands_a_request_the_room_it_absorbed(nbytes):
+    # The budgeted release policy trades a free 300 MiB segment for the new one, which absorbs the
+    # room under the peak; with max_split_size set such a segment (>= it) was never split, so the
+    # request got all of it: 266 MiB allocated for 1000 bytes.
+    p = ap.Pool(0, backend="sim", max_split_size_mb=128)
+    try:
+        p.free(p.malloc(300 * MiB))
+        x = p.malloc(nbytes)
+        block = p.block_info(x)[1]
+        assert block <= p.round_size(nbytes) + 2 * MiB, f"{nbytes} bytes got a {block}-byte block"
+        assert p.memory_stats()["allocated_bytes.all.current"] == block
+        p._check_invariants()
+        p.free(x)
+    finally:
+        p.close()

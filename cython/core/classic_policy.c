@@ -188,6 +188,13 @@ size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size) {
     if (keep > room) keep = room;
     size_t absorb = ap_round_up(room - keep, p->cfg.page_size);
     if (absorb > room) absorb = room / p->cfg.page_size * p->cfg.page_size;
+    /* With max_split_size set, a block that large is never split (free_blocks.c should_split): a
+       segment absorbed up to it went whole to this request, a 1000-byte one included (266 MiB
+       allocated for it after a 300 MiB block was freed). It absorbs only what keeps it below. */
+    if (p->cfg.max_split_size != AP_NO_LIMIT) {
+        size_t below = p->cfg.max_split_size > size ? (p->cfg.max_split_size - size - 1) / p->cfg.page_size : 0;
+        if (absorb > below * p->cfg.page_size) absorb = below * p->cfg.page_size;
+    }
     p->trade_room = room - absorb < keep ? room - absorb : keep;
     AP_ASSERT(p->trade_credit >= ap_classic_refills_owed(p) * 1000);
     return size + absorb;
