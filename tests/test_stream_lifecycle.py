@@ -207,6 +207,24 @@ def test_empty_cache_after_a_stream_died_behind_the_pool_succeeds_and_empties(po
     pool._check_invariants()
 
 
+def test_empty_cache_returns_a_block_freed_after_all_its_streams_died_behind_the_pool(pool):
+    # Allocated on a, used by b (record_stream), both destroyed by the framework, then freed: no
+    # event can be recorded on either, so the free owes them a wait. empty_cache found no event to
+    # wait for and returned before asking about them: the block stayed pending, its segment
+    # reserved, until the next malloc that missed the cache.
+    a, b = pool.create_stream(), pool.create_stream()
+    x = pool.malloc(24 * MiB, stream=a)
+    pool.record_stream(x, b)
+    pool.backend.stream_destroy(a)
+    pool.backend.stream_destroy(b)
+    pool.free(x)
+    pool.empty_cache()
+    st = pool.memory_stats()
+    assert st["reserved_bytes.all.current"] == 0, [[bl["state"] for bl in s["blocks"]] for s in pool.snapshot()["segments"]]
+    assert st["requested_bytes.all.current"] == 0
+    pool._check_invariants()
+
+
 def test_destroy_stream_of_a_stream_already_destroyed_is_an_invalid_stream_error_twice(pool):
     s = pool.create_stream()
     pool.free(pool.malloc(4096, stream=s), stream=s)
