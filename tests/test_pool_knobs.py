@@ -344,3 +344,21 @@ def test_max_split_size_a_trade_never_hands_a_request_the_room_it_absorbed(nbyte
         p.free(x)
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("knobs, nbytes", [
+    ({"max_split_size_mb": 40, "large_segment_size_mb": 40}, 8 * MiB + 555),  # the shared medium segment
+    ({"max_split_size_mb": 21}, 20 * MiB + 1),                                # 22 MiB in whole pages
+])
+def test_max_split_size_a_smaller_request_splits_its_fresh_segment(knobs, nbytes):
+    # PyTorch's rule: only a request of max_split_size or more keeps its block whole. Its fresh
+    # segment reaching max_split_size, a smaller request got all of it (40 MiB for 8 MiB).
+    p = ap.Pool(0, backend="sim", **knobs)
+    try:
+        x = p.malloc(nbytes)
+        assert p.block_info(x)[1] == p.round_size(nbytes)
+        assert p.memory_stats()["allocated_bytes.all.current"] == p.round_size(nbytes)
+        p._check_invariants()
+        p.free(x)
+    finally:
+        p.close()

@@ -216,7 +216,12 @@ ap_block *ap_find_fit(ap_pool *p, int slot, int pool, size_t rsize) {
 
 static inline int should_split(const ap_pool *p, const ap_block *b, size_t rsize) {
     size_t rest = b->size - rsize;
-    if (b->size >= p->cfg.max_split_size) return 0;
+    /* PyTorch's rule: an oversize request (max_split_size or more) takes its block whole. A
+       smaller one splits even a block that large: only a fresh segment can be one (fit_allowed
+       refuses cached ones), the 20 MiB one medium requests share when large_segment_size_mb
+       equals max_split_size_mb, or one rounded up to pages past it; kept whole, the request got
+       all of it (40 MiB for 8.5 MiB) and its room served no one. */
+    if (rsize >= p->cfg.max_split_size) return 0;
     if (b->seg->pool == AP_POOL_SMALL) return rest >= p->cfg.min_block;
     return rest >= p->cfg.large_split_min;
 }
