@@ -31,7 +31,8 @@ CORE_TESTS=(
     tests/test_context_close.py tests/test_expandable.py tests/test_fork_safety.py tests/test_free_cache_merge.py
     tests/test_ledger_files.py tests/test_ledger_reclaim.py
     tests/test_pool_basic.py tests/test_pool_boundaries.py tests/test_pool_errors.py tests/test_pool_knobs.py tests/test_pool_oom.py
-    tests/test_policy_bounds.py tests/test_pool_model.py tests/test_pool_property.py tests/test_pool_stats_active.py
+    tests/test_policy_bounds.py tests/test_pool_model.py tests/test_pool_property.py tests/test_pool_stateful_knobs.py
+    tests/test_pool_stats_active.py tests/test_pool_threads_model.py
     tests/test_medium_segments.py
     tests/test_quota_context.py
     tests/test_reliability_faults.py
