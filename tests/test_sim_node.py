@@ -408,3 +408,35 @@ def test_visible_devices_renumber_a_processs_devices_and_share_the_nodes(sim_nod
         a.stdin.close()
         a.wait(10)
         a.stdout.close(); a.stderr.close()
+
+
+def test_a_process_initialised_again_keeps_its_device_memory_when_a_cleanup_removed_its_leases(sim_node):
+    """aclInit, aclFinalize, aclInit: the second attach took its life lock (node.c) on a new
+    descriptor of the same record while the first one's still held the same byte, which an
+    open-file lock of another descriptor refuses even within a process, then closed the first:
+    no life lock at all. Once a cleanup removed its lease files, another process was granted the
+    live process's 600 MiB of the 1 GiB device."""
+    holder = sim_node.spawn("""
+        init()
+        ok("aclFinalize")
+        init()
+        p = malloc(600 << 20, align32=True)
+        print("ready", flush=True)
+        sys.stdin.readline()
+    """)
+    try:
+        assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
+        leases = [n for n in os.listdir(sim_node.shm_dir) if n.startswith(("ascendsim-lease-", "ascendsim-alive-"))]
+        assert len(leases) == 2, leases
+        for n in leases:
+            os.unlink(os.path.join(sim_node.shm_dir, n))
+        out = sim_node.run("""
+            init()
+            p = C.c_void_p()
+            print(code("aclrtMallocAlign32", C.byref(p), 600 << 20, 0))
+        """)
+        assert out.split()[-1] == "207001", "another process was granted the live holder's memory"
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+        holder.stdout.close(); holder.stderr.close()

@@ -427,12 +427,16 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
         life = -1;
     }
     close(fd);
+    /* An earlier aclInit's descriptor goes first: it holds this lease's byte on the same file
+       (re-init after aclFinalize), and a lock by another open file conflicts even within the
+       process, so taken before, the new one failed and closing the old left no lock at all. */
+    int old = atomic_exchange(&l->life_fd1, 0) - 1;
+    if (old >= 0)
+        close(old);
     if (life >= 0)
         (void)sim_proc_life_hold(life);
     fd = life;
-    int old = atomic_exchange(&l->life_fd1, fd + 1) - 1;
-    if (old >= 0)
-        close(old);
+    atomic_store(&l->life_fd1, fd + 1);
     int32_t me = (int32_t)getpid();
     uint32_t inst = instance_id();
     uint64_t start = sim_proc_self_id();
