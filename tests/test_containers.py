@@ -760,3 +760,36 @@ def test_the_ledgers_process_count_counts_processes_not_their_contexts(node, mon
 
     fams = {f.name: f for f in ledger_families()}
     assert [s.value for s in fams["ascend_pool_ledger_processes"].samples if s.labels["tenant"] == "online"] == [2]
+
+
+MANY_EXPORTS = r'''
+import json, sys
+import ascend_pool as ap
+from ascend_pool import identity
+pool = ap.Pool(0)
+handles = [pool.share(pool.share_malloc(1 << 20), any_process=True) for _ in range(int(sys.argv[1]))]
+print(json.dumps(identity.instance_hex()), flush=True)
+sys.stdin.readline()
+'''
+
+
+def test_an_exporter_of_a_hundred_blocks_whose_lease_file_a_cleanup_removed_keeps_them_all_shared(node, monkeypatch):
+    # Each share record's life lock needs its descriptor in fork.c's drop table, which had 64
+    # entries (the leases and the stats file's too): past some 60 exports identity.life_hold got
+    # False, and once a cleanup removed the exporter's lease file a listing removed 37 of its 100
+    # live records for good (every later open_shared of them: "no longer shared").
+    env, base, procs = node
+    env = dict(env, ASCEND_POOL_STATS="0")
+    exporter = subprocess.Popen([sys.executable, "-c", MANY_EXPORTS, "100"], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs.append(exporter)
+    instance = json.loads(_hear(exporter))
+    (base / f"ascend_pool-u{os.geteuid()}" / f"ascend_pool-lease-{instance}").unlink()
+    for k in ("ASCEND_POOL_LEDGER_DIR", "ASCEND_SIM_NODE"):
+        monkeypatch.setenv(k, env[k])
+    from ascend_pool.sharing import shares
+
+    assert len(shares()) == 100
+    assert len(shares()) == 100  # the first listing removed none
+    _say(exporter, "done")
+    assert exporter.wait(timeout=30) == 0, exporter.stderr.read()

@@ -41,7 +41,7 @@ void ap_backend_forked_message(char *buf, size_t len);
 /* fork.c: fd is (on = 1) or is no longer (on = 0) a descriptor whose flock proves this process
    alive (a lease, a stats file): a child forked from C, where no Python fork handler runs, drops
    it (dup2 of /dev/null over it), or it would hold the lock after this process died. 0, or -1
-   when the table (AP_FORK_DROP_MAX) is full. */
+   when fd is past the table (AP_FORK_DROP_FDS: 65,536 descriptors). */
 int ap_fork_drop_fd(int fd, int on);
 
 struct ap_backend {

@@ -17,23 +17,30 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <unistd.h>
 
 static atomic_int open_backends;
 static atomic_int opening_backends; /* ap_backend_open calls in progress */
 atomic_int ap_forked_from; /* backend.h */
 
-#define AP_FORK_DROP_MAX 64
-static atomic_int drop_fds[AP_FORK_DROP_MAX]; /* fd + 1; 0: a free entry */
+/* One bit per descriptor number below AP_FORK_DROP_FDS (8 KiB): a share record's life lock takes one
+   per exported or imported block (sharing.py), so a table of 64 entries, shared with the leases
+   and the stats file, was full after some 60 exports and the rest went without (their records
+   then taken for a dead exporter's once a cleanup removed its lease file). O(1) to mark. */
+#define AP_FORK_DROP_FDS 65536
+static _Atomic uint64_t drop_fds[AP_FORK_DROP_FDS / 64];
 
 int ap_fork_drop_fd(int fd, int on)
 {
-    for (int i = 0; i < AP_FORK_DROP_MAX; i++) {
-        int want = on ? 0 : fd + 1;
-        if (atomic_compare_exchange_strong(&drop_fds[i], &want, on ? fd + 1 : 0))
-            return 0;
-    }
-    return on ? -1 : 0;
+    if (fd < 0 || fd >= AP_FORK_DROP_FDS)
+        return on ? -1 : 0;
+    uint64_t bit = (uint64_t)1 << (fd % 64);
+    if (on)
+        atomic_fetch_or(&drop_fds[fd / 64], bit);
+    else
+        atomic_fetch_and(&drop_fds[fd / 64], ~bit);
+    return 0;
 }
 
 static void after_fork_in_child(void)
@@ -45,14 +52,15 @@ static void after_fork_in_child(void)
     /* The parent's lease descriptors: the child must not keep its locks (the fd numbers stay
        valid, now /dev/null, for Python's own fork handlers to close). */
     int null_fd = -1;
-    for (int i = 0; i < AP_FORK_DROP_MAX; i++) {
-        int fd = atomic_load(&drop_fds[i]) - 1;
-        if (fd < 0)
-            continue;
-        if (null_fd < 0 && (null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0)
-            break;
-        (void)dup3(null_fd, fd, O_CLOEXEC);
-        atomic_store(&drop_fds[i], 0);
+    for (int w = 0; w < AP_FORK_DROP_FDS / 64; w++) {
+        uint64_t bits = atomic_exchange(&drop_fds[w], 0);
+        for (int b = 0; bits; b++, bits >>= 1) {
+            if (!(bits & 1))
+                continue;
+            if (null_fd < 0 && (null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0)
+                return;
+            (void)dup3(null_fd, w * 64 + b, O_CLOEXEC);
+        }
     }
     if (null_fd >= 0)
         close(null_fd);
