@@ -5,18 +5,25 @@ import os
 import pickle
 import threading
 
+from . import registry as _registry
 from ._core import history_set_meta
 from .config import HISTORY_ACTIONS, allocator_settings
 from .errors import ConfigError, ConfigTypeError
 
 _STATES = ("inactive", "active_allocated", "active_pending_free")
 
-# torch's _set_memory_metadata: the C history records an id per entry, filed here; each distinct
-# string is kept for the process's life (entries of any age may name it).
+# torch's _set_memory_metadata: the C history records an id per entry, filed here. A string is kept
+# while an entry of some pool's ring may name it (or it is the current one): past _meta_compact_at
+# strings the rings are read and the others dropped, so that code tagging every step with a
+# string of its own ("step 1234", torch's use) does not keep them all for the process's life.
+# Ids are never reused: a history read just before a drop shows "" for a dropped one, not another's.
 _meta_lock = threading.RLock()  # re-entrant, as every module lock (ARCHITECTURE.md: signal handlers)
-_meta_texts = [""]
+_meta_texts = {0: ""}
 _meta_ids = {"": 0}
 _meta_current = 0
+_meta_next = 1
+META_COMPACT_MIN = 4096
+_meta_compact_at = META_COMPACT_MIN
 
 
 def _after_fork_in_child():
@@ -27,19 +34,41 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _meta_in_use():
+    """The ids the history rings of this process's open pools hold (_meta_lock held)."""
+    used = {0, _meta_current}
+    for pool in _registry.live_pools():
+        try:
+            used |= pool._history_metas()  # (a snapshot would add its own event to the trace)
+        except Exception:  # closed meanwhile: its ring is gone
+            continue
+    return used
+
+
+def _meta_compact():
+    global _meta_compact_at
+    used = _meta_in_use()
+    for meta in [m for m in _meta_texts if m not in used]:
+        del _meta_ids[_meta_texts.pop(meta)]
+    _meta_compact_at = max(META_COMPACT_MIN, 2 * len(_meta_texts))
+
+
 def set_memory_metadata(metadata):
     """torch.cuda.memory._set_memory_metadata(): every pool's history entries recorded from now
     on carry `metadata` (a str; "" clears it) as their user_metadata in snapshots, process-wide."""
-    global _meta_current
+    global _meta_current, _meta_next
     if not isinstance(metadata, str):
         raise ConfigTypeError(f"_set_memory_metadata: metadata must be a str, got {metadata!r}")
     with _meta_lock:
         meta = _meta_ids.get(metadata)
         if meta is None:
-            if len(_meta_texts) > 0xFFFFFFFF:
+            if _meta_next > 0xFFFFFFFF:
                 raise ConfigError("_set_memory_metadata: 2**32 distinct metadata strings filed already")
-            meta = _meta_ids[metadata] = len(_meta_texts)
-            _meta_texts.append(metadata)
+            if len(_meta_texts) >= _meta_compact_at:
+                _meta_compact()
+            meta = _meta_ids[metadata] = _meta_next
+            _meta_texts[meta] = metadata
+            _meta_next += 1
         _meta_current = meta
         history_set_meta(meta)
 
@@ -86,7 +115,7 @@ def build(device, segments, history, knobs, frames=None, entry_frames=True, pool
     events = [
         {"action": HISTORY_ACTIONS[action], "device_free" if HISTORY_ACTIONS[action] == "oom" else "addr": addr,
          "size": size, "stream": stream, "time_us": t, "frames": frames.get(ctx, []) if entry_frames else [],
-         "compile_context": "N/A", "user_metadata": _meta_texts[meta]}  # torch puts both on every entry
+         "compile_context": "N/A", "user_metadata": _meta_texts.get(meta, "")}  # torch puts both on every entry
         for action, addr, size, stream, t, ctx, meta in history
     ]
     return {

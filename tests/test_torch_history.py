@@ -571,3 +571,28 @@ def test_set_memory_metadata_tags_every_pools_later_entries_as_torchs(pool):
     finally:
         ap.set_memory_metadata("")
         ap.record_memory_history(enabled=None, device=0)
+
+
+def test_metadata_strings_no_entry_names_any_more_are_not_kept_for_the_process_life(pool):
+    # Code tagging every step (torch's use: _set_memory_metadata(f"step {i}")) filed each string
+    # for good, history recorded or not: a million steps kept a million strings. Those no
+    # history ring names (nor the current one) go once many have piled up; those entries name stay.
+    import sys
+    snapshot = sys.modules["ascend_pool.snapshot"]  # (ascend_pool.snapshot is the function)
+    n = 12_288
+    pool.record_memory_history(enabled="all", stacks=None, max_entries=8)
+    try:
+        ap.set_memory_metadata("kept: an entry names it")
+        pool.free(pool.malloc(4096))
+        ap.set_memory_metadata("")
+        for i in range(n):
+            ap.set_memory_metadata(f"step {i}")
+        assert len(snapshot._meta_texts) <= 8192, len(snapshot._meta_texts)  # 12,290 filed before
+        assert ap.get_memory_metadata() == f"step {n - 1}"
+        assert [e["user_metadata"] for e in _trace(pool)][-2:] == ["kept: an entry names it"] * 2
+        ap.set_memory_metadata("step 5")  # dropped earlier: filed again, entries tagged as before
+        pool.free(pool.malloc(4096))
+        assert [e["user_metadata"] for e in _trace(pool)][-2:] == ["step 5"] * 2
+    finally:
+        ap.set_memory_metadata("")
+        pool.record_memory_history(enabled=None)

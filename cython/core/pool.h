@@ -398,6 +398,8 @@ typedef struct ap_snapshot {
 
 int ap_pool_snapshot(ap_pool *p, ap_snapshot *out);
 void ap_snapshot_free(ap_snapshot *s);
+/* A copy of the history ring, oldest first (*out: malloc'ed, NULL when empty), adding nothing to it. */
+size_t ap_pool_history_copy(ap_pool *p, ap_history_entry **out);
 /* Free blocks as a snapshot shows them (a cached block counts as one), under the lock. */
 size_t ap_pool_count_free_blocks(ap_pool *p);
 /* Turns the event history on with room for `capacity` entries (0: off), at any time; a new

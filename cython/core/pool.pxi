@@ -103,6 +103,7 @@ cdef extern from "pool.h" nogil:
     int ap_pool_snapshot(ap_pool *p, ap_snapshot *out)
     void ap_snapshot_free(ap_snapshot *s)
     size_t ap_pool_count_free_blocks(ap_pool *p)
+    size_t ap_pool_history_copy(ap_pool *p, ap_history_entry **out)
     int ap_pool_set_history(ap_pool *p, size_t capacity, uint32_t skip)
     void ap_history_set_ctx(uint64_t ctx)
     void ap_history_set_meta(uint32_t meta)
@@ -996,6 +997,22 @@ cdef class PoolBase:
         self._entry_frames = bool(frames) and context in ("alloc", "all")
         if self.p != NULL:  # the Python above may have let another thread close it
             _capi_stacks_on(self.p, self if self._stacks_on else None)  # C ABI calls too
+
+    def _history_metas(self):
+        """The user-metadata ids (history_set_meta) of the history's entries, as a set; unlike
+        _raw_snapshot, records no snapshot event."""
+        self._check()
+        cdef ap_pool *_p
+        cdef ap_history_entry *h = NULL
+        cdef size_t n, i
+        _p = self._enter()
+        with nogil:
+            n = ap_pool_history_copy(_p, &h)
+        self._leave()
+        try:
+            return {h[i].meta for i in range(n)}
+        finally:
+            c_free(h)
 
     def n_free_blocks(self):
         """Number of cached free blocks, as cupy's MemoryPool.n_free_blocks() (the inactive blocks

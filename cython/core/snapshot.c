@@ -53,6 +53,15 @@ int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
     return AP_OK;
 }
 
+size_t ap_pool_history_copy(ap_pool *p, ap_history_entry **out) {
+    /* The history alone, adding no snapshot event: what ascend_pool.snapshot reads to learn which
+       user-metadata ids entries still name. */
+    pthread_mutex_lock(&p->lock);
+    size_t n = ap_history_copy(&p->history, out);
+    pthread_mutex_unlock(&p->lock);
+    return n;
+}
+
 size_t ap_pool_count_free_blocks(ap_pool *p) {
     /* As the snapshot shows them (a cached block is one free block), without copying anything or
        adding a snapshot event to the history. */
