@@ -125,7 +125,7 @@ from ascend_pool import sim
 pool = ap.Pool(0, backend='sim')
 x = pool.malloc(4096)
 sim.attach().ascendsim_read(x, ctypes.create_string_buffer(64), 4096)
-") >/dev/null 2>&1
+") >/dev/null 2>&1 9>&-
 if cat "$LOGS"/selfcheck.* 2>/dev/null | grep "ERROR: AddressSanitizer: heap-buffer-overflow" >/dev/null; then
     selfcheck="caught (heap-buffer-overflow in ascendsim_read)"
 else
@@ -140,7 +140,7 @@ echo "asan.sh: running ${#TESTS[@]} test path(s) under AddressSanitizer ..."
 (cd "$SRC" && env LD_PRELOAD="$LIBASAN" \
     ASAN_OPTIONS="detect_leaks=0:log_path=$LOGS/asan:halt_on_error=1:abort_on_error=0" \
     PYTHONPATH="$SRC:$SRC/tests" PYTHONMALLOC=malloc \
-    "$PY" -m pytest -q -p no:cacheprovider -p _asan_poison "${TESTS[@]}") >"$LOGS/pytest.log" 2>&1
+    "$PY" -m pytest -q -p no:cacheprovider -p _asan_poison "${TESTS[@]}") >"$LOGS/pytest.log" 2>&1 9>&-
 rc=$?
 end=$(date +%s)
 

@@ -9,6 +9,7 @@ sanitizer_default_dir() {
 
 # Holds an exclusive lock on $DIR for the rest of the run (fd 9): a second run of the same
 # checkout waits for the first instead of removing the copy it is testing. $1 names the caller.
+# The callers run the tests with 9>&-: a process the tests leave behind must not hold the lock.
 sanitizer_lock() {
     mkdir -p "$DIR"
     exec 9>"$DIR/.lock"

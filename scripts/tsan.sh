@@ -64,9 +64,9 @@ TSAN_ENV=(LD_PRELOAD="$LIBTSAN" PYTHONPATH="$SRC:$SRC/tests" PYTHONMALLOC=malloc
     TSAN_OPTIONS="halt_on_error=0 exitcode=0 handle_segv=0 handle_sigbus=0 second_deadlock_stack=1 report_signal_unsafe=0 history_size=4 suppressions=$DIR/tsan.supp log_path=$LOGS/tsan ${TSAN_EXTRA:-}")
 if [ "${1:-}" = run ]; then
     shift
-    (cd "$SRC" && env "${TSAN_ENV[@]}" timeout "${TSAN_TIMEOUT:-600}" "$PY" "$@")
+    (cd "$SRC" && env "${TSAN_ENV[@]}" timeout "${TSAN_TIMEOUT:-600}" "$PY" "$@") 9>&-
 else
-    (cd "$SRC" && env "${TSAN_ENV[@]}" timeout "${TSAN_TIMEOUT:-1200}" "$PY" -m pytest -q -p no:cacheprovider "$@")
+    (cd "$SRC" && env "${TSAN_ENV[@]}" timeout "${TSAN_TIMEOUT:-1200}" "$PY" -m pytest -q -p no:cacheprovider "$@") 9>&-
 fi
 rc=$?
 # A report counts when its SUMMARY (the top frame of the first access) is in the project's code.
