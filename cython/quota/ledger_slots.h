@@ -169,9 +169,10 @@ int ap_fork_drop_fd(int fd, int on); /* ../backend/fork.c */
 
 /* Takes this process's life lock on the ledger (proc_identity.h apl_life_offset), once per process
    and ledger, before it claims a slot; held until the process ends (a forked child takes its own at
-   its first claim). Its own descriptor, opened read-only, that a child forked from C drops (fork.c): holding
-   the lock, the child would keep a killed parent alive. Where it cannot be had (a kernel before
-   3.15, the path replaced) only the lease tells. Under the lock (L->mu: one thread sets it). */
+   its first claim). Its own descriptor, opened read-only, that a forked child drops (fork.c): holding
+   the lock, the child would keep a killed parent alive. So it is registered for that before the
+   lock is taken; where it cannot be registered (the table full) or the lock had (a kernel before
+   3.15, the path replaced), only the lease tells. Under the lock (L->mu: one thread sets it). */
 static void apl_life_hold(apl_ledger *L, uint64_t instance) {
     if (L->life_fd >= 0 && L->life_pid == getpid()) return;
     if (L->life_fd >= 0) { /* a forked child's copy (/dev/null after fork.c, else the parent's file) */
@@ -181,14 +182,18 @@ static void apl_life_hold(apl_ledger *L, uint64_t instance) {
     }
     int fd = open(L->path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) return;
+    if (ap_fork_drop_fd(fd, 1) != 0) {
+        close(fd);
+        return;
+    }
     struct stat st;
     struct flock fl = apl_life_range(instance, F_RDLCK);
     if (fstat(fd, &st) != 0 || st.st_dev != L->st_dev || st.st_ino != L->st_ino ||
         fcntl(fd, F_OFD_SETLK, &fl) != 0) {
+        ap_fork_drop_fd(fd, 0);
         close(fd);
         return;
     }
-    ap_fork_drop_fd(fd, 1);
     L->life_fd = fd;
     L->life_pid = getpid();
 }

@@ -1,0 +1,80 @@
+"""A forked child never keeps its parent's proofs of life: the lease (identity.py) and the life
+lock on each ledger (cython/quota/ledger_slots.h apl_life_hold). Holding either, a child that
+outlives its killed parent (a DataLoader worker, a native library's fork) kept the parent alive to
+its peers in other pid namespaces, its quota share never given back while the child lived. Each
+test forks, kills the parent, and asks the ledger or the lease directory whether the parent's lock
+is still held.
+"""
+import fcntl
+import glob
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import ascend_pool as ap
+
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
+F_OFD_GETLK = 36
+FLOCK = "hhqqi4x"  # struct flock on Linux x86_64 and aarch64: type, whence, start, len, pid
+
+
+def _run_parent(tmp_path, code, **env):
+    """Runs code (a parent that prints {"instance", "child"} once its child is forked), kills it
+    once it printed, and returns what it printed. The forked child is killed by the caller."""
+    full = dict(os.environ, PYTHONPATH=PKG_PARENT, ASCEND_POOL_LEDGER_DIR=str(tmp_path),
+                ASCEND_SIM_NODE="t" + uuid.uuid4().hex[:12], ASCEND_SIM_SHM_DIR=str(tmp_path),
+                ASCEND_SIM_DEVICES="2", ASCEND_SIM_HBM="64MiB", ASCEND_POOL_STATS="0")
+    full.update(env)
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=full, stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line, "the parent printed nothing"
+        return json.loads(line)
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+        p.stdout.close()  # the forked child holds the pipe's other end: no reading to its end
+
+
+def _life_lock_held(ledger, instance):
+    fd = os.open(ledger, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fl = struct.pack(FLOCK, fcntl.F_WRLCK, os.SEEK_SET, (instance >> 2) + 1, 1, 0)
+        return struct.unpack(FLOCK, fcntl.fcntl(fd, F_OFD_GETLK, fl))[0] != fcntl.F_UNLCK
+    finally:
+        os.close(fd)
+
+
+def _ledgers(tmp_path):
+    return sorted(glob.glob(os.path.join(str(tmp_path), "**", "ascend_pool-ledger-*"), recursive=True))
+
+
+def test_a_process_with_contexts_on_64_devices_leaves_its_forked_child_none_of_its_life_locks(tmp_path):
+    # 64 life locks (one per device's ledger) and a lease filled fork.c's table of 64 descriptors
+    # to drop in a child: the last ledgers' locks stayed held by a child forked from C.
+    hello = _run_parent(tmp_path, """
+        import json, time
+        import ctypes as C
+        import ascend_pool as ap
+        from ascend_pool import identity
+        ctxs = [ap.Pool(d, backend="sim").context("t", quota=8 << 20) for d in range(64)]
+        libc = C.PyDLL(None)  # a native library's fork: no Python fork handler runs
+        pid = libc.fork()
+        if pid == 0:
+            libc.sleep(60)
+            libc._exit(0)
+        print(json.dumps({"instance": identity.instance(), "child": pid}), flush=True)
+        time.sleep(60)
+    """, ASCEND_SIM_DEVICES="64")
+    try:
+        ledgers = _ledgers(tmp_path)
+        assert len(ledgers) == 64
+        held = [os.path.basename(p) for p in ledgers if _life_lock_held(p, hello["instance"])]
+        assert held == [], f"the killed parent's life lock is held by its child on {len(held)} ledgers"
+    finally:
+        os.kill(hello["child"], signal.SIGKILL)
