@@ -2,13 +2,15 @@
 lock on each ledger (cython/quota/ledger_slots.h apl_life_hold). Holding either, a child that
 outlives its killed parent (a DataLoader worker, a native library's fork) kept the parent alive to
 its peers in other pid namespaces, its quota share never given back while the child lived. Each
-test forks, kills the parent, and asks the ledger or the lease directory whether the parent's lock
-is still held.
+test forks (at the worst moment, where a shim, tests/c/slow_locks.c, holds the other thread just
+after it took the lock), kills the parent, and asks the ledger or the lease directory whether the
+parent's lock is still held.
 """
 import fcntl
 import glob
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -16,11 +18,25 @@ import sys
 import textwrap
 import uuid
 
+import pytest
+
 import ascend_pool as ap
+from ascend_pool import identity
 
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
+CC = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+needs_cc = pytest.mark.skipif(CC is None, reason="needs a C compiler for the LD_PRELOAD shim")
 F_OFD_GETLK = 36
 FLOCK = "hhqqi4x"  # struct flock on Linux x86_64 and aarch64: type, whence, start, len, pid
+
+
+@pytest.fixture
+def shim(tmp_path):
+    out = tmp_path / "slow_locks.so"
+    src = os.path.join(os.path.dirname(__file__), "c", "slow_locks.c")
+    subprocess.run([CC, "-shared", "-fPIC", "-O1", "-o", str(out), src, "-ldl"], check=True)
+    # the LD_PRELOAD for the parent: after a sanitizer's runtime (scripts/asan.sh preloads it)
+    return " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(out)]))
 
 
 def _run_parent(tmp_path, code, **env):
@@ -52,6 +68,37 @@ def _life_lock_held(ledger, instance):
 
 def _ledgers(tmp_path):
     return sorted(glob.glob(os.path.join(str(tmp_path), "**", "ascend_pool-ledger-*"), recursive=True))
+
+
+FORK_WHILE = """
+    import json, os, threading, time
+    import ascend_pool as ap
+    from ascend_pool import identity
+    t = threading.Thread(target=lambda: {call})
+    t.start()
+    time.sleep(0.3)  # the thread is just past the open of its new lock's file (the shim keeps it there 1 s)
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    t.join()
+    print(json.dumps({{"instance": identity.instance(), "child": pid}}), flush=True)
+    time.sleep(60)
+"""
+
+
+@needs_cc
+def test_a_fork_while_a_thread_takes_its_life_lock_leaves_the_child_without_it(tmp_path, shim):
+    # The life lock's descriptor was opened, then registered for fork.c's drop: a fork between
+    # them gave the child a copy, unregistered, of the open file description the parent then
+    # locked (a lock of the description, which the copy shares).
+    code = FORK_WHILE.format(call='ap.Pool(0, backend="sim").context("t", quota=8 << 20)')
+    hello = _run_parent(tmp_path, code, LD_PRELOAD=shim, SLOW_LEDGER_OPEN_MS="1000")
+    try:
+        [ledger] = _ledgers(tmp_path)
+        assert not _life_lock_held(ledger, hello["instance"]), "the killed parent's life lock is held by its child"
+    finally:
+        os.kill(hello["child"], signal.SIGKILL)
 
 
 def test_a_process_with_contexts_on_64_devices_leaves_its_forked_child_none_of_its_life_locks(tmp_path):

@@ -43,6 +43,11 @@ void ap_backend_forked_message(char *buf, size_t len);
    it (dup2 of /dev/null over it), or it would hold the lock after this process died. 0, or -1
    when fd is past the table (AP_FORK_DROP_FDS: 65,536 descriptors). */
 int ap_fork_drop_fd(int fd, int on);
+/* fork.c: around making such a descriptor up to its registration, and from its unregistration to
+   its close: a fork waits meanwhile (else the child got it unregistered). No other lock is taken
+   inside, nor may the caller wait for anything there. */
+void ap_fork_window_enter(void);
+void ap_fork_window_leave(void);
 
 struct ap_backend {
     int kind;          /* AP_BACKEND_ACL or AP_BACKEND_CUDA */

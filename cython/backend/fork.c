@@ -18,6 +18,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <string.h>
 #include <unistd.h>
 
 static atomic_int open_backends;
@@ -30,6 +31,32 @@ atomic_int ap_forked_from; /* backend.h */
    then taken for a dead exporter's once a cleanup removed its lease file). O(1) to mark. */
 #define AP_FORK_DROP_FDS 65536
 static _Atomic uint64_t drop_fds[AP_FORK_DROP_FDS / 64];
+
+/* A fork waits (its prepare handler takes this exclusively) while a thread is between making
+   such a descriptor and registering it, or between unregistering and closing it: a fork there
+   copied it, unregistered, into the child, which then kept the lock the parent held (the lock
+   belongs to the open file description, which the copy shares). Held for a system call or two. */
+static pthread_rwlock_t fork_window = PTHREAD_RWLOCK_INITIALIZER;
+
+void ap_fork_window_enter(void)
+{
+    pthread_rwlock_rdlock(&fork_window);
+}
+
+void ap_fork_window_leave(void)
+{
+    pthread_rwlock_unlock(&fork_window);
+}
+
+static void before_fork(void)
+{
+    pthread_rwlock_wrlock(&fork_window);
+}
+
+static void after_fork_in_parent(void)
+{
+    pthread_rwlock_unlock(&fork_window);
+}
 
 int ap_fork_drop_fd(int fd, int on)
 {
@@ -45,7 +72,9 @@ int ap_fork_drop_fd(int fd, int on)
 
 static void after_fork_in_child(void)
 {
-    /* Only async-signal-safe work here: atomic accesses, getppid(), open, dup2 and close. A
+    pthread_rwlock_t fresh = PTHREAD_RWLOCK_INITIALIZER; /* the forking thread's hold is the parent's */
+    memcpy(&fork_window, &fresh, sizeof fresh);
+    /* Only async-signal-safe work here: atomic accesses, memcpy, getppid(), open, dup2 and close. A
        grandchild keeps the first pid: its runtime is as unusable as its parent's. */
     if ((atomic_load(&open_backends) > 0 || atomic_load(&opening_backends) > 0) && atomic_load(&ap_forked_from) == 0)
         atomic_store(&ap_forked_from, (int)getppid());
@@ -68,7 +97,7 @@ static void after_fork_in_child(void)
 
 __attribute__((constructor)) static void fork_boot(void)
 {
-    pthread_atfork(NULL, NULL, after_fork_in_child);
+    pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
 }
 
 void ap_backend_count_open(int delta)

@@ -36,6 +36,11 @@
  *   orphan           (ap_pool, atomic, no lock) set once by ap_pool_set_orphan, read by the peer release.
  *   spare_lock       (pool.c) the list of destroyed pool structs kept for reuse; held for the list
  *                    operation only, never with a pool lock.
+ *   fork_window      (backend/fork.c, rwlock) read-held from the open of a descriptor whose lock
+ *                    proves the process alive to its registration for a child's drop (and from its
+ *                    unregistration to its close), a system call or two, no lock taken inside; a
+ *                    fork's prepare handler takes it exclusively, so no child gets such a
+ *                    descriptor unregistered.
  * Never done while holding ap_pool.lock:
  *   - a device or event wait (stream_sync, event_sync) or any runtime call that can block on
  *     queued work: waits run in waits.c with the lock dropped (take the work out, wait, retake

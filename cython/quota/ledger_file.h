@@ -355,17 +355,26 @@ static int apl_open_as(const char *path, int device, const char *backend, const 
     return apl_open_as_ms(path, device, backend, node, group, owner, APL_LOCK_TIMEOUT_MS, out, err, len);
 }
 
+int ap_fork_drop_fd(int fd, int on); /* ../backend/fork.c (backend.h) */
+void ap_fork_window_enter(void);
+void ap_fork_window_leave(void);
+
+/* Closes a life-lock descriptor: unregistered and closed with no fork between (fork.c). */
+static void apl_life_close(int fd) {
+    ap_fork_window_enter();
+    ap_fork_drop_fd(fd, 0);
+    close(fd);
+    ap_fork_window_leave();
+}
+
 static void apl_ref(apl_ledger *L) { atomic_fetch_add(&L->refs, 1); }
 
 static void apl_unref(apl_ledger *L) {
     if (L && atomic_fetch_sub(&L->refs, 1) == 1) {
         munmap(L->f, sizeof(apl_file));
         close(L->fd);
-        if (L->life_fd >= 0) { /* this process's lock, or a forked child's copy */
-            int ap_fork_drop_fd(int fd, int on);
-            ap_fork_drop_fd(L->life_fd, 0);
-            close(L->life_fd);
-        }
+        if (L->life_fd >= 0) /* this process's lock, or a forked child's copy */
+            apl_life_close(L->life_fd);
         pthread_mutex_destroy(&L->mu);
         free(L);
     }

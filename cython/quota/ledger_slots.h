@@ -165,33 +165,30 @@ static int apl_declare_quota(apl_tenant *T, uint64_t quota, int src, uint32_t st
     return conflict ? 1 + replaced : 0;
 }
 
-int ap_fork_drop_fd(int fd, int on); /* ../backend/fork.c */
-
 /* Takes this process's life lock on the ledger (proc_identity.h apl_life_offset), once per process
    and ledger, before it claims a slot; held until the process ends (a forked child takes its own at
    its first claim). Its own descriptor, opened read-only, that a forked child drops (fork.c): holding
-   the lock, the child would keep a killed parent alive. So it is registered for that before the
-   lock is taken; where it cannot be registered (the table full) or the lock had (a kernel before
-   3.15, the path replaced), only the lease tells. Under the lock (L->mu: one thread sets it). */
+   the lock, the child would keep a killed parent alive. It is registered for that before the lock
+   is taken, with no fork between its open and its registration (fork.c's window); where it cannot
+   be registered (the table full) or had (a kernel before 3.15, the path replaced), only the lease
+   tells. Under the lock (L->mu: one thread sets it). */
 static void apl_life_hold(apl_ledger *L, uint64_t instance) {
     if (L->life_fd >= 0 && L->life_pid == getpid()) return;
     if (L->life_fd >= 0) { /* a forked child's copy (/dev/null after fork.c, else the parent's file) */
-        ap_fork_drop_fd(L->life_fd, 0);
-        close(L->life_fd);
+        apl_life_close(L->life_fd);
         L->life_fd = -1;
     }
+    ap_fork_window_enter();
     int fd = open(L->path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd < 0) return;
-    if (ap_fork_drop_fd(fd, 1) != 0) {
-        close(fd);
-        return;
-    }
+    int registered = fd >= 0 && ap_fork_drop_fd(fd, 1) == 0;
+    if (fd >= 0 && !registered) close(fd);
+    ap_fork_window_leave();
+    if (!registered) return;
     struct stat st;
     struct flock fl = apl_life_range(instance, F_RDLCK);
     if (fstat(fd, &st) != 0 || st.st_dev != L->st_dev || st.st_ino != L->st_ino ||
         fcntl(fd, F_OFD_SETLK, &fl) != 0) {
-        ap_fork_drop_fd(fd, 0);
-        close(fd);
+        apl_life_close(fd);
         return;
     }
     L->life_fd = fd;

@@ -1,0 +1,54 @@
+/* LD_PRELOAD shim for tests/test_fork_life_locks.py: widens the windows in which a process makes a
+   descriptor whose lock proves it alive, so that a fork lands there. A read-only open of a ledger
+   file (ascend_pool-ledger-*: the life lock's descriptor, cython/quota/ledger_slots.h) returns after
+   SLOW_LEDGER_OPEN_MS milliseconds; flock(LOCK_EX) on a lease file (ascend_pool-lease-*) after
+   SLOW_LEASE_MS. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <time.h>
+#include <unistd.h>
+
+static void pause_ms(const char *env) {
+    const char *ms = getenv(env);
+    long v = ms ? atol(ms) : 0;
+    struct timespec ts = {v / 1000, (v % 1000) * 1000000L};
+    if (v > 0) nanosleep(&ts, NULL);
+}
+
+#define SHIM_OPEN(name)                                                                   \
+    int name(const char *path, int flags, ...) {                                          \
+        static int (*real)(const char *, int, ...);                                       \
+        if (!real) real = (int (*)(const char *, int, ...))dlsym(RTLD_NEXT, #name);       \
+        va_list ap;                                                                       \
+        va_start(ap, flags);                                                              \
+        int mode = (flags & (O_CREAT | O_TMPFILE)) ? va_arg(ap, int) : 0;                 \
+        va_end(ap);                                                                       \
+        int fd = real(path, flags, mode);                                                 \
+        if (fd >= 0 && (flags & O_ACCMODE) == O_RDONLY && strstr(path, "ascend_pool-ledger-")) \
+            pause_ms("SLOW_LEDGER_OPEN_MS");                                              \
+        return fd;                                                                        \
+    }
+SHIM_OPEN(open)
+SHIM_OPEN(open64)
+
+int flock(int fd, int op) {
+    static int (*real)(int, int);
+    if (!real) real = (int (*)(int, int))dlsym(RTLD_NEXT, "flock");
+    int rc = real(fd, op);
+    if (rc == 0 && (op & LOCK_EX) && getenv("SLOW_LEASE_MS")) {
+        char link[64], path[512];
+        snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+        ssize_t n = readlink(link, path, sizeof path - 1);
+        if (n > 0) {
+            path[n] = 0;
+            if (strstr(path, "ascend_pool-lease-")) pause_ms("SLOW_LEASE_MS");
+        }
+    }
+    return rc;
+}
