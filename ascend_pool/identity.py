@@ -562,6 +562,18 @@ def remove_abandoned(path):
         os.close(fd)
 
 
+def _before_fork():
+    # A fork waits for a lease being made (_make_lease: locked, then registered in _leases) or
+    # replaced: a fork between the two copied the locked descriptor into the child unknown to
+    # _after_fork_in_child, and the child kept the parent's lease (a killed parent alive) as long
+    # as it lived. Held for a few system calls; never held over a wait.
+    _lock.acquire()
+
+
+def _after_fork_in_parent():
+    _lock.release()
+
+
 def _after_fork_in_child():
     # The child is another process: the parent's leases stay the parent's (closing our copies of
     # the descriptors keeps the locks, which belong to the parent's open files).
@@ -583,4 +595,4 @@ def _after_fork_in_child():
 # another process take the process for dead while it still holds memory. The kernel drops the lock
 # when the process is gone; the file is removed by the next process that looks (ensure_lease, the
 # node service's sweep).
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

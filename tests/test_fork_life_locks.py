@@ -101,6 +101,19 @@ def test_a_fork_while_a_thread_takes_its_life_lock_leaves_the_child_without_it(t
         os.kill(hello["child"], signal.SIGKILL)
 
 
+@needs_cc
+def test_a_fork_while_a_thread_makes_its_lease_leaves_the_child_without_it(tmp_path, shim):
+    # The lease file is locked, then entered in identity._leases, which the child's fork handler
+    # closes: a fork between them gave the child the locked descriptor, unknown to the handler.
+    code = FORK_WHILE.format(call=f"identity.ensure_lease({str(tmp_path)!r})")
+    hello = _run_parent(tmp_path, code, LD_PRELOAD=shim, SLOW_LEASE_MS="1000")
+    try:
+        assert identity.lease_alive(str(tmp_path), hello["instance"]) is False, \
+            "the killed parent's lease is held by its child"
+    finally:
+        os.kill(hello["child"], signal.SIGKILL)
+
+
 def test_a_process_with_contexts_on_64_devices_leaves_its_forked_child_none_of_its_life_locks(tmp_path):
     # 64 life locks (one per device's ledger) and a lease filled fork.c's table of 64 descriptors
     # to drop in a child: the last ledgers' locks stayed held by a child forked from C.
