@@ -762,6 +762,67 @@ def test_register_stream_keeps_a_stream_made_meanwhile_with_the_handle_it_refuse
     assert out == {"reused": True, "refused": True, "known": True}, out
 
 
+def test_a_stream_the_c_abi_orders_on_with_the_handle_register_stream_refuses_keeps_its_blocks(sim_node):
+    # register_stream asks the runtime the stream's device with the GIL released; a handle that
+    # names another device's stream makes the pool forget it, in C too (its slot retired: its
+    # cached blocks serve every stream). Meanwhile the framework destroyed that stream, made one
+    # of this device that got the handle anew and ordered a block on it through the C ABI (which
+    # Python's serials never see): its slot was retired on the stale answer, and the block, still
+    # written by that stream's kernel, went to the next allocation on the default stream.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import _core, sim
+        from ascend_pool._core import Backend
+
+        class B(Backend):
+            hook = None
+
+            def stream_device(self, stream):
+                dev = super().stream_device(stream)
+                if self.hook:
+                    h, self.hook = self.hook, None
+                    h()
+                return dev
+
+        be = B("sim")
+        pool = ap.Pool(0, backend=be)
+        ctx = pool.context("framework")
+        s1 = ctx.create_stream()
+        be.stream_destroy(s1)                  # behind the pool's back
+        s2 = be.stream_create(1)               # the handle anew, on device 1
+        made = []
+
+        def meanwhile():
+            be.stream_destroy(s2)
+            h = be.stream_create(0)            # the framework's stream: the handle anew, on device 0
+            with ctx:
+                x = _core.capi_malloc(1 << 20, 0, h)
+                sim.launch_fill(h, x, 1 << 20, 0x11, delay_s=0.5)  # its kernel, still queued
+                _core.capi_free(x, 0, 0, h)    # cached for h: only h's later work may reuse it
+            made.append((h, x))
+
+        be.hook = meanwhile
+        try:
+            ctx.register_stream(s2)
+            refused = False
+        except ap.InvalidStreamError:
+            refused = True
+        (h, x), = made
+        y = ctx.malloc(1 << 20)                # the default stream
+        sim.launch_fill(0, y, 1 << 20, 0x22)
+        ctx.synchronize(None)
+        be.stream_sync(h)                      # its kernel done: it wrote its block
+        out = {"reused": s2 == s1 == h, "refused": refused,
+               "intact": sim.read(y, 1 << 20) == bytes([0x22]) * (1 << 20)}
+        ctx.free(y)
+        ctx.close()
+        be.stream_destroy(h)
+        pool.close()
+        print(json.dumps(out))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out == {"reused": True, "refused": True, "intact": True}, out
+
+
 def test_a_pool_forgets_the_streams_it_created_that_the_runtime_destroyed(pool):
     # A framework takes a stream from create_stream per request and destroys it with the runtime
     # (aclrtDestroyStream), never telling the pool: create_stream kept every handle in the pool's

@@ -315,9 +315,10 @@ int ap_pool_empty_stream(ap_pool *p, void *stream, ap_error *err);
 int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err);
 /* Forgets a stream that is about to be destroyed: waits for it and returns its blocks to all. */
 int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err);
-/* Forgets a stream the runtime says is gone (its handle now names a stream of another device):
-   its cached blocks serve every stream, as for a stream destroyed behind the pool's back. No
-   runtime call, no wait. */
+/* Forgets a stream the runtime said is gone (its handle named a stream of another device): its
+   cached blocks serve every stream, as for a stream destroyed behind the pool's back. Asked again
+   under the lock (no wait): the answer was had before, and the runtime may since have given the
+   handle to a new stream of this device, whose slot stays. */
 void ap_pool_forget_stream(ap_pool *p, void *stream);
 /* 1 when stream has no work queued (an event recorded on it now is complete), 0 when it has or
    no event can be had, -1 when the runtime does not know the stream. Never waits. */

@@ -623,8 +623,9 @@ cdef class PoolBase:
         self._prune_streams()
 
     def _forget_stream(self, handle):
-        """Drops a stream the runtime says is gone: its handle no longer reaches this pool, and
-        its cached blocks serve every stream."""
+        """Drops a stream the runtime said is gone: its handle no longer reaches this pool, and
+        its cached blocks serve every stream, once the runtime says so again under the pool's
+        lock (a stream made with the handle since keeps its blocks)."""
         self._streams.pop(handle, None)
         self._created.discard(handle)
         cdef void *s = PyLong_AsVoidPtr(handle)

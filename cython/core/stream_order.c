@@ -635,7 +635,10 @@ size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_err
 void ap_pool_forget_stream(ap_pool *p, void *stream) {
     pthread_mutex_lock(&p->lock);
     int slot = stream ? ap_slot_of(p, stream, 0) : -1;
-    if (slot > 0) ap_slot_retire(p, slot);
+    /* The caller's answer may be stale (register_stream asked with the GIL released): a stream of
+       this device made with the handle since has work ordered on its cached blocks, which
+       retagged to every stream would be handed out under that work. */
+    if (slot > 0) ap_stream_gone(p, slot);
     pthread_mutex_unlock(&p->lock);
 }
 
