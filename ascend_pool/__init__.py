@@ -80,6 +80,7 @@ from .api import (
     share_malloc,
     snapshot,
     synchronize,
+    use_mem_pool,
 )
 
 from .capi import library_path

@@ -4,6 +4,7 @@ The current device is per thread (set_device); each device's default pool is cre
 use with the knobs of $ASCEND_POOL_CONF and the backend of $ASCEND_POOL_BACKEND.
 """
 
+import contextlib
 import numbers
 import os
 import re
@@ -203,6 +204,31 @@ def context(name, quota=None, warn=None, device=None):
     Made from the process default even inside another context's `with`: contexts do not nest."""
     device = torch_device_index(device)
     return process_default_pool(current_device() if device is None else device).context(name, quota=quota, warn=warn)
+
+
+@contextlib.contextmanager
+def use_mem_pool(pool, device=None):
+    """torch.cuda.use_mem_pool(pool, device=None): within the block, the calling thread's
+    allocations on the pool's device come from pool (an ap.Pool or a tenant context), for
+    module-level calls (ap.malloc, caching_allocator_alloc) and the C ABI alike (a framework's
+    tensors), as `with ctx:` does for a context. Only this thread's, as torch's: a thread started
+    inside allocates from its own current pool. Blocks nest (the innermost wins, with `with ctx:`
+    too) and may be left in any order (asyncio tasks); the pool's use_count() counts each block
+    in force. device: None, or the pool's own device (a Pool serves one device; another one is
+    an InvalidDeviceError). A pool closed inside the block is refused from then on, as a closed
+    context is (the C ABI returns NULL saying so), never replaced by the default unawares."""
+    if not isinstance(pool, Pool):
+        raise ConfigTypeError(f"use_mem_pool: pool must be an ascend_pool.Pool or tenant context, got {pool!r}")
+    if pool.closed:
+        raise PoolError(f"use_mem_pool: {pool!r} is closed")
+    index = torch_device_index(device)
+    if index is not None and index != pool.device:
+        raise InvalidDeviceError(f"use_mem_pool: the pool serves device {pool.device}, not device {index}")
+    entry = _current.push(pool.device, pool)
+    try:
+        yield pool
+    finally:
+        _current.pop(pool.device, entry)
 
 
 def share_malloc(nbytes, device=None):

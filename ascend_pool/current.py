@@ -1,11 +1,24 @@
-"""The pool current on each thread, per device: `with ctx:` pushes a tenant context here, and
-module-level calls (ascend_pool.api) and the C ABI (core/current.h, kept in step) allocate from it."""
+"""The pool current on each thread, per device: `with ctx:` pushes a tenant context here (and
+ap.use_mem_pool any pool), and module-level calls (ascend_pool.api) and the C ABI (core/current.h,
+kept in step) allocate from it."""
 
 import threading
 
 from ._core import _restore_thread_current, _set_thread_current
 
 _local = threading.local()
+
+
+def _uses_of(pool):
+    # One entry per push in force, any thread's: list.append/remove and dict.setdefault are each
+    # one call under the GIL, so no lock (a module lock would be re-entered by a signal handler
+    # entering a `with` while this thread counts; see ARCHITECTURE.md, Locks).
+    return pool.__dict__.setdefault("_uses", [])
+
+
+def uses(pool):
+    """The pushes of pool still in force, on every thread (`with ctx:`, use_mem_pool)."""
+    return len(pool.__dict__.get("_uses", ()))
 
 
 def _stack(device):
@@ -20,6 +33,7 @@ def push(device, pool):
     stack = _stack(device)
     entry = [pool, _set_thread_current(device, pool)]  # [pool, what to restore when it goes]
     stack.append(entry)
+    _uses_of(pool).append(entry)
     return entry
 
 
@@ -37,6 +51,7 @@ def pop(device, entry):
     else:
         return  # not this thread's push: nothing of this thread's to undo
     del stack[i]
+    _remove_use(entry)
     if i == len(stack):
         _restore_thread_current(device, entry[1])
     else:
@@ -51,6 +66,13 @@ def pop_last_of(device, pool):
         if entry[0] is pool:
             pop(device, entry)
             return
+
+
+def _remove_use(entry):
+    try:
+        _uses_of(entry[0]).remove(entry)  # one call: an equal entry, if not this one, counts the same
+    except ValueError:
+        pass
 
 
 def top(device):

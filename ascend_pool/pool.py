@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from . import current as _current
 from . import registry as _registry
 from . import snapshot as _snapshot
 from . import stats as _stats
@@ -151,6 +152,17 @@ class Pool(PoolBase):
         # A peer device's stream that one of its open pools made or registered: record_stream
         # orders this block's reuse after it (an event of that device), as torch's record_stream.
         return any(other.device != self.device and other._knows_stream(stream) for other in _registry.live_pools())
+
+    @property
+    def id(self):
+        """torch's MemPool.id: pool_id, the (0, n) memory_snapshot(mempool_id) and
+        reserved_bytes_by_private_pools name this pool by ((0, 0) for a default pool)."""
+        return self.pool_id
+
+    def use_count(self):
+        """torch's MemPool.use_count(): 1 for the pool object, plus 1 for each ap.use_mem_pool
+        (or `with ctx:`) block of it in force on any thread."""
+        return 1 + _current.uses(self)
 
     def context(self, name, quota=None, warn=None):
         """A tenant context on this pool's device: its own segments and a soft quota (bytes, "8GiB"

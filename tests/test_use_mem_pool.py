@@ -1,0 +1,167 @@
+"""ap.use_mem_pool(pool): torch.cuda.use_mem_pool's routing of the calling thread's allocations
+to a pool (module-level calls and the C ABI), with torch's MemPool.id and use_count(); the tests
+of torch's test_cuda.py (and torch_npu's test_mempool.py) that do not need a custom allocator,
+ported."""
+
+import ctypes
+import threading
+
+import pytest
+
+import ascend_pool as ap
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def lib():
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+def test_use_mem_pool_routes_module_calls_and_the_c_abi_and_counts_its_use(lib):
+    # torch's test_mempool_with_allocator / torch_npu's test_mempool_public_api: use_count() is 1
+    # for the pool object, 2 inside use_mem_pool, 1 again after it
+    pool = ap.Pool(0)
+    try:
+        assert pool.use_count() == 1
+        with ap.use_mem_pool(pool):
+            assert pool.use_count() == 2
+            assert ap.default_pool(0) is pool
+            a = ap.malloc(MiB)
+            b = ap.caching_allocator_alloc(MiB)
+            c = lib.ascend_pool_malloc(MiB, 0, None)
+            assert c, "the C ABI refused an allocation"
+        assert pool.use_count() == 1
+        assert all(pool.block_info(p) is not None for p in (a, b, c))
+        assert ap.default_pool(0) is not pool
+        d = lib.ascend_pool_malloc(MiB, 0, None)  # the default pool again, for the C ABI too
+        assert pool.block_info(d) is None
+        lib.ascend_pool_free(d, MiB, 0, None)
+        for p in (a, b, c):
+            ap.caching_allocator_delete(p)  # found on the pool that made it, outside the block too
+        assert pool.memory_stats()["allocated_bytes.all.current"] == 0
+    finally:
+        pool.close()
+
+
+def test_mempool_ids_are_torchs_and_unique_across_threads():
+    # torch's test_mempool_id and test_mempool_multithread
+    ids, pools = [], []
+
+    def create():
+        p = ap.Pool(0)
+        pools.append(p)
+        ids.append(p.id)
+
+    threads = [threading.Thread(target=create) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert len(set(ids)) == 4 and all(i[0] == 0 and i[1] > 0 for i in ids)
+        assert all(p.id == p.pool_id for p in pools)
+        assert ap.default_pool(0).id == (0, 0)
+    finally:
+        for p in pools:
+            p.close()
+
+
+def test_nested_mempools_route_to_the_innermost():
+    # torch's test_nested_mempool: 20 MiB allocations, one segment each; pool1 gets 2, pool2 2, pool3 1
+    pools = [ap.Pool(0) for _ in range(3)]
+    data = []
+
+    def allocate():
+        data.append(ap.malloc(20 * MiB))
+
+    try:
+        with ap.use_mem_pool(pools[0]):
+            allocate()
+            with ap.use_mem_pool(pools[1]):
+                allocate()
+                with ap.use_mem_pool(pools[2]):
+                    allocate()
+                    assert [p.use_count() for p in pools] == [2, 2, 2]
+                allocate()
+            allocate()
+        assert [len(ap.memory_snapshot(p.id)) for p in pools] == [2, 2, 1]
+        for ptr in data:
+            ap.caching_allocator_delete(ptr)
+    finally:
+        for p in pools:
+            p.close()
+
+
+def test_only_the_calling_thread_allocates_from_the_pool(lib):
+    # torch's note: a thread spawned inside the block allocates from its own current pool
+    pool = ap.Pool(0)
+    seen = {}
+
+    def other():
+        seen["python"] = ap.default_pool(0)
+        ptr = lib.ascend_pool_malloc(MiB, 0, None)
+        seen["c"] = pool.block_info(ptr)
+        lib.ascend_pool_free(ptr, MiB, 0, None)
+
+    try:
+        with ap.use_mem_pool(pool):
+            t = threading.Thread(target=other)
+            t.start()
+            t.join()
+        assert seen["python"] is not pool and seen["c"] is None
+    finally:
+        pool.close()
+
+
+def test_mixes_with_tenant_contexts_and_counts_their_with_blocks():
+    pool = ap.Pool(0)
+    ctx = pool.context("mempool-mix")
+    try:
+        with ap.use_mem_pool(pool):
+            with ctx:
+                assert ap.default_pool(0) is ctx and ctx.use_count() == 2
+                with ap.use_mem_pool(pool):
+                    assert ap.default_pool(0) is pool and pool.use_count() == 3
+                assert ap.default_pool(0) is ctx
+            assert ap.default_pool(0) is pool and ctx.use_count() == 1
+        with ap.use_mem_pool(ctx):  # a context is a pool too
+            assert ap.default_pool(0) is ctx
+    finally:
+        ctx.close()
+        pool.close()
+
+
+def test_a_pool_closed_inside_the_block_is_refused_until_the_block_ends(lib):
+    pool = ap.Pool(0)
+    with ap.use_mem_pool(pool):
+        pool.close()
+        with pytest.raises(ap.PoolError, match="closed"):
+            ap.malloc(MiB)
+        assert not lib.ascend_pool_malloc(MiB, 0, None), "the C ABI must not fall back to the default unawares"
+    ptr = lib.ascend_pool_malloc(MiB, 0, None)
+    assert ptr
+    lib.ascend_pool_free(ptr, MiB, 0, None)
+
+
+def test_bad_arguments_are_typed_errors():
+    pool = ap.Pool(0)
+    try:
+        with pytest.raises(ap.InvalidDeviceError, match="device 0, not device 1"):
+            with ap.use_mem_pool(pool, device=1):
+                pass
+        with ap.use_mem_pool(pool, device="npu:0"):
+            assert ap.default_pool(0) is pool
+        with pytest.raises(ap.ConfigTypeError, match="pool must be"):
+            with ap.use_mem_pool(pool.id):
+                pass
+        assert pool.use_count() == 1
+    finally:
+        pool.close()
+    with pytest.raises(ap.PoolError, match="closed"):
+        with ap.use_mem_pool(pool):
+            pass
