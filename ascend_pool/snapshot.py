@@ -88,7 +88,7 @@ def build(device, segments, history, knobs, frames=None, entry_frames=True, pool
     the pool's, whose effective values make allocator_settings (config.allocator_settings);
     entry_frames False: trace entries show no frames (torch's context="state"; blocks keep theirs).
     An oom entry carries the device's free bytes as device_free instead of addr, as torch's.
-    pool_id: the pool's (Pool.pool_id), every segment's segment_pool_id."""
+    pool_id: the pool's (Pool.pool_id), every segment's segment_pool_id and every trace entry's pool_id."""
     frames = frames or {}
     history = [(*h, 0, 0)[:7] for h in history]
     out_segments = []
@@ -115,7 +115,8 @@ def build(device, segments, history, knobs, frames=None, entry_frames=True, pool
     events = [
         {"action": HISTORY_ACTIONS[action], "device_free" if HISTORY_ACTIONS[action] == "oom" else "addr": addr,
          "size": size, "stream": stream, "time_us": t, "frames": frames.get(ctx, []) if entry_frames else [],
-         "compile_context": "N/A", "user_metadata": _meta_texts.get(meta, "")}  # torch puts both on every entry
+         "compile_context": "N/A", "user_metadata": _meta_texts.get(meta, ""),  # torch puts both on every entry
+         "pool_id": tuple(pool_id)}  # torch's TraceEntry.pool_id: which MemPool the entry is of
         for action, addr, size, stream, t, ctx, meta in history
     ]
     return {

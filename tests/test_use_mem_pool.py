@@ -165,3 +165,26 @@ def test_bad_arguments_are_typed_errors():
     with pytest.raises(ap.PoolError, match="closed"):
         with ap.use_mem_pool(pool):
             pass
+
+
+def test_pool_id_in_snapshot(tmp_path):
+    # torch's (and torch_npu's) test_pool_id_in_snapshot: each segment and each trace entry of the
+    # process snapshot names its pool (torch's TraceEntry.pool_id); the default pool's are (0, 0)
+    import pickle
+
+    pool = ap.Pool(0)
+    try:
+        ap.record_memory_history("all")
+        with ap.use_mem_pool(pool):
+            x = ap.malloc(64)
+        y = ap.malloc(64)
+        ap.dump_snapshot(str(tmp_path / "s.pickle"))
+        ss = pickle.loads((tmp_path / "s.pickle").read_bytes())
+        assert any(seg["segment_pool_id"] == pool.id for seg in ss["segments"])
+        allocs = {te["addr"]: te["pool_id"] for te in ss["device_traces"][0] if te["action"] == "alloc"}
+        assert allocs[x] == pool.id and allocs[y] == (0, 0)
+        ap.free(x)
+        ap.free(y)
+    finally:
+        ap.record_memory_history(None)
+        pool.close()
