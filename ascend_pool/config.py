@@ -100,16 +100,18 @@ def history_skip_mask(skip_actions):
 def history_settings(enabled, stacks, max_entries, context="all"):
     """record_memory_history's arguments checked and normalised: (on, frames, entries) with
     entries the ring size in events (0 when off, 1 for enabled="state" as torch's, else
-    max_entries clamped to MAX_HISTORY_ENTRIES); frames: Python frames are filed (stacks
+    max_entries clamped to [1, MAX_HISTORY_ENTRIES], 0 giving 1 as torch's); frames: Python frames are filed (stacks
     "python"/"all" and a context). ConfigError names a bad one, so that a setting kept for pools
     made later (ascend_pool.record_memory_history) is refused when given, not when a pool opens."""
     on = enabled not in (None, False)
     if enabled not in (None, False, True, "all", "state"):
         raise ConfigError(f"enabled must be True, 'all', 'state', None or False, got {enabled!r}")
     n = as_index(max_entries)  # a numpy integer too, as torch's int argument takes it
-    if on and (n is None or n <= 0):
-        raise ConfigError(f"max_entries must be a positive int, got {max_entries!r}")
-    max_entries = n
+    if on and (n is None or n < 0):
+        raise ConfigError(f"max_entries must be a non-negative int, got {max_entries!r}")
+    # 0 keeps the latest event, as torch's and torch_npu's recordHistory (std::max(size_t(1), n)):
+    # code that ran there must run here, and the legacy trace_alloc_max_entries path clamps so too
+    max_entries = max(n, 1) if n is not None else n
     if stacks not in HISTORY_STACKS:
         raise ConfigError(f"stacks must be 'python', 'all' or None, got {stacks!r}")
     if context not in HISTORY_CONTEXTS:

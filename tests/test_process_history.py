@@ -131,7 +131,7 @@ from ascend_pool import registry
 assert registry.default_pools() == []             # no pool yet: the settings are only kept
 ap.record_memory_history(True, stacks=None, max_entries=50)
 refused = []
-for bad in ({"stacks": "cpp"}, {"enabled": "yes"}, {"max_entries": 0}):
+for bad in ({"stacks": "cpp"}, {"enabled": "yes"}, {"max_entries": -1}):
     try:
         ap.record_memory_history(**dict(dict(enabled=True, stacks="python", max_entries=100), **bad))
     except ap.ConfigError as e:

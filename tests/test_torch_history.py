@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 
+import numpy
 import pytest
 
 import ascend_pool as ap
@@ -104,16 +105,34 @@ def test_max_entries_takes_a_numpy_integer_as_torchs_int_argument(pool):
     assert len(pool.snapshot()["device_traces"][0]) == 3
     ap.record_memory_history(True, stacks=None, max_entries=numpy.uint32(5))
     ap.record_memory_history(None)
-    for bad in (True, numpy.float64(3.0), numpy.int64(0)):
+    for bad in (True, numpy.float64(3.0), numpy.int64(-1)):
         with pytest.raises(ap.ConfigError, match="max_entries"):
             pool.record_memory_history(enabled=True, max_entries=bad)
 
 
-@pytest.mark.parametrize("bad", [dict(max_entries=0), dict(max_entries="many"), dict(stacks="cpp")])
+@pytest.mark.parametrize("bad", [dict(max_entries=-1), dict(max_entries="many"), dict(stacks="cpp")])
 def test_bad_history_settings_are_config_errors(pool, bad):
     with pytest.raises(ap.ConfigError):
         pool.record_memory_history(enabled=True, **bad)
     pool.free(pool.malloc(512))  # the pool keeps serving
+
+
+@pytest.mark.parametrize("zero", [0, numpy.int64(0)])
+def test_max_entries_0_keeps_the_latest_event_as_torchs(pool, zero):
+    # torch's and torch_npu's recordHistory clamp max_entries with std::max(size_t(1), n): code
+    # calling _record_memory_history(max_entries=0) there records a ring of one entry; it was a
+    # ConfigError here (through torch_npu's patched _record_memory_history too)
+    pool.record_memory_history(enabled="all", max_entries=zero)
+    pool.free(pool.malloc(512))
+    trace = pool.snapshot()["device_traces"][0]
+    assert [e["action"] for e in trace] == ["free_completed"]
+    ap.record_memory_history(enabled="all", max_entries=zero)
+    try:
+        ap.free(ap.malloc(512))
+        assert len(ap.snapshot()["device_traces"][0]) == 1
+    finally:
+        ap.record_memory_history(None)
+    pool.record_memory_history(None)
 
 
 @pytest.mark.parametrize("bad", [dict(skip_actions=["free"]), dict(skip_actions="oom"), dict(skip_actions=3)])
