@@ -83,6 +83,7 @@ from .api import (
     use_mem_pool,
 )
 
+from .settings import set_allocator_settings
 from .capi import library_path
 from . import rmm_log_trace as _rmm_log_trace  # registers RMM's CSV logs with traces.load_trace
 from .sharing import SharedBlock, SharedHandle, node_pid, open_shared

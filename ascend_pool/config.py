@@ -519,9 +519,25 @@ def conf_source(env=None):
     return ENV_VAR, env.get(ENV_VAR, "")
 
 
+_runtime = ({}, ())  # (knobs, keys dropped first): the last _set_allocator_settings (ascend_pool.settings)
+
+
+def set_runtime_knobs(knobs, reset=()):
+    """Pools made from now on take these knobs over the environment string's, the `reset` keys
+    dropped first (torch's _set_allocator_settings, whose parse resets them when not given)."""
+    global _runtime
+    _runtime = (dict(knobs), tuple(reset))  # one assignment: a pool opening meanwhile reads old or new
+
+
 def effective_knobs(overrides=None, env=None):
-    """Knobs from the environment string (conf_source), overridden by keyword arguments."""
+    """Knobs from the environment string (conf_source), then the last _set_allocator_settings
+    (set_runtime_knobs), overridden by keyword arguments."""
     name, text = conf_source(env)
     knobs = parse_conf_string(text, name)
+    runtime, reset = _runtime
+    if runtime or reset:
+        for key in reset:
+            knobs.pop(key, None)
+        knobs.update(runtime)
     knobs.update(overrides or {})
     return knobs

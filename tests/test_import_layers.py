@@ -24,7 +24,8 @@ PY_CORE = "ascend_pool._core"
 LAYERS = [
     ("leaf", ["errors", "config", "units", "identity", "private_dir", "version", "include", "_sim"]),
     ("native", ["_core", "backend", "sim", "capi"]),
-    ("pool", ["pool", "stats", "snapshot", "snapshot_trace", "rmm_log_trace", "replay", "traces", "registry", "current"]),
+    ("pool", ["pool", "stats", "snapshot", "snapshot_trace", "rmm_log_trace", "replay", "traces", "registry", "current",
+               "settings"]),
     ("tenants", ["tenants", "sharing", "api"]),
     ("service", ["metrics", "service"]),
     ("tools", ["bench", "commands", "cli", "integrations", "__main__"]),

@@ -35,7 +35,7 @@ def fake_torch_npu(monkeypatch):
     for mod in (memory, npu):
         for name in ("memory_stats", "memory_stats_as_nested_dict", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "_snapshot",
                      "memory_snapshot", "_record_memory_history", "_dump_snapshot", "get_per_process_memory_fraction",
-                     "_set_memory_metadata", "_get_memory_metadata"):
+                     "_set_memory_metadata", "_get_memory_metadata", "_set_allocator_settings"):
             setattr(mod, name, _ub)
     npu.current_device = lambda: 0
     top = types.ModuleType("torch_npu")
@@ -133,6 +133,25 @@ def test_torch_npu_memory_functions_answer_from_ascend_pool(fake_torch_npu, tmp_
     finally:
         ap.set_memory_metadata("")
         ap.free(ptr, device=0)
+
+
+def test_torch_npus_set_allocator_settings_reaches_the_pools(fake_torch_npu):
+    # torch.npu.memory._set_allocator_settings re-read torch_npu's own allocator's config, which
+    # serves nothing under the pluggable allocator: vLLM's and torch's runtime settings were lost
+    from ascend_pool import config
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    saved = config._runtime
+    ap_npu.patch_memory_functions(fake_torch_npu)
+    try:
+        fake_torch_npu._set_allocator_settings("max_split_size_mb:64,garbage_collection_threshold:0.6")
+        settings = ap.default_pool(0).snapshot()["allocator_settings"]
+        assert settings["max_split_size"] == 64 << 20 and settings["garbage_collection_threshold"] == 0.6
+        with pytest.raises(ap.ConfigError, match="expandable_segments"):
+            fake_torch_npu._set_allocator_settings("expandable_segments:True")
+    finally:
+        ap.set_allocator_settings("")
+        config._runtime = saved
 
 
 def test_stats_before_torch_npu_starts_open_no_pool(fake_torch_npu, monkeypatch, tmp_path):

@@ -50,7 +50,7 @@ size_t ap_round_power2_divisions(const ap_pool *p, size_t padded) {
     int idx = log - 20; /* interval 0 starts at 1 MiB; smaller sizes share it */
     if (idx < 0) idx = 0;
     if (idx >= AP_ROUNDUP_INTERVALS) idx = AP_ROUNDUP_INTERVALS - 1;
-    size_t div = p->cfg.roundup_divisions[idx];
+    size_t div = __atomic_load_n(&p->cfg.roundup_divisions[idx], __ATOMIC_RELAXED); /* ap_round_request */
     if (div <= 1 || padded <= mb * div || !(padded & (padded - 1))) return r;
     size_t step = ((size_t)1 << log) / div;
     size_t up = (padded + step - 1) & ~(step - 1);
@@ -791,6 +791,34 @@ void ap_pool_set_limit(ap_pool *p, size_t limit_bytes) {
     size_t reserved = ap_reserved(p);
     if (limit_bytes != AP_NO_LIMIT && reserved > limit_bytes)
         ap_release_free_segments(p, reserved - limit_bytes, 1, 0, NULL);
+    pthread_mutex_unlock(&p->lock);
+}
+
+void ap_pool_set_tunables(ap_pool *p, size_t max_split_size, double gc_threshold, const unsigned *divisions) {
+    pthread_mutex_lock(&p->lock);
+    p->cfg.gc_threshold = gc_threshold;
+    int power2 = 0;
+    for (int i = 0; i < AP_ROUNDUP_INTERVALS; i++) {
+        __atomic_store_n(&p->cfg.roundup_divisions[i], divisions[i], __ATOMIC_RELAXED);
+        power2 |= divisions[i] > 1;
+    }
+    __atomic_store_n(&p->cfg.roundup_power2, power2, __ATOMIC_RELAXED);
+    size_t old = p->cfg.max_split_size;
+    if (max_split_size != old) {
+        /* The oversize counts follow the new bound: a free takes off what ap_oversize says then,
+           so each allocated block and each segment is counted in or out now (a step, as an
+           allocation's or a free's, so the exported totals never go down). */
+        for (ap_segment *s = p->segments; s; s = s->next) {
+            if (s->pool != AP_POOL_LARGE) continue;
+            for (ap_block *b = s->first; b; b = b->next) {
+                if (b->state != AP_BLOCK_ALLOCATED) continue;
+                int was = b->size >= old, is = b->size >= max_split_size;
+                if (was != is) ap_stat_step(&p->stats.oversize[0], is ? 1 : -1);
+            }
+        }
+        p->cfg.max_split_size = max_split_size;
+        for (ap_segment *s = p->segments; s; s = s->next) ap_segment_sized(p, s);
+    }
     pthread_mutex_unlock(&p->lock);
 }
 

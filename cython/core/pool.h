@@ -34,6 +34,8 @@
  *                    device's other pools and releases it, then each of their locks in turn (never
  *                    two pool locks at once), no wait.
  *   orphan           (ap_pool, atomic, no lock) set once by ap_pool_set_orphan, read by the peer release.
+ *   cfg.roundup_*    (ap_pool.cfg) written under ap_pool.lock (ap_pool_set_tunables), read without it by
+ *                    the rounding before the lock is taken: relaxed atomics (pool_internal.h ap_round_request).
  *   spare_lock       (pool.c) the list of destroyed pool structs kept for reuse; held for the list
  *                    operation only, never with a pool lock.
  *   fork_window      (backend/fork.c, rwlock) read-held from the open of a descriptor whose lock
@@ -352,6 +354,10 @@ void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int orphans_only));
    the bytes released. Used when a quota is lowered. */
 size_t ap_pool_trim_to(ap_pool *p, size_t target);
 /* Changes the byte limit; a lower limit trims cache, never live blocks. */
+/* PyTorch's tunables that _set_allocator_settings changes at runtime: max_split_size (bytes,
+   AP_NO_LIMIT: off), gc_threshold (0: off) and the AP_ROUNDUP_INTERVALS roundup divisions (0 or
+   1: none), for the calls that follow. */
+void ap_pool_set_tunables(ap_pool *p, size_t max_split_size, double gc_threshold, const unsigned *divisions);
 void ap_pool_set_limit(ap_pool *p, size_t limit_bytes);
 /* The cap ap_pool_set_limit (or the memory_fraction hook) set last: bytes, AP_NO_LIMIT for none. */
 size_t ap_pool_get_limit(ap_pool *p);

@@ -65,6 +65,7 @@ cdef extern from "pool.h" nogil:
     int ap_pool_stream_idle(ap_pool *p, void *stream)
     void ap_pool_forget_stream(ap_pool *p, void *stream)
     void ap_pool_set_limit(ap_pool *p, size_t limit_bytes)
+    void ap_pool_set_tunables(ap_pool *p, size_t max_split_size, double gc_threshold, const unsigned *divisions)
     size_t ap_pool_get_limit(ap_pool *p)
     void ap_pool_reset_peaks(ap_pool *p)
     void ap_pool_hold_lock(ap_pool *p, double seconds)
@@ -798,6 +799,26 @@ cdef class PoolBase:
         with nogil:
             ap_pool_set_limit(_p, limit)
         self._leave()
+
+    def _set_tunables(self, max_split_size, gc_threshold, divisions):
+        """Sets max_split_size (bytes, None: off), gc_threshold (0.0: off) and the 16 roundup
+        divisions for the calls that follow (ascend_pool.settings checked them), and in
+        self.config."""
+        self._check()
+        cdef size_t split = AP_NO_LIMIT if max_split_size is None else <size_t>max_split_size
+        cdef double gc = gc_threshold
+        cdef unsigned div[16]
+        for i in range(16):
+            div[i] = divisions[i]
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            ap_pool_set_tunables(_p, split, gc, div)
+        self._leave()
+        config = dict(self.config)
+        config["max_split_size"] = split
+        config["gc_threshold"] = gc
+        config["roundup_divisions"] = list(divisions)
+        self.config = config
 
     def get_limit(self):
         """The cap on reserved bytes in force (set_limit, set_per_process_memory_fraction, the C

@@ -31,7 +31,11 @@ static inline void ap_credit_add(int64_t *credit, uint64_t ticks, int64_t per_10
    of two (checked at creation), so the hot path rounds with a mask instead of a division. */
 size_t ap_round_power2_divisions(const ap_pool *p, size_t padded);
 static inline size_t ap_round_request(const ap_pool *p, size_t size) {
-    if (__builtin_expect(p->cfg.roundup_power2, 0)) return ap_round_power2_divisions(p, size + p->cfg.pad_bytes);
+    /* roundup_power2 and roundup_divisions change at runtime (ap_pool_set_tunables, under the
+       pool lock) while this reads them without it: relaxed atomics, plain loads on the hot path;
+       a request rounded by the old settings or the new is rounded right either way. */
+    if (__builtin_expect(__atomic_load_n(&p->cfg.roundup_power2, __ATOMIC_RELAXED), 0))
+        return ap_round_power2_divisions(p, size + p->cfg.pad_bytes);
     return (size + p->cfg.pad_bytes + p->cfg.min_block - 1) & ~(p->cfg.min_block - 1);
 }
 
