@@ -154,6 +154,35 @@ def test_torch_npus_set_allocator_settings_reaches_the_pools(fake_torch_npu):
         config._runtime = saved
 
 
+def test_torch_npus_snapshot_covers_the_process_as_torchs(fake_torch_npu, tmp_path):
+    # torch's _snapshot(device) is the whole process's (_cuda_memorySnapshot(None)), what
+    # _dump_snapshot pickles: a pool used through use_mem_pool (torch_npu's test_pool_id_in_snapshot)
+    # or a tenant context was missing from the patched one, which read one default pool
+    import pickle
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    npu = sys.modules["torch_npu.npu"]
+    npu.is_initialized = lambda: True
+    ap_npu.patch_memory_functions(fake_torch_npu, npu)
+    pool = ap.Pool(0)
+    try:
+        npu._record_memory_history("all")
+        with ap.use_mem_pool(pool):
+            x = ap.malloc(64, device=0)
+        ss = npu._snapshot()
+        assert any(seg["segment_pool_id"] == pool.id for seg in ss["segments"]), "no segment tagged with pool.id"
+        assert any(te["pool_id"] == pool.id and te["action"] == "alloc" for tr in ss["device_traces"] for te in tr)
+        npu._dump_snapshot(str(tmp_path / "s.pickle"))
+        dumped = pickle.loads((tmp_path / "s.pickle").read_bytes())
+        assert [s["address"] for s in npu._snapshot(0)["segments"]] == [s["address"] for s in dumped["segments"]]
+        with pytest.raises(ValueError):
+            npu._snapshot("cpu")
+        ap.free(x, device=0)
+    finally:
+        npu._record_memory_history(None)
+        pool.close()
+
+
 def test_stats_before_torch_npu_starts_open_no_pool(fake_torch_npu, monkeypatch, tmp_path):
     """torch.npu.memory_stats(0) (or memory_allocated(0), reset_peak_memory_stats(0) ...) called
     before torch_npu's lazy init must not open device 0's pool: that opens the runtime with

@@ -30,7 +30,7 @@ reset_accumulated_memory_stats, memory_snapshot, _snapshot, _record_memory_histo
 _set_memory_metadata / _get_memory_metadata, _set_allocator_settings (ascend_pool.settings: the knobs
 that change at runtime change every open pool; where it has them) and get_per_process_memory_fraction (newer torch_npu; the cap set_per_process_memory_fraction handed
 to the pool through the hook) answer from ascend_pool (PyTorch's schema): the stats
-and _snapshot for the pool the calling thread allocates from, and, as in torch, the history,
+for the pool the calling thread allocates from, and, as in torch, the history, _snapshot,
 memory_snapshot and _dump_snapshot for the whole process (every device's default pool and every
 tenant context; ascend_pool.record_memory_history, dump_snapshot). With torch >= 2.9 and the NPU
 as the current accelerator, torch.accelerator.memory_stats (and memory_allocated,
@@ -181,10 +181,13 @@ def _replacements():
     # torch's signatures, which torch.accelerator.memory.snapshot and user code pass on
     # (augment_with_fx_traces, mempool_id): the old ones raised TypeError for them
     def _snapshot(device=None, augment_with_fx_traces=False):
+        # torch's covers the whole process, whatever device is given (_cuda_memorySnapshot(None)):
+        # every device's and every pool's segments and traces, what _dump_snapshot pickles; the
+        # device is still checked (another device type is a ValueError, as the other functions')
         _fx_traces(augment_with_fx_traces)
-        if not _framework_started():  # the pools made so far (none by torch_npu's tensors)
-            return api._process_snapshot(None if device is None else _device_index(device), create=False)
-        return api.snapshot(_device_index(device))
+        _device_index(device)
+        # before torch_npu has started: the pools made so far (none by torch_npu's tensors)
+        return api._process_snapshot(create=_framework_started())
 
     def memory_snapshot(mempool_id=None, include_traces=True):
         if not _framework_started():
