@@ -228,6 +228,32 @@ def life_hold(fd, value=None):
     return True
 
 
+def life_open(fd, value=None):
+    """Opens the file open as fd once more (read-only: a descriptor and open file description of
+    its own) and takes this process's life lock on it (life_hold). Returns that descriptor, or -1
+    where the lock cannot be had (the lease alone tells); release it with life_close. A lock on fd
+    itself would be shared by every copy of fd a fork made since fd was opened: a child forked
+    then (before the lock, so unknown to fork.c's drop) kept the lock its parent took later, a
+    killed parent alive to its peers while the child lived. The open and the registration for
+    the drop run under _lock, which a fork from Python waits for (_before_fork)."""
+    with _lock:
+        try:
+            own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return -1
+        if not life_hold(own, value):
+            os.close(own)
+            return -1
+        return own
+
+
+def life_close(fd):
+    """Drops a life lock life_open took (closing its descriptor), after its drop registration."""
+    with _lock:
+        fork_guard(fd, False)
+        os.close(fd)
+
+
 def life_held(fd, value):
     """True when some process holds the life lock of instance `value` on the file open as fd (by
     another open file description: any process's, including this one's other ones), False when

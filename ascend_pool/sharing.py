@@ -199,7 +199,7 @@ class _Record:
 
     lock_wait_s = 10.0
     writable = True  # False: another member's record in a group directory, opened to be read
-    life = False     # this process holds its life lock on the record through fd (hold_life)
+    life_fd = -1     # this process's life lock on the record: its own descriptor (hold_life)
 
     def __init__(self, path, create=None, owner=None):
         self.path = path
@@ -259,14 +259,14 @@ class _Record:
         next stats interval, or never with ASCEND_POOL_STATS=0): before 2026-12-05 a listing in
         between removed a live exporter's record for good (its handle "no longer shared"), and an
         exporter dropped a live importer's slot (freeing the block under it)."""
-        if not self.life:
-            self.life = identity.life_hold(self.fd)
+        if self.life_fd < 0:
+            self.life_fd = identity.life_open(self.fd)
 
     def close(self):
+        if self.life_fd >= 0:
+            identity.life_close(self.life_fd)
+            self.life_fd = -1
         if self.fd >= 0:
-            if self.life:
-                identity.fork_guard(self.fd, False)
-                self.life = False
             os.close(self.fd)
             self.fd = -1
 

@@ -138,3 +138,33 @@ def test_a_process_with_contexts_on_64_devices_leaves_its_forked_child_none_of_i
         assert held == [], f"the killed parent's life lock is held by its child on {len(held)} ledgers"
     finally:
         os.kill(hello["child"], signal.SIGKILL)
+
+
+def test_a_fork_after_a_share_record_is_opened_leaves_the_child_without_the_life_lock_taken_later(tmp_path):
+    # An importer opens the share record, then (its lease made) takes its life lock on it: the lock
+    # was taken on the record's own descriptor, which a fork in between had copied into the child
+    # (an open file description both share), so the child kept the parent's lock.
+    rec = tmp_path / "record"
+    hello = _run_parent(tmp_path, f"""
+        import json, os, time
+        from ascend_pool import identity, sharing
+        path = {str(rec)!r}
+        with open(path, "wb") as f:
+            f.write(bytes(sharing._REC_SIZE))
+        os.chmod(path, 0o600)
+        record = sharing._Record(path)  # opened as open_shared opens it
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        record.hold_life()
+        probe = os.open(path, os.O_RDONLY)
+        print(json.dumps({{"instance": identity.instance(), "child": pid,
+                           "held": identity.life_held(probe, identity.instance())}}), flush=True)
+        time.sleep(60)
+    """)
+    try:
+        assert hello["held"] is True  # the parent took it
+        assert not _life_lock_held(str(rec), hello["instance"]), "the killed parent's life lock is held by its child"
+    finally:
+        os.kill(hello["child"], signal.SIGKILL)
