@@ -393,3 +393,23 @@ def test_bad_handles_and_arguments_give_runtime_codes(sim):
         assert str(code) in str(ei.value) and words in str(ei.value), str(ei.value)
     p = b.malloc(0, 64)  # still healthy
     b.free(0, p)
+
+
+def test_a_device_no_c_int_holds_is_an_invalid_device_error(sim):
+    # 2**31 and past (or below -2**31) fit no C int: before, the argument's conversion raised a
+    # bare OverflowError ("value too large to convert to int") from every device-taking method.
+    from ascend_pool.errors import InvalidDeviceError
+    b, _ = sim
+    calls = {
+        "set_device": lambda d: b.set_device(d), "device_retain": lambda d: b.device_retain(d),
+        "device_release": lambda d: b.device_release(d), "mem_info": lambda d: b.mem_info(d),
+        "malloc": lambda d: b.malloc(d, 64), "stream_create": lambda d: b.stream_create(d),
+        "event_create": lambda d: b.event_create(d), "physical_device": lambda d: b.physical_device(d),
+        "vmm_granularity": lambda d: b.vmm_granularity(d), "host_malloc": lambda d: b.host_malloc(d, 64),
+    }
+    for name, call in calls.items():
+        for device in (2**31, 2**64, -2**31 - 1):
+            with pytest.raises(InvalidDeviceError, match=rf"device {device} does not exist: the sim backend has "
+                                                          rf"{b.device_count} device\(s\)"):
+                call(device)
+    assert b.mem_info(0)[1] > 0  # still healthy

@@ -12,7 +12,7 @@ from libc.stdlib cimport malloc as _c_malloc, free as _c_free
 
 import os as _os
 
-from ascend_pool.errors import DeviceError, BackendUnavailableError, DeviceTimeoutError
+from ascend_pool.errors import DeviceError, BackendUnavailableError, DeviceTimeoutError, InvalidDeviceError
 from ascend_pool._sim import library_path as _sim_library_path
 
 cdef extern from "backend.h" nogil:
@@ -169,6 +169,16 @@ cdef class Backend:
             raise DeviceTimeoutError(code, msg)
         raise DeviceError(code, msg)
 
+    cdef int _device(self, object device) except? -2:
+        """device as the C int the runtime takes. One that no int holds (2**31 and past) names no
+        device: InvalidDeviceError naming the count, as backend.check_device says it, not the
+        conversion's bare OverflowError. Within an int, the runtime answers (107001 and its message)."""
+        try:
+            return device
+        except OverflowError:
+            raise InvalidDeviceError(f"device {device!r} does not exist: the {self.name} backend has "
+                                     f"{self._table.device_count} device(s)") from None
+
     # ---- description ---------------------------------------------------------------------
 
     @property
@@ -223,29 +233,32 @@ cdef class Backend:
             n = self.b.device_size(self.b, size)
         return n
 
-    def set_device(self, int device):
+    def set_device(self, device):
         """Names the device whose context this thread's stream and event calls (which take no
         device) run in. The runtime's current device of the thread is left as it is."""
+        cdef int dev = self._device(device)
         cdef int rc
         with nogil:
-            rc = self.b.set_device(self.b, device)
+            rc = self.b.set_device(self.b, dev)
         if rc != 0:
             self._fail(rc, "set_device")
 
-    def device_retain(self, int device):
+    def device_retain(self, device):
         """Takes one device reference (acl: aclrtSetDevice, without changing the calling
         thread's context), as each pool does from its creation to its close."""
+        cdef int dev = self._device(device)
         cdef int rc
         with nogil:
-            rc = self.b.device_retain(self.b, device)
+            rc = self.b.device_retain(self.b, dev)
         if rc != 0:
             self._fail(rc, "device_retain")
 
-    def device_release(self, int device):
+    def device_release(self, device):
         """Gives back one reference taken with device_retain (acl: aclrtResetDevice)."""
+        cdef int dev = self._device(device)
         cdef int rc
         with nogil:
-            rc = self.b.device_release(self.b, device)
+            rc = self.b.device_release(self.b, dev)
         if rc != 0:
             self._fail(rc, "device_release")
 
@@ -265,54 +278,59 @@ cdef class Backend:
         """The SoC the runtime reports (acl: aclrtGetSocName, e.g. "Ascend910B1"); "" if none."""
         return (<bytes>self._table.soc_name).decode("utf-8", "replace")
 
-    def malloc(self, int device, size_t size):
+    def malloc(self, device, size_t size):
         """Allocates `size` bytes of device memory on `device`; returns the address as an int."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef void *p = NULL
         with nogil:
-            rc = self.b.malloc(self.b, device, &p, size)
+            rc = self.b.malloc(self.b, dev, &p, size)
         if rc != 0:
             self._fail(rc, f"malloc({size})")
         return <uintptr_t>p
 
-    def free(self, int device, ptr):
+    def free(self, device, ptr):
         """Returns memory from malloc() to the device at once (does not wait for queued work)."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef void *p = _handle(ptr)
         with nogil:
-            rc = self.b.free(self.b, device, p)
+            rc = self.b.free(self.b, dev, p)
         if rc != 0:
             self._fail(rc, "free")
 
-    def mem_info(self, int device):
+    def mem_info(self, device):
         """(free, total) bytes of the device's memory, as the runtime reports them now."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef size_t free_bytes = 0, total_bytes = 0
         with nogil:
-            rc = self.b.mem_info(self.b, device, &free_bytes, &total_bytes)
+            rc = self.b.mem_info(self.b, dev, &free_bytes, &total_bytes)
         if rc != 0:
             self._fail(rc, "mem_info")
         return free_bytes, total_bytes
 
     # ---- pinned host memory (bytes) ------------------------------------------------------
 
-    def host_malloc(self, int device, size_t size):
+    def host_malloc(self, device, size_t size):
         """Allocates `size` bytes of pinned (page-locked) host memory in `device`'s runtime
         context (aclrtMallocHost / cudaHostAlloc); returns the host address as an int."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef void *p = NULL
         with nogil:
-            rc = self.b.host_malloc(self.b, device, &p, size)
+            rc = self.b.host_malloc(self.b, dev, &p, size)
         if rc != 0:
             self._fail(rc, f"host_malloc({size})")
         return <uintptr_t>p
 
-    def host_free(self, int device, ptr):
+    def host_free(self, device, ptr):
         """Returns pinned host memory from host_malloc() to the runtime at once."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef void *p = _handle(ptr)
         with nogil:
-            rc = self.b.host_free(self.b, device, p)
+            rc = self.b.host_free(self.b, dev, p)
         if rc != 0:
             self._fail(rc, "host_free")
 
@@ -325,76 +343,83 @@ cdef class Backend:
         method raises DeviceError with code AP_ERR_MISSING_SYMBOL (990002)."""
         return bool(self._table.has_vmm)
 
-    def vmm_granularity(self, int device):
+    def vmm_granularity(self, device):
         """Bytes that physical allocations, mappings and reservations are multiples of (the
         2 MiB huge page on an NPU)."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef size_t g = 0
         with nogil:
-            rc = self.b.vmm_granularity(self.b, device, &g)
+            rc = self.b.vmm_granularity(self.b, dev, &g)
         if rc != 0:
             self._fail(rc, "vmm_granularity")
         return g
 
-    def vmm_reserve(self, int device, size_t size):
+    def vmm_reserve(self, device, size_t size):
         """Reserves `size` bytes of inaccessible address space; returns its base as an int. Costs
         no device memory."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef void *va = NULL
         with nogil:
-            rc = self.b.vmm_reserve(self.b, device, size, &va)
+            rc = self.b.vmm_reserve(self.b, dev, size, &va)
         if rc != 0:
             self._fail(rc, f"vmm_reserve({size})")
         return <uintptr_t>va
 
-    def vmm_release(self, int device, va, size_t size):
+    def vmm_release(self, device, va, size_t size):
         """Gives back a whole reservation (base and size from vmm_reserve); nothing may be
         mapped in it."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef void *v = _handle(va)
         with nogil:
-            rc = self.b.vmm_release(self.b, device, v, size)
+            rc = self.b.vmm_release(self.b, dev, v, size)
         if rc != 0:
             self._fail(rc, "vmm_release")
 
-    def vmm_create(self, int device, size_t size):
+    def vmm_create(self, device, size_t size):
         """Allocates `size` bytes of physical device memory (a multiple of the granularity);
         returns the runtime's handle as an int. Counts against the device's capacity."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef void *h = NULL
         with nogil:
-            rc = self.b.vmm_create(self.b, device, size, &h)
+            rc = self.b.vmm_create(self.b, dev, size, &h)
         if rc != 0:
             self._fail(rc, f"vmm_create({size})")
         return <uintptr_t>h
 
-    def vmm_free(self, int device, handle):
+    def vmm_free(self, device, handle):
         """Frees physical memory from vmm_create(); it must not be mapped anywhere."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef void *h = _handle(handle)
         with nogil:
-            rc = self.b.vmm_free(self.b, device, h)
+            rc = self.b.vmm_free(self.b, dev, h)
         if rc != 0:
             self._fail(rc, "vmm_free")
 
-    def vmm_map(self, int device, va, size_t size, handle):
+    def vmm_map(self, device, va, size_t size, handle):
         """Maps the whole of `handle` (`size` = its size) at `va` inside a reservation and
         makes it read-write for the device."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef void *v = _handle(va)
         cdef void *h = _handle(handle)
         with nogil:
-            rc = self.b.vmm_map(self.b, device, v, size, h)
+            rc = self.b.vmm_map(self.b, dev, v, size, h)
         if rc != 0:
             self._fail(rc, f"vmm_map({size})")
 
-    def vmm_unmap(self, int device, va, size_t size):
+    def vmm_unmap(self, device, va, size_t size):
         """Unmaps the mapping that starts at `va` (`size` bytes); the range is inaccessible
         again, the physical memory stays allocated."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef void *v = _handle(va)
         with nogil:
-            rc = self.b.vmm_unmap(self.b, device, v, size)
+            rc = self.b.vmm_unmap(self.b, dev, v, size)
         if rc != 0:
             self._fail(rc, "vmm_unmap")
 
@@ -413,25 +438,27 @@ cdef class Backend:
         simulator (a simulator extension). CANN's and CUDA's IPC calls have no read-only mode."""
         return bool(self._table.has_ipc_read_only)
 
-    def ipc_export(self, int device, ptr, size_t size, bint any_process=False, bint read_only=False):
+    def ipc_export(self, device, ptr, size_t size, bint any_process=False, bint read_only=False):
         """Exports `size` bytes at device address `ptr` (acl: both multiples of the 2 MiB page)
         and returns the key (str) that other processes import it by. Only processes listed with
         ipc_set_pids may import it, unless any_process (acl:
         ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION; cuda checks no pids anyway).
         read_only: importers map it read-only where has_ipc_read_only, else no effect."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef char key[256]
         cdef void *p = _handle(ptr)
         cdef unsigned flags = (AP_IPC_ANY_PROCESS if any_process else 0) | (AP_IPC_READ_ONLY if read_only else 0)
         key[0] = 0
         with nogil:
-            rc = self.b.ipc_export(self.b, device, p, size, key, sizeof(key), flags)
+            rc = self.b.ipc_export(self.b, dev, p, size, key, sizeof(key), flags)
         if rc != 0:
             self._fail(rc, f"ipc_export({size})")
         return key.decode("ascii")
 
-    def ipc_set_pids(self, int device, key, pids):
+    def ipc_set_pids(self, device, key, pids):
         """Exporter: lets the processes `pids` (ints) import `key` (exported on `device`)."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef bytes bkey = str(key).encode("ascii")
         cdef const char *ckey = bkey
@@ -443,7 +470,7 @@ cdef class Backend:
             for i in range(n):
                 arr[i] = <int32_t>int(pids[i])
             with nogil:
-                rc = self.b.ipc_set_pids(self.b, device, ckey, arr, n)
+                rc = self.b.ipc_set_pids(self.b, dev, ckey, arr, n)
         finally:
             _c_free(arr)
         if rc != 0:
@@ -461,50 +488,54 @@ cdef class Backend:
             self._fail(rc, "node_pid")
         return int(pid)
 
-    def physical_device(self, int device):
+    def physical_device(self, device):
         """The node's device behind this process's `device` (int): the same NPU has the same
         number in every process and container of the node (acl: aclrtGetPhyDevIdByLogicDevId, as
         ASCEND_RT_VISIBLE_DEVICES renumbers; else the device itself)."""
-        cdef int rc, physical = device
+        cdef int dev = self._device(device)
+        cdef int rc, physical = dev
         with nogil:
-            rc = self.b.physical_device(self.b, device, &physical)
+            rc = self.b.physical_device(self.b, dev, &physical)
         if rc != 0:
             self._fail(rc, "physical_device")
         return int(physical)
 
-    def ipc_import(self, int device, key):
+    def ipc_import(self, device, key):
         """Maps the memory exported as `key` into this process for `device`. Returns
         (address, size); size is 0 where the runtime does not tell it (acl)."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef bytes bkey = str(key).encode("ascii")
         cdef const char *ckey = bkey
         cdef void *p = NULL
         cdef size_t size = 0
         with nogil:
-            rc = self.b.ipc_import(self.b, device, ckey, &p, &size)
+            rc = self.b.ipc_import(self.b, dev, ckey, &p, &size)
         if rc != 0:
             self._fail(rc, "ipc_import")
         return <uintptr_t>p, size
 
-    def ipc_close(self, int device, key):
+    def ipc_close(self, device, key):
         """Importer: unmaps its import of `key`. Exporter: withdraws `key` (acl: after every
         importer closed; the simulator refuses with 507022 before)."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef bytes bkey = str(key).encode("ascii")
         cdef const char *ckey = bkey
         with nogil:
-            rc = self.b.ipc_close(self.b, device, ckey)
+            rc = self.b.ipc_close(self.b, dev, ckey)
         if rc != 0:
             self._fail(rc, "ipc_close")
 
     # ---- events --------------------------------------------------------------------------
 
-    def event_create(self, int device):
+    def event_create(self, device):
         """A new event on `device` (no timing), as an int handle."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef void *ev = NULL
         with nogil:
-            rc = self.b.event_create(self.b, device, &ev)
+            rc = self.b.event_create(self.b, dev, &ev)
         if rc != 0:
             self._fail(rc, "event_create")
         return <uintptr_t>ev
@@ -549,12 +580,13 @@ cdef class Backend:
 
     # ---- streams -------------------------------------------------------------------------
 
-    def stream_create(self, int device):
+    def stream_create(self, device):
         """A new stream on `device`, as an int handle."""
+        cdef int dev = self._device(device)
         cdef int rc
         cdef void *s = NULL
         with nogil:
-            rc = self.b.stream_create(self.b, device, &s)
+            rc = self.b.stream_create(self.b, dev, &s)
         if rc != 0:
             self._fail(rc, "stream_create")
         return <uintptr_t>s
