@@ -115,7 +115,7 @@ def _make_lease(directory, inst):
     path = lease_path(directory, inst)
     tmp = os.path.join(directory, f".{LEASE_PREFIX}{instance_hex(inst)}.tmp")
     for attempt in range(3):
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        fd = _create_tmp(tmp)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # at once: a scan tells a killed maker's tmp by it
             # Readable by the group (a shared ASCEND_POOL_LEDGER_GROUP directory): testing the lock
@@ -139,6 +139,19 @@ def _make_lease(directory, inst):
                 pass
 
 
+def _create_tmp(tmp):
+    """Creates the lease's temporary file tmp (O_EXCL). The name is this instance's, which only
+    this process makes, under _lock: a file already there is not a live maker's but a leftover or
+    another group member's (in a 2770 group directory any member may create it; before, it made
+    every renewal fail silently, FileExistsError): it is removed and the file made again."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(tmp, flags, 0o640)
+    except FileExistsError:
+        os.unlink(tmp)  # PermissionError in a sticky directory: said by the caller
+        return os.open(tmp, flags, 0o640)
+
+
 def renew_leases(directory=None):
     """Makes again this process's lease files that were removed (or replaced) under it, in
     `directory` or in every directory it holds one in; returns the directories concerned. A
@@ -160,9 +173,7 @@ def renew_leases(directory=None):
                 continue  # cannot tell: keep what is held
             try:
                 new = _make_lease(d, instance())
-            except FileExistsError:
-                continue  # another file holds the name: not ours to replace
-            except OSError as e:
+            except OSError as e:  # FileExistsError: another file holds the name, not ours to replace
                 if d not in _renew_failed:  # once: this is tried again at every stats interval
                     _renew_failed.add(d)
                     log.warning("this process's lease %s was removed and cannot be made again: %s", path, e)

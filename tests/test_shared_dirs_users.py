@@ -322,3 +322,35 @@ def test_a_member_truncating_the_groups_ledger_leaves_the_other_members_working(
     out, err = a.communicate("go\n", timeout=60)
     assert a.returncode == 0, (a.returncode, out, err[-1500:])   # before: -7 (SIGBUS)
     assert "refused malformed" in out and "alive" in out, out
+
+
+@needs_users
+def test_a_lease_whose_temporary_name_another_member_squatted_is_still_renewed(node):
+    # Member B creates member A's lease temporary name (.ascend_pool-lease-<A's instance>.tmp, which
+    # any member may create in the 2770 group directory); a cleanup then removes A's lease. Before,
+    # A's renewals failed on the name (FileExistsError), silently, for the life of the process:
+    # its peers took it for dead.
+    a = node.start(A, (GID,), """
+        import os, sys
+        from ascend_pool import identity
+        from ascend_pool.tenants.ledger import ledger_dir
+        d = ledger_dir()
+        identity.ensure_lease(d)
+        print(identity.lease_path(d), flush=True)
+        sys.stdin.readline()              # B squats the temporary name, the lease is removed
+        print(identity.renew_leases(d) == [d], os.path.exists(identity.lease_path(d)), flush=True)
+        sys.stdin.readline()
+    """, ASCEND_POOL_LEDGER_GROUP=GID)
+    lease = a.stdout.readline().strip()
+    assert lease.startswith(os.path.join(node.shm, f"ascend_pool-g{GID}")), lease  # (node.close() ends A)
+    tmp = os.path.join(os.path.dirname(lease), "." + os.path.basename(lease) + ".tmp")
+    node.run(B, (GID,), f"open({tmp!r}, 'x').close()")
+    assert os.stat(tmp).st_uid == B
+    os.unlink(lease)  # a cleanup of the directory
+    a.stdin.write("\n")
+    a.stdin.flush()
+    assert a.stdout.readline().split() == ["True", "True"]
+    assert os.path.exists(lease) and not os.path.exists(tmp)
+    a.stdin.write("\n")
+    a.stdin.flush()
+    a.communicate(timeout=30)
