@@ -314,6 +314,44 @@ def test_a_removed_stats_directory_is_made_again_and_said_once(tmp_path, monkeyp
         pool.close()
 
 
+
+def test_a_stats_file_that_cannot_be_made_again_is_said_in_one_line_and_comes_back(tmp_path, monkeypatch, caplog):
+    # Removed by a cleanup while /dev/shm is full (or read-only): before, the publisher logged
+    # "publishing ascend_pool stats failed" with a traceback at each of the next 3 intervals.
+    import errno
+    from ascend_pool.service import publisher
+    full = [True]
+    real = publisher.StatsFile
+
+    def statsfile(*a, **k):
+        if full[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*a, **k)
+
+    pool = ap.Pool(0, backend="sim")
+    pool.tenant = f"pub-{uuid.uuid4().hex[:8]}"
+    pub = Publisher(str(tmp_path), interval=0.02)
+    try:
+        _wait(lambda: _tenant_values(pub.path, pool.tenant) is not None)
+        path = pub.path
+        monkeypatch.setattr(publisher, "StatsFile", statsfile)
+        with caplog.at_level("WARNING", logger="ascend_pool.service"):
+            os.unlink(path)
+            time.sleep(0.5)  # some 25 intervals
+            lines = [r.getMessage() for r in caplog.records]
+            assert not os.path.exists(path)
+            full[0] = False
+            _wait(lambda: os.path.exists(pub.path) and _tenant_values(pub.path, pool.tenant) is not None)
+        assert not [r for r in caplog.records if r.exc_info]
+        assert lines == [f"stats file {path} was damaged or removed; recreating it",
+                         f"stats file {path} cannot be made again: No space left on device; the node service does "
+                         f"not see pid {os.getpid()} until it can (tried every 0.02 s)"], lines
+        assert caplog.records[-1].getMessage() == f"stats file {pub.path} made again"
+    finally:
+        pub.stop()
+        pool.close()
+
+
 FORK_DURING_A_FREES_WAIT = r"""
 import json, os, threading, time
 import ascend_pool as ap

@@ -56,6 +56,7 @@ class Publisher:
         self._stop = threading.Event()
         self._overflow_logged = False
         self._damage_logged = False  # said once until a fresh file is made
+        self._remake_logged = False  # a fresh file could not be made: said once until one is
         if not background:
             self._open_file()
         self._thread = threading.Thread(target=self._run, name="ascend-pool-stats", daemon=True)
@@ -89,8 +90,21 @@ class Publisher:
                     log.warning("stats file %s was damaged or removed; recreating it", self.file.path)
                     self._damage_logged = True
                 self.file.abandon()
-                self.file = StatsFile(self._directory, max_capacity=MAX_RECORDS)
-                self._damage_logged = False
+                try:
+                    fresh = StatsFile(self._directory, max_capacity=MAX_RECORDS)
+                except OSError as e:
+                    # A full or read-only /dev/shm: one line, not a traceback per try (up to 3);
+                    # tried again at each interval (a few system calls), so it comes back with room.
+                    if not self._remake_logged:
+                        self._remake_logged = True
+                        log.warning("stats file %s cannot be made again: %s; the node service does not see pid %d "
+                                    "until it can (tried every %g s)", self.file.path, e.strerror or e, os.getpid(),
+                                    self.interval)
+                    return
+                self.file = fresh
+                if self._remake_logged:
+                    log.warning("stats file %s made again", fresh.path)
+                self._damage_logged = self._remake_logged = False
             if self.file.publish(samples) and not self._overflow_logged:
                 self._overflow_logged = True
                 log.warning("stats file %s: this process has figures for %d (device, tenant) pairs, more than the "
