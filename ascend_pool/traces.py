@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,8 +243,22 @@ def check_input_file(path: PathLike, what: str, expected: str) -> Path:
     if p.is_dir():
         raise FileNotFoundError(f"{str(path)!r} is a directory; expected {expected}")
     if not p.is_file():
+        kind = _not_a_file(p)  # there, but no file (/dev/null, a FIFO): not "no ... at" it
+        if kind:
+            raise FileNotFoundError(f"{str(path)!r} is {kind}, not a regular file; expected {expected}")
         raise FileNotFoundError(f"no {what} at {str(path)!r}")
     return p
+
+
+def _not_a_file(p):
+    """What p is when it exists but is neither a file nor a directory ("a character device"...), else None."""
+    try:
+        mode = p.stat().st_mode
+    except (OSError, ValueError):
+        return None
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def load_trace(path: PathLike) -> Trace:

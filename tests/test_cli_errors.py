@@ -1,4 +1,7 @@
-"""A directory given where a trace file is expected is named as one, with what is expected."""
+"""What the command line says when its input is not what it takes: a directory or another non-file
+given where a trace file is expected is named as such, with what is expected."""
+
+import os
 
 from ascend_pool.cli import main
 
@@ -9,3 +12,17 @@ def test_a_directory_given_for_a_trace_is_named_as_one(tmp_path, capsys):
     assert main(["replay", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert f"{str(tmp_path)!r} is a directory; expected a trace file NAME.npz" in err, err
+
+
+def test_a_path_that_is_there_but_no_file_is_named_as_such(tmp_path, capsys):
+    # Before: "no trace file at '/dev/null'", as if the path did not exist.
+    fifo = tmp_path / "t.npz"
+    os.mkfifo(fifo)
+    for path, kind in (("/dev/null", "a character device"), (str(fifo), "a FIFO")):
+        assert main(["replay", path]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"ascend-pool replay: FileNotFoundError: {path!r} is {kind}, not a regular file; "
+                              "expected a trace file NAME.npz"), err
+    assert main(["replay", str(tmp_path / "missing.npz")]) == 2
+    assert "no trace file at" in capsys.readouterr().err
+
