@@ -6,7 +6,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from .commands import bench, check_config, ps, replay, serve, trace
-from .errors import PoolError
+from .errors import BackendUnavailableError, PoolError
 from .version import __version__
 
 COMMANDS = (replay, bench, serve, check_config, ps, trace)
@@ -46,8 +46,19 @@ def main(argv=None):
     try:
         return args.func(args)
     except (PoolError, ValueError, OSError) as e:
-        print(f"ascend-pool {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ascend-pool {args.command}: {type(e).__name__}: {_message(e)}", file=sys.stderr)
         return 2
+
+
+def _message(e):
+    """e's message for the command's one line. A runtime that did not load lists the libraries it
+    tried one per line (BackendUnavailableError, as the Python API raises it): here on the same
+    line, "; " between them. Other messages as they are (check-config's are one line per mistake)."""
+    text = str(e)
+    if isinstance(e, BackendUnavailableError):
+        text = " ".join(line.strip() + ("" if line.rstrip().endswith(":") else ";") for line in text.splitlines()
+                        if line.strip()).rstrip(";")
+    return text
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """What the command line says when its input is not what it takes: a directory or another non-file
-given where a trace file is expected is named as such, with what is expected."""
+given where a trace file is expected is named as such, with what is expected; a runtime that
+does not load is one line."""
 
 import os
 
@@ -26,3 +27,13 @@ def test_a_path_that_is_there_but_no_file_is_named_as_such(tmp_path, capsys):
     assert main(["replay", str(tmp_path / "missing.npz")]) == 2
     assert "no trace file at" in capsys.readouterr().err
 
+
+def test_a_runtime_that_does_not_load_is_one_line_naming_what_was_tried(monkeypatch, capsys):
+    # The Python API's message lists the libraries tried one per line; the command printed them so
+    # (5 lines) where it prints one line per error (docs/bad_input.md).
+    monkeypatch.setenv("ASCEND_POOL_ACL_LIB", "/nonexistent/libascendcl.so")
+    assert main(["bench", "--backend", "acl"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.strip() == ("ascend-pool bench: BackendUnavailableError: could not load libascendcl.so; tried: "
+                           "/nonexistent/libascendcl.so: cannot open shared object file: No such file or directory"), err
