@@ -57,6 +57,21 @@ def _hypothesis_profiles():
 _hypothesis_profiles()
 
 
+@pytest.fixture(scope="module")
+def module_ledger_dir(tmp_path_factory):
+    """ASCEND_POOL_LEDGER_DIR set to a directory of the module's own for all its tests (a module
+    whose state machines open tenant contexts across examples), restored after it."""
+    import os
+
+    old = os.environ.get("ASCEND_POOL_LEDGER_DIR")
+    os.environ["ASCEND_POOL_LEDGER_DIR"] = str(tmp_path_factory.mktemp("ledger"))
+    yield
+    if old is None:
+        os.environ.pop("ASCEND_POOL_LEDGER_DIR", None)
+    else:
+        os.environ["ASCEND_POOL_LEDGER_DIR"] = old
+
+
 @pytest.fixture
 def pool():
     """A fresh pool on simulated device 0, closed (all device memory returned) after the test."""

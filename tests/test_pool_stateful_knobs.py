@@ -25,6 +25,7 @@ Sizes are bytes; MiB = 1 << 20.
 """
 
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
@@ -34,6 +35,9 @@ import ascend_pool as ap
 from ascend_pool import registry, sim
 from ascend_pool.backend import open_backend
 from ascend_pool.units import parse_bytes
+
+sys.path.insert(0, os.path.dirname(__file__))
+from snapshot_walk import walk_segments  # noqa: E402
 
 MiB = 1 << 20
 PAGE = 2 * MiB
@@ -64,15 +68,8 @@ def growth_bound(pool, nbytes):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def own_ledger_dir(tmp_path_factory):
-    """The tenant's quota ledger lives in this module's own directory."""
-    old = os.environ.get("ASCEND_POOL_LEDGER_DIR")
-    os.environ["ASCEND_POOL_LEDGER_DIR"] = str(tmp_path_factory.mktemp("ledger"))
-    yield
-    if old is None:
-        os.environ.pop("ASCEND_POOL_LEDGER_DIR", None)
-    else:
-        os.environ["ASCEND_POOL_LEDGER_DIR"] = old
+def own_ledger_dir(module_ledger_dir):
+    """The tenant's quota ledger lives in this module's own directory (conftest.module_ledger_dir)."""
 
 
 knob_sets = st.fixed_dictionaries({}, optional={
@@ -348,21 +345,7 @@ class KnobsMachine(RuleBasedStateMachine):
             snap = pool.snapshot()
             stats = pool.memory_stats()
             mine = {p: e for p, e in self.live.items() if e.pi == pi}
-            active, pending_requested, seg_bytes = set(), 0, 0
-            for seg in snap["segments"]:
-                cursor = seg["address"]
-                for b in seg["blocks"]:
-                    assert b["address"] == cursor, "blocks must tile their segment in address order"
-                    cursor += b["size"]
-                    if b["state"] != "inactive":
-                        live_spans.append((b["address"], b["address"] + b["size"], pi))
-                    if b["state"] == "active_allocated":
-                        active.add(b["address"])
-                    elif b["state"] == "active_pending_free":
-                        pending_requested += b["requested_size"]
-                assert cursor == seg["address"] + seg["total_size"], "block sizes must add up to the segment"
-                seg_spans.append((seg["address"], seg["address"] + seg["total_size"], pi))
-                seg_bytes += seg["total_size"]
+            active, pending_requested, seg_bytes = walk_segments(snap, pi, live_spans, seg_spans)
             if pi == 2:  # the default pool may hold blocks of earlier tests: compare what this test added
                 assert stats["allocation.all.current"] == self.default_live0 + len(mine)
                 assert set(mine) <= active, "a live block of the model is not live in the default pool"

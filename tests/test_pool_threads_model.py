@@ -68,15 +68,8 @@ knob_sets = st.fixed_dictionaries({}, optional={
 
 
 @pytest.fixture(autouse=True, scope="module")
-def own_ledger_dir(tmp_path_factory):
-    """The tenant's quota ledger lives in this module's own directory."""
-    old = os.environ.get("ASCEND_POOL_LEDGER_DIR")
-    os.environ["ASCEND_POOL_LEDGER_DIR"] = str(tmp_path_factory.mktemp("ledger"))
-    yield
-    if old is None:
-        os.environ.pop("ASCEND_POOL_LEDGER_DIR", None)
-    else:
-        os.environ["ASCEND_POOL_LEDGER_DIR"] = old
+def own_ledger_dir(module_ledger_dir):
+    """The tenant's quota ledger lives in this module's own directory (conftest.module_ledger_dir)."""
 
 
 class Shared:

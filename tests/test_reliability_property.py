@@ -16,6 +16,9 @@ empty_cache and one-shot device malloc failures, against a reference model. Afte
 Run in both the classic mode and expandable_segments=True. Sizes are bytes; MiB = 1 << 20.
 """
 
+import os
+import sys
+
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -23,6 +26,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import ascend_pool as ap
 from ascend_pool import sim
 from ascend_pool.backend import open_backend
+
+sys.path.insert(0, os.path.dirname(__file__))
+from snapshot_walk import walk_segments  # noqa: E402
 
 MiB = 1 << 20
 PAGE = 2 * MiB
@@ -43,17 +49,8 @@ sizes = st.one_of(
 )
 
 @pytest.fixture(autouse=True, scope="module")
-def own_ledger_dir(tmp_path_factory):
-    """The tenant's quota ledger lives in this module's own directory."""
-    import os
-
-    old = os.environ.get("ASCEND_POOL_LEDGER_DIR")
-    os.environ["ASCEND_POOL_LEDGER_DIR"] = str(tmp_path_factory.mktemp("ledger"))
-    yield
-    if old is None:
-        os.environ.pop("ASCEND_POOL_LEDGER_DIR", None)
-    else:
-        os.environ["ASCEND_POOL_LEDGER_DIR"] = old
+def own_ledger_dir(module_ledger_dir):
+    """The tenant's quota ledger lives in this module's own directory (conftest.module_ledger_dir)."""
 
 
 FAULT_OOMS = []
@@ -260,23 +257,7 @@ class PoolMachine(RuleBasedStateMachine):
             snap = pool.snapshot()
             stats = pool.memory_stats()
             mine = {p: v for p, v in self.live.items() if v[0] == pi}
-            active = set()
-            pending_requested = 0  # freed after record_stream: requested until the free completes (torch)
-            seg_bytes = 0
-            for seg in snap["segments"]:
-                cursor = seg["address"]
-                for b in seg["blocks"]:
-                    assert b["address"] == cursor, "blocks must tile their segment in address order"
-                    cursor += b["size"]
-                    if b["state"] != "inactive":
-                        live_spans.append((b["address"], b["address"] + b["size"], pi))
-                    if b["state"] == "active_allocated":
-                        active.add(b["address"])
-                    if b["state"] == "active_pending_free":
-                        pending_requested += b["requested_size"]
-                assert cursor == seg["address"] + seg["total_size"], "block sizes must add up to the segment"
-                seg_spans.append((seg["address"], seg["address"] + seg["total_size"], pi))
-                seg_bytes += seg["total_size"]
+            active, pending_requested, seg_bytes = walk_segments(snap, pi, live_spans, seg_spans)
             assert active == set(mine), "the pool's live blocks differ from the model's"
             for ptr, (_, size, _) in mine.items():
                 info = pool.block_info(ptr)
