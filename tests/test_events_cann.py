@@ -47,6 +47,29 @@ def test_simulator_refuses_a_record_after_a_wait_without_reset(sim_node):
     """)
 
 
+def test_simulator_refuses_a_wait_on_an_event_created_without_acl_event_sync(sim_node):
+    # hicann/runtime ApiErrorDecorator::StreamWaitEvent: an event whose flags hold none of the
+    # synchronizing bits (IsEventWithoutWaitTask) is refused with RT_ERROR_FEATURE_NOT_SUPPORT
+    # (207000), recorded or not; ApiErrorDecorator::EventCreate[Ex] refuses flag 0 (107000);
+    # aclrtCreateEvent's events carry RT_EVENT_DEFAULT (0x0E, with RT_EVENT_DDSYNC) and may be waited on
+    sim_node.run("""
+        init()
+        a, b = stream(), stream()
+        for flags, ex in ((8, False), (2, False), (8, True)):   # TIME_LINE, CAPTURE_STREAM_PROGRESS
+            ev = event(flags, ex=ex)
+            ok("aclrtRecordEvent", ev, a)
+            assert code("aclrtStreamWaitEvent", b, ev) == 207000, flags
+            assert "ACL_EVENT_SYNC" in errmsg()
+            ok("aclrtDestroyEvent", ev)
+        for name in ("aclrtCreateEventWithFlag", "aclrtCreateEventExWithFlag"):
+            assert code(name, C.byref(C.c_void_p()), 0) == 107000, name
+        for ev in (event(), event(9), event(1, ex=True)):        # plain, SYNC | TIME_LINE, new mode
+            ok("aclrtRecordEvent", ev, a)
+            ok("aclrtStreamWaitEvent", b, ev)
+        ok("aclrtSynchronizeStream", b)
+    """, ASCEND_SIM_PROFILE="cann8.3")                           # a profile with new-mode events
+
+
 def _recent_error():
     lib = ctypes.CDLL(sim.library_path())
     lib.aclGetRecentErrMsg.restype = ctypes.c_char_p

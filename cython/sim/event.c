@@ -14,6 +14,11 @@
  * aclrtStreamWaitEvent captures the (stream, position) pair at call time, as CUDA does: recording
  * the event again later does not change what the waiting stream waits for.
  *
+ * A stream may wait only on an event created with ACL_EVENT_SYNC, or by aclrtCreateEvent (the
+ * runtime's default flag, 0x0E, holds RT_EVENT_DDSYNC): any other is refused with
+ * ACL_ERROR_RT_FEATURE_NOT_SUPPORT (hicann/runtime ApiErrorDecorator::StreamWaitEvent); flag 0
+ * is refused at creation (107000, ApiErrorDecorator::EventCreate).
+ *
  * At most sim_event_limit(device) events may be live per device (65,536; 1,023 on Atlas
  * inference cards, per CANN's event pages); past that aclrtCreateEvent fails with
  * ACL_ERROR_RT_NO_EVENT_RESOURCE (207007).
@@ -58,7 +63,8 @@
 struct sim_event {
     struct sim_obj obj;
     int device;
-    uint32_t flags;            /* accepted and ignored: no timing, no blocking-sync distinction */
+    uint32_t flags;            /* ACL_EVENT_SYNC matters (waits, resets); the others are accepted */
+    int waitable;              /* aclrtStreamWaitEvent may wait on it: ACL_EVENT_SYNC, or aclrtCreateEvent's */
     int ex;                    /* aclrtCreateEventExWithFlag: waits wait for the latest record, no reset */
     pthread_mutex_t mu;
     struct sim_stream *stream; /* latest record (a reference), NULL if never recorded */
@@ -108,7 +114,8 @@ static struct sim_stream *snapshot(struct sim_event *e, uint64_t *pos)
     return s;
 }
 
-static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, const char *call)
+/* `plain`: aclrtCreateEvent, no flag argument */
+static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, int plain, const char *call)
 {
     int rc = sim_require_init(call);
     if (rc)
@@ -118,6 +125,11 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, const ch
     if (flags & ~ACL_EVENT_FLAGS_KNOWN)
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "flag 0x%x has unknown bits (known: 0x%x)",
                         flags, ACL_EVENT_FLAGS_KNOWN);
+    /* hicann/runtime ApiErrorDecorator::EventCreate/EventCreateEx: a flag with no known bit is
+       RT_ERROR_INVALID_VALUE (aclrtCreateEvent passes the runtime's default, 0x0E) */
+    if (flags == 0 && !plain)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "flag 0 is invalid: pass ACL_EVENT_SYNC (0x%x) for an "
+                        "event that streams wait on, or use aclrtCreateEvent", ACL_EVENT_SYNC);
     int dev;
     if ((rc = sim_current_device(call, &dev)) != 0)
         return rc;
@@ -140,6 +152,8 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, const ch
         sim_obj_init(&e->obj, SIM_H_EVENT, event_destroy);
         e->device = dev;
         e->flags = flags;
+        /* aclrtCreateEvent gets RT_EVENT_DEFAULT (0x0E), which holds RT_EVENT_DDSYNC */
+        e->waitable = (flags & ACL_EVENT_SYNC) || plain;
         e->ex = ex;
         pthread_mutex_init(&e->mu, NULL);
         if (sim_reg_add(&e->obj) != 0) {
@@ -159,18 +173,18 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, const ch
 
 SIM_EXPORT aclError aclrtCreateEvent(aclrtEvent *event)
 {
-    return create_event(event, 0, 0, "aclrtCreateEvent");
+    return create_event(event, 0, 0, 1, "aclrtCreateEvent");
 }
 
 SIM_EXPORT aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag)
 {
-    return create_event(event, flag, 0, "aclrtCreateEventWithFlag");
+    return create_event(event, flag, 0, 0, "aclrtCreateEventWithFlag");
 }
 
 #if !ASCEND_SIM_LEGACY
 SIM_EXPORT aclError aclrtCreateEventExWithFlag(aclrtEvent *event, uint32_t flag)
 {
-    return create_event(event, flag, 1, "aclrtCreateEventExWithFlag");
+    return create_event(event, flag, 1, 0, "aclrtCreateEventExWithFlag");
 }
 #endif
 
@@ -345,6 +359,14 @@ SIM_EXPORT aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
     if ((rc = sim_stream_get_in_context(stream, call, &target)) != 0) {
         sim_obj_unref(&e->obj);
         return rc;
+    }
+    if (!e->waitable) { /* ApiErrorDecorator::StreamWaitEvent: IsEventWithoutWaitTask, a warning */
+        uint32_t flags = e->flags;
+        sim_stream_put(target);
+        sim_obj_unref(&e->obj);
+        return sim_fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, call,
+                        "event %p was created with flag 0x%x, without ACL_EVENT_SYNC: streams cannot wait on "
+                        "it (create it with ACL_EVENT_SYNC)", event, flags);
     }
     uint64_t pos = 0;
     struct sim_stream *old_waiter = NULL;
