@@ -41,6 +41,7 @@ for _name, _args in {
     "aclrtSynchronizeStream": [_VP],
     "aclrtSynchronizeStreamWithTimeout": [_VP, C.c_int32],
     "aclrtDestroyStream": [_VP],
+    "aclrtDestroyStreamForce": [_VP],
 }.items():
     _f = getattr(lib, _name)
     _f.argtypes, _f.restype = _args, C.c_int

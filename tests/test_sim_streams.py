@@ -455,3 +455,38 @@ def test_an_event_is_recorded_only_on_a_stream_of_its_own_device(sim_node):
         assert "belongs to device 0" in errmsg()
         ok("aclrtRecordEvent", event(), s)
     """)
+
+
+def test_destroy_stream_force_drops_what_has_not_started(sim_node):
+    """aclrtDestroyStreamForce (CANN: "does not wait for the stream's unfinished tasks"): the items
+    not started never run, a hung one is abandoned, the call returns at once, and events recorded
+    there complete (waits on them pass) so that nothing waits for work that will never run."""
+    sim_node.run("""
+        import time
+        init()
+        MiB = 1 << 20
+        s, b = stream(), stream()
+        p = malloc(MiB)
+        sim.launch_fill(b, p, MiB, 0x11); ok("aclrtSynchronizeStream", b)
+        e = event(flags=1)
+        sim.hang_stream(s)
+        sim.launch_fill(s, p, MiB, 0x77)
+        ok("aclrtRecordEvent", e, s)
+        ok("aclrtStreamWaitEvent", b, e)
+        t = time.monotonic()
+        ok("aclrtDestroyStreamForce", s)
+        assert time.monotonic() - t < 2
+        ok("aclrtSynchronizeStreamWithTimeout", b, 2000)       # B's wait passed
+        assert query_status(e) == 1
+        time.sleep(0.1)
+        assert sim.read(p, MiB) == b"\\x11" * MiB              # the dropped fill never ran
+        assert code("aclrtDestroyStreamForce", s) == 107000    # a destroyed handle
+        assert code("aclrtDestroyStreamForce", None) == 100000
+        s2 = stream()
+        sim.launch_fill(s2, p, MiB, 0x22, delay_s=0.2)
+        ok("aclrtDestroyStreamForce", s2)     # dropped if not started, else waited for: no later write
+        before = sim.read(p, MiB)
+        assert before in (b"\\x11" * MiB, b"\\x22" * MiB)
+        time.sleep(0.3)
+        assert sim.read(p, MiB) == before
+    """)

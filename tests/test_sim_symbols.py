@@ -20,7 +20,7 @@ ACL = [
     "aclrtRecordEvent", "aclrtQueryEventStatus", "aclrtQueryEvent", "aclrtSynchronizeEvent",
     "aclrtSynchronizeEventWithTimeout", "aclrtStreamWaitEvent", "aclrtDestroyEvent", "aclrtResetEvent",
     "aclrtCreateStream", "aclrtSynchronizeStream", "aclrtSynchronizeStreamWithTimeout",
-    "aclrtDestroyStream", "aclGetRecentErrMsg",
+    "aclrtDestroyStream", "aclrtDestroyStreamForce", "aclGetRecentErrMsg",
     # virtual memory (vmm.c), in both builds
     "aclrtMemGetAllocationGranularity", "aclrtReserveMemAddress", "aclrtReleaseMemAddress",
     "aclrtMallocPhysical", "aclrtFreePhysical", "aclrtMapMem", "aclrtUnmapMem",

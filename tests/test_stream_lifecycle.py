@@ -1098,3 +1098,33 @@ def test_probes_of_unknown_stream_handles_do_not_use_up_the_idle_events():
         p._check_invariants()
     finally:
         p.close()
+
+
+def test_a_free_owed_to_a_stream_force_destroyed_behind_the_pools_back_settles_safely(pool):
+    """aclrtDestroyStreamForce (CANN) drops the stream's work that has not started: the pool's
+    pending free on it settles (the event recorded there completes), the block comes back without
+    a late write from the dropped work, and the pool's memory all goes back at empty_cache."""
+    import time
+    lib = ctypes.CDLL(sim.library_path())
+    lib.aclrtDestroyStreamForce.argtypes = [ctypes.c_void_p]
+    s = pool.create_stream()
+    y = pool.malloc(2 * MiB)
+    sim.hang_stream(s)                          # a kernel that never ends, then a write of y
+    sim.launch_fill(s, y, 2 * MiB, 0x77)
+    pool.record_stream(y, s)
+    pool.free(y)
+    assert pool.memory_stats()["pending_free_bytes"] >= 2 * MiB
+    lib.aclrtSetDevice(0)                       # the stream's context current on this thread
+    assert lib.aclrtDestroyStreamForce(s) == 0  # the framework's; the pool is not told
+    try:
+        z = pool.malloc(2 * MiB)
+    except ap.InvalidStreamError:               # may find out once
+        z = pool.malloc(2 * MiB)
+    sim.launch_fill(None, z, 2 * MiB, 0x11)
+    assert lib.aclrtSynchronizeStream(None) == 0
+    time.sleep(0.2)                             # a late write from s would land meanwhile
+    assert sim.read(z, 2 * MiB) == b"\x11" * 2 * MiB, "the dropped write landed"
+    pool.free(z)
+    pool.empty_cache()
+    st = pool.memory_stats()
+    assert st["pending_free_bytes"] == 0 and st["reserved_bytes.all.current"] == 0

@@ -247,6 +247,7 @@ SIM_EXPORT aclError aclrtCreateStream(aclrtStream *stream);
 SIM_EXPORT aclError aclrtSynchronizeStream(aclrtStream stream);
 SIM_EXPORT aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout);
 SIM_EXPORT aclError aclrtDestroyStream(aclrtStream stream);
+SIM_EXPORT aclError aclrtDestroyStreamForce(aclrtStream stream);
 
 SIM_EXPORT const char *aclGetRecentErrMsg(void);
 

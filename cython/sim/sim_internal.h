@@ -331,6 +331,7 @@ struct sim_stream {
     uint64_t submitted, completed; /* item counts: an item's position is submitted after it */
     uint64_t hangs_requested, hangs_released;
     int closed;                 /* destroy started: no new work */
+    int force;                  /* aclrtDestroyStreamForce: a hung item is abandoned */
     int exit;
     int has_thread;
     pthread_t thread;

@@ -8,7 +8,8 @@
  *
  * Each device has a default stream (the NULL handle), created on first use. aclrtDestroyStream
  * refuses new work, drains what was submitted (CANN's destroy waits for the stream's tasks;
- * aclrtDestroyStreamForce is the one that does not), then joins the worker and only then makes
+ * aclrtDestroyStreamForce is the one that does not: it drops what has not started, see
+ * stream_shutdown_force), then joins the worker and only then makes
  * the handle invalid: until the work is done the stream is alive to every other thread, and an
  * event recorded on it meanwhile completes with that work. The object itself lives on while
  * events or other streams' waits still refer to it (reference counts).
@@ -58,7 +59,7 @@ static void *worker(void *arg)
         if (!s->head)
             s->tail = NULL;
         if (w->kind == SIM_W_HANG) {
-            while (s->hangs_released < w->hang_id)
+            while (s->hangs_released < w->hang_id && !s->force)
                 pthread_cond_wait(&s->work_cv, &s->mu);
         } else {
             pthread_mutex_unlock(&s->mu);
@@ -254,6 +255,8 @@ void sim_stream_release_hangs(struct sim_stream *s)
     pthread_mutex_unlock(&s->mu);
 }
 
+static void stop_worker(struct sim_stream *s);
+
 void sim_stream_shutdown(struct sim_stream *s)
 {
     pthread_mutex_lock(&s->mu);
@@ -266,6 +269,12 @@ void sim_stream_shutdown(struct sim_stream *s)
     s->closed = 1;
     while (s->completed < s->submitted)
         pthread_cond_wait(&s->done_cv, &s->mu);
+    stop_worker(s);
+}
+
+/* Called with s->mu held by the one thread that closed s, its work done; returns unlocked. */
+static void stop_worker(struct sim_stream *s)
+{
     s->exit = 1;
     pthread_cond_broadcast(&s->work_cv);
     pthread_mutex_unlock(&s->mu);
@@ -274,6 +283,38 @@ void sim_stream_shutdown(struct sim_stream *s)
         s->has_thread = 0;
     }
     atomic_fetch_sub(&g_sim.dev[s->device].live_streams, 1);
+}
+
+/* aclrtDestroyStreamForce: the queued items that have not started are dropped (they never run),
+   the running one is waited for (a hung one is abandoned: the runtime force-recycles the
+   stream's tasks and returns once none is pending, hicann/runtime Stream::TearDown), then every
+   position counts as complete, so that events recorded there complete and waits on them pass. */
+static void stream_shutdown_force(struct sim_stream *s)
+{
+    pthread_mutex_lock(&s->mu);
+    if (s->closed) { /* a destroy is draining it already */
+        pthread_mutex_unlock(&s->mu);
+        sim_stream_shutdown(s);
+        return;
+    }
+    s->closed = 1;
+    s->force = 1;
+    struct sim_work *dropped = s->head;
+    uint64_t n = 0;
+    for (struct sim_work *w = dropped; w; w = w->next)
+        n++;
+    s->head = s->tail = NULL;
+    pthread_cond_broadcast(&s->work_cv); /* a hung item stops */
+    while (s->completed + n < s->submitted)
+        pthread_cond_wait(&s->done_cv, &s->mu);
+    s->completed = s->submitted;
+    pthread_cond_broadcast(&s->done_cv);
+    stop_worker(s);
+    while (dropped) { /* not under our lock: a wait item may drop another stream's last reference */
+        struct sim_work *w = dropped;
+        dropped = w->next;
+        free_work(w);
+    }
 }
 
 SIM_EXPORT aclError aclrtCreateStream(aclrtStream *stream)
@@ -335,9 +376,8 @@ SIM_EXPORT aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_
     return sync_stream(stream, timeout, "aclrtSynchronizeStreamWithTimeout");
 }
 
-SIM_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
+static aclError destroy_stream(aclrtStream stream, int force, const char *call)
 {
-    static const char call[] = "aclrtDestroyStream";
     int rc = sim_require_init(call);
     if (rc)
         return rc;
@@ -346,7 +386,10 @@ SIM_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
     struct sim_stream *s;
     if ((rc = sim_stream_get_in_context(stream, call, &s)) != 0) /* "the stream must be in the current context" */
         return rc;
-    sim_stream_shutdown(s); /* the handle stays valid until the queued work is done */
+    if (force)
+        stream_shutdown_force(s);
+    else
+        sim_stream_shutdown(s); /* the handle stays valid until the queued work is done */
     sim_stream_put(s);
     struct sim_obj *o = sim_reg_take(stream, SIM_H_STREAM);
     if (!o)
@@ -354,4 +397,15 @@ SIM_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
                         "%p is not a live stream (never created, or already destroyed)", stream);
     sim_stream_put((struct sim_stream *)o);
     return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
+{
+    return destroy_stream(stream, 0, "aclrtDestroyStream");
+}
+
+/* CANN: destroys the stream without waiting for its unfinished tasks (aclrtDestroyStreamForce.md) */
+SIM_EXPORT aclError aclrtDestroyStreamForce(aclrtStream stream)
+{
+    return destroy_stream(stream, 1, "aclrtDestroyStreamForce");
 }
