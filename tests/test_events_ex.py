@@ -101,3 +101,29 @@ def test_the_borrow_path_keeps_the_reset_scheme_where_the_runtime_refuses_new_mo
     out = sim_node.run_json(PINGPONG)               # strict: aclrtCreateEventExWithFlag answers 207000
     assert out["migrations"] >= 60 and out["same"] and out["last"] == 9, out
     assert out["events"] > 1 and out["live_events"] == out["events"], out  # parked until their records ran
+
+
+def test_simulator_new_mode_records_take_an_event_id_until_they_have_run(sim_node):
+    """hicann/runtime Event::Record: each record of a new-mode event takes a hardware event id
+    (AllocEventIdResource), given back once it has run; the device's ids are its event limit,
+    shared with the live events of aclrtCreateEvent[WithFlag]. Past them the runtime's record
+    blocks the thread; the simulator refuses it with 207007 (before, records had no limit)."""
+    sim_node.run("""
+        init()
+        a = stream()
+        old = [event(1) for _ in range(4)]               # 4 of the 16 ids
+        evs = [event(1, ex=True) for _ in range(13)]
+        sim.hang_stream(a)
+        for e in evs[:12]:
+            ok("aclrtRecordEvent", e, a)                 # 12 records not run: 16 ids held
+        assert code("aclrtRecordEvent", evs[12], a) == 207007 and "event id" in errmsg()
+        ok("aclrtDestroyEvent", old.pop())               # an id back
+        ok("aclrtRecordEvent", evs[12], a)
+        assert code("aclrtRecordEvent", evs[0], a) == 207007
+        assert code("aclrtCreateEventWithFlag", C.byref(C.c_void_p()), 1) == 207007   # the same ids
+        sim.release_stream(a)
+        ok("aclrtSynchronizeStream", a)                  # the records have run: their ids are back
+        for e in evs:
+            ok("aclrtRecordEvent", e, a)
+        ok("aclrtSynchronizeStream", a)
+    """, ASCEND_SIM_PROFILE="310p", ASCEND_SIM_EVENT_LIMIT="16")

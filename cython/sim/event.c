@@ -51,8 +51,8 @@
  * deprecated aclrtQueryEvent, are not supported on them: refused with 107000, the simulator's
  * code where the documentation says "returns an error"); a wait on one never recorded passes at
  * once (Event::WaitSendCheck, new mode) and aclrtQueryEventStatus answers COMPLETE for it.
- * Creating them takes no hardware resource (a record does), so they do not count against the
- * device's event limit. Under the `strict` profile the call answers
+ * Creating them takes no hardware resource; each record takes an event id until it has run
+ * (id_take below). Under the `strict` profile the call answers
  * ACL_ERROR_RT_FEATURE_NOT_SUPPORT (207000), as a runtime that exports it without the feature.
  */
 #include <errno.h>
@@ -80,6 +80,63 @@ struct sim_event {
     struct sim_stream *waiter; /* the latest stream that waited on the latest record (a reference):
                                   a reset there runs after that record */
 };
+
+/* Hardware event ids of new-mode records (hicann/runtime Event::Record -> AllocEventIdResource):
+   each record of an event of aclrtCreateEventExWithFlag takes an id from the device's pool, given
+   back once that record has run (TryFreeEventIdAndCheckCanBeDelete). The pool is the device's
+   event limit, shared with the live events of aclrtCreateEvent[WithFlag]. Past it the runtime's
+   record blocks the thread until a record completes (it loops on RT_ERROR_DRV_NO_EVENT_RESOURCES);
+   the simulator refuses it with ACL_ERROR_RT_NO_EVENT_RESOURCE (207007), its choice: a thread
+   blocked there (perhaps under a caller's lock, behind a hung stream) would hide the mistake. */
+struct id_hold {
+    struct sim_stream *s; /* a reference */
+    uint64_t pos;
+};
+static struct {
+    pthread_mutex_t mu;
+    struct id_hold *v;
+    size_t n, cap;
+} g_ids[SIM_MAX_DEVICES] = {[0 ... SIM_MAX_DEVICES - 1] = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+
+/* Takes an id for a record at (s, pos) on device dev (s NULL: none, only counts): 0, or 1 when
+   the device has none left. */
+static int id_take(int dev, struct sim_stream *s, uint64_t pos)
+{
+    struct id_hold done[64];
+    size_t ndone = 0;
+    int full = 0;
+    pthread_mutex_lock(&g_ids[dev].mu);
+    for (size_t i = 0; i < g_ids[dev].n;) { /* give back the ids of records that have run */
+        struct id_hold *h = &g_ids[dev].v[i];
+        if (ndone < 64 && sim_stream_is_done(h->s, h->pos)) {
+            done[ndone++] = *h;
+            *h = g_ids[dev].v[--g_ids[dev].n];
+        } else {
+            i++;
+        }
+    }
+    uint64_t held = g_ids[dev].n + atomic_load(&g_sim.dev[dev].live_events);
+    if (!s) {
+        full = held > (uint64_t)sim_event_limit(dev); /* the caller's new event is among live_events */
+    } else if (held >= (uint64_t)sim_event_limit(dev)) {
+        full = 1;
+    } else if (g_ids[dev].n == g_ids[dev].cap) {
+        size_t cap = g_ids[dev].cap ? 2 * g_ids[dev].cap : 64;
+        struct id_hold *v = realloc(g_ids[dev].v, cap * sizeof *v);
+        if (!v)
+            full = 1;
+        else
+            g_ids[dev].v = v, g_ids[dev].cap = cap;
+    }
+    if (!full && s) {
+        sim_obj_ref(&s->obj);
+        g_ids[dev].v[g_ids[dev].n++] = (struct id_hold){s, pos};
+    }
+    pthread_mutex_unlock(&g_ids[dev].mu);
+    for (size_t i = 0; i < ndone; i++) /* not under our lock: may drop a stream's last reference */
+        sim_stream_put(done[i].s);
+    return full;
+}
 
 static void event_destroy(struct sim_obj *o)
 {
@@ -142,10 +199,11 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, int plai
                         "injected fault: this event creation was chosen to fail");
     struct sim_device *d = &g_sim.dev[dev];
     int limit = sim_event_limit(dev);
-    if (!ex && atomic_fetch_add(&d->live_events, 1) >= (uint64_t)limit) {
+    if (!ex && (atomic_fetch_add(&d->live_events, 1) >= (uint64_t)limit || id_take(dev, NULL, 0))) {
         atomic_fetch_sub(&d->live_events, 1);
         return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call,
-                        "device %d already has %d live events (its limit): destroy or reuse events", dev, limit);
+                        "device %d already has %d live events or records of aclrtCreateEventExWithFlag events "
+                        "not yet run (its limit): destroy or reuse events", dev, limit);
     }
     struct sim_event *e = calloc(1, sizeof *e);
     if (e) {
@@ -245,6 +303,16 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
                         "event %p has a reset (aclrtResetEvent) still queued on stream %p behind that "
                         "stream's wait: record it again only once the waiting stream has run the reset", event,
                         waiting);
+    }
+    if (e->ex && id_take(e->device, s, pos)) {
+        int dev = e->device, limit = sim_event_limit(dev);
+        pthread_mutex_unlock(&e->mu);
+        sim_stream_put(s);
+        sim_obj_unref(&e->obj);
+        return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call,
+                        "device %d has no event id left (%d: records of aclrtCreateEventExWithFlag events "
+                        "not yet run, and live events of aclrtCreateEvent[WithFlag]): on an NPU this record "
+                        "blocks the thread until a record completes", dev, limit);
     }
     struct sim_stream *old = e->stream;
     if ((e->flags & ACL_EVENT_SYNC) && !e->ex && !e->armed) { /* the first record since the reset sets the flag */
