@@ -14,6 +14,19 @@ import pytest
 needs_strace = pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to stop a process at a system call")
 
 
+def child_env(tmp_path):
+    """The environment of a started process: this tree's ascend_pool, and its own ledger and
+    simulator directories (made) under tmp_path."""
+    import ascend_pool
+
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(ascend_pool.__file__)))
+    e = dict(os.environ, PYTHONPATH=pkg_parent, ASCEND_POOL_LEDGER_DIR=str(tmp_path / "ledgers"),
+             ASCEND_SIM_SHM_DIR=str(tmp_path / "sim"))
+    os.mkdir(e["ASCEND_POOL_LEDGER_DIR"])
+    os.mkdir(e["ASCEND_SIM_SHM_DIR"])
+    return e
+
+
 def at_syscall(env, code, syscall, action, nth=1, *args, **kw):
     """python -c code (with args) under strace, its nth call of syscall given action; a Popen in a
     session of its own (os.killpg ends strace and the process it holds)."""

@@ -10,13 +10,10 @@ import sys
 
 import pytest
 
-import ascend_pool as ap
-
 sys.path.insert(0, os.path.dirname(__file__))
-from syscall_stop import age, at_syscall, held_makers_file_stays, needs_strace, run_printing  # noqa: E402
+from syscall_stop import child_env, age, at_syscall, held_makers_file_stays, needs_strace, run_printing  # noqa: E402
 from ascend_pool import identity
 
-PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
 START = "import ascend_pool as ap; ap.Pool(0, backend='sim').context('t', quota=8 << 20); print('started')"
 PREP = ("import sys, ascend_pool as ap; from ascend_pool.private_dir import private_dir; "
         "ap.Pool(0, backend='sim').close(); print(private_dir(sys.argv[1]))")
@@ -28,10 +25,7 @@ pytestmark = needs_strace
 
 @pytest.fixture
 def env(tmp_path):
-    e = dict(os.environ, PYTHONPATH=PKG_PARENT, ASCEND_POOL_LEDGER_DIR=str(tmp_path / "ledgers"),
-             ASCEND_SIM_SHM_DIR=str(tmp_path / "sim"))
-    os.mkdir(e["ASCEND_POOL_LEDGER_DIR"])
-    os.mkdir(e["ASCEND_SIM_SHM_DIR"])
+    e = child_env(tmp_path)
     e["PRIV"] = subprocess.run([sys.executable, "-c", PREP, e["ASCEND_POOL_LEDGER_DIR"]], env=e, check=True,
                                capture_output=True, text=True).stdout.strip()
     return e

@@ -14,12 +14,9 @@ import time
 
 import pytest
 
-import ascend_pool as ap
-
 sys.path.insert(0, os.path.dirname(__file__))
-from syscall_stop import age as age_files, at_syscall, held_makers_file_stays, needs_strace, run_printing  # noqa: E402
+from syscall_stop import child_env, age as age_files, at_syscall, held_makers_file_stays, needs_strace, run_printing  # noqa: E402
 
-PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
 START = "import ascend_pool as ap; ap.Pool(0, backend='sim').close(); print('started')"
 # The simulator's links, in order: private lease, public lease, the device's node record.
 LEASE_LINK, ALIVE_LINK, RECORD_LINK = 1, 2, 3
@@ -29,10 +26,7 @@ pytestmark = needs_strace
 
 @pytest.fixture
 def env(tmp_path):
-    e = dict(os.environ, PYTHONPATH=PKG_PARENT, ASCEND_POOL_LEDGER_DIR=str(tmp_path / "ledgers"),
-             ASCEND_SIM_SHM_DIR=str(tmp_path / "sim"))
-    os.mkdir(e["ASCEND_POOL_LEDGER_DIR"])
-    os.mkdir(e["ASCEND_SIM_SHM_DIR"])
+    e = child_env(tmp_path)
     return e
 
 

@@ -726,17 +726,7 @@ def test_register_stream_keeps_a_stream_made_meanwhile_with_the_handle_it_refuse
     # anew, was forgotten with it (refused by the pool, left by close()). Driven step by step.
     out = sim_node.run_json("""
         import ascend_pool as ap
-        from ascend_pool._core import Backend
-
-        class B(Backend):
-            hook = None
-
-            def stream_device(self, stream):
-                dev = super().stream_device(stream)
-                if self.hook:
-                    h, self.hook = self.hook, None
-                    h()
-                return dev
+        from hooked_backend import HookedBackend as B
 
         be = B("sim")
         pool = ap.Pool(0, backend=be)
@@ -772,17 +762,7 @@ def test_a_stream_the_c_abi_orders_on_with_the_handle_register_stream_refuses_ke
     out = sim_node.run_json("""
         import ascend_pool as ap
         from ascend_pool import _core, sim
-        from ascend_pool._core import Backend
-
-        class B(Backend):
-            hook = None
-
-            def stream_device(self, stream):
-                dev = super().stream_device(stream)
-                if self.hook:
-                    h, self.hook = self.hook, None
-                    h()
-                return dev
+        from hooked_backend import HookedBackend as B
 
         be = B("sim")
         pool = ap.Pool(0, backend=be)
