@@ -300,17 +300,14 @@ def _private_pools_reserved(pool):
         if tuple(other.pool_id) == DEFAULT_POOL_ID:
             continue
         try:
-            # The counters alone, as memory_stats() has them (less reset_accumulated_stats' base):
-            # not memory_stats(), which builds each pool's whole schema (a context's reads its
-            # ledger too), some 70 us a pool, on every memory_allocated() of torch code.
-            raw = other._raw_stats()
+            # The counters alone (Pool.counters): not memory_stats(), which builds each pool's
+            # whole schema (a context's reads its ledger too), some 70 us a pool.
+            counters = other.counters()
         except PoolError:
             if not other.closed:
                 raise
             continue  # closed by another thread meanwhile: no longer a pool of the device
-        base = other.__dict__.get("_acc_base") or {}
-        out[tuple(other.pool_id)] = {m.group(1): v - base.get(k, 0) for k, v in raw.items()
-                                     if (m := _POOL_STAT.match(k))}
+        out[tuple(other.pool_id)] = {m.group(1): v for k, v in counters.items() if (m := _POOL_STAT.match(k))}
     return out
 
 

@@ -176,6 +176,12 @@ class Pool(PoolBase):
         out = _stats.minus_baseline(Pool.lifetime_stats(self), self.__dict__.get("_acc_base"))
         return OrderedDict(sorted(out.items()))  # torch's memory_stats: an OrderedDict sorted by key
 
+    def counters(self):
+        """The C pool's own counters as memory_stats() gives them (less reset_accumulated_stats'
+        base; bytes and counts), without the derived figures and sharing's: cheap enough for a
+        device-level read of every pool (api.device_stats)."""
+        return _stats.minus_baseline(self._raw_stats(), self.__dict__.get("_acc_base"))
+
     def lifetime_stats(self, wait_ms=-1):
         """memory_stats() as if reset_accumulated_stats() had never been called: counters that
         only grow over the pool's life (what the metrics export; a Prometheus counter must never

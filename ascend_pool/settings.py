@@ -13,15 +13,14 @@ import threading
 
 from . import config as _config
 from . import registry as _registry
+from ._core import config_defaults
 from .errors import ConfigError, ConfigTypeError, PoolError
 
 RESET_KEYS = ("max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions")  # torch: off unless
 # given again (its parseArgs resets them at each call)
 LIMIT_KEYS = ("memory_fraction", "per_process_memory_fraction")
 # ap_config_default's values (cython/core/pool.c) for the fields a pool's knobs did not set
-_DEFAULT_FIELDS = {"page_size": 2 << 20, "large_segment": 20 << 20, "reserve_bytes": 0, "history_capacity": 0,
-                   "release_policy": "budgeted", "expandable": 0, "stream_reuse": "borrow", "sync_timeout_ms": 60000,
-                   "roundup_divisions": [0] * _config.ROUNDUP_INTERVALS}
+_DEFAULT_FIELDS = config_defaults()
 
 _lock = threading.RLock()  # one call's checks and changes at a time (re-entrant: a signal handler)
 

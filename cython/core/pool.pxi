@@ -154,6 +154,24 @@ STREAM_REUSE = {"borrow": AP_REUSE_BORROW, "tied": AP_REUSE_TIED}
 BLOCK_STATES = ("inactive", "active_allocated", "active_pending_free")
 
 
+def config_defaults():
+    """ap_config_default's value of each field Pool._open takes, in knobs_to_config's form (bytes;
+    release_policy and stream_reuse by name; roundup_divisions a list): what an open pool has for
+    a field its knobs did not set."""
+    cdef ap_config c
+    ap_config_default(&c)
+    policies = {v: k for k, v in RELEASE_POLICIES.items()}
+    reuses = {v: k for k, v in STREAM_REUSE.items()}
+    return {"pad_bytes": c.pad_bytes, "min_block": c.min_block, "small_size": c.small_size,
+            "small_segment": c.small_segment, "page_size": c.page_size, "min_large_segment": c.min_large_segment,
+            "large_segment": c.large_segment, "large_split_min": c.large_split_min,
+            "max_split_size": c.max_split_size, "limit_bytes": c.limit_bytes, "reserve_bytes": c.reserve_bytes,
+            "history_capacity": c.history_capacity, "gc_threshold": c.gc_threshold,
+            "release_policy": policies[c.release_policy], "expandable": c.expandable,
+            "stream_reuse": reuses[c.stream_reuse], "sync_timeout_ms": c.sync_timeout_ms,
+            "roundup_divisions": [c.roundup_divisions[i] for i in range(16)]}
+
+
 cdef object _raise(ap_error *err, int status):
     """Raises the typed exception for a failed pool call (errors.pxi's map)."""
     raise _c_error(status, err.device_code, err.message.decode("utf-8", "replace"), "pool call")
