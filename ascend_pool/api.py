@@ -224,7 +224,7 @@ def use_mem_pool(pool, device=None):
     index = torch_device_index(device)
     if index is not None and index != pool.device:
         raise InvalidDeviceError(f"use_mem_pool: the pool serves device {pool.device}, not device {index}")
-    entry = _current.push(pool.device, pool)
+    entry = _current.push(pool.device, pool, mem_pool=True)
     try:
         yield pool
     finally:
@@ -259,9 +259,13 @@ def empty_cache(device=None):
     """Returns the default pool's unused segments to the device (and closes the pools dropped
     earlier whose blocks have all been freed since). With no device, as torch.cuda.empty_cache():
     the current device's pool (the thread's current context, if any) and every other device's
-    open default pool; a device's pool that was never opened is not made for it."""
+    open default pool; a device's pool that was never opened is not made for it. Inside
+    use_mem_pool, as torch's: the pool in use keeps its cache (the pool underneath is emptied);
+    pool.empty_cache() empties it."""
     _registry.reap_orphans()
-    mine = default_pool(device)
+    index = torch_device_index(device)
+    index = current_device() if index is None else index
+    mine = _current.cache_owner(index) or process_default_pool(index)
     mine.empty_cache()
     if device is not None:
         return

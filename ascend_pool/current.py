@@ -28,10 +28,11 @@ def _stack(device):
     return stacks.setdefault(device, [])
 
 
-def push(device, pool):
-    """Makes pool current for device (int) on this thread; returns the entry for pop()."""
+def push(device, pool, mem_pool=False):
+    """Makes pool current for device (int) on this thread; returns the entry for pop(). mem_pool:
+    pushed by use_mem_pool (torch's MemPool, whose cache empty_cache keeps; see cache_owner)."""
     stack = _stack(device)
-    entry = [pool, _set_thread_current(device, pool)]  # [pool, what to restore when it goes]
+    entry = [pool, _set_thread_current(device, pool), mem_pool]  # [pool, what to restore when it goes, ...]
     stack.append(entry)
     _uses_of(pool).append(entry)
     return entry
@@ -79,3 +80,14 @@ def top(device):
     """The pool this thread made current for device, or None."""
     stack = getattr(_local, "stacks", {}).get(device)
     return stack[-1][0] if stack else None
+
+
+def cache_owner(device):
+    """The pool this thread made current for device with `with ctx:` (not use_mem_pool) still in
+    force, the last one, or None: the one whose cache empty_cache() empties. torch's
+    empty_cache() inside use_mem_pool keeps the MemPool's cache (release_cached_blocks with the
+    default pool id skips private pools still in use) and empties the device's own."""
+    for entry in reversed(getattr(_local, "stacks", {}).get(device, ())):
+        if not entry[2]:
+            return entry[0]
+    return None

@@ -188,3 +188,37 @@ def test_pool_id_in_snapshot(tmp_path):
     finally:
         ap.record_memory_history(None)
         pool.close()
+
+
+def test_empty_cache_inside_the_block_keeps_the_mempools_cache_and_empties_the_one_beneath():
+    # torch's empty_cache() passes the default pool id: release_cached_blocks empties the device's
+    # own pools and the private pools no longer in use, never a MemPool in use; inside a
+    # `with ctx:` beneath the block, the context is the thread's pool to empty
+    pool = ap.Pool(0)
+    default = ap.default_pool(0)
+    ctx = default.context("mempool-empty")
+    reserved = lambda p: p.memory_stats()["reserved_bytes.all.current"]  # noqa: E731
+    try:
+        ap.free(ap.malloc(8 * MiB, device=0))
+        with ctx:
+            ap.free(ap.malloc(8 * MiB))
+            with ap.use_mem_pool(pool):
+                ap.free(ap.malloc(8 * MiB))
+                held = reserved(pool)
+                assert held and reserved(ctx)
+                ap.empty_cache()
+                assert reserved(pool) == held
+                assert reserved(ctx) == 0
+                ap.free(ap.malloc(8 * MiB))
+                ap.empty_cache(0)
+                assert reserved(pool) == held
+        ap.free(ap.malloc(8 * MiB, device=0))
+        assert reserved(default)
+        with ap.use_mem_pool(pool):
+            ap.empty_cache()
+            assert reserved(pool) == held and reserved(default) == 0
+            pool.empty_cache()  # the pool's own call empties it
+            assert reserved(pool) == 0
+    finally:
+        ctx.close()
+        pool.close()
