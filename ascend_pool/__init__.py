@@ -35,6 +35,7 @@ from .errors import (
 )
 from .pool import Pool
 from .api import (
+    _allocation_traceback,
     _get_memory_metadata,
     _set_memory_metadata,
     attach_out_of_memory_observer,

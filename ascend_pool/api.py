@@ -615,6 +615,28 @@ def caching_allocator_delete(ptr):
     raise InvalidPointerError(f"caching_allocator_delete({ptr:#x}): not a live block of any open pool of this process")
 
 
+def _allocation_traceback(data_ptr):
+    """torch.cuda.memory._allocation_traceback(data_ptr): the frames of the allocation of the live
+    block starting at data_ptr, innermost (the user's line) first, from whichever open pool of the
+    process made it; None where no pool has a live block starting there (a view's address inside
+    one included, as torch's) or its frames were not recorded (record_memory_history with
+    stacks and context, before the allocation)."""
+    ptr = as_index(data_ptr)
+    if ptr is None:
+        raise InvalidPointerError(f"_allocation_traceback: data_ptr must be an int address, got {data_ptr!r}")
+    if ptr == 0:  # an empty tensor's null address: no allocation
+        return None
+    for pool in _registry.live_pools():
+        try:
+            info = pool.block_info(ptr) if not pool.closed else None
+            if info is not None and info[0] == ptr:
+                return pool.allocation_traceback(ptr)
+        except PoolError:
+            if not pool.closed:
+                raise  # closed by another thread meanwhile: its blocks went with it
+    return None
+
+
 def set_per_process_memory_fraction(fraction, device=None):
     """torch.cuda.set_per_process_memory_fraction(): caps the bytes the default pool of device
     holds at fraction (a number in [0, 1]) of the device's total memory; past the cap an

@@ -296,6 +296,23 @@ class Pool(PoolBase):
         return _snapshot.build(self.device, segments, history, self.knobs, frames, entry_frames=self._entry_frames,
                                pool_id=self.pool_id)
 
+    def allocation_traceback(self, ptr):
+        """The frames (torch's [{"filename", "line", "name"}], innermost first) of the allocation of
+        the live block starting at ptr, as torch's _allocation_traceback: None where no live block
+        of this pool starts there (an address inside one is a view's: None, as torch's) or no
+        frames were recorded for it (record_memory_history without stacks or context)."""
+        frames = self._stack_frames
+        if frames is None:  # never recorded: no snapshot to take
+            return None
+        segments, _ = self._raw_snapshot()
+        for base, size, _kind, _stream, blocks, *_ in segments:
+            if base <= ptr < base + size:
+                for addr, _size, _req, state, ctx in blocks:
+                    if addr == ptr and state:
+                        found = frames.get(ctx)
+                        return [dict(f) for f in found] if found else None
+        return None
+
     def dump_trace(self, path):
         """Writes the recorded history (record_memory_history or the record_history knob) as a
         replayable trace NAME.npz (ascend_pool.traces format): allocations with their requested

@@ -429,3 +429,33 @@ def test_set_device_takes_torchs_device_forms():
             assert ap.current_device() == 0
     finally:
         ap.set_device(before)
+
+
+def test_allocation_traceback_gives_a_live_blocks_allocation_frames_from_the_pool_that_made_it():
+    # torch 2.13's torch.cuda.memory._allocation_traceback(data_ptr): the frames of a live
+    # allocation starting at data_ptr, None for an address inside it, a freed block, or a block
+    # allocated while no frames were recorded
+    def allocate_here(pool=None):
+        return pool.malloc(MiB) if pool is not None else ap.malloc(MiB, device=0)
+
+    untraced = ap.malloc(MiB, device=0)
+    other = ap.Pool(0)
+    ap.record_memory_history(True)
+    try:
+        assert ap._allocation_traceback(untraced) is None
+        mine, theirs = allocate_here(), allocate_here(other)
+        for ptr in (mine, theirs):
+            frames = ap._allocation_traceback(ptr)
+            assert frames[0]["name"] == "allocate_here" and frames[0]["filename"] == __file__
+            assert set(frames[0]) == {"filename", "line", "name"}
+            assert ap._allocation_traceback(ptr + 512) is None  # a view's address, as torch's
+        ap.free(mine, device=0)
+        assert ap._allocation_traceback(mine) is None
+        assert ap._allocation_traceback(0) is None
+        with pytest.raises(ap.InvalidPointerError):
+            ap._allocation_traceback("0x10")
+        other.free(theirs)
+    finally:
+        ap.record_memory_history(None)
+        other.close()
+        ap.free(untraced, device=0)

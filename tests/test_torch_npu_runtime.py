@@ -35,7 +35,8 @@ def fake_torch_npu(monkeypatch):
     for mod in (memory, npu):
         for name in ("memory_stats", "memory_stats_as_nested_dict", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "_snapshot",
                      "memory_snapshot", "_record_memory_history", "_dump_snapshot", "get_per_process_memory_fraction",
-                     "_set_memory_metadata", "_get_memory_metadata", "_set_allocator_settings"):
+                     "_set_memory_metadata", "_get_memory_metadata", "_set_allocator_settings",
+                     "_allocation_traceback"):
             setattr(mod, name, _ub)
     npu.current_device = lambda: 0
     top = types.ModuleType("torch_npu")
@@ -122,6 +123,9 @@ def test_torch_npu_memory_functions_answer_from_ascend_pool(fake_torch_npu, tmp_
         assert npu.memory_stats(0)["num_ooms"] == 0
         assert any(s["total_size"] >= 3 << 20 for s in npu.memory_snapshot())
         npu._record_memory_history(max_entries=100)
+        traced = ap.malloc(1000, device=0)
+        assert npu._allocation_traceback(traced)[0]["name"] == "test_torch_npu_memory_functions_answer_from_ascend_pool"
+        ap.free(traced, device=0)
         npu._set_memory_metadata("npu-step")  # torch_npu's would tag its own, idle allocator's trace
         ap.free(ap.malloc(1000, device=0), device=0)
         assert npu._get_memory_metadata() == ap.get_memory_metadata() == "npu-step"

@@ -27,7 +27,8 @@ functions of torch_npu.npu.memory (and torch.npu) that would reach it: memory_st
 built on it (memory_allocated, memory_reserved, max_memory_allocated, memory_summary ...),
 memory_stats_as_nested_dict (which torch_npu's memory_stats calls), reset_peak_memory_stats,
 reset_accumulated_memory_stats, memory_snapshot, _snapshot, _record_memory_history, _dump_snapshot,
-_set_memory_metadata / _get_memory_metadata, _set_allocator_settings (ascend_pool.settings: the knobs
+_set_memory_metadata / _get_memory_metadata, _allocation_traceback (newer torch: a live block's
+allocation frames, from whichever pool made it), _set_allocator_settings (ascend_pool.settings: the knobs
 that change at runtime change every open pool; where it has them) and get_per_process_memory_fraction (newer torch_npu; the cap set_per_process_memory_fraction handed
 to the pool through the hook) answer from ascend_pool (PyTorch's schema): the stats
 for the pool the calling thread allocates from, and, as in torch, the history, _snapshot,
@@ -224,13 +225,15 @@ def _replacements():
             "_dump_snapshot": _dump_snapshot, "get_per_process_memory_fraction": get_per_process_memory_fraction,
             # torch_npu's would tag its own allocator's trace, which serves nothing under ours
             "_set_memory_metadata": api.set_memory_metadata, "_get_memory_metadata": api.get_memory_metadata,
+            # torch_npu's would look the address up in its own allocator, which made no block
+            "_allocation_traceback": api._allocation_traceback,
             # torch_npu's would re-read its own allocator's config, which serves nothing under ours
             "_set_allocator_settings": set_allocator_settings}
 
 
 PATCHED = ("memory_stats", "memory_stats_as_nested_dict", "reset_peak_memory_stats", "reset_accumulated_memory_stats",
            "_snapshot", "memory_snapshot", "_record_memory_history", "_dump_snapshot", "get_per_process_memory_fraction",
-           "_set_memory_metadata", "_get_memory_metadata", "_set_allocator_settings")
+           "_set_memory_metadata", "_get_memory_metadata", "_set_allocator_settings", "_allocation_traceback")
 
 
 def patch_memory_functions(*modules):
