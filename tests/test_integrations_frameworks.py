@@ -113,6 +113,78 @@ def test_torch_npu_install_refuses_a_non_acl_backend(fake_torch_npu):
     assert fake_torch_npu.changed == []  # nothing swapped
 
 
+# torch's Python bindings (HANDLE_TH_ERRORS, torch/csrc/Exceptions.h) as they turn a C++ exception
+# from the allocator into a Python one: c10::OutOfMemoryError by type (torch.OutOfMemoryError,
+# with what_without_backtrace()), any other std::exception as RuntimeError.
+TORCH_OOM_CALLER = r"""
+#include <c10/util/Exception.h>
+#include <dlfcn.h>
+#include <cstdio>
+#include <functional>
+extern "C" int alloc_like_torch(const char *path, const char *alloc_name, size_t size, char *out, size_t len) {
+    void *lib = dlopen(path, RTLD_LAZY);
+    if (!lib) { snprintf(out, len, "dlopen: %s", dlerror()); return -1; }
+    std::function<void *(size_t, int, void *)> alloc_fn =
+        reinterpret_cast<void *(*)(size_t, int, void *)>(dlsym(lib, alloc_name));
+    try {
+        snprintf(out, len, "%p", alloc_fn(size, 0, nullptr));
+        return 1;
+    } catch (const c10::OutOfMemoryError &e) {
+        snprintf(out, len, "%s", e.what_without_backtrace());
+        return 3;
+    } catch (const std::exception &e) {
+        snprintf(out, len, "%s", e.what());
+        return 2;
+    }
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or absent("torch"), reason="needs g++ and torch's C++ headers")
+def test_torchs_alloc_function_throws_torchs_out_of_memory_error_when_memory_runs_out(tmp_path):
+    # torch's and torch_npu's own allocators throw c10::OutOfMemoryError, which Python sees as
+    # torch.OutOfMemoryError and programs catch to back off (a smaller batch); ours threw
+    # std::runtime_error for every refusal, a plain RuntimeError that `except torch.OutOfMemoryError`
+    # let through. The device, the memory fraction and a tenant's quota are out-of-memory errors,
+    # as ap.OutOfMemoryError's; another refusal stays a runtime_error.
+    import torch  # loads torch's libc10, as torch has when it calls its allocator
+
+    include, libdir = (os.path.join(os.path.dirname(torch.__file__), d) for d in ("include", "lib"))
+    if not os.path.exists(os.path.join(include, "c10", "util", "Exception.h")):
+        pytest.skip(reason="this torch ships no C++ headers")
+    src, lib = tmp_path / "oom_caller.cpp", tmp_path / "liboomcaller.so"
+    src.write_text(TORCH_OOM_CALLER)
+    subprocess.run(["g++", "-shared", "-fPIC", "-std=c++17", f"-I{include}", "-o", str(lib), str(src),
+                    f"-L{libdir}", "-lc10", f"-Wl,-rpath,{libdir}", "-ldl"], check=True)
+    caller = ctypes.CDLL(str(lib))
+    caller.alloc_like_torch.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p,
+                                        ctypes.c_size_t]
+    path, alloc_name, _ = _common.torch_alloc_functions()
+
+    def alloc(size):
+        out = ctypes.create_string_buffer(2048)
+        return caller.alloc_like_torch(path.encode(), alloc_name.encode(), size, out, 2048), out.value.decode()
+
+    pool = ap.default_pool(0)
+    rc, why = alloc(4 * pool.mem_get_info()[1])
+    assert rc == 3 and why.startswith("ascend_pool: ") and "out of memory: Tried to allocate" in why, (rc, why)
+    rc, why = alloc((1 << 63) + 5)  # not an out of memory: the size itself is refused
+    assert rc == 2 and "larger than any device" in why, (rc, why)
+    ctx = pool.context("torch-oom", quota="64MiB")
+    try:
+        ap.set_per_process_memory_fraction(0.001, 0)
+        rc, why = alloc(256 << 20)
+        assert rc == 3 and "limit" in why, (rc, why)
+        ap.set_per_process_memory_fraction(1.0, 0)
+        with ctx:
+            rc, why = alloc(256 << 20)
+        assert rc == 3 and "quota" in why, (rc, why)
+    finally:
+        ap.set_per_process_memory_fraction(1.0, 0)
+        pool.set_limit(None)
+        ctx.close()
+
+
 class CupyOutOfMemoryError(MemoryError):  # CuPy's (memory.pyx): its fallbacks catch this class
     def __init__(self, size, total, limit=0):
         self._size, self._total, self._limit = size, total, limit

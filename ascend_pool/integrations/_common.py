@@ -42,15 +42,17 @@ _torch_alloc_warned = False
 def torch_alloc_functions():
     """(library path, alloc symbol, free symbol) for torch's pluggable allocators. Where the
     package was built with a C++ compiler: libascend_pool_torch.so, bound here to the C ABI, whose
-    alloc throws on failure (torch raises RuntimeError "... out of memory ..."; it builds a tensor
+    alloc throws on failure (torch raises torch.OutOfMemoryError "... out of memory ..." when memory
+    ran out, RuntimeError for another refusal; it builds a tensor
     at address 0 from a NULL). Else the C ABI's own pair, said once in the log."""
     global _torch_alloc_warned
     if os.path.exists(TORCH_ALLOC_LIB):
         core = ctypes.CDLL(library_path())
         shim = ctypes.CDLL(TORCH_ALLOC_LIB)  # the handle torch's dlopen of the same path gets
-        shim.ascend_pool_torch_bind.argtypes = [ctypes.c_void_p] * 3
+        shim.ascend_pool_torch_bind.argtypes = [ctypes.c_void_p] * 4
         shim.ascend_pool_torch_bind(*(ctypes.cast(getattr(core, n), ctypes.c_void_p) for n in
-                                      ("ascend_pool_malloc", "ascend_pool_free", "ascend_pool_last_error")))
+                                      ("ascend_pool_malloc", "ascend_pool_free", "ascend_pool_last_error",
+                                       "ascend_pool_last_error_code")))
         return TORCH_ALLOC_LIB, "ascend_pool_torch_malloc", "ascend_pool_torch_free"
     if not _torch_alloc_warned:
         _torch_alloc_warned = True

@@ -8,7 +8,7 @@
 install() selects the cuda backend for the C ABI's default pools ($ASCEND_POOL_BACKEND=cuda), builds
 torch.cuda.memory.CUDAPluggableAllocator("libascend_pool_torch.so", "ascend_pool_torch_malloc",
 "ascend_pool_torch_free") (the C ABI's pair, except that a failed allocation throws, which PyTorch
-raises as RuntimeError "... out of memory ..."; _common.torch_alloc_functions), hands it the hooks its allocator object offers (init, reset -> empty_cache, memory_fraction,
+raises as torch.OutOfMemoryError "... out of memory ..." (a RuntimeError); _common.torch_alloc_functions), hands it the hooks its allocator object offers (init, reset -> empty_cache, memory_fraction,
 base_alloc, record_stream) and makes it current with change_current_allocator. PyTorch refuses the
 swap once its own allocator has served a tensor, so install first.
 

@@ -7,8 +7,8 @@
 
 install() builds torch_npu.npu.memory.NPUPluggableAllocator("libascend_pool_torch.so",
 "ascend_pool_torch_malloc", "ascend_pool_torch_free") (the C ABI's pair, except that a failed
-allocation throws, which torch raises as RuntimeError "... out of memory ..." where a NULL made a
-tensor at address 0; _common.torch_alloc_functions), hands it the hooks its allocator object offers (init, reset -> empty_cache,
+allocation throws, which torch raises as torch.OutOfMemoryError "... out of memory ..." (a
+RuntimeError) where a NULL made a tensor at address 0; _common.torch_alloc_functions), hands it the hooks its allocator object offers (init, reset -> empty_cache,
 memory_fraction -> set_memory_fraction, base_alloc), and makes it current. Not record_stream:
 torch_npu passes that hook a C++ NPUStream, which no C function can take; tensor.record_stream()
 is then a no-op, as it is for every NPUPluggableAllocator.
