@@ -115,3 +115,40 @@ def test_ps_with_a_sharing_group_that_does_not_exist_still_lists(tmp_path, capsy
     assert cli.main(["ps", "--json", "--stats-dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out) == []
     assert ap.list_gpu_processes(0).splitlines()[0] == "NPU:0"
+
+
+def test_ps_table_shows_tenant_names_whole_and_one_row_each(tmp_path, capsys):
+    # The table cut tenant names at 20 characters: two tenants differing past that (the JSON had
+    # them whole) printed as one name twice. A name with a newline (another user's stats file may
+    # hold any UTF-8) printed a row of its own.
+    import ascend_pool as ap
+    from ascend_pool import identity
+    from ascend_pool.service.publisher import Publisher
+    from ascend_pool.service import paths
+
+    long_a, long_b = "team-inference-prod-" + "a" * 43, "team-inference-prod-b"  # 63 characters, 21
+    pool = ap.Pool(0, backend="sim")
+    ctxs = [pool.context(long_a), pool.context(long_b)]
+    odd = ap.Pool(0, backend="sim")
+    odd.tenant = "x\n  999 forged"
+    pub = Publisher(paths.own_dir(str(tmp_path)), interval=0.05)
+    try:
+        held = [(c, c.malloc(1 << 20)) for c in ctxs + [odd]]
+        pub.publish_now()
+        assert cli.main(["ps", "--stats-dir", str(tmp_path)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        # every line a whole row (this process's other open pools, if any, are listed too)
+        assert all(ln.split()[0].isdigit() and ln.split()[1] == identity.instance_hex() for ln in lines[1:]), lines
+        cells = [ln.split()[3] for ln in lines[1:]]
+        assert long_a in cells and long_b in cells, lines
+        assert [ln for ln in lines if ascii(odd.tenant) in ln], lines
+        # columns stay aligned: HELD ends where its heading does
+        assert {len(ln) for ln in lines} == {len(lines[0])}, lines
+        for c, p in held:
+            c.free(p)
+    finally:
+        pub.stop()
+        for c in ctxs:
+            c.close()
+        odd.close()
+        pool.close()

@@ -22,11 +22,22 @@ def _cmd_ps(args):
     if args.json:
         print(json.dumps(table, indent=1))
         return 0
-    print(f"{'PID':>8} {'INSTANCE':16} {'DEVICE':>6} {'TENANT':20} {'HELD':>12} {'ALLOCATED':>12}")
-    for r in table:
-        print(f"{r['pid']:>8} {r['instance']:16} {r['device']:>6} {r['tenant'][:20]:20} "
+    # The tenant column is as wide as its longest name (up to 63 characters; another user's stats
+    # file up to 64 bytes): cut at 20, tenants differing past that looked alike.
+    names = [_cell(r["tenant"]) for r in table]
+    w = max([20] + [len(n) for n in names])
+    print(f"{'PID':>8} {'INSTANCE':16} {'DEVICE':>6} {'TENANT':{w}} {'HELD':>12} {'ALLOCATED':>12}")
+    for r, name in zip(table, names):
+        print(f"{r['pid']:>8} {r['instance']:16} {r['device']:>6} {name:{w}} "
               f"{format_bytes(r['held_bytes']):>12} {format_bytes(r['allocated_bytes']):>12}")
     return 0
+
+
+def _cell(tenant):
+    """A tenant name as one table cell: as it is when printable without spaces (every name a
+    context accepts), else quoted with escapes (a stats file of another user may hold any UTF-8:
+    a newline would print a row of its own)."""
+    return tenant if tenant.isprintable() and not any(c.isspace() for c in tenant) else ascii(tenant)
 
 
 def register(sub):
