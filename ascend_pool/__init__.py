@@ -99,9 +99,9 @@ from .backend import torch_device_index as _torch_device_index
 def list_gpu_processes(device=None):
     """torch.cuda.list_gpu_processes(device) for ascend_pool: the processes holding memory on the
     device (None: the current one; torch's "npu:1" forms too; one that does not exist is an
-    InvalidDeviceError), one line each with its pid and MB held: this user's processes that
-    publish their figures (`ascend-pool ps`; a node service with --allow-uid sees other users')
-    and this process's own pools."""
+    InvalidDeviceError), one line each with its pid and MB held, then its tenant and instance (a
+    pid is its container's): this user's processes that publish their figures (`ascend-pool ps`;
+    a node service with --allow-uid sees other users') and this process's own pools."""
     index = _torch_device_index(device)
     backend = _open_backend(None)
     index = _device_index(current_device() if index is None else index)

@@ -793,3 +793,26 @@ def test_an_exporter_of_a_hundred_blocks_whose_lease_file_a_cleanup_removed_keep
     assert len(shares()) == 100  # the first listing removed none
     _say(exporter, "done")
     assert exporter.wait(timeout=30) == 0, exporter.stderr.read()
+
+
+@needs_unshare
+def test_list_gpu_processes_tells_two_containers_pid_1_workers_apart(node):
+    # torch's line has a pid only, and the pid is the worker's own namespace's: two containers'
+    # workers both printed "process 1 uses ... (tenant online)", alike. Each line names the
+    # process's instance too, as `ps` does.
+    env, base, procs = node
+    a, b = Worker(env, procs, "online", "1GiB"), Worker(env, procs, "online", "1GiB")
+    assert a.hello["pid"] == b.hello["pid"] == 1
+    assert a("malloc", 8 * MiB) == b("malloc", 8 * MiB) == "granted"
+    code = "import ascend_pool as ap; print(ap.list_gpu_processes(0))"
+    deadline = time.monotonic() + 30
+    while True:
+        text = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=60).stdout
+        ones = [ln for ln in text.splitlines() if ln.startswith(f"process {1:>10d} uses")]
+        if len(ones) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(ones) == 2, text
+    assert all(ln.endswith(")") and "MB NPU memory (tenant online, instance " in ln for ln in ones), text
+    assert sorted(ln[-17:-1] for ln in ones) == sorted([a.hello["instance"], b.hello["instance"]]), text

@@ -27,7 +27,7 @@ def _lines(device):
     text = ap.list_gpu_processes(device)
     head, *rest = text.splitlines()
     return head, {int(m.group(1)): (float(m.group(2)), m.group(3)) for m in
-                  (re.fullmatch(r"process +(\d+) uses +([\d.]+) MB NPU memory \(tenant (.+)\)", ln) for ln in rest) if m}, rest
+                  (re.fullmatch(r"process +(\d+) uses +([\d.]+) MB NPU memory \(tenant (.+), instance [0-9a-f]{16}\)", ln) for ln in rest) if m}, rest
 
 
 def test_lists_another_processs_memory_and_its_own():

@@ -96,10 +96,13 @@ def list_gpu_processes(device=0, kind="NPU", node_device=None):
         table = []
     me = f"{instance():016x}"
     lines = [f"{kind}:{device}"]
-    listed = [(r["pid"], r["held_bytes"], r["tenant"]) for r in table if r["instance"] != me]
-    listed += [(os.getpid(), held, tenant) for tenant, held, _ in _own_rows(node_device)]
+    listed = [(r["pid"], r["instance"], r["held_bytes"], r["tenant"]) for r in table if r["instance"] != me]
+    listed += [(os.getpid(), me, held, tenant) for tenant, held, _ in _own_rows(node_device)]
     if not listed:
         lines.append("no processes are running")
-    for pid, held, tenant in sorted(listed):
-        lines.append(f"process {pid:>10d} uses {held / (1 << 20):>12.3f} MB {kind} memory (tenant {tenant})")
+    # torch's line, then what it lacks in parentheses: the tenant, and the instance, since the pid
+    # is in its process's own pid namespace (two containers' workers are both "process 1").
+    for pid, inst, held, tenant in sorted(listed):
+        lines.append(f"process {pid:>10d} uses {held / (1 << 20):>12.3f} MB {kind} memory "
+                     f"(tenant {tenant}, instance {inst})")
     return "\n".join(lines)
