@@ -144,7 +144,7 @@ def private_dir(base, group=None):
     key = (os.path.abspath(base), kind, num)
     path = _cache.get(key)
     if path is not None and _still_ours(path, kind, num):
-        return path
+        return _usable(path, group)
     with _lock:
         for _ in range(_ATTEMPTS):
             first_free, n = None, 0
@@ -153,7 +153,7 @@ def private_dir(base, group=None):
                 path = os.path.join(key[0], _name(kind, num, n))
                 if _still_ours(path, kind, num):
                     _cache[key] = path
-                    return path
+                    return _usable(path, group)
                 if first_free is None and not os.path.lexists(path):
                     first_free = n
                 n += 1  # taken by someone else (or not a directory): the next name
@@ -163,7 +163,7 @@ def private_dir(base, group=None):
             path = os.path.join(key[0], _name(kind, num, first_free))
             if _create(key[0], path, kind, num, group) and _still_ours(path, kind, num):
                 _cache[key] = path
-                return path
+                return _usable(path, group)
             # A peer (or a squatter) took the name first: look again.
         raise PermissionError(f"no private directory for {'group' if kind == 'g' else 'uid'} {num} in {base}: "
                               "its names keep being taken by others while it is created")
@@ -212,7 +212,11 @@ def _create(base, path, kind, num, group=None):
             if st.st_uid != os.geteuid():  # replaced under us (a base directory without the sticky bit)
                 raise PermissionError(f"the directory {tmp} this process created was replaced by another user's")
             if kind == "g":
-                os.fchown(fd, -1, group)  # the gid as this namespace sees it
+                try:
+                    os.fchown(fd, -1, group)  # the gid as this namespace sees it
+                except PermissionError:
+                    raise PermissionError(f"cannot create the directory of group {group} in {base}: "
+                                          f"{_not_member(group)}") from None
                 os.fchmod(fd, 0o2770)
             else:
                 os.fchmod(fd, 0o700)  # whatever the umask
@@ -262,6 +266,23 @@ def _rename_noreplace(src, dst):
     if os.path.lexists(dst):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
     os.rename(src, dst)
+
+
+def _not_member(group):
+    """Why a process outside group cannot use its directory, what to do."""
+    return (f"this process (uid {os.geteuid()}, groups {', '.join(map(str, sorted({os.getegid(), *os.getgroups()})))}) "
+            f"is not a member of group {group} ($ASCEND_POOL_LEDGER_GROUP): add its user to the group, or "
+            "run it without $ASCEND_POOL_LEDGER_GROUP")
+
+
+def _usable(path, group):
+    """path, a group's directory (group not None) this process can create files in; else
+    PermissionError naming the membership (before, a process outside the group failed later
+    with a bare "Permission denied" on a ledger or stats file, or "Operation not permitted" naming
+    nothing). A user's own directory is its owner's: path as it is."""
+    if group is None or os.access(path, os.W_OK | os.X_OK, effective_ids=True):
+        return path
+    raise PermissionError(f"cannot use the directory {path} of group {group}: {_not_member(group)}")
 
 
 def _still_ours(path, kind, num):

@@ -354,3 +354,30 @@ def test_a_lease_whose_temporary_name_another_member_squatted_is_still_renewed(n
     a.stdin.write("\n")
     a.stdin.flush()
     a.communicate(timeout=30)
+
+
+@needs_users
+def test_a_process_outside_the_group_is_told_it_is_not_a_member(node):
+    # ASCEND_POOL_LEDGER_GROUP naming a group the process is not in: before, the ledger's error
+    # was "[Errno 1] Operation not permitted" naming nothing (the group's directory not made yet)
+    # or "cannot open ledger ...: Permission denied" (made by a member), and the stats publisher's
+    # the same; the membership, the cause, was said nowhere. Nothing is made or changed.
+    code = """
+        import logging, ascend_pool as ap
+        logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+        try:
+            ap.Pool(0).context("t", quota="64MiB").malloc(1 << 20)
+            print("GRANTED")
+        except ap.PoolError as e:
+            print("REFUSED", type(e).__name__, e)
+    """
+    want = f"is not a member of group {GID} ($ASCEND_POOL_LEDGER_GROUP)"
+    for made_by_member in (False, True):
+        if made_by_member:
+            node.run(A, (GID,), LEDGER_DIR, ASCEND_POOL_LEDGER_GROUP=GID)
+        before = node.names("ascend_pool-")
+        p = node.start(OUTSIDER, (OUTSIDER,), code, ASCEND_POOL_LEDGER_GROUP=GID, ASCEND_POOL_STATS="1")
+        out, err = p.communicate(timeout=60)
+        assert out.startswith("REFUSED LedgerError") and want in out and f"uid {OUTSIDER}" in out, (made_by_member, out, err)
+        assert want in err, (made_by_member, err)  # the stats publisher's warning
+        assert node.names("ascend_pool-") == before
