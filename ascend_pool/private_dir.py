@@ -153,6 +153,10 @@ def private_dir(base, group=None):
                 path = os.path.join(key[0], _name(kind, num, n))
                 if _still_ours(path, kind, num):
                     _cache[key] = path
+                    # Once per process: a creator killed between its mkdir and its rename left its
+                    # temporary directory, too recent to go when the next process created this one
+                    # (then the only creation: it stayed for good).
+                    _remove_stale_temporaries(key[0], kind, num)
                     return _usable(path, group)
                 if first_free is None and not os.path.lexists(path):
                     first_free = n

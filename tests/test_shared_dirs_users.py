@@ -381,3 +381,19 @@ def test_a_process_outside_the_group_is_told_it_is_not_a_member(node):
         assert out.startswith("REFUSED LedgerError") and want in out and f"uid {OUTSIDER}" in out, (made_by_member, out, err)
         assert want in err, (made_by_member, err)  # the stats publisher's warning
         assert node.names("ascend_pool-") == before
+
+
+def test_a_killed_creators_temporary_directory_goes_once_the_directory_exists(base):
+    # The temporary directory of a creator killed between its mkdir and its rename was removed only
+    # by a later creation; the next process, starting within a minute (a restarted pod), created the
+    # directory while the temporary was too recent to go, and no creation came after: it stayed.
+    uid = os.geteuid()
+    left = os.path.join(base, f".ascend_pool-tmp-u{uid}-00deadbeef00cafe")
+    os.mkdir(left, 0o700)
+    path = pd.private_dir(base)           # the next start: kept, it may be a creation in flight
+    assert os.path.isdir(left)
+    old = time.time() - 2 * pd.STALE_TEMPORARY_S
+    os.utime(left, (old, old))
+    pd._cache.clear()                     # a later process
+    assert pd.private_dir(base) == path
+    assert not os.path.exists(left)
