@@ -542,3 +542,40 @@ def test_reclaimed_totals_count_a_ledger_back_from_a_missed_listing_once():
     assert t.update([], {"/l"})[key] == 150                        # listed, unreadable: its last reading
     assert t.update([("/l", (1, 2), "sim", "0", 10)], {"/l"})[key] == 160   # another file
     assert t.update([("/l", (1, 2), "sim", "0", 5)], {"/l"})[key] == 165    # reset in place
+
+
+def test_a_reclaimer_killed_inside_its_give_back_never_lets_the_tenant_past_its_quota(base, tmp_path):
+    """A real death inside a reclaim: the sweeper stops in apl_slot_clear (the test-only pause
+    point) after it lowered the tenant by a dead slot's bytes and before it freed the slot, and is
+    killed there. Before, the next reclaim gave the same bytes back again: the tenant's counter
+    fell below what its live processes hold, and one of them was granted past the quota."""
+    holder = start_holder("twice", 16 * MiB, 8 * MiB - 1024)
+    ctx = base.context("twice")
+    try:
+        ctx.malloc(8 * MiB - 1024)                     # the live process: 8 MiB, 16 MiB with the holder
+        holder.kill()
+        holder.wait()
+        marker = tmp_path / "in-clear"
+        env = dict(os.environ, PYTHONPATH=PKG_PARENT, ASCEND_POOL_TEST_PAUSE_IN_RECLAIM=str(marker))
+        reclaimer = subprocess.Popen([sys.executable, "-c", "from ascend_pool.tenants import sweep; sweep()"],
+                                     env=env)
+        try:
+            deadline = time.monotonic() + 30
+            while not marker.exists() and time.monotonic() < deadline and reclaimer.poll() is None:
+                time.sleep(0.01)
+            assert marker.exists(), "the reclaimer never reached the pause point inside its give-back"
+            assert ctx.ledger.tenant("twice")["held_bytes"] == 8 * MiB  # lowered; the slot still there
+        finally:
+            reclaimer.kill()
+            reclaimer.wait()
+        sweep()                                        # the next reclaim finds the dead slot again
+        state = ctx.ledger.tenant("twice")
+        assert state["held_bytes"] >= 8 * MiB, state   # never below what the live process holds
+        with pytest.raises(ap.QuotaExceededError):
+            ctx.malloc(16 * MiB - 1024)                # 8 + 16 MiB on a 16 MiB quota
+        p = ctx.malloc(8 * MiB - 1024)                 # the room really free
+        ctx.free(p)
+    finally:
+        holder.kill()
+        holder.wait()
+        ctx.close()

@@ -77,28 +77,9 @@ static uint64_t apl_warn_bytes(uint64_t quota, uint32_t ppm) {
     return (uint64_t)((unsigned __int128)quota * ppm / 1000000u);
 }
 
-/* Test-only crash window: with ASCEND_POOL_TEST_PAUSE_IN_RESERVE=PATH, the first reserve that
-   moves the tenant counter creates PATH and stops there, inside its pending bracket (tenant
-   counter raised, slot not yet), until the process is killed: a test kills it at exactly the
-   moment the bracket exists for. Read once; costs one load per reserve (a miss path) when unset. */
-static void apl_test_pause_in_bracket(void) {
-    /* Read once, perhaps by several threads' first reserves at once (pools of different tenants
-       grow under their own locks): the state is published after the path (release/acquire), so
-       a thread that sees it armed sees the path too; a plain pair was a data race. */
-    static _Atomic int state = -1; /* -1 unread, 0 off, 1 armed */
-    static const char *_Atomic path;
-    int st = atomic_load_explicit(&state, memory_order_acquire);
-    if (st < 0) {
-        const char *env = getenv("ASCEND_POOL_TEST_PAUSE_IN_RESERVE");
-        atomic_store_explicit(&path, env, memory_order_relaxed);
-        st = env && env[0] ? 1 : 0;
-        atomic_store_explicit(&state, st, memory_order_release);
-    }
-    if (st != 1) return;
-    int fd = open(atomic_load_explicit(&path, memory_order_relaxed), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
-    if (fd >= 0) close(fd);
-    for (;;) pause();
-}
+/* Test-only crash window (apl_test_pause): inside the pending bracket of the first reserve that
+   moves the tenant counter (tenant counter raised, slot not yet). */
+static apl_pause_point apl_pause_in_reserve;
 
 /* One lock-free attempt. 0 granted; 1 refused (*held_seen, *quota_seen say why). */
 static int apl_try_reserve(apl_handle *h, uint64_t bytes, uint64_t *held_seen, uint64_t *quota_seen) {
@@ -116,7 +97,7 @@ static int apl_try_reserve(apl_handle *h, uint64_t bytes, uint64_t *held_seen, u
             return 1;
         }
         if (atomic_compare_exchange_weak(&t->held, &held, held + bytes)) {
-            apl_test_pause_in_bracket();
+            apl_test_pause(&apl_pause_in_reserve, "ASCEND_POOL_TEST_PAUSE_IN_RESERVE");
             atomic_store(&s->held, atomic_load(&s->held) + bytes); /* only this process writes it */
             atomic_store(&s->pending, 0);
             uint64_t now = held + bytes, peak = atomic_load(&t->peak);

@@ -17,7 +17,9 @@
  * Reclaiming a dead process's slot (its lease is no longer held: proc_identity.h) subtracts
  * what the slot held from the tenant's counter. The one ambiguity: a process killed between the
  * two steps of reserve or release (the tenant's compare-and-swap and its own slot update, a few
- * instructions apart) leaves `pending` set, and nobody can know whether the tenant counter moved.
+ * instructions apart), or of a slot's clear (a reclaimer's give-back, a context's close: the slot
+ * goes down first, as in a release), leaves `pending` set, and nobody can know whether the tenant
+ * counter moved.
  * The reclaimer assumes the move that leaves the counter *higher* (the tenant can only be refused
  * early, never allowed past its quota) and records the difference in `uncertain`. When the tenant
  * has no live slot left, nobody can be reserving for it (slots are claimed under this lock), so its
@@ -28,6 +30,33 @@
 
 #include "ledger_file.h"
 #include "proc_identity.h"
+
+/* Test-only crash windows: with the point's variable set to PATH (ASCEND_POOL_TEST_PAUSE_IN_RESERVE,
+   ..._IN_RECLAIM), the first pass through the point creates PATH and stops there until the process
+   is killed: a test kills it at exactly the moment a window exists for. Read once; one load per
+   pass when unset. Several threads may pass first at once (pools of different tenants grow under
+   their own locks): the state is published after the path (release/acquire); a plain pair was a
+   data race. */
+typedef struct apl_pause_point {
+    _Atomic int state;         /* 0 unread, 1 off, 2 armed */
+    const char *_Atomic path;
+} apl_pause_point;
+
+static void apl_test_pause(apl_pause_point *p, const char *var) {
+    int st = atomic_load_explicit(&p->state, memory_order_acquire);
+    if (st == 0) {
+        const char *env = getenv(var);
+        atomic_store_explicit(&p->path, env, memory_order_relaxed);
+        st = env && env[0] ? 2 : 1;
+        atomic_store_explicit(&p->state, st, memory_order_release);
+    }
+    if (st != 2) return;
+    int fd = open(atomic_load_explicit(&p->path, memory_order_relaxed), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    if (fd >= 0) close(fd);
+    for (;;) pause();
+}
+
+static apl_pause_point apl_pause_in_reclaim; /* inside apl_slot_clear of a dead process's slot */
 
 static int apl_find_tenant(const apl_file *f, const char *name) {
     for (int i = 0; i < APL_TENANTS; i++)
@@ -74,13 +103,23 @@ static uint64_t apl_slot_clear(apl_file *f, int i, int dead) {
     apl_tenant *t = &f->tenants[s->tenant];
     uint64_t held = atomic_load(&s->held);
     int64_t pending = atomic_load(&s->pending);
+    uint64_t u = pending > 0 ? (uint64_t)pending : (uint64_t)-pending;
     /* Inside a release (pending < 0) the slot was already lowered; whether the tenant was too is
        unknown, so only what the slot still holds goes back (at worst the tenant stays counted
-       too high by the pending bytes, recorded as uncertain: early refusals, never an overrun). */
-    uint64_t give_back = held;
-    apl_tenant_sub(f, t, give_back);
-    if (pending != 0) {
-        uint64_t u = pending > 0 ? (uint64_t)pending : (uint64_t)-pending;
+       too high by the pending bytes, recorded as uncertain: early refusals, never an overrun).
+       The slot goes down first, its bytes marked pending, as a release does: this clearer killed
+       before the tenant moved, or after (the lock is dropped with it), leaves a slot that holds
+       nothing, so the next clear gives nothing back twice and counts the bytes as uncertain.
+       Before, it gave them back again, lowering the tenant below what its live processes hold:
+       past its quota. */
+    if (held) {
+        uint64_t mark = held + u > APL_MAX_BYTES ? APL_MAX_BYTES : held + u; /* the file's bound */
+        atomic_store(&s->pending, -(int64_t)mark);
+        atomic_store(&s->held, 0);
+    }
+    apl_tenant_sub(f, t, held);
+    if (dead) apl_test_pause(&apl_pause_in_reclaim, "ASCEND_POOL_TEST_PAUSE_IN_RECLAIM");
+    if (u) {
         atomic_fetch_add(&t->uncertain, u);
         atomic_fetch_add(&f->h.uncertain_bytes, u);
     }
@@ -88,7 +127,6 @@ static uint64_t apl_slot_clear(apl_file *f, int i, int dead) {
         atomic_fetch_add(&f->h.reclaimed_slots, 1);
         atomic_fetch_add(&f->h.reclaimed_bytes, held);
     }
-    atomic_store(&s->held, 0);
     atomic_store(&s->pending, 0);
     s->pid = 0;
     s->instance = 0;
