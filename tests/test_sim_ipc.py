@@ -311,10 +311,13 @@ def test_peers_whose_lease_files_a_cleanup_removed_stay_alive_to_each_other(sim_
         assert im("out = same(p, 4 * MiB, 9)")
         child = ex("""
             import time
+            r, w = os.pipe()
             pid = os.fork()
-            if pid == 0:
+            if pid == 0:  # past fork's child handlers (which drop the life locks) once it runs Python
+                os.write(w, b"1")
                 time.sleep(600)
                 os._exit(0)
+            assert os.read(r, 1) == b"1"
             out = pid
         """)
         try:
