@@ -48,12 +48,26 @@ def _number(text, what, name, line, base):
     return v
 
 
+def _csv_rows(reader, name):
+    """reader's rows; csv's own error (a field past its 128 KiB limit: a log cut off by a crash and
+    padded with zero bytes, binary data) as a ValueError naming the log and line, as every other
+    mistake in the file is (a bare _csv.Error was a traceback from `ascend-pool replay`)."""
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise ValueError(f"RMM log {name!r}: line {reader.line_num}: not RMM's CSV ({exc})") from None
+        yield row
+
+
 def arrays_from_rmm_log(lines, name="rmm log") -> dict:
     """{op, id, size, stream} event arrays (traces.py's format) from the lines of an RMM
     logging_resource_adaptor CSV. A file that is not one (no such header, a row of another
     width, an unknown action, a bad number, a pointer allocated again while live) is a ValueError
     naming the log and the line; one with no allocation is NoAllocations (a ValueError too)."""
-    rows = csv.reader(lines)
+    rows = _csv_rows(csv.reader(lines), name)
     header = next(rows, None)
     if header is None or tuple(h.strip() for h in header) != HEADER:
         raise ValueError(f"RMM log {name!r}: line 1 is {header!r}, not RMM's header {','.join(HEADER)}")
