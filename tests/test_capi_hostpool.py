@@ -6,6 +6,7 @@ import bisect
 import ctypes
 import threading
 
+import numpy as np
 import pytest
 
 import ascend_pool as ap
@@ -334,3 +335,29 @@ def test_host_memory_stats_count_a_parked_buffer_active_until_its_work_is_done(h
     finally:
         pool.free(dev)
         pool.destroy_stream(stream)
+
+
+@pytest.mark.parametrize("stream, device, error, words", [
+    ("x", None, ap.StreamTypeError, "stream must be None, 0 (the default stream) or an int stream handle, got 'x'"),
+    (1.5, None, ap.StreamTypeError, "got 1.5"),
+    (-1, None, ap.InvalidStreamError, "positive int that fits a pointer, got -1"),
+    (2**64, None, ap.InvalidStreamError, "positive int that fits a pointer, got 18446744073709551616"),
+    (None, 99, ap.InvalidDeviceError, "device 99 does not exist: the sim backend has"),
+    (None, -1, ap.InvalidDeviceError, "device -1 does not exist"),
+    (None, 2**40, ap.InvalidDeviceError, "device 1099511627776 does not exist"),
+    (None, "npu:0", ap.InvalidDeviceError, "device must be an integer index, got 'npu:0'"),
+    (None, True, ap.InvalidDeviceError, "device must be an integer index, got True"),
+])
+def test_record_stream_arguments_that_name_no_stream_or_device_are_typed_errors(hp, stream, device, error, words):
+    """hp.record_stream(buf, stream, device) took the stream and the device as C conversions: a
+    bare TypeError or OverflowError, and a device past the count (or negative) was accepted, its
+    record then failing at the free. Named now, as the device pools' arguments are; the buffer is
+    left unmarked (reused at once after its free) and the pool serves on."""
+    buf = hp.malloc(4096)
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        hp.record_stream(buf, stream, device=device)
+    hp.free(buf)
+    assert hp.memory_stats()["pending_free_blocks"] == 0
+    assert hp.malloc(4096) == buf
+    hp.record_stream(buf, np.int64(0), device=np.int64(0))  # numpy integers are indexes, as everywhere
+    hp.free(buf)

@@ -4,6 +4,7 @@
 
 from libc.stdint cimport int64_t
 from cpython.ref cimport Py_INCREF
+from ascend_pool.units import as_index as _as_index
 
 cdef extern from "host/hostpool.h" nogil:
     ctypedef struct ap_host_pool:
@@ -29,6 +30,22 @@ cdef extern from "host/hostpool.h" nogil:
     void ap_host_get_stats(ap_host_pool *hp, ap_host_stats *out)
     void ap_host_reset_peaks(ap_host_pool *hp)
     void ap_host_reset_accumulated(ap_host_pool *hp)
+
+
+cdef inline void *_host_stream(object stream) except? NULL:
+    """A record_stream stream argument as the runtime's handle (None or 0: the default stream), as
+    the device pools take it: a numpy integer too; StreamTypeError for what is no integer,
+    InvalidStreamError for a handle no pointer holds (before: a bare TypeError or OverflowError)."""
+    if stream is None:
+        return NULL
+    if type(stream) is not int:
+        stream = _stream_handle(stream)
+    if stream == 0:
+        return NULL
+    if not 0 < stream <= <uintptr_t>-1:
+        raise InvalidStreamError(f"stream handle must be None, 0 (the default stream) or a positive int that fits "
+                                 f"a pointer, got {stream!r}")
+    return PyLong_AsVoidPtr(stream)
 
 
 cdef class HostPool:
@@ -153,14 +170,28 @@ cdef class HostPool:
         has completed."""
         self._check()
         cdef void *p = _as_ptr(ptr)
-        cdef void *s = _handle(stream)
-        cdef int dev = self.device if device is None else device
+        cdef void *s = _host_stream(stream)
+        cdef int dev = self._record_device(device)
         cdef ap_error err
         cdef int rc
         with nogil:
             rc = ap_host_record_stream(self.hp, p, s, dev, &err)
         if rc != AP_OK:
             _raise(&err, rc)
+
+    cdef int _record_device(self, object device) except -1:
+        """record_stream's device (None: this pool's) as an index of the backend's devices; anything
+        else named, as the device pools' arguments are (before: a bare TypeError or OverflowError,
+        and a device past the count accepted, its record then failing at the free)."""
+        if device is None:
+            return self.device
+        index = _as_index(device)  # an int or a numpy integer; never a bool, float or string
+        if index is None:
+            raise InvalidDeviceError(f"device must be an integer index, got {device!r}")
+        if not 0 <= index < self.backend.device_count:
+            raise InvalidDeviceError(f"device {index} does not exist: the {self.backend.name} backend has "
+                                     f"{self.backend.device_count} device(s)")
+        return index
 
     def block_info(self, ptr):
         """(base, capacity, requested) bytes of the handed-out buffer starting at ptr, or None."""
