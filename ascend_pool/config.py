@@ -52,6 +52,7 @@ about, as PyTorch does; a value PyTorch refuses is a ConfigError here too.
 
 import logging
 import math
+import numbers
 import os
 import warnings
 
@@ -139,19 +140,28 @@ def _number(key, value, kind=float):
 
 
 def _fraction_or_bytes(key, value):
-    """('fraction', f) or ('bytes', n)."""
+    """('fraction', f) or ('bytes', n). A number with a point or an exponent ("1.0", "0.25", "1e-3",
+    the float 0.25) is a fraction, whether a keyword's float or the knob string's text, so that
+    "reserve:1.0" is the whole device as reserve=1.0 is (it was 1 byte, "1.5" too); digits alone
+    (1073741824, "1073741824") are bytes, as a numpy integer is."""
+    given = value
+    if as_index(value) is not None:  # an int or a numpy integer: bytes
+        value = as_index(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):  # a numpy float too
+        value = float(value)
+    if isinstance(value, str) and not value.strip().endswith("%"):
+        try:
+            f = float(value)
+        except ValueError:  # "8GiB" and the like: bytes, read below
+            pass
+        else:
+            if not value.strip().isdigit():
+                value = f
     if isinstance(value, float) or (isinstance(value, str) and value.strip().endswith("%")):
         f = _number(key, value.strip()[:-1], float) / 100 if isinstance(value, str) else value
         if not 0 < f <= 1:
-            raise ConfigError(f"{key}: a fraction must be in (0, 1] (or 0%..100%), got {value!r}")
+            raise ConfigError(f"{key}: a fraction must be in (0, 1] (or 0%..100%), got {given!r}")
         return ("fraction", f)
-    if isinstance(value, str):
-        try:
-            f = float(value)
-            if 0 < f < 1:
-                return ("fraction", f)
-        except ValueError:
-            pass
     try:
         return ("bytes", parse_bytes(value, key))
     except ValueError as e:

@@ -362,3 +362,20 @@ def test_max_split_size_a_smaller_request_splits_its_fresh_segment(knobs, nbytes
         p.free(x)
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("text, value", [("1.0", 1.0), ("0.5", 0.5), ("1.", 1.0), (".25", 0.25), ("1e-3", 1e-3)])
+def test_a_reserve_written_as_a_decimal_is_the_same_fraction_in_the_knob_string_as_a_keyword(text, value):
+    """"reserve:1.0" in $ASCEND_POOL_CONF was read as 1 byte (only texts below 1 were fractions,
+    else the byte parser took "1.0" as 1 byte, "1.5" as 1), while reserve=1.0 was the whole
+    device: the same number meant the whole device or a page. A number with a point is a fraction
+    both ways; digits alone stay bytes, numpy numbers read as Python's."""
+    import numpy as np
+    from ascend_pool.config import knobs_to_config
+    total, free = 64 << 30, 60 << 30
+    reserve = lambda v: knobs_to_config({"reserve": v}, total, free)["reserve_bytes"]
+    assert reserve(text) == reserve(value) == reserve(np.float64(value)) == int(value * free)
+    assert reserve("1073741824") == reserve(1 << 30) == reserve(np.int64(1 << 30)) == 1 << 30
+    for bad in ("1.5", "2.0", "5e8", "nan"):
+        with pytest.raises(ap.ConfigError, match="reserve: a fraction must be in"):
+            reserve(bad)
