@@ -130,6 +130,12 @@ def _bool(key, value):
 
 
 def _number(key, value, kind=float):
+    # A keyword's bool is no number (sync_timeout_ms=True was 1 ms, memory_fraction=True the whole
+    # device), and an integer knob takes no fraction (sync_timeout_ms=1.7 was cut to 1 ms silently;
+    # the knob string's "1.7" was already refused).
+    fraction = kind is int and isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
+    if isinstance(value, bool) or (fraction and not (math.isfinite(value) and float(value).is_integer())):
+        raise ConfigError(f"{key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
     try:
         n = kind(value)
     except (TypeError, ValueError, OverflowError):

@@ -379,3 +379,23 @@ def test_a_reserve_written_as_a_decimal_is_the_same_fraction_in_the_knob_string_
     for bad in ("1.5", "2.0", "5e8", "nan"):
         with pytest.raises(ap.ConfigError, match="reserve: a fraction must be in"):
             reserve(bad)
+
+
+@pytest.mark.parametrize("knob, value, words", [
+    ("sync_timeout_ms", 1.7, "sync_timeout_ms: expected an integer, got 1.7"),
+    ("sync_timeout_ms", True, "sync_timeout_ms: expected an integer, got True"),
+    ("pad_bytes", True, "pad_bytes: expected an integer, got True"),
+    ("large_segment_size_mb", 64.5, "large_segment_size_mb: expected an integer, got 64.5"),
+    ("record_history", 2.5, "record_history: expected an integer, got 2.5"),
+    ("memory_fraction", True, "memory_fraction: expected a number, got True"),
+])
+def test_a_keyword_knob_that_is_a_bool_or_a_fraction_of_an_integer_is_refused(knob, value, words):
+    """int(1.7) and int(True): sync_timeout_ms=1.7 was 1 ms and True 1 ms, pad_bytes=True one byte,
+    memory_fraction=True the whole device, all silently (the knob string's "1.7" was refused). A
+    whole float (2.0) and a numpy integer still read as the integer."""
+    import numpy as np
+    from ascend_pool.config import knobs_to_config
+    with pytest.raises(ap.ConfigError, match=words):
+        knobs_to_config({knob: value}, 64 << 30, 64 << 30)
+    assert knobs_to_config({"sync_timeout_ms": 2.0}, 1, 1)["sync_timeout_ms"] == 2
+    assert knobs_to_config({"sync_timeout_ms": np.int64(5)}, 1, 1)["sync_timeout_ms"] == 5
