@@ -361,3 +361,34 @@ def test_record_stream_arguments_that_name_no_stream_or_device_are_typed_errors(
     assert hp.malloc(4096) == buf
     hp.record_stream(buf, np.int64(0), device=np.int64(0))  # numpy integers are indexes, as everywhere
     hp.free(buf)
+
+
+def test_a_buffer_marked_with_a_stream_destroyed_since_is_reusable_not_lost(hp):
+    """A framework marks a staging buffer with its copy's stream, then destroys that stream (its
+    work has run) before the buffer's free: the runtime refuses an event on the handle (107000), and
+    the stream has no work left to wait for, as the device pools take it. The host pool kept the
+    buffer out of use for the process's life and raised DeviceError from free(): a pinned slab
+    lost per such stream, which empty_cache() could never give back."""
+    pool = ap.default_pool(0)
+    for _ in range(3):  # one slab lost per round before
+        s = pool.create_stream()
+        buf = hp.malloc(1 << 20)
+        hp.record_stream(buf, s)
+        pool.destroy_stream(s)
+        hp.free(buf)
+        st = hp.memory_stats()
+        assert st["allocated_bytes.all.current"] == 0 and st["pending_free_blocks"] == 0
+    hp.empty_cache()
+    assert hp.memory_stats()["reserved_bytes.all.current"] == 0, "every slab goes back"
+    # a live stream is still waited for: the buffer parks until its work has run
+    s = pool.create_stream()
+    buf = hp.malloc(1 << 20)
+    sim.hang_stream(s)
+    hp.record_stream(buf, s)
+    hp.free(buf)
+    assert hp.memory_stats()["pending_free_blocks"] == 1
+    sim.release_stream(s)
+    pool.synchronize(s)
+    hp.empty_cache()
+    assert hp.memory_stats()["pending_free_blocks"] == 0
+    pool.destroy_stream(s)

@@ -185,6 +185,16 @@ static inline int ap_backend_oom_code(const ap_backend *b, int code) {
     return code == 207001 || code == 207018 || code == 200000; /* RT_MEMORY_ALLOCATION, RT_DEVICE_OOM, BAD_ALLOC */
 }
 
+/* 1 when a call on a stream failed with `code` because the runtime no longer knows the stream
+   (destroyed behind the pool's back, or never a stream): no work of it is left to wait for. ACL
+   (rt_error_codes.h): param invalid, invalid handle; not 107003, "stream not in current context":
+   that stream lives in another context and its queued work may still run. CUDA: invalid handle,
+   context destroyed. */
+static inline int ap_backend_stream_gone_code(const ap_backend *b, int code) {
+    if (b->kind == AP_BACKEND_CUDA) return code == 400 || code == 709;
+    return code == 107000 || code == 107017;
+}
+
 /* The backend's event_reset (NULL: events are reused as they are). Read atomically: the acl
    backend sets it once while pools run, when the runtime refuses the events that need no reset. */
 static inline int (*ap_backend_event_reset(const ap_backend *b))(ap_backend *, void *, void *) {

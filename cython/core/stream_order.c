@@ -14,12 +14,9 @@
 #include "pool_internal.h"
 
 int ap_stream_unusable(const ap_pool *p, int code) {
-    if (p->backend->kind == AP_BACKEND_CUDA) return code == 400 || code == 709; /* invalid handle, context destroyed */
-    /* ACL (rt_error_codes.h): param invalid (a handle the runtime does not know: destroyed or
-       garbage), invalid handle. Not 107003, "stream not in current context": that stream lives
-       in another context and its queued work may still use its blocks (taking it for gone
-       handed them to other streams at once). */
-    return code == 107000 || code == 107017;
+    /* Not 107003 (backend.h): taking a stream of another context for gone handed its blocks to
+       other streams while its queued work could still use them. */
+    return ap_backend_stream_gone_code(p->backend, code);
 }
 
 int ap_stream_elsewhere(const ap_pool *p, int code) {

@@ -353,7 +353,11 @@ static void settle_pending(ap_host_pool *hp, int wait) {
 
 /* Records an event on every stream that used b, and parks it until they complete. Returns 1 when
    parked, 0 when b may be reused at once (the streams were waited for because no event could be
-   made), or a negative status when even that failed: b is then kept out of use for good. */
+   made, or the runtime knows none of them any more), or a negative status when even that failed:
+   b is then kept out of use for good. A stream the runtime no longer knows (a framework's stream
+   destroyed after its copy) has no work left: skipped, as the device pools do (stream_order.c).
+   Before, its buffer was kept out of use for the process's life and its free raised: a pinned
+   slab lost per such stream. */
 static int park(ap_host_pool *hp, host_block *b, ap_error *err) {
     ap_backend *be = hp->backend;
     host_uses *u = b->uses;
@@ -369,10 +373,16 @@ static int park(ap_host_pool *hp, host_block *b, ap_error *err) {
         rc = be->event_record(be, ev, u->streams[i]);
         if (rc != 0) {
             give_event(hp, ev, u->devices[i]);
-            break;
+            if (ap_backend_stream_gone_code(be, rc)) rc = 0; /* gone: nothing of it to wait for */
+            else break;
+            continue;
         }
         u->events[u->n_events] = ev;
         u->event_devices[u->n_events++] = u->devices[i];
+    }
+    if (rc == 0 && u->n_events == 0) { /* every stream gone: reusable at once */
+        u->n_uses = 0;
+        return 0;
     }
     if (rc == 0) {
         b->state = HB_PENDING;
@@ -391,7 +401,7 @@ static int park(ap_host_pool *hp, host_block *b, ap_error *err) {
     for (int i = 0; i < u->n_uses; i++) {
         be->set_device(be, u->devices[i]);
         int src = be->stream_sync(be, u->streams[i], STREAM_SYNC_MS);
-        if (src != 0) {
+        if (src != 0 && !ap_backend_stream_gone_code(be, src)) {
             b->state = HB_LOST;
             return -ap_set_error(err, AP_E_DEVICE, src,
                                  "host buffer %p: no event could be recorded (code %d) and stream %p could not "
