@@ -27,6 +27,18 @@ def test_classes_are_powers_of_two_from_512_bytes(hp):
     assert hp.class_size(0) == 0 and hp.class_size(1 << 41) == 0
 
 
+def test_class_size_of_what_is_no_byte_count_is_an_invalid_size_error(hp):
+    """class_size took a C size_t: -1 was a bare OverflowError, "x" or 1.5 a bare TypeError, and a
+    size past 2**64 an OverflowError where no class holds it (0, as for 2**41). malloc's words now."""
+    import numpy as np
+    for bad, words in ((-1, "size must be positive, got -1 bytes"), ("x", "got str 'x'"), (1.5, "got float 1.5"),
+                       (True, "got bool True")):
+        with pytest.raises(ap.InvalidSizeError, match=words):
+            hp.class_size(bad)
+    assert hp.class_size(2**63) == hp.class_size(2**70) == hp.class_size(np.uint64(0)) == 0
+    assert hp.class_size(np.int64(4097)) == 8192
+
+
 def test_small_buffers_share_slabs_and_are_reused(hp):
     ptrs = [hp.malloc(100) for _ in range(64)]
     st = hp.memory_stats()

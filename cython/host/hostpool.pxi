@@ -122,9 +122,14 @@ cdef class HostPool:
             with nogil:
                 ap_host_pool_destroy(hp)
 
-    def class_size(self, size_t nbytes):
-        """Bytes a request of nbytes occupies (its power-of-two class; 0 if none fits)."""
-        return ap_host_class_size(nbytes)
+    def class_size(self, nbytes):
+        """Bytes a request of nbytes occupies (its power-of-two class; 0 if none fits, 0 bytes
+        included). A size that is no byte count (negative, a float, a string) is an
+        InvalidSizeError as malloc's is (the C conversion's bare OverflowError or TypeError)."""
+        index = _as_index(nbytes)
+        if index is not None and (index == 0 or index >= 2**63):  # none, or past any C size: no class
+            return 0
+        return ap_host_class_size(_as_size(nbytes))
 
     def malloc(self, nbytes):
         """nbytes of pinned host memory; returns its address (int)."""
