@@ -1,7 +1,7 @@
 """The node service across processes: two tenant processes that only open pools and allocate
 appear in `ascend-pool serve`'s /metrics with their pids and exact figures, the quota ledger shows
-their tenants, and a process that exits or is SIGKILLed disappears (its stats file removed, its
-ledger share given back)."""
+their tenants, and a process that exits or is SIGKILLed disappears (its stats file removed once
+read, its ledger share given back, its counts kept in the node counters)."""
 
 import os
 import signal
@@ -134,12 +134,14 @@ def test_two_tenant_processes_then_exit_and_kill(node):
     assert one(s, "ascend_pool_service_stats_files", state="live") == 2
     file_a, file_b = stats_file(stats, s, a.pid), stats_file(stats, s, b.pid)
 
-    # A exits normally: its file goes with it and its series vanish.
+    # A exits normally: its series vanish; its file, left marked exited with its final counters,
+    # is read into the node counters and removed by the service.
     a.stdin.write("\n")
     a.stdin.flush()
     assert a.wait(timeout=10) == 0
-    assert not file_a.exists()
     wait_for(lambda: not series(scrape(port), "ascend_pool_reserved_bytes", pid=a.pid), "exited process gone")
+    wait_for(lambda: not file_a.exists(), "the exited process's file removed by the service")
+    assert sum(series(scrape(port), "ascend_pool_node_allocations_total", device=0, tenant="online").values()) == 3 + 5
 
     # B is killed: its file stays behind until the service notices the process is gone.
     assert file_b.exists()
@@ -147,6 +149,7 @@ def test_two_tenant_processes_then_exit_and_kill(node):
     b.wait(timeout=10)
     wait_for(lambda: not series(scrape(port), "ascend_pool_reserved_bytes", pid=b.pid), "killed process gone")
     assert not file_b.exists()
+    assert sum(series(scrape(port), "ascend_pool_node_allocations_total", device=0, tenant="batch").values()) == 2 + 7
     # And its share of the quota ledger is given back by the service's sweep.
     # Its tenant has no live process left: it no longer exists on the node, and is not exported.
     wait_for(lambda: not series(scrape(port), "ascend_pool_ledger_held_bytes", device=0, tenant="batch"),

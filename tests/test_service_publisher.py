@@ -11,8 +11,10 @@ import uuid
 import pytest
 
 import ascend_pool as ap
+from ascend_pool.service import publisher
 from ascend_pool.service.publisher import Publisher
-from ascend_pool.service.reader import read_stats_file
+from ascend_pool.service.layout import FLAG_EXITED
+from ascend_pool.service.reader import Stale, read_stats_file
 
 import ascend_pool as _ap
 
@@ -53,11 +55,18 @@ def test_publishes_the_pools_and_keeps_up(tmp_path):
 
         os.truncate(pub.path, 10)  # damaged under the publisher: it starts a fresh file
         _wait(lambda: os.path.getsize(pub.path) > 10 and _tenant_values(pub.path, pool.tenant) is not None)
+        pool.malloc(2000)  # counted after the last publish, maybe: the stop writes it
     finally:
         path = pub.path
         pub.stop()
         pool.close()
-    assert not os.path.exists(path)
+    # Left marked exited with the final counters, for the node service (which removes it).
+    with pytest.raises(Stale, match="exited") as e:
+        read_stats_file(path, ME)
+    assert e.value.stats.flags & FLAG_EXITED
+    (final,) = [s.values for s in e.value.stats.samples if s.tenant == pool.tenant]
+    assert final["allocations.small"] == 2 and final["allocations.large"] == 1
+    os.unlink(path)
 
 
 def test_the_closed_tenants_a_process_keeps_fit_its_stats_file_beside_its_open_pools(tmp_path, caplog):
@@ -147,12 +156,18 @@ print("published" if os.path.exists(path) else "not published", flush=True)
 """
 
 
-def test_opening_a_pool_starts_publishing_and_exit_removes_it(tmp_path):
+def test_opening_a_pool_starts_publishing_and_exit_marks_it_exited(tmp_path):
     r = subprocess.run([sys.executable, "-c", _OPEN_POOL], capture_output=True, text=True, timeout=60,
                        env=_env(tmp_path))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "published", "opening a pool must start the stats publisher (registry hook)"
-    assert stats_files(tmp_path) == []  # removed at exit
+    # Left at exit, marked exited with the final counters, for the node service to read and remove
+    # (tests/test_node_counters.py); no half-made file beside it.
+    (path,) = stats_files(tmp_path)
+    with pytest.raises(Stale, match="exited") as e:
+        read_stats_file(path, ME)
+    assert e.value.stats.flags & FLAG_EXITED
+    assert [s.values["allocations.small"] for s in e.value.stats.samples] == [1]
 
 
 def test_publishing_can_be_turned_off(tmp_path):
@@ -176,15 +191,19 @@ if pid == 0:
     sys.stdout.flush()
     sys.exit(0)  # runs the child's exit hooks: they must leave the parent's file alone
 os.waitpid(pid, 0)
-print("parent-file-kept" if os.path.exists(path) else "parent-file-gone", flush=True)
+print("parent-file-kept" if os.path.exists(path) else "parent-file-gone", path, flush=True)
 """
 
 
 def test_fork_child_leaves_the_parent_file_alone(tmp_path):
     r = subprocess.run([sys.executable, "-c", _FORK], capture_output=True, text=True, timeout=60, env=_env(tmp_path))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["child-clean", "parent-file-kept"]
-    assert stats_files(tmp_path) == []
+    child, kept, path = r.stdout.split()
+    assert [child, kept] == ["child-clean", "parent-file-kept"]
+    assert stats_files(tmp_path) == [path]  # the parent's, marked exited by the parent at its exit
+    with pytest.raises(Stale, match="exited") as e:
+        read_stats_file(path, ME)
+    assert e.value.stats.flags & FLAG_EXITED
 
 
 _DIE = """
@@ -195,15 +214,21 @@ os._exit(0)  # as if killed: the file stays
 """
 
 
-def test_a_new_publisher_clears_files_of_dead_processes(tmp_path):
+def test_a_new_publisher_clears_files_of_dead_processes(tmp_path, monkeypatch):
     dead = subprocess.run([sys.executable, "-c", _DIE, str(tmp_path)], capture_output=True, text=True,
                           timeout=60, env=_env(tmp_path), check=True).stdout.strip()
     assert os.path.exists(dead)
+    # Younger than EXITED_KEEP_S: left for the node service to read its last counters.
+    pub = Publisher(str(tmp_path), interval=0.05)
+    pub.stop(remove=True)
+    assert os.path.exists(dead)
+    monkeypatch.setattr(publisher, "EXITED_KEEP_S", 0.05)
+    time.sleep(0.1)
     pub = Publisher(str(tmp_path), interval=0.05)
     try:
         assert not os.path.exists(dead) and os.path.exists(pub.path)
     finally:
-        pub.stop()
+        pub.stop(remove=True)
 
 
 def _half_made_files(tmp_path):

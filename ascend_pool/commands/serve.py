@@ -90,15 +90,22 @@ def _health(stats_dir, loop):
     return reason
 
 
-def _sweep_ledgers(stop, interval, uids=(), gids=()):
+def _sweep_ledgers(stop, interval, uids=(), gids=(), collector=None):
     """Gives back the quota-ledger shares of dead processes every `interval` seconds, in this
     user's ledgers and those of the trusted uids and gids (the ledger also does it before refusing
-    a request; this keeps the exported figures true meanwhile)."""
+    a request; this keeps the exported figures true meanwhile); and reads the stats files, so that
+    exited processes' final counters are in the node counters even while no one scrapes (their
+    files are removed by others once publisher.EXITED_KEEP_S old)."""
     while not stop.wait(interval):
         try:
             sweep_dead_processes(uids, gids)
         except Exception:
             log.exception("sweeping the quota ledgers failed")
+        if collector is not None:
+            try:
+                collector.scan()
+            except Exception:
+                log.exception("reading the stats files failed")
 
 
 def _cmd_serve(args):
@@ -122,7 +129,8 @@ def _cmd_serve(args):
         gids.add(ledger_group())  # the service runs in the tenants' sharing group: it reads their directory
     scanner = StatsScanner(allowed_uids=set(args.allow_uid) | {identity.host_uid()}, allowed_gids=gids)
     node = node_name()
-    registry.register(NodeLabelled(NodeCollector(scanner), node))
+    collector = NodeCollector(scanner)
+    registry.register(NodeLabelled(collector, node))
     loop = None
     if args.replay is not None:
         loop = ReplayLoop(_trace_paths(args.replay), backend=args.backend, device=args.device,
@@ -135,7 +143,8 @@ def _cmd_serve(args):
     stats_base = paths.stats_dir()
     server = MetricsServer((args.host, args.port), registry, health=lambda: _health(stats_base, loop))
     stop = threading.Event()
-    threading.Thread(target=_sweep_ledgers, args=(stop, args.sweep_interval, scanner.allowed_uids, scanner.allowed_gids),
+    threading.Thread(target=_sweep_ledgers, args=(stop, args.sweep_interval, scanner.allowed_uids, scanner.allowed_gids,
+                                                  collector),
                      name="ascend-pool-sweep",
                      daemon=True).start()
     if loop is not None:
@@ -158,8 +167,9 @@ def _cmd_serve(args):
         pass
     finally:
         stop.set()
-        # The publisher first: it must not be reading a pool while the loop closes it.
-        stop_publisher()
+        # The publisher first: it must not be reading a pool while the loop closes it. Its file
+        # goes: the node counters that would read its final counts are this service's own.
+        stop_publisher(remove=True)
         if loop is not None:
             loop.stop()
         server.server_close()
@@ -191,6 +201,6 @@ def register(sub):
                    help="also read the shared directory of this group (name or gid; "
                         "$ASCEND_POOL_LEDGER_GROUP is always read)")
     p.add_argument("--sweep-interval", type=float, default=5.0, metavar="SECONDS",
-                   help="how often dead processes' quota shares are given back (more than 0, at most 86400; default 5)")
+                   help="how often dead processes' quota shares are given back and the stats files read (more than 0, at most 86400; default 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_cmd_serve)

@@ -5,7 +5,8 @@ file; `ascend-pool serve` reads them all and exports them to Prometheus.
     NodeCollector()                # the service's collector (pid label + node totals)
 
 Files: layout (the binary format), statsfile (the owner's writer), reader (validation),
-scanner (a whole directory), publisher (the background thread), node_collector, replay_loop
+scanner (a whole directory), publisher (the background thread), node_collector, node_counters
+(the node's counters, exited processes' final counts included), replay_loop
 (the demo workload of `serve --replay`) and paths; process identity is ascend_pool.identity.
 """
 

@@ -55,7 +55,7 @@ RECORD_SIZE = 8 + TENANT_MAX + 8 * N_FIELDS
 DEFAULT_CAPACITY = 64 + 64
 MAX_CAPACITY = 4096            # readers refuse more: a file claiming more is not ours
 FLAG_OVERFLOW = 1              # the process had more (device, tenant) pairs than capacity
-FLAG_EXITED = 2                # the owner exited cleanly (it unlinks the file right after)
+FLAG_EXITED = 2                # the owner exited cleanly: the records are its final counters
 
 # The parts of the header, as struct formats with their offsets.
 STATIC = struct.Struct("<8sIIIIiIQ16s")   # magic .. boot_id, offset 0

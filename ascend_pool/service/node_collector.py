@@ -8,11 +8,15 @@ At each scrape it reads the stats directory (StatsScanner) and exports
     tenant name used by two users is two tenants): ascend_pool_node_{reserved,allocated,
     requested,cached_free}_bytes and ascend_pool_node_processes (separate names, so that a
     sum() over the per-pid series never counts a total twice);
+  - node counters per (device, tenant, uid), ascend_pool_node_<counter>_total: every process's
+    counts, those of exited processes included (node_counters.py); rate() over the per-pid
+    series misses a process's last counts;
   - the device-wide free/total memory (labels: device), from the most recent publish;
   - the age of each process's last publish, the count of stats files by state, who shares what
     (ascend_pool_shared_bytes, ascend_pool_shared_importers), and the quota ledger's state.
 """
 
+import threading
 import time
 
 from prometheus_client.core import GaugeMetricFamily
@@ -20,6 +24,7 @@ from prometheus_client.core import GaugeMetricFamily
 from ..metrics.families import device_families, tenant_families
 from ..metrics.ledger import ReclaimedTotals, ledger_families
 from ..sharing import shares
+from .node_counters import NodeCounters
 from .processes import in_use
 from .scanner import StatsScanner
 
@@ -43,13 +48,27 @@ class NodeCollector:
         self.scanner = scanner or StatsScanner()
         self._ledger = ledger
         self._reclaimed = ReclaimedTotals()  # the reclaimed counter never falls while this collector lives
+        self.counters = NodeCounters()
+        self._scan_lock = threading.Lock()
+        self.scan()  # the node counters start from here (node_counters.NodeCounters.update)
+
+    def scan(self):
+        """The live processes, their counters and the final counters of those that exited added to
+        the node counters (also run between scrapes, by serve's sweep thread, so that exited
+        processes' files are read and removed while no one scrapes)."""
+        with self._scan_lock:  # one scan at a time: the counters are added in the order read
+            exited = []
+            procs = self.scanner.scan(exited=exited)
+            self.counters.update(procs, exited)
+        return procs
 
     def collect(self):
-        procs = self.scanner.scan()
+        procs = self.scan()
         samples = [s for p in procs for s in p.samples]
         yield from tenant_families(samples, with_pid=True)
         used = {(p.pid, p.instance, s.device, s.tenant) for p in procs for s in in_use(p.samples)}
         yield from self._totals(samples, used)
+        yield from self.counters.families()
         latest = {}  # device -> (publish_ns, values): the freshest reading of each device
         for p in procs:
             for s in p.samples:

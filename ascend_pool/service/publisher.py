@@ -1,7 +1,8 @@
 """Every process using ascend_pool publishes its pools' figures into its own stats file.
 
 A daemon thread reads the live pools every ASCEND_POOL_STATS_INTERVAL seconds (default 0.25)
-and writes one record per (device, tenant); at exit the file is marked exited and removed. The
+and writes one record per (device, tenant); at exit it writes the final counters, marks the file
+exited and leaves it for the node service (see Publisher.stop). The
 allocation path does nothing for this: the thread reads the same C counters a scrape would.
 ASCEND_POOL_STATS=0 turns publishing off for a process.
 
@@ -149,23 +150,39 @@ class Publisher:
             except Exception:
                 log.debug("reaping dropped pools failed", exc_info=True)
 
-    def stop(self, remove=True):
-        """Stops the thread, marks the file exited and removes it (a reader holding it open sees EXITED)."""
+    def stop(self, remove=False):
+        """Stops the thread and marks the file exited with the process's final counters, left for
+        the node service: its last increments (up to an interval's) never reached the service
+        when the file went with the process, so the node's counters lost them. The service folds
+        them in and removes the file; where none runs, the next publisher's start removes it once
+        EXITED_KEEP_S old. remove: remove it now (nobody is to read it)."""
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=2 * self.interval + 1)
         with self._write_lock:
             if self.file is not None:
-                self.file.close(remove=remove)
+                final = None
+                if not remove:
+                    try:
+                        final = self._agg.samples()
+                    except Exception:  # exiting: mark it exited without them
+                        log.debug("reading the pools at exit failed", exc_info=True)
+                self.file.close(remove=remove, final=final)
+
+
+# How long an exited process's file is left for the node service to read its final counters
+# (it removes them at its scans, every --sweep-interval and scrape) before a publisher's start
+# removes it: a node without a service keeps at most this much of them, 32 KiB each.
+EXITED_KEEP_S = 60.0
 
 
 def _remove_stale(directory):
-    # Files of our uid's processes that died without cleaning up (killed, crashed) would pile up
-    # on a node where no service runs: each new publisher clears them, once, at start, with the
-    # half-made files of writers killed while creating theirs (the scan removes both; the node
-    # service's scans do too).
+    # Files of our uid's processes that exited or died (killed, crashed) would pile up on a node
+    # where no service runs: each new publisher clears those EXITED_KEEP_S old, once, at start,
+    # with the half-made files of writers killed while creating theirs (the scan removes both; the
+    # node service's scans do too, at once, after reading their final counters).
     try:
-        StatsScanner(directory, refusal_level=logging.DEBUG).scan()
+        StatsScanner(directory, refusal_level=logging.DEBUG, keep_exited_s=EXITED_KEEP_S).scan()
     except Exception as e:
         log.debug("clearing stale stats files in %s: %s", directory, e)
 
@@ -242,14 +259,15 @@ def current():
     return _publisher
 
 
-def stop_publisher():
-    """Stops publishing and removes this process's file (also run at exit)."""
+def stop_publisher(remove=False):
+    """Stops publishing (also run at exit): the file is left marked exited with the final
+    counters (Publisher.stop), or removed."""
     global _publisher, _reaper
     with _lock:
         p, _publisher = _publisher, None
         reaper, _reaper = _reaper, None
     if p is not None:
-        p.stop()
+        p.stop(remove=remove)
     if reaper is not None:
         reaper._stop.set()
 

@@ -44,7 +44,14 @@ class Refused(StatsFileError):
 
 
 class Stale(StatsFileError):
-    """A well-formed stats file whose process has exited (or whose pid now names another process)."""
+    """A well-formed stats file whose process has exited (or whose pid now names another process).
+    .stats: its last whole publish (ProcessStats, the final counters of a process that exited
+    cleanly), or None when it cannot be read or is from an earlier boot: what the node service
+    folds into its node counters before removing the file."""
+
+    def __init__(self, path, reason, stats=None):
+        super().__init__(path, reason)
+        self.stats = stats
 
 
 class Busy(StatsFileError):
@@ -136,17 +143,33 @@ def _read(fd, path, inst, allowed_uids, allowed_gids=()):
         raise Refused(path, f"header names uid {uid}, the file is owned by uid {st.st_uid}"
                       + (f" (host uid {owner})" if owner not in (None, st.st_uid) else ""))
     pid = hpid
-    # Liveness before contents: a dead process's file is removed whatever it holds.
-    if boot != identity.boot_id() or not _writer_alive(fd):
-        raise Stale(path, "process has exited")
+
+    def contents(published=None):
+        publish_ns, flags, body = published or _consistent_body(fd, path, header, capacity)
+        out = ProcessStats(pid, uid, start, publish_ns, flags, path, instance=f"{inst:016x}", pidns=pidns)
+        out.samples = _records(path, pid, body, out.instance, uid)
+        return out
+
+    # Liveness before contents: a dead process's file is Stale (removed) whatever it holds; what
+    # it holds is only its last counters, for the node's totals.
+    if boot != identity.boot_id():
+        raise Stale(path, "process has exited (an earlier boot)")
+    if not _writer_alive(fd):
+        raise Stale(path, "process has exited", _last_publish(contents))
     if identity.pid_here(pidns) and identity.gone_here(pid):
-        raise Stale(path, "process has exited (a zombie, or gone from this pid namespace)")
-    publish_ns, flags, body = _consistent_body(fd, path, header, capacity)
-    if flags & L.FLAG_EXITED:
-        raise Stale(path, "process marked it exited")
-    out = ProcessStats(pid, uid, start, publish_ns, flags, path, instance=f"{inst:016x}", pidns=pidns)
-    out.samples = _records(path, pid, body, out.instance, uid)
-    return out
+        raise Stale(path, "process has exited (a zombie, or gone from this pid namespace)", _last_publish(contents))
+    published = _consistent_body(fd, path, header, capacity)
+    if published[1] & L.FLAG_EXITED:  # its final counters (statsfile.StatsFile.close)
+        raise Stale(path, "process marked it exited", _last_publish(contents, published))
+    return contents(published)
+
+
+def _last_publish(contents, published=None):
+    """A dead writer's last whole publish, or None (damaged: nothing to keep from it)."""
+    try:
+        return contents(published)
+    except (StatsFileError, OSError):
+        return None
 
 
 def _consistent_body(fd, path, header, capacity):

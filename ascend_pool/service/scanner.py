@@ -10,10 +10,12 @@ MAX_FILES files, so its time is bounded whatever the directories hold."""
 import logging
 import os
 import threading
+import time
 
 from .. import identity
 from ..private_dir import candidates
 from . import paths
+from .layout import FLAG_EXITED
 from .reader import Busy, Refused, Stale, read_stats_file
 
 log = logging.getLogger("ascend_pool.service")
@@ -31,16 +33,19 @@ class StatsScanner:
     allowed_gids: groups whose shared directories (ascend_pool-g<gid>) are read. remove_stale:
     unlink files of processes that are gone (where we may). refusal_level: the log level of
     "refused" lines (an application clearing stale files at start passes DEBUG: reporting other
-    files' problems is the service's job)."""
+    files' problems is the service's job). keep_exited_s: a dead process's file whose last publish
+    is younger than this is not removed (left for the node service, which reads the final
+    counters in it, see scan(exited=))."""
 
     def __init__(self, directory=None, allowed_uids=None, remove_stale=True, refusal_level=logging.WARNING,
-                 allowed_gids=()):
+                 allowed_gids=(), keep_exited_s=0.0):
         self.explicit = directory is not None
         self.directory = directory or paths.stats_dir()
         self.allowed_uids = frozenset(allowed_uids) if allowed_uids else frozenset({identity.host_uid()})
         self.allowed_gids = frozenset(allowed_gids or ())
         self.remove_stale = remove_stale
         self.refusal_level = refusal_level
+        self.keep_exited_s = keep_exited_s
         self._lock = threading.Lock()
         self._reported = {}  # path -> last reason logged
         self.counts = {"live": 0, "stale": 0, "refused": 0, "busy": 0}
@@ -68,8 +73,10 @@ class StatsScanner:
             out = out[:MAX_FILES]
         return out
 
-    def scan(self):
-        """A list of reader.ProcessStats, one per live publishing process, sorted by pid."""
+    def scan(self, exited=None):
+        """A list of reader.ProcessStats, one per live publishing process, sorted by pid.
+        exited: a list that gets the last publish (ProcessStats) of each dead process's file
+        read, before the file is removed."""
         out, counts, seen, half_made = [], dict.fromkeys(self.counts, 0), set(), []
         for path in self._paths(half_made if self.remove_stale else None):
             seen.add(path)
@@ -79,6 +86,8 @@ class StatsScanner:
                 self._clear(path)
             except Stale as e:
                 counts["stale"] += 1
+                if exited is not None and e.stats is not None:
+                    exited.append(e.stats)
                 self._remove(e)
             except Busy as e:
                 counts["busy"] += 1
@@ -113,9 +122,15 @@ class StatsScanner:
     def _remove(self, e):
         if not self.remove_stale:
             return
+        if self.keep_exited_s and e.stats is not None:
+            age = (time.time_ns() - e.stats.publish_ns) / 1e9
+            if abs(age) < self.keep_exited_s:  # a clock stepped back does not keep it for good
+                return
         try:
             os.unlink(e.path)
-            log.info("removed stats file %s: %s", e.path, e.reason)
+            # an exit is every process's end now that the file stays for its final counters: a debug line
+            clean = e.stats is not None and e.stats.flags & FLAG_EXITED
+            log.log(logging.DEBUG if clean else logging.INFO, "removed stats file %s: %s", e.path, e.reason)
         except FileNotFoundError:
             pass  # its owner or another reader was faster
         except OSError as err:  # someone else's file in a sticky directory

@@ -138,12 +138,17 @@ class StatsFile:
         self._seq += 1  # even: whole again
         L.SEQ.pack_into(m, L.SEQ_OFFSET, self._seq)
 
-    def close(self, remove=True):
-        """Marks the file exited and (by default) removes it. Idempotent."""
+    def close(self, remove=True, final=None):
+        """Marks the file exited and (by default) removes it. final: the process's last samples,
+        written with the mark: its final counters, which the node service folds into its node
+        counters before it removes the file (publisher.Publisher.stop). Idempotent."""
         if self._map is None:
             return
         try:
-            if os.fstat(self._fd).st_size != L.file_size(self.capacity):
+            if not self.intact():
+                return
+            if final is not None:
+                self.publish(final, L.FLAG_EXITED)
                 return
             dyn = L.DYNAMIC.unpack_from(self._map, L.DYNAMIC_OFFSET)
             self._seq += 1
