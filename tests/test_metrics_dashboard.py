@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ascend_pool.metrics.schema import DEVICE_FAMILIES, FAMILIES, FRAGMENTATION, QUOTA
+from ascend_pool.service.node_counters import NODE_COUNTERS
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "grafana" / "ascend_pool_dashboard.json"
 DS = {"type": "prometheus", "uid": "${datasource}"}
@@ -102,6 +103,7 @@ def test_per_node_queries_keep_nodes_apart(dash):
 def test_queries_name_only_exported_metrics_and_filter_by_variables(dash):
     exported = {name + ("_total" if kind == "counter" else "") for name, kind, *_ in FAMILIES}
     exported |= {FRAGMENTATION[0], QUOTA[0]} | {name for name, *_ in DEVICE_FAMILIES}
+    exported |= {name + "_total" for name, *_ in NODE_COUNTERS}  # the node service's
     for p in dash["panels"]:
         for t in p["targets"]:
             names = set(re.findall(r"\bascend_pool_[a-z_]+", t["expr"]))
