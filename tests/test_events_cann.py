@@ -63,6 +63,8 @@ def test_simulator_refuses_a_wait_on_an_event_created_without_acl_event_sync(sim
             ok("aclrtDestroyEvent", ev)
         for name in ("aclrtCreateEventWithFlag", "aclrtCreateEventExWithFlag"):
             assert code(name, C.byref(C.c_void_p()), 0) == 107000, name
+            # a flag past RT_EVENT_FLAG_MAX: RT_ERROR_INVALID_VALUE too, not ACL's 100000
+            assert code(name, C.byref(C.c_void_p()), 1 | (1 << 20)) == 107000, name
         for ev in (event(), event(9), event(1, ex=True)):        # plain, SYNC | TIME_LINE, new mode
             ok("aclrtRecordEvent", ev, a)
             ok("aclrtStreamWaitEvent", b, ev)

@@ -179,8 +179,10 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, int plai
         return rc;
     if (!event)
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "event is NULL");
+    /* hicann/runtime ApiErrorDecorator::EventCreate: a flag past RT_EVENT_FLAG_MAX is
+       RT_ERROR_INVALID_VALUE (107000), not ACL's 100000 */
     if (flags & ~ACL_EVENT_FLAGS_KNOWN)
-        return sim_fail(ACL_ERROR_INVALID_PARAM, call, "flag 0x%x has unknown bits (known: 0x%x)",
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "flag 0x%x has unknown bits (known: 0x%x)",
                         flags, ACL_EVENT_FLAGS_KNOWN);
     /* hicann/runtime ApiErrorDecorator::EventCreate/EventCreateEx: a flag with no known bit is
        RT_ERROR_INVALID_VALUE (aclrtCreateEvent passes the runtime's default, 0x0E) */
@@ -342,9 +344,9 @@ static int query(aclrtEvent event, int *status, int deprecated, const char *call
     struct sim_event *e = NULL;
     if ((rc = get_event(event, call, &e)) != 0)
         return -rc;
-    if (deprecated && e->ex) {
+    if (deprecated && e->ex) { /* ApiErrorDecorator::EventQuery: IsNewMode, RT_ERROR_FEATURE_NOT_SUPPORT */
         sim_obj_unref(&e->obj);
-        return -sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "event %p was created by aclrtCreateEventExWithFlag, "
+        return -sim_fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, call, "event %p was created by aclrtCreateEventExWithFlag, "
                          "which does not support this call: use aclrtQueryEventStatus", event);
     }
     if (sim_fault_event_query_nth()) {
