@@ -47,6 +47,29 @@ def test_simulator_refuses_a_record_after_a_wait_without_reset(sim_node):
     """)
 
 
+def test_simulator_lets_an_aclrtcreateevent_event_be_recorded_again_after_a_wait(sim_node):
+    # hicann/runtime Event::Record: an event of aclrtCreateEvent (RT_EVENT_DEFAULT) gets a fresh
+    # hardware id at each record, as new-mode ones do, so a wait waits for the record it was
+    # queued after and the event is recorded again with no reset (which it does not support).
+    # Until 2026-12-05 the simulator demanded a reset it then refused: such an event, once waited
+    # on, could never be recorded again.
+    sim_node.run("""
+        from ascend_pool import sim
+        init()
+        a, b = stream(), stream()
+        ptr = malloc(4096)
+        ev = event()                            # aclrtCreateEvent
+        ok("aclrtRecordEvent", ev, a)
+        ok("aclrtStreamWaitEvent", b, ev)
+        sim.launch_fill(a, ptr, 4096, 7, delay_s=0.3)
+        ok("aclrtRecordEvent", ev, a)           # again after the wait, no reset
+        ok("aclrtStreamWaitEvent", b, ev)       # waits for this record, after the fill
+        sim.launch_fill(b, ptr, 4096, 9)
+        ok("aclrtSynchronizeStream", b)
+        assert sim.read(ptr, 1)[0] == 9
+    """)
+
+
 def test_simulator_refuses_a_wait_on_an_event_created_without_acl_event_sync(sim_node):
     # hicann/runtime ApiErrorDecorator::StreamWaitEvent: an event whose flags hold none of the
     # synchronizing bits (IsEventWithoutWaitTask) is refused with RT_ERROR_FEATURE_NOT_SUPPORT

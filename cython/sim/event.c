@@ -23,8 +23,11 @@
  * inference cards, per CANN's event pages); past that aclrtCreateEvent fails with
  * ACL_ERROR_RT_NO_EVENT_RESOURCE (207007).
  *
- * CANN's reuse rule (docs/cann-rules-events.md): an event that a stream waited on
- * (aclrtStreamWaitEvent) is reset with aclrtResetEvent before it is recorded again. The
+ * CANN's reuse rule (docs/cann-rules-events.md): an event of aclrtCreateEventWithFlag that a
+ * stream waited on (aclrtStreamWaitEvent) is reset with aclrtResetEvent before it is recorded
+ * again. (aclrtCreateEvent's events, RT_EVENT_DEFAULT, get a fresh hardware id at each record, as
+ * new-mode ones do: hicann/runtime Event::Record; they do not support aclrtResetEvent and are
+ * recorded again after a wait as they are.) The
  * simulator refuses such a record with ACL_ERROR_RT_PARAM_INVALID: the documentation states the
  * rule, not the code, so the code is the simulator's choice, made so that a test fails when the
  * pool breaks the rule. CUDA has no such rule. The reset is asynchronous, ordered on the waiting
@@ -66,6 +69,8 @@ struct sim_event {
     uint32_t flags;            /* ACL_EVENT_SYNC matters (waits, resets); the others are accepted */
     int waitable;              /* aclrtStreamWaitEvent may wait on it: ACL_EVENT_SYNC, or aclrtCreateEvent's */
     int ex;                    /* aclrtCreateEventExWithFlag: waits wait for the latest record, no reset */
+    int fresh_id;              /* a fresh hardware id at each record (new mode, and aclrtCreateEvent's
+                                  RT_EVENT_DEFAULT): recorded again after a wait with no reset */
     pthread_mutex_t mu;
     struct sim_stream *stream; /* latest record (a reference), NULL if never recorded */
     uint64_t pos;
@@ -215,6 +220,7 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, int plai
         /* aclrtCreateEvent gets RT_EVENT_DEFAULT (0x0E), which holds RT_EVENT_DDSYNC */
         e->waitable = (flags & ACL_EVENT_SYNC) || plain;
         e->ex = ex;
+        e->fresh_id = ex || plain;
         pthread_mutex_init(&e->mu, NULL);
         if (sim_reg_add(&e->obj) != 0) {
             event_destroy(&e->obj);
@@ -287,7 +293,7 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
         return rc;
     }
     pthread_mutex_lock(&e->mu);
-    if (e->waited && !e->ex) {
+    if (e->waited && !e->fresh_id) {
         pthread_mutex_unlock(&e->mu);
         sim_stream_put(s);
         sim_obj_unref(&e->obj);
