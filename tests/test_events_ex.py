@@ -128,3 +128,44 @@ def test_simulator_new_mode_records_take_an_event_id_until_they_have_run(sim_nod
             ok("aclrtRecordEvent", e, a)
         ok("aclrtSynchronizeStream", a)
     """, ASCEND_SIM_PROFILE="310p", ASCEND_SIM_EVENT_LIMIT="16")
+
+
+def test_new_mode_records_in_flight_stay_under_half_the_devices_event_ids_and_never_wait(sim_node):
+    """hicann/runtime Event::Record: each record of a new-mode event holds one of the device's event
+    ids (1,023 on a 310P) until it has run, and past them aclrtRecordEvent blocks the thread. Frees
+    marked for a hung stream each record one: the pool keeps at most half the ids in records not
+    known complete, asks its own records first at the bound, and then lets a free owe the stream
+    (no record, no wait under its lock). Before: it took every id (the framework's record was
+    refused; on an NPU it blocks), and each free past them waited sync_timeout_ms for the hung
+    stream under the pool lock (the simulator refuses such a record: 207007)."""
+    out = sim_node.run_json('''
+        import ascend_pool as ap
+        pool = ap.Pool(0, backend="sim", sync_timeout_ms=1500)
+        s = pool.create_stream()
+        sim.hang_stream(s)
+        ptrs = [pool.malloc(4096) for _ in range(1030)]
+        t0 = time.monotonic()
+        for x in ptrs:
+            pool.record_stream(x, s)
+            pool.free(x)
+        took = time.monotonic() - t0
+        ev = event(1, ex=True)
+        framework = code("aclrtRecordEvent", ev, s)   # the framework's own record: ids are left
+        pending = pool.memory_stats()["pending_free_blocks"]
+        pool._check_invariants()                       # every record counted is one the pool holds
+        sim.release_stream(s)
+        pool.synchronize(s)
+        for _ in range(4):                             # owed streams become events, then settle
+            pool.empty_cache()
+        st = pool.memory_stats()
+        pool._check_invariants()
+        again = [pool.malloc(4096) for _ in range(1030)]
+        for x in again:
+            pool.free(x)
+        pool.close()
+        print(json.dumps({"took": took, "framework": framework, "pending": pending,
+                          "left": st["pending_free_blocks"]}))
+    ''', ASCEND_SIM_PROFILE="310p")
+    assert out["framework"] == 0, out
+    assert out["took"] < 1.0, out        # before: 1.5 s for each free past the device's ids
+    assert out["pending"] == 1030 and out["left"] == 0, out

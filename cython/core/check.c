@@ -279,6 +279,10 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
              p->n_parked, (long long)p->live_events, p->event_cache_max, p->event_pins);
         goto out;
     }
+    if (p->records_out != ap_records_counted(p)) {
+        fail(c, "new-mode records in flight: %d counted, %d held", p->records_out, ap_records_counted(p));
+        goto out;
+    }
     if (p->last_slot < 0 || p->last_slot >= p->n_slots || p->n_slots > AP_MAX_STREAMS) {
         fail(c, "slot table: last %d of %d", p->last_slot, p->n_slots);
         goto out;

@@ -25,6 +25,12 @@
  *   idle_events      (stream_order.c) idle cached events per device of all the process's pools:
  *                    an atomic counter, updated under each pool's own lock, no lock of its own (a
  *                    place under the bound is taken with one compare-and-swap, idle_take).
+ *   records_out      (stream_order.c) new-mode records (aclrtCreateEventExWithFlag) of all the
+ *                    process's pools not known complete, per device: an atomic counter updated under
+ *                    each pool's own lock, no lock of its own. Each such record holds one of the
+ *                    device's event ids until it has run, and past them CANN's aclrtRecordEvent
+ *                    blocks the thread: at 1/AP_RECORDS_SHARE of them no record is made under the
+ *                    lock (record_room; a free owes its stream instead).
  *   capi_calls       (ap_pool, atomic, no lock) C ABI calls holding the pool (current.h ap_pool_hold);
  *                    ap_pool_destroy waits for it to drain, holding no lock (the pool is hidden first),
  *                    and then, still without the lock, for the streams its free blocks are tagged
@@ -49,12 +55,13 @@
  *     the lock, then apply the result only if nothing changed meanwhile);
  *   - GIL acquisition or any call back into Python.
  * Allowed under the lock: non-blocking runtime calls (malloc/free/map of device memory, event
- * create/record/query/reset/destroy (the acl backend's check that a stream it made is still
+ * create/record/query/reset/destroy (a new-mode record only under the records bound; the acl backend's check that a stream it made is still
  * its own, when a new stream's device is asked, is one of each), aclrtStreamWaitEvent,
  * aclrtGetMemInfo on the out-of-memory path),
  * the quota hook (no pool calls).
  * Exception, rare: ap_free_pending waits for a stream when no event can be had at all (the device's
- * event limit reached with every cached event in use). The C ABI's registry lock is never held
+ * event limit reached with every cached event in use), with events of aclrtCreateEventWithFlag only;
+ * with new-mode events it never waits there (the block owes the stream, settled later). The C ABI's registry lock is never held
  * over such a free, nor while a pool's lock is waited for: a lookup holds the candidate pools
  * (capi_calls) under the registry lock and asks them, and frees or records on the one found, after
  * it is dropped (capi/registry.h apc_find_hold). Nor is the metrics
@@ -85,6 +92,10 @@
 #define AP_CACHE_DEPTH 4   /* ... of this many blocks each */
 #define AP_EXACT_BUCKETS 256 /* small-pool tree blocks counted by hashed (size, stream) (free_cache.h) */
 #define AP_EVENT_CACHE_MAX 64 /* idle events kept per device by all of a process's pools (stream_order.c) */
+
+/* The share of a device's event ids (1,023 on Atlas inference cards, else 65,535) that the pools of a
+   process keep in new-mode records in flight (stream_order.c): 1/AP_RECORDS_SHARE. */
+#define AP_RECORDS_SHARE 2
 
 /* Status codes of pool calls (ap_error.status). */
 enum {
@@ -199,6 +210,9 @@ typedef struct ap_stream_slot {
     uint32_t epoch;       /* bumped whenever a block enters its trees: a wait outside the lock
                              retags them only if none entered meanwhile (waits.c) */
     ap_free_tree trees[2]; /* free blocks whose last use was ordered on this stream */
+    int stranded;          /* new-mode records on it whose event was reused on another stream:
+                              counted until a later record on it is seen complete (stream_order.c) */
+    uint64_t stranded_seq; /* the latest of them (ap_pool.record_seq) */
 } ap_stream_slot;
 
 typedef struct ap_pool {
@@ -239,6 +253,11 @@ typedef struct ap_pool {
     int event_pins;       /* waits outside the lock hold event handles: destroy none meanwhile */
     struct ap_parked_event *parked; /* waited-on events whose reset has not run yet (stream_order.c) */
     int n_parked, parked_cap;
+    int records_out;      /* new-mode records this pool made, not known complete (stream_order.c) */
+    int records_carry;    /* records still out of the parked event ap_event_get just gave back */
+    uint64_t record_seq;  /* numbers this pool's new-mode records, the latest last */
+    uint64_t reclaim_tick; /* tick + 1 of the last reclaim that left the records bound reached */
+    int reclaim_out;      /* records_out then */
     int64_t live_events;  /* events this pool created and has not destroyed */
 
     void *spare_blocks;       /* recycled structs, linked through their first word (block_arena.c) */

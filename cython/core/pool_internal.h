@@ -202,9 +202,13 @@ static inline int ap_slot_of_fast(ap_pool *p, void *stream, int create) {
 void *ap_event_get(ap_pool *p, void *stream);
 /* Returns an event to the cache (destroyed when the cache is full). */
 void ap_event_put(ap_pool *p, void *event);
-/* The same for an event that waiting_stream waited on: reset first (CANN's rule). */
-void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream);
+/* The same for an event recorded on recorded_on that waiting_stream waited on: reset first (CANN's
+   rule); new-mode events are kept until that record has run (records in flight, stream_order.c). */
+void ap_event_put_waited(ap_pool *p, void *event, void *recorded_on, void *waiting_stream);
 void ap_events_destroy(ap_pool *p);
+/* New-mode records in flight that the pool's parked events, pending frees and slots hold: what
+   ap_pool.records_out must be (check.c). */
+int ap_records_counted(const ap_pool *p);
 /* Destroys idle events until `keep` are left (the cache bound, after waits held pins; 0 on
    empty_cache). */
 void ap_events_trim(ap_pool *p, int keep);

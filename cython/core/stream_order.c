@@ -9,6 +9,7 @@
  */
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "current.h" /* AP_MAX_DEVICES */
 #include "pool_internal.h"
@@ -24,7 +25,87 @@ int ap_stream_elsewhere(const ap_pool *p, int code) {
 }
 
 static void park(ap_pool *p, void *event, int marked, void *stream);
+static void park_flying(ap_pool *p, void *event, void *stream, void *waiter, int n);
 static void *event_get(ap_pool *p, void *stream, int *parked);
+
+/* Records in flight of new-mode events (CANN 8.x, aclrtCreateEventExWithFlag: the acl backend
+   without event_reset). hicann/runtime Event::Record takes one of the device's event ids for each
+   such record until it has run (1,023 on Atlas inference cards, 65,535 or 65,536 elsewhere), and
+   past them aclrtRecordEvent blocks the thread until a record completes: under the pool lock,
+   behind a hung stream, for ever. So the pools of a process keep at most 1/AP_RECORDS_SHARE of
+   the device's ids in records not known complete (counted per device, an atomic updated under
+   each pool's own lock; a few threads may pass the check at once, far below the ids left). At
+   the bound the pool first asks its own records (record_room) and then records nothing: a
+   pending free owes its stream instead (ap_free_pending), a borrow skips the stream, a probe
+   answers "not known idle". Known complete: a pending free's event found complete, or a parked
+   event whose latest record is complete (its others all run before it, park_flying). */
+static atomic_int records_out[AP_MAX_DEVICES];
+
+static atomic_int *records_of(const ap_pool *p) {
+    return &records_out[p->device >= 0 && p->device < AP_MAX_DEVICES ? p->device : 0];
+}
+
+static int counts_records(const ap_pool *p) {
+    return p->backend->kind == AP_BACKEND_ACL && !ap_backend_event_reset(p->backend);
+}
+
+static int records_bound(const ap_pool *p) {
+    /* CANN's event pages: 1,023 per device on Atlas inference cards (310P), 65,535 or more elsewhere */
+    int ids = strncmp(p->backend->soc_name, "Ascend310P", 10) == 0 ? 1023 : 65535;
+    return ids / AP_RECORDS_SHARE;
+}
+
+static void records_add(ap_pool *p, int n) {
+    if (!n) return;
+    atomic_fetch_add(records_of(p), n);
+    p->records_out += n;
+    if (n > 0) p->record_seq++; /* one record made: the latest */
+}
+
+/* A record on `stream` numbered seq has run: so have the records stranded there before it. */
+static void records_seen(ap_pool *p, void *stream, uint64_t seq) {
+    int slot = ap_slot_of(p, stream, 0);
+    if (slot <= 0 || !p->slots[slot].stranded || seq <= p->slots[slot].stranded_seq) return;
+    records_add(p, -p->slots[slot].stranded);
+    p->slots[slot].stranded = 0;
+}
+
+static void parked_recycle(ap_pool *p);
+static void strand_probes(ap_pool *p);
+
+/* Pending frees' events found complete go back now (events_done would find them later). */
+static void records_reclaim(ap_pool *p) {
+    if (p->n_parked) parked_recycle(p);
+    strand_probes(p);
+    ap_on_device(p);
+    for (ap_block *b = p->pending_head; b; b = b->pending_next) {
+        ap_block_uses *u = b->xs;
+        for (int i = 0; u && i < u->n_events;) {
+            int complete = 0;
+            if (p->backend->event_query(p->backend, u->events[i], &complete) != 0 || !complete) {
+                i++;
+                continue;
+            }
+            void *ev = u->events[i];
+            u->events[i] = u->events[--u->n_events];
+            records_add(p, -1);
+            ap_event_put(p, ev);
+        }
+    }
+}
+
+/* 1: a new-mode record may be made now (records_add after it succeeds); always 1 elsewhere. */
+static int record_room(ap_pool *p) {
+    if (!counts_records(p) || atomic_load(records_of(p)) < records_bound(p)) return 1;
+    /* Asked in vain since the last allocation, and nothing of this pool seen complete since: not
+       again (each free and each owed stream at the bound would ask every record of the pool). */
+    if (p->reclaim_tick == p->tick + 1 && p->reclaim_out == p->records_out) return 0;
+    records_reclaim(p);
+    if (atomic_load(records_of(p)) < records_bound(p)) return 1;
+    p->reclaim_tick = p->tick + 1;
+    p->reclaim_out = p->records_out;
+    return 0;
+}
 
 /* An event recorded (not waited on) goes back to the cache once that record is known complete.
    CANN: an event of aclrtCreateEventWithFlag(ACL_EVENT_SYNC) keeps one hardware flag, set by each
@@ -33,6 +114,18 @@ static void *event_get(ap_pool *p, void *stream, int *parked);
    queued on another stream could run after that reset and set the flag early. So a record not
    known complete is parked until it is (destroyed when nothing can tell). CUDA: back at once. */
 static void event_put_recorded(ap_pool *p, void *event, void *stream, int complete, int known) {
+    if (counts_records(p)) { /* new mode: its records hold event ids until they have run */
+        int n = p->records_carry + 1;
+        p->records_carry = 0;
+        if (known && complete) {
+            records_seen(p, stream, p->record_seq);
+            records_add(p, -n);
+            ap_event_put(p, event);
+        } else {
+            park_flying(p, event, stream, NULL, n);
+        }
+        return;
+    }
     if (!ap_backend_event_reset(p->backend) || (known && complete)) ap_event_put(p, event);
     else park(p, event, known, stream);
 }
@@ -45,8 +138,15 @@ static void event_put_recorded(ap_pool *p, void *event, void *stream, int comple
    life, and enough of them took the device's whole idle budget (every later event destroyed after
    one use). */
 static void event_put_unrecorded(ap_pool *p, void *event, void *stream, int parked) {
-    if (parked) park(p, event, 1, stream);
-    else ap_event_put(p, event);
+    if (counts_records(p) && parked) {
+        int n = p->records_carry;
+        p->records_carry = 0;
+        park_flying(p, event, stream, NULL, n);
+    } else if (parked) {
+        park(p, event, 1, stream);
+    } else {
+        ap_event_put(p, event);
+    }
 }
 
 /* Asks, without waiting, whether the work queued on stream so far is done: an event recorded now
@@ -55,6 +155,7 @@ static void event_put_unrecorded(ap_pool *p, void *event, void *stream, int park
    context this thread cannot reach (not done, as far as anyone here can tell). */
 static int stream_idle(ap_pool *p, void *stream) {
     ap_on_device(p);
+    if (!record_room(p)) return 0; /* new mode, at the bound: not known idle */
     int parked;
     void *ev = event_get(p, stream, &parked);
     if (!ev) return 0;
@@ -63,6 +164,7 @@ static int stream_idle(ap_pool *p, void *stream) {
         event_put_unrecorded(p, ev, stream, parked);
         return ap_stream_unusable(p, rc) ? -1 : ap_stream_elsewhere(p, rc) ? AP_STREAM_ELSEWHERE : 0;
     }
+    if (counts_records(p)) records_add(p, 1);
     rc = p->backend->event_query(p->backend, ev, &complete);
     event_put_recorded(p, ev, stream, complete, rc == 0); /* recorded, never waited on */
     return rc == 0 && complete;
@@ -70,6 +172,8 @@ static int stream_idle(ap_pool *p, void *stream) {
 
 void ap_slot_retire(ap_pool *p, int slot) {
     if (slot <= 0 || !p->slots[slot].live) return;
+    records_add(p, -p->slots[slot].stranded); /* the runtime no longer knows the stream */
+    p->slots[slot].stranded = 0;
     ap_free_retag_slot(p, slot, 0);
     p->slots[slot].live = 0;
     if (p->last_slot == slot) p->last_slot = 0;
@@ -149,6 +253,8 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
                    handle the runtime may give the new one, must not match it (waits.c) */
     s->trees[0] = (ap_free_tree){0};
     s->trees[1] = (ap_free_tree){0};
+    s->stranded = 0;
+    s->stranded_seq = 0;
     p->last_slot = i;
     return i;
 }
@@ -189,6 +295,13 @@ struct ap_parked_event {
     void *event;
     void *stream; /* every record of the event runs before the work queued on this stream so far */
     int marked; /* 0: never to be reused (its reset or its record failed); destroyed when no wait pins events */
+    /* New mode (park_flying): records of the event not known complete, each holding an event id
+       (0: a parked event of the reset scheme). Such an entry is no idle event (not counted among
+       them): kept until its latest record is complete, which the others all run before. */
+    int flying;
+    void *waiter; /* new mode: a stream that waited on the latest record (NULL: none); work queued
+                     on it since runs after every record too */
+    uint64_t seq; /* new mode: the latest record's number (ap_pool.record_seq) */
 };
 
 static void event_destroy(ap_pool *p, void *event);
@@ -206,7 +319,11 @@ static void parked_recycle(ap_pool *p) {
             p->parked[kept++] = pe; /* not yet (or destroyed once no wait holds event handles) */
             continue;
         }
-        atomic_fetch_sub(idle_of(p), 1);
+        if (pe.flying) { /* its latest record has run, so have the others */
+            if (rc == 0) records_seen(p, pe.stream, pe.seq);
+            records_add(p, -pe.flying);
+        }
+        else atomic_fetch_sub(idle_of(p), 1);
         if (rc == 0) /* the waiting stream ran the reset: as new */
             ap_event_put(p, pe.event);
         else /* no reset to count on (or nothing to tell it by): never recorded again */
@@ -219,25 +336,84 @@ static void parked_recycle(ap_pool *p) {
    comes after them: event_for_wait), or NULL. */
 static void *take_parked(ap_pool *p, void *stream) {
     for (int i = p->n_parked - 1; i >= 0; i--) {
-        if (!p->parked[i].marked || p->parked[i].stream != stream) continue;
-        void *ev = p->parked[i].event;
+        struct ap_parked_event *pe = &p->parked[i];
+        if (!pe->marked || (pe->stream != stream && !(pe->waiter && pe->waiter == stream))) continue;
+        void *ev = pe->event;
+        if (pe->flying) p->records_carry = pe->flying; /* the record made now runs after them */
+        else atomic_fetch_sub(idle_of(p), 1);
         p->parked[i] = p->parked[--p->n_parked];
-        atomic_fetch_sub(idle_of(p), 1);
         return ev;
     }
     return NULL;
 }
 
-/* ap_event_get; *parked: 1 when the event is a parked one (take_parked), else 0. */
-static void *event_get(ap_pool *p, void *stream, int *parked) {
+/* New mode, no idle event: a parked one with records still out is reused for another stream, its
+   records left counted on the stream of its latest one (the slot's `stranded`) until a later
+   record there is seen complete (records_seen; strand_probes asks at the records bound). So
+   one event serves two streams taking turns, as CUDA's, and every record stays counted. NULL when
+   none has a live slot. */
+static void *strand(ap_pool *p) {
+    for (int i = p->n_parked - 1; i >= 0; i--) {
+        struct ap_parked_event *pe = &p->parked[i];
+        int slot;
+        if (!pe->flying || !pe->marked || (slot = ap_slot_of(p, pe->stream, 0)) <= 0) continue;
+        p->slots[slot].stranded += pe->flying;
+        if (pe->seq > p->slots[slot].stranded_seq) p->slots[slot].stranded_seq = pe->seq;
+        void *ev = pe->event;
+        p->parked[i] = p->parked[--p->n_parked];
+        return ev;
+    }
+    return NULL;
+}
+
+/* At the records bound: each stream with stranded records and no parked record newer than them
+   is asked once (a record past the bound, at most one per such stream until it is seen). */
+static void strand_probes(ap_pool *p) {
+    for (int s = 1; s < p->n_slots; s++) {
+        ap_stream_slot *sl = &p->slots[s];
+        if (!sl->live || !sl->stranded) continue;
+        int newer = 0;
+        for (int i = 0; i < p->n_parked && !newer; i++)
+            newer = p->parked[i].flying && p->parked[i].stream == sl->stream && p->parked[i].seq > sl->stranded_seq;
+        if (newer) continue;
+        void *ev = NULL;
+        if (p->n_cached_events) {
+            atomic_fetch_sub(idle_of(p), 1);
+            ev = p->event_cache[--p->n_cached_events];
+        } else if (p->backend->event_create(p->backend, p->device, &ev) == 0) {
+            p->stats.events_created++;
+            p->live_events++;
+        } else {
+            continue;
+        }
+        int complete = 0;
+        if (p->backend->event_record(p->backend, ev, sl->stream) != 0) {
+            ap_event_put(p, ev);
+            continue;
+        }
+        records_add(p, 1);
+        int known = p->backend->event_query(p->backend, ev, &complete) == 0;
+        p->records_carry = 0;
+        event_put_recorded(p, ev, sl->stream, complete, known);
+    }
+}
+
+/* ap_event_get; *parked: 1 when the event is a parked one (take_parked), else 0. New mode: a
+   parked event only where the caller carries its records (stream_idle, event_for_wait:
+   records_carry); a pending free's event holds one record. */
+static void *event_get_for(ap_pool *p, void *stream, int *parked, int carry_ok) {
     *parked = 0;
     if (p->n_parked && !p->n_cached_events) {
-        void *ev = take_parked(p, stream);
+        void *ev = carry_ok || !counts_records(p) ? take_parked(p, stream) : NULL;
         if (ev) {
             *parked = 1;
             return ev;
         }
         parked_recycle(p);
+        if (!p->n_cached_events && counts_records(p)) {
+            ev = strand(p);
+            if (ev) return ev;
+        }
     }
     if (p->n_cached_events) {
         atomic_fetch_sub(idle_of(p), 1);
@@ -248,6 +424,10 @@ static void *event_get(ap_pool *p, void *stream, int *parked) {
     p->stats.events_created++;
     p->live_events++;
     return ev;
+}
+
+static void *event_get(ap_pool *p, void *stream, int *parked) {
+    return event_get_for(p, stream, parked, 1);
 }
 
 void *ap_event_get(ap_pool *p, void *stream) {
@@ -302,18 +482,48 @@ static void park(ap_pool *p, void *event, int marked, void *stream) {
     int counted = room && p->n_parked < p->event_cache_max && idle_take(p);
     if (counted || (room && p->event_pins)) {
         if (!counted) atomic_fetch_add(idle_of(p), 1); /* kept past the bound while pinned, and counted */
-        p->parked[p->n_parked++] = (struct ap_parked_event){event, stream, marked};
+        p->parked[p->n_parked++] = (struct ap_parked_event){.event = event, .stream = stream, .marked = marked};
         return;
     }
     if (p->event_pins) return; /* no room and none may be destroyed: the handle is left, not reused */
     event_destroy(p, event); /* CANN's aclrtDestroyEvent does not block: freed once its work completes */
 }
 
-void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
+/* New mode: an event with n records not known complete, all run before the work queued so far on
+   `stream` (the stream of its latest record) and on `waiter` (a stream that waited on it, or NULL),
+   so a record on either may reuse it at once (the pingpong of two streams: one event). Kept
+   whatever the idle bounds: its records are counted in records_out until the pool sees the latest
+   complete (destroyed now, they could never be). */
+static void park_flying(ap_pool *p, void *event, void *stream, void *waiter, int n) {
+    if (n <= 0) {
+        ap_event_put(p, event);
+        return;
+    }
+    if (p->n_parked == p->parked_cap) {
+        int cap = p->parked_cap ? p->parked_cap * 2 : 8;
+        struct ap_parked_event *a = realloc(p->parked, (size_t)cap * sizeof *a);
+        if (!a) { /* no host memory: forgotten (the runtime frees the ids once the records run) */
+            records_add(p, -n);
+            event_destroy(p, event);
+            return;
+        }
+        p->parked = a;
+        p->parked_cap = cap;
+    }
+    p->parked[p->n_parked++] = (struct ap_parked_event){event, stream, 1, n, waiter, p->record_seq};
+}
+
+void ap_event_put_waited(ap_pool *p, void *event, void *recorded_on, void *waiting_stream) {
     /* CANN: reset after aclrtStreamWaitEvent, on the waiting stream, before any new record
        (docs/cann-rules-events.md), and reused only once that stream has run the reset (above).
        An event that cannot be reset is never reused. CUDA (no event_reset): reusable at once. */
     int (*reset)(ap_backend *, void *, void *) = ap_backend_event_reset(p->backend);
+    if (!reset && counts_records(p)) { /* new mode: no reset; parked until its record has run */
+        int n = p->records_carry + 1;
+        p->records_carry = 0;
+        park_flying(p, event, recorded_on, waiting_stream, n);
+        return;
+    }
     if (!reset) {
         ap_event_put(p, event);
         return;
@@ -321,6 +531,15 @@ void ap_event_put_waited(ap_pool *p, void *event, void *waiting_stream) {
     int marked = reset(p->backend, event, waiting_stream) == 0 &&
                  p->backend->event_record(p->backend, event, waiting_stream) == 0;
     park(p, event, marked, waiting_stream);
+}
+
+int ap_records_counted(const ap_pool *p) {
+    if (!counts_records(p)) return 0;
+    int n = 0;
+    for (int i = 0; i < p->n_parked; i++) n += p->parked[i].flying;
+    for (const ap_block *b = p->pending_head; b; b = b->pending_next) n += b->xs ? b->xs->n_events : 0;
+    for (int s = 1; s < p->n_slots; s++) n += p->slots[s].stranded;
+    return n;
 }
 
 void ap_events_trim(ap_pool *p, int keep) {
@@ -335,11 +554,14 @@ void ap_events_destroy(ap_pool *p) {
     ap_events_trim(p, 0);
     for (int i = 0; i < p->n_parked; i++) { /* closing: the runtime frees them once their work completes */
         event_destroy(p, p->parked[i].event);
-        atomic_fetch_sub(idle_of(p), 1);
+        if (!p->parked[i].flying) atomic_fetch_sub(idle_of(p), 1);
     }
     free(p->parked);
     p->parked = NULL;
     p->n_parked = p->parked_cap = 0;
+    /* Closing: records still out are the runtime's to finish (their ids go back as they run). */
+    atomic_fetch_sub(records_of(p), p->records_out);
+    p->records_out = 0;
     free(p->event_cache);
     p->event_cache = NULL;
     p->n_cached_events = p->event_cache_cap = 0;
@@ -348,17 +570,24 @@ void ap_events_destroy(ap_pool *p) {
 /* Records an event after the work queued on stream so far. NULL if no event could be had (the
    caller then waits for the stream on the host instead); *code is then the runtime's refusal of
    the record, or 0 when no event was to be had. */
-static void *record_on_code(ap_pool *p, void *stream, int *code) {
+static void *record_on_carry(ap_pool *p, void *stream, int *code, int carry_ok) {
     ap_on_device(p);
     *code = 0;
+    if (!record_room(p)) return NULL; /* new mode, at the bound */
     int parked;
-    void *ev = event_get(p, stream, &parked);
+    void *ev = event_get_for(p, stream, &parked, carry_ok);
     if (!ev) return NULL;
     if ((*code = p->backend->event_record(p->backend, ev, stream)) != 0) {
         event_put_unrecorded(p, ev, stream, parked);
         return NULL;
     }
+    if (counts_records(p)) records_add(p, 1);
     return ev;
+}
+
+/* An event for a pending free: one record, counted until event_done finds it complete. */
+static void *record_on_code(ap_pool *p, void *stream, int *code) {
+    return record_on_carry(p, stream, code, 0);
 }
 
 static void *record_on(ap_pool *p, void *stream) {
@@ -379,7 +608,7 @@ static void *record_on(ap_pool *p, void *stream) {
    fails is never reused. NULL and *code as record_on_code. */
 static void *event_for_wait(ap_pool *p, void *stream, int *code) {
     int (*reset)(ap_backend *, void *, void *) = ap_backend_event_reset(p->backend);
-    if (!reset) return record_on_code(p, stream, code);
+    if (!reset) return record_on_carry(p, stream, code, 1); /* back through ap_event_put_waited or event_put_recorded */
     ap_on_device(p);
     *code = 0;
     void *ev = ap_event_get(p, stream);
@@ -453,8 +682,9 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
     for (int i = 0; i < n; i++) {
         void *ev = record_on(p, streams[i]);
         if (ev) u->events[u->n_events++] = ev;
-        else if (sync_stream(p, streams[i], NULL) != AP_OK) /* no event to spare: wait now instead
-                                                               (pool.h: the one wait under the lock, rare) */
+        else if (counts_records(p) || sync_stream(p, streams[i], NULL) != AP_OK) /* no event to spare:
+                     wait now instead (pool.h: the one wait under the lock, rare); new mode: never
+                     (at the records bound, or the runtime refused the record: record_room) */
             u->owed[u->n_owed++] = streams[i]; /* still running (or failed): the block waits for it */
     }
     u->n_fevents = 0;
@@ -522,6 +752,7 @@ static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
     while (u && u->n_events) {
         int rc = event_done(p, b, u->events[u->n_events - 1], blocking, err);
         if (rc != AP_OK) return rc;
+        if (counts_records(p)) records_add(p, -1);
         ap_event_put(p, u->events[--u->n_events]);
     }
     /* Another device's events are destroyed, not cached; never while a wait outside the lock
@@ -610,7 +841,7 @@ size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_err
             event_put_recorded(p, ev, p->slots[s].stream, 0, 1); /* recorded, not waited on: back once complete */
             continue;
         }
-        ap_event_put_waited(p, ev, p->slots[to].stream);
+        ap_event_put_waited(p, ev, p->slots[s].stream, p->slots[to].stream);
         p->stats.stream_migrations++;
         /* Take just the best fit when one block is enough, so that the other stream keeps the
            rest of its cache (two streams that alternate would otherwise pull every block back
