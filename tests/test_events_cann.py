@@ -324,3 +324,27 @@ def test_a_borrowed_block_is_ordered_after_the_lenders_write_when_the_event_come
     pool._check_invariants()
     for s in (s1, s2):
         pool.destroy_stream(s)
+
+
+def test_simulator_aclrtcreateevent_events_take_an_event_id_at_each_record_not_at_creation(sim_node):
+    # CANN's aclrtCreateEvent page (hicann/runtime docs/api_docs/aclrtCreateEvent.md): "the system
+    # applies for the event resource only when aclrtRecordEvent is called, so it is bound by the
+    # number of events; at the limit the system waits for resources to be released"
+    # (Event::Record: RT_EVENT_DEFAULT gets a fresh id at each record). Before, the simulator took
+    # an id at creation, as for aclrtCreateEventWithFlag, and refused the creation past the limit.
+    sim_node.run("""
+        init()
+        a = stream()
+        evs = [event() for _ in range(6)]             # past the limit of 4 set below: no id yet
+        assert sim.stats(0)["live_events"] == 6
+        sim.hang_stream(a)
+        for e in evs[:4]:
+            ok("aclrtRecordEvent", e, a)              # 4 records not run: every id held
+        assert code("aclrtRecordEvent", evs[4], a) == 207007 and "event id" in errmsg()
+        assert code("aclrtCreateEventWithFlag", C.byref(C.c_void_p()), 1) == 207007
+        sim.release_stream(a)
+        ok("aclrtSynchronizeStream", a)               # run: their ids are back
+        for e in evs:
+            ok("aclrtRecordEvent", e, a)
+        ok("aclrtSynchronizeStream", a)
+    """, ASCEND_SIM_EVENT_LIMIT="4")

@@ -272,14 +272,14 @@ def test_stream_calls_run_only_in_the_streams_own_context(sim_node):
 def test_event_limit_is_65536_live_events_per_device(sim_node):
     sim_node.run("""
         init()
-        evs = [event() for _ in range(65536)]
+        evs = [event(1) for _ in range(65536)]
         e = C.c_void_p()
-        assert code("aclrtCreateEvent", C.byref(e)) == 207007 and "65536" in errmsg()
+        assert code("aclrtCreateEventWithFlag", C.byref(e), 1) == 207007 and "65536" in errmsg()
         ok("aclrtSetDevice", 1)
-        other = event()                     # the limit is per device
+        other = event(1)                    # the limit is per device
         ok("aclrtSetDevice", 0)
         ok("aclrtDestroyEvent", evs.pop())
-        evs.append(event())
+        evs.append(event(1))
         assert sim.stats(0)["live_events"] == 65536
         for x in evs: ok("aclrtDestroyEvent", x)
         assert sim.stats(0)["live_events"] == 0

@@ -47,6 +47,7 @@ static void reset_devices(void)
         atomic_store(&d->frees, 0);
         atomic_store(&d->held, 0);
         atomic_store(&d->live_events, 0);
+        atomic_store(&d->id_events, 0);
         atomic_store(&d->events_created, 0);
         atomic_store(&d->live_streams, 0);
         atomic_store(&d->dropped_fills, 0);

@@ -19,9 +19,10 @@
  * ACL_ERROR_RT_FEATURE_NOT_SUPPORT (hicann/runtime ApiErrorDecorator::StreamWaitEvent); flag 0
  * is refused at creation (107000, ApiErrorDecorator::EventCreate).
  *
- * At most sim_event_limit(device) events may be live per device (65,536; 1,023 on Atlas
- * inference cards, per CANN's event pages); past that aclrtCreateEvent fails with
- * ACL_ERROR_RT_NO_EVENT_RESOURCE (207007).
+ * A device has sim_event_limit(device) event ids (65,536; 1,023 on Atlas inference cards, per
+ * CANN's event pages): each live event of aclrtCreateEventWithFlag holds one, and each record of
+ * an event of aclrtCreateEvent or aclrtCreateEventExWithFlag holds one until it has run (id_take);
+ * past them creation fails with ACL_ERROR_RT_NO_EVENT_RESOURCE (207007).
  *
  * CANN's reuse rule (docs/cann-rules-events.md): an event of aclrtCreateEventWithFlag that a
  * stream waited on (aclrtStreamWaitEvent) is reset with aclrtResetEvent before it is recorded
@@ -120,9 +121,9 @@ static int id_take(int dev, struct sim_stream *s, uint64_t pos)
             i++;
         }
     }
-    uint64_t held = g_ids[dev].n + atomic_load(&g_sim.dev[dev].live_events);
+    uint64_t held = g_ids[dev].n + atomic_load(&g_sim.dev[dev].id_events);
     if (!s) {
-        full = held > (uint64_t)sim_event_limit(dev); /* the caller's new event is among live_events */
+        full = held > (uint64_t)sim_event_limit(dev); /* the caller's new event is among id_events */
     } else if (held >= (uint64_t)sim_event_limit(dev)) {
         full = 1;
     } else if (g_ids[dev].n == g_ids[dev].cap) {
@@ -206,11 +207,16 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, int plai
                         "injected fault: this event creation was chosen to fail");
     struct sim_device *d = &g_sim.dev[dev];
     int limit = sim_event_limit(dev);
-    if (!ex && (atomic_fetch_add(&d->live_events, 1) >= (uint64_t)limit || id_take(dev, NULL, 0))) {
-        atomic_fetch_sub(&d->live_events, 1);
+    /* Only aclrtCreateEventWithFlag's events take an id for life; aclrtCreateEvent's, as new-mode
+       ones, take one at each record (CANN's aclrtCreateEvent page: "the system applies for the
+       event resource only at aclrtRecordEvent"; hicann/runtime Event::Record, RT_EVENT_DEFAULT) */
+    int life_id = !ex && !plain;
+    if (life_id && (atomic_fetch_add(&d->id_events, 1) >= (uint64_t)limit || id_take(dev, NULL, 0))) {
+        atomic_fetch_sub(&d->id_events, 1);
         return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call,
-                        "device %d already has %d live events or records of aclrtCreateEventExWithFlag events "
-                        "not yet run (its limit): destroy or reuse events", dev, limit);
+                        "device %d already has %d live events of aclrtCreateEventWithFlag or records of "
+                        "aclrtCreateEvent[ExWithFlag] events not yet run (its limit): destroy or reuse events",
+                        dev, limit);
     }
     struct sim_event *e = calloc(1, sizeof *e);
     if (e) {
@@ -228,11 +234,13 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, int plai
         }
     }
     if (!e) {
-        if (!ex)
-            atomic_fetch_sub(&d->live_events, 1);
+        if (life_id)
+            atomic_fetch_sub(&d->id_events, 1);
         return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call, "out of host memory");
     }
     atomic_fetch_add(&d->events_created, 1);
+    if (!ex)
+        atomic_fetch_add(&d->live_events, 1); /* the stat: live events of aclrtCreateEvent[WithFlag] */
     *event = SIM_HANDLE(&e->obj);
     return ACL_SUCCESS;
 }
@@ -312,14 +320,14 @@ SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
                         "stream's wait: record it again only once the waiting stream has run the reset", event,
                         waiting);
     }
-    if (e->ex && id_take(e->device, s, pos)) {
+    if (e->fresh_id && id_take(e->device, s, pos)) {
         int dev = e->device, limit = sim_event_limit(dev);
         pthread_mutex_unlock(&e->mu);
         sim_stream_put(s);
         sim_obj_unref(&e->obj);
         return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call,
-                        "device %d has no event id left (%d: records of aclrtCreateEventExWithFlag events "
-                        "not yet run, and live events of aclrtCreateEvent[WithFlag]): on an NPU this record "
+                        "device %d has no event id left (%d: records of aclrtCreateEvent[ExWithFlag] events "
+                        "not yet run, and live events of aclrtCreateEventWithFlag): on an NPU this record "
                         "blocks the thread until a record completes", dev, limit);
     }
     struct sim_stream *old = e->stream;
@@ -518,6 +526,8 @@ SIM_EXPORT aclError aclrtDestroyEvent(aclrtEvent event)
     struct sim_event *e = (struct sim_event *)o;
     if (!e->ex)
         atomic_fetch_sub(&g_sim.dev[e->device].live_events, 1);
+    if (!e->fresh_id)
+        atomic_fetch_sub(&g_sim.dev[e->device].id_events, 1);
     sim_obj_unref(o); /* recorded work still pending is not waited for, as in the real runtime */
     return ACL_SUCCESS;
 }
