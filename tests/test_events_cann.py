@@ -83,6 +83,8 @@ def test_simulator_refuses_a_wait_on_an_event_created_without_acl_event_sync(sim
             ok("aclrtRecordEvent", ev, a)
             assert code("aclrtStreamWaitEvent", b, ev) == 207000, flags
             assert "ACL_EVENT_SYNC" in errmsg()
+            # ApiErrorDecorator::EventReset: IsEventWithoutWaitTask, 207000 too (before: 107000)
+            assert code("aclrtResetEvent", ev, b) == 207000, flags
             ok("aclrtDestroyEvent", ev)
         for name in ("aclrtCreateEventWithFlag", "aclrtCreateEventExWithFlag"):
             assert code(name, C.byref(C.c_void_p()), 0) == 107000, name

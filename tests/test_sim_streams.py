@@ -113,7 +113,10 @@ def test_timeouts_on_a_hung_stream_then_it_works_after_release(sim_node):
         t0 = time.monotonic()
         assert code("aclrtSynchronizeEventWithTimeout", e, 100) == 507047
         assert 0.09 <= time.monotonic() - t0 < 1.0
-        assert code("aclrtSynchronizeStreamWithTimeout", s, 0) == 507046   # 0: just look
+        # 0: refused by the runtime (ApiErrorDecorator::StreamSynchronize/EventSynchronize: timeout
+        # == 0 is RT_ERROR_INVALID_VALUE); before, the simulator answered it as a look (507046)
+        assert code("aclrtSynchronizeStreamWithTimeout", s, 0) == 107000
+        assert code("aclrtSynchronizeEventWithTimeout", e, 0) == 107000
         # below -1: ACL's own check answers the runtime's 107000, not 100000 (hicann/runtime stream.cpp, event.cpp)
         assert code("aclrtSynchronizeStreamWithTimeout", s, -2) == 107000
         assert code("aclrtSynchronizeEventWithTimeout", e, -2) == 107000

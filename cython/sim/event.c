@@ -404,8 +404,9 @@ static aclError sync_event(aclrtEvent event, int32_t timeout, const char *call)
     int rc = sim_require_init(call);
     if (rc)
         return rc;
-    if (timeout < -1) /* ACL answers the runtime's code here, not 100000 (aclrtSynchronizeEventWithTimeoutImpl) */
-        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "timeout %d ms is invalid: [-1, INT_MAX] (-1 waits forever)",
+    /* below -1: ACL's check; 0: the runtime's (ApiErrorDecorator::EventSynchronize), both 107000 */
+    if (timeout < -1 || timeout == 0)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "timeout %d ms is invalid: -1 (waits forever) or above 0",
                         (int)timeout);
     struct sim_event *e = NULL;
     if ((rc = get_event(event, call, &e)) != 0)
@@ -545,9 +546,14 @@ SIM_EXPORT aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
     if (rc)
         return rc;
     if (!(e->flags & ACL_EVENT_SYNC) || e->ex) {
-        int ex = e->ex;
+        int ex = e->ex, waitable = e->waitable;
+        uint32_t flags = e->flags;
         sim_stream_put(s);
         sim_obj_unref(&e->obj);
+        if (!waitable) /* ApiErrorDecorator::EventReset: IsEventWithoutWaitTask, RT_ERROR_FEATURE_NOT_SUPPORT */
+            return sim_fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, call,
+                            "event %p was created without ACL_EVENT_SYNC (flag 0x%x): no stream waits on it, so "
+                            "it needs no reset", event, flags);
         if (ex)
             return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                             "event %p was created by aclrtCreateEventExWithFlag, which does not support "

@@ -346,8 +346,11 @@ static aclError sync_stream(aclrtStream stream, int32_t timeout, const char *cal
     int rc = sim_require_init(call);
     if (rc)
         return rc;
-    if (timeout < -1) /* ACL answers the runtime's code here, not 100000 (aclrtSynchronizeStreamWithTimeoutImpl) */
-        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "timeout %d ms is invalid: [-1, INT_MAX] (-1 waits forever)",
+    /* ACL answers the runtime's code here, not 100000 (aclrtSynchronizeStreamWithTimeoutImpl: below
+       -1); 0 passes ACL's check and the runtime's refuses it (ApiErrorDecorator::StreamSynchronize:
+       timeout < -1 || timeout == 0, RT_ERROR_INVALID_VALUE) */
+    if (timeout < -1 || timeout == 0)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "timeout %d ms is invalid: -1 (waits forever) or above 0",
                         (int)timeout);
     /* The runtime's StreamSynchronize needs a current context, whichever stream it waits for
        (hicann/runtime ApiImpl::StreamSynchronize: 107002 without one). */
