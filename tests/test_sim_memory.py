@@ -91,6 +91,13 @@ def test_bad_arguments_get_the_runtime_codes_and_the_process_survives(sim_node):
         assert code("aclrtMalloc", C.byref(p), 0, 0) == 100000 and "size is 0" in errmsg()
         assert code("aclrtMalloc", None, 64, 0) == 100000
         assert code("aclrtMalloc", C.byref(p), 64, 8) == 100000 and "policy" in errmsg()
+        # acl_rt.h: a page policy may carry a memory type and the read-only flag; GE and HCCL pass
+        # ACL_MEM_TYPE_HIGH_BAND_WIDTH (0x1000) alone. Before, the simulator refused them (100000).
+        for policy in (0x1000, 0x100, 0x1000 | 2, 0x100000 | 1):
+            q = C.c_void_p()
+            ok("aclrtMalloc", C.byref(q), 4096, policy)
+            ok("aclrtFree", q)
+        assert code("aclrtMalloc", C.byref(p), 64, 0x2000) == 100000
         assert code("aclrtMalloc", C.byref(p), 64, -1) == 100000
         assert code("aclrtMallocAlign32", C.byref(p), 0, 0) == 100000
         assert code("aclrtFree", None) == 100000

@@ -60,9 +60,17 @@ static aclError do_malloc(void **devPtr, size_t size, int policy, int pad, const
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "devPtr is NULL");
     if (size == 0)
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "size is 0");
-    if (policy < ACL_MEM_MALLOC_HUGE_FIRST || policy > ACL_MEM_MALLOC_HUGE1G_ONLY_P2P)
+    /* acl_rt.h's aclrtMemMallocPolicy: a page policy (0..7), which may carry a memory type
+       (ACL_MEM_TYPE_LOW_BAND_WIDTH, ACL_MEM_TYPE_HIGH_BAND_WIDTH) and
+       ACL_MEM_ACCESS_USER_SPACE_READONLY; GE and HCCL allocate with ACL_MEM_TYPE_HIGH_BAND_WIDTH
+       alone (HUGE_FIRST plus the type). Before 2026-12-05 the simulator refused every such bit. */
+    int page = policy & 0xff;
+    if (policy < 0 || page > ACL_MEM_MALLOC_HUGE1G_ONLY_P2P || (policy & ~0xff & ~ACL_MEM_POLICY_FLAGS))
         return sim_fail(ACL_ERROR_INVALID_PARAM, call,
-                        "policy %d is not an aclrtMemMallocPolicy (0..7)", policy);
+                        "policy 0x%x is not an aclrtMemMallocPolicy (0..7, with ACL_MEM_TYPE_LOW_BAND_WIDTH "
+                        "0x100, ACL_MEM_TYPE_HIGH_BAND_WIDTH 0x1000 or ACL_MEM_ACCESS_USER_SPACE_READONLY "
+                        "0x100000)", (unsigned)policy);
+    policy = page;
     int dev;
     if ((rc = sim_current_device(call, &dev)) != 0)
         return rc;
