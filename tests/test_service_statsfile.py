@@ -61,6 +61,23 @@ def test_round_trip_and_owner_only(sf, tmp_path):
     assert ps.samples[1].values["device_mallocs"] == 9
 
 
+def test_a_refused_fchmod_leaves_no_descriptor_nor_file(tmp_path, monkeypatch):
+    # A file system refusing the mode change (an NFS or FUSE-backed stats directory, a seccomp
+    # profile): the new file's descriptor stayed open, one more at each interval's retry.
+    tmp = str(tmp_path / ".stats.tmp")
+
+    def refuse(fd, mode):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchmod", refuse)
+    with pytest.raises(PermissionError):
+        StatsFile._create(tmp)
+    monkeypatch.undo()
+    held = [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}").startswith(tmp)]
+    assert not held, f"descriptors still open on {tmp}: {held}"
+    assert not os.path.exists(tmp)
+
+
 def test_close_removes_the_file(sf):
     path = sf.path
     sf.close()

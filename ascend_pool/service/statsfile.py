@@ -72,7 +72,12 @@ class StatsFile:
         except FileExistsError:  # left by an earlier attempt of ours (e.g. recreating a damaged file)
             os.unlink(tmp)
             fd = os.open(tmp, flags, mode)
-        os.fchmod(fd, mode)  # whatever the umask: owner-only (group-readable in a group directory)
+        try:
+            os.fchmod(fd, mode)  # whatever the umask: owner-only (group-readable in a group directory)
+        except BaseException:  # the caller retries each interval: one descriptor lost at each
+            os.close(fd)
+            _unlink(tmp)
+            raise
         return fd
 
     def intact(self):
