@@ -115,6 +115,10 @@ class Pool(PoolBase):
                 # totals now, while it is still readable and among the live pools (as an orphan).
                 _registry.closing(self)
                 _registry.forget_orphan(self)
+                # Closed now, not by the dealloc: another finalizer of a collected cycle may
+                # resurrect the pool, and no finalizer runs a second time, so the dealloc would
+                # close it later under what it allocated since.
+                self._close_as_dropped()
         except Exception:  # never raise from a finalizer; the dealloc then closes it as before
             _registry.forget_orphan(self)
 

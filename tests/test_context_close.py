@@ -218,6 +218,43 @@ def test_an_orphan_closed_later_leaves_its_streams_as_a_drop_does(sim_node):
     assert out["stream_alive"], out
 
 
+def test_a_pool_resurrected_by_another_finalizer_never_gives_back_what_it_allocates_since(sim_node):
+    # A pool collected in a garbage cycle with nothing allocated, whose finalizer ran, then
+    # resurrected by another finalizer of the cycle (a framework's wrapper keeping it), allocated
+    # on; dropped again, no finalizer ran a second time (one per object) and its dealloc closed it
+    # under that block: 64 MiB given back to the device while the program held the pointer. The
+    # finalizer closes it: the resurrected pool refuses (PoolError), or keeps what it allocates.
+    out = _run(sim_node, """
+        import gc
+        from ascend_pool import sim
+        kept = []
+
+        class Wrapper:
+            def __del__(self):
+                kept.append(self.pool)
+
+        pool = ap.Pool(0, backend="sim", release_policy="never")
+        w = Wrapper()
+        w.pool, pool.wrapper = pool, w
+        del pool, w
+        gc.collect()
+        (pool,) = kept
+        try:
+            x = pool.malloc(64 << 20)
+        except ap.PoolError as e:
+            print(json.dumps({"refused": str(e), "held": sim.stats(0)["bytes_held"]}))
+            raise SystemExit(0)
+        kept.clear()
+        del pool
+        gc.collect()
+        print(json.dumps({"refused": None, "held": sim.stats(0)["bytes_held"]}))
+    """)
+    if out["refused"] is None:
+        assert out["held"] >= 64 << 20, f"the block's memory went back to the device under the program: {out}"
+    else:
+        assert "closed" in out["refused"] and out["held"] == 0, out
+
+
 def test_a_tenant_over_its_quota_takes_back_an_orphans_idle_cache(sim_node):
     # A dropped context kept for a framework's tensor; the tensor freed through the C ABI (no
     # reap there): its 42 MiB stayed booked in the tenant's 64 MiB quota, idle, and a 40 MiB

@@ -353,6 +353,12 @@ cdef class PoolBase:
         cdef ap_pool *p = self.p
         cdef void *qctx = self._quota.ctx
         cdef ap_quota_close_fn qclose = self._quota_close
+        # Claimed before anything that may let the GIL go (the stack table below, the waits): a
+        # second _shut on another thread (the orphan reaper's close and the finalizer's) finds
+        # NULL and destroys nothing, and new Python calls and the C ABI's lookups no longer see it.
+        ap_pool_ptr_clear(&self.p)
+        self._quota_close = NULL
+        self._quota.ctx = NULL
         # Collected by the interpreter's teardown: the process is going (its runtime context with
         # it), so no stream wait (each pool waited sync_timeout_ms on a hung collective's stream
         # in turn). A close() the program makes, in an atexit handler too, waits.
@@ -362,9 +368,6 @@ cdef class PoolBase:
                 _capi_stacks_on(p, None)
             except BaseException:      # at interpreter teardown the module's tables may be gone:
                 pass                   # the pool is still hidden and destroyed below
-        ap_pool_ptr_clear(&self.p)     # new Python calls, and the C ABI's lookups, no longer see it
-        self._quota_close = NULL
-        self._quota.ctx = NULL
         if ap_forked_from:
             return
         ap_ticket_close(self._ticket)  # every thread's `with` entry for it is stale from now on
@@ -434,6 +437,14 @@ cdef class PoolBase:
 
     def __dealloc__(self):
         self._shut(False)
+
+    def _close_as_dropped(self):
+        """Closes the pool as its object's death does (no stream destroyed, no sharing step), but
+        waiting for calls other threads are making on it (an orphan reaper's read): for
+        Pool.__del__ when nothing is allocated, so that a finalizer of its garbage cycle that
+        resurrects it finds it closed (PoolError) instead of an open pool that its dealloc (a
+        finalizer runs once) would close later under the blocks allocated since."""
+        self._shut(True)
 
     @property
     def closed(self):
