@@ -545,6 +545,12 @@ def set_runtime_knobs(knobs, reset=()):
     _runtime = (dict(knobs), tuple(reset))  # one assignment: a pool opening meanwhile reads old or new
 
 
+def runtime_state():
+    """The last set_runtime_knobs' object (a new one at each call): ascend_pool.settings tells by
+    its identity whether the settings changed while a pool was opening."""
+    return _runtime
+
+
 def effective_knobs(overrides=None, env=None):
     """Knobs from the environment string (conf_source), then the last _set_allocator_settings
     (set_runtime_knobs), overridden by keyword arguments."""

@@ -11,11 +11,12 @@ import numpy as np
 
 from . import current as _current
 from . import registry as _registry
+from . import settings as _settings
 from . import snapshot as _snapshot
 from . import stats as _stats
 from ._core import PoolBase, forked_from
 from .backend import check_device, device_index, open_backend
-from .config import conf_source, effective_knobs, knobs_to_config
+from .config import conf_source, effective_knobs, knobs_to_config, runtime_state
 from .errors import ConfigError, PoolError
 from .snapshot_trace import NoAllocations, arrays_from_snapshot
 from .traces import trace_from_arrays
@@ -72,8 +73,23 @@ class Pool(PoolBase):
         device = device_index(device)
         check_device(be, device)
         free_b, total_b = be.mem_info(device)
-        self.knobs = effective_knobs(knobs)
         self.__dict__.setdefault("tenant", "default")  # tenant contexts (pool.context) carry their own name
+        # The node's number of the device (the same NPU has the same one in every container):
+        # what quota ledgers, stats files, `ascend-pool ps` and the metrics' device label use.
+        self.node_device = be.physical_device(device)
+        self.serial = next(_pool_numbers)  # never reused in this process (metrics key pools by it)
+        self.pool_id = (0, self.serial)
+        # An ap.set_allocator_settings on another thread between the knobs' read and the
+        # registration neither saw this pool nor reached it: opened again with the new settings,
+        # the second time under the settings' lock (a settings loop cannot keep it out).
+        if not self._open_with_settings(be, device, knobs, free_b, total_b):
+            PoolBase.close(self)
+            with _settings.lock:
+                self._open_with_settings(be, device, knobs, free_b, total_b)
+
+    def _open_with_settings(self, be, device, knobs, free_b, total_b):
+        seen = runtime_state()
+        self.knobs = effective_knobs(knobs)
         kind = "acl" if be.kind == "acl" else "cuda"
         try:
             cfg = knobs_to_config(self.knobs, total_b, free_b, kind)
@@ -84,12 +100,7 @@ class Pool(PoolBase):
                 raise ConfigError("%s=%r: %s" % (*conf_source(), e)) from None
             raise
         self._open(be, device, cfg, self._describe())
-        # The node's number of the device (the same NPU has the same one in every container):
-        # what quota ledgers, stats files, `ascend-pool ps` and the metrics' device label use.
-        self.node_device = be.physical_device(device)
-        self.serial = next(_pool_numbers)  # never reused in this process (metrics key pools by it)
-        self.pool_id = (0, self.serial)
-        _registry.register(self)
+        return _settings.register_opened(self, seen)
 
     def __del__(self, _registry=_registry, sys=sys, forked_from=forked_from):
         # (module globals bound at definition: at interpreter exit they may be None already)

@@ -23,6 +23,7 @@ LIMIT_KEYS = ("memory_fraction", "per_process_memory_fraction")
 _DEFAULT_FIELDS = config_defaults()
 
 _lock = threading.RLock()  # one call's checks and changes at a time (re-entrant: a signal handler)
+lock = _lock  # held by a Pool's second open (Pool.__init__): no call comes between its read and registration
 
 
 def _kind(pool):
@@ -53,10 +54,24 @@ def _plan(pool, given):
     return knobs, cfg
 
 
+def register_opened(pool, seen):
+    """Registers pool, just opened with the knobs read at runtime state `seen`
+    (config.runtime_state()), when no set_allocator_settings came in between: then the next one
+    sees it among the live pools. Returns False, registering nothing, when one did (the pool read
+    the old settings and that call did not see it): the caller opens it again, as torch's
+    settings reach its allocator at once."""
+    with _lock:
+        if _config.runtime_state() is not seen:
+            return False
+        _registry.register(pool)
+        return True
+
+
 def set_allocator_settings(settings):
     """torch.cuda.memory._set_allocator_settings(settings) (and torch_npu's): "key:value,..."
     as PYTORCH_NPU_ALLOC_CONF, applied to every open pool (default pools, tenant contexts, the
-    program's own) and kept for pools made later (keyword arguments of a later Pool still win).
+    program's own) and kept for pools made later (keyword arguments of a later Pool still win),
+    a pool another thread is opening meanwhile included (opened again if it read the old ones).
     See the module docstring for what may change; ConfigError names a bad or fixed knob, and
     then nothing changed."""
     if not isinstance(settings, str):

@@ -201,3 +201,29 @@ def test_settings_changing_while_threads_allocate_keep_the_pool_consistent():
     assert not errors, errors
     pool._check_invariants()
     pool.close()
+
+
+@pytest.mark.parametrize("setting, field, want", [("max_split_size_mb:64", "max_split_size", 64 * MiB),
+                                                  ("garbage_collection_threshold:0.5", "gc_threshold", 0.5)])
+def test_settings_made_while_another_thread_opens_a_pool_reach_that_pool(monkeypatch, setting, field, want):
+    # The call landed between the opening pool's read of the knobs and its registration: it saw no
+    # such pool and the pool opened with the old settings (a lifelong knob too, which the call
+    # would have refused had it seen the pool: expandable_segments in a process with no pool
+    # open). torch's settings reach its allocator at once.
+    from ascend_pool import pool as pool_mod
+    opened = pool_mod.PoolBase._open
+
+    def open_after_a_settings_call(self, *args, **kwargs):
+        monkeypatch.delattr(pool_mod.Pool, "_open")  # once
+        t = threading.Thread(target=ap.set_allocator_settings, args=(setting,))
+        t.start()
+        t.join()
+        return opened(self, *args, **kwargs)
+
+    monkeypatch.setattr(pool_mod.Pool, "_open", open_after_a_settings_call, raising=False)
+    pool = ap.Pool(0)
+    try:
+        assert pool.config.get(field) == want, pool.config
+        assert pool.knobs == dict([setting.split(":")]), pool.knobs
+    finally:
+        pool.close()

@@ -66,4 +66,4 @@ def test_the_first_c_abi_call_takes_a_short_path(tmp_path):
     files = _run(_CLIMB, tmp_path, ASCEND_POOL_STATS="1")
     assert "api.py" in files and "pool.py" in files
     assert not [f for f in files if f.startswith(("service/", "sharing")) and f != "service/publisher.py"], files
-    assert len(files) <= 12, files
+    assert len(files) <= 13, files  # settings.py: a pool registers under the runtime settings' lock

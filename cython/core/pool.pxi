@@ -319,6 +319,7 @@ cdef class PoolBase:
         self.config = dict(config)
         self._streams = {}
         self._created = set()
+        self._closing = False  # opened again (Pool.__init__, after a settings change) after a close
         self._prune_at = 64
         with nogil:
             self.p = ap_pool_create(backend.b, device, &cfg, &err)
