@@ -182,6 +182,27 @@ def test_record_stream_through_the_c_abi_delays_reuse(clean):
         pool.destroy_stream(s)
 
 
+def test_record_stream_through_the_c_abi_past_64_streams_delays_reuse(clean):
+    # torch_npu's record_stream hook is void: a 65th stream's use was refused (error 5, which no
+    # caller reads) and dropped, and the freed block went to the next malloc under its work.
+    pool = ap.default_pool(0)
+    users = [pool.create_stream() for _ in range(70)]
+    try:
+        p = clean.malloc(1 << 16, 0, None)
+        for s in users:
+            clean.record_stream(p, ctypes.c_void_p(s))
+        assert clean.error() == (OK, "")
+        sim.launch_fill(users[-1], p, 1 << 16, 0x11, delay_s=0.3)
+        clean.free(p, 1 << 16, 0, None)
+        q = clean.malloc(1 << 16, 0, None)
+        assert q != p  # p waits for the 70th stream's fill
+        clean.free(q, 1 << 16, 0, None)
+    finally:
+        for s in users:
+            pool.synchronize(s)
+            pool.destroy_stream(s)
+
+
 def test_free_finds_the_context_that_allocated(clean):
     ctx = ap.default_pool(0).context("capi-errors-test")
     try:

@@ -252,3 +252,40 @@ def test_a_block_used_by_many_streams_waits_for_the_last_one(pool):
         for s in users + [alloc]:
             pool.synchronize(s)
             pool.destroy_stream(s)
+
+
+def test_a_block_used_by_more_streams_than_it_holds_inline_waits_for_the_last_one(pool):
+    # Past 64 streams (the uses held inline) record_stream refused with InvalidStreamError, and
+    # the C ABI's void hook dropped the use: the block went to the next request while the 70th
+    # stream still wrote it. The uses now grow, twice here (past 64 and past 128).
+    alloc = pool.create_stream()
+    users = [pool.create_stream() for _ in range(130)]
+    try:
+        ptr = pool.malloc(N, stream=alloc)
+        for s in users:
+            pool.record_stream(ptr, s)
+        pool.record_stream(ptr, users[69])                     # already marked: no second use
+        pool._check_invariants()
+        sim.hang_stream(users[69])                             # the 70th stream's work still runs
+        sim.launch_fill(users[69], ptr, N, 0xBB)
+        pool.free(ptr, stream=alloc)
+        pool._check_invariants()
+        again = pool.malloc(N, stream=alloc)
+        assert again != ptr, "reused while the 70th stream that used it still runs"
+        sim.release_stream(users[69])
+        pool.synchronize(users[69])
+        assert filled_with(ptr, 0xBB)
+        pool.free(again, stream=alloc)
+        pool.synchronize(alloc)
+        # Once the streams are done the block is reusable, and its uses start inline again
+        back = pool.malloc(N, stream=alloc)
+        assert back == ptr
+        for s in users[:3]:
+            pool.record_stream(back, s)
+        pool._check_invariants()
+        pool.free(back, stream=alloc)
+    finally:
+        sim.release_stream(users[69])
+        for s in users + [alloc]:
+            pool.synchronize(s)
+            pool.destroy_stream(s)

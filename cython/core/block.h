@@ -10,9 +10,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define AP_MAX_USES 64 /* distinct extra streams one block may be marked with (record_stream); past it
-                          record_stream refuses (InvalidStreamError, C ABI error 5): 8 was reached by
-                          frameworks, whose record_stream has no limit (PyTorch keeps a set) */
+#define AP_MAX_USES 64 /* extra streams one block's uses hold inline (record_stream); past it the uses
+                          grow on the heap (ap_uses_grow), up to every stream slot of the pool: torch's
+                          record_stream has no limit (PyTorch keeps a set), and the C ABI's void hook
+                          could only drop a refused use (the block reused under that stream's work) */
 
 #define AP_MAX_FOREIGN 8 /* streams of other devices one block may be marked with (record_stream) */
 
@@ -23,16 +24,24 @@ enum { AP_POOL_SMALL = 0, AP_POOL_LARGE = 1 };
 struct ap_segment;
 
 /* Streams that used a block (record_stream) and, once it is freed, the events it waits on.
- * Kept apart from the block so that the common block stays small and cheap to recycle. */
+ * Kept apart from the block so that the common block stays small and cheap to recycle.
+ * uses/events/owed point at the inline arrays (cap == AP_MAX_USES), or, past that many streams,
+ * at one heap allocation holding all three (ap_uses_grow, freed by ap_uses_recycle): each holds
+ * cap uses, and cap + AP_MAX_FOREIGN + 1 events or owed streams (every use, the free's own
+ * stream, and each foreign stream's owed wait). */
 typedef struct ap_block_uses {
     uint16_t n_uses;
-    uint16_t uses[AP_MAX_USES];     /* extra stream slots */
+    uint16_t cap;       /* uses the arrays below hold: AP_MAX_USES (inline) or more (grown) */
     uint16_t n_events;
-    void *events[AP_MAX_USES + AP_MAX_FOREIGN + 1]; /* pending: events still to complete (an owed
-                                       stream's, of another device too, becomes one: owed_done) */
     uint16_t n_owed;
-    void *owed[AP_MAX_USES + AP_MAX_FOREIGN + 1]; /* pending: streams still to wait for (no event
-                                       could be had, and the wait at the free failed or timed out) */
+    uint16_t *uses;     /* extra stream slots */
+    void **events;      /* pending: events still to complete (an owed stream's, of another device
+                           too, becomes one: owed_done) */
+    void **owed;        /* pending: streams still to wait for (no event could be had, and the wait
+                           at the free failed or timed out) */
+    uint16_t uses_in[AP_MAX_USES];
+    void *events_in[AP_MAX_USES + AP_MAX_FOREIGN + 1];
+    void *owed_in[AP_MAX_USES + AP_MAX_FOREIGN + 1];
     /* Streams of other devices that used it (record_stream, as torch allows: a peer's kernel
        reading it): no slot of this pool, so each gets, at the free, an event of its own device
        (fevents), destroyed once complete, never cached here. */

@@ -90,9 +90,52 @@ AP_ZEROING ap_segment *ap_segment_new(ap_pool *p) {
 
 void ap_segment_recycle(ap_pool *p, ap_segment *s) { give(&p->spare_segments, s, sizeof(ap_segment)); }
 
-AP_ZEROING ap_block_uses *ap_uses_new(ap_pool *p) { return take(p, &p->spare_uses, sizeof(ap_block_uses)); }
+AP_ZEROING ap_block_uses *ap_uses_new(ap_pool *p) {
+    ap_block_uses *u = take(p, &p->spare_uses, sizeof(ap_block_uses));
+    if (u) {
+        u->cap = AP_MAX_USES;
+        u->uses = u->uses_in;
+        u->events = u->events_in;
+        u->owed = u->owed_in;
+    }
+    return u;
+}
 
-void ap_uses_recycle(ap_pool *p, ap_block_uses *u) { give(&p->spare_uses, u, sizeof(ap_block_uses)); }
+/* Room for twice the uses (at most one per stream slot), in one heap allocation: only a block
+   marked with more than AP_MAX_USES streams gets here, from record_stream, never a malloc or free.
+   -1 (u unchanged) when the host has no memory left. */
+int ap_uses_grow(ap_block_uses *u) {
+    size_t cap = (size_t)u->cap * 2 > AP_MAX_STREAMS ? AP_MAX_STREAMS : (size_t)u->cap * 2;
+    size_t waits = cap + AP_MAX_FOREIGN + 1;
+    if (cap <= u->cap) return -1; /* every slot already fits: not reached (uses are distinct slots) */
+    void **mem = malloc(2 * waits * sizeof(void *) + cap * sizeof(uint16_t));
+    if (!mem) return -1;
+    uint16_t *uses = (uint16_t *)(mem + 2 * waits);
+    memcpy(mem, u->events, u->n_events * sizeof(void *));
+    memcpy(mem + waits, u->owed, u->n_owed * sizeof(void *));
+    memcpy(uses, u->uses, u->n_uses * sizeof(uint16_t));
+    if (u->events != u->events_in) free(u->events);
+    u->events = mem;
+    u->owed = mem + waits;
+    u->uses = uses;
+    u->cap = (uint16_t)cap;
+    return 0;
+}
+
+/* The grown arrays go back to the heap; the struct stays u (ap_pool_destroy, before the arena). */
+void ap_uses_shrink(ap_block_uses *u) {
+    if (u->events == u->events_in) return;
+    free(u->events);
+    u->cap = AP_MAX_USES;
+    u->uses = u->uses_in;
+    u->events = u->events_in;
+    u->owed = u->owed_in;
+}
+
+void ap_uses_recycle(ap_pool *p, ap_block_uses *u) {
+    ap_uses_shrink(u);
+    give(&p->spare_uses, u, sizeof(ap_block_uses));
+}
 
 void ap_arena_destroy(ap_pool *p) {
     for (size_t i = 0; i < p->n_chunks; i++) free(p->chunks[i]);

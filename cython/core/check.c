@@ -104,8 +104,8 @@ static int check_pending(ap_pool *p, check_ctx *c, int64_t *blocks, int64_t *byt
     for (ap_block *b = p->pending_head; b; b = b->pending_next) {
         CHECK(b->state == AP_BLOCK_PENDING, "block 0x%lx on the pending list has state %d", (unsigned long)b->addr,
               b->state);
-        CHECK(b->xs && b->xs->n_events <= AP_MAX_USES + AP_MAX_FOREIGN + 1 && b->xs->n_fevents <= AP_MAX_FOREIGN &&
-                  b->xs->n_owed <= AP_MAX_USES + AP_MAX_FOREIGN + 1 && b->xs->n_foreign == 0,
+        CHECK(b->xs && ap_uses_ok(b->xs) && b->xs->n_events + b->xs->n_owed <= b->xs->cap + AP_MAX_FOREIGN + 1 &&
+                  b->xs->n_fevents <= AP_MAX_FOREIGN && b->xs->n_foreign == 0,
               "pending block 0x%lx has no valid event list",
               (unsigned long)b->addr);
         (*blocks)++;
@@ -168,6 +168,11 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
                 alloc_b[s->pool] += (int64_t)b->size;
                 over_alloc += ap_oversize(p, s->pool, b->size);
                 req_b[s->pool] += (int64_t)b->requested;
+                if (b->xs && !ap_uses_ok(b->xs)) {
+                    fail(c, "allocated block 0x%lx has %d uses in arrays of %d that are not its own", (unsigned long)b->addr,
+                         b->xs->n_uses, b->xs->cap);
+                    goto out;
+                }
                 if (s->shared) { /* a shared block: alone in its segment, and never in the live map */
                     shared_n++;
                     if (!whole || ap_map_get(&p->live, b->addr)) {

@@ -191,8 +191,11 @@ void ap_pool_destroy_ex(ap_pool *p, int wait_streams) {
         for (int i = 0; b->xs && i < b->xs->n_events; i++) p->backend->event_destroy(p->backend, b->xs->events[i]);
         for (int i = 0; b->xs && i < b->xs->n_fevents; i++) p->backend->event_destroy(p->backend, b->xs->fevents[i]);
     }
-    for (ap_segment *s = p->segments; s; s = s->next)
+    for (ap_segment *s = p->segments; s; s = s->next) {
+        for (ap_block *b = s->first; b; b = b->next) /* marked past AP_MAX_USES: heap arrays */
+            if (b->xs) ap_uses_shrink(b->xs);
         if (!s->expandable) p->backend->free(p->backend, p->device, (void *)s->base);
+    }
     ap_vmm_destroy(p);
     ap_events_destroy(p);
     ap_map_destroy(&p->live);
@@ -656,12 +659,10 @@ int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
             ap_block_uses *u = b->xs;
             int seen = 0;
             for (int i = 0; u && i < u->n_uses; i++) seen |= u->uses[i] == slot;
-            if (!u)
+            /* Past the inline uses they grow, as torch's set has no limit: a use refused here was
+               dropped by the C ABI's void hook, and the block reused under that stream's work */
+            if (!u || (!seen && u->n_uses == u->cap && ap_uses_grow(u) != 0))
                 rc = ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
-            else if (!seen && u->n_uses == AP_MAX_USES)
-                rc = ap_set_error(err, AP_E_INVALID_STREAM, 0,
-                                  "block 0x%lx is already marked with %d streams (the most one block can be)",
-                                  (unsigned long)b->addr, AP_MAX_USES);
             else if (!seen)
                 u->uses[u->n_uses++] = (uint16_t)slot;
         }

@@ -51,6 +51,16 @@ ap_segment *ap_segment_new(ap_pool *p);
 void ap_segment_recycle(ap_pool *p, ap_segment *s);
 void ap_arena_destroy(ap_pool *p);
 ap_block_uses *ap_uses_new(ap_pool *p);
+int ap_uses_grow(ap_block_uses *u);
+/* u's arrays are its inline ones, or one grown allocation laid out as ap_uses_grow lays it. */
+static inline int ap_uses_ok(const ap_block_uses *u) {
+    size_t waits = (size_t)u->cap + AP_MAX_FOREIGN + 1;
+    int in = u->cap == AP_MAX_USES && u->uses == u->uses_in && u->events == u->events_in && u->owed == u->owed_in;
+    int grown = u->cap > AP_MAX_USES && u->cap <= AP_MAX_STREAMS && u->events != u->events_in &&
+                u->owed == u->events + waits && u->uses == (const uint16_t *)(u->events + 2 * waits);
+    return (in || grown) && u->n_uses <= u->cap;
+}
+void ap_uses_shrink(ap_block_uses *u);
 void ap_uses_recycle(ap_pool *p, ap_block_uses *u);
 /* PyTorch's "oversize": a large-pool block or segment of max_split_size or more (never split). */
 static inline int ap_oversize(const ap_pool *p, int pool, size_t size) {

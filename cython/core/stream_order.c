@@ -669,23 +669,22 @@ static void record_foreign(ap_pool *p, ap_block_uses *u, void *stream, int devic
 }
 
 void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
-    void *streams[AP_MAX_USES + 1];
-    int n = 0;
     ap_block_uses *u = b->xs;
-    /* Retired slots have no queued work left (settled, or the runtime dropped the stream): no
-       event on them, ever. */
-    if (tag > 0 && p->slots[tag].live) streams[n++] = p->slots[tag].stream; /* 0: a retired stream's */
-    for (int i = 0; i < u->n_uses; i++)
-        if (u->uses[i] != tag && p->slots[u->uses[i]].live) streams[n++] = p->slots[u->uses[i]].stream;
     u->n_events = 0;
     u->n_owed = 0;
-    for (int i = 0; i < n; i++) {
-        void *ev = record_on(p, streams[i]);
+    /* The free's own stream (i == -1), then each use. Retired slots have no queued work left
+       (settled, or the runtime dropped the stream): no event on them, ever (tag 0: a retired
+       stream's). */
+    for (int i = -1; i < u->n_uses; i++) {
+        int slot = i < 0 ? tag : u->uses[i];
+        if ((i < 0 ? slot == 0 : slot == tag) || !p->slots[slot].live) continue;
+        void *s = p->slots[slot].stream;
+        void *ev = record_on(p, s);
         if (ev) u->events[u->n_events++] = ev;
-        else if (counts_records(p) || sync_stream(p, streams[i], NULL) != AP_OK) /* no event to spare:
-                     wait now instead (pool.h: the one wait under the lock, rare); new mode: never
-                     (at the records bound, or the runtime refused the record: record_room) */
-            u->owed[u->n_owed++] = streams[i]; /* still running (or failed): the block waits for it */
+        else if (counts_records(p) || sync_stream(p, s, NULL) != AP_OK) /* no event to spare: wait
+                     now instead (pool.h: the one wait under the lock, rare); new mode: never (at
+                     the records bound, or the runtime refused the record: record_room) */
+            u->owed[u->n_owed++] = s; /* still running (or failed): the block waits for it */
     }
     u->n_fevents = 0;
     for (int i = 0; i < u->n_foreign; i++) record_foreign(p, u, u->foreign[i], u->foreign_device[i]);
@@ -716,7 +715,7 @@ static int owed_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
         } else {
             void *ev = record_on(p, s);
             if (ev) {
-                AP_ASSERT(u->n_events < AP_MAX_USES + AP_MAX_FOREIGN + 1);
+                AP_ASSERT(u->n_events < u->cap + AP_MAX_FOREIGN + 1);
                 u->events[u->n_events++] = ev;
             } else if (stream_idle(p, s) != -1) {
                 return AP_E_BUSY; /* no event to spare yet (or out of reach): asked again at the next pass */

@@ -1,4 +1,5 @@
-/* The block arena (cython/core/block_arena.c): structs come zeroed, a recycled struct is the next
+/* The block arena (cython/core/block_arena.c): structs come zeroed (record_stream's uses with
+ * their inline arrays, grown on the heap past AP_MAX_USES streams), a recycled struct is the next
  * one handed out (LIFO: warm in cache), chunks of 256 are carved as needed and all freed at
  * destroy (LeakSanitizer checks that at exit), segments are numbered in creation order, and in ASan
  * builds a recycled struct is poisoned past its link word.
@@ -61,11 +62,30 @@ static void segments_and_uses(ap_pool *p) {
     CHECK(s3 == s1 && s3->seq == s2->seq + 1); /* a reused struct is a new segment */
     CHECK(s3->first == NULL && s3->size == 0);
     ap_block_uses *u = ap_uses_new(p);
-    CHECK(u && all_zero(u, sizeof *u));
+    /* zeroed but for its arrays, which are its inline ones */
+    CHECK(u && all_zero(u->uses_in, sizeof u->uses_in) && all_zero(u->foreign, sizeof u->foreign));
+    CHECK(u->n_uses == 0 && u->n_events == 0 && u->n_owed == 0 && u->n_foreign == 0 && ap_uses_ok(u));
+    CHECK(u->cap == AP_MAX_USES && u->uses == u->uses_in && u->events == u->events_in);
     u->n_uses = 3;
     ap_uses_recycle(p, u);
     ap_block_uses *v = ap_uses_new(p);
-    CHECK(v == u && v->n_uses == 0);
+    CHECK(v == u && v->n_uses == 0 && ap_uses_ok(v));
+    /* Past the inline uses the arrays grow on the heap, keeping what they held, up to one use per
+       stream slot; recycled, the struct comes back inline (the heap arrays freed: LeakSanitizer) */
+    for (int i = 0; i < AP_MAX_STREAMS; i++) {
+        if (v->n_uses == v->cap) CHECK(ap_uses_grow(v) == 0 && ap_uses_ok(v));
+        v->uses[v->n_uses++] = (uint16_t)i;
+    }
+    CHECK(v->cap == AP_MAX_STREAMS && ap_uses_grow(v) == -1 && ap_uses_ok(v)); /* a slot each: no more */
+    for (int i = 0; i < AP_MAX_STREAMS; i++) CHECK(v->uses[i] == i);
+    for (int i = 0; i < v->cap + AP_MAX_FOREIGN + 1; i++) v->events[i] = v->owed[i] = v; /* all writable */
+    ap_uses_recycle(p, v);
+    ap_block_uses *w = ap_uses_new(p);
+    CHECK(w == v && w->cap == AP_MAX_USES && w->uses == w->uses_in && ap_uses_ok(w));
+    w->n_uses = AP_MAX_USES;
+    CHECK(ap_uses_grow(w) == 0 && w->cap == 2 * AP_MAX_USES);
+    ap_uses_shrink(w); /* as ap_pool_destroy does for a block still marked */
+    CHECK(w->cap == AP_MAX_USES && w->uses == w->uses_in && ap_uses_ok(w));
 }
 
 int main(void) {
