@@ -319,14 +319,9 @@ class Pool(PoolBase):
         frames = self._stack_frames
         if frames is None:  # never recorded: no snapshot to take
             return None
-        segments, _ = self._raw_snapshot()
-        for base, size, _kind, _stream, blocks, *_ in segments:
-            if base <= ptr < base + size:
-                for addr, _size, _req, state, ctx in blocks:
-                    if addr == ptr and state:
-                        found = frames.get(ctx)
-                        return [dict(f) for f in found] if found else None
-        return None
+        ctx = self._block_ctx(ptr)  # not a snapshot: that records one in the history at each call
+        found = frames.get(ctx) if ctx else None
+        return [dict(f) for f in found] if found else None
 
     def dump_trace(self, path):
         """Writes the recorded history (record_memory_history or the record_history knob) as a

@@ -431,6 +431,22 @@ def test_set_device_takes_torchs_device_forms():
         ap.set_device(before)
 
 
+def test_allocation_traceback_records_nothing_in_the_history():
+    # It looked the block up through a snapshot, which records a snapshot entry in the history:
+    # a tool asking where each live tensor came from filled the history's ring with them,
+    # pushing out the allocations and frees it keeps (torch's records nothing).
+    ap.record_memory_history(True)
+    ptr = ap.malloc(MiB, device=0)
+    try:
+        before = len(ap.snapshot()["device_traces"][0])
+        for _ in range(10):
+            assert ap._allocation_traceback(ptr) is not None
+        assert len(ap.snapshot()["device_traces"][0]) == before + 1  # the second snapshot's own entry
+    finally:
+        ap.free(ptr, device=0)
+        ap.record_memory_history(None)
+
+
 def test_allocation_traceback_gives_a_live_blocks_allocation_frames_from_the_pool_that_made_it():
     # torch 2.13's torch.cuda.memory._allocation_traceback(data_ptr): the frames of a live
     # allocation starting at data_ptr, None for an address inside it, a freed block, or a block

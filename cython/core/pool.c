@@ -901,23 +901,38 @@ int ap_pool_segment_expandable(ap_pool *p, void *ptr) {
     return rc;
 }
 
-int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested) {
-    uintptr_t a = (uintptr_t)ptr;
-    int rc = -1;
-    pthread_mutex_lock(&p->lock);
-    for (ap_segment *s = p->segments; s && rc; s = s->next) {
+/* The allocated block containing a (exact: starting at a), or NULL. Under the pool lock. */
+static ap_block *allocated_at(ap_pool *p, uintptr_t a, int exact) {
+    for (ap_segment *s = p->segments; s; s = s->next) {
         if (a < s->base || a >= s->base + s->size) continue;
         for (ap_block *b = s->first; b; b = b->next)
-            if (a >= b->addr && a < b->addr + b->size && b->state == AP_BLOCK_ALLOCATED) {
-                *base = b->addr;
-                *size = b->size;
-                *requested = b->requested;
-                rc = 0;
-                break;
-            }
+            if (a >= b->addr && a < b->addr + b->size && b->state == AP_BLOCK_ALLOCATED)
+                return exact && b->addr != a ? NULL : b;
+    }
+    return NULL;
+}
+
+int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested) {
+    pthread_mutex_lock(&p->lock);
+    ap_block *b = allocated_at(p, (uintptr_t)ptr, 0);
+    if (b) {
+        *base = b->addr;
+        *size = b->size;
+        *requested = b->requested;
     }
     pthread_mutex_unlock(&p->lock);
-    return rc;
+    return b ? 0 : -1;
+}
+
+/* The frames context id (history.h) of the allocated block starting at ptr: 0 and *ctx, or -1
+   when none starts there. Asks nothing else: a snapshot for it recorded a snapshot entry in the
+   history at each call (torch's _allocation_traceback records none). */
+int ap_pool_block_ctx(ap_pool *p, void *ptr, uint64_t *ctx) {
+    pthread_mutex_lock(&p->lock);
+    ap_block *b = allocated_at(p, (uintptr_t)ptr, 1);
+    if (b) *ctx = b->ctx;
+    pthread_mutex_unlock(&p->lock);
+    return b ? 0 : -1;
 }
 
 void ap_pool_hold_lock(ap_pool *p, double seconds) {

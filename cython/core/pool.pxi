@@ -71,6 +71,7 @@ cdef extern from "pool.h" nogil:
     void ap_pool_hold_lock(ap_pool *p, double seconds)
     int ap_pool_check(ap_pool *p, char *msg, size_t len)
     int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested)
+    int ap_pool_block_ctx(ap_pool *p, void *ptr, uint64_t *ctx)
     int ap_pool_segment_expandable(ap_pool *p, void *ptr)
     size_t ap_pool_round_size(const ap_pool *p, size_t size)
     ctypedef struct ap_snap_block:
@@ -918,6 +919,18 @@ cdef class PoolBase:
         if rc != 0:
             return None
         return (base, size, requested)
+
+    def _block_ctx(self, ptr):
+        """The frames context id of the allocated block starting at ptr (0: none recorded), or None."""
+        self._check()
+        cdef uint64_t ctx = 0
+        cdef void *a = _as_ptr(ptr)
+        cdef int rc
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            rc = ap_pool_block_ctx(_p, a, &ctx)
+        self._leave()
+        return None if rc != 0 else ctx
 
     def segment_kind(self, ptr):
         """Kind of the pool segment containing address ptr: "expandable" (virtual memory mapped
