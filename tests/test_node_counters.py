@@ -90,6 +90,22 @@ def test_node_counters_add_increments_once_and_never_go_down():
     assert _ooms(c) == {"t": 10, "u": 1}
 
 
+def test_a_publisher_stopped_and_started_again_is_not_counted_twice():
+    # service.stop_publisher() leaves the file marked exited with the process's counters, and the
+    # next ensure_publisher() (the next pool's) makes the same instance's file again, its counters
+    # going on: read live again after the fold, they were all added once more, and its second
+    # exit was taken for the first one's file read again.
+    c = NodeCounters()
+    c.update([])
+    c.update([_proc("a", {(0, "t"): {"ooms": 1}})])
+    c.update([], [_proc("a", {(0, "t"): {"ooms": 1}}, L.FLAG_EXITED)])
+    c.update([_proc("a", {(0, "t"): {"ooms": 1}})])
+    assert _ooms(c) == {"t": 1}
+    c.update([_proc("a", {(0, "t"): {"ooms": 2}})])
+    c.update([], [_proc("a", {(0, "t"): {"ooms": 3}}, L.FLAG_EXITED)])
+    assert _ooms(c) == {"t": 3}
+
+
 def test_what_processes_counted_before_the_service_started_is_not_counted_again():
     # A restart of the service is a counter reset: had it counted the running processes' whole
     # lives again, increase() would see their old OOMs as new ones (and the OOM alert fire).

@@ -40,13 +40,14 @@ class NodeCounters:
 
     IDLE_KEEP = 256     # (device, tenant, uid) keys no live process has, most recently active kept
     FORGET_S = 600.0    # a process not read for this long (its file removed by someone else) is forgotten
-    FOLDED_KEEP = 8192  # exited processes remembered: a file the service may not remove is read again
+    FOLDED_KEEP = 8192  # exited processes remembered: a file the service may not remove is read again,
+                        # a publisher started again (the same instance) goes on from their counts
 
     def __init__(self):
         self._lock = threading.Lock()
         self._last = {}  # instance -> (monotonic time read, {key: counter values at that read})
         self._totals = collections.OrderedDict()  # key -> [total per NODE_COUNTERS], least recently active first
-        self._folded = collections.OrderedDict()  # instances whose final counters are in
+        self._folded = collections.OrderedDict()  # instance -> {key: values} of those whose final counters are in
         self._started = False
 
     def update(self, live, exited=()):
@@ -65,10 +66,16 @@ class NodeCounters:
                     self._last[p.instance] = (now, {_key(s): _values(s) for s in p.samples})
                     for s in p.samples:
                         self._totals.setdefault(_key(s), [0] * len(_FIELDS))
-                self._folded.update(dict.fromkeys(p.instance for p in exited))
+                self._folded.update((p.instance, {_key(s): _values(s) for s in p.samples}) for p in exited)
                 return
             active = set()
             for p in live:
+                # Folded, and live again: its publisher was stopped (stop_publisher, its file marked
+                # exited) and started again, the same instance in the same file, its counters
+                # going on from the folded ones. Counted from {}, they were all added twice.
+                folded = self._folded.pop(p.instance, None)
+                if folded is not None and p.instance not in self._last:
+                    self._last[p.instance] = (now, folded)
                 # A file over its capacity leaves pairs out for a while: their counts are kept, not
                 # counted again when they come back. Otherwise a pair gone was forgotten by the
                 # process (PoolAggregator.RETIRED_KEEP) and starts again from 0.
@@ -77,8 +84,7 @@ class NodeCounters:
                 if p.instance in self._folded:
                     continue
                 self._add(p, now, keep_missing=False)
-                self._last.pop(p.instance, None)
-                self._folded[p.instance] = None
+                self._folded[p.instance] = self._last.pop(p.instance)[1]  # its counts, should it go on
                 while len(self._folded) > self.FOLDED_KEEP:
                     self._folded.popitem(last=False)
             for inst in [i for i, (t, _) in self._last.items() if now - t > self.FORGET_S]:
