@@ -504,7 +504,7 @@ static void park_flying(ap_pool *p, void *event, void *stream, void *waiter, int
         struct ap_parked_event *a = realloc(p->parked, (size_t)cap * sizeof *a);
         if (!a) { /* no host memory: forgotten (the runtime frees the ids once the records run) */
             records_add(p, -n);
-            event_destroy(p, event);
+            if (!p->event_pins) event_destroy(p, event); /* else left: a wait outside the lock may hold it (park) */
             return;
         }
         p->parked = a;
