@@ -104,6 +104,51 @@ def test_record_stream_with_another_devices_stream_holds_the_block(knobs):
         p1.close()
 
 
+def test_a_block_used_by_more_streams_of_other_devices_than_it_holds_inline_waits_for_each(knobs):
+    # Past 8 streams of other devices (held inline) record_stream refused with InvalidStreamError,
+    # and the C ABI's void hook dropped the use: the block went to the next request while the
+    # 10th peer stream still wrote it. They now grow, twice here (past 8 and past 16).
+    p0 = ap.Pool(0, backend="sim", **knobs)
+    p1 = ap.Pool(1, backend="sim")
+    own = p0.create_stream()
+    peers = [p1.create_stream() for _ in range(20)]
+    try:
+        ptr = p0.malloc(N, stream=own)
+        for s in peers:
+            p0.record_stream(ptr, s)
+        p0.record_stream(ptr, peers[9])                        # already marked: no second use
+        p0._check_invariants()
+        sim.hang_stream(peers[9])                              # the 10th peer's work still runs
+        sim.launch_fill(peers[9], ptr, N, 0xBB)
+        p0.free(ptr, stream=own)
+        p0._check_invariants()
+        again = p0.malloc(N, stream=own)
+        assert again != ptr, "reused while the 10th stream of device 1 that used it still runs"
+        sim.release_stream(peers[9])
+        p1.synchronize(peers[9])
+        assert filled_with(ptr, 0xBB)
+        p0.free(again, stream=own)
+        p0.synchronize(own)
+        for s in peers:
+            p1.synchronize(s)
+        # Once the peers are done the block is reusable, and its uses start inline again
+        back = p0.malloc(N, stream=own)
+        assert back == ptr
+        for s in peers[:3]:
+            p0.record_stream(back, s)
+        p0._check_invariants()
+        p0.free(back, stream=own)
+        p0.empty_cache()
+        assert p0.memory_stats()["pending_free_bytes"] == 0
+    finally:
+        sim.release_stream(peers[9])
+        for s in peers:
+            p1.synchronize(s)
+        p0.synchronize(own)
+        p0.close()
+        p1.close()
+
+
 def test_same_stream_reuse_is_immediate(pool, streams):
     a, _, _ = streams
     ptr = pool.malloc(N, stream=a)

@@ -15,7 +15,11 @@
                           record_stream has no limit (PyTorch keeps a set), and the C ABI's void hook
                           could only drop a refused use (the block reused under that stream's work) */
 
-#define AP_MAX_FOREIGN 8 /* streams of other devices one block may be marked with (record_stream) */
+#define AP_MAX_FOREIGN 8 /* streams of other devices one block's uses hold inline (record_stream); past
+                          it they grow on the heap as the uses do (ap_uses_grow), up to
+                          AP_FOREIGN_LIMIT: torch's record_stream has no limit, and the C ABI's void
+                          hook could only drop a refused use (the block reused under the peer's work) */
+#define AP_FOREIGN_LIMIT 32768 /* the most: every count below stays within uint16_t */
 
 /* CACHED: free, parked in the recent-free cache (free_cache.c), not yet merged or in a tree. */
 enum { AP_BLOCK_FREE = 0, AP_BLOCK_ALLOCATED = 1, AP_BLOCK_PENDING = 2, AP_BLOCK_MOVING = 3, AP_BLOCK_CACHED = 4 };
@@ -25,31 +29,36 @@ struct ap_segment;
 
 /* Streams that used a block (record_stream) and, once it is freed, the events it waits on.
  * Kept apart from the block so that the common block stays small and cheap to recycle.
- * uses/events/owed point at the inline arrays (cap == AP_MAX_USES), or, past that many streams,
- * at one heap allocation holding all three (ap_uses_grow, freed by ap_uses_recycle): each holds
- * cap uses, and cap + AP_MAX_FOREIGN + 1 events or owed streams (every use, the free's own
- * stream, and each foreign stream's owed wait). */
+ * The arrays point at the inline ones (cap == AP_MAX_USES, fcap == AP_MAX_FOREIGN), or, past that
+ * many streams of its device or of others, at one heap allocation holding them all (ap_uses_grow,
+ * freed by ap_uses_recycle): cap uses, fcap foreign streams (and their devices and events), and
+ * cap + fcap + 1 events or owed streams (every use, the free's own stream, and each foreign
+ * stream's owed wait). */
 typedef struct ap_block_uses {
     uint16_t n_uses;
     uint16_t cap;       /* uses the arrays below hold: AP_MAX_USES (inline) or more (grown) */
     uint16_t n_events;
     uint16_t n_owed;
+    uint16_t n_foreign;
+    uint16_t fcap;      /* foreign streams they hold: AP_MAX_FOREIGN (inline) or more (grown) */
+    uint16_t n_fevents;
     uint16_t *uses;     /* extra stream slots */
     void **events;      /* pending: events still to complete (an owed stream's, of another device
                            too, becomes one: owed_done) */
     void **owed;        /* pending: streams still to wait for (no event could be had, and the wait
                            at the free failed or timed out) */
-    uint16_t uses_in[AP_MAX_USES];
-    void *events_in[AP_MAX_USES + AP_MAX_FOREIGN + 1];
-    void *owed_in[AP_MAX_USES + AP_MAX_FOREIGN + 1];
     /* Streams of other devices that used it (record_stream, as torch allows: a peer's kernel
        reading it): no slot of this pool, so each gets, at the free, an event of its own device
        (fevents), destroyed once complete, never cached here. */
-    uint16_t n_foreign;
-    int16_t foreign_device[AP_MAX_FOREIGN];
-    void *foreign[AP_MAX_FOREIGN];
-    uint16_t n_fevents;
-    void *fevents[AP_MAX_FOREIGN];
+    void **foreign;
+    int16_t *foreign_device;
+    void **fevents;
+    uint16_t uses_in[AP_MAX_USES];
+    int16_t foreign_device_in[AP_MAX_FOREIGN];
+    void *events_in[AP_MAX_USES + AP_MAX_FOREIGN + 1];
+    void *owed_in[AP_MAX_USES + AP_MAX_FOREIGN + 1];
+    void *foreign_in[AP_MAX_FOREIGN];
+    void *fevents_in[AP_MAX_FOREIGN];
 } ap_block_uses;
 
 typedef struct ap_block {

@@ -90,35 +90,55 @@ AP_ZEROING ap_segment *ap_segment_new(ap_pool *p) {
 
 void ap_segment_recycle(ap_pool *p, ap_segment *s) { give(&p->spare_segments, s, sizeof(ap_segment)); }
 
+/* u's arrays back at its inline ones (a new struct, or a grown one given back). */
+static void uses_inline(ap_block_uses *u) {
+    u->cap = AP_MAX_USES;
+    u->fcap = AP_MAX_FOREIGN;
+    u->uses = u->uses_in;
+    u->events = u->events_in;
+    u->owed = u->owed_in;
+    u->foreign = u->foreign_in;
+    u->foreign_device = u->foreign_device_in;
+    u->fevents = u->fevents_in;
+}
+
 AP_ZEROING ap_block_uses *ap_uses_new(ap_pool *p) {
     ap_block_uses *u = take(p, &p->spare_uses, sizeof(ap_block_uses));
-    if (u) {
-        u->cap = AP_MAX_USES;
-        u->uses = u->uses_in;
-        u->events = u->events_in;
-        u->owed = u->owed_in;
-    }
+    if (u) uses_inline(u);
     return u;
 }
 
-/* Room for twice the uses (at most one per stream slot), in one heap allocation: only a block
-   marked with more than AP_MAX_USES streams gets here, from record_stream, never a malloc or free.
-   -1 (u unchanged) when the host has no memory left. */
-int ap_uses_grow(ap_block_uses *u) {
-    size_t cap = (size_t)u->cap * 2 > AP_MAX_STREAMS ? AP_MAX_STREAMS : (size_t)u->cap * 2;
-    size_t waits = cap + AP_MAX_FOREIGN + 1;
-    if (cap <= u->cap) return -1; /* every slot already fits: not reached (uses are distinct slots) */
-    void **mem = malloc(2 * waits * sizeof(void *) + cap * sizeof(uint16_t));
+/* Room for twice the uses (foreign: 0, at most one per stream slot) or twice the streams of other
+   devices (foreign: 1, at most AP_FOREIGN_LIMIT), in one heap allocation holding every array:
+   only a block marked with more than AP_MAX_USES streams of its device, or AP_MAX_FOREIGN of
+   others, gets here, from record_stream, never a malloc or free. -1 (u unchanged) when the host
+   has no memory left, or at the most. */
+int ap_uses_grow(ap_block_uses *u, int foreign) {
+    size_t cap = u->cap, fcap = u->fcap;
+    if (foreign) fcap = fcap * 2 > AP_FOREIGN_LIMIT ? AP_FOREIGN_LIMIT : fcap * 2;
+    else cap = cap * 2 > AP_MAX_STREAMS ? AP_MAX_STREAMS : cap * 2;
+    if (cap == u->cap && fcap == u->fcap) return -1; /* uses: every slot already fits, not reached */
+    size_t waits = cap + fcap + 1;
+    void **mem = malloc((2 * waits + 2 * fcap) * sizeof(void *) + (cap + fcap) * sizeof(uint16_t));
     if (!mem) return -1;
-    uint16_t *uses = (uint16_t *)(mem + 2 * waits);
+    /* laid out as ap_uses_ok checks: events, owed, foreign, fevents, then the 16-bit arrays */
+    uint16_t *uses = (uint16_t *)(mem + 2 * waits + 2 * fcap);
+    int16_t *foreign_device = (int16_t *)(uses + cap);
     memcpy(mem, u->events, u->n_events * sizeof(void *));
     memcpy(mem + waits, u->owed, u->n_owed * sizeof(void *));
+    memcpy(mem + 2 * waits, u->foreign, u->n_foreign * sizeof(void *));
+    memcpy(mem + 2 * waits + fcap, u->fevents, u->n_fevents * sizeof(void *));
     memcpy(uses, u->uses, u->n_uses * sizeof(uint16_t));
+    memcpy(foreign_device, u->foreign_device, u->n_foreign * sizeof(int16_t));
     if (u->events != u->events_in) free(u->events);
     u->events = mem;
     u->owed = mem + waits;
+    u->foreign = mem + 2 * waits;
+    u->fevents = mem + 2 * waits + fcap;
     u->uses = uses;
+    u->foreign_device = foreign_device;
     u->cap = (uint16_t)cap;
+    u->fcap = (uint16_t)fcap;
     return 0;
 }
 
@@ -126,10 +146,7 @@ int ap_uses_grow(ap_block_uses *u) {
 void ap_uses_shrink(ap_block_uses *u) {
     if (u->events == u->events_in) return;
     free(u->events);
-    u->cap = AP_MAX_USES;
-    u->uses = u->uses_in;
-    u->events = u->events_in;
-    u->owed = u->owed_in;
+    uses_inline(u);
 }
 
 void ap_uses_recycle(ap_pool *p, ap_block_uses *u) {

@@ -104,8 +104,8 @@ static int check_pending(ap_pool *p, check_ctx *c, int64_t *blocks, int64_t *byt
     for (ap_block *b = p->pending_head; b; b = b->pending_next) {
         CHECK(b->state == AP_BLOCK_PENDING, "block 0x%lx on the pending list has state %d", (unsigned long)b->addr,
               b->state);
-        CHECK(b->xs && ap_uses_ok(b->xs) && b->xs->n_events + b->xs->n_owed <= b->xs->cap + AP_MAX_FOREIGN + 1 &&
-                  b->xs->n_fevents <= AP_MAX_FOREIGN && b->xs->n_foreign == 0,
+        CHECK(b->xs && ap_uses_ok(b->xs) && b->xs->n_events + b->xs->n_owed <= b->xs->cap + b->xs->fcap + 1 &&
+                  b->xs->n_foreign == 0,
               "pending block 0x%lx has no valid event list",
               (unsigned long)b->addr);
         (*blocks)++;
@@ -169,8 +169,9 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len) {
                 over_alloc += ap_oversize(p, s->pool, b->size);
                 req_b[s->pool] += (int64_t)b->requested;
                 if (b->xs && !ap_uses_ok(b->xs)) {
-                    fail(c, "allocated block 0x%lx has %d uses in arrays of %d that are not its own", (unsigned long)b->addr,
-                         b->xs->n_uses, b->xs->cap);
+                    fail(c, "allocated block 0x%lx has %d uses and %d of other devices in arrays of %d and %d that "
+                         "are not its own", (unsigned long)b->addr, b->xs->n_uses, b->xs->n_foreign, b->xs->cap,
+                         b->xs->fcap);
                     goto out;
                 }
                 if (s->shared) { /* a shared block: alone in its segment, and never in the live map */

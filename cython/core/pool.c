@@ -633,10 +633,14 @@ static int note_foreign_use(ap_pool *p, ap_block *b, void *stream, int device, a
     if (!u) return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
     for (int i = 0; i < u->n_foreign; i++)
         if (u->foreign[i] == stream) return AP_OK;
-    if (u->n_foreign == AP_MAX_FOREIGN)
+    /* Past the inline ones they grow, as torch's set has no limit: a use refused here was dropped
+       by the C ABI's void hook, and the block reused under that peer's work */
+    if (u->n_foreign == u->fcap && u->fcap == AP_FOREIGN_LIMIT)
         return ap_set_error(err, AP_E_INVALID_STREAM, 0,
                             "block 0x%lx is already marked with %d streams of other devices (the most one block "
-                            "can be)", (unsigned long)b->addr, AP_MAX_FOREIGN);
+                            "can be)", (unsigned long)b->addr, AP_FOREIGN_LIMIT);
+    if (u->n_foreign == u->fcap && ap_uses_grow(u, 1) != 0)
+        return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
     u->foreign_device[u->n_foreign] = (int16_t)device;
     u->foreign[u->n_foreign++] = stream;
     return AP_OK;
@@ -661,7 +665,7 @@ int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
             for (int i = 0; u && i < u->n_uses; i++) seen |= u->uses[i] == slot;
             /* Past the inline uses they grow, as torch's set has no limit: a use refused here was
                dropped by the C ABI's void hook, and the block reused under that stream's work */
-            if (!u || (!seen && u->n_uses == u->cap && ap_uses_grow(u) != 0))
+            if (!u || (!seen && u->n_uses == u->cap && ap_uses_grow(u, 0) != 0))
                 rc = ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
             else if (!seen)
                 u->uses[u->n_uses++] = (uint16_t)slot;

@@ -51,14 +51,19 @@ ap_segment *ap_segment_new(ap_pool *p);
 void ap_segment_recycle(ap_pool *p, ap_segment *s);
 void ap_arena_destroy(ap_pool *p);
 ap_block_uses *ap_uses_new(ap_pool *p);
-int ap_uses_grow(ap_block_uses *u);
+int ap_uses_grow(ap_block_uses *u, int foreign);
 /* u's arrays are its inline ones, or one grown allocation laid out as ap_uses_grow lays it. */
 static inline int ap_uses_ok(const ap_block_uses *u) {
-    size_t waits = (size_t)u->cap + AP_MAX_FOREIGN + 1;
-    int in = u->cap == AP_MAX_USES && u->uses == u->uses_in && u->events == u->events_in && u->owed == u->owed_in;
-    int grown = u->cap > AP_MAX_USES && u->cap <= AP_MAX_STREAMS && u->events != u->events_in &&
-                u->owed == u->events + waits && u->uses == (const uint16_t *)(u->events + 2 * waits);
-    return (in || grown) && u->n_uses <= u->cap;
+    size_t waits = (size_t)u->cap + u->fcap + 1;
+    int in = u->cap == AP_MAX_USES && u->fcap == AP_MAX_FOREIGN && u->uses == u->uses_in &&
+             u->events == u->events_in && u->owed == u->owed_in && u->foreign == u->foreign_in &&
+             u->foreign_device == u->foreign_device_in && u->fevents == u->fevents_in;
+    int grown = (u->cap > AP_MAX_USES || u->fcap > AP_MAX_FOREIGN) && u->cap >= AP_MAX_USES &&
+                u->cap <= AP_MAX_STREAMS && u->fcap >= AP_MAX_FOREIGN && u->fcap <= AP_FOREIGN_LIMIT &&
+                u->events != u->events_in && u->owed == u->events + waits && u->foreign == u->owed + waits &&
+                u->fevents == u->foreign + u->fcap && u->uses == (const uint16_t *)(u->fevents + u->fcap) &&
+                u->foreign_device == (const int16_t *)(u->uses + u->cap);
+    return (in || grown) && u->n_uses <= u->cap && u->n_foreign <= u->fcap && u->n_fevents <= u->fcap;
 }
 void ap_uses_shrink(ap_block_uses *u);
 void ap_uses_recycle(ap_pool *p, ap_block_uses *u);

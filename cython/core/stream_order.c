@@ -715,7 +715,7 @@ static int owed_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
         } else {
             void *ev = record_on(p, s);
             if (ev) {
-                AP_ASSERT(u->n_events < u->cap + AP_MAX_FOREIGN + 1);
+                AP_ASSERT(u->n_events < u->cap + u->fcap + 1);
                 u->events[u->n_events++] = ev;
             } else if (stream_idle(p, s) != -1) {
                 return AP_E_BUSY; /* no event to spare yet (or out of reach): asked again at the next pass */
