@@ -128,6 +128,41 @@ def test_a_buffer_used_by_queued_work_waits_for_it(hp):
         pool.destroy_stream(stream)
 
 
+def test_a_buffer_used_by_more_streams_than_it_holds_at_first_waits_for_each(hp):
+    # torch's host allocator keeps a buffer's streams in a set with no limit; the 9th was refused
+    # with InvalidStreamError, and a caller that went on freed the buffer under that stream's copy.
+    pool = ap.default_pool(0)
+    streams = [pool.create_stream() for _ in range(20)]
+    dev = pool.malloc(1 << 16)
+    try:
+        buf = hp.malloc(1 << 16)
+        for s in streams:
+            hp.record_stream(buf, s)
+        hp.record_stream(buf, streams[9])  # already marked: no second use
+        sim.hang_stream(streams[9])       # the 10th stream's copy still runs
+        sim.launch_fill(streams[9], dev, 1 << 16, 0x42)
+        hp.free(buf)
+        assert hp.memory_stats()["pending_free_blocks"] == 1
+        other = hp.malloc(1 << 16)
+        assert other != buf, "reused while the 10th stream that used it still runs"
+        sim.release_stream(streams[9])
+        for s in streams:
+            pool.synchronize(s)
+        again = hp.malloc(1 << 16)
+        assert again == buf  # every event completed: reusable
+        hp.record_stream(again, streams[0])  # its uses, grown, serve the next round
+        hp.free(again)
+        hp.free(other)
+        hp.empty_cache()
+        assert hp.memory_stats()["pending_free_blocks"] == 0
+    finally:
+        sim.release_stream(streams[9])
+        for s in streams:
+            pool.synchronize(s)
+            pool.destroy_stream(s)
+        pool.free(dev)
+
+
 def test_threads_share_a_pool_without_overlap(hp):
     live, guard, errors = [], threading.Lock(), []
 

@@ -20,12 +20,14 @@ enum { HB_FREE = 0, HB_ALLOCATED = 1, HB_PENDING = 2, HB_LOST = 3 };
 #define EVENT_CACHE 64
 #define STREAM_SYNC_MS 60000             /* bound on the fallback wait when no event can be made */
 
+typedef struct host_use { /* a stream that used the buffer; events: those of the free, packed */
+    void *stream, *event;
+    int device, event_device;
+} host_use;
+
 typedef struct host_uses { /* only for buffers marked with record_stream */
-    int n_uses, n_events;
-    void *streams[AP_HOST_MAX_USES];
-    int devices[AP_HOST_MAX_USES];
-    void *events[AP_HOST_MAX_USES];
-    int event_devices[AP_HOST_MAX_USES];
+    int n_uses, n_events, cap;
+    host_use use[]; /* cap of them: AP_HOST_MAX_USES, doubled past it (record_stream, realloc) */
 } host_uses;
 
 struct host_slab;
@@ -337,18 +339,33 @@ static void settle_pending(ap_host_pool *hp, int wait) {
         next = b->next;
         for (int i = 0; i < u->n_events && done; i++) {
             int complete = 0;
-            if (wait) complete = be->event_sync(be, u->events[i], STREAM_SYNC_MS) == 0;
-            else if (be->event_query(be, u->events[i], &complete) != 0) complete = 0;
+            if (wait) complete = be->event_sync(be, u->use[i].event, STREAM_SYNC_MS) == 0;
+            else if (be->event_query(be, u->use[i].event, &complete) != 0) complete = 0;
             done = complete;
         }
         if (!done) continue;
-        for (int i = 0; i < u->n_events; i++) give_event(hp, u->events[i], u->event_devices[i]);
+        for (int i = 0; i < u->n_events; i++) give_event(hp, u->use[i].event, u->use[i].event_device);
         u->n_events = u->n_uses = 0;
         unlink_pending(hp, b);
         push_free(hp, b);
         release_active(hp, b);
         if (b->slab) b->slab->n_busy--;
     }
+}
+
+static host_uses *uses_new(void) {
+    host_uses *u = calloc(1, sizeof *u + AP_HOST_MAX_USES * sizeof(host_use));
+    if (u) u->cap = AP_HOST_MAX_USES;
+    return u;
+}
+
+/* b's uses with room for twice as many streams (NULL, b's unchanged, when the host has no memory). */
+static host_uses *uses_grow(host_block *b) {
+    int cap = b->uses->cap * 2;
+    host_uses *u = realloc(b->uses, sizeof *u + (size_t)cap * sizeof(host_use));
+    if (!u) return NULL;
+    u->cap = cap;
+    return b->uses = u;
 }
 
 /* Records an event on every stream that used b, and parks it until they complete. Returns 1 when
@@ -365,20 +382,20 @@ static int park(ap_host_pool *hp, host_block *b, ap_error *err) {
     u->n_events = 0;
     for (int i = 0; i < u->n_uses && rc == 0; i++) {
         void *ev = NULL;
-        rc = take_event(hp, u->devices[i], &ev);
+        rc = take_event(hp, u->use[i].device, &ev);
         if (rc != 0) break;
         /* The stream's device names the context of the record: NULL is that device's default
            stream, not that of whichever device this thread used last. */
-        be->set_device(be, u->devices[i]);
-        rc = be->event_record(be, ev, u->streams[i]);
+        be->set_device(be, u->use[i].device);
+        rc = be->event_record(be, ev, u->use[i].stream);
         if (rc != 0) {
-            give_event(hp, ev, u->devices[i]);
+            give_event(hp, ev, u->use[i].device);
             if (ap_backend_stream_gone_code(be, rc)) rc = 0; /* gone: nothing of it to wait for */
             else break;
             continue;
         }
-        u->events[u->n_events] = ev;
-        u->event_devices[u->n_events++] = u->devices[i];
+        u->use[u->n_events].event = ev;
+        u->use[u->n_events++].event_device = u->use[i].device;
     }
     if (rc == 0 && u->n_events == 0) { /* every stream gone: reusable at once */
         u->n_uses = 0;
@@ -396,17 +413,17 @@ static int park(ap_host_pool *hp, host_block *b, ap_error *err) {
         return 1;
     }
     /* No event: wait for the streams themselves, so that the buffer is still never reused early. */
-    for (int i = 0; i < u->n_events; i++) give_event(hp, u->events[i], u->event_devices[i]);
+    for (int i = 0; i < u->n_events; i++) give_event(hp, u->use[i].event, u->use[i].event_device);
     u->n_events = 0;
     for (int i = 0; i < u->n_uses; i++) {
-        be->set_device(be, u->devices[i]);
-        int src = be->stream_sync(be, u->streams[i], STREAM_SYNC_MS);
+        be->set_device(be, u->use[i].device);
+        int src = be->stream_sync(be, u->use[i].stream, STREAM_SYNC_MS);
         if (src != 0 && !ap_backend_stream_gone_code(be, src)) {
             b->state = HB_LOST;
             return -ap_set_error(err, AP_E_DEVICE, src,
                                  "host buffer %p: no event could be recorded (code %d) and stream %p could not "
                                  "be waited for (code %d); the buffer is kept out of use",
-                                 (void *)b->addr, rc, u->streams[i], src);
+                                 (void *)b->addr, rc, u->use[i].stream, src);
         }
     }
     u->n_uses = 0;
@@ -432,7 +449,7 @@ ap_host_pool *ap_host_pool_create(ap_backend *backend, int device, ap_error *err
 void ap_host_pool_destroy(ap_host_pool *hp) {
     if (!hp) return;
     for (host_block *b = hp->pending_head; b; b = b->next)
-        for (int i = 0; i < b->uses->n_events; i++) hp->backend->event_destroy(hp->backend, b->uses->events[i]);
+        for (int i = 0; i < b->uses->n_events; i++) hp->backend->event_destroy(hp->backend, b->uses->use[i].event);
     for (size_t i = 0; i <= hp->map.mask; i++) { /* buffers of their own */
         host_block *b = hp->map.vals[i];
         if (!b || b->slab) continue;
@@ -551,18 +568,20 @@ int ap_host_record_stream(ap_host_pool *hp, void *ptr, void *stream, int device,
     host_block *b = ap_map_get(&hp->map, (uintptr_t)ptr);
     if (!b || b->state != HB_ALLOCATED) {
         rc = ap_set_error(err, AP_E_INVALID_PTR, 0, "%p is not a pinned host buffer handed out by this pool", ptr);
-    } else if (!b->uses && !(b->uses = calloc(1, sizeof *b->uses))) {
+    } else if (!b->uses && !(b->uses = uses_new())) {
         rc = ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the host pool's bookkeeping exhausted");
     } else {
         host_uses *u = b->uses;
         int seen = 0;
-        for (int i = 0; i < u->n_uses; i++) seen |= u->streams[i] == stream && u->devices[i] == device;
-        if (!seen && u->n_uses == AP_HOST_MAX_USES)
-            rc = ap_set_error(err, AP_E_INVALID_STREAM, 0, "host buffer %p is already marked with %d streams (the most)",
-                              ptr, AP_HOST_MAX_USES);
+        for (int i = 0; i < u->n_uses; i++) seen |= u->use[i].stream == stream && u->use[i].device == device;
+        /* Past AP_HOST_MAX_USES they grow, as torch's host allocator keeps a set with no limit:
+           the 9th was refused, and a caller that went on freed the buffer under that copy. An
+           allocated buffer's uses are reached from nowhere else: realloc may move them. */
+        if (!seen && u->n_uses == u->cap && !(u = uses_grow(b)))
+            rc = ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the host pool's bookkeeping exhausted");
         else if (!seen) {
-            u->streams[u->n_uses] = stream;
-            u->devices[u->n_uses++] = device;
+            u->use[u->n_uses].stream = stream;
+            u->use[u->n_uses++].device = device;
         }
     }
     pthread_mutex_unlock(&hp->lock);

@@ -27,7 +27,7 @@
 #define AP_HOST_SLAB_SHIFT 20 /* classes up to 1 MiB live in slabs */
 #define AP_HOST_MAX_SHIFT 40  /* largest class: 1 TiB */
 #define AP_HOST_N_CLASSES (AP_HOST_MAX_SHIFT - AP_HOST_MIN_SHIFT + 1)
-#define AP_HOST_MAX_USES 8    /* streams one buffer can be marked with */
+#define AP_HOST_MAX_USES 8    /* streams one buffer's uses hold at first; more double them (no limit, as torch's) */
 
 typedef struct ap_host_pool ap_host_pool;
 
