@@ -17,9 +17,10 @@ from . import stats as _stats
 from ._core import PoolBase, forked_from
 from .backend import check_device, device_index, open_backend
 from .config import conf_source, effective_knobs, knobs_to_config, runtime_state
-from .errors import ConfigError, PoolError
+from .errors import ConfigError, ConfigTypeError, PoolError
 from .snapshot_trace import NoAllocations, arrays_from_snapshot
 from .traces import trace_from_arrays
+from .units import as_index
 
 log = logging.getLogger("ascend_pool")
 
@@ -53,6 +54,17 @@ def _plugin(hook, module):
     if hook is None:
         raise PoolError(f"{module} is not loaded: import ascend_pool (the package) rather than ascend_pool.pool alone")
     return hook
+
+
+def _wait_ms(wait_ms):
+    """wait_ms as the C int the lock wait takes: negative (any) waits forever; not an integer, or
+    2**31 ms and more, is a ConfigError naming it (before: Cython's bare TypeError/OverflowError)."""
+    n = as_index(wait_ms)
+    if n is None:
+        raise ConfigTypeError(f"wait_ms: expected an integer number of milliseconds, got {wait_ms!r}")
+    if n >= 2**31:
+        raise ConfigError(f"wait_ms: must be below 2**31 ms, or negative (wait forever), got {n}")
+    return max(n, -1)
 
 
 class Pool(PoolBase):
@@ -201,7 +213,7 @@ class Pool(PoolBase):
         """memory_stats() as if reset_accumulated_stats() had never been called: counters that
         only grow over the pool's life (what the metrics export; a Prometheus counter must never
         go down). A plain dict. wait_ms >= 0: TimeoutError past that wait for the pool's lock."""
-        out = _stats.with_derived(self._raw_stats(wait_ms))
+        out = _stats.with_derived(self._raw_stats(_wait_ms(wait_ms)))
         if _sharing is not None:
             out.update(_sharing.pool_stats(self))
         return out

@@ -244,3 +244,17 @@ def test_stream_zero_is_the_default_stream(pool):
     with pytest.raises(ap.InvalidStreamError):
         pool.malloc(100, stream=1)  # any other unknown handle is still refused
     assert_consistent(pool, [])
+
+
+def test_a_lifetime_stats_wait_that_is_no_c_int_of_milliseconds_is_a_config_error(pool):
+    """lifetime_stats(wait_ms=...) (what the metrics read) takes an int of milliseconds for a C int:
+    a string, a float, None or a bool is a ConfigTypeError, 2**31 ms and more a ConfigError, each
+    naming wait_ms (before: Cython's bare TypeError / OverflowError); any negative waits forever."""
+    for bad in ("x", 1.5, None, True):
+        with pytest.raises(ap.ConfigTypeError, match="wait_ms: expected an integer"):
+            pool.lifetime_stats(bad)
+    for bad in (2**31, 2**40):
+        with pytest.raises(ap.ConfigError, match="wait_ms: must be below 2"):
+            pool.lifetime_stats(wait_ms=bad)
+    for good in (-(2**40), -1, 0, 2**31 - 1):
+        assert pool.lifetime_stats(good)["allocation.all.current"] == 0
