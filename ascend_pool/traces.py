@@ -267,6 +267,10 @@ def load_trace(path: PathLike) -> Trace:
     ``path`` may omit the ``.npz`` suffix. Raises ``FileNotFoundError`` if there is no such file and
     ``ValueError`` for a malformed trace (see :func:`trace_from_arrays`).
     """
+    if not isinstance(path, (str, os.PathLike)):  # Path() would raise a TypeError naming nothing
+        what = "the file's bytes? pass its path" if isinstance(path, (bytes, bytearray)) else repr(path)[:80]
+        raise TypeError(f"trace must be a Trace or a trace file's path (str or os.PathLike), "
+                        f"got {type(path).__name__} ({what})")
     p = Path(path)
     reader = _READERS.get(p.suffix)
     if reader is not None:  # e.g. a PyTorch memory snapshot (snapshot_trace.py)

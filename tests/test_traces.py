@@ -239,3 +239,16 @@ def test_default_traces_dir_search_order(tmp_path, monkeypatch):
     rel.mkdir(parents=True)
     write_npz(rel / "b.npz", **good_arrays())
     assert default_traces_dir() == rel.resolve()
+
+
+def test_a_trace_argument_that_is_no_path_is_a_type_error_naming_it():
+    """load_trace / replay take a Trace or a path: None, a trace file's bytes or a number is a
+    TypeError naming what was given and what is expected (before: pathlib's bare TypeError,
+    "expected str, bytes or os.PathLike object, not NoneType", naming no trace)."""
+    from ascend_pool.replay import replay
+    for bad, said in ((None, r"NoneType \(None\)"), (b"PK\x03\x04", r"bytes \(the file's bytes\? pass its path\)"),
+                      (7, r"int \(7\)")):
+        with pytest.raises(TypeError, match="trace must be a Trace or a trace file's path .*got " + said):
+            load_trace(bad)
+        with pytest.raises(TypeError, match="trace must be a Trace or a trace file's path"):
+            replay(bad)
