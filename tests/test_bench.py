@@ -233,6 +233,17 @@ def test_unknown_trace_or_allocator_is_an_error(capsys):
     assert "jemalloc" in capsys.readouterr().err
 
 
+def test_allocators_that_name_no_allocator_are_a_usage_error(capsys):
+    """--allocators "," or "" names no allocator: one line naming the option, exit 2, nothing run
+    (before: read as not given, the default allocators all ran)."""
+    for text in (",", " , ,", ""):
+        assert cli.main(["bench", "--traces", str(bundled_traces_dir()), "--no-micro", "--allocators", text]) == 2
+        out, err = capsys.readouterr()
+        assert err.strip().splitlines() == [f"ascend-pool bench: ConfigError: --allocators: expected allocator "
+                                            f"names separated by commas, got {text!r}"]
+        assert out == ""
+
+
 def test_a_bad_conf_or_device_fails_before_any_replay(capsys):
     # one line and exit 2 at once, as replay does (before: the whole run, then an error row)
     base = ["bench", "--traces", str(bundled_traces_dir()), "--no-micro", "--trace", "resnet18_train_prefix"]

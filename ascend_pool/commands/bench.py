@@ -17,6 +17,7 @@ from ..bench.run import SIM_FREE_LATENCY_US, SIM_MALLOC_LATENCY_US, run_bench
 from ..bench.table import summary_lines, to_markdown
 from ..backend import check_device, open_backend
 from ..config import effective_knobs, knobs_to_config, parse_conf_string
+from ..errors import ConfigError
 from . import option_checks as oc
 
 LATENCY_US = oc.Range(0, 10_000_000, what="a number of microseconds")
@@ -98,8 +99,20 @@ def _check_outputs(args):
             os.unlink(path)
 
 
+def _allocators(text):
+    """--allocators as a list (None: not given, every allocator); one that names none (`,`, "")
+    is a ConfigError, not the default set run silently."""
+    if text is None:
+        return None
+    names = _csv(text)
+    if not names:
+        raise ConfigError(f"--allocators: expected allocator names separated by commas, got {text!r}")
+    return names
+
+
 def _cmd_bench(args):
     oc.check(args, RANGES)
+    allocators = _allocators(args.allocators)
     json_to_stdout = args.json == "-"
     if args.progress is None:
         progress = args.json is None and sys.stderr.isatty()
@@ -116,7 +129,7 @@ def _cmd_bench(args):
     command = _command_line(args)
     result = run_bench(
         args.traces, args.backend, args.device,
-        traces=args.trace or None, allocators=_csv(args.allocators) if args.allocators else None,
+        traces=args.trace or None, allocators=allocators,
         micro=not args.no_micro, micro_runs=micro_runs, micro_target_ms=target_ms,
         sim_malloc_latency_us=args.malloc_latency_us, sim_free_latency_us=args.free_latency_us,
         pool_knobs=knobs, progress=progress, command=command,
