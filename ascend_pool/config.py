@@ -50,6 +50,7 @@ up to 128, max_non_split_rounding_mb at least large_segment_size_mb (20), segmen
 about, as PyTorch does; a value PyTorch refuses is a ConfigError here too.
 """
 
+import decimal
 import logging
 import math
 import numbers
@@ -129,12 +130,22 @@ def _bool(key, value):
     raise ConfigError(f"{key}: expected true or false, got {value!r}")
 
 
+_REALS = (numbers.Real, decimal.Decimal)
+
+
+def _whole(value):
+    try:
+        return math.isfinite(value) and float(value).is_integer()
+    except (ValueError, OverflowError):  # Decimal("sNaN")
+        return False
+
+
 def _number(key, value, kind=float):
     # A keyword's bool is no number (sync_timeout_ms=True was 1 ms, memory_fraction=True the whole
     # device), and an integer knob takes no fraction (sync_timeout_ms=1.7 was cut to 1 ms silently;
-    # the knob string's "1.7" was already refused).
-    fraction = kind is int and isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
-    if isinstance(value, bool) or (fraction and not (math.isfinite(value) and float(value).is_integer())):
+    # the knob string's "1.7" was already refused). A Decimal is no numbers.Real, yet int() cuts it too.
+    fraction = kind is int and isinstance(value, _REALS) and not isinstance(value, numbers.Integral)
+    if isinstance(value, bool) or (fraction and not _whole(value)):
         raise ConfigError(f"{key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
     try:
         n = kind(value)
@@ -153,7 +164,7 @@ def _fraction_or_bytes(key, value):
     given = value
     if as_index(value) is not None:  # an int or a numpy integer: bytes
         value = as_index(value)
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool):  # a numpy float too
+    elif isinstance(value, _REALS) and not isinstance(value, bool):  # a numpy float, a Decimal too
         value = float(value)
     if isinstance(value, str) and not value.strip().endswith("%"):
         try:
@@ -161,8 +172,9 @@ def _fraction_or_bytes(key, value):
         except ValueError:  # "8GiB" and the like: bytes, read below
             pass
         else:
-            if not value.strip().isdigit():
-                value = f
+            # float() reads "1_000_000" too: digits with underscores are bytes, as int() reads
+            # the other integer knobs (it was a fraction, refused as out of (0, 1])
+            value = int(value) if value.strip().replace("_", "").isdigit() else f
     if isinstance(value, float) or (isinstance(value, str) and value.strip().endswith("%")):
         f = _number(key, value.strip()[:-1], float) / 100 if isinstance(value, str) else value
         if not 0 < f <= 1:

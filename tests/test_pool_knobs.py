@@ -399,3 +399,25 @@ def test_a_keyword_knob_that_is_a_bool_or_a_fraction_of_an_integer_is_refused(kn
         knobs_to_config({knob: value}, 64 << 30, 64 << 30)
     assert knobs_to_config({"sync_timeout_ms": 2.0}, 1, 1)["sync_timeout_ms"] == 2
     assert knobs_to_config({"sync_timeout_ms": np.int64(5)}, 1, 1)["sync_timeout_ms"] == 5
+
+
+def test_a_decimal_or_fraction_knob_is_not_cut_and_an_underscored_reserve_is_bytes():
+    """decimal.Decimal is no numbers.Real, so sync_timeout_ms=Decimal("1.7") passed the fraction
+    check and int() cut it to 1 ms silently; a reserve given as a Decimal was refused as not bytes
+    although the same float or Fraction is a fraction. The knob string's reserve "1_000_000"
+    (float() reads underscores) was taken for a fraction and refused as out of (0, 1]: it is bytes,
+    as int() reads the other integer knobs' "1_000"."""
+    import decimal
+    import fractions
+    from ascend_pool.config import knobs_to_config
+    for value in (decimal.Decimal("1.7"), fractions.Fraction(17, 10), decimal.Decimal("NaN"), decimal.Decimal("sNaN")):
+        with pytest.raises(ap.ConfigError, match="sync_timeout_ms: expected an integer"):
+            knobs_to_config({"sync_timeout_ms": value}, 64 << 30, 64 << 30)
+    assert knobs_to_config({"sync_timeout_ms": decimal.Decimal("5")}, 1, 1)["sync_timeout_ms"] == 5
+    for value in (decimal.Decimal("1.7"), fractions.Fraction(17, 10)):
+        with pytest.raises(ap.ConfigError, match=r"reserve: a fraction must be in \(0, 1\]"):
+            knobs_to_config({"reserve": value}, 1 << 30, 1 << 30)
+    for value in (decimal.Decimal("0.5"), fractions.Fraction(1, 2)):
+        assert knobs_to_config({"reserve": value}, 1 << 30, 1 << 30)["reserve_bytes"] == 1 << 29
+    knobs = parse_conf_string("reserve:1_000_000", "ASCEND_POOL_CONF")
+    assert knobs_to_config(knobs, 1 << 30, 1 << 30)["reserve_bytes"] == 1_000_000
