@@ -439,3 +439,19 @@ def test_a_buffer_marked_with_a_stream_destroyed_since_is_reusable_not_lost(hp):
     hp.empty_cache()
     assert hp.memory_stats()["pending_free_blocks"] == 0
     pool.destroy_stream(s)
+
+
+def test_a_host_pool_made_for_a_device_that_is_no_index_is_an_invalid_device_error():
+    """HostPool(backend, device) took the device as a C int: 'x' or None a bare TypeError, 2**40 an
+    OverflowError, True device 1 (host_pool() checks its device; the class did not). Named now, as
+    host_pool()'s, and a numpy integer is an index."""
+    backend = ap.default_pool(0).backend
+    for bad in ("x", None, 1.5, True, np.array([1, 2])):
+        with pytest.raises(ap.InvalidDeviceError, match="device must be an integer index"):
+            HostPool(backend, bad)
+    for bad in (2**40, -(2**40), -1, backend.device_count):
+        with pytest.raises(ap.InvalidDeviceError, match=f"device {bad} does not exist"):
+            HostPool(backend, bad)
+    hp = HostPool(backend, np.int64(0))
+    assert hp.device == 0
+    hp.close()

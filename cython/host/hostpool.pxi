@@ -68,17 +68,22 @@ cdef class HostPool:
     cdef readonly int device
     cdef bint _immortal
 
-    def __cinit__(self, Backend backend not None, int device=0):
+    def __cinit__(self, Backend backend not None, object device=0):
         cdef ap_error err
+        cdef int dev
         self.hp = NULL
-        if not 0 <= device < backend.device_count:
+        index = _as_index(device)  # never a bool, float or string (was Cython's bare TypeError/OverflowError)
+        if index is None:
+            raise InvalidDeviceError(f"device must be an integer index, got {device!r}")
+        if not 0 <= index < backend.device_count:
             raise InvalidDeviceError(
-                f"device {device} does not exist: the {backend.name} backend has {backend.device_count} device(s)")
-        self.hp = ap_host_pool_create(backend.b, device, &err)
+                f"device {index} does not exist: the {backend.name} backend has {backend.device_count} device(s)")
+        dev = index
+        self.hp = ap_host_pool_create(backend.b, dev, &err)
         if self.hp == NULL:
             _raise(&err, err.status)
         self.backend = backend
-        self.device = device
+        self.device = dev
 
     def __dealloc__(self):
         self._shut()
