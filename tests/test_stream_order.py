@@ -104,6 +104,38 @@ def test_record_stream_with_another_devices_stream_holds_the_block(knobs):
         p1.close()
 
 
+def _marked_past_inline_waits_for_a_held_stream(pool, streams_pool, own, users, held):
+    """Marks a block of pool with every stream of users (more than its uses hold inline), holds
+    users[held] with a fill queued, frees the block: it must not be reused before that stream is
+    done, and once all are, it is reusable with its uses back inline."""
+    ptr = pool.malloc(N, stream=own)
+    for s in users:
+        pool.record_stream(ptr, s)
+    pool.record_stream(ptr, users[held])                       # already marked: no second use
+    pool._check_invariants()
+    sim.hang_stream(users[held])                               # its work still runs
+    sim.launch_fill(users[held], ptr, N, 0xBB)
+    pool.free(ptr, stream=own)
+    pool._check_invariants()
+    again = pool.malloc(N, stream=own)
+    assert again != ptr, f"reused while stream {held + 1} of {len(users)} that used it still runs"
+    sim.release_stream(users[held])
+    streams_pool.synchronize(users[held])
+    assert filled_with(ptr, 0xBB)
+    pool.free(again, stream=own)
+    pool.synchronize(own)
+    for s in users:
+        streams_pool.synchronize(s)
+    back = pool.malloc(N, stream=own)
+    assert back == ptr
+    for s in users[:3]:
+        pool.record_stream(back, s)
+    pool._check_invariants()
+    pool.free(back, stream=own)
+    pool.empty_cache()
+    assert pool.memory_stats()["pending_free_bytes"] == 0
+
+
 def test_a_block_used_by_more_streams_of_other_devices_than_it_holds_inline_waits_for_each(knobs):
     # Past 8 streams of other devices (held inline) record_stream refused with InvalidStreamError,
     # and the C ABI's void hook dropped the use: the block went to the next request while the
@@ -113,33 +145,7 @@ def test_a_block_used_by_more_streams_of_other_devices_than_it_holds_inline_wait
     own = p0.create_stream()
     peers = [p1.create_stream() for _ in range(20)]
     try:
-        ptr = p0.malloc(N, stream=own)
-        for s in peers:
-            p0.record_stream(ptr, s)
-        p0.record_stream(ptr, peers[9])                        # already marked: no second use
-        p0._check_invariants()
-        sim.hang_stream(peers[9])                              # the 10th peer's work still runs
-        sim.launch_fill(peers[9], ptr, N, 0xBB)
-        p0.free(ptr, stream=own)
-        p0._check_invariants()
-        again = p0.malloc(N, stream=own)
-        assert again != ptr, "reused while the 10th stream of device 1 that used it still runs"
-        sim.release_stream(peers[9])
-        p1.synchronize(peers[9])
-        assert filled_with(ptr, 0xBB)
-        p0.free(again, stream=own)
-        p0.synchronize(own)
-        for s in peers:
-            p1.synchronize(s)
-        # Once the peers are done the block is reusable, and its uses start inline again
-        back = p0.malloc(N, stream=own)
-        assert back == ptr
-        for s in peers[:3]:
-            p0.record_stream(back, s)
-        p0._check_invariants()
-        p0.free(back, stream=own)
-        p0.empty_cache()
-        assert p0.memory_stats()["pending_free_bytes"] == 0
+        _marked_past_inline_waits_for_a_held_stream(p0, p1, own, peers, 9)
     finally:
         sim.release_stream(peers[9])
         for s in peers:
@@ -306,29 +312,7 @@ def test_a_block_used_by_more_streams_than_it_holds_inline_waits_for_the_last_on
     alloc = pool.create_stream()
     users = [pool.create_stream() for _ in range(130)]
     try:
-        ptr = pool.malloc(N, stream=alloc)
-        for s in users:
-            pool.record_stream(ptr, s)
-        pool.record_stream(ptr, users[69])                     # already marked: no second use
-        pool._check_invariants()
-        sim.hang_stream(users[69])                             # the 70th stream's work still runs
-        sim.launch_fill(users[69], ptr, N, 0xBB)
-        pool.free(ptr, stream=alloc)
-        pool._check_invariants()
-        again = pool.malloc(N, stream=alloc)
-        assert again != ptr, "reused while the 70th stream that used it still runs"
-        sim.release_stream(users[69])
-        pool.synchronize(users[69])
-        assert filled_with(ptr, 0xBB)
-        pool.free(again, stream=alloc)
-        pool.synchronize(alloc)
-        # Once the streams are done the block is reusable, and its uses start inline again
-        back = pool.malloc(N, stream=alloc)
-        assert back == ptr
-        for s in users[:3]:
-            pool.record_stream(back, s)
-        pool._check_invariants()
-        pool.free(back, stream=alloc)
+        _marked_past_inline_waits_for_a_held_stream(pool, pool, alloc, users, 69)
     finally:
         sim.release_stream(users[69])
         for s in users + [alloc]:
