@@ -9,6 +9,7 @@ page_size, reserve, release_policy, large_segment_size_mb, ...) is accepted when
 refused with a ConfigError naming it, before anything changed: an open pool cannot take segments
 of another kind. torch's settings that mean nothing here warn once, as in the knob string."""
 
+import os
 import threading
 
 from . import config as _config
@@ -24,6 +25,16 @@ _DEFAULT_FIELDS = config_defaults()
 
 _lock = threading.RLock()  # one call's checks and changes at a time (re-entrant: a signal handler)
 lock = _lock  # held by a Pool's second open (Pool.__init__): no call comes between its read and registration
+
+
+def _after_fork_in_child():
+    # A thread inside a call (or a Pool's second open) at the fork leaves the child's copy held for
+    # good, and every Pool() of the child takes it to register (register_opened): each hung.
+    global _lock, lock
+    _lock = lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _kind(pool):

@@ -347,3 +347,16 @@ def test_a_child_forked_from_c_does_not_keep_its_killed_parent_alive(sim_node, t
         os.kill(hello["child"], signal.SIGKILL)
         parent.kill()
         parent.communicate(timeout=10)
+
+
+def test_a_fork_while_another_thread_changes_the_allocator_settings_never_hangs_the_childs_pool(sim_node):
+    """ap.set_allocator_settings holds the settings' lock through its checks (a pool's
+    _set_tunables, with the GIL released, when pools are open), and every Pool() takes it to
+    register (settings.register_opened): a fork meanwhile copied it held, and each Pool() of the
+    child (a data-loader worker of a process that sets them at start) waited for ever."""
+    rep = _fork_while_a_thread_is_inside(
+        sim_node, ["from ascend_pool import config as K", "slow_check = K.knobs_to_config",
+                   "K.knobs_to_config = lambda *a, **k: (time.sleep(0.3), slow_check(*a, **k))[1]"],
+        busy='ap.set_allocator_settings("garbage_collection_threshold:0.5")',
+        call='ap.Pool(0, backend="sim").close()', success_ok=True)
+    assert rep == {"end": "exit 0"}, rep
