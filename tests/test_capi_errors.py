@@ -182,49 +182,29 @@ def test_record_stream_through_the_c_abi_delays_reuse(clean):
         pool.destroy_stream(s)
 
 
-def test_record_stream_through_the_c_abi_past_64_streams_delays_reuse(clean):
-    # torch_npu's record_stream hook is void: a 65th stream's use was refused (error 5, which no
-    # caller reads) and dropped, and the freed block went to the next malloc under its work.
-    pool = ap.default_pool(0)
-    users = [pool.create_stream() for _ in range(70)]
+@pytest.mark.parametrize("device, n", [(0, 70), (1, 12)], ids=["past-64-of-its-device", "past-8-of-another"])
+def test_record_stream_through_the_c_abi_past_the_inline_streams_delays_reuse(clean, device, n):
+    # torch_npu's record_stream hook is void: a 65th stream of the block's device, or a 9th of
+    # another device, was refused (error 5, which no caller reads) and dropped, and the freed
+    # block went to the next malloc while that stream still wrote it.
+    streams_pool = ap.default_pool(device)
+    users = [streams_pool.create_stream() for _ in range(n)]
     try:
         p = clean.malloc(1 << 16, 0, None)
         for s in users:
             clean.record_stream(p, ctypes.c_void_p(s))
         assert clean.error() == (OK, "")
-        sim.launch_fill(users[-1], p, 1 << 16, 0x11, delay_s=0.3)
+        sim.hang_stream(users[-1])
+        sim.launch_fill(users[-1], p, 1 << 16, 0x11)
         clean.free(p, 1 << 16, 0, None)
         q = clean.malloc(1 << 16, 0, None)
-        assert q != p  # p waits for the 70th stream's fill
+        assert q != p  # p waits for the last stream's fill
         clean.free(q, 1 << 16, 0, None)
     finally:
+        sim.release_stream(users[-1])
         for s in users:
-            pool.synchronize(s)
-            pool.destroy_stream(s)
-
-
-def test_record_stream_through_the_c_abi_past_8_streams_of_another_device_delays_reuse(clean):
-    # A 9th (and later) stream of another device was refused with error 5, which torch_npu's void
-    # record_stream hook never reads: the use dropped, the freed block went to the next malloc
-    # while that peer stream still wrote it.
-    peer_pool = ap.default_pool(1)
-    peers = [peer_pool.create_stream() for _ in range(12)]
-    try:
-        p = clean.malloc(1 << 16, 0, None)
-        for s in peers:
-            clean.record_stream(p, ctypes.c_void_p(s))
-        assert clean.error() == (OK, "")
-        sim.hang_stream(peers[9])
-        sim.launch_fill(peers[9], p, 1 << 16, 0x11)
-        clean.free(p, 1 << 16, 0, None)
-        q = clean.malloc(1 << 16, 0, None)
-        assert q != p  # p waits for the 10th peer stream's fill
-        clean.free(q, 1 << 16, 0, None)
-    finally:
-        sim.release_stream(peers[9])
-        for s in peers:
-            peer_pool.synchronize(s)
-            peer_pool.destroy_stream(s)
+            streams_pool.synchronize(s)
+            streams_pool.destroy_stream(s)
 
 
 def test_free_finds_the_context_that_allocated(clean):

@@ -108,32 +108,37 @@ def _marked_past_inline_waits_for_a_held_stream(pool, streams_pool, own, users, 
     """Marks a block of pool with every stream of users (more than its uses hold inline), holds
     users[held] with a fill queued, frees the block: it must not be reused before that stream is
     done, and once all are, it is reusable with its uses back inline."""
-    ptr = pool.malloc(N, stream=own)
-    for s in users:
-        pool.record_stream(ptr, s)
-    pool.record_stream(ptr, users[held])                       # already marked: no second use
-    pool._check_invariants()
-    sim.hang_stream(users[held])                               # its work still runs
-    sim.launch_fill(users[held], ptr, N, 0xBB)
-    pool.free(ptr, stream=own)
-    pool._check_invariants()
-    again = pool.malloc(N, stream=own)
-    assert again != ptr, f"reused while stream {held + 1} of {len(users)} that used it still runs"
-    sim.release_stream(users[held])
-    streams_pool.synchronize(users[held])
-    assert filled_with(ptr, 0xBB)
-    pool.free(again, stream=own)
-    pool.synchronize(own)
-    for s in users:
-        streams_pool.synchronize(s)
-    back = pool.malloc(N, stream=own)
-    assert back == ptr
-    for s in users[:3]:
-        pool.record_stream(back, s)
-    pool._check_invariants()
-    pool.free(back, stream=own)
-    pool.empty_cache()
-    assert pool.memory_stats()["pending_free_bytes"] == 0
+    try:
+        ptr = pool.malloc(N, stream=own)
+        for s in users:
+            pool.record_stream(ptr, s)
+        pool.record_stream(ptr, users[held])                       # already marked: no second use
+        pool._check_invariants()
+        sim.hang_stream(users[held])                               # its work still runs
+        sim.launch_fill(users[held], ptr, N, 0xBB)
+        pool.free(ptr, stream=own)
+        pool._check_invariants()
+        again = pool.malloc(N, stream=own)
+        assert again != ptr, f"reused while stream {held + 1} of {len(users)} that used it still runs"
+        sim.release_stream(users[held])
+        streams_pool.synchronize(users[held])
+        assert filled_with(ptr, 0xBB)
+        pool.free(again, stream=own)
+        pool.synchronize(own)
+        for s in users:
+            streams_pool.synchronize(s)
+        back = pool.malloc(N, stream=own)
+        assert back == ptr
+        for s in users[:3]:
+            pool.record_stream(back, s)
+        pool._check_invariants()
+        pool.free(back, stream=own)
+        pool.empty_cache()
+        assert pool.memory_stats()["pending_free_bytes"] == 0
+    finally:
+        sim.release_stream(users[held])
+        for s in users:
+            streams_pool.synchronize(s)
 
 
 def test_a_block_used_by_more_streams_of_other_devices_than_it_holds_inline_waits_for_each(knobs):
@@ -147,9 +152,6 @@ def test_a_block_used_by_more_streams_of_other_devices_than_it_holds_inline_wait
     try:
         _marked_past_inline_waits_for_a_held_stream(p0, p1, own, peers, 9)
     finally:
-        sim.release_stream(peers[9])
-        for s in peers:
-            p1.synchronize(s)
         p0.synchronize(own)
         p0.close()
         p1.close()
@@ -314,7 +316,6 @@ def test_a_block_used_by_more_streams_than_it_holds_inline_waits_for_the_last_on
     try:
         _marked_past_inline_waits_for_a_held_stream(pool, pool, alloc, users, 69)
     finally:
-        sim.release_stream(users[69])
         for s in users + [alloc]:
             pool.synchronize(s)
             pool.destroy_stream(s)
