@@ -628,9 +628,10 @@ def _allocation_traceback(data_ptr):
         return None
     for pool in _registry.live_pools():
         try:
-            info = pool.block_info(ptr) if not pool.closed else None
-            if info is not None and info[0] == ptr:
-                return pool.allocation_traceback(ptr)
+            # None from every pool but the one with a live block starting at ptr (with frames)
+            found = pool.allocation_traceback(ptr) if not pool.closed else None
+            if found is not None:
+                return found
         except PoolError:
             if not pool.closed:
                 raise  # closed by another thread meanwhile: its blocks went with it
