@@ -5,7 +5,9 @@ turned into a trace (ascend_pool.traces) that replays exactly like the equivalen
 The log's header is ``Thread,Time,Action,Pointer,Size,Stream``; each row is an ``allocate`` (the
 pointer returned, the bytes asked for, the stream), a ``free`` (``deallocate`` in some versions) of
 a pointer, or an ``allocate failure`` (nothing allocated: left out). Pointers and streams are
-hexadecimal (``0x7f...``; ``0x0`` or ``(nil)`` for the default stream). Addresses are reused after
+hexadecimal (``0x7f...``; ``0x0`` or ``(nil)`` for the default stream, and ``(nil)``, what RMM's ``%p``
+writes for a null pointer on glibc, for the pointer of a 0-byte allocate and its free, which are
+left out as RMM's own log parser reads them: address 0). Addresses are reused after
 frees, so each allocate starts a new allocation id; a free is ordered on its allocation's stream
 (the trace format's rule: RMM lets a free name another stream, which orders it after that
 stream's work, not what the pool's replay measures). Streams become small numbers in order of
@@ -34,9 +36,10 @@ _ALLOC, _FREES, _SKIPPED = "allocate", ("free", "deallocate"), ("allocate failur
 
 def _number(text, what, name, line, base):
     """A pointer or stream (hex, base 16) or size (base 10) of row `line` as an int of 64 bits;
-    the default stream's "(nil)" and "0" are 0."""
+    the default stream's "(nil)" and "0" are 0, and so is a null pointer's "(nil)" (RMM logs
+    pointers with printf's %p: glibc writes NULL so; RMM's log_parser reads it as 0)."""
     t = text.strip()
-    if what == "stream" and t in ("(nil)", "nullptr", ""):
+    if what == "stream" and t in ("(nil)", "nullptr", "") or what == "pointer" and t in ("(nil)", "nullptr"):
         return 0
     try:
         v = int(t, base)

@@ -121,3 +121,18 @@ def test_a_file_that_is_not_an_rmm_log_is_refused_naming_the_line(tmp_path, text
     out = subprocess.run([sys.executable, "-m", "ascend_pool.cli", "replay", "--backend", "sim", str(path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and problem in out.stderr, out.stderr
+
+
+def test_a_null_pointer_as_rmm_logs_it_is_address_0(tmp_path):
+    # RMM's logging_resource_adaptor logs pointers with printf's %p, which glibc writes "(nil)" for
+    # NULL: a 0-byte allocate (RMM returns nullptr) and its free; RMM's own log_parser reads it as
+    # 0. Before, the whole log was refused ("pointer '(nil)' is not a hexadecimal address").
+    path = tmp_path / "job.csv"
+    path.write_text("Thread,Time,Action,Pointer,Size,Stream\n"
+                    "7,10:00:00.000001,allocate,0x7f0000000000,1024,0\n"
+                    "7,10:00:00.000002,allocate,(nil),0,0\n"
+                    "7,10:00:00.000003,free,(nil),0,0\n"
+                    "7,10:00:00.000004,allocate failure,(nil),1125899906842624,0\n"
+                    "7,10:00:00.000005,free,0x7f0000000000,1024,0\n")
+    trace = load_trace(path)
+    assert (trace.op.tolist(), trace.size.tolist()) == ([1, 0], [1024, 1024])
