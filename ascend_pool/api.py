@@ -262,7 +262,7 @@ def empty_cache(device=None):
     open default pool; a device's pool that was never opened is not made for it. Inside
     use_mem_pool, as torch's: the pool in use keeps its cache (the pool underneath is emptied);
     pool.empty_cache() empties it."""
-    _registry.reap_orphans()
+    _registry.reap_orphans(wait=True)
     index = torch_device_index(device)
     index = current_device() if index is None else index
     mine = _current.cache_owner(index) or process_default_pool(index)

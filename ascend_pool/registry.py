@@ -29,13 +29,18 @@ _closing = []      # weak references to bound methods m(pool), called before eac
 _orphans = []      # pools dropped with blocks still allocated (Pool.__del__), until those are freed
 _reap_again = False  # set by a reap_orphans call while another thread reaps
 _reaping = threading.Lock()  # one reap_orphans at a time; never taken by a finalizer
+_reaper = None       # the thread ident holding _reaping (a signal handler on it must not wait for itself)
+REAP_WAIT_S = 2.0    # reap_orphans(wait=True): the longest wait for another thread's reap (a pass only
+                     # closes pools whose work is done; bounded all the same: a signal handler may
+                     # interrupt its own thread's reap between the lock's acquire and _reaper's set)
 
 
 def _after_fork_in_child():
     # Another thread may have held the lock at the fork: the child's copy would stay locked.
-    global _lock, _reaping
+    global _lock, _reaping, _reaper
     _lock = threading.RLock()
     _reaping = threading.Lock()
+    _reaper = None
     _orphans.clear()  # the parent's pools: a child never touches them
 
 
@@ -108,21 +113,26 @@ def is_orphan(pool):
     return any(o is pool for o in list(_orphans))
 
 
-def reap_orphans():
+def reap_orphans(wait=False):
     """Closes the orphans whose blocks have all been freed and whose streams' work on them is done
     (their memory back to the device, their quota booking to the ledger), as a dropped pool
-    closes: its streams are left alone. The others give back their idle cache. Never waits: a
-    kernel still queued on a freed block keeps its orphan for a later call. Cheap when there is
+    closes: its streams are left alone. The others give back their idle cache. Never waits for a
+    kernel: one still queued on a freed block keeps its orphan for a later call. Cheap when there is
     none; called when a pool opens, by the module-level frees and empty_cache, and every interval
     by the stats publisher's thread (ascend_pool/service/publisher.py). One thread at a
     time: a call while another thread reaps makes that thread pass once more (twice at most per
-    call). Returns how many were closed."""
-    global _reap_again
+    call). wait (empty_cache): when another thread is reaping, wait for it and pass once more, so
+    that the dropped pools freed by now are closed when this returns, as torch's empty_cache gives
+    a deleted MemPool's memory back (the stats thread's tick would otherwise make the caller's
+    call a no-op, its memory held until that thread's next pass). Returns how many were closed."""
+    global _reap_again, _reaper
     if not _orphans:
         return 0
     _reap_again = True
     if not _reaping.acquire(blocking=False):
-        return 0  # the holder passes again
+        if not wait or _reaper == threading.get_ident() or not _reaping.acquire(timeout=REAP_WAIT_S):
+            return 0  # the holder passes again
+    _reaper = threading.get_ident()
     done = 0
     try:
         for _ in range(2):  # bounded: threads reaping in a loop must not hold one thread here
@@ -131,6 +141,7 @@ def reap_orphans():
             _reap_again = False
             done += _reap_pass()
     finally:
+        _reaper = None
         _reaping.release()
     return done
 

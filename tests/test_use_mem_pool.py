@@ -4,11 +4,15 @@ of torch's test_cuda.py (and torch_npu's test_mempool.py) that do not need a cus
 ported."""
 
 import ctypes
+import gc
 import threading
+import time
+import weakref
 
 import pytest
 
 import ascend_pool as ap
+from ascend_pool import registry
 
 MiB = 1 << 20
 
@@ -222,3 +226,36 @@ def test_empty_cache_inside_the_block_keeps_the_mempools_cache_and_empties_the_o
     finally:
         ctx.close()
         pool.close()
+
+
+def test_empty_cache_while_another_thread_reaps_gives_a_dropped_pools_memory_back(monkeypatch):
+    # torch's test_mempool_empty_cache_inactive: a MemPool dropped while its tensor lives; after
+    # `del x; empty_cache()` its memory is back. The stats thread reaps dropped pools every tick;
+    # when its pass was under way, empty_cache skipped the reap and returned with the pool still
+    # open and its segment held (until that thread's next pass). Its pass is made slow here to
+    # hit that window every time.
+    pool = ap.Pool(0)
+    with ap.use_mem_pool(pool):
+        x = ap.malloc(8 * MiB)
+    ref = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert registry.is_orphan(ref())
+    real_pass, entered = registry._reap_pass, threading.Event()
+
+    def slow_pass():
+        entered.set()
+        time.sleep(0.5)
+        return real_pass()
+
+    monkeypatch.setattr(registry, "_reap_pass", slow_pass)
+    reaper = threading.Thread(target=registry.reap_orphans)
+    reaper.start()
+    try:
+        assert entered.wait(10)
+        ap.free(x)
+        ap.empty_cache()
+        dropped = ref()
+        assert dropped is None or dropped.closed, "the dropped pool's segment is still held"
+    finally:
+        reaper.join()
