@@ -1,6 +1,8 @@
 """Bring your own workload from RAPIDS: the CSV log of RMM's logging_resource_adaptor
 (``rmm.mr.LoggingResourceAdaptor``, ``RMM_LOG_FILE``; what RMM's own REPLAY_BENCHMARK replays)
 turned into a trace (ascend_pool.traces) that replays exactly like the equivalent ``.npz``.
+A ``.csv`` file is read as one; a file of another name (RMM takes any: ``RMM_LOG_FILE=rmm.log``)
+when its first line is RMM's header.
 
 The log's header is ``Thread,Time,Action,Pointer,Size,Stream``; each row is an ``allocate`` (the
 pointer returned, the bytes asked for, the stream), a ``free`` (``deallocate`` in some versions) of

@@ -282,6 +282,11 @@ def load_trace(path: PathLike) -> Trace:
                      "shipped trace (`ascend-pool bench --traces` takes a directory of them)")
     name = trace_name(p)
     if not zipfile.is_zipfile(p):
+        # A registered format under another name, known by its first line: RMM writes its log to
+        # any file name (RMM_LOG_FILE=/tmp/rmm.log), not refused as a broken .npz.
+        for suffix, listed in _LISTED.items():
+            if listed is not None and listed(p):
+                return _READERS[suffix](p)
         raise ValueError(f"trace {name!r} ({p}): cannot read as .npz: not a zip archive")
     try:
         data = np.load(p, allow_pickle=False)

@@ -136,3 +136,21 @@ def test_a_null_pointer_as_rmm_logs_it_is_address_0(tmp_path):
                     "7,10:00:00.000005,free,0x7f0000000000,1024,0\n")
     trace = load_trace(path)
     assert (trace.op.tolist(), trace.size.tolist()) == ([1, 0], [1024, 1024])
+
+
+@pytest.mark.parametrize("name", ["rmm.dev0.log", "rmm_log.txt", "rmmlog"])
+def test_an_rmm_log_of_another_name_is_known_by_its_header(log_path, tmp_path, name):
+    # RMM writes its log to any file name (RMM_LOG_FILE, rmm.enable_logging(log_file_name=...));
+    # before, replay and trace convert read a non-.csv one as a broken .npz or pickle and refused it
+    path = tmp_path / name
+    path.write_bytes(log_path.read_bytes())
+    a, b = load_trace(log_path), load_trace(path)
+    assert (a.op == b.op).all() and (a.size == b.size).all() and a.streams == b.streams
+    npz = tmp_path / "mine.npz"
+    out = subprocess.run([sys.executable, "-m", "ascend_pool.cli", "trace", "convert", str(path), str(npz)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert (load_trace(npz).op == a.op).all()
+    (tmp_path / "junk.txt").write_text("not a trace\n")  # anything else is still refused as before
+    with pytest.raises(ValueError, match="cannot read as .npz: not a zip archive"):
+        load_trace(tmp_path / "junk.txt")

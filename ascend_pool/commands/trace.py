@@ -11,7 +11,8 @@ from . import option_checks as oc
 
 def _cmd_convert(args):
     oc.check(args, {"--device": oc.DEVICE})
-    if args.snapshot.endswith(rmm_log_trace.RMM_LOG_SUFFIXES):
+    # RMM writes its log to any file name: known by its header line, whatever the suffix
+    if args.snapshot.endswith(rmm_log_trace.RMM_LOG_SUFFIXES) or rmm_log_trace.is_rmm_log(args.snapshot):
         if args.device is not None:
             raise ValueError(f"--device: an RMM log ({args.snapshot}) holds one device's events; drop --device")
         trace = rmm_log_trace.convert(args.snapshot, args.out)
