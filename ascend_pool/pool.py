@@ -237,8 +237,12 @@ class Pool(PoolBase):
     def free_all_blocks(self, stream=None):
         """Returns cached segments to the device, as cupy's MemoryPool.free_all_blocks(): with
         `stream` None every stream's (empty_cache()); else (a live stream of this pool or 0, else
-        InvalidStreamError) only those that allocations on that stream created, after its work
-        is done (empty_stream_cache)."""
+        InvalidStreamError; or CuPy's Stream object, whose handle is its .ptr, as CuPy's takes:
+        cupy.cuda.Stream.null is 0) only those that allocations on that stream created, after its
+        work is done (empty_stream_cache)."""
+        ptr = getattr(stream, "ptr", None) if stream is not None and not isinstance(stream, int) else None
+        if isinstance(ptr, int) and not isinstance(ptr, bool):
+            stream = ptr
         self._check_stream(stream)
         if stream is None:
             self.empty_cache()

@@ -101,6 +101,31 @@ def test_free_all_blocks_of_one_stream_keeps_the_other_streams_cache():
         pool.close()
 
 
+class _CupyStream:
+    """What cupy.cuda.Stream exposes to an allocator: the handle in .ptr (Stream.null.ptr == 0)."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def test_free_all_blocks_takes_cupys_stream_object():
+    """cupy's test_free_all_blocks_stream passes free_all_blocks(stream=cupy.cuda.Stream.null), a
+    Stream object: its .ptr is the handle (before: StreamTypeError)."""
+    pool = ap.Pool(0, backend="sim", pad_bytes=0, stream_reuse="tied", release_policy="never")
+    try:
+        s, p1, p2 = _one_cached_segment_per_stream(pool)
+        pool.free_all_blocks(stream=_CupyStream(0))
+        assert pool.memory_stats()["segment.all.current"] == 1
+        assert pool.malloc(12 * MiB, stream=s) == p2  # the other stream's cache survived
+        pool.free(p2, stream=s)
+        pool.free_all_blocks(stream=_CupyStream(s))
+        assert pool.memory_stats()["segment.all.current"] == 0
+        with pytest.raises(ap.StreamTypeError):
+            pool.free_all_blocks(stream=object())  # no handle at all: refused as before
+    finally:
+        pool.close()
+
+
 def test_free_all_blocks_of_one_stream_under_the_default_stream_rule():
     """With stream_reuse='borrow' (the default) a block freed on one stream serves others once
     its work is done; free_all_blocks(stream=s) still returns only s's segments."""
