@@ -6,6 +6,7 @@ use with the knobs of $ASCEND_POOL_CONF and the backend of $ASCEND_POOL_BACKEND.
 
 import contextlib
 import numbers
+from collections import OrderedDict
 import os
 import re
 import threading
@@ -321,9 +322,11 @@ def device_stats(pool):
     allocated,freed}" (pool id (A, B), its reserved_bytes figures; the figures above are pool's
     own, those pools' are not in them)."""
     stats = pool.memory_stats()
-    for (a, b), figures in _private_pools_reserved(pool).items():
+    private = _private_pools_reserved(pool)
+    for (a, b), figures in private.items():
         stats.update((f"reserved_bytes_by_private_pools.{a}_{b}.{k}", v) for k, v in figures.items())
-    return stats
+    # sorted by key as torch's memory_stats (it sorts after flattening); appended, they came last
+    return OrderedDict(sorted(stats.items())) if private else stats
 
 
 def device_nested_stats(pool):

@@ -88,6 +88,7 @@ def test_memory_stats_has_torchs_reserved_bytes_by_private_pools():
                     assert flat[f"reserved_bytes_by_private_pools.{a}_{b}.{kind}.{metric}"] == want
                     assert nested["reserved_bytes_by_private_pools"][pool.pool_id][kind][metric] == want
         assert flat["reserved_bytes_by_private_pools.%d_%d.small_pool.current" % own.pool_id] > 0
+        assert list(flat) == sorted(flat), "an OrderedDict sorted by key, as torch's memory_stats"
         assert flat["reserved_bytes.all.current"] == default.memory_stats()["reserved_bytes.all.current"]
         with ctx:  # the context is the pool reported: the device's default pool is not a private one
             assert not any(k.startswith("reserved_bytes_by_private_pools.%d_%d." % ctx.pool_id)
