@@ -4,13 +4,15 @@
   library_path() and runs malloc/free loops on several pthreads (first with the GIL free, a
   pthread creating a device's default pool; then with its main thread holding the GIL);
 - tests/c/capi_hammer.c, the same workload loaded into this process with ctypes.PyDLL, which keeps
-  the GIL held for the whole call: the pthreads must progress without it.
+  the GIL held for the whole call: the pthreads must progress without it;
+- tests/c/exit_threads.cpp (g++), C++ threads whose calls take the GIL while the interpreter exits.
 
 Both check that no two live blocks overlap and that every byte is returned.
 """
 
 import ctypes
 import os
+import shutil
 import subprocess
 import sys
 
@@ -57,3 +59,34 @@ def test_pthreads_allocate_while_this_thread_holds_the_gil(built):
     assert rc == 0, why.value.decode()
     assert allocs.value == 8 * 20000
     assert ap.memory_stats(0)["allocated_bytes.all.current"] == before
+
+
+_EXITING = r'''
+import atexit, ctypes, sys, time
+helper = ctypes.PyDLL(sys.argv[1])
+atexit.register(helper.hold_gil, 200)  # registered first, called last: the GIL held up to finalization
+import ascend_pool as ap
+abi = ctypes.CDLL(ap.library_path())
+ap.default_pool(0)
+ap.attach_out_of_memory_observer(lambda *figures: None)
+helper.start_threads(ctypes.cast(abi.ascend_pool_malloc, ctypes.c_void_p), 0, ctypes.c_ssize_t(1 << 50), 8)
+time.sleep(0.05)
+'''
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the C++ framework threads")
+def test_framework_threads_taking_the_gil_while_the_interpreter_exits_never_abort_it(tmp_path):
+    # Python ends a thread that waits for the GIL once finalization started with pthread_exit,
+    # a forced unwind that a noexcept C++ frame turns into std::terminate: C++ threads whose C
+    # ABI calls take the GIL (an out-of-memory observer; a device's first allocation) aborted the
+    # process at exit (SIGABRT in 3 to 5 of 8 runs).
+    helper = str(tmp_path / "libexit_threads.so")
+    subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-pthread", os.path.join(os.path.dirname(__file__), "c",
+                    "exit_threads.cpp"), "-o", helper], check=True)
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    for _ in range(8):
+        proc = subprocess.run([sys.executable, "-c", _EXITING, helper], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, f"exit status {proc.returncode}: {proc.stderr[-600:]}"

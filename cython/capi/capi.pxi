@@ -42,6 +42,7 @@ cdef extern from "capi/exports.h":
     ctypedef void (*apc_frames_fn)(ap_pool *p, int freeing) noexcept
     void apc_set_frames_hook(apc_frames_fn fn)
     void apc_stacks_changed(int delta)
+    void apc_python_close(unsigned ms) nogil
 
 cdef extern from "capi/exports.h" nogil:
     size_t apc_release_peers(ap_pool *self, int orphans_only)
@@ -140,10 +141,15 @@ cdef int _capi_create_default(int device, int strict, char *msg, size_t msglen) 
 
 def _capi_shutdown():
     """At interpreter exit: no more Python callbacks from the C ABI (a C thread still allocating on a
-    device without a pool then gets ASCEND_POOL_E_NOT_READY instead of waiting on a dying GIL)."""
+    device without a pool then gets ASCEND_POOL_E_NOT_READY instead of waiting on a dying GIL), and
+    the calls already waiting for the GIL finish first, with it let go (exports.h, apc_gil_enter):
+    one still waiting when finalization starts would be ended by Python with pthread_exit, which
+    aborts a C++ caller."""
     apc_set_hooks(NULL)
     apc_set_frames_hook(NULL)
     apc_set_oom_hook(NULL)
+    with nogil:
+        apc_python_close(10000)  # a hook runs for milliseconds (a pool's opening, an observer)
 
 
 apc_set_hooks(_capi_create_default)

@@ -15,17 +15,20 @@
  * of ours is held while it waits for the GIL. Like any code that needs the GIL, that first call
  * waits while another thread holds it: a thread that holds the GIL and waits for such a C thread
  * would deadlock with it. ascend_pool_init(device), or any Python use of the device before the C
- * threads start, creates the pool up front so that they never need Python.
+ * threads start, creates the pool up front so that they never need Python. From interpreter exit
+ * on (atexit) no call takes the GIL, and exit waits for those on their way to it (apc_gil_enter).
  */
 #ifndef APC_EXPORTS_H
 #define APC_EXPORTS_H
 
 #include <Python.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <string.h>
 #include <sys/types.h>
+#include <time.h>
 
 #include "ascend_pool.h"
 #include "capi/last_error.h"
@@ -40,8 +43,14 @@ typedef int (*apc_create_fn)(int device, int strict, char *msg, size_t len);
 
 static _Atomic(apc_create_fn) apc_create_hook; /* NULL before import and from interpreter exit on */
 
+static void apc_gil_after_fork(void);
+
 /* Installed by capi.pxi at import; NULL at exit (after that, no Python code may run for us). */
-static void apc_set_hooks(apc_create_fn create) { atomic_store(&apc_create_hook, create); }
+static void apc_set_hooks(apc_create_fn create) {
+    static atomic_flag fork_handler = ATOMIC_FLAG_INIT;
+    if (create && !atomic_flag_test_and_set(&fork_handler)) pthread_atfork(NULL, NULL, apc_gil_after_fork);
+    atomic_store(&apc_create_hook, create);
+}
 
 static int apc_python_usable(void) {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -49,6 +58,39 @@ static int apc_python_usable(void) {
 #else
     return Py_IsInitialized() && !_Py_IsFinalizing();
 #endif
+}
+
+/* A C thread must never wait for the GIL once the interpreter finalizes: Python then ends it in
+   take_gil with pthread_exit (3.11, 3.12; 3.14 hangs it for ever), a forced unwind that a noexcept
+   C++ frame of the framework's caller turns into std::terminate: the process aborted at exit. The
+   check above cannot see a finalization that starts while the thread waits for the GIL, so calls
+   that take it count themselves here, and at exit (atexit, before finalization) apc_python_close
+   turns new ones away and waits for those on their way to finish. Either a call's increment is
+   seen by the close (which waits for it) or the close's flag by the call (which turns back):
+   both sequentially consistent. */
+static atomic_int apc_gil_calls;     /* calls between apc_gil_enter and apc_gil_leave */
+static atomic_int apc_python_closed; /* set at interpreter exit: no call takes the GIL after it */
+
+/* 1 when the caller may take the GIL (then apc_gil_leave after PyGILState_Release), else 0. */
+static int apc_gil_enter(void) {
+    atomic_fetch_add(&apc_gil_calls, 1);
+    if (!atomic_load(&apc_python_closed) && apc_python_usable()) return 1;
+    atomic_fetch_sub(&apc_gil_calls, 1);
+    return 0;
+}
+
+static void apc_gil_leave(void) { atomic_fetch_sub(&apc_gil_calls, 1); }
+
+/* A forked child has only the forking thread: the calls other threads had on their way to the GIL
+   are not its own (its exit would wait for them). */
+static void apc_gil_after_fork(void) { atomic_store(&apc_gil_calls, 0); }
+
+/* Called at interpreter exit without the GIL (so that calls waiting for it get it and finish):
+   from now on no C ABI call takes the GIL; waits up to ms for those already on their way. */
+static void apc_python_close(unsigned ms) {
+    atomic_store(&apc_python_closed, 1);
+    struct timespec tick = {0, 1000000L};
+    for (unsigned waited = 0; atomic_load(&apc_gil_calls) != 0 && waited < ms; waited++) nanosleep(&tick, NULL);
 }
 
 /* Python frames for a framework's allocations (its tensors come through this ABI) while a pool
@@ -93,11 +135,14 @@ static inline int apc_oom_watched(int rc) {
 }
 
 static void apc_notify_oom(int device, size_t size, size_t allowed, size_t free_b) {
+    if (!apc_gil_enter()) return;
     apc_oom_fn fn = atomic_load(&apc_oom_hook);
-    if (!fn || !apc_python_usable()) return;
-    PyGILState_STATE gil = PyGILState_Ensure();
-    fn(device, size, allowed, free_b);
-    PyGILState_Release(gil);
+    if (fn) {
+        PyGILState_STATE gil = PyGILState_Ensure();
+        fn(device, size, allowed, free_b);
+        PyGILState_Release(gil);
+    }
+    apc_gil_leave();
 }
 
 /* The backend name ("acl", "sim", "cuda") of device's process default pool, or NULL if none. */
@@ -122,10 +167,13 @@ static int apc_check_device(int device, const char *call) {
 
 /* Runs the module's callback under the GIL. The rare path: once per device per process. */
 static int apc_create_default(int device, int strict, const char *call) {
-    apc_create_fn create = atomic_load(&apc_create_hook);
+    apc_create_fn create = NULL;
     char msg[400] = "";
     int rc;
-    if (!create || !apc_python_usable()) {
+    int entered = apc_gil_enter();
+    if (entered) create = atomic_load(&apc_create_hook);
+    if (!create) {
+        if (entered) apc_gil_leave();
         apc_fail(ASCEND_POOL_E_NOT_READY,
                  "%s: no pool for device %d, and none can be made: the ascend_pool Python module is not imported "
                  "in this process, or Python is shutting down (import ascend_pool first)",
@@ -135,6 +183,7 @@ static int apc_create_default(int device, int strict, const char *call) {
     PyGILState_STATE gil = PyGILState_Ensure();
     rc = create(device, strict, msg, sizeof msg);
     PyGILState_Release(gil);
+    apc_gil_leave();
     if (rc != ASCEND_POOL_OK) apc_fail(rc, "%s: creating the default pool of device %d failed: %s", call, device, msg);
     return rc;
 }
