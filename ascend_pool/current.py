@@ -32,7 +32,7 @@ def push(device, pool, mem_pool=False):
     """Makes pool current for device (int) on this thread; returns the entry for pop(). mem_pool:
     pushed by use_mem_pool (torch's MemPool, whose cache empty_cache keeps; see cache_owner)."""
     stack = _stack(device)
-    entry = [pool, _set_thread_current(device, pool), mem_pool]  # [pool, what to restore when it goes, ...]
+    entry = [pool, _set_thread_current(device, pool, mem_pool), mem_pool]  # [pool, what to restore when it goes, ...]
     stack.append(entry)
     _uses_of(pool).append(entry)
     return entry

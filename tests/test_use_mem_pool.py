@@ -259,3 +259,33 @@ def test_empty_cache_while_another_thread_reaps_gives_a_dropped_pools_memory_bac
         assert dropped is None or dropped.closed, "the dropped pool's segment is still held"
     finally:
         reaper.join()
+
+
+def test_the_c_abis_empty_cache_keeps_live_mempools_caches_as_torchs_empty_cache(lib):
+    # torch.npu.empty_cache() under the pluggable allocator calls the reset hook
+    # (ascend_pool_reset -> ascend_pool_empty_cache). torch's emptyCache passes the default pool
+    # id: release_cached_blocks empties each device's own pools and the private pools no longer
+    # in use, never a live MemPool, in use_mem_pool or not; the C ABI emptied every live pool (a
+    # MemPool's warm segments, other threads' tenant contexts), unlike ap.empty_cache().
+    lib.ascend_pool_empty_cache.argtypes = []
+    pool = ap.Pool(0)
+    default = ap.default_pool(0)
+    mine, theirs = default.context("c-empty-mine"), default.context("c-empty-theirs")
+    reserved = lambda p: p.memory_stats()["reserved_bytes.all.current"]  # noqa: E731
+    try:
+        for p in (pool, mine, theirs):
+            p.free(p.malloc(8 * MiB))
+        ap.free(ap.malloc(8 * MiB, device=0))
+        held = {p: reserved(p) for p in (pool, mine, theirs)}
+        assert all(held.values()) and reserved(default)
+        with mine:
+            with ap.use_mem_pool(pool):
+                lib.ascend_pool_empty_cache()  # a framework thread inside both blocks
+        assert reserved(default) == 0 and reserved(mine) == 0  # the device's own, the thread's context
+        assert reserved(pool) == held[pool] and reserved(theirs) == held[theirs]
+        lib.ascend_pool_empty_cache()  # outside any block: the MemPool still keeps its cache
+        assert reserved(pool) == held[pool] and reserved(theirs) == held[theirs]
+    finally:
+        theirs.close()
+        mine.close()
+        pool.close()

@@ -82,8 +82,12 @@ void ascend_pool_free(void *ptr, ssize_t size, int device, void *stream);
  * ascend_pool_init(d) itself for each device d before starting them. */
 void ascend_pool_init(int device);
 
-/* Returns every unused cached segment of every live pool to the device (torch's emptyCache calls
- * this hook). The argument is ignored: torch_npu passes check_error, PyTorch passes nothing. */
+/* Returns the unused cached segments of every device's default pool, of pools dropped with blocks
+ * still allocated, and of the calling thread's `with ctx:` tenant context, to the device, as torch's
+ * emptyCache (which calls this hook) and ap.empty_cache() do: a live MemPool (a pool made current
+ * by use_mem_pool, or not current at all) and other threads' contexts keep their cache
+ * (pool.empty_cache() empties one). The argument is ignored: torch_npu passes check_error,
+ * PyTorch passes nothing. */
 void ascend_pool_reset(bool check_error);
 
 /* Caps the calling thread's current pool of `device` at `fraction` (0..1) of the device's memory;

@@ -304,14 +304,15 @@ APC_EXPORT void ascend_pool_init(int device) {
    or closing a pool (under the GIL) takes. Held through the waits, it froze the interpreter, and
    a stream that needed a Python thread to finish was never released. Returns the count (*out:
    malloc'ed, for the caller to unhold and free), or -1 without host memory. */
-static ssize_t apc_hold_pools(ap_pool ***out, const ap_pool *peer_of) {
+static ssize_t apc_hold_pools(ap_pool ***out, const ap_pool *peer_of, int (*keep)(ap_pool *q)) {
     pthread_mutex_lock(&apc_reg_lock);
     ssize_t n = 0;
     ap_pool **held = *out = apc_reg_n ? malloc(apc_reg_n * sizeof *held) : NULL;
     if (apc_reg_n && !held) n = -1;
     for (size_t i = 0; held && i < apc_reg_n; i++) {
         ap_pool *q = apc_entry_pool(&apc_reg[i]);
-        if (!q || (peer_of && (q == peer_of || q->device != peer_of->device || q->backend != peer_of->backend)))
+        if (!q || (peer_of && (q == peer_of || q->device != peer_of->device || q->backend != peer_of->backend)) ||
+            (keep && !keep(q)))
             continue;
         atomic_fetch_add_explicit(&q->capi_calls, 1, memory_order_seq_cst);
         held[n++] = q;
@@ -326,7 +327,7 @@ static ssize_t apc_hold_pools(ap_pool ***out, const ap_pool *peer_of) {
 static size_t apc_release_peers(ap_pool *self, int orphans_only) {
     ap_pool **held;
     size_t released = 0;
-    ssize_t n = apc_hold_pools(&held, self);
+    ssize_t n = apc_hold_pools(&held, self, NULL);
     for (ssize_t i = 0; i < n; i++) {
         if (!orphans_only || atomic_load(&held[i]->orphan)) released += ap_pool_release_idle(held[i]);
         ap_pool_unhold(held[i]);
@@ -335,12 +336,21 @@ static size_t apc_release_peers(ap_pool *self, int orphans_only) {
     return released;
 }
 
+/* The pools torch's emptyCache empties (release_cached_blocks with the default pool id): every
+   device's default pool, and the private pools no longer in use (here: pools dropped with blocks
+   still allocated, the registry's orphans). A live MemPool keeps its cache, whether or not made
+   current by use_mem_pool, as do other threads' tenant contexts; the calling thread's own `with
+   ctx:` context is its device's pool here, emptied as ap.empty_cache() empties it. */
+static int apc_empties(ap_pool *q) {
+    return ap_default_get(q->device) == q || atomic_load(&q->orphan) || ap_current_cache_owner(q->device) == q;
+}
+
 APC_EXPORT void ascend_pool_empty_cache(void) {
     ap_error err;
     int failed = 0;
     ap_pool **held;
     if (apc_forked("ascend_pool_empty_cache")) return;
-    ssize_t n = apc_hold_pools(&held, NULL); /* emptied without the registry lock: they may wait */
+    ssize_t n = apc_hold_pools(&held, NULL, apc_empties); /* emptied without the registry lock: they may wait */
     if (n < 0) {
         apc_fail(AP_E_HOST_NOMEM, "ascend_pool_empty_cache: host memory exhausted");
         return;

@@ -6,8 +6,11 @@
 #include <string.h>
 
 typedef struct current_entry {
-    ap_pool *pool;   /* NULL: the default */
-    uint64_t ticket; /* slot << 32 | generation */
+    ap_pool *pool;         /* NULL: the default */
+    uint64_t ticket;       /* slot << 32 | generation */
+    ap_pool *owner;        /* whose cache the C ABI's empty_cache empties: pool, or for a pool made
+                              current by use_mem_pool the owner beneath it (NULL: the default) */
+    uint64_t owner_ticket;
 } current_entry;
 
 /* A slot's generation is odd while a pool holds it, even when free; bumped at open and close, so
@@ -77,13 +80,32 @@ int ap_current_closed(int device, char *buf, size_t len) {
     return 1;
 }
 
-void ap_current_set(int device, ap_pool *p, uint64_t ticket, ap_pool **prev_pool, uint64_t *prev_ticket) {
+void ap_current_set(int device, ap_pool *p, uint64_t ticket, int mem_pool, ap_current_token *prev) {
     if (device < 0 || device >= AP_MAX_DEVICES) return;
     current_entry *e = &thread_current[device];
-    if (prev_pool) *prev_pool = e->pool;
-    if (prev_ticket) *prev_ticket = e->ticket;
+    if (prev) *prev = (ap_current_token){e->pool, e->ticket, e->owner, e->owner_ticket};
     e->pool = p;
     e->ticket = p ? ticket : AP_NO_TICKET;
+    if (!mem_pool || !p) { /* a MemPool keeps its cache: the owner stays the one beneath */
+        e->owner = p;
+        e->owner_ticket = e->ticket;
+    }
+}
+
+void ap_current_restore(int device, const ap_current_token *t) {
+    if (device < 0 || device >= AP_MAX_DEVICES) return;
+    current_entry *e = &thread_current[device];
+    e->pool = t->pool;
+    e->ticket = t->pool ? t->ticket : AP_NO_TICKET;
+    e->owner = t->owner;
+    e->owner_ticket = t->owner ? t->owner_ticket : AP_NO_TICKET;
+}
+
+ap_pool *ap_current_cache_owner(int device) {
+    if (device < 0 || device >= AP_MAX_DEVICES) return NULL;
+    current_entry *e = &thread_current[device];
+    if (e->owner) return ticket_valid(e->owner_ticket) ? e->owner : NULL;
+    return atomic_load_explicit(&defaults[device], memory_order_acquire);
 }
 
 void ap_default_set(int device, ap_pool *p) {

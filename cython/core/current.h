@@ -39,9 +39,25 @@ void ap_ticket_close(uint64_t ticket);
 ap_pool *ap_current_get(int device);
 /* 1 when the calling thread's context for device was closed (copies its label into buf), else 0. */
 int ap_current_closed(int device, char *buf, size_t len);
+/* A thread's entry for a device, as saved by ap_current_set and put back by ap_current_restore. */
+typedef struct ap_current_token {
+    ap_pool *pool;
+    uint64_t ticket;
+    ap_pool *owner;
+    uint64_t owner_ticket;
+} ap_current_token;
+
 /* Makes p (with its ticket) current for device on the calling thread (p NULL: back to the
-   default); returns the previous entry in *prev_pool / *prev_ticket so that contexts can nest. */
-void ap_current_set(int device, ap_pool *p, uint64_t ticket, ap_pool **prev_pool, uint64_t *prev_ticket);
+   default); saves the previous entry in *prev (may be NULL) so that contexts can nest. mem_pool:
+   made current by use_mem_pool, whose cache the C ABI's empty_cache keeps (torch's emptyCache
+   skips a MemPool): the cache owner stays the entry's beneath. */
+void ap_current_set(int device, ap_pool *p, uint64_t ticket, int mem_pool, ap_current_token *prev);
+/* Puts back an entry saved by ap_current_set. */
+void ap_current_restore(int device, const ap_current_token *t);
+/* The pool whose cache the C ABI's empty_cache empties for device on the calling thread: its
+   `with ctx:` context (a use_mem_pool pool above it skipped), else the default; NULL when that
+   context was closed. */
+ap_pool *ap_current_cache_owner(int device);
 /* The process default pool of device (set by the Python layer when it creates it). */
 void ap_default_set(int device, ap_pool *p);
 ap_pool *ap_default_get(int device);

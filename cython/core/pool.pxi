@@ -242,7 +242,13 @@ cdef extern from "current.h" nogil:
     int AP_TICKETS
     uint64_t ap_ticket_open(const char *label)
     void ap_ticket_close(uint64_t ticket)
-    void ap_current_set(int device, ap_pool *p, uint64_t ticket, ap_pool **prev_pool, uint64_t *prev_ticket)
+    ctypedef struct ap_current_token:
+        ap_pool *pool
+        uint64_t ticket
+        ap_pool *owner
+        uint64_t owner_ticket
+    void ap_current_set(int device, ap_pool *p, uint64_t ticket, int mem_pool, ap_current_token *prev)
+    void ap_current_restore(int device, const ap_current_token *t)
     void ap_default_set(int device, ap_pool *p)
     void ap_current_forget(ap_pool *p)
 
@@ -1180,22 +1186,25 @@ def _set_default_pool(PoolBase pool):
     ap_default_set(pool.device, pool.p)
 
 
-def _set_thread_current(int device, PoolBase pool):
-    """Makes pool (None: the default) current for device on this thread, for the C ABI. Returns
-    the previous thread-local entry (an opaque token) for _restore_thread_current."""
-    cdef ap_pool *prev = NULL
-    cdef uint64_t prev_ticket = AP_NO_TICKET
+def _set_thread_current(int device, PoolBase pool, bint mem_pool=False):
+    """Makes pool (None: the default) current for device on this thread, for the C ABI (mem_pool:
+    by use_mem_pool, whose cache the C ABI's empty_cache keeps). Returns the previous thread-local
+    entry (an opaque token) for _restore_thread_current."""
+    cdef ap_current_token prev
     if pool is None:
-        ap_current_set(device, NULL, AP_NO_TICKET, &prev, &prev_ticket)
+        ap_current_set(device, NULL, AP_NO_TICKET, 0, &prev)
     else:
         pool._check()
-        ap_current_set(device, pool.p, pool._ticket, &prev, &prev_ticket)
-    return (<uintptr_t>prev, prev_ticket)
+        ap_current_set(device, pool.p, pool._ticket, mem_pool, &prev)
+    return (<uintptr_t>prev.pool, prev.ticket, <uintptr_t>prev.owner, prev.owner_ticket)
 
 
 def _restore_thread_current(int device, tuple token):
     """Restores what _set_thread_current returned. A pool closed meanwhile comes back stale: the
     C ABI then reports it closed instead of using it (core/current.h)."""
-    cdef uintptr_t prev = token[0]
-    cdef uint64_t ticket = token[1]
-    ap_current_set(device, <ap_pool *>prev, ticket, NULL, NULL)
+    cdef ap_current_token t
+    t.pool = <ap_pool *><uintptr_t>token[0]
+    t.ticket = token[1]
+    t.owner = <ap_pool *><uintptr_t>token[2]
+    t.owner_ticket = token[3]
+    ap_current_restore(device, &t)
