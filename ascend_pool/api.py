@@ -643,19 +643,29 @@ def _allocation_traceback(data_ptr):
 
 def set_per_process_memory_fraction(fraction, device=None):
     """torch.cuda.set_per_process_memory_fraction(): caps the bytes the default pool of device
-    holds at fraction (a number in [0, 1]) of the device's total memory; past the cap an
-    allocation raises OutOfMemoryError. A cap below current use releases cached segments only
-    (live blocks stay). Same as ascend_pool_set_memory_fraction from C."""
+    (the thread's `with ctx:` context, if any; inside use_mem_pool, the pool beneath) holds at
+    fraction (a number in [0, 1]) of the device's total memory; past the cap an allocation raises
+    OutOfMemoryError. A cap below current use releases cached segments only (live blocks stay).
+    Same as ascend_pool_set_memory_fraction from C."""
     if not isinstance(fraction, float):  # torch refuses an int too (1 is not 1.0 there)
         raise ConfigTypeError(f"set_per_process_memory_fraction: Invalid type for fraction argument, "
                               f"must be `float`, got {type(fraction).__name__} {fraction!r}")
     if not 0 <= fraction <= 1:  # NaN too
         raise ConfigError(f"set_per_process_memory_fraction: Invalid fraction value: {fraction!r}. "
                           f"Allowed range: 0~1")
-    pool = default_pool(device)
+    pool = _fraction_owner(device)
     total = _device_total(pool)
     pool.set_limit(limit_bytes=int(fraction * total))  # 0.0: a cap of 0 bytes, as torch
     pool._memory_fraction = float(fraction)
+
+
+def _fraction_owner(device):
+    """The pool a memory fraction caps: the thread's `with ctx:` context, else the device's
+    default pool; not a pool made current by use_mem_pool (torch's fraction caps the device's
+    allocator, not the MemPool in use: set inside the block, it stays after it)."""
+    index = torch_device_index(device)
+    index = current_device() if index is None else index
+    return _current.cache_owner(index) or process_default_pool(index)
 
 
 def _device_total(pool):
@@ -669,7 +679,7 @@ def get_per_process_memory_fraction(device=None):
     """torch.cuda.get_per_process_memory_fraction(): the fraction of the device's total memory
     the default pool of device may hold (set_per_process_memory_fraction or the memory_fraction
     knob); 1.0 without a cap."""
-    pool = default_pool(device)
+    pool = _fraction_owner(device)
     limit = pool._limit()  # whoever set it last: Python, the C ABI's hook, or the knobs
     if limit is None:
         return 1.0

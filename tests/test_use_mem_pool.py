@@ -289,3 +289,27 @@ def test_the_c_abis_empty_cache_keeps_live_mempools_caches_as_torchs_empty_cache
         theirs.close()
         mine.close()
         pool.close()
+
+
+def test_a_memory_fraction_set_inside_the_block_caps_the_device_not_the_mempool(lib):
+    # torch's set_per_process_memory_fraction caps the device's allocator: set inside
+    # use_mem_pool, it holds after the block. It capped the MemPool in use instead (Python and
+    # the C ABI's memory_fraction hook alike), and the default pool, uncapped, took half the device.
+    lib.ascend_pool_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+    pool = ap.Pool(0)
+    default = ap.default_pool(0)
+    total = ap.mem_get_info(0)[1]
+    try:
+        for set_fraction in (lambda: ap.set_per_process_memory_fraction(0.25, 0),
+                             lambda: lib.ascend_pool_set_memory_fraction(0.25, 0)):
+            with ap.use_mem_pool(pool):
+                set_fraction()
+                assert ap.get_per_process_memory_fraction(0) == 0.25
+            assert ap.get_per_process_memory_fraction(0) == 0.25
+            assert default.get_limit() == int(0.25 * total) and pool.get_limit() == 0
+            with pytest.raises(ap.OutOfMemoryError):
+                ap.malloc(total // 2, device=0)
+            ap.set_per_process_memory_fraction(1.0, 0)
+            default.set_limit()  # no cap, for the next round and the other tests
+    finally:
+        pool.close()

@@ -211,20 +211,23 @@ static int apc_current_closed(int device, const char *call) {
     return 1;
 }
 
-/* The calling thread's pool for device, created (as the process default) when there is none, and
-   held (ap_pool_hold: a close waits for the call; give it back with ap_pool_unhold). NULL with the
+/* The calling thread's pool for device (owner: its cache owner, ap_current_cache_owner, the pool a
+   use_mem_pool block is above), created (as the process default) when there is none, and held
+   (ap_pool_hold: a close waits for the call; give it back with ap_pool_unhold). NULL with the
    error set on failure. */
-static inline ap_pool *apc_pool_for(int device, const char *call) {
+static inline ap_pool *apc_pool_for_ex(int device, int owner, const char *call) {
     if (apc_forked(call)) return NULL;
-    ap_pool *p = device >= 0 && device < AP_MAX_DEVICES ? ap_pool_hold(device) : NULL;
+    ap_pool *p = device < 0 || device >= AP_MAX_DEVICES ? NULL : owner ? ap_pool_hold_owner(device) : ap_pool_hold(device);
     if (__builtin_expect(p != NULL, 1)) return p;
     if (apc_check_device(device, call) != 0 || apc_current_closed(device, call) ||
         apc_create_default(device, 1, call) != ASCEND_POOL_OK)
         return NULL;
-    p = ap_pool_hold(device);
+    p = owner ? ap_pool_hold_owner(device) : ap_pool_hold(device);
     if (!p) apc_fail(ASCEND_POOL_E_NOT_READY, "%s: the default pool of device %d was closed", call, device);
     return p;
 }
+
+static inline ap_pool *apc_pool_for(int device, const char *call) { return apc_pool_for_ex(device, 0, call); }
 
 APC_EXPORT void *ascend_pool_malloc(ssize_t size, int device, void *stream) {
     ap_error err;
@@ -379,7 +382,8 @@ APC_EXPORT void ascend_pool_set_memory_fraction(double fraction, int device) {
                  fraction);
         return;
     }
-    ap_pool *p = apc_pool_for(device, "ascend_pool_set_memory_fraction");
+    /* the thread's context or the default, not a MemPool in use: torch's fraction caps the device */
+    ap_pool *p = apc_pool_for_ex(device, 1, "ascend_pool_set_memory_fraction");
     if (!p) return;
     ap_pool_get_stats(p, &st);
     ap_pool_set_limit(p, (size_t)floor(fraction * (double)st.device_total_bytes));

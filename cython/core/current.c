@@ -101,6 +101,15 @@ void ap_current_restore(int device, const ap_current_token *t) {
     e->owner_ticket = t->owner ? t->owner_ticket : AP_NO_TICKET;
 }
 
+int ap_current_owner_still(int device, ap_pool *p) {
+    current_entry *e = &thread_current[device];
+    if (e->owner) {
+        uint32_t s = slot_of(e->owner_ticket);
+        return e->owner == p && s < AP_TICKETS && atomic_load(&tickets[s].gen) == (uint32_t)e->owner_ticket;
+    }
+    return atomic_load(&defaults[device]) == p;
+}
+
 ap_pool *ap_current_cache_owner(int device) {
     if (device < 0 || device >= AP_MAX_DEVICES) return NULL;
     current_entry *e = &thread_current[device];

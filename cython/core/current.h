@@ -58,6 +58,8 @@ void ap_current_restore(int device, const ap_current_token *t);
    `with ctx:` context (a use_mem_pool pool above it skipped), else the default; NULL when that
    context was closed. */
 ap_pool *ap_current_cache_owner(int device);
+/* 1 while p is still what ap_current_cache_owner(device) returns (sequentially consistent loads). */
+int ap_current_owner_still(int device, ap_pool *p);
 /* The process default pool of device (set by the Python layer when it creates it). */
 void ap_default_set(int device, ap_pool *p);
 ap_pool *ap_default_get(int device);
@@ -73,6 +75,17 @@ static inline ap_pool *ap_pool_hold(int device) {
     while ((p = ap_current_get(device)) != NULL) {
         atomic_fetch_add_explicit(&p->capi_calls, 1, memory_order_seq_cst);
         if (__builtin_expect(ap_current_still(device, p), 1)) return p;
+        atomic_fetch_sub_explicit(&p->capi_calls, 1, memory_order_release); /* closed meanwhile */
+    }
+    return NULL;
+}
+
+/* As ap_pool_hold, for the calling thread's cache owner of device (ap_current_cache_owner). */
+static inline ap_pool *ap_pool_hold_owner(int device) {
+    ap_pool *p;
+    while ((p = ap_current_cache_owner(device)) != NULL) {
+        atomic_fetch_add_explicit(&p->capi_calls, 1, memory_order_seq_cst);
+        if (__builtin_expect(ap_current_owner_still(device, p), 1)) return p;
         atomic_fetch_sub_explicit(&p->capi_calls, 1, memory_order_release); /* closed meanwhile */
     }
     return NULL;
