@@ -621,6 +621,7 @@ class SharedBlock:
         self._pool_ref = weakref.ref(pool) if pool is not None else (lambda: None)
         self._backend = backend
         self._record = record
+        self._pid = os.getpid()  # the importing process: its slot in the record is its own
         self.closed = False
 
     @property
@@ -635,6 +636,17 @@ class SharedBlock:
     def close(self):
         """Unmaps the block from this process (idempotent)."""
         if self.closed:
+            return
+        if os.getpid() != self._pid:
+            # A child forked from C (no Python fork handler: _forget_after_fork did not run) closing,
+            # or dropping, the parent's block: the import and its slot in the record are the
+            # parent's (its instance id too). Before, the slot was removed here although the
+            # runtime refused the close, and the exporter then freed the block under the parent.
+            # The record's descriptors here are copies (the life lock's is /dev/null, fork.c): left
+            # open, since closing that one takes identity's lock, which a parent's thread may have
+            # held at the fork.
+            self.closed = True
+            self._record = None
             return
         self.closed = True
         _imports.discard(self)

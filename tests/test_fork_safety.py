@@ -349,6 +349,44 @@ def test_a_child_forked_from_c_does_not_keep_its_killed_parent_alive(sim_node, t
         parent.communicate(timeout=10)
 
 
+@pytest.mark.parametrize("how", ["close", "del"])
+def test_a_child_forked_from_c_that_closes_an_inherited_import_leaves_the_parents_slot(sim_node, tmp_path, how):
+    # A native library forks (no Python fork handler runs) and the child goes on in Python: its
+    # close of the parent's SharedBlock (or the object's death) was refused by the runtime, yet it
+    # removed the parent's importer slot from the share record (by the parent's instance id), so
+    # the exporter saw nobody importing and freed the block under the live importer
+    # (/work/exp/ns23/repros/r1_cfork_child_closes_parents_import.py).
+    rep = sim_node.run_json(r"""
+        import gc
+        import ascend_pool as ap
+        from ascend_pool import sharing
+        pool = ap.Pool(0, backend="sim")
+        ptr = pool.share_malloc(4 << 20)
+        h = pool.share(ptr, any_process=True)
+        blk = ap.open_shared(h)
+        before = [s["importers"] for s in sharing.shares()]
+        libc = C.PyDLL(None)                           # keeps the GIL across fork(): no other thread
+        pid = libc.fork()
+        if pid == 0:
+            try:
+                if %r == "close":
+                    blk.close()
+                else:
+                    del blk
+                    gc.collect()
+            except ap.BackendUnavailableError:
+                pass
+            libc._exit(0)
+        os.waitpid(pid, 0)
+        after = [s["importers"] for s in sharing.shares()]
+        blk.close()
+        print(json.dumps({"before": before, "after": after, "me": os.getpid(), "freed": pool.share_free(ptr)}))
+    """.replace("%r", repr(how)), timeout=60, ASCEND_POOL_LEDGER_DIR=str(tmp_path), ASCEND_POOL_STATS="0")
+    assert rep["before"] == [[rep["me"]]], rep
+    assert rep["after"] == rep["before"], rep
+    assert rep["freed"] is True, rep
+
+
 def test_a_fork_while_another_thread_changes_the_allocator_settings_never_hangs_the_childs_pool(sim_node):
     """ap.set_allocator_settings holds the settings' lock through its checks (a pool's
     _set_tunables, with the GIL released, when pools are open), and every Pool() takes it to
