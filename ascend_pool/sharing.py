@@ -352,6 +352,7 @@ _deferred = []    # _Export released by their owner, waiting for importers
 _imports = weakref.WeakSet()  # open SharedBlocks
 _collector = None
 _COLLECT_PERIOD_S = 0.2
+_pid = os.getpid()  # the process this state is of (a child forked from C keeps the parent's)
 
 
 class _Export:
@@ -366,8 +367,9 @@ class _Export:
 
 def _forget_after_fork():
     # The child owns none of the parent's exports or imports: it must neither free nor close them.
-    global _lock, _collector
+    global _lock, _collector, _pid
     _lock = threading.RLock()
+    _pid = os.getpid()
     _exports.clear()
     _deferred.clear()
     for b in list(_imports):
@@ -596,6 +598,10 @@ def _before_pool_close(pool):
 
 @atexit.register
 def _at_exit():
+    if os.getpid() != _pid:
+        # a child forked from C (no Python fork handler ran): the deferred exports are the parent's,
+        # and the parent's collector may have held _lock at the fork (the child hung at exit)
+        return
     try:
         collect()
     except Exception:

@@ -387,6 +387,45 @@ def test_a_child_forked_from_c_that_closes_an_inherited_import_leaves_the_parent
     assert rep["freed"] is True, rep
 
 
+@pytest.mark.parametrize("lock", ["stats publisher's cycle", "sharing collector's"])
+def test_a_child_forked_from_c_exits_through_python_at_once_whatever_thread_held_a_lock(sim_node, tmp_path, lock):
+    # A native framework forks (no Python fork handler runs: uWSGI's workers without
+    # --py-call-osafterfork) and the child ends through Python's exit. The atexit hooks ran with the parent's state:
+    # stop_publisher joined the parent's stats thread, which is not in the child (1.5 s each exit),
+    # and took its cycle lock, held for ever in the child when the fork caught the thread
+    # mid-cycle; sharing's collect took the lock its collector thread may have held. The child hung
+    # at exit (/work/exp/ns23/repros/e3c_cfork_child_exit_time.py). The lock is held here by a
+    # daemon thread standing for the parent's.
+    lock_of = ("publisher.current()._write_lock" if lock.startswith("stats") else "sharing._lock")
+    rep = sim_node.run_json(r"""
+        import ascend_pool as ap
+        from ascend_pool import sharing
+        from ascend_pool.service import publisher
+        WAIT_CHILD
+        pool = ap.Pool(0, backend="sim")
+        p = pool.malloc(1 << 20)
+        publisher.ensure_publisher()
+        held, go = threading.Event(), threading.Event()
+        def hold():
+            with LOCK_OF:
+                held.set()
+                go.wait()
+        threading.Thread(target=hold, daemon=True).start()
+        held.wait()
+        libc = C.PyDLL(None)                           # keeps the GIL across fork(): no other thread
+        t0 = time.monotonic()
+        pid = libc.fork()
+        if pid == 0:
+            sys.exit(0)
+        go.set()
+        end = wait_child(pid, 15)
+        print(json.dumps({"end": end, "seconds": time.monotonic() - t0}))
+    """.replace("WAIT_CHILD", WAIT_CHILD.replace("\n", "\n        ")).replace("LOCK_OF", lock_of), timeout=60,
+        ASCEND_POOL_LEDGER_DIR=str(tmp_path), ASCEND_POOL_STATS_DIR=str(tmp_path))
+    assert rep["end"] == "exit 0", rep
+    assert rep["seconds"] < 1.0, rep
+
+
 def test_a_fork_while_another_thread_changes_the_allocator_settings_never_hangs_the_childs_pool(sim_node):
     """ap.set_allocator_settings holds the settings' lock through its checks (a pool's
     _set_tunables, with the GIL released, when pools are open), and every Pool() takes it to

@@ -55,6 +55,7 @@ class Publisher:
         # across a fork: a child never inherits the thread's half-done work or its locks.
         self._write_lock = threading.RLock()
         self._stop = threading.Event()
+        self.pid = os.getpid()  # the process whose thread and file these are
         self._overflow_logged = False
         self._damage_logged = False  # said once until a fresh file is made
         self._remake_logged = False  # a fresh file could not be made: said once until one is
@@ -263,6 +264,14 @@ def stop_publisher(remove=False):
     """Stops publishing (also run at exit): the file is left marked exited with the final
     counters (Publisher.stop), or removed."""
     global _publisher, _reaper
+    p = _publisher
+    if p is not None and p.pid != os.getpid():
+        # A child forked from C (Python's fork handlers did not run): the thread, its locks (held
+        # for ever here when the fork caught it mid-cycle: the child hung at exit) and the file
+        # are the parent's. Forget them as a fork from Python does (before, the child's exit also
+        # waited out the join of a thread that is not there).
+        _after_fork_in_child()
+        return
     with _lock:
         p, _publisher = _publisher, None
         reaper, _reaper = _reaper, None
