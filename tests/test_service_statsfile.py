@@ -233,6 +233,24 @@ def test_another_start_time_in_our_namespace_is_not_a_death(sf):
     assert ps.pid == os.getpid()
 
 
+@pytest.mark.parametrize("boot", [bytes(16), b"another boot id."], ids=["zeros", "another"])
+def test_a_live_writer_is_live_whatever_boot_id_it_wrote(sf, boot):
+    # A writer whose /proc has no /proc/sys (procfs mounted subset=pid: systemd's ProcSubset=pid)
+    # writes a zero boot id. Before, the reader took its live file for an earlier boot's before
+    # testing the lock: `ps` did not list the worker and every scan (a publisher's start, the
+    # node service's) removed its file while it ran (/work/exp/ns23/repros/r3_no_boot_id_stats_removed.py).
+    _patch(sf.path, 40, boot)
+    assert read_stats_file(sf.path, ME).instance == f"{identity.instance():016x}"
+    StatsScanner(os.path.dirname(sf.path), keep_exited_s=60.0).scan()
+    assert os.path.exists(sf.path)
+    path = sf.path
+    sf.abandon()  # the writer is gone: an earlier boot's counters are not this boot's, zeros tell nothing
+    with pytest.raises(Stale, match="exited") as e:
+        read_stats_file(path, ME)
+    assert (e.value.stats is None) == any(boot), e.value.reason
+    os.unlink(path)
+
+
 def test_write_in_progress_is_busy_not_refused(sf):
     _patch(sf.path, L.SEQ_OFFSET, struct.pack("<Q", 3))  # odd: the owner is mid-write
     with pytest.raises(Busy):

@@ -151,10 +151,15 @@ def _read(fd, path, inst, allowed_uids, allowed_gids=()):
         return out
 
     # Liveness before contents: a dead process's file is Stale (removed) whatever it holds; what
-    # it holds is only its last counters, for the node's totals.
-    if boot != identity.boot_id():
-        raise Stale(path, "process has exited (an earlier boot)")
+    # it holds is only its last counters, for the node's totals. The writer's lock decides: one
+    # that holds it runs now, whatever boot id it wrote (zeros where its /proc has no /proc/sys:
+    # procfs mounted subset=pid, systemd's ProcSubset=pid; before 2026-12-05 such a live worker's
+    # file was taken for an earlier boot's, left out of `ps` and removed by every scan). The boot
+    # id only keeps a dead writer's counters of an earlier boot out of this boot's totals.
     if not _writer_alive(fd):
+        here = identity.boot_id()
+        if boot != here and any(boot) and any(here):
+            raise Stale(path, "process has exited (an earlier boot)")
         raise Stale(path, "process has exited", _last_publish(contents))
     if identity.pid_here(pidns) and identity.gone_here(pid):
         raise Stale(path, "process has exited (a zombie, or gone from this pid namespace)", _last_publish(contents))
