@@ -60,7 +60,6 @@ import errno
 import fcntl
 import os
 import re
-import socket
 import stat
 import struct
 import threading
@@ -161,12 +160,20 @@ def _alive(directory, inst, pid=0, ns=0, start=0, record_fd=-1):
 def _node(backend_name):
     """The node keys are valid on: the simulated node's name, else the kernel's boot id, which
     every container of the host shares (their hostnames differ: each pod has its own UTS
-    namespace), else the host name where /proc does not tell it."""
+    namespace), else "" (not known: _same_node) where /proc does not tell it (no /proc/sys:
+    procfs subset=pid, systemd's ProcSubset=pid). The host name it fell back to before is the
+    pod's own: such a pod and its neighbours refused each other's handles."""
     sim_node = node_name(backend_name)
     if sim_node:
         return sim_node
     boot = identity.boot_id()
-    return f"boot-{boot.hex()}" if any(boot) else socket.gethostname()
+    return f"boot-{boot.hex()}" if any(boot) else ""
+
+
+def _same_node(theirs, ours):
+    """False when two nodes are known to differ; a node not known ("") matches any (the runtime
+    refuses a key of another node)."""
+    return theirs == ours or not theirs or not ours
 
 
 def _record_dir():
@@ -742,7 +749,7 @@ def open_shared(handle, pool=None):
     be = pool.backend
     if be.name != handle.backend:
         raise SharingError(f"the block was shared by the {handle.backend} backend; this pool uses {be.name}")
-    if handle.node != _node(be.name):
+    if not _same_node(handle.node, _node(be.name)):
         raise SharingError(f"the block was shared on node {handle.node!r}; this process is on {_node(be.name)!r}: "
                            "keys are valid on one node only")
     owner = getattr(handle, "exporter_uid", None)  # None: a handle pickled by an earlier version

@@ -620,6 +620,55 @@ def test_pods_of_one_host_agree_on_the_node_their_share_keys_are_valid_on():
     assert acl_a == acl_b == cuda_a == cuda_b and acl_a.startswith("boot-"), seen
 
 
+def _subset_pid_missing():
+    if shutil.which("unshare") is None:
+        return "unshare is not installed"
+    r = subprocess.run(["unshare", "--mount", "--pid", "--fork", "sh", "-c", "mount -t proc -o subset=pid proc /proc"],
+                       capture_output=True, text=True)
+    return None if r.returncode == 0 else f"procfs subset=pid cannot be mounted here (Linux 5.8+): {r.stderr.strip()}"
+
+
+SUBSET_PID_MISSING = _subset_pid_missing()
+
+
+@pytest.mark.skipif(SUBSET_PID_MISSING is not None, reason=str(SUBSET_PID_MISSING))
+def test_a_pod_whose_proc_hides_the_boot_id_opens_its_neighbours_handles(node):
+    # A pod hardened with procfs subset=pid (systemd's ProcSubset=pid: no /proc/sys, so no boot id)
+    # named its node by its host name, the pod's own: it refused every handle of its neighbours
+    # ("shared on node 'boot-...'; this process is on 'pod-a'") and they refused its handles
+    # (/work/exp/ns23/repros/r4_share_node_without_boot_id.py). On the simulator the node is
+    # ASCEND_SIM_NODE: sharing.node_name is patched in both processes so that the real backends' rule applies.
+    env, _, _ = node
+    importer = textwrap.dedent("""
+        import pickle, socket, sys
+        socket.sethostname("pod-a")
+        import ascend_pool as ap
+        from ascend_pool import sharing
+        sharing.node_name = lambda backend: ""
+        with ap.open_shared(pickle.loads(bytes.fromhex(sys.argv[1]))) as b:
+            print("opened", b.size, flush=True)
+    """)
+    exporter = textwrap.dedent("""
+        import os, pickle, subprocess, sys
+        import ascend_pool as ap
+        from ascend_pool import sharing
+        sharing.node_name = lambda backend: ""
+        pool = ap.Pool(0)
+        ptr = pool.share_malloc(2 << 20)
+        h = pool.share(ptr, any_process=True)
+        shell = (f'mount -t proc -o subset=pid proc /proc && '
+                 f'exec {sys.executable} -c "$IMPORTER" {pickle.dumps(h).hex()}')
+        r = subprocess.run(["unshare", "--uts", "--mount", "--pid", "--fork", "sh", "-c", shell], capture_output=True,
+                           text=True, timeout=60)
+        print(h.node, r.stdout.strip(), r.stderr.strip()[-600:])
+        pool.share_free(ptr)
+    """)
+    r = subprocess.run([sys.executable, "-c", exporter], env=dict(env, IMPORTER=importer), capture_output=True,
+                       text=True, timeout=120, cwd="/")
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert r.stdout.startswith("boot-") and "opened 2097152" in r.stdout, r.stdout
+
+
 @needs_unshare
 def test_workers_whose_lease_files_a_cleanup_removed_keep_their_shares_and_make_them_again(node, tmp_path):
     # A /dev/shm cleanup (or an init container) removed the lease files of two running workers,
