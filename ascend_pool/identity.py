@@ -111,7 +111,8 @@ def ensure_lease(directory):
 
 def _make_lease(directory, inst):
     """Creates the lease file of instance inst in directory, locked before it appears under its
-    name; returns its descriptor."""
+    name; returns its descriptor, marked for a forked child's drop (fork_guard) from its creation
+    where the extension is loaded (open_dropped)."""
     path = lease_path(directory, inst)
     tmp = os.path.join(directory, f".{LEASE_PREFIX}{instance_hex(inst)}.tmp")
     for attempt in range(3):
@@ -126,11 +127,11 @@ def _make_lease(directory, inst):
         except FileNotFoundError:
             # a scan removed tmp (remove_dead_leases: this process was stopped for a minute before
             # it locked it): make it again
-            os.close(fd)
+            close_dropped(fd)
             if attempt == 2:
                 raise
         except BaseException:
-            os.close(fd)
+            close_dropped(fd)
             raise
         finally:
             try:
@@ -146,10 +147,10 @@ def _create_tmp(tmp):
     every renewal fail silently, FileExistsError): it is removed and the file made again."""
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        return os.open(tmp, flags, 0o640)
+        return open_dropped(tmp, flags, 0o640)
     except FileExistsError:
         os.unlink(tmp)  # PermissionError in a sticky directory: said by the caller
-        return os.open(tmp, flags, 0o640)
+        return open_dropped(tmp, flags, 0o640)
 
 
 def renew_leases(directory=None):
@@ -180,9 +181,8 @@ def renew_leases(directory=None):
                 continue
             _renew_failed.discard(d)
             if _fork_guard is not None:
-                _fork_guard(fd, False)
                 _fork_guard(new, True)
-            os.close(fd)
+            close_dropped(fd)
             _leases[d] = (new, path)
             out.append(d)
             log.warning("this process's lease %s was removed while it runs (a cleanup of the directory?): made "
@@ -191,15 +191,18 @@ def renew_leases(directory=None):
 
 
 _fork_guard = None  # fork_drops_fd of the extension, set by the backend layer (set_fork_guard)
+_fork_open = None   # fork_dropped_open, likewise
+_fork_close = None  # fork_dropped_close, likewise
 
 
-def set_fork_guard(guard):
+def set_fork_guard(guard, opener=None, closer=None):
     """Hook from the layer that loads the extension: guard(fd, on) marks a descriptor whose lock
     proves this process alive, so that a child forked from C (no Python fork handler) drops it:
     holding the lock, it kept a killed parent alive to its peers (its quota share never given
-    back). Marks the leases held so far."""
-    global _fork_guard
-    _fork_guard = guard
+    back). opener(path, flags, mode) -> (fd, marked) opens and marks with no fork in between,
+    closer(fd) unmarks and closes so (open_dropped, close_dropped). Marks the leases held so far."""
+    global _fork_guard, _fork_open, _fork_close
+    _fork_guard, _fork_open, _fork_close = guard, opener, closer
     for fd, _ in list(_leases.values()):
         guard(fd, True)
 
@@ -208,6 +211,26 @@ def fork_guard(fd, on=True):
     """guard(fd, on) when the hook is set (a stats file's descriptor, say); else nothing."""
     if _fork_guard is not None:
         _fork_guard(fd, on)
+
+
+def open_dropped(path, flags, mode=0o600):
+    """os.open(path, flags, mode) for a descriptor that will hold a lock proving this process alive
+    (a lease, a stats file, a life lock), marked for a forked child's drop (fork_guard) in the same
+    step where the extension is loaded: opened, then marked, a fork from C in between (a native
+    library's, from any thread: Python's forks wait for _lock, C's do not) gave the child an
+    unmarked copy of the open file the parent then locked, and the child kept a killed parent
+    alive to its peers. Close it with close_dropped."""
+    if _fork_open is None:
+        return os.open(path, flags, mode)
+    return _fork_open(path, flags, mode)[0]
+
+
+def close_dropped(fd):
+    """Unmarks fd (fork_guard) and closes it, with no fork in between where the extension is loaded."""
+    if _fork_close is None:
+        os.close(fd)
+    else:
+        _fork_close(fd)
 
 
 # struct flock of Linux's 64-bit ABI (short l_type, l_whence; off_t l_start, l_len; pid_t l_pid)
@@ -228,7 +251,7 @@ def life_hold(fd, value=None):
     /dev/shm cleanup; cython/quota/proc_identity.h is the ledger's side). Taken only when a child
     forked from C is sure to drop fd (fork_guard): holding the lock, it would keep a killed parent
     alive; where not (the table full, a kernel before 3.15), False, and the lease alone tells.
-    Closing fd drops the lock: call fork_guard(fd, False) first."""
+    Closing fd drops the lock: close it with close_dropped."""
     if _fork_guard is None or not _fork_guard(fd, True):
         return False
     try:
@@ -246,14 +269,14 @@ def life_open(fd, value=None):
     itself would be shared by every copy of fd a fork made since fd was opened: a child forked
     then (before the lock, so unknown to fork.c's drop) kept the lock its parent took later, a
     killed parent alive to its peers while the child lived. The open and the registration for
-    the drop run under _lock, which a fork from Python waits for (_before_fork)."""
+    the drop are one step (open_dropped), which a fork from C waits for too."""
     with _lock:
         try:
-            own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            own = open_dropped(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return -1
         if not life_hold(own, value):
-            os.close(own)
+            close_dropped(own)
             return -1
         return own
 
@@ -261,8 +284,7 @@ def life_open(fd, value=None):
 def life_close(fd):
     """Drops a life lock life_open took (closing its descriptor), after its drop registration."""
     with _lock:
-        fork_guard(fd, False)
-        os.close(fd)
+        close_dropped(fd)
 
 
 def life_held(fd, value):

@@ -183,3 +183,75 @@ def test_a_fork_after_a_share_record_is_opened_leaves_the_child_without_the_life
             "the killed parent's life lock is held by its child"
     finally:
         os.kill(hello["child"], signal.SIGKILL)
+
+
+FORK_FROM_C_WHILE = """
+    import ctypes, json, os, threading, time
+    import ascend_pool as ap
+    from ascend_pool import identity
+    from ascend_pool.service import publisher
+    if {share}:
+        pool = ap.Pool(0, backend="sim")
+        h = pool.share(pool.share_malloc(2 << 20), any_process=True)
+        blocks = []
+    t = threading.Thread(target=lambda: {call})
+    t.start()
+    time.sleep(0.3)  # the thread holds its new lock's file (the shim keeps it there 1 s)
+    libc = ctypes.CDLL(None)  # a native library's fork, from a thread holding no Python lock: no handler runs
+    pid = libc.fork()
+    if pid == 0:
+        libc.sleep(60)
+        libc._exit(0)
+    t.join()
+    print(json.dumps({{"instance": identity.instance(), "child": pid}}), flush=True)
+    time.sleep(60)
+"""
+
+
+def _stats_file_locked(tmp_path, instance):
+    # as the node service in its own pid namespace tells a writer alive: by the file's lock alone
+    [path] = glob.glob(os.path.join(str(tmp_path), "**", f"ascend_pool-stats-{instance:016x}"), recursive=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _share_life_lock_held(tmp_path, instance):
+    [path] = [p for p in glob.glob(os.path.join(str(tmp_path), "**", "ascend_pool-share-*"), recursive=True)
+              if ".tmp" not in p]
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return identity.life_held(fd, instance)
+    finally:
+        os.close(fd)
+
+
+@needs_cc
+@pytest.mark.parametrize("what", ["lease", "stats file", "share record's life lock"])
+def test_a_fork_from_c_while_a_thread_makes_a_proof_of_life_leaves_the_child_without_it(tmp_path, shim, what):
+    # A lease, a stats file and a share record's life lock were opened, then marked for fork.c's
+    # drop: Python forks wait for identity's lock meanwhile, a fork from C (a native library's, from
+    # a thread holding no Python lock) did not, and the child got an unmarked copy of the open file
+    # the parent locked, keeping a killed parent alive while it lived: its quota share (lease), its
+    # figures in `ps` and the metrics (stats file), its exported block (share record)
+    # (/work/exp/ns23/repros/r5_cfork_in_lease_window.py).
+    call, check, env = {
+        "lease": (f"identity.ensure_lease({str(tmp_path)!r})",
+                  lambda inst: identity.lease_alive(str(tmp_path), inst) is not False, {"SLOW_LEASE_MS": "1000"}),
+        "stats file": ("publisher.ensure_publisher()", lambda inst: _stats_file_locked(tmp_path, inst),
+                       {"SLOW_STATS_MS": "1000", "ASCEND_POOL_STATS": "1", "ASCEND_POOL_STATS_DIR": str(tmp_path)}),
+        "share record's life lock": ("blocks.append(ap.open_shared(h))",
+                                     lambda inst: _share_life_lock_held(tmp_path, inst),
+                                     {"SLOW_PROC_FD_OPEN_MS": "1000"}),
+    }[what]
+    code = FORK_FROM_C_WHILE.format(call=call, share=what.startswith("share"))
+    hello = _run_parent(tmp_path, code, LD_PRELOAD=shim, **env)
+    try:
+        assert not _still_true(lambda: check(hello["instance"])), f"the killed parent's {what} is held by its child"
+    finally:
+        os.kill(hello["child"], signal.SIGKILL)

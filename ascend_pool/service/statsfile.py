@@ -59,7 +59,7 @@ class StatsFile:
         except BaseException:
             if m is not None:
                 m.close()
-            os.close(fd)
+            identity.close_dropped(fd)
             _unlink(tmp)
             raise
         return fd, m
@@ -67,15 +67,18 @@ class StatsFile:
     @staticmethod
     def _create(tmp, mode=0o600):
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        # Marked for a forked child's drop as it is opened (its lock is the writer's lease): a fork
+        # from C before the mark gave the child the file the parent then locked, and a killed
+        # writer's file stayed live while the child lived.
         try:
-            fd = os.open(tmp, flags, mode)
+            fd = identity.open_dropped(tmp, flags, mode)
         except FileExistsError:  # left by an earlier attempt of ours (e.g. recreating a damaged file)
             os.unlink(tmp)
-            fd = os.open(tmp, flags, mode)
+            fd = identity.open_dropped(tmp, flags, mode)
         try:
             os.fchmod(fd, mode)  # whatever the umask: owner-only (group-readable in a group directory)
         except BaseException:  # the caller retries each interval: one descriptor lost at each
-            os.close(fd)
+            identity.close_dropped(fd)
             _unlink(tmp)
             raise
         return fd
@@ -172,8 +175,7 @@ class StatsFile:
 
     def _close_fds(self):
         for fd in [self._fd] + self._old_fds:
-            identity.fork_guard(fd, False)
-            os.close(fd)
+            identity.close_dropped(fd)
         self._old_fds = []
 
     def abandon(self):

@@ -1,8 +1,9 @@
 /* LD_PRELOAD shim for tests/test_fork_life_locks.py: widens the windows in which a process makes a
    descriptor whose lock proves it alive, so that a fork lands there. A read-only open of a ledger
    file (ascend_pool-ledger-*: the life lock's descriptor, cython/quota/ledger_slots.h) returns after
-   SLOW_LEDGER_OPEN_MS milliseconds; flock(LOCK_EX) on a lease file (ascend_pool-lease-*) after
-   SLOW_LEASE_MS. */
+   SLOW_LEDGER_OPEN_MS milliseconds, one of /proc/self/fd/N (identity.life_open: a share record's
+   life lock) after SLOW_PROC_FD_OPEN_MS; flock(LOCK_EX) on a lease file (ascend_pool-lease-*) after
+   SLOW_LEASE_MS, on a stats file (ascend_pool-stats-*) after SLOW_STATS_MS. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -32,6 +33,8 @@ static void pause_ms(const char *env) {
         int fd = real(path, flags, mode);                                                 \
         if (fd >= 0 && (flags & O_ACCMODE) == O_RDONLY && strstr(path, "ascend_pool-ledger-")) \
             pause_ms("SLOW_LEDGER_OPEN_MS");                                              \
+        if (fd >= 0 && (flags & O_ACCMODE) == O_RDONLY && strncmp(path, "/proc/self/fd/", 14) == 0) \
+            pause_ms("SLOW_PROC_FD_OPEN_MS");                                             \
         return fd;                                                                        \
     }
 SHIM_OPEN(open)
@@ -41,13 +44,14 @@ int flock(int fd, int op) {
     static int (*real)(int, int);
     if (!real) real = (int (*)(int, int))dlsym(RTLD_NEXT, "flock");
     int rc = real(fd, op);
-    if (rc == 0 && (op & LOCK_EX) && getenv("SLOW_LEASE_MS")) {
+    if (rc == 0 && (op & LOCK_EX) && (getenv("SLOW_LEASE_MS") || getenv("SLOW_STATS_MS"))) {
         char link[64], path[512];
         snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
         ssize_t n = readlink(link, path, sizeof path - 1);
         if (n > 0) {
             path[n] = 0;
             if (strstr(path, "ascend_pool-lease-")) pause_ms("SLOW_LEASE_MS");
+            if (strstr(path, "ascend_pool-stats-")) pause_ms("SLOW_STATS_MS");
         }
     }
     return rc;
