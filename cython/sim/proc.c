@@ -87,6 +87,20 @@ static int held_fd[LEASE_DIRS] = {-1, -1, -1, -1, -1, -1, -1, -1};
 static int held_pub_fd[LEASE_DIRS] = {-1, -1, -1, -1, -1, -1, -1, -1};
 static int lease_atfork;
 
+/* A fork waits while another thread makes a lease (lease_hold_locked runs under lease_mu: a few
+   system calls): between the lease's lock and its entry in held_fd[] a fork, from Python or from
+   C, gave the child the locked descriptor unknown to the handler below, which kept a killed
+   parent alive (its device memory counted) for as long as the child lived. */
+static void lease_before_fork(void)
+{
+    pthread_mutex_lock(&lease_mu);
+}
+
+static void lease_after_fork_in_parent(void)
+{
+    pthread_mutex_unlock(&lease_mu);
+}
+
 static void lease_after_fork_in_child(void)
 {
     /* Another process: a new id and leases when it needs them. Closing our copies of the
@@ -224,7 +238,7 @@ uint64_t sim_proc_self_id(void)
         return id;
     pthread_mutex_lock(&lease_mu);
     if (!lease_atfork) {
-        pthread_atfork(NULL, NULL, lease_after_fork_in_child);
+        pthread_atfork(lease_before_fork, lease_after_fork_in_parent, lease_after_fork_in_child);
         lease_atfork = 1;
     }
     while (!(id = atomic_load(&lease_id))) {

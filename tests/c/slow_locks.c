@@ -3,7 +3,8 @@
    file (ascend_pool-ledger-*: the life lock's descriptor, cython/quota/ledger_slots.h) returns after
    SLOW_LEDGER_OPEN_MS milliseconds, one of /proc/self/fd/N (identity.life_open: a share record's
    life lock) after SLOW_PROC_FD_OPEN_MS; flock(LOCK_EX) on a lease file (ascend_pool-lease-*) after
-   SLOW_LEASE_MS, on a stats file (ascend_pool-stats-*) after SLOW_STATS_MS. */
+   SLOW_LEASE_MS, on a stats file (ascend_pool-stats-*) after SLOW_STATS_MS, on the simulator's
+   lease (ascendsim-lease-*, cython/sim/proc.c) after SLOW_SIM_LEASE_MS. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -44,7 +45,8 @@ int flock(int fd, int op) {
     static int (*real)(int, int);
     if (!real) real = (int (*)(int, int))dlsym(RTLD_NEXT, "flock");
     int rc = real(fd, op);
-    if (rc == 0 && (op & LOCK_EX) && (getenv("SLOW_LEASE_MS") || getenv("SLOW_STATS_MS"))) {
+    if (rc == 0 && (op & LOCK_EX) &&
+        (getenv("SLOW_LEASE_MS") || getenv("SLOW_STATS_MS") || getenv("SLOW_SIM_LEASE_MS"))) {
         char link[64], path[512];
         snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
         ssize_t n = readlink(link, path, sizeof path - 1);
@@ -52,6 +54,7 @@ int flock(int fd, int op) {
             path[n] = 0;
             if (strstr(path, "ascend_pool-lease-")) pause_ms("SLOW_LEASE_MS");
             if (strstr(path, "ascend_pool-stats-")) pause_ms("SLOW_STATS_MS");
+            if (strstr(path, "ascendsim-lease-")) pause_ms("SLOW_SIM_LEASE_MS");
         }
     }
     return rc;
