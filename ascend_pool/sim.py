@@ -300,7 +300,9 @@ def stats(device: int = 0) -> dict:
     - ``maps``, ``unmaps``: successful aclrtMapMem / aclrtUnmapMem;
     - ``mapped_bytes``: bytes mapped now (a handle mapped twice counts twice);
     - ``device_refs``: the device's reference count, process-wide: aclrtSetDevice calls minus
-      aclrtResetDevice calls (each open pool holds one; docs/cann-rules.md R2).
+      aclrtResetDevice calls (each open pool holds one; docs/cann-rules.md R2);
+    - ``event_queries``: queries of the device's events (aclrtQueryEventStatus, aclrtQueryEvent)
+      by this process, failed ones included.
 
     Fields are only ever appended, so positions of existing ones never change.
     """

@@ -147,7 +147,7 @@ def test_round_trip_data_and_stats(sim_node):
                               "poisoned_bytes"], names
         assert names[10:16] == ["phys_mallocs", "phys_frees", "phys_bytes", "maps", "unmaps",
                                 "mapped_bytes"], names
-        assert names[16:] == ["device_refs"], names
+        assert names[16:] == ["device_refs", "event_queries"], names
     """))
 
 

@@ -45,6 +45,9 @@ typedef struct ap_block_uses {
     uint16_t *uses;     /* extra stream slots */
     void **events;      /* pending: events still to complete (an owed stream's, of another device
                            too, becomes one: owed_done) */
+    uint32_t *event_keys; /* pending: for each event, the stream it was recorded on at the free
+                             (ap_event_key: slot and the slot's stream generation), 0 when none
+                             (an owed stream's, recorded later) */
     void **owed;        /* pending: streams still to wait for (no event could be had, and the wait
                            at the free failed or timed out) */
     /* Streams of other devices that used it (record_stream, as torch allows: a peer's kernel
@@ -56,6 +59,7 @@ typedef struct ap_block_uses {
     uint16_t uses_in[AP_MAX_USES];
     int16_t foreign_device_in[AP_MAX_FOREIGN];
     void *events_in[AP_MAX_USES + AP_MAX_FOREIGN + 1];
+    uint32_t event_keys_in[AP_MAX_USES + AP_MAX_FOREIGN + 1];
     void *owed_in[AP_MAX_USES + AP_MAX_FOREIGN + 1];
     void *foreign_in[AP_MAX_FOREIGN];
     void *fevents_in[AP_MAX_FOREIGN];

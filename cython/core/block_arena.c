@@ -96,6 +96,7 @@ static void uses_inline(ap_block_uses *u) {
     u->fcap = AP_MAX_FOREIGN;
     u->uses = u->uses_in;
     u->events = u->events_in;
+    u->event_keys = u->event_keys_in;
     u->owed = u->owed_in;
     u->foreign = u->foreign_in;
     u->foreign_device = u->foreign_device_in;
@@ -119,12 +120,16 @@ int ap_uses_grow(ap_block_uses *u, int foreign) {
     else cap = cap * 2 > AP_MAX_STREAMS ? AP_MAX_STREAMS : cap * 2;
     if (cap == u->cap && fcap == u->fcap) return -1; /* uses: every slot already fits, not reached */
     size_t waits = cap + fcap + 1;
-    void **mem = malloc((2 * waits + 2 * fcap) * sizeof(void *) + (cap + fcap) * sizeof(uint16_t));
+    void **mem = malloc((2 * waits + 2 * fcap) * sizeof(void *) + waits * sizeof(uint32_t) +
+                        (cap + fcap) * sizeof(uint16_t));
     if (!mem) return -1;
-    /* laid out as ap_uses_ok checks: events, owed, foreign, fevents, then the 16-bit arrays */
-    uint16_t *uses = (uint16_t *)(mem + 2 * waits + 2 * fcap);
+    /* laid out as ap_uses_ok checks: events, owed, foreign, fevents, the event keys, then the
+       16-bit arrays */
+    uint32_t *keys = (uint32_t *)(mem + 2 * waits + 2 * fcap);
+    uint16_t *uses = (uint16_t *)(keys + waits);
     int16_t *foreign_device = (int16_t *)(uses + cap);
     memcpy(mem, u->events, u->n_events * sizeof(void *));
+    memcpy(keys, u->event_keys, u->n_events * sizeof(uint32_t));
     memcpy(mem + waits, u->owed, u->n_owed * sizeof(void *));
     memcpy(mem + 2 * waits, u->foreign, u->n_foreign * sizeof(void *));
     memcpy(mem + 2 * waits + fcap, u->fevents, u->n_fevents * sizeof(void *));
@@ -132,6 +137,7 @@ int ap_uses_grow(ap_block_uses *u, int foreign) {
     memcpy(foreign_device, u->foreign_device, u->n_foreign * sizeof(int16_t));
     if (u->events != u->events_in) free(u->events);
     u->events = mem;
+    u->event_keys = keys;
     u->owed = mem + waits;
     u->foreign = mem + 2 * waits;
     u->fevents = mem + 2 * waits + fcap;

@@ -101,7 +101,9 @@ static int check_cache(ap_pool *p, check_ctx *c, size_t *cached) {
 
 static int check_pending(ap_pool *p, check_ctx *c, int64_t *blocks, int64_t *bytes, int64_t *by_kind) {
     ap_block *last = NULL;
+    int checked = 0;
     for (ap_block *b = p->pending_head; b; b = b->pending_next) {
+        checked |= b == p->pending_checked;
         CHECK(b->state == AP_BLOCK_PENDING, "block 0x%lx on the pending list has state %d", (unsigned long)b->addr,
               b->state);
         CHECK(b->xs && ap_uses_ok(b->xs) && b->xs->n_events + b->xs->n_owed <= b->xs->cap + b->xs->fcap + 1 &&
@@ -114,6 +116,7 @@ static int check_pending(ap_pool *p, check_ctx *c, int64_t *blocks, int64_t *byt
         last = b;
     }
     CHECK(p->pending_tail == last, "pending tail is not the last pending block");
+    CHECK(!p->pending_gated || checked, "the pending frees are gated up to a block not on the pending list");
     return 0;
 }
 

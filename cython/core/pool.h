@@ -213,6 +213,9 @@ typedef struct ap_stream_slot {
     int stranded;          /* new-mode records on it whose event was reused on another stream:
                               counted until a later record on it is seen complete (stream_order.c) */
     uint64_t stranded_seq; /* the latest of them (ap_pool.record_seq) */
+    uint32_t gen;          /* bumped each time the slot is given a stream (ap_event_key) */
+    void *gate;            /* the last pass over the pending frees (ap_process_pending): the
+                              oldest of their events on this stream found not complete, or NULL */
 } ap_stream_slot;
 
 typedef struct ap_pool {
@@ -247,6 +250,11 @@ typedef struct ap_pool {
     uint64_t vmm_growth_tick;  /* p->tick when the growth credit was last topped up */
 
     ap_block *pending_head, *pending_tail; /* frees waiting on events, oldest first */
+    int pending_gated;     /* every pending free up to pending_checked waits for an event recorded
+                              on a stream no earlier than that stream's gate (slots' gate): while
+                              each gate is not complete, none of them is (stream_order.c
+                              ap_process_pending); the frees after it came since */
+    ap_block *pending_checked;
     void **event_cache;   /* idle events for reuse (at most event_cache_max; more are destroyed) */
     int n_cached_events, event_cache_cap;
     int event_cache_max;  /* bound below the device's event limit (stream_order.c) */

@@ -56,12 +56,13 @@ int ap_uses_grow(ap_block_uses *u, int foreign);
 static inline int ap_uses_ok(const ap_block_uses *u) {
     size_t waits = (size_t)u->cap + u->fcap + 1;
     int in = u->cap == AP_MAX_USES && u->fcap == AP_MAX_FOREIGN && u->uses == u->uses_in &&
-             u->events == u->events_in && u->owed == u->owed_in && u->foreign == u->foreign_in &&
+             u->events == u->events_in && u->event_keys == u->event_keys_in && u->owed == u->owed_in && u->foreign == u->foreign_in &&
              u->foreign_device == u->foreign_device_in && u->fevents == u->fevents_in;
     int grown = (u->cap > AP_MAX_USES || u->fcap > AP_MAX_FOREIGN) && u->cap >= AP_MAX_USES &&
                 u->cap <= AP_MAX_STREAMS && u->fcap >= AP_MAX_FOREIGN && u->fcap <= AP_FOREIGN_LIMIT &&
                 u->events != u->events_in && u->owed == u->events + waits && u->foreign == u->owed + waits &&
-                u->fevents == u->foreign + u->fcap && u->uses == (const uint16_t *)(u->fevents + u->fcap) &&
+                u->fevents == u->foreign + u->fcap && u->event_keys == (const uint32_t *)(u->fevents + u->fcap) &&
+                u->uses == (const uint16_t *)(u->event_keys + waits) &&
                 u->foreign_device == (const int16_t *)(u->uses + u->cap);
     return (in || grown) && u->n_uses <= u->cap && u->n_foreign <= u->fcap && u->n_fevents <= u->fcap;
 }

@@ -73,6 +73,18 @@ static void records_seen(ap_pool *p, void *stream, uint64_t seq) {
 static void parked_recycle(ap_pool *p);
 static void strand_probes(ap_pool *p);
 
+/* The stream a pending free's event was recorded on at the free: its slot (under 1,024) and the
+   slot's generation, so that the slot given to another stream since never matches. Never 0. */
+_Static_assert(AP_MAX_STREAMS <= 1024, "a slot fits the key's 10 bits");
+static uint32_t event_key(const ap_pool *p, int slot) { return (p->slots[slot].gen << 10) | (uint32_t)slot; }
+
+/* The live slot whose stream a key names, or NULL (0: not known; a retired or reassigned slot). */
+static ap_stream_slot *key_slot(ap_pool *p, uint32_t key) {
+    int slot = (int)(key & 1023);
+    if (!key || slot >= p->n_slots || !p->slots[slot].live || event_key(p, slot) != key) return NULL;
+    return &p->slots[slot];
+}
+
 /* Pending frees' events found complete go back now (events_done would find them later). */
 static void records_reclaim(ap_pool *p) {
     if (p->n_parked) parked_recycle(p);
@@ -87,7 +99,9 @@ static void records_reclaim(ap_pool *p) {
                 continue;
             }
             void *ev = u->events[i];
+            u->event_keys[i] = u->event_keys[u->n_events - 1];
             u->events[i] = u->events[--u->n_events];
+            p->pending_gated = 0; /* a gate may have gone back to the cache */
             records_add(p, -1);
             ap_event_put(p, ev);
         }
@@ -245,8 +259,13 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
         }
         i = p->n_slots++;
         p->slots[i].epoch = 0;
+        p->slots[i].gen = 0;
+        p->slots[i].gate = NULL;
     }
     ap_stream_slot *s = &p->slots[i];
+    if (s->gate) p->pending_gated = 0; /* the earlier stream's pending frees are asked again */
+    s->gate = NULL;
+    s->gen++; /* its earlier stream's events (event_key) are not this stream's */
     s->stream = stream;
     s->live = 1;
     s->epoch++; /* never reset: a wait begun (lock dropped) on this slot's earlier stream, whose
@@ -680,8 +699,10 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
         if ((i < 0 ? slot == 0 : slot == tag) || !p->slots[slot].live) continue;
         void *s = p->slots[slot].stream;
         void *ev = record_on(p, s);
-        if (ev) u->events[u->n_events++] = ev;
-        else if (counts_records(p) || sync_stream(p, s, NULL) != AP_OK) /* no event to spare: wait
+        if (ev) {
+            u->event_keys[u->n_events] = event_key(p, slot);
+            u->events[u->n_events++] = ev;
+        } else if (counts_records(p) || sync_stream(p, s, NULL) != AP_OK) /* no event to spare: wait
                      now instead (pool.h: the one wait under the lock, rare); new mode: never (at
                      the records bound, or the runtime refused the record: record_room) */
             u->owed[u->n_owed++] = s; /* still running (or failed): the block waits for it */
@@ -716,6 +737,7 @@ static int owed_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
             void *ev = record_on(p, s);
             if (ev) {
                 AP_ASSERT(u->n_events < u->cap + u->fcap + 1);
+                u->event_keys[u->n_events] = 0; /* recorded after later frees' events: no gate's */
                 u->events[u->n_events++] = ev;
             } else if (stream_idle(p, s) != -1) {
                 return AP_E_BUSY; /* no event to spare yet (or out of reach): asked again at the next pass */
@@ -741,15 +763,29 @@ static int event_done(ap_pool *p, ap_block *b, void *ev, int blocking, ap_error 
                         p->device, msg);
 }
 
-static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
+/* *gated: cleared when a non-blocking pass leaves b pending for a reason no gate covers (an owed
+   stream, an event of no known stream, another device's event). */
+static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err, int *gated) {
     ap_block_uses *u = b->xs;
     if (u && u->n_owed) {
         int rc = owed_done(p, b, blocking, err);
-        if (rc != AP_OK) return rc;
+        if (rc != AP_OK) {
+            *gated = 0;
+            return rc;
+        }
     }
     if (u && u->n_events) ap_on_device(p);
     while (u && u->n_events) {
-        int rc = event_done(p, b, u->events[u->n_events - 1], blocking, err);
+        void *ev = u->events[u->n_events - 1];
+        ap_stream_slot *on = blocking ? NULL : key_slot(p, u->event_keys[u->n_events - 1]);
+        /* Its stream's gate, recorded at an earlier free (the list is in free order), was found not
+           complete in this pass: one stream runs its work in order, so neither is this one. */
+        if (on && on->gate) return AP_E_BUSY;
+        int rc = event_done(p, b, ev, blocking, err);
+        if (rc == AP_E_BUSY) {
+            if (on) on->gate = ev;
+            else *gated = 0;
+        }
         if (rc != AP_OK) return rc;
         if (counts_records(p)) records_add(p, -1);
         ap_event_put(p, u->events[--u->n_events]);
@@ -757,6 +793,7 @@ static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
     /* Another device's events are destroyed, not cached; never while a wait outside the lock
        (waits.c) may still hold their handles: asked again at the next pass. */
     while (u && u->n_fevents) {
+        *gated = 0;
         if (p->event_pins) return AP_E_BUSY;
         int rc = event_done(p, b, u->fevents[u->n_fevents - 1], blocking, err);
         if (rc != AP_OK) return rc;
@@ -765,12 +802,37 @@ static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err) {
     return AP_OK;
 }
 
+/* 1 while every gate of the last pass is still not complete: then no pending free is (pending_gated).
+   One query per stream that holds pending frees back, as PyTorch's process_events (the oldest
+   event of each stream): before, each allocation asked every pending free's events, and a
+   framework with thousands of frees pending behind a busy stream (record_stream on a
+   communication stream) paid a runtime query per pending free at every allocation. */
+static int gates_hold(ap_pool *p) {
+    ap_on_device(p);
+    for (int s = 1; s < p->n_slots; s++) {
+        void *gate = p->slots[s].gate;
+        int complete = 0;
+        if (gate && (p->backend->event_query(p->backend, gate, &complete) != 0 || complete)) return 0;
+    }
+    return 1;
+}
+
 int ap_process_pending(ap_pool *p, int blocking, ap_error *err) {
     ap_block *prev = NULL, *b = p->pending_head;
-    int status = AP_OK;
+    if (!blocking && p->pending_gated && gates_hold(p)) {
+        /* The frees checked before all still wait: only those made since are asked. Their events
+           were recorded after every gate, so a stream's gate still covers them (events_done). */
+        prev = p->pending_checked;
+        b = prev ? prev->pending_next : p->pending_head;
+        if (!b) return AP_OK;
+    } else {
+        for (int s = 1; s < p->n_slots; s++) p->slots[s].gate = NULL;
+    }
+    int status = AP_OK, gated = !blocking;
+    p->pending_gated = 0;
     while (b) {
         ap_block *next = b->pending_next;
-        int rc = events_done(p, b, blocking, err);
+        int rc = events_done(p, b, blocking, err, &gated);
         if (rc == AP_OK) {
             pending_unlink(p, prev, b);
             ap_stats_pending(&p->stats, b->seg->pool, (int64_t)b->size, -1);
@@ -785,6 +847,9 @@ int ap_process_pending(ap_pool *p, int blocking, ap_error *err) {
         }
         b = next;
     }
+    /* each free left waits for an event no earlier than its stream's gate (events_done) */
+    p->pending_gated = gated && p->pending_head;
+    p->pending_checked = p->pending_tail;
     return status;
 }
 

@@ -171,7 +171,7 @@ SIM_EXPORT aclError ascendsim_parse_size(const char *text, uint64_t *bytes)
 
 static const char STATS_FIELDS[] =
     "mallocs,frees,bytes_held,node_bytes_used,total_bytes,live_events,events_created,live_streams,dropped_fills,poisoned_bytes,"
-    "phys_mallocs,phys_frees,phys_bytes,maps,unmaps,mapped_bytes,device_refs";
+    "phys_mallocs,phys_frees,phys_bytes,maps,unmaps,mapped_bytes,device_refs,event_queries";
 
 SIM_EXPORT const char *ascendsim_stats_fields(void) { return STATS_FIELDS; }
 
@@ -196,6 +196,7 @@ SIM_EXPORT aclError ascendsim_get_stats(int32_t device, uint64_t *out, uint32_t 
         atomic_load(&d->poisoned_bytes),
         vm[0], vm[1], vm[2], vm[3], vm[4], vm[5], /* appended: existing positions never move */
         (uint64_t)atomic_load(&d->refs),
+        atomic_load(&d->event_queries),
     };
     for (uint32_t i = 0; i < n && i < sizeof v / sizeof v[0]; i++)
         out[i] = v[i];

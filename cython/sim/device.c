@@ -52,6 +52,7 @@ static void reset_devices(void)
         atomic_store(&d->live_streams, 0);
         atomic_store(&d->dropped_fills, 0);
         atomic_store(&d->poisoned_bytes, 0);
+        atomic_store(&d->event_queries, 0);
         atomic_store(&d->refs, 0);
     }
 }

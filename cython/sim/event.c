@@ -363,6 +363,7 @@ static int query(aclrtEvent event, int *status, int deprecated, const char *call
         return -sim_fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, call, "event %p was created by aclrtCreateEventExWithFlag, "
                          "which does not support this call: use aclrtQueryEventStatus", event);
     }
+    atomic_fetch_add(&g_sim.dev[e->device].event_queries, 1);
     if (sim_fault_event_query_nth()) {
         sim_obj_unref(&e->obj);
         return -sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "injected fault: this event query was chosen to fail");

@@ -396,6 +396,7 @@ struct sim_device {
     struct sim_context *default_ctx;
     _Atomic uint64_t mallocs, frees, held, live_events, events_created, live_streams, dropped_fills;
     _Atomic uint64_t poisoned_bytes;
+    _Atomic uint64_t event_queries; /* aclrtQueryEventStatus and aclrtQueryEvent calls on its events (event.c) */
     _Atomic uint64_t id_events;    /* live events of aclrtCreateEventWithFlag: one event id each (event.c) */
     _Atomic int64_t refs;          /* aclrtSetDevice minus aclrtResetDevice, process-wide */
 };
