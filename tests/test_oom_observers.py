@@ -10,7 +10,7 @@ import logging
 import pytest
 
 import ascend_pool as ap
-from ascend_pool import _core, sim
+from ascend_pool import _core
 
 MiB = 1 << 20
 
@@ -30,10 +30,14 @@ def seen():
 def test_a_failed_malloc_tells_each_observer_torchs_figures_before_the_error(pool, seen):
     pool.free(pool.malloc(MiB))
     assert seen == [], "successful allocations tell nobody"
-    total = pool.mem_get_info()[1]
+    free_before, total = pool.mem_get_info()
     with pytest.raises(ap.OutOfMemoryError):
         pool.malloc(1 << 50)  # larger than the device
-    assert seen == [(0, 1 << 50, total, pool.mem_get_info()[0])]
+    free_after = pool.mem_get_info()[0]
+    assert len(seen) == 1 and seen[0][:3] == (0, 1 << 50, total), seen
+    # the device's free bytes at the failure: other pools of the process (an orphan the stats
+    # publisher's thread closes meanwhile) may give memory back around it
+    assert min(free_before, free_after) <= seen[0][3] <= max(free_before, free_after), (seen, free_before, free_after)
     pool.set_limit(64 * MiB)  # a cap: allowed is the cap, as torch passes its fraction's maximum
     with pytest.raises(ap.OutOfMemoryError):
         pool.malloc(100 * MiB)
@@ -49,11 +53,13 @@ def test_an_observer_may_snapshot_the_pool_no_lock_is_held(pool):
     ap.attach_out_of_memory_observer(observer)
     try:
         keep = pool.malloc(8 * MiB)
-        sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"])  # no further segment
+        # Never fits beside `keep`, whatever the process's other pools give back: capped at the
+        # bytes held (fail_after_bytes), a request failed only while no other pool had idle
+        # cache to release to it (the out-of-memory path takes peers' cache back) nor an orphan
+        # closed by the stats publisher's thread meanwhile: in the suite it sometimes succeeded.
         with pytest.raises(ap.OutOfMemoryError):
-            pool.malloc(100 * MiB)
+            pool.malloc(pool.mem_get_info()[1] - 4 * MiB)
     finally:
-        sim.reset_faults()
         ap.detach_out_of_memory_observer(observer)
     assert len(snaps) == 1
     live = [b for s in snaps[0]["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
