@@ -166,10 +166,16 @@ def test_workers_under_prometheus(node):
     job_tenants = {dict(k)["tenant"] for k in counted if dict(k)["tenant"].startswith("job-")}
     assert len(job_tenants) <= 2, f"{panel['title']!r} counts the jobs worker for {len(job_tenants)} job tenants"
 
-    # No counter reset, whatever closed and reopened.
+    # No counter reset, whatever closed and reopened: the default tenant's pools of the jobs
+    # worker close and reopen at every job, the requests' contexts are dropped. A job tenant's
+    # series is not in it: 64 newer (device, tenant) pairs on, it is dropped (RETIRED_KEEP) and
+    # starts over when the jobs worker comes back to the name (a new series with the same
+    # labels, as a deleted pod's; Prometheus counts it as a reset, which rate() handles), from 0
+    # when a scrape comes between the context's open and its allocation: a failure of this test
+    # under load (with a sleep there, every other run).
     time.sleep(3)  # a few scrapes more
     for family in ("allocations", "device_mallocs", "device_frees", "ooms", "quota_exceeded", "alloc_retries"):
-        resets = values(port, f"resets(ascend_pool_{family}_total[5m]) > 0")
+        resets = values(port, f'resets(ascend_pool_{family}_total{{tenant!~"job-.*"}}[5m]) > 0')
         assert not resets, f"ascend_pool_{family}_total went down: {resets}"
 
     # SIGKILL the jobs worker while it publishes: its series leave the node service.
