@@ -363,3 +363,25 @@ def test_pending_frees_behind_busy_streams_are_asked_once_per_stream_not_once_ea
     pool._check_invariants()
     for s in (alloc, busy, quick):
         pool.destroy_stream(s)
+
+
+def test_empty_cache_waits_for_every_pending_free_behind_running_streams(pool):
+    # empty_cache waited for the pending frees' events 64 at a time, four rounds: with more frees
+    # than that behind streams whose work was still running, it returned with the rest pending
+    # and their segments kept (PyTorch's empty_cache waits for every event). Each stream's latest
+    # event now stands for its earlier ones.
+    alloc = pool.create_stream()
+    users = [pool.create_stream() for _ in range(6)]
+    ptrs = [pool.malloc(4096, stream=alloc) for _ in range(600)]
+    for i, x in enumerate(ptrs):
+        u = users[i % len(users)]
+        sim.launch_fill(u, x, 4096, 0x11, delay_s=0.001)  # each user stream works ~0.1 s in all
+        pool.record_stream(x, u)
+        pool.free(x)
+    pool.empty_cache()
+    st = pool.memory_stats()
+    assert st["pending_free_bytes"] == 0 and st["reserved_bytes.all.current"] == 0, st
+    pool._check_invariants()
+    for s in users + [alloc]:
+        pool.synchronize(s)
+        pool.destroy_stream(s)

@@ -259,6 +259,8 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err);
 /* Completes pending frees whose events are done; blocking waits for all (bounded by the timeout).
    Returns AP_OK or AP_E_TIMEOUT. */
 int ap_process_pending(ap_pool *p, int blocking, ap_error *err);
+/* The live slot a pending free's event was recorded on (its event_keys entry), or 0: none known. */
+int ap_event_key_slot(ap_pool *p, uint32_t key);
 /* Waits for the work queued on the slot's stream, then its free blocks serve every stream. */
 int ap_settle_slot(ap_pool *p, int slot, ap_error *err);
 /* Settles every stream that holds free blocks, so that free space split across streams merges.

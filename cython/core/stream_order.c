@@ -78,11 +78,15 @@ static void strand_probes(ap_pool *p);
 _Static_assert(AP_MAX_STREAMS <= 1024, "a slot fits the key's 10 bits");
 static uint32_t event_key(const ap_pool *p, int slot) { return (p->slots[slot].gen << 10) | (uint32_t)slot; }
 
+int ap_event_key_slot(ap_pool *p, uint32_t key) {
+    int slot = (int)(key & 1023);
+    return key && slot < p->n_slots && p->slots[slot].live && event_key(p, slot) == key ? slot : 0;
+}
+
 /* The live slot whose stream a key names, or NULL (0: not known; a retired or reassigned slot). */
 static ap_stream_slot *key_slot(ap_pool *p, uint32_t key) {
-    int slot = (int)(key & 1023);
-    if (!key || slot >= p->n_slots || !p->slots[slot].live || event_key(p, slot) != key) return NULL;
-    return &p->slots[slot];
+    int slot = ap_event_key_slot(p, key);
+    return slot ? &p->slots[slot] : NULL;
 }
 
 /* Pending frees' events found complete go back now (events_done would find them later). */
