@@ -168,3 +168,28 @@ def test_a_close_with_blocks_still_allocated_says_so_and_a_clean_one_does_not(ca
     with caplog.at_level("WARNING", logger="ascend_pool"):
         q.close()
     assert not [r for r in caplog.records if "still allocated" in r.getMessage()]
+
+
+def test_empty_cache_releases_the_largest_segments_first_however_many():
+    # empty_cache releases every free segment largest first (ties in list order); past a few it
+    # sorts them once instead of walking every segment for each release (16,000 free 2 MiB
+    # segments took 0.7 s): the same order, the same device frees.
+    import random
+
+    MiB = 1 << 20
+    p = ap.Pool(0, backend="sim", record_history=1000)
+    try:
+        sizes = [(12 + 2 * i) * MiB for i in range(10)]  # a segment of its own each
+        random.Random(3).shuffle(sizes)
+        ptrs = [p.malloc(s) for s in sizes] + [p.malloc(MiB // 2) for _ in range(5)]  # and two 2 MiB ones
+        for x in ptrs:
+            p.free(x)
+        before = sim.stats(0)["frees"]
+        p.empty_cache()
+        released = [e["size"] for e in p.snapshot()["device_traces"][0] if e["action"] == "segment_free"]
+        assert released == sorted(released, reverse=True) and len(released) == 12, released
+        assert sim.stats(0)["frees"] - before == 12
+        assert p.memory_stats()["reserved_bytes.all.current"] == 0
+        p._check_invariants()
+    finally:
+        p.close()

@@ -14,6 +14,8 @@
  * (largest first), so nothing bounds its calls when a workload keeps changing shape; expandable
  * segments trade single chunks under their own budget (vmm_policy.c).
  */
+#include <stdlib.h>
+
 #include "pool_internal.h"
 
 size_t ap_reserved(const ap_pool *p) {
@@ -103,9 +105,51 @@ static ap_segment *pick_free_segment(ap_pool *p, int include_pinned, int oldest_
     return pick;
 }
 
+typedef struct {
+    ap_segment *seg;
+    size_t at; /* its place in the segment list: pick_free_segment keeps the first of equal sizes */
+} release_item;
+
+static int largest_first(const void *a, const void *b) {
+    const release_item *x = a, *y = b;
+    if (x->seg->size != y->seg->size) return x->seg->size > y->seg->size ? -1 : 1;
+    return x->at < y->at ? -1 : 1;
+}
+
+/* Every free segment going (empty_cache, an orphan's free): pick_free_segment walks every segment
+   for each one released, and 16,000 free 2 MiB segments took 0.7 s. The same order (largest
+   first, then list order) from one sort, where none of them waits for a stream (a settle below
+   may merge blocks into new ones: the loop keeps those). -1 when not taken (the loop does it all). */
+static long release_all_sorted(ap_pool *p, int include_pinned, ap_error *err, size_t *released) {
+    if (p->n_free_segments < 8) return -1;
+    release_item *items = malloc(p->n_free_segments * sizeof *items);
+    if (!items) return -1;
+    size_t n = 0, at = 0;
+    for (ap_segment *s = p->segments; s; s = s->next, at++) {
+        if (!ap_segment_is_free(s) || (s->pinned && !include_pinned)) continue;
+        if (s->first->tag || n == p->n_free_segments) { /* waits for a stream: the loop's order */
+            free(items);
+            return -1;
+        }
+        items[n++] = (release_item){s, at};
+    }
+    qsort(items, n, sizeof *items, largest_first);
+    long rc = 0;
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        size_t size = items[i].seg->size;
+        if (ap_segment_release(p, items[i].seg, err) != AP_OK) rc = 1;
+        else *released += size;
+    }
+    free(items);
+    return rc;
+}
+
 size_t ap_release_free_segments(ap_pool *p, size_t target, int include_pinned, int oldest_first, ap_error *err) {
     if (p->cfg.expandable) return ap_vmm_release(p, target, err);
     size_t released = 0;
+    ap_cache_flush(p);
+    if (target == (size_t)-1 && !oldest_first && release_all_sorted(p, include_pinned, err, &released) == 1)
+        return released; /* a release failed: the loop would have stopped there too */
     /* Explicit trims (empty_cache, a lowered quota or limit, the out-of-memory path) may wait for
        streams: a free segment split into blocks of different streams becomes whole once they are
        settled. The release policies on the allocation path never wait. */
