@@ -386,3 +386,50 @@ def test_empty_cache_waits_for_every_pending_free_behind_running_streams(pool):
     for s in users + [alloc]:
         pool.synchronize(s)
         pool.destroy_stream(s)
+
+
+def test_each_pass_completes_exactly_the_pending_frees_whose_streams_are_done(pool):
+    # The pending frees are asked one event per busy stream (its oldest not complete stands for
+    # its later ones): a seeded walk of record_stream on random streams, held (hang_stream) and
+    # let go at random, checks after every step that a pass completes exactly the frees whose
+    # every stream has run its work, no fewer (a gate standing for another stream's events) and
+    # no more (a free reused under running work).
+    rng = random.Random(2312)
+    alloc = pool.create_stream()
+    users = [pool.create_stream() for _ in range(4)]
+    size = pool.round_size(4096)
+    held = {}     # user stream -> the number of its current hold (absent: running freely)
+    holds = 0
+    pending = []  # (ptr, {stream: the hold it was freed under})
+    try:
+        for _ in range(300):
+            op = rng.random()
+            if op < 0.15:
+                s = rng.choice(users)
+                if s in held:
+                    sim.release_stream(s)
+                    del held[s]
+                    pool.synchronize(s)  # its queued work done, as seen from here
+                else:
+                    holds += 1
+                    held[s] = holds
+                    sim.hang_stream(s)
+            else:
+                x = pool.malloc(4096, stream=alloc)
+                marks = rng.sample(users, rng.randint(1, 3))
+                for s in marks:
+                    pool.record_stream(x, s)
+                pool.free(x)
+                pending.append((x, {s: held.get(s) for s in marks}))
+            pool.free(pool.malloc(4096, stream=alloc))  # a pass over the pending frees
+            pending = [(x, m) for x, m in pending if any(h is not None and held.get(s) == h for s, h in m.items())]
+            assert pool.memory_stats()["pending_free_bytes"] == len(pending) * size
+        pool._check_invariants()
+    finally:
+        for s in held:
+            sim.release_stream(s)
+    for s in users + [alloc]:
+        pool.synchronize(s)
+        pool.destroy_stream(s)
+    pool.empty_cache()
+    assert pool.memory_stats()["pending_free_bytes"] == 0
