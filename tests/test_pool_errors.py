@@ -17,6 +17,8 @@ def assert_consistent(pool, live):
 
 @pytest.mark.parametrize("size, match", [
     (0, "positive"), (-1, "positive"), (-(2**63), "positive"),
+    # below any ssize_t: still "positive" (before: "larger than any device")
+    (-(2**64), "must be positive, got -18446744073709551616"), (-(2**70), "must be positive"),
     (1.5, "integer"), ("100", "integer"), (None, "integer"), (True, "integer"),
     (2**70, "larger than any device"),
 ])

@@ -190,6 +190,8 @@ cdef inline size_t _as_size(object nbytes) except? 0:
     try:
         n = nbytes
     except OverflowError:
+        if nbytes < 0:  # below any ssize_t: a negative size, not a large one
+            raise InvalidSizeError(f"size must be positive, got {nbytes} bytes") from None
         raise InvalidSizeError(f"size {nbytes} bytes is larger than any device") from None
     if n <= 0:
         raise InvalidSizeError(f"size must be positive, got {n} bytes")
