@@ -42,10 +42,14 @@ def read_snapshot(path) -> dict:
     p = check_input_file(path, "snapshot file", "a PyTorch memory snapshot file NAME.pickle")
     if p.stat().st_size > _MAX_BYTES:
         raise ValueError(f"snapshot {p}: larger than {_MAX_BYTES} bytes")
+    data = p.read_bytes()
+    if data.startswith(b"PK\x03\x04"):  # pickle's reading of it is a two-line persistent-id error
+        raise ValueError(f"snapshot {p}: a zip archive (an .npz trace?), not a memory snapshot pickle")
     try:
-        snap = _PlainUnpickler(io.BytesIO(p.read_bytes())).load()
+        snap = _PlainUnpickler(io.BytesIO(data)).load()
     except Exception as exc:
-        raise ValueError(f"snapshot {p}: cannot read as a memory snapshot pickle: {exc}") from exc
+        # one line, as ascend-pool prints it (some of pickle's messages span two)
+        raise ValueError(f"snapshot {p}: cannot read as a memory snapshot pickle: {' '.join(str(exc).split())}") from exc
     if not isinstance(snap, dict) or not isinstance(snap.get("device_traces"), list):
         raise ValueError(f"snapshot {p}: no device_traces (record with torch.cuda.memory._record_memory_history "
                          "or ascend_pool.record_memory_history before dumping)")

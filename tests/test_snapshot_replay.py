@@ -190,3 +190,25 @@ def test_a_malformed_snapshot_is_one_line_naming_the_event(tmp_path, events, pro
                              timeout=60, cwd=tmp_path)
         assert out.returncode == 2, out.stderr
         assert "Traceback" not in out.stderr and problem in out.stderr and "'bad" in out.stderr, out.stderr
+
+
+def test_a_file_that_is_no_pickle_is_one_line_naming_it(tmp_path):
+    # an .npz trace given as the snapshot (trace convert of a trace, a renamed file) and a pickle
+    # whose error pickle writes on two lines: ascend-pool prints one line (before: pickle's
+    # "A load persistent id instruction was encountered,\nbut no persistent_load ..." on two)
+    npz = tmp_path / "t.npz"
+    np.savez(npz, op=np.array([1, 0], np.int8), id=np.array([0, 0]), size=np.array([8, 8]),
+             stream=np.array([0, 0], np.int32))
+    renamed = tmp_path / "t.pickle"
+    renamed.write_bytes(npz.read_bytes())
+    persistent = tmp_path / "p.pickle"
+    persistent.write_bytes(b"\x80\x04P0\n.")  # a persistent id: the two-line message
+    cases = [(["trace", "convert", str(npz), str(tmp_path / "o.npz")], "a zip archive (an .npz trace?)"),
+             (["replay", str(renamed)], "a zip archive (an .npz trace?)"),
+             (["replay", str(persistent)], "cannot read as a memory snapshot pickle: A load persistent id")]
+    for args, problem in cases:
+        out = subprocess.run([sys.executable, "-m", "ascend_pool.cli", *args], capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path)
+        assert out.returncode == 2, out.stderr
+        assert len(out.stderr.splitlines()) == 1 and problem in out.stderr, out.stderr
+    assert not (tmp_path / "o.npz").exists()
