@@ -19,7 +19,7 @@ from .backend import check_device, device_index, open_backend
 from .config import conf_source, effective_knobs, knobs_to_config, runtime_state
 from .errors import ConfigError, ConfigTypeError, PoolError
 from .snapshot_trace import NoAllocations, arrays_from_snapshot
-from .traces import trace_from_arrays
+from .traces import output_npz_path, trace_from_arrays
 from .units import as_index
 
 log = logging.getLogger("ascend_pool")
@@ -355,7 +355,7 @@ class Pool(PoolBase):
                             "on first (pool.record_memory_history(True) or the record_history knob), then run the "
                             "work to record")
         trace = trace_from_arrays(a["op"], a["id"], a["size"], a["stream"], name="pool history")
-        np.savez(path, **a)
+        np.savez(output_npz_path(path, "dump_trace"), **a)
         return trace
 
     def dump_snapshot(self, path):

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .traces import OP_ALLOC, OP_FREE, NoAllocations, Trace, check_input_file, register_reader, trace_from_arrays
+from .traces import (OP_ALLOC, OP_FREE, NoAllocations, Trace, check_input_file, output_npz_path, register_reader,
+                     trace_from_arrays)
 
 __all__ = ["RMM_LOG_SUFFIXES", "arrays_from_rmm_log", "trace_from_rmm_log", "convert", "is_rmm_log"]
 
@@ -132,9 +133,7 @@ def convert(path, out) -> Trace:
     p = Path(path)
     a = _read(p)
     trace = trace_from_arrays(a["op"], a["id"], a["size"], a["stream"], name=p.name)
-    out = Path(out)
-    if out.suffix != ".npz":
-        out = out.with_name(out.name + ".npz")
+    out = output_npz_path(out, "trace convert OUT")
     np.savez(out, **a)
     out.with_suffix(".json").write_text(json.dumps({"source": "rmm logging_resource_adaptor", "log": str(p)},
                                                    indent=1) + "\n")

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .traces import OP_ALLOC, OP_FREE, NoAllocations, Trace, check_input_file, register_reader, trace_from_arrays
+from .traces import (OP_ALLOC, OP_FREE, NoAllocations, Trace, check_input_file, output_npz_path, register_reader,
+                     trace_from_arrays)
 
 __all__ = ["SNAPSHOT_SUFFIXES", "read_snapshot", "arrays_from_snapshot",
            "trace_from_snapshot", "convert"]
@@ -151,9 +152,7 @@ def convert(path, out, device=None) -> Trace:
     p = Path(path)
     a = arrays_from_snapshot(read_snapshot(p), device, p.name)
     trace = trace_from_arrays(a["op"], a["id"], a["size"], a["stream"], name=p.name)
-    out = Path(out)
-    if out.suffix != ".npz":
-        out = out.with_name(out.name + ".npz")
+    out = output_npz_path(out, "trace convert OUT")
     np.savez(out, **a)
     out.with_suffix(".json").write_text(json.dumps({"source": "pytorch memory snapshot", "snapshot": str(p),
                                                     "device": device}, indent=1) + "\n")

@@ -250,6 +250,19 @@ def check_input_file(path: PathLike, what: str, expected: str) -> Path:
     return p
 
 
+def output_npz_path(path: PathLike, what: str) -> Path:
+    """The NAME.npz file a trace is written to for path (".npz" added where it lacks it, as
+    np.savez adds it); IsADirectoryError when that is a directory or path names one: np.savez
+    made DIR.npz beside it, in its parent, and the command said it wrote DIR."""
+    p = Path(path)
+    out = p if p.suffix == ".npz" else p.with_name(p.name + ".npz")
+    for q in (p, out):
+        if q.is_dir():
+            raise IsADirectoryError(f"{what}: {str(q)!r} is a directory; name the trace file to write, "
+                                    f"e.g. {str(q / 'NAME.npz')!r}")
+    return out
+
+
 def _not_a_file(p):
     """What p is when it exists but is neither a file nor a directory ("a character device"...), else None."""
     try:

@@ -212,3 +212,32 @@ def test_a_file_that_is_no_pickle_is_one_line_naming_it(tmp_path):
         assert out.returncode == 2, out.stderr
         assert len(out.stderr.splitlines()) == 1 and problem in out.stderr, out.stderr
     assert not (tmp_path / "o.npz").exists()
+
+
+def test_an_output_that_is_a_directory_is_refused_not_written_beside_it(tmp_path):
+    # trace convert SNAPSHOT DIR (or LOG.csv DIR) and pool.dump_trace(DIR): np.savez wrote
+    # DIR.npz, in DIR's parent, with DIR.json beside it, and the command said "-> DIR", exit 0
+    snap = tmp_path / "s.pickle"
+    snap.write_bytes(pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 4096, "size": 512}]]}))
+    log = tmp_path / "l.csv"
+    log.write_text("Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000000,allocate,0x1000,512,0x0\n")
+    out_dir = tmp_path / "out"
+    (tmp_path / "t.npz").mkdir()  # a directory named like the file to write
+    for src in (snap, log):
+        for out in (out_dir, tmp_path / "t.npz", tmp_path / "t"):
+            out_dir.mkdir(exist_ok=True)
+            r = subprocess.run([sys.executable, "-m", "ascend_pool.cli", "trace", "convert", str(src), str(out)],
+                               capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            assert r.returncode == 2 and "is a directory; name the trace file to write" in r.stderr, r.stderr
+            assert len(r.stderr.splitlines()) == 1, r.stderr
+    pool = ap.Pool(0)
+    try:
+        pool.record_memory_history(True)
+        p = pool.malloc(1000)
+        with pytest.raises(IsADirectoryError, match="dump_trace: .* is a directory"):
+            pool.dump_trace(out_dir)
+        pool.free(p)
+    finally:
+        pool.close()
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["l.csv", "out", "s.pickle", "t.npz"]
+    assert not any(out_dir.iterdir())
