@@ -141,8 +141,10 @@ def torch_device_index(device, kinds=("npu", "cuda")):
     if device is None or (isinstance(device, int) and not isinstance(device, bool)):
         return device
     if isinstance(device, str):
-        kind, _, index = device.partition(":")
-        if index and not (index.isascii() and index.isdigit()):  # int() would take " 1", "+1", "1_0"
+        kind, colon, index = device.partition(":")
+        # as torch's parser: digits without a leading zero after a colon (int() would take " 1",
+        # "+1", "1_0" and "01"; "npu:" was the current device)
+        if colon and not (index.isascii() and index.isdigit() and (index == "0" or index[0] != "0")):
             raise InvalidDeviceError(f"Invalid device string: {device!r}")
         index = int(index) if index else None
     elif hasattr(device, "type") and not isinstance(device, bool):

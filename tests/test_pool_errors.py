@@ -151,6 +151,17 @@ def test_a_torch_device_string_without_a_usable_index_is_refused(device, words):
         ap.Pool(device=device, backend="sim")
 
 
+@pytest.mark.parametrize("device", ["npu:", "npu:01", "cuda:00"])
+def test_a_device_string_torch_refuses_is_refused_not_read_as_a_device(device):
+    """torch.device refuses an empty index and a leading zero ("Invalid device string"); the module
+    functions read "npu:" as the current device and "npu:01" as device 1 (before)."""
+    with pytest.raises(ap.InvalidDeviceError, match="Invalid device string"):
+        ap.memory_allocated(device)
+    with pytest.raises(ap.InvalidDeviceError, match="Invalid device string"):
+        ap.Pool(device=device, backend="sim")
+    assert ap.memory_allocated("npu:0") == ap.memory_allocated(0)
+
+
 def test_numpy_integer_device_index_is_a_device():
     np = pytest.importorskip("numpy")
     pool = ap.Pool(np.int64(0), backend="sim")  # was: "device np.int64(0) does not exist"
