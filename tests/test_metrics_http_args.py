@@ -2,6 +2,9 @@
 is not a host with ascend_pool's ConfigError naming the value (before: a built-in OverflowError for
 99999, TypeError for 'abc'); the bad call leaves no socket behind, and port 0 still works."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -20,6 +23,17 @@ def test_bad_port_is_a_config_error_naming_it(port):
 def test_bad_addr_is_a_config_error_naming_it(addr):
     with pytest.raises(ConfigError, match=r"^addr: expected a host name or IP address \(str\), got "):
         start_http_server(0, addr)
+
+
+@pytest.mark.parametrize("addr", ["", " "])
+def test_an_empty_addr_is_refused_not_every_interface(addr):
+    # "" was every interface (the socket layer's INADDR_ANY): an unset variable given as the
+    # address (`--host "$HOST"`) exposed the endpoint where the default serves only 127.0.0.1
+    with pytest.raises(ConfigError, match=r"^addr: expected a host name or IP address, got .*every interface is 0\.0\.0\.0"):
+        start_http_server(0, addr)
+    out = subprocess.run([sys.executable, "-m", "ascend_pool.cli", "serve", "--host", addr, "--port", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--host: expected a host name or IP address" in out.stderr, out.stderr
 
 
 def test_unresolvable_host_is_a_config_error_and_good_ports_still_serve():

@@ -198,6 +198,11 @@ def check_address(addr, port, names=("addr", "port")):
                           f"(0 picks a free one), got {port!r}")
     if not isinstance(addr, str) or "\0" in addr:
         raise ConfigError(f"{names[0]}: expected a host name or IP address (str), got {addr!r}")
+    if not addr.strip():
+        # the socket layer takes "" for every interface: an unset variable (--host "$HOST") would
+        # expose the endpoint on all of them, where the default is 127.0.0.1
+        raise ConfigError(f"{names[0]}: expected a host name or IP address, got {addr!r} (every interface is "
+                          "0.0.0.0, or :: for IPv6)")
     return number
 
 
