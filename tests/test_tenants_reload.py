@@ -188,3 +188,38 @@ def test_process_tenant_from_environment(tmp_path):
         r = subprocess.run([sys.executable, "-c", f"import ascend_pool as ap; ap.default_pool({device})"], env=env,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and text in r.stderr, r.stderr
+
+
+BAD_RELOAD_SCRIPT = """
+import json
+import ascend_pool as ap
+from ascend_pool import registry
+from ascend_pool.tenants import reload
+out = []
+for _ in range(2):
+    try:
+        ap.free(ap.malloc(100))
+        out.append("served")
+    except ap.ConfigError as e:
+        out.append(str(e))
+print(json.dumps({"calls": out, "open_contexts": len(registry.live_pools()), "triggers": len(reload._env_handles)}))
+"""
+
+
+@pytest.mark.parametrize("value", ["bogus", "watch,bogus"])
+def test_a_bad_reload_trigger_is_refused_at_every_call_and_leaves_nothing_open(tmp_path, value):
+    # $ASCEND_POOL_CONFIG_RELOAD with an unknown trigger: the first call raised with the tenant's
+    # context already open (left in no one's hands) and the triggers before it on ("watch"); the
+    # second call was served, the mistake never said again
+    cfg = tmp_path / "tenants.toml"
+    cfg.write_text('[tenants.svc]\nquota = "1GiB"\n')
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT, ASCEND_POOL_CONFIG=str(cfg), ASCEND_POOL_TENANT="svc",
+               ASCEND_POOL_CONFIG_RELOAD=value)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(BAD_RELOAD_SCRIPT)], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    out = json.loads(r.stdout)
+    said = f"ASCEND_POOL_CONFIG_RELOAD={value!r}: unknown trigger 'bogus' (expected sighup, watch)"
+    assert out == {"calls": [said, said], "open_contexts": 0, "triggers": 0}, out

@@ -29,11 +29,12 @@ def default_tenant_pool(device):
         if not t.applies_to(device):
             raise ConfigError(f"{cfg.path}: tenant {tenant!r} ({_config.TENANT_ENV}) is not configured for device "
                               f"{device} (devices = {list(t.devices)})")
+    # before the context opens: a bad $ASCEND_POOL_CONFIG_RELOAD left it open, in no one's hands
+    start_from_env(cfg.path if cfg else None)
     ctx = Context(tenant, device, quota=t.quota if t else None, warn=t.warn if t else None)
     if t is not None:
         if t.quota is None:
             ctx.set_quota(None, warn=t.warn)  # the file says "no quota": that is authoritative
         for line in cfg.overcommit_warnings(ctx.device_total_bytes):
             log.warning("%s", line)
-    start_from_env(cfg.path if cfg else None)
     return ctx

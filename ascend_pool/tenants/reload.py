@@ -197,11 +197,17 @@ def start_from_env(path=None):
     value = os.environ.get(RELOAD_ENV, "").strip().lower()
     if not value:
         return []
+    items = [v.strip() for v in value.split(",")]
+    for item in items:
+        # refused at every call and before any trigger is on: checked in the loop below, the
+        # first call raised once, with the triggers before it on, and every later call went on
+        if item and item not in ("watch", "sighup"):
+            raise ConfigError(f"{RELOAD_ENV}={value!r}: unknown trigger {item!r} (expected sighup, watch)")
     with _env_lock:
         if _env_started:
             return list(_env_handles)
         _env_started = True
-        for item in (v.strip() for v in value.split(",")):
+        for item in items:
             if item == "watch":
                 _env_handles.append(watch_config(path))
             elif item == "sighup":
@@ -210,6 +216,4 @@ def start_from_env(path=None):
                 else:
                     log.warning("%s=sighup: not installed, the default pool was created outside the main thread",
                                 RELOAD_ENV)
-            elif item:
-                raise ConfigError(f"{RELOAD_ENV}={value!r}: unknown trigger {item!r} (expected sighup, watch)")
         return list(_env_handles)
