@@ -325,9 +325,12 @@ def test_cupy_hook_keeps_cupys_memory_limit_variable_and_out_of_memory_class(mon
 
     assert ap_cupy.parse_limit("") is None and ap_cupy.parse_limit("1048576") == {"size": 1 << 20, "fraction": None}
     assert ap_cupy.parse_limit("50%") == {"size": None, "fraction": 0.5}
-    for bad in ("1GB", "-5", "150%"):
+    # a count no limit holds (2**64-1 and past) is refused here too, not at the first allocation
+    # with pool.set_limit's words, naming no variable (before)
+    for bad in ("1GB", "-5", "150%", str(2**64 - 1), "9" * 30):
         with pytest.raises(ConfigError, match="CUPY_GPU_MEMORY_LIMIT"):
             ap_cupy.parse_limit(bad)
+    assert ap_cupy.parse_limit(str(2**64 - 2)) == {"size": 2**64 - 2, "fraction": None}
     monkeypatch.setattr(ap_cupy, "_limited_devices", set())
     monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", str(64 << 20))
     pool = ap.default_pool(0)

@@ -65,6 +65,9 @@ _returned = 0      # CuPy blocks given back so far (_Allocation.__del__)
 _limited_devices = set()  # devices whose default pool got $CUPY_GPU_MEMORY_LIMIT
 
 
+_MAX_LIMIT = 2**64 - 2  # the most pool.set_limit takes (2**64-1 is its "no limit")
+
+
 def parse_limit(text=None):
     """$CUPY_GPU_MEMORY_LIMIT as CuPy reads it (text None: the variable itself, as CuPy's
     _parse_limit_string): "" -> None, "N" -> {"size": N, "fraction": None} bytes, "P%" ->
@@ -83,7 +86,7 @@ def parse_limit(text=None):
                 raise ValueError
             return {"size": None, "fraction": fraction}
         size = int(text)
-        if size < 0:
+        if not 0 <= size <= _MAX_LIMIT:  # past it: refused at the first allocation, naming no variable
             raise ValueError
         return {"size": size, "fraction": None}
     except ValueError:
