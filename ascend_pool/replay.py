@@ -1,10 +1,13 @@
 """Replaying allocation traces (format: shared/traces/README.md) through the pool or directly
 through the device, with the per-operation loop in C."""
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from ._core import replay_arrays
 from .backend import open_backend
+from .errors import ConfigTypeError
 from .pool import Pool
 from .traces import Trace, load_trace
 
@@ -21,6 +24,9 @@ def replay(trace, backend=None, mode="pool", device=0, pool_knobs=None):
     Streams other than 0 get streams of their own; stream 0 is the default stream."""
     if mode not in ("pool", "direct"):
         raise ValueError(f"mode must be 'pool' or 'direct', got {mode!r}")
+    if pool_knobs is not None and not isinstance(pool_knobs, Mapping):
+        raise ConfigTypeError(f"pool_knobs must be a dict of allocator knobs (config.parse_conf_string makes one of "
+                              f"'key:value,...'), got {type(pool_knobs).__name__} {pool_knobs!r}")
     if not isinstance(trace, Trace):
         trace = load_trace(trace)
     be = backend if hasattr(backend, "device_count") else open_backend(backend)

@@ -91,3 +91,15 @@ def test_fragmentation_ratio_is_the_metrics_value_at_the_peak_of_reserved():
     assert r["peak_reserved_bytes"] == high
     assert r["fragmentation_ratio"] == pytest.approx(expect)
     assert r["reserved_to_live_ratio"] == pytest.approx(high / r["peak_live_bytes"])
+
+
+def test_pool_knobs_that_are_no_mapping_are_a_config_type_error_naming_them():
+    # the knob string itself, or any non-mapping: Pool(**pool_knobs)'s bare TypeError before
+    # ("argument after ** must be a mapping, not str"), naming neither pool_knobs nor the fix
+    import ascend_pool as ap
+
+    for knobs in ("max_split_size_mb:100", 5, ["a"]):
+        with pytest.raises(ap.ConfigTypeError, match=r"^pool_knobs must be a dict of allocator knobs .* got "):
+            replay(bundled("bert_serving_varlen_prefix"), backend="sim", pool_knobs=knobs)
+    r = replay(bundled("bert_serving_varlen_prefix"), backend="sim", pool_knobs={"max_split_size_mb": "100"})
+    assert r["final_allocated_bytes"] == 0
