@@ -103,3 +103,20 @@ def test_pool_knobs_that_are_no_mapping_are_a_config_type_error_naming_them():
             replay(bundled("bert_serving_varlen_prefix"), backend="sim", pool_knobs=knobs)
     r = replay(bundled("bert_serving_varlen_prefix"), backend="sim", pool_knobs={"max_split_size_mb": "100"})
     assert r["final_allocated_bytes"] == 0
+
+
+def test_direct_mode_gives_back_what_the_trace_leaves_allocated():
+    # a snapshot's trace ends with its live tensors allocated: direct mode's device allocations of
+    # them were never freed, so each replay (each bench run of the direct allocator) kept them
+    from ascend_pool import sim
+    from ascend_pool.traces import trace_from_arrays
+
+    trace = trace_from_arrays(np.array([1, 1, 0], np.int8), np.array([0, 1, 0]),
+                              np.array([1 << 20, 3 << 20, 1 << 20], np.int64), np.zeros(3, np.int32),
+                              name="live_at_end")
+    replay(trace, backend="sim", mode="direct")  # the backend open, the device's first figures
+    held = sim.stats(0)["bytes_held"]
+    for _ in range(3):
+        r = replay(trace, backend="sim", mode="direct")
+        assert r["final_allocated_bytes"] == 3 << 20  # the figure still says what was left
+        assert sim.stats(0)["bytes_held"] == held

@@ -26,7 +26,8 @@ typedef struct ap_replay_result {
 /* op[i]: 1 allocate, 0 free; slot[i]: dense allocation index (< n_slots); size[i]: bytes;
    stream[i]: index into streams[]. ptrs: n_slots entries of scratch. mode: pool or direct (one
    device call per allocation and free, through the same backend). On failure, stops and frees
-   what it allocated. Returns AP_OK or the failing status. */
+   what it allocated; direct mode frees what the trace leaves allocated at its end too (pool
+   mode leaves it to the pool's close). Returns AP_OK or the failing status. */
 int ap_replay(ap_pool *p, ap_backend *b, int device, int mode, const int8_t *op, const int32_t *slot,
               const int64_t *size, const int32_t *stream, size_t n, void **streams, void **ptrs, size_t n_slots,
               ap_replay_result *r);
