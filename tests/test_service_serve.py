@@ -117,3 +117,32 @@ def test_the_tenants_file_is_the_option_else_the_variable_else_the_demo(tmp_path
     monkeypatch.setenv("ASCEND_POOL_CONFIG", str(mine))
     assert str(tenants_file(None, replaying=True)) == str(mine)
     assert tenants_file(other, replaying=True) == other and os.environ["ASCEND_POOL_CONFIG"] == str(other)
+
+
+def test_a_replay_run_frees_what_the_trace_leaves_live_and_what_a_failed_run_held():
+    # `serve --replay` of a trace ending with allocations live (a snapshot, a dump_trace of a
+    # running program): each loop kept them in its warm pool (3 MiB more per run here), and a run
+    # stopped by an error other than out-of-memory (a stream destroyed) kept what it had
+    import numpy as np
+
+    from ascend_pool.service.replay_loop import _Prepared, replay_once
+    from ascend_pool.traces import trace_from_arrays
+
+    live_at_end = _Prepared(trace_from_arrays(np.array([1, 1, 0], np.int8), np.array([0, 1, 0]),
+                                              np.array([1 << 20, 3 << 20, 1 << 20], np.int64),
+                                              np.zeros(3, np.int32), name="live_at_end"))
+    two_streams = _Prepared(trace_from_arrays(np.array([1, 1, 0, 0], np.int8), np.array([0, 1, 0, 1]),
+                                              np.array([1 << 20, 3 << 20, 1 << 20, 3 << 20], np.int64),
+                                              np.array([0, 1, 0, 1], np.int32), name="two_streams"))
+    pool = _ap.Pool(0, backend="sim")
+    try:
+        for _ in range(3):
+            assert replay_once(pool, live_at_end, {0: None}) == "ok"
+            assert pool.memory_stats()["allocation.all.current"] == 0
+        gone = pool.create_stream()
+        pool.destroy_stream(gone)
+        with pytest.raises(_ap.InvalidStreamError):
+            replay_once(pool, two_streams, {0: None, 1: gone})
+        assert pool.memory_stats()["allocation.all.current"] == 0
+    finally:
+        pool.close()

@@ -149,8 +149,8 @@ class ReplayLoop:
 
 def replay_once(pool, trace, streams, at_peak=None):
     """Runs trace on pool through malloc/free, calling at_peak() (if given) at its peak of live
-    bytes. Returns "ok", or "oom"/"quota" when a request failed (everything the run allocated is
-    then freed). streams: trace stream number -> stream handle."""
+    bytes. Returns "ok", or "oom"/"quota" when a request failed; whatever the outcome, what the run
+    still holds is then freed. streams: trace stream number -> stream handle."""
     ptrs = [0] * trace.n_slots
     owner = [None] * trace.n_slots
     malloc, free = pool.malloc, pool.free
@@ -174,8 +174,12 @@ def replay_once(pool, trace, streams, at_peak=None):
         run(range(trace.peak + 1, len(op)))
         return "ok"
     except OutOfMemoryError as e:
+        return "quota" if isinstance(e, QuotaExceededError) else "oom"
+    finally:
+        # a trace that ends with allocations live (a memory snapshot's tensors, a dump_trace of a
+        # running program) or a run stopped by another error: they stayed in the warm pool, more
+        # at every loop, until the demo ran out of memory
         for s, p in enumerate(ptrs):
             if p:
                 free(p, owner[s])
-        return "quota" if isinstance(e, QuotaExceededError) else "oom"
 
