@@ -255,7 +255,9 @@ def test_tenants_file_that_is_not_a_file_is_refused_at_once(tmp_path):
 @pytest.mark.parametrize("var, value, kind, words", [
     ("ASCEND_POOL_LEDGER_DIR", "/nonexistent/dir", "io", "does not exist or is not a directory"),
     ("ASCEND_POOL_LEDGER_DIR", "/etc/passwd", "io", "does not exist or is not a directory"),
-    ("ASCEND_POOL_LEDGER_DIR", "relative/dir", "io", "does not exist or is not a directory"),
+    # relative, there or not (an existing one was taken: each working directory its own ledger)
+    ("ASCEND_POOL_LEDGER_DIR", "relative/dir", "argument", "'relative/dir' is a relative path"),
+    ("ASCEND_POOL_LEDGER_DIR", ".", "argument", "'.' is a relative path; processes in other working directories"),
     ("ASCEND_POOL_LEDGER_GROUP", "no-such-group-here", "argument", "is not a group on this system"),
 ])
 def test_bad_ledger_environment_is_a_ledger_error(pool, monkeypatch, var, value, kind, words):

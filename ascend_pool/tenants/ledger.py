@@ -82,6 +82,12 @@ set_operator_quota_hook(operator_quota)
 def base_dir(directory=None):
     """The shared directory ledgers live under: `directory`, else $ASCEND_POOL_LEDGER_DIR, else /dev/shm."""
     d = directory or os.environ.get(DIR_ENV) or DEFAULT_DIR
+    if not os.path.isabs(d):
+        # read from each process's working directory: processes started in different ones would
+        # book a tenant's quota in different ledgers, each under the whole quota
+        raise LedgerError(f"ledger directory {d!r} is a relative path; processes in other working directories would "
+                          f"book in other ledgers (set {DIR_ENV} to an absolute directory on tmpfs, shared by the "
+                          "processes of a node)", kind="argument")
     if not os.path.isdir(d):
         raise LedgerError(f"ledger directory {d!r} does not exist or is not a directory (set {DIR_ENV} to a "
                           "directory on tmpfs, shared by the processes of a node)", kind="io")
