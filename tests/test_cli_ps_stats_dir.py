@@ -3,9 +3,13 @@ does (one line, exit 2; before: an empty table and exit 0, which hid the mistake
 empty directory is an empty table (or `[]` with --json), exit 0."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
+import ascend_pool
 from ascend_pool import cli
 from ascend_pool.commands import ps
 from ascend_pool.errors import ConfigError
@@ -152,3 +156,19 @@ def test_ps_table_shows_tenant_names_whole_and_one_row_each(tmp_path, capsys):
             c.close()
         odd.close()
         pool.close()
+
+
+def test_a_relative_stats_dir_in_the_environment_is_refused_naming_it(tmp_path, monkeypatch):
+    # read from each process's working directory: a worker published where the node service (in
+    # its own working directory) never looked, and ps listed the directory under its own
+    (tmp_path / "stats").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ASCEND_POOL_STATS_DIR", "stats")
+    said = "ASCEND_POOL_STATS_DIR='stats' is a relative path"
+    with pytest.raises(ConfigError, match=said):
+        ps.rows()
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(ascend_pool.__file__)))
+    worker = subprocess.run([sys.executable, "-c", "import ascend_pool as ap; ap.free(ap.malloc(100))"], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert worker.returncode == 0 and said in worker.stderr, worker.stderr  # stats not published, said why
+    assert not any((tmp_path / "stats").iterdir())

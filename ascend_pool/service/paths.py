@@ -13,6 +13,7 @@ import os
 import re
 import tempfile
 
+from ..errors import ConfigError
 from ..private_dir import private_dir
 from ..tenants.ledger import ledger_group
 
@@ -22,9 +23,15 @@ NAME_RE = re.compile(r"^ascend_pool-stats-([0-9a-f]{16})$")
 
 
 def stats_dir():
-    """The base directory stats files are published under and read from."""
+    """The base directory stats files are published under and read from. ConfigError when
+    $ASCEND_POOL_STATS_DIR is a relative path: each process, and the node service, would read it
+    from its own working directory, and the service would never see the files."""
     d = os.environ.get(ENV_DIR)
     if d:
+        if not os.path.isabs(d):
+            raise ConfigError(f"{ENV_DIR}={d!r} is a relative path; processes and the node service in other "
+                              "working directories would not find each other's stats files (set it to an absolute "
+                              "directory, the one the node service reads)")
         return d
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
         return "/dev/shm"
