@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -144,10 +146,17 @@ def is_rmm_log(path) -> bool:
     """True when the file's first line is RMM's header (what list_traces, and so bench --traces DIR,
     takes for an RMM log among a folder's other .csv files); never raises."""
     try:
-        with open(path, newline="", encoding="utf-8", errors="replace") as f:
-            first = f.readline(256)
+        # without blocking: a FIFO named *.csv in the folder blocked bench --traces DIR for ever
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return False
+    with open(fd, "rb") as f:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            first = f.readline(256).decode("utf-8", "replace")
+        except OSError:
+            return False
     return tuple(h.strip() for h in first.strip().split(",")) == HEADER
 
 

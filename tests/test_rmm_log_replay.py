@@ -7,6 +7,7 @@ pointers where 0x0 is the default stream, several threads, and a free on another
 allocation (RMM allows it)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -154,3 +155,15 @@ def test_an_rmm_log_of_another_name_is_known_by_its_header(log_path, tmp_path, n
     (tmp_path / "junk.txt").write_text("not a trace\n")  # anything else is still refused as before
     with pytest.raises(ValueError, match="cannot read as .npz: not a zip archive"):
         load_trace(tmp_path / "junk.txt")
+
+
+def test_a_fifo_named_csv_in_a_trace_folder_is_passed_over_not_waited_on(tmp_path):
+    # list_traces (bench --traces DIR) opened each .csv to look for RMM's header: a FIFO named
+    # x.csv blocked it for ever, waiting for a writer
+    np.savez(tmp_path / "good.npz", op=np.array([1, 0], np.int8), id=np.array([0, 0]), size=np.array([8, 8]),
+             stream=np.array([0, 0], np.int32))
+    os.mkfifo(tmp_path / "x.csv")
+    code = f"from ascend_pool.traces import list_traces; print([p.name for p in list_traces({str(tmp_path)!r})])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == "['good.npz']", out.stderr
+
