@@ -122,9 +122,15 @@ def history_settings(enabled, stacks, max_entries, context="all"):
     return on, on and stacks in ("python", "all") and context is not None, entries
 
 
+def _is_bool(value):
+    """A Python bool or a numpy one (np.True_: no int and no bool subclass, so int() read it as 1
+    where a bool is refused, and a flag refused it)."""
+    return isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b"
+
+
 def _bool(key, value):
-    if isinstance(value, bool):
-        return value
+    if _is_bool(value):
+        return bool(value)
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
     raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -145,7 +151,7 @@ def _number(key, value, kind=float):
     # device), and an integer knob takes no fraction (sync_timeout_ms=1.7 was cut to 1 ms silently;
     # the knob string's "1.7" was already refused). A Decimal is no numbers.Real, yet int() cuts it too.
     fraction = kind is int and isinstance(value, _REALS) and not isinstance(value, numbers.Integral)
-    if isinstance(value, bool) or (fraction and not _whole(value)):
+    if _is_bool(value) or (fraction and not _whole(value)):
         raise ConfigError(f"{key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
     try:
         n = kind(value)
@@ -451,7 +457,7 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
                 raise ConfigError(f"reserve: {n} bytes is more than the device's {device_free_bytes} free bytes")
             cfg["reserve_bytes"] = n
         elif key == "record_history":
-            if isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE):
+            if _is_bool(value) or (isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE):
                 cfg["history_capacity"] = DEFAULT_HISTORY if _bool(key, value) else 0
             else:
                 n = _number(key, value, int)

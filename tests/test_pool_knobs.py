@@ -401,6 +401,21 @@ def test_a_keyword_knob_that_is_a_bool_or_a_fraction_of_an_integer_is_refused(kn
     assert knobs_to_config({"sync_timeout_ms": np.int64(5)}, 1, 1)["sync_timeout_ms"] == 5
 
 
+def test_a_numpy_bool_knob_is_a_bool():
+    """np.True_ (a numpy bool: neither a bool subclass nor an index) went through int(): as
+    record_history it was a ring of 1 entry instead of the default, as sync_timeout_ms 1 ms and as
+    memory_fraction the whole device, silently; as expandable_segments (a flag) it was refused."""
+    import numpy as np
+    from ascend_pool.config import DEFAULT_HISTORY, knobs_to_config
+    assert knobs_to_config({"record_history": np.True_}, 1 << 30, 1 << 30)["history_capacity"] == DEFAULT_HISTORY
+    assert knobs_to_config({"record_history": np.False_}, 1 << 30, 1 << 30)["history_capacity"] == 0
+    assert knobs_to_config({"expandable_segments": np.True_}, 1 << 30, 1 << 30)["expandable"] == 1
+    for knob, words in (("sync_timeout_ms", "expected an integer"), ("memory_fraction", "expected a number"),
+                        ("pad_bytes", "expected an integer")):
+        with pytest.raises(ap.ConfigError, match=f"{knob}: {words}, got np.True_"):
+            knobs_to_config({knob: np.True_}, 64 << 30, 64 << 30)
+
+
 def test_a_decimal_or_fraction_knob_is_not_cut_and_an_underscored_reserve_is_bytes():
     """decimal.Decimal is no numbers.Real, so sync_timeout_ms=Decimal("1.7") passed the fraction
     check and int() cut it to 1 ms silently; a reserve given as a Decimal was refused as not bytes
