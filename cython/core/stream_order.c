@@ -194,6 +194,8 @@ void ap_slot_retire(ap_pool *p, int slot) {
     p->slots[slot].stranded = 0;
     ap_free_retag_slot(p, slot, 0);
     p->slots[slot].live = 0;
+    if (p->slots[slot].gate) p->pending_gated = 0; /* its frees are asked again, not left to its gate */
+    p->slots[slot].gate = NULL;
     if (p->last_slot == slot) p->last_slot = 0;
 }
 
@@ -786,10 +788,8 @@ static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err, int
            complete in this pass: one stream runs its work in order, so neither is this one. */
         if (on && on->gate) return AP_E_BUSY;
         int rc = event_done(p, b, ev, blocking, err);
-        if (rc == AP_E_BUSY) {
-            if (on) on->gate = ev;
-            else *gated = 0;
-        }
+        if (rc == AP_E_BUSY && on) on->gate = ev;
+        else if (rc != AP_OK) *gated = 0; /* no gate covers it (or its query failed: asked again) */
         if (rc != AP_OK) return rc;
         if (counts_records(p)) records_add(p, -1);
         ap_event_put(p, u->events[--u->n_events]);
