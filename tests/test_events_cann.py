@@ -350,3 +350,55 @@ def test_simulator_aclrtcreateevent_events_take_an_event_id_at_each_record_not_a
             ok("aclrtRecordEvent", e, a)
         ok("aclrtSynchronizeStream", a)
     """, ASCEND_SIM_EVENT_LIMIT="4")
+
+
+def test_reset_scheme_live_events_stay_under_half_the_devices_event_ids_and_never_wait(sim_node):
+    """hicann/runtime Event::Record keeps an ACL_EVENT_SYNC event's hardware id for its life
+    (docs/cann-rules-events.md, "One hardware flag"; CANN's aclrtCreateEventWithFlag page: 1,023
+    events per device on Atlas inference cards). On a runtime without new-mode events (CANN before
+    8.0.RC1: the legacy build), frees marked with record_stream for a busy stream each hold a live
+    event: the pools of a process keep at most half the ids (511 on a 310P) in live events, and a
+    free past them owes its stream (no wait under the pool lock). Before: the pool took all 1,023,
+    the framework's own aclrtCreateEventWithFlag failed with 207007, and each free past them
+    waited sync_timeout_ms for the stream under the pool lock."""
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        from ascend_pool.backend import Backend
+        lib_path = sim.library_path(legacy=True)
+        be = Backend("sim", lib_path)
+        sim.attach(lib_path)
+        acl = C.CDLL(lib_path)
+        pool = ap.Pool(0, backend=be, sync_timeout_ms=100)
+        s = pool.create_stream()
+        sim.hang_stream(s)
+        t0 = time.monotonic()
+        ptrs = []
+        for i in range(1100):
+            p = pool.malloc(4096)
+            pool.record_stream(p, s)
+            pool.free(p)
+            ptrs.append(p)
+        loop_s = time.monotonic() - t0
+        peak = sim.stats(0)["live_events"]
+        assert acl.aclrtSetDevice(0) == 0
+        ev = C.c_void_p()
+        framework = acl.aclrtCreateEventWithFlag(C.byref(ev), 1)
+        if framework == 0:
+            acl.aclrtDestroyEvent(ev)
+        sim.release_stream(s)
+        pool.synchronize(s)
+        pool.empty_cache()
+        st = pool.memory_stats()
+        pool.destroy_stream(s)
+        pool.close()
+        print(json.dumps({"soc": be.soc_name, "framework": framework, "peak": peak, "loop_s": loop_s,
+                          "distinct": len(set(ptrs)), "allocated": st["allocated_bytes.all.current"],
+                          "live_after": sim.stats(0)["live_events"]}))
+    """, timeout=120, ASCEND_SIM_PROFILE="310p")
+    assert out["soc"].startswith("Ascend310P"), out
+    assert out["framework"] == 0, out                 # the framework can still create its events
+    assert out["peak"] <= 512, out                    # half of 1,023 (and the framework's none yet)
+    assert out["distinct"] == 1100, out               # no block reused while its stream still ran
+    assert out["loop_s"] < 5, out                     # no 100 ms wait per free under the pool lock
+    assert out["allocated"] == 0 and out["live_after"] == 0, out

@@ -31,6 +31,10 @@
  *                    device's event ids until it has run, and past them CANN's aclrtRecordEvent
  *                    blocks the thread: at 1/AP_RECORDS_SHARE of them no record is made under the
  *                    lock (record_room; a free owes its stream instead).
+ *   events_held      (stream_order.c) live acl events of all the process's pools, per device: the
+ *                    same kind of atomic. In the reset scheme (no new-mode events) each holds one of
+ *                    the device's ids for its life: at 1/AP_RECORDS_SHARE of them none is created
+ *                    (event_room; a free owes its stream instead).
  *   capi_calls       (ap_pool, atomic, no lock) C ABI calls holding the pool (current.h ap_pool_hold);
  *                    ap_pool_destroy waits for it to drain, holding no lock (the pool is hidden first),
  *                    and then, still without the lock, for the streams its free blocks are tagged

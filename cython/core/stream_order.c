@@ -55,6 +55,32 @@ static int records_bound(const ap_pool *p) {
     return ids / AP_RECORDS_SHARE;
 }
 
+/* Live events of the reset scheme (aclrtCreateEventWithFlag(ACL_EVENT_SYNC): a runtime without
+   new-mode events). hicann/runtime Event::Record keeps such an event's hardware id for its life
+   (RT_EVENT_DDSYNC_NS), so every live event holds one of the device's ids, idle or not: frees
+   marked with record_stream for a busy stream each hold one until the stream passes it, and
+   without a bound the pools took all of them (1,023 on a 310P) and the framework's own event
+   creation failed (207007). So the pools of a process keep at most the same share of the ids in
+   live events (counted per device for every acl event a pool creates, destroys and gives up at
+   its close; only the reset scheme is held to it: new-mode events hold ids only while recorded,
+   bounded above). At the bound no event is created: a free owes its stream, as in new mode. */
+static atomic_int events_held[AP_MAX_DEVICES];
+
+static atomic_int *held_of(const ap_pool *p) {
+    return &events_held[p->device >= 0 && p->device < AP_MAX_DEVICES ? p->device : 0];
+}
+
+static void live_add(ap_pool *p, int n) {
+    p->live_events += n;
+    if (p->backend->kind == AP_BACKEND_ACL) atomic_fetch_add(held_of(p), n);
+}
+
+/* 0: the reset scheme's live events of this device are at their bound (create none). */
+static int event_room(const ap_pool *p) {
+    return p->backend->kind != AP_BACKEND_ACL || !ap_backend_event_reset(p->backend) ||
+           atomic_load(held_of(p)) < records_bound(p);
+}
+
 static void records_add(ap_pool *p, int n) {
     if (!n) return;
     atomic_fetch_add(records_of(p), n);
@@ -407,7 +433,7 @@ static void strand_probes(ap_pool *p) {
             ev = p->event_cache[--p->n_cached_events];
         } else if (p->backend->event_create(p->backend, p->device, &ev) == 0) {
             p->stats.events_created++;
-            p->live_events++;
+            live_add(p, 1);
         } else {
             continue;
         }
@@ -445,9 +471,9 @@ static void *event_get_for(ap_pool *p, void *stream, int *parked, int carry_ok) 
         return p->event_cache[--p->n_cached_events];
     }
     void *ev = NULL;
-    if (p->backend->event_create(p->backend, p->device, &ev) != 0) return NULL;
+    if (!event_room(p) || p->backend->event_create(p->backend, p->device, &ev) != 0) return NULL;
     p->stats.events_created++;
-    p->live_events++;
+    live_add(p, 1);
     return ev;
 }
 
@@ -462,7 +488,7 @@ void *ap_event_get(ap_pool *p, void *stream) {
 
 static void event_destroy(ap_pool *p, void *event) {
     p->backend->event_destroy(p->backend, event);
-    p->live_events--;
+    live_add(p, -1);
 }
 
 /* Back into the cache, which holds at most event_cache_max idle events: the device's events are
@@ -587,6 +613,9 @@ void ap_events_destroy(ap_pool *p) {
     /* Closing: records still out are the runtime's to finish (their ids go back as they run). */
     atomic_fetch_sub(records_of(p), p->records_out);
     p->records_out = 0;
+    /* Events destroyed at the close with their pending blocks, or left to a wait still holding
+       their handles: no longer this pool's. */
+    live_add(p, (int)-p->live_events);
     free(p->event_cache);
     p->event_cache = NULL;
     p->n_cached_events = p->event_cache_cap = 0;
@@ -708,9 +737,10 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
         if (ev) {
             u->event_keys[u->n_events] = event_key(p, slot);
             u->events[u->n_events++] = ev;
-        } else if (counts_records(p) || sync_stream(p, s, NULL) != AP_OK) /* no event to spare: wait
-                     now instead (pool.h: the one wait under the lock, rare); new mode: never (at
-                     the records bound, or the runtime refused the record: record_room) */
+        } else if (counts_records(p) || !event_room(p) || sync_stream(p, s, NULL) != AP_OK) /* no event
+                     to spare: wait now instead (pool.h: the one wait under the lock, rare); new
+                     mode: never (at the records bound, or the runtime refused the record:
+                     record_room); nor at the reset scheme's live-event bound (event_room) */
             u->owed[u->n_owed++] = s; /* still running (or failed): the block waits for it */
     }
     u->n_fevents = 0;
