@@ -402,3 +402,60 @@ def test_reset_scheme_live_events_stay_under_half_the_devices_event_ids_and_neve
     assert out["distinct"] == 1100, out               # no block reused while its stream still ran
     assert out["loop_s"] < 5, out                     # no 100 ms wait per free under the pool lock
     assert out["allocated"] == 0 and out["live_after"] == 0, out
+
+
+FOREIGN_HUNG = """
+    import ascend_pool as ap
+    from ascend_pool import sim
+    from ascend_pool.backend import Backend
+    lib_path = sim.library_path(legacy=LEGACY)
+    be = Backend("sim", lib_path)
+    sim.attach(lib_path)
+    acl = C.CDLL(lib_path)
+    p0 = ap.Pool(0, backend=be, sync_timeout_ms=100)
+    p1 = ap.Pool(1, backend=be)
+    peer = p1.create_stream()
+    sim.hang_stream(peer)
+    t0 = time.monotonic()
+    ptrs = []
+    for i in range(1100):
+        p = p0.malloc(4096)
+        p0.record_stream(p, peer)
+        p0.free(p)
+        ptrs.append(p)
+    loop_s = time.monotonic() - t0
+    peak = sim.stats(1)["live_events"]
+    assert acl.aclrtSetDevice(1) == 0
+    ev = C.c_void_p()
+    create = acl.aclrtCreateEventWithFlag(C.byref(ev), 1)
+    record = acl.aclrtRecordEvent(ev, C.c_void_p(peer)) if create == 0 else None
+    sim.release_stream(peer)
+    p1.synchronize(peer)
+    p0.empty_cache()
+    st = p0.memory_stats()
+    if create == 0:
+        acl.aclrtDestroyEvent(ev)
+    p1.destroy_stream(peer)
+    p0.close(); p1.close()
+    print(json.dumps({"create": create, "record": record, "peak": peak, "loop_s": loop_s,
+                      "distinct": len(set(ptrs)), "allocated": st["allocated_bytes.all.current"],
+                      "pending": st["pending_free_bytes"],
+                      "live_after": sim.stats(1)["live_events"]}))
+"""
+
+
+def test_events_of_a_peer_devices_stream_stay_under_half_of_that_devices_event_ids(sim_node):
+    """record_stream with a stream of another device (as torch allows): each free records an event
+    of that device on it (docs/cann-rules-events.md). In the reset scheme (the legacy build, CANN
+    before 8.0.RC1) such an event holds one of that device's ids for its life (hicann/runtime
+    Event::Record); on a 310P (1,023 ids) they are counted with that device's own against the same
+    share (511), and a free past it owes the peer stream, asked again at later passes. Before: they
+    were counted nowhere, and frees marked for a busy peer stream took every id of the peer device:
+    the framework's own aclrtCreateEventWithFlag there failed with 207007."""
+    out = sim_node.run_json(FOREIGN_HUNG.replace("LEGACY", "True"), timeout=120, ASCEND_SIM_PROFILE="310p")
+    assert out["create"] == 0 and out["record"] == 0, out     # the framework's event on the peer device
+    assert out["peak"] <= 512, out
+    assert out["distinct"] == 1100, out                       # no block reused while the peer still ran
+    assert out["loop_s"] < 5, out                             # no wait per free under the pool lock
+    assert out["allocated"] == 0 and out["pending"] == 0, out  # the owed frees settled once it ran
+    assert out["live_after"] == 0, out

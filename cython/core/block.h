@@ -43,8 +43,7 @@ typedef struct ap_block_uses {
     uint16_t fcap;      /* foreign streams they hold: AP_MAX_FOREIGN (inline) or more (grown) */
     uint16_t n_fevents;
     uint16_t *uses;     /* extra stream slots */
-    void **events;      /* pending: events still to complete (an owed stream's, of another device
-                           too, becomes one: owed_done) */
+    void **events;      /* pending: events still to complete (an owed stream's becomes one: owed_done) */
     uint32_t *event_keys; /* pending: for each event, the stream it was recorded on at the free
                              (ap_event_key: slot and the slot's stream generation), 0 when none
                              (an owed stream's, recorded later) */
@@ -52,7 +51,9 @@ typedef struct ap_block_uses {
                            at the free failed or timed out) */
     /* Streams of other devices that used it (record_stream, as torch allows: a peer's kernel
        reading it): no slot of this pool, so each gets, at the free, an event of its own device
-       (fevents), destroyed once complete, never cached here. */
+       (fevents), destroyed once complete, never cached here. While the block is pending,
+       foreign/foreign_device hold the streams of the fevents first (index for index), then the
+       n_foreign streams still owed one (stream_order.c foreign_owed_done). */
     void **foreign;
     int16_t *foreign_device;
     void **fevents;

@@ -107,7 +107,7 @@ static int check_pending(ap_pool *p, check_ctx *c, int64_t *blocks, int64_t *byt
         CHECK(b->state == AP_BLOCK_PENDING, "block 0x%lx on the pending list has state %d", (unsigned long)b->addr,
               b->state);
         CHECK(b->xs && ap_uses_ok(b->xs) && b->xs->n_events + b->xs->n_owed <= b->xs->cap + b->xs->fcap + 1 &&
-                  b->xs->n_foreign == 0,
+                  b->xs->n_fevents + b->xs->n_foreign <= b->xs->fcap,
               "pending block 0x%lx has no valid event list",
               (unsigned long)b->addr);
         (*blocks)++;

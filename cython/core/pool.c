@@ -190,6 +190,7 @@ void ap_pool_destroy_ex(ap_pool *p, int wait_streams) {
         p->pending_head = b->pending_next;
         for (int i = 0; b->xs && i < b->xs->n_events; i++) p->backend->event_destroy(p->backend, b->xs->events[i]);
         for (int i = 0; b->xs && i < b->xs->n_fevents; i++) p->backend->event_destroy(p->backend, b->xs->fevents[i]);
+        if (b->xs) ap_foreign_events_gone(b->xs);
     }
     for (ap_segment *s = p->segments; s; s = s->next) {
         for (ap_block *b = s->first; b; b = b->next) /* marked past AP_MAX_USES: heap arrays */

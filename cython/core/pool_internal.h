@@ -222,6 +222,8 @@ void ap_event_put(ap_pool *p, void *event);
    rule); new-mode events are kept until that record has run (records in flight, stream_order.c). */
 void ap_event_put_waited(ap_pool *p, void *event, void *recorded_on, void *waiting_stream);
 void ap_events_destroy(ap_pool *p);
+/* A pending block's events of other devices destroyed with their pool: their ids no longer counted. */
+void ap_foreign_events_gone(ap_block_uses *u);
 /* New-mode records in flight that the pool's parked events, pending frees and slots hold: what
    ap_pool.records_out must be (check.c). */
 int ap_records_counted(const ap_pool *p);

@@ -75,10 +75,29 @@ static void live_add(ap_pool *p, int n) {
     if (p->backend->kind == AP_BACKEND_ACL) atomic_fetch_add(held_of(p), n);
 }
 
+/* Events the pools of a process hold on streams of another device (record_stream with a peer's
+   stream: record_foreign), per that device. Each is made fresh on that device, recorded once and
+   destroyed once that record is complete (or at the pool's close), so it holds one of that
+   device's ids while it lives, in either scheme: counted with the device's own records or live
+   events against the same share. Before, uncounted: frees marked for a busy peer stream took
+   every id of the peer device. */
+static atomic_int foreign_held[AP_MAX_DEVICES];
+
+static void foreign_add(int device, int n) {
+    if (device >= 0 && device < AP_MAX_DEVICES) atomic_fetch_add(&foreign_held[device], n);
+}
+
+/* 1 while the ids the process's pools hold on `device` (its pools' new-mode records, or their
+   live reset-scheme events, and other devices' pools' events there) are under the share. */
+static int ids_room(const ap_pool *p, int device) {
+    if (p->backend->kind != AP_BACKEND_ACL || device < 0 || device >= AP_MAX_DEVICES) return 1;
+    int own = ap_backend_event_reset(p->backend) ? atomic_load(&events_held[device]) : atomic_load(&records_out[device]);
+    return own + atomic_load(&foreign_held[device]) < records_bound(p);
+}
+
 /* 0: the reset scheme's live events of this device are at their bound (create none). */
 static int event_room(const ap_pool *p) {
-    return p->backend->kind != AP_BACKEND_ACL || !ap_backend_event_reset(p->backend) ||
-           atomic_load(held_of(p)) < records_bound(p);
+    return p->backend->kind != AP_BACKEND_ACL || !ap_backend_event_reset(p->backend) || ids_room(p, p->device);
 }
 
 static void records_add(ap_pool *p, int n) {
@@ -140,12 +159,12 @@ static void records_reclaim(ap_pool *p) {
 
 /* 1: a new-mode record may be made now (records_add after it succeeds); always 1 elsewhere. */
 static int record_room(ap_pool *p) {
-    if (!counts_records(p) || atomic_load(records_of(p)) < records_bound(p)) return 1;
+    if (!counts_records(p) || ids_room(p, p->device)) return 1;
     /* Asked in vain since the last allocation, and nothing of this pool seen complete since: not
        again (each free and each owed stream at the bound would ask every record of the pool). */
     if (p->reclaim_tick == p->tick + 1 && p->reclaim_out == p->records_out) return 0;
     records_reclaim(p);
-    if (atomic_load(records_of(p)) < records_bound(p)) return 1;
+    if (ids_room(p, p->device)) return 1;
     p->reclaim_tick = p->tick + 1;
     p->reclaim_out = p->records_out;
     return 0;
@@ -584,6 +603,10 @@ void ap_event_put_waited(ap_pool *p, void *event, void *recorded_on, void *waiti
     park(p, event, marked, waiting_stream);
 }
 
+void ap_foreign_events_gone(ap_block_uses *u) {
+    for (int i = 0; i < u->n_fevents; i++) foreign_add(u->foreign_device[i], -1);
+}
+
 int ap_records_counted(const ap_pool *p) {
     if (!counts_records(p)) return 0;
     int n = 0;
@@ -699,27 +722,70 @@ static void pending_unlink(ap_pool *p, ap_block *prev, ap_block *b) {
 }
 
 /* A use by a stream of another device (note_foreign_use): an event of that device recorded on it
-   now, else (no event could be had or recorded) a wait owed to it, as for local uses. A stream the
-   runtime no longer knows has no work left. */
-static void record_foreign(ap_pool *p, ap_block_uses *u, void *stream, int device) {
+   now. 1: recorded (the caller keeps it in fevents); 0: none to spare (the device's share of ids
+   is held, or the runtime refused): the stream is owed, asked again at the next pass; -1: the
+   stream is gone with its work (the runtime no longer knows it, or its handle now names another
+   device's stream: owed, the block waited for a stream no event of its device can reach). */
+static int record_foreign(ap_pool *p, void *stream, int device, void **out) {
     void *ev = NULL;
+    if (!ids_room(p, device)) return 0;
     int rc = p->backend->event_create(p->backend, device, &ev);
+    if (rc != 0) return 0;
+    rc = p->backend->event_record(p->backend, ev, stream);
     if (rc == 0) {
-        rc = p->backend->event_record(p->backend, ev, stream);
-        if (rc == 0) {
-            u->fevents[u->n_fevents++] = ev;
-            return;
-        }
-        p->backend->event_destroy(p->backend, ev);
-        if (ap_stream_unusable(p, rc)) return;
-        /* Its handle now names another device's stream (the runtime gave a destroyed stream's
-           handle to a new one): the stream recorded on is gone with its work. Owed, the block
-           waited for a stream no event of its device can reach: pending for good. */
-        int now;
-        if (p->backend->stream_device && p->backend->stream_device(p->backend, stream, &now) == 0 && now != device)
-            return;
+        foreign_add(device, 1);
+        *out = ev;
+        return 1;
     }
-    u->owed[u->n_owed++] = stream; /* waited for before the block is reused (owed_done) */
+    p->backend->event_destroy(p->backend, ev);
+    if (ap_stream_unusable(p, rc)) return -1;
+    int now;
+    if (p->backend->stream_device && p->backend->stream_device(p->backend, stream, &now) == 0 && now != device)
+        return -1;
+    return 0;
+}
+
+/* While a block is pending, u->foreign/foreign_device hold first the streams of its fevents (index
+   for index: the device each event's id is counted on), then the n_foreign streams still owed an
+   event (record_foreign found none to spare). Asks each owed one (blocking: waits for it instead)
+   and moves those recorded among the first; AP_E_BUSY while any is still owed. */
+static int foreign_owed_done(ap_pool *p, ap_block_uses *u, int blocking, ap_error *err) {
+    int i = u->n_fevents, end = u->n_fevents + u->n_foreign;
+    while (i < end) {
+        void *s = u->foreign[i], *ev = NULL;
+        int16_t dev = u->foreign_device[i];
+        int r;
+        if (blocking) {
+            ap_error e = {0};
+            if (sync_stream(p, s, &e) != AP_OK && !ap_stream_unusable(p, e.device_code)) {
+                if (err) *err = e;
+                return e.status;
+            }
+            r = -1; /* waited for: nothing left to record */
+        } else {
+            r = record_foreign(p, s, dev, &ev);
+        }
+        if (r == 0) {
+            i++;
+            continue;
+        }
+        if (r > 0) { /* to the front, with its event; the owed one there comes here (asked already) */
+            int f = u->n_fevents;
+            u->foreign[i] = u->foreign[f];
+            u->foreign_device[i] = u->foreign_device[f];
+            u->foreign[f] = s;
+            u->foreign_device[f] = dev;
+            u->fevents[u->n_fevents++] = ev;
+            i++;
+        } else { /* gone, or waited for: the last owed one takes its place */
+            u->foreign[i] = u->foreign[end - 1];
+            u->foreign_device[i] = u->foreign_device[end - 1];
+            end--;
+        }
+        u->n_foreign = (uint16_t)(end - u->n_fevents);
+    }
+    u->n_foreign = (uint16_t)(end - u->n_fevents);
+    return u->n_foreign ? AP_E_BUSY : AP_OK;
 }
 
 void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
@@ -743,11 +809,10 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
                      record_room); nor at the reset scheme's live-event bound (event_room) */
             u->owed[u->n_owed++] = s; /* still running (or failed): the block waits for it */
     }
-    u->n_fevents = 0;
-    for (int i = 0; i < u->n_foreign; i++) record_foreign(p, u, u->foreign[i], u->foreign_device[i]);
+    u->n_fevents = 0; /* every foreign use owed, then asked for an event (foreign_owed_done) */
+    (void)foreign_owed_done(p, u, 0, NULL);
     b->state = AP_BLOCK_PENDING;
     u->n_uses = 0;
-    u->n_foreign = 0;
     b->pending_next = NULL;
     if (p->pending_tail) p->pending_tail->pending_next = b;
     else p->pending_head = b;
@@ -824,6 +889,10 @@ static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err, int
         if (counts_records(p)) records_add(p, -1);
         ap_event_put(p, u->events[--u->n_events]);
     }
+    if (u && u->n_foreign) {
+        int rc = foreign_owed_done(p, u, blocking, err);
+        if (rc != AP_OK) return rc;
+    }
     /* Another device's events are destroyed, not cached; never while a wait outside the lock
        (waits.c) may still hold their handles: asked again at the next pass. */
     while (u && u->n_fevents) {
@@ -831,7 +900,9 @@ static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err, int
         if (p->event_pins) return AP_E_BUSY;
         int rc = event_done(p, b, u->fevents[u->n_fevents - 1], blocking, err);
         if (rc != AP_OK) return rc;
-        p->backend->event_destroy(p->backend, u->fevents[--u->n_fevents]);
+        u->n_fevents--;
+        foreign_add(u->foreign_device[u->n_fevents], -1);
+        p->backend->event_destroy(p->backend, u->fevents[u->n_fevents]);
     }
     return AP_OK;
 }
