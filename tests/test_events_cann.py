@@ -459,3 +459,18 @@ def test_events_of_a_peer_devices_stream_stay_under_half_of_that_devices_event_i
     assert out["loop_s"] < 5, out                             # no wait per free under the pool lock
     assert out["allocated"] == 0 and out["pending"] == 0, out  # the owed frees settled once it ran
     assert out["live_after"] == 0, out
+
+
+def test_asking_a_peer_stream_its_device_takes_no_event_id(sim_node):
+    """New-mode events (aclrtCreateEventExWithFlag, CANN 8.0.RC1 on): each record takes one of the
+    device's ids until the stream reaches it (hicann/runtime Event::Record), and a wait on one never
+    recorded sends no task (Event::WaitSendCheck). The acl backend asks whether a stream it created
+    is still that device's stream at each record_stream with another device's stream (and at
+    register_stream): now with such a wait, which the runtime checks against the stream's context
+    as a record. Before, with a record: each record_stream on a busy peer stream left records
+    there, and 1,100 of them took every id of the 310P peer device (the framework's
+    aclrtCreateEventWithFlag there failed with 207007)."""
+    out = sim_node.run_json(FOREIGN_HUNG.replace("LEGACY", "False"), timeout=120, ASCEND_SIM_PROFILE="310p")
+    assert out["create"] == 0 and out["record"] == 0, out
+    assert out["distinct"] == 1100 and out["loop_s"] < 5, out
+    assert out["allocated"] == 0 and out["pending"] == 0, out

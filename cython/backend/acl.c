@@ -1352,7 +1352,16 @@ static int acl_created_note_holds(ap_backend *b, void *stream, int device)
         return 1; /* cannot ask: keep the note */
     rc = acl_event_create_here(b, &event);
     if (rc == 0) {
-        rc = im->aclrtRecordEvent(event, stream);
+        /* A new-mode event (event_ex still set once it is made) is asked with a wait: never
+           recorded, the runtime checks the stream's context and sends no task (Event::WaitSendCheck),
+           where a record takes one of the device's event ids until the stream reaches it. Asked
+           at each record_stream with another device's stream, records left on a busy stream took
+           every id of its device. The reset scheme's event must not be waited on unrecorded (its
+           wait blocks the stream until a record): a record, whose id the destroy gives back. */
+        if (__atomic_load_n(&im->event_ex, __ATOMIC_ACQUIRE))
+            rc = im->aclrtStreamWaitEvent(stream, event);
+        else
+            rc = im->aclrtRecordEvent(event, stream);
         (void)im->aclrtDestroyEvent(event);
     }
     acl_leave(b, &sc);
