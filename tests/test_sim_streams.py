@@ -4,6 +4,8 @@ and thread safety. Each test runs in a child process on its own simulated node."
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
 
@@ -495,3 +497,35 @@ def test_destroy_stream_force_drops_what_has_not_started(sim_node):
         time.sleep(0.3)
         assert sim.read(p, MiB) == before
     """)
+
+
+@pytest.mark.parametrize("profile, most", [("310p", 1024), ("strict", 1984), ("cann8.0", 2048)])
+def test_simulator_refuses_streams_past_the_devices_most(sim_node, profile, most):
+    """CANN's aclrtCreateStream page: each SoC holds at most so many streams per device, default
+    streams included (Atlas A2/A3 and 950: 1984 in the current pages, 2048 in CANN 8.0's; Atlas
+    inference cards: 1024), and past them creation fails (ACL_ERROR_RT_NO_STREAM_RESOURCE,
+    207008). Before, the simulator made streams without a bound. The pool's create_stream then
+    raises the runtime's code and the pool keeps working once a stream is destroyed."""
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        pool = ap.Pool(0, backend="sim")
+        made, err = [], None
+        while len(made) < 4000:
+            try:
+                made.append(pool.create_stream())
+            except ap.PoolError as e:
+                err = e
+                break
+        live = sim.stats(0)["live_streams"]
+        pool.destroy_stream(made.pop())
+        again = pool.create_stream()
+        p = pool.malloc(1 << 20, stream=again)
+        pool.free(p, stream=again)
+        for s in made + [again]:
+            pool.destroy_stream(s)
+        pool.close()
+        print(json.dumps({"made": len(made) + 1, "live": live, "code": getattr(err, "code", None),
+                          "named": "streams" in str(err), "refs": sim.stats(0)["device_refs"]}))
+    """, timeout=120, ASCEND_SIM_PROFILE=profile)
+    assert out["live"] == most and out["code"] == 207008 and out["named"], out
+    assert out["refs"] == 0, out

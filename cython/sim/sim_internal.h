@@ -87,6 +87,8 @@ struct sim_profile {
     int malloc_pad;              /* aclrtMalloc adds 32 bytes after rounding (not on 950) */
     int event_ex;                /* aclrtCreateEventExWithFlag works (else 207000, as a runtime
                                     that exports it without the feature) */
+    uint32_t stream_limit;       /* streams per device, default streams included: 1984 on A2/A3 and
+                                    950 (2048 in CANN 8.0's pages), 1024 on 310P */
 };
 struct sim_config {
     int devices;                 /* this process's devices (ASCEND_RT_VISIBLE_DEVICES, else the node's) */

@@ -328,6 +328,16 @@ SIM_EXPORT aclError aclrtCreateStream(aclrtStream *stream)
     int dev;
     if ((rc = sim_current_device(call, &dev)) != 0)
         return rc;
+    /* CANN's aclrtCreateStream page: the hardware holds at most so many streams per device, the
+       default streams included (1984 on Atlas A2/A3 and 950, 512 on 200I/500 A2, 1024 on
+       inference cards; 2048 on A2 in CANN 8.0's pages), and past them creation fails
+       (ACL_ERROR_RT_NO_STREAM_RESOURCE). Counted per process here (the hardware's count is the
+       device's), checked before the stream starts: threads racing here may pass it by a few. */
+    uint64_t live = atomic_load(&g_sim.dev[dev].live_streams);
+    if (live >= g_sim.cfg.profile.stream_limit)
+        return sim_fail(ACL_ERROR_RT_NO_STREAM_RESOURCE, call,
+                        "device %d already has %llu streams (default streams included), its most [profile %s]",
+                        dev, (unsigned long long)live, g_sim.cfg.profile.name);
     struct sim_stream *s = stream_new(dev, 0);
     if (!s)
         return sim_fail(ACL_ERROR_RT_NO_STREAM_RESOURCE, call, "cannot start a stream worker thread");
