@@ -891,7 +891,10 @@ static int events_done(ap_pool *p, ap_block *b, int blocking, ap_error *err, int
     }
     if (u && u->n_foreign) {
         int rc = foreign_owed_done(p, u, blocking, err);
-        if (rc != AP_OK) return rc;
+        if (rc != AP_OK) {
+            *gated = 0; /* another device's stream: no gate of this pool covers it */
+            return rc;
+        }
     }
     /* Another device's events are destroyed, not cached; never while a wait outside the lock
        (waits.c) may still hold their handles: asked again at the next pass. */
