@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -90,3 +91,34 @@ def test_framework_threads_taking_the_gil_while_the_interpreter_exits_never_abor
         proc = subprocess.run([sys.executable, "-c", _EXITING, helper], env=env, capture_output=True, text=True,
                               timeout=60)
         assert proc.returncode == 0, f"exit status {proc.returncode}: {proc.stderr[-600:]}"
+
+
+_FORKING_OBSERVER = r'''
+import ctypes, os, sys
+import ascend_pool as ap
+abi = ctypes.CDLL(ap.library_path())
+abi.ascend_pool_malloc.restype = ctypes.c_void_p
+abi.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+ap.default_pool(0)
+pid = []
+ap.attach_out_of_memory_observer(lambda *figures: pid or pid.append(os.fork()))
+abi.ascend_pool_malloc(1 << 50, 0, None)
+if pid[0] == 0:
+    sys.exit(0)  # the child exits through Python (atexit: apc_python_close)
+print(os.waitpid(pid[0], 0)[1])
+'''
+
+
+def test_a_child_forked_by_an_observer_exits_at_once():
+    # The observer runs inside a C ABI call counted as taking the GIL; the child, forked there,
+    # returns through the call's end: counted from 0 after the fork, it was left at -1, and its
+    # exit waited 10 s for a call on its way that did not exist.
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _FORKING_OBSERVER], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-600:]
+    assert proc.stdout.split() == ["0"]
+    assert time.monotonic() - start < 8, "the forked child's exit waited for a GIL call it never had"

@@ -70,20 +70,29 @@ static int apc_python_usable(void) {
    both sequentially consistent. */
 static atomic_int apc_gil_calls;     /* calls between apc_gil_enter and apc_gil_leave */
 static atomic_int apc_python_closed; /* set at interpreter exit: no call takes the GIL after it */
+static _Thread_local int apc_gil_mine; /* this thread's share of apc_gil_calls */
 
 /* 1 when the caller may take the GIL (then apc_gil_leave after PyGILState_Release), else 0. */
 static int apc_gil_enter(void) {
     atomic_fetch_add(&apc_gil_calls, 1);
-    if (!atomic_load(&apc_python_closed) && apc_python_usable()) return 1;
+    if (!atomic_load(&apc_python_closed) && apc_python_usable()) {
+        apc_gil_mine++;
+        return 1;
+    }
     atomic_fetch_sub(&apc_gil_calls, 1);
     return 0;
 }
 
-static void apc_gil_leave(void) { atomic_fetch_sub(&apc_gil_calls, 1); }
+static void apc_gil_leave(void) {
+    apc_gil_mine--;
+    atomic_fetch_sub(&apc_gil_calls, 1);
+}
 
 /* A forked child has only the forking thread: the calls other threads had on their way to the GIL
-   are not its own (its exit would wait for them). */
-static void apc_gil_after_fork(void) { atomic_store(&apc_gil_calls, 0); }
+   are not its own (its exit would wait for them), but the forking thread's own are (an
+   out-of-memory observer that forks: the child returns through the call's apc_gil_leave, and
+   counted from 0 it left -1, which its exit waited for, 10 s). */
+static void apc_gil_after_fork(void) { atomic_store(&apc_gil_calls, apc_gil_mine); }
 
 /* Called at interpreter exit without the GIL (so that calls waiting for it get it and finish):
    from now on no C ABI call takes the GIL; waits up to ms for those already on their way. */
