@@ -433,3 +433,32 @@ def test_each_pass_completes_exactly_the_pending_frees_whose_streams_are_done(po
         pool.destroy_stream(s)
     pool.empty_cache()
     assert pool.memory_stats()["pending_free_bytes"] == 0
+
+
+def test_destroying_an_idle_stream_waits_for_no_other_streams_pending_frees(knobs):
+    # destroy_stream(s) waits for s and for the pending frees recorded on it; a free behind
+    # another, busy stream (record_stream on a communication stream) is that stream's: it held
+    # the destroy for sync_timeout_ms, then failed it with DeviceTimeoutError (the stream kept).
+    pool = ap.Pool(0, backend="sim", sync_timeout_ms=3000, **knobs)
+    busy, s = pool.create_stream(), pool.create_stream()
+    sim.hang_stream(busy)
+    try:
+        x = pool.malloc(4096)
+        pool.record_stream(x, busy)
+        pool.free(x)
+        y = pool.malloc(4096)
+        pool.record_stream(y, s)
+        sim.launch_fill(s, y, 4096, 5, delay_s=0.3)
+        pool.free(y)  # pending on s: settled by its destroy
+        start = time.monotonic()
+        pool.destroy_stream(s)
+        assert time.monotonic() - start < 2.5
+        assert filled_with(y, 5, 4096)  # s's work ran before its free completed
+        assert pool.memory_stats()["pending_free_bytes"] == pool.round_size(4096)  # x: still behind busy
+    finally:
+        sim.release_stream(busy)
+    pool.synchronize(busy)
+    pool.destroy_stream(busy)
+    pool.empty_cache()
+    assert pool.memory_stats()["pending_free_bytes"] == 0
+    pool.close()

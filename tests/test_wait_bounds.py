@@ -28,12 +28,15 @@ def test_many_frees_pending_on_a_hung_stream_wait_one_limit(expandable):
         for b in blocks:
             pool.record_stream(b, s2)
             pool.free(b, stream=s1)
-        for call in (pool.empty_cache, lambda: pool.synchronize(s1), lambda: pool.destroy_stream(s2)):
+        for call in (pool.empty_cache, lambda: pool.synchronize(s1), lambda: pool.destroy_stream(s1)):
             start = time.monotonic()
             with pytest.raises(ap.DeviceTimeoutError):
                 call()
             # one limit (plus scheduling), not n of them (n * 0.25 s = 2 s before)
             assert time.monotonic() - start < 4 * limit_ms / 1000
+        start = time.monotonic()
+        pool.destroy_stream(s2)  # idle: the frees' events on it are done, s1's are not its own
+        assert time.monotonic() - start < limit_ms / 1000
         pool._check_invariants()
     finally:
         sim.release_stream(s1)

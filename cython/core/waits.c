@@ -97,9 +97,13 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
                 if (on) latest[on] = b->xs->events[i];
             }
         for (int s = 1; s < p->n_slots && ne < WAIT_BATCH; s++)
-            if (latest[s]) events[ne++] = latest[s];
+            if (latest[s] && (slot <= 0 || s == slot)) events[ne++] = latest[s];
     }
-    for (ap_block *b = pending ? p->pending_head : NULL; b && ne < WAIT_BATCH; b = b->pending_next) {
+    /* One stream's wait (destroy_stream: slot > 0) takes only the frees' events recorded on it: the
+       other streams' pending frees are not its own, and one behind a busy stream (record_stream on
+       a communication stream) held destroy_stream of an idle stream for sync_timeout_ms, then
+       failed it (the stream kept). */
+    for (ap_block *b = pending && slot <= 0 ? p->pending_head : NULL; b && ne < WAIT_BATCH; b = b->pending_next) {
         for (int i = 0; b->xs && i < b->xs->n_events && ne < WAIT_BATCH; i++)
             if (!ap_event_key_slot(p, b->xs->event_keys[i])) events[ne++] = b->xs->events[i];
         for (int i = 0; b->xs && i < b->xs->n_fevents && ne < WAIT_BATCH; i++) events[ne++] = b->xs->fevents[i];
