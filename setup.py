@@ -70,7 +70,7 @@ sim_ext = [
 torch_ext = [
     Extension(
         "ascend_pool.libascend_pool_torch",
-        sources=["cython/capi/torch_alloc.cpp"],
+        sources=["cython/capi/torch_alloc.cpp", "cython/capi/torch_stats.cpp"],
         language="c++",
         extra_compile_args=["-O2", "-g", "-std=c++17", "-Wall", "-fvisibility=hidden"] + SAN_FLAGS,
         extra_link_args=LINK_FLAGS,

@@ -21,8 +21,11 @@ The runtime is torch_npu's: install() neither loads nor initialises it (no aclIn
 own aclInit, with its JSON configuration (dump_scene, defaultDevice for lazy set-device), happens
 as usual; the pool attaches to that runtime at the first allocation.
 
-Stats: torch_npu's NPUPluggableAllocator offers no stats or snapshot hook (its getDeviceStats
-warns and returns nothing, which is undefined behaviour in C++). So install() replaces the Python
+Stats: torch_npu's NPUPluggableAllocator offers no stats or snapshot hook before v2.7.1 (its
+getDeviceStats warns and returns nothing, which is undefined behaviour in C++); from v2.7.1 on it
+takes set_get_device_stats_fn and set_reset_peak_status_fn, which install() registers (with or
+without patch_stats) where the installed headers' DeviceStats can be built from C (torch_npu_stats),
+so that C++ callers get ascend_pool's figures too. Either way install() replaces the Python
 functions of torch_npu.npu.memory (and torch.npu) that would reach it: memory_stats and everything
 built on it (memory_allocated, memory_reserved, max_memory_allocated, memory_summary ...),
 memory_stats_as_nested_dict (which torch_npu's memory_stats calls), reset_peak_memory_stats,
@@ -49,6 +52,7 @@ ascend_pool.memory_stats(device) and friends instead.
 """
 
 import importlib
+import os
 import sys
 import warnings
 from collections import OrderedDict
@@ -57,7 +61,8 @@ from .. import api, config
 from ..errors import ConfigError
 from ..snapshot import dump as write_snapshot
 from ..settings import set_allocator_settings
-from ._common import require, say_caching_stays, set_hooks, torch_alloc_functions, use_backend
+from ._common import TORCH_ALLOC_LIB, require, say_caching_stays, set_hooks, torch_alloc_functions, use_backend
+from .torch_npu_stats import register_stats_hooks
 
 __all__ = ["install", "build_allocator", "patch_memory_functions", "patch_accelerator", "HOOKS", "PATCHED",
            "ACCELERATOR_PATCHED"]
@@ -274,6 +279,19 @@ def patch_accelerator(torch):
     return names
 
 
+def _package_dir(name):
+    """The installed package's directory (its headers are under include/), or "" when unknown."""
+    path = getattr(sys.modules.get(name), "__file__", None)
+    return os.path.dirname(path) if path else ""
+
+
+def _stats_hook_functions():
+    """(memory_stats, reset_peak_memory_stats) for the allocator's C++ stats hooks
+    (torch_npu_stats): the patched functions' own, whether or not patch_stats patches them."""
+    repl = _replacements()
+    return repl["memory_stats"], repl["reset_peak_memory_stats"]
+
+
 def install(patch_stats=True):
     """Makes ascend_pool torch_npu's NPU allocator, leaving the runtime's initialisation to
     torch_npu; with patch_stats, torch.npu's memory-stats functions answer from ascend_pool (see
@@ -288,6 +306,8 @@ def install(patch_stats=True):
     alloc, _ = build_allocator(memory)
     memory.change_current_allocator(alloc)
     _installed = alloc
+    register_stats_hooks(alloc.allocator(), TORCH_ALLOC_LIB, _package_dir("torch_npu"), _package_dir("torch"),
+                         *_stats_hook_functions())
     if patch_stats:
         patch_memory_functions(memory, importlib.import_module("torch_npu.npu"))
         patch_accelerator(importlib.import_module("torch"))
