@@ -259,6 +259,8 @@ typedef struct ap_pool {
                               each gate is not complete, none of them is (stream_order.c
                               ap_process_pending); the frees after it came since */
     ap_block *pending_checked;
+    uint64_t gate_drops;   /* times the gates were dropped (stream_order.c gates_drop): a pass
+                              that saw one ends ungated */
     void **event_cache;   /* idle events for reuse (at most event_cache_max; more are destroyed) */
     int n_cached_events, event_cache_cap;
     int event_cache_max;  /* bound below the device's event limit (stream_order.c) */

@@ -134,6 +134,14 @@ static ap_stream_slot *key_slot(ap_pool *p, uint32_t key) {
     return slot ? &p->slots[slot] : NULL;
 }
 
+/* The gates of the last pass no longer speak for the frees they held (a gate went back to the
+   event cache, its stream is gone or another's): the next pass asks every pending free. Counted,
+   so that a pass during which it happens (records_reclaim from owed_done) does not end gated. */
+static void gates_drop(ap_pool *p) {
+    p->pending_gated = 0;
+    p->gate_drops++;
+}
+
 /* Pending frees' events found complete go back now (events_done would find them later). */
 static void records_reclaim(ap_pool *p) {
     if (p->n_parked) parked_recycle(p);
@@ -150,7 +158,7 @@ static void records_reclaim(ap_pool *p) {
             void *ev = u->events[i];
             u->event_keys[i] = u->event_keys[u->n_events - 1];
             u->events[i] = u->events[--u->n_events];
-            p->pending_gated = 0; /* a gate may have gone back to the cache */
+            gates_drop(p); /* a gate may have gone back to the cache */
             records_add(p, -1);
             ap_event_put(p, ev);
         }
@@ -239,7 +247,7 @@ void ap_slot_retire(ap_pool *p, int slot) {
     p->slots[slot].stranded = 0;
     ap_free_retag_slot(p, slot, 0);
     p->slots[slot].live = 0;
-    if (p->slots[slot].gate) p->pending_gated = 0; /* its frees are asked again, not left to its gate */
+    if (p->slots[slot].gate) gates_drop(p); /* its frees are asked again, not left to its gate */
     p->slots[slot].gate = NULL;
     if (p->last_slot == slot) p->last_slot = 0;
 }
@@ -314,7 +322,7 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
         p->slots[i].gate = NULL;
     }
     ap_stream_slot *s = &p->slots[i];
-    if (s->gate) p->pending_gated = 0; /* the earlier stream's pending frees are asked again */
+    if (s->gate) gates_drop(p); /* the earlier stream's pending frees are asked again */
     s->gate = NULL;
     s->gen++; /* its earlier stream's events (event_key) are not this stream's */
     s->stream = stream;
@@ -937,6 +945,7 @@ int ap_process_pending(ap_pool *p, int blocking, ap_error *err) {
         for (int s = 1; s < p->n_slots; s++) p->slots[s].gate = NULL;
     }
     int status = AP_OK, gated = !blocking;
+    uint64_t drops = p->gate_drops;
     p->pending_gated = 0;
     while (b) {
         ap_block *next = b->pending_next;
@@ -956,7 +965,7 @@ int ap_process_pending(ap_pool *p, int blocking, ap_error *err) {
         b = next;
     }
     /* each free left waits for an event no earlier than its stream's gate (events_done) */
-    p->pending_gated = gated && p->pending_head;
+    p->pending_gated = gated && p->pending_head && p->gate_drops == drops;
     p->pending_checked = p->pending_tail;
     return status;
 }
