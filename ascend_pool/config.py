@@ -125,7 +125,8 @@ def history_settings(enabled, stacks, max_entries, context="all"):
 def _is_bool(value):
     """A Python bool or a numpy one (np.True_: no int and no bool subclass, so int() read it as 1
     where a bool is refused, and a flag refused it)."""
-    return isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b"
+    return isinstance(value, bool) or (getattr(getattr(value, "dtype", None), "kind", None) == "b"
+                                       and getattr(value, "ndim", None) == 0)  # not an array of them
 
 
 def _bool(key, value):

@@ -15,7 +15,7 @@ import threading
 from prometheus_client.core import CounterMetricFamily
 
 from ..backend import open_backend
-from ..errors import OutOfMemoryError, QuotaExceededError
+from ..errors import OutOfMemoryError, PoolError, QuotaExceededError
 from ..pool import Pool
 from ..tenants import Context
 from ..traces import live_bytes_series, load_trace
@@ -179,7 +179,12 @@ def replay_once(pool, trace, streams, at_peak=None):
         # a trace that ends with allocations live (a memory snapshot's tensors, a dump_trace of a
         # running program) or a run stopped by another error: they stayed in the warm pool, more
         # at every loop, until the demo ran out of memory
+        # (each alone: one refused, e.g. its stream destroyed, must neither keep the others nor
+        # hide the error that stopped the run)
         for s, p in enumerate(ptrs):
             if p:
-                free(p, owner[s])
+                try:
+                    free(p, owner[s])
+                except PoolError as e:
+                    log.warning("replay loop: a block the run left could not be freed: %s", e)
 
