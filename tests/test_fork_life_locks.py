@@ -306,3 +306,43 @@ def _node_of(tmp_path):
     [name] = {n.split("-")[2] for n in os.listdir(str(tmp_path)) if n.startswith("ascendsim-") and "-dev0" in n
               and ".tmp" not in n}
     return name
+
+
+def _flock_held(path):
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+@needs_cc
+def test_a_forked_child_does_not_keep_the_ledger_locked_after_its_parent_died_holding_it(tmp_path, shim):
+    # The ledger's update lock is a flock of its descriptor, which a forked child copied (the lock
+    # belongs to the open file both share): a parent killed inside an update left the ledger
+    # locked while the child lived, and every other process of the node failed after 10 s
+    # ("cannot lock ledger") at each context, sweep and quota change.
+    hello = _run_parent(tmp_path, """
+        import ctypes, json, threading, time
+        import ascend_pool as ap
+        from ascend_pool import identity
+        ctx = ap.Pool(0, backend="sim").context("t", quota=8 << 20)
+        libc = ctypes.CDLL(None)
+        pid = libc.fork()
+        if pid == 0:
+            libc.sleep(60)
+            libc._exit(0)
+        threading.Thread(target=lambda: ap.Pool(0, backend="sim").context("u", quota=8 << 20)).start()
+        time.sleep(0.3)  # the thread holds the ledger's lock (the shim keeps it there 5 s)
+        print(json.dumps({"instance": identity.instance(), "child": pid}), flush=True)
+        time.sleep(60)
+    """, LD_PRELOAD=shim, SLOW_LEDGER_LOCK_MS="5000")
+    try:
+        [ledger] = _ledgers(tmp_path)
+        assert not _still_true(lambda: _flock_held(ledger)), "the killed parent's ledger lock is held by its child"
+    finally:
+        os.kill(hello["child"], signal.SIGKILL)
+

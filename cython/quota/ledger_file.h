@@ -51,7 +51,8 @@ enum { APL_OK = 0, APL_E_IO = 1, APL_E_PERM = 2, APL_E_MALFORMED = 3, APL_E_FULL
    device (reference counted); never unmapped while a context can still reach it. */
 typedef struct apl_ledger {
     apl_file *f;
-    int fd;                 /* for flock(); reopened in a forked child (flock belongs to the open file) */
+    int fd;                 /* for flock(); reopened in a forked child (flock belongs to the open file),
+                               which drops the parent's (apl_dropped_open) */
     pid_t fd_pid;
     dev_t st_dev;
     ino_t st_ino;
@@ -203,6 +204,33 @@ static int apl_lock(apl_ledger *L, char *err, size_t len);
 static int apl_lock_ms(apl_ledger *L, int timeout_ms, char *err, size_t len);
 static void apl_unlock(apl_ledger *L);
 
+int ap_fork_drop_fd(int fd, int on); /* ../backend/fork.c (backend.h) */
+void ap_fork_window_enter(void);
+void ap_fork_window_leave(void);
+
+/* Opens a descriptor whose lock a forked child must not keep, marked for its drop (fork.c) with no
+   fork in between: the life lock's, and the update lock's (L->fd), a flock of its open file, which
+   a child's copy shares: a parent killed inside an update left the ledger locked while its child
+   lived (every other process's lock failed after APL_LOCK_TIMEOUT_MS). *marked: 0 where the table
+   could not take it (fork.c). -1 with errno. */
+static int apl_dropped_open(const char *path, int flags, mode_t mode, int *marked) {
+    ap_fork_window_enter();
+    int fd = open(path, flags | O_CLOEXEC, mode);
+    int e = errno;
+    *marked = fd >= 0 && ap_fork_drop_fd(fd, 1) == 0;
+    ap_fork_window_leave();
+    errno = e;
+    return fd;
+}
+
+/* Closes such a descriptor: unregistered and closed with no fork between (fork.c). */
+static void apl_dropped_close(int fd) {
+    ap_fork_window_enter();
+    ap_fork_drop_fd(fd, 0);
+    close(fd);
+    ap_fork_window_leave();
+}
+
 /* Creates the ledger under a temporary name and link()s it into place. APL_OK, EEXIST when another
    process won the race (the caller then opens theirs), or an APL_E_* kind. */
 static int apl_create(const char *path, int device, const char *backend, const char *node, uint32_t group,
@@ -215,7 +243,8 @@ static int apl_create(const char *path, int device, const char *backend, const c
     snprintf(tmp, sizeof tmp, "%s.tmp.%d.%016llx.%u", path, (int)getpid(), (unsigned long long)rnd,
              atomic_fetch_add(&seq, 1));
     mode_t mode = group == APL_NO_GROUP ? 0600 : 0660;
-    int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    int marked;
+    int fd = apl_dropped_open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW, 0600, &marked); /* locked below */
     if (fd < 0) return apl_fail(err, len, APL_E_IO, "cannot create ledger %s: %s", tmp, strerror(errno));
     /* Locked while it has its temporary name: a creator killed here leaves ~74 KB that a scan
        (identity.remove_dead_leases) removes once nobody holds this lock and it is over 60 s old.
@@ -246,7 +275,7 @@ static int apl_create(const char *path, int device, const char *backend, const c
         what = "publish";
     }
     unlink(tmp);
-    close(fd);
+    apl_dropped_close(fd);
     /* ENOENT: a scan removed the temporary file (this process was stopped for a minute before it
        locked it): the caller tries again, as after losing the race. */
     if (rc == EEXIST || (rc == ENOENT && !strcmp(what, "publish"))) return EEXIST;
@@ -295,10 +324,26 @@ static int apl_open_as_ms(const char *path, int device, const char *backend, con
         close(fd);
         return apl_fail(err, len, APL_E_IO, "cannot map ledger %s: %s", path, strerror(errno));
     }
+    /* The lock's descriptor is not the mapping's: a forked child inherits the mapping, which keeps
+       its open file (and a flock on it) for as long as the child lives. Its own open file, which a
+       child drops (apl_dropped_open). */
+    int marked;
+    int lock_fd = apl_dropped_open(path, O_RDWR | O_NOFOLLOW, 0, &marked);
+    struct stat lst;
+    if (lock_fd < 0 || fstat(lock_fd, &lst) != 0 || lst.st_dev != st.st_dev || lst.st_ino != st.st_ino) {
+        int e = lock_fd < 0 ? errno : 0;
+        if (lock_fd >= 0) apl_dropped_close(lock_fd);
+        munmap(f, sizeof(apl_file));
+        close(fd);
+        return apl_fail(err, len, APL_E_IO, "ledger %s was replaced while it was being opened%s%s", path,
+                        e ? ": " : "", e ? strerror(e) : "");
+    }
+    close(fd); /* the mapping keeps the file */
+    fd = lock_fd;
     apl_ledger *L = calloc(1, sizeof *L);
     if (!L) {
         munmap(f, sizeof(apl_file));
-        close(fd);
+        apl_dropped_close(fd);
         return apl_fail(err, len, APL_E_IO, "host memory exhausted opening ledger %s", path);
     }
     L->f = f;
@@ -341,7 +386,7 @@ static int apl_open_as_ms(const char *path, int device, const char *backend, con
     }
     if (rc != APL_OK) {
         munmap(f, sizeof(apl_file));
-        close(fd);
+        apl_dropped_close(fd);
         pthread_mutex_destroy(&L->mu);
         free(L);
         return rc;
@@ -355,26 +400,14 @@ static int apl_open_as(const char *path, int device, const char *backend, const 
     return apl_open_as_ms(path, device, backend, node, group, owner, APL_LOCK_TIMEOUT_MS, out, err, len);
 }
 
-int ap_fork_drop_fd(int fd, int on); /* ../backend/fork.c (backend.h) */
-void ap_fork_window_enter(void);
-void ap_fork_window_leave(void);
-
-/* Closes a life-lock descriptor: unregistered and closed with no fork between (fork.c). */
-static void apl_life_close(int fd) {
-    ap_fork_window_enter();
-    ap_fork_drop_fd(fd, 0);
-    close(fd);
-    ap_fork_window_leave();
-}
-
 static void apl_ref(apl_ledger *L) { atomic_fetch_add(&L->refs, 1); }
 
 static void apl_unref(apl_ledger *L) {
     if (L && atomic_fetch_sub(&L->refs, 1) == 1) {
         munmap(L->f, sizeof(apl_file));
-        close(L->fd);
+        apl_dropped_close(L->fd);
         if (L->life_fd >= 0) /* this process's lock, or a forked child's copy */
-            apl_life_close(L->life_fd);
+            apl_dropped_close(L->life_fd);
         pthread_mutex_destroy(&L->mu);
         free(L);
     }
@@ -383,14 +416,15 @@ static void apl_unref(apl_ledger *L) {
 /* A forked child inherits the parent's open file, and with it the parent's flock(): it must open
    its own before locking, or parent and child would not exclude each other. */
 static int apl_reopen_after_fork(apl_ledger *L, char *err, size_t len) {
-    int fd = open(L->path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    int marked;
+    int fd = apl_dropped_open(L->path, O_RDWR | O_NOFOLLOW, 0, &marked);
     if (fd < 0) return apl_fail(err, len, APL_E_IO, "cannot reopen ledger %s: %s", L->path, strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || st.st_dev != L->st_dev || st.st_ino != L->st_ino) {
-        close(fd);
+        apl_dropped_close(fd);
         return apl_fail(err, len, APL_E_PERM, "ledger %s was replaced by another file; refusing it", L->path);
     }
-    close(L->fd);
+    apl_dropped_close(L->fd); /* the parent's copy (/dev/null after fork.c) */
     L->fd = fd;
     L->fd_pid = getpid();
     return APL_OK;

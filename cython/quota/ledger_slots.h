@@ -213,20 +213,18 @@ static int apl_declare_quota(apl_tenant *T, uint64_t quota, int src, uint32_t st
 static void apl_life_hold(apl_ledger *L, uint64_t instance) {
     if (L->life_fd >= 0 && L->life_pid == getpid()) return;
     if (L->life_fd >= 0) { /* a forked child's copy (/dev/null after fork.c, else the parent's file) */
-        apl_life_close(L->life_fd);
+        apl_dropped_close(L->life_fd);
         L->life_fd = -1;
     }
-    ap_fork_window_enter();
-    int fd = open(L->path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-    int registered = fd >= 0 && ap_fork_drop_fd(fd, 1) == 0;
+    int registered;
+    int fd = apl_dropped_open(L->path, O_RDONLY | O_NOFOLLOW, 0, &registered);
     if (fd >= 0 && !registered) close(fd);
-    ap_fork_window_leave();
     if (!registered) return;
     struct stat st;
     struct flock fl = apl_life_range(instance, F_RDLCK);
     if (fstat(fd, &st) != 0 || st.st_dev != L->st_dev || st.st_ino != L->st_ino ||
         fcntl(fd, F_OFD_SETLK, &fl) != 0) {
-        apl_life_close(fd);
+        apl_dropped_close(fd);
         return;
     }
     L->life_fd = fd;

@@ -4,7 +4,11 @@
    SLOW_LEDGER_OPEN_MS milliseconds, one of /proc/self/fd/N (identity.life_open: a share record's
    life lock) after SLOW_PROC_FD_OPEN_MS; flock(LOCK_EX) on a lease file (ascend_pool-lease-*) after
    SLOW_LEASE_MS, on a stats file (ascend_pool-stats-*) after SLOW_STATS_MS, on the simulator's
-   lease (ascendsim-lease-*, cython/sim/proc.c) after SLOW_SIM_LEASE_MS. */
+   lease (ascendsim-lease-*, cython/sim/proc.c) after SLOW_SIM_LEASE_MS, on a ledger (its update lock,
+   ledger_file.h apl_lock) after SLOW_LEDGER_LOCK_MS, on a share record (ascend_pool-share-*, sharing.py)
+   after SLOW_SHARE_LOCK_MS, on one being made (its temporary name) after SLOW_SHARE_TMP_MS. A read-write open, not creating, of a simulator's node record
+   (ascendsim-*-dev*: node.c's life descriptor) returns after SLOW_SIM_NODE_OPEN_MS, of an IPC record
+   (ascendsim-*-ipc-*: ipc.c's) after SLOW_SIM_IPC_OPEN_MS. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -36,6 +40,11 @@ static void pause_ms(const char *env) {
             pause_ms("SLOW_LEDGER_OPEN_MS");                                              \
         if (fd >= 0 && (flags & O_ACCMODE) == O_RDONLY && strncmp(path, "/proc/self/fd/", 14) == 0) \
             pause_ms("SLOW_PROC_FD_OPEN_MS");                                             \
+        if (fd >= 0 && (flags & O_ACCMODE) == O_RDWR && !(flags & (O_CREAT | O_NONBLOCK)) &&     \
+            strstr(path, "/ascendsim-") && strstr(path, "-dev") && !strstr(path, "-ipc-"))                     \
+            pause_ms("SLOW_SIM_NODE_OPEN_MS");                                            \
+        if (fd >= 0 && (flags & O_ACCMODE) == O_RDWR && !(flags & O_CREAT) && strstr(path, "-ipc-simipc-")) \
+            pause_ms("SLOW_SIM_IPC_OPEN_MS");                                             \
         return fd;                                                                        \
     }
 SHIM_OPEN(open)
@@ -46,7 +55,8 @@ int flock(int fd, int op) {
     if (!real) real = (int (*)(int, int))dlsym(RTLD_NEXT, "flock");
     int rc = real(fd, op);
     if (rc == 0 && (op & LOCK_EX) &&
-        (getenv("SLOW_LEASE_MS") || getenv("SLOW_STATS_MS") || getenv("SLOW_SIM_LEASE_MS"))) {
+        (getenv("SLOW_LEASE_MS") || getenv("SLOW_STATS_MS") || getenv("SLOW_SIM_LEASE_MS") ||
+         getenv("SLOW_LEDGER_LOCK_MS") || getenv("SLOW_SHARE_LOCK_MS") || getenv("SLOW_SHARE_TMP_MS"))) {
         char link[64], path[512];
         snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
         ssize_t n = readlink(link, path, sizeof path - 1);
@@ -55,6 +65,8 @@ int flock(int fd, int op) {
             if (strstr(path, "ascend_pool-lease-")) pause_ms("SLOW_LEASE_MS");
             if (strstr(path, "ascend_pool-stats-")) pause_ms("SLOW_STATS_MS");
             if (strstr(path, "ascendsim-lease-")) pause_ms("SLOW_SIM_LEASE_MS");
+            if (strstr(path, "ascend_pool-ledger-") && !strstr(path, ".tmp")) pause_ms("SLOW_LEDGER_LOCK_MS");
+            if (strstr(path, "ascend_pool-share-")) pause_ms(strstr(path, ".tmp") ? "SLOW_SHARE_TMP_MS" : "SLOW_SHARE_LOCK_MS");
         }
     }
     return rc;
