@@ -197,7 +197,11 @@ def _record_path(backend_name, key, node=None):
 
 
 class _Record:
-    """One record file, opened; every access under flock (released by the kernel if we die).
+    """One record file, opened; every access under flock (released by the kernel if we die). Its
+    descriptor is one a forked child drops (identity.open_dropped): the flock belongs to the open
+    file, which a child's copy shares, so a process killed inside an update, or while making the
+    record (its temporary file, which a scan removes once unlocked), left it locked while its
+    child lived: every other process's access failed after lock_wait_s.
 
     The lock is waited for at most lock_wait_s seconds: a peer stopped inside its update (SIGSTOP,
     a paused or frozen container) holds it for as long as it stays stopped, and that must be an
@@ -214,12 +218,12 @@ class _Record:
         if create is None:
             owner = identity.host_uid() if owner is None else owner  # the host's uid, as names hold it
             try:
-                self.fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                self.fd = identity.open_dropped(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             except PermissionError:
                 if group is None or owner == identity.host_uid():
                     raise
                 # Another member's record (0640): read it, never write it.
-                self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                self.fd = identity.open_dropped(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 self.writable = False
             st = os.fstat(self.fd)
             # In a user's directory 0600; in a group's 0600 or 0640 (group-readable), of the group:
@@ -231,14 +235,15 @@ class _Record:
                 group is not None and owner != identity.host_uid() and identity.owner_host_uid(st.st_uid) is None)
             if (not stat.S_ISREG(st.st_mode) or not owned or bad_mode or st.st_size != _REC_SIZE
                     or (group is not None and st.st_gid != group)):
-                os.close(self.fd)
+                identity.close_dropped(self.fd)
                 want = "mode 0600" if group is None else f"group {group}, mode 0640 or 0600"
                 raise SharingError(f"{path} is not a share record of user {owner} ({want}, {_REC_SIZE} bytes); "
                                    "refusing it")
             return
         mode = 0o600 if group is None else 0o640  # a group's service lists its members' records
         tmp = f"{path}.tmp.{identity.instance_hex()}"  # not the pid: pids repeat across pid namespaces
-        self.fd = fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.fd = fd = identity.open_dropped(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                             0o600)
         # Locked until published: an exporter killed here leaves tmp, which a scan removes once
         # nobody holds this lock (identity.remove_dead_leases).
         try:
@@ -274,7 +279,7 @@ class _Record:
             identity.life_close(self.life_fd)
             self.life_fd = -1
         if self.fd >= 0:
-            os.close(self.fd)
+            identity.close_dropped(self.fd)
             self.fd = -1
 
     def _lock(self):
@@ -643,8 +648,8 @@ class SharedBlock:
         try:
             with self._record as rec:
                 return rec.exporter_alive()
-        except (OSError, SharingError, ValueError, AttributeError):
-            return False
+        except (OSError, SharingError, ValueError, AttributeError, struct.error):
+            return False  # struct.error: a child forked from C, whose copy of the record's descriptor was dropped
 
     def close(self):
         """Unmaps the block from this process (idempotent)."""

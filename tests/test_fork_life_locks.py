@@ -346,3 +346,43 @@ def test_a_forked_child_does_not_keep_the_ledger_locked_after_its_parent_died_ho
     finally:
         os.kill(hello["child"], signal.SIGKILL)
 
+
+def _share_records(tmp_path, tmp):
+    return [p for p in glob.glob(os.path.join(str(tmp_path), "**", "ascend_pool-share-*"), recursive=True)
+            if (".tmp" in p) == tmp]
+
+
+@needs_cc
+@pytest.mark.parametrize("what", ["record", "record being made"])
+def test_a_forked_child_does_not_keep_a_share_record_locked_after_its_parent_died_holding_it(tmp_path, shim, what):
+    # A share record's descriptor (every access under its flock) was copied into a forked child
+    # (the lock belongs to the open file both share): an exporter killed inside an update left the
+    # record locked while the child lived (importers and listings failed after 10 s), and one
+    # killed while making it left the temporary file locked, which a scan then never removed.
+    update = what == "record"
+    hello = _run_parent(tmp_path, f"""
+        import ctypes, json, threading, time
+        import ascend_pool as ap
+        from ascend_pool import identity
+        pool = ap.Pool(0, backend="sim")
+        h = pool.share(pool.share_malloc(2 << 20), any_process=True)
+        blocks = []
+        if {update}:  # an import: the record opened, then updated under its lock
+            threading.Thread(target=lambda: blocks.append(ap.open_shared(h))).start()
+        else:
+            threading.Thread(target=lambda: pool.share(pool.share_malloc(2 << 20), any_process=True)).start()
+        time.sleep(0.5)  # the thread holds the record's lock (the shim keeps it there 3 s)
+        libc = ctypes.CDLL(None)
+        pid = libc.fork()
+        if pid == 0:
+            libc.sleep(60)
+            libc._exit(0)
+        print(json.dumps({{"instance": identity.instance(), "child": pid}}), flush=True)
+        time.sleep(60)
+    """, LD_PRELOAD=shim, **{"SLOW_SHARE_LOCK_MS" if update else "SLOW_SHARE_TMP_MS": "3000"})
+    try:
+        [rec] = _share_records(tmp_path, tmp=not update)
+        assert not _still_true(lambda: _flock_held(rec)), f"the killed parent's lock on its {what} is held by its child"
+    finally:
+        os.kill(hello["child"], signal.SIGKILL)
+
