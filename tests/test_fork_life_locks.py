@@ -386,3 +386,48 @@ def test_a_forked_child_does_not_keep_a_share_record_locked_after_its_parent_die
     finally:
         os.kill(hello["child"], signal.SIGKILL)
 
+
+def _write_locked(path):
+    # any write lock on the file: a life lock of the simulator's (cython/sim/proc.c sim_proc_life_hold)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fl = struct.pack(FLOCK, fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0)
+        return struct.unpack(FLOCK, fcntl.fcntl(fd, F_OFD_GETLK, fl))[0] != fcntl.F_UNLCK
+    finally:
+        os.close(fd)
+
+
+@needs_cc
+@pytest.mark.parametrize("what", ["node record", "IPC record"])
+def test_a_fork_while_a_thread_makes_a_simulators_life_lock_leaves_the_child_without_it(tmp_path, shim, what):
+    # The simulator's life locks on its node record (cython/sim/node.c) and on an exported block's
+    # record (ipc.c) were opened, then entered where the child's fork handler closes them: a fork
+    # in between (from Python or C) gave the child a copy of the open file the parent then locked,
+    # and a killed parent's device memory stayed counted, or its exported block alive, while the
+    # child lived.
+    node = what == "node record"
+    call = 'ap.Pool(0, backend="sim")' if node else 'pool.share(pool.share_malloc(2 << 20), any_process=True)'
+    hello = _run_parent(tmp_path, f"""
+        import ctypes, json, threading, time
+        import ascend_pool as ap
+        if not {node}:
+            pool = ap.Pool(0, backend="sim")
+        t = threading.Thread(target=lambda: {call})
+        t.start()
+        time.sleep(0.3)  # the thread is just past the open of its life lock's file (the shim keeps it there 1 s)
+        libc = ctypes.CDLL(None)
+        pid = libc.fork()
+        if pid == 0:
+            libc.sleep(60)
+            libc._exit(0)
+        t.join()
+        print(json.dumps({{"instance": 0, "child": pid}}), flush=True)
+        time.sleep(60)
+    """, LD_PRELOAD=shim, ASCEND_SIM_DEVICES="1",
+        **{"SLOW_SIM_NODE_OPEN_MS" if node else "SLOW_SIM_IPC_OPEN_MS": "1000"})
+    try:
+        pattern = "ascendsim-*-dev0" if node else "ascendsim-*-ipc-*"
+        [path] = [p for p in glob.glob(os.path.join(str(tmp_path), pattern)) if ".tmp" not in p]
+        assert not _still_true(lambda: _write_locked(path)), f"the killed parent's life lock on its {what} is held by its child"
+    finally:
+        os.kill(hello["child"], signal.SIGKILL)

@@ -142,6 +142,11 @@ struct counters {
 };
 
 static pthread_mutex_t ipc_mu = PTHREAD_MUTEX_INITIALIZER; /* the lists; serialises every call */
+/* The life descriptor of the export or import being made (ipc_mu held) from its open until its
+   entry is listed, where the child's handler finds it; -1 none. Set, listed and closed inside
+   proc.c's fork window: a fork between its open and its listing gave the child a copy of the open
+   file the parent then locked, and the child kept a killed parent alive to its peers. */
+static int making_life = -1;
 static struct ipc_export *exports;
 static struct ipc_import *imports;
 static struct counters counters[SIM_MAX_DEVICES];
@@ -166,6 +171,9 @@ static void after_fork_in_child(void)
     for (struct ipc_import *m = imports; m; m = m->next)
         if (m->life_fd >= 0)
             close(m->life_fd);
+    if (making_life >= 0)
+        close(making_life);
+    making_life = -1;
     exports = NULL;
     imports = NULL;
     for (int d = 0; d < SIM_MAX_DEVICES; d++)
@@ -190,18 +198,47 @@ static int lock_record(struct ipc_record *r, int life)
     return sim_proc_lock(&r->lock_owner, IPC_LOCK_TIMEOUT_S, NULL, life);
 }
 
+/* Closes a life descriptor with no fork between that and its leaving making_life. */
+static void life_close(int life)
+{
+    sim_proc_fork_window_enter();
+    if (making_life == life)
+        making_life = -1;
+    close(life);
+    sim_proc_fork_window_leave();
+}
+
 /* A second descriptor of the record open as fd (its own open file, not the one its mappings keep:
    a forked child inherits those), holding this process's life lock; -1 where it cannot be had. */
 static int life_open(const char *path, int fd)
 {
+    sim_proc_fork_window_enter();
     int life = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    making_life = life; /* until listed (life_listed) */
+    sim_proc_fork_window_leave();
     struct stat a, b;
     if (life >= 0 && (fstat(fd, &a) != 0 || fstat(life, &b) != 0 || a.st_ino != b.st_ino || a.st_dev != b.st_dev ||
                       sim_proc_life_hold(life) != 0)) {
-        close(life);
+        life_close(life);
         life = -1;
     }
     return life;
+}
+
+/* Lists an export (e) or an import (m) with no fork between that and its life descriptor's leaving
+   making_life. ipc_mu held. */
+static void life_listed(struct ipc_export *e, struct ipc_import *m)
+{
+    sim_proc_fork_window_enter();
+    if (e) {
+        e->next = exports;
+        exports = e;
+    } else {
+        m->next = imports;
+        imports = m;
+    }
+    making_life = -1;
+    sim_proc_fork_window_leave();
 }
 
 static void unlock_record(struct ipc_record *r)
@@ -445,7 +482,7 @@ static void export_free(struct ipc_export *e)
     if (e->rec)
         munmap(e->rec, rec_len());
     if (e->life_fd >= 0)
-        close(e->life_fd);
+        life_close(e->life_fd);
     free(e);
 }
 
@@ -524,7 +561,7 @@ static int create_record(struct ipc_export *e, int dev, size_t size, uint64_t fl
             return fd;
         }
         if (e->life_fd >= 0)
-            close(e->life_fd);
+            life_close(e->life_fd);
         e->life_fd = -1;
         if (r != MAP_FAILED)
             munmap(r, rec_len());
@@ -621,8 +658,7 @@ SIM_EXPORT aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *key
     e->size = size;
     e->device = dev;
     atomic_store(&r->state, IPC_LIVE);
-    e->next = exports;
-    exports = e;
+    life_listed(e, NULL);
     atomic_fetch_add(&counters[dev].exports, 1);
     atomic_fetch_add(&counters[dev].exported_bytes, size);
     sim_alloc_unpin(SIM_TREE_DEVICE, a);
@@ -857,7 +893,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
     if (rc != 0) {
         munmap(r, rec_len());
         if (m->life_fd >= 0)
-            close(m->life_fd);
+            life_close(m->life_fd);
         free(m);
         pthread_mutex_unlock(&ipc_mu);
         return rc;
@@ -874,8 +910,7 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
     m->a.read_only = read_only;
     m->count = 1;
     sim_alloc_insert(SIM_TREE_IPC, &m->a);
-    m->next = imports;
-    imports = m;
+    life_listed(NULL, m);
     atomic_fetch_add(&counters[m->a.device].imports, 1);
     atomic_fetch_add(&counters[m->a.device].imported_bytes, size);
     *devPtr = start;
@@ -908,7 +943,7 @@ static void import_close(struct ipc_import *m)
     atomic_fetch_sub(&counters[m->a.device].imported_bytes, m->a.size);
     munmap(r, rec_len());
     if (m->life_fd >= 0)
-        close(m->life_fd); /* after its slot was given up */
+        life_close(m->life_fd); /* after its slot was given up */
     free(m);
 }
 

@@ -419,6 +419,9 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
        one of an earlier aclInit is replaced, a fork child's copy closed: sim_node_reset). On a
        descriptor of its own, not the mapping's: a forked child inherits the mapping, which keeps
        its open file (and a lock on it) for as long as the child lives. */
+    /* From its open to its entry in life_fd1 (where sim_node_reset closes it), no fork (proc.c's
+       window): a fork between gave the child a copy of the open file the lock is then taken on. */
+    sim_proc_fork_window_enter();
     int life = open(l->path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
     struct stat mapped, now;
     if (life >= 0 && (fstat(fd, &mapped) != 0 || fstat(life, &now) != 0 || mapped.st_ino != now.st_ino ||
@@ -426,17 +429,17 @@ int sim_node_attach(int dev, const struct sim_config *cfg, const char *call)
         close(life); /* replaced meanwhile: the lease alone tells */
         life = -1;
     }
-    close(fd);
     /* An earlier aclInit's descriptor goes first: it holds this lease's byte on the same file
        (re-init after aclFinalize), and a lock by another open file conflicts even within the
        process, so taken before, the new one failed and closing the old left no lock at all. */
-    int old = atomic_exchange(&l->life_fd1, 0) - 1;
+    int old = atomic_exchange(&l->life_fd1, life + 1) - 1;
     if (old >= 0)
         close(old);
+    sim_proc_fork_window_leave();
+    close(fd);
     if (life >= 0)
         (void)sim_proc_life_hold(life);
     fd = life;
-    atomic_store(&l->life_fd1, fd + 1);
     int32_t me = (int32_t)getpid();
     uint32_t inst = instance_id();
     uint64_t start = sim_proc_self_id();

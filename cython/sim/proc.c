@@ -406,6 +406,44 @@ void sim_proc_unlock(_Atomic uint64_t *word)
 #define F_OFD_SETLK 37
 #endif
 
+/* A fork waits while another thread is between the open of a life lock's descriptor and its entry
+   where the child's fork handler closes it (node.c's life_fd1, ipc.c's lists), or between its
+   removal from there and its close: a fork in between gave the child a copy of the open file
+   whose lock the parent took, and the child kept a killed parent alive (its device memory
+   counted, its exported blocks live). Read-held for a few system calls; no lock is taken inside. */
+static pthread_rwlock_t life_window = PTHREAD_RWLOCK_INITIALIZER;
+
+void sim_proc_fork_window_enter(void)
+{
+    pthread_rwlock_rdlock(&life_window);
+}
+
+void sim_proc_fork_window_leave(void)
+{
+    pthread_rwlock_unlock(&life_window);
+}
+
+static void life_window_before_fork(void)
+{
+    pthread_rwlock_wrlock(&life_window);
+}
+
+static void life_window_after_fork_in_parent(void)
+{
+    pthread_rwlock_unlock(&life_window);
+}
+
+static void life_window_after_fork_in_child(void)
+{
+    pthread_rwlock_t fresh = PTHREAD_RWLOCK_INITIALIZER; /* the forking thread's hold is the parent's */
+    memcpy(&life_window, &fresh, sizeof fresh);
+}
+
+__attribute__((constructor)) static void life_window_boot(void)
+{
+    pthread_atfork(life_window_before_fork, life_window_after_fork_in_parent, life_window_after_fork_in_child);
+}
+
 /* The life lock's byte of lease id (as cython/quota/proc_identity.h's): 1 .. 2^62, past the
    record's data (a lock is allowed there and touches nothing). */
 static struct flock life_range(uint64_t id, short type)

@@ -166,6 +166,8 @@ int sim_proc_foreign_alive(unsigned uid, uint64_t id, int life_fd);
    reclaimed, or skipped by other users' sums, and its device memory handed out again. 0 when
    taken on fd (the record open for writing), else -1 (the lease alone tells then). */
 int sim_proc_life_hold(int fd);
+void sim_proc_fork_window_enter(void); /* no fork until leave: around a life descriptor's open and registration */
+void sim_proc_fork_window_leave(void);
 /* 1 when a process holds the life lock of lease id on the record open as fd (any descriptor of
    it, read-only included), 0 when none does, -1 when it cannot be told (fd < 0). */
 int sim_proc_life_held(int fd, uint64_t id);
