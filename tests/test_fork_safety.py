@@ -387,7 +387,7 @@ def test_a_child_forked_from_c_that_closes_an_inherited_import_leaves_the_parent
     assert rep["freed"] is True, rep
 
 
-@pytest.mark.parametrize("lock", ["stats publisher's cycle", "sharing collector's"])
+@pytest.mark.parametrize("lock", ["stats publisher's cycle", "sharing collector's", "stats publisher's module"])
 def test_a_child_forked_from_c_exits_through_python_at_once_whatever_thread_held_a_lock(sim_node, tmp_path, lock):
     # A native framework forks (no Python fork handler runs: uWSGI's workers without
     # --py-call-osafterfork) and the child ends through Python's exit. The atexit hooks ran with the parent's state:
@@ -395,16 +395,19 @@ def test_a_child_forked_from_c_exits_through_python_at_once_whatever_thread_held
     # and took its cycle lock, held for ever in the child when the fork caught the thread
     # mid-cycle; sharing's collect took the lock its collector thread may have held. The child hung
     # at exit (/work/exp/ns23/repros/e3c_cfork_child_exit_time.py). The lock is held here by a
-    # daemon thread standing for the parent's.
-    lock_of = ("publisher.current()._write_lock" if lock.startswith("stats") else "sharing._lock")
+    # daemon thread standing for the parent's. The publisher module's lock, held by a thread making
+    # the publisher (ensure_publisher: none yet), hung the child's exit too: stop_publisher told a
+    # child by the publisher's pid, and with none took the lock.
+    lock_of = {"stats publisher's cycle": "publisher.current()._write_lock", "sharing collector's": "sharing._lock",
+               "stats publisher's module": "publisher._lock"}[lock]
+    setup = ("" if lock.endswith("module") else
+             'pool = ap.Pool(0, backend="sim")\np = pool.malloc(1 << 20)\npublisher.ensure_publisher()')
     rep = sim_node.run_json(r"""
         import ascend_pool as ap
         from ascend_pool import sharing
         from ascend_pool.service import publisher
         WAIT_CHILD
-        pool = ap.Pool(0, backend="sim")
-        p = pool.malloc(1 << 20)
-        publisher.ensure_publisher()
+        SETUP
         held, go = threading.Event(), threading.Event()
         def hold():
             with LOCK_OF:
@@ -420,7 +423,7 @@ def test_a_child_forked_from_c_exits_through_python_at_once_whatever_thread_held
         go.set()
         end = wait_child(pid, 15)
         print(json.dumps({"end": end, "seconds": time.monotonic() - t0}))
-    """.replace("WAIT_CHILD", WAIT_CHILD.replace("\n", "\n        ")).replace("LOCK_OF", lock_of), timeout=60,
+    """.replace("WAIT_CHILD", WAIT_CHILD.replace("\n", "\n        ")).replace("LOCK_OF", lock_of).replace("SETUP", setup.replace("\n", "\n        ")), timeout=60,
         ASCEND_POOL_LEDGER_DIR=str(tmp_path), ASCEND_POOL_STATS_DIR=str(tmp_path))
     assert rep["end"] == "exit 0", rep
     assert rep["seconds"] < 1.0, rep

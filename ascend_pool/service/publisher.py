@@ -38,6 +38,7 @@ _lock = threading.RLock()
 _publisher = None
 _reaper = None   # a Publisher whose stats file could not be made: its thread only reaps dropped pools
 _failed = False  # could not create the file once: do not retry (and log) at every new pool
+_pid = os.getpid()  # the process this module's state is of (a child forked from C keeps the parent's)
 
 
 class Publisher:
@@ -265,11 +266,12 @@ def stop_publisher(remove=False):
     counters (Publisher.stop), or removed."""
     global _publisher, _reaper
     p = _publisher
-    if p is not None and p.pid != os.getpid():
+    if (p.pid if p is not None else _pid) != os.getpid():
         # A child forked from C (Python's fork handlers did not run): the thread, its locks (held
         # for ever here when the fork caught it mid-cycle: the child hung at exit) and the file
         # are the parent's. Forget them as a fork from Python does (before, the child's exit also
-        # waited out the join of a thread that is not there).
+        # waited out the join of a thread that is not there). With no publisher, told by the module's
+        # pid: _lock was taken, which a thread making the parent's publisher may have held at the fork.
         _after_fork_in_child()
         return
     with _lock:
@@ -302,8 +304,9 @@ def _after_fork_in_parent():
 def _after_fork_in_child():
     # The child has the parent's Publisher object but not its thread, and the file is the parent's:
     # forget it without touching it; the child publishes under its own pid when it opens a pool.
-    global _publisher, _failed, _lock, _forking, _reaper
+    global _publisher, _failed, _lock, _forking, _reaper, _pid
     p, _publisher, _failed, _lock, _forking, _reaper = _publisher, None, False, threading.RLock(), None, None
+    _pid = os.getpid()
     if p is not None and p.file is not None:
         p.file.abandon()
 
