@@ -431,3 +431,28 @@ def test_a_fork_while_a_thread_makes_a_simulators_life_lock_leaves_the_child_wit
         assert not _still_true(lambda: _write_locked(path)), f"the killed parent's life lock on its {what} is held by its child"
     finally:
         os.kill(hello["child"], signal.SIGKILL)
+
+
+def test_a_child_forked_from_c_after_the_stats_file_is_made_leaves_it_unlocked_once_the_writer_died(tmp_path):
+    # The stats file was mapped through its locked descriptor: the mapping, and mmap's own copy of
+    # the descriptor, which a child forked from C (no Python fork handler) inherits, kept the open
+    # file and with it the lock, so a killed writer stayed live in `ps` and the metrics while the
+    # child lived, whenever it was forked (/work/exp/ns24/repros/n1_stats_file_mapping_cfork.py).
+    hello = _run_parent(tmp_path, """
+        import ctypes, json, time
+        from ascend_pool import identity
+        from ascend_pool.service import publisher
+        publisher.ensure_publisher()
+        libc = ctypes.CDLL(None)
+        pid = libc.fork()
+        if pid == 0:
+            libc.sleep(60)
+            libc._exit(0)
+        print(json.dumps({"instance": identity.instance(), "child": pid}), flush=True)
+        time.sleep(60)
+    """, ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_DIR=str(tmp_path))
+    try:
+        assert not _still_true(lambda: _stats_file_locked(tmp_path, hello["instance"])), \
+            "the killed writer's stats file is locked by its child"
+    finally:
+        os.kill(hello["child"], signal.SIGKILL)

@@ -49,7 +49,14 @@ class StatsFile:
             # Every page now: a mapped write to a page the file system cannot give (a full /dev/shm,
             # at creation or later, when another user fills it) is SIGBUS, the process's death.
             os.posix_fallocate(fd, 0, size)
-            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # Mapped through an open file of its own: the mapping, and mmap's copy of its descriptor,
+            # which a child forked from C inherits, kept the locked one, and the killed writer's
+            # file live, for as long as the child lived.
+            mfd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+            try:
+                m = mmap.mmap(mfd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(mfd)
             st = identity.start_time(self.pid)
             m[0:L.SEQ_OFFSET] = L.STATIC.pack(L.MAGIC, L.VERSION, L.HEADER_SIZE, L.RECORD_SIZE, capacity,
                                               self.pid, identity.host_uid(), st or 0, identity.boot_id())
