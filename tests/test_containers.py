@@ -178,7 +178,9 @@ def test_two_workers_in_separate_pid_namespaces_share_one_quota(node, tmp_path, 
     os.kill(a.host_pid(), signal.SIGKILL)
     t0 = time.monotonic()
     while list(series(scrape(port), "ascend_pool_ledger_held_bytes", tenant="online").values()) != [0]:
-        assert time.monotonic() - t0 < 2.0, "the killed worker's share was not given back within one sweep"
+        # a sweep every 1 s; 10 s of slack for a loaded machine (the killed process's teardown, the
+        # scrape): a service that does not sweep on its own never gets there
+        assert time.monotonic() - t0 < 10.0, "the killed worker's share was not given back by the service's sweep"
         time.sleep(0.05)
     print(f"the killed worker's share was back {time.monotonic() - t0:.2f} s after SIGKILL (sweep every 1 s)")
     assert b("malloc", 600 * MiB) == "granted"
@@ -425,15 +427,19 @@ def test_another_user_can_neither_block_a_tenant_nor_slow_the_service():
         private = [n for n in os.listdir(base) if n.startswith(f"ascend_pool-u{uid}")
                    and os.stat(os.path.join(base, n)).st_uid == uid]
         assert private == [f"ascend_pool-u{uid}.21"], private  # the first name nobody had taken
-        worst, found = 0.0, False
+        took, found = [], False
         for _ in range(10):
             t = time.monotonic()
             s = scrape(port)
-            worst = max(worst, time.monotonic() - t)
+            took.append(time.monotonic() - t)
             found = found or bool(series(s, "ascend_pool_reserved_bytes", tenant="online"))
             time.sleep(0.1)
         assert found, "the tenant's process is not in the service's figures"
-        assert worst < 1.0, f"a scrape took {worst:.2f} s"
+        # the squatter's 30000 files would slow every scrape: the median tells, where the slowest
+        # one is also whatever a loaded machine made of one (about 70 ms each when idle)
+        took.sort()
+        worst, median = took[-1], took[len(took) // 2]
+        assert median < 1.0 and worst < 10.0, f"scrapes took {[round(x, 2) for x in took]} s"
         grown = len(open(log_path).read().splitlines()) - lines_before
         assert grown <= 20, open(log_path).read()
         print(f"slowest scrape {worst * 1000:.0f} ms; the service's log grew by {grown} lines")
@@ -453,7 +459,7 @@ def test_another_user_can_neither_block_a_tenant_nor_slow_the_service():
         os.kill(w.host_pid(), signal.SIGKILL)
         t0 = time.monotonic()
         while led.view()["slots"]:
-            assert time.monotonic() - t0 < 3.0, led.view()
+            assert time.monotonic() - t0 < 10.0, led.view()  # a sweep every 1 s; slack for load
             time.sleep(0.05)
         assert led.view()["reclaimed_bytes"] == held
         assert not series(scrape(port), "ascend_pool_shared_bytes", tenant="online")
@@ -517,7 +523,7 @@ def test_a_sharing_group_works_in_one_2770_directory_the_service_reads_by_group(
     stats = f"ascend_pool-stats-{w.hello['instance']}"
     assert lease in names and any(n.startswith(f"ascend_pool-ledger-g{gid}-") for n in names), names
     assert st_.S_IMODE(os.stat(shared / lease).st_mode) == 0o640  # the group can test the lock
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # published every 0.1 s; slack for a loaded machine
     while stats not in os.listdir(shared):
         assert time.monotonic() < deadline, os.listdir(shared)
         time.sleep(0.05)
@@ -696,7 +702,7 @@ def test_workers_whose_lease_files_a_cleanup_removed_keep_their_shares_and_make_
     os.kill(a.host_pid(), signal.SIGKILL)  # dead now: its share is back within one sweep
     t0 = time.monotonic()
     while list(series(scrape(port), "ascend_pool_ledger_held_bytes", tenant="cleaned").values()) != [0]:
-        assert time.monotonic() - t0 < 3.0, "the killed worker's share was not given back"
+        assert time.monotonic() - t0 < 10.0, "the killed worker's share was not given back"  # slack for load
         time.sleep(0.05)
     assert b("malloc", 600 * MiB) == "granted"
 

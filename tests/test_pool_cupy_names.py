@@ -149,7 +149,8 @@ def test_free_all_blocks_of_one_stream_waits_for_that_stream_only():
     free_all_blocks(stream=s2) nor keeps s2's idle segments (it waited for every pending free,
     then gave up on the timeout and freed nothing)."""
     from ascend_pool import sim
-    pool = ap.Pool(0, backend="sim", sync_timeout_ms=2000)
+    # a long limit, bounded at half: waiting on s costs the whole limit, a loaded machine less
+    pool = ap.Pool(0, backend="sim", sync_timeout_ms=20000)
     try:
         s, s2 = pool.create_stream(), pool.create_stream()
         sim.hang_stream(s)
@@ -160,7 +161,7 @@ def test_free_all_blocks_of_one_stream_waits_for_that_stream_only():
         before = pool.memory_stats()["segment.all.current"]
         t = time.monotonic()
         pool.free_all_blocks(stream=s2)
-        assert time.monotonic() - t < 1.0
+        assert time.monotonic() - t < 10.0
         assert pool.memory_stats()["segment.all.current"] == before - 1
         sim.release_stream(s)
         pool.synchronize(s)

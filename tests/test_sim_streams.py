@@ -111,11 +111,13 @@ def test_timeouts_on_a_hung_stream_then_it_works_after_release(sim_node):
         t0 = time.monotonic()
         assert code("aclrtSynchronizeStreamWithTimeout", s, 100) == 507046
         dt = time.monotonic() - t0
-        assert 0.09 <= dt < 1.0, dt
+        # waits its 100 ms, then returns; the upper bound is generous (a loaded machine can put
+        # the thread off for a second): a timeout read in seconds, or ignored, still fails it
+        assert 0.09 <= dt < 10.0, dt
         assert "aclrtSynchronizeStreamWithTimeout" in errmsg()
         t0 = time.monotonic()
         assert code("aclrtSynchronizeEventWithTimeout", e, 100) == 507047
-        assert 0.09 <= time.monotonic() - t0 < 1.0
+        assert 0.09 <= time.monotonic() - t0 < 10.0
         # 0: refused by the runtime (ApiErrorDecorator::StreamSynchronize/EventSynchronize: timeout
         # == 0 is RT_ERROR_INVALID_VALUE); before, the simulator answered it as a look (507046)
         assert code("aclrtSynchronizeStreamWithTimeout", s, 0) == 107000
@@ -482,7 +484,7 @@ def test_destroy_stream_force_drops_what_has_not_started(sim_node):
         ok("aclrtStreamWaitEvent", b, e)
         t = time.monotonic()
         ok("aclrtDestroyStreamForce", s)
-        assert time.monotonic() - t < 2
+        assert time.monotonic() - t < 10  # the stream stays hung: a wait for it never returns
         ok("aclrtSynchronizeStreamWithTimeout", b, 2000)       # B's wait passed
         assert query_status(e) == 1
         time.sleep(0.1)
