@@ -241,8 +241,8 @@ def test_a_device_being_released_stalls_no_other_devices_pools(sim_node):
         t.join()
         s = made[0]
         buf = be.malloc(1, 2 << 20)
-        sim.launch_fill(s, buf, 2 << 20, 0x5A, delay_s=2.0)
-        closer = threading.Thread(target=p1.close)   # the last reference: the reset waits ~2 s
+        sim.launch_fill(s, buf, 2 << 20, 0x5A, delay_s=6.0)
+        closer = threading.Thread(target=p1.close)   # the last reference: the reset waits ~6 s
         t0 = time.monotonic()
         closer.start()
         time.sleep(0.2)
@@ -255,8 +255,8 @@ def test_a_device_being_released_stalls_no_other_devices_pools(sim_node):
         be.free(1, buf)
         print(json.dumps({"open0": open0, "closed1": closed1}))
     """, ASCEND_SIM_DEVICES="2")
-    assert out["closed1"] >= 1.7, out   # the reset did wait for device 1's work
-    assert out["open0"] < 1.2, out   # before: behind the whole reset (~1.8 s)
+    assert out["closed1"] >= 5.7, out   # the reset did wait for device 1's work
+    assert out["open0"] < 3.0, out   # before: behind the whole reset (~5.8 s); room for load
 
 
 def test_a_stream_made_outside_any_pool_lives_until_it_is_destroyed(sim_node):
@@ -295,4 +295,4 @@ def test_closing_the_last_pool_while_its_own_stream_runs_a_long_kernel_returns(s
         sim.release_stream(s)
         print(json.dumps({"took": took}))
     """)
-    assert out["took"] < 2.5, out   # before: for ever (the hung kernel)
+    assert out["took"] < 10, out   # before: for ever (the hung kernel); room for load

@@ -177,7 +177,7 @@ def test_a_dropped_context_whose_freed_block_a_kernel_still_writes_waits_for_it_
         writer = pool.create_stream()
         ctx = pool.context("pending")
         x = ctx.malloc(8 << 20)
-        sim.launch_fill(writer, x, 8 << 20, 0x5A, delay_s=1.0)
+        sim.launch_fill(writer, x, 8 << 20, 0x5A, delay_s=3.0)  # waiting for it costs 3 s
         ctx.record_stream(x, writer)
         ctx.free(x)
         t0 = time.monotonic()
@@ -194,7 +194,7 @@ def test_a_dropped_context_whose_freed_block_a_kernel_still_writes_waits_for_it_
         pool.destroy_stream(writer)
         pool.close()
     """)
-    assert out["quick_s"] < 0.5 and out["held_meanwhile"], out
+    assert out["quick_s"] < 2.0 and out["held_meanwhile"], out  # below the kernel's 3 s; slack for load
     assert out["dropped"] == 0 and out["back"], out
 
 
@@ -296,25 +296,32 @@ def test_a_context_dropped_after_a_stream_ordered_free_keeps_the_block_for_its_k
         ctx = pool.context("stream-ordered")
         if "{how}" == "on_its_stream":
             x = ctx.malloc(8 << 20, stream=writer)
-            sim.launch_fill(writer, x, 8 << 20, 0x5A, delay_s=1.0)
+            sim.launch_fill(writer, x, 8 << 20, 0x5A, delay_s=3.0)
             ctx.free(x)
         else:
             x = ctx.malloc(8 << 20)
-            sim.launch_fill(writer, x, 8 << 20, 0x5A, delay_s=1.0)
+            sim.launch_fill(writer, x, 8 << 20, 0x5A, delay_s=3.0)
             ctx.free(x, stream=writer)
         t0 = time.monotonic()
         del ctx
         gc.collect()
         drop_s = time.monotonic() - t0
-        time.sleep(1.2)                              # the kernel finishes (beyond sync_timeout_ms)
-        pool.synchronize(writer)
+        deadline = time.monotonic() + 30             # the kernel finishes (beyond sync_timeout_ms)
+        while True:
+            try:
+                pool.synchronize(writer)
+                break
+            except ap.DeviceTimeoutError:
+                assert time.monotonic() < deadline
         ap.empty_cache()
         print(json.dumps({{"drop_s": drop_s, "dropped": sim.stats(0)["dropped_fills"],
                           "contexts": len(ap.tenants.live_contexts())}}))
         pool.destroy_stream(writer)
         pool.close()
     """)
-    assert out["drop_s"] < 0.25 and out["dropped"] == 0, out
+    # a wait up to the limit gave the memory back under the kernel (dropped); one for the
+    # kernel takes its 3 s: neither is load, which the bound leaves room for
+    assert out["drop_s"] < 2.0 and out["dropped"] == 0, out
     assert out["contexts"] == 0, out
 
 
@@ -385,7 +392,7 @@ def test_stop_publisher_ends_the_thread_that_only_reaps(sim_node, tmp_path):
         alive = [t for t in threading.enumerate() if t.name == "ascend-pool-stats"]
         publisher.stop_publisher()
         for t in alive:
-            t.join(timeout=5)
+            t.join(timeout=30)
         print(json.dumps({"threads": len(alive), "after": sum(t.is_alive() for t in alive)}))
         pool.close()
     """, ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_INTERVAL="0.05", ASCEND_POOL_STATS_DIR=_not_a_directory(tmp_path))

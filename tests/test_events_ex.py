@@ -140,7 +140,7 @@ def test_new_mode_records_in_flight_stay_under_half_the_devices_event_ids_and_ne
     stream under the pool lock (the simulator refuses such a record: 207007)."""
     out = sim_node.run_json('''
         import ascend_pool as ap
-        pool = ap.Pool(0, backend="sim", sync_timeout_ms=1500)
+        pool = ap.Pool(0, backend="sim", sync_timeout_ms=10000)  # one wait costs more than the bound
         s = pool.create_stream()
         sim.hang_stream(s)
         ptrs = [pool.malloc(4096) for _ in range(1030)]
@@ -167,5 +167,7 @@ def test_new_mode_records_in_flight_stay_under_half_the_devices_event_ids_and_ne
                           "left": st["pending_free_blocks"]}))
     ''', ASCEND_SIM_PROFILE="310p")
     assert out["framework"] == 0, out
-    assert out["took"] < 1.0, out        # before: 1.5 s for each free past the device's ids
+    # before: the limit (10 s here) for each free past the device's ids; the bound leaves a loaded
+    # machine room for the 1,030 frees (a few ms in all when idle)
+    assert out["took"] < 5.0, out
     assert out["pending"] == 1030 and out["left"] == 0, out

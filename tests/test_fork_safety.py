@@ -338,7 +338,7 @@ def test_a_child_forked_from_c_does_not_keep_its_killed_parent_alive(sim_node, t
         assert identity.lease_alive(str(tmp_path), hello["instance"]) is True
         parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=10)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # released at its exit; slack for load
         while identity.lease_alive(str(tmp_path), hello["instance"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert identity.lease_alive(str(tmp_path), hello["instance"]) is False, \
@@ -424,9 +424,11 @@ def test_a_child_forked_from_c_exits_through_python_at_once_whatever_thread_held
         end = wait_child(pid, 15)
         print(json.dumps({"end": end, "seconds": time.monotonic() - t0}))
     """.replace("WAIT_CHILD", WAIT_CHILD.replace("\n", "\n        ")).replace("LOCK_OF", lock_of).replace("SETUP", setup.replace("\n", "\n        ")), timeout=60,
-        ASCEND_POOL_LEDGER_DIR=str(tmp_path), ASCEND_POOL_STATS_DIR=str(tmp_path))
+        ASCEND_POOL_LEDGER_DIR=str(tmp_path), ASCEND_POOL_STATS_DIR=str(tmp_path), ASCEND_POOL_STATS_INTERVAL="5")
     assert rep["end"] == "exit 0", rep
-    assert rep["seconds"] < 1.0, rep
+    # A join of the parent's thread waits 2 intervals + 1 s (11 s at this interval); half of that
+    # leaves a loaded machine room for the child's exit
+    assert rep["seconds"] < 5.0, rep
 
 
 def test_a_fork_while_another_thread_changes_the_allocator_settings_never_hangs_the_childs_pool(sim_node):

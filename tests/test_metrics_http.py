@@ -201,7 +201,8 @@ def test_fifty_concurrent_clients_while_silent_ones_wait(server):
         s.close()
     assert not errors
     assert len(results) == 150 and all(r == (200, True) for r in results)
-    assert elapsed < 20
+    # served beside the silent ones, not after them (5 x the 10 s head timeout); slack for load
+    assert elapsed < 40, elapsed
 
 
 def test_failing_collector_is_500_and_server_survives(server):
@@ -222,14 +223,14 @@ def test_a_client_sending_its_request_a_byte_at_a_time_is_dropped_after_the_time
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         t0 = time.monotonic()
         dropped = False
-        for i in range(len(head)):  # a byte every 0.1 s, for 3 x the timeout
+        for i in range(len(head)):  # a byte every 0.1 s, for up to 10 x the timeout (slack for load)
             try:
                 s.sendall(head[i:i + 1])
             except OSError:  # reset: dropped
                 dropped = True
                 break
             time.sleep(0.1)
-            if time.monotonic() - t0 > 3:
+            if time.monotonic() - t0 > 10:
                 break
         if not dropped:
             s.settimeout(0.2)  # less than the per-read timeout the server had before
@@ -239,7 +240,7 @@ def test_a_client_sending_its_request_a_byte_at_a_time_is_dropped_after_the_time
                 dropped = True
             except (TimeoutError, socket.timeout):
                 pass
-        assert dropped, "still being served after 3 x the timeout"
+        assert dropped, "still being served after 10 x the timeout"
     _assert_alive(server.port)
 
 

@@ -1,7 +1,8 @@
 """Four processes of one tenant share its quota Q through the node ledger: allocating as hard as
 they can, together they never hold more than Q (by the ledger and by the simulator's own
 accounting of the node's device memory); one of them is killed with SIGKILL while holding memory
-and its share goes to the others at their next attempt (well within one second)."""
+and its share goes to the others at their next attempt (within a second when idle; the bound leaves
+a loaded machine room, below the ledger lock's 10 s timeout)."""
 
 import json
 import os
@@ -21,7 +22,7 @@ from ascend_pool.tenants.ledger import ledger_path
 MiB = 1 << 20
 Q = 48 * MiB
 HAMMER_S = 1.0     # all four compete
-AFTER_KILL_S = 1.5  # the three survivors go on
+AFTER_KILL_S = 5.0  # the three survivors go on (long enough for a loaded machine)
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
 
 WORKER = """
@@ -135,8 +136,9 @@ def test_four_processes_share_one_quota_and_a_killed_ones_share_returns(node_env
         assert r["max_tenant_held"] <= Q, r
         assert 0 < r["max_node_used_before_kill"] <= Q, r
         assert r["max_node_used"] <= Q + holding, r
-    # The killed process's share came back at the survivors' next attempt, well within 1 s...
-    assert t_reclaimed is not None and t_reclaimed - t_kill < 1.0, t_reclaimed and t_reclaimed - t_kill
+    # The killed process's share came back at the survivors' next attempt (well within 1 s when
+    # idle; not after a lock's 10 s timeout)...
+    assert t_reclaimed is not None and t_reclaimed - t_kill < 4.0, t_reclaimed and t_reclaimed - t_kill
     view = ledger.view()
     assert view["reclaimed_slots"] == 1 and view["reclaimed_bytes"] == holding
     # ...and they used it: together they held more than they could while the victim was alive.
@@ -199,7 +201,7 @@ def test_mem_get_info_never_waits_long_for_a_ledger_a_stopped_process_holds(node
         print(json.dumps({"took": time.monotonic() - t0, "total": total}), flush=True)
     """)
     got = _answer_while_a_peer_holds_the_ledger_lock(asker)
-    assert got["took"] < 3.0 and got["total"] == 64 * MiB, got   # before: the lock's full 10 s
+    assert got["took"] < 5.0 and got["total"] == 64 * MiB, got   # before: the lock's full 10 s
 
 
 def test_a_short_ledger_lock_wait_holds_while_another_thread_waits_longer(node_env):
@@ -207,7 +209,7 @@ def test_a_short_ledger_lock_wait_holds_while_another_thread_waits_longer(node_e
     # for the process's own mutex while another thread of the process waited out a long one.
     node, env, ledger_dir = node_env
     asker = _asker(env, "two-waits", """
-        long = threading.Thread(target=lambda: _ignore(ctx.ledger.sweep, 3000))
+        long = threading.Thread(target=lambda: _ignore(ctx.ledger.sweep, 8000))
         def _ignore(fn, ms):
             try:
                 fn(lock_timeout_ms=ms)
@@ -226,7 +228,7 @@ def test_a_short_ledger_lock_wait_holds_while_another_thread_waits_longer(node_e
         print(json.dumps({"took": took, "got": got}), flush=True)
     """)
     got = _answer_while_a_peer_holds_the_ledger_lock(asker)
-    assert got["took"] < 1.5 and "20 ms" in got["got"], got   # before: the other thread's 3 s
+    assert got["took"] < 4.0 and "20 ms" in got["got"], got   # before: the other thread's 8 s
 
 
 def test_a_sigbus_sent_to_a_process_with_the_ledger_guard_still_ends_it(node_env):

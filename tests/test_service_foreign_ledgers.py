@@ -150,7 +150,7 @@ def test_a_user_holding_its_ledger_lock_never_stalls_a_scrape(two_users, tmp_pat
         s = _alive_scrape(proc, port, log)
         times.append(round(time.monotonic() - t, 2))
         time.sleep(0.3)
-    assert max(times) < 2, times  # before: 10-20 s each (past Prometheus' scrape timeout)
+    assert max(times) < 5, times  # before: 10-20 s each (past Prometheus' scrape timeout); room for load
     assert (_held(s, "0", "mine") or 0) >= 10 * MiB, s
     # The ledger needs no lock to be read: their figures are still served.
     assert (_held(s, other, "theirs") or 0) >= 8 * MiB, s

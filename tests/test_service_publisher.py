@@ -31,7 +31,7 @@ def _tenant_values(path, tenant):
     return None
 
 
-def _wait(pred, timeout=5.0):
+def _wait(pred, timeout=30.0):  # generous: a loaded machine
     deadline = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < deadline, "timed out"
@@ -149,7 +149,7 @@ p.malloc(5000)
 from ascend_pool import identity
 path = os.path.join(os.environ["ASCEND_POOL_STATS_DIR"], f"ascend_pool-u{os.geteuid()}",
                     f"ascend_pool-stats-{identity.instance():016x}")
-deadline = time.monotonic() + 5
+deadline = time.monotonic() + 30
 while not os.path.exists(path) and time.monotonic() < deadline:
     time.sleep(0.02)
 print("published" if os.path.exists(path) else "not published", flush=True)
@@ -171,7 +171,7 @@ def test_opening_a_pool_starts_publishing_and_exit_marks_it_exited(tmp_path):
 
 
 def test_publishing_can_be_turned_off(tmp_path):
-    r = subprocess.run([sys.executable, "-c", _OPEN_POOL.replace("deadline = time.monotonic() + 5",
+    r = subprocess.run([sys.executable, "-c", _OPEN_POOL.replace("deadline = time.monotonic() + 30",
                                                                  "deadline = time.monotonic() + 0.5")],
                        capture_output=True, text=True, timeout=60, env=_env(tmp_path, ASCEND_POOL_STATS="0"))
     assert r.returncode == 0, r.stderr

@@ -63,7 +63,7 @@ def test_the_last_reset_waits_for_the_default_contexts_work_and_takes_its_stream
         s, p = C.c_void_p(), C.c_void_p()
         assert acl.aclrtCreateStream(C.byref(s)) == 0            # in the default context
         assert acl.aclrtMalloc(C.byref(p), 2 << 20, 0) == 0
-        sim.launch_fill(s.value, p.value, 2 << 20, 0x5A, delay_s=1.5)
+        sim.launch_fill(s.value, p.value, 2 << 20, 0x5A, delay_s=4.0)
         t0 = time.monotonic()
         assert acl.aclrtResetDevice(0) == 0                       # not the last: no wait
         not_last_s = time.monotonic() - t0
@@ -75,7 +75,8 @@ def test_the_last_reset_waits_for_the_default_contexts_work_and_takes_its_stream
         print(json.dumps({"not_last_s": not_last_s, "last_s": last_s, "stream_after": stream_after,
                           "written": written}))
     """)
-    assert out["not_last_s"] < 0.9 and out["last_s"] >= 1.4, out
+    # a wait costs the kernel's 4 s: the bound below it leaves room for a loaded machine
+    assert out["not_last_s"] < 3.0 and out["last_s"] >= 3.9, out
     assert out["stream_after"] != 0 and out["written"], out    # the stream went, after its work
 
 

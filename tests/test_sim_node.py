@@ -68,7 +68,7 @@ def test_a_killed_process_bytes_return(sim_node):
     try:
         sim_node.run("""
             init()
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 30  # generous: a loaded machine
             while used() and time.monotonic() < deadline:   # the kill lands asynchronously
                 time.sleep(0.01)
             assert meminfo() == (1 << 20, 1 << 20)
@@ -91,7 +91,7 @@ def test_a_process_whose_main_thread_exited_still_holds_its_bytes(sim_node):
     """, ASCEND_SIM_HBM="1MiB")
     try:
         assert a.stdout.readline().strip() == "ready", a.stderr.read()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # generous: a loaded machine
         while open(f"/proc/{a.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
             assert time.monotonic() < deadline
             time.sleep(0.005)
@@ -340,7 +340,9 @@ def test_the_record_lock_names_its_holder_by_lease_across_pid_namespaces(sim_nod
         set_lock_owner(lease + 12345)         # a holder that died inside: its lease is held by nobody
         t0 = time.monotonic()
         sim_node.run("init()\nassert used() == 1 << 20")
-        assert time.monotonic() - t0 < 5
+        # taken over at once, not after the lock's 10 s timeout (NODE_LOCK_TIMEOUT_S): the child's
+        # start is the rest, which a loaded machine can make seconds
+        assert time.monotonic() - t0 < 8
         assert record()[1] == (0, recoveries + 1)
     finally:
         for p in (holder, attach):

@@ -861,7 +861,7 @@ def test_close_waits_for_busy_streams_within_one_sync_timeout():
     # per busy stream: 6 hung request streams, 6 x the limit).
     import time
 
-    p = ap.Pool(0, backend="sim", sync_timeout_ms=300)
+    p = ap.Pool(0, backend="sim", sync_timeout_ms=2000)  # 6 limits would be 12 s
     streams = [p.create_stream() for _ in range(6)]
     xs = [p.malloc(2 * MiB, stream=s) for s in streams]
     for s, x in zip(streams, xs):
@@ -872,7 +872,7 @@ def test_close_waits_for_busy_streams_within_one_sync_timeout():
     took = time.monotonic() - t0
     for s in streams:
         sim.release_stream(s)
-    assert took < 1.0, f"close took {took:.2f} s with a 0.3 s limit"
+    assert took < 6.0, f"close took {took:.2f} s with a 2 s limit"  # one limit; room for load
 
 
 def test_interpreter_exit_does_not_wait_for_hung_streams_pool_by_pool(sim_node):
@@ -897,7 +897,7 @@ def test_interpreter_exit_does_not_wait_for_hung_streams_pool_by_pool(sim_node):
             pool.register_stream(s)
             pool.free(pool.malloc(4 * MiB, stream=s), stream=s)   # tagged with the hung stream
         print("exiting", flush=True)
-    """, ASCEND_POOL_CONF="sync_timeout_ms:3000")
+    """, ASCEND_POOL_CONF="sync_timeout_ms:10000")
     assert child.stdout.readline().strip() == "exiting", child.stderr.read()
     t0 = time.monotonic()
     try:
@@ -907,7 +907,8 @@ def test_interpreter_exit_does_not_wait_for_hung_streams_pool_by_pool(sim_node):
         raise
     took = time.monotonic() - t0
     assert child.returncode == 0, child.stderr.read()
-    assert took < 3.0, f"exit took {took:.1f} s with 3 pools on a hung stream and a 3 s limit"
+    # a single wait costs the 10 s limit; the bound leaves a loaded machine room for the exit
+    assert took < 5.0, f"exit took {took:.1f} s with 3 pools on a hung stream and a 10 s limit"
 
 
 def test_c_abi_empty_cache_waits_for_streams_without_holding_the_registry_lock(sim_node):
@@ -915,7 +916,7 @@ def test_c_abi_empty_cache_waits_for_streams_without_holding_the_registry_lock(s
     # stream whose next work needs a Python thread (a host-side producer). It held the C ABI's
     # registry lock through the wait, and opening a pool (under the GIL) needs that lock: the
     # Python thread that would release the stream could not run, so both ran to sync_timeout_ms
-    # (5 s here). The pools are now held, not the lock, while their waits run.
+    # (20 s here). The pools are now held, not the lock, while their waits run.
     out = sim_node.run_json("""
         import ascend_pool as ap
         from ascend_pool import sim
@@ -944,8 +945,9 @@ def test_c_abi_empty_cache_waits_for_streams_without_holding_the_registry_lock(s
         for t in threads:
             t.join()
         print(json.dumps(res))
-    """, ASCEND_POOL_CONF="sync_timeout_ms:5000")
-    assert out["code"] == 0 and out["empty_cache_s"] < 3.0 and out["open_s"] < 2.0, out
+    """, ASCEND_POOL_CONF="sync_timeout_ms:20000")
+    # deadlocked, both run to the 20 s limit; half of it leaves room for a loaded machine
+    assert out["code"] == 0 and out["empty_cache_s"] < 10.0 and out["open_s"] < 10.0, out
 
 
 def test_a_close_in_an_exit_handler_still_waits_for_its_streams(sim_node):
@@ -1001,7 +1003,7 @@ def test_closing_the_devices_last_pool_with_a_hung_stream_returns(sim_node):
         print(json.dumps({"took": took, "refs_after_hung": refs_after_hung,
                           "refs_after_idle": sim.stats(0)["device_refs"]}))
     """, timeout=60)
-    assert out["took"] < 2.0, out
+    assert out["took"] < 10.0, out  # before: for ever in the reset; room for load
     # the hung pool's reference and its stream's (which lives on) stay; the idle pool's went back
     assert out["refs_after_hung"] == 2 and out["refs_after_idle"] == 2, out
 

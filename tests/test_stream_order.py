@@ -234,7 +234,8 @@ def test_hung_stream_gives_a_timeout_error_and_others_keep_working(knobs):
         t0 = time.monotonic()
         with pytest.raises(ap.DeviceTimeoutError, match="stream") as info:
             pool.synchronize(hung)
-        assert time.monotonic() - t0 < 2.0
+        # the stream never finishes: a limit ignored, or read in seconds, fails this; 10 s for load
+        assert time.monotonic() - t0 < 10.0
         assert info.value.code in (507046, 507047)
         ptr = pool.malloc(N, stream=fine)
         sim.launch_fill(fine, ptr, N, 7)

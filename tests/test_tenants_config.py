@@ -209,9 +209,9 @@ def test_a_long_devices_list_is_refused_at_once(tmp_path):
     # duplicate check); indexes past the C ABI's 64 devices are refused at the first
     import time
     path = write(tmp_path, "[tenants.a]\nquota = 1\ndevices = [" + ", ".join(map(str, range(100_000))) + "]\n")
-    start = time.monotonic()
+    start = time.process_time()  # CPU time: a loaded machine delays the process, not its work
     errors = errors_of(path)
-    assert time.monotonic() - start < 5
+    assert time.process_time() - start < 5
     assert len(errors) == 1 and "64 is not a device index" in errors[0], errors
 
 

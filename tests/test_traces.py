@@ -178,11 +178,13 @@ def test_validation_is_vectorised_and_fast():
     id_[free_pos] = np.arange(n)
     sizes = (id_ % 4096 + 1).astype(np.int64)
     stream = np.zeros(2 * n, dtype=np.int32)
-    t0 = time.perf_counter()
+    # CPU time, not wall time: a loaded machine delays the process, not its work (about 0.05 s
+    # vectorised; a Python loop over the events takes seconds)
+    t0 = time.process_time()
     tr = trace_from_arrays(op, id_, sizes, stream)
-    dt = time.perf_counter() - t0
+    dt = time.process_time() - t0
     assert tr.n_slots == n and tr.n_events == 2 * n
-    assert dt < 3.0, f"validating 1.2 M events took {dt:.2f} s"
+    assert dt < 1.0, f"validating 1.2 M events took {dt:.2f} s of CPU"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ MiB = 1 << 20
 
 @pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
 def test_many_frees_pending_on_a_hung_stream_wait_one_limit(expandable):
-    limit_ms, n = 250, 8
+    limit_ms, n = 1000, 8  # n limits would be 8 s: told apart from one however loaded the machine
     pool = ap.Pool(0, backend="sim", expandable_segments=expandable, sync_timeout_ms=limit_ms)
     s1, s2 = pool.create_stream(), pool.create_stream()
     sim.hang_stream(s1)
@@ -32,7 +32,7 @@ def test_many_frees_pending_on_a_hung_stream_wait_one_limit(expandable):
             start = time.monotonic()
             with pytest.raises(ap.DeviceTimeoutError):
                 call()
-            # one limit (plus scheduling), not n of them (n * 0.25 s = 2 s before)
+            # one limit (plus scheduling), not n of them (n * 1 s = 8 s before)
             assert time.monotonic() - start < 4 * limit_ms / 1000
         start = time.monotonic()
         pool.destroy_stream(s2)  # idle: the frees' events on it are done, s1's are not its own
@@ -69,8 +69,13 @@ def test_a_free_without_events_never_reuses_a_block_a_stream_still_writes(tmp_pa
         c = pool.malloc(N, stream=s_alloc)
         sim.launch_fill(s_alloc, c, N, 0x11)
         pool.synchronize(s_alloc)
-        time.sleep(1.0)
-        pool.synchronize(s_use)
+        deadline = time.monotonic() + 60
+        while True:  # the kernel's 0.8 s, however long a loaded machine makes them
+            try:
+                pool.synchronize(s_use)
+                break
+            except ap.DeviceTimeoutError:
+                assert time.monotonic() < deadline
         print("reused", c == b, "data", sim.read(c, 8).hex())
         sim.release_stream(busy)
         pool.synchronize(busy)
