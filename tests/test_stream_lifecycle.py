@@ -811,12 +811,29 @@ def test_a_pool_forgets_the_streams_it_created_that_the_runtime_destroyed(pool):
     lib.aclrtDestroyStream.argtypes, lib.aclrtDestroyStream.restype = [ctypes.c_void_p], ctypes.c_int
     live = pool.create_stream()
     before = sim.stats(0)["live_streams"]
-    dead = []
-    for _ in range(600):
-        s = pool.create_stream()
-        pool.free(pool.malloc(4096, stream=s), stream=s)
-        assert lib.aclrtDestroyStream(s) == 0
-        dead.append(s)
+    dead, errors = [], []
+
+    def framework():
+        # a thread of its own on device 0, as the framework's: the test's thread is in whatever
+        # context earlier tests left it (after test_backend_devices', none that knows the streams:
+        # aclrtDestroyStream answered 107003)
+        assert lib.aclrtSetDevice(0) == 0
+        try:
+            for _ in range(600):
+                s = pool.create_stream()
+                pool.free(pool.malloc(4096, stream=s), stream=s)
+                assert lib.aclrtDestroyStream(s) == 0
+                dead.append(s)
+        except BaseException as e:  # noqa: BLE001 - raised below, on the test's thread
+            errors.append(e)
+        finally:
+            assert lib.aclrtResetDevice(0) == 0
+
+    t = threading.Thread(target=framework)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
     assert pool._knows_stream(live)
     remembered = sum(pool._knows_stream(h) for h in dead)
     assert remembered < 64, f"{remembered} of 600 streams destroyed with the runtime still known"
