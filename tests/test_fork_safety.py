@@ -357,7 +357,13 @@ def test_a_child_forked_from_c_that_closes_an_inherited_import_leaves_the_parent
     # the exporter saw nobody importing and freed the block under the live importer
     # (/work/exp/ns23/repros/r1_cfork_child_closes_parents_import.py).
     rep = sim_node.run_json(r"""
-        import gc
+        import gc, sys
+        # CPython, not ascend_pool: a thread waiting for the GIL asks its holder to drop it after
+        # the switch interval, and a child of a fork without PyOS_AfterFork_Child keeps that
+        # request: at its next eval-loop check it drops the GIL and waits for ever for a thread
+        # to take it (drop_gil's FORCE_SWITCHING). A long interval keeps the request from being
+        # made (the child hung so under ASan's slower publisher cycle, 1 in 1).
+        sys.setswitchinterval(1000)
         import ascend_pool as ap
         from ascend_pool import sharing
         pool = ap.Pool(0, backend="sim")
@@ -403,6 +409,13 @@ def test_a_child_forked_from_c_exits_through_python_at_once_whatever_thread_held
     setup = ("" if lock.endswith("module") else
              'pool = ap.Pool(0, backend="sim")\np = pool.malloc(1 << 20)\npublisher.ensure_publisher()')
     rep = sim_node.run_json(r"""
+        import sys
+        # CPython, not ascend_pool: a thread waiting for the GIL asks its holder to drop it after
+        # the switch interval, and a child of a fork without PyOS_AfterFork_Child keeps that
+        # request: at its next eval-loop check it drops the GIL and waits for ever for a thread
+        # to take it (drop_gil's FORCE_SWITCHING). A long interval keeps the request from being
+        # made (the child hung so under ASan's slower publisher cycle, 1 in 1).
+        sys.setswitchinterval(1000)
         import ascend_pool as ap
         from ascend_pool import sharing
         from ascend_pool.service import publisher
