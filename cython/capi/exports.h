@@ -226,12 +226,12 @@ static int apc_current_closed(int device, const char *call) {
    error set on failure. */
 static inline ap_pool *apc_pool_for_ex(int device, int owner, const char *call) {
     if (apc_forked(call)) return NULL;
-    ap_pool *p = device < 0 || device >= AP_MAX_DEVICES ? NULL : owner ? ap_pool_hold_owner(device) : ap_pool_hold(device);
+    ap_pool *p = device < 0 || device >= AP_MAX_DEVICES ? NULL : ap_pool_hold_as(device, owner);
     if (__builtin_expect(p != NULL, 1)) return p;
     if (apc_check_device(device, call) != 0 || apc_current_closed(device, call) ||
         apc_create_default(device, 1, call) != ASCEND_POOL_OK)
         return NULL;
-    p = owner ? ap_pool_hold_owner(device) : ap_pool_hold(device);
+    p = ap_pool_hold_as(device, owner);
     if (!p) apc_fail(ASCEND_POOL_E_NOT_READY, "%s: the default pool of device %d was closed", call, device);
     return p;
 }

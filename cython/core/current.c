@@ -101,15 +101,6 @@ void ap_current_restore(int device, const ap_current_token *t) {
     e->owner_ticket = t->owner ? t->owner_ticket : AP_NO_TICKET;
 }
 
-int ap_current_owner_still(int device, ap_pool *p) {
-    current_entry *e = &thread_current[device];
-    if (e->owner) {
-        uint32_t s = slot_of(e->owner_ticket);
-        return e->owner == p && s < AP_TICKETS && atomic_load(&tickets[s].gen) == (uint32_t)e->owner_ticket;
-    }
-    return atomic_load(&defaults[device]) == p;
-}
-
 ap_pool *ap_current_cache_owner(int device) {
     if (device < 0 || device >= AP_MAX_DEVICES) return NULL;
     current_entry *e = &thread_current[device];
@@ -126,11 +117,13 @@ ap_pool *ap_default_get(int device) {
     return atomic_load_explicit(&defaults[device], memory_order_acquire);
 }
 
-int ap_current_still(int device, ap_pool *p) {
-    current_entry *e = &thread_current[device];
-    if (e->pool) {
-        uint32_t s = slot_of(e->ticket);
-        return e->pool == p && s < AP_TICKETS && atomic_load(&tickets[s].gen) == (uint32_t)e->ticket;
+int ap_current_still(int device, ap_pool *p, int cache_owner) {
+    const current_entry *e = &thread_current[device];
+    ap_pool *entry = cache_owner ? e->owner : e->pool;
+    uint64_t ticket = cache_owner ? e->owner_ticket : e->ticket;
+    if (entry) {
+        uint32_t s = slot_of(ticket);
+        return entry == p && s < AP_TICKETS && atomic_load(&tickets[s].gen) == (uint32_t)ticket;
     }
     return atomic_load(&defaults[device]) == p;
 }

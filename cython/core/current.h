@@ -58,38 +58,29 @@ void ap_current_restore(int device, const ap_current_token *t);
    `with ctx:` context (a use_mem_pool pool above it skipped), else the default; NULL when that
    context was closed. */
 ap_pool *ap_current_cache_owner(int device);
-/* 1 while p is still what ap_current_cache_owner(device) returns (sequentially consistent loads). */
-int ap_current_owner_still(int device, ap_pool *p);
 /* The process default pool of device (set by the Python layer when it creates it). */
 void ap_default_set(int device, ap_pool *p);
 ap_pool *ap_default_get(int device);
 /* Forgets p as a default; called when p is destroyed (threads' entries go stale by its ticket). */
 void ap_current_forget(ap_pool *p);
-/* 1 while p is still what ap_current_get(device) returns, read with sequentially consistent loads. */
-int ap_current_still(int device, ap_pool *p);
+/* 1 while p is still what ap_current_get(device) returns (cache_owner 0) or what
+   ap_current_cache_owner(device) returns (cache_owner 1), read with sequentially consistent loads. */
+int ap_current_still(int device, ap_pool *p, int cache_owner);
 
-/* The calling thread's current pool for device, held against a concurrent destroy until
-   ap_pool_unhold; NULL when there is none (or it was closed). */
-static inline ap_pool *ap_pool_hold(int device) {
+/* The calling thread's current pool for device (cache_owner 1: its cache owner,
+   ap_current_cache_owner), held against a concurrent destroy until ap_pool_unhold; NULL when there
+   is none (or it was closed). */
+static inline ap_pool *ap_pool_hold_as(int device, int cache_owner) {
     ap_pool *p;
-    while ((p = ap_current_get(device)) != NULL) {
+    while ((p = cache_owner ? ap_current_cache_owner(device) : ap_current_get(device)) != NULL) {
         atomic_fetch_add_explicit(&p->capi_calls, 1, memory_order_seq_cst);
-        if (__builtin_expect(ap_current_still(device, p), 1)) return p;
+        if (__builtin_expect(ap_current_still(device, p, cache_owner), 1)) return p;
         atomic_fetch_sub_explicit(&p->capi_calls, 1, memory_order_release); /* closed meanwhile */
     }
     return NULL;
 }
 
-/* As ap_pool_hold, for the calling thread's cache owner of device (ap_current_cache_owner). */
-static inline ap_pool *ap_pool_hold_owner(int device) {
-    ap_pool *p;
-    while ((p = ap_current_cache_owner(device)) != NULL) {
-        atomic_fetch_add_explicit(&p->capi_calls, 1, memory_order_seq_cst);
-        if (__builtin_expect(ap_current_owner_still(device, p), 1)) return p;
-        atomic_fetch_sub_explicit(&p->capi_calls, 1, memory_order_release); /* closed meanwhile */
-    }
-    return NULL;
-}
+static inline ap_pool *ap_pool_hold(int device) { return ap_pool_hold_as(device, 0); }
 
 static inline void ap_pool_unhold(ap_pool *p) { atomic_fetch_sub_explicit(&p->capi_calls, 1, memory_order_release); }
 
