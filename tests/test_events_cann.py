@@ -361,86 +361,58 @@ def test_reset_scheme_live_events_stay_under_half_the_devices_event_ids_and_neve
     free past them owes its stream (no wait under the pool lock). Before: the pool took all 1,023,
     the framework's own aclrtCreateEventWithFlag failed with 207007, and each free past them
     waited sync_timeout_ms for the stream under the pool lock."""
-    out = sim_node.run_json("""
-        import ascend_pool as ap
-        from ascend_pool import sim
-        from ascend_pool.backend import Backend
-        lib_path = sim.library_path(legacy=True)
-        be = Backend("sim", lib_path)
-        sim.attach(lib_path)
-        acl = C.CDLL(lib_path)
-        pool = ap.Pool(0, backend=be, sync_timeout_ms=100)
-        s = pool.create_stream()
-        sim.hang_stream(s)
-        t0 = time.monotonic()
-        ptrs = []
-        for i in range(1100):
-            p = pool.malloc(4096)
-            pool.record_stream(p, s)
-            pool.free(p)
-            ptrs.append(p)
-        loop_s = time.monotonic() - t0
-        peak = sim.stats(0)["live_events"]
-        assert acl.aclrtSetDevice(0) == 0
-        ev = C.c_void_p()
-        framework = acl.aclrtCreateEventWithFlag(C.byref(ev), 1)
-        if framework == 0:
-            acl.aclrtDestroyEvent(ev)
-        sim.release_stream(s)
-        pool.synchronize(s)
-        pool.empty_cache()
-        st = pool.memory_stats()
-        pool.destroy_stream(s)
-        pool.close()
-        print(json.dumps({"soc": be.soc_name, "framework": framework, "peak": peak, "loop_s": loop_s,
-                          "distinct": len(set(ptrs)), "allocated": st["allocated_bytes.all.current"],
-                          "live_after": sim.stats(0)["live_events"]}))
-    """, timeout=120, ASCEND_SIM_PROFILE="310p")
+    out = sim_node.run_json(_hung_stream_script(legacy=True, stream_device=0), timeout=120, ASCEND_SIM_PROFILE="310p")
     assert out["soc"].startswith("Ascend310P"), out
-    assert out["framework"] == 0, out                 # the framework can still create its events
+    assert out["create"] == 0 and out["record"] == 0, out  # the framework can still use its events
     assert out["peak"] <= 512, out                    # half of 1,023 (and the framework's none yet)
     assert out["distinct"] == 1100, out               # no block reused while its stream still ran
     assert out["loop_s"] < 5, out                     # no 100 ms wait per free under the pool lock
-    assert out["allocated"] == 0 and out["live_after"] == 0, out
+    assert out["allocated"] == 0 and out["pending"] == 0 and out["live_after"] == 0, out
 
 
-FOREIGN_HUNG = """
+def _hung_stream_script(legacy, stream_device):
+    """A script for sim_node.run_json: 1,100 frees of device 0's pool marked with record_stream for
+    a hung stream of stream_device (0: the pool's own), then the framework's own event created and
+    recorded on that stream's device, then the stream released and everything settled."""
+    return f"""
     import ascend_pool as ap
     from ascend_pool import sim
     from ascend_pool.backend import Backend
-    lib_path = sim.library_path(legacy=LEGACY)
+    lib_path = sim.library_path(legacy={legacy})
     be = Backend("sim", lib_path)
     sim.attach(lib_path)
     acl = C.CDLL(lib_path)
     p0 = ap.Pool(0, backend=be, sync_timeout_ms=100)
-    p1 = ap.Pool(1, backend=be)
-    peer = p1.create_stream()
-    sim.hang_stream(peer)
+    owner = p0 if {stream_device} == 0 else ap.Pool({stream_device}, backend=be)
+    hung = owner.create_stream()
+    sim.hang_stream(hung)
     t0 = time.monotonic()
     ptrs = []
     for i in range(1100):
         p = p0.malloc(4096)
-        p0.record_stream(p, peer)
+        p0.record_stream(p, hung)
         p0.free(p)
         ptrs.append(p)
     loop_s = time.monotonic() - t0
-    peak = sim.stats(1)["live_events"]
-    assert acl.aclrtSetDevice(1) == 0
+    peak = sim.stats({stream_device})["live_events"]
+    assert acl.aclrtSetDevice({stream_device}) == 0
     ev = C.c_void_p()
     create = acl.aclrtCreateEventWithFlag(C.byref(ev), 1)
-    record = acl.aclrtRecordEvent(ev, C.c_void_p(peer)) if create == 0 else None
-    sim.release_stream(peer)
-    p1.synchronize(peer)
+    record = acl.aclrtRecordEvent(ev, C.c_void_p(hung)) if create == 0 else None
+    sim.release_stream(hung)
+    owner.synchronize(hung)
     p0.empty_cache()
     st = p0.memory_stats()
     if create == 0:
         acl.aclrtDestroyEvent(ev)
-    p1.destroy_stream(peer)
-    p0.close(); p1.close()
-    print(json.dumps({"create": create, "record": record, "peak": peak, "loop_s": loop_s,
-                      "distinct": len(set(ptrs)), "allocated": st["allocated_bytes.all.current"],
-                      "pending": st["pending_free_bytes"],
-                      "live_after": sim.stats(1)["live_events"]}))
+    owner.destroy_stream(hung)
+    p0.close()
+    if owner is not p0:
+        owner.close()
+    print(json.dumps({{"soc": be.soc_name, "create": create, "record": record, "peak": peak,
+                      "loop_s": loop_s, "distinct": len(set(ptrs)),
+                      "allocated": st["allocated_bytes.all.current"], "pending": st["pending_free_bytes"],
+                      "live_after": sim.stats({stream_device})["live_events"]}}))
 """
 
 
@@ -452,7 +424,7 @@ def test_events_of_a_peer_devices_stream_stay_under_half_of_that_devices_event_i
     share (511), and a free past it owes the peer stream, asked again at later passes. Before: they
     were counted nowhere, and frees marked for a busy peer stream took every id of the peer device:
     the framework's own aclrtCreateEventWithFlag there failed with 207007."""
-    out = sim_node.run_json(FOREIGN_HUNG.replace("LEGACY", "True"), timeout=120, ASCEND_SIM_PROFILE="310p")
+    out = sim_node.run_json(_hung_stream_script(legacy=True, stream_device=1), timeout=120, ASCEND_SIM_PROFILE="310p")
     assert out["create"] == 0 and out["record"] == 0, out     # the framework's event on the peer device
     assert out["peak"] <= 512, out
     assert out["distinct"] == 1100, out                       # no block reused while the peer still ran
@@ -470,7 +442,7 @@ def test_asking_a_peer_stream_its_device_takes_no_event_id(sim_node):
     as a record. Before, with a record: each record_stream on a busy peer stream left records
     there, and 1,100 of them took every id of the 310P peer device (the framework's
     aclrtCreateEventWithFlag there failed with 207007)."""
-    out = sim_node.run_json(FOREIGN_HUNG.replace("LEGACY", "False"), timeout=120, ASCEND_SIM_PROFILE="310p")
+    out = sim_node.run_json(_hung_stream_script(legacy=False, stream_device=1), timeout=120, ASCEND_SIM_PROFILE="310p")
     assert out["create"] == 0 and out["record"] == 0, out
     assert out["distinct"] == 1100 and out["loop_s"] < 5, out
     assert out["allocated"] == 0 and out["pending"] == 0, out
