@@ -132,3 +132,32 @@ def test_malloc_padding_per_soc(sim_node, profile, pad):  # noqa: F811
     assert out["held"] == 128 + pad
     assert out["held1g"] == 128
     assert out["backend"] == 128 + pad and out["soc"] == SOC[profile]
+
+
+@pytest.mark.parametrize("profile,soc,pad", [
+    ("950", "Ascend950PR_9599", 0), ("950", "Ascend910_9599", 0), ("950", "Ascend910_957b", 0),
+    ("950", "Ascend910_950z", 0), ("strict", "Ascend910_9391", 32), ("310p", "Ascend310P1", 32)])
+def test_the_backend_knows_a_socs_padding_by_each_of_its_names(sim_node, profile, soc, pad):  # noqa: F811
+    # One SoC has several names across CANN versions: an Ascend 950 answers aclrtGetSocName with
+    # "Ascend910_95xx" in the versions that named it after the 910 (HCCL's SOC_VER_CONVERT maps
+    # Ascend910_9591/9599/9589/958a/958b/957b/957d/950z to DEV_TYPE_950), "Ascend950PR_95xx" in
+    # later ones; an Atlas A3 is "Ascend910_93xx". ASCEND_SIM_SOC_NAME makes the simulator answer it.
+    out = sim_node.run_json("""
+        init(0)
+        p = malloc(100); held = sim.stats(0)["bytes_held"]; free(p)
+        from ascend_pool._core import Backend
+        b = Backend("sim", sim.library_path(legacy=True))
+        print(json.dumps({"held": held, "backend": b.device_size(100), "soc": b.soc_name}))
+    """, ASCEND_SIM_PROFILE=profile, ASCEND_SIM_SOC_NAME=soc, SIM_LIB=None)
+    assert out["soc"] == soc
+    assert out["held"] == 128 + pad
+    assert out["backend"] == 128 + pad
+
+
+@pytest.mark.parametrize("name", ["Ascend 950", "A" * 32, "Ascend/950"])
+def test_simulator_refuses_a_soc_name_that_is_no_name(sim_node, name):  # noqa: F811
+    sim_node.run("""
+        rc = code("aclInit", None)
+        assert rc == 100000, rc
+        assert "ASCEND_SIM_SOC_NAME=" in errmsg(), errmsg()
+    """, ASCEND_SIM_SOC_NAME=name)

@@ -646,6 +646,14 @@ static int acl_device_unref(ap_backend *b, int device)
 
 /* ---- memory -------------------------------------------------------------------------------- */
 
+/* An Ascend 950PR/950DT by the name aclrtGetSocName gives it: "Ascend950PR_9599" in current CANN,
+   "Ascend910_95xx" in the versions that named it after the 910 (HCCL's SOC_VER_CONVERT maps
+   Ascend910_9591, _9599, _9589, _958a, _958b, _957b, _957d and _950z to DEV_TYPE_950). */
+static int acl_soc_is_950(const char *soc)
+{
+    return strncmp(soc, "Ascend950", 9) == 0 || strncmp(soc, "Ascend910_95", 12) == 0;
+}
+
 static size_t acl_device_size(const ap_backend *b, size_t size)
 {
     size_t rounded;
@@ -1806,6 +1814,6 @@ int ap_acl_open(ap_backend *b, const char *path, int prefer_loaded, int want_sim
        after rounding on every SoC but Ascend 950 (docs/cann-rules.md). */
     const char *soc = im->aclrtGetSocName ? im->aclrtGetSocName() : NULL;
     snprintf(b->soc_name, sizeof b->soc_name, "%s", soc ? soc : "");
-    im->malloc_pad = strncmp(b->soc_name, "Ascend950", 9) == 0 ? 0 : 32;
+    im->malloc_pad = acl_soc_is_950(b->soc_name) ? 0 : 32;
     return 0;
 }

@@ -9,6 +9,9 @@
  *   ASCEND_SIM_NODE               name of the simulated node sharing device capacity ("default")
  *   ASCEND_SIM_SHM_DIR            directory of the node's shared records     (default /dev/shm)
  *   ASCEND_SIM_PROFILE            strict | cann8.0 | cann8.3 | 310p | 950       (default strict)
+ *   ASCEND_SIM_SOC_NAME           what aclrtGetSocName answers instead of the profile's SoC name:
+ *                                 one SoC has several names across CANN versions (an Ascend 950 is
+ *                                 "Ascend910_9599" in some, "Ascend950PR_9599" in others)
  *   ASCEND_RT_VISIBLE_DEVICES     the runtime's own: the node devices this process sees, renumbered
  *                                 from 0 in that order ("3,5": devices 0 and 1 are the node's 3 and
  *                                 5), as a container given some of a node's NPUs sees them
@@ -208,6 +211,18 @@ int sim_config_load(struct sim_config *cfg, const char *call)
         rc = get_profile(&cfg->profile, call);
     if (rc)
         return rc;
+    const char *soc = env("ASCEND_SIM_SOC_NAME");
+    if (soc) {
+        size_t n = strlen(soc);
+        int ok = n < sizeof cfg->profile.soc_name;
+        for (size_t i = 0; ok && i < n; i++)
+            ok = isalnum((unsigned char)soc[i]) || soc[i] == '_' || soc[i] == '-';
+        if (!ok)
+            return sim_fail(ACL_ERROR_INVALID_PARAM, call,
+                            "ASCEND_SIM_SOC_NAME='%s' is not a SoC name (1-%zu of A-Z a-z 0-9 _ -)", soc,
+                            sizeof cfg->profile.soc_name - 1);
+        strcpy(cfg->profile.soc_name, soc);
+    }
     if (g_sim.override_hbm)
         cfg->hbm = g_sim.override_hbm;
 
