@@ -329,3 +329,17 @@ def test_peers_whose_lease_files_a_cleanup_removed_stay_alive_to_each_other(sim_
         im(f"assert close({key!r}) == 0")
         late(f"assert close({key!r}) == 0")
     assert ipc_files(sim_node) == []                            # the last importer removed the file
+
+
+def test_an_import_on_another_device_needs_peer_access(sim_node):
+    """CANN's aclrtIpcMemImportByKey page: ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT leaves data exchange
+    between the two devices off (aclrtDeviceEnablePeerAccess, not simulated, would turn it on);
+    ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS turns it on. The driver refuses the handle
+    (507899). On the exporter's own device the default flag imports."""
+    with Peer(sim_node, INIT) as ex, Peer(sim_node, "init(1)\n") as other, Peer(sim_node, INIT) as same:
+        key = ex("ptr = malloc(4 * MiB)\nrc, out = export(ptr, 4 * MiB, 1)\nassert rc == 0, (rc, errmsg())")
+        rc, msg = other(f"rc, p = imp({key!r}, 0)\nout = [rc, errmsg()]")
+        assert rc == 507899 and "ENABLE_PEER_ACCESS" in msg, (rc, msg)
+        assert other(f"rc, p = imp({key!r}, 1)\nout = [rc, close({key!r})]") == [0, 0]
+        assert same(f"rc, p = imp({key!r}, 0)\nout = [rc, close({key!r})]") == [0, 0]
+        ex(f"assert close({key!r}) == 0 and free(ptr) == 0")

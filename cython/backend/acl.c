@@ -1527,6 +1527,7 @@ static const char *acl_code_name(int code)
     case 507022: return "ACL_ERROR_RT_IPC_ERROR";
     case 507046: return "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT";
     case 507047: return "ACL_ERROR_RT_EVENT_SYNC_TIMEOUT";
+    case 507899: return "ACL_ERROR_RT_DRV_INTERNAL_ERROR";
     default: return NULL;
     }
 }

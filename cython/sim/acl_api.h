@@ -66,6 +66,9 @@
  *   the order of closing: aclrtIpcMemClose or aclrtFree by the exporter while a live process
  *   still imports; import, read or fill after the exporter exited or closed the key
  *                                                     ACL_ERROR_RT_IPC_ERROR         507022
+ *   import on another device than the exporter's without
+ *   ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS (the driver refuses the handle)
+ *                                                     ACL_ERROR_RT_DRV_INTERNAL_ERROR 507899
  */
 #ifndef ASCEND_SIM_ACL_API_H
 #define ASCEND_SIM_ACL_API_H
@@ -107,6 +110,7 @@ typedef void *aclrtContext;
 #define ACL_ERROR_RT_DEVICE_OOM 207018
 #define ACL_ERROR_RT_INTERNAL_ERROR 507000
 #define ACL_ERROR_RT_IPC_ERROR 507022
+#define ACL_ERROR_RT_DRV_INTERNAL_ERROR 507899
 #define ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046
 #define ACL_ERROR_RT_EVENT_SYNC_TIMEOUT 507047
 

@@ -41,6 +41,10 @@
  *    more (exporter and importers all dead) are swept at the next export on the node;
  *  - importing a key this process already imported returns the same address and counts one more
  *    import; each aclrtIpcMemClose undoes one;
+ *  - an import on another device than the exporter's needs ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS
+ *    (CANN's aclrtIpcMemImportByKey page: with the default flag, data exchange between the two
+ *    devices stays off unless aclrtDeviceEnablePeerAccess was called, which is not simulated; the
+ *    driver refuses the handle, ACL_ERROR_RT_DRV_INTERNAL_ERROR);
  *  - read-only sharing (simulator extension, ASCENDSIM_IPC_EXPORT_FLAG_READ_ONLY in ascendsim.h):
  *    importers map the file PROT_READ and ascendsim_launch_fill refuses to write there
  *    (ACL_ERROR_RT_NO_PERMISSION); the exporter's range stays read-write, and its writes are seen
@@ -832,6 +836,12 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
         rc = sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "key '%s' is still being exported", key);
     } else if (exporter_gone(r, fd)) {
         rc = exporter_gone_fail(r, key, call);
+    } else if (!(flags & ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS) && (int)r->device != g_sim.cfg.phys[dev]) {
+        rc = sim_fail(ACL_ERROR_RT_DRV_INTERNAL_ERROR, call,
+                      "key '%s' is memory of the node's device %d, imported on device %d (the node's %d) with "
+                      "ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT, which leaves data exchange between two devices off: "
+                      "pass ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS (aclrtDeviceEnablePeerAccess is not "
+                      "simulated)", key, (int)r->device, dev, g_sim.cfg.phys[dev]);
     } else if (lock_record(r, fd) != 0) {
         rc = sim_fail(ACL_ERROR_RT_IPC_ERROR, call, "cannot lock the record of key '%s'", key);
     } else {
