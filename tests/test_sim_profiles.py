@@ -161,3 +161,22 @@ def test_simulator_refuses_a_soc_name_that_is_no_name(sim_node, name):  # noqa: 
         assert rc == 100000, rc
         assert "ASCEND_SIM_SOC_NAME=" in errmsg(), errmsg()
     """, ASCEND_SIM_SOC_NAME=name)
+
+
+@pytest.mark.parametrize("profile", ["strict", "310p"])
+def test_mem_info_answers_the_devices_memory_type(sim_node, profile):  # noqa: F811
+    # CANN's aclrtGetMemInfo page: an attribute the hardware lacks answers 0 of 0; Atlas inference
+    # (310P) and 200I/500 A2 devices have DDR and no HBM, and convert an HBM query to the DDR one.
+    out = sim_node.run_json("""
+        init(0)
+        p = malloc(4 << 20)
+        print(json.dumps({a: list(meminfo(a)) for a in (0, 1, 2, 4)}))
+        free(p)
+    """, ASCEND_SIM_PROFILE=profile)
+    hbm = out["1"]
+    assert hbm[1] > 0 and hbm[0] <= hbm[1] - (4 << 20)
+    assert out["4"] == hbm
+    if profile == "310p":
+        assert out["0"] == out["2"] == hbm
+    else:
+        assert out["0"] == out["2"] == [0, 0]

@@ -19,7 +19,8 @@
  * A profile is the set of documented rules of one CANN generation or SoC (docs/cann-rules.md):
  *   cann8.0  Atlas A2 on CANN 8.0.x: reserve flags must match the mapped page type (0 normal, 1 huge)
  *   cann8.3  Atlas A2 on current CANN: reserve flags 0 or 1 accepted for any page type
- *   310p     Atlas inference card (Ascend310P3): 1,023 synchronizing events per device
+ *   310p     Atlas inference card (Ascend310P3): 1,023 synchronizing events per device; its memory
+ *            is DDR (aclrtGetMemInfo: DDR attributes answer it, HBM ones are converted to them)
  *   950      Ascend 950: aclrtMalloc only rounds to 32 bytes (no padding)
  *   strict   an Atlas A2 under every version's rules (the 8.0 reserve rule included); its event
  *            limit is the A2's 65,536 (the 310p profile tests the card with the smaller one);
@@ -165,12 +166,12 @@ static int node_name_ok(const char *s)
 }
 
 static const struct sim_profile PROFILES[] = {
-    /* name       soc name        events  8.0 flags  pad  ex events  streams */
-    {"strict",  "Ascend910B1",   65536,  1,         1,   0,         1984},
-    {"cann8.0", "Ascend910B1",   65536,  1,         1,   1,         2048},
-    {"cann8.3", "Ascend910B1",   65536,  0,         1,   1,         1984},
-    {"310p",    "Ascend310P3",   1023,   0,         1,   1,         1024},
-    {"950",     "Ascend950PR",   65536,  0,         0,   1,         1984},
+    /* name       soc name        events  8.0 flags  pad  ex events  streams  DDR device */
+    {"strict",  "Ascend910B1",   65536,  1,         1,   0,         1984,    0},
+    {"cann8.0", "Ascend910B1",   65536,  1,         1,   1,         2048,    0},
+    {"cann8.3", "Ascend910B1",   65536,  0,         1,   1,         1984,    0},
+    {"310p",    "Ascend310P3",   1023,   0,         1,   1,         1024,    1},
+    {"950",     "Ascend950PR",   65536,  0,         0,   1,         1984,    0},
 };
 
 static int get_profile(struct sim_profile *out, const char *call)

@@ -150,8 +150,10 @@ SIM_EXPORT aclError aclrtFree(void *devPtr)
     return ACL_SUCCESS;
 }
 
-/* The current device's HBM, node-wide: free = total - (rounded bytes held by every live process
-   of the node). The simulated device has HBM only, so the DDR attributes report 0 of 0. */
+/* The current device's memory, node-wide: free = total - (rounded bytes held by every live process
+   of the node). It is HBM, and the DDR attributes report 0 of 0 ("otherwise both are 0"), except
+   on a DDR device (profile 310p: CANN's aclrtGetMemInfo page, Atlas inference and 200I/500 A2
+   products have no HBM and convert an HBM query to the DDR one), where every attribute answers it. */
 SIM_EXPORT aclError aclrtGetMemInfo(int attr, size_t *free, size_t *total)
 {
     static const char call[] = "aclrtGetMemInfo";
@@ -165,8 +167,9 @@ SIM_EXPORT aclError aclrtGetMemInfo(int attr, size_t *free, size_t *total)
     int dev;
     if ((rc = sim_current_device(call, &dev)) != 0)
         return rc;
-    if (attr == ACL_DDR_MEM || attr == ACL_DDR_MEM_HUGE || attr == ACL_DDR_MEM_NORMAL ||
-        attr == ACL_DDR_MEM_P2P_HUGE || attr == ACL_DDR_MEM_P2P_NORMAL) {
+    if (!g_sim.cfg.profile.ddr_device &&
+        (attr == ACL_DDR_MEM || attr == ACL_DDR_MEM_HUGE || attr == ACL_DDR_MEM_NORMAL ||
+         attr == ACL_DDR_MEM_P2P_HUGE || attr == ACL_DDR_MEM_P2P_NORMAL)) {
         *free = *total = 0;
         return ACL_SUCCESS;
     }

@@ -89,6 +89,8 @@ struct sim_profile {
                                     that exports it without the feature) */
     uint32_t stream_limit;       /* streams per device, default streams included: 1984 on A2/A3 and
                                     950 (2048 in CANN 8.0's pages), 1024 on 310P */
+    int ddr_device;              /* the device's memory is DDR, no HBM (310P): aclrtGetMemInfo answers
+                                    it for the DDR attributes and converts HBM ones to them */
 };
 struct sim_config {
     int devices;                 /* this process's devices (ASCEND_RT_VISIBLE_DEVICES, else the node's) */
