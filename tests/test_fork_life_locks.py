@@ -347,6 +347,42 @@ def test_a_forked_child_does_not_keep_the_ledger_locked_after_its_parent_died_ho
         os.kill(hello["child"], signal.SIGKILL)
 
 
+@needs_cc
+def test_a_fork_while_a_thread_creates_the_ledger_leaves_it_unlocked(tmp_path, shim):
+    # The ledger was initialised through a mapping of its temporary file's locked descriptor: a
+    # child forked meanwhile (here from C) kept that mapping, and with it the open file and its
+    # flock, for its life; published, the ledger stayed locked, and the creator's own context
+    # failed after 10 s ("cannot lock ledger"), as did every other process's.
+    hello = _run_parent(tmp_path, """
+        import ctypes, json, threading, time
+        import ascend_pool as ap
+        from ascend_pool import identity
+        err = []
+        def open_ctx():
+            try:
+                ap.Pool(0, backend="sim").context("t", quota=8 << 20)
+            except Exception as e:
+                err.append(repr(e))
+        t = threading.Thread(target=open_ctx)
+        t.start()
+        time.sleep(0.3)  # the thread is creating the ledger (the shim keeps it there 1 s)
+        libc = ctypes.CDLL(None)
+        pid = libc.fork()
+        if pid == 0:
+            libc.sleep(60)
+            libc._exit(0)
+        t.join()
+        print(json.dumps({"instance": identity.instance(), "child": pid, "err": err}), flush=True)
+        time.sleep(60)
+    """, LD_PRELOAD=shim, SLOW_LEDGER_TMP_MS="1000")
+    try:
+        assert hello["err"] == []
+        [ledger] = _ledgers(tmp_path)
+        assert not _still_true(lambda: _flock_held(ledger)), "the ledger stays locked by the forked child"
+    finally:
+        os.kill(hello["child"], signal.SIGKILL)
+
+
 def _share_records(tmp_path, tmp):
     return [p for p in glob.glob(os.path.join(str(tmp_path), "**", "ascend_pool-share-*"), recursive=True)
             if (".tmp" in p) == tmp]

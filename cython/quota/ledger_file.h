@@ -261,13 +261,23 @@ static int apl_create(const char *path, int device, const char *backend, const c
     if (!rc && (fchmod(fd, mode) != 0 || ftruncate(fd, sizeof(apl_file)) != 0)) rc = errno;
     /* every page now: a mapped write to a page a full file system cannot give is SIGBUS */
     if (!rc) rc = posix_fallocate(fd, 0, sizeof(apl_file));
+    /* Written, not mapped: a mapping of fd keeps its open file, and the flock above, in a child
+       forked meanwhile (from Python or C) for the child's life, and the published ledger stayed
+       locked (every open failed after APL_LOCK_TIMEOUT_MS, the creator's own included). */
     if (!rc) {
-        apl_file *f = mmap(NULL, sizeof(apl_file), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (f == MAP_FAILED) rc = errno;
+        apl_file *f = malloc(sizeof(apl_file));
+        if (!f) rc = ENOMEM;
         else {
             apl_init_file(f, device, backend, node, group);
-            msync(f, sizeof(apl_file), MS_SYNC); /* harmless in tmpfs; a disk directory gets a whole file */
-            munmap(f, sizeof(apl_file));
+            size_t done = 0;
+            while (!rc && done < sizeof(apl_file)) {
+                ssize_t w = pwrite(fd, (char *)f + done, sizeof(apl_file) - done, (off_t)done);
+                if (w > 0) done += (size_t)w;
+                else if (w < 0 && errno != EINTR) rc = errno;
+                else if (w == 0) rc = EIO;
+            }
+            free(f);
+            if (!rc) (void)fdatasync(fd); /* harmless in tmpfs; a disk directory gets a whole file */
         }
     }
     if (!rc && link(tmp, path) != 0) {

@@ -6,7 +6,9 @@
    SLOW_LEASE_MS, on a stats file (ascend_pool-stats-*) after SLOW_STATS_MS, on the simulator's
    lease (ascendsim-lease-*, cython/sim/proc.c) after SLOW_SIM_LEASE_MS, on a ledger (its update lock,
    ledger_file.h apl_lock) after SLOW_LEDGER_LOCK_MS, on a share record (ascend_pool-share-*, sharing.py)
-   after SLOW_SHARE_LOCK_MS, on one being made (its temporary name) after SLOW_SHARE_TMP_MS. A read-write open, not creating, of a simulator's node record
+   after SLOW_SHARE_LOCK_MS, on one being made (its temporary name) after SLOW_SHARE_TMP_MS. A ledger being
+   made (ledger_file.h apl_create) pauses SLOW_LEDGER_TMP_MS once its temporary file's contents are
+   in: after an mmap of that file (the creation before 2026-12-05) or its fdatasync. A read-write open, not creating, of a simulator's node record
    (ascendsim-*-dev*: node.c's life descriptor) returns after SLOW_SIM_NODE_OPEN_MS, of an IPC record
    (ascendsim-*-ipc-*: ipc.c's) after SLOW_SIM_IPC_OPEN_MS. */
 #define _GNU_SOURCE
@@ -17,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -69,5 +72,35 @@ int flock(int fd, int op) {
             if (strstr(path, "ascend_pool-share-")) pause_ms(strstr(path, ".tmp") ? "SLOW_SHARE_TMP_MS" : "SLOW_SHARE_LOCK_MS");
         }
     }
+    return rc;
+}
+
+/* Whether fd is a ledger's temporary file (ascend_pool-ledger-*.tmp.*). */
+static int ledger_tmp(int fd) {
+    char link[64], path[512];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, path, sizeof path - 1);
+    if (n <= 0) return 0;
+    path[n] = 0;
+    return strstr(path, "ascend_pool-ledger-") && strstr(path, ".tmp.");
+}
+
+#define SHIM_MMAP(name, off_t_)                                                                        \
+    void *name(void *addr, size_t len, int prot, int flags, int fd, off_t_ off) {                      \
+        static void *(*real)(void *, size_t, int, int, int, off_t_);                                   \
+        if (!real) real = (void *(*)(void *, size_t, int, int, int, off_t_))dlsym(RTLD_NEXT, #name);   \
+        void *p = real(addr, len, prot, flags, fd, off);                                               \
+        if (p != MAP_FAILED && fd >= 0 && getenv("SLOW_LEDGER_TMP_MS") && ledger_tmp(fd))              \
+            pause_ms("SLOW_LEDGER_TMP_MS");                                                            \
+        return p;                                                                                      \
+    }
+SHIM_MMAP(mmap, off_t)
+SHIM_MMAP(mmap64, off64_t)
+
+int fdatasync(int fd) {
+    static int (*real)(int);
+    if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
+    int rc = real(fd);
+    if (getenv("SLOW_LEDGER_TMP_MS") && ledger_tmp(fd)) pause_ms("SLOW_LEDGER_TMP_MS");
     return rc;
 }
