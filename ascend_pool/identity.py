@@ -48,11 +48,23 @@ _lock = threading.RLock()
 _instance = 0
 _leases = {}  # directory -> (fd, path) of this process's lease there
 _renew_failed = set()  # directories whose removed lease could not be made again (said once)
+_pid = os.getpid()  # the process the state above is of: a child forked from C keeps the parent's
+
+
+def _adopt():
+    """In a child forked from C (no Python fork handler ran: uWSGI's workers, a native library's
+    fork) that goes on in Python, forgets the parent's instance and leases, as a Python fork does:
+    taking them for its own, it made the parent's lease again whenever the file was gone (its copy
+    is /dev/null, fork.c), so a killed parent whose lease the node service had removed was alive
+    again to every peer while the child lived, and it told the parent alive by its instance."""
+    if _pid != os.getpid():
+        _after_fork_in_child()
 
 
 def instance():
     """This process's instance id: a random non-zero 64-bit int, unique on the node."""
     global _instance
+    _adopt()
     if not _instance:
         with _lock:
             while not _instance:
@@ -93,7 +105,7 @@ def lease_path(directory, value=None):
 def ensure_lease(directory):
     """Holds this process's lease in `directory` (created on first call; kept for the life of the
     process). Returns the instance id. Raises OSError when the directory is not writable."""
-    inst = instance()
+    inst = instance()  # _adopt()s first
     directory = os.path.abspath(directory)
     if directory in _leases:
         renew_leases(directory)
@@ -160,6 +172,7 @@ def renew_leases(directory=None):
     runs: its peers then go by its life locks (life_hold) on the ledgers it books in and the share
     records it writes, and anything else of it is taken for a dead process's. Called by ensure_lease and, through
     tenants.ledger.check_files, when a context opens a ledger and at each stats interval."""
+    _adopt()
     with _lock:
         items = [(d, v) for d, v in _leases.items() if directory is None or d == directory]
         out = []
@@ -311,6 +324,7 @@ def lease_alive(directory, value):
     not (exited, in any namespace), None when it cannot be told (then keep its records)."""
     if not value:
         return False
+    _adopt()
     if value == _instance:
         return True
     try:
@@ -635,8 +649,10 @@ def _after_fork_in_parent():
 
 def _after_fork_in_child():
     # The child is another process: the parent's leases stay the parent's (closing our copies of
-    # the descriptors keeps the locks, which belong to the parent's open files).
-    global _lock, _instance
+    # the descriptors keeps the locks, which belong to the parent's open files). Also run by
+    # _adopt() in a child forked from C, where the parent's threads may have held _lock.
+    global _lock, _instance, _pid
+    _pid = os.getpid()
     _lock = threading.RLock()
     for fd, _ in _leases.values():
         try:

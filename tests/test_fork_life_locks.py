@@ -383,6 +383,87 @@ def test_a_fork_while_a_thread_creates_the_ledger_leaves_it_unlocked(tmp_path, s
         os.kill(hello["child"], signal.SIGKILL)
 
 
+def test_a_child_forked_from_c_that_reads_the_ledger_never_makes_its_dead_parents_lease_again(tmp_path):
+    # A child forked from C (no Python fork handler) that goes on in Python kept the parent's
+    # instance and leases (identity.py): its ledger.view() "renewed" the parent's lease, whose copy
+    # is /dev/null, and once the killed parent's lease file was removed (the node service's sweep)
+    # it made it again, locked by itself: the dead parent alive again to every peer.
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT, ASCEND_POOL_LEDGER_DIR=str(tmp_path),
+               ASCEND_SIM_NODE="t" + uuid.uuid4().hex[:12], ASCEND_SIM_SHM_DIR=str(tmp_path),
+               ASCEND_SIM_DEVICES="1", ASCEND_SIM_HBM="64MiB", ASCEND_POOL_STATS="0")
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import ctypes, json, os, sys, time
+        import ascend_pool as ap
+        from ascend_pool import identity
+        from ascend_pool.tenants import ledger
+        ap.Pool(0, backend="sim").context("t", quota=32 << 20)
+        hello = json.dumps({"instance": identity.instance()})
+        libc = ctypes.CDLL(None)
+        pid = libc.fork()
+        if pid == 0:
+            sys.stdin.readline()  # the parent is dead, its lease file removed
+            ledger.view(0, "sim")
+            print(json.dumps({"child": os.getpid()}), flush=True)
+            time.sleep(60)
+            os._exit(0)
+        print(hello, flush=True)
+        time.sleep(60)
+    """)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        inst = json.loads(p.stdout.readline())["instance"]
+        p.kill()
+        p.wait(timeout=30)
+        [lease_dir] = {os.path.dirname(x) for x in _ledgers(tmp_path)}
+        assert not _still_true(lambda: identity.lease_alive(lease_dir, inst) is not False)
+        identity.remove_dead_leases(lease_dir)  # as the node service's sweep does
+        assert identity.lease_alive(lease_dir, inst) is False
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        child = json.loads(p.stdout.readline())["child"]
+        assert identity.lease_alive(lease_dir, inst) is False, "the child made its dead parent's lease again"
+    finally:
+        if child:
+            os.kill(child, signal.SIGKILL)
+        p.kill()
+        p.stdin.close()
+        p.stdout.close()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs unshare and root for a pid namespace")
+def test_a_forked_childs_ledger_view_and_sweep_tell_its_killed_parent_dead_by_its_lease(tmp_path):
+    # In a pid namespace whose /proc is not its own (unshare --pid without --mount-proc) the lease
+    # alone tells: a forked child took the parent's instance for its own (apl_self_instance), so
+    # after the parent was killed its view said alive and its sweep kept the parent's slot.
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT, ASCEND_POOL_LEDGER_DIR=str(tmp_path),
+               ASCEND_SIM_NODE="t" + uuid.uuid4().hex[:12], ASCEND_SIM_SHM_DIR=str(tmp_path),
+               ASCEND_SIM_DEVICES="1", ASCEND_SIM_HBM="64MiB", ASCEND_POOL_STATS="0")
+    code = textwrap.dedent("""
+        import json, os, signal, time
+        import ascend_pool as ap
+        from ascend_pool.tenants import ledger
+        ctx = ap.Pool(0, backend="sim").context("t", quota=32 << 20)
+        with ctx:
+            ctx.malloc(4 << 20)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.read(r, 1)
+            time.sleep(1.0)  # the parent's lease is dropped by then
+            alive = [s["alive"] for s in ledger.view(0, "sim")["slots"]]
+            swept = sum(x.get("slots", 0) for x in ledger.sweep())
+            print(json.dumps({"alive": alive, "swept": swept}), flush=True)
+            os._exit(0)
+        os.write(w, b"x")
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    # sh is the namespace's pid 1: the killed worker and its child are not it
+    r = subprocess.run(["unshare", "--pid", "--fork", "sh", "-c", '"$0" -c "$1"; sleep 5', sys.executable, code],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert json.loads(r.stdout) == {"alive": [False], "swept": 1}, r.stderr[-800:]
+
+
 def _share_records(tmp_path, tmp):
     return [p for p in glob.glob(os.path.join(str(tmp_path), "**", "ascend_pool-share-*"), recursive=True)
             if (".tmp" in p) == tmp]

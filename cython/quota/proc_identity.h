@@ -94,10 +94,12 @@ static int apl_proc_is_ours(void) {
    gets a new one before it attaches. 0: not set (then nothing is claimed). */
 static _Atomic uint64_t apl_self_instance;
 static _Atomic uint64_t apl_self_pidns;
+static _Atomic int apl_self_pid; /* the process they are of: a forked child keeps the parent's */
 
 static void apl_set_identity(uint64_t instance, uint64_t pidns) {
     atomic_store(&apl_self_instance, instance);
     atomic_store(&apl_self_pidns, pidns);
+    atomic_store(&apl_self_pid, (int)getpid());
 }
 
 /* 1 alive (its lease is held), 0 dead (no lease file, or nobody holds its lock), -1 cannot tell
@@ -154,7 +156,8 @@ static int apl_owner_alive(const char *dir, uint64_t instance, int pid, uint64_t
 
 static int apl_lease_alive(const char *dir, uint64_t instance) {
     if (instance == 0) return 0;
-    if (instance == atomic_load(&apl_self_instance)) return 1;
+    /* ours only in the process that set it: a forked child's view and sweep ask the parent's lease */
+    if (instance == atomic_load(&apl_self_instance) && atomic_load(&apl_self_pid) == (int)getpid()) return 1;
     char path[PATH_MAX];
     if (snprintf(path, sizeof path, "%s/" APL_LEASE_PREFIX "%016llx", dir, (unsigned long long)instance) >=
         (int)sizeof path)
