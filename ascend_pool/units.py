@@ -2,6 +2,7 @@
 as callers pass them (ints and numpy integers, never bools or floats)."""
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1, "b": 1,
@@ -31,13 +32,24 @@ def parse_bytes(value, what="size"):
     m = _PATTERN.match(value)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"{what}: cannot read {value!r} as a byte size (examples: 1048576, '512MiB', '8GiB')")
-    number, unit = m.group(1), _UNITS[m.group(2).lower()]
-    if "." not in number:
-        return int(number) * unit  # exact, however many digits
-    f = float(number) * unit
-    if f == float("inf"):  # hundreds of digits before the point
+    n = decimal_bytes(m.group(1), _UNITS[m.group(2).lower()], _MOST_WRITTEN)
+    if n is None:
         raise ValueError(f"{what}: {value!r} is larger than any byte count")
-    return int(f)
+    return n
+
+
+_MOST_WRITTEN = 2**1024  # past a double's range: refused as before, when the product was inf
+
+
+def decimal_bytes(number, unit, most):
+    """The whole bytes in the decimal text `number` (digits, at most one point) times `unit`,
+    rounded down, computed exactly (a float's product was a byte short: "4.1GB" was 4099999999,
+    and past 2**53 rounded up); None from `most` on, or past int()'s 4300 digits."""
+    try:
+        n = int(Fraction(number) * unit)  # int() of a positive Fraction rounds down
+    except ValueError:  # sys.get_int_max_str_digits()
+        return None
+    return n if n < most else None
 
 
 def format_bytes(n):

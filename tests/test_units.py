@@ -3,6 +3,8 @@ binary units powers of two, in every letter case; bad input is a ValueError nami
 
 import pytest
 
+from ascend_pool.errors import ConfigError
+from ascend_pool.tenants.quota_spec import parse_quota
 from ascend_pool.units import format_bytes, parse_bytes
 
 # unit spellings -> bytes per unit; every case variant of each is checked below
@@ -64,6 +66,24 @@ def test_unreadable_strings_are_value_errors_naming_the_field(bad):
 def test_bad_values_are_value_errors(bad):
     with pytest.raises(ValueError, match="limit"):
         parse_bytes(bad, what="limit")
+
+
+def test_fractions_are_exact_bytes_not_a_floats_product():
+    # 4.1 * 10**9 as floats is 4099999999.9999995: a quota of "4.1GB" was a byte short
+    assert parse_bytes("4.1GB") == 4_100_000_000
+    assert parse_bytes("1.001KB") == 1001
+    assert parse_bytes("12345678901234567.5") == 12345678901234567  # rounded down past 2**53 too
+    assert parse_quota("4.1GB").bytes == 4_100_000_000
+    assert parse_quota("1.001KB").bytes == 1001
+
+
+def test_more_digits_than_int_reads_are_larger_than_any_byte_count():
+    # past int()'s 4300 digits: the field's message, not Python's bare "Exceeds the limit"
+    for text in ("1" * 5000, "1" * 5000 + ".5"):
+        with pytest.raises(ValueError, match="limit: .* is larger than any byte count"):
+            parse_bytes(text, what="limit")
+    with pytest.raises(ConfigError, match="quota: .* is larger than any device"):
+        parse_quota("1" * 5000 + "GB")
 
 
 def test_too_many_digits_before_a_point_is_an_error_not_inf():

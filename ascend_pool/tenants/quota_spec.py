@@ -12,7 +12,7 @@ warn * quota.
 import re
 
 from ..errors import ConfigError
-from ..units import _UNITS, as_index
+from ..units import _UNITS, as_index, decimal_bytes
 
 _SIZE = re.compile(r"^\s*([+-]?)\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 _PERCENT = re.compile(r"^\s*([+-]?[0-9]+(?:\.[0-9]*)?|[+-]?\.[0-9]+)\s*%\s*$")
@@ -83,14 +83,11 @@ def parse_quota(value, what="quota"):
                           f"percentage like \"25%\")")
     if sign == "-":
         raise ConfigError(f"{what}: negative quota {value!r}")
-    f = float(number) * _UNITS[unit.lower()]
-    if f >= MAX_QUOTA_BYTES:  # also inf, from hundreds of digits
+    n = decimal_bytes(number, _UNITS[unit.lower()], MAX_QUOTA_BYTES)
+    if n is None:
         raise ConfigError(f"{what}: quota {value!r} is larger than any device (at most {MAX_QUOTA_BYTES - 1} bytes)")
-    n = int(f)
     if n <= 0:
         raise ConfigError(f"{what}: zero quota {value!r} (a quota must be positive; omit it for no quota)")
-    if n >= MAX_QUOTA_BYTES:
-        raise ConfigError(f"{what}: quota {value!r} is larger than any device (at most {MAX_QUOTA_BYTES - 1} bytes)")
     return QuotaSpec(nbytes=n, text=value.strip())
 
 
