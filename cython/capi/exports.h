@@ -26,6 +26,8 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
 #include <time.h>
@@ -387,8 +389,14 @@ APC_EXPORT void ascend_pool_reset(bool check_error) {
 APC_EXPORT void ascend_pool_set_memory_fraction(double fraction, int device) {
     ap_stats st;
     if (!(fraction >= 0.0 && fraction <= 1.0)) { /* also refuses NaN */
-        apc_fail(ASCEND_POOL_E_INVALID_ARG, "ascend_pool_set_memory_fraction: fraction must be in [0, 1], got %g",
-                 fraction);
+        /* the fewest digits that read back as the double: %g's 6 showed 1.0000001 as "got 1" */
+        char shown[32];
+        for (int prec = 6; prec <= 17; prec++) {
+            snprintf(shown, sizeof shown, "%.*g", prec, fraction);
+            if (fraction != fraction || strtod(shown, NULL) == fraction) break;
+        }
+        apc_fail(ASCEND_POOL_E_INVALID_ARG,
+                 "ascend_pool_set_memory_fraction: device %d: fraction must be in [0, 1], got %s", device, shown);
         return;
     }
     /* the thread's context or the default, not a MemPool in use: torch's fraction caps the device */
