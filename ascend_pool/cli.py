@@ -48,6 +48,9 @@ def main(argv=None):
     except (PoolError, ValueError, OSError) as e:
         print(f"ascend-pool {args.command}: {type(e).__name__}: {_message(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the shell's 128 + SIGINT, one line, not a traceback
+        print(f"ascend-pool {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _message(e):

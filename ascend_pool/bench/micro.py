@@ -32,6 +32,7 @@ every figure, then run 2, ...) so that floors and figures see the same machine c
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -40,6 +41,7 @@ from typing import Optional
 
 from .. import _core, sim as _sim
 from ..api import default_pool
+from ..errors import PoolError
 from ..metrics.collector import PoolCollector
 from ..pool import Pool
 
@@ -147,16 +149,20 @@ def run_tail(device: int = 0, pairs: int = 4_000_000, size: int = 4096, rounds: 
     pool = default_pool(device)
     sim = _sim if pool.backend.name == "sim" else None
     base = _core.TailRun(device, size, min(pairs, 200_000)).finish()
-    busy = pool.create_stream()
-    buf = pool.malloc(1 << 20, stream=busy)
     counts = {"rounds": 0}
-    run = _core.TailRun(device, size, pairs)
-    try:
+    busy = pool.create_stream()
+    buf = run = None
+    try:  # the block, stream and run are the default pool's, open after the bench: an interrupt
+        # (Ctrl-C) between them left a live block and a stream in it for the process's life
+        buf = pool.malloc(1 << 20, stream=busy)
+        run = _core.TailRun(device, size, pairs)
         _maintain(pool, run, rounds, counts, busy, buf, sim)  # this (Python) thread maintains
     finally:
-        run.stop()
-        res = run.finish()
-        pool.free(buf, stream=busy)
+        if run is not None:
+            run.stop()
+            res = run.finish()
+        if buf is not None:
+            pool.free(buf, stream=busy)
         pool.destroy_stream(busy)
     out = {"p50_ns": res["p50_ns"], "p99_ns": res["p99_ns"], "p999_ns": res["p999_ns"],
            "baseline_p50_ns": base["p50_ns"], "pairs": res["pairs"], "maintenance_rounds": counts["rounds"],
@@ -187,8 +193,9 @@ def run_micro(backend, device: int = 0, runs: int = 7, target_ms: float = 20.0, 
         for _ in range(threads):
             ptrs.append(pool.malloc(size))
             guards.append(pool.malloc(size))
-        for p in ptrs:
-            pool.free(p)
+        while ptrs:
+            pool.free(ptrs[-1])
+            ptrs.pop()
         calls_before = _device_calls(pool)
         merging = Pool(device, backend=pool.backend)  # a fresh pool: its one block borders the free rest
         samples = {k: [] for k in list(FIGURES) + list(FLOORS) + ["c_floor_nolock", "py_loop", "c_pair_merging"]}
@@ -224,9 +231,13 @@ def run_micro(backend, device: int = 0, runs: int = 7, target_ms: float = 20.0, 
                 statistics.fmean(_in_threads(threads, _py_pairs, malloc, free, size, n["py_pair"])))
         calls_during = _device_calls(pool) - calls_before
         backend_name = pool.backend.name
-        for g in guards:
-            pool.free(g)
+        while guards:
+            pool.free(guards[-1])
+            guards.pop()
     finally:
+        for p in ptrs + guards:  # an interrupted run's blocks, not left to close()'s warning
+            with contextlib.suppress(PoolError):  # one an interrupt caught between free and pop
+                pool.free(p)
         if merging is not None:
             merging.close()
         pool.close()
