@@ -150,10 +150,17 @@ def is_rmm_log(path) -> bool:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return False
+    try:
+        # asked before open(): a directory's descriptor is an IsADirectoryError there ("Is a
+        # directory: 3"), which failed trace convert DIR and bench --traces with a folder x.csv
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return False
+    except OSError:
+        os.close(fd)
+        return False
     with open(fd, "rb") as f:
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return False
             first = f.readline(256).decode("utf-8", "replace")
         except OSError:
             return False

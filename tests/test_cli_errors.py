@@ -15,6 +15,18 @@ def test_a_directory_given_for_a_trace_is_named_as_one(tmp_path, capsys):
     assert f"{str(tmp_path)!r} is a directory; expected a trace file NAME.npz" in err, err
 
 
+def test_a_directory_given_to_trace_convert_or_named_like_a_log_among_traces_is_named(tmp_path, capsys):
+    # Before: "IsADirectoryError: [Errno 21] Is a directory: 3" (a descriptor's number) from the look
+    # for RMM's header line, for trace convert DIR and for bench --traces with a folder x.csv in it
+    assert main(["trace", "convert", str(tmp_path), str(tmp_path / "o.npz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{str(tmp_path)!r} is a directory; expected a PyTorch memory snapshot" in err, err
+    (tmp_path / "logs.csv").mkdir()
+    assert main(["bench", "--traces", str(tmp_path), "--backend", "sim", "--no-micro"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"ascend-pool bench: ValueError: no .npz traces in {tmp_path}", err
+
+
 def test_a_path_that_is_there_but_no_file_is_named_as_such(tmp_path, capsys):
     # Before: "no trace file at '/dev/null'", as if the path did not exist.
     fifo = tmp_path / "t.npz"
