@@ -31,11 +31,30 @@ def parse_bytes(value, what="size"):
         raise ValueError(f"{what}: expected bytes or a string like '8GiB', got {type(value).__name__}")
     m = _PATTERN.match(value)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{what}: cannot read {value!r} as a byte size (examples: 1048576, '512MiB', '8GiB')")
+        raise ValueError(f"{what}: cannot read {value!r} as a byte size{_why(value)} (examples: 1048576, '512MiB', "
+                         f"'8GiB')")
     n = decimal_bytes(m.group(1), _UNITS[m.group(2).lower()], _MOST_WRITTEN)
     if n is None:
         raise ValueError(f"{what}: {value!r} is larger than any byte count")
     return n
+
+
+def _why(text):
+    """What is wrong with a size text that float() reads ("-1", "1e3"): the grammar's refusal
+    alone read as if the number were unreadable, while the float 1e3 is taken."""
+    if text.strip().startswith("-") and _PATTERN.match(text.strip()[1:]):
+        return ": negative"
+    try:
+        f = float(text)
+    except ValueError:
+        return ""
+    if f < 0:
+        return ": negative"
+    if f != f or f in (float("inf"), float("-inf")):
+        return ": not a finite number"
+    if "e" in text.lower():
+        return ": no exponent is taken" + (f" (write {int(f)})" if f.is_integer() and f < 1e30 else "")
+    return ""
 
 
 _MOST_WRITTEN = 2**1024  # past a double's range: refused as before, when the product was inf

@@ -86,6 +86,16 @@ def test_more_digits_than_int_reads_are_larger_than_any_byte_count():
         parse_quota("1" * 5000 + "GB")
 
 
+@pytest.mark.parametrize("text, why", [("1e3", ": no exponent is taken (write 1000)"), ("1.5e9", ": no exponent is taken (write 1500000000)"),
+                                       ("2.5e-1", ": no exponent is taken"), ("-1", ": negative"), ("-0.5GB", ": negative"),
+                                       ("nan", ": not a finite number"), ("1e400", ": not a finite number")])
+def test_a_number_refused_as_a_size_text_says_why(text, why):
+    # the float 1e3 is 1000 bytes; the text "1e3" was refused as if it were no number at all
+    with pytest.raises(ValueError) as e:
+        parse_bytes(text, what="--device-bytes")
+    assert str(e.value).startswith(f"--device-bytes: cannot read {text!r} as a byte size{why} (examples:"), str(e.value)
+
+
 def test_too_many_digits_before_a_point_is_an_error_not_inf():
     with pytest.raises(ValueError, match="larger than any byte count"):
         parse_bytes("9" * 400 + ".5TB")
