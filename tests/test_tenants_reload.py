@@ -223,3 +223,15 @@ def test_a_bad_reload_trigger_is_refused_at_every_call_and_leaves_nothing_open(t
     out = json.loads(r.stdout)
     said = f"ASCEND_POOL_CONFIG_RELOAD={value!r}: unknown trigger 'bogus' (expected sighup, watch)"
     assert out == {"calls": [said, said], "open_contexts": 0, "triggers": 0}, out
+
+
+@pytest.mark.parametrize("interval", [0, -1, float("nan"), float("inf"), 1e-9, 86401, "1", None, True])
+def test_a_watcher_interval_that_would_spin_or_kill_its_thread_is_refused(tmp_path, interval):
+    # Before: 0, -1 and NaN polled the file without a pause (a core's worth of stat calls), inf
+    # ended the thread with an OverflowError traceback, "1"/None were float()'s bare errors
+    cfg = str(tmp_path / "tenants.toml")
+    write_config(cfg, a="8MiB")
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(ConfigError, match=r"watch_config: interval must be a number of seconds from 0\.01 to 86400, got "):
+        watch_config(cfg, interval=interval)
+    assert not [t for t in threading.enumerate() if t.ident not in before and t.name == "ascend_pool-config-watch"]

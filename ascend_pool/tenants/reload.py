@@ -13,6 +13,7 @@ install_sighup_reload() (main thread only) reloads on SIGHUP. $ASCEND_POOL_CONFI
 """
 
 import logging
+import numbers
 import os
 import signal
 import threading
@@ -80,6 +81,19 @@ def _stat_key(path):
         return None
 
 
+WATCH_INTERVAL_S = (0.01, 86400.0)
+
+
+def _interval(value):
+    """The watcher's poll interval in seconds, checked: 0, a negative or NaN one spun a core
+    stat-ing the file, inf ended the thread with an OverflowError, "abc" was float()'s bare error."""
+    lo, hi = WATCH_INTERVAL_S
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and lo <= value <= hi  # NaN fails it
+    if not ok:
+        raise ConfigError(f"watch_config: interval must be a number of seconds from {lo} to {hi:.0f}, got {value!r}")
+    return float(value)
+
+
 class ConfigWatcher:
     """A daemon thread that reloads the tenants file when its mtime, size or inode changes
     (checked every `interval` seconds). stop() ends it."""
@@ -88,7 +102,7 @@ class ConfigWatcher:
         self.path = os.fspath(path) if path is not None else os.environ.get(_config.CONFIG_ENV)
         if not self.path:
             raise ConfigError(f"watch_config: no path given and {_config.CONFIG_ENV} is not set")
-        self.interval = float(interval)
+        self.interval = _interval(interval)
         self.reloads = 0
         self._seen = _stat_key(self.path)
         self._stop = threading.Event()
