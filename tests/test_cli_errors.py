@@ -4,6 +4,8 @@ does not load is one line."""
 
 import os
 
+import pytest
+
 from ascend_pool.cli import main
 
 
@@ -49,3 +51,27 @@ def test_a_runtime_that_does_not_load_is_one_line_naming_what_was_tried(monkeypa
     assert err.count("\n") == 1, err
     assert err.strip() == ("ascend-pool bench: BackendUnavailableError: could not load libascendcl.so; tried: "
                            "/nonexistent/libascendcl.so: cannot open shared object file: No such file or directory"), err
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["serve", "--port", "0", "--config", ""], "--config"),
+    (["serve", "--port", "0", "--stats-dir", ""], "--stats-dir"),
+    (["serve", "--port", "0", "--replay", "a.npz", ""], "--replay"),
+    (["ps", "--stats-dir", ""], "--stats-dir"),
+    (["replay", ""], "trace"),
+    (["trace", "convert", "", "out.npz"], "snapshot"),
+    (["trace", "convert", "in.pickle", ""], "out"),
+    (["check-config", ""], "file"),
+    (["bench", "--traces", ""], "--traces"),
+    (["bench", "--json", ""], "--json"),
+    (["bench", "--markdown", ""], "--markdown"),
+])
+def test_an_empty_path_from_an_unset_variable_is_named_before_any_work(argv, option, capsys):
+    # Before: ps/serve --stats-dir "" read the default directory and serve --config "" the directory
+    # ".", silently; replay "" said "'.' is a directory", trace convert X "" "PosixPath('.') has an
+    # empty name", check-config "" ": cannot read the tenants file", bench --json "" "No such file: ''"
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"error: argument {option}: expected a path, got '' (an unset variable?)"), err

@@ -162,13 +162,13 @@ def _cmd_bench(args):
 def register(sub):
     p = sub.add_parser("bench", help="benchmark the pool against its peers and its floors (one run)",
                        description=__doc__.split("\n\n")[1].replace("\n", " "))
-    p.add_argument("--traces", default=None, metavar="DIR",
+    p.add_argument("--traces", default=None, metavar="DIR", type=oc.path,
                    help="trace directory (default: ../shared/traces when present, else the six full traces shipped in the package)")
     p.add_argument("--backend", choices=("sim", "cuda", "acl"), default=None,
                    help="device backend (default: $ASCEND_POOL_BACKEND, else acl if present, else sim)")
     p.add_argument("--device", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON ('-': to stdout, alone)")
-    p.add_argument("--markdown", default=None, metavar="FILE", help="write the report as markdown")
+    p.add_argument("--json", default=None, metavar="FILE", type=oc.path, help="write the results as JSON ('-': to stdout, alone)")
+    p.add_argument("--markdown", default=None, metavar="FILE", type=oc.path, help="write the report as markdown")
     p.add_argument("--trace", action="append", default=[], metavar="NAME",
                    help="only this trace of the directory (repeatable)")
     p.add_argument("--allocators", default=None, metavar="A,B",

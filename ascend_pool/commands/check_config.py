@@ -12,6 +12,7 @@ import sys
 
 from ..tenants.config import ConfigErrors, load
 from ..units import parse_bytes
+from . import option_checks as oc
 
 
 def _cmd_check_config(args):
@@ -51,7 +52,7 @@ def _cmd_check_config(args):
 
 def register(sub):
     p = sub.add_parser("check-config", help="validate a tenants file (TOML): exit 0 valid, 2 with one line per mistake")
-    p.add_argument("file", help="the tenants file (as $ASCEND_POOL_CONFIG names it)")
+    p.add_argument("file", type=oc.path, help="the tenants file (as $ASCEND_POOL_CONFIG names it)")
     p.add_argument("--device-bytes", default=None,
                    help="device memory size (e.g. 64GiB) to check byte quotas for overcommit and show what "
                         "percentages mean; percentages are always checked")

@@ -6,6 +6,7 @@ check(args, RANGES): a value outside its range raises ConfigError naming the opt
 value, which the CLI prints as one line and exits 2 with (as for every other bad input).
 """
 
+import argparse
 import math
 
 from ..errors import ConfigError
@@ -57,3 +58,12 @@ def check(args, ranges):
 DAY_S = 86400.0
 DEVICE = Range(0, what="a device index")
 UID = Range(0, UID_MAX, what="a uid")
+
+
+def path(text):
+    """argparse type of a file or directory option: refuses the empty string, which an unset shell
+    variable gives (--stats-dir "$DIR"): it read as the default directory, or as "." ("'.' is a
+    directory", "PosixPath('.') has an empty name"), or as no file named at all."""
+    if text == "":
+        raise argparse.ArgumentTypeError("expected a path, got '' (an unset variable?)")
+    return text

@@ -45,7 +45,7 @@ def register(sub):
                        description=sys.modules[__name__].__doc__.split("\n\n", 1)[1],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON list of rows")
-    p.add_argument("--stats-dir", default=None,
+    p.add_argument("--stats-dir", default=None, type=oc.path,
                    help="the stats directory, which must exist (default $ASCEND_POOL_STATS_DIR, else /dev/shm)")
     p.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                    help="also list processes of this uid (default: this user's only)")

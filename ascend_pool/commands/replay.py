@@ -35,7 +35,7 @@ def register(sub):
     shipped = shipped_traces_dir()
     names = ", ".join(sorted(p.name[:-4] for p in shipped.glob("*.npz")))
     p = sub.add_parser("replay", help="replay an allocation trace (.npz) and print its figures")
-    p.add_argument("trace", help=f"trace file NAME.npz (format: {shipped / 'README.md'}), a PyTorch memory "
+    p.add_argument("trace", type=oc.path, help=f"trace file NAME.npz (format: {shipped / 'README.md'}), a PyTorch memory "
                                  f"snapshot with history (NAME.pickle), or the name of a trace shipped with the "
                                  f"package ({names or 'none installed'})")
     p.add_argument("--backend", choices=("acl", "sim", "cuda"), default=None,

@@ -180,19 +180,19 @@ def register(sub):
     p = sub.add_parser("serve", help="export every ascend_pool process of the node to Prometheus",
                        description=sys.modules[__name__].__doc__.split("\n\n", 1)[1],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=None,
+    p.add_argument("--config", type=lambda text: Path(oc.path(text)), default=None,
                    help="tenants TOML file (as $ASCEND_POOL_CONFIG); --replay runs for each of its tenants")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=9464, help="port to listen on, 0 to 65535 (default 9464; 0 picks a free one)")
     p.add_argument("--backend", choices=("acl", "sim", "cuda"), default=None,
                    help="device backend of --replay (default: $ASCEND_POOL_BACKEND, else acl if present, else sim)")
-    p.add_argument("--replay", nargs="*", default=None, metavar="TRACE",
+    p.add_argument("--replay", nargs="*", default=None, metavar="TRACE", type=oc.path,
                    help="replay traces (.npz files or directories) in a loop; with no file, the bundled traces")
     p.add_argument("--device", type=int, default=0, help="device of --replay (default 0)")
     p.add_argument("--replay-pause", type=float, default=0.1, metavar="SECONDS",
                    help="seconds each replay holds at its peak of live memory, a quarter of that between replays "
                         "(0 to 86400, default 0.1)")
-    p.add_argument("--stats-dir", default=None,
+    p.add_argument("--stats-dir", default=None, type=oc.path,
                    help="directory of the processes' stats files (default $ASCEND_POOL_STATS_DIR, else /dev/shm)")
     p.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                    help="also read the private directory of this uid (default: only this service's own uid); "

@@ -27,8 +27,8 @@ def register(sub):
     p = sub.add_parser("trace", help="convert a PyTorch memory snapshot or an RMM log into a replayable trace")
     tsub = p.add_subparsers(dest="trace_command", required=True)
     c = tsub.add_parser("convert", help="SNAPSHOT.pickle (device_traces) or RMM's LOG.csv -> OUT.npz")
-    c.add_argument("snapshot", help="a memory snapshot pickle recorded with history on, or the CSV log of RMM's "
+    c.add_argument("snapshot", type=oc.path, help="a memory snapshot pickle recorded with history on, or the CSV log of RMM's "
                                     "logging_resource_adaptor")
-    c.add_argument("out", help="the .npz trace to write (format in shared/traces/README.md)")
+    c.add_argument("out", type=oc.path, help="the .npz trace to write (format in shared/traces/README.md)")
     c.add_argument("--device", type=int, default=None, help="the device whose trace to take (default: the one used)")
     c.set_defaults(func=_cmd_convert)
