@@ -7,6 +7,7 @@
  * Enum values and codes below are from CANN's public acl_rt.h / acl_base_rt.h / rt_error_codes.h.
  */
 #include "backend_impl.h"
+#include "stream_notes.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -74,13 +75,6 @@ struct acl_dev {
        (acl_release_orphans: this lock, aclrtResetDevice) only where no pool lock is held and no
        device scope is entered: acl_stream_create, acl_stream_destroy, acl_device_release. */
     int orphan_refs;
-};
-
-struct acl_stream_dev {
-    void *stream;
-    int device;
-    uint64_t serial; /* which note: a handle the runtime reused gets a new one */
-    int suspect;     /* a call on it was refused as for an unknown handle: asked at the next check */
 };
 
 /* ACL cannot tell a stream's context, and runs a stream's calls only in it (107003 elsewhere):
@@ -156,8 +150,7 @@ typedef struct acl_impl {
        the context someone else's stream was last used in successfully (learned; see
        acl_enter_stream). Under streams_lock: no runtime call is made while it is held. */
     pthread_mutex_t streams_lock;
-    struct acl_stream_dev *streams;
-    size_t n_streams, streams_cap;
+    acl_stream_notes streams; /* by handle (stream_notes.h) */
     uint64_t streams_serial; /* the last note's serial */
     int streams_suspect;     /* some note may be suspect (atomic hint; cleared by acl_check_suspects) */
     struct acl_stream_ctx learned[ACL_LEARNED_STREAMS];
@@ -1156,16 +1149,7 @@ static void acl_orphan_ref(acl_impl *im, int device)
 /* Appends a note, streams_lock held. 0, or the runtime's code for host memory exhausted. */
 static int acl_streams_append_locked(acl_impl *im, struct acl_stream_dev note)
 {
-    if (im->n_streams == im->streams_cap) {
-        size_t cap = im->streams_cap ? im->streams_cap * 2 : 16;
-        struct acl_stream_dev *n = realloc(im->streams, cap * sizeof *n);
-        if (!n)
-            return 207005; /* ACL_ERROR_RT_RESOURCE_ALLOC_FAIL: out of host memory */
-        im->streams = n;
-        im->streams_cap = cap;
-    }
-    im->streams[im->n_streams++] = note;
-    return 0;
+    return notes_append(&im->streams, note) == 0 ? 0 : 207005; /* ACL_ERROR_RT_RESOURCE_ALLOC_FAIL */
 }
 
 /* Notes `stream`, just created on `device`. A note the table already has for its handle is stale:
@@ -1174,16 +1158,14 @@ static int acl_streams_append_locked(acl_impl *im, struct acl_stream_dev note)
    an orphan now. */
 static int acl_streams_note(acl_impl *im, void *stream, int device)
 {
-    size_t i;
     int rc = 0;
 
     pthread_mutex_lock(&im->streams_lock);
-    for (i = 0; i < im->n_streams && im->streams[i].stream != stream; i++)
-        ;
-    if (i < im->n_streams) {
-        acl_orphan_ref(im, im->streams[i].device);
-        im->streams[i].device = device;
-        im->streams[i].serial = ++im->streams_serial;
+    ptrdiff_t i = notes_find(&im->streams, stream);
+    if (i >= 0) {
+        acl_orphan_ref(im, im->streams.v[i].device);
+        im->streams.v[i].device = device;
+        im->streams.v[i].serial = ++im->streams_serial;
     } else {
         rc = acl_streams_append_locked(im, (struct acl_stream_dev){stream, device, ++im->streams_serial});
     }
@@ -1198,13 +1180,12 @@ static int acl_streams_take(acl_impl *im, void *stream, uint64_t serial, struct 
     int found = 0;
 
     pthread_mutex_lock(&im->streams_lock);
-    for (size_t i = 0; i < im->n_streams; i++)
-        if (im->streams[i].stream == stream && (!serial || im->streams[i].serial == serial)) {
-            *note = im->streams[i];
-            im->streams[i] = im->streams[--im->n_streams];
-            found = 1;
-            break;
-        }
+    ptrdiff_t i = notes_find(&im->streams, stream);
+    if (i >= 0 && (!serial || im->streams.v[i].serial == serial)) {
+        *note = im->streams.v[i];
+        notes_remove_at(&im->streams, (size_t)i);
+        found = 1;
+    }
     pthread_mutex_unlock(&im->streams_lock);
     return found;
 }
@@ -1227,11 +1208,11 @@ static void acl_streams_drop(acl_impl *im, void *stream, uint64_t serial)
 static void acl_streams_suspect(acl_impl *im, void *stream, uint64_t serial)
 {
     pthread_mutex_lock(&im->streams_lock);
-    for (size_t i = 0; i < im->n_streams; i++)
-        if (im->streams[i].stream == stream && im->streams[i].serial == serial) {
-            im->streams[i].suspect = 1;
-            __atomic_store_n(&im->streams_suspect, 1, __ATOMIC_RELEASE);
-        }
+    ptrdiff_t i = notes_find(&im->streams, stream);
+    if (i >= 0 && im->streams.v[i].serial == serial) {
+        im->streams.v[i].suspect = 1;
+        __atomic_store_n(&im->streams_suspect, 1, __ATOMIC_RELEASE);
+    }
     pthread_mutex_unlock(&im->streams_lock);
 }
 
@@ -1246,14 +1227,14 @@ static void acl_streams_check(ap_backend *b, int device)
     size_t n = 0;
 
     pthread_mutex_lock(&im->streams_lock);
-    for (size_t i = 0; i < im->n_streams; i++)
-        n += device >= 0 ? im->streams[i].device == device : im->streams[i].suspect;
+    for (size_t i = 0; i < im->streams.n; i++)
+        n += device >= 0 ? im->streams.v[i].device == device : im->streams.v[i].suspect;
     if (n && (notes = malloc(n * sizeof *notes)) != NULL) {
         n = 0;
-        for (size_t i = 0; i < im->n_streams; i++)
-            if (device >= 0 ? im->streams[i].device == device : im->streams[i].suspect) {
-                im->streams[i].suspect = 0;
-                notes[n++] = im->streams[i];
+        for (size_t i = 0; i < im->streams.n; i++)
+            if (device >= 0 ? im->streams.v[i].device == device : im->streams.v[i].suspect) {
+                im->streams.v[i].suspect = 0;
+                notes[n++] = im->streams.v[i];
             }
     }
     if (device < 0 && (notes || !n))
@@ -1330,14 +1311,13 @@ static int acl_stream_create(ap_backend *b, int device, void **stream)
 static int acl_created_stream_device(acl_impl *im, void *stream, uint64_t *serial)
 {
     int dev = -1;
-    size_t i;
 
     pthread_mutex_lock(&im->streams_lock);
-    for (i = 0; i < im->n_streams; i++)
-        if (im->streams[i].stream == stream) {
-            dev = im->streams[i].device;
-            *serial = im->streams[i].serial;
-        }
+    ptrdiff_t i = notes_find(&im->streams, stream);
+    if (i >= 0) {
+        dev = im->streams.v[i].device;
+        *serial = im->streams.v[i].serial;
+    }
     pthread_mutex_unlock(&im->streams_lock);
     return dev;
 }
@@ -1470,13 +1450,10 @@ static int acl_stream_destroy_here(ap_backend *b, void *stream)
         rc == ACL_ERROR_RT_INVALID_HANDLE) {
         acl_orphan_ref(im, note.device);
     } else {
-        size_t i;
         pthread_mutex_lock(&im->streams_lock);
-        for (i = 0; i < im->n_streams && im->streams[i].stream != stream; i++)
-            ;
         /* The handle noted anew meanwhile: ours was gone after all. Host memory exhausted: the
            stream lives on unnoted, keeping its reference (never one given back under it). */
-        if (i < im->n_streams)
+        if (notes_find(&im->streams, stream) >= 0)
             acl_orphan_ref(im, note.device);
         else
             (void)acl_streams_append_locked(im, note);
@@ -1564,9 +1541,7 @@ static void acl_shutdown(ap_backend *b)
         return;
     free(im->dev);
     im->dev = NULL;
-    free(im->streams);
-    im->streams = NULL;
-    im->n_streams = im->streams_cap = 0;
+    notes_free(&im->streams);
 }
 
 /* ---- loading ------------------------------------------------------------------------------- */
