@@ -12,8 +12,8 @@ static inline ap_free_tree *tree_of(ap_pool *p, const ap_block *b) {
     return &p->slots[b->tag].trees[b->seg->pool];
 }
 
-void ap_free_remove(ap_pool *p, ap_block *b) {
-    ap_tree_remove(tree_of(p, b), b);
+/* The pool's counts of a free block leaving its tree (ap_free_remove, ap_free_retag_slot). */
+static void uncount_free(ap_pool *p, ap_block *b) {
     if (b->seg->pool == AP_POOL_SMALL) {
         AP_ASSERT(p->small_exact[ap_exact_bucket(b->size, b->tag)] > 0);
         p->small_exact[ap_exact_bucket(b->size, b->tag)]--;
@@ -25,6 +25,11 @@ void ap_free_remove(ap_pool *p, ap_block *b) {
     } else {
         p->n_free_segments--;
     }
+}
+
+void ap_free_remove(ap_pool *p, ap_block *b) {
+    ap_tree_remove(tree_of(p, b), b);
+    uncount_free(p, b);
 }
 
 /* A free neighbour (in a tree) or a cached one (free_cache.h: merge-at-free would have merged
@@ -108,14 +113,12 @@ void ap_free_recount_segment(ap_pool *p, ap_segment *s) {
 void ap_free_retag_slot(ap_pool *p, int from, int to) {
     ap_cache_flush(p); /* cached blocks of `from` must move too */
     for (int pool = 0; pool < 2; pool++) {
-        ap_free_tree *t = &p->slots[from].trees[pool];
-        ap_block *moving = NULL;
-        while (t->root) { /* detach all first: they must not merge with each other under the old tag */
-            ap_block *b = t->root;
-            ap_free_remove(p, b);
+        /* Detach all first (they must not merge with each other under the old tag), in one walk:
+           a stream's blocks are as many as its frees (empty_cache after a million small frees). */
+        ap_block *moving = ap_tree_take_all(&p->slots[from].trees[pool]);
+        for (ap_block *b = moving; b; b = b->pending_next) {
+            uncount_free(p, b);
             b->state = AP_BLOCK_MOVING;
-            b->pending_next = moving;
-            moving = b;
         }
         while (moving) {
             ap_block *b = moving;

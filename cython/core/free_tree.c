@@ -123,6 +123,27 @@ void ap_tree_walk_from(const ap_free_tree *t, size_t size, int (*fn)(ap_block *,
     walk_from(t->root, size, fn, arg);
 }
 
+static void take_all(ap_block *n, ap_block ***tail) {
+    while (n) {
+        take_all(n->left, tail);
+        ap_block *right = n->right;
+        n->left = n->right = NULL;
+        **tail = n;
+        *tail = &n->pending_next;
+        n = right;
+    }
+}
+
+ap_block *ap_tree_take_all(ap_free_tree *t) {
+    ap_block *head = NULL, **tail = &head;
+    take_all(t->root, &tail);
+    *tail = NULL;
+    t->root = NULL;
+    t->count = 0;
+    t->bytes = 0;
+    return head;
+}
+
 static void visit(ap_block *n, void (*fn)(ap_block *, void *), void *arg) {
     while (n) {
         visit(n->left, fn, arg);

@@ -1,6 +1,8 @@
 /* The best-fit tree (cython/core/free_tree.c): best fit is the smallest block of at least the
  * size, the oldest segment and then the lowest offset among equal sizes; removal, walks and
- * visits keep that order; a random workload agrees with a brute-force search at every step.
+ * visits keep that order; a random workload agrees with a brute-force search at every step;
+ * taking every block at once (ap_tree_take_all) lists them in tree order and leaves the tree empty
+ * and usable.
  * core: free_tree.c */
 #include <string.h>
 
@@ -153,8 +155,40 @@ static void check_sees_breakage(void) {
     CHECK(ap_tree_check(&t));
 }
 
+/* 100,000 blocks of one size over 50 segments (a stream's small frees): all come out, in tree
+   order (segment age, then offset), links cleared; the tree is empty and takes them back. */
+static void take_all_in_order(void) {
+    enum { N = 100000, PER = 2000 };
+    static ap_segment segs[N / PER];
+    static ap_block b[N];
+    ap_free_tree t = {0};
+    CHECK(ap_tree_take_all(&t) == NULL);
+    for (int s = 0; s < N / PER; s++) segs[s] = (ap_segment){.base = 0x10000000ull * (uint64_t)(N / PER - s), .size = 2u << 20, .seq = (uint64_t)s + 1};
+    for (int k = 0; k < N; k++) { /* inserted in a scrambled order (7919 is prime to N) */
+        int i = (int)(k * 7919ull % N);
+        set(&b[i], &segs[i / PER], (size_t)(i % PER) * 1024, 512);
+        ap_tree_insert(&t, &b[i]);
+    }
+    CHECK_EQ(t.count, N);
+    ap_block *list = ap_tree_take_all(&t);
+    CHECK(t.root == NULL && t.count == 0 && t.bytes == 0 && ap_tree_check(&t));
+    int n = 0;
+    for (ap_block *x = list; x; x = x->pending_next, n++) {
+        CHECK(x == &b[n]); /* segment age first (the oldest at the highest address), then offset */
+        CHECK(x->left == NULL && x->right == NULL);
+    }
+    CHECK_EQ(n, N);
+    for (ap_block *x = list, *next; x; x = next) {
+        next = x->pending_next;
+        ap_tree_insert(&t, x);
+    }
+    CHECK(t.count == N && t.bytes == (size_t)N * 512 && ap_tree_check(&t));
+    CHECK(ap_tree_best_fit(&t, 512) == &b[0]);
+}
+
 int main(void) {
     best_fit_order();
+    take_all_in_order();
     random_workload();
     check_sees_breakage();
     puts("test_free_tree: ok");
