@@ -74,7 +74,7 @@ typedef struct ap_block {
     struct ap_block *prev, *next;   /* address neighbours inside the segment */
     struct ap_block *left, *right;  /* free-tree links */
     uint32_t prio;                  /* free-tree (treap) heap priority */
-    uint64_t order;                 /* tie-break among equal sizes: segment age, then offset */
+    uint64_t order;                 /* tie-break among equal sizes: its segment's seq, then the address */
     uint64_t free_tick;             /* pool tick when it last became (or grew as) a free block */
     uint8_t state;
     uint8_t counted_split;          /* counted in inactive_split stats while free */
@@ -106,9 +106,14 @@ typedef struct ap_segment {
     struct ap_segment *prev, *next; /* the pool's list of segments */
 } ap_segment;
 
-/* The best-fit order among free blocks of equal size: segment age, then offset (free_tree.h). */
-static inline uint64_t ap_block_order(const ap_block *b) {
-    return (b->seg->seq << 40) | (uint64_t)(b->addr - b->seg->base);
+/* The best-fit order among free blocks of equal size: segment age, then offset (free_tree.h);
+   1 when a comes first. Compared as a pair: packed in one word (seq << 40 | offset), the segment
+   counter wrapped after 2^24 segments (a long run's growths and releases, expandable splits), and
+   from then on each new segment ranked older than every earlier one: best fit packed allocations
+   into the newest segments and left the old ones free, and a new segment's blocks tied with an
+   old one's at the same offset (whichever went into the tree first came first). */
+static inline int ap_block_before(const ap_block *a, const ap_block *b) {
+    return a->seg->seq != b->seg->seq ? a->seg->seq < b->seg->seq : a->addr < b->addr;
 }
 
 /* Block list adjacency: b's address neighbours link back to it and tile its segment without a gap

@@ -97,7 +97,7 @@ static inline ap_block *ap_cache_hit(ap_pool *p, int slot, size_t rsize, int *ke
         any_cached |= k == any_key;
         if (k != key) continue;
         if (best >= 0 && (vmm ? p->cache[bin][i]->addr > p->cache[bin][best]->addr
-                              : ap_block_order(p->cache[bin][i]) > ap_block_order(p->cache[bin][best])))
+                              : ap_block_before(p->cache[bin][best], p->cache[bin][i])))
             continue;
         best = i;
     }

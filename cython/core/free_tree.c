@@ -5,7 +5,8 @@
 /* Equal sizes are ordered by (segment age, offset), not by raw address, so that placement — and
    every figure of a replay — does not depend on where the device happened to map segments. */
 static inline int key_less(const ap_block *a, const ap_block *b) {
-    return a->size < b->size || (a->size == b->size && a->order < b->order);
+    return a->size < b->size ||
+           (a->size == b->size && (a->order != b->order ? a->order < b->order : a->addr < b->addr));
 }
 
 /* The treap's two invariants at node n, against its children only: search order by key (equal
@@ -77,8 +78,8 @@ static inline uint32_t prio_of(uintptr_t addr) {
 void ap_tree_insert(ap_free_tree *t, ap_block *b) {
     AP_ASSERT(b->size > 0 && b->addr >= b->seg->base && b->addr + b->size <= b->seg->base + b->seg->size);
     b->left = b->right = NULL;
-    b->order = ap_block_order(b);
-    b->prio = prio_of(b->order);
+    b->order = b->seg->seq; /* then the address: ap_block_before, without reading the segment */
+    b->prio = prio_of(b->seg->seq << 40 ^ (uint64_t)(b->addr - b->seg->base)); /* a wrap only mixes priorities */
     t->root = insert_at(t->root, b);
     t->count++;
     t->bytes += b->size;

@@ -2,7 +2,7 @@
  * size, the oldest segment and then the lowest offset among equal sizes; removal, walks and
  * visits keep that order; a random workload agrees with a brute-force search at every step;
  * taking every block at once (ap_tree_take_all) lists them in tree order and leaves the tree empty
- * and usable.
+ * and usable; segments past the 2^24th of a pool still rank by age, and their blocks are found.
  * core: free_tree.c */
 #include <string.h>
 
@@ -186,8 +186,53 @@ static void take_all_in_order(void) {
     CHECK(ap_tree_best_fit(&t, 512) == &b[0]);
 }
 
+/* A long-running pool's segment counter past 2^24 (growths and releases, expandable splits):
+   segments 2^24 + 1 on are younger than every segment before them, so best fit takes the old
+   segments' blocks first, and equal blocks at equal offsets of segments 1 and 2^24 + 1 are two
+   keys, the older first, each found by its removal (packed as seq << 40 | offset, a young segment
+   ranked as old as segment 1, or older than segment 100). */
+static void segments_past_the_24_bit_count(void) {
+    enum { N = 64 };
+    static ap_segment old[N], young[N];
+    static ap_block a[N], b[N];
+    for (int round = 0; round < 2; round++) {
+        ap_free_tree t = {0};
+        for (int i = 0; i < N; i++) {
+            old[i] = (ap_segment){.base = 0x7f0000000000ull + (uint64_t)i * (4u << 20), .size = 2u << 20, .seq = (uint64_t)i + 1};
+            young[i] = (ap_segment){.base = 0x100000000ull + (uint64_t)i * (4u << 20), .size = 2u << 20,
+                                    .seq = (1ull << 24) + (uint64_t)i + 1};
+            set(&a[i], &old[i], 4096, 512);
+            set(&b[i], &young[i], 4096, 512);
+        }
+        for (int i = 0; i < N; i++) { /* both orders of insertion, so both sides of each rotation */
+            ap_tree_insert(&t, round ? &b[i] : &a[i]);
+            ap_tree_insert(&t, round ? &a[i] : &b[i]);
+        }
+        CHECK(ap_tree_check(&t) && t.count == 2 * N);
+        CHECK(ap_tree_best_fit(&t, 512) == &a[0]); /* the oldest segment first */
+        for (int i = 0; i < N; i++) { /* every removal finds its block */
+            ap_tree_remove(&t, round ? &a[i] : &b[i]);
+            CHECK(ap_tree_check(&t) && t.count == (size_t)(2 * N - 2 * i - 1));
+            ap_tree_remove(&t, round ? &b[i] : &a[i]);
+            CHECK(ap_tree_check(&t) && t.count == (size_t)(2 * N - 2 * i - 2));
+            if (i + 1 < N) CHECK(ap_tree_best_fit(&t, 512) == &a[i + 1]);
+        }
+        CHECK(t.root == NULL);
+    }
+    /* Segment 2^24 + 2 is younger than segment 100: the old one's block first. */
+    ap_free_tree t = {0};
+    old[0] = (ap_segment){.base = 0x7f0000000000ull, .size = 2u << 20, .seq = 100};
+    young[0] = (ap_segment){.base = 0x100000000ull, .size = 2u << 20, .seq = (1ull << 24) + 2};
+    set(&a[0], &old[0], 4096, 512);
+    set(&b[0], &young[0], 4096, 512);
+    ap_tree_insert(&t, &b[0]);
+    ap_tree_insert(&t, &a[0]);
+    CHECK(ap_tree_best_fit(&t, 512) == &a[0]);
+}
+
 int main(void) {
     best_fit_order();
+    segments_past_the_24_bit_count();
     take_all_in_order();
     random_workload();
     check_sees_breakage();
