@@ -150,7 +150,7 @@ def _reap_pass():
     done = 0
     for pool in list(_orphans):
         try:
-            free = pool.closed or (not pool._raw_stats()["active.all.current"] and not pool._work_queued())
+            free = pool.closed or (not pool._active_blocks() and not pool._work_queued())
             if not free:
                 pool._release_idle()
         except Exception:  # closed by another thread meanwhile

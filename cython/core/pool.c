@@ -769,6 +769,13 @@ int ap_pool_knows_stream(ap_pool *p, void *stream) {
     return slot > 0;
 }
 
+int64_t ap_pool_active_blocks(ap_pool *p) {
+    pthread_mutex_lock(&p->lock);
+    int64_t n = ap_stat_all_current(&p->stats, AP_STAT_ALLOCATION) + p->stats.pending[0][AP_STAT_ALL].current;
+    pthread_mutex_unlock(&p->lock);
+    return n;
+}
+
 int ap_pool_work_queued(ap_pool *p) {
     pthread_mutex_lock(&p->lock);
     ap_process_pending(p, 0, NULL);

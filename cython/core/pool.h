@@ -365,6 +365,10 @@ void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook);
    blocks, nor the preallocated reserve). Returns the bytes released. For a peer pool's
    out-of-memory path (ap_set_peer_release_hook). */
 size_t ap_pool_release_idle(ap_pool *p);
+/* Blocks allocated, or freed and waiting for a stream's work (active.all.current), read under the
+   lock with no runtime call (ap_pool_get_stats asks the device's free memory): the registry asks
+   it of every dropped pool at each reap. */
+int64_t ap_pool_active_blocks(ap_pool *p);
 /* 1 while work queued on a stream may still touch the pool's free memory (frees pending on
    events, free blocks tagged with a stream not idle yet), after settling what is done. Asks the
    runtime, never waits: a close then has nothing to wait for. */

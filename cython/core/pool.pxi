@@ -59,6 +59,7 @@ cdef extern from "pool.h" nogil:
     int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err)
     int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err)
     size_t ap_pool_release_idle(ap_pool *p)
+    int64_t ap_pool_active_blocks(ap_pool *p)
     int ap_pool_work_queued(ap_pool *p)
     void ap_pool_set_orphan(ap_pool *p)
     int ap_pool_knows_stream(ap_pool *p, void *stream)
@@ -681,6 +682,20 @@ cdef class PoolBase:
         cdef size_t n
         with nogil:
             n = ap_pool_release_idle(_p)
+        self._leave()
+        return n
+
+    def _active_blocks(self):
+        """active.all.current of _raw_stats (blocks allocated, or freed and waiting for a stream's
+        work), without building its dict nor asking the device's free memory:
+        registry.reap_orphans asks it of every dropped pool at each module-level free, pool open
+        and empty_cache, where _raw_stats' 16 us made a process with 1,000 dropped pools holding a
+        block pay 32 ms per call."""
+        self._check()
+        cdef ap_pool *_p = self._enter()
+        cdef int64_t n
+        with nogil:
+            n = ap_pool_active_blocks(_p)
         self._leave()
         return n
 
