@@ -101,6 +101,8 @@ def _create_default(device):
     # $ASCEND_POOL_CONFIG), so module-level calls and the C ABI allocate under the quota.
     pool = default_tenant_pool(device) or Pool(device)
     pool.pool_id = DEFAULT_POOL_ID  # torch's default pool id: segments of other pools carry theirs
+    if pool._under_device_fraction:
+        pool._join_device_cap(owner=True)  # its memory fraction caps the device's MemPools too
     if _history is not None:
         pool.record_memory_history(**_history)
     return pool
@@ -642,11 +644,13 @@ def _allocation_traceback(data_ptr):
 
 
 def set_per_process_memory_fraction(fraction, device=None):
-    """torch.cuda.set_per_process_memory_fraction(): caps the bytes the default pool of device
-    (the thread's `with ctx:` context, if any; inside use_mem_pool, the pool beneath) holds at
-    fraction (a number in [0, 1]) of the device's total memory; past the cap an allocation raises
-    OutOfMemoryError. A cap below current use releases cached segments only (live blocks stay).
-    Same as ascend_pool_set_memory_fraction from C."""
+    """torch.cuda.set_per_process_memory_fraction(): caps the bytes the device's allocator
+    holds at fraction (a number in [0, 1]) of the device's total memory: the default pool of device
+    and every other plain Pool of it (torch's MemPools) together, as torch's caps its device
+    allocator, MemPools included (the default pool's limit; inside use_mem_pool, set on the pool
+    beneath). In a thread's `with ctx:` block, that tenant context's own bytes instead. Past the
+    cap an allocation raises OutOfMemoryError. A cap below current use releases the default pool's
+    cached segments only (live blocks stay). Same as ascend_pool_set_memory_fraction from C."""
     if not isinstance(fraction, float):  # torch refuses an int too (1 is not 1.0 there)
         raise ConfigTypeError(f"set_per_process_memory_fraction: Invalid type for fraction argument, "
                               f"must be `float`, got {type(fraction).__name__} {fraction!r}")

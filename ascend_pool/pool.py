@@ -98,6 +98,13 @@ class Pool(PoolBase):
             PoolBase.close(self)
             with _settings.lock:
                 self._open_with_settings(be, device, knobs, free_b, total_b)
+        if self._under_device_fraction:
+            self._join_device_cap()
+
+    # torch's memory fraction caps the device's allocator, MemPools included: a plain pool's
+    # device memory counts under the fraction of its device's default pool (the cap's owner,
+    # api._create_default). A tenant context keeps its own caps (quota, its own fraction).
+    _under_device_fraction = True
 
     def _open_with_settings(self, be, device, knobs, free_b, total_b):
         seen = runtime_state()

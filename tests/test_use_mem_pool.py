@@ -313,3 +313,47 @@ def test_a_memory_fraction_set_inside_the_block_caps_the_device_not_the_mempool(
             default.set_limit()  # no cap, for the next round and the other tests
     finally:
         pool.close()
+
+
+def test_a_memory_fraction_caps_the_mempools_with_the_default_pool(lib):
+    # torch's TestMemPool._setup_mempool_limited_memory_test: set_per_process_memory_fraction caps
+    # the device's allocator, whose total counts every MemPool's segments; two MemPools holding
+    # the room leave none for the default pool. The MemPools' bytes were outside the cap (the
+    # default pool took 30 MiB more past an 80 MiB fraction, held 96 MiB in all).
+    lib.ascend_pool_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+    ap.empty_cache()
+    default = ap.default_pool(0)
+    total = ap.mem_get_info(0)[1]
+    pre = default.total_bytes()
+    for set_fraction in (lambda f: ap.set_per_process_memory_fraction(f, 0),
+                         lambda f: lib.ascend_pool_set_memory_fraction(f, 0)):
+        p1, p2 = ap.Pool(0), ap.Pool(0)
+        try:
+            set_fraction((80 * MiB + pre) / total)
+            with ap.use_mem_pool(p1):
+                a = ap.malloc(30 * MiB)        # a 32 MiB segment each
+            with ap.use_mem_pool(p2):
+                b = lib.ascend_pool_malloc(30 * MiB, 0, None)
+            with pytest.raises(ap.OutOfMemoryError, match="memory fraction"):
+                ap.malloc(30 * MiB)
+            assert not lib.ascend_pool_malloc(30 * MiB, 0, None)
+            with pytest.raises(ap.OutOfMemoryError):  # a MemPool's own growth too
+                with ap.use_mem_pool(p1):
+                    ap.malloc(30 * MiB)
+            # a tenant context keeps its own caps: its bytes are not the device allocator's
+            with ap.Pool(0).context("peer25-fraction") as ctx:
+                ctx.free(ctx.malloc(30 * MiB))
+            p1.free(a)
+            p1.empty_cache()                   # its segment back to the device: room again
+            c = ap.malloc(30 * MiB)
+            ap.free(c)
+            lib.ascend_pool_free(b, 30 * MiB, 0, None)
+            p2.close()                         # a closed MemPool's bytes leave the sum
+            d = ap.malloc(60 * MiB)
+            ap.free(d)
+        finally:
+            ap.set_per_process_memory_fraction(1.0, 0)
+            default.set_limit()
+            p1.close()
+            p2.close()
+            ap.empty_cache()

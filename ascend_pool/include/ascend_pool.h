@@ -93,7 +93,8 @@ void ascend_pool_reset(bool check_error);
 /* Caps the calling thread's current pool of `device` (its `with ctx:` context, else the default;
  * inside use_mem_pool, the pool beneath: torch's fraction is the device's, not the MemPool's) at
  * `fraction` (0..1) of the device's memory; a cap below what it holds trims its cache, never live
- * blocks. */
+ * blocks. The default pool's cap counts the device's other plain pools (MemPools) too, as
+ * torch's fraction caps its device allocator with its MemPools. */
 void ascend_pool_set_memory_fraction(double fraction, int device);
 
 /* The device allocation (segment) that contains `ptr`, a live block of any pool: returns its base

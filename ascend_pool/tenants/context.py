@@ -80,6 +80,8 @@ class Context(Pool):
                         "takes from the device: every allocation will be refused (a unit left out?)",
                         self.tenant, self.device, quota_bytes, SEGMENT_BYTES)
 
+    _under_device_fraction = False  # its quota and its own limit are its caps
+
     def _describe(self):
         return f"tenant context {self.tenant!r}"
 

@@ -266,9 +266,14 @@ static ap_block *grow(ap_pool *p, int slot, int pool, size_t rsize, int exact, s
         ap_set_error(err, AP_E_LIMIT, 0, "limit of %zu bytes reached", p->cfg.limit_bytes);
         return NULL;
     }
+    if (ap_device_cap_book(p, need, err) != AP_OK) { /* counted as reserved bytes are: mapped ones */
+        free_unmapped(p, reuse, 1);
+        return NULL;
+    }
     if (p->quota.reserve && need > reused) { /* reused chunks are booked already */
         char why[200] = "";
         if (p->quota.reserve(p->quota.ctx, p->device, need - reused, why, sizeof why) != 0) {
+            ap_device_cap_unbook(p, need);
             free_unmapped(p, reuse, 1);
             ap_set_error(err, AP_E_QUOTA, 0, "%s", why);
             return NULL;
@@ -388,6 +393,7 @@ rollback: /* chunks mapped so far (a partial growth) go back; the pool is as bef
     free_unmapped(p, first, 0);
     free_unmapped(p, reuse, 0);
     if (p->quota.release) p->quota.release(p->quota.ctx, p->device, need);
+    ap_device_cap_unbook(p, need);
     if (nb) ap_block_recycle(p, nb);
     return NULL;
 }
@@ -512,6 +518,7 @@ static size_t release_range(ap_pool *p, ap_vmm_space *sp, ap_block *b, uintptr_t
     if (hi < send) ap_free_recount_segment(p, rseg);
     ap_block_recycle(p, b);
     ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, pool, (int64_t)(hi - lo));
+    ap_device_cap_unbook(p, hi - lo);
     ap_history_add(&p->history, AP_ACT_SEGMENT_UNMAP, lo, hi - lo, NULL);
     return hi - lo;
 }

@@ -177,6 +177,7 @@ void ap_pool_destroy_ex(ap_pool *p, int wait_streams) {
     if (!p) return;
     ap_current_forget(p);
     ap_pool_wait_holders(p); /* C ABI calls that found it before it was hidden */
+    ap_device_cap_leave(p);  /* all it holds at once: the segments below go back without a release each */
     ap_error ignore;
     int exiting = !wait_streams;
     ap_process_pending(p, !exiting, &ignore);
@@ -801,6 +802,7 @@ size_t ap_pool_trim_to(ap_pool *p, size_t target) {
 void ap_pool_set_limit(ap_pool *p, size_t limit_bytes) {
     pthread_mutex_lock(&p->lock);
     p->cfg.limit_bytes = limit_bytes;
+    if (p->cap_owner && p->device_cap) atomic_store(&p->device_cap->limit, limit_bytes);
     size_t reserved = ap_reserved(p);
     if (limit_bytes != AP_NO_LIMIT && reserved > limit_bytes)
         ap_release_free_segments(p, reserved - limit_bytes, 1, 0, NULL);

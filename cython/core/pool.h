@@ -44,6 +44,10 @@
  *                    device's other pools and releases it, then each of their locks in turn (never
  *                    two pool locks at once), no wait.
  *   orphan           (ap_pool, atomic, no lock) set once by ap_pool_set_orphan, read by the peer release.
+ *   ap_device_cap    (device_cap.c) a device's memory fraction over its plain pools: held and limit are
+ *                    atomics updated under each member pool's own lock (a compare-and-swap books a
+ *                    segment), no lock of their own; caps_lock guards the table of caps, a leaf taken
+ *                    at a pool's join only, before its pool lock, never under one.
  *   cfg.roundup_*    (ap_pool.cfg) written under ap_pool.lock (ap_pool_set_tunables), read without it by
  *                    the rounding before the lock is taken: relaxed atomics (pool_internal.h ap_round_request).
  *   spare_lock       (pool.c) the list of destroyed pool structs kept for reuse; held for the list
@@ -297,6 +301,8 @@ typedef struct ap_pool {
     int64_t protect_credit;
     size_t trade_room; /* bytes under the watermark a trade left, whose refills the trade credit pays */
     _Atomic int orphan; /* its Python object is gone, blocks of it are still allocated (ap_pool_set_orphan) */
+    struct ap_device_cap *device_cap; /* the device's memory fraction this pool counts under (device_cap.c) */
+    int cap_owner;                    /* its own limit is that fraction (the device's default pool) */
 
     /* Past this point nothing is zeroed when the struct is reused (ap_pool_create). */
     struct ap_pool *spare_next; /* in the spare list: destroyed structs are kept for reuse, never freed */
@@ -390,6 +396,27 @@ void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int orphans_only));
 /* Releases cached free segments until reserved <= target bytes (never live blocks). Returns
    the bytes released. Used when a quota is lowered. */
 size_t ap_pool_trim_to(ap_pool *p, size_t target);
+/* torch's memory fraction caps the device's allocator as a whole, its MemPools included: the
+ * default pool (the cap's owner, whose limit it is) and every other plain pool of the device
+ * (ascend_pool.Pool; not tenant contexts, which have their own caps) book the bytes they hold
+ * from the device here, lock-free, before the device call, and unbook them when they go back
+ * (device_cap.c). held is the sum of the members' reserved bytes. */
+typedef struct ap_device_cap {
+    _Atomic size_t held;
+    _Atomic size_t limit; /* the owner's limit_bytes; AP_NO_LIMIT: none (no owner, or no cap) */
+} ap_device_cap;
+/* Makes p count under its device's cap (owner: p's limit is the cap). Idempotent. 0, or -1 when
+   the table of caps is full (p then counts under none). Takes p's lock. */
+int ap_pool_join_device_cap(ap_pool *p, int owner);
+/* Books bytes under p's device cap before a device allocation: AP_OK, or AP_E_LIMIT (err says
+   so) when the device's pools together would pass it. Under p's lock. */
+int ap_device_cap_book(ap_pool *p, size_t bytes, ap_error *err);
+/* Gives back bytes booked with ap_device_cap_book. Under p's lock. */
+void ap_device_cap_unbook(ap_pool *p, size_t bytes);
+/* p leaves its cap, with all it holds (ap_pool_destroy_ex: its segments go back without a
+   release each). */
+void ap_device_cap_leave(ap_pool *p);
+
 /* Changes the byte limit; a lower limit trims cache, never live blocks. */
 /* PyTorch's tunables that _set_allocator_settings changes at runtime: max_split_size (bytes,
    AP_NO_LIMIT: off), gc_threshold (0: off) and the AP_ROUNDUP_INTERVALS roundup divisions (0 or

@@ -68,6 +68,7 @@ cdef extern from "pool.h" nogil:
     void ap_pool_set_limit(ap_pool *p, size_t limit_bytes)
     void ap_pool_set_tunables(ap_pool *p, size_t max_split_size, double gc_threshold, const unsigned *divisions)
     size_t ap_pool_get_limit(ap_pool *p)
+    int ap_pool_join_device_cap(ap_pool *p, int owner)
     void ap_pool_reset_peaks(ap_pool *p)
     void ap_pool_hold_lock(ap_pool *p, double seconds)
     int ap_pool_check(ap_pool *p, char *msg, size_t len)
@@ -673,6 +674,14 @@ cdef class PoolBase:
         cdef ap_pool *_p = self._enter()
         with nogil:
             ap_pool_forget_stream(_p, s)
+        self._leave()
+
+    def _join_device_cap(self, bint owner=False):
+        """Counts this pool's device memory under its device's memory fraction (ap_device_cap in
+        core/pool.h); owner: its own limit is that fraction (the device's default pool)."""
+        cdef ap_pool *_p = self._enter()
+        with nogil:
+            ap_pool_join_device_cap(_p, owner)
         self._leave()
 
     def _release_idle(self):

@@ -38,9 +38,15 @@ int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap
         if (seg) ap_segment_recycle(p, seg);
         return ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for pool bookkeeping exhausted");
     }
+    if (ap_device_cap_book(p, size, err) != AP_OK) {
+        ap_block_recycle(p, b);
+        ap_segment_recycle(p, seg);
+        return AP_E_LIMIT;
+    }
     if (p->quota.reserve) {
         char why[200] = "";
         if (p->quota.reserve(p->quota.ctx, p->device, size, why, sizeof why) != 0) {
+            ap_device_cap_unbook(p, size);
             ap_block_recycle(p, b);
             ap_segment_recycle(p, seg);
             return ap_set_error(err, AP_E_QUOTA, 0, "%s", why);
@@ -49,6 +55,7 @@ int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap
     void *ptr = NULL;
     int rc = p->backend->malloc(p->backend, p->device, &ptr, size);
     if (rc != 0) {
+        ap_device_cap_unbook(p, size);
         if (p->quota.release) p->quota.release(p->quota.ctx, p->device, size);
         ap_block_recycle(p, b);
         ap_segment_recycle(p, seg);
@@ -88,6 +95,7 @@ int ap_segment_release(ap_pool *p, ap_segment *seg, ap_error *err) {
     }
     ap_segment_unlink(p, seg);
     if (p->quota.release) p->quota.release(p->quota.ctx, p->device, seg->size);
+    ap_device_cap_unbook(p, seg->size);
     p->stats.num_device_free++;
     ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, seg->pool, (int64_t)seg->size);
     ap_history_add(&p->history, AP_ACT_SEGMENT_FREE, seg->base, seg->size, NULL);

@@ -99,6 +99,7 @@ static void unaccount(ap_pool *p, ap_share *s) {
     if (ap_oversize(p, AP_POOL_LARGE, b->size)) ap_stat_step(&p->stats.oversize[0], -1);
     ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, AP_POOL_LARGE, (int64_t)seg->size);
     if (p->quota.release) p->quota.release(p->quota.ctx, p->device, seg->size);
+    ap_device_cap_unbook(p, seg->size);
     ap_history_add_free(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, NULL, b->ctx);
     ap_history_add_free(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->requested, NULL, b->ctx);
     ap_history_add(&p->history, AP_ACT_SEGMENT_FREE, seg->base, seg->size, NULL);
