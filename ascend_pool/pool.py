@@ -16,7 +16,7 @@ from . import snapshot as _snapshot
 from . import stats as _stats
 from ._core import PoolBase, forked_from
 from .backend import check_device, device_index, open_backend
-from .config import conf_source, effective_knobs, knobs_to_config, runtime_state
+from .config import _is_bool, conf_source, effective_knobs, knobs_to_config, runtime_state
 from .errors import ConfigError, ConfigTypeError, PoolError
 from .snapshot_trace import NoAllocations, arrays_from_snapshot
 from .traces import output_npz_path, trace_from_arrays
@@ -77,9 +77,17 @@ class Pool(PoolBase):
     pool.malloc(nbytes, stream=None) -> int address; pool.free(ptr, stream=None);
     pool.record_stream(ptr, stream); pool.empty_cache(); pool.memory_stats();
     pool.memory_summary(); pool.snapshot(); pool.create_stream(); pool.synchronize(stream).
+
+    torch's MemPool arguments (keyword only, bools): use_on_oom=True lets another pool of the
+    device that runs out of memory take this pool's idle cache (without it, a pool other than the
+    default keeps its cached segments, as torch's MemPool keeps its free blocks); no_split=True
+    gives each allocation its block whole (a fresh segment's every byte), never split.
     """
 
-    def __init__(self, device=0, backend=None, **knobs):
+    def __init__(self, device=0, backend=None, *, use_on_oom=False, no_split=False, **knobs):
+        for name, value in (("use_on_oom", use_on_oom), ("no_split", no_split)):
+            if not _is_bool(value):  # torch's MemPool takes a bool
+                raise ConfigTypeError(f"Pool: {name} must be True or False, got {value!r}")
         _registry.reap_orphans()  # pools dropped earlier whose blocks are free now: closed first
         be = backend if hasattr(backend, "device_count") else open_backend(backend)
         device = device_index(device)
@@ -100,6 +108,11 @@ class Pool(PoolBase):
                 self._open_with_settings(be, device, knobs, free_b, total_b)
         if self._under_device_fraction:
             self._join_device_cap()
+            self._set_mempool(not use_on_oom, bool(no_split))
+        elif use_on_oom or no_split:
+            PoolBase.close(self)
+            raise ConfigError("use_on_oom and no_split are torch's MemPool arguments, for an ascend_pool.Pool: "
+                              "a tenant context is no MemPool")
 
     # torch's memory fraction caps the device's allocator, MemPools included: a plain pool's
     # device memory counts under the fraction of its device's default pool (the cap's owner,

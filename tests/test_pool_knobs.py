@@ -283,7 +283,9 @@ def test_a_context_out_of_device_memory_takes_the_default_pools_idle_cache():
     # process's default pool of the device caches gigabytes it no longer uses: PyTorch's
     # allocator frees the default pool's cached blocks for a MemPool's request. It raised
     # OutOfMemoryError ("Pool: 0 bytes reserved").
-    base = ap.Pool(0, backend="sim")
+    # (the default pool itself: another plain Pool is a MemPool, which keeps its idle cache
+    # unless made with use_on_oom=True, as torch's)
+    base = ap.default_pool(0)
     total = base.memory_stats()["device_total_bytes"]
     ctx = base.context("reclaim")
     try:
@@ -295,7 +297,7 @@ def test_a_context_out_of_device_memory_takes_the_default_pools_idle_cache():
         ctx.free(y)
     finally:
         ctx.close()
-        base.close()
+        base.empty_cache()
 
 
 def test_garbage_collection_ages_a_segment_freed_on_two_streams_from_its_last_free():

@@ -32,7 +32,7 @@ def test_failed_device_malloc_is_retried_after_releasing_the_cache(pool):
 def test_taking_back_the_peers_cache_is_still_one_retry(pool, peers_idle_released, request_mib, fits):
     # torch counts one retry per allocation that freed the cache and tried again; a pool that
     # also takes back its peers' idle cache tries a third time and counted two.
-    peer = ap.Pool(0, backend="sim")
+    peer = ap.Pool(0, backend="sim", use_on_oom=True)  # a MemPool without it keeps its cache, as torch's
     try:
         peer.free(peer.malloc(20 * MiB))  # idle in the peer
         sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"] + 10 * MiB)

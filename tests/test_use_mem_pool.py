@@ -12,7 +12,8 @@ import weakref
 import pytest
 
 import ascend_pool as ap
-from ascend_pool import registry
+from ascend_pool import registry, sim
+from ascend_pool.tenants import Context
 
 MiB = 1 << 20
 
@@ -357,3 +358,75 @@ def test_a_memory_fraction_caps_the_mempools_with_the_default_pool(lib):
             p1.close()
             p2.close()
             ap.empty_cache()
+
+
+def test_use_on_oom_lends_a_mempools_idle_cache_and_a_mempool_without_it_keeps_its_own():
+    # torch's test_mempool_limited_memory_with_allocator (without the custom allocator): under a
+    # memory fraction the MemPools fill, the default pool's request is served from the idle cache
+    # of the MemPool made with use_on_oom=True, never from the other's. Pool(use_on_oom=True) was
+    # a ConfigError (unknown knob), and a device out of memory took every live pool's idle cache.
+    keep, lend = ap.Pool(0), ap.Pool(0, use_on_oom=True)
+    default = ap.default_pool(0)
+    ap.empty_cache()
+    total = ap.mem_get_info(0)[1]
+    try:
+        ap.set_per_process_memory_fraction((64 * MiB + default.total_bytes()) / total, 0)
+        with ap.use_mem_pool(keep):
+            a = ap.malloc(30 * MiB)
+        with ap.use_mem_pool(lend):
+            b = ap.malloc(30 * MiB)
+        with pytest.raises(ap.OutOfMemoryError):
+            ap.malloc(30 * MiB)
+        keep.free(a)
+        lend.free(b)
+        c = ap.malloc(30 * MiB)  # lend's idle segment made room
+        assert lend.total_bytes() == 0 and keep.total_bytes() == 32 * MiB
+        with pytest.raises(ap.OutOfMemoryError):
+            ap.malloc(30 * MiB)  # keep's cache is its own
+        assert keep.total_bytes() == 32 * MiB
+        ap.free(c)
+        with ap.use_mem_pool(lend):  # lend still serves its own block, the default pool's idle cache gives way
+            e = ap.malloc(20 * MiB)
+        lend.free(e)
+    finally:
+        ap.set_per_process_memory_fraction(1.0, 0)
+        default.set_limit()
+        keep.close()
+        lend.close()
+    # without a fraction: a full device takes the default pool's and a use_on_oom pool's idle
+    # cache, never a live MemPool's own
+    keep, lend = ap.Pool(0), ap.Pool(0, use_on_oom=True)
+    try:
+        keep.free(keep.malloc(40 * MiB))
+        lend.free(lend.malloc(40 * MiB))
+        ap.empty_cache()
+        sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"])  # the device: full at what is held now
+        try:
+            ap.free(ap.malloc(30 * MiB))
+        finally:
+            sim.set_faults(fail_after_bytes=-1)
+        assert keep.total_bytes() >= 40 * MiB and lend.total_bytes() == 0
+    finally:
+        keep.close()
+        lend.close()
+
+
+def test_no_split_gives_each_allocation_a_segment_of_its_own():
+    # torch's test_mempool_no_split: Pool(no_split=True) was a ConfigError (unknown knob)
+    split, whole = ap.Pool(0), ap.Pool(0, no_split=True)
+    try:
+        for p in (split, whole):
+            with ap.use_mem_pool(p):
+                ap.malloc(4 * MiB)
+                ap.malloc(4 * MiB)
+        segs = {p: ap.memory_snapshot(p.id) for p in (split, whole)}
+        assert len(segs[whole]) > len(segs[split])
+        assert all(len(s["blocks"]) == 1 for s in segs[whole])
+        assert sum(len(s["blocks"]) for s in segs[whole]) < sum(len(s["blocks"]) for s in segs[split])
+        with pytest.raises(ap.ConfigTypeError, match="no_split"):
+            ap.Pool(0, no_split="yes")
+        with pytest.raises(ap.ConfigError, match="tenant context"):
+            Context("peer25-nosplit", 0, use_on_oom=True)
+    finally:
+        split.close()
+        whole.close()

@@ -45,8 +45,8 @@ cdef extern from "capi/exports.h":
     void apc_python_close(unsigned ms) nogil
 
 cdef extern from "capi/exports.h" nogil:
-    size_t apc_release_peers(ap_pool *self, int orphans_only)
-    void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int orphans_only))
+    size_t apc_release_peers(ap_pool *self, int mode)
+    void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int mode))
     const char *apc_default_backend_name(int device)
     void *ascend_pool_malloc(Py_ssize_t size, int device, void *stream)
     void ascend_pool_free(void *ptr, Py_ssize_t size, int device, void *stream)

@@ -37,11 +37,12 @@ int ap_pool_join_device_cap(ap_pool *p, int owner) {
     if (!cap) return -1;
     pthread_mutex_lock(&p->lock);
     if (!p->device_cap) {
-        p->device_cap = cap;
+        __atomic_store_n(&p->device_cap, cap, __ATOMIC_RELAXED);
         atomic_fetch_add(&cap->held, ap_reserved(p));
     }
     if (owner) {
         p->cap_owner = 1;
+        atomic_store(&p->keeps_idle, 0); /* the default pool: no MemPool, its cache serves the others */
         atomic_store(&cap->limit, p->cfg.limit_bytes);
     }
     pthread_mutex_unlock(&p->lock);
@@ -72,6 +73,6 @@ void ap_device_cap_leave(ap_pool *p) {
     if (!cap) return;
     atomic_fetch_sub(&cap->held, ap_reserved(p));
     if (p->cap_owner) atomic_store(&cap->limit, AP_NO_LIMIT); /* the fraction was its limit */
-    p->device_cap = NULL;
+    __atomic_store_n(&p->device_cap, NULL, __ATOMIC_RELAXED);
     p->cap_owner = 0;
 }

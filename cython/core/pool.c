@@ -346,9 +346,16 @@ static ap_block *obtain_counted(ap_pool *p, int slot, int pool, size_t rsize, si
     return b;
 }
 
-static size_t (*_Atomic peer_release_hook)(ap_pool *self, int orphans_only);
+static size_t (*_Atomic peer_release_hook)(ap_pool *self, int mode);
 
-void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int orphans_only)) { atomic_store(&peer_release_hook, hook); }
+void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int mode)) { atomic_store(&peer_release_hook, hook); }
+
+void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split) {
+    pthread_mutex_lock(&p->lock);
+    atomic_store(&p->keeps_idle, keeps_idle);
+    p->no_split = no_split;
+    pthread_mutex_unlock(&p->lock);
+}
 
 void ap_pool_set_orphan(ap_pool *p) { atomic_store(&p->orphan, 1); }
 
@@ -424,14 +431,19 @@ static __attribute__((noinline)) int malloc_locked(ap_pool *p, size_t size, size
         int device_oom = e->status == AP_E_OOM || e->status == AP_OK ||
                          (e->status == AP_E_DEVICE && ap_backend_oom_code(p->backend, e->device_code));
         int quota_refused = e->status == AP_E_QUOTA;
-        if (!b && peers && (device_oom || quota_refused)) {
+        /* the device's memory fraction, not this pool's own limit, refused it: its other members'
+           idle cache may make room (torch's OOM path frees the default pool's cache and lends
+           use_on_oom MemPools' free blocks) */
+        int cap_refused = e->status == AP_E_LIMIT && p->device_cap &&
+                          (p->cfg.limit_bytes == AP_NO_LIMIT || ap_reserved(p) + size <= p->cfg.limit_bytes);
+        if (!b && peers && (device_oom || quota_refused || cap_refused)) {
             /* The device itself is full: the process's other pools of the device (the default
                pool, other tenants' contexts) give back what they cache idle, then once more. Over
                the quota: only the orphans' (pools dropped while blocks of them were allocated:
                their cache is the tenant's booking, and nothing allocates from it). Their locks
                are taken one at a time, this one's dropped (no two pool locks at once). */
             pthread_mutex_unlock(&p->lock);
-            size_t freed = peers(p, quota_refused);
+            size_t freed = peers(p, quota_refused ? AP_PEERS_ORPHANS : cap_refused ? AP_PEERS_CAP : AP_PEERS_ALL);
             pthread_mutex_lock(&p->lock);
             if (freed) {
                 slot = ap_slot_of_fast(p, stream, 1);

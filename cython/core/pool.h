@@ -43,7 +43,8 @@
  *                    lock, then apc_release_peers takes the C ABI's registry lock to hold its
  *                    device's other pools and releases it, then each of their locks in turn (never
  *                    two pool locks at once), no wait.
- *   orphan           (ap_pool, atomic, no lock) set once by ap_pool_set_orphan, read by the peer release.
+ *   orphan           (ap_pool, atomic, no lock) set once by ap_pool_set_orphan, read by the peer release;
+ *                    keeps_idle (ap_pool_set_mempool, under the lock) too.
  *   ap_device_cap    (device_cap.c) a device's memory fraction over its plain pools: held and limit are
  *                    atomics updated under each member pool's own lock (a compare-and-swap books a
  *                    segment), no lock of their own; caps_lock guards the table of caps, a leaf taken
@@ -301,8 +302,14 @@ typedef struct ap_pool {
     int64_t protect_credit;
     size_t trade_room; /* bytes under the watermark a trade left, whose refills the trade credit pays */
     _Atomic int orphan; /* its Python object is gone, blocks of it are still allocated (ap_pool_set_orphan) */
-    struct ap_device_cap *device_cap; /* the device's memory fraction this pool counts under (device_cap.c) */
+    struct ap_device_cap *device_cap; /* the device's memory fraction this pool counts under (device_cap.c);
+                                         written under the lock, read by the peer release with relaxed atomics */
     int cap_owner;                    /* its own limit is that fraction (the device's default pool) */
+    /* torch's MemPool arguments (ap_pool_set_mempool): keeps_idle, a MemPool made without
+       use_on_oom: its idle cache is its own, not given back for another pool's out-of-memory (read
+       by the peer release without the lock); no_split: an allocation takes its block whole. */
+    _Atomic int keeps_idle;
+    int no_split;
 
     /* Past this point nothing is zeroed when the struct is reused (ap_pool_create). */
     struct ap_pool *spare_next; /* in the spare list: destroyed structs are kept for reuse, never freed */
@@ -385,14 +392,24 @@ int ap_pool_knows_stream(ap_pool *p, void *stream);
    orphans): nothing allocates from it again, so a tenant refused by its quota takes back its idle
    cache (ap_set_peer_release_hook's orphans_only). */
 void ap_pool_set_orphan(ap_pool *p);
-/* hook(self, orphans_only): releases the idle cache of the process's other pools of self's device
-   and backend (the C ABI's registry knows them; with orphans_only, of the orphans among them),
+/* torch's MemPool(use_on_oom=, no_split=) for a plain pool other than a default (takes the lock):
+   keeps_idle (not use_on_oom) keeps its idle cache from the other pools' out-of-memory path, as
+   torch's lends a MemPool's free blocks only when use_on_oom; no_split: blocks are never split. */
+void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split);
+/* What the peer release gives back (ap_set_peer_release_hook's mode): */
+enum {
+    AP_PEERS_ALL = 0,     /* the device is full: every other pool's idle cache, but a MemPool's that keeps it */
+    AP_PEERS_ORPHANS = 1, /* a quota refused: the orphans' only */
+    AP_PEERS_CAP = 2,     /* the device's memory fraction refused: its other members' (the same exceptions) */
+};
+/* hook(self, mode): releases the idle cache of the process's other pools of self's device
+   and backend (the C ABI's registry knows them; which ones: mode),
    returns the bytes released. A device allocation that fails calls it once, with no lock held,
    then retries: the default pool's idle cache no longer stands in the way of a tenant context on
    the same device (PyTorch: a MemPool's allocation reclaims the default pool's cached blocks). A
    quota refusal calls it for the orphans only (their cache is booked in the tenant's ledger, and
    nothing allocates from it). NULL: none. */
-void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int orphans_only));
+void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int mode));
 /* Releases cached free segments until reserved <= target bytes (never live blocks). Returns
    the bytes released. Used when a quota is lowered. */
 size_t ap_pool_trim_to(ap_pool *p, size_t target);
