@@ -336,10 +336,14 @@ class Pool(PoolBase):
         the per-pool (small/large) rows."""
         return _stats.summary(self.memory_stats(), self.device, self.backend.name, abbreviated=bool(abbreviated))
 
-    def snapshot(self):
+    def snapshot(self, include_traces=True):
         """The pool's segments, blocks and event history in PyTorch's snapshot schema (readable by
-        `python -m torch.cuda._memory_viz`); only the latest event after record_memory_history("state"), as torch's."""
-        return self._snapshot()
+        `python -m torch.cuda._memory_viz`); only the latest event after record_memory_history("state"), as torch's.
+        include_traces=False (torch's MemPool.snapshot): every device's trace empty, the segments alone."""
+        snap = self._snapshot()
+        if not include_traces:
+            snap["device_traces"] = [[] for _ in snap["device_traces"]]
+        return snap
 
     def _snapshot(self):
         segments, history = self._raw_snapshot()

@@ -430,3 +430,18 @@ def test_no_split_gives_each_allocation_a_segment_of_its_own():
     finally:
         split.close()
         whole.close()
+
+
+def test_a_pools_snapshot_takes_torchs_include_traces():
+    # torch's MemPool.snapshot(include_traces=True): False gives the segments without trace
+    # entries (a lightweight snapshot); it was a TypeError (unexpected keyword argument)
+    pool = ap.Pool(0, record_history=True)
+    try:
+        pool.free(pool.malloc(MiB))
+        full = pool.snapshot()
+        assert any(full["device_traces"])
+        light = pool.snapshot(include_traces=False)
+        assert not any(light["device_traces"]) and len(light["device_traces"]) == len(full["device_traces"])
+        assert light["segments"] == pool.snapshot(include_traces=True)["segments"]
+    finally:
+        pool.close()
