@@ -132,3 +132,20 @@ def test_c_abi_allocations_tell_the_observers_and_keep_their_own_error(seen):
     ptr = lib.ascend_pool_malloc(4096, 0, None)  # and the C ABI keeps serving
     assert ptr
     lib.ascend_pool_free(ptr, 4096, 0, None)
+
+
+def test_a_mempool_refused_by_the_devices_memory_fraction_tells_the_fraction_as_allowed(seen):
+    # torch's fraction caps the device's allocator, MemPools included: what a MemPool may hold is
+    # the fraction's bytes, not the device's total (which the observers were told)
+    default = ap.default_pool(0)
+    total = default.mem_get_info()[1]
+    mine = ap.Pool(0)
+    try:
+        ap.set_per_process_memory_fraction(0.25, 0)
+        with pytest.raises(ap.OutOfMemoryError):
+            mine.malloc(total // 2)
+        assert seen and seen[-1][:3] == (0, total // 2, int(0.25 * total)), seen
+    finally:
+        ap.set_per_process_memory_fraction(1.0, 0)
+        default.set_limit()
+        mine.close()

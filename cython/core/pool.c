@@ -296,6 +296,8 @@ void ap_pool_oom_figures(ap_pool *p, size_t *allowed, size_t *free_b) {
     p->backend->mem_info(p->backend, p->device, free_b, &total); /* a runtime call: not under the lock */
     pthread_mutex_lock(&p->lock);
     limit = p->cfg.limit_bytes;
+    if (p->device_cap && atomic_load(&p->device_cap->limit) < limit) /* the device's fraction caps a MemPool too */
+        limit = atomic_load(&p->device_cap->limit);
     if (p->quota.terms) p->quota.terms(p->quota.ctx, p->device, &quota, &held); /* lock-free reads */
     pthread_mutex_unlock(&p->lock);
     *allowed = limit != AP_NO_LIMIT && limit < total ? limit : total;
