@@ -13,10 +13,13 @@
  * A DeviceStats with any other member (torch 2.13's, for one, holds a hash map of private pools)
  * cannot be built without torch's headers: the integration then registers no stats hook. */
 #include <atomic>
+#include <ctime>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+
+#include <pthread.h>
 
 #define EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -34,10 +37,45 @@ EXPORT void ascend_pool_torch_bind_stats(void *fill, void *reset) {
     bound_reset.store(reinterpret_cast<reset_fn>(reset));
 }
 
-/* Called at interpreter exit: from then on the hooks never wait for the GIL (a C++ caller waiting
- * for it during finalization is ended by Python with pthread_exit): stats read 0, resets do
- * nothing. */
-EXPORT void ascend_pool_torch_stats_closed(void) { python_gone.store(1); }
+/* A C++ thread must never wait for the GIL once the interpreter finalizes: Python then ends it in
+ * take_gil with pthread_exit, a forced unwind that torch_npu's noexcept frames turn into
+ * std::terminate (the process aborted at exit). A flag read before the call cannot see an exit that
+ * starts while the thread waits for the GIL, so calls into Python count themselves and the close
+ * (atexit, before finalization, without the GIL) turns new ones away and waits for those on their
+ * way: a call's increment is seen by the close or the close's flag by the call (both sequentially
+ * consistent), as the C ABI's apc_gil_enter and apc_python_close (capi/exports.h). */
+static std::atomic<int> calls_in_python{0};
+static thread_local int calls_mine = 0; /* this thread's share: a forked child keeps only its own */
+
+namespace {
+struct python_call {
+    bool ok;
+    python_call() {
+        calls_in_python.fetch_add(1);
+        ok = !python_gone.load();
+        if (ok) calls_mine++;
+        else calls_in_python.fetch_sub(1);
+    }
+    ~python_call() {
+        if (!ok) return;
+        calls_mine--;
+        calls_in_python.fetch_sub(1);
+    }
+};
+} // namespace
+
+static void after_fork_in_child() { calls_in_python.store(calls_mine); }
+static int fork_handler_set = pthread_atfork(nullptr, nullptr, after_fork_in_child);
+
+/* Called at interpreter exit, through ctypes (the GIL released, so that calls waiting for it get it
+ * and finish): from then on the hooks never call into Python (stats read 0, resets do nothing);
+ * waits up to 10 s for the calls already on their way (a stats read takes milliseconds). */
+EXPORT void ascend_pool_torch_stats_closed(void) {
+    (void)fork_handler_set;
+    python_gone.store(1);
+    struct timespec tick = {0, 1000000L};
+    for (int waited = 0; calls_in_python.load() != 0 && waited < 10000; waited++) nanosleep(&tick, nullptr);
+}
 
 template <size_t N> struct figures {
     int64_t v[N];
@@ -45,7 +83,8 @@ template <size_t N> struct figures {
 
 template <size_t N> static figures<N> device_stats(int device) {
     figures<N> out{};
-    if (python_gone.load()) return out;
+    python_call call;
+    if (!call.ok) return out;
     fill_fn f = bound_fill.load();
     if (!f)
         throw std::runtime_error("ascend_pool: the torch allocator library's stats hook was called without "
@@ -65,7 +104,8 @@ EXPORT figures<122> ascend_pool_torch_device_stats_976(int device) { return devi
 EXPORT figures<123> ascend_pool_torch_device_stats_984(int device) { return device_stats<123>(device); }
 
 EXPORT void ascend_pool_torch_reset_peak_stats(int device) {
-    if (python_gone.load()) return;
+    python_call call;
+    if (!call.ok) return;
     reset_fn r = bound_reset.load();
     if (!r)
         throw std::runtime_error("ascend_pool: the torch allocator library's reset hook was called without "

@@ -10,6 +10,7 @@
 #include <exception>
 #include <functional>
 #include <new>
+#include <thread>
 
 struct Stat {
     int64_t current = 0;
@@ -99,4 +100,17 @@ extern "C" int reset_peak(uint64_t fn, int device, char *why, size_t len) {
         snprintf(why, len, "%s", e.what());
         return -1;
     }
+}
+
+/* Starts n detached threads reading the stats hook at fn for device for ever, in a noexcept frame
+ * as torch_npu's C++ callers often are (a watchdog, a profiler), for the exit test: a thread that
+ * Python ends with pthread_exit in take_gil aborts the process there (std::terminate). */
+static void read_forever(uint64_t fn, int device) noexcept {
+    int64_t out[119];
+    char why[256];
+    for (;;) read_device_stats(fn, device, out, why, sizeof why);
+}
+
+extern "C" void start_stats_readers(uint64_t fn, int device, int n) {
+    for (int i = 0; i < n; i++) std::thread(read_forever, fn, device).detach();
 }
