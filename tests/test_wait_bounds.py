@@ -46,6 +46,30 @@ def test_many_frees_pending_on_a_hung_stream_wait_one_limit(expandable):
     pool.close()
 
 
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_close_with_many_frees_pending_on_a_hung_stream_waits_one_limit(expandable):
+    """close() waits for the pending frees and the tagged streams within one sync_timeout_ms in
+    all, as its docstring says: its blocking pass waited a full limit for each pending free (a
+    program closing its pool behind a dead collective's stream waited n minutes, not one)."""
+    limit_ms, n = 1000, 8  # n limits would be 8 s: told apart from one however loaded the machine
+    pool = ap.Pool(0, backend="sim", expandable_segments=expandable, sync_timeout_ms=limit_ms)
+    s1, s2 = pool.create_stream(), pool.create_stream()
+    sim.hang_stream(s2)
+    try:
+        for i in range(n):
+            b = pool.malloc((i % 3 + 1) * MiB, stream=s1)
+            pool.record_stream(b, s2)
+            pool.free(b, stream=s1)
+        held = sim.stats(0)["bytes_held"]
+        start = time.monotonic()
+        pool.close()
+        # one limit (plus scheduling), not n of them (8 s before)
+        assert time.monotonic() - start < 4 * limit_ms / 1000
+        assert sim.stats(0)["bytes_held"] < held  # its memory went back all the same
+    finally:
+        sim.release_stream(s2)
+
+
 def test_a_free_without_events_never_reuses_a_block_a_stream_still_writes(tmp_path):
     # the device's events all in use (a limit of 2, held by two pending frees on a hung stream):
     # the free waits for the using stream instead, and that wait times out; the block must stay

@@ -180,12 +180,13 @@ void ap_pool_destroy_ex(ap_pool *p, int wait_streams) {
     ap_device_cap_leave(p);  /* all it holds at once: the segments below go back without a release each */
     ap_error ignore;
     int exiting = !wait_streams;
+    int64_t start = ap_now_ms(); /* one sync_timeout_ms for the pending frees and the streams */
     ap_process_pending(p, !exiting, &ignore);
     /* Blocks freed stream-ordered may still be written by their stream's queued work: the memory
        goes back to the device (and to the next pool or process) only after it (before, a close
        right after such a free handed that memory out under the running kernel). Not at exit:
        no next pool, and the runtime tears the context down with its streams. */
-    int busy = exiting || ap_wait_tagged_streams(p) > 0; /* at exit nothing was waited for */
+    int busy = exiting || ap_wait_tagged_streams(p, start) > 0; /* at exit nothing was waited for */
     while (p->pending_head) { /* events that never completed: give their blocks up anyway */
         ap_block *b = p->pending_head;
         p->pending_head = b->pending_next;

@@ -37,8 +37,9 @@
  *                    (event_room; a free owes its stream instead).
  *   capi_calls       (ap_pool, atomic, no lock) C ABI calls holding the pool (current.h ap_pool_hold);
  *                    ap_pool_destroy waits for it to drain, holding no lock (the pool is hidden first),
- *                    and then, still without the lock, for the streams its free blocks are tagged
- *                    with (waits.c ap_wait_tagged_streams, one sync_timeout_ms in all).
+ *                    and then, still without the lock, for its pending frees' events and the streams
+ *                    its free blocks are tagged with (stream_order.c's blocking pass, then waits.c
+ *                    ap_wait_tagged_streams: one sync_timeout_ms in all).
  *   (peer release)   a pool out of device memory (or refused by its quota: orphans only) drops its
  *                    lock, then apc_release_peers takes the C ABI's registry lock to hold its
  *                    device's other pools and releases it, then each of their locks in turn (never

@@ -245,11 +245,14 @@ void ap_slot_retire(ap_pool *p, int slot);
    a destroyed stream's handle away): then with its slot retired. Lock held. For the paths that
    are about to spend far more (a device allocation). */
 int ap_stream_gone(ap_pool *p, int slot);
-/* Waits (blocking, all of them within one sync_timeout_ms) for every stream that free blocks
-   are still tagged with: their queued work may write those blocks. For the pool's destroy,
-   before its memory goes back to the device (waits.c). Returns how many are still busy (timed
-   out, or not waited for once the limit was spent). */
-int ap_wait_tagged_streams(ap_pool *p);
+/* Waits (blocking, all of them within what is left of one sync_timeout_ms from start, ap_now_ms)
+   for every stream that free blocks are still tagged with: their queued work may write those
+   blocks. For the pool's destroy, before its memory goes back to the device (waits.c). Returns
+   how many are still busy (timed out, or not waited for once the limit was spent). */
+int ap_wait_tagged_streams(ap_pool *p, int64_t start);
+/* CLOCK_MONOTONIC in ms; what is left of one sync_timeout_ms from start (-1: no limit, 0: spent). */
+int64_t ap_now_ms(void);
+int ap_time_left(const ap_pool *p, int64_t start);
 /* Frees a block whose uses (record_stream) need events: it waits on the pending list. */
 void ap_free_pending(ap_pool *p, ap_block *b, int tag);
 /* waits.c: device waits with the pool mutex dropped. Called with p->lock held; returns with it
@@ -258,8 +261,8 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag);
    completes pending frees. AP_OK, AP_E_TIMEOUT, AP_E_DEVICE, or AP_E_INVALID_STREAM (the stream
    was retired: the runtime does not know it). */
 int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err);
-/* Completes pending frees whose events are done; blocking waits for all (bounded by the timeout).
-   Returns AP_OK or AP_E_TIMEOUT. */
+/* Completes pending frees whose events are done; blocking (a destroy) waits for all, within one
+   sync_timeout_ms in all from the pass's start. Returns AP_OK or AP_E_TIMEOUT. */
 int ap_process_pending(ap_pool *p, int blocking, ap_error *err);
 /* The live slot a pending free's event was recorded on (its event_keys entry), or 0: none known. */
 int ap_event_key_slot(ap_pool *p, uint32_t key);

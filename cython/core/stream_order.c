@@ -10,6 +10,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "current.h" /* AP_MAX_DEVICES */
 #include "pool_internal.h"
@@ -706,9 +707,41 @@ static void *event_for_wait(ap_pool *p, void *stream, int *code) {
     return ev;
 }
 
+/* Shared with waits.c (pool_internal.h); here, beside the blocking pass, so that the event cache's
+   C test links this file alone. */
+int64_t ap_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* What is left of one sync_timeout_ms for the whole wait (-1: no limit); 0 when it is spent. */
+int ap_time_left(const ap_pool *p, int64_t start) {
+    if (p->cfg.sync_timeout_ms < 0) return -1;
+    int64_t left = p->cfg.sync_timeout_ms - (ap_now_ms() - start);
+    return left > 0 ? (int)left : 0;
+}
+
+/* The start of the blocking pass this thread runs (a pool's destroy, which runs it alone), else -1:
+   its waits share one sync_timeout_ms, as empty_cache's (waits.c). A full limit each, a close with
+   N frees pending behind a hung stream (record_stream on a dead collective's) took N times it. */
+static _Thread_local int64_t blocking_since = -1;
+
+/* The limit of one blocking wait: what the pass has left (0: spent), else sync_timeout_ms. */
+static int wait_limit(const ap_pool *p) {
+    return blocking_since < 0 ? p->cfg.sync_timeout_ms : ap_time_left(p, blocking_since);
+}
+
+static int limit_spent(ap_pool *p, const char *what, void *handle, ap_error *err) {
+    return ap_set_error(err, AP_E_TIMEOUT, 0, "waiting for %s %p on device %d: the limit of %d ms was spent on the "
+                        "other pending frees", what, handle, p->device, p->cfg.sync_timeout_ms);
+}
+
 static int sync_stream(ap_pool *p, void *stream, ap_error *err) {
+    int limit = wait_limit(p);
+    if (limit == 0) return limit_spent(p, "stream", stream, err);
     ap_on_device(p);
-    int rc = p->backend->stream_sync(p->backend, stream, p->cfg.sync_timeout_ms);
+    int rc = p->backend->stream_sync(p->backend, stream, limit);
     if (rc == 0) return AP_OK;
     char msg[AP_RUNTIME_MSG];
     p->backend->error_message(p->backend, rc, msg, sizeof msg);
@@ -863,7 +896,9 @@ static int event_done(ap_pool *p, ap_block *b, void *ev, int blocking, ap_error 
         int complete = 0;
         return p->backend->event_query(p->backend, ev, &complete) == 0 && complete ? AP_OK : AP_E_BUSY;
     }
-    int rc = p->backend->event_sync(p->backend, ev, p->cfg.sync_timeout_ms);
+    int limit = wait_limit(p);
+    if (limit == 0) return limit_spent(p, "event", ev, err);
+    int rc = p->backend->event_sync(p->backend, ev, limit);
     if (rc == 0) return AP_OK;
     char msg[AP_RUNTIME_MSG];
     p->backend->error_message(p->backend, rc, msg, sizeof msg);
@@ -946,6 +981,7 @@ int ap_process_pending(ap_pool *p, int blocking, ap_error *err) {
     }
     int status = AP_OK, gated = !blocking;
     uint64_t drops = p->gate_drops;
+    if (blocking) blocking_since = ap_now_ms();
     p->pending_gated = 0;
     while (b) {
         ap_block *next = b->pending_next;
@@ -964,6 +1000,7 @@ int ap_process_pending(ap_pool *p, int blocking, ap_error *err) {
         }
         b = next;
     }
+    blocking_since = -1;
     /* each free left waits for an event no earlier than its stream's gate (events_done) */
     p->pending_gated = gated && p->pending_head && p->gate_drops == drops;
     p->pending_checked = p->pending_tail;

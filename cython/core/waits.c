@@ -8,7 +8,6 @@
  */
 #include <limits.h>
 #include <string.h>
-#include <time.h>
 
 #include "pool_internal.h"
 
@@ -36,32 +35,18 @@ static int wait_error(ap_pool *p, ap_error *err, int rc, const char *what, void 
                         p->cfg.sync_timeout_ms, msg);
 }
 
-static int64_t now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-/* What is left of one sync_timeout_ms for the whole wait (-1: no limit); 0 when it is spent. */
-static int time_left(const ap_pool *p, int64_t start) {
-    if (p->cfg.sync_timeout_ms < 0) return -1;
-    int64_t left = p->cfg.sync_timeout_ms - (now_ms() - start);
-    return left > 0 ? (int)left : 0;
-}
-
 static int limit_spent(ap_pool *p, ap_error *err) {
     return ap_set_error(err, AP_E_TIMEOUT, 0, "waiting for the streams and pending frees of device %d: the limit of "
                         "%d ms was spent", p->device, p->cfg.sync_timeout_ms);
 }
 
-int ap_wait_tagged_streams(ap_pool *p) {
+int ap_wait_tagged_streams(ap_pool *p, int64_t start) {
     ap_cache_flush(p); /* recently freed small blocks are tagged too */
-    int64_t start = now_ms();
     int busy = 0;
     for (int i = 1; i < p->n_slots; i++) {
         ap_stream_slot *s = &p->slots[i];
         if (!s->live || (!s->trees[0].count && !s->trees[1].count)) continue;
-        int left = time_left(p, start); /* one sync_timeout_ms for them all, as every wait here */
+        int left = ap_time_left(p, start); /* one sync_timeout_ms for them all, as every wait here */
         if (left == 0) {                /* spent: the rest is given up (documented at close) */
             busy++;
             continue;
@@ -126,11 +111,11 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
     /* One sync_timeout_ms bounds the whole wait, not each stream and event in it (N hung frees
        took N times the limit); once a wait has failed the rest are not waited for: they are
        left as they are (NOT_WAITED: no retag), and the call reports the first failure. */
-    int64_t start = now_ms();
+    int64_t start = ap_now_ms();
     int spent = 0;
     ap_error local = {0};
     for (int i = 0; i < n; i++) {
-        int left = time_left(p, start);
+        int left = ap_time_left(p, start);
         if (!spent && left == 0) {
             status = limit_spent(p, &local);
             spent = 1;
@@ -147,7 +132,7 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
         }
     }
     for (int i = 0; i < ne && !spent; i++) {
-        int left = time_left(p, start);
+        int left = ap_time_left(p, start);
         if (left == 0) { /* the remaining pending frees stay pending */
             status = limit_spent(p, &local);
             break;
