@@ -109,12 +109,13 @@ def _create_default(device):
 
 
 def _default_pool_for_c_abi(device):
-    """The C ABI's hook (capi/capi.pxi): (backend, device's default pool), the pool None when the
-    backend has no such device."""
+    """The C ABI's hook (capi/capi.pxi): (backend, the process's default pool of device), the pool
+    None when the backend has no such device. The process's, not the calling thread's context or
+    MemPool: the C ABI looks that up itself, and ascend_pool_init made no default from inside one."""
     backend = open_backend()
     if not 0 <= device < backend.device_count:
         return backend, None
-    return backend, default_pool(device)
+    return backend, process_default_pool(device)
 
 
 set_default_pool_hook(_default_pool_for_c_abi)

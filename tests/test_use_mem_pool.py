@@ -445,3 +445,31 @@ def test_a_pools_snapshot_takes_torchs_include_traces():
         assert light["segments"] == pool.snapshot(include_traces=True)["segments"]
     finally:
         pool.close()
+
+
+_INIT_INSIDE = """
+import ctypes, sys
+import ascend_pool as ap
+from ascend_pool import registry
+lib = ctypes.CDLL(ap.library_path())
+mp = ap.Pool(0)
+with ap.use_mem_pool(mp):
+    lib.ascend_pool_init(0)
+    inside = registry.default_pool(0) is not None
+print(inside, mp.memory_stats()["reserved_bytes.all.current"])
+"""
+
+
+def test_ascend_pool_init_inside_the_block_makes_the_process_default_pool():
+    """ascend_pool_init(d) (torch's lazy init, run at a first tensor made in a MemPool block) makes
+    the process's default pool of d, as the header promises threads that must never wait for the
+    GIL: inside use_mem_pool it took the thread's MemPool for it and made none (a fresh process:
+    no default pool of device 0 yet)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__))))
+    proc = subprocess.run([sys.executable, "-c", _INIT_INSIDE], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "0"]

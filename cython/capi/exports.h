@@ -308,7 +308,11 @@ APC_EXPORT void ascend_pool_free(void *ptr, ssize_t size, int device, void *stre
 
 APC_EXPORT void ascend_pool_init(int device) {
     if (apc_forked("ascend_pool_init")) return;
-    if (device >= 0 && device < AP_MAX_DEVICES && ap_current_get(device)) return;
+    /* The process default, not this thread's current pool: called inside use_mem_pool or `with
+       ctx:` (torch's lazy init at a first tensor made in a MemPool block), the thread's pool was
+       taken for it and no default was made, so other threads still waited for the GIL at their
+       first allocation. */
+    if (device >= 0 && device < AP_MAX_DEVICES && ap_default_get(device)) return;
     apc_create_default(device, 0, "ascend_pool_init");
 }
 
