@@ -300,6 +300,30 @@ def test_a_context_out_of_device_memory_takes_the_default_pools_idle_cache():
         base.empty_cache()
 
 
+def test_a_context_made_from_a_plain_pool_takes_that_pools_idle_cache_which_other_pools_cannot():
+    # A plain Pool keeps its idle cache from other pools' out-of-memory (torch's MemPool without
+    # use_on_oom), but a tenant context made from it with pool.context() is the same allocator to
+    # its user: out of device memory, it takes the pool's idle cache. It raised OutOfMemoryError
+    # ("Pool: 0 bytes reserved") once plain pools kept their cache.
+    base = ap.Pool(0, backend="sim")
+    other = ap.Pool(0, backend="sim")
+    total = base.memory_stats()["device_total_bytes"]
+    ctx = base.context("family")
+    try:
+        base.free(base.malloc(total * 3 // 4))         # cached idle by the plain pool
+        with pytest.raises(ap.OutOfMemoryError):
+            other.malloc(total // 2)                     # another pool: the cache stays the base's
+        assert base.memory_stats()["reserved_bytes.all.current"] >= total * 3 // 4
+        y = ctx.malloc(total // 2)                       # its own context: taken
+        assert base.memory_stats()["reserved_bytes.all.current"] < total * 3 // 4
+        ctx.free(y)
+        assert base.memory_stats()["allocated_bytes.all.current"] == 0
+    finally:
+        ctx.close()
+        other.close()
+        base.close()
+
+
 def test_garbage_collection_ages_a_segment_freed_on_two_streams_from_its_last_free():
     # A segment whose blocks were freed on two streams becomes wholly free when the streams are
     # settled (its parts merged by a retag): its age kept the segment's creation, so the one

@@ -270,7 +270,11 @@ def make_context(pool, name, quota=None, warn=None):
     Pool.context calls)."""
     if pool.closed:
         raise ConfigError(f"cannot create tenant context {name!r}: the pool is closed")
-    return Context(name, pool.device, pool.backend, quota=quota, warn=warn, **pool.knobs)
+    ctx = Context(name, pool.device, pool.backend, quota=quota, warn=warn, **pool.knobs)
+    # One allocator to its user: out of device memory, the context takes the pool's idle cache
+    # (and the pool the context's) even when the pool keeps it from other pools (a MemPool).
+    ctx._set_family(pool.serial)
+    return ctx
 
 
 set_context_factory(make_context)

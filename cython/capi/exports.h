@@ -342,16 +342,19 @@ static ssize_t apc_hold_pools(ap_pool ***out, const ap_pool *peer_of, int (*keep
 /* ap_set_peer_release_hook's hook: the idle cache of the process's other pools of self's device
    and backend that mode names (pool.h AP_PEERS_*), given back (each held, not the registry lock,
    while it is released). A live MemPool made without use_on_oom keeps its own, as torch's OOM path
-   never takes a live MemPool's cached blocks (it lends a use_on_oom one's); an orphan's goes. */
+   never takes a live MemPool's cached blocks (it lends a use_on_oom one's); an orphan's goes, and
+   so does a pool's for a tenant context made from it (one family: ap_pool.family). */
 static size_t apc_release_peers(ap_pool *self, int mode) {
     ap_pool **held;
     size_t released = 0;
     ssize_t n = apc_hold_pools(&held, self, NULL);
     struct ap_device_cap *cap = __atomic_load_n(&self->device_cap, __ATOMIC_RELAXED);
+    uint64_t family = atomic_load(&self->family);
     for (ssize_t i = 0; i < n; i++) {
         ap_pool *q = held[i];
         int orphan = atomic_load(&q->orphan);
-        int gives = mode == AP_PEERS_ORPHANS ? orphan : orphan || !atomic_load(&q->keeps_idle);
+        int kin = family != 0 && atomic_load(&q->family) == family;
+        int gives = mode == AP_PEERS_ORPHANS ? orphan : orphan || kin || !atomic_load(&q->keeps_idle);
         if (mode == AP_PEERS_CAP && __atomic_load_n(&q->device_cap, __ATOMIC_RELAXED) != cap) gives = 0;
         if (gives) released += ap_pool_release_idle(q);
         ap_pool_unhold(held[i]);

@@ -360,6 +360,8 @@ void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split) {
     pthread_mutex_unlock(&p->lock);
 }
 
+void ap_pool_set_family(ap_pool *p, uint64_t family) { atomic_store(&p->family, family); }
+
 void ap_pool_set_orphan(ap_pool *p) { atomic_store(&p->orphan, 1); }
 
 /* A size that ap_pool_malloc's first compare refuses (0, or beyond the device): the error, counted

@@ -45,7 +45,7 @@
  *                    device's other pools and releases it, then each of their locks in turn (never
  *                    two pool locks at once), no wait.
  *   orphan           (ap_pool, atomic, no lock) set once by ap_pool_set_orphan, read by the peer release;
- *                    keeps_idle (ap_pool_set_mempool, under the lock) too.
+ *                    keeps_idle (ap_pool_set_mempool, under the lock) and family (ap_pool_set_family) too.
  *   ap_device_cap    (device_cap.c) a device's memory fraction over its plain pools: held and limit are
  *                    atomics updated under each member pool's own lock (a compare-and-swap books a
  *                    segment), no lock of their own; caps_lock guards the table of caps, a leaf taken
@@ -311,6 +311,10 @@ typedef struct ap_pool {
        by the peer release without the lock); no_split: an allocation takes its block whole. */
     _Atomic int keeps_idle;
     int no_split;
+    /* the plain pool a tenant context was made from (pool.context()), or the pool itself: one
+       allocator to its user, so a family member's out-of-memory takes the others' idle cache even
+       when they keep it from other pools (ap_pool_set_family; 0: none) */
+    _Atomic uint64_t family;
 
     /* Past this point nothing is zeroed when the struct is reused (ap_pool_create). */
     struct ap_pool *spare_next; /* in the spare list: destroyed structs are kept for reuse, never freed */
@@ -397,6 +401,9 @@ void ap_pool_set_orphan(ap_pool *p);
    keeps_idle (not use_on_oom) keeps its idle cache from the other pools' out-of-memory path, as
    torch's lends a MemPool's free blocks only when use_on_oom; no_split: blocks are never split. */
 void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split);
+/* Sets p's family (see ap_pool.family): a pool's own serial number, or for a tenant context made
+   by pool.context() that pool's. No lock (an atomic read by the peer release). */
+void ap_pool_set_family(ap_pool *p, uint64_t family);
 /* What the peer release gives back (ap_set_peer_release_hook's mode): */
 enum {
     AP_PEERS_ALL = 0,     /* the device is full: every other pool's idle cache, but a MemPool's that keeps it */
