@@ -14,6 +14,7 @@ import ctypes
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -413,3 +414,46 @@ def test_a_device_no_c_int_holds_is_an_invalid_device_error(sim):
                                                           rf"{b.device_count} device\(s\)"):
                 call(device)
     assert b.mem_info(0)[1] > 0  # still healthy
+
+
+# ---- error texts ------------------------------------------------------------------------------
+
+RUNTIME_CODE_NAMES = {
+    107003: "ACL_ERROR_RT_STREAM_CONTEXT", 107017: "ACL_ERROR_RT_INVALID_HANDLE",
+    207005: "ACL_ERROR_RT_RESOURCE_ALLOC_FAIL", 207008: "ACL_ERROR_RT_NO_STREAM_RESOURCE",
+    507000: "ACL_ERROR_RT_INTERNAL_ERROR",
+}
+
+
+@pytest.mark.skipif(not shutil.which("gcc"), reason="builds a libascendcl.so in front of the simulator's with gcc")
+def test_runtime_codes_are_named_in_the_backends_errors(tmp_path):
+    """Codes CANN's rt_error_codes.h defines and the runtime answers on the pool's paths (a stream
+    of another context, a stale handle, no host resources, the device's streams used up, an
+    internal error) are named in DeviceError's text, as the others are: a library in front of
+    the simulator's answers each from aclrtMallocAlign32 (tests/c/acl_code_shim.c)."""
+    shim = str(tmp_path / "libascendcl.so")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", shim, os.path.join(os.path.dirname(__file__), "c", "acl_code_shim.c"),
+                    "-Wl,--no-as-needed", sim_library_path()], check=True)
+    node = f"bk-names-{os.getpid()}"
+    try:
+        out = run_py(f"""
+            import ctypes, json
+            from ascend_pool._core import Backend
+            from ascend_pool.errors import DeviceError
+            b = Backend("sim", {shim!r})
+            lib = ctypes.CDLL({shim!r})
+            out = {{}}
+            for code in {sorted(RUNTIME_CODE_NAMES)!r}:
+                lib.shim_set_code(code)
+                try:
+                    b.malloc(0, 64)
+                except DeviceError as e:
+                    out[code] = [e.code, str(e)]
+            print(json.dumps(out))
+        """, ASCEND_SIM_NODE=node)
+    finally:
+        drop_node(node)
+    got = {int(k): v for k, v in json.loads(out).items()}
+    assert sorted(got) == sorted(RUNTIME_CODE_NAMES), got
+    for code, name in RUNTIME_CODE_NAMES.items():
+        assert got[code][0] == code and f"{code} ({name}" in got[code][1], got[code]
