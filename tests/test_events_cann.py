@@ -446,3 +446,48 @@ def test_asking_a_peer_stream_its_device_takes_no_event_id(sim_node):
     assert out["create"] == 0 and out["record"] == 0, out
     assert out["distinct"] == 1100 and out["loop_s"] < 5, out
     assert out["allocated"] == 0 and out["pending"] == 0, out
+
+
+@pytest.mark.parametrize("profile", ["cann8.3", "310p"])
+def test_simulator_takes_the_event_flags_current_cann_defines(sim_node, profile):  # noqa: F811
+    # acl_rt.h defines ACL_EVENT_DEVICE_USE_ONLY (0x10) and ACL_EVENT_EXTERNAL (0x20) for
+    # aclrtCreateEventWithFlag and ACL_EVENT_IPC (0x40) for aclrtCreateEventExWithFlag; the runtime
+    # (hicann/runtime ApiErrorDecorator::EventCreate[Ex]) takes them alone, DEVICE_USE_ONLY and IPC
+    # only on Atlas A2/A3 and 950 (207000 elsewhere: torch_npu's IsSupportIpcEvent probe takes 207000
+    # for "no IPC events" and raises on any other code). Before, every one answered 107000.
+    out = sim_node.run_json("""
+        init()
+        a, b = stream(), stream()
+        def make(name, flag):
+            e = C.c_void_p()
+            return code(name, C.byref(e), flag), e.value
+        out = {}
+        for name, flag in (("aclrtCreateEventWithFlag", 0x10), ("aclrtCreateEventWithFlag", 0x20),
+                           ("aclrtCreateEventExWithFlag", 0x40)):
+            rc, ev = make(name, flag)
+            uses = {}
+            if rc == 0:
+                st = C.c_int()
+                uses = {"record": code("aclrtRecordEvent", ev, a), "wait": code("aclrtStreamWaitEvent", b, ev),
+                        "reset": code("aclrtResetEvent", ev, b), "sync": code("aclrtSynchronizeEvent", ev),
+                        "query": code("aclrtQueryEventStatus", ev, C.byref(st))}
+                ok("aclrtDestroyEvent", ev)
+            out[hex(flag)] = [rc, uses]
+        # alone only, and each call takes its own
+        out["combined"] = [make("aclrtCreateEventWithFlag", 0x11)[0], make("aclrtCreateEventWithFlag", 0x30)[0],
+                           make("aclrtCreateEventExWithFlag", 0x41)[0]]
+        out["other_call"] = [make("aclrtCreateEventExWithFlag", 0x10)[0], make("aclrtCreateEventExWithFlag", 0x20)[0],
+                             make("aclrtCreateEventWithFlag", 0x40)[0]]
+        ok("aclrtSynchronizeStream", b)
+        print(json.dumps(out))
+    """, ASCEND_SIM_PROFILE=profile)
+    assert out["combined"] == [PARAM_INVALID] * 3, out
+    assert out["other_call"] == [PARAM_INVALID] * 3, out
+    assert out["0x20"] == [0, {"record": 0, "wait": 207000, "reset": 207000, "sync": 207000, "query": 207000}], out
+    if profile == "310p":  # neither device-only nor IPC events on an inference card
+        assert out["0x10"] == [207000, {}] and out["0x40"] == [207000, {}], out
+        return
+    # device-only: no host record, wait or reset (107000); IPC: waited on in new mode, no reset
+    assert out["0x10"] == [0, {"record": PARAM_INVALID, "wait": PARAM_INVALID, "reset": PARAM_INVALID,
+                               "sync": 0, "query": 0}], out
+    assert out["0x40"] == [0, {"record": 0, "wait": 0, "reset": PARAM_INVALID, "sync": 0, "query": 0}], out

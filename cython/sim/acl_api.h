@@ -178,11 +178,19 @@ typedef struct aclrtPhysicalMemProp {
 #define ACL_EVENT_STATUS_COMPLETE 0
 #define ACL_EVENT_STATUS_NOT_READY 1
 
-/* Event flags (acl_rt.h). */
+/* Event flags (acl_rt.h; the runtime's RT_EVENT_* of the same values). */
 #define ACL_EVENT_SYNC 0x1u
 #define ACL_EVENT_CAPTURE_STREAM_PROGRESS 0x2u
 #define ACL_EVENT_TIME_LINE 0x8u
-#define ACL_EVENT_FLAGS_KNOWN (ACL_EVENT_SYNC | ACL_EVENT_CAPTURE_STREAM_PROGRESS | ACL_EVENT_TIME_LINE)
+#define ACL_EVENT_DEVICE_USE_ONLY 0x10u /* RT_EVENT_MC2: recorded and waited on by device tasks only */
+#define ACL_EVENT_EXTERNAL 0x20u        /* task update in model capture (not simulated) */
+#define ACL_EVENT_IPC 0x40u             /* aclrtIpcGetEventHandle (not simulated); ExWithFlag only */
+/* What each call takes (hicann/runtime ApiErrorDecorator::EventCreate: RT_EVENT_FLAG_MAX;
+   ::EventCreateEx: its maxFlag), and the flags that must come alone (their solelyFlag lists). */
+#define ACL_EVENT_FLAGS_COMMON (ACL_EVENT_SYNC | ACL_EVENT_CAPTURE_STREAM_PROGRESS | ACL_EVENT_TIME_LINE)
+#define ACL_EVENT_FLAGS_WITH_FLAG (ACL_EVENT_FLAGS_COMMON | ACL_EVENT_DEVICE_USE_ONLY | ACL_EVENT_EXTERNAL)
+#define ACL_EVENT_FLAGS_EX (ACL_EVENT_FLAGS_COMMON | ACL_EVENT_IPC)
+#define ACL_EVENT_FLAGS_ALONE (ACL_EVENT_DEVICE_USE_ONLY | ACL_EVENT_EXTERNAL | ACL_EVENT_IPC)
 
 SIM_EXPORT aclError aclInit(const char *configPath);
 SIM_EXPORT aclError aclFinalize(void);

@@ -166,12 +166,12 @@ static int node_name_ok(const char *s)
 }
 
 static const struct sim_profile PROFILES[] = {
-    /* name       soc name        events  8.0 flags  pad  ex events  streams  DDR device */
-    {"strict",  "Ascend910B1",   65536,  1,         1,   0,         1984,    0},
-    {"cann8.0", "Ascend910B1",   65536,  1,         1,   1,         2048,    0},
-    {"cann8.3", "Ascend910B1",   65536,  0,         1,   1,         1984,    0},
-    {"310p",    "Ascend310P3",   1023,   0,         1,   1,         1024,    1},
-    {"950",     "Ascend950PR",   65536,  0,         0,   1,         1984,    0},
+    /* name       soc name        events  8.0 flags  pad  ex events  streams  DDR device  device/IPC events */
+    {"strict",  "Ascend910B1",   65536,  1,         1,   0,         1984,    0,          1},
+    {"cann8.0", "Ascend910B1",   65536,  1,         1,   1,         2048,    0,          1},
+    {"cann8.3", "Ascend910B1",   65536,  0,         1,   1,         1984,    0,          1},
+    {"310p",    "Ascend310P3",   1023,   0,         1,   1,         1024,    1,          0},
+    {"950",     "Ascend950PR",   65536,  0,         0,   1,         1984,    0,          1},
 };
 
 static int get_profile(struct sim_profile *out, const char *call)

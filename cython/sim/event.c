@@ -68,7 +68,7 @@ struct sim_event {
     struct sim_obj obj;
     int device;
     uint32_t flags;            /* ACL_EVENT_SYNC matters (waits, resets); the others are accepted */
-    int waitable;              /* aclrtStreamWaitEvent may wait on it: ACL_EVENT_SYNC, or aclrtCreateEvent's */
+    int waitable;              /* aclrtStreamWaitEvent may wait on it: ACL_EVENT_SYNC or _IPC, or aclrtCreateEvent's */
     int ex;                    /* aclrtCreateEventExWithFlag: waits wait for the latest record, no reset */
     int fresh_id;              /* a fresh hardware id at each record (new mode, and aclrtCreateEvent's
                                   RT_EVENT_DEFAULT): recorded again after a wait with no reset */
@@ -185,11 +185,18 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, int plai
         return rc;
     if (!event)
         return sim_fail(ACL_ERROR_INVALID_PARAM, call, "event is NULL");
-    /* hicann/runtime ApiErrorDecorator::EventCreate: a flag past RT_EVENT_FLAG_MAX is
-       RT_ERROR_INVALID_VALUE (107000), not ACL's 100000 */
-    if (flags & ~ACL_EVENT_FLAGS_KNOWN)
-        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "flag 0x%x has unknown bits (known: 0x%x)",
-                        flags, ACL_EVENT_FLAGS_KNOWN);
+    /* hicann/runtime ApiErrorDecorator::EventCreate[Ex]: a flag past the call's maximum is
+       RT_ERROR_INVALID_VALUE (107000), not ACL's 100000; ACL_EVENT_IPC is ExWithFlag's only,
+       ACL_EVENT_DEVICE_USE_ONLY and ACL_EVENT_EXTERNAL WithFlag's only */
+    uint32_t known = ex ? ACL_EVENT_FLAGS_EX : ACL_EVENT_FLAGS_WITH_FLAG;
+    if (flags & ~known)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "flag 0x%x has bits this call does not take (it takes 0x%x)",
+                        flags, known);
+    /* the same decorators: DEVICE_USE_ONLY (RT_EVENT_MC2), EXTERNAL and IPC come alone */
+    if ((flags & ACL_EVENT_FLAGS_ALONE) && (flags & (flags - 1)))
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "flag 0x%x: ACL_EVENT_DEVICE_USE_ONLY (0x%x), "
+                        "ACL_EVENT_EXTERNAL (0x%x) and ACL_EVENT_IPC (0x%x) cannot be combined with other flags",
+                        flags, ACL_EVENT_DEVICE_USE_ONLY, ACL_EVENT_EXTERNAL, ACL_EVENT_IPC);
     /* hicann/runtime ApiErrorDecorator::EventCreate/EventCreateEx: a flag with no known bit is
        RT_ERROR_INVALID_VALUE (aclrtCreateEvent passes the runtime's default, 0x0E) */
     if (flags == 0 && !plain)
@@ -202,6 +209,13 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, int plai
         return sim_fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, call,
                         "not supported under the simulator's '%s' profile (a runtime without the feature): "
                         "use aclrtCreateEventWithFlag", g_sim.cfg.profile.name);
+    /* CANN's pages: Atlas A2/A3 and Ascend 950 only (the runtime: RT_FEATURE_IPC_EVENT, and
+       CheckSupportMC2Feature for RT_EVENT_MC2, answer RT_ERROR_FEATURE_NOT_SUPPORT elsewhere) */
+    if ((flags & (ACL_EVENT_DEVICE_USE_ONLY | ACL_EVENT_IPC)) && !g_sim.cfg.profile.device_ipc_events)
+        return sim_fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, call,
+                        "flag 0x%x is not supported on %s (the simulator's '%s' profile): only Atlas A2/A3 and "
+                        "Ascend 950 have device-only and IPC events", flags, g_sim.cfg.profile.soc_name,
+                        g_sim.cfg.profile.name);
     if (sim_fault_event_create_nth())
         return sim_fail(ACL_ERROR_RT_NO_EVENT_RESOURCE, call,
                         "injected fault: this event creation was chosen to fail");
@@ -224,7 +238,7 @@ static aclError create_event(aclrtEvent *event, uint32_t flags, int ex, int plai
         e->device = dev;
         e->flags = flags;
         /* aclrtCreateEvent gets RT_EVENT_DEFAULT (0x0E), which holds RT_EVENT_DDSYNC */
-        e->waitable = (flags & ACL_EVENT_SYNC) || plain;
+        e->waitable = (flags & (ACL_EVENT_SYNC | ACL_EVENT_IPC)) || plain; /* IPC: waited on in new mode */
         e->ex = ex;
         e->fresh_id = ex || plain;
         pthread_mutex_init(&e->mu, NULL);
@@ -279,13 +293,37 @@ static int event_and_stream(aclrtEvent event, aclrtStream stream, const char *ca
     return 0;
 }
 
+/* hicann/runtime ApiErrorDecorator::EventRecord, ::StreamWaitEvent, ::EventReset: an event of
+   ACL_EVENT_DEVICE_USE_ONLY (RT_EVENT_MC2) is recorded and waited on by device tasks, never
+   through these calls (107000). Drops the caller's references when it fails. */
+static aclError not_device_only(struct sim_event *e, struct sim_stream *s, aclrtEvent event, const char *call)
+{
+    if (!(e->flags & ACL_EVENT_DEVICE_USE_ONLY))
+        return ACL_SUCCESS;
+    sim_stream_put(s);
+    sim_obj_unref(&e->obj);
+    return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "event %p was created with ACL_EVENT_DEVICE_USE_ONLY: only "
+                    "tasks on the device record and wait on it", event);
+}
+
+/* ApiErrorDecorator::EventSynchronize, ::EventQuery[Status]: an ACL_EVENT_EXTERNAL event (model
+   capture's task update) is neither synchronised nor queried (RT_ERROR_FEATURE_NOT_SUPPORT). */
+static aclError not_external(struct sim_event *e, aclrtEvent event, const char *call)
+{
+    if (e->flags != ACL_EVENT_EXTERNAL)
+        return ACL_SUCCESS;
+    sim_obj_unref(&e->obj);
+    return sim_fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, call, "event %p was created with ACL_EVENT_EXTERNAL, which "
+                    "does not support this call", event);
+}
+
 SIM_EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
 {
     static const char call[] = "aclrtRecordEvent";
     struct sim_event *e = NULL;
     struct sim_stream *s;
     int rc = event_and_stream(event, stream, call, &e, &s);
-    if (rc)
+    if (rc || (rc = not_device_only(e, s, event, call)) != 0)
         return rc;
     if (e->device != s->device) { /* CANN: an event and the stream it is recorded on share a device */
         int ed = e->device, sd = s->device;
@@ -356,7 +394,7 @@ static int query(aclrtEvent event, int *status, int deprecated, const char *call
     if (!status)
         return -sim_fail(ACL_ERROR_INVALID_PARAM, call, "status is NULL");
     struct sim_event *e = NULL;
-    if ((rc = get_event(event, call, &e)) != 0)
+    if ((rc = get_event(event, call, &e)) != 0 || (rc = not_external(e, event, call)) != 0)
         return -rc;
     if (deprecated && e->ex) { /* ApiErrorDecorator::EventQuery: IsNewMode, RT_ERROR_FEATURE_NOT_SUPPORT */
         sim_obj_unref(&e->obj);
@@ -410,7 +448,7 @@ static aclError sync_event(aclrtEvent event, int32_t timeout, const char *call)
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "timeout %d ms is invalid: -1 (waits forever) or above 0",
                         (int)timeout);
     struct sim_event *e = NULL;
-    if ((rc = get_event(event, call, &e)) != 0)
+    if ((rc = get_event(event, call, &e)) != 0 || (rc = not_external(e, event, call)) != 0)
         return rc;
     uint64_t pos;
     struct sim_stream *s = snapshot(e, &pos);
@@ -446,6 +484,8 @@ SIM_EXPORT aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
         sim_obj_unref(&e->obj);
         return rc;
     }
+    if ((rc = not_device_only(e, target, event, call)) != 0)
+        return rc;
     if (!e->waitable) { /* ApiErrorDecorator::StreamWaitEvent: IsEventWithoutWaitTask, a warning */
         uint32_t flags = e->flags;
         sim_stream_put(target);
@@ -544,7 +584,7 @@ SIM_EXPORT aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
     struct sim_event *e = NULL;
     struct sim_stream *s;
     int rc = event_and_stream(event, stream, call, &e, &s);
-    if (rc)
+    if (rc || (rc = not_device_only(e, s, event, call)) != 0)
         return rc;
     if (!(e->flags & ACL_EVENT_SYNC) || e->ex) {
         int ex = e->ex, waitable = e->waitable;

@@ -91,6 +91,8 @@ struct sim_profile {
                                     950 (2048 in CANN 8.0's pages), 1024 on 310P */
     int ddr_device;              /* the device's memory is DDR, no HBM (310P): aclrtGetMemInfo answers
                                     it for the DDR attributes and converts HBM ones to them */
+    int device_ipc_events;       /* ACL_EVENT_DEVICE_USE_ONLY and ACL_EVENT_IPC events exist (A2, A3,
+                                    950; not 310P: 207000, CANN's aclrtCreateEvent[Ex]WithFlag pages) */
 };
 struct sim_config {
     int devices;                 /* this process's devices (ASCEND_RT_VISIBLE_DEVICES, else the node's) */
