@@ -314,7 +314,7 @@ def stats(device: int = 0) -> dict:
 
 
 def profile() -> str:
-    """The active ``ASCEND_SIM_PROFILE`` (``strict``, ``cann8.0``, ``cann8.3``, ``310p`` or
+    """The active ``ASCEND_SIM_PROFILE`` (``strict``, ``cann8.0``, ``cann8.2``, ``cann8.3``, ``310p`` or
     ``950``: the CANN rules the simulator enforces, docs/cann-rules.md), read at aclInit."""
     name = _l().ascendsim_profile()
     if name is None:

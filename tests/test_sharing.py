@@ -511,3 +511,62 @@ def test_a_worker_that_numbers_the_devices_otherwise_opens_the_block_on_the_same
         view = [v for v in ex("out = sharing.shares()") if v["key"] == handle.key]
         assert view[0]["device"] == 1, view                            # the node's number
         assert ex("out = p1.share_free(ptr)") is True
+
+
+def test_sharing_works_where_the_ipc_flags_are_reserved(sim_node):
+    """CANN 8.2.RC1's (and 8.3.RC1alpha001's) pages call the flags of aclrtIpcMemGetExportKey and
+    aclrtIpcMemImportByKey reserved, "fixed to 0"; the simulator's cann8.2 profile refuses any other
+    (107000). The pool imports on the exporter's own device with flag 0: before, every import passed
+    ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS, and such a runtime refused each one. A share for
+    any process needs the export flag, which that runtime does not have: the runtime's code says so."""
+    env = {"ASCEND_SIM_PROFILE": "cann8.2"}
+    with Peer(sim_node, POOL, **env) as ex, Peer(sim_node, POOL, **env) as im:
+        h = ex("""
+            ptr = pool.share_malloc(2 * MiB)
+            sim.launch_fill(None, ptr, 2 * MiB, 0x3C)
+            pool.synchronize()
+            out = dump(pool.share(ptr, pids=[%d]))
+        """ % im.node_pid)
+        assert im(f"""
+            blk = ap.open_shared(load({h!r}), pool=pool)
+            out = sim.read(blk.ptr, 2 * MiB) == b"\\x3c" * (2 * MiB)
+            blk.close()
+        """) is True
+        got = ex("""
+            q = pool.share_malloc(2 * MiB)
+            try:
+                pool.share(q, any_process=True)
+                out = "shared"
+            except DeviceError as e:
+                out = [e.code, str(e)]
+            pool.share_free(q)
+        """)
+        assert got[0] == 107000 and "reserved" in got[1], got
+        assert ex("out = pool.share_free(ptr)") is True
+
+
+def test_only_an_import_on_another_device_asks_for_peer_access(sim_node):
+    """Backend.ipc_import(device, key, exporter_device): ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS
+    only when the devices differ (the simulator refuses a cross-device import without it, 507899,
+    and under cann8.2 any import with it, 107000)."""
+    code = """
+        from ascend_pool._core import Backend
+        b = Backend("sim")
+        p = b.malloc(0, 2 * MiB)
+        key = b.ipc_export(0, p, 2 * MiB)
+        b.ipc_set_pids(0, key, [b.node_pid()])
+        res = {}
+        for dev, exporter in ((0, None), (0, 0), (1, 0), (1, None)):
+            try:
+                q, _ = b.ipc_import(dev, key, exporter)
+                b.ipc_close(dev, key)
+                res[f"{dev},{exporter}"] = 0
+            except DeviceError as e:
+                res[f"{dev},{exporter}"] = e.code
+        b.ipc_close(0, key)
+        b.free(0, p)
+        out = res
+    """
+    with Peer(sim_node, POOL) as cur, Peer(sim_node, POOL, ASCEND_SIM_PROFILE="cann8.2") as old:
+        assert cur(code) == {"0,None": 0, "0,0": 0, "1,0": 0, "1,None": 507899}
+        assert old(code) == {"0,None": 0, "0,0": 0, "1,0": 107000, "1,None": 507899}

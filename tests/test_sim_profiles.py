@@ -12,8 +12,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from sim_fixtures import sim_node  # noqa: E402,F401  (fixture)
 
-PROFILES = ["strict", "cann8.0", "cann8.3", "310p", "950"]
-SOC = {"strict": "Ascend910B1", "cann8.0": "Ascend910B1", "cann8.3": "Ascend910B1",
+PROFILES = ["strict", "cann8.0", "cann8.2", "cann8.3", "310p", "950"]
+SOC = {"strict": "Ascend910B1", "cann8.0": "Ascend910B1", "cann8.2": "Ascend910B1", "cann8.3": "Ascend910B1",
        "310p": "Ascend310P3", "950": "Ascend950PR"}
 
 

@@ -986,7 +986,7 @@ static int acl_ipc_set_pids(ap_backend *b, int device, const char *key, const in
     ON_DEVICE(b, device, IMPL(b)->aclrtIpcMemSetImportPid(key, (int32_t *)pids, n)); /* prototype lacks const */
 }
 
-static int acl_ipc_import(ap_backend *b, int device, const char *key, void **ptr, size_t *size)
+static int acl_ipc_import(ap_backend *b, int device, const char *key, int peer, void **ptr, size_t *size)
 {
     int rc;
 
@@ -994,8 +994,12 @@ static int acl_ipc_import(ap_backend *b, int device, const char *key, void **ptr
     if (size)
         *size = 0; /* aclrtIpcMemImportByKey does not say */
     (void)rc;
-    /* As torch_npu does: peer access on, so a block imported on another device is usable there. */
-    ON_DEVICE(b, device, IMPL(b)->aclrtIpcMemImportByKey(ptr, key, ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS));
+    /* Peer access only for another device's memory (usable here then without
+       aclrtDeviceEnablePeerAccess): CANN 8.2.RC1's pages call the flag reserved, "fixed to 0", and
+       the later runtimes' flag asks the driver the key's device and opens peer access to it,
+       nothing an import on the exporter's own device needs. */
+    ON_DEVICE(b, device, IMPL(b)->aclrtIpcMemImportByKey(ptr, key, peer ? ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS
+                                                                        : ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT));
 }
 
 static int acl_ipc_close(ap_backend *b, int device, const char *key)
@@ -1009,7 +1013,7 @@ static int acl_ipc_close(ap_backend *b, int device, const char *key)
 
 static int acl_ipc_absent_export(ap_backend *b, int d, void *p, size_t s, char *k, size_t l, unsigned f) { (void)b; (void)d; (void)p; (void)s; (void)k; (void)l; (void)f; return AP_ERR_MISSING_SYMBOL; }
 static int acl_ipc_absent_set_pids(ap_backend *b, int d, const char *k, const int32_t *p, size_t n) { (void)b; (void)d; (void)k; (void)p; (void)n; return AP_ERR_MISSING_SYMBOL; }
-static int acl_ipc_absent_import(ap_backend *b, int d, const char *k, void **p, size_t *s) { (void)b; (void)d; (void)k; (void)p; (void)s; return AP_ERR_MISSING_SYMBOL; }
+static int acl_ipc_absent_import(ap_backend *b, int d, const char *k, int peer, void **p, size_t *s) { (void)b; (void)d; (void)k; (void)peer; (void)p; (void)s; return AP_ERR_MISSING_SYMBOL; }
 static int acl_ipc_absent_close(ap_backend *b, int d, const char *k) { (void)b; (void)d; (void)k; return AP_ERR_MISSING_SYMBOL; }
 
 /* ---- events -------------------------------------------------------------------------------- */

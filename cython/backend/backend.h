@@ -157,8 +157,12 @@ struct ap_backend {
     /* Exporter: lets these processes import `key` (cuda: nothing to do, 0). */
     int (*ipc_set_pids)(ap_backend *b, int device, const char *key, const int32_t *pids, size_t n);
     /* Maps the memory of `key` into this process for `device`; *size gets its bytes where the
-       runtime tells them, else 0 (acl tells nothing: the exporter's handle carries the size). */
-    int (*ipc_import)(ap_backend *b, int device, const char *key, void **ptr, size_t *size);
+       runtime tells them, else 0 (acl tells nothing: the exporter's handle carries the size).
+       `peer`: 1 when the memory was exported on another device than `device` (acl: imports with
+       ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS then, with 0 otherwise: CANN 8.2.RC1's pages
+       fix the flag to 0, and the later runtimes' flag only opens peer access to the exporter's
+       device; cuda: peer access is lazy either way). */
+    int (*ipc_import)(ap_backend *b, int device, const char *key, int peer, void **ptr, size_t *size);
     /* Importer: unmaps its import of `key`. Exporter: withdraws the key (acl: importers must have
        closed first; the simulator refuses with ACL_ERROR_RT_IPC_ERROR 507022 otherwise; cuda: 0). */
     int (*ipc_close)(ap_backend *b, int device, const char *key);

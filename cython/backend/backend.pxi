@@ -71,7 +71,7 @@ cdef extern from "backend.h" nogil:
         int (*ipc_export)(ap_backend *b, int device, void *ptr, size_t size, char *key, size_t keylen,
                           unsigned flags) noexcept nogil
         int (*ipc_set_pids)(ap_backend *b, int device, const char *key, const int32_t *pids, size_t n) noexcept nogil
-        int (*ipc_import)(ap_backend *b, int device, const char *key, void **ptr, size_t *size) noexcept nogil
+        int (*ipc_import)(ap_backend *b, int device, const char *key, int peer, void **ptr, size_t *size) noexcept nogil
         int (*ipc_close)(ap_backend *b, int device, const char *key) noexcept nogil
         int (*node_pid)(ap_backend *b, int32_t *pid) noexcept nogil
         int (*physical_device)(ap_backend *b, int device, int *physical) noexcept nogil
@@ -500,17 +500,21 @@ cdef class Backend:
             self._fail(rc, "physical_device")
         return int(physical)
 
-    def ipc_import(self, device, key):
+    def ipc_import(self, device, key, exporter_device=None):
         """Maps the memory exported as `key` into this process for `device`. Returns
-        (address, size); size is 0 where the runtime does not tell it (acl)."""
+        (address, size); size is 0 where the runtime does not tell it (acl). exporter_device:
+        the device the memory was exported on, as this process numbers it (None: `device`);
+        only an import on another device asks for peer access (acl:
+        ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS, which CANN 8.2.RC1 does not take)."""
         cdef int dev = self._device(device)
+        cdef int peer = exporter_device is not None and self._device(exporter_device) != dev
         cdef int rc
         cdef bytes bkey = str(key).encode("ascii")
         cdef const char *ckey = bkey
         cdef void *p = NULL
         cdef size_t size = 0
         with nogil:
-            rc = self.b.ipc_import(self.b, dev, ckey, &p, &size)
+            rc = self.b.ipc_import(self.b, dev, ckey, peer, &p, &size)
         if rc != 0:
             self._fail(rc, "ipc_import")
         return <uintptr_t>p, size

@@ -487,13 +487,15 @@ static int hex_value(char c)
     return -1;
 }
 
-static int cuda_ipc_import(ap_backend *b, int device, const char *key, void **ptr, size_t *size)
+/* `peer` changes nothing: cudaIpcMemLazyEnablePeerAccess enables peer access only when needed. */
+static int cuda_ipc_import(ap_backend *b, int device, const char *key, int peer, void **ptr, size_t *size)
 {
     cuda_impl *im = IMPL(b);
     cuda_ipc_handle h;
     cuda_ipc_entry *m;
     int rc, i;
 
+    (void)peer;
     cuda_ipc_record(b);
     if (size)
         *size = 0;
@@ -573,7 +575,7 @@ static int cuda_node_pid(ap_backend *b, int32_t *pid)
 }
 
 static int cuda_ipc_absent_set_pids(ap_backend *b, int d, const char *k, const int32_t *p, size_t n) { (void)b; (void)d; (void)k; (void)p; (void)n; return AP_ERR_MISSING_SYMBOL; }
-static int cuda_ipc_absent_import(ap_backend *b, int d, const char *k, void **p, size_t *s) { (void)b; (void)d; (void)k; (void)p; (void)s; return AP_ERR_MISSING_SYMBOL; }
+static int cuda_ipc_absent_import(ap_backend *b, int d, const char *k, int peer, void **p, size_t *s) { (void)b; (void)d; (void)k; (void)peer; (void)p; (void)s; return AP_ERR_MISSING_SYMBOL; }
 static int cuda_ipc_absent_close(ap_backend *b, int d, const char *k) { (void)b; (void)d; (void)k; return AP_ERR_MISSING_SYMBOL; }
 
 static int cuda_event_create(ap_backend *b, int device, void **event)

@@ -68,7 +68,7 @@ SIM_EXPORT const char *ascendsim_stats_fields(void);
 /* The device of a live stream (NULL: the calling thread's default stream); 107000 for a handle
    that is not a live stream. */
 SIM_EXPORT aclError ascendsim_stream_device(aclrtStream stream, int32_t *device);
-/* ASCEND_SIM_PROFILE as read at aclInit (strict, cann8.0, cann8.3, 310p, 950); NULL before. */
+/* ASCEND_SIM_PROFILE as read at aclInit (strict, cann8.0, cann8.2, cann8.3, 310p, 950); NULL before. */
 SIM_EXPORT const char *ascendsim_profile(void);
 /* This process's sharing of one device (ipc.c), as n uint64 values in this order: live exports,
    bytes exported, live imports (a key imported twice counts once), bytes imported. Imported bytes

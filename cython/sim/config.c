@@ -8,7 +8,7 @@
  *   ASCEND_SIM_FAIL_AFTER_BYTES   mallocs taking this process above this many bytes fail
  *   ASCEND_SIM_NODE               name of the simulated node sharing device capacity ("default")
  *   ASCEND_SIM_SHM_DIR            directory of the node's shared records     (default /dev/shm)
- *   ASCEND_SIM_PROFILE            strict | cann8.0 | cann8.3 | 310p | 950       (default strict)
+ *   ASCEND_SIM_PROFILE            strict | cann8.0 | cann8.2 | cann8.3 | 310p | 950 (default strict)
  *   ASCEND_SIM_SOC_NAME           what aclrtGetSocName answers instead of the profile's SoC name:
  *                                 one SoC has several names across CANN versions (an Ascend 950 is
  *                                 "Ascend910_9599" in some, "Ascend950PR_9599" in others)
@@ -18,6 +18,11 @@
  *
  * A profile is the set of documented rules of one CANN generation or SoC (docs/cann-rules.md):
  *   cann8.0  Atlas A2 on CANN 8.0.x: reserve flags must match the mapped page type (0 normal, 1 huge)
+ *   cann8.2  Atlas A2 on CANN 8.2.RC1 (and 8.3.RC1alpha001): the IPC calls' flags are reserved, 0
+ *            only (no ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION, no
+ *            ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS); otherwise as cann8.3. strict does not
+ *            take this rule: it would leave the suite without any-process shares and cross-device
+ *            imports, which the later versions have
  *   cann8.3  Atlas A2 on current CANN: reserve flags 0 or 1 accepted for any page type
  *   310p     Atlas inference card (Ascend310P3): 1,023 synchronizing events per device; its memory
  *            is DDR (aclrtGetMemInfo: DDR attributes answer it, HBM ones are converted to them)
@@ -166,12 +171,14 @@ static int node_name_ok(const char *s)
 }
 
 static const struct sim_profile PROFILES[] = {
-    /* name       soc name        events  8.0 flags  pad  ex events  streams  DDR device  device/IPC events */
-    {"strict",  "Ascend910B1",   65536,  1,         1,   0,         1984,    0,          1},
-    {"cann8.0", "Ascend910B1",   65536,  1,         1,   1,         2048,    0,          1},
-    {"cann8.3", "Ascend910B1",   65536,  0,         1,   1,         1984,    0,          1},
-    {"310p",    "Ascend310P3",   1023,   0,         1,   1,         1024,    1,          0},
-    {"950",     "Ascend950PR",   65536,  0,         0,   1,         1984,    0,          1},
+    /* name       soc name        events  8.0 flags  pad  ex events  streams  DDR device  device/IPC events
+                                                                                                 IPC flags 0 */
+    {"strict",  "Ascend910B1",   65536,  1,         1,   0,         1984,    0,          1,  0},
+    {"cann8.0", "Ascend910B1",   65536,  1,         1,   1,         2048,    0,          1,  0},
+    {"cann8.2", "Ascend910B1",   65536,  0,         1,   1,         1984,    0,          1,  1},
+    {"cann8.3", "Ascend910B1",   65536,  0,         1,   1,         1984,    0,          1,  0},
+    {"310p",    "Ascend310P3",   1023,   0,         1,   1,         1024,    1,          0,  0},
+    {"950",     "Ascend950PR",   65536,  0,         0,   1,         1984,    0,          1,  0},
 };
 
 static int get_profile(struct sim_profile *out, const char *call)
@@ -186,7 +193,7 @@ static int get_profile(struct sim_profile *out, const char *call)
         }
     }
     return sim_fail(ACL_ERROR_INVALID_PARAM, call,
-                    "ASCEND_SIM_PROFILE='%s' is not a profile (strict, cann8.0, cann8.3, 310p, 950)", v);
+                    "ASCEND_SIM_PROFILE='%s' is not a profile (strict, cann8.0, cann8.2, cann8.3, 310p, 950)", v);
 }
 
 int sim_config_load(struct sim_config *cfg, const char *call)

@@ -601,6 +601,11 @@ SIM_EXPORT aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *key
                         "flags %llu is not ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT (0) or "
                         "ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION (1), optionally with the simulator's "
                         "ASCENDSIM_IPC_EXPORT_FLAG_READ_ONLY", (unsigned long long)flags);
+    if ((flags & ~ASCENDSIM_IPC_EXPORT_FLAG_READ_ONLY) && g_sim.cfg.profile.ipc_flags_reserved)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "flags %llu: under the simulator's '%s' profile (CANN 8.2.RC1) the flags are reserved, "
+                        "0 only: list the importers with aclrtIpcMemSetImportPid", (unsigned long long)flags,
+                        g_sim.cfg.profile.name);
     int dev;
     if ((rc = sim_current_device(call, &dev)) != 0)
         return rc;
@@ -764,6 +769,10 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
                         "flags %llu is not ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT (0) or "
                         "ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS (1)", (unsigned long long)flags);
+    if (flags && g_sim.cfg.profile.ipc_flags_reserved)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call,
+                        "flags %llu: under the simulator's '%s' profile (CANN 8.2.RC1) the flags are reserved, "
+                        "0 only", (unsigned long long)flags, g_sim.cfg.profile.name);
     int dev;
     if ((rc = sim_current_device(call, &dev)) != 0)
         return rc;

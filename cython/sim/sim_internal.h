@@ -80,7 +80,7 @@ int sim_parse_size(const char *text, uint64_t *bytes); /* 0 ok, -1 malformed/ove
 /* The documented rules of one CANN generation or SoC (docs/cann-rules.md has each rule's source).
    strict, the default, is an Atlas A2 (910B) card under the rules of every CANN version. */
 struct sim_profile {
-    char name[16];               /* strict | cann8.0 | cann8.3 | 310p | 950 */
+    char name[16];               /* strict | cann8.0 | cann8.2 | cann8.3 | 310p | 950 */
     char soc_name[32];           /* what aclrtGetSocName answers */
     uint32_t event_limit;        /* synchronizing events per device: 65536, 1023 on 310P */
     int reserve_flags_match;     /* CANN 8.0.x: aclrtReserveMemAddress flags = page type mapped */
@@ -93,6 +93,9 @@ struct sim_profile {
                                     it for the DDR attributes and converts HBM ones to them */
     int device_ipc_events;       /* ACL_EVENT_DEVICE_USE_ONLY and ACL_EVENT_IPC events exist (A2, A3,
                                     950; not 310P: 207000, CANN's aclrtCreateEvent[Ex]WithFlag pages) */
+    int ipc_flags_reserved;      /* CANN 8.2.RC1 / 8.3.RC1alpha001 pages: the flags of
+                                    aclrtIpcMemGetExportKey and aclrtIpcMemImportByKey are reserved,
+                                    "fixed to 0": anything else answers 107000 */
 };
 struct sim_config {
     int devices;                 /* this process's devices (ASCEND_RT_VISIBLE_DEVICES, else the node's) */
