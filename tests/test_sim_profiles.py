@@ -134,6 +134,36 @@ def test_malloc_padding_per_soc(sim_node, profile, pad):  # noqa: F811
     assert out["backend"] == 128 + pad and out["soc"] == SOC[profile]
 
 
+@pytest.mark.parametrize("profile", ["strict", "310p", "950"])
+def test_a_segment_takes_whole_huge_pages_and_no_more_without_malloc_align32(sim_node, profile):  # noqa: F811
+    # Huge pages are taken whole (aclrtMemAttr: ACL_HBM_MEM_HUGE's granularity is 2 MiB), so the
+    # fallback's aclrtMalloc(2 MiB) took 2 MiB + 32 bytes of padding, 4 MiB of the device, for each
+    # small segment (a 20 MiB one took 22 MiB). The backend asks 32 bytes less for a whole number
+    # of pages: the padded total is the segment. The legacy build lacks aclrtMallocAlign32.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        p = ap.Pool(0, backend="sim")
+        assert not p.backend.has_malloc_align32
+        a = p.malloc(512)                          # a small segment: 2 MiB
+        small = [sim.stats(0)["bytes_held"], p.memory_stats()["reserved_bytes.all.current"]]
+        b = p.malloc(5 << 20)                      # a large one: 20 MiB
+        large = sim.stats(0)["bytes_held"] - small[0]
+        for seg in p.snapshot()["segments"]:      # each segment's last bytes are the device's
+            sim.launch_fill(None, seg["address"] + seg["total_size"] - 64, 64, 7)
+        p.synchronize()
+        p.free(a); p.free(b); p.empty_cache()
+        print(json.dumps({"small": small, "large": large, "end": sim.stats(0)["bytes_held"]}))
+        p.close()
+    """, ASCEND_SIM_PROFILE=profile, SIM_LIB=_legacy_lib())
+    MiB = 1 << 20
+    assert out == {"small": [2 * MiB, 2 * MiB], "large": 20 * MiB, "end": 0}, out
+
+
+def _legacy_lib():
+    from ascend_pool.backend import sim_library_path
+    return sim_library_path(legacy=True)
+
+
 @pytest.mark.parametrize("profile,soc,pad", [
     ("950", "Ascend950PR_9599", 0), ("950", "Ascend910_9599", 0), ("950", "Ascend910_957b", 0),
     ("950", "Ascend910_950z", 0), ("strict", "Ascend910_9391", 32), ("310p", "Ascend310P1", 32)])

@@ -62,7 +62,9 @@ struct ap_backend {
     char soc_name[64]; /* acl: aclrtGetSocName() ("" when absent); cuda: "" */
 
     /* Bytes the device really reserves for a request of `size` bytes from this backend's
-       malloc (acl: aclrtMallocAlign32 rounds up to 32; aclrtMalloc rounds up to 32 and adds 32). */
+       malloc (acl: aclrtMallocAlign32 rounds up to 32; aclrtMalloc rounds up to 32 and adds 32,
+       but a whole number of 2 MiB pages is asked 32 bytes short and takes exactly itself; huge
+       pages of other sizes above 1 MiB, taken whole, are not counted). */
     size_t (*device_size)(const ap_backend *b, size_t size);
 
     /* Names the device whose context this thread's calls without a device argument (events,

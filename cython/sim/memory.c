@@ -2,9 +2,10 @@
  *
  * Sizes follow the real runtime: aclrtMalloc rounds up to a multiple of 32 bytes and adds 32
  * bytes of padding (except on Ascend 950, profile 950, and for the 1 GiB-page policies),
- * aclrtMallocAlign32 only rounds. That rounded size is what an allocation
- * takes from the device's capacity, what aclrtGetMemInfo counts as used (summed over every
- * process of the node), and the extent that ascendsim_read/launch_fill may touch. Bases are
+ * aclrtMallocAlign32 only rounds. That rounded size is the extent that ascendsim_read/launch_fill
+ * may touch; what an allocation takes from the device's capacity, and what aclrtGetMemInfo counts
+ * as used (summed over every process of the node), is that size in whole 2 MiB pages when the
+ * allocation is of huge pages (HUGE_ONLY, HUGE_FIRST above 1 MiB), else the size itself. Bases are
  * 64-byte aligned (page aligned in fact: each allocation is its own mapping, see dmem.c).
  *
  * Failure order for a valid call: injected latency, then "fail the Nth malloc", then
@@ -83,22 +84,34 @@ static aclError do_malloc(void **devPtr, size_t size, int policy, int pad, const
     int huge1g = policy == ACL_MEM_MALLOC_HUGE1G_ONLY || policy == ACL_MEM_MALLOC_HUGE1G_ONLY_P2P;
     pad = pad && g_sim.cfg.profile.malloc_pad && !huge1g;
     size_t bytes = ((size + 31) & ~(size_t)31) + (pad ? 32 : 0);
-
-    if ((rc = sim_charge(dev, bytes, call)) != 0)
-        return rc;
+    /* Huge pages are taken whole (acl_rt.h's aclrtMemAttr: ACL_HBM_MEM_HUGE "granularity 2M, a
+       size short of a 2M multiple is rounded up to 2M"): HUGE_ONLY always, HUGE_FIRST above
+       1 MiB. So aclrtMalloc(2 MiB), padded to 2 MiB + 32 bytes, takes 4 MiB of the device.
+       (1 GiB pages are not modelled: charged as 2 MiB ones.) */
     int normal_only = policy == ACL_MEM_MALLOC_NORMAL_ONLY || policy == ACL_MEM_MALLOC_NORMAL_ONLY_P2P;
+    int huge = !normal_only && (bytes > SIM_HUGE_PAGE / 2 || policy == ACL_MEM_MALLOC_HUGE_ONLY ||
+                                policy == ACL_MEM_MALLOC_HUGE_ONLY_P2P);
+    size_t charged = huge ? (bytes + SIM_HUGE_PAGE - 1) / SIM_HUGE_PAGE * SIM_HUGE_PAGE : bytes;
+    if (charged > total)
+        return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
+                        "%zu bytes requested take %zu bytes of huge pages, more than device %d's %llu bytes "
+                        "of HBM", size, charged, dev, (unsigned long long)total);
+
+    if ((rc = sim_charge(dev, charged, call)) != 0)
+        return rc;
     struct sim_alloc *a = sim_alloc_map(bytes, SIM_BASE_ALIGN, !normal_only && bytes >= SIM_HUGE_PAGE);
     if (!a) {
         int err = errno;
-        sim_uncharge(dev, bytes);
+        sim_uncharge(dev, charged);
         return sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call,
                         "the host could not map %zu bytes (%s; vm.max_map_count bounds the number "
                         "of live allocations)", bytes, strerror(err));
     }
     a->device = dev;
+    a->charged = charged;
     sim_alloc_insert(SIM_TREE_DEVICE, a);
     struct sim_device *d = &g_sim.dev[dev];
-    atomic_fetch_add(&d->held, bytes);
+    atomic_fetch_add(&d->held, charged);
     atomic_fetch_add(&d->mallocs, 1);
     *devPtr = (void *)a->base;
     return ACL_SUCCESS;
@@ -140,8 +153,8 @@ SIM_EXPORT aclError aclrtFree(void *devPtr)
                         "%p is not the base of a live device allocation (never allocated, already "
                         "freed, or inside another allocation)", devPtr);
     struct sim_device *d = &g_sim.dev[a->device];
-    sim_uncharge(a->device, a->size);
-    atomic_fetch_sub(&d->held, a->size);
+    sim_uncharge(a->device, a->charged);
+    atomic_fetch_sub(&d->held, a->charged);
     atomic_fetch_add(&d->frees, 1);
     a->poison = atomic_load(&g_sim.poison);
     if (a->poison)

@@ -231,7 +231,8 @@ void sim_node_reset(void); /* fork child */
 /* ---- dmem.c: mapped allocations, looked up by address range ---- */
 struct sim_alloc {
     uintptr_t base;
-    size_t size;         /* bytes accounted (the rounded size): the extent reads/fills may touch */
+    size_t size;         /* the rounded (and padded) size: the extent reads/fills may touch */
+    size_t charged;      /* aclrtMalloc's: device bytes it takes, size in whole 2 MiB pages when huge */
     void *map;
     size_t map_len;
     int device;          /* -1 for host memory */
