@@ -12,11 +12,12 @@ from ascend_pool import _core, sim
 from ascend_pool.bench import micro
 from ascend_pool.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the package this test imported (the installed one in CI, an in-place build by hand)
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__)))
 
 
 def test_ctrl_c_in_bench_is_one_line_and_exit_130(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen([sys.executable, "-m", "ascend_pool.cli", "bench", "--backend", "sim",
                           "--json", str(tmp_path / "b.json")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
