@@ -473,3 +473,54 @@ def test_ascend_pool_init_inside_the_block_makes_the_process_default_pool():
     proc = subprocess.run([sys.executable, "-c", _INIT_INSIDE], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "0"]
+
+
+def test_the_memory_fraction_serves_what_fits_as_a_pools_own_limit_does():
+    # The placement's limit rules go by the device's memory fraction too: near it a request's
+    # segment is its exact size, and an expandable growth maps no more than it needs. They went by
+    # the pool's own limit alone, so a MemPool under the fraction (no limit of its own), or the
+    # default pool beside MemPools that hold most of it, was refused requests that fit: a
+    # 1000-byte one for a 2 MiB segment, the last 1 MiB ones for a growth's overshoot.
+    MiB_ = MiB
+
+    def fill(pool):
+        held = []
+        while len(held) < 200:
+            try:
+                held.append(pool.malloc(MiB_))
+            except ap.OutOfMemoryError:
+                break
+        for a in held:
+            pool.free(a)
+        return len(held)
+
+    default = ap.default_pool(0)
+    ap.empty_cache()
+    total = ap.mem_get_info(0)[1]
+    pre = default.total_bytes()
+    grows = ap.Pool(0, expandable_segments=True)  # fresh: past its growth budget at a new peak
+    try:
+        grows.set_limit(100 * MiB)
+        own_limit = fill(grows)
+    finally:
+        grows.close()
+    grows = ap.Pool(0, expandable_segments=True)
+    try:
+        ap.set_per_process_memory_fraction((100 * MiB + pre) / total, 0)
+        assert fill(grows) == own_limit == 99
+    finally:
+        ap.set_per_process_memory_fraction(1.0, 0)
+        default.set_limit()
+        grows.close()
+    mp = ap.Pool(0)
+    try:
+        ap.set_per_process_memory_fraction((39 * MiB + pre) / total, 0)
+        a = mp.malloc(37 * MiB)  # a 38 MiB segment: 1 MiB of the fraction left
+        ap.free(ap.malloc(1000))
+        with ap.use_mem_pool(mp):
+            ap.free(ap.malloc(1000))
+        mp.free(a)
+    finally:
+        ap.set_per_process_memory_fraction(1.0, 0)
+        default.set_limit()
+        mp.close()

@@ -177,7 +177,7 @@ size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size) {
        requests are refused although most of what it holds is free (the serve --replay demo's tight
        tenant: every run refused after the first one that hit its quota). */
     size_t room = wm - reserved - size;
-    if (p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve) {
+    if (p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve || ap_device_cap_room(p) != SIZE_MAX) {
         p->trade_room = 0;
         return size;
     }

@@ -64,6 +64,14 @@ int ap_device_cap_book(ap_pool *p, size_t bytes, ap_error *err) {
     }
 }
 
+size_t ap_device_cap_room(const ap_pool *p) {
+    const ap_device_cap *cap = p->device_cap;
+    if (!cap) return SIZE_MAX;
+    size_t limit = atomic_load(&cap->limit), held = atomic_load(&cap->held);
+    if (limit == AP_NO_LIMIT) return SIZE_MAX;
+    return held < limit ? limit - held : 0;
+}
+
 void ap_device_cap_unbook(ap_pool *p, size_t bytes) {
     if (p->device_cap) atomic_fetch_sub(&p->device_cap->held, bytes);
 }

@@ -436,6 +436,9 @@ int ap_pool_join_device_cap(ap_pool *p, int owner);
 /* Books bytes under p's device cap before a device allocation: AP_OK, or AP_E_LIMIT (err says
    so) when the device's pools together would pass it. Under p's lock. */
 int ap_device_cap_book(ap_pool *p, size_t bytes, ap_error *err);
+/* Bytes p may still book under its device's cap (SIZE_MAX: no cap, or no fraction set): the
+   placement's limit rules (exact sizes near it, no overshoot) go by it as by p's own limit. */
+size_t ap_device_cap_room(const ap_pool *p);
 /* Gives back bytes booked with ap_device_cap_book. Under p's lock. */
 void ap_device_cap_unbook(ap_pool *p, size_t bytes);
 /* p leaves its cap, with all it holds (ap_pool_destroy_ex: its segments go back without a

@@ -200,11 +200,14 @@ size_t ap_release_stream_segments(ap_pool *p, int slot, ap_error *err) {
     return released;
 }
 
-/* Bytes a growth may take under the byte limit now (SIZE_MAX: none). */
+/* Bytes a growth may take under the byte limit now (SIZE_MAX: none), and under the device's memory
+   fraction, which the device's other plain pools share (a MemPool's requests that fit under it were
+   refused for a 2 MiB segment the pool's own limit would have made exact). */
 static size_t limit_headroom(const ap_pool *p) {
-    size_t reserved = ap_reserved(p);
-    if (p->cfg.limit_bytes == AP_NO_LIMIT) return SIZE_MAX;
-    return p->cfg.limit_bytes > reserved ? p->cfg.limit_bytes - reserved : 0;
+    size_t reserved = ap_reserved(p), cap = ap_device_cap_room(p);
+    if (p->cfg.limit_bytes == AP_NO_LIMIT) return cap;
+    size_t own = p->cfg.limit_bytes > reserved ? p->cfg.limit_bytes - reserved : 0;
+    return own < cap ? own : cap;
 }
 
 /* A classic segment for rsize. A medium request shares a 20 MiB segment with others, as in
