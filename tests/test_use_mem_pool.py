@@ -524,3 +524,44 @@ def test_the_memory_fraction_serves_what_fits_as_a_pools_own_limit_does():
         ap.set_per_process_memory_fraction(1.0, 0)
         default.set_limit()
         mp.close()
+
+
+_DEFAULT_MADE_TWICE = """
+import ascend_pool as ap
+from ascend_pool import api
+real, nested = api._create_default, []
+def create(device):
+    pool = real(device)
+    if not nested:  # a signal handler's call, inside the creating thread's lock
+        nested.append(1)
+        api.process_default_pool(device)
+    return pool
+api._create_default = create
+d = ap.default_pool(0)
+limit = d._limit()
+mp = ap.Pool(0)
+a = d.malloc(limit * 6 // 10)
+try:
+    mp.malloc(limit * 6 // 10)
+except ap.OutOfMemoryError:
+    print("capped")
+else:
+    print("not capped")
+"""
+
+
+def test_a_default_pool_made_while_another_was_made_keeps_the_fraction_over_the_mempools():
+    """api.process_default_pool closes the default it made when a signal handler made one
+    meanwhile: that close lifted the device's memory fraction (its memory_fraction knob) over every
+    MemPool, although the handler's pool owned the cap by then; a MemPool then took 60% of the
+    fraction beside the default pool's 60%."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ASCEND_POOL_CONF="memory_fraction:0.001",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__))))
+    proc = subprocess.run([sys.executable, "-c", _DEFAULT_MADE_TWICE], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["capped"]

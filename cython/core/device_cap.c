@@ -35,18 +35,27 @@ static ap_device_cap *cap_for(const ap_backend *backend, int device) {
 int ap_pool_join_device_cap(ap_pool *p, int owner) {
     ap_device_cap *cap = cap_for(p->backend, p->device);
     if (!cap) return -1;
+    if (owner) { /* before the limit below: a previous owner's leave no longer lifts it */
+        pthread_mutex_lock(&caps_lock);
+        __atomic_store_n(&cap->owner, p, __ATOMIC_SEQ_CST);
+        pthread_mutex_unlock(&caps_lock);
+    }
     pthread_mutex_lock(&p->lock);
     if (!p->device_cap) {
         __atomic_store_n(&p->device_cap, cap, __ATOMIC_RELAXED);
         atomic_fetch_add(&cap->held, ap_reserved(p));
     }
     if (owner) {
-        p->cap_owner = 1;
         atomic_store(&p->keeps_idle, 0); /* the default pool: no MemPool, its cache serves the others */
-        atomic_store(&cap->limit, p->cfg.limit_bytes);
+        ap_device_cap_set_limit(p, p->cfg.limit_bytes);
     }
     pthread_mutex_unlock(&p->lock);
     return 0;
+}
+
+void ap_device_cap_set_limit(ap_pool *p, size_t limit_bytes) {
+    ap_device_cap *cap = p->device_cap;
+    if (cap && __atomic_load_n(&cap->owner, __ATOMIC_SEQ_CST) == p) atomic_store(&cap->limit, limit_bytes);
 }
 
 int ap_device_cap_book(ap_pool *p, size_t bytes, ap_error *err) {
@@ -80,7 +89,14 @@ void ap_device_cap_leave(ap_pool *p) {
     ap_device_cap *cap = p->device_cap;
     if (!cap) return;
     atomic_fetch_sub(&cap->held, ap_reserved(p));
-    if (p->cap_owner) atomic_store(&cap->limit, AP_NO_LIMIT); /* the fraction was its limit */
+    /* The fraction was its limit, unless a default pool made since owns the cap: a default made
+       while another was being made (a signal handler's, api.process_default_pool) has the first
+       one closed after it joined, and that close lifted the fraction over every MemPool. */
+    pthread_mutex_lock(&caps_lock);
+    if (__atomic_load_n(&cap->owner, __ATOMIC_SEQ_CST) == p) {
+        __atomic_store_n(&cap->owner, NULL, __ATOMIC_SEQ_CST);
+        atomic_store(&cap->limit, AP_NO_LIMIT);
+    }
+    pthread_mutex_unlock(&caps_lock);
     __atomic_store_n(&p->device_cap, NULL, __ATOMIC_RELAXED);
-    p->cap_owner = 0;
 }

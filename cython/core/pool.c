@@ -819,7 +819,7 @@ size_t ap_pool_trim_to(ap_pool *p, size_t target) {
 void ap_pool_set_limit(ap_pool *p, size_t limit_bytes) {
     pthread_mutex_lock(&p->lock);
     p->cfg.limit_bytes = limit_bytes;
-    if (p->cap_owner && p->device_cap) atomic_store(&p->device_cap->limit, limit_bytes);
+    ap_device_cap_set_limit(p, limit_bytes); /* the device's fraction when p is its owner */
     size_t reserved = ap_reserved(p);
     if (limit_bytes != AP_NO_LIMIT && reserved > limit_bytes)
         ap_release_free_segments(p, reserved - limit_bytes, 1, 0, NULL);

@@ -48,8 +48,9 @@
  *                    keeps_idle (ap_pool_set_mempool, under the lock) and family (ap_pool_set_family) too.
  *   ap_device_cap    (device_cap.c) a device's memory fraction over its plain pools: held and limit are
  *                    atomics updated under each member pool's own lock (a compare-and-swap books a
- *                    segment), no lock of their own; caps_lock guards the table of caps, a leaf taken
- *                    at a pool's join only, before its pool lock, never under one.
+ *                    segment), no lock of their own; caps_lock guards the table of caps and each cap's
+ *                    owner, a leaf taken at a pool's join (before its pool lock) and at its destroy's
+ *                    leave (no lock held), never under a pool lock.
  *   cfg.roundup_*    (ap_pool.cfg) written under ap_pool.lock (ap_pool_set_tunables), read without it by
  *                    the rounding before the lock is taken: relaxed atomics (pool_internal.h ap_round_request).
  *   spare_lock       (pool.c) the list of destroyed pool structs kept for reuse; held for the list
@@ -305,7 +306,6 @@ typedef struct ap_pool {
     _Atomic int orphan; /* its Python object is gone, blocks of it are still allocated (ap_pool_set_orphan) */
     struct ap_device_cap *device_cap; /* the device's memory fraction this pool counts under (device_cap.c);
                                          written under the lock, read by the peer release with relaxed atomics */
-    int cap_owner;                    /* its own limit is that fraction (the device's default pool) */
     /* torch's MemPool arguments (ap_pool_set_mempool): keeps_idle, a MemPool made without
        use_on_oom: its idle cache is its own, not given back for another pool's out-of-memory (read
        by the peer release without the lock); no_split: an allocation takes its block whole. */
@@ -429,6 +429,7 @@ size_t ap_pool_trim_to(ap_pool *p, size_t target);
 typedef struct ap_device_cap {
     _Atomic size_t held;
     _Atomic size_t limit; /* the owner's limit_bytes; AP_NO_LIMIT: none (no owner, or no cap) */
+    struct ap_pool *owner; /* whose limit it is: set and cleared under caps_lock, read atomically */
 } ap_device_cap;
 /* Makes p count under its device's cap (owner: p's limit is the cap). Idempotent. 0, or -1 when
    the table of caps is full (p then counts under none). Takes p's lock. */
@@ -439,10 +440,12 @@ int ap_device_cap_book(ap_pool *p, size_t bytes, ap_error *err);
 /* Bytes p may still book under its device's cap (SIZE_MAX: no cap, or no fraction set): the
    placement's limit rules (exact sizes near it, no overshoot) go by it as by p's own limit. */
 size_t ap_device_cap_room(const ap_pool *p);
+/* p's new limit_bytes is its cap's limit too when p is the cap's owner. Under p's lock. */
+void ap_device_cap_set_limit(ap_pool *p, size_t limit_bytes);
 /* Gives back bytes booked with ap_device_cap_book. Under p's lock. */
 void ap_device_cap_unbook(ap_pool *p, size_t bytes);
 /* p leaves its cap, with all it holds (ap_pool_destroy_ex: its segments go back without a
-   release each). */
+   release each); the cap's limit goes with it only while p is still the cap's owner. */
 void ap_device_cap_leave(ap_pool *p);
 
 /* Changes the byte limit; a lower limit trims cache, never live blocks. */
