@@ -20,7 +20,10 @@ def test_ctrl_c_in_bench_is_one_line_and_exit_130(tmp_path):
     env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen([sys.executable, "-m", "ascend_pool.cli", "bench", "--backend", "sim",
                           "--json", str(tmp_path / "b.json")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                         # as a terminal's Ctrl-C finds it: a test run started in the background
+                         # (`.ci/run &`) hands its children SIGINT ignored, and Python keeps that
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(4)  # started and inside the run (the whole bench takes minutes)
     assert p.poll() is None, p.communicate()
     p.send_signal(signal.SIGINT)
