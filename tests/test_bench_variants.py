@@ -94,3 +94,18 @@ def test_cli_variants_json(capsys):
 
 def test_cli_without_variants_has_none_and_a_negative_count_is_refused():
     assert cli.main(["bench", "--traces", str(bundled_traces_dir()), "--no-micro", "--variants", "-1"]) == 2
+
+
+def test_variant_targets_are_not_judged_when_no_variant_could_be_replayed(monkeypatch):
+    # every variant fails (a device too small for the trace, an injected fault): the targets say
+    # n/a, as the bench's own targets do without rows, not PASS on zero workloads and FAIL on none
+    from ascend_pool import OutOfMemoryError
+    from ascend_pool.bench import robustness
+
+    def failing(*args, **kwargs):
+        raise OutOfMemoryError("out of memory: injected")
+    monkeypatch.setattr(robustness._peers, "run_peer", failing)
+    res = robustness.run_variants([bundled_traces_dir() / "resnet18_train_prefix.npz"], 2, "sim")
+    assert res["overall"]["workloads"] == 0 and len(res["errors"]) == 2
+    assert [t["passed"] for t in res["targets"]] == [None, None, None, None]
+    assert all("no perturbed workload" in t["detail"] for t in res["targets"])

@@ -79,6 +79,8 @@ def variant_targets(overall: dict, expandable: bool) -> list:
     o = overall
 
     def t(tid, text, passed, detail):
+        if not o["workloads"]:  # every variant failed (the device's memory, a fault): nothing to judge
+            passed, detail = None, "no perturbed workload replayed (the variants' errors say why)"
         return {"id": tid, "target": text, "passed": passed, "detail": detail, "per_trace": {}}
 
     fmt = (lambda x, s=".1f": "-" if x is None else format(x, s))
