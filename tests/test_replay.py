@@ -120,3 +120,23 @@ def test_direct_mode_gives_back_what_the_trace_leaves_allocated():
         r = replay(trace, backend="sim", mode="direct")
         assert r["final_allocated_bytes"] == 3 << 20  # the figure still says what was left
         assert sim.stats(0)["bytes_held"] == held
+
+
+def test_a_failed_device_call_in_direct_mode_is_a_device_error_with_the_runtimes_reason():
+    # direct mode returned the runtime's code (207001) as the status, which no error type maps:
+    # "PoolError: pool call failed (207001): device malloc of 256 bytes failed (207001)", the
+    # runtime's reason (out of device memory, an injected fault) lost
+    from ascend_pool import DeviceError, sim
+
+    replay(bundled("resnet18_train_prefix"), backend="sim", mode="direct")  # the backend open
+    held = sim.stats(0)["bytes_held"]
+    sim.set_faults(fail_malloc_nth=5)
+    try:
+        with pytest.raises(DeviceError) as e:
+            replay(bundled("resnet18_train_prefix"), backend="sim", mode="direct")
+    finally:
+        sim.reset_faults()
+    assert e.value.code == 207001
+    assert "device malloc of" in str(e.value) and "on device 0 failed (207001)" in str(e.value)
+    assert "fail_malloc_nth" in str(e.value)  # the runtime's own reason
+    assert sim.stats(0)["bytes_held"] == held  # what it had allocated went back

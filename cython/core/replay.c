@@ -24,6 +24,16 @@ static double pool_fragmentation(ap_pool *p) {
     return st.cached_free_bytes > 0 ? 1.0 - (double)st.largest_free_block / (double)st.cached_free_bytes : 0.0;
 }
 
+/* A direct device call's failure as the pool's own are (segments.c): status AP_E_DEVICE with the
+   runtime's code and reason, not the bare runtime code as the status, which the caller's error map
+   does not know (a "pool call failed (207001)" PoolError with no cause). */
+static int direct_error(ap_backend *b, int device, ap_error *err, int rc, const char *what, int64_t size) {
+    char msg[AP_RUNTIME_MSG];
+    b->error_message(b, rc, msg, sizeof msg);
+    return ap_set_error(err, AP_E_DEVICE, rc, "%s of %lld bytes on device %d failed (%d): %s", what,
+                        (long long)size, device, rc, msg);
+}
+
 static void cleanup(ap_pool *p, ap_backend *b, int device, int mode, void **ptrs, size_t n_slots) {
     for (size_t i = 0; i < n_slots; i++) {
         if (!ptrs[i]) continue;
@@ -53,8 +63,7 @@ int ap_replay(ap_pool *p, ap_backend *b, int device, int mode, const int8_t *op,
                 rc = ap_pool_malloc(p, (size_t)size[i], streams[stream[i]], &ptr, &r->error);
             } else {
                 rc = b->malloc(b, device, &ptr, (size_t)size[i]);
-                if (rc) ap_set_error(&r->error, AP_E_DEVICE, rc, "device malloc of %lld bytes failed (%d)",
-                                     (long long)size[i], rc);
+                if (rc) rc = direct_error(b, device, &r->error, rc, "device malloc", size[i]);
                 else {
                     r->device_mallocs++;
                     reserved_direct += (int64_t)b->device_size(b, (size_t)size[i]);
@@ -82,7 +91,7 @@ int ap_replay(ap_pool *p, ap_backend *b, int device, int mode, const int8_t *op,
                 rc = ap_pool_free(p, ptrs[s], streams[stream[i]], 0, &r->error);
             } else {
                 rc = b->free(b, device, ptrs[s]);
-                if (rc) ap_set_error(&r->error, AP_E_DEVICE, rc, "device free failed (%d)", rc);
+                if (rc) rc = direct_error(b, device, &r->error, rc, "device free", size[i]);
                 else {
                     r->device_frees++;
                     reserved_direct -= (int64_t)b->device_size(b, (size_t)size[i]);
