@@ -417,3 +417,28 @@ def test_a_tenant_context_reports_its_quota_in_mem_get_info(base):
         assert ctx.mem_get_info()[1] == dev_total
     finally:
         ctx.close()
+
+
+def test_a_growth_the_device_refused_leaves_no_warning_behind(base, caplog):
+    # the booking that crossed the warn level went back when the device refused the segment (out
+    # of device memory: serve --replay on a small device), but its warning stayed pending, and the
+    # next allocation that grew the pool logged "holds 2.00 MiB node-wide, past its warn level 50%
+    # of its quota 10.00 MiB" (serve's log: every replay, a tenant far below its level)
+    from ascend_pool import sim
+
+    ctx = base.context("refused", quota=10 * MiB, warn=0.5)
+    try:
+        sim.set_faults(fail_after_bytes=0)  # no segment to be had, whatever other pools give back
+        with caplog.at_level(logging.WARNING, logger="ascend_pool.tenants"):
+            try:
+                with pytest.raises(ap.OutOfMemoryError):
+                    ctx.malloc(large(6))  # booked 6 MiB >= 5 MiB, then refused by the device
+            finally:
+                sim.reset_faults()
+            assert ctx.held == 0
+            p = ctx.malloc(large(2))  # grows the pool, well below the level
+        assert not [r.getMessage() for r in caplog.records if "warn level" in r.getMessage()]
+        assert ctx.memory_stats()["quota_warn_events"] == 0
+        ctx.free(p)
+    finally:
+        ctx.close()

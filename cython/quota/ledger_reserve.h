@@ -183,8 +183,14 @@ static void apl_release_mapped(apl_handle *h, uint64_t bytes) {
        the quota: a reader of the ledger never sees a tenant over its quota. */
     atomic_store(&s->pending, -(int64_t)bytes);
     atomic_store(&s->held, mine - bytes);
-    apl_tenant_sub(f, &f->tenants[h->tenant], bytes);
+    apl_tenant *t = &f->tenants[h->tenant];
+    apl_tenant_sub(f, t, bytes);
     atomic_store(&s->pending, 0);
+    /* A crossing of the warn level that did not last (the device refused the segment just booked,
+       or it went back before the malloc returned) is no warning: malloc reports it afterwards and
+       would say the tenant is past a level it is below. */
+    if (atomic_load(&t->held) < apl_warn_bytes(atomic_load(&t->quota), atomic_load(&t->warn_ppm)))
+        atomic_store(&h->warn_pending, 0);
 }
 
 /* 1 when a guarded access to L's mapping faulted (the file shrank): L is not used again. */
