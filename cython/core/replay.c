@@ -116,9 +116,10 @@ int ap_replay(ap_pool *p, ap_backend *b, int device, int mode, const int8_t *op,
         r->final_allocated_bytes = ap_stat_all_current(&p->stats, AP_STAT_ALLOCATED_BYTES);
     } else {
         r->final_allocated_bytes = reserved_direct;
-        /* what the trace leaves allocated (a snapshot's live tensors) goes back to the device: no one
-           else has these pointers (a pool's blocks go back at its close) */
-        cleanup(p, b, device, mode, ptrs, n_slots);
     }
+    /* what the trace leaves allocated (a snapshot's live tensors) is freed, its figure taken: no one
+       else has these pointers, and a pool closed with them would warn the user to free blocks that
+       were the replay's own */
+    cleanup(p, b, device, mode, ptrs, n_slots);
     return AP_OK;
 }
