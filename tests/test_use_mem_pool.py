@@ -565,3 +565,29 @@ def test_a_default_pool_made_while_another_was_made_keeps_the_fraction_over_the_
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["capped"]
+
+
+def _growth_calls(expandable, n=600):
+    pool = ap.Pool(0, backend="sim", expandable_segments=expandable)
+    try:
+        held = [pool.malloc(5 * MiB - 32) for _ in range(n)]
+        calls = pool.memory_stats()["num_device_alloc"]
+        for p in held:
+            pool.free(p)
+        return calls
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_memory_fraction_far_from_full_leaves_a_pools_growth_policy_as_it_is(expandable):
+    # A fraction caps every plain pool of the device; the placement's limit rules (exact growths,
+    # no overshoot, no absorbed room) are for a pool near it. They were applied under any fraction,
+    # 1.0 included (a framework's "no cap"): 600 growing 5 MiB requests of an expandable pool then
+    # made a device call each, not the geometric growths they make without a fraction (~170).
+    free = _growth_calls(expandable)
+    ap.set_per_process_memory_fraction(1.0, 0)
+    try:
+        assert _growth_calls(expandable) == free < 600 / 2
+    finally:
+        ap.default_pool(0).set_limit()

@@ -175,9 +175,10 @@ size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size) {
        a tenant quota it stays, and its refills count as an explicit trim's: one large absorbing
        segment, pinned by a few live blocks, is memory no trim can return, and the tenant's next
        requests are refused although most of what it holds is free (the serve --replay demo's tight
-       tenant: every run refused after the first one that hit its quota). */
+       tenant: every run refused after the first one that hit its quota). So does room the device's
+       memory fraction could not hold (far from the fraction the room is absorbed as without one). */
     size_t room = wm - reserved - size;
-    if (p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve || ap_device_cap_room(p) != SIZE_MAX) {
+    if (p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve || !ap_device_cap_fits(p, size, room)) {
         p->trade_room = 0;
         return size;
     }
