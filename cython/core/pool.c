@@ -353,14 +353,13 @@ static size_t (*_Atomic peer_release_hook)(ap_pool *self, int mode);
 
 void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int mode)) { atomic_store(&peer_release_hook, hook); }
 
-void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split) {
+void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split, uint64_t family) {
     pthread_mutex_lock(&p->lock);
     atomic_store(&p->keeps_idle, keeps_idle);
     p->no_split = no_split;
+    atomic_store(&p->family, family);
     pthread_mutex_unlock(&p->lock);
 }
-
-void ap_pool_set_family(ap_pool *p, uint64_t family) { atomic_store(&p->family, family); }
 
 void ap_pool_set_orphan(ap_pool *p) { atomic_store(&p->orphan, 1); }
 

@@ -45,7 +45,7 @@
  *                    device's other pools and releases it, then each of their locks in turn (never
  *                    two pool locks at once), no wait.
  *   orphan           (ap_pool, atomic, no lock) set once by ap_pool_set_orphan, read by the peer release;
- *                    keeps_idle (ap_pool_set_mempool, under the lock) and family (ap_pool_set_family) too.
+ *                    keeps_idle and family (ap_pool_set_mempool, under the lock) too.
  *   ap_device_cap    (device_cap.c) a device's memory fraction over its plain pools: held and limit are
  *                    atomics updated under each member pool's own lock (a compare-and-swap books a
  *                    segment), no lock of their own; caps_lock guards the table of caps and each cap's
@@ -313,7 +313,7 @@ typedef struct ap_pool {
     int no_split;
     /* the plain pool a tenant context was made from (pool.context()), or the pool itself: one
        allocator to its user, so a family member's out-of-memory takes the others' idle cache even
-       when they keep it from other pools (ap_pool_set_family; 0: none) */
+       when they keep it from other pools (ap_pool_set_mempool; 0: none) */
     _Atomic uint64_t family;
 
     /* Past this point nothing is zeroed when the struct is reused (ap_pool_create). */
@@ -397,13 +397,13 @@ int ap_pool_knows_stream(ap_pool *p, void *stream);
    orphans): nothing allocates from it again, so a tenant refused by its quota takes back its idle
    cache (ap_set_peer_release_hook's orphans_only). */
 void ap_pool_set_orphan(ap_pool *p);
-/* torch's MemPool(use_on_oom=, no_split=) for a plain pool other than a default (takes the lock):
-   keeps_idle (not use_on_oom) keeps its idle cache from the other pools' out-of-memory path, as
-   torch's lends a MemPool's free blocks only when use_on_oom; no_split: blocks are never split. */
-void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split);
-/* Sets p's family (see ap_pool.family): a pool's own serial number, or for a tenant context made
-   by pool.context() that pool's. No lock (an atomic read by the peer release). */
-void ap_pool_set_family(ap_pool *p, uint64_t family);
+/* torch's MemPool(use_on_oom=, no_split=) for a plain pool other than a default, and p's family
+   (see ap_pool.family), set once as the pool is opened (takes the lock): keeps_idle (not
+   use_on_oom) keeps its idle cache from the other pools' out-of-memory path, as torch's lends a
+   MemPool's free blocks only when use_on_oom; no_split: blocks are never split; family: a plain
+   pool's own serial number, or for a tenant context made by pool.context() that pool's (the
+   context keeps_idle 0, no_split 0). */
+void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split, uint64_t family);
 /* What the peer release gives back (ap_set_peer_release_hook's mode): */
 enum {
     AP_PEERS_ALL = 0,     /* the device is full: every other pool's idle cache, but a MemPool's that keeps it */
