@@ -190,10 +190,7 @@ FORK_FROM_C_WHILE = """
     import ascend_pool as ap
     from ascend_pool import identity
     from ascend_pool.service import publisher
-    if {share}:
-        pool = ap.Pool(0, backend="sim")
-        h = pool.share(pool.share_malloc(2 << 20), any_process=True)
-        blocks = []
+    {setup}
     t = threading.Thread(target=lambda: {call})
     t.start()
     time.sleep(0.3)  # the thread holds its new lock's file (the shim keeps it there 1 s)
@@ -206,6 +203,8 @@ FORK_FROM_C_WHILE = """
     print(json.dumps({{"instance": identity.instance(), "child": pid}}), flush=True)
     time.sleep(60)
 """
+SHARE_SETUP = ("pool = ap.Pool(0, backend='sim'); h = pool.share(pool.share_malloc(2 << 20), any_process=True); "
+               "blocks = []")
 
 
 def _stats_file_locked(tmp_path, instance):
@@ -231,8 +230,24 @@ def _share_life_lock_held(tmp_path, instance):
         os.close(fd)
 
 
+def _write_locked(path):
+    # any write lock on the file: a life lock of the simulator's (cython/sim/proc.c sim_proc_life_hold)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fl = struct.pack(FLOCK, fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0)
+        return struct.unpack(FLOCK, fcntl.fcntl(fd, F_OFD_GETLK, fl))[0] != fcntl.F_UNLCK
+    finally:
+        os.close(fd)
+
+
+def _sim_record_write_locked(tmp_path, pattern):
+    [path] = [p for p in glob.glob(os.path.join(str(tmp_path), pattern)) if ".tmp" not in p]
+    return _write_locked(path)
+
+
 @needs_cc
-@pytest.mark.parametrize("what", ["lease", "stats file", "share record's life lock"])
+@pytest.mark.parametrize("what", ["lease", "stats file", "share record's life lock",
+                                  "simulator's node record life lock", "simulator's IPC record life lock"])
 def test_a_fork_from_c_while_a_thread_makes_a_proof_of_life_leaves_the_child_without_it(tmp_path, shim, what):
     # A lease, a stats file and a share record's life lock were opened, then marked for fork.c's
     # drop: Python forks wait for identity's lock meanwhile, a fork from C (a native library's, from
@@ -240,17 +255,27 @@ def test_a_fork_from_c_while_a_thread_makes_a_proof_of_life_leaves_the_child_wit
     # the parent locked, keeping a killed parent alive while it lived: its quota share (lease), its
     # figures in `ps` and the metrics (stats file), its exported block (share record)
     # (/work/exp/ns23/repros/r5_cfork_in_lease_window.py).
-    call, check, env = {
-        "lease": (f"identity.ensure_lease({str(tmp_path)!r})",
+    # The simulator's life locks on its node record (cython/sim/node.c) and on an exported block's
+    # record (ipc.c) were opened, then entered where the child's fork handler closes them: a fork
+    # in between gave the child a copy of the open file the parent then locked, and a killed
+    # parent's device memory stayed counted, or its exported block alive, while the child lived.
+    setup, call, check, env = {
+        "lease": ("", f"identity.ensure_lease({str(tmp_path)!r})",
                   lambda inst: identity.lease_alive(str(tmp_path), inst) is not False, {"SLOW_LEASE_MS": "1000"}),
-        "stats file": ("publisher.ensure_publisher()", lambda inst: _stats_file_locked(tmp_path, inst),
+        "stats file": ("", "publisher.ensure_publisher()", lambda inst: _stats_file_locked(tmp_path, inst),
                        {"SLOW_STATS_MS": "1000", "ASCEND_POOL_STATS": "1", "ASCEND_POOL_STATS_DIR": str(tmp_path)}),
-        "share record's life lock": ("blocks.append(ap.open_shared(h))",
+        "share record's life lock": (SHARE_SETUP, "blocks.append(ap.open_shared(h))",
                                      lambda inst: _share_life_lock_held(tmp_path, inst),
                                      {"SLOW_PROC_FD_OPEN_MS": "1000"}),
+        "simulator's node record life lock": (
+            "", "ap.Pool(0, backend='sim')", lambda inst: _sim_record_write_locked(tmp_path, "ascendsim-*-dev0"),
+            {"SLOW_SIM_NODE_OPEN_MS": "1000", "ASCEND_SIM_DEVICES": "1"}),
+        "simulator's IPC record life lock": (
+            "pool = ap.Pool(0, backend='sim')", "pool.share(pool.share_malloc(2 << 20), any_process=True)",
+            lambda inst: _sim_record_write_locked(tmp_path, "ascendsim-*-ipc-*"),
+            {"SLOW_SIM_IPC_OPEN_MS": "1000", "ASCEND_SIM_DEVICES": "1"}),
     }[what]
-    code = FORK_FROM_C_WHILE.format(call=call, share=what.startswith("share"))
-    hello = _run_parent(tmp_path, code, LD_PRELOAD=shim, **env)
+    hello = _run_parent(tmp_path, FORK_FROM_C_WHILE.format(setup=setup, call=call), LD_PRELOAD=shim, **env)
     try:
         assert not _still_true(lambda: check(hello["instance"])), f"the killed parent's {what} is held by its child"
     finally:
@@ -500,52 +525,6 @@ def test_a_forked_child_does_not_keep_a_share_record_locked_after_its_parent_die
     try:
         [rec] = _share_records(tmp_path, tmp=not update)
         assert not _still_true(lambda: _flock_held(rec)), f"the killed parent's lock on its {what} is held by its child"
-    finally:
-        os.kill(hello["child"], signal.SIGKILL)
-
-
-def _write_locked(path):
-    # any write lock on the file: a life lock of the simulator's (cython/sim/proc.c sim_proc_life_hold)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fl = struct.pack(FLOCK, fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0)
-        return struct.unpack(FLOCK, fcntl.fcntl(fd, F_OFD_GETLK, fl))[0] != fcntl.F_UNLCK
-    finally:
-        os.close(fd)
-
-
-@needs_cc
-@pytest.mark.parametrize("what", ["node record", "IPC record"])
-def test_a_fork_while_a_thread_makes_a_simulators_life_lock_leaves_the_child_without_it(tmp_path, shim, what):
-    # The simulator's life locks on its node record (cython/sim/node.c) and on an exported block's
-    # record (ipc.c) were opened, then entered where the child's fork handler closes them: a fork
-    # in between (from Python or C) gave the child a copy of the open file the parent then locked,
-    # and a killed parent's device memory stayed counted, or its exported block alive, while the
-    # child lived.
-    node = what == "node record"
-    call = 'ap.Pool(0, backend="sim")' if node else 'pool.share(pool.share_malloc(2 << 20), any_process=True)'
-    hello = _run_parent(tmp_path, f"""
-        import ctypes, json, threading, time
-        import ascend_pool as ap
-        if not {node}:
-            pool = ap.Pool(0, backend="sim")
-        t = threading.Thread(target=lambda: {call})
-        t.start()
-        time.sleep(0.3)  # the thread is just past the open of its life lock's file (the shim keeps it there 1 s)
-        libc = ctypes.CDLL(None)
-        pid = libc.fork()
-        if pid == 0:
-            libc.sleep(60)
-            libc._exit(0)
-        t.join()
-        print(json.dumps({{"instance": 0, "child": pid}}), flush=True)
-        time.sleep(60)
-    """, LD_PRELOAD=shim, ASCEND_SIM_DEVICES="1",
-        **{"SLOW_SIM_NODE_OPEN_MS" if node else "SLOW_SIM_IPC_OPEN_MS": "1000"})
-    try:
-        pattern = "ascendsim-*-dev0" if node else "ascendsim-*-ipc-*"
-        [path] = [p for p in glob.glob(os.path.join(str(tmp_path), pattern)) if ".tmp" not in p]
-        assert not _still_true(lambda: _write_locked(path)), f"the killed parent's life lock on its {what} is held by its child"
     finally:
         os.kill(hello["child"], signal.SIGKILL)
 
