@@ -331,6 +331,14 @@ class _Record:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
         return False
 
+    def drop_import(self, instance):
+        """One import fewer for process `instance` (its slot freed at the last). Call inside `with`."""
+        for s in self.slots:
+            if s[0] and s[2] == instance:
+                s[1] -= 1
+                if s[1] <= 0:
+                    s[:] = [0, 0, 0, 0, 0]
+
     def live_importers(self, instances=False):
         """Pids of importers still alive (dead ones are dropped); with instances, their instance
         ids instead (pids repeat across pid namespaces, instances do not). Call inside `with`."""
@@ -675,12 +683,7 @@ class SharedBlock:
             self._record = None
             try:
                 with rec:
-                    me = identity.instance()
-                    for s in rec.slots:
-                        if s[0] and s[2] == me:
-                            s[1] -= 1
-                            if s[1] <= 0:
-                                s[:] = [0, 0, 0, 0, 0]
+                    rec.drop_import(identity.instance())
                     last = not rec.exporter_alive() and not rec.live_importers()
                 if last:  # the exporter is gone and nobody else maps it: nobody will remove it
                     _unlink(rec.path)
@@ -825,11 +828,7 @@ def open_shared(handle, pool=None):
                                           f"[{npid}]), or shares with any_process=True") from None
         except BaseException:
             with rec:
-                for s in rec.slots:
-                    if s[0] and s[2] == me:
-                        s[1] -= 1
-                        if s[1] <= 0:
-                            s[:] = [0, 0, 0, 0, 0]
+                rec.drop_import(me)
             raise
     except BaseException:
         rec.close()
