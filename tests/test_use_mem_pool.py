@@ -567,9 +567,11 @@ def test_a_default_pool_made_while_another_was_made_keeps_the_fraction_over_the_
     assert proc.stdout.split() == ["capped"]
 
 
-def _growth_calls(expandable, n=600):
+def _growth_calls(expandable, n=600, own_limit=False):
     pool = ap.Pool(0, backend="sim", expandable_segments=expandable)
     try:
+        if own_limit:
+            pool.set_limit(fraction=1.0)
         held = [pool.malloc(5 * MiB - 32) for _ in range(n)]
         calls = pool.memory_stats()["num_device_alloc"]
         for p in held:
@@ -591,3 +593,11 @@ def test_a_memory_fraction_far_from_full_leaves_a_pools_growth_policy_as_it_is(e
         assert _growth_calls(expandable) == free < 600 / 2
     finally:
         ap.default_pool(0).set_limit()
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_pools_own_limit_far_from_full_leaves_its_growth_policy_as_it_is(expandable):
+    # The same for a pool's own limit (set_limit, or the default pool's memory fraction, which is
+    # its own limit): an expandable growth dropped its overshoot under any own limit, so 600
+    # growing 5 MiB requests made 600 device calls against 229 without a limit.
+    assert _growth_calls(expandable, own_limit=True) == _growth_calls(expandable) < 600 / 2

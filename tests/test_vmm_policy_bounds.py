@@ -178,14 +178,18 @@ def test_a_growth_in_a_large_pool_costs_calls_in_proportion_to_its_share_of_the_
         xpool.free(q)
 
 
-def test_no_extra_bytes_under_a_limit():
-    """Under a memory limit (or a quota) a growth maps only what it needs: extra bytes could make a
-    request that fits fail."""
+def test_no_extra_bytes_past_a_limits_room():
+    """Under a memory limit a growth maps extra bytes only while they fit the limit's room: extra
+    bytes past it could make a request that fits fail. Every request that fits is served, without
+    a retry, and reserved memory stays under the limit."""
     pool = ap.Pool(0, backend="sim", expandable_segments=True)
     try:
         pool.set_limit(2048 * MiB)
-        ptrs = [pool.malloc(5 * MiB - 32) for _ in range(400)]       # 2,000 MiB of a 2,048 MiB limit
-        assert pool.memory_stats()["reserved_bytes.all.current"] == 400 * 5 * MiB
+        ptrs = [pool.malloc(5 * MiB - 32) for _ in range(409)]       # 2,045 MiB of a 2,048 MiB limit
+        st = pool.memory_stats()
+        assert st["allocated_bytes.all.current"] == 409 * 5 * MiB
+        assert st["reserved_bytes.all.current"] <= 2048 * MiB
+        assert st["num_alloc_retries"] == 0 and st["num_ooms"] == 0
         for p in ptrs:
             pool.free(p)
     finally:

@@ -176,9 +176,12 @@ size_t ap_classic_make_room(ap_pool *p, int pool, size_t rsize, size_t size) {
        segment, pinned by a few live blocks, is memory no trim can return, and the tenant's next
        requests are refused although most of what it holds is free (the serve --replay demo's tight
        tenant: every run refused after the first one that hit its quota). So does room the device's
-       memory fraction could not hold (far from the fraction the room is absorbed as without one). */
+       memory fraction could not hold (far from the fraction the room is absorbed as without one).
+       The own limit stays a rule of its own, not its room as the fraction's: the room under the
+       peak always fits a limit above the peak, and absorbing under a limit at a workload's
+       no-limit peak refused 2 workloads of 18 that its rule serves (and served 2 it refuses). */
     size_t room = wm - reserved - size;
-    if (p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve || !ap_device_cap_fits(p, size, room)) {
+    if (p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve || !ap_limit_fits(p, size, room)) {
         p->trade_room = 0;
         return size;
     }

@@ -213,13 +213,14 @@ static ap_block *grow(ap_pool *p, int slot, int pool, size_t rsize, int exact, s
     size_t need;
     ap_segment *target = plan_growth(p, slot, pool, rsize, &need);
     /* Past its call budget, a growth to a new peak maps more than it needs (vmm_policy.c): at
-       most what the address space after the target segment holds. Never under a limit or a quota,
-       which the extra bytes could make refuse a request that fits, nor past the room the device's
-       memory fraction leaves (a fraction of 1.0, or far from it, keeps the overshoot: the fraction
-       caps every plain pool, and without it each growth was exact: a call per allocation). */
+       most what the address space after the target segment holds. Never under a quota (its room is
+       node-wide, unknown here), nor past the room the pool's own limit and the device's memory
+       fraction leave (ap_limit_room), where the extra bytes could make a request that fits fail.
+       Far from them the overshoot stays: without it each growth was exact, a device call per
+       growing request (600 of 600 under set_limit(fraction=1.0), 229 without a limit). */
     size_t cap = ap_vmm_chunk_cap(p, need);
     size_t extra = ap_vmm_growth_extra(p, need, (need + cap - 1) / cap);
-    if (exact || p->cfg.limit_bytes != AP_NO_LIMIT || p->quota.reserve || !ap_device_cap_fits(p, need, extra)) extra = 0;
+    if (exact || p->quota.reserve || !ap_limit_fits(p, need, extra)) extra = 0;
     *extended = extra;
     if (extra && target) {
         uintptr_t end = target->base + target->size;

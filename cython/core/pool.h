@@ -440,11 +440,6 @@ int ap_device_cap_book(ap_pool *p, size_t bytes, ap_error *err);
 /* Bytes p may still book under its device's cap (SIZE_MAX: no cap, or no fraction set): the
    placement's limit rules (exact sizes near it, no overshoot) go by it as by p's own limit. */
 size_t ap_device_cap_room(const ap_pool *p);
-/* 1 when need + extra bytes fit in the room p's device's memory fraction leaves (always without one). */
-static inline int ap_device_cap_fits(const ap_pool *p, size_t need, size_t extra) {
-    size_t room = ap_device_cap_room(p);
-    return room >= need && room - need >= extra;
-}
 /* p's new limit_bytes is its cap's limit too when p is the cap's owner. Under p's lock. */
 void ap_device_cap_set_limit(ap_pool *p, size_t limit_bytes);
 /* Gives back bytes booked with ap_device_cap_book. Under p's lock. */

@@ -163,6 +163,15 @@ int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap
 /* Returns a wholly free segment (its one block in a free tree) to the device. */
 int ap_segment_release(ap_pool *p, ap_segment *seg, ap_error *err);
 size_t ap_reserved(const ap_pool *p);
+/* Bytes a growth may take now under p's own byte limit and its device's memory fraction, the
+   smaller of both (SIZE_MAX: neither): the placement's limit rules (exact sizes near it, no
+   overshoot or absorbed room past it) go by this one room. */
+size_t ap_limit_room(const ap_pool *p);
+/* 1 when need + extra bytes fit in that room (always without a limit or fraction). */
+static inline int ap_limit_fits(const ap_pool *p, size_t need, size_t extra) {
+    size_t room = ap_limit_room(p);
+    return room >= need && room - need >= extra;
+}
 
 /* classic_policy.c: before a classic growth of `size` bytes that would lift reserved memory above
    its peak, trades wholly free segments for it within the device-call budget; returns the bytes

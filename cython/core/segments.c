@@ -203,7 +203,7 @@ size_t ap_release_stream_segments(ap_pool *p, int slot, ap_error *err) {
 /* Bytes a growth may take under the byte limit now (SIZE_MAX: none), and under the device's memory
    fraction, which the device's other plain pools share (a MemPool's requests that fit under it were
    refused for a 2 MiB segment the pool's own limit would have made exact). */
-static size_t limit_headroom(const ap_pool *p) {
+size_t ap_limit_room(const ap_pool *p) {
     size_t reserved = ap_reserved(p), cap = ap_device_cap_room(p);
     if (p->cfg.limit_bytes == AP_NO_LIMIT) return cap;
     size_t own = p->cfg.limit_bytes > reserved ? p->cfg.limit_bytes - reserved : 0;
@@ -228,7 +228,7 @@ static size_t limit_headroom(const ap_pool *p) {
    refused all). Never without a limit: an unlimited pool's placement is unchanged. A tenant
    quota keeps whole segments: its room is node-wide and unknown here (as above). */
 static size_t segment_size_for(const ap_pool *p, int pool, size_t rsize, int shared) {
-    size_t room = limit_headroom(p), size;
+    size_t room = ap_limit_room(p), size;
     if (pool == AP_POOL_SMALL) {
         size = p->cfg.small_segment;
     } else {
@@ -367,7 +367,7 @@ ap_block *ap_obtain_block(ap_pool *p, int slot, int pool, size_t rsize, size_t r
 
     /* A cap with no room for a small segment: the idle part of the reserve serves the request
        (no device call, the reserve kept), before an exact-size growth. */
-    if (pool == AP_POOL_SMALL && limit_headroom(p) < p->cfg.small_segment && (b = reserve_fit(p, slot, rsize)))
+    if (pool == AP_POOL_SMALL && ap_limit_room(p) < p->cfg.small_segment && (b = reserve_fit(p, slot, rsize)))
         return b;
     size_t size = p->cfg.expandable ? ap_round_up(rsize, p->vmm_granularity) : segment_size_for(p, pool, rsize, 1);
     size_t own = p->cfg.expandable ? size : segment_size_for(p, pool, rsize, 0);
