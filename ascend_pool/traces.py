@@ -167,21 +167,20 @@ def trace_from_arrays(op, id, size, stream=None, *, name: str = "trace",
     free_first = group_start & (sop == OP_FREE)
     double_free = (~group_start) & (sop == OP_FREE) & (prev_op == OP_FREE)
     alloc_live = (~group_start) & (sop == OP_ALLOC) & (prev_op == OP_ALLOC)
+    def earliest(mask):  # the sorted position of mask's earliest offence, and its event index
+        j = np.flatnonzero(mask)
+        k = j[np.argmin(order[j])]
+        return k, int(order[k])
+
     problems = []
     if free_first.any():
-        j = np.flatnonzero(free_first)
-        k = j[np.argmin(order[j])]
-        ev = int(order[k])
+        k, ev = earliest(free_first)
         problems.append((ev, f"event {ev}: free of id {int(ids[ev])}, which was never allocated"))
     if double_free.any():
-        j = np.flatnonzero(double_free)
-        k = j[np.argmin(order[j])]
-        ev = int(order[k])
+        k, ev = earliest(double_free)
         problems.append((ev, f"event {ev}: id {int(ids[ev])} freed twice (already freed at event {int(order[k - 1])})"))
     if alloc_live.any():
-        j = np.flatnonzero(alloc_live)
-        k = j[np.argmin(order[j])]
-        ev = int(order[k])
+        k, ev = earliest(alloc_live)
         problems.append((ev, f"event {ev}: allocation of id {int(ids[ev])}, which is still live "
                              f"(allocated at event {int(order[k - 1])} and not freed)"))
     if problems:
