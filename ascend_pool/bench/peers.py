@@ -215,24 +215,20 @@ def python_replay(trace: Trace, alloc: Callable, free: Callable, counters: Optio
     half = n // 2
     ptr = [None] * int(trace.n_slots)
     c0 = counters() if counters else None
+    c_half, pause = None, 0.0
     t0 = time.perf_counter()
-    for i in range(half):
-        if ops[i]:
-            ptr[slots[i]] = alloc(sizes[i], sidx[i])
-        else:
-            s = slots[i]
-            free(ptr[s], sizes[i], sidx[i])
-            ptr[s] = None
-    tm = time.perf_counter()
-    c_half = counters() if counters else None
-    pause = time.perf_counter() - tm
-    for i in range(half, n):
-        if ops[i]:
-            ptr[slots[i]] = alloc(sizes[i], sidx[i])
-        else:
-            s = slots[i]
-            free(ptr[s], sizes[i], sidx[i])
-            ptr[s] = None
+    for part, (lo, hi) in enumerate(((0, half), (half, n))):
+        if part:  # the half: the counters' read there is not timed
+            tm = time.perf_counter()
+            c_half = counters() if counters else None
+            pause = time.perf_counter() - tm
+        for i in range(lo, hi):
+            if ops[i]:
+                ptr[slots[i]] = alloc(sizes[i], sidx[i])
+            else:
+                s = slots[i]
+                free(ptr[s], sizes[i], sidx[i])
+                ptr[s] = None
     if after:
         after()
     seconds = time.perf_counter() - t0 - pause
