@@ -849,25 +849,26 @@ cdef class PoolBase:
         self._check()
         cdef ap_pool *_p
         cdef size_t limit = AP_NO_LIMIT
+        # Each refusal names the argument as the caller gave it (size past 2**64-2 said "limit
+        # must be None or ...", limit_bytes='s words); a wrong type is a ConfigTypeError (TypeError).
         if limit_bytes is not None:
             if size is not None or fraction is not None:
                 raise ConfigError("set_limit takes one of size, fraction and limit_bytes=")
+            limit_bytes = _limit_bytes("limit_bytes", limit_bytes, False)
         elif fraction is not None:
             if size is not None:
                 raise ConfigError("set_limit: size and fraction cannot be specified at one time")
-            if isinstance(fraction, bool) or not isinstance(fraction, _numbers.Real) or not 0 <= fraction <= 1:
-                raise ConfigError(f"memory limit fraction must be a number in [0, 1], got {fraction!r}")
+            if isinstance(fraction, bool) or not isinstance(fraction, _numbers.Real):
+                raise _errors_module.ConfigTypeError(
+                    f"set_limit: fraction must be a number in [0, 1] of the device's memory, got "
+                    f"{type(fraction).__name__} {fraction!r}")
+            if not 0 <= fraction <= 1:  # NaN too
+                raise ConfigError(f"set_limit: fraction must be a number in [0, 1] of the device's memory, "
+                                  f"got {fraction!r}")
             limit_bytes = int(float(fraction) * self.backend.mem_info(self.device)[1]) or None
         elif size is not None:
-            whole = isinstance(size, _numbers.Integral) or (isinstance(size, float) and size.is_integer())
-            if isinstance(size, bool) or not whole or size < 0:
-                raise ConfigError(f"memory limit size must be a byte count >= 0, got {size!r}")
-            limit_bytes = int(size) or None  # CuPy: 0 is no limit (the range is checked below)
+            limit_bytes = _limit_bytes("size", size, True) or None  # CuPy: 0 is no limit
         if limit_bytes is not None:
-            # bool is an int, but True bytes is a mistake; AP_NO_LIMIT itself is reserved for None
-            if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, _numbers.Integral) or \
-                    not 0 <= limit_bytes < <size_t>AP_NO_LIMIT:
-                raise ConfigError(f"limit must be None or a byte count from 0 to 2**64-2, got {limit_bytes!r}")
             limit = <size_t>int(limit_bytes)
         _p = self._enter()
         with nogil:
@@ -1245,3 +1246,17 @@ def _restore_thread_current(int device, tuple token):
     t.owner = <ap_pool *><uintptr_t>token[2]
     t.owner_ticket = token[3]
     ap_current_restore(device, &t)
+
+
+def _limit_bytes(name, value, whole_float):
+    """set_limit's byte count `value` (argument `name`) as an int from 0 to 2**64-2 (AP_NO_LIMIT
+    itself stands for no limit), else ConfigError / ConfigTypeError naming name. whole_float: a
+    float with no fraction counts (CuPy's size=1e9)."""
+    if isinstance(value, bool) or not (isinstance(value, _numbers.Integral) or
+                                       (whole_float and isinstance(value, float))):
+        raise _errors_module.ConfigTypeError(f"set_limit: {name} must be a byte count from 0 to 2**64-2, got "
+                                             f"{type(value).__name__} {value!r}")
+    if isinstance(value, float) and not value.is_integer() or not 0 <= value < <size_t>AP_NO_LIMIT:
+        raise ConfigError(f"set_limit: {name} must be a byte count from 0 to 2**64-2"
+                          f"{' (0: no limit)' if whole_float else ''}, got {value!r}")
+    return int(value)

@@ -1,0 +1,30 @@
+"""Bad arguments to the public functions: each is a typed error naming the argument as the caller
+gave it, and the pool keeps serving (docs/bad_input.md)."""
+
+import pytest
+
+import ascend_pool as ap
+
+
+@pytest.mark.parametrize("kwargs, error, start", [
+    ({"size": 2**64}, ap.ConfigError, "set_limit: size must be a byte count from 0 to 2**64-2"),
+    ({"size": 1e30}, ap.ConfigError, "set_limit: size must be a byte count from 0 to 2**64-2"),
+    ({"size": -1}, ap.ConfigError, "set_limit: size must be a byte count from 0 to 2**64-2"),
+    ({"size": float("nan")}, ap.ConfigError, "set_limit: size must be"),
+    ({"size": "1GiB"}, ap.ConfigTypeError, "set_limit: size must be a byte count"),
+    ({"size": True}, ap.ConfigTypeError, "set_limit: size must be a byte count"),
+    ({"fraction": 2}, ap.ConfigError, "set_limit: fraction must be a number in [0, 1]"),
+    ({"fraction": float("nan")}, ap.ConfigError, "set_limit: fraction must be a number in [0, 1]"),
+    ({"fraction": "0.5"}, ap.ConfigTypeError, "set_limit: fraction must be a number in [0, 1]"),
+    ({"limit_bytes": -1}, ap.ConfigError, "set_limit: limit_bytes must be a byte count from 0 to 2**64-2"),
+    ({"limit_bytes": 2**70}, ap.ConfigError, "set_limit: limit_bytes must be a byte count from 0 to 2**64-2"),
+    ({"limit_bytes": True}, ap.ConfigTypeError, "set_limit: limit_bytes must be a byte count"),
+])
+def test_set_limit_names_the_argument_it_refuses_one_way(pool, kwargs, error, start):
+    # a size past 2**64-2 was "limit must be None or a byte count ..." (limit_bytes='s words),
+    # any other bad size "memory limit size must be ..."; a str was no TypeError
+    with pytest.raises(error) as e:
+        pool.set_limit(**kwargs)
+    assert str(e.value).startswith(start) and repr(next(iter(kwargs.values())))[:8] in str(e.value)
+    assert pool.get_limit() == 0, "a refused call changes nothing"
+    pool.free(pool.malloc(4096))
