@@ -16,7 +16,7 @@ from . import current as _current
 from . import registry as _registry
 from ._core import attach_out_of_memory_observer, capi_free, detach_out_of_memory_observer, set_default_pool_hook
 from .backend import check_device, device_index, open_backend, torch_device_index
-from .config import history_settings, history_skip_mask
+from .config import flag_argument, history_settings, history_skip_mask
 from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError,
                      StreamTypeError)
 from .pool import DEFAULT_POOL_ID, Pool
@@ -495,7 +495,8 @@ def memory_snapshot(mempool_id=None, include_traces=True):
     dump_snapshot() writes, every device's. mempool_id: None for every pool's, else a pool's id
     (Pool.pool_id, torch's MempoolId_t: (0, 0) the default pools, (0, n) another pool or tenant
     context) for the segments of that pool only, as torch's; include_traces: accepted, as torch's
-    (the segments carry no trace)."""
+    (the segments carry no trace): True or False, else ConfigTypeError."""
+    flag_argument("memory_snapshot", "include_traces", include_traces)
     want = None if mempool_id is None else _pool_id(mempool_id)
     segments = _process_snapshot()["segments"]
     return segments if want is None else [s for s in segments if s["segment_pool_id"] == want]

@@ -57,7 +57,7 @@ import numbers
 import os
 import warnings
 
-from .errors import ConfigError
+from .errors import ConfigError, ConfigTypeError
 from .units import as_index, parse_bytes
 
 ENV_VAR = "ASCEND_POOL_CONF"
@@ -127,6 +127,15 @@ def _is_bool(value):
     where a bool is refused, and a flag refused it)."""
     return isinstance(value, bool) or (getattr(getattr(value, "dtype", None), "kind", None) == "b"
                                        and getattr(value, "ndim", None) == 0)  # not an array of them
+
+
+def flag_argument(where, name, value):
+    """value as a bool when it is True or False (numpy's too), else ConfigTypeError naming the
+    argument: a flag argument takes no other object (include_traces="no" kept the traces, as
+    any non-empty string is true, and None dropped them)."""
+    if not _is_bool(value):
+        raise ConfigTypeError(f"{where}: {name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
 
 
 def _bool(key, value):

@@ -16,7 +16,7 @@ from . import snapshot as _snapshot
 from . import stats as _stats
 from ._core import PoolBase, forked_from
 from .backend import check_device, device_index, open_backend
-from .config import _is_bool, conf_source, effective_knobs, knobs_to_config, runtime_state
+from .config import _is_bool, conf_source, flag_argument, effective_knobs, knobs_to_config, runtime_state
 from .errors import ConfigError, ConfigTypeError, PoolError
 from .snapshot_trace import NoAllocations, arrays_from_snapshot
 from .traces import output_npz_path, trace_from_arrays
@@ -341,6 +341,7 @@ class Pool(PoolBase):
         """The pool's segments, blocks and event history in PyTorch's snapshot schema (readable by
         `python -m torch.cuda._memory_viz`); only the latest event after record_memory_history("state"), as torch's.
         include_traces=False (torch's MemPool.snapshot): every device's trace empty, the segments alone."""
+        include_traces = flag_argument("snapshot", "include_traces", include_traces)
         snap = self._snapshot()
         if not include_traces:
             snap["device_traces"] = [[] for _ in snap["device_traces"]]

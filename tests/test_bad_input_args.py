@@ -1,6 +1,7 @@
 """Bad arguments to the public functions: each is a typed error naming the argument as the caller
 gave it, and the pool keeps serving (docs/bad_input.md)."""
 
+import numpy as np
 import pytest
 
 import ascend_pool as ap
@@ -28,3 +29,13 @@ def test_set_limit_names_the_argument_it_refuses_one_way(pool, kwargs, error, st
     assert str(e.value).startswith(start) and repr(next(iter(kwargs.values())))[:8] in str(e.value)
     assert pool.get_limit() == 0, "a refused call changes nothing"
     pool.free(pool.malloc(4096))
+
+
+@pytest.mark.parametrize("value", ["no", None, 1, 0, [], object()])
+def test_include_traces_takes_true_or_false_only(pool, value):
+    # any object was taken: "no" (a non-empty str) kept the traces, None dropped them
+    for call in (pool.snapshot, ap.memory_snapshot):
+        with pytest.raises(ap.ConfigTypeError, match="include_traces must be True or False"):
+            call(include_traces=value)
+    assert isinstance(pool.snapshot(include_traces=np.False_)["segments"], list)
+    assert isinstance(ap.memory_snapshot(include_traces=False), list)
