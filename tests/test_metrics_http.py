@@ -257,3 +257,18 @@ def test_a_request_sent_in_pieces_within_the_timeout_is_answered_and_the_next_on
                 break
             got += b
     assert got.count(b"HTTP/1.1 200") == 2 and b"ok\n" in got and b"ascend_pool metrics" in got, got
+
+
+def test_the_name_filter_serves_the_named_series_only(server):
+    # prometheus_client's handler honours ?name[]=...; ours served every series to such a request
+    path = "/metrics?name[]=ascend_pool_reserved_bytes&name%5B%5D=ascend_pool_allocations_total&name[]=nope"
+    for accept in ({}, {"Accept": "application/openmetrics-text; version=1.0.0"}):
+        status, headers, body = _request(server.port, "GET", path, headers=accept)
+        assert status == 200
+        lines = [line for line in body.decode().splitlines() if line and not line.startswith("#")]
+        assert {line.split("{")[0].split(" ")[0] for line in lines} == {
+            "ascend_pool_reserved_bytes", "ascend_pool_allocations_total"}
+    status, _, body = _request(server.port, "GET", "/metrics?name[]=nope")
+    assert status == 200 and not [line for line in body.decode().splitlines() if line and line[0] != "#"]
+    _assert_alive(server.port)  # no filter (and an empty one): everything
+    assert b"test_ok" in _request(server.port, "GET", "/metrics?name[]=")[2]

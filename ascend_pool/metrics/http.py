@@ -12,8 +12,10 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 from prometheus_client.exposition import choose_encoder
 
 from .. import registry as reg
@@ -137,11 +139,11 @@ class MetricsHandler(BaseHTTPRequestHandler):
             pass
 
     def _get(self):
-        path = self.path.split("?", 1)[0]
+        path, _, query = self.path.partition("?")
         if path == "/metrics":
             try:
                 encoder, content_type = choose_encoder(self.headers.get("Accept"))
-                body = encoder(self.server.registry)
+                body = encoder(_only_named(self.server.registry, query))
             except Exception:  # a collector failed: say so, keep serving
                 log.exception("collecting metrics failed")
                 self._reply(500, b"collecting metrics failed; see the exporter's log\n", "text/plain; charset=utf-8")
@@ -180,6 +182,33 @@ class MetricsHandler(BaseHTTPRequestHandler):
 
     def log_message(self, format, *args):  # noqa: A002 (stdlib's name)
         log.debug("%s - %s", self.address_string(), format % args)
+
+
+def _only_named(registry, query):
+    """registry, or only its series named by the query's name[] values (?name[]=a&name[]=b), as
+    prometheus_client's own handler serves: a scraper or a curl asking for a few series got all."""
+    names = parse_qs(query).get("name[]")
+    if not names:
+        return registry
+    # Not registry.restricted_registry(): it finds collectors by the names their describe() gives,
+    # and ours (auto_describe=False, collectors named at collect time) give none: it served nothing.
+    return _Restricted(registry, set(names))
+
+
+class _Restricted:
+    """What registry.collect() yields, with only the samples named in `names` (sample names, as
+    prometheus_client's: ascend_pool_allocations_total, not the family's ascend_pool_allocations)."""
+
+    def __init__(self, registry, names):
+        self._registry, self._names = registry, names
+
+    def collect(self):
+        for metric in self._registry.collect():
+            samples = [s for s in metric.samples if s.name in self._names]
+            if samples:
+                kept = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+                kept.samples = samples
+                yield kept
 
 
 PORT_MAX = 65535
