@@ -109,3 +109,23 @@ def test_variant_targets_are_not_judged_when_no_variant_could_be_replayed(monkey
     assert res["overall"]["workloads"] == 0 and len(res["errors"]) == 2
     assert [t["passed"] for t in res["targets"]] == [None, None, None, None]
     assert all("no perturbed workload" in t["detail"] for t in res["targets"])
+
+
+def test_bench_exits_1_when_only_variant_replays_failed(monkeypatch, tmp_path, capsys):
+    # the bench's own rows replayed, every variant failed: exit 0 before, the failures only in
+    # the JSON's variants.errors, as if the harness had judged something
+    import types
+
+    from ascend_pool import OutOfMemoryError
+    from ascend_pool.bench import robustness
+
+    def failing(*args, **kwargs):
+        raise OutOfMemoryError("out of memory: injected")
+    monkeypatch.setattr(robustness, "_peers", types.SimpleNamespace(run_peer=failing))
+    out = tmp_path / "b.json"
+    argv = ["bench", "--traces", str(bundled_traces_dir()), "--trace", "resnet18_train_prefix", "--no-micro",
+            "--allocators", "direct", "--backend", "sim", "--json", str(out), "--no-progress"]
+    assert cli.main(argv + ["--variants", "1"]) == 1
+    res = json.loads(out.read_text())
+    assert res["rows"] and not res["errors"] and len(res["variants"]["errors"]) == 1
+    assert "error on resnet18_train_prefix" in capsys.readouterr().out

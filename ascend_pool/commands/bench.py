@@ -154,7 +154,9 @@ def _cmd_bench(args):
         for line in summary_lines(result["targets"]):
             say(line)
     failed = [t for t in result["targets"] if t["passed"] is False]
-    if result["errors"]:
+    # a variant replay that failed is an error as a trace's is (it exited 0 with them listed
+    # in variants.errors alone)
+    if result["errors"] or (result.get("variants") or {}).get("errors"):
         return 1
     return 1 if (args.strict and failed) else 0
 
