@@ -451,6 +451,7 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
     global _history
     history_settings(enabled, stacks, max_entries, context)
     history_skip_mask(skip_actions)
+    clear_history = flag_argument("record_memory_history", "clear_history", clear_history)
     for name, value in (("compile_context", compile_context), ("global_record_annotations", global_record_annotations)):
         if not isinstance(value, bool):
             raise ConfigTypeError(f"{name} must be True or False, got {value!r}")

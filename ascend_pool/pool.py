@@ -335,7 +335,8 @@ class Pool(PoolBase):
     def memory_summary(self, abbreviated=False):
         """A readable table of the stats, like torch.cuda.memory_summary(); abbreviated: without
         the per-pool (small/large) rows."""
-        return _stats.summary(self.memory_stats(), self.device, self.backend.name, abbreviated=bool(abbreviated))
+        abbreviated = flag_argument("memory_summary", "abbreviated", abbreviated)  # "no" was true
+        return _stats.summary(self.memory_stats(), self.device, self.backend.name, abbreviated=abbreviated)
 
     def snapshot(self, include_traces=True):
         """The pool's segments, blocks and event history in PyTorch's snapshot schema (readable by

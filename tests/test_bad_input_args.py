@@ -39,3 +39,19 @@ def test_include_traces_takes_true_or_false_only(pool, value):
             call(include_traces=value)
     assert isinstance(pool.snapshot(include_traces=np.False_)["segments"], list)
     assert isinstance(ap.memory_snapshot(include_traces=False), list)
+
+
+@pytest.mark.parametrize("value", ["no", None, 1, 0.0])
+def test_memory_summary_and_clear_history_take_true_or_false_only(pool, value):
+    # any object was taken: memory_summary(abbreviated="no") abbreviated (a non-empty str is
+    # true), record_memory_history(clear_history="no") dropped every pool's events
+    pool.record_memory_history(True)
+    pool.free(pool.malloc(4096))
+    for call, name in ((pool.memory_summary, "abbreviated"), (ap.memory_summary, "abbreviated")):
+        with pytest.raises(ap.ConfigTypeError, match=f"{name} must be True or False"):
+            call(abbreviated=value)
+    with pytest.raises(ap.ConfigTypeError, match="clear_history must be True or False"):
+        ap.record_memory_history(True, clear_history=value)
+    assert pool.snapshot()["device_traces"][0], "the refused call dropped no event"
+    assert "Oversize" in pool.memory_summary(abbreviated=np.True_)
+    ap.record_memory_history(None)
