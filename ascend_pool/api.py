@@ -630,7 +630,7 @@ def _allocation_traceback(data_ptr):
     one included, as torch's) or its frames were not recorded (record_memory_history with
     stacks and context, before the allocation)."""
     ptr = as_index(data_ptr)
-    if ptr is None:
+    if ptr is None or not 0 <= ptr < 1 << 64:  # checked here: with no pool recording, none would
         raise InvalidPointerError(f"_allocation_traceback: data_ptr must be an int address, got {data_ptr!r}")
     if ptr == 0:  # an empty tensor's null address: no allocation
         return None

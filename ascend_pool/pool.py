@@ -359,11 +359,11 @@ class Pool(PoolBase):
         the live block starting at ptr, as torch's _allocation_traceback: None where no live block
         of this pool starts there (an address inside one is a view's: None, as torch's) or no
         frames were recorded for it (record_memory_history without stacks or context)."""
-        frames = self._stack_frames
-        if frames is None:  # never recorded: no snapshot to take
-            return None
+        # ptr checked first, whether frames were recorded or not: allocation_traceback("x") was
+        # None before any record_memory_history() and an InvalidPointerError after it
         ctx = self._block_ctx(ptr)  # not a snapshot: that records one in the history at each call
-        found = frames.get(ctx) if ctx else None
+        frames = self._stack_frames
+        found = frames.get(ctx) if ctx and frames is not None else None
         return [dict(f) for f in found] if found else None
 
     def dump_trace(self, path):

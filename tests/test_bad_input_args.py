@@ -55,3 +55,23 @@ def test_memory_summary_and_clear_history_take_true_or_false_only(pool, value):
     assert pool.snapshot()["device_traces"][0], "the refused call dropped no event"
     assert "Oversize" in pool.memory_summary(abbreviated=np.True_)
     ap.record_memory_history(None)
+
+
+@pytest.mark.parametrize("ptr", ["x", -1, 1.5, None, 2**70, True])
+def test_allocation_traceback_refuses_what_is_no_address_with_or_without_a_history(ptr):
+    # Pool.allocation_traceback("x") was None until the pool recorded a history, then an
+    # InvalidPointerError; ap._allocation_traceback(-1) so too, with no pool recording
+    fresh = ap.Pool(0, backend="sim")
+    try:
+        for call in (fresh.allocation_traceback, ap._allocation_traceback):
+            with pytest.raises(ap.InvalidPointerError, match="address"):
+                call(ptr)
+        assert ap._allocation_traceback(0) is None  # an empty tensor's null address, as torch's
+        fresh.record_memory_history(True)
+        with pytest.raises(ap.InvalidPointerError):
+            fresh.allocation_traceback(ptr)
+        block = fresh.malloc(4096)
+        assert fresh.allocation_traceback(block)
+        fresh.free(block)
+    finally:
+        fresh.close()
