@@ -287,7 +287,10 @@ class Pool(PoolBase):
 
     def mem_get_info(self):
         """(free, total) bytes of this pool's device, as torch.npu.mem_get_info(): the device's
-        own figures (memory this pool caches counts as used)."""
+        own figures (memory this pool caches counts as used). PoolError once the pool is closed,
+        as its every other call (the device's figures were answered, a context's refused)."""
+        if self.closed:
+            raise PoolError("this pool is closed")
         return self.backend.mem_info(self.device)
 
     # -- sharing with other processes (ascend_pool.sharing) --------------------------------------

@@ -75,3 +75,30 @@ def test_allocation_traceback_refuses_what_is_no_address_with_or_without_a_histo
         fresh.free(block)
     finally:
         fresh.close()
+
+
+def test_every_call_of_a_closed_pool_is_refused_as_closed():
+    # mem_get_info() of a closed Pool answered the device's figures (a closed tenant context's
+    # is refused, as every other call of a closed pool; free_all_free: free_all_blocks deprecated)
+    import inspect
+
+    p = ap.Pool(0, backend="sim")
+    block = p.malloc(4096)
+    p.free(block)
+    p.close()
+    values = {"nbytes": 4096, "size": 4096, "ptr": block, "name": "t", "stream": 1, "handle": 1,
+              "path": "/nonexistent/x"}
+    answered = []
+    for name in dir(p):
+        call = getattr(p, name)
+        if name.startswith("_") or not callable(call) or name in ("close", "use_count", "id", "free_all_free"):
+            continue
+        params = inspect.signature(call).parameters.values()
+        args = {q.name: values.get(q.name) for q in params
+                if q.default is q.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)}
+        try:
+            call(**args)
+            answered.append(name)
+        except ap.PoolError as e:
+            assert "closed" in str(e), (name, e)
+    assert answered == []
