@@ -41,6 +41,9 @@ BAD = [
     ("bench", "--malloc-latency-us", "-5"),
     ("bench", "--free-latency-us", str(2**64)),
     ("bench", "--variants", "-3"),
+    ("bench", "--micro-runs", str(2**70)),  # accepted before: the bench never ended
+    ("bench", "--micro-runs", "10001"),
+    ("bench", "--variants", str(2**70)),
     ("bench", "--device", "-1"),
     ("replay", "--device", "-1"),
     ("trace", "--device", "-2"),

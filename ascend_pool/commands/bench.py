@@ -21,13 +21,16 @@ from ..errors import ConfigError
 from . import option_checks as oc
 
 LATENCY_US = oc.Range(0, 10_000_000, what="a number of microseconds")
+COUNT_MAX = 10_000  # --micro-runs, --variants: 10,000 runs of the microbenchmarks take hours already
 RANGES = {
     "--device": oc.DEVICE,
     "--malloc-latency-us": LATENCY_US,
     "--free-latency-us": LATENCY_US,
-    "--micro-runs": oc.Range(1, what="a count"),
+    # counts past COUNT_MAX ran for years (a typo's 70000000, or 2**70, was accepted and the bench
+    # never ended): refused as the other options' out-of-range values are
+    "--micro-runs": oc.Range(1, COUNT_MAX, what="a count"),
     "--micro-ms": oc.Range(0, 60_000.0, open_low=True, what="a finite number of milliseconds"),
-    "--variants": oc.Range(0, what="a count"),
+    "--variants": oc.Range(0, COUNT_MAX, what="a count"),
 }
 
 
@@ -183,7 +186,7 @@ def register(sub):
                    help=f"sim backend: simulated device free latency during replays, 0..10,000,000 us "
                         f"(default {SIM_FREE_LATENCY_US})")
     p.add_argument("--no-micro", action="store_true", help="skip the microbenchmarks")
-    p.add_argument("--micro-runs", type=int, default=7, help="repetitions of each microbenchmark, at least 1 (median)")
+    p.add_argument("--micro-runs", type=int, default=7, help="repetitions of each microbenchmark, 1 to 10,000 (median)")
     p.add_argument("--micro-ms", type=float, default=20.0,
                    help="length of each microbenchmark loop in ms, > 0 and <= 60,000 (pairs per loop "
                         "calibrated to it)")
@@ -193,7 +196,7 @@ def register(sub):
                    help="show progress on stderr (default: on a terminal, unless --json)")
     g.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--variants", type=int, nargs="?", const=20, default=0, metavar="N",
-                   help="robustness harness: derive N perturbed workloads from each trace (N = 20 when given "
-                        "without a number) and replay them through ascend_pool and torch_npu_policy")
+                   help="robustness harness: derive N perturbed workloads (0 to 10,000) from each trace (N = 20 "
+                        "when given without a number) and replay them through ascend_pool and torch_npu_policy")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     p.set_defaults(func=_cmd_bench)
