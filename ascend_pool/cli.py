@@ -26,8 +26,21 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     for module in COMMANDS:
         module.register(sub)
+    _no_abbreviations(parser)
     parser.commands = sub.choices  # name -> its parser: a mistake after a command gets that command's usage
     return parser
+
+
+def _no_abbreviations(parser):
+    """No option is taken by a prefix of its name (argparse's allow_abbrev), in any command: a
+    prefix read as another option, silently (`check-config FILE --device 1`, as serve's and
+    replay's --device, was --device-bytes 1, and `--device 8` an 8-byte device that every quota
+    overcommits, exit 0). An unknown option is a usage error naming it."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _no_abbreviations(child)
 
 
 def _command_parser(parser, args):

@@ -75,3 +75,21 @@ def test_an_empty_path_from_an_unset_variable_is_named_before_any_work(argv, opt
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith(f"error: argument {option}: expected a path, got '' (an unset variable?)"), err
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["check-config", "{toml}", "--device", "8"], "--device"),  # was --device-bytes 8, exit 0
+    (["serve", "--conf", "{toml}"], "--conf"),                   # was --config
+    (["bench", "--micro", "3", "--traces", "/nonexistent"], "--micro"),
+    (["trace", "convert", "/nonexistent.pickle", "/nonexistent.npz", "--dev", "0"], "--dev"),
+])
+def test_an_option_is_never_taken_by_a_prefix_of_its_name(argv, option, tmp_path, capsys):
+    # argparse's abbreviations read `check-config FILE --device 8` (as serve's and replay's
+    # --device) as --device-bytes 8: an 8-byte device every quota overcommits, exit 0
+    toml = tmp_path / "t.toml"
+    toml.write_text('[tenants.online]\nquota = "1GiB"\n')
+    with pytest.raises(SystemExit) as exc:
+        main([a.format(toml=toml) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: unrecognized arguments: {option}" in err, err
