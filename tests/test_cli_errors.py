@@ -93,3 +93,20 @@ def test_an_option_is_never_taken_by_a_prefix_of_its_name(argv, option, tmp_path
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"error: unrecognized arguments: {option}" in err, err
+
+
+def test_trace_convert_names_the_file_it_wrote(tmp_path, capsys):
+    # np.savez adds .npz to a name without it: `trace convert S out` wrote out.npz and said "-> out"
+    import ascend_pool as ap
+
+    pool = ap.Pool(0, backend="sim")
+    try:
+        pool.record_memory_history(True)
+        pool.free(pool.malloc(4096))
+        pool.dump_snapshot(str(tmp_path / "s.pickle"))
+    finally:
+        pool.close()
+    assert main(["trace", "convert", str(tmp_path / "s.pickle"), str(tmp_path / "out")]) == 0
+    said = capsys.readouterr().out
+    assert f" -> {tmp_path / 'out.npz'}: 1 allocs" in said, said
+    assert (tmp_path / "out.npz").is_file() and not (tmp_path / "out").exists()

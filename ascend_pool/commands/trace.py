@@ -4,7 +4,7 @@
 
 from .. import rmm_log_trace
 from ..snapshot_trace import convert
-from ..traces import peak_live_bytes
+from ..traces import output_npz_path, peak_live_bytes
 from ..units import format_bytes
 from . import option_checks as oc
 
@@ -18,7 +18,10 @@ def _cmd_convert(args):
         trace = rmm_log_trace.convert(args.snapshot, args.out)
     else:
         trace = convert(args.snapshot, args.out, device=args.device)
-    print(f"{args.snapshot} -> {args.out}: {trace.n_allocs} allocs, {trace.n_frees} frees, "
+    # the file written: np.savez adds .npz to a name without it, so `trace convert S out` said
+    # "-> out" where it wrote out.npz
+    written = output_npz_path(args.out, "trace convert OUT")
+    print(f"{args.snapshot} -> {written}: {trace.n_allocs} allocs, {trace.n_frees} frees, "
           f"{len(trace.streams)} stream(s), peak live {format_bytes(peak_live_bytes(trace))}")
     return 0
 
