@@ -110,3 +110,15 @@ def test_trace_convert_names_the_file_it_wrote(tmp_path, capsys):
     said = capsys.readouterr().out
     assert f" -> {tmp_path / 'out.npz'}: 1 allocs" in said, said
     assert (tmp_path / "out.npz").is_file() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("size", ["99999999999999999999999999GiB", str(2**63), "8388608TiB"])
+def test_check_config_refuses_a_device_larger_than_any(size, tmp_path, capsys):
+    # accepted before: "25%" of it was a quota of 2.6e34 bytes, which no ledger holds, said ok
+    toml = tmp_path / "t.toml"
+    toml.write_text('[tenants.a]\nquota = "25%"\n')
+    assert main(["check-config", str(toml), "--device-bytes", size]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == (f"ascend-pool check-config: --device-bytes: {size!r} is larger than any device "
+                           f"(at most {2**63 - 1} bytes)") and out == ""
+    assert main(["check-config", str(toml), "--device-bytes", str(2**63 - 1)]) == 0

@@ -11,6 +11,7 @@ import json
 import sys
 
 from ..tenants.config import ConfigErrors, load
+from ..tenants.quota_spec import MAX_QUOTA_BYTES
 from ..units import parse_bytes
 from . import option_checks as oc
 
@@ -22,6 +23,9 @@ def _cmd_check_config(args):
             device_bytes = parse_bytes(args.device_bytes, "--device-bytes")
             if device_bytes <= 0:  # 0 (or "0.5") read as "no size given": no overcommit check ran
                 raise ValueError(f"--device-bytes: a device holds at least one byte, got {args.device_bytes!r}")
+            if device_bytes >= MAX_QUOTA_BYTES:  # its "25%" was a quota no ledger holds, said ok
+                raise ValueError(f"--device-bytes: {args.device_bytes!r} is larger than any device (at most "
+                                 f"{MAX_QUOTA_BYTES - 1} bytes)")
         except ValueError as e:
             print(f"ascend-pool check-config: {e}", file=sys.stderr)
             if args.json:
