@@ -122,3 +122,22 @@ def test_check_config_refuses_a_device_larger_than_any(size, tmp_path, capsys):
     assert err.strip() == (f"ascend-pool check-config: --device-bytes: {size!r} is larger than any device "
                            f"(at most {2**63 - 1} bytes)") and out == ""
     assert main(["check-config", str(toml), "--device-bytes", str(2**63 - 1)]) == 0
+
+
+def test_bench_json_to_stdout_says_the_failures_its_exit_1_stands_for(monkeypatch, capsys):
+    # with --json - the report (and its "Errors" lines) is not printed: exit 1, nothing said on
+    # stderr of why, the failures inside the JSON only
+    import json
+
+    from ascend_pool import OutOfMemoryError
+    from ascend_pool.bench import run
+    from ascend_pool.traces import bundled_traces_dir
+
+    def failing(*args, **kwargs):
+        raise OutOfMemoryError("out of memory: injected")
+    monkeypatch.setattr(run._peers, "run_peer", failing)
+    assert main(["bench", "--traces", str(bundled_traces_dir()), "--trace", "resnet18_train_prefix", "--no-micro",
+                 "--allocators", "direct", "--backend", "sim", "--json", "-", "--no-progress"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["errors"]
+    assert "error: direct on resnet18_train_prefix: OutOfMemoryError: out of memory: injected" in err.splitlines()

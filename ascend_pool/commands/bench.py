@@ -154,6 +154,12 @@ def _cmd_bench(args):
     else:
         for s in result["skipped"]:
             say(f"skipped {s['allocator']}{' on ' + s['trace'] if s.get('trace') else ''}: {s['reason']}")
+        # the failures the exit status 1 stands for (the report's "Errors" lines): said nowhere
+        # but inside the JSON before
+        for e in result["errors"]:
+            say(f"error: {e['allocator']} on {e['trace']}: {e['error']}")
+        for e in (result.get("variants") or {}).get("errors", []):
+            say(f"error on {e['workload']}: {e['error']}")
         for line in summary_lines(result["targets"]):
             say(line)
     failed = [t for t in result["targets"] if t["passed"] is False]
