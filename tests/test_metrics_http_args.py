@@ -45,3 +45,25 @@ def test_unresolvable_host_is_a_config_error_and_good_ports_still_serve():
             assert 0 < srv.port <= 65535
         finally:
             srv.close()
+
+
+@pytest.mark.parametrize("registry", ["x", 5, object()])
+def test_a_registry_without_collect_is_refused_at_the_call(registry):
+    # accepted before: every scrape was then a 500, the AttributeError in the log alone
+    from ascend_pool.errors import ConfigTypeError
+
+    with pytest.raises(ConfigTypeError, match=r"^registry: expected None or a prometheus_client registry"):
+        start_http_server(0, registry=registry)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"pools": "x"}, "pools must be None or a callable"),
+                                           ({"pools": [1]}, "pools must be None or a callable"),
+                                           ({"ledger": "no"}, "ledger must be True or False")])
+def test_pool_collector_refuses_bad_arguments_at_the_call(kwargs, match):
+    # PoolCollector(pools=[pool]) was taken and failed at each scrape ("'list' object is not
+    # callable"), ledger="no" read as true
+    from ascend_pool.errors import ConfigTypeError
+    from ascend_pool.metrics import PoolCollector
+
+    with pytest.raises(ConfigTypeError, match=match):
+        PoolCollector(**kwargs)

@@ -7,6 +7,8 @@
 Everything is read when Prometheus scrapes: the allocation path does no metrics work.
 """
 
+from ..config import flag_argument
+from ..errors import ConfigTypeError
 from .families import device_families, tenant_families
 from .ledger import ReclaimedTotals, ledger_families
 from .node import with_node
@@ -20,6 +22,11 @@ class PoolCollector:
     default: it is the node's view, which `ascend-pool serve` exports; one process need not)."""
 
     def __init__(self, pools=None, ledger=False):
+        # checked here, not at the first scrape (a 500 at each one, the cause in the log alone)
+        if pools is not None and not callable(pools):
+            raise ConfigTypeError(f"PoolCollector: pools must be None or a callable returning the pools to read "
+                                  f"(e.g. lambda: [pool]), got {type(pools).__name__} {pools!r}")
+        flag_argument("PoolCollector", "ledger", ledger)
         self._agg = PoolAggregator(pools) if pools is not None else PoolAggregator()
         self._ledger = ledger
         self._reclaimed = ReclaimedTotals()  # the reclaimed counter never falls while this collector lives

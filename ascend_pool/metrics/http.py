@@ -19,7 +19,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.exposition import choose_encoder
 
 from .. import registry as reg
-from ..errors import ConfigError
+from ..errors import ConfigError, ConfigTypeError
 from .collector import PoolCollector
 from .node import BuildInfo, NodeLabelled
 
@@ -293,7 +293,12 @@ def _backend_in_use():
 def start_http_server(port, addr="127.0.0.1", registry=None):
     """Serves this process's pools (or `registry`) on http://addr:port/metrics from a daemon thread.
     Returns the MetricsServer (.port is the bound port, useful with port=0; .close() stops it).
-    A port that is not an int from 0 to 65535, or an addr that is not a host, raises ConfigError."""
+    A port that is not an int from 0 to 65535, or an addr that is not a host, raises ConfigError;
+    a registry without collect(), ConfigTypeError."""
+    if registry is not None and not callable(getattr(registry, "collect", None)):
+        # checked here, not at the first scrape (a 500 at each one, the cause in the log alone)
+        raise ConfigTypeError(f"registry: expected None or a prometheus_client registry (an object with "
+                              f"collect()), got {type(registry).__name__} {registry!r}")
     if registry is None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(PoolCollector())
