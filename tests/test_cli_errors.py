@@ -141,3 +141,20 @@ def test_bench_json_to_stdout_says_the_failures_its_exit_1_stands_for(monkeypatc
     out, err = capsys.readouterr()
     assert json.loads(out)["errors"]
     assert "error: direct on resnet18_train_prefix: OutOfMemoryError: out of memory: injected" in err.splitlines()
+
+
+def test_bench_refuses_a_bad_ascend_pool_conf_before_any_replay(monkeypatch, capsys):
+    # with --no-micro the ascend_pool rows failed one by one after the whole run ("## Errors"),
+    # exit 1, where a bad --conf is refused up front
+    from ascend_pool.bench import run
+    from ascend_pool.traces import bundled_traces_dir
+
+    def never(*args, **kwargs):
+        raise AssertionError("a replay ran")
+    monkeypatch.setattr(run._peers, "run_peer", never)
+    monkeypatch.setenv("ASCEND_POOL_CONF", "max_split_size_mb:nan")
+    assert main(["bench", "--traces", str(bundled_traces_dir()), "--trace", "resnet18_train_prefix", "--no-micro",
+                 "--backend", "sim", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == ["ascend-pool bench: ConfigError: ASCEND_POOL_CONF='max_split_size_mb:nan': "
+                                        "max_split_size_mb: expected a finite number, got 'nan'"] and out == ""

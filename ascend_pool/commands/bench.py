@@ -16,7 +16,7 @@ import sys
 from ..bench.run import SIM_FREE_LATENCY_US, SIM_MALLOC_LATENCY_US, run_bench
 from ..bench.table import summary_lines, to_markdown
 from ..backend import check_device, open_backend
-from ..config import effective_knobs, knobs_to_config, parse_conf_string
+from ..config import conf_source, effective_knobs, knobs_to_config, parse_conf_string
 from ..errors import ConfigError
 from . import option_checks as oc
 
@@ -79,13 +79,21 @@ def _command_line(args):
 
 
 def _check_up_front(args, knobs):
-    """A bad --conf or --device fails before any replay (one line, exit 2), not as an error row
-    after the whole run: the backend must have the device, the knobs must parse for it."""
+    """A bad --conf, $ASCEND_POOL_CONF or --device fails before any replay (one line, exit 2), not
+    as an error row after the whole run: the backend must have the device, the knobs must parse
+    for it."""
     backend = open_backend(args.backend)
     check_device(backend, args.device)
+    total = backend.mem_info(args.device)[1]
+    kind = "acl" if backend.kind == "acl" else "cuda"
     if knobs:
-        total = backend.mem_info(args.device)[1]
-        knobs_to_config(effective_knobs(knobs, env={}), total, total, "acl" if backend.kind == "acl" else "cuda")
+        knobs_to_config(effective_knobs(knobs, env={}), total, total, kind)
+    # and with $ASCEND_POOL_CONF's, which every ascend_pool replay's pool reads too: a bad one
+    # failed each ascend_pool row after the whole run (--no-micro), exit 1
+    try:
+        knobs_to_config(effective_knobs(knobs), total, total, kind)
+    except ConfigError as e:  # named as the pools name it (Pool._open_with_settings)
+        raise ConfigError("%s=%r: %s" % (*conf_source(), e)) from None
 
 
 def _check_outputs(args):
