@@ -158,3 +158,14 @@ def test_bench_refuses_a_bad_ascend_pool_conf_before_any_replay(monkeypatch, cap
     out, err = capsys.readouterr()
     assert err.strip().splitlines() == ["ascend-pool bench: ConfigError: ASCEND_POOL_CONF='max_split_size_mb:nan': "
                                         "max_split_size_mb: expected a finite number, got 'nan'"] and out == ""
+
+
+@pytest.mark.parametrize("conf", ["max_split_size_mb:nan", "expandable_segments:true", ""])
+def test_replay_direct_refuses_knobs_it_would_ignore(conf, capsys):
+    # direct mode opens no pool: --conf was taken and ignored, a bad value (nan) too, exit 0
+    from ascend_pool.traces import bundled_traces_dir
+
+    trace = str(bundled_traces_dir() / "resnet18_train_prefix.npz")
+    assert main(["replay", trace, "--backend", "sim", "--mode", "direct", "--conf", conf]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("ascend-pool replay: ConfigError: --conf: --mode direct replays without a pool") and out == ""

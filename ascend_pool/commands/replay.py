@@ -5,6 +5,7 @@ TRACE may also name one of the traces shipped with the package (``resnet18_train
 import json
 
 from ..config import parse_conf_string
+from ..errors import ConfigError
 from ..replay import replay
 from ..traces import resolve_trace, shipped_traces_dir
 from ..units import format_bytes
@@ -18,6 +19,10 @@ REPLAY_KEYS = ("allocs", "frees", "seconds", "ops_per_second", "peak_live_bytes"
 def _cmd_replay(args):
     oc.check(args, {"--device": oc.DEVICE})
     knobs = parse_conf_string(args.conf, "--conf") if args.conf else None
+    if args.conf is not None and args.mode == "direct":
+        # direct mode opens no pool: the knobs were ignored, bad ones (max_split_size_mb:nan) too
+        raise ConfigError(f"--conf: --mode direct replays without a pool, which the knobs configure; drop --conf "
+                          f"(got {args.conf!r})")
     r = replay(resolve_trace(args.trace), backend=args.backend, mode=args.mode, device=args.device, pool_knobs=knobs)
     if args.json:
         print(json.dumps({k: r[k] for k in REPLAY_KEYS + ("trace", "mode", "backend")}))
