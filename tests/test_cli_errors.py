@@ -169,3 +169,12 @@ def test_replay_direct_refuses_knobs_it_would_ignore(conf, capsys):
     assert main(["replay", trace, "--backend", "sim", "--mode", "direct", "--conf", conf]) == 2
     out, err = capsys.readouterr()
     assert err.startswith("ascend-pool replay: ConfigError: --conf: --mode direct replays without a pool") and out == ""
+
+
+def test_an_empty_trace_name_from_an_unset_variable_is_named(capsys):
+    # bench --trace "$T" with T unset said "ValueError: no trace(s)  in DIR", naming nothing
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--no-micro", "--trace", "resnet18_train_prefix", "--trace", ""])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("error: argument --trace: expected a name, got '' (an unset variable?)"), err

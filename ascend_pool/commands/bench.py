@@ -188,7 +188,7 @@ def register(sub):
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE", type=oc.path, help="write the results as JSON ('-': to stdout, alone)")
     p.add_argument("--markdown", default=None, metavar="FILE", type=oc.path, help="write the report as markdown")
-    p.add_argument("--trace", action="append", default=[], metavar="NAME",
+    p.add_argument("--trace", action="append", default=[], metavar="NAME", type=oc.name,
                    help="only this trace of the directory (repeatable)")
     p.add_argument("--allocators", default=None, metavar="A,B",
                    help="only these allocators (default: every one for the backend)")

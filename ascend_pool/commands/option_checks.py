@@ -67,3 +67,11 @@ def path(text):
     if text == "":
         raise argparse.ArgumentTypeError("expected a path, got '' (an unset variable?)")
     return text
+
+
+def name(text):
+    """argparse type of a name option (bench --trace NAME): refuses the empty string, which an
+    unset shell variable gives (--trace "$T"): it said "no trace(s)  in DIR", naming nothing."""
+    if text == "":
+        raise argparse.ArgumentTypeError("expected a name, got '' (an unset variable?)")
+    return text
