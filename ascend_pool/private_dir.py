@@ -207,6 +207,10 @@ def _create(base, path, kind, num, group=None):
             break
         except FileExistsError:  # a name someone else chose: another one
             continue
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise PermissionError(e.errno, _base_refused(base, kind, num, e)) from None
+            raise
     else:
         raise PermissionError(f"cannot create a temporary directory in {base}: every name tried is taken")
     try:
@@ -270,6 +274,24 @@ def _rename_noreplace(src, dst):
     if os.path.lexists(dst):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
     os.rename(src, dst)
+
+
+def _base_refused(base, kind, num, err):
+    """Why this process cannot create its private directory in base (a hostPath made by root 0755,
+    a read-only mount), and what to do: before, the error named only a random temporary name
+    (".ascend_pool-tmp-u65534-7aff...: Permission denied"), not the directory nor its mode."""
+    who = f"group {num}" if kind == "g" else f"uid {num}"
+    try:
+        st = os.stat(base)
+        what = f"owner uid {st.st_uid}, group {st.st_gid}, mode {stat.S_IMODE(st.st_mode):04o}"
+    except OSError as e:
+        what = e.strerror or str(e)
+    if err.errno == errno.EROFS:
+        return f"cannot create the private directory of {who} in {base}: it is on a read-only file system ({what})"
+    return (f"cannot create the private directory of {who} in {base} ({what}): this process (uid {os.geteuid()}) "
+            "may not create entries there. The shared directory must be writable by every user of the node's "
+            "processes, with the sticky bit (mode 1777, as /dev/shm), or already hold this user's (group's) "
+            "directory")
 
 
 def _not_member(group):

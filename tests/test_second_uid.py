@@ -1,0 +1,185 @@
+"""A tenant's processes of two uids on one node (root and uid 4242, both of group 4321 shared
+through ASCEND_POOL_LEDGER_GROUP), each in a pid namespace of its own (`unshare --pid --fork
+--mount-proc`: both are pid 1), and a second uid whose shared directory root made 0755.
+
+What a user relies on: the quota holds across the two uids whichever made the ledger, a killed
+holder's bytes come back to the tenant, and a process that cannot join is refused with a typed
+error naming the directory and the permission, never left to book apart. The other uid runs
+through setpriv (numeric ids, no passwd entry needed), the namespaces through unshare: both need
+root, which CI has; elsewhere the tests skip, saying which is missing.
+"""
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import uuid
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from other_user import readable_site  # noqa: E402
+from sim_fixtures import NS, UNSHARE_MISSING  # noqa: E402
+
+OTHER, GID = 4242, 4321
+MiB = 1 << 20
+SKIP = ("setpriv is not installed" if shutil.which("setpriv") is None else
+        "running code as another uid needs root" if os.geteuid() != 0 else UNSHARE_MISSING)
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+
+
+@pytest.fixture(scope="module")
+def world():
+    root = tempfile.mkdtemp(prefix="ap-second-uid-")
+    os.chmod(root, 0o755)
+    site = readable_site(root)
+    try:
+        exe = None
+        for cand in (sys.executable, f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
+            r = subprocess.run(_as(OTHER) + [cand, "-c", "import ascend_pool._core"], capture_output=True,
+                               text=True, env=dict(os.environ, PYTHONPATH=site, PYTHONSAFEPATH="1"), cwd="/")
+            if r.returncode == 0:
+                exe = cand
+                break
+        assert exe is not None, f"no Python that uid {OTHER} may run imports {site}"
+        yield root, site, exe
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _as(uid):
+    """The prefix that runs a command as uid (None: this user, root) in group GID."""
+    if uid is None:
+        return []
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={GID}", "--inh-caps=-all"]
+
+
+class Node:
+    def __init__(self, world, base_mode=0o1777):
+        self.root, self.site, self.exe = world
+        self.shm = tempfile.mkdtemp(prefix="shm-", dir=self.root)
+        os.chmod(self.shm, base_mode)
+        self.sim = tempfile.mkdtemp(prefix="sim-", dir=self.root)
+        os.chmod(self.sim, 0o1777)
+        self.name = "s" + uuid.uuid4().hex[:10]
+        self.procs = []
+
+    def env(self, **extra):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ASCEND_SIM_", "ASCEND_POOL_"))}
+        env.update(PYTHONPATH=self.site, PYTHONSAFEPATH="1", HOME=self.root, ASCEND_POOL_BACKEND="sim",
+                   ASCEND_SIM_NODE=self.name, ASCEND_SIM_SHM_DIR=self.sim, ASCEND_SIM_DEVICES="1",
+                   ASCEND_SIM_HBM="1GiB", ASCEND_POOL_LEDGER_DIR=self.shm, ASCEND_POOL_STATS_DIR=self.shm,
+                   ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_INTERVAL="0.1")
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    def start(self, uid, code, ns=False, **env):
+        argv = (NS if ns else []) + _as(uid) + [self.exe, "-c", textwrap.dedent(code)]
+        p = subprocess.Popen(argv, env=self.env(**env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd="/")
+        self.procs.append(p)
+        return p
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=10)
+
+
+@pytest.fixture
+def node(world):
+    n = Node(world)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+WORKER = """
+    import json, os, sys
+    import ascend_pool as ap
+    from ascend_pool import identity
+    from ascend_pool.errors import QuotaExceededError
+    ctx = ap.Pool(0).context("online", quota="100MiB")
+    print(json.dumps({"pid": os.getpid(), "uid": os.geteuid(), "instance": identity.instance_hex()}), flush=True)
+    keep = []
+    for line in sys.stdin:
+        try:
+            keep.append(ctx.malloc(int(line)))
+            print(json.dumps("granted"), flush=True)
+        except QuotaExceededError:
+            print(json.dumps("refused"), flush=True)
+"""
+
+
+class Worker:
+    def __init__(self, node, uid):
+        self.proc = node.start(uid, WORKER, ns=True, ASCEND_POOL_LEDGER_GROUP=GID)
+        self.hello = self._line()
+
+    def _line(self):
+        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.proc.kill()
+            pytest.fail(f"worker gave no answer: {self.proc.stderr.read()}")
+        return json.loads(line)
+
+    def malloc(self, nbytes):
+        self.proc.stdin.write(f"{nbytes}\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def kill(self):
+        """SIGKILL to the worker itself (unshare's child: pid 1 of its namespace), which cleans nothing up."""
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            os.kill(int(f.read().split()[0]), signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("creator", ["root", "second uid"])
+def test_two_uids_of_a_group_in_two_pid_namespaces_share_a_quota_and_get_a_killed_holders_bytes(node, creator):
+    first, second = (None, OTHER) if creator == "root" else (OTHER, None)
+    a = Worker(node, first)  # makes the group's directory and ledger
+    b = Worker(node, second)  # joins them
+    assert (a.hello["pid"], b.hello["pid"]) == (1, 1)
+    assert {a.hello["uid"], b.hello["uid"]} == {0, OTHER}
+    ledgers = [n for n in os.listdir(os.path.join(node.shm, f"ascend_pool-g{GID}")) if n.startswith("ascend_pool-ledger")]
+    assert ledgers == [f"ascend_pool-ledger-g{GID}-sim-{node.name}-dev0"]  # one ledger, not one per uid
+    assert [a.malloc(60 * MiB), b.malloc(60 * MiB)] == ["granted", "refused"]  # 100 MiB for the two
+    a.kill()
+    # The holder's lease dropped with it: the tenant's next request takes its share back, whoever
+    # made the ledger and whichever uid the dead holder ran as.
+    assert b.malloc(60 * MiB) == "granted"
+
+
+def test_a_second_uid_that_cannot_create_its_directory_is_told_the_directory_and_its_mode(world):
+    # A hostPath root made 0755 (kubelet's DirectoryOrCreate) as ASCEND_POOL_LEDGER_DIR of a pod
+    # running as another uid: before, the LedgerError named a random temporary name and nothing
+    # else ("[Errno 13] Permission denied: '.../.ascend_pool-tmp-u4242-7aff5591b38abb01'"), and so did
+    # the stats publisher's warning.
+    n = Node(world, base_mode=0o755)
+    try:
+        p = n.start(OTHER, """
+            import logging, ascend_pool as ap
+            logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+            try:
+                ap.Pool(0).context("online", quota="64MiB").malloc(1 << 20)
+                print("GRANTED")
+            except ap.PoolError as e:
+                print("REFUSED", type(e).__name__, getattr(e, "kind", None), e)
+        """)
+        out, err = p.communicate(timeout=60)
+        want = (f"cannot create the private directory of uid {OTHER} in {n.shm} (owner uid 0, group 0, mode 0755): "
+                f"this process (uid {OTHER}) may not create entries there")
+        assert out.startswith("REFUSED LedgerError permission") and want in out and "1777" in out, (out, err)
+        assert ".ascend_pool-tmp" not in out + err
+        assert want in err  # the stats publisher's warning
+        assert os.listdir(n.shm) == []
+    finally:
+        n.close()
