@@ -557,6 +557,67 @@ def user_namespace():
     return "; ".join(" ".join(map(str, row)) for row in rows), _outward(rows, os.geteuid())
 
 
+_LOCKS_PATH = "/proc/locks"
+
+
+def pids_here(files):
+    """{path: pid} for those of files (path -> (recorded pid, recorded pidns)) whose writer holds
+    flock(LOCK_EX) on them (a stats file, its writer's for life): the writer's pid in the pid
+    namespace of this process's /proc, the one kill, top and npu-smi take there (the host's pid
+    of a container's pid-1 worker when read on the host). The kernel's /proc/locks gives the
+    locker's pid in that namespace, and leaves out the locks of processes outside it (a worker of
+    another container, read from inside one): those files have no entry. An entry is kept only
+    when /proc/PID/status's NSpid ends with the pid the writer recorded (its own namespace's), and
+    /proc/PID/ns/pid, where readable, is the namespace it recorded."""
+    want = {}
+    for path, (pid, ns) in files.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        want[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = (path, pid, ns)
+    if not want:
+        return {}
+    try:
+        with open(_LOCKS_PATH) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        f = line.split()
+        # "N: FLOCK  ADVISORY  WRITE PID MAJ:MIN:INODE 0 EOF"; a waiter's line has "->" after "N:"
+        if len(f) < 6 or f[1] != "FLOCK" or f[3] != "WRITE":
+            continue
+        try:
+            here = int(f[4])
+            major, minor, ino = f[5].split(":")
+            key = (int(major, 16), int(minor, 16), int(ino))
+        except ValueError:
+            continue
+        if here <= 0 or key not in want:
+            continue
+        path, pid, ns = want[key]
+        if _same_process(here, pid, ns):
+            out[path] = here
+    return out
+
+
+def _same_process(here, pid, ns):
+    """True when /proc/<here> is the process that recorded pid in pid namespace ns."""
+    try:
+        with open(f"/proc/{here}/status") as f:
+            nspid = next((ln.split()[1:] for ln in f if ln.startswith("NSpid:")), None)
+    except OSError:
+        return False
+    if not nspid or nspid[-1] != str(pid):
+        return False
+    try:
+        return not ns or os.stat(f"/proc/{here}/ns/pid").st_ino == ns
+    except OSError:
+        return True  # another user's process (no ptrace access): NSpid said enough
+
+
 def boot_id():
     """The kernel's boot id as 16 raw bytes (zeros where /proc does not tell it)."""
     try:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -135,10 +136,14 @@ class Worker:
         self.proc.stdin.flush()
         return self._line()
 
-    def kill(self):
-        """SIGKILL to the worker itself (unshare's child: pid 1 of its namespace), which cleans nothing up."""
+    def host_pid(self):
+        """The worker's pid here (unshare's child: pid 1 of its own namespace)."""
         with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
-            os.kill(int(f.read().split()[0]), signal.SIGKILL)
+            return int(f.read().split()[0])
+
+    def kill(self):
+        """SIGKILL to the worker itself, which cleans nothing up."""
+        os.kill(self.host_pid(), signal.SIGKILL)
         self.proc.wait(timeout=30)
 
 
@@ -149,7 +154,8 @@ def test_two_uids_of_a_group_in_two_pid_namespaces_share_a_quota_and_get_a_kille
     b = Worker(node, second)  # joins them
     assert (a.hello["pid"], b.hello["pid"]) == (1, 1)
     assert {a.hello["uid"], b.hello["uid"]} == {0, OTHER}
-    ledgers = [n for n in os.listdir(os.path.join(node.shm, f"ascend_pool-g{GID}")) if n.startswith("ascend_pool-ledger")]
+    group_dir = os.path.join(node.shm, f"ascend_pool-g{GID}")
+    ledgers = [n for n in os.listdir(group_dir) if n.startswith("ascend_pool-ledger")]
     assert ledgers == [f"ascend_pool-ledger-g{GID}-sim-{node.name}-dev0"]  # one ledger, not one per uid
     assert [a.malloc(60 * MiB), b.malloc(60 * MiB)] == ["granted", "refused"]  # 100 MiB for the two
     a.kill()
@@ -183,3 +189,37 @@ def test_a_second_uid_that_cannot_create_its_directory_is_told_the_directory_and
         assert os.listdir(n.shm) == []
     finally:
         n.close()
+
+
+def test_ps_gives_each_pid_1_worker_its_pid_here_and_none_from_another_namespace(node):
+    # Before, ps gave the pid in the worker's own namespace only: on the host two containers' workers
+    # were both "1", which no kill, top or npu-smi there takes. PID_HERE is the pid in ps's own pid
+    # namespace, from the kernel's /proc/locks (the writer's lock on its stats file).
+    a, b = Worker(node, None), Worker(node, OTHER)
+    want = {a.hello["instance"]: a.host_pid(), b.hello["instance"]: b.host_pid()}
+    args = ["-m", "ascend_pool.cli", "ps", "--json", "--allow-uid", str(OTHER), "--allow-group", str(GID)]
+
+    def ps(prefix=()):
+        for _ in range(100):  # the workers publish every 0.1 s
+            r = subprocess.run(list(prefix) + [node.exe] + args, env=node.env(ASCEND_POOL_LEDGER_GROUP=GID),
+                               capture_output=True, text=True, timeout=60, cwd="/")
+            assert r.returncode == 0, r.stderr
+            rows = {row["instance"]: row for row in json.loads(r.stdout) if row["tenant"] == "online"}
+            if set(rows) == set(want):
+                return rows
+            time.sleep(0.1)
+        pytest.fail(f"ps did not list both workers: {r.stdout}")
+
+    rows = ps()
+    assert {i: (r["pid"], r["pid_here"], r["uid"]) for i, r in rows.items()} == {
+        a.hello["instance"]: (1, want[a.hello["instance"]], 0),
+        b.hello["instance"]: (1, want[b.hello["instance"]], OTHER)}
+    # ps in a pid namespace of its own sees into neither worker's: no pid here, the pid as it was.
+    rows = ps(NS)
+    assert {i: (r["pid"], r["pid_here"]) for i, r in rows.items()} == {i: (1, None) for i in want}
+    # The table: PID_HERE last, "-" where unknown.
+    table = subprocess.run([node.exe] + [x for x in args if x != "--json"], env=node.env(ASCEND_POOL_LEDGER_GROUP=GID),
+                           capture_output=True, text=True, timeout=60, cwd="/").stdout.splitlines()
+    assert table[0].split()[-1] == "PID_HERE"
+    cells = {line.split()[1]: (line.split()[0], line.split()[-1]) for line in table[1:] if " online " in line}
+    assert cells == {i: ("1", str(pid)) for i, pid in want.items()}, table

@@ -11,15 +11,17 @@ import os
 
 from .. import registry
 from ..errors import ConfigError, PoolError
-from ..identity import host_uid, instance
+from ..identity import host_uid, instance, pids_here
 from ..tenants.ledger import ledger_group
 from . import paths
 from .scanner import StatsScanner
 
 
 def rows(directory=None, allow_uids=(), allow_gids=()):
-    """[{"pid", "pidns", "instance", "uid", "device", "tenant", "held_bytes", "allocated_bytes"}],
-    one per process and (device, tenant) it has an open pool of.
+    """[{"pid", "pid_here", "pidns", "instance", "uid", "device", "tenant", "held_bytes", "allocated_bytes"}],
+    one per process and (device, tenant) it has an open pool of. pid: in the process's own pid
+    namespace (pidns); pid_here: in this process's (identity.pids_here), None where this namespace
+    does not hold it.
     directory: the stats directory (default paths.stats_dir()); ConfigError when it does not exist,
     is not a directory or cannot be read (an empty list would hide the mistake)."""
     reason = paths.unreadable_reason(directory or paths.stats_dir())
@@ -37,10 +39,13 @@ def rows(directory=None, allow_uids=(), allow_gids=()):
     scanner = StatsScanner(directory or None, allowed_uids=set(allow_uids) | {host_uid()}, remove_stale=False,
                            allowed_gids=gids)
     out = []
-    for p in scanner.scan():
+    procs = scanner.scan()
+    here = pids_here({p.path: (p.pid, p.pidns) for p in procs})
+    for p in procs:
         for s in in_use(p.samples):
             v = s.values
-            out.append({"pid": p.pid, "pidns": p.pidns, "instance": p.instance, "uid": p.uid, "device": s.device,
+            out.append({"pid": p.pid, "pid_here": here.get(p.path), "pidns": p.pidns, "instance": p.instance,
+                        "uid": p.uid, "device": s.device,
                         "tenant": s.tenant, "held_bytes": v["reserved_bytes.small"] + v["reserved_bytes.large"],
                         "allocated_bytes": v["allocated_bytes.small"] + v["allocated_bytes.large"]})
     return sorted(out, key=lambda r: (r["device"], r["tenant"], r["pid"], r["instance"]))
