@@ -223,3 +223,31 @@ def test_ps_gives_each_pid_1_worker_its_pid_here_and_none_from_another_namespace
     assert table[0].split()[-1] == "PID_HERE"
     cells = {line.split()[1]: (line.split()[0], line.split()[-1]) for line in table[1:] if " online " in line}
     assert cells == {i: ("1", str(pid)) for i, pid in want.items()}, table
+
+
+@pytest.mark.parametrize("change", ["group", "mode"])
+def test_a_member_refused_a_ledger_root_made_is_told_its_group_or_mode(node, change):
+    # Root's process made the group's ledger; an admin's chgrp or chmod left it unreadable to the
+    # other members. Before, a member's context was refused "cannot open ledger PATH: Permission
+    # denied", naming neither the file's group nor its mode (root, which opens anything, was told).
+    maker = node.start(None, "import ascend_pool as ap; ap.Pool(0).context('online', quota='64MiB')",
+                       ASCEND_POOL_LEDGER_GROUP=GID)
+    out, err = maker.communicate(timeout=60)
+    assert maker.returncode == 0, err
+    path = os.path.join(node.shm, f"ascend_pool-g{GID}", f"ascend_pool-ledger-g{GID}-sim-{node.name}-dev0")
+    if change == "group":
+        os.chown(path, -1, 0)
+        want = f"ledger {path} belongs to group 0, not to the configured group {GID}; refusing it"
+    else:
+        os.chmod(path, 0o600)
+        want = f"ledger {path} has permissions 0600; a group ledger must be 0660 (owner and group), refusing it"
+    p = node.start(OTHER, """
+        import ascend_pool as ap
+        try:
+            ap.Pool(0).context("online", quota="64MiB").malloc(1 << 20)
+            print("GRANTED")
+        except ap.PoolError as e:
+            print("REFUSED", type(e).__name__, getattr(e, "kind", None), e)
+    """, ASCEND_POOL_LEDGER_GROUP=GID)
+    out, err = p.communicate(timeout=60)
+    assert out.startswith("REFUSED LedgerError permission") and want in out, (out, err)

@@ -113,9 +113,8 @@ static void apl_init_file(apl_file *f, int device, const char *backend, const ch
 
 /* Checks the file behind fd before mapping it: type, owner, group, mode, size. owner: the host
    uid the ledger belongs to (its name's); group: the gid as this namespace sees it. */
-static int apl_check_stat(int fd, const char *path, uint32_t group, uint32_t owner, struct stat *st, char *err,
-                          size_t len) {
-    if (fstat(fd, st) != 0) return apl_fail(err, len, APL_E_IO, "cannot stat ledger %s: %s", path, strerror(errno));
+static int apl_check_st(const struct stat *st, const char *path, uint32_t group, uint32_t owner, char *err,
+                        size_t len) {
     if (!S_ISREG(st->st_mode))
         return apl_fail(err, len, APL_E_PERM, "ledger %s is not a regular file; refusing it", path);
     unsigned mode = (unsigned)(st->st_mode & 07777);
@@ -145,6 +144,28 @@ static int apl_check_stat(int fd, const char *path, uint32_t group, uint32_t own
                         "it (remove it when no process uses device quotas)", path, (long long)st->st_size,
                         sizeof(apl_file));
     return APL_OK;
+}
+
+static int apl_check_stat(int fd, const char *path, uint32_t group, uint32_t owner, struct stat *st, char *err,
+                          size_t len) {
+    if (fstat(fd, st) != 0) return apl_fail(err, len, APL_E_IO, "cannot stat ledger %s: %s", path, strerror(errno));
+    return apl_check_st(st, path, group, owner, err, len);
+}
+
+/* Why this process may not open the ledger at path (its open failed with EACCES): what the checks
+   after an open would say of the file's owner, group or mode (another member's or root's ledger
+   whose group or mode was changed), else the file's figures beside this process's ids. Before,
+   "cannot open ledger PATH: Permission denied" said neither. */
+static int apl_open_refused(const char *path, uint32_t group, uint32_t owner, char *err, size_t len) {
+    struct stat st;
+    if (lstat(path, &st) != 0)
+        return apl_fail(err, len, APL_E_PERM, "cannot open ledger %s: %s", path, strerror(EACCES));
+    if (apl_check_st(&st, path, group, owner, err, len) == APL_E_PERM) return APL_E_PERM;
+    return apl_fail(err, len, APL_E_PERM,
+                    "cannot open ledger %s: %s (owner uid %u, group %u, mode %04o; this process runs as uid %u, "
+                    "gid %u%s)", path, strerror(EACCES), (unsigned)st.st_uid, (unsigned)st.st_gid,
+                    (unsigned)(st.st_mode & 07777), (unsigned)geteuid(), (unsigned)getegid(),
+                    group == APL_NO_GROUP ? "" : " and its supplementary groups");
 }
 
 /* Checks the mapped contents (under the lock: entries are not changing shape meanwhile). */
@@ -316,9 +337,9 @@ static int apl_open_as_ms(const char *path, int device, const char *backend, con
         if (fd >= 0) break;
         if (errno == ELOOP)
             return apl_fail(err, len, APL_E_PERM, "ledger %s is a symbolic link; refusing it", path);
+        if (errno == EACCES) return apl_open_refused(path, group, owner, err, len);
         if (errno != ENOENT || foreign)
-            return apl_fail(err, len, errno == EACCES ? APL_E_PERM : APL_E_IO, "cannot open ledger %s: %s", path,
-                            strerror(errno));
+            return apl_fail(err, len, APL_E_IO, "cannot open ledger %s: %s", path, strerror(errno));
         int rc = apl_create(path, device, backend, node, group, err, len);
         if (rc != APL_OK && rc != EEXIST) return rc;
     }
