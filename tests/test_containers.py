@@ -183,6 +183,12 @@ def test_two_workers_in_separate_pid_namespaces_share_one_quota(node, tmp_path, 
         assert time.monotonic() - t0 < 10.0, "the killed worker's share was not given back by the service's sweep"
         time.sleep(0.05)
     print(f"the killed worker's share was back {time.monotonic() - t0:.2f} s after SIGKILL (sweep every 1 s)")
+    # Its lease file goes with it (the same sweep's identity.remove_dead_leases), the live one's stays.
+    lease = private / f"ascend_pool-lease-{a.hello['instance']}"
+    while lease.exists():
+        assert time.monotonic() - t0 < 10.0, "the killed worker's lease file was not removed by the service's sweep"
+        time.sleep(0.05)
+    assert (private / f"ascend_pool-lease-{b.hello['instance']}").exists()
     assert b("malloc", 600 * MiB) == "granted"
 
 
