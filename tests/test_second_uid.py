@@ -243,12 +243,20 @@ def test_a_member_refused_a_ledger_root_made_is_told_its_group_or_mode(node, cha
         os.chmod(path, 0o600)
         want = f"ledger {path} has permissions 0600; a group ledger must be 0660 (owner and group), refusing it"
     p = node.start(OTHER, """
-        import ascend_pool as ap
+        import os, ascend_pool as ap
+        from ascend_pool.tenants.ledger import read_view
         try:
             ap.Pool(0).context("online", quota="64MiB").malloc(1 << 20)
             print("GRANTED")
         except ap.PoolError as e:
             print("REFUSED", type(e).__name__, getattr(e, "kind", None), e)
-    """, ASCEND_POOL_LEDGER_GROUP=GID)
+        try:  # what a member's node service exports of the group's ledgers
+            read_view(os.environ["LEDGER"], 0, "sim", os.environ["ASCEND_SIM_NODE"], group=int(os.environ["GID"]))
+            print("READ")
+        except ap.PoolError as e:
+            print("VIEW", type(e).__name__, e)
+    """, ASCEND_POOL_LEDGER_GROUP=GID, LEDGER=path, GID=GID)
     out, err = p.communicate(timeout=60)
-    assert out.startswith("REFUSED LedgerError permission") and want in out, (out, err)
+    refused, view = out.splitlines()
+    assert refused.startswith("REFUSED LedgerError permission") and want in refused, (out, err)
+    assert view.startswith("VIEW LedgerError") and want in view, (out, err)

@@ -38,8 +38,9 @@ static int apl_read_copy(const char *path, int device, const char *backend, cons
                          uint32_t owner, apl_file *out, apl_file *scratch, char *err, size_t len) {
     if (owner == APL_NO_OWNER) owner = ap_host_uid();
     int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0 && errno == EACCES) return apl_open_refused(path, group, owner, err, len); /* its group or mode */
     if (fd < 0)
-        return apl_fail(err, len, errno == ELOOP ? APL_E_PERM : errno == EACCES ? APL_E_PERM : APL_E_IO,
+        return apl_fail(err, len, errno == ELOOP ? APL_E_PERM : APL_E_IO,
                         "cannot open ledger %s: %s", path, errno == ELOOP ? "a symbolic link; refusing it"
                         : strerror(errno));
     struct stat st;
