@@ -78,9 +78,11 @@ class Pool(PoolBase):
     pool.record_stream(ptr, stream); pool.empty_cache(); pool.memory_stats();
     pool.memory_summary(); pool.snapshot(); pool.create_stream(); pool.synchronize(stream).
 
-    torch's MemPool arguments (keyword only, bools): use_on_oom=True lets another pool of the
-    device that runs out of memory take this pool's idle cache (without it, a pool other than the
-    default keeps its cached segments, as torch's MemPool keeps its free blocks); no_split=True
+    torch's MemPool arguments (keyword only, bools): use_on_oom=True lets the device's default
+    pool, when the device or the memory fraction refuses it, take a free block of this pool in
+    place (the block stays this pool's: pool.free, ap.free and the C ABI's free give it back here),
+    and another pool that runs out of memory this pool's idle cache (without it, a pool other than
+    the default keeps its cached segments, as torch's MemPool keeps its free blocks); no_split=True
     gives each allocation its block whole (a fresh segment's every byte), never split.
     """
 
@@ -106,6 +108,7 @@ class Pool(PoolBase):
             PoolBase.close(self)
             with _settings.lock:
                 self._open_with_settings(be, device, knobs, free_b, total_b)
+        self._use_on_oom = bool(use_on_oom)
         if self._under_device_fraction:
             self._join_device_cap()
             # family: its tenant contexts may take its idle cache (make_context)
@@ -169,6 +172,19 @@ class Pool(PoolBase):
     def _describe(self):
         """What the C ABI's messages call this pool."""
         return "pool"
+
+    def _lending_peer(self, ptr):
+        # torch's use_on_oom: the default pool's request the device refused took a free block of
+        # a use_on_oom MemPool in place; the block is that pool's, freed there
+        for other in _registry.device_peers(self):
+            if other.__dict__.get("_use_on_oom") and other is not self:
+                try:
+                    info = other.block_info(ptr)
+                except PoolError:  # closed meanwhile
+                    continue
+                if info is not None and info[0] == ptr:
+                    return other
+        return None
 
     def _stream_used_elsewhere(self, handle):
         # A stream another open pool uses: one it adopted from this pool (a tenant context on the

@@ -362,9 +362,11 @@ def test_a_memory_fraction_caps_the_mempools_with_the_default_pool(lib):
 
 def test_use_on_oom_lends_a_mempools_idle_cache_and_a_mempool_without_it_keeps_its_own():
     # torch's test_mempool_limited_memory_with_allocator (without the custom allocator): under a
-    # memory fraction the MemPools fill, the default pool's request is served from the idle cache
-    # of the MemPool made with use_on_oom=True, never from the other's. Pool(use_on_oom=True) was
-    # a ConfigError (unknown knob), and a device out of memory took every live pool's idle cache.
+    # memory fraction the MemPools fill, the default pool's request is served from a free block
+    # of the MemPool made with use_on_oom=True, in place (torch's use_on_oom_pools: no device call,
+    # the block stays the MemPool's), never from the other's. Pool(use_on_oom=True) was a
+    # ConfigError (unknown knob), and a device out of memory took every live pool's idle cache;
+    # then the lender's segment went back to the device and the default pool grew a new one.
     keep, lend = ap.Pool(0), ap.Pool(0, use_on_oom=True)
     default = ap.default_pool(0)
     ap.empty_cache()
@@ -379,33 +381,40 @@ def test_use_on_oom_lends_a_mempools_idle_cache_and_a_mempool_without_it_keeps_i
             ap.malloc(30 * MiB)
         keep.free(a)
         lend.free(b)
-        c = ap.malloc(30 * MiB)  # lend's idle segment made room
-        assert lend.total_bytes() == 0 and keep.total_bytes() == 32 * MiB
+        grown = default.memory_stats()["num_device_alloc"]
+        c = ap.malloc(30 * MiB)  # lend's free block, in place
+        assert c == b and default.memory_stats()["num_device_alloc"] == grown
+        assert lend.total_bytes() == 32 * MiB and keep.total_bytes() == 32 * MiB
+        assert lend.memory_stats()["allocated_bytes.all.current"] > 30 * MiB  # counted where it lives
         with pytest.raises(ap.OutOfMemoryError):
             ap.malloc(30 * MiB)  # keep's cache is its own
         assert keep.total_bytes() == 32 * MiB
         ap.free(c)
-        with ap.use_mem_pool(lend):  # lend still serves its own block, the default pool's idle cache gives way
+        with ap.use_mem_pool(lend):  # lend still serves its own block, where c was
             e = ap.malloc(20 * MiB)
+        assert e == c
         lend.free(e)
     finally:
         ap.set_per_process_memory_fraction(1.0, 0)
         default.set_limit()
         keep.close()
         lend.close()
-    # without a fraction: a full device takes the default pool's and a use_on_oom pool's idle
-    # cache, never a live MemPool's own
+    # without a fraction: a full device takes the default pool's idle cache, a use_on_oom pool
+    # lends its free block in place, a live MemPool keeps its own
     keep, lend = ap.Pool(0), ap.Pool(0, use_on_oom=True)
     try:
         keep.free(keep.malloc(40 * MiB))
         lend.free(lend.malloc(40 * MiB))
+        held = lend.total_bytes()
         ap.empty_cache()
         sim.set_faults(fail_after_bytes=sim.stats(0)["bytes_held"])  # the device: full at what is held now
         try:
-            ap.free(ap.malloc(30 * MiB))
+            c = ap.malloc(30 * MiB)
+            default.free(c)  # the pool it was asked of frees it: the block goes back to its lender
         finally:
             sim.set_faults(fail_after_bytes=-1)
-        assert keep.total_bytes() >= 40 * MiB and lend.total_bytes() == 0
+        assert keep.total_bytes() >= 40 * MiB and lend.total_bytes() == held
+        assert lend.memory_stats()["allocated_bytes.all.current"] == 0
     finally:
         keep.close()
         lend.close()

@@ -47,6 +47,8 @@ cdef extern from "capi/exports.h":
 cdef extern from "capi/exports.h" nogil:
     size_t apc_release_peers(ap_pool *self, int mode)
     void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int mode))
+    void *apc_lend_from_peers(ap_pool *self, size_t size, void *stream)
+    void ap_set_peer_lend_hook(void *(*hook)(ap_pool *self, size_t size, void *stream))
     const char *apc_default_backend_name(int device)
     void *ascend_pool_malloc(Py_ssize_t size, int device, void *stream)
     void ascend_pool_free(void *ptr, Py_ssize_t size, int device, void *stream)
@@ -154,6 +156,7 @@ def _capi_shutdown():
 
 apc_set_hooks(_capi_create_default)
 ap_set_peer_release_hook(apc_release_peers)  # a pool out of device memory: its peers' idle cache first
+ap_set_peer_lend_hook(apc_lend_from_peers)   # then a use_on_oom MemPool's free block, for the default pool
 apc_set_frames_hook(_capi_note_frames)
 _atexit.register(_capi_shutdown)
 

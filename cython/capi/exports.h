@@ -350,17 +350,39 @@ static size_t apc_release_peers(ap_pool *self, int mode) {
     ssize_t n = apc_hold_pools(&held, self, NULL);
     struct ap_device_cap *cap = __atomic_load_n(&self->device_cap, __ATOMIC_RELAXED);
     uint64_t family = atomic_load(&self->family);
+    int lenders = mode & (AP_PEERS_NO_LENDERS | AP_PEERS_ONLY_LENDERS);
+    mode &= ~(AP_PEERS_NO_LENDERS | AP_PEERS_ONLY_LENDERS);
     for (ssize_t i = 0; i < n; i++) {
         ap_pool *q = held[i];
         int orphan = atomic_load(&q->orphan);
         int kin = family != 0 && atomic_load(&q->family) == family;
         int gives = mode == AP_PEERS_ORPHANS ? orphan : orphan || kin || !atomic_load(&q->keeps_idle);
         if (mode == AP_PEERS_CAP && __atomic_load_n(&q->device_cap, __ATOMIC_RELAXED) != cap) gives = 0;
+        /* a live use_on_oom MemPool lends the default pool a block in place before its cache goes */
+        int lender = !orphan && !kin && atomic_load(&q->lends);
+        if ((lenders == AP_PEERS_NO_LENDERS && lender) || (lenders == AP_PEERS_ONLY_LENDERS && !lender)) gives = 0;
         if (gives) released += ap_pool_release_idle(q);
         ap_pool_unhold(held[i]);
     }
     free(held);
     return released;
+}
+
+/* ap_set_peer_lend_hook's hook: a free block of one of the live use_on_oom MemPools of self's
+   device and backend (torch's use_on_oom_pools, in the order the registry holds them), allocated
+   there (ap_pool_lend) for self's request; each held, not the registry lock, while it is asked. */
+static void *apc_lend_from_peers(ap_pool *self, size_t size, void *stream) {
+    ap_pool **held;
+    void *out = NULL;
+    ssize_t n = apc_hold_pools(&held, self, NULL);
+    for (ssize_t i = 0; i < n; i++) {
+        ap_pool *q = held[i];
+        if (!out && atomic_load(&q->lends) && !atomic_load(&q->orphan) && ap_pool_lend(q, size, stream, &out) != AP_OK)
+            out = NULL;
+        ap_pool_unhold(q);
+    }
+    free(held);
+    return out;
 }
 
 /* The pools torch's emptyCache empties (release_cached_blocks with the default pool id): every

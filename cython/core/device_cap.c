@@ -47,6 +47,7 @@ int ap_pool_join_device_cap(ap_pool *p, int owner) {
     }
     if (owner) {
         atomic_store(&p->keeps_idle, 0); /* the default pool: no MemPool, its cache serves the others */
+        atomic_store(&p->lends, 0);      /* ... and it borrows from use_on_oom MemPools (ap_pool_borrows) */
         ap_device_cap_set_limit(p, p->cfg.limit_bytes);
     }
     pthread_mutex_unlock(&p->lock);

@@ -353,12 +353,48 @@ static size_t (*_Atomic peer_release_hook)(ap_pool *self, int mode);
 
 void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int mode)) { atomic_store(&peer_release_hook, hook); }
 
+static void *(*_Atomic peer_lend_hook)(ap_pool *self, size_t size, void *stream);
+
+void ap_set_peer_lend_hook(void *(*hook)(ap_pool *self, size_t size, void *stream)) {
+    atomic_store(&peer_lend_hook, hook);
+}
+
 void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split, uint64_t family) {
     pthread_mutex_lock(&p->lock);
     atomic_store(&p->keeps_idle, keeps_idle);
+    atomic_store(&p->lends, !keeps_idle); /* a MemPool without keeps_idle: made with use_on_oom */
     p->no_split = no_split;
     atomic_store(&p->family, family);
     pthread_mutex_unlock(&p->lock);
+}
+
+int ap_pool_lend(ap_pool *q, size_t size, void *stream, void **out) {
+    if (!size || size - 1 >= (size_t)q->stats.device_total_bytes) return AP_E_INVALID_SIZE;
+    size_t rsize = ap_round_request(q, size);
+    int pool = pool_of(q, rsize);
+    pthread_mutex_lock(&q->lock);
+    int slot = ap_slot_of_fast(q, stream, 1);
+    ap_block *b = NULL;
+    if (slot >= 0) {
+        if (q->pending_head) ap_process_pending(q, 0, NULL);
+        ap_cache_flush(q);
+        b = ap_find_fit(q, slot, pool, rsize); /* torch's get_free_block: no growth, no device call */
+    }
+    if (!b) {
+        pthread_mutex_unlock(&q->lock);
+        return AP_E_OOM;
+    }
+    ap_take_block(q, b, rsize, size, slot);
+    if (ap_map_put(&q->live, b->addr, b) != 0) {
+        unmark_allocated(q, b, 0);
+        ap_free_insert(q, b, slot);
+        pthread_mutex_unlock(&q->lock);
+        return AP_E_HOST_NOMEM;
+    }
+    ap_history_note_alloc(q, b, size, stream);
+    *out = (void *)b->addr;
+    pthread_mutex_unlock(&q->lock);
+    return AP_OK;
 }
 
 void ap_pool_set_orphan(ap_pool *p) { atomic_store(&p->orphan, 1); }
@@ -440,6 +476,10 @@ static __attribute__((noinline)) int malloc_locked(ap_pool *p, size_t size, size
            use_on_oom MemPools' free blocks) */
         int cap_refused = e->status == AP_E_LIMIT && p->device_cap &&
                           (p->cfg.limit_bytes == AP_NO_LIMIT || ap_reserved(p) + size <= p->cfg.limit_bytes);
+        int mode = quota_refused ? AP_PEERS_ORPHANS : cap_refused ? AP_PEERS_CAP : AP_PEERS_ALL;
+        /* the default pool: torch's use_on_oom MemPools lend it a free block in place, after the
+           others' idle cache went back (their cache goes only if no block of theirs fits) */
+        int borrows = (device_oom || e->status == AP_E_LIMIT) && ap_pool_borrows(p);
         if (!b && peers && (device_oom || quota_refused || cap_refused)) {
             /* The device itself is full: the process's other pools of the device (the default
                pool, other tenants' contexts) give back what they cache idle, then once more. Over
@@ -447,7 +487,29 @@ static __attribute__((noinline)) int malloc_locked(ap_pool *p, size_t size, size
                their cache is the tenant's booking, and nothing allocates from it). Their locks
                are taken one at a time, this one's dropped (no two pool locks at once). */
             pthread_mutex_unlock(&p->lock);
-            size_t freed = peers(p, quota_refused ? AP_PEERS_ORPHANS : cap_refused ? AP_PEERS_CAP : AP_PEERS_ALL);
+            size_t freed = peers(p, mode | (borrows ? AP_PEERS_NO_LENDERS : 0));
+            pthread_mutex_lock(&p->lock);
+            if (freed) {
+                slot = ap_slot_of_fast(p, stream, 1);
+                if (slot < 0) {
+                    pthread_mutex_unlock(&p->lock);
+                    return slot_error(p, slot, stream, err);
+                }
+                e->status = AP_OK;
+                b = obtain_counted(p, slot, pool, rsize, size, e, &retried);
+            }
+        }
+        void *(*lend)(ap_pool *, size_t, void *) = atomic_load(&peer_lend_hook);
+        if (!b && borrows && lend) {
+            pthread_mutex_unlock(&p->lock); /* no two pool locks at once */
+            void *lent = lend(p, size, stream);
+            if (lent) {
+                *out = lent;
+                return AP_OK;
+            }
+            /* none fits: their idle cache goes back where the device or the fraction refused
+               (not this pool's own limit, which a release elsewhere cannot move) */
+            size_t freed = peers && (device_oom || cap_refused) ? peers(p, mode | AP_PEERS_ONLY_LENDERS) : 0;
             pthread_mutex_lock(&p->lock);
             if (freed) {
                 slot = ap_slot_of_fast(p, stream, 1);

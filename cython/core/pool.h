@@ -43,7 +43,9 @@
  *   (peer release)   a pool out of device memory (or refused by its quota: orphans only) drops its
  *                    lock, then apc_release_peers takes the C ABI's registry lock to hold its
  *                    device's other pools and releases it, then each of their locks in turn (never
- *                    two pool locks at once), no wait.
+ *                    two pool locks at once), no wait. The default pool's lend from a use_on_oom MemPool
+ *                    (apc_lend_from_peers, ap_pool_lend) goes the same way: its lock dropped, each
+ *                    lender held and locked in turn, free blocks only (no device call).
  *   orphan           (ap_pool, atomic, no lock) set once by ap_pool_set_orphan, read by the peer release;
  *                    keeps_idle and family (ap_pool_set_mempool, under the lock) too.
  *   ap_device_cap    (device_cap.c) a device's memory fraction over its plain pools: held and limit are
@@ -311,6 +313,10 @@ typedef struct ap_pool {
        by the peer release without the lock); no_split: an allocation takes its block whole. */
     _Atomic int keeps_idle;
     int no_split;
+    /* a MemPool made with use_on_oom (ap_pool_set_mempool): the default pool's request that the
+       device (or its memory fraction) refuses takes a free block of it in place (ap_pool_lend), as
+       torch's use_on_oom_pools; read by the peer release and lend without the lock */
+    _Atomic int lends;
     /* the plain pool a tenant context was made from (pool.context()), or the pool itself: one
        allocator to its user, so a family member's out-of-memory takes the others' idle cache even
        when they keep it from other pools (ap_pool_set_mempool; 0: none) */
@@ -409,7 +415,20 @@ enum {
     AP_PEERS_ALL = 0,     /* the device is full: every other pool's idle cache, but a MemPool's that keeps it */
     AP_PEERS_ORPHANS = 1, /* a quota refused: the orphans' only */
     AP_PEERS_CAP = 2,     /* the device's memory fraction refused: its other members' (the same exceptions) */
+    AP_PEERS_NO_LENDERS = 4,   /* flag: ... but not the use_on_oom MemPools' (they lend in place first) */
+    AP_PEERS_ONLY_LENDERS = 8, /* flag: ... the use_on_oom MemPools' only (lending found no block) */
 };
+/* torch's use_on_oom for the default pool p (not a MemPool, nor a tenant context): 1 when a request
+   the device or the memory fraction refused may take a free block of a use_on_oom MemPool. */
+static inline int ap_pool_borrows(const ap_pool *p) {
+    return p->device_cap && !atomic_load(&p->keeps_idle) && !atomic_load(&p->lends);
+}
+/* Allocates size bytes on stream from q's free blocks only (no growth, no device call, q's lock
+   taken): the block stays q's (its stats, its free). AP_OK with *out, else nonzero. */
+int ap_pool_lend(ap_pool *q, size_t size, void *stream, void **out);
+/* hook(self, size, stream): the address of a block a use_on_oom MemPool of self's device and
+   backend lent (ap_pool_lend), NULL when none could; called with no lock held. NULL: none. */
+void ap_set_peer_lend_hook(void *(*hook)(ap_pool *self, size_t size, void *stream));
 /* hook(self, mode): releases the idle cache of the process's other pools of self's device
    and backend (the C ABI's registry knows them; which ones: mode),
    returns the bytes released. A device allocation that fails calls it once, with no lock held,

@@ -70,6 +70,7 @@ cdef extern from "pool.h" nogil:
     size_t ap_pool_get_limit(ap_pool *p)
     int ap_pool_join_device_cap(ap_pool *p, int owner)
     void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split, uint64_t family)
+    int ap_pool_borrows(const ap_pool *p)
     void ap_pool_reset_peaks(ap_pool *p)
     void ap_pool_hold_lock(ap_pool *p, double seconds)
     int ap_pool_check(ap_pool *p, char *msg, size_t len)
@@ -573,8 +574,23 @@ cdef class PoolBase:
                 rc = ap_pool_free(_p, p, s, 0, &err)
                 ap_history_set_ctx(0)
             self._leave()
+        if rc == AP_E_INVALID_PTR:
+            lender = self._lender_of(ptr)
+            if lender is not None:  # a use_on_oom MemPool's block it lent this pool's request
+                lender.free(ptr, stream)
+                return
         if rc != AP_OK:
             _raise(&err, rc)
+
+    def _lender_of(self, ptr):
+        """The pool whose free block served this pool's allocation at ptr (torch's use_on_oom:
+        ap_pool_lend, for the default pool only), else None; asked on the error path alone."""
+        if self.closed or not ap_pool_borrows(self.p):
+            return None
+        return self._lending_peer(ptr)
+
+    def _lending_peer(self, ptr):
+        return None  # the compiled pool knows no other pool; ascend_pool.Pool looks at the open ones
 
     def record_stream(self, ptr, stream):
         """Marks ptr as used by stream: after its free, the block is not reused anywhere until the
@@ -596,6 +612,11 @@ cdef class PoolBase:
         with nogil:
             rc = ap_pool_record_stream(_p, p, s, &err)
         self._leave()
+        if rc == AP_E_INVALID_PTR:
+            lender = self._lender_of(ptr)
+            if lender is not None:
+                lender.record_stream(ptr, stream)
+                return
         if rc != AP_OK:
             _raise(&err, rc)
 
