@@ -104,3 +104,37 @@ def test_a_lent_block_takes_record_stream_through_the_pool_it_was_asked_of(limit
         assert lend.memory_stats()["allocated_bytes.all.current"] == 0
     finally:
         lend.close()
+
+
+_GC_UNDER_FRACTION = """
+import ascend_pool as ap
+MiB = 1 << 20
+default = ap.default_pool(0)
+mp = ap.Pool(0)
+ap.set_per_process_memory_fraction(100 * MiB / ap.mem_get_info(0)[1], 0)
+ap.set_allocator_settings("garbage_collection_threshold:0.5")
+with ap.use_mem_pool(mp):
+    live = ap.malloc(40 * MiB)
+ap.free(ap.malloc(10 * MiB))
+b = ap.malloc(20 * MiB)
+print(default.memory_stats()["num_device_free"], (default.total_bytes() + mp.total_bytes()) // MiB)
+"""
+
+
+def test_garbage_collection_under_a_fraction_counts_the_mempools_segments():
+    """torch's garbage_collect_cached_blocks: past garbage_collection_threshold * the fraction's
+    allowed bytes, counted over the device's allocator (total_allocated_memory: MemPools' segments
+    too), the default pool's idle segments go. Its own reserved bytes were counted: a MemPool held
+    42 MiB of a 100 MiB fraction (gc 0.5), the default pool kept its idle 12 MiB segment and grew
+    22 MiB beside it, 76 MiB in all (repros/gc_threshold_counts_the_mempools.py). A fresh process:
+    the default pool holds nothing else, and release_policy never leaves the release to the gc."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__))),
+               ASCEND_POOL_CONF="release_policy:never")
+    proc = subprocess.run([sys.executable, "-c", _GC_UNDER_FRACTION], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1", "64"]

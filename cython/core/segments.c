@@ -287,9 +287,18 @@ static size_t trim_before_growth(ap_pool *p, int slot, int pool, size_t rsize, s
     if (p->cfg.gc_threshold > 0 && idle) {
         size_t cap = p->cfg.limit_bytes != AP_NO_LIMIT ? p->cfg.limit_bytes : (size_t)p->stats.device_total_bytes;
         size_t threshold = (size_t)(p->cfg.gc_threshold * (double)cap);
-        if (reserved + size > threshold)
-            reserved -= p->cfg.expandable ? ap_release_free_segments(p, reserved + size - threshold, 0, 1, NULL)
-                                          : gc_collect(p, reserved + size - threshold);
+        /* The memory fraction's owner (the default pool) counts what the device's allocator holds,
+           its MemPools' segments too, as torch's total_allocated_memory: its own reserved bytes
+           left its idle cache in place beside MemPools holding most of the fraction. */
+        size_t used = reserved;
+        if (p->device_cap && __atomic_load_n(&p->device_cap->owner, __ATOMIC_SEQ_CST) == p) {
+            size_t held = atomic_load(&p->device_cap->held);
+            if (held > used) used = held;
+        }
+        if (used + size > threshold) {
+            size_t target = used + size - threshold;
+            reserved -= p->cfg.expandable ? ap_release_free_segments(p, target, 0, 1, NULL) : gc_collect(p, target);
+        }
     }
     if (p->cfg.release_policy == AP_RELEASE_NEVER || !idle) return size;
     if (p->cfg.expandable) { /* vmm_policy.c budgets its trades under either policy */
