@@ -191,3 +191,37 @@ def test_a_reserve_the_device_cannot_hold_is_an_out_of_memory_error(expandable):
     with pytest.raises(ap.OutOfMemoryError, match="reserve of 67108864 bytes on device 0"):
         ap.Pool(0, backend="sim", reserve="64MiB", expandable_segments=expandable)
     assert sim.stats(0)["bytes_held"] == held
+
+
+_OWN_LIMIT_REFUSAL = """
+import ascend_pool as ap
+MiB = 1 << 20
+default = ap.default_pool(0)
+default.free(default.malloc(20 * MiB))
+idle = default.total_bytes()
+mp = ap.Pool(0, memory_fraction=3 * MiB / ap.mem_get_info(0)[1])
+a = mp.malloc(MiB + MiB // 2)
+try:
+    mp.malloc(900 * 1024)
+except ap.OutOfMemoryError:
+    print("refused", default.total_bytes() == idle)
+"""
+
+
+def test_a_refusal_by_a_pools_own_limit_leaves_the_other_pools_cache():
+    """Only a refusal by the device's memory fraction lets the other pools' idle cache make room: a
+    MemPool (expandable, its own 3 MiB limit) whose 900 KiB request fit its limit but whose 2 MiB
+    page did not was counted the fraction's (the request was compared, not the growth), and the
+    default pool's idle 20 MiB went back to the device for a request refused anyway, with no
+    fraction set at all (repros/own_limit_refusal_takes_peers_cache.py). A fresh process: the
+    default pool takes the variable's knobs."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__))),
+               ASCEND_POOL_CONF="expandable_segments:True,release_policy:never")
+    proc = subprocess.run([sys.executable, "-c", _OWN_LIMIT_REFUSAL], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["refused", "True"]

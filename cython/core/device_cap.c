@@ -66,10 +66,12 @@ int ap_device_cap_book(ap_pool *p, size_t bytes, ap_error *err) {
     for (;;) {
         size_t limit = atomic_load(&cap->limit);
         /* the owner's own limit check came first: this is the other pools' share of it */
-        if (limit != AP_NO_LIMIT && (held > limit || bytes > limit - held))
+        if (limit != AP_NO_LIMIT && (held > limit || bytes > limit - held)) {
+            p->cap_refused = 1;
             return ap_set_error(err, AP_E_LIMIT, 0,
                                 "the device's memory fraction of %zu bytes reached (the process's pools of device %d "
                                 "hold %zu bytes together, MemPools included)", limit, p->device, held);
+        }
         if (atomic_compare_exchange_weak(&cap->held, &held, held + bytes)) return AP_OK;
     }
 }

@@ -266,6 +266,7 @@ static ap_block *grow(ap_pool *p, int slot, int pool, size_t rsize, int exact, s
     }
     if (p->cfg.limit_bytes != AP_NO_LIMIT && ap_reserved(p) + need > p->cfg.limit_bytes) {
         free_unmapped(p, reuse, 1);
+        p->cap_refused = 0; /* its own limit (ap_pool.cap_refused) */
         ap_set_error(err, AP_E_LIMIT, 0, "limit of %zu bytes reached", p->cfg.limit_bytes);
         return NULL;
     }

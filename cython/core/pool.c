@@ -474,8 +474,8 @@ static __attribute__((noinline)) int malloc_locked(ap_pool *p, size_t size, size
         /* the device's memory fraction, not this pool's own limit, refused it: its other members'
            idle cache may make room (torch's OOM path frees the default pool's cache and lends
            use_on_oom MemPools' free blocks) */
-        int cap_refused = e->status == AP_E_LIMIT && p->device_cap &&
-                          (p->cfg.limit_bytes == AP_NO_LIMIT || ap_reserved(p) + size <= p->cfg.limit_bytes);
+        int cap_refused = e->status == AP_E_LIMIT && p->device_cap && p->cap_refused; /* not its own limit's:
+            the growth it needed (a segment, a page), not the request, passed that (ap_segment_alloc) */
         int mode = quota_refused ? AP_PEERS_ORPHANS : cap_refused ? AP_PEERS_CAP : AP_PEERS_ALL;
         /* the default pool: torch's use_on_oom MemPools lend it a free block in place, after the
            others' idle cache went back (their cache goes only if no block of theirs fits) */

@@ -317,6 +317,10 @@ typedef struct ap_pool {
        device (or its memory fraction) refuses takes a free block of it in place (ap_pool_lend), as
        torch's use_on_oom_pools; read by the peer release and lend without the lock */
     _Atomic int lends;
+    /* the last AP_E_LIMIT refusal of a growth came from the device's memory fraction
+       (ap_device_cap_book: 1), not from the pool's own limit (0): only the fraction's lets the
+       other pools' idle cache make room (malloc's peer release). Under the lock. */
+    int cap_refused;
     /* the plain pool a tenant context was made from (pool.context()), or the pool itself: one
        allocator to its user, so a family member's out-of-memory takes the others' idle cache even
        when they keep it from other pools (ap_pool_set_mempool; 0: none) */

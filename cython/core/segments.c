@@ -30,8 +30,10 @@ static int device_error(ap_pool *p, ap_error *err, int rc, const char *what, siz
 }
 
 int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap_block **out, ap_error *err) {
-    if (p->cfg.limit_bytes != AP_NO_LIMIT && ap_reserved(p) + size > p->cfg.limit_bytes)
+    if (p->cfg.limit_bytes != AP_NO_LIMIT && ap_reserved(p) + size > p->cfg.limit_bytes) {
+        p->cap_refused = 0;
         return ap_set_error(err, AP_E_LIMIT, 0, "limit of %zu bytes reached", p->cfg.limit_bytes);
+    }
     ap_segment *seg = ap_segment_new(p);
     ap_block *b = seg ? ap_block_new(p) : NULL;
     if (!b) {
