@@ -5,10 +5,16 @@ acl pad (32 bytes) makes a 40 MiB request a 42 MiB segment, so the fractions lea
 where torch's leave 40."""
 
 import gc
+import os
+import sys
+import threading
 
 import pytest
 
-import ascend_pool as ap
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401
+
+import ascend_pool as ap  # noqa: E402
 
 MiB = 1 << 20
 
@@ -138,3 +144,129 @@ def test_garbage_collection_under_a_fraction_counts_the_mempools_segments():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["1", "64"]
+
+
+def test_set_per_process_memory_fraction(sim_node):
+    # torch's test_set_per_process_memory_fraction and test_get_per_process_memory_fraction, on a
+    # 1 GiB simulated device (a fresh process: nothing else holds memory there)
+    out = sim_node.run_json("""
+        import json, random
+        import ascend_pool as ap
+        errors = []
+        try:
+            ap.set_per_process_memory_fraction(1)
+        except TypeError as e:
+            errors.append("Invalid type" in str(e))
+        for bad in (-0.1, 2.0):
+            try:
+                ap.set_per_process_memory_fraction(bad)
+            except ValueError as e:
+                errors.append("Invalid fraction value" in str(e))
+        total = ap.mem_get_info(0)[1]
+        keep = ap.malloc(4096)
+        ap.empty_cache()
+        ap.set_per_process_memory_fraction(0.5, 0)
+        tmp = ap.malloc(int(total * 0.499) - ap.max_memory_reserved(0))
+        ap.free(tmp)
+        ap.empty_cache()
+        try:
+            ap.malloc(int(total * 0.5))
+            oom = "none"
+        except ap.OutOfMemoryError as e:
+            oom = "out of memory" in str(e)
+        ap.free(keep)
+        got = []
+        for value in [1.0, 0.0] + [random.random() for _ in range(3)]:
+            ap.set_per_process_memory_fraction(value)
+            got.append(ap.get_per_process_memory_fraction() == value)
+        print(json.dumps({"errors": errors, "oom": oom, "get": got}))
+    """)
+    assert out == {"errors": [True, True, True], "oom": True, "get": [True] * 5}
+
+
+def test_a_fraction_on_device_1_does_not_cap_device_0(sim_node):
+    # torch's fraction is per device (setMemoryFraction of that device's allocator): a fraction set
+    # on device 1, from Python or the C ABI's hook, leaves device 0's default pool and MemPools alone
+    out = sim_node.run_json("""
+        import ctypes, json
+        import ascend_pool as ap
+        MiB = 1 << 20
+        lib = ctypes.CDLL(ap.library_path())
+        lib.ascend_pool_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+        res = []
+        for setter in (lambda: ap.set_per_process_memory_fraction(0.1, 1),
+                       lambda: lib.ascend_pool_set_memory_fraction(0.1, 1)):
+            setter()
+            a = ap.malloc(300 * MiB, device=0)
+            mp = ap.Pool(0)
+            with ap.use_mem_pool(mp):
+                b = ap.malloc(300 * MiB)
+            try:
+                ap.malloc(300 * MiB, device=1)
+                one = "served"
+            except ap.OutOfMemoryError:
+                one = "refused"
+            res.append([ap.get_per_process_memory_fraction(0), ap.get_per_process_memory_fraction(1), one])
+            ap.free(a, device=0)
+            mp.free(b)
+            mp.close()
+            ap.set_per_process_memory_fraction(1.0, 1)
+            ap.empty_cache(0)
+        print(json.dumps(res))
+    """)
+    assert out == [[1.0, 0.1, "refused"], [1.0, 0.1, "refused"]]
+
+
+def test_mempool_emptycache_multithread():
+    # torch's test_mempool_emptycache_multithread: empty_cache inside each thread's use_mem_pool
+    # block keeps that MemPool's cache
+    pools = [ap.Pool(0) for _ in range(4)]
+
+    def work(pool):
+        with ap.use_mem_pool(pool):
+            ap.free(ap.malloc(16))
+            ap.empty_cache()
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in pools]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [len(ap.memory_snapshot(p.id)) for p in pools] == [1] * 4
+    finally:
+        for p in pools:
+            p.close()
+
+
+def test_mempool_ctx_multithread():
+    # torch's test_mempool_ctx_multithread: another thread's allocation while this one is inside
+    # use_mem_pool goes to the default pool; the MemPool's block, freed, holds nothing active
+    mp = ap.Pool(0)
+    inside, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def main():
+        with ap.use_mem_pool(mp):
+            ap.free(ap.malloc(MiB))
+            inside.set()
+            done.wait(10)
+
+    def side():
+        inside.wait(10)
+        seen["ptr"] = ap.malloc(MiB)
+        seen["default"] = ap.default_pool(0).block_info(seen["ptr"]) is not None
+        done.set()
+
+    threads = [threading.Thread(target=main), threading.Thread(target=side)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert seen["default"] and mp.memory_stats()["active_bytes.all.current"] == 0
+        assert all(s["active_size"] == 0 for s in ap.memory_snapshot(mp.id))
+    finally:
+        if "ptr" in seen:
+            ap.free(seen["ptr"])
+        mp.close()
