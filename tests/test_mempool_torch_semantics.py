@@ -270,3 +270,27 @@ def test_mempool_ctx_multithread():
         if "ptr" in seen:
             ap.free(seen["ptr"])
         mp.close()
+
+
+def test_the_c_abi_borrows_and_frees_a_lent_block(limited):
+    # torch's allocator serves a framework's tensors (the C ABI here) as its Python calls: the
+    # default pool's refused request takes the use_on_oom MemPool's free block, and the C ABI's
+    # free finds it there
+    import ctypes
+
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lend = ap.Pool(0, use_on_oom=True)
+    try:
+        limited(42 * MiB)
+        with ap.use_mem_pool(lend):
+            b = ap.malloc(40 * MiB)
+        lend.free(b)
+        c = lib.ascend_pool_malloc(30 * MiB, 0, None)
+        assert c == b and lend.block_info(c) is not None
+        lib.ascend_pool_free(c, 30 * MiB, 0, None)
+        assert lend.memory_stats()["allocated_bytes.all.current"] == 0
+    finally:
+        lend.close()
