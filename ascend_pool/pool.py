@@ -112,7 +112,7 @@ class Pool(PoolBase):
         if self._under_device_fraction:
             self._join_device_cap()
             # family: its tenant contexts may take its idle cache (make_context)
-            self._set_mempool(not use_on_oom, bool(no_split), self.serial)
+            self._set_mempool(not use_on_oom, bool(use_on_oom), bool(no_split), self.serial)
         elif use_on_oom or no_split:
             PoolBase.close(self)
             raise ConfigError("use_on_oom and no_split are torch's MemPool arguments, for an ascend_pool.Pool: "

@@ -294,3 +294,23 @@ def test_the_c_abi_borrows_and_frees_a_lent_block(limited):
         assert lend.memory_stats()["allocated_bytes.all.current"] == 0
     finally:
         lend.close()
+
+
+def test_a_tenant_context_never_lends_its_blocks_to_the_default_pool(limited):
+    # A context's blocks count under its tenant's quota: the default pool refused by its fraction
+    # must not take one in place, as it takes a use_on_oom MemPool's (a context is no MemPool;
+    # the combined setter once derived "lends" from "keeps_idle", which a context has off).
+    plain = ap.Pool(0)
+    ctx = plain.context("lend-check")
+    try:
+        limited(0)
+        with ctx:
+            a = ap.malloc(40 * MiB)
+        ctx.free(a)
+        held = ctx.total_bytes()
+        with pytest.raises(ap.OutOfMemoryError):
+            ap.malloc(30 * MiB)
+        assert ctx.total_bytes() == held and ctx.memory_stats()["active_bytes.all.current"] == 0
+    finally:
+        ctx.close()
+        plain.close()

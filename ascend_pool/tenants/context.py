@@ -273,7 +273,7 @@ def make_context(pool, name, quota=None, warn=None):
     ctx = Context(name, pool.device, pool.backend, quota=quota, warn=warn, **pool.knobs)
     # One allocator to its user: out of device memory, the context takes the pool's idle cache
     # (and the pool the context's) even when the pool keeps it from other pools (a MemPool).
-    ctx._set_mempool(False, False, pool.serial)  # a context is no MemPool: keeps_idle and no_split stay off
+    ctx._set_mempool(False, False, False, pool.serial)  # a context is no MemPool: keeps_idle, lends, no_split off
     return ctx
 
 

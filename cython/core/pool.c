@@ -359,10 +359,11 @@ void ap_set_peer_lend_hook(void *(*hook)(ap_pool *self, size_t size, void *strea
     atomic_store(&peer_lend_hook, hook);
 }
 
-void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split, uint64_t family) {
+void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int lends, int no_split, uint64_t family) {
+    AP_ASSERT(!(keeps_idle && lends)); /* a use_on_oom MemPool gives its idle cache too */
     pthread_mutex_lock(&p->lock);
     atomic_store(&p->keeps_idle, keeps_idle);
-    atomic_store(&p->lends, !keeps_idle); /* a MemPool without keeps_idle: made with use_on_oom */
+    atomic_store(&p->lends, lends); /* a MemPool made with use_on_oom; never a tenant context */
     p->no_split = no_split;
     atomic_store(&p->family, family);
     pthread_mutex_unlock(&p->lock);

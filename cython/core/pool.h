@@ -410,10 +410,11 @@ void ap_pool_set_orphan(ap_pool *p);
 /* torch's MemPool(use_on_oom=, no_split=) for a plain pool other than a default, and p's family
    (see ap_pool.family), set once as the pool is opened (takes the lock): keeps_idle (not
    use_on_oom) keeps its idle cache from the other pools' out-of-memory path, as torch's lends a
-   MemPool's free blocks only when use_on_oom; no_split: blocks are never split; family: a plain
-   pool's own serial number, or for a tenant context made by pool.context() that pool's (the
-   context keeps_idle 0, no_split 0). */
-void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split, uint64_t family);
+   MemPool's free blocks only when use_on_oom; lends (use_on_oom): the default pool's refused
+   request takes a free block of it in place (ap_pool_lend); no_split: blocks are never split;
+   family: a plain pool's own serial number, or for a tenant context made by pool.context() that
+   pool's (the context: keeps_idle 0, lends 0, no_split 0: its blocks are its quota's). */
+void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int lends, int no_split, uint64_t family);
 /* What the peer release gives back (ap_set_peer_release_hook's mode): */
 enum {
     AP_PEERS_ALL = 0,     /* the device is full: every other pool's idle cache, but a MemPool's that keeps it */

@@ -69,7 +69,7 @@ cdef extern from "pool.h" nogil:
     void ap_pool_set_tunables(ap_pool *p, size_t max_split_size, double gc_threshold, const unsigned *divisions)
     size_t ap_pool_get_limit(ap_pool *p)
     int ap_pool_join_device_cap(ap_pool *p, int owner)
-    void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int no_split, uint64_t family)
+    void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int lends, int no_split, uint64_t family)
     int ap_pool_borrows(const ap_pool *p)
     void ap_pool_reset_peaks(ap_pool *p)
     void ap_pool_hold_lock(ap_pool *p, double seconds)
@@ -706,14 +706,15 @@ cdef class PoolBase:
             ap_pool_join_device_cap(_p, owner)
         self._leave()
 
-    def _set_mempool(self, bint keeps_idle, bint no_split, unsigned long long family):
+    def _set_mempool(self, bint keeps_idle, bint lends, bint no_split, unsigned long long family):
         """torch's MemPool(use_on_oom=, no_split=) and the pool's family (ap_pool_set_mempool):
-        keeps_idle, its idle cache stays its own when another pool runs out of memory; no_split,
+        keeps_idle, its idle cache stays its own when another pool runs out of memory; lends
+        (use_on_oom), the default pool's refused request takes a free block of it in place; no_split,
         no block is split; family (a plain pool's serial number), whose members take each other's
         idle cache on device out-of-memory even when they keep it from other pools."""
         cdef ap_pool *_p = self._enter()
         with nogil:
-            ap_pool_set_mempool(_p, keeps_idle, no_split, family)
+            ap_pool_set_mempool(_p, keeps_idle, lends, no_split, family)
         self._leave()
 
     def _release_idle(self):
