@@ -68,7 +68,8 @@ void *ascend_pool_malloc(ssize_t size, int device, void *stream);
  * ptr == NULL does nothing. An unknown pointer or a bad device is ignored with the error set (a
  * block of another device is unknown here: it stays allocated; pass the allocation's device). A
  * stream the pool cannot order on (destroyed meanwhile) frees the block on its allocation stream,
- * with the error set: nothing leaks. (Python's pool.free refuses instead and frees nothing.) */
+ * with the error set: nothing leaks. (Python's pool.free refuses instead and frees nothing.) A live
+ * stream past the pool's table of 1,023 streams is waited for by an event recorded on it now. */
 void ascend_pool_free(void *ptr, ssize_t size, int device, void *stream);
 
 /* Prepares the C ABI. If `device` names an existing device, creates its default pool now (taking
@@ -103,7 +104,8 @@ void ascend_pool_set_memory_fraction(double fraction, int device);
 void *ascend_pool_base_alloc(void *ptr, size_t *size);
 
 /* Marks the live block `ptr` as used by `stream`: after its free, it is not reused until the work
- * queued on `stream` before the free has completed. Ignored with the error set if unknown. */
+ * queued on `stream` before the free has completed (a stream of another device, or one past the
+ * pool's table of 1,023 streams, too). Ignored with the error set if unknown. */
 void ascend_pool_record_stream(void *ptr, void *stream);
 
 /* Same as ascend_pool_reset. */

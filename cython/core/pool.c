@@ -659,6 +659,8 @@ static inline __attribute__((always_inline)) void release_block(ap_pool *p, ap_b
     else ap_free_insert(p, b, tag); /* merges with its free (and cached) neighbours at once */
 }
 
+static int note_foreign_use(ap_pool *p, ap_block *b, void *stream, int device, ap_error *err);
+
 int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     int tag = how == AP_FREE_ON_ALLOC_STREAM ? 0 : ap_slot_of_fast(p, stream, 1);
@@ -670,8 +672,13 @@ int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err) {
            gets the error and the block stays allocated: had it been freed, a retry would free
            whatever block was allocated at that address meanwhile. Else it is freed on the stream
            it was allocated on, with the error set. */
-        rc = slot_error(p, tag, stream, err);
-        if (how == AP_FREE_ON_STREAM) {
+        if (tag == -1 && how == AP_FREE_ON_STREAM_ELSE_ALLOC && note_foreign_use(p, b, stream, p->device, NULL) == AP_OK)
+            rc = AP_OK; /* the table of streams is full: freed on its allocation stream and made to wait
+                           for `stream`'s work by an event of its own (ap_pool_record_stream says why);
+                           freed there alone, it went to the next request while that work still ran */
+        else
+            rc = slot_error(p, tag, stream, err);
+        if (rc != AP_OK && how == AP_FREE_ON_STREAM) {
             if (err) {
                 size_t n = strlen(err->message);
                 snprintf(err->message + n, sizeof err->message - n,
@@ -737,6 +744,12 @@ int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
         int slot = ap_slot_of(p, stream, 1), device = -1;
         if (slot == -3 && p->backend->stream_device(p->backend, stream, &device) == 0) {
             rc = note_foreign_use(p, b, stream, device, err);
+        } else if (slot == -1) {
+            /* The table of streams is full (every stream in it alive): no slot, but an event of
+               its own recorded on the stream at the free orders the block after its work, as for
+               another device's stream. Refused, the C ABI's void hook dropped the use, and the
+               block went to the next request while that stream's kernel still wrote it. */
+            rc = note_foreign_use(p, b, stream, p->device, err);
         } else if (slot < 0) {
             rc = slot_error(p, slot, stream, err);
         } else if (slot != b->tag) {
