@@ -63,3 +63,71 @@ def test_record_stream_and_free_on_a_stream_past_the_full_table_wait_for_its_wor
     """, timeout=120)
     assert out == {"record_stream": {"code": 0, "overwritten": False},
                    "free": {"code": 0, "overwritten": False}, "allocated": 0}
+
+
+def test_blocks_of_a_stream_whose_handle_went_to_another_device_serve_the_next_stream(sim_node):
+    # A framework on two devices makes and destroys streams, never telling the pool, and the
+    # runtime gives a destroyed device-0 stream's handle to a new device-1 stream (CANN's handles
+    # are heap pointers). The blocks cached for the dead stream must serve device 0's next stream:
+    # a borrow asked the handle, the runtime refused device 0's event there (107003), the pool
+    # took the stream for busy, and each new stream grew the pool by a segment (5 of 5 rounds,
+    # 120 MiB reserved for one 8 MiB block).
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        MiB = 1 << 20
+        p = ap.Pool(0, backend="sim")
+        be = p.backend
+        n = 8 * MiB
+        keep = [be.stream_create(1)]               # device 1's context is made first
+        grew = moved = 0
+        for i in range(6):
+            s = be.stream_create(0)
+            p.register_stream(s)
+            before = p.memory_stats()["num_device_alloc"]
+            p.free(p.malloc(n, stream=s), stream=s)
+            grew += i > 0 and p.memory_stats()["num_device_alloc"] > before
+            be.stream_destroy(s)                   # behind the pool's back
+            keep.append(be.stream_create(1))
+            moved += keep[-1] == s                 # the runtime reused the handle on device 1
+        st = p.memory_stats()
+        p._check_invariants()
+        print(json.dumps({"moved": moved, "grew": grew, "reserved_mib": st["reserved_bytes.all.current"] >> 20}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out == {"moved": 6, "grew": 0, "reserved_mib": 20}, out
+
+
+def test_a_block_freed_on_the_new_stream_of_a_moved_handle_waits_for_its_work(sim_node):
+    # The same move, but the pool still has the old stream's slot when a device-1 kernel on the
+    # new stream writes a device-0 block and the C ABI frees it naming that stream (the one it was
+    # last used on): the block lands in the old stream's slot. Finding the handle moved, the pool
+    # must not hand that slot's blocks to its other streams while the new stream's work runs.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        VP = C.c_void_p
+        lib = C.CDLL(ap.library_path())
+        lib.ascend_pool_malloc.restype = VP
+        lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, VP]
+        lib.ascend_pool_free.argtypes = [VP, C.c_ssize_t, C.c_int, VP]
+        lib.ascend_pool_init(0)
+        lib.ascend_pool_init(1)
+        be = ap.default_pool(0).backend
+        keep = be.stream_create(1)                     # device 1's context is made first
+        n = 20 << 20                                   # a whole segment: nothing else serves n
+        x = lib.ascend_pool_malloc(n, 0, None)         # before the move: no miss asks h after it
+        h = be.stream_create(0)
+        lib.ascend_pool_free(lib.ascend_pool_malloc(512, 0, h), 512, 0, h)  # device 0's slot for h
+        be.stream_destroy(h)                           # behind the pool's back
+        t = be.stream_create(1)                        # the runtime gives h to device 1's stream
+        sim.launch_fill(t, x, n, 0xAA, delay_s=0.4)    # which writes x
+        lib.ascend_pool_free(x, n, 0, t)               # lands in h's old slot
+        other = be.stream_create(0)
+        y = lib.ascend_pool_malloc(n, 0, other)        # a miss: settles and borrows
+        sim.launch_fill(other, y, n, 0x33)
+        be.stream_sync(other)
+        be.stream_sync(t)
+        bad = sim.read(y, n) != b"\\x33" * n
+        zs = [lib.ascend_pool_malloc(n, 0, other) for _ in range(2)]  # t has run its work: x serves
+        print(json.dumps({"moved": t == h, "overwritten": bad, "x_reused_once_done": x in zs}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out == {"moved": True, "overwritten": False, "x_reused_once_done": True}, out

@@ -96,6 +96,28 @@ static int ids_room(const ap_pool *p, int device) {
     return own + atomic_load(&foreign_held[device]) < records_bound(p);
 }
 
+/* 1 when a call on `stream` failed (code) and the backend says the handle now names another
+   device's stream whose work queued so far is done. The pool's stream with that handle was
+   destroyed behind its back (live streams' handles are unique, and CANN's destroy runs the
+   stream's work first), so none of its work is left; but frees named the new stream since (a peer's
+   kernel used the block last) land in the old stream's slot, so its blocks go to every stream only
+   once the new stream has run what was queued so far: an event of its device recorded there and
+   queried, no wait. Before, the refusal (107003) read as busy for good: the blocks stayed out of
+   reach of the device's other streams, and each new stream grew the pool. Asked only after a
+   failure: a runtime that cannot tell a handle's device (a real CANN with a stream the backend did
+   not make) keeps the answer it gave. */
+static int handle_moved(ap_pool *p, void *stream, int code) {
+    int dev, complete = 0;
+    void *ev = NULL;
+    if (!code || !stream || !p->backend->stream_device || p->backend->stream_device(p->backend, stream, &dev) != 0 ||
+        dev == p->device || !ids_room(p, dev) || p->backend->event_create(p->backend, dev, &ev) != 0)
+        return 0;
+    int rc = p->backend->event_record(p->backend, ev, stream);
+    if (rc == 0 && p->backend->event_query(p->backend, ev, &complete) != 0) complete = 0;
+    p->backend->event_destroy(p->backend, ev); /* CANN's destroy does not wait for the record */
+    return rc == 0 ? complete : ap_stream_unusable(p, rc);
+}
+
 /* 0: the reset scheme's live events of this device are at their bound (create none). */
 static int event_room(const ap_pool *p) {
     return p->backend->kind != AP_BACKEND_ACL || !ap_backend_event_reset(p->backend) || ids_room(p, p->device);
@@ -223,8 +245,9 @@ static void event_put_unrecorded(ap_pool *p, void *event, void *stream, int park
 
 /* Asks, without waiting, whether the work queued on stream so far is done: an event recorded now
    and queried at once. 1 done, 0 not yet (or no event to ask with), -1 the runtime refuses the
-   stream (unusable: destroyed elsewhere, garbage), AP_STREAM_ELSEWHERE the stream is in a
-   context this thread cannot reach (not done, as far as anyone here can tell). */
+   stream (unusable: destroyed elsewhere, garbage; or its handle is another device's stream now:
+   handle_moved), AP_STREAM_ELSEWHERE the stream is in a context this thread cannot reach (not
+   done, as far as anyone here can tell). */
 static int stream_idle(ap_pool *p, void *stream) {
     ap_on_device(p);
     if (!record_room(p)) return 0; /* new mode, at the bound: not known idle */
@@ -234,7 +257,9 @@ static int stream_idle(ap_pool *p, void *stream) {
     int rc = p->backend->event_record(p->backend, ev, stream), complete = 0;
     if (rc != 0) { /* only the record speaks for the stream; a failed query is the event's */
         event_put_unrecorded(p, ev, stream, parked);
-        return ap_stream_unusable(p, rc) ? -1 : ap_stream_elsewhere(p, rc) ? AP_STREAM_ELSEWHERE : 0;
+        return ap_stream_unusable(p, rc) || handle_moved(p, stream, rc) ? -1
+               : ap_stream_elsewhere(p, rc)                              ? AP_STREAM_ELSEWHERE
+                                                                         : 0;
     }
     if (counts_records(p)) records_add(p, 1);
     rc = p->backend->event_query(p->backend, ev, &complete);
@@ -1046,10 +1071,11 @@ size_t ap_borrow_from_streams(ap_pool *p, int to, int pool, size_t rsize, ap_err
         int code;
         void *ev = event_for_wait(p, p->slots[s].stream, &code);
         int target = to;
-        if (!ev && ap_stream_unusable(p, code)) {
-            /* Destroyed behind the pool's back (a framework's stream): no work of it is left, so
-               its blocks serve every stream. Left alone, they stayed out of reach of every later
-               stream and each new stream grew the pool. */
+        if (!ev && (ap_stream_unusable(p, code) || handle_moved(p, p->slots[s].stream, code))) {
+            /* Destroyed behind the pool's back (a framework's stream; its handle perhaps another
+               device's stream's now): no work of it is left, so its blocks serve every stream.
+               Left alone, they stayed out of reach of every later stream and each new stream
+               grew the pool. */
             moved += t->count;
             ap_slot_retire(p, s);
             continue;
