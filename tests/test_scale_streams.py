@@ -131,3 +131,38 @@ def test_a_block_freed_on_the_new_stream_of_a_moved_handle_waits_for_its_work(si
         print(json.dumps({"moved": t == h, "overwritten": bad, "x_reused_once_done": x in zs}))
     """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
     assert out == {"moved": True, "overwritten": False, "x_reused_once_done": True}, out
+
+
+def test_a_c_abi_free_on_another_devices_stream_waits_for_that_streams_work(sim_node):
+    # ascend_pool.h tells the caller to free on the stream the block was last used on; a peer
+    # device's kernel used it last. The free was done on the allocation stream at once with error
+    # 5 ("belongs to another device"), and the next request got the block while the peer's kernel
+    # still wrote it. It waits for that stream's work, as record_stream with a peer's stream.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        VP = C.c_void_p
+        lib = C.CDLL(ap.library_path())
+        lib.ascend_pool_malloc.restype = VP
+        lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, VP]
+        lib.ascend_pool_free.argtypes = [VP, C.c_ssize_t, C.c_int, VP]
+        lib.ascend_pool_last_error.restype = C.c_char_p
+        lib.ascend_pool_init(0)
+        lib.ascend_pool_init(1)
+        peer = ap.default_pool(1).create_stream()      # a stream of device 1
+        n = 1 << 20
+        x = lib.ascend_pool_malloc(n, 0, None)
+        sim.launch_fill(peer, x, n, 0xAA, delay_s=0.4)  # the peer's kernel writes x
+        lib.ascend_pool_clear_last_error()
+        lib.ascend_pool_free(x, n, 0, peer)
+        code = lib.ascend_pool_last_error_code()
+        y = lib.ascend_pool_malloc(n, 0, None)
+        sim.launch_fill(None, y, n, 0x33)
+        ap.default_pool(1).synchronize(peer)
+        ap.default_pool(0).synchronize()
+        bad = sim.read(y, n) != b"\\x33" * n
+        lib.ascend_pool_free(y, n, 0, None)
+        st = ap.default_pool(0).memory_stats()
+        print(json.dumps({"code": code, "overwritten": bad, "allocated": st["allocated_bytes.all.current"]}))
+    """)
+    assert out == {"code": 0, "overwritten": False, "allocated": 0}, out

@@ -69,7 +69,8 @@ void *ascend_pool_malloc(ssize_t size, int device, void *stream);
  * block of another device is unknown here: it stays allocated; pass the allocation's device). A
  * stream the pool cannot order on (destroyed meanwhile) frees the block on its allocation stream,
  * with the error set: nothing leaks. (Python's pool.free refuses instead and frees nothing.) A live
- * stream past the pool's table of 1,023 streams is waited for by an event recorded on it now. */
+ * stream of another device (a peer's kernel used the block last), or one past the pool's table of
+ * 1,023 streams, is waited for by an event recorded on it now. */
 void ascend_pool_free(void *ptr, ssize_t size, int device, void *stream);
 
 /* Prepares the C ABI. If `device` names an existing device, creates its default pool now (taking

@@ -672,10 +672,17 @@ int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err) {
            gets the error and the block stays allocated: had it been freed, a retry would free
            whatever block was allocated at that address meanwhile. Else it is freed on the stream
            it was allocated on, with the error set. */
-        if (tag == -1 && how == AP_FREE_ON_STREAM_ELSE_ALLOC && note_foreign_use(p, b, stream, p->device, NULL) == AP_OK)
-            rc = AP_OK; /* the table of streams is full: freed on its allocation stream and made to wait
-                           for `stream`'s work by an event of its own (ap_pool_record_stream says why);
-                           freed there alone, it went to the next request while that work still ran */
+        /* A live stream the pool keeps no slot for: the table is full (-1), or another device's
+           stream (-3: a peer's kernel used the block last, as ascend_pool.h tells the caller to
+           name). Freed on its allocation stream and made to wait for `stream`'s work by an event
+           recorded on it (as record_stream with such a stream); freed there alone, it went to
+           the next request while that work still ran. */
+        int dev = p->device;
+        if (how == AP_FREE_ON_STREAM_ELSE_ALLOC &&
+            (tag == -1 || (tag == -3 && p->backend->stream_device &&
+                           p->backend->stream_device(p->backend, stream, &dev) == 0 && dev != p->device)) &&
+            note_foreign_use(p, b, stream, dev, NULL) == AP_OK)
+            rc = AP_OK;
         else
             rc = slot_error(p, tag, stream, err);
         if (rc != AP_OK && how == AP_FREE_ON_STREAM) {
