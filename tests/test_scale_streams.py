@@ -166,3 +166,45 @@ def test_a_c_abi_free_on_another_devices_stream_waits_for_that_streams_work(sim_
         print(json.dumps({"code": code, "overwritten": bad, "allocated": st["allocated_bytes.all.current"]}))
     """)
     assert out == {"code": 0, "overwritten": False, "allocated": 0}, out
+
+
+def test_a_pool_told_a_handle_is_another_devices_keeps_its_blocks_until_that_streams_work_is_done(sim_node):
+    # register_stream tells the pool that a handle it knew is device 1's stream now: its old stream
+    # was destroyed, and the slot's blocks go to the pool's other streams. Among them is a block
+    # freed naming the new stream (a device-1 kernel still writing it): handed out at once, the
+    # next request's data was overwritten. It waits for that stream's queued work.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        VP = C.c_void_p
+        lib = C.CDLL(ap.library_path())
+        lib.ascend_pool_malloc.restype = VP
+        lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, VP]
+        lib.ascend_pool_free.argtypes = [VP, C.c_ssize_t, C.c_int, VP]
+        lib.ascend_pool_init(0)
+        lib.ascend_pool_init(1)
+        pool = ap.default_pool(0)
+        be = pool.backend
+        keep = be.stream_create(1)
+        n = 20 << 20
+        x = lib.ascend_pool_malloc(n, 0, None)
+        h = be.stream_create(0)
+        pool.register_stream(h)
+        pool.free(pool.malloc(512, stream=h), stream=h)
+        be.stream_destroy(h)                           # behind the pool's back
+        t = be.stream_create(1)                        # h is device 1's stream now
+        sim.launch_fill(t, x, n, 0xAA, delay_s=0.4)
+        lib.ascend_pool_free(x, n, 0, t)               # lands in h's old slot
+        try:
+            pool.register_stream(h)
+            told = "accepted"
+        except ap.InvalidStreamError as e:
+            told = "another device" if "belongs to device 1" in str(e) else str(e)
+        y = lib.ascend_pool_malloc(n, 0, None)
+        sim.launch_fill(None, y, n, 0x33)
+        pool.synchronize()
+        be.stream_sync(t)
+        bad = sim.read(y, n) != b"\\x33" * n
+        print(json.dumps({"moved": t == h, "told": told, "overwritten": bad}))
+    """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
+    assert out == {"moved": True, "told": "another device", "overwritten": False}, out

@@ -251,7 +251,8 @@ int ap_stream_elsewhere(const ap_pool *p, int code);
 void ap_slot_retire(ap_pool *p, int slot);
 /* 0 while slot's stream is alive and this device's; -2 when the runtime no longer knows it (one
    event record, no wait), -3 when its handle now names another device's stream (the runtime gave
-   a destroyed stream's handle away): then with its slot retired. Lock held. For the paths that
+   a destroyed stream's handle away): then with its slot retired (-3: once the work queued on
+   that other device's stream is done, no wait: its blocks may be its own). Lock held. For the paths that
    are about to spend far more (a device allocation). */
 int ap_stream_gone(ap_pool *p, int slot);
 /* Waits (blocking, all of them within what is left of one sync_timeout_ms from start, ap_now_ms)

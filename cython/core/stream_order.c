@@ -106,12 +106,20 @@ static int ids_room(const ap_pool *p, int device) {
    reach of the device's other streams, and each new stream grew the pool. Asked only after a
    failure: a runtime that cannot tell a handle's device (a real CANN with a stream the backend did
    not make) keeps the answer it gave. */
+static int moved_stream_idle(ap_pool *p, void *stream, int dev);
+
 static int handle_moved(ap_pool *p, void *stream, int code) {
-    int dev, complete = 0;
+    int dev;
+    return code && stream && p->backend->stream_device && p->backend->stream_device(p->backend, stream, &dev) == 0 &&
+           dev != p->device && moved_stream_idle(p, stream, dev);
+}
+
+/* 1 when the work queued so far on `stream`, now a stream of device `dev`, is done (or the stream
+   is gone): an event of dev recorded on it and queried, no wait; 0 when not, or not known. */
+static int moved_stream_idle(ap_pool *p, void *stream, int dev) {
+    int complete = 0;
     void *ev = NULL;
-    if (!code || !stream || !p->backend->stream_device || p->backend->stream_device(p->backend, stream, &dev) != 0 ||
-        dev == p->device || !ids_room(p, dev) || p->backend->event_create(p->backend, dev, &ev) != 0)
-        return 0;
+    if (!ids_room(p, dev) || p->backend->event_create(p->backend, dev, &ev) != 0) return 0;
     int rc = p->backend->event_record(p->backend, ev, stream);
     if (rc == 0 && p->backend->event_query(p->backend, ev, &complete) != 0) complete = 0;
     p->backend->event_destroy(p->backend, ev); /* CANN's destroy does not wait for the record */
@@ -281,12 +289,18 @@ void ap_slot_retire(ap_pool *p, int slot) {
 int ap_stream_gone(ap_pool *p, int slot) {
     if (slot <= 0 || !p->slots[slot].stream) return 0;
     void *stream = p->slots[slot].stream;
-    int dev, gone = 0;
-    if (p->backend->stream_device && p->backend->stream_device(p->backend, stream, &dev) == 0 && dev != p->device)
-        gone = -3; /* its handle now names another device's stream: ours was destroyed */
-    else if (stream_idle(p, stream) == -1)
+    int dev, gone = 0, retire = 1;
+    if (p->backend->stream_device && p->backend->stream_device(p->backend, stream, &dev) == 0 && dev != p->device) {
+        /* its handle now names another device's stream: ours was destroyed, but blocks freed
+           naming the new one since (a peer's kernel used them last) are in the slot too: they go
+           to every stream once its queued work is done (handle_moved); before, at once, and the
+           next request got a block that the peer's kernel still wrote */
+        gone = -3;
+        retire = moved_stream_idle(p, stream, dev);
+    } else if (stream_idle(p, stream) == -1) {
         gone = -2;
-    if (gone) ap_slot_retire(p, slot);
+    }
+    if (gone && retire) ap_slot_retire(p, slot);
     return gone;
 }
 
