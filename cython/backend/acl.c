@@ -18,6 +18,7 @@
 
 typedef int aclError;
 
+#define ACL_ERROR_UNINITIALIZE 100001 /* aclFinalize was called (or aclInit never) */
 #define ACL_ERROR_REPEAT_INITIALIZE 100002
 #define ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046
 #define ACL_ERROR_RT_EVENT_SYNC_TIMEOUT 507047
@@ -75,6 +76,9 @@ struct acl_dev {
        (acl_release_orphans: this lock, aclrtResetDevice) only where no pool lock is held and no
        device scope is entered: acl_stream_create, acl_stream_destroy, acl_device_release. */
     int orphan_refs;
+    /* The runtime's life on this device (backend.h life; atomic): bumped when a call finds the
+       runtime finalised, or the default context renewed behind the pools (acl_runtime_lost). */
+    uint64_t life;
 };
 
 /* ACL cannot tell a stream's context, and runs a stream's calls only in it (107003 elsewhere):
@@ -145,6 +149,7 @@ typedef struct acl_impl {
     uint64_t ipc_read_only_flag; /* the simulator's read-only export bit; 0 on CANN */
     /* Devices: the context each device's calls run in, and the references this backend holds. */
     struct acl_dev *dev;         /* device_count entries */
+    int finalized;               /* a call answered ACL_ERROR_UNINITIALIZE, and none has set a device since (atomic) */
     size_t malloc_pad;           /* aclrtMalloc's padding on this SoC: 32, or 0 (Ascend 950) */
     /* Streams this backend created, with their device (the pool refuses another device's), and
        the context someone else's stream was last used in successfully (learned; see
@@ -200,6 +205,7 @@ static int acl_take_ref_locked(acl_impl *im, int device)
     rc = im->aclrtSetDevice(device);
     if (rc != 0)
         return rc;
+    __atomic_store_n(&im->finalized, 0, __ATOMIC_RELEASE); /* initialised (again) */
     rc = im->aclrtGetCurrentContext(&ctx);
     if (had && cur != ctx)
         (void)im->aclrtSetCurrentContext(cur);
@@ -315,8 +321,22 @@ static void *acl_renew_context(acl_impl *im, int device, void *stale)
     }
     for (int i = 1; i < held; i++)
         (void)acl_take_ref_locked(im, device); /* same context: one reference per holder again */
+    /* What the pools held in the released context (memory, events, streams) may be gone with it:
+       certainly after aclFinalize, which a renewal after aclInit cannot be told from. */
+    __atomic_add_fetch(&im->dev[device].life, 1, __ATOMIC_ACQ_REL);
     pthread_mutex_unlock(&im->dev[device].lock);
     return fresh;
+}
+
+/* A call was answered ACL_ERROR_UNINITIALIZE: the runtime was finalised (aclFinalize), and with
+   it every device's memory, events and streams of this process. Each device's life moves on. */
+static void acl_runtime_lost(acl_impl *im, int device_count)
+{
+    /* once per finalisation: every call until the next aclInit answers the same */
+    if (__atomic_exchange_n(&im->finalized, 1, __ATOMIC_ACQ_REL))
+        return;
+    for (int d = 0; d < device_count; d++)
+        __atomic_add_fetch(&im->dev[d].life, 1, __ATOMIC_ACQ_REL);
 }
 
 /* The thread's context before acl_enter switched it (restored by acl_leave). */
@@ -374,6 +394,28 @@ static void acl_leave(ap_backend *b, acl_scope *sc)
     if (sc->switched && sc->saved)
         (void)IMPL(b)->aclrtSetCurrentContext(sc->saved);
     acl_ctx_put(b, sc->device, sc->temp);
+}
+
+static uint64_t acl_life(ap_backend *b, int device, int probe)
+{
+    acl_impl *im = IMPL(b);
+    acl_scope sc;
+    int rc;
+
+    if (device < 0 || device >= b->device_count || !im->dev)
+        return 0;
+    /* Entering finds a context released behind the pools (renewed: a new life) or a finalised
+       runtime (ACL_ERROR_UNINITIALIZE). Only where a pool holds the device: no reference is
+       taken for it. */
+    if (probe && __atomic_load_n(&im->dev[device].pool_refs, __ATOMIC_ACQUIRE) > 0) {
+        if ((rc = acl_enter(b, device, &sc)) == 0)
+            acl_leave(b, &sc);
+        else if (rc == ACL_ERROR_UNINITIALIZE)
+            acl_runtime_lost(im, b->device_count);
+        if (rc != 0 && im->aclGetRecentErrMsg)
+            (void)im->aclGetRecentErrMsg(); /* asked here: not the caller's error */
+    }
+    return __atomic_load_n(&im->dev[device].life, __ATOMIC_ACQUIRE);
 }
 
 /* For the calls without a device argument: the device this thread named last, if any. */
@@ -521,6 +563,8 @@ static int acl_enter_stream(ap_backend *b, void *stream, acl_scope *sc)
             rc_ = (expr);                                       \
             acl_leave((b), &sc_);                               \
         }                                                       \
+        if (rc_ == ACL_ERROR_UNINITIALIZE)                      \
+            acl_runtime_lost(IMPL(b), (b)->device_count);       \
         return rc_;                                             \
     } while (0)
 
@@ -581,6 +625,8 @@ static void acl_streams_suspect(acl_impl *im, void *stream, uint64_t serial);
                 acl_leave((b), &sc_);                                              \
             }                                                                      \
         }                                                                          \
+        if (rc_ == ACL_ERROR_UNINITIALIZE)                                         \
+            acl_runtime_lost(IMPL(b), (b)->device_count);                          \
         return rc_;                                                                \
     } while (0)
 
@@ -1748,6 +1794,7 @@ int ap_acl_open(ap_backend *b, const char *path, int prefer_loaded, int want_sim
     b->set_device = acl_set_device;
     b->device_retain = acl_device_retain;
     b->device_release = acl_device_release;
+    b->life = acl_life;
     b->stream_device = acl_stream_device;
     b->shutdown = acl_shutdown;
     b->malloc = acl_malloc;

@@ -82,6 +82,17 @@ struct ap_backend {
        told (NULL; acl: a handle this backend did not create, since CANN has no such query and
        only the simulator answers one). */
     int (*stream_device)(ap_backend *b, void *stream, int *device);
+    /* The runtime's life on `device` as this backend has seen it, or NULL (cuda: one life): a
+       number that changes when the backend learns that the runtime released what the process
+       held there behind the pools' references: a call answered that the runtime is not
+       initialised (aclFinalize), or the device's default context, on which the pools hold their
+       references, was found released (aclFinalize then aclInit, a forced reset, resets past the
+       pools' references) and taken anew. Device memory, events and streams of an earlier life
+       are not to be used or freed again. Learned from the calls the backend makes anyway, and
+       with `probe`, by entering the device's context first (acl: the context switch each device
+       call makes; no device work): read it off the hot path only (ap_backend_life), with probe
+       before a device call on memory of the pool's. */
+    uint64_t (*life)(ap_backend *b, int device, int probe);
     /* Private: called by ap_backend_close to give back what the implementation holds. */
     void (*shutdown)(ap_backend *b);
     /* Device memory of `size` bytes on `device`, huge pages first (ACL_MEM_MALLOC_HUGE_FIRST). */
@@ -199,6 +210,11 @@ static inline int ap_backend_oom_code(const ap_backend *b, int code) {
 static inline int ap_backend_stream_gone_code(const ap_backend *b, int code) {
     if (b->kind == AP_BACKEND_CUDA) return code == 400 || code == 709;
     return code == 107000 || code == 107017;
+}
+
+/* The device's runtime life (backend life above); 0 where the backend has one life only. */
+static inline uint64_t ap_backend_life(ap_backend *b, int device, int probe) {
+    return b->life ? b->life(b, device, probe) : 0;
 }
 
 /* The backend's event_reset (NULL: events are reused as they are). Read atomically: the acl

@@ -102,6 +102,7 @@ typedef struct ap_segment {
     uint64_t free_since;      /* pool tick when it last became wholly free (garbage_collection_threshold's
                                  age, as PyTorch's: since the last free, not the oldest part's) */
     uint64_t seq;             /* creation order in its pool */
+    uint64_t life;            /* classic: the backend's runtime life it was allocated in (ap_backend_life) */
     struct ap_block *first;
     struct ap_segment *prev, *next; /* the pool's list of segments */
 } ap_segment;

@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdio.h>
 #include <time.h>
 
 #include "current.h"
@@ -131,6 +132,7 @@ ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, a
     p->holds_device = rc == 0;
     size_t free_b = 0, total_b = 0;
     if (rc == 0) rc = backend->mem_info(backend, device, &free_b, &total_b);
+    p->life = ap_backend_life(backend, device, 0); /* after the calls: a renewal in them is this life */
     if (rc != 0) {
         char msg[AP_RUNTIME_MSG];
         backend->error_message(backend, rc, msg, sizeof msg);
@@ -194,12 +196,16 @@ void ap_pool_destroy_ex(ap_pool *p, int wait_streams) {
         for (int i = 0; b->xs && i < b->xs->n_fevents; i++) p->backend->event_destroy(p->backend, b->xs->fevents[i]);
         if (b->xs) ap_foreign_events_gone(b->xs);
     }
+    /* Memory the runtime released behind the pool (aclFinalize: the waits above found it gone) is
+       forgotten, not freed: its addresses may be another allocation's by now. */
+    ap_pool_runtime_check(p, 1);
     for (ap_segment *s = p->segments; s; s = s->next) {
         for (ap_block *b = s->first; b; b = b->next) /* marked past AP_MAX_USES: heap arrays */
             if (b->xs) ap_uses_shrink(b->xs);
         if (!s->expandable) p->backend->free(p->backend, p->device, (void *)s->base);
     }
     ap_vmm_destroy(p);
+    ap_map_destroy(&p->lost_live);
     ap_events_destroy(p);
     ap_map_destroy(&p->live);
     ap_history_destroy(&p->history);
@@ -336,6 +342,82 @@ static void unmark_allocated(ap_pool *p, const ap_block *b, int completes_later)
     if (ap_oversize(p, pool, b->size)) ap_stat_step(&p->stats.oversize[0], -1);
 }
 
+/* ---- the runtime released the pool's memory --------------------------------------------------- */
+
+/* A segment of an earlier runtime life than the pool's (p->life): classic segments carry the life
+   they were allocated in; an expandable pool's memory is one address space, reserved in the life
+   of its first growth: all of it. Shared segments (share.c) end with their block, as before. */
+static int segment_old(const ap_pool *p, const ap_segment *s) {
+    return !s->shared && (s->expandable || s->life != p->life);
+}
+
+/* Writes off an allocated block of released memory: out of the live map (and the stats), into
+   lost_live, whose frees are accepted with nothing reused or freed. */
+static void write_off(ap_pool *p, ap_block *b) {
+    size_t at = ap_map_find(&p->live, b->addr);
+    if (at != AP_MAP_NONE) ap_map_take_at(&p->live, at);
+    unmark_allocated(p, b, 0);
+    p->lost_blocks++;
+    if (!p->lost_live.keys && ap_map_init(&p->lost_live, 64) != 0) return; /* host memory: its free is refused */
+    if (!ap_map_get(&p->lost_live, b->addr)) (void)ap_map_put(&p->lost_live, b->addr, (void *)(uintptr_t)1);
+}
+
+/* Forgets a segment of released memory with its blocks, with no runtime call. */
+static void forget_segment(ap_pool *p, ap_segment *s) {
+    for (ap_block *b = s->first, *next; b; b = next) {
+        next = b->next;
+        if (b->state == AP_BLOCK_ALLOCATED) write_off(p, b);
+        else if (b->state == AP_BLOCK_FREE) ap_free_remove(p, b);
+        /* AP_BLOCK_PENDING: out of the pending list already (ap_pending_forget) */
+        if (b->xs) {
+            ap_uses_recycle(p, b->xs);
+            b->xs = NULL;
+        }
+        ap_block_recycle(p, b);
+    }
+    ap_segment_unlink(p, s);
+    /* an expandable pool's quota goes back by chunk (ap_vmm_forget) */
+    if (!s->expandable && p->quota.release) p->quota.release(p->quota.ctx, p->device, s->size);
+    ap_device_cap_unbook(p, s->size);
+    ap_stat_dec(&p->stats, AP_STAT_RESERVED_BYTES, s->pool, (int64_t)s->size);
+    ap_history_add(&p->history, AP_ACT_SEGMENT_FREE, s->base, s->size, NULL);
+    ap_segment_recycle(p, s);
+}
+
+/* Said once per device and runtime life, for all the process's pools. */
+static _Atomic uint64_t lost_said;
+
+int ap_pool_runtime_check(ap_pool *p, int probe) {
+    uint64_t now = ap_backend_life(p->backend, p->device, probe);
+    if (now == p->life) return 0;
+    p->life = now;
+    if (p->n_cached) ap_cache_flush(p); /* every free block in a tree, to be taken out */
+    ap_pending_forget(p, segment_old);
+    size_t segs = 0, bytes = 0;
+    uint64_t blocks = p->lost_blocks;
+    for (ap_segment *s = p->segments, *next; s; s = next) {
+        next = s->next;
+        if (!segment_old(p, s)) continue;
+        segs++;
+        bytes += s->size;
+        forget_segment(p, s);
+    }
+    if (p->cfg.expandable) ap_vmm_forget(p);
+    p->lost_segments += segs;
+    p->lost_bytes += bytes;
+    blocks = p->lost_blocks - blocks;
+    uint64_t key = now << 8 | (uint64_t)(p->device & 0xff), said = atomic_load(&lost_said);
+    if ((segs || blocks) && said != key && atomic_compare_exchange_strong(&lost_said, &said, key))
+        fprintf(stderr,
+                "ascend_pool: warning: the runtime released device %d's memory behind its pools (aclFinalize, or "
+                "aclrtResetDevice/aclrtResetDeviceForce calls that took the pools' device references): a pool "
+                "forgot %zu segment(s), %zu bytes, without freeing them (their addresses are the runtime's again), "
+                "and wrote off %llu block(s) still allocated (their frees are accepted, nothing of them is reused). "
+                "Empty the caches (empty_cache) and close the pools before finalizing the runtime.\n",
+                p->device, segs, bytes, (unsigned long long)blocks);
+    return segs || blocks;
+}
+
 /* ap_obtain_block, counting one retry per allocation however many times it is tried (after the
    waits, after the peers' release), as torch's num_alloc_retries: its malloc counts the one
    retry that follows freeing the cache. */
@@ -453,7 +535,14 @@ static __attribute__((noinline)) int malloc_locked(ap_pool *p, size_t size, size
         ap_error *e = err ? err : &local;
         e->status = AP_OK;
         int retried = 0;
+        ap_pool_runtime_check(p, 1); /* a device call follows: what the runtime released goes first */
         b = obtain_counted(p, slot, pool, rsize, size, e, &retried);
+        if (!b && e->status == AP_E_DEVICE && ap_pool_runtime_check(p, 0)) {
+            /* the call found the runtime finalised or renewed (an expandable pool's growth into a
+               reservation of the runtime before): once more, in the runtime there is now */
+            e->status = AP_OK;
+            b = obtain_counted(p, slot, pool, rsize, size, e, &retried);
+        }
         if (!b && e->status != AP_E_HOST_NOMEM && (p->stats.num_sync_all_streams++, queued_frees(p))) {
             /* Last resort: wait (lock dropped) for every stream and pending free, then retry. */
             ap_error wait_err = {0};
@@ -660,13 +749,22 @@ static inline __attribute__((always_inline)) void release_block(ap_pool *p, ap_b
 }
 
 static int note_foreign_use(ap_pool *p, ap_block *b, void *stream, int device, ap_error *err);
+/* A block written off when the runtime released its memory (write_off): its free is accepted and
+   forgets it. Off the hot path: only a pointer the live map lacks gets here. */
+static int lost_free(ap_pool *p, void *ptr) {
+    if (!p->lost_live.keys) return 0;
+    size_t at = ap_map_find(&p->lost_live, (uintptr_t)ptr);
+    if (at == AP_MAP_NONE) return 0;
+    ap_map_take_at(&p->lost_live, at);
+    return 1;
+}
 
 int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     int tag = how == AP_FREE_ON_ALLOC_STREAM ? 0 : ap_slot_of_fast(p, stream, 1);
     size_t at = ap_map_find(&p->live, (uintptr_t)ptr); /* only allocated blocks are in the map */
     ap_block *b = at != AP_MAP_NONE ? p->live.vals[at] : NULL;
-    int rc = b ? AP_OK : bad_pointer(p, ptr, err);
+    int rc = b ? AP_OK : lost_free(p, ptr) ? AP_OK : bad_pointer(p, ptr, err);
     if (b && tag < 0) {
         /* A stream the pool cannot order on (destroyed, or not a stream). A caller that can retry
            gets the error and the block stays allocated: had it been freed, a retry would free
@@ -745,7 +843,9 @@ int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     ap_block *b = ap_map_get(&p->live, (uintptr_t)ptr);
     int rc = AP_OK;
-    if (!b || b->state != AP_BLOCK_ALLOCATED) {
+    if (!b && p->lost_live.keys && ap_map_get(&p->lost_live, (uintptr_t)ptr)) {
+        /* written off with the runtime that released it: no stream's work can reach it */
+    } else if (!b || b->state != AP_BLOCK_ALLOCATED) {
         rc = bad_pointer(p, ptr, err);
     } else {
         int slot = ap_slot_of(p, stream, 1), device = -1;
@@ -779,6 +879,7 @@ int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
 int ap_pool_empty_cache(ap_pool *p, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     p->stats.num_sync_all_streams++; /* PyTorch counts every empty_cache as a sync of all streams */
+    ap_pool_runtime_check(p, 1);
     /* Waits with the lock dropped, a few rounds: other threads may free more meanwhile. */
     int rc = AP_OK;
     for (int round = 0; round < 4; round++) {
@@ -796,6 +897,12 @@ int ap_pool_empty_cache(ap_pool *p, ap_error *err) {
         for (int s = 1; s < p->n_slots && !busy; s++)
             busy = p->slots[s].trees[0].count || p->slots[s].trees[1].count;
         if (!busy) break;
+    }
+    if (rc != AP_OK && ap_pool_runtime_check(p, 0)) {
+        /* the waits found the runtime finalised: its streams' work is over and what it released is
+           forgotten (said once on stderr); nothing is left to wait for or to free of it */
+        rc = AP_OK;
+        if (err) err->status = AP_OK;
     }
     ap_release_free_segments(p, (size_t)-1, 1, 0, rc == AP_OK ? err : NULL);
     if (!p->event_pins) ap_events_trim(p, 0); /* idle events go back too, as PyTorch's empty_cache */

@@ -325,6 +325,13 @@ typedef struct ap_pool {
        allocator to its user, so a family member's out-of-memory takes the others' idle cache even
        when they keep it from other pools (ap_pool_set_mempool; 0: none) */
     _Atomic uint64_t family;
+    /* The backend's runtime life (ap_backend_life) of this pool's memory, checked off the hot path
+       (ap_pool_runtime_check). Blocks that were allocated when the runtime released the memory
+       behind the pool are written off (lost_live, by address; lazily made): their frees are
+       accepted, nothing of them is reused or freed. lost_*: what the pool forgot, for stats. */
+    uint64_t life;
+    ap_ptr_map lost_live;
+    uint64_t lost_segments, lost_bytes, lost_blocks;
 
     /* Past this point nothing is zeroed when the struct is reused (ap_pool_create). */
     struct ap_pool *spare_next; /* in the spare list: destroyed structs are kept for reuse, never freed */
@@ -542,5 +549,14 @@ int ap_pool_set_history(ap_pool *p, size_t capacity, uint32_t skip);
 /* Clears a pool pointer that other threads read without the GIL (PoolBase.p: the C ABI's
    registry loads it with acquire, capi/registry.h): a release store, not a plain one. */
 static inline void ap_pool_ptr_clear(ap_pool **slot) { __atomic_store_n(slot, (ap_pool *)0, __ATOMIC_RELEASE); }
+
+/* The runtime released this pool's device memory behind it (the backend's life changed:
+   aclFinalize, or resets that took the pools' device references): the cache and pending frees of
+   that memory are forgotten with no runtime call, blocks still allocated of it written off (their
+   frees accepted). Called with the lock held (or by the destroy) before device calls, never on
+   the cached path; `probe`: the backend first enters the device's context, which finds a
+   finalised runtime or a released context (no device work). 1 when something was forgotten,
+   said once on stderr per device and life. */
+int ap_pool_runtime_check(ap_pool *p, int probe);
 
 #endif

@@ -209,6 +209,11 @@ size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err);
    it unmaps for that growth (p->vmm_spares). */
 size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep, int64_t max_unmaps);
 void ap_vmm_destroy(ap_pool *p);
+/* expandable.c: the runtime released the pool's virtual memory; forgotten without a runtime call. */
+void ap_vmm_forget(ap_pool *p);
+/* stream_order.c: the pending frees of segments `old` says are of an earlier runtime life, taken
+   out of the list without a runtime call (ap_pool_runtime_check). */
+void ap_pending_forget(ap_pool *p, int (*old)(const ap_pool *, const ap_segment *));
 
 /* stream_order.c: stream slots, events, pending frees, cross-stream reuse. */
 /* Slot of a stream (created when create != 0); -1 when none / table full, -2 when the runtime

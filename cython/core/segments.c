@@ -64,6 +64,7 @@ int ap_segment_alloc(ap_pool *p, int pool, size_t size, int slot, int pinned, ap
         return device_error(p, err, rc, "device malloc", size);
     }
     seg->base = (uintptr_t)ptr;
+    seg->life = ap_backend_life(p->backend, p->device, 0); /* read after the call: a renewal inside it is this one's */
     seg->size = size;
     seg->pool = pool;
     seg->pinned = pinned;

@@ -901,6 +901,35 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag) {
     ap_history_add_free(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, p->slots[tag].stream, b->ctx);
 }
 
+/* The runtime released the memory of the pending frees of an earlier life (ap_pool_runtime_check;
+   `old` says which segments): they are taken out of the list with no runtime call, their events
+   (gone with that runtime) counted out, never queried or destroyed; the gates are dropped (one may
+   be such an event). Each stays PENDING, with no events, for the caller to forget with its segment. */
+void ap_pending_forget(ap_pool *p, int (*old)(const ap_pool *, const ap_segment *)) {
+    ap_block *prev = NULL, *b = p->pending_head;
+    for (int s = 1; s < p->n_slots; s++) p->slots[s].gate = NULL;
+    gates_drop(p);
+    p->pending_checked = NULL;
+    while (b) {
+        ap_block *next = b->pending_next;
+        if (old(p, b->seg)) {
+            ap_block_uses *u = b->xs;
+            if (u) {
+                if (counts_records(p)) records_add(p, -(int)u->n_events);
+                live_add(p, -(int)u->n_events);
+                ap_foreign_events_gone(u);
+                u->n_events = u->n_fevents = u->n_owed = u->n_foreign = 0;
+            }
+            pending_unlink(p, prev, b);
+            ap_stats_pending(&p->stats, b->seg->pool, (int64_t)b->size, -1);
+            ap_stat_dec(&p->stats, AP_STAT_REQUESTED_BYTES, b->seg->pool, (int64_t)b->requested);
+        } else {
+            prev = b;
+        }
+        b = next;
+    }
+}
+
 /* Streams a pending block still owes a wait (ap_free_pending): each becomes an event once one
    can be had (recorded now, it covers at least the work queued before the free), or, blocking,
    a stream wait. A stream the runtime no longer knows has no work left. */

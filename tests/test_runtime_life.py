@@ -1,0 +1,150 @@
+"""The framework owns the runtime's life: torch_npu calls aclFinalize at its exit (and tests
+finalize and aclInit again mid-run), resets devices, destroys its contexts and streams. A pool
+must then never hand out, use or free memory of the runtime that released it: the backend learns
+of it from the calls it makes (ACL_ERROR_UNINITIALIZE, or the device's default context released
+and taken anew; ap_backend_life), and the pool forgets that memory before its next device call,
+without a runtime call, says so once on stderr, and accepts the frees of the blocks it wrote off.
+Each test runs in a fresh process (sim_node): aclFinalize ends every pool of its process."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401
+
+WARNING = "ascend_pool: warning: the runtime released device 0's memory behind its pools"
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_after_finalize_and_init_the_pool_serves_memory_of_the_new_runtime_only(sim_node, expandable):
+    """aclFinalize then aclInit with no pool call between: the pool's cached segment (and the block
+    still allocated in it) belong to the finalized runtime. The next request that reaches the
+    device finds the runtime renewed; from then on every block served is live memory of the new
+    runtime (before: the old segment's free part served 4 of the 4 MiB requests, dead memory; an
+    expandable pool's growth mapped into the finalized runtime's reservation and raised
+    DeviceError 107000), the block allocated before is freed without error, and the close frees
+    nothing twice."""
+    p = sim_node.spawn(f"""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        pool = ap.Pool(0, backend="sim", expandable_segments={expandable})
+        before = pool.malloc(2 << 20)
+        pool.free(pool.malloc(8 << 20))            # cached beside it: room for 4 MiB blocks
+        assert acl.aclFinalize() == 0
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        dead = []
+        got = [pool.malloc(64 << 20)] + [pool.malloc(4 << 20) for _ in range(4)]
+        for q in got:
+            try:
+                sim.read(q, 64)
+            except Exception as e:
+                dead.append(hex(q))
+        pool._check_invariants()                   # blocks, trees and stats, old memory gone
+        for q in got:
+            pool.free(q)
+        pool.free(before)                           # written off: accepted
+        pool._check_invariants()
+        pool.empty_cache()
+        allocated = pool.memory_stats()["allocated_bytes.all.current"]
+        pool.close()
+        print(json.dumps({{"dead": dead, "allocated": allocated, "held": sim.stats(0)["bytes_held"],
+                          "refs": sim.stats(0)["device_refs"]}}))
+    """)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["dead"] == [], res
+    assert res["allocated"] == 0 and res["held"] == 0, res
+    assert res["refs"] == 1, res                     # the framework's own reference, as before
+    assert err.count(WARNING) == 1, err
+
+
+def test_empty_cache_after_finalize_forgets_the_cache_and_a_request_names_the_runtimes_code(sim_node):
+    """torch_npu's exit: aclFinalize, then the allocator's empty_cache and the pools' close. The
+    cache is forgotten (said once for the process's two pools), empty_cache does not raise (before:
+    DeviceError "waiting for stream (nil) on device 0 failed" for aclrtSetDevice's 100001), a
+    request then fails with the runtime's code and name, and the process exits cleanly."""
+    p = sim_node.spawn("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        pools = [ap.Pool(0, backend="sim") for _ in range(2)]
+        live = [q.malloc(1 << 20) for q in pools]
+        for q in pools:
+            q.free(q.malloc(3 << 20))
+        assert acl.aclFinalize() == 0
+        for q in pools:
+            q.empty_cache()
+        try:
+            pools[0].malloc(256 << 20)
+            request = "served"
+        except ap.PoolError as e:
+            request = f"{type(e).__name__}: {e}"
+        reserved = [q.memory_stats()["reserved_bytes.all.current"] for q in pools]
+        print(json.dumps({"request": request, "reserved": reserved}))
+    """)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert "100001" in res["request"] and "ACL_ERROR_UNINITIALIZE" in res["request"], res
+    assert res["reserved"] == [0, 0], res
+    assert err.count(WARNING) == 1 and "Traceback" not in err, err
+
+
+def test_finalize_then_python_exit_with_live_blocks_and_pending_frees(sim_node):
+    """aclFinalize with blocks allocated, a free pending on a busy stream, the process's default
+    pool in use, then the interpreter's exit closes the pools: no crash, no hang, no error."""
+    p = sim_node.spawn("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        pool = ap.Pool(0, backend="sim")
+        s = pool.create_stream()
+        keep = pool.malloc(1 << 20)
+        q = pool.malloc(3 << 20)
+        pool.record_stream(q, s)
+        sim.launch_fill(s, q, 3 << 20, 7, delay_s=0.5)
+        pool.free(q)
+        kept = ap.malloc(4096)
+        assert acl.aclFinalize() == 0
+        print("finalized", flush=True)
+    """, ASCEND_POOL_BACKEND="sim")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and "finalized" in out, err
+    assert "Traceback" not in err and "Error" not in err, err
+
+
+def test_a_forced_reset_under_live_blocks_leaves_their_memory_to_the_old_runtime(sim_node):
+    """aclrtResetDeviceForce (a framework's teardown, or its recovery after a device error) takes
+    the pools' references with its own and releases the default context: the pool renews its
+    reference, and the memory it held there, which CANN does not promise to keep, is neither
+    served nor freed again: requests after it come from new segments (before: the old segment's
+    free part served them), the block allocated before is freed without error, and the device's
+    references pair at close."""
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        pool = ap.Pool(0, backend="sim")
+        before = pool.malloc(2 << 20)
+        pool.free(pool.malloc(8 << 20))
+        old = pool.snapshot()["segments"][0]
+        lo, hi = old["address"], old["address"] + old["total_size"]
+        assert acl.aclrtResetDeviceForce(0) == 0 and acl.aclrtSetDevice(0) == 0
+        got = [pool.malloc(64 << 20)] + [pool.malloc(4 << 20) for _ in range(4)]
+        inside = [hex(q) for q in got if lo <= q < hi]
+        for q in got:
+            pool.free(q)
+        pool.free(before)
+        pool._check_invariants()
+        pool.close()
+        print(json.dumps({"inside": inside, "refs": sim.stats(0)["device_refs"]}))
+    """)
+    assert out["inside"] == [] and out["refs"] == 1, out
