@@ -148,3 +148,41 @@ def test_a_forced_reset_under_live_blocks_leaves_their_memory_to_the_old_runtime
         print(json.dumps({"inside": inside, "refs": sim.stats(0)["device_refs"]}))
     """)
     assert out["inside"] == [] and out["refs"] == 1, out
+
+
+def test_after_finalize_and_init_a_new_stream_orders_frees_with_events_of_the_new_runtime(sim_node):
+    """The events a pool caches idle are the finalized runtime's too. Once the pool found the
+    runtime renewed, a stream made in the new runtime is taken by record_stream and its frees are
+    ordered with fresh events (before: the asking record took a dead cached event, the runtime
+    refused it, and the new stream was refused as 'not a stream the runtime knows')."""
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        pool = ap.Pool(0, backend="sim")
+        def cross_frees(n):
+            s = pool.create_stream()
+            for _ in range(n):
+                q = pool.malloc(1 << 20)
+                pool.record_stream(q, s)
+                sim.launch_fill(s, q, 1 << 20, 3, delay_s=0.05)
+                pool.free(q)
+            pool.synchronize(s)
+        cross_frees(4)                               # leaves idle events cached
+        assert acl.aclFinalize() == 0
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        pool.free(pool.malloc(64 << 20))             # a device call: the runtime renewed
+        created = sim.stats(0)["events_created"]
+        try:
+            cross_frees(4)
+            error = None
+        except ap.PoolError as e:
+            error = f"{type(e).__name__}: {e}"
+        created = sim.stats(0)["events_created"] - created
+        pool.empty_cache()
+        pool.close()
+        print(json.dumps({"error": error, "created": created, "live_events": sim.stats(0)["live_events"]}))
+    """)
+    assert out["error"] is None and out["created"] >= 1, out
+    assert out["live_events"] == 0, out

@@ -393,6 +393,7 @@ int ap_pool_runtime_check(ap_pool *p, int probe) {
     p->life = now;
     if (p->n_cached) ap_cache_flush(p); /* every free block in a tree, to be taken out */
     ap_pending_forget(p, segment_old);
+    if (!p->event_pins) ap_events_forget(p);
     size_t segs = 0, bytes = 0;
     uint64_t blocks = p->lost_blocks;
     for (ap_segment *s = p->segments, *next; s; s = next) {

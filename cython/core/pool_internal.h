@@ -214,6 +214,8 @@ void ap_vmm_forget(ap_pool *p);
 /* stream_order.c: the pending frees of segments `old` says are of an earlier runtime life, taken
    out of the list without a runtime call (ap_pool_runtime_check). */
 void ap_pending_forget(ap_pool *p, int (*old)(const ap_pool *, const ap_segment *));
+/* stream_order.c: the idle and parked events of an earlier runtime life, forgotten likewise. */
+void ap_events_forget(ap_pool *p);
 
 /* stream_order.c: stream slots, events, pending frees, cross-stream reuse. */
 /* Slot of a stream (created when create != 0); -1 when none / table full, -2 when the runtime

@@ -930,6 +930,31 @@ void ap_pending_forget(ap_pool *p, int (*old)(const ap_pool *, const ap_segment 
     }
 }
 
+/* The runtime released the pool's events with its memory (ap_pool_runtime_check): the idle and
+   parked ones are forgotten with no runtime call (a cached dead handle was tried first at every
+   record after aclFinalize and aclInit, refused, and cached again: every cross-stream free owed
+   its stream), counted out of the device's idle, live and record counts as a close counts them
+   (ap_events_destroy); records stranded on streams of that runtime too. Events a wait outside the
+   lock holds (event_pins) are that wait's: it finds them refused. */
+void ap_events_forget(ap_pool *p) {
+    int records = 0;
+    atomic_fetch_sub(idle_of(p), p->n_cached_events);
+    live_add(p, -p->n_cached_events);
+    p->n_cached_events = 0;
+    for (int i = 0; i < p->n_parked; i++) {
+        if (p->parked[i].flying) records += p->parked[i].flying;
+        else atomic_fetch_sub(idle_of(p), 1);
+        live_add(p, -1);
+    }
+    p->n_parked = 0;
+    for (int s = 1; s < p->n_slots; s++) {
+        records += p->slots[s].stranded;
+        p->slots[s].stranded = 0;
+    }
+    if (counts_records(p)) records_add(p, -records);
+    p->records_carry = 0;
+}
+
 /* Streams a pending block still owes a wait (ap_free_pending): each becomes an event once one
    can be had (recorded now, it covers at least the work queued before the free), or, blocking,
    a stream wait. A stream the runtime no longer knows has no work left. */
