@@ -45,6 +45,7 @@ CORE_TESTS=(
     tests/test_sharing_users.py tests/test_close_races.py tests/test_wait_bounds.py tests/test_oom_observers.py
     tests/test_fuzz_sequences.py tests/test_backend_contexts.py
     tests/test_limit_small_room.py tests/test_stream_device_refs.py tests/test_ledger_guard.py
+    tests/test_runtime_life.py tests/test_scale_streams.py tests/test_mempool_torch_semantics.py
 )
 
 start=$(date +%s)
