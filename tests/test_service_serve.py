@@ -83,6 +83,25 @@ def test_replay_of_a_missing_trace_fails_cleanly(tmp_path):
     assert "nope.npz" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_device_without_replay_is_said_to_be_ignored_and_one_that_does_not_exist_is_refused(tmp_path):
+    # --device is the device of --replay: without --replay `serve --device 8` on a 1-device node
+    # started as if it had not been given, nothing said
+    env = dict(env_for(tmp_path), ASCEND_SIM_DEVICES="1")
+    log = tmp_path / "serve.log"
+    proc, _ = start_serve(env, log, "--device", "8")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    said = [ln for ln in log.read_text().splitlines() if "--device" in ln]
+    assert said == ["ascend-pool serve: --device 8 is ignored: it is the device --replay runs on, and there is no "
+                    "--replay (the service exports every device's processes)"], log.read_text()
+    proc, _ = start_serve(env, log)  # not given: nothing said
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0 and "--device" not in log.read_text()
+    r = run_serve(env, "--device", "8", "--replay")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "device 8 does not exist: the sim backend has 1 device(s)" in r.stderr.splitlines()[-1], r.stderr
+
+
 def test_bad_tenants_file_fails_with_its_errors(tmp_path):
     cfg = tmp_path / "tenants.toml"
     cfg.write_text('[tenants.online]\nquota = "lots"\n')

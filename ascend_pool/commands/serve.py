@@ -113,6 +113,15 @@ def _cmd_serve(args):
 
     check_address(args.host, args.port, names=("--host", "--port"))
     oc.check(args, RANGES)
+    if args.device is None:
+        args.device = 0
+    elif args.replay is None:
+        # --device is the device of --replay (its help's word): without --replay the service opens
+        # no device (it reads stats files and ledgers of every device), so the number was neither
+        # used nor checked. Said, not refused: a command line that has it runs as it did.
+        print(f"ascend-pool serve: --device {args.device} is ignored: it is the device --replay runs on, and there "
+              "is no --replay (the service exports every device's processes)", file=sys.stderr, flush=True)
+        args.device = 0
     gids = group_ids(args.allow_group)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s ascend-pool serve: %(levelname)s %(message)s")
@@ -188,7 +197,9 @@ def register(sub):
                    help="device backend of --replay (default: $ASCEND_POOL_BACKEND, else acl if present, else sim)")
     p.add_argument("--replay", nargs="*", default=None, metavar="TRACE", type=oc.path,
                    help="replay traces (.npz files or directories) in a loop; with no file, the bundled traces")
-    p.add_argument("--device", type=int, default=0, help="device of --replay (default 0)")
+    p.add_argument("--device", type=int, default=None,
+                   help="device of --replay (default 0; without --replay ignored, and said so on stderr); one the "
+                        "backend does not have is refused, exit 2")
     p.add_argument("--replay-pause", type=float, default=0.1, metavar="SECONDS",
                    help="seconds each replay holds at its peak of live memory, a quarter of that between replays "
                         "(0 to 86400, default 0.1)")
