@@ -27,10 +27,11 @@ sys.stdin.readline()
 """
 
 
-def _holder(node, user, quota_mib, *sizes_mib):
+def _holder(node, user, quota_mib, *sizes_mib, tenant="online"):
     import subprocess
 
-    argv = node.argv(user, "print(os.getpid(), flush=True)\n" + HOLDER) + [str(quota_mib), *map(str, sizes_mib)]
+    argv = node.argv(user, "print(os.getpid(), flush=True)\n" + HOLDER.replace('"online"', repr(tenant)))
+    argv += [str(quota_mib), *map(str, sizes_mib)]
     p = subprocess.Popen(argv, env=node.env(ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_INTERVAL="0.1"),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          cwd=node.root)
@@ -73,3 +74,30 @@ def test_one_tenant_name_under_two_users_is_two_tenants_in_the_service(two_users
         per_uid[dict(lab)["uid"]] = per_uid.get(dict(lab)["uid"], 0) + v
     assert per_uid == want, per_uid
     assert _by_uid(s, "ascend_pool_quota_bytes", device=0, tenant="online") == {"0": 100 * MiB, other: 300 * MiB}
+
+
+def test_a_tenant_booked_in_two_users_ledgers_is_logged_once_and_counted(two_users, tmp_path):
+    # A tenant whose containers run as two uids without one ASCEND_POOL_LEDGER_GROUP books in two
+    # ledgers: its quota is granted in each (60 + 60 MiB under 100 MiB), which no process can see.
+    # The node service trusting both users said nothing either.
+    node = two_users
+    other = str(pwd.getpwnam(OTHER).pw_uid)
+    _holder(node, None, 100, 60)
+    _holder(node, OTHER, 100, 60)
+    _holder(node, None, 100, 10, tenant="solo")  # one user's ledger only: no split
+    log = tmp_path / "serve.log"
+    proc, port = start_serve(node.env(), log, "--allow-uid", other)
+    node.procs.append((proc, None))
+    deadline = time.monotonic() + 20
+    while True:
+        s = scrape(port)
+        got = {dict(lab)["tenant"]: v for lab, v in series(s, "ascend_pool_tenant_ledgers", device=0).items()}
+        if got == {"online": 2, "solo": 1} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert got == {"online": 2, "solo": 1}, got
+    scrape(port)
+    said = [ln for ln in log.read_text().splitlines() if "quota ledgers" in ln]
+    assert len(said) == 1, log.read_text()  # once, however many scrapes
+    assert (f"tenant 'online' on sim device 0 has live processes in 2 quota ledgers (uid 0, uid {other})" in said[0]
+            and "ASCEND_POOL_LEDGER_GROUP" in said[0]), said

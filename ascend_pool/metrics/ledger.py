@@ -9,6 +9,10 @@ keeps locked costs the scrape nothing but its own series; a ledger that cannot b
 with one log line: the exporter never fails a scrape over it. Only this user's (or group's) ledgers of the
 current node are read: for the simulator, the node of $ASCEND_SIM_NODE.
 
+ascend_pool_tenant_ledgers counts the ledgers a tenant has live processes in: more than one (one
+tenant's containers running as several uids without one ASCEND_POOL_LEDGER_GROUP) grants it its
+quota once in each, which a node service trusting those users logs once (tenant, uids).
+
 ascend_pool_ledger_reclaimed_bytes adds up the ledgers' own counts; a collector that keeps a
 ReclaimedTotals keeps what a ledger removed or replaced since had counted, so the counter never
 goes down while it runs (Prometheus would read a fall as a reset: rate() spikes).
@@ -133,10 +137,16 @@ def ledger_families(uids=(), gids=(), reclaimed_totals=None):
                                     "Quota declarations for the tenant that disagreed with the quota in force on the "
                                     "device (the operator's tenants file wins, else the stricter), node-wide.",
                                     labels=labels)
+    ledgers = GaugeMetricFamily("ascend_pool_tenant_ledgers",
+                                "Quota ledgers (one per user, or per ASCEND_POOL_LEDGER_GROUP group) holding live "
+                                "processes of the tenant on the device: more than 1, each grants the tenant its whole "
+                                "quota (containers of one tenant running as several uids without one "
+                                "ASCEND_POOL_LEDGER_GROUP).", labels=["backend", "device", "tenant"])
     reclaimed = CounterMetricFamily("ascend_pool_ledger_reclaimed_bytes",
                                     "Bytes given back from processes that died holding them (bytes).",
                                     labels=["backend", "device"])
     seen = set()
+    scopes = {}  # (backend, device, tenant) -> the ledgers (uid, gid) with a live process of it
     for backend, scope, v, _, _ in views:
         dev = str(v["device"])
         alive = {}  # tenant -> instances of its live processes: one slot per context, a process may hold several
@@ -150,6 +160,7 @@ def ledger_families(uids=(), gids=(), reclaimed_totals=None):
             if tuple(lv) in seen:
                 continue  # one ledger listed twice (own directory and a trusted one)
             seen.add(tuple(lv))
+            scopes.setdefault((backend, dev, t["name"]), set()).add(scope)
             held.add_metric(lv, t["held_bytes"])
             peak.add_metric(lv, t["peak_bytes"])
             refusals.add_metric(lv, t["refusals"])
@@ -157,9 +168,26 @@ def ledger_families(uids=(), gids=(), reclaimed_totals=None):
             if t["quota_bytes"] is not None:
                 quota.add_metric(lv, t["quota_bytes"])
             conflicts.add_metric(lv, t.get("conflicts", 0))
+    for (backend, dev, tenant), where in sorted(scopes.items()):
+        ledgers.add_metric([backend, dev, tenant], len(where))
+        if len(where) > 1:
+            _warn_split(backend, dev, tenant, where)
     for (backend, dev), n in sorted(reclaimed_by.items()):
         reclaimed.add_metric([backend, dev], n)
-    return [held, quota, peak, refusals, procs, conflicts, reclaimed]
+    return [held, quota, peak, refusals, procs, conflicts, ledgers, reclaimed]
+
+
+def _warn_split(backend, dev, tenant, scopes):
+    """One log line per tenant and set of ledgers: a tenant with live processes in the ledgers of
+    several users (or groups) is granted its quota once in each, and no process can tell (none may
+    read another user's directory); a node service trusting those users (--allow-uid) can."""
+    names = ", ".join(f"uid {u}" if u else f"group {g}" for u, g in sorted(scopes, key=lambda s: (not s[0], s)))
+    _warn_once(("split", backend, dev, tenant, frozenset(scopes)),
+               "tenant %r on %s device %s has live processes in %d quota ledgers (%s): each grants it its whole "
+               "quota, so together they may hold %d times it; if they are one tenant's processes (containers "
+               "running as different uids), give them all one ASCEND_POOL_LEDGER_GROUP so that they book in one "
+               "ledger (docs/containers.md, \"One quota per tenant on a node\")",
+               tenant, backend, dev, len(scopes), names, len(scopes))
 
 
 def sweep_dead_processes(uids=(), gids=()):
