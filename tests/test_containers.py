@@ -13,6 +13,7 @@ import base64
 import json
 import os
 import pickle
+import re
 import select
 import shutil
 import signal
@@ -876,4 +877,7 @@ def test_list_gpu_processes_tells_two_containers_pid_1_workers_apart(node):
         time.sleep(0.1)
     assert len(ones) == 2, text
     assert all(ln.endswith(")") and "MB NPU memory (tenant online, instance " in ln for ln in ones), text
-    assert sorted(ln[-17:-1] for ln in ones) == sorted([a.hello["instance"], b.hello["instance"]]), text
+    # then each one's pid here (the host's: this test runs there), which kill and top take
+    got = [re.search(r"instance ([0-9a-f]{16}), pid here (\d+)\)$", ln) for ln in ones]
+    assert all(got) and sorted(m.group(1) for m in got) == sorted([a.hello["instance"], b.hello["instance"]]), text
+    assert len({m.group(2) for m in got}) == 2 and "1" not in {m.group(2) for m in got}, text

@@ -26,8 +26,10 @@ sys.stdin.readline()
 def _lines(device):
     text = ap.list_gpu_processes(device)
     head, *rest = text.splitlines()
+    # the pid here of a process of this pid namespace is its pid
     return head, {int(m.group(1)): (float(m.group(2)), m.group(3)) for m in
-                  (re.fullmatch(r"process +(\d+) uses +([\d.]+) MB NPU memory \(tenant (.+), instance [0-9a-f]{16}\)", ln) for ln in rest) if m}, rest
+                  (re.fullmatch(r"process +(\d+) uses +([\d.]+) MB NPU memory \(tenant (.+), instance [0-9a-f]{16}, "
+                                r"pid here \1\)", ln) for ln in rest) if m}, rest
 
 
 def test_lists_another_processs_memory_and_its_own():

@@ -260,3 +260,38 @@ def test_a_member_refused_a_ledger_root_made_is_told_its_group_or_mode(node, cha
     refused, view = out.splitlines()
     assert refused.startswith("REFUSED LedgerError permission") and want in refused, (out, err)
     assert view.startswith("VIEW LedgerError") and want in view, (out, err)
+
+
+def test_the_node_services_per_process_series_and_list_gpu_processes_give_pid_here(node, tmp_path):
+    # The node service's per-process series carried only the pid in each worker's own namespace
+    # (both 1 here); ps had PID_HERE. pid_here is the worker's pid in the service's namespace, ''
+    # for a service in a pid namespace of its own (a DaemonSet without hostPID).
+    from metrics_scrape import scrape, series, start_serve
+
+    a, b = Worker(node, None), Worker(node, OTHER)
+    want = {a.hello["instance"]: str(a.host_pid()), b.hello["instance"]: str(b.host_pid())}
+    env = node.env(ASCEND_POOL_LEDGER_GROUP=GID)
+    for prefix, expect in (((), want), (NS, dict.fromkeys(want, ""))):
+        proc, port = start_serve(env, tmp_path / "serve.log", "--allow-uid", str(OTHER), prefix=prefix)
+        node.procs.append(proc)
+        try:
+            for _ in range(100):
+                s = scrape(port)
+                got = {dict(lab)["instance"]: (dict(lab)["pid"], dict(lab)["pid_here"])
+                       for lab in series(s, "ascend_pool_reserved_bytes", tenant="online", pool="large")}
+                age = {dict(lab)["instance"]: dict(lab)["pid_here"] for lab in series(s, "ascend_pool_stats_age_seconds")}
+                if set(got) == set(want):
+                    break
+                time.sleep(0.1)
+            assert got == {i: ("1", h) for i, h in expect.items()}, (prefix, got)
+            assert {i: age.get(i) for i in want} == expect
+        finally:
+            proc.kill()
+            proc.wait()
+    # ap.list_gpu_processes (on the host: the group's workers) says each one's pid here too
+    r = subprocess.run([node.exe, "-c", "import ascend_pool as ap; print(ap.list_gpu_processes(0))"],
+                       env=node.env(ASCEND_POOL_LEDGER_GROUP=GID), capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 0, r.stderr
+    lines = {i: ln for ln in r.stdout.splitlines() for i in want if f"instance {i}" in ln}
+    assert {i: ln.split()[:2] + ln.split(", ")[-1:] for i, ln in lines.items()} == {
+        i: ["process", "1", f"pid here {h})"] for i, h in want.items()}, r.stdout

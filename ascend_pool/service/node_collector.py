@@ -3,7 +3,8 @@
 At each scrape it reads the stats directory (StatsScanner) and exports
   - the per-tenant families of metrics/schema.py with `pid` and `instance` labels, one series per
     process (the pid is in the process's own pid namespace: two containers' workers are both pid
-    1; `instance` is unique on the node);
+    1; `instance` is unique on the node), and `pid_here`, its pid in the service's pid namespace
+    ('' where the service does not see into the process's: a DaemonSet without hostPID);
   - node totals per (device, tenant, uid) over the live processes (quotas are per user: one
     tenant name used by two users is two tenants): ascend_pool_node_{reserved,allocated,
     requested,cached_free}_bytes and ascend_pool_node_processes (separate names, so that a
@@ -21,6 +22,7 @@ import time
 
 from prometheus_client.core import GaugeMetricFamily
 
+from ..identity import pids_here
 from ..metrics.families import device_families, tenant_families
 from ..metrics.ledger import ReclaimedTotals, ledger_families
 from ..sharing import shares
@@ -50,6 +52,8 @@ class NodeCollector:
         self._reclaimed = ReclaimedTotals()  # the reclaimed counter never falls while this collector lives
         self.counters = NodeCounters()
         self._scan_lock = threading.Lock()
+        self._here_lock = threading.Lock()
+        self._here = {}  # instance -> its pid here, once found (fixed for the process's life)
         self.scan()  # the node counters start from here (node_counters.NodeCounters.update)
 
     def scan(self):
@@ -65,7 +69,8 @@ class NodeCollector:
     def collect(self):
         procs = self.scan()
         samples = [s for p in procs for s in p.samples]
-        yield from tenant_families(samples, with_pid=True)
+        here = self._pids_here(procs)
+        yield from tenant_families(samples, with_pid=True, pids_here=here)
         used = {(p.pid, p.instance, s.device, s.tenant) for p in procs for s in in_use(p.samples)}
         yield from self._totals(samples, used)
         yield from self.counters.families()
@@ -75,13 +80,26 @@ class NodeCollector:
                 if s.values["device_total_bytes"] and p.publish_ns >= latest.get(s.device, (-1,))[0]:
                     latest[s.device] = (p.publish_ns, s.values)
         yield from device_families({d: v for d, (_, v) in latest.items()})
-        yield from self._health(procs)
+        yield from self._health(procs, here)
         yield from self._shares()
         if self._ledger:
             yield from ledger_families(self.scanner.allowed_uids, self.scanner.allowed_gids, self._reclaimed)
 
     def describe(self):
         return []
+
+    def _pids_here(self, procs):
+        """{instance: pid in this service's pid namespace} of the processes it sees into (as ps's
+        PID_HERE, identity.pids_here). A pid found is kept for the process's life: a label value
+        that came and went would split its series."""
+        with self._here_lock:
+            known = {p.instance: self._here[p.instance] for p in procs if p.instance in self._here}
+            todo = {p.path: (p.pid, p.pidns) for p in procs if p.instance not in known}
+            if todo:
+                found = pids_here(todo)
+                known.update((p.instance, found[p.path]) for p in procs if p.path in found)
+            self._here = known  # the processes gone are forgotten
+            return dict(known)
 
     @staticmethod
     def _totals(samples, in_use_keys):
@@ -137,13 +155,14 @@ class NodeCollector:
         yield shared
         yield importers
 
-    def _health(self, procs):
+    def _health(self, procs, here):
         now = time.time_ns()
         age = GaugeMetricFamily("ascend_pool_stats_age_seconds",
                                 "Seconds since the process last published its figures (seconds).",
-                                labels=["pid", "instance"])
+                                labels=["pid", "instance", "pid_here"])
         for p in procs:
-            age.add_metric([str(p.pid), p.instance], max(0.0, (now - p.publish_ns) / 1e9))
+            age.add_metric([str(p.pid), p.instance, str(here.get(p.instance, ""))],
+                           max(0.0, (now - p.publish_ns) / 1e9))
         yield age
         files = GaugeMetricFamily("ascend_pool_service_stats_files",
                                   "Stats files seen at the last scrape, by state (live, stale, refused, busy).",

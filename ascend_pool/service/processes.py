@@ -91,7 +91,9 @@ def list_gpu_processes(device=0, kind="NPU", node_device=None):
     """torch.cuda.list_gpu_processes(device)'s text for ascend_pool's processes on `device` (an
     int, this process's number; node_device: the node's number of it, default the same, which
     the stats files use): a "NPU:<device>" line, then one line per process and tenant with the
-    device memory it holds in MB (MiB, as torch prints), or "no processes are running". Read from
+    device memory it holds in MB (MiB, as torch prints), its tenant, instance and pid in this
+    process's pid namespace ("pid here -" where this one does not see into its namespace), or
+    "no processes are running". Read from
     this user's stats files (the processes that publish, see `ascend-pool ps`) and this process's
     own pools."""
     node_device = device if node_device is None else node_device
@@ -101,13 +103,16 @@ def list_gpu_processes(device=0, kind="NPU", node_device=None):
         table = []
     me = f"{instance():016x}"
     lines = [f"{kind}:{device}"]
-    listed = [(r["pid"], r["instance"], r["held_bytes"], r["tenant"]) for r in table if r["instance"] != me]
-    listed += [(os.getpid(), me, held, tenant) for tenant, held, _ in _own_rows(node_device)]
+    listed = [(r["pid"], r["instance"], r["held_bytes"], r["tenant"], r["pid_here"]) for r in table
+              if r["instance"] != me]
+    listed += [(os.getpid(), me, held, tenant, os.getpid()) for tenant, held, _ in _own_rows(node_device)]
     if not listed:
         lines.append("no processes are running")
-    # torch's line, then what it lacks in parentheses: the tenant, and the instance, since the pid
-    # is in its process's own pid namespace (two containers' workers are both "process 1").
-    for pid, inst, held, tenant in sorted(listed):
+    # torch's line, then what it lacks in parentheses: the tenant, the instance, since the pid is
+    # in its process's own pid namespace (two containers' workers are both "process 1"), and the
+    # pid in this process's namespace, which kill and top take here ("-" for a process of a
+    # namespace this one does not see into), as `ascend-pool ps`'s PID_HERE.
+    for pid, inst, held, tenant, here in sorted(listed, key=lambda r: r[:4]):
         lines.append(f"process {pid:>10d} uses {held / (1 << 20):>12.3f} MB {kind} memory "
-                     f"(tenant {tenant}, instance {inst})")
+                     f"(tenant {tenant}, instance {inst}, pid here {'-' if here is None else here})")
     return "\n".join(lines)
