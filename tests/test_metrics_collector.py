@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import ascend_pool as ap
+from ascend_pool import registry
 from ascend_pool.metrics import PoolCollector
 from ascend_pool.metrics.node import node_name
 from ascend_pool.metrics.schema import FIELDS
@@ -121,6 +122,8 @@ def test_a_context_dropped_in_a_reference_cycle_with_a_live_block_is_counted_onc
             assert val(out, "ascend_pool_allocations_total", pool="large", device=0, tenant="cycle-orphan") == 1
             assert val(out, "ascend_pool_reserved_bytes", pool="large", device=0, tenant="cycle-orphan") > 0
         ap.free(x)  # its last block: the orphan is closed
+        # by this free's reap, or by the one another thread (the stats thread) has under way
+        registry.reap_orphans(wait=True)
         out, _ = scrape(collector)
         assert val(out, "ascend_pool_allocations_total", pool="large", device=0, tenant="cycle-orphan") == 1
         assert val(out, "ascend_pool_reserved_bytes", pool="large", device=0, tenant="cycle-orphan") == 0
