@@ -176,14 +176,19 @@ class Pool(PoolBase):
     def _lending_peer(self, ptr):
         # torch's use_on_oom: the default pool's request the device refused took a free block of
         # a use_on_oom MemPool in place; the block is that pool's, freed there
-        for other in _registry.device_peers(self):
-            if other.__dict__.get("_use_on_oom") and other is not self:
-                try:
-                    info = other.block_info(ptr)
-                except PoolError:  # closed meanwhile
-                    continue
-                if info is not None and info[0] == ptr:
-                    return other
+        for _ in range(2):  # a lender closed meanwhile left its open pool to an orphan listed since
+            closed = False
+            for other in _registry.device_peers(self):
+                if other.__dict__.get("_use_on_oom") and other is not self:
+                    try:
+                        info = other.block_info(ptr)
+                    except PoolError:  # closed meanwhile
+                        closed = True
+                        continue
+                    if info is not None and info[0] == ptr:
+                        return other
+            if not closed:
+                break
         return None
 
     def _stream_used_elsewhere(self, handle):
@@ -326,30 +331,70 @@ class Pool(PoolBase):
 
     def close(self):
         """Returns all device memory of this pool and closes it (shared blocks still imported by
-        other processes are handed to ascend_pool.sharing, which frees them once they close)."""
-        if not self.closed and not forked_from():
+        other processes are handed to ascend_pool.sharing, which frees them once they close).
+        A use_on_oom pool's blocks it lent the default pool's requests stay valid until their
+        callers free them (ap.free, the C ABI, the default pool's free), as torch's MemPool
+        outlives them; the rest of its memory goes back now."""
+        lent = 0
+        if not self.closed and not forked_from() and self.__dict__.get("_use_on_oom"):
+            try:
+                lent = self._stop_lending()[0]  # no block lent from here on
+            except PoolError:
+                if not self.closed:
+                    raise  # (closed by another thread meanwhile: this close has nothing to do)
+        if not self.closed and not forked_from() and not lent:
             _registry.closing(self)  # its last counters, for the exported totals
         if _sharing is not None and not forked_from():  # in a forked child the exports are the parent's
             _sharing.before_close(self)
-        if not self.closed and not forked_from():
+        if not self.closed and not forked_from() and not lent:
             self._say_live_blocks()  # after the shared blocks left its accounting
-        super().close()
+        if lent:
+            self._close_keeping_lent()
+        else:
+            super().close()
 
-    def _say_live_blocks(self):
+    def _close_keeping_lent(self):
+        # The callers of ap.malloc that got a lent block never allocated from this pool: its
+        # memory handed out again under them, their free an InvalidPointerError. The C pool goes
+        # on under another object, an orphan (registry.py) reaped once the lent blocks are freed
+        # (its closing counters then), as a pool dropped with blocks allocated; this one closes.
+        self._destroy_own_streams()
+        heir = type(self).__new__(type(self))
+        heir.__dict__.update(self.__dict__)
+        if not self._hand_over(heir, _registry._orphans):  # (keep_orphan's list)
+            return  # another thread's close() finished it
+        try:
+            heir._mark_orphan()   # lends nothing, and gives back what its blocks leave idle
+            # what this pool's own user left allocated goes, as any close gives it back (said so)
+            self._say_live_blocks(*heir._free_unlent())
+            heir._release_idle()
+        except PoolError:
+            if not heir.closed:
+                raise
+            return  # its last lent block was freed meanwhile, and its reap closed it (said so)
+        _registry.reap_orphans()  # a lent block freed meanwhile
+
+    def _lent_freed(self, lender):
+        # a lent block came back (PoolBase.free): a closed lender's orphan may have no block left
+        if _registry.is_orphan(lender):
+            _registry.reap_orphans()
+
+    def _say_live_blocks(self, n=None, nbytes=None):
         """A close gives back the memory of blocks still allocated: any kernel or tensor that still
         uses one then reads memory the next pool or process gets (a torch MemPool stays alive
         while its blocks do). Legal (a framework may close after its last kernel without freeing
         each tensor), so said in the log, once, with what is lost."""
-        try:
-            st = self._raw_stats()  # the pool's own counters: no ledger or sharing read at close
-        except PoolError:  # another thread's close of it finished meanwhile: nothing to say
-            return
-        n = st["allocation.all.current"]
+        if n is None:  # (given: what a close that keeps the blocks it lent gave back)
+            try:
+                st = self._raw_stats()  # the pool's own counters: no ledger or sharing read at close
+            except PoolError:  # another thread's close of it finished meanwhile: nothing to say
+                return
+            n, nbytes = st["allocation.all.current"], st["allocated_bytes.all.current"]
         if n:
             log.warning("%s on device %d closed with %d block(s) still allocated (%d bytes): their memory goes back to the "
                         "device now, and whatever still uses them reads memory handed out again; free them (or "
                         "synchronize and drop the tensors) before close()", self._describe(), self.device, n,
-                        st["allocated_bytes.all.current"])
+                        nbytes)
 
     def memory_summary(self, abbreviated=False):
         """A readable table of the stats, like torch.cuda.memory_summary(); abbreviated: without

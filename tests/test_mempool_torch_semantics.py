@@ -314,3 +314,122 @@ def test_a_tenant_context_never_lends_its_blocks_to_the_default_pool(limited):
     finally:
         ctx.close()
         plain.close()
+
+
+def test_a_lenders_close_keeps_the_blocks_it_lent_until_their_free(limited, caplog):
+    # torch's MemPool outlives the blocks allocated from it, the ones the default pool's requests
+    # took under use_on_oom too. Its close gave their memory back to the device under the caller
+    # of ap.malloc, whose free was then an InvalidPointerError
+    # (repros/lender_close_frees_lent_block.py). The lender is closed to its user; the lent block
+    # stays valid (no warning: nothing of it is lost), its free works, then the memory goes back.
+    from ascend_pool import sim
+
+    lend = ap.Pool(0, use_on_oom=True)
+    free0 = None
+    try:
+        limited(42 * MiB)
+        with ap.use_mem_pool(lend):
+            lend.free(ap.malloc(40 * MiB))
+        free0 = ap.mem_get_info(0)[0] + lend.total_bytes()
+        c = ap.malloc(30 * MiB)
+        assert lend.block_info(c) is not None
+        with caplog.at_level("WARNING", logger="ascend_pool"):
+            lend.close()
+        assert lend.closed and not [r for r in caplog.records if "closed with" in r.getMessage()]
+        with pytest.raises(ap.PoolError):
+            lend.malloc(MiB)
+        sim.launch_fill(0, c, 30 * MiB, 7)
+        ap.synchronize()
+        assert sim.read(c + 30 * MiB - 4, 4) == b"\x07" * 4  # still device memory of the process
+        ap.free(c)
+        ap.empty_cache()
+        assert ap.mem_get_info(0)[0] == free0  # the closed lender's segment went back once freed
+        with pytest.raises(ap.InvalidPointerError):
+            ap.free(c)
+    finally:
+        lend.close()
+
+
+def test_a_lenders_close_gives_back_its_own_blocks_and_keeps_the_lent_ones(limited, caplog):
+    # What the lender's own user left allocated goes back at close, as any close's (warned, those
+    # blocks only); the lent block is freed afterwards by the C ABI
+    import ctypes
+
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lend = ap.Pool(0, use_on_oom=True)
+    try:
+        limited(64 * MiB)  # the lender's 20 MiB segment of its 2 MiB block, and its 42 MiB one
+        with ap.use_mem_pool(lend):
+            own = lend.malloc(2 * MiB)
+            lend.free(ap.malloc(40 * MiB))
+        c = lib.ascend_pool_malloc(30 * MiB, 0, None)
+        assert c and lend.block_info(c) is not None
+        own_size, c_size, held = lend.block_info(own)[1], lend.block_info(c)[1], lend.total_bytes()
+        with caplog.at_level("WARNING", logger="ascend_pool"):
+            lend.close()
+        said = [r.getMessage() for r in caplog.records if "closed with" in r.getMessage()]
+        assert len(said) == 1 and f"closed with 1 block(s) still allocated ({own_size} bytes)" in said[0], said
+        orphan = [p for p in ap.registry.live_pools() if p.pool_id == lend.pool_id]
+        assert len(orphan) == 1 and orphan[0].block_info(own) is None  # its own block given back
+        assert orphan[0].memory_stats()["allocated_bytes.all.current"] == c_size
+        assert orphan[0].total_bytes() == held - 20 * MiB  # the own block's segment went back
+        lib.ascend_pool_free(c, 30 * MiB, 0, None)
+        ap.empty_cache()
+        assert not [p for p in ap.registry.live_pools() if p.pool_id == lend.pool_id]
+    finally:
+        lend.close()
+
+
+def test_threads_free_lent_blocks_while_the_lender_closes(limited):
+    # Eight blocks lent to the default pool's requests, freed by eight threads (ap.free, the
+    # default pool's free, the C ABI's) while two others close the lender: every free finds its
+    # block, and once all are freed the lender's memory is back on the device
+    import ctypes
+
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    default = limited(42 * MiB)
+    for round_ in range(20):
+        lend = ap.Pool(0, use_on_oom=True)
+        try:
+            with ap.use_mem_pool(lend):
+                lend.free(ap.malloc(40 * MiB))
+            free0 = ap.mem_get_info(0)[0] + lend.total_bytes()
+            blocks = [ap.malloc(4 * MiB) for _ in range(8)]
+            assert all(lend.block_info(b) is not None for b in blocks)
+            start, errors = threading.Barrier(10), []
+
+            def free(i, b):
+                start.wait()
+                try:
+                    if i % 3 == 0:
+                        ap.free(b)
+                    elif i % 3 == 1:
+                        default.free(b)
+                    else:
+                        lib.ascend_pool_free(b, 4 * MiB, 0, None)
+                except Exception as e:
+                    errors.append(repr(e))
+
+            def close():  # a second close() at the same time: harmless
+                start.wait()
+                lend.close()
+
+            threads = [threading.Thread(target=free, args=(i, b)) for i, b in enumerate(blocks)]
+            threads.append(threading.Thread(target=close))
+            for t in threads:
+                t.start()
+            start.wait()
+            lend.close()
+            for t in threads:
+                t.join(30)
+            assert not errors, (round_, errors)
+            assert not any(p.block_info(b) for p in ap.registry.live_pools() for b in blocks), round_
+            ap.empty_cache()
+            assert ap.mem_get_info(0)[0] == free0, round_
+            assert not [p for p in ap.registry.live_pools() if p.pool_id == lend.pool_id], round_
+        finally:
+            lend.close()

@@ -82,9 +82,17 @@ typedef struct ap_block {
                           allocated: the allocation stream's slot */
     ap_block_uses *xs; /* NULL unless record_stream marked it */
     uint64_t ctx;      /* allocated: its allocation's frames context id (history.h; 0 when none
-                          was recorded; pool_internal.h: ap_history_note_alloc) */
+                          was recorded; pool_internal.h: ap_history_note_alloc);
+                          AP_CTX_LENT set: a use_on_oom MemPool lent it to another pool's request
+                          (ap_pool_lend), kept in a word every allocation writes anyway so that
+                          the hot path pays nothing to clear it; ap_block_frames reads the id) */
     struct ap_block *pending_next;
 } ap_block;
+
+#define AP_CTX_LENT (1ULL << 63) /* in ap_block.ctx: frames context ids count up from 1, never this high */
+
+/* The frames context id of an allocated (or pending) block, without the lent flag. */
+static inline uint64_t ap_block_frames(const ap_block *b) { return b->ctx & ~AP_CTX_LENT; }
 
 typedef struct ap_segment {
     uintptr_t base;

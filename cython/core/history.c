@@ -1,5 +1,7 @@
 #include "history.h"
 
+#include "block.h" /* AP_CTX_LENT */
+
 #include "invariant.h"
 
 #include <stdlib.h>
@@ -53,7 +55,7 @@ void ap_history_record_ctx(ap_history *h, int action, uintptr_t addr, size_t siz
     e->size = size;
     e->stream = stream;
     e->time_us = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-    e->ctx = ctx;
+    e->ctx = ctx & ~AP_CTX_LENT; /* a block's ctx may carry its lent flag */
     h->next++;
 }
 

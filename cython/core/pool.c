@@ -457,7 +457,8 @@ int ap_pool_lend(ap_pool *q, size_t size, void *stream, void **out) {
     size_t rsize = ap_round_request(q, size);
     int pool = pool_of(q, rsize);
     pthread_mutex_lock(&q->lock);
-    int slot = ap_slot_of_fast(q, stream, 1);
+    /* read under the lock: once ap_pool_stop_lending cleared it, no block leaves here */
+    int slot = atomic_load(&q->lends) ? ap_slot_of_fast(q, stream, 1) : -1;
     ap_block *b = NULL;
     if (slot >= 0) {
         if (q->pending_head) ap_process_pending(q, 0, NULL);
@@ -476,9 +477,61 @@ int ap_pool_lend(ap_pool *q, size_t size, void *stream, void **out) {
         return AP_E_HOST_NOMEM;
     }
     ap_history_note_alloc(q, b, size, stream);
+    b->ctx |= AP_CTX_LENT; /* the next allocation of the block clears it (ap_mark_allocated_in) */
     *out = (void *)b->addr;
     pthread_mutex_unlock(&q->lock);
     return AP_OK;
+}
+
+int64_t ap_pool_stop_lending(ap_pool *q, int64_t *bytes) {
+    int64_t lent = 0;
+    *bytes = 0;
+    pthread_mutex_lock(&q->lock);
+    atomic_store(&q->lends, 0);
+    for (ap_segment *s = q->segments; s; s = s->next)
+        for (ap_block *b = s->first; b; b = b->next)
+            if (b->state == AP_BLOCK_ALLOCATED && (b->ctx & AP_CTX_LENT)) {
+                lent++;
+                *bytes += (int64_t)b->size;
+            }
+    pthread_mutex_unlock(&q->lock);
+    return lent;
+}
+
+int64_t ap_pool_free_unlent(ap_pool *q, int64_t *bytes) {
+    /* the addresses first (a free merges blocks under the walk), then each freed as the C ABI
+       frees: on its allocation stream. Nothing allocates from q meanwhile (closed to its user,
+       lending stopped), so no address is taken again before its free. */
+    size_t n = 0, i = 0;
+    uintptr_t *addrs = NULL;
+    size_t *sizes = NULL;
+    *bytes = 0;
+    pthread_mutex_lock(&q->lock);
+    for (ap_segment *s = q->segments; s; s = s->next)
+        for (ap_block *b = s->first; b; b = b->next)
+            n += b->state == AP_BLOCK_ALLOCATED && !(b->ctx & AP_CTX_LENT);
+    if (n && (addrs = malloc(n * sizeof *addrs)) && (sizes = malloc(n * sizeof *sizes)))
+        for (ap_segment *s = q->segments; s; s = s->next)
+            for (ap_block *b = s->first; b; b = b->next)
+                if (b->state == AP_BLOCK_ALLOCATED && !(b->ctx & AP_CTX_LENT) &&
+                    ap_map_find(&q->live, b->addr) != AP_MAP_NONE) { /* a shared block is sharing's */
+                    sizes[i] = b->size;
+                    addrs[i++] = b->addr;
+                }
+    pthread_mutex_unlock(&q->lock);
+    if (n && !sizes) {
+        free(addrs);
+        return -1;
+    }
+    int64_t freed = 0;
+    for (size_t k = 0; k < i; k++)
+        if (ap_pool_free(q, (void *)addrs[k], NULL, AP_FREE_ON_ALLOC_STREAM, NULL) == AP_OK) {
+            freed++; /* (one its user freed meanwhile is not counted: nothing of it was lost) */
+            *bytes += (int64_t)sizes[k];
+        }
+    free(addrs);
+    free(sizes);
+    return freed;
 }
 
 void ap_pool_set_orphan(ap_pool *p) { atomic_store(&p->orphan, 1); }
@@ -1151,7 +1204,7 @@ int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, siz
 int ap_pool_block_ctx(ap_pool *p, void *ptr, uint64_t *ctx) {
     pthread_mutex_lock(&p->lock);
     ap_block *b = allocated_at(p, (uintptr_t)ptr, 1);
-    if (b) *ctx = b->ctx;
+    if (b) *ctx = ap_block_frames(b);
     pthread_mutex_unlock(&p->lock);
     return b ? 0 : -1;
 }

@@ -438,6 +438,13 @@ static inline int ap_pool_borrows(const ap_pool *p) {
 /* Allocates size bytes on stream from q's free blocks only (no growth, no device call, q's lock
    taken): the block stays q's (its stats, its free). AP_OK with *out, else nonzero. */
 int ap_pool_lend(ap_pool *q, size_t size, void *stream, void **out);
+/* Stops q lending (ap_pool_lend refuses from now on, under q's lock) and returns how many blocks
+   it lent are still allocated (*bytes: their sizes): its close keeps them valid until they are freed. */
+int64_t ap_pool_stop_lending(ap_pool *q, int64_t *bytes);
+/* Frees, each on its allocation stream, q's allocated blocks that were not lent (what its own user
+   left allocated at a close that keeps the lent ones). Blocks freed (*bytes: their sizes), -1 when
+   host memory ran out. */
+int64_t ap_pool_free_unlent(ap_pool *q, int64_t *bytes);
 /* hook(self, size, stream): the address of a block a use_on_oom MemPool of self's device and
    backend lent (ap_pool_lend), NULL when none could; called with no lock held. NULL: none. */
 void ap_set_peer_lend_hook(void *(*hook)(ap_pool *self, size_t size, void *stream));

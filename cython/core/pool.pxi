@@ -71,6 +71,8 @@ cdef extern from "pool.h" nogil:
     int ap_pool_join_device_cap(ap_pool *p, int owner)
     void ap_pool_set_mempool(ap_pool *p, int keeps_idle, int lends, int no_split, uint64_t family)
     int ap_pool_borrows(const ap_pool *p)
+    int64_t ap_pool_stop_lending(ap_pool *q, int64_t *bytes)
+    int64_t ap_pool_free_unlent(ap_pool *q, int64_t *bytes)
     void ap_pool_reset_peaks(ap_pool *p)
     void ap_pool_hold_lock(ap_pool *p, double seconds)
     int ap_pool_check(ap_pool *p, char *msg, size_t len)
@@ -417,6 +419,12 @@ cdef class PoolBase:
         their streams is done: waited for, all streams within one sync_timeout_ms, past which
         they are given back anyway. Waits for calls other Python threads are making on it;
         later calls raise PoolError. In a forked child, only forgets the parent's pool."""
+        self._destroy_own_streams()
+        self._shut(True)
+
+    def _destroy_own_streams(self):
+        """close()'s first step: the streams create_stream made that have no work queued are
+        destroyed (a busy one, or one another pool uses, is left)."""
         cdef int idle
         cdef bint elsewhere
         if self.p != NULL and not ap_forked_from:
@@ -447,7 +455,63 @@ cdef class PoolBase:
             except BaseException:  # interrupted: the pool stays open, and makes streams again
                 self._closing = False
                 raise
-        self._shut(True)
+
+    def _stop_lending(self):
+        """Stops this use_on_oom pool lending its free blocks (ap_pool_stop_lending) and returns
+        (blocks, bytes) it lent that are still allocated."""
+        cdef ap_pool *_p = self._enter()
+        cdef int64_t n, nbytes
+        with nogil:
+            n = ap_pool_stop_lending(_p, &nbytes)
+        self._leave()
+        return n, nbytes
+
+    def _free_unlent(self):
+        """Frees the allocated blocks that were not lent, each on its allocation stream
+        (ap_pool_free_unlent): (blocks, bytes) freed."""
+        cdef ap_pool *_p = self._enter()
+        cdef int64_t n, nbytes
+        with nogil:
+            n = ap_pool_free_unlent(_p, &nbytes)
+        self._leave()
+        if n < 0:
+            raise MemoryError("host memory exhausted while closing the pool")
+        return n, nbytes
+
+    def _hand_over(self, PoolBase heir, list keep):
+        """Moves the open C pool to heir (a new, never opened object of this class) and closes
+        this one to its user: its calls raise PoolError, threads inside `with` it no longer
+        allocate from it (its ticket closed; heir takes none). heir is appended to keep (the
+        registry's orphans) once open and before this object lets the pool go, and the C ABI's
+        registry names heir first: a free on another thread finds the pool all along. No Python
+        code runs in between (no other thread's close of this pool makes a second heir). Calls in
+        flight on this object finish on the pool, which heir keeps open. False when this pool
+        was closed already (nothing done)."""
+        if self.p == NULL:
+            return False
+        self._check()
+        if heir.p != NULL:
+            raise PoolError("internal: heir already open")
+        cdef ap_pool *p = self.p
+        heir.backend, heir.device, heir.config = self.backend, self.device, self.config
+        heir._streams, heir._adds, heir._created, heir._prune_at = self._streams, self._adds, set(), self._prune_at
+        heir._quota, heir._quota_close, heir.quota_hook = self._quota, self._quota_close, self.quota_hook
+        heir._stack_frames, heir._stack_ids, heir._stack_cap = self._stack_frames, self._stack_ids, self._stack_cap
+        heir._stacks_on, heir._free_frames, heir._entry_frames = self._stacks_on, self._free_frames, self._entry_frames
+        heir.p = p
+        _capi_register(heir)
+        keep.append(heir)
+        if self._stacks_on:
+            _capi_stacks_on(p, None)
+            _capi_stacks_on(p, heir)
+        ap_pool_ptr_clear(&self.p)
+        self._quota_close = NULL
+        self._quota.ctx = NULL
+        ap_ticket_close(self._ticket)
+        self._ticket = AP_NO_TICKET
+        ap_current_forget(p)  # no thread's current or default pool any more
+        _capi_unregister(&self.p)
+        return True
 
     def __dealloc__(self):
         self._shut(False)
@@ -575,12 +639,28 @@ cdef class PoolBase:
                 ap_history_set_ctx(0)
             self._leave()
         if rc == AP_E_INVALID_PTR:
-            lender = self._lender_of(ptr)
+            lender = self._by_lender(ptr, "free", stream)
             if lender is not None:  # a use_on_oom MemPool's block it lent this pool's request
-                lender.free(ptr, stream)
+                self._lent_freed(lender)
                 return
         if rc != AP_OK:
             _raise(&err, rc)
+
+    def _by_lender(self, ptr, call, stream):
+        """Makes `call` (free, record_stream) of ptr on the pool that lent it, returned; None when
+        no pool lent it. A lender closed meanwhile left its open pool to an orphan: asked again."""
+        for _ in range(3):
+            lender = self._lender_of(ptr)
+            if lender is None:
+                return None
+            try:
+                getattr(lender, call)(ptr, stream)
+            except PoolError:
+                if not lender.closed:
+                    raise
+                continue
+            return lender
+        return None
 
     def _lender_of(self, ptr):
         """The pool whose free block served this pool's allocation at ptr (torch's use_on_oom:
@@ -591,6 +671,9 @@ cdef class PoolBase:
 
     def _lending_peer(self, ptr):
         return None  # the compiled pool knows no other pool; ascend_pool.Pool looks at the open ones
+
+    def _lent_freed(self, lender):
+        pass  # ascend_pool.Pool closes a closed lender's orphan once its last lent block is back
 
     def record_stream(self, ptr, stream):
         """Marks ptr as used by stream: after its free, the block is not reused anywhere until the
@@ -613,9 +696,7 @@ cdef class PoolBase:
             rc = ap_pool_record_stream(_p, p, s, &err)
         self._leave()
         if rc == AP_E_INVALID_PTR:
-            lender = self._lender_of(ptr)
-            if lender is not None:
-                lender.record_stream(ptr, stream)
+            if self._by_lender(ptr, "record_stream", stream) is not None:
                 return
         if rc != AP_OK:
             _raise(&err, rc)

@@ -32,7 +32,7 @@ int ap_pool_snapshot(ap_pool *p, ap_snapshot *out) {
         for (ap_block *b = s->first; b; b = b->next) /* a cached block is isolated: one free block */
             out->blocks[j++] = (ap_snap_block){b->addr, b->size, b->requested,
                                                b->state == AP_BLOCK_CACHED ? AP_BLOCK_FREE : b->state,
-                                               b->state == AP_BLOCK_ALLOCATED || b->state == AP_BLOCK_PENDING ? b->ctx : 0};
+                                               b->state == AP_BLOCK_ALLOCATED || b->state == AP_BLOCK_PENDING ? ap_block_frames(b) : 0};
         o->n_blocks = j - o->first_block;
 #if AP_CHECKED
         size_t covered = 0;
