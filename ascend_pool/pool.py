@@ -153,6 +153,8 @@ class Pool(PoolBase):
             # kept first, before any call that releases the GIL: a collected cycle's weak
             # references are gone already, and other threads must still find it meanwhile
             _registry.keep_orphan(self)
+            if getattr(self, "_use_on_oom", False):
+                self._stop_lending()  # no block lent between the count below and the close
             if self._raw_stats()["active.all.current"] or self._work_queued():
                 self._release_idle()  # its idle cache: nothing allocates from an orphan again
                 self._mark_orphan()   # and what its blocks leave idle later, once a quota needs it
