@@ -1,4 +1,4 @@
-"""Framework processes at scale: a pool's table of streams full (1,023 live streams), streams
+"""Framework processes at scale: a pool's table of streams full (1,023 live side streams), streams
 created and destroyed by the thousand, many threads on many devices. Each limit is either absent
 or a typed error; none may hand a block to a request while a stream's work still writes it."""
 import os
@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
 
 # A child's start: the C ABI's default pool of device 0 orders work on the default stream and on
-# 1,022 live streams of the framework's: its table of 1,023 streams is full, every one alive.
+# 1,023 live streams of the framework's: its table of 1,023 side streams is full, every one alive.
 FULL_TABLE = """
         import ascend_pool as ap
         from ascend_pool import sim
@@ -23,7 +23,7 @@ FULL_TABLE = """
         be = ap.default_pool(0).backend
         n = 1 << 20
         lib.ascend_pool_free(lib.ascend_pool_malloc(512, 0, None), 512, 0, None)
-        live = [be.stream_create(0) for _ in range(1022)]
+        live = [be.stream_create(0) for _ in range(1023)]
         for s in live:
             lib.ascend_pool_free(lib.ascend_pool_malloc(512, 0, s), 512, 0, s)
         extra = be.stream_create(0)                    # one stream more than the table holds
@@ -208,3 +208,25 @@ def test_a_pool_told_a_handle_is_another_devices_keeps_its_blocks_until_that_str
         print(json.dumps({"moved": t == h, "told": told, "overwritten": bad}))
     """, ASCEND_SIM_REUSE_STREAM_HANDLES="1")
     assert out == {"moved": True, "told": "another device", "overwritten": False}, out
+
+
+def test_the_default_stream_is_served_after_1023_side_streams_and_a_1024th_side_stream_is_not(sim_node):
+    # A framework that ordered work on 1,023 side streams before its first use of the default
+    # stream was refused the default stream ("too many streams"): it has a slot of its own.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        p = ap.Pool(0, backend="sim")
+        streams = [p.create_stream() for _ in range(1024)]
+        for s in streams[:1023]:
+            p.free(p.malloc(512, stream=s), stream=s)
+        out = {}
+        for name, s in (("default", None), ("side_1024", streams[1023])):
+            try:
+                p.free(p.malloc(512, stream=s), stream=s)
+                out[name] = "served"
+            except ap.InvalidStreamError as e:
+                out[name] = str(e)
+        print(json.dumps(out))
+    """, timeout=120)
+    assert out == {"default": "served", "side_1024": "too many streams (limit 1023) on device 0"}
+

@@ -70,7 +70,8 @@ void *ascend_pool_malloc(ssize_t size, int device, void *stream);
  * stream the pool cannot order on (destroyed meanwhile) frees the block on its allocation stream,
  * with the error set: nothing leaks. (Python's pool.free refuses instead and frees nothing.) A live
  * stream of another device (a peer's kernel used the block last), or one past the pool's table of
- * 1,023 streams, is waited for by an event recorded on it now. */
+ * 1,023 side streams (the default stream always has a slot), is waited for by an event recorded on
+ * it now. */
 void ascend_pool_free(void *ptr, ssize_t size, int device, void *stream);
 
 /* Prepares the C ABI. If `device` names an existing device, creates its default pool now (taking
@@ -106,7 +107,7 @@ void *ascend_pool_base_alloc(void *ptr, size_t *size);
 
 /* Marks the live block `ptr` as used by `stream`: after its free, it is not reused until the work
  * queued on `stream` before the free has completed (a stream of another device, or one past the
- * pool's table of 1,023 streams, too). Ignored with the error set if unknown. */
+ * pool's table of 1,023 side streams, too). Ignored with the error set if unknown. */
 void ascend_pool_record_stream(void *ptr, void *stream);
 
 /* Same as ascend_pool_reset. */

@@ -264,7 +264,7 @@ static int slot_error(ap_pool *p, int slot, void *stream, ap_error *err) {
         return ap_set_error(err, AP_E_INVALID_STREAM, 107003,
                             "stream %p of device %d is not in this thread's context (ACL 107003): use it from "
                             "a thread in the context it was created in", stream, p->device);
-    return ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams (limit %d) on device %d", AP_MAX_STREAMS - 1,
+    return ap_set_error(err, AP_E_INVALID_STREAM, 0, "too many streams (limit %d) on device %d", AP_MAX_SIDE_STREAMS,
                         p->device);
 }
 

@@ -95,7 +95,10 @@
 #include "ptr_map.h"
 #include "stats.h"
 
-#define AP_MAX_STREAMS 1024  /* distinct streams one pool tracks (slot 0 is "no stream") */
+#define AP_MAX_SIDE_STREAMS 1023 /* distinct streams other than the default one a pool tracks */
+/* Slots: 0 ("no stream"), the side streams' and one the default stream (NULL) always finds free:
+   with 1,023 side streams taken before its first use it was refused ("too many streams"). */
+#define AP_MAX_STREAMS (AP_MAX_SIDE_STREAMS + 2)
 #define AP_NO_LIMIT ((size_t)-1)
 #define AP_VMM_SPACE_MIN ((size_t)64 << 30) /* smallest address-space reservation (expandable) */
 #define AP_VMM_CHUNK_MAX ((size_t)32 << 20)  /* largest physical allocation of a growth up to 512 MiB (expandable.c) */

@@ -149,13 +149,14 @@ static void records_seen(ap_pool *p, void *stream, uint64_t seq) {
 static void parked_recycle(ap_pool *p);
 static void strand_probes(ap_pool *p);
 
-/* The stream a pending free's event was recorded on at the free: its slot (under 1,024) and the
+/* The stream a pending free's event was recorded on at the free: its slot (under 2,048) and the
    slot's generation, so that the slot given to another stream since never matches. Never 0. */
-_Static_assert(AP_MAX_STREAMS <= 1024, "a slot fits the key's 10 bits");
-static uint32_t event_key(const ap_pool *p, int slot) { return (p->slots[slot].gen << 10) | (uint32_t)slot; }
+#define KEY_SLOT_BITS 11
+_Static_assert(AP_MAX_STREAMS <= 1 << KEY_SLOT_BITS, "a slot fits the key's slot bits");
+static uint32_t event_key(const ap_pool *p, int slot) { return (p->slots[slot].gen << KEY_SLOT_BITS) | (uint32_t)slot; }
 
 int ap_event_key_slot(ap_pool *p, uint32_t key) {
-    int slot = (int)(key & 1023);
+    int slot = (int)(key & ((1u << KEY_SLOT_BITS) - 1));
     return key && slot < p->n_slots && p->slots[slot].live && event_key(p, slot) == key ? slot : 0;
 }
 
@@ -320,6 +321,19 @@ static int reclaim_destroyed_slots(ap_pool *p) {
     return freed;
 }
 
+/* 1 when a side stream (not NULL) may take a new slot: side streams hold at most
+   AP_MAX_SIDE_STREAMS, so one stays free for the default stream until it has its own. Asked only
+   when a new stream gets a slot; counts only when at most one place is left. */
+static int side_room(const ap_pool *p) {
+    int free = AP_MAX_STREAMS - p->n_slots, has_default = 0;
+    if (free >= 2) return 1;
+    for (int i = 1; i < p->n_slots; i++) {
+        if (p->slots[i].live) has_default |= !p->slots[i].stream;
+        else if (!p->slots[i].trees[0].count && !p->slots[i].trees[1].count) free++;
+    }
+    return free >= (has_default ? 1 : 2);
+}
+
 int ap_slot_of(ap_pool *p, void *stream, int create) {
     int last = p->last_slot;
     if (last > 0 && p->slots[last].live && p->slots[last].stream == stream) return last;
@@ -346,7 +360,11 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
     if (idle == -1) return -2;
     if (idle == AP_STREAM_ELSEWHERE) return -4;
     int i = dead;
-    if (i < 0 && p->n_slots == AP_MAX_STREAMS) i = reclaim_destroyed_slots(p);
+    if (stream ? !side_room(p) : i < 0 && p->n_slots == AP_MAX_STREAMS) {
+        int freed = reclaim_destroyed_slots(p);
+        if (stream ? !side_room(p) : freed < 0) return -1;
+        if (i < 0) i = freed;
+    }
     if (i < 0) {
         if (p->n_slots == AP_MAX_STREAMS) return -1;
         if (p->n_slots == p->slots_cap) {
