@@ -230,3 +230,30 @@ def test_the_default_stream_is_served_after_1023_side_streams_and_a_1024th_side_
     """, timeout=120)
     assert out == {"default": "served", "side_1024": "too many streams (limit 1023) on device 0"}
 
+
+def test_destroy_stream_of_a_stream_past_the_full_table_waits_within_sync_timeout_ms(sim_node):
+    # A live stream with no slot (the table of side streams full) was not waited for at all: the
+    # runtime's destroy that follows then waited for its 3 s of work, past sync_timeout_ms.
+    out = sim_node.run_json("""
+        import time
+        import ascend_pool as ap
+        from ascend_pool import sim
+        p = ap.Pool(0, backend="sim", sync_timeout_ms=300)
+        streams = [p.create_stream() for _ in range(1024)]
+        for s in streams[:1023]:
+            p.free(p.malloc(512, stream=s), stream=s)
+        extra = streams[1023]
+        x = p.malloc(1 << 20)
+        sim.launch_fill(extra, x, 1 << 20, 0xAA, delay_s=3)
+        t = time.monotonic()
+        try:
+            p.destroy_stream(extra)
+            error = None
+        except ap.DeviceTimeoutError as e:
+            error = type(e).__name__
+        took = time.monotonic() - t
+        p.backend.stream_sync(extra)
+        p.destroy_stream(extra)           # its work done: destroyed, no error
+        print(json.dumps({"error": error, "bounded": took < 1.5}))
+    """, timeout=120)
+    assert out == {"error": "DeviceTimeoutError", "bounded": True}

@@ -1003,6 +1003,11 @@ int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err) {
         rc = ap_wait_unlocked(p, slot, 1, err);
         slot = ap_slot_of(p, stream, 0); /* retired meanwhile (unusable) or by another caller */
         if (slot > 0 && rc == AP_OK) ap_slot_retire(p, slot);
+    } else if (slot == -1) {
+        /* The table is full (every stream in it alive): no slot, but its work is waited for within
+           sync_timeout_ms all the same. Before, nothing was: the runtime's destroy then waited
+           for it with no limit. */
+        rc = ap_wait_stream_unslotted(p, stream, err);
     }
     pthread_mutex_unlock(&p->lock);
     return rc;

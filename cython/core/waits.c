@@ -58,6 +58,18 @@ int ap_wait_tagged_streams(ap_pool *p, int64_t start) {
     return busy;
 }
 
+int ap_wait_stream_unslotted(ap_pool *p, void *stream, ap_error *err) {
+    char msg[AP_RUNTIME_MSG];
+    pthread_mutex_unlock(&p->lock);
+    ap_on_device(p);
+    int rc = p->backend->stream_sync(p->backend, stream, ap_time_left(p, ap_now_ms()));
+    if (rc != 0) p->backend->error_message(p->backend, rc, msg, sizeof msg); /* read at once: the thread's latest */
+    pthread_mutex_lock(&p->lock);
+    if (rc != 0) return wait_error(p, err, rc, "stream", stream, msg);
+    ap_process_pending(p, 0, NULL); /* frees waiting on events of their own recorded on it are done */
+    return AP_OK;
+}
+
 int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
     wait_item items[WAIT_BATCH];
     void *events[WAIT_BATCH];
