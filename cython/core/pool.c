@@ -893,12 +893,14 @@ static int note_foreign_use(ap_pool *p, ap_block *b, void *stream, int device, a
     return AP_OK;
 }
 
-int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
+static int record_stream(ap_pool *p, void *ptr, void *stream, int if_own, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     ap_block *b = ap_map_get(&p->live, (uintptr_t)ptr);
     int rc = AP_OK;
     if (!b && p->lost_live.keys && ap_map_get(&p->lost_live, (uintptr_t)ptr)) {
         /* written off with the runtime that released it: no stream's work can reach it */
+    } else if (!b && if_own) {
+        rc = AP_E_NOT_HERE;
     } else if (!b || b->state != AP_BLOCK_ALLOCATED) {
         rc = bad_pointer(p, ptr, err);
     } else {
@@ -928,6 +930,14 @@ int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
     }
     pthread_mutex_unlock(&p->lock);
     return rc;
+}
+
+int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
+    return record_stream(p, ptr, stream, 0, err);
+}
+
+int ap_pool_record_stream_if_own(ap_pool *p, void *ptr, void *stream, ap_error *err) {
+    return record_stream(p, ptr, stream, 1, err);
 }
 
 int ap_pool_empty_cache(ap_pool *p, ap_error *err) {

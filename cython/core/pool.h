@@ -378,6 +378,10 @@ int ap_pool_try_free(ap_pool *p, void *ptr);
 /* Marks ptr as used by stream: it is not reused until that stream's work queued before the free
    has completed. */
 int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err);
+/* The same, but AP_E_NOT_HERE (err untouched) when ptr is not a live or pending block of p: the C
+   ABI asks pools in turn, and the message's search of p's segments is for the owner only. */
+#define AP_E_NOT_HERE (-1)
+int ap_pool_record_stream_if_own(ap_pool *p, void *ptr, void *stream, ap_error *err);
 /* Returns every unused segment to the device (waits for pending frees first). */
 int ap_pool_empty_cache(ap_pool *p, ap_error *err);
 /* CuPy's free_all_blocks(stream): waits for stream's work, then returns the unused classic
