@@ -311,3 +311,65 @@ def test_c_abi_record_stream_finds_the_owner_without_asking_every_pool(sim_node)
         print(json.dumps(out))
     """, timeout=120, ASCEND_SIM_DEVICES="8")
     assert out == {"overwritten": [False, False, False], "code": 0, "ratio_ok": True}
+
+
+def test_a_c_abi_free_on_a_stream_of_an_unreachable_context_waits_for_its_work(sim_node):
+    # A stream of an application's own context, never used with the pool from a thread in it, is
+    # out of reach of another thread (107003; ACL cannot tell a stream's context): the C ABI's
+    # free on it from there freed the block on its allocation stream with error 5, and the next
+    # request got it while the stream's kernel still wrote it. It now waits in that stream's
+    # slot; empty_cache (a stream sync, which needs no context) gives it back once that work is
+    # done, never under it. record_stream from a thread in the context, then a free on the
+    # allocation stream elsewhere, waits too (as before).
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        VP = C.c_void_p
+        lib = C.CDLL(ap.library_path())
+        lib.ascend_pool_malloc.restype = VP
+        lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, VP]
+        lib.ascend_pool_free.argtypes = [VP, C.c_ssize_t, C.c_int, VP]
+        lib.ascend_pool_record_stream.argtypes = [VP, VP]
+        lib.ascend_pool_init(0)
+        n = 1 << 20
+        def case(record_first):
+            st = {}
+            def app():
+                ok("aclrtSetDevice", 0)
+                ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
+                y = C.c_void_p(); ok("aclrtCreateStream", C.byref(y))
+                st["y"], st["x"] = y.value, lib.ascend_pool_malloc(n, 0, None)
+                sim.launch_fill(y.value, st["x"], n, 0xAA, delay_s=0.4)
+                if record_first:
+                    lib.ascend_pool_record_stream(st["x"], y.value)
+            t = threading.Thread(target=app); t.start(); t.join()
+            ok("aclrtSetDevice", 0)
+            lib.ascend_pool_clear_last_error()
+            lib.ascend_pool_free(st["x"], n, 0, None if record_first else st["y"])
+            code = lib.ascend_pool_last_error_code()
+            q = lib.ascend_pool_malloc(n, 0, None)
+            sim.launch_fill(None, q, n, 0x33)
+            ok("aclrtSynchronizeStream", None)
+            time.sleep(0.6)                                  # y's kernel done
+            bad = sim.read(q, n) != b"\\x33" * n
+            lib.ascend_pool_free(q, n, 0, None)
+            return {"code": code, "overwritten": bad}
+        out = {"free_on_y": case(False), "record_stream_first": case(True)}
+        st = {}
+        def app():                                           # the block freed on y, under its kernel
+            ok("aclrtSetDevice", 0)
+            ctx = C.c_void_p(); ok("aclrtCreateContext", C.byref(ctx), 0)
+            y = C.c_void_p(); ok("aclrtCreateStream", C.byref(y))
+            st["y"], st["x"] = y.value, lib.ascend_pool_malloc(24 * n, 0, None)
+            sim.launch_fill(y.value, st["x"], 24 * n, 0xAA, delay_s=0.4)
+        t = threading.Thread(target=app); t.start(); t.join()
+        ok("aclrtSetDevice", 0)
+        lib.ascend_pool_free(st["x"], 24 * n, 0, st["y"])
+        ap.default_pool(0).empty_cache()                     # waits for y: its memory goes back after
+        time.sleep(0.6)
+        out["dropped"] = sim.stats(0)["dropped_fills"]
+        out["reserved"] = ap.default_pool(0).memory_stats()["reserved_bytes.all.current"]
+        print(json.dumps(out))
+    """, timeout=60)
+    assert out == {"free_on_y": {"code": 0, "overwritten": False},
+                   "record_stream_first": {"code": 0, "overwritten": False}, "dropped": 0, "reserved": 0}

@@ -71,7 +71,10 @@ void *ascend_pool_malloc(ssize_t size, int device, void *stream);
  * with the error set: nothing leaks. (Python's pool.free refuses instead and frees nothing.) A live
  * stream of another device (a peer's kernel used the block last), or one past the pool's table of
  * 1,023 side streams (the default stream always has a slot), is waited for by an event recorded on
- * it now. */
+ * it now. A stream of a context the calling thread is not in (an application's aclrtCreateContext
+ * context), on which no event can be recorded from here, keeps the block in its own cache: other
+ * streams take it only once a call from that context, or a wait (empty_cache, synchronize), finds
+ * the stream's work done. */
 void ascend_pool_free(void *ptr, ssize_t size, int device, void *stream);
 
 /* Prepares the C ABI. If `device` names an existing device, creates its default pool now (taking

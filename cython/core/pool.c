@@ -819,7 +819,11 @@ int ap_pool_free(ap_pool *p, void *ptr, void *stream, int how, ap_error *err) {
     size_t at = ap_map_find(&p->live, (uintptr_t)ptr); /* only allocated blocks are in the map */
     ap_block *b = at != AP_MAP_NONE ? p->live.vals[at] : NULL;
     int rc = b ? AP_OK : lost_free(p, ptr) ? AP_OK : bad_pointer(p, ptr, err);
-    if (b && tag < 0) {
+    /* The C ABI's free on a live stream of a context this thread cannot reach (-4, 107003): no
+       event can be recorded on it from here, but the block can wait in its slot, busy to every
+       other stream until a call from its context or a wait finds it idle. Freed on its allocation
+       stream with error 5, it went to the next request while that stream's kernel still wrote it. */
+    if (b && tag < 0 && !(tag == -4 && how == AP_FREE_ON_STREAM_ELSE_ALLOC && (tag = ap_slot_of(p, stream, 2)) >= 0)) {
         /* A stream the pool cannot order on (destroyed, or not a stream). A caller that can retry
            gets the error and the block stays allocated: had it been freed, a retry would free
            whatever block was allocated at that address meanwhile. Else it is freed on the stream

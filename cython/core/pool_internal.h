@@ -220,7 +220,8 @@ void ap_events_forget(ap_pool *p);
 /* stream_order.c: stream slots, events, pending frees, cross-stream reuse. */
 /* Slot of a stream (created when create != 0); -1 when none / table full, -2 when the runtime
    refuses the stream (unusable: checked once, when its slot is created), -3 when the stream is
-   another device's. */
+   another device's, -4 when it is in a context this thread cannot reach (create == 2: given a
+   slot all the same, its blocks busy to other streams until it is found idle). */
 int ap_slot_of(ap_pool *p, void *stream, int create);
 /* The same, answered inline when the stream is the last one looked up (the usual case). */
 static inline int ap_slot_of_fast(ap_pool *p, void *stream, int create) {

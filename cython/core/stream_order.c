@@ -358,7 +358,7 @@ int ap_slot_of(ap_pool *p, void *stream, int create) {
        know never gets a slot (no event is ever recorded on it later). */
     int idle = stream ? stream_idle(p, stream) : 1;
     if (idle == -1) return -2;
-    if (idle == AP_STREAM_ELSEWHERE) return -4;
+    if (idle == AP_STREAM_ELSEWHERE && create != 2) return -4; /* 2: the C ABI's free (ap_pool_free) */
     int i = dead;
     if (stream ? !side_room(p) : i < 0 && p->n_slots == AP_MAX_STREAMS) {
         int freed = reclaim_destroyed_slots(p);
