@@ -259,12 +259,12 @@ def test_destroy_stream_of_a_stream_past_the_full_table_waits_within_sync_timeou
     assert out == {"error": "DeviceTimeoutError", "bounded": True}
 
 
-def test_c_abi_record_stream_finds_the_owner_without_asking_every_pool(sim_node):
-    # record_stream is not told the device: it held and asked every registered pool (1.8-2.3 us
-    # with 129 pools against 0.5 us with one). The threads' current pools are asked first; a
-    # block of another device, or of a pool not current (found in the registry), still waits.
+def test_c_abi_record_stream_finds_the_owner_among_many_pools(sim_node):
+    # record_stream is not told the device: the threads' current pools are asked first (it held
+    # and asked every registered pool: 1.8-2.3 us with 129 pools against 0.5 us with one, measured
+    # by bench/capi_record_stream.py); a block of another device, or of a pool not current (found
+    # in the registry), still waits for the stream.
     out = sim_node.run_json("""
-        import time
         import ascend_pool as ap
         from ascend_pool import sim
         VP = C.c_void_p
@@ -276,20 +276,7 @@ def test_c_abi_record_stream_finds_the_owner_without_asking_every_pool(sim_node)
         for d in range(8):
             lib.ascend_pool_init(d)
         be = ap.default_pool(0).backend
-        s0 = be.stream_create(0)
-        def cost():
-            p = lib.ascend_pool_malloc(4096, 0, None)
-            best = 1e9
-            for _ in range(5):
-                t = time.perf_counter()
-                for _ in range(5000):
-                    lib.ascend_pool_record_stream(p, s0)
-                best = min(best, (time.perf_counter() - t) / 5000)
-            lib.ascend_pool_free(p, 4096, 0, None)
-            return best
-        one = cost()
         pools = [ap.Pool(d, backend="sim") for d in range(8) for _ in range(16)]
-        many = cost()
         n = 1 << 20
         def waits(device, malloc, free):
             s = be.stream_create(device)
@@ -307,10 +294,10 @@ def test_c_abi_record_stream_finds_the_owner_without_asking_every_pool(sim_node)
             waits(5, lambda: lib.ascend_pool_malloc(n, 5, None), lambda x: lib.ascend_pool_free(x, n, 5, None)),
             waits(0, lambda: pools[3].malloc(n), pools[3].free),
             waits(7, lambda: pools[120].malloc(n), pools[120].free)],
-            "code": lib.ascend_pool_last_error_code(), "ratio_ok": many < 2.5 * one}
+            "code": lib.ascend_pool_last_error_code()}
         print(json.dumps(out))
     """, timeout=120, ASCEND_SIM_DEVICES="8")
-    assert out == {"overwritten": [False, False, False], "code": 0, "ratio_ok": True}
+    assert out == {"overwritten": [False, False, False], "code": 0}
 
 
 def test_a_c_abi_free_on_a_stream_of_an_unreachable_context_waits_for_its_work(sim_node):
