@@ -186,3 +186,35 @@ def test_after_finalize_and_init_a_new_stream_orders_frees_with_events_of_the_ne
     """)
     assert out["error"] is None and out["created"] >= 1, out
     assert out["live_events"] == 0, out
+
+
+@pytest.mark.parametrize("first", ["stream", "host_pool"])
+def test_a_reference_taken_first_in_the_new_runtime_does_not_hide_it_from_the_pool(sim_node, first):
+    """After aclFinalize and aclInit, the first call of the process's pools to take a device
+    reference may be a new stream's or a new host pool's rather than the old pool's: that
+    reference records the new default context, and the old pool must still learn that its cached
+    memory is the finalized runtime's (before: the reference recorded the new context without
+    moving the runtime's life on, and the old pool served its dead cached segment)."""
+    out = sim_node.run_json(f"""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        from ascend_pool._core import HostPool
+        from ascend_pool.backend import Backend
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        b = Backend("sim")
+        pool = ap.Pool(0, backend=b)
+        pool.free(pool.malloc(8 << 20))
+        assert acl.aclFinalize() == 0
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        other = pool.create_stream() if {first!r} == "stream" else HostPool(b, 0)
+        got = [pool.malloc(64 << 20)] + [pool.malloc(4 << 20) for _ in range(2)]
+        dead = []
+        for q in got:
+            try:
+                sim.read(q, 64)
+            except Exception:
+                dead.append(hex(q))
+        print(json.dumps({{"dead": dead}}))
+    """)
+    assert out["dead"] == [], out

@@ -213,6 +213,13 @@ static int acl_take_ref_locked(acl_impl *im, int device)
         (void)im->aclrtResetDevice(device);
         return rc;
     }
+    /* A context recorded while holders remain, and now another: it was released behind them
+       (aclFinalize then aclInit, a forced reset). A new pool's reference (a host pool's first,
+       or a stream's) taking the new one first must not hide that from the pools of the old one:
+       the runtime's life moves on, as acl_renew_context moves it. */
+    void *prev = im->dev[device].ctx;
+    if (prev && prev != ctx && im->dev[device].pool_refs + im->dev[device].temp_refs > 0)
+        __atomic_add_fetch(&im->dev[device].life, 1, __ATOMIC_ACQ_REL);
     __atomic_store_n(&im->dev[device].ctx, ctx, __ATOMIC_RELEASE);
     return 0;
 }
@@ -322,8 +329,8 @@ static void *acl_renew_context(acl_impl *im, int device, void *stale)
     for (int i = 1; i < held; i++)
         (void)acl_take_ref_locked(im, device); /* same context: one reference per holder again */
     /* What the pools held in the released context (memory, events, streams) may be gone with it:
-       certainly after aclFinalize, which a renewal after aclInit cannot be told from. */
-    __atomic_add_fetch(&im->dev[device].life, 1, __ATOMIC_ACQ_REL);
+       certainly after aclFinalize, which a renewal after aclInit cannot be told from. The first
+       take above moved the runtime's life on (a new context while holders remain). */
     pthread_mutex_unlock(&im->dev[device].lock);
     return fresh;
 }
