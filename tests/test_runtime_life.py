@@ -188,6 +188,99 @@ def test_after_finalize_and_init_a_new_stream_orders_frees_with_events_of_the_ne
     assert out["live_events"] == 0, out
 
 
+HOST_WARNING = "ascend_pool: warning: the runtime released the pinned host memory of device 0's host pool"
+
+
+def test_after_finalize_and_init_the_host_pool_serves_pinned_memory_of_the_new_runtime_only(sim_node):
+    """The pinned HostPool caches aclrtMallocHost buffers, which aclFinalize releases (the simulator
+    unmaps them, as CANN does). After aclFinalize and aclInit, once a request reaches the runtime
+    (a miss), every buffer served is live pinned memory of the new runtime (before: the cached
+    1 MiB, 8 MiB and 4 KiB buffers were served again, and the first write to one ended the process
+    with SIGSEGV), the buffer handed out before is freed without error, and the close frees
+    nothing of the old runtime: a second host pool's buffers, pinned in the new runtime where the
+    old ones were, stay writable after the first pool's close."""
+    p = sim_node.spawn("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        from ascend_pool._core import HostPool
+        from ascend_pool.backend import Backend
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        b = Backend("sim")
+        hp = HostPool(b, 0)
+        keep = hp.malloc(4096)
+        hp.free(hp.malloc(1 << 20))
+        hp.free(hp.malloc(8 << 20))
+        assert acl.aclFinalize() == 0
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        other = HostPool(b, 0)
+        theirs = [other.malloc(n) for n in (4096, 1 << 20, 8 << 20)]
+        got = [hp.malloc(3 << 20)] + [hp.malloc(n) for n in (1 << 20, 8 << 20, 4096)]
+        for q in got + theirs:
+            C.memset(q, 1, 64)
+        for q in got:
+            hp.free(q)
+        hp.free(keep)                                   # written off: accepted
+        st = hp.memory_stats()
+        hp.empty_cache()
+        hp.close()
+        for q in theirs:
+            C.memset(q, 2, 64)                          # the first pool's close freed none of them
+            other.free(q)
+        other.close()
+        print(json.dumps({"allocated": st["allocated_bytes.all.current"], "invalid": st["num_invalid_frees"]}))
+    """)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, (p.returncode, err)
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res == {"allocated": 0, "invalid": 0}, res
+    assert err.count(HOST_WARNING) == 1, err
+
+
+def test_host_pool_empty_cache_and_close_after_finalize_with_a_buffer_parked_on_a_busy_stream(sim_node):
+    """torch_npu's exit: aclFinalize under a host pool holding a buffer handed out and one parked
+    for a copy still queued on a stream, then empty_cache, a request and close: nothing raises but
+    the request (the runtime's own code), nothing of the old runtime is freed, the process exits
+    cleanly, and the loss is said once."""
+    p = sim_node.spawn("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        from ascend_pool._core import HostPool
+        from ascend_pool.backend import Backend
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        b = Backend("sim")
+        pool = ap.Pool(0, backend=b)
+        s = pool.create_stream()
+        hp = HostPool(b, 0)
+        keep = hp.malloc(1 << 20)
+        q = hp.malloc(2 << 20)
+        hp.record_stream(q, s)
+        d = pool.malloc(2 << 20)
+        sim.launch_fill(s, d, 2 << 20, 7, delay_s=0.5)
+        hp.free(q)
+        parked = hp.memory_stats()["pending_free_blocks"]
+        assert acl.aclFinalize() == 0
+        hp.empty_cache()
+        st = hp.memory_stats()
+        try:
+            hp.malloc(64 << 20)
+            request = "served"
+        except ap.PoolError as e:
+            request = f"{type(e).__name__}: {e}"
+        hp.free(keep)
+        hp.close()
+        print(json.dumps({"parked": parked, "request": request, "reserved": st["reserved_bytes.all.current"],
+                          "pending": st["pending_free_blocks"]}))
+    """)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, (p.returncode, err)
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["parked"] == 1 and res["reserved"] == 0 and res["pending"] == 0, res
+    assert "100001" in res["request"], res
+    assert err.count(HOST_WARNING) == 1 and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("first", ["stream", "host_pool"])
 def test_a_reference_taken_first_in_the_new_runtime_does_not_hide_it_from_the_pool(sim_node, first):
     """After aclFinalize and aclInit, the first call of the process's pools to take a device

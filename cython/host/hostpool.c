@@ -7,6 +7,8 @@
 #include "hostpool.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -23,6 +25,7 @@ enum { HB_FREE = 0, HB_ALLOCATED = 1, HB_PENDING = 2, HB_LOST = 3 };
 typedef struct host_use { /* a stream that used the buffer; events: those of the free, packed */
     void *stream, *event;
     int device, event_device;
+    uint64_t event_life; /* the runtime life (ap_backend_life) of event_device the event was made in */
 } host_use;
 
 typedef struct host_uses { /* only for buffers marked with record_stream */
@@ -39,12 +42,14 @@ typedef struct host_block {
     struct host_block *prev, *next; /* the class free list, or the pending list */
     host_uses *uses;
     uint8_t cls, state;
+    uint32_t life; /* a buffer of its own: the runtime life it was pinned in (low bits; slabs: the slab's) */
 } host_block;
 
 typedef struct host_slab {
     uintptr_t base;
     size_t size;
     size_t n_blocks, n_busy; /* busy: handed out, parked or lost */
+    uint64_t life;           /* the runtime life (ap_backend_life of the pool's device) it was pinned in */
     host_block *blocks;
     struct host_slab *prev, *next;
 } host_slab;
@@ -57,9 +62,17 @@ struct ap_host_pool {
     host_block *pending_head, *pending_tail;
     host_slab *slabs;
     ap_ptr_map map;       /* buffer start -> record */
-    void *events[EVENT_CACHE]; /* idle events for reuse, with the device each was made on */
+    void *events[EVENT_CACHE]; /* idle events for reuse, with the device and life each was made in */
     int event_devices[EVENT_CACHE];
+    uint64_t event_lives[EVENT_CACHE];
     int n_events;
+    /* The runtime life of the pool's device (ap_backend_life) as the pool last checked it, off
+       the cached path (host_runtime_check: a miss, a marked free, empty_cache, close). Buffers
+       handed out when the runtime released their memory (aclFinalize, a forced reset) are
+       written off into `lost` (by address; made lazily): their frees are accepted, nothing of
+       them is reused or freed. */
+    uint64_t life;
+    ap_ptr_map lost;
     /* Devices this pool holds a runtime reference on (bit d: device d), given back at destroy.
        CANN releases a device's default context, streams and events at its last aclrtResetDevice;
        without a reference of its own, each runtime call of a host pool outside any device pool's
@@ -209,6 +222,7 @@ static int grow_slab(ap_host_pool *hp, int cls, ap_error *err) {
     }
     s->base = (uintptr_t)base;
     s->size = size;
+    s->life = ap_backend_life(hp->backend, hp->device, 0); /* after the call: a renewal in it is this life */
     s->n_blocks = n;
     s->blocks = blocks;
     for (size_t i = 0; i < n; i++) {
@@ -242,6 +256,7 @@ static int grow_single(ap_host_pool *hp, int cls, ap_error *err) {
     }
     b->addr = (uintptr_t)base;
     b->cls = (uint8_t)cls;
+    b->life = (uint32_t)ap_backend_life(hp->backend, hp->device, 0);
     if (ap_map_put(&hp->map, b->addr, b) != 0) {
         runtime_free(hp, b->addr, class_bytes(cls));
         free(b);
@@ -295,24 +310,28 @@ static void hold_device(ap_host_pool *hp, int device) {
     if (hp->backend->device_retain(hp->backend, device) == 0) hp->held_devices |= (uint64_t)1 << device;
 }
 
-static int take_event(ap_host_pool *hp, int device, void **event) {
+static int take_event(ap_host_pool *hp, int device, void **event, uint64_t *life) {
     for (int i = hp->n_events; i-- > 0;)
         if (hp->event_devices[i] == device) {
             *event = hp->events[i];
+            *life = hp->event_lives[i];
             hp->n_events--;
             hp->events[i] = hp->events[hp->n_events];
             hp->event_devices[i] = hp->event_devices[hp->n_events];
+            hp->event_lives[i] = hp->event_lives[hp->n_events];
             return 0;
         }
     hold_device(hp, device);
     int rc = hp->backend->event_create(hp->backend, device, event);
     if (rc == 0) hp->stats.events_created++;
+    *life = ap_backend_life(hp->backend, device, 0);
     return rc;
 }
 
-static void give_event(ap_host_pool *hp, void *event, int device) {
+static void give_event(ap_host_pool *hp, void *event, int device, uint64_t life) {
     if (hp->n_events < EVENT_CACHE) {
         hp->events[hp->n_events] = event;
+        hp->event_lives[hp->n_events] = life;
         hp->event_devices[hp->n_events++] = device;
     } else {
         hp->backend->event_destroy(hp->backend, event);
@@ -330,27 +349,32 @@ static void unlink_pending(ap_host_pool *hp, host_block *b) {
 }
 
 /* Moves parked buffers whose events have all completed to their free lists. wait: block on each
-   event (bounded) instead of only asking. Never calls the runtime when nothing is parked. */
-static void settle_pending(ap_host_pool *hp, int wait) {
+   event (bounded) instead of only asking. Never calls the runtime when nothing is parked. Returns
+   how many events the runtime refused to answer for (a released runtime, host_runtime_check). */
+static int settle_pending(ap_host_pool *hp, int wait) {
     ap_backend *be = hp->backend;
+    int refused = 0;
     for (host_block *b = hp->pending_head, *next; b; b = next) {
         host_uses *u = b->uses;
         int done = 1;
         next = b->next;
         for (int i = 0; i < u->n_events && done; i++) {
-            int complete = 0;
-            if (wait) complete = be->event_sync(be, u->use[i].event, STREAM_SYNC_MS) == 0;
-            else if (be->event_query(be, u->use[i].event, &complete) != 0) complete = 0;
+            int complete = 0, rc;
+            if (wait) rc = be->event_sync(be, u->use[i].event, STREAM_SYNC_MS), complete = rc == 0;
+            else if ((rc = be->event_query(be, u->use[i].event, &complete)) != 0) complete = 0;
+            refused += rc != 0;
             done = complete;
         }
         if (!done) continue;
-        for (int i = 0; i < u->n_events; i++) give_event(hp, u->use[i].event, u->use[i].event_device);
+        for (int i = 0; i < u->n_events; i++)
+            give_event(hp, u->use[i].event, u->use[i].event_device, u->use[i].event_life);
         u->n_events = u->n_uses = 0;
         unlink_pending(hp, b);
         push_free(hp, b);
         release_active(hp, b);
         if (b->slab) b->slab->n_busy--;
     }
+    return refused;
 }
 
 static host_uses *uses_new(void) {
@@ -382,19 +406,21 @@ static int park(ap_host_pool *hp, host_block *b, ap_error *err) {
     u->n_events = 0;
     for (int i = 0; i < u->n_uses && rc == 0; i++) {
         void *ev = NULL;
-        rc = take_event(hp, u->use[i].device, &ev);
+        uint64_t life = 0;
+        rc = take_event(hp, u->use[i].device, &ev, &life);
         if (rc != 0) break;
         /* The stream's device names the context of the record: NULL is that device's default
            stream, not that of whichever device this thread used last. */
         be->set_device(be, u->use[i].device);
         rc = be->event_record(be, ev, u->use[i].stream);
         if (rc != 0) {
-            give_event(hp, ev, u->use[i].device);
+            give_event(hp, ev, u->use[i].device, life);
             if (ap_backend_stream_gone_code(be, rc)) rc = 0; /* gone: nothing of it to wait for */
             else break;
             continue;
         }
         u->use[u->n_events].event = ev;
+        u->use[u->n_events].event_life = life;
         u->use[u->n_events++].event_device = u->use[i].device;
     }
     if (rc == 0 && u->n_events == 0) { /* every stream gone: reusable at once */
@@ -413,7 +439,8 @@ static int park(ap_host_pool *hp, host_block *b, ap_error *err) {
         return 1;
     }
     /* No event: wait for the streams themselves, so that the buffer is still never reused early. */
-    for (int i = 0; i < u->n_events; i++) give_event(hp, u->use[i].event, u->use[i].event_device);
+    for (int i = 0; i < u->n_events; i++)
+        give_event(hp, u->use[i].event, u->use[i].event_device, u->use[i].event_life);
     u->n_events = 0;
     for (int i = 0; i < u->n_uses; i++) {
         be->set_device(be, u->use[i].device);
@@ -430,6 +457,122 @@ static int park(ap_host_pool *hp, host_block *b, ap_error *err) {
     return 0;
 }
 
+/* ---- the runtime released the pool's memory ----------------------------------------------------- */
+
+/* Said once per runtime life of the device, for all the process's host pools. */
+static _Atomic uint64_t host_lost_said;
+
+/* Takes a buffer of released memory out of the pool with no runtime call: its free-list entry
+   or its place in the counters goes, and a buffer still handed out is written off into `lost`
+   (its free accepted). Its parked events were dealt with before (host_runtime_check). */
+static void forget_block(ap_host_pool *hp, host_block *b, uint64_t *written_off) {
+    size_t cs = class_bytes(b->cls);
+    if (b->state == HB_FREE) {
+        unlink_free(hp, b);
+    } else {
+        if (b->state == HB_ALLOCATED) {
+            hp->stats.allocated_bytes -= (int64_t)cs;
+            hp->stats.requested_bytes -= (int64_t)b->requested;
+            hp->stats.allocations--;
+            (*written_off)++;
+            if (hp->lost.keys || ap_map_init(&hp->lost, 64) == 0) /* no host memory: its free is refused */
+                if (!ap_map_get(&hp->lost, b->addr)) (void)ap_map_put(&hp->lost, b->addr, (void *)(uintptr_t)1);
+        }
+        hp->stats.active_requests--; /* handed out, parked or lost: active until now */
+        hp->stats.active_bytes -= (int64_t)cs;
+    }
+    ap_map_take(&hp->map, b->addr);
+    free(b->uses);
+    b->uses = NULL;
+}
+
+/* The runtime life of the pool's device moved on (aclFinalize, then perhaps aclInit; a forced
+   reset): the pinned memory of the earlier life was released by the runtime (the simulator, as
+   CANN, unmaps it: a write to a cached buffer served after it ended the process with SIGSEGV) and
+   its events went with it. Forgets them without a runtime call: cached buffers and slabs dropped,
+   parked buffers' dead events dropped, buffers handed out written off. Called with the lock held
+   before the pool's runtime calls, never on the cached path; probe: the backend first enters the
+   device's context, which finds a finalised runtime or a released context. 1 when something was
+   forgotten (said once on stderr per device and life). */
+static int host_runtime_check(ap_host_pool *hp, int probe) {
+    ap_backend *be = hp->backend;
+    uint64_t now = ap_backend_life(be, hp->device, probe);
+    if (now == hp->life) return 0;
+    hp->life = now;
+    uint64_t written_off = 0;
+    size_t segs = 0, bytes = 0;
+    /* Events of a device whose life moved on are the released runtime's: forgotten, not destroyed. */
+    for (int i = hp->n_events; i-- > 0;)
+        if (hp->event_lives[i] != ap_backend_life(be, hp->event_devices[i], 0)) {
+            hp->n_events--;
+            hp->events[i] = hp->events[hp->n_events];
+            hp->event_devices[i] = hp->event_devices[hp->n_events];
+            hp->event_lives[i] = hp->event_lives[hp->n_events];
+        }
+    for (host_block *b = hp->pending_head, *next; b; b = next) {
+        host_uses *u = b->uses;
+        int old = (b->slab ? b->slab->life : b->life) != (b->slab ? now : (uint32_t)now), kept = 0;
+        next = b->next;
+        for (int i = 0; i < u->n_events; i++) {
+            host_use e = u->use[i];
+            if (e.event_life != ap_backend_life(be, e.event_device, 0)) continue; /* gone with its work */
+            if (old) give_event(hp, e.event, e.event_device, e.event_life);
+            else u->use[kept++] = e;
+        }
+        u->n_events = kept;
+        if (kept) continue; /* memory of this life, waiting for live work */
+        u->n_uses = 0;
+        unlink_pending(hp, b);
+        if (old) {
+            b->state = HB_LOST; /* forgotten with its memory below */
+        } else {
+            push_free(hp, b);
+            release_active(hp, b);
+            if (b->slab) b->slab->n_busy--;
+        }
+    }
+    for (host_slab *s = hp->slabs, *next; s; s = next) {
+        next = s->next;
+        if (s->life == now) continue;
+        for (size_t i = 0; i < s->n_blocks; i++) forget_block(hp, &s->blocks[i], &written_off);
+        if (s->prev) s->prev->next = s->next;
+        else hp->slabs = s->next;
+        if (s->next) s->next->prev = s->prev;
+        segs++;
+        bytes += s->size;
+        free(s->blocks);
+        free(s);
+    }
+    for (size_t i = 0; i <= hp->map.mask;) { /* buffers of their own (a take may shift the next into i) */
+        host_block *b = hp->map.vals[i];
+        if (!b || b->slab || b->life == (uint32_t)now) {
+            i++;
+            continue;
+        }
+        forget_block(hp, b, &written_off);
+        segs++;
+        bytes += class_bytes(b->cls);
+        free(b);
+    }
+    hp->stats.segments -= (int64_t)segs;
+    hp->stats.reserved_bytes -= (int64_t)bytes;
+    uint64_t key = now << 8 | (uint64_t)(hp->device & 0xff), said = atomic_load(&host_lost_said);
+    if ((segs || written_off) && said != key && atomic_compare_exchange_strong(&host_lost_said, &said, key))
+        fprintf(stderr,
+                "ascend_pool: warning: the runtime released the pinned host memory of device %d's host pool "
+                "(aclFinalize, or a reset of the device): the pool forgot %zu pinned allocation(s), %zu bytes, "
+                "without freeing them, and wrote off %llu buffer(s) still handed out (their frees are accepted, "
+                "nothing of them is reused). Empty the cache (empty_cache) and close the pool before "
+                "finalizing the runtime.\n",
+                hp->device, segs, bytes, (unsigned long long)written_off);
+    return segs || written_off;
+}
+
+/* A buffer written off by host_runtime_check: its free is accepted once, and forgets it. */
+static int lost_take(ap_host_pool *hp, void *ptr) {
+    return hp->lost.keys && ap_map_take(&hp->lost, (uintptr_t)ptr) != NULL;
+}
+
 /* ---- the interface ---------------------------------------------------------------------------------- */
 
 ap_host_pool *ap_host_pool_create(ap_backend *backend, int device, ap_error *err) {
@@ -443,11 +586,15 @@ ap_host_pool *ap_host_pool_create(ap_backend *backend, int device, ap_error *err
     hp->backend = backend;
     hp->device = device;
     hold_device(hp, device);
+    hp->life = ap_backend_life(backend, device, 0); /* after the reference: a renewal in it is this life */
     return hp;
 }
 
 void ap_host_pool_destroy(ap_host_pool *hp) {
     if (!hp) return;
+    /* What the runtime released behind the pool is forgotten, not freed: its addresses may be
+       another allocation's by now. */
+    host_runtime_check(hp, 1);
     for (host_block *b = hp->pending_head; b; b = b->next)
         for (int i = 0; i < b->uses->n_events; i++) hp->backend->event_destroy(hp->backend, b->uses->use[i].event);
     for (size_t i = 0; i <= hp->map.mask; i++) { /* buffers of their own */
@@ -469,6 +616,7 @@ void ap_host_pool_destroy(ap_host_pool *hp) {
     for (int d = 0; d < 64; d++)
         if (hp->held_devices >> d & 1) hp->backend->device_release(hp->backend, d);
     ap_map_destroy(&hp->map);
+    if (hp->lost.keys) ap_map_destroy(&hp->lost);
     pthread_mutex_destroy(&hp->lock);
     free(hp);
 }
@@ -482,8 +630,17 @@ int ap_host_malloc(ap_host_pool *hp, size_t size, void **out, ap_error *err) {
                             size);
     int cls = class_of(cs), rc = AP_OK;
     pthread_mutex_lock(&hp->lock);
-    if (hp->pending_head) settle_pending(hp, 0);
-    if (!hp->free_lists[cls]) rc = in_slabs(cls) ? grow_slab(hp, cls, err) : grow_single(hp, cls, err);
+    /* a query refused: the runtime may be gone (then those events are, and the buffers they guard) */
+    if (hp->pending_head && settle_pending(hp, 0)) host_runtime_check(hp, 0);
+    if (!hp->free_lists[cls]) {
+        host_runtime_check(hp, 1); /* a runtime call follows: what the runtime released goes first */
+        if (!hp->free_lists[cls]) rc = in_slabs(cls) ? grow_slab(hp, cls, err) : grow_single(hp, cls, err);
+        if (rc != AP_OK && rc != AP_E_HOST_NOMEM && host_runtime_check(hp, 0)) {
+            /* the call found the runtime finalised or renewed: once more, in the runtime there is now */
+            rc = AP_OK;
+            if (!hp->free_lists[cls]) rc = in_slabs(cls) ? grow_slab(hp, cls, err) : grow_single(hp, cls, err);
+        }
+    }
     if (rc != AP_OK) {
         pthread_mutex_unlock(&hp->lock);
         return rc;
@@ -511,6 +668,15 @@ int ap_host_malloc(ap_host_pool *hp, size_t size, void **out, ap_error *err) {
 int ap_host_free(ap_host_pool *hp, void *ptr, ap_error *err) {
     pthread_mutex_lock(&hp->lock);
     host_block *b = ap_map_get(&hp->map, (uintptr_t)ptr);
+    /* Events follow: what the backend saw the runtime release goes first (no probe: a marked free
+       is frequent, and its records' own failures are checked after park). */
+    if (b && b->state == HB_ALLOCATED && b->uses && b->uses->n_uses && host_runtime_check(hp, 0))
+        b = ap_map_get(&hp->map, (uintptr_t)ptr);
+    if ((!b || b->state != HB_ALLOCATED) && lost_take(hp, ptr)) {
+        hp->stats.num_frees++; /* written off with the runtime that released it */
+        pthread_mutex_unlock(&hp->lock);
+        return AP_OK;
+    }
     if (!b || b->state != HB_ALLOCATED) {
         hp->stats.num_invalid_frees++;
         pthread_mutex_unlock(&hp->lock);
@@ -525,6 +691,13 @@ int ap_host_free(ap_host_pool *hp, void *ptr, ap_error *err) {
     b->requested = 0;
     /* 1: parked (its slab stays busy until the events complete); < 0: lost for good. */
     int rc = b->uses && b->uses->n_uses ? park(hp, b, err) : 0;
+    if (rc < 0 && host_runtime_check(hp, 0)) {
+        /* the records and waits found the runtime released: the buffer went with its memory, or
+           (memory of this life) the streams' work it guarded did */
+        if (err) err->status = AP_OK;
+        rc = ap_map_get(&hp->map, (uintptr_t)ptr) == b ? 0 : 2;
+        if (rc == 0) b->uses->n_uses = 0;
+    }
     if (rc == 0) {
         push_free(hp, b);
         release_active(hp, b);
@@ -566,7 +739,9 @@ int ap_host_record_stream(ap_host_pool *hp, void *ptr, void *stream, int device,
     int rc = AP_OK;
     pthread_mutex_lock(&hp->lock);
     host_block *b = ap_map_get(&hp->map, (uintptr_t)ptr);
-    if (!b || b->state != HB_ALLOCATED) {
+    if (!b && hp->lost.keys && ap_map_get(&hp->lost, (uintptr_t)ptr)) {
+        /* written off with the runtime that released it: no stream's work can reach it */
+    } else if (!b || b->state != HB_ALLOCATED) {
         rc = ap_set_error(err, AP_E_INVALID_PTR, 0, "%p is not a pinned host buffer handed out by this pool", ptr);
     } else if (!b->uses && !(b->uses = uses_new())) {
         rc = ap_set_error(err, AP_E_HOST_NOMEM, 0, "host memory for the host pool's bookkeeping exhausted");
@@ -604,7 +779,8 @@ int ap_host_block_info(ap_host_pool *hp, void *ptr, uintptr_t *base, size_t *cap
 
 void ap_host_empty_cache(ap_host_pool *hp) {
     pthread_mutex_lock(&hp->lock);
-    if (hp->pending_head) settle_pending(hp, 1);
+    host_runtime_check(hp, 1); /* memory the runtime released is forgotten, not waited for or freed */
+    if (hp->pending_head && settle_pending(hp, 1)) host_runtime_check(hp, 0);
     release_cached(hp);
     pthread_mutex_unlock(&hp->lock);
 }

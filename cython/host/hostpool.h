@@ -12,6 +12,11 @@
  * every event has completed (polled, never waited for, on later calls). Unmarked buffers are
  * reusable at once.
  *
+ * The runtime's life (ap_backend_life): buffers and events of a runtime that released them
+ * (aclFinalize, then perhaps aclInit; a forced reset) are forgotten at the pool's next runtime
+ * call (a miss, a marked free, empty_cache, destroy), never on the cached path: cached ones
+ * dropped, handed-out ones written off (their free accepted), said once on stderr.
+ *
  * Thread-safe (one mutex); no Python objects; sizes in bytes.
  */
 #ifndef AP_HOSTPOOL_H
@@ -61,7 +66,8 @@ typedef struct ap_host_stats {
 /* A pool pinning through backend's host_malloc in device's runtime context. NULL (err set) when
    host memory for the bookkeeping is missing. */
 ap_host_pool *ap_host_pool_create(ap_backend *backend, int device, ap_error *err);
-/* Returns every buffer to the runtime, those still handed out included (the owner is going). */
+/* Returns every buffer to the runtime, those still handed out included (the owner is going),
+   but those of a runtime that released them (forgotten: their addresses may be another's). */
 void ap_host_pool_destroy(ap_host_pool *hp);
 
 /* Bytes a request of size occupies (its class), or 0 when size is 0 or too big. */
