@@ -311,3 +311,51 @@ def test_a_reference_taken_first_in_the_new_runtime_does_not_hide_it_from_the_po
         print(json.dumps({{"dead": dead}}))
     """)
     assert out["dead"] == [], out
+
+
+def test_the_c_abi_accepts_the_free_of_a_written_off_block_from_outside_its_pool(sim_node):
+    """A block allocated through the C ABI in a tenant context (`with ctx:`), written off when the
+    context's pool found the runtime finalized and initialised again, is freed (and marked with
+    record_stream) from outside the context, where the thread's current pool is the default: the
+    C ABI finds the pool that wrote it off and its free is accepted, no last error (before: code 4
+    'pointer ... was not allocated by this pool', and record_stream's 'not a live block of any
+    pool', since the search for the owning pool asked for live blocks only)."""
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        lib = C.CDLL(ap.library_path())
+        lib.ascend_pool_malloc.restype = C.c_void_p
+        lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, C.c_void_p]
+        lib.ascend_pool_free.argtypes = [C.c_void_p, C.c_ssize_t, C.c_int, C.c_void_p]
+        lib.ascend_pool_record_stream.argtypes = [C.c_void_p, C.c_void_p]
+        lib.ascend_pool_last_error.restype = C.c_char_p
+        def error():
+            e = (lib.ascend_pool_last_error_code(), lib.ascend_pool_last_error().decode())
+            lib.ascend_pool_clear_last_error()
+            return e
+        ctx = ap.default_pool(0).context("t")
+        with ctx:
+            p = lib.ascend_pool_malloc(1 << 20, 0, None)
+            q = lib.ascend_pool_malloc(1 << 20, 0, None)
+        assert acl.aclFinalize() == 0
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        with ctx:
+            lib.ascend_pool_free(lib.ascend_pool_malloc(256 << 20, 0, None), 0, 0, None)  # the loss learned
+        error()
+        lib.ascend_pool_free(p, 1 << 20, 0, None)
+        freed = error()
+        lib.ascend_pool_record_stream(q, None)
+        recorded = error()
+        lib.ascend_pool_free(q, 1 << 20, 0, None)
+        freed2 = error()
+        lib.ascend_pool_free(q, 1 << 20, 0, None)     # twice: refused as any double free
+        twice = error()
+        allocated = ctx.memory_stats()["allocated_bytes.all.current"]
+        ctx.close()
+        print(json.dumps({"freed": freed, "recorded": recorded, "freed2": freed2, "twice": twice[0],
+                          "allocated": allocated}))
+    """, ASCEND_POOL_BACKEND="sim")
+    assert out["freed"] == [0, ""] and out["recorded"] == [0, ""] and out["freed2"] == [0, ""], out
+    assert out["twice"] == 4 and out["allocated"] == 0, out

@@ -78,15 +78,24 @@ static void apc_unregister(ap_pool **slot) {
     pthread_mutex_unlock(&apc_reg_lock);
 }
 
-/* With apc_reg_lock held: the live pool of device (-1: any device) holding a live block that
-   starts at ptr (inside: any address in the block), skipping `skip`; NULL if none. */
+/* Whether q owns ptr: a live block starting at ptr (inside: any address in the block), or, not
+   inside, a block q wrote off when the runtime released its memory (ap_pool_wrote_off): its
+   free and record_stream are accepted by q, but were refused from any other pool as "no live
+   pool of device N allocated it". */
+static int apc_owns(ap_pool *q, void *ptr, int inside) {
+    uintptr_t base = 0;
+    size_t size = 0, requested = 0;
+    if (ap_pool_block_info(q, ptr, &base, &size, &requested) == 0 && (inside || base == (uintptr_t)ptr)) return 1;
+    return !inside && ap_pool_wrote_off(q, ptr);
+}
+
+/* With apc_reg_lock held: the live pool of device (-1: any device) owning ptr (apc_owns),
+   skipping `skip`; NULL if none. */
 static ap_pool *apc_find_locked(int device, void *ptr, int inside, ap_pool *skip) {
     for (size_t i = 0; i < apc_reg_n; i++) {
-        uintptr_t base = 0;
-        size_t size = 0, requested = 0;
         ap_pool *q = apc_entry_pool(&apc_reg[i]);
         if (!q || q == skip || (device >= 0 && apc_reg[i].device != device)) continue;
-        if (ap_pool_block_info(q, ptr, &base, &size, &requested) == 0 && (inside || base == (uintptr_t)ptr)) return q;
+        if (apc_owns(q, ptr, inside)) return q;
     }
     return NULL;
 }
@@ -113,10 +122,7 @@ static ap_pool *apc_find_hold(int device, void *ptr, int inside, ap_pool *skip) 
     }
     pthread_mutex_unlock(&apc_reg_lock);
     for (size_t i = 0; i < n; i++) {
-        uintptr_t base = 0;
-        size_t size = 0, requested = 0;
-        if (!owner && ap_pool_block_info(held[i], ptr, &base, &size, &requested) == 0 &&
-            (inside || base == (uintptr_t)ptr))
+        if (!owner && apc_owns(held[i], ptr, inside))
             owner = held[i];
         else
             ap_pool_unhold(held[i]);

@@ -1217,6 +1217,13 @@ int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, siz
     return b ? 0 : -1;
 }
 
+int ap_pool_wrote_off(ap_pool *p, void *ptr) {
+    pthread_mutex_lock(&p->lock);
+    int lost = p->lost_live.keys && ap_map_get(&p->lost_live, (uintptr_t)ptr) != NULL;
+    pthread_mutex_unlock(&p->lock);
+    return lost;
+}
+
 /* The frames context id (history.h) of the allocated block starting at ptr: 0 and *ctx, or -1
    when none starts there. Asks nothing else: a snapshot for it recorded a snapshot entry in the
    history at each call (torch's _allocation_traceback records none). */

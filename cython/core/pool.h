@@ -515,6 +515,10 @@ int ap_pool_check(ap_pool *p, char *msg, size_t len);
 void ap_pool_hold_lock(ap_pool *p, double seconds);
 /* Looks up a live block: its base, size and requested bytes. 0 if ptr is inside one. */
 int ap_pool_block_info(ap_pool *p, void *ptr, uintptr_t *base, size_t *size, size_t *requested);
+/* 1 when ptr starts a block the pool wrote off when the runtime released its memory (lost_live:
+   its free and record_stream are accepted), else 0. For the C ABI's search of the pool that owns
+   a pointer (capi/registry.h), which block_info alone does not find. */
+int ap_pool_wrote_off(ap_pool *p, void *ptr);
 int ap_pool_block_ctx(ap_pool *p, void *ptr, uint64_t *ctx);
 /* 1 when ptr lies in one of the pool's expandable (virtual-memory) segments, 0 when in another of
    its segments, -1 when in none. */
