@@ -432,6 +432,21 @@ static ap_block *obtain_counted(ap_pool *p, int slot, int pool, size_t rsize, si
     return b;
 }
 
+/* Once more, after the lock was dropped and taken again (other pools released, or lent nothing):
+   the slot table may have changed meanwhile. Called with the lock held; a stream destroyed
+   meanwhile unlocks it and returns the stream's error. */
+static int obtain_relocked(ap_pool *p, void *stream, int *slot, int pool, size_t rsize, size_t size, ap_error *e,
+                           int *retried, ap_error *err, ap_block **b) {
+    *slot = ap_slot_of_fast(p, stream, 1);
+    if (*slot < 0) {
+        pthread_mutex_unlock(&p->lock);
+        return slot_error(p, *slot, stream, err);
+    }
+    e->status = AP_OK;
+    *b = obtain_counted(p, *slot, pool, rsize, size, e, retried);
+    return AP_OK;
+}
+
 static size_t (*_Atomic peer_release_hook)(ap_pool *self, int mode);
 
 void ap_set_peer_release_hook(size_t (*hook)(ap_pool *self, int mode)) { atomic_store(&peer_release_hook, hook); }
@@ -633,15 +648,8 @@ static __attribute__((noinline)) int malloc_locked(ap_pool *p, size_t size, size
             pthread_mutex_unlock(&p->lock);
             size_t freed = peers(p, mode | (borrows ? AP_PEERS_NO_LENDERS : 0));
             pthread_mutex_lock(&p->lock);
-            if (freed) {
-                slot = ap_slot_of_fast(p, stream, 1);
-                if (slot < 0) {
-                    pthread_mutex_unlock(&p->lock);
-                    return slot_error(p, slot, stream, err);
-                }
-                e->status = AP_OK;
-                b = obtain_counted(p, slot, pool, rsize, size, e, &retried);
-            }
+            int rc = freed ? obtain_relocked(p, stream, &slot, pool, rsize, size, e, &retried, err, &b) : AP_OK;
+            if (rc != AP_OK) return rc;
         }
         void *(*lend)(ap_pool *, size_t, void *) = atomic_load(&peer_lend_hook);
         if (!b && borrows && lend) {
@@ -655,15 +663,8 @@ static __attribute__((noinline)) int malloc_locked(ap_pool *p, size_t size, size
                (not this pool's own limit, which a release elsewhere cannot move) */
             size_t freed = peers && (device_oom || cap_refused) ? peers(p, mode | AP_PEERS_ONLY_LENDERS) : 0;
             pthread_mutex_lock(&p->lock);
-            if (freed) {
-                slot = ap_slot_of_fast(p, stream, 1);
-                if (slot < 0) {
-                    pthread_mutex_unlock(&p->lock);
-                    return slot_error(p, slot, stream, err);
-                }
-                e->status = AP_OK;
-                b = obtain_counted(p, slot, pool, rsize, size, e, &retried);
-            }
+            int rc = freed ? obtain_relocked(p, stream, &slot, pool, rsize, size, e, &retried, err, &b) : AP_OK;
+            if (rc != AP_OK) return rc;
         }
         if (!b) {
             int fault = e->status == AP_E_DEVICE && e->device_code && !ap_backend_oom_code(p->backend, e->device_code);
