@@ -359,3 +359,74 @@ def test_the_c_abi_accepts_the_free_of_a_written_off_block_from_outside_its_pool
     """, ASCEND_POOL_BACKEND="sim")
     assert out["freed"] == [0, ""] and out["recorded"] == [0, ""] and out["freed2"] == [0, ""], out
     assert out["twice"] == 4 and out["allocated"] == 0, out
+
+
+def test_after_finalize_and_init_a_use_on_oom_mempool_lends_no_block_of_the_released_memory(sim_node):
+    """The default pool's request refused by the fraction after aclFinalize and aclInit: the
+    use_on_oom MemPool's idle 42 MiB segment is the finalized runtime's, so it lends no block of it
+    (before: the 30 MiB block lent in place was unreadable memory); the MemPool forgets it, which
+    gives the fraction its room back, and the default pool grows in the new runtime."""
+    p = sim_node.spawn("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        MiB = 1 << 20
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        default = ap.default_pool(0)
+        lend = ap.Pool(0, use_on_oom=True)
+        with ap.use_mem_pool(lend):
+            lend.free(ap.malloc(40 * MiB))
+        assert acl.aclFinalize() == 0
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        ap.set_per_process_memory_fraction((42 * MiB + default.total_bytes()) / ap.mem_get_info(0)[1], 0)
+        c = ap.malloc(30 * MiB)
+        lent = lend.block_info(c) is not None
+        sim.launch_fill(0, c, 30 * MiB, 7)
+        ap.synchronize()
+        ok = sim.read(c + 30 * MiB - 4, 4) == bytes([7]) * 4
+        ap.free(c)
+        print(json.dumps({"lent": lent, "ok": ok}))
+    """)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res == {"lent": False, "ok": True}, (res, err)
+
+
+def test_after_finalize_and_init_the_out_of_memory_release_forgets_a_peers_cache_without_freeing_it(sim_node):
+    """The default pool's request refused by the fraction after aclFinalize and aclInit has the
+    use_on_oom MemPool (no block of it fits) give back its idle segment: the finalized runtime's
+    memory, whose address the new runtime may have given the application meanwhile. It is forgotten,
+    not freed, and the fraction has its room back: before, aclrtFree of the old address freed the
+    application's buffer there (1 runtime free), or, with nothing there, the dead segment stayed
+    booked and the request was refused."""
+    p = sim_node.spawn("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        MiB = 1 << 20
+        acl = C.CDLL(sim.library_path())
+        acl.aclrtMalloc.argtypes = [C.POINTER(C.c_void_p), C.c_size_t, C.c_int]
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        default = ap.default_pool(0)
+        lend = ap.Pool(0, use_on_oom=True)
+        with ap.use_mem_pool(lend):
+            lend.free(ap.malloc(10 * MiB))
+        old = [s["address"] for s in lend.snapshot()["segments"]]
+        assert acl.aclFinalize() == 0
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        raw = C.c_void_p()
+        assert acl.aclrtMalloc(C.byref(raw), 12 * MiB, 0) == 0   # the application's, perhaps at old[0]
+        ap.set_per_process_memory_fraction((32 * MiB + default.total_bytes()) / ap.mem_get_info(0)[1], 0)
+        try:
+            c = ap.malloc(30 * MiB)
+        except ap.OutOfMemoryError as e:
+            c = str(e)
+        frees = sim.stats(0)["frees"]
+        readable = sim.read(raw.value + 12 * MiB - 4, 4) is not None
+        print(json.dumps({"c": c if isinstance(c, str) else "ok", "frees": frees, "readable": readable,
+                          "lender_reserved": lend.memory_stats()["reserved_bytes.all.current"]}))
+    """)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res == {"c": "ok", "frees": 0, "readable": True, "lender_reserved": 0}, (res, err)

@@ -472,8 +472,12 @@ int ap_pool_lend(ap_pool *q, size_t size, void *stream, void **out) {
     size_t rsize = ap_round_request(q, size);
     int pool = pool_of(q, rsize);
     pthread_mutex_lock(&q->lock);
-    /* read under the lock: once ap_pool_stop_lending cleared it, no block leaves here */
-    int slot = atomic_load(&q->lends) ? ap_slot_of_fast(q, stream, 1) : -1;
+    /* read under the lock: once ap_pool_stop_lending cleared it, no block leaves here. Nor while
+       its memory may be of a runtime that released it (the borrower's miss probed the life just
+       before): the release that follows forgets it (ap_pool_release_idle) */
+    int slot = atomic_load(&q->lends) && ap_backend_life(q->backend, q->device, 0) == q->life
+                   ? ap_slot_of_fast(q, stream, 1)
+                   : -1;
     ap_block *b = NULL;
     if (slot >= 0) {
         if (q->pending_head) ap_process_pending(q, 0, NULL);
@@ -1037,8 +1041,13 @@ void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook) {
 
 size_t ap_pool_release_idle(ap_pool *p) {
     pthread_mutex_lock(&p->lock);
+    /* memory of a runtime that released it is forgotten, never freed (its address may be another
+       allocation's now); forgotten bytes count as released: the device or fraction has them back */
+    size_t before = ap_reserved(p);
+    ap_pool_runtime_check(p, 1);
+    size_t released = before - ap_reserved(p);
     ap_process_pending(p, 0, NULL);
-    size_t released = ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
+    released += ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
     pthread_mutex_unlock(&p->lock);
     return released;
 }
