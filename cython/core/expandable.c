@@ -606,15 +606,18 @@ size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep
     return release(p, target, keep, 1, max_unmaps, NULL);
 }
 
-/* The runtime released the pool's virtual memory (ap_pool_runtime_check): its reservations,
-   mappings and physical handles are forgotten with no runtime call (none of them is to be freed
-   again: the runtime may hand their addresses and handles out anew), their quota given back.
-   The segments in them are the caller's to forget. */
-void ap_vmm_forget(ap_pool *p) {
-    for (ap_vmm_chunk *c = p->vmm_spares, *next; c; c = next) {
-        next = c->next;
-        if (p->quota.release) p->quota.release(p->quota.ctx, p->device, c->size);
-        free(c);
+/* Drops all of the pool's virtual memory: its spare handles, and each reservation with its mapped
+   chunks, their quota given back. through_runtime: unmapped, freed and released through the
+   runtime (the pool's destroy); else forgotten with no runtime call (ap_vmm_forget). */
+static void drop_all(ap_pool *p, int through_runtime) {
+    if (through_runtime) {
+        free_unmapped(p, p->vmm_spares, 1);
+    } else {
+        for (ap_vmm_chunk *c = p->vmm_spares, *next; c; c = next) {
+            next = c->next;
+            if (p->quota.release) p->quota.release(p->quota.ctx, p->device, c->size);
+            free(c);
+        }
     }
     p->vmm_spares = NULL;
     while (p->spaces) {
@@ -623,28 +626,22 @@ void ap_vmm_forget(ap_pool *p) {
         while (sp->chunks) {
             ap_vmm_chunk *c = sp->chunks;
             sp->chunks = c->next;
+            if (through_runtime) {
+                p->backend->vmm_unmap(p->backend, p->device, (void *)c->va, c->size);
+                p->backend->vmm_free(p->backend, p->device, c->handle);
+            }
             if (p->quota.release) p->quota.release(p->quota.ctx, p->device, c->size);
             free(c);
         }
+        if (through_runtime) p->backend->vmm_release(p->backend, p->device, (void *)sp->base, sp->size);
         free(sp);
     }
 }
 
-void ap_vmm_destroy(ap_pool *p) {
-    free_unmapped(p, p->vmm_spares, 1);
-    p->vmm_spares = NULL;
-    while (p->spaces) {
-        ap_vmm_space *sp = p->spaces;
-        p->spaces = sp->next;
-        while (sp->chunks) {
-            ap_vmm_chunk *c = sp->chunks;
-            sp->chunks = c->next;
-            p->backend->vmm_unmap(p->backend, p->device, (void *)c->va, c->size);
-            p->backend->vmm_free(p->backend, p->device, c->handle);
-            if (p->quota.release) p->quota.release(p->quota.ctx, p->device, c->size);
-            free(c);
-        }
-        p->backend->vmm_release(p->backend, p->device, (void *)sp->base, sp->size);
-        free(sp);
-    }
-}
+/* The runtime released the pool's virtual memory (ap_pool_runtime_check): its reservations,
+   mappings and physical handles are forgotten with no runtime call (none of them is to be freed
+   again: the runtime may hand their addresses and handles out anew), their quota given back.
+   The segments in them are the caller's to forget. */
+void ap_vmm_forget(ap_pool *p) { drop_all(p, 0); }
+
+void ap_vmm_destroy(ap_pool *p) { drop_all(p, 1); }
