@@ -7,9 +7,8 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
 
-# A child's start: the C ABI's default pool of device 0 orders work on the default stream and on
-# 1,023 live streams of the framework's: its table of 1,023 side streams is full, every one alive.
-FULL_TABLE = """
+# What every child here starts with: the C ABI's library with the signatures the tests call.
+CAPI = """
         import ascend_pool as ap
         from ascend_pool import sim
         VP = C.c_void_p
@@ -19,6 +18,11 @@ FULL_TABLE = """
         lib.ascend_pool_free.argtypes = [VP, C.c_ssize_t, C.c_int, VP]
         lib.ascend_pool_record_stream.argtypes = [VP, VP]
         lib.ascend_pool_last_error.restype = C.c_char_p
+"""
+
+# A child's start: the C ABI's default pool of device 0 orders work on the default stream and on
+# 1,023 live streams of the framework's: its table of 1,023 side streams is full, every one alive.
+FULL_TABLE = CAPI + """
         lib.ascend_pool_init(0)
         be = ap.default_pool(0).backend
         n = 1 << 20
@@ -101,14 +105,7 @@ def test_a_block_freed_on_the_new_stream_of_a_moved_handle_waits_for_its_work(si
     # new stream writes a device-0 block and the C ABI frees it naming that stream (the one it was
     # last used on): the block lands in the old stream's slot. Finding the handle moved, the pool
     # must not hand that slot's blocks to its other streams while the new stream's work runs.
-    out = sim_node.run_json("""
-        import ascend_pool as ap
-        from ascend_pool import sim
-        VP = C.c_void_p
-        lib = C.CDLL(ap.library_path())
-        lib.ascend_pool_malloc.restype = VP
-        lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, VP]
-        lib.ascend_pool_free.argtypes = [VP, C.c_ssize_t, C.c_int, VP]
+    out = sim_node.run_json(CAPI + """
         lib.ascend_pool_init(0)
         lib.ascend_pool_init(1)
         be = ap.default_pool(0).backend
@@ -138,15 +135,7 @@ def test_a_c_abi_free_on_another_devices_stream_waits_for_that_streams_work(sim_
     # device's kernel used it last. The free was done on the allocation stream at once with error
     # 5 ("belongs to another device"), and the next request got the block while the peer's kernel
     # still wrote it. It waits for that stream's work, as record_stream with a peer's stream.
-    out = sim_node.run_json("""
-        import ascend_pool as ap
-        from ascend_pool import sim
-        VP = C.c_void_p
-        lib = C.CDLL(ap.library_path())
-        lib.ascend_pool_malloc.restype = VP
-        lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, VP]
-        lib.ascend_pool_free.argtypes = [VP, C.c_ssize_t, C.c_int, VP]
-        lib.ascend_pool_last_error.restype = C.c_char_p
+    out = sim_node.run_json(CAPI + """
         lib.ascend_pool_init(0)
         lib.ascend_pool_init(1)
         peer = ap.default_pool(1).create_stream()      # a stream of device 1
@@ -173,14 +162,7 @@ def test_a_pool_told_a_handle_is_another_devices_keeps_its_blocks_until_that_str
     # was destroyed, and the slot's blocks go to the pool's other streams. Among them is a block
     # freed naming the new stream (a device-1 kernel still writing it): handed out at once, the
     # next request's data was overwritten. It waits for that stream's queued work.
-    out = sim_node.run_json("""
-        import ascend_pool as ap
-        from ascend_pool import sim
-        VP = C.c_void_p
-        lib = C.CDLL(ap.library_path())
-        lib.ascend_pool_malloc.restype = VP
-        lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, VP]
-        lib.ascend_pool_free.argtypes = [VP, C.c_ssize_t, C.c_int, VP]
+    out = sim_node.run_json(CAPI + """
         lib.ascend_pool_init(0)
         lib.ascend_pool_init(1)
         pool = ap.default_pool(0)
@@ -264,15 +246,7 @@ def test_c_abi_record_stream_finds_the_owner_among_many_pools(sim_node):
     # and asked every registered pool: 1.8-2.3 us with 129 pools against 0.5 us with one, measured
     # by bench/capi_record_stream.py); a block of another device, or of a pool not current (found
     # in the registry), still waits for the stream.
-    out = sim_node.run_json("""
-        import ascend_pool as ap
-        from ascend_pool import sim
-        VP = C.c_void_p
-        lib = C.CDLL(ap.library_path())
-        lib.ascend_pool_malloc.restype = VP
-        lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, VP]
-        lib.ascend_pool_free.argtypes = [VP, C.c_ssize_t, C.c_int, VP]
-        lib.ascend_pool_record_stream.argtypes = [VP, VP]
+    out = sim_node.run_json(CAPI + """
         for d in range(8):
             lib.ascend_pool_init(d)
         be = ap.default_pool(0).backend
@@ -308,15 +282,7 @@ def test_a_c_abi_free_on_a_stream_of_an_unreachable_context_waits_for_its_work(s
     # slot; empty_cache (a stream sync, which needs no context) gives it back once that work is
     # done, never under it. record_stream from a thread in the context, then a free on the
     # allocation stream elsewhere, waits too (as before).
-    out = sim_node.run_json("""
-        import ascend_pool as ap
-        from ascend_pool import sim
-        VP = C.c_void_p
-        lib = C.CDLL(ap.library_path())
-        lib.ascend_pool_malloc.restype = VP
-        lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, VP]
-        lib.ascend_pool_free.argtypes = [VP, C.c_ssize_t, C.c_int, VP]
-        lib.ascend_pool_record_stream.argtypes = [VP, VP]
+    out = sim_node.run_json(CAPI + """
         lib.ascend_pool_init(0)
         n = 1 << 20
         def case(record_first):
