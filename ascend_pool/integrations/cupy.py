@@ -60,7 +60,7 @@ class _Allocation:
 # CUDA's pseudo-handles: cudaStreamLegacy names the legacy default stream (the pool's default),
 # cudaStreamPerThread a different stream in each thread
 _STREAM_LEGACY, _STREAM_PER_THREAD = 0x1, 0x2
-_oom_classes = {}  # CuPy's OutOfMemoryError class -> the class raised for it
+_oom_classes = {}  # (CuPy's OutOfMemoryError class, the pool's error class) -> the class raised for them
 _returned = 0      # CuPy blocks given back so far (_Allocation.__del__)
 _limited_devices = set()  # devices whose default pool got $CUPY_GPU_MEMORY_LIMIT
 
@@ -107,11 +107,12 @@ def _oom_for_cupy(cp, exc, nbytes, device):
     base = getattr(getattr(cp.cuda, "memory", None), "OutOfMemoryError", None)
     if not (isinstance(base, type) and issubclass(base, BaseException)) or isinstance(exc, base):
         return exc
-    cls = _oom_classes.get(base)
+    # one class per pair: a tenant's QuotaExceededError stays one, a plain out-of-memory never becomes one
+    cls = _oom_classes.get((base, type(exc)))
     if cls is None:
         # pickled as CuPy's own class (a generated class has no module attribute to be found by):
         # a worker's out-of-memory reaches the parent of multiprocessing or dask, as CuPy's does
-        cls = _oom_classes[base] = type("CupyOutOfMemoryError", (base, type(exc)), {
+        cls = _oom_classes[(base, type(exc))] = type("CupyOutOfMemoryError", (base, type(exc)), {
             "__module__": __name__, "__reduce__": lambda e: (base, (e._size, e._total, e._limit))})
     pool = api.default_pool(device)
     total, limit = pool.memory_stats()["reserved_bytes.all.current"], pool.get_limit()

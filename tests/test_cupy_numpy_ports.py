@@ -1,0 +1,96 @@
+"""CuPy's and numpy's own tests of their memory pools and handlers, ported to ascend_pool's CuPy
+hook (ascend_pool.integrations.cupy), its Pool's CuPy names, its pinned host pool and its numpy
+handler (ascend_pool.integrations.numpy). CuPy cannot run here (it needs a GPU): the hook is
+driven through a stand-in with the slice of CuPy's interface it uses, whose OutOfMemoryError is
+CuPy's (cupy/cuda/memory.pyx: the message, the attributes, the __reduce__)."""
+
+import pickle
+import sys
+import types
+
+import pytest
+
+import ascend_pool as ap
+
+MiB = 1 << 20
+
+
+class CupyOutOfMemoryError(MemoryError):
+    """cupy.cuda.memory.OutOfMemoryError as CuPy defines it."""
+
+    def __init__(self, size, total, limit=0):
+        self._size, self._total, self._limit = size, total, limit
+        cap = f", limit set to: {limit:,} bytes" if limit else ""
+        super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes{cap}).")
+
+    def __reduce__(self):
+        return (type(self), (self._size, self._total, self._limit))
+
+
+class StandInCupy(types.ModuleType):
+    """What the hook calls of CuPy: UnownedMemory, Memory, MemoryPointer, the current device and
+    stream, set_allocator, and memory.OutOfMemoryError."""
+
+    def __init__(self):
+        super().__init__("cupy")
+
+        class UnownedMemory:
+            def __init__(self, ptr, size, owner, device_id=-1):
+                self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+        class Memory:
+            def __init__(self, size):
+                self.ptr, self.size = 0, size
+
+        class MemoryPointer:
+            def __init__(self, mem, offset):
+                self.mem, self.ptr = mem, mem.ptr + offset
+
+        self.stream = types.SimpleNamespace(ptr=0)
+        self.cuda = types.SimpleNamespace(
+            UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
+            memory=types.SimpleNamespace(Memory=Memory, OutOfMemoryError=CupyOutOfMemoryError),
+            runtime=types.SimpleNamespace(getDevice=lambda: 0), get_current_stream=lambda: self.stream,
+            set_allocator=lambda fn: setattr(self, "allocator", fn))
+
+
+@pytest.fixture
+def cupy_hook(monkeypatch):
+    """(the stand-in CuPy, the hook module) with no $CUPY_GPU_MEMORY_LIMIT."""
+    monkeypatch.setitem(sys.modules, "cupy", StandInCupy())
+    monkeypatch.delenv("CUPY_GPU_MEMORY_LIMIT", raising=False)
+    from ascend_pool.integrations import cupy as ap_cupy
+    monkeypatch.setattr(ap_cupy, "_limited_devices", set())
+    return sys.modules["cupy"], ap_cupy
+
+
+def _refusal(ap_cupy, nbytes, ctx=None):
+    """The error the hook raises for nbytes (in the tenant context ctx when given)."""
+    try:
+        if ctx is None:
+            ap_cupy.malloc(nbytes)
+        else:
+            with ctx:
+                ap_cupy.malloc(nbytes)
+    except MemoryError as e:
+        return e
+    raise AssertionError(f"{nbytes} bytes were served")
+
+
+def test_a_plain_out_of_memory_and_a_quota_refusal_keep_their_own_classes_under_cupys(cupy_hook):
+    # The hook raises CuPy's OutOfMemoryError that is also the pool's error; its class was made
+    # once per CuPy class, from the first error's class: after a tenant's quota refusal every
+    # later out-of-memory of the device was a QuotaExceededError too (and after a plain one, no
+    # quota refusal was), so `except ap.QuotaExceededError` caught the wrong ones.
+    fake, ap_cupy = cupy_hook
+    pool = ap.default_pool(0)
+    ctx = pool.context("cupy-port-quota", quota=8 * MiB)
+    try:
+        beyond = 4 * pool.mem_get_info()[1]
+        for order in (("quota", "plain"), ("plain", "quota")):
+            for kind in order:
+                e = _refusal(ap_cupy, 16 * MiB, ctx) if kind == "quota" else _refusal(ap_cupy, beyond)
+                assert isinstance(e, fake.cuda.memory.OutOfMemoryError) and isinstance(e, ap.OutOfMemoryError), kind
+                assert isinstance(e, ap.QuotaExceededError) == (kind == "quota"), (order, kind, type(e).__mro__)
+    finally:
+        ctx.close()
