@@ -94,3 +94,23 @@ def test_a_plain_out_of_memory_and_a_quota_refusal_keep_their_own_classes_under_
                 assert isinstance(e, ap.QuotaExceededError) == (kind == "quota"), (order, kind, type(e).__mro__)
     finally:
         ctx.close()
+
+
+def test_cupys_out_of_memory_error_pickles_with_its_message(cupy_hook):
+    # CuPy's TestExceptionPicklable: e2 = pickle.loads(pickle.dumps(e1)) keeps args and str. The
+    # hook's error went back to a multiprocessing or dask parent as CuPy's class rebuilt from
+    # (size, total, limit): CuPy's first sentence only, the pool's cause (what was reserved,
+    # cached, the device's free memory, the quota) lost on the way.
+    fake, ap_cupy = cupy_hook
+    pool = ap.default_pool(0)
+    e1 = _refusal(ap_cupy, 4 * pool.mem_get_info()[1])
+    assert "Tried to allocate" in str(e1)
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        e2 = pickle.loads(pickle.dumps(e1, protocol=protocol))
+        assert type(e2) is fake.cuda.memory.OutOfMemoryError
+        assert e2.args == e1.args and str(e2) == str(e1)
+        assert (e2._size, e2._total, e2._limit) == (e1._size, e1._total, e1._limit)
+    # CuPy's own error, pickled by its own __reduce__, is unchanged by the hook
+    own = fake.cuda.memory.OutOfMemoryError(124, 1024, 1024)
+    back = pickle.loads(pickle.dumps(own))
+    assert back.args == own.args and str(back) == str(own)

@@ -111,9 +111,11 @@ def _oom_for_cupy(cp, exc, nbytes, device):
     cls = _oom_classes.get((base, type(exc)))
     if cls is None:
         # pickled as CuPy's own class (a generated class has no module attribute to be found by):
-        # a worker's out-of-memory reaches the parent of multiprocessing or dask, as CuPy's does
+        # a worker's out-of-memory reaches the parent of multiprocessing or dask, as CuPy's does,
+        # with its own message (args, set back by BaseException's __setstate__): the pool's cause too
         cls = _oom_classes[(base, type(exc))] = type("CupyOutOfMemoryError", (base, type(exc)), {
-            "__module__": __name__, "__reduce__": lambda e: (base, (e._size, e._total, e._limit))})
+            "__module__": __name__,
+            "__reduce__": lambda e: (base, (e._size, e._total, e._limit), {"args": e.args})})
     pool = api.default_pool(device)
     total, limit = pool.memory_stats()["reserved_bytes.all.current"], pool.get_limit()
     cap = f", limit set to: {limit:,} bytes" if limit else ""
