@@ -4,6 +4,7 @@ handler (ascend_pool.integrations.numpy). CuPy cannot run here (it needs a GPU):
 driven through a stand-in with the slice of CuPy's interface it uses, whose OutOfMemoryError is
 CuPy's (cupy/cuda/memory.pyx: the message, the attributes, the __reduce__)."""
 
+import os
 import pickle
 import sys
 import types
@@ -11,6 +12,9 @@ import types
 import pytest
 
 import ascend_pool as ap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sim_fixtures import sim_node  # noqa: E402,F401  (pytest fixture)
 
 MiB = 1 << 20
 
@@ -60,7 +64,7 @@ def cupy_hook(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", StandInCupy())
     monkeypatch.delenv("CUPY_GPU_MEMORY_LIMIT", raising=False)
     from ascend_pool.integrations import cupy as ap_cupy
-    monkeypatch.setattr(ap_cupy, "_limited_devices", set())
+    monkeypatch.setattr(ap_cupy, "_limited_devices", {})
     return sys.modules["cupy"], ap_cupy
 
 
@@ -114,3 +118,30 @@ def test_cupys_out_of_memory_error_pickles_with_its_message(cupy_hook):
     own = fake.cuda.memory.OutOfMemoryError(124, 1024, 1024)
     back = pickle.loads(pickle.dumps(own))
     assert back.args == own.args and str(back) == str(own)
+
+
+def test_cupys_memory_limit_variable_caps_a_closed_default_pools_replacement(sim_node):
+    # CuPy's pool reads $CUPY_GPU_MEMORY_LIMIT for each device's pool; the hook sets it on the
+    # device's default pool at the device's first CuPy allocation, and remembered the device
+    # only: once that pool was closed, the default made for the next allocation had no cap
+    # (a 128 MiB request under a 64 MiB limit was served).
+    out = sim_node.run_json("""
+        from test_cupy_numpy_ports import StandInCupy
+        sys.modules["cupy"] = StandInCupy()
+        import ascend_pool as ap
+        from ascend_pool.integrations import cupy as ap_cupy
+        got = {}
+        held = ap_cupy.malloc(1 << 20)
+        got["first"] = ap.default_pool(0).get_limit()
+        del held
+        ap.default_pool(0).close()
+        held = ap_cupy.malloc(1 << 20)
+        got["replacement"] = ap.default_pool(0).get_limit()
+        try:
+            ap_cupy.malloc(128 << 20)
+            got["over"] = "served"
+        except MemoryError as e:
+            got["over"] = type(e).__name__
+        print(json.dumps(got))
+    """, CUPY_GPU_MEMORY_LIMIT=str(64 * MiB))
+    assert out == {"first": 64 * MiB, "replacement": 64 * MiB, "over": "CupyOutOfMemoryError"}, out

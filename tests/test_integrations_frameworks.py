@@ -331,7 +331,7 @@ def test_cupy_hook_keeps_cupys_memory_limit_variable_and_out_of_memory_class(mon
         with pytest.raises(ConfigError, match="CUPY_GPU_MEMORY_LIMIT"):
             ap_cupy.parse_limit(bad)
     assert ap_cupy.parse_limit(str(2**64 - 2)) == {"size": 2**64 - 2, "fraction": None}
-    monkeypatch.setattr(ap_cupy, "_limited_devices", set())
+    monkeypatch.setattr(ap_cupy, "_limited_devices", {})
     monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", str(64 << 20))
     pool = ap.default_pool(0)
     ctx = pool.context("cupy-first-use")
@@ -414,7 +414,7 @@ def cupy_hook_capped(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     from ascend_pool.integrations import cupy as ap_cupy
 
-    monkeypatch.setattr(ap_cupy, "_limited_devices", set())
+    monkeypatch.setattr(ap_cupy, "_limited_devices", {})
     monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", str(64 << 20))
     pool = ap.default_pool(0)
     yield fake, ap_cupy, pool

@@ -19,7 +19,8 @@ What CuPy's own code relies on holds under the hook: an allocation past the memo
 cupy.cuda.memory.OutOfMemoryError (which CuPy's fallbacks catch; it is an
 ascend_pool.OutOfMemoryError too, with CuPy's "Out of memory allocating N bytes" first and
 ascend_pool's cause after), and $CUPY_GPU_MEMORY_LIMIT ("1073741824" bytes or "50%" of the device),
-which CuPy's pool reads, caps each device's default pool from its first CuPy allocation.
+which CuPy's pool reads, caps each device's default pool from its first CuPy allocation (and a
+closed default's replacement from the next).
 """
 
 import gc
@@ -62,7 +63,9 @@ class _Allocation:
 _STREAM_LEGACY, _STREAM_PER_THREAD = 0x1, 0x2
 _oom_classes = {}  # (CuPy's OutOfMemoryError class, the pool's error class) -> the class raised for them
 _returned = 0      # CuPy blocks given back so far (_Allocation.__del__)
-_limited_devices = set()  # devices whose default pool got $CUPY_GPU_MEMORY_LIMIT
+# device -> the default pool that got $CUPY_GPU_MEMORY_LIMIT: a closed default's replacement
+# (api.process_default_pool makes one at the next allocation) gets it again
+_limited_devices = {}
 
 
 _MAX_LIMIT = 2**64 - 2  # the most pool.set_limit takes (2**64-1 is its "no limit")
@@ -95,10 +98,11 @@ def parse_limit(text=None):
 
 
 def _apply_env_limit(device):
-    _limited_devices.add(device)
+    pool = api.process_default_pool(device)  # the device's own pool, as CuPy's, not a context current here
+    _limited_devices[device] = pool
     limit = parse_limit(os.environ.get("CUPY_GPU_MEMORY_LIMIT"))
-    if limit is not None:  # the device's own pool, as CuPy's, not a context current in this thread
-        api.process_default_pool(device).set_limit(**limit)
+    if limit is not None:
+        pool.set_limit(**limit)
 
 
 def _oom_for_cupy(cp, exc, nbytes, device):
@@ -132,7 +136,8 @@ def malloc(nbytes):
     if nbytes == 0:  # empty arrays: CuPy's own zero-size memory, no device call
         return cp.cuda.MemoryPointer(cp.cuda.memory.Memory(0), 0)
     device = cp.cuda.runtime.getDevice()
-    if device not in _limited_devices:
+    limited = _limited_devices.get(device)
+    if limited is None or limited.closed:
         _apply_env_limit(device)
     stream = cp.cuda.get_current_stream().ptr or None
     if stream == _STREAM_LEGACY:  # the one legacy default stream under another name
