@@ -145,3 +145,221 @@ def test_cupys_memory_limit_variable_caps_a_closed_default_pools_replacement(sim
         print(json.dumps(got))
     """, CUPY_GPU_MEMORY_LIMIT=str(64 * MiB))
     assert out == {"first": 64 * MiB, "replacement": 64 * MiB, "over": "CupyOutOfMemoryError"}, out
+
+
+# -- CuPy's SingleDeviceMemoryPool tests on ascend_pool's Pool (CuPy's names) ---------------------
+
+def test_cupys_set_limit_and_get_limit_tests():
+    # CuPy's test_get_limit, test_set_limit_size, test_set_limit_fraction
+    pool = ap.Pool(0, backend="sim")
+    try:
+        total = pool.mem_get_info()[1]
+        assert pool.get_limit() == 0                      # no limit by default
+        for size in (1024, 2**33, 0):
+            pool.set_limit(size=size)
+            assert pool.get_limit() == size
+        with pytest.raises(ValueError):
+            pool.set_limit(size=-1)
+        pool.set_limit(fraction=0)
+        assert pool.get_limit() == 0
+        pool.set_limit(fraction=0.5)
+        assert pool.get_limit() == total * 0.5
+        pool.set_limit(fraction=1.0)
+        assert pool.get_limit() == total
+        for bad in (-1, 1.1):
+            with pytest.raises(ValueError):
+                pool.set_limit(fraction=bad)
+        with pytest.raises(ValueError):
+            pool.set_limit(size=1024, fraction=0.5)   # "size and fraction cannot be specified at one time"
+        assert pool.get_limit() == total                  # a refused call changes nothing
+    finally:
+        pool.close()
+
+
+def test_cupys_used_free_and_total_bytes_tests():
+    # CuPy's test_used_bytes, test_free_bytes, test_total_bytes: used follows live blocks,
+    # total what the pool holds (kept after frees), free the rest, and free_all_blocks gives
+    # everything back; figures in the pool's rounded sizes
+    pool = ap.Pool(0, backend="sim")
+    try:
+        unit = pool.round_size(1)
+        p1 = pool.malloc(unit * 2)
+        assert pool.used_bytes() == pool.round_size(unit * 2)
+        p2 = pool.malloc(unit * 4)
+        used = pool.round_size(unit * 2) + pool.round_size(unit * 4)
+        assert pool.used_bytes() == used
+        total = pool.total_bytes()
+        pool.free(p2)
+        assert pool.used_bytes() == pool.round_size(unit * 2) and pool.total_bytes() == total
+        pool.free(p1)
+        assert pool.used_bytes() == 0 and pool.free_bytes() == pool.total_bytes() == total
+        p3 = pool.malloc(unit)
+        assert pool.used_bytes() + pool.free_bytes() == pool.total_bytes() == total
+        pool.free(p3)
+        pool.free_all_blocks()
+        assert (pool.used_bytes(), pool.free_bytes(), pool.total_bytes()) == (0, 0, 0)
+    finally:
+        pool.close()
+
+
+def test_cupys_free_all_blocks_split_test():
+    # CuPy's test_free_all_blocks_split: a segment with a live block is not given back; its free
+    # part is served again from the cache afterwards
+    pool = ap.Pool(0, backend="sim")
+    try:
+        unit = pool.round_size(1)
+        pool.free(pool.malloc(unit * 4))
+        head, tail = pool.malloc(unit * 2), pool.malloc(unit * 2)
+        pool.free(tail)
+        total = pool.total_bytes()
+        pool.free_all_blocks()
+        assert pool.total_bytes() == total
+        again = pool.malloc(unit * 2)
+        assert again == tail and pool.total_bytes() == total
+        pool.free(again)
+        pool.free(head)
+    finally:
+        pool.close()
+
+
+# -- CuPy's TestAllocator through the hook ---------------------------------------------------------
+
+@pytest.mark.parametrize("stream", ["null", "created"])
+def test_cupys_reuse_between_thread_test(cupy_hook, stream):
+    # CuPy's test_reuse_between_thread(_same_stream): a block freed in one thread is what another
+    # thread allocating on the same stream gets next (the hook is per thread, its pool is not)
+    import threading
+    fake, ap_cupy = cupy_hook
+    pool = ap.default_pool(0)
+    handle = 0 if stream == "null" else pool.create_stream()
+    fake.stream = types.SimpleNamespace(ptr=handle)
+    got = []
+
+    def job():
+        mp = ap_cupy.malloc(128)
+        got.append(mp.ptr)
+        del mp
+
+    try:
+        job()
+        t = threading.Thread(target=job)
+        t.start()
+        t.join()
+        assert len(got) == 2 and got[0] == got[1], got
+    finally:
+        if handle:
+            pool.destroy_stream(handle)
+
+
+# -- numpy's test_mem_policy.py with ascend_pool's handler ----------------------------------------
+
+@pytest.fixture
+def np_handler():
+    """(numpy, the handler module, numpy's get_handler_name/get_handler_version) with the handler
+    installed in this test's context; numpy's default restored afterwards."""
+    np = pytest.importorskip("numpy")
+    import ascend_pool.integrations.numpy as ap_np
+    multiarray = ap_np._numpy_module("multiarray")
+    with ap_np.installed():
+        yield np, ap_np, multiarray.get_handler_name, multiarray.get_handler_version
+    assert multiarray.get_handler_name() == "default_allocator"
+
+
+def test_numpys_set_policy_and_policy_propagation_tests(np_handler):
+    # numpy's test_set_policy / test_policy_propagation / test_owner_is_base: the handler's name
+    # and version (1, the PyDataMem_Handler layout) for the context and for arrays it made; a
+    # view owns no data (None), its base does
+    np, ap_np, get_handler_name, get_handler_version = np_handler
+    a = np.arange(10.0)
+    assert get_handler_name() == get_handler_name(a) == ap_np.HANDLER_NAME
+    assert get_handler_version() == get_handler_version(a) == 1
+    view = a[2:].reshape(2, 4)
+    assert get_handler_name(view) is None and get_handler_version(view) is None
+    assert view.base is a and get_handler_name(view.base) == ap_np.HANDLER_NAME
+
+
+def test_numpys_context_locality_test(np_handler):
+    # numpy's test_context_locality: asyncio tasks copy the context they are created in; one
+    # task's uninstall() is its own, the creating context keeps the handler
+    import asyncio
+    np, ap_np, get_handler_name, _ = np_handler
+
+    async def keeps():
+        await asyncio.sleep(0)
+        return get_handler_name(np.ones(64))
+
+    async def drops():
+        ap_np.uninstall()
+        await asyncio.sleep(0)
+        return get_handler_name(np.ones(64))
+
+    async def main():
+        return await asyncio.gather(keeps(), drops(), keeps())
+
+    assert asyncio.run(main()) == [ap_np.HANDLER_NAME, "default_allocator", ap_np.HANDLER_NAME]
+    assert get_handler_name(np.ones(64)) == ap_np.HANDLER_NAME
+
+
+def test_numpy_empty_pickled_and_huge_arrays_under_the_handler(np_handler):
+    # 0-byte arrays come from the pool too (numpy asks for at least 1 byte); a pickled array that
+    # owns its data at loads has it from the handler current then (numpy keeps an aligned pickle's
+    # bytes object as the data instead); a size no host can hold is numpy's MemoryError, a
+    # resize to one leaves the array as it was, and nothing leaks either way
+    np, ap_np, get_handler_name, _ = np_handler
+    before = ap_np.stats()["allocated_bytes.all.current"]
+    for empty in (np.empty(0), np.zeros((0, 5), np.uint8), np.ones((3, 0))):
+        assert empty.nbytes == 0 and get_handler_name(empty) == ap_np.HANDLER_NAME
+    small = np.arange(10.0)
+    for protocol in range(5):
+        b = pickle.loads(pickle.dumps(small, protocol=protocol))
+        assert get_handler_name(b) == ap_np.HANDLER_NAME and (b == small).all(), protocol
+    a = np.arange(1000.0)
+    with pytest.raises(MemoryError):
+        np.empty(2**62, np.uint8)
+    with pytest.raises(MemoryError):
+        np.zeros(2**50, np.uint8)
+    with pytest.raises(MemoryError):
+        a.resize(2**61, refcheck=False)
+    assert a.shape == (1000,) and (a == np.arange(1000.0)).all()
+    del empty, small, a, b
+    assert ap_np.stats()["allocated_bytes.all.current"] == before
+    assert ap_np.stats()["num_invalid_frees"] == 0
+
+
+_NUMPY_SUITE = """
+import json, sys
+import numpy as np
+import pytest
+import ascend_pool.integrations.numpy as ap_np
+
+class Handler:
+    def pytest_configure(self, config):
+        ap_np.install()  # pytest runs the tests in this (the main) context
+
+rc = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-W", "ignore", "-x",
+                  "-k", sys.argv[2], sys.argv[1]], plugins=[Handler()])
+s = ap_np.stats()
+print(json.dumps({"rc": int(rc), "handler": ap_np._numpy_module("multiarray").get_handler_name(),
+                  "allocs": s["num_allocs"], "invalid_frees": s["num_invalid_frees"]}))
+"""
+
+
+def test_numpys_new_policy_test_runs_numpys_array_tests_on_the_handler(tmp_path):
+    # numpy's test_new_policy runs numpy's own test suite with the handler installed. Here a
+    # slice of test_multiarray.py that creates, resizes, copies, pickles and reshapes arrays (the
+    # whole file passes too, in minutes: 14,458 tests with test_regression.py)
+    np = pytest.importorskip("numpy")
+    import json
+    import subprocess
+    suite = os.path.join(os.path.dirname(np.__file__), "_core", "tests", "test_multiarray.py")
+    if not os.path.exists(suite):
+        pytest.skip(f"numpy's tests are not installed with this numpy ({suite} is missing)")
+    script = tmp_path / "suite.py"
+    script.write_text(_NUMPY_SUITE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(ap.__file__))), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, str(script), suite, "Resize or Pickl or Creation or Zeros or Copy"],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["rc"] == 0 and out["handler"] == "ascend_pool_pinned_host", p.stdout[-3000:] + p.stderr[-2000:]
+    assert out["allocs"] > 10_000 and out["invalid_frees"] == 0, out
