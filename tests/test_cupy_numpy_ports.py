@@ -363,3 +363,18 @@ def test_numpys_new_policy_test_runs_numpys_array_tests_on_the_handler(tmp_path)
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["rc"] == 0 and out["handler"] == "ascend_pool_pinned_host", p.stdout[-3000:] + p.stderr[-2000:]
     assert out["allocs"] > 10_000 and out["invalid_frees"] == 0, out
+
+
+def test_a_size_past_the_c_abis_is_cupys_out_of_memory_as_every_size_past_the_device(cupy_hook):
+    # CuPy's allocator takes a size_t; CuPy's own pool answers any size no device has with its
+    # OutOfMemoryError (what its fallbacks catch). Through the hook a size from 2**63 on was
+    # Cython's OverflowError ("Python int too large to convert to C ssize_t"), where 2**63-1 was
+    # CuPy's out-of-memory.
+    fake, ap_cupy = cupy_hook
+    before = ap.memory_stats(0)["allocated_bytes.all.current"]
+    for n in (1 << 60, (1 << 63) - 1, 1 << 63, (1 << 63) + 5, (1 << 64) - 1):
+        e = _refusal(ap_cupy, n)
+        assert isinstance(e, fake.cuda.memory.OutOfMemoryError) and isinstance(e, ap.OutOfMemoryError), (n, e)
+        assert e._size == n and str(e).startswith(f"Out of memory allocating {n:,} bytes"), str(e)
+        assert f"Tried to allocate more than 1EB memory ({n} bytes) on device 0" in str(e), str(e)
+    assert ap.memory_stats(0)["allocated_bytes.all.current"] == before

@@ -68,6 +68,7 @@ _returned = 0      # CuPy blocks given back so far (_Allocation.__del__)
 _limited_devices = {}
 
 
+_SSIZE_MAX = 2**63 - 1  # the most the C ABI's ascend_pool_malloc takes
 _MAX_LIMIT = 2**64 - 2  # the most pool.set_limit takes (2**64-1 is its "no limit")
 
 
@@ -150,6 +151,14 @@ def malloc(nbytes):
             "cupy.cuda.Stream() streams (or the legacy default stream) with ascend_pool")
     try:
         ptr = capi_malloc(nbytes, device, stream)
+    except OverflowError:
+        if nbytes <= _SSIZE_MAX:
+            raise
+        # CuPy's size is a size_t; the C ABI's an ssize_t. Past it no device has the memory:
+        # CuPy's out-of-memory, as every size past the device (not Cython's OverflowError)
+        raise _oom_for_cupy(cp, OutOfMemoryError(
+            f"ascend_pool_malloc({nbytes} bytes, device {device}): out of memory: Tried to allocate more than "
+            f"1EB memory ({nbytes} bytes) on device {device}: larger than any device"), nbytes, device) from None
     except OutOfMemoryError as first:
         # As CuPy's own pool: after its cache is freed (the pool did that), collect garbage
         # (arrays kept only by reference cycles give their blocks back) and try once more, when
