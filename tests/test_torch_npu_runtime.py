@@ -139,6 +139,41 @@ def test_torch_npu_memory_functions_answer_from_ascend_pool(fake_torch_npu, tmp_
         ap.free(ptr, device=0)
 
 
+def test_torch_npu_memory_functions_without_a_device_read_torch_npus_current_device(fake_torch_npu):
+    """torch.npu.memory_stats() with no device is torch_npu's current device of the calling thread
+    (torch.npu.set_device(1) on a framework thread), whose tensors the C ABI allocates on device 1;
+    it read ascend_pool's own current device (ap.set_device, default 0) instead: 0 bytes, and
+    device 0's pool opened to read them. "npu" without an index is the same device."""
+    import threading
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    npu = sys.modules["torch_npu.npu"]
+    local = threading.local()
+    npu.current_device = lambda: getattr(local, "device", 0)  # per thread, as torch_npu's
+    ap_npu.patch_memory_functions(fake_torch_npu, npu)
+    out = {}
+
+    def framework_thread():
+        local.device = 1
+        ptr = ap.malloc(5 << 20, device=1)
+        try:
+            out["mine"] = ap.memory_stats(1)["allocated_bytes.all.current"]
+            out["none"] = npu.memory_stats()["allocated_bytes.all.current"]
+            out["npu"] = fake_torch_npu.memory_stats("npu")["allocated_bytes.all.current"]
+            out["nested"] = npu.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["current"]
+            npu.reset_peak_memory_stats()
+        finally:
+            ap.free(ptr, device=1)
+        out["peak"] = ap.memory_stats(1)["allocated_bytes.all.peak"]
+
+    t = threading.Thread(target=framework_thread)
+    t.start()
+    t.join()
+    assert out["mine"] >= 5 << 20
+    assert (out["none"], out["npu"], out["nested"]) == (out["mine"],) * 3, out
+    assert out["peak"] == out["mine"], "reset_peak_memory_stats() reset device 1's peak"
+
+
 def test_torch_npus_set_allocator_settings_reaches_the_pools(fake_torch_npu):
     # torch.npu.memory._set_allocator_settings re-read torch_npu's own allocator's config, which
     # serves nothing under the pluggable allocator: vLLM's and torch's runtime settings were lost

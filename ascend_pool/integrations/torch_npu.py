@@ -34,7 +34,8 @@ _set_memory_metadata / _get_memory_metadata, _allocation_traceback (newer torch:
 allocation frames, from whichever pool made it), _set_allocator_settings (ascend_pool.settings: the knobs
 that change at runtime change every open pool; where it has them) and get_per_process_memory_fraction (newer torch_npu; the cap set_per_process_memory_fraction handed
 to the pool through the hook) answer from ascend_pool (PyTorch's schema): the stats
-for the pool the calling thread allocates from, and, as in torch, the history, _snapshot,
+for the pool the calling thread allocates from (no device given: torch_npu's current device of
+that thread, torch.npu.set_device, not ascend_pool's own ap.set_device), and, as in torch, the history, _snapshot,
 memory_snapshot and _dump_snapshot for the whole process (every device's default pool and every
 tenant context; ascend_pool.record_memory_history, dump_snapshot). With torch >= 2.9 and the NPU
 as the current accelerator, torch.accelerator.memory_stats (and memory_allocated,
@@ -84,14 +85,17 @@ def build_allocator(memory):
     return alloc, set_hooks(alloc.allocator(), HOOKS)
 
 
-def _device_index(device):
-    """torch's device argument (None, int, "npu:1", torch.device) as an int (None: current).
-    Another device type ("cpu", torch.device("cuda")) or argument is an InvalidDeviceError, a
-    ValueError as torch's _get_device_index raises."""
-    if device is None:
-        return None
-    index = api.torch_device_index(device, kinds=("npu",))
-    if index is None:
+def _device_index(device, current=True):
+    """torch's device argument (None, int, "npu:1", torch.device) as an int. None and "npu" (no
+    index) are torch_npu's current device of the calling thread (torch.npu.set_device, per
+    thread), as torch_npu's _get_device_index(device, optional=True) takes them; with current
+    False they stay None (torch_npu's current_device() runs its lazy init, which must not start
+    from here). Another device type ("cpu", torch.device("cuda")) or argument is an
+    InvalidDeviceError, a ValueError as torch's _get_device_index raises."""
+    index = None if device is None else api.torch_device_index(device, kinds=("npu",))
+    if index is None and current:
+        # not ascend_pool's own current device (ap.set_device, default 0): a thread on npu:1 read
+        # device 0's figures, and opened device 0's pool to read them
         npu = getattr(importlib.import_module("torch_npu"), "npu", None)
         return npu.current_device() if npu is not None and hasattr(npu, "current_device") else None
     return index
@@ -161,8 +165,9 @@ def _framework_started():
 def _stats_pool(device):
     """The pool the stats functions read for device: the default one (created on first use) once
     torch_npu has started; before, only one already open (None: torch_npu's own answer then)."""
-    index = _device_index(device)
-    return api.default_pool(index) if _framework_started() else api.open_pool(index)
+    started = _framework_started()
+    index = _device_index(device, current=started)
+    return api.default_pool(index) if started else api.open_pool(index)
 
 
 def _replacements():
@@ -191,7 +196,7 @@ def _replacements():
         # every device's and every pool's segments and traces, what _dump_snapshot pickles; the
         # device is still checked (another device type is a ValueError, as the other functions')
         _fx_traces(augment_with_fx_traces)
-        _device_index(device)
+        _device_index(device, current=False)
         # before torch_npu has started: the pools made so far (none by torch_npu's tensors)
         return api._process_snapshot(create=_framework_started())
 
