@@ -263,14 +263,21 @@ def empty_cache(device=None):
     """Returns the default pool's unused segments to the device (and closes the pools dropped
     earlier whose blocks have all been freed since). With no device, as torch.cuda.empty_cache():
     the current device's pool (the thread's current context, if any) and every other device's
-    open default pool; a device's pool that was never opened is not made for it. Inside
+    open default pool; a device's pool that was never opened is not made for it, the current
+    device's included (no device reference, no context on it). Inside
     use_mem_pool, as torch's: the pool in use keeps its cache (the pool underneath is emptied);
     pool.empty_cache() empties it."""
     _registry.reap_orphans(wait=True)
     index = torch_device_index(device)
     index = current_device() if index is None else index
-    mine = _current.cache_owner(index) or process_default_pool(index)
-    mine.empty_cache()
+    if device is None:
+        # the current device's pool too only if open: made to be emptied, it took a device
+        # reference (a context on an NPU the process never used: every rank of a job on NPU 0)
+        mine = _current.cache_owner(index) or _registry.default_pool(index)
+    else:
+        mine = _current.cache_owner(index) or process_default_pool(index)
+    if mine is not None:
+        mine.empty_cache()
     if device is not None:
         return
     for pool in _registry.default_pools():

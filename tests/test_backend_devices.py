@@ -298,3 +298,20 @@ def test_closing_the_last_pool_while_its_own_stream_runs_a_long_kernel_returns(s
         print(json.dumps({"took": took}))
     """)
     assert out["took"] < 10, out   # before: for ever (the hung kernel); room for load
+
+
+def test_empty_cache_without_a_device_opens_no_device_the_process_never_used(sim_node):
+    # A process on device 5 only (its ranks' device) calls ap.empty_cache() in its loop: the
+    # current device's pool (ap's current device: 0, never set) was made to be emptied, a device
+    # reference and, on an NPU, a context on device 0 held until exit (every rank on NPU 0).
+    # As torch.cuda.empty_cache(): the open pools are emptied, no device is initialised for it.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import registry, sim
+        ap.free(ap.malloc(12 << 20, device=5), device=5)    # a segment of its own, now idle
+        held = ap.memory_reserved(5)
+        ap.empty_cache()
+        print(json.dumps({"emptied_5": held - ap.memory_reserved(5) >= 12 << 20,
+                          "pool_0": registry.default_pool(0) is not None, "refs_0": sim.stats(0)["device_refs"]}))
+    """, ASCEND_SIM_DEVICES="8")
+    assert out == {"emptied_5": True, "pool_0": False, "refs_0": 0}, out
