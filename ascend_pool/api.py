@@ -131,7 +131,11 @@ def free(ptr, stream=None, device=None):
     a block another open pool of the device made (allocated under another context) is freed by
     that pool, as the C ABI's free finds its owner. With no device given, a block of another
     device is freed by its own pool (the current device changed since the allocation; HAMi
-    charges such a free to the block's device too). InvalidPointerError when no pool has it."""
+    charges such a free to the block's device too), and the current device's pool is not opened
+    to look (a device reference, a context on a device the thread may never use).
+    InvalidPointerError when no pool has it."""
+    if device is None and open_pool() is None and _free_in_owner(ptr, stream):
+        return
     pool = default_pool(device)
     try:
         pool.free(ptr, stream)
@@ -158,6 +162,28 @@ def free(ptr, stream=None, device=None):
         if stream is None and _free_through_c_abi(ptr, pool.device):
             return
         raise
+
+
+def _free_in_owner(ptr, stream):
+    """Frees ptr in the open pool that has its live block, True; False when none has it (the
+    caller's usual path then says why, as it does for what is not an address)."""
+    address = as_index(ptr)
+    if address is None or not 0 < address < 1 << 64:
+        return False
+    for other in _registry.live_pools():
+        try:
+            if other.block_info(address) is None:
+                continue
+            other.free(address, stream)
+        except InvalidPointerError:
+            continue  # freed by another thread meanwhile
+        except PoolError:
+            if not other.closed:
+                raise
+            continue  # closed by another thread since the listing: it held no live block of ours
+        _registry.reap_orphans()  # perhaps a dropped pool's last block
+        return True
+    return False
 
 
 def _free_through_c_abi(ptr, device):

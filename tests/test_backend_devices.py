@@ -315,3 +315,26 @@ def test_empty_cache_without_a_device_opens_no_device_the_process_never_used(sim
                           "pool_0": registry.default_pool(0) is not None, "refs_0": sim.stats(0)["device_refs"]}))
     """, ASCEND_SIM_DEVICES="8")
     assert out == {"emptied_5": True, "pool_0": False, "refs_0": 0}, out
+
+
+def test_a_module_level_free_of_another_devices_block_opens_no_pool_on_the_current_device(sim_node):
+    # ap.free(ptr) with no device finds the block's own pool (the current device changed since
+    # the allocation); a thread that never set ap's current device (0) opened device 0's pool
+    # first, to look there: a device reference (a context on an NPU) the process never needed.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import registry, sim
+        s = ap.create_stream(device=5)
+        a = ap.malloc(1 << 20, device=5)
+        b = ap.malloc(1 << 20, device=5, stream=s)
+        ap.free(a)
+        ap.free(b, stream=s)
+        out = {"allocated_5": ap.memory_allocated(5), "pool_0": registry.default_pool(0) is not None,
+               "refs_0": sim.stats(0)["device_refs"]}
+        try:
+            ap.free(a)
+        except ap.InvalidPointerError:
+            out["double_free"] = "InvalidPointerError"
+        print(json.dumps(out))
+    """, ASCEND_SIM_DEVICES="8")
+    assert out == {"allocated_5": 0, "pool_0": False, "refs_0": 0, "double_free": "InvalidPointerError"}, out
