@@ -205,8 +205,32 @@ def _free_through_c_abi(ptr, device):
 
 
 def record_stream(ptr, stream, device=None):
-    """Marks ptr as used by stream (see Pool.record_stream)."""
+    """Marks ptr as used by stream (see Pool.record_stream), on the default pool of device or
+    the thread's current context; with no device given, a block of another open pool (another
+    device's: the current device changed since the allocation, as for free) is marked by that
+    pool, and the current device's pool is not opened to look."""
+    if device is None:
+        mine = open_pool()
+        owner = mine if mine is not None and _has_block(mine, ptr) else _owner_of(ptr)
+        if owner is not None:
+            owner.record_stream(ptr, stream)
+            return
     default_pool(device).record_stream(ptr, stream)
+
+
+def _has_block(pool, ptr):
+    address = as_index(ptr)
+    try:
+        return address is not None and 0 < address < 1 << 64 and pool.block_info(address) is not None
+    except PoolError:
+        if not pool.closed:
+            raise
+        return False  # closed by another thread meanwhile: its blocks went with it
+
+
+def _owner_of(ptr):
+    """The open pool with a live block at ptr, or None."""
+    return next((p for p in _registry.live_pools() if _has_block(p, ptr)), None)
 
 
 def create_stream(device=None):

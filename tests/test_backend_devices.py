@@ -338,3 +338,27 @@ def test_a_module_level_free_of_another_devices_block_opens_no_pool_on_the_curre
         print(json.dumps(out))
     """, ASCEND_SIM_DEVICES="8")
     assert out == {"allocated_5": 0, "pool_0": False, "refs_0": 0, "double_free": "InvalidPointerError"}, out
+
+
+def test_a_module_level_record_stream_of_another_devices_block_marks_it_in_its_own_pool(sim_node):
+    # ap.record_stream(ptr, s) with no device, as ap.free: a device-5 block used by a device-5
+    # stream's kernel, from a thread whose ap current device is 0 (never set). It was refused
+    # (InvalidPointerError: "not allocated by this pool (device 0)"), device 0's pool opened to
+    # say so, and the block freed after it went to the next request under the kernel.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import registry, sim
+        n = 4 << 20
+        s = ap.create_stream(device=5)
+        x = ap.malloc(n, device=5)
+        sim.launch_fill(s, x, n, 0xAA, delay_s=0.4)
+        ap.record_stream(x, s)
+        ap.free(x, device=5)
+        y = ap.malloc(n, device=5)
+        sim.launch_fill(None, y, n, 0x33)
+        ap.synchronize(s, device=5)
+        ap.synchronize(device=5)
+        print(json.dumps({"overwritten": sim.read(y, n) != b"\\x33" * n,
+                          "pool_0": registry.default_pool(0) is not None, "refs_0": sim.stats(0)["device_refs"]}))
+    """, ASCEND_SIM_DEVICES="8")
+    assert out == {"overwritten": False, "pool_0": False, "refs_0": 0}, out
