@@ -202,6 +202,11 @@ def default_pools():
     return [p for p in list(_defaults.values()) if not p.closed]
 
 
+def open_host_pool(device):
+    """The process's pinned host pool of device if one was made, else None (none is made)."""
+    return _host_pools.get(device)
+
+
 def host_pool(device, create):
     """The process's pinned host pool of device: create() makes it on first use; kept for the life
     of the process (arrays and in-flight copies may outlive every reference to it)."""

@@ -362,3 +362,25 @@ def test_a_module_level_record_stream_of_another_devices_block_marks_it_in_its_o
                           "pool_0": registry.default_pool(0) is not None, "refs_0": sim.stats(0)["device_refs"]}))
     """, ASCEND_SIM_DEVICES="8")
     assert out == {"overwritten": False, "pool_0": False, "refs_0": 0}, out
+
+
+def test_the_pinned_pools_empty_and_reset_calls_make_no_pool(sim_node):
+    # host_empty_cache() (torch_npu.npu.host_empty_cache) and the host stats resets in a process
+    # that never pinned memory: each made device 0's pinned pool to empty or reset it, and with
+    # it a device-0 reference (a context on an NPU the process never used), held until exit.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import registry, sim
+        from ascend_pool.integrations import pinned
+        ap.free(ap.malloc(1 << 20, device=5), device=5)
+        pinned.host_empty_cache()
+        pinned.reset_peak_host_memory_stats()
+        pinned.reset_accumulated_host_memory_stats()
+        try:
+            pinned.host_empty_cache(8)
+        except ap.InvalidDeviceError:
+            bad = "InvalidDeviceError"
+        print(json.dumps({"pinned_0": registry.open_host_pool(0) is not None, "refs_0": sim.stats(0)["device_refs"],
+                          "device_8": bad}))
+    """, ASCEND_SIM_DEVICES="8")
+    assert out == {"pinned_0": False, "refs_0": 0, "device_8": "InvalidDeviceError"}, out

@@ -51,17 +51,33 @@ def host_memory_stats_as_nested_dict(device=0):
     return nested
 
 
+def _made(device):
+    """The pinned pool of `device` (checked as host_pool checks it) if one was made, else None:
+    the calls that only reset or give back make none, as torch's initialise nothing (a pool made
+    for them took a reference on the device, a context on an NPU the process may never use)."""
+    device = device_index(device)
+    check_device(open_backend(), device)
+    return registry.open_host_pool(device)
+
+
 def reset_peak_host_memory_stats(device=0):
     """torch.cuda.reset_peak_host_memory_stats(): peaks back to the current values."""
-    host_pool(device).reset_peak_stats()
+    pool = _made(device)
+    if pool is not None:
+        pool.reset_peak_stats()
 
 
 def reset_accumulated_host_memory_stats(device=0):
     """torch.cuda.reset_accumulated_host_memory_stats(): .allocated/.freed, call counts and times to 0."""
-    host_pool(device).reset_accumulated_stats()
+    pool = _made(device)
+    if pool is not None:
+        pool.reset_accumulated_stats()
 
 
 def host_empty_cache(device=0):
     """torch_npu.npu.host_empty_cache() (torch's torch._C._host_emptyCache): the cached buffers
-    back to the runtime, after the streams' work their parked ones wait for."""
-    host_pool(device).empty_cache()
+    back to the runtime, after the streams' work their parked ones wait for; nothing when the
+    device's pinned pool was never made."""
+    pool = _made(device)
+    if pool is not None:
+        pool.empty_cache()
