@@ -242,14 +242,32 @@ def create_stream(device=None):
 
 def destroy_stream(stream, device=None):
     """Waits for stream (from create_stream), returns the default pool's blocks cached for it to
-    all streams, and destroys it (Pool.destroy_stream)."""
-    default_pool(device).destroy_stream(stream)
+    all streams, and destroys it (Pool.destroy_stream). With no device, the stream's own (the
+    device create_stream(device) made it on), else the current device."""
+    _stream_pool(stream, device).destroy_stream(stream)
 
 
 def synchronize(stream=None, device=None):
     """Waits (bounded by sync_timeout_ms) for the work queued on stream (None: the default
-    stream of device, None: the current device), as pool.synchronize(stream)."""
-    default_pool(device).synchronize(stream)
+    stream of device, None: the current device), as pool.synchronize(stream). With no device,
+    a stream from create_stream(device) is waited for on its own device."""
+    _stream_pool(stream, device).synchronize(stream)
+
+
+def _stream_pool(stream, device):
+    """default_pool(device); with no device, the pool of the device the backend knows stream is
+    on (one it created: create_stream(device=5) from a thread whose current device is another),
+    as a torch stream carries its device: the current device's pool refused it ("not a live
+    stream of this pool (device 0)"), after being opened to say so."""
+    handle = as_index(stream) if device is None and stream is not None else None
+    if handle:
+        try:
+            on = open_backend().stream_device(handle)
+        except (PoolError, OverflowError, TypeError, ValueError):
+            on = None  # not a handle the backend can look up: the current device's pool says why
+        if on is not None and on != current_device():
+            return default_pool(on)
+    return default_pool(device)
 
 
 def context(name, quota=None, warn=None, device=None):

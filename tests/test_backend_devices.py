@@ -384,3 +384,27 @@ def test_the_pinned_pools_empty_and_reset_calls_make_no_pool(sim_node):
                           "device_8": bad}))
     """, ASCEND_SIM_DEVICES="8")
     assert out == {"pinned_0": False, "refs_0": 0, "device_8": "InvalidDeviceError"}, out
+
+
+def test_module_level_synchronize_and_destroy_stream_find_the_streams_device(sim_node):
+    # A stream from ap.create_stream(device=5), waited for and destroyed with no device from a
+    # thread whose ap current device is 0 (never set), as a torch stream carries its device:
+    # both were refused ("not a live stream of this pool (device 0)"), after device 0's pool was
+    # opened to say so, and the stream's work was not waited for.
+    out = sim_node.run_json("""
+        import time
+        import ascend_pool as ap
+        from ascend_pool import registry, sim
+        s = ap.create_stream(device=5)
+        x = ap.malloc(1 << 20, device=5, stream=s)
+        sim.launch_fill(s, x, 1 << 20, 0x5A, delay_s=0.3)
+        t0 = time.monotonic()
+        ap.synchronize(s)
+        waited = time.monotonic() - t0
+        done = sim.read(x, 1 << 20) == b"\\x5a" * (1 << 20)
+        ap.free(x, stream=s, device=5)
+        ap.destroy_stream(s)
+        print(json.dumps({"waited": waited >= 0.25, "done": done, "pool_0": registry.default_pool(0) is not None,
+                          "refs_0": sim.stats(0)["device_refs"], "refs_5": sim.stats(5)["device_refs"]}))
+    """, ASCEND_SIM_DEVICES="8")
+    assert out == {"waited": True, "done": True, "pool_0": False, "refs_0": 0, "refs_5": 1}, out
