@@ -223,8 +223,11 @@ static inline int should_split(const ap_pool *p, const ap_block *b, size_t rsize
        smaller one splits even a block that large: only a fresh segment can be one (fit_allowed
        refuses cached ones), the 20 MiB one medium requests share when large_segment_size_mb
        equals max_split_size_mb, or one rounded up to pages past it; kept whole, the request got
-       all of it (40 MiB for 8.5 MiB) and its room served no one. */
-    if (rsize >= p->cfg.max_split_size || p->no_split) return 0; /* torch's MemPool(no_split=True) */
+       all of it (40 MiB for 8.5 MiB) and its room served no one. An expandable segment's block
+       splits whatever its size, as torch's (shouldSplit): the free tail such a request is served
+       from is the whole segment's spare room (104 MiB went to a 40 MiB request). */
+    if (p->no_split) return 0; /* torch's MemPool(no_split=True) */
+    if (rsize >= p->cfg.max_split_size && !p->cfg.expandable) return 0;
     if (b->seg->pool == AP_POOL_SMALL) return rest >= p->cfg.min_block;
     return rest >= p->cfg.large_split_min;
 }
