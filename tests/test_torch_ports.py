@@ -33,3 +33,97 @@ def test_max_split_expandable():
         pool._check_invariants()
     finally:
         pool.close()
+
+
+# NPUPluggableAllocator.h as the torch_npu versions whose record_stream hook is a C signature
+# declare it (comments included), and as the others do (a C++ NPUStream).
+PLUGGABLE_ACL_STREAM = """
+struct NPUPluggableAllocator
+    : public c10_npu::NPUCachingAllocator::NPUAllocator {
+    void set_base_alloc_fn(std::function<void*(void*, size_t*)> base_alloc_fn);
+    void set_record_stream_fn(
+        std::function<void(void* ptr, aclrtStream stream)> record_stream_fn);
+    void set_erase_stream_fn(
+        std::function<void(void* ptr, aclrtStream stream)> erase_stream_fn);
+};
+"""
+PLUGGABLE_NPU_STREAM = """
+    // set_record_stream_fn(std::function<void(void* ptr, aclrtStream stream)>) in another version
+    void set_record_stream_fn(
+        std::function<void(void* ptr, c10_npu::NPUStream stream)> record_stream_fn);
+"""
+
+
+def _installed_record_stream_hook(monkeypatch, tmp_path, header):
+    """install() over a stand-in torch_npu whose installed headers declare the pluggable allocator
+    as `header` does; returns the address handed to set_record_stream_fn (None: not set)."""
+    import os
+    import sys
+    import types
+
+    from ascend_pool import config
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    got = {}
+
+    class Allocator:
+        def __getattr__(self, setter):
+            if setter.startswith("set_") and setter.endswith("_fn") and "stats" not in setter and "peak" not in setter:
+                return lambda fn: got.__setitem__(setter, fn)
+            raise AttributeError(setter)
+
+    class Pluggable:
+        def __init__(self, *args):
+            self._allocator = Allocator()
+
+        def allocator(self):
+            return self._allocator
+
+    npu_dir = tmp_path / "torch_npu"
+    (npu_dir / "include" / "torch_npu" / "csrc" / "npu").mkdir(parents=True)
+    (npu_dir / "include" / "torch_npu" / "csrc" / "npu" / "NPUPluggableAllocator.h").write_text(header)
+    torch_npu = types.ModuleType("torch_npu")
+    torch_npu.__file__ = os.path.join(str(npu_dir), "__init__.py")
+    memory = types.SimpleNamespace(NPUPluggableAllocator=Pluggable, change_current_allocator=lambda a: None)
+    for name, mod in (("torch_npu", torch_npu), ("torch_npu.npu", types.ModuleType("torch_npu.npu")),
+                      ("torch_npu.npu.memory", memory)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(ap_npu, "use_backend", lambda *a, **k: None)  # no ACL runtime here
+    monkeypatch.setattr(config, "_framework_vars", list(config._framework_vars))  # install() adds torch_npu's
+    ap_npu.install(patch_stats=False)
+    return got.get("set_record_stream_fn")
+
+
+def test_record_stream_through_torch_npus_pluggable_hook(monkeypatch, tmp_path):
+    # torch_npu test_npu.py TestNpu.test_record_stream, through the pluggable allocator's hook as
+    # torch_npu calls it (record_stream_fn_(ptr.get(), stream)): tmp, allocated on `stream` and
+    # read by a kernel on the current stream after record_stream, is not handed out again on
+    # `stream` until that kernel is done ("allocation reused to soon"). The hook was never set:
+    # tensor.record_stream() did nothing and tmp2 got tmp's block under the kernel.
+    import ctypes
+
+    from ascend_pool import sim
+
+    hook = _installed_record_stream_hook(monkeypatch, tmp_path, PLUGGABLE_ACL_STREAM)
+    lib = ctypes.CDLL(ap.library_path())
+    assert hook == ctypes.cast(lib.ascend_pool_record_stream, ctypes.c_void_p).value
+    record_stream_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(hook)
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    stream, current = ap.create_stream(device=0), ap.create_stream(device=0)
+    result = lib.ascend_pool_malloc(16, 0, current)
+    tmp = lib.ascend_pool_malloc(16, 0, stream)
+    sim.launch_fill(current, tmp, 16, 7, delay_s=0.5)  # result.copy_(tmp), delayed
+    record_stream_fn(tmp, current)
+    lib.ascend_pool_free(tmp, 16, 0, stream)
+    tmp2 = lib.ascend_pool_malloc(16, 0, stream)
+    assert tmp2 != tmp, "allocation reused to soon"
+    ap.synchronize(current, device=0)
+    for ptr, s in ((tmp2, stream), (result, current)):
+        lib.ascend_pool_free(ptr, 16, 0, s)
+
+
+def test_a_torch_npu_whose_record_stream_hook_takes_an_npu_stream_is_not_given_a_c_function(monkeypatch, tmp_path):
+    # a C function called with a C++ NPUStream object is undefined behaviour: left unset there
+    assert _installed_record_stream_hook(monkeypatch, tmp_path, PLUGGABLE_NPU_STREAM) is None

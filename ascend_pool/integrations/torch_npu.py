@@ -9,9 +9,12 @@ install() builds torch_npu.npu.memory.NPUPluggableAllocator("libascend_pool_torc
 "ascend_pool_torch_malloc", "ascend_pool_torch_free") (the C ABI's pair, except that a failed
 allocation throws, which torch raises as torch.OutOfMemoryError "... out of memory ..." (a
 RuntimeError) where a NULL made a tensor at address 0; _common.torch_alloc_functions), hands it the hooks its allocator object offers (init, reset -> empty_cache,
-memory_fraction -> set_memory_fraction, base_alloc), and makes it current. Not record_stream:
-torch_npu passes that hook a C++ NPUStream, which no C function can take; tensor.record_stream()
-is then a no-op, as it is for every NPUPluggableAllocator.
+memory_fraction -> set_memory_fraction, base_alloc), and makes it current. record_stream where
+the installed torch_npu declares its hook as std::function<void(void* ptr, aclrtStream stream)>
+(NPUPluggableAllocator.h; a C function takes that: ascend_pool_record_stream), so that
+tensor.record_stream() keeps a block from reuse until that stream's work is done; a torch_npu whose
+hook takes a C++ NPUStream (no C function can) or whose headers are missing leaves it unset, and
+tensor.record_stream() is then a no-op, as it is for every NPUPluggableAllocator without the hook.
 
 torch_npu refuses the swap once its own allocator has served a tensor, so install first. Tensors
 are allocated from the calling thread's current ascend_pool context (`with ctx:`), else the
@@ -53,7 +56,9 @@ ascend_pool.memory_stats(device) and friends instead.
 """
 
 import importlib
+import logging
 import os
+import re
 import sys
 import warnings
 from collections import OrderedDict
@@ -62,7 +67,8 @@ from .. import api, config
 from ..errors import ConfigError
 from ..snapshot import dump as write_snapshot
 from ..settings import set_allocator_settings
-from ._common import TORCH_ALLOC_LIB, require, say_caching_stays, set_hooks, torch_alloc_functions, use_backend
+from ._common import (TORCH_ALLOC_LIB, require, say_caching_stays, set_hooks, symbol_address, torch_alloc_functions,
+                      use_backend)
 from .torch_npu_stats import register_stats_hooks
 
 __all__ = ["install", "build_allocator", "patch_memory_functions", "patch_accelerator", "HOOKS", "PATCHED",
@@ -83,6 +89,43 @@ def build_allocator(memory):
     the hooks it accepts. Returns (allocator, names of the hooks set)."""
     alloc = memory.NPUPluggableAllocator(*torch_alloc_functions())
     return alloc, set_hooks(alloc.allocator(), HOOKS)
+
+
+# set_record_stream_fn as the torch_npu versions whose hook a C function can serve declare it (the
+# C++ NPUStream they pass converts to the aclrtStream it takes); others take a c10_npu::NPUStream.
+_C_RECORD_STREAM = re.compile(r"\bset_record_stream_fn\s*\(\s*std::function\s*<\s*void\s*\(\s*void\s*\*\s*\w*\s*,"
+                              r"\s*aclrtStream\s*\w*\s*\)\s*>")
+
+
+def record_stream_hook_takes_acl_stream(torch_npu_dir):
+    """Whether the NPUPluggableAllocator.h installed with torch_npu (under torch_npu_dir) declares
+    set_record_stream_fn with std::function<void(void* ptr, aclrtStream stream)>: then the C ABI's
+    ascend_pool_record_stream(void *ptr, void *stream) is that hook. False without the header."""
+    path = os.path.join(torch_npu_dir, "include", "torch_npu", "csrc", "npu", "NPUPluggableAllocator.h")
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return False
+    text = re.sub(r"//[^\n]*", " ", re.sub(r"/\*.*?\*/", " ", text, flags=re.S))
+    return _C_RECORD_STREAM.search(text) is not None
+
+
+def set_record_stream_hook(allocator, torch_npu_dir):
+    """Hands allocator (the NPUPluggableAllocator's allocator() object) ascend_pool_record_stream
+    where its set_record_stream_fn takes a C function (record_stream_hook_takes_acl_stream).
+    Returns whether it did: without it tensor.record_stream() does nothing, and a block freed on
+    its allocation stream is reused there while another stream may still use it."""
+    if not callable(getattr(allocator, "set_record_stream_fn", None)):
+        return False
+    if not record_stream_hook_takes_acl_stream(torch_npu_dir):
+        logging.getLogger("ascend_pool").info(
+            "ascend_pool: torch_npu's set_record_stream_fn not used (its installed NPUPluggableAllocator.h does not "
+            "declare it std::function<void(void*, aclrtStream)>): tensor.record_stream() does nothing; free such "
+            "tensors on the stream that used them last")
+        return False
+    allocator.set_record_stream_fn(symbol_address("ascend_pool_record_stream"))
+    return True
 
 
 def _device_index(device, current=True):
@@ -309,6 +352,7 @@ def install(patch_stats=True):
     config.use_framework_conf("PYTORCH_NPU_ALLOC_CONF")  # the user's settings, without $ASCEND_POOL_CONF
     say_caching_stays("PYTORCH_NO_NPU_MEMORY_CACHING")
     alloc, _ = build_allocator(memory)
+    set_record_stream_hook(alloc.allocator(), _package_dir("torch_npu"))
     memory.change_current_allocator(alloc)
     _installed = alloc
     register_stats_hooks(alloc.allocator(), TORCH_ALLOC_LIB, _package_dir("torch_npu"), _package_dir("torch"),
