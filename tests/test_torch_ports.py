@@ -127,3 +127,27 @@ def test_record_stream_through_torch_npus_pluggable_hook(monkeypatch, tmp_path):
 def test_a_torch_npu_whose_record_stream_hook_takes_an_npu_stream_is_not_given_a_c_function(monkeypatch, tmp_path):
     # a C function called with a C++ NPUStream object is undefined behaviour: left unset there
     assert _installed_record_stream_hook(monkeypatch, tmp_path, PLUGGABLE_NPU_STREAM) is None
+
+
+def test_max_split_size_stat_is_minus_1_after_a_setting_resets_it():
+    # test_cuda.py test_allocator_settings resets max_split_size_mb with each
+    # _set_allocator_settings call that leaves it out; memory_stats()["max_split_size"] then reads
+    # -1 again, as before it was set (torch: SIZE_MAX as int64). It read 18446744073709551615.
+    from ascend_pool import config
+
+    saved = config._runtime  # the process's runtime settings, which pools opened later take
+    pool = ap.Pool(0, backend="sim")
+    try:
+        assert ap.memory_stats(0)["max_split_size"] == pool.memory_stats()["max_split_size"] == -1
+        ap.set_allocator_settings("max_split_size_mb:40")
+        assert ap.memory_stats(0)["max_split_size"] == pool.memory_stats()["max_split_size"] == 40 * MiB
+        ap.set_allocator_settings("garbage_collection_threshold:0.5")
+        assert ap.memory_stats(0)["max_split_size"] == pool.memory_stats()["max_split_size"] == -1
+        assert ap.memory_stats_as_nested_dict(0)["max_split_size"] == -1
+        assert pool.snapshot()["allocator_settings"]["max_split_size"] == -1
+        ap.set_allocator_settings("max_split_size_mb:40")  # accepted again: the open pools agree
+        assert pool.memory_stats()["max_split_size"] == 40 * MiB
+    finally:
+        ap.set_allocator_settings("")
+        config._runtime = saved
+        pool.close()

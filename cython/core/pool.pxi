@@ -993,7 +993,10 @@ cdef class PoolBase:
             ap_pool_set_tunables(_p, split, gc, div)
         self._leave()
         config = dict(self.config)
-        config["max_split_size"] = split
+        if max_split_size is None:  # off, as in a pool opened without it (memory_stats: -1, as torch's)
+            config.pop("max_split_size", None)
+        else:
+            config["max_split_size"] = split
         config["gc_threshold"] = gc
         config["roundup_divisions"] = list(divisions)
         self.config = config
