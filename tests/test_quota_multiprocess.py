@@ -231,6 +231,83 @@ def test_a_short_ledger_lock_wait_holds_while_another_thread_waits_longer(node_e
     assert got["took"] < 4.0 and "20 ms" in got["got"], got   # before: the other thread's 8 s
 
 
+def test_a_refusal_waiting_for_the_ledgers_lock_leaves_the_contexts_other_threads_served(node_env):
+    # A refused reserve gives back dead processes' shares under the ledger's lock first; it waited
+    # for that lock (10 s, twice: the pool trims its cache and asks again) holding its pool's
+    # lock, so while a stopped process held the ledger's lock every other thread of the context
+    # stalled 20 s, a malloc its cache served and a free included (19.7 s).
+    node, env, ledger_dir = node_env
+    asker = _asker(env, "stalled", """
+        small = ctx.malloc(1000)                 # a 2 MiB small segment, cached below
+        big = ctx.malloc(60 * 1024 * 1024)       # 62 of the 64 MiB booked
+        ctx.free(small)
+        refused = {}
+        def over():
+            t0 = time.monotonic()
+            try:
+                ctx.malloc(8 * 1024 * 1024)
+            except ap.QuotaExceededError:
+                refused["after"] = time.monotonic() - t0
+        t = threading.Thread(target=over)
+        t.start()
+        time.sleep(0.5)                          # the refusal is waiting for the ledger's lock now
+        t0 = time.monotonic()
+        ctx.free(ctx.malloc(1000))               # the cache serves it: no device, no ledger
+        took = time.monotonic() - t0
+        t.join()
+        print(json.dumps({"took": took, "refused_after": refused.get("after")}), flush=True)
+    """)
+    got = _answer_while_a_peer_holds_the_ledger_lock(asker)
+    assert got["took"] < 2.0, got                                   # before: 19.7 s
+    assert got["refused_after"] is not None and got["refused_after"] < 15.0, got   # one wait, not two
+
+
+def test_a_dead_processs_share_still_comes_back_when_the_ledgers_lock_was_busy_at_the_refusal(node_env):
+    # The reserve under the pool's lock no longer waits for the ledger's lock: when it is busy the
+    # give-back of a killed process's share is done once the pool's lock is dropped, and the
+    # request granted then, as before.
+    node, env, ledger_dir = node_env
+    victim = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import ascend_pool as ap
+        ctx = ap.Pool(0).context("busy-lock", quota="64MiB")
+        x = ctx.malloc(40 << 20)
+        print("ready", flush=True)
+        import time; time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert victim.stdout.readline().strip() == "ready"
+        victim.kill()
+        victim.wait(timeout=10)
+        asker = _asker(env, "busy-lock", """
+            t0 = time.monotonic()
+            try:
+                ctx.malloc(40 << 20)
+                got = "granted"
+            except ap.QuotaExceededError as e:
+                got = str(e)
+            print(json.dumps({"got": got, "took": time.monotonic() - t0}), flush=True)
+        """)
+        path = asker.stdout.readline().strip()
+        locker = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                                   "fd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+                                   "print('locked', flush=True)\ntime.sleep(1.0)\nfcntl.flock(fd, fcntl.LOCK_UN)\n"
+                                   "sys.stdin.readline()", path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True)
+        try:
+            assert locker.stdout.readline().strip() == "locked"
+            asker.stdin.write("go\n")
+            asker.stdin.flush()
+            got = json.loads(asker.stdout.readline())
+        finally:
+            for p in (asker, locker):
+                if p.poll() is None:
+                    p.kill()
+        assert got["got"] == "granted", got
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+
+
 def test_a_sigbus_sent_to_a_process_with_the_ledger_guard_still_ends_it(node_env):
     # The SIGBUS guard (installed by a sweep of a group's ledger) returned from a SIGBUS sent
     # with kill(): the process lived on, its handler reset, the next guarded read unprotected.

@@ -630,6 +630,18 @@ static __attribute__((noinline)) int malloc_locked(ap_pool *p, size_t size, size
             b = obtain_counted(p, slot, pool, rsize, size, e, &retried);
             if (!b && wrc == AP_E_TIMEOUT) *e = wait_err;
         }
+        if (!b && e->status == AP_E_QUOTA && p->quota.settle) {
+            /* The reserve under the lock gave back no dead process's share if it had to wait for
+               the ledger's lock (a process stopped inside an update held it: this pool's lock,
+               and every thread's cached malloc and free with it, was held 10 s per try): the
+               wait is here, the lock dropped, and the request is tried again if some came back. */
+            ap_quota_hook q = p->quota;
+            pthread_mutex_unlock(&p->lock);
+            int settled = q.settle(q.ctx, p->device);
+            pthread_mutex_lock(&p->lock);
+            int rc = settled ? obtain_relocked(p, stream, &slot, pool, rsize, size, e, &retried, err, &b) : AP_OK;
+            if (rc != AP_OK) return rc;
+        }
         size_t (*peers)(ap_pool *, int) = atomic_load(&peer_release_hook);
         int device_oom = e->status == AP_E_OOM || e->status == AP_OK ||
                          (e->status == AP_E_DEVICE && ap_backend_oom_code(p->backend, e->device_code));

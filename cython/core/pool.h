@@ -71,7 +71,9 @@
  * create/record/query/reset/destroy (a new-mode record only under the records bound; the acl backend's check that a stream it made is still
  * its own, when a new stream's device is asked, is one of each), aclrtStreamWaitEvent,
  * aclrtGetMemInfo on the out-of-memory path),
- * the quota hook (no pool calls).
+ * the quota hook's reserve, release and terms (no pool calls, no wait: a reserve's give-back of dead
+ * processes' shares only takes the ledger's lock when it is free; the wait for it is the hook's
+ * settle, which the out-of-memory path calls with the lock dropped).
  * Exception, rare: ap_free_pending waits for a stream when no event can be had at all (the device's
  * event limit reached with every cached event in use), with events of aclrtCreateEventWithFlag only;
  * with new-mode events it never waits there (the block owes the stream, settled later). The C ABI's registry lock is never held
@@ -198,6 +200,10 @@ typedef struct ap_quota_hook {
     /* The tenant's quota and what it holds node-wide now (a lock-free read; another process may
        book the difference first); quota SIZE_MAX without one. NULL: unknown (no room assumed). */
     void (*terms)(void *ctx, int device, size_t *quota, size_t *held);
+    /* After a refusal, with no pool lock held: gives back what dead processes of the tenant still
+       hold where reserve() could not without waiting (another process held the ledger's lock).
+       Nonzero when it gave some back (the pool then asks once more). NULL: nothing to do. */
+    int (*settle)(void *ctx, int device);
 } ap_quota_hook;
 
 /* Expandable segments: physical memory mapped into reserved address space. A segment is a run

@@ -45,6 +45,7 @@ cdef extern from "pool.h" nogil:
         int (*reserve)(void *ctx, int device, size_t bytes, char *why, size_t why_len) noexcept nogil
         void (*release)(void *ctx, int device, size_t bytes) noexcept nogil
         void (*terms)(void *ctx, int device, size_t *quota, size_t *held) noexcept nogil
+        int (*settle)(void *ctx, int device) noexcept nogil
     void ap_pool_set_quota_hook(ap_pool *p, const ap_quota_hook *hook)
     void ap_config_default(ap_config *c)
     ap_pool *ap_pool_create(ap_backend *backend, int device, const ap_config *cfg, ap_error *err)

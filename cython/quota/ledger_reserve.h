@@ -121,11 +121,18 @@ static int apl_refuse_broken(apl_handle *h, uint64_t bytes, char *why, size_t wh
     return 1;
 }
 
+/* Set by a refusal whose give-back of dead processes' shares was skipped because the ledger's lock
+   was held (apl_reserve_ms with lock_ms 0): the pool's settle (apl_hook_settle) then waits for it
+   with the pool's lock dropped. */
+static __thread int apl_reclaim_skipped;
+
 /* Reserves bytes for the context; reclaims dead processes' shares once before refusing (a guarded
-   ledger's under the lock given back if it faults: apl_reclaim_checked).
+   ledger's under the lock given back if it faults: apl_reclaim_checked), waiting at most lock_ms
+   for the ledger's lock (0: only if it is free; the pool's hook, under the pool's lock).
    0 granted; 1 refused (apl_last_refusal and why say why). */
-static int apl_reserve(apl_handle *h, uint64_t bytes, char *why, size_t why_len) {
+static int apl_reserve_ms(apl_handle *h, uint64_t bytes, int lock_ms, char *why, size_t why_len) {
     apl_last_refusal.valid = 0;
+    apl_reclaim_skipped = 0;
     if (getpid() != h->pid) {
         apl_last_refusal = (apl_refusal){1, 1, 0, 0, bytes, 0};
         snprintf(why, why_len, "this tenant context was created by process %d; a forked child (process %d) "
@@ -140,9 +147,10 @@ static int apl_reserve(apl_handle *h, uint64_t bytes, char *why, size_t why_len)
     if (r == 0) return 0;
     uint64_t freed = 0;
     char ignore[256];
-    int n = L->guarded ? apl_reclaim_checked(L, APL_LOCK_TIMEOUT_MS, 1, &freed, ignore, sizeof ignore)
-                       : apl_reclaim(L, h->tenant, &freed, ignore, sizeof ignore);
+    int n = L->guarded ? apl_reclaim_checked(L, lock_ms, 1, &freed, ignore, sizeof ignore)
+                       : apl_reclaim_ms(L, h->tenant, lock_ms, &freed, ignore, sizeof ignore);
     if (n == -2) return apl_refuse_broken(h, bytes, why, why_len);
+    if (n == -1 && lock_ms == 0) apl_reclaim_skipped = 1;
     if (n > 0) {
         APL_ON_MAPPING(L, r = apl_try_reserve(h, bytes, &held, &quota), bus);
         if (bus) return apl_refuse_broken(h, bytes, why, why_len);
@@ -160,6 +168,10 @@ static int apl_reserve(apl_handle *h, uint64_t bytes, char *why, size_t why_len)
              "segment of %llu bytes would exceed it", name, (unsigned long long)held, h->device,
              (unsigned long long)quota, (unsigned long long)bytes);
     return 1;
+}
+
+static int apl_reserve(apl_handle *h, uint64_t bytes, char *why, size_t why_len) {
+    return apl_reserve_ms(h, bytes, APL_LOCK_TIMEOUT_MS, why, why_len);
 }
 
 static void apl_release_mapped(apl_handle *h, uint64_t bytes);
@@ -199,10 +211,28 @@ static int apl_is_broken(apl_ledger *L) { return atomic_load(&L->broken); }
 /* 1 once after this context's growth crossed the tenant's warn level (then cleared). */
 static int apl_take_warn(apl_handle *h) { return atomic_exchange(&h->warn_pending, 0); }
 
-/* The ap_quota_hook functions (pool.h). */
+/* The ap_quota_hook functions (pool.h). reserve runs under the pool's lock: it never waits for
+   the ledger's lock (a process stopped inside an update held every thread of the pool 10 s per
+   try, cached mallocs and frees included); settle does, the pool's lock dropped. */
 static int apl_hook_reserve(void *ctx, int device, size_t bytes, char *why, size_t why_len) {
     (void)device;
-    return apl_reserve((apl_handle *)ctx, (uint64_t)bytes, why, why_len);
+    return apl_reserve_ms((apl_handle *)ctx, (uint64_t)bytes, 0, why, why_len);
+}
+
+/* After the calling thread's refusal that skipped the give-back (apl_reclaim_skipped): gives back
+   the shares of the tenant's dead processes, waiting for the ledger's lock as a reserve did
+   before. 1 when some came back. */
+static int apl_hook_settle(void *ctx, int device) {
+    (void)device;
+    apl_handle *h = ctx;
+    if (!apl_reclaim_skipped || getpid() != h->pid) return 0;
+    apl_reclaim_skipped = 0;
+    apl_ledger *L = h->L;
+    uint64_t freed = 0;
+    char ignore[256];
+    int n = L->guarded ? apl_reclaim_checked(L, APL_LOCK_TIMEOUT_MS, 1, &freed, ignore, sizeof ignore)
+                       : apl_reclaim(L, h->tenant, &freed, ignore, sizeof ignore);
+    return n > 0;
 }
 
 static void apl_hook_release(void *ctx, int device, size_t bytes) {

@@ -161,12 +161,16 @@ static int apl_reclaim_locked(apl_ledger *L, int tenant, uint64_t *bytes) {
     return n;
 }
 
-/* Locks, reclaims dead slots, unlocks. -1 when the lock could not be taken. */
-static int apl_reclaim(apl_ledger *L, int tenant, uint64_t *bytes, char *err, size_t len) {
-    if (apl_lock(L, err, len) != APL_OK) return -1;
+/* Locks (waiting at most lock_ms), reclaims dead slots, unlocks. -1 when the lock could not be taken. */
+static int apl_reclaim_ms(apl_ledger *L, int tenant, int lock_ms, uint64_t *bytes, char *err, size_t len) {
+    if (apl_lock_ms(L, lock_ms, err, len) != APL_OK) return -1;
     int n = apl_reclaim_locked(L, tenant, bytes);
     apl_unlock(L);
     return n;
+}
+
+static int apl_reclaim(apl_ledger *L, int tenant, uint64_t *bytes, char *err, size_t len) {
+    return apl_reclaim_ms(L, tenant, APL_LOCK_TIMEOUT_MS, bytes, err, len);
 }
 
 /* Applies a quota declaration to a live tenant (under the lock): the operator's (src

@@ -86,6 +86,7 @@ cdef extern from "quota/ledger_reserve.h" nogil:
     int apl_hook_reserve(void *ctx, int device, size_t nbytes, char *why, size_t why_len) noexcept
     void apl_hook_release(void *ctx, int device, size_t nbytes) noexcept
     void apl_hook_terms(void *ctx, int device, size_t *quota, size_t *held) noexcept
+    int apl_hook_settle(void *ctx, int device) noexcept
     int apl_take_warn(apl_handle *h)
     int apl_is_broken(apl_ledger *L)
     int apl_read_entries(apl_handle *h, apl_tenant *t, apl_slot *s)
@@ -448,6 +449,7 @@ def attach_ledger(PoolBase pool, Ledger ledger, str tenant, quota, warn, bint se
     hook.reserve = apl_hook_reserve
     hook.release = apl_hook_release
     hook.terms = apl_hook_terms
+    hook.settle = apl_hook_settle
     try:
         pool._attach_quota(&hook, _close_ledger_handle, owner)
     except BaseException:
