@@ -174,6 +174,42 @@ def test_torch_npu_memory_functions_without_a_device_read_torch_npus_current_dev
     assert out["peak"] == out["mine"], "reset_peak_memory_stats() reset device 1's peak"
 
 
+def test_torch_npus_mem_get_info_answers_a_tenants_quota_as_hami_does(fake_torch_npu, tmp_path, monkeypatch):
+    # A framework sizes its cache from torch.npu.mem_get_info() (vLLM: gpu_memory_utilization *
+    # total): under a tenant's quota it gave the device's figures, so the framework asked for
+    # more than the quota and was refused. HAMi's limited cudaMemGetInfo reports the limit.
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))
+    npu = sys.modules["torch_npu.npu"]
+    runtime = []
+
+    def runtime_mem_get_info(device=None):  # torch_npu's own: aclrtGetMemInfo
+        runtime.append(device)
+        return 7 << 30, 32 << 30
+
+    fake_torch_npu.mem_get_info = npu.mem_get_info = runtime_mem_get_info
+    ap_npu.patch_memory_functions(fake_torch_npu, npu)
+    done = ap_npu.patch_memory_functions(fake_torch_npu, npu)  # twice: still torch_npu's function underneath
+    ctx = ap.Pool(0, backend="sim").context("kv", quota="64MiB")
+    try:
+        assert npu.mem_get_info(0) == (7 << 30, 32 << 30) and runtime == [0]  # no context: the runtime's
+        ptr = ctx.malloc(10 << 20)
+        with ctx:
+            for mod in (fake_torch_npu, npu):
+                assert mod.mem_get_info() == mod.mem_get_info("npu:0") == ctx.mem_get_info()
+                free, total = mod.mem_get_info(0)
+                assert total == 64 << 20 and free == total - ctx.held  # before: 7 GiB of 32
+        assert runtime == [0]
+        ctx.free(ptr)
+        ctx.set_quota(None)
+        with ctx:
+            assert npu.mem_get_info(0) == (7 << 30, 32 << 30)  # no quota: the runtime's, as torch_npu's
+        assert all("mem_get_info" in names for names in done)
+    finally:
+        ctx.close()
+
+
 def test_torch_npus_set_allocator_settings_reaches_the_pools(fake_torch_npu):
     # torch.npu.memory._set_allocator_settings re-read torch_npu's own allocator's config, which
     # serves nothing under the pluggable allocator: vLLM's and torch's runtime settings were lost

@@ -33,7 +33,9 @@ functions of torch_npu.npu.memory (and torch.npu) that would reach it: memory_st
 built on it (memory_allocated, memory_reserved, max_memory_allocated, memory_summary ...),
 memory_stats_as_nested_dict (which torch_npu's memory_stats calls), reset_peak_memory_stats,
 reset_accumulated_memory_stats, memory_snapshot, _snapshot, _record_memory_history, _dump_snapshot,
-_set_memory_metadata / _get_memory_metadata, _allocation_traceback (newer torch: a live block's
+_set_memory_metadata / _get_memory_metadata, mem_get_info (for a thread allocating from a tenant context
+with a quota: the quota as total and what is left of it node-wide as free, as HAMi's limited
+cudaMemGetInfo; else torch_npu's own, the runtime's figures), _allocation_traceback (newer torch: a live block's
 allocation frames, from whichever pool made it), _set_allocator_settings (ascend_pool.settings: the knobs
 that change at runtime change every open pool; where it has them) and get_per_process_memory_fraction (newer torch_npu; the cap set_per_process_memory_fraction handed
 to the pool through the hook) answer from ascend_pool (PyTorch's schema): the stats
@@ -289,15 +291,37 @@ PATCHED = ("memory_stats", "memory_stats_as_nested_dict", "reset_peak_memory_sta
            "_set_memory_metadata", "_get_memory_metadata", "_set_allocator_settings", "_allocation_traceback")
 
 
+def _quota_mem_get_info(original):
+    """torch_npu's mem_get_info(device=None), answering for a tenant context with a quota as
+    HAMi's limited cudaMemGetInfo does (Context.mem_get_info: the quota as total, what is left of
+    it node-wide as free) when the calling thread allocates from one on that device (`with ctx:`,
+    $ASCEND_POOL_TENANT); else torch_npu's own answer, the runtime's figures. Before, it gave the
+    device's figures under a quota: a framework sizing its KV cache from it (vLLM's
+    gpu_memory_utilization * total) asked for more than the quota and was refused."""
+    def mem_get_info(device=None):
+        pool = _stats_pool(device)
+        if pool is not None and getattr(pool, "quota_hook", None) is not None and pool.quota is not None:
+            return pool.mem_get_info()
+        return original(device) if device is not None else original()
+    mem_get_info._ascend_pool_original = original
+    return mem_get_info
+
+
 def patch_memory_functions(*modules):
     """Points the PATCHED functions of each module given (torch_npu.npu.memory, torch_npu.npu)
-    at ascend_pool's; names a module lacks are left out. Returns the names replaced per module."""
+    at ascend_pool's, and wraps its mem_get_info (_quota_mem_get_info); names a module lacks are
+    left out. Returns the names replaced per module."""
     repl = _replacements()
     done = []
     for mod in modules:
         names = [n for n in PATCHED if hasattr(mod, n)]
         for n in names:
             setattr(mod, n, repl[n])
+        original = getattr(mod, "mem_get_info", None)
+        if callable(original):
+            # a second patch wraps torch_npu's function, not the first wrapper
+            setattr(mod, "mem_get_info", _quota_mem_get_info(getattr(original, "_ascend_pool_original", original)))
+            names.append("mem_get_info")
         done.append(names)
     return done
 
