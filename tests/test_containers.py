@@ -881,3 +881,40 @@ def test_list_gpu_processes_tells_two_containers_pid_1_workers_apart(node):
     got = [re.search(r"instance ([0-9a-f]{16}), pid here (\d+)\)$", ln) for ln in ones]
     assert all(got) and sorted(m.group(1) for m in got) == sorted([a.hello["instance"], b.hello["instance"]]), text
     assert len({m.group(2) for m in got}) == 2 and "1" not in {m.group(2) for m in got}, text
+
+
+@needs_unshare
+def test_a_ledger_in_a_containers_own_dev_shm_is_said_to_split_the_quota(tmp_path):
+    # Docker and Kubernetes give each container (pod) an IPC namespace with its own /dev/shm, the
+    # ledgers' default directory: two pods' workers each booked the tenant in a ledger of their
+    # own, 60 + 60 MiB granted under 100 MiB, and nothing said so.
+    sim = tmp_path / "sim"
+    sim.mkdir()
+    env = dict(os.environ, ASCEND_SIM_NODE=f"c{uuid.uuid4().hex[:10]}", ASCEND_SIM_SHM_DIR=str(sim),
+               ASCEND_POOL_BACKEND="sim", ASCEND_POOL_STATS="0", PYTHONSAFEPATH="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [PKG_PARENT, os.environ.get("PYTHONPATH")])))
+    for k in ("ASCEND_POOL_LEDGER_DIR", "ASCEND_POOL_CONFIG", "ASCEND_POOL_TENANT", "ASCEND_POOL_LEDGER_GROUP"):
+        env.pop(k, None)
+    code = ("import sys\nimport ascend_pool as ap\nctx = ap.Pool(0).context('online', quota='100MiB')\n"
+            "p = ctx.malloc(60 << 20)\nctx2 = ap.Pool(0).context('batch', quota='100MiB')\n"
+            "print('granted', flush=True)\nsys.stdin.readline()\n")
+    said = "IPC namespace of its own"
+
+    def container(ipc=True, extra_env=None):
+        inner = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} -c \"$0\""
+        return subprocess.Popen(["unshare"] + (["--ipc"] if ipc else []) + ["--mount"] + NS[1:] + ["sh", "-c", inner,
+                                                                                                  code],
+                                env=dict(env, **(extra_env or {})), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    pods = [container(), container()]
+    assert [p.stdout.readline().strip() for p in pods] == ["granted", "granted"]  # the split: each its own ledger
+    for p in pods:
+        out, err = p.communicate("\n", timeout=60)
+        assert p.returncode == 0, err
+        assert err.count(said) == 1 and "ASCEND_POOL_LEDGER_DIR" in err, err  # once per process; before: nothing
+    # chosen on purpose (a quota per pod), or the host's IPC namespace (hostIPC): nothing said
+    for p in (container(extra_env={"ASCEND_POOL_LEDGER_DIR": "/dev/shm"}), container(ipc=False)):
+        assert p.stdout.readline().strip() == "granted"
+        out, err = p.communicate("\n", timeout=60)
+        assert p.returncode == 0 and said not in err, err

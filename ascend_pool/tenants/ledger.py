@@ -94,6 +94,33 @@ def base_dir(directory=None):
     return d
 
 
+INIT_IPC_NS = 0xEFFFFFFF  # the inode of the kernel's initial IPC namespace (PROC_IPC_INIT_INO): the host's
+_private_shm_said = []
+
+
+def _say_if_container_shm(directory):
+    """Says once per process (a warning) that the quota ledgers are in the default /dev/shm of a
+    process in an IPC namespace of its own: Docker and Kubernetes give each container (pod) such a
+    namespace with its own /dev/shm, which no other container sees, so each books the tenant in a
+    ledger of its own under the whole quota (60 + 60 MiB granted under 100 MiB), and nothing said
+    so. Not said where the directory was chosen ($ASCEND_POOL_LEDGER_DIR, even /dev/shm: a quota
+    per pod on purpose) or where the IPC namespace is the host's (hostIPC, --ipc=host)."""
+    if directory or os.environ.get(DIR_ENV) or _private_shm_said:
+        return
+    try:
+        ipc = os.stat("/proc/self/ns/ipc").st_ino
+    except OSError:
+        return  # no /proc to tell by
+    if ipc == INIT_IPC_NS:
+        return
+    _private_shm_said.append(ipc)
+    log.warning("quota ledgers are in %s, the default, and this process runs in an IPC namespace of its own (a "
+                "container's or pod's), whose /dev/shm is usually its own: processes of other containers or pods "
+                "then book their tenants in ledgers of their own, each under the whole quota. Set %s to a directory "
+                "shared by the node's containers (a hostPath, as deploy/example-tenant.yaml's /run/ascend-pool), or to %s to keep "
+                "quotas per pod on purpose", DEFAULT_DIR, DIR_ENV, DEFAULT_DIR)
+
+
 def ledger_dir(directory=None, group=None):
     """The directory of this user's (or group's) ledger files, share records and leases: a private
     directory inside base_dir(directory), created if needed (ascend_pool.private_dir)."""
@@ -155,6 +182,7 @@ def open_ledger(device, backend, directory=None, group=None):
     gid = ledger_group(group)
     node = node_name(name)
     path = ledger_path(device, name, node, gid, directory)
+    _say_if_container_shm(directory)
     with _lock:
         led = _cache.get(path)
         if led is not None and not led.usable:
