@@ -394,7 +394,7 @@ def test_torch_accelerator_memory_functions_answer_from_ascend_pool_when_the_npu
     acc = torch.accelerator
     memory = importlib.import_module("torch.accelerator.memory")
     for mod in (acc, memory):  # restored after the test
-        for name in ap_npu.ACCELERATOR_PATCHED:
+        for name in ap_npu.ACCELERATOR_PATCHED + ("get_memory_info",):
             monkeypatch.setattr(mod, name, getattr(mod, name))
     before = acc.memory_stats
     if getattr(acc.current_accelerator(), "type", None) != "npu":
@@ -402,7 +402,7 @@ def test_torch_accelerator_memory_functions_answer_from_ascend_pool_when_the_npu
         assert acc.memory_stats is before
     monkeypatch.setattr(acc, "current_accelerator", lambda *a, **k: types.SimpleNamespace(type="npu", index=0))
     monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=types.SimpleNamespace(current_device=lambda: 0)))
-    assert ap_npu.patch_accelerator(torch) == list(ap_npu.ACCELERATOR_PATCHED)
+    assert ap_npu.patch_accelerator(torch) == list(ap_npu.ACCELERATOR_PATCHED) + ["get_memory_info"]
     ptr = ap.malloc(5 << 20, device=0)
     try:
         mine = ap.memory_stats(0)
@@ -418,6 +418,38 @@ def test_torch_accelerator_memory_functions_answer_from_ascend_pool_when_the_npu
             acc.memory_stats("cpu")
     finally:
         ap.free(ptr, device=0)
+
+
+def test_torch_accelerators_get_memory_info_answers_a_tenants_quota_when_the_npu_is_current(monkeypatch, tmp_path):
+    # torch >= 2.10's torch.accelerator.get_memory_info is mem_get_info for the current
+    # accelerator: under a tenant's quota it gave the device's figures (HAMi's: the limit)
+    import importlib
+
+    import torch
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    acc = torch.accelerator
+    memory = importlib.import_module("torch.accelerator.memory")
+    for mod in (acc, memory):  # restored after the test
+        for name in ap_npu.ACCELERATOR_PATCHED + ("get_memory_info",):
+            monkeypatch.setattr(mod, name, getattr(mod, name))
+    monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))
+    runtime = lambda device_index=None: (7 << 30, 32 << 30)  # noqa: E731  torch_npu's: aclrtGetMemInfo
+    monkeypatch.setattr(memory, "get_memory_info", runtime)
+    monkeypatch.setattr(acc, "get_memory_info", runtime)
+    monkeypatch.setattr(acc, "current_accelerator", lambda *a, **k: types.SimpleNamespace(type="npu", index=0))
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=types.SimpleNamespace(current_device=lambda: 0)))
+    ap_npu.patch_accelerator(torch)
+    ctx = ap.Pool(0, backend="sim").context("kv-acc", quota="64MiB")
+    try:
+        assert acc.get_memory_info(0) == (7 << 30, 32 << 30)  # no context: the runtime's
+        ptr = ctx.malloc(10 << 20)
+        with ctx:
+            for fn in (acc.get_memory_info, memory.get_memory_info):
+                assert fn(0) == fn() == ctx.mem_get_info() and fn(0)[1] == 64 << 20  # before: 32 GiB
+        ctx.free(ptr)
+    finally:
+        ctx.close()
 
 
 def test_snapshot_functions_take_torchs_arguments(fake_torch_npu, tmp_path, monkeypatch):

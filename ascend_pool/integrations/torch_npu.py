@@ -334,7 +334,8 @@ def patch_accelerator(torch):
     max_memory_reserved ..., which read it) reach the current accelerator's allocator in C, for
     torch_npu the pluggable allocator's missing stats hook: when the current accelerator is the
     NPU, points the ACCELERATOR_PATCHED functions of torch.accelerator.memory and
-    torch.accelerator at ascend_pool's. Returns the names replaced (none for another
+    torch.accelerator at ascend_pool's, and wraps their get_memory_info as torch.npu's
+    mem_get_info (_quota_mem_get_info). Returns the names replaced (none for another
     accelerator, or a torch without torch.accelerator)."""
     acc = getattr(torch, "accelerator", None)
     memory = sys.modules.get("torch.accelerator.memory") or getattr(acc, "memory", None)
@@ -348,6 +349,13 @@ def patch_accelerator(torch):
         setattr(memory, n, repl[n])  # memory_allocated & co. call the module's memory_stats
         if hasattr(acc, n):
             setattr(acc, n, repl[n])
+    original = getattr(memory, "get_memory_info", None)
+    if callable(original):  # torch's mem_get_info for the current accelerator: a tenant's quota as HAMi's
+        wrapped = _quota_mem_get_info(getattr(original, "_ascend_pool_original", original))
+        setattr(memory, "get_memory_info", wrapped)
+        if hasattr(acc, "get_memory_info"):
+            setattr(acc, "get_memory_info", wrapped)
+        names.append("get_memory_info")
     return names
 
 
