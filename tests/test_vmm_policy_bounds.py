@@ -194,3 +194,28 @@ def test_no_extra_bytes_past_a_limits_room():
             pool.free(p)
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("sequence", [cyclic_above_watermark, alternating_mixes, sawtooth])
+def test_a_trade_at_a_new_high_of_live_bytes_maps_all_its_chunks_again(xpool, sequence):
+    """A trade at a new high of live bytes hands every chunk it unmapped to its growth, past the
+    need if they hold more: a spare freed there leaves room under the peak that later growths map
+    again on no credit (the refill gap). So no device free happens at such a step (on these
+    sequences the address space after each growth holds the spares; creeping_high's does not
+    twice, where the spare that does not fit is still freed)."""
+    live, high, frees, at_high, n = {}, 0, 0, [], 0
+    for op, key, size in sequence():
+        if op > 0:
+            live[key] = xpool.malloc(size)
+            n += 1
+            st = xpool.memory_stats()
+            cur = st["allocated_bytes.all.current"]
+            if st["num_device_free"] > frees and cur > high:
+                at_high.append(n)
+            frees, high = st["num_device_free"], max(high, cur)
+        else:
+            xpool.free(live.pop(key))
+    for p in live.values():
+        xpool.free(p)
+    assert xpool.memory_stats()["num_device_unmap"] > 0, "the sequence must make the policy trade"
+    assert at_high == [], f"trades at a new high of live bytes freed a spare at allocations {at_high}"

@@ -228,6 +228,23 @@ static ap_block *grow(ap_pool *p, int slot, int pool, size_t rsize, int exact, s
         if (extra > room - need) extra = room - need;
     }
     need += extra;
+    /* A trade at a new high of live bytes has all its chunks mapped here again, past the need if
+       they hold more (it unmapped at least reserved + need - peak, so reserved stays under the
+       peak): live bytes are rising, so the bytes will be used, and a spare freed instead leaves room
+       under the peak that later growths map anew on no credit (docs/placement-policy-expandable.md,
+       "A gap in the accounting"). Elsewhere, and where the address space after the target cannot
+       hold them, the spares that do not fit are freed: that room serves a growth anywhere, where
+       the spare's excess is pinned by the block carved from its chunk. */
+    size_t spare = 0;
+    for (const ap_vmm_chunk *c = p->vmm_spares; c; c = c->next) spare += c->size;
+    if (spare > need && p->vmm_trade_high && ap_limit_fits(p, need, spare - need)) {
+        size_t room = (size_t)-1;
+        if (target) {
+            uintptr_t end = target->base + target->size;
+            room = room_until(space_of(p, target->base), end) - end;
+        }
+        if (spare <= room) need = spare;
+    }
     cap = ap_vmm_chunk_cap(p, need);
     /* Chunks the release policy unmapped for this growth are mapped here again (one call each,
        instead of free + allocate + map); those that do not fit in it go back to the device first,

@@ -290,6 +290,8 @@ typedef struct ap_pool {
     uint64_t record_seq;  /* numbers this pool's new-mode records, the latest last */
     uint64_t reclaim_tick; /* tick + 1 of the last reclaim that left the records bound reached */
     int reclaim_out;      /* records_out then */
+    int vmm_trade_high;   /* vmm_spares were unmapped at a new high of live bytes (vmm_policy.c; expandable.c
+                             maps them all); here, in padding, so that no field moves */
     int64_t live_events;  /* events this pool created and has not destroyed */
 
     void *spare_blocks;       /* recycled structs, linked through their first word (block_arena.c) */

@@ -15,7 +15,9 @@
  * per allocation, never exceeds B, and a trade unmaps at most credit / 2 chunks (it is cut short
  * there). Half of the burst is kept for trades at a new high of live bytes (the moments that set
  * peak reserved, which run out as the high rises); other trades only spend the credit above it.
- * Without credit the growth simply raises the peak, which then holds without calls.
+ * Without credit the growth simply raises the peak, which then holds without calls. A trade at a new
+ * high maps all the chunks it unmapped again (expandable.c), none freed: a freed spare leaves room
+ * under the peak that later growths refill on no credit (R(t) <= 2 * (F(t) + E(t)) / g, the doc).
  *
  * Growth (calls G that map new physical memory): a growth maps whole chunks of at most
  * max(AP_VMM_CHUNK_MAX, need / AP_VMM_GROWTH_CHUNKS), so one costs at most 2 * 17 calls. Growths
@@ -67,12 +69,14 @@ size_t ap_vmm_growth_extra(ap_pool *p, size_t need, size_t chunks) {
 
 void ap_vmm_make_room(ap_pool *p, size_t rsize, size_t need, const ap_block *keep) {
     size_t reserved = ap_reserved(p);
+    p->vmm_trade_high = 0;
     if (reserved + need <= p->reserved_watermark) return;
     size_t over = reserved + need - p->reserved_watermark;
 
     ap_stat alloc = ap_stat_read(&p->stats, AP_STAT_ALLOCATED_BYTES, AP_STAT_ALL);
     if (alloc.peak > p->vmm_live_high) p->vmm_live_high = alloc.peak; /* survives reset_peaks */
     int high = alloc.current + (int64_t)rsize > p->vmm_live_high;
+    p->vmm_trade_high = high;
     int64_t cap = (int64_t)AP_VMM_TRADE_BURST * 1000;
     ap_credit_add(&p->vmm_credit, ap_ticks_since(p->tick, &p->vmm_credit_tick), AP_VMM_TRADE_PER_1000, cap);
     int64_t avail = p->vmm_credit - (high ? 0 : cap / 100 * AP_VMM_TRADE_KEEP_PCT);
