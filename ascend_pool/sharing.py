@@ -515,6 +515,19 @@ def allow(handle, pids):
 def _try_release(ex):
     """One attempt to free an export: True when done. Lock held."""
     rec = ex.record
+    if ex.seg.lost:
+        # The runtime freed the block and closed its key (aclFinalize, then perhaps aclInit):
+        # forgotten with no runtime call, whoever still maps it (their close is theirs); before,
+        # its aclrtFree freed what the new runtime had put at its address, or the key's close
+        # failed for ever and its bytes stayed in the pool's reservation and quota.
+        ex.seg.release()
+        if rec is not None:
+            with rec:
+                rec.header["state"] = _CLOSING
+            _unlink(rec.path)
+            rec.close()
+            ex.record = None
+        return True
     if rec is not None and ex.seg.state == "exported":
         with rec:
             live = rec.live_importers()
@@ -636,7 +649,7 @@ class SharedBlock:
     refuses writes to it: the simulator; CANN and CUDA cannot), handle. close() unmaps it (also
     on `with` exit); the exporter can only free the block once every importer has closed it."""
 
-    def __init__(self, handle, ptr, pool, backend, record):
+    def __init__(self, handle, ptr, pool, backend, record, life=0):
         self.handle = handle
         self.ptr = ptr
         self.size = handle.size
@@ -647,6 +660,7 @@ class SharedBlock:
         self._pool_ref = weakref.ref(pool) if pool is not None else (lambda: None)
         self._backend = backend
         self._record = record
+        self._life = life  # the runtime's life it was imported in (Backend.runtime_life)
         self._pid = os.getpid()  # the importing process: its slot in the record is its own
         self.closed = False
 
@@ -677,7 +691,15 @@ class SharedBlock:
         self.closed = True
         _imports.discard(self)
         try:
-            self._backend.ipc_close(self.device, self.handle.key)
+            # An import of a runtime that released it (aclFinalize, then perhaps aclInit) went
+            # with it: its close raised DeviceError (107000, 100001), and, once this process had
+            # imported the key again in the new runtime, would have closed that import.
+            if not self._runtime_gone(probe=True):
+                try:
+                    self._backend.ipc_close(self.device, self.handle.key)
+                except DeviceError:
+                    if not self._runtime_gone():  # the failed call itself may have found it
+                        raise
         finally:
             rec = self._record
             self._record = None
@@ -691,6 +713,9 @@ class SharedBlock:
                 pass
             finally:
                 rec.close()
+
+    def _runtime_gone(self, probe=False):
+        return self._backend.runtime_life(self.device, probe) != self._life
 
     def _forget(self):
         # fork child: the parent's import is not ours to close
@@ -833,7 +858,7 @@ def open_shared(handle, pool=None):
     except BaseException:
         rec.close()
         raise
-    block = SharedBlock(handle, ptr, pool, be, rec)  # on pool.device
+    block = SharedBlock(handle, ptr, pool, be, rec, be.runtime_life(pool.device))  # on pool.device
     _imports.add(block)
     return block
 
@@ -860,7 +885,7 @@ def pool_stats(pool):
                 exported += ex.seg.segment_bytes
                 nexported += 1
         for b in list(_imports):
-            if not b.closed and b._pool_ref() is pool:
+            if not b.closed and b._pool_ref() is pool and not b._runtime_gone():
                 imported += b.nbytes
                 nimported += 1
     return {"shared_allocated_bytes": alloc, "shared_exported_bytes": exported, "shared_exported_blocks": nexported,

@@ -8,6 +8,7 @@ Each test runs in a fresh process (sim_node): aclFinalize ends every pool of its
 import json
 import os
 import sys
+import textwrap
 
 import pytest
 
@@ -430,3 +431,143 @@ def test_after_finalize_and_init_the_out_of_memory_release_forgets_a_peers_cache
     assert p.returncode == 0, err
     res = json.loads(out.strip().splitlines()[-1])
     assert res == {"c": "ok", "frees": 0, "readable": True, "lender_reserved": 0}, (res, err)
+
+
+@pytest.mark.parametrize("exported", [False, True], ids=["allocated", "exported"])
+def test_after_finalize_and_init_a_shared_block_is_forgotten_neither_freed_nor_exported(sim_node, exported):
+    """A share_malloc'ed block (exported or not) when the runtime is finalized and initialised
+    again: aclFinalize freed it and closed its key, and the new runtime may put an application's
+    buffer at its address. share() refuses it naming the finalized runtime (before: it exported
+    the application's buffer), share_free forgets it (True) without freeing that buffer (before:
+    aclrtFree'd it; exported, share_free raised DeviceError 107000 for the closed key and its
+    8 MiB stayed reserved for good), and the pool closes cleanly."""
+    res = sim_node.run_json(f"""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        acl.aclrtMalloc.argtypes = [C.POINTER(C.c_void_p), C.c_size_t, C.c_int]
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        pool = ap.Pool(0, backend="sim")
+        ptr = pool.share_malloc(8 << 20)
+        if {exported}:
+            pool.share(ptr, any_process=True)
+        assert acl.aclFinalize() == 0
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        app = C.c_void_p()
+        assert acl.aclrtMalloc(C.byref(app), 8 << 20, 0) == 0
+        res = {{"same_address": app.value == ptr}}
+        if not {exported}:
+            try:
+                pool.share(ptr, any_process=True)
+                res["share"] = "exported"
+            except ap.PoolError as e:
+                res["share"] = f"{{type(e).__name__}}: {{e}}"
+        res["share_free"] = pool.share_free(ptr)
+        sim.read(app.value, 64)                     # raises where it was freed
+        res["reserved"] = pool.memory_stats()["reserved_bytes.all.current"]
+        pool.close()
+        print(json.dumps(res))
+    """, ASCEND_POOL_STATS="0")
+    assert res["share_free"] is True and res["reserved"] == 0, res
+    if not exported:
+        assert res["share"].startswith("InvalidPointerError") and "released by the runtime" in res["share"], res
+
+
+EXPORTER = """
+    import pickle, base64
+    import ascend_pool as ap
+    from ascend_pool import sim
+    acl = C.CDLL(sim.library_path())
+    assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+    pool = ap.Pool(0, backend="sim")
+    ptr = pool.share_malloc(4 << 20)
+    h = pool.share(ptr, any_process=True)
+    print(base64.b64encode(pickle.dumps(h)).decode(), flush=True)
+    sys.stdin.readline()                            # the worker maps it
+    if FINALIZE:
+        assert acl.aclFinalize() == 0
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+    freed = pool.share_free(ptr)
+    res = {"freed": freed, "records": len([s for s in ap.sharing.shares() if s["key"] == h.key]),
+           "reserved": pool.memory_stats()["reserved_bytes.all.current"]}
+    print(json.dumps(res), flush=True)
+    sys.stdin.readline()
+"""
+
+IMPORTER = """
+    import pickle, base64
+    import ascend_pool as ap
+    from ascend_pool import sim
+    acl = C.CDLL(sim.library_path())
+    assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+    h = pickle.loads(base64.b64decode(sys.stdin.readline()))
+    pool = ap.Pool(0, backend="sim")
+    b = ap.open_shared(h, pool=pool)
+    print("mapped", flush=True)
+    res = {}
+    if FINALIZE:
+        assert acl.aclFinalize() == 0
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        res["imported"] = pool.memory_stats()["shared_imported_bytes"]
+        again = ap.open_shared(h, pool=pool)       # mapped again in the new runtime
+        b.close()
+        res["read_again"] = len(sim.read(again.ptr, 64))
+        again.close()
+    else:
+        sys.stdin.readline()                        # the exporter finalized and gave it back
+        b.close()
+    print(json.dumps(res), flush=True)
+"""
+
+
+def _exporter_and_worker(sim_node, exporter_finalizes):
+    env = dict(ASCEND_SIM_DEVICES="1", ASCEND_POOL_STATS="0", ASCEND_POOL_LEDGER_DIR=sim_node.shm_dir)
+    e = sim_node.spawn(f"FINALIZE = {exporter_finalizes}\n" + textwrap.dedent(EXPORTER), **env)
+    i = sim_node.spawn(f"FINALIZE = {not exporter_finalizes}\n" + textwrap.dedent(IMPORTER), **env)
+    try:
+        i.stdin.write(e.stdout.readline())
+        i.stdin.flush()
+        assert i.stdout.readline().strip() == "mapped", i.stderr.read()
+        if exporter_finalizes:
+            e.stdin.write("mapped\n")
+            e.stdin.flush()
+            exp = json.loads(e.stdout.readline() or "{}")
+            i.stdin.write("freed\n")
+            i.stdin.flush()
+            imp = json.loads(i.stdout.readline() or "{}")
+        else:
+            imp = json.loads(i.stdout.readline() or "{}")
+            e.stdin.write("closed\n")
+            e.stdin.flush()
+            exp = json.loads(e.stdout.readline() or "{}")
+        e.stdin.write("done\n")
+        e.stdin.flush()
+        errs = [p.communicate(timeout=60)[1] for p in (e, i)]
+    finally:
+        for p in (e, i):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert e.returncode == 0 and i.returncode == 0, errs
+    return exp, imp
+
+
+def test_a_workers_import_closes_after_its_runtime_was_finalized_and_leaves_its_new_import(sim_node):
+    """A worker's runtime is finalized and initialised again while it maps a shared block: the
+    runtime closed that import with its life. The block no longer counts as imported, its close
+    raises nothing (before: DeviceError 107000, the key 'neither exported nor imported') and
+    leaves the import the worker made of the same key in the new runtime (before: closed it, and
+    reading it raised SimError 'not inside one live device allocation'); the exporter frees it."""
+    exp, imp = _exporter_and_worker(sim_node, exporter_finalizes=False)
+    assert imp == {"imported": 0, "read_again": 64}, imp
+    assert exp == {"freed": True, "records": 0, "reserved": 0}, exp
+
+
+def test_an_exporters_finalize_under_a_workers_import_lets_share_free_forget_the_block(sim_node):
+    """The exporter's runtime is finalized and initialised again while a worker maps its block:
+    aclFinalize freed it and closed its key. share_free forgets it at once (True), its record
+    goes and its pool reserves nothing (before: False, deferred on the worker, then the key's
+    close failed for good: 4 MiB reserved and the record left); the worker's close works."""
+    exp, imp = _exporter_and_worker(sim_node, exporter_finalizes=True)
+    assert exp == {"freed": True, "records": 0, "reserved": 0}, exp
+    assert imp == {}, imp

@@ -7,7 +7,7 @@
 # runtime's own code and a message built on the failing thread, right after the failure, because
 # aclGetRecentErrMsg only remembers the calling thread's latest error.
 
-from libc.stdint cimport uintptr_t, int32_t
+from libc.stdint cimport uintptr_t, int32_t, uint64_t
 from libc.stdlib cimport malloc as _c_malloc, free as _c_free
 
 import os as _os
@@ -81,6 +81,7 @@ cdef extern from "backend.h" nogil:
                                 char *err, size_t errlen)
     void ap_backend_close(ap_backend *b)
     const char *ap_backend_symbol(const ap_backend *b, int i)
+    uint64_t ap_backend_life(ap_backend *b, int device, int probe)
 
 
 # Timeout codes of the host waits (acl: stream 507046, event 507047; cuda polls and reports
@@ -487,6 +488,18 @@ cdef class Backend:
         if rc != 0:
             self._fail(rc, "node_pid")
         return int(pid)
+
+    def runtime_life(self, device, bint probe=False):
+        """The runtime's life on `device` as this backend has seen it: a number that changes when
+        the runtime released what the process held there (aclFinalize, then perhaps aclInit;
+        resets that took the pools' device references). probe: first enter the device's context
+        (where a pool holds the device), which finds such a release; no device work. What was
+        made in an earlier life (an IPC import, memory) is not to be used or closed again."""
+        cdef int dev = self._device(device)
+        cdef uint64_t life
+        with nogil:
+            life = ap_backend_life(self.b, dev, probe)
+        return int(life)
 
     def physical_device(self, device):
         """The node's device behind this process's `device` (int): the same NPU has the same

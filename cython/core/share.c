@@ -52,12 +52,27 @@ int ap_share_alloc(ap_pool *p, size_t size, ap_share *s, ap_error *err) {
     s->size = bytes;
     s->requested = size;
     s->device = p->device;
+    s->life = b->seg->life;
     s->state = AP_SHARE_ALLOCATED;
     pthread_mutex_unlock(&p->lock);
     return AP_OK;
 }
 
+int ap_share_lost(ap_share *s, int probe) {
+    return s->state != AP_SHARE_RELEASED && ap_backend_life(s->backend, s->device, probe) != s->life;
+}
+
+/* Export, set_pids, unexport of a block the runtime released: its address may be the new
+   runtime's memory (an application's buffer), and its key is closed. */
+static int lost_error(ap_share *s, ap_error *err) {
+    return ap_set_error(err, AP_E_INVALID_PTR, 0,
+                        "shared block 0x%lx on device %d was released by the runtime (aclFinalize, or resets that took "
+                        "the pools' device references): its memory and key are gone; give it back with share_free",
+                        (unsigned long)s->base, s->device);
+}
+
 int ap_share_export(ap_share *s, unsigned flags, ap_error *err) {
+    if (ap_share_lost(s, 1)) return lost_error(s, err);
     if (s->state != AP_SHARE_ALLOCATED)
         return ap_set_error(err, AP_E_INVALID_PTR, 0, "block 0x%lx is %s", (unsigned long)s->base,
                             s->state == AP_SHARE_EXPORTED ? "exported already" : "released");
@@ -74,6 +89,7 @@ int ap_share_export(ap_share *s, unsigned flags, ap_error *err) {
 }
 
 int ap_share_set_pids(ap_share *s, const int32_t *pids, size_t n, ap_error *err) {
+    if (ap_share_lost(s, 1)) return lost_error(s, err);
     if (s->state != AP_SHARE_EXPORTED)
         return ap_set_error(err, AP_E_INVALID_PTR, 0, "block 0x%lx is not exported", (unsigned long)s->base);
     int rc = s->backend->ipc_set_pids(s->backend, s->device, s->key, pids, n);
@@ -82,6 +98,7 @@ int ap_share_set_pids(ap_share *s, const int32_t *pids, size_t n, ap_error *err)
 
 int ap_share_unexport(ap_share *s, ap_error *err) {
     if (s->state != AP_SHARE_EXPORTED) return AP_OK;
+    if (ap_share_lost(s, 1)) return lost_error(s, err);
     int rc = s->backend->ipc_close(s->backend, s->device, s->key);
     if (rc != 0) return device_error(s->backend, s->device, err, rc, "withdrawing the shared block's key");
     s->state = AP_SHARE_ALLOCATED;
@@ -113,6 +130,20 @@ int ap_share_release(ap_pool *p, ap_share *s, ap_error *err) {
     if (s->state == AP_SHARE_RELEASED) return AP_OK;
     if (p) pthread_mutex_lock(&p->lock);
     int rc = AP_OK;
+    if (ap_share_lost(s, 1)) {
+        /* Forgotten, not freed: the runtime freed it and closed its key (CANN's aclFinalize; the
+           simulator unmaps it), and its address may be the new runtime's by now (an application's
+           buffer there was freed under it). Counted as the pool's forgotten segments. */
+        if (p && s->seg) {
+            p->lost_segments++;
+            p->lost_bytes += s->size;
+            unaccount(p, s);
+        }
+        s->seg = NULL;
+        s->state = AP_SHARE_RELEASED;
+        if (p) pthread_mutex_unlock(&p->lock);
+        return AP_OK;
+    }
     if (s->state == AP_SHARE_EXPORTED) { /* the key first: the runtime refuses while imported */
         int code = s->backend->ipc_close(s->backend, s->device, s->key);
         if (code != 0) rc = device_error(s->backend, s->device, err, code, "withdrawing the shared block's key");

@@ -13,6 +13,10 @@
  * (ap_share_detach): it leaves the pool's accounting, keeps the backend, and is released later
  * without a pool (p == NULL).
  *
+ * A block of a runtime that released it (ap_share_lost) is forgotten by its release, with no
+ * runtime call (its address may be another allocation's by now), and refused by export, set_pids
+ * and unexport.
+ *
  * Thread safety: the pool's structures are touched under its lock; the export itself (which may
  * copy the block's pages, in the simulator) runs outside it. One ap_share is used by one thread at
  * a time (the Python layer serialises calls on it).
@@ -34,6 +38,7 @@ typedef struct ap_share {
     size_t requested;
     int device;
     int state;            /* AP_SHARE_* */
+    uint64_t life;        /* the backend's runtime life it was allocated in (ap_backend_life) */
     char key[AP_IPC_KEY_MAX];
 } ap_share;
 
@@ -49,6 +54,10 @@ int ap_share_unexport(ap_share *s, ap_error *err);
 /* Withdraws the key and frees the segment. p: its pool, or NULL once detached. AP_E_BUSY when the
    runtime refuses because other processes still import it (acl: ACL_ERROR_RT_IPC_ERROR). */
 int ap_share_release(ap_pool *p, ap_share *s, ap_error *err);
+/* 1 when the runtime released the block's memory and closed its key behind the pool (its life
+   moved on: aclFinalize, then perhaps aclInit; resets that took the pools' device references):
+   it is not to be exported, freed or closed again. probe: see ap_backend_life. */
+int ap_share_lost(ap_share *s, int probe);
 /* Takes the segment out of its pool's lists, stats and quota, without freeing the memory. */
 void ap_share_detach(ap_pool *p, ap_share *s);
 

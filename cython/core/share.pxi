@@ -26,6 +26,7 @@ cdef extern from "share.h" nogil:
     int ap_share_unexport(ap_share *s, ap_error *err)
     int ap_share_release(ap_pool *p, ap_share *s, ap_error *err)
     void ap_share_detach(ap_pool *p, ap_share *s)
+    int ap_share_lost(ap_share *s, int probe)
 
 SHARE_PAGE = AP_SHARE_PAGE
 _SHARE_STATES = {AP_SHARE_ALLOCATED: "allocated", AP_SHARE_EXPORTED: "exported", AP_SHARE_RELEASED: "released"}
@@ -72,6 +73,16 @@ cdef class SharedSegment:
     def state(self):
         """"allocated", "exported" or "released"."""
         return _SHARE_STATES[self.s.state]
+
+    @property
+    def lost(self):
+        """True when the runtime released the block's memory and closed its key (aclFinalize, then
+        perhaps aclInit; resets that took the pools' device references): release() forgets it
+        without a runtime call, whoever still imports it."""
+        cdef int lost
+        with nogil:
+            lost = ap_share_lost(&self.s, 1)
+        return bool(lost)
 
     cdef ap_pool *_pool_or_null(self):
         return NULL if self.detached or self.pool is None else self.pool.p
