@@ -571,3 +571,41 @@ def test_an_exporters_finalize_under_a_workers_import_lets_share_free_forget_the
     exp, imp = _exporter_and_worker(sim_node, exporter_finalizes=True)
     assert exp == {"freed": True, "records": 0, "reserved": 0}, exp
     assert imp == {}, imp
+
+
+def test_the_host_pools_errors_after_finalize_name_the_runtime(sim_node):
+    """The pinned HostPool after aclFinalize: a request before aclInit fails as the device pools'
+    does, DeviceError with the runtime's 100001 (before: OutOfMemoryError, though nothing ran out),
+    and after aclInit realloc of a buffer written off with the runtime says so (before: the generic
+    'is not a pinned host buffer handed out by this pool'); its free is still accepted."""
+    res = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        from ascend_pool._core import HostPool
+        from ascend_pool.backend import Backend
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        hp = HostPool(Backend("sim"), 0)
+        keep = hp.malloc(4096)
+        assert acl.aclFinalize() == 0
+        res = {}
+        try:
+            hp.malloc(1 << 20)
+        except ap.PoolError as e:
+            res["before_init"] = [type(e).__name__, str(e)]
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        hp.free(hp.malloc(1 << 20))                     # the miss that finds the new runtime
+        try:
+            hp.realloc(keep, 1 << 20)
+        except ap.PoolError as e:
+            res["realloc"] = [type(e).__name__, str(e)]
+        hp.free(keep)
+        res["invalid"] = hp.memory_stats()["num_invalid_frees"]
+        hp.close()
+        print(json.dumps(res))
+    """, ASCEND_POOL_STATS="0")
+    kind, msg = res["before_init"]
+    assert kind == "DeviceError" and "100001" in msg and "ACL_ERROR_UNINITIALIZE" in msg, res
+    kind, msg = res["realloc"]
+    assert kind == "InvalidPointerError" and "the runtime released" in msg and "aclFinalize" in msg, res
+    assert res["invalid"] == 0, res

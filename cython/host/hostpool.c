@@ -174,7 +174,9 @@ static int runtime_alloc(ap_host_pool *hp, size_t size, void **out, ap_error *er
     if (rc != 0) {
         char msg[200];
         be->error_message(be, rc, msg, sizeof msg);
-        return ap_set_error(err, rc == AP_ERR_MISSING_SYMBOL ? AP_E_DEVICE : AP_E_OOM, rc,
+        /* Out of pinned memory only when the runtime says so: a finalized runtime (100001) is a
+           DeviceError, as the device pools' request then (it was OutOfMemoryError). */
+        return ap_set_error(err, ap_backend_oom_code(be, rc) ? AP_E_OOM : AP_E_DEVICE, rc,
                             "pinning %zu bytes of host memory failed on the %s backend: %s (the host pool "
                             "holds %lld bytes, %lld handed out)",
                             size, be->name, msg, (long long)hp->stats.reserved_bytes,
@@ -713,6 +715,14 @@ int ap_host_realloc(ap_host_pool *hp, void *ptr, size_t new_size, void **out, ap
     if (cs == 0) return ap_set_error(err, AP_E_INVALID_SIZE, 0, "cannot resize a host buffer to %zu bytes", new_size);
     pthread_mutex_lock(&hp->lock);
     host_block *b = ap_map_get(&hp->map, (uintptr_t)ptr);
+    if ((!b || b->state != HB_ALLOCATED) && hp->lost.keys && ap_map_get(&hp->lost, (uintptr_t)ptr)) {
+        /* Nothing to copy: its pages went with the runtime (it said only "not a pinned host
+           buffer handed out by this pool"). Still written off: its free is accepted. */
+        pthread_mutex_unlock(&hp->lock);
+        return ap_set_error(err, AP_E_INVALID_PTR, 0,
+                            "%p is a pinned host buffer the runtime released (aclFinalize, or a reset of the device): "
+                            "its contents are gone, it cannot be resized; free it and allocate anew", ptr);
+    }
     if (!b || b->state != HB_ALLOCATED) {
         pthread_mutex_unlock(&hp->lock);
         return ap_set_error(err, AP_E_INVALID_PTR, 0, "%p is not a pinned host buffer handed out by this pool", ptr);
