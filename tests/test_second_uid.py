@@ -15,16 +15,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import textwrap
 import time
-import uuid
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from other_user import readable_site  # noqa: E402
-from sim_fixtures import NS, UNSHARE_MISSING  # noqa: E402
+from sim_fixtures import NS, UNSHARE_MISSING, UidNode, as_uid, uid_world  # noqa: E402
 
 OTHER, GID = 4242, 4321
 MiB = 1 << 20
@@ -35,61 +31,18 @@ pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 
 @pytest.fixture(scope="module")
 def world():
-    root = tempfile.mkdtemp(prefix="ap-second-uid-")
-    os.chmod(root, 0o755)
-    site = readable_site(root)
-    try:
-        exe = None
-        for cand in (sys.executable, f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
-            r = subprocess.run(_as(OTHER) + [cand, "-c", "import ascend_pool._core"], capture_output=True,
-                               text=True, env=dict(os.environ, PYTHONPATH=site, PYTHONSAFEPATH="1"), cwd="/")
-            if r.returncode == 0:
-                exe = cand
-                break
-        assert exe is not None, f"no Python that uid {OTHER} may run imports {site}"
-        yield root, site, exe
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    yield from uid_world("ap-second-uid-", OTHER, (GID,))
 
 
 def _as(uid):
     """The prefix that runs a command as uid (None: this user, root) in group GID."""
-    if uid is None:
-        return []
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={GID}", "--inh-caps=-all"]
+    return as_uid(uid, (GID,))
 
 
-class Node:
-    def __init__(self, world, base_mode=0o1777):
-        self.root, self.site, self.exe = world
-        self.shm = tempfile.mkdtemp(prefix="shm-", dir=self.root)
-        os.chmod(self.shm, base_mode)
-        self.sim = tempfile.mkdtemp(prefix="sim-", dir=self.root)
-        os.chmod(self.sim, 0o1777)
-        self.name = "s" + uuid.uuid4().hex[:10]
-        self.procs = []
-
-    def env(self, **extra):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ASCEND_SIM_", "ASCEND_POOL_"))}
-        env.update(PYTHONPATH=self.site, PYTHONSAFEPATH="1", HOME=self.root, ASCEND_POOL_BACKEND="sim",
-                   ASCEND_SIM_NODE=self.name, ASCEND_SIM_SHM_DIR=self.sim, ASCEND_SIM_DEVICES="1",
-                   ASCEND_SIM_HBM="1GiB", ASCEND_POOL_LEDGER_DIR=self.shm, ASCEND_POOL_STATS_DIR=self.shm,
-                   ASCEND_POOL_STATS="1", ASCEND_POOL_STATS_INTERVAL="0.1")
-        env.update({k: str(v) for k, v in extra.items()})
-        return env
-
-    def start(self, uid, code, ns=False, **env):
-        argv = (NS if ns else []) + _as(uid) + [self.exe, "-c", textwrap.dedent(code)]
-        p = subprocess.Popen(argv, env=self.env(**env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, cwd="/")
-        self.procs.append(p)
-        return p
-
-    def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate(timeout=10)
+def Node(world, base_mode=0o1777):
+    # the simulator's records in a directory of their own: shm's mode is the test's to choose
+    return UidNode(world, "s", shm_mode=base_mode, sim_dir=True, ASCEND_POOL_STATS="1",
+                   ASCEND_POOL_STATS_INTERVAL="0.1")
 
 
 @pytest.fixture
@@ -120,7 +73,7 @@ WORKER = """
 
 class Worker:
     def __init__(self, node, uid):
-        self.proc = node.start(uid, WORKER, ns=True, ASCEND_POOL_LEDGER_GROUP=GID)
+        self.proc = node.start(uid, (GID,), WORKER, ns=True, ASCEND_POOL_LEDGER_GROUP=GID)
         self.hello = self._line()
 
     def _line(self):
@@ -171,7 +124,7 @@ def test_a_second_uid_that_cannot_create_its_directory_is_told_the_directory_and
     # the stats publisher's warning.
     n = Node(world, base_mode=0o755)
     try:
-        p = n.start(OTHER, """
+        p = n.start(OTHER, (GID,), """
             import logging, ascend_pool as ap
             logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
             try:
@@ -231,7 +184,7 @@ def test_a_member_refused_a_ledger_root_made_is_told_its_group_or_mode(node, cha
     # Root's process made the group's ledger; an admin's chgrp or chmod left it unreadable to the
     # other members. Before, a member's context was refused "cannot open ledger PATH: Permission
     # denied", naming neither the file's group nor its mode (root, which opens anything, was told).
-    maker = node.start(None, "import ascend_pool as ap; ap.Pool(0).context('online', quota='64MiB')",
+    maker = node.start(None, (GID,), "import ascend_pool as ap; ap.Pool(0).context('online', quota='64MiB')",
                        ASCEND_POOL_LEDGER_GROUP=GID)
     out, err = maker.communicate(timeout=60)
     assert maker.returncode == 0, err
@@ -242,7 +195,7 @@ def test_a_member_refused_a_ledger_root_made_is_told_its_group_or_mode(node, cha
     else:
         os.chmod(path, 0o600)
         want = f"ledger {path} has permissions 0600; a group ledger must be 0660 (owner and group), refusing it"
-    p = node.start(OTHER, """
+    p = node.start(OTHER, (GID,), """
         import os, ascend_pool as ap
         from ascend_pool.tenants.ledger import read_view
         try:

@@ -20,15 +20,13 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-import uuid
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from other_user import readable_site  # noqa: E402
+from sim_fixtures import UidNode, as_uid, uid_world  # noqa: E402
 
 from ascend_pool import private_dir as pd  # noqa: E402
 
@@ -92,73 +90,16 @@ def test_creation_never_replaces_a_directory_that_appeared_meanwhile(base, monke
 def world():
     if SKIP:
         pytest.skip(reason=SKIP)
-    root = tempfile.mkdtemp(prefix="ap-dirs-users-")
-    os.chmod(root, 0o755)
-    site = readable_site(root)
-    try:
-        exe = None
-        for cand in (sys.executable, f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
-            r = subprocess.run(_argv(A, (GID,), cand, "import ascend_pool._core"), capture_output=True, text=True,
-                               env=dict(os.environ, PYTHONPATH=site, PYTHONSAFEPATH="1"), cwd="/")
-            if r.returncode == 0:
-                exe = cand
-                break
-        # as tests/other_user.py: where uids can be run at all (needs_users), not being able to
-        # import the build as one is a broken setup, not a reason to skip
-        assert exe is not None, f"no Python that uid {A} may run imports {site}"
-        yield root, site, exe
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    yield from uid_world("ap-dirs-users-", A, (GID,))
 
 
 def _argv(uid, groups, exe, code):
-    if uid is None:
-        return [exe, "-c", code]
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={','.join(map(str, groups))}",
-            "--inh-caps=-all", exe, "-c", code]
-
-
-class Node:
-    def __init__(self, world):
-        self.root, self.site, self.exe = world
-        self.shm = tempfile.mkdtemp(prefix="shm-", dir=self.root)
-        os.chmod(self.shm, 0o1777)
-        self.name = "d" + uuid.uuid4().hex[:10]
-        self.procs = []
-
-    def env(self, **extra):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ASCEND_SIM_", "ASCEND_POOL_"))}
-        env.update(PYTHONPATH=self.site, PYTHONSAFEPATH="1", HOME=self.root, ASCEND_POOL_BACKEND="sim",
-                   ASCEND_SIM_NODE=self.name, ASCEND_SIM_SHM_DIR=self.shm, ASCEND_SIM_DEVICES="1",
-                   ASCEND_SIM_HBM="1GiB", ASCEND_POOL_LEDGER_DIR=self.shm, ASCEND_POOL_STATS_DIR=self.shm)
-        env.update({k: str(v) for k, v in extra.items()})
-        return env
-
-    def start(self, uid, groups, code, **env):
-        p = subprocess.Popen(_argv(uid, groups, self.exe, textwrap.dedent(code)), env=self.env(**env),
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
-        self.procs.append(p)
-        return p
-
-    def run(self, uid, groups, code, **env):
-        p = self.start(uid, groups, code, **env)
-        out, err = p.communicate(timeout=60)
-        assert p.returncode == 0, f"uid {uid}'s child exited {p.returncode}\n{out}\n{err}"
-        return out
-
-    def names(self, prefix):
-        return sorted(n for n in os.listdir(self.shm) if n.startswith(prefix) or n.startswith("." + prefix))
-
-    def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate(timeout=10)
+    return as_uid(uid, groups) + [exe, "-c", code]
 
 
 @pytest.fixture
 def node(world):
-    n = Node(world)
+    n = UidNode(world, "d")
     try:
         yield n
     finally:
