@@ -515,7 +515,7 @@ def allow(handle, pids):
 def _try_release(ex):
     """One attempt to free an export: True when done. Lock held."""
     rec = ex.record
-    if ex.seg.lost:
+    if ex.seg.is_lost():
         # The runtime freed the block and closed its key (aclFinalize, then perhaps aclInit):
         # forgotten with no runtime call, whoever still maps it (their close is theirs); before,
         # its aclrtFree freed what the new runtime had put at its address, or the key's close
@@ -876,6 +876,8 @@ def pool_stats(pool):
     with _lock:
         for ex in _exports.values():
             if ex.pool_ref() is not pool:
+                continue
+            if ex.seg.is_lost(probe=False):  # out of the pool's reservation too (its runtime check)
                 continue
             if ex.deferred:
                 deferred += ex.seg.segment_bytes

@@ -440,7 +440,9 @@ def test_after_finalize_and_init_a_shared_block_is_forgotten_neither_freed_nor_e
     buffer at its address. share() refuses it naming the finalized runtime (before: it exported
     the application's buffer), share_free forgets it (True) without freeing that buffer (before:
     aclrtFree'd it; exported, share_free raised DeviceError 107000 for the closed key and its
-    8 MiB stayed reserved for good), and the pool closes cleanly."""
+    8 MiB stayed reserved for good), and the pool closes cleanly. The pool's first runtime call
+    after the renewal takes it out of its reservation and quota, as the rest of that runtime's
+    memory (before: 8 MiB reserved and allocated until share_free)."""
     res = sim_node.run_json(f"""
         import ascend_pool as ap
         from ascend_pool import sim
@@ -456,6 +458,11 @@ def test_after_finalize_and_init_a_shared_block_is_forgotten_neither_freed_nor_e
         app = C.c_void_p()
         assert acl.aclrtMalloc(C.byref(app), 8 << 20, 0) == 0
         res = {{"same_address": app.value == ptr}}
+        pool.empty_cache()                          # a runtime call: the pool finds the runtime renewed
+        pool._check_invariants()
+        st = pool.memory_stats()
+        res["renewed"] = [st["reserved_bytes.all.current"], st["allocated_bytes.all.current"],
+                          st["shared_allocated_bytes"]]
         if not {exported}:
             try:
                 pool.share(ptr, any_process=True)
@@ -469,6 +476,7 @@ def test_after_finalize_and_init_a_shared_block_is_forgotten_neither_freed_nor_e
         print(json.dumps(res))
     """, ASCEND_POOL_STATS="0")
     assert res["share_free"] is True and res["reserved"] == 0, res
+    assert res["renewed"] == [0, 0, 0], res          # its memory left the pool with the runtime's
     if not exported:
         assert res["share"].startswith("InvalidPointerError") and "released by the runtime" in res["share"], res
 

@@ -99,7 +99,7 @@ typedef struct ap_segment {
     size_t size;
     int pool;                 /* AP_POOL_SMALL or AP_POOL_LARGE */
     int pinned;               /* the preallocated reserve: never released by automatic policies */
-    int shared;               /* share.c's segment of one shared block, outside the live map */
+    int shared;               /* share.c's segment of one shared block, outside the live map; 2: written off (share.h) */
     int expandable;           /* a run of mapped chunks in reserved address space */
     int oversize;             /* counted in oversize_segments (ap_segment_sized) */
     uint16_t alloc_slot;      /* stream slot of the allocation that created it (for snapshots) */

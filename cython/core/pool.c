@@ -10,6 +10,7 @@
 
 #include "current.h"
 #include "pool_internal.h"
+#include "share.h" /* a shared segment of a released runtime: ap_share_write_off */
 
 int ap_set_error(ap_error *err, int status, int device_code, const char *fmt, ...) {
     if (err) {
@@ -398,6 +399,12 @@ int ap_pool_runtime_check(ap_pool *p, int probe) {
     uint64_t blocks = p->lost_blocks;
     for (ap_segment *s = p->segments, *next; s; s = next) {
         next = s->next;
+        if (s->shared && s->life != p->life) { /* a shared block's: written off, its share told later */
+            segs++;
+            bytes += s->size;
+            p->lost_blocks++;
+            ap_share_write_off(p, s);
+        }
         if (!segment_old(p, s)) continue;
         segs++;
         bytes += s->size;

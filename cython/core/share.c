@@ -105,9 +105,8 @@ int ap_share_unexport(ap_share *s, ap_error *err) {
     return AP_OK;
 }
 
-/* Removes the segment from the pool's list, stats and quota. Lock held. */
-static void unaccount(ap_pool *p, ap_share *s) {
-    ap_segment *seg = s->seg;
+/* Takes the segment out of the pool's list, stats and quota; its structs stay. Lock held. */
+static void unbook(ap_pool *p, ap_segment *seg) {
     ap_block *b = seg->first;
     ap_segment_unlink(p, seg);
     ap_stat_dec(&p->stats, AP_STAT_ALLOCATION, AP_POOL_LARGE, 1);
@@ -120,8 +119,20 @@ static void unaccount(ap_pool *p, ap_share *s) {
     ap_history_add_free(&p->history, AP_ACT_FREE_REQUESTED, b->addr, b->requested, NULL, b->ctx);
     ap_history_add_free(&p->history, AP_ACT_FREE_COMPLETED, b->addr, b->requested, NULL, b->ctx);
     ap_history_add(&p->history, AP_ACT_SEGMENT_FREE, seg->base, seg->size, NULL);
-    b->state = AP_BLOCK_FREE;
-    ap_block_recycle(p, b);
+}
+
+void ap_share_write_off(ap_pool *p, ap_segment *seg) {
+    unbook(p, seg);
+    seg->shared = AP_SHARE_WRITTEN_OFF; /* its ap_share still points at it: recycled by unaccount */
+}
+
+/* Removes the segment from the pool's list, stats and quota (unless written off already), and
+   recycles its structs. Lock held. */
+static void unaccount(ap_pool *p, ap_share *s) {
+    ap_segment *seg = s->seg;
+    if (seg->shared != AP_SHARE_WRITTEN_OFF) unbook(p, seg);
+    seg->first->state = AP_BLOCK_FREE;
+    ap_block_recycle(p, seg->first);
     ap_segment_recycle(p, seg);
     s->seg = NULL;
 }
@@ -135,8 +146,11 @@ int ap_share_release(ap_pool *p, ap_share *s, ap_error *err) {
            simulator unmaps it), and its address may be the new runtime's by now (an application's
            buffer there was freed under it). Counted as the pool's forgotten segments. */
         if (p && s->seg) {
-            p->lost_segments++;
-            p->lost_bytes += s->size;
+            if (s->seg->shared != AP_SHARE_WRITTEN_OFF) { /* not yet by the pool's runtime check */
+                p->lost_segments++;
+                p->lost_bytes += s->size;
+                p->lost_blocks++;
+            }
             unaccount(p, s);
         }
         s->seg = NULL;

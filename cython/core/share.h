@@ -58,6 +58,12 @@ int ap_share_release(ap_pool *p, ap_share *s, ap_error *err);
    moved on: aclFinalize, then perhaps aclInit; resets that took the pools' device references):
    it is not to be exported, freed or closed again. probe: see ap_backend_life. */
 int ap_share_lost(ap_share *s, int probe);
+/* The pool's runtime check (ap_pool_runtime_check) found the shared segment of a runtime that
+   released it: out of the pool's list, stats and quota at once, as its other memory; its structs
+   stay for its ap_share (seg->shared AP_SHARE_WRITTEN_OFF), whose release or detach recycles them.
+   Lock held. */
+#define AP_SHARE_WRITTEN_OFF 2
+void ap_share_write_off(ap_pool *p, ap_segment *seg);
 /* Takes the segment out of its pool's lists, stats and quota, without freeing the memory. */
 void ap_share_detach(ap_pool *p, ap_share *s);
 

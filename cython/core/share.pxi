@@ -74,14 +74,14 @@ cdef class SharedSegment:
         """"allocated", "exported" or "released"."""
         return _SHARE_STATES[self.s.state]
 
-    @property
-    def lost(self):
+    def is_lost(self, bint probe=True):
         """True when the runtime released the block's memory and closed its key (aclFinalize, then
         perhaps aclInit; resets that took the pools' device references): release() forgets it
-        without a runtime call, whoever still imports it."""
+        without a runtime call, whoever still imports it. probe: enter the device's context first,
+        which finds such a release (Backend.runtime_life); else what the backend has seen."""
         cdef int lost
         with nogil:
-            lost = ap_share_lost(&self.s, 1)
+            lost = ap_share_lost(&self.s, probe)
         return bool(lost)
 
     cdef ap_pool *_pool_or_null(self):
