@@ -617,3 +617,34 @@ def test_the_host_pools_errors_after_finalize_name_the_runtime(sim_node):
     kind, msg = res["realloc"]
     assert kind == "InvalidPointerError" and "the runtime released" in msg and "aclFinalize" in msg, res
     assert res["invalid"] == 0, res
+
+
+def test_a_share_malloc_after_finalize_and_init_forgets_the_old_cache_before_giving_it_back(sim_node):
+    """share_malloc after aclFinalize and aclInit, the pool still caching a segment of the old
+    runtime whose address the new runtime gave an application's buffer: the device cannot serve
+    the shared block at first, so the pool gives back its idle segments and retries. The old one
+    is forgotten, not freed (before: aclrtFree freed the application's 20 MiB buffer, and the
+    retried shared block then covered its address)."""
+    res = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        acl.aclrtMalloc.argtypes = [C.POINTER(C.c_void_p), C.c_size_t, C.c_int]
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        pool = ap.Pool(0, backend="sim")
+        pool.free(pool.malloc(8 << 20))                 # cached: a 20 MiB segment of this runtime
+        seg = pool.snapshot()["segments"][0]
+        assert acl.aclFinalize() == 0
+        assert acl.aclInit(None) == 0 and acl.aclrtSetDevice(0) == 0
+        app = C.c_void_p()
+        assert acl.aclrtMalloc(C.byref(app), seg["total_size"], 0) == 0
+        res = {"same_address": app.value == seg["address"]}
+        try:
+            ptr = pool.share_malloc(1020 << 20)          # 1020 + 20 MiB: more than the 1 GiB device
+            res["app_inside_share"] = ptr <= app.value < ptr + (1020 << 20)
+        except ap.OutOfMemoryError:
+            res["app_inside_share"] = False
+        sim.read(app.value, 64)                          # raises where it was freed
+        print(json.dumps(res))
+    """, ASCEND_SIM_DEVICES="1", ASCEND_POOL_STATS="0")
+    assert res["app_inside_share"] is False, res

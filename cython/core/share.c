@@ -23,6 +23,10 @@ int ap_share_alloc(ap_pool *p, size_t size, ap_share *s, ap_error *err) {
     size_t bytes = ap_round_up(size, AP_SHARE_PAGE);
     ap_block *b = NULL;
     pthread_mutex_lock(&p->lock);
+    /* A device call follows, and on a refusal a release of the pool's idle segments: what the
+       runtime released goes first, as in a malloc (its aclrtFree freed the application's buffer
+       the new runtime had put at a cached segment's address). */
+    ap_pool_runtime_check(p, 1);
     int rc = ap_segment_alloc(p, AP_POOL_LARGE, bytes, 0, 1, &b, err);
     if (rc != AP_OK && rc != AP_E_HOST_NOMEM && rc != AP_E_QUOTA) {
         /* Out of device memory or over the limit: give the device this pool's idle segments. */
