@@ -14,15 +14,17 @@ import warnings
 
 from . import current as _current
 from . import registry as _registry
+from . import stats as _stats
 from ._core import attach_out_of_memory_observer, capi_free, detach_out_of_memory_observer, set_default_pool_hook
 from .backend import check_device, device_index, open_backend, torch_device_index
-from .config import flag_argument, history_settings, history_skip_mask
+from .config import effective_knobs, flag_argument, history_settings, history_skip_mask
 from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError,
                      StreamTypeError)
-from .pool import DEFAULT_POOL_ID, Pool
-from .snapshot import dump as _dump_snapshot, merge as _merge_snapshots
+from .pool import DEFAULT_POOL_ID, Pool, unopened_stats
+from .snapshot import build as _build_snapshot, dump as _dump_snapshot, merge as _merge_snapshots
 from .snapshot import get_memory_metadata, set_memory_metadata  # torch's _set/_get_memory_metadata
-from .tenants.context import Context
+from .tenants.config import process_tenant
+from .tenants.context import Context, with_quota
 from .tenants.default import default_tenant_pool
 from .units import as_index
 
@@ -358,28 +360,66 @@ def empty_cache(device=None):
                 raise
 
 
+def _read_pool(device):
+    """(index, pool) for the calls that only read figures (or reset them) on device (None: the
+    current device; torch's forms): the thread's current context, else the open default pool;
+    pool None where none was ever opened, which they answer without opening it (a device
+    reference, a context on an NPU: a loop over 8 devices took one on every NPU from every rank),
+    as torch's read its allocator's per-device figures and initialise no device. A device the
+    backend does not have is still an InvalidDeviceError."""
+    index = torch_device_index(device)
+    index = current_device() if index is None else index
+    pool = _current.top(index) or _registry.default_pool(index)
+    if pool is None:
+        index = device_index(index)
+        check_device(open_backend(), index)
+    return index, pool
+
+
+def _unopened_stats():
+    """memory_stats() of a default pool never opened: an empty pool's keys, zeros (Pool's
+    unopened_stats), with a tenant context's quota keys when the default would be one."""
+    stats = unopened_stats()
+    return with_quota(stats, {}, 0) if process_tenant() is not None else stats
+
+
+def _unopened_peers(index):
+    """The open pools of device index on the backend a default pool of it would use."""
+    backend = open_backend()
+    return [p for p in _registry.live_pools() if p.device == index and p.backend is backend]
+
+
 def memory_stats(device=None):
     """The default pool's counters in PyTorch's schema (bytes), with torch's
-    reserved_bytes_by_private_pools: device_stats(default_pool(device))."""
-    return device_stats(default_pool(device))
+    reserved_bytes_by_private_pools: device_stats(default_pool(device)); for a device whose pool
+    was never opened, an empty pool's figures (zeros; _read_pool), the pool not opened."""
+    index, pool = _read_pool(device)
+    if pool is not None:
+        return device_stats(pool)
+    return _with_private_pools(_unopened_stats(), _unopened_peers(index))
 
 
 def memory_stats_as_nested_dict(device=None):
     """torch.cuda.memory_stats_as_nested_dict(): memory_stats(device) as nested dicts, split at
     the dots of its keys (stats["allocated_bytes"]["all"]["current"], bytes), which is the form
-    torch's memory_stats flattens: device_nested_stats(default_pool(device))."""
-    return device_nested_stats(default_pool(device))
+    torch's memory_stats flattens: device_nested_stats(default_pool(device)); nothing opened to
+    read it, as memory_stats."""
+    index, pool = _read_pool(device)
+    if pool is not None:
+        return device_nested_stats(pool)
+    return _nested_with_private_pools(_unopened_stats(), _unopened_peers(index))
 
 
 _POOL_STAT = re.compile(r"reserved_bytes\.((?:all|small_pool|large_pool)\.(?:current|peak|allocated|freed))$")
 
 
-def _private_pools_reserved(pool):
-    """{pool_id: {"all.current": bytes, ...}}: the reserved_bytes figures of each other open pool
-    of pool's device (torch's private pools: a MemPool's id is (0, n) as a Pool's), as torch 2.x's
-    reserved_bytes_by_private_pools; the device's default pools ((0, 0)) are not private."""
+def _private_pools_reserved(peers):
+    """{pool_id: {"all.current": bytes, ...}}: the reserved_bytes figures of each pool of peers
+    (the other open pools of a device: torch's private pools: a MemPool's id is (0, n) as a
+    Pool's), as torch 2.x's reserved_bytes_by_private_pools; the device's default pools ((0, 0))
+    are not private."""
     out = {}
-    for other in _registry.device_peers(pool):
+    for other in peers:
         if tuple(other.pool_id) == DEFAULT_POOL_ID:
             continue
         try:
@@ -399,8 +439,11 @@ def device_stats(pool):
     its device as "reserved_bytes_by_private_pools.A_B.{all,small_pool,large_pool}.{current,peak,
     allocated,freed}" (pool id (A, B), its reserved_bytes figures; the figures above are pool's
     own, those pools' are not in them)."""
-    stats = pool.memory_stats()
-    private = _private_pools_reserved(pool)
+    return _with_private_pools(pool.memory_stats(), _registry.device_peers(pool))
+
+
+def _with_private_pools(stats, peers):
+    private = _private_pools_reserved(peers)
     for (a, b), figures in private.items():
         stats.update((f"reserved_bytes_by_private_pools.{a}_{b}.{k}", v) for k, v in figures.items())
     # sorted by key as torch's memory_stats (it sorts after flattening); appended, they came last
@@ -411,9 +454,13 @@ def device_nested_stats(pool):
     """device_stats(pool) nested as torch's memory_stats_as_nested_dict: reserved_bytes_by_private_pools
     always there (empty without other pools), keyed by pool-id tuples as torch's (memory_stats
     flattens (0, 1) to "0_1")."""
-    nested = nested_stats(pool.memory_stats())
+    return _nested_with_private_pools(pool.memory_stats(), _registry.device_peers(pool))
+
+
+def _nested_with_private_pools(stats, peers):
+    nested = nested_stats(stats)
     nested["reserved_bytes_by_private_pools"] = {
-        pid: nested_stats(figures) for pid, figures in _private_pools_reserved(pool).items()}
+        pid: nested_stats(figures) for pid, figures in _private_pools_reserved(peers).items()}
     return nested
 
 
@@ -431,29 +478,44 @@ def nested_stats(stats):
 
 def memory_summary(device=None, abbreviated=False):
     """A readable summary of the default pool's counters, with torch.cuda.memory_summary's
-    arguments (abbreviated: without the per-pool rows)."""
-    return default_pool(device).memory_summary(abbreviated)
+    arguments (abbreviated: without the per-pool rows); a pool never opened is not opened for it
+    (its zeros, as memory_stats)."""
+    index, pool = _read_pool(device)
+    if pool is not None:
+        return pool.memory_summary(abbreviated)
+    abbreviated = flag_argument("memory_summary", "abbreviated", abbreviated)
+    return _stats.summary(_unopened_stats(), index, open_backend().name, abbreviated=abbreviated)
 
 
 def reset_peak_stats(device=None):
-    """Resets the default pool's peak counters."""
-    default_pool(device).reset_peak_stats()
+    """Resets the default pool's peak counters (nothing to reset, and nothing opened, for a pool
+    never opened)."""
+    pool = _read_pool(device)[1]
+    if pool is not None:
+        pool.reset_peak_stats()
 
 
 def snapshot(device=None):
-    """The default pool's snapshot in PyTorch's schema."""
-    return default_pool(device).snapshot()
+    """The default pool's snapshot in PyTorch's schema; for a pool never opened, an empty one
+    (no segments, no trace), the pool not opened."""
+    index, pool = _read_pool(device)
+    if pool is not None:
+        return pool.snapshot()
+    return _build_snapshot(index, [], [], effective_knobs(None))
 
 
 def reset_accumulated_memory_stats(device=None):
-    """Zeroes the default pool's accumulated counters (allocated/freed totals, event counts)."""
-    default_pool(device).reset_accumulated_stats()
+    """Zeroes the default pool's accumulated counters (allocated/freed totals, event counts);
+    nothing for a pool never opened, which is not opened for it."""
+    pool = _read_pool(device)[1]
+    if pool is not None:
+        pool.reset_accumulated_stats()
 
 
 def reset_accumulated_stats(device=None):
     """pool.reset_accumulated_stats() on the default pool of device: the same as
     reset_accumulated_memory_stats(device)."""
-    default_pool(device).reset_accumulated_stats()
+    reset_accumulated_memory_stats(device)
 
 
 def mem_get_info(device=None):
@@ -554,15 +616,23 @@ def record_memory_history(enabled=True, stacks="python", max_entries=100_000, de
         raise
 
 
-def _process_snapshot(device=None, create=True):
-    """The snapshot dump_snapshot writes: _process_pools(device, create)'s, merged."""
-    return _merge_snapshots(_on_each_open(_process_pools(device, create), lambda pool: pool.snapshot()))
+def _process_snapshot(device=None):
+    """The snapshot dump_snapshot writes: _process_pools(device)'s, merged; no pool is opened for
+    it (torch's _snapshot initialises no device): with none open, an empty snapshot of the
+    device (None: the current one), as an empty pool's."""
+    pools = _process_pools(device, create=False)
+    if not pools:
+        index, pool = _read_pool(device)
+        pools = [pool] if pool is not None else []  # opened by another thread meanwhile
+        if not pools:
+            return _merge_snapshots([_build_snapshot(index, [], [], effective_knobs(None))])
+    return _merge_snapshots(_on_each_open(pools, lambda pool: pool.snapshot()))
 
 
 def dump_snapshot(path="dump_snapshot.pickle", device=None):
     """Writes the process's snapshot (every device's default pool that was used, every tenant
     context and every other open pool, or one device's) as the pickle that `python -m torch.cuda._memory_viz` reads
-    (PyTorch's _dump_snapshot)."""
+    (PyTorch's _dump_snapshot); no pool is opened for it (_process_snapshot)."""
     _dump_snapshot(_process_snapshot(device), path)
 
 
@@ -571,7 +641,8 @@ def memory_snapshot(mempool_id=None, include_traces=True):
     dump_snapshot() writes, every device's. mempool_id: None for every pool's, else a pool's id
     (Pool.pool_id, torch's MempoolId_t: (0, 0) the default pools, (0, n) another pool or tenant
     context) for the segments of that pool only, as torch's; include_traces: accepted, as torch's
-    (the segments carry no trace): True or False, else ConfigTypeError."""
+    (the segments carry no trace): True or False, else ConfigTypeError. No pool is opened for it:
+    none open, no segments."""
     flag_argument("memory_snapshot", "include_traces", include_traces)
     want = None if mempool_id is None else _pool_id(mempool_id)
     segments = _process_snapshot()["segments"]
@@ -590,8 +661,9 @@ def _pool_id(value):
 def _own_stats(device):
     # The default pool's own figures: the scalar getters need none of memory_stats()'s private
     # pools, whose reading made each call read every open pool of the device (O(pools): 7 ms
-    # with 100 pools open, and a wait on any of their locks).
-    return default_pool(device).memory_stats()
+    # with 100 pools open, and a wait on any of their locks). A pool never opened: its zeros.
+    pool = _read_pool(device)[1]
+    return pool.memory_stats() if pool is not None else _unopened_stats()
 
 
 def memory_allocated(device=None):
@@ -760,7 +832,15 @@ def _device_total(pool):
 def get_per_process_memory_fraction(device=None):
     """torch.cuda.get_per_process_memory_fraction(): the fraction of the device's total memory
     the default pool of device may hold (set_per_process_memory_fraction or the memory_fraction
-    knob); 1.0 without a cap."""
+    knob); 1.0 without a cap. A default pool never opened is not opened to say 1.0: where no
+    knob or tenant could cap it, the cap it would have is none (one opened on reading took a
+    device reference, a context on an NPU)."""
+    index = torch_device_index(device)
+    index = current_device() if index is None else index
+    if _current.cache_owner(index) is None and _registry.default_pool(index) is None and process_tenant() is None \
+            and not {"memory_fraction", "per_process_memory_fraction"} & set(effective_knobs(None)):
+        check_device(open_backend(), device_index(index))
+        return 1.0
     pool = _fraction_owner(device)
     limit = pool._limit()  # whoever set it last: Python, the C ABI's hook, or the knobs
     if limit is None:

@@ -14,9 +14,9 @@ from . import registry as _registry
 from . import settings as _settings
 from . import snapshot as _snapshot
 from . import stats as _stats
-from ._core import PoolBase, forked_from
+from ._core import PoolBase, forked_from, unopened_raw_stats
 from .backend import check_device, device_index, open_backend
-from .config import _is_bool, conf_source, flag_argument, effective_knobs, knobs_to_config, runtime_state
+from .config import _is_bool, allocator_settings, conf_source, flag_argument, effective_knobs, knobs_to_config, runtime_state
 from .errors import ConfigError, ConfigTypeError, PoolError
 from .snapshot_trace import NoAllocations, arrays_from_snapshot
 from .traces import output_npz_path, trace_from_arrays
@@ -65,6 +65,19 @@ def _wait_ms(wait_ms):
     if n >= 2**31:
         raise ConfigError(f"wait_ms: must be below 2**31 ms, or negative (wait forever), got {n}")
     return max(n, -1)
+
+
+def unopened_stats():
+    """memory_stats() of a pool of this process's knobs that was never opened, without opening
+    one (a device reference; on an NPU a context): every key an empty open pool reports, each 0,
+    but max_split_size (the knobs', as that pool's); device_free_bytes and device_total_bytes
+    are 0 too, a device query (mem_get_info) being what opens a device. As torch's memory_stats
+    reads a device its allocator never served: zeros, no context made."""
+    knobs = effective_knobs(None)
+    out = _stats.with_derived(unopened_raw_stats(allocator_settings(knobs)["max_split_size"]))
+    if _sharing is not None:
+        out.update(_sharing.pool_stats(object()))  # a pool no export or import is of: its zeros
+    return OrderedDict(sorted(out.items()))
 
 
 class Pool(PoolBase):

@@ -4,6 +4,7 @@
 One extension module so that the pool's state, the backend table and the exported C symbols live
 in one shared object (the file `ascend_pool.library_path()` returns). Each concept is its own
 include file, in data-path order.
+from libc.string cimport memset
 """
 include "core/errors.pxi"
 include "backend/fork.pxi"

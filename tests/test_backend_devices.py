@@ -408,3 +408,56 @@ def test_module_level_synchronize_and_destroy_stream_find_the_streams_device(sim
                           "refs_0": sim.stats(0)["device_refs"], "refs_5": sim.stats(5)["device_refs"]}))
     """, ASCEND_SIM_DEVICES="8")
     assert out == {"waited": True, "done": True, "pool_0": False, "refs_0": 0, "refs_5": 1}, out
+
+
+
+def test_reading_figures_of_a_device_never_used_opens_no_pool_and_answers_an_empty_pools(sim_node):
+    # A monitoring loop over every device (memory_allocated(d), memory_stats(d), memory_summary(d)
+    # ...) from a process on device 5 made each device's default pool to read it: a device
+    # reference, on an NPU a context on every NPU from every rank. As torch's memory_stats(d):
+    # the allocator's figures for a device it never served, zeros, no context. torch's
+    # memory_summary reads keys directly: the key set must be an empty open pool's.
+    out = sim_node.run_json("""
+        import os
+        import ascend_pool as ap
+        from ascend_pool import api, registry, sim
+        ap.malloc(1 << 20, device=5)
+        mine = ap.Pool(7)                                            # a private pool of device 7
+        mine.malloc(3 << 20)
+        read = {
+            "memory_stats": ap.memory_stats(0), "nested": ap.memory_stats_as_nested_dict(1),
+            "allocated": ap.memory_allocated(2), "reserved": ap.memory_reserved(3),
+            "max_allocated": ap.max_memory_allocated(4), "max_reserved": ap.max_memory_reserved(6),
+            "summary": ap.memory_summary(0, abbreviated=True), "snapshot": ap.snapshot(1),
+            "fraction": ap.get_per_process_memory_fraction(2), "memory_snapshot": len(ap.memory_snapshot()),
+            "stats_7": ap.memory_stats(7),
+        }
+        ap.reset_peak_memory_stats(3)
+        ap.reset_accumulated_memory_stats(4)
+        ap.dump_snapshot(os.devnull, device=6)
+        try:
+            ap.memory_stats(99)
+        except Exception as e:
+            bad = type(e).__name__
+        refs = {d: sim.stats(d)["device_refs"] for d in (0, 1, 2, 3, 4, 6)}
+        opened = [d for d in (0, 1, 2, 3, 4, 6, 7) if registry.default_pool(d) is not None]
+        empty = ap.Pool(0)                                           # what an empty open pool reports
+        want = dict(empty.memory_stats(), device_free_bytes=0, device_total_bytes=0)
+        a, b = mine.pool_id
+        print(json.dumps({
+            "refs": refs, "opened": opened,
+            "stats_equal": read["memory_stats"] == want and list(read["memory_stats"]) == list(want),
+            "nested_equal": read["nested"] == dict(api.nested_stats(want), reserved_bytes_by_private_pools={}),
+            "scalars": [read[k] for k in ("allocated", "reserved", "max_allocated", "max_reserved")],
+            "summary_rows": read["summary"].splitlines()[2:-1] == empty.memory_summary(True).splitlines()[2:-1],
+            "snapshot": [read["snapshot"]["segments"], len(read["snapshot"]["device_traces"]),
+                         read["snapshot"]["allocator_settings"] == empty.snapshot()["allocator_settings"]],
+            "fraction": read["fraction"], "memory_snapshot": read["memory_snapshot"], "bad": bad,
+            "private_7": read["stats_7"][f"reserved_bytes_by_private_pools.{a}_{b}.all.current"],
+            "own_7": read["stats_7"]["reserved_bytes.all.current"],
+        }))
+    """, ASCEND_SIM_DEVICES="8")
+    assert out == {"refs": {"0": 0, "1": 0, "2": 0, "3": 0, "4": 0, "6": 0}, "opened": [],
+                   "stats_equal": True, "nested_equal": True, "scalars": [0, 0, 0, 0], "summary_rows": True,
+                   "snapshot": [[], 2, True], "fraction": 1.0, "memory_snapshot": 2, "bad": "InvalidDeviceError",
+                   "private_7": 20 << 20, "own_7": 0}, out

@@ -264,7 +264,9 @@ def test_stats_before_torch_npu_starts_open_no_pool(fake_torch_npu, monkeypatch,
     aclInit(NULL), and torch_npu's own aclInit(acl.json) then fails with 100002, its
     configuration dropped (before: it did). With no pool open they answer {}, as torch_npu does
     then; a pool the program opened already is read (not hidden behind {}); once torch_npu has
-    started, they answer from ascend_pool's default pools."""
+    started, they answer from ascend_pool's default pools, a device never served with an empty
+    pool's zeros, its pool not opened (before, the test asserted that it was: api.default_pool
+    called)."""
     from ascend_pool import api, registry
     from ascend_pool.integrations import torch_npu as ap_npu
 
@@ -294,8 +296,14 @@ def test_stats_before_torch_npu_starts_open_no_pool(fake_torch_npu, monkeypatch,
         assert opened == []
         started.append(True)                           # torch_npu's lazy init has run
         st = npu.memory_stats(0)
-        assert opened == [0]
         assert st["allocated_bytes.all.current"] == ap.memory_stats(0)["allocated_bytes.all.current"] >= 3 << 20
+        # a device never served answers an empty pool's zeros, as torch_npu's allocator, and is
+        # not opened for it (before: its default pool was made, a context on that NPU)
+        never = next(d for d in range(pool.backend.device_count) if api.open_pool(d) is None)
+        assert npu.memory_stats(never)["allocated_bytes.all.current"] == 0
+        assert npu.memory_stats_as_nested_dict(never)["reserved_bytes"]["all"]["current"] == 0
+        npu.reset_peak_memory_stats(never)
+        assert opened == [] and registry.default_pool(never) is None
     finally:
         pool.free(ptr)
         pool.close()

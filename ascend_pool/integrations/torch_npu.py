@@ -53,7 +53,9 @@ _snapshot's and _dump_snapshot's augment_with_fx_traces (no FX frames here: True
 (torch_npu.npu.is_initialized() false) they open nothing, as torch_npu's own answer then: stats {}
 (memory_allocated(0) reads 0), resets do nothing, _snapshot shows the pools made so far; a stats
 call naming a device would otherwise open its pool, and with it call aclInit before torch_npu's
-own. Without the patch (install(patch_stats=False)), call
+own. After it, as torch_npu's allocator answers for a device it never served, a
+device whose pool was never opened answers an empty pool's figures (zeros, every key) and is not
+opened for it (a context on every NPU a monitoring loop reads); the snapshots open nothing either. Without the patch (install(patch_stats=False)), call
 ascend_pool.memory_stats(device) and friends instead.
 """
 
@@ -207,32 +209,34 @@ def _framework_started():
     return not callable(started) or bool(started())
 
 
-def _stats_pool(device):
-    """The pool the stats functions read for device: the default one (created on first use) once
-    torch_npu has started; before, only one already open (None: torch_npu's own answer then)."""
+def _stats_call(device, started_call, open_call, none):
+    """Once torch_npu has started: started_call(index), ascend_pool's module-level function, which
+    reads the device's pool and opens none (a device never served answers an empty pool's zeros,
+    as torch_npu's allocator answers it). Before: open_call(pool) on a pool already open (no
+    device index from torch_npu, whose current_device() would run its lazy init), else none,
+    torch_npu's own answer then."""
     started = _framework_started()
     index = _device_index(device, current=started)
-    return api.default_pool(index) if started else api.open_pool(index)
+    if started:
+        return started_call(index)
+    pool = api.open_pool(index)
+    return open_call(pool) if pool is not None else none
 
 
 def _replacements():
     def memory_stats(device=None):
-        pool = _stats_pool(device)  # none yet: {}, as torch_npu's: memory_allocated() & co. read 0
-        return api.device_stats(pool) if pool is not None else OrderedDict()
+        # not started yet: {}, as torch_npu's: memory_allocated() & co. read 0
+        return _stats_call(device, api.memory_stats, api.device_stats, OrderedDict())
 
     def memory_stats_as_nested_dict(device=None):  # what torch_npu's own memory_stats calls
-        pool = _stats_pool(device)
-        return api.device_nested_stats(pool) if pool is not None else {}
+        return _stats_call(device, api.memory_stats_as_nested_dict, api.device_nested_stats, {})
 
     def reset_peak_memory_stats(device=None):
-        pool = _stats_pool(device)
-        if pool is not None:  # none yet: nothing has been served, nothing to reset
-            pool.reset_peak_stats()
+        # none open: nothing has been served, nothing to reset
+        _stats_call(device, api.reset_peak_stats, lambda pool: pool.reset_peak_stats(), None)
 
     def reset_accumulated_memory_stats(device=None):
-        pool = _stats_pool(device)
-        if pool is not None:
-            pool.reset_accumulated_stats()
+        _stats_call(device, api.reset_accumulated_memory_stats, lambda pool: pool.reset_accumulated_stats(), None)
 
     # torch's signatures, which torch.accelerator.memory.snapshot and user code pass on
     # (augment_with_fx_traces, mempool_id): the old ones raised TypeError for them
@@ -242,12 +246,12 @@ def _replacements():
         # device is still checked (another device type is a ValueError, as the other functions')
         _fx_traces(augment_with_fx_traces)
         _device_index(device, current=False)
-        # before torch_npu has started: the pools made so far (none by torch_npu's tensors)
-        return api._process_snapshot(create=_framework_started())
+        # the pools made so far (before torch_npu has started, none by its tensors): none opened
+        return api._process_snapshot()
 
     def memory_snapshot(mempool_id=None, include_traces=True):
         if not _framework_started():
-            segments = api._process_snapshot(create=False)["segments"]
+            segments = api._process_snapshot()["segments"]
             if mempool_id is None:
                 return segments
             want = api._pool_id(mempool_id)
@@ -263,13 +267,13 @@ def _replacements():
     def get_per_process_memory_fraction(device=None):
         # torch_npu's getter asks its C++ allocator, which under a pluggable one does not hold the
         # cap that set_per_process_memory_fraction handed to ascend_pool_set_memory_fraction
-        pool = _stats_pool(device)
-        return api.get_per_process_memory_fraction(pool.device) if pool is not None else 1.0
+        return _stats_call(device, api.get_per_process_memory_fraction,
+                           lambda pool: api.get_per_process_memory_fraction(pool.device), 1.0)
 
     def _dump_snapshot(filename="dump_snapshot.pickle", augment_with_fx_traces=False):
         _fx_traces(augment_with_fx_traces)
         if not _framework_started():
-            write_snapshot(api._process_snapshot(create=False), filename)
+            write_snapshot(api._process_snapshot(), filename)
             return
         api.dump_snapshot(filename)
 

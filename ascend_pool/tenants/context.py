@@ -40,6 +40,21 @@ SWEEP_LOCK_MS = 20       # ... waiting this long at most for the ledger's lock (
 _KEEP = object()
 
 
+def with_quota(out, state, warn_events):
+    """out (memory_stats()) with a tenant context's quota figures, from its ledger state (a dict
+    as Context._quota_state's; {}: none yet) and its warn event count: sorted by key, as torch's
+    memory_stats."""
+    out["quota_bytes"] = state.get("quota_bytes") or 0
+    out["quota_held_bytes"] = state.get("held_bytes", 0)
+    out["quota_context_bytes"] = state.get("slot_bytes", 0)
+    out["quota_peak_bytes"] = state.get("peak_bytes", 0)
+    out["quota_warn"] = state.get("warn") or 0.0
+    out["quota_refusals"] = state.get("refusals", 0)
+    out["quota_uncertain_bytes"] = state.get("uncertain_bytes", 0)
+    out["quota_warn_events"] = warn_events
+    return OrderedDict(sorted(out.items()))
+
+
 class Context(Pool):
     """The pool of tenant `name` on one device, with a soft quota.
 
@@ -203,16 +218,7 @@ class Context(Pool):
         return self._with_quota(super().lifetime_stats(wait_ms))
 
     def _with_quota(self, out):
-        state = self._quota_state() or {}
-        out["quota_bytes"] = state.get("quota_bytes") or 0
-        out["quota_held_bytes"] = state.get("held_bytes", 0)
-        out["quota_context_bytes"] = state.get("slot_bytes", 0)
-        out["quota_peak_bytes"] = state.get("peak_bytes", 0)
-        out["quota_warn"] = state.get("warn") or 0.0
-        out["quota_refusals"] = state.get("refusals", 0)
-        out["quota_uncertain_bytes"] = state.get("uncertain_bytes", 0)
-        out["quota_warn_events"] = self.warn_events
-        return OrderedDict(sorted(out.items()))  # sorted by key, as torch's memory_stats
+        return with_quota(out, self._quota_state() or {}, self.warn_events)
 
     def memory_summary(self, abbreviated=False):
         """Pool.memory_summary(abbreviated) with the tenant's quota line."""

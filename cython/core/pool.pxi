@@ -1112,39 +1112,7 @@ cdef class PoolBase:
         self._leave()
         if rc != 0:
             raise TimeoutError(f"the pool's lock (device {self.device}) was held for more than {wait_ms} ms")
-        out = {}
-        for i, name in enumerate(_STAT_NAMES):
-            for j, kind in enumerate(_STAT_TYPES):
-                out[f"{name}.{kind}.current"] = st.s[i][j].current
-                out[f"{name}.{kind}.peak"] = st.s[i][j].peak
-                out[f"{name}.{kind}.allocated"] = st.s[i][j].current + st.s[i][j].freed
-                out[f"{name}.{kind}.freed"] = st.s[i][j].freed
-        # PyTorch's oversize figures (blocks and segments of max_split_size or more, never split),
-        # which torch.cuda.memory_summary reads; max_split_size is -1 while it is off, as there.
-        for i, name in enumerate(("oversize_allocations", "oversize_segments")):
-            out[f"{name}.current"] = st.oversize[i].current
-            out[f"{name}.peak"] = st.oversize[i].peak
-            out[f"{name}.allocated"] = st.oversize[i].current + st.oversize[i].freed
-            out[f"{name}.freed"] = st.oversize[i].freed
-        out["max_split_size"] = self.config.get("max_split_size", -1)
-        out["num_alloc_retries"] = st.num_alloc_retries
-        out["num_ooms"] = st.num_ooms
-        out["num_sync_all_streams"] = st.num_sync_all_streams
-        out["num_device_alloc"] = st.num_device_alloc
-        out["num_device_free"] = st.num_device_free
-        out["num_device_map"] = st.num_device_map
-        out["num_device_unmap"] = st.num_device_unmap
-        out["num_quota_exceeded"] = st.num_quota_exceeded
-        out["num_oom_rejections"] = st.num_oom_rejections
-        out["events_created"] = st.events_created
-        out["stream_migrations"] = st.stream_migrations
-        out["pending_free_bytes"] = st.pending_free_bytes
-        out["pending_free_blocks"] = st.pending_free_blocks
-        out["largest_free_block_bytes"] = st.largest_free_block
-        out["cached_free_bytes"] = st.cached_free_bytes
-        out["device_free_bytes"] = st.device_free_bytes
-        out["device_total_bytes"] = st.device_total_bytes
-        return out
+        return _stats_dict(&st, self.config.get("max_split_size", -1))
 
     cdef _note_frames(self):
         """Files the caller's Python frames under a context id and sets it for this thread. One id
@@ -1274,6 +1242,52 @@ cdef class PoolBase:
         finally:
             ap_snapshot_free(&snap)
         return segments, history
+
+
+
+cdef dict _stats_dict(const ap_stats *st, max_split_size):
+    """_raw_stats' dict of the counters in st (max_split_size: the pool's, -1 while off)."""
+    out = {}
+    for i, name in enumerate(_STAT_NAMES):
+        for j, kind in enumerate(_STAT_TYPES):
+            out[f"{name}.{kind}.current"] = st[0].s[i][j].current
+            out[f"{name}.{kind}.peak"] = st[0].s[i][j].peak
+            out[f"{name}.{kind}.allocated"] = st[0].s[i][j].current + st[0].s[i][j].freed
+            out[f"{name}.{kind}.freed"] = st[0].s[i][j].freed
+    # PyTorch's oversize figures (blocks and segments of max_split_size or more, never split),
+    # which torch.cuda.memory_summary reads; max_split_size is -1 while it is off, as there.
+    for i, name in enumerate(("oversize_allocations", "oversize_segments")):
+        out[f"{name}.current"] = st[0].oversize[i].current
+        out[f"{name}.peak"] = st[0].oversize[i].peak
+        out[f"{name}.allocated"] = st[0].oversize[i].current + st[0].oversize[i].freed
+        out[f"{name}.freed"] = st[0].oversize[i].freed
+    out["max_split_size"] = max_split_size
+    out["num_alloc_retries"] = st[0].num_alloc_retries
+    out["num_ooms"] = st[0].num_ooms
+    out["num_sync_all_streams"] = st[0].num_sync_all_streams
+    out["num_device_alloc"] = st[0].num_device_alloc
+    out["num_device_free"] = st[0].num_device_free
+    out["num_device_map"] = st[0].num_device_map
+    out["num_device_unmap"] = st[0].num_device_unmap
+    out["num_quota_exceeded"] = st[0].num_quota_exceeded
+    out["num_oom_rejections"] = st[0].num_oom_rejections
+    out["events_created"] = st[0].events_created
+    out["stream_migrations"] = st[0].stream_migrations
+    out["pending_free_bytes"] = st[0].pending_free_bytes
+    out["pending_free_blocks"] = st[0].pending_free_blocks
+    out["largest_free_block_bytes"] = st[0].largest_free_block
+    out["cached_free_bytes"] = st[0].cached_free_bytes
+    out["device_free_bytes"] = st[0].device_free_bytes
+    out["device_total_bytes"] = st[0].device_total_bytes
+    return out
+
+
+def unopened_raw_stats(max_split_size=-1):
+    """_raw_stats() of a pool that was never opened: every key, each 0 (max_split_size as
+    given). Built by _raw_stats' own code from zeroed counters, so that the keys stay the same."""
+    cdef ap_stats st
+    memset(&st, 0, sizeof(st))
+    return _stats_dict(&st, max_split_size)
 
 
 def replay_arrays(PoolBase pool, Backend backend, int device, str mode, const int8_t[::1] op,
