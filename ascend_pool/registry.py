@@ -207,6 +207,11 @@ def open_host_pool(device):
     return _host_pools.get(device)
 
 
+def host_pool_devices():
+    """The devices a pinned host pool was made for, in ascending order."""
+    return sorted(_host_pools)
+
+
 def host_pool(device, create):
     """The process's pinned host pool of device: create() makes it on first use; kept for the life
     of the process (arrays and in-flight copies may outlive every reference to it)."""

@@ -461,3 +461,34 @@ def test_reading_figures_of_a_device_never_used_opens_no_pool_and_answers_an_emp
                    "stats_equal": True, "nested_equal": True, "scalars": [0, 0, 0, 0], "summary_rows": True,
                    "snapshot": [[], 2, True], "fraction": 1.0, "memory_snapshot": 2, "bad": "InvalidDeviceError",
                    "private_7": 20 << 20, "own_7": 0}, out
+
+
+def test_the_pinned_pools_pin_in_a_device_the_process_already_holds(sim_node):
+    # host_pool() and the numpy handler's pool pinned in device 0 always: a process on device 5
+    # (ap's current device never set: 0) took a device-0 reference, on an NPU a context on a device
+    # it never used, at its first pinned allocation. As torch's CachingHostAllocator: the current
+    # device if the process holds it, else one it holds; an explicit device keeps its meaning.
+    out = sim_node.run_json("""
+        import numpy as np
+        import ascend_pool as ap
+        from ascend_pool import registry, sim
+        from ascend_pool.integrations import numpy as ap_np, pinned
+        ap.free(ap.malloc(1 << 20, device=5), device=5)
+        hp = pinned.host_pool()
+        hp.free(hp.malloc(4096))
+        with ap_np.installed() as handler_pool:
+            a = np.ones(1 << 16)
+            numpy_device = handler_pool.device
+            del a
+        refs_0 = sim.stats(0)["device_refs"]
+        ap.set_device(3)                                          # a thread now on device 3 ...
+        on_3_unopened = pinned.host_pool().device                 # ... which it holds nothing on yet
+        ap.free(ap.malloc(1 << 20))                               # now it does
+        on_3 = pinned.host_pool().device
+        print(json.dumps({"host_pool": hp.device, "numpy": numpy_device,
+                          "numpy_stays": ap_np.host_pool().device, "refs_0": refs_0,
+                          "on_3_unopened": on_3_unopened, "on_3": on_3, "explicit_1": pinned.host_pool(1).device,
+                          "stats_device": pinned.host_memory_stats() == pinned.host_pool(3).host_memory_stats()}))
+    """, ASCEND_SIM_DEVICES="8")
+    assert out == {"host_pool": 5, "numpy": 5, "numpy_stays": 5, "refs_0": 0, "on_3_unopened": 5,
+                   "on_3": 3, "explicit_1": 1, "stats_device": True}, out

@@ -21,6 +21,7 @@ Pinned memory is scarce: install it where arrays feed the device, not for a whol
 import contextlib
 import importlib
 import os
+import threading
 
 from .._core import numpy_handler_capsule, numpy_set_handler
 from ._common import FrameworkMissingError, require
@@ -61,9 +62,21 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_pool = None  # the handler's pool, chosen at its first use
+_pool_lock = threading.Lock()
+
+
 def host_pool():
-    """The pinned host pool behind the handler (device 0 of the process's backend)."""
-    return _host_pool(0)
+    """The pinned host pool behind the handler: pinned.host_pool()'s at the first use (a device
+    the process already holds, pinned.default_device; before, device 0 always, a context on an NPU
+    a process on device 5 never used), the same one from then on, whichever thread asks (its
+    arrays and stats() stay in one pool)."""
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = _host_pool()
+    return _pool
 
 
 def install():

@@ -2,7 +2,7 @@
 behind the numpy handler (ascend_pool.integrations.numpy).
 
     from ascend_pool.integrations.pinned import host_pool
-    hp = host_pool()                  # device 0 of the process's backend
+    hp = host_pool()                  # a device the process already uses (see host_pool)
     buf = hp.malloc(64 << 20)         # pinned bytes; an async copy from it can run at full speed
     hp.record_stream(buf, stream)     # the copy was queued on `stream` ...
     hp.free(buf)                      # ... so buf is reused only once that copy has finished
@@ -11,11 +11,11 @@ One pool per device, created on first use and kept until the process exits (arra
 copies may outlive every Python reference to it). See ascend_pool._core.HostPool for the policy.
 """
 
-from .. import registry
+from .. import api, registry
 from .._core import HostPool
 from ..backend import check_device, device_index, open_backend
 
-__all__ = ["host_pool", "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats",
+__all__ = ["host_pool", "default_device", "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats",
            "reset_accumulated_host_memory_stats", "host_empty_cache"]
 
 
@@ -25,24 +25,42 @@ def _create(device):
     return pool
 
 
-def host_pool(device=0):
+def default_device():
+    """The device host_pool() pins in, as torch's CachingHostAllocator picks a device with a
+    primary context (pinned memory serves copies to and from any device): the calling thread's
+    current device (ap.set_device) if this process holds it already (an open pool or pinned pool
+    on it), else the first device with a pinned pool, else the first with an open pool, else the
+    current device. Before, device 0 always: a process on device 5 took a device-0 reference, a
+    context on an NPU it never used, at its first pinned allocation."""
+    current = api.current_device()
+    hosts = registry.host_pool_devices()
+    backend = open_backend()
+    opened = sorted({p.device for p in registry.live_pools() if p.backend is backend})
+    if current in hosts or current in opened:
+        return current
+    return (hosts or opened or [current])[0]
+
+
+def host_pool(device=None):
     """The pinned host pool pinning in `device`'s runtime context on the process's backend
-    ($ASCEND_POOL_BACKEND, else automatic); kept in ascend_pool.registry. A device that is not an
-    index of the backend's devices raises InvalidDeviceError."""
-    device = device_index(device)
+    ($ASCEND_POOL_BACKEND, else automatic); kept in ascend_pool.registry. None: default_device(),
+    a device the process already holds. A device that is not an index of the backend's devices
+    raises InvalidDeviceError."""
+    device = default_device() if device is None else device_index(device)
     check_device(open_backend(), device)
     return registry.host_pool(device, lambda: _create(device))
 
 
 # torch.cuda's (and torch_npu.npu's) module-level names for the pinned host allocator, on the
-# pinned pool of `device` (torch has one host allocator per process; here one pool per device).
+# pinned pool of `device` (torch has one host allocator per process; here one pool per device;
+# None: host_pool()'s, default_device()).
 
-def host_memory_stats(device=0):
+def host_memory_stats(device=None):
     """torch.cuda.host_memory_stats(): host_pool(device).host_memory_stats()."""
     return host_pool(device).host_memory_stats()
 
 
-def host_memory_stats_as_nested_dict(device=0):
+def host_memory_stats_as_nested_dict(device=None):
     """torch.cuda.host_memory_stats_as_nested_dict(): the same figures, nested at the dots."""
     nested = {}
     for key, value in host_memory_stats(device).items():
@@ -55,26 +73,26 @@ def _made(device):
     """The pinned pool of `device` (checked as host_pool checks it) if one was made, else None:
     the calls that only reset or give back make none, as torch's initialise nothing (a pool made
     for them took a reference on the device, a context on an NPU the process may never use)."""
-    device = device_index(device)
+    device = default_device() if device is None else device_index(device)
     check_device(open_backend(), device)
     return registry.open_host_pool(device)
 
 
-def reset_peak_host_memory_stats(device=0):
+def reset_peak_host_memory_stats(device=None):
     """torch.cuda.reset_peak_host_memory_stats(): peaks back to the current values."""
     pool = _made(device)
     if pool is not None:
         pool.reset_peak_stats()
 
 
-def reset_accumulated_host_memory_stats(device=0):
+def reset_accumulated_host_memory_stats(device=None):
     """torch.cuda.reset_accumulated_host_memory_stats(): .allocated/.freed, call counts and times to 0."""
     pool = _made(device)
     if pool is not None:
         pool.reset_accumulated_stats()
 
 
-def host_empty_cache(device=0):
+def host_empty_cache(device=None):
     """torch_npu.npu.host_empty_cache() (torch's torch._C._host_emptyCache): the cached buffers
     back to the runtime, after the streams' work their parked ones wait for; nothing when the
     device's pinned pool was never made."""
