@@ -144,6 +144,55 @@ def test_free_all_blocks_of_one_stream_under_the_default_stream_rule():
         pool.close()
 
 
+@pytest.mark.parametrize("first", ["creator", "freer"])
+def test_free_all_blocks_of_one_stream_returns_a_segment_another_stream_borrowed_and_freed(first):
+    """CuPy's free_all_blocks(stream): a block belongs to the stream it was freed on. A segment s's
+    allocation made, whose block the default stream then borrowed (stream_reuse borrow) and freed,
+    was returned by neither free_all_blocks(s) (its block tagged with the default stream's slot)
+    nor free_all_blocks(0) (made by s): only a full empty_cache returned it. Now the stream that
+    freed it returns it (after its work), and so does its creator once that work is done."""
+    pool = ap.Pool(0, backend="sim")
+    try:
+        s = pool.create_stream()
+        a = pool.malloc(5 * MiB, stream=s)
+        pool.free(a, stream=s)
+        b = pool.malloc(5 * MiB)          # the default stream borrows s's idle block
+        assert b == a
+        pool.free(b)
+        pool.free_all_blocks(stream=s if first == "creator" else 0)
+        assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+        other = pool.malloc(5 * MiB, stream=s)   # a segment of s's kept by the default stream's call
+        pool.free(other, stream=s)
+        pool.free_all_blocks(stream=0)
+        assert pool.memory_stats()["reserved_bytes.all.current"] > 0
+        pool.destroy_stream(s)
+    finally:
+        pool.close()
+
+
+def test_free_all_blocks_of_the_creating_stream_keeps_a_segment_the_borrowers_queued_work_uses():
+    """The creator's free_all_blocks(s) asks whether the borrowing stream's work is done, never
+    waits for it: while that work is queued the segment stays (its kernel still writes the
+    block); the borrower's free_all_blocks(0) returns it after waiting for that work."""
+    from ascend_pool import sim
+    pool = ap.Pool(0, backend="sim")
+    try:
+        s = pool.create_stream()
+        a = pool.malloc(5 * MiB, stream=s)
+        pool.free(a, stream=s)
+        b = pool.malloc(5 * MiB)
+        assert b == a
+        sim.launch_fill(0, b, 5 * MiB, 7, delay_s=0.5)   # the default stream's kernel on b
+        pool.free(b)
+        pool.free_all_blocks(stream=s)
+        assert pool.memory_stats()["reserved_bytes.all.current"] > 0
+        pool.free_all_blocks(stream=0)
+        assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+        pool.destroy_stream(s)
+    finally:
+        pool.close()
+
+
 def test_free_all_blocks_of_one_stream_waits_for_that_stream_only():
     """Another stream's hung work (a block record_stream'd onto it) neither delays
     free_all_blocks(stream=s2) nor keeps s2's idle segments (it waited for every pending free,

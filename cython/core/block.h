@@ -103,6 +103,8 @@ typedef struct ap_segment {
     int expandable;           /* a run of mapped chunks in reserved address space */
     int oversize;             /* counted in oversize_segments (ap_segment_sized) */
     uint16_t alloc_slot;      /* stream slot of the allocation that created it (for snapshots) */
+    uint16_t freed_slot;      /* ap_pool_empty_stream: the stream slot whose free_all_blocks(stream)
+                                 takes it after its wait, its block freed there (0: none) */
     uint64_t ctx;             /* frames context id of that allocation (history.h; 0: none): the
                                  segment's frames in snapshots, as torch's, until an allocation
                                  splits its first block (torch's then stay on the split-off rest) */

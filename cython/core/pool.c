@@ -1002,10 +1002,43 @@ int ap_pool_empty_cache(ap_pool *p, ap_error *err) {
     return rc;
 }
 
+/* CuPy's free_all_blocks(stream): a free block is in the arena of the stream it was freed on.
+   A classic segment one stream's allocation created and another stream borrowed (stream_reuse
+   borrow) and freed belonged to neither: its free block was tagged with the borrower's slot, its
+   alloc_slot the creator's, and only a full empty_cache returned it. Marks (before the wait) the
+   wholly free segments whose block `slot` freed: they go once its work is done. */
+static void mark_freed_on(ap_pool *p, int slot) {
+    ap_cache_flush(p);
+    for (ap_segment *s = p->segments; s; s = s->next)
+        if (!s->expandable && !s->pinned && ap_segment_is_free(s) && s->first->tag == slot)
+            s->freed_slot = (uint16_t)slot;
+}
+
+/* After the wait: the creator's segments whose block another stream freed, where that stream's
+   work is already done (asked, never waited for: ap_settle_slot), then the marked ones. */
+static void release_freed_on(ap_pool *p, int slot, ap_error *err) {
+    for (ap_segment *s = p->segments; s; s = s->next)
+        if (!s->expandable && !s->pinned && s->alloc_slot == slot && ap_segment_is_free(s) && s->first->tag &&
+            s->first->tag != slot)
+            (void)ap_settle_slot(p, s->first->tag, err); /* busy: it stays, as its stream may use it */
+    ap_release_stream_segments(p, slot, err);
+    for (ap_segment *s = p->segments, *next; s; s = next) {
+        next = s->next; /* s may be unlinked below */
+        if (s->freed_slot != slot)
+            continue;
+        s->freed_slot = 0;
+        if (s->expandable || s->pinned || !ap_segment_is_free(s) || s->first->tag)
+            continue; /* taken again meanwhile, or another stream's work may use it now */
+        if (ap_segment_release(p, s, err) != AP_OK) break;
+    }
+}
+
 int ap_pool_empty_stream(ap_pool *p, void *stream, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     int rc = AP_OK, slot = ap_slot_of(p, stream, 0);
     if (slot > 0) {
+        if (!p->cfg.expandable)
+            mark_freed_on(p, slot);
         /* This stream's work only (no other stream's pending frees): its frees become untagged,
            as empty_cache's. What a failed wait leaves tagged stays; the rest goes all the same. */
         rc = ap_wait_unlocked(p, slot, 0, err);
@@ -1014,7 +1047,7 @@ int ap_pool_empty_stream(ap_pool *p, void *stream, ap_error *err) {
             size_t reserved = ap_reserved(p), keep = p->cfg.reserve_bytes;
             if (reserved > keep) ap_vmm_release(p, reserved - keep, rc == AP_OK ? err : NULL);
         } else {
-            ap_release_stream_segments(p, slot, rc == AP_OK ? err : NULL);
+            release_freed_on(p, slot, rc == AP_OK ? err : NULL);
         }
     }
     pthread_mutex_unlock(&p->lock);

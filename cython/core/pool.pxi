@@ -913,7 +913,10 @@ cdef class PoolBase:
     def empty_stream_cache(self, stream):
         """Returns to the device the unused cached segments that allocations on `stream` created,
         after waiting (bounded by sync_timeout_ms) for its work: CuPy's
-        free_all_blocks(stream). Other streams' cached segments stay. With expandable segments
+        free_all_blocks(stream). Also, as CuPy's arenas (a block is the stream's it was freed
+        on), those whose block `stream` freed though another stream made them, and those it made
+        whose block another stream freed once that stream's work is done (asked, not waited
+        for). Other streams' cached segments stay. With expandable segments
         the unused pages of every stream go (one address space)."""
         self._check()
         cdef ap_pool *_p
