@@ -492,3 +492,20 @@ def test_the_pinned_pools_pin_in_a_device_the_process_already_holds(sim_node):
     """, ASCEND_SIM_DEVICES="8")
     assert out == {"host_pool": 5, "numpy": 5, "numpy_stays": 5, "refs_0": 0, "on_3_unopened": 5,
                    "on_3": 3, "explicit_1": 1, "stats_device": True}, out
+
+
+def test_reading_the_pinned_pools_stats_makes_no_pool(sim_node):
+    # pinned.host_memory_stats() (torch.cuda.host_memory_stats) and its nested form in a process
+    # that never pinned on the device made its pinned pool to read it: a device reference, on an
+    # NPU a context. As torch's: a new pool's figures (the same keys, each 0), nothing made.
+    out = sim_node.run_json("""
+        from ascend_pool import api, registry, sim
+        from ascend_pool.integrations import pinned
+        st, nested = pinned.host_memory_stats(3), pinned.host_memory_stats_as_nested_dict(4)
+        made = [d for d in (3, 4) if registry.open_host_pool(d) is not None]
+        refs = [sim.stats(d)["device_refs"] for d in (3, 4)]
+        new = pinned.host_pool(3).host_memory_stats()
+        print(json.dumps({"made": made, "refs": refs, "equal": st == new and list(st) == list(new),
+                          "nested": nested["active_requests"]["peak"], "host_alloc_time": nested["host_alloc_time"]["avg"]}))
+    """, ASCEND_SIM_DEVICES="8")
+    assert out == {"made": [], "refs": [0, 0], "equal": True, "nested": 0, "host_alloc_time": 0}, out

@@ -12,7 +12,7 @@ copies may outlive every Python reference to it). See ascend_pool._core.HostPool
 """
 
 from .. import api, registry
-from .._core import HostPool
+from .._core import HostPool, unopened_host_memory_stats
 from ..backend import check_device, device_index, open_backend
 
 __all__ = ["host_pool", "default_device", "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats",
@@ -56,8 +56,11 @@ def host_pool(device=None):
 # None: host_pool()'s, default_device()).
 
 def host_memory_stats(device=None):
-    """torch.cuda.host_memory_stats(): host_pool(device).host_memory_stats()."""
-    return host_pool(device).host_memory_stats()
+    """torch.cuda.host_memory_stats(): host_pool(device).host_memory_stats(); a pinned pool never
+    made is not made to be read (a device reference, a context on an NPU, as the resets below):
+    a new pool's figures, each 0, as torch's answers before it pinned anything."""
+    pool = _made(device)
+    return pool.host_memory_stats() if pool is not None else unopened_host_memory_stats()
 
 
 def host_memory_stats_as_nested_dict(device=None):

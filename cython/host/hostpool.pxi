@@ -241,20 +241,7 @@ cdef class HostPool:
         self._check()
         cdef ap_host_stats st
         ap_host_get_stats(self.hp, &st)
-        out = {}
-        for name, current, peak, up, down in (
-                ("allocations", st.segments, st.segments_peak, st.acc_host_alloc, st.acc_host_free),
-                ("allocated_bytes", st.reserved_bytes, st.reserved_bytes_peak, st.acc_pinned_bytes, st.acc_unpinned_bytes),
-                ("active_requests", st.active_requests, st.active_requests_peak, st.acc_requests, st.acc_released),
-                ("active_bytes", st.active_bytes, st.active_bytes_peak, st.acc_request_bytes, st.acc_released_bytes)):
-            out.update({f"{name}.current": current, f"{name}.peak": peak, f"{name}.allocated": up, f"{name}.freed": down})
-        for name, total, most, least, count in (
-                ("host_alloc_time", st.host_alloc_us, st.host_alloc_us_max, st.host_alloc_us_min, st.acc_host_alloc),
-                ("host_free_time", st.host_free_us, st.host_free_us_max, st.host_free_us_min, st.acc_host_free)):
-            out.update({f"{name}.total": total, f"{name}.max": most, f"{name}.min": least, f"{name}.count": count,
-                        f"{name}.avg": total // count if count else 0})
-        out["num_host_alloc"], out["num_host_free"] = st.acc_host_alloc, st.acc_host_free
-        return dict(sorted(out.items()))
+        return _host_stats_dict(&st)
 
     # -- CuPy's pool names, so that code (and tests) written for cupy.cuda.PinnedMemoryPool port --
 
@@ -312,3 +299,29 @@ cdef class HostPool:
             "events_created": st.events_created,
             "num_invalid_frees": st.num_invalid_frees,
         }
+
+
+cdef dict _host_stats_dict(const ap_host_stats *st):
+    """host_memory_stats() of the counters in st."""
+    out = {}
+    for name, current, peak, up, down in (
+            ("allocations", st[0].segments, st[0].segments_peak, st[0].acc_host_alloc, st[0].acc_host_free),
+            ("allocated_bytes", st[0].reserved_bytes, st[0].reserved_bytes_peak, st[0].acc_pinned_bytes, st[0].acc_unpinned_bytes),
+            ("active_requests", st[0].active_requests, st[0].active_requests_peak, st[0].acc_requests, st[0].acc_released),
+            ("active_bytes", st[0].active_bytes, st[0].active_bytes_peak, st[0].acc_request_bytes, st[0].acc_released_bytes)):
+        out.update({f"{name}.current": current, f"{name}.peak": peak, f"{name}.allocated": up, f"{name}.freed": down})
+    for name, total, most, least, count in (
+            ("host_alloc_time", st[0].host_alloc_us, st[0].host_alloc_us_max, st[0].host_alloc_us_min, st[0].acc_host_alloc),
+            ("host_free_time", st[0].host_free_us, st[0].host_free_us_max, st[0].host_free_us_min, st[0].acc_host_free)):
+        out.update({f"{name}.total": total, f"{name}.max": most, f"{name}.min": least, f"{name}.count": count,
+                    f"{name}.avg": total // count if count else 0})
+    out["num_host_alloc"], out["num_host_free"] = st[0].acc_host_alloc, st[0].acc_host_free
+    return dict(sorted(out.items()))
+
+
+def unopened_host_memory_stats():
+    """host_memory_stats() of a pinned pool that was never made: every key, each 0 (what a new
+    pool reports), from the same code on zeroed counters."""
+    cdef ap_host_stats st
+    memset(&st, 0, sizeof(st))
+    return _host_stats_dict(&st)
