@@ -303,7 +303,11 @@ def _quota_mem_get_info(original):
     device's figures under a quota: a framework sizing its KV cache from it (vLLM's
     gpu_memory_utilization * total) asked for more than the quota and was refused."""
     def mem_get_info(device=None):
-        pool = _stats_pool(device)
+        # a device query (torch's makes the device's context): the calling thread's pool of the
+        # device once torch_npu has started, opened if need be; before, only one already open
+        started = _framework_started()
+        index = _device_index(device, current=started)
+        pool = api.default_pool(index) if started else api.open_pool(index)
         if pool is not None and getattr(pool, "quota_hook", None) is not None and pool.quota is not None:
             return pool.mem_get_info()
         return original(device) if device is not None else original()
