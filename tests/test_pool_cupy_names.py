@@ -182,10 +182,14 @@ def test_free_all_blocks_of_the_creating_stream_keeps_a_segment_the_borrowers_qu
         pool.free(a, stream=s)
         b = pool.malloc(5 * MiB)
         assert b == a
-        sim.launch_fill(0, b, 5 * MiB, 7, delay_s=0.5)   # the default stream's kernel on b
+        sim.hang_stream(0)   # the default stream's queued kernel on b, held until released
+        sim.launch_fill(0, b, 5 * MiB, 7)
         pool.free(b)
-        pool.free_all_blocks(stream=s)
-        assert pool.memory_stats()["reserved_bytes.all.current"] > 0
+        try:
+            pool.free_all_blocks(stream=s)
+            assert pool.memory_stats()["reserved_bytes.all.current"] > 0
+        finally:
+            sim.release_stream(0)
         pool.free_all_blocks(stream=0)
         assert pool.memory_stats()["reserved_bytes.all.current"] == 0
         pool.destroy_stream(s)
