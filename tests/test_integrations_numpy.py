@@ -2,6 +2,7 @@
 handler's name and the pool's stats show it), survives resize (realloc without the old size), goes
 back to the pool when the array dies, and the handler's scope is the calling context only."""
 
+import os
 import threading
 
 import pytest
@@ -123,6 +124,20 @@ def test_bad_arguments_are_typed_errors_and_the_handler_stays_usable():
         a = np.ones(1000)
         assert handler_name(a) == NUMPY_HANDLER_NAME
     assert handler_name() == "default_allocator"
+
+
+def test_an_array_past_the_hosts_ram_is_numpys_memory_error_and_nothing_is_held(handler):
+    """Pinned memory is resident: an array of twice the host's RAM cannot be pinned, on a real
+    CANN nor (since ASCEND_SIM_HOST_PINNED, default the host's RAM) on the simulator, which served
+    np.empty(2**40) on a 23 GiB host before. numpy raises its MemoryError; the pool holds nothing
+    for it and goes on serving."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    before = handler.memory_stats()["reserved_bytes.all.current"]
+    with pytest.raises(MemoryError):
+        np.empty(2 * ram, dtype=np.uint8)
+    assert handler.memory_stats()["reserved_bytes.all.current"] <= before
+    a = np.ones(1000)
+    assert handler_name(a) == NUMPY_HANDLER_NAME and a.sum() == 1000
 
 
 def test_a_forked_child_allocates_from_numpy_and_never_touches_the_parents_pool():

@@ -134,6 +134,7 @@ BAD_VALUES = [
     ("ASCEND_SIM_MALLOC_LATENCY_US", "99999999999"), ("ASCEND_SIM_FREE_LATENCY_US", "1ms"),
     ("ASCEND_SIM_FAIL_MALLOC_NTH", "third"), ("ASCEND_SIM_FAIL_MALLOC_NTH", "-2"),
     ("ASCEND_SIM_FAIL_AFTER_BYTES", "1.2.3"), ("ASCEND_SIM_FAIL_AFTER_BYTES", "a lot"),
+    ("ASCEND_SIM_HOST_PINNED", "all"), ("ASCEND_SIM_HOST_PINNED", "-1GiB"), ("ASCEND_SIM_HOST_PINNED", "2048TiB"),
     ("ASCEND_SIM_NODE", "../etc"), ("ASCEND_SIM_NODE", "a/b"), ("ASCEND_SIM_NODE", ".hidden"),
     ("ASCEND_SIM_NODE", "x" * 65),
     ("ASCEND_SIM_SHM_DIR", "relative/dir"), ("ASCEND_SIM_SHM_DIR", "/nonexistent/ascendsim"),

@@ -170,6 +170,43 @@ def test_host_memory_is_page_aligned_and_tracked(sim_node):
     """)
 
 
+def test_pinned_host_memory_is_bounded_by_the_hosts_ram_or_its_budget(sim_node):
+    """aclrtMallocHost pins (lock-page) memory: the real call fails past the host's RAM, where the
+    simulator's NORESERVE mapping served any size (1 TiB on a 23 GiB host). Each allocation takes
+    whole pages of this process's budget, ASCEND_SIM_HOST_PINNED (default: physical memory), and
+    answers 207001 past it; a free gives its pages back."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if ram < 2**40:
+        sim_node.run("""
+            init()
+            h = C.c_void_p()
+            assert code("aclrtMallocHost", C.byref(h), 2**40) == 207001, "1 TiB pinned"
+            assert "ASCEND_SIM_HOST_PINNED" in errmsg()
+            ok("aclrtMallocHost", C.byref(h), 1 << 20)    # a small one still works
+            ok("aclrtFreeHost", h)
+        """)
+    page = os.sysconf("SC_PAGE_SIZE")
+    sim_node.run(f"""
+        init()
+        page = {page}
+        a, b, c = C.c_void_p(), C.c_void_p(), C.c_void_p()
+        ok("aclrtMallocHost", C.byref(a), 10 * page)
+        ok("aclrtMallocHost", C.byref(b), 5 * page - 100)
+        # 15 of 16 pages pinned (whole pages): a page more fits, a page and a byte does not
+        assert code("aclrtMallocHost", C.byref(c), page + 1) == 207001
+        assert "ASCEND_SIM_HOST_PINNED" in errmsg()
+        ok("aclrtMallocHost", C.byref(c), 1)               # a byte takes a page
+        assert code("aclrtMallocHost", C.byref(C.c_void_p()), 1) == 207001
+        ok("aclrtFreeHost", a)
+        ok("aclrtMallocHost", C.byref(a), 10 * page)       # the free gave its pages back
+        assert code("aclrtMallocHost", C.byref(C.c_void_p()), 1) == 207001
+        assert used() == 0                                 # none of it is device memory
+        ok("aclFinalize")                                  # gives back everything pinned
+        init()
+        ok("aclrtMallocHost", C.byref(a), 16 * page)
+    """, ASCEND_SIM_HOST_PINNED=str(16 * page))
+
+
 def test_host_memory_needs_a_current_context_to_allocate_not_to_free(sim_node):
     """CANN's HostMalloc checks the thread's context (107002 without one), HostFree does not
     (hicann/runtime ApiImpl::HostMalloc / HostFree): a backend that pins memory from a thread

@@ -6,6 +6,9 @@
  *   ASCEND_SIM_FREE_LATENCY_US    microseconds added to each aclrtFree         (default 0)
  *   ASCEND_SIM_FAIL_MALLOC_NTH    the Nth device malloc after aclInit fails once (default off)
  *   ASCEND_SIM_FAIL_AFTER_BYTES   mallocs taking this process above this many bytes fail
+ *   ASCEND_SIM_HOST_PINNED        host bytes this process may pin with aclrtMallocHost, in whole
+ *                                 pages (default: the host's physical memory, as lock-page memory
+ *                                 cannot exceed it; past it 207001, as the real call fails)
  *   ASCEND_SIM_NODE               name of the simulated node sharing device capacity ("default")
  *   ASCEND_SIM_SHM_DIR            directory of the node's shared records     (default /dev/shm)
  *   ASCEND_SIM_PROFILE            strict | cann8.0 | cann8.2 | cann8.3 | 310p | 950 (default strict)
@@ -42,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "sim_internal.h"
 
@@ -214,6 +218,13 @@ int sim_config_load(struct sim_config *cfg, const char *call)
         uint64_t b = 0;
         rc = get_size("ASCEND_SIM_FAIL_AFTER_BYTES", 0, INT64_MAX, &b, call);
         cfg->fail_after_bytes = (int64_t)b;
+    }
+    if (!rc) {
+        /* Pinned (lock-page) memory is resident: the real aclrtMallocHost fails past the host's
+           RAM, where an unbounded NORESERVE mapping would not. */
+        long pages = sysconf(_SC_PHYS_PAGES), ps = sysconf(_SC_PAGESIZE);
+        cfg->host_pinned = pages > 0 && ps > 0 ? (uint64_t)pages * (uint64_t)ps : MAX_HBM;
+        rc = get_size("ASCEND_SIM_HOST_PINNED", 0, MAX_HBM, &cfg->host_pinned, call);
     }
     if (!rc)
         rc = get_profile(&cfg->profile, call);

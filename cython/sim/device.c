@@ -67,6 +67,7 @@ static void after_fork_in_child(void)
     sim_node_reset();
     sim_faults_reset();
     atomic_store(&g_sim.held_total, 0);
+    atomic_store(&g_sim.host_held, 0);
     atomic_fetch_add(&g_sim.generation, 1);
     atomic_store(&g_sim.state, SIM_UNINIT);
 }
@@ -146,6 +147,7 @@ SIM_EXPORT aclError aclInit(const char *configPath)
     warn_user_namespace(&cfg);
     sim_faults_from_config(&cfg);
     atomic_store(&g_sim.held_total, 0);
+    atomic_store(&g_sim.host_held, 0);
     atomic_store(&g_sim.poison, 0);
     atomic_fetch_add(&g_sim.generation, 1);
     ever_initialised = 1;
@@ -215,6 +217,7 @@ SIM_EXPORT aclError aclFinalize(void)
         sim_node_detach(d); /* gives back this process's whole share at once */
     sim_faults_reset();
     atomic_store(&g_sim.held_total, 0);
+    atomic_store(&g_sim.host_held, 0);
     atomic_store(&g_sim.state, SIM_UNINIT);
     pthread_mutex_unlock(&g_sim.life_lock);
     return ACL_SUCCESS;

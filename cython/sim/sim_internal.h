@@ -105,6 +105,7 @@ struct sim_config {
     uint64_t free_latency_us;
     uint64_t fail_malloc_nth;    /* 0: off */
     int64_t fail_after_bytes;    /* < 0: off */
+    uint64_t host_pinned;        /* ASCEND_SIM_HOST_PINNED: host bytes aclrtMallocHost may pin */
     char node[SIM_NODE_NAME_MAX + 1];
     char shm_dir[PATH_MAX];
     struct sim_profile profile;  /* ASCEND_SIM_PROFILE: which documented rules apply */
@@ -420,6 +421,7 @@ struct sim_global {
     int override_devices;          /* ascendsim_configure; 0: none */
     uint64_t override_hbm;
     _Atomic uint64_t held_total;   /* this process's device bytes, all devices */
+    _Atomic uint64_t host_held;    /* this process's pinned host bytes (host.c), in whole pages */
     _Atomic int poison;
     struct sim_device dev[SIM_MAX_DEVICES];
 };
