@@ -455,3 +455,18 @@ def test_a_host_pool_made_for_a_device_that_is_no_index_is_an_invalid_device_err
     hp = HostPool(backend, np.int64(0))
     assert hp.device == 0
     hp.close()
+
+
+def test_a_pinning_refused_by_the_runtime_quotes_its_whole_cause(hp):
+    """The host pool's out-of-memory message quotes the runtime's aclGetRecentErrMsg as the device
+    pools do (AP_RUNTIME_MSG): it cut it at 199 bytes, so the simulator's cause lost its end, the
+    knob that bounds pinned memory ('... (ASCEND'), and a real CANN's longer ones more."""
+    import os
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with pytest.raises(ap.OutOfMemoryError) as e:
+        hp.malloc(2 * ram)
+    msg = str(e.value)
+    pinned = hp.class_size(2 * ram)  # the power-of-two class is what is pinned
+    assert f"aclrtMallocHost: cannot pin {pinned} bytes: more than the host's" in msg, msg
+    assert "pinnable bytes (ASCEND_SIM_HOST_PINNED) (aclError 207001) (the host pool holds 0 bytes" in msg, msg
+    assert hp.malloc(4096)  # still serving

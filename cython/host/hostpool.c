@@ -172,7 +172,7 @@ static int runtime_alloc(ap_host_pool *hp, size_t size, void **out, ap_error *er
         rc = host_malloc_timed(hp, size, out);
     }
     if (rc != 0) {
-        char msg[200];
+        char msg[AP_RUNTIME_MSG]; /* the runtime's cause whole, as the device pools quote it */
         be->error_message(be, rc, msg, sizeof msg);
         /* Out of pinned memory only when the runtime says so: a finalized runtime (100001) is a
            DeviceError, as the device pools' request then (it was OutOfMemoryError). */
