@@ -470,3 +470,16 @@ def test_a_pinning_refused_by_the_runtime_quotes_its_whole_cause(hp):
     assert f"aclrtMallocHost: cannot pin {pinned} bytes: more than the host's" in msg, msg
     assert "pinnable bytes (ASCEND_SIM_HOST_PINNED) (aclError 207001) (the host pool holds 0 bytes" in msg, msg
     assert hp.malloc(4096)  # still serving
+
+
+def test_a_pinning_refused_for_lack_of_host_memory_does_not_say_the_device_is_out_of_memory(hp):
+    """207001 answers a refused aclrtMallocHost as well as a refused aclrtMalloc: the code's gloss
+    read '(out of device memory)' under 'pinning N bytes of host memory failed', sending the
+    reader to the device's HBM (empty_cache, memory_summary) while it was host RAM that ran out."""
+    import os
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with pytest.raises(ap.OutOfMemoryError) as e:
+        hp.malloc(2 * ram)
+    msg = str(e.value)
+    assert "out of device memory" not in msg, msg
+    assert "ACL_ERROR_RT_MEMORY_ALLOCATION (out of memory: device or pinned host)" in msg, msg

@@ -1571,7 +1571,7 @@ static const char *acl_code_name(int code)
     case 200000: return "ACL_ERROR_BAD_ALLOC";
     case 200002: return "ACL_ERROR_INVALID_DEVICE";
     case 207000: return "ACL_ERROR_RT_FEATURE_NOT_SUPPORT";
-    case 207001: return "ACL_ERROR_RT_MEMORY_ALLOCATION (out of device memory)";
+    case 207001: return "ACL_ERROR_RT_MEMORY_ALLOCATION (out of memory: device or pinned host)";
     case 207002: return "ACL_ERROR_RT_MEMORY_FREE";
     case 207005: return "ACL_ERROR_RT_RESOURCE_ALLOC_FAIL";
     case 207006: return "ACL_ERROR_RT_NO_PERMISSION";
