@@ -262,10 +262,11 @@ def test_a_refusal_waiting_for_the_ledgers_lock_leaves_the_contexts_other_thread
     assert got["refused_after"] is not None and got["refused_after"] < 15.0, got   # one wait, not two
 
 
-def test_a_dead_processs_share_still_comes_back_when_the_ledgers_lock_was_busy_at_the_refusal(node_env):
-    # The reserve under the pool's lock no longer waits for the ledger's lock: when it is busy the
-    # give-back of a killed process's share is done once the pool's lock is dropped, and the
-    # request granted then, as before.
+def _dead_share_comes_back_past_a_busy_ledger_lock(node_env, call):
+    """What `call` (ctx.<call>(40 MiB) in a 64 MiB context) answers when a killed process of the
+    tenant still holds 40 MiB and the ledger's lock is held for 1 s at the refusal. The victim is
+    killed after the asker's context opened: the open gives dead processes' shares back itself,
+    and the request then never met the busy lock."""
     node, env, ledger_dir = node_env
     victim = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import ascend_pool as ap
@@ -274,38 +275,42 @@ def test_a_dead_processs_share_still_comes_back_when_the_ledgers_lock_was_busy_a
         print("ready", flush=True)
         import time; time.sleep(600)
     """)], stdout=subprocess.PIPE, text=True, env=env)
+    asker = locker = None
     try:
         assert victim.stdout.readline().strip() == "ready"
-        victim.kill()
-        victim.wait(timeout=10)
-        asker = _asker(env, "busy-lock", """
+        asker = _asker(env, "busy-lock", f"""
             t0 = time.monotonic()
             try:
-                ctx.malloc(40 << 20)
+                ctx.{call}(40 << 20)
                 got = "granted"
             except ap.QuotaExceededError as e:
                 got = str(e)
-            print(json.dumps({"got": got, "took": time.monotonic() - t0}), flush=True)
+            print(json.dumps({{"got": got, "took": time.monotonic() - t0}}), flush=True)
         """)
         path = asker.stdout.readline().strip()
+        victim.kill()
+        victim.wait(timeout=10)
         locker = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
                                    "fd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
                                    "print('locked', flush=True)\ntime.sleep(1.0)\nfcntl.flock(fd, fcntl.LOCK_UN)\n"
                                    "sys.stdin.readline()", path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True)
-        try:
-            assert locker.stdout.readline().strip() == "locked"
-            asker.stdin.write("go\n")
-            asker.stdin.flush()
-            got = json.loads(asker.stdout.readline())
-        finally:
-            for p in (asker, locker):
-                if p.poll() is None:
-                    p.kill()
-        assert got["got"] == "granted", got
+        assert locker.stdout.readline().strip() == "locked"
+        asker.stdin.write("go\n")
+        asker.stdin.flush()
+        return json.loads(asker.stdout.readline())
     finally:
-        if victim.poll() is None:
-            victim.kill()
+        for p in (asker, locker, victim):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+
+def test_a_dead_processs_share_still_comes_back_when_the_ledgers_lock_was_busy_at_the_refusal(node_env):
+    # The reserve under the pool's lock no longer waits for the ledger's lock: when it is busy the
+    # give-back of a killed process's share is done once the pool's lock is dropped, and the
+    # request granted then, as before.
+    got = _dead_share_comes_back_past_a_busy_ledger_lock(node_env, "malloc")
+    assert got["got"] == "granted", got
 
 
 def test_a_sigbus_sent_to_a_process_with_the_ledger_guard_still_ends_it(node_env):
