@@ -313,6 +313,13 @@ def test_a_dead_processs_share_still_comes_back_when_the_ledgers_lock_was_busy_a
     assert got["got"] == "granted", got
 
 
+def test_a_share_malloc_refused_while_the_ledgers_lock_was_busy_still_gets_a_dead_processs_share(node_env):
+    # share_malloc's refusal had no settle: refused at once ("... would exceed it"), where a malloc
+    # was granted once the lock came free.
+    got = _dead_share_comes_back_past_a_busy_ledger_lock(node_env, "share_malloc")
+    assert got["got"] == "granted", got
+
+
 def test_a_sigbus_sent_to_a_process_with_the_ledger_guard_still_ends_it(node_env):
     # The SIGBUS guard (installed by a sweep of a group's ledger) returned from a SIGBUS sent
     # with kill(): the process lived on, its handler reset, the next guarded read unprotected.

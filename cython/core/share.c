@@ -38,6 +38,20 @@ int ap_share_alloc(ap_pool *p, size_t size, ap_share *s, ap_error *err) {
         ap_release_free_segments(p, (size_t)-1, 0, 0, NULL);
         rc = ap_segment_alloc(p, AP_POOL_LARGE, bytes, 0, 1, &b, err);
     }
+    if (rc == AP_E_QUOTA && p->quota.settle) {
+        /* As a pool malloc's refusal (pool.c): the reserve under the lock skipped the give-back of
+           dead processes' shares if the ledger's lock was busy; settle waits for it, this lock
+           dropped (the caller holds the pool open: its close waits), and the block is asked again
+           if some came back. Without it a share_malloc was refused where a malloc was granted. */
+        ap_quota_hook q = p->quota;
+        pthread_mutex_unlock(&p->lock);
+        int settled = q.settle(q.ctx, p->device);
+        pthread_mutex_lock(&p->lock);
+        if (settled) {
+            ap_pool_runtime_check(p, 1); /* the runtime may have been released meanwhile */
+            rc = ap_segment_alloc(p, AP_POOL_LARGE, bytes, 0, 1, &b, err);
+        }
+    }
     if (rc != AP_OK) {
         if (rc == AP_E_QUOTA) p->stats.num_quota_exceeded++;
         else p->stats.num_ooms++;
