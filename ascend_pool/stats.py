@@ -83,6 +83,8 @@ def summary(stats, device, backend_name, abbreviated=False):
         f"pending frees {stats['pending_free_blocks']} ({format_bytes(stats['pending_free_bytes'])}), "
         f"device mallocs {stats['num_device_alloc']}, device frees {stats['num_device_free']}, "
         f"retries {stats['num_alloc_retries']}, OOMs {stats['num_ooms']}",
-        f"device memory: {format_bytes(stats['device_free_bytes'])} free of {format_bytes(stats['device_total_bytes'])}",
+        # 0 of 0: a device whose pool was never opened (its figures read without a context)
+        f"device memory: {format_bytes(stats['device_free_bytes'])} free of {format_bytes(stats['device_total_bytes'])}"
+        if stats['device_total_bytes'] else "device memory: not read (no pool of this device is open)",
     ]
     return "\n".join(lines)
