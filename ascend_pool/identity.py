@@ -313,6 +313,20 @@ def life_held(fd, value):
     return _FLOCK.unpack(out)[0] != fcntl.F_UNLCK
 
 
+def any_lock_held(fd):
+    """True when some process holds a record lock (POSIX or OFD) anywhere on the file open as fd (by
+    another open file description), False when nobody does, None when it cannot be told. What tells,
+    without reading the file, that a ledger is in use: each process with a slot in it holds its life
+    lock there (cython/quota/ledger_format.h: a rule every format version keeps)."""
+    if fd is None or fd < 0:
+        return None
+    try:
+        out = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    except (OSError, AttributeError):
+        return None
+    return _FLOCK.unpack(out)[0] != fcntl.F_UNLCK
+
+
 def whoami(directory):
     """This process as the records of `directory` name it: (pid, instance, pidns, start time),
     with its lease held there (ensure_lease)."""

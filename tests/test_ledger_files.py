@@ -203,3 +203,34 @@ def test_a_ledger_removed_while_in_use_is_reported_not_silent(tmp_path, caplog):
     other.close()
     ctx.close()
     pool.close()
+
+
+def other_version_ledger(version):
+    """The device's ledger as another ascend_pool build (format `version`) left it, its processes
+    gone: no lock held on it."""
+    path = ledger_path(0, "sim", node_name("sim"))
+    Ledger(path, 0, "sim", node_name("sim"))  # created, no slot: nobody holds a lock on it
+    poke(path, 8, "<I", version)  # the header's version, after the 8-byte magic
+    return path
+
+
+@pytest.mark.parametrize("version", [1, 3], ids=["older", "newer"])
+def test_a_ledger_of_another_version_that_no_process_holds_is_replaced(tmp_path, caplog, version):
+    # A node upgraded in place (or rolled back) keeps its ledger directory: the other build's
+    # ledger refused every tenant context on the device until someone removed it by hand.
+    path = other_version_ledger(version)
+    pool = ap.Pool(0, backend="sim")
+    with caplog.at_level("WARNING", logger="ascend_pool"):
+        ctx = pool.context("t", quota=8 * MiB)
+        ctx2 = pool.context("u", quota=8 * MiB)
+    assert ctx.ledger.path == path
+    with open(path, "rb") as f:
+        assert struct.unpack_from("<I", f.read(12), 8)[0] == ap._core.LEDGER_VERSION
+    said = [r.getMessage() for r in caplog.records if "was of format version" in r.getMessage()]
+    assert said == [f"quota ledger {path} was of format version {version} (another ascend_pool build) and no live "
+                    f"process held it: replaced by a version {ap._core.LEDGER_VERSION} ledger"]
+    p = ctx.malloc(MiB)
+    ctx.free(p)
+    ctx.close()
+    ctx2.close()
+    pool.close()

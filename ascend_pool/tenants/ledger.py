@@ -26,15 +26,18 @@ shrunk), waits at most SWEEP_LOCK_S for a file's lock, reads the mapping under a
 (cython/quota/ledger_guard.h) and skips a file that failed for RETRY_AFTER_S.
 """
 
+import fcntl
 import grp
 import logging
 import os
 import re
+import stat
+import struct
 import threading
 import time
 
 from .. import identity
-from .._core import Ledger, read_ledger_view, set_operator_quota_hook
+from .._core import LEDGER_VERSION, Ledger, read_ledger_view, set_operator_quota_hook
 from ..backend import open_backend
 from ..private_dir import candidates, private_dir
 from .config import operator_quota
@@ -174,6 +177,72 @@ def _backend_name(backend):
     return backend if isinstance(backend, str) else backend.name
 
 
+# The first two fields of every format version's header (cython/quota/ledger_format.h): what tells
+# a ledger of another ascend_pool build without reading the rest of its layout.
+_LEDGER_MAGIC = 0x31524744454c5041  # APL_MAGIC, "APLEDGR1"
+_HEAD = struct.Struct("<QI")        # magic, version
+_versions_said = set()
+
+
+def _probe(path, group, removable):
+    """Looks at the ledger file at path without mapping it (another build's layout is not read):
+    ("none", None) when there is none, or it is no ledger of this user's or group's (left to the
+    open's checks); else (state, version) with state "held" (some process holds its update lock or
+    a record lock on it: each process with a slot there holds its life lock, in every format
+    version), "free", or "removed": nobody held it and removable(version, stat) said so; removed
+    under its update lock, after checking that the path still names the file looked at."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return "none", None
+    try:
+        st = os.fstat(fd)
+        mine = (st.st_gid == group) if group is not None else identity.owned_by(st.st_uid, identity.host_uid())
+        head = os.pread(fd, _HEAD.size, 0)
+        if not stat.S_ISREG(st.st_mode) or not mine or len(head) < _HEAD.size:
+            return "none", None
+        magic, version = _HEAD.unpack(head)
+        if magic != _LEDGER_MAGIC:
+            return "none", None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # an update in progress: in use
+        except OSError:
+            return "held", version
+        if identity.any_lock_held(fd) is not False:  # held, or cannot be told: in use
+            return "held", version
+        if not removable(version, st):
+            return "free", version
+        try:
+            now = os.stat(path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return "none", None  # replaced meanwhile (another process's probe): look no further
+            os.unlink(path)
+        except OSError:
+            return "free", version
+        return "removed", version
+    finally:
+        os.close(fd)  # drops the update lock
+
+
+def _say_version_once(key, text, *args):
+    if key not in _versions_said:
+        _versions_said.add(key)
+        log.warning(text, *args)
+
+
+def _path_for_this_version(path, group):
+    """The ledger path this build books in. A ledger of another format version (another ascend_pool
+    build's: a node upgraded in place, a rolling upgrade) that no live process holds is removed, said
+    once, and a new one made in its place; before, it refused every tenant context on the device
+    until someone removed it by hand."""
+    state, version = _probe(path, group, lambda v, st: v != LEDGER_VERSION)
+    if state == "removed":
+        _say_version_once(("replaced", path), "quota ledger %s was of format version %d (another ascend_pool build) "
+                          "and no live process held it: replaced by a version %d ledger", path, version,
+                          LEDGER_VERSION)
+    return path
+
+
 def open_ledger(device, backend, directory=None, group=None):
     """This process's Ledger of device (created on first use, validated, then kept). backend: a
     Backend object or its name ("acl", "sim", "cuda"). Raises LedgerError on a foreign or
@@ -192,9 +261,10 @@ def open_ledger(device, backend, directory=None, group=None):
             _mapped.pop(path, None)
             led = None
         if led is None:
-            led = _cache[path] = Ledger(path, int(device), name, node, gid)
-            st = os.stat(path)
-            _mapped[path] = (st.st_dev, st.st_ino)
+            use = _path_for_this_version(path, gid)
+            led = _cache[path] = Ledger(use, int(device), name, node, gid)
+            st = os.stat(use)
+            _mapped[use] = (st.st_dev, st.st_ino)
     check_files()
     return led
 

@@ -16,6 +16,13 @@
  *
  * Sizes are fixed so that `sizeof` doubles as a layout check: a file whose recorded sizes differ
  * from this build's is from another version and is refused, never reinterpreted.
+ *
+ * What every format version keeps, so that a build can tell another build's ledger in use without
+ * reading its layout (ascend_pool/tenants/ledger.py _probe): the magic and the version as the
+ * header's first 12 bytes, flock() as the update lock, and a record lock (proc_identity.h's life
+ * lock) held on the file by each process with a slot there, for as long as it maps the file. A
+ * ledger of another version that nobody holds a lock on is replaced by the first process of this
+ * build that opens it.
  */
 #ifndef AP_LEDGER_FORMAT_H
 #define AP_LEDGER_FORMAT_H
