@@ -234,3 +234,67 @@ def test_a_ledger_of_another_version_that_no_process_holds_is_replaced(tmp_path,
     ctx.close()
     ctx2.close()
     pool.close()
+
+
+def test_a_ledger_another_builds_live_processes_hold_is_kept_and_this_build_books_apart(tmp_path, caplog):
+    # A rolling upgrade: the old build's pods still run on the node when a new one starts. Its
+    # every tenant context was refused ("unsupported version"): new pods crash-looped, and the
+    # rollout stalled while old pods ran.
+    import fcntl
+    from ascend_pool.metrics.ledger import ledger_families
+    from ascend_pool.tenants import ledger as L
+    path = other_version_ledger(1)
+    with open(path, "rb") as f:
+        before = f.read()
+    old = os.open(path, os.O_RDONLY)  # the old build's live process: its life lock, a read lock on one byte
+    fcntl.fcntl(old, fcntl.F_OFD_SETLK, struct.pack("@hhqqi4x", fcntl.F_RDLCK, os.SEEK_SET, 12345, 1, 0))
+    pool = ap.Pool(0, backend="sim")
+    with caplog.at_level("WARNING", logger="ascend_pool"):
+        ctx = pool.context("t", quota=8 * MiB)
+        p = ctx.malloc(MiB)
+    alt = path + f".v{ap._core.LEDGER_VERSION}"
+    assert ctx.ledger.path == alt
+    with open(path, "rb") as f:
+        assert f.read() == before  # the old build's ledger is left to it
+    said = [r.getMessage() for r in caplog.records if "live processes of that ascend_pool build" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"quota ledger {path} is of format version 1 and live processes of "
+                                                 f"that ascend_pool build hold it (a rolling upgrade): this build "
+                                                 f"(format {ap._core.LEDGER_VERSION}) books its tenants in {alt} ")
+
+    def figures():
+        fams = {f.name: f for f in ledger_families()}
+        versions = {s.labels["device"]: s.value for s in fams["ascend_pool_ledger_other_versions"].samples}
+        held = {s.labels["tenant"]: s.value for s in fams["ascend_pool_ledger_held_bytes"].samples}
+        return versions, held
+
+    booked = next(t["held_bytes"] for t in ctx.ledger.view()["tenants"] if t["name"] == "t")
+    assert booked >= MiB
+    assert figures() == ({"0": 1}, {"t": booked})  # this build's tenants exported from its own ledger
+    # another process of this build starting meanwhile books with this one, even once the old are gone
+    os.close(old)
+    assert L._path_for_this_version(path, None) == alt
+    assert os.path.exists(path)
+    assert figures() == ({"0": 0}, {"t": booked})
+    ctx.free(p)
+    ctx.close()
+    pool.close()
+
+
+def test_a_per_version_ledger_nobody_holds_is_given_up_for_the_devices_ledger(monkeypatch):
+    # After the upgrade: the other build's processes and this build's in the per-version ledger
+    # are gone. The next process removes both files and books in the device's ledger again; a
+    # per-version ledger just made (its maker about to take its slot) is kept.
+    from ascend_pool.tenants import ledger as L
+    path = other_version_ledger(1)
+    alt = L.version_path(path)
+    Ledger(alt, 0, "sim", node_name("sim"))  # made by a process of this build, now gone
+    old = os.open(path, os.O_RDONLY)
+    fcntl_lock = struct.pack("@hhqqi4x", 0, os.SEEK_SET, 77, 1, 0)  # F_RDLCK (0): the old build, alive
+    import fcntl
+    fcntl.fcntl(old, fcntl.F_OFD_SETLK, fcntl_lock)
+    assert L._path_for_this_version(path, None) == alt  # just made: kept, and the old build's left alone
+    os.close(old)
+    assert L._path_for_this_version(path, None) == alt  # under 60 s old: maybe its maker's, not yet slotted
+    monkeypatch.setattr(L, "ALT_STALE_S", 0.0)
+    assert L._path_for_this_version(path, None) == path
+    assert not os.path.exists(alt) and not os.path.exists(path)  # both gone: the open makes the device's anew

@@ -32,13 +32,14 @@ _warned = set()
 
 
 def _views(uids=(), gids=()):
-    """([(backend, scope, view, path, identity)] of the ledgers read, the set of paths listed)."""
-    out, listed = [], set()
+    """([(backend, scope, view, path, identity)] of the ledgers read, the set of paths listed,
+    {(backend, device): paths} of other builds' ledgers (another format version) still held)."""
+    out, listed, other = [], set(), {}
     try:
         files = L.ledger_files(None, uids, gids)
     except Exception as e:  # no ledger directory yet, or a bad $ASCEND_POOL_LEDGER_GROUP
         _warn_once(("dir", str(e)), "cannot list the quota ledgers: %s", e)
-        return [], listed
+        return [], listed, other
     for path, device, backend, node, group, owner in files:
         if backend == "sim" and node != L.node_name("sim"):
             continue  # another simulated node (another test run, another demo)
@@ -51,8 +52,16 @@ def _views(uids=(), gids=()):
             out.append((backend, scope, L.read_view(path, device, backend, node, group, owner), path,
                         (st.st_dev, st.st_ino)))
         except Exception as e:  # foreign, malformed, or of another version: refused by the ledger code
+            version = L.other_version_held(path, group)
+            if version is not None:  # another build's, in use (a rolling upgrade): counted, its own line
+                other.setdefault((backend, str(device)), set()).add(path)
+                _warn_once((path, "version", version), "quota ledger %s is of format version %d, another "
+                           "ascend_pool build's, which live processes still hold: its tenants are not exported, "
+                           "and this build's processes book apart from them until they are gone "
+                           "(ascend_pool_ledger_other_versions)", path, version)
+                continue
             _warn_once((path, str(e)), "cannot read the quota ledger %s: %s", path, e)
-    return out, listed
+    return out, listed, other
 
 
 class ReclaimedTotals:
@@ -113,10 +122,10 @@ def ledger_families(uids=(), gids=(), reclaimed_totals=None):
     collector's ReclaimedTotals (without one, the reclaimed bytes of the ledgers there now)."""
     totals = reclaimed_totals or ReclaimedTotals()
     with totals.lock:
-        views, listed = _views(uids, gids)
+        views, listed, other = _views(uids, gids)
         reclaimed_by = totals.update([(path, ident, backend, str(v["device"]), v["reclaimed_bytes"])
                                       for backend, _, v, path, ident in views], listed)
-    if not views and not reclaimed_by:
+    if not views and not reclaimed_by and not other:
         return []
     labels = ["backend", "device", "tenant", "uid", "gid"]
     held = GaugeMetricFamily("ascend_pool_ledger_held_bytes",
@@ -145,6 +154,11 @@ def ledger_families(uids=(), gids=(), reclaimed_totals=None):
     reclaimed = CounterMetricFamily("ascend_pool_ledger_reclaimed_bytes",
                                     "Bytes given back from processes that died holding them (bytes).",
                                     labels=["backend", "device"])
+    versions = GaugeMetricFamily("ascend_pool_ledger_other_versions",
+                                 "Quota ledgers of another ascend_pool format version (another build's: a rolling "
+                                 "upgrade) that live processes still hold on the device: while more than 0, that "
+                                 "build's processes book their tenants apart from this build's, each ledger granting "
+                                 "a tenant its whole quota.", labels=["backend", "device"])
     seen = set()
     scopes = {}  # (backend, device, tenant) -> the ledgers (uid, gid) with a live process of it
     for backend, scope, v, _, _ in views:
@@ -174,7 +188,10 @@ def ledger_families(uids=(), gids=(), reclaimed_totals=None):
             _warn_split(backend, dev, tenant, where)
     for (backend, dev), n in sorted(reclaimed_by.items()):
         reclaimed.add_metric([backend, dev], n)
-    return [held, quota, peak, refusals, procs, conflicts, ledgers, reclaimed]
+    devices = {(b, str(v["device"])) for b, _, v, _, _ in views} | set(other)
+    for backend, dev in sorted(devices):  # 0 where every ledger is this build's: an alert can watch it
+        versions.add_metric([backend, dev], len(other.get((backend, dev), ())))
+    return [held, quota, peak, refusals, procs, conflicts, ledgers, reclaimed, versions]
 
 
 def _warn_split(backend, dev, tenant, scopes):

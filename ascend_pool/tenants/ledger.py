@@ -8,6 +8,9 @@ in the user's (or group's) private directory inside $ASCEND_POOL_LEDGER_DIR or /
     ascend_pool-ledger-u<uid>-<backend>[-<sim node>]-dev<N>     private: mode 0600
     ascend_pool-ledger-g<gid>-<backend>[-<sim node>]-dev<N>     shared with a group: mode 0660
 
+and, while another ascend_pool build's live processes hold that file (another format version: a
+rolling upgrade), this build's ledger beside it, the same name + ".v<format version>" (version_path).
+
 uid and gid are the host's (identity.host_uid, identity.host_gid; the header records them too): a
 tenant's processes of one host user share one ledger inside and outside a user namespace
 (docs/containers.md).
@@ -46,7 +49,8 @@ from .errors import LedgerError
 DIR_ENV = "ASCEND_POOL_LEDGER_DIR"
 GROUP_ENV = "ASCEND_POOL_LEDGER_GROUP"
 DEFAULT_DIR = "/dev/shm"
-_NAME = re.compile(r"ascend_pool-ledger-(u|g)(\d+)-(acl|sim|cuda)(?:-(.+))?-dev(\d+)")  # fullmatch
+# fullmatch; ".v<N>": a per-version ledger (version_path)
+_NAME = re.compile(r"ascend_pool-ledger-(u|g)(\d+)-(acl|sim|cuda)(?:-(.+))?-dev(\d+)(?:\.v\d+)?")
 
 log = logging.getLogger("ascend_pool")
 _lock = threading.RLock()
@@ -186,8 +190,7 @@ _versions_said = set()
 
 def _probe(path, group, removable):
     """Looks at the ledger file at path without mapping it (another build's layout is not read):
-    ("none", None) when there is none, or it is no ledger of this user's or group's (left to the
-    open's checks); else (state, version) with state "held" (some process holds its update lock or
+    ("none", None) when there is none, or it is no ledger (left to the open's checks); else (state, version) with state "held" (some process holds its update lock or
     a record lock on it: each process with a slot there holds its life lock, in every format
     version), "free", or "removed": nobody held it and removable(version, stat) said so; removed
     under its update lock, after checking that the path still names the file looked at."""
@@ -199,7 +202,7 @@ def _probe(path, group, removable):
         st = os.fstat(fd)
         mine = (st.st_gid == group) if group is not None else identity.owned_by(st.st_uid, identity.host_uid())
         head = os.pread(fd, _HEAD.size, 0)
-        if not stat.S_ISREG(st.st_mode) or not mine or len(head) < _HEAD.size:
+        if not stat.S_ISREG(st.st_mode) or len(head) < _HEAD.size:
             return "none", None
         magic, version = _HEAD.unpack(head)
         if magic != _LEDGER_MAGIC:
@@ -210,7 +213,7 @@ def _probe(path, group, removable):
             return "held", version
         if identity.any_lock_held(fd) is not False:  # held, or cannot be told: in use
             return "held", version
-        if not removable(version, st):
+        if not mine or not removable(version, st):  # another user's file is only looked at
             return "free", version
         try:
             now = os.stat(path, follow_symlinks=False)
@@ -230,17 +233,43 @@ def _say_version_once(key, text, *args):
         log.warning(text, *args)
 
 
+ALT_STALE_S = 60.0  # a per-version ledger nobody holds is removed once this old (its maker slots in microseconds)
+
+
+def version_path(path, version=LEDGER_VERSION):
+    """The ledger a build of format `version` books in while the device's ledger at path is another
+    build's, still held by live processes: path + ".v<version>" (docs/containers.md, "Rolling upgrades")."""
+    return f"{path}.v{int(version)}"
+
+
 def _path_for_this_version(path, group):
-    """The ledger path this build books in. A ledger of another format version (another ascend_pool
-    build's: a node upgraded in place, a rolling upgrade) that no live process holds is removed, said
-    once, and a new one made in its place; before, it refused every tenant context on the device
-    until someone removed it by hand."""
-    state, version = _probe(path, group, lambda v, st: v != LEDGER_VERSION)
+    """The ledger path this build books in: path, unless another build's (another format version)
+    live processes hold the ledger there (a rolling upgrade: old and new pods side by side), then
+    version_path(path), said once: the tenants' quotas then hold in each ledger apart until the
+    other build's processes are gone (before: every context of this build refused). Processes of
+    this build stay together: the per-version ledger is used while any process holds it or it is
+    under ALT_STALE_S old, and removed after. A ledger of another format version that no live
+    process holds is removed, said once, and a new one made in its place; before, it refused
+    every tenant context on the device until someone removed it by hand."""
+    alt = version_path(path)
+    astate, _ = _probe(alt, group, lambda v, st: v == LEDGER_VERSION and time.time() - st.st_ctime > ALT_STALE_S)
+    # held, or made under ALT_STALE_S ago (its maker about to take its slot): this build books there,
+    # and the other build's ledger is left as it is
+    alt_held = astate in ("held", "free")
+    state, version = _probe(path, group, lambda v, st: v != LEDGER_VERSION and not alt_held)
     if state == "removed":
         _say_version_once(("replaced", path), "quota ledger %s was of format version %d (another ascend_pool build) "
                           "and no live process held it: replaced by a version %d ledger", path, version,
                           LEDGER_VERSION)
-    return path
+    elif state == "held" and version != LEDGER_VERSION:
+        _say_version_once(("split", path), "quota ledger %s is of format version %d and live processes of that "
+                          "ascend_pool build hold it (a rolling upgrade): this build (format %d) books its tenants in "
+                          "%s until they are gone, so meanwhile each tenant's quota holds in each ledger apart (the "
+                          "node may grant it twice; ascend_pool_ledger_other_versions counts such ledgers). Finish "
+                          "the upgrade (stop that build's processes on the node) to have one ledger again",
+                          path, version, LEDGER_VERSION, alt)
+        return alt
+    return alt if alt_held else path
 
 
 def open_ledger(device, backend, directory=None, group=None):
@@ -254,11 +283,16 @@ def open_ledger(device, backend, directory=None, group=None):
     _say_if_container_shm(directory)
     with _lock:
         led = _cache.get(path)
+        if led is not None and led.path != path and _file_identity(led.path) != led.identity:
+            # this process's per-version ledger, removed since (nobody held it): choose again
+            del _cache[path]
+            _mapped.pop(led.path, None)
+            led = None
         if led is not None and not led.usable:
             # a group's ledger that shrank under this process (truncated by another member): its
             # mapping is not used again; contexts opened from now on validate the file anew
             del _cache[path]
-            _mapped.pop(path, None)
+            _mapped.pop(led.path, None)
             led = None
         if led is None:
             use = _path_for_this_version(path, gid)
@@ -296,6 +330,13 @@ def check_files():
                         "booked in its own copy and processes started since book apart from them, so their quotas "
                         "hold per copy, not node-wide, until this process restarts", path)
     return out
+
+
+def other_version_held(path, group=None):
+    """The format version of the ledger at path when it is another build's (not this one's) and
+    live processes hold it, else None. Reads its first 12 bytes and tests its locks, nothing more."""
+    state, version = _probe(path, group, lambda v, st: False)
+    return version if state == "held" and version != LEDGER_VERSION else None
 
 
 def ledger_files(directory=None, uids=(), gids=()):
