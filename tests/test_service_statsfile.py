@@ -376,3 +376,32 @@ def test_overflow_leaves_out_the_least_recently_closed_tenants(tmp_path):
     finally:
         f.close()
         base.close()
+
+
+@pytest.mark.parametrize("version", [L.VERSION - 1, L.VERSION + 1], ids=["older", "newer"])
+def test_another_builds_stats_file_is_skipped_while_its_writer_runs_then_removed(sf, tmp_path, caplog, version):
+    # A rolling upgrade: another ascend_pool build's process writes its stats file (another layout
+    # version) beside this build's. Skipped, counted and said while its writer runs; removed once
+    # it is gone (before: refused at every scan and left for good); this build's series go on.
+    import fcntl
+    sf.publish([TenantSample(0, "default", values(3))])
+    inst = 0x0123456789abcdef
+    other = str(tmp_path / f"ascend_pool-stats-{inst:016x}")
+    with open(sf.path, "rb") as f:
+        data = bytearray(f.read())
+    struct.pack_into("<I", data, 8, version)
+    struct.pack_into("<Q", data, L.IDENTITY_OFFSET, inst)
+    fd = os.open(other, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, bytes(data))
+    fcntl.flock(fd, fcntl.LOCK_EX)  # its writer, alive
+    scanner = StatsScanner(str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        live = scanner.scan()
+    assert [p.path for p in live] == [sf.path] and live[0].samples[0].values == values(3)
+    assert scanner.counts["refused"] == 1 and os.path.exists(other)
+    assert any(f"refused stats file {other}: layout version {version}, this reader knows {L.VERSION}: another "
+               "ascend_pool build's live process" in r.getMessage() for r in caplog.records)
+    os.close(fd)  # its writer exits
+    live = scanner.scan()
+    assert [p.path for p in live] == [sf.path]
+    assert scanner.counts["stale"] == 1 and not os.path.exists(other)

@@ -15,6 +15,7 @@ caller removes it).
 import fcntl
 import os
 import stat
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -108,6 +109,23 @@ def _writer_alive(fd):
     return False
 
 
+def _other_version(fd, path, header):
+    """Another ascend_pool build's file (our magic, another layout version: a rolling upgrade), told
+    by its first 12 bytes and its writer's lock, which every layout version since 2 takes for the
+    writer's life: Stale (removed) once its writer is gone, its counters not read (their layout is
+    not this one's); before, a dead one was refused at every scan and stayed for good. Refused
+    (skipped, counted) while its writer runs. Nothing for a file of this version."""
+    if len(header) < 12 or header[:8] != L.MAGIC:
+        return
+    (version,) = struct.unpack_from("<I", header, 8)
+    if version == L.VERSION:
+        return
+    if not _writer_alive(fd):
+        raise Stale(path, f"process has exited (another ascend_pool build's file, layout version {version})")
+    raise Refused(path, f"layout version {version}, this reader knows {L.VERSION}: another ascend_pool build's live "
+                  "process (a rolling upgrade), not exported until it ends")
+
+
 def _read(fd, path, inst, allowed_uids, allowed_gids=()):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -118,9 +136,10 @@ def _read(fd, path, inst, allowed_uids, allowed_gids=()):
         raise Refused(path, f"owned by uid {st.st_uid}, not by an allowed uid ({sorted(allowed_uids)})")
     if st.st_mode & 0o022:
         raise Refused(path, f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
+    header = os.pread(fd, L.HEADER_SIZE, 0)
+    _other_version(fd, path, header)
     if st.st_size < L.HEADER_SIZE:
         raise Refused(path, f"truncated: {st.st_size} bytes, a header alone is {L.HEADER_SIZE}")
-    header = os.pread(fd, L.HEADER_SIZE, 0)
     if len(header) < L.HEADER_SIZE:
         raise Refused(path, "truncated while being read")
     magic, version, header_size, record_size, capacity, hpid, uid, start, boot = L.STATIC.unpack_from(header, 0)
