@@ -58,6 +58,7 @@ import atexit
 import dataclasses
 import errno
 import fcntl
+import logging
 import os
 import re
 import stat
@@ -75,6 +76,8 @@ from .pool import Pool, set_sharing
 from .private_dir import candidates, is_trusted
 from .tenants.ledger import base_dir, ledger_dir, node_name
 from .units import as_index
+
+log = logging.getLogger("ascend_pool")
 
 __all__ = ["SharedHandle", "SharedBlock", "SharingError", "NotShareableError", "NotAHandleError", "open_shared", "share_malloc",
            "share", "share_free", "allow", "collect", "shares", "pool_stats", "node_pid"]
@@ -931,6 +934,36 @@ def shares(directory=None, uids=None, gids=()):
     return out
 
 
+def _remove_other_version(rec):
+    """Removes rec's file when it is another ascend_pool build's record (our magic, another version:
+    a rolling upgrade) that nobody holds: its update lock free and no record lock on it (an exporter
+    holds its life lock there from creation, an importer while it maps the block: hold_life), so its
+    exporter is gone, and its memory with it. Told by the first 12 bytes and the locks, not by the
+    other build's layout. Before, every listing failed to read such a record and skipped it, and it
+    stayed for good. True when removed."""
+    try:
+        head = os.pread(rec.fd, 12, 0)
+        if len(head) < 12 or head[:8] != _MAGIC or struct.unpack_from("<I", head, 8)[0] == _VERSION:
+            return False
+        fcntl.flock(rec.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    try:
+        if identity.any_lock_held(rec.fd) is not False:
+            return False  # its exporter or an importer runs (or it cannot be told): left to them
+        st, now = os.fstat(rec.fd), os.stat(rec.path, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+            return False
+        _unlink(rec.path)
+    except OSError:
+        return False  # gone meanwhile, or a directory where this user may not remove it
+    finally:
+        fcntl.flock(rec.fd, fcntl.LOCK_UN)
+    log.info("removed share record %s of version %d (another ascend_pool build's): nobody holds it, its exporter is "
+             "gone", rec.path, struct.unpack_from("<I", head, 8)[0])
+    return True
+
+
 def _shares_in(d, owners, deadline):
     out = []
     for name in sorted(os.listdir(d)):
@@ -946,6 +979,9 @@ def _shares_in(d, owners, deadline):
         except (OSError, SharingError):
             continue
         rec.lock_wait_s = max(0.0, deadline - time.monotonic())  # a record held too long is skipped
+        if _remove_other_version(rec):
+            rec.close()
+            continue
         try:
             with rec:
                 h = rec.header

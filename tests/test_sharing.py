@@ -570,3 +570,40 @@ def test_only_an_import_on_another_device_asks_for_peer_access(sim_node):
     with Peer(sim_node, POOL) as cur, Peer(sim_node, POOL, ASCEND_SIM_PROFILE="cann8.2") as old:
         assert cur(code) == {"0,None": 0, "0,0": 0, "1,0": 0, "1,None": 507899}
         assert old(code) == {"0,None": 0, "0,0": 0, "1,0": 107000, "1,None": 507899}
+
+
+def test_another_builds_share_record_is_removed_once_nobody_holds_it(pool, caplog):
+    # A rolling upgrade: another ascend_pool build's record (another version) in the records'
+    # directory. While its exporter (or an importer) runs, it holds a lock on the record: left
+    # alone. Once nobody does, the exporter is gone with its memory: removed at the next listing
+    # (before: every listing failed to read it and skipped it, and it stayed for good). This
+    # build's records are listed as before.
+    import fcntl
+    import glob
+    import struct
+
+    from ascend_pool import sharing
+    ptr = pool.share_malloc(MiB)
+    pool.share(ptr, any_process=True)
+    try:
+        mine = [p for p in glob.glob(os.path.join(sharing._record_dir(), "ascend_pool-share-*")) if ".tmp." not in p]
+        assert len(mine) == 1
+        other = mine[0][:-4] + ("0000" if not mine[0].endswith("0000") else "1111")
+        with open(mine[0], "rb") as f:
+            data = bytearray(f.read())
+        struct.pack_into("<I", data, 8, sharing._VERSION - 1)
+        fd = os.open(other, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, bytes(data))
+        # its exporter, alive: its life lock on the record
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("@hhqqi4x", fcntl.F_RDLCK, os.SEEK_SET, 99, 1, 0))
+        listed = sharing.shares()
+        assert [s["exporter_pid"] for s in listed] == [os.getpid()] and os.path.exists(other)
+        os.close(fd)  # its exporter dies
+        with caplog.at_level("INFO", logger="ascend_pool"):
+            listed = sharing.shares()
+        assert [s["exporter_pid"] for s in listed] == [os.getpid()]
+        assert not os.path.exists(other) and os.path.exists(mine[0])
+        assert any(f"removed share record {other} of version {sharing._VERSION - 1}" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        assert pool.share_free(ptr) is True
