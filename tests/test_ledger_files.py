@@ -4,6 +4,7 @@ or malformed file refused with a clear error, never trusted."""
 import os
 import stat
 import struct
+import time
 
 import pytest
 
@@ -298,3 +299,49 @@ def test_a_per_version_ledger_nobody_holds_is_given_up_for_the_devices_ledger(mo
     monkeypatch.setattr(L, "ALT_STALE_S", 0.0)
     assert L._path_for_this_version(path, None) == path
     assert not os.path.exists(alt) and not os.path.exists(path)  # both gone: the open makes the device's anew
+
+
+def test_processes_starting_while_another_replaces_the_old_ledger_book_in_its_new_one():
+    # Pods of the new build starting together: one removes the other build's dead ledger under its
+    # update lock and makes the new one; another, finding that lock held, took the old ledger for
+    # one in use and booked in the per-version ledger: two ledgers of one build, each granting the
+    # whole quota (4 rounds in 10 of 8 processes; repros/simultaneous_starts_split_on_replaced_ledger.py).
+    import fcntl
+    import threading
+    from ascend_pool.tenants import ledger as L
+    path = other_version_ledger(1)
+    locked, done = threading.Event(), threading.Event()
+
+    def replacer():  # the first process, inside its replacement
+        fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        locked.set()
+        time.sleep(0.2)
+        os.unlink(path)
+        Ledger(path, 0, "sim", node_name("sim"))
+        os.close(fd)
+        done.set()
+
+    t = threading.Thread(target=replacer)
+    t.start()
+    locked.wait(10)
+    assert L._path_for_this_version(path, None) == path  # waited for the lock, then looked at the new file
+    t.join(10)
+    assert done.is_set() and not os.path.exists(L.version_path(path))
+
+
+def test_a_ledger_of_this_build_is_not_waited_for_by_the_version_probe():
+    # The probe waits for the update lock only where it may remove the file (another build's):
+    # this build's ledger, its lock held by a peer stopped inside an update, costs it no wait.
+    import fcntl
+    from ascend_pool.tenants import ledger as L
+    path = ledger_path(0, "sim", node_name("sim"))
+    Ledger(path, 0, "sim", node_name("sim"))
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the stopped peer
+    try:
+        t0 = time.monotonic()
+        assert L._path_for_this_version(path, None) == path
+        assert time.monotonic() - t0 < L.PROBE_LOCK_S / 2
+    finally:
+        os.close(fd)

@@ -188,12 +188,26 @@ _HEAD = struct.Struct("<QI")        # magic, version
 _versions_said = set()
 
 
+PROBE_LOCK_S = 1.0  # the longest a probe waits for a ledger's update lock (held microseconds by a live peer)
+
+
 def _probe(path, group, removable):
     """Looks at the ledger file at path without mapping it (another build's layout is not read):
-    ("none", None) when there is none, or it is no ledger (left to the open's checks); else (state, version) with state "held" (some process holds its update lock or
-    a record lock on it: each process with a slot there holds its life lock, in every format
-    version), "free", or "removed": nobody held it and removable(version, stat) said so; removed
-    under its update lock, after checking that the path still names the file looked at."""
+    ("none", None) when there is none, or it is no ledger (left to the open's checks); else
+    (state, version) with state "held" (a record lock on it: each process with a slot there holds
+    its life lock, in every format version; or its update lock held past PROBE_LOCK_S), "free", or
+    "removed": nobody held it and removable(version, stat) said so (only a file of this user's,
+    or of group `group`). Looked at and removed under its update lock, the path checked to name
+    the file looked at: a file another process's probe replaced meanwhile is looked at anew (two
+    processes starting at once both book in the new one, never one in a per-version ledger)."""
+    for _ in range(3):
+        state = _probe_once(path, group, removable)
+        if state is not None:
+            return state
+    return "held", None  # replaced at every look: in use (the caller books apart rather than wait)
+
+
+def _probe_once(path, group, removable):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -207,18 +221,29 @@ def _probe(path, group, removable):
         magic, version = _HEAD.unpack(head)
         if magic != _LEDGER_MAGIC:
             return "none", None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # an update in progress: in use
-        except OSError:
-            return "held", version
-        if identity.any_lock_held(fd) is not False:  # held, or cannot be told: in use
-            return "held", version
-        if not mine or not removable(version, st):  # another user's file is only looked at
-            return "free", version
+        if not mine or not removable(version, st):  # only looked at (another user's, or this build's
+            # ledger): no wait for its update lock, which a stopped peer may hold
+            return ("held" if identity.any_lock_held(fd) is not False else "free"), version
+        deadline = time.monotonic() + PROBE_LOCK_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # an update (or another probe) in progress
+                if time.monotonic() >= deadline:
+                    return "held", version
+                time.sleep(0.002)
+            except OSError:
+                return "held", version
         try:
             now = os.stat(path, follow_symlinks=False)
-            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-                return "none", None  # replaced meanwhile (another process's probe): look no further
+        except OSError:
+            return None  # removed meanwhile: look again
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return None  # replaced meanwhile (another process's probe): look again
+        if identity.any_lock_held(fd) is not False:  # held, or cannot be told: in use
+            return "held", version
+        try:
             os.unlink(path)
         except OSError:
             return "free", version
