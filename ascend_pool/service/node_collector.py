@@ -165,7 +165,8 @@ class NodeCollector:
                            max(0.0, (now - p.publish_ns) / 1e9))
         yield age
         files = GaugeMetricFamily("ascend_pool_service_stats_files",
-                                  "Stats files seen at the last scrape, by state (live, stale, refused, busy).",
+                                  "Stats files seen at the last scrape, by state (live, stale, refused, busy, "
+                                  "other_version: another ascend_pool build's live process, a rolling upgrade).",
                                   labels=["state"])
         for state, n in sorted(self.scanner.counts.items()):
             files.add_metric([state], n)

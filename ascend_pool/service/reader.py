@@ -44,6 +44,11 @@ class Refused(StatsFileError):
     """Not a valid stats file of a live process we may trust (foreign, damaged, or unknown format)."""
 
 
+class OtherVersion(Refused):
+    """Another ascend_pool build's stats file (another layout version: a rolling upgrade) whose
+    writer runs: skipped, counted apart from the refused (damaged or foreign) ones."""
+
+
 class Stale(StatsFileError):
     """A well-formed stats file whose process has exited (or whose pid now names another process).
     .stats: its last whole publish (ProcessStats, the final counters of a process that exited
@@ -122,7 +127,7 @@ def _other_version(fd, path, header):
         return
     if not _writer_alive(fd):
         raise Stale(path, f"process has exited (another ascend_pool build's file, layout version {version})")
-    raise Refused(path, f"layout version {version}, this reader knows {L.VERSION}: another ascend_pool build's live "
+    raise OtherVersion(path, f"layout version {version}, this reader knows {L.VERSION}: another ascend_pool build's live "
                   "process (a rolling upgrade), not exported until it ends")
 
 

@@ -16,7 +16,7 @@ from .. import identity
 from ..private_dir import candidates
 from . import paths
 from .layout import FLAG_EXITED
-from .reader import Busy, Refused, Stale, read_stats_file
+from .reader import Busy, OtherVersion, Refused, Stale, read_stats_file
 
 log = logging.getLogger("ascend_pool.service")
 
@@ -48,7 +48,8 @@ class StatsScanner:
         self.keep_exited_s = keep_exited_s
         self._lock = threading.Lock()
         self._reported = {}  # path -> last reason logged
-        self.counts = {"live": 0, "stale": 0, "refused": 0, "busy": 0}
+        # other_version: another build's live writer (a rolling upgrade), apart from refused (damaged, foreign)
+        self.counts = {"live": 0, "stale": 0, "refused": 0, "busy": 0, "other_version": 0}
 
     def directories(self):
         """The directories a scan reads: the trusted private ones in the base directory."""
@@ -92,6 +93,9 @@ class StatsScanner:
             except Busy as e:
                 counts["busy"] += 1
                 log.debug("%s", e)
+            except OtherVersion as e:
+                counts["other_version"] += 1
+                self._report(path, f"skipped stats file {path}: {e.reason}", self.refusal_level)
             except Refused as e:
                 counts["refused"] += 1
                 self._report(path, f"refused stats file {path}: {e.reason}", self.refusal_level)
