@@ -3,6 +3,8 @@ space through the runtime's virtual-memory calls (the simulator implements them 
 trades idle chunks for new mappings under a budget of device calls (cython/core/vmm_policy.c).
 The stream-order tests (test_stream_order.py) run in this mode too."""
 
+import random
+
 import numpy as np
 import pytest
 
@@ -320,3 +322,46 @@ def test_a_trade_keeps_the_quota_booked_once():
         ctx.free(c)
     finally:
         ctx.close()
+
+
+def _fuzz_peak(knobs, empty_weight, seed=123):
+    """torch's test_allocator_fuzz pattern: random 4 B - 30 MiB blocks on two streams, live bytes
+    kept under 100 MiB; returns the peak of reserved memory."""
+    pool = ap.Pool(0, backend="sim", **knobs)
+    rng = random.Random(seed)
+    live, total = [], 0
+    streams = [0, pool.create_stream()]
+    for _ in range(1500):
+        while total >= 100 * MiB:
+            ptr, size, s = live.pop(rng.randrange(len(live)))
+            pool.free(ptr, stream=s)
+            total -= size
+        r = rng.choices(["alloc", "free", "empty"], weights=[1, 1 if live else 0, empty_weight])[0]
+        if r == "alloc":
+            size = 4 * (rng.randrange(1, 30 * MiB // 4) if rng.random() < 0.5 else rng.randrange(2 * MiB // 4, 20 * MiB // 4))
+            s = rng.choice(streams)
+            live.append((pool.malloc(size, stream=s), size, s))
+            total += size
+        elif r == "free":
+            ptr, size, s = live.pop(rng.randrange(len(live)))
+            pool.free(ptr, stream=s)
+            total -= size
+        else:
+            pool.empty_cache()
+    peak = pool.memory_stats()["reserved_bytes.all.peak"]
+    for ptr, size, s in live:
+        pool.free(ptr, stream=s)
+    pool.close()
+    return peak
+
+
+@pytest.mark.parametrize("empty_weight", [0.05, 0.0])
+def test_max_split_size_does_not_make_an_expandable_pool_reserve_several_times_more(clean_faults, empty_weight):
+    # Free blocks the fit rules refuse (max_split_size or more for a smaller request) are traded for
+    # a growth past the peak: before, 764 MiB reserved against 162 without the knob (with
+    # empty_cache calls), the whole 64 GiB device without them.
+    plain = _fuzz_peak(dict(expandable_segments=True), empty_weight)
+    split = _fuzz_peak(dict(expandable_segments=True, max_split_size_mb=21), empty_weight)
+    classic = _fuzz_peak(dict(max_split_size_mb=21), empty_weight)
+    assert split <= classic
+    assert split <= plain * 5 // 4

@@ -565,8 +565,10 @@ static size_t chunks_inside(ap_vmm_chunk **c, const ap_block *b) {
    do). Explicit trims take the largest free run first, also wait for every stream whose free
    blocks split a chunk, and free the physical memory; for the release policy (`policy`) the
    longest-idle block goes first, `keep` (the free block the growth will extend) stays, only the
-   picked block's stream is waited for, and the physical memory is kept for the growth. */
-static size_t release(ap_pool *p, size_t target, const ap_block *keep, int policy, int64_t max_unmaps, ap_error *err) {
+   picked block's stream is waited for, and the physical memory is kept for the growth. Only free
+   blocks of min_block bytes or more are looked at (0: all). */
+static size_t release(ap_pool *p, size_t target, const ap_block *keep, int policy, int64_t max_unmaps, size_t min_block,
+                      ap_error *err) {
     size_t released = 0;
     int64_t unmaps0 = p->stats.num_device_unmap;
     int settled = policy;
@@ -579,7 +581,7 @@ static size_t release(ap_pool *p, size_t target, const ap_block *keep, int polic
             if (!s->expandable) continue;
             ap_vmm_chunk *c = chunk_at(space_of(p, s->base), s->base);
             for (ap_block *b = s->first; b; b = b->next) {
-                if (b == keep || b->state != AP_BLOCK_FREE || (skip_tagged && b->tag)) continue;
+                if (b == keep || b->state != AP_BLOCK_FREE || b->size < min_block || (skip_tagged && b->tag)) continue;
                 size_t len = chunks_inside(&c, b);
                 if (len && (policy ? !best || b->free_tick < best->free_tick : len > best_len)) {
                     best = b;
@@ -617,10 +619,11 @@ static size_t release(ap_pool *p, size_t target, const ap_block *keep, int polic
     return released;
 }
 
-size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err) { return release(p, target, NULL, 0, INT64_MAX, err); }
+size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err) { return release(p, target, NULL, 0, INT64_MAX, 0, err); }
 
-size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep, int64_t max_unmaps) {
-    return release(p, target, keep, 1, max_unmaps, NULL);
+size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep, int64_t max_unmaps,
+                                 size_t min_block) {
+    return release(p, target, keep, 1, max_unmaps, min_block, NULL);
 }
 
 /* Drops all of the pool's virtual memory: its spare handles, and each reservation with its mapped

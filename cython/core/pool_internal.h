@@ -206,8 +206,9 @@ size_t ap_vmm_chunk_cap(const ap_pool *p, size_t need);
 size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err);
 /* The release policy's variant, for the growth that follows: takes the longest-idle free block
    first, leaves `keep` alone, never waits for all streams, and keeps the physical memory of what
-   it unmaps for that growth (p->vmm_spares). */
-size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep, int64_t max_unmaps);
+   it unmaps for that growth (p->vmm_spares); only free blocks of min_block bytes or more (0: all). */
+size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep, int64_t max_unmaps,
+                                 size_t min_block);
 void ap_vmm_destroy(ap_pool *p);
 /* expandable.c: the runtime released the pool's virtual memory; forgotten without a runtime call. */
 void ap_vmm_forget(ap_pool *p);

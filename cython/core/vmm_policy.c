@@ -77,13 +77,28 @@ void ap_vmm_make_room(ap_pool *p, size_t rsize, size_t need, const ap_block *kee
     if (alloc.peak > p->vmm_live_high) p->vmm_live_high = alloc.peak; /* survives reset_peaks */
     int high = alloc.current + (int64_t)rsize > p->vmm_live_high;
     p->vmm_trade_high = high;
+    /* max_split_size: a free block that the fit rules refuse to this request however large it is
+       (free_blocks.c fit_allowed, torch's get_free_block: max_split_size or more for a smaller
+       request, rsize + 20 MiB or more for one at least that large) is, for it, as idle as a wholly
+       free segment, and growing past the peak beside such blocks on the trade credit alone left an
+       expandable pool reserving up to 6x what it did without the knob (torch's fuzz pattern: 764
+       MiB against 162). Their whole chunks are traded for the growth first, outside the credit: at
+       most the growth's excess over the peak, in at most AP_VMM_GROWTH_CHUNKS + 1 unmaps, so a
+       growth with such a trade costs at most twice a growth's 34 calls (doc, "Blocks the fit rules
+       refuse"). */
+    if (p->cfg.max_split_size != AP_NO_LIMIT) {
+        size_t refused = rsize < p->cfg.max_split_size ? p->cfg.max_split_size : rsize + AP_LARGE_BUFFER;
+        size_t got = ap_vmm_release_for_growth(p, over, keep, AP_VMM_GROWTH_CHUNKS + 1, refused);
+        if (got >= over) return;
+        over -= got;
+    }
     int64_t cap = (int64_t)AP_VMM_TRADE_BURST * 1000;
     ap_credit_add(&p->vmm_credit, ap_ticks_since(p->tick, &p->vmm_credit_tick), AP_VMM_TRADE_PER_1000, cap);
     int64_t avail = p->vmm_credit - (high ? 0 : cap / 100 * AP_VMM_TRADE_KEEP_PCT);
     int64_t max_unmaps = avail / (AP_VMM_TRADE_CHARGE * 1000);
     if (max_unmaps <= 0) return;
     int64_t before = p->stats.num_device_unmap;
-    ap_vmm_release_for_growth(p, over, keep, max_unmaps);
+    ap_vmm_release_for_growth(p, over, keep, max_unmaps, 0);
     p->vmm_credit -= (p->stats.num_device_unmap - before) * AP_VMM_TRADE_CHARGE * 1000;
     AP_ASSERT(p->vmm_credit >= 0); /* cut short at the credit: D(t) <= rho * A(t) + B holds */
 }
