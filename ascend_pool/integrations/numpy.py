@@ -25,6 +25,7 @@ import threading
 
 from .._core import numpy_handler_capsule, numpy_set_handler
 from ._common import FrameworkMissingError, require
+from .pinned import default_device as _default_device
 from .pinned import host_pool as _host_pool
 
 __all__ = ["install", "uninstall", "installed", "is_installed", "stats", "host_pool", "HANDLER_NAME"]
@@ -62,21 +63,21 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-_pool = None  # the handler's pool, chosen at its first use
-_pool_lock = threading.Lock()
+_device = None  # the handler's device, chosen at its first use (its pool lives in ascend_pool.registry)
+_device_lock = threading.Lock()
 
 
 def host_pool():
-    """The pinned host pool behind the handler: pinned.host_pool()'s at the first use (a device
-    the process already holds, pinned.default_device; before, device 0 always, a context on an NPU
-    a process on device 5 never used), the same one from then on, whichever thread asks (its
-    arrays and stats() stay in one pool)."""
-    global _pool
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = _host_pool()
-    return _pool
+    """The pinned host pool behind the handler: pinned.host_pool()'s device at the first use (a
+    device the process already holds, pinned.default_device; before, device 0 always, a context on
+    an NPU a process on device 5 never used), the same device from then on, whichever thread asks
+    (its arrays and stats() stay in one pool; a pool closed since is made again there)."""
+    global _device
+    if _device is None:
+        with _device_lock:
+            if _device is None:
+                _device = _default_device()
+    return _host_pool(_device)
 
 
 def install():
