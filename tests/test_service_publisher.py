@@ -206,6 +206,47 @@ def test_fork_child_leaves_the_parent_file_alone(tmp_path):
     assert e.value.stats.flags & FLAG_EXITED
 
 
+_MP_WORKERS = """
+import multiprocessing as mp, sys
+import ascend_pool as ap
+
+def work():
+    try:
+        ap.Pool(0, backend="sim").malloc(1 << 50)  # one OOM, just before the worker returns
+    except ap.OutOfMemoryError:
+        pass
+
+if __name__ == "__main__":
+    for method in sys.argv[1:]:  # fork: this parent opened no device, so the child may
+        p = mp.get_context(method).Process(target=work)
+        p.start()
+        p.join()
+        print(method, p.pid, p.exitcode, flush=True)
+"""
+
+
+def test_a_multiprocessing_workers_exit_marks_its_file_exited_with_its_last_counts(tmp_path):
+    """A worker started by fork or forkserver (a DataLoader's, a ProcessPoolExecutor's) ends with
+    os._exit after its target, so atexit never ran: its file was never marked exited with its final
+    counters (a short-lived worker's never made), and an OOM in its last interval never reached
+    the node service (AscendPoolOutOfMemory never fired); a spawn worker's (sys.exit) was."""
+    script = tmp_path / "workers.py"
+    script.write_text(_MP_WORKERS)
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    r = subprocess.run([sys.executable, str(script), "spawn", "forkserver", "fork"], capture_output=True,
+                       text=True, timeout=120, env=_env(stats), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    pids = {int(pid): method for method, pid, code in (line.split() for line in r.stdout.splitlines())}
+    final = {}
+    for path in stats_files(stats):
+        with pytest.raises(Stale, match="exited") as e:
+            read_stats_file(path, ME)
+        st = e.value.stats
+        final[pids.get(st.pid)] = (bool(st.flags & FLAG_EXITED), sum(x.values["ooms"] for x in st.samples))
+    assert final == {m: (True, 1) for m in ("spawn", "forkserver", "fork")}, (final, r.stderr)
+
+
 _DIE = """
 import os, sys
 from ascend_pool.service.statsfile import StatsFile

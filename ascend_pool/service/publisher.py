@@ -19,6 +19,7 @@ import atexit
 import logging
 import math
 import os
+import sys
 import threading
 
 from .. import registry as _registry
@@ -240,7 +241,25 @@ def ensure_publisher(background=False):
             except Exception as e:
                 _failed = True
                 _log_not_published(e)
+            else:
+                _stop_at_multiprocessing_exit()
     return _publisher
+
+
+def _stop_at_multiprocessing_exit():
+    # A multiprocessing worker started by fork or forkserver (a DataLoader's, a
+    # ProcessPoolExecutor's) ends with os._exit after its target: atexit never runs, so its file
+    # was never marked exited with the final counters (a short-lived worker's never even made), and
+    # what it counted in its last interval (an OOM) never reached the node service. Its exit runs
+    # multiprocessing's own finalizers (Process._bootstrap): stop there too (idempotent).
+    mp_process = sys.modules.get("multiprocessing.process")
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_process is None or mp_util is None or mp_process.parent_process() is None:
+        return  # not a multiprocessing child: atexit stops it
+    try:
+        mp_util.Finalize(None, stop_publisher, exitpriority=-1)  # after the program's own
+    except Exception:  # an unusual multiprocessing: atexit still stops it where it runs
+        log.debug("cannot stop the stats publisher at multiprocessing's exit", exc_info=True)
 
 
 def _log_not_published(e):
