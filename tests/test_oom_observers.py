@@ -6,6 +6,7 @@ a snapshot, the common use). Sizes are bytes."""
 
 import ctypes
 import logging
+import sys
 
 import pytest
 
@@ -131,6 +132,50 @@ def test_c_abi_allocations_tell_the_observers_and_keep_their_own_error(seen):
     assert seen == [(0, 1 << 50, ap.default_pool(0).mem_get_info()[1], seen[0][3])]
     ptr = lib.ascend_pool_malloc(4096, 0, None)  # and the C ABI keeps serving
     assert ptr
+    lib.ascend_pool_free(ptr, 4096, 0, None)
+
+
+def _spin():
+    for _ in range(10_000):  # a pending call or signal handler runs between these bytecodes
+        pass
+
+
+@pytest.mark.parametrize("how", ["KeyboardInterrupt", "SIGTERM handler's sys.exit"])
+def test_a_signal_handlers_exception_inside_a_c_abi_observer_reaches_the_program(how, caplog):
+    """Ctrl-C, or a scheduler's SIGTERM whose handler calls sys.exit, arriving while a framework's
+    allocation (the C ABI, main thread) runs the observers (a snapshot dump takes seconds): the
+    exception reaches the program once the C caller is back in Python, as the signal's own would;
+    it was logged as 'out-of-memory observers failed' and dropped, the program went on."""
+    import os
+    import signal
+
+    lib = ctypes.CDLL(ap.library_path())
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    ap.default_pool(0)
+    if how == "KeyboardInterrupt":
+        def observer(*figures):
+            raise KeyboardInterrupt  # as Python's SIGINT handler raises it, inside the observer
+        expected = KeyboardInterrupt
+    else:
+        def observer(*figures):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            _spin()
+        expected = SystemExit
+    old = signal.signal(signal.SIGUSR1, lambda *a: sys.exit(143))
+    ap.attach_out_of_memory_observer(observer)
+    try:
+        with caplog.at_level(logging.ERROR, logger="ascend_pool"), pytest.raises(expected):
+            assert lib.ascend_pool_malloc(1 << 50, 0, None) is None
+            _spin()
+    finally:
+        ap.detach_out_of_memory_observer(observer)
+        signal.signal(signal.SIGUSR1, old)
+    assert "observers failed" not in caplog.text
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    ptr = lib.ascend_pool_malloc(4096, 0, None)  # the C ABI keeps serving
+    assert ptr
+    _spin()  # nothing left pending
     lib.ascend_pool_free(ptr, 4096, 0, None)
 
 
