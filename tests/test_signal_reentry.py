@@ -57,3 +57,50 @@ def test_a_signal_handler_calling_into_the_pool_inside_its_locks_returns(sim_nod
     except subprocess.TimeoutExpired:
         raise AssertionError("the handler waited for its own thread's lock (deadlock)") from None
     assert out["ran"] == out["locks"], out
+
+
+def test_a_signal_handlers_exception_while_the_c_abi_makes_a_default_pool_reaches_the_program(sim_node):
+    """Ctrl-C, or a SIGTERM whose handler calls sys.exit, while the C ABI makes a device's default
+    pool at a framework's first allocation (opening the runtime: aclInit and aclrtSetDevice take
+    seconds on an NPU): the allocation fails saying so, and the exception reaches the program once
+    the caller is back in Python. It was turned into the allocation's error and dropped: the
+    program went on, a SIGTERM'd rank until SIGKILL. The next allocation makes the pool."""
+    out = sim_node.run_json("""
+        import signal
+        import ascend_pool as ap
+        from ascend_pool import _core, api
+        lib = C.CDLL(ap.library_path())
+        lib.ascend_pool_malloc.restype = C.c_void_p
+        lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, C.c_void_p]
+        lib.ascend_pool_free.argtypes = [C.c_void_p, C.c_ssize_t, C.c_int, C.c_void_p]
+        lib.ascend_pool_last_error.restype = C.c_char_p
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+
+        def spin():
+            for _ in range(10000):  # the pending exception is raised between these bytecodes
+                pass
+
+        got = {}
+        for device, sig in ((0, signal.SIGINT), (1, signal.SIGTERM)):
+            def opening(dev, sig=sig):  # the default pool's making, the signal arriving meanwhile
+                os.kill(os.getpid(), sig)
+                spin()
+                return api._default_pool_for_c_abi(dev)
+            _core.set_default_pool_hook(opening)
+            ptr = None
+            try:
+                ptr = lib.ascend_pool_malloc(4096, device, None)
+                spin()
+                got[sig.name] = ["went on", ptr, lib.ascend_pool_last_error().decode()]
+            except BaseException as e:
+                got[sig.name] = [type(e).__name__, ptr, lib.ascend_pool_last_error().decode()]
+            finally:
+                _core.set_default_pool_hook(api._default_pool_for_c_abi)
+            ptr = lib.ascend_pool_malloc(4096, device, None)   # the next one makes the pool
+            got[sig.name].append(bool(ptr))
+            lib.ascend_pool_free(ptr, 4096, device, None)
+        print(json.dumps(got))
+    """, timeout=60)
+    assert out["SIGINT"][:2] == ["KeyboardInterrupt", None] and "KeyboardInterrupt" in out["SIGINT"][2], out
+    assert out["SIGTERM"][:2] == ["SystemExit", None] and "SystemExit" in out["SIGTERM"][2], out
+    assert out["SIGINT"][3] and out["SIGTERM"][3], out

@@ -18,6 +18,38 @@ import weakref as _weakref
 
 from ascend_pool.errors import InvalidDeviceError
 
+import threading as _threading
+
+cdef extern from "Python.h":
+    int Py_AddPendingCall(int (*func)(void *) except -1, void *arg)
+
+# A KeyboardInterrupt or SystemExit raised in Python code the C ABI runs (an out-of-memory
+# observer, a device's default pool being made) must not end in C, where it was dropped: a signal
+# handler's (Ctrl-C, a scheduler's SIGTERM handled by sys.exit) runs in the main thread, inside
+# whatever Python code runs there, and the program was asked to stop. Raised in the main thread by
+# a pending call once the C caller is back in Python, as the signal handler's own would be.
+_deferred_raises = []
+
+
+cdef int _raise_deferred(void *arg) except -1:
+    if _deferred_raises:
+        raise _deferred_raises.pop(0)
+    return 0
+
+
+cdef bint _raise_when_back_in_python(BaseException e):
+    """True when e (caught in a hook the C ABI called, with the GIL) will be raised in the main
+    thread once it runs Python again: a KeyboardInterrupt or SystemExit there. Else False: the
+    caller reports it as before (another thread's, or a plain exception)."""
+    if isinstance(e, Exception) or _threading.get_ident() != _threading.main_thread().ident:
+        return False
+    _deferred_raises.append(e)
+    if Py_AddPendingCall(_raise_deferred, NULL) == 0:
+        return True
+    _deferred_raises.remove(e)
+    return False
+
+
 include "capi/oom_observers.pxi"
 include "host/hostpool.pxi"
 include "capi/numpy_handler.pxi"
@@ -134,6 +166,9 @@ cdef int _capi_create_default(int device, int strict, char *msg, size_t msglen) 
                 f"device {device} does not exist: the {backend.name} backend has {backend.device_count} device(s)")
         return ASCEND_POOL_OK
     except BaseException as exc:
+        # The runtime's opening can take seconds (aclInit): a Ctrl-C meanwhile fails this call
+        # (its caller, which may catch a failed allocation, is told why) and reaches the program.
+        _raise_when_back_in_python(exc)
         text = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
         n = min(<size_t>len(text), msglen - 1)
         memcpy(msg, <const char *>text, n)

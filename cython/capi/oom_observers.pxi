@@ -62,36 +62,13 @@ def _notify_oom_observers(int device, size_t size, size_t allowed, size_t free_b
                                observer)
 
 
-cdef extern from "Python.h":
-    int Py_AddPendingCall(int (*func)(void *) except -1, void *arg)
-
-import threading as _threading
-
-# KeyboardInterrupt, SystemExit... that left an observer run by the C ABI in the main thread:
-# raised there by a pending call once the C caller is back in Python, as a signal handler's is.
-_deferred_raises = []
-
-
-cdef int _raise_deferred(void *arg) except -1:
-    if _deferred_raises:
-        raise _deferred_raises.pop(0)
-    return 0
-
-
 cdef void _capi_oom(int device, size_t size, size_t allowed, size_t free_b) noexcept:
     # called by exports.h with the GIL held
     try:
         _notify_oom_observers(device, size, allowed, free_b)
     except BaseException as e:
-        # Nothing may escape into C. A signal handler's exception (Ctrl-C's KeyboardInterrupt, a
-        # scheduler's SIGTERM handled by sys.exit) runs in the main thread, perhaps inside an
-        # observer, and must not be lost: the program is asked to stop. Anything else is reported.
-        if (not isinstance(e, Exception) and _threading.get_ident() == _threading.main_thread().ident):
-            _deferred_raises.append(e)
-            if Py_AddPendingCall(_raise_deferred, NULL) == 0:
-                return
-            _deferred_raises.remove(e)
-        _oom_log.exception("out-of-memory observers failed")
+        if not _raise_when_back_in_python(e):  # nothing may escape into C
+            _oom_log.exception("out-of-memory observers failed")
 
 
 cdef tuple _pool_oom_figures(ap_pool *p):
