@@ -155,6 +155,36 @@ def test_a_failing_stats_read_is_a_cpp_exception_for_the_caller(tmp_path, caller
         registered(tmp_path / "again")  # the library bound to the real functions again
 
 
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+def test_a_signal_handlers_exception_inside_the_stats_hooks_reaches_the_program(tmp_path, caller, caplog, raised):
+    """Ctrl-C, or a SIGTERM whose handler calls sys.exit, arriving while torch.npu.memory_stats()
+    (a training loop's logging, main thread) runs the hook: the C++ caller gets its error and the
+    exception reaches the program once back in Python. It was logged as 'memory_stats(0) failed'
+    and dropped: a loop that catches the RuntimeError went on, a SIGTERM'd rank until SIGKILL."""
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    def interrupted(device):
+        raise raised  # as Python's signal handler raises it, inside the hook's Python code
+
+    setters = Setters()
+    torch_npu_stats.register_stats_hooks(setters, _common.TORCH_ALLOC_LIB, fake_torch_npu_dir(tmp_path, NPU_HEADER), "",
+                                         interrupted, interrupted)
+    try:
+        figures = (ctypes.c_int64 * 119)()
+        why = ctypes.create_string_buffer(256)
+        for call in (lambda: caller.read_device_stats(setters.got["set_get_device_stats_fn"], 0, figures, why, 256),
+                     lambda: caller.reset_peak(setters.got["set_reset_peak_status_fn"], 0, why, 256)):
+            rc = None
+            with pytest.raises(raised):
+                rc = call()
+                for _ in range(10_000):  # the pending exception is raised between these bytecodes
+                    pass
+            assert rc in (None, -1)
+        assert "failed" not in caplog.text
+    finally:
+        registered(tmp_path / "again")  # the library bound to the real functions again
+
+
 def test_a_device_stats_with_another_member_registers_only_the_reset_hook(tmp_path):
     header = NPU_HEADER.replace("int64_t max_split_size = 0;", "int64_t max_split_size = 0;\n  std::vector<int> x;")
     setters, done = registered(tmp_path, header)

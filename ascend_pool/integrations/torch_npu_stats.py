@@ -22,6 +22,8 @@ import logging
 import os
 import re
 
+from .._core import CallbackGuard
+
 __all__ = ["device_stats_fields", "stats_keys", "register_stats_hooks", "STAT_KINDS"]
 
 _log = logging.getLogger("ascend_pool")
@@ -132,7 +134,7 @@ def bind(lib_path, keys, memory_stats, reset_peak_memory_stats):
             for i in range(min(n, len(keys))):
                 out[i] = int(stats.get(keys[i], 0))
             return 0
-        except BaseException:  # a C++ caller gets runtime_error; the reason goes to the log
+        except Exception:  # a C++ caller gets runtime_error; the reason goes to the log
             _log.exception("ascend_pool: the torch_npu stats hook: memory_stats(%d) failed", device)
             return -1
 
@@ -140,12 +142,14 @@ def bind(lib_path, keys, memory_stats, reset_peak_memory_stats):
         try:
             reset_peak_memory_stats(device)
             return 0
-        except BaseException:
+        except Exception:
             _log.exception("ascend_pool: the torch_npu reset hook: reset_peak_memory_stats(%d) failed", device)
             return -1
 
     lib = ctypes.CDLL(lib_path)
-    cbs = (_FILL(fill), _RESET(reset))
+    # A KeyboardInterrupt or SystemExit (Ctrl-C, a SIGTERM's sys.exit, during a training loop's
+    # torch.npu.memory_stats()) fails the call and reaches the program, not the log (CallbackGuard).
+    cbs = (_FILL(CallbackGuard(fill, -1)), _RESET(CallbackGuard(reset, -1)))
     _bound.append(cbs)  # earlier ones too: a C++ caller may be inside one while this rebinds
     lib.ascend_pool_torch_bind_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.ascend_pool_torch_bind_stats(*(ctypes.cast(c, ctypes.c_void_p) for c in cbs))

@@ -18,6 +18,7 @@ import weakref as _weakref
 
 from ascend_pool.errors import InvalidDeviceError
 
+import logging as _logging
 import threading as _threading
 
 cdef extern from "Python.h":
@@ -48,6 +49,27 @@ cdef bint _raise_when_back_in_python(BaseException e):
         return True
     _deferred_raises.remove(e)
     return False
+
+
+cdef class CallbackGuard:
+    """Wraps fn for a ctypes callback that C calls (the torch_npu stats hooks): guard(*args) is
+    fn(*args), but a KeyboardInterrupt or SystemExit that leaves fn (fn catches its Exceptions) is
+    raised in the main thread once the C caller is back in Python, and failed is returned; in
+    another thread it is logged, failed returned. In C: no bytecode of the callback runs after the
+    exception is set aside (a pending call runs at the next call's return, inside the callback)."""
+    cdef object fn, failed
+
+    def __init__(self, fn, failed):
+        self.fn = fn
+        self.failed = failed
+
+    def __call__(self, *args):
+        try:
+            return self.fn(*args)
+        except BaseException as e:
+            if not _raise_when_back_in_python(e):
+                _logging.getLogger("ascend_pool").exception("ascend_pool: %r%r failed", self.fn, args)
+            return self.failed
 
 
 include "capi/oom_observers.pxi"
