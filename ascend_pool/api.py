@@ -4,7 +4,6 @@ The current device is per thread (set_device); each device's default pool is cre
 use with the knobs of $ASCEND_POOL_CONF and the backend of $ASCEND_POOL_BACKEND.
 """
 
-import contextlib
 import numbers
 from collections import OrderedDict
 import os
@@ -15,7 +14,7 @@ import warnings
 from . import current as _current
 from . import registry as _registry
 from . import stats as _stats
-from ._core import attach_out_of_memory_observer, capi_free, detach_out_of_memory_observer, set_default_pool_hook
+from ._core import MemPoolUse, attach_out_of_memory_observer, capi_free, detach_out_of_memory_observer, set_default_pool_hook
 from .backend import check_device, device_index, open_backend, torch_device_index
 from .config import effective_knobs, flag_argument, history_settings, history_skip_mask
 from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError,
@@ -280,7 +279,6 @@ def context(name, quota=None, warn=None, device=None):
     return process_default_pool(current_device() if device is None else device).context(name, quota=quota, warn=warn)
 
 
-@contextlib.contextmanager
 def use_mem_pool(pool, device=None):
     """torch.cuda.use_mem_pool(pool, device=None): within the block, the calling thread's
     allocations on the pool's device come from pool (an ap.Pool or a tenant context), for
@@ -290,19 +288,18 @@ def use_mem_pool(pool, device=None):
     too) and may be left in any order (asyncio tasks); the pool's use_count() counts each block
     in force. device: None, or the pool's own device (a Pool serves one device; another one is
     an InvalidDeviceError). A pool closed inside the block is refused from then on, as a closed
-    context is (the C ABI returns NULL saying so), never replaced by the default unawares."""
-    if not isinstance(pool, Pool):
-        raise ConfigTypeError(f"use_mem_pool: pool must be an ascend_pool.Pool or tenant context, got {pool!r}")
-    if pool.closed:
-        raise PoolError(f"use_mem_pool: {pool!r} is closed")
-    index = torch_device_index(device)
-    if index is not None and index != pool.device:
-        raise InvalidDeviceError(f"use_mem_pool: the pool serves device {pool.device}, not device {index}")
-    entry = _current.push(pool.device, pool, mem_pool=True)
-    try:
-        yield pool
-    finally:
-        _current.pop(pool.device, entry)
+    context is (the C ABI returns NULL saying so), never replaced by the default unawares.
+    The block's entry and exit are compiled (_core.MemPoolUse): a Ctrl-C never leaves the pool
+    current on the thread after the block, as a generator's could (18 in 300)."""
+    def check():  # at the block's entry, as torch's
+        if not isinstance(pool, Pool):
+            raise ConfigTypeError(f"use_mem_pool: pool must be an ascend_pool.Pool or tenant context, got {pool!r}")
+        if pool.closed:
+            raise PoolError(f"use_mem_pool: {pool!r} is closed")
+        index = torch_device_index(device)
+        if index is not None and index != pool.device:
+            raise InvalidDeviceError(f"use_mem_pool: the pool serves device {pool.device}, not device {index}")
+    return MemPoolUse(pool, check)
 
 
 def share_malloc(nbytes, device=None):

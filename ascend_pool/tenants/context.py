@@ -18,14 +18,12 @@ On the acl and sim backends a context shares the device's default runtime contex
 separate runtime context would add a context switch per call and change nothing the quota needs.
 """
 
-import contextvars
 import logging
 import time
 from collections import OrderedDict
 
-from .. import current as _current
 from .. import registry as _registry
-from .._core import attach_ledger, pool_trim_to
+from .._core import attach_ledger, context_enter, context_exit, pool_trim_to
 from ..errors import ConfigError, PoolError
 from ..pool import Pool, set_context_factory
 from ..units import format_bytes
@@ -231,29 +229,12 @@ class Context(Pool):
 
     # -- current context -------------------------------------------------------------------------
 
-    def __enter__(self):
-        """Makes this context current for the calling thread: module-level ascend_pool.malloc
-        and the C ABI (ascend_pool_malloc) on this device allocate from it. Nests; blocks of
-        asyncio tasks that interleave on one thread may exit in any order (the thread's current
-        context is then the last one entered and not yet left)."""
-        self._check_open()
-        entry = _current.push(self.device, self)
-        _entered.set(_entered.get() + ((self, entry),))
-        return self
-
-    def __exit__(self, *exc):
-        # The entry of this task's (or thread's) last `with self:`, found in a context variable:
-        # each asyncio task has its own, so two tasks' exits never undo each other's entry.
-        entered = _entered.get()
-        for k in range(len(entered) - 1, -1, -1):
-            if entered[k][0] is self:
-                _entered.set(entered[:k] + entered[k + 1:])
-                _current.pop(self.device, entered[k][1])
-                return False
-        # Left from another task than the one that entered (an ExitStack closed at shutdown, a
-        # context manager handed between tasks): this thread's last entry of this context.
-        _current.pop_last_of(self.device, self)
-        return False
+    # Makes this context current for the calling thread (module-level ascend_pool.malloc and the
+    # C ABI on its device allocate from it), and undoes it; nests, asyncio tasks' blocks may exit
+    # in any order. Compiled (cython/core/current.pxi): a Ctrl-C never lands between the push and
+    # its record, which left the context current on the thread for good.
+    __enter__ = context_enter
+    __exit__ = context_exit
 
     def _check_open(self):
         if self.closed:
@@ -267,8 +248,6 @@ class Context(Pool):
                 f"quota={'none' if q is None else format_bytes(q)} held={format_bytes(self.held)}>")
 
 
-# (context, current.push entry) of each `with ctx:` in force, per thread and per asyncio task
-_entered = contextvars.ContextVar("ascend_pool_contexts_entered", default=())
 
 
 def make_context(pool, name, quota=None, warn=None):
