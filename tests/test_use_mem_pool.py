@@ -610,3 +610,31 @@ def test_a_pools_own_limit_far_from_full_leaves_its_growth_policy_as_it_is(expan
     # its own limit): an expandable growth dropped its overshoot under any own limit, so 600
     # growing 5 MiB requests made 600 device calls against 229 without a limit.
     assert _growth_calls(expandable, own_limit=True) == _growth_calls(expandable) < 600 / 2
+
+
+def test_use_mem_pool_decorates_a_function_as_torchs_context_manager_does():
+    # torch's use_mem_pool is a contextlib context manager, so it decorates too: each call of the
+    # function runs in a block of its own, and the pool is current only during the call
+    pool = ap.Pool(0)
+    got = []
+
+    @ap.use_mem_pool(pool)
+    def allocate(n):
+        """allocates n bytes"""
+        got.append((ap.malloc(n), pool.use_count()))
+        return len(got)
+
+    try:
+        assert allocate.__doc__ == "allocates n bytes" and allocate.__name__ == "allocate"
+        assert allocate(MiB) == 1 and allocate(2 * MiB) == 2
+        assert [count for _, count in got] == [2, 2]    # the pool's own reference and the call's block
+        assert pool.use_count() == 1
+        assert {b["address"] for s in ap.memory_snapshot(pool.id) for b in s["blocks"]
+                if b["state"] == "active_allocated"} == {ptr for ptr, _ in got}
+        outside = ap.malloc(MiB)
+        assert outside not in {b["address"] for s in ap.memory_snapshot(pool.id) for b in s["blocks"]}
+        ap.free(outside)
+        for ptr, _ in got:
+            ap.caching_allocator_delete(ptr)
+    finally:
+        pool.close()

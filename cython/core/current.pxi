@@ -8,6 +8,7 @@
 
 import contextvars as _contextvars
 import threading as _current_threading
+import functools as _functools
 
 _current_local = _current_threading.local()
 # (context, push entry) of each `with ctx:` in force, per thread and per asyncio task
@@ -117,3 +118,14 @@ cdef class MemPoolUse:
         if self.entries:
             current_pop(self.pool.device, self.entries.pop())
         return False
+
+    def __call__(self, func):
+        """As a decorator (torch's use_mem_pool is a contextlib context manager, which decorates):
+        each call of func runs in a block of its own."""
+        pool, check = self.pool, self.check
+
+        @_functools.wraps(func)
+        def in_pool(*args, **kwargs):
+            with MemPoolUse(pool, check):
+                return func(*args, **kwargs)
+        return in_pool
