@@ -345,3 +345,42 @@ def test_a_ledger_of_this_build_is_not_waited_for_by_the_version_probe():
         assert time.monotonic() - t0 < L.PROBE_LOCK_S / 2
     finally:
         os.close(fd)
+
+
+def test_a_process_choosing_the_per_version_ledger_and_one_starting_after_the_old_build_exits_book_together(tmp_path):
+    # A rolling upgrade's last old pod exits while new ones start: A saw the old ledger held and
+    # chose <ledger>.v2, not made yet; B, starting once the old process was gone, found no .v2 and
+    # the old ledger free, replaced it and booked there; A then made .v2. Two ledgers of this build,
+    # each granting a tenant its whole quota, and no metric told (repros/upgrade_starts_split_alt_and_new_ledger.py).
+    import fcntl
+    import subprocess
+    import sys
+    path = other_version_ledger(1)
+    old = os.open(path, os.O_RDONLY)  # the old build's live process: its life lock
+    fcntl.fcntl(old, fcntl.F_OFD_SETLK, struct.pack("@hhqqi4x", fcntl.F_RDLCK, os.SEEK_SET, 12345, 1, 0))
+    ready, go = str(tmp_path / "ready"), str(tmp_path / "go")
+    a_code = (f"import os, time\nimport ascend_pool.tenants.ledger as L\nreal = L.Ledger\n"
+              f"def paused(p, *a):  # A between its choice and the file's making\n"
+              f"    if p.endswith('.v{ap._core.LEDGER_VERSION}'):\n"
+              f"        open({ready!r}, 'w').close()\n"
+              f"        while not os.path.exists({go!r}):\n            time.sleep(0.01)\n"
+              f"    return real(p, *a)\nL.Ledger = paused\nprint(L.open_ledger(0, 'sim').path)\n")
+    b_code = "import ascend_pool.tenants.ledger as L; print(L.open_ledger(0, 'sim').path)"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(ap.__file__)))
+    a = subprocess.Popen([sys.executable, "-c", a_code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ready) and a.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.path.exists(ready)
+        os.close(old)  # the old build's last process exits
+        b = subprocess.Popen([sys.executable, "-c", b_code], stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            b.wait(5)  # done at once where nothing orders its choice after A's making
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        open(go, "w").close()
+    pa, pb = a.communicate(timeout=60)[0].strip(), b.communicate(timeout=60)[0].strip()
+    assert a.returncode == 0 and b.returncode == 0
+    assert pa == pb == path + f".v{ap._core.LEDGER_VERSION}"  # both in this build's one ledger

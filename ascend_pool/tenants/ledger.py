@@ -29,6 +29,7 @@ shrunk), waits at most SWEEP_LOCK_S for a file's lock, reads the mapping under a
 (cython/quota/ledger_guard.h) and skips a file that failed for RETRY_AFTER_S.
 """
 
+import contextlib
 import fcntl
 import grp
 import logging
@@ -297,6 +298,41 @@ def _path_for_this_version(path, group):
     return alt if alt_held else path
 
 
+CHOOSE_LOCK_S = 10.0  # the longest an open waits for another process's choice of ledger (held milliseconds)
+
+
+@contextlib.contextmanager
+def _choosing(path):
+    """Held while this process chooses the ledger it books in (_path_for_this_version) and makes
+    the chosen file: flock on the ledger's directory, which every process of a build with
+    per-version ledgers takes. Without it, a process that chose the per-version ledger while the
+    other build's last process ran, but had not made it yet, and one starting after that process
+    exited (no per-version ledger yet, the old ledger free: replaced) booked in two ledgers of this
+    build, each granting a tenant its whole quota, for as long as either lived. Not waited for past
+    CHOOSE_LOCK_S (a stopped process holding it): the choice is then made as before."""
+    fd = None
+    try:
+        fd = identity.open_dropped(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        deadline = time.monotonic() + CHOOSE_LOCK_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.debug("ledger directory of %s stayed locked %.0f s: choosing without it", path,
+                              CHOOSE_LOCK_S)
+                    break
+                time.sleep(0.002)
+    except OSError:
+        pass  # no directory yet, or no flock there: chosen as before
+    try:
+        yield
+    finally:
+        if fd is not None:
+            identity.close_dropped(fd)  # drops the lock
+
+
 def open_ledger(device, backend, directory=None, group=None):
     """This process's Ledger of device (created on first use, validated, then kept). backend: a
     Backend object or its name ("acl", "sim", "cuda"). Raises LedgerError on a foreign or
@@ -320,8 +356,9 @@ def open_ledger(device, backend, directory=None, group=None):
             _mapped.pop(led.path, None)
             led = None
         if led is None:
-            use = _path_for_this_version(path, gid)
-            led = _cache[path] = Ledger(use, int(device), name, node, gid)
+            with _choosing(path):
+                use = _path_for_this_version(path, gid)
+                led = _cache[path] = Ledger(use, int(device), name, node, gid)
             st = os.stat(use)
             _mapped[use] = (st.st_dev, st.st_ino)
     check_files()
