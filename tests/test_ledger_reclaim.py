@@ -1,7 +1,7 @@
 """Shares of dead processes: reclaimed by the next reserve that needs the room, or by the sweep the
 node service runs; a process is identified by its lease (ascend_pool.identity), never by a pid; a
-process killed inside a reserve leaves bytes counted (never given away) until the tenant has no
-live process."""
+process killed inside a reserve or release leaves bytes whose move nobody can know, counted (never
+given away) until the same reclaim makes the tenant's counter exact from its live slots."""
 
 import os
 import signal
@@ -214,15 +214,50 @@ def test_death_inside_reserve_is_counted_safely_then_settled(base):
     forge_slot(path, 900, t, gone.pid, 12345, 4 * MiB, pending=2 * MiB)  # 12345: no lease
     add_tenant_held(path, t, 6 * MiB)
     (report,) = sweep()
-    assert (report["slots"], report["bytes"]) == (1, 4 * MiB)
+    # The live slots (this context's: nothing) were not inside an update: the counter is made
+    # exact from them in the same reclaim, so the 2 MiB come back while the tenant lives.
+    assert (report["slots"], report["bytes"]) == (1, 6 * MiB)
     state = ctx.ledger.tenant("crash")
-    assert state["held_bytes"] == 2 * MiB and state["uncertain_bytes"] == 2 * MiB  # counted, never given away
-    assert ctx.ledger.view()["uncertain_bytes"] == 2 * MiB
-    ctx.close()  # the tenant's last live slot: nobody can be reserving, so it settles exactly
-    from ascend_pool.tenants.ledger import open_ledger
-
-    state = open_ledger(0, "sim").tenant("crash")
     assert state["held_bytes"] == 0 and state["uncertain_bytes"] == 0
+    assert ctx.ledger.view()["uncertain_bytes"] == 2 * MiB  # the node's total, ever
+    ctx.close()
+
+
+# A process with 4 MiB booked, killed inside an update of 2 MiB at each point between its steps:
+# (slot held, slot pending, what the tenant's counter holds for it).
+BOOKING_POINTS = {
+    "reserve-before-cas": (4 * MiB, 2 * MiB, 4 * MiB),
+    "reserve-after-cas": (4 * MiB, 2 * MiB, 6 * MiB),
+    "reserve-after-slot": (6 * MiB, 2 * MiB, 6 * MiB),
+    "release-before-slot": (4 * MiB, -2 * MiB, 4 * MiB),
+    "release-after-slot": (2 * MiB, -2 * MiB, 4 * MiB),
+    "release-after-tenant": (2 * MiB, -2 * MiB, 2 * MiB),
+}
+
+
+@pytest.mark.parametrize("point", BOOKING_POINTS)
+def test_a_process_killed_at_any_point_of_its_booking_gives_its_share_back_while_the_tenant_lives(base, point):
+    """Whatever step of its booking a process died at, the next reclaim gives back exactly what
+    it held, while another process of the tenant lives (a serving tenant is never idle). Before,
+    the bytes of an open update stayed counted as held (uncertain) until every process of the
+    tenant had exited: each such kill shrank the tenant's usable quota for good."""
+    slot_held, pending, counted = BOOKING_POINTS[point]
+    ctx = base.context("serving", quota=16 * MiB)
+    try:
+        p = ctx.malloc(4 * MiB - 1024)               # the live process: 4 MiB
+        path, t = ctx.ledger.path, ctx.ledger.tenant("serving")["index"]
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        forge_slot(path, 900, t, gone.pid, 12345, slot_held, pending=pending)  # 12345: no lease
+        add_tenant_held(path, t, counted)
+        sweep()
+        state = ctx.ledger.tenant("serving")
+        assert (state["held_bytes"], state["uncertain_bytes"]) == (4 * MiB, 0), state
+        q = ctx.malloc(12 * MiB - 1024)              # the whole rest of the quota
+        ctx.free(q)
+        ctx.free(p)
+    finally:
+        ctx.close()
 
 
 def test_fresh_tenant_does_not_inherit_a_dead_runs_quota(base):
@@ -297,11 +332,12 @@ def test_forked_child_cannot_use_the_parents_context(base):
         ctx.close()
 
 
-def test_a_process_killed_inside_its_reserve_leaves_the_grant_counted_as_uncertain(base, tmp_path):
+def test_a_process_killed_inside_its_reserve_gives_its_grant_back_while_the_tenant_lives(base, tmp_path):
     """A real death in the crash window: the child stops inside its reserve's pending bracket (the
     test-only pause point), after the tenant counter moved and before its slot did, and is killed
-    there. The sweep must notice the open bracket: the grant stays counted (never given away to
-    another process) and is reported as uncertain, until the tenant has no live process."""
+    there. The sweep must notice the open bracket and, no live process of the tenant being inside
+    an update, give the grant back exactly. Before, it stayed counted as uncertain until the tenant
+    had no live process: the live process here was refused 14 MiB of its 16 MiB quota."""
     marker = tmp_path / "in-bracket"
     env = dict(os.environ, PYTHONPATH=PKG_PARENT, ASCEND_POOL_TEST_PAUSE_IN_RESERVE=str(marker))
     ctx = base.context("window", quota=16 * MiB)
@@ -316,12 +352,10 @@ def test_a_process_killed_inside_its_reserve_leaves_the_grant_counted_as_uncerta
         child.send_signal(signal.SIGKILL)
         child.wait()
         (report,) = [r for r in sweep() if r["slots"]]
-        assert (report["slots"], report["bytes"]) == (1, 0)  # its slot had booked nothing yet
+        assert (report["slots"], report["bytes"]) == (1, 2 * MiB)  # the counter's 2 MiB, its slot's 0
         state = ctx.ledger.tenant("window")
-        assert state["held_bytes"] == 2 * MiB and state["uncertain_bytes"] == 2 * MiB
-        with pytest.raises(ap.QuotaExceededError):
-            ctx.malloc(16 * MiB - 1024)  # the uncertain grant is never handed to another process
-        p = ctx.malloc(14 * MiB - 1024)
+        assert state["held_bytes"] == 0 and state["uncertain_bytes"] == 0
+        p = ctx.malloc(16 * MiB - 1024)  # the whole quota, the dead grant back
         ctx.free(p)
     finally:
         child.kill()
@@ -331,6 +365,69 @@ def test_a_process_killed_inside_its_reserve_leaves_the_grant_counted_as_uncerta
 
     state = open_ledger(0, "sim").tenant("window")
     assert state["held_bytes"] == 0 and state["uncertain_bytes"] == 0  # settled with the last process
+
+
+CHURNER = """
+    import os, sys
+    import ascend_pool as ap
+    ctx = ap.Pool(0).context("churn", quota=64 * 2**20)
+    keep = ctx.malloc(2 * 2**20 - 1024)
+    print("ready", flush=True)
+    n = 0
+    while not os.path.exists(sys.argv[1]):  # a segment booked and given back, again and again
+        p = ctx.malloc(2 * 2**20 - 1024)
+        ctx.free(p)
+        ctx.empty_cache()
+        n += 1
+    print(n, flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_reclaims_made_exact_while_other_processes_book_leave_the_counter_exact(base, tmp_path):
+    """Processes killed inside their reserve, one after another, while three live processes of the
+    tenant book and give back a segment as fast as they can: each reclaim runs while updates are
+    in flight, and makes the counter exact only from a reading none crossed. Once they stop, the
+    counter is what the live slots hold, nothing uncertain (a reading across an update would have
+    left it off by a segment for good)."""
+    stop = tmp_path / "stop"
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT)
+    churners = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHURNER), str(stop)], env=env,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    ctx = base.context("churn", quota=64 * MiB)
+    try:
+        for c in churners:
+            assert c.stdout.readline().strip() == "ready"
+        exact_during = 0
+        for i in range(6):
+            marker = tmp_path / f"in-reserve-{i}"
+            victim = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), "churn", str(64 * MiB),
+                                       str(2 * MiB - 1024)], stdout=subprocess.DEVNULL,
+                                      env=dict(env, ASCEND_POOL_TEST_PAUSE_IN_RESERVE=str(marker)))
+            deadline = time.monotonic() + 30
+            while not marker.exists() and time.monotonic() < deadline and victim.poll() is None:
+                time.sleep(0.005)
+            assert marker.exists(), "the victim never reached the pause point inside its reserve"
+            victim.kill()
+            victim.wait()
+            for _ in range(3):
+                sweep()
+            exact_during += ctx.ledger.tenant("churn")["uncertain_bytes"] == 0
+        stop.touch()
+        rounds = [int(c.stdout.readline()) for c in churners]
+        assert min(rounds) > 0, rounds
+        sweep()
+        view = ctx.ledger.view()
+        (tenant,) = [t for t in view["tenants"] if t["name"] == "churn"]
+        in_slots = sum(s["held_bytes"] for s in view["slots"] if s["tenant"] == "churn")
+        assert in_slots == 3 * 2 * MiB
+        assert (tenant["held_bytes"], tenant["uncertain_bytes"]) == (in_slots, 0), (tenant, rounds)
+        assert exact_during > 0  # made exact while the churners ran, not only once they stopped
+    finally:
+        for c in churners:
+            c.kill()
+            c.wait()
+        ctx.close()
 
 
 def test_the_sweep_lets_go_of_ledgers_that_were_removed(ledger_dir):

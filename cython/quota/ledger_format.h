@@ -23,6 +23,18 @@
  * lock) held on the file by each process with a slot there, for as long as it maps the file. A
  * ledger of another version that nobody holds a lock on is replaced by the first process of this
  * build that opens it.
+ *
+ * Invariants (c(s): what tenant t's `held` counts on account of slot s):
+ *   - t.held == sum of c(s) over t's used slots, + what dead slots left counted (t.uncertain bounds
+ *     that excess, 0 when none is known);
+ *   - a slot not inside an update (seq even) has c(s) == s.held and pending == 0; inside one (seq
+ *     odd) s.held <= c(s) <= s.held + |pending|: which, a death there leaves unknown;
+ *   - so, under the file lock (no slot is claimed or freed meanwhile), a reading of t.held between
+ *     two readings of every used slot's seq that find each even and unchanged sees no update in
+ *     flight: t.held - sum(s.held) is exactly what dead processes left counted, and the reclaim
+ *     (ledger_slots.h apl_tenant_reconcile) takes it off. A negative excess (a counter below its
+ *     slots, which no order of updates makes: a file written by hand) is made exact the same way,
+ *     upward, the safe side.
  */
 #ifndef AP_LEDGER_FORMAT_H
 #define AP_LEDGER_FORMAT_H
@@ -31,7 +43,9 @@
 #include <stdint.h>
 
 #define APL_MAGIC 0x31524744454c5041ull /* "APLEDGR1" read as a little-endian uint64 */
-#define APL_VERSION 2u                 /* 2: slots name a process instance (lease), not a pid */
+#define APL_VERSION 3u                 /* 2: slots name a process instance (lease), not a pid; 3: a slot's
+                                           seq brackets its updates, so that a reclaim can make its
+                                           tenant's counter exact (a build of 2 would not move it) */
 #define APL_TENANTS 64                  /* tenants per device ledger */
 #define APL_SLOTS 1024                  /* live contexts per device, all processes together */
 #define APL_NAME_MAX 64                 /* tenant name bytes, NUL included (so 63 characters) */
@@ -89,7 +103,10 @@ typedef struct apl_slot {
     _Atomic int64_t pending;            /* +bytes inside reserve, -bytes inside release, else 0 */
     uint64_t pidns;                     /* inode of the owner's /proc/self/ns/pid */
     uint64_t start_time;                /* /proc/PID/stat field 22 in that namespace (0: unknown) */
-    uint8_t pad[64 - 56];
+    _Atomic uint64_t seq;               /* odd while its process is inside a reserve or release (set
+                                           odd before `pending`, even after it is 0 again); written
+                                           by its process, and by a clear under the file lock
+                                           (ledger_slots.h). See "Invariants" above. */
 } apl_slot;
 
 typedef struct apl_file {

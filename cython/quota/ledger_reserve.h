@@ -13,7 +13,9 @@
  * Each context also records what it holds in its own slot (written only by its process), so that
  * the share of a process that dies can be found and given back (ledger_slots.h). The slot's
  * `pending` field brackets the two steps so that a death between them is detected, not silently
- * miscounted.
+ * miscounted, and its `seq` (odd inside) tells a reclaim when no update is in flight, so that it
+ * can make the tenant's counter exact from the slots (ledger_format.h "Invariants"). Two stores
+ * per reserve or release, on the path that allocates or frees a segment, never on a cached one.
  *
  * A guarded ledger (a group's, or another user's: ledger_file.h) may be truncated by another
  * process at any time, so there every access to the mapping runs under the SIGBUS guard
@@ -29,6 +31,7 @@
 #ifndef AP_LEDGER_RESERVE_H
 #define AP_LEDGER_RESERVE_H
 
+#include "invariant.h"
 #include "ledger_foreign.h"
 #include "ledger_slots.h"
 #include "ledger_view.h"
@@ -86,12 +89,16 @@ static int apl_try_reserve(apl_handle *h, uint64_t bytes, uint64_t *held_seen, u
     apl_file *f = h->L->f;
     apl_tenant *t = &f->tenants[h->tenant];
     apl_slot *s = &f->slots[h->slot];
+    uint64_t seq = atomic_load(&s->seq); /* only this process writes it: even between updates */
+    AP_ASSERT((seq & 1) == 0);
+    atomic_store(&s->seq, seq + 1);            /* inside an update: no reconcile reads across it */
     atomic_store(&s->pending, (int64_t)bytes); /* a death from here on is detectable */
     uint64_t held = atomic_load(&t->held);
     for (;;) {
         uint64_t quota = atomic_load(&t->quota);
         if (bytes > quota || held > quota - bytes) { /* held + bytes > quota, without overflow */
             atomic_store(&s->pending, 0);
+            atomic_store(&s->seq, seq + 2);
             *held_seen = held;
             *quota_seen = quota;
             return 1;
@@ -100,6 +107,7 @@ static int apl_try_reserve(apl_handle *h, uint64_t bytes, uint64_t *held_seen, u
             apl_test_pause(&apl_pause_in_reserve, "ASCEND_POOL_TEST_PAUSE_IN_RESERVE");
             atomic_store(&s->held, atomic_load(&s->held) + bytes); /* only this process writes it */
             atomic_store(&s->pending, 0);
+            atomic_store(&s->seq, seq + 2);
             uint64_t now = held + bytes, peak = atomic_load(&t->peak);
             while (now > peak && !atomic_compare_exchange_weak(&t->peak, &peak, now)) {}
             uint64_t warn = apl_warn_bytes(quota, atomic_load(&t->warn_ppm));
@@ -151,7 +159,7 @@ static int apl_reserve_ms(apl_handle *h, uint64_t bytes, int lock_ms, char *why,
                        : apl_reclaim_ms(L, h->tenant, lock_ms, &freed, ignore, sizeof ignore);
     if (n == -2) return apl_refuse_broken(h, bytes, why, why_len);
     if (n == -1 && lock_ms == 0) apl_reclaim_skipped = 1;
-    if (n > 0) {
+    if (n > 0 || (n == 0 && freed > 0)) { /* freed alone: an open update's bytes made exact */
         APL_ON_MAPPING(L, r = apl_try_reserve(h, bytes, &held, &quota), bus);
         if (bus) return apl_refuse_broken(h, bytes, why, why_len);
         if (r == 0) return 0;
@@ -193,11 +201,15 @@ static void apl_release_mapped(apl_handle *h, uint64_t bytes) {
     /* The slot goes down before the tenant (and in apl_reserve the tenant goes up before the
        slot), so the slots of a tenant never add up to more than its counter, which never exceeds
        the quota: a reader of the ledger never sees a tenant over its quota. */
+    uint64_t seq = atomic_load(&s->seq);
+    AP_ASSERT((seq & 1) == 0);
+    atomic_store(&s->seq, seq + 1);
     atomic_store(&s->pending, -(int64_t)bytes);
     atomic_store(&s->held, mine - bytes);
     apl_tenant *t = &f->tenants[h->tenant];
     apl_tenant_sub(f, t, bytes);
     atomic_store(&s->pending, 0);
+    atomic_store(&s->seq, seq + 2);
     /* A crossing of the warn level that did not last (the device refused the segment just booked,
        or it went back before the malloc returned) is no warning: malloc reports it afterwards and
        would say the tenant is past a level it is below. */
@@ -232,7 +244,7 @@ static int apl_hook_settle(void *ctx, int device) {
     char ignore[256];
     int n = L->guarded ? apl_reclaim_checked(L, APL_LOCK_TIMEOUT_MS, 1, &freed, ignore, sizeof ignore)
                        : apl_reclaim(L, h->tenant, &freed, ignore, sizeof ignore);
-    return n > 0;
+    return n > 0 || (n == 0 && freed > 0);
 }
 
 static void apl_hook_release(void *ctx, int device, size_t bytes) {

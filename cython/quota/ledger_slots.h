@@ -21,9 +21,15 @@
  * goes down first, as in a release), leaves `pending` set, and nobody can know whether the tenant
  * counter moved.
  * The reclaimer assumes the move that leaves the counter *higher* (the tenant can only be refused
- * early, never allowed past its quota) and records the difference in `uncertain`. When the tenant
- * has no live slot left, nobody can be reserving for it (slots are claimed under this lock), so its
- * counter is reset to exactly 0 and the uncertainty disappears.
+ * early, never allowed past its quota) and records the difference in `uncertain`; then, in the
+ * same reclaim, it makes the counter exact from the live slots (apl_tenant_reconcile: a reading
+ * no update was in flight across, told by the slots' seq; ledger_format.h "Invariants"), and the
+ * uncertainty disappears. Before, it stayed counted until the tenant had no live slot left: a
+ * serving tenant never idles, so each process killed inside its booking shrank its usable quota
+ * for good. Where a live process is inside an update at every try (stopped there: a paused
+ * container), the bytes stay uncertain and the next reclaim tries again. When the tenant has no
+ * live slot left, nobody can be reserving for it (slots are claimed under this lock), so its
+ * counter is reset to exactly 0.
  */
 #ifndef AP_LEDGER_SLOTS_H
 #define AP_LEDGER_SLOTS_H
@@ -97,6 +103,55 @@ static void apl_tenant_settle_if_idle(apl_file *f, int tenant) {
     }
 }
 
+/* Tries at a consistent reading of a tenant's slots per reconcile: a reserve's bracket is a few
+   instructions, so a second try finds one that was in flight done; no wait (a pool's lock may be
+   held: the hook's reserve reclaims under it). */
+#define APL_RECONCILE_TRIES 4
+
+/* Makes tenant t's counter exact once some of it is uncertain (dead processes' shares that may or
+   may not have moved it): reads every used slot's seq, the counter, every slot's held and seq
+   again; if no slot was inside an update across that (each seq even and unchanged), the counter
+   less the slots' sum is what the dead left counted, taken off (or, negative, put back: the safe
+   side), and uncertain goes to 0. Under the lock: no slot is claimed or freed meanwhile. Returns
+   the bytes given back (0: none, or a live process inside an update at every try: the next
+   reclaim tries again). */
+static uint64_t apl_tenant_reconcile(apl_file *f, int tenant) {
+    apl_tenant *T = &f->tenants[tenant];
+    if (atomic_load(&T->uncertain) == 0) return 0;
+    uint64_t seqs[APL_SLOTS];
+    for (int attempt = 0; attempt < APL_RECONCILE_TRIES; attempt++) {
+        int busy = 0;
+        for (int i = 0; i < APL_SLOTS && !busy; i++) {
+            const apl_slot *s = &f->slots[i];
+            if (atomic_load(&s->state) != APL_USED || s->tenant != (uint32_t)tenant) continue;
+            seqs[i] = atomic_load(&s->seq);
+            busy = (seqs[i] & 1) != 0;
+        }
+        if (busy) continue;
+        uint64_t held = atomic_load(&T->held), sum = 0;
+        for (int i = 0; i < APL_SLOTS && !busy; i++) {
+            const apl_slot *s = &f->slots[i];
+            if (atomic_load(&s->state) != APL_USED || s->tenant != (uint32_t)tenant) continue;
+            uint64_t h = atomic_load(&s->held);
+            int64_t pending = atomic_load(&s->pending);
+            sum += h > APL_MAX_BYTES ? APL_MAX_BYTES : h; /* checked at each step: never past 2^61 */
+            /* pending or a sum past any device: a file written by hand, never made exact */
+            busy = atomic_load(&s->seq) != seqs[i] || pending != 0 || sum > APL_MAX_BYTES;
+        }
+        if (busy) continue;
+        uint64_t back = 0;
+        if (held > sum) {
+            back = held - sum;
+            apl_tenant_sub(f, T, back); /* relative: live updates since go on on top of it */
+        } else if (held < sum) {
+            atomic_fetch_add(&T->held, sum - held);
+        }
+        atomic_store(&T->uncertain, 0);
+        return back;
+    }
+    return 0;
+}
+
 /* Empties slot i (under the lock), returning what it held to its tenant. Does not settle. */
 static uint64_t apl_slot_clear(apl_file *f, int i, int dead) {
     apl_slot *s = &f->slots[i];
@@ -112,6 +167,7 @@ static uint64_t apl_slot_clear(apl_file *f, int i, int dead) {
        nothing, so the next clear gives nothing back twice and counts the bytes as uncertain.
        Before, it gave them back again, lowering the tenant below what its live processes hold:
        past its quota. */
+    atomic_store(&s->seq, (atomic_load(&s->seq) | 1) + 2); /* odd: inside an update (dead: any value) */
     if (held) {
         uint64_t mark = held + u > APL_MAX_BYTES ? APL_MAX_BYTES : held + u; /* the file's bound */
         atomic_store(&s->pending, -(int64_t)mark);
@@ -128,6 +184,7 @@ static uint64_t apl_slot_clear(apl_file *f, int i, int dead) {
         atomic_fetch_add(&f->h.reclaimed_bytes, held);
     }
     atomic_store(&s->pending, 0);
+    atomic_store(&s->seq, 0);
     s->pid = 0;
     s->instance = 0;
     s->pidns = 0;
@@ -155,8 +212,16 @@ static int apl_reclaim_locked(apl_ledger *L, int tenant, uint64_t *bytes) {
         total += apl_slot_clear(f, i, 1);
         n++;
     }
-    for (int t = 0; t < APL_TENANTS; t++)
+    for (int t = 0; t < APL_TENANTS; t++) {
+        if (tenant >= 0 && t != tenant) continue;
         if (touched & (1ull << t)) apl_tenant_settle_if_idle(f, t);
+        if (atomic_load(&f->tenants[t].state) != APL_USED) continue;
+        uint64_t back = apl_tenant_reconcile(f, t); /* what dead processes' open updates left counted */
+        if (back) {
+            atomic_fetch_add(&f->h.reclaimed_bytes, back);
+            total += back;
+        }
+    }
     if (bytes) *bytes = total;
     return n;
 }
@@ -320,6 +385,7 @@ static int apl_attach(apl_ledger *L, const char *name, int set_quota, uint64_t q
     S->tenant = (uint32_t)t;
     atomic_store(&S->held, 0);
     atomic_store(&S->pending, 0);
+    atomic_store(&S->seq, 0);
     atomic_store_explicit(&S->state, APL_USED, memory_order_release); /* published last */
     apl_unlock(L);
     *tenant_out = t;
