@@ -17,7 +17,7 @@ import os
 import threading
 
 from . import identity
-from ._core import Backend, check_not_forked, fork_dropped_close, fork_dropped_open, fork_drops_fd
+from ._core import Backend, check_not_forked, fork_dropped_close, fork_dropped_lease, fork_dropped_open, fork_drops_fd
 from ._sim import library_path as sim_library_path
 from .errors import BackendUnavailableError, ConfigError, InvalidDeviceError
 from .units import as_index
@@ -44,7 +44,7 @@ def _after_fork_in_child():
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 # leases, stats files, life locks: a child forked from C drops them (fork.c)
-identity.set_fork_guard(fork_drops_fd, fork_dropped_open, fork_dropped_close)
+identity.set_fork_guard(fork_drops_fd, fork_dropped_open, fork_dropped_close, fork_dropped_lease)
 
 
 def _requested_name(name):

@@ -113,20 +113,34 @@ def ensure_lease(directory):
     with _lock:
         if directory in _leases:
             return inst
-        fd, path = _make_lease(directory, inst), lease_path(directory, inst)
-        _leases[directory] = (fd, path)
-        if _fork_guard is not None:
-            _fork_guard(fd, True)
+        _make_lease(directory, inst)  # made and listed in _leases, or nothing made
     remove_dead_leases(directory, limit=256)  # those of processes gone before us (bounded work)
     return inst
 
 
-def _make_lease(directory, inst):
+def _make_lease(directory, inst, old_fd=-1):
     """Creates the lease file of instance inst in directory, locked before it appears under its
-    name; returns its descriptor, marked for a forked child's drop (fork_guard) from its creation
-    where the extension is loaded (open_dropped)."""
+    name, and lists it in _leases (closing old_fd, the lease it replaces, after); returns its
+    descriptor, marked for a forked child's drop (fork_guard) from its creation where the
+    extension is loaded. There the whole of it is compiled (fork_dropped_lease): a Ctrl-C (a
+    signal handler's exception, run between Python lines) landing after the link and before the
+    listing left a lease this process did not know it held, and every later ensure_lease in
+    that directory (every tenant context it opened) failed for good on the link (File exists)."""
     path = lease_path(directory, inst)
     tmp = os.path.join(directory, f".{LEASE_PREFIX}{instance_hex(inst)}.tmp")
+    if _fork_lease is not None:
+        return _fork_lease(_leases, directory, tmp, path, old_fd)
+    fd = _make_lease_file(tmp, path)
+    _leases[directory] = (fd, path)
+    if _fork_guard is not None:
+        _fork_guard(fd, True)
+    if old_fd >= 0:
+        close_dropped(old_fd)
+    return fd
+
+
+def _make_lease_file(tmp, path):
+    # without the extension (nothing here is loaded but this module): the same, in Python
     for attempt in range(3):
         fd = _create_tmp(tmp)
         try:
@@ -186,17 +200,13 @@ def renew_leases(directory=None):
             except OSError:
                 continue  # cannot tell: keep what is held
             try:
-                new = _make_lease(d, instance())
+                _make_lease(d, instance(), fd)  # listed, then fd closed
             except OSError as e:  # FileExistsError: another file holds the name, not ours to replace
                 if d not in _renew_failed:  # once: this is tried again at every stats interval
                     _renew_failed.add(d)
                     log.warning("this process's lease %s was removed and cannot be made again: %s", path, e)
                 continue
             _renew_failed.discard(d)
-            if _fork_guard is not None:
-                _fork_guard(new, True)
-            close_dropped(fd)
-            _leases[d] = (new, path)
             out.append(d)
             log.warning("this process's lease %s was removed while it runs (a cleanup of the directory?): made "
                         "again", path)
@@ -206,16 +216,18 @@ def renew_leases(directory=None):
 _fork_guard = None  # fork_drops_fd of the extension, set by the backend layer (set_fork_guard)
 _fork_open = None   # fork_dropped_open, likewise
 _fork_close = None  # fork_dropped_close, likewise
+_fork_lease = None  # fork_dropped_lease, likewise
 
 
-def set_fork_guard(guard, opener=None, closer=None):
+def set_fork_guard(guard, opener=None, closer=None, lease_maker=None):
     """Hook from the layer that loads the extension: guard(fd, on) marks a descriptor whose lock
     proves this process alive, so that a child forked from C (no Python fork handler) drops it:
     holding the lock, it kept a killed parent alive to its peers (its quota share never given
     back). opener(path, flags, mode) -> (fd, marked) opens and marks with no fork in between,
-    closer(fd) unmarks and closes so (open_dropped, close_dropped). Marks the leases held so far."""
-    global _fork_guard, _fork_open, _fork_close
-    _fork_guard, _fork_open, _fork_close = guard, opener, closer
+    closer(fd) unmarks and closes so (open_dropped, close_dropped); lease_maker makes and lists a
+    lease in one compiled step (_make_lease). Marks the leases held so far."""
+    global _fork_guard, _fork_open, _fork_close, _fork_lease
+    _fork_guard, _fork_open, _fork_close, _fork_lease = guard, opener, closer, lease_maker
     for fd, _ in list(_leases.values()):
         guard(fd, True)
 

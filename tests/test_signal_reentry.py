@@ -163,3 +163,78 @@ def test_an_interrupt_anywhere_in_a_with_block_leaves_no_pool_current_after_it(s
     """, timeout=60)
     for name, (bad, points) in out.items():
         assert points > 0 and bad == [], (name, out)
+
+
+def test_an_interrupt_anywhere_in_a_contexts_first_opening_leaves_contexts_openable(sim_node):
+    """A KeyboardInterrupt (Ctrl-C; a SIGTERM handler's sys.exit) raised at each Python line and
+    call of the package in turn while a process opens its first tenant context in a ledger
+    directory (its lease there being made): it reaches the caller, and the next context opens
+    there; the half-made context is closed, never handed to a close listener half made. An
+    interrupt after the lease's link and before its listing left the lease on disk unknown to the
+    process: every later pool.context() failed for good (LedgerError ... File exists); one
+    after the pool's registration and before warn_events was set left the context open, and its
+    close listener failed when it was dropped ('Context' object has no attribute 'warn_events')."""
+    out = sim_node.run_json(f"""
+        import gc, logging
+        import ascend_pool as ap
+        from ascend_pool import identity, registry
+
+        warnings = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                if record.levelno >= logging.WARNING and "listener" in record.getMessage():
+                    warnings.append(record.getMessage())
+        logging.getLogger("ascend_pool").addHandler(Keep())
+
+        pool = ap.Pool(0)
+        package = os.path.dirname(ap.__file__)
+        base = {sim_node.shm_dir!r}
+        # the lease's module and the context's (every point of the package: minutes);
+        # not renew_leases, whose loop over the leases held grows at each directory
+        files = {{os.path.join(package, f) for f in ("identity.py", "tenants/context.py")}}
+
+        def interrupted_at(n, body):
+            seen = [0]
+            def tracer(frame, event, arg):
+                if event in ("call", "line") and frame.f_code.co_filename in files and \
+                        frame.f_code.co_name not in ("<listcomp>", "<genexpr>", "renew_leases"):
+                    seen[0] += 1
+                    if seen[0] == n:
+                        raise KeyboardInterrupt
+                return tracer
+            sys.settrace(tracer)
+            try:
+                body()
+            except KeyboardInterrupt:
+                return True
+            finally:
+                sys.settrace(None)
+            return False
+
+        def body():
+            pool.context("first-open", quota="64MiB").close()
+
+        failed, lease_points, n = [], 0, 1
+        while True:
+            # a ledger directory of its own each time: this process's first lease there
+            os.environ["ASCEND_POOL_LEDGER_DIR"] = os.path.join(base, f"ledgers-{{n}}")
+            os.mkdir(os.environ["ASCEND_POOL_LEDGER_DIR"])
+            held = set(identity._leases)
+            if not interrupted_at(n, body):
+                break
+            gc.collect()
+            lease_points += set(identity._leases) == held  # interrupted before the lease was made
+            try:
+                ctx = pool.context("first-open", quota="64MiB")
+                ctx.free(ctx.malloc(1 << 20))
+                ctx.close()
+            except ap.PoolError as e:
+                failed.append((n, str(e)[:200]))
+            if [p for p in registry.live_pools() if p is not pool]:
+                failed.append((n, "a context left open"))
+            n += 1
+        print(json.dumps({{"points": n - 1, "before_lease": lease_points, "failed": failed[:5],
+                          "nfailed": len(failed), "warnings": warnings[:3]}}))
+    """, timeout=120)
+    assert out["points"] > 50 and out["before_lease"] > 10, out
+    assert out["failed"] == [] and out["warnings"] == [], out

@@ -70,11 +70,15 @@ class Context(Pool):
         spec = parse_quota(quota) if quota is not None else None
         warn = parse_warn(warn)
         check_operator_file()
+        # Whole before the pool registers (Pool.__init__), and closed on any exception after: a
+        # Ctrl-C landing between the registration and these left a half-made context open, which
+        # the close listeners were given when it was dropped ('Context' object has no attribute
+        # 'warn_events').
         self.tenant = name
-        super().__init__(device, backend, **knobs)
         self.quota_spec = spec
         self.warn_events = 0
         try:
+            super().__init__(device, backend, **knobs)
             quota_bytes = spec.resolve(self.device_total_bytes) if spec is not None else None
             # The quota is a hook on the pool (cython/quota/quota.pxi): the pool's own close
             # path gives the booking back, as it does for every pool.

@@ -82,3 +82,81 @@ def fork_dropped_close(int fd):
     ap_fork_drop_fd(fd, 0)
     _posix_close(fd)
     ap_fork_window_leave()
+
+
+cdef extern from "<fcntl.h>" nogil:
+    int _LEASE_O_NOFOLLOW "O_NOFOLLOW"
+cdef extern from "<sys/file.h>" nogil:
+    int _lease_flock "flock"(int fd, int op)
+    int _LEASE_LOCK_EX "LOCK_EX"
+    int _LEASE_LOCK_NB "LOCK_NB"
+from libc.errno cimport EEXIST as _EEXIST, ENOENT as _ENOENT
+from posix.fcntl cimport O_RDWR as _O_RDWR, O_CREAT as _O_CREAT, O_EXCL as _O_EXCL
+from posix.stat cimport fchmod as _fchmod
+from posix.unistd cimport link as _link, unlink as _unlink
+
+
+cdef int _open_lease_tmp(const char *tmp) noexcept nogil:
+    # O_EXCL; a file already under the name is a leftover (or another group member's): removed,
+    # made again (identity._create_tmp). Inside the fork window: opened and marked as one step.
+    cdef int flags = _O_RDWR | _O_CREAT | _O_EXCL | _LEASE_O_NOFOLLOW | _O_CLOEXEC
+    cdef int fd, tries
+    for tries in range(2):
+        while True:
+            fd = _posix_open(tmp, flags, 0o640)
+            if fd >= 0 or _errno != _EINTR:
+                break
+        if fd >= 0 or _errno != _EEXIST or tries == 1 or _unlink(tmp) != 0:
+            break
+    if fd >= 0:
+        ap_fork_drop_fd(fd, 1)
+    return fd
+
+
+def fork_dropped_lease(dict leases, str directory, tmp, path, int old_fd=-1):
+    """identity._make_lease's system calls and the bookkeeping after them, compiled: creates the
+    lease file `path` of this process, locked before it appears under its name (created as tmp,
+    flock LOCK_EX, linked, tmp removed), marked as fork_drops_fd from its creation, then sets
+    leases[directory] = (fd, path) and closes old_fd (a replaced lease's, -1: none) the
+    fork_dropped_close way. Returns fd; raises OSError, leaving nothing made. Python runs a signal
+    handler only between bytecodes: a Ctrl-C landing between the link and the record (Python
+    lines) left a lease on disk that this process no longer knew it held, and every later
+    ensure_lease there failed for good (FileExistsError on the link)."""
+    cdef bytes btmp = _fork_os.fsencode(tmp), bpath = _fork_os.fsencode(path)
+    cdef const char *c_tmp = btmp
+    cdef const char *c_path = bpath
+    cdef int fd = -1, err = 0, attempt, on_link = 0
+    for attempt in range(3):
+        ap_fork_window_enter()
+        fd = _open_lease_tmp(c_tmp)
+        err = _errno if fd < 0 else 0
+        ap_fork_window_leave()
+        if fd < 0:
+            raise OSError(err, _fork_os.strerror(err), tmp)
+        on_link = 0
+        # at once, never waiting: a scan tells a killed maker's tmp by its lock
+        if _lease_flock(fd, _LEASE_LOCK_EX | _LEASE_LOCK_NB) != 0 or _fchmod(fd, 0o640) != 0:
+            err = _errno
+        else:
+            on_link = 1
+            err = 0 if _link(c_tmp, c_path) == 0 else _errno  # appears locked; never overwrites
+        _unlink(c_tmp)
+        if err == 0:
+            break
+        ap_fork_window_enter()
+        ap_fork_drop_fd(fd, 0)
+        _posix_close(fd)
+        ap_fork_window_leave()
+        fd = -1
+        # ENOENT: a scan removed tmp (this process stopped for a minute before it locked it)
+        if not (on_link and err == _ENOENT) or attempt == 2:
+            if on_link:
+                raise OSError(err, _fork_os.strerror(err), tmp, None, path)
+            raise OSError(err, _fork_os.strerror(err), tmp)
+    leases[directory] = (fd, path)
+    if old_fd >= 0:
+        ap_fork_window_enter()
+        ap_fork_drop_fd(old_fd, 0)
+        _posix_close(old_fd)
+        ap_fork_window_leave()
+    return fd
