@@ -442,3 +442,28 @@ def test_a_growth_the_device_refused_leaves_no_warning_behind(base, caplog):
         ctx.free(p)
     finally:
         ctx.close()
+
+
+def test_an_interrupt_while_a_context_logs_its_quota_conflict_gives_its_ledger_slot_back(base, monkeypatch):
+    # attach_ledger opens the tenant's slot, then logs a quota conflict, then hands the slot to the
+    # pool's hook: a Ctrl-C in between (the log call runs handlers) kept the slot for the process's
+    # life, after its last context of the tenant closed
+    from ascend_pool import _core
+    first = base.context("ctrl-c", quota=64 * MiB)
+    ledger = first.ledger
+
+    def slots(ledger=ledger):
+        return sum(1 for s in ledger.view()["slots"] if s["tenant"] == "ctrl-c" and s["pid"] == os.getpid())
+
+    try:
+        assert slots() == 1
+        monkeypatch.setattr(_core, "_log_conflict", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            base.context("ctrl-c", quota=128 * MiB)  # disagrees: the conflict is logged
+        monkeypatch.undo()
+    finally:
+        first.close()
+    assert slots() == 0
+    again = base.context("ctrl-c", quota=64 * MiB)   # the process opens contexts as before
+    assert slots(again.ledger) == 1
+    again.close()

@@ -420,42 +420,45 @@ def attach_ledger(PoolBase pool, Ledger ledger, str tenant, quota, warn, bint se
         h = apl_handle_open(ledger.L, cname, sq, q, src, stamp, sw, w, &conflict, err, sizeof(err), &kind)
     if h == NULL:
         raise _ledger_error(kind, err)
-    if conflict:
-        now = te.quota if apl_read_entries(h, &te, &se) == 0 else APL_NO_QUOTA
-        declared = 'no quota' if quota is None else f"{quota} bytes"
-        rule = ("a tenants file wins over declarations; of two tenants files the newer, of two "
-                "declarations the stricter")
-        if conflict == 2:
-            _log_conflict(tenant, pool.device, f"this process declared {declared}, which replaced the quota in "
-                                               f"force ({rule})")
-        else:
-            _log_conflict(tenant, pool.device, f"this process declared {declared}, the quota in force is "
-                          f"{'none' if now == APL_NO_QUOTA else now} bytes, which stays ({rule})")
-    owner = LedgerQuota(ledger, tenant)
     cdef ap_stats st
     cdef uint64_t held
     cdef int rc = 0
-    with nogil:
-        ap_pool_get_stats(pool.p, &st)
-        held = <uint64_t>st.s[AP_STAT_RESERVED_BYTES][AP_STAT_ALL].current
-        if held:
-            rc = apl_reserve(h, held, err, sizeof(err))
-    if rc != 0:
-        with nogil:
-            apl_handle_close(h)
-        raise owner.refusal(pool, held, None, "the preallocated reserve")
     cdef ap_quota_hook hook
-    hook.ctx = <void *>h
-    hook.reserve = apl_hook_reserve
-    hook.release = apl_hook_release
-    hook.terms = apl_hook_terms
-    hook.settle = apl_hook_settle
-    try:
-        pool._attach_quota(&hook, _close_ledger_handle, owner)
-    except BaseException:
+    cdef bint attached = False
+    try:  # the slot goes back on any way out before the hook holds it (a Ctrl-C in the log call)
+        if conflict:
+            now = te.quota if apl_read_entries(h, &te, &se) == 0 else APL_NO_QUOTA
+            declared = 'no quota' if quota is None else f"{quota} bytes"
+            rule = ("a tenants file wins over declarations; of two tenants files the newer, of two "
+                    "declarations the stricter")
+            if conflict == 2:
+                _log_conflict(tenant, pool.device, f"this process declared {declared}, which replaced the quota in "
+                                                   f"force ({rule})")
+            else:
+                _log_conflict(tenant, pool.device, f"this process declared {declared}, the quota in force is "
+                              f"{'none' if now == APL_NO_QUOTA else now} bytes, which stays ({rule})")
+        owner = LedgerQuota(ledger, tenant)
         with nogil:
-            apl_handle_close(h)
-        raise
+            ap_pool_get_stats(pool.p, &st)
+            held = <uint64_t>st.s[AP_STAT_RESERVED_BYTES][AP_STAT_ALL].current
+            if held:
+                rc = apl_reserve(h, held, err, sizeof(err))
+        if rc != 0:
+            with nogil:
+                apl_handle_close(h)  # before the refusal reads the ledger: this process holds no slot
+            h = NULL
+            raise owner.refusal(pool, held, None, "the preallocated reserve")
+        hook.ctx = <void *>h
+        hook.reserve = apl_hook_reserve
+        hook.release = apl_hook_release
+        hook.terms = apl_hook_terms
+        hook.settle = apl_hook_settle
+        pool._attach_quota(&hook, _close_ledger_handle, owner)
+        attached = True
+    finally:
+        if not attached and h != NULL:
+            with nogil:
+                apl_handle_close(h)
 
 
 def pool_trim_to(PoolBase pool, size_t target):
