@@ -76,6 +76,9 @@ def test_a_signal_handlers_exception_while_the_c_abi_makes_a_default_pool_reache
         lib.ascend_pool_free.argtypes = [C.c_void_p, C.c_ssize_t, C.c_int, C.c_void_p]
         lib.ascend_pool_last_error.restype = C.c_char_p
         signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+        # Python's own SIGINT handler, whatever this child inherited: started from a background
+        # job (SIGINT ignored there), Python keeps ignoring it and Ctrl-C never raises
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         def spin():
             for _ in range(10000):  # the pending exception is raised between these bytecodes
