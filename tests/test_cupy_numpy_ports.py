@@ -257,7 +257,7 @@ def test_cupys_reuse_between_thread_test(cupy_hook, stream):
 def np_handler():
     """(numpy, the handler module, numpy's get_handler_name/get_handler_version) with the handler
     installed in this test's context; numpy's default restored afterwards."""
-    np = pytest.importorskip("numpy")
+    import numpy as np  # a base dependency
     import ascend_pool.integrations.numpy as ap_np
     multiarray = ap_np._numpy_module("multiarray")
     with ap_np.installed():
