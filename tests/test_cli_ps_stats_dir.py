@@ -42,7 +42,8 @@ def test_ps_of_an_empty_directory_is_an_empty_table_and_a_missing_one_an_error(t
     assert capsys.readouterr().out == ""
     assert cli.main(["ps", "--stats-dir", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
-    assert out.split() == ["PID", "INSTANCE", "DEVICE", "TENANT", "HELD", "ALLOCATED", "PID_HERE", "UID"] and err == ""
+    assert out.split() == ["PID", "INSTANCE", "DEVICE", "TENANT", "HELD", "ALLOCATED", "PID_HERE", "UID",
+                           "PIDNS"] and err == ""
     assert cli.main(["ps", "--json", "--stats-dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out) == []
 

@@ -884,6 +884,46 @@ def test_list_gpu_processes_tells_two_containers_pid_1_workers_apart(node):
 
 
 @needs_unshare
+def test_ps_and_the_node_service_say_the_pid_namespace_of_each_pid_1_worker(node, tmp_path):
+    # Seen from a third pid namespace (the node service's pod, `kubectl exec` into it), two
+    # containers' workers were PID 1 twice with PID_HERE "-" (pid_here ""), and nothing said which
+    # namespace each 1 was in: neither could be found on the host. PIDNS / pidns is the inode of
+    # the namespace, as `lsns -t pid` and /proc/PID/ns/pid give it there.
+    env, base, procs = node
+    a, b = Worker(env, procs, "online", "1GiB"), Worker(env, procs, "online", "1GiB")
+    assert a("malloc", 8 * MiB) == b("malloc", 8 * MiB) == "granted"
+    want = {w.hello["instance"]: str(os.stat(f"/proc/{w.host_pid()}/ns/pid").st_ino) for w in (a, b)}
+    assert len(set(want.values())) == 2 and str(os.stat("/proc/self/ns/pid").st_ino) not in want.values()
+    deadline = time.monotonic() + 30
+    while True:  # each worker publishes every 0.1 s
+        r = subprocess.run(NS + [sys.executable, "-m", "ascend_pool.cli", "ps"], env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        rows = {ln.split()[1]: ln.split() for ln in lines[1:] if " online " in ln}
+        if set(rows) == set(want) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert lines[0].split()[-3:] == ["PID_HERE", "UID", "PIDNS"], r.stdout
+    assert {i: (row[0], row[-3], row[-1]) for i, row in rows.items()} == {i: ("1", "-", ns) for i, ns in want.items()}
+    rows = json.loads(subprocess.run(NS + [sys.executable, "-m", "ascend_pool.cli", "ps", "--json"], env=env,
+                                     capture_output=True, text=True, timeout=60).stdout)
+    assert {r["instance"]: str(r["pidns"]) for r in rows if r["tenant"] == "online"} == want
+    port = start_serve(env, procs, tmp_path / "serve.log")  # in a pid namespace of its own
+    s = scrape(port)
+    got = {dict(lab)["instance"]: (dict(lab)["pid"], dict(lab)["pid_here"], dict(lab)["pidns"])
+           for lab in series(s, "ascend_pool_reserved_bytes", tenant="online", pool="large")}
+    assert got == {i: ("1", "", ns) for i, ns in want.items()}, got
+    ages = {dict(lab)["instance"]: dict(lab)["pidns"] for lab in series(s, "ascend_pool_stats_age_seconds", pid=1)}
+    assert {i: ages.get(i) for i in want} == want, ages
+    # ap.list_gpu_processes there: "pid here -", then the namespace
+    code = "import ascend_pool as ap; print(ap.list_gpu_processes(0))"
+    text = subprocess.run(NS + [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stdout
+    got = dict(re.findall(r"instance ([0-9a-f]{16}), pid here -, pid namespace (\d+)\)$", text, re.M))
+    assert got == want, text
+
+
+@needs_unshare
 def test_a_ledger_in_a_containers_own_dev_shm_is_said_to_split_the_quota(tmp_path):
     # Docker and Kubernetes give each container (pod) an IPC namespace with its own /dev/shm, the
     # ledgers' default directory: two pods' workers each booked the tenant in a ledger of their

@@ -173,8 +173,8 @@ def test_ps_gives_each_pid_1_worker_its_pid_here_and_none_from_another_namespace
     # The table: PID_HERE ("-" where unknown), then the UID telling the two users' pid-1 workers apart.
     table = subprocess.run([node.exe] + [x for x in args if x != "--json"], env=node.env(ASCEND_POOL_LEDGER_GROUP=GID),
                            capture_output=True, text=True, timeout=60, cwd="/").stdout.splitlines()
-    assert table[0].split()[-2:] == ["PID_HERE", "UID"]
-    cells = {line.split()[1]: (line.split()[0], *line.split()[-2:]) for line in table[1:] if " online " in line}
+    assert table[0].split()[-3:-1] == ["PID_HERE", "UID"]
+    cells = {line.split()[1]: (line.split()[0], *line.split()[-3:-1]) for line in table[1:] if " online " in line}
     assert cells == {a.hello["instance"]: ("1", str(want[a.hello["instance"]]), "0"),
                      b.hello["instance"]: ("1", str(want[b.hello["instance"]]), str(OTHER))}, table
 

@@ -5,8 +5,9 @@ row per process, device and tenant, with the process's pid (PID: in its own pid 
 sees as its pid: two containers' workers may both be pid 1), its `instance` (unique on the node),
 the bytes it holds on the device (reserved) and has allocated, its pid in the pid namespace ps
 runs in (PID_HERE: the host's pid when run on the host, what kill, top and npu-smi take there;
-"-" for a process of a pid namespace ps does not see into, such as another container's), and the
-host uid it runs as (UID).
+"-" for a process of a pid namespace ps does not see into, such as another container's), the
+host uid it runs as (UID), and the pid namespace PID is in (PIDNS: its inode, which `lsns -t pid`
+and `ls -l /proc/PID/ns/pid` show on the host; "-" where unknown).
 """
 
 import argparse
@@ -29,14 +30,17 @@ def _cmd_ps(args):
     # file up to 64 bytes): cut at 20, tenants differing past that looked alike.
     names = [_cell(r["tenant"]) for r in table]
     w = max([20] + [len(n) for n in names])
-    # PID_HERE and UID after the columns that were, which stay as they were. UID: --allow-uid and
-    # --allow-group list several users' processes, which nothing else in the table tells apart.
+    # PID_HERE, UID and PIDNS after the columns that were, which stay as they were. UID: --allow-uid
+    # and --allow-group list several users' processes, which nothing else in the table tells apart.
+    # PIDNS: where PID_HERE is "-" (ps in a container, the node service's pod), two containers'
+    # workers were both PID 1 and nothing said which namespace each was in, nor how to find them.
     print(f"{'PID':>8} {'INSTANCE':16} {'DEVICE':>6} {'TENANT':{w}} {'HELD':>12} {'ALLOCATED':>12} {'PID_HERE':>8} "
-          f"{'UID':>10}")
+          f"{'UID':>10} {'PIDNS':>10}")
     for r, name in zip(table, names):
         here = "-" if r["pid_here"] is None else r["pid_here"]
         print(f"{r['pid']:>8} {r['instance']:16} {r['device']:>6} {name:{w}} "
-              f"{format_bytes(r['held_bytes']):>12} {format_bytes(r['allocated_bytes']):>12} {here:>8} {r['uid']:>10}")
+              f"{format_bytes(r['held_bytes']):>12} {format_bytes(r['allocated_bytes']):>12} {here:>8} {r['uid']:>10} "
+              f"{r['pidns'] or '-':>10}")
     return 0
 
 
@@ -49,7 +53,7 @@ def _cell(tenant):
 
 def register(sub):
     p = sub.add_parser("ps", help="list the node's ascend_pool processes (pid, instance, tenant, device, bytes, "
-                                  "pid here, uid)",
+                                  "pid here, uid, pid namespace)",
                        description=sys.modules[__name__].__doc__.split("\n\n", 1)[1],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON list of rows")

@@ -70,7 +70,9 @@ class NodeCollector:
         procs = self.scan()
         samples = [s for p in procs for s in p.samples]
         here = self._pids_here(procs)
-        yield from tenant_families(samples, with_pid=True, pids_here=here)
+        # pidns: the namespace each `pid` is in; what finds a container's pid-1 worker on the host
+        # (`lsns -t pid`) where pid_here is '' (a service in a pid namespace of its own)
+        yield from tenant_families(samples, with_pid=True, pids_here=here, pidns={p.instance: p.pidns for p in procs})
         used = {(p.pid, p.instance, s.device, s.tenant) for p in procs for s in in_use(p.samples)}
         yield from self._totals(samples, used)
         yield from self.counters.families()
@@ -159,9 +161,9 @@ class NodeCollector:
         now = time.time_ns()
         age = GaugeMetricFamily("ascend_pool_stats_age_seconds",
                                 "Seconds since the process last published its figures (seconds).",
-                                labels=["pid", "instance", "pid_here"])
+                                labels=["pid", "instance", "pid_here", "pidns"])
         for p in procs:
-            age.add_metric([str(p.pid), p.instance, str(here.get(p.instance, ""))],
+            age.add_metric([str(p.pid), p.instance, str(here.get(p.instance, "")), str(p.pidns or "")],
                            max(0.0, (now - p.publish_ns) / 1e9))
         yield age
         files = GaugeMetricFamily("ascend_pool_service_stats_files",

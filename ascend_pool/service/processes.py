@@ -92,7 +92,8 @@ def list_gpu_processes(device=0, kind="NPU", node_device=None):
     int, this process's number; node_device: the node's number of it, default the same, which
     the stats files use): a "NPU:<device>" line, then one line per process and tenant with the
     device memory it holds in MB (MiB, as torch prints), its tenant, instance and pid in this
-    process's pid namespace ("pid here -" where this one does not see into its namespace), or
+    process's pid namespace ("pid here -, pid namespace N" where this one does not see into its
+    namespace N), or
     "no processes are running". Read from
     this user's stats files (the processes that publish, see `ascend-pool ps`) and this process's
     own pools."""
@@ -103,16 +104,18 @@ def list_gpu_processes(device=0, kind="NPU", node_device=None):
         table = []
     me = f"{instance():016x}"
     lines = [f"{kind}:{device}"]
-    listed = [(r["pid"], r["instance"], r["held_bytes"], r["tenant"], r["pid_here"]) for r in table
+    listed = [(r["pid"], r["instance"], r["held_bytes"], r["tenant"], r["pid_here"], r["pidns"]) for r in table
               if r["instance"] != me]
-    listed += [(os.getpid(), me, held, tenant, os.getpid()) for tenant, held, _ in _own_rows(node_device)]
+    listed += [(os.getpid(), me, held, tenant, os.getpid(), 0) for tenant, held, _ in _own_rows(node_device)]
     if not listed:
         lines.append("no processes are running")
     # torch's line, then what it lacks in parentheses: the tenant, the instance, since the pid is
     # in its process's own pid namespace (two containers' workers are both "process 1"), and the
     # pid in this process's namespace, which kill and top take here ("-" for a process of a
-    # namespace this one does not see into), as `ascend-pool ps`'s PID_HERE.
-    for pid, inst, held, tenant, here in sorted(listed, key=lambda r: r[:4]):
+    # namespace this one does not see into, then that namespace, as `ascend-pool ps`'s PIDNS:
+    # two containers' "process 1" lines said nothing else), as `ascend-pool ps`'s PID_HERE.
+    for pid, inst, held, tenant, here, ns in sorted(listed, key=lambda r: r[:4]):
+        where = f"{here}" if here is not None else f"-, pid namespace {ns or '-'}"
         lines.append(f"process {pid:>10d} uses {held / (1 << 20):>12.3f} MB {kind} memory "
-                     f"(tenant {tenant}, instance {inst}, pid here {'-' if here is None else here})")
+                     f"(tenant {tenant}, instance {inst}, pid here {where})")
     return "\n".join(lines)
