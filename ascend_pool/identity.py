@@ -594,22 +594,32 @@ def pids_here(files):
     locker's pid in that namespace, and leaves out the locks of processes outside it (a worker of
     another container, read from inside one): those files have no entry. An entry is kept only
     when /proc/PID/status's NSpid ends with the pid the writer recorded (its own namespace's), and
-    /proc/PID/ns/pid, where readable, is the namespace it recorded."""
+    /proc/PID/ns/pid, where readable, is the namespace it recorded.
+    A writer of this process's own pid namespace is the pid it recorded, and where /proc is not
+    this namespace's (`unshare --pid` without a /proc of its own, a container given the host's
+    /proc) only those are given: /proc/locks there names the pids of /proc's namespace, which no
+    kill here takes (before, a host worker got its host pid, "No such process" to kill here, and
+    a worker of this namespace the host's pid instead of its own)."""
+    own = pidns()
+    out = {path: pid for path, (pid, ns) in files.items() if ns and ns == own and pid > 0}
+    if not pid_here(own):
+        return out
     want = {}
     for path, (pid, ns) in files.items():
+        if path in out:
+            continue
         try:
             st = os.stat(path)
         except OSError:
             continue
         want[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = (path, pid, ns)
     if not want:
-        return {}
+        return out
     try:
         with open(_LOCKS_PATH) as f:
             lines = f.read().splitlines()
     except OSError:
-        return {}
-    out = {}
+        return out
     for line in lines:
         f = line.split()
         # "N: FLOCK  ADVISORY  WRITE PID MAJ:MIN:INODE 0 EOF"; a waiter's line has "->" after "N:"

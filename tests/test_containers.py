@@ -124,9 +124,9 @@ class Worker:
         return int(kids[0]) if kids else self.proc.pid
 
 
-def start_serve(env, procs, log_path, *args):
+def start_serve(env, procs, log_path, *args, prefix_ns=NS):
     """`ascend-pool serve` in a pid namespace of its own; returns its port."""
-    proc, port = metrics_scrape.start_serve(env, log_path, *args, prefix=NS)
+    proc, port = metrics_scrape.start_serve(env, log_path, *args, prefix=prefix_ns)
     procs.append(proc)
     return port
 
@@ -921,6 +921,33 @@ def test_ps_and_the_node_service_say_the_pid_namespace_of_each_pid_1_worker(node
     text = subprocess.run(NS + [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stdout
     got = dict(re.findall(r"instance ([0-9a-f]{16}), pid here -, pid namespace (\d+)\)$", text, re.M))
     assert got == want, text
+
+
+@needs_unshare
+def test_ps_in_a_pid_namespace_without_its_own_proc_gives_no_pid_another_namespace_has(node, tmp_path):
+    # `unshare --pid` without a /proc of its own (a container given the host's /proc): /proc/locks
+    # names the pids of /proc's namespace. ps gave a host worker its host pid as PID_HERE, which
+    # no kill there reaches ("No such process"), and a worker of its own namespace the host's pid
+    # instead of its own; so did the node service's pid_here label.
+    env, base, procs = node
+    host = Worker(env, procs, "online", "1GiB", ns=False)
+    assert host("malloc", 8 * MiB) == "granted"
+    bare = ["unshare", "--pid", "--fork", "--kill-child"]
+    script = (f'mkfifo "$D/in"; {sys.executable} -c "$WORKER" online 1GiB < "$D/in" > "$D/out" & exec 3> "$D/in"; '
+              'while [ ! -s "$D/out" ]; do sleep 0.05; done; '  # then until ps lists it beside the host's
+              f'for i in $(seq 100); do {sys.executable} -m ascend_pool.cli ps --json > "$D/ps.json"; '
+              '[ "$(grep -c \'"tenant": "online"\' "$D/ps.json")" -ge 2 ] && break; sleep 0.1; done')
+    r = subprocess.run(bare + ["sh", "-c", script], env=dict(env, D=str(tmp_path), WORKER=WORKER), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    inner = json.loads((tmp_path / "out").read_text().splitlines()[0])
+    rows = {row["instance"]: row["pid_here"] for row in json.loads((tmp_path / "ps.json").read_text())
+            if row["tenant"] == "online"}
+    assert rows == {host.hello["instance"]: None, inner["instance"]: inner["pid"]}, rows  # the pid kill takes there
+    port = start_serve(env, procs, tmp_path / "serve.log", prefix_ns=bare)
+    got = {dict(lab)["instance"]: dict(lab)["pid_here"]
+           for lab in series(scrape(port), "ascend_pool_reserved_bytes", tenant="online", pool="large")}
+    assert got == {host.hello["instance"]: ""}, got
 
 
 @needs_unshare
