@@ -50,6 +50,7 @@ from .api import (
     dump_snapshot,
     dump_trace,
     empty_cache,
+    erase_stream,
     free,
     get_memory_metadata,
     get_per_process_memory_fraction,

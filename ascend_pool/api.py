@@ -219,6 +219,18 @@ def record_stream(ptr, stream, device=None):
     default_pool(device).record_stream(ptr, stream)
 
 
+def erase_stream(ptr, stream, device=None):
+    """Undoes record_stream(ptr, stream), as torch_npu.erase_stream (see Pool.erase_stream); the
+    block's pool is found as record_stream finds it."""
+    if device is None:
+        mine = open_pool()
+        owner = mine if mine is not None and _has_block(mine, ptr) else _owner_of(ptr)
+        if owner is not None:
+            owner.erase_stream(ptr, stream)
+            return
+    default_pool(device).erase_stream(ptr, stream)
+
+
 def _has_block(pool, ptr):
     address = as_index(ptr)
     try:

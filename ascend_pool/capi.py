@@ -6,7 +6,7 @@
 
 The exported symbols (ascend_pool_malloc, ascend_pool_free, ascend_pool_init, ascend_pool_reset,
 ascend_pool_set_memory_fraction, ascend_pool_base_alloc, ascend_pool_record_stream,
-ascend_pool_empty_cache, ascend_pool_last_error[_code], ascend_pool_clear_last_error) live in the
+ascend_pool_erase_stream, ascend_pool_empty_cache, ascend_pool_last_error[_code], ascend_pool_clear_last_error) live in the
 package's compiled extension, so the process must have imported ascend_pool before a framework
 calls them: the first allocation on a device creates its default pool through Python. See
 ascend_pool/include/ascend_pool.h for each call's exact rules.
@@ -27,6 +27,7 @@ SYMBOLS = (
     "ascend_pool_set_memory_fraction",
     "ascend_pool_base_alloc",
     "ascend_pool_record_stream",
+    "ascend_pool_erase_stream",
     "ascend_pool_empty_cache",
     "ascend_pool_last_error_code",
     "ascend_pool_last_error",

@@ -58,6 +58,7 @@ lib.ascend_pool_malloc.restype = C.c_void_p
 lib.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, C.c_void_p]
 lib.ascend_pool_free.argtypes = [C.c_void_p, C.c_ssize_t, C.c_int, C.c_void_p]
 lib.ascend_pool_record_stream.argtypes = [C.c_void_p, C.c_void_p]
+lib.ascend_pool_erase_stream.argtypes = [C.c_void_p, C.c_void_p]
 lib.ascend_pool_base_alloc.restype = C.c_void_p
 lib.ascend_pool_base_alloc.argtypes = [C.c_void_p, C.POINTER(C.c_size_t)]
 lib.ascend_pool_set_memory_fraction.argtypes = [C.c_double, C.c_int]
@@ -84,6 +85,7 @@ CHILD_CALLS = [
     ("C ascend_pool_free", lambda: cabi(lambda: lib.ascend_pool_free(cabi_ptr, 4096, 0, None))),
     ("C ascend_pool_free (context's block)", lambda: cabi(lambda: lib.ascend_pool_free(cabi_ctx_ptr, 4096, 0, None))),
     ("C ascend_pool_record_stream", lambda: cabi(lambda: lib.ascend_pool_record_stream(cabi_ptr, s))),
+    ("C ascend_pool_erase_stream", lambda: cabi(lambda: lib.ascend_pool_erase_stream(cabi_ptr, s))),
     ("C ascend_pool_base_alloc", lambda: cabi(lambda: lib.ascend_pool_base_alloc(cabi_ptr, C.byref(size)))),
     ("C ascend_pool_set_memory_fraction", lambda: cabi(lambda: lib.ascend_pool_set_memory_fraction(0.5, 0))),
     ("C ascend_pool_init", lambda: cabi(lambda: lib.ascend_pool_init(0))),
@@ -93,6 +95,7 @@ CHILD_CALLS = [
     ("pool.free", lambda: pool.free(ptr)),
     ("pool.free(stream)", lambda: pool.free(ptr, s)),
     ("pool.record_stream", lambda: pool.record_stream(ptr, s)),
+    ("pool.erase_stream", lambda: pool.erase_stream(ptr, s)),
     ("pool.empty_cache", lambda: pool.empty_cache()),
     ("pool.synchronize", lambda: pool.synchronize(s)),
     ("pool.create_stream", lambda: pool.create_stream()),

@@ -31,11 +31,11 @@ shared = pool.share_malloc(4096)
 handle = pool.share(shared, any_process=True)
 MODULE = ["malloc", "free", "empty_cache", "memory_stats", "memory_summary", "snapshot", "reset_peak_memory_stats",
           "reset_peak_stats", "max_memory_allocated", "memory_allocated", "memory_reserved", "max_memory_reserved",
-          "mem_get_info", "caching_allocator_alloc", "caching_allocator_delete", "record_stream",
+          "mem_get_info", "caching_allocator_alloc", "caching_allocator_delete", "record_stream", "erase_stream",
           "set_per_process_memory_fraction", "get_per_process_memory_fraction", "reset_accumulated_memory_stats",
           "dump_snapshot", "default_pool", "open_shared", "node_pid", "set_device", "record_memory_history",
           "attach_out_of_memory_observer", "detach_out_of_memory_observer"]
-POOL = ["malloc", "free", "record_stream", "block_info", "segment_kind", "round_size", "set_limit", "synchronize",
+POOL = ["malloc", "free", "record_stream", "erase_stream", "block_info", "segment_kind", "round_size", "set_limit", "synchronize",
         "register_stream", "destroy_stream", "context", "share", "share_free", "share_malloc", "dump_trace",
         "dump_snapshot", "free_all_blocks", "record_memory_history"]
 targets = [("ap", n, getattr(ap, n)) for n in MODULE] + [("pool", n, getattr(pool, n)) for n in POOL]

@@ -54,9 +54,10 @@ PLUGGABLE_NPU_STREAM = """
 """
 
 
-def _installed_record_stream_hook(monkeypatch, tmp_path, header):
+def _installed_record_stream_hook(monkeypatch, tmp_path, header, got=None):
     """install() over a stand-in torch_npu whose installed headers declare the pluggable allocator
-    as `header` does; returns the address handed to set_record_stream_fn (None: not set)."""
+    as `header` does; returns the address handed to set_record_stream_fn (None: not set), and
+    puts every set_*_fn call's address in `got` when given."""
     import os
     import sys
     import types
@@ -64,7 +65,7 @@ def _installed_record_stream_hook(monkeypatch, tmp_path, header):
     from ascend_pool import config
     from ascend_pool.integrations import torch_npu as ap_npu
 
-    got = {}
+    got = {} if got is None else got
 
     class Allocator:
         def __getattr__(self, setter):
@@ -151,3 +152,94 @@ def test_max_split_size_stat_is_minus_1_after_a_setting_resets_it():
         ap.set_allocator_settings("")
         config._runtime = saved
         pool.close()
+
+
+def _installed_stream_hooks(monkeypatch, tmp_path, header):
+    """install() over the stand-in torch_npu (see _installed_record_stream_hook): every set_*_fn
+    it called, by name, with the address it handed over."""
+    got = {}
+    _installed_record_stream_hook(monkeypatch, tmp_path, header, got)
+    return got
+
+
+def test_erase_stream_lets_the_block_be_reused_without_waiting_for_that_stream():
+    # torch_npu test_npu.py TestNpu.test_erase_stream: tensor1, allocated on stream2, is marked
+    # with stream1 (record_stream) and the mark taken back (torch_npu.erase_stream) before its
+    # free: tensor2 on stream2 gets its block at once. Here stream1 is still busy (torch_npu's
+    # test leaves it idle, where a block waits for nothing either way): erase_stream is how a
+    # program says that work does not touch the block (communication overlap), and the block
+    # waited for it all the same (there was no erase_stream).
+    import time
+
+    from ascend_pool import sim
+
+    for knobs in ({}, dict(expandable_segments=True), dict(stream_reuse="tied")):
+        pool = ap.Pool(0, backend="sim", **knobs)
+        try:
+            stream1, stream2 = pool.create_stream(), pool.create_stream()
+            busy = pool.malloc(16, stream=stream1)
+            sim.launch_fill(stream1, busy, 16, 1, delay_s=0.6)  # stream1's own work, long
+            start, kept = time.monotonic(), []
+            for size in (4 * 1000 * 1000, 1000, 30 * MiB):
+                tensor1 = pool.malloc(size, stream=stream2)
+                pool.record_stream(tensor1, stream1)
+                pool.erase_stream(tensor1, stream1)
+                pool.erase_stream(tensor1, stream1)  # not marked (any more): nothing to undo
+                pool.erase_stream(tensor1, stream2)  # its own stream: the same
+                pool.free(tensor1, stream=stream2)
+                tensor2 = pool.malloc(size, stream=stream2)
+                assert tensor2 == tensor1, (knobs, size)
+                # marked (record_stream alone): not reused under stream1's work
+                pool.record_stream(tensor2, stream1)
+                pool.free(tensor2, stream=stream2)
+                kept.append(pool.malloc(size, stream=stream2))
+                assert kept[-1] != tensor1, (knobs, size)
+            assert time.monotonic() - start < 0.5, knobs  # stream1's 0.6 s: no wait for it
+            pool.synchronize(stream1)
+            for ptr in kept:
+                pool.free(ptr, stream=stream2)
+            pool.free(busy, stream=stream1)
+            pool._check_invariants()
+        finally:
+            pool.close()
+
+
+def test_erase_stream_through_torch_npus_pluggable_hook_and_the_module_function(monkeypatch, tmp_path):
+    # The same through the hook torch_npu calls for torch_npu.erase_stream (erase_stream_fn_(ptr,
+    # stream), set with set_erase_stream_fn where NPUPluggableAllocator.h declares it with an
+    # aclrtStream, as record_stream's), and through ap.erase_stream. The hook was never set: with
+    # record_stream's set, erase_stream did nothing and the block waited for the other stream.
+    import ctypes
+
+    from ascend_pool import sim
+
+    hooks = _installed_stream_hooks(monkeypatch, tmp_path, PLUGGABLE_ACL_STREAM)
+    lib = ctypes.CDLL(ap.library_path())
+    assert hooks.get("set_erase_stream_fn") == ctypes.cast(lib.ascend_pool_erase_stream, ctypes.c_void_p).value
+    hook = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
+    record_stream_fn, erase_stream_fn = hook(hooks["set_record_stream_fn"]), hook(hooks["set_erase_stream_fn"])
+    lib.ascend_pool_malloc.restype = ctypes.c_void_p
+    lib.ascend_pool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ascend_pool_last_error_code.restype = ctypes.c_int
+    stream1, stream2 = ap.create_stream(device=0), ap.create_stream(device=0)
+    busy = lib.ascend_pool_malloc(16, 0, stream1)
+    n = 1000 * 1000 * 4
+    for erase in (lambda p: erase_stream_fn(p, stream1), lambda p: ap.erase_stream(p, stream1)):
+        sim.launch_fill(stream1, busy, 16, 1, delay_s=0.5)
+        tensor1 = lib.ascend_pool_malloc(n, 0, stream2)
+        record_stream_fn(tensor1, stream1)
+        lib.ascend_pool_clear_last_error()
+        erase(tensor1)
+        assert lib.ascend_pool_last_error_code() == 0
+        lib.ascend_pool_free(tensor1, n, 0, stream2)
+        tensor2 = lib.ascend_pool_malloc(n, 0, stream2)
+        assert tensor2 == tensor1
+        lib.ascend_pool_free(tensor2, n, 0, stream2)
+        ap.synchronize(stream1)
+    erase_stream_fn(tensor1 + 512, stream1)  # not a live block: the error set, nothing changed
+    assert lib.ascend_pool_last_error_code() != 0
+    lib.ascend_pool_free(busy, 16, 0, stream1)
+    # a torch_npu whose hook takes a C++ NPUStream is not given a C function for it either
+    assert "set_erase_stream_fn" not in _installed_stream_hooks(
+        monkeypatch, tmp_path / "npu_stream", PLUGGABLE_NPU_STREAM.replace("record", "erase"))

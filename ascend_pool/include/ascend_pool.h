@@ -15,8 +15,8 @@
  *     the path). A plain C program links libpython, calls Py_Initialize() and imports ascend_pool
  *     first (see tests/c/capi_threads.c).
  *
- * The GIL: allocation, free, record_stream and the error functions never take it. The first
- * allocation on a device that has no pool yet creates the process's default pool for it, which
+ * The GIL: allocation, free, record_stream, erase_stream and the error functions never take it.
+ * The first allocation on a device that has no pool yet creates the process's default pool for it, which
  * needs Python (PyGILState_Ensure, once per device): ascend_pool_init(device) does that up front,
  * so that threads that must never wait for the GIL find the pool ready.
  *
@@ -112,6 +112,11 @@ void *ascend_pool_base_alloc(void *ptr, size_t *size);
  * queued on `stream` before the free has completed (a stream of another device, or one past the
  * pool's table of 1,023 side streams, too). Ignored with the error set if unknown. */
 void ascend_pool_record_stream(void *ptr, void *stream);
+
+/* Undoes ascend_pool_record_stream(ptr, stream) on the live block `ptr` (torch_npu's
+ * erase_stream): its free no longer waits for the work queued on `stream`. A stream it was not
+ * marked with changes nothing. Ignored with the error set if ptr is not a live block. */
+void ascend_pool_erase_stream(void *ptr, void *stream);
 
 /* Same as ascend_pool_reset. */
 void ascend_pool_empty_cache(void);

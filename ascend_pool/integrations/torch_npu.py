@@ -15,6 +15,8 @@ the installed torch_npu declares its hook as std::function<void(void* ptr, aclrt
 tensor.record_stream() keeps a block from reuse until that stream's work is done; a torch_npu whose
 hook takes a C++ NPUStream (no C function can) or whose headers are missing leaves it unset, and
 tensor.record_stream() is then a no-op, as it is for every NPUPluggableAllocator without the hook.
+torch_npu.erase_stream(tensor, stream), which undoes a record_stream, goes to ascend_pool_erase_stream
+where set_erase_stream_fn is declared the same way.
 
 torch_npu refuses the swap once its own allocator has served a tensor, so install first. Tensors
 are allocated from the calling thread's current ascend_pool context (`with ctx:`), else the
@@ -97,14 +99,29 @@ def build_allocator(memory):
 
 # set_record_stream_fn as the torch_npu versions whose hook a C function can serve declare it (the
 # C++ NPUStream they pass converts to the aclrtStream it takes); others take a c10_npu::NPUStream.
-_C_RECORD_STREAM = re.compile(r"\bset_record_stream_fn\s*\(\s*std::function\s*<\s*void\s*\(\s*void\s*\*\s*\w*\s*,"
-                              r"\s*aclrtStream\s*\w*\s*\)\s*>")
+# set_erase_stream_fn (torch_npu.erase_stream's hook) is declared the same way beside it.
+def _c_stream_hook(setter):
+    return re.compile(r"\b" + setter + r"\s*\(\s*std::function\s*<\s*void\s*\(\s*void\s*\*\s*\w*\s*,"
+                      r"\s*aclrtStream\s*\w*\s*\)\s*>")
+
+
+_C_RECORD_STREAM = _c_stream_hook("set_record_stream_fn")
+_C_ERASE_STREAM = _c_stream_hook("set_erase_stream_fn")
 
 
 def record_stream_hook_takes_acl_stream(torch_npu_dir):
     """Whether the NPUPluggableAllocator.h installed with torch_npu (under torch_npu_dir) declares
     set_record_stream_fn with std::function<void(void* ptr, aclrtStream stream)>: then the C ABI's
     ascend_pool_record_stream(void *ptr, void *stream) is that hook. False without the header."""
+    return _declared_with_acl_stream(torch_npu_dir, _C_RECORD_STREAM)
+
+
+def erase_stream_hook_takes_acl_stream(torch_npu_dir):
+    """The same for set_erase_stream_fn, whose C function is ascend_pool_erase_stream."""
+    return _declared_with_acl_stream(torch_npu_dir, _C_ERASE_STREAM)
+
+
+def _declared_with_acl_stream(torch_npu_dir, pattern):
     path = os.path.join(torch_npu_dir, "include", "torch_npu", "csrc", "npu", "NPUPluggableAllocator.h")
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -112,7 +129,7 @@ def record_stream_hook_takes_acl_stream(torch_npu_dir):
     except OSError:
         return False
     text = re.sub(r"//[^\n]*", " ", re.sub(r"/\*.*?\*/", " ", text, flags=re.S))
-    return _C_RECORD_STREAM.search(text) is not None
+    return pattern.search(text) is not None
 
 
 def set_record_stream_hook(allocator, torch_npu_dir):
@@ -129,6 +146,19 @@ def set_record_stream_hook(allocator, torch_npu_dir):
             "tensors on the stream that used them last")
         return False
     allocator.set_record_stream_fn(symbol_address("ascend_pool_record_stream"))
+    return True
+
+
+def set_erase_stream_hook(allocator, torch_npu_dir):
+    """Hands allocator ascend_pool_erase_stream where its set_erase_stream_fn takes a C function
+    (erase_stream_hook_takes_acl_stream), so that torch_npu.erase_stream(tensor, stream) undoes
+    tensor.record_stream(stream) as torch_npu's own allocator does. Returns whether it did:
+    without it (and with record_stream's hook set) the block's free still waited for that
+    stream's work, the memory held as long as the stream stayed busy."""
+    if not callable(getattr(allocator, "set_erase_stream_fn", None)) or \
+            not erase_stream_hook_takes_acl_stream(torch_npu_dir):
+        return False
+    allocator.set_erase_stream_fn(symbol_address("ascend_pool_erase_stream"))
     return True
 
 
@@ -393,6 +423,7 @@ def install(patch_stats=True):
     say_caching_stays("PYTORCH_NO_NPU_MEMORY_CACHING")
     alloc, _ = build_allocator(memory)
     set_record_stream_hook(alloc.allocator(), _package_dir("torch_npu"))
+    set_erase_stream_hook(alloc.allocator(), _package_dir("torch_npu"))
     memory.change_current_allocator(alloc)
     _installed = alloc
     register_stats_hooks(alloc.allocator(), TORCH_ALLOC_LIB, _package_dir("torch_npu"), _package_dir("torch"),

@@ -482,6 +482,41 @@ APC_EXPORT void ascend_pool_record_stream(void *ptr, void *stream) {
         apc_fail(rc, "ascend_pool_record_stream(%p, stream %p): %s", ptr, stream, err.message);
 }
 
+/* torch_npu's erase_stream hook (NPUPluggableAllocator's set_erase_stream_fn): undoes a
+   record_stream. Found as ascend_pool_record_stream finds the block's pool. */
+APC_EXPORT void ascend_pool_erase_stream(void *ptr, void *stream) {
+    ap_error err;
+    int rc = AP_E_INVALID_PTR;
+    err.message[0] = 0;
+    if (apc_forked("ascend_pool_erase_stream")) return;
+    ap_pool *owner = NULL;
+    int devices = atomic_load_explicit(&apc_device_count, memory_order_relaxed);
+    if (devices > AP_MAX_DEVICES) devices = AP_MAX_DEVICES;
+    for (int i = 0; ptr && i < devices && !owner; i++) {
+        int d = i == 0 ? apc_record_device : i == apc_record_device ? 0 : i;
+        ap_pool *p = d < devices ? ap_pool_hold(d) : NULL;
+        if (!p) continue;
+        rc = ap_pool_erase_stream_if_own(p, ptr, stream, &err);
+        ap_pool_unhold(p);
+        if (rc != AP_E_NOT_HERE) {
+            owner = p; /* only compared with NULL below: it is not held any more */
+            apc_record_device = d;
+        }
+    }
+    if (ptr && !owner) {
+        rc = AP_E_INVALID_PTR;
+        owner = apc_find_hold(-1, ptr, 0, NULL); /* held, no registry lock */
+        if (owner) {
+            rc = ap_pool_erase_stream(owner, ptr, stream, &err);
+            ap_pool_unhold(owner);
+        }
+    }
+    if (!owner)
+        apc_fail(AP_E_INVALID_PTR, "ascend_pool_erase_stream(%p): not a live block of any pool", ptr);
+    else if (rc != AP_OK)
+        apc_fail(rc, "ascend_pool_erase_stream(%p, stream %p): %s", ptr, stream, err.message);
+}
+
 APC_EXPORT void *ascend_pool_base_alloc(void *ptr, size_t *size) {
     uintptr_t a = (uintptr_t)ptr, base = 0;
     size_t seg_size = 0;

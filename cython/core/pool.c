@@ -968,6 +968,48 @@ int ap_pool_record_stream_if_own(ap_pool *p, void *ptr, void *stream, ap_error *
     return record_stream(p, ptr, stream, 1, err);
 }
 
+/* torch_npu's eraseStream: the live block no longer waits for stream's work at its free (the
+   caller ordered that work otherwise, or knows it is done). A stream it was not marked with (its
+   allocation stream included) changes nothing. */
+static int erase_stream(ap_pool *p, void *ptr, void *stream, int if_own, ap_error *err) {
+    pthread_mutex_lock(&p->lock);
+    ap_block *b = ap_map_get(&p->live, (uintptr_t)ptr);
+    int rc = AP_OK;
+    if (!b && p->lost_live.keys && ap_map_get(&p->lost_live, (uintptr_t)ptr)) {
+        /* written off with the runtime that released it: no use to forget */
+    } else if (!b && if_own) {
+        rc = AP_E_NOT_HERE;
+    } else if (!b || b->state != AP_BLOCK_ALLOCATED) {
+        rc = bad_pointer(p, ptr, err);
+    } else if (b->xs) {
+        ap_block_uses *u = b->xs;
+        int slot = ap_slot_of(p, stream, 0);
+        for (int i = 0; slot > 0 && i < u->n_uses; i++)
+            if (u->uses[i] == slot) {
+                u->uses[i] = u->uses[--u->n_uses];
+                break;
+            }
+        /* another device's stream, or one kept as such (the stream table was full) */
+        for (int i = 0; i < u->n_foreign; i++)
+            if (u->foreign[i] == stream) {
+                u->n_foreign--;
+                u->foreign[i] = u->foreign[u->n_foreign];
+                u->foreign_device[i] = u->foreign_device[u->n_foreign];
+                break;
+            }
+    }
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+int ap_pool_erase_stream(ap_pool *p, void *ptr, void *stream, ap_error *err) {
+    return erase_stream(p, ptr, stream, 0, err);
+}
+
+int ap_pool_erase_stream_if_own(ap_pool *p, void *ptr, void *stream, ap_error *err) {
+    return erase_stream(p, ptr, stream, 1, err);
+}
+
 int ap_pool_empty_cache(ap_pool *p, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     p->stats.num_sync_all_streams++; /* PyTorch counts every empty_cache as a sync of all streams */

@@ -390,6 +390,10 @@ int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err);
    ABI asks pools in turn, and the message's search of p's segments is for the owner only. */
 #define AP_E_NOT_HERE (-1)
 int ap_pool_record_stream_if_own(ap_pool *p, void *ptr, void *stream, ap_error *err);
+/* torch_npu's eraseStream: undoes record_stream(ptr, stream) on the live block ptr (no-op for a
+   stream it was not marked with); the _if_own form as record_stream's. */
+int ap_pool_erase_stream(ap_pool *p, void *ptr, void *stream, ap_error *err);
+int ap_pool_erase_stream_if_own(ap_pool *p, void *ptr, void *stream, ap_error *err);
 /* Returns every unused segment to the device (waits for pending frees first). */
 int ap_pool_empty_cache(ap_pool *p, ap_error *err);
 /* CuPy's free_all_blocks(stream): waits for stream's work, then returns the unused classic

@@ -55,6 +55,7 @@ cdef extern from "pool.h" nogil:
     int ap_pool_try_malloc(ap_pool *p, size_t size, void *stream, void **out)
     int ap_pool_try_free(ap_pool *p, void *ptr)
     int ap_pool_record_stream(ap_pool *p, void *ptr, void *stream, ap_error *err)
+    int ap_pool_erase_stream(ap_pool *p, void *ptr, void *stream, ap_error *err)
     int ap_pool_empty_cache(ap_pool *p, ap_error *err)
     int ap_pool_empty_stream(ap_pool *p, void *stream, ap_error *err)
     int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err)
@@ -698,6 +699,32 @@ cdef class PoolBase:
         self._leave()
         if rc == AP_E_INVALID_PTR:
             if self._by_lender(ptr, "record_stream", stream) is not None:
+                return
+        if rc != AP_OK:
+            _raise(&err, rc)
+
+    def erase_stream(self, ptr, stream):
+        """Undoes record_stream(ptr, stream), as torch_npu.erase_stream: the live block's free no
+        longer waits for the work queued on stream (the caller ordered it, or knows it is done).
+        A stream it was not marked with, its allocation stream included, changes nothing."""
+        self._check()
+        cdef ap_pool *_p
+        cdef void *p = _as_ptr(ptr)
+        cdef void *s
+        if stream is not None and type(stream) is not int:
+            stream = _stream_handle(stream)  # a numpy integer handle; else StreamTypeError
+        if type(stream) is int and stream not in self._streams and self._another_devices_stream(stream):
+            s = PyLong_AsVoidPtr(stream)
+        else:
+            s = self._stream(stream)
+        cdef ap_error err
+        cdef int rc
+        _p = self._enter()
+        with nogil:
+            rc = ap_pool_erase_stream(_p, p, s, &err)
+        self._leave()
+        if rc == AP_E_INVALID_PTR:
+            if self._by_lender(ptr, "erase_stream", stream) is not None:
                 return
         if rc != AP_OK:
             _raise(&err, rc)
