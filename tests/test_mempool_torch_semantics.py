@@ -433,3 +433,67 @@ def test_threads_free_lent_blocks_while_the_lender_closes(limited):
             assert not [p for p in ap.registry.live_pools() if p.pool_id == lend.pool_id], round_
         finally:
             lend.close()
+
+
+# -- torch_npu test/npu/test_mempool.py TestMemPool (its regressions of torch's diversion rules) --
+
+def test_mempool_release_cached_blocks_during_diversion(limited):
+    # 60 MiB cached in the default pool under an 80 MiB fraction: a 60 MiB request inside
+    # use_mem_pool gives that cache back and is served (torch_npu's gate skipped the release
+    # while any MemPool diverted allocations)
+    limited(80 * MiB)
+    ap.free(ap.malloc(60 * MiB))
+    pool = ap.Pool(0)
+    with ap.use_mem_pool(pool):
+        b = ap.malloc(60 * MiB)
+    assert pool.block_info(b) is not None
+    pool.free(b)
+    pool.close()
+
+
+@pytest.mark.parametrize("diverted", [False, True], ids=["default_pool", "user_mempool"])
+def test_mempool_oom_recovery_releases_cached_blocks(diverted):
+    # half the device's free memory cached by the default pool, then 7/8 of it asked for (in a
+    # MemPool, or not): the cache goes back and the request is served, no out of memory
+    ap.empty_cache()
+    free_before = ap.mem_get_info(0)[0]
+    ap.free(ap.malloc((free_before // 2) & ~(2 * MiB - 1)))
+    pool = ap.Pool(0) if diverted else None
+    try:
+        with ap.use_mem_pool(pool) if diverted else _nothing():
+            ap.free(ap.malloc((free_before - free_before // 8) & ~(2 * MiB - 1)))
+    finally:
+        if pool is not None:
+            pool.close()
+        ap.empty_cache()
+
+
+def _nothing():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("diverted", [False, True], ids=["default_pool", "user_mempool"])
+def test_mempool_block_free_not_deferred(diverted):
+    # a block marked with another stream, whose work is then waited for, is reused by the next
+    # request of its size: its free is not deferred as under graph capture (torch_npu's
+    # synchronize() is the device's; here the stream's own)
+    from ascend_pool import sim
+
+    ap.empty_cache()
+    pool = ap.Pool(0) if diverted else None
+    s2 = ap.create_stream(device=0)
+    try:
+        with ap.use_mem_pool(pool) if diverted else _nothing():
+            a = ap.malloc(MiB)
+            ap.record_stream(a, s2)
+            sim.launch_fill(s2, a, MiB, 1)
+            ap.free(a)
+            ap.synchronize(s2)
+            b = ap.malloc(MiB)
+            ap.free(b)
+        assert b == a
+    finally:
+        ap.destroy_stream(s2)
+        if pool is not None:
+            pool.close()

@@ -243,3 +243,146 @@ def test_erase_stream_through_torch_npus_pluggable_hook_and_the_module_function(
     # a torch_npu whose hook takes a C++ NPUStream is not given a C function for it either
     assert "set_erase_stream_fn" not in _installed_stream_hooks(
         monkeypatch, tmp_path / "npu_stream", PLUGGABLE_NPU_STREAM.replace("record", "erase"))
+
+
+def _module_stats_generator(device, n=35):
+    """torch_npu test_npu_multinpu.py's _test_memory_stats_generator on the module functions
+    (ap.memory_allocated(device) & co., ap.malloc(n, device=device)): yields between steps."""
+    import math
+    import random
+
+    m0 = ap.memory_allocated(device)
+    last = dict(m=m0, max_m=ap.max_memory_allocated(device), r=ap.memory_reserved(device),
+                max_r=ap.max_memory_reserved(device))
+
+    def alloc(*shape):  # torch.npu.FloatTensor(*shape); an empty one holds no memory
+        nbytes = 4 * math.prod(shape)
+        return ap.malloc(nbytes, device=device) if nbytes else None
+
+    def free(ptr):
+        if ptr is not None:
+            ap.free(ptr, device=device)
+
+    def assert_change(comp=1, empty_cache=False, reset_peak=False):
+        m, max_m = ap.memory_allocated(device), ap.max_memory_allocated(device)
+        assert (m > last["m"]) if comp > 0 else (m < last["m"]) if comp < 0 else (m == last["m"]), (device, comp)
+        assert m <= max_m and max_m >= last["max_m"]
+        r, max_r = ap.memory_reserved(device), ap.max_memory_reserved(device)
+        assert r <= max_r and max_r >= last["max_r"]
+        last.update(m=m, max_m=max_m, r=r, max_r=max_r)
+        if empty_cache:
+            ap.empty_cache(device)
+            r, max_r = ap.memory_reserved(device), ap.max_memory_reserved(device)
+            assert r <= last["r"] and max_r == last["max_r"]
+            last["r"] = r
+        if reset_peak:
+            ap.reset_peak_memory_stats(device)
+            assert ap.memory_allocated(device) == ap.max_memory_allocated(device) == last["m"]
+            assert ap.memory_reserved(device) == ap.max_memory_reserved(device) == last["r"]
+            last.update(max_m=last["m"], max_r=last["r"])
+
+    for kw in ({}, dict(reset_peak=True), dict(empty_cache=True), dict(reset_peak=True), {}):
+        assert_change(0, **kw)
+    yield
+    tensors1 = [alloc(1), alloc(10, 20), alloc(200, 300, 2000)]
+    m1 = ap.memory_allocated(device)
+    assert_change(1)
+    yield
+    tensors2 = []
+    for i in range(1, n // 2 + 1):  # small ones
+        tensors2.append(alloc(i, i * 4))
+        assert_change(1)
+        yield
+    for i in range(5, n // 2 + 5):  # large ones
+        tensors2.append(alloc(i, i * 7, i * 9, i * 11))
+        assert_change(1, reset_peak=(i % 2 == 0))
+        yield
+    tensors2.append(alloc(0, 0, 0))
+    assert_change(0)
+    yield
+    random.Random(device).shuffle(tensors2)
+    assert_change(0, reset_peak=True)
+    yield
+    for i in range(n // 2):
+        ptr = tensors2.pop(i)
+        free(ptr)
+        assert_change(-1 if ptr else 0)
+        yield
+    for i in range(2, 2 * n // 3 + 2):
+        tensors2.append(alloc(i, i * 3, i * 8))
+        assert_change(1)
+        yield
+    for ptr in tensors2:
+        free(ptr)
+    assert_change(-1, reset_peak=True)
+    assert_change(0)
+    assert ap.memory_allocated(device) == m1
+    yield
+    for ptr in tensors1:
+        free(ptr)
+    assert_change(-1, reset_peak=True)
+    assert ap.memory_allocated(device) == m0
+    assert_change(0, empty_cache=True)
+    assert_change(0, reset_peak=True)
+
+
+def _check_memory_stat_consistency():
+    # torch_npu's _check_memory_stat_consistency: ap.memory_snapshot()'s segments, per device,
+    # make each device's current figures (the requested bytes of its active blocks included)
+    import collections
+
+    expected = collections.defaultdict(lambda: collections.defaultdict(int))
+    for seg in ap.memory_snapshot():
+        e, kind, expandable = expected[seg["device"]], seg["segment_type"] + "_pool", seg["is_expandable"]
+        for k in ("all", kind):
+            e[f"segment.{k}.current"] += not expandable
+            for key, field in (("allocated_bytes", "allocated_size"), ("reserved_bytes", "total_size"),
+                               ("active_bytes", "active_size"), ("requested_bytes", "requested_size")):
+                e[f"{key}.{k}.current"] += seg[field]
+        split = len(seg["blocks"]) > 1
+        active_requested = 0
+        for b in seg["blocks"]:
+            active = b["state"].startswith("active_")
+            active_requested += b["requested_size"] if active else 0
+            for k in ("all", kind):
+                e[f"allocation.{k}.current"] += b["state"] == "active_allocated"
+                e[f"active.{k}.current"] += active
+                if b["state"] == "inactive" and split and not expandable:
+                    e[f"inactive_split.{k}.current"] += 1
+                    e[f"inactive_split_bytes.{k}.current"] += b["size"]
+        assert active_requested == seg["requested_size"]
+    for device, e in expected.items():
+        st = ap.memory_stats(device)
+        assert {k: st[k] for k in e} == dict(e), device
+
+
+def test_memory_stats_multigpu_on_the_module_functions():
+    # torch_npu test_npu_multinpu.py test_memory_stats (with the consistency check after each
+    # step) and test_memory_stats_multigpu: two devices' generators interlaced, then in a
+    # semi-random order; each device's figures move only with its own allocations
+    import random
+
+    ap.empty_cache()
+    for _ in _module_stats_generator(0):
+        _check_memory_stat_consistency()
+
+    def advance(gen, end):
+        if not end:
+            try:
+                next(gen)
+            except StopIteration:
+                end = True
+        return end
+
+    rng = random.Random(0)
+    for order in ("interlaced", "semi-random"):
+        ap.empty_cache()
+        gen0, gen1 = _module_stats_generator(0), _module_stats_generator(1)
+        end0 = end1 = False
+        while not (end0 and end1):
+            end0 = advance(gen0, end0)
+            for _ in range(1 if order == "interlaced" else rng.randrange(3) if not end0 else 10**6):
+                end1 = advance(gen1, end1)
+                if end1:
+                    break
+        _check_memory_stat_consistency()
