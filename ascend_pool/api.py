@@ -375,10 +375,12 @@ def _read_pool(device):
     pool None where none was ever opened, which they answer without opening it (a device
     reference, a context on an NPU: a loop over 8 devices took one on every NPU from every rank),
     as torch's read its allocator's per-device figures and initialise no device. A device the
-    backend does not have is still an InvalidDeviceError."""
+    backend does not have is still an InvalidDeviceError. Not a pool made current by
+    use_mem_pool: torch's device figures are the same inside such a block (the MemPool is one of
+    the device's private pools there too), where its own figures alone read 0 for the default's."""
     index = torch_device_index(device)
     index = current_device() if index is None else index
-    pool = _current.top(index) or _registry.default_pool(index)
+    pool = _current.cache_owner(index) or _registry.default_pool(index)
     if pool is None:
         index = device_index(index)
         check_device(open_backend(), index)

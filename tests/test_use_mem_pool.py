@@ -53,6 +53,33 @@ def test_use_mem_pool_routes_module_calls_and_the_c_abi_and_counts_its_use(lib):
         pool.close()
 
 
+def test_module_level_figures_inside_the_block_are_the_devices_as_outside_it():
+    # torch.cuda.memory_stats() and co. answer the device's allocator inside use_mem_pool as
+    # outside it (the MemPool one of its private pools); they answered the MemPool's own figures,
+    # the default pool's 8 MiB read as 0 there
+    mp = ap.Pool(0)
+    a = ap.malloc(8 * MiB)
+    try:
+        def figures():
+            s = ap.memory_stats(0)
+            return (s["allocated_bytes.all.current"], ap.memory_allocated(), ap.memory_reserved(),
+                    ap.max_memory_allocated(), ap.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["current"],
+                    len(ap.snapshot()["segments"]))
+        outside = figures()
+        assert outside[0] >= 8 * MiB
+        with ap.use_mem_pool(mp):
+            b = ap.malloc(30 * MiB)
+            assert figures() == outside
+            stats = ap.memory_stats()
+            assert stats[f"reserved_bytes_by_private_pools.{mp.id[0]}_{mp.id[1]}.all.current"] >= 30 * MiB
+            ap.reset_peak_stats()  # the default pool's peaks, as outside
+        assert mp.memory_stats()["allocated_bytes.all.peak"] >= 30 * MiB
+        mp.free(b)
+    finally:
+        ap.free(a)
+        mp.close()
+
+
 def test_mempool_ids_are_torchs_and_unique_across_threads():
     # torch's test_mempool_id and test_mempool_multithread
     ids, pools = [], []
