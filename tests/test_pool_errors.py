@@ -68,6 +68,28 @@ def test_larger_than_the_device_is_out_of_memory_without_trimming(pool):
     assert_consistent(pool, live)
 
 
+@pytest.mark.parametrize("size", [2**63 - 1, 2**63, 2**63 + 5, 2**64 - 1])
+def test_a_size_up_to_the_largest_size_t_is_out_of_memory_on_every_path(pool, size):
+    # one rule, CuPy's (its hook: OutOfMemoryError up to its size_t's 2**64-1) and torch's (past
+    # the device, "more than 1EB"): from 2**63 on pool.malloc, ap.malloc, caching_allocator_alloc,
+    # share_malloc and a tenant context raised InvalidSizeError where 2**63-1 was an out-of-memory
+    np = pytest.importorskip("numpy")
+    live = [pool.malloc(100)]
+    ctx = pool.context("huge-size")
+    try:
+        calls = [pool.malloc, ctx.malloc, pool.share_malloc, ap.malloc, ap.caching_allocator_alloc,
+                 lambda n: pool.malloc(np.uint64(n))]
+        for call in calls:
+            with pytest.raises(ap.OutOfMemoryError, match=rf"Tried to (allocate more than 1EB memory \({size} bytes\)|"
+                                                          rf"share {size} bytes)"):
+                call(size)
+        with pytest.raises(ap.InvalidSizeError, match="larger than any device"):
+            pool.malloc(2**64)  # no C size holds it: still a bad argument (CuPy's size_t refuses it)
+    finally:
+        ctx.close()
+    assert_consistent(pool, live)
+
+
 def test_double_free_is_named(pool):
     a = pool.malloc(4096)
     pool.free(a)

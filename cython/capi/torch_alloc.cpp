@@ -96,17 +96,23 @@ static void oom_throw(const std::string &msg) {
 
 /* ascend_pool_malloc's memory, or an exception: std::runtime_error with the pool's own message
  * (out of memory, over a tenant's quota, a bad device or stream). size is torch's size_t; one past
- * SSIZE_MAX is refused here, in the words of the Python API, naming the size asked for (cast to
- * the core's ssize_t it read "size must be positive, got -1 bytes" for SIZE_MAX). 0 bytes:
+ * SSIZE_MAX is refused here as out of memory, naming the size asked for (cast to the core's
+ * ssize_t it read "size must be positive, got -1 bytes" for SIZE_MAX). 0 bytes:
  * whatever the core returns (no exception for an empty request). */
 EXPORT void *ascend_pool_torch_malloc(size_t size, int device, void *stream) {
     malloc_fn m = bound_malloc.load();
     if (!m)
         throw std::runtime_error("ascend_pool: the torch allocator library was loaded without "
                                  "ascend_pool.integrations installing it (ascend_pool_torch_bind)");
-    if (size > (size_t)SSIZE_MAX)
-        throw std::runtime_error("ascend_pool: ascend_pool_malloc: size " + std::to_string(size) +
-                                 " bytes is larger than any device");
+    if (size > (size_t)SSIZE_MAX) {
+        /* past the core's ssize_t, and past any device: torch's out-of-memory, as every size
+         * past the device (the Python API and CuPy's hook raise OutOfMemoryError for it too) */
+        std::string msg = "ascend_pool: out of memory: Tried to allocate more than 1EB memory (" +
+                          std::to_string(size) + " bytes) on device " + std::to_string(device) +
+                          ": larger than any device";
+        oom_throw(msg);
+        throw std::runtime_error(msg);
+    }
     void *p = m((ssize_t)size, device, stream);
     if (!p && size != 0) {
         error_fn e = bound_error.load();

@@ -186,7 +186,11 @@ cdef object _raise(ap_error *err, int status):
     raise _c_error(status, err.device_code, err.message.decode("utf-8", "replace"), "pool call")
 
 
-cdef inline size_t _as_size(object nbytes) except? 0:
+cdef inline size_t _as_size(object nbytes, bint request=False) except? 0:
+    """nbytes as a C size, else InvalidSizeError. request (a device allocation's size): from 2**63
+    to 2**64-1 too (a size_t, CuPy's and torch's size; no ssize_t holds it), which the pool refuses
+    as every size past the device, an OutOfMemoryError (torch's "more than 1EB"), not as a bad
+    argument; past 2**64 no C size holds it: InvalidSizeError."""
     cdef Py_ssize_t n
     if type(nbytes) is not int:
         if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
@@ -200,6 +204,8 @@ cdef inline size_t _as_size(object nbytes) except? 0:
     except OverflowError:
         if nbytes < 0:  # below any ssize_t: a negative size, not a large one
             raise InvalidSizeError(f"size must be positive, got {nbytes} bytes") from None
+        if request and nbytes < 2**64:
+            return <size_t>nbytes
         raise InvalidSizeError(f"size {nbytes} bytes is larger than any device") from None
     if n <= 0:
         raise InvalidSizeError(f"size must be positive, got {n} bytes")
@@ -582,7 +588,7 @@ cdef class PoolBase:
         stream). Returns the device address as an int."""
         self._check()
         cdef ap_pool *_p
-        cdef size_t n = _as_size(nbytes)
+        cdef size_t n = _as_size(nbytes, True)
         cdef void *s = self._stream(stream) if stream is not None else NULL
         cdef void *out = NULL
         cdef ap_error err

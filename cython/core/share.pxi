@@ -170,7 +170,7 @@ cdef class SharedSegment:
 
 def _share_alloc(PoolBase pool, nbytes):
     """A SharedSegment of `pool` for nbytes (rounded up to whole 2 MiB pages)."""
-    cdef size_t n = _as_size(nbytes)
+    cdef size_t n = _as_size(nbytes, True)
     cdef SharedSegment seg = SharedSegment()
     cdef ap_error err
     cdef int rc
