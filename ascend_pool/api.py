@@ -16,7 +16,7 @@ from . import registry as _registry
 from . import stats as _stats
 from ._core import MemPoolUse, attach_out_of_memory_observer, capi_free, detach_out_of_memory_observer, set_default_pool_hook
 from .backend import check_device, device_index, open_backend, torch_device_index
-from .config import effective_knobs, flag_argument, history_settings, history_skip_mask
+from .config import effective_knobs, flag_argument, history_settings, history_skip_mask, knobs_fraction
 from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError,
                      StreamTypeError)
 from .pool import DEFAULT_POOL_ID, Pool, unopened_stats
@@ -843,15 +843,15 @@ def _device_total(pool):
 def get_per_process_memory_fraction(device=None):
     """torch.cuda.get_per_process_memory_fraction(): the fraction of the device's total memory
     the default pool of device may hold (set_per_process_memory_fraction or the memory_fraction
-    knob); 1.0 without a cap. A default pool never opened is not opened to say 1.0: where no
-    knob or tenant could cap it, the cap it would have is none (one opened on reading took a
-    device reference, a context on an NPU)."""
+    knob); 1.0 without a cap. A default pool never opened is not opened to be read (one opened
+    on reading took a device reference, a context on an NPU): it answers the cap it would open
+    with, the knobs' fraction (a tenant's default context's too), else 1.0."""
     index = torch_device_index(device)
     index = current_device() if index is None else index
-    if _current.cache_owner(index) is None and _registry.default_pool(index) is None and process_tenant() is None \
-            and not {"memory_fraction", "per_process_memory_fraction"} & set(effective_knobs(None)):
+    if _current.cache_owner(index) is None and _registry.default_pool(index) is None:
         check_device(open_backend(), device_index(index))
-        return 1.0
+        fraction = knobs_fraction(effective_knobs(None))
+        return 1.0 if fraction is None else fraction
     pool = _fraction_owner(device)
     limit = pool._limit()  # whoever set it last: Python, the C ABI's hook, or the knobs
     if limit is None:

@@ -448,6 +448,26 @@ def allocator_settings(knobs):
     return out
 
 
+def fraction_knob(key, value):
+    """The fraction of memory_fraction (or per_process_memory_fraction) = value, else ConfigError."""
+    f = _number(key, value)
+    # PyTorch's per_process_memory_fraction takes 0 (nothing may be allocated); ours does not
+    zero_ok = key == "per_process_memory_fraction"
+    if not (0 <= f <= 1 and (f > 0 or zero_ok)):
+        raise ConfigError(f"{key}: must be in {'[' if zero_ok else '('}0, 1], got {value!r}")
+    return f
+
+
+def knobs_fraction(knobs):
+    """The memory fraction knobs set (the last of memory_fraction and per_process_memory_fraction,
+    the cap in force, as knobs_to_config), or None: read without a device."""
+    found = None
+    for key, value in knobs.items():
+        if key in ("memory_fraction", "per_process_memory_fraction"):
+            found = fraction_knob(key, value)
+    return found
+
+
 def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="acl"):
     """Turns knobs into the compiled pool's config fields (bytes and flags)."""
     cfg = {"pad_bytes": 32 if backend_kind == "acl" else 0}
@@ -493,11 +513,7 @@ def knobs_to_config(knobs, device_total_bytes, device_free_bytes, backend_kind="
                 raise ConfigError(f"stream_reuse: must be one of {sorted(STREAM_REUSE)}, got {value!r}")
             cfg["stream_reuse"] = value
         elif key in ("memory_fraction", "per_process_memory_fraction"):
-            f = _number(key, value)
-            # PyTorch's per_process_memory_fraction takes 0 (nothing may be allocated); ours does not
-            zero_ok = key == "per_process_memory_fraction"
-            if not (0 <= f <= 1 and (f > 0 or zero_ok)):
-                raise ConfigError(f"{key}: must be in {'[' if zero_ok else '('}0, 1], got {value!r}")
+            f = fraction_knob(key, value)
             cfg["limit_bytes"] = int(f * device_total_bytes)
             cap_key = key  # the last one set is the cap in force
         elif key == "sync_timeout_ms":

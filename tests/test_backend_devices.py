@@ -466,6 +466,28 @@ def test_reading_figures_of_a_device_never_used_opens_no_pool_and_answers_an_emp
                    "private_7": 20 << 20, "own_7": 0}, out
 
 
+@pytest.mark.parametrize("env, fraction", [
+    (dict(ASCEND_POOL_CONF="memory_fraction:0.3"), 0.3),
+    (dict(ASCEND_POOL_TENANT="frac-reader"), 1.0),
+    (dict(ASCEND_POOL_TENANT="frac-reader", ASCEND_POOL_CONF="per_process_memory_fraction:0.25"), 0.25),
+], ids=["knob", "tenant", "tenant-and-knob"])
+def test_reading_the_memory_fraction_of_a_device_never_used_opens_nothing_with_a_knob_or_tenant(
+        sim_node, tmp_path, env, fraction):
+    # get_per_process_memory_fraction(d) opened device d's default pool (a device reference, a
+    # context on an NPU) when a fraction knob or $ASCEND_POOL_TENANT was set: a read, as the stats
+    # (a monitoring loop over the devices took one on every NPU); it answers the cap that pool
+    # would open with, the same as once it is open
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import registry, sim
+        read = ap.get_per_process_memory_fraction(1)
+        untouched = [sim.stats(1)["device_refs"], registry.default_pool(1) is None]
+        ap.malloc(1 << 20, device=1)
+        print(json.dumps({"read": read, "untouched": untouched, "open": ap.get_per_process_memory_fraction(1)}))
+    """, ASCEND_POOL_LEDGER_DIR=str(tmp_path), **env)
+    assert out == {"read": fraction, "untouched": [0, True], "open": fraction}, out
+
+
 def test_the_pinned_pools_pin_in_a_device_the_process_already_holds(sim_node):
     # host_pool() and the numpy handler's pool pinned in device 0 always: a process on device 5
     # (ap's current device never set: 0) took a device-0 reference, on an NPU a context on a device
