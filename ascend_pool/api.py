@@ -22,7 +22,7 @@ from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPo
 from .pool import DEFAULT_POOL_ID, Pool, unopened_stats
 from .snapshot import build as _build_snapshot, dump as _dump_snapshot, merge as _merge_snapshots
 from .snapshot import get_memory_metadata, set_memory_metadata  # torch's _set/_get_memory_metadata
-from .tenants.config import process_tenant
+from .tenants.config import operator_quota, process_tenant
 from .tenants.context import Context, with_quota
 from .tenants.default import default_tenant_pool
 from .units import as_index
@@ -387,11 +387,29 @@ def _read_pool(device):
     return index, pool
 
 
-def _unopened_stats():
-    """memory_stats() of a default pool never opened: an empty pool's keys, zeros (Pool's
-    unopened_stats), with a tenant context's quota keys when the default would be one."""
+class _TotalUnknown(Exception):
+    pass
+
+
+def _unknown_total():
+    raise _TotalUnknown  # a percentage quota: the device's total is not read without a context
+
+
+def _unopened_stats(index):
+    """memory_stats() of device index's default pool never opened: an empty pool's keys, zeros
+    (Pool's unopened_stats), with a tenant context's quota keys when the default would be one:
+    quota_bytes and quota_warn the operator's tenants file sets for the tenant on the device,
+    which its context would open with (the ledger lets the file's quota win), where it is known
+    without the device (bytes, not a percentage of a total not read); else 0, as no quota."""
     stats = unopened_stats()
-    return with_quota(stats, {}, 0) if process_tenant() is not None else stats
+    tenant = process_tenant()
+    if tenant is None:
+        return stats
+    try:
+        found = operator_quota(tenant, index, _unknown_total)
+    except _TotalUnknown:
+        found = None
+    return with_quota(stats, {"quota_bytes": found[0], "warn": found[1]} if found else {}, 0)
 
 
 def _unopened_peers(index):
@@ -407,7 +425,7 @@ def memory_stats(device=None):
     index, pool = _read_pool(device)
     if pool is not None:
         return device_stats(pool)
-    return _with_private_pools(_unopened_stats(), _unopened_peers(index))
+    return _with_private_pools(_unopened_stats(index), _unopened_peers(index))
 
 
 def memory_stats_as_nested_dict(device=None):
@@ -418,7 +436,7 @@ def memory_stats_as_nested_dict(device=None):
     index, pool = _read_pool(device)
     if pool is not None:
         return device_nested_stats(pool)
-    return _nested_with_private_pools(_unopened_stats(), _unopened_peers(index))
+    return _nested_with_private_pools(_unopened_stats(index), _unopened_peers(index))
 
 
 _POOL_STAT = re.compile(r"reserved_bytes\.((?:all|small_pool|large_pool)\.(?:current|peak|allocated|freed))$")
@@ -495,7 +513,7 @@ def memory_summary(device=None, abbreviated=False):
     if pool is not None:
         return pool.memory_summary(abbreviated)
     abbreviated = flag_argument("memory_summary", "abbreviated", abbreviated)
-    return _stats.summary(_unopened_stats(), index, open_backend().name, abbreviated=abbreviated)
+    return _stats.summary(_unopened_stats(index), index, open_backend().name, abbreviated=abbreviated)
 
 
 def reset_peak_stats(device=None):
@@ -673,8 +691,8 @@ def _own_stats(device):
     # The default pool's own figures: the scalar getters need none of memory_stats()'s private
     # pools, whose reading made each call read every open pool of the device (O(pools): 7 ms
     # with 100 pools open, and a wait on any of their locks). A pool never opened: its zeros.
-    pool = _read_pool(device)[1]
-    return pool.memory_stats() if pool is not None else _unopened_stats()
+    index, pool = _read_pool(device)
+    return pool.memory_stats() if pool is not None else _unopened_stats(index)
 
 
 def memory_allocated(device=None):

@@ -488,6 +488,31 @@ def test_reading_the_memory_fraction_of_a_device_never_used_opens_nothing_with_a
     assert out == {"read": fraction, "untouched": [0, True], "open": fraction}, out
 
 
+def test_a_tenants_figures_of_a_device_never_used_say_the_operators_quota(sim_node, tmp_path):
+    # memory_stats(d) of a device whose default pool (the tenant's context) was never opened said
+    # quota_bytes 0, no quota, for a tenant the operator's file gives 64 MiB: known without the
+    # device, it is what the context opens with. A percentage needs the device's total, which is
+    # not read without a context: 0 there, as before.
+    conf = tmp_path / "tenants.toml"
+    conf.write_text('[tenants.fixed]\nquota = "64MiB"\nwarn = 0.8\n[tenants.share]\nquota = "25%"\n')
+    code = """
+        import ascend_pool as ap
+        from ascend_pool import registry
+        keys = ("quota_bytes", "quota_warn")
+        read = [ap.memory_stats(1)[k] for k in keys]
+        nested = ap.memory_stats_as_nested_dict(1)["quota_bytes"]
+        untouched = registry.default_pool(1) is None
+        ap.malloc(1 << 20, device=1)
+        print(json.dumps({"read": read, "nested": nested, "untouched": untouched,
+                          "open": [ap.memory_stats(1)[k] for k in keys]}))
+    """
+    env = dict(ASCEND_POOL_LEDGER_DIR=str(tmp_path), ASCEND_POOL_CONFIG=str(conf))
+    out = sim_node.run_json(code, ASCEND_POOL_TENANT="fixed", **env)
+    assert out == {"read": [64 << 20, 0.8], "nested": 64 << 20, "untouched": True, "open": [64 << 20, 0.8]}, out
+    out = sim_node.run_json(code, ASCEND_POOL_TENANT="share", **env)
+    assert out["read"] == [0, 0.0] and out["untouched"] and out["open"][0] == 256 << 20, out
+
+
 def test_the_pinned_pools_pin_in_a_device_the_process_already_holds(sim_node):
     # host_pool() and the numpy handler's pool pinned in device 0 always: a process on device 5
     # (ap's current device never set: 0) took a device-0 reference, on an NPU a context on a device

@@ -351,7 +351,8 @@ def operator_quota(tenant, device, device_total_bytes):
     t = cfg.tenants.get(tenant)
     if t is None or t.quota is None or not t.applies_to(device):
         return None
-    total = device_total_bytes() if callable(device_total_bytes) else device_total_bytes
+    total = None if t.quota.bytes is not None else (  # a byte quota needs no device total (nor a context)
+        device_total_bytes() if callable(device_total_bytes) else device_total_bytes)
     try:
         stamp = min(int(os.stat(cfg.path).st_mtime), 0xFFFFFFFF)  # a ConfigMap's: when kubelet wrote it
     except (OSError, TypeError):
