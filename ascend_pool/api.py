@@ -60,6 +60,11 @@ def current_device():
     return getattr(_local, "device", 0)
 
 
+def explicit_device():
+    """The calling thread's current device if it called set_device, else None."""
+    return getattr(_local, "device", None)
+
+
 def default_pool(device=None):
     """The pool module-level calls use for device (None: the current device; torch's forms too,
     torch_device_index): the thread's current context if one was made current, else the process

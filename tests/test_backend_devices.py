@@ -544,6 +544,39 @@ def test_the_pinned_pools_pin_in_a_device_the_process_already_holds(sim_node):
                    "on_3": 3, "explicit_1": 1, "stats_device": True}, out
 
 
+def test_the_pinned_pool_pins_in_torch_npus_current_device_before_any_pool_opens(sim_node):
+    # A rank that torch.npu.set_device(5)'d and pinned (host_pool(), the numpy handler) before its
+    # first tensor pinned in ap's current device, 0: a device-0 reference, on an NPU a context on
+    # a device it never used, from every rank. torch's host allocator pins in the current
+    # device's context, torch_npu's (which holds one there once started); ap.set_device, where
+    # the thread called it, and an explicit device keep their meaning; not started: as before.
+    out = sim_node.run_json("""
+        import sys, threading, types
+        import ascend_pool as ap
+        from ascend_pool import sim
+        from ascend_pool.integrations import pinned
+        npu = types.SimpleNamespace(started=False, device=5)
+        npu.is_initialized = lambda: npu.started
+        npu.current_device = lambda: npu.device
+        sys.modules["torch_npu"] = types.SimpleNamespace(npu=npu)   # torch_npu as the process imported it
+        before_start = pinned.default_device()
+        npu.started = True
+        hp = pinned.host_pool()
+        hp.free(hp.malloc(4096))
+        seen = {}
+        def other():
+            ap.set_device(2)                                  # this thread chose its device itself
+            ap.free(ap.malloc(4096))
+            seen["own"] = pinned.default_device()
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        print(json.dumps({"before_start": before_start, "pinned": hp.device, "refs_0": sim.stats(0)["device_refs"],
+                          "own": seen["own"], "explicit": pinned.host_pool(1).device}))
+    """, ASCEND_SIM_DEVICES="8")
+    assert out == {"before_start": 0, "pinned": 5, "refs_0": 0, "own": 2, "explicit": 1}, out
+
+
 def test_reading_the_pinned_pools_stats_makes_no_pool(sim_node):
     # pinned.host_memory_stats() (torch.cuda.host_memory_stats) and its nested form in a process
     # that never pinned on the device made its pinned pool to read it: a device reference, on an

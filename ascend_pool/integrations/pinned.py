@@ -11,9 +11,12 @@ One pool per device, created on first use and kept until the process exits (arra
 copies may outlive every Python reference to it). See ascend_pool._core.HostPool for the policy.
 """
 
+import sys
+
 from .. import api, registry
 from .._core import HostPool, unopened_host_memory_stats
 from ..backend import check_device, device_index, open_backend
+from ..units import as_index
 
 __all__ = ["host_pool", "default_device", "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats",
            "reset_accumulated_host_memory_stats", "host_empty_cache"]
@@ -31,7 +34,14 @@ def default_device():
     current device (ap.set_device) if this process holds it already (an open pool or pinned pool
     on it), else the first device with a pinned pool, else the first with an open pool, else the
     current device. Before, device 0 always: a process on device 5 took a device-0 reference, a
-    context on an NPU it never used, at its first pinned allocation."""
+    context on an NPU it never used, at its first pinned allocation. Where the thread never called
+    ap.set_device and torch_npu has started, torch_npu's current device of the thread
+    (torch.npu.set_device), where torch_npu holds a context, as torch's host allocator pins in
+    the current device's primary context: before, ap's current device (0) took a device-0
+    context from a rank on NPU 5 that pinned before its first tensor."""
+    framework = _framework_device() if api.explicit_device() is None else None
+    if framework is not None:
+        return framework
     current = api.current_device()
     hosts = registry.host_pool_devices()
     backend = open_backend()
@@ -39,6 +49,17 @@ def default_device():
     if current in hosts or current in opened:
         return current
     return (hosts or opened or [current])[0]
+
+
+def _framework_device():
+    """torch_npu's current device of the calling thread once torch_npu has started, else None:
+    read without importing it or starting it (its current_device() runs its lazy init)."""
+    npu = sys.modules.get("torch_npu.npu") or getattr(sys.modules.get("torch_npu"), "npu", None)
+    started = getattr(npu, "is_initialized", None)
+    if not callable(started) or not callable(getattr(npu, "current_device", None)) or not started():
+        return None
+    index = as_index(npu.current_device())
+    return index if index is not None and index >= 0 else None
 
 
 def host_pool(device=None):
