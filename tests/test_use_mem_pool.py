@@ -468,6 +468,24 @@ def test_no_split_gives_each_allocation_a_segment_of_its_own():
         whole.close()
 
 
+def test_a_no_split_pool_hands_no_request_a_cached_block_far_bigger_than_it():
+    # a no_split pool's blocks are never split, so each is as torch's oversize blocks, which a
+    # request takes only within kLargeBuffer (20 MiB) of its size: a 2 MiB request took a free
+    # 100 MiB block whole (98 MiB of it serving no one), or, once that segment was traded away,
+    # a new segment grown past its size (66 MiB: it absorbed the trade's room)
+    whole = ap.Pool(0, no_split=True)
+    try:
+        big = whole.malloc(100 * MiB)
+        whole.free(big)
+        small = whole.malloc(2 * MiB)
+        assert whole.block_info(small)[1] < 22 * MiB
+        near = whole.malloc(90 * MiB)
+        assert whole.block_info(near)[1] < 110 * MiB
+        assert whole.memory_stats()["reserved_bytes.all.current"] < 132 * MiB
+    finally:
+        whole.close()
+
+
 def test_a_pools_snapshot_takes_torchs_include_traces():
     # torch's MemPool.snapshot(include_traces=True): False gives the segments without trace
     # entries (a lightweight snapshot); it was a TypeError (unexpected keyword argument)

@@ -130,9 +130,12 @@ void ap_free_retag_slot(ap_pool *p, int from, int to) {
 }
 
 /* PyTorch's oversize rules: never split a block of max_split_size or more for a smaller request,
-   and do not hand a big request a cached block that is much bigger than it. */
+   and do not hand a big request a cached block that is much bigger than it. A no_split pool's
+   blocks are never split, every one as torch's oversize blocks: the second rule holds for all
+   of them (a 2 MiB request took a free 100 MiB block whole, 98 MiB of it serving no one). */
 static inline int fit_allowed(const ap_pool *p, const ap_block *b, size_t rsize) {
     size_t max_split = p->cfg.max_split_size;
+    if (p->no_split && b->size >= rsize + AP_LARGE_BUFFER) return 0;
     if (max_split == AP_NO_LIMIT) return 1;
     if (rsize < max_split) return b->size < max_split;
     return b->size < rsize + AP_LARGE_BUFFER;
