@@ -210,6 +210,41 @@ def test_torch_npus_mem_get_info_answers_a_tenants_quota_as_hami_does(fake_torch
         ctx.close()
 
 
+def test_torch_npus_device_properties_say_a_tenants_quota_as_its_mem_get_info(fake_torch_npu, tmp_path, monkeypatch):
+    # torch.npu.get_device_properties(d).total_memory gave the device's memory under a tenant's
+    # quota where torch.npu.mem_get_info() gave the quota: a framework sizing from total_memory
+    # (DeepSpeed's accelerator total_memory(), Megatron's) asked for the device. HAMi's limited
+    # cuDeviceTotalMem reports the limit there too.
+    from ascend_pool.integrations import torch_npu as ap_npu
+
+    monkeypatch.setenv("ASCEND_POOL_LEDGER_DIR", str(tmp_path))
+    npu = sys.modules["torch_npu.npu"]
+
+    class Props:  # torch_npu's _NPUDeviceProperties: read-only attributes
+        name, total_memory = "Ascend910B", 32 << 30
+
+        def __repr__(self):
+            return f"_NPUDeviceProperties(name='{self.name}', total_memory={self.total_memory // (1 << 20)}MB)"
+
+    npu.get_device_properties = lambda device_name=None: Props()
+    npu.mem_get_info = lambda device=None: (7 << 30, 32 << 30)
+    ap_npu.patch_memory_functions(fake_torch_npu, npu)
+    ap_npu.patch_memory_functions(fake_torch_npu, npu)  # twice: still torch_npu's function underneath
+    ctx = ap.Pool(0, backend="sim").context("kv-props", quota="64MiB")
+    try:
+        assert npu.get_device_properties(0).total_memory == 32 << 30  # no context: the device's
+        with ctx:
+            props = npu.get_device_properties()
+            assert props.total_memory == npu.get_device_properties("npu:0").total_memory == 64 << 20
+            assert props.total_memory == npu.mem_get_info(0)[1] and props.name == "Ascend910B"
+            assert repr(props) == "_NPUDeviceProperties(name='Ascend910B', total_memory=64MB)"
+        ctx.set_quota(None)
+        with ctx:
+            assert npu.get_device_properties(0).total_memory == 32 << 30  # no quota: the device's
+    finally:
+        ctx.close()
+
+
 def test_torch_npus_set_allocator_settings_reaches_the_pools(fake_torch_npu):
     # torch.npu.memory._set_allocator_settings re-read torch_npu's own allocator's config, which
     # serves nothing under the pluggable allocator: vLLM's and torch's runtime settings were lost

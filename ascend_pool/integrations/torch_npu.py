@@ -37,7 +37,8 @@ memory_stats_as_nested_dict (which torch_npu's memory_stats calls), reset_peak_m
 reset_accumulated_memory_stats, memory_snapshot, _snapshot, _record_memory_history, _dump_snapshot,
 _set_memory_metadata / _get_memory_metadata, mem_get_info (for a thread allocating from a tenant context
 with a quota: the quota as total and what is left of it node-wide as free, as HAMi's limited
-cudaMemGetInfo; else torch_npu's own, the runtime's figures), _allocation_traceback (newer torch: a live block's
+cudaMemGetInfo; else torch_npu's own, the runtime's figures), get_device_properties (its total_memory the quota there,
+as HAMi's cuDeviceTotalMem, once the context's pool is open), _allocation_traceback (newer torch: a live block's
 allocation frames, from whichever pool made it), _set_allocator_settings (ascend_pool.settings: the knobs
 that change at runtime change every open pool; where it has them) and get_per_process_memory_fraction (newer torch_npu; the cap set_per_process_memory_fraction handed
 to the pool through the hook) answer from ascend_pool (PyTorch's schema): the stats
@@ -345,9 +346,49 @@ def _quota_mem_get_info(original):
     return mem_get_info
 
 
+class QuotaDeviceProperties:
+    """torch_npu's device properties with total_memory the tenant's quota (at most the device's
+    memory), as HAMi's limited cuDeviceTotalMem reports its limit there as in cudaMemGetInfo;
+    every other attribute torch_npu's own (props)."""
+
+    def __init__(self, props, total_memory):
+        self._props, self.total_memory = props, total_memory
+
+    def __getattr__(self, name):
+        return getattr(self._props, name)
+
+    def __repr__(self):
+        text = repr(self._props)
+        own = getattr(self._props, "total_memory", None)
+        if own is not None and own // (1 << 20) != self.total_memory // (1 << 20):
+            text = text.replace(f"total_memory={own // (1 << 20)}MB", f"total_memory={self.total_memory // (1 << 20)}MB")
+        return text
+
+
+def _quota_device_properties(original):
+    """torch_npu's get_device_properties(device_name=None), its total_memory the quota (at most
+    the device's memory) when the calling thread allocates from a tenant context with a quota on
+    that device (`with ctx:`, $ASCEND_POOL_TENANT), as mem_get_info answers then
+    (_quota_mem_get_info): a framework sizing its cache from total_memory (DeepSpeed's
+    accelerator total_memory(), Megatron's) asked for the device where mem_get_info said the
+    quota. Reads the pool only if it is open (torch_npu's own call ran its lazy init first)."""
+    def get_device_properties(device_name=None, *args, **kwargs):
+        props = original(device_name, *args, **kwargs)
+        total = getattr(props, "total_memory", None)
+        if not isinstance(total, int) or not _framework_started():
+            return props
+        index = _device_index(device_name)
+        pool = api.open_pool(index) if index is not None else None
+        quota = pool.quota if pool is not None and getattr(pool, "quota_hook", None) is not None else None
+        return props if quota is None else QuotaDeviceProperties(props, min(quota, total))
+    get_device_properties._ascend_pool_original = original
+    return get_device_properties
+
+
 def patch_memory_functions(*modules):
     """Points the PATCHED functions of each module given (torch_npu.npu.memory, torch_npu.npu)
-    at ascend_pool's, and wraps its mem_get_info (_quota_mem_get_info); names a module lacks are
+    at ascend_pool's, and wraps its mem_get_info (_quota_mem_get_info) and get_device_properties
+    (_quota_device_properties); names a module lacks are
     left out. Returns the names replaced per module."""
     repl = _replacements()
     done = []
@@ -360,6 +401,11 @@ def patch_memory_functions(*modules):
             # a second patch wraps torch_npu's function, not the first wrapper
             setattr(mod, "mem_get_info", _quota_mem_get_info(getattr(original, "_ascend_pool_original", original)))
             names.append("mem_get_info")
+        original = getattr(mod, "get_device_properties", None)
+        if callable(original):
+            setattr(mod, "get_device_properties",
+                    _quota_device_properties(getattr(original, "_ascend_pool_original", original)))
+            names.append("get_device_properties")
         done.append(names)
     return done
 
