@@ -648,3 +648,24 @@ def test_a_share_malloc_after_finalize_and_init_forgets_the_old_cache_before_giv
         print(json.dumps(res))
     """, ASCEND_SIM_DEVICES="1", ASCEND_POOL_STATS="0")
     assert res["app_inside_share"] is False, res
+
+
+def test_the_simulator_counts_acl_init_references_as_cann(sim_node):
+    """hicann/runtime aclInitImpl / aclFinalizeReferenceImpl: each aclInit adds one (100002 after
+    the first), aclFinalizeReference takes one and finalises at the last, one more is refused
+    with ACL_ERROR_REPEAT_FINALIZE; aclFinalize clears the count whatever it is."""
+    res = sim_node.run_json("""
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        n = C.c_uint64(99)
+        r = [acl.aclInit(None), acl.aclInit(None), acl.aclInit(None)]
+        r.append(acl.aclFinalizeReference(C.byref(n))); r.append(n.value)
+        r.append(acl.aclrtSetDevice(0)); acl.aclrtResetDevice(0)
+        r.append(acl.aclFinalizeReference(C.byref(n))); r.append(n.value)
+        r.append(acl.aclFinalizeReference(C.byref(n))); r.append(n.value)
+        r.append(acl.aclrtSetDevice(0))
+        r.append(acl.aclFinalizeReference(None))
+        r += [acl.aclInit(None), acl.aclInit(None), acl.aclFinalize(), acl.aclFinalizeReference(None)]
+        print(json.dumps(r))
+    """, ASCEND_SIM_DEVICES="1")
+    assert res == [0, 100002, 100002, 0, 2, 0, 0, 1, 0, 0, 100001, 100037, 0, 100002, 0, 100037], res

@@ -13,7 +13,7 @@ import pytest
 import ascend_pool.sim as sim
 
 ACL = [
-    "aclInit", "aclFinalize", "aclrtSetDevice", "aclrtGetDevice", "aclrtGetDeviceCount",
+    "aclInit", "aclFinalize", "aclFinalizeReference", "aclrtSetDevice", "aclrtGetDevice", "aclrtGetDeviceCount",
     "aclrtResetDevice", "aclrtResetDeviceForce", "aclrtCreateContext", "aclrtSetCurrentContext", "aclrtGetCurrentContext",
     "aclrtDestroyContext", "aclrtMalloc", "aclrtMallocAlign32", "aclrtFree", "aclrtGetMemInfo",
     "aclrtMallocHost", "aclrtFreeHost", "aclrtCreateEvent", "aclrtCreateEventWithFlag", "aclrtCreateEventExWithFlag",
@@ -32,7 +32,7 @@ ACL = [
     # the node's device behind a logical one (ASCEND_RT_VISIBLE_DEVICES), in both builds
     "aclrtGetPhyDevIdByLogicDevId", "aclrtGetLogicDevIdByPhyDevId",
 ]
-NEWER = {"aclrtMallocAlign32", "aclrtQueryEventStatus", "aclrtCreateEventExWithFlag"}
+NEWER = {"aclrtMallocAlign32", "aclrtQueryEventStatus", "aclrtCreateEventExWithFlag", "aclFinalizeReference"}
 CONTROL = [
     "ascendsim_launch_fill", "ascendsim_read", "ascendsim_hang_stream", "ascendsim_release_stream",
     "ascendsim_set_fail_malloc_nth", "ascendsim_set_fail_after_bytes",

@@ -4,14 +4,16 @@
  * compiler check every definition against the real prototype.
  *
  * The legacy build (-DASCEND_SIM_LEGACY=1) stands for an old CANN: it lacks aclrtMallocAlign32,
- * aclrtQueryEventStatus and aclrtCreateEventExWithFlag, so that the backend's fallbacks are exercised.
+ * aclrtQueryEventStatus, aclrtCreateEventExWithFlag and aclFinalizeReference, so that the backend's
+ * fallbacks are exercised.
  *
  * Error codes where the runtime leaves a choice (kept consistent across calls):
  *   bad argument values (NULL out-pointer, size 0, unknown policy/attr/flag, timeout < -1)
  *                                                     ACL_ERROR_INVALID_PARAM        100000
  *   any call before aclInit                           ACL_ERROR_UNINITIALIZE         100001
  *   aclInit twice; ascendsim_configure after aclInit  ACL_ERROR_REPEAT_INITIALIZE    100002
- *   aclFinalize twice                                 ACL_ERROR_REPEAT_FINALIZE      100037
+ *   aclFinalize twice; aclFinalizeReference without an aclInit reference left
+ *                                                     ACL_ERROR_REPEAT_FINALIZE      100037
  *   unreadable aclInit config file; node record malformed, of another HBM size, unopenable
  *                                                     ACL_ERROR_INVALID_FILE         100003
  *   node record owned by another user, mode not 0600, or a symlink
@@ -194,6 +196,9 @@ typedef struct aclrtPhysicalMemProp {
 
 SIM_EXPORT aclError aclInit(const char *configPath);
 SIM_EXPORT aclError aclFinalize(void);
+#if !ASCEND_SIM_LEGACY
+SIM_EXPORT aclError aclFinalizeReference(uint64_t *refCount);
+#endif
 
 SIM_EXPORT aclError aclrtSetDevice(int32_t deviceId);
 SIM_EXPORT aclError aclrtGetDevice(int32_t *deviceId);

@@ -23,6 +23,10 @@
 
 struct sim_global g_sim = {.life_lock = PTHREAD_MUTEX_INITIALIZER};
 static int ever_initialised;
+/* CANN's aclInit reference count (hicann/runtime aclInitImpl): each aclInit adds one, the one that
+   initialises and every later one, answered ACL_ERROR_REPEAT_INITIALIZE; aclFinalizeReference
+   takes one and finalises at the last, aclFinalize clears it. life_lock. */
+static uint64_t init_refs;
 
 int sim_require_init(const char *call)
 {
@@ -69,6 +73,7 @@ static void after_fork_in_child(void)
     atomic_store(&g_sim.held_total, 0);
     atomic_store(&g_sim.host_held, 0);
     atomic_fetch_add(&g_sim.generation, 1);
+    init_refs = 0; /* the child has no runtime: its own aclInit starts the count again */
     atomic_store(&g_sim.state, SIM_UNINIT);
 }
 
@@ -125,7 +130,12 @@ SIM_EXPORT aclError aclInit(const char *configPath)
     pthread_mutex_lock(&g_sim.life_lock);
     int rc = 0;
     if (atomic_load(&g_sim.state) == SIM_READY) {
-        rc = sim_fail(ACL_ERROR_REPEAT_INITIALIZE, call, "the runtime is already initialised");
+        /* Counted all the same: a caller that pairs its aclInit with aclFinalizeReference keeps
+           the runtime until that call, as CANN's (docs/cann-rules.md R6). */
+        init_refs++;
+        rc = sim_fail(ACL_ERROR_REPEAT_INITIALIZE, call,
+                      "the runtime is already initialised (init references now %llu: each aclInit takes one, "
+                      "aclFinalizeReference gives one back)", (unsigned long long)init_refs);
         goto out;
     }
     if (configPath && *configPath && access(configPath, R_OK) != 0) {
@@ -151,6 +161,7 @@ SIM_EXPORT aclError aclInit(const char *configPath)
     atomic_store(&g_sim.poison, 0);
     atomic_fetch_add(&g_sim.generation, 1);
     ever_initialised = 1;
+    init_refs = 1;
     atomic_store_explicit(&g_sim.state, SIM_READY, memory_order_release);
 out:
     pthread_mutex_unlock(&g_sim.life_lock);
@@ -164,17 +175,9 @@ static void finalize_stream(struct sim_stream *s)
     sim_stream_put(s);
 }
 
-SIM_EXPORT aclError aclFinalize(void)
+/* Releases everything of the process's runtime; life_lock held, the runtime ready. */
+static void finalize_locked(void)
 {
-    static const char call[] = "aclFinalize";
-    pthread_mutex_lock(&g_sim.life_lock);
-    if (atomic_load(&g_sim.state) != SIM_READY) {
-        int rc = ever_initialised
-                     ? sim_fail(ACL_ERROR_REPEAT_FINALIZE, call, "the runtime is already finalised")
-                     : sim_fail(ACL_ERROR_UNINITIALIZE, call, "the runtime was never initialised");
-        pthread_mutex_unlock(&g_sim.life_lock);
-        return rc;
-    }
     atomic_store(&g_sim.state, SIM_FINALIZING);
     atomic_fetch_add(&g_sim.generation, 1);
 
@@ -218,10 +221,52 @@ SIM_EXPORT aclError aclFinalize(void)
     sim_faults_reset();
     atomic_store(&g_sim.held_total, 0);
     atomic_store(&g_sim.host_held, 0);
+    init_refs = 0;
     atomic_store(&g_sim.state, SIM_UNINIT);
+}
+
+/* Finalises whatever the init reference count (CANN: "将aclInit接口的引用计数直接清零"). */
+SIM_EXPORT aclError aclFinalize(void)
+{
+    static const char call[] = "aclFinalize";
+    pthread_mutex_lock(&g_sim.life_lock);
+    if (atomic_load(&g_sim.state) != SIM_READY) {
+        int rc = ever_initialised
+                     ? sim_fail(ACL_ERROR_REPEAT_FINALIZE, call, "the runtime is already finalised")
+                     : sim_fail(ACL_ERROR_UNINITIALIZE, call, "the runtime was never initialised");
+        pthread_mutex_unlock(&g_sim.life_lock);
+        return rc;
+    }
+    finalize_locked();
     pthread_mutex_unlock(&g_sim.life_lock);
     return ACL_SUCCESS;
 }
+
+#if !ASCEND_SIM_LEGACY
+/* CANN's reference-counted de-initialisation (hicann/runtime aclFinalizeReferenceImpl): takes
+   one aclInit reference back and finalises when it was the last; *refCount (may be NULL) gets the
+   count left. Without a reference: ACL_ERROR_REPEAT_FINALIZE, whether or not aclInit ever ran. */
+SIM_EXPORT aclError aclFinalizeReference(uint64_t *refCount)
+{
+    static const char call[] = "aclFinalizeReference";
+    pthread_mutex_lock(&g_sim.life_lock);
+    if (refCount)
+        *refCount = init_refs;
+    int rc = ACL_SUCCESS;
+    if (init_refs > 1)
+        init_refs--;
+    else if (init_refs == 1 && atomic_load(&g_sim.state) == SIM_READY)
+        finalize_locked();
+    else
+        rc = sim_fail(ACL_ERROR_REPEAT_FINALIZE, call,
+                      "no aclInit reference is left to give back (called more often than aclInit, or after "
+                      "aclFinalize)");
+    if (refCount)
+        *refCount = init_refs;
+    pthread_mutex_unlock(&g_sim.life_lock);
+    return rc;
+}
+#endif
 
 static int bad_device(const char *call, int32_t dev)
 {
