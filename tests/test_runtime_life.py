@@ -650,6 +650,34 @@ def test_a_share_malloc_after_finalize_and_init_forgets_the_old_cache_before_giv
     assert res["app_inside_share"] is False, res
 
 
+def test_a_framework_pairing_acl_init_with_finalize_reference_ends_its_runtime_there(sim_node):
+    """CANN counts every aclInit, a refused one (ACL_ERROR_REPEAT_INITIALIZE) too, and
+    aclFinalizeReference finalises at the count's last. A program that pairs its aclInit with
+    aclFinalizeReference, pools open and closed between (several backends: each aclInit'ed), finds
+    the count at 0 after it and the runtime finalised, as without ascend_pool (before: 1 left per
+    backend opened, the runtime running until exit); a pool opened in the new runtime works."""
+    res = sim_node.run_json("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        acl = C.CDLL(sim.library_path())
+        assert acl.aclInit(None) == 0
+        pools = [ap.Pool(0, backend="sim"), ap.Pool(0, backend="sim", expandable_segments=True)]
+        for p in pools:
+            p.free(p.malloc(1 << 20))
+            p.close()
+        n = C.c_uint64(99)
+        rc = acl.aclFinalizeReference(C.byref(n))
+        res = {"rc": rc, "left": n.value, "set_device": acl.aclrtSetDevice(0), "init_again": acl.aclInit(None)}
+        pool = ap.Pool(0, backend="sim")
+        pool.free(pool.malloc(1 << 20))
+        pool.close()
+        res["again"] = acl.aclFinalizeReference(C.byref(n))
+        res["left_again"] = n.value
+        print(json.dumps(res))
+    """, ASCEND_SIM_DEVICES="1")
+    assert res == {"rc": 0, "left": 0, "set_device": 100001, "init_again": 0, "again": 0, "left_again": 0}, res
+
+
 def test_the_simulator_counts_acl_init_references_as_cann(sim_node):
     """hicann/runtime aclInitImpl / aclFinalizeReferenceImpl: each aclInit adds one (100002 after
     the first), aclFinalizeReference takes one and finalises at the last, one more is refused

@@ -162,6 +162,7 @@ typedef struct acl_impl {
     uint64_t learned_clock;
     aclError (*sim_stream_device)(void *stream, int32_t *device); /* simulator only: probed */
     aclError (*aclrtDeviceGetBareTgid)(int32_t *pid); /* optional: NULL on an old CANN */
+    aclError (*aclFinalizeReference)(uint64_t *count); /* optional: NULL before CANN counted aclInit */
     aclError (*aclrtGetPhyDevIdByLogicDevId)(int32_t logic, int32_t *phys); /* optional likewise */
 } acl_impl;
 
@@ -1848,6 +1849,15 @@ int ap_acl_open(ap_backend *b, const char *path, int prefer_loaded, int want_sim
         ap_errf(err, errlen, "aclInit failed in %s: %s", b->path, why);
         return rc;
     }
+    /* CANN counts every aclInit, a refused one too (aclInitImpl), and aclFinalizeReference
+       finalises only at the count's last: the reference the refused call took is given back at
+       once, so that a framework pairing its own aclInit with aclFinalizeReference still ends its
+       runtime there (kept, it was left running until exit). The runtime stays the framework's, as
+       with aclFinalize (docs/cann-rules.md R6, R11). One initialised here is kept. */
+    im->aclFinalizeReference = (__typeof__(im->aclFinalizeReference))dlsym(b->lib, "aclFinalizeReference");
+    if (rc == ACL_ERROR_REPEAT_INITIALIZE && im->aclFinalizeReference && im->aclFinalizeReference(NULL) != 0 &&
+        im->aclGetRecentErrMsg)
+        (void)im->aclGetRecentErrMsg(); /* refused: a framework's aclFinalize raced ours; its calls say so */
     rc = im->aclrtGetDeviceCount(&count);
     if (rc != 0) {
         acl_error_message(b, rc, why, sizeof why);
