@@ -343,3 +343,32 @@ def test_an_import_on_another_device_needs_peer_access(sim_node):
         assert other(f"rc, p = imp({key!r}, 1)\nout = [rc, close({key!r})]") == [0, 0]
         assert same(f"rc, p = imp({key!r}, 0)\nout = [rc, close({key!r})]") == [0, 0]
         ex(f"assert close({key!r}) == 0 and free(ptr) == 0")
+
+
+def test_a_key_imported_twice_maps_twice_and_each_close_takes_the_oldest_import(sim_node):
+    """CANN's driver maps each aclrtIpcMemImportByKey anew (svm_ipc_open_handle: a new address), and
+    aclrtIpcMemClose(key) closes the process's oldest import of the key (IpcCloseMemoryByName: its
+    vaList's front), whichever the caller meant. The exporter's close waits for both. Before
+    2026-12-06 the second import returned the first one's address, counted."""
+    with Peer(sim_node, INIT) as ex, Peer(sim_node, INIT) as im:
+        key = ex("""
+            ptr = malloc(4 * MiB)
+            assert fill(ptr, 4 * MiB, 0x5A) == 0
+            rc, key = export(ptr, 4 * MiB, 1)
+            assert rc == 0, (rc, errmsg())
+            out = key
+        """)
+        got = im(f"""
+            rc1, p1 = imp({key!r})
+            rc2, p2 = imp({key!r})
+            out = [rc1, rc2, p1 != p2, same(p1, 4 * MiB, 0x5A), same(p2, 4 * MiB, 0x5A), ipc_stats(0)["ipc_imports"]]
+        """)
+        assert got == [0, 0, True, True, True, 2], got
+        got = im(f"""
+            out = [close({key!r}), read(p1, 64)[0], same(p2, 4 * MiB, 0x5A)]   # the oldest goes: p1
+        """)
+        assert got == [0, 107000, True], got
+        assert ex(f"out = close({key!r})") != 0                               # p2 still imports it
+        assert im(f"out = [close({key!r}), read(p2, 64)[0], close({key!r})]") == [0, 107000, 107000]
+        ex(f"assert close({key!r}) == 0 and free(ptr) == 0")
+    assert ipc_files(sim_node) == []

@@ -39,8 +39,10 @@
  *    exporter, never a crash. The same holds after the exporter closed the key in aclFinalize. The
  *    last importer to close a dead exporter's key removes its file; files nobody can close any
  *    more (exporter and importers all dead) are swept at the next export on the node;
- *  - importing a key this process already imported returns the same address and counts one more
- *    import; each aclrtIpcMemClose undoes one;
+ *  - importing a key this process already imported maps it once more, at another address (CANN's
+ *    driver: svm_ipc_open_handle maps each open anew), and aclrtIpcMemClose(key) closes the
+ *    oldest import of the key in this process, whichever the caller meant (CANN's
+ *    IpcCloseMemoryByName closes its vaList's front); the record counts the process's imports;
  *  - an import on another device than the exporter's needs ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS
  *    (CANN's aclrtIpcMemImportByKey page: with the default flag, data exchange between the two
  *    devices stays off unless aclrtDeviceEnablePeerAccess was called, which is not simulated; the
@@ -138,7 +140,7 @@ struct ipc_import {
     char path[IPC_PATH_MAX];
     struct ipc_record *rec;
     int life_fd;             /* the record, open for this process's life lock (proc.c), or -1 */
-    uint32_t count;
+    uint32_t count;          /* 1: each import is a mapping of its own */
 };
 
 struct counters {
@@ -728,12 +730,32 @@ SIM_EXPORT aclError aclrtIpcMemSetImportPid(const char *key, int32_t *pid, size_
 
 /* ---- import -------------------------------------------------------------------------------- */
 
-static struct ipc_import *find_import(const char *key)
+/* This process's imports of key: the newest (the list is newest first), or the oldest, the one
+   CANN's aclrtIpcMemClose(key) closes (IpcCloseMemoryByName: its vaList's front). */
+static struct ipc_import *find_import(const char *key, int oldest)
 {
+    struct ipc_import *found = NULL;
     for (struct ipc_import *m = imports; m; m = m->next)
-        if (strcmp(m->key, key) == 0)
-            return m;
-    return NULL;
+        if (strcmp(m->key, key) == 0) {
+            found = m;
+            if (!oldest)
+                break;
+        }
+    return found;
+}
+
+/* A second import's life descriptor: the same open file description as the earlier import's, whose
+   OFD lock (this process's life lock on the record) it then shares, so that the lock lasts as long
+   as either import; -1 when the earlier one has none. ipc_mu held. */
+static int life_dup(int life)
+{
+    if (life < 0)
+        return -1;
+    sim_proc_fork_window_enter();
+    int fd = fcntl(life, F_DUPFD_CLOEXEC, 0);
+    making_life = fd; /* until listed (life_listed) */
+    sim_proc_fork_window_leave();
+    return fd;
 }
 
 static int exporter_gone_fail(const struct ipc_record *r, const char *key, const char *call)
@@ -785,23 +807,11 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
     uint64_t my_id = sim_proc_self_id();  /* who we are (proc.c) */
     int32_t node_pid = sim_proc_bare_tgid();
     pthread_mutex_lock(&ipc_mu);
-    struct ipc_import *m = find_import(key);
-    if (m) { /* imported already: the same mapping, one more import to close */
-        if (exporter_gone(m->rec, m->life_fd))
-            rc = exporter_gone_fail(m->rec, key, call);
-        else if (lock_record(m->rec, m->life_fd) != 0)
-            rc = sim_fail(ACL_ERROR_RT_IPC_ERROR, call, "cannot lock the record of key '%s'", key);
-        if (rc == 0) {
-            for (int i = 0; i < IPC_MAX_IMPORTERS; i++)
-                if (m->rec->importers[i].pid != 0 && m->rec->importers[i].start_time == my_id)
-                    m->rec->importers[i].count++;
-            unlock_record(m->rec);
-            m->count++;
-            *devPtr = (void *)m->a.base;
-        }
-        pthread_mutex_unlock(&ipc_mu);
-        return rc;
-    }
+    /* Imported already: as CANN's driver (svm_ipc_open_handle maps each open at a new address of
+       its own), one more mapping at another address, each closed by one aclrtIpcMemClose, the
+       oldest first. Until 2026-12-06 the same address came back, counted. */
+    struct ipc_import *prev = find_import(key, 0);
+    struct ipc_import *m;
     m = calloc(1, sizeof *m);
     if (!m) {
         pthread_mutex_unlock(&ipc_mu);
@@ -839,7 +849,8 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
         return rc;
     }
     m->rec = r;
-    m->life_fd = life_open(m->path, fd); /* before our slot is published, until import_close */
+    /* before our slot is published, until import_close; a second import shares the first's */
+    m->life_fd = prev ? life_dup(prev->life_fd) : life_open(m->path, fd);
     int slot = -1;
     if (atomic_load(&r->state) == IPC_CREATING) {
         rc = sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "key '%s' is still being exported", key);
@@ -864,16 +875,23 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
                           (int)me, (int)node_pid, key, (int)r->exporter_pid, r->n_pids);
         } else {
             (void)live_importers(r, NULL, 0, fd); /* frees the slots of dead importers */
-            for (int i = 0; i < IPC_MAX_IMPORTERS && slot < 0; i++)
-                if (r->importers[i].pid == 0)
+            for (int i = 0; i < IPC_MAX_IMPORTERS && slot < 0; i++) /* ours, importing it already */
+                if (r->importers[i].pid != 0 && r->importers[i].start_time == my_id)
                     slot = i;
-            if (slot < 0) {
-                rc = sim_fail(ACL_ERROR_RT_OVER_LIMIT, call, "key '%s' is imported by %d live processes already, the "
-                              "most one key can serve", key, IPC_MAX_IMPORTERS);
+            if (slot >= 0) {
+                r->importers[slot].count++;
             } else {
-                r->importers[slot].pid = me;
-                r->importers[slot].start_time = my_id;
-                r->importers[slot].count = 1;
+                for (int i = 0; i < IPC_MAX_IMPORTERS && slot < 0; i++)
+                    if (r->importers[i].pid == 0)
+                        slot = i;
+                if (slot < 0) {
+                    rc = sim_fail(ACL_ERROR_RT_OVER_LIMIT, call, "key '%s' is imported by %d live processes already, "
+                                  "the most one key can serve", key, IPC_MAX_IMPORTERS);
+                } else {
+                    r->importers[slot].pid = me;
+                    r->importers[slot].start_time = my_id;
+                    r->importers[slot].count = 1;
+                }
             }
         }
         unlock_record(r);
@@ -902,8 +920,12 @@ SIM_EXPORT aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint6
             rc = sim_fail(ACL_ERROR_RT_MEMORY_ALLOCATION, call, "the host could not map %zu bytes of key '%s' (%s)",
                           size, key, strerror(err));
             if (lock_record(r, fd) == 0) {
-                r->importers[slot].count = 0;
-                r->importers[slot].pid = 0;
+                if (r->importers[slot].count <= 1) {
+                    r->importers[slot].count = 0;
+                    r->importers[slot].pid = 0;
+                } else {
+                    r->importers[slot].count--;
+                }
                 unlock_record(r);
             }
         }
@@ -947,10 +969,14 @@ static void import_close(struct ipc_import *m)
     struct ipc_record *r = m->rec;
     uint64_t my_id = sim_proc_self_id();
     if (lock_record(r, m->life_fd) == 0) {
-        for (int i = 0; i < IPC_MAX_IMPORTERS; i++)
+        for (int i = 0; i < IPC_MAX_IMPORTERS; i++) /* this import's share of our slot */
             if (r->importers[i].pid != 0 && r->importers[i].start_time == my_id) {
-                r->importers[i].count = 0;
-                r->importers[i].pid = 0;
+                if (r->importers[i].count > 1) {
+                    r->importers[i].count--;
+                } else {
+                    r->importers[i].count = 0;
+                    r->importers[i].pid = 0;
+                }
             }
         if (exporter_gone(r, m->life_fd) && live_importers(r, NULL, 0, m->life_fd) == 0) {
             atomic_store(&r->state, IPC_CLOSED);
@@ -979,21 +1005,16 @@ SIM_EXPORT aclError aclrtIpcMemClose(const char *key)
     if (!key_ok(key))
         return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "'%.64s' is not a key", key);
     pthread_mutex_lock(&ipc_mu);
-    struct ipc_import *m = find_import(key);
+    /* Imported here: closes the oldest import of the key (CANN's IpcCloseMemoryByName: vaList's
+       front), whichever address the caller meant. */
+    struct ipc_import *m = find_import(key, 1);
     if (m) {
-        if (--m->count == 0) {
-            for (struct ipc_import **pp = &imports; *pp; pp = &(*pp)->next)
-                if (*pp == m) {
-                    *pp = m->next;
-                    break;
-                }
-            import_close(m);
-        } else if (lock_record(m->rec, m->life_fd) == 0) {
-            for (int i = 0; i < IPC_MAX_IMPORTERS; i++)
-                if (m->rec->importers[i].pid != 0 && m->rec->importers[i].start_time == sim_proc_self_id() && m->rec->importers[i].count > 1)
-                    m->rec->importers[i].count--;
-            unlock_record(m->rec);
-        }
+        for (struct ipc_import **pp = &imports; *pp; pp = &(*pp)->next)
+            if (*pp == m) {
+                *pp = m->next;
+                break;
+            }
+        import_close(m);
         pthread_mutex_unlock(&ipc_mu);
         return ACL_SUCCESS;
     }
