@@ -376,6 +376,13 @@ _imports = weakref.WeakSet()  # open SharedBlocks
 _collector = None
 _COLLECT_PERIOD_S = 0.2
 _pid = os.getpid()  # the process this state is of (a child forked from C keeps the parent's)
+# This process's runtime imports of each key, oldest first (_KeyImport). CANN maps each import of a
+# key at an address of its own and aclrtIpcMemClose(key) closes the process's oldest import of the
+# key (IpcCloseMemoryByName: its vaList's front), whichever block the caller closes: so a block
+# closed while an older one of the same key is open stays mapped until the older ones are closed
+# too, and each runtime close is made for the oldest (docs/sharing.md).
+_key_imports = {}
+_key_lock = threading.RLock()  # the imports and their order; reentrant: a block's __del__ closes it
 
 
 class _Export:
@@ -397,6 +404,9 @@ def _forget_after_fork():
     _deferred.clear()
     for b in list(_imports):
         b._forget()
+    global _key_lock
+    _key_lock = threading.RLock()
+    _key_imports.clear()
     _collector = None
 
 
@@ -646,13 +656,78 @@ def _at_exit():
 
 # ---- importer ----------------------------------------------------------------------------------
 
+class _KeyImport:
+    """One runtime import of a key in this process (one SharedBlock's), listed in _key_imports in
+    the runtime's order of imports: aclrtIpcMemClose(key) closes the oldest."""
+
+    __slots__ = ("key", "device", "backend", "record", "life", "released")
+
+    def __init__(self, key, device, backend, record, life):
+        self.key = key
+        self.device = device
+        self.backend = backend
+        self.record = record
+        self.life = life  # the runtime's life it was made in (Backend.runtime_life)
+        self.released = False
+
+    def gone(self, probe=False):
+        """Its runtime released it (aclFinalize, then perhaps aclInit): nothing to close there."""
+        return self.backend.runtime_life(self.device, probe) != self.life
+
+    def release(self):
+        """Marks it closed by its block; returns the imports to close now, oldest first: the
+        released ones ahead of the key's oldest import still open (none while an older one is).
+        Imports of a released runtime leave the list, closed or not: the runtime has none of them."""
+        with _key_lock:
+            self.released = True
+            imports = _key_imports.get(self.key)
+            if not imports or self not in imports:  # not listed: a block made otherwise
+                return [self]
+            ready = []
+            while imports and (imports[0].released or imports[0].gone()):
+                e = imports.pop(0)
+                if e.released:
+                    ready.append(e)
+            if not imports:
+                del _key_imports[self.key]
+            return ready
+
+    def close(self):
+        """Closes the oldest import of its key in the runtime (the caller made sure it is its
+        turn), then gives up the process's share of the record."""
+        try:
+            # An import of a runtime that released it (aclFinalize, then perhaps aclInit) went
+            # with it: its close raised DeviceError (107000, 100001), and, once this process had
+            # imported the key again in the new runtime, would have closed that import.
+            if not self.gone(probe=True):
+                try:
+                    self.backend.ipc_close(self.device, self.key)
+                except DeviceError:
+                    if not self.gone():  # the failed call itself may have found it
+                        raise
+        finally:
+            rec = self.record
+            self.record = None
+            if rec is not None:
+                try:
+                    with rec:
+                        rec.drop_import(identity.instance())
+                        last = not rec.exporter_alive() and not rec.live_importers()
+                    if last:  # the exporter is gone and nobody else maps it: nobody will remove it
+                        _unlink(rec.path)
+                except (OSError, SharingError):
+                    pass
+                finally:
+                    rec.close()
+
+
 class SharedBlock:
     """Another process's shared block, mapped into this one: ptr (device address on self.device),
     size and nbytes (bytes), read_only (the exporter's choice), read_only_enforced (the runtime
     refuses writes to it: the simulator; CANN and CUDA cannot), handle. close() unmaps it (also
     on `with` exit); the exporter can only free the block once every importer has closed it."""
 
-    def __init__(self, handle, ptr, pool, backend, record, life=0):
+    def __init__(self, handle, ptr, pool, backend, record, life=0, entry=None):
         self.handle = handle
         self.ptr = ptr
         self.size = handle.size
@@ -665,6 +740,7 @@ class SharedBlock:
         self._record = record
         self._life = life  # the runtime's life it was imported in (Backend.runtime_life)
         self._pid = os.getpid()  # the importing process: its slot in the record is its own
+        self._entry = entry if entry is not None else _KeyImport(handle.key, pool.device, backend, record, life)
         self.closed = False
 
     @property
@@ -693,29 +769,16 @@ class SharedBlock:
             return
         self.closed = True
         _imports.discard(self)
-        try:
-            # An import of a runtime that released it (aclFinalize, then perhaps aclInit) went
-            # with it: its close raised DeviceError (107000, 100001), and, once this process had
-            # imported the key again in the new runtime, would have closed that import.
-            if not self._runtime_gone(probe=True):
-                try:
-                    self._backend.ipc_close(self.device, self.handle.key)
-                except DeviceError:
-                    if not self._runtime_gone():  # the failed call itself may have found it
-                        raise
-        finally:
-            rec = self._record
-            self._record = None
+        self._record = None  # the import's (self._entry), closed with it
+        mine = None
+        for e in self._entry.release():  # this block's import, when no older one of its key is open
             try:
-                with rec:
-                    rec.drop_import(identity.instance())
-                    last = not rec.exporter_alive() and not rec.live_importers()
-                if last:  # the exporter is gone and nobody else maps it: nobody will remove it
-                    _unlink(rec.path)
-            except (OSError, SharingError):
-                pass
-            finally:
-                rec.close()
+                e.close()
+            except DeviceError as err:
+                if e is self._entry:
+                    mine = err
+        if mine is not None:
+            raise mine
 
     def _runtime_gone(self, probe=False):
         return self._backend.runtime_life(self.device, probe) != self._life
@@ -723,6 +786,7 @@ class SharedBlock:
     def _forget(self):
         # fork child: the parent's import is not ours to close
         self.closed = True
+        self._entry.record = None  # the same record, closed here
         if self._record is not None:
             self._record.close()
             self._record = None
@@ -845,7 +909,10 @@ def open_shared(handle, pool=None):
             slot[1] += 1
         try:
             try:
-                ptr, _ = be.ipc_import(pool.device, handle.key)
+                with _key_lock:  # listed in the runtime's order of imports
+                    ptr, _ = be.ipc_import(pool.device, handle.key)
+                    entry = _KeyImport(handle.key, pool.device, be, rec, be.runtime_life(pool.device))
+                    _key_imports.setdefault(handle.key, []).append(entry)
             except DeviceError as e:
                 if e.code != _NOT_ALLOWED:
                     raise
@@ -861,7 +928,7 @@ def open_shared(handle, pool=None):
     except BaseException:
         rec.close()
         raise
-    block = SharedBlock(handle, ptr, pool, be, rec, be.runtime_life(pool.device))  # on pool.device
+    block = SharedBlock(handle, ptr, pool, be, rec, entry.life, entry)  # on pool.device
     _imports.add(block)
     return block
 

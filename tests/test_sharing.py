@@ -607,3 +607,31 @@ def test_another_builds_share_record_is_removed_once_nobody_holds_it(pool, caplo
                    for r in caplog.records)
     finally:
         assert pool.share_free(ptr) is True
+
+
+@pytest.mark.parametrize("first_closed", ["older", "newer"])
+def test_a_block_opened_twice_in_one_process_stays_mapped_until_its_own_close(sim_node, first_closed):
+    """open_shared of one handle twice in a process (two tensors over the same weights): CANN maps
+    each import at an address of its own and aclrtIpcMemClose(key) closes the oldest import of
+    the key. Closing either block leaves the other readable and writable, and the exporter's
+    release waits for the last close (before: closing the newer block closed the older block's
+    import, whose reads then failed with 107000 while it was open)."""
+    with Peer(sim_node, POOL) as ex, Peer(sim_node, POOL) as im:
+        start = ex("out = node_used()")
+        h = ex("""
+            ptr = pool.share_malloc(4 * MiB)
+            sim.launch_fill(None, ptr, 4 * MiB, 0x5A); pool.synchronize()
+            out = dump(pool.share(ptr, any_process=True))
+        """)
+        im(f"""
+            blocks = [ap.open_shared(load({h!r}), pool=pool), ap.open_shared(load({h!r}), pool=pool)]
+            first, keep = (blocks[0], blocks[1]) if {first_closed!r} == "older" else (blocks[1], blocks[0])
+            first.close()
+        """)
+        assert im("""
+            sim.launch_fill(None, keep.ptr, 4 * MiB, 0x33); pool.synchronize()
+            out = sim.read(keep.ptr, 4 * MiB) == bytes([0x33]) * (4 * MiB)
+        """)
+        assert ex("out = [pool.share_free(ptr), sim.read(ptr, 16) == bytes([0x33]) * 16]") == [False, True]
+        im("keep.close()")
+        assert wait_for(ex, "out = node_used() == %d and pool.memory_stats()['shared_deferred_bytes'] == 0" % start)
