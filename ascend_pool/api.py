@@ -15,7 +15,7 @@ from . import current as _current
 from . import registry as _registry
 from . import stats as _stats
 from ._core import MemPoolUse, attach_out_of_memory_observer, capi_free, detach_out_of_memory_observer, set_default_pool_hook
-from .backend import check_device, device_index, open_backend, torch_device_index
+from .backend import BACKEND_ENV, backend_opened, check_device, device_index, open_backend, torch_device_index
 from .config import effective_knobs, flag_argument, history_settings, history_skip_mask, knobs_fraction
 from .errors import (ConfigError, ConfigTypeError, InvalidDeviceError, InvalidPointerError, InvalidStreamError, PoolError,
                      StreamTypeError)
@@ -388,8 +388,19 @@ def _read_pool(device):
     pool = _current.cache_owner(index) or _registry.default_pool(index)
     if pool is None:
         index = device_index(index)
-        check_device(open_backend(), index)
+        _check_device_if_opened(index)
     return index, pool
+
+
+def _check_device_if_opened(index):
+    """check_device(backend, index) where the process has opened its backend; with none opened
+    (no pool anywhere), the index is not checked rather than the runtime opened for it (aclInit):
+    a launcher that read memory_allocated() before forking its workers (multiprocessing's default
+    start method on Linux) got every worker refused the device ("forked ... after that process
+    had opened the device runtime"), where torch's readers initialise no device and answer zeros
+    for any index before it is."""
+    if backend_opened():
+        check_device(open_backend(), index)
 
 
 class _TotalUnknown(Exception):
@@ -418,7 +429,10 @@ def _unopened_stats(index):
 
 
 def _unopened_peers(index):
-    """The open pools of device index on the backend a default pool of it would use."""
+    """The open pools of device index on the backend a default pool of it would use (none where
+    no backend was opened: not opened to say so)."""
+    if not backend_opened():
+        return []
     backend = open_backend()
     return [p for p in _registry.live_pools() if p.device == index and p.backend is backend]
 
@@ -518,7 +532,8 @@ def memory_summary(device=None, abbreviated=False):
     if pool is not None:
         return pool.memory_summary(abbreviated)
     abbreviated = flag_argument("memory_summary", "abbreviated", abbreviated)
-    return _stats.summary(_unopened_stats(index), index, open_backend().name, abbreviated=abbreviated)
+    name = open_backend().name if backend_opened() else (os.environ.get(BACKEND_ENV) or "no runtime opened")
+    return _stats.summary(_unopened_stats(index), index, name, abbreviated=abbreviated)
 
 
 def reset_peak_stats(device=None):
@@ -872,7 +887,7 @@ def get_per_process_memory_fraction(device=None):
     index = torch_device_index(device)
     index = current_device() if index is None else index
     if _current.cache_owner(index) is None and _registry.default_pool(index) is None:
-        check_device(open_backend(), device_index(index))
+        _check_device_if_opened(device_index(index))
         fraction = knobs_fraction(effective_knobs(None))
         return 1.0 if fraction is None else fraction
     pool = _fraction_owner(device)

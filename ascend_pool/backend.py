@@ -22,7 +22,7 @@ from ._sim import library_path as sim_library_path
 from .errors import BackendUnavailableError, ConfigError, InvalidDeviceError
 from .units import as_index
 
-__all__ = ["open_backend", "check_device", "device_index", "sim_library_path", "BACKEND_ENV", "BACKEND_NAMES"]
+__all__ = ["open_backend", "backend_opened", "check_device", "device_index", "sim_library_path", "BACKEND_ENV", "BACKEND_NAMES"]
 
 BACKEND_ENV = "ASCEND_POOL_BACKEND"
 BACKEND_NAMES = ("acl", "sim", "cuda")
@@ -131,6 +131,14 @@ def open_backend(name=None, path=None):
                 backend.name, backend.device_count, backend.path, why,
             )
         return backend
+
+
+def backend_opened():
+    """True once open_backend has opened a backend (a device runtime) in this process; asks
+    nothing and opens nothing. Calls that only read figures check a device index against the
+    backend only then: opening it (aclInit) just to check made the process a runtime user
+    (cython/backend/fork.c), so a child it forked afterwards was refused the device."""
+    return bool(_cache)
 
 
 def torch_device_index(device, kinds=("npu", "cuda")):

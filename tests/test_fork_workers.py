@@ -110,3 +110,41 @@ def test_a_fork_before_any_runtime_opened_works(sim_node):
         pool = ap.Pool(0, backend="sim")           # and so does the parent, afterwards
         pool.free(pool.malloc(4096))
     """)
+
+
+def test_reading_figures_before_any_pool_leaves_forked_workers_the_device(sim_node):
+    # A launcher logs the allocator's figures (memory_allocated(), memory_stats(d) ...) before it
+    # forks its workers (multiprocessing's default start method on Linux). Those calls open no
+    # pool, but they opened the runtime (aclInit) to check the device index, which made the
+    # launcher a runtime user: every worker was refused the device ("forked ... after that
+    # process had opened the device runtime"). torch's readers initialise no device.
+    out = sim_node.run_json("""
+        import ascend_pool as ap
+        reads = [lambda: ap.memory_stats(1), lambda: ap.memory_stats_as_nested_dict(0), lambda: ap.memory_allocated(),
+                 lambda: ap.max_memory_reserved(1), lambda: ap.memory_summary(0), lambda: ap.snapshot(1),
+                 lambda: ap.memory_snapshot(), lambda: ap.reset_peak_memory_stats(0),
+                 lambda: ap.reset_accumulated_memory_stats(1), lambda: ap.get_per_process_memory_fraction(0),
+                 lambda: ap.empty_cache()]
+        answers = [r() for r in reads]
+        zeros = [answers[0]["allocated_bytes.all.current"], answers[2], answers[3], len(answers[6])]
+        pid = os.fork()
+        if pid == 0:
+            rc = 1
+            try:
+                pool = ap.Pool(1, backend="sim")
+                pool.free(pool.malloc(4096))
+                ap.free(ap.malloc(4096))
+                rc = 0
+            finally:
+                os._exit(rc)
+        _, status = os.waitpid(pid, 0)
+        ap.free(ap.malloc(4096))             # the launcher itself may still open the device later
+        try:
+            ap.memory_stats(7)               # with the runtime open, a device it lacks is refused
+            bad = None
+        except ap.InvalidDeviceError:
+            bad = "InvalidDeviceError"
+        print(json.dumps({"child": os.waitstatus_to_exitcode(status),
+                          "zeros": zeros, "bad": bad}))
+    """)
+    assert out == {"child": 0, "zeros": [0, 0, 0, 0], "bad": "InvalidDeviceError"}, out
