@@ -40,7 +40,7 @@ CORE_TESTS=(
     tests/test_torch_semantics.py tests/test_torch_history.py
     tests/test_sim_ipc.py tests/test_sim_memory.py tests/test_sim_streams.py tests/test_snapshot_torch.py tests/test_stream_order.py
     tests/test_pool_sizes.py tests/test_pool_locking.py tests/test_stream_lifecycle.py tests/test_events_cann.py
-    tests/test_stress_threads.py tests/test_vmm_policy_bounds.py
+    tests/test_stress_threads.py tests/test_stress_process.py tests/test_vmm_policy_bounds.py
     tests/test_stats_oversize.py tests/test_pool_lifecycle.py tests/test_sim_node.py tests/test_sim_node_users.py
     tests/test_sharing_users.py tests/test_close_races.py tests/test_wait_bounds.py tests/test_oom_observers.py
     tests/test_fuzz_sequences.py tests/test_backend_contexts.py
