@@ -481,6 +481,8 @@ def test_reading_the_memory_fraction_of_a_device_never_used_opens_nothing_with_a
         import ascend_pool as ap
         from ascend_pool import registry, sim
         read = ap.get_per_process_memory_fraction(1)
+        from ascend_pool.backend import open_backend
+        open_backend()  # the runtime (no device reference) the read no longer opens, for sim.stats
         untouched = [sim.stats(1)["device_refs"], registry.default_pool(1) is None]
         ap.malloc(1 << 20, device=1)
         print(json.dumps({"read": read, "untouched": untouched, "open": ap.get_per_process_memory_fraction(1)}))
