@@ -45,7 +45,7 @@ def _attempts(pool, handle):
 def test_a_forked_child_gets_a_clear_error_on_first_use(pool):
     ptr = pool.share_malloc(2 * MiB)
     handle = pool.share(ptr, any_process=True)
-    ap.malloc(4096)  # the module-level default pool exists too: the child inherits it
+    held = ap.malloc(4096)  # the module-level default pool exists too: the child inherits it
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: report every attempt, then leave without running the parent's exit hooks
@@ -74,6 +74,7 @@ def test_a_forked_child_gets_a_clear_error_on_first_use(pool):
     p = pool.malloc(4096)
     pool.free(p)
     assert pool.share_free(ptr) is True
+    ap.free(held)  # the default pool is the next test's: nothing of this one left in it
 
 
 def test_multiprocessing_fork_workers_are_told_to_use_spawn(pool):
