@@ -244,3 +244,65 @@ def test_an_interrupt_anywhere_in_a_contexts_first_opening_leaves_contexts_opena
     """, timeout=120)
     assert out["points"] > 50 and out["before_lease"] > 10, out
     assert out["failed"] == [] and out["warnings"] == [], out
+
+
+def test_an_interrupt_anywhere_in_choosing_a_ledger_leaves_its_directory_unlocked(sim_node):
+    """A KeyboardInterrupt (Ctrl-C; a SIGTERM handler's sys.exit) raised at each Python line and
+    call of tenants/ledger.py in turn while a process opens a tenant context on a ledger it has not
+    opened yet: afterwards it holds no descriptor of the ledger directory (the lock that makes
+    processes choose their ledger one at a time). One landing after that flock and before the
+    choice left the directory locked for the process's life: every later opening on the node
+    waited CHOOSE_LOCK_S (10 s)."""
+    out = sim_node.run_json(f"""
+        import gc
+        import ascend_pool as ap
+        from ascend_pool.tenants import ledger
+
+        pool = ap.Pool(0)
+        files = {{ledger.__file__}}
+        base = {sim_node.shm_dir!r}
+        # not check_files, whose loop over the ledgers mapped grows at each directory
+
+        def interrupted_at(n, body):
+            seen = [0]
+            def tracer(frame, event, arg):
+                if event in ("call", "line") and frame.f_code.co_filename in files and \\
+                        frame.f_code.co_name not in ("<listcomp>", "<genexpr>", "check_files"):
+                    seen[0] += 1
+                    if seen[0] == n:
+                        raise KeyboardInterrupt
+                return tracer
+            sys.settrace(tracer)
+            try:
+                body()
+            except KeyboardInterrupt:
+                return True
+            finally:
+                sys.settrace(None)
+            return False
+
+        def dir_fds(d):
+            out = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    if os.path.isdir(f"/proc/self/fd/{{fd}}") and os.readlink(f"/proc/self/fd/{{fd}}").startswith(d):
+                        out.append(fd)
+                except OSError:
+                    pass
+            return out
+
+        failed, n = [], 1
+        while True:
+            # a ledger directory of its own each time: a ledger this process has not opened
+            d = os.environ["ASCEND_POOL_LEDGER_DIR"] = os.path.join(base, f"choose-{{n}}")
+            os.mkdir(d)
+            if not interrupted_at(n, lambda: pool.context("choose", quota="64MiB").close()):
+                break
+            gc.collect()
+            if dir_fds(d):
+                failed.append((n, "the ledger directory left open"))
+            n += 1
+        print(json.dumps({{"points": n - 1, "failed": failed[:5], "nfailed": len(failed)}}))
+    """, timeout=120)
+    # before: 8 of 93 points left it open (locked after the flock: every opening on the node waited 10 s)
+    assert out["points"] > 20 and out["failed"] == [], out

@@ -41,7 +41,7 @@ import threading
 import time
 
 from .. import identity
-from .._core import LEDGER_VERSION, Ledger, read_ledger_view, set_operator_quota_hook
+from .._core import LEDGER_VERSION, Ledger, fork_dropped_dir_lock, read_ledger_view, set_operator_quota_hook
 from ..backend import open_backend
 from ..private_dir import candidates, private_dir
 from .config import operator_quota
@@ -310,27 +310,22 @@ def _choosing(path):
     exited (no per-version ledger yet, the old ledger free: replaced) booked in two ledgers of this
     build, each granting a tenant its whole quota, for as long as either lived. Not waited for past
     CHOOSE_LOCK_S (a stopped process holding it): the choice is then made as before."""
-    fd = None
+    lock = None
     try:
-        fd = identity.open_dropped(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        deadline = time.monotonic() + CHOOSE_LOCK_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    log.debug("ledger directory of %s stayed locked %.0f s: choosing without it", path,
-                              CHOOSE_LOCK_S)
-                    break
-                time.sleep(0.002)
-    except OSError:
-        pass  # no directory yet, or no flock there: chosen as before
-    try:
+        try:
+            # opened and locked in one compiled step, the lock held by the object: a Ctrl-C landing
+            # after the flock and before the yield kept the directory's descriptor open, locked, for
+            # the process's life, and every later opening on the node (its own and every other
+            # process's) waited CHOOSE_LOCK_S for it
+            lock, waited_out = fork_dropped_dir_lock(os.path.dirname(path) or ".", CHOOSE_LOCK_S)
+            if lock is None and waited_out:
+                log.debug("ledger directory of %s stayed locked %.0f s: choosing without it", path, CHOOSE_LOCK_S)
+        except OSError:
+            pass  # no directory yet, or no flock there: chosen as before
         yield
     finally:
-        if fd is not None:
-            identity.close_dropped(fd)  # drops the lock
+        if lock is not None:
+            lock.close()  # drops the lock (compiled: no signal lands between the close and its record)
 
 
 def open_ledger(device, backend, directory=None, group=None):

@@ -160,3 +160,88 @@ def fork_dropped_lease(dict leases, str directory, tmp, path, int old_fd=-1):
         _posix_close(old_fd)
         ap_fork_window_leave()
     return fd
+
+
+from posix.time cimport clock_gettime as _lk_clock_gettime, timespec as _lk_timespec, CLOCK_MONOTONIC as _LK_MONOTONIC
+from cpython.exc cimport PyErr_CheckSignals as _lk_check_signals
+cdef extern from "<fcntl.h>" nogil:
+    int _LK_O_DIRECTORY "O_DIRECTORY"
+    int _LK_O_RDONLY "O_RDONLY"
+cdef extern from "<unistd.h>" nogil:
+    int _lk_usleep "usleep"(unsigned int usec)
+cdef extern from "<errno.h>" nogil:
+    int _LK_EWOULDBLOCK "EWOULDBLOCK"
+
+
+cdef class DroppedLock:
+    """A descriptor that holds a lock (flock) and is closed the fork_dropped_close way by close()
+    or when this object goes, whichever comes first: a compiled step each, so that no signal
+    handler's exception (a Ctrl-C) lands between the close and its record, and a descriptor an
+    exception dropped on its way out is closed with it, never left holding its lock."""
+    cdef int _fd
+
+    def __cinit__(self):
+        self._fd = -1
+
+    cdef void _close(self) noexcept:
+        cdef int fd = self._fd
+        self._fd = -1
+        if fd >= 0:
+            ap_fork_window_enter()
+            ap_fork_drop_fd(fd, 0)
+            _posix_close(fd)
+            ap_fork_window_leave()
+
+    def close(self):
+        self._close()
+
+    @property
+    def fd(self):
+        return self._fd
+
+    def __dealloc__(self):
+        self._close()
+
+
+cdef double _lk_now() noexcept nogil:
+    cdef _lk_timespec ts
+    _lk_clock_gettime(_LK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+def fork_dropped_dir_lock(directory, double wait_s):
+    """Opens `directory` read-only, marked for a forked child's drop from its opening (as
+    fork_dropped_open), and takes flock LOCK_EX on it, waiting at most wait_s for another
+    process's: (DroppedLock, True) once held; (None, True) when it stayed held wait_s (a stopped
+    holder) or cannot be taken (no flock there): nothing is kept then. Raises OSError when it
+    cannot be opened, and a signal handler's exception raised while waiting, the descriptor
+    closed. The lock lives in the DroppedLock (tenants/ledger.py _choosing): a Ctrl-C landing
+    after the flock and before the caller had the descriptor left the directory locked for the
+    process's life."""
+    cdef bytes bdir = _fork_os.fsencode(directory)
+    cdef const char *c_dir = bdir
+    cdef DroppedLock lock = DroppedLock()
+    cdef int fd, err = 0
+    cdef double deadline
+    ap_fork_window_enter()
+    while True:
+        fd = _posix_open(c_dir, _LK_O_RDONLY | _LK_O_DIRECTORY | _O_CLOEXEC)
+        if fd >= 0 or _errno != _EINTR:
+            break
+    err = _errno if fd < 0 else 0
+    if fd >= 0:
+        ap_fork_drop_fd(fd, 1)
+        lock._fd = fd
+    ap_fork_window_leave()
+    if fd < 0:
+        raise OSError(err, _fork_os.strerror(err), directory)
+    deadline = _lk_now() + wait_s
+    while _lease_flock(fd, _LEASE_LOCK_EX | _LEASE_LOCK_NB) != 0:
+        err = _errno
+        if (err != _LK_EWOULDBLOCK and err != _EINTR) or _lk_now() >= deadline:
+            lock._close()
+            return None, err == _LK_EWOULDBLOCK
+        with nogil:
+            _lk_usleep(2000)
+        _lk_check_signals()  # a Ctrl-C while waiting: raised here, `lock` closing its descriptor
+    return lock, False
