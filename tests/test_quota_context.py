@@ -467,3 +467,25 @@ def test_an_interrupt_while_a_context_logs_its_quota_conflict_gives_its_ledger_s
     again = base.context("ctrl-c", quota=64 * MiB)   # the process opens contexts as before
     assert slots(again.ledger) == 1
     again.close()
+
+
+def test_an_interrupt_in_a_contexts_last_opening_step_closes_it_while_its_traceback_is_kept(monkeypatch):
+    # Context.__init__ closes itself on any exception after the pool opened; its last step (the
+    # warning of a quota below one segment) ran outside that: a Ctrl-C there left the context open,
+    # its slot and its preallocated booking held, as long as the traceback was kept (an interactive
+    # session keeps the last one), though the caller never got the context
+    kept = []
+    with monkeypatch.context() as m:  # not undo(): the ledger directory's variable stays
+        m.setattr(Context, "_say_if_nothing_fits", lambda self, q: (_ for _ in ()).throw(KeyboardInterrupt))
+        try:
+            Context("last-step", 0, "sim", quota=64 * MiB, reserve="8MiB")
+        except KeyboardInterrupt:
+            kept.append(sys.exc_info())  # as sys.last_traceback keeps it
+    assert kept
+    probe = Context("last-step", 0, "sim", quota=64 * MiB)
+    try:
+        mine = [s for s in probe.ledger.view()["slots"] if s["tenant"] == "last-step" and s["pid"] == os.getpid()]
+        assert [s["held_bytes"] for s in mine] == [0]  # the probe's own slot only
+        assert probe.held == 0
+    finally:
+        probe.close()

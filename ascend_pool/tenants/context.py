@@ -84,10 +84,12 @@ class Context(Pool):
             # path gives the booking back, as it does for every pool.
             attach_ledger(self, open_ledger(self.node_device, self.backend), name, quota_bytes, warn,
                           set_quota=spec is not None)
+            # inside: a Ctrl-C here left the context open, its slot and booking held, for as long
+            # as the interrupt's traceback was kept (an interactive session's last one)
+            self._say_if_nothing_fits(quota_bytes)
         except BaseException:
             self.close()
             raise
-        self._say_if_nothing_fits(quota_bytes)
 
     def _say_if_nothing_fits(self, quota_bytes):
         """A quota below one segment refuses every allocation: legal, but surely a mistake (a
