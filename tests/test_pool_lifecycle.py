@@ -244,3 +244,24 @@ def test_a_reap_builds_no_dropped_pools_stats(monkeypatch):
             ap.free(ptr)  # the module-level free finds each block's dropped pool
     registry.reap_orphans(wait=True)  # (the stats thread may be reaping: wait for it, as empty_cache does)
     assert all(p.closed for p in dropped)  # reaped once their blocks were freed, as before
+
+
+def test_a_pool_collected_in_a_garbage_cycle_keeps_its_backend_until_it_is_destroyed(sim_node):
+    """An open pool of a Backend object only it holds, in a reference cycle, collected with a block
+    still allocated (its pool lives on as an orphan to the interpreter's teardown). The
+    collector's clearing of the pool (Cython's tp_clear) dropped its Backend first, freed, and the
+    pool's destruction then read it (ap_pool_destroy_ex -> ap_backend_life): the process crashed
+    at exit (SIGSEGV; MALLOC_PERTURB_ makes the freed memory garbage at once, as reuse would)."""
+    out = sim_node.run("""
+        import gc
+        import ascend_pool as ap
+        from ascend_pool._core import Backend
+
+        pool = ap.Pool(0, backend=Backend("sim"))
+        live = pool.malloc(1 << 20)
+        pool.cycle = pool
+        del pool
+        gc.collect()
+        print("collected", flush=True)
+    """, PYTHONMALLOC="malloc", MALLOC_PERTURB_="204")
+    assert "collected" in out

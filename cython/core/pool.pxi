@@ -273,6 +273,15 @@ cdef extern from "current.h" nogil:
 ctypedef void (*ap_quota_close_fn)(void *ctx) noexcept nogil
 
 
+cimport cython
+
+
+# no_gc_clear: the garbage collector must not drop `backend` before __dealloc__ destroys the C pool
+# through it. A pool in a garbage cycle (every open one at the interpreter's teardown: an orphan of
+# a pool dropped with blocks allocated) had its Backend freed by the generated tp_clear, then its
+# dealloc read the freed backend (ap_pool_destroy_ex -> ap_backend_life: heap-use-after-free).
+# Cycles through a pool are still broken by their other members (its __dict__, frames, lists).
+@cython.no_gc_clear
 cdef class PoolBase:
     """The compiled pool of one device. Use ascend_pool.Pool, which adds the Python conveniences.
 
