@@ -86,7 +86,8 @@ typedef struct apl_tenant {
     _Atomic uint64_t refusals;          /* reserve() calls refused, node-wide */
     _Atomic uint64_t uncertain;         /* bytes that a process killed inside reserve/release may
                                            or may not have moved; counted as held (the safe side)
-                                           until the tenant has no live slot left */
+                                           until a reclaim finds no live slot inside an update
+                                           (apl_tenant_reconcile), or the tenant has none left */
     _Atomic uint32_t quota_src;         /* APL_SRC_*: who set the quota (ledger_slots.h) */
     _Atomic uint32_t quota_stamp;       /* APL_SRC_OPERATOR: the modification time (s) of the
                                            tenants file that set it (the newest file wins) */
