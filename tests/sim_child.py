@@ -42,6 +42,7 @@ for _name, _args in {
     "aclrtSynchronizeStreamWithTimeout": [_VP, C.c_int32],
     "aclrtDestroyStream": [_VP],
     "aclrtDestroyStreamForce": [_VP],
+    "aclrtSynchronizeDevice": [],
 }.items():
     _f = getattr(lib, _name)
     _f.argtypes, _f.restype = _args, C.c_int
@@ -50,6 +51,8 @@ for _name in ("aclrtGetPhyDevIdByLogicDevId", "aclrtGetLogicDevIdByPhyDevId"):  
         getattr(lib, _name).argtypes, getattr(lib, _name).restype = [C.c_int32, C.POINTER(C.c_int32)], C.c_int
 HAS_NEW = hasattr(lib, "aclrtMallocAlign32")
 if HAS_NEW:
+    lib.aclrtSynchronizeDeviceWithTimeout.argtypes = [C.c_int32]
+    lib.aclrtSynchronizeDeviceWithTimeout.restype = C.c_int
     lib.aclrtMallocAlign32.argtypes, lib.aclrtMallocAlign32.restype = [C.POINTER(_VP), _SZ, _I], C.c_int
     lib.aclrtQueryEventStatus.argtypes, lib.aclrtQueryEventStatus.restype = [_VP, C.POINTER(_I)], C.c_int
     lib.aclrtCreateEventExWithFlag.argtypes = [C.POINTER(_VP), C.c_uint32]

@@ -531,3 +531,34 @@ def test_simulator_refuses_streams_past_the_devices_most(sim_node, profile, most
     """, timeout=120, ASCEND_SIM_PROFILE=profile)
     assert out["live"] == most and out["code"] == 207008 and out["named"], out
     assert out["refs"] == 0, out
+
+
+def test_synchronize_device_waits_for_every_stream_of_the_current_contexts_device(sim_node):
+    # CANN's aclrtSynchronizeDevice[WithTimeout]: the device of the thread's current context,
+    # every stream of it (the default one and each created one); 507046 past the limit
+    sim_node.run("""
+        init(0)
+        p0 = malloc(64); s0 = stream()
+        ok("aclrtSetDevice", 1)
+        p1 = malloc(64); q1 = malloc(64); s1 = stream()
+        sim.launch_fill(s1, p1, 64, 0x11, 0.3)
+        sim.hang_stream(s0)                                  # device 0's: not device 1's wait
+        sim.launch_fill(s0, p0, 64, 0x22)
+        sim.launch_fill(None, q1, 64, 0x33, 0.2)             # device 1's default stream
+        ok("aclrtSynchronizeDevice")
+        assert sim.read(p1, 64) == b"\\x11" * 64 and sim.read(q1, 64) == b"\\x33" * 64
+        ok("aclrtSetDevice", 0)
+        t0 = time.monotonic()
+        assert code("aclrtSynchronizeDeviceWithTimeout", 100) == 507046
+        assert 0.09 <= time.monotonic() - t0 < 10.0
+        assert "aclrtSynchronizeDeviceWithTimeout" in errmsg()
+        assert code("aclrtSynchronizeDeviceWithTimeout", 0) == 107000
+        assert code("aclrtSynchronizeDeviceWithTimeout", -2) == 107000
+        bare = []
+        t = threading.Thread(target=lambda: bare.append(code("aclrtSynchronizeDevice")))
+        t.start(); t.join(30)
+        assert bare == [107002], bare
+        sim.release_stream(s0)
+        ok("aclrtSynchronizeDeviceWithTimeout", 5000)
+        assert sim.read(p0, 64) == b"\\x22" * 64
+    """)

@@ -1,5 +1,5 @@
 """The simulator library exports the ACL runtime API by name (dlsym), the legacy build lacks
-exactly the two newer symbols, and the size parser agrees with its documentation.
+exactly the newer symbols (NEWER), and the size parser agrees with its documentation.
 
 These run in the test process: resolving symbols and parsing sizes need no initialised runtime.
 """
@@ -20,6 +20,7 @@ ACL = [
     "aclrtRecordEvent", "aclrtQueryEventStatus", "aclrtQueryEvent", "aclrtSynchronizeEvent",
     "aclrtSynchronizeEventWithTimeout", "aclrtStreamWaitEvent", "aclrtDestroyEvent", "aclrtResetEvent",
     "aclrtCreateStream", "aclrtSynchronizeStream", "aclrtSynchronizeStreamWithTimeout",
+    "aclrtSynchronizeDevice", "aclrtSynchronizeDeviceWithTimeout",
     "aclrtDestroyStream", "aclrtDestroyStreamForce", "aclGetRecentErrMsg",
     # virtual memory (vmm.c), in both builds
     "aclrtMemGetAllocationGranularity", "aclrtReserveMemAddress", "aclrtReleaseMemAddress",
@@ -32,7 +33,8 @@ ACL = [
     # the node's device behind a logical one (ASCEND_RT_VISIBLE_DEVICES), in both builds
     "aclrtGetPhyDevIdByLogicDevId", "aclrtGetLogicDevIdByPhyDevId",
 ]
-NEWER = {"aclrtMallocAlign32", "aclrtQueryEventStatus", "aclrtCreateEventExWithFlag", "aclFinalizeReference"}
+NEWER = {"aclrtMallocAlign32", "aclrtQueryEventStatus", "aclrtCreateEventExWithFlag", "aclFinalizeReference",
+         "aclrtSynchronizeDeviceWithTimeout"}
 CONTROL = [
     "ascendsim_launch_fill", "ascendsim_read", "ascendsim_hang_stream", "ascendsim_release_stream",
     "ascendsim_set_fail_malloc_nth", "ascendsim_set_fail_after_bytes",

@@ -4,8 +4,8 @@
  * compiler check every definition against the real prototype.
  *
  * The legacy build (-DASCEND_SIM_LEGACY=1) stands for an old CANN: it lacks aclrtMallocAlign32,
- * aclrtQueryEventStatus, aclrtCreateEventExWithFlag and aclFinalizeReference, so that the backend's
- * fallbacks are exercised.
+ * aclrtQueryEventStatus, aclrtCreateEventExWithFlag, aclFinalizeReference and
+ * aclrtSynchronizeDeviceWithTimeout, so that the backend's fallbacks are exercised.
  *
  * Error codes where the runtime leaves a choice (kept consistent across calls):
  *   bad argument values (NULL out-pointer, size 0, unknown policy/attr/flag, timeout < -1)
@@ -269,6 +269,10 @@ SIM_EXPORT aclError aclrtSynchronizeStream(aclrtStream stream);
 SIM_EXPORT aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout);
 SIM_EXPORT aclError aclrtDestroyStream(aclrtStream stream);
 SIM_EXPORT aclError aclrtDestroyStreamForce(aclrtStream stream);
+SIM_EXPORT aclError aclrtSynchronizeDevice(void);
+#if !ASCEND_SIM_LEGACY
+SIM_EXPORT aclError aclrtSynchronizeDeviceWithTimeout(int32_t timeout);
+#endif
 
 SIM_EXPORT const char *aclGetRecentErrMsg(void);
 

@@ -389,6 +389,74 @@ SIM_EXPORT aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_
     return sync_stream(stream, timeout, "aclrtSynchronizeStreamWithTimeout");
 }
 
+static int stream_on_device(struct sim_obj *o, void *dev)
+{
+    return ((struct sim_stream *)o)->device == *(int *)dev;
+}
+
+/* aclrtSynchronizeDevice[WithTimeout]: "blocks until the device of the context bound to the
+   calling thread has finished its work" (with several devices, the current context's device):
+   every stream of that device, the default stream and those of each of its contexts, as far as
+   each had been submitted at the call. One limit for the whole wait; on timeout
+   ACL_ERROR_RT_STREAM_SYNC_TIMEOUT, as the page says. */
+static aclError sync_device(int32_t timeout, const char *call)
+{
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (timeout < -1 || timeout == 0)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "timeout %d ms is invalid: -1 (waits forever) or above 0",
+                        (int)timeout);
+    int dev;
+    if (!sim_current_context())
+        return sim_fail(ACL_ERROR_RT_CONTEXT_NULL, call, "this thread has no current context");
+    if ((rc = sim_current_device(call, &dev)) != 0)
+        return rc;
+    struct sim_obj **streams = NULL;
+    size_t n = sim_reg_get_matching(SIM_H_STREAM, stream_on_device, &dev, &streams);
+    struct sim_device *d = &g_sim.dev[dev];
+    pthread_mutex_lock(&d->lock);
+    struct sim_stream *def = d->default_stream;
+    if (def)
+        sim_obj_ref(&def->obj);
+    pthread_mutex_unlock(&d->lock);
+    uint64_t start = sim_now_ns();
+    for (size_t i = 0; i <= n; i++) {
+        struct sim_stream *s = i < n ? (struct sim_stream *)streams[i] : def;
+        if (!s || rc)
+            continue;
+        pthread_mutex_lock(&s->mu);
+        uint64_t pos = s->submitted;
+        pthread_mutex_unlock(&s->mu);
+        int64_t left = -1;
+        if (timeout > 0) {
+            int64_t spent = (int64_t)((sim_now_ns() - start) / 1000000);
+            left = spent >= timeout ? 0 : timeout - spent;
+        }
+        if (sim_stream_wait_pos(s, pos, left) == ETIMEDOUT)
+            rc = sim_fail(ACL_ERROR_RT_STREAM_SYNC_TIMEOUT, call,
+                          "device %d did not finish its work within %d ms (stream %p busy)", dev, (int)timeout,
+                          s->is_default ? NULL : SIM_HANDLE(&s->obj));
+    }
+    for (size_t i = 0; i < n; i++)
+        sim_stream_put((struct sim_stream *)streams[i]);
+    free(streams);
+    sim_stream_put(def);
+    return rc;
+}
+
+SIM_EXPORT aclError aclrtSynchronizeDevice(void)
+{
+    return sync_device(-1, "aclrtSynchronizeDevice");
+}
+
+#if !ASCEND_SIM_LEGACY
+SIM_EXPORT aclError aclrtSynchronizeDeviceWithTimeout(int32_t timeout)
+{
+    return sync_device(timeout, "aclrtSynchronizeDeviceWithTimeout");
+}
+#endif
+
 static aclError destroy_stream(aclrtStream stream, int force, const char *call)
 {
     int rc = sim_require_init(call);
