@@ -266,10 +266,25 @@ def destroy_stream(stream, device=None):
 
 
 def synchronize(stream=None, device=None):
-    """Waits (bounded by sync_timeout_ms) for the work queued on stream (None: the default
-    stream of device, None: the current device), as pool.synchronize(stream). With no device,
-    a stream from create_stream(device) is waited for on its own device."""
-    _stream_pool(stream, device).synchronize(stream)
+    """Waits (bounded by sync_timeout_ms) for the work queued on stream, as pool.synchronize(stream);
+    with no device, a stream from create_stream(device) is waited for on its own device.
+    With no stream, as torch.npu.synchronize(device) / torch.cuda.synchronize(device): all work of
+    device (None: the current device, which this leaves unchanged), every stream the process has
+    there (aclrtSynchronizeDevice), then every open pool of the device settles the frees the wait
+    completed, so the next request reuses their blocks. DeviceTimeoutError past the limit."""
+    if stream is not None:
+        _stream_pool(stream, device).synchronize(stream)
+        return
+    # Before 2026-12-06 the default stream only: a block freed behind a side stream's work
+    # (record_stream) stayed pending after it, and the next request took new device memory.
+    pool = default_pool(device)
+    pool.synchronize_device()
+    for peer in _registry.device_peers(pool):  # tenant contexts, ap.Pool()s: the device is done
+        try:
+            peer.synchronize_device(device_wait=False)
+        except PoolError:
+            if not peer.closed:
+                raise  # closed by another thread meanwhile: nothing of its own left to settle
 
 
 def _stream_pool(stream, device):

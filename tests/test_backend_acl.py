@@ -31,19 +31,19 @@ from ascend_pool.errors import BackendUnavailableError, DeviceError, DeviceTimeo
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ascend_pool.__file__)))
 
 # What the backend resolves, in order. The first list is a current CANN; the legacy build swaps
-# in the older entry points (aclrtMalloc, aclrtQueryEvent) and nothing else.
+# in the older entry points (aclrtMalloc, aclrtQueryEvent) and lacks the newest (no timed device wait).
 SYMBOLS = [
     "aclInit", "aclrtSetDevice", "aclrtResetDevice", "aclrtGetCurrentContext",
     "aclrtSetCurrentContext", "aclrtGetDevice", "aclrtGetDeviceCount", "aclrtMallocAlign32", "aclrtFree",
     "aclrtGetMemInfo", "aclrtCreateEventWithFlag", "aclrtRecordEvent", "aclrtQueryEventStatus",
     "aclrtSynchronizeEvent", "aclrtSynchronizeEventWithTimeout", "aclrtDestroyEvent",
     "aclrtStreamWaitEvent", "aclrtResetEvent", "aclrtCreateEventExWithFlag", "aclrtCreateStream",
-    "aclrtSynchronizeStream", "aclrtSynchronizeStreamWithTimeout", "aclrtDestroyStream", "aclGetRecentErrMsg",
-    "aclrtGetSocName",
+    "aclrtSynchronizeStream", "aclrtSynchronizeStreamWithTimeout", "aclrtSynchronizeDevice",
+    "aclrtSynchronizeDeviceWithTimeout", "aclrtDestroyStream", "aclGetRecentErrMsg", "aclrtGetSocName",
 ]
 LEGACY_SYMBOLS = [{"aclrtMallocAlign32": "aclrtMalloc",
                    "aclrtQueryEventStatus": "aclrtQueryEvent"}.get(s, s) for s in SYMBOLS
-                  if s != "aclrtCreateEventExWithFlag"]
+                  if s not in ("aclrtCreateEventExWithFlag", "aclrtSynchronizeDeviceWithTimeout")]
 
 PARAM_INVALID, INVALID_DEVICEID, MEMORY_ALLOCATION, MEMORY_FREE = 107000, 107001, 207001, 207002
 INVALID_PARAM, STREAM_TIMEOUT, EVENT_TIMEOUT = 100000, 507046, 507047

@@ -125,6 +125,8 @@ typedef struct acl_impl {
     aclError (*aclrtCreateStream)(void **stream);
     aclError (*aclrtSynchronizeStream)(void *stream);
     aclError (*aclrtSynchronizeStreamWithTimeout)(void *stream, int32_t timeout_ms);
+    aclError (*aclrtSynchronizeDevice)(void);
+    aclError (*aclrtSynchronizeDeviceWithTimeout)(int32_t timeout_ms);
     aclError (*aclrtDestroyStream)(void *stream);
     const char *(*aclGetRecentErrMsg)(void);
     /* Pinned host memory, resolved on first use (see acl_host_resolve). */
@@ -1506,6 +1508,23 @@ static int acl_stream_sync(ap_backend *b, void *stream, int timeout_ms)
     ON_STREAM(b, stream, acl_stream_sync_here(b, stream, timeout_ms));
 }
 
+/* CANN waits for the device of the thread's current context: entered for the call only. */
+static int acl_device_sync_here(ap_backend *b, int timeout_ms)
+{
+    acl_impl *im = IMPL(b);
+
+    if (timeout_ms < 0 && im->aclrtSynchronizeDevice)
+        return im->aclrtSynchronizeDevice();
+    if (timeout_ms > 0 && im->aclrtSynchronizeDeviceWithTimeout)
+        return im->aclrtSynchronizeDeviceWithTimeout(timeout_ms);
+    return AP_ERR_MISSING_SYMBOL; /* no bounded device wait: the caller waits for its streams */
+}
+
+static int acl_device_sync(ap_backend *b, int device, int timeout_ms)
+{
+    ON_DEVICE(b, device, acl_device_sync_here(b, timeout_ms));
+}
+
 /* The note goes out of the table before the runtime's destroy: from then on the runtime may give
    the handle to a stream another thread creates, whose note must not be this one. Destroyed, or
    found gone already (unknown, or the handle now another context's stream): its reference is an
@@ -1751,6 +1770,8 @@ static int acl_resolve_all(acl_impl *im, void *lib, char *err, size_t errlen)
     REQUIRE(aclrtCreateStream);
     REQUIRE(aclrtSynchronizeStream);
     RESOLVE(aclrtSynchronizeStreamWithTimeout);
+    RESOLVE(aclrtSynchronizeDevice);
+    RESOLVE(aclrtSynchronizeDeviceWithTimeout);
     REQUIRE(aclrtDestroyStream);
     RESOLVE(aclGetRecentErrMsg);
     RESOLVE(aclrtGetSocName);
@@ -1817,6 +1838,7 @@ int ap_acl_open(ap_backend *b, const char *path, int prefer_loaded, int want_sim
     b->event_reset = im->aclrtResetEvent && !im->event_ex ? acl_event_reset : NULL;
     b->stream_create = acl_stream_create;
     b->stream_sync = acl_stream_sync;
+    b->device_sync = acl_device_sync;
     b->stream_destroy = acl_stream_destroy;
     b->error_message = acl_error_message;
     b->host_malloc = acl_host_malloc;

@@ -127,6 +127,12 @@ struct ap_backend {
     /* Same timeout rule as event_sync (ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046 on timeout). */
     int (*stream_sync)(ap_backend *b, void *stream, int timeout_ms);
     int (*stream_destroy)(ap_backend *b, void *stream);
+    /* Blocks until all work the process queued on `device` is done, every stream of it, as
+       cudaDeviceSynchronize (acl: aclrtSynchronizeDevice[WithTimeout] in the device's context,
+       the caller's current device unchanged); same timeout rule as stream_sync. NULL, or
+       AP_ERR_MISSING_SYMBOL, where the runtime has no such wait (cuda here; an acl runtime
+       without the timed one asked for a limit): the caller waits for the streams it knows. */
+    int (*device_sync)(ap_backend *b, int device, int timeout_ms);
 
     /* Writes a readable message for `code` (with aclGetRecentErrMsg / cudaGetErrorString). */
     void (*error_message)(ap_backend *b, int code, char *buf, size_t len);

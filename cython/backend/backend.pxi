@@ -54,6 +54,7 @@ cdef extern from "backend.h" nogil:
         int (*stream_wait_event)(ap_backend *b, void *stream, void *event) noexcept nogil
         int (*stream_create)(ap_backend *b, int device, void **stream) noexcept nogil
         int (*stream_sync)(ap_backend *b, void *stream, int timeout_ms) noexcept nogil
+        int (*device_sync)(ap_backend *b, int device, int timeout_ms) noexcept nogil
         int (*stream_destroy)(ap_backend *b, void *stream) noexcept nogil
         void (*error_message)(ap_backend *b, int code, char *buf, size_t len) noexcept nogil
         int (*host_malloc)(ap_backend *b, int device, void **ptr, size_t size) noexcept nogil

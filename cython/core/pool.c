@@ -1104,6 +1104,32 @@ int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err) {
     return rc;
 }
 
+int ap_pool_synchronize_device(ap_pool *p, int device_wait, ap_error *err) {
+    pthread_mutex_lock(&p->lock);
+    int timeout = p->cfg.sync_timeout_ms;
+    (void)ap_slot_of(p, NULL, 1); /* the default stream is waited for too, without a device wait */
+    pthread_mutex_unlock(&p->lock);
+    int rc = AP_ERR_MISSING_SYMBOL;
+    if (device_wait && p->backend->device_sync) { /* no pool lock held across the device wait */
+        rc = p->backend->device_sync(p->backend, p->device, timeout);
+        if (rc != 0 && rc != AP_ERR_MISSING_SYMBOL) {
+            char msg[AP_RUNTIME_MSG];
+            p->backend->error_message(p->backend, rc, msg, sizeof msg);
+            return ap_set_error(err, rc == 507046 || rc == 507047 ? AP_E_TIMEOUT : AP_E_DEVICE, rc,
+                                "waiting for all work of device %d failed (limit %d ms): %s", p->device,
+                                timeout, msg);
+        }
+    }
+    pthread_mutex_lock(&p->lock);
+    /* After a device wait these streams and events are done (no wait); without one, the streams
+       the pool knows and the events of its pending frees are what it can wait for. Either way the
+       frees the wait completed are settled: their blocks serve the next request. */
+    rc = ap_wait_unlocked(p, AP_WAIT_EVERY_STREAM, 1, err);
+    if (rc == AP_E_INVALID_STREAM) rc = AP_OK; /* a stream destroyed behind the pool's back: retired */
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
 int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err) {
     pthread_mutex_lock(&p->lock);
     /* A stream the pool never ordered anything on gets a slot here too, so that its queued work

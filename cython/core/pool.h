@@ -63,9 +63,10 @@
  *                    fork's prepare handler takes it exclusively, so no child gets such a
  *                    descriptor unregistered.
  * Never done while holding ap_pool.lock:
- *   - a device or event wait (stream_sync, event_sync) or any runtime call that can block on
- *     queued work: waits run in waits.c with the lock dropped (take the work out, wait, retake
- *     the lock, then apply the result only if nothing changed meanwhile);
+ *   - a device or event wait (stream_sync, event_sync, device_sync) or any runtime call that can
+ *     block on queued work: waits run in waits.c with the lock dropped (take the work out, wait,
+ *     retake the lock, then apply the result only if nothing changed meanwhile); the device-wide
+ *     wait of ap_pool_synchronize_device takes no pool lock at all;
  *   - GIL acquisition or any call back into Python.
  * Allowed under the lock: non-blocking runtime calls (malloc/free/map of device memory, event
  * create/record/query/reset/destroy (a new-mode record only under the records bound; the acl backend's check that a stream it made is still
@@ -402,6 +403,10 @@ int ap_pool_empty_cache(ap_pool *p, ap_error *err);
 int ap_pool_empty_stream(ap_pool *p, void *stream, ap_error *err);
 /* Waits for the work queued on stream, then lets its cached blocks serve every stream. */
 int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err);
+/* torch.npu.synchronize(): waits (sync_timeout_ms) for all work of the pool's device where
+   device_wait and the runtime can (every stream of the process there), then for every stream the
+   pool knows and its pending frees' events, settling what completed. */
+int ap_pool_synchronize_device(ap_pool *p, int device_wait, ap_error *err);
 /* Forgets a stream that is about to be destroyed: waits for it and returns its blocks to all. */
 int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err);
 /* Forgets a stream the runtime said is gone (its handle named a stream of another device): its

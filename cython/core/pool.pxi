@@ -59,6 +59,7 @@ cdef extern from "pool.h" nogil:
     int ap_pool_empty_cache(ap_pool *p, ap_error *err)
     int ap_pool_empty_stream(ap_pool *p, void *stream, ap_error *err)
     int ap_pool_synchronize(ap_pool *p, void *stream, ap_error *err)
+    int ap_pool_synchronize_device(ap_pool *p, int device_wait, ap_error *err)
     int ap_pool_release_stream(ap_pool *p, void *stream, ap_error *err)
     size_t ap_pool_release_idle(ap_pool *p)
     int64_t ap_pool_active_blocks(ap_pool *p)
@@ -985,6 +986,24 @@ cdef class PoolBase:
         _p = self._enter()
         with nogil:
             rc = ap_pool_synchronize(_p, s, &err)
+        self._leave()
+        if rc != AP_OK:
+            _raise(&err, rc)
+
+    def synchronize_device(self, device_wait=True):
+        """torch.npu.synchronize(device): waits (bounded by sync_timeout_ms) for all work of the
+        pool's device, every stream the process has there (aclrtSynchronizeDevice; where the
+        runtime has no bounded device wait, every stream this pool knows), then settles the
+        pool's frees the wait completed. device_wait=False: this pool's streams and pending frees
+        only (another pool of the device after one device wait)."""
+        self._check()
+        cdef ap_pool *_p
+        cdef ap_error err
+        cdef int rc
+        cdef int dw = 1 if device_wait else 0
+        _p = self._enter()
+        with nogil:
+            rc = ap_pool_synchronize_device(_p, dw, &err)
         self._leave()
         if rc != AP_OK:
             _raise(&err, rc)

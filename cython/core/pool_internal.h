@@ -280,6 +280,9 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag);
    completes pending frees. AP_OK, AP_E_TIMEOUT, AP_E_DEVICE, or AP_E_INVALID_STREAM (the stream
    was retired: the runtime does not know it). */
 int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err);
+/* ap_wait_unlocked's slot for every live stream of the pool, free blocks or not (a device-wide
+   synchronize where the runtime has no device wait). */
+#define AP_WAIT_EVERY_STREAM (-2)
 /* The same for a live stream the pool has no slot for (its table full): its queued work, within
    sync_timeout_ms, lock dropped; then completes pending frees. */
 int ap_wait_stream_unslotted(ap_pool *p, void *stream, ap_error *err);

@@ -77,7 +77,9 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
     ap_cache_flush(p);
     for (int s = 1; s < p->n_slots && n < WAIT_BATCH; s++) {
         ap_stream_slot *sl = &p->slots[s];
-        if (!sl->live || (slot > 0 ? s != slot : !sl->trees[0].count && !sl->trees[1].count)) continue;
+        if (!sl->live) continue;
+        if (slot > 0 ? s != slot : slot != AP_WAIT_EVERY_STREAM && !sl->trees[0].count && !sl->trees[1].count)
+            continue;
         items[n++] = (wait_item){sl->stream, s, sl->epoch, 0};
     }
     /* Of the pending frees' events recorded on one stream at their frees (event_keys), the latest
