@@ -256,6 +256,39 @@ def test_torchs_alloc_function_throws_when_the_pool_cannot_allocate(tmp_path):
     assert alloc(ap.library_path(), "ascend_pool_malloc", "ascend_pool_free", too_big) == (0, "(nil)")
 
 
+def test_torchs_alloc_function_counts_and_tells_a_size_past_ssize_max_as_every_out_of_memory(tmp_path):
+    # torch's size_t from 2**63 on (past the C ABI's ssize_t) was refused by the hook itself: the
+    # same out-of-memory error, but num_ooms did not count it, the OOM observers (torch's oom
+    # trace, attach_out_of_memory_observer) were not told and the last error was not set, where
+    # 2**63-1 and every Python path for these sizes do all three.
+    if shutil.which("g++") is None:
+        pytest.skip(reason="no g++: the package has no torch alloc library to test either")
+    src, lib = tmp_path / "caller.cpp", tmp_path / "libcaller.so"
+    src.write_text(TORCH_CALLER)
+    subprocess.run(["g++", "-shared", "-fPIC", "-std=c++17", "-o", str(lib), str(src), "-ldl"], check=True)
+    caller = ctypes.CDLL(str(lib))
+    caller.alloc_like_torch.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+    path, alloc_name, free_name = _common.torch_alloc_functions()
+    core = ctypes.CDLL(ap.library_path())
+    core.ascend_pool_last_error_code.restype = ctypes.c_int
+    pool = ap.default_pool(0)
+    seen = []
+    observer = lambda device, size, *figures: seen.append((device, size))  # noqa: E731
+    ap.attach_out_of_memory_observer(observer)
+    try:
+        for huge in ((1 << 63) - 1, 1 << 63, (1 << 63) + 5, (1 << 64) - 1):
+            core.ascend_pool_clear_last_error()
+            before, told = pool.memory_stats()["num_ooms"], len(seen)
+            out = ctypes.create_string_buffer(2048)
+            rc = caller.alloc_like_torch(path.encode(), alloc_name.encode(), free_name.encode(), huge, out, 2048)
+            assert rc == 2 and f"Tried to allocate more than 1EB memory ({huge} bytes)" in out.value.decode()
+            assert pool.memory_stats()["num_ooms"] - before == 1, huge
+            assert seen[told:] == [(0, huge)], huge
+            assert core.ascend_pool_last_error_code() == 1, huge  # ASCEND_POOL_E_OOM
+    finally:
+        ap.detach_out_of_memory_observer(observer)
+
+
 class FakeCupy(types.ModuleType):
     """The slice of CuPy's interface the allocator hook uses."""
 

@@ -50,9 +50,10 @@ def torch_alloc_functions():
         core = ctypes.CDLL(library_path())
         shim = ctypes.CDLL(TORCH_ALLOC_LIB)  # the handle torch's dlopen of the same path gets
         shim.ascend_pool_torch_bind.argtypes = [ctypes.c_void_p] * 4
-        shim.ascend_pool_torch_bind(*(ctypes.cast(getattr(core, n), ctypes.c_void_p) for n in
-                                      ("ascend_pool_malloc", "ascend_pool_free", "ascend_pool_last_error",
-                                       "ascend_pool_last_error_code")))
+        # the allocation with torch's size_t (2**63 and past reach the pool: counted, observed)
+        shim.ascend_pool_torch_bind(_core._capi_torch_malloc_address(), *(ctypes.cast(getattr(core, n), ctypes.c_void_p) for n in
+                                                                    ("ascend_pool_free", "ascend_pool_last_error",
+                                                                     "ascend_pool_last_error_code")))
         return TORCH_ALLOC_LIB, "ascend_pool_torch_malloc", "ascend_pool_torch_free"
     if not _torch_alloc_warned:
         _torch_alloc_warned = True

@@ -105,6 +105,7 @@ cdef extern from "capi/exports.h" nogil:
     void ap_set_peer_lend_hook(void *(*hook)(ap_pool *self, size_t size, void *stream))
     const char *apc_default_backend_name(int device)
     void *ascend_pool_malloc(Py_ssize_t size, int device, void *stream)
+    void *apc_torch_malloc(size_t size, int device, void *stream)
     void ascend_pool_free(void *ptr, Py_ssize_t size, int device, void *stream)
     void ascend_pool_init(int device)
 
@@ -238,6 +239,13 @@ def capi_malloc(Py_ssize_t nbytes, int device=0, stream=None):
     if p == NULL:
         raise _capi_error()
     return <uintptr_t>p
+
+
+def _capi_torch_malloc_address():
+    """The address of the allocation torch's alloc hook binds to (libascend_pool_torch.so,
+    integrations._common.torch_alloc_functions): ascend_pool_malloc's with torch's size_t, so
+    that a size from 2**63 on reaches the pool (an out of memory counted and observed there)."""
+    return <uintptr_t>&apc_torch_malloc
 
 
 def capi_free(ptr, Py_ssize_t nbytes=0, int device=0, stream=None):

@@ -240,18 +240,15 @@ static inline ap_pool *apc_pool_for_ex(int device, int owner, const char *call) 
 
 static inline ap_pool *apc_pool_for(int device, const char *call) { return apc_pool_for_ex(device, 0, call); }
 
-APC_EXPORT void *ascend_pool_malloc(ssize_t size, int device, void *stream) {
+/* The allocation of ascend_pool_malloc and of torch's hook (apc_torch_malloc), size > 0. */
+static inline __attribute__((always_inline)) void *apc_malloc(size_t size, int device, void *stream) {
     ap_error err;
     void *out = NULL;
-    if (__builtin_expect(size <= 0, 0)) {
-        apc_fail(ASCEND_POOL_E_INVALID_SIZE, "ascend_pool_malloc: size must be positive, got %zd bytes", size);
-        return NULL;
-    }
     ap_pool *p = apc_pool_for(device, "ascend_pool_malloc");
     if (!p) return NULL;
     err.message[0] = 0;
     int framed = apc_note_frames(p, 0);
-    int rc = ap_pool_malloc(p, (size_t)size, stream, &out, &err);
+    int rc = ap_pool_malloc(p, size, stream, &out, &err);
     if (framed) ap_history_set_ctx(0);
     size_t allowed = 0, free_b = 0;
     int watched = __builtin_expect(rc != AP_OK, 0) && apc_oom_watched(rc);
@@ -259,11 +256,32 @@ APC_EXPORT void *ascend_pool_malloc(ssize_t size, int device, void *stream) {
     ap_pool_unhold(p);
     if (__builtin_expect(rc != AP_OK, 0)) {
         /* observers first: their own calls (a snapshot, say) must not replace this call's error */
-        if (watched) apc_notify_oom(device, (size_t)size, allowed, free_b);
-        apc_fail(rc, "ascend_pool_malloc(%zd bytes, device %d, stream %p): %s", size, device, stream, err.message);
+        if (watched) apc_notify_oom(device, size, allowed, free_b);
+        apc_fail(rc, "ascend_pool_malloc(%zu bytes, device %d, stream %p): %s", size, device, stream, err.message);
         return NULL;
     }
     return out;
+}
+
+APC_EXPORT void *ascend_pool_malloc(ssize_t size, int device, void *stream) {
+    if (__builtin_expect(size <= 0, 0)) {
+        apc_fail(ASCEND_POOL_E_INVALID_SIZE, "ascend_pool_malloc: size must be positive, got %zd bytes", size);
+        return NULL;
+    }
+    return apc_malloc((size_t)size, device, stream);
+}
+
+/* torch's alloc hook's allocation (torch_alloc.cpp, bound through _core's
+   _capi_torch_malloc_address; not exported): torch's size_t, sizes from 2**63 on included, which
+   the pool refuses as out of memory as every size past the device, counted (num_ooms, the oom
+   trace), told to the OOM observers and set as the last error. ascend_pool_malloc's ssize_t holds
+   none of them: the hook refused them itself, none of that done. */
+static void *apc_torch_malloc(size_t size, int device, void *stream) {
+    if (__builtin_expect(size == 0, 0)) {
+        apc_fail(ASCEND_POOL_E_INVALID_SIZE, "ascend_pool_malloc: size must be positive, got 0 bytes");
+        return NULL;
+    }
+    return apc_malloc(size, device, stream);
 }
 
 /* stream == NULL frees on the allocation stream; a stream the pool cannot order on frees there too,

@@ -25,7 +25,7 @@
 
 #define EXPORT extern "C" __attribute__((visibility("default")))
 
-typedef void *(*malloc_fn)(ssize_t size, int device, void *stream);
+typedef void *(*malloc_fn)(size_t size, int device, void *stream); /* torch's size_t: every size reaches the pool */
 typedef void (*free_fn)(void *ptr, ssize_t size, int device, void *stream);
 typedef const char *(*error_fn)(void);
 typedef int (*code_fn)(void);
@@ -35,8 +35,9 @@ static std::atomic<free_fn> bound_free{nullptr};
 static std::atomic<error_fn> bound_error{nullptr};
 static std::atomic<code_fn> bound_code{nullptr};
 
-/* Points this library at the core's ascend_pool_malloc, ascend_pool_free, ascend_pool_last_error
- * and ascend_pool_last_error_code (NULL: every failure is a runtime_error). */
+/* Points this library at the core's allocation (ascend_pool_malloc's, taking torch's size_t:
+ * _core._capi_torch_malloc_address), ascend_pool_free, ascend_pool_last_error and
+ * ascend_pool_last_error_code (NULL: every failure is a runtime_error). */
 EXPORT void ascend_pool_torch_bind(void *malloc_, void *free_, void *last_error, void *last_error_code) {
     bound_code.store(reinterpret_cast<code_fn>(last_error_code));
     bound_error.store(reinterpret_cast<error_fn>(last_error));
@@ -95,25 +96,16 @@ static void oom_throw(const std::string &msg) {
 }
 
 /* ascend_pool_malloc's memory, or an exception: std::runtime_error with the pool's own message
- * (out of memory, over a tenant's quota, a bad device or stream). size is torch's size_t; one past
- * SSIZE_MAX is refused here as out of memory, naming the size asked for (cast to the core's
- * ssize_t it read "size must be positive, got -1 bytes" for SIZE_MAX). 0 bytes:
- * whatever the core returns (no exception for an empty request). */
+ * (out of memory, over a tenant's quota, a bad device or stream). size is torch's size_t, handed
+ * to the pool whole: one past SSIZE_MAX is its out of memory as every size past the device,
+ * counted in num_ooms and told to the OOM observers (refused here before, none of that was done).
+ * 0 bytes: whatever the core returns (no exception for an empty request). */
 EXPORT void *ascend_pool_torch_malloc(size_t size, int device, void *stream) {
     malloc_fn m = bound_malloc.load();
     if (!m)
         throw std::runtime_error("ascend_pool: the torch allocator library was loaded without "
                                  "ascend_pool.integrations installing it (ascend_pool_torch_bind)");
-    if (size > (size_t)SSIZE_MAX) {
-        /* past the core's ssize_t, and past any device: torch's out-of-memory, as every size
-         * past the device (the Python API and CuPy's hook raise OutOfMemoryError for it too) */
-        std::string msg = "ascend_pool: out of memory: Tried to allocate more than 1EB memory (" +
-                          std::to_string(size) + " bytes) on device " + std::to_string(device) +
-                          ": larger than any device";
-        oom_throw(msg);
-        throw std::runtime_error(msg);
-    }
-    void *p = m((ssize_t)size, device, stream);
+    void *p = m(size, device, stream);
     if (!p && size != 0) {
         error_fn e = bound_error.load();
         code_fn c = bound_code.load();
