@@ -245,6 +245,49 @@ def test_torch_npus_device_properties_say_a_tenants_quota_as_its_mem_get_info(fa
         ctx.close()
 
 
+DEVICE_PROPERTIES_CHILD = r"""
+import sys, types
+npu = types.ModuleType("torch_npu.npu"); memory = types.ModuleType("torch_npu.npu.memory")
+top = types.ModuleType("torch_npu"); top.npu = npu
+npu.current_device = lambda: 0
+class Props:
+    name, total_memory = "Ascend910B", 64 << 30  # the simulated device's
+npu.get_device_properties = lambda device_name=None: Props()
+npu.mem_get_info = lambda device=None: (7 << 30, 64 << 30)
+sys.modules.update({"torch_npu": top, "torch_npu.npu": npu, "torch_npu.npu.memory": memory})
+sys.modules.setdefault("torch", types.ModuleType("torch"))
+from ascend_pool import api
+from ascend_pool.integrations import torch_npu as ap_npu
+ap_npu.patch_memory_functions(memory, npu)
+first = npu.get_device_properties(0).total_memory
+print(first, api.open_pool(0) is not None, npu.mem_get_info(0)[1], npu.get_device_properties(0).total_memory)
+"""
+
+
+@pytest.mark.parametrize("quota, expected", [('"64MiB"', 64 << 20), ('"25%"', 16 << 30), (None, 64 << 30)])
+def test_torch_npus_device_properties_say_the_tenants_quota_before_its_pool_opens(tmp_path, quota, expected):
+    # Under $ASCEND_POOL_TENANT, get_device_properties(d).total_memory said the device's memory
+    # until the first allocation opened the tenant's default context, where mem_get_info() said
+    # the quota from its first call: a framework reading total_memory at start-up (DeepSpeed's
+    # accelerator total_memory()) sized itself from the device. The operator's file gives the
+    # quota without opening anything (a percentage of the device's total_memory).
+    import os
+    import subprocess
+
+    conf = tmp_path / "tenants.toml"
+    conf.write_text("[tenants.kv]\n" + (f"quota = {quota}\n" if quota else "warn = 0.9\n"))
+    env = dict(os.environ, ASCEND_POOL_TENANT="kv", ASCEND_POOL_CONFIG=str(conf), ASCEND_POOL_LEDGER_DIR=str(tmp_path),
+               ASCEND_POOL_BACKEND="sim", PYTHONPATH=os.path.dirname(os.path.dirname(ap.__file__)))
+    out = subprocess.run([sys.executable, "-c", DEVICE_PROPERTIES_CHILD], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, opened, info, after = out.stdout.split()
+    assert opened == "False"  # read without opening the device's pool
+    assert int(first) == int(after) == expected
+    if quota:
+        assert int(info) == expected
+
+
 def test_torch_npus_set_allocator_settings_reaches_the_pools(fake_torch_npu):
     # torch.npu.memory._set_allocator_settings re-read torch_npu's own allocator's config, which
     # serves nothing under the pluggable allocator: vLLM's and torch's runtime settings were lost

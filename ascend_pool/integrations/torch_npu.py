@@ -38,7 +38,8 @@ reset_accumulated_memory_stats, memory_snapshot, _snapshot, _record_memory_histo
 _set_memory_metadata / _get_memory_metadata, mem_get_info (for a thread allocating from a tenant context
 with a quota: the quota as total and what is left of it node-wide as free, as HAMi's limited
 cudaMemGetInfo; else torch_npu's own, the runtime's figures), get_device_properties (its total_memory the quota there,
-as HAMi's cuDeviceTotalMem, once the context's pool is open), _allocation_traceback (newer torch: a live block's
+as HAMi's cuDeviceTotalMem, once the context's pool is open; under $ASCEND_POOL_TENANT before then, the
+operator file's quota), _allocation_traceback (newer torch: a live block's
 allocation frames, from whichever pool made it), _set_allocator_settings (ascend_pool.settings: the knobs
 that change at runtime change every open pool; where it has them) and get_per_process_memory_fraction (newer torch_npu; the cap set_per_process_memory_fraction handed
 to the pool through the hook) answer from ascend_pool (PyTorch's schema): the stats
@@ -73,6 +74,7 @@ from collections import OrderedDict
 from .. import api, config
 from ..errors import ConfigError
 from ..snapshot import dump as write_snapshot
+from ..tenants.config import operator_quota, process_tenant
 from ..settings import set_allocator_settings
 from ._common import (TORCH_ALLOC_LIB, require, say_caching_stays, set_hooks, symbol_address, torch_alloc_functions,
                       use_backend)
@@ -371,7 +373,12 @@ def _quota_device_properties(original):
     that device (`with ctx:`, $ASCEND_POOL_TENANT), as mem_get_info answers then
     (_quota_mem_get_info): a framework sizing its cache from total_memory (DeepSpeed's
     accelerator total_memory(), Megatron's) asked for the device where mem_get_info said the
-    quota. Reads the pool only if it is open (torch_npu's own call ran its lazy init first)."""
+    quota. Reads the pool only if it is open (torch_npu's own call ran its lazy init first); a
+    device whose default pool is not open yet, under $ASCEND_POOL_TENANT, says the quota the
+    operator's tenants file gives the tenant there, which its context opens with (mem_get_info,
+    which opens it, says that one): before, the device's memory until the first allocation,
+    where a framework reads total_memory at start-up. Nothing is opened for it (a loop over the
+    node's devices must not take a context on each)."""
     def get_device_properties(device_name=None, *args, **kwargs):
         props = original(device_name, *args, **kwargs)
         total = getattr(props, "total_memory", None)
@@ -379,10 +386,22 @@ def _quota_device_properties(original):
             return props
         index = _device_index(device_name)
         pool = api.open_pool(index) if index is not None else None
-        quota = pool.quota if pool is not None and getattr(pool, "quota_hook", None) is not None else None
+        if pool is not None:
+            quota = pool.quota if getattr(pool, "quota_hook", None) is not None else None
+        else:
+            quota = _unopened_tenant_quota(index, total)
         return props if quota is None else QuotaDeviceProperties(props, min(quota, total))
     get_device_properties._ascend_pool_original = original
     return get_device_properties
+
+
+def _unopened_tenant_quota(index, total):
+    """The quota in bytes of $ASCEND_POOL_TENANT's default context on device index as the
+    operator's tenants file sets it (a percentage of total), or None: no tenant, no file, not
+    named there, no quota, or no device index."""
+    tenant = process_tenant() if index is not None else None
+    found = operator_quota(tenant, index, total) if tenant is not None else None
+    return found[0] if found else None
 
 
 def patch_memory_functions(*modules):
