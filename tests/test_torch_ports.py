@@ -1,5 +1,7 @@
 """Ports of PyTorch's and torch_npu's own allocator tests (test/test_cuda.py, test/npu/*.py) that
 failed on ascend_pool: each test names the one it ports. Sizes in bytes."""
+import pytest
+
 import ascend_pool as ap
 
 MiB = 1 << 20
@@ -386,3 +388,26 @@ def test_memory_stats_multigpu_on_the_module_functions():
                 if end1:
                     break
         _check_memory_stat_consistency()
+
+
+def test_erase_stream_of_a_stream_the_pool_does_not_know_changes_nothing():
+    # docs/bad_input.md: a stream ptr is not marked with changes nothing, silently, as
+    # torch_npu's erase_stream and the C hook; from Python one this pool did not know (destroyed
+    # since its record_stream, or a handle never registered) was an InvalidStreamError.
+    pool = ap.Pool(0, backend="sim")
+    try:
+        s = pool.create_stream()
+        ptr = pool.malloc(MiB)
+        pool.record_stream(ptr, s)
+        pool.destroy_stream(s)
+        pool.erase_stream(ptr, s)
+        pool.erase_stream(ptr, 0xDEAD000)
+        ap.erase_stream(ptr, 0xDEAD000)  # the module function finds ptr's pool and does the same
+        with pytest.raises(ap.StreamTypeError):
+            pool.erase_stream(ptr, "s")
+        with pytest.raises(ap.InvalidPointerError):
+            pool.erase_stream(ptr + 512, 0xDEAD000)
+        pool.free(ptr)
+        pool._check_invariants()
+    finally:
+        pool.close()

@@ -722,14 +722,19 @@ cdef class PoolBase:
     def erase_stream(self, ptr, stream):
         """Undoes record_stream(ptr, stream), as torch_npu.erase_stream: the live block's free no
         longer waits for the work queued on stream (the caller ordered it, or knows it is done).
-        A stream it was not marked with, its allocation stream included, changes nothing."""
+        A stream it was not marked with, its allocation stream included, changes nothing, one
+        this pool does not know too (destroyed since, never registered), as the C hook's."""
         self._check()
         cdef ap_pool *_p
         cdef void *p = _as_ptr(ptr)
         cdef void *s
         if stream is not None and type(stream) is not int:
             stream = _stream_handle(stream)  # a numpy integer handle; else StreamTypeError
-        if type(stream) is int and stream not in self._streams and self._another_devices_stream(stream):
+        if type(stream) is int and stream not in self._streams and (
+                self._another_devices_stream(stream) or (0 < stream < 2**64 and not self._adopt_stream(stream))):
+            # Matched by handle in C, nothing asked of the runtime: another device's stream, or one
+            # unknown here, which holds no mark but by handle (InvalidStreamError before, where
+            # torch_npu's erase_stream and the C hook change nothing)
             s = PyLong_AsVoidPtr(stream)
         else:
             s = self._stream(stream)
