@@ -219,3 +219,26 @@ def test_a_trade_at_a_new_high_of_live_bytes_maps_all_its_chunks_again(xpool, se
         xpool.free(p)
     assert xpool.memory_stats()["num_device_unmap"] > 0, "the sequence must make the policy trade"
     assert at_high == [], f"trades at a new high of live bytes freed a spare at allocations {at_high}"
+
+
+def test_room_under_the_peak_is_mapped_again_in_logarithmically_many_growths(xpool):
+    """Growths under the peak (refills of released room) map, beyond their need, what such growths
+    mapped since the last new peak, at most a chunk and never past the peak: after an empty_cache
+    at a 256 MiB peak, 64 blocks of 4 MiB came back in 64 growths (128 calls, one growth per block);
+    doubling takes the first growths to a whole 32 MiB chunk in log2(32 / 4) + 1 steps, then a chunk
+    per 8 blocks. The peak, and so the waste at it, does not move."""
+    held = xpool.malloc(256 * MiB - 32)
+    xpool.free(held)
+    xpool.empty_cache()
+    st0 = xpool.memory_stats()
+    assert st0["reserved_bytes.all.current"] == 0
+    ptrs = [xpool.malloc(4 * MiB - 32) for _ in range(64)]
+    st = xpool.memory_stats()
+    growths = st["num_device_alloc"] - st0["num_device_alloc"]
+    assert growths == st["num_device_map"] - st0["num_device_map"]
+    chunk = 32
+    assert growths <= math.log2(chunk / 4) + 1 + 256 / chunk, growths     # 12 at most; 64 before
+    assert st["reserved_bytes.all.peak"] == 256 * MiB                      # never past the peak
+    assert st["reserved_bytes.all.current"] == 256 * MiB
+    for p in ptrs:
+        xpool.free(p)

@@ -212,7 +212,8 @@ static void free_unmapped(ap_pool *p, ap_vmm_chunk *c, int release_quota) {
 static ap_block *grow(ap_pool *p, int slot, int pool, size_t rsize, int exact, size_t *extended, ap_error *err) {
     size_t need;
     ap_segment *target = plan_growth(p, slot, pool, rsize, &need);
-    /* Past its call budget, a growth to a new peak maps more than it needs (vmm_policy.c): at
+    /* Past its call budget, a growth to a new peak maps more than it needs, and a growth under the
+       peak as much again as such growths mapped since the last new peak (vmm_policy.c): at
        most what the address space after the target segment holds. Never under a quota (its room is
        node-wide, unknown here), nor past the room the pool's own limit and the device's memory
        fraction leave (ap_limit_room), where the extra bytes could make a request that fits fail.
@@ -619,7 +620,14 @@ static size_t release(ap_pool *p, size_t target, const ap_block *keep, int polic
     return released;
 }
 
-size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err) { return release(p, target, NULL, 0, INT64_MAX, 0, err); }
+size_t ap_vmm_release(ap_pool *p, size_t target, ap_error *err) {
+    /* Room the user released (empty_cache, garbage_collection_threshold) was not needed: refills
+       of it start exact again (vmm_policy.c ap_vmm_growth_extra), where doubling them mapped whole
+       chunks that the next release could not unmap (torch's fuzz pattern with empty_cache: peak
+       162 -> 198 MiB). */
+    p->vmm_refill_step = 0;
+    return release(p, target, NULL, 0, INT64_MAX, 0, err);
+}
 
 size_t ap_vmm_release_for_growth(ap_pool *p, size_t target, const ap_block *keep, int64_t max_unmaps,
                                  size_t min_block) {

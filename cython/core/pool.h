@@ -271,6 +271,7 @@ typedef struct ap_pool {
     uint64_t trade_tick;       /* p->tick when the credit was last topped up */
     int64_t vmm_growth_credit; /* growth policy (vmm_policy.c): calls exact growths may spend, in 1/1000 call */
     uint64_t vmm_growth_tick;  /* p->tick when the growth credit was last topped up */
+    size_t vmm_refill_step;    /* bytes growths under the peak mapped since the last growth to a new peak */
 
     ap_block *pending_head, *pending_tail; /* frees waiting on events, oldest first */
     int pending_gated;     /* every pending free up to pending_checked waits for an event recorded

@@ -17,7 +17,9 @@
  * peak reserved, which run out as the high rises); other trades only spend the credit above it.
  * Without credit the growth simply raises the peak, which then holds without calls. A trade at a new
  * high maps all the chunks it unmapped again (expandable.c), none freed: a freed spare leaves room
- * under the peak that later growths refill on no credit (R(t) <= 2 * (F(t) + E(t)) / g, the doc).
+ * under the peak that later growths refill on no credit. Those refills double up to a chunk, never
+ * past the peak, so they cost calls per chunk, not per page (ap_vmm_growth_extra; the doc's bound on
+ * R(t), "Refills double").
  *
  * Growth (calls G that map new physical memory): a growth maps whole chunks of at most
  * max(AP_VMM_CHUNK_MAX, need / AP_VMM_GROWTH_CHUNKS), so one costs at most 2 * 17 calls. Growths
@@ -53,11 +55,27 @@
 void ap_vmm_policy_init(ap_pool *p) {
     p->vmm_credit = (int64_t)AP_VMM_TRADE_BURST * 1000;
     p->vmm_growth_credit = (int64_t)AP_VMM_GROW_BURST * 1000;
+    p->vmm_refill_step = 0;
 }
 
 size_t ap_vmm_growth_extra(ap_pool *p, size_t need, size_t chunks) {
     size_t reserved = ap_reserved(p);
-    if (reserved + need <= p->reserved_watermark) return 0; /* refills what was released: no new peak */
+    if (reserved + need <= p->reserved_watermark) {
+        /* Maps again room under the peak (a refill, or a trade's growth): one that needed the
+           released room again maps, beyond its need, what such growths mapped since the last new
+           peak, at most one chunk and never past the peak. The first is exact; consecutive ones
+           double, so room released and needed again (churn) is mapped back in O(log(c / g)) growths
+           and then whole chunks, where it took one a page before (2 MiB small-pool refills, one
+           growth each); the peak, and so the waste at it, is never raised by it (doc, "Refills double"). */
+        size_t cap = ap_vmm_chunk_cap(p, need), room = p->reserved_watermark - reserved - need;
+        size_t x = p->vmm_refill_step;
+        if (need + x > cap) x = need < cap ? cap - need : 0;
+        if (x > room) x = room;
+        x = x / p->vmm_granularity * p->vmm_granularity;
+        p->vmm_refill_step += need + x;
+        return x;
+    }
+    p->vmm_refill_step = 0; /* a new peak: what was released is mapped again */
     ap_credit_add(&p->vmm_growth_credit, ap_ticks_since(p->tick, &p->vmm_growth_tick), AP_VMM_GROW_PER_1000,
                   (int64_t)AP_VMM_GROW_BURST * 1000);
     if (p->vmm_growth_credit > 0) {
