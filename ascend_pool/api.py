@@ -215,25 +215,25 @@ def record_stream(ptr, stream, device=None):
     the thread's current context; with no device given, a block of another open pool (another
     device's: the current device changed since the allocation, as for free) is marked by that
     pool, and the current device's pool is not opened to look."""
-    if device is None:
-        mine = open_pool()
-        owner = mine if mine is not None and _has_block(mine, ptr) else _owner_of(ptr)
-        if owner is not None:
-            owner.record_stream(ptr, stream)
-            return
-    default_pool(device).record_stream(ptr, stream)
+    _marking_pool(ptr, device).record_stream(ptr, stream)
 
 
 def erase_stream(ptr, stream, device=None):
     """Undoes record_stream(ptr, stream), as torch_npu.erase_stream (see Pool.erase_stream); the
     block's pool is found as record_stream finds it."""
+    _marking_pool(ptr, device).erase_stream(ptr, stream)
+
+
+def _marking_pool(ptr, device):
+    """The pool record_stream / erase_stream ask about ptr: with no device, the thread's open
+    pool where it holds ptr, else the open pool that does; else default_pool(device), which
+    says why ptr is none of its blocks."""
     if device is None:
         mine = open_pool()
         owner = mine if mine is not None and _has_block(mine, ptr) else _owner_of(ptr)
         if owner is not None:
-            owner.erase_stream(ptr, stream)
-            return
-    default_pool(device).erase_stream(ptr, stream)
+            return owner
+    return default_pool(device)
 
 
 def _has_block(pool, ptr):

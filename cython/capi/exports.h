@@ -463,11 +463,16 @@ APC_EXPORT void ascend_pool_set_memory_fraction(double fraction, int device) {
 /* The device whose current pool owned this thread's last record_stream block: asked first. */
 static _Thread_local int apc_record_device;
 
-APC_EXPORT void ascend_pool_record_stream(void *ptr, void *stream) {
+typedef int (*apc_block_stream_op)(ap_pool *, void *, void *, ap_error *);
+
+/* record_stream's and erase_stream's C ABI: find the pool of ptr, then op on it (if_own: the
+   variant that answers AP_E_NOT_HERE for a block of another pool, op: the one that refuses it). */
+static void apc_stream_mark(const char *name, void *ptr, void *stream, apc_block_stream_op if_own,
+                            apc_block_stream_op op) {
     ap_error err;
     int rc = AP_E_INVALID_PTR;
     err.message[0] = 0;
-    if (apc_forked("ascend_pool_record_stream")) return;
+    if (apc_forked(name)) return;
     /* Not told the device: the thread's current pool of each device is asked (a hash lookup each,
        as the C ABI's free asks its device's), the device that owned the last block first; only
        a block of none of them (a MemPool or context not current here) takes the registry's scan.
@@ -479,7 +484,7 @@ APC_EXPORT void ascend_pool_record_stream(void *ptr, void *stream) {
         int d = i == 0 ? apc_record_device : i == apc_record_device ? 0 : i;
         ap_pool *p = d < devices ? ap_pool_hold(d) : NULL;
         if (!p) continue;
-        rc = ap_pool_record_stream_if_own(p, ptr, stream, &err);
+        rc = if_own(p, ptr, stream, &err);
         ap_pool_unhold(p);
         if (rc != AP_E_NOT_HERE) {
             owner = p; /* only compared with NULL below: it is not held any more */
@@ -490,49 +495,24 @@ APC_EXPORT void ascend_pool_record_stream(void *ptr, void *stream) {
         rc = AP_E_INVALID_PTR;
         owner = apc_find_hold(-1, ptr, 0, NULL); /* held, no registry lock */
         if (owner) {
-            rc = ap_pool_record_stream(owner, ptr, stream, &err);
+            rc = op(owner, ptr, stream, &err);
             ap_pool_unhold(owner);
         }
     }
     if (!owner)
-        apc_fail(AP_E_INVALID_PTR, "ascend_pool_record_stream(%p): not a live block of any pool", ptr);
+        apc_fail(AP_E_INVALID_PTR, "%s(%p): not a live block of any pool", name, ptr);
     else if (rc != AP_OK)
-        apc_fail(rc, "ascend_pool_record_stream(%p, stream %p): %s", ptr, stream, err.message);
+        apc_fail(rc, "%s(%p, stream %p): %s", name, ptr, stream, err.message);
+}
+
+APC_EXPORT void ascend_pool_record_stream(void *ptr, void *stream) {
+    apc_stream_mark("ascend_pool_record_stream", ptr, stream, ap_pool_record_stream_if_own, ap_pool_record_stream);
 }
 
 /* torch_npu's erase_stream hook (NPUPluggableAllocator's set_erase_stream_fn): undoes a
    record_stream. Found as ascend_pool_record_stream finds the block's pool. */
 APC_EXPORT void ascend_pool_erase_stream(void *ptr, void *stream) {
-    ap_error err;
-    int rc = AP_E_INVALID_PTR;
-    err.message[0] = 0;
-    if (apc_forked("ascend_pool_erase_stream")) return;
-    ap_pool *owner = NULL;
-    int devices = atomic_load_explicit(&apc_device_count, memory_order_relaxed);
-    if (devices > AP_MAX_DEVICES) devices = AP_MAX_DEVICES;
-    for (int i = 0; ptr && i < devices && !owner; i++) {
-        int d = i == 0 ? apc_record_device : i == apc_record_device ? 0 : i;
-        ap_pool *p = d < devices ? ap_pool_hold(d) : NULL;
-        if (!p) continue;
-        rc = ap_pool_erase_stream_if_own(p, ptr, stream, &err);
-        ap_pool_unhold(p);
-        if (rc != AP_E_NOT_HERE) {
-            owner = p; /* only compared with NULL below: it is not held any more */
-            apc_record_device = d;
-        }
-    }
-    if (ptr && !owner) {
-        rc = AP_E_INVALID_PTR;
-        owner = apc_find_hold(-1, ptr, 0, NULL); /* held, no registry lock */
-        if (owner) {
-            rc = ap_pool_erase_stream(owner, ptr, stream, &err);
-            ap_pool_unhold(owner);
-        }
-    }
-    if (!owner)
-        apc_fail(AP_E_INVALID_PTR, "ascend_pool_erase_stream(%p): not a live block of any pool", ptr);
-    else if (rc != AP_OK)
-        apc_fail(rc, "ascend_pool_erase_stream(%p, stream %p): %s", ptr, stream, err.message);
+    apc_stream_mark("ascend_pool_erase_stream", ptr, stream, ap_pool_erase_stream_if_own, ap_pool_erase_stream);
 }
 
 APC_EXPORT void *ascend_pool_base_alloc(void *ptr, size_t *size) {

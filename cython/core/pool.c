@@ -921,17 +921,24 @@ static int note_foreign_use(ap_pool *p, ap_block *b, void *stream, int device, a
     return AP_OK;
 }
 
-static int record_stream(ap_pool *p, void *ptr, void *stream, int if_own, ap_error *err) {
-    pthread_mutex_lock(&p->lock);
+/* The allocated block at ptr that record_stream / erase_stream mark, under p->lock; NULL with
+   *rc AP_OK for a block written off with the runtime that released it (no stream's work can
+   reach it: nothing to mark), AP_E_NOT_HERE (if_own) for no block of this pool, else the
+   bad-pointer error. */
+static ap_block *marked_block(ap_pool *p, void *ptr, int if_own, int *rc, ap_error *err) {
     ap_block *b = ap_map_get(&p->live, (uintptr_t)ptr);
-    int rc = AP_OK;
-    if (!b && p->lost_live.keys && ap_map_get(&p->lost_live, (uintptr_t)ptr)) {
-        /* written off with the runtime that released it: no stream's work can reach it */
-    } else if (!b && if_own) {
-        rc = AP_E_NOT_HERE;
-    } else if (!b || b->state != AP_BLOCK_ALLOCATED) {
-        rc = bad_pointer(p, ptr, err);
-    } else {
+    *rc = AP_OK;
+    if (!b && p->lost_live.keys && ap_map_get(&p->lost_live, (uintptr_t)ptr)) return NULL;
+    if (!b && if_own) *rc = AP_E_NOT_HERE;
+    else if (!b || b->state != AP_BLOCK_ALLOCATED) *rc = bad_pointer(p, ptr, err);
+    return *rc == AP_OK ? b : NULL;
+}
+
+static int record_stream(ap_pool *p, void *ptr, void *stream, int if_own, ap_error *err) {
+    int rc;
+    pthread_mutex_lock(&p->lock);
+    ap_block *b = marked_block(p, ptr, if_own, &rc, err);
+    if (b) {
         int slot = ap_slot_of(p, stream, 1), device = -1;
         if (slot == -3 && p->backend->stream_device(p->backend, stream, &device) == 0) {
             rc = note_foreign_use(p, b, stream, device, err);
@@ -972,16 +979,10 @@ int ap_pool_record_stream_if_own(ap_pool *p, void *ptr, void *stream, ap_error *
    caller ordered that work otherwise, or knows it is done). A stream it was not marked with (its
    allocation stream included) changes nothing. */
 static int erase_stream(ap_pool *p, void *ptr, void *stream, int if_own, ap_error *err) {
+    int rc;
     pthread_mutex_lock(&p->lock);
-    ap_block *b = ap_map_get(&p->live, (uintptr_t)ptr);
-    int rc = AP_OK;
-    if (!b && p->lost_live.keys && ap_map_get(&p->lost_live, (uintptr_t)ptr)) {
-        /* written off with the runtime that released it: no use to forget */
-    } else if (!b && if_own) {
-        rc = AP_E_NOT_HERE;
-    } else if (!b || b->state != AP_BLOCK_ALLOCATED) {
-        rc = bad_pointer(p, ptr, err);
-    } else if (b->xs) {
+    ap_block *b = marked_block(p, ptr, if_own, &rc, err);
+    if (b && b->xs) {
         ap_block_uses *u = b->xs;
         int slot = ap_slot_of(p, stream, 0);
         for (int i = 0; slot > 0 && i < u->n_uses; i++)
@@ -997,6 +998,13 @@ static int erase_stream(ap_pool *p, void *ptr, void *stream, int if_own, ap_erro
                 u->foreign_device[i] = u->foreign_device[u->n_foreign];
                 break;
             }
+        /* an allocated block's list holds only marks: emptied, it goes, so that the block's
+           free takes the quick path again (ap_pool_try_free passes over a block with one) */
+        if (!u->n_uses && !u->n_foreign) {
+            AP_ASSERT(!u->n_events && !u->n_owed && !u->n_fevents);
+            ap_uses_recycle(p, u);
+            b->xs = NULL;
+        }
     }
     pthread_mutex_unlock(&p->lock);
     return rc;
