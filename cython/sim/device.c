@@ -35,6 +35,17 @@ int sim_require_init(const char *call)
     return sim_fail(ACL_ERROR_UNINITIALIZE, call, "the runtime is not initialised: call aclInit first");
 }
 
+int sim_require_init_timeout(int32_t timeout, const char *call)
+{
+    int rc = sim_require_init(call);
+    if (rc)
+        return rc;
+    if (timeout < -1 || timeout == 0)
+        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "timeout %d ms is invalid: -1 (waits forever) or above 0",
+                        (int)timeout);
+    return 0;
+}
+
 int sim_valid_device(int dev)
 {
     return dev >= 0 && dev < g_sim.cfg.devices;

@@ -440,13 +440,10 @@ SIM_EXPORT aclError aclrtQueryEvent(aclrtEvent event, int *status)
 
 static aclError sync_event(aclrtEvent event, int32_t timeout, const char *call)
 {
-    int rc = sim_require_init(call);
+    /* below -1: ACL's check; 0: the runtime's (ApiErrorDecorator::EventSynchronize), both 107000 */
+    int rc = sim_require_init_timeout(timeout, call);
     if (rc)
         return rc;
-    /* below -1: ACL's check; 0: the runtime's (ApiErrorDecorator::EventSynchronize), both 107000 */
-    if (timeout < -1 || timeout == 0)
-        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "timeout %d ms is invalid: -1 (waits forever) or above 0",
-                        (int)timeout);
     struct sim_event *e = NULL;
     if ((rc = get_event(event, call, &e)) != 0 || (rc = not_external(e, event, call)) != 0)
         return rc;

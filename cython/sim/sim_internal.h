@@ -430,6 +430,9 @@ extern struct sim_global g_sim;
 static inline int sim_ready(void) { return atomic_load_explicit(&g_sim.state, memory_order_acquire) == SIM_READY; }
 /* 0 when initialised, else records ACL_ERROR_UNINITIALIZE for `call` and returns it. */
 int sim_require_init(const char *call);
+/* sim_require_init, then a wait's timeout: -1 (waits forever) or above 0, else records
+   ACL_ERROR_RT_PARAM_INVALID for `call` and returns it (the stream, device and event waits). */
+int sim_require_init_timeout(int32_t timeout, const char *call);
 int sim_valid_device(int dev);
 
 #endif

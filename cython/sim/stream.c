@@ -353,15 +353,12 @@ SIM_EXPORT aclError aclrtCreateStream(aclrtStream *stream)
 
 static aclError sync_stream(aclrtStream stream, int32_t timeout, const char *call)
 {
-    int rc = sim_require_init(call);
-    if (rc)
-        return rc;
     /* ACL answers the runtime's code here, not 100000 (aclrtSynchronizeStreamWithTimeoutImpl: below
        -1); 0 passes ACL's check and the runtime's refuses it (ApiErrorDecorator::StreamSynchronize:
        timeout < -1 || timeout == 0, RT_ERROR_INVALID_VALUE) */
-    if (timeout < -1 || timeout == 0)
-        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "timeout %d ms is invalid: -1 (waits forever) or above 0",
-                        (int)timeout);
+    int rc = sim_require_init_timeout(timeout, call);
+    if (rc)
+        return rc;
     /* The runtime's StreamSynchronize needs a current context, whichever stream it waits for
        (hicann/runtime ApiImpl::StreamSynchronize: 107002 without one). */
     if (!sim_current_context())
@@ -401,12 +398,9 @@ static int stream_on_device(struct sim_obj *o, void *dev)
    ACL_ERROR_RT_STREAM_SYNC_TIMEOUT, as the page says. */
 static aclError sync_device(int32_t timeout, const char *call)
 {
-    int rc = sim_require_init(call);
+    int rc = sim_require_init_timeout(timeout, call);
     if (rc)
         return rc;
-    if (timeout < -1 || timeout == 0)
-        return sim_fail(ACL_ERROR_RT_PARAM_INVALID, call, "timeout %d ms is invalid: -1 (waits forever) or above 0",
-                        (int)timeout);
     int dev;
     if (!sim_current_context())
         return sim_fail(ACL_ERROR_RT_CONTEXT_NULL, call, "this thread has no current context");
