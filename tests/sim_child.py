@@ -6,6 +6,7 @@ ctypes wrappers of the ACL calls. Nothing here initialises the runtime: call ini
 """
 import ctypes as C
 import os
+import sys
 
 import ascend_pool.sim as sim
 
@@ -154,3 +155,26 @@ def capi():
     abi.ascend_pool_last_error.restype = C.c_char_p
     abi.ascend_pool_last_error_code.restype = C.c_int
     return abi
+
+
+def interrupted_at(n, body, counted):
+    """Runs body() raising KeyboardInterrupt at the n-th "call" or "line" trace event of a frame
+    counted(frame) is true of, where a signal handler's exception (Ctrl-C; a SIGTERM handler's
+    sys.exit) lands between two bytecodes. True when it was raised; False when body() finished
+    in fewer such events (n has passed the last point)."""
+    seen = [0]
+
+    def tracer(frame, event, arg):
+        if event in ("call", "line") and counted(frame):
+            seen[0] += 1
+            if seen[0] == n:
+                raise KeyboardInterrupt
+        return tracer
+    sys.settrace(tracer)
+    try:
+        body()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False

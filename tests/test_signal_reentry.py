@@ -129,24 +129,10 @@ def test_an_interrupt_anywhere_in_a_with_block_leaves_no_pool_current_after_it(s
 
         package = os.path.dirname(ap.__file__)
 
-        def interrupted_at(n, body):
-            # in the package's frames only: the trace's line event of the `with` statement's own
-            # exit comes before __exit__ is called, where no signal handler ever runs
-            seen = [0]
-            def tracer(frame, event, arg):
-                if event in ("call", "line") and frame.f_code.co_filename.startswith(package):
-                    seen[0] += 1
-                    if seen[0] == n:
-                        raise KeyboardInterrupt
-                return tracer
-            sys.settrace(tracer)
-            try:
-                body()
-            except KeyboardInterrupt:
-                return True
-            finally:
-                sys.settrace(None)
-            return False
+        # in the package's frames only: the trace's line event of the `with` statement's own
+        # exit comes before __exit__ is called, where no signal handler ever runs
+        def in_package(frame):
+            return frame.f_code.co_filename.startswith(package)
 
         left = {}
         for name, target in blocks.items():
@@ -154,7 +140,7 @@ def test_an_interrupt_anywhere_in_a_with_block_leaves_no_pool_current_after_it(s
                 with (target if name == "context" else ap.use_mem_pool(target)):
                     x = 1
             bad, n = [], 1
-            while interrupted_at(n, body):
+            while interrupted_at(n, body, in_package):
                 held = target.memory_stats()["allocated_bytes.all.current"]
                 ptr = _core.capi_malloc(4096, 0)   # the C ABI: from the thread's current pool
                 leaked = target.memory_stats()["allocated_bytes.all.current"] != held
@@ -199,23 +185,9 @@ def test_an_interrupt_anywhere_in_a_contexts_first_opening_leaves_contexts_opena
         # not renew_leases, whose loop over the leases held grows at each directory
         files = {{os.path.join(package, f) for f in ("identity.py", "tenants/context.py")}}
 
-        def interrupted_at(n, body):
-            seen = [0]
-            def tracer(frame, event, arg):
-                if event in ("call", "line") and frame.f_code.co_filename in files and \
-                        frame.f_code.co_name not in ("<listcomp>", "<genexpr>", "renew_leases"):
-                    seen[0] += 1
-                    if seen[0] == n:
-                        raise KeyboardInterrupt
-                return tracer
-            sys.settrace(tracer)
-            try:
-                body()
-            except KeyboardInterrupt:
-                return True
-            finally:
-                sys.settrace(None)
-            return False
+        def counted(frame):
+            return frame.f_code.co_filename in files and \
+                frame.f_code.co_name not in ("<listcomp>", "<genexpr>", "renew_leases")
 
         def body():
             pool.context("first-open", quota="64MiB").close()
@@ -226,7 +198,7 @@ def test_an_interrupt_anywhere_in_a_contexts_first_opening_leaves_contexts_opena
             os.environ["ASCEND_POOL_LEDGER_DIR"] = os.path.join(base, f"ledgers-{{n}}")
             os.mkdir(os.environ["ASCEND_POOL_LEDGER_DIR"])
             held = set(identity._leases)
-            if not interrupted_at(n, body):
+            if not interrupted_at(n, body, counted):
                 break
             gc.collect()
             lease_points += set(identity._leases) == held  # interrupted before the lease was made
@@ -263,23 +235,9 @@ def test_an_interrupt_anywhere_in_choosing_a_ledger_leaves_its_directory_unlocke
         base = {sim_node.shm_dir!r}
         # not check_files, whose loop over the ledgers mapped grows at each directory
 
-        def interrupted_at(n, body):
-            seen = [0]
-            def tracer(frame, event, arg):
-                if event in ("call", "line") and frame.f_code.co_filename in files and \\
-                        frame.f_code.co_name not in ("<listcomp>", "<genexpr>", "check_files"):
-                    seen[0] += 1
-                    if seen[0] == n:
-                        raise KeyboardInterrupt
-                return tracer
-            sys.settrace(tracer)
-            try:
-                body()
-            except KeyboardInterrupt:
-                return True
-            finally:
-                sys.settrace(None)
-            return False
+        def counted(frame):
+            return frame.f_code.co_filename in files and \\
+                frame.f_code.co_name not in ("<listcomp>", "<genexpr>", "check_files")
 
         def dir_fds(d):
             out = []
@@ -296,7 +254,7 @@ def test_an_interrupt_anywhere_in_choosing_a_ledger_leaves_its_directory_unlocke
             # a ledger directory of its own each time: a ledger this process has not opened
             d = os.environ["ASCEND_POOL_LEDGER_DIR"] = os.path.join(base, f"choose-{{n}}")
             os.mkdir(d)
-            if not interrupted_at(n, lambda: pool.context("choose", quota="64MiB").close()):
+            if not interrupted_at(n, lambda: pool.context("choose", quota="64MiB").close(), counted):
                 break
             gc.collect()
             if dir_fds(d):
