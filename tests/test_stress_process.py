@@ -29,11 +29,7 @@ for p in pools:
 for d in range(NDEV):
     ap.default_pool(d).synchronize()              # the C ABI's pools: their default streams exist
 start = {d: (sim.stats(d)["node_bytes_used"], sim.stats(d)["live_events"]) for d in range(NDEV)}
-capi = C.CDLL(ap.library_path())
-capi.ascend_pool_malloc.restype = C.c_void_p
-capi.ascend_pool_malloc.argtypes = [C.c_ssize_t, C.c_int, C.c_void_p]
-capi.ascend_pool_free.argtypes = [C.c_void_p, C.c_ssize_t, C.c_int, C.c_void_p]
-capi.ascend_pool_last_error.restype = C.c_char_p
+abi = capi()                                      # sim_child's: the C ABI as a framework loads it
 slock = threading.Lock()
 shared = {d: [pools[d].create_stream() for _ in range(2)] for d in range(NDEV)}
 errors, counts, owned, progress = [], {}, {}, [time.monotonic()]
@@ -88,7 +84,7 @@ def free_block(b, rnd):
             errors.append(f"{kind} block {p:#x}+{n} on device {d} overwritten: {got[0]} != {value}")
         bump("verified")
     if kind == "capi":
-        capi.ascend_pool_free(p, n, d, s if s and rnd.random() < 0.5 else None)
+        abi.ascend_pool_free(p, n, d, s if s and rnd.random() < 0.5 else None)
         bump("free_capi")
         return
     try:
@@ -116,9 +112,9 @@ def step(k, rnd, mine, ctx):
         switch_device(d)
         s = pick_stream(rnd, d)
         n = rnd.choice([512, 4096, 2 << 20])
-        p = capi.ascend_pool_malloc(n, d, s)
+        p = abi.ascend_pool_malloc(n, d, s)
         if not p:
-            err = capi.ascend_pool_last_error() or b""
+            err = abi.ascend_pool_last_error() or b""
             if b"stream" not in err:
                 errors.append(f"C ABI malloc({n}, {d}, {s}): {err}")
             return
@@ -127,7 +123,7 @@ def step(k, rnd, mine, ctx):
             mine.append(("capi", d, p, n, s, value, ap.default_pool(d)))
             bump("malloc_capi")
         else:
-            capi.ascend_pool_free(p, n, d, None)
+            abi.ascend_pool_free(p, n, d, None)
     elif r < 0.45:
         cd = k % NDEV                             # the thread's tenant context, current for it
         s, n = pick_stream(rnd, cd), rnd.choice([512, 70000])
