@@ -84,6 +84,43 @@ def pool():
     p.close()
 
 
+@pytest.fixture
+def block_freed_behind_a_stream():
+    """torch_npu's test_mempool_block_free_not_deferred, as run(diverted, wait, delay_s): from the
+    default pool of device 0, or a MemPool (ap.Pool(0)) with diverted, a 1 MiB block marked with a
+    side stream whose kernel (after delay_s) fills it with 1s is freed, wait(side stream) is
+    called, then a 1 MiB request is served and freed. Returns (a, b, the device allocations b's
+    request made). The streams and MemPools go after the test."""
+    import contextlib
+
+    import ascend_pool as ap
+    from ascend_pool import sim
+
+    made = []
+
+    def run(diverted, wait, delay_s=0.0):
+        ap.empty_cache()
+        pool = ap.Pool(0) if diverted else None
+        s2 = ap.create_stream(device=0)
+        made.append((s2, pool))
+        with ap.use_mem_pool(pool) if diverted else contextlib.nullcontext():
+            a = ap.malloc(1 << 20)
+            ap.record_stream(a, s2)
+            sim.launch_fill(s2, a, 1 << 20, 1, delay_s=delay_s)
+            ap.free(a)
+            wait(s2)
+            mallocs = sim.stats(0)["mallocs"]
+            b = ap.malloc(1 << 20)
+            ap.free(b)
+        return a, b, sim.stats(0)["mallocs"] - mallocs
+
+    yield run
+    for s2, pool in made:
+        ap.destroy_stream(s2)
+        if pool is not None:
+            pool.close()
+
+
 @pytest.fixture(autouse=True)
 def _earlier_orphans_closed():
     """Pools dropped by earlier tests with blocks still allocated (orphans) are closed before the

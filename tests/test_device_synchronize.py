@@ -19,33 +19,13 @@ MiB = 1 << 20
 
 
 @pytest.mark.parametrize("diverted", [False, True], ids=["default_pool", "user_mempool"])
-def test_mempool_block_free_not_deferred_by_a_device_synchronize(diverted):
-    # torch_npu's test_mempool_block_free_not_deferred, literally: torch.npu.synchronize(), no stream
-    ap.empty_cache()
-    pool = ap.Pool(0) if diverted else None
-    s2 = ap.create_stream(device=0)
-    try:
-        with ap.use_mem_pool(pool) if diverted else _nothing():
-            a = ap.malloc(MiB)
-            ap.record_stream(a, s2)
-            sim.launch_fill(s2, a, MiB, 1, delay_s=0.3)  # the side stream's kernel still runs
-            ap.free(a)
-            ap.synchronize()
-            mallocs = sim.stats(0)["mallocs"]
-            b = ap.malloc(MiB)
-            ap.free(b)
-        assert b == a
-        assert sim.stats(0)["mallocs"] == mallocs  # no new device allocation for it
-        assert sim.read(a, 4) == b"\x01" * 4  # the kernel had run
-    finally:
-        ap.destroy_stream(s2)
-        if pool is not None:
-            pool.close()
-
-
-def _nothing():
-    import contextlib
-    return contextlib.nullcontext()
+def test_mempool_block_free_not_deferred_by_a_device_synchronize(diverted, block_freed_behind_a_stream):
+    # torch_npu's test_mempool_block_free_not_deferred, literally: torch.npu.synchronize(), no
+    # stream, the side stream's kernel still running at the free
+    a, b, mallocs = block_freed_behind_a_stream(diverted, lambda s2: ap.synchronize(), delay_s=0.3)
+    assert b == a
+    assert mallocs == 0  # no new device allocation for it
+    assert sim.read(a, 4) == b"\x01" * 4  # the kernel had run
 
 
 def test_synchronize_waits_for_a_stream_no_pool_knows():

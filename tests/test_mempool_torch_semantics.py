@@ -474,26 +474,9 @@ def _nothing():
 
 
 @pytest.mark.parametrize("diverted", [False, True], ids=["default_pool", "user_mempool"])
-def test_mempool_block_free_not_deferred(diverted):
+def test_mempool_block_free_not_deferred(diverted, block_freed_behind_a_stream):
     # a block marked with another stream, whose work is then waited for, is reused by the next
     # request of its size: its free is not deferred as under graph capture (torch_npu's
-    # synchronize() is the device's; here the stream's own)
-    from ascend_pool import sim
-
-    ap.empty_cache()
-    pool = ap.Pool(0) if diverted else None
-    s2 = ap.create_stream(device=0)
-    try:
-        with ap.use_mem_pool(pool) if diverted else _nothing():
-            a = ap.malloc(MiB)
-            ap.record_stream(a, s2)
-            sim.launch_fill(s2, a, MiB, 1)
-            ap.free(a)
-            ap.synchronize(s2)
-            b = ap.malloc(MiB)
-            ap.free(b)
-        assert b == a
-    finally:
-        ap.destroy_stream(s2)
-        if pool is not None:
-            pool.close()
+    # synchronize() is the device's: tests/test_device_synchronize.py; here the stream's own)
+    a, b, _ = block_freed_behind_a_stream(diverted, ap.synchronize)
+    assert b == a
