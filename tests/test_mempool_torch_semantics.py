@@ -8,6 +8,7 @@ import gc
 import os
 import sys
 import threading
+import time
 
 import pytest
 
@@ -430,6 +431,38 @@ def test_threads_free_lent_blocks_while_the_lender_closes(limited):
             assert not any(p.block_info(b) for p in ap.registry.live_pools() for b in blocks), round_
             ap.empty_cache()
             assert ap.mem_get_info(0)[0] == free0, round_
+            assert not [p for p in ap.registry.live_pools() if p.pool_id == lend.pool_id], round_
+        finally:
+            lend.close()
+
+
+def test_a_lenders_close_waits_for_its_calls_in_flight_before_handing_its_pool_over(limited):
+    # close() of a use_on_oom pool with a block still lent hands its C pool to an orphan object,
+    # which the registry closes once the lent block is freed. A call in flight on the lender
+    # (counted on the lender, not the orphan) went on after close() returned: the orphan's reap
+    # then destroyed the pool under it (ASan: heap-use-after-free in ap_pool_stop_lending).
+    # close() now returns only once such calls are done.
+    default = limited(42 * MiB)
+    for round_ in range(4):
+        lend = ap.Pool(0, use_on_oom=True)
+        try:
+            with ap.use_mem_pool(lend):
+                lend.free(ap.malloc(40 * MiB))
+            lent = ap.malloc(4 * MiB)
+            assert lend.block_info(lent) is not None
+            order = []
+            holder = threading.Thread(target=lend._hold_lock_for_test, args=(0.6,))
+            reader = threading.Thread(target=lambda: (lend.memory_stats(), order.append("in-flight call done")))
+            holder.start()
+            time.sleep(0.1)
+            reader.start()    # waits for the pool's mutex, counted as a call in flight on lend
+            time.sleep(0.15)
+            lend.close()
+            order.append("close returned")
+            holder.join(10)
+            reader.join(10)
+            assert order == ["in-flight call done", "close returned"], (round_, order)
+            default.free(lent)
             assert not [p for p in ap.registry.live_pools() if p.pool_id == lend.pool_id], round_
         finally:
             lend.close()

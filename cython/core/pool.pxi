@@ -502,9 +502,14 @@ cdef class PoolBase:
         allocate from it (its ticket closed; heir takes none). heir is appended to keep (the
         registry's orphans) once open and before this object lets the pool go, and the C ABI's
         registry names heir first: a free on another thread finds the pool all along. No Python
-        code runs in between (no other thread's close of this pool makes a second heir). Calls in
-        flight on this object finish on the pool, which heir keeps open. False when this pool
-        was closed already (nothing done)."""
+        code runs between the last wait below and the hand-over (no other thread's close of this
+        pool makes a second heir, and no call enters this object meanwhile). False when this pool
+        was closed already (nothing done). Waits first for the calls in flight on this object
+        (they counted themselves here, not on heir: heir, reaped once the lent blocks are freed,
+        destroyed the pool under a _stop_lending still walking it, ASan's use-after-free in
+        test_threads_free_lent_blocks_while_the_lender_closes)."""
+        while self._busy and self.p != NULL:
+            _time.sleep(0.0005)        # releases the GIL so that those calls can finish
         if self.p == NULL:
             return False
         self._check()
