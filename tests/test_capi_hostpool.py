@@ -483,3 +483,24 @@ def test_a_pinning_refused_for_lack_of_host_memory_does_not_say_the_device_is_ou
     msg = str(e.value)
     assert "out of device memory" not in msg, msg
     assert "ACL_ERROR_RT_MEMORY_ALLOCATION (out of memory: device or pinned host)" in msg, msg
+
+
+def test_a_host_pool_collected_in_a_garbage_cycle_keeps_its_backend_until_it_is_destroyed(sim_node):
+    """A host pool of a Backend object only it holds, reachable only from a reference cycle,
+    collected with a buffer handed out. The collector's clearing of the host pool (Cython's
+    tp_clear) dropped its Backend first, freed, and the pool's destruction then gave the buffer back
+    through it: the process crashed (SIGSEGV; MALLOC_PERTURB_ makes the freed memory garbage at
+    once, as reuse would), as a device pool did before b4c091c."""
+    out = sim_node.run("""
+        import gc
+        from ascend_pool._core import Backend, HostPool
+
+        hp = HostPool(Backend("sim"), 0)
+        buf = hp.malloc(4096)
+        cycle = [hp]
+        cycle.append(cycle)
+        del hp, cycle
+        gc.collect()
+        print("collected", flush=True)
+    """, PYTHONMALLOC="malloc", MALLOC_PERTURB_="204")
+    assert "collected" in out

@@ -48,6 +48,9 @@ cdef inline void *_host_stream(object stream) except? NULL:
     return PyLong_AsVoidPtr(stream)
 
 
+# no_gc_clear, as PoolBase's: the collector's tp_clear dropped `backend` (freed, when only this
+# pool held it) before __dealloc__ destroyed the C host pool through it (heap-use-after-free).
+@cython.no_gc_clear
 cdef class HostPool:
     """Pinned (page-locked) host memory, cached: ``HostPool(backend, device=0)``.
 
