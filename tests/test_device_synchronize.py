@@ -124,3 +124,31 @@ def test_a_runtime_without_a_timed_device_wait_settles_the_pools_streams(tmp_pat
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "reused True new 0 data 0707" in out.stdout, out.stdout
+
+
+def test_a_bounded_synchronize_without_a_device_wait_settles_the_frees_of_more_than_64_streams(tmp_path):
+    # the legacy build has no aclrtSynchronizeDeviceWithTimeout: a bounded synchronize waits for
+    # every stream the pools know, in rounds of 64 (ap_wait_unlocked's batch); one round only left
+    # the free behind the 80th stream's longer kernel pending after it
+    body = textwrap.dedent("""
+        import ascend_pool as ap
+        from ascend_pool import sim
+        sim.attach(sim.library_path(legacy=True))
+        streams = [ap.create_stream() for _ in range(80)]
+        ptrs = [ap.malloc(1 << 20) for _ in streams]
+        for s, a in zip(streams, ptrs):
+            ap.record_stream(a, s)
+            sim.launch_fill(s, a, 4096, 7, delay_s=1.0 if s is streams[-1] else 0.05)
+            ap.free(a)
+        ap.synchronize()
+        print("pending", ap.memory_stats()["pending_free_blocks"], "data", sim.read(ptrs[-1], 2).hex())
+        for s in streams:
+            ap.destroy_stream(s)
+    """)
+    env = dict(os.environ, ASCEND_SIM_NODE=f"devsync-80-{os.getpid()}", ASCEND_POOL_BACKEND="acl",
+               ASCEND_POOL_ACL_LIB=sim.library_path(legacy=True), ASCEND_POOL_CONF="sync_timeout_ms:60000",
+               ASCEND_POOL_STATS="0")
+    out = subprocess.run([sys.executable, "-c", body], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "pending 0 data 0707" in out.stdout, out.stdout

@@ -1132,8 +1132,15 @@ int ap_pool_synchronize_device(ap_pool *p, int device_wait, ap_error *err) {
     /* After a device wait these streams and events are done (no wait); without one, the streams
        the pool knows and the events of its pending frees are what it can wait for. Either way the
        frees the wait completed are settled: their blocks serve the next request. */
-    rc = ap_wait_unlocked(p, AP_WAIT_EVERY_STREAM, 1, err);
-    if (rc == AP_E_INVALID_STREAM) rc = AP_OK; /* a stream destroyed behind the pool's back: retired */
+    /* In rounds of a batch of streams each (the pending frees of the ones waited for leave the
+       list, so each round's events are the next streams'): one round waited for the first 64
+       only, and the frees behind the others stayed pending. One limit for all rounds. */
+    int64_t start = ap_now_ms();
+    int from = 1;
+    do {
+        rc = ap_wait_unlocked_from(p, AP_WAIT_EVERY_STREAM, &from, start, 1, err);
+        if (rc == AP_E_INVALID_STREAM) rc = AP_OK; /* a stream destroyed behind the pool's back: retired */
+    } while (rc == AP_OK && from < p->n_slots);
     pthread_mutex_unlock(&p->lock);
     return rc;
 }

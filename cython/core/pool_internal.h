@@ -280,6 +280,9 @@ void ap_free_pending(ap_pool *p, ap_block *b, int tag);
    completes pending frees. AP_OK, AP_E_TIMEOUT, AP_E_DEVICE, or AP_E_INVALID_STREAM (the stream
    was retired: the runtime does not know it). */
 int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err);
+/* The same for the streams of slots from *from on, at most a batch (64) of them, within the limit
+   counted from start; *from is set to where the next round starts (p->n_slots: none left). */
+int ap_wait_unlocked_from(ap_pool *p, int slot, int *from, int64_t start, int pending, ap_error *err);
 /* ap_wait_unlocked's slot for every live stream of the pool, free blocks or not (a device-wide
    synchronize where the runtime has no device wait). */
 #define AP_WAIT_EVERY_STREAM (-2)

@@ -71,17 +71,23 @@ int ap_wait_stream_unslotted(ap_pool *p, void *stream, ap_error *err) {
 }
 
 int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
+    int from = 1;
+    return ap_wait_unlocked_from(p, slot, &from, ap_now_ms(), pending, err);
+}
+
+int ap_wait_unlocked_from(ap_pool *p, int slot, int *from, int64_t start, int pending, ap_error *err) {
     wait_item items[WAIT_BATCH];
     void *events[WAIT_BATCH];
-    int n = 0, ne = 0, status = AP_OK;
+    int n = 0, ne = 0, status = AP_OK, s;
     ap_cache_flush(p);
-    for (int s = 1; s < p->n_slots && n < WAIT_BATCH; s++) {
+    for (s = *from < 1 ? 1 : *from; s < p->n_slots && n < WAIT_BATCH; s++) {
         ap_stream_slot *sl = &p->slots[s];
         if (!sl->live) continue;
         if (slot > 0 ? s != slot : slot != AP_WAIT_EVERY_STREAM && !sl->trees[0].count && !sl->trees[1].count)
             continue;
         items[n++] = (wait_item){sl->stream, s, sl->epoch, 0};
     }
+    *from = s; /* where the next round starts: p->n_slots once every slot was looked at */
     /* Of the pending frees' events recorded on one stream at their frees (event_keys), the latest
        only: the list is in free order, and once it has run so have the others on that stream.
        Taken one by one, 64 a round, empty_cache's four rounds covered some 128 frees, and with
@@ -123,9 +129,9 @@ int ap_wait_unlocked(ap_pool *p, int slot, int pending, ap_error *err) {
     char stream_msg[AP_RUNTIME_MSG], event_msg[AP_RUNTIME_MSG];
     void *failed_stream = NULL; /* the first stream whose wait failed: its message is kept */
     /* One sync_timeout_ms bounds the whole wait, not each stream and event in it (N hung frees
-       took N times the limit); once a wait has failed the rest are not waited for: they are
-       left as they are (NOT_WAITED: no retag), and the call reports the first failure. */
-    int64_t start = ap_now_ms();
+       took N times the limit; a caller running rounds gives every round its first one's start);
+       once a wait has failed the rest are not waited for: they are left as they are
+       (NOT_WAITED: no retag), and the call reports the first failure. */
     int spent = 0;
     ap_error local = {0};
     for (int i = 0; i < n; i++) {
