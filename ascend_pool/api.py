@@ -418,14 +418,6 @@ def _check_device_if_opened(index):
         check_device(open_backend(), index)
 
 
-class _TotalUnknown(Exception):
-    pass
-
-
-def _unknown_total():
-    raise _TotalUnknown  # a percentage quota: the device's total is not read without a context
-
-
 def _unopened_stats(index):
     """memory_stats() of device index's default pool never opened: an empty pool's keys, zeros
     (Pool's unopened_stats), with a tenant context's quota keys when the default would be one:
@@ -436,10 +428,7 @@ def _unopened_stats(index):
     tenant = process_tenant()
     if tenant is None:
         return stats
-    try:
-        found = operator_quota(tenant, index, _unknown_total)
-    except _TotalUnknown:
-        found = None
+    found = operator_quota(tenant, index, None)  # None for a percentage: the device's total is not read
     return with_quota(stats, {"quota_bytes": found[0], "warn": found[1]} if found else {}, 0)
 
 

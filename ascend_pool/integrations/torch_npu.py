@@ -140,16 +140,8 @@ def set_record_stream_hook(allocator, torch_npu_dir):
     where its set_record_stream_fn takes a C function (record_stream_hook_takes_acl_stream).
     Returns whether it did: without it tensor.record_stream() does nothing, and a block freed on
     its allocation stream is reused there while another stream may still use it."""
-    if not callable(getattr(allocator, "set_record_stream_fn", None)):
-        return False
-    if not record_stream_hook_takes_acl_stream(torch_npu_dir):
-        logging.getLogger("ascend_pool").info(
-            "ascend_pool: torch_npu's set_record_stream_fn not used (its installed NPUPluggableAllocator.h does not "
-            "declare it std::function<void(void*, aclrtStream)>): tensor.record_stream() does nothing; free such "
-            "tensors on the stream that used them last")
-        return False
-    allocator.set_record_stream_fn(symbol_address("ascend_pool_record_stream"))
-    return True
+    return _set_stream_hook(allocator, "set_record_stream_fn", torch_npu_dir, _C_RECORD_STREAM, "ascend_pool_record_stream",
+                            "tensor.record_stream() does nothing; free such tensors on the stream that used them last")
 
 
 def set_erase_stream_hook(allocator, torch_npu_dir):
@@ -158,10 +150,21 @@ def set_erase_stream_hook(allocator, torch_npu_dir):
     tensor.record_stream(stream) as torch_npu's own allocator does. Returns whether it did:
     without it (and with record_stream's hook set) the block's free still waited for that
     stream's work, the memory held as long as the stream stayed busy."""
-    if not callable(getattr(allocator, "set_erase_stream_fn", None)) or \
-            not erase_stream_hook_takes_acl_stream(torch_npu_dir):
+    return _set_stream_hook(allocator, "set_erase_stream_fn", torch_npu_dir, _C_ERASE_STREAM, "ascend_pool_erase_stream")
+
+
+def _set_stream_hook(allocator, setter, torch_npu_dir, pattern, symbol, unset_means=None):
+    """allocator.setter(the C function symbol) where the installed header declares setter with an
+    aclrtStream (pattern); said in the log with unset_means where it does not. Whether it did."""
+    if not callable(getattr(allocator, setter, None)):
         return False
-    allocator.set_erase_stream_fn(symbol_address("ascend_pool_erase_stream"))
+    if not _declared_with_acl_stream(torch_npu_dir, pattern):
+        if unset_means:
+            logging.getLogger("ascend_pool").info(
+                f"ascend_pool: torch_npu's {setter} not used (its installed NPUPluggableAllocator.h does not "
+                f"declare it std::function<void(void*, aclrtStream)>): {unset_means}")
+        return False
+    getattr(allocator, setter)(symbol_address(symbol))
     return True
 
 

@@ -341,7 +341,8 @@ def operator_quota(tenant, device, device_total_bytes):
     name the tenant on that device, or names it without a quota. A file that cannot be read counts
     as none here (check-config and the reloader report its mistakes). The quota ledger lets this
     quota win over any process's own declaration (one source of truth per tenant on a node).
-    device_total_bytes: int, or a callable returning it (only called for a percentage)."""
+    device_total_bytes: int, a callable returning it (only called for a percentage), or None
+    where the device's total is not read (a device never opened): a percentage is then None."""
     try:
         cfg = load()
     except (ConfigError, OSError):
@@ -351,6 +352,8 @@ def operator_quota(tenant, device, device_total_bytes):
     t = cfg.tenants.get(tenant)
     if t is None or t.quota is None or not t.applies_to(device):
         return None
+    if t.quota.bytes is None and device_total_bytes is None:
+        return None  # a percentage of a total not read
     total = None if t.quota.bytes is not None else (  # a byte quota needs no device total (nor a context)
         device_total_bytes() if callable(device_total_bytes) else device_total_bytes)
     try:
